@@ -1,0 +1,314 @@
+"""Lowering: a checked :class:`~flashgen.ir.Spec` -> a :class:`KernelPlan` for one target.
+
+Pure Python (no torch, no cupy).  The plan holds everything the renderer, the
+compiler and the launcher need: the template to render and its context, the
+tile configuration, the launch geometry and the kernel's argument list.
+
+Kernel ABI (every forward kernel, every target), in this order:
+
+    q, k, v            const T*     element (b, h, s, d) at b*sb + h*sh + s*ss + d
+    o                  T*           same indexing with o's strides
+    lse                float*       contiguous [batch, heads_q, seqlen_q], natural log
+    q_sb q_sh q_ss  k_sb k_sh k_ss  v_sb v_sh v_ss  o_sb o_sh o_ss   int64_t element strides
+    batch heads_q heads_kv seqlen_q seqlen_k                          int
+    softmax_scale                                                     float
+    p_<name>  for each scalar param, in spec order                    int | float
+    t_<name>  for each tensor param, in spec order                    const int* | const float*
+              (contiguous, shape as declared)
+
+``KernelPlan.args`` lists these as (name, ctype) pairs, so a launcher only maps
+names to values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import ir
+from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
+
+#: CUDA element type per spec dtype.
+CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+#: nvcc/NVRTC code generation per target.
+GENCODE = {
+    "sm_80": "-gencode=arch=compute_80,code=sm_80",
+    "sm_90": "-gencode=arch=compute_90a,code=sm_90a",
+}
+ARCH = {"sm_80": "sm_80", "sm_90": "sm_90a"}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """BLOCK_M query rows x BLOCK_N key columns per CTA step, with ``num_warps`` warps.
+
+    Each warp owns BLOCK_M / num_warps query rows (a multiple of 16, one mma row tile).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+
+#: Default tile table for the FA2-class kernel: (head_dim) -> tiles.  ``flashgen tune``
+#: (issue 4) will key this by GPU, target, dtype and causal too.
+DEFAULT_TILES: dict[int, TileConfig] = {
+    64: TileConfig(128, 64, 4),
+    128: TileConfig(128, 64, 8),
+    256: TileConfig(64, 32, 4),
+}
+
+
+@dataclass(frozen=True)
+class KernelArg:
+    name: str
+    ctype: str  # "const __nv_bfloat16*", "float*", "int64_t", "int", "float", "const int*" ...
+
+    @property
+    def is_pointer(self) -> bool:
+        return self.ctype.endswith("*")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Everything needed to render, compile and launch one forward kernel."""
+
+    spec_name: str
+    target: str  # "sm_80" | "sm_90"
+    template: str  # path under templates/, e.g. "sm_80/fwd.cu.j2"
+    kernel_name: str  # extern "C" symbol
+    tiles: TileConfig
+    smem_bytes: int  # dynamic shared memory per CTA
+    args: tuple[KernelArg, ...]
+    context: dict = field(compare=False, hash=False)
+
+    @property
+    def threads(self) -> int:
+        return self.tiles.threads
+
+    @property
+    def gencode(self) -> str:
+        """nvcc flag selecting the target, e.g. ``-gencode=arch=compute_90a,code=sm_90a``."""
+        return GENCODE[self.target]
+
+    @property
+    def arch(self) -> str:
+        """NVRTC ``--gpu-architecture`` value (``sm_80`` or ``sm_90a``)."""
+        return ARCH[self.target]
+
+    def num_m_blocks(self, seqlen_q: int) -> int:
+        return (seqlen_q + self.tiles.block_m - 1) // self.tiles.block_m
+
+    def grid(self, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
+        """1-D grid over (m_block, batch*head): gridDim.x = ceil(seqlen_q/BLOCK_M)*batch*heads_q."""
+        return (self.num_m_blocks(seqlen_q) * batch * heads_q, 1, 1)
+
+    def config(self) -> dict:
+        """JSON-able summary for manifests and ``flashgen show``."""
+        return {
+            "target": self.target,
+            "template": self.template,
+            "kernel": self.kernel_name,
+            "block_m": self.tiles.block_m,
+            "block_n": self.tiles.block_n,
+            "num_warps": self.tiles.num_warps,
+            "threads": self.threads,
+            "smem_bytes": self.smem_bytes,
+            "causal": self.context["causal"],
+            "has_mask": self.context["mask_expr"] is not None,
+            "has_score_mod": self.context["score_mod_expr"] is not None,
+        }
+
+
+# ----------------------------------------------------------------------------- expressions -> CUDA
+_C_BINOPS = {"+", "-", "*", "/", "%", "<", "<=", ">", ">=", "==", "!=", "&&", "||"}
+_F_CALLS = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf",
+            "tanh": "tanhf", "sqrt": "sqrtf"}
+_I_CALLS = {"abs": "abs", "min": "min", "max": "max"}
+_C_TYPE = {Ty.I32: "int", Ty.F32: "float", Ty.BOOL: "bool"}
+
+
+def _cast(code: str, frm: Ty | None, to: Ty) -> str:
+    if frm == to:
+        return code
+    return f"(({_C_TYPE[to]})({code}))"
+
+
+def cuda_expr(e: Expr, spec: Spec) -> str:
+    """Render a typed DSL expression as a CUDA C++ expression.
+
+    Names map to kernel locals: index variables keep their names, ``score`` is the
+    scaled logit, a scalar param ``x`` is ``p_x``, a tensor param ``t[i, j]`` reads
+    ``t_t[i * (shape[1]) + j]`` (row-major, contiguous).  Integer ``/`` and ``%``
+    truncate toward zero as in C; the reference does the same.
+    """
+    if isinstance(e, Const):
+        if e.ty == Ty.BOOL:
+            return "true" if e.value else "false"
+        if e.ty == Ty.F32:
+            v = float(e.value)
+            if math.isinf(v):
+                return "(-INFINITY)" if v < 0 else "INFINITY"
+            return f"{v!r}f"
+        return f"{int(e.value)}"
+    if isinstance(e, Causal):
+        return "(q_idx + seqlen_k - seqlen_q >= kv_idx)"
+    if isinstance(e, Var):
+        p = spec.param(e.name)
+        return f"p_{e.name}" if p is not None else e.name
+    if isinstance(e, Index):
+        p = spec.param(e.name)
+        assert p is not None and p.kind == "tensor"
+        offset = ""
+        for i, ix in enumerate(e.indices):
+            term = f"(int64_t)({cuda_expr(ix, spec)})"
+            if i == 0:
+                offset = term
+            else:
+                offset = f"({offset}) * {_shape_extent(p.shape[i])} + {term}"
+        return f"t_{e.name}[{offset}]"
+    if isinstance(e, Unary):
+        return f"({e.op}{cuda_expr(e.arg, spec)})"
+    if isinstance(e, Binary):
+        assert e.op in _C_BINOPS
+        lt, rt = e.lhs.ty, e.rhs.ty
+        lhs, rhs = cuda_expr(e.lhs, spec), cuda_expr(e.rhs, spec)
+        if e.op in ("&&", "||"):
+            return f"({lhs} {e.op} {rhs})"
+        if Ty.F32 in (lt, rt):  # mixed arithmetic / comparison promotes to float
+            lhs, rhs = _cast(lhs, lt, Ty.F32), _cast(rhs, rt, Ty.F32)
+            if e.op == "%":
+                return f"fmodf({lhs}, {rhs})"
+        return f"({lhs} {e.op} {rhs})"
+    if isinstance(e, Cond):
+        then, other = cuda_expr(e.then, spec), cuda_expr(e.other, spec)
+        if e.ty == Ty.F32:
+            then, other = _cast(then, e.then.ty, Ty.F32), _cast(other, e.other.ty, Ty.F32)
+        return f"({cuda_expr(e.cond, spec)} ? {then} : {other})"
+    if isinstance(e, Call):
+        if e.ty == Ty.I32:
+            return f"{_I_CALLS[e.fn]}({', '.join(cuda_expr(a, spec) for a in e.args)})"
+        args = ", ".join(_cast(cuda_expr(a, spec), a.ty, Ty.F32) for a in e.args)
+        return f"{_F_CALLS[e.fn]}({args})"
+    raise TypeError(f"cannot lower {e!r}")
+
+
+def _shape_extent(dim) -> str:
+    """CUDA expression for one declared tensor-param extent."""
+    if isinstance(dim, int):
+        return str(dim)
+    return {"batch": "batch", "num_heads": "heads_q", "num_heads_kv": "heads_kv",
+            "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}[dim]
+
+
+def split_causal(mask: Expr | None) -> tuple[bool, Expr | None]:
+    """Split ``mask`` into (causal, residual): ``causal`` if it is a top-level ``&&`` conjunct.
+
+    The kernel turns the causal part into block skipping and evaluates only the residual
+    elementwise.  ``mask: causal`` gives (True, None).
+    """
+    if mask is None:
+        return False, None
+    conj: list[Expr] = []
+
+    def flatten(e: Expr) -> None:
+        if isinstance(e, Binary) and e.op == "&&":
+            flatten(e.lhs)
+            flatten(e.rhs)
+        else:
+            conj.append(e)
+
+    flatten(mask)
+    causal = any(isinstance(c, Causal) for c in conj)
+    rest = [c for c in conj if not isinstance(c, Causal)]
+    residual: Expr | None = None
+    for c in rest:
+        residual = c if residual is None else Binary("&&", residual, c, ty=Ty.BOOL)
+    return causal, residual
+
+
+def _uses(e: Expr | None, names: set[str]) -> bool:
+    if e is None:
+        return False
+    return any(isinstance(n, (Var, Index)) and n.name in names for n in ir.walk(e))
+
+
+# ----------------------------------------------------------------------------- plan
+def choose_tiles(spec: Spec, target: str) -> TileConfig:
+    """Tile config: the spec's ``tiles:`` overrides on top of DEFAULT_TILES[head_dim]."""
+    base = DEFAULT_TILES[max(spec.head_dim, spec.head_dim_v)]
+    o = spec.tiles
+    return TileConfig(o.block_m or base.block_m, o.block_n or base.block_n,
+                      o.num_warps or base.num_warps)
+
+
+def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
+    t = CTYPE[spec.dtype]
+    args = [KernelArg("q", f"const {t}*"), KernelArg("k", f"const {t}*"),
+            KernelArg("v", f"const {t}*"), KernelArg("o", f"{t}*"), KernelArg("lse", "float*")]
+    for x in "qkvo":
+        args += [KernelArg(f"{x}_sb", "int64_t"), KernelArg(f"{x}_sh", "int64_t"),
+                 KernelArg(f"{x}_ss", "int64_t")]
+    args += [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args.append(KernelArg("softmax_scale", "float"))
+    for p in spec.scalar_params:
+        args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
+    for p in spec.tensor_params:
+        args.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    return tuple(args)
+
+
+def plan_forward(spec: Spec, target: str) -> KernelPlan:
+    """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
+
+    Both targets currently render the FA2-class template (``templates/sm_80/fwd.cu.j2``,
+    Dao 2023, Algorithm 1); ``sm_90`` compiles it for ``sm_90a``.
+
+    Raises ``ValueError`` for a target or dtype this version cannot lower.
+    """
+    if target not in GENCODE:
+        raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
+    if spec.dtype not in CTYPE:
+        raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
+    tiles = choose_tiles(spec, target)
+    d, dv = spec.head_dim, spec.head_dim_v
+    if tiles.block_m % (16 * tiles.num_warps):
+        raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
+    if tiles.block_n % 16:
+        raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16")
+    elt = 2
+    smem = (tiles.block_m * d + tiles.block_n * d + tiles.block_n * dv) * elt
+    causal, residual = split_causal(spec.mask)
+    score_mod = spec.score_mod
+    ctx = {
+        "spec_name": spec.name,
+        "kernel_name": f"flashgen_{spec.name}_fwd_{target}",
+        "dtype": spec.dtype,
+        "elem_t": CTYPE[spec.dtype],
+        "head_dim": d,
+        "head_dim_v": dv,
+        "block_m": tiles.block_m,
+        "block_n": tiles.block_n,
+        "num_warps": tiles.num_warps,
+        "threads": tiles.threads,
+        "causal": causal,
+        "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
+        "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
+        "args": kernel_args(spec),
+        "needs_bh": _uses(residual, {"b", "h"}) or _uses(score_mod, {"b", "h"})
+        or bool(spec.tensor_params),
+    }
+    return KernelPlan(
+        spec_name=spec.name,
+        target=target,
+        template="sm_80/fwd.cu.j2",
+        kernel_name=ctx["kernel_name"],
+        tiles=tiles,
+        smem_bytes=smem,
+        args=ctx["args"],
+        context=ctx,
+    )

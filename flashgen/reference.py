@@ -1,0 +1,150 @@
+"""IR -> PyTorch reference attention (materialized; for tests, verification and the CPU op).
+
+Evaluates the same typed IR the kernels are generated from, with broadcasting index
+tensors ``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Sq,1]``, ``kv_idx [1,1,1,Sk]``.
+Integer ``/`` and ``%`` truncate toward zero (C semantics), matching the CUDA lowering.
+Semantics follow FlexAttention: ``score_mod`` rewrites the scaled logit, ``mask`` drops pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
+
+
+def _float_dtype(env: dict) -> torch.dtype:
+    return env["__float__"]
+
+
+def _as(x, ty: Ty | None, env: dict):
+    """Cast ``x`` (tensor or Python scalar) to the torch dtype of ``ty``."""
+    want = {Ty.I32: torch.int64, Ty.F32: _float_dtype(env), Ty.BOOL: torch.bool}[ty]
+    if isinstance(x, torch.Tensor):
+        return x.to(want)
+    return torch.tensor(x, dtype=want, device=env["__device__"])
+
+
+def eval_expr(e: Expr, env: dict):
+    """Evaluate a typed expression to a broadcastable tensor.
+
+    ``env`` maps index variables, ``score`` and param names to tensors; it also carries
+    ``__float__`` (the float dtype to compute in) and ``__device__``.
+    """
+    if isinstance(e, Const):
+        return _as(e.value, e.ty, env)
+    if isinstance(e, Causal):
+        return env["q_idx"] + env["seqlen_k"] - env["seqlen_q"] >= env["kv_idx"]
+    if isinstance(e, Var):
+        return env[e.name]
+    if isinstance(e, Index):
+        t = env[e.name]
+        idx = [eval_expr(i, env).to(torch.int64) for i in e.indices]
+        idx = torch.broadcast_tensors(*idx)
+        for d, (i, n) in enumerate(zip(idx, t.shape, strict=False)):
+            if bool(((i < 0) | (i >= n)).any()):
+                raise IndexError(f"tensor param '{e.name}' index {d} out of range [0, {n})")
+        return t[tuple(idx)]
+    if isinstance(e, Unary):
+        a = eval_expr(e.arg, env)
+        return torch.logical_not(a) if e.op == "!" else -a
+    if isinstance(e, Binary):
+        a, b = eval_expr(e.lhs, env), eval_expr(e.rhs, env)
+        if e.op == "&&":
+            return torch.logical_and(a, b)
+        if e.op == "||":
+            return torch.logical_or(a, b)
+        if Ty.F32 in (e.lhs.ty, e.rhs.ty):
+            a, b = _as(a, Ty.F32, env), _as(b, Ty.F32, env)
+        int_math = e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32
+        op = e.op
+        if op == "+":
+            return a + b
+        if op == "-":
+            return a - b
+        if op == "*":
+            return a * b
+        if op == "/":
+            return torch.div(a, b, rounding_mode="trunc") if int_math else a / b
+        if op == "%":
+            return torch.fmod(a, b)
+        return {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge,
+                "==": torch.eq, "!=": torch.ne}[op](a, b)
+    if isinstance(e, Cond):
+        c = eval_expr(e.cond, env)
+        t, o = eval_expr(e.then, env), eval_expr(e.other, env)
+        if e.ty == Ty.F32:
+            t, o = _as(t, Ty.F32, env), _as(o, Ty.F32, env)
+        return torch.where(c, t, o)
+    if isinstance(e, Call):
+        args = [eval_expr(a, env) for a in e.args]
+        if e.ty != Ty.I32:
+            args = [_as(a, Ty.F32, env) for a in args]
+        fn = {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "exp": torch.exp,
+              "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}[e.fn]
+        return fn(*args)
+    raise TypeError(f"cannot evaluate {e!r}")
+
+
+def attention_reference(spec: Spec, q, k, v, *, softmax_scale: float | None = None,
+                        params: dict | None = None, compute_dtype=torch.float64):
+    """Materialized attention with ``spec``'s mask and score_mod.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k: ``[B, Hkv, Sk, D]``; v: ``[B, Hkv, Sk, Dv]``, any float dtype,
+            any device; Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)).
+        softmax_scale: logit scale; default ``spec.softmax_scale`` or 1/sqrt(head_dim).
+        params: values of the spec's params (scalars as numbers, tensors as tensors);
+            missing scalars take the spec default.
+        compute_dtype: dtype of every intermediate (float64 for test references; the input
+            dtype to model PyTorch's own low-precision math).
+
+    Returns:
+        ``(o, lse)``: o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``; lse ``[B, Hq, Sq]`` float32
+        (natural log).  Rows with nothing to attend to give o = 0 and lse = -inf.
+
+    Raises:
+        IndexError: a tensor param is indexed out of its bounds.
+    """
+    params = dict(params or {})
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dev = q.device
+    if softmax_scale is None:
+        softmax_scale = spec.softmax_scale or 1.0 / math.sqrt(spec.head_dim)
+    low = compute_dtype in (torch.float16, torch.bfloat16)
+    fdt = torch.float32 if low else compute_dtype  # expression math never below fp32
+    group = Hq // Hkv
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=1)
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
+    s = torch.matmul(qc, kc.transpose(-1, -2)).to(fdt) * softmax_scale  # [B,Hq,Sq,Sk]
+
+    ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
+    env = {
+        "b": ar(B).view(B, 1, 1, 1), "h": ar(Hq).view(1, Hq, 1, 1),
+        "q_idx": ar(Sq).view(1, 1, Sq, 1), "kv_idx": ar(Sk).view(1, 1, 1, Sk),
+        "seqlen_q": torch.tensor(Sq, device=dev), "seqlen_k": torch.tensor(Sk, device=dev),
+        "__float__": fdt, "__device__": dev,
+    }
+    for p in spec.params:
+        val = params.get(p.name, p.default)
+        if p.kind == "tensor":
+            if val is None:
+                raise ValueError(f"tensor param '{p.name}' is required")
+            env[p.name] = val.to(dev, fdt if p.ty == Ty.F32 else torch.int64)
+        else:
+            env[p.name] = _as(val, p.ty, env)
+    if spec.score_mod is not None:
+        env["score"] = s
+        s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
+    if spec.mask is not None:
+        keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf
+    o = torch.matmul(p.to(compute_dtype), vc)
+    return o, lse.to(torch.float32)
