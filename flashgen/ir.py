@@ -70,7 +70,7 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # ----------------------------------------------------------------------------- expressions
 @dataclass(frozen=True)
 class Const:
-    value: Union[int, float, bool]
+    value: int | float | bool
     span: Span = field(default=NO_SPAN, compare=False)
     ty: Ty | None = None
 
@@ -97,7 +97,7 @@ class Index:
     """A tensor param read, e.g. ``slopes[h]``."""
 
     name: str
-    indices: tuple["Expr", ...]
+    indices: tuple[Expr, ...]
     span: Span = field(default=NO_SPAN, compare=False)
     ty: Ty | None = None
 
@@ -105,7 +105,7 @@ class Index:
 @dataclass(frozen=True)
 class Unary:
     op: str  # "-" | "!"
-    arg: "Expr"
+    arg: Expr
     span: Span = field(default=NO_SPAN, compare=False)
     ty: Ty | None = None
 
@@ -113,17 +113,17 @@ class Unary:
 @dataclass(frozen=True)
 class Binary:
     op: str  # + - * / % < <= > >= == != && ||
-    lhs: "Expr"
-    rhs: "Expr"
+    lhs: Expr
+    rhs: Expr
     span: Span = field(default=NO_SPAN, compare=False)
     ty: Ty | None = None
 
 
 @dataclass(frozen=True)
 class Cond:
-    cond: "Expr"
-    then: "Expr"
-    other: "Expr"
+    cond: Expr
+    then: Expr
+    other: Expr
     span: Span = field(default=NO_SPAN, compare=False)
     ty: Ty | None = None
 
@@ -131,7 +131,7 @@ class Cond:
 @dataclass(frozen=True)
 class Call:
     fn: str  # one of FUNCTIONS
-    args: tuple["Expr", ...]
+    args: tuple[Expr, ...]
     span: Span = field(default=NO_SPAN, compare=False)
     ty: Ty | None = None
 
@@ -152,8 +152,8 @@ class Param:
     name: str
     kind: str  # "scalar" | "tensor"
     ty: Ty  # element type: I32 or F32
-    default: Union[int, float, None] = None  # scalars only
-    shape: tuple[Union[int, str], ...] = ()  # tensors only
+    default: int | float | None = None  # scalars only
+    shape: tuple[int | str, ...] = ()  # tensors only
     span: Span = field(default=NO_SPAN, compare=False)
 
 

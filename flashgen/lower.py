@@ -54,12 +54,15 @@ class TileConfig:
         return 32 * self.num_warps
 
 
-#: Default tile table for the FA2-class kernel: (head_dim) -> tiles.  ``flashgen tune``
-#: (issue 4) will key this by GPU, target, dtype and causal too.
-DEFAULT_TILES: dict[int, TileConfig] = {
-    64: TileConfig(128, 64, 4),
-    128: TileConfig(128, 64, 8),
-    256: TileConfig(64, 32, 4),
+#: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles.
+#: Picked from a sweep on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every
+#: entry compiles with zero spills.  A score_mod at head_dim 256 needs registers for its
+#: math, so it halves BLOCK_N.  ``flashgen tune`` will key this by GPU, dtype and causal too.
+DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
+    (64, False): TileConfig(128, 64, 4),
+    (128, False): TileConfig(128, 32, 4),
+    (256, False): TileConfig(64, 64, 4),
+    (256, True): TileConfig(64, 32, 4),
 }
 
 
@@ -126,8 +129,15 @@ class KernelPlan:
 
 # ----------------------------------------------------------------------------- expressions -> CUDA
 _C_BINOPS = {"+", "-", "*", "/", "%", "<", "<=", ">", ">=", "==", "!=", "&&", "||"}
-_F_CALLS = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf",
-            "tanh": "tanhf", "sqrt": "sqrtf"}
+_F_CALLS = {
+    "abs": "fabsf",
+    "min": "fminf",
+    "max": "fmaxf",
+    "exp": "expf",
+    "log": "logf",
+    "tanh": "tanhf",
+    "sqrt": "sqrtf",
+}
 _I_CALLS = {"abs": "abs", "min": "min", "max": "max"}
 _C_TYPE = {Ty.I32: "int", Ty.F32: "float", Ty.BOOL: "bool"}
 
@@ -201,8 +211,13 @@ def _shape_extent(dim) -> str:
     """CUDA expression for one declared tensor-param extent."""
     if isinstance(dim, int):
         return str(dim)
-    return {"batch": "batch", "num_heads": "heads_q", "num_heads_kv": "heads_kv",
-            "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}[dim]
+    return {
+        "batch": "batch",
+        "num_heads": "heads_q",
+        "num_heads_kv": "heads_kv",
+        "seqlen_q": "seqlen_q",
+        "seqlen_k": "seqlen_k",
+    }[dim]
 
 
 def split_causal(mask: Expr | None) -> tuple[bool, Expr | None]:
@@ -240,19 +255,29 @@ def _uses(e: Expr | None, names: set[str]) -> bool:
 # ----------------------------------------------------------------------------- plan
 def choose_tiles(spec: Spec, target: str) -> TileConfig:
     """Tile config: the spec's ``tiles:`` overrides on top of DEFAULT_TILES[head_dim]."""
-    base = DEFAULT_TILES[max(spec.head_dim, spec.head_dim_v)]
+    d = max(spec.head_dim, spec.head_dim_v)
+    base = DEFAULT_TILES.get((d, spec.score_mod is not None)) or DEFAULT_TILES[(d, False)]
     o = spec.tiles
-    return TileConfig(o.block_m or base.block_m, o.block_n or base.block_n,
-                      o.num_warps or base.num_warps)
+    return TileConfig(
+        o.block_m or base.block_m, o.block_n or base.block_n, o.num_warps or base.num_warps
+    )
 
 
 def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     t = CTYPE[spec.dtype]
-    args = [KernelArg("q", f"const {t}*"), KernelArg("k", f"const {t}*"),
-            KernelArg("v", f"const {t}*"), KernelArg("o", f"{t}*"), KernelArg("lse", "float*")]
+    args = [
+        KernelArg("q", f"const {t}*"),
+        KernelArg("k", f"const {t}*"),
+        KernelArg("v", f"const {t}*"),
+        KernelArg("o", f"{t}*"),
+        KernelArg("lse", "float*"),
+    ]
     for x in "qkvo":
-        args += [KernelArg(f"{x}_sb", "int64_t"), KernelArg(f"{x}_sh", "int64_t"),
-                 KernelArg(f"{x}_ss", "int64_t")]
+        args += [
+            KernelArg(f"{x}_sb", "int64_t"),
+            KernelArg(f"{x}_sh", "int64_t"),
+            KernelArg(f"{x}_ss", "int64_t"),
+        ]
     args += [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
     args.append(KernelArg("softmax_scale", "float"))
     for p in spec.scalar_params:
@@ -299,7 +324,8 @@ def plan_forward(spec: Spec, target: str) -> KernelPlan:
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
         "args": kernel_args(spec),
-        "needs_bh": _uses(residual, {"b", "h"}) or _uses(score_mod, {"b", "h"})
+        "needs_bh": _uses(residual, {"b", "h"})
+        or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
     }
     return KernelPlan(

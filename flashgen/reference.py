@@ -70,8 +70,14 @@ def eval_expr(e: Expr, env: dict):
             return torch.div(a, b, rounding_mode="trunc") if int_math else a / b
         if op == "%":
             return torch.fmod(a, b)
-        return {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge,
-                "==": torch.eq, "!=": torch.ne}[op](a, b)
+        return {
+            "<": torch.lt,
+            "<=": torch.le,
+            ">": torch.gt,
+            ">=": torch.ge,
+            "==": torch.eq,
+            "!=": torch.ne,
+        }[op](a, b)
     if isinstance(e, Cond):
         c = eval_expr(e.cond, env)
         t, o = eval_expr(e.then, env), eval_expr(e.other, env)
@@ -82,14 +88,29 @@ def eval_expr(e: Expr, env: dict):
         args = [eval_expr(a, env) for a in e.args]
         if e.ty != Ty.I32:
             args = [_as(a, Ty.F32, env) for a in args]
-        fn = {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "exp": torch.exp,
-              "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}[e.fn]
+        fn = {
+            "abs": torch.abs,
+            "min": torch.minimum,
+            "max": torch.maximum,
+            "exp": torch.exp,
+            "log": torch.log,
+            "tanh": torch.tanh,
+            "sqrt": torch.sqrt,
+        }[e.fn]
         return fn(*args)
     raise TypeError(f"cannot evaluate {e!r}")
 
 
-def attention_reference(spec: Spec, q, k, v, *, softmax_scale: float | None = None,
-                        params: dict | None = None, compute_dtype=torch.float64):
+def attention_reference(
+    spec: Spec,
+    q,
+    k,
+    v,
+    *,
+    softmax_scale: float | None = None,
+    params: dict | None = None,
+    compute_dtype=torch.float64,
+):
     """Materialized attention with ``spec``'s mask and score_mod.
 
     Args:
@@ -124,10 +145,14 @@ def attention_reference(spec: Spec, q, k, v, *, softmax_scale: float | None = No
 
     ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
     env = {
-        "b": ar(B).view(B, 1, 1, 1), "h": ar(Hq).view(1, Hq, 1, 1),
-        "q_idx": ar(Sq).view(1, 1, Sq, 1), "kv_idx": ar(Sk).view(1, 1, 1, Sk),
-        "seqlen_q": torch.tensor(Sq, device=dev), "seqlen_k": torch.tensor(Sk, device=dev),
-        "__float__": fdt, "__device__": dev,
+        "b": ar(B).view(B, 1, 1, 1),
+        "h": ar(Hq).view(1, Hq, 1, 1),
+        "q_idx": ar(Sq).view(1, 1, Sq, 1),
+        "kv_idx": ar(Sk).view(1, 1, 1, Sk),
+        "seqlen_q": torch.tensor(Sq, device=dev),
+        "seqlen_k": torch.tensor(Sk, device=dev),
+        "__float__": fdt,
+        "__device__": dev,
     }
     for p in spec.params:
         val = params.get(p.name, p.default)

@@ -1,0 +1,356 @@
+"""Spec loading: fields, YAML errors, locations, and the shipped specs."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from flashgen import ir
+from flashgen.errors import SpecError
+from flashgen.spec import load_spec, loads_spec
+
+SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
+
+BASE = """\
+name: demo
+head_dim: 128
+dtype: bf16
+mask: causal
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    f = tmp_path / "spec.yaml"
+    f.write_text(text)
+    return f
+
+
+def fails(tmp_path: Path, text: str) -> SpecError:
+    f = write(tmp_path, text)
+    with pytest.raises(SpecError) as info:
+        load_spec(f)
+    e = info.value
+    assert e.file == str(f)
+    return e
+
+
+def at(e: SpecError) -> tuple[int, int]:
+    return e.line, e.col
+
+
+# ----------------------------------------------------------------------------- shipped specs
+def test_all_seven_specs_ship():
+    names = {p.stem for p in SPECS}
+    assert names == {
+        "causal_d128",
+        "llama3_gqa",
+        "gpt2_d64",
+        "bidir_d256",
+        "mistral_swa",
+        "gemma2_softcap",
+        "alibi",
+    }
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_shipped_spec_loads(path):
+    s = load_spec(path)
+    assert s.name == path.stem
+    assert s.targets == ("sm_80", "sm_90")
+    assert s.description
+    assert s.source == path.read_text()
+    assert s.path == str(path)
+    for root in (s.mask, s.score_mod):
+        if root is not None:
+            assert all(n.ty is not None for n in ir.walk(root))
+    if s.mask is not None:
+        assert s.mask.ty == ir.Ty.BOOL
+
+
+def test_shipped_spec_details():
+    by = {p.stem: load_spec(p) for p in SPECS}
+    assert by["gpt2_d64"].dtype == "fp16" and by["gpt2_d64"].head_dim == 64
+    assert by["bidir_d256"].mask is None and by["bidir_d256"].head_dim == 256
+    assert "GQA" in by["llama3_gqa"].description
+    w = by["mistral_swa"].param("window")
+    assert (w.kind, w.ty, w.default) == ("scalar", ir.Ty.I32, 4096)
+    sc = by["gemma2_softcap"].param("softcap")
+    assert (sc.kind, sc.ty, sc.default) == ("scalar", ir.Ty.F32, 50.0)
+    assert by["gemma2_softcap"].score_mod.ty == ir.Ty.F32
+    sl = by["alibi"].param("slopes")
+    assert (sl.kind, sl.ty, sl.shape) == ("tensor", ir.Ty.F32, ("num_heads",))
+
+
+# ----------------------------------------------------------------------------- good specs
+def test_defaults():
+    s = loads_spec(BASE)
+    assert s.head_dim_v == 128
+    assert s.targets == ("sm_80", "sm_90")
+    assert s.softmax_scale is None
+    assert s.tiles == ir.TileOverride()
+    assert s.score_mod is None
+    assert s.description == ""
+    assert s.path == "<string>" and s.source == BASE
+    assert isinstance(s.mask, ir.Causal)
+
+
+def test_all_fields():
+    s = loads_spec(
+        BASE
+        + """\
+head_dim_v: 64
+targets: [sm_90]
+score_mod: score * scale + bias[h, 0]
+params:
+  scale: {type: f32, default: 2}
+  bias: {type: f32, shape: [num_heads, 4]}
+softmax_scale: 0.125
+tiles: {block_m: 64, block_n: 32, num_warps: 4}
+description: demo spec
+"""
+    )
+    assert s.head_dim_v == 64
+    assert s.targets == ("sm_90",)
+    assert s.param("scale").default == 2.0 and isinstance(s.param("scale").default, float)
+    assert s.param("bias").shape == ("num_heads", 4)
+    assert s.softmax_scale == 0.125
+    assert s.tiles == ir.TileOverride(64, 32, 4)
+    assert s.description == "demo spec"
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_mask_bool_literal(value):
+    s = loads_spec(BASE.replace("mask: causal", f"mask: {value}"))
+    assert s.mask == ir.Const(value == "true", ty=ir.Ty.BOOL)
+
+
+def test_mask_null_and_softmax_auto():
+    s = loads_spec(BASE.replace("mask: causal", "mask: null\nsoftmax_scale: auto"))
+    assert s.mask is None and s.softmax_scale is None
+
+
+def test_expression_columns_for_scalar_styles():
+    plain = loads_spec(BASE.replace("mask: causal", "mask: q_idx >= kv_idx"))
+    assert (plain.mask.lhs.span.line, plain.mask.lhs.span.col) == (4, 7)
+    dq = loads_spec(BASE.replace("mask: causal", 'mask: "q_idx >= kv_idx"'))
+    assert dq.mask.lhs.span.col == 8
+    sq = loads_spec(BASE.replace("mask: causal", "mask: 'q_idx >= kv_idx'"))
+    assert sq.mask.lhs.span.col == 8
+    block = loads_spec(BASE.replace("mask: causal", "mask: |\n  causal &&\n    q_idx >= kv_idx"))
+    assert (block.mask.span.line, block.mask.span.col) == (5, 10)
+    assert (block.mask.rhs.lhs.span.line, block.mask.rhs.lhs.span.col) == (6, 5)
+
+
+# ----------------------------------------------------------------------------- bad specs
+def test_unknown_identifier_has_line_col_and_suggestion(tmp_path):
+    text = BASE.replace(
+        "mask: causal",
+        "mask: causal && q_idx - kv_idx < windw\nparams:\n  window: {type: i32, default: 8}",
+    )
+    e = fails(tmp_path, text)
+    assert at(e) == (4, 34)
+    assert e.message == "unknown identifier 'windw' (did you mean 'window'?)"
+    assert e.source_line == "mask: causal && q_idx - kv_idx < windw"
+    lines = str(e).splitlines()
+    assert lines[0].endswith(
+        "spec.yaml:4:34: error: unknown identifier 'windw' (did you mean 'window'?)"
+    )
+    assert lines[2].index("^") == 4 + 33
+
+
+def test_mask_not_bool(tmp_path):
+    e = fails(tmp_path, BASE.replace("mask: causal", "mask: q_idx + 1"))
+    assert at(e) == (4, 7)
+    assert "mask must be a bool" in e.message and "i32" in e.message
+
+
+def test_bad_dtype(tmp_path):
+    e = fails(tmp_path, BASE.replace("dtype: bf16", "dtype: bf61"))
+    assert at(e) == (3, 8)
+    assert "unknown dtype 'bf61'" in e.message and "did you mean 'bf16'" in e.message
+
+
+def test_fp8_not_supported_yet(tmp_path):
+    e = fails(tmp_path, BASE.replace("dtype: bf16", "dtype: fp8_e4m3"))
+    assert at(e) == (3, 8)
+    assert e.message == "dtype fp8_e4m3 is not supported yet (planned); use fp16 or bf16"
+
+
+def test_unsupported_head_dim(tmp_path):
+    e = fails(tmp_path, BASE.replace("head_dim: 128", "head_dim: 100"))
+    assert at(e) == (2, 11)
+    assert "head_dim 100 is not supported" in e.message
+    assert "64, 128, 256" in e.message
+
+
+def test_unsupported_head_dim_v(tmp_path):
+    e = fails(tmp_path, BASE + "head_dim_v: 96\n")
+    assert at(e) == (5, 13)
+
+
+def test_head_dim_wrong_type(tmp_path):
+    e = fails(tmp_path, BASE.replace("head_dim: 128", "head_dim: big"))
+    assert at(e) == (2, 11)
+    assert "head_dim must be an integer" in e.message
+
+
+def test_missing_name(tmp_path):
+    e = fails(tmp_path, BASE.replace("name: demo\n", ""))
+    assert at(e) == (1, 1)
+    assert "missing required field 'name'" in e.message
+
+
+@pytest.mark.parametrize(
+    "bad", ["../x", "a.b", "a/b", "Demo", "1x", "x" * 65, "class", "attention"]
+)
+def test_bad_names(tmp_path, bad):
+    e = fails(tmp_path, BASE.replace("name: demo", f"name: '{bad}'"))
+    assert at(e) == (1, 7)
+    assert "name" in e.message
+
+
+def test_name_must_be_string(tmp_path):
+    e = fails(tmp_path, BASE.replace("name: demo", "name: 12"))
+    assert at(e) == (1, 7)
+    assert "name must be a string" in e.message
+
+
+def test_unknown_field(tmp_path):
+    e = fails(tmp_path, BASE + "score_mood: score\n")
+    assert at(e) == (5, 1)
+    assert "unknown field 'score_mood'" in e.message and "did you mean 'score_mod'" in e.message
+
+
+def test_duplicate_field(tmp_path):
+    e = fails(tmp_path, BASE + "dtype: fp16\n")
+    assert at(e) == (5, 1)
+    assert "duplicate key 'dtype'" in e.message
+
+
+def test_yaml_syntax_error(tmp_path):
+    e = fails(tmp_path, "name: demo\nhead_dim: [128\ndtype: bf16\n")
+    assert e.message.startswith("invalid YAML")
+    assert e.line == 3
+
+
+def test_yaml_syntax_error_mapping_values(tmp_path):
+    e = fails(tmp_path, BASE + "description: a: b\n")
+    assert at(e) == (5, 15)
+
+
+def test_empty_file(tmp_path):
+    e = fails(tmp_path, "")
+    assert at(e) == (1, 1) and "empty spec" in e.message
+
+
+def test_top_level_not_mapping(tmp_path):
+    e = fails(tmp_path, "- a\n- b\n")
+    assert at(e) == (1, 1) and "must be a mapping" in e.message
+
+
+def test_expression_syntax_error_position(tmp_path):
+    e = fails(tmp_path, BASE.replace("mask: causal", 'mask: "causal && (q_idx > 1"'))
+    assert at(e) == (4, 28) and "ends early" in e.message
+    e = fails(tmp_path, BASE.replace("mask: causal", "mask: causal & q_idx > 1"))
+    assert at(e) == (4, 14) and "did you mean '&&'" in e.message
+
+
+def test_mask_must_be_scalar(tmp_path):
+    e = fails(tmp_path, BASE.replace("mask: causal", "mask: [causal]"))
+    assert at(e) == (4, 7) and "mask must be an expression" in e.message
+
+
+def test_yaml_tag_in_expression(tmp_path):
+    e = fails(tmp_path, BASE.replace("mask: causal", "mask: !causal"))
+    assert at(e) == (4, 7) and "quote" in e.message
+
+
+@pytest.mark.parametrize(
+    "targets, pos, fragment",
+    [
+        ("[sm_86]", (5, 11), "unknown target 'sm_86'"),
+        ("[sm_80, sm_80]", (5, 18), "listed twice"),
+        ("[]", (5, 10), "at least one"),
+        ("sm_80", (5, 10), "targets must be a list"),
+    ],
+)
+def test_bad_targets(tmp_path, targets, pos, fragment):
+    e = fails(tmp_path, BASE + f"targets: {targets}\n")
+    assert at(e) == pos
+    assert fragment in e.message
+
+
+@pytest.mark.parametrize(
+    "tiles, pos, fragment",
+    [
+        ("{block_m: 48}", (5, 18), "tiles.block_m must be one of"),
+        ("{block_n: 256}", (5, 18), "tiles.block_n must be one of"),
+        ("{num_warps: 3}", (5, 20), "tiles.num_warps must be one of"),
+        ("{num_warp: 4}", (5, 9), "did you mean 'num_warps'"),
+        ("{block_m: big}", (5, 18), "must be an integer"),
+    ],
+)
+def test_bad_tiles(tmp_path, tiles, pos, fragment):
+    e = fails(tmp_path, BASE + f"tiles: {tiles}\n")
+    assert at(e) == pos
+    assert fragment in e.message
+
+
+@pytest.mark.parametrize("value", ["0", "-1.0", "fast", ".inf"])
+def test_bad_softmax_scale(tmp_path, value):
+    e = fails(tmp_path, BASE + f"softmax_scale: {value}\n")
+    assert at(e) == (5, 16)
+
+
+@pytest.mark.parametrize(
+    "param, pos, fragment",
+    [
+        ("  w: {type: i64, default: 1}", (6, 13), "unknown param type 'i64'"),
+        ("  w: {type: i32}", (6, 6), "needs a default"),
+        ("  w: {default: 1}", (6, 6), "needs a type"),
+        ("  w: {type: i32, default: 1.5}", (6, 27), "must be an integer"),
+        ("  w: {type: i32, default: 3000000000}", (6, 27), "does not fit in int32"),
+        ("  w: {type: f32, default: true}", (6, 27), "must be a number"),
+        ("  w: {type: f32, default: 1, shape: [4]}", (6, 30), "both a default and a shape"),
+        ("  w: {type: f32, shape: [num_head]}", (6, 26), "did you mean 'num_heads'"),
+        ("  w: {type: f32, shape: [0]}", (6, 26), "positive integer"),
+        ("  w: {type: f32, shape: []}", (6, 25), "non-empty shape"),
+        ("  w: {type: f32, defualt: 1}", (6, 18), "did you mean 'default'"),
+        ("  q_idx: {type: i32, default: 1}", (6, 3), "reserved"),
+        ("  score: {type: f32, default: 1}", (6, 3), "reserved"),
+        ("  tanh: {type: f32, default: 1}", (6, 3), "reserved"),
+        ("  lambda: {type: f32, default: 1}", (6, 3), "reserved"),
+        ("  Win: {type: f32, default: 1}", (6, 3), "invalid param name"),
+        ("  w: 5", (6, 6), "must be a mapping"),
+    ],
+)
+def test_bad_params(tmp_path, param, pos, fragment):
+    e = fails(tmp_path, BASE + "params:\n" + param + "\n")
+    assert fragment in e.message
+    assert at(e) == pos
+
+
+def test_spec_error_pickles():
+    with pytest.raises(SpecError) as info:
+        loads_spec(BASE.replace("dtype: bf16", "dtype: fp8_e4m3"), "x.yaml")
+    e = pickle.loads(pickle.dumps(info.value))
+    assert (e.file, e.line, e.col, e.message) == ("x.yaml", 3, 8, info.value.message)
+    assert str(e) == str(info.value)
+
+
+def test_non_utf8_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(b"name: demo\nhead_dim: 128\xff\n")
+    with pytest.raises(SpecError, match="UTF-8") as info:
+        load_spec(f)
+    assert at(info.value) == (2, 14)
+
+
+def test_unquoted_ternary_gets_a_quoting_hint(tmp_path):
+    e = fails(tmp_path, BASE + "score_mod: q_idx > 0 ? score : 0\n")
+    assert at(e) == (5, 30)
+    assert "quote an expression" in e.message
+    ok = loads_spec(BASE + 'score_mod: "q_idx > 0 ? score : 0"\n')
+    assert isinstance(ok.score_mod, ir.Cond) and ok.score_mod.ty == ir.Ty.F32
