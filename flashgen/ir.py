@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
 
 
 class Ty(str, Enum):
@@ -136,7 +135,7 @@ class Call:
     ty: Ty | None = None
 
 
-Expr = Union[Const, Var, Causal, Index, Unary, Binary, Cond, Call]
+Expr = Const | Var | Causal | Index | Unary | Binary | Cond | Call
 
 
 # ----------------------------------------------------------------------------- spec
