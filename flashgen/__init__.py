@@ -1,0 +1,68 @@
+"""flashgen: compile short YAML attention specs into CUDA kernels and PyTorch ops.
+
+    import flashgen
+    op = flashgen.load("specs/causal_d128.yaml")    # registers torch.ops.flashgen.causal_d128
+    o, lse = op.attention(q, k, v)                  # q [B, Hq, Sq, D] bf16 on a CUDA device
+
+Importing this package needs neither torch nor cupy; :func:`load` imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+from .errors import OpInputError, SpecError  # noqa: E402
+from .spec import load_spec, loads_spec  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .op import AttentionOp
+
+__all__ = [
+    "__version__",
+    "load",
+    "load_spec",
+    "loads_spec",
+    "SpecError",
+    "OpInputError",
+    "AttentionOp",
+]
+
+_loaded: dict[tuple[str, str], AttentionOp] = {}
+_lock = threading.Lock()
+
+
+def load(path: str | Path) -> AttentionOp:
+    """Load, check and register the spec at ``path``; return its :class:`AttentionOp`.
+
+    Cached by (resolved path, sha256 of the file's bytes): loading the same file again
+    is free, an edited file is reloaded.  Raises :class:`SpecError` (with file:line:col)
+    for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if another spec
+    with the same name is already registered in this process.
+    """
+    p = Path(path).resolve()
+    data = p.read_bytes()
+    key = (str(p), hashlib.sha256(data).hexdigest())
+    op = _loaded.get(key)
+    if op is not None:
+        return op
+    from .op import build_op
+
+    with _lock:
+        op = _loaded.get(key)
+        if op is None:
+            op = build_op(load_spec(path))
+            _loaded[key] = op
+    return op
+
+
+def __getattr__(name: str):
+    if name == "AttentionOp":
+        from .op import AttentionOp
+
+        return AttentionOp
+    raise AttributeError(f"module 'flashgen' has no attribute {name!r}")

@@ -1,0 +1,562 @@
+"""Command line: ``flashgen build | show | list`` (also ``python -m flashgen``).
+
+    flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
+                           [--no-verify]
+        check each spec, render and compile every (spec, target) with nvcc in parallel
+        (through the kernel cache), print registers / spills / shared memory / compile
+        time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
+        each op against the float64 reference and time it.
+        Exit 0 on success; 1 for a bad spec, a failed compile, a kernel that spills, a
+        failed verification or missing nvcc.
+    flashgen show SPEC [--target T]    the checked IR, the kernel plan and the CUDA source
+    flashgen list [DIR]                the specs in DIR (default specs/)
+
+torch is imported only for verification on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__, ir
+from .errors import SpecError
+
+# ----------------------------------------------------------------------------- IR printing
+_PREC = {
+    "||": 1,
+    "&&": 2,
+    "==": 3,
+    "!=": 3,
+    "<": 4,
+    "<=": 4,
+    ">": 4,
+    ">=": 4,
+    "+": 5,
+    "-": 5,
+    "*": 6,
+    "/": 6,
+    "%": 6,
+}
+
+
+def _prec(e: ir.Expr) -> int:
+    if isinstance(e, ir.Cond):
+        return 0
+    if isinstance(e, ir.Binary):
+        return _PREC[e.op]
+    return 9
+
+
+def format_expr(e: ir.Expr | None) -> str:
+    """DSL text of an expression tree, with only the parentheses precedence needs."""
+    if e is None:
+        return "-"
+    if isinstance(e, ir.Const):
+        if isinstance(e.value, bool):
+            return "true" if e.value else "false"
+        text = repr(e.value)
+        if isinstance(e.value, float) and "." not in text and "e" in text:
+            text = text.replace("e", ".0e", 1)  # the DSL's floats need a dot: 1e-05 -> 1.0e-05
+        return text
+    if isinstance(e, ir.Var):
+        return e.name
+    if isinstance(e, ir.Causal):
+        return "causal"
+    if isinstance(e, ir.Index):
+        return f"{e.name}[{', '.join(format_expr(i) for i in e.indices)}]"
+    if isinstance(e, ir.Call):
+        return f"{e.fn}({', '.join(format_expr(a) for a in e.args)})"
+    if isinstance(e, ir.Unary):
+        arg = format_expr(e.arg)
+        return f"{e.op}({arg})" if _prec(e.arg) < 9 else f"{e.op}{arg}"
+    if isinstance(e, ir.Binary):
+        p = _PREC[e.op]
+        lhs, rhs = format_expr(e.lhs), format_expr(e.rhs)
+        if _prec(e.lhs) < p:
+            lhs = f"({lhs})"
+        if _prec(e.rhs) <= p:
+            rhs = f"({rhs})"
+        return f"{lhs} {e.op} {rhs}"
+    if isinstance(e, ir.Cond):
+        c, a, b = format_expr(e.cond), format_expr(e.then), format_expr(e.other)
+        c = f"({c})" if _prec(e.cond) == 0 else c
+        return f"{c} ? {a} : {b}"
+    return repr(e)
+
+
+def format_spec(spec: ir.Spec) -> str:
+    """A readable, multi-line rendering of a checked spec."""
+    lines = [
+        f"spec {spec.name}   ({spec.path})",
+        f"  dtype          {spec.dtype}",
+        f"  head_dim       {spec.head_dim} (v: {spec.head_dim_v})",
+        f"  targets        {', '.join(spec.targets)}",
+        f"  mask           {format_expr(spec.mask)}"
+        + (f"   : {spec.mask.ty.value}" if spec.mask is not None and spec.mask.ty else ""),
+        f"  score_mod      {format_expr(spec.score_mod)}"
+        + (
+            f"   : {spec.score_mod.ty.value}"
+            if spec.score_mod is not None and spec.score_mod.ty
+            else ""
+        ),
+        "  softmax_scale  "
+        + ("auto (1/sqrt(head_dim))" if spec.softmax_scale is None else repr(spec.softmax_scale)),
+    ]
+    if spec.params:
+        lines.append("  params")
+        for p in spec.params:
+            if p.kind == "tensor":
+                lines.append(f"    {p.name}: tensor [{', '.join(map(str, p.shape))}] {p.ty.value}")
+            else:
+                lines.append(f"    {p.name}: {p.ty.value} = {p.default!r}")
+    t = spec.tiles
+    if any(x is not None for x in (t.block_m, t.block_n, t.num_warps)):
+        lines.append(
+            f"  tiles          block_m={t.block_m} block_n={t.block_n} num_warps={t.num_warps}"
+        )
+    if spec.description:
+        lines.append(f"  description    {spec.description}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- build
+@dataclass
+class BuildResult:
+    """Outcome of compiling one (spec, target)."""
+
+    spec: ir.Spec
+    target: str
+    report: object | None = None  # CompileReport
+    cubin: str | None = None
+    smem_dynamic: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.report is not None and self.report.spill_bytes == 0
+
+    def to_dict(self) -> dict:
+        r = self.report
+        return {
+            "spec": self.spec.name,
+            "target": self.target,
+            "ok": self.ok,
+            "error": self.error,
+            "registers": r.registers if r else None,
+            "spill_stores": r.spill_stores if r else None,
+            "spill_loads": r.spill_loads if r else None,
+            "smem_static": r.smem if r else None,
+            "smem_dynamic": self.smem_dynamic,
+            "stack_frame": r.stack_frame if r else None,
+            "compile_seconds": round(r.seconds, 3) if r else None,
+            "cached": r.from_cache if r else None,
+            "cubin": self.cubin,
+        }
+
+
+def _compile_one(spec: ir.Spec, target: str) -> BuildResult:
+    from . import cache
+    from .compile import CompileError
+    from .lower import plan_forward
+    from .render import render
+
+    res = BuildResult(spec, target)
+    try:
+        plan = plan_forward(spec, target)
+        res.smem_dynamic = plan.smem_bytes
+        path, res.report = cache.get_or_build(render(plan), plan)
+        res.cubin = str(path)
+        if res.report.spill_bytes:
+            res.error = (
+                f"kernel spills: {res.report.spill_stores} bytes stores, "
+                f"{res.report.spill_loads} bytes loads"
+            )
+    except CompileError as e:
+        res.error = str(e)
+    except (ValueError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _load_specs(paths: list[str], err) -> list[ir.Spec] | None:
+    from .spec import load_spec
+
+    specs, bad = [], False
+    for p in paths:
+        try:
+            specs.append(load_spec(p))
+        except SpecError as e:
+            err.print(str(e), markup=False, highlight=False)
+            bad = True
+        except OSError as e:
+            err.print(f"{p}: error: cannot read spec: {e.strerror or e}", markup=False)
+            bad = True
+    return None if bad else specs
+
+
+def _consoles():
+    from rich.console import Console
+
+    # a pipe or file gets wide tables rather than rich's 80-column default
+    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    out = Console(file=sys.stdout, soft_wrap=False, highlight=False, width=width)
+    err = Console(file=sys.stderr, highlight=False)
+    return out, err
+
+
+def _fail_json(args, message: str) -> int:
+    """Exit status 1, printing ``{"ok": false, "error": ...}`` first in ``--json`` mode."""
+    if args.json:
+        print(json.dumps({"flashgen_version": __version__, "ok": False, "error": message}))
+    return 1
+
+
+def cmd_build(args) -> int:
+    from rich.table import Table
+
+    from .compile import CompileError, find_nvcc, nvcc_version
+    from .generate import write_generated
+
+    out, err = _consoles()
+    specs = _load_specs(args.specs, err)
+    if specs is None:
+        return _fail_json(args, "spec errors (see stderr)")
+    pairs = []
+    for spec in specs:
+        for t in args.target or spec.targets:
+            if t in spec.targets:
+                pairs.append((spec, t))
+            else:
+                err.print(f"note: {spec.name} does not list target {t}; skipped", markup=False)
+    try:
+        find_nvcc()
+        toolkit = nvcc_version()
+    except CompileError as e:
+        err.print(f"error: {e}", markup=False)
+        err.print("flashgen build needs the CUDA toolkit's nvcc to compile kernels.", markup=False)
+        return _fail_json(args, str(e))
+
+    results: list[BuildResult] = []
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_compile_one, s, t) for s, t in pairs]
+        if len(futures) > 1 and not args.json and err.is_terminal:
+            from rich.progress import Progress
+
+            with Progress(console=err, transient=True) as progress:
+                task = progress.add_task(f"compiling {len(futures)} kernels", total=len(futures))
+                for _ in as_completed(futures):
+                    progress.advance(task)
+        results = [f.result() for f in futures]
+
+    generated = []
+    for spec in specs:
+        mine = [r for r in results if r.spec is spec]
+        if not mine:
+            continue
+        reports = {r.target: r.report for r in mine if r.report is not None}
+        try:
+            generated.append(
+                str(write_generated(spec, args.out, reports, targets=tuple(r.target for r in mine)))
+            )
+        except (ValueError, OSError) as e:
+            err.print(f"error: writing {spec.name}: {e}", markup=False)
+            return 1
+
+    verify = []
+    if not args.no_verify and _cuda_available():
+        verify = [
+            _verify_safely(spec) for spec in specs if all(r.ok for r in results if r.spec is spec)
+        ]
+
+    ok = all(r.ok for r in results) and all(v["ok"] for v in verify)
+    if args.json:
+        doc = {
+            "flashgen_version": __version__,
+            "nvcc_version": toolkit,
+            "ok": ok,
+            "kernels": [r.to_dict() for r in results],
+            "generated": generated,
+            "verify": verify,
+        }
+        print(json.dumps(doc, indent=2))
+        return 0 if ok else 1
+
+    table = Table(title=f"flashgen {__version__} build (nvcc {toolkit})")
+    for col in ("spec", "target", "regs", "spills st/ld (B)", "smem (B)", "compile (s)"):
+        table.add_column(col, justify="left" if col in ("spec", "target") else "right")
+    for r in results:
+        rep = r.report
+        if rep is None:
+            table.add_row(r.spec.name, r.target, "-", "-", "-", "[red]FAILED[/red]")
+            continue
+        spill = f"{rep.spill_stores}/{rep.spill_loads}"
+        table.add_row(
+            r.spec.name,
+            r.target,
+            str(rep.registers),
+            spill if not rep.spill_bytes else f"[red]{spill}[/red]",
+            str(r.smem_dynamic + rep.smem),
+            "cached" if rep.from_cache else f"{rep.seconds:.1f}",
+        )
+    out.print(table)
+    for r in results:
+        if r.error:
+            err.print(f"error: {r.spec.name} [{r.target}]: {r.error}", markup=False)
+    if verify:
+        vt = Table(title="verification against the float64 reference")
+        for col in ("spec", "case", "max |err|", "bound", "result", "TFLOP/s"):
+            vt.add_column(col)
+        for v in verify:
+            for c in v["cases"]:
+                vt.add_row(
+                    v["spec"],
+                    c["case"],
+                    f"{c['max_err']:.2e}",
+                    f"{c['bound']:.2e}",
+                    "pass" if c["ok"] else "[red]FAIL[/red]",
+                    "",
+                )
+            if v.get("error"):
+                vt.add_row(v["spec"], "-", "", "", "[red]ERROR[/red]", "")
+            if v.get("tflops") is not None:
+                vt.add_row(v["spec"], v["bench_case"], "", "", "", f"{v['tflops']:.1f}")
+        out.print(vt)
+    for v in verify:
+        if v.get("error"):
+            err.print(f"error: verifying {v['spec']}: {v['error']}", markup=False)
+    for g in generated:
+        out.print(f"wrote {g}/", markup=False)
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- verify (GPU)
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def random_inputs(
+    spec: ir.Spec, b: int, hq: int, hkv: int, sq: int, sk: int, device, generator=None
+) -> tuple:
+    """Random q, k, v (spec dtype, ``torch.randn``) and tensor params for one problem.
+
+    Float tensor params are uniform in [0, 1); int ones uniform in [0, 16).
+    """
+    import torch
+
+    from .op import PARAM_DTYPE, TORCH_DTYPE
+
+    dt = TORCH_DTYPE[spec.dtype]
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator).to(dt)
+
+    q = randn(b, hq, sq, spec.head_dim)
+    k = randn(b, hkv, sk, spec.head_dim)
+    v = randn(b, hkv, sk, spec.head_dim_v)
+    sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
+    params = {}
+    for p in spec.tensor_params:
+        shape = [d if isinstance(d, int) else sym[d] for d in p.shape]
+        if p.ty == ir.Ty.F32:
+            params[p.name] = torch.rand(shape, device=device, generator=generator)
+        else:
+            params[p.name] = torch.randint(
+                0, 16, shape, device=device, generator=generator, dtype=PARAM_DTYPE[p.ty]
+            )
+    return q, k, v, params
+
+
+def error_bound(spec: ir.Spec, q, k, v, params: dict) -> tuple:
+    """(fp64 reference o, fp64 reference lse, bound on max |o - ref|).
+
+    The bound is 2x the error of the same reference computed in the input dtype (what
+    plain PyTorch low-precision math achieves) plus 1e-3.
+    """
+    import torch
+
+    from .reference import attention_reference
+
+    ref_o, ref_lse = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float64)
+    low_o, _ = attention_reference(spec, q, k, v, params=params, compute_dtype=q.dtype)
+    torch_err = (low_o.double() - ref_o).abs().max().item() if ref_o.numel() else 0.0
+    return ref_o, ref_lse, 2 * torch_err + 1e-3
+
+
+def _verify_safely(spec: ir.Spec) -> dict:
+    """:func:`verify_spec`, with any failure (CUDA error, bad kernel) turned into a result."""
+    try:
+        return verify_spec(spec)
+    except Exception as e:  # report it; do not crash the build summary
+        return {"spec": spec.name, "ok": False, "cases": [], "error": f"{type(e).__name__}: {e}"}
+
+
+def verify_spec(spec: ir.Spec) -> dict:
+    """Check the CUDA op against the fp64 reference and time it (needs a CUDA GPU)."""
+    import torch
+
+    from .op import build_op
+
+    op = build_op(spec)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    cases = []
+    for sq, sk in ((257, 257), (100, 257)):
+        q, k, v, params = random_inputs(spec, 2, 4, 2, sq, sk, dev, gen)
+        o, lse = op.attention(q, k, v, **params)
+        ref_o, ref_lse, bound = error_bound(spec, q, k, v, params)
+        e = (o.double() - ref_o).abs().max().item()
+        ok = math.isfinite(e) and e <= bound
+        cases.append({"case": f"B=2 H=4/2 Sq={sq} Sk={sk}", "max_err": e, "bound": bound, "ok": ok})
+    s = 8192 if max(spec.head_dim, spec.head_dim_v) > 128 else 16384
+    q, k, v, params = random_inputs(spec, 1, 16, 16, s, s, dev, gen)
+    ms = _bench(lambda: op.attention(q, k, v, **params))
+    from .lower import split_causal
+
+    flops = 4 * s * s * 16 * spec.head_dim * (0.5 if split_causal(spec.mask)[0] else 1.0)
+    return {
+        "spec": spec.name,
+        "ok": all(c["ok"] for c in cases),
+        "cases": cases,
+        "bench_case": f"B=1 H=16 S={s}",
+        "ms": ms,
+        "tflops": flops / (ms * 1e-3) / 1e12,
+    }
+
+
+def _bench(fn) -> float:
+    """Median milliseconds of ``fn`` (triton's do_bench if available, else CUDA events)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, return_mode="median"))
+    except ImportError:
+        import torch
+
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[len(times) // 2]
+
+
+# ----------------------------------------------------------------------------- show / list
+def cmd_show(args) -> int:
+    from .lower import plan_forward
+    from .render import render
+
+    _, err = _consoles()
+    specs = _load_specs([args.spec], err)
+    if specs is None:
+        return 1
+    spec = specs[0]
+    print(format_spec(spec))
+    targets = args.target or list(spec.targets)
+    for t in targets:
+        try:
+            plan = plan_forward(spec, t)
+        except ValueError as e:
+            err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
+            return 1
+        print(f"\n// ---- plan [{t}]: {json.dumps(plan.config())}")
+        print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")
+        sys.stdout.write(render(plan))
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .spec import load_spec
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        print(f"error: {root} is not a directory", file=sys.stderr)
+        return 1
+    rows = [("name", "dtype", "head_dim", "mask", "score_mod", "description")]
+    bad = False
+    for f in sorted(root.glob("*.yaml")) + sorted(root.glob("*.yml")):
+        try:
+            s = load_spec(f)
+        except SpecError as e:
+            rows.append(
+                (f.stem, "-", "-", "-", "-", f"ERROR {e.file}:{e.line}:{e.col}: {e.message}")
+            )
+            bad = True
+            continue
+        hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"
+        rows.append(
+            (s.name, s.dtype, hd, format_expr(s.mask), format_expr(s.score_mod), s.description)
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    return 1 if bad else 0
+
+
+# ----------------------------------------------------------------------------- main
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flashgen", description=__doc__.split("\n")[0])
+    ap.add_argument("--version", action="version", version=f"flashgen {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="check, render and compile specs; write generated/")
+    b.add_argument("specs", nargs="+", metavar="SPEC", help="spec YAML files")
+    b.add_argument(
+        "--target",
+        action="append",
+        choices=ir.TARGETS,
+        help="target to build (repeatable; default: the spec's targets)",
+    )
+    b.add_argument("--out", default="generated", help="output directory (default: generated)")
+    b.add_argument("--json", action="store_true", help="print one JSON document")
+    b.add_argument(
+        "--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)"
+    )
+    b.add_argument(
+        "--no-verify", action="store_true", help="skip the GPU correctness check and benchmark"
+    )
+    b.set_defaults(func=cmd_build)
+
+    s = sub.add_parser("show", help="print the checked IR, plan and CUDA source of a spec")
+    s.add_argument("spec", metavar="SPEC")
+    s.add_argument(
+        "--target",
+        action="append",
+        choices=ir.TARGETS,
+        help="target to show (repeatable; default: the spec's targets)",
+    )
+    s.set_defaults(func=cmd_show)
+
+    ls = sub.add_parser("list", help="list the specs in a directory")
+    ls.add_argument("dir", nargs="?", default="specs", metavar="DIR")
+    ls.set_defaults(func=cmd_list)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``flashgen`` script; returns the exit status."""
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""A checked spec -> a PyTorch operator ``torch.ops.flashgen.<name>``.
+
+:func:`build_op` registers, once per process and spec name, an operator with schema::
+
+    <name>(Tensor q, Tensor k, Tensor v, float softmax_scale,
+           <int|float scalar params, spec order>, <Tensor params, spec order>) -> (Tensor, Tensor)
+
+with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the
+materialized float32 reference), a fake kernel (so ``torch.compile`` traces it) and an
+autograd registration whose backward raises (there is no backward kernel yet).
+
+The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
+front (:func:`validate`, also run by every kernel) and fills in defaults.
+
+Op contract (see design.md):
+
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
+    on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
+    o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous;
+    lse [B, Hq, Sq] float32, natural log, contiguous.
+    A row with nothing to attend to: o = 0, lse = -inf.  B, Sq or Sk = 0: no launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import os
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import ir
+from .errors import OpInputError
+
+#: torch dtype of each spec dtype.
+TORCH_DTYPE = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
+}
+#: torch dtype of a tensor param's element type.
+PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
+_SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
+
+_LIB: torch.library.Library | None = None
+_REGISTRY: dict[str, AttentionOp] = {}
+_REG_LOCK = threading.RLock()
+_POISON = False
+
+
+def out_dtype(spec: ir.Spec) -> torch.dtype:
+    """Dtype of ``o``: the input dtype, bf16 for fp8 inputs."""
+    return torch.bfloat16 if spec.dtype.startswith("fp8") else TORCH_DTYPE[spec.dtype]
+
+
+# ----------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class Dims:
+    """Problem sizes read off validated inputs."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim_v: int
+
+    def symbols(self) -> dict[str, int]:
+        """Values of the shape symbols tensor params may use."""
+        return {
+            "batch": self.batch,
+            "num_heads": self.heads_q,
+            "num_heads_kv": self.heads_kv,
+            "seqlen_q": self.seqlen_q,
+            "seqlen_k": self.seqlen_k,
+        }
+
+
+def _shape(t) -> list:
+    return list(t.shape)
+
+
+def validate(spec: ir.Spec, q, k, v, tensor_params: dict | None = None) -> Dims:
+    """Check q, k, v (and tensor params) against ``spec`` and the op contract.
+
+    ``tensor_params`` maps each tensor param name to its tensor (missing ones are
+    reported).  Returns the problem :class:`Dims`.  Raises :class:`OpInputError`
+    naming the offending argument with the expected and received value.
+    """
+    want = TORCH_DTYPE[spec.dtype]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise OpInputError(
+                f"{name}: expected a 4-D tensor [batch, heads, seqlen, head_dim], "
+                f"got shape {_shape(t)}"
+            )
+        if t.dtype != want:
+            raise OpInputError(
+                f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), "
+                f"got {t.dtype}"
+            )
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
+    if q.shape[3] != spec.head_dim:
+        raise OpInputError(f"q: expected head_dim {spec.head_dim} (shape[-1]), got {q.shape[3]}")
+    if k.shape[3] != spec.head_dim:
+        raise OpInputError(f"k: expected head_dim {spec.head_dim} (shape[-1]), got {k.shape[3]}")
+    if v.shape[3] != spec.head_dim_v:
+        raise OpInputError(
+            f"v: expected head_dim_v {spec.head_dim_v} (shape[-1]), got {v.shape[3]}"
+        )
+    if k.shape[0] != q.shape[0]:
+        raise OpInputError(f"k: expected batch {q.shape[0]} (q's batch), got {k.shape[0]}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise OpInputError(
+            f"v: expected [batch, heads_kv, seqlen_k] = {_shape(k)[:3]} (k's), got {_shape(v)[:3]}"
+        )
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 and hq != 0:
+        raise OpInputError(f"k: expected at least one kv head for {hq} query heads, got 0")
+    if hkv != 0 and hq % hkv != 0:
+        raise OpInputError(
+            f"q: expected num_heads to be a multiple of k's num_heads_kv {hkv}, got {hq}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() > 0 and t.stride(3) != 1:
+            raise OpInputError(
+                f"{name}: expected stride(-1) == 1 (head_dim contiguous), got strides "
+                f"{list(t.stride())}; call .contiguous() first"
+            )
+    dims = Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+    if spec.tensor_params:
+        tensor_params = tensor_params or {}
+        sym = dims.symbols()
+        for p in spec.tensor_params:
+            t = tensor_params.get(p.name)
+            if t is None:
+                raise OpInputError(f"{p.name}: missing tensor param {_describe_param(p)}")
+            if not isinstance(t, torch.Tensor):
+                raise OpInputError(
+                    f"{p.name}: expected a torch.Tensor {_describe_param(p)}, "
+                    f"got {type(t).__name__}"
+                )
+            if t.device != q.device:
+                raise OpInputError(
+                    f"{p.name}: expected device {q.device} (q's device), got {t.device}"
+                )
+            expected = [d if isinstance(d, int) else sym[d] for d in p.shape]
+            if list(t.shape) != expected:
+                raise OpInputError(
+                    f"{p.name}: expected shape {expected} ({_shape_decl(p)}), got {_shape(t)}"
+                )
+            if t.dtype.is_complex or t.dtype == torch.bool:
+                raise OpInputError(
+                    f"{p.name}: expected a real tensor ({p.ty.value} elements), got {t.dtype}"
+                )
+    return dims
+
+
+def _shape_decl(p: ir.Param) -> str:
+    return "[" + ", ".join(str(d) for d in p.shape) + "]"
+
+
+def _describe_param(p: ir.Param) -> str:
+    if p.kind == "tensor":
+        return f"(tensor {_shape_decl(p)} of {p.ty.value})"
+    return f"({p.ty.value}, default {p.default!r})"
+
+
+def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
+    """Op keyword params -> (scalar values, tensor values), each in spec order.
+
+    Missing scalars take their spec default; unknown names, a missing tensor param, a
+    non-integer for an ``i32`` param or a non-number for an ``f32`` param raise
+    :class:`OpInputError`.
+    """
+    valid = [p.name for p in spec.params]
+    for name in params:
+        if name not in valid:
+            listing = ", ".join(f"{p.name} {_describe_param(p)}" for p in spec.params)
+            raise OpInputError(
+                f"{name}: unknown param for op {spec.name!r}; valid params: {listing or '(none)'}"
+            )
+    scalars: list = []
+    for p in spec.scalar_params:
+        val = params.get(p.name, p.default)
+        if val is None:
+            raise OpInputError(f"{p.name}: missing scalar param {_describe_param(p)}")
+        if isinstance(val, torch.Tensor) and val.numel() == 1 and val.dim() == 0:
+            val = val.item()
+        if p.ty == ir.Ty.I32:
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+                raise OpInputError(f"{p.name}: expected an int (i32), got {val!r}")
+            if not -(2**31) <= int(val) < 2**31:
+                raise OpInputError(f"{p.name}: expected an i32 value, got {val} (out of range)")
+            scalars.append(int(val))
+        else:
+            if isinstance(val, bool) or not isinstance(val, numbers.Real):
+                raise OpInputError(f"{p.name}: expected a float (f32), got {val!r}")
+            scalars.append(float(val))
+    tensors = [params.get(p.name) for p in spec.tensor_params]
+    return scalars, tensors
+
+
+def default_softmax_scale(spec: ir.Spec) -> float:
+    """``spec.softmax_scale``, or 1/sqrt(head_dim) for ``auto``."""
+    if spec.softmax_scale is not None:
+        return float(spec.softmax_scale)
+    return 1.0 / math.sqrt(spec.head_dim)
+
+
+# ----------------------------------------------------------------------------- debugging hook
+@contextlib.contextmanager
+def poison_outputs(enabled: bool = True):
+    """Within the block, the CUDA kernel fills ``o`` and ``lse`` with NaN before launch.
+
+    Lets tests prove the kernel writes every output element.  The environment variable
+    ``FLASHGEN_POISON_OUTPUTS=1`` does the same for a whole process.
+    """
+    global _POISON
+    old, _POISON = _POISON, enabled
+    try:
+        yield
+    finally:
+        _POISON = old
+
+
+def _poison_enabled() -> bool:
+    return _POISON or os.environ.get("FLASHGEN_POISON_OUTPUTS") == "1"
+
+
+# ----------------------------------------------------------------------------- target choice
+def target_for_device(spec: ir.Spec, device: torch.device) -> str:
+    """Kernel target for a CUDA ``device``: ``sm_90`` on 9.x, ``sm_80`` on 8.x.
+
+    On 9.x the plan is built for ``sm_90`` even when the spec lists only ``sm_80``: the
+    sm_80 template then compiles for sm_90a (an sm_80 cubin does not load there).
+    Raises ``RuntimeError`` for other compute capabilities.
+    """
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm_90"
+    if major == 8:
+        return "sm_80"
+    raise RuntimeError(
+        f"flashgen kernels need a compute capability 8.x or 9.x GPU; {device} is {major}.{minor}"
+    )
+
+
+# ----------------------------------------------------------------------------- the op
+class AttentionOp:
+    """The op generated for one spec; build it with :func:`build_op` or ``flashgen.load``.
+
+    Attributes: ``spec`` (the checked :class:`~flashgen.ir.Spec`), ``name``, ``qualname``
+    (``"flashgen::<name>"``).  Call :meth:`attention` (also ``op(q, k, v, ...)``).
+    """
+
+    def __init__(self, spec: ir.Spec):
+        self.spec = spec
+        self.name = spec.name
+        self.qualname = f"flashgen::{spec.name}"
+        self._kernels: dict[int, object] = {}
+        self._kernel_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
+
+    @property
+    def torch_op(self):
+        """``torch.ops.flashgen.<name>.default``."""
+        return getattr(torch.ops.flashgen, self.name).default
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.spec.params)
+
+    def attention(self, q, k, v, *, softmax_scale: float | None = None, **params):
+        """Run the attention variant: returns ``(o, lse)``.
+
+        q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] in the spec's dtype on
+        one device, stride(-1) == 1 (``(B, S, H, D)`` storage viewed with
+        ``.transpose(1, 2)`` is fine); Hq % Hkv == 0.  ``softmax_scale`` defaults to the
+        spec's value (``auto``: 1/sqrt(D)).  ``params`` are the spec's params by name:
+        scalars default to their declared value, tensors (declared shape, f32/i32
+        elements, same device) are required.
+
+        Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
+        [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
+
+        Raises :class:`OpInputError` for bad inputs (message names the argument, the
+        expected and the received value).
+        """
+        scalars, tensors = resolve_params(self.spec, params)
+        validate(self.spec, q, k, v, self._tensor_map(tensors))
+        if softmax_scale is None:
+            softmax_scale = default_softmax_scale(self.spec)
+        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise OpInputError(f"softmax_scale: expected a float, got {softmax_scale!r}")
+        return self.torch_op(q, k, v, float(softmax_scale), *scalars, *tensors)
+
+    __call__ = attention
+
+    # --------------------------------------------------------------------- kernels
+    def _tensor_map(self, tensors) -> dict:
+        return {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
+
+    def _split(self, rest) -> tuple[list, dict]:
+        n = len(self.spec.scalar_params)
+        return list(rest[:n]), self._tensor_map(rest[n:])
+
+    def _empty_outputs(self, q, dims: Dims):
+        o = torch.empty(
+            (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
+            dtype=out_dtype(self.spec),
+            device=q.device,
+        )
+        lse = torch.empty(
+            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32, device=q.device
+        )
+        return o, lse
+
+    def _fake_impl(self, q, k, v, softmax_scale, *rest):
+        _, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors)
+        return self._empty_outputs(q, dims)
+
+    def _cpu_impl(self, q, k, v, softmax_scale, *rest):
+        from .reference import attention_reference
+
+        scalars, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors)
+        o, lse = self._empty_outputs(q, dims)
+        if lse.numel() == 0:
+            return o, lse
+        if dims.seqlen_k == 0:
+            return o.zero_(), lse.fill_(-math.inf)
+        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        ref_o, ref_lse = attention_reference(
+            self.spec,
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            params=params,
+            compute_dtype=torch.float32,
+        )
+        o.copy_(ref_o)
+        lse.copy_(ref_lse)
+        return o, lse
+
+    def _cuda_impl(self, q, k, v, softmax_scale, *rest):
+        scalars, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors)
+        o, lse = self._empty_outputs(q, dims)
+        if _poison_enabled():
+            o.fill_(math.nan)
+            lse.fill_(math.nan)
+        if lse.numel() == 0:
+            return o, lse
+        if dims.seqlen_k == 0:
+            return o.zero_(), lse.fill_(-math.inf)
+        kern = self.kernel(q.device)
+        q, k, v = _kernel_aligned(q), _kernel_aligned(k), _kernel_aligned(v)
+        values: dict = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+            values[f"{name}_sb"], values[f"{name}_sh"], values[f"{name}_ss"] = t.stride()[:3]
+        values.update(
+            batch=dims.batch,
+            heads_q=dims.heads_q,
+            heads_kv=dims.heads_kv,
+            seqlen_q=dims.seqlen_q,
+            seqlen_k=dims.seqlen_k,
+            softmax_scale=softmax_scale,
+        )
+        for p, val in zip(self.spec.scalar_params, scalars, strict=True):
+            values[f"p_{p.name}"] = val
+        for p in self.spec.tensor_params:
+            # a converted copy is freed after return; the caching allocator only reuses
+            # it in stream order, after the kernel has read it
+            values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        plan = kern.plan
+        stream = torch.cuda.current_stream(q.device)
+        kern.launch(plan.grid(dims.batch, dims.heads_q, dims.seqlen_q), values, stream.cuda_stream)
+        return o, lse
+
+    def kernel(self, device: torch.device):
+        """The loaded kernel for CUDA ``device`` (built and cached on first use).
+
+        Renders the plan for :func:`target_for_device`, compiles through the on-disk
+        cache (:mod:`flashgen.cache`) and loads it with :mod:`flashgen.runtime`.
+        Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
+        """
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kern = self._kernels.get(index)
+        if kern is not None:
+            return kern
+        with self._kernel_lock:
+            kern = self._kernels.get(index)
+            if kern is None:
+                from . import cache, runtime
+                from .lower import plan_forward
+                from .render import render
+
+                plan = plan_forward(self.spec, target_for_device(self.spec, device))
+                cubin, _report = cache.get_or_build(render(plan), plan)
+                kern = runtime.load(cubin, plan, index)
+                self._kernels[index] = kern
+        return kern
+
+
+def _kernel_aligned(t):
+    """``t`` itself when the kernel's 16-byte async copies can read it, else a contiguous copy.
+
+    The kernel moves rows in 16-byte chunks (8 fp16/bf16 elements), so it needs a 16-byte
+    aligned base and batch/head/seq strides that are multiples of 8 elements (strides of
+    size-1 dims never move the pointer).  Any other stride(-1) == 1 view is still accepted:
+    it costs one copy instead of an error or a misaligned-address fault.
+    """
+    ok = t.data_ptr() % 16 == 0 and all(
+        st % 8 == 0 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True) if n > 1
+    )
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------- registration
+def _library() -> torch.library.Library:
+    global _LIB
+    if _LIB is None:
+        _LIB = torch.library.Library("flashgen", "FRAGMENT")
+    return _LIB
+
+
+def schema(spec: ir.Spec) -> str:
+    """The operator schema, e.g. ``alibi(Tensor q, Tensor k, Tensor v, float softmax_scale,
+    Tensor slopes) -> (Tensor, Tensor)``."""
+    args = ["Tensor q", "Tensor k", "Tensor v", "float softmax_scale"]
+    args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
+    args += [f"Tensor {p.name}" for p in spec.tensor_params]
+    return f"{spec.name}({', '.join(args)}) -> (Tensor, Tensor)"
+
+
+def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
+    return replace(a, path="", description="") == replace(b, path="", description="")
+
+
+def _no_backward(ctx, grad_o, grad_lse):
+    raise NotImplementedError("flashgen ops have no backward kernel yet (forward only)")
+
+
+def _setup_context(ctx, inputs, output):
+    pass
+
+
+def build_op(spec: ir.Spec) -> AttentionOp:
+    """Register ``torch.ops.flashgen.<spec.name>`` for a checked spec and return its op.
+
+    Idempotent per process: building an equal spec again (file path and description
+    aside) returns the op already registered.  Raises ``ValueError`` if a different spec
+    with the same name is already registered in this process.
+    """
+    with _REG_LOCK:
+        existing = _REGISTRY.get(spec.name)
+        if existing is not None:
+            if _same_spec(existing.spec, spec):
+                return existing
+            raise ValueError(
+                f"a different spec named {spec.name!r} is already registered as "
+                f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
+            )
+        op = AttentionOp(spec)
+        lib = _library()
+        lib.define(schema(spec))
+        lib.impl(spec.name, op._cuda_impl, "CUDA")
+        lib.impl(spec.name, op._cpu_impl, "CPU")
+        torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
+        torch.library.register_autograd(
+            op.qualname, _no_backward, setup_context=_setup_context, lib=lib
+        )
+        _REGISTRY[spec.name] = op
+        return op

@@ -1,0 +1,74 @@
+"""Shared test setup.
+
+* ``gpu`` marker: tests that need a CUDA device; skipped where ``torch.cuda.is_available()``
+  is false (``python -m pytest -m gpu`` selects only them).
+* Every test session compiles into its own temporary ``FLASHGEN_CACHE_DIR``.
+* ``error_bound`` fixture: the accuracy bound used against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC_DIR = REPO / "specs"
+SPEC_PATHS = sorted(SPEC_DIR.glob("*.yaml"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is present)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is false)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory):
+    """Point the kernel cache at a fresh directory for the whole session."""
+    old = os.environ.get("FLASHGEN_CACHE_DIR")
+    os.environ["FLASHGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("flashgen-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FLASHGEN_CACHE_DIR", None)
+    else:
+        os.environ["FLASHGEN_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def requires_nvcc():
+    """Skip unless nvcc is available (it is on the project's CI machines)."""
+    from flashgen.compile import NvccNotFoundError, find_nvcc
+
+    try:
+        find_nvcc()
+    except NvccNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def error_bound():
+    """``error_bound(spec, q, k, v, params) -> (ref_o fp64, ref_lse, bound)``.
+
+    ``bound`` = 2 * max|reference in the input dtype - fp64 reference| + 1e-3: what plain
+    PyTorch low-precision attention achieves, with a factor 2 of slack.
+    """
+    from flashgen.cli import error_bound as bound
+
+    return bound

@@ -1,0 +1,104 @@
+"""The flashgen command line: build, show, list, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from flashgen.cli import format_expr, main
+from flashgen.spec import load_spec, loads_spec
+
+REPO = Path(__file__).resolve().parents[2]
+CAUSAL = str(REPO / "specs" / "causal_d128.yaml")
+ALIBI = str(REPO / "specs" / "alibi.yaml")
+
+
+def test_build_writes_generated_and_prints_table(tmp_path, capsys, requires_nvcc):
+    out = tmp_path / "gen"
+    rc = main(["build", CAUSAL, ALIBI, "--out", str(out), "--no-verify", "--jobs", "2"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for name in ("causal_d128", "alibi"):
+        assert name in text
+        assert (out / name / f"{name}_sm_80.cu").exists()
+        assert (out / name / f"{name}_sm_90.cu").exists()
+        man = json.loads((out / name / "manifest.json").read_text())
+        assert man["targets"]["sm_80"]["resources"]["spill_stores"] == 0
+    assert "regs" in text and "sm_90" in text
+    assert (out / "__init__.py").exists()
+
+
+def test_build_json_and_target_filter(tmp_path, capsys, requires_nvcc):
+    rc = main(
+        ["build", CAUSAL, "--target", "sm_80", "--out", str(tmp_path), "--json", "--no-verify"]
+    )
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"]
+    assert [(k["spec"], k["target"]) for k in doc["kernels"]] == [("causal_d128", "sm_80")]
+    k = doc["kernels"][0]
+    assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["registers"] > 0
+    assert k["smem_dynamic"] > 0
+    assert sorted(p.name for p in (tmp_path / "causal_d128").glob("*.cu")) == [
+        "causal_d128_sm_80.cu"
+    ]
+
+
+def test_bad_spec_exits_1_with_location(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nhead_dim: 128\ndtype: bf16\nmask: q_idx <\n")
+    rc = main(["build", str(bad), "--out", str(tmp_path / "gen"), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"{bad}:4:" in err and "^" in err
+    assert not (tmp_path / "gen").exists()
+
+
+def test_missing_nvcc_is_explained(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_NVCC", "/nonexistent/nvcc")
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+    assert rc == 1
+    assert "nvcc" in capsys.readouterr().err
+
+
+def test_show_prints_ir_and_source(capsys):
+    assert main(["show", ALIBI, "--target", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    assert "score - slopes[h] * (q_idx + seqlen_k - seqlen_q - kv_idx)" in out
+    assert "slopes: tensor [num_heads] f32" in out
+    assert "flashgen_alibi_fwd_sm_90" in out and 'extern "C"' in out
+    assert "flashgen_alibi_fwd_sm_80" not in out
+
+
+def test_list_shows_every_spec(capsys):
+    assert main(["list", str(REPO / "specs")]) == 0
+    out = capsys.readouterr().out
+    for p in (REPO / "specs").glob("*.yaml"):
+        assert load_spec(p).name in out
+    assert "softcap * tanh(score / softcap)" in out
+
+
+def test_format_expr_round_trips():
+    params = "params:\n  window: {type: i32, default: 3}\n  w: {type: f32, default: 1.0}\n"
+    for field, text in (
+        ("mask", "causal && q_idx + seqlen_k - seqlen_q - kv_idx < window"),
+        ("mask", "(b + 1) * 2 - -h > 3 || !(q_idx == kv_idx)"),
+        ("mask", "q_idx - (kv_idx - 1) >= 0 ? true : false"),
+        ("score_mod", "max(abs(score), 1.5) / (2.0 * w) - (window - 1)"),
+    ):
+        src = f'name: t\nhead_dim: 64\ndtype: fp16\n{field}: "{text}"\n{params}'
+        spec = loads_spec(src)
+        printed = format_expr(getattr(spec, field))
+        again = loads_spec(src.replace(text, printed))
+        assert getattr(again, field) == getattr(spec, field), printed
+
+
+def test_python_dash_m(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "flashgen", "list", str(REPO / "specs")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and "causal_d128" in out.stdout

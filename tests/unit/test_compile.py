@@ -1,0 +1,121 @@
+"""nvcc compilation: every shipped spec compiles for sm_80 and sm_90 without spills."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flashgen import cache
+from flashgen.compile import (
+    NVCC_FLAGS,
+    CompileError,
+    CompileReport,
+    NvccNotFoundError,
+    compile_source,
+    find_nvcc,
+    nvcc_command,
+    nvcc_version,
+    parse_ptxas,
+)
+from flashgen.lower import plan_forward
+from flashgen.render import render
+from flashgen.spec import load_spec
+
+SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'bar' for 'sm_80'
+ptxas info    : Function properties for bar
+    256 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 24 registers, used 0 barriers, 256 bytes cumulative stack size
+ptxas info    : Compile time = 11.116 ms
+ptxas info    : Compiling entry function 'foo' for 'sm_80'
+ptxas info    : Function properties for foo
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, used 1 barriers, 1024 bytes smem, 364 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_reads_every_kernel():
+    bar, foo = parse_ptxas(PTXAS_LOG)
+    assert (bar.name, bar.registers, bar.stack_frame) == ("bar", 24, 256)
+    assert (bar.spill_stores, bar.spill_loads, bar.spill_bytes) == (8, 12, 20)
+    assert (foo.name, foo.registers, foo.smem, foo.barriers, foo.spill_bytes) == (
+        "foo",
+        10,
+        1024,
+        1,
+        0,
+    )
+
+
+def test_report_round_trips_through_json_dict():
+    rep = CompileReport("sm_80", "sm_80", parse_ptxas(PTXAS_LOG), 1.5, "13.0.88", ("nvcc",), "x")
+    again = CompileReport.from_dict(rep.to_dict())
+    assert again == rep
+    assert rep.registers == 24 and rep.spill_bytes == 20 and rep.smem == 1024
+
+
+def test_command_has_no_fast_math_and_targets_the_plan():
+    plan = plan_forward(load_spec(SPECS[0]), "sm_90")
+    cmd = nvcc_command(plan, "k.cu", "k.cubin", nvcc="nvcc")
+    assert "--use_fast_math" not in cmd and "-use_fast_math" not in cmd
+    assert "-gencode=arch=compute_90a,code=sm_90a" in cmd
+    assert set(NVCC_FLAGS) <= set(cmd) and cmd[-3:] == ["-o", "k.cubin", "k.cu"]
+
+
+def test_missing_nvcc_is_reported_clearly(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_NVCC", "/nonexistent/nvcc")
+    with pytest.raises(NvccNotFoundError, match="FLASHGEN_NVCC"):
+        find_nvcc()
+
+
+def test_nvcc_version(requires_nvcc):
+    v = nvcc_version()
+    assert v[0].isdigit() and "." in v
+
+
+def test_compile_error_carries_nvcc_output(requires_nvcc, tmp_path):
+    plan = SimpleNamespace(
+        target="sm_80",
+        arch="sm_80",
+        kernel_name="broken",
+        gencode="-gencode=arch=compute_80,code=sm_80",
+    )
+    with pytest.raises(CompileError) as ei:
+        compile_source(
+            'extern "C" __global__ void broken() { undeclared_thing(); }',
+            plan,
+            tmp_path / "x.cubin",
+        )
+    assert "undeclared_thing" in ei.value.output
+    assert "broken" in str(ei.value)
+    assert not (tmp_path / "x.cubin").exists()
+
+
+def _build(path: Path, target: str):
+    spec = load_spec(path)
+    plan = plan_forward(spec, target)
+    cubin, report = cache.get_or_build(render(plan), plan)
+    return spec.name, target, plan, cubin, report
+
+
+def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
+    """All (spec, target) pairs, compiled in parallel through the (session) cache."""
+    assert SPECS, "no specs shipped"
+    pairs = [(p, t) for p in SPECS for t in ("sm_80", "sm_90")]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda pt: _build(*pt), pairs))
+    problems = []
+    for name, target, plan, cubin, report in results:
+        k = report.kernel(plan.kernel_name)
+        assert cubin.stat().st_size > 0
+        assert 0 < k.registers <= 255
+        if k.spill_bytes:
+            problems.append(f"{name}/{target}: {k}")
+        assert plan.smem_bytes + k.smem <= 227 * 1024
+    assert not problems, "kernels spill:\n" + "\n".join(problems)

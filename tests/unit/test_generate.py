@@ -1,0 +1,78 @@
+"""generated/<name>/: files, manifest, and importing the generated module."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashgen import __version__
+from flashgen.compile import CompileReport, KernelResources
+from flashgen.generate import write_generated
+from flashgen.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def import_generated(root: Path, package: str, name: str):
+    """Import ``<root>/<name>`` as ``<package>.<name>`` (``from generated import name``)."""
+    spec = importlib.util.spec_from_file_location(
+        package, root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[package] = mod
+    spec.loader.exec_module(mod)
+    return importlib.import_module(f"{package}.{name}")
+
+
+def test_writes_sources_spec_manifest_and_module(tmp_path):
+    spec = load_spec(REPO / "specs" / "alibi.yaml")
+    rep = CompileReport(
+        "sm_80", "sm_80", (KernelResources("flashgen_alibi_fwd_sm_80", 200),), 1.0, "13.0.88"
+    )
+    out = write_generated(spec, tmp_path / "generated", reports={"sm_80": rep})
+    assert out == tmp_path / "generated" / "alibi"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        "__init__.py",
+        "alibi_sm_80.cu",
+        "alibi_sm_90.cu",
+        "manifest.json",
+        "spec.yaml",
+    ]
+    assert (tmp_path / "generated" / "__init__.py").read_text().startswith('"""')
+    assert (out / "spec.yaml").read_text() == spec.source
+    assert 'extern "C" __global__' in (out / "alibi_sm_90.cu").read_text()
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["flashgen_version"] == __version__
+    assert man["spec_sha256"] == hashlib.sha256(spec.source.encode()).hexdigest()
+    assert man["targets"]["sm_80"]["resources"]["registers"] == 200
+    assert man["targets"]["sm_90"]["resources"] is None
+    assert man["targets"]["sm_90"]["config"]["kernel"] == "flashgen_alibi_fwd_sm_90"
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_rewrite_is_deterministic_and_drops_stale_targets(tmp_path):
+    spec = load_spec(REPO / "specs" / "gpt2_d64.yaml")
+    out = write_generated(spec, tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    write_generated(spec, tmp_path)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    write_generated(spec, tmp_path, targets=("sm_80",))
+    assert not (out / "gpt2_d64_sm_90.cu").exists() and (out / "gpt2_d64_sm_80.cu").exists()
+
+
+def test_generated_module_imports_and_runs_on_cpu(tmp_path):
+    torch = pytest.importorskip("torch")
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    write_generated(spec, tmp_path / "generated")
+    mod = import_generated(tmp_path / "generated", "fg_test_generated", "causal_d128")
+    assert mod.spec.name == "causal_d128" and "causal_d128" in mod.__doc__
+    q = torch.randn(1, 2, 5, 128).bfloat16()
+    o, lse = mod.attention(q, q, q)
+    assert o.shape == (1, 2, 5, 128) and lse.shape == (1, 2, 5)
