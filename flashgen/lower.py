@@ -57,7 +57,8 @@ class TileConfig:
 #: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles.
 #: Picked from a sweep on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every
 #: entry compiles with zero spills.  A score_mod at head_dim 256 needs registers for its
-#: math, so it halves BLOCK_N.  ``flashgen tune`` will key this by GPU, dtype and causal too.
+#: math, so it halves BLOCK_N.  ``flashgen tune`` measures per GPU, dtype and causal and
+#: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (64, False): TileConfig(128, 64, 4),
     (128, False): TileConfig(128, 32, 4),
@@ -253,10 +254,23 @@ def _uses(e: Expr | None, names: set[str]) -> bool:
 
 
 # ----------------------------------------------------------------------------- plan
-def choose_tiles(spec: Spec, target: str) -> TileConfig:
-    """Tile config: the spec's ``tiles:`` overrides on top of DEFAULT_TILES[head_dim]."""
+def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
+    """Tile config of ``spec``'s forward kernel for ``target``.
+
+    Precedence: the spec's ``tiles:`` fields, then the tuning table entry measured on
+    ``gpu`` (the CUDA device name, e.g. ``"NVIDIA H200"``; see :mod:`flashgen.tuning`,
+    written by ``flashgen tune``), then ``DEFAULT_TILES``.  Without a GPU name (offline
+    builds, ``generated/``) the table is not consulted.
+    """
+    from .tuning import lookup
+
     d = max(spec.head_dim, spec.head_dim_v)
-    base = DEFAULT_TILES.get((d, spec.score_mod is not None)) or DEFAULT_TILES[(d, False)]
+    has_mod = spec.score_mod is not None
+    tuned = lookup(gpu, target, d, spec.dtype, split_causal(spec.mask)[0], has_mod)
+    if tuned is not None:
+        base = TileConfig(*tuned)
+    else:
+        base = DEFAULT_TILES.get((d, has_mod)) or DEFAULT_TILES[(d, False)]
     o = spec.tiles
     return TileConfig(
         o.block_m or base.block_m, o.block_n or base.block_n, o.num_warps or base.num_warps
@@ -287,8 +301,11 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     return tuple(args)
 
 
-def plan_forward(spec: Spec, target: str) -> KernelPlan:
+def plan_forward(spec: Spec, target: str, gpu: str | None = None) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
+
+    ``gpu`` (the CUDA device name, optional) selects tuned tiles from the tuning table; see
+    :func:`choose_tiles`.
 
     Both targets currently render the FA2-class template (``templates/sm_80/fwd.cu.j2``,
     Dao 2023, Algorithm 1); ``sm_90`` compiles it for ``sm_90a``.
@@ -299,7 +316,7 @@ def plan_forward(spec: Spec, target: str) -> KernelPlan:
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
-    tiles = choose_tiles(spec, target)
+    tiles = choose_tiles(spec, target, gpu)
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")

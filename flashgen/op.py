@@ -409,7 +409,9 @@ class AttentionOp:
                 from .lower import plan_forward
                 from .render import render
 
-                plan = plan_forward(self.spec, target_for_device(self.spec, device))
+                target = target_for_device(self.spec, device)
+                gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
+                plan = plan_forward(self.spec, target, gpu=gpu)
                 cubin, _report = cache.get_or_build(render(plan), plan)
                 kern = runtime.load(cubin, plan, index)
                 self._kernels[index] = kern

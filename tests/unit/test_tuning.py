@@ -1,0 +1,128 @@
+"""The tuning table (flashgen/tuning) and its use by lower.choose_tiles."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from flashgen import tuning
+from flashgen.ir import TileOverride
+from flashgen.lower import DEFAULT_TILES, TileConfig, choose_tiles, plan_forward
+from flashgen.spec import loads_spec
+
+GPU = "NVIDIA H200"
+
+SPEC = """
+name: tt_causal
+head_dim: 128
+dtype: bf16
+mask: causal
+"""
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A fresh table file selected through $FLASHGEN_TUNING_TABLE."""
+    path = tmp_path / "table.json"
+    monkeypatch.setenv(tuning.ENV, str(path))
+    return path
+
+
+def _entry(bm, bn, nw):
+    return {"block_m": bm, "block_n": bn, "num_warps": nw, "tflops": 300.0, "date": "2026-11-30"}
+
+
+def test_key_format():
+    key = tuning.table_key(GPU, "sm_90", 128, "bf16", True, False)
+    assert key == "NVIDIA H200|sm_90|128|bf16|causal|none"
+    assert tuning.table_key(GPU, "sm_80", 256, "fp16", False, True).endswith(
+        "|sm_80|256|fp16|noncausal|score_mod"
+    )
+
+
+def test_shipped_table_is_valid_json():
+    doc = json.loads(tuning.default_path().read_text())
+    entries = doc.get("entries", doc)
+    assert isinstance(entries, dict)
+    for key, entry in entries.items():
+        assert len(key.split("|")) == 6, key
+        assert tuning.valid_entry(entry), (key, entry)
+
+
+def test_untuned_key_falls_back_to_default(table):
+    spec = loads_spec(SPEC)
+    assert choose_tiles(spec, "sm_90", GPU) == DEFAULT_TILES[(128, False)]
+    assert choose_tiles(spec, "sm_90") == DEFAULT_TILES[(128, False)]
+
+
+def test_tuned_key_is_used_only_for_its_gpu_and_key(table):
+    spec = loads_spec(SPEC)
+    tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 64, 4))
+    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(64, 64, 4)
+    # no GPU name (offline build), another GPU, another target: defaults
+    assert choose_tiles(spec, "sm_90") == DEFAULT_TILES[(128, False)]
+    assert choose_tiles(spec, "sm_90", "NVIDIA A100-SXM4-80GB") == DEFAULT_TILES[(128, False)]
+    assert choose_tiles(spec, "sm_80", GPU) == DEFAULT_TILES[(128, False)]
+    # the key distinguishes dtype, causal and score_mod
+    for other in (
+        replace(spec, dtype="fp16"),
+        replace(spec, mask=None),
+        loads_spec(SPEC + "score_mod: score * 2.0\n"),
+    ):
+        assert choose_tiles(other, "sm_90", GPU) == DEFAULT_TILES[(128, False)]
+
+
+def test_causal_conjunct_counts_as_causal(table):
+    tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 32, 4))
+    swa = loads_spec(
+        "name: tt_swa\nhead_dim: 128\ndtype: bf16\nmask: causal && q_idx - kv_idx < 256\n"
+    )
+    assert choose_tiles(swa, "sm_90", GPU) == TileConfig(64, 32, 4)
+
+
+def test_spec_override_wins_over_table(table):
+    tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 64, 4))
+    spec = replace(loads_spec(SPEC), tiles=TileOverride(block_n=32))
+    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(64, 32, 4)
+    spec = replace(loads_spec(SPEC), tiles=TileOverride(128, 128, 8))
+    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(128, 128, 8)
+
+
+def test_plan_and_source_follow_the_table(table):
+    spec = loads_spec(SPEC)
+    before = plan_forward(spec, "sm_90", gpu=GPU)
+    tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 64, 4))
+    after = plan_forward(spec, "sm_90", gpu=GPU)
+    assert (after.tiles.block_m, after.tiles.block_n) == (64, 64)
+    assert after.context["block_n"] == 64 and after.tiles != before.tiles
+    from flashgen.render import render
+
+    # tiles are rendered into the source, so the kernel cache key changes with the table
+    assert "BLOCK_N = 64;" in render(after) and render(after) != render(before)
+
+
+def test_invalid_and_missing_tables_are_ignored(table):
+    spec = loads_spec(SPEC)
+    table.write_text("{not json")
+    assert tuning.load_table() == {}
+    assert choose_tiles(spec, "sm_90", GPU) == DEFAULT_TILES[(128, False)]
+    key = tuning.table_key(GPU, "sm_90", 128, "bf16", True, False)
+    table.write_text(json.dumps({"entries": {key: {"block_m": 96, "block_n": 64, "num_warps": 4}}}))
+    assert choose_tiles(spec, "sm_90", GPU) == DEFAULT_TILES[(128, False)]  # 96 % 64 != 0
+    table.write_text(json.dumps({key: _entry(64, 48, 4)}))  # flat form is read too
+    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(64, 48, 4)
+
+
+def test_update_table_keeps_other_keys_and_rejects_bad_entries(table):
+    k1 = tuning.table_key(GPU, "sm_90", 64, "bf16", False, False)
+    k2 = tuning.table_key(GPU, "sm_90", 256, "fp16", True, True)
+    tuning.update_table(k2, _entry(64, 32, 4))
+    tuning.update_table(k1, _entry(128, 64, 4))
+    doc = json.loads(table.read_text())
+    assert list(doc["entries"]) == sorted([k1, k2])
+    with pytest.raises(ValueError):
+        tuning.update_table(k1, {"block_m": 64, "block_n": 40, "num_warps": 4})
+    assert tuning.lookup(GPU, "sm_90", 64, "bf16", False, False) == (128, 64, 4)
+    assert tuning.lookup(None, "sm_90", 64, "bf16", False, False) is None
