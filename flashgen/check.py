@@ -74,6 +74,11 @@ BLOCK_M = (16, 32, 64, 128, 256)
 BLOCK_N = (16, 32, 64, 128)
 NUM_WARPS = (1, 2, 4, 8)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: Largest finite float32; f32 literals, defaults and bounds must stay within it (a larger
+#: value would be inf in the kernel but finite in the float64 reference).
+F32_MAX = 3.4028234663852886e38
+#: Smallest positive normal float32: the least softmax_scale accepted.
+F32_MIN_NORMAL = 1.1754943508222875e-38
 _NUMERIC = (Ty.I32, Ty.F32)
 _ARITH = {"+", "-", "*", "/", "%"}
 _ORDER = {"<", "<=", ">", ">="}
@@ -132,11 +137,12 @@ class _Checker:
             if t in s.targets[:i]:
                 raise self.fail(f"targets.{i}", f"target '{t}' is listed twice")
         if s.softmax_scale is not None and not (
-            math.isfinite(s.softmax_scale) and s.softmax_scale > 0
+            math.isfinite(s.softmax_scale) and F32_MIN_NORMAL <= s.softmax_scale <= F32_MAX
         ):
             raise self.fail(
                 "softmax_scale",
-                f"softmax_scale must be 'auto' or a positive number, got {s.softmax_scale}",
+                "softmax_scale must be 'auto' or a positive number within float32 range, "
+                f"got {s.softmax_scale}",
             )
         for key, allowed in (("block_m", BLOCK_M), ("block_n", BLOCK_N), ("num_warps", NUM_WARPS)):
             v = getattr(s.tiles, key)
@@ -190,9 +196,16 @@ class _Checker:
                     raise self.fail(
                         key + ".default", f"default {d} of param '{p.name}' does not fit in int32"
                     )
-            elif not math.isfinite(d):
-                raise self.fail(key + ".default", f"default of param '{p.name}' must be finite")
+                self.bounds(p, key)
+            elif not (math.isfinite(d) and abs(d) <= F32_MAX):
+                raise self.fail(
+                    key + ".default",
+                    f"default of param '{p.name}' must be a finite float32 value, got {d}",
+                )
+            self.bounds(p, key)
         elif p.kind == "tensor":
+            if p.minimum is not None or p.maximum is not None:
+                raise self.fail(key, f"tensor param '{p.name}' cannot have min/max bounds")
             if not p.shape:
                 raise self.fail(key + ".shape", f"tensor param '{p.name}' needs a non-empty shape")
             for i, d in enumerate(p.shape):
@@ -208,6 +221,37 @@ class _Checker:
                     )
         else:
             raise self.fail(key, f"param '{p.name}' has unknown kind '{p.kind}'")
+
+    def bounds(self, p: ir.Param, key: str) -> None:
+        """Check a scalar param's optional ``min``/``max``: typed, in range, around the default."""
+        for word, b in (("min", p.minimum), ("max", p.maximum)):
+            if b is None:
+                continue
+            where = f"{key}.{word}"
+            if isinstance(b, bool) or not isinstance(b, (int, float)):
+                raise self.fail(where, f"the {word} of param '{p.name}' must be a number")
+            if p.ty == Ty.I32 and not (isinstance(b, int) and INT32_MIN <= b <= INT32_MAX):
+                raise self.fail(
+                    where, f"param '{p.name}' is i32, so its {word} must be an int32, got {b}"
+                )
+            if p.ty == Ty.F32 and not (math.isfinite(b) and abs(b) <= F32_MAX):
+                raise self.fail(
+                    where, f"the {word} of param '{p.name}' must be a finite float32, got {b}"
+                )
+        if p.minimum is not None and p.maximum is not None and p.minimum > p.maximum:
+            raise self.fail(
+                f"{key}.max", f"param '{p.name}' has min {p.minimum} greater than max {p.maximum}"
+            )
+        if p.minimum is not None and p.default < p.minimum:
+            raise self.fail(
+                f"{key}.default",
+                f"default {p.default} of param '{p.name}' is below its min {p.minimum}",
+            )
+        if p.maximum is not None and p.default > p.maximum:
+            raise self.fail(
+                f"{key}.default",
+                f"default {p.default} of param '{p.name}' is above its max {p.maximum}",
+            )
 
     # ------------------------------------------------------------------ expressions
     def root(self, e: Expr | None, field: str) -> Expr | None:
@@ -265,6 +309,10 @@ class _Checker:
             return replace(e, ty=Ty.I32)
         if not math.isfinite(v):
             raise self.fail(e.span, "float literal is not finite (too large)")
+        if abs(v) > F32_MAX:
+            raise self.fail(
+                e.span, f"float literal {v!r} does not fit in float32 (max {F32_MAX:g})"
+            )
         return replace(e, ty=Ty.F32)
 
     def var(self, e: Var) -> Var:
@@ -365,6 +413,8 @@ class _Checker:
                     )
             if op in _ARITH:
                 ty = Ty.I32 if lt == rt == Ty.I32 else Ty.F32
+                if op in ("/", "%") and _is_zero(rhs):
+                    raise self.fail(e.span, f"'{op}' by zero: the divisor is the constant 0")
             else:
                 ty = Ty.BOOL
         else:
@@ -385,6 +435,13 @@ class _Checker:
                 f"the branches of '?:' have incompatible types {a.ty.value} and {b.ty.value}",
             )
         return replace(e, cond=c, then=a, other=b, ty=ty)
+
+
+def _is_zero(e: Expr) -> bool:
+    """Whether ``e`` is a literal zero (possibly negated or parenthesized)."""
+    while isinstance(e, Unary) and e.op == "-":
+        e = e.arg
+    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value == 0
 
 
 def _leftmost(e: Expr) -> ir.Span:

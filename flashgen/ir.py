@@ -146,6 +146,8 @@ class Param:
     ``kind == "scalar"``: an op keyword argument (i32 or f32) with a default.
     ``kind == "tensor"``: a runtime tensor argument of the op (f32 or i32 elements)
     whose shape is declared with integer literals and SHAPE_SYMBOLS.
+    ``minimum`` / ``maximum``: optional inclusive bounds of a scalar's value (the op
+    rejects a value outside them); ``None`` means unbounded.
     """
 
     name: str
@@ -154,6 +156,8 @@ class Param:
     default: int | float | None = None  # scalars only
     shape: tuple[int | str, ...] = ()  # tensors only
     span: Span = field(default=NO_SPAN, compare=False)
+    minimum: int | float | None = None  # scalars only, inclusive
+    maximum: int | float | None = None  # scalars only, inclusive
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ FIELDS = (
     "tiles",
 )
 REQUIRED = ("name", "head_dim", "dtype")
-PARAM_FIELDS = ("type", "default", "shape")
+PARAM_FIELDS = ("type", "default", "shape", "min", "max")
 TILE_FIELDS = ("block_m", "block_n", "num_warps")
 DEFAULT_TARGETS = ("sm_80", "sm_90")
 
@@ -167,6 +167,14 @@ class _Loader:
         return node.value, line, col
 
 
+def _as_float(ld: _Loader, node: yaml.Node, value: int | float, field: str) -> float:
+    """``float(value)``, as a SpecError at ``node`` when an integer is too large for that."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ld.error(node, f"{field} is too large ({str(value)[:12]}...)") from None
+
+
 def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
     name = key_node.value
     where = f"params.{name}"
@@ -190,6 +198,11 @@ def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
             f"param '{name}' has both a default and a shape; a tensor param has no default",
         )
     if has_shape:
+        for key in ("min", "max"):
+            if key in fields:
+                raise ld.error(
+                    fields[key][0], f"param '{name}' is a tensor; only scalar params take a {key}"
+                )
         shape_node = fields["shape"][1]
         ld.record(where + ".shape", shape_node)
         dims: list[int | str] = []
@@ -209,8 +222,17 @@ def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
         ld.record(where + ".default", dnode)
         default = ld.number(dnode, f"the default of param '{name}'")
         if ty == ir.Ty.F32:
-            default = float(default)
-        return ir.Param(name, "scalar", ty, default, (), ld.span(key_node))
+            default = _as_float(ld, dnode, default, f"the default of param '{name}'")
+        bounds = {}
+        for key in ("min", "max"):
+            if key in fields:
+                bnode = fields[key][1]
+                ld.record(f"{where}.{key}", bnode)
+                val = ld.number(bnode, f"the {key} of param '{name}'")
+                if ty == ir.Ty.F32:
+                    val = _as_float(ld, bnode, val, f"the {key} of param '{name}'")
+                bounds["minimum" if key == "min" else "maximum"] = val
+        return ir.Param(name, "scalar", ty, default, (), ld.span(key_node), **bounds)
     raise ld.error(
         node,
         f"param '{name}' needs a default (a scalar, e.g. {{type: {tname}, default: 1}}) "
@@ -253,7 +275,12 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
     if get("softmax_scale") is not None:
         snode = get("softmax_scale")
         if not (isinstance(snode, yaml.ScalarNode) and snode.value == "auto"):
-            scale = float(ld.scalar(snode, "softmax_scale", ("int", "float"), "'auto' or a number"))
+            scale = _as_float(
+                ld,
+                snode,
+                ld.scalar(snode, "softmax_scale", ("int", "float"), "'auto' or a number"),
+                "softmax_scale",
+            )
 
     tiles = ir.TileOverride()
     if get("tiles") is not None:
