@@ -138,6 +138,7 @@ _F_CALLS = {
     "log": "logf",
     "tanh": "tanhf",
     "sqrt": "sqrtf",
+    "trunc": "truncf",  # only in derived (backward) expressions
 }
 _I_CALLS = {"abs": "abs", "min": "min", "max": "max"}
 _C_TYPE = {Ty.I32: "int", Ty.F32: "float", Ty.BOOL: "bool"}
@@ -354,4 +355,167 @@ def plan_forward(spec: Spec, target: str, gpu: str | None = None) -> KernelPlan:
         smem_bytes=smem,
         args=ctx["args"],
         context=ctx,
+    )
+
+
+# ----------------------------------------------------------------------------- backward
+@dataclass(frozen=True)
+class BackwardTiles:
+    """Tiles of the three backward kernels (FA2 backward, Dao 2023, Algorithm 2).
+
+    dkdv: each CTA owns ``dkdv_block_n`` key rows (16 per warp) and walks the query rows of
+    every head in its GQA group ``dkdv_block_m`` at a time; ``dkdv_dsplit`` > 1 splits the
+    dK/dV columns over that many CTAs when the accumulators would not fit in registers.
+    dq: each CTA owns ``dq_block_m`` query rows (16 per warp) and walks ``dq_block_n`` keys
+    at a time.
+    """
+
+    dkdv_block_n: int
+    dkdv_block_m: int
+    dkdv_warps: int
+    dkdv_dsplit: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+
+
+#: (head_dim, has score_mod) -> tiles; every entry compiles with zero spills for the
+#: shipped specs (a score_mod's math needs registers, so it gets narrower steps).
+BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
+    (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
+    (128, True): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+}
+#: Warps (one row each) per CTA of the preprocess kernel D = rowsum(dO * O).
+PRE_WARPS = 8
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The three kernels of the backward pass, rendered from one source.
+
+    ``pre``: D = rowsum(dO * O) per query row (fp32).  ``dkdv``: dK, dV with KV outer /
+    Q inner, summed over the query heads of a GQA group in registers.  ``dq``: dQ with
+    Q outer / KV inner.  No atomics: every output element is written by one thread, so
+    the gradients are bitwise reproducible run to run.
+    """
+
+    spec_name: str
+    target: str
+    tiles: BackwardTiles
+    pre: KernelPlan
+    dkdv: KernelPlan
+    dq: KernelPlan
+
+    def grids(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
+        """1-D grids (gridDim.x only) of ``pre``, ``dkdv`` and ``dq``."""
+        t = self.tiles
+        pre = (-(-batch * heads_q * seqlen_q // PRE_WARPS), 1, 1)
+        n_blocks = -(-seqlen_k // t.dkdv_block_n)
+        dkdv = (n_blocks * batch * heads_kv * t.dkdv_dsplit, 1, 1)
+        m_blocks = -(-seqlen_q // t.dq_block_m)
+        dq = (m_blocks * batch * heads_q, 1, 1)
+        return pre, dkdv, dq
+
+
+def _strides(*names: str) -> list[KernelArg]:
+    return [KernelArg(f"{x}_{s}", "int64_t") for x in names for s in ("sb", "sh", "ss")]
+
+
+def _param_args(spec: Spec) -> list[KernelArg]:
+    args = [
+        KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float") for p in spec.scalar_params
+    ]
+    args += [
+        KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*")
+        for p in spec.tensor_params
+    ]
+    return args
+
+
+def plan_backward(spec: Spec, target: str) -> BackwardPlan:
+    """Lower ``spec`` to its backward kernels for ``target`` (template ``sm_80/bwd.cu.j2``).
+
+    The score_mod derivative d score_mod / d score comes from :func:`flashgen.derive.d_dscore`.
+    Raises ``ValueError`` like :func:`plan_forward`.
+    """
+    from .derive import d_dscore
+
+    fwd = plan_forward(spec, target)  # validates target and dtype
+    dmax = max(spec.head_dim, spec.head_dim_v)
+    t = BACKWARD_TILES.get((dmax, spec.score_mod is not None)) or BACKWARD_TILES[(dmax, False)]
+    d, dv = spec.head_dim, spec.head_dim_v
+    et = CTYPE[spec.dtype]
+    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
+    stats = [KernelArg("lse", "const float*"), KernelArg("dsum", "const float*")]
+    tail = [*dims, KernelArg("softmax_scale", "float"), *_param_args(spec)]
+    pre_args = (
+        KernelArg("o", f"const {et}*"),
+        KernelArg("dout", f"const {et}*"),
+        KernelArg("dsum", "float*"),
+        *_strides("o", "dout"),
+        KernelArg("batch", "int"),
+        KernelArg("heads_q", "int"),
+        KernelArg("seqlen_q", "int"),
+    )
+    dkdv_args = (
+        *ins,
+        *stats,
+        KernelArg("dk", f"{et}*"),
+        KernelArg("dv", f"{et}*"),
+        *_strides("q", "k", "v", "dout", "dk", "dv"),
+        *tail,
+    )
+    dq_args = (
+        *ins,
+        *stats,
+        KernelArg("dq", f"{et}*"),
+        *_strides("q", "k", "v", "dout", "dq"),
+        *tail,
+    )
+    score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
+    base = f"flashgen_{spec.name}_bwd_{target}"
+    ctx = dict(fwd.context)
+    ctx.update(
+        kernel_pre=f"{base}_pre",
+        kernel_dkdv=f"{base}_dkdv",
+        kernel_dq=f"{base}_dq",
+        pre_args=pre_args,
+        dkdv_args=dkdv_args,
+        dq_args=dq_args,
+        pre_warps=PRE_WARPS,
+        dkdv_block_n=t.dkdv_block_n,
+        dkdv_block_m=t.dkdv_block_m,
+        dkdv_warps=t.dkdv_warps,
+        dkdv_dsplit=t.dkdv_dsplit,
+        dq_block_m=t.dq_block_m,
+        dq_block_n=t.dq_block_n,
+        dq_warps=t.dq_warps,
+        score_grad_expr=cuda_expr(score_grad, spec) if score_grad is not None else None,
+    )
+    dkdv_smem = (t.dkdv_block_n * (d + dv) + 2 * t.dkdv_block_m * (d + dv)) * 2
+    dkdv_smem += 2 * 2 * t.dkdv_block_m * 4  # lse and dsum of both stages
+    dq_smem = (t.dq_block_m * (d + dv) + 2 * t.dq_block_n * (d + dv)) * 2
+
+    def kp(name: str, warps: int, smem: int, args) -> KernelPlan:
+        return KernelPlan(
+            spec_name=spec.name,
+            target=target,
+            template="sm_80/bwd.cu.j2",
+            kernel_name=name,
+            tiles=TileConfig(16 * warps, 16, warps),
+            smem_bytes=smem,
+            args=tuple(args),
+            context=ctx,
+        )
+
+    return BackwardPlan(
+        spec_name=spec.name,
+        target=target,
+        tiles=t,
+        pre=kp(ctx["kernel_pre"], PRE_WARPS, 0, pre_args),
+        dkdv=kp(ctx["kernel_dkdv"], t.dkdv_warps, dkdv_smem, dkdv_args),
+        dq=kp(ctx["kernel_dq"], t.dq_warps, dq_smem, dq_args),
     )

@@ -96,6 +96,7 @@ def eval_expr(e: Expr, env: dict):
             "log": torch.log,
             "tanh": torch.tanh,
             "sqrt": torch.sqrt,
+            "trunc": torch.trunc,
         }[e.fn]
         return fn(*args)
     raise TypeError(f"cannot evaluate {e!r}")

@@ -68,3 +68,8 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
 }
 
 }  // namespace fg
+
+namespace fg {
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+}  // namespace fg
