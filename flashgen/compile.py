@@ -239,11 +239,14 @@ def compile_source(source: str, plan, out_path: str | Path) -> CompileReport:
 
     ``plan`` is a :class:`~flashgen.lower.KernelPlan` (``gencode``, ``arch``, ``target``,
     ``kernel_name`` are read).  The source is written to a temporary directory as
-    ``<kernel_name>.cu`` so diagnostics name the kernel.
+    ``<kernel_name>.cu`` so diagnostics name the kernel.  ``ValueError`` if
+    ``kernel_name`` is not a C identifier (it names a file).
 
     Raises :class:`NvccNotFoundError` without nvcc, :class:`CompileError` (with nvcc's
     output) when nvcc fails, times out, or reports no entry function.
     """
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(plan.kernel_name)):
+        raise ValueError(f"kernel name {plan.kernel_name!r} is not a C identifier")
     nvcc = find_nvcc()
     version = _nvcc_version(nvcc)
     out_path = Path(out_path)
