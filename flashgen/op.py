@@ -83,13 +83,31 @@ def _shape(t) -> list:
     return list(t.shape)
 
 
-def validate(spec: ir.Spec, q, k, v, tensor_params: dict | None = None) -> Dims:
+def validate(
+    spec: ir.Spec,
+    q,
+    k,
+    v,
+    tensor_params: dict | None = None,
+    *,
+    softmax_scale=None,
+    scalars=None,
+) -> Dims:
     """Check q, k, v (and tensor params) against ``spec`` and the op contract.
 
     ``tensor_params`` maps each tensor param name to its tensor (missing ones are
-    reported).  Returns the problem :class:`Dims`.  Raises :class:`OpInputError`
-    naming the offending argument with the expected and received value.
+    reported).  When given, ``softmax_scale`` (see :func:`check_softmax_scale`) and
+    ``scalars`` (scalar param values in spec order, see :func:`check_scalar`) are
+    checked too.  Returns the problem :class:`Dims`.  Raises :class:`OpInputError`
+    naming the offending argument with the expected and received value.  Reads only
+    shapes, strides, dtypes and devices: never tensor contents (no device sync).
     """
+    if softmax_scale is not None and not _symbolic(softmax_scale):
+        check_softmax_scale(softmax_scale)
+    if scalars is not None:
+        for p, val in zip(spec.scalar_params, scalars, strict=True):
+            if not _symbolic(val):
+                check_scalar(p, val)
     want = TORCH_DTYPE[spec.dtype]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -157,11 +175,75 @@ def validate(spec: ir.Spec, q, k, v, tensor_params: dict | None = None) -> Dims:
                 raise OpInputError(
                     f"{p.name}: expected shape {expected} ({_shape_decl(p)}), got {_shape(t)}"
                 )
-            if t.dtype.is_complex or t.dtype == torch.bool:
+            ok = (
+                t.dtype.is_floating_point
+                if p.ty == ir.Ty.F32
+                else not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+            )
+            if not ok or t.dtype in _FP8_DTYPES:
+                kind = "a floating-point" if p.ty == ir.Ty.F32 else "an integer"
                 raise OpInputError(
-                    f"{p.name}: expected a real tensor ({p.ty.value} elements), got {t.dtype}"
+                    f"{p.name}: expected {kind} tensor ({p.ty.value} elements, e.g. "
+                    f"{PARAM_DTYPE[p.ty]}), got {t.dtype}"
                 )
     return dims
+
+
+_FP8_DTYPES = tuple(
+    d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None
+)
+#: Largest finite float32 (a larger f32 param would reach the kernel as inf).
+_F32_MAX = 3.4028234663852886e38
+#: Smallest positive normal float32: the least softmax_scale accepted.
+_F32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def _symbolic(x) -> bool:
+    """Whether ``x`` is a traced symbolic number (``torch.compile`` with dynamic shapes)."""
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def check_softmax_scale(value) -> float:
+    """``value`` as a float if it is a usable softmax scale: a real number, finite,
+    positive and representable in float32; else :class:`OpInputError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OpInputError(f"softmax_scale: expected a float (finite, > 0), got {value!r}")
+    f = float(value)
+    if not (math.isfinite(f) and _F32_MIN_NORMAL <= f <= _F32_MAX):
+        raise OpInputError(
+            f"softmax_scale: expected a finite positive float32 value, got {value!r}"
+        )
+    return f
+
+
+def check_scalar(p: ir.Param, val) -> int | float:
+    """Check one scalar param value against its declaration; return it as int / float.
+
+    i32: an integer (not bool) in int32 range; f32: a real number, finite and within
+    float32 range.  Either must lie within the param's declared ``min``/``max``.
+    Raises :class:`OpInputError` naming the param, the expected and the received value.
+    """
+    if p.ty == ir.Ty.I32:
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise OpInputError(f"{p.name}: expected an int (i32), got {val!r}")
+        out: int | float = int(val)
+        if not -(2**31) <= out < 2**31:
+            raise OpInputError(f"{p.name}: expected an i32 value, got {val} (out of range)")
+    else:
+        if isinstance(val, bool) or not isinstance(val, numbers.Real):
+            raise OpInputError(f"{p.name}: expected a float (f32), got {val!r}")
+        out = float(val)
+        if not math.isfinite(out):
+            raise OpInputError(f"{p.name}: expected a finite float (f32), got {val!r}")
+        if abs(out) > _F32_MAX:
+            raise OpInputError(
+                f"{p.name}: expected a float32 value, got {val!r} (out of float32 range)"
+            )
+    if p.minimum is not None and out < p.minimum:
+        raise OpInputError(f"{p.name}: expected a value >= {p.minimum} (declared min), got {val!r}")
+    if p.maximum is not None and out > p.maximum:
+        raise OpInputError(f"{p.name}: expected a value <= {p.maximum} (declared max), got {val!r}")
+    return out
 
 
 def _shape_decl(p: ir.Param) -> str:
@@ -177,9 +259,11 @@ def _describe_param(p: ir.Param) -> str:
 def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
     """Op keyword params -> (scalar values, tensor values), each in spec order.
 
-    Missing scalars take their spec default; unknown names, a missing tensor param, a
-    non-integer for an ``i32`` param or a non-number for an ``f32`` param raise
-    :class:`OpInputError`.
+    Missing scalars take their spec default; unknown names, a missing tensor param, and
+    any value :func:`check_scalar` rejects (a non-integer for an ``i32`` param, a
+    non-finite or non-number for an ``f32`` param, a value outside the declared
+    ``min``/``max``) raise :class:`OpInputError`.  A scalar may also be a 0-d CPU
+    tensor; a CUDA tensor is refused (reading it would synchronize the device).
     """
     valid = [p.name for p in spec.params]
     for name in params:
@@ -193,18 +277,14 @@ def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
         val = params.get(p.name, p.default)
         if val is None:
             raise OpInputError(f"{p.name}: missing scalar param {_describe_param(p)}")
-        if isinstance(val, torch.Tensor) and val.numel() == 1 and val.dim() == 0:
+        if isinstance(val, torch.Tensor) and val.dim() == 0:
+            if val.device.type != "cpu":
+                raise OpInputError(
+                    f"{p.name}: expected a Python number or a CPU scalar tensor, got a tensor "
+                    f"on {val.device} (reading it would synchronize the device)"
+                )
             val = val.item()
-        if p.ty == ir.Ty.I32:
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral):
-                raise OpInputError(f"{p.name}: expected an int (i32), got {val!r}")
-            if not -(2**31) <= int(val) < 2**31:
-                raise OpInputError(f"{p.name}: expected an i32 value, got {val} (out of range)")
-            scalars.append(int(val))
-        else:
-            if isinstance(val, bool) or not isinstance(val, numbers.Real):
-                raise OpInputError(f"{p.name}: expected a float (f32), got {val!r}")
-            scalars.append(float(val))
+        scalars.append(check_scalar(p, val))
     tensors = [params.get(p.name) for p in spec.tensor_params]
     return scalars, tensors
 
@@ -301,9 +381,8 @@ class AttentionOp:
         validate(self.spec, q, k, v, self._tensor_map(tensors))
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(self.spec)
-        elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise OpInputError(f"softmax_scale: expected a float, got {softmax_scale!r}")
-        return self.torch_op(q, k, v, float(softmax_scale), *scalars, *tensors)
+        softmax_scale = check_softmax_scale(softmax_scale)
+        return self.torch_op(q, k, v, softmax_scale, *scalars, *tensors)
 
     __call__ = attention
 
@@ -327,15 +406,15 @@ class AttentionOp:
         return o, lse
 
     def _fake_impl(self, q, k, v, softmax_scale, *rest):
-        _, tensors = self._split(rest)
-        dims = validate(self.spec, q, k, v, tensors)
+        scalars, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
         return self._empty_outputs(q, dims)
 
     def _cpu_impl(self, q, k, v, softmax_scale, *rest):
         from .reference import attention_reference
 
         scalars, tensors = self._split(rest)
-        dims = validate(self.spec, q, k, v, tensors)
+        dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
         o, lse = self._empty_outputs(q, dims)
         if lse.numel() == 0:
             return o, lse
@@ -358,7 +437,7 @@ class AttentionOp:
 
     def _cuda_impl(self, q, k, v, softmax_scale, *rest):
         scalars, tensors = self._split(rest)
-        dims = validate(self.spec, q, k, v, tensors)
+        dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
         o, lse = self._empty_outputs(q, dims)
         if _poison_enabled():
             o.fill_(math.nan)

@@ -1,0 +1,325 @@
+"""Op input validation: every bad input is a clear OpInputError before any computation.
+
+Each bad input is tried through three doors: ``op.attention`` (the user entry point),
+``torch.ops.flashgen.<name>`` called directly on CPU (the CPU impl validates itself), and
+meta tensors (the fake impl, what ``torch.compile`` traces).  The message must name the
+argument and carry "expected ... got ...".  The CPU reference is replaced by a tripwire,
+so an error that only surfaced inside the computation would fail the test.
+
+Also: stride-0 (expanded) k/v along batch, heads or sequence give the same result as
+their contiguous copies, and FakeTensorMode shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flashgen
+from flashgen import OpInputError
+from flashgen import reference as reference_mod
+from flashgen.reference import attention_reference
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return {
+        n: flashgen.load(REPO / "specs" / f"{n}.yaml")
+        for n in ("alibi", "mistral_swa", "gemma2_softcap", "causal_d128")
+    }
+
+
+def make(spec, b=2, hq=4, hkv=2, sq=9, sk=11, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec.dtype]
+    q = torch.randn(b, hq, sq, spec.head_dim, generator=g).to(dt).to(device)
+    k = torch.randn(b, hkv, sk, spec.head_dim, generator=g).to(dt).to(device)
+    v = torch.randn(b, hkv, sk, spec.head_dim_v, generator=g).to(dt).to(device)
+    params = {}
+    if spec.param("slopes") is not None:
+        params["slopes"] = torch.rand(hq, generator=g).to(device)
+    return q, k, v, params
+
+
+@pytest.fixture
+def tripwire(monkeypatch):
+    """Fail if the CPU impl gets as far as computing attention."""
+
+    def boom(*a, **kw):
+        raise AssertionError("attention was computed before the inputs were validated")
+
+    monkeypatch.setattr(reference_mod, "attention_reference", boom)
+
+
+def _noncontig_last(t):
+    return t.transpose(2, 3).contiguous().transpose(2, 3)
+
+
+# (id, mutate(q, k, v, params) -> (q, k, v, params), regex the message must match)
+TENSOR_CASES = [
+    ("q_dtype", lambda q, k, v, p: (q.half(), k, v, p), r"^q: expected dtype torch.bfloat16"),
+    ("k_dtype", lambda q, k, v, p: (q, k.float(), v, p), r"^k: expected dtype .*got torch.float32"),
+    ("v_dtype", lambda q, k, v, p: (q, k, v.half(), p), r"^v: expected dtype .*got torch.float16"),
+    ("q_rank3", lambda q, k, v, p: (q[0], k, v, p), r"^q: expected a 4-D tensor.*got shape"),
+    ("k_rank5", lambda q, k, v, p: (q, k[None], v, p), r"^k: expected a 4-D tensor.*got shape"),
+    ("v_rank2", lambda q, k, v, p: (q, k, v[0, 0], p), r"^v: expected a 4-D tensor"),
+    ("q_not_tensor", lambda q, k, v, p: (q.tolist(), k, v, p), r"^q: expected a torch.Tensor"),
+    ("q_head_dim", lambda q, k, v, p: (q[..., :64], k, v, p), r"^q: expected head_dim 128.*got 64"),
+    ("k_head_dim", lambda q, k, v, p: (q, k[..., :64], v, p), r"^k: expected head_dim 128.*got 64"),
+    (
+        "v_head_dim",
+        lambda q, k, v, p: (q, k, v[..., :64], p),
+        r"^v: expected head_dim_v 128.*got 64",
+    ),
+    (
+        "q_stride",
+        lambda q, k, v, p: (_noncontig_last(q), k, v, p),
+        r"^q: expected stride\(-1\) == 1.*got strides",
+    ),
+    ("k_stride", lambda q, k, v, p: (q, _noncontig_last(k), v, p), r"^k: expected stride\(-1\)"),
+    ("v_stride", lambda q, k, v, p: (q, k, _noncontig_last(v), p), r"^v: expected stride\(-1\)"),
+    (
+        "k_expanded_along_d",
+        lambda q, k, v, p: (q, k[..., :1].expand(-1, -1, -1, 128), v, p),
+        r"^k: expected stride\(-1\) == 1",
+    ),
+    (
+        "hq_not_multiple",
+        lambda q, k, v, p: (q[:, :3], k, v, {"slopes": p["slopes"][:3]}),
+        r"^q: expected num_heads to be a multiple of .*2, got 3",
+    ),
+    (
+        "v_length",
+        lambda q, k, v, p: (q, k, v[:, :, :5], p),
+        r"^v: expected \[batch, heads_kv, seqlen_k\] = \[2, 2, 11\].*got \[2, 2, 5\]",
+    ),
+    (
+        "v_heads",
+        lambda q, k, v, p: (q, k, v[:, :1], p),
+        r"^v: expected \[batch, heads_kv, seqlen_k\]",
+    ),
+    ("k_batch", lambda q, k, v, p: (q, k[:1], v[:1], p), r"^k: expected batch 2.*got 1"),
+    ("v_batch", lambda q, k, v, p: (q, k, v[:1], p), r"^v: expected \[batch, heads_kv"),
+    ("zero_kv_heads", lambda q, k, v, p: (q, k[:, :0], v[:, :0], p), r"^k: expected at least one"),
+    (
+        "k_device",
+        lambda q, k, v, p: (q, k.to("meta"), v, p),
+        r"^k: expected device cpu.*got meta",
+    ),
+    ("v_device", lambda q, k, v, p: (q, k, v.to("meta"), p), r"^v: expected device cpu.*got meta"),
+    ("param_missing", lambda q, k, v, p: (q, k, v, {}), r"^slopes: missing tensor param"),
+    (
+        "param_shape",
+        lambda q, k, v, p: (q, k, v, {"slopes": torch.rand(3)}),
+        r"^slopes: expected shape \[4\] \(\[num_heads\]\), got \[3\]",
+    ),
+    (
+        "param_rank",
+        lambda q, k, v, p: (q, k, v, {"slopes": torch.rand(1, 4)}),
+        r"^slopes: expected shape \[4\].*got \[1, 4\]",
+    ),
+    (
+        "param_int_dtype",
+        lambda q, k, v, p: (q, k, v, {"slopes": torch.ones(4, dtype=torch.int32)}),
+        r"^slopes: expected a floating-point tensor.*got torch.int32",
+    ),
+    (
+        "param_bool_dtype",
+        lambda q, k, v, p: (q, k, v, {"slopes": torch.ones(4, dtype=torch.bool)}),
+        r"^slopes: expected a floating-point tensor.*got torch.bool",
+    ),
+    (
+        "param_complex_dtype",
+        lambda q, k, v, p: (q, k, v, {"slopes": torch.ones(4, dtype=torch.complex64)}),
+        r"^slopes: expected a floating-point tensor",
+    ),
+    (
+        "param_device",
+        lambda q, k, v, p: (q, k, v, {"slopes": p["slopes"].to("meta")}),
+        r"^slopes: expected device cpu.*got meta",
+    ),
+    (
+        "param_not_tensor",
+        lambda q, k, v, p: (q, k, v, {"slopes": [0.5] * 4}),
+        r"^slopes: expected a torch.Tensor",
+    ),
+    (
+        "unknown_kwarg",
+        lambda q, k, v, p: (q, k, v, {**p, "slope": 1.0}),
+        r"^slope: unknown param for op 'alibi'; valid params: slopes",
+    ),
+]
+
+# cases the schema itself cannot express (not a tensor, unknown kwarg, missing tensor)
+_ENTRY_ONLY = {"q_not_tensor", "param_not_tensor", "unknown_kwarg", "param_missing"}
+
+
+@pytest.mark.parametrize("case", TENSOR_CASES, ids=[c[0] for c in TENSOR_CASES])
+def test_bad_tensor_inputs_via_attention(ops, tripwire, case):
+    _, mutate, match = case
+    op = ops["alibi"]
+    q, k, v, params = mutate(*make(op.spec))
+    with pytest.raises(OpInputError, match=match):
+        op.attention(q, k, v, **params)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in TENSOR_CASES if c[0] not in _ENTRY_ONLY], ids=lambda c: c[0]
+)
+def test_bad_tensor_inputs_via_cpu_impl(ops, tripwire, case):
+    """torch.ops.flashgen.alibi(...) called directly: the CPU kernel validates first."""
+    _, mutate, match = case
+    op = ops["alibi"]
+    q, k, v, params = mutate(*make(op.spec))
+    with pytest.raises(OpInputError, match=match):
+        op.torch_op(q, k, v, 0.125, params["slopes"])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in TENSOR_CASES if c[0] not in _ENTRY_ONLY and "device" not in c[0]],
+    ids=lambda c: c[0],
+)
+def test_bad_tensor_inputs_via_meta(ops, case):
+    """Meta tensors dispatch to the fake impl, which runs the same validation."""
+    _, mutate, match = case
+    op = ops["alibi"]
+    q, k, v, params = mutate(*make(op.spec, device="meta"))
+    params = {n: t.to("meta") for n, t in params.items()}
+    with pytest.raises(OpInputError, match=match):
+        op.torch_op(q, k, v, 0.125, params["slopes"])
+    with pytest.raises(OpInputError, match=match):
+        op.attention(q, k, v, **params)
+
+
+def test_meta_and_fake_tensor_shapes(ops):
+    op = ops["alibi"]
+    q, k, v, params = make(op.spec, hq=8, hkv=2, sq=7, sk=13, device="meta")
+    o, lse = op.attention(q, k, v, **params)
+    assert o.device.type == "meta" and o.shape == (2, 8, 7, 128) and lse.shape == (2, 8, 7)
+    with FakeTensorMode():
+        q = torch.empty(3, 4, 5, 128, dtype=torch.bfloat16)
+        k = torch.empty(3, 1, 6, 128, dtype=torch.bfloat16)
+        o, lse = op.attention(q, k, k, slopes=torch.empty(4))
+        assert o.shape == (3, 4, 5, 128) and lse.dtype == torch.float32
+        with pytest.raises(OpInputError, match=r"^slopes: expected shape \[4\]"):
+            op.attention(q, k, k, slopes=torch.empty(5))
+
+
+# ----------------------------------------------------------------------------- scalars
+SCALAR_CASES = [
+    ("gemma2_softcap", {"softcap": math.nan}, r"^softcap: expected a finite float.*nan"),
+    ("gemma2_softcap", {"softcap": math.inf}, r"^softcap: expected a finite float.*inf"),
+    ("gemma2_softcap", {"softcap": -math.inf}, r"^softcap: expected a finite float"),
+    ("gemma2_softcap", {"softcap": 1e39}, r"^softcap: expected a float32 value.*out of"),
+    ("gemma2_softcap", {"softcap": "50"}, r"^softcap: expected a float \(f32\), got '50'"),
+    ("gemma2_softcap", {"softcap": True}, r"^softcap: expected a float \(f32\), got True"),
+    ("mistral_swa", {"window": -1}, r"^window: expected a value >= 1 \(declared min\), got -1"),
+    ("mistral_swa", {"window": 0}, r"^window: expected a value >= 1"),
+    ("mistral_swa", {"window": 2.5}, r"^window: expected an int \(i32\), got 2.5"),
+    ("mistral_swa", {"window": 2**31}, r"^window: expected an i32 value.*out of range"),
+    (
+        "mistral_swa",
+        {"window": torch.tensor(3, device="meta")},
+        r"^window: expected a Python number or a CPU scalar tensor.*meta",
+    ),
+    ("causal_d128", {"softmax_scale": math.nan}, r"^softmax_scale: expected a finite positive"),
+    ("causal_d128", {"softmax_scale": math.inf}, r"^softmax_scale: expected a finite positive"),
+    ("causal_d128", {"softmax_scale": 0.0}, r"^softmax_scale: expected a finite positive"),
+    ("causal_d128", {"softmax_scale": -0.1}, r"^softmax_scale: expected a finite positive"),
+    ("causal_d128", {"softmax_scale": 1e-45}, r"^softmax_scale: expected a finite positive"),
+    ("causal_d128", {"softmax_scale": "big"}, r"^softmax_scale: expected a float"),
+    ("causal_d128", {"softmax_scale": True}, r"^softmax_scale: expected a float"),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, match", SCALAR_CASES)
+def test_bad_scalars(ops, tripwire, name, kwargs, match):
+    op = ops[name]
+    q, k, v, params = make(op.spec)
+    with pytest.raises(OpInputError, match=match):
+        op.attention(q, k, v, **params, **kwargs)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_bad_scalars_via_torch_op(ops, tripwire, device):
+    """Direct calls bypass attention(): the impls still check scale and scalar params."""
+    swa, cap = ops["mistral_swa"], ops["gemma2_softcap"]
+    q, k, v, _ = make(swa.spec, device=device)
+    with pytest.raises(OpInputError, match="^softmax_scale: expected a finite positive"):
+        swa.torch_op(q, k, v, math.nan, 16)
+    with pytest.raises(OpInputError, match="^window: expected a value >= 1"):
+        swa.torch_op(q, k, v, 0.1, -5)
+    q, k, v, _ = make(cap.spec, device=device)
+    with pytest.raises(OpInputError, match="^softcap: expected a finite float"):
+        cap.torch_op(q, k, v, 0.1, math.inf)
+
+
+def test_good_scalar_forms_are_accepted(ops):
+    op = ops["mistral_swa"]
+    q, k, v, _ = make(op.spec)
+    import numpy as np
+
+    a, _ = op.attention(q, k, v, window=3)
+    b, _ = op.attention(q, k, v, window=np.int64(3))
+    c, _ = op.attention(q, k, v, window=torch.tensor(3))
+    assert torch.equal(a, b) and torch.equal(a, c)
+    cap = ops["gemma2_softcap"]
+    q, k, v, _ = make(cap.spec)
+    x, _ = cap.attention(q, k, v, softcap=20)  # an int for an f32 param is fine
+    y, _ = cap.attention(q, k, v, softcap=20.0, softmax_scale=np.float32(0.05))
+    z, _ = cap.attention(q, k, v, softcap=20.0, softmax_scale=float(np.float32(0.05)))
+    w, _ = cap.attention(q, k, v, softcap=20.0)
+    assert torch.equal(y, z) and torch.equal(x, w) and not torch.equal(x, z)
+
+
+def test_float64_tensor_param_is_converted(ops):
+    op = ops["alibi"]
+    q, k, v, p = make(op.spec)
+    a, _ = op.attention(q, k, v, slopes=p["slopes"])
+    b, _ = op.attention(q, k, v, slopes=p["slopes"].double())
+    assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- stride 0
+def _expanded(k, v, along):
+    if along == "batch":
+        return k[:1].expand(k.shape[0], -1, -1, -1), v[:1].expand(v.shape[0], -1, -1, -1)
+    if along == "heads":
+        return k[:, :1].expand(-1, k.shape[1], -1, -1), v[:, :1].expand(-1, v.shape[1], -1, -1)
+    if along == "seq":
+        return k[:, :, :1].expand(-1, -1, k.shape[2], -1), v[:, :, :1].expand(
+            -1, -1, v.shape[2], -1
+        )
+    raise ValueError(along)
+
+
+@pytest.mark.parametrize("along", ["batch", "heads", "seq"])
+@pytest.mark.parametrize("name", ["alibi", "causal_d128"])
+def test_stride0_expanded_kv_matches_reference(ops, along, name):
+    op = ops[name]
+    q, k, v, params = make(op.spec, b=2, hq=4, hkv=2, sq=9, sk=11, seed=3)
+    ke, ve = _expanded(k, v, along)
+    assert 0 in ke.stride()[:3] and ke.stride(-1) == 1
+    o, lse = op.attention(q, ke, ve, **params)
+    o2, lse2 = op.attention(q, ke.contiguous(), ve.contiguous(), **params)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    ref, ref_lse = attention_reference(op.spec, q, ke.contiguous(), ve.contiguous(), params=params)
+    assert (o.double() - ref).abs().max() < 2e-2
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin].double(), ref_lse[fin].double(), atol=1e-4, rtol=1e-4)
+
+
+def test_mqa_by_expanding_one_kv_head(ops):
+    """k/v of one head expanded to Hq heads (stride 0) == GQA with Hkv = 1."""
+    op = ops["causal_d128"]
+    q, k, v, _ = make(op.spec, hq=4, hkv=1)
+    o1, _ = op.attention(q, k, v)
+    o2, _ = op.attention(q, k.expand(-1, 4, -1, -1), v.expand(-1, 4, -1, -1))
+    assert torch.equal(o1, o2)
