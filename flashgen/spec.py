@@ -112,6 +112,7 @@ class _Loader:
         """
         if not isinstance(node, yaml.MappingNode):
             raise self.error(node, f"{field} must be a mapping, got {self.describe(node)}")
+        self.plain_tag(node, _YAML_TAG + "map")
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for k, v in node.value:
             if not (isinstance(k, yaml.ScalarNode) and k.tag == _YAML_TAG + "str"):
@@ -132,7 +133,13 @@ class _Loader:
     def sequence(self, node: yaml.Node, field: str) -> list[yaml.Node]:
         if not isinstance(node, yaml.SequenceNode):
             raise self.error(node, f"{field} must be a list, got {self.describe(node)}")
+        self.plain_tag(node, _YAML_TAG + "seq")
         return list(node.value)
+
+    def plain_tag(self, node: yaml.Node, tag: str) -> None:
+        """Reject an explicit tag (``!!python/...``, ``!custom``) on a mapping or list."""
+        if node.tag != tag:
+            raise self.error(node, f"unexpected YAML tag '{node.tag}' on a collection")
 
     # -- expressions
     def expr(self, node: yaml.Node, field: str) -> ir.Expr | None:
