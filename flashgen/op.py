@@ -532,14 +532,6 @@ def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
     return replace(a, path="", description="") == replace(b, path="", description="")
 
 
-def _no_backward(ctx, grad_o, grad_lse):
-    raise NotImplementedError("flashgen ops have no backward kernel yet (forward only)")
-
-
-def _setup_context(ctx, inputs, output):
-    pass
-
-
 def build_op(spec: ir.Spec) -> AttentionOp:
     """Register ``torch.ops.flashgen.<spec.name>`` for a checked spec and return its op.
 
@@ -562,8 +554,9 @@ def build_op(spec: ir.Spec) -> AttentionOp:
         lib.impl(spec.name, op._cuda_impl, "CUDA")
         lib.impl(spec.name, op._cpu_impl, "CPU")
         torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
-        torch.library.register_autograd(
-            op.qualname, _no_backward, setup_context=_setup_context, lib=lib
-        )
+        from .backward import Backward
+
+        op.backward = Backward(op)
+        op.backward.register(lib)
         _REGISTRY[spec.name] = op
         return op

@@ -124,8 +124,9 @@ def attention_reference(
             dtype to model PyTorch's own low-precision math).
 
     Returns:
-        ``(o, lse)``: o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``; lse ``[B, Hq, Sq]`` float32
-        (natural log).  Rows with nothing to attend to give o = 0 and lse = -inf.
+        ``(o, lse)``: o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``; lse ``[B, Hq, Sq]``,
+        natural log, float32 (float64 when ``compute_dtype`` is float64).  Rows with
+        nothing to attend to give o = 0 and lse = -inf, with zero (not NaN) gradients.
 
     Raises:
         IndexError: a tensor param is indexed out of its bounds.
@@ -169,8 +170,11 @@ def attention_reference(
     if spec.mask is not None:
         keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
         s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf
+    # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.
+    row_has = torch.isfinite(s).any(dim=-1, keepdim=True)
+    s_safe = torch.where(row_has, s, torch.zeros_like(s))
+    lse_safe = torch.logsumexp(s_safe, dim=-1, keepdim=True)
+    p = torch.where(row_has, torch.exp(s_safe - lse_safe), torch.zeros_like(s))
+    lse = torch.where(row_has, lse_safe, torch.full_like(lse_safe, float("-inf"))).squeeze(-1)
     o = torch.matmul(p.to(compute_dtype), vc)
-    return o, lse.to(torch.float32)
+    return o, lse.to(fdt)  # float32, or float64 for a float64 reference

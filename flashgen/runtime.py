@@ -19,7 +19,7 @@ import numpy as np
 DEFAULT_SMEM_LIMIT = 48 * 1024
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str, int], LoadedKernel] = {}
+_loaded: dict[tuple[str, str, int], LoadedKernel] = {}
 _streams: dict[tuple[int, int], object] = {}
 
 
@@ -98,12 +98,13 @@ def kernel_args(plan, values: dict) -> tuple:
 
 
 def load(cubin_path: str | Path, plan, device_index: int) -> LoadedKernel:
-    """Load ``plan.kernel_name`` from ``cubin_path`` on device ``device_index`` (cached).
+    """Load ``plan.kernel_name`` from ``cubin_path`` on device ``device_index`` (cached per
+    cubin, kernel name and device: one cubin may hold several kernels).
 
     Opts in to ``plan.smem_bytes`` of dynamic shared memory when it exceeds 48 KiB.
     Raises CuPy's ``CUDADriverError`` if the cubin does not match the device.
     """
-    key = (str(cubin_path), device_index)
+    key = (str(cubin_path), plan.kernel_name, device_index)
     hit = _loaded.get(key)
     if hit is not None:
         return hit
