@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Run compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over flashgen kernels.
+
+For every spec (default: all of ``specs/*.yaml``) and every tool, a fresh Python process
+runs the spec's op under ``compute-sanitizer --tool <tool>`` on small odd-sized problems
+(GQA, Sq > Sk, Sq < Sk, length 1), with the sanitizer restricted to flashgen's kernels.
+The tool's summary is parsed ("ERROR SUMMARY: N errors", racecheck's "N hazards"),
+a table is printed, and the exit status is 1 if any run reported anything, crashed, or
+did not finish; 0 if every run is clean.
+
+    python3 tools/sanitize.py                       # everything
+    python3 tools/sanitize.py --specs causal_d128 --tools memcheck racecheck
+    python3 tools/sanitize.py --json report.json    # also write the results
+
+Kernels are compiled once beforehand (outside the sanitizer) into ``$FLASHGEN_CACHE_DIR``
+(a temporary directory unless set).  Needs a CUDA GPU, torch, CuPy, nvcc and
+compute-sanitizer on PATH.  initcheck runs without output poisoning, so it also catches
+a kernel reading ``o``/``lse`` before writing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+#: (B, Hq, Hkv, Sq, Sk): odd lengths, GQA, both Sq > Sk and Sq < Sk, a length-1 case.
+SIZES = ((2, 4, 2, 37, 53), (1, 4, 1, 53, 37), (1, 2, 2, 1, 129), (1, 2, 1, 130, 1))
+
+DRIVER = r"""
+import sys, torch, flashgen
+from flashgen.cli import random_inputs
+op = flashgen.load(sys.argv[1])
+sizes = [tuple(map(int, s.split(","))) for s in sys.argv[2:]]
+dev = torch.device("cuda")
+gen = torch.Generator(device=dev).manual_seed(0)
+for b, hq, hkv, sq, sk in sizes:
+    q, k, v, params = random_inputs(op.spec, b, hq, hkv, sq, sk, dev, gen)
+    if "window" in op.param_names:
+        params["window"] = 7
+    o, lse = op.attention(q, k, v, **params)
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not lse.isnan().any(), "NaN in output"
+print("FLASHGEN DRIVER OK", flush=True)
+"""
+
+_ERRORS = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error")
+_HAZARDS = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazard")
+
+
+@dataclass
+class Result:
+    """Outcome of one (spec, tool) run."""
+
+    spec: str
+    tool: str
+    errors: int | None  # None: no summary found
+    hazards: int
+    exit_code: int
+    driver_ok: bool
+    seconds: float
+    log_tail: str
+
+    @property
+    def clean(self) -> bool:
+        return self.errors == 0 and self.hazards == 0 and self.exit_code == 0 and self.driver_ok
+
+
+def parse_summary(log: str) -> tuple[int | None, int]:
+    """(errors, racecheck hazards) from a compute-sanitizer log; errors None if absent."""
+    errs = [int(m) for m in _ERRORS.findall(log)]
+    hazards = [int(m) for m in _HAZARDS.findall(log)]
+    return (sum(errs) if errs else None), sum(hazards)
+
+
+def kernel_filter_args(sanitizer: str) -> list[str]:
+    """Arguments restricting checks to flashgen's kernels (option name differs by version)."""
+    try:
+        helptext = subprocess.run(
+            [sanitizer, "--help"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        helptext = ""
+    if "--kernel-name" in helptext:
+        return ["--kernel-name", "kns=flashgen"]
+    if "--filter" in helptext:
+        return ["--filter", "kns=flashgen"]
+    return []
+
+
+def run_one(spec: Path, tool: str, sanitizer: str, filt: list[str], timeout: int) -> Result:
+    """Run the driver for ``spec`` under ``tool``; never raises."""
+    cmd = [
+        sanitizer,
+        "--tool",
+        tool,
+        *filt,
+        "--print-limit",
+        "20",
+        sys.executable,
+        "-c",
+        DRIVER,
+        str(spec),
+        *(",".join(map(str, s)) for s in SIZES),
+    ]
+    if tool == "racecheck":
+        cmd[3:3] = ["--racecheck-report", "all"]
+    t0 = time.perf_counter()
+    env = {**os.environ, "FLASHGEN_POISON_OUTPUTS": "0"}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env
+        )
+        log, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        log = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout}s"
+        code = -1
+    errors, hazards = parse_summary(log)
+    return Result(
+        spec=spec.stem,
+        tool=tool,
+        errors=errors,
+        hazards=hazards,
+        exit_code=code,
+        driver_ok="FLASHGEN DRIVER OK" in log,
+        seconds=time.perf_counter() - t0,
+        log_tail=log[-3000:],
+    )
+
+
+def prebuild(specs: list[Path]) -> None:
+    """Compile every spec's kernel once, outside the sanitizer (fills the cache)."""
+    code = (
+        "import sys, torch, flashgen\n"
+        "for p in sys.argv[1:]:\n"
+        "    flashgen.load(p).kernel(torch.device('cuda', torch.cuda.current_device()))\n"
+    )
+    subprocess.run([sys.executable, "-c", code, *map(str, specs)], check=True, cwd=REPO)
+
+
+def table(results: list[Result], tools: list[str]) -> str:
+    """A spec x tool table of outcomes."""
+    specs = sorted({r.spec for r in results})
+    by = {(r.spec, r.tool): r for r in results}
+    width = max([len(s) for s in specs] + [4])
+    lines = [f"{'spec':<{width}}  " + "  ".join(f"{t:<12}" for t in tools)]
+    for s in specs:
+        cells = []
+        for t in tools:
+            r = by.get((s, t))
+            if r is None:
+                cells.append("-")
+            elif r.clean:
+                cells.append("ok")
+            elif r.errors is None:
+                cells.append(f"FAIL(exit {r.exit_code})")
+            else:
+                cells.append(f"FAIL({r.errors}e/{r.hazards}h)")
+        lines.append(f"{s:<{width}}  " + "  ".join(f"{c:<12}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (0 clean, 1 reports, 2 setup)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--specs", nargs="*", help="spec names or paths (default: specs/*.yaml)")
+    ap.add_argument("--tools", nargs="*", default=list(TOOLS), choices=TOOLS)
+    ap.add_argument("--jobs", type=int, default=4, help="sanitizer runs in parallel")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    ap.add_argument("--json", help="write the results to this file")
+    args = ap.parse_args(argv)
+
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        print("compute-sanitizer is not on PATH", file=sys.stderr)
+        return 2
+    if args.specs:
+        specs = [
+            Path(s) if s.endswith(".yaml") else REPO / "specs" / f"{s}.yaml" for s in args.specs
+        ]
+    else:
+        specs = sorted((REPO / "specs").glob("*.yaml"))
+    os.environ.setdefault("FLASHGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flashgen-sanitize-"))
+    prebuild(specs)
+    filt = kernel_filter_args(sanitizer)
+    jobs = [(s, t) for s in specs for t in args.tools]
+    with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(
+            pool.map(lambda st: run_one(st[0], st[1], sanitizer, filt, args.timeout), jobs)
+        )
+    print(table(results, args.tools))
+    bad = [r for r in results if not r.clean]
+    for r in bad:
+        print(f"\n--- {r.spec} / {r.tool}: errors={r.errors} hazards={r.hazards} "
+              f"exit={r.exit_code} driver_ok={r.driver_ok}\n{r.log_tail}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"\n{len(results) - len(bad)}/{len(results)} clean")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
