@@ -10,6 +10,12 @@
         failed verification or missing nvcc.
     flashgen show SPEC [--target T]    the checked IR, the kernel plan and the CUDA source
     flashgen list [DIR]                the specs in DIR (default specs/)
+    flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
+        benchmark against PyTorch SDPA backends, FlexAttention and standard attention
+        (flashgen/bench.py); exit 2 without a CUDA GPU
+    flashgen tune [SPEC...] [--all-shipped] [--quick] [--out DIR] [--compile-only]
+        time candidate tile configs, record winners in flashgen/tuning/table.json
+        (flashgen/autotune.py); exit 2 without a CUDA GPU
 
 torch is imported only for verification on a GPU machine.
 """
@@ -509,6 +515,128 @@ def cmd_list(args) -> int:
     return 1 if bad else 0
 
 
+# ----------------------------------------------------------------------------- bench / tune
+NO_GPU_EXIT = 2
+
+
+def _require_cuda(what: str) -> str | None:
+    """None if torch sees a CUDA device, else the message explaining why ``what`` cannot run."""
+    try:
+        import torch
+    except ImportError:
+        return f"flashgen {what} needs PyTorch with CUDA: torch is not installed."
+    if not torch.cuda.is_available():
+        return (
+            f"flashgen {what} needs a CUDA GPU, and torch.cuda.is_available() is false here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}). "
+            "Run it on a machine with a compute capability 8.x/9.x GPU"
+            + (
+                "; `flashgen bench --from-json` rebuilds reports from saved results without one."
+                if what == "bench"
+                else "; `flashgen tune --compile-only` checks the candidates without one."
+            )
+        )
+    return None
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list: {e}") from e
+
+    return parse
+
+
+def cmd_bench(args) -> int:
+    from . import benchreport
+    from .bench import BenchConfig, run_bench
+
+    out_dir = Path(args.out)
+    if args.from_json:
+        try:
+            doc = benchreport.load(args.from_json)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: cannot read results: {e}", file=sys.stderr)
+            return 1
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+        for p in benchreport.write_reports(doc, out_dir):
+            print(f"wrote {p}", file=sys.stderr)
+        print(benchreport.summary(doc))
+        return 0
+    problem = _require_cuda("bench")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return NO_GPU_EXIT
+    cfg = BenchConfig.quick_config() if args.quick else BenchConfig()
+    if args.specs:
+        cfg.variant_specs = tuple(args.specs)
+    if args.dtype:
+        cfg.dtypes = args.dtype
+    if args.head_dim:
+        cfg.head_dims = args.head_dim
+    if args.seqlen:
+        cfg.seqlens = args.seqlen
+    if args.impl:
+        cfg.impls = args.impl
+    if args.fwd_only:
+        cfg.directions = cfg.variant_directions = ("fwd",)
+    if args.no_memory:
+        cfg.memory = False
+    if args.no_variants:
+        cfg.variants = False
+    if args.no_sweep:
+        cfg.dtypes = ()
+    if args.budget_s is not None:
+        cfg.budget_s = args.budget_s
+    doc = run_bench(cfg, out_dir)
+    print(benchreport.summary(doc))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from . import autotune
+
+    _, err = _consoles()
+    specs = _load_specs(args.specs, err) if args.specs else []
+    if specs is None:
+        return 1
+    if args.all_shipped:
+        specs += autotune.shipped_tuning_specs()
+    if not specs:
+        print("error: give SPEC files or --all-shipped", file=sys.stderr)
+        return 1
+    if args.compile_only:
+        compiled = autotune.compile_candidates(specs, args.target or "sm_90", None, args.jobs)
+        autotune.print_compile_only(compiled)
+        return 0
+    problem = _require_cuda("tune")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return NO_GPU_EXIT
+    if args.child_out:  # one key's candidates, run by a parent `flashgen tune`
+        tags = [t for t in (args.candidates or "").split(",") if t]
+        return autotune.run_child(specs[0], tags, args.seqlen, args.quick, args.child_out)
+    results = autotune.tune(
+        specs,
+        quick=args.quick,
+        seqlens=args.seqlen,
+        table=args.table,
+        write=not args.no_write,
+        jobs=args.jobs,
+        budget_s=args.budget_s,
+        isolate=not args.no_isolate,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    if args.out:
+        for p in autotune.write_outputs(results, args.out, args.table):
+            print(f"wrote {p}", file=sys.stderr)
+    print(autotune.report_markdown(results).split("\n## Candidates")[0])
+    return 0 if all(r.winner is not None for r in results) else 1
+
+
 # ----------------------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashgen", description=__doc__.split("\n")[0])
@@ -546,6 +674,72 @@ def parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list the specs in a directory")
     ls.add_argument("dir", nargs="?", default="specs", metavar="DIR")
     ls.set_defaults(func=cmd_list)
+
+    be = sub.add_parser(
+        "bench",
+        help="benchmark flashgen against SDPA backends, FlexAttention and standard attention",
+        description="Benchmark in the FlashAttention papers' protocol and write results.json, "
+        "results.md and PNG plots into --out (needs a CUDA GPU; exit 2 without one).",
+    )
+    be.add_argument(
+        "specs", nargs="*", metavar="SPEC", help="variant specs to compare (default: specs/)"
+    )
+    be.add_argument("--quick", action="store_true", help="the ~2-minute subset")
+    be.add_argument("--out", default="bench-results", help="output directory")
+    be.add_argument("--fwd-only", action="store_true", help="skip forward+backward timings")
+    be.add_argument("--dtype", type=_csv(str), help="e.g. bf16,fp16")
+    be.add_argument("--head-dim", type=_csv(int), help="e.g. 64,128,256")
+    be.add_argument("--seqlen", type=_csv(int), help="e.g. 512,1024,2048")
+    be.add_argument("--impl", type=_csv(str), help="implementations to time (default: all)")
+    be.add_argument("--no-memory", action="store_true", help="skip the memory experiment")
+    be.add_argument("--no-variants", action="store_true", help="skip the shipped-variant sweep")
+    be.add_argument("--no-sweep", action="store_true", help="skip the head_dim/causal sweep")
+    be.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="soft time limit in s (default 540, --quick 150; 0 = none): later rows are skipped",
+    )
+    be.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="RESULTS",
+        help="no GPU: merge saved results.json files and rebuild the reports in --out",
+    )
+    be.set_defaults(func=cmd_bench)
+
+    tu = sub.add_parser(
+        "tune",
+        help="time candidate tile configs on this GPU and record the best in the tuning table",
+    )
+    tu.add_argument("specs", nargs="*", metavar="SPEC", help="spec YAML files")
+    tu.add_argument(
+        "--all-shipped",
+        action="store_true",
+        help="tune d64/128/256 x causal/not x bf16/fp16 and the shipped score_mod specs",
+    )
+    tu.add_argument("--quick", action="store_true", help="seqlen 8192 only, shorter timings")
+    tu.add_argument("--seqlen", type=_csv(int), help="seqlens to time (default 8192,16384)")
+    tu.add_argument("--table", default=None, help="table file (default flashgen/tuning/table.json)")
+    tu.add_argument("--out", default=None, help="also write tune.json, tune.md, table.json here")
+    tu.add_argument("--no-write", action="store_true", help="measure only; leave the table")
+    tu.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes")
+    tu.add_argument("--budget-s", type=float, default=450.0, help="soft time limit (0 = none)")
+    tu.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU: compile the candidates and print registers/spills",
+    )
+    tu.add_argument("--target", choices=ir.TARGETS, help="target for --compile-only (sm_90)")
+    tu.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="measure in this process (default: one child process per key, so a faulting "
+        "candidate kernel cannot poison the CUDA context of the others)",
+    )
+    tu.add_argument("--child-out", help=argparse.SUPPRESS)
+    tu.add_argument("--candidates", help=argparse.SUPPRESS)
+    tu.set_defaults(func=cmd_tune)
     return ap
 
 

@@ -1,0 +1,921 @@
+"""``flashgen bench``: flashgen's kernels against PyTorch's attention implementations.
+
+Protocol (the FlashAttention papers'): batch x seqlen = 16384 tokens, hidden 2048, so
+``heads = 2048 / head_dim`` and ``batch = 16384 / seqlen``; seqlen 512 .. 16384, head_dim
+64/128/256, causal and not, fp16 and bf16, forward and forward+backward.  Every
+implementation is timed in the same process and run:
+
+    flashgen        the generated op (specs built on the fly from a template spec text)
+    sdpa_flash      torch SDPA, SDPBackend.FLASH_ATTENTION forced
+    sdpa_cudnn      torch SDPA, SDPBackend.CUDNN_ATTENTION forced
+    sdpa_efficient  torch SDPA, SDPBackend.EFFICIENT_ATTENTION forced
+    flex            FlexAttention under torch.compile (mask/score_mod from flashgen.flexmods)
+    standard        eager matmul -> softmax -> matmul (materializes the seqlen^2 scores)
+
+Times are medians of ``triton.testing.do_bench(..., return_mode="median")`` in **ms**;
+inputs rotate among ``max(2, ceil(2 * 60 MB / bytes_per_set))`` buffer sets so the L2
+cache never holds them.  Throughput in **TFLOP/s** by the papers' count: forward
+``4 * B * H * Sq * Sk * D`` (halved when causal), backward 2.5x forward, so
+forward+backward is 3.5x.  A backend that rejects a config is recorded ``unsupported``,
+an out-of-memory ``oom``, a flashgen op without backward ``n/a``; nothing aborts the run.
+
+Also measured: the matmul ceiling (bf16 8192^3 ``torch.matmul``, TFLOP/s) and the copy
+ceiling (a 2 GiB device copy, **GB/s** counting read + write) for the roofline, and a
+memory experiment (peak ``torch.cuda.max_memory_allocated`` in bytes vs seqlen 1k..64k,
+B=1, H=16, D=128) for standard attention against flashgen.
+
+Outputs in ``--out``: ``results.json`` (rewritten after every config, so a run cut short
+still leaves its rows), ``results.md``, ``tflops.png``, ``memory.png``, ``roofline.png``,
+``variants.png`` (see :mod:`flashgen.benchreport`).  Needs torch with CUDA; triton is
+used for timing when present (CUDA events otherwise).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import __version__, ir
+
+#: Tokens per batch (batch * seqlen) and model width of the papers' protocol.
+TOKENS = 16384
+HIDDEN = 2048
+#: L2 size assumed when sizing the input rotation, in bytes (H200: 60 MB).
+L2_BYTES = 60 * 10**6
+#: Every implementation, in table order.
+IMPLS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "standard")
+DIRECTIONS = ("fwd", "fwd_bwd")
+#: Backward FLOPs relative to forward (papers' convention).
+BWD_FACTOR = 2.5
+
+SPEC_TEMPLATE = """\
+name: {name}
+description: bench template ({mask_desc}, head_dim {head_dim}, {dtype})
+head_dim: {head_dim}
+dtype: {dtype}
+mask: {mask}
+softmax_scale: auto
+"""
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclass
+class BenchConfig:
+    """What one ``flashgen bench`` run measures.
+
+    ``warmup_ms``/``rep_ms`` go to ``do_bench``; ``budget_s`` (0 = none) is a soft wall
+    clock limit in seconds: once exceeded, remaining measurements are recorded as
+    ``skipped`` and the outputs are still written.
+    """
+
+    dtypes: tuple[str, ...] = ("bf16", "fp16")
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    seqlens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
+    causal: tuple[bool, ...] = (False, True)
+    directions: tuple[str, ...] = DIRECTIONS
+    impls: tuple[str, ...] = IMPLS
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    memory: bool = True
+    memory_seqlens: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    variants: bool = True
+    variant_specs: tuple[str, ...] = ()  # spec files; empty = the shipped specs/
+    variant_seqlens: tuple[int, ...] = (1024, 4096, 16384)
+    variant_directions: tuple[str, ...] = DIRECTIONS
+    ceilings: bool = True
+    budget_s: float = 540.0
+    quick: bool = False
+
+    @classmethod
+    def quick_config(cls) -> BenchConfig:
+        """The ``--quick`` subset (about two minutes on an H200): bf16, seqlen 1k/4k/16k,
+        d64/128/256, causal and not, no EFFICIENT/flex, short timing windows, forward-only
+        variants at 4k/16k."""
+        return cls(
+            dtypes=("bf16",),
+            seqlens=(1024, 4096, 16384),
+            impls=("flashgen", "sdpa_flash", "sdpa_cudnn", "standard"),
+            warmup_ms=10,
+            rep_ms=30,
+            variant_seqlens=(4096, 16384),
+            variant_directions=("fwd",),
+            budget_s=150.0,
+            quick=True,
+        )
+
+
+# ----------------------------------------------------------------------------- FLOPs, bytes
+def attention_flops(
+    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool, direction
+) -> float:
+    """Papers' FLOP count: ``4*B*H*Sq*Sk*D``, halved for causal, x3.5 for forward+backward."""
+    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        f *= 0.5
+    return f * (1.0 + BWD_FACTOR) if direction == "fwd_bwd" else f
+
+
+def attention_bytes(
+    batch: int,
+    heads: int,
+    seqlen: int,
+    head_dim: int,
+    elt: int,
+    direction: str,
+    impl: str,
+    causal: bool = False,
+) -> float:
+    """Estimated DRAM traffic in bytes, for the roofline's arithmetic intensity.
+
+    Fused kernels: the compulsory traffic (forward reads q, k, v and writes o and the
+    fp32 lse; backward also reads o, dO, lse and writes dq, dk, dv).  ``standard``
+    additionally writes and reads the ``seqlen^2`` score and probability matrices
+    (forward: 4 passes of ``elt`` bytes per element, plus the mask pass when causal;
+    backward about twice the forward's).
+    """
+    t = batch * heads * seqlen * head_dim * elt
+    lse = batch * heads * seqlen * 4
+    b = 4 * t + lse
+    if direction == "fwd_bwd":
+        b += 8 * t + lse
+    if impl == "standard":
+        sq = batch * heads * seqlen * seqlen
+        fwd = sq * elt * 4 + (sq * (2 * elt + 1) if causal else 0)
+        b += fwd * (3 if direction == "fwd_bwd" else 1)
+    return float(b)
+
+
+def problem(seqlen: int, head_dim: int) -> tuple[int, int]:
+    """``(batch, heads)`` of the protocol: ``16384 / seqlen`` and ``2048 / head_dim``."""
+    return max(1, TOKENS // seqlen), max(1, HIDDEN // head_dim)
+
+
+def template_spec(head_dim: int, dtype: str, causal: bool) -> ir.Spec:
+    """The plain (causal or unmasked) spec the sweep builds flashgen's kernels from."""
+    from .spec import loads_spec
+
+    kind = "causal" if causal else "full"
+    text = SPEC_TEMPLATE.format(
+        name=f"bench_{kind}_d{head_dim}_{dtype}",
+        mask_desc=kind,
+        mask="causal" if causal else "null",
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    return loads_spec(text, path=f"<bench {kind} d{head_dim} {dtype}>")
+
+
+def shipped_spec_paths() -> list[Path]:
+    """The ``specs/*.yaml`` of the checkout (empty in an installed wheel)."""
+    root = Path(__file__).resolve().parent.parent / "specs"
+    return sorted(root.glob("*.yaml"))
+
+
+# ----------------------------------------------------------------------------- environment
+def nvidia_smi() -> dict:
+    """GPU facts from ``nvidia-smi --query-gpu`` (clocks in MHz, power in W); {} if absent."""
+    fields = (
+        "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,"
+        "power.limit,temperature.gpu,memory.total"
+    )
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    line = out.strip().splitlines()[0] if out.strip() else ""
+    vals = [v.strip() for v in line.split(",")]
+    names = fields.split(",")
+    return dict(zip(names, vals, strict=False)) if len(vals) == len(names) else {}
+
+
+def environment() -> dict:
+    """Versions and device facts recorded in ``results.json``."""
+    import torch
+
+    env = {
+        "flashgen": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        import cupy
+
+        env["cupy"] = cupy.__version__
+    except ImportError:
+        env["cupy"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["capability"] = f"{p.major}.{p.minor}"
+        env["sm_count"] = p.multi_processor_count
+        env["gpu_memory_bytes"] = p.total_memory
+    env["nvidia_smi"] = nvidia_smi()
+    try:
+        from .compile import nvcc_version
+
+        env["nvcc"] = nvcc_version()
+    except Exception:  # noqa: BLE001 - informational only
+        env["nvcc"] = None
+    return env
+
+
+# ----------------------------------------------------------------------------- timing
+def do_bench_ms(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` (which also flushes L2
+    between calls), or CUDA events around each call when triton is missing."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = max(1e-3, (time.perf_counter() - t0) * 1e3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    times = []
+    for _ in range(max(3, int(rep_ms / est))):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def rotation_sets(bytes_per_set: int, l2_bytes: int = L2_BYTES) -> int:
+    """Input sets to rotate: ``max(2, ceil(2 * l2_bytes / bytes_per_set))``."""
+    return max(2, math.ceil(2 * l2_bytes / max(1, bytes_per_set)))
+
+
+class Rotation:
+    """Cycles through ``n`` input sets made by ``make()``; ``next()`` returns the next one."""
+
+    def __init__(self, make: Callable[[], tuple], n: int):
+        self.sets = [make() for _ in range(n)]
+        self.i = 0
+
+    def next(self) -> tuple:
+        s = self.sets[self.i]
+        self.i = (self.i + 1) % len(self.sets)
+        return s
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    return "out of memory" in str(e).lower()
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- implementations
+class Unsupported(Exception):
+    """An implementation cannot run this config (recorded, not raised to the user)."""
+
+
+def standard_attention(q, k, v, causal: bool, scale: float, mask=None):
+    """Eager PyTorch attention: ``softmax(q k^T * scale) v``, materializing the scores.
+
+    ``mask`` is an optional precomputed bool ``[Sq, Sk]`` tensor, True where masked (the
+    causal mask is cached by the caller so building it is not timed).
+    """
+    import torch
+
+    s = torch.matmul(q * scale, k.transpose(-2, -1))
+    if causal:
+        if mask is None:
+            sq, sk = q.shape[-2], k.shape[-2]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v)
+
+
+_FLEX = None
+
+
+def flex_compiled():
+    """``torch.compile(flex_attention, dynamic=False)``, created once, recompile limits raised."""
+    global _FLEX
+    if _FLEX is None:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        cfg = torch._dynamo.config
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 4096))
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+_SDPA_BACKENDS = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+}
+
+
+def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params: dict, device):
+    """``f(q, k, v) -> o`` for ``impl`` on problems of ``spec``'s semantics.
+
+    ``params`` holds the spec's param values (tensors on ``device``).  Raises
+    :class:`Unsupported` when ``impl`` cannot express the spec (e.g. SDPA with a
+    score_mod) or the backend is unavailable.
+    """
+    import torch
+
+    from .lower import split_causal
+    from .op import build_op, default_softmax_scale
+
+    scale = default_softmax_scale(spec)
+    causal, residual = split_causal(spec.mask)
+    plain = residual is None and spec.score_mod is None and not spec.params
+    if impl == "flashgen":
+        op = build_op(spec)
+        return lambda q, k, v: op.attention(q, k, v, **params)[0]
+    if impl in _SDPA_BACKENDS:
+        if not plain:
+            raise Unsupported("SDPA has no equivalent of this mask/score_mod")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, _SDPA_BACKENDS[impl])
+        F = torch.nn.functional
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+                )
+
+        if causal and seqlen_q != seqlen_k:
+            raise Unsupported("SDPA's is_causal is top-left aligned; flashgen's bottom-right")
+        return sdpa
+    if impl == "flex":
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask
+        except ImportError as e:
+            raise Unsupported(f"no FlexAttention in this torch: {e}") from e
+        from .flexmods import flex_mods, mask_uses_batch_or_head
+
+        score_mod, mask_mod = flex_mods(spec, seqlen_q, seqlen_k, params)
+        flex = flex_compiled()
+        block_masks: dict = {}
+
+        def run_flex(q, k, v):
+            key = (q.shape[0], q.shape[1])
+            if mask_mod is not None and key not in block_masks:
+                bh = mask_uses_batch_or_head(spec)
+                block_masks[key] = create_block_mask(
+                    mask_mod,
+                    q.shape[0] if bh else None,
+                    q.shape[1] if bh else None,
+                    seqlen_q,
+                    seqlen_k,
+                    device=q.device,
+                )
+            return flex(
+                q,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=block_masks.get(key),
+                scale=scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
+
+        return run_flex
+    if impl == "standard":
+        if plain:
+            mask = None
+            if causal:
+                mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device).triu(
+                    seqlen_k - seqlen_q + 1
+                )
+            return lambda q, k, v: standard_attention(q, k, v, causal, scale, mask)
+        from .reference import attention_reference
+
+        def ref(q, k, v):
+            return attention_reference(spec, q, k, v, params=params, compute_dtype=q.dtype)[0]
+
+        return ref
+    raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(IMPLS)}")
+
+
+def expressible(impl: str, spec: ir.Spec) -> bool:
+    """Whether ``impl`` can compute ``spec``: SDPA only plain causal/unmasked attention."""
+    from .lower import split_causal
+
+    if impl in _SDPA_BACKENDS:
+        causal, residual = split_causal(spec.mask)
+        return residual is None and spec.score_mod is None and not spec.params
+    return True
+
+
+def flashgen_has_backward(op) -> bool | None:
+    """The op's backward capability flag if it has one (``supports_backward`` /
+    ``has_backward``), else None: the caller then tries ``backward`` and catches
+    ``NotImplementedError``."""
+    for name in ("supports_backward", "has_backward"):
+        flag = getattr(op, name, None)
+        if isinstance(flag, bool):
+            return flag
+    return None
+
+
+def spec_params(spec: ir.Spec, heads: int, batch: int, seqlen_q: int, seqlen_k: int, device):
+    """Values for a spec's params in the benchmark: scalar defaults; ``slopes`` the ALiBi
+    slopes ``2^(-8 (h+1) / H)``; other f32 tensors uniform [0, 1), i32 uniform [0, 16)."""
+    import torch
+
+    out: dict = {}
+    sym = {
+        "batch": batch,
+        "num_heads": heads,
+        "num_heads_kv": heads,
+        "seqlen_q": seqlen_q,
+        "seqlen_k": seqlen_k,
+    }
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for p in spec.tensor_params:
+        shape = [d if isinstance(d, int) else sym[d] for d in p.shape]
+        if p.ty == ir.Ty.F32:
+            if p.name == "slopes" and len(shape) == 1:
+                n = shape[0]
+                t = torch.tensor([2.0 ** (-8.0 * (i + 1) / n) for i in range(n)])
+            else:
+                t = torch.rand(shape, generator=g)
+            out[p.name] = t.to(device)
+        else:
+            out[p.name] = torch.randint(0, 16, shape, generator=g, dtype=torch.int32).to(device)
+    return out
+
+
+# ----------------------------------------------------------------------------- the runner
+@dataclass
+class Row:
+    """One measurement.  ``ms`` median milliseconds, ``tflops`` TFLOP/s, ``bytes`` the
+    estimated DRAM traffic (roofline), memory rows: ``peak_bytes``/``extra_bytes``."""
+
+    section: str  # "sweep" | "variant" | "memory"
+    impl: str
+    spec: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    direction: str
+    batch: int
+    heads: int
+    seqlen: int
+    status: str = "ok"  # ok | unsupported | oom | n/a | error | skipped
+    ms: float | None = None
+    tflops: float | None = None
+    flops: float | None = None
+    bytes: float | None = None
+    peak_bytes: int | None = None
+    extra_bytes: int | None = None
+    note: str = ""
+
+
+@dataclass
+class Progress:
+    """Progress reporting: a rich bar on a terminal, one line per step otherwise."""
+
+    total: int
+    label: str = "bench"
+    done: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    _bar: object = None
+    _task: object = None
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            try:
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                )
+
+                self._bar = Progress(
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    transient=False,
+                )
+                self._bar.__enter__()
+                self._task = self._bar.add_task(self.label, total=self.total)
+            except ImportError:
+                self._bar = None
+        return self
+
+    def step(self, desc: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=f"{self.label}: {desc}")
+        else:
+            el = time.perf_counter() - self.t0
+            print(f"[{self.done}/{self.total} {el:5.0f}s] {desc}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+class Bench:
+    """Runs a :class:`BenchConfig` on the current CUDA device and collects :class:`Row` s."""
+
+    def __init__(self, cfg: BenchConfig, out_dir: str | Path | None = None):
+        import torch
+
+        self.cfg = cfg
+        self.out = Path(out_dir) if out_dir else None
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.rows: list[Row] = []
+        self.ceilings: dict = {}
+        self.compile_errors: dict[str, str] = {}
+        self.env = environment()
+        self.t0 = time.perf_counter()
+
+    # ----------------------------------------------------------------- bookkeeping
+    def over_budget(self) -> bool:
+        b = self.cfg.budget_s
+        return bool(b) and time.perf_counter() - self.t0 > b
+
+    def results(self) -> dict:
+        """The JSON document: environment, config, ceilings, every row."""
+        return {
+            "schema": "flashgen-bench/1",
+            "env": self.env,
+            "config": asdict(self.cfg),
+            "ceilings": self.ceilings,
+            "compile_errors": self.compile_errors,
+            "elapsed_s": round(time.perf_counter() - self.t0, 1),
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+    def save(self) -> None:
+        """(Re)write ``results.json`` in the output directory (atomic)."""
+        if self.out is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / ".results.json.tmp"
+        tmp.write_text(json.dumps(self.results(), indent=1))
+        os.replace(tmp, self.out / "results.json")
+
+    # ----------------------------------------------------------------- ceilings
+    def measure_ceilings(self) -> dict:
+        """bf16 8192^3 matmul TFLOP/s and device-copy GB/s (read + write bytes)."""
+        import torch
+
+        n = 8192
+        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        ms = do_bench_ms(lambda: torch.matmul(a, b), 25, 200)
+        self.ceilings["matmul_bf16_tflops"] = 2 * n**3 / (ms * 1e-3) / 1e12
+        self.ceilings["matmul_ms"] = ms
+        a = b = None
+        nbytes = 2 * 2**30
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).fill_(1)
+        dst = torch.empty_like(src)
+        ms = do_bench_ms(lambda: dst.copy_(src), 25, 200)
+        self.ceilings["copy_gbps"] = 2 * nbytes / (ms * 1e-3) / 1e9
+        self.ceilings["copy_bytes"] = nbytes
+        src = dst = None
+        _free()
+        return self.ceilings
+
+    # ----------------------------------------------------------------- precompile
+    def precompile(self, specs: list[ir.Spec], jobs: int | None = None) -> None:
+        """Compile every flashgen kernel the run needs, in parallel, before any timing.
+
+        Goes through the on-disk cache (``cache.get_or_build`` takes a per-uri file lock,
+        so threads and processes compile each kernel once); failures are remembered in
+        ``compile_errors`` and turn the spec's rows into ``error`` rows.
+        """
+        import torch
+
+        from . import cache
+        from .lower import plan_forward
+        from .op import target_for_device
+        from .render import render
+
+        gpu = torch.cuda.get_device_name(self.device)
+
+        def build(spec):
+            try:
+                plan = plan_forward(spec, target_for_device(spec, self.device), gpu=gpu)
+                _, report = cache.get_or_build(render(plan), plan)
+                if report.spill_bytes:
+                    return spec.name, None, f"spills {report.spill_bytes} B"
+                return spec.name, report, None
+            except Exception as e:  # noqa: BLE001 - reported per spec
+                return spec.name, None, _short(e)
+
+        uniq = {s.name: s for s in specs}
+        workers = max(1, min(len(uniq), jobs or os.cpu_count() or 4))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            for name, _report, err in pool.map(build, uniq.values()):
+                if err and "spills" not in err:
+                    self.compile_errors[name] = err
+        print(
+            f"compiled {len(uniq)} flashgen kernels in {time.perf_counter() - t0:.1f}s"
+            + (f" ({len(self.compile_errors)} failed)" if self.compile_errors else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    # ----------------------------------------------------------------- one measurement
+    def measure(
+        self,
+        section: str,
+        impl: str,
+        spec: ir.Spec,
+        batch: int,
+        heads: int,
+        seqlen: int,
+        direction: str,
+        label: str | None = None,
+    ) -> Row:
+        """Time ``impl`` on one problem (``batch``, ``heads``, ``seqlen``) of ``spec``."""
+        import torch
+
+        from .lower import split_causal
+        from .op import TORCH_DTYPE
+
+        causal = split_causal(spec.mask)[0]
+        d = spec.head_dim
+        row = Row(
+            section,
+            impl,
+            label or spec.name,
+            spec.dtype,
+            d,
+            causal,
+            direction,
+            batch,
+            heads,
+            seqlen,
+        )
+        row.flops = attention_flops(batch, heads, seqlen, seqlen, d, causal, direction)
+        row.bytes = attention_bytes(batch, heads, seqlen, d, 2, direction, impl, causal)
+        if self.over_budget():
+            row.status, row.note = "skipped", "time budget exhausted"
+            return row
+        if impl == "flashgen" and spec.name in self.compile_errors:
+            row.status, row.note = "error", "compile: " + self.compile_errors[spec.name]
+            return row
+        dt = TORCH_DTYPE[spec.dtype]
+        bwd = direction == "fwd_bwd"
+        per_set = 3 * batch * heads * seqlen * d * 2 * (2 if bwd else 1)
+        try:
+            params = spec_params(spec, heads, batch, seqlen, seqlen, self.device)
+            f = make_forward(impl, spec, seqlen, seqlen, params, self.device)
+            if impl == "flashgen" and bwd:
+                from .op import build_op
+
+                if flashgen_has_backward(build_op(spec)) is False:
+                    row.status, row.note = "n/a", "flashgen op has no backward"
+                    return row
+
+            def make():
+                g = lambda *s: torch.randn(*s, device=self.device, dtype=dt)  # noqa: E731
+                q = g(batch, heads, seqlen, d).requires_grad_(bwd)
+                k = g(batch, heads, seqlen, d).requires_grad_(bwd)
+                v = g(batch, heads, seqlen, d).requires_grad_(bwd)
+                return (q, k, v, g(batch, heads, seqlen, d) if bwd else None)
+
+            rot = Rotation(make, rotation_sets(per_set))
+            if bwd:
+
+                def fn():
+                    q, k, v, do = rot.next()
+                    o = f(q, k, v)
+                    return torch.autograd.grad(o, (q, k, v), do)
+            else:
+
+                def fn():
+                    q, k, v, _ = rot.next()
+                    with torch.no_grad():
+                        return f(q, k, v)
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn()  # probe: compiles (flex), raises for unsupported configs
+                torch.cuda.synchronize()
+                row.ms = do_bench_ms(fn, self.cfg.warmup_ms, self.cfg.rep_ms)
+            row.tflops = row.flops / (row.ms * 1e-3) / 1e12
+        except Unsupported as e:
+            row.status, row.note = "unsupported", str(e)
+        except NotImplementedError as e:
+            row.status, row.note = "n/a", _short(e, 160)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a row
+            if _is_oom(e):
+                row.status, row.note = "oom", ""
+            elif impl in _SDPA_BACKENDS and isinstance(e, RuntimeError):
+                row.status, row.note = "unsupported", _short(e, 200)
+            else:
+                row.status, row.note = "error", _short(e)
+        finally:
+            rot = None  # noqa: F841 - drop the buffers before the next config
+            _free()
+        return row
+
+    # ----------------------------------------------------------------- memory
+    def measure_memory(self, impl: str, spec: ir.Spec, seqlen: int, direction: str) -> Row:
+        """Peak ``max_memory_allocated`` (bytes) of one call at B=1, H=16 (inputs included;
+        ``extra_bytes`` excludes what was allocated before the call)."""
+        import torch
+
+        from .op import TORCH_DTYPE
+
+        batch, heads, d = 1, 16, spec.head_dim
+        row = Row("memory", impl, spec.name, spec.dtype, d, False, direction, batch, heads, seqlen)
+        if self.over_budget():
+            row.status, row.note = "skipped", "time budget exhausted"
+            return row
+        bwd = direction == "fwd_bwd"
+        dt = TORCH_DTYPE[spec.dtype]
+        q = k = v = do = None
+        try:
+            f = make_forward(impl, spec, seqlen, seqlen, {}, self.device)
+            _free()
+            g = lambda: torch.randn(batch, heads, seqlen, d, device=self.device, dtype=dt)  # noqa: E731
+            q, k, v = (g().requires_grad_(bwd) for _ in range(3))
+            do = g() if bwd else None
+            if impl == "flashgen":  # load the kernel outside the measured window
+                with torch.no_grad():
+                    f(*(t[:, :, :16].detach() for t in (q, k, v)))
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if bwd:
+                    o = f(q, k, v)
+                    grads = torch.autograd.grad(o, (q, k, v), do)
+                    del o, grads
+                else:
+                    with torch.no_grad():
+                        f(q, k, v)
+            torch.cuda.synchronize()
+            row.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            row.extra_bytes = row.peak_bytes - int(base)
+        except NotImplementedError as e:
+            row.status, row.note = "n/a", _short(e, 160)
+        except Exception as e:  # noqa: BLE001
+            if _is_oom(e):
+                row.status = "oom"
+            else:
+                row.status, row.note = "error", _short(e)
+        finally:
+            q = k = v = do = None
+            _free()
+        return row
+
+    # ----------------------------------------------------------------- plans
+    def plan(self) -> list[tuple]:
+        """Every measurement of the run, as ``(kind, args)`` tuples, in execution order."""
+        c = self.cfg
+        work: list[tuple] = []
+        for dtype in c.dtypes:
+            for d in c.head_dims:
+                for causal in c.causal:
+                    spec = template_spec(d, dtype, causal)
+                    for s in c.seqlens:
+                        b, h = problem(s, d)
+                        for direction in c.directions:
+                            for impl in c.impls:
+                                work.append(("sweep", (impl, spec, b, h, s, direction)))
+        if c.memory:
+            mspec = template_spec(128, "bf16", False)
+            for s in c.memory_seqlens:
+                for direction in c.directions:
+                    for impl in ("standard", "flashgen"):
+                        work.append(("memory", (impl, mspec, s, direction)))
+        if c.variants:
+            for spec in self.variant_specs():
+                for s in c.variant_seqlens:
+                    b, h = problem(s, spec.head_dim)
+                    for direction in c.variant_directions:
+                        for impl in c.impls:
+                            if expressible(impl, spec):
+                                work.append(("variant", (impl, spec, b, h, s, direction)))
+        return work
+
+    def variant_specs(self) -> list[ir.Spec]:
+        """The checked specs of the variant benchmark (``variant_specs`` or specs/)."""
+        from .spec import load_spec
+
+        paths = [Path(p) for p in self.cfg.variant_specs] or shipped_spec_paths()
+        return [load_spec(p) for p in paths]
+
+    def run(self) -> dict:
+        """Measure everything, saving ``results.json`` as it goes; returns the document."""
+        work = self.plan()
+        specs = [a[1] for k, a in work if k in ("sweep", "variant") and a[0] == "flashgen"]
+        specs += [a[1] for k, a in work if k == "memory" and a[0] == "flashgen"]
+        self.precompile(specs)
+        if self.cfg.ceilings:
+            self.measure_ceilings()
+            print(
+                f"ceilings: matmul bf16 {self.ceilings['matmul_bf16_tflops']:.0f} TFLOP/s, "
+                f"copy {self.ceilings['copy_gbps']:.0f} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.save()
+        last_group = None
+        with Progress(len(work), "bench") as prog:
+            for kind, args in work:
+                if kind == "memory":
+                    impl, spec, s, direction = args
+                    row = self.measure_memory(impl, spec, s, direction)
+                    desc = f"memory {impl} S={s} {direction}"
+                else:
+                    impl, spec, b, h, s, direction = args
+                    row = self.measure(kind, impl, spec, b, h, s, direction)
+                    desc = f"{kind} {spec.name} S={s} {direction} {impl}"
+                self.rows.append(row)
+                val = (
+                    f"{row.tflops:.1f} TFLOP/s"
+                    if row.tflops
+                    else (f"{row.peak_bytes / 2**30:.2f} GiB" if row.peak_bytes else row.status)
+                )
+                prog.step(f"{desc}: {val}")
+                group = (kind, args[1].name if kind != "memory" else "memory")
+                if group != last_group:
+                    self.save()
+                    last_group = group
+        self.save()
+        return self.results()
+
+
+def run_bench(cfg: BenchConfig, out_dir: str | Path) -> dict:
+    """Run ``cfg``, write results.json, results.md and the plots into ``out_dir``.
+
+    Returns the results document.  Needs a CUDA device.
+    """
+    from . import benchreport
+
+    bench = Bench(cfg, out_dir)
+    try:
+        doc = bench.run()
+    except KeyboardInterrupt:
+        bench.save()
+        raise
+    written = benchreport.write_reports(doc, out_dir)
+    for p in written:
+        print(f"wrote {p}", file=sys.stderr)
+    return doc
