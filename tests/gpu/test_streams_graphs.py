@@ -1,0 +1,136 @@
+"""Streams, devices and CUDA graphs (``pytest -m gpu``).
+
+* The op enqueues on the *current* stream without a host sync: on a side stream held
+  busy by ``torch.cuda._sleep``, the op returns while the stream is still busy, and it
+  sees data written earlier on that stream (it would not if it ran on another stream).
+* Outputs live on the inputs' device, whatever the current device is.
+* After a warm-up, the op is capturable in ``torch.cuda.graph`` (no sync, no host-side
+  work that capture forbids) and replays give results identical to eager calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen import OpInputError  # noqa: E402
+from flashgen.cli import random_inputs  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at ~2 GHz
+
+
+def load(name):
+    return flashgen.load(REPO / "specs" / f"{name}.yaml")
+
+
+def inputs(op, seed=0, b=2, hq=4, hkv=2, sq=129, sk=77):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, params = random_inputs(op.spec, b, hq, hkv, sq, sk, torch.device("cuda"), gen)
+    if "window" in op.param_names:
+        params["window"] = 19
+    return q, k, v, params
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "alibi", "mistral_swa"])
+def test_runs_on_the_current_stream_without_host_sync(name):
+    op = load(name)
+    q_src, k, v, params = inputs(op, seed=1)
+    expect, expect_lse = op.attention(q_src, k, v, **params)  # warm: kernel built and loaded
+    torch.cuda.synchronize()
+
+    side = torch.cuda.Stream()
+    q = torch.zeros_like(q_src)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # keep the side stream busy
+        q.copy_(q_src)  # ordered after the sleep, on the side stream
+        o, lse = op.attention(q, k, v, **params)
+        done = torch.cuda.Event()
+        done.record(side)
+        # the call returned while the side stream is still sleeping: no host sync
+        assert not done.query(), "the op synchronized the host with the device"
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    # had the kernel run on another stream, it would have read q before the copy (zeros)
+    assert torch.equal(o, expect) and torch.equal(lse, expect_lse)
+
+
+def test_outputs_follow_the_input_device():
+    op = load("causal_d128")
+    n = torch.cuda.device_count()
+    for idx in range(n):
+        with torch.cuda.device(idx):
+            q, k, v, _ = inputs(op, seed=2)
+        with torch.cuda.device((idx + 1) % n):  # current device differs when n > 1
+            o, lse = op.attention(q, k, v)
+        assert o.device == q.device and lse.device == q.device
+        torch.cuda.synchronize(q.device)
+        ref, _ = op.attention(q.cpu(), k.cpu(), v.cpu())
+        assert (o.cpu().double() - ref.double()).abs().max() < 3e-2
+
+
+def test_cuda_tensor_scalar_param_is_refused_not_synced():
+    op = load("mistral_swa")
+    q, k, v, _ = inputs(op)
+    with pytest.raises(OpInputError, match="window: expected a Python number"):
+        op.attention(q, k, v, window=torch.tensor(5, device="cuda"))
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "alibi", "mistral_swa", "gemma2_softcap"])
+def test_cuda_graph_capture_and_replay_match_eager(name):
+    op = load(name)
+    q, k, v, params = inputs(op, seed=3)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream: build, load, allocate
+        for _ in range(3):
+            op.attention(q, k, v, **params)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        o_g, lse_g = op.attention(q, k, v, **params)
+
+    for seed in (4, 5):
+        q2, k2, v2, p2 = inputs(op, seed=seed)
+        q.copy_(q2)
+        k.copy_(k2)
+        v.copy_(v2)
+        for n, t in p2.items():
+            if isinstance(t, torch.Tensor):
+                params[n].copy_(t)
+        g.replay()
+        torch.cuda.synchronize()
+        o_e, lse_e = op.attention(q2, k2, v2, **p2)
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e), "graph != eager"
+
+
+def test_graph_capture_with_poisoning_and_empty_rows():
+    """Poisoning (a fill) and fully masked rows are capturable too."""
+    from flashgen.op import poison_outputs
+
+    op = load("causal_d128")
+    q, k, v, _ = inputs(op, seed=6, sq=100, sk=30)  # bottom-right causal: 70 empty rows
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with poison_outputs():
+        with torch.cuda.stream(s):
+            op.attention(q, k, v)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            o_g, lse_g = op.attention(q, k, v)
+    g.replay()
+    torch.cuda.synchronize()
+    assert not o_g.isnan().any() and torch.isneginf(lse_g[:, :, :70]).all()
+    o_e, lse_e = op.attention(q, k, v)
+    assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
