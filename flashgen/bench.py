@@ -584,6 +584,7 @@ class Bench:
         self.rows: list[Row] = []
         self.ceilings: dict = {}
         self.compile_errors: dict[str, str] = {}
+        self.kernels: dict[str, dict] = {}
         self.env = environment()
         self.t0 = time.perf_counter()
 
@@ -600,6 +601,7 @@ class Bench:
             "config": asdict(self.cfg),
             "ceilings": self.ceilings,
             "compile_errors": self.compile_errors,
+            "kernels": self.kernels,
             "elapsed_s": round(time.perf_counter() - self.t0, 1),
             "rows": [asdict(r) for r in self.rows],
         }
@@ -636,41 +638,66 @@ class Bench:
         return self.ceilings
 
     # ----------------------------------------------------------------- precompile
-    def precompile(self, specs: list[ir.Spec], jobs: int | None = None) -> None:
+    def precompile(
+        self, specs: list[ir.Spec], backward: set[str] = frozenset(), jobs: int | None = None
+    ) -> None:
         """Compile every flashgen kernel the run needs, in parallel, before any timing.
 
-        Goes through the on-disk cache (``cache.get_or_build`` takes a per-uri file lock,
-        so threads and processes compile each kernel once); failures are remembered in
-        ``compile_errors`` and turn the spec's rows into ``error`` rows.
+        Forward kernels and, for the spec names in ``backward`` (when
+        :func:`flashgen.lower.plan_backward` exists), the backward kernels, through the
+        on-disk cache (``cache.get_or_build`` takes a per-uri file lock, so threads and
+        processes compile each kernel once and the op's own build later is a cache hit).
+        Tiles, registers and spills land in ``kernels``; failures in ``compile_errors``
+        (the spec's flashgen rows become ``error`` rows; a failed backward only affects
+        forward+backward rows, which then fail on their own).
         """
         import torch
 
-        from . import cache
-        from .lower import plan_forward
+        from . import cache, lower
         from .op import target_for_device
         from .render import render
 
         gpu = torch.cuda.get_device_name(self.device)
 
-        def build(spec):
+        def build(job):
+            spec, kind = job
+            target = target_for_device(spec, self.device)
             try:
-                plan = plan_forward(spec, target_for_device(spec, self.device), gpu=gpu)
-                _, report = cache.get_or_build(render(plan), plan)
-                if report.spill_bytes:
-                    return spec.name, None, f"spills {report.spill_bytes} B"
-                return spec.name, report, None
+                if kind == "fwd":
+                    plan = lower.plan_forward(spec, target, gpu=gpu)
+                    _, report = cache.get_or_build(render(plan), plan)
+                    info = {
+                        "tiles": [plan.tiles.block_m, plan.tiles.block_n, plan.tiles.num_warps],
+                        "registers": report.registers,
+                        "spill_bytes": report.spill_bytes,
+                    }
+                else:
+                    plan = lower.plan_backward(spec, target)
+                    _, report = cache.get_or_build(render(plan.dq), plan.dq)
+                    info = {
+                        "bwd_registers": report.registers,
+                        "bwd_spill_bytes": report.spill_bytes,
+                    }
+                return spec.name, kind, info, None
             except Exception as e:  # noqa: BLE001 - reported per spec
-                return spec.name, None, _short(e)
+                return spec.name, kind, {}, _short(e)
 
         uniq = {s.name: s for s in specs}
-        workers = max(1, min(len(uniq), jobs or os.cpu_count() or 4))
+        jobs_list = [(s, "fwd") for s in uniq.values()]
+        if hasattr(lower, "plan_backward"):
+            jobs_list += [(s, "bwd") for s in uniq.values() if s.name in backward]
+        workers = max(1, min(len(jobs_list), jobs or os.cpu_count() or 4))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
-            for name, _report, err in pool.map(build, uniq.values()):
-                if err and "spills" not in err:
+            for name, kind, info, err in pool.map(build, jobs_list):
+                self.kernels.setdefault(name, {}).update(info)
+                if err and kind == "fwd":
                     self.compile_errors[name] = err
+                elif err:
+                    self.kernels[name]["bwd_error"] = err
         print(
-            f"compiled {len(uniq)} flashgen kernels in {time.perf_counter() - t0:.1f}s"
+            f"compiled {len(jobs_list)} flashgen kernel sources in "
+            f"{time.perf_counter() - t0:.1f}s"
             + (f" ({len(self.compile_errors)} failed)" if self.compile_errors else ""),
             file=sys.stderr,
             flush=True,
@@ -864,9 +891,9 @@ class Bench:
     def run(self) -> dict:
         """Measure everything, saving ``results.json`` as it goes; returns the document."""
         work = self.plan()
-        specs = [a[1] for k, a in work if k in ("sweep", "variant") and a[0] == "flashgen"]
-        specs += [a[1] for k, a in work if k == "memory" and a[0] == "flashgen"]
-        self.precompile(specs)
+        fg = [a for k, a in work if a[0] == "flashgen"]
+        need_bwd = {a[1].name for a in fg if a[-1] == "fwd_bwd"}
+        self.precompile([a[1] for a in fg], need_bwd)
         if self.cfg.ceilings:
             self.measure_ceilings()
             print(
