@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("hypothesis")
 
 from dsl_strategies import specs  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
