@@ -110,7 +110,7 @@ class BenchConfig:
             rep_ms=30,
             variant_seqlens=(4096, 16384),
             variant_directions=("fwd",),
-            budget_s=150.0,
+            budget_s=300.0,
             quick=True,
         )
 

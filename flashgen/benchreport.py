@@ -172,6 +172,23 @@ def markdown(doc: dict) -> str:
                 f"| {sp} | {dt} | {d} | {_dir_text(direction)} | {s} | " + " | ".join(cells) + " |"
             )
         lines.append("")
+    kernels = doc.get("kernels") or {}
+    if kernels:
+        lines += [
+            "## flashgen kernels in this run",
+            "",
+            "| spec | tiles (BLOCK_M x BLOCK_N, warps) | regs fwd | spills fwd (B) "
+            "| regs bwd | spills bwd (B) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, k in sorted(kernels.items()):
+            t = k.get("tiles")
+            tiles = f"{t[0]}x{t[1]}, {t[2]}" if t else "-"
+            lines.append(
+                f"| {name} | {tiles} | {k.get('registers', '-')} | {k.get('spill_bytes', '-')} "
+                f"| {k.get('bwd_registers', '-')} | {k.get('bwd_spill_bytes', '-')} |"
+            )
+        lines.append("")
     notes = _notes(rows)
     if notes or doc.get("compile_errors"):
         lines += ["## Notes", ""]

@@ -698,7 +698,7 @@ def parser() -> argparse.ArgumentParser:
         "--budget-s",
         type=float,
         default=None,
-        help="soft time limit in s (default 540, --quick 150; 0 = none): later rows are skipped",
+        help="soft time limit in s (default 540, --quick 300; 0 = none): later rows are skipped",
     )
     be.add_argument(
         "--from-json",
