@@ -598,11 +598,18 @@ def cmd_bench(args) -> int:
 
 def cmd_tune(args) -> int:
     from . import autotune
+    from .spec import load_spec
 
-    _, err = _consoles()
-    specs = _load_specs(args.specs, err) if args.specs else []
-    if specs is None:
-        return 1
+    specs = []
+    for path in args.specs:  # plain stderr: tune must not need rich on the GPU machine
+        try:
+            specs.append(load_spec(path))
+        except SpecError as e:
+            print(str(e), file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"{path}: error: cannot read spec: {e.strerror or e}", file=sys.stderr)
+            return 1
     if args.all_shipped:
         specs += autotune.shipped_tuning_specs()
     if not specs:
