@@ -172,7 +172,12 @@ def test_k_and_v_with_more_than_2_31_elements():
     k[:, :, -64:] *= 4
     o, lse = op.attention(q, k, v)
     torch.cuda.synchronize()
-    check_rows(spec, q, k, v, o, lse, list(range(sq)), causal=True)
+    # atol: with 2**24 keys and 64 dominant ones processed first, fp32 tensor-core
+    # accumulation of the 2**24 small terms costs ~3e-2 absolute on outputs of magnitude ~1
+    # (measured on the H200: 6e-3 at 2**20 keys, 1e-2 at 2**23, 3e-2 at 2**24 + 300; without
+    # the boost the error is 3e-5 at every size, so no offset bug).  Reading wrapped rows
+    # would replace the dominant keys and give O(1) errors.
+    check_rows(spec, q, k, v, o, lse, list(range(sq)), causal=True, atol=6e-2)
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (1, 2), (2, 1), (1, 300)])
