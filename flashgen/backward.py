@@ -167,7 +167,7 @@ class Backward:
                 from .render import render
 
                 plan = plan_backward(self.spec, target_for_device(self.spec, device))
-                cubin, _ = cache.get_or_build(render(plan.dq), plan.dq)
+                cubin, _ = cache.get_or_build(render(plan.unit), plan.unit)
                 hit = (
                     plan,
                     *(runtime.load(cubin, kp, index) for kp in (plan.pre, plan.dkdv, plan.dq)),

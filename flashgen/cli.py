@@ -139,6 +139,7 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
+    unit: str = "fwd"  # "fwd" or "bwd" (see flashgen.lower.compile_units)
     report: object | None = None  # CompileReport
     cubin: str | None = None
     smem_dynamic: int = 0
@@ -153,6 +154,7 @@ class BuildResult:
         return {
             "spec": self.spec.name,
             "target": self.target,
+            "unit": self.unit,
             "ok": self.ok,
             "error": self.error,
             "registers": r.registers if r else None,
@@ -167,15 +169,15 @@ class BuildResult:
         }
 
 
-def _compile_one(spec: ir.Spec, target: str) -> BuildResult:
+def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     from . import cache
     from .compile import CompileError
-    from .lower import plan_forward
+    from .lower import compile_units
     from .render import render
 
-    res = BuildResult(spec, target)
+    res = BuildResult(spec, target, unit)
     try:
-        plan = plan_forward(spec, target)
+        plan = compile_units(spec, target)[unit]
         res.smem_dynamic = plan.smem_bytes
         path, res.report = cache.get_or_build(render(plan), plan)
         res.cubin = str(path)
@@ -252,7 +254,7 @@ def cmd_build(args) -> int:
     results: list[BuildResult] = []
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(_compile_one, s, t) for s, t in pairs]
+        futures = [pool.submit(_compile_one, s, t, u) for s, t in pairs for u in ("fwd", "bwd")]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
 
@@ -267,11 +269,10 @@ def cmd_build(args) -> int:
         mine = [r for r in results if r.spec is spec]
         if not mine:
             continue
-        reports = {r.target: r.report for r in mine if r.report is not None}
+        reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
+        targets = tuple(dict.fromkeys(r.target for r in mine))
         try:
-            generated.append(
-                str(write_generated(spec, args.out, reports, targets=tuple(r.target for r in mine)))
-            )
+            generated.append(str(write_generated(spec, args.out, reports, targets=targets)))
         except (ValueError, OSError) as e:
             err.print(f"error: writing {spec.name}: {e}", markup=False)
             return 1
@@ -296,17 +297,18 @@ def cmd_build(args) -> int:
         return 0 if ok else 1
 
     table = Table(title=f"flashgen {__version__} build (nvcc {toolkit})")
-    for col in ("spec", "target", "regs", "spills st/ld (B)", "smem (B)", "compile (s)"):
-        table.add_column(col, justify="left" if col in ("spec", "target") else "right")
+    for col in ("spec", "target", "kernel", "regs", "spills st/ld (B)", "smem (B)", "compile (s)"):
+        table.add_column(col, justify="left" if col in ("spec", "target", "kernel") else "right")
     for r in results:
         rep = r.report
         if rep is None:
-            table.add_row(r.spec.name, r.target, "-", "-", "-", "[red]FAILED[/red]")
+            table.add_row(r.spec.name, r.target, r.unit, "-", "-", "-", "[red]FAILED[/red]")
             continue
         spill = f"{rep.spill_stores}/{rep.spill_loads}"
         table.add_row(
             r.spec.name,
             r.target,
+            r.unit,
             str(rep.registers),
             spill if not rep.spill_bytes else f"[red]{spill}[/red]",
             str(r.smem_dynamic + rep.smem),
@@ -315,7 +317,7 @@ def cmd_build(args) -> int:
     out.print(table)
     for r in results:
         if r.error:
-            err.print(f"error: {r.spec.name} [{r.target}]: {r.error}", markup=False)
+            err.print(f"error: {r.spec.name} [{r.target} {r.unit}]: {r.error}", markup=False)
     if verify:
         vt = Table(title="verification against the float64 reference")
         for col in ("spec", "case", "max |err|", "bound", "result", "TFLOP/s"):

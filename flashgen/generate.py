@@ -22,7 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from . import __version__, ir
-from .lower import plan_forward
+from .lower import plan_backward, plan_forward
 from .render import render
 
 #: What a spec name must look like to become a directory and a module name.
@@ -114,18 +114,30 @@ def module_source(spec: ir.Spec) -> str:
     )
 
 
+def _source_name(spec: ir.Spec, target: str, unit: str) -> str:
+    return f"{spec.name}_{target}.cu" if unit == "fwd" else f"{spec.name}_{target}_{unit}.cu"
+
+
 def manifest(spec: ir.Spec, sources: dict, plans: dict, reports: dict | None) -> dict:
-    """The manifest.json document (see the module docstring)."""
-    targets = {}
-    for t, plan in plans.items():
-        rep = (reports or {}).get(t)
-        targets[t] = {
-            "source": f"{spec.name}_{t}.cu",
-            "source_sha256": hashlib.sha256(sources[t].encode()).hexdigest(),
-            "gencode": plan.gencode,
+    """The manifest.json document (see the module docstring).
+
+    ``sources``, ``plans`` and ``reports`` are keyed by (target, unit), unit "fwd" (a
+    KernelPlan) or "bwd" (a BackwardPlan).
+    """
+    targets: dict = {}
+    for (t, unit), plan in plans.items():
+        rep = (reports or {}).get((t, unit))
+        entry = {
+            "source": _source_name(spec, t, unit),
+            "source_sha256": hashlib.sha256(sources[(t, unit)].encode()).hexdigest(),
+            "gencode": plan.unit.gencode if unit == "bwd" else plan.gencode,
             "config": plan.config(),
             "resources": rep.resources() if rep is not None else None,
         }
+        if unit == "fwd":
+            targets.setdefault(t, {}).update(entry)
+        else:
+            targets.setdefault(t, {})["backward"] = entry
     return {
         "name": spec.name,
         "flashgen_version": __version__,
@@ -145,8 +157,9 @@ def write_generated(
 ) -> Path:
     """Write ``<out_dir>/<spec.name>/`` and return that directory.
 
-    ``targets`` defaults to ``spec.targets``; ``reports`` maps a target to its
-    :class:`~flashgen.compile.CompileReport` (resource usage goes to the manifest).
+    ``targets`` defaults to ``spec.targets``; ``reports`` maps (target, unit) to its
+    :class:`~flashgen.compile.CompileReport`, unit "fwd" or "bwd" (resource usage goes to
+    the manifest).
     Sources of targets no longer written are removed.  Raises ``ValueError`` if a
     target cannot be lowered, ``OSError`` on write failures.
     """
@@ -160,12 +173,16 @@ def write_generated(
     dest.mkdir(parents=True, exist_ok=True)
     if not (root / "__init__.py").exists():
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
-    plans = {t: plan_forward(spec, t) for t in targets}
-    sources = {t: render(p) for t, p in plans.items()}
-    for t, src in sources.items():
-        _atomic_write(dest / f"{spec.name}_{t}.cu", src)
+    plans: dict = {}
+    for t in targets:
+        plans[(t, "fwd")] = plan_forward(spec, t)
+        plans[(t, "bwd")] = plan_backward(spec, t)
+    sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}
+    for (t, unit), src in sources.items():
+        _atomic_write(dest / _source_name(spec, t, unit), src)
+    keep = {_source_name(spec, t, u) for t, u in plans}
     for stale in dest.glob(f"{spec.name}_*.cu"):
-        if stale.name not in {f"{spec.name}_{t}.cu" for t in targets}:
+        if stale.name not in keep:
             stale.unlink()
     _atomic_write(dest / "spec.yaml", spec.source)
     doc = manifest(spec, sources, plans, reports)

@@ -408,6 +408,35 @@ class BackwardPlan:
     dkdv: KernelPlan
     dq: KernelPlan
 
+    @property
+    def unit(self) -> KernelPlan:
+        """The plan that stands for the whole translation unit when compiling (all three
+        kernels share one source, template and target)."""
+        return self.dq
+
+    def config(self) -> dict:
+        """JSON-able summary for manifests."""
+        t = self.tiles
+        return {
+            "target": self.target,
+            "template": self.dq.template,
+            "kernels": [self.pre.kernel_name, self.dkdv.kernel_name, self.dq.kernel_name],
+            "dkdv": {
+                "block_n": t.dkdv_block_n,
+                "block_m": t.dkdv_block_m,
+                "num_warps": t.dkdv_warps,
+                "dsplit": t.dkdv_dsplit,
+                "smem_bytes": self.dkdv.smem_bytes,
+            },
+            "dq": {
+                "block_m": t.dq_block_m,
+                "block_n": t.dq_block_n,
+                "num_warps": t.dq_warps,
+                "smem_bytes": self.dq.smem_bytes,
+            },
+            "deterministic": True,
+        }
+
     def grids(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
         """1-D grids (gridDim.x only) of ``pre``, ``dkdv`` and ``dq``."""
         t = self.tiles
@@ -519,3 +548,9 @@ def plan_backward(spec: Spec, target: str) -> BackwardPlan:
         dkdv=kp(ctx["kernel_dkdv"], t.dkdv_warps, dkdv_smem, dkdv_args),
         dq=kp(ctx["kernel_dq"], t.dq_warps, dq_smem, dq_args),
     )
+
+
+def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
+    """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
+    ``{"fwd": forward plan, "bwd": backward unit}`` (see :attr:`BackwardPlan.unit`)."""
+    return {"fwd": plan_forward(spec, target), "bwd": plan_backward(spec, target).unit}

@@ -84,6 +84,11 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
 
 }  // namespace fg
 
+namespace fg {
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+}  // namespace fg
+
 namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int HEAD_DIM_V = 128;
@@ -235,13 +240,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_mistral_swa_fw
             for (int nt = 0; nt < NT; ++nt)
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int q_idx = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
-                    const int kv_idx = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
+                    const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
+                    const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
+                    // The DSL sees indices clamped into range (tensor params are read in bounds);
+                    // out-of-range pairs are dropped below by selection.
+                    const int q_idx = min(q_raw, seqlen_q - 1);
+                    const int kv_idx = min(kv_raw, seqlen_k - 1);
                     float x = acc_s[mt][nt][i] * scale_log2;
-                    const bool keep = q_idx < seqlen_q && kv_idx < seqlen_k
-                                      && (!IS_CAUSAL || kv_idx <= q_idx + seqlen_k - seqlen_q)
+                    const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
+                                      && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
                                       && (((((q_idx + seqlen_k) - seqlen_q) - kv_idx) < p_window));
-                    if (!keep) x = -INFINITY;
+                    x = keep ? x : -INFINITY;
                     acc_s[mt][nt][i] = x;
                 }
 

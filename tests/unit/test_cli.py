@@ -36,12 +36,16 @@ def test_build_json_and_target_filter(tmp_path, capsys, requires_nvcc):
     )
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["ok"]
-    assert [(k["spec"], k["target"]) for k in doc["kernels"]] == [("causal_d128", "sm_80")]
+    assert [(k["spec"], k["target"], k["unit"]) for k in doc["kernels"]] == [
+        ("causal_d128", "sm_80", "fwd"),
+        ("causal_d128", "sm_80", "bwd"),
+    ]
     k = doc["kernels"][0]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["registers"] > 0
     assert k["smem_dynamic"] > 0
     assert sorted(p.name for p in (tmp_path / "causal_d128").glob("*.cu")) == [
-        "causal_d128_sm_80.cu"
+        "causal_d128_sm_80.cu",
+        "causal_d128_sm_80_bwd.cu",
     ]
 
 

@@ -35,13 +35,15 @@ def test_writes_sources_spec_manifest_and_module(tmp_path):
     rep = CompileReport(
         "sm_80", "sm_80", (KernelResources("flashgen_alibi_fwd_sm_80", 200),), 1.0, "13.0.88"
     )
-    out = write_generated(spec, tmp_path / "generated", reports={"sm_80": rep})
+    out = write_generated(spec, tmp_path / "generated", reports={("sm_80", "fwd"): rep})
     assert out == tmp_path / "generated" / "alibi"
     names = sorted(p.name for p in out.iterdir())
     assert names == [
         "__init__.py",
         "alibi_sm_80.cu",
+        "alibi_sm_80_bwd.cu",
         "alibi_sm_90.cu",
+        "alibi_sm_90_bwd.cu",
         "manifest.json",
         "spec.yaml",
     ]
@@ -54,6 +56,9 @@ def test_writes_sources_spec_manifest_and_module(tmp_path):
     assert man["targets"]["sm_80"]["resources"]["registers"] == 200
     assert man["targets"]["sm_90"]["resources"] is None
     assert man["targets"]["sm_90"]["config"]["kernel"] == "flashgen_alibi_fwd_sm_90"
+    bwd = man["targets"]["sm_90"]["backward"]
+    assert bwd["source"] == "alibi_sm_90_bwd.cu" and bwd["config"]["deterministic"]
+    assert "flashgen_alibi_bwd_sm_90_dkdv" in (out / "alibi_sm_90_bwd.cu").read_text()
     assert not list(out.glob(".*.tmp"))
 
 
