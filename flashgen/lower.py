@@ -361,13 +361,14 @@ def plan_forward(spec: Spec, target: str, gpu: str | None = None) -> KernelPlan:
 # ----------------------------------------------------------------------------- backward
 @dataclass(frozen=True)
 class BackwardTiles:
-    """Tiles of the three backward kernels (FA2 backward, Dao 2023, Algorithm 2).
+    """Tiles of the backward kernels (FA2 backward, Dao 2023, Algorithm 2).
 
     dkdv: each CTA owns ``dkdv_block_n`` key rows (16 per warp) and walks the query rows of
     every head in its GQA group ``dkdv_block_m`` at a time; ``dkdv_dsplit`` > 1 splits the
     dK/dV columns over that many CTAs when the accumulators would not fit in registers.
     dq: each CTA owns ``dq_block_m`` query rows (16 per warp) and walks ``dq_block_n`` keys
-    at a time.
+    at a time (deterministic path only; the atomic-dQ path has no dq kernel and ignores
+    these three fields).
     """
 
     dkdv_block_n: int
@@ -387,18 +388,38 @@ BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
     (128, True): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
     (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
 }
+#: Tiles of the atomic-dQ path (:func:`plan_backward` with ``atomic_dq=True``), same keys.
+#: Its dkdv kernel also holds a [dkdv_block_m x head_dim / dsplit / warps] dQ accumulator
+#: during the dQ product (acc_s / acc_dp are dead by then) and KV_N x (KV_M + 8) elements of
+#: shared memory for dS^T.  The number of float atomics is B*Hq*Sq*Sk*D / dkdv_block_n
+#: (halved by causal), so a wider key block means fewer atomics.  Not tuned on a GPU yet.
+ATOMIC_BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
+    (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
+    (128, True): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+}
 #: Warps (one row each) per CTA of the preprocess kernel D = rowsum(dO * O).
 PRE_WARPS = 8
+#: Threads per CTA of the atomic path's convert kernel (dq = scale * dq_accum, 4 columns each).
+CONVERT_THREADS = 256
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """The three kernels of the backward pass, rendered from one source.
+    """The kernels of the backward pass, rendered from one source (``sm_80/bwd.cu.j2``).
 
-    ``pre``: D = rowsum(dO * O) per query row (fp32).  ``dkdv``: dK, dV with KV outer /
-    Q inner, summed over the query heads of a GQA group in registers.  ``dq``: dQ with
-    Q outer / KV inner.  No atomics: every output element is written by one thread, so
-    the gradients are bitwise reproducible run to run.
+    Deterministic path (``atomic_dq`` False; ``dq`` set, ``convert`` None): ``pre``,
+    D = rowsum(dO * O) per query row (fp32); ``dkdv``, dK and dV with KV outer / Q inner,
+    summed over the query heads of a GQA group in registers; ``dq``, dQ with Q outer /
+    KV inner.  No atomics: every output element is written by one thread, so the gradients
+    are bitwise reproducible run to run.
+
+    Atomic-dQ path (``atomic_dq`` True; ``convert`` set, ``dq`` None): ``pre`` also zeroes
+    the fp32 ``dq_accum`` [B, Hq, Sq, D] buffer; ``dkdv`` also adds dS K of every step into
+    it with float atomics; ``convert`` writes dq = softmax_scale * dq_accum in the input
+    dtype.  5 matmuls per (query block, key block) instead of 7; dQ is not bitwise
+    reproducible (the order of the atomic adds varies).
     """
 
     spec_name: str
@@ -406,21 +427,30 @@ class BackwardPlan:
     tiles: BackwardTiles
     pre: KernelPlan
     dkdv: KernelPlan
-    dq: KernelPlan
+    dq: KernelPlan | None
+    convert: KernelPlan | None = None
+    atomic_dq: bool = False
 
     @property
     def unit(self) -> KernelPlan:
-        """The plan that stands for the whole translation unit when compiling (all three
-        kernels share one source, template and target)."""
-        return self.dq
+        """The plan that stands for the whole translation unit when compiling (all its
+        kernels share one source, template and target): ``dq``, or ``dkdv`` on the
+        atomic path."""
+        return self.dkdv if self.atomic_dq else self.dq
+
+    @property
+    def kernels(self) -> tuple[KernelPlan, ...]:
+        """Every kernel of the unit, in launch order: (pre, dkdv, dq) or (pre, dkdv, convert)."""
+        last = self.convert if self.atomic_dq else self.dq
+        return (self.pre, self.dkdv, last)
 
     def config(self) -> dict:
         """JSON-able summary for manifests."""
         t = self.tiles
-        return {
+        out = {
             "target": self.target,
-            "template": self.dq.template,
-            "kernels": [self.pre.kernel_name, self.dkdv.kernel_name, self.dq.kernel_name],
+            "template": self.dkdv.template,
+            "kernels": [kp.kernel_name for kp in self.kernels],
             "dkdv": {
                 "block_n": t.dkdv_block_n,
                 "block_m": t.dkdv_block_m,
@@ -428,24 +458,37 @@ class BackwardPlan:
                 "dsplit": t.dkdv_dsplit,
                 "smem_bytes": self.dkdv.smem_bytes,
             },
-            "dq": {
+        }
+        if self.atomic_dq:
+            out["convert"] = {"threads": CONVERT_THREADS}
+        else:
+            out["dq"] = {
                 "block_m": t.dq_block_m,
                 "block_n": t.dq_block_n,
                 "num_warps": t.dq_warps,
                 "smem_bytes": self.dq.smem_bytes,
-            },
-            "deterministic": True,
-        }
+            }
+        out["atomic_dq"] = self.atomic_dq
+        out["deterministic"] = not self.atomic_dq
+        return out
 
-    def grids(self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int):
-        """1-D grids (gridDim.x only) of ``pre``, ``dkdv`` and ``dq``."""
+    def grids(
+        self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int
+    ) -> dict[str, tuple[int, int, int]]:
+        """1-D grids (gridDim.x only) by kernel role: ``pre``, ``dkdv`` and ``dq`` (or
+        ``convert`` on the atomic path)."""
         t = self.tiles
-        pre = (-(-batch * heads_q * seqlen_q // PRE_WARPS), 1, 1)
+        rows = batch * heads_q * seqlen_q
+        out = {"pre": (-(-rows // PRE_WARPS), 1, 1)}
         n_blocks = -(-seqlen_k // t.dkdv_block_n)
-        dkdv = (n_blocks * batch * heads_kv * t.dkdv_dsplit, 1, 1)
-        m_blocks = -(-seqlen_q // t.dq_block_m)
-        dq = (m_blocks * batch * heads_q, 1, 1)
-        return pre, dkdv, dq
+        out["dkdv"] = (n_blocks * batch * heads_kv * t.dkdv_dsplit, 1, 1)
+        if self.atomic_dq:
+            chunks = rows * (self.dkdv.context["head_dim"] // 4)
+            out["convert"] = (-(-chunks // CONVERT_THREADS), 1, 1)
+        else:
+            m_blocks = -(-seqlen_q // t.dq_block_m)
+            out["dq"] = (m_blocks * batch * heads_q, 1, 1)
+        return out
 
 
 def _strides(*names: str) -> list[KernelArg]:
@@ -463,27 +506,33 @@ def _param_args(spec: Spec) -> list[KernelArg]:
     return args
 
 
-def plan_backward(spec: Spec, target: str) -> BackwardPlan:
+def plan_backward(spec: Spec, target: str, *, atomic_dq: bool = False) -> BackwardPlan:
     """Lower ``spec`` to its backward kernels for ``target`` (template ``sm_80/bwd.cu.j2``).
 
-    The score_mod derivative d score_mod / d score comes from :func:`flashgen.derive.d_dscore`.
-    Raises ``ValueError`` like :func:`plan_forward`.
+    ``atomic_dq`` False: the deterministic kernels (pre, dkdv, dq; tiles from
+    ``BACKWARD_TILES``).  True: the atomic-dQ kernels (pre, dkdv with the dQ product and
+    float atomics into ``dq_accum``, convert; tiles from ``ATOMIC_BACKWARD_TILES``); see
+    :class:`BackwardPlan`.  The score_mod derivative d score_mod / d score comes from
+    :func:`flashgen.derive.d_dscore`.  Raises ``ValueError`` like :func:`plan_forward`.
     """
     from .derive import d_dscore
 
     fwd = plan_forward(spec, target)  # validates target and dtype
     dmax = max(spec.head_dim, spec.head_dim_v)
-    t = BACKWARD_TILES.get((dmax, spec.score_mod is not None)) or BACKWARD_TILES[(dmax, False)]
+    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
+    t = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
     dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
     ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
     stats = [KernelArg("lse", "const float*"), KernelArg("dsum", "const float*")]
     tail = [*dims, KernelArg("softmax_scale", "float"), *_param_args(spec)]
+    accum = [KernelArg("dq_accum", "float*")] if atomic_dq else []
     pre_args = (
         KernelArg("o", f"const {et}*"),
         KernelArg("dout", f"const {et}*"),
         KernelArg("dsum", "float*"),
+        *accum,
         *_strides("o", "dout"),
         KernelArg("batch", "int"),
         KernelArg("heads_q", "int"),
@@ -494,8 +543,18 @@ def plan_backward(spec: Spec, target: str) -> BackwardPlan:
         *stats,
         KernelArg("dk", f"{et}*"),
         KernelArg("dv", f"{et}*"),
+        *accum,
         *_strides("q", "k", "v", "dout", "dk", "dv"),
         *tail,
+    )
+    convert_args = (
+        KernelArg("dq_accum", "const float*"),
+        KernelArg("dq", f"{et}*"),
+        *_strides("dq"),
+        KernelArg("batch", "int"),
+        KernelArg("heads_q", "int"),
+        KernelArg("seqlen_q", "int"),
+        KernelArg("softmax_scale", "float"),
     )
     dq_args = (
         *ins,
@@ -508,12 +567,16 @@ def plan_backward(spec: Spec, target: str) -> BackwardPlan:
     base = f"flashgen_{spec.name}_bwd_{target}"
     ctx = dict(fwd.context)
     ctx.update(
+        atomic_dq=atomic_dq,
         kernel_pre=f"{base}_pre",
-        kernel_dkdv=f"{base}_dkdv",
+        kernel_dkdv=f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv",
         kernel_dq=f"{base}_dq",
+        kernel_convert=f"{base}_convert",
         pre_args=pre_args,
         dkdv_args=dkdv_args,
         dq_args=dq_args,
+        convert_args=convert_args,
+        convert_threads=CONVERT_THREADS,
         pre_warps=PRE_WARPS,
         dkdv_block_n=t.dkdv_block_n,
         dkdv_block_m=t.dkdv_block_m,
@@ -526,6 +589,8 @@ def plan_backward(spec: Spec, target: str) -> BackwardPlan:
     )
     dkdv_smem = (t.dkdv_block_n * (d + dv) + 2 * t.dkdv_block_m * (d + dv)) * 2
     dkdv_smem += 2 * 2 * t.dkdv_block_m * 4  # lse and dsum of both stages
+    if atomic_dq:
+        dkdv_smem += t.dkdv_block_n * (t.dkdv_block_m * 2 + 16)  # dS^T, padded rows
     dq_smem = (t.dq_block_m * (d + dv) + 2 * t.dq_block_n * (d + dv)) * 2
 
     def kp(name: str, warps: int, smem: int, args) -> KernelPlan:
@@ -540,17 +605,21 @@ def plan_backward(spec: Spec, target: str) -> BackwardPlan:
             context=ctx,
         )
 
-    return BackwardPlan(
-        spec_name=spec.name,
-        target=target,
-        tiles=t,
-        pre=kp(ctx["kernel_pre"], PRE_WARPS, 0, pre_args),
-        dkdv=kp(ctx["kernel_dkdv"], t.dkdv_warps, dkdv_smem, dkdv_args),
-        dq=kp(ctx["kernel_dq"], t.dq_warps, dq_smem, dq_args),
-    )
+    pre = kp(ctx["kernel_pre"], PRE_WARPS, 0, pre_args)
+    dkdv = kp(ctx["kernel_dkdv"], t.dkdv_warps, dkdv_smem, dkdv_args)
+    if atomic_dq:
+        convert = kp(ctx["kernel_convert"], CONVERT_THREADS // 32, 0, convert_args)
+        return BackwardPlan(spec.name, target, t, pre, dkdv, None, convert, atomic_dq=True)
+    dq = kp(ctx["kernel_dq"], t.dq_warps, dq_smem, dq_args)
+    return BackwardPlan(spec.name, target, t, pre, dkdv, dq)
 
 
 def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
     """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
-    ``{"fwd": forward plan, "bwd": backward unit}`` (see :attr:`BackwardPlan.unit`)."""
-    return {"fwd": plan_forward(spec, target), "bwd": plan_backward(spec, target).unit}
+    ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
+    backward unit}`` (see :attr:`BackwardPlan.unit`)."""
+    return {
+        "fwd": plan_forward(spec, target),
+        "bwd": plan_backward(spec, target).unit,
+        "bwd_atomic": plan_backward(spec, target, atomic_dq=True).unit,
+    }

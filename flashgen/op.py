@@ -7,12 +7,13 @@
 
 with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the
 materialized float32 reference), a fake kernel (so ``torch.compile`` traces it) and an
-autograd registration whose backward raises (there is no backward kernel yet).
+autograd registration whose backward is the op ``<name>__backward`` (see
+:mod:`flashgen.backward`).
 
 The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
 front (:func:`validate`, also run by every kernel) and fills in defaults.
 
-Op contract (see design.md):
+Op contract (README.md, section "Op contract"):
 
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
     on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
