@@ -141,15 +141,13 @@ class Backward:
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
             values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
-        g_pre, g_dkdv, g_dq = plan.grids(
-            dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k
-        )
+        grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        pre.launch(g_pre, values, stream)
+        pre.launch(grids["pre"], values, stream)
         if dlse is not None:
             dsum.sub_(dlse)
-        dkdv.launch(g_dkdv, values, stream)
-        dqk.launch(g_dq, values, stream)
+        dkdv.launch(grids["dkdv"], values, stream)
+        dqk.launch(grids["dq"], values, stream)
         return dq, dk, dv
 
     def kernels(self, device: torch.device):

@@ -139,7 +139,7 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
-    unit: str = "fwd"  # "fwd" or "bwd" (see flashgen.lower.compile_units)
+    unit: str = "fwd"  # "fwd", "bwd" or "bwd_atomic" (see flashgen.lower.compile_units)
     report: object | None = None  # CompileReport
     cubin: str | None = None
     smem_dynamic: int = 0
@@ -254,7 +254,8 @@ def cmd_build(args) -> int:
     results: list[BuildResult] = []
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(_compile_one, s, t, u) for s, t in pairs for u in ("fwd", "bwd")]
+        units = ("fwd", "bwd", "bwd_atomic")  # every unit of lower.compile_units
+        futures = [pool.submit(_compile_one, s, t, u) for s, t in pairs for u in units]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
 

@@ -468,8 +468,7 @@ class BackwardPlan:
                 "num_warps": t.dq_warps,
                 "smem_bytes": self.dq.smem_bytes,
             }
-        out["atomic_dq"] = self.atomic_dq
-        out["deterministic"] = not self.atomic_dq
+        out["deterministic"] = not self.atomic_dq  # False: the atomic-dQ kernels
         return out
 
     def grids(

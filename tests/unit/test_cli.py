@@ -39,6 +39,7 @@ def test_build_json_and_target_filter(tmp_path, capsys, requires_nvcc):
     assert [(k["spec"], k["target"], k["unit"]) for k in doc["kernels"]] == [
         ("causal_d128", "sm_80", "fwd"),
         ("causal_d128", "sm_80", "bwd"),
+        ("causal_d128", "sm_80", "bwd_atomic"),
     ]
     k = doc["kernels"][0]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["registers"] > 0

@@ -1,4 +1,5 @@
-"""nvcc compilation: every shipped spec compiles for sm_80 and sm_90 without spills."""
+"""nvcc compilation: every shipped spec compiles for sm_80 and sm_90 without spills
+(forward, deterministic backward and atomic-dQ backward units)."""
 
 from __future__ import annotations
 
@@ -105,10 +106,13 @@ def _build(path: Path, target: str, unit: str):
 
 
 def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
-    """All (spec, target, forward/backward) units, compiled in parallel through the
-    (session) cache; every kernel in them (the backward unit holds three) is checked."""
+    """All (spec, target, unit) units of :func:`compile_units` (forward, deterministic
+    backward, atomic-dQ backward), compiled in parallel through the (session) cache; every
+    kernel in them (each backward unit holds three) is checked."""
     assert SPECS, "no specs shipped"
-    units = [(p, t, u) for p in SPECS for t in ("sm_80", "sm_90") for u in ("fwd", "bwd")]
+    names = ("fwd", "bwd", "bwd_atomic")
+    assert tuple(compile_units(load_spec(SPECS[0]), "sm_80")) == names
+    units = [(p, t, u) for p in SPECS for t in ("sm_80", "sm_90") for u in names]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda ptu: _build(*ptu), units))
     problems = []
@@ -129,5 +133,23 @@ def test_shared_memory_fits_the_smallest_target(path):
     spec = load_spec(path)
     fwd = plan_forward(spec, "sm_80")
     bwd = plan_backward(spec, "sm_80")
-    for plan in (fwd, bwd.pre, bwd.dkdv, bwd.dq):
+    atomic = plan_backward(spec, "sm_80", atomic_dq=True)
+    for plan in (fwd, *bwd.kernels, *atomic.kernels):
         assert plan.smem_bytes <= 163 * 1024, f"{plan.kernel_name}: {plan.smem_bytes}"
+
+
+def test_atomic_unit_kernels_and_vector_reduction(requires_nvcc):
+    """The atomic-dQ unit holds pre, dkdv_atomic and convert (no dq kernel) and compiles
+    for both targets; its source has the vector reduction red.global.add.v2.f32 (taken
+    where __CUDA_ARCH__ >= 900) and the scalar atomicAdd fallback."""
+    spec = load_spec(SPECS[0])
+    for target in ("sm_80", "sm_90"):
+        bwd = plan_backward(spec, target, atomic_dq=True)
+        names = [kp.kernel_name for kp in bwd.kernels]
+        assert names[1].endswith("_dkdv_atomic") and names[2].endswith("_convert")
+        src = render(bwd.unit)
+        assert all(f" {n}(" in src for n in names)
+        assert "red.global.add.v2.f32" in src and "atomicAdd" in src
+        assert f"_bwd_{target}_dq(" not in src  # no dq kernel on this path
+        _, report = cache.get_or_build(src, bwd.unit)
+        assert sorted(k.name for k in report.kernels) == sorted(names)
