@@ -1,15 +1,34 @@
 """Backward pass of a flashgen op and its autograd registration.
 
 For every spec, ``flashgen::<name>__backward(dout, q, k, v, o, lse, dlse, softmax_scale,
-*params) -> (dq, dk, dv)`` is registered beside the forward op, with
+deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, with
 
-- a CUDA implementation: the three kernels of ``templates/sm_80/bwd.cu.j2`` (FA2 backward,
-  Dao 2023, Algorithm 2: dsum = rowsum(dO * O); dK, dV with KV outer / Q inner, summed over
-  the query heads of each GQA group in registers; dQ with Q outer / KV inner).  P is
-  recomputed from the saved lse and never stored, so memory stays O(B*H*S*D).  No kernel
-  uses atomics: gradients are bitwise reproducible from run to run;
-- a CPU implementation: autograd through the float32 reference of the same IR;
+- a CUDA implementation with two kernel sets, both from ``templates/sm_80/bwd.cu.j2``
+  (FA2 backward, Dao 2023, Algorithm 2).  P is recomputed from the saved lse and never
+  stored, so memory stays O(B*H*S*D).
+
+  * deterministic (the default): dsum = rowsum(dO * O); dK, dV with KV outer / Q inner,
+    summed over the query heads of each GQA group in registers; dQ with Q outer / KV
+    inner.  No kernel uses atomics: gradients are bitwise reproducible run to run.  7
+    matmuls per (query block, key block) pair.
+  * atomic dQ (FA2's own scheme): the dK/dV kernel also computes dS K for every pair and
+    adds it into an fp32 ``dq_accum`` [B, Hq, Sq, D] with float atomics; a small kernel
+    writes dq = softmax_scale * dq_accum.  5 matmuls per pair, plus the fp32 buffer
+    (4 bytes per dq element).  dq is not bitwise reproducible (dk, dv still are).
+
+  The atomic path runs only when ``deterministic`` is False **and** the environment
+  variable ``FLASHGEN_ATOMIC_DQ=1`` is set (read at each call): it has not been validated
+  on a GPU yet, so it stays off by default and ``deterministic=False`` then still runs the
+  deterministic kernels;
+- a CPU implementation: autograd through the float32 reference of the same IR (the flag
+  changes nothing there);
 - a fake implementation, so ``torch.compile`` traces the backward too.
+
+``deterministic`` reaches the backward through the forward schema's keyword-only
+``bool deterministic=False`` argument (ignored by the forward impls), which
+``setup_context`` receives as a keyword-only input and stores on the autograd ctx: a
+schema argument works the same in eager mode, under ``torch.compile(fullgraph=True)`` and
+in ``torch.library.opcheck`` (a thread-local or context variable would not be traced).
 
 The forward op's ``register_autograd`` calls it.  A gradient of ``lse`` folds into the row
 term: dS = P * (dP - (dsum - dlse)).  Tensor params (ALiBi slopes, bias tables) get no
@@ -19,11 +38,26 @@ no gradient is ever silently zero.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
 from .ir import Spec
+
+#: Environment variable that enables the atomic-dQ kernels (value ``1``).
+ATOMIC_DQ_ENV = "FLASHGEN_ATOMIC_DQ"
+
+
+def atomic_dq_enabled() -> bool:
+    """Whether ``FLASHGEN_ATOMIC_DQ=1`` is set (read on every call, so tests can toggle it)."""
+    return os.environ.get(ATOMIC_DQ_ENV) == "1"
+
+
+def uses_atomic_dq(deterministic: bool) -> bool:
+    """Whether a CUDA backward with this ``deterministic`` flag runs the atomic-dQ kernels:
+    only for ``deterministic=False`` with the :data:`ATOMIC_DQ_ENV` gate on."""
+    return not deterministic and atomic_dq_enabled()
 
 
 def backward_name(spec: Spec) -> str:
@@ -31,8 +65,8 @@ def backward_name(spec: Spec) -> str:
 
 
 def backward_schema(spec: Spec) -> str:
-    """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., Tensor slopes)
-    -> (Tensor, Tensor, Tensor)``."""
+    """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
+    softmax_scale, bool deterministic, Tensor slopes) -> (Tensor, Tensor, Tensor)``."""
     from .op import _SCHEMA_TYPE
 
     args = [
@@ -44,6 +78,7 @@ def backward_schema(spec: Spec) -> str:
         "Tensor lse",
         "Tensor? dlse",
         "float softmax_scale",
+        "bool deterministic",
     ]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
@@ -61,15 +96,16 @@ class Backward:
     def __init__(self, op):
         self.op = op
         self.spec = op.spec
-        self._kernels: dict[int, tuple] = {}
+        self._kernels: dict[tuple[int, bool], tuple] = {}  # (device index, atomic_dq)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ op impls
-    def fake(self, dout, q, k, v, o, lse, dlse, softmax_scale, *rest):
+    def fake(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
         return _grads_like(q, k, v, fill_zero=False)
 
-    def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, *rest):
-        """Autograd through the float32 reference; dq, dk, dv in the input dtype."""
+    def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+        """Autograd through the float32 reference; dq, dk, dv in the input dtype (the same
+        for either ``deterministic``)."""
         from .op import PARAM_DTYPE, validate
         from .reference import attention_reference
 
@@ -100,20 +136,28 @@ class Backward:
             for g, t in zip(grads, (q, k, v), strict=True)
         )
 
-    def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, *rest):
-        """The three backward kernels on the current stream of q's device."""
+    def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+        """The backward kernels on the current stream of q's device: (pre, dkdv, dq), or
+        (pre, dkdv_atomic, convert) when :func:`uses_atomic_dq` says so.
+
+        dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
+        dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
+        fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
         from .op import PARAM_DTYPE, _kernel_aligned, validate
 
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
         if q.numel() == 0 or k.numel() == 0:
             return _grads_like(q, k, v, fill_zero=True)
-        plan, pre, dkdv, dqk = self.kernels(q.device)
+        atomic = uses_atomic_dq(deterministic)
+        plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         q, k, v, o, dout = (_kernel_aligned(t) for t in (q, k, v, o, dout))
         dq, dk, dv = _grads_like(q, k, v, fill_zero=False)
         dsum = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+        # fp32 dQ accumulator of the atomic path: contiguous [B, Hq, Sq, D], zeroed by `pre`
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None
         values: dict = {
             "q": q,
             "k": k,
@@ -125,6 +169,7 @@ class Backward:
             "dq": dq,
             "dk": dk,
             "dv": dv,
+            "dq_accum": dq_accum,
         }
         for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv"):
             t = values[name]
@@ -147,34 +192,36 @@ class Backward:
         if dlse is not None:
             dsum.sub_(dlse)
         dkdv.launch(grids["dkdv"], values, stream)
-        dqk.launch(grids["dq"], values, stream)
+        last.launch(grids["convert" if atomic else "dq"], values, stream)
         return dq, dk, dv
 
-    def kernels(self, device: torch.device):
-        """(BackwardPlan, pre, dkdv, dq) loaded on ``device``; built and cached on first use."""
+    def kernels(self, device: torch.device, atomic_dq: bool = False):
+        """(BackwardPlan, pre, dkdv, dq) loaded on ``device`` -- (BackwardPlan, pre,
+        dkdv_atomic, convert) for ``atomic_dq`` -- built and cached on first use."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        hit = self._kernels.get(index)
+        key = (index, atomic_dq)
+        hit = self._kernels.get(key)
         if hit is not None:
             return hit
         with self._lock:
-            hit = self._kernels.get(index)
+            hit = self._kernels.get(key)
             if hit is None:
                 from . import cache, runtime
                 from .lower import plan_backward
                 from .op import target_for_device
                 from .render import render
 
-                plan = plan_backward(self.spec, target_for_device(self.spec, device))
+                target = target_for_device(self.spec, device)
+                plan = plan_backward(self.spec, target, atomic_dq=atomic_dq)
                 cubin, _ = cache.get_or_build(render(plan.unit), plan.unit)
-                hit = (
-                    plan,
-                    *(runtime.load(cubin, kp, index) for kp in (plan.pre, plan.dkdv, plan.dq)),
-                )
-                self._kernels[index] = hit
+                hit = (plan, *(runtime.load(cubin, kp, index) for kp in plan.kernels))
+                self._kernels[key] = hit
         return hit
 
     # ------------------------------------------------------------------ autograd
-    def setup_context(self, ctx, inputs, output):
+    def setup_context(self, ctx, inputs, output, keyword_only_inputs=None):
+        """Save what the backward needs; ``keyword_only_inputs`` carries the forward's
+        ``deterministic`` flag (torch passes it because the schema has a kwarg-only arg)."""
         q, k, v, softmax_scale, *rest = inputs
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
@@ -189,6 +236,7 @@ class Backward:
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
         ctx.softmax_scale = softmax_scale
         ctx.scalars = list(rest[:n])
+        ctx.deterministic = bool((keyword_only_inputs or {}).get("deterministic", False))
 
     def backward(self, ctx, grad_o, grad_lse):
         q, k, v, o, lse, *tensors = ctx.saved_tensors
@@ -196,7 +244,17 @@ class Backward:
             grad_o = torch.zeros_like(o)
         bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
         dq, dk, dv = bwd(
-            grad_o, q, k, v, o, lse, grad_lse, ctx.softmax_scale, *ctx.scalars, *tensors
+            grad_o,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            grad_lse,
+            ctx.softmax_scale,
+            ctx.deterministic,
+            *ctx.scalars,
+            *tensors,
         )
         return (dq, dk, dv, None, *([None] * (len(ctx.scalars) + len(tensors))))
 

@@ -63,6 +63,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "k",
         "v",
         "softmax_scale",
+        "deterministic",
         "out",
         "lse",
         "batch",

@@ -3,7 +3,8 @@
 :func:`build_op` registers, once per process and spec name, an operator with schema::
 
     <name>(Tensor q, Tensor k, Tensor v, float softmax_scale,
-           <int|float scalar params, spec order>, <Tensor params, spec order>) -> (Tensor, Tensor)
+           <int|float scalar params, spec order>, <Tensor params, spec order>,
+           *, bool deterministic=False) -> (Tensor, Tensor)
 
 with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the
 materialized float32 reference), a fake kernel (so ``torch.compile`` traces it) and an
@@ -12,6 +13,11 @@ autograd registration whose backward is the op ``<name>__backward`` (see
 
 The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
 front (:func:`validate`, also run by every kernel) and fills in defaults.
+
+``deterministic`` does not change the forward (its impls ignore it); it is a schema
+argument so that it reaches the autograd ``setup_context`` the same way in eager mode,
+under ``torch.compile(fullgraph=True)`` and in opcheck, and picks the backward kernels
+(see :mod:`flashgen.backward`).
 
 Op contract (README.md, section "Op contract"):
 
@@ -362,7 +368,9 @@ class AttentionOp:
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.spec.params)
 
-    def attention(self, q, k, v, *, softmax_scale: float | None = None, **params):
+    def attention(
+        self, q, k, v, *, softmax_scale: float | None = None, deterministic: bool = False, **params
+    ):
         """Run the attention variant: returns ``(o, lse)``.
 
         q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] in the spec's dtype on
@@ -371,6 +379,13 @@ class AttentionOp:
         spec's value (``auto``: 1/sqrt(D)).  ``params`` are the spec's params by name:
         scalars default to their declared value, tensors (declared shape, f32/i32
         elements, same device) are required.
+
+        ``deterministic`` only affects the backward: True always uses the no-atomics
+        kernels (bitwise reproducible dq, dk, dv).  False allows the faster atomic-dQ
+        kernels (dq not bitwise reproducible), but only where the environment variable
+        ``FLASHGEN_ATOMIC_DQ=1`` is set: that path is pending GPU validation, so by default
+        both values run the deterministic kernels.  Must be a bool (else
+        :class:`OpInputError`).
 
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
         [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
@@ -383,7 +398,11 @@ class AttentionOp:
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(self.spec)
         softmax_scale = check_softmax_scale(softmax_scale)
-        return self.torch_op(q, k, v, softmax_scale, *scalars, *tensors)
+        if not isinstance(deterministic, bool):
+            raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
+        return self.torch_op(
+            q, k, v, softmax_scale, *scalars, *tensors, deterministic=deterministic
+        )
 
     __call__ = attention
 
@@ -406,12 +425,12 @@ class AttentionOp:
         )
         return o, lse
 
-    def _fake_impl(self, q, k, v, softmax_scale, *rest):
+    def _fake_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
         return self._empty_outputs(q, dims)
 
-    def _cpu_impl(self, q, k, v, softmax_scale, *rest):
+    def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         from .reference import attention_reference
 
         scalars, tensors = self._split(rest)
@@ -436,7 +455,7 @@ class AttentionOp:
         lse.copy_(ref_lse)
         return o, lse
 
-    def _cuda_impl(self, q, k, v, softmax_scale, *rest):
+    def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
         o, lse = self._empty_outputs(q, dims)
@@ -522,10 +541,15 @@ def _library() -> torch.library.Library:
 
 def schema(spec: ir.Spec) -> str:
     """The operator schema, e.g. ``alibi(Tensor q, Tensor k, Tensor v, float softmax_scale,
-    Tensor slopes) -> (Tensor, Tensor)``."""
+    Tensor slopes, *, bool deterministic=False) -> (Tensor, Tensor)``.
+
+    ``deterministic`` is keyword-only with a default, so positional calls written for the
+    schema without it still work; the forward ignores it and autograd hands it to the
+    backward op (see :mod:`flashgen.backward`)."""
     args = ["Tensor q", "Tensor k", "Tensor v", "float softmax_scale"]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
+    args += ["*", "bool deterministic=False"]
     return f"{spec.name}({', '.join(args)}) -> (Tensor, Tensor)"
 
 

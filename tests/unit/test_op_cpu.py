@@ -176,11 +176,11 @@ def test_impl_validates_too(ops):
 def test_schema_and_registry():
     spec = load_spec(REPO / "specs" / "alibi.yaml")
     assert schema(spec) == (
-        "alibi(Tensor q, Tensor k, Tensor v, float softmax_scale, Tensor slopes) "
-        "-> (Tensor, Tensor)"
+        "alibi(Tensor q, Tensor k, Tensor v, float softmax_scale, Tensor slopes, "
+        "*, bool deterministic=False) -> (Tensor, Tensor)"
     )
     swa = load_spec(REPO / "specs" / "mistral_swa.yaml")
-    assert "float softmax_scale, int window)" in schema(swa)
+    assert "float softmax_scale, int window, *, bool deterministic=False)" in schema(swa)
     # same spec twice (even from another path): same op, no error
     assert build_op(spec) is build_op(dataclasses.replace(spec, path="elsewhere.yaml"))
     # a different spec under a registered name is refused
