@@ -392,11 +392,14 @@ BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
 #: Its dkdv kernel also holds a [dkdv_block_m x head_dim / dsplit / warps] dQ accumulator
 #: during the dQ product (acc_s / acc_dp are dead by then) and KV_N x (KV_M + 8) elements of
 #: shared memory for dS^T.  The number of float atomics is B*Hq*Sq*Sk*D / dkdv_block_n
-#: (halved by causal), so a wider key block means fewer atomics.  Not tuned on a GPU yet.
+#: (halved by causal), so a wider key block means fewer atomics.  Not tuned on a GPU yet:
+#: the same tiles as the deterministic kernels, except a score_mod at head_dim 128, where
+#: 64 key rows spill on sm_90a (alibi, 16-52 bytes) and 32 rows with 2 warps do not
+#: (4x FA2's atomics; the other zero-spill option, dsplit 2, recomputes S and dP twice).
 ATOMIC_BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
     (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
     (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
-    (128, True): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (128, True): BackwardTiles(32, 16, 2, 1, 64, 32, 4),
     (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
 }
 #: Warps (one row each) per CTA of the preprocess kernel D = rowsum(dO * O).
