@@ -177,11 +177,11 @@ def cuda_expr(e: Expr, spec: Spec) -> str:
         assert p is not None and p.kind == "tensor"
         offset = ""
         for i, ix in enumerate(e.indices):
-            term = f"(int64_t)({cuda_expr(ix, spec)})"
-            if i == 0:
-                offset = term
-            else:
-                offset = f"({offset}) * {_shape_extent(p.shape[i])} + {term}"
+            extent = _shape_extent(p.shape[i])
+            # clamped into the declared shape: a read is never out of bounds (the reference
+            # refuses out-of-range indices at kept pairs; dropped pairs may compute any)
+            term = f"fg::clamp_index((int64_t)({cuda_expr(ix, spec)}), (int64_t)({extent}))"
+            offset = term if i == 0 else f"({offset}) * (int64_t)({extent}) + {term}"
         return f"t_{e.name}[{offset}]"
     if isinstance(e, Unary):
         return f"({e.op}{cuda_expr(e.arg, spec)})"

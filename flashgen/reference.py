@@ -43,10 +43,13 @@ def eval_expr(e: Expr, env: dict):
         t = env[e.name]
         idx = [eval_expr(i, env).to(torch.int64) for i in e.indices]
         idx = torch.broadcast_tensors(*idx)
-        for d, (i, n) in enumerate(zip(idx, t.shape, strict=False)):
-            if bool(((i < 0) | (i >= n)).any()):
-                raise IndexError(f"tensor param '{e.name}' index {d} out of range [0, {n})")
-        return t[tuple(idx)]
+        # Reads are clamped into bounds, as in the kernels; where an index was out of
+        # bounds is recorded, and attention_reference refuses it at pairs that are kept.
+        clamped = []
+        for i, n in zip(idx, t.shape, strict=True):
+            env.setdefault("__oob__", []).append((e.name, (i < 0) | (i >= n)))
+            clamped.append(i.clamp(0, n - 1))
+        return t[tuple(clamped)]
     if isinstance(e, Unary):
         a = eval_expr(e.arg, env)
         return torch.logical_not(a) if e.op == "!" else -a
@@ -129,7 +132,8 @@ def attention_reference(
         nothing to attend to give o = 0 and lse = -inf, with zero (not NaN) gradients.
 
     Raises:
-        IndexError: a tensor param is indexed out of its bounds.
+        IndexError: a tensor param is indexed outside its shape at a pair the mask keeps
+            (reads at dropped pairs are clamped into range, as in the kernels).
     """
     params = dict(params or {})
     B, Hq, Sq, D = q.shape
@@ -167,9 +171,18 @@ def attention_reference(
     if spec.score_mod is not None:
         env["score"] = s
         s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
+    keep = None
     if spec.mask is not None:
         keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
         s = s.masked_fill(~keep, float("-inf"))
+    for name, oob in env.get("__oob__", []):
+        hit = oob if keep is None else oob & keep
+        if bool(hit.any()):
+            raise IndexError(
+                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
+                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
+                f"expression or the param's declared shape"
+            )
     # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.
     row_has = torch.isfinite(s).any(dim=-1, keepdim=True)
     s_safe = torch.where(row_has, s, torch.zeros_like(s))

@@ -166,3 +166,21 @@ def test_tensor_param_requiring_grad_is_a_clear_error():
     slopes = params["slopes"].float().requires_grad_()
     with pytest.raises(NotImplementedError, match="tensor param 'slopes'"):
         op.attention(q.requires_grad_(), k, v, slopes=slopes)
+
+
+def test_out_of_range_tensor_index_is_refused_only_where_kept():
+    """A bias read outside its shape is clamped (as in the kernels) where the mask drops
+    the pair, and refused with a clear error where the pair is kept."""
+    text = (
+        "name: relb\nhead_dim: 64\ndtype: bf16\nmask: causal\n"
+        "score_mod: score + tb[q_idx + seqlen_k - seqlen_q - kv_idx]\n"
+        "params:\n  tb: {type: f32, shape: [8]}\n"
+    )
+    spec = loads_spec(text, "relb.yaml")
+    q, k, v, _ = _inputs(spec, sq=8, sk=8)
+    tb = torch.randn(8, dtype=torch.float64)
+    o, _ = attention_reference(spec, q, k, v, params={"tb": tb})  # distances 0..7 when kept
+    assert torch.isfinite(o).all()
+    q2, k2, v2, _ = _inputs(spec, sq=9, sk=9)
+    with pytest.raises(IndexError, match="tensor param 'tb' is indexed outside its shape"):
+        attention_reference(spec, q2, k2, v2, params={"tb": tb})  # distance 8 is kept
