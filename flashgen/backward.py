@@ -206,14 +206,12 @@ class Backward:
         with self._lock:
             hit = self._kernels.get(key)
             if hit is None:
-                from . import cache, runtime
-                from .lower import plan_backward
+                from . import runtime
                 from .op import target_for_device
-                from .render import render
+                from .select import build_backward
 
                 target = target_for_device(self.spec, device)
-                plan = plan_backward(self.spec, target, atomic_dq=atomic_dq)
-                cubin, _ = cache.get_or_build(render(plan.unit), plan.unit)
+                plan, cubin, _ = build_backward(self.spec, target, atomic_dq=atomic_dq)
                 hit = (plan, *(runtime.load(cubin, kp, index) for kp in plan.kernels))
                 self._kernels[key] = hit
         return hit

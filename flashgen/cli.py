@@ -1,4 +1,4 @@
-"""Command line: ``flashgen build | show | list`` (also ``python -m flashgen``).
+"""Command line: ``flashgen build | show | list | bench | tune`` (also ``python -m flashgen``).
 
     flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
                            [--no-verify]
@@ -140,6 +140,7 @@ class BuildResult:
     spec: ir.Spec
     target: str
     unit: str = "fwd"  # "fwd", "bwd" or "bwd_atomic" (see flashgen.lower.compile_units)
+    plan: object | None = None  # the KernelPlan / BackwardPlan compiled (flashgen.select)
     report: object | None = None  # CompileReport
     cubin: str | None = None
     smem_dynamic: int = 0
@@ -170,16 +171,19 @@ class BuildResult:
 
 
 def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
-    from . import cache
     from .compile import CompileError
-    from .lower import compile_units
-    from .render import render
+    from .select import build_backward, build_forward
 
     res = BuildResult(spec, target, unit)
     try:
-        plan = compile_units(spec, target)[unit]
-        res.smem_dynamic = plan.smem_bytes
-        path, res.report = cache.get_or_build(render(plan), plan)
+        if unit == "fwd":
+            res.plan, path, res.report = build_forward(spec, target)
+            res.smem_dynamic = res.plan.smem_bytes
+        else:
+            res.plan, path, res.report = build_backward(
+                spec, target, atomic_dq=unit == "bwd_atomic"
+            )
+            res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
         res.cubin = str(path)
         if res.report.spill_bytes:
             res.error = (
@@ -238,7 +242,7 @@ def cmd_build(args) -> int:
         return _fail_json(args, "spec errors (see stderr)")
     pairs = []
     for spec in specs:
-        for t in args.target or spec.targets:
+        for t in dict.fromkeys(args.target or spec.targets):
             if t in spec.targets:
                 pairs.append((spec, t))
             else:
@@ -273,7 +277,10 @@ def cmd_build(args) -> int:
         reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
         targets = tuple(dict.fromkeys(r.target for r in mine))
         try:
-            generated.append(str(write_generated(spec, args.out, reports, targets=targets)))
+            plans = {(r.target, r.unit): r.plan for r in mine if r.plan is not None}
+            generated.append(
+                str(write_generated(spec, args.out, reports, targets=targets, plans=plans))
+            )
         except (ValueError, OSError) as e:
             err.print(f"error: writing {spec.name}: {e}", markup=False)
             return 1

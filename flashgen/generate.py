@@ -154,12 +154,14 @@ def write_generated(
     out_dir: str | os.PathLike = "generated",
     reports: dict | None = None,
     targets: tuple[str, ...] | None = None,
+    plans: dict | None = None,
 ) -> Path:
     """Write ``<out_dir>/<spec.name>/`` and return that directory.
 
     ``targets`` defaults to ``spec.targets``; ``reports`` maps (target, unit) to its
     :class:`~flashgen.compile.CompileReport`, unit "fwd" or "bwd" (resource usage goes to
-    the manifest).
+    the manifest); ``plans`` maps (target, unit) to the KernelPlan / BackwardPlan that was
+    compiled (e.g. with fallback tiles, see :mod:`flashgen.select`), default: lowering's.
     Sources of targets no longer written are removed.  Raises ``ValueError`` if a
     target cannot be lowered, ``OSError`` on write failures.
     """
@@ -173,10 +175,10 @@ def write_generated(
     dest.mkdir(parents=True, exist_ok=True)
     if not (root / "__init__.py").exists():
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
-    plans: dict = {}
+    given, plans = plans or {}, {}
     for t in targets:
-        plans[(t, "fwd")] = plan_forward(spec, t)
-        plans[(t, "bwd")] = plan_backward(spec, t)
+        plans[(t, "fwd")] = given.get((t, "fwd")) or plan_forward(spec, t)
+        plans[(t, "bwd")] = given.get((t, "bwd")) or plan_backward(spec, t)
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}
     for (t, unit), src in sources.items():
         _atomic_write(dest / _source_name(spec, t, unit), src)

@@ -23,7 +23,7 @@ names to values.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import ir
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
@@ -302,11 +302,14 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     return tuple(args)
 
 
-def plan_forward(spec: Spec, target: str, gpu: str | None = None) -> KernelPlan:
+def plan_forward(
+    spec: Spec, target: str, gpu: str | None = None, tiles: TileConfig | None = None
+) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
     ``gpu`` (the CUDA device name, optional) selects tuned tiles from the tuning table; see
-    :func:`choose_tiles`.
+    :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
+    :mod:`flashgen.select` passes its candidates here).
 
     Both targets currently render the FA2-class template (``templates/sm_80/fwd.cu.j2``,
     Dao 2023, Algorithm 1); ``sm_90`` compiles it for ``sm_90a``.
@@ -317,7 +320,7 @@ def plan_forward(spec: Spec, target: str, gpu: str | None = None) -> KernelPlan:
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
-    tiles = choose_tiles(spec, target, gpu)
+    tiles = tiles or choose_tiles(spec, target, gpu)
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
@@ -508,21 +511,24 @@ def _param_args(spec: Spec) -> list[KernelArg]:
     return args
 
 
-def plan_backward(spec: Spec, target: str, *, atomic_dq: bool = False) -> BackwardPlan:
+def plan_backward(
+    spec: Spec, target: str, *, atomic_dq: bool = False, tiles: BackwardTiles | None = None
+) -> BackwardPlan:
     """Lower ``spec`` to its backward kernels for ``target`` (template ``sm_80/bwd.cu.j2``).
 
     ``atomic_dq`` False: the deterministic kernels (pre, dkdv, dq; tiles from
     ``BACKWARD_TILES``).  True: the atomic-dQ kernels (pre, dkdv with the dQ product and
     float atomics into ``dq_accum``, convert; tiles from ``ATOMIC_BACKWARD_TILES``); see
     :class:`BackwardPlan`.  The score_mod derivative d score_mod / d score comes from
-    :func:`flashgen.derive.d_dscore`.  Raises ``ValueError`` like :func:`plan_forward`.
+    :func:`flashgen.derive.d_dscore`.  ``tiles`` replaces the table's choice (the spill
+    fallback of :mod:`flashgen.select`).  Raises ``ValueError`` like :func:`plan_forward`.
     """
     from .derive import d_dscore
 
     fwd = plan_forward(spec, target)  # validates target and dtype
     dmax = max(spec.head_dim, spec.head_dim_v)
     table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    t = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    t = tiles or table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
     dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
@@ -625,3 +631,28 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
         "bwd": plan_backward(spec, target).unit,
         "bwd_atomic": plan_backward(spec, target, atomic_dq=True).unit,
     }
+
+
+#: Forward tiles tried, in order, after the chosen ones spill (a user's score_mod or mask
+#: can need more registers than the tables, measured on the shipped specs, leave free).
+FORWARD_FALLBACK_TILES = (TileConfig(64, 64, 4), TileConfig(64, 32, 4), TileConfig(64, 16, 4))
+
+
+def forward_tile_candidates(spec: Spec, target: str, gpu: str | None = None) -> list[TileConfig]:
+    """Tiles to try for ``spec``'s forward kernel: the chosen ones, then (unless the spec
+    fixes any of its ``tiles:``) :data:`FORWARD_FALLBACK_TILES`."""
+    first = choose_tiles(spec, target, gpu)
+    o = spec.tiles
+    if o.block_m or o.block_n or o.num_warps:
+        return [first]
+    return [first, *(t for t in FORWARD_FALLBACK_TILES if t != first)]
+
+
+def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
+    """Backward tiles to try: the table's, then the same with 16-row inner steps (the
+    smallest score tiles), keeping the column split."""
+    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
+    dmax = max(spec.head_dim, spec.head_dim_v)
+    first = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    narrow = replace(first, dkdv_block_m=16, dq_block_n=16)
+    return [first] if narrow == first else [first, narrow]

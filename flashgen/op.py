@@ -494,7 +494,8 @@ class AttentionOp:
         """The loaded kernel for CUDA ``device`` (built and cached on first use).
 
         Renders the plan for :func:`target_for_device`, compiles through the on-disk
-        cache (:mod:`flashgen.cache`) and loads it with :mod:`flashgen.runtime`.
+        cache, falling back to smaller tiles if the chosen ones spill
+        (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -504,14 +505,12 @@ class AttentionOp:
         with self._kernel_lock:
             kern = self._kernels.get(index)
             if kern is None:
-                from . import cache, runtime
-                from .lower import plan_forward
-                from .render import render
+                from . import runtime
+                from .select import build_forward
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                plan = plan_forward(self.spec, target, gpu=gpu)
-                cubin, _report = cache.get_or_build(render(plan), plan)
+                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu)
                 kern = runtime.load(cubin, plan, index)
                 self._kernels[index] = kern
         return kern

@@ -85,6 +85,8 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
 }  // namespace fg
 
 namespace fg {
+// A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
+__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
@@ -247,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_8
                     const int q_idx = min(q_raw, seqlen_q - 1);
                     const int kv_idx = min(kv_raw, seqlen_k - 1);
                     const float score = acc_s[mt][nt][i] * softmax_scale;
-                    float x = (float)((score - (t_slopes[(int64_t)(h)] * ((float)((((q_idx + seqlen_k) - seqlen_q) - kv_idx)))))) * LOG2E;
+                    float x = (float)((score - (t_slopes[fg::clamp_index((int64_t)(h), (int64_t)(heads_q))] * ((float)((((q_idx + seqlen_k) - seqlen_q) - kv_idx)))))) * LOG2E;
                     if (edge && (kv_raw >= seqlen_k || (IS_CAUSAL && kv_raw > q_raw + seqlen_k - seqlen_q)))
                         x = -INFINITY;
                     acc_s[mt][nt][i] = x;

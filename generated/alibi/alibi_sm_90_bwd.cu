@@ -87,6 +87,8 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
 }  // namespace fg
 
 namespace fg {
+// A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
+__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
@@ -344,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_alibi_bw
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)(h)] * ((float)((((q_idx + seqlen_k) - seqlen_q) - kv_idx)))))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[fg::clamp_index((int64_t)(h), (int64_t)(heads_q))] * ((float)((((q_idx + seqlen_k) - seqlen_q) - kv_idx)))))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)g;
 
@@ -478,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_alibi_bw
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)(h)] * ((float)((((q_idx + seqlen_k) - seqlen_q) - kv_idx)))))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[fg::clamp_index((int64_t)(h), (int64_t)(heads_q))] * ((float)((((q_idx + seqlen_k) - seqlen_q) - kv_idx)))))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)g;
 

@@ -87,6 +87,8 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
 }  // namespace fg
 
 namespace fg {
+// A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
+__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg

@@ -1,0 +1,51 @@
+"""Pick tiles whose kernels compile without register spills.
+
+Lowering takes its tiles from tables measured on the shipped specs.  A user's score_mod
+or mask can need more registers than those tiles leave free, and ptxas then spills to
+local memory (slow, and refused by ``flashgen build``).  These functions compile the
+candidates of :func:`flashgen.lower.forward_tile_candidates` /
+:func:`~flashgen.lower.backward_tile_candidates` in order, through the on-disk cache (a
+spilling candidate is compiled once and remembered there), and return the first one
+without spills, or the last one tried when all spill.  No GPU needed: nvcc reports the
+spills.
+"""
+
+from __future__ import annotations
+
+from . import cache
+from .lower import (
+    BackwardPlan,
+    KernelPlan,
+    backward_tile_candidates,
+    forward_tile_candidates,
+    plan_backward,
+    plan_forward,
+)
+from .render import render
+
+
+def build_forward(spec, target: str, gpu: str | None = None) -> tuple[KernelPlan, object, object]:
+    """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``.
+
+    Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
+    spec cannot be lowered for ``target``.
+    """
+    for tiles in forward_tile_candidates(spec, target, gpu):
+        plan = plan_forward(spec, target, gpu, tiles=tiles)
+        cubin, report = cache.get_or_build(render(plan), plan)
+        if not report.spill_bytes:
+            break
+    return plan, cubin, report
+
+
+def build_backward(
+    spec, target: str, *, atomic_dq: bool = False
+) -> tuple[BackwardPlan, object, object]:
+    """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
+    kernel of it spill-free if any candidate is).  Raises like :func:`build_forward`."""
+    for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
+        plan = plan_backward(spec, target, atomic_dq=atomic_dq, tiles=tiles)
+        cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
+        if not report.spill_bytes:
+            break
+    return plan, cubin, report
