@@ -143,7 +143,7 @@ class Backward:
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
         fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
-        from .op import PARAM_DTYPE, _kernel_aligned, validate
+        from .op import _kernel_aligned, kernel_values, validate
 
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
@@ -158,34 +158,12 @@ class Backward:
         dsum = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
         # fp32 dQ accumulator of the atomic path: contiguous [B, Hq, Sq, D], zeroed by `pre`
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None
-        values: dict = {
-            "q": q,
-            "k": k,
-            "v": v,
-            "o": o,
-            "dout": dout,
-            "lse": lse,
-            "dsum": dsum,
-            "dq": dq,
-            "dk": dk,
-            "dv": dv,
-            "dq_accum": dq_accum,
-        }
-        for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv"):
-            t = values[name]
-            values[f"{name}_sb"], values[f"{name}_sh"], values[f"{name}_ss"] = t.stride()[:3]
-        values.update(
-            batch=dims.batch,
-            heads_q=dims.heads_q,
-            heads_kv=dims.heads_kv,
-            seqlen_q=dims.seqlen_q,
-            seqlen_k=dims.seqlen_k,
-            softmax_scale=softmax_scale,
-        )
-        for p, val in zip(self.spec.scalar_params, scalars, strict=True):
-            values[f"p_{p.name}"] = val
-        for p in self.spec.tensor_params:
-            values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        values = kernel_values(
+            self.spec,
+            {"q": q, "k": k, "v": v, "o": o, "dout": dout, "lse": lse, "dsum": dsum, "dq": dq,
+             "dk": dk, "dv": dv, "dq_accum": dq_accum},
+            dims, softmax_scale, scalars, tensors,
+        )  # fmt: skip
         grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
         stream = torch.cuda.current_stream(q.device).cuda_stream
         pre.launch(grids["pre"], values, stream)

@@ -468,23 +468,10 @@ class AttentionOp:
             return o.zero_(), lse.fill_(-math.inf)
         kern = self.kernel(q.device)
         q, k, v = _kernel_aligned(q), _kernel_aligned(k), _kernel_aligned(v)
-        values: dict = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
-        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-            values[f"{name}_sb"], values[f"{name}_sh"], values[f"{name}_ss"] = t.stride()[:3]
-        values.update(
-            batch=dims.batch,
-            heads_q=dims.heads_q,
-            heads_kv=dims.heads_kv,
-            seqlen_q=dims.seqlen_q,
-            seqlen_k=dims.seqlen_k,
-            softmax_scale=softmax_scale,
-        )
-        for p, val in zip(self.spec.scalar_params, scalars, strict=True):
-            values[f"p_{p.name}"] = val
-        for p in self.spec.tensor_params:
-            # a converted copy is freed after return; the caching allocator only reuses
-            # it in stream order, after the kernel has read it
-            values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        values = kernel_values(
+            self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale,
+            scalars, tensors,
+        )  # fmt: skip
         plan = kern.plan
         stream = torch.cuda.current_stream(q.device)
         kern.launch(plan.grid(dims.batch, dims.heads_q, dims.seqlen_q), values, stream.cuda_stream)
@@ -514,6 +501,33 @@ class AttentionOp:
                 kern = runtime.load(cubin, plan, index)
                 self._kernels[index] = kern
         return kern
+
+
+def kernel_values(
+    spec: ir.Spec, tensors: dict, dims: Dims, softmax_scale: float, scalars, tensor_params: dict
+) -> dict:
+    """Name -> value map for a launch under the kernel ABI (:mod:`flashgen.lower`).
+
+    ``tensors``: the kernel's tensors by argument name (``q``, ``o``, ``lse``, ``dq`` ...);
+    each 4-D one also gets its ``<name>_sb/_sh/_ss`` element strides.  Adds the problem
+    sizes from ``dims``, ``softmax_scale``, the scalar params (``p_<name>``, spec order)
+    and the tensor params (``t_<name>``) converted to the kernel's element type and made
+    contiguous; such a copy is freed after the call returns, and the caching allocator
+    reuses it only in stream order, after the kernel has read it.
+    """
+    values = dict(tensors)
+    for name, t in tensors.items():
+        if t is not None and t.dim() == 4:
+            values[f"{name}_sb"], values[f"{name}_sh"], values[f"{name}_ss"] = t.stride()[:3]
+    values.update(
+        batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
+        seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k, softmax_scale=softmax_scale,
+    )  # fmt: skip
+    for p, val in zip(spec.scalar_params, scalars, strict=True):
+        values[f"p_{p.name}"] = val
+    for p in spec.tensor_params:
+        values[f"t_{p.name}"] = tensor_params[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+    return values
 
 
 def _kernel_aligned(t):
