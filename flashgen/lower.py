@@ -54,16 +54,39 @@ class TileConfig:
         return 32 * self.num_warps
 
 
-#: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles.
-#: Picked from a sweep on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every
-#: entry compiles with zero spills.  A score_mod at head_dim 256 needs registers for its
-#: math, so it halves BLOCK_N.  ``flashgen tune`` measures per GPU, dtype and causal and
-#: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
+#: Default tile table for the FA2-class kernel: (head_dim, has a score_mod or a mask beyond
+#: causal) -> tiles (see :func:`default_tiles`).  Picked from sweeps on the H200 (bf16,
+#: seqlen 16k; see docs/perf-notes.md); every entry compiles with zero spills for the specs
+#: it serves.  A score_mod or a residual mask needs registers for its per-element math, so
+#: it halves BLOCK_N at head_dims 128 (alibi and mistral_swa spill 80-232 bytes at 128x64)
+#: and 256.  To adopt a ``tools/perf_sweep.py`` winner, edit its entry here (and, for
+#: template switches, :data:`FORWARD_OPTIONS`).  ``flashgen tune`` measures per GPU, dtype
+#: and causal and writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers
+#: when it has a key.
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (64, False): TileConfig(128, 64, 4),
-    (128, False): TileConfig(128, 32, 4),
+    (128, False): TileConfig(128, 64, 4),
+    (128, True): TileConfig(128, 32, 4),
     (256, False): TileConfig(64, 64, 4),
     (256, True): TileConfig(64, 32, 4),
+}
+
+
+#: Code-generation switches of the FA2-class forward template (``templates/sm_80/fwd.cu.j2``);
+#: each changes only how the same algorithm is emitted, and ``tools/perf_sweep.py`` times
+#: every combination against the others.  ``fwd_unrolled_loads``: tile loads with a
+#: compile-time trip count and one pointer per thread (the generic loop compiled to a
+#: runtime loop with a remainder inside the main loop).  ``fwd_hoisted_swizzle``:
+#: ldmatrix addresses as a per-lane offset XORed with constants (as CuTe's swizzled
+#: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw and log2(e) *
+#: softmax_scale is folded into exp2's FFMA (FA2's ``scale_apply_exp2``).
+#: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
+#: around the multiplies; off until measured).
+FORWARD_OPTIONS: dict[str, bool] = {
+    "fwd_unrolled_loads": True,
+    "fwd_hoisted_swizzle": True,
+    "fwd_fold_scale": True,
+    "fwd_lazy_rescale": False,
 }
 
 
@@ -255,6 +278,15 @@ def _uses(e: Expr | None, names: set[str]) -> bool:
 
 
 # ----------------------------------------------------------------------------- plan
+def default_tiles(spec: Spec) -> TileConfig:
+    """``spec``'s :data:`DEFAULT_TILES` entry: key (head_dim, has elementwise DSL code),
+    where a score_mod or a mask beyond plain causal counts (both need registers for their
+    per-element math); falls back to the (head_dim, False) entry."""
+    d = max(spec.head_dim, spec.head_dim_v)
+    extra = spec.score_mod is not None or split_causal(spec.mask)[1] is not None
+    return DEFAULT_TILES.get((d, extra)) or DEFAULT_TILES[(d, False)]
+
+
 def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
     """Tile config of ``spec``'s forward kernel for ``target``.
 
@@ -268,10 +300,7 @@ def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
     d = max(spec.head_dim, spec.head_dim_v)
     has_mod = spec.score_mod is not None
     tuned = lookup(gpu, target, d, spec.dtype, split_causal(spec.mask)[0], has_mod)
-    if tuned is not None:
-        base = TileConfig(*tuned)
-    else:
-        base = DEFAULT_TILES.get((d, has_mod)) or DEFAULT_TILES[(d, False)]
+    base = TileConfig(*tuned) if tuned is not None else default_tiles(spec)
     o = spec.tiles
     return TileConfig(
         o.block_m or base.block_m, o.block_n or base.block_n, o.num_warps or base.num_warps
@@ -303,13 +332,19 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
 
 
 def plan_forward(
-    spec: Spec, target: str, gpu: str | None = None, tiles: TileConfig | None = None
+    spec: Spec,
+    target: str,
+    gpu: str | None = None,
+    tiles: TileConfig | None = None,
+    options: dict[str, bool] | None = None,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
     ``gpu`` (the CUDA device name, optional) selects tuned tiles from the tuning table; see
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
-    :mod:`flashgen.select` passes its candidates here).
+    :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
+    :data:`FORWARD_OPTIONS` (template code-generation switches; unknown keys raise
+    ``ValueError``).
 
     Both targets currently render the FA2-class template (``templates/sm_80/fwd.cu.j2``,
     Dao 2023, Algorithm 1); ``sm_90`` compiles it for ``sm_90a``.
@@ -321,6 +356,11 @@ def plan_forward(
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
     tiles = tiles or choose_tiles(spec, target, gpu)
+    opts = dict(FORWARD_OPTIONS)
+    for key, value in (options or {}).items():
+        if key not in opts:
+            raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")
+        opts[key] = bool(value)
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
@@ -344,6 +384,8 @@ def plan_forward(
         "causal": causal,
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
+        **opts,
+        "fold_scale": opts["fwd_fold_scale"] and score_mod is None,
         "args": kernel_args(spec),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
@@ -635,7 +677,12 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
 
 #: Forward tiles tried, in order, after the chosen ones spill (a user's score_mod or mask
 #: can need more registers than the tables, measured on the shipped specs, leave free).
-FORWARD_FALLBACK_TILES = (TileConfig(64, 64, 4), TileConfig(64, 32, 4), TileConfig(64, 16, 4))
+FORWARD_FALLBACK_TILES = (
+    TileConfig(128, 32, 4),
+    TileConfig(64, 64, 4),
+    TileConfig(64, 32, 4),
+    TileConfig(64, 16, 4),
+)
 
 
 def forward_tile_candidates(spec: Spec, target: str, gpu: str | None = None) -> list[TileConfig]:
