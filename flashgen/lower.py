@@ -553,8 +553,19 @@ def _param_args(spec: Spec) -> list[KernelArg]:
     return args
 
 
+#: Code-generation switches of the backward template (``templates/sm_80/bwd.cu.j2``), like
+#: :data:`FORWARD_OPTIONS`.  ``bwd_unrolled_loads``: tile loads with a compile-time trip
+#: count (as the forward's ``fwd_unrolled_loads``).
+BACKWARD_OPTIONS: dict[str, bool] = {"bwd_unrolled_loads": True}
+
+
 def plan_backward(
-    spec: Spec, target: str, *, atomic_dq: bool = False, tiles: BackwardTiles | None = None
+    spec: Spec,
+    target: str,
+    *,
+    atomic_dq: bool = False,
+    tiles: BackwardTiles | None = None,
+    options: dict[str, bool] | None = None,
 ) -> BackwardPlan:
     """Lower ``spec`` to its backward kernels for ``target`` (template ``sm_80/bwd.cu.j2``).
 
@@ -563,9 +574,16 @@ def plan_backward(
     float atomics into ``dq_accum``, convert; tiles from ``ATOMIC_BACKWARD_TILES``); see
     :class:`BackwardPlan`.  The score_mod derivative d score_mod / d score comes from
     :func:`flashgen.derive.d_dscore`.  ``tiles`` replaces the table's choice (the spill
-    fallback of :mod:`flashgen.select`).  Raises ``ValueError`` like :func:`plan_forward`.
+    fallback of :mod:`flashgen.select`).  ``options`` overrides entries of
+    :data:`BACKWARD_OPTIONS`.  Raises ``ValueError`` like :func:`plan_forward`.
     """
     from .derive import d_dscore
+
+    opts = dict(BACKWARD_OPTIONS)
+    for key, value in (options or {}).items():
+        if key not in opts:
+            raise ValueError(f"unknown backward option {key!r}; known: {', '.join(opts)}")
+        opts[key] = bool(value)
 
     fwd = plan_forward(spec, target)  # validates target and dtype
     dmax = max(spec.head_dim, spec.head_dim_v)
@@ -617,6 +635,7 @@ def plan_backward(
     base = f"flashgen_{spec.name}_bwd_{target}"
     ctx = dict(fwd.context)
     ctx.update(
+        **opts,
         atomic_dq=atomic_dq,
         kernel_pre=f"{base}_pre",
         kernel_dkdv=f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv",
