@@ -555,8 +555,11 @@ def _param_args(spec: Spec) -> list[KernelArg]:
 
 #: Code-generation switches of the backward template (``templates/sm_80/bwd.cu.j2``), like
 #: :data:`FORWARD_OPTIONS`.  ``bwd_unrolled_loads``: tile loads with a compile-time trip
-#: count (as the forward's ``fwd_unrolled_loads``).
-BACKWARD_OPTIONS: dict[str, bool] = {"bwd_unrolled_loads": True}
+#: count (as the forward's ``fwd_unrolled_loads``).  ``bwd_async_stats``: the dK/dV kernel
+#: fetches each step's lse and dsum with cp.async along with Q and dO (they were plain
+#: global loads, a full memory latency inside every step); not with a score_mod, whose
+#: math leaves no registers for it (alibi's dK/dV kernels spill 8-16 bytes).
+BACKWARD_OPTIONS: dict[str, bool] = {"bwd_unrolled_loads": True, "bwd_async_stats": True}
 
 
 def plan_backward(
@@ -636,6 +639,7 @@ def plan_backward(
     ctx = dict(fwd.context)
     ctx.update(
         **opts,
+        async_stats=opts["bwd_async_stats"] and spec.score_mod is None,
         atomic_dq=atomic_dq,
         kernel_pre=f"{base}_pre",
         kernel_dkdv=f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv",

@@ -28,7 +28,7 @@ Variants (``base`` is the code and tiles shipped before this sweep; ``default`` 
     fwd  -unroll / -hoist / -fold / +lazy   default with one switch flipped
     fwd  t<M>x<N>x<W>                       default switches, other tiles
     bwd  det / atomic                       lower.BACKWARD_TILES / ATOMIC_BACKWARD_TILES
-    bwd  det-base                           deterministic, bwd_unrolled_loads off
+    bwd  det-base                           deterministic, BACKWARD_OPTIONS all off (as shipped)
     bwd  atomic-n128 / det-n128             128 key rows per CTA with 8 warps (FA2's shape)
 
 FLOPs: forward 4*B*H*Sq*Sk*D, backward 2.5x that, both halved for causal.  Backward
@@ -149,7 +149,7 @@ def bwd_variants(d: int, causal: bool, dtype: str, ablations: bool) -> list[Vari
         Variant("bwd", "atomic-n128", d, causal, dtype, N128_TILES[d], atomic=True),
     ]
     if ablations:
-        off = (("bwd_unrolled_loads", False),)
+        off = tuple((k, False) for k in lower.BACKWARD_OPTIONS)
         out.append(Variant("bwd", "det-base", d, causal, dtype, None, off))
         out.append(Variant("bwd", "det-n128", d, causal, dtype, N128_TILES[d]))
     return out

@@ -60,10 +60,16 @@ def test_fold_scale_only_without_score_mod():
     assert "fmaf(acc_s" not in render(modded)
 
 
-def test_backward_switch_changes_the_source():
-    on = render(plan_backward(_spec(), "sm_90", options={"bwd_unrolled_loads": True}).unit)
-    off = render(plan_backward(_spec(), "sm_90", options={"bwd_unrolled_loads": False}).unit)
+@pytest.mark.parametrize("key", sorted(lower.BACKWARD_OPTIONS))
+def test_each_backward_switch_changes_the_source(key):
+    on = render(plan_backward(_spec(), "sm_90", options={key: True}).unit)
+    off = render(plan_backward(_spec(), "sm_90", options={key: False}).unit)
     assert on != off
+
+
+def test_async_stats_only_without_score_mod():
+    src = render(plan_backward(_spec(score_mod="score * 0.5"), "sm_90").unit)
+    assert "cp_async_4(" not in src.split("__global__", 1)[1]
 
 
 def test_default_tiles_key_counts_residual_masks():
