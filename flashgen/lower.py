@@ -386,6 +386,10 @@ def plan_forward(
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
         **opts,
         "fold_scale": opts["fwd_fold_scale"] and score_mod is None,
+        # Unrolled tile loads as a pointer chain (else base + it * step offsets): chosen by
+        # ptxas register counts, the chain keeps specs with per-element DSL math (score_mod,
+        # residual mask) spill-free and the offsets keep plain d128 at 128x64 spill-free.
+        "load_chain": score_mod is not None or residual is not None,
         "args": kernel_args(spec),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
