@@ -563,7 +563,12 @@ def _param_args(spec: Spec) -> list[KernelArg]:
 #: fetches each step's lse and dsum with cp.async along with Q and dO (they were plain
 #: global loads, a full memory latency inside every step); not with a score_mod, whose
 #: math leaves no registers for it (alibi's dK/dV kernels spill 8-16 bytes).
-BACKWARD_OPTIONS: dict[str, bool] = {"bwd_unrolled_loads": True, "bwd_async_stats": True}
+#: ``bwd_hoisted_swizzle``: ldmatrix addresses as in the forward's ``fwd_hoisted_swizzle``.
+BACKWARD_OPTIONS: dict[str, bool] = {
+    "bwd_unrolled_loads": True,
+    "bwd_async_stats": True,
+    "bwd_hoisted_swizzle": True,
+}
 
 
 def plan_backward(
