@@ -363,7 +363,13 @@ def run_checks(keys: list[str], argv: list[str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
     todo = list(keys)
     while todo:
-        cmd = [sys.executable, __file__, *argv, "--_check-child", ",".join(todo)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *argv,
+            "--_check-child",
+            ",".join(todo),
+        ]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
             out, errs, rc = p.stdout, p.stderr, p.returncode
