@@ -67,6 +67,52 @@ DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
 }
 
 
+#: Tiles of the Hopper kernel (``templates/sm_90/fwd.cu.j2``): BLOCK_M = 128 query rows
+#: (two consumer warpgroups of 64) x BLOCK_N, 12 warps (one producer warpgroup).  The
+#: shared-memory budget (Q + a two-stage K/V ring) and the consumers' 240 registers
+#: (a 64 x HEAD_DIM fp32 O accumulator, S, and P as 16-bit fragments) bound BLOCK_N.
+#: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
+#: wider steps amortize each step's barrier waits and row reductions.
+HOPPER_TILES: dict[int, TileConfig] = {
+    64: TileConfig(128, 192, 12),
+    128: TileConfig(128, 160, 12),
+    256: TileConfig(128, 80, 12),
+}
+#: Hopper kernel: K/V ring depth and the registers per thread given to the producer and
+#: to the consumer warpgroups by ``setmaxnreg`` (128 * (24 + 2 * 240) <= 64K).
+HOPPER_STAGES = 2
+HOPPER_REGS = (24, 240)
+#: Shared memory a CTA may use on sm_90 (227 KiB).
+HOPPER_SMEM_LIMIT = 232448
+
+
+def is_hopper_tiles(tiles: TileConfig) -> bool:
+    """True for a warp-specialized Hopper tile config (a producer warpgroup plus consumer
+    warpgroups of 64 query rows each)."""
+    return tiles.num_warps % 4 == 0 and tiles.block_m == 64 * (tiles.num_warps // 4 - 1)
+
+
+#: Kernel families: "fa3" is the Hopper kernel where :func:`hopper_eligible`, else the
+#: FA2-class one ("auto" means the same); "fa2" is always the FA2-class kernel.
+FAMILIES = ("auto", "fa3", "fa2")
+
+
+def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+    """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
+    head_dim_v in :data:`HOPPER_TILES`, no FA2-style ``tiles:`` pinned by the spec, and
+    ``family`` not ``"fa2"``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    o = spec.tiles
+    return (
+        family != "fa2"
+        and target == "sm_90"
+        and spec.head_dim == spec.head_dim_v
+        and spec.head_dim in HOPPER_TILES
+        and not (o.block_m or o.block_n or o.num_warps)
+    )
+
+
 @dataclass(frozen=True)
 class KernelArg:
     name: str
@@ -75,6 +121,16 @@ class KernelArg:
     @property
     def is_pointer(self) -> bool:
         return self.ctype.endswith("*")
+
+
+@dataclass(frozen=True)
+class TmaArg:
+    """A ``CUtensorMap`` kernel argument ``name`` mapping tensor argument ``tensor``
+    (``[B, H, S, D]``) in boxes of 64 columns x ``box_rows`` rows (see :mod:`flashgen.tma`)."""
+
+    name: str
+    tensor: str
+    box_rows: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +145,8 @@ class KernelPlan:
     smem_bytes: int  # dynamic shared memory per CTA
     args: tuple[KernelArg, ...]
     context: dict = field(compare=False, hash=False)
+    #: CUtensorMap arguments (Hopper kernels): built at launch from the named tensors.
+    tma: tuple[TmaArg, ...] = ()
 
     @property
     def threads(self) -> int:
@@ -255,7 +313,9 @@ def _uses(e: Expr | None, names: set[str]) -> bool:
 
 
 # ----------------------------------------------------------------------------- plan
-def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
+def choose_tiles(
+    spec: Spec, target: str, gpu: str | None = None, family: str = "auto"
+) -> TileConfig:
     """Tile config of ``spec``'s forward kernel for ``target``.
 
     Precedence: the spec's ``tiles:`` fields, then the tuning table entry measured on
@@ -268,6 +328,10 @@ def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
     d = max(spec.head_dim, spec.head_dim_v)
     has_mod = spec.score_mod is not None
     tuned = lookup(gpu, target, d, spec.dtype, split_causal(spec.mask)[0], has_mod)
+    if hopper_eligible(spec, target, family):
+        if tuned is not None and is_hopper_tiles(TileConfig(*tuned)):
+            return TileConfig(*tuned)
+        return HOPPER_TILES[spec.head_dim]
     if tuned is not None:
         base = TileConfig(*tuned)
     else:
@@ -303,7 +367,11 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
 
 
 def plan_forward(
-    spec: Spec, target: str, gpu: str | None = None, tiles: TileConfig | None = None
+    spec: Spec,
+    target: str,
+    gpu: str | None = None,
+    tiles: TileConfig | None = None,
+    family: str = "auto",
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -311,8 +379,12 @@ def plan_forward(
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
     :mod:`flashgen.select` passes its candidates here).
 
-    Both targets currently render the FA2-class template (``templates/sm_80/fwd.cu.j2``,
-    Dao 2023, Algorithm 1); ``sm_90`` compiles it for ``sm_90a``.
+    ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
+    Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
+    TMA + wgmma + warp specialization, Shah et al. 2024) for the specs
+    :func:`hopper_eligible` accepts and whenever ``tiles`` are warp-specialized
+    (:func:`is_hopper_tiles`); otherwise (or with ``family="fa2"``) it compiles the
+    FA2-class template for ``sm_90a``.
 
     Raises ``ValueError`` for a target or dtype this version cannot lower.
     """
@@ -320,7 +392,9 @@ def plan_forward(
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
-    tiles = tiles or choose_tiles(spec, target, gpu)
+    tiles = tiles or choose_tiles(spec, target, gpu, family)
+    if is_hopper_tiles(tiles):
+        return plan_hopper_forward(spec, target, tiles)
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
@@ -328,9 +402,26 @@ def plan_forward(
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16")
     elt = 2
     smem = (tiles.block_m * d + tiles.block_n * d + tiles.block_n * dv) * elt
+    ctx = _forward_context(spec, target, tiles)
+    return KernelPlan(
+        spec_name=spec.name,
+        target=target,
+        template="sm_80/fwd.cu.j2",
+        kernel_name=ctx["kernel_name"],
+        tiles=tiles,
+        smem_bytes=smem,
+        args=ctx["args"],
+        context=ctx,
+    )
+
+
+def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
+    """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
+    residual mask and score_mod as CUDA expressions, the ABI argument list."""
+    d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
-    ctx = {
+    return {
         "spec_name": spec.name,
         "kernel_name": f"flashgen_{spec.name}_fwd_{target}",
         "dtype": spec.dtype,
@@ -349,15 +440,67 @@ def plan_forward(
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
     }
+
+
+def plan_hopper_forward(
+    spec: Spec,
+    target: str,
+    tiles: TileConfig,
+    *,
+    stages: int | None = None,
+    m_major: bool | None = None,
+) -> KernelPlan:
+    """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
+
+    Same ABI as the FA2-class kernel plus three ``CUtensorMap`` arguments (``tma_q``,
+    ``tma_k``, ``tma_v``) appended; :class:`TmaArg` tells the launcher how to build them.
+    ``stages``: K/V ring depth (default :data:`HOPPER_STAGES`).  ``m_major``: CTA order
+    query-block-major over all (batch, head) pairs, so every head's heaviest causal block
+    runs first; the default (False) is head-major (each head's query blocks together,
+    heaviest first for causal: best L2 reuse of K/V, and measured faster on the H200 for
+    causal and non-causal alike).
+    """
+    stages = stages or HOPPER_STAGES
+    if target != "sm_90":
+        raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
+    if not hopper_eligible(spec, target) and not spec.tiles.num_warps:
+        raise ValueError(
+            f"the Hopper kernel needs head_dim == head_dim_v in {sorted(HOPPER_TILES)}; "
+            f"got {spec.head_dim}/{spec.head_dim_v}"
+        )
+    if tiles.block_n % 16 or not 16 <= tiles.block_n <= 256:
+        raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16 in [16, 256]")
+    d = spec.head_dim
+    consumers = tiles.num_warps // 4 - 1
+    tile_bytes = (tiles.block_m + 2 * stages * tiles.block_n) * d * 2
+    smem = 1024 + tile_bytes + 8 * (1 + 4 * stages)  # 1 KiB alignment slack, mbarriers
+    if smem > HOPPER_SMEM_LIMIT:
+        raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
+    ctx = _forward_context(spec, target, tiles)
+    if m_major is None:
+        m_major = False
+    tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
+           TmaArg("tma_v", "v", tiles.block_n))  # fmt: skip
+    ctx["args"] = ctx["args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
+    ctx.update(
+        num_consumers=consumers,
+        stages=stages,
+        m_major=m_major,
+        producer_regs=HOPPER_REGS[0],
+        consumer_regs=HOPPER_REGS[1],
+        mma_t=spec.dtype.replace("fp", "f"),
+        wgmma_ns=sorted({tiles.block_n, d}),
+    )
     return KernelPlan(
         spec_name=spec.name,
         target=target,
-        template="sm_80/fwd.cu.j2",
+        template="sm_90/fwd.cu.j2",
         kernel_name=ctx["kernel_name"],
         tiles=tiles,
         smem_bytes=smem,
         args=ctx["args"],
         context=ctx,
+        tma=tma,
     )
 
 
@@ -638,14 +781,21 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
 FORWARD_FALLBACK_TILES = (TileConfig(64, 64, 4), TileConfig(64, 32, 4), TileConfig(64, 16, 4))
 
 
-def forward_tile_candidates(spec: Spec, target: str, gpu: str | None = None) -> list[TileConfig]:
+def forward_tile_candidates(
+    spec: Spec, target: str, gpu: str | None = None, family: str = "auto"
+) -> list[TileConfig]:
     """Tiles to try for ``spec``'s forward kernel: the chosen ones, then (unless the spec
     fixes any of its ``tiles:``) :data:`FORWARD_FALLBACK_TILES`."""
-    first = choose_tiles(spec, target, gpu)
+    first = choose_tiles(spec, target, gpu, family)
     o = spec.tiles
     if o.block_m or o.block_n or o.num_warps:
         return [first]
-    return [first, *(t for t in FORWARD_FALLBACK_TILES if t != first)]
+    rest = list(FORWARD_FALLBACK_TILES)
+    if is_hopper_tiles(first):  # a narrower Hopper step first, then the FA2-class kernel
+        rest = [replace(first, block_n=first.block_n // 2), DEFAULT_TILES.get(
+            (spec.head_dim, spec.score_mod is not None), DEFAULT_TILES[(spec.head_dim, False)]
+        ), *rest]  # fmt: skip
+    return [first, *(t for t in dict.fromkeys(rest) if t != first)]
 
 
 def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:

@@ -353,7 +353,7 @@ class AttentionOp:
         self.spec = spec
         self.name = spec.name
         self.qualname = f"flashgen::{spec.name}"
-        self._kernels: dict[int, object] = {}
+        self._kernels: dict[tuple[int, str], object] = {}
         self._kernel_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -482,25 +482,42 @@ class AttentionOp:
 
         Renders the plan for :func:`target_for_device`, compiles through the on-disk
         cache, falling back to smaller tiles if the chosen ones spill
-        (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.
+        (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.  The kernel
+        family follows ``FLASHGEN_KERNEL_FAMILY`` (``auto``, the default: the Hopper TMA +
+        wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
+        read at every call.
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
-        kern = self._kernels.get(index)
+        family = kernel_family()
+        kern = self._kernels.get((index, family))
         if kern is not None:
             return kern
         with self._kernel_lock:
-            kern = self._kernels.get(index)
+            kern = self._kernels.get((index, family))
             if kern is None:
                 from . import runtime
                 from .select import build_forward
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu)
+                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu, family=family)
                 kern = runtime.load(cubin, plan, index)
-                self._kernels[index] = kern
+                self._kernels[(index, family)] = kern
         return kern
+
+
+def kernel_family() -> str:
+    """``FLASHGEN_KERNEL_FAMILY`` (default ``auto``); see :data:`flashgen.lower.FAMILIES`.
+    Raises ``ValueError`` for an unknown value."""
+    from .lower import FAMILIES
+
+    family = os.environ.get("FLASHGEN_KERNEL_FAMILY", "auto") or "auto"
+    if family not in FAMILIES:
+        raise ValueError(
+            f"FLASHGEN_KERNEL_FAMILY={family!r}: expected one of {', '.join(FAMILIES)}"
+        )
+    return family
 
 
 def kernel_values(

@@ -5,6 +5,7 @@ launch, so an element the kernel forgets to write fails the test.  Accuracy boun
 max|ours - ref64| <= 2 * max|reference in the input dtype - ref64| + 1e-3; lse within
 1e-2 relative on rows that attend to something, exactly -inf (and o == 0) elsewhere.
 
+Each case runs with both kernel families (the ``family`` fixture).
 The matrix is pragmatic rather than a full cross product: each shipped spec on
 Sq == Sk, Sq < Sk and Sq > Sk with GQA; both dtypes; causal on and off at each head
 dim; lengths 1, 17, 127, 1000, 4097; GQA 32/8 and 8/1; (B, S, H, D) views; empty sizes.
@@ -25,6 +26,15 @@ from flashgen.op import build_op, poison_outputs  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, params=["auto", "fa2"])
+def family(request, monkeypatch):
+    """Every case runs twice: with the default kernel (on an H200, the Hopper TMA + wgmma
+    kernel) and with the FA2-class kernel (``FLASHGEN_KERNEL_FAMILY=fa2``)."""
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    return request.param
+
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = {p.stem: p for p in sorted((REPO / "specs").glob("*.yaml"))}
