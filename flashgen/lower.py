@@ -12,6 +12,14 @@ Kernel ABI (every forward kernel, every target), in this order:
     q_sb q_sh q_ss  k_sb k_sh k_ss  v_sb v_sh v_ss  o_sb o_sh o_ss   int64_t element strides
     batch heads_q heads_kv seqlen_q seqlen_k                          int
     softmax_scale                                                     float
+
+  varlen specs (``spec.varlen``) differ: ``cu_seqlens_q, cu_seqlens_k`` (const int*,
+  [batch + 1]) follow the strides, and the sizes are ``batch heads_q heads_kv
+  max_seqlen_q max_seqlen_k total_q``.  q/k/v/o are packed [total, heads, d], passed with
+  ``x_sb = 0``, ``x_sh`` = the head stride and ``x_ss`` = the token stride (the kernel
+  adds ``cu_seqlens[b] * x_ss`` itself); lse is contiguous [heads_q, total_q].  The
+  backward's pre and convert kernels keep the plain ABI (called with batch 1 and
+  seqlen_q = total_q over the packed tensors).
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
@@ -278,6 +286,23 @@ def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
     )
 
 
+def _dim_args(spec: Spec) -> list[KernelArg]:
+    """The problem-size arguments: per-batch lengths, or for varlen the grid's maxima and
+    the packed query count (lse and dsum are ``[heads_q, total_q]`` there)."""
+    if spec.varlen:
+        names = ("batch", "heads_q", "heads_kv", "max_seqlen_q", "max_seqlen_k", "total_q")
+    else:
+        names = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")
+    return [KernelArg(n, "int") for n in names]
+
+
+def _varlen_args(spec: Spec) -> list[KernelArg]:
+    """``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [batch + 1]) for a varlen spec, else none."""
+    if not spec.varlen:
+        return []
+    return [KernelArg("cu_seqlens_q", "const int*"), KernelArg("cu_seqlens_k", "const int*")]
+
+
 def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     t = CTYPE[spec.dtype]
     args = [
@@ -293,7 +318,8 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
             KernelArg(f"{x}_sh", "int64_t"),
             KernelArg(f"{x}_ss", "int64_t"),
         ]
-    args += [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args += _varlen_args(spec)
+    args += _dim_args(spec)
     args.append(KernelArg("softmax_scale", "float"))
     for p in spec.scalar_params:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
@@ -344,6 +370,7 @@ def plan_forward(
         "causal": causal,
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
+        "varlen": spec.varlen,
         "args": kernel_args(spec),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
@@ -531,9 +558,10 @@ def plan_backward(
     t = tiles or table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
-    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    dims = _dim_args(spec)
     ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
     stats = [KernelArg("lse", "const float*"), KernelArg("dsum", "const float*")]
+    stats += _varlen_args(spec)
     tail = [*dims, KernelArg("softmax_scale", "float"), *_param_args(spec)]
     accum = [KernelArg("dq_accum", "float*")] if atomic_dq else []
     pre_args = (
