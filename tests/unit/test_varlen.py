@@ -382,3 +382,20 @@ def test_varlen_spec_file_builds_its_own_op():
     ref_o, ref_lse = attention_reference_varlen(spec, q, k, v, cq, ck, compute_dtype=torch.float32)
     torch.testing.assert_close(o, ref_o.to(o.dtype))
     assert dataclasses.replace(spec, varlen=False) != spec
+
+
+def test_build_verification_packs_padded_inputs_for_a_varlen_spec():
+    """``flashgen build`` verifies a varlen spec through :func:`flashgen.cli.call_padded`."""
+    from flashgen.cli import call_padded, format_spec
+
+    pop = shipped_op_named("alibi")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 128, generator=g).to(torch.bfloat16) for n in (5, 7, 7))
+    k, v = k[:, :2], v[:, :2]
+    slopes = torch.rand(4, generator=g)
+    o, lse = call_padded(pop.varlen, q, k, v, {"slopes": slopes})
+    po, plse = call_padded(pop, q, k, v, {"slopes": slopes})
+    assert o.shape == po.shape and lse.shape == plse.shape
+    torch.testing.assert_close(o, po, rtol=0, atol=0)
+    torch.testing.assert_close(lse, plse, rtol=0, atol=0)
+    assert "varlen         true" in format_spec(loads_spec(VARLEN_YAML))
