@@ -443,15 +443,60 @@ class VarlenOp(AttentionOp):
         if dims.total_k == 0:  # every sequence has seqlen_k = 0
             return o.zero_(), lse.fill_(-math.inf)
         kern = self.kernel(q.device)
-        q, k, v = (_kernel_aligned(_as4d(t)) for t in (q, k, v))
-        values = _packed_values(
-            self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale,
-            scalars, tensors, cq, ck,
-        )  # fmt: skip
-        stream = torch.cuda.current_stream(q.device)
-        grid = kern.plan.grid(dims.batch, dims.heads_q, dims.grid_seqlen_q)
-        kern.launch(grid, values, stream.cuda_stream)
+        grid, values = forward_launch(
+            self.spec, kern.plan, q, k, v, o, lse, cq, ck, dims, softmax_scale, scalars, tensors
+        )
+        kern.launch(grid, values, torch.cuda.current_stream(q.device).cuda_stream)
         return o, lse
+
+
+def forward_launch(spec, plan, q, k, v, o, lse, cq, ck, dims: VarlenDims, softmax_scale,
+                   scalars, tensors) -> tuple:  # fmt: skip
+    """``(grid, values)`` of the varlen forward kernel ``plan`` on packed q, k, v (3-D),
+    outputs o [total_q, Hq, Dv] and lse [Hq, total_q].  Pure (no launch): the CPU tests
+    pack it against the kernel ABI.  Raises :class:`OpInputError` for a grid too large."""
+    q, k, v = (_kernel_aligned(_as4d(t)) for t in (q, k, v))
+    values = _packed_values(
+        spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale, scalars,
+        tensors, cq, ck,
+    )  # fmt: skip
+    grid = plan.grid(dims.batch, dims.heads_q, dims.grid_seqlen_q)
+    _check_grids(grid)
+    return grid, values
+
+
+def backward_launches(spec, plan, tensors_in: dict, cq, ck, dims: VarlenDims, softmax_scale,
+                      scalars, tensors) -> dict:  # fmt: skip
+    """``{role: (grid, values)}`` for the varlen backward kernels of ``plan`` (a
+    :class:`~flashgen.lower.BackwardPlan`): ``pre`` (and ``convert``) see the packed rows as
+    one batch of total_q rows; ``dkdv`` and ``dq`` walk the sequences.  ``tensors_in``: the
+    kernels' tensors by name, packed ones 3-D or already as 4-D views.  Pure (no launch).
+    Raises :class:`OpInputError` for a grid too large."""
+    values = _packed_values(spec, tensors_in, dims, softmax_scale, scalars, tensors, cq, ck)
+    flat = dict(values, batch=1, seqlen_q=dims.total_q)
+    grids = plan.grids(
+        dims.batch, dims.heads_q, dims.heads_kv, dims.grid_seqlen_q, dims.grid_seqlen_k
+    )
+    flat_grids = plan.grids(1, dims.heads_q, dims.heads_kv, dims.total_q, dims.total_k)
+    _check_grids(*grids.values(), *flat_grids.values())
+    out = {"pre": (flat_grids["pre"], flat), "dkdv": (grids["dkdv"], values)}
+    if plan.atomic_dq:
+        out["convert"] = (flat_grids["convert"], flat)
+    else:
+        out["dq"] = (grids["dq"], values)
+    return out
+
+
+def _check_grids(*grids) -> None:
+    """Refuse a launch whose 1-D grid exceeds CUDA's gridDim.x limit (2**31 - 1): the grid
+    is batch * heads * blocks of max_seqlen (clamped to the packed total), so only a
+    max_seqlen far above the longest sequence gets there."""
+    for g in grids:
+        if g[0] > _INT32_MAX:
+            raise OpInputError(
+                f"max_seqlen_q / max_seqlen_k: the launch grid needs {g[0]} blocks (more than "
+                "2**31 - 1); pass the longest sequence's real length"
+            )
 
 
 def _zero_grads(q, k, v):
@@ -514,22 +559,15 @@ class VarlenBackward(Backward):
             "q": q4, "k": k4, "v": v4, "o": o4, "dout": dout4, "lse": lse, "dsum": dsum,
             "dq": _as4d(dq), "dk": _as4d(dk), "dv": _as4d(dv), "dq_accum": dq_accum,
         }  # fmt: skip
-        values = _packed_values(self.spec, tensors_in, dims, scale, scalars, tensors, cq, ck)
-        # pre (and convert) see the packed rows as one batch of total_q rows.
-        flat = dict(values, batch=1, seqlen_q=dims.total_q)
-        grids = plan.grids(
-            dims.batch, dims.heads_q, dims.heads_kv, dims.grid_seqlen_q, dims.grid_seqlen_k
+        launches = backward_launches(
+            self.spec, plan, tensors_in, cq, ck, dims, scale, scalars, tensors
         )
-        flat_grids = plan.grids(1, dims.heads_q, dims.heads_kv, dims.total_q, dims.total_k)
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        pre.launch(flat_grids["pre"], flat, stream)
+        pre.launch(*launches["pre"], stream)
         if dlse is not None:
             dsum.sub_(dlse)
-        dkdv.launch(grids["dkdv"], values, stream)
-        if atomic:
-            last.launch(flat_grids["convert"], flat, stream)
-        else:
-            last.launch(grids["dq"], values, stream)
+        dkdv.launch(*launches["dkdv"], stream)
+        last.launch(*launches["convert" if atomic else "dq"], stream)
         return dq, dk, dv
 
     # ------------------------------------------------------------------ autograd

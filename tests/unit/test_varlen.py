@@ -399,3 +399,48 @@ def test_build_verification_packs_padded_inputs_for_a_varlen_spec():
     torch.testing.assert_close(o, po, rtol=0, atol=0)
     torch.testing.assert_close(lse, plse, rtol=0, atol=0)
     assert "varlen         true" in format_spec(loads_spec(VARLEN_YAML))
+
+
+@pytest.mark.parametrize("name", ["alibi", "bidir_d256"])
+def test_launch_values_cover_every_kernel_argument(name):
+    """What the CUDA impls launch with, packed against each varlen kernel's ABI (numpy only):
+    batch strides 0, the grid's max_seqlen clamped to the totals, pre/convert over the
+    packed rows as one batch, grids sized from the clamped maxima."""
+    from flashgen.runtime import kernel_args
+    from flashgen.varlen import backward_launches, forward_launch, validate_varlen
+
+    spec = varlen_spec(shipped(name))
+    q, k, v, cq, ck = packed(spec, LENS_Q, LENS_K, hq=4, hkv=2)
+    tensors = {p.name: torch.rand(4) for p in spec.tensor_params}
+    dims = validate_varlen(spec, q, k, v, cq, ck, 100_000, 25, tensors)
+    o = torch.empty(36, 4, spec.head_dim_v, dtype=q.dtype)
+    lse = torch.empty(4, 36)
+    fplan = plan_forward(spec, "sm_90")
+    grid, values = forward_launch(spec, fplan, q, k, v, o, lse, cq, ck, dims, 0.1, [], tensors)
+    assert len(kernel_args(fplan, values)) == len(fplan.args)
+    assert (values["max_seqlen_q"], values["max_seqlen_k"], values["total_q"]) == (36, 25, 36)
+    assert values["q_sb"] == values["o_sb"] == values["k_sb"] == 0
+    assert (values["q_sh"], values["q_ss"]) == (q.stride(1), q.stride(0))
+    assert grid == (fplan.num_m_blocks(36) * 8 * 4, 1, 1)
+    for atomic in (False, True):
+        bplan = plan_backward(spec, "sm_90", atomic_dq=atomic)
+        t_in = {"q": q, "k": k, "v": v, "o": o, "dout": o, "lse": lse, "dsum": lse,
+                "dq": q, "dk": k, "dv": v,
+                "dq_accum": torch.empty(4, 36, spec.head_dim) if atomic else None}  # fmt: skip
+        launches = backward_launches(spec, bplan, t_in, cq, ck, dims, 0.1, [], tensors)
+        assert list(launches) == ["pre", "dkdv", "convert" if atomic else "dq"]
+        for kp, (g, vals) in zip(bplan.kernels, launches.values(), strict=True):
+            assert len(kernel_args(kp, vals)) == len(kp.args), kp.kernel_name
+            assert g[0] > 0
+        assert launches["pre"][1]["batch"] == 1 and launches["pre"][1]["seqlen_q"] == 36
+        assert launches["dkdv"][1]["batch"] == 8
+        t = bplan.tiles
+        assert launches["dkdv"][0][0] == -(-25 // t.dkdv_block_n) * 8 * 2 * t.dkdv_dsplit
+
+
+def test_a_grid_past_the_cuda_limit_is_refused():
+    from flashgen.varlen import _check_grids
+
+    _check_grids((2**31 - 1, 1, 1))
+    with pytest.raises(OpInputError, match="launch grid needs"):
+        _check_grids((1, 1, 1), (2**31, 1, 1))
