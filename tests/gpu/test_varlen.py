@@ -71,7 +71,7 @@ def make_inputs(spec, lens, hq, hkv, seed):
     def randn(*shape):
         return torch.randn(*shape, device="cuda", generator=gen).to(dt)
 
-    q, k, v = randn(tq, hq, spec.head_dim), randn(tk, hkv, spec.head_dim)
+    q, k = randn(tq, hq, spec.head_dim), randn(tk, hkv, spec.head_dim)
     v = randn(tk, hkv, spec.head_dim_v)
     params = {}
     if spec.param("slopes") is not None:
