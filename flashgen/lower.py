@@ -12,17 +12,17 @@ Kernel ABI (every forward kernel, every target), in this order:
     q_sb q_sh q_ss  k_sb k_sh k_ss  v_sb v_sh v_ss  o_sb o_sh o_ss   int64_t element strides
     batch heads_q heads_kv seqlen_q seqlen_k                          int
     softmax_scale                                                     float
-
-  varlen specs (``spec.varlen``) differ: ``cu_seqlens_q, cu_seqlens_k`` (const int*,
-  [batch + 1]) follow the strides, and the sizes are ``batch heads_q heads_kv
-  max_seqlen_q max_seqlen_k total_q``.  q/k/v/o are packed [total, heads, d], passed with
-  ``x_sb = 0``, ``x_sh`` = the head stride and ``x_ss`` = the token stride (the kernel
-  adds ``cu_seqlens[b] * x_ss`` itself); lse is contiguous [heads_q, total_q].  The
-  backward's pre and convert kernels keep the plain ABI (called with batch 1 and
-  seqlen_q = total_q over the packed tensors).
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
+
+varlen specs (``spec.varlen``) differ: ``cu_seqlens_q, cu_seqlens_k`` (const int*,
+[batch + 1]) follow the strides, and the sizes are ``batch heads_q heads_kv
+max_seqlen_q max_seqlen_k total_q``.  q/k/v/o are packed [total, heads, d], passed with
+``x_sb = 0``, ``x_sh`` = the head stride and ``x_ss`` = the token stride (the kernel
+adds the sequence's start row times ``x_ss`` itself); lse is contiguous [heads_q, total_q].  The
+backward's pre and convert kernels keep the plain ABI (called with batch 1 and
+seqlen_q = total_q over the packed tensors).
 
 ``KernelPlan.args`` lists these as (name, ctype) pairs, so a launcher only maps
 names to values.
