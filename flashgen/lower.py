@@ -16,6 +16,14 @@ Kernel ABI (every forward kernel, every target), in this order:
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
 
+varlen specs (``spec.varlen``) differ: ``cu_seqlens_q, cu_seqlens_k`` (const int*,
+[batch + 1]) follow the strides, and the sizes are ``batch heads_q heads_kv
+max_seqlen_q max_seqlen_k total_q``.  q/k/v/o are packed [total, heads, d], passed with
+``x_sb = 0``, ``x_sh`` = the head stride and ``x_ss`` = the token stride (the kernel
+adds the sequence's start row times ``x_ss`` itself); lse is contiguous [heads_q, total_q].  The
+backward's pre and convert kernels keep the plain ABI (called with batch 1 and
+seqlen_q = total_q over the packed tensors).
+
 ``KernelPlan.args`` lists these as (name, ctype) pairs, so a launcher only maps
 names to values.
 """
@@ -99,13 +107,14 @@ FAMILIES = ("auto", "fa3", "fa2")
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
-    head_dim_v in :data:`HOPPER_TILES`, no FA2-style ``tiles:`` pinned by the spec, and
-    ``family`` not ``"fa2"``."""
+    head_dim_v in :data:`HOPPER_TILES`, not varlen, no FA2-style ``tiles:`` pinned by the
+    spec, and ``family`` not ``"fa2"``."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
     o = spec.tiles
     return (
         family != "fa2"
+        and not spec.varlen
         and target == "sm_90"
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_TILES
@@ -342,6 +351,23 @@ def choose_tiles(
     )
 
 
+def _dim_args(spec: Spec) -> list[KernelArg]:
+    """The problem-size arguments: per-batch lengths, or for varlen the grid's maxima and
+    the packed query count (lse and dsum are ``[heads_q, total_q]`` there)."""
+    if spec.varlen:
+        names = ("batch", "heads_q", "heads_kv", "max_seqlen_q", "max_seqlen_k", "total_q")
+    else:
+        names = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")
+    return [KernelArg(n, "int") for n in names]
+
+
+def _varlen_args(spec: Spec) -> list[KernelArg]:
+    """``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [batch + 1]) for a varlen spec, else none."""
+    if not spec.varlen:
+        return []
+    return [KernelArg("cu_seqlens_q", "const int*"), KernelArg("cu_seqlens_k", "const int*")]
+
+
 def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     t = CTYPE[spec.dtype]
     args = [
@@ -357,7 +383,8 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
             KernelArg(f"{x}_sh", "int64_t"),
             KernelArg(f"{x}_ss", "int64_t"),
         ]
-    args += [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args += _varlen_args(spec)
+    args += _dim_args(spec)
     args.append(KernelArg("softmax_scale", "float"))
     for p in spec.scalar_params:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
@@ -435,6 +462,7 @@ def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
         "causal": causal,
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
+        "varlen": spec.varlen,
         "args": kernel_args(spec),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
@@ -674,9 +702,10 @@ def plan_backward(
     t = tiles or table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
-    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    dims = _dim_args(spec)
     ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
     stats = [KernelArg("lse", "const float*"), KernelArg("dsum", "const float*")]
+    stats += _varlen_args(spec)
     tail = [*dims, KernelArg("softmax_scale", "float"), *_param_args(spec)]
     accum = [KernelArg("dq_accum", "float*")] if atomic_dq else []
     pre_args = (

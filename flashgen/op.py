@@ -161,39 +161,42 @@ def validate(
                 f"{list(t.stride())}; call .contiguous() first"
             )
     dims = Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
-    if spec.tensor_params:
-        tensor_params = tensor_params or {}
-        sym = dims.symbols()
-        for p in spec.tensor_params:
-            t = tensor_params.get(p.name)
-            if t is None:
-                raise OpInputError(f"{p.name}: missing tensor param {_describe_param(p)}")
-            if not isinstance(t, torch.Tensor):
-                raise OpInputError(
-                    f"{p.name}: expected a torch.Tensor {_describe_param(p)}, "
-                    f"got {type(t).__name__}"
-                )
-            if t.device != q.device:
-                raise OpInputError(
-                    f"{p.name}: expected device {q.device} (q's device), got {t.device}"
-                )
-            expected = [d if isinstance(d, int) else sym[d] for d in p.shape]
-            if list(t.shape) != expected:
-                raise OpInputError(
-                    f"{p.name}: expected shape {expected} ({_shape_decl(p)}), got {_shape(t)}"
-                )
-            ok = (
-                t.dtype.is_floating_point
-                if p.ty == ir.Ty.F32
-                else not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
-            )
-            if not ok or t.dtype in _FP8_DTYPES:
-                kind = "a floating-point" if p.ty == ir.Ty.F32 else "an integer"
-                raise OpInputError(
-                    f"{p.name}: expected {kind} tensor ({p.ty.value} elements, e.g. "
-                    f"{PARAM_DTYPE[p.ty]}), got {t.dtype}"
-                )
+    validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
     return dims
+
+
+def validate_tensor_params(spec: ir.Spec, tensor_params: dict | None, device, sym: dict) -> None:
+    """Check each of ``spec``'s tensor params in ``tensor_params`` (name -> tensor): present,
+    a tensor on ``device`` (q's), shaped as declared with the shape symbols valued by
+    ``sym`` (see :meth:`Dims.symbols`), with elements of its kind (integer or floating).
+    Raises :class:`OpInputError`."""
+    tensor_params = tensor_params or {}
+    for p in spec.tensor_params:
+        t = tensor_params.get(p.name)
+        if t is None:
+            raise OpInputError(f"{p.name}: missing tensor param {_describe_param(p)}")
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(
+                f"{p.name}: expected a torch.Tensor {_describe_param(p)}, got {type(t).__name__}"
+            )
+        if t.device != device:
+            raise OpInputError(f"{p.name}: expected device {device} (q's device), got {t.device}")
+        expected = [d if isinstance(d, int) else sym[d] for d in p.shape]
+        if list(t.shape) != expected:
+            raise OpInputError(
+                f"{p.name}: expected shape {expected} ({_shape_decl(p)}), got {_shape(t)}"
+            )
+        ok = (
+            t.dtype.is_floating_point
+            if p.ty == ir.Ty.F32
+            else not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+        )
+        if not ok or t.dtype in _FP8_DTYPES:
+            kind = "a floating-point" if p.ty == ir.Ty.F32 else "an integer"
+            raise OpInputError(
+                f"{p.name}: expected {kind} tensor ({p.ty.value} elements, e.g. "
+                f"{PARAM_DTYPE[p.ty]}), got {t.dtype}"
+            )
 
 
 _FP8_DTYPES = tuple(
@@ -363,6 +366,19 @@ class AttentionOp:
     def torch_op(self):
         """``torch.ops.flashgen.<name>.default``."""
         return getattr(torch.ops.flashgen, self.name).default
+
+    @property
+    def varlen(self) -> AttentionOp:
+        """This variant over packed variable-length sequences (FlashAttention's varlen
+        interface, see :mod:`flashgen.varlen`): the op of the same spec with ``varlen:
+        true``, registered as ``flashgen::<name>__varlen`` on first use.  Call it as
+        ``op.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
+        A varlen spec's op is its own varlen form."""
+        if self.spec.varlen:
+            return self
+        from .varlen import varlen_spec
+
+        return build_op(varlen_spec(self.spec))
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -575,7 +591,12 @@ def schema(spec: ir.Spec) -> str:
 
     ``deterministic`` is keyword-only with a default, so positional calls written for the
     schema without it still work; the forward ignores it and autograd hands it to the
-    backward op (see :mod:`flashgen.backward`)."""
+    backward op (see :mod:`flashgen.backward`).  A varlen spec's schema is
+    :func:`flashgen.varlen.schema`."""
+    if spec.varlen:
+        from .varlen import schema as varlen_schema
+
+        return varlen_schema(spec)
     args = ["Tensor q", "Tensor k", "Tensor v", "float softmax_scale"]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
@@ -603,15 +624,20 @@ def build_op(spec: ir.Spec) -> AttentionOp:
                 f"a different spec named {spec.name!r} is already registered as "
                 f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
             )
-        op = AttentionOp(spec)
+        if spec.varlen:
+            from .varlen import VarlenBackward as backward_cls
+            from .varlen import VarlenOp as op_cls
+        else:
+            from .backward import Backward as backward_cls
+
+            op_cls = AttentionOp
+        op = op_cls(spec)
         lib = _library()
         lib.define(schema(spec))
         lib.impl(spec.name, op._cuda_impl, "CUDA")
         lib.impl(spec.name, op._cpu_impl, "CPU")
         torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
-        from .backward import Backward
-
-        op.backward = Backward(op)
+        op.backward = backward_cls(op)
         op.backward.register(lib)
         _REGISTRY[spec.name] = op
         return op
