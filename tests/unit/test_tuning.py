@@ -65,7 +65,10 @@ def test_tuned_key_is_used_only_for_its_gpu_and_key(table):
     assert choose_tiles(spec, "sm_90", GPU, family="fa2") == TileConfig(64, 64, 4)
     # no GPU name (offline build), another GPU, another target: defaults
     assert choose_tiles(spec, "sm_90", family="fa2") == DEFAULT_TILES[(128, False)]
-    assert choose_tiles(spec, "sm_90", "NVIDIA A100-SXM4-80GB", family="fa2") == DEFAULT_TILES[(128, False)]
+    assert (
+        choose_tiles(spec, "sm_90", "NVIDIA A100-SXM4-80GB", family="fa2")
+        == DEFAULT_TILES[(128, False)]
+    )
     assert choose_tiles(spec, "sm_80", GPU) == DEFAULT_TILES[(128, False)]
     # the key distinguishes dtype, causal and score_mod
     for other in (
@@ -112,7 +115,9 @@ def test_invalid_and_missing_tables_are_ignored(table):
     assert choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
     key = tuning.table_key(GPU, "sm_90", 128, "bf16", True, False)
     table.write_text(json.dumps({"entries": {key: {"block_m": 96, "block_n": 64, "num_warps": 4}}}))
-    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]  # 96 % 64 != 0
+    assert (
+        choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
+    )  # 96 % 64 != 0
     table.write_text(json.dumps({key: _entry(64, 48, 4)}))  # flat form is read too
     assert choose_tiles(spec, "sm_90", GPU, family="fa2") == TileConfig(64, 48, 4)
 
