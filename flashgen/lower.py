@@ -15,6 +15,11 @@ Kernel ABI (every forward kernel, every target), in this order:
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
+    blk_tab blk_sb blk_sh   only when the mask reads a tensor param   const unsigned char*,
+              int64_t, int64_t: the per-tile class table of :func:`plan_block_table`
+              (uint8 [tab_b, tab_h, ceil(seqlen_q/BLOCK_M), ceil(seqlen_k/BLOCK_N)],
+              0 = EMPTY, 1 = PARTIAL, 2 = FULL) and its batch / head strides (0 when
+              the mask does not depend on b / h)
 
 ``KernelPlan.args`` lists these as (name, ctype) pairs, so a launcher only maps
 names to values.
@@ -125,6 +130,7 @@ class KernelPlan:
             "causal": self.context["causal"],
             "has_mask": self.context["mask_expr"] is not None,
             "has_score_mod": self.context["score_mod_expr"] is not None,
+            "block_table": self.context["block_table"],
         }
 
 
@@ -278,6 +284,27 @@ def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
     )
 
 
+def needs_block_table(spec: Spec) -> bool:
+    """Whether ``spec``'s mask reads a tensor param (e.g. document masking
+    ``doc_q[q_idx] == doc_kv[kv_idx]``): its tiles cannot be classified from indices alone,
+    so a generated pre-pass (:func:`plan_block_table`) writes a per-tile class table that
+    the forward kernel reads to skip EMPTY tiles and drop the mask on FULL ones."""
+    return spec.mask is not None and any(isinstance(n, Index) for n in ir.walk(spec.mask))
+
+
+def block_table_dims(spec: Spec) -> tuple[bool, bool]:
+    """``(per_batch, per_head)``: whether the block table needs a batch / head axis
+    (the mask reads ``b`` / ``h``, directly or inside a tensor index); else that axis has
+    extent 1 and the kernel reads it with stride 0."""
+    return _uses_index_var(spec.mask, "b"), _uses_index_var(spec.mask, "h")
+
+
+def _uses_index_var(e: Expr | None, name: str) -> bool:
+    return e is not None and any(
+        isinstance(n, Var) and n.name == name and n.name in ir.INDEX_VARS for n in ir.walk(e)
+    )
+
+
 def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     t = CTYPE[spec.dtype]
     args = [
@@ -299,6 +326,12 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
         args.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    if needs_block_table(spec):
+        args += [
+            KernelArg("blk_tab", "const unsigned char*"),
+            KernelArg("blk_sb", "int64_t"),
+            KernelArg("blk_sh", "int64_t"),
+        ]
     return tuple(args)
 
 
@@ -345,6 +378,7 @@ def plan_forward(
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
         "args": kernel_args(spec),
+        "block_table": needs_block_table(spec),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
@@ -358,6 +392,77 @@ def plan_forward(
         smem_bytes=smem,
         args=ctx["args"],
         context=ctx,
+    )
+
+
+#: Threads per CTA of the block-table pre-pass (one CTA per (slice, m block, n block) tile).
+BLOCK_TABLE_THREADS = 128
+
+
+def plan_block_table(spec: Spec, target: str, tiles: TileConfig) -> KernelPlan:
+    """Lower the block-table pre-pass of ``spec`` (a mask that reads tensor params).
+
+    The kernel (``templates/sm_80/blockmask.cu.j2``) evaluates the whole mask, causal
+    included, from the same IR as the forward kernel over every in-range (q_idx, kv_idx)
+    pair of each (BLOCK_M x BLOCK_N) tile of ``tiles`` (the forward kernel's), and writes
+    one byte per tile: 0 EMPTY (no pair kept), 2 FULL (every in-range pair kept),
+    1 PARTIAL.  This is FlexAttention's BlockMask idea (create_block_mask), built on the
+    GPU in O(tiles) memory.  One CTA per tile, a 1-D grid over
+    tab_b * tab_h * m_blocks * n_blocks (see :meth:`BlockTablePlan.grid`).
+
+    ABI: ``tab`` (unsigned char*, contiguous [tab_b, tab_h, m_blocks, n_blocks]);
+    ``batch heads_q heads_kv seqlen_q seqlen_k tab_b tab_h`` (int); then the scalar and
+    tensor params as in the forward ABI.  ``tab_b`` is ``batch`` when the mask reads ``b``
+    else 1 (the kernel then evaluates at b = 0); ``tab_h`` likewise for ``h``.
+    Raises ``ValueError`` when the mask reads no tensor param.
+    """
+    if not needs_block_table(spec):
+        raise ValueError(f"spec {spec.name!r}: the mask reads no tensor param; no block table")
+    if target not in GENCODE:
+        raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
+    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args = (
+        KernelArg("tab", "unsigned char*"),
+        *dims,
+        KernelArg("tab_b", "int"),
+        KernelArg("tab_h", "int"),
+        *_param_args(spec),
+    )
+    per_b, per_h = block_table_dims(spec)
+    name = f"flashgen_{spec.name}_blockmask_{target}_{tiles.block_m}x{tiles.block_n}"
+    ctx = {
+        "spec_name": spec.name,
+        "kernel_name": name,
+        "block_m": tiles.block_m,
+        "block_n": tiles.block_n,
+        "threads": BLOCK_TABLE_THREADS,
+        "mask_expr": cuda_expr(spec.mask, spec),
+        "args": args,
+        "per_batch": per_b,
+        "per_head": per_h,
+    }
+    return KernelPlan(
+        spec_name=spec.name,
+        target=target,
+        template="sm_80/blockmask.cu.j2",
+        kernel_name=name,
+        tiles=TileConfig(tiles.block_m, tiles.block_n, BLOCK_TABLE_THREADS // 32),
+        smem_bytes=0,
+        args=args,
+        context=ctx,
+    )
+
+
+def block_table_shape(
+    spec: Spec, tiles: TileConfig, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int
+) -> tuple[int, int, int, int]:
+    """``(tab_b, tab_h, m_blocks, n_blocks)``: the block table's shape for a problem."""
+    per_b, per_h = block_table_dims(spec)
+    return (
+        batch if per_b else 1,
+        heads_q if per_h else 1,
+        -(-seqlen_q // tiles.block_m),
+        -(-seqlen_k // tiles.block_n),
     )
 
 
