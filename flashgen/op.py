@@ -600,7 +600,8 @@ class AttentionOp:
 
     def _table_arg(self, rest):
         """The ``block_mask`` schema argument (a uint8 table or None)."""
-        return rest[-1] if needs_block_table(self.spec) and rest else None
+        m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
+        return rest[m] if needs_block_table(self.spec) and len(rest) > m else None
 
     def _empty_outputs(self, q, dims: Dims):
         o = torch.empty(
