@@ -222,3 +222,30 @@ def test_t5_bias_op_validates_the_table():
         op.attention(q, q, q, bias=torch.zeros(4, 257, dtype=torch.int32))
     o, lse = op.attention(q, q, q, bias=torch.zeros(4, 257, dtype=torch.float64))
     assert o.shape == q.shape and torch.isfinite(lse).all()
+
+
+def test_launch_values_pack_for_the_pre_pass_and_the_forward():
+    """Every argument of both kernels' ABIs gets a value from the op's maps (numpy-only)."""
+    from flashgen.blockmask import table_strides
+    from flashgen.op import kernel_values, validate
+    from flashgen.runtime import kernel_args
+
+    spec = load_spec(DOC)
+    B, H, S = 2, 4, 100
+    q = torch.randn(B, H, S, 128).bfloat16()
+    tensors = {"doc_q": docs(B, S, 3), "doc_kv": docs(B, S, 3)}
+    dims = validate(spec, q, q, q, tensors)
+    fwd = plan_forward(spec, "sm_90")
+    table = block_table_reference(
+        spec, fwd.tiles, batch=B, heads_q=H, seqlen_q=S, seqlen_k=S, params=tensors
+    )
+    values = kernel_values(spec, {"q": q, "k": q, "v": q, "o": q, "lse": q}, dims, 0.1, [],
+                           tensors)  # fmt: skip
+    sb, sh = table_strides(spec, table)
+    assert (sb, sh) == (table.shape[2] * table.shape[3], 0)
+    values.update(blk_tab=table, blk_sb=sb, blk_sh=sh)
+    assert len(kernel_args(fwd, values)) == len(fwd.args)
+    pre = plan_block_table(spec, "sm_90", fwd.tiles)
+    pv = kernel_values(spec, {"tab": table}, dims, 1.0, [], tensors)
+    pv.update(tab_b=table.shape[0], tab_h=table.shape[1])
+    assert len(kernel_args(pre, pv)) == len(pre.args)
