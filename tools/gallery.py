@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda" if gpu else "cpu")
     rows: list[dict] = []
-    base_ms = base_kept = None
+    base_ms = base_kept = base_ms_per_head = None
     batch, _ = bench.problem(args.seqlen, 128)
     if gpu:
         base_path = REPO / "specs" / f"{BASELINE}.yaml"
@@ -264,8 +264,8 @@ def main(argv=None) -> int:
         _, heads = bench.problem(args.seqlen, base.head_dim)
         base_kept = kept_pairs(base, batch, heads, args.seqlen, {}, device) / heads
         base_ms = measure(base, batch, heads, args.seqlen, {}, device, argparse.Namespace(
-            **{**vars(args), "no_flex": True}))["flashgen_ms"]  # fmt: skip
-        base_ms_per_head = base_ms / heads
+            **{**vars(args), "no_flex": True})).get("flashgen_ms")  # fmt: skip
+        base_ms_per_head = base_ms / heads if base_ms else None
     for name in args.specs:
         path = REPO / "specs" / f"{name}.yaml"
         if not path.exists():
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
         where = (
             f"Measured on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
             f"{time.strftime('%Y-%m-%d', time.gmtime())}; dense causal baseline "
-            f"({BASELINE}, head_dim 128) {base_ms:.3f} ms."
+            f"({BASELINE}, head_dim 128) {fmt(base_ms, '.3f')} ms."
         )
     else:
         where = (
