@@ -64,6 +64,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "v",
         "softmax_scale",
         "deterministic",
+        "block_mask",
         "out",
         "lse",
         "batch",

@@ -367,13 +367,11 @@ def _cuda_available() -> bool:
 def random_inputs(
     spec: ir.Spec, b: int, hq: int, hkv: int, sq: int, sk: int, device, generator=None
 ) -> tuple:
-    """Random q, k, v (spec dtype, ``torch.randn``) and tensor params for one problem.
-
-    Float tensor params are uniform in [0, 1); int ones uniform in [0, 16).
-    """
+    """Random q, k, v (spec dtype, ``torch.randn``) and tensor params for one problem
+    (see :func:`random_tensor_params`)."""
     import torch
 
-    from .op import PARAM_DTYPE, TORCH_DTYPE
+    from .op import TORCH_DTYPE
 
     dt = TORCH_DTYPE[spec.dtype]
 
@@ -384,16 +382,33 @@ def random_inputs(
     k = randn(b, hkv, sk, spec.head_dim)
     v = randn(b, hkv, sk, spec.head_dim_v)
     sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
+    return q, k, v, random_tensor_params(spec, sym, device, generator)
+
+
+def random_tensor_params(spec: ir.Spec, sizes: dict, device, generator=None) -> dict:
+    """Random values of ``spec``'s tensor params, shaped by ``sizes`` (shape symbol -> int).
+
+    Float params are uniform in [0, 1).  Int params whose last axis is ``seqlen_q`` or
+    ``seqlen_k`` are document ids: uniform in [0, 4), sorted along that axis (packed
+    documents, so a block table has EMPTY, FULL and PARTIAL tiles); other int params are
+    uniform in [0, 16).
+    """
+    import torch
+
+    from .op import PARAM_DTYPE
+
     params = {}
     for p in spec.tensor_params:
-        shape = [d if isinstance(d, int) else sym[d] for d in p.shape]
+        shape = [d if isinstance(d, int) else sizes[d] for d in p.shape]
         if p.ty == ir.Ty.F32:
             params[p.name] = torch.rand(shape, device=device, generator=generator)
-        else:
-            params[p.name] = torch.randint(
-                0, 16, shape, device=device, generator=generator, dtype=PARAM_DTYPE[p.ty]
-            )
-    return q, k, v, params
+            continue
+        doc = p.shape[-1] in ("seqlen_q", "seqlen_k")
+        t = torch.randint(
+            0, 4 if doc else 16, shape, device=device, generator=generator, dtype=PARAM_DTYPE[p.ty]
+        )
+        params[p.name] = t.sort(dim=-1).values if doc else t
+    return params
 
 
 def error_bound(spec: ir.Spec, q, k, v, params: dict) -> tuple:

@@ -15,6 +15,11 @@ Kernel ABI (every forward kernel, every target), in this order:
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
+    blk_tab blk_sb blk_sh   only when the mask reads a tensor param   const unsigned char*,
+              int64_t, int64_t: the per-tile class table of :func:`plan_block_table`
+              (uint8 [tab_b, tab_h, ceil(seqlen_q/BLOCK_M), ceil(seqlen_k/BLOCK_N)],
+              0 = EMPTY, 1 = PARTIAL, 2 = FULL) and its batch / head strides (0 when
+              the mask does not depend on b / h)
 
 varlen specs (``spec.varlen``) differ: ``cu_seqlens_q, cu_seqlens_k`` (const int*,
 [batch + 1]) follow the strides, and the sizes are ``batch heads_q heads_kv
@@ -81,11 +86,21 @@ DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
 #: (a 64 x HEAD_DIM fp32 O accumulator, S, and P as 16-bit fragments) bound BLOCK_N.
 #: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
 #: wider steps amortize each step's barrier waits and row reductions.
-HOPPER_TILES: dict[int, TileConfig] = {
+#: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spills
+#: for a bias-table score_mod); keys without a ``True`` entry use the plain one.
+HOPPER_TILES: dict[int | tuple[int, bool], TileConfig] = {
     64: TileConfig(128, 192, 12),
     128: TileConfig(128, 160, 12),
     256: TileConfig(128, 80, 12),
+    (64, True): TileConfig(128, 96, 12),
 }
+
+
+def hopper_tiles(spec: Spec) -> TileConfig:
+    """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod)."""
+    return HOPPER_TILES.get((spec.head_dim, spec.score_mod is not None)) or HOPPER_TILES[
+        spec.head_dim
+    ]
 #: Hopper kernel: K/V ring depth and the registers per thread given to the producer and
 #: to the consumer warpgroups by ``setmaxnreg`` (128 * (24 + 2 * 240) <= 64K).
 HOPPER_STAGES = 2
@@ -107,14 +122,16 @@ FAMILIES = ("auto", "fa3", "fa2")
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
-    head_dim_v in :data:`HOPPER_TILES`, not varlen, no FA2-style ``tiles:`` pinned by the
-    spec, and ``family`` not ``"fa2"``."""
+    head_dim_v in :data:`HOPPER_TILES`, not varlen, a mask that reads no tensor (those use
+    the FA2-class kernel's block table), no FA2-style ``tiles:`` pinned by the spec, and
+    ``family`` not ``"fa2"``."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
     o = spec.tiles
     return (
         family != "fa2"
         and not spec.varlen
+        and not needs_block_table(spec)
         and target == "sm_90"
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_TILES
@@ -192,6 +209,7 @@ class KernelPlan:
             "causal": self.context["causal"],
             "has_mask": self.context["mask_expr"] is not None,
             "has_score_mod": self.context["score_mod_expr"] is not None,
+            "block_table": self.context["block_table"],
         }
 
 
@@ -340,7 +358,7 @@ def choose_tiles(
     if hopper_eligible(spec, target, family):
         if tuned is not None and is_hopper_tiles(TileConfig(*tuned)):
             return TileConfig(*tuned)
-        return HOPPER_TILES[spec.head_dim]
+        return hopper_tiles(spec)
     if tuned is not None:
         base = TileConfig(*tuned)
     else:
@@ -368,6 +386,27 @@ def _varlen_args(spec: Spec) -> list[KernelArg]:
     return [KernelArg("cu_seqlens_q", "const int*"), KernelArg("cu_seqlens_k", "const int*")]
 
 
+def needs_block_table(spec: Spec) -> bool:
+    """Whether ``spec``'s mask reads a tensor param (e.g. document masking
+    ``doc_q[q_idx] == doc_kv[kv_idx]``): its tiles cannot be classified from indices alone,
+    so a generated pre-pass (:func:`plan_block_table`) writes a per-tile class table that
+    the forward kernel reads to skip EMPTY tiles and drop the mask on FULL ones."""
+    return spec.mask is not None and any(isinstance(n, Index) for n in ir.walk(spec.mask))
+
+
+def block_table_dims(spec: Spec) -> tuple[bool, bool]:
+    """``(per_batch, per_head)``: whether the block table needs a batch / head axis
+    (the mask reads ``b`` / ``h``, directly or inside a tensor index); else that axis has
+    extent 1 and the kernel reads it with stride 0."""
+    return _uses_index_var(spec.mask, "b"), _uses_index_var(spec.mask, "h")
+
+
+def _uses_index_var(e: Expr | None, name: str) -> bool:
+    return e is not None and any(
+        isinstance(n, Var) and n.name == name and n.name in ir.INDEX_VARS for n in ir.walk(e)
+    )
+
+
 def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     t = CTYPE[spec.dtype]
     args = [
@@ -390,6 +429,12 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
         args.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    if needs_block_table(spec):
+        args += [
+            KernelArg("blk_tab", "const unsigned char*"),
+            KernelArg("blk_sb", "int64_t"),
+            KernelArg("blk_sh", "int64_t"),
+        ]
     return tuple(args)
 
 
@@ -419,6 +464,11 @@ def plan_forward(
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
+    if spec.varlen and needs_block_table(spec):
+        raise ValueError(
+            "a varlen spec's mask cannot read tensor params (the block table is per padded "
+            "batch); varlen already separates the sequences"
+        )
     tiles = tiles or choose_tiles(spec, target, gpu, family)
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(spec, target, tiles)
@@ -464,6 +514,7 @@ def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
         "varlen": spec.varlen,
         "args": kernel_args(spec),
+        "block_table": needs_block_table(spec),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
@@ -529,6 +580,77 @@ def plan_hopper_forward(
         args=ctx["args"],
         context=ctx,
         tma=tma,
+    )
+
+
+#: Threads per CTA of the block-table pre-pass (one CTA per (slice, m block, n block) tile).
+BLOCK_TABLE_THREADS = 128
+
+
+def plan_block_table(spec: Spec, target: str, tiles: TileConfig) -> KernelPlan:
+    """Lower the block-table pre-pass of ``spec`` (a mask that reads tensor params).
+
+    The kernel (``templates/sm_80/blockmask.cu.j2``) evaluates the whole mask, causal
+    included, from the same IR as the forward kernel over every in-range (q_idx, kv_idx)
+    pair of each (BLOCK_M x BLOCK_N) tile of ``tiles`` (the forward kernel's), and writes
+    one byte per tile: 0 EMPTY (no pair kept), 2 FULL (every in-range pair kept),
+    1 PARTIAL.  This is FlexAttention's BlockMask idea (create_block_mask), built on the
+    GPU in O(tiles) memory.  One CTA per tile, a 1-D grid over
+    tab_b * tab_h * m_blocks * n_blocks (see :meth:`BlockTablePlan.grid`).
+
+    ABI: ``tab`` (unsigned char*, contiguous [tab_b, tab_h, m_blocks, n_blocks]);
+    ``batch heads_q heads_kv seqlen_q seqlen_k tab_b tab_h`` (int); then the scalar and
+    tensor params as in the forward ABI.  ``tab_b`` is ``batch`` when the mask reads ``b``
+    else 1 (the kernel then evaluates at b = 0); ``tab_h`` likewise for ``h``.
+    Raises ``ValueError`` when the mask reads no tensor param.
+    """
+    if not needs_block_table(spec):
+        raise ValueError(f"spec {spec.name!r}: the mask reads no tensor param; no block table")
+    if target not in GENCODE:
+        raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
+    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args = (
+        KernelArg("tab", "unsigned char*"),
+        *dims,
+        KernelArg("tab_b", "int"),
+        KernelArg("tab_h", "int"),
+        *_param_args(spec),
+    )
+    per_b, per_h = block_table_dims(spec)
+    name = f"flashgen_{spec.name}_blockmask_{target}_{tiles.block_m}x{tiles.block_n}"
+    ctx = {
+        "spec_name": spec.name,
+        "kernel_name": name,
+        "block_m": tiles.block_m,
+        "block_n": tiles.block_n,
+        "threads": BLOCK_TABLE_THREADS,
+        "mask_expr": cuda_expr(spec.mask, spec),
+        "args": args,
+        "per_batch": per_b,
+        "per_head": per_h,
+    }
+    return KernelPlan(
+        spec_name=spec.name,
+        target=target,
+        template="sm_80/blockmask.cu.j2",
+        kernel_name=name,
+        tiles=TileConfig(tiles.block_m, tiles.block_n, BLOCK_TABLE_THREADS // 32),
+        smem_bytes=0,
+        args=args,
+        context=ctx,
+    )
+
+
+def block_table_shape(
+    spec: Spec, tiles: TileConfig, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int
+) -> tuple[int, int, int, int]:
+    """``(tab_b, tab_h, m_blocks, n_blocks)``: the block table's shape for a problem."""
+    per_b, per_h = block_table_dims(spec)
+    return (
+        batch if per_b else 1,
+        heads_q if per_h else 1,
+        -(-seqlen_q // tiles.block_m),
+        -(-seqlen_k // tiles.block_n),
     )
 
 

@@ -105,6 +105,71 @@ def eval_expr(e: Expr, env: dict):
     raise TypeError(f"cannot evaluate {e!r}")
 
 
+def _env(
+    spec: Spec, B: int, Hq: int, Sq: int, Sk: int, params: dict, dev, fdt, batch_offset: int = 0
+) -> dict:
+    """Evaluation environment: broadcasting index tensors, sizes and param values (``b``
+    counts from ``batch_offset``: the sequence index in varlen)."""
+    ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
+    env = {
+        "b": (ar(B) + batch_offset).view(B, 1, 1, 1),
+        "h": ar(Hq).view(1, Hq, 1, 1),
+        "q_idx": ar(Sq).view(1, 1, Sq, 1),
+        "kv_idx": ar(Sk).view(1, 1, 1, Sk),
+        "seqlen_q": torch.tensor(Sq, device=dev),
+        "seqlen_k": torch.tensor(Sk, device=dev),
+        "__float__": fdt,
+        "__device__": dev,
+    }
+    for p in spec.params:
+        val = params.get(p.name, p.default)
+        if p.kind == "tensor":
+            if val is None:
+                raise ValueError(f"tensor param '{p.name}' is required")
+            env[p.name] = val.to(dev, fdt if p.ty == Ty.F32 else torch.int64)
+        else:
+            env[p.name] = _as(val, p.ty, env)
+    return env
+
+
+def _check_bounds(env: dict, keep) -> None:
+    """Refuse a tensor-param index outside the declared shape at a kept pair."""
+    for name, oob in env.get("__oob__", []):
+        hit = oob if keep is None else oob & keep
+        if bool(hit.any()):
+            raise IndexError(
+                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
+                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
+                f"expression or the param's declared shape"
+            )
+
+
+def eval_mask(
+    spec: Spec,
+    *,
+    batch: int,
+    heads_q: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    params: dict | None = None,
+    device=None,
+):
+    """``spec.mask`` materialized: bool ``[batch, heads_q, seqlen_q, seqlen_k]`` (all True
+    without a mask), with ``b`` in ``range(batch)`` and ``h`` in ``range(heads_q)`` (pass 1
+    for an axis the mask does not read, to broadcast over it).  ``params`` as in
+    :func:`attention_reference`.  Raises ``IndexError`` like it for an out-of-range
+    tensor-param index at a kept pair.
+    """
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    env = _env(spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float64)
+    shape = (batch, heads_q, seqlen_q, seqlen_k)
+    if spec.mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=dev)
+    keep = eval_expr(spec.mask, env).expand(shape)
+    _check_bounds(env, keep)
+    return keep.contiguous()
+
+
 def attention_reference(
     spec: Spec,
     q,
@@ -152,25 +217,7 @@ def attention_reference(
     vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
     s = torch.matmul(qc, kc.transpose(-1, -2)).to(fdt) * softmax_scale  # [B,Hq,Sq,Sk]
 
-    ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
-    env = {
-        "b": (ar(B) + batch_offset).view(B, 1, 1, 1),
-        "h": ar(Hq).view(1, Hq, 1, 1),
-        "q_idx": ar(Sq).view(1, 1, Sq, 1),
-        "kv_idx": ar(Sk).view(1, 1, 1, Sk),
-        "seqlen_q": torch.tensor(Sq, device=dev),
-        "seqlen_k": torch.tensor(Sk, device=dev),
-        "__float__": fdt,
-        "__device__": dev,
-    }
-    for p in spec.params:
-        val = params.get(p.name, p.default)
-        if p.kind == "tensor":
-            if val is None:
-                raise ValueError(f"tensor param '{p.name}' is required")
-            env[p.name] = val.to(dev, fdt if p.ty == Ty.F32 else torch.int64)
-        else:
-            env[p.name] = _as(val, p.ty, env)
+    env = _env(spec, B, Hq, Sq, Sk, params, dev, fdt, batch_offset)
     if spec.score_mod is not None:
         env["score"] = s
         s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
@@ -178,14 +225,7 @@ def attention_reference(
     if spec.mask is not None:
         keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
         s = s.masked_fill(~keep, float("-inf"))
-    for name, oob in env.get("__oob__", []):
-        hit = oob if keep is None else oob & keep
-        if bool(hit.any()):
-            raise IndexError(
-                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
-                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
-                f"expression or the param's declared shape"
-            )
+    _check_bounds(env, keep)
     # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.
     row_has = torch.isfinite(s).any(dim=-1, keepdim=True)
     s_safe = torch.where(row_has, s, torch.zeros_like(s))
