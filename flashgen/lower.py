@@ -60,7 +60,7 @@ class TileConfig:
 #: math, so it halves BLOCK_N.  ``flashgen tune`` measures per GPU, dtype and causal and
 #: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
 #: head_dim 32, 96, 160 and 192 (keyed, like every entry, by max(head_dim, head_dim_v)) are
-#: not measured on a GPU yet: chosen by ptxas register counts (tools/hdim_tiles.py), two
+#: not measured on a GPU yet: chosen by ptxas register counts (tools/tile_spills.py), two
 #: 16-row mma tiles per warp where they fit without spills (32, 96), else the D=256 shape.
 #: A score_mod at 96 takes BLOCK_N 32 (ALiBi reaches 255 registers at 128x64).
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
