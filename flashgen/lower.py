@@ -336,7 +336,9 @@ def plan_forward(
     if tiles.block_n % 16:
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16")
     elt = 2
-    smem = (tiles.block_m * d + tiles.block_n * d + tiles.block_n * dv) * elt
+    # sQ (also stages the [BLOCK_M x Dv] output, so max(d, dv) wide), sK, sV: the kernel's
+    # SQ_BYTES + SK_BYTES + BLOCK_N * Dv * 2
+    smem = (tiles.block_m * max(d, dv) + tiles.block_n * d + tiles.block_n * dv) * elt
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
     ctx = {
@@ -354,6 +356,7 @@ def plan_forward(
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
         "args": kernel_args(spec),
+        "smem_bytes": smem,  # the template static_asserts its layout against this
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
@@ -657,6 +660,7 @@ def plan_backward(
     if atomic_dq:
         dkdv_smem += t.dkdv_block_n * (t.dkdv_block_m * 2 + 16)  # dS^T, padded rows
     dq_smem = (t.dq_block_m * (d + dv) + 2 * t.dq_block_n * (d + dv)) * 2
+    ctx.update(dkdv_smem_bytes=dkdv_smem, dq_smem_bytes=dq_smem)  # static_asserted in the kernels
 
     def kp(name: str, warps: int, smem: int, args) -> KernelPlan:
         return KernelPlan(

@@ -94,6 +94,15 @@ def test_plans_fit_shared_memory_and_render(v):
             assert f"constexpr int HEAD_DIM_V = {dv};" in src
 
 
+def test_forward_smem_stages_o_in_the_wider_of_q_and_v():
+    """sQ also stages the [BLOCK_M x Dv] output: with Dv > D it is Dv wide (the kernels
+    static_assert their layout against plan.smem_bytes, so nvcc catches a mismatch)."""
+    plan = plan_forward(hdim_spec(128, 256), "sm_80")
+    t = plan.tiles
+    assert plan.smem_bytes == (t.block_m * 256 + t.block_n * 128 + t.block_n * 256) * 2
+    assert f"== {plan.smem_bytes}," in render(plan)
+
+
 @pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=lambda x: str(x))
 def test_backward_fallback_candidates_render(d, dv):
     """The spill fallback's narrow tiles are valid too (atomic: idle warps if need be)."""
