@@ -478,7 +478,8 @@ def verify_spec(spec: ir.Spec) -> dict:
     ms = _bench(lambda: call_padded(op, q, k, v, params))
     from .lower import split_causal
 
-    flops = 4 * s * s * 16 * spec.head_dim * (0.5 if split_causal(spec.mask)[0] else 1.0)
+    d_sum = spec.head_dim + spec.head_dim_v  # Q K^T costs 2·S²·D, P V costs 2·S²·Dv
+    flops = 2 * s * s * 16 * d_sum * (0.5 if split_causal(spec.mask)[0] else 1.0)
     return {
         "spec": spec.name,
         "ok": all(c["ok"] for c in cases),

@@ -63,7 +63,7 @@ SHAPE_SYMBOLS = ("batch", "num_heads", "num_heads_kv", "seqlen_q", "seqlen_k")
 
 DTYPES = ("fp16", "bf16", "fp8_e4m3")
 TARGETS = ("sm_80", "sm_90")
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 
 
 # ----------------------------------------------------------------------------- expressions

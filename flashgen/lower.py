@@ -72,9 +72,18 @@ class TileConfig:
 #: entry compiles with zero spills.  A score_mod at head_dim 256 needs registers for its
 #: math, so it halves BLOCK_N.  ``flashgen tune`` measures per GPU, dtype and causal and
 #: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
+#: head_dim 32, 96, 160 and 192 (keyed, like every entry, by max(head_dim, head_dim_v)) are
+#: not measured on a GPU yet: chosen by ptxas register counts (tools/tile_spills.py), two
+#: 16-row mma tiles per warp where they fit without spills (32, 96), else the D=256 shape.
+#: A score_mod at 96 takes BLOCK_N 32 (ALiBi reaches 255 registers at 128x64).
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
+    (32, False): TileConfig(128, 64, 4),
     (64, False): TileConfig(128, 64, 4),
+    (96, False): TileConfig(128, 64, 4),
+    (96, True): TileConfig(128, 32, 4),
     (128, False): TileConfig(128, 32, 4),
+    (160, False): TileConfig(64, 64, 4),
+    (192, False): TileConfig(64, 64, 4),
     (256, False): TileConfig(64, 64, 4),
     (256, True): TileConfig(64, 32, 4),
 }
@@ -478,8 +487,11 @@ def plan_forward(
     if tiles.block_n % 16:
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16")
     elt = 2
-    smem = (tiles.block_m * d + tiles.block_n * d + tiles.block_n * dv) * elt
+    # sQ (also stages the [BLOCK_M x Dv] output, so max(d, dv) wide), sK, sV: the kernel's
+    # SQ_BYTES + SK_BYTES + BLOCK_N * Dv * 2
+    smem = (tiles.block_m * max(d, dv) + tiles.block_n * d + tiles.block_n * dv) * elt
     ctx = _forward_context(spec, target, tiles)
+    ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     return KernelPlan(
         spec_name=spec.name,
         target=target,
@@ -556,6 +568,7 @@ def plan_hopper_forward(
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(spec, target, tiles)
+    ctx["smem_bytes"] = smem
     if m_major is None:
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
@@ -678,10 +691,21 @@ class BackwardTiles:
 
 #: (head_dim, has score_mod) -> tiles; every entry compiles with zero spills for the
 #: shipped specs (a score_mod's math needs registers, so it gets narrower steps).
+#: head_dim 32, 96, 160, 192 are chosen by ptxas register counts only (not timed yet),
+#: checked spill-free with causal, causal + softcap and causal + ALiBi for both targets:
+#: 160 without a score_mod keeps dsplit 1 (no recomputed S, dP) with 16-row query steps;
+#: 160/192 with one, and 192 always, split the columns like 256.
 BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
+    (32, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
     (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (96, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (96, True): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, True): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (160, False): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (160, True): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+    (192, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+    (192, True): BackwardTiles(64, 64, 4, 2, 64, 16, 4),
     (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
 }
 #: Tiles of the atomic-dQ path (:func:`plan_backward` with ``atomic_dq=True``), same keys.
@@ -692,10 +716,20 @@ BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
 #: the same tiles as the deterministic kernels, except a score_mod at head_dim 128, where
 #: 64 key rows spill on sm_90a (alibi, 16-52 bytes) and 32 rows with 2 warps do not
 #: (4x FA2's atomics; the other zero-spill option, dsplit 2, recomputes S and dP twice).
+#: head_dim 160 splits its 160 columns in two 80-column halves (5 mma tiles: one column
+#: group, so 4 row groups and 64-row query steps); 192 with a score_mod needs the same
+#: 64-row steps to stay spill-free (157 KB of shared memory, one CTA per SM).
 ATOMIC_BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
+    (32, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
     (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (96, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
+    (96, True): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, True): BackwardTiles(32, 16, 2, 1, 64, 32, 4),
+    (160, False): BackwardTiles(64, 64, 4, 2, 64, 32, 4),
+    (160, True): BackwardTiles(64, 64, 4, 2, 64, 32, 4),
+    (192, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+    (192, True): BackwardTiles(64, 64, 4, 2, 64, 16, 4),
     (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
 }
 #: Warps (one row each) per CTA of the preprocess kernel D = rowsum(dO * O).
@@ -804,6 +838,30 @@ def _param_args(spec: Spec) -> list[KernelArg]:
     return args
 
 
+def atomic_dq_warp_grid(tiles: BackwardTiles, head_dim: int) -> tuple[int, int]:
+    """``(AQ_WM, AQ_WN)``: how the atomic dkdv kernel's warps split the step's dQ tile
+    [dkdv_block_m x head_dim / dkdv_dsplit] into AQ_WM row groups x AQ_WN column groups of
+    whole 16 x 16 mma tiles, one warp each.
+
+    The grid that keeps the most warps busy wins, then the one with the most column groups
+    (each warp then reads a disjoint slice of K, the larger operand, once).  Head dims 64,
+    128 and 256 with the table's tiles split min(warps, columns / 16) ways by columns, as
+    before; 96 and 192 (6 and 12 column tiles over 4 warps) take 2 x 2.  When no grid uses
+    every warp (e.g. 80 columns = 5 tiles and 2 row tiles over 4 warps) the remaining warps
+    sit out the dQ product (the kernel skips it for warp >= AQ_WM * AQ_WN).
+    """
+    warps = tiles.dkdv_warps
+    col_tiles = head_dim // tiles.dkdv_dsplit // 16
+    row_tiles = tiles.dkdv_block_m // 16
+    grids = [
+        (wm, wn)
+        for wn in range(1, warps + 1)
+        for wm in range(1, warps // wn + 1)
+        if col_tiles % wn == 0 and row_tiles % wm == 0
+    ]
+    return max(grids, key=lambda g: (g[0] * g[1], g[1]))
+
+
 def plan_backward(
     spec: Spec, target: str, *, atomic_dq: bool = False, tiles: BackwardTiles | None = None
 ) -> BackwardPlan:
@@ -865,6 +923,7 @@ def plan_backward(
         *_strides("q", "k", "v", "dout", "dq"),
         *tail,
     )
+    grid = atomic_dq_warp_grid(t, d) if atomic_dq else (0, 0)  # unused by the deterministic unit
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     base = f"flashgen_{spec.name}_bwd_{target}"
     ctx = dict(fwd.context)
@@ -887,6 +946,8 @@ def plan_backward(
         dq_block_m=t.dq_block_m,
         dq_block_n=t.dq_block_n,
         dq_warps=t.dq_warps,
+        aq_wm=grid[0],
+        aq_wn=grid[1],
         score_grad_expr=cuda_expr(score_grad, spec) if score_grad is not None else None,
     )
     dkdv_smem = (t.dkdv_block_n * (d + dv) + 2 * t.dkdv_block_m * (d + dv)) * 2
@@ -894,6 +955,7 @@ def plan_backward(
     if atomic_dq:
         dkdv_smem += t.dkdv_block_n * (t.dkdv_block_m * 2 + 16)  # dS^T, padded rows
     dq_smem = (t.dq_block_m * (d + dv) + 2 * t.dq_block_n * (d + dv)) * 2
+    ctx.update(dkdv_smem_bytes=dkdv_smem, dq_smem_bytes=dq_smem)  # static_asserted in the kernels
 
     def kp(name: str, warps: int, smem: int, args) -> KernelPlan:
         return KernelPlan(
