@@ -1,0 +1,216 @@
+"""The CUDA tile classifier (``flashgen.masktiles``) against the host analysis and brute force.
+
+The emitted classifiers are ``__host__ __device__``: the test compiles them for the host
+with nvcc (no GPU needed), runs them on many tiles and block ranges, and requires the
+same class as :func:`flashgen.maskinfo.classify` on every one (which is itself checked
+against brute force in ``test_maskinfo.py``), for every shipped mask, the gallery masks
+and random well-typed masks.  The block searches (``fg::iv::next_live`` /
+``prev_live``) run on the host too, against a linear scan of the brute-force classes.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsl_strategies import expr, spec_text  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from flashgen import masktiles  # noqa: E402
+from flashgen.maskinfo import TileClass, classify, tile_classes  # noqa: E402
+from flashgen.render import template_root  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
+GALLERY = {
+    "window": (
+        "causal && q_idx + seqlen_k - seqlen_q - kv_idx < w",
+        "  w: {type: i32, default: 9}\n",
+    ),
+    "prefix_lm": ("kv_idx < w || causal", "  w: {type: i32, default: 11}\n"),
+    "chunked": ("q_idx / w == kv_idx / w", "  w: {type: i32, default: 8}\n"),
+    "doc": ("causal && ids[q_idx] == ids[kv_idx]", "  ids: {type: i32, shape: [seqlen_q]}\n"),
+    "float": ("abs(q_idx - kv_idx) * 0.5 <= c", "  c: {type: f32, default: 6.5}\n"),
+}  # fmt: skip
+# Small values so the small test grids show every class.
+SMALL_PARAMS = {"window": 13, "prefix": 11, "chunk": 7, "w": 9, "c": 6.5, "softcap": 50.0}
+
+
+def _gallery(name: str):
+    mask, params = GALLERY[name]
+    text = f"name: {name}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams:\n{params}"
+    return loads_spec(text, "g.yaml")
+
+
+def _random_specs(n: int, wild: bool) -> list:
+    masks: list[str] = []
+
+    @settings(
+        max_examples=n, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(expr("bool", 3, False, wild))
+    def collect(m):
+        masks.append(m)
+
+    collect()
+    return [loads_spec(spec_text(m, None), f"fuzz{i}.yaml") for i, m in enumerate(masks)]
+
+
+def _program(specs, cases) -> str:
+    """A host program: one classifier per spec, then the cases (one line each) classified."""
+    root = template_root()
+    parts = [(root / "common" / "masktiles.cuh").read_text(), "#include <cstdio>"]
+    for i, spec in enumerate(specs):
+        parts.append(masktiles.classifier_source(spec, name=f"cls{i}"))
+    parts.append("int main() {\n    int i, q0, q1, k0, k1, b, h, sq, sk; double p[4];")
+    parts.append(
+        '    while (scanf("%d %d %d %d %d %d %d %d %d %lf %lf %lf %lf", &i, &q0, &q1, &k0, &k1,'
+        " &b, &h, &sq, &sk, p, p + 1, p + 2, p + 3) == 13) {\n        int c = -1;\n"
+        "        switch (i) {"
+    )
+    for i, spec in enumerate(specs):
+        ps = [f"({t})p[{j}]" for j, (t, _) in enumerate(masktiles.classifier_params(spec)[8:])]
+        args = ", ".join(["q0", "q1", "k0", "k1", "b", "h", "sq", "sk", *ps])
+        parts.append(f"        case {i}: c = cls{i}({args}); break;")
+    parts.append('        }\n        printf("%d\\n", c);\n    }\n    return 0;\n}\n')
+    return "\n".join(parts)
+
+
+def _run_host(tmp_path, specs, cases) -> list[int]:
+    from flashgen.compile import find_nvcc
+
+    src = tmp_path / "cls.cu"
+    src.write_text(_program(specs, cases))
+    exe = tmp_path / "cls"
+    subprocess.run(
+        [find_nvcc(), "-std=c++17", "-O1", "-x", "cu", str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
+    stdin = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _param_values(spec) -> dict:
+    return {p.name: SMALL_PARAMS.get(p.name, p.default) for p in spec.scalar_params}
+
+
+def _cases(i, spec, rng, n=150):
+    """(case line, expected class) pairs: whole-grid tiles and random multi-block ranges."""
+    params = _param_values(spec)
+    pv = [params[p.name] for p in spec.scalar_params] + [0] * (4 - len(params))
+    out = []
+    for _ in range(n):
+        sq, sk = rng.randint(1, 90), rng.randint(1, 90)
+        q0 = rng.randrange(sq)
+        q1 = rng.randrange(q0, min(sq, q0 + rng.choice([1, 4, 16, 64])))
+        k0 = rng.randrange(sk)
+        k1 = rng.randrange(k0, min(sk, k0 + rng.choice([1, 4, 16, 64])))
+        b, h = rng.randrange(3), rng.randrange(4)
+        want = classify(spec, (q0, q1), (k0, k1), b=b, h=h, seqlen_q=sq, seqlen_k=sk, params=params)
+        out.append(((i, q0, q1, k0, k1, b, h, sq, sk, *pv), int(want)))
+    return out
+
+
+def test_classifier_matches_maskinfo_on_host(tmp_path, requires_nvcc):
+    specs = [load_spec(p) for p in SHIPPED] + [_gallery(n) for n in sorted(GALLERY)]
+    specs += _random_specs(60, wild=False) + _random_specs(40, wild=True)
+    rng = random.Random(0)
+    cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng)]
+    got = _run_host(tmp_path, specs, [c for c, _ in cases])
+    assert len(got) == len(cases)
+    bad = [(specs[c[0]].mask, c, w, g) for (c, w), g in zip(cases, got, strict=True) if w != g]
+    assert not bad, f"{len(bad)} disagreements, first: {bad[:3]}"
+
+
+def test_no_mask_is_full_and_ignores_its_arguments():
+    spec = load_spec(REPO / "specs" / "bidir_d256.yaml")
+    src = masktiles.classifier_source(spec)
+    assert "return fg::iv::FULL;" in src and "fg::iv::range" not in src
+
+
+def test_call_uses_the_kernel_names():
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    call = masktiles.classifier_call(spec, "m0", "m1", "n0", "n1")
+    assert call == "fg_tile_class(m0, m1, n0, n1, b, h, seqlen_q, seqlen_k, p_window)"
+
+
+def test_tensor_reads_are_unknown_unless_hooked():
+    spec = _gallery("doc")
+    assert "fg::iv::any()" in masktiles.classifier_source(spec)
+    hooked = masktiles.classifier_source(spec, index_range=lambda e: f"table_range_{e.name}()")
+    assert "table_range_ids()" in hooked and "fg::iv::any()" not in hooked
+
+
+SEARCH_MAIN = r"""
+#include <cstdio>
+int main() {
+    int which, n, j; char row[4096];
+    while (scanf("%d %d %d %4095s", &which, &n, &j, row) == 4) {
+        // tile(i0, i1): a range's class from the per-block classes in `row` (E, P, F)
+        auto tile = [&](int i0, int i1) {
+            bool any_live = false, all_full = true;
+            for (int i = i0; i <= i1; ++i) {
+                any_live |= row[i] != 'E';
+                all_full &= row[i] == 'F';
+            }
+            return !any_live ? fg::iv::EMPTY : (all_full ? fg::iv::FULL : fg::iv::PARTIAL);
+        };
+        int cls = -1;
+        const int r = which ? fg::iv::next_live(j, n, cls, tile) : fg::iv::prev_live(j, cls, tile);
+        printf("%d %d\n", r, cls);
+    }
+    return 0;
+}
+"""
+
+
+def test_block_searches_find_every_live_block(tmp_path, requires_nvcc):
+    """next_live / prev_live visit exactly the non-empty blocks, in order, with their class."""
+    from flashgen.compile import find_nvcc
+
+    src = tmp_path / "search.cu"
+    src.write_text((template_root() / "common" / "masktiles.cuh").read_text() + SEARCH_MAIN)
+    exe = tmp_path / "search"
+    subprocess.run(
+        [find_nvcc(), "-std=c++17", "-O1", "-x", "cu", str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
+    rng = random.Random(1)
+    rows = []
+    # rows of real masks (window, chunked, prefix), then random class strings
+    for name in ("window", "chunked", "prefix_lm"):
+        for row in tile_classes(_gallery(name), 90, 200, 8, 4, params={"w": 9}):
+            rows.append("".join("EPF"[c] for c in row))
+    for _ in range(200):
+        n = rng.randint(1, 70)
+        dens = rng.random()
+        rows.append("".join(rng.choice("PF") if rng.random() < dens else "E" for _ in range(n)))
+    lines, want = [], []
+    for row in rows:
+        n = len(row)
+        for j in range(-1, n + 1):
+            if 0 <= j:
+                nxt = next((i for i in range(j, n) if row[i] != "E"), n)
+                lines.append(f"1 {n} {j} {row}")
+                want.append((nxt, "EPF".index(row[nxt]) if nxt < n else None))
+            if j < n:
+                prv = next((i for i in range(j, -1, -1) if row[i] != "E"), -1)
+                lines.append(f"0 {n} {j} {row}")
+                want.append((prv, "EPF".index(row[prv]) if prv >= 0 else None))
+    out = subprocess.run(
+        [str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    for line, (r, c), got in zip(lines, want, out, strict=False):
+        gr, gc = map(int, got.split())
+        assert gr == r, f"{line}: block {gr}, want {r}"
+        if c is not None:
+            assert gc == c, f"{line}: class {gc}, want {c}"
+    assert TileClass.EMPTY == 0 and TileClass.PARTIAL == 1 and TileClass.FULL == 2
