@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from . import ir
+from . import ir, masktiles
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 
 #: CUDA element type per spec dtype.
@@ -345,6 +345,9 @@ def plan_forward(
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
         "args": kernel_args(spec),
+        # block sparsity: the mask's tile classifier and its arguments after the tile bounds
+        "tile_classifier": masktiles.classifier_source(spec),
+        "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
@@ -526,9 +529,7 @@ def plan_backward(
     from .derive import d_dscore
 
     fwd = plan_forward(spec, target)  # validates target and dtype
-    dmax = max(spec.head_dim, spec.head_dim_v)
-    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    t = tiles or table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    t = tiles or _table_backward_tiles(spec, atomic_dq)
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
     dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
@@ -648,11 +649,22 @@ def forward_tile_candidates(spec: Spec, target: str, gpu: str | None = None) -> 
     return [first, *(t for t in FORWARD_FALLBACK_TILES if t != first)]
 
 
+def _table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
+    """The tables' backward tiles for ``spec``.  On the atomic path, an elementwise mask
+    beyond causal at head_dim 128 takes 16-row inner steps in dkdv (same key block, so the
+    same number of atomics): its registers are gone at 32 rows (prefix_lm spills 76 bytes
+    on sm_90a there)."""
+    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
+    dmax = max(spec.head_dim, spec.head_dim_v)
+    t = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    if atomic_dq and dmax == 128 and split_causal(spec.mask)[1] is not None:
+        t = replace(t, dkdv_block_m=min(t.dkdv_block_m, 16))
+    return t
+
+
 def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
     """Backward tiles to try: the table's, then the same with 16-row inner steps (the
     smallest score tiles), keeping the column split."""
-    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    dmax = max(spec.head_dim, spec.head_dim_v)
-    first = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    first = _table_backward_tiles(spec, atomic_dq)
     narrow = replace(first, dkdv_block_m=16, dq_block_n=16)
     return [first] if narrow == first else [first, narrow]

@@ -171,6 +171,7 @@ def classifier_source(
         *(f"    (void)p_{p.name};" for p in spec.scalar_params),
         "    const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);",
         "    const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);",
+        "    (void)q_r; (void)kv_r;",
     ]
     keep = em.emit(spec.mask)
     return "\n".join([*head, *em.lines, f"    return fg::iv::tile_class({keep});", "}", ""])
