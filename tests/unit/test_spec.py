@@ -41,10 +41,12 @@ def at(e: SpecError) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- shipped specs
-def test_all_seven_specs_ship():
+def test_all_nine_specs_ship():
     names = {p.stem for p in SPECS}
     assert names == {
         "causal_d128",
+        "chunked_local",
+        "prefix_lm",
         "llama3_gqa",
         "gpt2_d64",
         "bidir_d256",
