@@ -214,3 +214,40 @@ def test_block_searches_find_every_live_block(tmp_path, requires_nvcc):
         if c is not None:
             assert gc == c, f"{line}: class {gc}, want {c}"
     assert TileClass.EMPTY == 0 and TileClass.PARTIAL == 1 and TileClass.FULL == 2
+
+
+def _scoring_branches(src: str, open_marker: str) -> tuple[str, str]:
+    """(masked, unmasked) scoring loops of a kernel: the text of ``if (<open_marker>...) {``
+    up to ``} else {``, and from there to the closing brace at the same indentation."""
+    start = src.index(open_marker)
+    line_start = src.rindex("\n", 0, start) + 1
+    indent = src[line_start:start]
+    els = src.index(f"\n{indent}}} else {{", start)
+    end = src.index(f"\n{indent}}}\n", els + 1)
+    return src[start:els], src[els:end]
+
+
+def test_kernels_skip_empty_tiles_and_leave_full_ones_unmasked():
+    """The rendered kernels search live blocks with the spec's classifier and have a scoring
+    path with no mask; causal has no separate skipping left (kv_end, m_first)."""
+    from flashgen.lower import plan_backward, plan_forward
+    from flashgen.render import render
+
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    window = "p_window"
+    fwd = render(plan_forward(spec, "sm_80"))
+    assert fwd.count(f"int {masktiles.FUNCTION}(") == 1
+    assert "fg::iv::prev_live(" in fwd and "kv_end" not in fwd
+    masked, unmasked = _scoring_branches(fwd, "if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k)")
+    assert window in masked and "keep" in masked
+    assert window not in unmasked and "keep" not in unmasked and "-INFINITY" not in unmasked
+
+    bwd = render(plan_backward(spec, "sm_80").unit)
+    assert bwd.count("fg::iv::next_live(") == 3 and "m_first" not in bwd and "kv_end" not in bwd
+    for marker in ("n0 + KV_N > seqlen_k) {", "n0 + DQ_N > seqlen_k) {"):
+        masked, unmasked = _scoring_branches(bwd, "if (cls != fg::iv::FULL || " + marker)
+        assert window in masked
+        assert window not in unmasked and "constexpr bool keep = true;" in unmasked
+
+    atomic = render(plan_backward(spec, "sm_80", atomic_dq=True).unit)
+    assert "m_first" in atomic and "fg::iv::prev_live(" in atomic  # the hull of live blocks
