@@ -2,8 +2,8 @@
 // calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
 // Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
-// Also: searches for the next / previous non-empty block along one axis, with galloping over
-// aligned power-of-two block ranges (a range classified EMPTY is skipped at once).
+// Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
+// ranges (EMPTY runs are skipped and FULL runs taken in O(log n) range checks).
 #include <math.h>
 
 #define FG_HD __host__ __device__ __forceinline__
@@ -46,6 +46,11 @@ FG_HD double trunc_div(double x, double y) {
 }
 FG_HD R div(R a, R b, bool is_int) {
     if (b.lo <= 0 && 0 <= b.hi) return any();
+    if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
+        const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
+        const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        return b.lo > 0 ? R{lo, hi} : R{hi, lo};
+    }
     if (is_int)
         return corners(trunc_div(a.lo, b.lo), trunc_div(a.lo, b.hi), trunc_div(a.hi, b.lo), trunc_div(a.hi, b.hi));
     return corners(a.lo / b.lo, a.lo / b.hi, a.hi / b.lo, a.hi / b.hi);
@@ -54,10 +59,15 @@ FG_HD R div(R a, R b, bool is_int) {
 FG_HD R mod(R a, R b, bool is_int) {
     if (b.lo != b.hi || b.lo == 0 || isinf(b.lo)) return any();
     const double c = fabs(b.lo);
-    if (is_int && a.lo >= 0 && !isinf(a.hi) && floor(a.lo / c) == floor(a.hi / c))
-        return {fmod(a.lo, c), fmod(a.hi, c)};
-    if (is_int && a.hi <= 0 && !isinf(a.lo) && floor(-a.hi / c) == floor(-a.lo / c))
-        return {-fmod(-a.lo, c), -fmod(-a.hi, c)};
+    // (integer-valued doubles: x - c * floor(x / c) is x % c for x >= 0, and exact)
+    if (is_int && a.lo >= 0 && !isinf(a.hi)) {
+        const double ql = floor(a.lo / c), qh = floor(a.hi / c);
+        if (ql == qh) return {a.lo - c * ql, a.hi - c * qh};
+    }
+    if (is_int && a.hi <= 0 && !isinf(a.lo)) {
+        const double ql = floor(-a.lo / c), qh = floor(-a.hi / c);
+        if (ql == qh) return {-(-a.lo - c * ql), -(-a.hi - c * qh)};
+    }
     const double edge = is_int ? c - 1 : c;
     return {a.lo >= 0 ? 0.0 : -edge, a.hi <= 0 ? 0.0 : edge};
 }
@@ -103,22 +113,55 @@ FG_HD R log_(R a) {
 FG_HD R sqrt_(R a) { return a.lo < 0 ? any() : R{sqrt(a.lo), sqrt(a.hi)}; }
 FG_HD R tanh_(R a) { return {tanh(a.lo), tanh(a.hi)}; }
 
+// x, through an empty volatile asm on the device: the compiler cannot hoist what depends on it out of a loop.
+FG_HD int opaque(int x) {
+#ifdef __CUDA_ARCH__
+    int r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+#else
+    return x;
+#endif
+}
+
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
-// Smallest block i in [j, n) that is not EMPTY, or n; `cls` gets its class.  tile(i0, i1) classifies
-// blocks i0..i1 (inclusive) as one range.  One call per block where blocks are contiguous; a run of
-// EMPTY blocks is crossed in O(log) range checks (aligned power-of-two ranges, halved where the range
-// is not EMPTY).  Correct for any mask: a range is only skipped when it is classified EMPTY.
+// Smallest power of two >= n (n >= 1).
+FG_HD int ceil_pow2(int n) {
+    int s = 1;
+    while (s < n) s <<= 1;
+    return s;
+}
+
+// Block searches along one axis.  tile(i0, i1) classifies blocks i0..i1 (inclusive) as one range.  A live
+// block costs one single-block check; a FULL one also tries the aligned power-of-two ranges beyond it,
+// halving, and the largest FULL one is remembered in `full`: its blocks cost nothing; an EMPTY one starts a
+// crossing of the EMPTY run by aligned ranges, skipped when EMPTY and halved otherwise.  So a run of n EMPTY
+// or FULL blocks costs O(log n) range checks, a PARTIAL block one.  Correct for any mask: a range is only
+// skipped when EMPTY and only taken as FULL when FULL.  Successive calls of one walk must move one way
+// (`full` is valid between the last block returned and the end of its run); start `full` at -1
+// (next_live) / INT_MAX (prev_live), and again for a new walk.
+
+// Smallest block i in [j, n) that is not EMPTY, or n; `cls` gets its class.
 template <class Tile>
-FG_HD int next_live(int j, int n, int& cls, Tile&& tile) {
+FG_HD int next_live(int j, int n, int& cls, int& full, Tile&& tile) {
     if (j >= n) return n;
+    if (j <= full) { cls = FULL; return j; }
     cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range starting at j
+        for (int s = j ? (j & -j) : ceil_pow2(n); s > 1; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            if (e > j && tile(j, e) == FULL) { full = e; break; }
+        }
+    }
     if (cls != EMPTY) return j;
-    for (++j; j < n;) {
+    for (++j; j < n;) {  // cross the EMPTY run
         for (int s = j & -j;; s >>= 1) {
-            const int c = tile(j, (j + s < n ? j + s : n) - 1);
+            const int e = (j + s < n ? j + s : n) - 1;
+            const int c = tile(j, e);
             if (c == EMPTY) { j += s; break; }
-            if (c == FULL || s == 1) { cls = c; return j; }
+            if (c == FULL) { full = e; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
         }
     }
     return n;
@@ -126,15 +169,21 @@ FG_HD int next_live(int j, int n, int& cls, Tile&& tile) {
 
 // Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.  Mirror of next_live.
 template <class Tile>
-FG_HD int prev_live(int j, int& cls, Tile&& tile) {
+FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
     if (j < 0) return -1;
+    if (j >= full) { cls = FULL; return j; }
     cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range ending at j
+        for (int s = (j + 1) & -(j + 1); s > 1; s >>= 1)
+            if (tile(j + 1 - s, j) == FULL) { full = j + 1 - s; break; }
+    }
     if (cls != EMPTY) return j;
-    for (--j; j >= 0;) {
+    for (--j; j >= 0;) {  // cross the EMPTY run
         for (int s = (j + 1) & -(j + 1);; s >>= 1) {
             const int c = tile(j + 1 - s, j);
             if (c == EMPTY) { j -= s; break; }
-            if (c == FULL || s == 1) { cls = c; return j; }
+            if (c == FULL) { full = j + 1 - s; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
         }
     }
     return -1;
