@@ -4,7 +4,9 @@
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
 // Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
 // ranges (EMPTY runs are skipped and FULL runs taken in O(log n) range checks).
+#ifndef __CUDACC_RTC__
 #include <math.h>
+#endif
 
 #define FG_HD __host__ __device__ __forceinline__
 
