@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from . import ir
+from . import ir, masktiles
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 
 #: CUDA element type per spec dtype.
@@ -111,9 +111,11 @@ def hopper_tiles(spec: Spec) -> TileConfig:
         spec.head_dim
     ]
 #: Hopper kernel: K/V ring depth and the registers per thread given to the producer and
-#: to the consumer warpgroups by ``setmaxnreg`` (128 * (24 + 2 * 240) <= 64K).
+#: to the consumer warpgroups by ``setmaxnreg`` (128 * (56 + 2 * 224) <= 64K).  The
+#: producer walks the live key blocks with the mask's tile classifier (double-precision
+#: interval math, divisions for chunked masks): 24 registers spill there, 56 do not.
 HOPPER_STAGES = 2
-HOPPER_REGS = (24, 240)
+HOPPER_REGS = (56, 224)
 #: Shared memory a CTA may use on sm_90 (227 KiB).
 HOPPER_SMEM_LIMIT = 232448
 
@@ -527,6 +529,9 @@ def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
         "varlen": spec.varlen,
         "args": kernel_args(spec),
         "block_table": needs_block_table(spec),
+        # block sparsity: the mask's tile classifier and its arguments after the tile bounds
+        "tile_classifier": masktiles.classifier_source(spec),
+        "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
@@ -564,7 +569,7 @@ def plan_hopper_forward(
     d = spec.head_dim
     consumers = tiles.num_warps // 4 - 1
     tile_bytes = (tiles.block_m + 2 * stages * tiles.block_n) * d * 2
-    smem = 1024 + tile_bytes + 8 * (1 + 4 * stages)  # 1 KiB alignment slack, mbarriers
+    smem = 1024 + tile_bytes + 8 * (1 + 5 * stages)  # 1 KiB alignment slack, mbarriers, stage info
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(spec, target, tiles)
@@ -877,9 +882,7 @@ def plan_backward(
     from .derive import d_dscore
 
     fwd = plan_forward(spec, target)  # validates target and dtype
-    dmax = max(spec.head_dim, spec.head_dim_v)
-    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    t = tiles or table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    t = tiles or _table_backward_tiles(spec, atomic_dq)
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
     dims = _dim_args(spec)
@@ -1011,11 +1014,25 @@ def forward_tile_candidates(
     return [first, *(t for t in dict.fromkeys(rest) if t != first)]
 
 
+def _table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
+    """The tables' backward tiles for ``spec``.  On the atomic path, an elementwise mask
+    beyond causal at head_dim 128 takes 16-row inner steps in dkdv (same key block, so the
+    same number of atomics): its registers are gone at 32 rows (prefix_lm spills 76 bytes
+    on sm_90a there); a mask that reads tensors (document masking) splits the dK/dV
+    columns over two CTAs instead (one CTA spills 8-40 bytes at any step width)."""
+    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
+    dmax = max(spec.head_dim, spec.head_dim_v)
+    t = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    if atomic_dq and dmax == 128 and split_causal(spec.mask)[1] is not None:
+        t = replace(t, dkdv_block_m=min(t.dkdv_block_m, 16))
+        if needs_block_table(spec):  # tensor reads in the mask: dK/dV columns over 2 CTAs
+            t = replace(t, dkdv_block_n=64, dkdv_warps=4, dkdv_block_m=32, dkdv_dsplit=2)
+    return t
+
+
 def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
     """Backward tiles to try: the table's, then the same with 16-row inner steps (the
     smallest score tiles), keeping the column split."""
-    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    dmax = max(spec.head_dim, spec.head_dim_v)
-    first = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    first = _table_backward_tiles(spec, atomic_dq)
     narrow = replace(first, dkdv_block_m=16, dq_block_n=16)
     return [first] if narrow == first else [first, narrow]

@@ -41,11 +41,12 @@ def at(e: SpecError) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- shipped specs
-def test_all_seven_specs_ship():
-    """The original seven, and the tensor-param specs of issue 6 (other branches add more)."""
+def test_all_eleven_specs_ship():
     names = {p.stem for p in SPECS}
     assert names >= {
         "causal_d128",
+        "chunked_local",
+        "prefix_lm",
         "llama3_gqa",
         "gpt2_d64",
         "bidir_d256",
