@@ -44,6 +44,7 @@ import threading
 import torch
 
 from .ir import Spec
+from .lower import needs_block_table
 
 #: Environment variable that enables the atomic-dQ kernels (value ``1``).
 ATOMIC_DQ_ENV = "FLASHGEN_ATOMIC_DQ"
@@ -199,6 +200,9 @@ class Backward:
         """Save what the backward needs; ``keyword_only_inputs`` carries the forward's
         ``deterministic`` flag (torch passes it because the schema has a kwarg-only arg)."""
         q, k, v, softmax_scale, *rest = inputs
+        ctx.block_mask_input = needs_block_table(self.spec)  # last input; no gradient
+        if ctx.block_mask_input:
+            rest = rest[:-1]
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
         for p, t in zip(self.spec.tensor_params, tensors, strict=True):
@@ -232,7 +236,8 @@ class Backward:
             *ctx.scalars,
             *tensors,
         )
-        return (dq, dk, dv, None, *([None] * (len(ctx.scalars) + len(tensors))))
+        extra = len(ctx.scalars) + len(tensors) + int(ctx.block_mask_input)
+        return (dq, dk, dv, None, *([None] * extra))
 
     def register(self, lib) -> None:
         """Define the backward op on ``lib`` and attach autograd to the forward op."""

@@ -64,6 +64,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "v",
         "softmax_scale",
         "deterministic",
+        "block_mask",
         "out",
         "lse",
         "batch",
@@ -219,6 +220,13 @@ class _Checker:
                         f"{key}.shape.{i}",
                         f"bad shape entry '{d}' of param '{p.name}'{hint}: expected a positive "
                         f"integer or one of {', '.join(ir.SHAPE_SYMBOLS)}",
+                    )
+                if self.spec.varlen and d in ("seqlen_q", "seqlen_k"):
+                    raise self.fail(
+                        f"{key}.shape.{i}",
+                        f"shape entry '{d}' of param '{p.name}' is not allowed in a varlen spec: "
+                        "each packed sequence has its own length; declare a fixed size (an "
+                        "integer) or use batch, num_heads or num_heads_kv",
                     )
         else:
             raise self.fail(key, f"param '{p.name}' has unknown kind '{p.kind}'")

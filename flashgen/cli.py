@@ -127,6 +127,8 @@ def format_spec(spec: ir.Spec) -> str:
         lines.append(
             f"  tiles          block_m={t.block_m} block_n={t.block_n} num_warps={t.num_warps}"
         )
+    if spec.varlen:
+        lines.append("  varlen         true (packed sequences: cu_seqlens_q/k, max_seqlen_q/k)")
     if spec.description:
         lines.append(f"  description    {spec.description}")
     return "\n".join(lines)
@@ -365,13 +367,11 @@ def _cuda_available() -> bool:
 def random_inputs(
     spec: ir.Spec, b: int, hq: int, hkv: int, sq: int, sk: int, device, generator=None
 ) -> tuple:
-    """Random q, k, v (spec dtype, ``torch.randn``) and tensor params for one problem.
-
-    Float tensor params are uniform in [0, 1); int ones uniform in [0, 16).
-    """
+    """Random q, k, v (spec dtype, ``torch.randn``) and tensor params for one problem
+    (see :func:`random_tensor_params`)."""
     import torch
 
-    from .op import PARAM_DTYPE, TORCH_DTYPE
+    from .op import TORCH_DTYPE
 
     dt = TORCH_DTYPE[spec.dtype]
 
@@ -382,16 +382,33 @@ def random_inputs(
     k = randn(b, hkv, sk, spec.head_dim)
     v = randn(b, hkv, sk, spec.head_dim_v)
     sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
+    return q, k, v, random_tensor_params(spec, sym, device, generator)
+
+
+def random_tensor_params(spec: ir.Spec, sizes: dict, device, generator=None) -> dict:
+    """Random values of ``spec``'s tensor params, shaped by ``sizes`` (shape symbol -> int).
+
+    Float params are uniform in [0, 1).  Int params whose last axis is ``seqlen_q`` or
+    ``seqlen_k`` are document ids: uniform in [0, 4), sorted along that axis (packed
+    documents, so a block table has EMPTY, FULL and PARTIAL tiles); other int params are
+    uniform in [0, 16).
+    """
+    import torch
+
+    from .op import PARAM_DTYPE
+
     params = {}
     for p in spec.tensor_params:
-        shape = [d if isinstance(d, int) else sym[d] for d in p.shape]
+        shape = [d if isinstance(d, int) else sizes[d] for d in p.shape]
         if p.ty == ir.Ty.F32:
             params[p.name] = torch.rand(shape, device=device, generator=generator)
-        else:
-            params[p.name] = torch.randint(
-                0, 16, shape, device=device, generator=generator, dtype=PARAM_DTYPE[p.ty]
-            )
-    return q, k, v, params
+            continue
+        doc = p.shape[-1] in ("seqlen_q", "seqlen_k")
+        t = torch.randint(
+            0, 4 if doc else 16, shape, device=device, generator=generator, dtype=PARAM_DTYPE[p.ty]
+        )
+        params[p.name] = t.sort(dim=-1).values if doc else t
+    return params
 
 
 def error_bound(spec: ir.Spec, q, k, v, params: dict) -> tuple:
@@ -418,6 +435,27 @@ def _verify_safely(spec: ir.Spec) -> dict:
         return {"spec": spec.name, "ok": False, "cases": [], "error": f"{type(e).__name__}: {e}"}
 
 
+def call_padded(op, q, k, v, params):
+    """``op.attention(q, k, v, **params)`` on padded ``[B, H, S, D]`` inputs; a varlen op
+    gets them packed as B sequences of equal length, and its o, lse come back in the
+    padded layout (``[B, Hq, Sq, Dv]``, ``[B, Hq, Sq]``)."""
+    if not op.spec.varlen:
+        return op.attention(q, k, v, **params)
+    import torch
+
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+
+    def pack(t):
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+    def cu(s):
+        return torch.arange(b + 1, dtype=torch.int32, device=q.device) * s
+
+    o, lse = op.attention(pack(q), pack(k), pack(v), cu(sq), cu(sk), sq, sk, **params)
+    return o.view(b, sq, hq, -1).transpose(1, 2), lse.view(hq, b, sq).transpose(0, 1)
+
+
 def verify_spec(spec: ir.Spec) -> dict:
     """Check the CUDA op against the fp64 reference and time it (needs a CUDA GPU)."""
     import torch
@@ -430,17 +468,18 @@ def verify_spec(spec: ir.Spec) -> dict:
     cases = []
     for sq, sk in ((257, 257), (100, 257)):
         q, k, v, params = random_inputs(spec, 2, 4, 2, sq, sk, dev, gen)
-        o, lse = op.attention(q, k, v, **params)
+        o, lse = call_padded(op, q, k, v, params)
         ref_o, ref_lse, bound = error_bound(spec, q, k, v, params)
         e = (o.double() - ref_o).abs().max().item()
         ok = math.isfinite(e) and e <= bound
         cases.append({"case": f"B=2 H=4/2 Sq={sq} Sk={sk}", "max_err": e, "bound": bound, "ok": ok})
     s = 8192 if max(spec.head_dim, spec.head_dim_v) > 128 else 16384
     q, k, v, params = random_inputs(spec, 1, 16, 16, s, s, dev, gen)
-    ms = _bench(lambda: op.attention(q, k, v, **params))
+    ms = _bench(lambda: call_padded(op, q, k, v, params))
     from .lower import split_causal
 
-    flops = 4 * s * s * 16 * spec.head_dim * (0.5 if split_causal(spec.mask)[0] else 1.0)
+    d_sum = spec.head_dim + spec.head_dim_v  # Q K^T costs 2·S²·D, P V costs 2·S²·Dv
+    flops = 2 * s * s * 16 * d_sum * (0.5 if split_causal(spec.mask)[0] else 1.0)
     return {
         "spec": spec.name,
         "ok": all(c["ok"] for c in cases),

@@ -63,7 +63,7 @@ SHAPE_SYMBOLS = ("batch", "num_heads", "num_heads_kv", "seqlen_q", "seqlen_k")
 
 DTYPES = ("fp16", "bf16", "fp8_e4m3")
 TARGETS = ("sm_80", "sm_90")
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 
 
 # ----------------------------------------------------------------------------- expressions
@@ -176,6 +176,8 @@ class Spec:
     ``mask`` and ``score_mod`` are typed expression trees (``None`` when absent);
     ``softmax_scale`` is ``None`` for ``auto`` (1/sqrt(head_dim)).
     ``source`` is the spec file's text, hashed into cache keys.
+    ``varlen``: the op takes packed q/k/v ``[total, H, D]`` with ``cu_seqlens_q/k`` and
+    ``max_seqlen_q/k`` (see :mod:`flashgen.varlen`); index variables are per sequence.
     """
 
     name: str
@@ -189,6 +191,7 @@ class Spec:
     softmax_scale: float | None = None
     tiles: TileOverride = TileOverride()
     description: str = ""
+    varlen: bool = False  # packed sequences with cu_seqlens (FlashAttention's varlen interface)
     path: str = "<string>"
     source: str = field(default="", compare=False)
 

@@ -15,6 +15,19 @@ Kernel ABI (every forward kernel, every target), in this order:
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
+    blk_tab blk_sb blk_sh   only when the mask reads a tensor param   const unsigned char*,
+              int64_t, int64_t: the per-tile class table of :func:`plan_block_table`
+              (uint8 [tab_b, tab_h, ceil(seqlen_q/BLOCK_M), ceil(seqlen_k/BLOCK_N)],
+              0 = EMPTY, 1 = PARTIAL, 2 = FULL) and its batch / head strides (0 when
+              the mask does not depend on b / h)
+
+varlen specs (``spec.varlen``) differ: ``cu_seqlens_q, cu_seqlens_k`` (const int*,
+[batch + 1]) follow the strides, and the sizes are ``batch heads_q heads_kv
+max_seqlen_q max_seqlen_k total_q``.  q/k/v/o are packed [total, heads, d], passed with
+``x_sb = 0``, ``x_sh`` = the head stride and ``x_ss`` = the token stride (the kernel
+adds the sequence's start row times ``x_ss`` itself); lse is contiguous [heads_q, total_q].  The
+backward's pre and convert kernels keep the plain ABI (called with batch 1 and
+seqlen_q = total_q over the packed tensors).
 
 ``KernelPlan.args`` lists these as (name, ctype) pairs, so a launcher only maps
 names to values.
@@ -25,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from . import ir
+from . import ir, masktiles
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 
 #: CUDA element type per spec dtype.
@@ -54,21 +67,37 @@ class TileConfig:
         return 32 * self.num_warps
 
 
-#: Default tile table for the FA2-class kernel: (head_dim, has a score_mod or a mask beyond
-#: causal) -> tiles (see :func:`default_tiles`).  Picked from sweeps on the H200 (bf16,
-#: seqlen 16k; see docs/perf-notes.md); every entry compiles with zero spills for the specs
-#: it serves.  A score_mod or a residual mask needs registers for its per-element math, so
-#: it halves BLOCK_N at head_dims 128 (alibi and mistral_swa spill 80-232 bytes at 128x64)
-#: and 256.  To adopt a ``tools/perf_sweep.py`` winner, edit its entry here (and, for
-#: template switches, :data:`FORWARD_OPTIONS`).  ``flashgen tune`` measures per GPU, dtype
-#: and causal and writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers
-#: when it has a key.
+#: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles (see
+#: :func:`default_tiles`, which also consults :data:`MASK_TILES` and :data:`VARLEN_TILES`).
+#: Picked from sweeps on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every entry
+#: compiles with zero spills for the specs it serves.  A score_mod needs registers for its
+#: math, so it halves BLOCK_N at head_dims 128 (alibi spills at 128x64) and 256.  To adopt
+#: a ``tools/perf_sweep.py`` winner, edit its entry here (and, for template switches,
+#: :data:`FORWARD_OPTIONS`).  ``flashgen tune`` measures per GPU, dtype and causal and
+#: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
+#: head_dim 32, 96, 160 and 192 (keyed, like every entry, by max(head_dim, head_dim_v)) are
+#: not measured on a GPU yet: chosen by ptxas register counts (tools/tile_spills.py), two
+#: 16-row mma tiles per warp where they fit without spills (32, 96), else the D=256 shape.
+#: A score_mod at 96 takes BLOCK_N 32 (ALiBi reaches 255 registers at 128x64).
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
+    (32, False): TileConfig(128, 64, 4),
     (64, False): TileConfig(128, 64, 4),
+    (96, False): TileConfig(128, 64, 4),
+    (96, True): TileConfig(128, 32, 4),
     (128, False): TileConfig(128, 64, 4),
     (128, True): TileConfig(128, 32, 4),
+    (160, False): TileConfig(64, 64, 4),
+    (192, False): TileConfig(64, 64, 4),
     (256, False): TileConfig(64, 64, 4),
     (256, True): TileConfig(64, 32, 4),
+}
+#: head_dim -> tiles for a mask beyond causal without a score_mod, where the
+#: (head_dim, False) entry has no registers left for the mask's per-element math
+#: (mistral_swa spills 80-232 bytes at d128's 128x64x4).
+MASK_TILES: dict[int, TileConfig] = {128: TileConfig(128, 32, 4)}
+#: Varlen specs' entries that differ from :data:`DEFAULT_TILES` (see :func:`default_tiles`).
+VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
+    (128, False): TileConfig(128, 32, 4),
 }
 
 
@@ -90,6 +119,69 @@ FORWARD_OPTIONS: dict[str, bool] = {
 }
 
 
+#: Tiles of the Hopper kernel (``templates/sm_90/fwd.cu.j2``): BLOCK_M = 128 query rows
+#: (two consumer warpgroups of 64) x BLOCK_N, 12 warps (one producer warpgroup).  The
+#: shared-memory budget (Q + a two-stage K/V ring) and the consumers' 240 registers
+#: (a 64 x HEAD_DIM fp32 O accumulator, S, and P as 16-bit fragments) bound BLOCK_N.
+#: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
+#: wider steps amortize each step's barrier waits and row reductions.
+#: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spills
+#: for a bias-table score_mod); keys without a ``True`` entry use the plain one.
+HOPPER_TILES: dict[int | tuple[int, bool], TileConfig] = {
+    64: TileConfig(128, 192, 12),
+    128: TileConfig(128, 160, 12),
+    256: TileConfig(128, 80, 12),
+    (64, True): TileConfig(128, 96, 12),
+}
+
+
+def hopper_tiles(spec: Spec) -> TileConfig:
+    """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod)."""
+    return (
+        HOPPER_TILES.get((spec.head_dim, spec.score_mod is not None)) or HOPPER_TILES[spec.head_dim]
+    )
+
+
+#: Hopper kernel: K/V ring depth and the registers per thread given to the producer and
+#: to the consumer warpgroups by ``setmaxnreg`` (128 * (56 + 2 * 224) <= 64K).  The
+#: producer walks the live key blocks with the mask's tile classifier (double-precision
+#: interval math, divisions for chunked masks): 24 registers spill there, 56 do not.
+HOPPER_STAGES = 2
+HOPPER_REGS = (56, 224)
+#: Shared memory a CTA may use on sm_90 (227 KiB).
+HOPPER_SMEM_LIMIT = 232448
+
+
+def is_hopper_tiles(tiles: TileConfig) -> bool:
+    """True for a warp-specialized Hopper tile config (a producer warpgroup plus consumer
+    warpgroups of 64 query rows each)."""
+    return tiles.num_warps % 4 == 0 and tiles.block_m == 64 * (tiles.num_warps // 4 - 1)
+
+
+#: Kernel families: "fa3" is the Hopper kernel where :func:`hopper_eligible`, else the
+#: FA2-class one ("auto" means the same); "fa2" is always the FA2-class kernel.
+FAMILIES = ("auto", "fa3", "fa2")
+
+
+def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+    """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
+    head_dim_v in :data:`HOPPER_TILES`, not varlen, a mask that reads no tensor (those use
+    the FA2-class kernel's block table), no FA2-style ``tiles:`` pinned by the spec, and
+    ``family`` not ``"fa2"``."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    o = spec.tiles
+    return (
+        family != "fa2"
+        and not spec.varlen
+        and not needs_block_table(spec)
+        and target == "sm_90"
+        and spec.head_dim == spec.head_dim_v
+        and spec.head_dim in HOPPER_TILES
+        and not (o.block_m or o.block_n or o.num_warps)
+    )
+
+
 @dataclass(frozen=True)
 class KernelArg:
     name: str
@@ -98,6 +190,16 @@ class KernelArg:
     @property
     def is_pointer(self) -> bool:
         return self.ctype.endswith("*")
+
+
+@dataclass(frozen=True)
+class TmaArg:
+    """A ``CUtensorMap`` kernel argument ``name`` mapping tensor argument ``tensor``
+    (``[B, H, S, D]``) in boxes of 64 columns x ``box_rows`` rows (see :mod:`flashgen.tma`)."""
+
+    name: str
+    tensor: str
+    box_rows: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +214,8 @@ class KernelPlan:
     smem_bytes: int  # dynamic shared memory per CTA
     args: tuple[KernelArg, ...]
     context: dict = field(compare=False, hash=False)
+    #: CUtensorMap arguments (Hopper kernels): built at launch from the named tensors.
+    tma: tuple[TmaArg, ...] = ()
 
     @property
     def threads(self) -> int:
@@ -148,6 +252,7 @@ class KernelPlan:
             "causal": self.context["causal"],
             "has_mask": self.context["mask_expr"] is not None,
             "has_score_mod": self.context["score_mod_expr"] is not None,
+            "block_table": self.context["block_table"],
         }
 
 
@@ -279,15 +384,26 @@ def _uses(e: Expr | None, names: set[str]) -> bool:
 
 # ----------------------------------------------------------------------------- plan
 def default_tiles(spec: Spec) -> TileConfig:
-    """``spec``'s :data:`DEFAULT_TILES` entry: key (head_dim, has elementwise DSL code),
-    where a score_mod or a mask beyond plain causal counts (both need registers for their
-    per-element math); falls back to the (head_dim, False) entry."""
+    """``spec``'s default tiles for the FA2-class kernel: the :data:`DEFAULT_TILES` entry for
+    (head_dim, has score_mod), falling back to (head_dim, False); without a score_mod, a
+    mask beyond plain causal takes :data:`MASK_TILES` where it has the head_dim.
+
+    Varlen specs take :data:`VARLEN_TILES` first (no mask rule): the tiles they had before
+    128x64x4 became the d128 default (their per-sequence offsets take the registers that
+    128x64x4 needs: causal_d128's varlen form spills 40 bytes there)."""
     d = max(spec.head_dim, spec.head_dim_v)
-    extra = spec.score_mod is not None or split_causal(spec.mask)[1] is not None
-    return DEFAULT_TILES.get((d, extra)) or DEFAULT_TILES[(d, False)]
+    key = (d, spec.score_mod is not None)
+    if spec.varlen and key in VARLEN_TILES:
+        return VARLEN_TILES[key]
+    if not spec.varlen and not key[1] and d in MASK_TILES:
+        if split_causal(spec.mask)[1] is not None:
+            return MASK_TILES[d]
+    return DEFAULT_TILES.get(key) or DEFAULT_TILES[(d, False)]
 
 
-def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
+def choose_tiles(
+    spec: Spec, target: str, gpu: str | None = None, family: str = "auto"
+) -> TileConfig:
     """Tile config of ``spec``'s forward kernel for ``target``.
 
     Precedence: the spec's ``tiles:`` fields, then the tuning table entry measured on
@@ -300,10 +416,52 @@ def choose_tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
     d = max(spec.head_dim, spec.head_dim_v)
     has_mod = spec.score_mod is not None
     tuned = lookup(gpu, target, d, spec.dtype, split_causal(spec.mask)[0], has_mod)
+    if hopper_eligible(spec, target, family):
+        if tuned is not None and is_hopper_tiles(TileConfig(*tuned)):
+            return TileConfig(*tuned)
+        return hopper_tiles(spec)
     base = TileConfig(*tuned) if tuned is not None else default_tiles(spec)
     o = spec.tiles
     return TileConfig(
         o.block_m or base.block_m, o.block_n or base.block_n, o.num_warps or base.num_warps
+    )
+
+
+def _dim_args(spec: Spec) -> list[KernelArg]:
+    """The problem-size arguments: per-batch lengths, or for varlen the grid's maxima and
+    the packed query count (lse and dsum are ``[heads_q, total_q]`` there)."""
+    if spec.varlen:
+        names = ("batch", "heads_q", "heads_kv", "max_seqlen_q", "max_seqlen_k", "total_q")
+    else:
+        names = ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")
+    return [KernelArg(n, "int") for n in names]
+
+
+def _varlen_args(spec: Spec) -> list[KernelArg]:
+    """``cu_seqlens_q``, ``cu_seqlens_k`` (int32 [batch + 1]) for a varlen spec, else none."""
+    if not spec.varlen:
+        return []
+    return [KernelArg("cu_seqlens_q", "const int*"), KernelArg("cu_seqlens_k", "const int*")]
+
+
+def needs_block_table(spec: Spec) -> bool:
+    """Whether ``spec``'s mask reads a tensor param (e.g. document masking
+    ``doc_q[q_idx] == doc_kv[kv_idx]``): its tiles cannot be classified from indices alone,
+    so a generated pre-pass (:func:`plan_block_table`) writes a per-tile class table that
+    the forward kernel reads to skip EMPTY tiles and drop the mask on FULL ones."""
+    return spec.mask is not None and any(isinstance(n, Index) for n in ir.walk(spec.mask))
+
+
+def block_table_dims(spec: Spec) -> tuple[bool, bool]:
+    """``(per_batch, per_head)``: whether the block table needs a batch / head axis
+    (the mask reads ``b`` / ``h``, directly or inside a tensor index); else that axis has
+    extent 1 and the kernel reads it with stride 0."""
+    return _uses_index_var(spec.mask, "b"), _uses_index_var(spec.mask, "h")
+
+
+def _uses_index_var(e: Expr | None, name: str) -> bool:
+    return e is not None and any(
+        isinstance(n, Var) and n.name == name and n.name in ir.INDEX_VARS for n in ir.walk(e)
     )
 
 
@@ -322,12 +480,19 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
             KernelArg(f"{x}_sh", "int64_t"),
             KernelArg(f"{x}_ss", "int64_t"),
         ]
-    args += [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args += _varlen_args(spec)
+    args += _dim_args(spec)
     args.append(KernelArg("softmax_scale", "float"))
     for p in spec.scalar_params:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
         args.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    if needs_block_table(spec):
+        args += [
+            KernelArg("blk_tab", "const unsigned char*"),
+            KernelArg("blk_sb", "int64_t"),
+            KernelArg("blk_sh", "int64_t"),
+        ]
     return tuple(args)
 
 
@@ -337,17 +502,22 @@ def plan_forward(
     gpu: str | None = None,
     tiles: TileConfig | None = None,
     options: dict[str, bool] | None = None,
+    family: str = "auto",
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
     ``gpu`` (the CUDA device name, optional) selects tuned tiles from the tuning table; see
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
     :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
-    :data:`FORWARD_OPTIONS` (template code-generation switches; unknown keys raise
-    ``ValueError``).
+    :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
+    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them).
 
-    Both targets currently render the FA2-class template (``templates/sm_80/fwd.cu.j2``,
-    Dao 2023, Algorithm 1); ``sm_90`` compiles it for ``sm_90a``.
+    ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
+    Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
+    TMA + wgmma + warp specialization, Shah et al. 2024) for the specs
+    :func:`hopper_eligible` accepts and whenever ``tiles`` are warp-specialized
+    (:func:`is_hopper_tiles`); otherwise (or with ``family="fa2"``) it compiles the
+    FA2-class template for ``sm_90a``.
 
     Raises ``ValueError`` for a target or dtype this version cannot lower.
     """
@@ -355,22 +525,58 @@ def plan_forward(
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
-    tiles = tiles or choose_tiles(spec, target, gpu)
     opts = dict(FORWARD_OPTIONS)
     for key, value in (options or {}).items():
         if key not in opts:
             raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")
         opts[key] = bool(value)
+    if spec.varlen and needs_block_table(spec):
+        raise ValueError(
+            "a varlen spec's mask cannot read tensor params (the block table is per padded "
+            "batch); varlen already separates the sequences"
+        )
+    tiles = tiles or choose_tiles(spec, target, gpu, family)
+    if is_hopper_tiles(tiles):
+        return plan_hopper_forward(spec, target, tiles)
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
     if tiles.block_n % 16:
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16")
     elt = 2
-    smem = (tiles.block_m * d + tiles.block_n * d + tiles.block_n * dv) * elt
+    # sQ (also stages the [BLOCK_M x Dv] output, so max(d, dv) wide), sK, sV: the kernel's
+    # SQ_BYTES + SK_BYTES + BLOCK_N * Dv * 2
+    smem = (tiles.block_m * max(d, dv) + tiles.block_n * d + tiles.block_n * dv) * elt
+    ctx = _forward_context(spec, target, tiles)
+    ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
+    residual = split_causal(spec.mask)[1]
+    ctx.update(
+        opts,
+        fold_scale=opts["fwd_fold_scale"] and spec.score_mod is None,
+        # Unrolled tile loads as a pointer chain (else base + it * step offsets): chosen by
+        # ptxas register counts, the chain keeps specs with per-element DSL math (score_mod,
+        # residual mask) spill-free and the offsets keep plain d128 at 128x64 spill-free.
+        load_chain=spec.score_mod is not None or residual is not None,
+    )
+    return KernelPlan(
+        spec_name=spec.name,
+        target=target,
+        template="sm_80/fwd.cu.j2",
+        kernel_name=ctx["kernel_name"],
+        tiles=tiles,
+        smem_bytes=smem,
+        args=ctx["args"],
+        context=ctx,
+    )
+
+
+def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
+    """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
+    residual mask and score_mod as CUDA expressions, the ABI argument list."""
+    d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
-    ctx = {
+    return {
         "spec_name": spec.name,
         "kernel_name": f"flashgen_{spec.name}_fwd_{target}",
         "dtype": spec.dtype,
@@ -384,26 +590,149 @@ def plan_forward(
         "causal": causal,
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec) if score_mod is not None else None,
-        **opts,
-        "fold_scale": opts["fwd_fold_scale"] and score_mod is None,
-        # Unrolled tile loads as a pointer chain (else base + it * step offsets): chosen by
-        # ptxas register counts, the chain keeps specs with per-element DSL math (score_mod,
-        # residual mask) spill-free and the offsets keep plain d128 at 128x64 spill-free.
-        "load_chain": score_mod is not None or residual is not None,
+        "varlen": spec.varlen,
         "args": kernel_args(spec),
+        "block_table": needs_block_table(spec),
+        # block sparsity: the mask's tile classifier and its arguments after the tile bounds
+        "tile_classifier": masktiles.classifier_source(spec),
+        "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "needs_bh": _uses(residual, {"b", "h"})
         or _uses(score_mod, {"b", "h"})
         or bool(spec.tensor_params),
     }
+
+
+def plan_hopper_forward(
+    spec: Spec,
+    target: str,
+    tiles: TileConfig,
+    *,
+    stages: int | None = None,
+    m_major: bool | None = None,
+) -> KernelPlan:
+    """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
+
+    Same ABI as the FA2-class kernel plus three ``CUtensorMap`` arguments (``tma_q``,
+    ``tma_k``, ``tma_v``) appended; :class:`TmaArg` tells the launcher how to build them.
+    ``stages``: K/V ring depth (default :data:`HOPPER_STAGES`).  ``m_major``: CTA order
+    query-block-major over all (batch, head) pairs, so every head's heaviest causal block
+    runs first; the default (False) is head-major (each head's query blocks together,
+    heaviest first for causal: best L2 reuse of K/V, and measured faster on the H200 for
+    causal and non-causal alike).
+    """
+    stages = stages or HOPPER_STAGES
+    if target != "sm_90":
+        raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
+    if not hopper_eligible(spec, target) and not spec.tiles.num_warps:
+        raise ValueError(
+            f"the Hopper kernel needs head_dim == head_dim_v in {sorted(HOPPER_TILES)}; "
+            f"got {spec.head_dim}/{spec.head_dim_v}"
+        )
+    if tiles.block_n % 16 or not 16 <= tiles.block_n <= 256:
+        raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16 in [16, 256]")
+    d = spec.head_dim
+    consumers = tiles.num_warps // 4 - 1
+    tile_bytes = (tiles.block_m + 2 * stages * tiles.block_n) * d * 2
+    smem = 1024 + tile_bytes + 8 * (1 + 5 * stages)  # 1 KiB alignment slack, mbarriers, stage info
+    if smem > HOPPER_SMEM_LIMIT:
+        raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
+    ctx = _forward_context(spec, target, tiles)
+    ctx["smem_bytes"] = smem
+    if m_major is None:
+        m_major = False
+    tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
+           TmaArg("tma_v", "v", tiles.block_n))  # fmt: skip
+    ctx["args"] = ctx["args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
+    ctx.update(
+        num_consumers=consumers,
+        stages=stages,
+        m_major=m_major,
+        producer_regs=HOPPER_REGS[0],
+        consumer_regs=HOPPER_REGS[1],
+        mma_t=spec.dtype.replace("fp", "f"),
+        wgmma_ns=sorted({tiles.block_n, d}),
+    )
     return KernelPlan(
         spec_name=spec.name,
         target=target,
-        template="sm_80/fwd.cu.j2",
+        template="sm_90/fwd.cu.j2",
         kernel_name=ctx["kernel_name"],
         tiles=tiles,
         smem_bytes=smem,
         args=ctx["args"],
         context=ctx,
+        tma=tma,
+    )
+
+
+#: Threads per CTA of the block-table pre-pass (one CTA per (slice, m block, n block) tile).
+BLOCK_TABLE_THREADS = 128
+
+
+def plan_block_table(spec: Spec, target: str, tiles: TileConfig) -> KernelPlan:
+    """Lower the block-table pre-pass of ``spec`` (a mask that reads tensor params).
+
+    The kernel (``templates/sm_80/blockmask.cu.j2``) evaluates the whole mask, causal
+    included, from the same IR as the forward kernel over every in-range (q_idx, kv_idx)
+    pair of each (BLOCK_M x BLOCK_N) tile of ``tiles`` (the forward kernel's), and writes
+    one byte per tile: 0 EMPTY (no pair kept), 2 FULL (every in-range pair kept),
+    1 PARTIAL.  This is FlexAttention's BlockMask idea (create_block_mask), built on the
+    GPU in O(tiles) memory.  One CTA per tile, a 1-D grid over
+    tab_b * tab_h * m_blocks * n_blocks (see :meth:`BlockTablePlan.grid`).
+
+    ABI: ``tab`` (unsigned char*, contiguous [tab_b, tab_h, m_blocks, n_blocks]);
+    ``batch heads_q heads_kv seqlen_q seqlen_k tab_b tab_h`` (int); then the scalar and
+    tensor params as in the forward ABI.  ``tab_b`` is ``batch`` when the mask reads ``b``
+    else 1 (the kernel then evaluates at b = 0); ``tab_h`` likewise for ``h``.
+    Raises ``ValueError`` when the mask reads no tensor param.
+    """
+    if not needs_block_table(spec):
+        raise ValueError(f"spec {spec.name!r}: the mask reads no tensor param; no block table")
+    if target not in GENCODE:
+        raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
+    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    args = (
+        KernelArg("tab", "unsigned char*"),
+        *dims,
+        KernelArg("tab_b", "int"),
+        KernelArg("tab_h", "int"),
+        *_param_args(spec),
+    )
+    per_b, per_h = block_table_dims(spec)
+    name = f"flashgen_{spec.name}_blockmask_{target}_{tiles.block_m}x{tiles.block_n}"
+    ctx = {
+        "spec_name": spec.name,
+        "kernel_name": name,
+        "block_m": tiles.block_m,
+        "block_n": tiles.block_n,
+        "threads": BLOCK_TABLE_THREADS,
+        "mask_expr": cuda_expr(spec.mask, spec),
+        "args": args,
+        "per_batch": per_b,
+        "per_head": per_h,
+    }
+    return KernelPlan(
+        spec_name=spec.name,
+        target=target,
+        template="sm_80/blockmask.cu.j2",
+        kernel_name=name,
+        tiles=TileConfig(tiles.block_m, tiles.block_n, BLOCK_TABLE_THREADS // 32),
+        smem_bytes=0,
+        args=args,
+        context=ctx,
+    )
+
+
+def block_table_shape(
+    spec: Spec, tiles: TileConfig, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int
+) -> tuple[int, int, int, int]:
+    """``(tab_b, tab_h, m_blocks, n_blocks)``: the block table's shape for a problem."""
+    per_b, per_h = block_table_dims(spec)
+    return (
+        batch if per_b else 1,
+        heads_q if per_h else 1,
+        -(-seqlen_q // tiles.block_m),
+        -(-seqlen_k // tiles.block_n),
     )
 
 
@@ -431,10 +760,21 @@ class BackwardTiles:
 
 #: (head_dim, has score_mod) -> tiles; every entry compiles with zero spills for the
 #: shipped specs (a score_mod's math needs registers, so it gets narrower steps).
+#: head_dim 32, 96, 160, 192 are chosen by ptxas register counts only (not timed yet),
+#: checked spill-free with causal, causal + softcap and causal + ALiBi for both targets:
+#: 160 without a score_mod keeps dsplit 1 (no recomputed S, dP) with 16-row query steps;
+#: 160/192 with one, and 192 always, split the columns like 256.
 BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
+    (32, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
     (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (96, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (96, True): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, True): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (160, False): BackwardTiles(64, 16, 4, 1, 64, 32, 4),
+    (160, True): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+    (192, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+    (192, True): BackwardTiles(64, 64, 4, 2, 64, 16, 4),
     (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
 }
 #: Tiles of the atomic-dQ path (:func:`plan_backward` with ``atomic_dq=True``), same keys.
@@ -445,10 +785,20 @@ BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
 #: the same tiles as the deterministic kernels, except a score_mod at head_dim 128, where
 #: 64 key rows spill on sm_90a (alibi, 16-52 bytes) and 32 rows with 2 warps do not
 #: (4x FA2's atomics; the other zero-spill option, dsplit 2, recomputes S and dP twice).
+#: head_dim 160 splits its 160 columns in two 80-column halves (5 mma tiles: one column
+#: group, so 4 row groups and 64-row query steps); 192 with a score_mod needs the same
+#: 64-row steps to stay spill-free (157 KB of shared memory, one CTA per SM).
 ATOMIC_BACKWARD_TILES: dict[tuple[int, bool], BackwardTiles] = {
+    (32, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
     (64, False): BackwardTiles(64, 64, 4, 1, 64, 64, 4),
+    (96, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
+    (96, True): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, False): BackwardTiles(64, 32, 4, 1, 64, 32, 4),
     (128, True): BackwardTiles(32, 16, 2, 1, 64, 32, 4),
+    (160, False): BackwardTiles(64, 64, 4, 2, 64, 32, 4),
+    (160, True): BackwardTiles(64, 64, 4, 2, 64, 32, 4),
+    (192, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
+    (192, True): BackwardTiles(64, 64, 4, 2, 64, 16, 4),
     (256, False): BackwardTiles(64, 32, 4, 2, 64, 32, 4),
 }
 #: Warps (one row each) per CTA of the preprocess kernel D = rowsum(dO * O).
@@ -571,6 +921,30 @@ BACKWARD_OPTIONS: dict[str, bool] = {
 }
 
 
+def atomic_dq_warp_grid(tiles: BackwardTiles, head_dim: int) -> tuple[int, int]:
+    """``(AQ_WM, AQ_WN)``: how the atomic dkdv kernel's warps split the step's dQ tile
+    [dkdv_block_m x head_dim / dkdv_dsplit] into AQ_WM row groups x AQ_WN column groups of
+    whole 16 x 16 mma tiles, one warp each.
+
+    The grid that keeps the most warps busy wins, then the one with the most column groups
+    (each warp then reads a disjoint slice of K, the larger operand, once).  Head dims 64,
+    128 and 256 with the table's tiles split min(warps, columns / 16) ways by columns, as
+    before; 96 and 192 (6 and 12 column tiles over 4 warps) take 2 x 2.  When no grid uses
+    every warp (e.g. 80 columns = 5 tiles and 2 row tiles over 4 warps) the remaining warps
+    sit out the dQ product (the kernel skips it for warp >= AQ_WM * AQ_WN).
+    """
+    warps = tiles.dkdv_warps
+    col_tiles = head_dim // tiles.dkdv_dsplit // 16
+    row_tiles = tiles.dkdv_block_m // 16
+    grids = [
+        (wm, wn)
+        for wn in range(1, warps + 1)
+        for wm in range(1, warps // wn + 1)
+        if col_tiles % wn == 0 and row_tiles % wm == 0
+    ]
+    return max(grids, key=lambda g: (g[0] * g[1], g[1]))
+
+
 def plan_backward(
     spec: Spec,
     target: str,
@@ -598,14 +972,13 @@ def plan_backward(
         opts[key] = bool(value)
 
     fwd = plan_forward(spec, target)  # validates target and dtype
-    dmax = max(spec.head_dim, spec.head_dim_v)
-    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    t = tiles or table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    t = tiles or _table_backward_tiles(spec, atomic_dq)
     d, dv = spec.head_dim, spec.head_dim_v
     et = CTYPE[spec.dtype]
-    dims = [KernelArg(n, "int") for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k")]
+    dims = _dim_args(spec)
     ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
     stats = [KernelArg("lse", "const float*"), KernelArg("dsum", "const float*")]
+    stats += _varlen_args(spec)
     tail = [*dims, KernelArg("softmax_scale", "float"), *_param_args(spec)]
     accum = [KernelArg("dq_accum", "float*")] if atomic_dq else []
     pre_args = (
@@ -643,6 +1016,7 @@ def plan_backward(
         *_strides("q", "k", "v", "dout", "dq"),
         *tail,
     )
+    grid = atomic_dq_warp_grid(t, d) if atomic_dq else (0, 0)  # unused by the deterministic unit
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     base = f"flashgen_{spec.name}_bwd_{target}"
     ctx = dict(fwd.context)
@@ -667,6 +1041,8 @@ def plan_backward(
         dq_block_m=t.dq_block_m,
         dq_block_n=t.dq_block_n,
         dq_warps=t.dq_warps,
+        aq_wm=grid[0],
+        aq_wn=grid[1],
         score_grad_expr=cuda_expr(score_grad, spec) if score_grad is not None else None,
     )
     dkdv_smem = (t.dkdv_block_n * (d + dv) + 2 * t.dkdv_block_m * (d + dv)) * 2
@@ -674,6 +1050,7 @@ def plan_backward(
     if atomic_dq:
         dkdv_smem += t.dkdv_block_n * (t.dkdv_block_m * 2 + 16)  # dS^T, padded rows
     dq_smem = (t.dq_block_m * (d + dv) + 2 * t.dq_block_n * (d + dv)) * 2
+    ctx.update(dkdv_smem_bytes=dkdv_smem, dq_smem_bytes=dq_smem)  # static_asserted in the kernels
 
     def kp(name: str, warps: int, smem: int, args) -> KernelPlan:
         return KernelPlan(
@@ -717,21 +1094,40 @@ FORWARD_FALLBACK_TILES = (
 )
 
 
-def forward_tile_candidates(spec: Spec, target: str, gpu: str | None = None) -> list[TileConfig]:
+def forward_tile_candidates(
+    spec: Spec, target: str, gpu: str | None = None, family: str = "auto"
+) -> list[TileConfig]:
     """Tiles to try for ``spec``'s forward kernel: the chosen ones, then (unless the spec
     fixes any of its ``tiles:``) :data:`FORWARD_FALLBACK_TILES`."""
-    first = choose_tiles(spec, target, gpu)
+    first = choose_tiles(spec, target, gpu, family)
     o = spec.tiles
     if o.block_m or o.block_n or o.num_warps:
         return [first]
-    return [first, *(t for t in FORWARD_FALLBACK_TILES if t != first)]
+    rest = list(FORWARD_FALLBACK_TILES)
+    if is_hopper_tiles(first):  # a narrower Hopper step first, then the FA2-class kernel
+        rest = [replace(first, block_n=first.block_n // 2), default_tiles(spec), *rest]
+    return [first, *(t for t in dict.fromkeys(rest) if t != first)]
+
+
+def _table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
+    """The tables' backward tiles for ``spec``.  On the atomic path, an elementwise mask
+    beyond causal at head_dim 128 takes 16-row inner steps in dkdv (same key block, so the
+    same number of atomics): its registers are gone at 32 rows (prefix_lm spills 76 bytes
+    on sm_90a there); a mask that reads tensors (document masking) splits the dK/dV
+    columns over two CTAs instead (one CTA spills 8-40 bytes at any step width)."""
+    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
+    dmax = max(spec.head_dim, spec.head_dim_v)
+    t = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    if atomic_dq and dmax == 128 and split_causal(spec.mask)[1] is not None:
+        t = replace(t, dkdv_block_m=min(t.dkdv_block_m, 16))
+        if needs_block_table(spec):  # tensor reads in the mask: dK/dV columns over 2 CTAs
+            t = replace(t, dkdv_block_n=64, dkdv_warps=4, dkdv_block_m=32, dkdv_dsplit=2)
+    return t
 
 
 def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
     """Backward tiles to try: the table's, then the same with 16-row inner steps (the
     smallest score tiles), keeping the column split."""
-    table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
-    dmax = max(spec.head_dim, spec.head_dim_v)
-    first = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    first = _table_backward_tiles(spec, atomic_dq)
     narrow = replace(first, dkdv_block_m=16, dq_block_n=16)
     return [first] if narrow == first else [first, narrow]

@@ -14,7 +14,8 @@ are exact.  Tensor reads are unknown (any value), so masks that read tensors (do
 masking) classify as PARTIAL here and need a data-dependent pre-pass instead.
 
 This is the host-side, pure-Python form (for tests, FLOP counting and block tables);
-the kernels will evaluate the same interval rules per tile.  No torch, no GPU.
+the kernels evaluate the same rules per tile through the C++ classifier that
+:mod:`flashgen.masktiles` emits.  No torch, no GPU.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ import torch
 
 from . import ir
 from .errors import OpInputError
+from .lower import needs_block_table
 
 #: torch dtype of each spec dtype.
 TORCH_DTYPE = {
@@ -161,9 +162,19 @@ def validate(
                 f"{list(t.stride())}; call .contiguous() first"
             )
     dims = Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+    validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
+    return dims
+
+
+def validate_tensor_params(
+    spec: ir.Spec, tensor_params: dict | None, device, sym: dict, device_of: str = "q's device"
+) -> None:
+    """Check each tensor param (present, a tensor on ``device``, the declared shape with the
+    shape symbols valued by ``sym`` (see :meth:`Dims.symbols`), the declared element kind);
+    :class:`OpInputError` otherwise.  Metadata only.  ``device_of`` names where ``device``
+    comes from in the error message."""
     if spec.tensor_params:
         tensor_params = tensor_params or {}
-        sym = dims.symbols()
         for p in spec.tensor_params:
             t = tensor_params.get(p.name)
             if t is None:
@@ -173,9 +184,9 @@ def validate(
                     f"{p.name}: expected a torch.Tensor {_describe_param(p)}, "
                     f"got {type(t).__name__}"
                 )
-            if t.device != q.device:
+            if t.device != device:
                 raise OpInputError(
-                    f"{p.name}: expected device {q.device} (q's device), got {t.device}"
+                    f"{p.name}: expected device {device} ({device_of}), got {t.device}"
                 )
             expected = [d if isinstance(d, int) else sym[d] for d in p.shape]
             if list(t.shape) != expected:
@@ -193,7 +204,6 @@ def validate(
                     f"{p.name}: expected {kind} tensor ({p.ty.value} elements, e.g. "
                     f"{PARAM_DTYPE[p.ty]}), got {t.dtype}"
                 )
-    return dims
 
 
 _FP8_DTYPES = tuple(
@@ -353,7 +363,7 @@ class AttentionOp:
         self.spec = spec
         self.name = spec.name
         self.qualname = f"flashgen::{spec.name}"
-        self._kernels: dict[int, object] = {}
+        self._kernels: dict[tuple[int, str], object] = {}
         self._kernel_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -365,11 +375,32 @@ class AttentionOp:
         return getattr(torch.ops.flashgen, self.name).default
 
     @property
+    def varlen(self) -> AttentionOp:
+        """This variant over packed variable-length sequences (FlashAttention's varlen
+        interface, see :mod:`flashgen.varlen`): the op of the same spec with ``varlen:
+        true``, registered as ``flashgen::<name>__varlen`` on first use.  Call it as
+        ``op.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
+        A varlen spec's op is its own varlen form."""
+        if self.spec.varlen:
+            return self
+        from .varlen import varlen_spec
+
+        return build_op(varlen_spec(self.spec))
+
+    @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.spec.params)
 
     def attention(
-        self, q, k, v, *, softmax_scale: float | None = None, deterministic: bool = False, **params
+        self,
+        q,
+        k,
+        v,
+        *,
+        softmax_scale: float | None = None,
+        deterministic: bool = False,
+        block_mask=None,
+        **params,
     ):
         """Run the attention variant: returns ``(o, lse)``.
 
@@ -387,6 +418,11 @@ class AttentionOp:
         both values run the deterministic kernels.  Must be a bool (else
         :class:`OpInputError`).
 
+        ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
+        masking): a :class:`~flashgen.blockmask.BlockMask` from :meth:`block_mask` for these
+        sequence lengths and the same param values, reused across calls; without it the
+        CUDA op runs the block-table pre-pass on every call.  The CPU op ignores it.
+
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
         [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
 
@@ -394,15 +430,173 @@ class AttentionOp:
         expected and the received value).
         """
         scalars, tensors = resolve_params(self.spec, params)
-        validate(self.spec, q, k, v, self._tensor_map(tensors))
+        dims = validate(self.spec, q, k, v, self._tensor_map(tensors))
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(self.spec)
         softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(deterministic, bool):
             raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
+        extra = []
+        if block_mask is not None:
+            extra.append(self._block_mask_table(block_mask, q, dims, scalars))
+        elif needs_block_table(self.spec):
+            extra.append(None)
         return self.torch_op(
-            q, k, v, softmax_scale, *scalars, *tensors, deterministic=deterministic
+            q, k, v, softmax_scale, *scalars, *tensors, *extra, deterministic=deterministic
         )
+
+    def block_mask(
+        self,
+        seqlen_q: int,
+        seqlen_k: int,
+        *,
+        batch: int | None = None,
+        num_heads: int | None = None,
+        num_heads_kv: int | None = None,
+        device=None,
+        **params,
+    ):
+        """Build the block table of this op's tensor-reading mask for one problem size,
+        to reuse across :meth:`attention` calls (FlexAttention's ``create_block_mask``).
+
+        ``params``: the spec's params by name, as for :meth:`attention` (tensors required,
+        scalars default to their declared values).  ``batch`` / ``num_heads`` /
+        ``num_heads_kv`` default to what the tensor params' declared shapes imply, else 1
+        (they only matter where the mask reads ``b`` / ``h``).  ``device`` defaults to the
+        tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
+        table for the forward kernel's tiles; on CPU the brute-force reference builds it.
+
+        Returns a :class:`~flashgen.blockmask.BlockMask`.  Raises :class:`OpInputError` if
+        the spec's mask reads no tensor param, or for bad sizes or params.
+        """
+        from .blockmask import BlockMask, block_table_reference
+        from .lower import block_table_dims, choose_tiles
+
+        if not needs_block_table(self.spec):
+            raise OpInputError(
+                f"block_mask: the mask of op {self.spec.name!r} reads no tensor param, so it "
+                f"needs no block table (its tiles are classified from indices)"
+            )
+        scalars, tensors = resolve_params(self.spec, params)
+        tmap = self._tensor_map(tensors)
+        given = {"batch": batch, "num_heads": num_heads, "num_heads_kv": num_heads_kv}
+        for p in self.spec.tensor_params:
+            t = tmap.get(p.name)
+            if isinstance(t, torch.Tensor) and t.dim() == len(p.shape):
+                for d, n in zip(p.shape, t.shape, strict=True):
+                    if d in given and given[d] is None:
+                        given[d] = int(n)
+        sizes = {k: 1 if val is None else val for k, val in given.items()}
+        if given["num_heads_kv"] is None:
+            sizes["num_heads_kv"] = sizes["num_heads"]
+        for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), *sizes.items()):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise OpInputError(f"{name}: expected a non-negative int, got {n!r}")
+        first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if device is None:
+            device = first.device if first is not None else torch.device("cpu")
+        device = torch.device(device)
+        dims = Dims(
+            sizes["batch"], sizes["num_heads"], sizes["num_heads_kv"], seqlen_q, seqlen_k, 0
+        )
+        validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device")
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        per_b, per_h = block_table_dims(self.spec)
+        if device.type == "cuda":
+            kern = self.kernel(device)
+            tiles = kern.plan.tiles
+            table = self._run_block_table(device, tiles, dims, scalars, tmap)
+        else:
+            tiles = choose_tiles(self.spec, "sm_80")
+            table = block_table_reference(
+                self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
+            )  # fmt: skip
+        used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
+        return BlockMask(
+            spec_name=self.spec.name,
+            table=table,
+            block_m=tiles.block_m,
+            block_n=tiles.block_n,
+            batch=dims.batch if per_b else 1,
+            heads_q=dims.heads_q if per_h else 1,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            scalars={n: v for n, v in values.items() if n in used},
+        )
+
+    def _block_mask_table(self, bm, q, dims: Dims, scalars):
+        """The table tensor of ``bm`` after checking it fits this call (metadata only)."""
+        from .blockmask import BlockMask
+
+        if not needs_block_table(self.spec):
+            raise OpInputError(
+                f"block_mask: op {self.spec.name!r} takes none (its mask reads no tensor "
+                f"param), got {type(bm).__name__}"
+            )
+        if not isinstance(bm, BlockMask):
+            raise OpInputError(
+                f"block_mask: expected a BlockMask from op.block_mask(...), got {type(bm).__name__}"
+            )
+        if bm.spec_name != self.spec.name:
+            raise OpInputError(
+                f"block_mask: expected one built by op {self.spec.name!r}, got one built "
+                f"by {bm.spec_name!r}"
+            )
+        want = (dims.seqlen_q, dims.seqlen_k)
+        if (bm.seqlen_q, bm.seqlen_k) != want:
+            raise OpInputError(
+                f"block_mask: expected (seqlen_q, seqlen_k) = {want} (q's and k's), got "
+                f"({bm.seqlen_q}, {bm.seqlen_k}); build one per problem size"
+            )
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        for name, val in bm.scalars.items():
+            if values[name] != val:
+                raise OpInputError(
+                    f"block_mask: built with {name}={val!r}, but this call has "
+                    f"{name}={values[name]!r}; build it again with the new value"
+                )
+        if bm.table.device != q.device:
+            raise OpInputError(
+                f"block_mask: expected device {q.device} (q's device), got {bm.table.device}"
+            )
+        return bm.table
+
+    def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
+        """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
+        returns the uint8 table (see :func:`flashgen.lower.plan_block_table`)."""
+        from .lower import block_table_shape
+
+        kern = self._block_table_kernel(device, tiles)
+        shape = block_table_shape(
+            self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        table = torch.empty(shape, dtype=torch.uint8, device=device)
+        if table.numel() == 0:
+            return table
+        values = kernel_values(self.spec, {"tab": table}, dims, 1.0, scalars, tensors)
+        values.update(tab_b=shape[0], tab_h=shape[1])
+        stream = torch.cuda.current_stream(device)
+        kern.launch((table.numel(), 1, 1), values, stream.cuda_stream)
+        return table
+
+    def _block_table_kernel(self, device, tiles):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("blockmask", index, tiles)
+        kern = self._kernels.get(key)
+        if kern is None:
+            with self._kernel_lock:
+                kern = self._kernels.get(key)
+                if kern is None:
+                    from . import cache, runtime
+                    from .lower import plan_block_table
+                    from .render import render
+
+                    plan = plan_block_table(self.spec, target_for_device(self.spec, device), tiles)
+                    cubin, _report = cache.get_or_build(render(plan), plan)
+                    kern = runtime.load(cubin, plan, index)
+                    self._kernels[key] = kern
+        return kern
 
     __call__ = attention
 
@@ -411,8 +605,16 @@ class AttentionOp:
         return {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
 
     def _split(self, rest) -> tuple[list, dict]:
+        """Schema arguments after softmax_scale -> (scalars, tensor param map); a trailing
+        ``block_mask`` argument (specs with a block table) is left out: see :meth:`_table_arg`."""
         n = len(self.spec.scalar_params)
-        return list(rest[:n]), self._tensor_map(rest[n:])
+        m = n + len(self.spec.tensor_params)
+        return list(rest[:n]), self._tensor_map(rest[n:m])
+
+    def _table_arg(self, rest):
+        """The ``block_mask`` schema argument (a uint8 table or None)."""
+        m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
+        return rest[m] if needs_block_table(self.spec) and len(rest) > m else None
 
     def _empty_outputs(self, q, dims: Dims):
         o = torch.empty(
@@ -473,34 +675,82 @@ class AttentionOp:
             scalars, tensors,
         )  # fmt: skip
         plan = kern.plan
+        if plan.context["block_table"]:
+            values.update(
+                self._table_values(self._table_arg(rest), plan, dims, scalars, tensors, q.device)
+            )
         stream = torch.cuda.current_stream(q.device)
         kern.launch(plan.grid(dims.batch, dims.heads_q, dims.seqlen_q), values, stream.cuda_stream)
         return o, lse
+
+    def _table_values(self, table, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
+        """``blk_tab / blk_sb / blk_sh`` for the forward launch: ``table`` (checked against
+        the plan's tiles) or, when None, a fresh one from the pre-pass."""
+        from .blockmask import table_strides
+        from .lower import block_table_shape
+
+        shape = block_table_shape(
+            self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        if table is None:
+            table = self._run_block_table(device, plan.tiles, dims, scalars, tensors)
+        elif tuple(table.shape) != shape or table.dtype != torch.uint8 or not table.is_contiguous():
+            raise OpInputError(
+                f"block_mask: expected a contiguous uint8 table of shape {list(shape)} for "
+                f"this kernel's {plan.tiles.block_m}x{plan.tiles.block_n} tiles, got "
+                f"{table.dtype} {list(table.shape)}; build it with op.block_mask(...) on "
+                f"the same device"
+            )
+        sb, sh = table_strides(self.spec, table)
+        return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
 
     def kernel(self, device: torch.device):
         """The loaded kernel for CUDA ``device`` (built and cached on first use).
 
         Renders the plan for :func:`target_for_device`, compiles through the on-disk
         cache, falling back to smaller tiles if the chosen ones spill
-        (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.
+        (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.  The kernel
+        family follows ``FLASHGEN_KERNEL_FAMILY`` (``auto``, the default: the Hopper TMA +
+        wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
+        read at every call.
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
-        kern = self._kernels.get(index)
+        family = kernel_family()
+        kern = self._kernels.get((index, family))
         if kern is not None:
             return kern
         with self._kernel_lock:
-            kern = self._kernels.get(index)
+            kern = self._kernels.get((index, family))
             if kern is None:
                 from . import runtime
                 from .select import build_forward
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu)
+                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu, family=family)
                 kern = runtime.load(cubin, plan, index)
-                self._kernels[index] = kern
+                self._kernels[(index, family)] = kern
         return kern
+
+
+def kernel_family() -> str:
+    """``FLASHGEN_KERNEL_FAMILY`` (default ``auto``); see :data:`flashgen.lower.FAMILIES`.
+    Raises ``ValueError`` for an unknown value."""
+    from .lower import FAMILIES
+
+    family = os.environ.get("FLASHGEN_KERNEL_FAMILY", "auto") or "auto"
+    if family not in FAMILIES:
+        raise ValueError(
+            f"FLASHGEN_KERNEL_FAMILY={family!r}: expected one of {', '.join(FAMILIES)}"
+        )
+    return family
+
+
+def _mask_reads(spec: ir.Spec, name: str) -> bool:
+    return spec.mask is not None and any(
+        isinstance(n, ir.Var) and n.name == name for n in ir.walk(spec.mask)
+    )
 
 
 def kernel_values(
@@ -558,10 +808,17 @@ def schema(spec: ir.Spec) -> str:
 
     ``deterministic`` is keyword-only with a default, so positional calls written for the
     schema without it still work; the forward ignores it and autograd hands it to the
-    backward op (see :mod:`flashgen.backward`)."""
+    backward op (see :mod:`flashgen.backward`).  A varlen spec's schema is
+    :func:`flashgen.varlen.schema`."""
+    if spec.varlen:
+        from .varlen import schema as varlen_schema
+
+        return varlen_schema(spec)
     args = ["Tensor q", "Tensor k", "Tensor v", "float softmax_scale"]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
+    if needs_block_table(spec):  # positional: register_autograd refuses kwarg-only tensors
+        args.append("Tensor? block_mask=None")
     args += ["*", "bool deterministic=False"]
     return f"{spec.name}({', '.join(args)}) -> (Tensor, Tensor)"
 
@@ -586,15 +843,20 @@ def build_op(spec: ir.Spec) -> AttentionOp:
                 f"a different spec named {spec.name!r} is already registered as "
                 f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
             )
-        op = AttentionOp(spec)
+        if spec.varlen:
+            from .varlen import VarlenBackward as backward_cls
+            from .varlen import VarlenOp as op_cls
+        else:
+            from .backward import Backward as backward_cls
+
+            op_cls = AttentionOp
+        op = op_cls(spec)
         lib = _library()
         lib.define(schema(spec))
         lib.impl(spec.name, op._cuda_impl, "CUDA")
         lib.impl(spec.name, op._cpu_impl, "CPU")
         torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
-        from .backward import Backward
-
-        op.backward = Backward(op)
+        op.backward = backward_cls(op)
         op.backward.register(lib)
         _REGISTRY[spec.name] = op
         return op

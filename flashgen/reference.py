@@ -105,6 +105,71 @@ def eval_expr(e: Expr, env: dict):
     raise TypeError(f"cannot evaluate {e!r}")
 
 
+def _env(
+    spec: Spec, B: int, Hq: int, Sq: int, Sk: int, params: dict, dev, fdt, batch_offset: int = 0
+) -> dict:
+    """Evaluation environment: broadcasting index tensors, sizes and param values (``b``
+    counts from ``batch_offset``: the sequence index in varlen)."""
+    ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
+    env = {
+        "b": (ar(B) + batch_offset).view(B, 1, 1, 1),
+        "h": ar(Hq).view(1, Hq, 1, 1),
+        "q_idx": ar(Sq).view(1, 1, Sq, 1),
+        "kv_idx": ar(Sk).view(1, 1, 1, Sk),
+        "seqlen_q": torch.tensor(Sq, device=dev),
+        "seqlen_k": torch.tensor(Sk, device=dev),
+        "__float__": fdt,
+        "__device__": dev,
+    }
+    for p in spec.params:
+        val = params.get(p.name, p.default)
+        if p.kind == "tensor":
+            if val is None:
+                raise ValueError(f"tensor param '{p.name}' is required")
+            env[p.name] = val.to(dev, fdt if p.ty == Ty.F32 else torch.int64)
+        else:
+            env[p.name] = _as(val, p.ty, env)
+    return env
+
+
+def _check_bounds(env: dict, keep) -> None:
+    """Refuse a tensor-param index outside the declared shape at a kept pair."""
+    for name, oob in env.get("__oob__", []):
+        hit = oob if keep is None else oob & keep
+        if bool(hit.any()):
+            raise IndexError(
+                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
+                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
+                f"expression or the param's declared shape"
+            )
+
+
+def eval_mask(
+    spec: Spec,
+    *,
+    batch: int,
+    heads_q: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    params: dict | None = None,
+    device=None,
+):
+    """``spec.mask`` materialized: bool ``[batch, heads_q, seqlen_q, seqlen_k]`` (all True
+    without a mask), with ``b`` in ``range(batch)`` and ``h`` in ``range(heads_q)`` (pass 1
+    for an axis the mask does not read, to broadcast over it).  ``params`` as in
+    :func:`attention_reference`.  Raises ``IndexError`` like it for an out-of-range
+    tensor-param index at a kept pair.
+    """
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    env = _env(spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float64)
+    shape = (batch, heads_q, seqlen_q, seqlen_k)
+    if spec.mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=dev)
+    keep = eval_expr(spec.mask, env).expand(shape)
+    _check_bounds(env, keep)
+    return keep.contiguous()
+
+
 def attention_reference(
     spec: Spec,
     q,
@@ -114,6 +179,7 @@ def attention_reference(
     softmax_scale: float | None = None,
     params: dict | None = None,
     compute_dtype=torch.float64,
+    batch_offset: int = 0,
 ):
     """Materialized attention with ``spec``'s mask and score_mod.
 
@@ -125,6 +191,8 @@ def attention_reference(
             missing scalars take the spec default.
         compute_dtype: dtype of every intermediate (float64 for test references; the input
             dtype to model PyTorch's own low-precision math).
+        batch_offset: value of the index variable ``b`` for the first batch entry (the
+            varlen reference passes one sequence at a time).
 
     Returns:
         ``(o, lse)``: o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``; lse ``[B, Hq, Sq]``,
@@ -149,25 +217,7 @@ def attention_reference(
     vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
     s = torch.matmul(qc, kc.transpose(-1, -2)).to(fdt) * softmax_scale  # [B,Hq,Sq,Sk]
 
-    ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
-    env = {
-        "b": ar(B).view(B, 1, 1, 1),
-        "h": ar(Hq).view(1, Hq, 1, 1),
-        "q_idx": ar(Sq).view(1, 1, Sq, 1),
-        "kv_idx": ar(Sk).view(1, 1, 1, Sk),
-        "seqlen_q": torch.tensor(Sq, device=dev),
-        "seqlen_k": torch.tensor(Sk, device=dev),
-        "__float__": fdt,
-        "__device__": dev,
-    }
-    for p in spec.params:
-        val = params.get(p.name, p.default)
-        if p.kind == "tensor":
-            if val is None:
-                raise ValueError(f"tensor param '{p.name}' is required")
-            env[p.name] = val.to(dev, fdt if p.ty == Ty.F32 else torch.int64)
-        else:
-            env[p.name] = _as(val, p.ty, env)
+    env = _env(spec, B, Hq, Sq, Sk, params, dev, fdt, batch_offset)
     if spec.score_mod is not None:
         env["score"] = s
         s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
@@ -175,14 +225,7 @@ def attention_reference(
     if spec.mask is not None:
         keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
         s = s.masked_fill(~keep, float("-inf"))
-    for name, oob in env.get("__oob__", []):
-        hit = oob if keep is None else oob & keep
-        if bool(hit.any()):
-            raise IndexError(
-                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
-                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
-                f"expression or the param's declared shape"
-            )
+    _check_bounds(env, keep)
     # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.
     row_has = torch.isfinite(s).any(dim=-1, keepdim=True)
     s_safe = torch.where(row_has, s, torch.zeros_like(s))
@@ -191,3 +234,72 @@ def attention_reference(
     lse = torch.where(row_has, lse_safe, torch.full_like(lse_safe, float("-inf"))).squeeze(-1)
     o = torch.matmul(p.to(compute_dtype), vc)
     return o, lse.to(fdt)  # float32, or float64 for a float64 reference
+
+
+def attention_reference_varlen(
+    spec: Spec,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    softmax_scale: float | None = None,
+    params: dict | None = None,
+    compute_dtype=torch.float64,
+):
+    """Varlen attention as a loop over :func:`attention_reference`, one sequence at a time.
+
+    Args:
+        q: packed ``[total_q, Hq, D]``; k: ``[total_k, Hkv, D]``; v: ``[total_k, Hkv, Dv]``.
+        cu_seqlens_q, cu_seqlens_k: ``[batch + 1]`` integer offsets (any device; read on
+            the host), nondecreasing from 0; sequence ``i`` is rows
+            ``cu_seqlens[i]:cu_seqlens[i + 1]``.  Its ``b`` is ``i``; its ``q_idx``,
+            ``kv_idx``, ``seqlen_q``, ``seqlen_k`` are its own (causal is bottom-right per
+            sequence).
+        softmax_scale, params, compute_dtype: as for :func:`attention_reference`.
+
+    Returns:
+        ``(o, lse)``: o ``[total_q, Hq, Dv]`` in ``compute_dtype``; lse ``[Hq, total_q]``
+        (FlashAttention's varlen layout), float32 (float64 for a float64 reference).  Rows
+        past ``cu_seqlens_q[-1]`` are 0 / -inf; a sequence with no keys gives o = 0,
+        lse = -inf.  Differentiable in q, k, v.
+    """
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    total_q, hq = q.shape[0], q.shape[1]
+    dv = v.shape[2]
+    fdt = compute_dtype if compute_dtype == torch.float64 else torch.float32
+    o_parts, lse_parts = [], []
+    covered = 0
+    for i in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[i], cq[i + 1], ck[i], ck[i + 1]
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            o_parts.append(torch.zeros(q1 - q0, hq, dv, dtype=compute_dtype, device=q.device))
+            lse_parts.append(torch.full((hq, q1 - q0), float("-inf"), dtype=fdt, device=q.device))
+        else:
+            o_i, lse_i = attention_reference(
+                spec,
+                q[q0:q1].transpose(0, 1).unsqueeze(0),
+                k[k0:k1].transpose(0, 1).unsqueeze(0),
+                v[k0:k1].transpose(0, 1).unsqueeze(0),
+                softmax_scale=softmax_scale,
+                params=params,
+                compute_dtype=compute_dtype,
+                batch_offset=i,
+            )
+            o_parts.append(o_i[0].transpose(0, 1))
+            lse_parts.append(lse_i[0].to(fdt))
+        covered = q1
+    if covered < total_q:  # rows no sequence covers
+        rest = total_q - covered
+        o_parts.append(torch.zeros(rest, hq, dv, dtype=compute_dtype, device=q.device))
+        lse_parts.append(torch.full((hq, rest), float("-inf"), dtype=fdt, device=q.device))
+    if not o_parts:
+        return (
+            torch.zeros(0, hq, dv, dtype=compute_dtype, device=q.device),
+            torch.zeros(hq, 0, dtype=fdt, device=q.device),
+        )
+    return torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1)

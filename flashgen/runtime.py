@@ -8,6 +8,8 @@ argument tuple and calls the driver.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -50,12 +52,73 @@ class LoadedKernel:
         Python number; see :func:`kernel_args`.
         """
         cupy = _cupy()
+        if getattr(self.plan, "tma", ()):
+            with cupy.cuda.Device(self.device_index):
+                _launch_with_tensor_maps(self, grid, values, stream_ptr)
+            return
         args = kernel_args(self.plan, values)
         with cupy.cuda.Device(self.device_index):
             with _external_stream(cupy, stream_ptr, self.device_index):
                 self.function(
                     grid, (self.plan.threads, 1, 1), args, shared_mem=self.plan.smem_bytes
                 )
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    return lib
+
+
+def _function_ptr(function) -> int:
+    """The CUfunction handle behind a CuPy RawKernel."""
+    inner = getattr(function, "kernel", function)
+    return int(inner.ptr)
+
+
+def _launch_with_tensor_maps(kern: LoadedKernel, grid, values: dict, stream_ptr: int) -> None:
+    """Launch a kernel that takes CUtensorMap parameters (the Hopper TMA kernels) through
+    ``cuLaunchKernel`` directly: CuPy cannot pass a 128-byte struct by value.
+
+    Each ``plan.tma`` entry names the tensor argument its descriptor maps and the box's
+    rows; a tensor TMA cannot read in place (see :func:`flashgen.tma.needs_copy`) is
+    mapped through a contiguous copy, kept alive until the launch is enqueued (the caching
+    allocator reuses it only in stream order).
+    """
+    from . import tma
+
+    plan = kern.plan
+    keep = []
+    maps = {}
+    for m in plan.tma:
+        t = values[m.tensor]
+        if tma.needs_copy(t.shape, t.stride(), 2, t.data_ptr()):
+            t = t.contiguous()
+            keep.append(t)
+        maps[m.name] = tma.encode(t.data_ptr(), t.shape, t.stride(), plan.context["dtype"],
+                                  m.box_rows, name=m.tensor)  # fmt: skip
+    objs = []
+    for a, v in zip(plan.args, kernel_args(plan, {**values, **maps}), strict=True):
+        if a.ctype == "CUtensorMap":
+            objs.append((ctypes.c_uint8 * 128).from_buffer_copy(v))
+        elif isinstance(v, np.uint64):
+            objs.append(ctypes.c_uint64(int(v)))
+        elif isinstance(v, np.int64):
+            objs.append(ctypes.c_int64(int(v)))
+        elif isinstance(v, np.int32):
+            objs.append(ctypes.c_int32(int(v)))
+        else:
+            objs.append(ctypes.c_float(float(v)))
+    params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(o) for o in objs])
+    rc = _libcuda().cuLaunchKernel(
+        _function_ptr(kern.function), *grid, plan.threads, 1, 1, plan.smem_bytes,
+        stream_ptr, params, None,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernel({plan.kernel_name}) failed: CUresult {rc}")
 
 
 def _external_stream(cupy, ptr: int, device_index: int):
@@ -92,6 +155,8 @@ def kernel_args(plan, values: dict) -> tuple:
             out.append(np.int32(v))
         elif a.ctype == "float":
             out.append(np.float32(v))
+        elif a.ctype == "CUtensorMap":
+            out.append(bytes(v))
         else:
             raise TypeError(f"kernel argument {a.name!r} has unsupported ctype {a.ctype!r}")
     return tuple(out)

@@ -24,13 +24,16 @@ from .lower import (
 from .render import render
 
 
-def build_forward(spec, target: str, gpu: str | None = None) -> tuple[KernelPlan, object, object]:
-    """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``.
+def build_forward(
+    spec, target: str, gpu: str | None = None, family: str = "auto"
+) -> tuple[KernelPlan, object, object]:
+    """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
+    (``family``: see :data:`flashgen.lower.FAMILIES`).
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
-    for tiles in forward_tile_candidates(spec, target, gpu):
+    for tiles in forward_tile_candidates(spec, target, gpu, family):
         plan = plan_forward(spec, target, gpu, tiles=tiles)
         cubin, report = cache.get_or_build(render(plan), plan)
         if not report.spill_bytes:

@@ -30,6 +30,7 @@ FIELDS = (
     "params",
     "softmax_scale",
     "tiles",
+    "varlen",
 )
 REQUIRED = ("name", "head_dim", "dtype")
 PARAM_FIELDS = ("type", "default", "shape", "min", "max")
@@ -297,6 +298,10 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
             vals[key] = None if ld.is_null(v) else ld.integer(v, f"tiles.{key}")
         tiles = ir.TileOverride(**vals)
 
+    varlen = False
+    if get("varlen") is not None:
+        varlen = ld.scalar(get("varlen"), "varlen", ("bool",), "true or false")
+
     description = ""
     if get("description") is not None:
         description = ld.string(get("description"), "description")
@@ -313,6 +318,7 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
         softmax_scale=scale,
         tiles=tiles,
         description=description,
+        varlen=varlen,
         path=ld.path,
         source=ld.text,
     )

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """A/B sweep of flashgen's FA2-class kernels against FlashAttention-2 and cuDNN, one command.
 
-For head_dim 64/128/256, causal on and off, bf16 (plus fp16 at d128 causal), seqlen 4096
-and 16384 (B*S = 16384 tokens, hidden 2048, so H = 2048 / D, as in the FlashAttention
-papers), this builds several variants of the forward kernel (tile configs from
-``lower.DEFAULT_TILES`` and others, and the template switches of ``lower.FORWARD_OPTIONS``)
-and of the backward (deterministic and atomic-dQ paths, tile tables and wider key blocks),
-then
+For head_dim 64/128/256, causal on and off, bf16 (``--fp16`` adds fp16 at d128 causal),
+seqlen 4096 and 16384 (B*S = 16384 tokens, hidden 2048, so H = 2048 / D, as in the
+FlashAttention papers), this builds several variants of the FA2-class forward kernel
+(``templates/sm_80/fwd.cu.j2``: tile configs from ``lower.DEFAULT_TILES`` and others, and
+the template switches of ``lower.FORWARD_OPTIONS``) and of the backward (deterministic and
+atomic-dQ paths, tile tables and wider key blocks), then
 
 1. checks every variant once against the float64 reference (flashgen.reference) on one
    odd-size GQA case (B=2, Hq=4, Hkv=2, Sq=777, Sk=1037) with the tests' bound: 2x the
@@ -16,17 +16,28 @@ then
 2. times each variant that passed with ``triton.testing.do_bench`` (median; inputs rotated
    over enough buffers to exceed twice the L2), next to PyTorch SDPA's FLASH_ATTENTION
    (FlashAttention-2) and CUDNN_ATTENTION backends in the same process;
-3. prints one table (variant, config, TFLOP/s, ratio to FA2, registers, spilled bytes) and
-   writes every row to ``--json``.
+3. prints one line per config with every implementation's TFLOP/s, then a compact final
+   table: FA2, cuDNN, the Hopper kernel, ``base`` and ``default`` (for the backward
+   ``det-base`` and ``det``) with ``default``'s ratio to FA2, and the best spill-free
+   FA2-class variant; ``--json`` gets every row (registers, spills, checks included).
+   Configs are timed longest sequence first, and none is started after ``--budget``
+   seconds (default 270), so the whole run stays under 5 minutes.
+
+On sm_90 (H100/H200) flashgen's default forward is the Hopper kernel
+(``templates/sm_90/fwd.cu.j2``); every forward variant here is planned with
+``family="fa2"`` (and the process runs with ``FLASHGEN_KERNEL_FAMILY=fa2``), so the FA2-class
+kernel is what is timed, and each plan's template is checked.  One extra forward row,
+``fa3-default``, is the Hopper kernel with its default tiles, for reference (sm_90 only).
 
 Variants (``base`` is the code and tiles shipped before this sweep; ``default`` is what
-``lower.py`` picks now; the rest flip one thing):
+``lower.py`` picks now for the FA2 family; the rest flip one thing):
 
     fwd  base        FORWARD_OPTIONS all off, session-1 tiles (d64 128x64x4, d128 128x32x4,
                      d256 64x64x4)
     fwd  default     lower.FORWARD_OPTIONS + lower.DEFAULT_TILES
     fwd  -unroll / -hoist / -fold / +lazy   default with one switch flipped
-    fwd  t<M>x<N>x<W>                       default switches, other tiles
+    fwd  t<M>x<N>x<W>                       default switches, other tiles (ALT_TILES)
+    fwd  fa3-default                        the Hopper kernel as shipped (sm_90 only)
     bwd  det / atomic                       lower.BACKWARD_TILES / ATOMIC_BACKWARD_TILES
     bwd  det-base                           deterministic, BACKWARD_OPTIONS all off (as shipped)
     bwd  atomic-n128 / det-n128             128 key rows per CTA with 8 warps (FA2's shape)
@@ -66,12 +77,16 @@ from flashgen.lower import BackwardTiles, TileConfig  # noqa: E402
 
 #: Tiles the forward shipped with before this sweep (docs/perf-notes.md, 2026-11-29).
 BASE_TILES = {64: TileConfig(128, 64, 4), 128: TileConfig(128, 32, 4), 256: TileConfig(64, 64, 4)}
-#: Other forward tiles timed with the default switches, per head_dim.
+#: Other forward tiles timed with the default switches, per head_dim: the runners-up of
+#: the 2026-11-29 tile sweep (docs/perf-notes.md); its clear losers (d64 64x64x4, d128
+#: 128x128x8, d256 64x32x4) and d64 128x128x4 (spills 96 bytes) are left out for time.
 ALT_TILES = {
-    64: [TileConfig(128, 128, 4), TileConfig(64, 64, 4)],
-    128: [TileConfig(128, 32, 4), TileConfig(128, 128, 8)],
-    256: [TileConfig(128, 64, 8), TileConfig(64, 32, 4)],
+    64: [],
+    128: [TileConfig(128, 32, 4)],
+    256: [TileConfig(128, 64, 8)],
 }
+#: The FA2-class template (what every variant but ``fa3-default`` must render).
+FA2_TEMPLATE = "sm_80/fwd.cu.j2"
 #: Backward with 128 key rows per CTA and 8 warps (FA2's dK/dV shape); zero spills on
 #: sm_90a for the plain specs (checked offline).
 N128_TILES = {
@@ -92,7 +107,9 @@ CHECK_SHAPE = (2, 4, 2, 777, 1037)  # B, Hq, Hkv, Sq, Sk
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel build: ``kind`` "fwd" or "bwd"; ``tiles`` None = the table's choice."""
+    """One kernel build: ``kind`` "fwd" or "bwd"; ``tiles`` None = the table's choice;
+    ``family`` the forward kernel family (:data:`flashgen.lower.FAMILIES`): "fa2" for every
+    variant but ``fa3-default`` ("auto": the Hopper kernel on sm_90)."""
 
     kind: str
     name: str
@@ -102,6 +119,7 @@ class Variant:
     tiles: TileConfig | BackwardTiles | None = None
     options: tuple = ()  # ((key, bool), ...)
     atomic: bool = False
+    family: str = "fa2"
 
     @property
     def key(self) -> str:
@@ -117,6 +135,7 @@ class Built:
     registers: int
     spill_bytes: int
     tiles: str
+    template: str = ""
     extra: dict = field(default_factory=dict)
 
 
@@ -129,7 +148,9 @@ def spec_for(d: int, causal: bool, dtype: str):
     return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", "sweep.yaml")
 
 
-def fwd_variants(d: int, causal: bool, dtype: str, ablations: bool) -> list[Variant]:
+def fwd_variants(
+    d: int, causal: bool, dtype: str, ablations: bool, hopper: bool = True
+) -> list[Variant]:
     off = tuple((k, False) for k in lower.FORWARD_OPTIONS)
     out = [
         Variant("fwd", "base", d, causal, dtype, BASE_TILES[d], off),
@@ -148,6 +169,8 @@ def fwd_variants(d: int, causal: bool, dtype: str, ablations: bool) -> list[Vari
         for t in ALT_TILES[d]:
             name = f"t{t.block_m}x{t.block_n}x{t.num_warps}"
             out.append(Variant("fwd", name, d, causal, dtype, t))
+    if hopper:
+        out.append(Variant("fwd", "fa3-default", d, causal, dtype, family="auto"))
     return out
 
 
@@ -166,11 +189,12 @@ def bwd_variants(d: int, causal: bool, dtype: str, ablations: bool) -> list[Vari
 
 
 def all_variants(args) -> list[Variant]:
+    """Every variant of the run; ``args.hopper`` (the target is sm_90) adds ``fa3-default``."""
     out = []
     for d in args.dims:
         for causal in (False, True):
             for dtype in ["bf16"] + (["fp16"] if (d == 128 and causal and args.fp16) else []):
-                out += fwd_variants(d, causal, dtype, args.ablations)
+                out += fwd_variants(d, causal, dtype, args.ablations, args.hopper)
                 if args.bwd:
                     out += bwd_variants(d, causal, dtype, args.ablations and dtype == "bf16")
     return out
@@ -185,7 +209,9 @@ def build(v: Variant, target: str) -> Built:
     spec = spec_for(v.d, v.causal, v.dtype)
     opts = dict(v.options)
     if v.kind == "fwd":
-        plan = lower.plan_forward(spec, target, tiles=v.tiles, options=opts)
+        plan = lower.plan_forward(spec, target, tiles=v.tiles, options=opts, family=v.family)
+        if v.family == "fa2" and plan.template != FA2_TEMPLATE:
+            raise RuntimeError(f"{v.key}: planned {plan.template}, not the FA2-class kernel")
         cubin, rep = cache.get_or_build(render(plan), plan)
         t = plan.tiles
         tiles = f"{t.block_m}x{t.block_n}x{t.num_warps}"
@@ -195,7 +221,8 @@ def build(v: Variant, target: str) -> Built:
         t = plan.tiles
         tiles = f"n{t.dkdv_block_n}m{t.dkdv_block_m}w{t.dkdv_warps}s{t.dkdv_dsplit}"
     main = max(rep.kernels, key=lambda k: k.registers)
-    return Built(v, plan, str(cubin), main.registers, rep.spill_bytes, tiles)
+    template = plan.template if v.kind == "fwd" else plan.unit.template
+    return Built(v, plan, str(cubin), main.registers, rep.spill_bytes, tiles, template)
 
 
 def build_all(variants: list[Variant], target: str, workers: int) -> dict[str, Built]:
@@ -442,6 +469,7 @@ def time_config(d, causal, dtype, s, built: dict[str, Built], checks, args, dev)
             r["error"] = err
         if b is not None:
             r.update(tiles=b.tiles, registers=b.registers, spill_bytes=b.spill_bytes)
+            r["template"] = b.template
             r["check"] = checks.get(b.variant.key, {})
         rows.append(r)
 
@@ -515,49 +543,72 @@ def time_config(d, causal, dtype, s, built: dict[str, Built], checks, args, dev)
 
 
 # ----------------------------------------------------------------------------- report
+#: Column labels of the reports.
+SHORT = {"sdpa-flash": "FA2", "sdpa-cudnn": "cuDNN", "fg:fa3-default": "fa3"}
+
+
+def _cfg(r: dict) -> tuple:
+    return (r["direction"], r["d"], r["causal"], r["dtype"], r["seqlen"])
+
+
+def _cfg_label(cfg: tuple) -> str:
+    direction, d, causal, dtype, s = cfg
+    return f"{direction} d{d:<3} {'causal' if causal else 'full  '} {dtype} S={s:<5}"
+
+
+def _grouped(rows: list[dict]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in sorted(rows, key=_cfg):
+        out.setdefault(_cfg(r), []).append(r)
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
-    flash = {
-        (r["d"], r["causal"], r["dtype"], r["seqlen"], r["direction"]): r.get("tflops")
-        for r in rows
-        if r["impl"] == "sdpa-flash"
-    }
-    print()
-    print(f"{'dir':3} {'D':>3} {'c':1} {'dt':4} {'S':>5}  {'impl':16} {'tiles':12} "
-          f"{'TFLOP/s':>7} {'xFA2':>5} {'regs':>4} {'spill':>5}")  # fmt: skip
-    last = None
-    for r in rows:
-        cfg = (r["d"], r["causal"], r["dtype"], r["seqlen"], r["direction"])
-        if cfg != last and last is not None:
-            print()
-        last = cfg
-        head = (f"{r['direction']:3} {r['d']:>3} {'c' if r['causal'] else '-'} {r['dtype']:4} "
-                f"{r['seqlen']:>5}  {r['impl']:16} {r.get('tiles', ''):12}")  # fmt: skip
-        if "error" in r:
-            print(f"{head} {r['error'][:90]}")
-            continue
-        ref = flash.get(cfg)
-        ratio = f"{r['tflops'] / ref:5.2f}" if ref else f"{'-':>5}"
-        regs = f"{r['registers']:>4} {r['spill_bytes']:>5}" if "registers" in r else ""
-        print(f"{head} {r['tflops']:7.1f} {ratio} {regs}")
+    """One line per config: every implementation's TFLOP/s (``*`` spills, ``!`` no time)."""
+    print("\nTFLOP/s per config (FA2, cuDNN: SDPA backends; fa3: flashgen's Hopper kernel; "
+          "the rest: flashgen's FA2-class kernel; * spills, ! failed):")  # fmt: skip
+    for cfg, group in _grouped(rows).items():
+        parts = []
+        for r in group:
+            name = SHORT.get(r["impl"], r["impl"].removeprefix("fg:"))
+            if "tflops" in r:
+                parts.append(f"{name} {r['tflops']:.0f}{'*' if r.get('spill_bytes') else ''}")
+            else:
+                parts.append(f"{name} !")
+        print(f"  {_cfg_label(cfg)}  " + "  ".join(parts))
 
 
 def summary(rows: list[dict]) -> None:
-    """Best flashgen variant per config, and its ratio to FA2."""
-    best: dict = {}
-    flash: dict = {}
-    for r in rows:
-        cfg = (r["direction"], r["d"], r["causal"], r["dtype"], r["seqlen"])
-        if r["impl"] == "sdpa-flash" and "tflops" in r:
-            flash[cfg] = r["tflops"]
-        elif r["impl"].startswith("fg:") and "tflops" in r and not r.get("spill_bytes"):
-            if cfg not in best or r["tflops"] > best[cfg]["tflops"]:
-                best[cfg] = r
-    print("\nbest spill-free flashgen variant per config (ratio to FA2):")
-    for cfg, r in sorted(best.items(), key=lambda x: str(x[0])):
-        ref = flash.get(cfg)
-        ratio = f"{r['tflops'] / ref:.2f}" if ref else "-"
-        print(f"   {cfg[0]} d{cfg[1]} {'causal' if cfg[2] else 'full':6} {cfg[3]} S={cfg[4]:<5} "
-              f"{r['impl']:14} {r.get('tiles', ''):12} {r['tflops']:6.1f}  x{ratio}")  # fmt: skip
+    """The final table: peers, the Hopper kernel, ``base``, ``default`` and the best
+    spill-free FA2-class variant per config, with ratios to FA2."""
+
+    def tf(r: dict | None) -> str:
+        return f"{r['tflops']:6.0f}" if r and "tflops" in r else f"{'-':>6}"
+
+    print(f"\n{'config':31} {'FA2':>6} {'cuDNN':>6} {'fa3':>6} {'base':>6} {'default':>7} "
+          f"{'xFA2':>5}  {'best FA2-class (no spills)':30} {'xFA2':>5}")  # fmt: skip
+    for cfg, group in _grouped(rows).items():
+        by = {r["impl"]: r for r in group}
+        fa2 = by.get("sdpa-flash", {}).get("tflops")
+        dflt = by.get("fg:default") or by.get("fg:det")
+        base = by.get("fg:base") or by.get("fg:det-base")
+        cands = [
+            r
+            for r in group
+            if r["impl"].startswith("fg:")
+            and r["impl"] != "fg:fa3-default"
+            and "tflops" in r
+            and not r.get("spill_bytes")
+        ]
+        best = max(cands, key=lambda r: r["tflops"], default=None)
+
+        def ratio(r, fa2=fa2):
+            return f"{r['tflops'] / fa2:5.2f}" if r and "tflops" in r and fa2 else f"{'-':>5}"
+
+        best_s = f"{best['impl'][3:]} {best.get('tiles', '')} {best['tflops']:.0f}" if best else "-"
+        print(f"{_cfg_label(cfg):31} {tf(by.get('sdpa-flash'))} {tf(by.get('sdpa-cudnn'))} "
+              f"{tf(by.get('fg:fa3-default'))} {tf(base)} {tf(dflt):>7} {ratio(dflt)}  "
+              f"{best_s:30} {ratio(best)}")  # fmt: skip
 
 
 def write_json(args, checks: dict, rows: list[dict], t0: float) -> None:
@@ -591,7 +642,9 @@ def parse(argv):
     ap.add_argument("--no-bwd", dest="bwd", action="store_false", help="forward only")
     ap.add_argument("--bwd-seqlens", type=int, nargs="+", default=[16384],
                     help="seqlens at which the backward is timed (default 16384)")  # fmt: skip
-    ap.add_argument("--no-fp16", dest="fp16", action="store_false")
+    ap.add_argument("--fp16", action="store_true", help="also fp16 at d128 causal")
+    ap.add_argument("--no-fa3", dest="hopper", action="store_false",
+                    help="leave out the Hopper kernel's reference row (fa3-default)")  # fmt: skip
     ap.add_argument("--no-ablations", dest="ablations", action="store_false",
                     help="only base/default forward and det/atomic backward variants")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="S=4096 only, no ablations")
@@ -600,6 +653,8 @@ def parse(argv):
     ap.add_argument("--rep", type=int, default=80, help="do_bench repetition time, ms")
     ap.add_argument("--bwd-rep", type=int, default=200, help="the same for the backward")
     ap.add_argument("--workers", type=int, default=max(2, (os.cpu_count() or 4)))
+    ap.add_argument("--budget", type=float, default=270.0,
+                    help="seconds: no new config is timed after this (default 270)")  # fmt: skip
     ap.add_argument("--_check-child", dest="check_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -611,6 +666,9 @@ def parse(argv):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    # The FA2-class kernel on sm_90 too, for anything that asks the op (the check children
+    # inherit it); the builds below also pass family= explicitly.
+    os.environ["FLASHGEN_KERNEL_FAMILY"] = "fa2"
     import torch
 
     if not torch.cuda.is_available():
@@ -626,10 +684,17 @@ def main(argv=None) -> int:
     target = target_for_device(spec_for(64, False, "bf16"), dev)
     print(f"{torch.cuda.get_device_name(dev)}  torch {torch.__version__}  target {target}",
           flush=True)  # fmt: skip
+    args.hopper = args.hopper and target == "sm_90"  # fa3-default: the Hopper kernel only
     variants = all_variants(args)
     print(f"== build {len(variants)} variants ({args.workers} nvcc workers)", flush=True)
     built = build_all(variants, target, args.workers)
     print(f"   built in {time.perf_counter() - t0:.0f}s", flush=True)
+    templates: dict[str, list[str]] = {}
+    for b in built.values():
+        if b.variant.kind == "fwd":
+            templates.setdefault(b.template, []).append(b.variant.name)
+    for tpl, names in sorted(templates.items()):
+        print(f"   forward {tpl}: {len(names)} builds ({', '.join(sorted(set(names)))})")
     print("== check against the fp64 reference", flush=True)
     checks = run_checks(list(built), [a for a in argv if not a.startswith("--_check")])
     for key in built:
@@ -640,11 +705,15 @@ def main(argv=None) -> int:
     print(f"   {ok_n}/{len(built)} passed ({time.perf_counter() - t0:.0f}s)", flush=True)
     print("== timing", flush=True)
     rows: list[dict] = []
-    for s in args.seqlens:
+    skipped = []
+    for s in sorted(args.seqlens, reverse=True):  # the long sequences first: they matter most
         for d in args.dims:
             for causal in (False, True):
                 dtypes = ["bf16"] + (["fp16"] if (d == 128 and causal and args.fp16) else [])
                 for dtype in dtypes:
+                    if time.perf_counter() - t0 > args.budget:
+                        skipped.append(f"S={s} d{d} causal={causal} {dtype}")
+                        continue
                     sub = argparse.Namespace(**vars(args))
                     sub.bwd = args.bwd and s in args.bwd_seqlens
                     rows += time_config(d, causal, dtype, s, built, checks, sub, dev)
@@ -655,6 +724,8 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (r["direction"], r["d"], r["causal"], r["dtype"], r["seqlen"]))
     print_table(rows)
     summary(rows)
+    if skipped:
+        print(f"\nnot timed (past --budget {args.budget:.0f}s): {'; '.join(skipped)}")
     if args.json:
         write_json(args, checks, rows, t0)
         print(f"\nwrote {args.json}")

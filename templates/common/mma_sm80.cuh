@@ -61,10 +61,21 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide.
-// XOR swizzle over 8 chunks: the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
-__device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide
+// (a multiple of 64: head dims 32, 64, 96, ...).  The 8 rows an ldmatrix phase (or a warp's
+// fragment store) touches at one column, rows 8i..8i+7, must land in 8 different 16-byte bank
+// groups (a bank group is (byte address / 16) % 8):
+//   row_bytes % 128 == 0: every row starts at bank group 0; XOR the chunk's low 3 bits with row % 8
+//     (the permutation stays inside each aligned group of 8 chunks).
+//   row_bytes % 128 == 64 (head dim 32, 96, 160, ...): odd rows start 4 groups later than even ones,
+//     so XOR only the chunk's low 2 bits with (row / 2) % 4 (inside aligned groups of 4 chunks, i.e.
+//     64 bytes): bank group = (chunk ^ (row/2 % 4)) % 4 + 4 * ((chunk / 4 + row) % 2), distinct for
+//     the 8 rows.  No padding, no wasted shared memory, no padded tensor-core work.
+// row_bytes is a compile-time constant at every kernel call, so the branch folds away.  __host__ too:
+// tests/unit/test_swizzle.py checks these properties exhaustively in a host program built with nvcc.
+__host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
+    if (row_bytes % 128 == 0) return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+    return row * row_bytes + ((chunk ^ ((row >> 1) & 3)) << 4);
 }
 
 }  // namespace fg

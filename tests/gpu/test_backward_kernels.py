@@ -10,16 +10,25 @@ deterministic kernels (``deterministic=True``) and the atomic-dQ kernels
 (the path is off by default until validated here).  With the variable set, the other GPU
 suites (big sizes, streams and graphs) run the atomic path too, as their calls use the
 default ``deterministic=False``.
+
+Head dims 32, 96, 160, 192 and the (head_dim, head_dim_v) pairs (192, 128) and (128, 256)
+(``-k head_dim``): causal on/off, Sq != Sk both ways, lengths 1 to 1000, GQA, fp16 and
+bf16, softcap and ALiBi score_mods on strided q/k/v views.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec, prebuild  # noqa: E402
 
 from flashgen import ir  # noqa: E402
 from flashgen.backward import ATOMIC_DQ_ENV, uses_atomic_dq  # noqa: E402
@@ -112,6 +121,60 @@ def test_lengths_causal_on_and_off(base, sq, sk, bwd_path):
 def test_head_dim_256_and_gqa(causal, bwd_path):
     spec = with_causal(shipped("bidir_d256"), causal)
     check_grads(spec, 1, 8, 2, 300, 511, seed=3, deterministic=bwd_path)
+
+
+# ----------------------------------------------------------------------------- head dims
+# 32, 96, 160, 192 and head_dim_v != head_dim: (192, 128) as in MLA, (128, 256).
+HDIM_IDS = [dims_id(d, dv) for d, dv in NEW_HEAD_DIMS]
+
+
+def _hdim_specs():
+    for d, dv in NEW_HEAD_DIMS:
+        yield hdim_spec(d, dv, "bf16", "none", True)
+        yield hdim_spec(d, dv, "bf16", "none", False)
+        yield hdim_spec(d, dv, "fp16", "none", True)
+        yield hdim_spec(d, dv, "bf16", "softcap", True)
+        yield hdim_spec(d, dv, "bf16", "alibi", True)
+
+
+@pytest.fixture(scope="module")
+def hdim_kernels():
+    """Compile every kernel of the head-dim tests in parallel up front (the atomic-dQ unit
+    only when that path is enabled)."""
+    prebuild(
+        list(_hdim_specs()), torch.device("cuda"), backward=True, atomic_dq=uses_atomic_dq(False)
+    )
+
+
+@pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=HDIM_IDS)
+def test_head_dim_backward(d, dv, bwd_path, hdim_kernels):
+    """Causal on and off, Sq != Sk both ways with GQA, lengths 1 and 17, both dtypes."""
+    for causal in (True, False):
+        spec = hdim_spec(d, dv, "bf16", "none", causal)
+        check_grads(spec, 2, 4, 2, 127, 257, seed=d + dv, deterministic=bwd_path)
+        check_grads(spec, 1, 8, 2, 1000, 17, seed=d, deterministic=bwd_path)
+        check_grads(spec, 1, 2, 1, 1, 17, seed=dv, deterministic=bwd_path)
+    spec = hdim_spec(d, dv, "fp16", "none", True)
+    check_grads(spec, 1, 8, 1, 300, 511, seed=3, deterministic=bwd_path)
+
+
+@pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("score_mod", ["softcap", "alibi"])
+def test_head_dim_backward_score_mod_strided_views(d, dv, score_mod, bwd_path, hdim_kernels):
+    """q and k as views of one fused [B, S, 2, H, D] tensor, v a view of [B, S, H, Dv + 8]
+    (strided, not contiguous)."""
+    spec = hdim_spec(d, dv, "bf16", score_mod)
+    b, s, h = 2, 257, 4
+    qk = torch.randn(b, s, 2, h, d, device="cuda").to(torch.bfloat16)
+    vbuf = torch.randn(b, s, h, dv + 8, device="cuda").to(torch.bfloat16)
+    views = (
+        qk[:, :, 0].transpose(1, 2),
+        qk[:, :, 1].transpose(1, 2),
+        vbuf[..., :dv].transpose(1, 2),
+    )
+    assert not any(t.is_contiguous() for t in views)
+    check_grads(spec, b, h, h, s, s, seed=5, qkv=views, deterministic=bwd_path)
+    check_grads(spec, 1, 4, 2, 17, 1000, seed=6, deterministic=bwd_path)
 
 
 @pytest.mark.parametrize("hq, hkv", [(32, 8), (8, 1)])

@@ -5,19 +5,28 @@ launch, so an element the kernel forgets to write fails the test.  Accuracy boun
 max|ours - ref64| <= 2 * max|reference in the input dtype - ref64| + 1e-3; lse within
 1e-2 relative on rows that attend to something, exactly -inf (and o == 0) elsewhere.
 
+Each case runs with both kernel families (the ``family`` fixture).
 The matrix is pragmatic rather than a full cross product: each shipped spec on
 Sq == Sk, Sq < Sk and Sq > Sk with GQA; both dtypes; causal on and off at each head
 dim; lengths 1, 17, 127, 1000, 4097; GQA 32/8 and 8/1; (B, S, H, D) views; empty sizes.
+Head dims 32, 96, 160, 192 and the (head_dim, head_dim_v) pairs (192, 128) and (128, 256)
+(``-k head_dim``): both dtypes x causal on/off, lengths 1 to 4097 with Sq != Sk and GQA,
+softcap and ALiBi score_mods on (B, S, H, D) views.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec, prebuild  # noqa: E402
 
 from flashgen import cache, ir  # noqa: E402
 from flashgen.cli import random_inputs  # noqa: E402
@@ -25,6 +34,15 @@ from flashgen.op import build_op, poison_outputs  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, params=["auto", "fa2"])
+def family(request, monkeypatch):
+    """Every case runs twice: with the default kernel (on an H200, the Hopper TMA + wgmma
+    kernel) and with the FA2-class kernel (``FLASHGEN_KERNEL_FAMILY=fa2``)."""
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    return request.param
+
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = {p.stem: p for p in sorted((REPO / "specs").glob("*.yaml"))}
@@ -116,6 +134,50 @@ def test_bshd_views(name, error_bound):
 
 def test_larger_batch_and_heads(error_bound):
     check(shipped("gpt2_d64"), 3, 12, 12, 333, 333, error_bound, seed=11)
+
+
+# ----------------------------------------------------------------------------- head dims
+# 32, 96, 160, 192 and head_dim_v != head_dim: (192, 128) as in MLA, (128, 256).
+HDIM_IDS = [dims_id(d, dv) for d, dv in NEW_HEAD_DIMS]
+
+
+@pytest.fixture(scope="module")
+def hdim_kernels():
+    """Compile every forward kernel of the head-dim tests in parallel up front."""
+    dev = torch.device("cuda")
+    specs = [
+        hdim_spec(d, dv, dtype, "none", causal)
+        for d, dv in NEW_HEAD_DIMS
+        for dtype in ("fp16", "bf16")
+        for causal in (True, False)
+    ]
+    specs += [hdim_spec(d, dv, "bf16", m) for d, dv in NEW_HEAD_DIMS for m in ("softcap", "alibi")]
+    prebuild(specs, dev)
+
+
+@pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_dim_dtype_causal(d, dv, dtype, causal, error_bound, hdim_kernels):
+    spec = hdim_spec(d, dv, dtype, "none", causal)
+    check(spec, 2, 4, 2, 257, 300, error_bound, seed=d + dv)
+
+
+@pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize(
+    "hq, hkv, sq, sk", [(2, 2, 1, 1), (8, 2, 17, 1000), (8, 1, 1000, 17), (4, 2, 4097, 127)]
+)
+def test_head_dim_lengths_and_gqa(d, dv, hq, hkv, sq, sk, error_bound, hdim_kernels):
+    for causal in (True, False):
+        check(hdim_spec(d, dv, "bf16", "none", causal), 1, hq, hkv, sq, sk, error_bound, seed=sq)
+
+
+@pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=HDIM_IDS)
+@pytest.mark.parametrize("score_mod", ["softcap", "alibi"])
+def test_head_dim_score_mod_and_bshd_views(d, dv, score_mod, error_bound, hdim_kernels):
+    spec = hdim_spec(d, dv, "bf16", score_mod)
+    check(spec, 2, 8, 2, 300, 257, error_bound, bshd=True, seed=d)
+    check(spec, 1, 4, 4, 127, 1000, error_bound, seed=dv)
 
 
 # ----------------------------------------------------------------------------- empty sizes

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen import ir  # noqa: E402
+from flashgen.cli import random_tensor_params  # noqa: E402
 from flashgen.derive import d_dscore  # noqa: E402
 from flashgen.op import build_op  # noqa: E402
 from flashgen.reference import attention_reference, eval_expr  # noqa: E402
@@ -25,9 +26,9 @@ def _inputs(spec, b=1, hq=2, hkv=1, sq=5, sk=7, dtype=torch.float64, seed=0):
     q = torch.randn(b, hq, sq, spec.head_dim, generator=g, dtype=dtype)
     k = torch.randn(b, hkv, sk, spec.head_dim, generator=g, dtype=dtype)
     v = torch.randn(b, hkv, sk, spec.head_dim_v, generator=g, dtype=dtype)
-    params = {}
-    for p in spec.tensor_params:
-        params[p.name] = torch.rand(hq, generator=g, dtype=torch.float64) * 0.5
+    sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
+    params = {n: t * 0.5 if t.is_floating_point() else t
+              for n, t in random_tensor_params(spec, sym, "cpu", g).items()}  # fmt: skip
     for p in spec.scalar_params:
         if p.name == "window":
             params[p.name] = 3  # small enough to mask something at these sizes

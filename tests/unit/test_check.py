@@ -125,8 +125,8 @@ def test_check_spec_on_hand_built_spec():
     checked = check_spec(raw)
     assert checked.mask.ty == Ty.BOOL and checked.mask.lhs.ty == Ty.I32
     assert raw.mask.lhs.ty is None  # the input is not modified
-    with pytest.raises(SpecError, match="head_dim 96"):
-        check_spec(dataclasses.replace(raw, head_dim=96))
+    with pytest.raises(SpecError, match="head_dim 80"):
+        check_spec(dataclasses.replace(raw, head_dim=80))
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from flashgen import lower
-from flashgen.lower import plan_backward, plan_forward
+from flashgen.lower import TileConfig, plan_backward, plan_forward
 from flashgen.render import render
 from flashgen.spec import loads_spec
+from flashgen.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,9 +36,18 @@ def test_unknown_option_is_refused():
 @pytest.mark.parametrize("key", sorted(lower.FORWARD_OPTIONS))
 def test_each_forward_switch_changes_the_source(key):
     spec = _spec()
-    on = render(plan_forward(spec, "sm_90", options={key: True}))
-    off = render(plan_forward(spec, "sm_90", options={key: False}))
+    on = render(plan_forward(spec, "sm_90", options={key: True}, family="fa2"))
+    off = render(plan_forward(spec, "sm_90", options={key: False}, family="fa2"))
     assert on != off
+
+
+DOC_MASK = """name: opt_doc
+head_dim: 128
+dtype: bf16
+mask: causal && doc[q_idx] == doc[kv_idx]
+params:
+  doc: {type: i32, shape: [seqlen_q]}
+"""
 
 
 def test_every_forward_switch_combination_renders():
@@ -46,10 +56,29 @@ def test_every_forward_switch_combination_renders():
         _spec(),
         _spec(mask="null", score_mod="score * 0.5"),
         _spec("causal && q_idx - kv_idx < 64"),
+        varlen_spec(_spec("causal && q_idx - kv_idx < 64")),
+        loads_spec(DOC_MASK),  # block table
     ):
         for values in itertools.product((False, True), repeat=len(keys)):
-            src = render(plan_forward(spec, "sm_80", options=dict(zip(keys, values, strict=True))))
-            assert "__global__" in src
+            opts = dict(zip(keys, values, strict=True))
+            plan = plan_forward(spec, "sm_90", options=opts, family="fa2")
+            src = render(plan)
+            assert plan.template == "sm_80/fwd.cu.j2" and "__global__" in src
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [_spec(), varlen_spec(_spec()), loads_spec(DOC_MASK)],
+    ids=["causal", "varlen", "block_table"],
+)
+def test_fold_scale_reaches_both_paths_of_the_scores_macro(spec):
+    """masks' scores(masked) macro is expanded twice (PARTIAL and FULL tiles); the folded
+    scale must be in both, and the exp2 FFMA must take it."""
+    src = render(plan_forward(spec, "sm_80"))
+    assert src.count("float x = acc_s[mt][nt][i];  // raw q.k") == 2
+    assert "fmaf(acc_s[mt][nt][2 * r + j], scale_log2, -base)" in src
+    off = render(plan_forward(spec, "sm_80", options={"fwd_fold_scale": False}))
+    assert off.count("float x = acc_s[mt][nt][i] * scale_log2;") == 2
 
 
 def test_fold_scale_only_without_score_mod():
@@ -72,14 +101,34 @@ def test_async_stats_only_without_score_mod():
     assert "cp_async_4(" not in src.split("__global__", 1)[1]
 
 
-def test_default_tiles_key_counts_residual_masks():
-    assert lower.default_tiles(_spec()) == lower.DEFAULT_TILES[(128, False)]
-    swa = _spec("causal && q_idx - kv_idx < 64")
-    assert lower.default_tiles(swa) == lower.DEFAULT_TILES[(128, True)]
+def test_default_tiles_mask_rule():
+    assert (
+        lower.default_tiles(_spec()) == lower.DEFAULT_TILES[(128, False)] == TileConfig(128, 64, 4)
+    )
+    # a mask beyond causal at d128 takes MASK_TILES; other head dims keep their entry
+    swa = "causal && q_idx - kv_idx < 64"
+    assert lower.default_tiles(_spec(swa)) == lower.MASK_TILES[128] == TileConfig(128, 32, 4)
+    assert lower.default_tiles(_spec(swa, d=256)) == lower.DEFAULT_TILES[(256, False)]
+    assert lower.default_tiles(_spec(swa, d=96)) == lower.DEFAULT_TILES[(96, False)]
+    # a score_mod keys the table as before
+    modded = _spec(score_mod="score * 0.5")
+    assert lower.default_tiles(modded) == lower.DEFAULT_TILES[(128, True)]
     assert (
         lower.default_tiles(_spec(d=64, score_mod="score * 0.5"))
         == lower.DEFAULT_TILES[(64, False)]
     )
+
+
+def test_varlen_and_hopper_keep_their_tiles():
+    # varlen keeps the pre-128x64x4 d128 tile and keys on score_mod only
+    assert lower.default_tiles(varlen_spec(_spec())) == TileConfig(128, 32, 4)
+    swa = varlen_spec(_spec("causal && q_idx - kv_idx < 64"))
+    assert lower.default_tiles(swa) == TileConfig(128, 32, 4)
+    assert lower.default_tiles(varlen_spec(_spec(d=256))) == lower.DEFAULT_TILES[(256, False)]
+    # sm_90 picks the Hopper kernel by default; family="fa2" gets this branch's default tiles
+    assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[128]
+    assert lower.choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
+    assert lower.choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
 
 
 def _perf_sweep():
@@ -107,13 +156,47 @@ def test_perf_sweep_variants_plan_and_render():
         spec = ps.spec_for(v.d, v.causal, v.dtype)
         opts = dict(v.options)
         if v.kind == "fwd":
-            render(plan_forward(spec, "sm_90", tiles=v.tiles, options=opts))
+            plan = plan_forward(spec, "sm_90", tiles=v.tiles, options=opts, family=v.family)
+            # on sm_90 every variant but the reference row times the FA2-class kernel
+            want = "sm_90/fwd.cu.j2" if v.name == "fa3-default" else ps.FA2_TEMPLATE
+            assert plan.template == want, v.key
+            render(plan)
         else:
             render(
                 plan_backward(spec, "sm_90", atomic_dq=v.atomic, tiles=v.tiles, options=opts).unit
             )
+    assert sum(v.name == "fa3-default" for v in variants) == 6  # one per forward config
     quick = ps.all_variants(ps.parse(["--quick"]))
-    assert {v.name for v in quick} == {"base", "default", "det", "atomic", "atomic-n128"}
+    assert {v.name for v in quick} == {
+        "base",
+        "default",
+        "fa3-default",
+        "det",
+        "atomic",
+        "atomic-n128",
+    }
+    assert not any(v.name == "fa3-default" for v in ps.all_variants(ps.parse(["--no-fa3"])))
+
+
+def test_perf_sweep_reports(capsys):
+    ps = _perf_sweep()
+    cfg = {"d": 128, "causal": True, "dtype": "bf16", "seqlen": 16384, "direction": "fwd"}
+    rows = [
+        {**cfg, "impl": "sdpa-flash", "tflops": 320.0},
+        {**cfg, "impl": "sdpa-cudnn", "tflops": 570.0},
+        {**cfg, "impl": "fg:fa3-default", "tflops": 610.0, "spill_bytes": 0, "tiles": "128x160x12"},
+        {**cfg, "impl": "fg:base", "tflops": 260.0, "spill_bytes": 0, "tiles": "128x32x4"},
+        {**cfg, "impl": "fg:default", "tflops": 300.0, "spill_bytes": 0, "tiles": "128x64x4"},
+        {**cfg, "impl": "fg:t128x32x4", "tflops": 400.0, "spill_bytes": 8, "tiles": "128x32x4"},
+        {**cfg, "impl": "fg:-fold", "error": "check failed"},
+    ]
+    ps.print_table(rows)
+    ps.summary(rows)
+    out = capsys.readouterr().out
+    assert "t128x32x4 400*" in out and "-fold !" in out
+    last = out.strip().splitlines()[-1]
+    # best spill-free FA2-class variant: default (fa3 and the spilling tile do not count)
+    assert "fwd d128 causal" in last and "default 128x64x4 300" in last and "0.94" in last
 
 
 def test_perf_sweep_flops():

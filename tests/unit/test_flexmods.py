@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashgen.cli import random_tensor_params
 from flashgen.flexmods import flex_mods, mask_uses_batch_or_head
 from flashgen.reference import attention_reference, eval_expr
 from flashgen.spec import load_spec, loads_spec
@@ -77,7 +78,8 @@ def test_shipped_specs_match_reference_through_eager_flex(path):
     B, H, Sq, Sk, D = 1, 2, 33, 47, spec.head_dim
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, s, D, generator=g) for s in (Sq, Sk, Sk))
-    params = {p.name: torch.rand(H, generator=g) for p in spec.tensor_params}
+    sym = {"batch": B, "num_heads": H, "num_heads_kv": H, "seqlen_q": Sq, "seqlen_k": Sk}
+    params = random_tensor_params(spec, sym, "cpu", g)
     if spec.param("window") is not None:
         params["window"] = 9
     score_mod, mask_mod = flex_mods(spec, Sq, Sk, params)

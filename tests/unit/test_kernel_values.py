@@ -31,8 +31,15 @@ def test_every_kernel_argument_has_a_value(name):
     o, lse = torch.empty_like(q), torch.empty(B, Hq, Sq)
     fwd = kernel_values(spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, 0.1,
                         scalars, tensors)  # fmt: skip
-    packed = kernel_args(plan_forward(spec, "sm_90"), fwd)
+    packed = kernel_args(plan_forward(spec, "sm_80"), fwd)
     assert packed[len(packed) - len(spec.params) - 1] == pytest.approx(0.1)  # softmax_scale
+    # The Hopper kernel appends CUtensorMap args, built at launch from the tensors plan.tma names.
+    hopper = plan_forward(spec, "sm_90")
+    maps = {a.name for a in hopper.args if a.ctype == "CUtensorMap"}
+    assert maps == {m.name for m in hopper.tma} == {"tma_q", "tma_k", "tma_v"}
+    assert all(m.tensor in fwd for m in hopper.tma)
+    packed = kernel_args(hopper, {**fwd, **{m: bytes(128) for m in maps}})
+    assert len(packed) == len(hopper.args) and packed[-1] == bytes(128)
     assert fwd["q_ss"] == q.stride(2) == Hq * D  # the (B, S, H, D) view's strides
     for atomic in (False, True):
         bwd = kernel_values(

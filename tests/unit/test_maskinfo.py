@@ -21,6 +21,8 @@ from dsl_strategies import expr, spec_text  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from flashgen.cli import random_tensor_params  # noqa: E402
+from flashgen.lower import needs_block_table  # noqa: E402
 from flashgen.maskinfo import TileClass, classify, density, tile_classes  # noqa: E402
 from flashgen.reference import eval_expr  # noqa: E402
 from flashgen.spec import load_spec, loads_spec  # noqa: E402
@@ -100,6 +102,12 @@ def test_shipped_masks_exhaustively(path, grid):
         assert all(c == TileClass.FULL for row in tile_classes(spec, 9, 9, 4, 4) for c in row)
         return
     params = {"window": 13} if spec.param("window") else None
+    if needs_block_table(spec):  # reads tensors: sound here, exact in test_blockmask.py
+        sq, sk = grid[0], grid[1]
+        sizes = {"batch": 1, "num_heads": 1, "num_heads_kv": 1, "seqlen_q": sq, "seqlen_k": sk}
+        tensors = random_tensor_params(spec, sizes, "cpu", torch.Generator().manual_seed(0))
+        check_grid(spec, *grid, exact=False, params=params, tensors=tensors)
+        return
     check_grid(spec, *grid, exact=True, params=params)
 
 

@@ -13,6 +13,7 @@ import torch
 
 import flashgen
 from flashgen import OpInputError
+from flashgen.cli import random_tensor_params
 from flashgen.op import build_op, schema
 from flashgen.reference import attention_reference
 from flashgen.spec import load_spec
@@ -28,13 +29,8 @@ def inputs(spec, b=2, hq=4, hkv=2, sq=33, sk=47, seed=0):
     q = torch.randn(b, hq, sq, spec.head_dim, generator=g).to(dt)
     k = torch.randn(b, hkv, sk, spec.head_dim, generator=g).to(dt)
     v = torch.randn(b, hkv, sk, spec.head_dim_v, generator=g).to(dt)
-    params = {}
-    for p in spec.tensor_params:
-        sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
-        params[p.name] = torch.rand(
-            [d if isinstance(d, int) else sym[d] for d in p.shape], generator=g
-        )
-    return q, k, v, params
+    sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
+    return q, k, v, random_tensor_params(spec, sym, "cpu", g)
 
 
 @pytest.fixture(scope="module")

@@ -41,16 +41,20 @@ def at(e: SpecError) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- shipped specs
-def test_all_seven_specs_ship():
+def test_all_eleven_specs_ship():
     names = {p.stem for p in SPECS}
-    assert names == {
+    assert names >= {
         "causal_d128",
+        "chunked_local",
+        "prefix_lm",
         "llama3_gqa",
         "gpt2_d64",
         "bidir_d256",
         "mistral_swa",
         "gemma2_softcap",
         "alibi",
+        "document_mask",
+        "t5_bias",
     }
 
 
@@ -182,12 +186,32 @@ def test_unsupported_head_dim(tmp_path):
     e = fails(tmp_path, BASE.replace("head_dim: 128", "head_dim: 100"))
     assert at(e) == (2, 11)
     assert "head_dim 100 is not supported" in e.message
-    assert "64, 128, 256" in e.message
+    assert "(supported: 32, 64, 96, 128, 160, 192, 256)" in e.message
+
+
+@pytest.mark.parametrize("d", [16, 48, 80, 224, 512])
+def test_other_head_dims_are_rejected_with_the_list(tmp_path, d):
+    e = fails(tmp_path, BASE.replace("head_dim: 128", f"head_dim: {d}"))
+    assert at(e) == (2, 11)
+    assert f"head_dim {d} is not supported (supported: 32, 64, 96, 128, 160, 192, 256)" in str(e)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 256])
+def test_every_supported_head_dim_loads(d):
+    s = loads_spec(BASE.replace("head_dim: 128", f"head_dim: {d}"))
+    assert (s.head_dim, s.head_dim_v) == (d, d)
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 256), (32, 96)])
+def test_head_dim_v_differs(d, dv):
+    s = loads_spec(BASE.replace("head_dim: 128", f"head_dim: {d}\nhead_dim_v: {dv}"))
+    assert (s.head_dim, s.head_dim_v) == (d, dv)
 
 
 def test_unsupported_head_dim_v(tmp_path):
-    e = fails(tmp_path, BASE + "head_dim_v: 96\n")
+    e = fails(tmp_path, BASE + "head_dim_v: 80\n")
     assert at(e) == (5, 13)
+    assert "head_dim_v 80 is not supported (supported: 32, 64," in e.message
 
 
 def test_head_dim_wrong_type(tmp_path):

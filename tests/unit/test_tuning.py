@@ -9,7 +9,14 @@ import pytest
 
 from flashgen import tuning
 from flashgen.ir import TileOverride
-from flashgen.lower import DEFAULT_TILES, TileConfig, choose_tiles, default_tiles, plan_forward
+from flashgen.lower import (
+    DEFAULT_TILES,
+    HOPPER_TILES,
+    TileConfig,
+    choose_tiles,
+    default_tiles,
+    plan_forward,
+)
 from flashgen.spec import loads_spec
 
 GPU = "NVIDIA H200"
@@ -53,17 +60,22 @@ def test_shipped_table_is_valid_json():
 
 def test_untuned_key_falls_back_to_default(table):
     spec = loads_spec(SPEC)
-    assert choose_tiles(spec, "sm_90", GPU) == DEFAULT_TILES[(128, False)]
-    assert choose_tiles(spec, "sm_90") == DEFAULT_TILES[(128, False)]
+    # sm_90's default family is the Hopper kernel; an FA2-shaped entry does not replace it
+    assert choose_tiles(spec, "sm_90", GPU) == HOPPER_TILES[128]
+    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
+    assert choose_tiles(spec, "sm_90", family="fa2") == DEFAULT_TILES[(128, False)]
 
 
 def test_tuned_key_is_used_only_for_its_gpu_and_key(table):
     spec = loads_spec(SPEC)
     tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 64, 4))
-    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(64, 64, 4)
+    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == TileConfig(64, 64, 4)
     # no GPU name (offline build), another GPU, another target: defaults
-    assert choose_tiles(spec, "sm_90") == DEFAULT_TILES[(128, False)]
-    assert choose_tiles(spec, "sm_90", "NVIDIA A100-SXM4-80GB") == DEFAULT_TILES[(128, False)]
+    assert choose_tiles(spec, "sm_90", family="fa2") == DEFAULT_TILES[(128, False)]
+    assert (
+        choose_tiles(spec, "sm_90", "NVIDIA A100-SXM4-80GB", family="fa2")
+        == DEFAULT_TILES[(128, False)]
+    )
     assert choose_tiles(spec, "sm_80", GPU) == DEFAULT_TILES[(128, False)]
     # the key distinguishes dtype, causal and score_mod
     for other in (
@@ -71,7 +83,7 @@ def test_tuned_key_is_used_only_for_its_gpu_and_key(table):
         replace(spec, mask=None),
         loads_spec(SPEC + "score_mod: score * 2.0\n"),
     ):
-        assert choose_tiles(other, "sm_90", GPU) == default_tiles(other)
+        assert choose_tiles(other, "sm_90", GPU, family="fa2") == default_tiles(other)
 
 
 def test_causal_conjunct_counts_as_causal(table):
@@ -79,22 +91,22 @@ def test_causal_conjunct_counts_as_causal(table):
     swa = loads_spec(
         "name: tt_swa\nhead_dim: 128\ndtype: bf16\nmask: causal && q_idx - kv_idx < 256\n"
     )
-    assert choose_tiles(swa, "sm_90", GPU) == TileConfig(64, 32, 4)
+    assert choose_tiles(swa, "sm_90", GPU, family="fa2") == TileConfig(64, 32, 4)
 
 
 def test_spec_override_wins_over_table(table):
     tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 64, 4))
     spec = replace(loads_spec(SPEC), tiles=TileOverride(block_n=32))
-    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(64, 32, 4)
+    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == TileConfig(64, 32, 4)
     spec = replace(loads_spec(SPEC), tiles=TileOverride(128, 128, 8))
-    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(128, 128, 8)
+    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == TileConfig(128, 128, 8)
 
 
 def test_plan_and_source_follow_the_table(table):
     spec = loads_spec(SPEC)
-    before = plan_forward(spec, "sm_90", gpu=GPU)
+    before = plan_forward(spec, "sm_90", gpu=GPU, family="fa2")
     tuning.update_table(tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(64, 64, 4))
-    after = plan_forward(spec, "sm_90", gpu=GPU)
+    after = plan_forward(spec, "sm_90", gpu=GPU, family="fa2")
     assert (after.tiles.block_m, after.tiles.block_n) == (64, 64)
     assert after.context["block_n"] == 64 and after.tiles != before.tiles
     from flashgen.render import render
@@ -107,12 +119,14 @@ def test_invalid_and_missing_tables_are_ignored(table):
     spec = loads_spec(SPEC)
     table.write_text("{not json")
     assert tuning.load_table() == {}
-    assert choose_tiles(spec, "sm_90", GPU) == DEFAULT_TILES[(128, False)]
+    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
     key = tuning.table_key(GPU, "sm_90", 128, "bf16", True, False)
     table.write_text(json.dumps({"entries": {key: {"block_m": 96, "block_n": 64, "num_warps": 4}}}))
-    assert choose_tiles(spec, "sm_90", GPU) == DEFAULT_TILES[(128, False)]  # 96 % 64 != 0
+    assert (
+        choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
+    )  # 96 % 64 != 0
     table.write_text(json.dumps({key: _entry(64, 48, 4)}))  # flat form is read too
-    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(64, 48, 4)
+    assert choose_tiles(spec, "sm_90", GPU, family="fa2") == TileConfig(64, 48, 4)
 
 
 def test_update_table_keeps_other_keys_and_rejects_bad_entries(table):

@@ -282,7 +282,8 @@ def test_write_generated_refuses_unchecked_names(tmp_path, name):
         {"params": {"x": {"type": "f32", "shape": [-1]}}},
         {"tiles": {"block_m": 48}},
         {"tiles": {"num_warps": 3}},
-        {"head_dim": 96},
+        {"head_dim": 80},
+        {"head_dim": 224},
         {"head_dim": int("9" * 400)},
     ],
 )

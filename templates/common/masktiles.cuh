@@ -1,0 +1,195 @@
+// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
+// (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
+// Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
+// ranges (EMPTY runs are skipped and FULL runs taken in O(log n) range checks).
+#ifndef __CUDACC_RTC__
+#include <math.h>
+#endif
+
+#define FG_HD __host__ __device__ __forceinline__
+
+namespace fg {
+namespace iv {
+
+constexpr int EMPTY = 0, PARTIAL = 1, FULL = 2;
+
+struct R { double lo, hi; };  // every value lies in [lo, hi]
+struct T { bool t, f; };      // can be true, can be false
+
+FG_HD R exact(double v) { return {v, v}; }
+FG_HD R range(double lo, double hi) { return {lo, hi}; }
+FG_HD R any() { return {-INFINITY, INFINITY}; }
+FG_HD T truth(bool v) { return {v, !v}; }
+FG_HD T maybe() { return {true, true}; }
+
+FG_HD T lnot(T a) { return {a.f, a.t}; }
+FG_HD T land(T a, T b) { return {a.t && b.t, a.f || b.f}; }
+FG_HD T lor(T a, T b) { return {a.t || b.t, a.f && b.f}; }
+
+FG_HD R neg(R a) { return {-a.hi, -a.lo}; }
+FG_HD R add(R a, R b) { return {a.lo + b.lo, a.hi + b.hi}; }
+FG_HD R sub(R a, R b) { return {a.lo - b.hi, a.hi - b.lo}; }
+
+FG_HD R corners(double w, double x, double y, double z) {
+    if (isnan(w) || isnan(x) || isnan(y) || isnan(z)) return any();
+    return {fmin(fmin(w, x), fmin(y, z)), fmax(fmax(w, x), fmax(y, z))};
+}
+FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x * y; }  // 0 * inf = 0
+FG_HD R mul(R a, R b) {
+    return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
+}
+// C integer division (truncates toward zero) on integer-valued doubles.
+FG_HD double trunc_div(double x, double y) {
+    if (isinf(x) || isinf(y)) return x / y;
+    const double q = floor(fabs(x) / fabs(y));
+    return ((x >= 0) == (y > 0)) ? q : -q;
+}
+FG_HD R div(R a, R b, bool is_int) {
+    if (b.lo <= 0 && 0 <= b.hi) return any();
+    if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
+        const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
+        const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        return b.lo > 0 ? R{lo, hi} : R{hi, lo};
+    }
+    if (is_int)
+        return corners(trunc_div(a.lo, b.lo), trunc_div(a.lo, b.hi), trunc_div(a.hi, b.lo), trunc_div(a.hi, b.hi));
+    return corners(a.lo / b.lo, a.lo / b.hi, a.hi / b.lo, a.hi / b.hi);
+}
+// C % / fmodf (the sign of the dividend), by an exact divisor.
+FG_HD R mod(R a, R b, bool is_int) {
+    if (b.lo != b.hi || b.lo == 0 || isinf(b.lo)) return any();
+    const double c = fabs(b.lo);
+    // (integer-valued doubles: x - c * floor(x / c) is x % c for x >= 0, and exact)
+    if (is_int && a.lo >= 0 && !isinf(a.hi)) {
+        const double ql = floor(a.lo / c), qh = floor(a.hi / c);
+        if (ql == qh) return {a.lo - c * ql, a.hi - c * qh};
+    }
+    if (is_int && a.hi <= 0 && !isinf(a.lo)) {
+        const double ql = floor(-a.lo / c), qh = floor(-a.hi / c);
+        if (ql == qh) return {-(-a.lo - c * ql), -(-a.hi - c * qh)};
+    }
+    const double edge = is_int ? c - 1 : c;
+    return {a.lo >= 0 ? 0.0 : -edge, a.hi <= 0 ? 0.0 : edge};
+}
+
+FG_HD T lt(R a, R b) { return {a.lo < b.hi, a.hi >= b.lo}; }
+FG_HD T le(R a, R b) { return {a.lo <= b.hi, a.hi > b.lo}; }
+FG_HD T gt(R a, R b) { return {a.hi > b.lo, a.lo <= b.hi}; }
+FG_HD T ge(R a, R b) { return {a.hi >= b.lo, a.lo < b.hi}; }
+FG_HD T eq(R a, R b) {
+    const bool overlap = a.lo <= b.hi && b.lo <= a.hi;
+    const bool same = a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
+    return {overlap, !same};
+}
+FG_HD T ne(R a, R b) { return lnot(eq(a, b)); }
+FG_HD T eq(T a, T b) { return {(a.t && b.t) || (a.f && b.f), (a.t && b.f) || (a.f && b.t)}; }
+FG_HD T ne(T a, T b) { return lnot(eq(a, b)); }
+
+// c ? x : y, with x (y) only counted where c can be true (false).
+FG_HD R cond(T c, R x, R y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {fmin(x.lo, y.lo), fmax(x.hi, y.hi)};
+}
+FG_HD T cond(T c, T x, T y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {x.t || y.t, x.f || y.f};
+}
+
+FG_HD R fabs_(R a) {
+    if (a.lo >= 0) return a;
+    if (a.hi <= 0) return {-a.hi, -a.lo};
+    return {0.0, fmax(-a.lo, a.hi)};
+}
+FG_HD R min_(R a, R b) { return {fmin(a.lo, b.lo), fmin(a.hi, b.hi)}; }
+FG_HD R max_(R a, R b) { return {fmax(a.lo, b.lo), fmax(a.hi, b.hi)}; }
+FG_HD double exp_(double x) { return x < 700 ? exp(x) : INFINITY; }
+FG_HD R exp_(R a) { return {exp_(a.lo), exp_(a.hi)}; }
+FG_HD R log_(R a) {
+    if (a.lo < 0) return any();
+    return {a.lo == 0 ? -INFINITY : log(a.lo), a.hi == 0 ? -INFINITY : log(a.hi)};
+}
+FG_HD R sqrt_(R a) { return a.lo < 0 ? any() : R{sqrt(a.lo), sqrt(a.hi)}; }
+FG_HD R tanh_(R a) { return {tanh(a.lo), tanh(a.hi)}; }
+
+// x, through an empty volatile asm on the device: the compiler cannot hoist what depends on it out of a loop.
+FG_HD int opaque(int x) {
+#ifdef __CUDA_ARCH__
+    int r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+#else
+    return x;
+#endif
+}
+
+FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
+
+// Smallest power of two >= n (n >= 1).
+FG_HD int ceil_pow2(int n) {
+    int s = 1;
+    while (s < n) s <<= 1;
+    return s;
+}
+
+// Block searches along one axis.  tile(i0, i1) classifies blocks i0..i1 (inclusive) as one range.  A live
+// block costs one single-block check; a FULL one also tries the aligned power-of-two ranges beyond it,
+// halving, and the largest FULL one is remembered in `full`: its blocks cost nothing; an EMPTY one starts a
+// crossing of the EMPTY run by aligned ranges, skipped when EMPTY and halved otherwise.  So a run of n EMPTY
+// or FULL blocks costs O(log n) range checks, a PARTIAL block one.  Correct for any mask: a range is only
+// skipped when EMPTY and only taken as FULL when FULL.  Successive calls of one walk must move one way
+// (`full` is valid between the last block returned and the end of its run); start `full` at -1
+// (next_live) / INT_MAX (prev_live), and again for a new walk.
+
+// Smallest block i in [j, n) that is not EMPTY, or n; `cls` gets its class.
+template <class Tile>
+FG_HD int next_live(int j, int n, int& cls, int& full, Tile&& tile) {
+    if (j >= n) return n;
+    if (j <= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range starting at j
+        for (int s = j ? (j & -j) : ceil_pow2(n); s > 1; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            if (e > j && tile(j, e) == FULL) { full = e; break; }
+        }
+    }
+    if (cls != EMPTY) return j;
+    for (++j; j < n;) {  // cross the EMPTY run
+        for (int s = j & -j;; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            const int c = tile(j, e);
+            if (c == EMPTY) { j += s; break; }
+            if (c == FULL) { full = e; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return n;
+}
+
+// Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.  Mirror of next_live.
+template <class Tile>
+FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
+    if (j < 0) return -1;
+    if (j >= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range ending at j
+        for (int s = (j + 1) & -(j + 1); s > 1; s >>= 1)
+            if (tile(j + 1 - s, j) == FULL) { full = j + 1 - s; break; }
+    }
+    if (cls != EMPTY) return j;
+    for (--j; j >= 0;) {  // cross the EMPTY run
+        for (int s = (j + 1) & -(j + 1);; s >>= 1) {
+            const int c = tile(j + 1 - s, j);
+            if (c == EMPTY) { j -= s; break; }
+            if (c == FULL) { full = j + 1 - s; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return -1;
+}
+
+}  // namespace iv
+}  // namespace fg

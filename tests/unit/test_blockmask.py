@@ -1,0 +1,251 @@
+"""Block tables for masks that read tensor params: lowering, the brute-force reference
+table, ``op.block_mask`` / ``block_mask=`` on CPU and their errors; the shipped
+tensor-param specs (document_mask, t5_bias) against the reference.  No GPU needed (the
+pre-pass kernel is compiled with nvcc, zero spills)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen import cache  # noqa: E402
+from flashgen.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
+from flashgen.errors import OpInputError  # noqa: E402
+from flashgen.lower import (  # noqa: E402
+    TileConfig,
+    block_table_dims,
+    block_table_shape,
+    needs_block_table,
+    plan_block_table,
+    plan_forward,
+)
+from flashgen.reference import attention_reference, eval_mask  # noqa: E402
+from flashgen.render import render  # noqa: E402
+from flashgen.select import build_forward  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "specs" / "document_mask.yaml"
+T5 = REPO / "specs" / "t5_bias.yaml"
+DOC1D = (
+    "name: doc1d\nhead_dim: 64\ndtype: fp16\nmask: doc[q_idx] == doc[kv_idx]\n"
+    "params:\n  doc: {type: i32, shape: [seqlen_q]}\n"
+)
+PER_HEAD = (
+    "name: perhead\nhead_dim: 64\ndtype: bf16\n"
+    "mask: 'causal && q_idx - kv_idx < win[h] + shift'\n"
+    "params:\n  win: {type: i32, shape: [num_heads]}\n  shift: {type: i32, default: 0}\n"
+)
+
+
+def docs(b, s, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, n, (b, s), generator=g, dtype=torch.int32).sort(-1).values
+
+
+def brute_classes(keep, bm, bn):
+    """[..., Sq, Sk] bool -> per-tile class by loops (the definition)."""
+    *lead, sq, sk = keep.shape
+    mb, nb = -(-sq // bm), -(-sk // bn)
+    out = torch.empty(*lead, mb, nb, dtype=torch.uint8)
+    flat, oflat = keep.reshape(-1, sq, sk), out.view(-1, mb, nb)
+    for s in range(flat.shape[0]):
+        for i in range(mb):
+            for j in range(nb):
+                t = flat[s, i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
+                oflat[s, i, j] = EMPTY if not t.any() else FULL if t.all() else PARTIAL
+    return out
+
+
+def test_which_specs_need_a_table():
+    assert needs_block_table(load_spec(DOC))
+    assert not needs_block_table(load_spec(T5))  # tensor in score_mod only
+    assert not needs_block_table(load_spec(REPO / "specs" / "mistral_swa.yaml"))
+    assert block_table_dims(load_spec(DOC)) == (True, False)
+    assert block_table_dims(loads_spec(DOC1D, "d.yaml")) == (False, False)
+    assert block_table_dims(loads_spec(PER_HEAD, "p.yaml")) == (False, True)
+
+
+def test_forward_abi_gets_the_table_only_when_needed():
+    doc = plan_forward(load_spec(DOC), "sm_90")
+    assert [a.name for a in doc.args[-3:]] == ["blk_tab", "blk_sb", "blk_sh"]
+    assert doc.context["block_table"] and doc.config()["block_table"]
+    src = render(doc)
+    assert "tab_row[j] == 2" in src and "fg_tile_class(" not in src.split("kv_class")[1]
+    t5 = plan_forward(load_spec(T5), "sm_90")
+    assert "blk_tab" not in [a.name for a in t5.args] and "tab_row" not in render(t5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("text", [DOC.read_text(), DOC1D, PER_HEAD])
+def test_pre_pass_and_forward_compile_without_spills(text, target):
+    """The op's build path (tables, then the spill fallback's smaller tiles) ends spill-free;
+    the pre-pass for the chosen tiles never spills."""
+    spec = loads_spec(text, "s.yaml")
+    fwd, _, report = build_forward(spec, target)
+    assert report.spill_bytes == 0, report
+    plan = plan_block_table(spec, target, fwd.tiles)
+    _, report = cache.get_or_build(render(plan), plan)
+    assert report.spill_bytes == 0, report
+
+
+def test_pre_pass_plan_refuses_index_only_masks():
+    with pytest.raises(ValueError, match="no tensor param"):
+        plan_block_table(load_spec(T5), "sm_80", TileConfig(128, 32, 4))
+
+
+@pytest.mark.parametrize(
+    "sq,sk,bm,bn", [(1, 1, 128, 32), (17, 130, 16, 32), (127, 61, 64, 16), (300, 300, 128, 32)]
+)
+def test_reference_table_matches_brute_force(sq, sk, bm, bn):
+    spec = load_spec(DOC)
+    b = 2
+    params = {"doc_q": docs(b, sq, 3), "doc_kv": docs(b, sk, 3, seed=1)}
+    tiles = TileConfig(bm, bn, 4)
+    table = block_table_reference(
+        spec, tiles, batch=b, heads_q=4, seqlen_q=sq, seqlen_k=sk, params=params
+    )
+    assert tuple(table.shape) == block_table_shape(spec, tiles, b, 4, sq, sk) == (
+        b, 1, -(-sq // bm), -(-sk // bn),
+    )  # fmt: skip
+    keep = eval_mask(spec, batch=b, heads_q=1, seqlen_q=sq, seqlen_k=sk, params=params)
+    assert torch.equal(table, brute_classes(keep, bm, bn))
+
+
+def test_reference_table_per_head_and_scalar():
+    spec = loads_spec(PER_HEAD, "p.yaml")
+    win = torch.tensor([1, 40, 1000], dtype=torch.int32)
+    tiles = TileConfig(16, 16, 1)
+    params = {"win": win, "shift": 3}
+    table = block_table_reference(
+        spec, tiles, batch=5, heads_q=3, seqlen_q=70, seqlen_k=70, params=params
+    )
+    keep = eval_mask(spec, batch=1, heads_q=3, seqlen_q=70, seqlen_k=70, params=params)
+    assert table.shape == (1, 3, 5, 5)
+    assert torch.equal(table, brute_classes(keep, 16, 16))
+    assert set(table.unique().tolist()) == {EMPTY, PARTIAL, FULL}
+
+
+def test_cpu_block_mask_api_and_reuse():
+    op = flashgen.load(DOC)
+    B, H, S = 2, 4, 150
+    doc = docs(B, S, 4)
+    bm = op.block_mask(S, S, doc_q=doc, doc_kv=doc)
+    assert bm.shape[:2] == (B, 1) and bm.batch == B and bm.heads_q == 1
+    assert sum(bm.counts().values()) == bm.table.numel()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, 128, generator=g).bfloat16()
+    k, v = (torch.randn(B, 2, S, 128, generator=g).bfloat16() for _ in range(2))
+    o1, lse1 = op.attention(q, k, v, doc_q=doc, doc_kv=doc, block_mask=bm)
+    o2, lse2 = op.attention(q, k, v, doc_q=doc, doc_kv=doc)
+    assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
+    ref, _ = attention_reference(op.spec, q, k, v, params={"doc_q": doc, "doc_kv": doc})
+    assert (o1.double() - ref).abs().max() < 2e-2
+    # positional schema call: block_mask is the last positional argument
+    o3, _ = op.torch_op(q, k, v, 0.0884, doc, doc, bm.table)
+    assert o3.shape == o1.shape
+
+
+def test_block_mask_errors():
+    op = flashgen.load(DOC)
+    doc = docs(1, 64, 2)
+    q = torch.randn(1, 2, 64, 128).bfloat16()
+    k = v = torch.randn(1, 2, 64, 128).bfloat16()
+    bm = op.block_mask(64, 64, doc_q=doc, doc_kv=doc)
+    with pytest.raises(OpInputError, match=r"block_mask: expected \(seqlen_q, seqlen_k\)"):
+        op.attention(q[:, :, :63], k, v, doc_q=doc[:, :63], doc_kv=doc, block_mask=bm)
+    with pytest.raises(OpInputError, match="expected a BlockMask"):
+        op.attention(q, k, v, doc_q=doc, doc_kv=doc, block_mask=bm.table)
+    with pytest.raises(OpInputError, match=r"doc_kv: expected shape \[1, 64\]"):
+        op.block_mask(64, 64, doc_q=doc, doc_kv=doc[:, :10])
+    with pytest.raises(OpInputError, match="doc_q: expected an integer tensor"):
+        op.block_mask(64, 64, doc_q=doc.float(), doc_kv=doc)
+    with pytest.raises(OpInputError, match="doc_kv: missing tensor param"):
+        op.block_mask(64, 64, doc_q=doc)
+    with pytest.raises(OpInputError, match="seqlen_q: expected a non-negative int"):
+        op.block_mask(-1, 64, doc_q=doc, doc_kv=doc)
+    t5 = flashgen.load(T5)
+    with pytest.raises(OpInputError, match="reads no tensor param"):
+        t5.block_mask(64, 64, bias=torch.zeros(2, 257))
+    q64 = torch.randn(1, 2, 64, 64).bfloat16()
+    with pytest.raises(OpInputError, match="takes none"):
+        t5.attention(q64, q64, q64, bias=torch.zeros(2, 257), block_mask=bm)
+
+
+def test_block_mask_remembers_scalars_the_mask_reads():
+    op = flashgen.load(_write(PER_HEAD))
+    win = torch.tensor([4, 8], dtype=torch.int32)
+    bm = op.block_mask(32, 32, win=win, shift=2)
+    assert bm.scalars == {"shift": 2} and bm.heads_q == 2
+    q = torch.randn(1, 2, 32, 64).bfloat16()
+    op.attention(q, q, q, win=win, shift=2, block_mask=bm)
+    with pytest.raises(OpInputError, match="built with shift=2"):
+        op.attention(q, q, q, win=win, shift=3, block_mask=bm)
+
+
+def _write(text: str) -> Path:
+    import tempfile
+
+    p = Path(tempfile.mkdtemp()) / "spec.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_t5_bias_reference_and_bounds():
+    spec = load_spec(T5)
+    g = torch.Generator().manual_seed(0)
+    H, S = 3, 300  # distances beyond +-128 clamp to the table's ends
+    q, k, v = (torch.randn(1, H, S, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(H, 257, generator=g, dtype=torch.float64)
+    o, _ = attention_reference(spec, q, k, v, params={"bias": bias})
+    i = torch.arange(S)
+    rel = (i.view(1, S) - i.view(S, 1)).clamp(-128, 128) + 128
+    s = q @ k.transpose(-1, -2) / 8.0 + bias[:, rel]
+    torch.testing.assert_close(o, torch.softmax(s, -1) @ v)
+    bad = loads_spec(T5.read_text().replace("+ 128]", "+ 129]"), "t5.yaml")
+    with pytest.raises(IndexError, match="tensor param 'bias' is indexed outside its shape"):
+        attention_reference(bad, q, k, v, params={"bias": bias})
+
+
+def test_t5_bias_op_validates_the_table():
+    op = flashgen.load(T5)
+    q = torch.randn(1, 4, 20, 64).bfloat16()
+    with pytest.raises(OpInputError, match=r"bias: expected shape \[4, 257\]"):
+        op.attention(q, q, q, bias=torch.zeros(4, 256))
+    with pytest.raises(OpInputError, match="bias: expected a floating-point tensor"):
+        op.attention(q, q, q, bias=torch.zeros(4, 257, dtype=torch.int32))
+    o, lse = op.attention(q, q, q, bias=torch.zeros(4, 257, dtype=torch.float64))
+    assert o.shape == q.shape and torch.isfinite(lse).all()
+
+
+def test_launch_values_pack_for_the_pre_pass_and_the_forward():
+    """Every argument of both kernels' ABIs gets a value from the op's maps (numpy-only)."""
+    from flashgen.blockmask import table_strides
+    from flashgen.op import kernel_values, validate
+    from flashgen.runtime import kernel_args
+
+    spec = load_spec(DOC)
+    B, H, S = 2, 4, 100
+    q = torch.randn(B, H, S, 128).bfloat16()
+    tensors = {"doc_q": docs(B, S, 3), "doc_kv": docs(B, S, 3)}
+    dims = validate(spec, q, q, q, tensors)
+    fwd = plan_forward(spec, "sm_90")
+    table = block_table_reference(
+        spec, fwd.tiles, batch=B, heads_q=H, seqlen_q=S, seqlen_k=S, params=tensors
+    )
+    values = kernel_values(spec, {"q": q, "k": q, "v": q, "o": q, "lse": q}, dims, 0.1, [],
+                           tensors)  # fmt: skip
+    sb, sh = table_strides(spec, table)
+    assert (sb, sh) == (table.shape[2] * table.shape[3], 0)
+    values.update(blk_tab=table, blk_sb=sb, blk_sh=sh)
+    assert len(kernel_args(fwd, values)) == len(fwd.args)
+    pre = plan_block_table(spec, "sm_90", fwd.tiles)
+    pv = kernel_values(spec, {"tab": table}, dims, 1.0, [], tensors)
+    pv.update(tab_b=table.shape[0], tab_h=table.shape[1])
+    assert len(kernel_args(pre, pv)) == len(pre.args)

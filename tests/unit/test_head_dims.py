@@ -1,0 +1,191 @@
+"""Head dims 32, 96, 160, 192 and head_dim_v != head_dim ((192, 128) as in MLA, (128, 256)).
+
+* every (head dims, dtype, score_mod yes/no) variant lowers for sm_80 and sm_90, fits
+  sm_80's shared memory, and compiles with nvcc for both targets, forward, deterministic
+  backward and atomic-dQ backward, with zero register spills (compiled in parallel);
+* the tile tables have an entry for every supported head dim and the atomic-dQ warp grid
+  keeps every warp busy with the tables' tiles;
+* the CPU op (the float reference) and its autograd give o [.., Dv] and dv [.., Dv] and
+  agree with PyTorch's math SDPA, also with head_dim_v != head_dim.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
+
+from flashgen import cache, ir  # noqa: E402
+from flashgen.lower import (  # noqa: E402
+    ATOMIC_BACKWARD_TILES,
+    BACKWARD_TILES,
+    DEFAULT_TILES,
+    BackwardTiles,
+    atomic_dq_warp_grid,
+    backward_tile_candidates,
+    compile_units,
+    plan_backward,
+    plan_forward,
+)
+from flashgen.render import render  # noqa: E402
+
+SM80_SMEM = 163 * 1024
+VARIANTS = [
+    (d, dv, dtype, mod)
+    for d, dv in NEW_HEAD_DIMS
+    for dtype in ("fp16", "bf16")
+    for mod in ("none", "softcap")
+]
+
+
+def _vid(v) -> str:
+    d, dv, dtype, mod = v
+    return f"{dims_id(d, dv)}-{dtype}-{mod}"
+
+
+# ----------------------------------------------------------------------------- tables and plans
+def test_tables_cover_every_supported_head_dim():
+    for d in ir.SUPPORTED_HEAD_DIMS:
+        assert (d, False) in DEFAULT_TILES
+        assert (d, False) in BACKWARD_TILES
+        assert (d, False) in ATOMIC_BACKWARD_TILES
+
+
+@pytest.mark.parametrize("key", sorted(ATOMIC_BACKWARD_TILES))
+def test_atomic_warp_grid_uses_every_warp_with_the_table_tiles(key):
+    t = ATOMIC_BACKWARD_TILES[key]
+    wm, wn = atomic_dq_warp_grid(t, key[0])
+    assert wm * wn == t.dkdv_warps
+    assert (key[0] // t.dkdv_dsplit // 16) % wn == 0 and (t.dkdv_block_m // 16) % wm == 0
+
+
+def test_atomic_warp_grid_choices():
+    # the original head dims keep their column split: min(warps, columns / 16)
+    assert atomic_dq_warp_grid(BackwardTiles(64, 64, 4, 1, 64, 64, 4), 64) == (1, 4)
+    assert atomic_dq_warp_grid(BackwardTiles(32, 16, 2, 1, 64, 32, 4), 128) == (1, 2)
+    # 96 columns = 6 tiles over 4 warps: 2 x 2
+    assert atomic_dq_warp_grid(BackwardTiles(64, 32, 4, 1, 64, 32, 4), 96) == (2, 2)
+    # 80 columns (160 split in two) = 5 tiles, 2 row tiles: only 2 warps can work
+    assert atomic_dq_warp_grid(BackwardTiles(64, 32, 4, 2, 64, 32, 4), 160) == (2, 1)
+    # 16-row steps at 96 columns: 3 column groups of 32, one warp idle
+    assert atomic_dq_warp_grid(BackwardTiles(64, 16, 4, 1, 64, 32, 4), 96) == (1, 3)
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=_vid)
+def test_plans_fit_shared_memory_and_render(v):
+    d, dv, dtype, mod = v
+    spec = hdim_spec(d, dv, dtype, mod)
+    for target in ("sm_80", "sm_90"):
+        fwd = plan_forward(spec, target)
+        det = plan_backward(spec, target)
+        atomic = plan_backward(spec, target, atomic_dq=True)
+        for plan in (fwd, *det.kernels, *atomic.kernels):
+            assert plan.smem_bytes <= SM80_SMEM, f"{plan.kernel_name}: {plan.smem_bytes}"
+        for unit in (fwd, det.unit, atomic.unit):
+            src = render(unit)
+            assert f"constexpr int HEAD_DIM = {d};" in src
+            assert f"constexpr int HEAD_DIM_V = {dv};" in src
+
+
+def test_forward_smem_stages_o_in_the_wider_of_q_and_v():
+    """sQ also stages the [BLOCK_M x Dv] output: with Dv > D it is Dv wide (the kernels
+    static_assert their layout against plan.smem_bytes, so nvcc catches a mismatch)."""
+    plan = plan_forward(hdim_spec(128, 256), "sm_80")
+    t = plan.tiles
+    assert plan.smem_bytes == (t.block_m * 256 + t.block_n * 128 + t.block_n * 256) * 2
+    assert f"== {plan.smem_bytes}," in render(plan)
+
+
+@pytest.mark.parametrize("d, dv", NEW_HEAD_DIMS, ids=lambda x: str(x))
+def test_backward_fallback_candidates_render(d, dv):
+    """The spill fallback's narrow tiles are valid too (atomic: idle warps if need be)."""
+    spec = hdim_spec(d, dv, "bf16", "softcap")
+    for atomic in (False, True):
+        for tiles in backward_tile_candidates(spec, atomic_dq=atomic):
+            plan = plan_backward(spec, "sm_80", atomic_dq=atomic, tiles=tiles)
+            assert "HEAD_DIM" in render(plan.unit)
+
+
+# ----------------------------------------------------------------------------- nvcc, 0 spills
+def _compile(job):
+    (d, dv, dtype, mod), target, unit = job
+    spec = hdim_spec(d, dv, dtype, mod)
+    plan = compile_units(spec, target)[unit]
+    _, report = cache.get_or_build(render(plan), plan)
+    return job, report
+
+
+def test_every_head_dim_variant_compiles_without_spills(requires_nvcc):
+    """Every (head dims, dtype, score_mod) of VARIANTS x {sm_80, sm_90} x {fwd, bwd,
+    bwd_atomic}: 144 nvcc runs, about 3 minutes on 2 cores (FLASHGEN_TEST_JOBS sets the
+    parallelism, default the CPU count + 1)."""
+    jobs = [
+        (v, t, u)
+        for v in VARIANTS
+        for t in ("sm_80", "sm_90")
+        for u in ("fwd", "bwd", "bwd_atomic")
+    ]
+    workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(_compile, jobs))
+    problems = []
+    for ((d, dv, dtype, mod), target, unit), report in results:
+        assert len(report.kernels) == (1 if unit == "fwd" else 3)
+        for k in report.kernels:
+            assert 0 < k.registers <= 255
+            if k.spill_bytes:
+                problems.append(f"{dims_id(d, dv)} {dtype} {mod} {target} {unit}: {k}")
+    assert not problems, "kernels spill:\n" + "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- CPU op and reference
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 256), (32, 32), (96, 96)], ids=str)
+def test_cpu_op_and_autograd_match_sdpa(d, dv):
+    torch = pytest.importorskip("torch")
+    from flashgen.op import build_op
+
+    spec = hdim_spec(d, dv, "bf16", "none", causal=True)
+    op = build_op(spec)
+    g = torch.Generator().manual_seed(d + dv)
+    b, hq, hkv, sq, sk = 1, 4, 2, 17, 33
+    q = torch.randn(b, hq, sq, d, generator=g).bfloat16().requires_grad_()
+    k = torch.randn(b, hkv, sk, d, generator=g).bfloat16().requires_grad_()
+    v = torch.randn(b, hkv, sk, dv, generator=g).bfloat16().requires_grad_()
+    o, lse = op.attention(q, k, v)
+    assert o.shape == (b, hq, sq, dv) and o.dtype == torch.bfloat16
+    assert lse.shape == (b, hq, sq)
+    do = torch.randn(o.shape, generator=g).bfloat16()
+    o.backward(do)
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == (b, hkv, sk, dv)
+
+    # PyTorch's math SDPA in float64 (bottom-right causal, GQA by repeating k/v heads)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = hq // hkv
+    kk, vv = k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1)
+    keep = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
+    ref = torch.nn.functional.scaled_dot_product_attention(q64, kk, vv, attn_mask=keep)
+    ref.backward(do.double())
+    torch.testing.assert_close(o.double(), ref, atol=3e-2, rtol=3e-2)
+    for ours, r in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        torch.testing.assert_close(ours.double(), r, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 256)], ids=str)
+def test_cpu_op_rejects_wrong_v_head_dim(d, dv):
+    torch = pytest.importorskip("torch")
+    from flashgen.errors import OpInputError
+    from flashgen.op import build_op
+
+    op = build_op(hdim_spec(d, dv))
+    q = torch.zeros(1, 2, 5, d, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 5, d, dtype=torch.bfloat16)
+    msg = rf"v: expected head_dim_v {dv} \(shape\[-1\]\), got {d}"
+    with pytest.raises(OpInputError, match=msg):
+        op.attention(q, k, torch.zeros(1, 2, 5, d, dtype=torch.bfloat16))

@@ -1,0 +1,277 @@
+"""The CUDA tile classifier (``flashgen.masktiles``) against the host analysis and brute force.
+
+The emitted classifiers are ``__host__ __device__``: the test compiles them for the host
+with nvcc (no GPU needed), runs them on many tiles and block ranges, and requires the
+same class as :func:`flashgen.maskinfo.classify` on every one (which is itself checked
+against brute force in ``test_maskinfo.py``), for every shipped mask, the gallery masks
+and random well-typed masks.  The block searches (``fg::iv::next_live`` /
+``prev_live``) run on the host too, against a linear scan of the brute-force classes.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsl_strategies import expr, spec_text  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from flashgen import masktiles  # noqa: E402
+from flashgen.maskinfo import classify, tile_classes  # noqa: E402
+from flashgen.render import template_root  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
+GALLERY = {
+    "window": (
+        "causal && q_idx + seqlen_k - seqlen_q - kv_idx < w",
+        "  w: {type: i32, default: 9}\n",
+    ),
+    "prefix_lm": ("kv_idx < w || causal", "  w: {type: i32, default: 11}\n"),
+    "chunked": ("q_idx / w == kv_idx / w", "  w: {type: i32, default: 8}\n"),
+    "doc": ("causal && ids[q_idx] == ids[kv_idx]", "  ids: {type: i32, shape: [seqlen_q]}\n"),
+    "float": ("abs(q_idx - kv_idx) * 0.5 <= c", "  c: {type: f32, default: 6.5}\n"),
+}  # fmt: skip
+# Small values so the small test grids show every class.
+SMALL_PARAMS = {"window": 13, "prefix": 11, "chunk": 7, "w": 9, "c": 6.5, "softcap": 50.0}
+
+
+def _gallery(name: str):
+    mask, params = GALLERY[name]
+    text = f"name: {name}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams:\n{params}"
+    return loads_spec(text, "g.yaml")
+
+
+def _random_specs(n: int, wild: bool) -> list:
+    masks: list[str] = []
+
+    @settings(
+        max_examples=n, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(expr("bool", 3, False, wild))
+    def collect(m):
+        masks.append(m)
+
+    collect()
+    return [loads_spec(spec_text(m, None), f"fuzz{i}.yaml") for i, m in enumerate(masks)]
+
+
+def _program(specs, cases) -> str:
+    """A host program: one classifier per spec, then the cases (one line each) classified."""
+    root = template_root()
+    parts = [(root / "common" / "masktiles.cuh").read_text(), "#include <cstdio>"]
+    for i, spec in enumerate(specs):
+        parts.append(masktiles.classifier_source(spec, name=f"cls{i}"))
+    parts.append("int main() {\n    int i, q0, q1, k0, k1, b, h, sq, sk; double p[4];")
+    parts.append(
+        '    while (scanf("%d %d %d %d %d %d %d %d %d %lf %lf %lf %lf", &i, &q0, &q1, &k0, &k1,'
+        " &b, &h, &sq, &sk, p, p + 1, p + 2, p + 3) == 13) {\n        int c = -1;\n"
+        "        switch (i) {"
+    )
+    for i, spec in enumerate(specs):
+        ps = [f"({t})p[{j}]" for j, (t, _) in enumerate(masktiles.classifier_params(spec)[8:])]
+        args = ", ".join(["q0", "q1", "k0", "k1", "b", "h", "sq", "sk", *ps])
+        parts.append(f"        case {i}: c = cls{i}({args}); break;")
+    parts.append('        }\n        printf("%d\\n", c);\n    }\n    return 0;\n}\n')
+    return "\n".join(parts)
+
+
+def _run_host(tmp_path, specs, cases) -> list[int]:
+    from flashgen.compile import find_nvcc
+
+    src = tmp_path / "cls.cu"
+    src.write_text(_program(specs, cases))
+    exe = tmp_path / "cls"
+    subprocess.run(
+        [find_nvcc(), "-std=c++17", "-O1", "-x", "cu", str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
+    stdin = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _param_values(spec) -> dict:
+    return {p.name: SMALL_PARAMS.get(p.name, p.default) for p in spec.scalar_params}
+
+
+def _cases(i, spec, rng, n=150):
+    """(case line, expected class) pairs: whole-grid tiles and random multi-block ranges."""
+    params = _param_values(spec)
+    pv = [params[p.name] for p in spec.scalar_params] + [0] * (4 - len(params))
+    out = []
+    for _ in range(n):
+        sq, sk = rng.randint(1, 90), rng.randint(1, 90)
+        q0 = rng.randrange(sq)
+        q1 = rng.randrange(q0, min(sq, q0 + rng.choice([1, 4, 16, 64])))
+        k0 = rng.randrange(sk)
+        k1 = rng.randrange(k0, min(sk, k0 + rng.choice([1, 4, 16, 64])))
+        b, h = rng.randrange(3), rng.randrange(4)
+        want = classify(spec, (q0, q1), (k0, k1), b=b, h=h, seqlen_q=sq, seqlen_k=sk, params=params)
+        out.append(((i, q0, q1, k0, k1, b, h, sq, sk, *pv), int(want)))
+    return out
+
+
+def test_classifier_matches_maskinfo_on_host(tmp_path, requires_nvcc):
+    specs = [load_spec(p) for p in SHIPPED] + [_gallery(n) for n in sorted(GALLERY)]
+    specs += _random_specs(60, wild=False) + _random_specs(40, wild=True)
+    rng = random.Random(0)
+    cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng)]
+    got = _run_host(tmp_path, specs, [c for c, _ in cases])
+    assert len(got) == len(cases)
+    bad = [(specs[c[0]].mask, c, w, g) for (c, w), g in zip(cases, got, strict=True) if w != g]
+    assert not bad, f"{len(bad)} disagreements, first: {bad[:3]}"
+
+
+def test_no_mask_is_full_and_ignores_its_arguments():
+    spec = load_spec(REPO / "specs" / "bidir_d256.yaml")
+    src = masktiles.classifier_source(spec)
+    assert "return fg::iv::FULL;" in src and "fg::iv::range" not in src
+
+
+def test_call_uses_the_kernel_names():
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    call = masktiles.classifier_call(spec, "m0", "m1", "n0", "n1")
+    assert call == "fg_tile_class(m0, m1, n0, n1, b, h, seqlen_q, seqlen_k, p_window)"
+
+
+def test_tensor_reads_are_unknown_unless_hooked():
+    spec = _gallery("doc")
+    assert "fg::iv::any()" in masktiles.classifier_source(spec)
+    hooked = masktiles.classifier_source(spec, index_range=lambda e: f"table_range_{e.name}()")
+    assert "table_range_ids()" in hooked and "fg::iv::any()" not in hooked
+
+
+SEARCH_MAIN = r"""
+#include <cstdio>
+#include <climits>
+int main() {
+    int which, n; static char row[1 << 16];
+    while (scanf("%d %d %65535s", &which, &n, row) == 3) {
+        // tile(i0, i1): a range's class from the per-block classes in `row` (E, P, F)
+        int calls = 0;
+        auto tile = [&](int i0, int i1) {
+            ++calls;
+            bool any_live = false, all_full = true;
+            for (int i = i0; i <= i1; ++i) {
+                any_live |= row[i] != 'E';
+                all_full &= row[i] == 'F';
+            }
+            return !any_live ? fg::iv::EMPTY : (all_full ? fg::iv::FULL : fg::iv::PARTIAL);
+        };
+        // one whole walk as in the kernels: first to last (next_live), last to first (prev_live)
+        int cls = -1, full = which ? -1 : INT_MAX;
+        if (which) {
+            for (int j = fg::iv::next_live(0, n, cls, full, tile); j < n;
+                 j = fg::iv::next_live(j + 1, n, cls, full, tile))
+                printf("%d:%d ", j, cls);
+        } else {
+            for (int j = fg::iv::prev_live(n - 1, cls, full, tile); j >= 0;
+                 j = fg::iv::prev_live(j - 1, cls, full, tile))
+                printf("%d:%d ", j, cls);
+        }
+        printf("| %d\n", calls);
+    }
+    return 0;
+}
+"""
+
+
+def _walks(tmp_path, rows: list[str]) -> list[tuple[list[str], list[str], int, int]]:
+    """Per row: (forward walk, backward walk, and their classification counts)."""
+    from flashgen.compile import find_nvcc
+
+    src = tmp_path / "search.cu"
+    src.write_text((template_root() / "common" / "masktiles.cuh").read_text() + SEARCH_MAIN)
+    exe = tmp_path / "search"
+    subprocess.run(
+        [find_nvcc(), "-std=c++17", "-O1", "-x", "cu", str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
+    lines = [f"{w} {len(r)} {r}" for r in rows for w in (1, 0)]
+    out = subprocess.run(
+        [str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    res = []
+    for i in range(len(rows)):
+        (fw, fc), (bw, bc) = (out[2 * i + k].split("|") for k in (0, 1))
+        res.append((fw.split(), bw.split(), int(fc), int(bc)))
+    return res
+
+
+def test_block_searches_walk_exactly_the_live_blocks(tmp_path, requires_nvcc):
+    """Whole next_live / prev_live walks visit exactly the non-empty blocks, in order, each
+    with its class (FULL runs are taken from one range check, so this checks that too)."""
+    rng = random.Random(1)
+    rows = []
+    # rows of real masks (window, chunked, prefix), then random class strings
+    for name in ("window", "chunked", "prefix_lm"):
+        for row in tile_classes(_gallery(name), 90, 200, 8, 4, params={"w": 9}):
+            rows.append("".join("EPF"[c] for c in row))
+    for _ in range(300):
+        n = rng.randint(1, 70)
+        dens, full = rng.random(), rng.random()
+        rows.append(
+            "".join(
+                ("F" if rng.random() < full else "P") if rng.random() < dens else "E"
+                for _ in range(n)
+            )
+        )
+    for row, (fw, bw, _, _) in zip(rows, _walks(tmp_path, rows), strict=True):
+        want = [f"{i}:{'EPF'.index(c)}" for i, c in enumerate(row) if c != "E"]
+        assert fw == want, f"next_live walk of {row}"
+        assert bw == want[::-1], f"prev_live walk of {row}"
+
+
+def test_block_searches_cost_log_n_on_runs(tmp_path, requires_nvcc):
+    """A dense causal row (501 live blocks), a window (122) and an empty row (0) take
+    O(log^2 n) range checks: 23, 46 and 10 here."""
+    n = 512
+    rows = ["F" * 500 + "P" + "E" * 11, "E" * 300 + "P" + "F" * 120 + "P" + "E" * 90, "E" * n]
+    for row, (fw, bw, fc, bc) in zip(rows, _walks(tmp_path, rows), strict=True):
+        assert len(fw) == len(bw) == n - row.count("E")
+        assert fc <= 50 and bc <= 50, f"{fc} / {bc} checks for {len(fw)} live blocks"
+
+
+def _scoring_branches(src: str, open_marker: str) -> tuple[str, str]:
+    """(masked, unmasked) scoring loops of a kernel: the text of ``if (<open_marker>...) {``
+    up to ``} else {``, and from there to the closing brace at the same indentation."""
+    start = src.index(open_marker)
+    line_start = src.rindex("\n", 0, start) + 1
+    indent = src[line_start:start]
+    els = src.index(f"\n{indent}}} else {{", start)
+    end = src.index(f"\n{indent}}}\n", els + 1)
+    return src[start:els], src[els:end]
+
+
+def test_kernels_skip_empty_tiles_and_leave_full_ones_unmasked():
+    """The rendered kernels search live blocks with the spec's classifier and have a scoring
+    path with no mask; causal has no separate skipping left (kv_end, m_first)."""
+    from flashgen.lower import plan_backward, plan_forward
+    from flashgen.render import render
+
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    window = "p_window"
+    fwd = render(plan_forward(spec, "sm_80"))
+    assert fwd.count(f"int {masktiles.FUNCTION}(") == 1
+    assert "fg::iv::prev_live(" in fwd and "kv_end" not in fwd
+    masked, unmasked = _scoring_branches(fwd, "if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k)")
+    assert window in masked and "keep" in masked
+    assert window not in unmasked and "keep" not in unmasked and "-INFINITY" not in unmasked
+
+    bwd = render(plan_backward(spec, "sm_80").unit)
+    assert bwd.count("fg::iv::next_live(") == 3 and "m_first" not in bwd and "kv_end" not in bwd
+    for marker in ("n0 + KV_N > seqlen_k) {", "n0 + DQ_N > seqlen_k) {"):
+        masked, unmasked = _scoring_branches(bwd, "if (cls != fg::iv::FULL || " + marker)
+        assert window in masked
+        assert window not in unmasked and "constexpr bool keep = true;" in unmasked
+
+    atomic = render(plan_backward(spec, "sm_80", atomic_dq=True).unit)
+    assert "m_first" in atomic and "fg::iv::prev_live(" in atomic  # the hull of live blocks

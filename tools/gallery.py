@@ -1,0 +1,331 @@
+"""Write ``docs/gallery.md``: each variant spec next to its measured forward TFLOP/s and
+FlexAttention's, timed in the same run (issue 6's gallery).
+
+    python3 tools/gallery.py                  # on a GPU: measure, write docs/gallery.md
+    python3 tools/gallery.py --dry-run        # anywhere: spec texts and densities only
+
+For each gallery spec found in ``specs/`` (a missing one is listed as such): the spec
+text; the density (kept (q, kv) pairs / all pairs, from the mask IR on the same inputs);
+flashgen's forward median time and TFLOP/s (a spec whose mask reads tensors runs with a
+BlockMask built once by ``op.block_mask``, and is also timed with the pre-pass in every
+call); FlexAttention's (``torch.compile``'d ``flex_attention`` with the spec's mask_mod /
+score_mod from :mod:`flashgen.flexmods` and a ``create_block_mask`` built once, as
+:func:`flashgen.bench.make_forward` does); the ratio; and, against flashgen's dense causal
+kernel at the same shape, the time ratio next to the FLOP ratio (a sparse mask should
+save time in proportion to the FLOPs it skips).
+
+TFLOP/s count only kept pairs: ``2 * (D + Dv) * kept``.  Shape (the FlashAttention
+protocol): batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16, Sq = Sk =
+``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.
+do_bench_ms`).  Document ids: each batch row is cut into documents of random lengths
+(mean ``--doc-len`` tokens).  Finishes in about 2-3 minutes on an H200, most of it
+torch.compile of FlexAttention; ``--budget`` (s) skips what is left after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GALLERY = (
+    "prefix_lm",
+    "document_mask",
+    "chunked_local",
+    "t5_bias",
+    "alibi",
+    "gemma2_softcap",
+    "mistral_swa",
+)
+BASELINE = "causal_d128"
+
+
+def doc_ids(batch: int, seqlen: int, mean_len: int, gen):
+    """int32 [batch, seqlen]: each row cut into documents of random lengths (uniform in
+    [1, 2 * mean_len]), ids 0, 1, 2, ... in order."""
+    import torch
+
+    rows = []
+    for _ in range(batch):
+        ids, pos, d = torch.empty(seqlen, dtype=torch.int32), 0, 0
+        while pos < seqlen:
+            n = int(torch.randint(1, 2 * mean_len + 1, (1,), generator=gen))
+            ids[pos : pos + n] = d
+            pos, d = pos + n, d + 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def gallery_params(spec, batch: int, heads: int, seqlen: int, device, mean_len: int) -> dict:
+    """Param values: scalar defaults, bench's tensor values, and document ids for int
+    tensors along a sequence axis (one set of ids shared by doc_q and doc_kv)."""
+    import torch
+
+    from flashgen import bench, ir
+
+    params = bench.spec_params(spec, heads, batch, seqlen, seqlen, device)
+    gen = torch.Generator().manual_seed(0)
+    docs = doc_ids(batch, seqlen, mean_len, gen)
+    for p in spec.tensor_params:
+        if p.ty == ir.Ty.I32 and p.shape[-1] in ("seqlen_q", "seqlen_k"):
+            t = docs if len(p.shape) == 2 else docs[0]
+            params[p.name] = t.to(device)
+    for p in spec.scalar_params:
+        params.setdefault(p.name, p.default)
+    return params
+
+
+def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) -> int:
+    """Number of (b, h, q, kv) pairs the mask keeps (evaluated over the b / h it reads)."""
+    import torch
+
+    from flashgen.lower import block_table_dims
+    from flashgen.reference import eval_mask
+
+    if spec.mask is None:
+        return batch * heads * seqlen * seqlen
+    per_b, per_h = block_table_dims(spec)
+    tb, th = (batch if per_b else 1), (heads if per_h else 1)
+    total = 0
+    for b0 in range(tb):  # one batch row at a time keeps memory at seqlen^2 bytes per head
+        sub = {
+            k: (v[b0 : b0 + 1] if isinstance(v, torch.Tensor) and per_b and v.dim() == 2 else v)
+            for k, v in params.items()
+        }
+        keep = eval_mask(
+            spec, batch=1, heads_q=th, seqlen_q=seqlen, seqlen_k=seqlen, params=sub,
+            device=device,
+        )  # fmt: skip
+        total += int(keep.sum())
+    return total * (batch // tb) * (heads // th)
+
+
+def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
+    """Times (ms) of flashgen (with a reused BlockMask, and with the per-call pre-pass)
+    and of FlexAttention for one spec; errors are recorded, not raised."""
+    import torch
+
+    from flashgen import bench
+    from flashgen.lower import needs_block_table
+    from flashgen.op import TORCH_DTYPE, build_op
+
+    dt = TORCH_DTYPE[spec.dtype]
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, heads, seqlen, spec.head_dim, device=device, generator=g).to(dt)
+    k = torch.randn(batch, heads, seqlen, spec.head_dim, device=device, generator=g).to(dt)
+    v = torch.randn(batch, heads, seqlen, spec.head_dim_v, device=device, generator=g).to(dt)
+    out: dict = {}
+    op = build_op(spec)
+    try:
+        if needs_block_table(spec):
+            bm = op.block_mask(seqlen, seqlen, batch=batch, num_heads=heads, **params)
+            out["tiles"] = bm.counts()
+            out["flashgen_prepass_ms"] = bench.do_bench_ms(
+                lambda: op.attention(q, k, v, **params), args.warmup, args.rep
+            )
+            out["prepass_ms"] = bench.do_bench_ms(
+                lambda: op.block_mask(seqlen, seqlen, batch=batch, num_heads=heads, **params),
+                args.warmup,
+                args.rep,
+            )
+            out["flashgen_ms"] = bench.do_bench_ms(
+                lambda: op.attention(q, k, v, block_mask=bm, **params), args.warmup, args.rep
+            )
+        else:
+            out["flashgen_ms"] = bench.do_bench_ms(
+                lambda: op.attention(q, k, v, **params), args.warmup, args.rep
+            )
+    except Exception as e:  # record, keep going
+        out["flashgen_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if args.no_flex:
+        return out
+    try:
+        t0 = time.perf_counter()
+        flex = bench.make_forward("flex", spec, seqlen, seqlen, params, device)
+        flex(q, k, v)
+        torch.cuda.synchronize()
+        out["flex_compile_s"] = time.perf_counter() - t0
+        out["flex_ms"] = bench.do_bench_ms(lambda: flex(q, k, v), args.warmup, args.rep)
+    except Exception as e:
+        out["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def fmt(x, spec=".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def write_page(rows: list[dict], meta: dict, path: Path) -> None:
+    lines = [
+        "# Gallery: attention variants as specs, and how fast they run",
+        "",
+        "Generated by `python3 tools/gallery.py` (do not edit by hand; rerun it). " + meta["where"],
+        "",
+        f"Shape: batch {meta['batch']}, seqlen_q = seqlen_k = {meta['seqlen']}, "
+        "heads * head_dim = 2048, bf16, forward.  TFLOP/s count only the (q, kv) pairs "
+        "the mask keeps (`2 * (D + Dv) * kept`); density = kept / all pairs.  flashgen "
+        "and FlexAttention (`torch.compile(flex_attention)`, mask_mod / score_mod from "
+        "`flashgen/flexmods.py`, `create_block_mask` built once) run in the same process "
+        "on the same inputs; a spec whose mask reads tensors runs with a BlockMask built "
+        "once by `op.block_mask` (FlexAttention's equivalent), and the column "
+        "'with pre-pass' times flashgen building its block table in every call.  "
+        "'time / causal' is the time relative to flashgen's dense causal kernel at the "
+        "same shape, next to 'FLOPs / causal', the kept-pair ratio: a sparse mask should "
+        "save time in proportion to the FLOPs it skips.",
+        "",
+        "| spec | head_dim | density | flashgen ms | flashgen TFLOP/s | with pre-pass ms "
+        "| Flex ms | Flex TFLOP/s | flashgen / Flex | time / causal | FLOPs / causal |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if r.get("missing"):
+            lines.append(f"| {r['name']} | — | — | not in specs/ on this branch |" + " |" * 7)
+            continue
+        lines.append(
+            f"| {r['name']} | {r['head_dim']} | {fmt(r['density'], '.3f')} "
+            f"| {fmt(r.get('flashgen_ms'), '.3f')} | {fmt(r.get('flashgen_tflops'), '.0f')} "
+            f"| {fmt(r.get('flashgen_prepass_ms'), '.3f')} "
+            f"| {fmt(r.get('flex_ms'), '.3f')} | {fmt(r.get('flex_tflops'), '.0f')} "
+            f"| {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} "
+            f"| {fmt(r.get('time_vs_causal'), '.2f')} | {fmt(r.get('flops_vs_causal'), '.2f')} |"
+        )
+    lines.append("")
+    for r in rows:
+        if r.get("missing"):
+            continue
+        lines += [f"## {r['name']}", "", "```yaml", r["text"].rstrip(), "```", ""]
+        facts = [f"density {fmt(r['density'], '.3f')}"]
+        if r.get("flashgen_ms") is not None:
+            facts.append(
+                f"flashgen {fmt(r['flashgen_ms'], '.3f')} ms = "
+                f"{fmt(r['flashgen_tflops'], '.0f')} TFLOP/s"
+            )
+        if r.get("flex_ms") is not None:
+            facts.append(
+                f"FlexAttention {fmt(r['flex_ms'], '.3f')} ms = {fmt(r['flex_tflops'], '.0f')}"
+                f" TFLOP/s (compile {fmt(r.get('flex_compile_s'), '.0f')} s)"
+            )
+        if r.get("speedup") is not None:
+            facts.append(f"flashgen / Flex {r['speedup']:.2f}x")
+        if r.get("tiles"):
+            t = r["tiles"]
+            facts.append(
+                f"block table {t['empty']} empty / {t['partial']} partial / {t['full']} full "
+                f"tiles, built in {fmt(r.get('prepass_ms'), '.3f')} ms"
+            )
+        for key in ("flashgen_error", "flex_error"):
+            if r.get(key):
+                facts.append(f"{key.replace('_', ' ')}: `{r[key]}`")
+        lines += ["; ".join(facts) + ".", ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--doc-len", type=int, default=1024, help="mean document length")
+    ap.add_argument("--specs", nargs="*", default=list(GALLERY))
+    ap.add_argument("--out", default=str(REPO / "docs" / "gallery.md"))
+    ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--budget", type=float, default=220.0, help="seconds; then skip the rest")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: spec texts and densities")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from flashgen import bench
+    from flashgen.spec import load_spec
+
+    t_start = time.perf_counter()
+    gpu = torch.cuda.is_available() and not args.dry_run
+    if not gpu and not args.dry_run:
+        print("no CUDA device: run with --dry-run for densities only", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if gpu else "cpu")
+    rows: list[dict] = []
+    base_ms = base_kept = base_ms_per_head = None
+    batch, _ = bench.problem(args.seqlen, 128)
+    if gpu:
+        base_path = REPO / "specs" / f"{BASELINE}.yaml"
+        if base_path.exists():
+            base = load_spec(base_path)
+        else:
+            base = bench.template_spec(128, "bf16", True)
+        _, heads = bench.problem(args.seqlen, base.head_dim)
+        base_kept = kept_pairs(base, batch, heads, args.seqlen, {}, device) / heads
+        base_ms = measure(base, batch, heads, args.seqlen, {}, device, argparse.Namespace(
+            **{**vars(args), "no_flex": True})).get("flashgen_ms")  # fmt: skip
+        base_ms_per_head = base_ms / heads if base_ms else None
+    for name in args.specs:
+        path = REPO / "specs" / f"{name}.yaml"
+        if not path.exists():
+            rows.append({"name": name, "missing": True})
+            print(f"{name}: not in specs/, skipped", file=sys.stderr)
+            continue
+        spec = load_spec(path)
+        b, heads = bench.problem(args.seqlen, spec.head_dim)
+        params = gallery_params(spec, b, heads, args.seqlen, device, args.doc_len)
+        kept = kept_pairs(spec, b, heads, args.seqlen, params, device)
+        row = {
+            "name": name,
+            "text": path.read_text(),
+            "head_dim": spec.head_dim,
+            "batch": b,
+            "heads": heads,
+            "density": kept / (b * heads * args.seqlen**2),
+            "kept_pairs": kept,
+        }
+        if gpu and time.perf_counter() - t_start < args.budget:
+            row.update(measure(spec, b, heads, args.seqlen, params, device, args))
+            flops = 2 * (spec.head_dim + spec.head_dim_v) * kept
+            for impl in ("flashgen", "flex"):
+                ms = row.get(f"{impl}_ms")
+                row[f"{impl}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+            if row.get("flashgen_ms") and row.get("flex_ms"):
+                row["speedup"] = row["flex_ms"] / row["flashgen_ms"]
+            if row.get("flashgen_ms") and spec.head_dim == 128 and base_ms:
+                row["time_vs_causal"] = row["flashgen_ms"] / heads / base_ms_per_head
+                row["flops_vs_causal"] = kept / heads / base_kept
+        elif gpu:
+            row["flashgen_error"] = "skipped: over --budget"
+        rows.append(row)
+        print(
+            f"{name}: density {row['density']:.3f} flashgen {fmt(row.get('flashgen_ms'), '.3f')}"
+            f" ms ({fmt(row.get('flashgen_tflops'), '.0f')} TFLOP/s) flex "
+            f"{fmt(row.get('flex_ms'), '.3f')} ms ({fmt(row.get('flex_tflops'), '.0f')} "
+            f"TFLOP/s) speedup {fmt(row.get('speedup'), '.2f')}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if gpu:
+        where = (
+            f"Measured on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d', time.gmtime())}; dense causal baseline "
+            f"({BASELINE}, head_dim 128) {fmt(base_ms, '.3f')} ms."
+        )
+    else:
+        where = (
+            "Dry run (no GPU): densities only; run `python3 tools/gallery.py` on a GPU for "
+            "the timings."
+        )
+    meta = {"where": where, "batch": batch, "seqlen": args.seqlen, "host": platform.node()}
+    write_page(rows, meta, Path(args.out))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    ok = all(r.get("missing") or math.isfinite(r["density"]) for r in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Do block-sparse masks run faster than dense causal in proportion to the FLOPs they skip?
+
+For sliding window (windows 256, 1024, 4096; ``specs/mistral_swa.yaml``), Llama 4 chunked
+attention (chunk 1024; ``specs/chunked_local.yaml``) and prefix-LM (``--prefix``, default
+1024; ``specs/prefix_lm.yaml``), against dense causal (``specs/causal_d128.yaml``), all
+head_dim 128 bf16, B=1, H=16, Sq = Sk = 16384 (``--seqlen``, ``--heads``), prints per mask
+and pass (forward; backward alone):
+
+    density     fraction of the Sq x Sk (q, kv) pairs the mask keeps (exact count)
+    live, full  fraction of the forward kernel's (query block, key block) tiles that are
+                live / FULL (brute force, at the kernel's tiles)
+    ms          median time (CUDA events, ``--reps`` runs after warm-up)
+    causal_ms   the dense causal kernel, same pass and shape
+    t/t_causal  time ratio;  d/d_causal  density ratio;  eff = (t/t_causal) / (d/d_causal):
+                1.0 = time in proportion to the kept pairs, > 1 = slower than proportional
+
+    python3 tools/mask_speed.py                     # about a minute on an H200
+    python3 tools/mask_speed.py --seqlen 32768 --json out.json
+
+Needs a CUDA GPU, torch, CuPy and nvcc.  Exit status 0, or 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def mask_stats(spec, s: int, params: dict, bm: int, bn: int, dev) -> tuple[float, float, float]:
+    """(fraction of kept pairs, of live tiles, of FULL tiles) of the s x s mask at (b, h) =
+    (0, 0), evaluated exactly in chunks of query rows; tiles are bm x bn (the last ones
+    ragged, as in the kernels)."""
+    import torch
+
+    from flashgen.reference import eval_expr
+
+    kept = live = full = 0
+    rows = bm * max(1, 1024 // bm)
+    nb = -(-s // bn)
+    for r0 in range(0, s, rows):
+        r1 = min(s, r0 + rows)
+        if spec.mask is None:
+            keep = torch.ones(r1 - r0, s, dtype=torch.bool, device=dev)
+        else:
+            env = {
+                "b": torch.tensor(0, device=dev),
+                "h": torch.tensor(0, device=dev),
+                "q_idx": torch.arange(r0, r1, device=dev).view(-1, 1),
+                "kv_idx": torch.arange(s, device=dev).view(1, -1),
+                "seqlen_q": torch.tensor(s, device=dev),
+                "seqlen_k": torch.tensor(s, device=dev),
+                "__float__": torch.float32,
+                "__device__": dev,
+            }
+            for p in spec.scalar_params:
+                env[p.name] = torch.tensor(params.get(p.name, p.default), device=dev)
+            keep = eval_expr(spec.mask, env).expand(r1 - r0, s)
+        kept += int(keep.sum().item())
+        for t0 in range(0, r1 - r0, bm):
+            blk = keep[t0 : t0 + bm]
+            pad = torch.zeros(blk.shape[0], nb * bn - s, dtype=torch.int32, device=dev)
+            cnt = torch.cat([blk.to(torch.int32), pad], 1).view(blk.shape[0], nb, bn).sum((0, 2))
+            widths = torch.full((nb,), bn, device=dev)
+            widths[-1] = s - (nb - 1) * bn
+            live += int((cnt > 0).sum().item())
+            full += int((cnt == widths * blk.shape[0]).sum().item())
+    tiles = -(-s // bm) * nb
+    return kept / (s * s), live / tiles, full / tiles
+
+
+def median_ms(fn, reps: int, warmup: int = 3) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("mask_speed needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    from flashgen.lower import plan_forward
+    from flashgen.op import build_op, target_for_device
+    from flashgen.spec import load_spec
+
+    dev = torch.device("cuda")
+    s, h = args.seqlen, args.heads
+    cases = [
+        ("causal", "causal_d128", {}),
+        ("window 256", "mistral_swa", {"window": 256}),
+        ("window 1024", "mistral_swa", {"window": 1024}),
+        ("window 4096", "mistral_swa", {"window": 4096}),
+        ("chunked 1024", "chunked_local", {"chunk": 1024}),
+        (f"prefix {args.prefix}", "prefix_lm", {"prefix": args.prefix}),
+    ]
+    print(f"{torch.cuda.get_device_name()}  B=1 H={h} S={s} d128 bf16", flush=True)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, h, s, 128, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    )
+    do = torch.randn(1, h, s, 128, device=dev, generator=gen, dtype=torch.bfloat16)
+
+    rows = []
+    for label, name, params in cases:
+        spec = load_spec(REPO / "specs" / f"{name}.yaml")
+        op = build_op(spec)
+        tiles = plan_forward(spec, target_for_device(spec, dev), torch.cuda.get_device_name()).tiles
+        dens, live, full = mask_stats(spec, s, params, tiles.block_m, tiles.block_n, dev)
+
+        def fwd(op=op, params=params):
+            return op.attention(q, k, v, **params)
+
+        t_f = median_ms(fwd, args.reps)
+        o, _ = fwd()
+        t_b = median_ms(
+            lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), args.reps
+        )
+        del o
+        rows.append(
+            {
+                "mask": label,
+                "spec": name,
+                "params": params,
+                "density": dens,
+                "tiles_live": live,
+                "tiles_full": full,
+                "fwd_ms": t_f,
+                "bwd_ms": t_b,
+            }
+        )
+        torch.cuda.empty_cache()
+
+    base = rows[0]
+    print(
+        f"\n{'mask':14s} {'pass':4s} {'density':>8s} {'live':>6s} {'full':>6s} {'ms':>8s} "
+        f"{'causal_ms':>9s} {'t/t_causal':>10s} {'d/d_causal':>10s} {'eff':>6s}"
+    )
+    for r in rows:
+        d_ratio = r["density"] / base["density"]
+        for pas in ("fwd", "bwd"):
+            t, tc = r[f"{pas}_ms"], base[f"{pas}_ms"]
+            r[f"{pas}_ratio"] = t / tc
+            r[f"{pas}_eff"] = (t / tc) / d_ratio
+            print(
+                f"{r['mask']:14s} {pas:4s} {r['density']:8.4f} {r['tiles_live']:6.3f} "
+                f"{r['tiles_full']:6.3f} {t:8.3f} {tc:9.3f} {t / tc:10.3f} {d_ratio:10.3f} "
+                f"{(t / tc) / d_ratio:6.2f}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
