@@ -264,7 +264,7 @@ _F_CALLS = {
     "max": "fmaxf",
     "exp": "expf",
     "log": "logf",
-    "tanh": "tanhf",
+    "tanh": "fg::tanh_approx",  # tanh.approx.f32: one MUFU op, rel. error ~2^-11 (as FA3's softcap)
     "sqrt": "sqrtf",
     "trunc": "truncf",  # only in derived (backward) expressions
 }
@@ -444,6 +444,11 @@ def _varlen_args(spec: Spec) -> list[KernelArg]:
     return [KernelArg("cu_seqlens_q", "const int*"), KernelArg("cu_seqlens_k", "const int*")]
 
 
+#: Bytes of shared memory that stage a query block's row of the block table (key blocks;
+#: a longer row is read from global memory).
+TABLE_ROW_SMEM = 2048
+
+
 def needs_block_table(spec: Spec) -> bool:
     """Whether ``spec``'s mask reads a tensor param (e.g. document masking
     ``doc_q[q_idx] == doc_kv[kv_idx]``): its tiles cannot be classified from indices alone,
@@ -547,8 +552,11 @@ def plan_forward(
     # sQ (also stages the [BLOCK_M x Dv] output, so max(d, dv) wide), sK, sV: the kernel's
     # SQ_BYTES + SK_BYTES + BLOCK_N * Dv * 2
     smem = (tiles.block_m * max(d, dv) + tiles.block_n * d + tiles.block_n * dv) * elt
+    table_smem = TABLE_ROW_SMEM if needs_block_table(spec) else 0
+    smem += table_smem
     ctx = _forward_context(spec, target, tiles)
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
+    ctx["table_smem"] = table_smem
     residual = split_causal(spec.mask)[1]
     ctx.update(
         opts,

@@ -1,18 +1,24 @@
-// flashgen forward kernel, FA2-class (Dao 2023, "FlashAttention-2", Algorithm 1), for sm_80 and later.
-// Spec: bidir_d256   dtype bf16   head_dim 256/256   causal False
+// flashgen forward kernel for Hopper (sm_90a), FA3-class (Shah et al. 2024, "FlashAttention-3",
+// sections 3.1-3.2): TMA loads into a shared-memory K/V ring, wgmma for both GEMMs, warp
+// specialization (one producer warpgroup, NUM_CONSUMERS consumer warpgroups) with setmaxnreg.
+// Spec: bidir_d256   dtype bf16   head_dim 256   causal False
 //
 // Glossary
-//   BLOCK_M   query rows per CTA (the sQ tile); each warp owns WARP_M = BLOCK_M / NUM_WARPS of them
-//   BLOCK_N   key/value rows per inner step (the sK and sV tiles)
-//   MT        16-row mma tiles per warp (WARP_M / 16)
-//   NT        8-column tiles of the score block S (BLOCK_N / 8)
-//   DT        8-column tiles of the output O (HEAD_DIM_V / 8)
-//   sQ sK sV  shared-memory tiles, rows of 16-byte chunks, XOR-swizzled (fg::swz)
-//   acc_s     S = Q K^T for this warp's rows, fp32 (then P, in place)
-//   acc_o     O = P V accumulator, fp32, rescaled lazily, divided by row_sum once at the end
-//   row_max   running max of the log2-domain scores; row_sum running sum of exp2(x - row_max)
+//   BLOCK_M   query rows per CTA; consumer warpgroup c owns rows [64c, 64c + 64)
+//   BLOCK_N   key/value rows per step (one stage of the sK / sV ring)
+//   STAGES    depth of the K/V ring; k_full/v_full[s] complete when TMA has landed stage s,
+//             k_empty/v_empty[s] when every consumer warp is done reading it
+//   sQ sK sV  tiles as [HEAD_DIM / 64][rows][64]: 128-byte rows, 128-byte swizzle (TMA writes it,
+//             wgmma reads it through gmma_desc)
+//   acc_s     S = Q K^T, a 64 x BLOCK_N wgmma accumulator per warpgroup (P after softmax)
+//   acc_o     O = P V, 64 x HEAD_DIM, rescaled lazily, divided by row_sum at the end
+//   fragment  thread (warp w, lane l) holds rows 16w + l/4 (+8) and, per 8-column tile j,
+//             columns 8j + 2(l%4) + {0,1}: acc[4j + 2r + e]
 // Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
+// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
+// arithmetic over the mask (causal included); producer and consumers walk the same live key blocks
+// (fg::iv::prev_live), EMPTY ones are never loaded, FULL ones inside seqlen_k evaluate no mask.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -70,16 +76,35 @@ template <> struct MmaOp<__half> {
     }
 };
 
+// The DSL's tanh: one MUFU op (sm_75+), relative error about 2^-11, far under a bf16/fp16 logit's
+// rounding; the softcap score_mod (cap * tanh(score / cap)) is otherwise a ~20-instruction tanhf per element.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide.
-// XOR swizzle over 8 chunks: the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
-__device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide
+// (a multiple of 64: head dims 32, 64, 96, ...).  The 8 rows an ldmatrix phase (or a warp's
+// fragment store) touches at one column, rows 8i..8i+7, must land in 8 different 16-byte bank
+// groups (a bank group is (byte address / 16) % 8):
+//   row_bytes % 128 == 0: every row starts at bank group 0; XOR the chunk's low 3 bits with row % 8
+//     (the permutation stays inside each aligned group of 8 chunks).
+//   row_bytes % 128 == 64 (head dim 32, 96, 160, ...): odd rows start 4 groups later than even ones,
+//     so XOR only the chunk's low 2 bits with (row / 2) % 4 (inside aligned groups of 4 chunks, i.e.
+//     64 bytes): bank group = (chunk ^ (row/2 % 4)) % 4 + 4 * ((chunk / 4 + row) % 2), distinct for
+//     the 8 rows.  No padding, no wasted shared memory, no padded tensor-core work.
+// row_bytes is a compile-time constant at every kernel call, so the branch folds away.  __host__ too:
+// tests/unit/test_swizzle.py checks these properties exhaustively in a host program built with nvcc.
+__host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
+    if (row_bytes % 128 == 0) return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+    return row * row_bytes + ((chunk ^ ((row >> 1) & 3)) << 4);
 }
 
 }  // namespace fg
@@ -90,44 +115,356 @@ __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
+// Hopper (sm_90a) primitives: mbarriers, TMA tile loads, wgmma and its shared-memory
+// descriptors, warpgroup register reallocation, named barriers.  PTX ISA 8.x, sections
+// "mbarrier", "cp.async.bulk.tensor", "Asynchronous Warpgroup Level Matrix Multiply-Accumulate".
+// Rendered by Jinja: the wgmma wrappers are generated for the N extents in `wgmma_ns`.
+
+namespace fg {
+
+// A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaDesc { uint64_t opaque[16]; };
+
+// ---------------------------------------------------------------- mbarrier
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
+}
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of TMA traffic completing on this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// Block until the phase with parity `phase` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p; }\n"
+                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+    }
+}
+
+// ---------------------------------------------------------------- TMA
+// Box of the 4-D tensor map at coordinates (c0 innermost .. c3) -> shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDesc* map, int c0, int c1, int c2, int c3, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, { %2, %3, %4, %5}], [%6];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// ---------------------------------------------------------------- warpgroups
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// ---------------------------------------------------------------- wgmma
+// Shared-memory matrix descriptor, 128-byte swizzle (the layout TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B): start address, leading / stride byte offsets, all >> 4.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Keep the compiler from moving accumulator reads/writes across wgmma issue/wait.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+// d[64 x 80] (+)= A[64 x 16] (shared, K-major) * B[16 x 80] (shared, K-major); scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, %42, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+                 "%40, %41, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+// d[64 x 80] += A[64 x 16] (registers) * B[16 x 80] (shared, N-major: transposed).
+__device__ __forceinline__ void wgmma_rs_n80(float (&d)[40], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+                 "{ %40, %41, %42, %43}, "
+                 "%44, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+// d[64 x 256] (+)= A[64 x 16] (shared, K-major) * B[16 x 256] (shared, K-major); scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                 "%128, %129, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+// d[64 x 256] += A[64 x 16] (registers) * B[16 x 256] (shared, N-major: transposed).
+__device__ __forceinline__ void wgmma_rs_n256(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                 "{ %128, %129, %130, %131}, "
+                 "%132, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+}  // namespace fg
+// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
+// (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
+// Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
+// ranges (EMPTY runs are skipped and FULL runs taken in O(log n) range checks).
+#ifndef __CUDACC_RTC__
+#include <math.h>
+#endif
+
+#define FG_HD __host__ __device__ __forceinline__
+
+namespace fg {
+namespace iv {
+
+constexpr int EMPTY = 0, PARTIAL = 1, FULL = 2;
+
+struct R { double lo, hi; };  // every value lies in [lo, hi]
+struct T { bool t, f; };      // can be true, can be false
+
+FG_HD R exact(double v) { return {v, v}; }
+FG_HD R range(double lo, double hi) { return {lo, hi}; }
+FG_HD R any() { return {-INFINITY, INFINITY}; }
+FG_HD T truth(bool v) { return {v, !v}; }
+FG_HD T maybe() { return {true, true}; }
+
+FG_HD T lnot(T a) { return {a.f, a.t}; }
+FG_HD T land(T a, T b) { return {a.t && b.t, a.f || b.f}; }
+FG_HD T lor(T a, T b) { return {a.t || b.t, a.f && b.f}; }
+
+FG_HD R neg(R a) { return {-a.hi, -a.lo}; }
+FG_HD R add(R a, R b) { return {a.lo + b.lo, a.hi + b.hi}; }
+FG_HD R sub(R a, R b) { return {a.lo - b.hi, a.hi - b.lo}; }
+
+FG_HD R corners(double w, double x, double y, double z) {
+    if (isnan(w) || isnan(x) || isnan(y) || isnan(z)) return any();
+    return {fmin(fmin(w, x), fmin(y, z)), fmax(fmax(w, x), fmax(y, z))};
+}
+FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x * y; }  // 0 * inf = 0
+FG_HD R mul(R a, R b) {
+    return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
+}
+// C integer division (truncates toward zero) on integer-valued doubles.
+FG_HD double trunc_div(double x, double y) {
+    if (isinf(x) || isinf(y)) return x / y;
+    const double q = floor(fabs(x) / fabs(y));
+    return ((x >= 0) == (y > 0)) ? q : -q;
+}
+FG_HD R div(R a, R b, bool is_int) {
+    if (b.lo <= 0 && 0 <= b.hi) return any();
+    if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
+        const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
+        const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        return b.lo > 0 ? R{lo, hi} : R{hi, lo};
+    }
+    if (is_int)
+        return corners(trunc_div(a.lo, b.lo), trunc_div(a.lo, b.hi), trunc_div(a.hi, b.lo), trunc_div(a.hi, b.hi));
+    return corners(a.lo / b.lo, a.lo / b.hi, a.hi / b.lo, a.hi / b.hi);
+}
+// C % / fmodf (the sign of the dividend), by an exact divisor.
+FG_HD R mod(R a, R b, bool is_int) {
+    if (b.lo != b.hi || b.lo == 0 || isinf(b.lo)) return any();
+    const double c = fabs(b.lo);
+    // (integer-valued doubles: x - c * floor(x / c) is x % c for x >= 0, and exact)
+    if (is_int && a.lo >= 0 && !isinf(a.hi)) {
+        const double ql = floor(a.lo / c), qh = floor(a.hi / c);
+        if (ql == qh) return {a.lo - c * ql, a.hi - c * qh};
+    }
+    if (is_int && a.hi <= 0 && !isinf(a.lo)) {
+        const double ql = floor(-a.lo / c), qh = floor(-a.hi / c);
+        if (ql == qh) return {-(-a.lo - c * ql), -(-a.hi - c * qh)};
+    }
+    const double edge = is_int ? c - 1 : c;
+    return {a.lo >= 0 ? 0.0 : -edge, a.hi <= 0 ? 0.0 : edge};
+}
+
+FG_HD T lt(R a, R b) { return {a.lo < b.hi, a.hi >= b.lo}; }
+FG_HD T le(R a, R b) { return {a.lo <= b.hi, a.hi > b.lo}; }
+FG_HD T gt(R a, R b) { return {a.hi > b.lo, a.lo <= b.hi}; }
+FG_HD T ge(R a, R b) { return {a.hi >= b.lo, a.lo < b.hi}; }
+FG_HD T eq(R a, R b) {
+    const bool overlap = a.lo <= b.hi && b.lo <= a.hi;
+    const bool same = a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
+    return {overlap, !same};
+}
+FG_HD T ne(R a, R b) { return lnot(eq(a, b)); }
+FG_HD T eq(T a, T b) { return {(a.t && b.t) || (a.f && b.f), (a.t && b.f) || (a.f && b.t)}; }
+FG_HD T ne(T a, T b) { return lnot(eq(a, b)); }
+
+// c ? x : y, with x (y) only counted where c can be true (false).
+FG_HD R cond(T c, R x, R y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {fmin(x.lo, y.lo), fmax(x.hi, y.hi)};
+}
+FG_HD T cond(T c, T x, T y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {x.t || y.t, x.f || y.f};
+}
+
+FG_HD R fabs_(R a) {
+    if (a.lo >= 0) return a;
+    if (a.hi <= 0) return {-a.hi, -a.lo};
+    return {0.0, fmax(-a.lo, a.hi)};
+}
+FG_HD R min_(R a, R b) { return {fmin(a.lo, b.lo), fmin(a.hi, b.hi)}; }
+FG_HD R max_(R a, R b) { return {fmax(a.lo, b.lo), fmax(a.hi, b.hi)}; }
+FG_HD double exp_(double x) { return x < 700 ? exp(x) : INFINITY; }
+FG_HD R exp_(R a) { return {exp_(a.lo), exp_(a.hi)}; }
+FG_HD R log_(R a) {
+    if (a.lo < 0) return any();
+    return {a.lo == 0 ? -INFINITY : log(a.lo), a.hi == 0 ? -INFINITY : log(a.hi)};
+}
+FG_HD R sqrt_(R a) { return a.lo < 0 ? any() : R{sqrt(a.lo), sqrt(a.hi)}; }
+FG_HD R tanh_(R a) { return {tanh(a.lo), tanh(a.hi)}; }
+
+// x, through an empty volatile asm on the device: the compiler cannot hoist what depends on it out of a loop.
+FG_HD int opaque(int x) {
+#ifdef __CUDA_ARCH__
+    int r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+#else
+    return x;
+#endif
+}
+
+FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
+
+// Smallest power of two >= n (n >= 1).
+FG_HD int ceil_pow2(int n) {
+    int s = 1;
+    while (s < n) s <<= 1;
+    return s;
+}
+
+// Block searches along one axis.  tile(i0, i1) classifies blocks i0..i1 (inclusive) as one range.  A live
+// block costs one single-block check; a FULL one also tries the aligned power-of-two ranges beyond it,
+// halving, and the largest FULL one is remembered in `full`: its blocks cost nothing; an EMPTY one starts a
+// crossing of the EMPTY run by aligned ranges, skipped when EMPTY and halved otherwise.  So a run of n EMPTY
+// or FULL blocks costs O(log n) range checks, a PARTIAL block one.  Correct for any mask: a range is only
+// skipped when EMPTY and only taken as FULL when FULL.  Successive calls of one walk must move one way
+// (`full` is valid between the last block returned and the end of its run); start `full` at -1
+// (next_live) / INT_MAX (prev_live), and again for a new walk.
+
+// Smallest block i in [j, n) that is not EMPTY, or n; `cls` gets its class.
+template <class Tile>
+FG_HD int next_live(int j, int n, int& cls, int& full, Tile&& tile) {
+    if (j >= n) return n;
+    if (j <= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range starting at j
+        for (int s = j ? (j & -j) : ceil_pow2(n); s > 1; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            if (e > j && tile(j, e) == FULL) { full = e; break; }
+        }
+    }
+    if (cls != EMPTY) return j;
+    for (++j; j < n;) {  // cross the EMPTY run
+        for (int s = j & -j;; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            const int c = tile(j, e);
+            if (c == EMPTY) { j += s; break; }
+            if (c == FULL) { full = e; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return n;
+}
+
+// Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.  Mirror of next_live.
+template <class Tile>
+FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
+    if (j < 0) return -1;
+    if (j >= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range ending at j
+        for (int s = (j + 1) & -(j + 1); s > 1; s >>= 1)
+            if (tile(j + 1 - s, j) == FULL) { full = j + 1 - s; break; }
+    }
+    if (cls != EMPTY) return j;
+    for (--j; j >= 0;) {  // cross the EMPTY run
+        for (int s = (j + 1) & -(j + 1);; s >>= 1) {
+            const int c = tile(j + 1 - s, j);
+            if (c == EMPTY) { j -= s; break; }
+            if (c == FULL) { full = j + 1 - s; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return -1;
+}
+
+}  // namespace iv
+}  // namespace fg
+
+// Tile class of spec bidir_d256's mask (flashgen/masktiles.py; rules of maskinfo.py).
+__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k) {
+    (void)q0; (void)q1; (void)k0; (void)k1; (void)b; (void)h;
+    (void)seqlen_q; (void)seqlen_k;
+    return fg::iv::FULL;
+}
+
 
 namespace {
 constexpr int HEAD_DIM = 256;
-constexpr int HEAD_DIM_V = 256;
-constexpr int BLOCK_M = 64;
-constexpr int BLOCK_N = 64;
-constexpr int NUM_WARPS = 4;
-constexpr int THREADS = NUM_WARPS * 32;
-constexpr int WARP_M = BLOCK_M / NUM_WARPS;
-constexpr int MT = WARP_M / 16;
-constexpr int NT = BLOCK_N / 8;
-constexpr int DT = HEAD_DIM_V / 8;
-constexpr int Q_ROW_BYTES = HEAD_DIM * 2;
-constexpr int V_ROW_BYTES = HEAD_DIM_V * 2;
-constexpr int SQ_BYTES = BLOCK_M * (HEAD_DIM > HEAD_DIM_V ? HEAD_DIM : HEAD_DIM_V) * 2;  // also stages O
-constexpr int SK_BYTES = BLOCK_N * HEAD_DIM * 2;
+constexpr int BLOCK_M = 128;
+constexpr int BLOCK_N = 80;
+constexpr int NUM_CONSUMERS = 2;
+constexpr int STAGES = 2;
+constexpr int THREADS = 128 * (NUM_CONSUMERS + 1);
+constexpr int DCB = HEAD_DIM / 64;   // 64-column blocks of a row (one TMA box each)
+constexpr int NS = BLOCK_N / 8;      // 8-column tiles of S
+constexpr int NO = HEAD_DIM / 8;     // 8-column tiles of O
+constexpr uint32_t SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
+constexpr uint32_t SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr bool IS_CAUSAL = false;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
-static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0,
-              "tile shape");
-
-// Copy `rows` x `cols` elements (row stride `stride`) into a swizzled tile; rows >= valid_rows read as 0.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64_t stride, int valid_rows) {
-    constexpr int CHUNKS_PER_ROW = COLS / 8;
-    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-    #pragma unroll
-    for (int i = threadIdx.x; i < CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
-        const bool valid = row < valid_rows;
-        const elem_t* g = src + (valid ? row * stride + chunk * 8 : 0);
-        fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), g, valid);
-    }
-}
+static_assert(BLOCK_M == 64 * NUM_CONSUMERS && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
 }  // namespace
+
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd_sm_90(
     const __nv_bfloat16* __restrict__ q,
@@ -152,199 +489,260 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
     int heads_kv,
     int seqlen_q,
     int seqlen_k,
-    float softmax_scale
+    float softmax_scale,
+    const __grid_constant__ fg::TmaDesc tma_q,
+    const __grid_constant__ fg::TmaDesc tma_k,
+    const __grid_constant__ fg::TmaDesc tma_v
 ) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    const uint32_t sQ = fg::smem_u32(smem);
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t sQ = (fg::smem_u32(smem_raw) + 1023u) & ~1023u;  // 128-byte swizzle wants 1 KiB alignment
     const uint32_t sK = sQ + SQ_BYTES;
-    const uint32_t sV = sK + SK_BYTES;
+    const uint32_t sV = sK + STAGES * SKV_BYTES;
+    const uint32_t bars = sV + STAGES * SKV_BYTES;
+    const uint32_t q_full = bars;
+    auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+    auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+    auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
+    // Per ring stage, written by the producer before it arms k_full: the key block, its tile class, last?
+    int* stage_info = reinterpret_cast<int*>(smem_raw + (bars + 8u * (1 + 4 * STAGES) - fg::smem_u32(smem_raw)));
 
     // Which (batch, head, query block) this CTA computes; heaviest causal blocks first.
     const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_rev = blockIdx.x % num_m_blocks;
-    const int m_block = IS_CAUSAL ? num_m_blocks - 1 - m_rev : m_rev;
+    const int m_rev = blockIdx.x % num_m_blocks;       // one head's query blocks together
     const int bh = blockIdx.x / num_m_blocks;
+    const int m_block = m_rev;
     const int b = bh / heads_q;
     const int h = bh % heads_q;
     const int h_kv = h / (heads_q / heads_kv);
     const int m0 = m_block * BLOCK_M;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-    const elem_t* q_blk = q + b * q_sb + h * q_sh + (int64_t)m0 * q_ss;
-    const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
-    const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
+    // Key blocks are visited last to first, live ones only: kv_class(j0, j1) is the class of this CTA's
+    // query rows against key blocks j0..j1 (clipped to seqlen_k) under the whole mask.
+    const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
+    auto kv_class = [&](int j0, int j1) {
+        const int k0 = j0 * BLOCK_N, k1 = min((j1 + 1) * BLOCK_N, seqlen_k) - 1;
+        return fg_tile_class(m0, m_last, k0, k1, b, h, seqlen_q, seqlen_k);
+    };
+    int cls = fg::iv::EMPTY, full = 0x7fffffff;  // full: blocks from here to the last one visited are FULL
+    const int first_block = fg::iv::prev_live((seqlen_k + BLOCK_N - 1) / BLOCK_N - 1, cls, full, kv_class);
 
-    // KV range: everything, or for causal up to the last row's diagonal (blocks past it are never loaded).
-    const int kv_end = IS_CAUSAL ? min(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q) : seqlen_k;
-    const int n_blocks = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;
-    const float scale_log2 = softmax_scale * LOG2E;
-
-    float acc_o[MT][DT][4];
-    float row_max[MT][2], row_sum[MT][2];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) { row_max[mt][r] = -INFINITY; row_sum[mt][r] = 0.f; }
+    if (threadIdx.x == 0) {
+        fg::mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            fg::mbar_init(k_full(s), 1);
+            fg::mbar_init(v_full(s), 1);
+            fg::mbar_init(k_empty(s), NUM_CONSUMERS * 4);
+            fg::mbar_init(v_empty(s), NUM_CONSUMERS * 4);
+        }
+        fg::fence_barrier_init();
     }
+    __syncthreads();
 
-    // Prologue: Q tile and the first K tile in flight.
-    if (n_blocks > 0) {
-        load_tile<BLOCK_M, HEAD_DIM>(sQ, q_blk, q_ss, seqlen_q - m0);
-        const int n_last = (n_blocks - 1) * BLOCK_N;
-        load_tile<BLOCK_N, HEAD_DIM>(sK, k_head + (int64_t)n_last * k_ss, k_ss, seqlen_k - n_last);
-        fg::cp_async_commit();
-    }
-
-    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
-        const int n0 = n_block * BLOCK_N;
-        // K(n) has landed and every warp is done with V(n+1): start V(n).
-        fg::cp_async_wait_all();
-        __syncthreads();
-        load_tile<BLOCK_N, HEAD_DIM_V>(sV, v_head + (int64_t)n0 * v_ss, v_ss, seqlen_k - n0);
-        fg::cp_async_commit();
-
-        // S = Q K^T on tensor cores.
-        float acc_s[MT][NT][4];
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+    if (threadIdx.x < 128) {
+        // ------------------------------------------------------------ producer warpgroup
+        fg::setmaxnreg_dec<56>();
+        if (threadIdx.x == 0 && first_block >= 0) {
+            fg::tma_prefetch_desc(&tma_k);
+            fg::tma_prefetch_desc(&tma_v);
+            fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int c = 0; c < DCB; ++c)
+                fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
+            // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.
+            for (int it = 0, n_block = first_block; n_block >= 0; ++it) {
+                const int n0 = n_block * BLOCK_N, n_cls = cls;
+                const int n_next = fg::iv::prev_live(n_block - 1, cls, full, kv_class);
+                const int s = it % STAGES;
+                const uint32_t phase = (it / STAGES) & 1;
+                fg::mbar_wait(k_empty(s), phase ^ 1);
+                stage_info[2 * s] = n0;
+                stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
+                fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = 0.f;
+                for (int c = 0; c < DCB; ++c)
+                    fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
+                fg::mbar_wait(v_empty(s), phase ^ 1);
+                fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
+                #pragma unroll
+                for (int c = 0; c < DCB; ++c)
+                    fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
+                n_block = n_next;
+            }
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------- consumer warpgroups
+    // Per KV block j (FA3 Algorithm 2 with ping-pong, section 3.1-3.2): issue S_j = Q K_j^T and
+    // O += P_{j-1} V_{j-1} together, then the softmax of S_j runs while the second GEMM (and the
+    // other consumer warpgroup's GEMMs) occupy the tensor cores.  Named barriers PP0/PP1 make the
+    // two consumer warpgroups take turns issuing GEMMs.
+    fg::setmaxnreg_inc<224>();
+    const int cg = threadIdx.x / 128 - 1;          // consumer warpgroup
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
+    const float scale_log2 = softmax_scale * LOG2E;
+    constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"
+    auto pp_wait = [&]() { fg::named_barrier_sync(PP_BARRIER + cg, 256); };
+    auto pp_pass = [&]() { fg::named_barrier_arrive(PP_BARRIER + (1 - cg), 256); };
+
+    float acc_o[NO * 4];
+    float acc_s[NS * 4];
+    uint32_t p_frag[BLOCK_N / 16][4];
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+    #pragma unroll
+    for (int i = 0; i < NO * 4; ++i) acc_o[i] = 0.f;
+
+    // S = Q K^T for ring stage s: HEAD_DIM / 16 wgmmas, operands straight from the swizzled tiles.
+    auto issue_s = [&](int s) {
+        fg::wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            uint32_t a[MT][4];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                fg::ldmatrix_x4(a[mt], sQ + fg::swz(warp * WARP_M + mt * 16 + (lane % 16), kk * 2 + lane / 16, Q_ROW_BYTES));
-            #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                uint32_t bk[4];
-                fg::ldmatrix_x4(bk, sK + fg::swz(np * 16 + (lane % 8) + (lane / 16) * 8, kk * 2 + (lane / 8) % 2, Q_ROW_BYTES));
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
-                    Mma::run(acc_s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                }
-            }
+            const uint32_t col = (kk / 4) * 128u, sub = (kk % 4) * 32u;
+            const uint64_t da = fg::gmma_desc(sQ + col * BLOCK_M + cg * 64 * 128 + sub, 16, 1024);
+            const uint64_t db = fg::gmma_desc(sK + s * SKV_BYTES + col * BLOCK_N + sub, 16, 1024);
+            fg::wgmma_ss_n80(acc_s, da, db, kk > 0);
         }
-
-        // Scores -> log2 domain, with score_mod and the mask applied elementwise.
-        const bool edge = n0 + BLOCK_N > seqlen_k || (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + seqlen_k - seqlen_q);
+        fg::wgmma_commit();
+    };
+    // O = alpha * O + P V for ring stage s: BLOCK_N / 16 wgmmas, V read N-major (transposed).
+    auto issue_pv = [&](int s) {
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int j = 0; j < NO; ++j)
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int i = 0; i < 4; ++i) acc_o[4 * j + i] *= alpha[i / 2];
+        fg::fence_regs(acc_o);
+        fg::wgmma_fence();
+        #pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            fg::wgmma_rs_n256(acc_o, p_frag[kk], fg::gmma_desc(sV + s * SKV_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+        fg::wgmma_commit();
+    };
+    // Online softmax of S (block at key n0) in raw score units: only edge blocks (past seqlen_k,
+    // or crossing the causal diagonal) touch the mask; scale and max fold into one FFMA per
+    // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
+    auto softmax = [&](int n0, int tile_cls) {
+        if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
+            #pragma unroll
+            for (int j = 0; j < NS; ++j)
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
-                    const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                    float x = acc_s[mt][nt][i] * scale_log2;
-                    if (edge && (kv_raw >= seqlen_k || (IS_CAUSAL && kv_raw > q_raw + seqlen_k - seqlen_q)))
-                        x = -INFINITY;
-                    acc_s[mt][nt][i] = x;
+                    const int q_raw = m0 + row_base + (i / 2) * 8;
+                    const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
+                    if (kv_raw >= seqlen_k || (IS_CAUSAL && kv_raw > q_raw + seqlen_k - seqlen_q))
+                        acc_s[4 * j + i] = -INFINITY;
                 }
-
-        // Online softmax: new row max, rescale O and the running sum, P = exp2(x - max).
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-                const float base = mx == -INFINITY ? 0.f : mx;  // a fully masked row so far stays at 0
-                const float alpha = fg::exp2_approx(row_max[mt][r] - base);
-                row_max[mt][r] = mx;
-                float sum = 0.f;
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        const float p = fg::exp2_approx(acc_s[mt][nt][2 * r + j] - base);
-                        acc_s[mt][nt][2 * r + j] = p;
-                        sum += p;
-                    }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc_o[mt][dt][2 * r] *= alpha;
-                    acc_o[mt][dt][2 * r + 1] *= alpha;
-                }
-            }
-
-        // V(n) has landed and every warp is done with K(n): start K(n-1), then O += P V.
-        fg::cp_async_wait_all();
-        __syncthreads();
-        if (n_block > 0) {
-            const int n_prev = n0 - BLOCK_N;
-            load_tile<BLOCK_N, HEAD_DIM>(sK, k_head + (int64_t)n_prev * k_ss, k_ss, seqlen_k - n_prev);
-            fg::cp_async_commit();
         }
-        #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            uint32_t a[MT][4];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = Mma::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-                a[mt][1] = Mma::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-                a[mt][2] = Mma::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-                a[mt][3] = Mma::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-            }
-            #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                uint32_t bv[4];
-                fg::ldmatrix_x4_trans(bv, sV + fg::swz(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16, V_ROW_BYTES));
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-                    Mma::run(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-                }
-            }
-        }
-    }
-
-    // Epilogue: O / row_sum staged through shared memory for 16-byte stores; lse = ln(sum) + max.
-    fg::cp_async_wait_all();
-    __syncthreads();
-    const int64_t lse_row0 = (int64_t)bh * seqlen_q;
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float sum = row_sum[mt][r];
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            const bool empty = sum == 0.f || row_max[mt][r] == -INFINITY;
-            const float inv = empty ? 0.f : 1.f / sum;
-            const int row = warp * WARP_M + mt * 16 + lane / 4 + r * 8;
+            float mx = row_max[r];
             #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
-                const uint32_t addr = sQ + fg::swz(row, dt, V_ROW_BYTES) + (lane % 4) * 4;
-                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
-            }
-            if (lane % 4 == 0 && m0 + row < seqlen_q)
-                lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max[mt][r] + __log2f(sum)) * LN2;
+            for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float base = mx == -INFINITY ? 0.f : mx * scale_log2;  // a fully masked row so far stays at 0
+            alpha[r] = fg::exp2_approx(row_max[r] * scale_log2 - base);
+            row_max[r] = mx;
+            float sum = 0.f;
+            #pragma unroll
+            for (int j = 0; j < NS; ++j)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = fg::exp2_approx(fmaf(acc_s[4 * j + 2 * r + e], scale_log2, -base));
+                    acc_s[4 * j + 2 * r + e] = p;
+                    sum += p;
+                }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
-    __syncthreads();
-    constexpr int O_CHUNKS_PER_ROW = HEAD_DIM_V / 8;
-    elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;
+    };
+    auto row_max_log2 = [&](int r) { return row_max[r] * scale_log2; };
+    // P to 16-bit A fragments: the accumulator layout of two 8-column tiles is the A layout of one k16 step.
+    auto pack_p = [&]() {
+        #pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            p_frag[kk][0] = Mma::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+            p_frag[kk][1] = Mma::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+            p_frag[kk][2] = Mma::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+            p_frag[kk][3] = Mma::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+        }
+    };
+
+    if (first_block >= 0) {
+        if (cg == 1) fg::named_barrier_arrive(PP_BARRIER, 256);  // consumer 0 issues first
+        // The first live block: S only.  The producer tells each stage's block and class (stage_info).
+        fg::mbar_wait(q_full, 0);
+        fg::mbar_wait(k_full(0), 0);
+        int info_n0 = stage_info[0], info_cls = stage_info[1];
+        pp_wait();
+        issue_s(0);
+        pp_pass();
+        fg::wgmma_wait<0>();
+        fg::fence_regs(acc_s);
+        if (lane == 0) fg::mbar_arrive(k_empty(0));
+        softmax(info_n0, info_cls & 0xff);
+        pack_p();
+        int it = 1;
+        for (bool more = !(info_cls & 0x100); more; ++it) {
+            const int s = it % STAGES, s_prev = (it - 1) % STAGES;
+            fg::mbar_wait(k_full(s), (it / STAGES) & 1);
+            info_n0 = stage_info[2 * s];
+            info_cls = stage_info[2 * s + 1];
+            more = !(info_cls & 0x100);
+            pp_wait();
+            issue_s(s);
+            fg::mbar_wait(v_full(s_prev), ((it - 1) / STAGES) & 1);
+            issue_pv(s_prev);
+            pp_pass();
+            fg::wgmma_wait<1>();       // S_it has landed; P_{it-1} V_{it-1} may still run
+            fg::fence_regs(acc_s);
+            if (lane == 0) fg::mbar_arrive(k_empty(s));
+            softmax(info_n0, info_cls & 0xff);
+            fg::wgmma_wait<0>();
+            fg::fence_regs(acc_o);
+            if (lane == 0) fg::mbar_arrive(v_empty(s_prev));
+            pack_p();
+        }
+        // Last P V.
+        const int s_last = (it - 1) % STAGES;
+        fg::mbar_wait(v_full(s_last), ((it - 1) / STAGES) & 1);
+        issue_pv(s_last);
+        fg::wgmma_wait<0>();
+        fg::fence_regs(acc_o);
+        if (lane == 0) fg::mbar_arrive(v_empty(s_last));
+        if (cg == 0) pp_wait();  // consume consumer 1's last pass: the barriers end balanced
+    }
+
+    // Epilogue: O / row_sum into this warpgroup's rows of sQ (same swizzle), then 16-byte stores.
+    const int64_t lse_row0 = (int64_t)bh * seqlen_q;
     #pragma unroll
-    for (int i = threadIdx.x; i < BLOCK_M * O_CHUNKS_PER_ROW; i += THREADS) {
-        const int row = i / O_CHUNKS_PER_ROW, chunk = i % O_CHUNKS_PER_ROW;
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        const bool empty = sum == 0.f || row_max[r] == -INFINITY;
+        const float inv = empty ? 0.f : 1.f / sum;
+        const int row = row_base + r * 8;
+        #pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            const uint32_t packed = Mma::pack(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+            const uint32_t addr = sQ + (j / 8) * BLOCK_M * 128 + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (lane % 4) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
+        }
+        if (lane % 4 == 0 && m0 + row < seqlen_q)
+            lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max_log2(r) + __log2f(sum)) * LN2;
+    }
+    fg::named_barrier_sync(1 + cg, 128);
+    elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;
+    const int t = threadIdx.x % 128;
+    #pragma unroll
+    for (int i = t; i < 64 * NO; i += 128) {
+        const int row = cg * 64 + i / NO, chunk = i % NO;
         if (m0 + row < seqlen_q) {
             uint4 val;
+            const uint32_t addr = sQ + (chunk / 8) * BLOCK_M * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
             asm volatile("ld.shared.v4.b32 { %0,%1,%2,%3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQ + fg::swz(row, chunk, V_ROW_BYTES)));
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(addr));
             *reinterpret_cast<uint4*>(o_blk + row * o_ss + chunk * 8) = val;
         }
     }

@@ -15,6 +15,9 @@
 //   acc_s       S (or S^T) for this warp's 16 rows, then P
 //   acc_dp      dP (or dP^T), then dS
 //   sLse        lse * log2(e) of the step's query rows (+inf for rows with nothing to attend to)
+// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key block) tiles by interval
+// arithmetic over the mask; both inner loops visit live (not EMPTY) blocks only, found with fg::iv::next_live
+// and prefetched as such, and FULL tiles inside seqlen_k evaluate no mask.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -72,16 +75,35 @@ template <> struct MmaOp<__half> {
     }
 };
 
+// The DSL's tanh: one MUFU op (sm_75+), relative error about 2^-11, far under a bf16/fp16 logit's
+// rounding; the softcap score_mod (cap * tanh(score / cap)) is otherwise a ~20-instruction tanhf per element.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide.
-// XOR swizzle over 8 chunks: the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
-__device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide
+// (a multiple of 64: head dims 32, 64, 96, ...).  The 8 rows an ldmatrix phase (or a warp's
+// fragment store) touches at one column, rows 8i..8i+7, must land in 8 different 16-byte bank
+// groups (a bank group is (byte address / 16) % 8):
+//   row_bytes % 128 == 0: every row starts at bank group 0; XOR the chunk's low 3 bits with row % 8
+//     (the permutation stays inside each aligned group of 8 chunks).
+//   row_bytes % 128 == 64 (head dim 32, 96, 160, ...): odd rows start 4 groups later than even ones,
+//     so XOR only the chunk's low 2 bits with (row / 2) % 4 (inside aligned groups of 4 chunks, i.e.
+//     64 bytes): bank group = (chunk ^ (row/2 % 4)) % 4 + 4 * ((chunk / 4 + row) % 2), distinct for
+//     the 8 rows.  No padding, no wasted shared memory, no padded tensor-core work.
+// row_bytes is a compile-time constant at every kernel call, so the branch folds away.  __host__ too:
+// tests/unit/test_swizzle.py checks these properties exhaustively in a host program built with nvcc.
+__host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
+    if (row_bytes % 128 == 0) return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+    return row * row_bytes + ((chunk ^ ((row >> 1) & 3)) << 4);
 }
 
 }  // namespace fg
@@ -92,6 +114,215 @@ __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
+// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
+// (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
+// Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
+// ranges (EMPTY runs are skipped and FULL runs taken in O(log n) range checks).
+#ifndef __CUDACC_RTC__
+#include <math.h>
+#endif
+
+#define FG_HD __host__ __device__ __forceinline__
+
+namespace fg {
+namespace iv {
+
+constexpr int EMPTY = 0, PARTIAL = 1, FULL = 2;
+
+struct R { double lo, hi; };  // every value lies in [lo, hi]
+struct T { bool t, f; };      // can be true, can be false
+
+FG_HD R exact(double v) { return {v, v}; }
+FG_HD R range(double lo, double hi) { return {lo, hi}; }
+FG_HD R any() { return {-INFINITY, INFINITY}; }
+FG_HD T truth(bool v) { return {v, !v}; }
+FG_HD T maybe() { return {true, true}; }
+
+FG_HD T lnot(T a) { return {a.f, a.t}; }
+FG_HD T land(T a, T b) { return {a.t && b.t, a.f || b.f}; }
+FG_HD T lor(T a, T b) { return {a.t || b.t, a.f && b.f}; }
+
+FG_HD R neg(R a) { return {-a.hi, -a.lo}; }
+FG_HD R add(R a, R b) { return {a.lo + b.lo, a.hi + b.hi}; }
+FG_HD R sub(R a, R b) { return {a.lo - b.hi, a.hi - b.lo}; }
+
+FG_HD R corners(double w, double x, double y, double z) {
+    if (isnan(w) || isnan(x) || isnan(y) || isnan(z)) return any();
+    return {fmin(fmin(w, x), fmin(y, z)), fmax(fmax(w, x), fmax(y, z))};
+}
+FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x * y; }  // 0 * inf = 0
+FG_HD R mul(R a, R b) {
+    return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
+}
+// C integer division (truncates toward zero) on integer-valued doubles.
+FG_HD double trunc_div(double x, double y) {
+    if (isinf(x) || isinf(y)) return x / y;
+    const double q = floor(fabs(x) / fabs(y));
+    return ((x >= 0) == (y > 0)) ? q : -q;
+}
+FG_HD R div(R a, R b, bool is_int) {
+    if (b.lo <= 0 && 0 <= b.hi) return any();
+    if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
+        const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
+        const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        return b.lo > 0 ? R{lo, hi} : R{hi, lo};
+    }
+    if (is_int)
+        return corners(trunc_div(a.lo, b.lo), trunc_div(a.lo, b.hi), trunc_div(a.hi, b.lo), trunc_div(a.hi, b.hi));
+    return corners(a.lo / b.lo, a.lo / b.hi, a.hi / b.lo, a.hi / b.hi);
+}
+// C % / fmodf (the sign of the dividend), by an exact divisor.
+FG_HD R mod(R a, R b, bool is_int) {
+    if (b.lo != b.hi || b.lo == 0 || isinf(b.lo)) return any();
+    const double c = fabs(b.lo);
+    // (integer-valued doubles: x - c * floor(x / c) is x % c for x >= 0, and exact)
+    if (is_int && a.lo >= 0 && !isinf(a.hi)) {
+        const double ql = floor(a.lo / c), qh = floor(a.hi / c);
+        if (ql == qh) return {a.lo - c * ql, a.hi - c * qh};
+    }
+    if (is_int && a.hi <= 0 && !isinf(a.lo)) {
+        const double ql = floor(-a.lo / c), qh = floor(-a.hi / c);
+        if (ql == qh) return {-(-a.lo - c * ql), -(-a.hi - c * qh)};
+    }
+    const double edge = is_int ? c - 1 : c;
+    return {a.lo >= 0 ? 0.0 : -edge, a.hi <= 0 ? 0.0 : edge};
+}
+
+FG_HD T lt(R a, R b) { return {a.lo < b.hi, a.hi >= b.lo}; }
+FG_HD T le(R a, R b) { return {a.lo <= b.hi, a.hi > b.lo}; }
+FG_HD T gt(R a, R b) { return {a.hi > b.lo, a.lo <= b.hi}; }
+FG_HD T ge(R a, R b) { return {a.hi >= b.lo, a.lo < b.hi}; }
+FG_HD T eq(R a, R b) {
+    const bool overlap = a.lo <= b.hi && b.lo <= a.hi;
+    const bool same = a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
+    return {overlap, !same};
+}
+FG_HD T ne(R a, R b) { return lnot(eq(a, b)); }
+FG_HD T eq(T a, T b) { return {(a.t && b.t) || (a.f && b.f), (a.t && b.f) || (a.f && b.t)}; }
+FG_HD T ne(T a, T b) { return lnot(eq(a, b)); }
+
+// c ? x : y, with x (y) only counted where c can be true (false).
+FG_HD R cond(T c, R x, R y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {fmin(x.lo, y.lo), fmax(x.hi, y.hi)};
+}
+FG_HD T cond(T c, T x, T y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {x.t || y.t, x.f || y.f};
+}
+
+FG_HD R fabs_(R a) {
+    if (a.lo >= 0) return a;
+    if (a.hi <= 0) return {-a.hi, -a.lo};
+    return {0.0, fmax(-a.lo, a.hi)};
+}
+FG_HD R min_(R a, R b) { return {fmin(a.lo, b.lo), fmin(a.hi, b.hi)}; }
+FG_HD R max_(R a, R b) { return {fmax(a.lo, b.lo), fmax(a.hi, b.hi)}; }
+FG_HD double exp_(double x) { return x < 700 ? exp(x) : INFINITY; }
+FG_HD R exp_(R a) { return {exp_(a.lo), exp_(a.hi)}; }
+FG_HD R log_(R a) {
+    if (a.lo < 0) return any();
+    return {a.lo == 0 ? -INFINITY : log(a.lo), a.hi == 0 ? -INFINITY : log(a.hi)};
+}
+FG_HD R sqrt_(R a) { return a.lo < 0 ? any() : R{sqrt(a.lo), sqrt(a.hi)}; }
+FG_HD R tanh_(R a) { return {tanh(a.lo), tanh(a.hi)}; }
+
+// x, through an empty volatile asm on the device: the compiler cannot hoist what depends on it out of a loop.
+FG_HD int opaque(int x) {
+#ifdef __CUDA_ARCH__
+    int r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+#else
+    return x;
+#endif
+}
+
+FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
+
+// Smallest power of two >= n (n >= 1).
+FG_HD int ceil_pow2(int n) {
+    int s = 1;
+    while (s < n) s <<= 1;
+    return s;
+}
+
+// Block searches along one axis.  tile(i0, i1) classifies blocks i0..i1 (inclusive) as one range.  A live
+// block costs one single-block check; a FULL one also tries the aligned power-of-two ranges beyond it,
+// halving, and the largest FULL one is remembered in `full`: its blocks cost nothing; an EMPTY one starts a
+// crossing of the EMPTY run by aligned ranges, skipped when EMPTY and halved otherwise.  So a run of n EMPTY
+// or FULL blocks costs O(log n) range checks, a PARTIAL block one.  Correct for any mask: a range is only
+// skipped when EMPTY and only taken as FULL when FULL.  Successive calls of one walk must move one way
+// (`full` is valid between the last block returned and the end of its run); start `full` at -1
+// (next_live) / INT_MAX (prev_live), and again for a new walk.
+
+// Smallest block i in [j, n) that is not EMPTY, or n; `cls` gets its class.
+template <class Tile>
+FG_HD int next_live(int j, int n, int& cls, int& full, Tile&& tile) {
+    if (j >= n) return n;
+    if (j <= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range starting at j
+        for (int s = j ? (j & -j) : ceil_pow2(n); s > 1; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            if (e > j && tile(j, e) == FULL) { full = e; break; }
+        }
+    }
+    if (cls != EMPTY) return j;
+    for (++j; j < n;) {  // cross the EMPTY run
+        for (int s = j & -j;; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            const int c = tile(j, e);
+            if (c == EMPTY) { j += s; break; }
+            if (c == FULL) { full = e; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return n;
+}
+
+// Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.  Mirror of next_live.
+template <class Tile>
+FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
+    if (j < 0) return -1;
+    if (j >= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range ending at j
+        for (int s = (j + 1) & -(j + 1); s > 1; s >>= 1)
+            if (tile(j + 1 - s, j) == FULL) { full = j + 1 - s; break; }
+    }
+    if (cls != EMPTY) return j;
+    for (--j; j >= 0;) {  // cross the EMPTY run
+        for (int s = (j + 1) & -(j + 1);; s >>= 1) {
+            const int c = tile(j + 1 - s, j);
+            if (c == EMPTY) { j -= s; break; }
+            if (c == FULL) { full = j + 1 - s; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return -1;
+}
+
+}  // namespace iv
+}  // namespace fg
+
+// Tile class of spec gemma2_softcap's mask (flashgen/masktiles.py; rules of maskinfo.py).
+__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k, float p_softcap) {
+    (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
+    (void)p_softcap;
+    const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);
+    const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);
+    (void)q_r; (void)kv_r;
+    const fg::iv::R e0 = fg::iv::exact((double)seqlen_k - (double)seqlen_q);
+    const fg::iv::R e1 = fg::iv::add(q_r, e0);
+    const fg::iv::T e2 = fg::iv::ge(e1, kv_r);
+    return fg::iv::tile_class(e2);
+}
+
 
 namespace {
 constexpr int HEAD_DIM = 256;
@@ -115,6 +346,7 @@ constexpr int DQ_N = 32;
 constexpr int DQ_WARPS = 4;
 static_assert(KV_N == 16 * KV_WARPS && DQ_M == 16 * DQ_WARPS, "one 16-row mma tile per warp");
 static_assert(KV_M % 16 == 0 && DQ_N % 16 == 0 && DK_COLS % 16 == 0 && DV_COLS % 16 == 0, "tiles");
+static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0, "rows of a multiple of 64 bytes (fg::swz)");
 
 // ROWS x COLS elements (row stride `stride`) into a swizzled tile by THREADS threads; rows >= valid_rows read 0.
 template <int ROWS, int COLS, int THREADS>
@@ -259,6 +491,8 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_gemma2_s
     constexpr int STAGE_BYTES = KV_M * (QK_ROW_BYTES + V_ROW_BYTES);
     float* sLse = reinterpret_cast<float*>(smem + KV_N * (QK_ROW_BYTES + V_ROW_BYTES) + 2 * STAGE_BYTES);
     float* sDsum = sLse + 2 * KV_M;
+    static_assert(KV_N * (QK_ROW_BYTES + V_ROW_BYTES) + 2 * STAGE_BYTES + 4 * KV_M * 4 == 131584,
+                  "dynamic shared memory: the plan's smem_bytes must match this layout");
 
     // Which (batch, kv head, key block, column split) this CTA owns.
     const int n_blocks = (seqlen_k + KV_N - 1) / KV_N;
@@ -271,20 +505,34 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_gemma2_s
     const int n0 = n_block * KV_N;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-    // Query rows that can see this key block: causal skips the blocks above the diagonal.
-    const int m_first = IS_CAUSAL ? max(0, n0 - (seqlen_k - seqlen_q)) / KV_M : 0;
+    // Steps: (query head h_kv * group + hg, query block mb) pairs whose tile with this key block is live.
+    // q_class(h, i0, i1): class of query blocks i0..i1 of head h (clipped to seqlen_q) against this key block.
     const int m_blocks = (seqlen_q + KV_M - 1) / KV_M;
-    const int per_head = max(0, m_blocks - m_first);
-    const int steps = group * per_head;
+    const int n_last_row = min(n0 + KV_N, seqlen_k) - 1;
+    // The key bounds pass through fg::iv::opaque: the classifier's key-only terms are then recomputed per call
+    // instead of being hoisted out of the loop into registers this kernel does not have.
+    auto q_class = [&](int h, int i0, int i1) {
+        const int q0 = i0 * KV_M, q1 = min((i1 + 1) * KV_M, seqlen_q) - 1;
+        return fg_tile_class(q0, q1, fg::iv::opaque(n0), fg::iv::opaque(n_last_row), b, h, seqlen_q, seqlen_k, p_softcap);
+    };
+    // The first live step at or after (hg, mb), in head-major order; hg == group when there is none.
+    // full: query blocks of head hg up to this one are FULL (reset for each head).
+    int full = -1;
+    auto next_step = [&](int& hg, int& mb, int& cls) {
+        for (; hg < group; ++hg, mb = 0, full = -1) {
+            const int hh = h_kv * group + hg;
+            mb = fg::iv::next_live(mb, m_blocks, cls, full, [&](int i0, int i1) { return q_class(hh, i0, i1); });
+            if (mb < m_blocks) return;
+        }
+    };
 
     load_tile<KV_N, HEAD_DIM, THREADS>(sK, k + b * k_sb + h_kv * k_sh + (int64_t)n0 * k_ss, k_ss, seqlen_k - n0);
     load_tile<KV_N, HEAD_DIM_V, THREADS>(sV, v + b * v_sb + h_kv * v_sh + (int64_t)n0 * v_ss, v_ss, seqlen_k - n0);
     fg::cp_async_commit();
 
-    // Step `it` covers query head h_kv * group + it / per_head, rows from (m_first + it % per_head) * KV_M.
-    auto issue = [&](int it, int stage) {
-        const int hh = h_kv * group + it / per_head;
-        const int m0 = (m_first + it % per_head) * KV_M;
+    // Load step (query head hh, query block mb) into `stage`.
+    auto issue = [&](int hh, int mb, int stage) {
+        const int m0 = mb * KV_M;
         const uint32_t sQ = sQ0 + stage * STAGE_BYTES;
         load_tile<KV_M, HEAD_DIM, THREADS>(sQ, q + b * q_sb + hh * q_sh + (int64_t)m0 * q_ss, q_ss, seqlen_q - m0);
         load_tile<KV_M, HEAD_DIM_V, THREADS>(sQ + KV_M * QK_ROW_BYTES, dout + b * dout_sb + hh * dout_sh + (int64_t)m0 * dout_ss, dout_ss, seqlen_q - m0);
@@ -295,7 +543,9 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_gemma2_s
             sDsum[stage * KV_M + i] = valid ? dsum[stat0 + i] : 0.f;
         }
     };
-    if (steps > 0) issue(0, 0);
+    int hg = 0, mb = 0, cls = fg::iv::EMPTY;
+    next_step(hg, mb, cls);
+    if (hg < group) issue(h_kv * group + hg, mb, 0);
     fg::cp_async_commit();
 
     float acc_dk[DK_COLS / 8][4], acc_dv[DV_COLS / 8][4];
@@ -308,19 +558,20 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_gemma2_s
         #pragma unroll
         for (int i = 0; i < 4; ++i) acc_dv[dt][i] = 0.f;
 
-    for (int it = 0; it < steps; ++it) {
-        const int stage = it & 1;
-        // Prefetch the next step into the other stage, then wait for this one.
-        if (it + 1 < steps) {
-            issue(it + 1, stage ^ 1);
+    for (int stage = 0; hg < group; stage ^= 1) {
+        // Prefetch the next live step into the other stage, then wait for this one.
+        int hg_next = hg, mb_next = mb + 1, cls_next = fg::iv::EMPTY;
+        next_step(hg_next, mb_next, cls_next);
+        if (hg_next < group) {
+            issue(h_kv * group + hg_next, mb_next, stage ^ 1);
             fg::cp_async_commit();
             asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         } else {
             fg::cp_async_wait_all();
         }
         __syncthreads();
-        const int h = h_kv * group + it / per_head;
-        const int m0 = (m_first + it % per_head) * KV_M;
+        const int h = h_kv * group + hg;
+        const int m0 = mb * KV_M;
         const uint32_t sQ = sQ0 + stage * STAGE_BYTES;
         const uint32_t sDO = sQ + KV_M * QK_ROW_BYTES;
         const float* lse_s = sLse + stage * KV_M;
@@ -335,7 +586,9 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_gemma2_s
         gemm_abt<NT, HEAD_DIM / 16>(acc_s, sK, warp * 16, sQ, QK_ROW_BYTES, lane);
         gemm_abt<NT, HEAD_DIM_V / 16>(acc_dp, sV, warp * 16, sDO, V_ROW_BYTES, lane);
 
-        // P^T from the saved lse; dS^T = P^T (dP^T - dsum) * d score_mod / d score.
+        // P^T from the saved lse; dS^T = P^T (dP^T - dsum) * d score_mod / d score.  The mask only on tiles
+        // that are not FULL, or cross seqlen_k.
+        if (cls != fg::iv::FULL || n0 + KV_N > seqlen_k) {
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
@@ -346,19 +599,41 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_gemma2_s
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((p_softcap * tanhf((score / p_softcap)))) * LOG2E : -INFINITY;
-                const float g = keep ? (float)((p_softcap * ((1.0f - (tanhf((score / p_softcap)) * tanhf((score / p_softcap)))) * (1.0f / p_softcap)))) : 0.f;
+                const float x = keep ? (float)((p_softcap * fg::tanh_approx((score / p_softcap)))) * LOG2E : -INFINITY;
+                const float g = keep ? (float)((p_softcap * ((1.0f - (fg::tanh_approx((score / p_softcap)) * fg::tanh_approx((score / p_softcap)))) * (1.0f / p_softcap)))) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)g;
 
                 const float p = fg::exp2_approx(x - lse_s[qi]);
                 acc_s[nt][i] = p;
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - dsum_s[qi]) * g;
             }
+        } else {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int qi = nt * 8 + (lane % 4) * 2 + (i % 2);
+                const int q_idx = min((m0 + qi), seqlen_q - 1);
+                const int kv_idx = min((n0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_k - 1);
+                constexpr bool keep = true;
+                const float score = acc_s[nt][i] * softmax_scale;
+                const float x = keep ? (float)((p_softcap * fg::tanh_approx((score / p_softcap)))) * LOG2E : -INFINITY;
+                const float g = keep ? (float)((p_softcap * ((1.0f - (fg::tanh_approx((score / p_softcap)) * fg::tanh_approx((score / p_softcap)))) * (1.0f / p_softcap)))) : 0.f;
+                (void)q_idx; (void)kv_idx; (void)g;
+
+                const float p = fg::exp2_approx(x - lse_s[qi]);
+                acc_s[nt][i] = p;
+                acc_dp[nt][i] = p * (acc_dp[nt][i] - dsum_s[qi]) * g;
+            }
+        }
 
         // dV += P^T dO and dK += dS^T Q (this CTA's column split).
         gemm_pb<NT, DV_COLS / 8>(acc_dv, acc_s, sDO, split * (DV_COLS / 8), V_ROW_BYTES, lane);
         gemm_pb<NT, DK_COLS / 8>(acc_dk, acc_dp, sQ, split * (DK_COLS / 8), QK_ROW_BYTES, lane);
-        __syncthreads();  // this stage is refilled by the prefetch of step it + 2
+        __syncthreads();  // this stage is refilled by the prefetch two live steps on
+        hg = hg_next;
+        mb = mb_next;
+        cls = cls_next;
     }
     fg::cp_async_wait_all();
 
@@ -405,17 +680,28 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_gemma2_s
     const uint32_t sDO = sQ + DQ_M * QK_ROW_BYTES;
     const uint32_t sK0 = sDO + DQ_M * V_ROW_BYTES;                 // stage s: sK0 + s * STAGE_BYTES
     constexpr int STAGE_BYTES = DQ_N * (QK_ROW_BYTES + V_ROW_BYTES);
+    static_assert(DQ_M * (QK_ROW_BYTES + V_ROW_BYTES) + 2 * STAGE_BYTES == 131072,
+                  "dynamic shared memory: the plan's smem_bytes must match this layout");
 
     const int m_blocks = (seqlen_q + DQ_M - 1) / DQ_M;
     const int m_rev = blockIdx.x % m_blocks;
-    const int m_block = IS_CAUSAL ? m_blocks - 1 - m_rev : m_rev;
+    const int m_block = m_blocks - 1 - m_rev;  // masked: last blocks first
     const int bh = blockIdx.x / m_blocks;
     const int b = bh / heads_q, h = bh % heads_q;
     const int h_kv = h / (heads_q / heads_kv);
     const int m0 = m_block * DQ_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int kv_end = IS_CAUSAL ? min(seqlen_k, m0 + DQ_M + seqlen_k - seqlen_q) : seqlen_k;
-    const int n_blocks = kv_end > 0 ? (kv_end + DQ_N - 1) / DQ_N : 0;
+
+    // Key blocks visited first to last, live ones only: kv_class(j0, j1) is the class of this CTA's query
+    // rows against key blocks j0..j1 (clipped to seqlen_k).
+    const int n_blocks = (seqlen_k + DQ_N - 1) / DQ_N;
+    const int m_last = min(m0 + DQ_M, seqlen_q) - 1;
+    auto kv_class = [&](int j0, int j1) {
+        const int k0 = j0 * DQ_N, k1 = min((j1 + 1) * DQ_N, seqlen_k) - 1;
+        return fg_tile_class(m0, m_last, k0, k1, b, h, seqlen_q, seqlen_k, p_softcap);
+    };
+    int cls = fg::iv::EMPTY, full = -1;  // full: blocks from the last one visited up to here are FULL
+    int n_block = fg::iv::next_live(0, n_blocks, cls, full, kv_class);
 
     load_tile<DQ_M, HEAD_DIM, THREADS>(sQ, q + b * q_sb + h * q_sh + (int64_t)m0 * q_ss, q_ss, seqlen_q - m0);
     load_tile<DQ_M, HEAD_DIM_V, THREADS>(sDO, dout + b * dout_sb + h * dout_sh + (int64_t)m0 * dout_ss, dout_ss, seqlen_q - m0);
@@ -428,7 +714,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_gemma2_s
         load_tile<DQ_N, HEAD_DIM, THREADS>(sK, k_head + (int64_t)n0 * k_ss, k_ss, seqlen_k - n0);
         load_tile<DQ_N, HEAD_DIM_V, THREADS>(sK + DQ_N * QK_ROW_BYTES, v_head + (int64_t)n0 * v_ss, v_ss, seqlen_k - n0);
     };
-    if (n_blocks > 0) issue(0, 0);
+    if (n_block < n_blocks) issue(n_block, 0);
     fg::cp_async_commit();
 
     // This thread's two rows: lse (log2 domain) and dsum.
@@ -447,10 +733,11 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_gemma2_s
         #pragma unroll
         for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
 
-    for (int n_block = 0; n_block < n_blocks; ++n_block) {
-        const int stage = n_block & 1;
-        if (n_block + 1 < n_blocks) {
-            issue(n_block + 1, stage ^ 1);
+    for (int stage = 0; n_block < n_blocks; stage ^= 1) {
+        int cls_next = fg::iv::EMPTY;
+        const int n_next = fg::iv::next_live(n_block + 1, n_blocks, cls_next, full, kv_class);
+        if (n_next < n_blocks) {
+            issue(n_next, stage ^ 1);
             fg::cp_async_commit();
             asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         } else {
@@ -470,7 +757,9 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_gemma2_s
         gemm_abt<NT, HEAD_DIM / 16>(acc_s, sQ, warp * 16, sK, QK_ROW_BYTES, lane);
         gemm_abt<NT, HEAD_DIM_V / 16>(acc_dp, sDO, warp * 16, sV, V_ROW_BYTES, lane);
 
-        // dS = P (dP - dsum) * d score_mod / d score, P recomputed from lse.
+        // dS = P (dP - dsum) * d score_mod / d score, P recomputed from lse; the mask only on tiles that are
+        // not FULL, or cross seqlen_k.
+        if (cls != fg::iv::FULL || n0 + DQ_N > seqlen_k) {
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
@@ -480,17 +769,36 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_gemma2_s
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((p_softcap * tanhf((score / p_softcap)))) * LOG2E : -INFINITY;
-                const float g = keep ? (float)((p_softcap * ((1.0f - (tanhf((score / p_softcap)) * tanhf((score / p_softcap)))) * (1.0f / p_softcap)))) : 0.f;
+                const float x = keep ? (float)((p_softcap * fg::tanh_approx((score / p_softcap)))) * LOG2E : -INFINITY;
+                const float g = keep ? (float)((p_softcap * ((1.0f - (fg::tanh_approx((score / p_softcap)) * fg::tanh_approx((score / p_softcap)))) * (1.0f / p_softcap)))) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)g;
 
                 const float p = fg::exp2_approx(x - row_lse[i / 2]);
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
             }
+        } else {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int q_idx = min((m0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_q - 1);
+                const int kv_idx = min((n0 + nt * 8 + (lane % 4) * 2 + (i % 2)), seqlen_k - 1);
+                constexpr bool keep = true;
+                const float score = acc_s[nt][i] * softmax_scale;
+                const float x = keep ? (float)((p_softcap * fg::tanh_approx((score / p_softcap)))) * LOG2E : -INFINITY;
+                const float g = keep ? (float)((p_softcap * ((1.0f - (fg::tanh_approx((score / p_softcap)) * fg::tanh_approx((score / p_softcap)))) * (1.0f / p_softcap)))) : 0.f;
+                (void)q_idx; (void)kv_idx; (void)g;
+
+                const float p = fg::exp2_approx(x - row_lse[i / 2]);
+                acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
+            }
+        }
 
         // dQ += dS K.
         gemm_pb<NT, HEAD_DIM / 8>(acc_dq, acc_dp, sK, 0, QK_ROW_BYTES, lane);
-        __syncthreads();  // this stage is refilled by the prefetch of block n_block + 2
+        __syncthreads();  // this stage is refilled by the prefetch two live blocks on
+        n_block = n_next;
+        cls = cls_next;
     }
     fg::cp_async_wait_all();
 

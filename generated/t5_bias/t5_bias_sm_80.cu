@@ -13,6 +13,9 @@
 //   row_max   running max of the log2-domain scores; row_sum running sum of exp2(x - row_max)
 // Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
+// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
+// arithmetic over the mask; EMPTY key blocks are never loaded (fg::iv::prev_live finds the next live one,
+// crossing runs of empty blocks in O(log) range checks), FULL ones inside seqlen_k evaluate no mask.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -70,16 +73,35 @@ template <> struct MmaOp<__half> {
     }
 };
 
+// The DSL's tanh: one MUFU op (sm_75+), relative error about 2^-11, far under a bf16/fp16 logit's
+// rounding; the softcap score_mod (cap * tanh(score / cap)) is otherwise a ~20-instruction tanhf per element.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide.
-// XOR swizzle over 8 chunks: the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
-__device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide
+// (a multiple of 64: head dims 32, 64, 96, ...).  The 8 rows an ldmatrix phase (or a warp's
+// fragment store) touches at one column, rows 8i..8i+7, must land in 8 different 16-byte bank
+// groups (a bank group is (byte address / 16) % 8):
+//   row_bytes % 128 == 0: every row starts at bank group 0; XOR the chunk's low 3 bits with row % 8
+//     (the permutation stays inside each aligned group of 8 chunks).
+//   row_bytes % 128 == 64 (head dim 32, 96, 160, ...): odd rows start 4 groups later than even ones,
+//     so XOR only the chunk's low 2 bits with (row / 2) % 4 (inside aligned groups of 4 chunks, i.e.
+//     64 bytes): bank group = (chunk ^ (row/2 % 4)) % 4 + 4 * ((chunk / 4 + row) % 2), distinct for
+//     the 8 rows.  No padding, no wasted shared memory, no padded tensor-core work.
+// row_bytes is a compile-time constant at every kernel call, so the branch folds away.  __host__ too:
+// tests/unit/test_swizzle.py checks these properties exhaustively in a host program built with nvcc.
+__host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_bytes) {
+    if (row_bytes % 128 == 0) return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+    return row * row_bytes + ((chunk ^ ((row >> 1) & 3)) << 4);
 }
 
 }  // namespace fg
@@ -90,6 +112,209 @@ __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
+// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
+// (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
+// Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
+// ranges (EMPTY runs are skipped and FULL runs taken in O(log n) range checks).
+#ifndef __CUDACC_RTC__
+#include <math.h>
+#endif
+
+#define FG_HD __host__ __device__ __forceinline__
+
+namespace fg {
+namespace iv {
+
+constexpr int EMPTY = 0, PARTIAL = 1, FULL = 2;
+
+struct R { double lo, hi; };  // every value lies in [lo, hi]
+struct T { bool t, f; };      // can be true, can be false
+
+FG_HD R exact(double v) { return {v, v}; }
+FG_HD R range(double lo, double hi) { return {lo, hi}; }
+FG_HD R any() { return {-INFINITY, INFINITY}; }
+FG_HD T truth(bool v) { return {v, !v}; }
+FG_HD T maybe() { return {true, true}; }
+
+FG_HD T lnot(T a) { return {a.f, a.t}; }
+FG_HD T land(T a, T b) { return {a.t && b.t, a.f || b.f}; }
+FG_HD T lor(T a, T b) { return {a.t || b.t, a.f && b.f}; }
+
+FG_HD R neg(R a) { return {-a.hi, -a.lo}; }
+FG_HD R add(R a, R b) { return {a.lo + b.lo, a.hi + b.hi}; }
+FG_HD R sub(R a, R b) { return {a.lo - b.hi, a.hi - b.lo}; }
+
+FG_HD R corners(double w, double x, double y, double z) {
+    if (isnan(w) || isnan(x) || isnan(y) || isnan(z)) return any();
+    return {fmin(fmin(w, x), fmin(y, z)), fmax(fmax(w, x), fmax(y, z))};
+}
+FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x * y; }  // 0 * inf = 0
+FG_HD R mul(R a, R b) {
+    return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
+}
+// C integer division (truncates toward zero) on integer-valued doubles.
+FG_HD double trunc_div(double x, double y) {
+    if (isinf(x) || isinf(y)) return x / y;
+    const double q = floor(fabs(x) / fabs(y));
+    return ((x >= 0) == (y > 0)) ? q : -q;
+}
+FG_HD R div(R a, R b, bool is_int) {
+    if (b.lo <= 0 && 0 <= b.hi) return any();
+    if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
+        const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
+        const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        return b.lo > 0 ? R{lo, hi} : R{hi, lo};
+    }
+    if (is_int)
+        return corners(trunc_div(a.lo, b.lo), trunc_div(a.lo, b.hi), trunc_div(a.hi, b.lo), trunc_div(a.hi, b.hi));
+    return corners(a.lo / b.lo, a.lo / b.hi, a.hi / b.lo, a.hi / b.hi);
+}
+// C % / fmodf (the sign of the dividend), by an exact divisor.
+FG_HD R mod(R a, R b, bool is_int) {
+    if (b.lo != b.hi || b.lo == 0 || isinf(b.lo)) return any();
+    const double c = fabs(b.lo);
+    // (integer-valued doubles: x - c * floor(x / c) is x % c for x >= 0, and exact)
+    if (is_int && a.lo >= 0 && !isinf(a.hi)) {
+        const double ql = floor(a.lo / c), qh = floor(a.hi / c);
+        if (ql == qh) return {a.lo - c * ql, a.hi - c * qh};
+    }
+    if (is_int && a.hi <= 0 && !isinf(a.lo)) {
+        const double ql = floor(-a.lo / c), qh = floor(-a.hi / c);
+        if (ql == qh) return {-(-a.lo - c * ql), -(-a.hi - c * qh)};
+    }
+    const double edge = is_int ? c - 1 : c;
+    return {a.lo >= 0 ? 0.0 : -edge, a.hi <= 0 ? 0.0 : edge};
+}
+
+FG_HD T lt(R a, R b) { return {a.lo < b.hi, a.hi >= b.lo}; }
+FG_HD T le(R a, R b) { return {a.lo <= b.hi, a.hi > b.lo}; }
+FG_HD T gt(R a, R b) { return {a.hi > b.lo, a.lo <= b.hi}; }
+FG_HD T ge(R a, R b) { return {a.hi >= b.lo, a.lo < b.hi}; }
+FG_HD T eq(R a, R b) {
+    const bool overlap = a.lo <= b.hi && b.lo <= a.hi;
+    const bool same = a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
+    return {overlap, !same};
+}
+FG_HD T ne(R a, R b) { return lnot(eq(a, b)); }
+FG_HD T eq(T a, T b) { return {(a.t && b.t) || (a.f && b.f), (a.t && b.f) || (a.f && b.t)}; }
+FG_HD T ne(T a, T b) { return lnot(eq(a, b)); }
+
+// c ? x : y, with x (y) only counted where c can be true (false).
+FG_HD R cond(T c, R x, R y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {fmin(x.lo, y.lo), fmax(x.hi, y.hi)};
+}
+FG_HD T cond(T c, T x, T y) {
+    if (!c.t) return y;
+    if (!c.f) return x;
+    return {x.t || y.t, x.f || y.f};
+}
+
+FG_HD R fabs_(R a) {
+    if (a.lo >= 0) return a;
+    if (a.hi <= 0) return {-a.hi, -a.lo};
+    return {0.0, fmax(-a.lo, a.hi)};
+}
+FG_HD R min_(R a, R b) { return {fmin(a.lo, b.lo), fmin(a.hi, b.hi)}; }
+FG_HD R max_(R a, R b) { return {fmax(a.lo, b.lo), fmax(a.hi, b.hi)}; }
+FG_HD double exp_(double x) { return x < 700 ? exp(x) : INFINITY; }
+FG_HD R exp_(R a) { return {exp_(a.lo), exp_(a.hi)}; }
+FG_HD R log_(R a) {
+    if (a.lo < 0) return any();
+    return {a.lo == 0 ? -INFINITY : log(a.lo), a.hi == 0 ? -INFINITY : log(a.hi)};
+}
+FG_HD R sqrt_(R a) { return a.lo < 0 ? any() : R{sqrt(a.lo), sqrt(a.hi)}; }
+FG_HD R tanh_(R a) { return {tanh(a.lo), tanh(a.hi)}; }
+
+// x, through an empty volatile asm on the device: the compiler cannot hoist what depends on it out of a loop.
+FG_HD int opaque(int x) {
+#ifdef __CUDA_ARCH__
+    int r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+#else
+    return x;
+#endif
+}
+
+FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
+
+// Smallest power of two >= n (n >= 1).
+FG_HD int ceil_pow2(int n) {
+    int s = 1;
+    while (s < n) s <<= 1;
+    return s;
+}
+
+// Block searches along one axis.  tile(i0, i1) classifies blocks i0..i1 (inclusive) as one range.  A live
+// block costs one single-block check; a FULL one also tries the aligned power-of-two ranges beyond it,
+// halving, and the largest FULL one is remembered in `full`: its blocks cost nothing; an EMPTY one starts a
+// crossing of the EMPTY run by aligned ranges, skipped when EMPTY and halved otherwise.  So a run of n EMPTY
+// or FULL blocks costs O(log n) range checks, a PARTIAL block one.  Correct for any mask: a range is only
+// skipped when EMPTY and only taken as FULL when FULL.  Successive calls of one walk must move one way
+// (`full` is valid between the last block returned and the end of its run); start `full` at -1
+// (next_live) / INT_MAX (prev_live), and again for a new walk.
+
+// Smallest block i in [j, n) that is not EMPTY, or n; `cls` gets its class.
+template <class Tile>
+FG_HD int next_live(int j, int n, int& cls, int& full, Tile&& tile) {
+    if (j >= n) return n;
+    if (j <= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range starting at j
+        for (int s = j ? (j & -j) : ceil_pow2(n); s > 1; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            if (e > j && tile(j, e) == FULL) { full = e; break; }
+        }
+    }
+    if (cls != EMPTY) return j;
+    for (++j; j < n;) {  // cross the EMPTY run
+        for (int s = j & -j;; s >>= 1) {
+            const int e = (j + s < n ? j + s : n) - 1;
+            const int c = tile(j, e);
+            if (c == EMPTY) { j += s; break; }
+            if (c == FULL) { full = e; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return n;
+}
+
+// Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.  Mirror of next_live.
+template <class Tile>
+FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
+    if (j < 0) return -1;
+    if (j >= full) { cls = FULL; return j; }
+    cls = tile(j, j);
+    if (cls == FULL) {  // extend the run over the largest FULL aligned range ending at j
+        for (int s = (j + 1) & -(j + 1); s > 1; s >>= 1)
+            if (tile(j + 1 - s, j) == FULL) { full = j + 1 - s; break; }
+    }
+    if (cls != EMPTY) return j;
+    for (--j; j >= 0;) {  // cross the EMPTY run
+        for (int s = (j + 1) & -(j + 1);; s >>= 1) {
+            const int c = tile(j + 1 - s, j);
+            if (c == EMPTY) { j -= s; break; }
+            if (c == FULL) { full = j + 1 - s; cls = FULL; return j; }
+            if (s == 1) { cls = c; return j; }
+        }
+    }
+    return -1;
+}
+
+}  // namespace iv
+}  // namespace fg
+
+// Tile class of spec t5_bias's mask (flashgen/masktiles.py; rules of maskinfo.py).
+__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k) {
+    (void)q0; (void)q1; (void)k0; (void)k1; (void)b; (void)h;
+    (void)seqlen_q; (void)seqlen_k;
+    return fg::iv::FULL;
+}
+
 
 namespace {
 constexpr int HEAD_DIM = 64;
@@ -111,7 +336,11 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
-static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0 && HEAD_DIM_V % 64 == 0,
+constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
+static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 32768,
+              "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
+// Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
+static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
               "tile shape");
 
 // Copy `rows` x `cols` elements (row stride `stride`) into a swizzled tile; rows >= valid_rows read as 0.
@@ -128,6 +357,7 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64
     }
 }
 }  // namespace
+
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm_80(
     const __nv_bfloat16* __restrict__ q,
@@ -160,13 +390,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
     const uint32_t sK = sQ + SQ_BYTES;
     const uint32_t sV = sK + SK_BYTES;
 
-    // Which (batch, head, query block) this CTA computes; heaviest causal blocks first.
+    // Which (batch, head, query block) this CTA computes; with a mask, last query blocks first (the heaviest
+    // ones under causal-like masks).
     const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
     const int m_rev = blockIdx.x % num_m_blocks;
-    const int m_block = IS_CAUSAL ? num_m_blocks - 1 - m_rev : m_rev;
     const int bh = blockIdx.x / num_m_blocks;
     const int b = bh / heads_q;
     const int h = bh % heads_q;
+    const int m_block = m_rev;
     const int h_kv = h / (heads_q / heads_kv);
     const int m0 = m_block * BLOCK_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -175,9 +406,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
     const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
     const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
 
-    // KV range: everything, or for causal up to the last row's diagonal (blocks past it are never loaded).
-    const int kv_end = IS_CAUSAL ? min(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q) : seqlen_k;
-    const int n_blocks = kv_end > 0 ? (kv_end + BLOCK_N - 1) / BLOCK_N : 0;
+    // Key blocks are visited last to first, live ones only: kv_class(j0, j1) is the class of this CTA's
+    // query rows against key blocks j0..j1 (clipped to seqlen_k) under the whole mask (causal included).
+    const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
+    auto kv_class = [&](int j0, int j1) {
+        const int k0 = j0 * BLOCK_N, k1 = min((j1 + 1) * BLOCK_N, seqlen_k) - 1;
+        return fg_tile_class(m0, m_last, k0, k1, b, h, seqlen_q, seqlen_k);
+    };
+    int cls = fg::iv::EMPTY, full = 0x7fffffff;  // full: blocks from here to the last one visited are FULL
+    int n_block = fg::iv::prev_live((seqlen_k + BLOCK_N - 1) / BLOCK_N - 1, cls, full, kv_class);
     const float scale_log2 = softmax_scale * LOG2E;
 
     float acc_o[MT][DT][4];
@@ -192,15 +429,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
         for (int r = 0; r < 2; ++r) { row_max[mt][r] = -INFINITY; row_sum[mt][r] = 0.f; }
     }
 
-    // Prologue: Q tile and the first K tile in flight.
-    if (n_blocks > 0) {
+    // Prologue: Q tile and the first live K tile in flight.
+    if (n_block >= 0) {
         load_tile<BLOCK_M, HEAD_DIM>(sQ, q_blk, q_ss, seqlen_q - m0);
-        const int n_last = (n_blocks - 1) * BLOCK_N;
+        const int n_last = n_block * BLOCK_N;
         load_tile<BLOCK_N, HEAD_DIM>(sK, k_head + (int64_t)n_last * k_ss, k_ss, seqlen_k - n_last);
         fg::cp_async_commit();
     }
 
-    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+    while (n_block >= 0) {
         const int n0 = n_block * BLOCK_N;
         // K(n) has landed and every warp is done with V(n+1): start V(n).
         fg::cp_async_wait_all();
@@ -234,26 +471,50 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
             }
         }
 
-        // Scores -> log2 domain, with score_mod and the mask applied elementwise.
-        const bool edge = n0 + BLOCK_N > seqlen_k || (IS_CAUSAL && n0 + BLOCK_N - 1 > m0 + seqlen_k - seqlen_q);
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        // Scores -> log2 domain with score_mod; the mask only on tiles that are not FULL, or cross seqlen_k.
+        if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
-                    const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                    // The DSL sees indices clamped into range (tensor params are read in bounds);
-                    // out-of-range pairs are dropped below by selection.
-                    const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = min(kv_raw, seqlen_k - 1);
-                    const float score = acc_s[mt][nt][i] * softmax_scale;
-                    float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E;
-                    if (edge && (kv_raw >= seqlen_k || (IS_CAUSAL && kv_raw > q_raw + seqlen_k - seqlen_q)))
-                        x = -INFINITY;
-                    acc_s[mt][nt][i] = x;
-                }
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
+                        const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
+                        // The DSL sees indices clamped into range (tensor params are read in bounds);
+                        // out-of-range pairs are dropped by selection.
+                        const int q_idx = min(q_raw, seqlen_q - 1);
+                        const int kv_idx = min(kv_raw, seqlen_k - 1);
+                        (void)q_idx; (void)kv_idx;
+                        const float score = acc_s[mt][nt][i] * softmax_scale;
+                        float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E;
+                        const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
+                                          && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
+                        x = keep ? x : -INFINITY;
+                        acc_s[mt][nt][i] = x;
+                    }
+
+        } else {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
+                        const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
+                        // The DSL sees indices clamped into range (tensor params are read in bounds);
+                        // out-of-range pairs are dropped by selection.
+                        const int q_idx = min(q_raw, seqlen_q - 1);
+                        const int kv_idx = min(kv_raw, seqlen_k - 1);
+                        (void)q_idx; (void)kv_idx;
+                        const float score = acc_s[mt][nt][i] * softmax_scale;
+                        float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E;
+                        (void)q_raw; (void)kv_raw;
+                        acc_s[mt][nt][i] = x;
+                    }
+
+        }
 
         // Online softmax: new row max, rescale O and the running sum, P = exp2(x - max).
         #pragma unroll
@@ -286,11 +547,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                 }
             }
 
-        // V(n) has landed and every warp is done with K(n): start K(n-1), then O += P V.
+        // The previous live block, searched while V(n) is in flight.
+        int next_cls = fg::iv::EMPTY;
+        const int n_next = fg::iv::prev_live(n_block - 1, next_cls, full, kv_class);
+        // V(n) has landed and every warp is done with K(n): start K of the previous live block, then O += P V.
         fg::cp_async_wait_all();
         __syncthreads();
-        if (n_block > 0) {
-            const int n_prev = n0 - BLOCK_N;
+        if (n_next >= 0) {
+            const int n_prev = n_next * BLOCK_N;
             load_tile<BLOCK_N, HEAD_DIM>(sK, k_head + (int64_t)n_prev * k_ss, k_ss, seqlen_k - n_prev);
             fg::cp_async_commit();
         }
@@ -315,6 +579,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                 }
             }
         }
+        n_block = n_next;
+        cls = next_cls;
     }
 
     // Epilogue: O / row_sum staged through shared memory for 16-byte stores; lse = ln(sum) + max.

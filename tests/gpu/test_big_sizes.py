@@ -76,7 +76,7 @@ def rows_reference(q, k, v, rows, scale, causal, chunk=1 << 20):
     return o, lse
 
 
-def check_rows(spec, q, k, v, o, lse, rows, causal, atol=2e-2):
+def check_rows(spec, q, k, v, o, lse, rows, causal, atol=2e-2, lse_rtol=1e-3):
     scale = 1.0 / math.sqrt(spec.head_dim)
     ref_o, ref_lse = rows_reference(q, k, v, rows, scale, causal)
     got_o = o[:, :, rows].double()
@@ -88,7 +88,7 @@ def check_rows(spec, q, k, v, o, lse, rows, causal, atol=2e-2):
     assert torch.equal(torch.isneginf(got_lse), empty)
     fin = ~empty
     lse_err = ((got_lse[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item()
-    assert lse_err <= 1e-3, f"lse off by {lse_err:.3e}"
+    assert lse_err <= lse_rtol, f"lse off by {lse_err:.3e}"
 
 
 def randn(*shape, dtype, seed, scale=1.0):
@@ -176,8 +176,10 @@ def test_k_and_v_with_more_than_2_31_elements():
     # accumulation of the 2**24 small terms costs ~3e-2 absolute on outputs of magnitude ~1
     # (measured on the H200: 6e-3 at 2**20 keys, 1e-2 at 2**23, 3e-2 at 2**24 + 300; without
     # the boost the error is 3e-5 at every size, so no offset bug).  Reading wrapped rows
-    # would replace the dominant keys and give O(1) errors.
-    check_rows(spec, q, k, v, o, lse, list(range(sq)), causal=True, atol=6e-2)
+    # would replace the dominant keys and give O(1) errors.  The same fp32 row sum sets lse's
+    # error: 1.9e-3 relative on the Hopper kernel (2**24 small terms added to a sum the 64
+    # boosted keys dominate), so 1e-2 here; an offset bug moves lse by O(1).
+    check_rows(spec, q, k, v, o, lse, list(range(sq)), causal=True, atol=6e-2, lse_rtol=1e-2)
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (1, 2), (2, 1), (1, 300)])

@@ -76,7 +76,7 @@ def test_forward_abi_gets_the_table_only_when_needed():
     assert [a.name for a in doc.args[-3:]] == ["blk_tab", "blk_sb", "blk_sh"]
     assert doc.context["block_table"] and doc.config()["block_table"]
     src = render(doc)
-    assert "tab_row[j] == 2" in src and "fg_tile_class(" not in src.split("kv_class")[1]
+    assert "s_tab[j] = tab_row[j]" in src and "prev_tab(n_block - 1" in src
     t5 = plan_forward(load_spec(T5), "sm_90")
     assert "blk_tab" not in [a.name for a in t5.args] and "tab_row" not in render(t5)
 

@@ -137,7 +137,7 @@ def test_random_field_values_only_raise_spec_error(fields):
 _CUDA_WORDS = {
     "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "score", "true", "false", "int",
     "float", "bool", "int64_t", "INFINITY", "fabsf", "fminf", "fmaxf", "expf", "logf",
-    "tanhf", "sqrtf", "fmodf", "abs", "min", "max", "heads_q", "heads_kv", "batch", "fg",
+    "tanh_approx", "sqrtf", "fmodf", "abs", "min", "max", "heads_q", "heads_kv", "batch", "fg",
     "clamp_index",
 }  # fmt: skip
 _CUDA_WORDS |= {f"p_{n}" for n in PARAMS} | {f"t_{n}" for n in PARAMS}
