@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import ir, tuning
-from .lower import DEFAULT_TILES, TileConfig, split_causal
+from .lower import TileConfig, split_causal
+from .lower import default_tiles as lower_default_tiles
 
 BLOCK_M = (64, 128)
 BLOCK_N = (32, 48, 64, 128)
@@ -53,8 +54,7 @@ def candidates() -> list[TileConfig]:
 
 def default_tiles(spec: ir.Spec) -> TileConfig:
     """What :func:`~flashgen.lower.choose_tiles` picks without a table (DEFAULT_TILES)."""
-    d = max(spec.head_dim, spec.head_dim_v)
-    return DEFAULT_TILES.get((d, spec.score_mod is not None)) or DEFAULT_TILES[(d, False)]
+    return lower_default_tiles(spec)
 
 
 def spec_key(spec: ir.Spec, gpu: str, target: str) -> str:

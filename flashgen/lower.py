@@ -67,10 +67,13 @@ class TileConfig:
         return 32 * self.num_warps
 
 
-#: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles.
-#: Picked from a sweep on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every
-#: entry compiles with zero spills.  A score_mod at head_dim 256 needs registers for its
-#: math, so it halves BLOCK_N.  ``flashgen tune`` measures per GPU, dtype and causal and
+#: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles (see
+#: :func:`default_tiles`, which also consults :data:`MASK_TILES` and :data:`VARLEN_TILES`).
+#: Picked from sweeps on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every entry
+#: compiles with zero spills for the specs it serves.  A score_mod needs registers for its
+#: math, so it halves BLOCK_N at head_dims 128 (alibi spills at 128x64) and 256.  To adopt
+#: a ``tools/perf_sweep.py`` winner, edit its entry here (and, for template switches,
+#: :data:`FORWARD_OPTIONS`).  ``flashgen tune`` measures per GPU, dtype and causal and
 #: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
 #: head_dim 32, 96, 160 and 192 (keyed, like every entry, by max(head_dim, head_dim_v)) are
 #: not measured on a GPU yet: chosen by ptxas register counts (tools/tile_spills.py), two
@@ -81,11 +84,38 @@ DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (64, False): TileConfig(128, 64, 4),
     (96, False): TileConfig(128, 64, 4),
     (96, True): TileConfig(128, 32, 4),
-    (128, False): TileConfig(128, 32, 4),
+    (128, False): TileConfig(128, 64, 4),
+    (128, True): TileConfig(128, 32, 4),
     (160, False): TileConfig(64, 64, 4),
     (192, False): TileConfig(64, 64, 4),
     (256, False): TileConfig(64, 64, 4),
     (256, True): TileConfig(64, 32, 4),
+}
+#: head_dim -> tiles for a mask beyond causal without a score_mod, where the
+#: (head_dim, False) entry has no registers left for the mask's per-element math
+#: (mistral_swa spills 80-232 bytes at d128's 128x64x4).
+MASK_TILES: dict[int, TileConfig] = {128: TileConfig(128, 32, 4)}
+#: Varlen specs' entries that differ from :data:`DEFAULT_TILES` (see :func:`default_tiles`).
+VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
+    (128, False): TileConfig(128, 32, 4),
+}
+
+
+#: Code-generation switches of the FA2-class forward template (``templates/sm_80/fwd.cu.j2``);
+#: each changes only how the same algorithm is emitted, and ``tools/perf_sweep.py`` times
+#: every combination against the others.  ``fwd_unrolled_loads``: tile loads with a
+#: compile-time trip count and one pointer per thread (the generic loop compiled to a
+#: runtime loop with a remainder inside the main loop).  ``fwd_hoisted_swizzle``:
+#: ldmatrix addresses as a per-lane offset XORed with constants (as CuTe's swizzled
+#: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw and log2(e) *
+#: softmax_scale is folded into exp2's FFMA (FA2's ``scale_apply_exp2``).
+#: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
+#: around the multiplies; off until measured).
+FORWARD_OPTIONS: dict[str, bool] = {
+    "fwd_unrolled_loads": True,
+    "fwd_hoisted_swizzle": True,
+    "fwd_fold_scale": True,
+    "fwd_lazy_rescale": False,
 }
 
 
@@ -107,9 +137,11 @@ HOPPER_TILES: dict[int | tuple[int, bool], TileConfig] = {
 
 def hopper_tiles(spec: Spec) -> TileConfig:
     """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod)."""
-    return HOPPER_TILES.get((spec.head_dim, spec.score_mod is not None)) or HOPPER_TILES[
-        spec.head_dim
-    ]
+    return (
+        HOPPER_TILES.get((spec.head_dim, spec.score_mod is not None)) or HOPPER_TILES[spec.head_dim]
+    )
+
+
 #: Hopper kernel: K/V ring depth and the registers per thread given to the producer and
 #: to the consumer warpgroups by ``setmaxnreg`` (128 * (56 + 2 * 224) <= 64K).  The
 #: producer walks the live key blocks with the mask's tile classifier (double-precision
@@ -351,6 +383,24 @@ def _uses(e: Expr | None, names: set[str]) -> bool:
 
 
 # ----------------------------------------------------------------------------- plan
+def default_tiles(spec: Spec) -> TileConfig:
+    """``spec``'s default tiles for the FA2-class kernel: the :data:`DEFAULT_TILES` entry for
+    (head_dim, has score_mod), falling back to (head_dim, False); without a score_mod, a
+    mask beyond plain causal takes :data:`MASK_TILES` where it has the head_dim.
+
+    Varlen specs take :data:`VARLEN_TILES` first (no mask rule): the tiles they had before
+    128x64x4 became the d128 default (their per-sequence offsets take the registers that
+    128x64x4 needs: causal_d128's varlen form spills 40 bytes there)."""
+    d = max(spec.head_dim, spec.head_dim_v)
+    key = (d, spec.score_mod is not None)
+    if spec.varlen and key in VARLEN_TILES:
+        return VARLEN_TILES[key]
+    if not spec.varlen and not key[1] and d in MASK_TILES:
+        if split_causal(spec.mask)[1] is not None:
+            return MASK_TILES[d]
+    return DEFAULT_TILES.get(key) or DEFAULT_TILES[(d, False)]
+
+
 def choose_tiles(
     spec: Spec, target: str, gpu: str | None = None, family: str = "auto"
 ) -> TileConfig:
@@ -370,10 +420,7 @@ def choose_tiles(
         if tuned is not None and is_hopper_tiles(TileConfig(*tuned)):
             return TileConfig(*tuned)
         return hopper_tiles(spec)
-    if tuned is not None:
-        base = TileConfig(*tuned)
-    else:
-        base = DEFAULT_TILES.get((d, has_mod)) or DEFAULT_TILES[(d, False)]
+    base = TileConfig(*tuned) if tuned is not None else default_tiles(spec)
     o = spec.tiles
     return TileConfig(
         o.block_m or base.block_m, o.block_n or base.block_n, o.num_warps or base.num_warps
@@ -459,13 +506,16 @@ def plan_forward(
     target: str,
     gpu: str | None = None,
     tiles: TileConfig | None = None,
+    options: dict[str, bool] | None = None,
     family: str = "auto",
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
     ``gpu`` (the CUDA device name, optional) selects tuned tiles from the tuning table; see
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
-    :mod:`flashgen.select` passes its candidates here).
+    :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
+    :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
+    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -480,6 +530,11 @@ def plan_forward(
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(GENCODE)}")
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
+    opts = dict(FORWARD_OPTIONS)
+    for key, value in (options or {}).items():
+        if key not in opts:
+            raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")
+        opts[key] = bool(value)
     if spec.varlen and needs_block_table(spec):
         raise ValueError(
             "a varlen spec's mask cannot read tensor params (the block table is per padded "
@@ -502,6 +557,15 @@ def plan_forward(
     ctx = _forward_context(spec, target, tiles)
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
+    residual = split_causal(spec.mask)[1]
+    ctx.update(
+        opts,
+        fold_scale=opts["fwd_fold_scale"] and spec.score_mod is None,
+        # Unrolled tile loads as a pointer chain (else base + it * step offsets): chosen by
+        # ptxas register counts, the chain keeps specs with per-element DSL math (score_mod,
+        # residual mask) spill-free and the offsets keep plain d128 at 128x64 spill-free.
+        load_chain=spec.score_mod is not None or residual is not None,
+    )
     return KernelPlan(
         spec_name=spec.name,
         target=target,
@@ -851,6 +915,20 @@ def _param_args(spec: Spec) -> list[KernelArg]:
     return args
 
 
+#: Code-generation switches of the backward template (``templates/sm_80/bwd.cu.j2``), like
+#: :data:`FORWARD_OPTIONS`.  ``bwd_unrolled_loads``: tile loads with a compile-time trip
+#: count (as the forward's ``fwd_unrolled_loads``).  ``bwd_async_stats``: the dK/dV kernel
+#: fetches each step's lse and dsum with cp.async along with Q and dO (they were plain
+#: global loads, a full memory latency inside every step); not with a score_mod, whose
+#: math leaves no registers for it (alibi's dK/dV kernels spill 8-16 bytes).
+#: ``bwd_hoisted_swizzle``: ldmatrix addresses as in the forward's ``fwd_hoisted_swizzle``.
+BACKWARD_OPTIONS: dict[str, bool] = {
+    "bwd_unrolled_loads": True,
+    "bwd_async_stats": True,
+    "bwd_hoisted_swizzle": True,
+}
+
+
 def atomic_dq_warp_grid(tiles: BackwardTiles, head_dim: int) -> tuple[int, int]:
     """``(AQ_WM, AQ_WN)``: how the atomic dkdv kernel's warps split the step's dQ tile
     [dkdv_block_m x head_dim / dkdv_dsplit] into AQ_WM row groups x AQ_WN column groups of
@@ -876,7 +954,12 @@ def atomic_dq_warp_grid(tiles: BackwardTiles, head_dim: int) -> tuple[int, int]:
 
 
 def plan_backward(
-    spec: Spec, target: str, *, atomic_dq: bool = False, tiles: BackwardTiles | None = None
+    spec: Spec,
+    target: str,
+    *,
+    atomic_dq: bool = False,
+    tiles: BackwardTiles | None = None,
+    options: dict[str, bool] | None = None,
 ) -> BackwardPlan:
     """Lower ``spec`` to its backward kernels for ``target`` (template ``sm_80/bwd.cu.j2``).
 
@@ -885,9 +968,16 @@ def plan_backward(
     float atomics into ``dq_accum``, convert; tiles from ``ATOMIC_BACKWARD_TILES``); see
     :class:`BackwardPlan`.  The score_mod derivative d score_mod / d score comes from
     :func:`flashgen.derive.d_dscore`.  ``tiles`` replaces the table's choice (the spill
-    fallback of :mod:`flashgen.select`).  Raises ``ValueError`` like :func:`plan_forward`.
+    fallback of :mod:`flashgen.select`).  ``options`` overrides entries of
+    :data:`BACKWARD_OPTIONS`.  Raises ``ValueError`` like :func:`plan_forward`.
     """
     from .derive import d_dscore
+
+    opts = dict(BACKWARD_OPTIONS)
+    for key, value in (options or {}).items():
+        if key not in opts:
+            raise ValueError(f"unknown backward option {key!r}; known: {', '.join(opts)}")
+        opts[key] = bool(value)
 
     fwd = plan_forward(spec, target)  # validates target and dtype
     t = tiles or _table_backward_tiles(spec, atomic_dq)
@@ -939,6 +1029,8 @@ def plan_backward(
     base = f"flashgen_{spec.name}_bwd_{target}"
     ctx = dict(fwd.context)
     ctx.update(
+        **opts,
+        async_stats=opts["bwd_async_stats"] and spec.score_mod is None,
         atomic_dq=atomic_dq,
         kernel_pre=f"{base}_pre",
         kernel_dkdv=f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv",
@@ -1002,7 +1094,12 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
 
 #: Forward tiles tried, in order, after the chosen ones spill (a user's score_mod or mask
 #: can need more registers than the tables, measured on the shipped specs, leave free).
-FORWARD_FALLBACK_TILES = (TileConfig(64, 64, 4), TileConfig(64, 32, 4), TileConfig(64, 16, 4))
+FORWARD_FALLBACK_TILES = (
+    TileConfig(128, 32, 4),
+    TileConfig(64, 64, 4),
+    TileConfig(64, 32, 4),
+    TileConfig(64, 16, 4),
+)
 
 
 def forward_tile_candidates(
@@ -1016,9 +1113,7 @@ def forward_tile_candidates(
         return [first]
     rest = list(FORWARD_FALLBACK_TILES)
     if is_hopper_tiles(first):  # a narrower Hopper step first, then the FA2-class kernel
-        rest = [replace(first, block_n=first.block_n // 2), DEFAULT_TILES.get(
-            (spec.head_dim, spec.score_mod is not None), DEFAULT_TILES[(spec.head_dim, False)]
-        ), *rest]  # fmt: skip
+        rest = [replace(first, block_n=first.block_n // 2), default_tiles(spec), *rest]
     return [first, *(t for t in dict.fromkeys(rest) if t != first)]
 
 

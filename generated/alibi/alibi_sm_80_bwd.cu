@@ -14,7 +14,8 @@
 //   DQ_M, DQ_N  dq: query rows per CTA (16 per warp); key rows per inner step
 //   acc_s       S (or S^T) for this warp's 16 rows, then P
 //   acc_dp      dP (or dP^T), then dS
-//   sLse        lse * log2(e) of the step's query rows (+inf for rows with nothing to attend to)
+//   sLse        dkdv: the step's lse (async_stats: natural log as stored, scaled by log2(e) where read;
+//               else lse * log2(e), +inf for rows with nothing to attend to)
 // Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key block) tiles by interval
 // arithmetic over the mask; both inner loops visit live (not EMPTY) blocks only, found with fg::iv::next_live
 // and prefetched as such, and FULL tiles inside seqlen_k evaluate no mask.
@@ -348,9 +349,22 @@ static_assert(KV_M % 16 == 0 && DQ_N % 16 == 0 && DK_COLS % 16 == 0 && DV_COLS %
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0, "rows of a multiple of 64 bytes (fg::swz)");
 
 // ROWS x COLS elements (row stride `stride`) into a swizzled tile by THREADS threads; rows >= valid_rows read 0.
+// When THREADS covers whole rows: a compile-time trip count and one pointer per thread (see fwd.cu.j2).
 template <int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64_t stride, int valid_rows) {
     constexpr int CHUNKS_PER_ROW = COLS / 8;
+    if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
+        constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+        const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
+        const elem_t* g0 = src + row0 * stride + chunk * 8;
+        #pragma unroll
+        for (int it = 0; it < ROWS / ROW_STEP; ++it) {
+            const int row = row0 + it * ROW_STEP;
+            const bool valid = row < valid_rows;
+            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g0 + it * ROW_STEP * stride : src, valid);
+        }
+        return;
+    }
     #pragma unroll
     for (int i = threadIdx.x; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
         const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
@@ -359,17 +373,26 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64
     }
 }
 
+// fg::swz(row0 + r, chunk0 + c, row_bytes) for row0 % 8 == 0, even chunk0, per-lane r < 16 and c in {0, 1}.
+// Rows a multiple of 128 bytes (bwd_hoisted_swizzle): the lane's part fg::swz(r, c) is XORed with a constant
+// and offset by an immediate instead of re-deriving the swizzle per fragment (see swz_at in fwd.cu.j2).
+__device__ __forceinline__ uint32_t swz_lane(int row0, int chunk0, int r, int c, int row_bytes) {
+    if (row_bytes % 128 == 0)
+        return (fg::swz(r, c, row_bytes) ^ ((chunk0 & 7) << 4)) + row0 * row_bytes + (chunk0 & ~7) * 16;
+    return fg::swz(row0 + r, chunk0 + c, row_bytes);
+}
+
 // acc (16 x 8*NT, this warp) = A (16 x K rows of `a_tile` starting at a_row) * B^T (8*NT rows of `b_tile`), K = 16*KSTEPS.
 template <int NT, int KSTEPS>
 __device__ __forceinline__ void gemm_abt(float (&acc)[NT][4], uint32_t a_tile, int a_row, uint32_t b_tile, int row_bytes, int lane) {
     #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
         uint32_t a[4];
-        fg::ldmatrix_x4(a, a_tile + fg::swz(a_row + (lane % 16), kk * 2 + lane / 16, row_bytes));
+        fg::ldmatrix_x4(a, a_tile + swz_lane(a_row, kk * 2, lane % 16, lane / 16, row_bytes));
         #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t b[4];
-            fg::ldmatrix_x4(b, b_tile + fg::swz(np * 16 + (lane % 8) + (lane / 16) * 8, kk * 2 + (lane / 8) % 2, row_bytes));
+            fg::ldmatrix_x4(b, b_tile + swz_lane(np * 16, kk * 2, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2, row_bytes));
             Mma::run(acc[2 * np], a, b[0], b[1]);
             Mma::run(acc[2 * np + 1], a, b[2], b[3]);
         }
@@ -389,7 +412,7 @@ __device__ __forceinline__ void gemm_pb(float (&acc)[DT][4], const float (&p)[NT
         #pragma unroll
         for (int dp = 0; dp < DT / 2; ++dp) {
             uint32_t b[4];
-            fg::ldmatrix_x4_trans(b, b_tile + fg::swz(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, c0 + dp * 2 + lane / 16, row_bytes));
+            fg::ldmatrix_x4_trans(b, b_tile + swz_lane(kk * 16, c0 + dp * 2, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16, row_bytes));
             Mma::run(acc[2 * dp], a, b[0], b[1]);
             Mma::run(acc[2 * dp + 1], a, b[2], b[3]);
         }
@@ -413,6 +436,11 @@ __device__ __forceinline__ void store_acc(elem_t* dst, int64_t row_stride, const
 }
 
 __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * LOG2E; }
+
+// 4-byte global->shared async copy; !valid reads nothing and writes 0.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
 }  // namespace
 
 

@@ -11,7 +11,8 @@
 //   acc_s     S = Q K^T for this warp's rows, fp32 (then P, in place)
 //   acc_o     O = P V accumulator, fp32, rescaled lazily, divided by row_sum once at the end
 //   row_max   running max of the log2-domain scores; row_sum running sum of exp2(x - row_max)
-// Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).
+// Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).  Without a score_mod
+// (fold_scale) acc_s keeps the raw q.k and log2(e) * softmax_scale is folded into exp2's FFMA (as FA2).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
 // Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
 // arithmetic over the mask; EMPTY key blocks are never loaded (fg::iv::prev_live finds the next live one,
@@ -325,7 +326,7 @@ namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int HEAD_DIM_V = 128;
 constexpr int BLOCK_M = 128;
-constexpr int BLOCK_N = 32;
+constexpr int BLOCK_N = 64;
 constexpr int NUM_WARPS = 4;
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_M = BLOCK_M / NUM_WARPS;
@@ -342,17 +343,32 @@ constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
 constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
-static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 49152,
+static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 65536,
               "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
 // Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
 static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
               "tile shape");
 
 // Copy `rows` x `cols` elements (row stride `stride`) into a swizzled tile; rows >= valid_rows read as 0.
+// When THREADS covers whole rows, each thread keeps one 16-byte column chunk and steps ROW_STEP rows at a
+// time: a compile-time trip count, one global pointer advanced by a constant multiple of the stride, and
+// (ROW_STEP % 8 == 0) shared addresses that differ by immediates.  Otherwise a strided generic loop.
 template <int ROWS, int COLS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64_t stride, int valid_rows) {
     constexpr int CHUNKS_PER_ROW = COLS / 8;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
+        constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+        const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
+        const elem_t* g0 = src + row0 * stride + chunk * 8;
+        #pragma unroll
+        for (int it = 0; it < ROWS / ROW_STEP; ++it) {
+            const int row = row0 + it * ROW_STEP;
+            const bool valid = row < valid_rows;
+            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g0 + it * ROW_STEP * stride : src, valid);
+        }
+        return;
+    }
     #pragma unroll
     for (int i = threadIdx.x; i < CHUNKS; i += THREADS) {
         const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
@@ -360,6 +376,17 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64
         const elem_t* g = src + (valid ? row * stride + chunk * 8 : 0);
         fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), g, valid);
     }
+}
+
+// fg::swz(row0 + r, chunk0 + c, ROW_BYTES) for compile-time row0 % 8 == 0 and even chunk0, per-lane
+// r and c in {0, 1}, with lane_off = fg::swz(r, c, ROW_BYTES).  When ROW_BYTES % 128 == 0, row * ROW_BYTES
+// leaves bits 4..6 clear, so the XOR term depends on the lane only through lane_off's bits 4..6: the
+// per-lane part is computed once and each fragment address is one XOR with a constant plus an immediate.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint32_t swz_at(uint32_t lane_off, int r, int c, int row0, int chunk0) {
+    if constexpr (ROW_BYTES % 128 == 0)
+        return (lane_off ^ ((chunk0 & 7) << 4)) + row0 * ROW_BYTES + (chunk0 & ~7) * 16;
+    return fg::swz(row0 + r, chunk0 + c, ROW_BYTES);
 }
 }  // namespace
 
@@ -421,6 +448,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
     int n_block = fg::iv::prev_live((seqlen_k + BLOCK_N - 1) / BLOCK_N - 1, cls, full, kv_class);
     const float scale_log2 = softmax_scale * LOG2E;
 
+    // Per-lane parts of the ldmatrix addresses (row r, chunk c within a 16x16 fragment; see swz_at).
+    const uint32_t sQ_lane = sQ + warp * WARP_M * Q_ROW_BYTES;  // WARP_M % 16 == 0: swizzle unchanged
+    const int q_r = lane % 16, q_c = lane / 16;
+    const int k_r = (lane % 8) + (lane / 16) * 8, k_c = (lane / 8) % 2;
+    const int v_r = (lane % 8) + ((lane / 8) % 2) * 8, v_c = lane / 16;
+    const uint32_t q_off = fg::swz(q_r, q_c, Q_ROW_BYTES);
+    const uint32_t k_off = fg::swz(k_r, k_c, Q_ROW_BYTES);
+    const uint32_t v_off = fg::swz(v_r, v_c, V_ROW_BYTES);
+
     float acc_o[MT][DT][4];
     float row_max[MT][2], row_sum[MT][2];
     #pragma unroll
@@ -462,11 +498,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
             uint32_t a[MT][4];
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                fg::ldmatrix_x4(a[mt], sQ + fg::swz(warp * WARP_M + mt * 16 + (lane % 16), kk * 2 + lane / 16, Q_ROW_BYTES));
+                fg::ldmatrix_x4(a[mt], sQ_lane + swz_at<Q_ROW_BYTES>(q_off, q_r, q_c, mt * 16, kk * 2));
             #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 uint32_t bk[4];
-                fg::ldmatrix_x4(bk, sK + fg::swz(np * 16 + (lane % 8) + (lane / 16) * 8, kk * 2 + (lane / 8) % 2, Q_ROW_BYTES));
+                fg::ldmatrix_x4(bk, sK + swz_at<Q_ROW_BYTES>(k_off, k_r, k_c, np * 16, kk * 2));
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Mma::run(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
@@ -485,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
                     for (int i = 0; i < 4; ++i) {
                         const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
                         const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                        float x = acc_s[mt][nt][i] * scale_log2;
+                        float x = acc_s[mt][nt][i];  // raw q.k; scale_log2 > 0 is applied inside the exp2's FFMA
                         const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
                                           && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
                         x = keep ? x : -INFINITY;
@@ -501,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
                     for (int i = 0; i < 4; ++i) {
                         const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
                         const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                        float x = acc_s[mt][nt][i] * scale_log2;
+                        float x = acc_s[mt][nt][i];  // raw q.k; scale_log2 > 0 is applied inside the exp2's FFMA
                         (void)q_raw; (void)kv_raw;
                         acc_s[mt][nt][i] = x;
                     }
@@ -513,12 +549,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
+                // acc_s holds raw scores: max in raw units, scaled once (softmax_scale > 0 keeps the order).
+                float mx = -INFINITY;
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                mx = fmaxf(row_max[mt][r], mx * scale_log2);
                 const float base = mx == -INFINITY ? 0.f : mx;  // a fully masked row so far stays at 0
                 const float alpha = fg::exp2_approx(row_max[mt][r] - base);
                 row_max[mt][r] = mx;
@@ -527,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
                     for (int j = 0; j < 2; ++j) {
-                        const float p = fg::exp2_approx(acc_s[mt][nt][2 * r + j] - base);
+                        const float p = fg::exp2_approx(fmaf(acc_s[mt][nt][2 * r + j], scale_log2, -base));
                         acc_s[mt][nt][2 * r + j] = p;
                         sum += p;
                     }
@@ -563,7 +601,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
             #pragma unroll
             for (int dp = 0; dp < DT / 2; ++dp) {
                 uint32_t bv[4];
-                fg::ldmatrix_x4_trans(bv, sV + fg::swz(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16, V_ROW_BYTES));
+                fg::ldmatrix_x4_trans(bv, sV + swz_at<V_ROW_BYTES>(v_off, v_r, v_c, kk * 16, dp * 2));
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Mma::run(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);

@@ -9,7 +9,14 @@ import pytest
 
 from flashgen import tuning
 from flashgen.ir import TileOverride
-from flashgen.lower import DEFAULT_TILES, HOPPER_TILES, TileConfig, choose_tiles, plan_forward
+from flashgen.lower import (
+    DEFAULT_TILES,
+    HOPPER_TILES,
+    TileConfig,
+    choose_tiles,
+    default_tiles,
+    plan_forward,
+)
 from flashgen.spec import loads_spec
 
 GPU = "NVIDIA H200"
@@ -76,7 +83,7 @@ def test_tuned_key_is_used_only_for_its_gpu_and_key(table):
         replace(spec, mask=None),
         loads_spec(SPEC + "score_mod: score * 2.0\n"),
     ):
-        assert choose_tiles(other, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
+        assert choose_tiles(other, "sm_90", GPU, family="fa2") == default_tiles(other)
 
 
 def test_causal_conjunct_counts_as_causal(table):

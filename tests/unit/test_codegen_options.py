@@ -1,0 +1,207 @@
+"""Template code-generation switches (lower.FORWARD_OPTIONS / BACKWARD_OPTIONS) and the
+variant list of tools/perf_sweep.py.  CPU only: planning and rendering, no nvcc."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashgen import lower
+from flashgen.lower import TileConfig, plan_backward, plan_forward
+from flashgen.render import render
+from flashgen.spec import loads_spec
+from flashgen.varlen import varlen_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _spec(mask="causal", score_mod=None, d=128):
+    text = f"name: opt_t\nhead_dim: {d}\ndtype: bf16\nmask: {mask}\n"
+    if score_mod:
+        text += f"score_mod: {score_mod}\n"
+    return loads_spec(text)
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(ValueError, match="unknown forward option 'nope'"):
+        plan_forward(_spec(), "sm_80", options={"nope": True})
+    with pytest.raises(ValueError, match="unknown backward option 'nope'"):
+        plan_backward(_spec(), "sm_80", options={"nope": True})
+
+
+@pytest.mark.parametrize("key", sorted(lower.FORWARD_OPTIONS))
+def test_each_forward_switch_changes_the_source(key):
+    spec = _spec()
+    on = render(plan_forward(spec, "sm_90", options={key: True}, family="fa2"))
+    off = render(plan_forward(spec, "sm_90", options={key: False}, family="fa2"))
+    assert on != off
+
+
+DOC_MASK = """name: opt_doc
+head_dim: 128
+dtype: bf16
+mask: causal && doc[q_idx] == doc[kv_idx]
+params:
+  doc: {type: i32, shape: [seqlen_q]}
+"""
+
+
+def test_every_forward_switch_combination_renders():
+    keys = sorted(lower.FORWARD_OPTIONS)
+    for spec in (
+        _spec(),
+        _spec(mask="null", score_mod="score * 0.5"),
+        _spec("causal && q_idx - kv_idx < 64"),
+        varlen_spec(_spec("causal && q_idx - kv_idx < 64")),
+        loads_spec(DOC_MASK),  # block table
+    ):
+        for values in itertools.product((False, True), repeat=len(keys)):
+            opts = dict(zip(keys, values, strict=True))
+            plan = plan_forward(spec, "sm_90", options=opts, family="fa2")
+            src = render(plan)
+            assert plan.template == "sm_80/fwd.cu.j2" and "__global__" in src
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [_spec(), varlen_spec(_spec()), loads_spec(DOC_MASK)],
+    ids=["causal", "varlen", "block_table"],
+)
+def test_fold_scale_reaches_both_paths_of_the_scores_macro(spec):
+    """masks' scores(masked) macro is expanded twice (PARTIAL and FULL tiles); the folded
+    scale must be in both, and the exp2 FFMA must take it."""
+    src = render(plan_forward(spec, "sm_80"))
+    assert src.count("float x = acc_s[mt][nt][i];  // raw q.k") == 2
+    assert "fmaf(acc_s[mt][nt][2 * r + j], scale_log2, -base)" in src
+    off = render(plan_forward(spec, "sm_80", options={"fwd_fold_scale": False}))
+    assert off.count("float x = acc_s[mt][nt][i] * scale_log2;") == 2
+
+
+def test_fold_scale_only_without_score_mod():
+    plain = plan_forward(_spec(), "sm_80")
+    modded = plan_forward(_spec(score_mod="score * 0.5"), "sm_80")
+    assert plain.context["fold_scale"] is lower.FORWARD_OPTIONS["fwd_fold_scale"]
+    assert modded.context["fold_scale"] is False
+    assert "fmaf(acc_s" not in render(modded)
+
+
+@pytest.mark.parametrize("key", sorted(lower.BACKWARD_OPTIONS))
+def test_each_backward_switch_changes_the_source(key):
+    on = render(plan_backward(_spec(), "sm_90", options={key: True}).unit)
+    off = render(plan_backward(_spec(), "sm_90", options={key: False}).unit)
+    assert on != off
+
+
+def test_async_stats_only_without_score_mod():
+    src = render(plan_backward(_spec(score_mod="score * 0.5"), "sm_90").unit)
+    assert "cp_async_4(" not in src.split("__global__", 1)[1]
+
+
+def test_default_tiles_mask_rule():
+    assert (
+        lower.default_tiles(_spec()) == lower.DEFAULT_TILES[(128, False)] == TileConfig(128, 64, 4)
+    )
+    # a mask beyond causal at d128 takes MASK_TILES; other head dims keep their entry
+    swa = "causal && q_idx - kv_idx < 64"
+    assert lower.default_tiles(_spec(swa)) == lower.MASK_TILES[128] == TileConfig(128, 32, 4)
+    assert lower.default_tiles(_spec(swa, d=256)) == lower.DEFAULT_TILES[(256, False)]
+    assert lower.default_tiles(_spec(swa, d=96)) == lower.DEFAULT_TILES[(96, False)]
+    # a score_mod keys the table as before
+    modded = _spec(score_mod="score * 0.5")
+    assert lower.default_tiles(modded) == lower.DEFAULT_TILES[(128, True)]
+    assert (
+        lower.default_tiles(_spec(d=64, score_mod="score * 0.5"))
+        == lower.DEFAULT_TILES[(64, False)]
+    )
+
+
+def test_varlen_and_hopper_keep_their_tiles():
+    # varlen keeps the pre-128x64x4 d128 tile and keys on score_mod only
+    assert lower.default_tiles(varlen_spec(_spec())) == TileConfig(128, 32, 4)
+    swa = varlen_spec(_spec("causal && q_idx - kv_idx < 64"))
+    assert lower.default_tiles(swa) == TileConfig(128, 32, 4)
+    assert lower.default_tiles(varlen_spec(_spec(d=256))) == lower.DEFAULT_TILES[(256, False)]
+    # sm_90 picks the Hopper kernel by default; family="fa2" gets this branch's default tiles
+    assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[128]
+    assert lower.choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
+    assert lower.choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
+
+
+def _perf_sweep():
+    path = REPO / "tools" / "perf_sweep.py"
+    mod_spec = importlib.util.spec_from_file_location("perf_sweep", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules.setdefault("perf_sweep", mod)  # dataclasses look their module up there
+    mod_spec.loader.exec_module(sys.modules["perf_sweep"])
+    return sys.modules["perf_sweep"]
+
+
+def test_perf_sweep_variants_plan_and_render():
+    ps = _perf_sweep()
+    args = ps.parse([])
+    variants = ps.all_variants(args)
+    keys = [v.key for v in variants]
+    assert len(keys) == len(set(keys))
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            names = {v.name for v in variants if (v.d, v.causal, v.kind) == (d, causal, "fwd")}
+            assert {"base", "default"} <= names
+            names = {v.name for v in variants if (v.d, v.causal, v.kind) == (d, causal, "bwd")}
+            assert {"det", "atomic"} <= names
+    for v in variants:
+        spec = ps.spec_for(v.d, v.causal, v.dtype)
+        opts = dict(v.options)
+        if v.kind == "fwd":
+            plan = plan_forward(spec, "sm_90", tiles=v.tiles, options=opts, family=v.family)
+            # on sm_90 every variant but the reference row times the FA2-class kernel
+            want = "sm_90/fwd.cu.j2" if v.name == "fa3-default" else ps.FA2_TEMPLATE
+            assert plan.template == want, v.key
+            render(plan)
+        else:
+            render(
+                plan_backward(spec, "sm_90", atomic_dq=v.atomic, tiles=v.tiles, options=opts).unit
+            )
+    assert sum(v.name == "fa3-default" for v in variants) == 6  # one per forward config
+    quick = ps.all_variants(ps.parse(["--quick"]))
+    assert {v.name for v in quick} == {
+        "base",
+        "default",
+        "fa3-default",
+        "det",
+        "atomic",
+        "atomic-n128",
+    }
+    assert not any(v.name == "fa3-default" for v in ps.all_variants(ps.parse(["--no-fa3"])))
+
+
+def test_perf_sweep_reports(capsys):
+    ps = _perf_sweep()
+    cfg = {"d": 128, "causal": True, "dtype": "bf16", "seqlen": 16384, "direction": "fwd"}
+    rows = [
+        {**cfg, "impl": "sdpa-flash", "tflops": 320.0},
+        {**cfg, "impl": "sdpa-cudnn", "tflops": 570.0},
+        {**cfg, "impl": "fg:fa3-default", "tflops": 610.0, "spill_bytes": 0, "tiles": "128x160x12"},
+        {**cfg, "impl": "fg:base", "tflops": 260.0, "spill_bytes": 0, "tiles": "128x32x4"},
+        {**cfg, "impl": "fg:default", "tflops": 300.0, "spill_bytes": 0, "tiles": "128x64x4"},
+        {**cfg, "impl": "fg:t128x32x4", "tflops": 400.0, "spill_bytes": 8, "tiles": "128x32x4"},
+        {**cfg, "impl": "fg:-fold", "error": "check failed"},
+    ]
+    ps.print_table(rows)
+    ps.summary(rows)
+    out = capsys.readouterr().out
+    assert "t128x32x4 400*" in out and "-fold !" in out
+    last = out.strip().splitlines()[-1]
+    # best spill-free FA2-class variant: default (fa3 and the spilling tile do not count)
+    assert "fwd d128 causal" in last and "default 128x64x4 300" in last and "0.94" in last
+
+
+def test_perf_sweep_flops():
+    ps = _perf_sweep()
+    # B*S = 16384 tokens, H = 2048 / D: 4 * B * H * S^2 * D
+    assert ps.flops(128, False, 16384, "fwd") == 4 * 1 * 16 * 16384**2 * 128
+    assert ps.flops(128, True, 4096, "fwd") == 4 * 4 * 16 * 4096**2 * 128 / 2
+    assert ps.flops(64, False, 4096, "bwd") == 2.5 * 4 * 4 * 32 * 4096**2 * 64
