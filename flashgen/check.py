@@ -70,6 +70,15 @@ RESERVED_PARAM_NAMES = frozenset(
         "batch",
         "heads_q",
         "heads_kv",
+        # the Python API's own argument names (op.attention / op.varlen / op.block_mask)
+        "self",
+        "params",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "max_seqlen_q",
+        "max_seqlen_k",
+        "seqlen_q",
+        "seqlen_k",
     }
 )
 BLOCK_M = (16, 32, 64, 128, 256)

@@ -174,12 +174,13 @@ class BuildResult:
 
 def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     from .compile import CompileError
+    from .lower import kernel_family
     from .select import build_backward, build_forward
 
     res = BuildResult(spec, target, unit)
     try:
         if unit == "fwd":
-            res.plan, path, res.report = build_forward(spec, target)
+            res.plan, path, res.report = build_forward(spec, target, family=kernel_family())
             res.smem_dynamic = res.plan.smem_bytes
         else:
             res.plan, path, res.report = build_backward(
@@ -220,8 +221,8 @@ def _consoles():
 
     # a pipe or file gets wide tables rather than rich's 80-column default
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
-    out = Console(file=sys.stdout, soft_wrap=False, highlight=False, width=width)
-    err = Console(file=sys.stderr, highlight=False)
+    out = Console(file=sys.stdout, soft_wrap=False, highlight=False, width=width, emoji=False)
+    err = Console(file=sys.stderr, highlight=False, emoji=False)
     return out, err
 
 
@@ -514,7 +515,7 @@ def _bench(fn) -> float:
 
 # ----------------------------------------------------------------------------- show / list
 def cmd_show(args) -> int:
-    from .lower import plan_forward
+    from .lower import kernel_family, plan_forward
     from .render import render
 
     _, err = _consoles()
@@ -526,7 +527,7 @@ def cmd_show(args) -> int:
     targets = args.target or list(spec.targets)
     for t in targets:
         try:
-            plan = plan_forward(spec, t)
+            plan = plan_forward(spec, t, family=kernel_family())
         except ValueError as e:
             err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
             return 1
@@ -806,6 +807,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `flashgen show ... | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

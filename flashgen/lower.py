@@ -36,6 +36,7 @@ names to values.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 from . import ir, masktiles
@@ -161,6 +162,17 @@ def is_hopper_tiles(tiles: TileConfig) -> bool:
 #: Kernel families: "fa3" is the Hopper kernel where :func:`hopper_eligible`, else the
 #: FA2-class one ("auto" means the same); "fa2" is always the FA2-class kernel.
 FAMILIES = ("auto", "fa3", "fa2")
+
+
+def kernel_family() -> str:
+    """``FLASHGEN_KERNEL_FAMILY`` (default ``auto``); see :data:`flashgen.lower.FAMILIES`.
+    Raises ``ValueError`` for an unknown value."""
+    family = os.environ.get("FLASHGEN_KERNEL_FAMILY", "auto") or "auto"
+    if family not in FAMILIES:
+        raise ValueError(
+            f"FLASHGEN_KERNEL_FAMILY={family!r}: expected one of {', '.join(FAMILIES)}"
+        )
+    return family
 
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ir
-from .errors import OpInputError
+from .errors import OpInputError, SpecError
 from .lower import needs_block_table
 
 #: torch dtype of each spec dtype.
@@ -148,6 +148,16 @@ def validate(
         raise OpInputError(
             f"v: expected [batch, heads_kv, seqlen_k] = {_shape(k)[:3]} (k's), got {_shape(v)[:3]}"
         )
+    hq, hkv = check_heads_and_strides(q, k, v)
+    dims = Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+    validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
+    return dims
+
+
+def check_heads_and_strides(q, k, v) -> tuple[int, int]:
+    """``(heads_q, heads_kv)`` after checking Hq % Hkv == 0 (heads on dim 1) and that the
+    last dim of q, k, v is contiguous; :class:`OpInputError` otherwise.  Shared by the
+    padded ``[B, H, S, D]`` and the packed varlen ``[total, H, D]`` layouts."""
     hq, hkv = q.shape[1], k.shape[1]
     if hkv == 0 and hq != 0:
         raise OpInputError(f"k: expected at least one kv head for {hq} query heads, got 0")
@@ -156,14 +166,12 @@ def validate(
             f"q: expected num_heads to be a multiple of k's num_heads_kv {hkv}, got {hq}"
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.numel() > 0 and t.stride(3) != 1:
+        if t.numel() > 0 and t.stride(-1) != 1:
             raise OpInputError(
                 f"{name}: expected stride(-1) == 1 (head_dim contiguous), got strides "
                 f"{list(t.stride())}; call .contiguous() first"
             )
-    dims = Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
-    validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
-    return dims
+    return hq, hkv
 
 
 def validate_tensor_params(
@@ -223,6 +231,8 @@ def _symbolic(x) -> bool:
 def check_softmax_scale(value) -> float:
     """``value`` as a float if it is a usable softmax scale: a real number, finite,
     positive and representable in float32; else :class:`OpInputError`."""
+    if _symbolic(value) or torch.compiler.is_compiling():
+        return value  # checked again by the op's CPU / CUDA implementation, on the real value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OpInputError(f"softmax_scale: expected a float (finite, > 0), got {value!r}")
     f = float(value)
@@ -239,7 +249,11 @@ def check_scalar(p: ir.Param, val) -> int | float:
     i32: an integer (not bool) in int32 range; f32: a real number, finite and within
     float32 range.  Either must lie within the param's declared ``min``/``max``.
     Raises :class:`OpInputError` naming the param, the expected and the received value.
+    While ``torch.compile`` traces (a changed float becomes symbolic) the value is passed
+    through: the op's CPU and CUDA implementations check it again on the real value.
     """
+    if _symbolic(val) or torch.compiler.is_compiling():
+        return val  # checked again by the op's CPU / CUDA implementation, on the real value
     if p.ty == ir.Ty.I32:
         if isinstance(val, bool) or not isinstance(val, numbers.Integral):
             raise OpInputError(f"{p.name}: expected an int (i32), got {val!r}")
@@ -364,6 +378,7 @@ class AttentionOp:
         self.name = spec.name
         self.qualname = f"flashgen::{spec.name}"
         self._kernels: dict[tuple[int, str], object] = {}
+        self._varlen_op: AttentionOp | None = None
         self._kernel_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -378,14 +393,16 @@ class AttentionOp:
     def varlen(self) -> AttentionOp:
         """This variant over packed variable-length sequences (FlashAttention's varlen
         interface, see :mod:`flashgen.varlen`): the op of the same spec with ``varlen:
-        true``, registered as ``flashgen::<name>__varlen`` on first use.  Call it as
+        true``, registered as ``flashgen::<name>__varlen`` with this op.  Call it as
         ``op.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
         A varlen spec's op is its own varlen form."""
         if self.spec.varlen:
             return self
-        from .varlen import varlen_spec
+        if self._varlen_op is None:  # built once, outside any torch.compile trace after that
+            from .varlen import varlen_spec
 
-        return build_op(varlen_spec(self.spec))
+            self._varlen_op = build_op(varlen_spec(self.spec))
+        return self._varlen_op
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -716,6 +733,8 @@ class AttentionOp:
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
+        from .lower import kernel_family
+
         family = kernel_family()
         kern = self._kernels.get((index, family))
         if kern is not None:
@@ -732,19 +751,6 @@ class AttentionOp:
                 kern = runtime.load(cubin, plan, index)
                 self._kernels[(index, family)] = kern
         return kern
-
-
-def kernel_family() -> str:
-    """``FLASHGEN_KERNEL_FAMILY`` (default ``auto``); see :data:`flashgen.lower.FAMILIES`.
-    Raises ``ValueError`` for an unknown value."""
-    from .lower import FAMILIES
-
-    family = os.environ.get("FLASHGEN_KERNEL_FAMILY", "auto") or "auto"
-    if family not in FAMILIES:
-        raise ValueError(
-            f"FLASHGEN_KERNEL_FAMILY={family!r}: expected one of {', '.join(FAMILIES)}"
-        )
-    return family
 
 
 def _mask_reads(spec: ir.Spec, name: str) -> bool:
@@ -859,4 +865,11 @@ def build_op(spec: ir.Spec) -> AttentionOp:
         op.backward = backward_cls(op)
         op.backward.register(lib)
         _REGISTRY[spec.name] = op
+        if not spec.varlen:  # registered now, so `op.varlen` also works inside torch.compile
+            from .varlen import varlen_spec
+
+            try:
+                op._varlen_op = build_op(varlen_spec(spec))
+            except SpecError:
+                pass  # no varlen form; `op.varlen` raises the error on access
         return op

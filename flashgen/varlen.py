@@ -58,6 +58,7 @@ from .op import (
     _kernel_aligned,
     _poison_enabled,
     _symbolic,
+    check_heads_and_strides,
     check_scalar,
     check_softmax_scale,
     default_softmax_scale,
@@ -212,19 +213,7 @@ def validate_varlen(
         raise OpInputError(
             f"v: expected [total_k, heads_kv] = {_shape(k)[:2]} (k's), got {_shape(v)[:2]}"
         )
-    hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 and hq != 0:
-        raise OpInputError(f"k: expected at least one kv head for {hq} query heads, got 0")
-    if hkv != 0 and hq % hkv != 0:
-        raise OpInputError(
-            f"q: expected num_heads to be a multiple of k's num_heads_kv {hkv}, got {hq}"
-        )
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.numel() > 0 and t.stride(2) != 1:
-            raise OpInputError(
-                f"{name}: expected stride(-1) == 1 (head_dim contiguous), got strides "
-                f"{list(t.stride())}; call .contiguous() first"
-            )
+    hq, hkv = check_heads_and_strides(q, k, v)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t.dim() != 1 or t.shape[0] < 1:
             raise OpInputError(

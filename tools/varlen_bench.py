@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Validate and time flashgen's varlen kernels on a GPU, in one command.
 
-1. tests: ``pytest tests/gpu/test_varlen.py`` (forward and backward against the per-sequence
+1. tests: ``pytest tests/gpu/test_varlen_gpu.py`` (forward and backward against the per-sequence
    fp64 reference), once on the default path and once with ``FLASHGEN_ATOMIC_DQ=1`` (the
    atomic-dQ backward);
 2. sanitizer: ``compute-sanitizer --tool memcheck`` over a small varlen forward + backward
@@ -56,7 +56,7 @@ def run_tests() -> bool:
     ok = True
     for atomic in ("0", "1"):
         env = dict(os.environ, FLASHGEN_ATOMIC_DQ=atomic)
-        cmd = [sys.executable, "-m", "pytest", "tests/gpu/test_varlen.py", "-q", "-m", "gpu"]
+        cmd = [sys.executable, "-m", "pytest", "tests/gpu/test_varlen_gpu.py", "-q", "-m", "gpu"]
         print(f"$ FLASHGEN_ATOMIC_DQ={atomic} {' '.join(cmd)}", flush=True)
         ok &= subprocess.run(cmd, cwd=REPO, env=env).returncode == 0
     return ok

@@ -183,3 +183,12 @@ def test_error_string_format():
         '    mask: "q_idx - kv_idx < windw"\n'
         "                            ^"
     )
+
+
+@pytest.mark.parametrize("name", ["self", "params", "cu_seqlens_q", "max_seqlen_k", "seqlen_q"])
+def test_python_api_argument_names_are_reserved_params(name):
+    """A param named like an argument of op.attention / op.varlen / op.block_mask would
+    collide with it at call time ("got multiple values for argument")."""
+    text = f"name: demo\nhead_dim: 128\ndtype: bf16\nparams:\n  {name}: {{type: i32, default: 1}}\n"
+    with pytest.raises(SpecError, match="reserved"):
+        loads_spec(text, "r.yaml")

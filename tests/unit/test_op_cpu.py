@@ -214,3 +214,24 @@ def test_load_is_cached_and_import_needs_no_torch():
     code = "import sys, flashgen; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_torch_compile_with_changing_float_scalars_and_varlen():
+    """A float param or softmax_scale that changes between calls becomes symbolic under
+    torch.compile: the op must trace (its impls check the real value); op.varlen must work
+    inside a compiled function (it is registered with the op, not on first access)."""
+    op = flashgen.load(REPO / "specs" / "gemma2_softcap.yaml")
+    q = torch.randn(1, 2, 33, 256, dtype=torch.bfloat16)
+    f = torch.compile(lambda q, s: op.attention(q, q, q, softcap=s)[0], fullgraph=True)
+    g = torch.compile(lambda q, sc: op.attention(q, q, q, softmax_scale=sc)[0], fullgraph=True)
+    for s in (30.0, 40.0, 50.0):
+        assert torch.equal(f(q, s), op.attention(q, q, q, softcap=s)[0])
+    for sc in (0.1, 0.2):
+        assert torch.equal(g(q, sc), op.attention(q, q, q, softmax_scale=sc)[0])
+    with pytest.raises(OpInputError, match="softcap"):
+        f(q, math.inf)  # still refused: by the CPU implementation
+    plain = flashgen.load(REPO / "specs" / "causal_d128.yaml")
+    qp = torch.randn(10, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    h = torch.compile(lambda q: plain.varlen(q, q, q, cu, cu, 6, 6)[0], fullgraph=True)
+    assert torch.equal(h(qp), plain.varlen(qp, qp, qp, cu, cu, 6, 6)[0])

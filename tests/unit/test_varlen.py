@@ -2,7 +2,7 @@
 checks, lowering and rendering (non-varlen kernels' source unchanged, varlen units compile
 without spills), input validation, the per-sequence reference, the CPU op and its
 gradients against the padded op sequence by sequence, opcheck and torch.compile.  The
-kernels themselves run in tests/gpu/test_varlen.py."""
+kernels themselves run in tests/gpu/test_varlen_gpu.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Varlen kernels (packed sequences with cu_seqlens) against the per-sequence float64
-reference (``pytest -m gpu``; run alone: ``python3 -m pytest tests/gpu/test_varlen.py -q``).
+reference (``pytest -m gpu``; run alone: ``python3 -m pytest tests/gpu/test_varlen_gpu.py -q``).
 
 Reference: :func:`flashgen.reference.attention_reference_varlen`, the padded reference
 called on each sequence.  Bound (the rule of tests/gpu/test_forward.py): max|ours - ref64|
