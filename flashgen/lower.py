@@ -296,7 +296,8 @@ def cuda_expr(e: Expr, spec: Spec) -> str:
     Names map to kernel locals: index variables keep their names, ``score`` is the
     scaled logit, a scalar param ``x`` is ``p_x``, a tensor param ``t[i, j]`` reads
     ``t_t[i * (shape[1]) + j]`` (row-major, contiguous).  Integer ``/`` and ``%``
-    truncate toward zero as in C; the reference does the same.
+    truncate toward zero as in C, and give 0 for a zero divisor (``fg::idiv``/``imod``);
+    the reference does the same.
     """
     if isinstance(e, Const):
         if e.ty == Ty.BOOL:
@@ -335,6 +336,10 @@ def cuda_expr(e: Expr, spec: Spec) -> str:
             lhs, rhs = _cast(lhs, lt, Ty.F32), _cast(rhs, rt, Ty.F32)
             if e.op == "%":
                 return f"fmodf({lhs}, {rhs})"
+        elif e.op in ("/", "%") and not (isinstance(e.rhs, Const) and e.rhs.value != 0):
+            # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the
+            # reference), not C's undefined behaviour
+            return f"fg::{'idiv' if e.op == '/' else 'imod'}({lhs}, {rhs})"
         return f"({lhs} {e.op} {rhs})"
     if isinstance(e, Cond):
         then, other = cuda_expr(e.then, spec), cuda_expr(e.other, spec)

@@ -2,7 +2,8 @@
 
 Evaluates the same typed IR the kernels are generated from, with broadcasting index
 tensors ``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Sq,1]``, ``kv_idx [1,1,1,Sk]``.
-Integer ``/`` and ``%`` truncate toward zero (C semantics), matching the CUDA lowering.
+Integer ``/`` and ``%`` truncate toward zero (C semantics) and give 0 for a zero divisor,
+matching the CUDA lowering.
 Semantics follow FlexAttention: ``score_mod`` rewrites the scaled logit, ``mask`` drops pairs.
 """
 
@@ -69,8 +70,13 @@ def eval_expr(e: Expr, env: dict):
             return a - b
         if op == "*":
             return a * b
+        if int_math and op in ("/", "%"):  # C truncation; a zero divisor gives 0 (as the kernels)
+            zero = b == 0
+            safe = torch.where(zero, torch.ones_like(b), b)
+            r = torch.div(a, safe, rounding_mode="trunc") if op == "/" else torch.fmod(a, safe)
+            return torch.where(zero, torch.zeros_like(r), r)
         if op == "/":
-            return torch.div(a, b, rounding_mode="trunc") if int_math else a / b
+            return a / b
         if op == "%":
             return torch.fmod(a, b)
         return {

@@ -138,7 +138,7 @@ _CUDA_WORDS = {
     "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "score", "true", "false", "int",
     "float", "bool", "int64_t", "INFINITY", "fabsf", "fminf", "fmaxf", "expf", "logf",
     "tanh_approx", "sqrtf", "fmodf", "abs", "min", "max", "heads_q", "heads_kv", "batch", "fg",
-    "clamp_index",
+    "clamp_index", "idiv", "imod",
 }  # fmt: skip
 _CUDA_WORDS |= {f"p_{n}" for n in PARAMS} | {f"t_{n}" for n in PARAMS}
 
