@@ -112,6 +112,9 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 namespace fg {
 // A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
 __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
+// The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
+__device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
+__device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
@@ -639,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_chunked_
                 const int kv_idx = min((n0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_k - 1);
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q)
-                                  && (((((q_idx + seqlen_k) - seqlen_q) / p_chunk) == (kv_idx / p_chunk)));
+                                  && ((fg::idiv(((q_idx + seqlen_k) - seqlen_q), p_chunk) == fg::idiv(kv_idx, p_chunk)));
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
@@ -812,7 +815,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_chunked_
                 const int kv_idx = min((n0 + nt * 8 + (lane % 4) * 2 + (i % 2)), seqlen_k - 1);
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q)
-                                  && (((((q_idx + seqlen_k) - seqlen_q) / p_chunk) == (kv_idx / p_chunk)));
+                                  && ((fg::idiv(((q_idx + seqlen_k) - seqlen_q), p_chunk) == fg::idiv(kv_idx, p_chunk)));
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;

@@ -110,6 +110,9 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 namespace fg {
 // A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
 __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
+// The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
+__device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
+__device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
