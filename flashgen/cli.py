@@ -348,6 +348,8 @@ def cmd_build(args) -> int:
             if v.get("tflops") is not None:
                 vt.add_row(v["spec"], v["bench_case"], "", "", "", f"{v['tflops']:.1f}")
         out.print(vt)
+    elif not args.no_verify and not args.json:
+        err.print("note: no CUDA GPU here: kernels compiled, not run or verified", markup=False)
     for v in verify:
         if v.get("error"):
             err.print(f"error: verifying {v['spec']}: {v['error']}", markup=False)

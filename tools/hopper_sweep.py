@@ -94,6 +94,9 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("hopper_sweep.py needs a compute capability 9.x GPU (H100/H200)", file=sys.stderr)
+        return 2
     rows = []
     s = args.seqlen
     for d in args.dims:
