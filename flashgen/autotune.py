@@ -41,15 +41,24 @@ NUM_WARPS = (4, 8)
 SEQLENS = (8192, 16384)
 
 
-def candidates() -> list[TileConfig]:
-    """Every candidate tile config (BLOCK_M % (16 * num_warps) == 0), 12 in all."""
-    return [
+#: BLOCK_N of the Hopper kernel's candidates (BLOCK_M 128, 12 warps); the plan refuses
+#: those over the shared-memory budget at a head dim, and they are dropped as invalid.
+HOPPER_BLOCK_N = (64, 80, 96, 128, 160, 176, 192)
+
+
+def candidates(target: str = "sm_80") -> list[TileConfig]:
+    """Every candidate tile config: the FA2-class kernel's (BLOCK_M % (16 * num_warps)
+    == 0, 12 in all), and on ``sm_90`` also the Hopper kernel's (:data:`HOPPER_BLOCK_N`)."""
+    fa2 = [
         TileConfig(bm, bn, nw)
         for bm in BLOCK_M
         for bn in BLOCK_N
         for nw in NUM_WARPS
         if bm % (16 * nw) == 0
     ]
+    if target != "sm_90":
+        return fa2
+    return fa2 + [TileConfig(128, bn, 12) for bn in HOPPER_BLOCK_N]
 
 
 def default_tiles(spec: ir.Spec) -> TileConfig:
@@ -157,7 +166,8 @@ def compile_candidates(
     from .render import render
 
     out = {
-        s.name: [Candidate(t.block_m, t.block_n, t.num_warps) for t in candidates()] for s in specs
+        s.name: [Candidate(t.block_m, t.block_n, t.num_warps) for t in candidates(target)]
+        for s in specs
     }
     by_name = {s.name: s for s in specs}
 
@@ -421,10 +431,8 @@ def tune(
     for s in specs:
         key = spec_key(s, gpu, target_for_device(s, device))
         uniq.setdefault(key, s)
-    log(
-        f"tuning {len(uniq)} key(s) on {gpu}: {len(candidates())} candidates each, "
-        f"seqlens {seqlens}"
-    )
+    n_cands = len(candidates(target_for_device(specs[0], device))) if specs else 0
+    log(f"tuning {len(uniq)} key(s) on {gpu}: {n_cands} candidates each, seqlens {seqlens}")
     by_target: dict[str, list[ir.Spec]] = {}
     for s in uniq.values():
         by_target.setdefault(target_for_device(s, device), []).append(s)

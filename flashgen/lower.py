@@ -437,6 +437,8 @@ def choose_tiles(
         if tuned is not None and is_hopper_tiles(TileConfig(*tuned)):
             return TileConfig(*tuned)
         return hopper_tiles(spec)
+    if tuned is not None and is_hopper_tiles(TileConfig(*tuned)):
+        tuned = None  # a Hopper kernel's entry, and this is the FA2-class kernel
     base = TileConfig(*tuned) if tuned is not None else default_tiles(spec)
     o = spec.tiles
     return TileConfig(
@@ -648,10 +650,16 @@ def plan_hopper_forward(
     stages = stages or HOPPER_STAGES
     if target != "sm_90":
         raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
-    if not hopper_eligible(spec, target) and not spec.tiles.num_warps:
+    if (
+        spec.head_dim != spec.head_dim_v
+        or spec.head_dim not in HOPPER_TILES
+        or spec.varlen
+        or needs_block_table(spec)
+    ):
         raise ValueError(
-            f"the Hopper kernel needs head_dim == head_dim_v in {sorted(HOPPER_TILES)}; "
-            f"got {spec.head_dim}/{spec.head_dim_v}"
+            "the Hopper kernel needs head_dim == head_dim_v in "
+            f"{sorted(k for k in HOPPER_TILES if isinstance(k, int))}, no varlen and no block "
+            f"table; got {spec.head_dim}/{spec.head_dim_v}"
         )
     if tiles.block_n % 16 or not 16 <= tiles.block_n <= 256:
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16 in [16, 256]")

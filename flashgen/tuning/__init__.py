@@ -60,10 +60,10 @@ def table_key(
 
 
 def valid_entry(entry) -> bool:
-    """Whether ``entry`` holds a usable tile config for the FA2-class kernel.
-
-    block_m, block_n, num_warps positive ints; block_m a multiple of 16 * num_warps;
-    block_n a multiple of 16.
+    """Whether ``entry`` holds a usable tile config: block_m, block_n, num_warps positive
+    ints, block_n a multiple of 16, and block_m a multiple of 16 * num_warps (FA2-class
+    kernel) or 64 per consumer warpgroup (the Hopper kernel: num_warps a multiple of 4,
+    one producer warpgroup).
     """
     if not isinstance(entry, dict):
         return False
@@ -73,7 +73,8 @@ def valid_entry(entry) -> bool:
         return False
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (bm, bn, nw)):
         return False
-    return bm % (16 * nw) == 0 and bn % 16 == 0
+    hopper = nw % 4 == 0 and bm == 64 * (nw // 4 - 1)
+    return (bm % (16 * nw) == 0 or hopper) and bn % 16 == 0
 
 
 @lru_cache(maxsize=8)

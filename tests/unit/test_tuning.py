@@ -140,3 +140,24 @@ def test_update_table_keeps_other_keys_and_rejects_bad_entries(table):
         tuning.update_table(k1, {"block_m": 64, "block_n": 40, "num_warps": 4})
     assert tuning.lookup(GPU, "sm_90", 64, "bf16", False, False) == (128, 64, 4)
     assert tuning.lookup(None, "sm_90", 64, "bf16", False, False) is None
+
+
+def test_hopper_entries_are_tuned_and_used_only_by_the_hopper_kernel(table):
+    from flashgen import autotune
+
+    hopper = [t for t in autotune.candidates("sm_90") if t.num_warps == 12]
+    assert hopper and all(t.block_m == 128 for t in hopper)
+    assert not [t for t in autotune.candidates("sm_80") if t.num_warps == 12]
+    assert tuning.valid_entry(_entry(128, 80, 12)) and not tuning.valid_entry(_entry(96, 80, 12))
+    spec = loads_spec(SPEC)
+    tuning.update_table(
+        tuning.table_key(GPU, "sm_90", 128, "bf16", True, False), _entry(128, 176, 12)
+    )
+    assert choose_tiles(spec, "sm_90", GPU) == TileConfig(128, 176, 12)
+    assert plan_forward(spec, "sm_90", gpu=GPU).template == "sm_90/fwd.cu.j2"
+    # the FA2-class kernel ignores a Hopper entry and keeps its default
+    fa2 = choose_tiles(spec, "sm_90", GPU, family="fa2")
+    assert (
+        fa2.num_warps in (4, 8)
+        and plan_forward(spec, "sm_90", gpu=GPU, family="fa2").template == "sm_80/fwd.cu.j2"
+    )
