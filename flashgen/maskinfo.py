@@ -65,6 +65,14 @@ class Truth:
 MAYBE = Truth(True, True)
 
 
+def _i32(r: Range, is_int: bool) -> Range:
+    """An integer result that may leave int32 is unknown: the kernels compute in C int,
+    where it would wrap (or worse), so no bound on it is sound."""
+    if is_int and (r.lo < -(2**31) or r.hi > 2**31 - 1):
+        return ANY
+    return r
+
+
 def _corners(op, a: Range, b: Range) -> Range:
     vals = []
     for x in (a.lo, a.hi):
@@ -149,7 +157,7 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
         a = evaluate(e.arg, env)
         if e.op == "!":
             return Truth(a.can_false, a.can_true)
-        return Range(-a.hi, -a.lo)
+        return _i32(Range(-a.hi, -a.lo), e.ty == Ty.I32)
     if isinstance(e, Binary):
         a, b = evaluate(e.lhs, env), evaluate(e.rhs, env)
         if e.op == "&&":
@@ -160,11 +168,11 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
             return _compare(e.op, a, b)
         is_int = e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32
         if e.op == "+":
-            return Range(a.lo + b.lo, a.hi + b.hi)
+            return _i32(Range(a.lo + b.lo, a.hi + b.hi), is_int)
         if e.op == "-":
-            return Range(a.lo - b.hi, a.hi - b.lo)
+            return _i32(Range(a.lo - b.hi, a.hi - b.lo), is_int)
         if e.op == "*":
-            return _corners(_mul, a, b)
+            return _i32(_corners(_mul, a, b), is_int)
         if e.op == "/":
             if b.lo <= 0 <= b.hi:
                 return ANY

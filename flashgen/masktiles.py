@@ -112,7 +112,8 @@ class _Emitter:
             a = self.emit(e.arg)
             if e.op == "!":
                 return self.let("T", f"fg::iv::lnot({a})")
-            return self.let("R", f"fg::iv::neg({a})")
+            neg = f"fg::iv::neg({a})"
+            return self.let("R", f"fg::iv::i32({neg})" if e.ty == Ty.I32 else neg)
         if isinstance(e, Binary):
             a, b = self.emit(e.lhs), self.emit(e.rhs)
             if e.op == "&&":
@@ -122,12 +123,10 @@ class _Emitter:
             if e.op in _CMP:
                 return self.let("T", f"fg::iv::{_CMP[e.op]}({a}, {b})")
             is_int = "true" if (e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32) else "false"
-            if e.op == "+":
-                return self.let("R", f"fg::iv::add({a}, {b})")
-            if e.op == "-":
-                return self.let("R", f"fg::iv::sub({a}, {b})")
-            if e.op == "*":
-                return self.let("R", f"fg::iv::mul({a}, {b})")
+            if e.op in ("+", "-", "*"):
+                fn = {"+": "add", "-": "sub", "*": "mul"}[e.op]
+                code = f"fg::iv::{fn}({a}, {b})"
+                return self.let("R", f"fg::iv::i32({code})" if is_int == "true" else code)
             if e.op == "/":
                 return self.let("R", f"fg::iv::div({a}, {b}, {is_int})")
             if e.op == "%":

@@ -151,6 +151,8 @@ FG_HD T lor(T a, T b) { return {a.t || b.t, a.f && b.f}; }
 FG_HD R neg(R a) { return {-a.hi, -a.lo}; }
 FG_HD R add(R a, R b) { return {a.lo + b.lo, a.hi + b.hi}; }
 FG_HD R sub(R a, R b) { return {a.lo - b.hi, a.hi - b.lo}; }
+// An integer result that may leave int32 (the kernels compute in C int) is unknown.
+FG_HD R i32(R a) { return (a.lo < -2147483648.0 || a.hi > 2147483647.0) ? any() : a; }
 
 FG_HD R corners(double w, double x, double y, double z) {
     if (isnan(w) || isnan(x) || isnan(y) || isnan(z)) return any();

@@ -151,6 +151,8 @@ FG_HD T lor(T a, T b) { return {a.t || b.t, a.f && b.f}; }
 FG_HD R neg(R a) { return {-a.hi, -a.lo}; }
 FG_HD R add(R a, R b) { return {a.lo + b.lo, a.hi + b.hi}; }
 FG_HD R sub(R a, R b) { return {a.lo - b.hi, a.hi - b.lo}; }
+// An integer result that may leave int32 (the kernels compute in C int) is unknown.
+FG_HD R i32(R a) { return (a.lo < -2147483648.0 || a.hi > 2147483647.0) ? any() : a; }
 
 FG_HD R corners(double w, double x, double y, double z) {
     if (isnan(w) || isnan(x) || isnan(y) || isnan(z)) return any();
@@ -325,10 +327,10 @@ __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, in
     const fg::iv::R e1 = fg::iv::add(q_r, e0);
     const fg::iv::T e2 = fg::iv::ge(e1, kv_r);
     const fg::iv::R e3 = fg::iv::exact((double)seqlen_k);
-    const fg::iv::R e4 = fg::iv::add(q_r, e3);
+    const fg::iv::R e4 = fg::iv::i32(fg::iv::add(q_r, e3));
     const fg::iv::R e5 = fg::iv::exact((double)seqlen_q);
-    const fg::iv::R e6 = fg::iv::sub(e4, e5);
-    const fg::iv::R e7 = fg::iv::sub(e6, kv_r);
+    const fg::iv::R e6 = fg::iv::i32(fg::iv::sub(e4, e5));
+    const fg::iv::R e7 = fg::iv::i32(fg::iv::sub(e6, kv_r));
     const fg::iv::R e8 = fg::iv::exact((double)p_window);
     const fg::iv::T e9 = fg::iv::lt(e7, e8);
     const fg::iv::T e10 = fg::iv::land(e2, e9);

@@ -153,3 +153,15 @@ def test_no_mask_is_full_and_classify_takes_params():
     kw = {"b": 0, "h": 0, "seqlen_q": 100, "seqlen_k": 100}
     assert classify(spec, (50, 59), (0, 9), params={"w": 8}, **kw) == TileClass.EMPTY
     assert classify(spec, (50, 59), (0, 9), params={"w": 100}, **kw) == TileClass.FULL
+
+
+def test_integer_overflow_makes_the_tile_unknown():
+    """The kernels compute the DSL's integers in C int: a range that may leave int32 has no
+    sound bound, so the tile is PARTIAL (evaluated element by element), not FULL/EMPTY by
+    double-precision arithmetic that the kernel would not reproduce."""
+    spec = loads_spec(
+        'name: o\nhead_dim: 64\ndtype: bf16\nmask: "q_idx * 100000000 >= kv_idx * 100000000"\n'
+    )
+    kw = dict(b=0, h=0, seqlen_q=64, seqlen_k=64)
+    assert classify(spec, (3, 4), (0, 1), **kw) == TileClass.FULL  # no overflow: exact
+    assert classify(spec, (30, 31), (0, 1), **kw) == TileClass.PARTIAL  # 3e9 > int32

@@ -36,6 +36,7 @@ GALLERY = {
     "chunked": ("q_idx / w == kv_idx / w", "  w: {type: i32, default: 8}\n"),
     "doc": ("causal && ids[q_idx] == ids[kv_idx]", "  ids: {type: i32, shape: [seqlen_q]}\n"),
     "float": ("abs(q_idx - kv_idx) * 0.5 <= c", "  c: {type: f32, default: 6.5}\n"),
+    "overflow": ("q_idx * big >= kv_idx * big", "  big: {type: i32, default: 100000000}\n"),
 }  # fmt: skip
 # Small values so the small test grids show every class.
 SMALL_PARAMS = {"window": 13, "prefix": 11, "chunk": 7, "w": 9, "c": 6.5, "softcap": 50.0}
