@@ -127,20 +127,22 @@ FORWARD_OPTIONS: dict[str, bool] = {
 #: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
 #: wider steps amortize each step's barrier waits and row reductions.
 #: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spills
-#: for a bias-table score_mod); keys without a ``True`` entry use the plain one.
-HOPPER_TILES: dict[int | tuple[int, bool], TileConfig] = {
-    64: TileConfig(128, 192, 12),
-    128: TileConfig(128, 160, 12),
-    256: TileConfig(128, 80, 12),
+#: for a bias-table score_mod).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
+#: a key without a ``True`` entry uses the plain one.
+HOPPER_TILES: dict[tuple[int, bool], TileConfig] = {
+    (64, False): TileConfig(128, 192, 12),
+    (128, False): TileConfig(128, 160, 12),
+    (256, False): TileConfig(128, 80, 12),
     (64, True): TileConfig(128, 96, 12),
 }
+#: Head dims the Hopper kernel supports (head_dim == head_dim_v).
+HOPPER_HEAD_DIMS = tuple(sorted({d for d, _ in HOPPER_TILES}))
 
 
 def hopper_tiles(spec: Spec) -> TileConfig:
     """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod)."""
-    return (
-        HOPPER_TILES.get((spec.head_dim, spec.score_mod is not None)) or HOPPER_TILES[spec.head_dim]
-    )
+    d = spec.head_dim
+    return HOPPER_TILES.get((d, spec.score_mod is not None)) or HOPPER_TILES[(d, False)]
 
 
 #: Hopper kernel: K/V ring depth and the registers per thread given to the producer and
@@ -177,7 +179,7 @@ def kernel_family() -> str:
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
-    head_dim_v in :data:`HOPPER_TILES`, not varlen, a mask that reads no tensor (those use
+    head_dim_v in :data:`HOPPER_HEAD_DIMS`, not varlen, a mask that reads no tensor (those use
     the FA2-class kernel's block table), no FA2-style ``tiles:`` pinned by the spec, and
     ``family`` not ``"fa2"``."""
     if family not in FAMILIES:
@@ -189,7 +191,7 @@ def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
         and not needs_block_table(spec)
         and target == "sm_90"
         and spec.head_dim == spec.head_dim_v
-        and spec.head_dim in HOPPER_TILES
+        and spec.head_dim in HOPPER_HEAD_DIMS
         and not (o.block_m or o.block_n or o.num_warps)
     )
 
@@ -652,13 +654,13 @@ def plan_hopper_forward(
         raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
     if (
         spec.head_dim != spec.head_dim_v
-        or spec.head_dim not in HOPPER_TILES
+        or spec.head_dim not in HOPPER_HEAD_DIMS
         or spec.varlen
         or needs_block_table(spec)
     ):
         raise ValueError(
             "the Hopper kernel needs head_dim == head_dim_v in "
-            f"{sorted(k for k in HOPPER_TILES if isinstance(k, int))}, no varlen and no block "
+            f"{list(HOPPER_HEAD_DIMS)}, no varlen and no block "
             f"table; got {spec.head_dim}/{spec.head_dim_v}"
         )
     if tiles.block_n % 16 or not 16 <= tiles.block_n <= 256:

@@ -9,7 +9,6 @@ argument tuple and calls the driver.
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -64,15 +63,6 @@ class LoadedKernel:
                 )
 
 
-@functools.lru_cache(maxsize=1)
-def _libcuda():
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
-    return lib
-
-
 def _function_ptr(function) -> int:
     """The CUfunction handle behind a CuPy RawKernel."""
     inner = getattr(function, "kernel", function)
@@ -81,7 +71,9 @@ def _function_ptr(function) -> int:
 
 def _launch_with_tensor_maps(kern: LoadedKernel, grid, values: dict, stream_ptr: int) -> None:
     """Launch a kernel that takes CUtensorMap parameters (the Hopper TMA kernels) through
-    ``cuLaunchKernel`` directly: CuPy cannot pass a 128-byte struct by value.
+    ``cuLaunchKernel``, each argument passed by address with its exact C type (the
+    descriptors as 128-byte buffers).  This is the path validated on the H200; CuPy's
+    launcher can also pass a 128-byte ``np.void`` by value, not tried here yet.
 
     Each ``plan.tma`` entry names the tensor argument its descriptor maps and the box's
     rows; a tensor TMA cannot read in place (see :func:`flashgen.tma.needs_copy`) is
@@ -113,7 +105,7 @@ def _launch_with_tensor_maps(kern: LoadedKernel, grid, values: dict, stream_ptr:
         else:
             objs.append(ctypes.c_float(float(v)))
     params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(o) for o in objs])
-    rc = _libcuda().cuLaunchKernel(
+    rc = tma.driver().cuLaunchKernel(
         _function_ptr(kern.function), *grid, plan.threads, 1, 1, plan.smem_bytes,
         stream_ptr, params, None,
     )  # fmt: skip

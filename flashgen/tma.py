@@ -32,7 +32,9 @@ class TmaError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=1)
-def _driver():
+def driver():
+    """The CUDA driver library (ctypes), with the prototypes flashgen calls directly:
+    ``cuTensorMapEncodeTiled`` here, ``cuLaunchKernel`` in :mod:`flashgen.runtime`."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:  # pragma: no cover - depends on the machine
@@ -44,6 +46,9 @@ def _driver():
         ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
     return lib
 
 
@@ -80,7 +85,7 @@ def encode(data_ptr: int, shape, strides, dtype: str, box_rows: int, name: str =
 
     Raises :class:`TmaError` naming ``name``, its shape and strides if the driver refuses.
     """
-    lib = _driver()
+    lib = driver()
     dims, gstrides = map_geometry(shape, strides, 2)
     out = (ctypes.c_uint8 * 128)()
     c_dims = (ctypes.c_uint64 * 4)(*dims)

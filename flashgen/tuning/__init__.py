@@ -73,8 +73,9 @@ def valid_entry(entry) -> bool:
         return False
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (bm, bn, nw)):
         return False
-    hopper = nw % 4 == 0 and bm == 64 * (nw // 4 - 1)
-    return (bm % (16 * nw) == 0 or hopper) and bn % 16 == 0
+    from ..lower import TileConfig, is_hopper_tiles
+
+    return (bm % (16 * nw) == 0 or is_hopper_tiles(TileConfig(bm, bn, nw))) and bn % 16 == 0
 
 
 @lru_cache(maxsize=8)

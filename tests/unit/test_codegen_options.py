@@ -126,7 +126,7 @@ def test_varlen_and_hopper_keep_their_tiles():
     assert lower.default_tiles(swa) == TileConfig(128, 32, 4)
     assert lower.default_tiles(varlen_spec(_spec(d=256))) == lower.DEFAULT_TILES[(256, False)]
     # sm_90 picks the Hopper kernel by default; family="fa2" gets this branch's default tiles
-    assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[128]
+    assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[(128, False)]
     assert lower.choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
     assert lower.choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
 

@@ -63,8 +63,8 @@ def test_pinned_fa2_tiles_and_other_head_dims_take_the_fa2_kernel():
 def test_spill_fallback_goes_narrower_then_to_fa2():
     spec = loads_spec("name: t\nhead_dim: 128\ndtype: bf16\n")
     cands = forward_tile_candidates(spec, "sm_90")
-    assert cands[0] == HOPPER_TILES[128] and is_hopper_tiles(cands[1])
-    assert cands[1].block_n == HOPPER_TILES[128].block_n // 2
+    assert cands[0] == HOPPER_TILES[(128, False)] and is_hopper_tiles(cands[1])
+    assert cands[1].block_n == HOPPER_TILES[(128, False)].block_n // 2
     assert not is_hopper_tiles(cands[2]) and len(set(cands)) == len(cands)
 
 

@@ -61,7 +61,7 @@ def test_shipped_table_is_valid_json():
 def test_untuned_key_falls_back_to_default(table):
     spec = loads_spec(SPEC)
     # sm_90's default family is the Hopper kernel; an FA2-shaped entry does not replace it
-    assert choose_tiles(spec, "sm_90", GPU) == HOPPER_TILES[128]
+    assert choose_tiles(spec, "sm_90", GPU) == HOPPER_TILES[(128, False)]
     assert choose_tiles(spec, "sm_90", GPU, family="fa2") == DEFAULT_TILES[(128, False)]
     assert choose_tiles(spec, "sm_90", family="fa2") == DEFAULT_TILES[(128, False)]
 
