@@ -470,6 +470,34 @@ def flashgen_has_backward(op) -> bool | None:
     return None
 
 
+def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) -> int:
+    """Number of (b, h, q, kv) pairs ``spec``'s mask keeps at ``seqlen_q = seqlen_k =
+    seqlen`` with ``params``, evaluated from the mask IR (:func:`flashgen.reference.eval_mask`)
+    over the batch rows / heads it reads, one batch row at a time (``seqlen^2`` bytes per head
+    of memory on ``device``).  ``batch * heads * seqlen^2`` without a mask."""
+    import torch
+
+    from .lower import block_table_dims
+    from .reference import eval_mask
+
+    if spec.mask is None:
+        return batch * heads * seqlen * seqlen
+    per_b, per_h = block_table_dims(spec)
+    tb, th = (batch if per_b else 1), (heads if per_h else 1)
+    total = 0
+    for b0 in range(tb):  # one batch row at a time keeps memory at seqlen^2 bytes per head
+        sub = {
+            k: (v[b0 : b0 + 1] if isinstance(v, torch.Tensor) and per_b and v.dim() == 2 else v)
+            for k, v in params.items()
+        }
+        keep = eval_mask(
+            spec, batch=1, heads_q=th, seqlen_q=seqlen, seqlen_k=seqlen, params=sub,
+            device=device,
+        )  # fmt: skip
+        total += int(keep.sum())
+    return total * (batch // tb) * (heads // th)
+
+
 def spec_params(spec: ir.Spec, heads: int, batch: int, seqlen_q: int, seqlen_k: int, device):
     """Values for a spec's params in the benchmark: scalar defaults; ``slopes`` the ALiBi
     slopes ``2^(-8 (h+1) / H)``; other f32 tensors uniform [0, 1), i32 uniform [0, 16)."""
@@ -585,6 +613,7 @@ class Bench:
         self.ceilings: dict = {}
         self.compile_errors: dict[str, str] = {}
         self.kernels: dict[str, dict] = {}
+        self._kept: dict[tuple, int] = {}
         self.env = environment()
         self.t0 = time.perf_counter()
 
@@ -703,6 +732,13 @@ class Bench:
             flush=True,
         )
 
+    def kept(self, spec: ir.Spec, batch: int, heads: int, seqlen: int, params: dict) -> int:
+        """:func:`kept_pairs`, computed once per (spec, shape)."""
+        key = (spec.name, batch, heads, seqlen)
+        if key not in self._kept:
+            self._kept[key] = kept_pairs(spec, batch, heads, seqlen, params, self.device)
+        return self._kept[key]
+
     # ----------------------------------------------------------------- one measurement
     def measure(
         self,
@@ -748,6 +784,11 @@ class Bench:
         per_set = 3 * batch * heads * seqlen * d * 2 * (2 if bwd else 1)
         try:
             params = spec_params(spec, heads, batch, seqlen, seqlen, self.device)
+            if section == "variant" and spec.mask is not None and split_causal(spec.mask)[1]:
+                # a mask beyond causal: FLOPs of the kept (q, kv) pairs only
+                kept = self.kept(spec, batch, heads, seqlen, params)
+                row.flops = 2.0 * (d + spec.head_dim_v) * kept * (1 + BWD_FACTOR if bwd else 1)
+                row.note = f"kept-pair FLOPs (density {kept / (batch * heads * seqlen**2):.3f})"
             f = make_forward(impl, spec, seqlen, seqlen, params, self.device)
             if impl == "flashgen" and bwd:
                 from .op import build_op

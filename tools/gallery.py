@@ -82,31 +82,6 @@ def gallery_params(spec, batch: int, heads: int, seqlen: int, device, mean_len: 
     return params
 
 
-def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) -> int:
-    """Number of (b, h, q, kv) pairs the mask keeps (evaluated over the b / h it reads)."""
-    import torch
-
-    from flashgen.lower import block_table_dims
-    from flashgen.reference import eval_mask
-
-    if spec.mask is None:
-        return batch * heads * seqlen * seqlen
-    per_b, per_h = block_table_dims(spec)
-    tb, th = (batch if per_b else 1), (heads if per_h else 1)
-    total = 0
-    for b0 in range(tb):  # one batch row at a time keeps memory at seqlen^2 bytes per head
-        sub = {
-            k: (v[b0 : b0 + 1] if isinstance(v, torch.Tensor) and per_b and v.dim() == 2 else v)
-            for k, v in params.items()
-        }
-        keep = eval_mask(
-            spec, batch=1, heads_q=th, seqlen_q=seqlen, seqlen_k=seqlen, params=sub,
-            device=device,
-        )  # fmt: skip
-        total += int(keep.sum())
-    return total * (batch // tb) * (heads // th)
-
-
 def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     """Times (ms) of flashgen (with a reused BlockMask, and with the per-call pre-pass)
     and of FlexAttention for one spec; errors are recorded, not raised."""
@@ -262,7 +237,7 @@ def main(argv=None) -> int:
         else:
             base = bench.template_spec(128, "bf16", True)
         _, heads = bench.problem(args.seqlen, base.head_dim)
-        base_kept = kept_pairs(base, batch, heads, args.seqlen, {}, device) / heads
+        base_kept = bench.kept_pairs(base, batch, heads, args.seqlen, {}, device) / heads
         base_ms = measure(base, batch, heads, args.seqlen, {}, device, argparse.Namespace(
             **{**vars(args), "no_flex": True})).get("flashgen_ms")  # fmt: skip
         base_ms_per_head = base_ms / heads if base_ms else None
@@ -275,7 +250,7 @@ def main(argv=None) -> int:
         spec = load_spec(path)
         b, heads = bench.problem(args.seqlen, spec.head_dim)
         params = gallery_params(spec, b, heads, args.seqlen, device, args.doc_len)
-        kept = kept_pairs(spec, b, heads, args.seqlen, params, device)
+        kept = bench.kept_pairs(spec, b, heads, args.seqlen, params, device)
         row = {
             "name": name,
             "text": path.read_text(),

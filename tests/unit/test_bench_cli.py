@@ -190,3 +190,21 @@ def test_tune_compile_only(monkeypatch, capsys, requires_nvcc):
     out = capsys.readouterr().out
     assert rc == 0
     assert "gpt2_d64" in out and "64x64 w4" in out and " ok" in out
+
+
+def test_kept_pairs_counts_the_mask_from_the_ir():
+    """Variant rows of ``flashgen bench`` count only kept (q, kv) pairs: causal keeps
+    S (S + 1) / 2 per head, a sliding window of w keeps fewer, no mask keeps S^2."""
+    torch = pytest.importorskip("torch")
+    from flashgen import bench
+    from flashgen.spec import load_spec
+
+    cpu = torch.device("cpu")
+    causal = load_spec(REPO / "specs" / "causal_d128.yaml")
+    assert bench.kept_pairs(causal, 2, 3, 17, {}, cpu) == 2 * 3 * 17 * 18 // 2
+    swa = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    w, s = 4, 17
+    per_row = [min(q + 1, w) for q in range(s)]
+    assert bench.kept_pairs(swa, 1, 2, s, {"window": w}, cpu) == 2 * sum(per_row)
+    t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
+    assert bench.kept_pairs(t5, 2, 2, 5, {}, cpu) == 2 * 2 * 25

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from flashgen import SpecError, loads_spec
 from flashgen.ir import Ty
-from flashgen.lower import cuda_expr, plan_forward
+from flashgen.lower import Invariants, cuda_expr, plan_forward
 from flashgen.parse import parse_expr
 from flashgen.render import render
 
@@ -138,7 +138,7 @@ _CUDA_WORDS = {
     "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "score", "true", "false", "int",
     "float", "bool", "int64_t", "INFINITY", "fabsf", "fminf", "fmaxf", "expf", "logf",
     "tanh_approx", "sqrtf", "fmodf", "abs", "min", "max", "heads_q", "heads_kv", "batch", "fg",
-    "clamp_index", "idiv", "imod",
+    "clamp_index", "idiv", "imod", "q_idx_f", "kv_idx_f", "div", "mod",
 }  # fmt: skip
 _CUDA_WORDS |= {f"p_{n}" for n in PARAMS} | {f"t_{n}" for n in PARAMS}
 
@@ -156,13 +156,18 @@ def test_well_typed_expressions_check_lower_and_render(text):
         assert spec.mask.ty == Ty.BOOL
     if spec.score_mod is not None:
         assert spec.score_mod.ty in (Ty.F32, Ty.I32)
+    inv = Invariants()
     for e in (spec.mask, spec.score_mod):
         if e is None:
             continue
-        code = cuda_expr(e, spec)
-        unknown = _identifiers(code) - _CUDA_WORDS
-        assert not unknown, f"lowered CUDA uses unknown identifiers {unknown}: {code}"
-        assert code.count("(") == code.count(")")
+        for code in (cuda_expr(e, spec), cuda_expr(e, spec, inv)):
+            hoisted = {f"fg_inv{i}" for i in range(len(inv.decls))} | {"Divisor"}
+            unknown = _identifiers(code) - _CUDA_WORDS - hoisted
+            assert not unknown, f"lowered CUDA uses unknown identifiers {unknown}: {code}"
+            assert code.count("(") == code.count(")")
+    for decl in inv.decls:  # the prologue reads only params and constants
+        assert not _identifiers(decl) - _CUDA_WORDS - hoisted - {"const"}, decl
+        assert not re.search(r"\b(q_idx|kv_idx|score|b|h)\b", decl.split("(", 1)[1]), decl
     src = render(plan_forward(spec, "sm_80"))
     assert f"flashgen_{spec.name}_fwd_sm_80" in src
 
