@@ -14,7 +14,8 @@
 //   acc_o     O = P V, 64 x HEAD_DIM, rescaled lazily, divided by row_sum at the end
 //   fragment  thread (warp w, lane l) holds rows 16w + l/4 (+8) and, per 8-column tile j,
 //             columns 8j + 2(l%4) + {0,1}: acc[4j + 2r + e]
-// Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).
+// Softmax runs in the exp2 domain, one FFMA before each exp2: P = exp2(c * x - c * row max), with
+// x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
 // Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
 // arithmetic over the mask (causal included); producer and consumers walk the same live key blocks
@@ -115,6 +116,36 @@ __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i 
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
+// The same / and % by a divisor fixed for the whole kernel (a scalar param): built once in the kernel's
+// prologue, then a multiply-high, an add and a shift per division instead of the ~20-instruction run-time
+// division (Granlund & Montgomery 1994, "Division by invariant integers using multiplication", sec. 4:
+// m = 2^32 (2^l - |d|) / |d| + 1 with l = ceil(log2 |d|), |x| / |d| = (mulhi(|x|, m) + |x|) >> l, exact for
+// |x| <= 2^31; the sum cannot wrap since mulhi(|x|, m) < |x|).  __host__ too: tests/unit/test_divisor.py
+// checks it against C division in a host program.
+struct Divisor {
+    int d;
+    uint32_t ad, magic;
+    int shift;
+    __host__ __device__ explicit Divisor(int d_) : d(d_) {
+        ad = d < 0 ? 0u - (uint32_t)d : (uint32_t)d;
+        shift = 0;
+        while (shift < 32 && ((uint64_t)1 << shift) < ad) ++shift;
+        magic = ad == 0 ? 0u : (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << shift) - ad) / ad + 1);
+    }
+    __host__ __device__ __forceinline__ int div(int x) const {
+        const uint32_t ax = x < 0 ? 0u - (uint32_t)x : (uint32_t)x;
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi(ax, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)ax * magic) >> 32);
+#endif
+        const int q = (int)((hi + ax) >> shift);
+        return ad == 0 ? 0 : ((x < 0) != (d < 0) ? -q : q);
+    }
+    __host__ __device__ __forceinline__ int mod(int x) const {
+        return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
+    }
+};
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
@@ -469,8 +500,6 @@ using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
 static_assert(BLOCK_M == 64 * NUM_CONSUMERS && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
 }  // namespace
-
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd_sm_90(
     const __nv_bfloat16* __restrict__ q,
     const __nv_bfloat16* __restrict__ k,
@@ -588,6 +617,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
+
     constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"
     auto pp_wait = [&]() { fg::named_barrier_sync(PP_BARRIER + cg, 256); };
     auto pp_pass = [&]() { fg::named_barrier_arrive(PP_BARRIER + (1 - cg), 256); };
@@ -625,7 +655,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
         fg::wgmma_commit();
     };
     // Online softmax of S (block at key n0) in raw score units: only edge blocks (past seqlen_k,
-    // or crossing the causal diagonal) touch the mask; scale and max fold into one FFMA per
+    // or not FULL under the mask) evaluate the mask; scale and max fold into one FFMA per
     // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
     auto softmax = [&](int n0, int tile_cls) {
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
@@ -635,8 +665,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
                     const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
-                    if (kv_raw >= seqlen_k || (IS_CAUSAL && kv_raw > q_raw + seqlen_k - seqlen_q))
-                        acc_s[4 * j + i] = -INFINITY;
+                    const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
+                    if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
         }
         #pragma unroll

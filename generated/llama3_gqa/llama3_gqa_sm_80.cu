@@ -113,6 +113,36 @@ __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i 
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
+// The same / and % by a divisor fixed for the whole kernel (a scalar param): built once in the kernel's
+// prologue, then a multiply-high, an add and a shift per division instead of the ~20-instruction run-time
+// division (Granlund & Montgomery 1994, "Division by invariant integers using multiplication", sec. 4:
+// m = 2^32 (2^l - |d|) / |d| + 1 with l = ceil(log2 |d|), |x| / |d| = (mulhi(|x|, m) + |x|) >> l, exact for
+// |x| <= 2^31; the sum cannot wrap since mulhi(|x|, m) < |x|).  __host__ too: tests/unit/test_divisor.py
+// checks it against C division in a host program.
+struct Divisor {
+    int d;
+    uint32_t ad, magic;
+    int shift;
+    __host__ __device__ explicit Divisor(int d_) : d(d_) {
+        ad = d < 0 ? 0u - (uint32_t)d : (uint32_t)d;
+        shift = 0;
+        while (shift < 32 && ((uint64_t)1 << shift) < ad) ++shift;
+        magic = ad == 0 ? 0u : (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << shift) - ad) / ad + 1);
+    }
+    __host__ __device__ __forceinline__ int div(int x) const {
+        const uint32_t ax = x < 0 ? 0u - (uint32_t)x : (uint32_t)x;
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi(ax, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)ax * magic) >> 32);
+#endif
+        const int q = (int)((hi + ax) >> shift);
+        return ad == 0 ? 0 : ((x < 0) != (d < 0) ? -q : q);
+    }
+    __host__ __device__ __forceinline__ int mod(int x) const {
+        return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
+    }
+};
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg

@@ -115,6 +115,36 @@ __device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i 
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
+// The same / and % by a divisor fixed for the whole kernel (a scalar param): built once in the kernel's
+// prologue, then a multiply-high, an add and a shift per division instead of the ~20-instruction run-time
+// division (Granlund & Montgomery 1994, "Division by invariant integers using multiplication", sec. 4:
+// m = 2^32 (2^l - |d|) / |d| + 1 with l = ceil(log2 |d|), |x| / |d| = (mulhi(|x|, m) + |x|) >> l, exact for
+// |x| <= 2^31; the sum cannot wrap since mulhi(|x|, m) < |x|).  __host__ too: tests/unit/test_divisor.py
+// checks it against C division in a host program.
+struct Divisor {
+    int d;
+    uint32_t ad, magic;
+    int shift;
+    __host__ __device__ explicit Divisor(int d_) : d(d_) {
+        ad = d < 0 ? 0u - (uint32_t)d : (uint32_t)d;
+        shift = 0;
+        while (shift < 32 && ((uint64_t)1 << shift) < ad) ++shift;
+        magic = ad == 0 ? 0u : (uint32_t)(((uint64_t)1 << 32) * (((uint64_t)1 << shift) - ad) / ad + 1);
+    }
+    __host__ __device__ __forceinline__ int div(int x) const {
+        const uint32_t ax = x < 0 ? 0u - (uint32_t)x : (uint32_t)x;
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi(ax, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)ax * magic) >> 32);
+#endif
+        const int q = (int)((hi + ax) >> shift);
+        return ad == 0 ? 0 : ((x < 0) != (d < 0) ? -q : q);
+    }
+    __host__ __device__ __forceinline__ int mod(int x) const {
+        return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
+    }
+};
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
@@ -630,12 +660,13 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_llama3_g
                 const int qi = nt * 8 + (lane % 4) * 2 + (i % 2);
                 const int q_idx = min((m0 + qi), seqlen_q - 1);
                 const int kv_idx = min((n0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_k - 1);
+                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
-                (void)q_idx; (void)kv_idx; (void)g;
+                (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
                 // lse is -inf only on rows that attend to nothing, where keep is false everywhere.
                 const float p = keep ? fg::exp2_approx(x - lse_s[qi] * LOG2E) : 0.f;
@@ -650,11 +681,12 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_llama3_g
                 const int qi = nt * 8 + (lane % 4) * 2 + (i % 2);
                 const int q_idx = min((m0 + qi), seqlen_q - 1);
                 const int kv_idx = min((n0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_k - 1);
+                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
-                (void)q_idx; (void)kv_idx; (void)g;
+                (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
                 // lse is -inf only on rows that attend to nothing, where keep is false everywhere.
                 const float p = keep ? fg::exp2_approx(x - lse_s[qi] * LOG2E) : 0.f;
@@ -801,12 +833,13 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_llama3_g
             for (int i = 0; i < 4; ++i) {
                 const int q_idx = min((m0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_q - 1);
                 const int kv_idx = min((n0 + nt * 8 + (lane % 4) * 2 + (i % 2)), seqlen_k - 1);
+                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
-                (void)q_idx; (void)kv_idx; (void)g;
+                (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
                 const float p = fg::exp2_approx(x - row_lse[i / 2]);
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
@@ -818,11 +851,12 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_llama3_g
             for (int i = 0; i < 4; ++i) {
                 const int q_idx = min((m0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_q - 1);
                 const int kv_idx = min((n0 + nt * 8 + (lane % 4) * 2 + (i % 2)), seqlen_k - 1);
+                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
-                (void)q_idx; (void)kv_idx; (void)g;
+                (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
                 const float p = fg::exp2_approx(x - row_lse[i / 2]);
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
