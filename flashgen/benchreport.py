@@ -88,7 +88,8 @@ def markdown(doc: dict) -> str:
     lines.append(
         f"torch {env.get('torch')} (CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}), "
         f"triton {env.get('triton')}, cupy {env.get('cupy')}, nvcc {env.get('nvcc')}, "
-        f"flashgen {env.get('flashgen')}; {env.get('date', '')}."
+        f"flashgen {env.get('flashgen')} (kernel family {env.get('kernel_family', 'auto')}); "
+        f"{env.get('date', '')}."
     )
     if ceil:
         lines.append(
