@@ -18,7 +18,10 @@ torch version (CPU ``op.block_mask`` and the tests).
 Users build one with ``bm = op.block_mask(seqlen_q, seqlen_k, doc_q=..., doc_kv=...)``
 and pass it to ``op.attention(..., block_mask=bm)`` for as long as the tensor params'
 contents do not change (the op cannot check contents without a device sync); without
-``block_mask`` the op builds a fresh table on every call.
+``block_mask`` the op builds a fresh table on every call.  A table holds only for the
+tiles it was built for (the kernel that ``op.block_mask`` found: the Hopper kernel's
+on sm_90, the FA2-class kernel's under ``FLASHGEN_KERNEL_FAMILY=fa2``); the op refuses
+it with a kernel of other tiles (:func:`table_for_tiles`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import OpInputError
 from .ir import Spec
 from .lower import TileConfig, block_table_dims, block_table_shape
 from .reference import eval_mask
@@ -57,6 +61,13 @@ class BlockMask:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.table.shape)
+
+    def op_arg(self) -> torch.Tensor:
+        """The table as the op's ``block_mask`` argument: a broadcast view (no copy)
+        ``[tab_b, tab_h, m_blocks, n_blocks, block_m, block_n]`` with zero strides on the
+        last two axes, so the tiles it classifies travel with it into the CUDA impl, which
+        refuses a table built for other tiles than its kernel's (see :func:`table_for_tiles`)."""
+        return self.table[..., None, None].expand(*self.table.shape, self.block_m, self.block_n)
 
     def counts(self) -> dict[str, int]:
         """Number of EMPTY / PARTIAL / FULL tiles (reads the table: syncs its device)."""
@@ -114,3 +125,36 @@ def table_strides(spec: Spec, table: torch.Tensor) -> tuple[int, int]:
     forward kernel, 0 where the mask does not depend on ``b`` / ``h``."""
     per_b, per_h = block_table_dims(spec)
     return (table.stride(0) if per_b else 0, table.stride(1) if per_h else 0)
+
+
+def table_for_tiles(arg: torch.Tensor, shape: tuple[int, ...], tiles: TileConfig) -> torch.Tensor:
+    """The uint8 ``shape`` table behind an op ``block_mask`` argument (:meth:`BlockMask.op_arg`)
+    built for ``tiles`` (``shape``: :func:`flashgen.lower.block_table_shape` for them).
+
+    Raises :class:`~flashgen.errors.OpInputError` when ``arg`` is not such a view, or was
+    built for other tiles or sizes: a table's classes hold only for the tiles it was built
+    for, so one built for another kernel (``FLASHGEN_KERNEL_FAMILY`` changed, or another
+    GPU) must be built again, never reinterpreted.
+    """
+    built = tuple(arg.shape[4:]) if arg.dim() == 6 else None
+    want = (tiles.block_m, tiles.block_n)
+    if built is not None and built != want:
+        raise OpInputError(
+            f"block_mask: built for {built[0]}x{built[1]} tiles, but this call runs a kernel "
+            f"with {want[0]}x{want[1]} tiles (FLASHGEN_KERNEL_FAMILY or the GPU changed since "
+            f"op.block_mask?); build it again with op.block_mask(...)"
+        )
+    table = arg[..., 0, 0] if built is not None else None
+    if (
+        table is None
+        or tuple(arg.stride()[4:]) != (0, 0)
+        or tuple(table.shape) != shape
+        or table.dtype != torch.uint8
+        or not table.is_contiguous()
+    ):
+        raise OpInputError(
+            f"block_mask: expected the uint8 table view of op.block_mask(...).op_arg() of shape "
+            f"{[*shape, *want]} for this kernel's {want[0]}x{want[1]} tiles, got "
+            f"{arg.dtype} {list(arg.shape)}; build it with op.block_mask(...) on the same device"
+        )
+    return table

@@ -179,16 +179,15 @@ def kernel_family() -> str:
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
-    head_dim_v in :data:`HOPPER_HEAD_DIMS`, not varlen, a mask that reads no tensor (those use
-    the FA2-class kernel's block table), no FA2-style ``tiles:`` pinned by the spec, and
-    ``family`` not ``"fa2"``."""
+    head_dim_v in :data:`HOPPER_HEAD_DIMS`, not varlen, no FA2-style ``tiles:`` pinned by the
+    spec, and ``family`` not ``"fa2"``.  A mask that reads tensors is fine: the Hopper kernel
+    walks a block table built for its own tiles (:func:`plan_block_table`)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
     o = spec.tiles
     return (
         family != "fa2"
         and not spec.varlen
-        and not needs_block_table(spec)
         and target == "sm_90"
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_HEAD_DIMS
@@ -413,9 +412,12 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None) -> str:
         lt, rt = e.lhs.ty, e.rhs.ty
         lhs, rhs = cuda_expr(e.lhs, spec), cuda_expr(e.rhs, spec)
         if e.op in ("&&", "||"):
-            # both sides evaluated (every DSL expression is safe to evaluate: reads are clamped,
-            # division by zero is defined): no branch per element, and the two sides' common
-            # terms stay visible to the compiler's CSE
+            # Both sides evaluated where neither reads memory (any DSL expression is safe to
+            # evaluate: reads are clamped, division by zero is defined): no branch per element,
+            # and common terms stay visible to CSE.  A side with a tensor read short-circuits
+            # (its loads are skipped where the other side decides, and need fewer registers).
+            if any(isinstance(n, Index) for side in (e.lhs, e.rhs) for n in ir.walk(side)):
+                return f"({lhs} {e.op} {rhs})"
             return f"({lhs} {'&' if e.op == '&&' else '|'} {rhs})"
         hoist = inv is not None and _kernel_invariant(e.rhs, spec)
         if Ty.F32 in (lt, rt):  # mixed arithmetic / comparison promotes to float
@@ -733,6 +735,8 @@ def plan_hopper_forward(
 
     Same ABI as the FA2-class kernel plus three ``CUtensorMap`` arguments (``tma_q``,
     ``tma_k``, ``tma_v``) appended; :class:`TmaArg` tells the launcher how to build them.
+    A mask that reads tensors takes ``blk_tab`` as there, built by :func:`plan_block_table`
+    for these ``tiles``: the producer walks its row instead of the tile classifier.
     ``stages``: K/V ring depth (default :data:`HOPPER_STAGES`).  ``m_major``: CTA order
     query-block-major over all (batch, head) pairs, so every head's heaviest causal block
     runs first; the default (False) is head-major (each head's query blocks together,
@@ -742,16 +746,10 @@ def plan_hopper_forward(
     stages = stages or HOPPER_STAGES
     if target != "sm_90":
         raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
-    if (
-        spec.head_dim != spec.head_dim_v
-        or spec.head_dim not in HOPPER_HEAD_DIMS
-        or spec.varlen
-        or needs_block_table(spec)
-    ):
+    if spec.head_dim != spec.head_dim_v or spec.head_dim not in HOPPER_HEAD_DIMS or spec.varlen:
         raise ValueError(
             "the Hopper kernel needs head_dim == head_dim_v in "
-            f"{list(HOPPER_HEAD_DIMS)}, no varlen and no block "
-            f"table; got {spec.head_dim}/{spec.head_dim_v}"
+            f"{list(HOPPER_HEAD_DIMS)} and no varlen; got {spec.head_dim}/{spec.head_dim_v}"
         )
     if tiles.block_n % 16 or not 16 <= tiles.block_n <= 256:
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16 in [16, 256]")
@@ -759,6 +757,8 @@ def plan_hopper_forward(
     consumers = tiles.num_warps // 4 - 1
     tile_bytes = (tiles.block_m + 2 * stages * tiles.block_n) * d * 2
     smem = 1024 + tile_bytes + 8 * (1 + 5 * stages)  # 1 KiB alignment slack, mbarriers, stage info
+    if needs_block_table(spec):
+        smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(spec, target, tiles)

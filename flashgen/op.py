@@ -577,7 +577,7 @@ class AttentionOp:
             raise OpInputError(
                 f"block_mask: expected device {q.device} (q's device), got {bm.table.device}"
             )
-        return bm.table
+        return bm.op_arg()  # carries its tiles: the CUDA impl checks them against its kernel's
 
     def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
         """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
@@ -700,24 +700,21 @@ class AttentionOp:
         kern.launch(plan.grid(dims.batch, dims.heads_q, dims.seqlen_q), values, stream.cuda_stream)
         return o, lse
 
-    def _table_values(self, table, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
-        """``blk_tab / blk_sb / blk_sh`` for the forward launch: ``table`` (checked against
-        the plan's tiles) or, when None, a fresh one from the pre-pass."""
-        from .blockmask import table_strides
+    def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
+        """``blk_tab / blk_sb / blk_sh`` for the forward launch: the table of the
+        ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
+        :func:`flashgen.blockmask.table_for_tiles`) or, when None, a fresh one from the
+        pre-pass for those tiles."""
+        from .blockmask import table_for_tiles, table_strides
         from .lower import block_table_shape
 
         shape = block_table_shape(
             self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
         )
-        if table is None:
+        if arg is None:
             table = self._run_block_table(device, plan.tiles, dims, scalars, tensors)
-        elif tuple(table.shape) != shape or table.dtype != torch.uint8 or not table.is_contiguous():
-            raise OpInputError(
-                f"block_mask: expected a contiguous uint8 table of shape {list(shape)} for "
-                f"this kernel's {plan.tiles.block_m}x{plan.tiles.block_n} tiles, got "
-                f"{table.dtype} {list(table.shape)}; build it with op.block_mask(...) on "
-                f"the same device"
-            )
+        else:
+            table = table_for_tiles(arg, shape, plan.tiles)
         sb, sh = table_strides(self.spec, table)
         return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
 

@@ -1,24 +1,26 @@
-// flashgen forward kernel, FA2-class (Dao 2023, "FlashAttention-2", Algorithm 1), for sm_80 and later.
-// Spec: document_mask   dtype bf16   head_dim 128/128   causal True
+// flashgen forward kernel for Hopper (sm_90a), FA3-class (Shah et al. 2024, "FlashAttention-3",
+// sections 3.1-3.2): TMA loads into a shared-memory K/V ring, wgmma for both GEMMs, warp
+// specialization (one producer warpgroup, NUM_CONSUMERS consumer warpgroups) with setmaxnreg.
+// Spec: document_mask   dtype bf16   head_dim 128   causal True
 //
 // Glossary
-//   BLOCK_M   query rows per CTA (the sQ tile); each warp owns WARP_M = BLOCK_M / NUM_WARPS of them
-//   BLOCK_N   key/value rows per inner step (the sK and sV tiles)
-//   MT        16-row mma tiles per warp (WARP_M / 16)
-//   NT        8-column tiles of the score block S (BLOCK_N / 8)
-//   DT        8-column tiles of the output O (HEAD_DIM_V / 8)
-//   sQ sK sV  shared-memory tiles, rows of 16-byte chunks, XOR-swizzled (fg::swz)
-//   acc_s     S = Q K^T for this warp's rows, fp32 (then P, in place)
-//   acc_o     O = P V accumulator, fp32, rescaled lazily, divided by row_sum once at the end
-//   row_max   running max of the log2-domain scores; row_sum running sum of exp2(x - row_max)
-// Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).  Without a score_mod
-// (fold_scale) acc_s keeps the raw q.k and log2(e) * softmax_scale is folded into exp2's FFMA (as FA2).
+//   BLOCK_M   query rows per CTA; consumer warpgroup c owns rows [64c, 64c + 64)
+//   BLOCK_N   key/value rows per step (one stage of the sK / sV ring)
+//   STAGES    depth of the K/V ring; k_full/v_full[s] complete when TMA has landed stage s,
+//             k_empty/v_empty[s] when every consumer warp is done reading it
+//   sQ sK sV  tiles as [HEAD_DIM / 64][rows][64]: 128-byte rows, 128-byte swizzle (TMA writes it,
+//             wgmma reads it through gmma_desc)
+//   acc_s     S = Q K^T, a 64 x BLOCK_N wgmma accumulator per warpgroup (P after softmax)
+//   acc_o     O = P V, 64 x HEAD_DIM, rescaled lazily, divided by row_sum at the end
+//   fragment  thread (warp w, lane l) holds rows 16w + l/4 (+8) and, per 8-column tile j,
+//             columns 8j + 2(l%4) + {0,1}: acc[4j + 2r + e]
+//   blk_tab   per-tile classes from the block-table pre-pass (blockmask.cu.j2), built for these BLOCK_M x BLOCK_N
+//             tiles: uint8 [tab_b, tab_h, m_blocks, n_blocks], 0 EMPTY, 1 PARTIAL, 2 FULL (exact classes)
+// Softmax runs in the exp2 domain, one FFMA before each exp2: P = exp2(c * x - c * row max), with
+// x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
-// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
-// arithmetic over the mask; EMPTY key blocks are never loaded (fg::iv::prev_live finds the next live one,
-// crossing runs of empty blocks in O(log) range checks), FULL ones inside seqlen_k evaluate no mask.
-// blk_tab   per-tile classes from the block-table pre-pass (blockmask.cu.j2): 0 EMPTY, 1 PARTIAL, 2 FULL; they
-//           replace the interval classifier for masks that read tensors (its classes are exact)
+// Block sparsity: the producer walks the live key blocks of its query block, EMPTY ones are never
+// loaded, FULL ones inside seqlen_k evaluate no mask.  Classes come from the block table (blk_tab).
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -110,8 +112,10 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
-__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
+// A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
+// the param's declared shape.  (This form is the one that keeps every shipped kernel spill-free: ptxas
+// allocated the ternary and min(max()) forms differently in the Hopper document_mask / t5_bias kernels.)
+__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return max(min(i, n - 1), (int64_t)0); }
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
@@ -147,6 +151,132 @@ struct Divisor {
 };
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+}  // namespace fg
+// Hopper (sm_90a) primitives: mbarriers, TMA tile loads, wgmma and its shared-memory
+// descriptors, warpgroup register reallocation, named barriers.  PTX ISA 8.x, sections
+// "mbarrier", "cp.async.bulk.tensor", "Asynchronous Warpgroup Level Matrix Multiply-Accumulate".
+// Rendered by Jinja: the wgmma wrappers are generated for the N extents in `wgmma_ns`.
+
+namespace fg {
+
+// A CUtensorMap (cuTensorMapEncodeTiled), passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaDesc { uint64_t opaque[16]; };
+
+// ---------------------------------------------------------------- mbarrier
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
+}
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also announces `bytes` of TMA traffic completing on this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// Block until the phase with parity `phase` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p; }\n"
+                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+    }
+}
+
+// ---------------------------------------------------------------- TMA
+// Box of the 4-D tensor map at coordinates (c0 innermost .. c3) -> shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaDesc* map, int c0, int c1, int c2, int c3, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, { %2, %3, %4, %5}], [%6];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// ---------------------------------------------------------------- warpgroups
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// ---------------------------------------------------------------- wgmma
+// Shared-memory matrix descriptor, 128-byte swizzle (the layout TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B): start address, leading / stride byte offsets, all >> 4.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Keep the compiler from moving accumulator reads/writes across wgmma issue/wait.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]) :: "memory");
+}
+
+// d[64 x 128] (+)= A[64 x 16] (shared, K-major) * B[16 x 128] (shared, K-major); scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+// d[64 x 128] += A[64 x 16] (registers) * B[16 x 128] (shared, N-major: transposed).
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{ %64, %65, %66, %67}, "
+                 "%68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+// d[64 x 160] (+)= A[64 x 16] (shared, K-major) * B[16 x 160] (shared, K-major); scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss_n160(float (&d)[80], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, %82, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, "
+                 "%80, %81, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+// d[64 x 160] += A[64 x 16] (registers) * B[16 x 160] (shared, N-major: transposed).
+__device__ __forceinline__ void wgmma_rs_n160(float (&d)[80], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
+                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, "
+                 "{ %80, %81, %82, %83}, "
+                 "%84, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
 }  // namespace fg
 // Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
 // calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
@@ -346,94 +476,25 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
 }  // namespace iv
 }  // namespace fg
 
-// Tile class of spec document_mask's mask (flashgen/masktiles.py; rules of maskinfo.py).
-__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k) {
-    (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
-    const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);
-    const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);
-    (void)q_r; (void)kv_r;
-    const fg::iv::R e0 = fg::iv::exact((double)seqlen_k - (double)seqlen_q);
-    const fg::iv::R e1 = fg::iv::add(q_r, e0);
-    const fg::iv::T e2 = fg::iv::ge(e1, kv_r);
-    const fg::iv::R e3 = fg::iv::any();
-    const fg::iv::R e4 = fg::iv::any();
-    const fg::iv::T e5 = fg::iv::eq(e3, e4);
-    const fg::iv::T e6 = fg::iv::land(e2, e5);
-    return fg::iv::tile_class(e6);
-}
-
-
 namespace {
 constexpr int HEAD_DIM = 128;
-constexpr int HEAD_DIM_V = 128;
 constexpr int BLOCK_M = 128;
-constexpr int BLOCK_N = 32;
-constexpr int NUM_WARPS = 4;
-constexpr int THREADS = NUM_WARPS * 32;
-constexpr int WARP_M = BLOCK_M / NUM_WARPS;
-constexpr int MT = WARP_M / 16;
-constexpr int NT = BLOCK_N / 8;
-constexpr int DT = HEAD_DIM_V / 8;
-constexpr int Q_ROW_BYTES = HEAD_DIM * 2;
-constexpr int V_ROW_BYTES = HEAD_DIM_V * 2;
-constexpr int SQ_BYTES = BLOCK_M * (HEAD_DIM > HEAD_DIM_V ? HEAD_DIM : HEAD_DIM_V) * 2;  // also stages O
-constexpr int SK_BYTES = BLOCK_N * HEAD_DIM * 2;
+constexpr int BLOCK_N = 160;
+constexpr int NUM_CONSUMERS = 2;
+constexpr int STAGES = 2;
+constexpr int THREADS = 128 * (NUM_CONSUMERS + 1);
+constexpr int DCB = HEAD_DIM / 64;   // 64-column blocks of a row (one TMA box each)
+constexpr int NS = BLOCK_N / 8;      // 8-column tiles of S
+constexpr int NO = HEAD_DIM / 8;     // 8-column tiles of O
+constexpr uint32_t SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
+constexpr uint32_t SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr bool IS_CAUSAL = true;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
-constexpr int TAB_BYTES = 2048;  // block-table row staging (masks that read tensors)
-static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 51200,
-              "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
-// Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
-static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
-              "tile shape");
-
-// Copy `rows` x `cols` elements (row stride `stride`) into a swizzled tile; rows >= valid_rows read as 0.
-// When THREADS covers whole rows, each thread keeps one 16-byte column chunk and steps ROW_STEP rows at a
-// time: a compile-time trip count, one global pointer advanced by a constant multiple of the stride, and
-// (ROW_STEP % 8 == 0) shared addresses that differ by immediates.  Otherwise a strided generic loop.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64_t stride, int valid_rows) {
-    constexpr int CHUNKS_PER_ROW = COLS / 8;
-    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-    if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
-        constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-        const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
-        // A pointer chain: no per-row 64-bit offsets for ptxas to keep live (see lower.plan_forward).
-        const elem_t* g = src + row0 * stride + chunk * 8;
-        const int64_t step = ROW_STEP * stride;
-        #pragma unroll
-        for (int it = 0; it < ROWS / ROW_STEP; ++it, g += step) {
-            const int row = row0 + it * ROW_STEP;
-            const bool valid = row < valid_rows;
-            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g : src, valid);
-        }
-        return;
-    }
-    #pragma unroll
-    for (int i = threadIdx.x; i < CHUNKS; i += THREADS) {
-        const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
-        const bool valid = row < valid_rows;
-        const elem_t* g = src + (valid ? row * stride + chunk * 8 : 0);
-        fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), g, valid);
-    }
-}
-
-// fg::swz(row0 + r, chunk0 + c, ROW_BYTES) for compile-time row0 % 8 == 0 and even chunk0, per-lane
-// r and c in {0, 1}, with lane_off = fg::swz(r, c, ROW_BYTES).  When ROW_BYTES % 128 == 0, row * ROW_BYTES
-// leaves bits 4..6 clear, so the XOR term depends on the lane only through lane_off's bits 4..6: the
-// per-lane part is computed once and each fragment address is one XOR with a constant plus an immediate.
-template <int ROW_BYTES>
-__device__ __forceinline__ uint32_t swz_at(uint32_t lane_off, int r, int c, int row0, int chunk0) {
-    if constexpr (ROW_BYTES % 128 == 0)
-        return (lane_off ^ ((chunk0 & 7) << 4)) + row0 * ROW_BYTES + (chunk0 & ~7) * 16;
-    return fg::swz(row0 + r, chunk0 + c, ROW_BYTES);
-}
+static_assert(BLOCK_M == 64 * NUM_CONSUMERS && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
 }  // namespace
-
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_fwd_sm_90(
     const __nv_bfloat16* __restrict__ q,
     const __nv_bfloat16* __restrict__ k,
@@ -462,258 +523,284 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     const int* __restrict__ t_doc_kv,
     const unsigned char* __restrict__ blk_tab,
     int64_t blk_sb,
-    int64_t blk_sh
+    int64_t blk_sh,
+    const __grid_constant__ fg::TmaDesc tma_q,
+    const __grid_constant__ fg::TmaDesc tma_k,
+    const __grid_constant__ fg::TmaDesc tma_v
 ) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    const uint32_t sQ = fg::smem_u32(smem);
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t sQ = (fg::smem_u32(smem_raw) + 1023u) & ~1023u;  // 128-byte swizzle wants 1 KiB alignment
     const uint32_t sK = sQ + SQ_BYTES;
-    const uint32_t sV = sK + SK_BYTES;
+    const uint32_t sV = sK + STAGES * SKV_BYTES;
+    const uint32_t bars = sV + STAGES * SKV_BYTES;
+    const uint32_t q_full = bars;
+    auto k_full = [&](int s) { return bars + 8u * (1 + s); };
+    auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
+    auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
+    auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
+    // Per ring stage, written by the producer before it arms k_full: the key block, its tile class, last?
+    int* stage_info = reinterpret_cast<int*>(smem_raw + (bars + 8u * (1 + 4 * STAGES) - fg::smem_u32(smem_raw)));
+    int* warp_last = stage_info + 2 * STAGES;  // per warp: the last live key block it found in the table row
 
-    // Which (batch, head, query block) this CTA computes; with a mask, last query blocks first (the heaviest
-    // ones under causal-like masks).
+    // Which (batch, head, query block) this CTA computes; heaviest causal blocks first.
     const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_rev = blockIdx.x % num_m_blocks;
+    const int m_rev = blockIdx.x % num_m_blocks;       // one head's query blocks together
     const int bh = blockIdx.x / num_m_blocks;
+    const int m_block = num_m_blocks - 1 - m_rev;
     const int b = bh / heads_q;
     const int h = bh % heads_q;
-    const int m_block = num_m_blocks - 1 - m_rev;
     const int h_kv = h / (heads_q / heads_kv);
     const int m0 = m_block * BLOCK_M;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-    const elem_t* q_blk = q + b * q_sb + h * q_sh + (int64_t)m0 * q_ss;
-    const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
-    const elem_t* v_head = v + b * v_sb + h_kv * v_sh;
-
-    // Key blocks are visited last to first, live ones only: kv_class(j0, j1) is the class of this CTA's
-    // query rows against key blocks j0..j1 (clipped to seqlen_k) under the whole mask (causal included).
-    const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
-    // The block table's row for this query block, staged in shared memory (after sV) when it fits
-    // TAB_BYTES; the walk scans it linearly: an EMPTY tile costs one shared-memory byte.
-    (void)m_last;
+    // Key blocks are visited last to first, live ones only: prev_live(j, c) is the last live key block
+    // at or before j (-1 if none) and sets c to its class.
     const int n_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    // The table's row for this query block (read from global memory: only the producer walks it).
+    // The whole CTA finds the first block to visit: a strided scan, a max per warp, a max over warps.
     const unsigned char* tab_row = blk_tab + b * blk_sb + h * blk_sh + (int64_t)m_block * n_kv_blocks;
-    unsigned char* s_tab = smem + SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2;
-    const bool staged = n_kv_blocks <= TAB_BYTES;
-    if (staged)
-        for (int j = threadIdx.x; j < n_kv_blocks; j += THREADS) s_tab[j] = tab_row[j];
-    __syncthreads();
-    auto prev_tab = [&](int j, int& c) {
-        while (j >= 0 && (staged ? s_tab[j] : tab_row[j]) == 0) --j;
-        c = j >= 0 ? (staged ? s_tab[j] : tab_row[j]) : fg::iv::EMPTY;
+    auto prev_live = [&](int j, int& c) {
+        while (j >= 0 && tab_row[j] == fg::iv::EMPTY) --j;
+        c = j >= 0 ? tab_row[j] : fg::iv::EMPTY;
         return j;
     };
-    int cls = fg::iv::EMPTY;
-    int n_block = prev_tab(n_kv_blocks - 1, cls);
+    int last_live = -1;
+    for (int j = threadIdx.x; j < n_kv_blocks; j += THREADS)
+        if (tab_row[j] != fg::iv::EMPTY) last_live = j;
+    last_live = __reduce_max_sync(0xffffffffu, last_live);
+    if (threadIdx.x % 32 == 0) warp_last[threadIdx.x / 32] = last_live;  // read after __syncthreads below
+
+    if (threadIdx.x == 0) {
+        fg::mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            fg::mbar_init(k_full(s), 1);
+            fg::mbar_init(v_full(s), 1);
+            fg::mbar_init(k_empty(s), NUM_CONSUMERS * 4);
+            fg::mbar_init(v_empty(s), NUM_CONSUMERS * 4);
+        }
+        fg::fence_barrier_init();
+    }
+    __syncthreads();
+    const int first_block = [&] {
+        int last = -1;
+        #pragma unroll
+        for (int w = 0; w < THREADS / 32; ++w) last = max(last, warp_last[w]);
+        return last;
+    }();
+    int cls = first_block >= 0 ? tab_row[first_block] : fg::iv::EMPTY;
+
+    if (threadIdx.x < 128) {
+        // ------------------------------------------------------------ producer warpgroup
+        fg::setmaxnreg_dec<56>();
+        if (threadIdx.x == 0 && first_block >= 0) {
+            fg::tma_prefetch_desc(&tma_k);
+            fg::tma_prefetch_desc(&tma_v);
+            fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
+            #pragma unroll
+            for (int c = 0; c < DCB; ++c)
+                fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
+            // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.
+            for (int it = 0, n_block = first_block; n_block >= 0; ++it) {
+                const int n0 = n_block * BLOCK_N, n_cls = cls;
+                const int n_next = prev_live(n_block - 1, cls);
+                const int s = it % STAGES;
+                const uint32_t phase = (it / STAGES) & 1;
+                fg::mbar_wait(k_empty(s), phase ^ 1);
+                stage_info[2 * s] = n0;
+                stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
+                fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
+                #pragma unroll
+                for (int c = 0; c < DCB; ++c)
+                    fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
+                fg::mbar_wait(v_empty(s), phase ^ 1);
+                fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
+                #pragma unroll
+                for (int c = 0; c < DCB; ++c)
+                    fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
+                n_block = n_next;
+            }
+        }
+        return;
+    }
+
+    // ---------------------------------------------------------------- consumer warpgroups
+    // Per KV block j (FA3 Algorithm 2 with ping-pong, section 3.1-3.2): issue S_j = Q K_j^T and
+    // O += P_{j-1} V_{j-1} together, then the softmax of S_j runs while the second GEMM (and the
+    // other consumer warpgroup's GEMMs) occupy the tensor cores.  Named barriers PP0/PP1 make the
+    // two consumer warpgroups take turns issuing GEMMs.
+    fg::setmaxnreg_inc<224>();
+    const int cg = threadIdx.x / 128 - 1;          // consumer warpgroup
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
 
-    // Per-lane parts of the ldmatrix addresses (row r, chunk c within a 16x16 fragment; see swz_at).
-    const uint32_t sQ_lane = sQ + warp * WARP_M * Q_ROW_BYTES;  // WARP_M % 16 == 0: swizzle unchanged
-    const int q_r = lane % 16, q_c = lane / 16;
-    const int k_r = (lane % 8) + (lane / 16) * 8, k_c = (lane / 8) % 2;
-    const int v_r = (lane % 8) + ((lane / 8) % 2) * 8, v_c = lane / 16;
-    const uint32_t q_off = fg::swz(q_r, q_c, Q_ROW_BYTES);
-    const uint32_t k_off = fg::swz(k_r, k_c, Q_ROW_BYTES);
-    const uint32_t v_off = fg::swz(v_r, v_c, V_ROW_BYTES);
+    constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"
+    auto pp_wait = [&]() { fg::named_barrier_sync(PP_BARRIER + cg, 256); };
+    auto pp_pass = [&]() { fg::named_barrier_arrive(PP_BARRIER + (1 - cg), 256); };
 
-    float acc_o[MT][DT][4];
-    float row_max[MT][2], row_sum[MT][2];
+    float acc_o[NO * 4];
+    float acc_s[NS * 4];
+    uint32_t p_frag[BLOCK_N / 16][4];
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
     #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) { row_max[mt][r] = -INFINITY; row_sum[mt][r] = 0.f; }
-    }
+    for (int i = 0; i < NO * 4; ++i) acc_o[i] = 0.f;
 
-    // Prologue: Q tile and the first live K tile in flight.
-    if (n_block >= 0) {
-        load_tile<BLOCK_M, HEAD_DIM>(sQ, q_blk, q_ss, seqlen_q - m0);
-        const int n_last = n_block * BLOCK_N;
-        load_tile<BLOCK_N, HEAD_DIM>(sK, k_head + (int64_t)n_last * k_ss, k_ss, seqlen_k - n_last);
-        fg::cp_async_commit();
-    }
-
-    while (n_block >= 0) {
-        const int n0 = n_block * BLOCK_N;
-        // K(n) has landed and every warp is done with V(n+1): start V(n).
-        fg::cp_async_wait_all();
-        __syncthreads();
-        load_tile<BLOCK_N, HEAD_DIM_V>(sV, v_head + (int64_t)n0 * v_ss, v_ss, seqlen_k - n0);
-        fg::cp_async_commit();
-
-        // S = Q K^T on tensor cores.
-        float acc_s[MT][NT][4];
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = 0.f;
+    // S = Q K^T for ring stage s: HEAD_DIM / 16 wgmmas, operands straight from the swizzled tiles.
+    auto issue_s = [&](int s) {
+        fg::wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            uint32_t a[MT][4];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                fg::ldmatrix_x4(a[mt], sQ_lane + swz_at<Q_ROW_BYTES>(q_off, q_r, q_c, mt * 16, kk * 2));
-            #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                uint32_t bk[4];
-                fg::ldmatrix_x4(bk, sK + swz_at<Q_ROW_BYTES>(k_off, k_r, k_c, np * 16, kk * 2));
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
-                    Mma::run(acc_s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-                }
-            }
+            const uint32_t col = (kk / 4) * 128u, sub = (kk % 4) * 32u;
+            const uint64_t da = fg::gmma_desc(sQ + col * BLOCK_M + cg * 64 * 128 + sub, 16, 1024);
+            const uint64_t db = fg::gmma_desc(sK + s * SKV_BYTES + col * BLOCK_N + sub, 16, 1024);
+            fg::wgmma_ss_n160(acc_s, da, db, kk > 0);
         }
-
-        // Scores -> log2 domain with score_mod; the mask only on tiles that are not FULL, or cross seqlen_k.
-        if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
-                        const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                        // The DSL sees indices clamped into range (tensor params are read in bounds);
-                        // out-of-range pairs are dropped by selection.
-                        const int q_idx = min(q_raw, seqlen_q - 1);
-                        const int kv_idx = min(kv_raw, seqlen_k - 1);
-                        const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
-                        const float kv_idx_f = (float)kv_idx;
-                        (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                        float x = acc_s[mt][nt][i];  // raw q.k; scale_log2 > 0 is applied inside the exp2's FFMA
-                        const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
-                                          && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
-                                          && ((t_doc_q[(fg::clamp_index((int64_t)(b), (int64_t)(batch))) * (int64_t)(seqlen_q) + fg::clamp_index((int64_t)(q_idx), (int64_t)(seqlen_q))] == t_doc_kv[(fg::clamp_index((int64_t)(b), (int64_t)(batch))) * (int64_t)(seqlen_k) + fg::clamp_index((int64_t)(kv_idx), (int64_t)(seqlen_k))]));
-                        x = keep ? x : -INFINITY;
-                        acc_s[mt][nt][i] = x;
-                    }
-
-        } else {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
-                        const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                        float x = acc_s[mt][nt][i];  // raw q.k; scale_log2 > 0 is applied inside the exp2's FFMA
-                        (void)q_raw; (void)kv_raw;
-                        acc_s[mt][nt][i] = x;
-                    }
-
-        }
-
-        // Online softmax: new row max, rescale O and the running sum, P = exp2(x - max).
+        fg::wgmma_commit();
+    };
+    // O = alpha * O + P V for ring stage s: BLOCK_N / 16 wgmmas, V read N-major (transposed).
+    auto issue_pv = [&](int s) {
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int j = 0; j < NO; ++j)
             #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                // acc_s holds raw scores: max in raw units, scaled once (softmax_scale > 0 keeps the order).
-                float mx = -INFINITY;
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-                mx = fmaxf(row_max[mt][r], mx * scale_log2);
-                const float base = mx == -INFINITY ? 0.f : mx;  // a fully masked row so far stays at 0
-                const float alpha = fg::exp2_approx(row_max[mt][r] - base);
-                row_max[mt][r] = mx;
-                float sum = 0.f;
-                #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        const float p = fg::exp2_approx(fmaf(acc_s[mt][nt][2 * r + j], scale_log2, -base));
-                        acc_s[mt][nt][2 * r + j] = p;
-                        sum += p;
-                    }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc_o[mt][dt][2 * r] *= alpha;
-                    acc_o[mt][dt][2 * r + 1] *= alpha;
-                }
-            }
-
-        // The previous live block, searched while V(n) is in flight.
-        int next_cls = fg::iv::EMPTY;
-        const int n_next = prev_tab(n_block - 1, next_cls);
-        // V(n) has landed and every warp is done with K(n): start K of the previous live block, then O += P V.
-        fg::cp_async_wait_all();
-        __syncthreads();
-        if (n_next >= 0) {
-            const int n_prev = n_next * BLOCK_N;
-            load_tile<BLOCK_N, HEAD_DIM>(sK, k_head + (int64_t)n_prev * k_ss, k_ss, seqlen_k - n_prev);
-            fg::cp_async_commit();
-        }
+            for (int i = 0; i < 4; ++i) acc_o[4 * j + i] *= alpha[i / 2];
+        fg::fence_regs(acc_o);
+        fg::wgmma_fence();
         #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            uint32_t a[MT][4];
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            fg::wgmma_rs_n128(acc_o, p_frag[kk], fg::gmma_desc(sV + s * SKV_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+        fg::wgmma_commit();
+    };
+    // Online softmax of S (block at key n0) in raw score units: only edge blocks (past seqlen_k,
+    // or not FULL under the mask) evaluate the mask; scale and max fold into one FFMA per
+    // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
+    auto softmax = [&](int n0, int tile_cls) {
+        if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = Mma::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-                a[mt][1] = Mma::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-                a[mt][2] = Mma::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-                a[mt][3] = Mma::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-            }
-            #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                uint32_t bv[4];
-                fg::ldmatrix_x4_trans(bv, sV + swz_at<V_ROW_BYTES>(v_off, v_r, v_c, kk * 16, dp * 2));
+            for (int j = 0; j < NS; ++j)
                 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Mma::run(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-                    Mma::run(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+                for (int i = 0; i < 4; ++i) {
+                    const int q_raw = m0 + row_base + (i / 2) * 8;
+                    const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
+                    // The DSL sees indices clamped into range (and float twins); out-of-range pairs
+                    // are dropped anyway.
+                    const int q_idx = min(q_raw, seqlen_q - 1);
+                    const int kv_idx = min(kv_raw, seqlen_k - 1);
+                    const float q_idx_f = (float)q_idx;
+                    const float kv_idx_f = (float)kv_idx;
+                    (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
+                    const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
+                                      && ((t_doc_q[(fg::clamp_index((int64_t)(b), (int64_t)(batch))) * (int64_t)(seqlen_q) + fg::clamp_index((int64_t)(q_idx), (int64_t)(seqlen_q))] == t_doc_kv[(fg::clamp_index((int64_t)(b), (int64_t)(batch))) * (int64_t)(seqlen_k) + fg::clamp_index((int64_t)(kv_idx), (int64_t)(seqlen_k))]));
+                    if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
-            }
         }
-        n_block = n_next;
-        cls = next_cls;
-    }
-
-    // Epilogue: O / row_sum staged through shared memory for 16-byte stores; lse = ln(sum) + max.
-    fg::cp_async_wait_all();
-    __syncthreads();
-    const int64_t lse_row0 = (int64_t)bh * seqlen_q;
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float sum = row_sum[mt][r];
-            sum += __shfl_xor_sync(0xffffffff, sum, 1);
-            sum += __shfl_xor_sync(0xffffffff, sum, 2);
-            const bool empty = sum == 0.f || row_max[mt][r] == -INFINITY;
-            const float inv = empty ? 0.f : 1.f / sum;
-            const int row = warp * WARP_M + mt * 16 + lane / 4 + r * 8;
+            float mx = row_max[r];
             #pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
-                const uint32_t addr = sQ + fg::swz(row, dt, V_ROW_BYTES) + (lane % 4) * 4;
-                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
-            }
-            if (lane % 4 == 0 && m0 + row < seqlen_q)
-                lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max[mt][r] + __log2f(sum)) * LN2;
+            for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float base = mx == -INFINITY ? 0.f : mx * scale_log2;  // a fully masked row so far stays at 0
+            alpha[r] = fg::exp2_approx(row_max[r] * scale_log2 - base);
+            row_max[r] = mx;
+            float sum = 0.f;
+            #pragma unroll
+            for (int j = 0; j < NS; ++j)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = fg::exp2_approx(fmaf(acc_s[4 * j + 2 * r + e], scale_log2, -base));
+                    acc_s[4 * j + 2 * r + e] = p;
+                    sum += p;
+                }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
-    __syncthreads();
-    constexpr int O_CHUNKS_PER_ROW = HEAD_DIM_V / 8;
-    elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;
+    };
+    auto row_max_log2 = [&](int r) { return row_max[r] * scale_log2; };
+    // P to 16-bit A fragments: the accumulator layout of two 8-column tiles is the A layout of one k16 step.
+    auto pack_p = [&]() {
+        #pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            p_frag[kk][0] = Mma::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+            p_frag[kk][1] = Mma::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+            p_frag[kk][2] = Mma::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+            p_frag[kk][3] = Mma::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+        }
+    };
+
+    if (first_block >= 0) {
+        if (cg == 1) fg::named_barrier_arrive(PP_BARRIER, 256);  // consumer 0 issues first
+        // The first live block: S only.  The producer tells each stage's block and class (stage_info).
+        fg::mbar_wait(q_full, 0);
+        fg::mbar_wait(k_full(0), 0);
+        int info_n0 = stage_info[0], info_cls = stage_info[1];
+        pp_wait();
+        issue_s(0);
+        pp_pass();
+        fg::wgmma_wait<0>();
+        fg::fence_regs(acc_s);
+        if (lane == 0) fg::mbar_arrive(k_empty(0));
+        softmax(info_n0, info_cls & 0xff);
+        pack_p();
+        int it = 1;
+        for (bool more = !(info_cls & 0x100); more; ++it) {
+            const int s = it % STAGES, s_prev = (it - 1) % STAGES;
+            fg::mbar_wait(k_full(s), (it / STAGES) & 1);
+            info_n0 = stage_info[2 * s];
+            info_cls = stage_info[2 * s + 1];
+            more = !(info_cls & 0x100);
+            pp_wait();
+            issue_s(s);
+            fg::mbar_wait(v_full(s_prev), ((it - 1) / STAGES) & 1);
+            issue_pv(s_prev);
+            pp_pass();
+            fg::wgmma_wait<1>();       // S_it has landed; P_{it-1} V_{it-1} may still run
+            fg::fence_regs(acc_s);
+            if (lane == 0) fg::mbar_arrive(k_empty(s));
+            softmax(info_n0, info_cls & 0xff);
+            fg::wgmma_wait<0>();
+            fg::fence_regs(acc_o);
+            if (lane == 0) fg::mbar_arrive(v_empty(s_prev));
+            pack_p();
+        }
+        // Last P V.
+        const int s_last = (it - 1) % STAGES;
+        fg::mbar_wait(v_full(s_last), ((it - 1) / STAGES) & 1);
+        issue_pv(s_last);
+        fg::wgmma_wait<0>();
+        fg::fence_regs(acc_o);
+        if (lane == 0) fg::mbar_arrive(v_empty(s_last));
+        if (cg == 0) pp_wait();  // consume consumer 1's last pass: the barriers end balanced
+    }
+
+    // Epilogue: O / row_sum into this warpgroup's rows of sQ (same swizzle), then 16-byte stores.
+    const int64_t lse_row0 = (int64_t)bh * seqlen_q;
     #pragma unroll
-    for (int i = threadIdx.x; i < BLOCK_M * O_CHUNKS_PER_ROW; i += THREADS) {
-        const int row = i / O_CHUNKS_PER_ROW, chunk = i % O_CHUNKS_PER_ROW;
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        const bool empty = sum == 0.f || row_max[r] == -INFINITY;
+        const float inv = empty ? 0.f : 1.f / sum;
+        const int row = row_base + r * 8;
+        #pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            const uint32_t packed = Mma::pack(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+            const uint32_t addr = sQ + (j / 8) * BLOCK_M * 128 + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (lane % 4) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
+        }
+        if (lane % 4 == 0 && m0 + row < seqlen_q)
+            lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max_log2(r) + __log2f(sum)) * LN2;
+    }
+    fg::named_barrier_sync(1 + cg, 128);
+    elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;
+    const int t = threadIdx.x % 128;
+    #pragma unroll
+    for (int i = t; i < 64 * NO; i += 128) {
+        const int row = cg * 64 + i / NO, chunk = i % NO;
         if (m0 + row < seqlen_q) {
             uint4 val;
+            const uint32_t addr = sQ + (chunk / 8) * BLOCK_M * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
             asm volatile("ld.shared.v4.b32 { %0,%1,%2,%3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQ + fg::swz(row, chunk, V_ROW_BYTES)));
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(addr));
             *reinterpret_cast<uint4*>(o_blk + row * o_ss + chunk * 8) = val;
         }
     }

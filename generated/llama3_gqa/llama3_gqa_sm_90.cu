@@ -17,9 +17,9 @@
 // Softmax runs in the exp2 domain, one FFMA before each exp2: P = exp2(c * x - c * row max), with
 // x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
-// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
-// arithmetic over the mask (causal included); producer and consumers walk the same live key blocks
-// (fg::iv::prev_live), EMPTY ones are never loaded, FULL ones inside seqlen_k evaluate no mask.
+// Block sparsity: the producer walks the live key blocks of its query block, EMPTY ones are never
+// loaded, FULL ones inside seqlen_k evaluate no mask.  Classes come from fg_tile_class (flashgen/masktiles.py):
+// interval arithmetic over the mask (causal included), walked with fg::iv::prev_live.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -111,8 +111,10 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param index clamped into [0, n): DSL reads never leave the param's declared shape.
-__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
+// A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
+// the param's declared shape.  (This form is the one that keeps every shipped kernel spill-free: ptxas
+// allocated the ternary and min(max()) forms differently in the Hopper document_mask / t5_bias kernels.)
+__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return max(min(i, n - 1), (int64_t)0); }
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
@@ -556,15 +558,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
     const int h_kv = h / (heads_q / heads_kv);
     const int m0 = m_block * BLOCK_M;
 
-    // Key blocks are visited last to first, live ones only: kv_class(j0, j1) is the class of this CTA's
-    // query rows against key blocks j0..j1 (clipped to seqlen_k) under the whole mask.
+    // Key blocks are visited last to first, live ones only: prev_live(j, c) is the last live key block
+    // at or before j (-1 if none) and sets c to its class.
+    const int n_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    // kv_class(j0, j1): the class of this CTA's query rows against key blocks j0..j1 (clipped to
+    // seqlen_k) under the whole mask.
     const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
     auto kv_class = [&](int j0, int j1) {
         const int k0 = j0 * BLOCK_N, k1 = min((j1 + 1) * BLOCK_N, seqlen_k) - 1;
         return fg_tile_class(m0, m_last, k0, k1, b, h, seqlen_q, seqlen_k);
     };
-    int cls = fg::iv::EMPTY, full = 0x7fffffff;  // full: blocks from here to the last one visited are FULL
-    const int first_block = fg::iv::prev_live((seqlen_k + BLOCK_N - 1) / BLOCK_N - 1, cls, full, kv_class);
+    int full = 0x7fffffff;  // blocks from here to the last one visited are FULL
+    auto prev_live = [&](int j, int& c) { return fg::iv::prev_live(j, c, full, kv_class); };
+    int cls = fg::iv::EMPTY;
+    const int first_block = prev_live(n_kv_blocks - 1, cls);
 
     if (threadIdx.x == 0) {
         fg::mbar_init(q_full, 1);
@@ -591,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
             // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.
             for (int it = 0, n_block = first_block; n_block >= 0; ++it) {
                 const int n0 = n_block * BLOCK_N, n_cls = cls;
-                const int n_next = fg::iv::prev_live(n_block - 1, cls, full, kv_class);
+                const int n_next = prev_live(n_block - 1, cls);
                 const int s = it % STAGES;
                 const uint32_t phase = (it / STAGES) & 1;
                 fg::mbar_wait(k_empty(s), phase ^ 1);

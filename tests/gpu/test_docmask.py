@@ -4,15 +4,23 @@ pre-pass, and the T5 bias table, against the float64 reference (``pytest -m gpu`
 Checks: the pre-pass table equals the brute-force table (:func:`block_table_reference`);
 document_mask (2-D doc ids [batch, seqlen]), a 1-D non-causal variant, a per-head variant
 and random (unsorted) ids against the fp64 reference at odd lengths, Sq != Sk, GQA,
-(B, S, H, D) views and rows with nothing to attend to; a BlockMask built once and reused
-gives bitwise the per-call result; EMPTY tiles are never used (their V rows are NaN and the
-output stays finite); t5_bias with distances past the table's clamp.  Accuracy bound as in
-test_forward.py: max|ours - ref64| <= 2 * max|ref in the input dtype - ref64| + 1e-3.
+(B, S, H, D) views and rows with nothing to attend to; query blocks whose whole table row is
+EMPTY (o = 0, lse = -inf); a BlockMask built once and reused gives bitwise the per-call
+result, and is refused by a kernel of other tiles; EMPTY tiles are never used (their V rows
+are NaN and the output stays finite); t5_bias with distances past the table's clamp.
+Accuracy bound as in test_forward.py: max|ours - ref64| <= 2 * max|ref in the input dtype -
+ref64| + 1e-3.
+
+Each case runs with both kernel families (the ``family`` fixture): on an H200 the default
+is the Hopper TMA + wgmma kernel walking a table built for its tiles (checked on every
+call), ``FLASHGEN_KERNEL_FAMILY=fa2`` the FA2-class kernel with its own tiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
+from flashgen.errors import OpInputError  # noqa: E402
 from flashgen.op import build_op, poison_outputs  # noqa: E402
 from flashgen.spec import load_spec, loads_spec  # noqa: E402
 
@@ -42,6 +51,19 @@ PER_HEAD = loads_spec(
 DEV = torch.device("cuda")
 
 
+@pytest.fixture(autouse=True, params=["auto", "fa2"])
+def family(request, monkeypatch):
+    """Every case runs twice: with the default kernel (on an H200, the Hopper kernel) and
+    with the FA2-class kernel (``FLASHGEN_KERNEL_FAMILY=fa2``)."""
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    return request.param
+
+
+def expected_template(family: str) -> str:
+    hopper = family == "auto" and torch.cuda.get_device_capability(DEV) == (9, 0)
+    return "sm_90/fwd.cu.j2" if hopper else "sm_80/fwd.cu.j2"
+
+
 def doc_ids(b, s, n, gen, *, sort=True):
     t = torch.randint(0, n, (b, s), device=DEV, generator=gen, dtype=torch.int32)
     return t.sort(-1).values if sort else t
@@ -62,6 +84,8 @@ def check(spec, q, k, v, params, error_bound, **kw):
     with poison_outputs():
         o, lse = op.attention(q, k, v, **params, **kw)
     torch.cuda.synchronize()
+    family = os.environ["FLASHGEN_KERNEL_FAMILY"]
+    assert op.kernel(DEV).plan.template == expected_template(family), "not the expected kernel"
     assert not o.isnan().any() and not lse.isnan().any(), "an output element was not written"
     ref_o, ref_lse, bound = error_bound(spec, q, k, v, params)
     err = (o.double() - ref_o).abs().max().item()
@@ -166,27 +190,82 @@ def test_block_mask_reuse_is_bitwise_the_per_call_result(error_bound):
 
 
 def test_empty_tiles_are_never_used():
-    """Documents of 256 tokens (a multiple of every BLOCK_M / BLOCK_N), no causal: each
-    query tile sees FULL tiles of its own document and EMPTY ones elsewhere.  V of
+    """Documents of L tokens (a multiple of the kernel's BLOCK_M and BLOCK_N), no causal:
+    each query tile sees FULL tiles of its own document and EMPTY ones elsewhere.  V of
     document 0 is NaN: only document 0's queries may see it."""
     op = build_op(DOC1D)
+    tiles = op.kernel(DEV).plan.tiles
+    L = math.lcm(tiles.block_m, tiles.block_n)
     gen = torch.Generator(device=DEV).manual_seed(5)
-    s = 256 * 6
-    doc = torch.arange(s, device=DEV, dtype=torch.int32) // 256
+    s = L * 6
+    doc = torch.arange(s, device=DEV, dtype=torch.int32) // L
     q, k, v = qkv(DOC1D, 1, 2, 2, s, s, gen)
-    v[:, :, :256] = float("nan")
+    v[:, :, :L] = float("nan")
     bm = op.block_mask(s, s, doc=doc)
     assert set(bm.table.unique().tolist()) == {EMPTY, FULL}
     o, lse = op.attention(q, k, v, doc=doc, block_mask=bm)
-    assert o[:, :, :256].isnan().all()
-    assert not o[:, :, 256:].isnan().any(), "an EMPTY tile was loaded and used"
+    assert o[:, :, :L].isnan().all()
+    assert not o[:, :, L:].isnan().any(), "an EMPTY tile was loaded and used"
     # the result for documents 1.. equals attention within each document
     for d in range(1, 6):
-        sl = slice(256 * d, 256 * (d + 1))
+        sl = slice(L * d, L * (d + 1))
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, sl].float(), k[:, :, sl].float(), v[:, :, sl].float()
         )
         assert (o[:, :, sl].float() - ref).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 777), (300, 1031), (17, 5)])
+@pytest.mark.parametrize("prebuilt", [True, False], ids=["block_mask", "per_call"])
+def test_query_blocks_with_no_live_key_block(sq, sk, prebuilt, error_bound):
+    """Query blocks whose whole table row is EMPTY (their rows' documents have no key):
+    o = 0 and lse = -inf there, the rest as the reference; GQA, Sq != Sk, odd lengths,
+    with a table from op.block_mask and one the op builds itself."""
+    op = build_op(DOC)
+    bm_rows = op.kernel(DEV).plan.tiles.block_m
+    gen = torch.Generator(device=DEV).manual_seed(sq + sk)
+    b = 2
+    q, k, v = qkv(DOC, b, 4, 2, sq, sk, gen)
+    doc_q, doc_kv = doc_ids(b, sq, 4, gen), doc_ids(b, sk, 4, gen)
+    gone = [(0, 0)] + [(1, (sq - 1) // bm_rows)]  # (batch, query block) with no live tile
+    gone += [(0, 1)] if sq > bm_rows else []
+    for bi, m in gone:
+        doc_q[bi, m * bm_rows : (m + 1) * bm_rows] = 1000  # a document no key belongs to
+    params = {"doc_q": doc_q, "doc_kv": doc_kv}
+    bm = op.block_mask(sq, sk, **params)
+    for bi, m in gone:
+        assert (bm.table[bi, 0, m] == EMPTY).all()
+    kw = {"block_mask": bm} if prebuilt else {}
+    o, lse = check(DOC, q, k, v, params, error_bound, **kw)
+    for bi, m in gone:
+        rows = slice(m * bm_rows, (m + 1) * bm_rows)
+        assert (o[bi, :, rows] == 0).all() and torch.isneginf(lse[bi, :, rows]).all()
+
+
+def test_block_mask_is_refused_by_a_kernel_of_other_tiles(family, monkeypatch):
+    """A BlockMask built for one kernel family's tiles, used after switching families: the
+    op refuses it (never reinterprets it) when the tiles differ, and runs when they agree."""
+    op = build_op(DOC)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    s = 1000
+    params = {"doc_q": doc_ids(1, s, 3, gen), "doc_kv": doc_ids(1, s, 3, gen)}
+    bm = op.block_mask(s, s, **params)
+    assert (bm.block_m, bm.block_n) == astuple_tiles(op)
+    q, k, v = qkv(DOC, 1, 2, 2, s, s, gen)
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2" if family == "auto" else "auto")
+    if astuple_tiles(op) == (bm.block_m, bm.block_n):
+        op.attention(q, k, v, **params, block_mask=bm)  # same tiles (e.g. no Hopper here)
+        return
+    with pytest.raises(OpInputError, match=r"block_mask: built for \d+x\d+ tiles, but this call"):
+        op.attention(q, k, v, **params, block_mask=bm)
+    o1, _ = op.attention(q, k, v, **params, block_mask=op.block_mask(s, s, **params))
+    o2, _ = op.attention(q, k, v, **params)
+    assert torch.equal(o1, o2)
+
+
+def astuple_tiles(op) -> tuple[int, int]:
+    t = op.kernel(DEV).plan.tiles
+    return t.block_m, t.block_n
 
 
 # ----------------------------------------------------------------------------- t5 bias

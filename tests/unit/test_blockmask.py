@@ -71,13 +71,18 @@ def test_which_specs_need_a_table():
     assert block_table_dims(loads_spec(PER_HEAD, "p.yaml")) == (False, True)
 
 
-def test_forward_abi_gets_the_table_only_when_needed():
-    doc = plan_forward(load_spec(DOC), "sm_90")
-    assert [a.name for a in doc.args[-3:]] == ["blk_tab", "blk_sb", "blk_sh"]
+@pytest.mark.parametrize("target, family", [("sm_80", "auto"), ("sm_90", "fa2"), ("sm_90", "auto")])
+def test_forward_abi_gets_the_table_only_when_needed(target, family):
+    doc = plan_forward(load_spec(DOC), target, family=family)
+    names = [a.name for a in doc.args if a.ctype != "CUtensorMap"]  # Hopper: + tma_q/k/v
+    assert names[-3:] == ["blk_tab", "blk_sb", "blk_sh"]
     assert doc.context["block_table"] and doc.config()["block_table"]
     src = render(doc)
-    assert "s_tab[j] = tab_row[j]" in src and "prev_tab(n_block - 1" in src
-    t5 = plan_forward(load_spec(T5), "sm_90")
+    if doc.template == "sm_80/fwd.cu.j2":  # the FA2-class kernel stages the row in smem
+        assert "s_tab[j] = tab_row[j]" in src and "prev_tab(n_block - 1" in src
+    else:  # the Hopper producer walks it in global memory
+        assert target == "sm_90" and "prev_live(n_block - 1, cls)" in src and "tab_row[j]" in src
+    t5 = plan_forward(load_spec(T5), target, family=family)
     assert "blk_tab" not in [a.name for a in t5.args] and "tab_row" not in render(t5)
 
 
@@ -85,11 +90,12 @@ def test_forward_abi_gets_the_table_only_when_needed():
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("text", [DOC.read_text(), DOC1D, PER_HEAD])
 def test_pre_pass_and_forward_compile_without_spills(text, target):
-    """The op's build path (tables, then the spill fallback's smaller tiles) ends spill-free;
-    the pre-pass for the chosen tiles never spills."""
+    """The op's build path (tables, then the spill fallback's smaller tiles) ends spill-free,
+    on sm_90 with the Hopper kernel; the pre-pass for the chosen tiles never spills."""
     spec = loads_spec(text, "s.yaml")
     fwd, _, report = build_forward(spec, target)
     assert report.spill_bytes == 0, report
+    assert (fwd.template == "sm_90/fwd.cu.j2") == (target == "sm_90")
     plan = plan_block_table(spec, target, fwd.tiles)
     _, report = cache.get_or_build(render(plan), plan)
     assert report.spill_bytes == 0, report
@@ -150,6 +156,41 @@ def test_cpu_block_mask_api_and_reuse():
     # positional schema call: block_mask is the last positional argument
     o3, _ = op.torch_op(q, k, v, 0.0884, doc, doc, bm.table)
     assert o3.shape == o1.shape
+
+
+def test_a_table_is_used_only_with_the_tiles_it_was_built_for():
+    """op.block_mask's table travels to the CUDA impl as a [.., block_m, block_n] broadcast
+    view; the impl's check (the same _table_values the CUDA launch runs) accepts it for a
+    kernel of those tiles and refuses it for another, even where the tile counts agree
+    (here 1 x 1 tiles for both the FA2-class 128x32 and the Hopper 128x160 kernels)."""
+    from flashgen.blockmask import table_for_tiles
+    from flashgen.op import validate
+
+    op = flashgen.load(DOC)
+    doc_q, doc_kv = docs(2, 100, 3), docs(2, 30, 3, seed=1)
+    bm = op.block_mask(100, 30, doc_q=doc_q, doc_kv=doc_kv)  # CPU: the FA2-class tiles
+    arg = bm.op_arg()
+    assert arg.shape == (*bm.shape, bm.block_m, bm.block_n) and arg.stride()[4:] == (0, 0)
+    assert arg.data_ptr() == bm.table.data_ptr()  # a view, no copy
+    q = torch.zeros(2, 4, 100, 128).bfloat16()
+    k = torch.zeros(2, 2, 30, 128).bfloat16()
+    tensors = {"doc_q": doc_q, "doc_kv": doc_kv}
+    dims = validate(op.spec, q, k, k, tensors)
+    fa2 = plan_forward(op.spec, "sm_90", family="fa2")
+    assert (fa2.tiles.block_m, fa2.tiles.block_n) == (bm.block_m, bm.block_n)
+    vals = op._table_values(arg, fa2, dims, [], tensors, q.device)
+    assert vals["blk_tab"].data_ptr() == bm.table.data_ptr() and vals["blk_sb"] == 1
+    hopper = plan_forward(op.spec, "sm_90")
+    assert block_table_shape(op.spec, hopper.tiles, 2, 4, 100, 30) == bm.shape
+    with pytest.raises(OpInputError, match=r"built for 128x32 tiles, but this call runs a "
+                       r"kernel with 128x160 tiles"):  # fmt: skip
+        op._table_values(arg, hopper, dims, [], tensors, q.device)
+    with pytest.raises(OpInputError, match=r"expected the uint8 table view .* \[2, 1, 1, 1, "):
+        op._table_values(bm.table, fa2, dims, [], tensors, q.device)  # a bare table
+    with pytest.raises(OpInputError, match="expected the uint8 table view"):
+        table_for_tiles(arg.contiguous(), bm.shape, fa2.tiles)  # not a broadcast view
+    with pytest.raises(OpInputError, match="expected the uint8 table view"):
+        table_for_tiles(arg, (2, 1, 1, 2), fa2.tiles)  # other sizes
 
 
 def test_block_mask_errors():
@@ -244,7 +285,8 @@ def test_launch_values_pack_for_the_pre_pass_and_the_forward():
     sb, sh = table_strides(spec, table)
     assert (sb, sh) == (table.shape[2] * table.shape[3], 0)
     values.update(blk_tab=table, blk_sb=sb, blk_sh=sh)
-    assert len(kernel_args(fwd, values)) == len(fwd.args)
+    values.update({m.name: bytes(128) for m in fwd.tma})  # the Hopper kernel's tensor maps
+    assert fwd.tma and len(kernel_args(fwd, values)) == len(fwd.args)
     pre = plan_block_table(spec, "sm_90", fwd.tiles)
     pv = kernel_values(spec, {"tab": table}, dims, 1.0, [], tensors)
     pv.update(tab_b=table.shape[0], tab_h=table.shape[1])

@@ -6,25 +6,29 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from flashgen import tma
+from flashgen import cache, tma
 from flashgen.compile import find_nvcc
 from flashgen.lower import (
     HOPPER_TILES,
     TileConfig,
+    block_table_shape,
     forward_tile_candidates,
+    hopper_eligible,
     hopper_tiles,
     is_hopper_tiles,
-    needs_block_table,
+    plan_block_table,
     plan_forward,
     plan_hopper_forward,
 )
 from flashgen.render import render
 from flashgen.runtime import kernel_args
 from flashgen.spec import load_spec, loads_spec
+from flashgen.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -34,9 +38,6 @@ SPECS = sorted((REPO / "specs").glob("*.yaml"))
 def test_sm90_selects_the_hopper_kernel(path):
     spec = load_spec(path)
     plan = plan_forward(spec, "sm_90")
-    if needs_block_table(spec):  # masks that read tensors keep the FA2-class block-table kernel
-        assert plan.template == "sm_80/fwd.cu.j2"
-        return
     assert plan.template == "sm_90/fwd.cu.j2" and is_hopper_tiles(plan.tiles)
     assert plan.tiles == hopper_tiles(spec) and plan.threads == 384
     assert [a.name for a in plan.args[-3:]] == ["tma_q", "tma_k", "tma_v"]
@@ -116,8 +117,53 @@ def test_every_shipped_spec_emits_tma_and_wgmma(requires_nvcc, tmp_path):
     """Spills for sm_90 are checked by the CI compile sweep (tests/unit/test_compile.py)."""
     with cf.ThreadPoolExecutor(2) as ex:
         for name, ptx in ex.map(lambda p: _ptx(p, tmp_path), SPECS):
-            if ptx is None:  # a block-table spec (see test_sm90_selects_the_hopper_kernel)
-                continue
+            assert ptx is not None, f"{name}: not the Hopper kernel on sm_90"
             assert "wgmma.mma_async" in ptx, name
             assert "cp.async.bulk.tensor" in ptx, name
             assert "setmaxnreg" in ptx, name
+
+
+def test_block_table_specs_take_the_hopper_kernel_and_its_table():
+    """A mask that reads tensors (document_mask) runs the Hopper kernel on sm_90; the block
+    table (pre-pass, op.block_mask) is built for that kernel's tiles, so its row for a query
+    block has one entry per BLOCK_N key block; FLASHGEN_KERNEL_FAMILY=fa2 keeps the
+    FA2-class kernel with its own tiles and table; varlen stays excluded."""
+    spec = load_spec(REPO / "specs" / "document_mask.yaml")
+    assert hopper_eligible(spec, "sm_90") and not hopper_eligible(spec, "sm_90", "fa2")
+    plan = plan_forward(spec, "sm_90")
+    assert plan.template == "sm_90/fwd.cu.j2" and plan.tiles == hopper_tiles(spec)
+    names = [a.name for a in plan.args]
+    assert names[-6:] == ["blk_tab", "blk_sb", "blk_sh", "tma_q", "tma_k", "tma_v"]
+    pre = plan_block_table(spec, "sm_90", plan.tiles)
+    assert (pre.context["block_m"], pre.context["block_n"]) == (128, plan.tiles.block_n)
+    n_blocks = -(-8000 // plan.tiles.block_n)
+    assert block_table_shape(spec, plan.tiles, 2, 4, 1000, 8000)[2:] == (8, n_blocks)
+    src = render(plan)
+    assert "tab_row[j]" in src and "__reduce_max_sync" in src and "fg_tile_class" not in src
+    assert "const int n_next = prev_live(n_block - 1, cls);" in src
+    fa2 = plan_forward(spec, "sm_90", family="fa2")
+    assert fa2.template == "sm_80/fwd.cu.j2" and not is_hopper_tiles(fa2.tiles)
+    assert fa2.tiles != plan.tiles and "s_tab[j] = tab_row[j]" in render(fa2)
+    # the classifier path is unchanged for index-only masks
+    swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90"))
+    assert "fg::iv::prev_live(j, c, full, kv_class)" in swa and "tab_row" not in swa
+    # the smem layout reserves warp_last (one int per warp) only with a table
+    plain = plan_hopper_forward(replace(spec, mask=None, params=()), "sm_90", plan.tiles)
+    assert plan.smem_bytes == plain.smem_bytes + 4 * 12
+    with pytest.raises(ValueError, match="no varlen"):
+        plan_hopper_forward(varlen_spec(load_spec(REPO / "specs" / "causal_d128.yaml")),
+                            "sm_90", plan.tiles)  # fmt: skip
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_hopper_block_table_kernel_compiles_without_spills(requires_nvcc, d):
+    """document_mask at every Hopper head dim, at its planned tiles (no fallback)."""
+    text = (REPO / "specs" / "document_mask.yaml").read_text()
+    spec = loads_spec(text.replace("head_dim: 128", f"head_dim: {d}"), "doc.yaml")
+    plan = plan_forward(spec, "sm_90")
+    assert plan.template == "sm_90/fwd.cu.j2"
+    _, report = cache.get_or_build(render(plan), plan)
+    assert report.spill_bytes == 0, report
+    pre = plan_block_table(spec, "sm_90", plan.tiles)
+    _, report = cache.get_or_build(render(pre), pre)
+    assert report.spill_bytes == 0, report
