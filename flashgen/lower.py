@@ -83,6 +83,7 @@ class TileConfig:
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (32, False): TileConfig(128, 64, 4),
     (64, False): TileConfig(128, 64, 4),
+    (64, True): TileConfig(128, 32, 4),  # t5_bias (a table read per element) spills at 128x64x4
     (96, False): TileConfig(128, 64, 4),
     (96, True): TileConfig(128, 32, 4),
     (128, False): TileConfig(128, 64, 4),
@@ -402,7 +403,7 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None) -> str:
             extent = _shape_extent(p.shape[i])
             # clamped into the declared shape: a read is never out of bounds (the reference
             # refuses out-of-range indices at kept pairs; dropped pairs may compute any)
-            term = f"fg::clamp_index((int64_t)({cuda_expr(ix, spec)}), (int64_t)({extent}))"
+            term = f"(int64_t)fg::clamp_index({cuda_expr(ix, spec)}, {extent})"
             offset = term if i == 0 else f"({offset}) * (int64_t)({extent}) + {term}"
         return f"t_{e.name}[{offset}]"
     if isinstance(e, Unary):

@@ -113,9 +113,9 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 
 namespace fg {
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
-// the param's declared shape.  (This form is the one that keeps every shipped kernel spill-free: ptxas
-// allocated the ternary and min(max()) forms differently in the Hopper document_mask / t5_bias kernels.)
-__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return max(min(i, n - 1), (int64_t)0); }
+// the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
+// multiplies it out is 64-bit.
+__device__ __forceinline__ int clamp_index(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
@@ -688,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                     const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
-                                      && ((t_doc_q[(fg::clamp_index((int64_t)(b), (int64_t)(batch))) * (int64_t)(seqlen_q) + fg::clamp_index((int64_t)(q_idx), (int64_t)(seqlen_q))] == t_doc_kv[(fg::clamp_index((int64_t)(b), (int64_t)(batch))) * (int64_t)(seqlen_k) + fg::clamp_index((int64_t)(kv_idx), (int64_t)(seqlen_k))]));
+                                      && ((t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)] == t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]));
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
         }

@@ -109,9 +109,9 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 
 namespace fg {
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
-// the param's declared shape.  (This form is the one that keeps every shipped kernel spill-free: ptxas
-// allocated the ternary and min(max()) forms differently in the Hopper document_mask / t5_bias kernels.)
-__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return max(min(i, n - 1), (int64_t)0); }
+// the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
+// multiplies it out is 64-bit.
+__device__ __forceinline__ int clamp_index(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
@@ -358,7 +358,7 @@ namespace {
 constexpr int HEAD_DIM = 64;
 constexpr int HEAD_DIM_V = 64;
 constexpr int BLOCK_M = 128;
-constexpr int BLOCK_N = 64;
+constexpr int BLOCK_N = 32;
 constexpr int NUM_WARPS = 4;
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_M = BLOCK_M / NUM_WARPS;
@@ -375,7 +375,7 @@ constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
 constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
-static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 32768,
+static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 24576,
               "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
 // Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
 static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
@@ -564,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                         const float kv_idx_f = (float)kv_idx;
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                         const float score = acc_s[mt][nt][i] * softmax_scale;
-                        float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E;
+                        float x = (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E;
                         const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
                                           && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
                         x = keep ? x : -INFINITY;
@@ -591,7 +591,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                         const float kv_idx_f = kv_f0 + (float)(nt * 8 + i % 2);
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                         const float score = acc_s[mt][nt][i] * softmax_scale;
-                        float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E;
+                        float x = (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E;
                         (void)q_raw; (void)kv_raw;
                         acc_s[mt][nt][i] = x;
                     }

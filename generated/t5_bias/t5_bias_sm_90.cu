@@ -112,9 +112,9 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 
 namespace fg {
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
-// the param's declared shape.  (This form is the one that keeps every shipped kernel spill-free: ptxas
-// allocated the ternary and min(max()) forms differently in the Hopper document_mask / t5_bias kernels.)
-__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return max(min(i, n - 1), (int64_t)0); }
+// the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
+// multiplies it out is 64-bit.
+__device__ __forceinline__ int clamp_index(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
@@ -681,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                     const float score = acc_s[4 * j + i] * softmax_scale;
-                    float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))]));
+                    float x = (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)]));
                     const bool keep = (q_raw < seqlen_q) & (kv_raw < seqlen_k)
                                       & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
                     x = keep ? x : -INFINITY;
@@ -706,7 +706,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                     const float kv_idx_f = kv_f0 + (float)(j * 8 + i % 2);
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                     const float score = acc_s[4 * j + i] * softmax_scale;
-                    float x = (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))]));
+                    float x = (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)]));
                     (void)q_raw; (void)kv_raw;
                     acc_s[4 * j + i] = x;
                 }

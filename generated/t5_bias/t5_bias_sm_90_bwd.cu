@@ -111,9 +111,9 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 
 namespace fg {
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
-// the param's declared shape.  (This form is the one that keeps every shipped kernel spill-free: ptxas
-// allocated the ternary and min(max()) forms differently in the Hopper document_mask / t5_bias kernels.)
-__device__ __forceinline__ int64_t clamp_index(int64_t i, int64_t n) { return max(min(i, n - 1), (int64_t)0); }
+// the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
+// multiplies it out is 64-bit.
+__device__ __forceinline__ int clamp_index(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
 // The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
 __device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
 __device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
@@ -659,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_t5_bias_
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -678,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_t5_bias_
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -831,7 +831,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_t5_bias_
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -848,7 +848,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_t5_bias_
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score + t_bias[(fg::clamp_index((int64_t)(h), (int64_t)(heads_q))) * (int64_t)(257) + fg::clamp_index((int64_t)((min(max((kv_idx - q_idx), (-128)), 128) + 128)), (int64_t)(257))])) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 

@@ -115,7 +115,13 @@ def test_default_tiles_mask_rule():
     assert lower.default_tiles(modded) == lower.DEFAULT_TILES[(128, True)]
     assert (
         lower.default_tiles(_spec(d=64, score_mod="score * 0.5"))
-        == lower.DEFAULT_TILES[(64, False)]
+        == lower.DEFAULT_TILES[(64, True)]
+        == TileConfig(128, 32, 4)
+    )
+    # a head dim without a score_mod entry falls back to its plain entry
+    assert (
+        lower.default_tiles(_spec(d=32, score_mod="score * 0.5"))
+        == lower.DEFAULT_TILES[(32, False)]
     )
 
 
