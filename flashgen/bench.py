@@ -503,9 +503,42 @@ def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) 
     return total * (batch // tb) * (heads // th)
 
 
-def spec_params(spec: ir.Spec, heads: int, batch: int, seqlen_q: int, seqlen_k: int, device):
+#: Mean document length (tokens) of the document ids the benchmark gives an int tensor param
+#: along a sequence axis (document_mask's doc_q / doc_kv).
+DOC_LEN = 1024
+
+
+def doc_ids(batch: int, seqlen: int, mean_len: int, gen):
+    """int32 ``[batch, seqlen]``: each row cut into documents of random lengths (uniform in
+    [1, 2 * mean_len]), ids 0, 1, 2, ... in order (packed sequences, as document masking
+    sees them).  ``gen``: a CPU ``torch.Generator``."""
+    import torch
+
+    rows = []
+    for _ in range(batch):
+        ids, pos, d = torch.empty(seqlen, dtype=torch.int32), 0, 0
+        while pos < seqlen:
+            n = int(torch.randint(1, 2 * mean_len + 1, (1,), generator=gen))
+            ids[pos : pos + n] = d
+            pos, d = pos + n, d + 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def spec_params(
+    spec: ir.Spec,
+    heads: int,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device,
+    doc_len: int = DOC_LEN,
+):
     """Values for a spec's params in the benchmark: scalar defaults; ``slopes`` the ALiBi
-    slopes ``2^(-8 (h+1) / H)``; other f32 tensors uniform [0, 1), i32 uniform [0, 16)."""
+    slopes ``2^(-8 (h+1) / H)``; other f32 tensors uniform [0, 1); i32 tensors along a
+    sequence axis (``[batch, seqlen_*]`` or ``[seqlen_*]``) document ids of mean length
+    ``doc_len`` (:func:`doc_ids`, one set shared by every such param, so ``doc_q`` and
+    ``doc_kv`` agree where ``seqlen_q == seqlen_k``); other i32 tensors uniform [0, 16)."""
     import torch
 
     out: dict = {}
@@ -517,6 +550,7 @@ def spec_params(spec: ir.Spec, heads: int, batch: int, seqlen_q: int, seqlen_k: 
         "seqlen_k": seqlen_k,
     }
     g = torch.Generator(device="cpu").manual_seed(0)
+    docs = None
     for p in spec.tensor_params:
         shape = [d if isinstance(d, int) else sym[d] for d in p.shape]
         if p.ty == ir.Ty.F32:
@@ -525,9 +559,15 @@ def spec_params(spec: ir.Spec, heads: int, batch: int, seqlen_q: int, seqlen_k: 
                 t = torch.tensor([2.0 ** (-8.0 * (i + 1) / n) for i in range(n)])
             else:
                 t = torch.rand(shape, generator=g)
-            out[p.name] = t.to(device)
+        elif p.shape[-1] in ("seqlen_q", "seqlen_k") and (
+            len(p.shape) == 1 or (len(p.shape) == 2 and p.shape[0] == "batch")
+        ):
+            if docs is None:
+                docs = doc_ids(batch, max(seqlen_q, seqlen_k), doc_len, g)
+            t = docs[:, : shape[-1]] if len(shape) == 2 else docs[0, : shape[-1]]
         else:
-            out[p.name] = torch.randint(0, 16, shape, generator=g, dtype=torch.int32).to(device)
+            t = torch.randint(0, 16, shape, generator=g, dtype=torch.int32)
+        out[p.name] = t.contiguous().to(device)
     return out
 
 

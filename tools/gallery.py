@@ -47,36 +47,12 @@ GALLERY = (
 BASELINE = "causal_d128"
 
 
-def doc_ids(batch: int, seqlen: int, mean_len: int, gen):
-    """int32 [batch, seqlen]: each row cut into documents of random lengths (uniform in
-    [1, 2 * mean_len]), ids 0, 1, 2, ... in order."""
-    import torch
-
-    rows = []
-    for _ in range(batch):
-        ids, pos, d = torch.empty(seqlen, dtype=torch.int32), 0, 0
-        while pos < seqlen:
-            n = int(torch.randint(1, 2 * mean_len + 1, (1,), generator=gen))
-            ids[pos : pos + n] = d
-            pos, d = pos + n, d + 1
-        rows.append(ids)
-    return torch.stack(rows)
-
-
 def gallery_params(spec, batch: int, heads: int, seqlen: int, device, mean_len: int) -> dict:
-    """Param values: scalar defaults, bench's tensor values, and document ids for int
-    tensors along a sequence axis (one set of ids shared by doc_q and doc_kv)."""
-    import torch
+    """Param values: scalar defaults and bench's tensor values (document ids of mean length
+    ``mean_len`` for int tensors along a sequence axis, :func:`flashgen.bench.spec_params`)."""
+    from flashgen import bench
 
-    from flashgen import bench, ir
-
-    params = bench.spec_params(spec, heads, batch, seqlen, seqlen, device)
-    gen = torch.Generator().manual_seed(0)
-    docs = doc_ids(batch, seqlen, mean_len, gen)
-    for p in spec.tensor_params:
-        if p.ty == ir.Ty.I32 and p.shape[-1] in ("seqlen_q", "seqlen_k"):
-            t = docs if len(p.shape) == 2 else docs[0]
-            params[p.name] = t.to(device)
+    params = bench.spec_params(spec, heads, batch, seqlen, seqlen, device, doc_len=mean_len)
     for p in spec.scalar_params:
         params.setdefault(p.name, p.default)
     return params

@@ -23,9 +23,26 @@ def _tool():
 
 
 def test_doc_ids_are_sorted_documents():
-    ids = _tool().doc_ids(3, 500, 40, torch.Generator().manual_seed(0))
+    from flashgen import bench
+
+    ids = bench.doc_ids(3, 500, 40, torch.Generator().manual_seed(0))
     assert ids.shape == (3, 500) and ids.dtype == torch.int32
     assert (ids.diff(dim=-1) >= 0).all() and (ids[:, 0] == 0).all() and ids.max() > 3
+
+
+def test_bench_gives_document_masks_packed_documents():
+    """flashgen bench's document_mask inputs are packed documents (sorted ids, doc_q and
+    doc_kv the same ids), not random ids: a realistic density and tile table."""
+    from flashgen import bench
+    from flashgen.spec import load_spec
+
+    spec = load_spec(REPO / "specs" / "document_mask.yaml")
+    p = bench.spec_params(spec, 2, 3, 700, 700, torch.device("cpu"), doc_len=50)
+    assert p["doc_q"].shape == (3, 700) and p["doc_q"].dtype == torch.int32
+    assert torch.equal(p["doc_q"], p["doc_kv"])
+    assert (p["doc_q"].diff(dim=-1) >= 0).all() and p["doc_q"].max() >= 5
+    p = bench.spec_params(spec, 2, 3, 300, 700, torch.device("cpu"))  # Sq != Sk: prefixes
+    assert p["doc_q"].shape == (3, 300) and torch.equal(p["doc_q"], p["doc_kv"][:, :300])
 
 
 def test_dry_run_writes_the_page(tmp_path):
