@@ -21,9 +21,10 @@ summary() { grep -E "$2" "$out/$1" | tail -n "${3:-1}" | sed "s|^|$1: |"; }
 
 case "${1:-}" in
 validate)
-    timeout 380 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --deselect tests/gpu/test_sanitizer.py > "$out/gpu.log" 2>&1
-    timeout 150 python3 tools/sanitize.py --jobs 16 --timeout 140 --json "$out/sanitize.json" \
+    # forward and backward kernels of every spec under the 4 tools (~2x the forward-only time)
+    timeout 270 python3 tools/sanitize.py --jobs 16 --timeout 250 --json "$out/sanitize.json" \
         > "$out/sanitize.log" 2>&1
     summary gpu.log "passed|failed"
     summary sanitize.log "clean|dirty|fail" 1

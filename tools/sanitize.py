@@ -2,8 +2,9 @@
 """Run compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over flashgen kernels.
 
 For every spec (default: all of ``specs/*.yaml``) and every tool, a fresh Python process
-runs the spec's op under ``compute-sanitizer --tool <tool>`` on small odd-sized problems
-(GQA, Sq > Sk, Sq < Sk, length 1), with the sanitizer restricted to flashgen's kernels.
+runs the spec's op, forward and backward (``--fwd-only``: forward), under
+``compute-sanitizer --tool <tool>`` on small odd-sized problems (GQA, Sq > Sk, Sq < Sk,
+length 1), with the sanitizer restricted to flashgen's kernels.
 The tool's summary is parsed ("ERROR SUMMARY: N errors", racecheck's "N hazards"),
 a table is printed, and the exit status is 1 if any run reported anything, crashed, or
 did not finish; 0 if every run is clean.
@@ -42,16 +43,24 @@ DRIVER = r"""
 import sys, torch, flashgen
 from flashgen.cli import random_inputs
 op = flashgen.load(sys.argv[1])
-sizes = [tuple(map(int, s.split(","))) for s in sys.argv[2:]]
+backward = sys.argv[2] == "fwd+bwd"
+sizes = [tuple(map(int, s.split(","))) for s in sys.argv[3:]]
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
 for b, hq, hkv, sq, sk in sizes:
     q, k, v, params = random_inputs(op.spec, b, hq, hkv, sq, sk, dev, gen)
     if "window" in op.param_names:
         params["window"] = 7
+    if backward:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     o, lse = op.attention(q, k, v, **params)
     torch.cuda.synchronize()
     assert not o.isnan().any() and not lse.isnan().any(), "NaN in output"
+    if backward:  # the backward's kernels (preprocess, dK/dV, dQ, convert) under the tool too
+        o.backward(torch.randn(o.shape, device=dev, dtype=o.dtype, generator=gen))
+        torch.cuda.synchronize()
+        for t in (q, k, v):
+            assert t.grad is not None and torch.isfinite(t.grad).all(), "bad gradient"
 print("FLASHGEN DRIVER OK", flush=True)
 """
 
@@ -101,8 +110,11 @@ def kernel_filter_args(sanitizer: str) -> list[str]:
     return []
 
 
-def run_one(spec: Path, tool: str, sanitizer: str, filt: list[str], timeout: int) -> Result:
-    """Run the driver for ``spec`` under ``tool``; never raises."""
+def run_one(
+    spec: Path, tool: str, sanitizer: str, filt: list[str], timeout: int, backward: bool = True
+) -> Result:
+    """Run the driver for ``spec`` under ``tool`` (forward, and the backward unless
+    ``backward`` is false); never raises."""
     # initcheck must watch every kernel: with a kernel filter, the writes of the
     # unfiltered kernels (torch.randn, .to()) go unrecorded and every read of our inputs is
     # reported as uninitialized (seen on the H200: 4576 false reports filtered, 0 unfiltered).
@@ -117,6 +129,7 @@ def run_one(spec: Path, tool: str, sanitizer: str, filt: list[str], timeout: int
         "-c",
         DRIVER,
         str(spec),
+        "fwd+bwd" if backward else "fwd",
         *(",".join(map(str, s)) for s in SIZES),
     ]
     if tool == "racecheck":
@@ -146,10 +159,15 @@ def run_one(spec: Path, tool: str, sanitizer: str, filt: list[str], timeout: int
 
 def prebuild(specs: list[Path]) -> None:
     """Compile every spec's kernel once, outside the sanitizer (fills the cache)."""
-    code = (
+    code = (  # a tiny forward + backward builds every kernel the driver launches
         "import sys, torch, flashgen\n"
+        "from flashgen.cli import random_inputs\n"
+        "dev = torch.device('cuda', torch.cuda.current_device())\n"
         "for p in sys.argv[1:]:\n"
-        "    flashgen.load(p).kernel(torch.device('cuda', torch.cuda.current_device()))\n"
+        "    op = flashgen.load(p)\n"
+        "    q, k, v, params = random_inputs(op.spec, 1, 2, 1, 17, 17, dev, None)\n"
+        "    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))\n"
+        "    op.attention(q, k, v, **params)[0].sum().backward()\n"
     )
     subprocess.run([sys.executable, "-c", code, *map(str, specs)], check=True, cwd=REPO)
 
@@ -184,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=4, help="sanitizer runs in parallel")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--fwd-only", action="store_true", help="skip the backward kernels")
     args = ap.parse_args(argv)
 
     sanitizer = shutil.which("compute-sanitizer")
@@ -202,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(s, t) for s in specs for t in args.tools]
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(
-            pool.map(lambda st: run_one(st[0], st[1], sanitizer, filt, args.timeout), jobs)
+            pool.map(
+                lambda st: run_one(
+                    st[0], st[1], sanitizer, filt, args.timeout, backward=not args.fwd_only
+                ),
+                jobs,
+            )
         )
     print(table(results, args.tools))
     bad = [r for r in results if not r.clean]

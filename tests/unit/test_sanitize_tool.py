@@ -29,3 +29,20 @@ def test_summary_parsing():
     assert r.clean
     assert not t.Result("x", "memcheck", 0, 0, 0, False, 1.0, "").clean  # driver died
     assert not t.Result("x", "racecheck", 0, 1, 0, True, 1.0, "").clean  # a hazard
+
+
+def test_driver_runs_the_backward_unless_fwd_only(tmp_path):
+    """The sanitized driver takes "fwd+bwd" (default) or "fwd" before the sizes, and
+    its code compiles; checked with a stand-in sanitizer that records its arguments."""
+    t = _tool()
+    compile(t.DRIVER, "driver", "exec")
+    assert "o.backward(" in t.DRIVER and 'sys.argv[2] == "fwd+bwd"' in t.DRIVER
+    fake = tmp_path / "fake-sanitizer"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\necho "ERROR SUMMARY: 0 errors"\n')
+    fake.chmod(0o755)
+    spec = REPO / "specs" / "causal_d128.yaml"
+    for backward, mode in ((True, "fwd+bwd"), (False, "fwd")):
+        r = t.run_one(spec, "memcheck", str(fake), [], 30, backward=backward)
+        args = (tmp_path / "fake-sanitizer.args").read_text().splitlines()
+        assert args[args.index(str(spec)) + 1] == mode
+        assert r.errors == 0 and not r.driver_ok  # the stand-in never runs the driver
