@@ -346,6 +346,34 @@ def standard_attention(q, k, v, causal: bool, scale: float, mask=None):
 _FLEX = None
 
 
+#: FlexAttention kernel options tried when its default Triton configs do not fit in shared
+#: memory (seen on the H200 for t5_bias: "No valid triton configs ... out of resource").
+FLEX_SMALL_BLOCKS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1}
+
+
+def flex_retrying_smaller_blocks(flex):
+    """``flex`` (a compiled ``flex_attention``) that, when a call fails because no Triton
+    config fits the GPU's shared memory, retries once with :data:`FLEX_SMALL_BLOCKS` and
+    keeps those options for later calls (FlexAttention measured at a config it can run,
+    rather than not at all).  Other errors propagate."""
+    options: dict = {}
+
+    def call(*args, **kwargs):
+        if options:
+            return flex(*args, kernel_options=dict(options), **kwargs)
+        try:
+            return flex(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - Inductor wraps the Triton error
+            text = str(e)
+            if "out of resource" not in text and "No valid triton configs" not in text:
+                raise
+        options.update(FLEX_SMALL_BLOCKS)
+        return flex(*args, kernel_options=dict(options), **kwargs)
+
+    call.kernel_options = options
+    return call
+
+
 def flex_compiled():
     """``torch.compile(flex_attention, dynamic=False)``, created once, recompile limits raised."""
     global _FLEX
@@ -411,7 +439,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
         from .flexmods import flex_mods, mask_uses_batch_or_head
 
         score_mod, mask_mod = flex_mods(spec, seqlen_q, seqlen_k, params)
-        flex = flex_compiled()
+        flex = flex_retrying_smaller_blocks(flex_compiled())
         block_masks: dict = {}
 
         def run_flex(q, k, v):
@@ -436,6 +464,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
                 enable_gqa=k.shape[1] != q.shape[1],
             )
 
+        run_flex.kernel_options = flex.kernel_options  # non-empty once the retry happened
         return run_flex
     if impl == "standard":
         if plain:

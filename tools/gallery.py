@@ -104,6 +104,8 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
         torch.cuda.synchronize()
         out["flex_compile_s"] = time.perf_counter() - t0
         out["flex_ms"] = bench.do_bench_ms(lambda: flex(q, k, v), args.warmup, args.rep)
+        if getattr(flex, "kernel_options", None):  # its default configs did not fit
+            out["flex_kernel_options"] = dict(flex.kernel_options)
     except Exception as e:
         out["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return out
@@ -161,7 +163,14 @@ def write_page(rows: list[dict], meta: dict, path: Path) -> None:
         if r.get("flex_ms") is not None:
             facts.append(
                 f"FlexAttention {fmt(r['flex_ms'], '.3f')} ms = {fmt(r['flex_tflops'], '.0f')}"
-                f" TFLOP/s (compile {fmt(r.get('flex_compile_s'), '.0f')} s)"
+                f" TFLOP/s (compile {fmt(r.get('flex_compile_s'), '.0f')} s"
+                + (
+                    f"; its default Triton configs did not fit in shared memory, run with "
+                    f"kernel_options {r['flex_kernel_options']}"
+                    if r.get("flex_kernel_options")
+                    else ""
+                )
+                + ")"
             )
         if r.get("speedup") is not None:
             facts.append(f"flashgen / Flex {r['speedup']:.2f}x")

@@ -208,3 +208,26 @@ def test_kept_pairs_counts_the_mask_from_the_ir():
     assert bench.kept_pairs(swa, 1, 2, s, {"window": w}, cpu) == 2 * sum(per_row)
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     assert bench.kept_pairs(t5, 2, 2, 5, {}, cpu) == 2 * 2 * 25
+
+
+def test_flex_retries_with_smaller_blocks_only_for_resource_errors():
+    calls = []
+
+    def fake_flex(q, k, v, kernel_options=None, **kw):
+        calls.append(kernel_options)
+        if kernel_options is None:
+            raise RuntimeError(
+                "InductorError: No valid triton configs. OutOfMemoryError: out of resource"
+            )
+        return "ok"
+
+    f = bench.flex_retrying_smaller_blocks(fake_flex)
+    assert f(1, 2, 3, scale=0.5) == "ok" and f(1, 2, 3, scale=0.5) == "ok"
+    assert calls == [None, bench.FLEX_SMALL_BLOCKS, bench.FLEX_SMALL_BLOCKS]
+    assert f.kernel_options == bench.FLEX_SMALL_BLOCKS
+
+    def broken(q, k, v, kernel_options=None, **kw):
+        raise ValueError("a real bug")
+
+    with pytest.raises(ValueError, match="a real bug"):
+        bench.flex_retrying_smaller_blocks(broken)(1, 2, 3)
