@@ -1,0 +1,57 @@
+"""The expression-lowering rules of ``lower.cuda_expr`` on the GPU, against the float64
+reference (needs a GPU: ``pytest -m gpu``).
+
+A float division whose value reaches a comparison must stay a division: the hoisted
+reciprocal ``x * (1 / d)`` is within an ulp of ``x / d`` but a comparison turns that ulp
+into a different decision (``21 * (1 / 7.0f)`` is 3.0000002, not 3), so a mask such as
+``q_idx / f == kv_idx`` would drop pairs the reference keeps.  Each case runs with both
+kernel families (the Hopper kernel takes head_dim 128 masks on an H200).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen.cli import error_bound, random_inputs  # noqa: E402
+from flashgen.op import build_op, poison_outputs  # noqa: E402
+from flashgen.spec import loads_spec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+PARAMS = "params:\n  f: {type: f32, default: 7.0}\n"
+SPECS = {
+    # rows q_idx = 7 m keep exactly key m; every other row keeps nothing (o = 0, lse = -inf)
+    "exprlow_cmp_mask": "mask: q_idx / f == kv_idx\n",
+    # the pairs kv_idx == q_idx / f get +8 on their logit
+    "exprlow_cmp_mod": "score_mod: 'q_idx / f == kv_idx ? score + 8.0 : score'\n",
+    # both: a one-sided comparison, and the reciprocal where no comparison reads it
+    "exprlow_cmp_both": "mask: kv_idx >= q_idx / f\nscore_mod: score / f + score\n",
+}
+
+
+@pytest.fixture(autouse=True, params=["auto", "fa2"])
+def family(request, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("sq, sk", [(127, 127), (1000, 200), (17, 1000)])
+def test_compared_float_division(name, sq, sk):
+    spec = loads_spec(f"name: {name}\nhead_dim: 128\ndtype: bf16\n{SPECS[name]}{PARAMS}")
+    op = build_op(spec)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, params = random_inputs(spec, 2, 4, 2, sq, sk, dev, gen)
+    params["f"] = 7.0
+    with poison_outputs():
+        o, lse = op.attention(q, k, v, **params)
+    torch.cuda.synchronize()
+    ref_o, ref_lse, bound = error_bound(spec, q, k, v, params)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "rows with nothing to attend to differ"
+    assert (o[empty] == 0).all()
+    err = (o.double() - ref_o).abs().max().item()
+    assert err <= bound, f"{name} Sq={sq} Sk={sk}: {err:.3e} > {bound:.3e}"
