@@ -5,7 +5,8 @@ A float division whose value reaches a comparison must stay a division: the hois
 reciprocal ``x * (1 / d)`` is within an ulp of ``x / d`` but a comparison turns that ulp
 into a different decision (``21 * (1 / 7.0f)`` is 3.0000002, not 3), so a mask such as
 ``q_idx / f == kv_idx`` would drop pairs the reference keeps.  Each case runs with both
-kernel families (the Hopper kernel takes head_dim 128 masks on an H200).
+kernel families (the Hopper kernel takes head_dim 128 masks on an H200); the backward (which
+divides in place) must keep the same pairs as the forward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from flashgen.cli import error_bound, random_inputs  # noqa: E402
 from flashgen.op import build_op, poison_outputs  # noqa: E402
+from flashgen.reference import attention_reference  # noqa: E402
 from flashgen.spec import loads_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -55,3 +57,33 @@ def test_compared_float_division(name, sq, sk):
     assert (o[empty] == 0).all()
     err = (o.double() - ref_o).abs().max().item()
     assert err <= bound, f"{name} Sq={sq} Sk={sk}: {err:.3e} > {bound:.3e}"
+
+
+def _ref_grads(spec, q, k, v, do, params, dtype):
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    o, _ = attention_reference(spec, qr, kr, vr, params=params, compute_dtype=dtype)
+    o.backward(do.to(dtype))
+    return qr.grad, kr.grad, vr.grad
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_compared_float_division_backward(name, family):
+    if family != "auto":
+        pytest.skip("one backward family")
+    spec = loads_spec(f"name: {name}\nhead_dim: 128\ndtype: bf16\n{SPECS[name]}{PARAMS}")
+    op = build_op(spec)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    q, k, v, params = random_inputs(spec, 2, 4, 2, 300, 200, dev, gen)
+    params["f"] = 7.0
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, _ = op.attention(q, k, v, deterministic=True, **params)
+    do = torch.randn(o.shape, device=dev, generator=gen).to(o.dtype)
+    o.backward(do)
+    ref64 = _ref_grads(spec, q, k, v, do, params, torch.float64)
+    low = _ref_grads(spec, q, k, v, do, params, q.dtype)
+    for g, ours, r64, rlow in zip("qkv", (q.grad, k.grad, v.grad), ref64, low, strict=True):
+        assert not ours.isnan().any(), f"d{g} has NaN"
+        err = (ours.double() - r64).abs().max().item()
+        bound = 2 * (rlow.double() - r64).abs().max().item() + 1e-3
+        assert err <= bound, f"{name} d{g}: {err:.3e} > {bound:.3e}"
