@@ -228,7 +228,8 @@ class _Checker:
                     raise self.fail(
                         f"{key}.shape.{i}",
                         f"bad shape entry '{d}' of param '{p.name}'{hint}: expected a positive "
-                        f"integer or one of {', '.join(ir.SHAPE_SYMBOLS)}",
+                        f"integer (at most {INT32_MAX}: extents are int32 in the kernels) "
+                        f"or one of {', '.join(ir.SHAPE_SYMBOLS)}",
                     )
                 if self.spec.varlen and d in ("seqlen_q", "seqlen_k"):
                     raise self.fail(
