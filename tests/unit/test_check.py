@@ -200,3 +200,11 @@ def test_too_large_shape_entry_says_why():
     text += "params:\n  t: {type: f32, shape: [3000000000]}\n"
     with pytest.raises(SpecError, match=r"at most 2147483647"):
         loads_spec(text)
+
+
+def test_float_literal_that_underflows_float32_is_refused():
+    """``score / 1e-50`` would divide by float32 zero in the kernels (the reference, in
+    float64, by 1e-50): refused like a constant zero divisor; 1e-45 is still a float32."""
+    with pytest.raises(SpecError, match=r"rounds to 0 in float32"):
+        loads_spec(spec_text(score_mod="score / 1e-50"))
+    loads_spec(spec_text(score_mod="score * 1e-45 + score"))
