@@ -508,9 +508,9 @@ def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) 
     """Number of (b, h, q, kv) pairs ``spec``'s mask keeps at ``seqlen_q = seqlen_k =
     seqlen`` with ``params``, evaluated from the mask IR (:func:`flashgen.reference.eval_mask`)
     over the batch rows / heads it reads, one batch row at a time (``seqlen^2`` bytes per head
-    of memory on ``device``).  ``batch * heads * seqlen^2`` without a mask."""
-    import torch
-
+    of memory on ``device``; row ``b0`` sees ``b = b0`` and the whole params, so a mask that
+    reads ``b`` directly or through a param of any shape counts each row's own pairs).
+    ``batch * heads * seqlen^2`` without a mask."""
     from .lower import block_table_dims
     from .reference import eval_mask
 
@@ -520,13 +520,9 @@ def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) 
     tb, th = (batch if per_b else 1), (heads if per_h else 1)
     total = 0
     for b0 in range(tb):  # one batch row at a time keeps memory at seqlen^2 bytes per head
-        sub = {
-            k: (v[b0 : b0 + 1] if isinstance(v, torch.Tensor) and per_b and v.dim() == 2 else v)
-            for k, v in params.items()
-        }
         keep = eval_mask(
-            spec, batch=1, heads_q=th, seqlen_q=seqlen, seqlen_k=seqlen, params=sub,
-            device=device,
+            spec, batch=1, heads_q=th, seqlen_q=seqlen, seqlen_k=seqlen, params=params,
+            device=device, batch_offset=b0,
         )  # fmt: skip
         total += int(keep.sum())
     return total * (batch // tb) * (heads // th)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import keyword
 import math
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -228,7 +229,8 @@ class _Checker:
                     raise self.fail(
                         f"{key}.shape.{i}",
                         f"bad shape entry '{d}' of param '{p.name}'{hint}: expected a positive "
-                        f"integer or one of {', '.join(ir.SHAPE_SYMBOLS)}",
+                        f"integer (at most {INT32_MAX}: extents are int32 in the kernels) "
+                        f"or one of {', '.join(ir.SHAPE_SYMBOLS)}",
                     )
                 if self.spec.varlen and d in ("seqlen_q", "seqlen_k"):
                     raise self.fail(
@@ -330,6 +332,12 @@ class _Checker:
         if abs(v) > F32_MAX:
             raise self.fail(
                 e.span, f"float literal {v!r} does not fit in float32 (max {F32_MAX:g})"
+            )
+        if v != 0 and struct.unpack("f", struct.pack("f", v))[0] == 0:
+            raise self.fail(
+                e.span,
+                f"float literal {v!r} rounds to 0 in float32 (the kernels' arithmetic; the "
+                "smallest nonzero float32 is about 1.4e-45)",
             )
         return replace(e, ty=Ty.F32)
 

@@ -222,7 +222,8 @@ def _consoles():
     # a pipe or file gets wide tables rather than rich's 80-column default
     width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
     out = Console(file=sys.stdout, soft_wrap=False, highlight=False, width=width, emoji=False)
-    err = Console(file=sys.stderr, highlight=False, emoji=False)
+    # errors are not wrapped: a spec error's caret must stay under its column
+    err = Console(file=sys.stderr, soft_wrap=True, highlight=False, emoji=False)
     return out, err
 
 

@@ -367,14 +367,21 @@ def cuda_expr(e: Expr, spec: Spec, inv: Invariants | None = None) -> str:
     ``t_t[i * (shape[1]) + j]`` (row-major, contiguous).  Integer ``/`` and ``%``
     truncate toward zero as in C, and give 0 for a zero divisor (``fg::idiv``/``imod``);
     the reference does the same.  With ``inv``, a divisor of constants and scalar params
-    is hoisted into ``inv``'s prologue (see :class:`Invariants`).
+    is hoisted into ``inv``'s prologue (see :class:`Invariants`), except that a float
+    division whose value reaches a comparison stays a division: ``x * (1 / d)`` may differ
+    from ``x / d`` by an ulp, and a comparison turns that ulp into a different decision
+    (``q_idx / 7.0 <= kv_idx`` at ``q_idx = 21``: 3.0000002 against 3).
     """
-    return _cuda_expr(e, spec, inv)
+    return _cuda_expr(e, spec, inv, False)
 
 
-def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None) -> str:
+_COMPARE = {"<", "<=", ">", ">=", "==", "!="}
+
+
+def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> str:
     def cuda_expr(x: Expr, spec: Spec) -> str:  # recursion keeps the collector
-        return _cuda_expr(x, spec, inv)
+        below = compared or (isinstance(e, Binary) and e.op in _COMPARE)
+        return _cuda_expr(x, spec, inv, below)
 
     def as_float(x: Expr, code: str) -> str:
         if x.ty == Ty.I32 and _affine_int(x):
@@ -425,7 +432,7 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None) -> str:
             lhs, rhs = as_float(e.lhs, lhs), as_float(e.rhs, rhs)
             if e.op == "%":
                 return f"fmodf({lhs}, {rhs})"
-            if e.op == "/" and hoist:  # one reciprocal per kernel, a multiply per element
+            if e.op == "/" and hoist and not compared:  # one reciprocal, a multiply per element
                 return f"({lhs} * {inv.add('float', f'1.0f / {rhs}')})"
         elif e.op in ("/", "%") and not (isinstance(e.rhs, Const) and e.rhs.value != 0):
             # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the

@@ -159,15 +159,19 @@ def eval_mask(
     seqlen_k: int,
     params: dict | None = None,
     device=None,
+    batch_offset: int = 0,
 ):
     """``spec.mask`` materialized: bool ``[batch, heads_q, seqlen_q, seqlen_k]`` (all True
-    without a mask), with ``b`` in ``range(batch)`` and ``h`` in ``range(heads_q)`` (pass 1
-    for an axis the mask does not read, to broadcast over it).  ``params`` as in
-    :func:`attention_reference`.  Raises ``IndexError`` like it for an out-of-range
-    tensor-param index at a kept pair.
+    without a mask), with ``b`` in ``range(batch_offset, batch_offset + batch)`` and ``h``
+    in ``range(heads_q)`` (pass 1 for an axis the mask does not read, to broadcast over it).
+    ``params`` as in :func:`attention_reference` (whole: ``b`` indexes them).  Raises
+    ``IndexError`` like it for an out-of-range tensor-param index at a kept pair.
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
-    env = _env(spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float64)
+    env = _env(
+        spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float64,
+        batch_offset,
+    )  # fmt: skip
     shape = (batch, heads_q, seqlen_q, seqlen_k)
     if spec.mask is None:
         return torch.ones(shape, dtype=torch.bool, device=dev)

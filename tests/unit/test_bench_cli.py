@@ -231,3 +231,31 @@ def test_flex_retries_with_smaller_blocks_only_for_resource_errors():
 
     with pytest.raises(ValueError, match="a real bug"):
         bench.flex_retrying_smaller_blocks(broken)(1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "mask, params",
+    [
+        ("q_idx >= kv_idx || b > 0", "{}"),
+        ("q_idx >= kv_idx || t[b] > 0", "{t: {type: i32, shape: [batch]}}"),
+        ("q_idx >= kv_idx || t[b, h, q_idx] > 0", "{t: {type: i32, shape: [batch, 2, 5]}}"),
+        ("doc[b, q_idx] == doc[b, kv_idx]", "{doc: {type: i32, shape: [batch, seqlen_q]}}"),
+    ],
+)
+def test_kept_pairs_counts_each_batch_row(mask, params):
+    """A mask that reads ``b`` (directly, or through a tensor param of any shape) keeps
+    other pairs in each batch row: kept_pairs (one row at a time) equals the whole mask."""
+    torch = pytest.importorskip("torch")
+    from flashgen import bench
+    from flashgen.reference import eval_mask
+    from flashgen.spec import loads_spec
+
+    spec = loads_spec(f"name: t\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n")
+    gen = torch.Generator().manual_seed(0)
+    values = {
+        p.name: torch.randint(0, 2, [3 if d == "batch" else 5 for d in p.shape], generator=gen)
+        for p in spec.tensor_params
+    }
+    values = {k: v.to(torch.int32) for k, v in values.items()}
+    want = eval_mask(spec, batch=3, heads_q=2, seqlen_q=5, seqlen_k=5, params=values)
+    assert bench.kept_pairs(spec, 3, 2, 5, values, torch.device("cpu")) == int(want.sum())

@@ -192,3 +192,19 @@ def test_python_api_argument_names_are_reserved_params(name):
     text = f"name: demo\nhead_dim: 128\ndtype: bf16\nparams:\n  {name}: {{type: i32, default: 1}}\n"
     with pytest.raises(SpecError, match="reserved"):
         loads_spec(text, "r.yaml")
+
+
+def test_too_large_shape_entry_says_why():
+    """An extent past int32 is refused with the limit named (not just 'a positive integer')."""
+    text = "name: demo\nhead_dim: 128\ndtype: bf16\nscore_mod: score + t[q_idx]\n"
+    text += "params:\n  t: {type: f32, shape: [3000000000]}\n"
+    with pytest.raises(SpecError, match=r"at most 2147483647"):
+        loads_spec(text)
+
+
+def test_float_literal_that_underflows_float32_is_refused():
+    """``score / 1e-50`` would divide by float32 zero in the kernels (the reference, in
+    float64, by 1e-50): refused like a constant zero divisor; 1e-45 is still a float32."""
+    with pytest.raises(SpecError, match=r"rounds to 0 in float32"):
+        loads_spec(spec_text(score_mod="score / 1e-50"))
+    loads_spec(spec_text(score_mod="score * 1e-45 + score"))

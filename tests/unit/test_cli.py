@@ -60,6 +60,18 @@ def test_bad_spec_exits_1_with_location(tmp_path, capsys):
     assert not (tmp_path / "gen").exists()
 
 
+def test_long_spec_error_is_not_wrapped(tmp_path, capsys):
+    """The caret stays under the offending column however long the line (no console wrap)."""
+    bad = tmp_path / "long.yaml"
+    expr = " + ".join(["score"] * 30) + " + nope"
+    bad.write_text(f"name: long\nhead_dim: 128\ndtype: bf16\nscore_mod: {expr}\n")
+    assert main(["show", str(bad)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    src = next(i for i, line in enumerate(lines) if "score_mod:" in line)
+    assert lines[src].endswith("+ nope") and lines[src + 1].strip() == "^"
+    assert lines[src + 1].index("^") == lines[src].index("nope")
+
+
 def test_missing_nvcc_is_explained(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLASHGEN_NVCC", "/nonexistent/nvcc")
     rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])

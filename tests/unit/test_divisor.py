@@ -127,3 +127,23 @@ def test_invariant_divisors_are_hoisted_once():
     assert "(t_slopes[" in mod and "* fg_inv2)" in mod
     # without a collector, nothing is hoisted (plain C division)
     assert "fg::idiv(q_idx, p_chunk)" in cuda_expr(spec.mask, spec)
+
+
+def test_compared_float_division_is_not_a_reciprocal():
+    """``x * (1 / d)`` is within an ulp of ``x / d`` but not always equal (21 * (1 / 7.0f) is
+    3.0000002): a float division whose value reaches a comparison stays a division, so a
+    mask such as ``kv_idx >= q_idx / f`` keeps the pairs the reference keeps."""
+    spec = loads_spec(
+        "name: cmp\nhead_dim: 64\ndtype: bf16\n"
+        "mask: kv_idx >= q_idx / f && q_idx / p == kv_idx / p\n"
+        "score_mod: 'score / f + (q_idx / 7.0 == kv_idx ? score / f : 0.0)'\n"
+        "params:\n  f: {type: f32, default: 7.0}\n  p: {type: i32, default: 4}\n"
+    )
+    inv = Invariants()
+    mask = cuda_expr(spec.mask, spec, inv)
+    mod = cuda_expr(spec.score_mod, spec, inv)
+    assert "(kv_idx_f >= (q_idx_f / p_f))" in mask
+    assert "fg_inv0.div(q_idx) == fg_inv0.div(kv_idx)" in mask  # exact: still hoisted
+    assert "((q_idx_f / 7.0f) == kv_idx_f)" in mod  # compared: a division
+    assert mod.count("(score * fg_inv1)") == 2  # not compared: the reciprocal
+    assert inv.decls == ["const fg::Divisor fg_inv0(p_p);", "const float fg_inv1(1.0f / p_f);"]

@@ -1,0 +1,147 @@
+"""The kernels' lowered masks (``lower.cuda_expr`` with the forward's hoisted invariants and
+float twins) evaluated on the host, pair by pair, against the reference's mask
+(``reference.eval_mask``): a CPU check of the lowering rules that the GPU tests check
+end to end.  The expressions run in a C++ program built with the host compiler, with the
+kernels' own ``fg::idiv``/``imod``/``clamp_index``/``Divisor`` taken from
+``templates/common/mma_sm80.cuh`` (``__device__`` defined away), ``q_idx_f``/``kv_idx_f``
+as the kernels define them, and the prologue of hoisted divisors before the expression.
+
+The cases are decided exactly in float32 and float64 alike (a comparison at an exact
+quotient, such as ``q_idx / 7.0 == kv_idx`` at q_idx = 21), so any difference is the
+lowering's: ``x * (1 / d)`` for ``x / d`` there was one (21 * (1 / 7.0f) = 3.0000002).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen.lower import Invariants, cuda_expr  # noqa: E402
+from flashgen.reference import eval_mask  # noqa: E402
+from flashgen.spec import loads_spec  # noqa: E402
+
+HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
+SQ, SK = 150, 200
+
+# (mask, params declaration, values of the scalar params)
+CASES = [
+    ("q_idx / f == kv_idx", "{f: {type: f32, default: 1.0}}", {"f": 7.0}),
+    (
+        "kv_idx >= q_idx / f && kv_idx * 1.0 <= q_idx / 3.0",
+        "{f: {type: f32, default: 1.0}}",
+        {"f": 7.0},
+    ),
+    (
+        "(q_idx - kv_idx) / 1.5 < w && q_idx >= kv_idx",
+        "{w: {type: f32, default: 1.0}}",
+        {"w": 10.0},
+    ),
+    (
+        "min(q_idx, kv_idx) * 2.5 / f > q_idx - kv_idx",
+        "{f: {type: f32, default: 1.0}}",
+        {"f": 0.75},
+    ),
+    ("(q_idx - kv_idx) / p >= 2.0 || kv_idx / p == 5", "{p: {type: i32, default: 1}}", {"p": 7}),
+    ("q_idx / p == kv_idx / p || kv_idx % -p == 1", "{p: {type: i32, default: 1}}", {"p": 3}),
+    ("q_idx / p == kv_idx / p || kv_idx % -p == 1", "{p: {type: i32, default: 1}}", {"p": -5}),
+    ("q_idx / p == kv_idx / p || kv_idx % -p == 1", "{p: {type: i32, default: 1}}", {"p": 0}),
+    (
+        "causal && (q_idx + seqlen_k - seqlen_q) / chunk == kv_idx / chunk",
+        "{chunk: {type: i32, default: 1}}",
+        {"chunk": 8},
+    ),
+    (
+        "q_idx % (p + 1) < kv_idx % (p * 2 + 1) || !(q_idx / (p - 3) > 2)",
+        "{p: {type: i32, default: 1}}",
+        {"p": 3},
+    ),
+    (
+        "q_idx % (p + 1) < kv_idx % (p * 2 + 1) || !(q_idx / (p - 3) > 2)",
+        "{p: {type: i32, default: 1}}",
+        {"p": 7},
+    ),
+    (
+        "q_idx - kv_idx + seqlen_k - seqlen_q < 0.5 * f && kv_idx > q_idx / 9",
+        "{f: {type: f32, default: 1.0}}",
+        {"f": 33.0},
+    ),
+]
+
+
+def _fg_functions() -> str:
+    """fg::clamp_index, idiv, imod and Divisor, verbatim from the kernels' header."""
+    text = HEADER.read_text()
+    start = text.index("__device__ __forceinline__ int clamp_index")
+    end = text.index("};", text.index("struct Divisor")) + 2
+    return text[start:end]
+
+
+def _program(cases) -> str:
+    funcs = []
+    for i, (spec, values) in enumerate(cases):
+        inv = Invariants()
+        code = cuda_expr(spec.mask, spec, inv)
+        decl = "".join(
+            f", {'int' if p.ty.name == 'I32' else 'float'} p_{p.name}" for p in spec.scalar_params
+        )
+        args = "".join(
+            f", {int(values[p.name]) if p.ty.name == 'I32' else repr(float(values[p.name])) + 'f'}"
+            for p in spec.scalar_params
+        )
+        funcs.append(
+            f"static bool mask_{i}(int q_idx, int kv_idx, int seqlen_q, int seqlen_k{decl}) {{\n"
+            "    const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;\n"
+            "    (void)q_idx_f; (void)kv_idx_f;\n"
+            f"    {inv.prologue}\n"
+            f"    return {code};\n}}\n"
+            f"static void run_{i}() {{\n"
+            f"    for (int q = 0; q < {SQ}; ++q)\n"
+            f"        for (int k = 0; k < {SK}; ++k)\n"
+            f"            putchar(mask_{i}(q, k, {SQ}, {SK}{args}) ? '1' : '0');\n"
+            "    putchar('\\n');\n}\n"
+        )
+    main = "int main() {\n" + "".join(f"    run_{i}();\n" for i in range(len(cases))) + "}\n"
+    return (
+        "#include <algorithm>\n#include <cmath>\n#include <cstdint>\n#include <cstdio>\n"
+        "#include <cstdlib>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
+        "using std::max;\nusing std::min;\n"
+        f"namespace fg {{\n{_fg_functions()}\n}}  // namespace fg\n" + "".join(funcs) + main
+    )
+
+
+def test_lowered_masks_match_the_reference(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler")
+    cases = []
+    for i, (mask, params, values) in enumerate(CASES):
+        spec = loads_spec(
+            f"name: h{i}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n"
+        )
+        cases.append((spec, values))
+    src = tmp_path / "masks.cpp"
+    src.write_text(_program(cases))
+    exe = tmp_path / "masks"
+    build = subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if build.returncode:
+        pytest.fail(f"{cxx} failed:\n{build.stdout}{build.stderr}\n{src.read_text()}")
+    rows = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()
+    assert len(rows) == len(cases)
+    for (spec, values), row in zip(cases, rows, strict=True):
+        want = eval_mask(spec, batch=1, heads_q=1, seqlen_q=SQ, seqlen_k=SK, params=values)
+        got = torch.tensor([c == "1" for c in row]).view(SQ, SK)
+        bad = (got != want[0, 0]).nonzero()
+        assert len(bad) == 0, (
+            f"mask {spec.source.splitlines()[3]} {values}: {len(bad)} pairs differ, first "
+            f"(q_idx, kv_idx) = {tuple(bad[0].tolist())}, kernel {bool(got[tuple(bad[0])])}"
+        )
