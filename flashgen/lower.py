@@ -308,21 +308,43 @@ def _affine_int(e: Expr) -> bool:
     return False
 
 
-def _float_affine(e: Expr, spec: Spec) -> str:
-    """``(float)(e)`` for an :func:`_affine_int` ``e``, computed in float from the index
-    variables' float twins: no int-to-float conversion per element (a conversion issues at a
-    quarter of the FMA rate on sm_80/sm_90, as MUFU does).  Exact while every partial sum
-    stays under 2^24 in magnitude; within float rounding beyond."""
-    if isinstance(e, Const):
-        return f"{float(e.value)!r}f"
-    if isinstance(e, Var):
-        if e.name in INDEX_F:
-            return INDEX_F[e.name]
-        return f"((float){'p_' + e.name if spec.param(e.name) is not None else e.name})"
+def _signed_terms(e: Expr, sign: int = 1) -> list[tuple[int, Expr]]:
+    """The constants and names of an :func:`_affine_int` ``e`` with their signs."""
+    if isinstance(e, (Const, Var)):
+        return [(sign, e)]
     if isinstance(e, Unary):
-        return f"(-{_float_affine(e.arg, spec)})"
+        return _signed_terms(e.arg, -sign)
     assert isinstance(e, Binary)
-    return f"({_float_affine(e.lhs, spec)} {e.op} {_float_affine(e.rhs, spec)})"
+    return _signed_terms(e.lhs, sign) + _signed_terms(e.rhs, sign if e.op == "+" else -sign)
+
+
+def _float_affine(e: Expr, spec: Spec) -> str | None:
+    """``(float)(e)`` for an :func:`_affine_int` ``e`` that reads ``q_idx`` or ``kv_idx``,
+    computed from the index variables' float twins: no int-to-float conversion per element
+    (a conversion issues at a quarter of the FMA rate on sm_80/sm_90, as MUFU does).  The
+    other terms are summed in int first and converted once (kernel- or row-invariant, so
+    hoisted), then the twins are added in order: ALiBi's ``q_idx + seqlen_k - seqlen_q -
+    kv_idx`` is ``(q_idx_f + (float)(seqlen_k - seqlen_q)) - kv_idx_f``, one FADD per element.
+    Exact while the index variables, the int sum and each partial sum stay under 2^24 in
+    magnitude (large params that cancel, as in ``q_idx + p - p``, stay exact).  ``None``
+    without an index variable (a plain cast, hoisted by the compiler)."""
+    terms = _signed_terms(e)
+    idx = [(sg, n) for sg, n in terms if isinstance(n, Var) and n.name in INDEX_F]
+    if not idx:
+        return None
+    rest = [(sg, n) for sg, n in terms if not (isinstance(n, Var) and n.name in INDEX_F)]
+    idx.sort(key=lambda t: t[0] < 0)  # a positive twin first, if any
+    sg, n = idx[0]
+    out = INDEX_F[n.name] if sg > 0 else f"(-{INDEX_F[n.name]})"
+    if rest:
+        code = ""
+        for i, (rs, rn) in enumerate(rest):
+            term = _cuda_expr(rn, spec, None, False)
+            code += (("-" if rs < 0 else "") if i == 0 else (" - " if rs < 0 else " + ")) + term
+        out = f"({out} + ((float)({code})))"
+    for sg, n in idx[1:]:
+        out = f"({out} {'+' if sg > 0 else '-'} {INDEX_F[n.name]})"
+    return out
 
 
 class Invariants:
@@ -384,9 +406,8 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         return _cuda_expr(x, spec, inv, below)
 
     def as_float(x: Expr, code: str) -> str:
-        if x.ty == Ty.I32 and _affine_int(x):
-            return _float_affine(x, spec)
-        return _cast(code, x.ty, Ty.F32)
+        twins = _float_affine(x, spec) if x.ty == Ty.I32 and _affine_int(x) else None
+        return twins if twins is not None else _cast(code, x.ty, Ty.F32)
 
     if isinstance(e, Const):
         if e.ty == Ty.BOOL:

@@ -664,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_alibi_bw
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * (((q_idx_f + ((float)seqlen_k)) - ((float)seqlen_q)) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -683,7 +683,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_alibi_bw
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * (((q_idx_f + ((float)seqlen_k)) - ((float)seqlen_q)) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -836,7 +836,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_alibi_bw
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * (((q_idx_f + ((float)seqlen_k)) - ((float)seqlen_q)) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -853,7 +853,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_alibi_bw
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * (((q_idx_f + ((float)seqlen_k)) - ((float)seqlen_q)) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 

@@ -65,6 +65,14 @@ CASES = [
         "{p: {type: i32, default: 1}}",
         {"p": 7},
     ),
+    # float twins with large params that cancel: the int terms are summed before converting
+    ("q_idx - kv_idx + p - p < 2.5", "{p: {type: i32, default: 1}}", {"p": 2**26 + 1}),
+    ("(q_idx + p) - (kv_idx + p) < 2.5", "{p: {type: i32, default: 1}}", {"p": 2**25 + 3}),
+    (
+        "kv_idx - q_idx + seqlen_q - seqlen_k + p - (p - 4) >= -3.5",
+        "{p: {type: i32, default: 1}}",
+        {"p": 2**27 + 5},
+    ),
     (
         "q_idx - kv_idx + seqlen_k - seqlen_q < 0.5 * f && kv_idx > q_idx / 9",
         "{f: {type: f32, default: 1.0}}",
