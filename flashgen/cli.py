@@ -464,6 +464,8 @@ def verify_spec(spec: ir.Spec) -> dict:
     """Check the CUDA op against the fp64 reference and time it (needs a CUDA GPU)."""
     import torch
 
+    from .bench import do_bench_ms
+    from .lower import split_causal
     from .op import build_op
 
     op = build_op(spec)
@@ -479,8 +481,7 @@ def verify_spec(spec: ir.Spec) -> dict:
         cases.append({"case": f"B=2 H=4/2 Sq={sq} Sk={sk}", "max_err": e, "bound": bound, "ok": ok})
     s = 8192 if max(spec.head_dim, spec.head_dim_v) > 128 else 16384
     q, k, v, params = random_inputs(spec, 1, 16, 16, s, s, dev, gen)
-    ms = _bench(lambda: call_padded(op, q, k, v, params))
-    from .lower import split_causal
+    ms = do_bench_ms(lambda: call_padded(op, q, k, v, params), warmup_ms=25, rep_ms=100)
 
     d_sum = spec.head_dim + spec.head_dim_v  # Q K^T costs 2·S²·D, P V costs 2·S²·Dv
     flops = 2 * s * s * 16 * d_sum * (0.5 if split_causal(spec.mask)[0] else 1.0)
@@ -492,28 +493,6 @@ def verify_spec(spec: ir.Spec) -> dict:
         "ms": ms,
         "tflops": flops / (ms * 1e-3) / 1e12,
     }
-
-
-def _bench(fn) -> float:
-    """Median milliseconds of ``fn`` (triton's do_bench if available, else CUDA events)."""
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, return_mode="median"))
-    except ImportError:
-        import torch
-
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
 
 
 # ----------------------------------------------------------------------------- show / list

@@ -10,7 +10,7 @@ and pass (forward; backward alone):
     density     fraction of the Sq x Sk (q, kv) pairs the mask keeps (exact count)
     live, full  fraction of the forward kernel's (query block, key block) tiles that are
                 live / FULL (brute force, at the kernel's tiles)
-    ms          median time (CUDA events, ``--reps`` runs after warm-up)
+    ms          median time (``flashgen.bench.do_bench_ms``: triton do_bench, ``--rep-ms``)
     causal_ms   the dense causal kernel, same pass and shape
     t/t_causal  time ratio;  d/d_causal  density ratio;  eff = (t/t_causal) / (d/d_causal):
                 1.0 = time in proportion to the kept pairs, > 1 = slower than proportional
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -75,28 +74,12 @@ def mask_stats(spec, s: int, params: dict, bm: int, bn: int, dev) -> tuple[float
     return kept / (s * s), live / tiles, full / tiles
 
 
-def median_ms(fn, reps: int, warmup: int = 3) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlen", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
 
@@ -106,6 +89,7 @@ def main(argv=None) -> int:
         print("mask_speed needs a CUDA GPU", file=sys.stderr)
         return 2
 
+    from flashgen.bench import do_bench_ms
     from flashgen.lower import plan_forward
     from flashgen.op import build_op, target_for_device
     from flashgen.spec import load_spec
@@ -138,10 +122,10 @@ def main(argv=None) -> int:
         def fwd(op=op, params=params):
             return op.attention(q, k, v, **params)
 
-        t_f = median_ms(fwd, args.reps)
+        t_f = do_bench_ms(fwd, 25, args.rep_ms)
         o, _ = fwd()
-        t_b = median_ms(
-            lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), args.reps
+        t_b = do_bench_ms(
+            lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), 25, args.rep_ms
         )
         del o
         rows.append(
