@@ -91,6 +91,20 @@ def _grads_like(q, k, v, fill_zero: bool):
     return tuple(make(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
+def refuse_tensor_param_grads(spec: Spec, tensors) -> None:
+    """Raise ``NotImplementedError`` (at autograd setup, before any backward runs) if a
+    tensor param of ``spec`` requires grad: its gradient is not computed, and a silent zero
+    would be wrong.  ``tensors``: the op's tensor-param inputs, in ``spec.tensor_params``
+    order."""
+    for p, t in zip(spec.tensor_params, tensors, strict=True):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise NotImplementedError(
+                f"flashgen::{spec.name}: gradients with respect to tensor param "
+                f"'{p.name}' are not supported yet; pass {p.name}.detach() to train "
+                f"only q, k and v"
+            )
+
+
 class Backward:
     """The backward implementations of one :class:`~flashgen.op.AttentionOp`."""
 
@@ -205,13 +219,7 @@ class Backward:
             rest = rest[:-1]
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
-        for p, t in zip(self.spec.tensor_params, tensors, strict=True):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise NotImplementedError(
-                    f"flashgen::{self.spec.name}: gradients with respect to tensor param "
-                    f"'{p.name}' are not supported yet; pass {p.name}.detach() to train "
-                    f"only q, k and v"
-                )
+        refuse_tensor_param_grads(self.spec, tensors)
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
         ctx.softmax_scale = softmax_scale

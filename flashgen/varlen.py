@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ir
-from .backward import Backward, backward_name, uses_atomic_dq
+from .backward import Backward, backward_name, refuse_tensor_param_grads, uses_atomic_dq
 from .errors import OpInputError, SpecError
 from .op import (
     _SCHEMA_TYPE,
@@ -564,13 +564,7 @@ class VarlenBackward(Backward):
         q, k, v, cq, ck, mq, mk, softmax_scale, *rest = inputs
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
-        for p, t in zip(self.spec.tensor_params, tensors, strict=True):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise NotImplementedError(
-                    f"flashgen::{self.spec.name}: gradients with respect to tensor param "
-                    f"'{p.name}' are not supported yet; pass {p.name}.detach() to train "
-                    f"only q, k and v"
-                )
+        refuse_tensor_param_grads(self.spec, tensors)
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cq, ck, *tensors)
         ctx.max_seqlen = (mq, mk)
