@@ -4,6 +4,7 @@
   is false (``python -m pytest -m gpu`` selects only them).
 * Every test session compiles into its own temporary ``FLASHGEN_CACHE_DIR``.
 * ``error_bound`` fixture: the accuracy bound used against the float64 reference.
+* ``host_exe`` fixture: a host program built with nvcc from the kernels' headers.
 """
 
 from __future__ import annotations
@@ -49,6 +50,27 @@ def _session_cache_dir(tmp_path_factory):
         os.environ.pop("FLASHGEN_CACHE_DIR", None)
     else:
         os.environ["FLASHGEN_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def host_exe(tmp_path, requires_nvcc):
+    """``build(source, name="prog", opt="-O1")``: compile CUDA C++ ``source`` into a host
+    executable with nvcc (the kernels' headers, ``__host__ __device__`` code run on the CPU)
+    and return its path; the test fails with nvcc's output if it does not build."""
+    import subprocess
+
+    from flashgen.compile import find_nvcc
+
+    def build(source: str, name: str = "prog", opt: str = "-O1") -> Path:
+        src, exe = tmp_path / f"{name}.cu", tmp_path / name
+        src.write_text(source)
+        cmd = [find_nvcc(), "-std=c++17", opt, "-x", "cu", str(src), "-o", str(exe)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            pytest.fail(f"nvcc failed:\n{done.stdout}{done.stderr}")
+        return exe
+
+    return build
 
 
 @pytest.fixture

@@ -11,8 +11,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from flashgen.lower import Invariants, cuda_expr
 from flashgen.spec import loads_spec
 
@@ -76,20 +74,8 @@ int main() {
 """
 
 
-def test_divisor_matches_c_division(requires_nvcc, tmp_path):
-    from flashgen.compile import find_nvcc
-
-    src = tmp_path / "div.cu"
-    src.write_text(PROGRAM.replace("HEADER", str(HEADER)))
-    exe = tmp_path / "div"
-    build = subprocess.run(
-        [find_nvcc(), "-std=c++17", "-O2", "-o", str(exe), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if build.returncode:
-        pytest.fail(f"nvcc failed:\n{build.stdout}{build.stderr}")
+def test_divisor_matches_c_division(host_exe):
+    exe = host_exe(PROGRAM.replace("HEADER", str(HEADER)), "div", "-O2")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout[-3000:]
 

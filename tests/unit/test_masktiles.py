@@ -82,17 +82,8 @@ def _program(specs, cases) -> str:
     return "\n".join(parts)
 
 
-def _run_host(tmp_path, specs, cases) -> list[int]:
-    from flashgen.compile import find_nvcc
-
-    src = tmp_path / "cls.cu"
-    src.write_text(_program(specs, cases))
-    exe = tmp_path / "cls"
-    subprocess.run(
-        [find_nvcc(), "-std=c++17", "-O1", "-x", "cu", str(src), "-o", str(exe)],
-        check=True,
-        capture_output=True,
-    )
+def _run_host(host_exe, specs, cases) -> list[int]:
+    exe = host_exe(_program(specs, cases), "cls")
     stdin = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     return [int(x) for x in out.stdout.split()]
@@ -119,12 +110,12 @@ def _cases(i, spec, rng, n=150):
     return out
 
 
-def test_classifier_matches_maskinfo_on_host(tmp_path, requires_nvcc):
+def test_classifier_matches_maskinfo_on_host(host_exe):
     specs = [load_spec(p) for p in SHIPPED] + [_gallery(n) for n in sorted(GALLERY)]
     specs += _random_specs(60, wild=False) + _random_specs(40, wild=True)
     rng = random.Random(0)
     cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng)]
-    got = _run_host(tmp_path, specs, [c for c, _ in cases])
+    got = _run_host(host_exe, specs, [c for c, _ in cases])
     assert len(got) == len(cases)
     bad = [(specs[c[0]].mask, c, w, g) for (c, w), g in zip(cases, got, strict=True) if w != g]
     assert not bad, f"{len(bad)} disagreements, first: {bad[:3]}"
@@ -184,17 +175,10 @@ int main() {
 """
 
 
-def _walks(tmp_path, rows: list[str]) -> list[tuple[list[str], list[str], int, int]]:
+def _walks(host_exe, rows: list[str]) -> list[tuple[list[str], list[str], int, int]]:
     """Per row: (forward walk, backward walk, and their classification counts)."""
-    from flashgen.compile import find_nvcc
-
-    src = tmp_path / "search.cu"
-    src.write_text((template_root() / "common" / "masktiles.cuh").read_text() + SEARCH_MAIN)
-    exe = tmp_path / "search"
-    subprocess.run(
-        [find_nvcc(), "-std=c++17", "-O1", "-x", "cu", str(src), "-o", str(exe)],
-        check=True,
-        capture_output=True,
+    exe = host_exe(
+        (template_root() / "common" / "masktiles.cuh").read_text() + SEARCH_MAIN, "search"
     )
     lines = [f"{w} {len(r)} {r}" for r in rows for w in (1, 0)]
     out = subprocess.run(
@@ -207,7 +191,7 @@ def _walks(tmp_path, rows: list[str]) -> list[tuple[list[str], list[str], int, i
     return res
 
 
-def test_block_searches_walk_exactly_the_live_blocks(tmp_path, requires_nvcc):
+def test_block_searches_walk_exactly_the_live_blocks(host_exe):
     """Whole next_live / prev_live walks visit exactly the non-empty blocks, in order, each
     with its class (FULL runs are taken from one range check, so this checks that too)."""
     rng = random.Random(1)
@@ -225,18 +209,18 @@ def test_block_searches_walk_exactly_the_live_blocks(tmp_path, requires_nvcc):
                 for _ in range(n)
             )
         )
-    for row, (fw, bw, _, _) in zip(rows, _walks(tmp_path, rows), strict=True):
+    for row, (fw, bw, _, _) in zip(rows, _walks(host_exe, rows), strict=True):
         want = [f"{i}:{'EPF'.index(c)}" for i, c in enumerate(row) if c != "E"]
         assert fw == want, f"next_live walk of {row}"
         assert bw == want[::-1], f"prev_live walk of {row}"
 
 
-def test_block_searches_cost_log_n_on_runs(tmp_path, requires_nvcc):
+def test_block_searches_cost_log_n_on_runs(host_exe):
     """A dense causal row (501 live blocks), a window (122) and an empty row (0) take
     O(log^2 n) range checks: 23, 46 and 10 here."""
     n = 512
     rows = ["F" * 500 + "P" + "E" * 11, "E" * 300 + "P" + "F" * 120 + "P" + "E" * 90, "E" * n]
-    for row, (fw, bw, fc, bc) in zip(rows, _walks(tmp_path, rows), strict=True):
+    for row, (fw, bw, fc, bc) in zip(rows, _walks(host_exe, rows), strict=True):
         assert len(fw) == len(bw) == n - row.count("E")
         assert fc <= 50 and bc <= 50, f"{fc} / {bc} checks for {len(fw)} live blocks"
 

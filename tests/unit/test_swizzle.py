@@ -16,8 +16,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
 HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 
 PROGRAM = r"""
@@ -65,19 +63,7 @@ int main() {
 """
 
 
-def test_swizzle_is_a_conflict_free_permutation(requires_nvcc, tmp_path):
-    from flashgen.compile import find_nvcc
-
-    src = tmp_path / "swz.cu"
-    src.write_text(PROGRAM.replace("HEADER", str(HEADER)))
-    exe = tmp_path / "swz"
-    build = subprocess.run(
-        [find_nvcc(), "-std=c++17", "-o", str(exe), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if build.returncode:
-        pytest.fail(f"nvcc failed:\n{build.stdout}{build.stderr}")
+def test_swizzle_is_a_conflict_free_permutation(host_exe):
+    exe = host_exe(PROGRAM.replace("HEADER", str(HEADER)), "swz")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout[-3000:]
