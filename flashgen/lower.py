@@ -283,6 +283,8 @@ _F_CALLS = {
     "trunc": "truncf",  # only in derived (backward) expressions
 }
 _I_CALLS = {"abs": "abs", "min": "min", "max": "max"}
+#: DSL functions that lower to a MUFU (special function unit) op in the kernels.
+MUFU_CALLS = frozenset({"tanh", "exp", "log", "sqrt"})
 _C_TYPE = {Ty.I32: "int", Ty.F32: "float", Ty.BOOL: "bool"}
 
 
@@ -667,7 +669,12 @@ def plan_forward(
     table_smem = TABLE_ROW_SMEM if needs_block_table(spec) else 0
     smem += table_smem
     ctx = _forward_context(spec, target, tiles)
-    ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
+    ctx["smem_bytes"] = smem
+    # a score_mod with a MUFU function (tanh, exp, log, sqrt) makes two MUFU ops per element:
+    # half the exp2s then run on the FMA pipe (fg::exp2_poly)
+    ctx["exp2_split"] = spec.score_mod is not None and any(
+        isinstance(n, Call) and n.fn in MUFU_CALLS for n in ir.walk(spec.score_mod)
+    )  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
     residual = split_causal(spec.mask)[1]
     ctx.update(
@@ -764,6 +771,11 @@ def plan_hopper_forward(
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(spec, target, tiles)
     ctx["smem_bytes"] = smem
+    # a score_mod with a MUFU function (tanh, exp, log, sqrt) makes two MUFU ops per element:
+    # half the exp2s then run on the FMA pipe (fg::exp2_poly)
+    ctx["exp2_split"] = spec.score_mod is not None and any(
+        isinstance(n, Call) and n.fn in MUFU_CALLS for n in ir.walk(spec.score_mod)
+    )
     if m_major is None:
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
