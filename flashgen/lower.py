@@ -283,17 +283,6 @@ _F_CALLS = {
     "trunc": "truncf",  # only in derived (backward) expressions
 }
 _I_CALLS = {"abs": "abs", "min": "min", "max": "max"}
-#: DSL functions that lower to a MUFU (special function unit) op in the kernels.
-MUFU_CALLS = frozenset({"tanh", "exp", "log", "sqrt"})
-
-
-def takes_mufu(expr: Expr | None) -> bool:
-    """True when ``expr`` calls a DSL function that lowers to a MUFU op (tanh, exp, log, sqrt)."""
-    if expr is None:
-        return False
-    return any(isinstance(n, Call) and n.fn in MUFU_CALLS for n in ir.walk(expr))
-
-
 _C_TYPE = {Ty.I32: "int", Ty.F32: "float", Ty.BOOL: "bool"}
 
 
@@ -803,9 +792,6 @@ def plan_hopper_forward(
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(spec, target, tiles)
     ctx["smem_bytes"] = smem
-    # a score_mod with a MUFU function (tanh, exp, log, sqrt) makes two MUFU ops per element:
-    # half the exp2s then run on the FMA pipe (fg::exp2_poly)
-    ctx["exp2_split"] = takes_mufu(spec.score_mod)
     if m_major is None:
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),

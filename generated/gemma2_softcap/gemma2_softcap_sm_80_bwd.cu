@@ -24,9 +24,6 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
-#ifndef __CUDACC_RTC__
-#include <string.h>  // memcpy: fg::exp2_poly on the host
-#endif
 
 namespace fg {
 
@@ -91,28 +88,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-// 2^x for x <= 0 on the FMA pipe, no MUFU (FlashAttention-4's software exp2): x = j + f with j = round(x)
-// (the 1.5 * 2^23 trick leaves j in t's low mantissa bits), 2^f on [-1/2, 1/2] by a degree-3 polynomial
-// (relative error 1.0e-4, under a bf16/fp16 P's rounding; 2^0 = 1 exactly), then j added to the exponent.
-// x is clamped at -127, so -inf (a masked score) gives 0.  A kernel whose softmax issues two MUFU ops per
-// element (tanh + ex2) computes half its exp2 here, so the MUFU and FMA pipes share the work.
-__host__ __device__ __forceinline__ float exp2_poly(float x) {
-    x = fmaxf(x, -127.f);
-    const float t = x + 12582912.f;
-    const float f = x - (t - 12582912.f);
-    const float p = fmaf(fmaf(fmaf(0.05500893f, f, 0.24221097f), f, 0.6932829f), f, 1.f);
-#ifdef __CUDA_ARCH__
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-#else  // host (tests/unit/test_exp2_poly.py): the same bit arithmetic
-    uint32_t pb, tb;
-    memcpy(&pb, &p, 4);
-    memcpy(&tb, &t, 4);
-    const uint32_t rb = pb + (tb << 23);
-    float r;
-    memcpy(&r, &rb, 4);
-    return r;
-#endif
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide
