@@ -352,11 +352,18 @@ class Invariants:
     divisor built only from constants and scalar params is computed once in the kernel's
     prologue (``decls``, rendered by the templates before their main loop), so a float
     ``x / d`` becomes ``x * (1 / d)`` (within an ulp of the division) and an integer one a
-    multiply-high by ``fg::Divisor`` (exact)."""
+    multiply-high by ``fg::Divisor`` (exact).
 
-    def __init__(self) -> None:
+    ``raw_score``: the name of the unscaled logit (q . k) in the kernel, where the template
+    has one; then ``score * c`` and ``score / d`` (c, d invariant) become ``raw * (scale * c)``
+    and ``raw * (scale / d)``: one multiply per element instead of two (softmax_scale folded
+    into the invariant; within an ulp of the two roundings, and never where the value is
+    compared)."""
+
+    def __init__(self, raw_score: str | None = None) -> None:
         self.decls: list[str] = []
         self._names: dict[tuple[str, str], str] = {}
+        self.raw_score = raw_score
 
     def add(self, ctype: str, init: str) -> str:
         """The name of a ``const ctype name(init);`` prologue value, declared once."""
@@ -449,6 +456,10 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
                 return f"({lhs} {e.op} {rhs})"
             return f"({lhs} {'&' if e.op == '&&' else '|'} {rhs})"
         hoist = inv is not None and _kernel_invariant(e.rhs, spec)
+        if inv is not None and inv.raw_score and not compared and e.op in ("*", "/"):
+            folded = _fold_scale(e, spec, inv, lambda x: as_float(x, cuda_expr(x, spec)))
+            if folded is not None:
+                return folded
         if Ty.F32 in (lt, rt):  # mixed arithmetic / comparison promotes to float
             lhs, rhs = as_float(e.lhs, lhs), as_float(e.rhs, rhs)
             if e.op == "%":
@@ -473,6 +484,23 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         args = ", ".join(as_float(a, cuda_expr(a, spec)) for a in e.args)
         return f"{_F_CALLS[e.fn]}({args})"
     raise TypeError(f"cannot lower {e!r}")
+
+
+def _is_score(e: Expr, spec: Spec) -> bool:
+    return isinstance(e, Var) and e.name == "score" and spec.param(e.name) is None
+
+
+def _fold_scale(e: Binary, spec: Spec, inv: Invariants, as_float) -> str | None:
+    """``score * c``, ``c * score`` or ``score / d`` with c, d invariant, as the raw logit
+    times one hoisted value (softmax_scale folded in); None for any other product."""
+    if _is_score(e.lhs, spec) and _kernel_invariant(e.rhs, spec):
+        other = e.rhs
+    elif e.op == "*" and _is_score(e.rhs, spec) and _kernel_invariant(e.lhs, spec):
+        other = e.lhs
+    else:
+        return None
+    op = "/" if e.op == "/" else "*"
+    return f"({inv.raw_score} * {inv.add('float', f'softmax_scale {op} {as_float(other)}')})"
 
 
 def _shape_extent(dim) -> str:
@@ -724,7 +752,7 @@ def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
-    inv = Invariants()
+    inv = Invariants(raw_score="score_raw")  # both forward templates define score_raw = q.k
     return {
         "spec_name": spec.name,
         "kernel_name": f"flashgen_{spec.name}_fwd_{target}",

@@ -685,7 +685,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
                     const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                    const float score = acc_s[4 * j + i] * softmax_scale;
+                    const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
+                    const float score = score_raw * softmax_scale;
+                    (void)score_raw; (void)score;
                     float x = (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f))));
                     const bool keep = (q_raw < seqlen_q) & (kv_raw < seqlen_k)
                                       & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
@@ -710,7 +712,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
                     const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                     const float kv_idx_f = kv_f0 + (float)(j * 8 + i % 2);
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                    const float score = acc_s[4 * j + i] * softmax_scale;
+                    const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
+                    const float score = score_raw * softmax_scale;
+                    (void)score_raw; (void)score;
                     float x = (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f))));
                     (void)q_raw; (void)kv_raw;
                     acc_s[4 * j + i] = x;

@@ -474,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
     const int m0 = m_block * BLOCK_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Kernel-invariant divisors of the mask / score_mod (lower.Invariants), computed once.
-    const float fg_inv0(1.0f / p_softcap);
+    const float fg_inv0(softmax_scale / p_softcap);
 
     const elem_t* q_blk = q + b * q_sb + h * q_sh + (int64_t)m0 * q_ss;
     const elem_t* k_head = k + b * k_sb + h_kv * k_sh;
@@ -571,8 +571,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                         const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                         const float kv_idx_f = (float)kv_idx;
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                        const float score = acc_s[mt][nt][i] * softmax_scale;
-                        float x = (float)((p_softcap * fg::tanh_approx((score * fg_inv0)))) * LOG2E;
+                        const float score_raw = acc_s[mt][nt][i];  // q.k (lowering may fold the scale into a constant)
+                        const float score = score_raw * softmax_scale;
+                        (void)score_raw; (void)score;
+                        float x = (float)((p_softcap * fg::tanh_approx((score_raw * fg_inv0)))) * LOG2E;
                         const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
                                           && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
                         x = keep ? x : -INFINITY;
@@ -598,8 +600,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                         const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                         const float kv_idx_f = kv_f0 + (float)(nt * 8 + i % 2);
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                        const float score = acc_s[mt][nt][i] * softmax_scale;
-                        float x = (float)((p_softcap * fg::tanh_approx((score * fg_inv0)))) * LOG2E;
+                        const float score_raw = acc_s[mt][nt][i];  // q.k (lowering may fold the scale into a constant)
+                        const float score = score_raw * softmax_scale;
+                        (void)score_raw; (void)score;
+                        float x = (float)((p_softcap * fg::tanh_approx((score_raw * fg_inv0)))) * LOG2E;
                         (void)q_raw; (void)kv_raw;
                         acc_s[mt][nt][i] = x;
                     }

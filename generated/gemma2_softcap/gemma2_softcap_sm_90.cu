@@ -632,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
     const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
     // Kernel-invariant divisors of the mask / score_mod (lower.Invariants), computed once.
-    const float fg_inv0(1.0f / p_softcap);
+    const float fg_inv0(softmax_scale / p_softcap);
 
     constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"
     auto pp_wait = [&]() { fg::named_barrier_sync(PP_BARRIER + cg, 256); };
@@ -688,8 +688,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                     const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                    const float score = acc_s[4 * j + i] * softmax_scale;
-                    float x = (float)((p_softcap * fg::tanh_approx((score * fg_inv0))));
+                    const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
+                    const float score = score_raw * softmax_scale;
+                    (void)score_raw; (void)score;
+                    float x = (float)((p_softcap * fg::tanh_approx((score_raw * fg_inv0))));
                     const bool keep = (q_raw < seqlen_q) & (kv_raw < seqlen_k)
                                       & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
                     x = keep ? x : -INFINITY;
@@ -713,8 +715,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                     const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                     const float kv_idx_f = kv_f0 + (float)(j * 8 + i % 2);
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                    const float score = acc_s[4 * j + i] * softmax_scale;
-                    float x = (float)((p_softcap * fg::tanh_approx((score * fg_inv0))));
+                    const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
+                    const float score = score_raw * softmax_scale;
+                    (void)score_raw; (void)score;
+                    float x = (float)((p_softcap * fg::tanh_approx((score_raw * fg_inv0))));
                     (void)q_raw; (void)kv_raw;
                     acc_s[4 * j + i] = x;
                 }

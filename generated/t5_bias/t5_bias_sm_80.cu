@@ -563,7 +563,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                         const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                         const float kv_idx_f = (float)kv_idx;
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                        const float score = acc_s[mt][nt][i] * softmax_scale;
+                        const float score_raw = acc_s[mt][nt][i];  // q.k (lowering may fold the scale into a constant)
+                        const float score = score_raw * softmax_scale;
+                        (void)score_raw; (void)score;
                         float x = (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E;
                         const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
                                           && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
@@ -590,7 +592,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                         const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                         const float kv_idx_f = kv_f0 + (float)(nt * 8 + i % 2);
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                        const float score = acc_s[mt][nt][i] * softmax_scale;
+                        const float score_raw = acc_s[mt][nt][i];  // q.k (lowering may fold the scale into a constant)
+                        const float score = score_raw * softmax_scale;
+                        (void)score_raw; (void)score;
                         float x = (float)((score + t_bias[((int64_t)fg::clamp_index(h, heads_q)) * (int64_t)(257) + (int64_t)fg::clamp_index((min(max((kv_idx - q_idx), (-128)), 128) + 128), 257)])) * LOG2E;
                         (void)q_raw; (void)kv_raw;
                         acc_s[mt][nt][i] = x;

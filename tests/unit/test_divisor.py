@@ -133,3 +133,28 @@ def test_compared_float_division_is_not_a_reciprocal():
     assert "((q_idx_f / 7.0f) == kv_idx_f)" in mod  # compared: a division
     assert mod.count("(score * fg_inv1)") == 2  # not compared: the reciprocal
     assert inv.decls == ["const fg::Divisor fg_inv0(p_p);", "const float fg_inv1(1.0f / p_f);"]
+
+
+def test_softmax_scale_folds_into_score_products():
+    """With a raw logit in the kernel, ``score / d`` and ``c * score`` (d, c invariant) cost
+    one multiply per element: softmax_scale is folded into the hoisted value.  A compared
+    quotient and a product with a per-element factor keep the scaled ``score``."""
+    spec = loads_spec(
+        "name: fold\nhead_dim: 64\ndtype: bf16\n"
+        "score_mod: 'cap * tanh(score / cap) + 2.0 * score + score * kv_idx"
+        " + (score / cap > 1.0 ? 1.0 : 0.0)'\n"
+        "params:\n  cap: {type: f32, default: 30.0}\n"
+    )
+    inv = Invariants(raw_score="score_raw")
+    mod = cuda_expr(spec.score_mod, spec, inv)
+    assert "fg::tanh_approx((score_raw * fg_inv0))" in mod
+    assert "(score_raw * fg_inv1)" in mod
+    assert "(score * kv_idx_f)" in mod  # not invariant: unchanged
+    assert "((score / p_cap) > 1.0f)" in mod  # compared: the division of the scaled score
+    assert inv.decls == [
+        "const float fg_inv0(softmax_scale / p_cap);",
+        "const float fg_inv1(softmax_scale * 2.0f);",
+    ]
+    # the backward (no raw logit) keeps the scaled score and the reciprocal
+    plain = Invariants()
+    assert "(score * fg_inv0)" in cuda_expr(spec.score_mod, spec, plain)
