@@ -426,6 +426,8 @@ class AttentionOp:
         self._kernels: dict[tuple[int, str], object] = {}
         self._varlen_op: AttentionOp | None = None
         self._kernel_lock = threading.Lock()
+        #: whether the mask reads tensor params (a block table); asked on every call
+        self._block_table = needs_block_table(spec)
 
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
@@ -502,7 +504,7 @@ class AttentionOp:
         extra = []
         if block_mask is not None:
             extra.append(self._block_mask_table(block_mask, q, dims, scalars))
-        elif needs_block_table(self.spec):
+        elif self._block_table:
             extra.append(None)
         return self.torch_op(
             q, k, v, softmax_scale, *scalars, *tensors, *extra, deterministic=deterministic
@@ -677,7 +679,7 @@ class AttentionOp:
     def _table_arg(self, rest):
         """The ``block_mask`` schema argument (a uint8 table or None)."""
         m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
-        return rest[m] if needs_block_table(self.spec) and len(rest) > m else None
+        return rest[m] if self._block_table and len(rest) > m else None
 
     def _empty_outputs(self, q, dims: Dims):
         o = torch.empty(

@@ -20,11 +20,13 @@ host-path work), so the before/after includes everything, not only the cache.
 
     python3 tools/host_overhead.py                     # ~30 s on an H200 once compiled
     python3 tools/host_overhead.py --baseline /path/to/old/checkout --json out.json
+    python3 tools/host_overhead.py --cpu --baseline /path/to/old/checkout   # no GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -151,6 +153,87 @@ def measure(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     return rows
 
 
+def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
+    """Rows of the Python host path alone, on a machine without a GPU: CPU tensors, the
+    op's CUDA impl called directly, the driver (``cuTensorMapEncodeTiled`` writes nothing,
+    ``cuLaunchKernel`` returns 0), CuPy and the current stream faked.  The fake encoder
+    costs about nothing, so "cache off" understates what a real driver call adds."""
+    import timeit
+    import types
+
+    flashgen = _import_flashgen(root)
+    import torch
+
+    from flashgen import op as op_mod
+    from flashgen import runtime, tma
+    from flashgen.lower import plan_forward
+
+    class Driver:
+        @staticmethod
+        def cuTensorMapEncodeTiled(*args):
+            return 0
+
+        @staticmethod
+        def cuLaunchKernel(*args):
+            return 0
+
+    tma.driver = lambda: Driver
+    cuda = types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext(),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    )
+    sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
+    op = flashgen.load(root / "specs" / "causal_d128.yaml")
+    kern = runtime.LoadedKernel(
+        plan=plan_forward(op.spec, "sm_90"), module=None,
+        function=types.SimpleNamespace(ptr=1), device_index=0,
+    )  # fmt: skip
+    op.kernel = lambda device: kern
+    modes = ["cache on", "cache off"] if hasattr(tma, "descriptors") else ["baseline"]
+    b, h, d, rows = 1, 16, op.spec.head_dim, []
+    for s in seqlens:
+        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+        dims = op_mod.validate(op.spec, q, k, v, {})
+        o, lse = op._empty_outputs(q, dims)
+        values = op_mod.kernel_values(
+            op.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, 0.088, [], {}
+        )
+        grid = kern.plan.grid(b, h, s)
+        for mode in modes:
+            if mode != "baseline":
+                tma.descriptors.enabled = mode == "cache on"
+
+            def us(fn):
+                fn()
+                return min(timeit.repeat(fn, number=n, repeat=reps)) / n * 1e6
+
+            rows.append(dict(
+                seqlen=s, mode=mode, flashgen=str(root),
+                cuda_impl_us=us(functools.partial(op._cuda_impl, q, k, v, 0.088)),
+                launch_us=us(functools.partial(kern.launch, grid, values, 0)),
+                validate_us=us(functools.partial(op_mod.validate, op.spec, q, k, v, {},
+                                                 softmax_scale=0.088, scalars=[])),
+                kernel_values_us=us(functools.partial(
+                    op_mod.kernel_values, op.spec,
+                    {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, 0.088, [], {})),
+            ))  # fmt: skip
+        if "cache on" in modes:
+            tma.descriptors.enabled = True
+    return rows
+
+
+def print_cpu_rows(rows: list[dict]) -> None:
+    print(f"{'checkout':>9} {'mode':>9} {'S':>5} | {'cuda impl us':>12} {'launch us':>9} "
+          f"{'validate us':>11} {'kernel_values us':>16}")  # fmt: skip
+    for r in rows:
+        tag = "baseline" if r["mode"] == "baseline" or r.get("baseline") else "this"
+        print(
+            f"{tag:>9} {r['mode']:>9} {r['seqlen']:5d} | {r['cuda_impl_us']:12.1f} "
+            f"{r['launch_us']:9.1f} {r['validate_us']:11.1f} {r['kernel_values_us']:16.1f}"
+        )
+
+
 def print_rows(rows: list[dict]) -> None:
     print(
         f"{'checkout':>9} {'mode':>9} {'S':>5} | {'host us':>8} {'launch us':>9} "
@@ -175,17 +258,22 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--flashgen", type=Path, default=REPO, help=argparse.SUPPRESS)
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="time the Python host path on CPU with a fake driver (no GPU needed)",
+    )
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
+    if not args.cpu and not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA GPU (or --cpu)", file=sys.stderr)
         return 2
     rows = []
     if args.baseline is not None:
         cmd = [sys.executable, __file__, "--flashgen", str(args.baseline.resolve()),
                "--rows-only", "-n", str(args.n), "--reps", str(args.reps),
-               "--seqlens", *map(str, args.seqlens)]  # fmt: skip
+               "--seqlens", *map(str, args.seqlens), *(["--cpu"] if args.cpu else [])]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if res.returncode != 0:
@@ -193,12 +281,16 @@ def main() -> int:
         else:
             base = json.loads(res.stdout.strip().splitlines()[-1])
             rows += [{**r, "baseline": True} for r in base]
-    rows += measure(args.flashgen, args.seqlens, args.n, args.reps)
+    rows += (measure_cpu if args.cpu else measure)(args.flashgen, args.seqlens, args.n, args.reps)
     if args.rows_only:
         print(json.dumps(rows))
         return 0
-    print(f"{torch.cuda.get_device_name()}, causal_d128 bf16, B=1 H=16, n={args.n}")
-    print_rows(rows)
+    if args.cpu:
+        print(f"CPU (fake driver), causal_d128 bf16, B=1 H=16, best of {args.reps} x {args.n}")
+        print_cpu_rows(rows)
+    else:
+        print(f"{torch.cuda.get_device_name()}, causal_d128 bf16, B=1 H=16, n={args.n}")
+        print_rows(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
