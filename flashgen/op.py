@@ -31,6 +31,7 @@ Op contract (README.md, section "Op contract"):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import os
@@ -116,6 +117,51 @@ def validate(
         for p, val in zip(spec.scalar_params, scalars, strict=True):
             if not _symbolic(val):
                 check_scalar(p, val)
+    dims = _dims_if_valid(spec, q, k, v)
+    if dims is None:
+        dims = _check_qkv(spec, q, k, v)
+    if spec.tensor_params:
+        validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
+    return dims
+
+
+def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
+    """The common case of :func:`_check_qkv` in few attribute reads: the :class:`Dims` of
+    q, k, v when they pass every one of its checks, else None (and :func:`_check_qkv`
+    runs to name the failure).  It may say None where :func:`_check_qkv` accepts (no kv
+    heads, an empty tensor with stride(-1) != 1), never the reverse."""
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
+        return None
+    want = TORCH_DTYPE[spec.dtype]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype == want):
+        return None
+    batch, hq, sq, d = qs
+    _, hkv, sk, _ = ks
+    if not (
+        d == spec.head_dim
+        and ks[3] == spec.head_dim
+        and vs[3] == spec.head_dim_v
+        and ks[0] == batch
+        and vs[0] == batch
+        and vs[1] == hkv
+        and vs[2] == sk
+        and hkv != 0
+        and hq % hkv == 0
+        and q.stride(3) == 1
+        and k.stride(3) == 1
+        and v.stride(3) == 1
+    ):
+        return None
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        return None
+    return Dims(batch, hq, hkv, sq, sk, vs[3])
+
+
+def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
+    """Every check of q, k, v in turn, raising :class:`OpInputError` at the first failure."""
     want = TORCH_DTYPE[spec.dtype]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -149,9 +195,7 @@ def validate(
             f"v: expected [batch, heads_kv, seqlen_k] = {_shape(k)[:3]} (k's), got {_shape(v)[:3]}"
         )
     hq, hkv = check_heads_and_strides(q, k, v)
-    dims = Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
-    validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
-    return dims
+    return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
 
 
 def check_heads_and_strides(q, k, v) -> tuple[int, int]:
@@ -231,6 +275,8 @@ def _symbolic(x) -> bool:
 def check_softmax_scale(value) -> float:
     """``value`` as a float if it is a usable softmax scale: a real number, finite,
     positive and representable in float32; else :class:`OpInputError`."""
+    if type(value) is float and _F32_MIN_NORMAL <= value <= _F32_MAX:
+        return value  # the common case: the checks below would all pass (NaN fails here)
     if _symbolic(value) or torch.compiler.is_compiling():
         return value  # checked again by the op's CPU / CUDA implementation, on the real value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -380,6 +426,8 @@ class AttentionOp:
         self._kernels: dict[tuple[int, str], object] = {}
         self._varlen_op: AttentionOp | None = None
         self._kernel_lock = threading.Lock()
+        #: whether the mask reads tensor params (a block table); asked on every call
+        self._block_table = needs_block_table(spec)
 
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
@@ -456,7 +504,7 @@ class AttentionOp:
         extra = []
         if block_mask is not None:
             extra.append(self._block_mask_table(block_mask, q, dims, scalars))
-        elif needs_block_table(self.spec):
+        elif self._block_table:
             extra.append(None)
         return self.torch_op(
             q, k, v, softmax_scale, *scalars, *tensors, *extra, deterministic=deterministic
@@ -631,7 +679,7 @@ class AttentionOp:
     def _table_arg(self, rest):
         """The ``block_mask`` schema argument (a uint8 table or None)."""
         m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
-        return rest[m] if needs_block_table(self.spec) and len(rest) > m else None
+        return rest[m] if self._block_table and len(rest) > m else None
 
     def _empty_outputs(self, q, dims: Dims):
         o = torch.empty(
@@ -696,8 +744,8 @@ class AttentionOp:
             values.update(
                 self._table_values(self._table_arg(rest), plan, dims, scalars, tensors, q.device)
             )
-        stream = torch.cuda.current_stream(q.device)
-        kern.launch(plan.grid(dims.batch, dims.heads_q, dims.seqlen_q), values, stream.cuda_stream)
+        grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
+        kern.launch(grid, values, current_stream_ptr(q.device))
         return o, lse
 
     def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
@@ -768,19 +816,40 @@ def kernel_values(
     contiguous; such a copy is freed after the call returns, and the caching allocator
     reuses it only in stream order, after the kernel has read it.
     """
-    values = dict(tensors)
-    for name, t in tensors.items():
-        if t is not None and t.dim() == 4:
-            values[f"{name}_sb"], values[f"{name}_sh"], values[f"{name}_ss"] = t.stride()[:3]
-    values.update(
-        batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
+    values = dict(
+        tensors, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
         seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k, softmax_scale=softmax_scale,
     )  # fmt: skip
+    for name, t in tensors.items():
+        if t is not None:
+            st = t.stride()
+            if len(st) == 4:
+                sb, sh, ss = _stride_names(name)
+                values[sb], values[sh], values[ss] = st[0], st[1], st[2]
     for p, val in zip(spec.scalar_params, scalars, strict=True):
         values[f"p_{p.name}"] = val
     for p in spec.tensor_params:
         values[f"t_{p.name}"] = tensor_params[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
     return values
+
+
+@functools.lru_cache(maxsize=64)
+def _stride_names(name: str) -> tuple[str, str, str]:
+    """``(<name>_sb, <name>_sh, <name>_ss)``, built once per tensor name."""
+    return f"{name}_sb", f"{name}_sh", f"{name}_ss"
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_ptr(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream: what
+    ``torch.cuda.current_stream(device).cuda_stream`` says, without building a Stream
+    object (torch's ``_cuda_getCurrentRawStream``, which Inductor's generated code calls,
+    where this torch build has it and ``device`` names its index)."""
+    if _RAW_STREAM is not None and device.index is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _kernel_aligned(t):
@@ -791,8 +860,12 @@ def _kernel_aligned(t):
     size-1 dims never move the pointer).  Any other stride(-1) == 1 view is still accepted:
     it costs one copy instead of an error or a misaligned-address fault.
     """
-    ok = t.data_ptr() % 16 == 0 and all(
-        st % 8 == 0 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True) if n > 1
+    (sb, sh, ss, _), (b, h, s, _) = t.stride(), t.shape
+    ok = (
+        t.data_ptr() % 16 == 0
+        and (sb % 8 == 0 or b <= 1)
+        and (sh % 8 == 0 or h <= 1)
+        and (ss % 8 == 0 or s <= 1)
     )
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 

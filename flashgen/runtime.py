@@ -9,9 +9,11 @@ argument tuple and calls the driver.
 from __future__ import annotations
 
 import ctypes
+import operator
+import struct
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,8 @@ class LoadedKernel:
     module: object  # cupy.RawModule (kept alive with the function)
     function: object  # cupy.RawKernel
     device_index: int
+    #: the prepared argument block of a TMA kernel (built on its first launch)
+    _tma_launch: object = field(default=None, repr=False, compare=False)
 
     def launch(self, grid: tuple[int, int, int], values: dict, stream_ptr: int) -> None:
         """Launch with ``grid`` on the raw CUDA stream ``stream_ptr``.
@@ -52,8 +56,11 @@ class LoadedKernel:
         """
         cupy = _cupy()
         if getattr(self.plan, "tma", ()):
-            with cupy.cuda.Device(self.device_index):
+            if cupy.cuda.runtime.getDevice() == self.device_index:  # what Device() checks
                 _launch_with_tensor_maps(self, grid, values, stream_ptr)
+            else:
+                with cupy.cuda.Device(self.device_index):
+                    _launch_with_tensor_maps(self, grid, values, stream_ptr)
             return
         args = kernel_args(self.plan, values)
         with cupy.cuda.Device(self.device_index):
@@ -75,42 +82,154 @@ def _launch_with_tensor_maps(kern: LoadedKernel, grid, values: dict, stream_ptr:
     descriptors as 128-byte buffers).  This is the path validated on the H200; CuPy's
     launcher can also pass a 128-byte ``np.void`` by value, not tried here yet.
 
+    The argument block is laid out once per kernel and thread (:class:`_TmaLaunch`); a
+    call packs the values into it with one ``struct.pack_into`` and takes the descriptors
+    from :data:`flashgen.tma.descriptors`.  The driver copies the parameters when the launch
+    is enqueued (or captured into a CUDA graph), so the block is free again on return.
+    """
+    launcher = kern._tma_launch
+    if launcher is None:
+        launcher = _TmaLaunch(kern.plan, kern.device_index, _function_ptr(kern.function))
+        kern._tma_launch = launcher
+    launcher.launch(grid, values, stream_ptr)
+
+
+def _getter(names: list):
+    """``values -> list`` of ``values[name]`` for ``names``, in one C call."""
+    if not names:
+        return lambda values: []
+    get = operator.itemgetter(*names)
+    if len(names) == 1:
+        return lambda values: [get(values)]
+    return get
+
+
+#: struct format code and size of each scalar C type of a kernel argument.
+_STRUCT_CODE = {"int64_t": ("q", 8), "int": ("i", 4), "float": ("f", 4)}
+#: the numpy type :func:`kernel_args` converts each scalar C type to.
+_NUMPY = {"int64_t": np.int64, "int": np.int32, "float": np.float32}
+
+
+class _TmaLaunch:
+    """The prepared ``cuLaunchKernel`` argument block of one TMA kernel on one device.
+
+    One byte buffer holds every argument at a fixed offset (descriptors first, 128 bytes
+    each at 64-byte alignment, then pointers as uint64, then the scalars at their C sizes
+    and alignments), described by one ``struct.Struct``; ``params`` is the array of their
+    addresses, in ABI order, that ``cuLaunchKernel`` reads.  A call fetches the values with
+    two ``operator.itemgetter`` calls and writes them with one ``pack_into``.  Each
+    thread gets its own buffer, so concurrent launches do not share one.
+
     Each ``plan.tma`` entry names the tensor argument its descriptor maps and the box's
     rows; a tensor TMA cannot read in place (see :func:`flashgen.tma.needs_copy`) is
     mapped through a contiguous copy, kept alive until the launch is enqueued (the caching
-    allocator reuses it only in stream order).
+    allocator reuses it only in stream order).  A descriptor cache hit implies the tensor
+    needed no copy: only tensors TMA reads in place are ever encoded.
     """
-    from . import tma
 
-    plan = kern.plan
-    keep = []
-    maps = {}
-    for m in plan.tma:
-        t = values[m.tensor]
-        if tma.needs_copy(t.shape, t.stride(), 2, t.data_ptr()):
-            t = t.contiguous()
-            keep.append(t)
-        maps[m.name] = tma.encode(t.data_ptr(), t.shape, t.stride(), plan.context["dtype"],
-                                  m.box_rows, name=m.tensor)  # fmt: skip
-    objs = []
-    for a, v in zip(plan.args, kernel_args(plan, {**values, **maps}), strict=True):
-        if a.ctype == "CUtensorMap":
-            objs.append((ctypes.c_uint8 * 128).from_buffer_copy(v))
-        elif isinstance(v, np.uint64):
-            objs.append(ctypes.c_uint64(int(v)))
-        elif isinstance(v, np.int64):
-            objs.append(ctypes.c_int64(int(v)))
-        elif isinstance(v, np.int32):
-            objs.append(ctypes.c_int32(int(v)))
-        else:
-            objs.append(ctypes.c_float(float(v)))
-    params = (ctypes.c_void_p * len(objs))(*[ctypes.addressof(o) for o in objs])
-    rc = tma.driver().cuLaunchKernel(
-        _function_ptr(kern.function), *grid, plan.threads, 1, 1, plan.smem_bytes,
-        stream_ptr, params, None,
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"cuLaunchKernel({plan.kernel_name}) failed: CUresult {rc}")
+    def __init__(self, plan, device_index: int, function_ptr: int):
+        self.plan = plan
+        self.device_index = device_index
+        self.function_ptr = function_ptr
+        self.dtype = plan.context["dtype"]
+        maps = {m.name: m for m in plan.tma}
+        groups = {"m": [], "p": [], "s": []}  # (arg index, name, format code, size)
+        for i, a in enumerate(plan.args):
+            if a.ctype == "CUtensorMap":
+                groups["m"].append((i, a.name, "128s", 128))
+            elif a.ctype.endswith("*"):
+                groups["p"].append((i, a.name, "Q", 8))
+            elif a.ctype in _STRUCT_CODE:
+                groups["s"].append((i, a.name, *_STRUCT_CODE[a.ctype]))
+            else:
+                raise TypeError(f"kernel argument {a.name!r} has unsupported ctype {a.ctype!r}")
+        fmt, offsets, off = ["="], [0] * len(plan.args), 0
+        for i, _, code, size in [*groups["m"], *groups["p"], *groups["s"]]:
+            pad = -off % min(size, 64)
+            fmt.append(f"{pad}x{code}" if pad else code)
+            offsets[i] = off = off + pad
+            off += size
+        self.struct = struct.Struct("".join(fmt))
+        self.offsets = tuple(offsets)
+        #: the TmaArg of each descriptor, in block order
+        self.maps = [maps[name] for _, name, _, _ in groups["m"]]
+        self.pointer_names = [name for _, name, _, _ in groups["p"]]
+        self.scalar_names = [name for _, name, _, _ in groups["s"]]
+        self._scalar_index = [i for i, _, _, _ in groups["s"]]
+        self._pointers = _getter(self.pointer_names)
+        self._scalars = _getter(self.scalar_names)
+        self._tls = threading.local()
+
+    def _block(self):
+        blk = getattr(self._tls, "block", None)
+        if blk is None:
+            buf = ctypes.create_string_buffer(self.struct.size + 64)
+            base = ctypes.addressof(buf)
+            shift = -base % 64  # 64-byte aligned start, like the device-side CUtensorMap
+            params = (ctypes.c_void_p * len(self.offsets))(
+                *[base + shift + o for o in self.offsets]
+            )
+            blk = self._tls.block = (buf, shift, params)
+        return blk
+
+    def values(self, values: dict) -> tuple[list, list]:
+        """Argument values in block order (descriptors as bytes, pointers as ints, then the
+        scalars) and the contiguous copies made for TMA, to keep alive until the launch is
+        enqueued.  ``KeyError`` names a missing argument."""
+        from . import tma
+
+        try:
+            ptrs = self._pointers(values)
+            scalars = self._scalars(values)
+        except KeyError:
+            kernel_args(self.plan, values)  # raises the KeyError that names the argument
+            raise
+        cache, swz, dev, dtype = tma.descriptors, tma.SWIZZLE_128B, self.device_index, self.dtype
+        out, keep = [], []
+        for m in self.maps:
+            t = values[m.tensor]
+            ptr, shape, strides = t.data_ptr(), t.shape, t.stride()
+            desc = cache.lookup((dev, ptr, shape, strides, dtype, m.box_rows, swz))
+            if desc is None:  # a hit was encoded from this very geometry: no copy needed
+                if tma.needs_copy(shape, strides, 2, ptr):
+                    t = t.contiguous()
+                    keep.append(t)
+                    ptr, shape, strides = t.data_ptr(), t.shape, t.stride()
+                desc = cache.get(dev, ptr, shape, strides, dtype, m.box_rows, name=m.tensor,
+                                 swizzle=swz)  # fmt: skip
+            out.append(desc)
+        out += [p if isinstance(p, int) else p.data_ptr() for p in ptrs]
+        out += scalars
+        return out, keep
+
+    def pack(self, vals: list):
+        """Write ``vals`` into this thread's block; returns the ``params`` array."""
+        buf, shift, params = self._block()
+        try:
+            self.struct.pack_into(buf, shift, *vals)
+        except (struct.error, TypeError, OverflowError):
+            # a numpy scalar, a float for an int ...: convert as kernel_args does (numpy)
+            n = len(self.maps) + len(self.pointer_names)
+            ctypes_ = [self.plan.args[i].ctype for i in self._scalar_index]
+            conv = [_NUMPY[c](v).item() for c, v in zip(ctypes_, vals[n:], strict=True)]
+            self.struct.pack_into(buf, shift, *vals[:n], *conv)
+        return params
+
+    def launch(self, grid, values: dict, stream_ptr: int) -> None:
+        """Pack ``values`` (see :meth:`values`) and enqueue the kernel on ``stream_ptr``;
+        ``RuntimeError`` naming the CUresult if the driver refuses."""
+        from . import tma
+
+        vals, keep = self.values(values)
+        params = self.pack(vals)
+        plan = self.plan
+        rc = tma.driver().cuLaunchKernel(
+            self.function_ptr, *grid, plan.threads, 1, 1, plan.smem_bytes, stream_ptr,
+            params, None,
+        )  # fmt: skip
+        del keep  # the copies' memory is reused only in stream order, after this launch
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernel({plan.kernel_name}) failed: CUresult {rc}")
 
 
 def _external_stream(cupy, ptr: int, device_index: int):

@@ -6,6 +6,13 @@ one 128-byte descriptor per tensor and launch; the kernel receives it by value a
 multi-dimensional arrays").  Encoding is a host-only call of a few microseconds, so it is
 legal inside CUDA graph capture (the descriptor is baked into the captured launch).
 
+A descriptor holds only the global address and the geometry, so :data:`descriptors`
+(a bounded LRU, :class:`DescriptorCache`) keeps the encoded bytes keyed by everything
+that determines them: a warm launch on the same tensors calls no driver function to build
+its maps.  A tensor freed and another allocated at the same address with the same
+geometry maps to the same bytes, which is correct.  ``FLASHGEN_NO_TMA_CACHE=1`` (read at
+import; or set ``descriptors.enabled``) encodes on every launch instead.
+
 A q/k/v tensor ``[B, H, S, D]`` with element strides ``(sb, sh, ss, 1)`` becomes the 4-D
 map ``{D, S, H, B}`` (innermost first) with byte strides ``{ss, sh, sb} * elem_bytes``,
 box ``{64, rows, 1, 1}`` and 128-byte swizzle: one box is 64 columns (128 bytes) of
@@ -16,10 +23,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import threading
+from collections import OrderedDict
 
 #: CUtensorMapDataType for the kernels' element types (cuda.h).
 DATA_TYPE = {"fp16": 6, "bf16": 9}
-_SWIZZLE_128B = 3
+#: CUtensorMapSwizzle value of the kernels' 128-byte swizzle.
+SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = 0
 _OOB_FILL_ZERO = 0
@@ -79,9 +90,21 @@ def needs_copy(shape, strides, elem_bytes: int, data_ptr: int) -> bool:
     return any(st <= 0 or st % 16 or st >= 1 << 40 for st in gstrides)
 
 
-def encode(data_ptr: int, shape, strides, dtype: str, box_rows: int, name: str = "tensor") -> bytes:
+_ELEM_STRIDES = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+
+
+def encode(
+    data_ptr: int,
+    shape,
+    strides,
+    dtype: str,
+    box_rows: int,
+    name: str = "tensor",
+    swizzle: int = SWIZZLE_128B,
+) -> bytes:
     """The 128-byte CUtensorMap for a ``[B, H, S, D]`` tensor (``dtype`` "fp16"/"bf16"),
-    box ``64 x box_rows``, 128-byte swizzle, zero fill out of bounds.
+    box ``64 x box_rows``, ``swizzle`` (a CUtensorMapSwizzle, default 128-byte), zero fill
+    out of bounds.  Calls the driver every time; :data:`descriptors` caches the result.
 
     Raises :class:`TmaError` naming ``name``, its shape and strides if the driver refuses.
     """
@@ -91,11 +114,10 @@ def encode(data_ptr: int, shape, strides, dtype: str, box_rows: int, name: str =
     c_dims = (ctypes.c_uint64 * 4)(*dims)
     c_strides = (ctypes.c_uint64 * 3)(*gstrides)
     c_box = (ctypes.c_uint32 * 4)(BOX_COLS, box_rows, 1, 1)
-    c_elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     rc = lib.cuTensorMapEncodeTiled(
         ctypes.addressof(out), DATA_TYPE[dtype], 4, ctypes.c_void_p(data_ptr),
-        c_dims, c_strides, c_box, c_elem,
-        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO,
+        c_dims, c_strides, c_box, _ELEM_STRIDES,
+        _INTERLEAVE_NONE, swizzle, _L2_PROMOTION_256B, _OOB_FILL_ZERO,
     )  # fmt: skip
     if rc != 0:
         raise TmaError(
@@ -103,3 +125,92 @@ def encode(data_ptr: int, shape, strides, dtype: str, box_rows: int, name: str =
             f"element strides {list(strides)}, box 64 x {box_rows}"
         )
     return bytes(out)
+
+
+class DescriptorCache:
+    """A bounded LRU of encoded descriptors (``maxsize`` entries, least recently used
+    evicted first), thread-safe.
+
+    The key is everything :func:`encode`'s bytes depend on: the device index, the base
+    address, shape, element strides, dtype, box rows and swizzle.  ``encoder`` (default
+    :func:`encode`, same signature) is what a miss calls; tests pass a fake.  ``enabled``
+    False makes every lookup a miss that stores nothing.  ``hits`` / ``misses`` count
+    lookups.
+    """
+
+    def __init__(self, maxsize: int = 256, encoder=None, enabled: bool | None = None):
+        if maxsize < 1:
+            raise ValueError(f"maxsize: expected >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self.encoder = encoder if encoder is not None else encode
+        if enabled is None:
+            enabled = os.environ.get("FLASHGEN_NO_TMA_CACHE", "") not in ("1", "true", "yes")
+        self.enabled = enabled
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[tuple, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every entry and zero the counters."""
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    @staticmethod
+    def key(device: int, data_ptr: int, shape, strides, dtype: str, box_rows: int,
+            swizzle: int = SWIZZLE_128B) -> tuple:  # fmt: skip
+        """The cache key of one descriptor (shape and strides as tuples; a ``torch.Size``
+        is one already)."""
+        if not isinstance(shape, tuple):
+            shape = tuple(shape)
+        if not isinstance(strides, tuple):
+            strides = tuple(strides)
+        return (device, data_ptr, shape, strides, dtype, box_rows, swizzle)
+
+    def lookup(self, key: tuple) -> bytes | None:
+        """The cached descriptor of ``key`` (see :meth:`key`; counts a hit), or None
+        (counts nothing: :meth:`get` counts the miss)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            desc = self._entries.get(key)
+            if desc is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+        return desc
+
+    def get(
+        self,
+        device: int,
+        data_ptr: int,
+        shape,
+        strides,
+        dtype: str,
+        box_rows: int,
+        name: str = "tensor",
+        swizzle: int = SWIZZLE_128B,
+    ) -> bytes:
+        """The descriptor of this tensor geometry on ``device``: cached, else encoded
+        and stored (``name`` only labels the :class:`TmaError` a refused encoding raises;
+        a refusal stores nothing)."""
+        key = self.key(device, data_ptr, shape, strides, dtype, box_rows, swizzle)
+        desc = self.lookup(key)
+        if desc is not None:
+            return desc
+        desc = self.encoder(data_ptr, shape, strides, dtype, box_rows, name=name, swizzle=swizzle)
+        with self._lock:
+            self.misses += 1
+            if self.enabled:
+                self._entries[key] = desc
+                self._entries.move_to_end(key)
+                while len(self._entries) > self.maxsize:
+                    self._entries.popitem(last=False)
+        return desc
+
+
+#: The process-wide cache the launcher uses (:mod:`flashgen.runtime`).
+descriptors = DescriptorCache()

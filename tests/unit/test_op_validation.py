@@ -323,3 +323,51 @@ def test_mqa_by_expanding_one_kv_head(ops):
     o1, _ = op.attention(q, k, v)
     o2, _ = op.attention(q, k.expand(-1, 4, -1, -1), v.expand(-1, 4, -1, -1))
     assert torch.equal(o1, o2)
+
+
+# Inputs the full check accepts, some of which the fast path leaves to it.
+_GOOD_CASES = [
+    ("plain", lambda q, k, v, p: (q, k, v, p)),
+    ("bshd_views", lambda q, k, v, p: tuple(
+        x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)) + (p,)),
+    ("mqa_expanded", lambda q, k, v, p: (q, k[:, :1].expand(-1, 2, -1, -1),
+                                         v[:, :1].expand(-1, 2, -1, -1), p)),
+    ("batch_expanded", lambda q, k, v, p: (q, k[:1].expand(2, -1, -1, -1),
+                                           v[:1].expand(2, -1, -1, -1), p)),
+    ("empty_q", lambda q, k, v, p: (q[:, :, :0], k, v, p)),
+    ("empty_kv", lambda q, k, v, p: (q, k[:, :, :0], v[:, :, :0], p)),
+    ("no_heads", lambda q, k, v, p: (q[:, :0], k[:, :0], v[:, :0], p)),
+    ("empty_odd_stride", lambda q, k, v, p: (q.new_zeros(2, 4, 128, 3)[..., :0].transpose(2, 3),
+                                             k, v, p)),  # stride(-1) == 3, but no elements
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize(
+    "case",
+    [c[:2] for c in TENSOR_CASES] + _GOOD_CASES,
+    ids=[c[0] for c in TENSOR_CASES] + [c[0] for c in _GOOD_CASES],
+)
+def test_fast_check_accepts_only_what_the_full_check_accepts(ops, case, device):
+    """``validate`` tries a few-read check first (:func:`flashgen.op._dims_if_valid`) and
+    runs every check in turn (:func:`flashgen.op._check_qkv`) only when it says no: it must
+    never accept what the full check refuses, and give the same Dims where both accept."""
+    from flashgen.op import _check_qkv, _dims_if_valid
+
+    name, mutate = case
+    spec = ops["alibi"].spec
+    try:
+        q, k, v, _ = mutate(*make(spec, device=device))
+    except (NotImplementedError, RuntimeError):
+        pytest.skip(f"{name} cannot be built from {device} tensors")  # .tolist() of meta
+    fast = _dims_if_valid(spec, q, k, v)
+    try:
+        full = _check_qkv(spec, q, k, v)
+    except OpInputError:
+        full = None
+    if fast is not None:
+        assert fast == full
+    if name in ("plain", "bshd_views", "mqa_expanded", "batch_expanded", "empty_q"):
+        assert fast is not None, "the common case should take the fast path"
+    if any(name == c[0] for c in _GOOD_CASES):
+        assert full is not None

@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Host cost of one flashgen forward call on the present GPU, with and without the
+CUtensorMap descriptor cache, in one command (CUDA graphs off).
+
+For ``causal_d128`` (bf16) at B=1, H=16 and each --seqlens, measures:
+
+* host us/call: ``op.attention(q, k, v)`` called N times in a row while the stream is held
+  busy by ``torch.cuda._sleep``, so every launch only queues and the wall time of the loop
+  is the Python + driver work alone (checked: the stream is still busy after the loop);
+* launch us/call: the same for ``kern.launch`` alone (runtime: descriptors + argument block
+  + cuLaunchKernel), the rest of the call being validation, outputs and kernel_values;
+* device us/call: CUDA events around N kernels queued back to back behind a sleep;
+* eager us/call: N calls back to back with one sync at the end, what a benchmark loop sees
+  (about max(host, device)); TFLOP/s = 4*B*H*S^2*D/2 over it, and over the device time.
+
+Rows come for the descriptor cache on and off (``tma.descriptors.enabled``; the same as
+``FLASHGEN_NO_TMA_CACHE=1``).  ``--baseline DIR`` runs the same measurement in a child
+process with the flashgen package of another checkout (e.g. one at the commit before the
+host-path work), so the before/after includes everything, not only the cache.
+
+    python3 tools/host_overhead.py                     # ~30 s on an H200 once compiled
+    python3 tools/host_overhead.py --baseline /path/to/old/checkout --json out.json
+    python3 tools/host_overhead.py --cpu --baseline /path/to/old/checkout   # no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _import_flashgen(root: Path):
+    sys.path.insert(0, str(root))
+    import flashgen
+
+    got = Path(flashgen.__file__).resolve().parent.parent
+    if got != root.resolve():
+        raise SystemExit(f"imported flashgen from {got}, expected {root}")
+    return flashgen
+
+
+def _sleep_cycles(torch, ms: float) -> int:
+    """``torch.cuda._sleep`` cycles for about ``ms`` milliseconds (calibrated once)."""
+    n = 10_000_000
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(n)  # warm
+    a.record()
+    torch.cuda._sleep(n)
+    b.record()
+    torch.cuda.synchronize()
+    return int(n * ms / max(a.elapsed_time(b), 1e-3))
+
+
+def measure(root: Path, seqlens, n: int, reps: int) -> list[dict]:
+    """Rows of this process's flashgen (imported from ``root``)."""
+    flashgen = _import_flashgen(root)
+    import torch
+    import torch.nn.functional as F
+
+    from flashgen import op as op_mod
+    from flashgen import tma
+
+    op = flashgen.load(root / "specs" / "causal_d128.yaml")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    b, h, d = 1, 16, op.spec.head_dim
+    cycles = _sleep_cycles(torch, 40.0)
+    modes = ["cache on", "cache off"] if hasattr(tma, "descriptors") else ["baseline"]
+    rows = []
+    for s in seqlens:
+        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        o, _ = op.attention(q, k, v)  # build, load, warm
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        err = (o.float() - ref).abs().max().item()
+        kern = op.kernel(dev)
+        dims = op_mod.validate(op.spec, q, k, v, {})
+        o, lse = op._empty_outputs(q, dims)
+        scale = op_mod.default_softmax_scale(op.spec)
+        values = op_mod.kernel_values(
+            op.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, scale, [], {}
+        )
+        grid = kern.plan.grid(b, h, s)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        flops = 4.0 * b * h * s * s * d / 2
+        for mode in modes:
+            if mode != "baseline":
+                tma.descriptors.enabled = mode == "cache on"
+
+            def queued_us(fn):
+                """Median over reps of the wall time per call of n calls behind a sleep."""
+                out, busy = [], True
+                for _ in range(reps):
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(cycles)
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        fn()
+                    t1 = time.perf_counter()
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    busy &= not ev.query()  # the sleep outlasted the loop: nothing waited
+                    out.append((t1 - t0) / n * 1e6)
+                torch.cuda.synchronize()
+                return statistics.median(out), busy
+
+            call = functools.partial(op.attention, q, k, v)
+            launch = functools.partial(kern.launch, grid, values, stream)
+            for _ in range(20):
+                call()
+                launch()
+            host, busy1 = queued_us(call)
+            launch_us, busy2 = queued_us(launch)
+            # device: kernels back to back behind a sleep
+            dev_us = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)
+                a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(n):
+                    launch()
+                z.record()
+                torch.cuda.synchronize()
+                dev_us.append(a.elapsed_time(z) * 1e3 / n)
+            device = statistics.median(dev_us)
+            # eager loop as a benchmark sees it
+            eager = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call()
+                torch.cuda.synchronize()
+                eager.append((time.perf_counter() - t0) / n * 1e6)
+            wall = statistics.median(eager)
+            rows.append(
+                dict(seqlen=s, mode=mode, host_us=host, launch_us=launch_us, device_us=device,
+                     eager_us=wall, tflops_eager=flops / wall / 1e6,
+                     tflops_device=flops / device / 1e6, host_only=busy1 and busy2,
+                     max_err=err, flashgen=str(root))
+            )  # fmt: skip
+        if "cache on" in modes:
+            tma.descriptors.enabled = True
+    return rows
+
+
+def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
+    """Rows of the Python host path alone, on a machine without a GPU: CPU tensors, the
+    op's CUDA impl called directly, the driver (``cuTensorMapEncodeTiled`` writes nothing,
+    ``cuLaunchKernel`` returns 0), CuPy and the current stream faked.  The fake encoder
+    costs about nothing, so "cache off" understates what a real driver call adds."""
+    import timeit
+    import types
+
+    flashgen = _import_flashgen(root)
+    import torch
+
+    from flashgen import op as op_mod
+    from flashgen import runtime, tma
+    from flashgen.lower import plan_forward
+
+    class Driver:
+        @staticmethod
+        def cuTensorMapEncodeTiled(*args):
+            return 0
+
+        @staticmethod
+        def cuLaunchKernel(*args):
+            return 0
+
+    tma.driver = lambda: Driver
+    cuda = types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext(),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    )
+    sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
+    op = flashgen.load(root / "specs" / "causal_d128.yaml")
+    kern = runtime.LoadedKernel(
+        plan=plan_forward(op.spec, "sm_90"), module=None,
+        function=types.SimpleNamespace(ptr=1), device_index=0,
+    )  # fmt: skip
+    op.kernel = lambda device: kern
+    modes = ["cache on", "cache off"] if hasattr(tma, "descriptors") else ["baseline"]
+    b, h, d, rows = 1, 16, op.spec.head_dim, []
+    for s in seqlens:
+        q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+        dims = op_mod.validate(op.spec, q, k, v, {})
+        o, lse = op._empty_outputs(q, dims)
+        values = op_mod.kernel_values(
+            op.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, 0.088, [], {}
+        )
+        grid = kern.plan.grid(b, h, s)
+        for mode in modes:
+            if mode != "baseline":
+                tma.descriptors.enabled = mode == "cache on"
+
+            def us(fn):
+                fn()
+                return min(timeit.repeat(fn, number=n, repeat=reps)) / n * 1e6
+
+            rows.append(dict(
+                seqlen=s, mode=mode, flashgen=str(root),
+                cuda_impl_us=us(functools.partial(op._cuda_impl, q, k, v, 0.088)),
+                launch_us=us(functools.partial(kern.launch, grid, values, 0)),
+                validate_us=us(functools.partial(op_mod.validate, op.spec, q, k, v, {},
+                                                 softmax_scale=0.088, scalars=[])),
+                kernel_values_us=us(functools.partial(
+                    op_mod.kernel_values, op.spec,
+                    {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, 0.088, [], {})),
+            ))  # fmt: skip
+        if "cache on" in modes:
+            tma.descriptors.enabled = True
+    return rows
+
+
+def print_cpu_rows(rows: list[dict]) -> None:
+    print(f"{'checkout':>9} {'mode':>9} {'S':>5} | {'cuda impl us':>12} {'launch us':>9} "
+          f"{'validate us':>11} {'kernel_values us':>16}")  # fmt: skip
+    for r in rows:
+        tag = "baseline" if r["mode"] == "baseline" or r.get("baseline") else "this"
+        print(
+            f"{tag:>9} {r['mode']:>9} {r['seqlen']:5d} | {r['cuda_impl_us']:12.1f} "
+            f"{r['launch_us']:9.1f} {r['validate_us']:11.1f} {r['kernel_values_us']:16.1f}"
+        )
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(
+        f"{'checkout':>9} {'mode':>9} {'S':>5} | {'host us':>8} {'launch us':>9} "
+        f"{'device us':>9} {'eager us':>8} | {'TFLOP/s eager':>13} {'device':>7} | max err"
+    )
+    for r in rows:
+        tag = "baseline" if r["mode"] == "baseline" or r.get("baseline") else "this"
+        warn = "" if r["host_only"] else "  (queue drained: host times include waits)"
+        print(
+            f"{tag:>9} {r['mode']:>9} {r['seqlen']:5d} | {r['host_us']:8.1f} "
+            f"{r['launch_us']:9.1f} {r['device_us']:9.1f} {r['eager_us']:8.1f} | "
+            f"{r['tflops_eager']:13.1f} {r['tflops_device']:7.1f} | {r['max_err']:.1e}{warn}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("-n", type=int, default=200, help="calls per timed loop (default 200)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--baseline", type=Path, help="another checkout to measure the same way")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--flashgen", type=Path, default=REPO, help=argparse.SUPPRESS)
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="time the Python host path on CPU with a fake driver (no GPU needed)",
+    )
+    args = ap.parse_args()
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA GPU (or --cpu)", file=sys.stderr)
+        return 2
+    rows = []
+    if args.baseline is not None:
+        cmd = [sys.executable, __file__, "--flashgen", str(args.baseline.resolve()),
+               "--rows-only", "-n", str(args.n), "--reps", str(args.reps),
+               "--seqlens", *map(str, args.seqlens), *(["--cpu"] if args.cpu else [])]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if res.returncode != 0:
+            print(f"baseline run failed:\n{res.stderr[-3000:]}", file=sys.stderr)
+        else:
+            base = json.loads(res.stdout.strip().splitlines()[-1])
+            rows += [{**r, "baseline": True} for r in base]
+    rows += (measure_cpu if args.cpu else measure)(args.flashgen, args.seqlens, args.n, args.reps)
+    if args.rows_only:
+        print(json.dumps(rows))
+        return 0
+    if args.cpu:
+        print(f"CPU (fake driver), causal_d128 bf16, B=1 H=16, best of {args.reps} x {args.n}")
+        print_cpu_rows(rows)
+    else:
+        print(f"{torch.cuda.get_device_name()}, causal_d128 bf16, B=1 H=16, n={args.n}")
+        print_rows(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
