@@ -105,10 +105,13 @@ def test_default_tiles_mask_rule():
     assert (
         lower.default_tiles(_spec()) == lower.DEFAULT_TILES[(128, False)] == TileConfig(128, 64, 4)
     )
-    # a mask beyond causal at d128 takes MASK_TILES; other head dims keep their entry
+    # a mask beyond causal takes MASK_TILES where it has the head dim (d128: narrower; d64
+    # and d256: today's plain tiles, kept for masks if FA2's tiles become the plain entries);
+    # other head dims keep their entry
     swa = "causal && q_idx - kv_idx < 64"
     assert lower.default_tiles(_spec(swa)) == lower.MASK_TILES[128] == TileConfig(128, 32, 4)
-    assert lower.default_tiles(_spec(swa, d=256)) == lower.DEFAULT_TILES[(256, False)]
+    assert lower.default_tiles(_spec(swa, d=64)) == lower.MASK_TILES[64] == TileConfig(128, 64, 4)
+    assert lower.default_tiles(_spec(swa, d=256)) == lower.MASK_TILES[256] == TileConfig(64, 64, 4)
     assert lower.default_tiles(_spec(swa, d=96)) == lower.DEFAULT_TILES[(96, False)]
     # a score_mod keys the table as before
     modded = _spec(score_mod="score * 0.5")
@@ -131,10 +134,27 @@ def test_varlen_and_hopper_keep_their_tiles():
     swa = varlen_spec(_spec("causal && q_idx - kv_idx < 64"))
     assert lower.default_tiles(swa) == TileConfig(128, 32, 4)
     assert lower.default_tiles(varlen_spec(_spec(d=256))) == lower.DEFAULT_TILES[(256, False)]
+    assert lower.default_tiles(varlen_spec(_spec(d=64))) == TileConfig(128, 64, 4)
     # sm_90 picks the Hopper kernel by default; family="fa2" gets this branch's default tiles
     assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[(128, False)]
     assert lower.choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
     assert lower.choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
+
+
+def test_load_chain_rule():
+    """Pointer-chain tile loads: DSL math, or plain head_dim <= 64 with 128-row key blocks
+    (FA2's d64 tile); the offsets form everywhere else (plain d128 needs it)."""
+    t64, t128 = TileConfig(128, 64, 4), TileConfig(128, 128, 4)
+    assert lower.uses_load_chain(_spec(d=64), t128)
+    assert not lower.uses_load_chain(_spec(d=64), t64)
+    assert not lower.uses_load_chain(_spec(), t64)
+    assert not lower.uses_load_chain(_spec(d=256), TileConfig(128, 64, 8))
+    assert lower.uses_load_chain(_spec(score_mod="score * 0.5"), t64)
+    assert lower.uses_load_chain(_spec("causal && q_idx - kv_idx < 64"), t64)
+    plan = plan_forward(_spec(d=64), "sm_90", tiles=t128, family="fa2")
+    assert plan.context["load_chain"] and "g += step" in render(plan)
+    plan = plan_forward(_spec(d=64), "sm_90", tiles=t64, family="fa2")
+    assert not plan.context["load_chain"] and "g += step" not in render(plan)
 
 
 def _perf_sweep():
