@@ -202,6 +202,36 @@ def test_perf_sweep_variants_plan_and_render():
         "atomic-n128",
     }
     assert not any(v.name == "fa3-default" for v in ps.all_variants(ps.parse(["--no-fa3"])))
+    # the full sweep times FA2's d64 / d256 tiles too
+    names = {(v.d, v.name) for v in variants}
+    assert {(64, "t128x128x4"), (64, "t128x128x4+lazy"), (256, "t128x64x8")} <= names
+
+
+def test_perf_sweep_candidates():
+    """--candidates: default, +lazy and FA2's tiles per config, bf16 and fp16, no backward."""
+    ps = _perf_sweep()
+    argv = ["--candidates", "--dims", "64", "256", "--dtypes", "bf16", "fp16", "--no-fa3"]
+    args = ps.parse(argv)
+    assert not args.bwd
+    variants = ps.all_variants(args)
+    assert {v.kind for v in variants} == {"fwd"}
+    assert len({v.key for v in variants}) == len(variants)
+    for d, tile in ((64, TileConfig(128, 128, 4)), (256, TileConfig(128, 64, 8))):
+        for causal in (False, True):
+            for dtype in ("bf16", "fp16"):
+                got = {
+                    v.name: v for v in variants if (v.d, v.causal, v.dtype) == (d, causal, dtype)
+                }
+                name = ps.tile_name(tile)
+                assert {"default", "+lazy", name, name + "+lazy"} == set(got)
+                assert got[name].tiles == tile and got[name + "+lazy"].options
+    for v in variants:
+        plan = plan_forward(ps.spec_for(v.d, v.causal, v.dtype), "sm_80", tiles=v.tiles,
+                            options=dict(v.options), family=v.family)  # fmt: skip
+        assert plan.template == ps.FA2_TEMPLATE
+        assert plan.context["load_chain"] == (plan.tiles == TileConfig(128, 128, 4))
+    with_fa3 = ps.all_variants(ps.parse(argv[:-1]))
+    assert sum(v.name == "fa3-default" for v in with_fa3) == 8
 
 
 def test_perf_sweep_reports(capsys):
@@ -223,6 +253,23 @@ def test_perf_sweep_reports(capsys):
     last = out.strip().splitlines()[-1]
     # best spill-free FA2-class variant: default (fa3 and the spilling tile do not count)
     assert "fwd d128 causal" in last and "default 128x64x4 300" in last and "0.94" in last
+
+
+def test_perf_sweep_ratio_table(capsys):
+    ps = _perf_sweep()
+    cfg = {"d": 64, "causal": False, "dtype": "fp16", "seqlen": 4096, "direction": "fwd"}
+    rows = [
+        {**cfg, "impl": "sdpa-flash", "tflops": 300.0},
+        {**cfg, "impl": "sdpa-cudnn", "tflops": 450.0},
+        {**cfg, "impl": "fg:default", "tflops": 285.0, "spill_bytes": 0},
+        {**cfg, "impl": "fg:t128x128x4", "tflops": 315.0, "spill_bytes": 0},
+        {**cfg, "impl": "fg:t128x128x4+lazy", "error": "check failed"},
+    ]
+    ps.ratio_table(rows)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "t128x128x4+lazy" in out[-2]
+    assert "fwd d64  full   fp16" in out[-1]
+    assert out[-1].split()[-3:] == ["0.950", "1.050", "!"]
 
 
 def test_perf_sweep_flops():
