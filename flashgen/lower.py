@@ -110,7 +110,7 @@ MASK_TILES: dict[int, TileConfig] = {
 #: plain entry: gpt2_d64's varlen form spills 136-240 bytes there (its per-sequence
 #: lengths and offsets take the registers the padded form has left).
 VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
-    (64, False): TileConfig(128, 64, 4),
+    (64, False): TileConfig(128, 64, 4),  # varlen gpt2_d64 spills at 128x128x4
     (128, False): TileConfig(128, 32, 4),
 }
 
