@@ -131,6 +131,11 @@ FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_fold_scale": True,
     "fwd_lazy_rescale": False,
 }
+#: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
+#: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still
+#: wins): lets a ``tools/perf_sweep.py`` ``+lazy`` winner at one head dim be adopted without
+#: the others.  Empty until measured.
+LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset()
 
 
 #: Tiles of the Hopper kernel (``templates/sm_90/fwd.cu.j2``): BLOCK_M = 128 query rows
@@ -694,6 +699,8 @@ def plan_forward(
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
     opts = dict(FORWARD_OPTIONS)
+    if max(spec.head_dim, spec.head_dim_v) in LAZY_RESCALE_HEAD_DIMS:
+        opts["fwd_lazy_rescale"] = True
     for key, value in (options or {}).items():
         if key not in opts:
             raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")

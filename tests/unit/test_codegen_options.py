@@ -157,6 +157,15 @@ def test_load_chain_rule():
     assert not plan.context["load_chain"] and "g += step" not in render(plan)
 
 
+def test_lazy_rescale_head_dims(monkeypatch):
+    """LAZY_RESCALE_HEAD_DIMS turns fwd_lazy_rescale on per head dim; options= still wins."""
+    monkeypatch.setattr(lower, "LAZY_RESCALE_HEAD_DIMS", frozenset({64}))
+    assert plan_forward(_spec(d=64), "sm_80").context["fwd_lazy_rescale"] is True
+    assert plan_forward(_spec(d=128), "sm_80").context["fwd_lazy_rescale"] is False
+    off = plan_forward(_spec(d=64), "sm_80", options={"fwd_lazy_rescale": False})
+    assert off.context["fwd_lazy_rescale"] is False
+
+
 def _perf_sweep():
     path = REPO / "tools" / "perf_sweep.py"
     mod_spec = importlib.util.spec_from_file_location("perf_sweep", path)
