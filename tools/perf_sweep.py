@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A/B sweep of flashgen's FA2-class kernels against FlashAttention-2 and cuDNN, one command.
 
-For head_dim 64/128/256, causal on and off, bf16 (``--fp16`` adds fp16 at d128 causal),
+For head_dim 64/128/256, causal on and off, bf16 (``--dtypes bf16 fp16`` for both
+everywhere; ``--fp16`` adds fp16 at d128 causal only),
 seqlen 4096 and 16384 (B*S = 16384 tokens, hidden 2048, so H = 2048 / D, as in the
 FlashAttention papers), this builds several variants of the FA2-class forward kernel
 (``templates/sm_80/fwd.cu.j2``: tile configs from ``lower.DEFAULT_TILES`` and others, and
@@ -53,6 +54,8 @@ backward is timed as ``torch.autograd.grad`` on a retained graph.
     python3 tools/perf_sweep.py --dims 128 --seqlens 16384 --no-bwd
     # FA2's d64 / d256 tiles vs the defaults, bf16 and fp16, causal and not, 4k and 16k:
     python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --no-fa3
+    # the same variants' registers and spills, no GPU needed:
+    python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --build-only sm_90
 
 To adopt a winner: edit ``DEFAULT_TILES`` / ``FORWARD_OPTIONS`` (forward) or
 ``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``.
