@@ -95,10 +95,22 @@ DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
 }
 #: head_dim -> tiles for a mask beyond causal without a score_mod, where the
 #: (head_dim, False) entry has no registers left for the mask's per-element math
-#: (mistral_swa spills 80-232 bytes at d128's 128x64x4).
-MASK_TILES: dict[int, TileConfig] = {128: TileConfig(128, 32, 4)}
+#: (mistral_swa spills 80-232 bytes at d128's 128x64x4).  The d64 and d256 rows are the
+#: plain entries' tiles today; they keep masks there if FA2's tiles (d64 128x128x4, d256
+#: 128x64x8, timed by ``tools/perf_sweep.py``) become the plain entries: at 128x128x4
+#: mistral_swa / prefix_lm / chunked_local at d64 spill 56-488 bytes, and chunked_local at
+#: d256 spills 40 bytes on sm_90a at 128x64x8.
+MASK_TILES: dict[int, TileConfig] = {
+    64: TileConfig(128, 64, 4),
+    128: TileConfig(128, 32, 4),
+    256: TileConfig(64, 64, 4),
+}
 #: Varlen specs' entries that differ from :data:`DEFAULT_TILES` (see :func:`default_tiles`).
+#: (64, False) is the plain entry's tile today, kept for varlen if 128x128x4 becomes the
+#: plain entry: gpt2_d64's varlen form spills 136-240 bytes there (its per-sequence
+#: lengths and offsets take the registers the padded form has left).
 VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
+    (64, False): TileConfig(128, 64, 4),  # varlen gpt2_d64 spills at 128x128x4
     (128, False): TileConfig(128, 32, 4),
 }
 
@@ -119,6 +131,11 @@ FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_fold_scale": True,
     "fwd_lazy_rescale": False,
 }
+#: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
+#: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still
+#: wins): lets a ``tools/perf_sweep.py`` ``+lazy`` winner at one head dim be adopted without
+#: the others.  Empty until measured.
+LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset()
 
 
 #: Tiles of the Hopper kernel (``templates/sm_90/fwd.cu.j2``): BLOCK_M = 128 query rows
@@ -554,9 +571,9 @@ def default_tiles(spec: Spec) -> TileConfig:
     (head_dim, has score_mod), falling back to (head_dim, False); without a score_mod, a
     mask beyond plain causal takes :data:`MASK_TILES` where it has the head_dim.
 
-    Varlen specs take :data:`VARLEN_TILES` first (no mask rule): the tiles they had before
-    128x64x4 became the d128 default (their per-sequence offsets take the registers that
-    128x64x4 needs: causal_d128's varlen form spills 40 bytes there)."""
+    Varlen specs take :data:`VARLEN_TILES` first (no mask rule): their per-sequence lengths
+    and offsets take registers the widest tiles need (causal_d128's varlen form spills 40
+    bytes at d128's 128x64x4, so it keeps 128x32x4)."""
     d = max(spec.head_dim, spec.head_dim_v)
     key = (d, spec.score_mod is not None)
     if spec.varlen and key in VARLEN_TILES:
@@ -699,6 +716,8 @@ def plan_forward(
     if spec.dtype not in CTYPE:
         raise ValueError(f"dtype {spec.dtype!r} is not supported yet by the kernels")
     opts = dict(FORWARD_OPTIONS)
+    if max(spec.head_dim, spec.head_dim_v) in LAZY_RESCALE_HEAD_DIMS:
+        opts["fwd_lazy_rescale"] = True
     for key, value in (options or {}).items():
         if key not in opts:
             raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")
@@ -725,14 +744,10 @@ def plan_forward(
     ctx = _forward_context(spec, target, tiles)
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
-    residual = split_causal(spec.mask)[1]
     ctx.update(
         opts,
         fold_scale=opts["fwd_fold_scale"] and spec.score_mod is None,
-        # Unrolled tile loads as a pointer chain (else base + it * step offsets): chosen by
-        # ptxas register counts, the chain keeps specs with per-element DSL math (score_mod,
-        # residual mask) spill-free and the offsets keep plain d128 at 128x64 spill-free.
-        load_chain=spec.score_mod is not None or residual is not None,
+        load_chain=uses_load_chain(spec, tiles),
     )
     return KernelPlan(
         spec_name=spec.name,
@@ -744,6 +759,19 @@ def plan_forward(
         args=ctx["args"],
         context=ctx,
     )
+
+
+def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:
+    """Whether the FA2-class forward emits its unrolled tile loads as a pointer chain
+    (``g += ROW_STEP * stride`` per row) instead of ``base + it * ROW_STEP * stride``
+    offsets.  Chosen by ptxas register counts (docs/perf-notes.md): the chain keeps specs
+    with per-element DSL math (score_mod, residual mask) spill-free, and plain head_dim
+    <= 64 with 128-row key blocks (FA2's d64 tile 128x128x4): there ptxas hoists the eight
+    64-bit row offsets of the K and V loads out of the main loop and spills them (24-96
+    bytes).  The offsets keep plain d128 at 128x64x4 spill-free."""
+    if spec.score_mod is not None or split_causal(spec.mask)[1] is not None:
+        return True
+    return max(spec.head_dim, spec.head_dim_v) <= 64 and tiles.block_n >= 128
 
 
 def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:

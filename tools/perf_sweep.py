@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A/B sweep of flashgen's FA2-class kernels against FlashAttention-2 and cuDNN, one command.
 
-For head_dim 64/128/256, causal on and off, bf16 (``--fp16`` adds fp16 at d128 causal),
+For head_dim 64/128/256, causal on and off, bf16 (``--dtypes bf16 fp16`` for both
+everywhere; ``--fp16`` adds fp16 at d128 causal only),
 seqlen 4096 and 16384 (B*S = 16384 tokens, hidden 2048, so H = 2048 / D, as in the
 FlashAttention papers), this builds several variants of the FA2-class forward kernel
 (``templates/sm_80/fwd.cu.j2``: tile configs from ``lower.DEFAULT_TILES`` and others, and
@@ -37,6 +38,7 @@ Variants (``base`` is the code and tiles shipped before this sweep; ``default`` 
     fwd  default     lower.FORWARD_OPTIONS + lower.DEFAULT_TILES
     fwd  -unroll / -hoist / -fold / +lazy   default with one switch flipped
     fwd  t<M>x<N>x<W>                       default switches, other tiles (ALT_TILES)
+    fwd  t<M>x<N>x<W>+lazy                  the same with fwd_lazy_rescale (ALT_LAZY)
     fwd  fa3-default                        the Hopper kernel as shipped (sm_90 only)
     bwd  det / atomic                       lower.BACKWARD_TILES / ATOMIC_BACKWARD_TILES
     bwd  det-base                           deterministic, BACKWARD_OPTIONS all off (as shipped)
@@ -50,6 +52,10 @@ backward is timed as ``torch.autograd.grad`` on a retained graph.
     python3 tools/perf_sweep.py --json /tmp/perf_sweep.json      # the full sweep, < 5 min
     python3 tools/perf_sweep.py --quick                           # S=4096 only, no ablations
     python3 tools/perf_sweep.py --dims 128 --seqlens 16384 --no-bwd
+    # FA2's d64 / d256 tiles vs the defaults, bf16 and fp16, causal and not, 4k and 16k:
+    python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --no-fa3
+    # the same variants' registers and spills, no GPU needed:
+    python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --build-only sm_90
 
 To adopt a winner: edit ``DEFAULT_TILES`` / ``FORWARD_OPTIONS`` (forward) or
 ``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``.
@@ -77,14 +83,19 @@ from flashgen.lower import BackwardTiles, TileConfig  # noqa: E402
 
 #: Tiles the forward shipped with before this sweep (docs/perf-notes.md, 2026-11-29).
 BASE_TILES = {64: TileConfig(128, 64, 4), 128: TileConfig(128, 32, 4), 256: TileConfig(64, 64, 4)}
-#: Other forward tiles timed with the default switches, per head_dim: the runners-up of
-#: the 2026-11-29 tile sweep (docs/perf-notes.md); its clear losers (d64 64x64x4, d128
-#: 128x128x8, d256 64x32x4) and d64 128x128x4 (spills 96 bytes) are left out for time.
+#: Other forward tiles timed with the default switches, per head_dim: FA2's own forward
+#: tiles at d64 (128x128x4, spill-free since the pointer-chain loads,
+#: ``lower.uses_load_chain``) and d256 (128x64x8), and d128's runner-up of the 2026-11-29
+#: tile sweep (docs/perf-notes.md); its clear losers (d64 64x64x4, d128 128x128x8,
+#: d256 64x32x4) are left out for time.
 ALT_TILES = {
-    64: [],
+    64: [TileConfig(128, 128, 4)],
     128: [TileConfig(128, 32, 4)],
     256: [TileConfig(128, 64, 8)],
 }
+#: ALT_TILES entries also timed with ``fwd_lazy_rescale`` on (name suffix ``+lazy``): at
+#: d64 the softmax is a large part of each step, and 128-wide steps move the row max less.
+ALT_LAZY = {64: [TileConfig(128, 128, 4)], 256: [TileConfig(128, 64, 8)]}
 #: The FA2-class template (what every variant but ``fa3-default`` must render).
 FA2_TEMPLATE = "sm_80/fwd.cu.j2"
 #: Backward with 128 key rows per CTA and 8 warps (FA2's dK/dV shape); zero spills on
@@ -147,6 +158,23 @@ def spec_for(d: int, causal: bool, dtype: str):
     return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", "sweep.yaml")
 
 
+def tile_name(t: TileConfig) -> str:
+    return f"t{t.block_m}x{t.block_n}x{t.num_warps}"
+
+
+def candidate_variants(d: int, causal: bool, dtype: str) -> list[Variant]:
+    """``default``, ``+lazy`` and the ALT_TILES / ALT_LAZY tiles: what ``--candidates``
+    times (and what the full sweep includes among its ablations)."""
+    lazy = (("fwd_lazy_rescale", True),)
+    out = [Variant("fwd", "default", d, causal, dtype)]
+    if not lower.FORWARD_OPTIONS["fwd_lazy_rescale"]:
+        out.append(Variant("fwd", "+lazy", d, causal, dtype, None, lazy))
+    out += [Variant("fwd", tile_name(t), d, causal, dtype, t) for t in ALT_TILES.get(d, [])]
+    for t in ALT_LAZY.get(d, []):
+        out.append(Variant("fwd", tile_name(t) + "+lazy", d, causal, dtype, t, lazy))
+    return out
+
+
 def fwd_variants(
     d: int, causal: bool, dtype: str, ablations: bool, hopper: bool = True
 ) -> list[Variant]:
@@ -165,9 +193,8 @@ def fwd_variants(
             now = lower.FORWARD_OPTIONS[key]
             name = ("-" if now else "+") + label
             out.append(Variant("fwd", name, d, causal, dtype, None, ((key, not now),)))
-        for t in ALT_TILES[d]:
-            name = f"t{t.block_m}x{t.block_n}x{t.num_warps}"
-            out.append(Variant("fwd", name, d, causal, dtype, t))
+        names = {v.name for v in out}
+        out += [v for v in candidate_variants(d, causal, dtype) if v.name not in names]
     if hopper:
         out.append(Variant("fwd", "fa3-default", d, causal, dtype, family="auto"))
     return out
@@ -188,12 +215,25 @@ def bwd_variants(d: int, causal: bool, dtype: str, ablations: bool) -> list[Vari
     return out
 
 
+def config_dtypes(args, d: int, causal: bool) -> list[str]:
+    """The dtypes timed at (d, causal): ``--dtypes`` (bf16 by default), plus fp16 at d128
+    causal with ``--fp16``."""
+    extra = ["fp16"] if (d == 128 and causal and args.fp16) else []
+    return list(dict.fromkeys(list(args.dtypes) + extra))
+
+
 def all_variants(args) -> list[Variant]:
-    """Every variant of the run; ``args.hopper`` (the target is sm_90) adds ``fa3-default``."""
+    """Every variant of the run; ``args.hopper`` (the target is sm_90) adds ``fa3-default``;
+    ``args.candidates``: only :func:`candidate_variants` (and ``fa3-default``), no backward."""
     out = []
     for d in args.dims:
         for causal in (False, True):
-            for dtype in ["bf16"] + (["fp16"] if (d == 128 and causal and args.fp16) else []):
+            for dtype in config_dtypes(args, d, causal):
+                if args.candidates:
+                    out += candidate_variants(d, causal, dtype)
+                    if args.hopper:
+                        out.append(Variant("fwd", "fa3-default", d, causal, dtype, family="auto"))
+                    continue
                 out += fwd_variants(d, causal, dtype, args.ablations, args.hopper)
                 if args.bwd:
                     out += bwd_variants(d, causal, dtype, args.ablations and dtype == "bf16")
@@ -611,6 +651,33 @@ def summary(rows: list[dict]) -> None:
               f"{best_s:30} {ratio(best)}")  # fmt: skip
 
 
+def ratio_table(rows: list[dict]) -> None:
+    """Every FA2-class variant's TFLOP/s as a ratio to FA2 per config (``*`` spills,
+    ``!`` no time): the ``--candidates`` report, one column per variant."""
+    fwd = [r for r in rows if r["direction"] == "fwd"]
+    names = list(dict.fromkeys(r["impl"] for r in fwd if r["impl"].startswith("fg:")))
+    if not names:
+        return
+    width = max(8, *(len(n) - 3 for n in names))
+    print("\nratio to FA2 (FA2 and cuDNN in TFLOP/s):")
+    print(f"{'config':31} {'FA2':>5} {'cuDNN':>5} " + " ".join(f"{n[3:]:>{width}}" for n in names))
+    for cfg, group in _grouped(fwd).items():
+        by = {r["impl"]: r for r in group}
+        fa2 = by.get("sdpa-flash", {}).get("tflops")
+        cudnn = by.get("sdpa-cudnn", {}).get("tflops")
+        cells = []
+        for n in names:
+            r = by.get(n)
+            if r is None or "tflops" not in r or not fa2:
+                cells.append(f"{'!' if r is not None else '-':>{width}}")
+            else:
+                star = "*" if r.get("spill_bytes") else ""
+                cells.append(f"{r['tflops'] / fa2:.3f}{star}".rjust(width))
+        fa2_s = f"{fa2:5.0f}" if fa2 else f"{'-':>5}"
+        cudnn_s = f"{cudnn:5.0f}" if cudnn else f"{'-':>5}"
+        print(f"{_cfg_label(cfg):31} {fa2_s} {cudnn_s} " + " ".join(cells))
+
+
 def write_json(args, checks: dict, rows: list[dict], t0: float) -> None:
     from flashgen.bench import environment
 
@@ -632,6 +699,21 @@ def write_json(args, checks: dict, rows: list[dict], t0: float) -> None:
 
 
 # ----------------------------------------------------------------------------- main
+def build_only(args) -> int:
+    """``--build-only TARGET``: build the run's variants (no GPU), one line each."""
+    args.hopper = args.hopper and args.build_only == "sm_90"
+    variants = all_variants(args)
+    built = build_all(variants, args.build_only, args.workers)
+    for key, b in built.items():
+        print(f"{key:40} {b.tiles:14} {b.registers:4d} regs {b.spill_bytes:4d} B spilled  "
+              f"{b.template}")  # fmt: skip
+    spilled = [k for k, b in built.items() if b.spill_bytes]
+    failed = [v.key for v in variants if v.key not in built]
+    print(f"{len(built)} built for {args.build_only}, {len(spilled)} spill, "
+          f"{len(failed)} failed to build")  # fmt: skip
+    return 1 if spilled or failed else 0
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write every row (and the environment) here")
@@ -643,6 +725,11 @@ def parse(argv):
     ap.add_argument("--bwd-seqlens", type=int, nargs="+", default=[16384],
                     help="seqlens at which the backward is timed (default 16384)")  # fmt: skip
     ap.add_argument("--fp16", action="store_true", help="also fp16 at d128 causal")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=("bf16", "fp16"),
+                    help="dtypes of every config (default bf16)")  # fmt: skip
+    ap.add_argument("--candidates", action="store_true",
+                    help="forward tile candidates only: default, +lazy, ALT_TILES, ALT_LAZY "
+                    "(no base, no switch ablations, no backward)")  # fmt: skip
     ap.add_argument("--no-fa3", dest="hopper", action="store_false",
                     help="leave out the Hopper kernel's reference row (fa3-default)")  # fmt: skip
     ap.add_argument("--no-ablations", dest="ablations", action="store_false",
@@ -655,10 +742,15 @@ def parse(argv):
     ap.add_argument("--workers", type=int, default=max(2, (os.cpu_count() or 4)))
     ap.add_argument("--budget", type=float, default=270.0,
                     help="seconds: no new config is timed after this (default 270)")  # fmt: skip
+    ap.add_argument("--build-only", metavar="TARGET", choices=("sm_80", "sm_90"),
+                    help="no GPU: build every variant for TARGET, print registers and "
+                    "spills, exit 1 if any spills")  # fmt: skip
     ap.add_argument("--_check-child", dest="check_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
         args.seqlens, args.bwd_seqlens, args.ablations = [4096], [4096], False
+    if args.candidates:
+        args.bwd = False
     args.bwd_dtypes = ("bf16", "fp16")
     return args
 
@@ -669,6 +761,8 @@ def main(argv=None) -> int:
     # The FA2-class kernel on sm_90 too, for anything that asks the op (the check children
     # inherit it); the builds below also pass family= explicitly.
     os.environ["FLASHGEN_KERNEL_FAMILY"] = "fa2"
+    if args.build_only:
+        return build_only(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -709,8 +803,7 @@ def main(argv=None) -> int:
     for s in sorted(args.seqlens, reverse=True):  # the long sequences first: they matter most
         for d in args.dims:
             for causal in (False, True):
-                dtypes = ["bf16"] + (["fp16"] if (d == 128 and causal and args.fp16) else [])
-                for dtype in dtypes:
+                for dtype in config_dtypes(args, d, causal):
                     if time.perf_counter() - t0 > args.budget:
                         skipped.append(f"S={s} d{d} causal={causal} {dtype}")
                         continue
@@ -724,6 +817,8 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (r["direction"], r["d"], r["causal"], r["dtype"], r["seqlen"]))
     print_table(rows)
     summary(rows)
+    if args.candidates:
+        ratio_table(rows)
     if skipped:
         print(f"\nnot timed (past --budget {args.budget:.0f}s): {'; '.join(skipped)}")
     if args.json:

@@ -11,7 +11,11 @@ picked.  score_mods: ``none`` (plain causal), ``softcap`` (causal + tanh soft-ca
     python3 tools/tile_spills.py bwd --dims 192 --tiles 64,32,4,2,64,32,4
     python3 tools/tile_spills.py atomic --dims 192:128 --mods alibi --tiles 64,64,4,2,64,16,4
     python3 tools/tile_spills.py bwd --dims 160          # the table's own tiles
+    python3 tools/tile_spills.py fwd --family fa2 --specs specs/*.yaml --varlen
 
+``--specs`` compiles those spec files instead of the generated causal specs (``--dims``,
+``--mods`` and ``--dtypes`` then do not apply); ``--varlen`` adds each spec's varlen form
+where it has one; ``--family fa2`` plans the FA2-class forward on sm_90 too.
 Forward tiles are BLOCK_M,BLOCK_N,WARPS; backward ones KV_N,KV_M,WARPS,DSPLIT,DQ_M,DQ_N,
 DQ_WARPS (the atomic path ignores the last three).  ``--dims D`` or ``D:DV``.
 """
@@ -29,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashgen import cache  # noqa: E402
 from flashgen.lower import BackwardTiles, TileConfig, plan_backward, plan_forward  # noqa: E402
 from flashgen.render import render  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.varlen import varlen_spec  # noqa: E402
 
 MODS = {
     "none": "",
@@ -45,11 +50,20 @@ def spec_for(d: int, dv: int, dtype: str, mod: str):
     return loads_spec(text + "mask: causal\n" + MODS[mod], path="<tile_spills>")
 
 
+def has_varlen_form(spec) -> bool:
+    try:
+        varlen_spec(spec)
+    except Exception:  # noqa: BLE001 - e.g. masks that read tensors have none
+        return False
+    return True
+
+
 def run(job):
-    kind, (d, dv), dtype, mod, target, tiles = job
-    spec = spec_for(d, dv, dtype, mod)
+    kind, (d, dv), dtype, mod, target, tiles, family = job
+    spec = mod if not isinstance(mod, str) else spec_for(d, dv, dtype, mod)
     if kind == "fwd":
-        plan = plan_forward(spec, target, tiles=TileConfig(*tiles) if tiles else None)
+        t = TileConfig(*tiles) if tiles else None
+        plan = plan_forward(spec, target, tiles=t, family=family)
     else:
         t = BackwardTiles(*tiles) if tiles else None
         plan = plan_backward(spec, target, atomic_dq=kind == "atomic", tiles=t).unit
@@ -69,25 +83,40 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=("fp16", "bf16"))
     ap.add_argument("--targets", nargs="+", default=["sm_80", "sm_90"])
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--specs", nargs="+", default=[], help="spec files instead of --dims/--mods")
+    ap.add_argument("--varlen", action="store_true", help="also the specs' varlen forms")
+    ap.add_argument("--family", default="auto", choices=("auto", "fa2"), help="forward family")
     args = ap.parse_args(argv)
     dims = [
         tuple(int(x) for x in s.split(":")) if ":" in s else (int(s), int(s)) for s in args.dims
     ]
     tiles = [tuple(int(x) for x in t.split(",")) for t in args.tiles] or [None]
-    jobs = [
-        (args.kind, dd, dt, m, tg, t)
-        for dd in dims
-        for t in tiles
-        for dt in args.dtypes
-        for m in args.mods
-        for tg in args.targets
-    ]
+    if args.specs:
+        specs = [load_spec(p) for p in args.specs]
+        if args.varlen:
+            specs += [varlen_spec(s) for s in specs if has_varlen_form(s)]
+        jobs = [
+            (args.kind, (s.head_dim, s.head_dim_v), s.dtype, s, tg, t, args.family)
+            for s in specs
+            for t in tiles
+            for tg in args.targets
+        ]
+    else:
+        jobs = [
+            (args.kind, dd, dt, m, tg, t, args.family)
+            for dd in dims
+            for t in tiles
+            for dt in args.dtypes
+            for m in args.mods
+            for tg in args.targets
+        ]
     spills = 0
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        for (kind, (d, dv), dt, m, tg, t), kernels, smem, spill in pool.map(run, jobs):
+        for (kind, (d, dv), dt, m, tg, t, _), kernels, smem, spill in pool.map(run, jobs):
             spills += spill > 0
             tl = ",".join(map(str, t)) if t else "table"
-            print(f"{kind} {d}/{dv} {dt} {m:8s} {tg} tiles {tl:20s} smem {smem:6d}  {kernels}")
+            name = m if isinstance(m, str) else m.name
+            print(f"{kind} {d}/{dv} {dt} {name:8s} {tg} tiles {tl:20s} smem {smem:6d}  {kernels}")
     print(f"{spills} of {len(jobs)} units spill")
     return 0
 

@@ -105,10 +105,13 @@ def test_default_tiles_mask_rule():
     assert (
         lower.default_tiles(_spec()) == lower.DEFAULT_TILES[(128, False)] == TileConfig(128, 64, 4)
     )
-    # a mask beyond causal at d128 takes MASK_TILES; other head dims keep their entry
+    # a mask beyond causal takes MASK_TILES where it has the head dim (d128: narrower; d64
+    # and d256: today's plain tiles, kept for masks if FA2's tiles become the plain entries);
+    # other head dims keep their entry
     swa = "causal && q_idx - kv_idx < 64"
     assert lower.default_tiles(_spec(swa)) == lower.MASK_TILES[128] == TileConfig(128, 32, 4)
-    assert lower.default_tiles(_spec(swa, d=256)) == lower.DEFAULT_TILES[(256, False)]
+    assert lower.default_tiles(_spec(swa, d=64)) == lower.MASK_TILES[64] == TileConfig(128, 64, 4)
+    assert lower.default_tiles(_spec(swa, d=256)) == lower.MASK_TILES[256] == TileConfig(64, 64, 4)
     assert lower.default_tiles(_spec(swa, d=96)) == lower.DEFAULT_TILES[(96, False)]
     # a score_mod keys the table as before
     modded = _spec(score_mod="score * 0.5")
@@ -131,10 +134,36 @@ def test_varlen_and_hopper_keep_their_tiles():
     swa = varlen_spec(_spec("causal && q_idx - kv_idx < 64"))
     assert lower.default_tiles(swa) == TileConfig(128, 32, 4)
     assert lower.default_tiles(varlen_spec(_spec(d=256))) == lower.DEFAULT_TILES[(256, False)]
+    assert lower.default_tiles(varlen_spec(_spec(d=64))) == TileConfig(128, 64, 4)
     # sm_90 picks the Hopper kernel by default; family="fa2" gets this branch's default tiles
     assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[(128, False)]
     assert lower.choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
     assert lower.choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
+
+
+def test_load_chain_rule():
+    """Pointer-chain tile loads: DSL math, or plain head_dim <= 64 with 128-row key blocks
+    (FA2's d64 tile); the offsets form everywhere else (plain d128 needs it)."""
+    t64, t128 = TileConfig(128, 64, 4), TileConfig(128, 128, 4)
+    assert lower.uses_load_chain(_spec(d=64), t128)
+    assert not lower.uses_load_chain(_spec(d=64), t64)
+    assert not lower.uses_load_chain(_spec(), t64)
+    assert not lower.uses_load_chain(_spec(d=256), TileConfig(128, 64, 8))
+    assert lower.uses_load_chain(_spec(score_mod="score * 0.5"), t64)
+    assert lower.uses_load_chain(_spec("causal && q_idx - kv_idx < 64"), t64)
+    plan = plan_forward(_spec(d=64), "sm_90", tiles=t128, family="fa2")
+    assert plan.context["load_chain"] and "g += step" in render(plan)
+    plan = plan_forward(_spec(d=64), "sm_90", tiles=t64, family="fa2")
+    assert not plan.context["load_chain"] and "g += step" not in render(plan)
+
+
+def test_lazy_rescale_head_dims(monkeypatch):
+    """LAZY_RESCALE_HEAD_DIMS turns fwd_lazy_rescale on per head dim; options= still wins."""
+    monkeypatch.setattr(lower, "LAZY_RESCALE_HEAD_DIMS", frozenset({64}))
+    assert plan_forward(_spec(d=64), "sm_80").context["fwd_lazy_rescale"] is True
+    assert plan_forward(_spec(d=128), "sm_80").context["fwd_lazy_rescale"] is False
+    off = plan_forward(_spec(d=64), "sm_80", options={"fwd_lazy_rescale": False})
+    assert off.context["fwd_lazy_rescale"] is False
 
 
 def _perf_sweep():
@@ -182,6 +211,36 @@ def test_perf_sweep_variants_plan_and_render():
         "atomic-n128",
     }
     assert not any(v.name == "fa3-default" for v in ps.all_variants(ps.parse(["--no-fa3"])))
+    # the full sweep times FA2's d64 / d256 tiles too
+    names = {(v.d, v.name) for v in variants}
+    assert {(64, "t128x128x4"), (64, "t128x128x4+lazy"), (256, "t128x64x8")} <= names
+
+
+def test_perf_sweep_candidates():
+    """--candidates: default, +lazy and FA2's tiles per config, bf16 and fp16, no backward."""
+    ps = _perf_sweep()
+    argv = ["--candidates", "--dims", "64", "256", "--dtypes", "bf16", "fp16", "--no-fa3"]
+    args = ps.parse(argv)
+    assert not args.bwd
+    variants = ps.all_variants(args)
+    assert {v.kind for v in variants} == {"fwd"}
+    assert len({v.key for v in variants}) == len(variants)
+    for d, tile in ((64, TileConfig(128, 128, 4)), (256, TileConfig(128, 64, 8))):
+        for causal in (False, True):
+            for dtype in ("bf16", "fp16"):
+                got = {
+                    v.name: v for v in variants if (v.d, v.causal, v.dtype) == (d, causal, dtype)
+                }
+                name = ps.tile_name(tile)
+                assert {"default", "+lazy", name, name + "+lazy"} == set(got)
+                assert got[name].tiles == tile and got[name + "+lazy"].options
+    for v in variants:
+        plan = plan_forward(ps.spec_for(v.d, v.causal, v.dtype), "sm_80", tiles=v.tiles,
+                            options=dict(v.options), family=v.family)  # fmt: skip
+        assert plan.template == ps.FA2_TEMPLATE
+        assert plan.context["load_chain"] == (plan.tiles == TileConfig(128, 128, 4))
+    with_fa3 = ps.all_variants(ps.parse(argv[:-1]))
+    assert sum(v.name == "fa3-default" for v in with_fa3) == 8
 
 
 def test_perf_sweep_reports(capsys):
@@ -203,6 +262,23 @@ def test_perf_sweep_reports(capsys):
     last = out.strip().splitlines()[-1]
     # best spill-free FA2-class variant: default (fa3 and the spilling tile do not count)
     assert "fwd d128 causal" in last and "default 128x64x4 300" in last and "0.94" in last
+
+
+def test_perf_sweep_ratio_table(capsys):
+    ps = _perf_sweep()
+    cfg = {"d": 64, "causal": False, "dtype": "fp16", "seqlen": 4096, "direction": "fwd"}
+    rows = [
+        {**cfg, "impl": "sdpa-flash", "tflops": 300.0},
+        {**cfg, "impl": "sdpa-cudnn", "tflops": 450.0},
+        {**cfg, "impl": "fg:default", "tflops": 285.0, "spill_bytes": 0},
+        {**cfg, "impl": "fg:t128x128x4", "tflops": 315.0, "spill_bytes": 0},
+        {**cfg, "impl": "fg:t128x128x4+lazy", "error": "check failed"},
+    ]
+    ps.ratio_table(rows)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "t128x128x4+lazy" in out[-2]
+    assert "fwd d64  full   fp16" in out[-1]
+    assert out[-1].split()[-3:] == ["0.950", "1.050", "!"]
 
 
 def test_perf_sweep_flops():
