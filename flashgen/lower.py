@@ -80,9 +80,12 @@ class TileConfig:
 #: not measured on a GPU yet: chosen by ptxas register counts (tools/tile_spills.py), two
 #: 16-row mma tiles per warp where they fit without spills (32, 96), else the D=256 shape.
 #: A score_mod at 96 takes BLOCK_N 32 (ALiBi reaches 255 registers at 128x64).
+#: d64 and d256 take FlashAttention-2's own tiles (128x128x4; 128x64x8 with lazy rescaling),
+#: measured on the H200 (tools/perf_sweep.py --candidates, 2026-11-30): d64 1.04-1.08x FA2
+#: (the old 128x64x4: 0.93-0.97x), d256 0.86-1.03x (64x64x4: 0.81-0.93x).
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (32, False): TileConfig(128, 64, 4),
-    (64, False): TileConfig(128, 64, 4),
+    (64, False): TileConfig(128, 128, 4),
     (64, True): TileConfig(128, 32, 4),  # t5_bias (a table read per element) spills at 128x64x4
     (96, False): TileConfig(128, 64, 4),
     (96, True): TileConfig(128, 32, 4),
@@ -90,7 +93,7 @@ DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (128, True): TileConfig(128, 32, 4),
     (160, False): TileConfig(64, 64, 4),
     (192, False): TileConfig(64, 64, 4),
-    (256, False): TileConfig(64, 64, 4),
+    (256, False): TileConfig(128, 64, 8),
     (256, True): TileConfig(64, 32, 4),
 }
 #: head_dim -> tiles for a mask beyond causal without a score_mod, where the
@@ -134,8 +137,8 @@ FORWARD_OPTIONS: dict[str, bool] = {
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still
 #: wins): lets a ``tools/perf_sweep.py`` ``+lazy`` winner at one head dim be adopted without
-#: the others.  Empty until measured.
-LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset()
+#: the others.  d256: +1-4% over the same tiles without it (H200, 2026-11-30); d64 mixed.
+LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset({256})
 
 
 #: Tiles of the Hopper kernel (``templates/sm_90/fwd.cu.j2``): BLOCK_M = 128 query rows

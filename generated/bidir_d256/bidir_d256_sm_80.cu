@@ -357,9 +357,9 @@ __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, in
 namespace {
 constexpr int HEAD_DIM = 256;
 constexpr int HEAD_DIM_V = 256;
-constexpr int BLOCK_M = 64;
+constexpr int BLOCK_M = 128;
 constexpr int BLOCK_N = 64;
-constexpr int NUM_WARPS = 4;
+constexpr int NUM_WARPS = 8;
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_M = BLOCK_M / NUM_WARPS;
 constexpr int MT = WARP_M / 16;
@@ -375,7 +375,7 @@ constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
 constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
-static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 98304,
+static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 131072,
               "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
 // Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
 static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
@@ -577,6 +577,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
         }
 
         // Online softmax: new row max, rescale O and the running sum, P = exp2(x - max).
+        float alphas[MT][2];
+        bool rescale = false;
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
@@ -602,12 +604,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
                         sum += p;
                     }
                 row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc_o[mt][dt][2 * r] *= alpha;
-                    acc_o[mt][dt][2 * r + 1] *= alpha;
-                }
+                alphas[mt][r] = alpha;
+                rescale |= alpha != 1.f;
             }
+        // O is rescaled only when some row max of this warp moved (alpha == 1 exactly otherwise).
+        if (__any_sync(0xffffffff, rescale)) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] *= alphas[mt][i / 2];
+        }
 
         // The previous live block, searched while V(n) is in flight.
         int next_cls = fg::iv::EMPTY;

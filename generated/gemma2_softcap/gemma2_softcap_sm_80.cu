@@ -611,6 +611,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
         }
 
         // Online softmax: new row max, rescale O and the running sum, P = exp2(x - max).
+        float alphas[MT][2];
+        bool rescale = false;
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
@@ -634,12 +636,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                         sum += p;
                     }
                 row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-                #pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc_o[mt][dt][2 * r] *= alpha;
-                    acc_o[mt][dt][2 * r + 1] *= alpha;
-                }
+                alphas[mt][r] = alpha;
+                rescale |= alpha != 1.f;
             }
+        // O is rescaled only when some row max of this warp moved (alpha == 1 exactly otherwise).
+        if (__any_sync(0xffffffff, rescale)) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] *= alphas[mt][i / 2];
+        }
 
         // The previous live block, searched while V(n) is in flight.
         int next_cls = fg::iv::EMPTY;

@@ -363,7 +363,7 @@ namespace {
 constexpr int HEAD_DIM = 64;
 constexpr int HEAD_DIM_V = 64;
 constexpr int BLOCK_M = 128;
-constexpr int BLOCK_N = 64;
+constexpr int BLOCK_N = 128;
 constexpr int NUM_WARPS = 4;
 constexpr int THREADS = NUM_WARPS * 32;
 constexpr int WARP_M = BLOCK_M / NUM_WARPS;
@@ -380,7 +380,7 @@ constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __half;
 using Mma = fg::MmaOp<elem_t>;
 constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
-static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 32768,
+static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 49152,
               "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
 // Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
 static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
@@ -397,12 +397,14 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64
     if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
         constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
         const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
-        const elem_t* g0 = src + row0 * stride + chunk * 8;
+        // A pointer chain: no per-row 64-bit offsets for ptxas to keep live (see lower.plan_forward).
+        const elem_t* g = src + row0 * stride + chunk * 8;
+        const int64_t step = ROW_STEP * stride;
         #pragma unroll
-        for (int it = 0; it < ROWS / ROW_STEP; ++it) {
+        for (int it = 0; it < ROWS / ROW_STEP; ++it, g += step) {
             const int row = row0 + it * ROW_STEP;
             const bool valid = row < valid_rows;
-            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g0 + it * ROW_STEP * stride : src, valid);
+            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g : src, valid);
         }
         return;
     }
