@@ -20,6 +20,7 @@ from .lower import (
     forward_tile_candidates,
     plan_backward,
     plan_forward,
+    plan_hopper_backward,
 )
 from .render import render
 
@@ -42,10 +43,16 @@ def build_forward(
 
 
 def build_backward(
-    spec, target: str, *, atomic_dq: bool = False
+    spec, target: str, *, atomic_dq: bool = False, hopper: bool = False
 ) -> tuple[BackwardPlan, object, object]:
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
-    kernel of it spill-free if any candidate is).  Raises like :func:`build_forward`."""
+    kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
+    :func:`~flashgen.lower.plan_hopper_backward` (one tile config, no fallback; implies the
+    atomic-dQ scheme).  Raises like :func:`build_forward`."""
+    if hopper:
+        plan = plan_hopper_backward(spec, target)
+        cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
+        return plan, cubin, report
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
         plan = plan_backward(spec, target, atomic_dq=atomic_dq, tiles=tiles)
         cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
