@@ -1258,6 +1258,14 @@ def plan_backward(
 HOPPER_BWD_TILES = BackwardTiles(128, 64, 8, 1, 64, 64, 4)
 #: Head dims of the Hopper backward (head_dim == head_dim_v).
 HOPPER_BWD_HEAD_DIMS = (64, 128)
+#: How the Hopper backward's dQ = dS K GEMM gets its A operand (dS, stored transposed in
+#: shared memory): ``"smem"`` reads it there through an M-major (transposed) wgmma
+#: descriptor; ``"ldmatrix"`` loads it into registers with ldmatrix.trans and runs the
+#: register-A form (as P in the forward's P V).  Default "smem"; the environment variable
+#: :data:`HOPPER_BWD_DQ_A_ENV` picks the other at plan time (an A/B switch while both are
+#: validated on a GPU).
+HOPPER_BWD_DQ_A = ("smem", "ldmatrix")
+HOPPER_BWD_DQ_A_ENV = "FLASHGEN_HOPPER_BWD_DQ_A"
 
 
 def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -1279,16 +1287,24 @@ def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     )
 
 
-def plan_hopper_backward(spec: Spec, target: str) -> BackwardPlan:
+def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) -> BackwardPlan:
     """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
     whose dK/dV kernel runs its five GEMMs on wgmma (FlashAttention-3's backward, Shah et al.
     2024, without warp specialization), Q/dO/K/V by TMA.  ``pre`` and ``convert`` are the
     FA2-class path's (the same macros, templates/common/bwd_rowops.j2), rendered in this unit.
 
     The dkdv ABI is the atomic path's plus four ``CUtensorMap`` arguments (``tma_q``,
-    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  Raises
-    ``ValueError`` unless :func:`hopper_bwd_eligible` (family "auto").
+    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  ``dq_a``:
+    one of :data:`HOPPER_BWD_DQ_A` (default: ``$FLASHGEN_HOPPER_BWD_DQ_A``, else "smem").
+    Raises ``ValueError`` unless :func:`hopper_bwd_eligible` (family "auto"), or for an
+    unknown ``dq_a``.
     """
+    dq_a = dq_a or os.environ.get(HOPPER_BWD_DQ_A_ENV) or "smem"
+    if dq_a not in HOPPER_BWD_DQ_A:
+        raise ValueError(
+            f"dQ A operand {dq_a!r} (${HOPPER_BWD_DQ_A_ENV}): expected one of "
+            f"{', '.join(HOPPER_BWD_DQ_A)}"
+        )
     if not hopper_bwd_eligible(spec, target):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
@@ -1318,6 +1334,7 @@ def plan_hopper_backward(spec: Spec, target: str) -> BackwardPlan:
         dkdv_smem_bytes=smem,
         mma_t=spec.dtype.replace("fp", "f"),
         wgmma_ns=sorted({block_m, d}),
+        dq_ldmatrix=dq_a == "ldmatrix",
     )
 
     def kp(name: str, warps: int, smem_bytes: int, args, tma_args=()) -> KernelPlan:

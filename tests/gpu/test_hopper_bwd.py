@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import ref_grads  # noqa: E402
 
 from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.lower import HOPPER_BWD_DQ_A_ENV  # noqa: E402
 from flashgen.op import build_op  # noqa: E402
 from flashgen.spec import loads_spec  # noqa: E402
 
@@ -46,8 +47,8 @@ SHAPES = [
 ]
 
 
-def hb_spec(d: int, dtype: str, causal: bool):
-    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}"
+def hb_spec(d: int, dtype: str, causal: bool, dq_a: str = "smem"):
+    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}_{dq_a}"
     mask = "causal" if causal else "null"
     return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", f"<{name}>")
 
@@ -78,7 +79,10 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False):
         torch.autograd.backward([o, lse.masked_fill(torch.isneginf(lse), 0)], [do, dlse])
     else:
         o.backward(do)
-    assert (torch.cuda.current_device(), "hopper") in op.backward._kernels, "not the Hopper path"
+    hit = op.backward._kernels.get((torch.cuda.current_device(), "hopper"))
+    assert hit is not None, "not the Hopper path"
+    ldmatrix = spec.name.endswith("_ldmatrix")
+    assert hit[0].dkdv.context["dq_ldmatrix"] == ldmatrix, "not the dQ variant under test"
     return q, k, v, do, dlse, params
 
 
@@ -111,6 +115,13 @@ def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
     return qr.grad, kr.grad, vr.grad
 
 
+@pytest.fixture(autouse=True)
+def dq_a_default(monkeypatch):
+    """The dQ A-operand variant (lower.HOPPER_BWD_DQ_A) is read at plan time: "smem" unless
+    a test sets another (its spec name says which, so each variant builds its own op)."""
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "smem")
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -118,6 +129,16 @@ def test_lengths_gqa_dtypes(d, dtype, causal):
     spec = hb_spec(d, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=100 * d + i)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
+    """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma."""
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    spec = hb_spec(d, "bf16", causal, "ldmatrix")
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -17,6 +17,7 @@ from flashgen import cache, ir
 from flashgen.backward import ATOMIC_DQ_ENV, backward_path
 from flashgen.compile import find_nvcc
 from flashgen.lower import (
+    HOPPER_BWD_DQ_A_ENV,
     HOPPER_BWD_TILES,
     HOPPER_SMEM_LIMIT,
     compile_units,
@@ -110,11 +111,14 @@ def test_plan(d):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_render(d, dtype, causal):
+@pytest.mark.parametrize("dq_a", ["smem", "ldmatrix"])
+def test_render(d, dtype, causal, dq_a):
     """StrictUndefined (render's environment) catches any name the template reads and the
     plan lacks; the three kernels and the wgmma forms are there."""
-    plan = plan_hopper_backward(small(d, dtype, causal), "sm_90")
+    plan = plan_hopper_backward(small(d, dtype, causal), "sm_90", dq_a=dq_a)
     src = render(plan.unit)
+    assert ("fg::ldmatrix_x4_trans(ds_a[kk]" in src) == (dq_a == "ldmatrix")
+    assert ("fg::wgmma_tt_n64(acc_dq" in src) == (dq_a == "smem")
     for k in plan.kernels:
         assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
     t = "bf16" if dtype == "bf16" else "f16"
@@ -122,6 +126,18 @@ def test_render(d, dtype, causal):
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "red.global.add.v4.f32" in src and "fence.proxy.async.shared::cta" in src
     assert ("__syncthreads();  // both warpgroups" in src) == (d == 128)
+
+
+def test_dq_a_option(monkeypatch):
+    spec = small(128, "bf16", True)
+    monkeypatch.delenv(HOPPER_BWD_DQ_A_ENV, raising=False)
+    assert not plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    assert plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
+    assert not plan_hopper_backward(spec, "sm_90", dq_a="smem").dkdv.context["dq_ldmatrix"]
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "tma")
+    with pytest.raises(ValueError, match="expected one of smem, ldmatrix"):
+        plan_hopper_backward(spec, "sm_90")
 
 
 def _ptx(plan, tmp_path) -> str:
@@ -133,10 +149,11 @@ def _ptx(plan, tmp_path) -> str:
     return out.read_text()
 
 
+@pytest.mark.parametrize("dq_a", ["smem", "ldmatrix"])
 @pytest.mark.parametrize("name", ELIGIBLE)
-def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name):
-    """About 1 s per spec on 2 cores."""
-    plan = plan_hopper_backward(shipped(name), "sm_90")
+def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
+    """About 1 s per unit on 2 idle cores."""
+    plan = plan_hopper_backward(shipped(name), "sm_90", dq_a=dq_a)
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0, report
     assert report.registers <= 255
@@ -145,6 +162,7 @@ def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name):
     d = plan.dkdv.context["head_dim"]
     assert ptx.count("wgmma.mma_async") == 2 * (d // 16) + 8 + (8 if d == 128 else 4)
     assert "cp.async.bulk.tensor.4d" in ptx and "red.global.add.v4.f32" in ptx
+    assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in ptx) == (dq_a == "ldmatrix")
 
 
 # ----------------------------------------------------------------------------- index math
@@ -205,6 +223,23 @@ def test_dq_reduction_lanes_add_every_element_once():
             assert (er, ec) == (row, col0 + c), (lane, c)
             added[(er, ec)] = added.get((er, ec), 0) + 1
     assert added == {(r, c): 1 for r in range(16) for c in range(8)}
+
+
+def test_ldmatrix_rows_of_the_ds_fragments():
+    """dq_a "ldmatrix": lane l of warp w gives ldmatrix.x4.trans the row address of matrix
+    i = l / 8, row l % 8; matrix i must be keys 16 kk + 8 (i / 2) .. and queries
+    16 w + 8 (i % 2) .. of dS^T (a0..a3 of the m16k16 A fragment of dS, as sm_80's gemm_dq),
+    at its swizzled address."""
+    for w in range(4):
+        for kk in range(8):
+            for lane in range(32):
+                key = kk * 16 + (lane % 8) + (lane // 16) * 8
+                chunk = w * 2 + (lane // 8) % 2
+                i, j = lane // 8, lane % 8
+                assert key == kk * 16 + 8 * (i // 2) + j
+                assert chunk * 8 == 16 * w + 8 * (i % 2)
+                addr = key * 128 + ((chunk ^ (key % 8)) << 4)
+                assert addr == key * 128 + (((chunk * 8 // 8) ^ (key % 8)) << 4)
 
 
 def test_ds_stores_land_in_the_swizzled_layout():
