@@ -19,7 +19,7 @@ deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, w
   * Hopper (sm_90, ``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a dK/dV
     kernel on wgmma and TMA (FlashAttention-3's backward), for the specs
     :func:`~flashgen.lower.hopper_bwd_eligible` accepts (head_dim == head_dim_v in 64/128,
-    no score_mod, causal or no mask, no varlen).
+    a mask that reads no tensor, no varlen).
 
   :func:`backward_path` picks one per call: ``deterministic=True`` always runs the
   deterministic kernels; ``deterministic=False`` runs the Hopper kernels where eligible
@@ -196,8 +196,8 @@ class Backward:
         from .op import target_for_device
 
         path = backward_path(self.spec, target_for_device(self.spec, q.device), deterministic)
-        atomic = path != "deterministic"
         plan, pre, dkdv, last = self.kernels(q.device, path=path)
+        atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         q, k, v, o, dout = (_kernel_aligned(t) for t in (q, k, v, o, dout))
@@ -241,8 +241,11 @@ class Backward:
                 from .select import build_backward
 
                 target = target_for_device(self.spec, device)
+                # "hopper" falls back to the FA2-class kernels if every Hopper variant spills:
+                # the atomic ones where FLASHGEN_ATOMIC_DQ=1 allows them, else deterministic
+                atomic = path == "atomic" or (path == "hopper" and atomic_dq_enabled())
                 plan, cubin, _ = build_backward(
-                    self.spec, target, atomic_dq=path == "atomic", hopper=path == "hopper"
+                    self.spec, target, atomic_dq=atomic, hopper=path == "hopper"
                 )
                 hit = (plan, *(runtime.load(cubin, kp, index) for kp in plan.kernels))
                 self._kernels[key] = hit

@@ -1271,8 +1271,10 @@ HOPPER_BWD_DQ_A_ENV = "FLASHGEN_HOPPER_BWD_DQ_A"
 def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec``'s non-deterministic backward on ``target`` runs the wgmma dK/dV
     kernel (:func:`plan_hopper_backward`): sm_90, ``family`` not ``"fa2"``, head_dim ==
-    head_dim_v in :data:`HOPPER_BWD_HEAD_DIMS`, fp16/bf16, no varlen, no score_mod, and a
-    mask that is causal or none.  Everything else keeps the FA2-class kernels."""
+    head_dim_v in :data:`HOPPER_BWD_HEAD_DIMS`, fp16/bf16, no varlen, and a mask that reads
+    no tensor (no block table; causal, none, or an index-only mask walked with the tile
+    classifier).  A score_mod is fine (its derivative comes from :mod:`flashgen.derive`).
+    Everything else keeps the FA2-class kernels."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
     return (
@@ -1282,8 +1284,7 @@ def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
         and not spec.varlen
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_BWD_HEAD_DIMS
-        and spec.score_mod is None
-        and split_causal(spec.mask)[1] is None
+        and not needs_block_table(spec)
     )
 
 
@@ -1308,8 +1309,8 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
     if not hopper_bwd_eligible(spec, target):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
-            f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, no score_mod, and a mask "
-            "that is causal or none"
+            f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
+            "tensor"
         )
     t = HOPPER_BWD_TILES
     atomic = plan_backward(spec, target, atomic_dq=True, tiles=t)  # ABI and shared context

@@ -1,8 +1,9 @@
 """The Hopper (sm_90a) wgmma backward (templates/sm_90/bwd.cu.j2) against the float64
 reference's autograd (``pytest -m gpu``; skipped without an sm_90 GPU).
 
-``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128, causal or no mask,
-no score_mod (:func:`flashgen.backward.backward_path`); every case asserts it ran.  Bound
+``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128 and masks that read
+no tensor, with or without a score_mod (:func:`flashgen.backward.backward_path`); every
+case asserts it ran.  Bound
 per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3.  Fresh random inputs per case;
 the caching allocator is poisoned with NaN before each backward, so an output element the
@@ -20,12 +21,12 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_backward_kernels import ref_grads  # noqa: E402
+from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
 from flashgen.cli import random_inputs  # noqa: E402
 from flashgen.lower import HOPPER_BWD_DQ_A_ENV  # noqa: E402
 from flashgen.op import build_op  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -139,6 +140,27 @@ def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
     spec = hb_spec(d, "bf16", causal, "ldmatrix")
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)
+
+
+@pytest.mark.parametrize(
+    "name", ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm", "llama3_gqa"]
+)
+def test_shipped_masks_and_score_mods(name):
+    """Residual masks (tile classifier hull, per-step classes) and score_mods (their
+    derivative in dS) at their default params; random_inputs gives the tensor params."""
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=300 + i)
+
+
+def test_softcap_d128():
+    """A MUFU score_mod (tanh) with a non-trivial derivative at head_dim 128."""
+    text = "name: hopbwd_softcap\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
+    text += "score_mod: 'softcap * tanh(score / softcap)'\n"
+    text += "params:\n  softcap: {type: f32, default: 20.0}\n"
+    spec = loads_spec(text, "<hopbwd_softcap>")
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=400 + i)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -29,7 +29,9 @@ from flashgen.spec import load_spec, loads_spec
 from flashgen.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
-ELIGIBLE = ("causal_d128", "gpt2_d64", "llama3_gqa")
+#: Shipped specs the Hopper backward takes: d64/d128, masks that read no tensor, any score_mod.
+ELIGIBLE = ("alibi", "causal_d128", "chunked_local", "gpt2_d64", "llama3_gqa", "mistral_swa",
+            "prefix_lm", "t5_bias")  # fmt: skip
 
 
 def shipped(name: str) -> ir.Spec:
@@ -56,10 +58,10 @@ def test_ineligible_specs():
     assert not hopper_bwd_eligible(varlen_spec(base), "sm_90")
     assert not hopper_bwd_eligible(dataclasses.replace(base, head_dim_v=64), "sm_90")
     assert not hopper_bwd_eligible(small(256, "bf16", True), "sm_90")
-    assert not hopper_bwd_eligible(shipped("gemma2_softcap"), "sm_90")  # score_mod
-    assert not hopper_bwd_eligible(shipped("mistral_swa"), "sm_90")  # residual mask
+    assert not hopper_bwd_eligible(shipped("gemma2_softcap"), "sm_90")  # d256
+    assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # the mask reads tensors
     with pytest.raises(ValueError, match="the Hopper backward needs"):
-        plan_hopper_backward(shipped("alibi"), "sm_90")
+        plan_hopper_backward(shipped("bidir_d256"), "sm_90")
     with pytest.raises(ValueError, match="unknown kernel family"):
         hopper_bwd_eligible(base, "sm_90", "fa9")
 
@@ -67,7 +69,7 @@ def test_ineligible_specs():
 def test_backward_path_selection(monkeypatch):
     monkeypatch.delenv(ATOMIC_DQ_ENV, raising=False)
     monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY", raising=False)
-    yes, no = shipped("causal_d128"), shipped("alibi")
+    yes, no = shipped("causal_d128"), shipped("document_mask")
     assert backward_path(yes, "sm_90", True) == "deterministic"
     assert backward_path(yes, "sm_90", False) == "hopper"
     assert backward_path(yes, "sm_80", False) == "deterministic"
@@ -126,6 +128,20 @@ def test_render(d, dtype, causal, dq_a):
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "red.global.add.v4.f32" in src and "fence.proxy.async.shared::cta" in src
     assert ("__syncthreads();  // both warpgroups" in src) == (d == 128)
+    assert "fg_tile_class" not in src  # causal or none: the live range in closed form
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm"])
+def test_render_masks_and_score_mods(name):
+    """A residual mask walks the classifier's hull and classifies each step's tiles; a
+    score_mod's derivative multiplies P^T for dS^T."""
+    spec = shipped(name)
+    src = render(plan_hopper_backward(spec, "sm_90").unit)
+    masked = spec.mask is not None and spec.mask != ir.Causal()
+    assert ("fg::iv::next_live(0, m_blocks, c, full_hi, head_class)" in src) == masked
+    assert ("!= fg::iv::FULL" in src) == masked
+    assert ("acc_s[i] = pe[e] * (float)(" in src) == (spec.score_mod is not None)
+    assert "keep_bits |= (uint32_t)keep << i;" in src
 
 
 def test_dq_a_option(monkeypatch):
@@ -149,10 +165,14 @@ def _ptx(plan, tmp_path) -> str:
     return out.read_text()
 
 
-@pytest.mark.parametrize("dq_a", ["smem", "ldmatrix"])
-@pytest.mark.parametrize("name", ELIGIBLE)
+@pytest.mark.parametrize(
+    "name, dq_a",
+    [(n, "smem") for n in ELIGIBLE] + [(n, "ldmatrix") for n in ("causal_d128", "gpt2_d64")],
+)
 def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
-    """About 1 s per unit on 2 idle cores."""
+    """About 1-2 s per unit on 2 idle cores.  alibi, chunked_local and prefix_lm sit at
+    253-255 registers: a template change that adds any may tip them into spills (then
+    select.build_backward falls back to the FA2-class kernels for them)."""
     plan = plan_hopper_backward(shipped(name), "sm_90", dq_a=dq_a)
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0, report
@@ -262,3 +282,27 @@ def test_ds_stores_land_in_the_swizzled_layout():
                         assert addr == want
                         seen.add(addr)
     assert len(seen) == 128 * 64 // 2  # every bf16 pair of the 128 x 64 tile written once
+
+
+def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
+    """select.build_backward(hopper=True): the environment's dQ variant, then the other,
+    then (both spilling) the FA2-class unit that ``atomic_dq`` selects."""
+    import types
+
+    from flashgen import select
+
+    tried = []
+
+    def fake_build(src, plan):
+        tried.append((plan.template, plan.context.get("dq_ldmatrix")))
+        spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
+        return "x.cubin", types.SimpleNamespace(spill_bytes=spill)
+
+    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    assert tried[:2] == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
+    assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
+    assert report.spill_bytes == 0
+    plan, _, _ = select.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
+    assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
