@@ -116,6 +116,44 @@ def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
     return qr.grad, kr.grad, vr.grad
 
 
+SHIPPED = ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm", "llama3_gqa"]
+
+
+def softcap_spec():
+    text = "name: hopbwd_softcap\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
+    text += "score_mod: 'softcap * tanh(score / softcap)'\n"
+    text += "params:\n  softcap: {type: f32, default: 20.0}\n"
+    return loads_spec(text, "<hopbwd_softcap>")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt():
+    """Compile every kernel this module runs up front, in parallel (one nvcc per core):
+    each spec's forward and its Hopper backward unit in the variant its test selects."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashgen import cache
+    from flashgen.lower import plan_hopper_backward
+    from flashgen.render import render
+    from flashgen.select import build_forward
+
+    specs = [hb_spec(d, t, c) for d in (64, 128) for t in ("bf16", "fp16") for c in (True, False)]
+    specs += [hb_spec(d, "bf16", c, "ldmatrix") for d in (64, 128) for c in (True, False)]
+    specs += [load_spec(REPO / "specs" / f"{n}.yaml") for n in SHIPPED] + [softcap_spec()]
+    gpu = torch.cuda.get_device_name()
+
+    def bwd(spec):
+        dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
+        plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
+        cache.get_or_build(render(plan.unit), plan.unit)
+
+    jobs = [lambda s=s: build_forward(s, "sm_90", gpu=gpu) for s in specs]
+    jobs += [lambda s=s: bwd(s) for s in specs]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        list(pool.map(lambda job: job(), jobs))
+
+
 @pytest.fixture(autouse=True)
 def dq_a_default(monkeypatch):
     """The dQ A-operand variant (lower.HOPPER_BWD_DQ_A) is read at plan time: "smem" unless
@@ -142,9 +180,7 @@ def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
         check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)
 
 
-@pytest.mark.parametrize(
-    "name", ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm", "llama3_gqa"]
-)
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_masks_and_score_mods(name):
     """Residual masks (tile classifier hull, per-step classes) and score_mods (their
     derivative in dS) at their default params; random_inputs gives the tensor params."""
@@ -155,10 +191,7 @@ def test_shipped_masks_and_score_mods(name):
 
 def test_softcap_d128():
     """A MUFU score_mod (tanh) with a non-trivial derivative at head_dim 128."""
-    text = "name: hopbwd_softcap\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
-    text += "score_mod: 'softcap * tanh(score / softcap)'\n"
-    text += "params:\n  softcap: {type: f32, default: 20.0}\n"
-    spec = loads_spec(text, "<hopbwd_softcap>")
+    spec = softcap_spec()
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=400 + i)
 
