@@ -62,11 +62,12 @@ def poison_allocator(*shapes_dtypes) -> None:
     del bufs
 
 
-def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False):
+def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, params=None):
     op = build_op(spec)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
-    q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
+    q, k, v, defaults = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
+    params = {**defaults, **(params or {})}
     if qkv is not None:
         q, k, v = qkv
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -87,9 +88,9 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False):
     return q, k, v, do, dlse, params
 
 
-def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False):
+def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False, params=None):
     q, k, v, do, dlse, params = run_case(
-        spec, b, hq, hkv, sq, sk, seed=seed, qkv=qkv, with_dlse=with_dlse
+        spec, b, hq, hkv, sq, sk, seed=seed, qkv=qkv, with_dlse=with_dlse, params=params
     )
     if with_dlse:
         ref64, low = (_ref_with_lse(spec, q, k, v, do, dlse, dt) for dt in (torch.float64, q.dtype))
@@ -187,6 +188,21 @@ def test_shipped_masks_and_score_mods(name):
     spec = load_spec(REPO / "specs" / f"{name}.yaml")
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=300 + i)
+
+
+@pytest.mark.parametrize(
+    "name, param, values",
+    [("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
+     ("prefix_lm", "prefix", [0, 1, 777])],
+)  # fmt: skip
+def test_mask_params_sparse_and_dense(name, param, values):
+    """Params that make the hull, the EMPTY blocks inside it and the FULL/PARTIAL tile
+    classes differ (a window of 1 keeps one key per row)."""
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    for v in values:
+        for i, (b, hq, hkv, sq, sk) in enumerate([(1, 4, 2, 1000, 1000), (1, 2, 1, 127, 1000),
+                                                  (1, 2, 2, 1000, 127)]):  # fmt: skip
+            check(spec, b, hq, hkv, sq, sk, seed=500 + i, params={param: v})
 
 
 def test_softcap_d128():
