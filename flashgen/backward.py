@@ -16,10 +16,16 @@ deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, w
     writes dq = softmax_scale * dq_accum.  5 matmuls per pair, plus the fp32 buffer
     (4 bytes per dq element).  dq is not bitwise reproducible (dk, dv still are).
 
-  The atomic path runs only when ``deterministic`` is False **and** the environment
-  variable ``FLASHGEN_ATOMIC_DQ=1`` is set (read at each call): it has not been validated
-  on a GPU yet, so it stays off by default and ``deterministic=False`` then still runs the
-  deterministic kernels;
+  * Hopper (sm_90, ``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a dK/dV
+    kernel on wgmma and TMA (FlashAttention-3's backward), for the specs
+    :func:`~flashgen.lower.hopper_bwd_eligible` accepts (head_dim == head_dim_v in 64/128,
+    a mask that reads no tensor, no varlen).
+
+  :func:`backward_path` picks one per call: ``deterministic=True`` always runs the
+  deterministic kernels; ``deterministic=False`` runs the Hopper kernels where eligible
+  (unless ``FLASHGEN_ATOMIC_DQ=0`` or ``FLASHGEN_KERNEL_FAMILY=fa2``), else the FA2-class
+  atomic kernels when the environment variable ``FLASHGEN_ATOMIC_DQ=1`` is set (read at
+  each call), else the deterministic kernels;
 - a CPU implementation: autograd through the float32 reference of the same IR (the flag
   changes nothing there);
 - a fake implementation, so ``torch.compile`` traces the backward too.
@@ -44,7 +50,7 @@ import threading
 import torch
 
 from .ir import Spec
-from .lower import needs_block_table
+from .lower import hopper_bwd_eligible, kernel_family, needs_block_table
 
 #: Environment variable that enables the atomic-dQ kernels (value ``1``).
 ATOMIC_DQ_ENV = "FLASHGEN_ATOMIC_DQ"
@@ -56,9 +62,31 @@ def atomic_dq_enabled() -> bool:
 
 
 def uses_atomic_dq(deterministic: bool) -> bool:
-    """Whether a CUDA backward with this ``deterministic`` flag runs the atomic-dQ kernels:
-    only for ``deterministic=False`` with the :data:`ATOMIC_DQ_ENV` gate on."""
+    """Whether a CUDA backward with this ``deterministic`` flag may run the FA2-class
+    atomic-dQ kernels: only for ``deterministic=False`` with the :data:`ATOMIC_DQ_ENV` gate
+    on (the Hopper kernels take precedence where eligible, see :func:`backward_path`)."""
     return not deterministic and atomic_dq_enabled()
+
+
+#: The backward kernel sets :func:`backward_path` chooses between.
+BACKWARD_PATHS = ("deterministic", "atomic", "hopper")
+
+
+def backward_path(spec: Spec, target: str, deterministic: bool) -> str:
+    """Which kernels a CUDA backward of ``spec`` on ``target`` runs: ``"deterministic"``
+    (pre, dkdv, dq), ``"atomic"`` (the FA2-class atomic-dQ kernels) or ``"hopper"`` (the
+    wgmma dK/dV kernel with atomic dQ, :func:`flashgen.lower.plan_hopper_backward`).
+
+    ``deterministic=True`` -> deterministic.  Otherwise: ``FLASHGEN_ATOMIC_DQ=0`` ->
+    deterministic; hopper where :func:`~flashgen.lower.hopper_bwd_eligible` (with
+    ``FLASHGEN_KERNEL_FAMILY``); else atomic with ``FLASHGEN_ATOMIC_DQ=1``; else
+    deterministic.  The environment is read on every call.
+    """
+    if deterministic or os.environ.get(ATOMIC_DQ_ENV) == "0":
+        return "deterministic"
+    if hopper_bwd_eligible(spec, target, kernel_family()):
+        return "hopper"
+    return "atomic" if atomic_dq_enabled() else "deterministic"
 
 
 def backward_name(spec: Spec) -> str:
@@ -111,7 +139,7 @@ class Backward:
     def __init__(self, op):
         self.op = op
         self.spec = op.spec
-        self._kernels: dict[tuple[int, bool], tuple] = {}  # (device index, atomic_dq)
+        self._kernels: dict[tuple[int, str], tuple] = {}  # (device index, backward_path)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ op impls
@@ -153,7 +181,8 @@ class Backward:
 
     def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
         """The backward kernels on the current stream of q's device: (pre, dkdv, dq), or
-        (pre, dkdv_atomic, convert) when :func:`uses_atomic_dq` says so.
+        (pre, dkdv with atomic dQ, convert) on the atomic and Hopper paths
+        (:func:`backward_path`).
 
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
@@ -164,8 +193,11 @@ class Backward:
         dims = validate(self.spec, q, k, v, tensors)
         if q.numel() == 0 or k.numel() == 0:
             return _grads_like(q, k, v, fill_zero=True)
-        atomic = uses_atomic_dq(deterministic)
-        plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic)
+        from .op import target_for_device
+
+        path = backward_path(self.spec, target_for_device(self.spec, q.device), deterministic)
+        plan, pre, dkdv, last = self.kernels(q.device, path=path)
+        atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         q, k, v, o, dout = (_kernel_aligned(t) for t in (q, k, v, o, dout))
@@ -188,11 +220,16 @@ class Backward:
         last.launch(grids["convert" if atomic else "dq"], values, stream)
         return dq, dk, dv
 
-    def kernels(self, device: torch.device, atomic_dq: bool = False):
+    def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None):
         """(BackwardPlan, pre, dkdv, dq) loaded on ``device`` -- (BackwardPlan, pre,
-        dkdv_atomic, convert) for ``atomic_dq`` -- built and cached on first use."""
+        dkdv_atomic, convert) for ``atomic_dq`` or a ``path`` (:data:`BACKWARD_PATHS`,
+        overrides ``atomic_dq``) other than "deterministic" -- built and cached on first use."""
+        if path is None:
+            path = "atomic" if atomic_dq else "deterministic"
+        if path not in BACKWARD_PATHS:
+            raise ValueError(f"unknown backward path {path!r}; known: {', '.join(BACKWARD_PATHS)}")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, atomic_dq)
+        key = (index, path)
         hit = self._kernels.get(key)
         if hit is not None:
             return hit
@@ -204,7 +241,12 @@ class Backward:
                 from .select import build_backward
 
                 target = target_for_device(self.spec, device)
-                plan, cubin, _ = build_backward(self.spec, target, atomic_dq=atomic_dq)
+                # "hopper" falls back to the FA2-class kernels if every Hopper variant spills:
+                # the atomic ones where FLASHGEN_ATOMIC_DQ=1 allows them, else deterministic
+                atomic = path == "atomic" or (path == "hopper" and atomic_dq_enabled())
+                plan, cubin, _ = build_backward(
+                    self.spec, target, atomic_dq=atomic, hopper=path == "hopper"
+                )
                 hit = (plan, *(runtime.load(cubin, kp, index) for kp in plan.kernels))
                 self._kernels[key] = hit
         return hit

@@ -141,7 +141,7 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
-    unit: str = "fwd"  # "fwd", "bwd" or "bwd_atomic" (see flashgen.lower.compile_units)
+    unit: str = "fwd"  # "fwd", "bwd", "bwd_atomic" or "bwd_wgmma" (flashgen.lower.compile_units)
     plan: object | None = None  # the KernelPlan / BackwardPlan compiled (flashgen.select)
     report: object | None = None  # CompileReport
     cubin: str | None = None
@@ -184,7 +184,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
             res.smem_dynamic = res.plan.smem_bytes
         else:
             res.plan, path, res.report = build_backward(
-                spec, target, atomic_dq=unit == "bwd_atomic"
+                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma"
             )
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
         res.cubin = str(path)
@@ -239,6 +239,7 @@ def cmd_build(args) -> int:
 
     from .compile import CompileError, find_nvcc, nvcc_version
     from .generate import write_generated
+    from .lower import hopper_bwd_eligible, kernel_family
 
     out, err = _consoles()
     specs = _load_specs(args.specs, err)
@@ -264,6 +265,11 @@ def cmd_build(args) -> int:
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         units = ("fwd", "bwd", "bwd_atomic")  # every unit of lower.compile_units
         futures = [pool.submit(_compile_one, s, t, u) for s, t in pairs for u in units]
+        futures += [  # the Hopper backward unit, where the spec takes it
+            pool.submit(_compile_one, s, t, "bwd_wgmma")
+            for s, t in pairs
+            if hopper_bwd_eligible(s, t, kernel_family())
+        ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
 

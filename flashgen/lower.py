@@ -1296,15 +1296,125 @@ def plan_backward(
     return BackwardPlan(spec.name, target, t, pre, dkdv, dq)
 
 
+#: Tiles of the Hopper backward (``templates/sm_90/bwd.cu.j2``, :func:`plan_hopper_backward`):
+#: 128 keys per CTA (two consumer warpgroups of 64: wgmma M = 64), 64-query steps, 8 warps;
+#: the deterministic-path fields (dq_*) are unused.  Registers per thread at head_dim 128:
+#: dK and dV accumulators 2 x 64, S^T and dP^T 2 x 32 (dQ's 32 once those are dead).
+HOPPER_BWD_TILES = BackwardTiles(128, 64, 8, 1, 64, 64, 4)
+#: Head dims of the Hopper backward (head_dim == head_dim_v).
+HOPPER_BWD_HEAD_DIMS = (64, 128)
+#: How the Hopper backward's dQ = dS K GEMM gets its A operand (dS, stored transposed in
+#: shared memory): ``"smem"`` reads it there through an M-major (transposed) wgmma
+#: descriptor; ``"ldmatrix"`` loads it into registers with ldmatrix.trans and runs the
+#: register-A form (as P in the forward's P V).  Default "smem"; the environment variable
+#: :data:`HOPPER_BWD_DQ_A_ENV` picks the other at plan time (an A/B switch while both are
+#: validated on a GPU).
+HOPPER_BWD_DQ_A = ("smem", "ldmatrix")
+HOPPER_BWD_DQ_A_ENV = "FLASHGEN_HOPPER_BWD_DQ_A"
+
+
+def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+    """Whether ``spec``'s non-deterministic backward on ``target`` runs the wgmma dK/dV
+    kernel (:func:`plan_hopper_backward`): sm_90, ``family`` not ``"fa2"``, head_dim ==
+    head_dim_v in :data:`HOPPER_BWD_HEAD_DIMS`, fp16/bf16, no varlen, and a mask that reads
+    no tensor (no block table; causal, none, or an index-only mask walked with the tile
+    classifier).  A score_mod is fine (its derivative comes from :mod:`flashgen.derive`).
+    Everything else keeps the FA2-class kernels."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    return (
+        family != "fa2"
+        and target == "sm_90"
+        and spec.dtype in CTYPE
+        and not spec.varlen
+        and spec.head_dim == spec.head_dim_v
+        and spec.head_dim in HOPPER_BWD_HEAD_DIMS
+        and not needs_block_table(spec)
+    )
+
+
+def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) -> BackwardPlan:
+    """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
+    whose dK/dV kernel runs its five GEMMs on wgmma (FlashAttention-3's backward, Shah et al.
+    2024, without warp specialization), Q/dO/K/V by TMA.  ``pre`` and ``convert`` are the
+    FA2-class path's (the same macros, templates/common/bwd_rowops.j2), rendered in this unit.
+
+    The dkdv ABI is the atomic path's plus four ``CUtensorMap`` arguments (``tma_q``,
+    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  ``dq_a``:
+    one of :data:`HOPPER_BWD_DQ_A` (default: ``$FLASHGEN_HOPPER_BWD_DQ_A``, else "smem").
+    Raises ``ValueError`` unless :func:`hopper_bwd_eligible` (family "auto"), or for an
+    unknown ``dq_a``.
+    """
+    dq_a = dq_a or os.environ.get(HOPPER_BWD_DQ_A_ENV) or "smem"
+    if dq_a not in HOPPER_BWD_DQ_A:
+        raise ValueError(
+            f"dQ A operand {dq_a!r} (${HOPPER_BWD_DQ_A_ENV}): expected one of "
+            f"{', '.join(HOPPER_BWD_DQ_A)}"
+        )
+    if not hopper_bwd_eligible(spec, target):
+        raise ValueError(
+            f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
+            f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
+            "tensor"
+        )
+    t = HOPPER_BWD_TILES
+    atomic = plan_backward(spec, target, atomic_dq=True, tiles=t)  # ABI and shared context
+    d = spec.head_dim
+    block_m, block_n, threads = t.dkdv_block_m, t.dkdv_block_n, 32 * t.dkdv_warps
+    tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
+           TmaArg("tma_v", "v", block_n), TmaArg("tma_do", "dout", block_m))  # fmt: skip
+    dkdv_args = atomic.dkdv.args + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
+    # 1 KiB alignment slack, K and V, two stages of Q and dO, dS^T, lse/dsum (2 stages), mbarriers
+    smem = 1024 + 2 * block_n * d * 2 + 4 * block_m * d * 2 + block_n * block_m * 2
+    smem += 4 * block_m * 4 + 3 * 8
+    base = f"flashgen_{spec.name}_bwd_{target}_wgmma"
+    ctx = dict(atomic.dkdv.context)
+    ctx.update(
+        block_m=block_m,
+        block_n=block_n,
+        threads=threads,
+        kernel_pre=f"{base}_pre",
+        kernel_dkdv=f"{base}_dkdv",
+        kernel_convert=f"{base}_convert",
+        dkdv_args=dkdv_args,
+        dkdv_smem_bytes=smem,
+        mma_t=spec.dtype.replace("fp", "f"),
+        wgmma_ns=sorted({block_m, d}),
+        dq_ldmatrix=dq_a == "ldmatrix",
+    )
+
+    def kp(name: str, warps: int, smem_bytes: int, args, tma_args=()) -> KernelPlan:
+        return KernelPlan(
+            spec_name=spec.name,
+            target=target,
+            template="sm_90/bwd.cu.j2",
+            kernel_name=name,
+            tiles=TileConfig(16 * warps, 16, warps),
+            smem_bytes=smem_bytes,
+            args=tuple(args),
+            context=ctx,
+            tma=tma_args,
+        )
+
+    pre = kp(ctx["kernel_pre"], PRE_WARPS, 0, atomic.pre.args)
+    dkdv = kp(ctx["kernel_dkdv"], t.dkdv_warps, smem, dkdv_args, tma)
+    convert = kp(ctx["kernel_convert"], CONVERT_THREADS // 32, 0, atomic.convert.args)
+    return BackwardPlan(spec.name, target, t, pre, dkdv, None, convert, atomic_dq=True)
+
+
 def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
     """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
     ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
-    backward unit}`` (see :attr:`BackwardPlan.unit`)."""
-    return {
+    backward unit}`` (see :attr:`BackwardPlan.unit`), and where :func:`hopper_bwd_eligible`,
+    ``"bwd_wgmma"``: the Hopper backward unit (:func:`plan_hopper_backward`)."""
+    units = {
         "fwd": plan_forward(spec, target),
         "bwd": plan_backward(spec, target).unit,
         "bwd_atomic": plan_backward(spec, target, atomic_dq=True).unit,
     }
+    if hopper_bwd_eligible(spec, target):
+        units["bwd_wgmma"] = plan_hopper_backward(spec, target).unit
+    return units
 
 
 #: Forward tiles tried, in order, after the chosen ones spill (a user's score_mod or mask

@@ -478,10 +478,11 @@ class AttentionOp:
 
         ``deterministic`` only affects the backward: True always uses the no-atomics
         kernels (bitwise reproducible dq, dk, dv).  False allows the faster atomic-dQ
-        kernels (dq not bitwise reproducible), but only where the environment variable
-        ``FLASHGEN_ATOMIC_DQ=1`` is set: that path is pending GPU validation, so by default
-        both values run the deterministic kernels.  Must be a bool (else
-        :class:`OpInputError`).
+        kernels (dq not bitwise reproducible): on sm_90 the Hopper wgmma backward for the
+        specs it takes (:func:`flashgen.backward.backward_path`), elsewhere the FA2-class
+        atomic kernels only where the environment variable ``FLASHGEN_ATOMIC_DQ=1`` is set
+        (else the deterministic ones); ``FLASHGEN_ATOMIC_DQ=0`` keeps every atomic path off.
+        Must be a bool (else :class:`OpInputError`).
 
         ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
         masking): a :class:`~flashgen.blockmask.BlockMask` from :meth:`block_mask` for these

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from . import cache
 from .lower import (
+    HOPPER_BWD_DQ_A,
     BackwardPlan,
     KernelPlan,
     backward_tile_candidates,
     forward_tile_candidates,
     plan_backward,
     plan_forward,
+    plan_hopper_backward,
 )
 from .render import render
 
@@ -42,10 +44,25 @@ def build_forward(
 
 
 def build_backward(
-    spec, target: str, *, atomic_dq: bool = False
+    spec, target: str, *, atomic_dq: bool = False, hopper: bool = False
 ) -> tuple[BackwardPlan, object, object]:
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
-    kernel of it spill-free if any candidate is).  Raises like :func:`build_forward`."""
+    kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
+    :func:`~flashgen.lower.plan_hopper_backward`, its dQ variant from the environment
+    first, then the other one; when both spill (a score_mod or mask with more math than
+    the kernel's registers hold), the FA2-class unit ``atomic_dq`` selects (check
+    ``plan.atomic_dq`` and ``plan.dkdv.template``).  Raises like :func:`build_forward`."""
+    if hopper:
+        first = plan_hopper_backward(spec, target)
+        variants = [first] + [
+            plan_hopper_backward(spec, target, dq_a=v)
+            for v in HOPPER_BWD_DQ_A
+            if v != ("ldmatrix" if first.dkdv.context["dq_ldmatrix"] else "smem")
+        ]
+        for plan in variants:
+            cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
+            if not report.spill_bytes:
+                return plan, cubin, report
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
         plan = plan_backward(spec, target, atomic_dq=atomic_dq, tiles=tiles)
         cubin, report = cache.get_or_build(render(plan.unit), plan.unit)

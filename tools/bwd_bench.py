@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""Validate and time flashgen's two backward paths on a GPU, in one command.
+"""Validate and time flashgen's backward paths on a GPU, in one command.
 
-1. tests: ``pytest -m gpu tests/gpu/test_backward_kernels.py`` with ``FLASHGEN_ATOMIC_DQ=1``,
-   so every accuracy test runs on the deterministic and the atomic-dQ path;
+1. tests: ``pytest -m gpu tests/gpu/test_backward_kernels.py tests/gpu/test_hopper_bwd.py``
+   with ``FLASHGEN_ATOMIC_DQ=1``, so every accuracy test runs on the deterministic and the
+   non-deterministic path (on sm_90 the Hopper wgmma kernels where a spec takes them);
 2. sanitizer: ``compute-sanitizer`` memcheck and racecheck over a small backward of a few
-   specs on the atomic path (skipped when compute-sanitizer is not on PATH);
+   specs on the non-deterministic path (skipped when compute-sanitizer is not on PATH);
 3. timing: forward, backward alone and forward+backward, bf16, B=1, H=2048/D, seqlen 16384
    (``--seqlen``), causal and not, D = 64, 128, 256, for flashgen deterministic, flashgen
-   atomic-dQ, and PyTorch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION backends;
+   "atomic" (``deterministic=False``: the Hopper wgmma backward on sm_90 for D 64/128, the
+   FA2-class atomic-dQ kernels otherwise; the path is printed), and PyTorch SDPA's
+   FLASH_ATTENTION and CUDNN_ATTENTION backends;
    ``triton.testing.do_bench`` medians, printed as TFLOP/s.  FLOPs: forward 4*B*H*S^2*D,
    backward 2.5x forward, causal halves both.  The atomic dQ is also compared with the
    deterministic one at the timed size.
@@ -54,7 +57,9 @@ for b, hq, hkv, sq, sk in ((1, 4, 2, 77, 141), (1, 2, 1, 130, 33), (1, 2, 2, 1, 
     o.backward(torch.randn_like(o))
     torch.cuda.synchronize()
     assert not any(t.grad.isnan().any() for t in (q, k, v)), "NaN in gradients"
-assert (torch.cuda.current_device(), True) in op.backward._kernels, "atomic path did not run"
+paths = {p for (_, p) in op.backward._kernels}
+assert paths & {"atomic", "hopper"}, f"no atomic backward ran: {paths}"
+print("FLASHGEN BACKWARD PATHS", sorted(paths), flush=True)
 print("FLASHGEN DRIVER OK", flush=True)
 """
 
@@ -67,7 +72,8 @@ def spec_text(d: int, causal: bool) -> str:
 
 def run_tests() -> bool:
     print("== step 1: GPU backward tests, both paths", flush=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu/test_backward_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu/test_backward_kernels.py",
+           "tests/gpu/test_hopper_bwd.py"]  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env={**os.environ, ENV: "1"})
     print(f"   pytest exit {r.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -75,7 +81,7 @@ def run_tests() -> bool:
 
 
 def run_sanitizer(specs: list[str]) -> bool:
-    print("== step 2: compute-sanitizer on the atomic backward", flush=True)
+    print("== step 2: compute-sanitizer on the non-deterministic backward", flush=True)
     san = shutil.which("compute-sanitizer")
     if san is None:
         print("   compute-sanitizer not on PATH: skipped", flush=True)
@@ -121,6 +127,7 @@ def precompile(ops, device) -> dict:
     import torch
 
     from flashgen import cache, lower
+    from flashgen.backward import backward_path
     from flashgen.op import target_for_device
     from flashgen.render import render
 
@@ -131,6 +138,8 @@ def precompile(ops, device) -> dict:
         target = target_for_device(op.spec, device)
         if unit == "fwd":
             plan = lower.plan_forward(op.spec, target, gpu=gpu)
+        elif unit == "atomic" and backward_path(op.spec, target, False) == "hopper":
+            plan = lower.plan_hopper_backward(op.spec, target).unit
         else:
             plan = lower.plan_backward(op.spec, target, atomic_dq=unit == "atomic").unit
         _, rep = cache.get_or_build(render(plan), plan)
@@ -153,11 +162,12 @@ def time_all(args) -> tuple[list[dict], bool]:
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashgen.op import build_op
+    from flashgen.backward import backward_path
+    from flashgen.op import build_op, target_for_device
     from flashgen.spec import loads_spec
 
     print("== step 3: timing", flush=True)
-    os.environ[ENV] = "1"  # read per backward call: deterministic=False -> atomic dQ
+    os.environ[ENV] = "1"  # read per backward call: deterministic=False -> an atomic-dQ path
     dev = torch.device("cuda")
     cases = [(d, c) for d in args.dims for c in (False, True)]
     ops = {case: build_op(loads_spec(spec_text(*case), "bwd_bench.yaml")) for case in cases}
@@ -181,6 +191,8 @@ def time_all(args) -> tuple[list[dict], bool]:
         fl_f = 4 * h * s * s * d / (2 if causal else 1)
         fl_b = 2.5 * fl_f
         op = ops[(d, causal)]
+        path = backward_path(op.spec, target_for_device(op.spec, dev), False)
+        print(f"   D={d} causal={causal}: flashgen-atomic runs the {path} backward", flush=True)
         impls = {
             "flashgen-det": (
                 lambda q, k, v, op=op: op.attention(q, k, v, deterministic=True)[0],
@@ -217,6 +229,8 @@ def time_all(args) -> tuple[list[dict], bool]:
         for label, (fwd, backend) in impls.items():
             ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
             row = {"d": d, "causal": causal, "impl": label, "seqlen": s, "heads": h}
+            if label == "flashgen-atomic":
+                row["path"] = path
             try:
                 with ctx:
                     t_f, t_b, t_fb = time_impl(fwd, q, k, v, do, bench)

@@ -4,12 +4,14 @@ Bound per gradient: max|ours - ref64| <= 2 * max|reference autograd in the input
 ref64| + 1e-3 (the FlashAttention test rule).  Fresh random inputs (and a random dO) per
 case.  Causal on and off run in the same test, so a backward that ignores the flag fails.
 
-Every accuracy test runs on both backward paths (the ``bwd_path`` fixture): the
-deterministic kernels (``deterministic=True``) and the atomic-dQ kernels
-(``deterministic=False``), the latter skipped unless ``FLASHGEN_ATOMIC_DQ=1`` is set
-(the path is off by default until validated here).  With the variable set, the other GPU
-suites (big sizes, streams and graphs) run the atomic path too, as their calls use the
-default ``deterministic=False``.
+Every accuracy test runs on both values of ``deterministic`` (the ``bwd_path`` fixture):
+True, the deterministic kernels; False, whatever :func:`flashgen.backward.backward_path`
+picks -- on an sm_90 GPU the Hopper wgmma kernels for the specs they take (d64/d128,
+causal or no mask, no score_mod), the FA2-class atomic-dQ kernels with
+``FLASHGEN_ATOMIC_DQ=1``, else the deterministic ones again (so the False case is skipped
+unless ``FLASHGEN_ATOMIC_DQ=1`` is set or the GPU is an sm_90 one).  The other GPU suites
+(big sizes, streams and graphs) use the default ``deterministic=False`` and so run the
+same choice.
 
 Head dims 32, 96, 160, 192 and the (head_dim, head_dim_v) pairs (192, 128) and (128, 256)
 (``-k head_dim``): causal on/off, Sq != Sk both ways, lengths 1 to 1000, GQA, fp16 and
@@ -31,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec, prebuild  # noqa: E402
 
 from flashgen import ir  # noqa: E402
-from flashgen.backward import ATOMIC_DQ_ENV, uses_atomic_dq  # noqa: E402
+from flashgen.backward import ATOMIC_DQ_ENV, backward_path, uses_atomic_dq  # noqa: E402
 from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
+from flashgen.op import build_op, target_for_device  # noqa: E402
 from flashgen.reference import attention_reference  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 
@@ -43,16 +45,28 @@ REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted(p.stem for p in (REPO / "specs").glob("*.yaml"))
 
 
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+#: deterministic=False runs other kernels than True only on sm_90 (the Hopper backward) or
+#: with FLASHGEN_ATOMIC_DQ=1 (the FA2-class atomic-dQ kernels).
+NONDET_DIFFERS = uses_atomic_dq(False) or _sm90()
+NONDET_REASON = f"deterministic=False runs the deterministic kernels (no sm_90, {ATOMIC_DQ_ENV})"
+
 PATHS = [
     pytest.param(True, id="deterministic"),
     pytest.param(
         False,
         id="atomic_dq",
-        marks=pytest.mark.skipif(
-            not uses_atomic_dq(False), reason=f"atomic-dQ path needs {ATOMIC_DQ_ENV}=1"
-        ),
+        marks=pytest.mark.skipif(not NONDET_DIFFERS, reason=NONDET_REASON),
     ),
 ]
+
+
+def expected_path(spec, deterministic: bool) -> str:
+    """The backward path (:data:`flashgen.backward.BACKWARD_PATHS`) a call should take."""
+    return backward_path(spec, target_for_device(spec, torch.device("cuda")), deterministic)
 
 
 @pytest.fixture(params=PATHS)
@@ -88,7 +102,7 @@ def check_grads(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, deterministic=Tru
     o, _ = op.attention(q, k, v, deterministic=deterministic, **params)
     do = torch.randn(o.shape, device=dev, generator=gen).to(o.dtype)
     o.backward(do)
-    atomic = uses_atomic_dq(deterministic)
+    atomic = expected_path(spec, deterministic)
     assert (torch.cuda.current_device(), atomic) in op.backward._kernels  # the path ran
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     ref64 = ref_grads(spec, q, k, v, do, params, torch.float64)
@@ -215,9 +229,10 @@ def test_deterministic_dq():
             assert torch.equal(a, b_)
 
 
-@pytest.mark.skipif(not uses_atomic_dq(False), reason=f"needs {ATOMIC_DQ_ENV}=1")
+@pytest.mark.skipif(not NONDET_DIFFERS, reason=NONDET_REASON)
 def test_atomic_dq_repeatability_and_agreement():
-    """Atomic path: dk, dv are still bitwise reproducible (one owner per element); dq
+    """Atomic paths (the FA2-class one, or the Hopper one on sm_90): dk, dv are still
+    bitwise reproducible (one owner per element); dq
     differs run to run only by the order of its fp32 adds before one rounding to bf16, so
     repeats, and the deterministic path's gradients, agree within a few bf16 ulps."""
     atomic = _repeat_backward(False, n=10)

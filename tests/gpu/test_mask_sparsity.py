@@ -23,10 +23,9 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_backward_kernels import PATHS, ref_grads  # noqa: E402
+from test_backward_kernels import PATHS, expected_path, ref_grads  # noqa: E402
 from test_forward import check, shipped  # noqa: E402
 
-from flashgen.backward import uses_atomic_dq  # noqa: E402
 from flashgen.cli import random_inputs  # noqa: E402
 from flashgen.op import build_op  # noqa: E402
 from flashgen.spec import loads_spec  # noqa: E402
@@ -36,8 +35,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(params=PATHS)
 def bwd_path(request) -> bool:
-    """The ``deterministic`` flag of the backward path under test (atomic-dQ needs
-    ``FLASHGEN_ATOMIC_DQ=1``, as in ``test_backward_kernels.py``)."""
+    """The ``deterministic`` flag of the backward path under test (as in
+    ``test_backward_kernels.py``)."""
     return request.param
 
 
@@ -117,7 +116,7 @@ def check_grads_params(spec, b, hq, hkv, sq, sk, params, *, seed=0, deterministi
     o, _ = op.attention(q, k, v, deterministic=deterministic, **params)
     do = torch.randn(o.shape, device=dev, generator=gen).to(o.dtype)
     o.backward(do)
-    assert (torch.cuda.current_device(), uses_atomic_dq(deterministic)) in op.backward._kernels
+    assert (torch.cuda.current_device(), expected_path(spec, deterministic)) in op.backward._kernels
     ref64 = ref_grads(spec, q, k, v, do, params, torch.float64)
     low = ref_grads(spec, q, k, v, do, params, q.dtype)
     for name, ours, r64, rlow in zip("qkv", (q.grad, k.grad, v.grad), ref64, low, strict=True):

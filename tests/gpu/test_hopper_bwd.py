@@ -1,0 +1,251 @@
+"""The Hopper (sm_90a) wgmma backward (templates/sm_90/bwd.cu.j2) against the float64
+reference's autograd (``pytest -m gpu``; skipped without an sm_90 GPU).
+
+``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128 and masks that read
+no tensor, with or without a score_mod (:func:`flashgen.backward.backward_path`); every
+case asserts it ran.  Bound
+per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
+<= 2 * max|reference in the input dtype - ref64| + 1e-3.  Fresh random inputs per case;
+the caching allocator is poisoned with NaN before each backward, so an output element the
+kernels never write (dq, dk, dv, or a dq_accum row not zeroed) shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_backward_kernels import REPO, ref_grads  # noqa: E402
+
+from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.lower import HOPPER_BWD_DQ_A_ENV  # noqa: E402
+from flashgen.op import build_op  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs an sm_90 GPU",
+    ),
+]
+
+#: (B, Hq, Hkv, Sq, Sk): lengths 1, 17, 127, 1000, 4097 with Sq != Sk both ways, GQA.
+SHAPES = [
+    (1, 2, 2, 1, 1),
+    (2, 4, 2, 17, 1000),
+    (1, 4, 1, 127, 17),
+    (1, 2, 1, 1000, 127),
+    (1, 6, 2, 1000, 4097),
+    (1, 2, 2, 4097, 1000),
+    (2, 8, 8, 257, 257),
+]
+
+
+def hb_spec(d: int, dtype: str, causal: bool, dq_a: str = "smem"):
+    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}_{dq_a}"
+    mask = "causal" if causal else "null"
+    return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", f"<{name}>")
+
+
+def poison_allocator(*shapes_dtypes) -> None:
+    """Fill freed blocks of these sizes with NaN, so the next torch.empty of the same size
+    (the backward's dq, dk, dv, dq_accum) starts as NaN."""
+    bufs = [torch.full(s, float("nan"), dtype=dt, device="cuda") for s, dt in shapes_dtypes]
+    torch.cuda.synchronize()
+    del bufs
+
+
+def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, params=None):
+    op = build_op(spec)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q, k, v, defaults = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
+    params = {**defaults, **(params or {})}
+    if qkv is not None:
+        q, k, v = qkv
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, lse = op.attention(q, k, v, deterministic=False, **params)
+    do = torch.randn(o.shape, device=dev, generator=gen).to(o.dtype)
+    dlse = torch.randn(lse.shape, device=dev, generator=gen) if with_dlse else None
+    poison_allocator(
+        (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, torch.float32)
+    )
+    if with_dlse:
+        torch.autograd.backward([o, lse.masked_fill(torch.isneginf(lse), 0)], [do, dlse])
+    else:
+        o.backward(do)
+    hit = op.backward._kernels.get((torch.cuda.current_device(), "hopper"))
+    assert hit is not None, "not the Hopper path"
+    ldmatrix = spec.name.endswith("_ldmatrix")
+    assert hit[0].dkdv.context["dq_ldmatrix"] == ldmatrix, "not the dQ variant under test"
+    return q, k, v, do, dlse, params
+
+
+def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False, params=None):
+    q, k, v, do, dlse, params = run_case(
+        spec, b, hq, hkv, sq, sk, seed=seed, qkv=qkv, with_dlse=with_dlse, params=params
+    )
+    if with_dlse:
+        ref64, low = (_ref_with_lse(spec, q, k, v, do, dlse, dt) for dt in (torch.float64, q.dtype))
+    else:
+        ref64 = ref_grads(spec, q, k, v, do, params, torch.float64)
+        low = ref_grads(spec, q, k, v, do, params, q.dtype)
+    for name, ours, r64, rlow in zip("qkv", (q.grad, k.grad, v.grad), ref64, low, strict=True):
+        assert ours.shape == r64.shape
+        assert not ours.isnan().any(), f"d{name} has NaN (an element never written?)"
+        err = (ours.double() - r64).abs().max().item()
+        bound = 2 * (rlow.double() - r64).abs().max().item() + 1e-3
+        assert err <= bound, (
+            f"{spec.name} d{name} B={b} H={hq}/{hkv} Sq={sq} Sk={sk}: {err:.3e} > {bound:.3e}"
+        )
+
+
+def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
+    from flashgen.reference import attention_reference
+
+    qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    o, lse = attention_reference(spec, qr, kr, vr, compute_dtype=dtype)
+    lse = lse.masked_fill(torch.isneginf(lse), 0)
+    torch.autograd.backward([o, lse], [do.to(dtype), dlse.to(dtype)])
+    return qr.grad, kr.grad, vr.grad
+
+
+SHIPPED = ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm", "llama3_gqa"]
+
+
+def softcap_spec():
+    text = "name: hopbwd_softcap\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
+    text += "score_mod: 'softcap * tanh(score / softcap)'\n"
+    text += "params:\n  softcap: {type: f32, default: 20.0}\n"
+    return loads_spec(text, "<hopbwd_softcap>")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt():
+    """Compile every kernel this module runs up front, in parallel (one nvcc per core):
+    each spec's forward and its Hopper backward unit in the variant its test selects."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashgen import cache
+    from flashgen.lower import plan_hopper_backward
+    from flashgen.render import render
+    from flashgen.select import build_forward
+
+    specs = [hb_spec(d, t, c) for d in (64, 128) for t in ("bf16", "fp16") for c in (True, False)]
+    specs += [hb_spec(d, "bf16", c, "ldmatrix") for d in (64, 128) for c in (True, False)]
+    specs += [load_spec(REPO / "specs" / f"{n}.yaml") for n in SHIPPED] + [softcap_spec()]
+    gpu = torch.cuda.get_device_name()
+
+    def bwd(spec):
+        dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
+        plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
+        cache.get_or_build(render(plan.unit), plan.unit)
+
+    jobs = [lambda s=s: build_forward(s, "sm_90", gpu=gpu) for s in specs]
+    jobs += [lambda s=s: bwd(s) for s in specs]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        list(pool.map(lambda job: job(), jobs))
+
+
+@pytest.fixture(autouse=True)
+def dq_a_default(monkeypatch):
+    """The dQ A-operand variant (lower.HOPPER_BWD_DQ_A) is read at plan time: "smem" unless
+    a test sets another (its spec name says which, so each variant builds its own op)."""
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "smem")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_lengths_gqa_dtypes(d, dtype, causal):
+    spec = hb_spec(d, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=100 * d + i)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
+    """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma."""
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    spec = hb_spec(d, "bf16", causal, "ldmatrix")
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_masks_and_score_mods(name):
+    """Residual masks (tile classifier hull, per-step classes) and score_mods (their
+    derivative in dS) at their default params; random_inputs gives the tensor params."""
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=300 + i)
+
+
+@pytest.mark.parametrize(
+    "name, param, values",
+    [("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
+     ("prefix_lm", "prefix", [0, 1, 777])],
+)  # fmt: skip
+def test_mask_params_sparse_and_dense(name, param, values):
+    """Params that make the hull, the EMPTY blocks inside it and the FULL/PARTIAL tile
+    classes differ (a window of 1 keeps one key per row)."""
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    for v in values:
+        for i, (b, hq, hkv, sq, sk) in enumerate([(1, 4, 2, 1000, 1000), (1, 2, 1, 127, 1000),
+                                                  (1, 2, 2, 1000, 127)]):  # fmt: skip
+            check(spec, b, hq, hkv, sq, sk, seed=500 + i, params={param: v})
+
+
+def test_softcap_d128():
+    """A MUFU score_mod (tanh) with a non-trivial derivative at head_dim 128."""
+    spec = softcap_spec()
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=400 + i)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_bshd_views_and_lse_gradient(d):
+    """q, k, v as strided (B, S, H, D) views of one fused tensor, and a gradient on lse too
+    (it folds into dsum before the dK/dV kernel)."""
+    spec = hb_spec(d, "bf16", True)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, d, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=7, qkv=views, with_dlse=True)
+    check(spec, 1, 4, 2, 300, 100, seed=8, with_dlse=True)  # causal rows with nothing to attend
+
+
+def test_empty_rows_give_zero_dq():
+    """Causal with Sq > Sk: the first Sq - Sk query rows attend to nothing: dq = 0 there."""
+    spec = hb_spec(128, "bf16", True)
+    q, *_ = run_case(spec, 1, 2, 2, 300, 100, seed=9)
+    assert (q.grad[:, :, :200] == 0).all()
+    assert not q.grad.isnan().any()
+
+
+def test_dk_dv_reproducible_dq_close():
+    """dk, dv bitwise equal run to run (one owner per element); dq within fp32 reordering."""
+    spec = hb_spec(128, "bf16", True)
+    op = build_op(spec)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, _ = random_inputs(spec, 1, 8, 2, 1000, 1000, torch.device("cuda"), gen)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    do = torch.randn(1, 8, 1000, 128, device="cuda", generator=gen).to(q.dtype)
+    grads = []
+    for _ in range(5):
+        q.grad = k.grad = v.grad = None
+        op.attention(q, k, v, deterministic=False)[0].backward(do)
+        grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    for g in grads[1:]:
+        assert torch.equal(g[1], grads[0][1]) and torch.equal(g[2], grads[0][2])
+        scale = grads[0][0].float().abs().max().item()
+        torch.testing.assert_close(g[0].float(), grads[0][0].float(), atol=1e-2 * scale, rtol=0)

@@ -1,0 +1,308 @@
+"""The Hopper (sm_90a) backward: which specs and calls take it (lower.hopper_bwd_eligible,
+backward.backward_path), its plan (TMA maps, shared memory, kernels), the rendered unit
+(StrictUndefined) and, with nvcc, zero spills and wgmma in the PTX.  The index math of the
+kernel's loops (live query blocks, tiles that skip the mask, the dQ reduction lanes, the
+swizzled dS^T stores) is replayed in Python below.  The numerics run on a GPU in
+tests/gpu/test_hopper_bwd.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashgen import cache, ir
+from flashgen.backward import ATOMIC_DQ_ENV, backward_path
+from flashgen.compile import find_nvcc
+from flashgen.lower import (
+    HOPPER_BWD_DQ_A_ENV,
+    HOPPER_BWD_TILES,
+    HOPPER_SMEM_LIMIT,
+    compile_units,
+    hopper_bwd_eligible,
+    plan_hopper_backward,
+)
+from flashgen.render import render
+from flashgen.spec import load_spec, loads_spec
+from flashgen.varlen import varlen_spec
+
+REPO = Path(__file__).resolve().parents[2]
+#: Shipped specs the Hopper backward takes: d64/d128, masks that read no tensor, any score_mod.
+ELIGIBLE = ("alibi", "causal_d128", "chunked_local", "gpt2_d64", "llama3_gqa", "mistral_swa",
+            "prefix_lm", "t5_bias")  # fmt: skip
+
+
+def shipped(name: str) -> ir.Spec:
+    return load_spec(REPO / "specs" / f"{name}.yaml")
+
+
+def small(d: int, dtype: str, causal: bool) -> ir.Spec:
+    text = f"name: hb_d{d}_{dtype}\nhead_dim: {d}\ndtype: {dtype}\n"
+    return loads_spec(text + f"mask: {'causal' if causal else 'null'}\n", "<hb>")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "specs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_eligibility_of_shipped_specs(path):
+    spec = load_spec(path)
+    assert hopper_bwd_eligible(spec, "sm_90") == (spec.name in ELIGIBLE)
+    assert not hopper_bwd_eligible(spec, "sm_80")
+    assert not hopper_bwd_eligible(spec, "sm_90", "fa2")
+    assert ("bwd_wgmma" in compile_units(spec, "sm_90")) == (spec.name in ELIGIBLE)
+
+
+def test_ineligible_specs():
+    base = small(128, "bf16", True)
+    assert hopper_bwd_eligible(base, "sm_90")
+    assert not hopper_bwd_eligible(varlen_spec(base), "sm_90")
+    assert not hopper_bwd_eligible(dataclasses.replace(base, head_dim_v=64), "sm_90")
+    assert not hopper_bwd_eligible(small(256, "bf16", True), "sm_90")
+    assert not hopper_bwd_eligible(shipped("gemma2_softcap"), "sm_90")  # d256
+    assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # the mask reads tensors
+    with pytest.raises(ValueError, match="the Hopper backward needs"):
+        plan_hopper_backward(shipped("bidir_d256"), "sm_90")
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        hopper_bwd_eligible(base, "sm_90", "fa9")
+
+
+def test_backward_path_selection(monkeypatch):
+    monkeypatch.delenv(ATOMIC_DQ_ENV, raising=False)
+    monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY", raising=False)
+    yes, no = shipped("causal_d128"), shipped("document_mask")
+    assert backward_path(yes, "sm_90", True) == "deterministic"
+    assert backward_path(yes, "sm_90", False) == "hopper"
+    assert backward_path(yes, "sm_80", False) == "deterministic"
+    assert backward_path(no, "sm_90", False) == "deterministic"
+    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
+    assert backward_path(yes, "sm_90", False) == "hopper"
+    assert backward_path(yes, "sm_90", True) == "deterministic"
+    assert backward_path(yes, "sm_80", False) == "atomic"
+    assert backward_path(no, "sm_90", False) == "atomic"
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")  # the FA2-class atomic kernel on sm_90
+    assert backward_path(yes, "sm_90", False) == "atomic"
+    monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY")
+    monkeypatch.setenv(ATOMIC_DQ_ENV, "0")  # opt out of every atomic path
+    assert backward_path(yes, "sm_90", False) == "deterministic"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_plan(d):
+    spec = small(d, "bf16", True)
+    plan = plan_hopper_backward(spec, "sm_90")
+    assert plan.atomic_dq and plan.dq is None and plan.tiles == HOPPER_BWD_TILES
+    assert plan.unit is plan.dkdv
+    assert {k.template for k in plan.kernels} == {"sm_90/bwd.cu.j2"}
+    assert [k.kernel_name for k in plan.kernels] == [
+        f"flashgen_{spec.name}_bwd_sm_90_wgmma_{r}" for r in ("pre", "dkdv", "convert")
+    ]
+    assert plan.dkdv.threads == 256 and plan.dkdv.gencode.endswith("sm_90a")
+    assert [(m.name, m.tensor, m.box_rows) for m in plan.dkdv.tma] == [
+        ("tma_q", "q", 64), ("tma_k", "k", 128), ("tma_v", "v", 128), ("tma_do", "dout", 64),
+    ]  # fmt: skip
+    assert [a.name for a in plan.dkdv.args[-4:]] == ["tma_q", "tma_k", "tma_v", "tma_do"]
+    assert "dq_accum" in [a.name for a in plan.dkdv.args]
+    assert plan.pre.tma == () and plan.convert.tma == ()
+    smem = 1024 + 2 * 128 * d * 2 + 4 * 64 * d * 2 + 128 * 64 * 2 + 4 * 64 * 4 + 24
+    assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
+    grids = plan.grids(2, 8, 2, 1000, 4097)
+    assert grids["dkdv"] == (2 * 2 * 33, 1, 1) and "convert" in grids
+    assert plan.config()["deterministic"] is False
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dq_a", ["smem", "ldmatrix"])
+def test_render(d, dtype, causal, dq_a):
+    """StrictUndefined (render's environment) catches any name the template reads and the
+    plan lacks; the three kernels and the wgmma forms are there."""
+    plan = plan_hopper_backward(small(d, dtype, causal), "sm_90", dq_a=dq_a)
+    src = render(plan.unit)
+    assert ("fg::ldmatrix_x4_trans(ds_a[kk]" in src) == (dq_a == "ldmatrix")
+    assert ("fg::wgmma_tt_n64(acc_dq" in src) == (dq_a == "smem")
+    for k in plan.kernels:
+        assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
+    t = "bf16" if dtype == "bf16" else "f16"
+    assert f"m64n64k16.f32.{t}.{t}" in src and f"m64n{d}k16.f32.{t}.{t}" in src
+    assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
+    assert "red.global.add.v4.f32" in src and "fence.proxy.async.shared::cta" in src
+    assert ("__syncthreads();  // both warpgroups" in src) == (d == 128)
+    assert "fg_tile_class" not in src  # causal or none: the live range in closed form
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm"])
+def test_render_masks_and_score_mods(name):
+    """A residual mask walks the classifier's hull and classifies each step's tiles; a
+    score_mod's derivative multiplies P^T for dS^T."""
+    spec = shipped(name)
+    src = render(plan_hopper_backward(spec, "sm_90").unit)
+    masked = spec.mask is not None and spec.mask != ir.Causal()
+    assert ("fg::iv::next_live(0, m_blocks, c, full_hi, head_class)" in src) == masked
+    assert ("!= fg::iv::FULL" in src) == masked
+    assert ("acc_s[i] = pe[e] * (float)(" in src) == (spec.score_mod is not None)
+    assert "keep_bits |= (uint32_t)keep << i;" in src
+
+
+def test_dq_a_option(monkeypatch):
+    spec = small(128, "bf16", True)
+    monkeypatch.delenv(HOPPER_BWD_DQ_A_ENV, raising=False)
+    assert not plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    assert plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
+    assert not plan_hopper_backward(spec, "sm_90", dq_a="smem").dkdv.context["dq_ldmatrix"]
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "tma")
+    with pytest.raises(ValueError, match="expected one of smem, ldmatrix"):
+        plan_hopper_backward(spec, "sm_90")
+
+
+def _ptx(plan, tmp_path) -> str:
+    src = tmp_path / "u.cu"
+    src.write_text(render(plan.unit))
+    out = tmp_path / "u.ptx"
+    cmd = [find_nvcc(), "-ptx", "-std=c++17", "-O3", plan.unit.gencode, "-o", str(out), str(src)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    return out.read_text()
+
+
+@pytest.mark.parametrize(
+    "name, dq_a",
+    [(n, "smem") for n in ELIGIBLE] + [(n, "ldmatrix") for n in ("causal_d128", "gpt2_d64")],
+)
+def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
+    """About 1-2 s per unit on 2 idle cores.  alibi, chunked_local and prefix_lm sit at
+    253-255 registers: a template change that adds any may tip them into spills (then
+    select.build_backward falls back to the FA2-class kernels for them)."""
+    plan = plan_hopper_backward(shipped(name), "sm_90", dq_a=dq_a)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0, report
+    assert report.registers <= 255
+    ptx = _ptx(plan, tmp_path)
+    # S^T, dP^T: D/16 each; dV, dK: 4 each; dQ: 8 (d128) or 4 (d64)
+    d = plan.dkdv.context["head_dim"]
+    assert ptx.count("wgmma.mma_async") == 2 * (d // 16) + 8 + (8 if d == 128 else 4)
+    assert "cp.async.bulk.tensor.4d" in ptx and "red.global.add.v4.f32" in ptx
+    assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in ptx) == (dq_a == "ldmatrix")
+
+
+# ----------------------------------------------------------------------------- index math
+def _steps(sq: int, sk: int, n_block: int, causal: bool) -> list[int]:
+    """The query blocks the kernel visits for key block n_block (one head)."""
+    m_blocks = -(-sq // 64)
+    m_first = max(0, n_block * 128 - (sk - sq)) // 64 if causal else 0
+    return list(range(m_first, m_blocks))
+
+
+def _edge(sq: int, sk: int, kw0: int, m0: int, causal: bool) -> bool:
+    return kw0 + 64 > sk or m0 + 64 > sq or (causal and kw0 + 63 > m0 + sk - sq)
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 1), (1, 17), (127, 1000), (1000, 127), (300, 100),
+                                    (4097, 4097), (64, 128), (128, 64), (200, 333)])  # fmt: skip
+@pytest.mark.parametrize("causal", [True, False])
+def test_visited_steps_cover_every_kept_pair_and_skip_only_full_tiles(sq, sk, causal):
+    """Every (q, kv) pair the mask keeps lies in a visited step; a step the kernel treats as
+    not an edge (no mask evaluated) has every pair of its warpgroup's 64 x 64 tile kept."""
+    import numpy as np
+
+    qi = np.arange(sq)[:, None]
+    ki = np.arange(sk)[None, :]
+    keep = (ki <= qi + sk - sq) if causal else np.ones((sq, sk), bool)
+    covered = np.zeros((sq, sk), bool)
+    for n_block in range(-(-sk // 128)):
+        for mb in _steps(sq, sk, n_block, causal):
+            m0 = mb * 64
+            for cg in range(2):
+                kw0 = n_block * 128 + cg * 64
+                covered[m0 : m0 + 64, kw0 : kw0 + 64] = True
+                if not _edge(sq, sk, kw0, m0, causal):
+                    assert m0 + 64 <= sq and kw0 + 64 <= sk
+                    assert keep[m0 : m0 + 64, kw0 : kw0 + 64].all(), (n_block, mb, cg)
+    assert not (keep & ~covered).any()
+
+
+def test_dq_reduction_lanes_add_every_element_once():
+    """The lane-pair swap before red.global.add.v4.f32: replay the kernel's selects and
+    shuffles for one warp and one 8-column tile j; every (row, column) of the warp's 16 x 8
+    slice is added exactly once, at its own address, 16-byte aligned."""
+    added = {}
+    acc = {lane: [("r", lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2) for i in range(4)]
+           for lane in range(32)}  # fmt: skip  # acc[4j + i] of tile j = 0, named by (row, col)
+    sent = {}
+    for lane in range(32):
+        odd = lane & 1
+        sent[lane] = (acc[lane][0], acc[lane][1]) if odd else (acc[lane][2], acc[lane][3])
+    for lane in range(32):
+        odd = lane & 1
+        r0, r1 = sent[lane ^ 1]
+        vec = (r0, r1, acc[lane][2], acc[lane][3]) if odd else (acc[lane][0], acc[lane][1], r0, r1)
+        row = lane // 4 + odd * 8
+        col0 = (lane % 4 // 2) * 4
+        assert col0 % 4 == 0
+        for c, (_, er, ec) in enumerate(vec):
+            assert (er, ec) == (row, col0 + c), (lane, c)
+            added[(er, ec)] = added.get((er, ec), 0) + 1
+    assert added == {(r, c): 1 for r in range(16) for c in range(8)}
+
+
+def test_ldmatrix_rows_of_the_ds_fragments():
+    """dq_a "ldmatrix": lane l of warp w gives ldmatrix.x4.trans the row address of matrix
+    i = l / 8, row l % 8; matrix i must be keys 16 kk + 8 (i / 2) .. and queries
+    16 w + 8 (i % 2) .. of dS^T (a0..a3 of the m16k16 A fragment of dS, as sm_80's gemm_dq),
+    at its swizzled address."""
+    for w in range(4):
+        for kk in range(8):
+            for lane in range(32):
+                key = kk * 16 + (lane % 8) + (lane // 16) * 8
+                chunk = w * 2 + (lane // 8) % 2
+                i, j = lane // 8, lane % 8
+                assert key == kk * 16 + 8 * (i // 2) + j
+                assert chunk * 8 == 16 * w + 8 * (i % 2)
+                addr = key * 128 + ((chunk ^ (key % 8)) << 4)
+                assert addr == key * 128 + (((chunk * 8 // 8) ^ (key % 8)) << 4)
+
+
+def test_ds_stores_land_in_the_swizzled_layout():
+    """dS^T to sDS: ds_frag[kk][t] of (warpgroup cg, warp w, lane l) holds elements (key row,
+    query columns 16 kk + 8 (t / 2) + 2 (l % 4) + {0, 1}) of row 64 cg + 16 w + l / 4 + 8 (t % 2);
+    the kernel's address must be TMA's 128-byte swizzle of that element: 16-byte chunk c of
+    row r at chunk c ^ (r % 8)."""
+    seen = set()
+    for cg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                for kk in range(4):
+                    for t in range(4):
+                        row = cg * 64 + w * 16 + lane // 4
+                        addr = (row + 8 * (t % 2)) * 128 + (((2 * kk + t // 2) ^ (lane // 4)) << 4)
+                        addr += (lane % 4) * 4
+                        r = row + 8 * (t % 2)
+                        col = 16 * kk + 8 * (t // 2) + 2 * (lane % 4)
+                        want = r * 128 + (((col // 8) ^ (r % 8)) << 4) + (col % 8) * 2
+                        assert addr == want
+                        seen.add(addr)
+    assert len(seen) == 128 * 64 // 2  # every bf16 pair of the 128 x 64 tile written once
+
+
+def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
+    """select.build_backward(hopper=True): the environment's dQ variant, then the other,
+    then (both spilling) the FA2-class unit that ``atomic_dq`` selects."""
+    import types
+
+    from flashgen import select
+
+    tried = []
+
+    def fake_build(src, plan):
+        tried.append((plan.template, plan.context.get("dq_ldmatrix")))
+        spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
+        return "x.cubin", types.SimpleNamespace(spill_bytes=spill)
+
+    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    assert tried[:2] == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
+    assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
+    assert report.spill_bytes == 0
+    plan, _, _ = select.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
+    assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
