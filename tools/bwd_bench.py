@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Validate and time flashgen's backward paths on a GPU, in one command.
 
-1. tests: ``pytest -m gpu tests/gpu/test_backward_kernels.py tests/gpu/test_hopper_bwd.py``
+1. tests: ``pytest -m gpu tests/gpu/test_backward_kernels.py tests/gpu/test_hopper_bwd_gpu.py``
    with ``FLASHGEN_ATOMIC_DQ=1``, so every accuracy test runs on the deterministic and the
    non-deterministic path (on sm_90 the Hopper wgmma kernels where a spec takes them);
 2. sanitizer: ``compute-sanitizer`` memcheck and racecheck over a small backward of a few
@@ -73,7 +73,7 @@ def spec_text(d: int, causal: bool) -> str:
 def run_tests() -> bool:
     print("== step 1: GPU backward tests, both paths", flush=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu/test_backward_kernels.py",
-           "tests/gpu/test_hopper_bwd.py"]  # fmt: skip
+           "tests/gpu/test_hopper_bwd_gpu.py"]  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env={**os.environ, ENV: "1"})
     print(f"   pytest exit {r.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
