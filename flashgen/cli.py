@@ -250,6 +250,11 @@ def cmd_build(args) -> int:
     from .lower import hopper_bwd_eligible, kernel_family
 
     out, err = _consoles()
+    try:
+        family = kernel_family()
+    except ValueError as e:
+        err.print(f"error: {e}", markup=False)
+        return _fail_json(args, str(e))
     specs = _load_specs(args.specs, err)
     if specs is None:
         return _fail_json(args, "spec errors (see stderr)")
@@ -276,7 +281,7 @@ def cmd_build(args) -> int:
         futures += [  # the Hopper backward unit, where the spec takes it
             pool.submit(_compile_one, s, t, "bwd_wgmma")
             for s, t in pairs
-            if hopper_bwd_eligible(s, t, kernel_family())
+            if hopper_bwd_eligible(s, t, family)
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress

@@ -145,3 +145,12 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     hopper = plan_hopper_backward(spec, "sm_90")
     monkeypatch.setattr(select, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
     assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
+
+
+def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa4")
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "error: FLASHGEN_KERNEL_FAMILY='fa4': expected one of auto, fa3, fa2" in err
+    assert not (tmp_path / "causal_d128").exists()
