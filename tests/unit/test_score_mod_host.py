@@ -52,6 +52,8 @@ CASES = [
     ("score * -c", "{c: {type: f32, default: 1.0}}", {"c": 1.5}, ()),
     ("c * tanh(score / c)", "{c: {type: f32, default: 1.0}}", {"c": 50.0}, ()),
     ("score / 4", "{}", {}, ()),
+    ("score / (c > 1.0 ? c : 2.0) + score * (n > 2 ? 1 : -1)",
+     "{c: {type: f32, default: 1.0}, n: {type: i32, default: 1}}", {"c": -3.0, "n": 1}, ()),
     ("2.5 * score + score / d", "{d: {type: f32, default: 1.0}}", {"d": 0.3}, ()),
     ("score * (q_idx - kv_idx)", "{}", {}, ()),
     ("score / (seqlen_k + c)", "{c: {type: i32, default: 1}}", {"c": 2}, ()),
