@@ -6,6 +6,9 @@
 #   tools/gpu_session.sh validate   # pytest -m gpu (both kernel families) and
 #                                   # compute-sanitizer (4 tools), every spec
 #   tools/gpu_session.sh atomic     # the atomic-dQ backward's GPU tests (FLASHGEN_ATOMIC_DQ=1)
+#   tools/gpu_session.sh pending    # the GPU tests written after the last GPU run (docs/perf-notes.md
+#                                   # "Waiting for a GPU"): the >2**31-element backward, the
+#                                   # score_mod fold, the Hopper backward after the frag_p rename
 #   tools/gpu_session.sh measure    # flashgen bench --quick
 #                                   # (default family), the FA2-class forward against FA2 and
 #                                   # cuDNN (bench, FLASHGEN_KERNEL_FAMILY=fa2), the gallery
@@ -37,6 +40,13 @@ atomic)
         tests/gpu/test_mask_sparsity.py -k "backward or atomic" > "$out/gpu_atomic.log" 2>&1
     summary gpu_atomic.log "passed|failed"
     ;;
+pending)
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -rf \
+        "tests/gpu/test_big_sizes.py::test_backward_with_more_than_2_31_elements" \
+        tests/gpu/test_score_mod_fold_gpu.py tests/gpu/test_hopper_bwd_gpu.py \
+        > "$out/gpu_pending.log" 2>&1
+    summary gpu_pending.log "passed|failed"
+    ;;
 measure)
     timeout 220 python3 -m flashgen bench --quick --budget-s 200 --out "$out/bench" \
         > "$out/bench.log" 2>&1
@@ -50,7 +60,7 @@ measure)
     grep -E "speedup|wrote" "$out/gallery.log"
     ;;
 *)
-    echo "usage: $0 validate|atomic|measure" >&2
+    echo "usage: $0 validate|atomic|pending|measure" >&2
     exit 2
     ;;
 esac
