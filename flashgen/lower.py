@@ -477,6 +477,10 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         return f"({e.op}{cuda_expr(e.arg, spec)})"
     if isinstance(e, Binary):
         assert e.op in _C_BINOPS
+        if inv is not None and inv.raw_score and not compared and e.op in ("*", "/"):
+            folded = _fold_scale(e, spec, inv, lambda x: as_float(x, cuda_expr(x, spec)))
+            if folded is not None:
+                return folded
         lt, rt = e.lhs.ty, e.rhs.ty
         lhs, rhs = cuda_expr(e.lhs, spec), cuda_expr(e.rhs, spec)
         if e.op in ("&&", "||"):
@@ -488,10 +492,6 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
                 return f"({lhs} {e.op} {rhs})"
             return f"({lhs} {'&' if e.op == '&&' else '|'} {rhs})"
         hoist = inv is not None and _kernel_invariant(e.rhs, spec)
-        if inv is not None and inv.raw_score and not compared and e.op in ("*", "/"):
-            folded = _fold_scale(e, spec, inv, lambda x: as_float(x, cuda_expr(x, spec)))
-            if folded is not None:
-                return folded
         if Ty.F32 in (lt, rt):  # mixed arithmetic / comparison promotes to float
             lhs, rhs = as_float(e.lhs, lhs), as_float(e.rhs, rhs)
             if e.op == "%":
