@@ -248,7 +248,7 @@ class Backward:
                 plan, cubin, _ = build_backward(
                     self.spec, target, atomic_dq=atomic, hopper=path == "hopper"
                 )
-                if path == "hopper" and plan.dkdv.template != "sm_90/bwd.cu.j2":
+                if path == "hopper" and not plan.wgmma:
                     kind = "atomic-dQ" if plan.atomic_dq else "deterministic"
                     warnings.warn(
                         f"flashgen op {self.spec.name!r}: the Hopper (wgmma) backward spills "

@@ -189,7 +189,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
                 spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma"
             )
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
-            if unit == "bwd_wgmma" and res.plan.dkdv.template != "sm_90/bwd.cu.j2":
+            if unit == "bwd_wgmma" and not res.plan.wgmma:
                 res.note = (
                     "the Hopper (wgmma) backward spills in every dQ variant; the op falls back "
                     f"to the FA2-class kernels ({res.plan.dkdv.template}), whose numbers this "

@@ -1068,6 +1068,12 @@ class BackwardPlan:
         return self.dkdv if self.atomic_dq else self.dq
 
     @property
+    def wgmma(self) -> bool:
+        """Whether this is the Hopper unit (:func:`plan_hopper_backward`): a caller that
+        asked for it gets the FA2-class unit instead when every Hopper variant spills."""
+        return self.dkdv.template == HOPPER_BWD_TEMPLATE
+
+    @property
     def kernels(self) -> tuple[KernelPlan, ...]:
         """Every kernel of the unit, in launch order: (pre, dkdv, dq) or (pre, dkdv, convert)."""
         last = self.convert if self.atomic_dq else self.dq
@@ -1325,6 +1331,10 @@ HOPPER_BWD_DQ_A = ("smem", "ldmatrix")
 HOPPER_BWD_DQ_A_ENV = "FLASHGEN_HOPPER_BWD_DQ_A"
 
 
+#: The Hopper backward's template (its dK/dV kernel on wgmma).
+HOPPER_BWD_TEMPLATE = "sm_90/bwd.cu.j2"
+
+
 def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec``'s non-deterministic backward on ``target`` runs the wgmma dK/dV
     kernel (:func:`plan_hopper_backward`): sm_90, ``family`` not ``"fa2"``, head_dim ==
@@ -1399,7 +1409,7 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
         return KernelPlan(
             spec_name=spec.name,
             target=target,
-            template="sm_90/bwd.cu.j2",
+            template=HOPPER_BWD_TEMPLATE,
             kernel_name=name,
             tiles=TileConfig(16 * warps, 16, warps),
             smem_bytes=smem_bytes,
