@@ -5,6 +5,8 @@
 * Every test session compiles into its own temporary ``FLASHGEN_CACHE_DIR``.
 * ``error_bound`` fixture: the accuracy bound used against the float64 reference.
 * ``host_exe`` fixture: a host program built with nvcc from the kernels' headers.
+* ``cxx_exe`` fixture: a host program built with the system C++ compiler (lowered
+  expressions evaluated on the CPU).
 """
 
 from __future__ import annotations
@@ -68,6 +70,31 @@ def host_exe(tmp_path, requires_nvcc):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode:
             pytest.fail(f"nvcc failed:\n{done.stdout}{done.stderr}")
+        return exe
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def cxx_exe(tmp_path_factory):
+    """``build(source, name="prog")``: compile plain C++17 ``source`` with g++ (or c++) at
+    -O1 into a host executable and return its path; skips where there is no host C++
+    compiler, fails with the compiler's output if it does not build."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+
+    def build(source: str, name: str = "prog") -> Path:
+        if cxx is None:
+            pytest.skip("needs a host C++ compiler")
+        where = tmp_path_factory.mktemp(name)
+        src, exe = where / f"{name}.cpp", where / name
+        src.write_text(source)
+        cmd = [cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            pytest.fail(f"{cxx} failed:\n{done.stdout}{done.stderr}\n{source}")
         return exe
 
     return build

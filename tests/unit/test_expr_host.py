@@ -13,7 +13,6 @@ lowering's: ``x * (1 / d)`` for ``x / d`` there was one (21 * (1 / 7.0f) = 3.000
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -122,27 +121,14 @@ def _program(cases) -> str:
     )
 
 
-def test_lowered_masks_match_the_reference(tmp_path):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a host C++ compiler")
+def test_lowered_masks_match_the_reference(cxx_exe):
     cases = []
     for i, (mask, params, values) in enumerate(CASES):
         spec = loads_spec(
             f"name: h{i}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n"
         )
         cases.append((spec, values))
-    src = tmp_path / "masks.cpp"
-    src.write_text(_program(cases))
-    exe = tmp_path / "masks"
-    build = subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if build.returncode:
-        pytest.fail(f"{cxx} failed:\n{build.stdout}{build.stderr}\n{src.read_text()}")
+    exe = cxx_exe(_program(cases), "masks")
     rows = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()
     assert len(rows) == len(cases)
     for (spec, values), row in zip(cases, rows, strict=True):

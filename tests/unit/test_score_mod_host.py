@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -158,28 +157,14 @@ def _tolerance(want: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("needs a host C++ compiler")
+def results(cxx_exe):
     cases = []
     for i, (mod, params, values, exact) in enumerate(CASES):
         spec = loads_spec(
             f"name: s{i}\nhead_dim: 64\ndtype: bf16\nscore_mod: '{mod}'\nparams: {params}\n"
         )
         cases.append((spec, values, _samples(exact, seed=i)))
-    tmp = tmp_path_factory.mktemp("score_mods")
-    src = tmp / "mods.cpp"
-    src.write_text(_program(cases))
-    exe = tmp / "mods"
-    build = subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if build.returncode:
-        pytest.fail(f"{cxx} failed:\n{build.stdout}{build.stderr}")
+    exe = cxx_exe(_program(cases), "mods")
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120).stdout.split()
     vals = torch.tensor([float(x) for x in out], dtype=torch.float64)
     per = [len(SCALES) * len(samples) for _, _, samples in cases]
