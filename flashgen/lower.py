@@ -172,6 +172,11 @@ def hopper_tiles(spec: Spec) -> TileConfig:
 #: interval math, divisions for chunked masks): 24 registers spill there, 56 do not.
 HOPPER_STAGES = 2
 HOPPER_REGS = (56, 224)
+#: The same for the persistent kernel (``plan_hopper_forward(persistent=True)``): its producer
+#: warp carries the tile loop's state over the classifier walk, and chunked_local's producer
+#: spills at 56; at 72 / 216 no shipped spec spills anywhere (128 * (72 + 2 * 216) = 64K, what
+#: ``__launch_bounds__(384, 1)`` gives the CTA: the decrement must free what the increments take).
+HOPPER_PERSISTENT_REGS = (72, 216)
 #: Shared memory a CTA may use on sm_90 (227 KiB).
 HOPPER_SMEM_LIMIT = 232448
 
@@ -853,6 +858,7 @@ def plan_hopper_forward(
     Q lands during it; otherwise (head_dim 256) the next Q waits for the epilogue.
     """
     stages = stages or HOPPER_STAGES
+    regs = HOPPER_PERSISTENT_REGS if persistent else HOPPER_REGS
     if target != "sm_90":
         raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
     if spec.head_dim != spec.head_dim_v or spec.head_dim not in HOPPER_HEAD_DIMS or spec.varlen:
@@ -889,9 +895,11 @@ def plan_hopper_forward(
         m_major=m_major,
         persistent=persistent,
         separate_o=separate_o,
+        # the tile classifier's arguments after (q0, q1, k0, k1, b, h): seqlen_q, seqlen_k, params
+        tile_class_scalars=masktiles.classifier_params(spec)[6:],
         o_stage="sO" if persistent else "sQ",
-        producer_regs=HOPPER_REGS[0],
-        consumer_regs=HOPPER_REGS[1],
+        producer_regs=regs[0],
+        consumer_regs=regs[1],
         mma_t=spec.dtype.replace("fp", "f"),
         wgmma_ns=sorted({tiles.block_n, d}),
     )
