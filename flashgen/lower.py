@@ -203,6 +203,16 @@ def kernel_family() -> str:
     return family
 
 
+def persistent_forward() -> bool:
+    """``FLASHGEN_PERSISTENT`` (``1`` on, default ``0`` off): whether the op builds the
+    Hopper forward with its persistent tile scheduler (:func:`plan_hopper_forward`).  Read
+    at every call, like :func:`kernel_family`.  Raises ``ValueError`` for another value."""
+    value = os.environ.get("FLASHGEN_PERSISTENT", "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"FLASHGEN_PERSISTENT={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     """Whether ``spec`` gets the TMA + wgmma kernel on ``target``: sm_90, head_dim ==
     head_dim_v in :data:`HOPPER_HEAD_DIMS`, not varlen, no FA2-style ``tiles:`` pinned by the

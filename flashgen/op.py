@@ -745,7 +745,10 @@ class AttentionOp:
             values.update(
                 self._table_values(self._table_arg(rest), plan, dims, scalars, tensors, q.device)
             )
-        grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
+        if plan.context.get("persistent"):
+            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q, _sm_count(kern.device_index))
+        else:
+            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
         kern.launch(grid, values, current_stream_ptr(q.device))
         return o, lse
 
@@ -775,28 +778,40 @@ class AttentionOp:
         (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.  The kernel
         family follows ``FLASHGEN_KERNEL_FAMILY`` (``auto``, the default: the Hopper TMA +
         wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
-        read at every call.
+        read at every call, and so does ``FLASHGEN_PERSISTENT=1`` (the Hopper kernel's
+        persistent tile scheduler, :func:`flashgen.lower.persistent_forward`; default off).
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
-        from .lower import kernel_family
+        from .lower import kernel_family, persistent_forward
 
         family = kernel_family()
-        kern = self._kernels.get((index, family))
+        persistent = persistent_forward()
+        key = (index, family, "persistent") if persistent else (index, family)
+        kern = self._kernels.get(key)
         if kern is not None:
             return kern
         with self._kernel_lock:
-            kern = self._kernels.get((index, family))
+            kern = self._kernels.get(key)
             if kern is None:
                 from . import runtime
                 from .select import build_forward
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu, family=family)
+                plan, cubin, _report = build_forward(
+                    self.spec, target, gpu=gpu, family=family, persistent=persistent
+                )
                 kern = runtime.load(cubin, plan, index)
-                self._kernels[(index, family)] = kern
+                self._kernels[key] = kern
         return kern
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (a persistent kernel's
+    grid)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _mask_reads(spec: ir.Spec, name: str) -> bool:
