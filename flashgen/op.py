@@ -807,7 +807,7 @@ class AttentionOp:
         return kern
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (a persistent kernel's
     grid)."""
