@@ -746,7 +746,8 @@ class AttentionOp:
                 self._table_values(self._table_arg(rest), plan, dims, scalars, tensors, q.device)
             )
         if plan.context.get("persistent"):
-            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q, _sm_count(kern.device_index))
+            ctas = _persistent_ctas(kern.device_index)
+            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q, ctas)
         else:
             grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
         kern.launch(grid, values, current_stream_ptr(q.device))
@@ -812,6 +813,18 @@ def _sm_count(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device ``device_index`` (a persistent kernel's
     grid)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _persistent_ctas(device_index: int) -> int:
+    """CTAs of a persistent launch: the SM count, or ``FLASHGEN_PERSISTENT_CTAS`` where set
+    (a debugging knob: with a few CTAs every CTA loops over many tiles, e.g. under
+    ``tools/sanitize.py``).  ``ValueError`` unless it is a positive integer."""
+    value = os.environ.get("FLASHGEN_PERSISTENT_CTAS")
+    if not value:
+        return _sm_count(device_index)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"FLASHGEN_PERSISTENT_CTAS={value!r}: expected a positive integer")
+    return int(value)
 
 
 def _mask_reads(spec: ir.Spec, name: str) -> bool:
