@@ -217,3 +217,18 @@ def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc, tmp_path):
             assert "cp.async.bulk.tensor" in ptx, name
             assert "setmaxnreg" in ptx, name
             assert "mbarrier.try_wait.parity" in ptx, name
+
+
+def test_persistent_ctas(monkeypatch):
+    """The op's persistent grid: the SM count, or FLASHGEN_PERSISTENT_CTAS (debugging)."""
+    from flashgen import op
+
+    monkeypatch.setattr(op, "_sm_count", lambda index: 132)
+    monkeypatch.delenv("FLASHGEN_PERSISTENT_CTAS", raising=False)
+    assert op._persistent_ctas(0) == 132
+    monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", "3")
+    assert op._persistent_ctas(0) == 3
+    for bad in ("0", "-1", "x"):
+        monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", bad)
+        with pytest.raises(ValueError, match="FLASHGEN_PERSISTENT_CTAS"):
+            op._persistent_ctas(0)
