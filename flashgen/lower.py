@@ -203,14 +203,30 @@ def kernel_family() -> str:
     return family
 
 
-def persistent_forward() -> bool:
-    """``FLASHGEN_PERSISTENT`` (``1`` on, default ``0`` off): whether the op builds the
-    Hopper forward with its persistent tile scheduler (:func:`plan_hopper_forward`).  Read
-    at every call, like :func:`kernel_family`.  Raises ``ValueError`` for another value."""
+#: Tile schedulers of the persistent Hopper forward (:func:`plan_hopper_forward`):
+#: ``static``: CTA c takes tiles c, c + gridDim.x, ... in the non-persistent kernel's
+#: head-major order; ``m_major``: the same in query-block-major order (every head's
+#: heaviest causal block first: balanced, less K/V reuse in L2); ``dynamic``: the head-major
+#: order handed out by a global atomic counter (balanced and head-major; the op passes a
+#: per-stream counter the kernel's last CTA resets).
+PERSISTENT_SCHEDULERS = ("static", "m_major", "dynamic")
+
+
+def persistent_forward() -> str | bool:
+    """``FLASHGEN_PERSISTENT``: ``0`` (default) off, ``1`` the ``static`` scheduler, or a name
+    in :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as
+    ``persistent`` (False or a scheduler).  Read at every call, like :func:`kernel_family`.
+    Raises ``ValueError`` for another value."""
     value = os.environ.get("FLASHGEN_PERSISTENT", "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"FLASHGEN_PERSISTENT={value!r}: expected 0 or 1")
-    return value == "1"
+    if value == "0":
+        return False
+    value = "static" if value == "1" else value
+    if value not in PERSISTENT_SCHEDULERS:
+        raise ValueError(
+            f"FLASHGEN_PERSISTENT={value!r}: expected 0, 1 or one of "
+            f"{', '.join(PERSISTENT_SCHEDULERS)}"
+        )
+    return value
 
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -721,7 +737,7 @@ def plan_forward(
     tiles: TileConfig | None = None,
     options: dict[str, bool] | None = None,
     family: str = "auto",
-    persistent: bool = False,
+    persistent: bool | str = False,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -845,7 +861,7 @@ def plan_hopper_forward(
     *,
     stages: int | None = None,
     m_major: bool | None = None,
-    persistent: bool = False,
+    persistent: bool | str = False,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -866,7 +882,18 @@ def plan_hopper_forward(
     tile; the K/V ring's stage and phase run on across tiles.  Where shared memory allows
     (``separate_o``: head_dim 64 and 128) the epilogue stages O apart from sQ, so the next
     Q lands during it; otherwise (head_dim 256) the next Q waits for the epilogue.
+    ``persistent`` may name the tile scheduler (:data:`PERSISTENT_SCHEDULERS`; True is
+    ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
+    argument (two zeroed ints per stream, reset by the kernel's last CTA).
     """
+    if persistent is True:
+        persistent = "static"
+    if persistent and persistent not in PERSISTENT_SCHEDULERS:
+        known = ", ".join(PERSISTENT_SCHEDULERS)
+        raise ValueError(f"unknown persistent scheduler {persistent!r}; known: {known}")
+    if persistent == "m_major":
+        m_major = True
+    dynamic = persistent == "dynamic"
     stages = stages or HOPPER_STAGES
     regs = HOPPER_PERSISTENT_REGS if persistent else HOPPER_REGS
     if target != "sm_90":
@@ -898,12 +925,16 @@ def plan_hopper_forward(
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
            TmaArg("tma_v", "v", tiles.block_n))  # fmt: skip
+    if dynamic:  # the work-tile counter: [next tile - gridDim.x, CTAs done]
+        ctx["args"] = ctx["args"] + (KernelArg("tile_counter", "int*"),)
     ctx["args"] = ctx["args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     ctx.update(
         num_consumers=consumers,
         stages=stages,
         m_major=m_major,
-        persistent=persistent,
+        persistent=bool(persistent),
+        scheduler=persistent or None,
+        dynamic=dynamic,
         separate_o=separate_o,
         # the tile classifier's arguments after (q0, q1, k0, k1, b, h): seqlen_q, seqlen_k, params
         tile_class_scalars=masktiles.classifier_params(spec)[6:],

@@ -27,11 +27,15 @@ from .render import render
 
 
 def build_forward(
-    spec, target: str, gpu: str | None = None, family: str = "auto", persistent: bool = False
+    spec,
+    target: str,
+    gpu: str | None = None,
+    family: str = "auto",
+    persistent: bool | str = False,
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
-    (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: the Hopper kernel's
-    persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).
+    (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
+    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.

@@ -17,6 +17,7 @@ from flashgen.lower import (
     HOPPER_PERSISTENT_REGS,
     HOPPER_REGS,
     HOPPER_SMEM_LIMIT,
+    PERSISTENT_SCHEDULERS,
     persistent_forward,
     persistent_tile_order,
     plan_forward,
@@ -80,8 +81,13 @@ def test_persistent_grid():
 def test_persistent_env(monkeypatch):
     monkeypatch.delenv("FLASHGEN_PERSISTENT", raising=False)
     assert persistent_forward() is False
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    assert persistent_forward() is False
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
-    assert persistent_forward() is True
+    assert persistent_forward() == "static"
+    for name in PERSISTENT_SCHEDULERS:
+        monkeypatch.setenv("FLASHGEN_PERSISTENT", name)
+        assert persistent_forward() == name
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "yes")
     with pytest.raises(ValueError, match="FLASHGEN_PERSISTENT"):
         persistent_forward()
@@ -102,6 +108,28 @@ def test_persistent_smem_layout():
     with pytest.raises(ValueError, match="shared memory"):
         plan_hopper_forward(plain, "sm_90", plan_forward(plain, "sm_90").tiles, stages=3,
                             persistent=True)  # fmt: skip
+
+
+def test_schedulers():
+    """static and m_major differ in the tile numbering only; dynamic takes a tile counter
+    (before the tensor maps) and draws tiles with atomicAdd; unknown names are refused."""
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    tiles = plan_forward(spec, "sm_90").tiles
+    static = plan_forward(spec, "sm_90", persistent=True)
+    assert static.context["scheduler"] == "static" and not static.context["m_major"]
+    m_major = plan_forward(spec, "sm_90", persistent="m_major")
+    assert m_major.context["m_major"] and m_major.args == static.args
+    assert "const int m_rev = tile / (batch * heads_q);" in render(m_major)
+    dynamic = plan_forward(spec, "sm_90", persistent="dynamic")
+    names = [a.name for a in dynamic.args]
+    assert names[-4:] == ["tile_counter", "tma_q", "tma_k", "tma_v"]
+    assert dynamic.args[-4].ctype == "int*" and dynamic.context["dynamic"]
+    src = render(dynamic)
+    assert "atomicAdd(tile_counter, 1)" in src and "atomicAdd(tile_counter + 1, 1)" in src
+    assert "atomicAdd" not in render(static)
+    assert dynamic.grid(2, 16, 8192, num_sms=132) == (132, 1, 1)
+    with pytest.raises(ValueError, match="unknown persistent scheduler"):
+        plan_hopper_forward(spec, "sm_90", tiles, persistent="lpt")
 
 
 # ----------------------------------------------------------------------------- tile order
@@ -186,17 +214,22 @@ def test_persistent_render():
 
 
 # ----------------------------------------------------------------------------- nvcc
-def _build(spec):
-    plan = plan_forward(spec, "sm_90", persistent=True)
+def _build(job):
+    spec, scheduler = job
+    plan = plan_forward(spec, "sm_90", persistent=scheduler)
     assert plan.template == "sm_90/fwd.cu.j2" and plan.context["persistent"]
     _, report = cache.get_or_build(render(plan), plan)
-    return spec.name, spec.head_dim, report
+    return spec.name, spec.head_dim, scheduler, report
 
 
 def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
+    """Every shipped spec and head-dim variant with the static scheduler; the shipped specs
+    with the dynamic one too (m_major differs from static in two index expressions)."""
+    jobs = [(s, "static") for s in _all_specs()]
+    jobs += [(load_spec(p), "dynamic") for p in SPECS]
     with cf.ThreadPoolExecutor(2) as ex:
-        for name, d, report in ex.map(_build, _all_specs()):
-            assert report.spill_bytes == 0, (name, d, report)
+        for name, d, scheduler, report in ex.map(_build, jobs):
+            assert report.spill_bytes == 0, (name, d, scheduler, report)
 
 
 def _ptx(spec, tmp: Path) -> tuple[str, str]:
