@@ -20,6 +20,7 @@ ref64| + 1e-3; lse relative error <= 1e-2; rows with nothing kept give o = 0, ls
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,14 @@ def prebuild():
         list(pool.map(build, jobs))
 
 
+@pytest.fixture(params=["static", "m_major", "dynamic"])
+def scheduler(request, monkeypatch):
+    """The tile scheduler (``FLASHGEN_PERSISTENT``), for the tests that take it; the others
+    run ``static``."""
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", request.param)
+    return request.param
+
+
 @pytest.fixture(params=[None, 1, 3, 7], ids=["sms", "grid1", "grid3", "grid7"])
 def grid(request, monkeypatch):
     """The persistent grid: the device's SM count, or a forced small one."""
@@ -123,6 +132,8 @@ def run(spec, q, k, v, params):
     torch.cuda.synchronize()
     plan = op.kernel(q.device).plan
     assert plan.template == "sm_90/fwd.cu.j2" and plan.context["persistent"], "not persistent"
+    want = os.environ["FLASHGEN_PERSISTENT"]
+    assert plan.context["scheduler"] == ("static" if want == "1" else want)
     return o, lse
 
 
@@ -170,6 +181,53 @@ def test_lengths(sq, sk, causal, grid, error_bound):
         pytest.skip("small grids: the shorter problems (each CTA still takes many tiles)")
     spec = variant(shipped("causal_d128"), causal=causal)
     check(spec, *inputs(spec, 2, 3, 1, sq, sk, seed=sq + 3 * sk), error_bound)
+
+
+@pytest.mark.parametrize("sq, sk", [(17, 17), (1000, 1000), (127, 1000), (4097, 127)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scheduler", ["m_major", "dynamic"], indirect=True)
+def test_lengths_schedulers(sq, sk, causal, scheduler, monkeypatch, error_bound):
+    """The other schedulers on causal / non-causal problems through 5 CTAs."""
+    monkeypatch.setattr(op_module, "_sm_count", lambda index: 5)
+    spec = variant(shipped("causal_d128"), causal=causal)
+    check(spec, *inputs(spec, 2, 3, 1, sq, sk, seed=sq + 5 * sk), error_bound)
+
+
+def test_dynamic_counter_resets(monkeypatch, error_bound):
+    """The dynamic scheduler's counter is left at zero by every launch: repeated launches,
+    two streams, a CUDA graph replayed, all give the same output."""
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "dynamic")
+    monkeypatch.setattr(op_module, "_sm_count", lambda index: 7)
+    spec = DOC
+    q, k, v, params = inputs(spec, 2, 4, 2, 2049, 2049, seed=4)
+    op = build_op(spec)
+    o0, lse0 = check(spec, q, k, v, params, error_bound)
+    for _ in range(5):
+        o, lse = op.attention(q, k, v, **params)
+        assert torch.equal(o, o0) and torch.equal(lse, lse0)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for _ in range(3):
+        for st in streams:
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                outs.append(op.attention(q, k, v, **params)[0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, o0) for o in outs)
+    bm = op.block_mask(2049, 2049, **params)
+    op.attention(q, k, v, block_mask=bm, **params)  # warm: builds nothing in the capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op.attention(q, k, v, block_mask=bm, **params)  # the stream's counter, outside the capture
+        with torch.cuda.graph(g, stream=s):
+            og, _ = op.attention(q, k, v, block_mask=bm, **params)
+    for _ in range(3):
+        og.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(og, o0)
 
 
 @pytest.mark.parametrize("d", [64, 256])
@@ -221,7 +279,7 @@ def doc_ids(b, s, n, gen, *, sort=True, offset=0):
     [(4097, 4097, 6, True), (1000, 4097, 3, True), (4097, 1000, 5, True), (127, 127, 2, True),
      (1000, 1000, 4, False), (17, 1000, 3, False), (1, 17, 2, True)],
 )  # fmt: skip
-def test_document_mask(sq, sk, ndocs, sort, grid, error_bound):
+def test_document_mask(sq, sk, ndocs, sort, grid, scheduler, error_bound):
     """Random documents: sorted ids (packed documents: EMPTY, FULL and PARTIAL tiles) and
     unsorted ones (queries with no earlier key of their document: empty rows)."""
     if grid is not None and sq * sk > 1000 * 4097:
@@ -233,7 +291,7 @@ def test_document_mask(sq, sk, ndocs, sort, grid, error_bound):
     check(DOC, q, k, v, params, error_bound)
 
 
-def test_document_mask_empty_query_blocks(grid, error_bound):
+def test_document_mask_empty_query_blocks(grid, scheduler, error_bound):
     """Query documents that no key has: whole query blocks (tiles) with no live key block, so
     the producer hands over tiles without Q or K/V loads, between live ones."""
     sq = sk = 2000
@@ -247,7 +305,7 @@ def test_document_mask_empty_query_blocks(grid, error_bound):
     assert torch.isneginf(lse[:, :, 300:700]).all() and (o[:, :, 300:700] == 0).all()
 
 
-def test_all_tiles_empty(grid):
+def test_all_tiles_empty(grid, scheduler):
     gen = torch.Generator(device="cuda").manual_seed(9)
     q, k, v, _ = inputs(DOC, 2, 2, 2, 1000, 1000, seed=9)
     params = {"doc_q": doc_ids(2, 1000, 3, gen), "doc_kv": doc_ids(2, 1000, 3, gen, offset=10)}
@@ -266,7 +324,7 @@ def test_per_head_tensor_mask(grid, error_bound):
 
 # ----------------------------------------------------------------------------- = non-persistent
 @pytest.mark.parametrize("name, sq, sk", SAME)
-def test_matches_non_persistent(name, sq, sk, monkeypatch, error_bound):
+def test_matches_non_persistent(name, sq, sk, scheduler, monkeypatch, error_bound):
     """Same per-tile arithmetic: the persistent output equals the non-persistent kernel's
     (bitwise expected; at least within the accuracy bound of each other)."""
     spec = shipped(name)
