@@ -70,7 +70,10 @@ def prebuild():
     specs = [shipped(n) for n in SPECS] + [PER_HEAD]
     specs += [variant(shipped("causal_d128"), causal=c, head_dim=d)
               for c in (True, False) for d in (64, 128, 256)]  # fmt: skip
-    jobs = [(s, True) for s in specs] + [(shipped(n), False) for n, _, _ in SAME]
+    jobs = [(s, "static") for s in specs] + [(shipped(n), False) for n, _, _ in SAME]
+    others = [shipped(n) for n, _, _ in SAME] + [variant(shipped("causal_d128"), causal=c)
+                                                 for c in (True, False)]  # fmt: skip
+    jobs += [(s, sched) for sched in ("m_major", "dynamic") for s in others]
 
     def build(job):
         spec, persistent = job
