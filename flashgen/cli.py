@@ -176,13 +176,15 @@ class BuildResult:
 
 def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     from .compile import CompileError
-    from .lower import kernel_family
+    from .lower import kernel_family, persistent_forward
     from .select import build_backward, build_forward
 
     res = BuildResult(spec, target, unit)
     try:
         if unit == "fwd":
-            res.plan, path, res.report = build_forward(spec, target, family=kernel_family())
+            res.plan, path, res.report = build_forward(
+                spec, target, family=kernel_family(), persistent=persistent_forward()
+            )
             res.smem_dynamic = res.plan.smem_bytes
         else:
             res.plan, path, res.report = build_backward(

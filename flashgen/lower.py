@@ -172,6 +172,11 @@ def hopper_tiles(spec: Spec) -> TileConfig:
 #: interval math, divisions for chunked masks): 24 registers spill there, 56 do not.
 HOPPER_STAGES = 2
 HOPPER_REGS = (56, 224)
+#: The same for the persistent kernel (``plan_hopper_forward(persistent=True)``): its producer
+#: warp carries the tile loop's state over the classifier walk, and chunked_local's producer
+#: spills at 56; at 72 / 216 no shipped spec spills anywhere (128 * (72 + 2 * 216) = 64K, what
+#: ``__launch_bounds__(384, 1)`` gives the CTA: the decrement must free what the increments take).
+HOPPER_PERSISTENT_REGS = (72, 216)
 #: Shared memory a CTA may use on sm_90 (227 KiB).
 HOPPER_SMEM_LIMIT = 232448
 
@@ -196,6 +201,32 @@ def kernel_family() -> str:
             f"FLASHGEN_KERNEL_FAMILY={family!r}: expected one of {', '.join(FAMILIES)}"
         )
     return family
+
+
+#: Tile schedulers of the persistent Hopper forward (:func:`plan_hopper_forward`):
+#: ``static``: CTA c takes tiles c, c + gridDim.x, ... in the non-persistent kernel's
+#: head-major order; ``m_major``: the same in query-block-major order (every head's
+#: heaviest causal block first: balanced, less K/V reuse in L2); ``dynamic``: the head-major
+#: order handed out by a global atomic counter (balanced and head-major; the op passes a
+#: per-stream counter the kernel's last CTA resets).
+PERSISTENT_SCHEDULERS = ("static", "m_major", "dynamic")
+
+
+def persistent_forward() -> str | bool:
+    """``FLASHGEN_PERSISTENT``: ``0`` (default) off, ``1`` the ``static`` scheduler, or a name
+    in :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as
+    ``persistent`` (False or a scheduler).  Read at every call, like :func:`kernel_family`.
+    Raises ``ValueError`` for another value."""
+    value = os.environ.get("FLASHGEN_PERSISTENT", "0") or "0"
+    if value == "0":
+        return False
+    value = "static" if value == "1" else value
+    if value not in PERSISTENT_SCHEDULERS:
+        raise ValueError(
+            f"FLASHGEN_PERSISTENT={value!r}: expected 0, 1 or one of "
+            f"{', '.join(PERSISTENT_SCHEDULERS)}"
+        )
+    return value
 
 
 def hopper_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -268,9 +299,19 @@ class KernelPlan:
     def num_m_blocks(self, seqlen_q: int) -> int:
         return (seqlen_q + self.tiles.block_m - 1) // self.tiles.block_m
 
-    def grid(self, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
-        """1-D grid over (m_block, batch*head): gridDim.x = ceil(seqlen_q/BLOCK_M)*batch*heads_q."""
-        return (self.num_m_blocks(seqlen_q) * batch * heads_q, 1, 1)
+    def grid(
+        self, batch: int, heads_q: int, seqlen_q: int, num_sms: int | None = None
+    ) -> tuple[int, int, int]:
+        """1-D grid over (m_block, batch*head): gridDim.x = ceil(seqlen_q/BLOCK_M)*batch*heads_q
+        work tiles, one per CTA; a persistent plan (``context["persistent"]``) launches
+        ``min(tiles, num_sms)`` CTAs that loop over them (:func:`persistent_tile_order`;
+        ``num_sms``: the device's SM count, required then, ``ValueError`` if missing)."""
+        tiles = self.num_m_blocks(seqlen_q) * batch * heads_q
+        if self.context.get("persistent"):
+            if not num_sms or num_sms < 1:
+                raise ValueError(f"{self.kernel_name} is persistent: grid() needs num_sms >= 1")
+            return (min(tiles, num_sms), 1, 1)
+        return (tiles, 1, 1)
 
     def config(self) -> dict:
         """JSON-able summary for manifests and ``flashgen show``."""
@@ -708,6 +749,7 @@ def plan_forward(
     tiles: TileConfig | None = None,
     options: dict[str, bool] | None = None,
     family: str = "auto",
+    persistent: bool | str = False,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -722,7 +764,8 @@ def plan_forward(
     TMA + wgmma + warp specialization, Shah et al. 2024) for the specs
     :func:`hopper_eligible` accepts and whenever ``tiles`` are warp-specialized
     (:func:`is_hopper_tiles`); otherwise (or with ``family="fa2"``) it compiles the
-    FA2-class template for ``sm_90a``.
+    FA2-class template for ``sm_90a``.  ``persistent`` selects the Hopper kernel's
+    persistent tile scheduler (:func:`plan_hopper_forward`); the FA2-class kernel ignores it.
 
     Raises ``ValueError`` for a target or dtype this version cannot lower.
     """
@@ -744,7 +787,7 @@ def plan_forward(
         )
     tiles = tiles or choose_tiles(spec, target, gpu, family)
     if is_hopper_tiles(tiles):
-        return plan_hopper_forward(spec, target, tiles)
+        return plan_hopper_forward(spec, target, tiles, persistent=persistent)
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
@@ -830,6 +873,7 @@ def plan_hopper_forward(
     *,
     stages: int | None = None,
     m_major: bool | None = None,
+    persistent: bool | str = False,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -842,8 +886,28 @@ def plan_hopper_forward(
     runs first; the default (False) is head-major (each head's query blocks together,
     heaviest first for causal: best L2 reuse of K/V, and measured faster on the H200 for
     causal and non-causal alike).
+
+    ``persistent`` (default off): a grid of at most one CTA per SM (:meth:`KernelPlan.grid`
+    with ``num_sms``), each CTA looping over the work tiles of
+    :func:`persistent_tile_order` (same numbering, so the same order per CTA).  The producer
+    warp loads the next tile's first K/V block and Q while the consumers finish the current
+    tile; the K/V ring's stage and phase run on across tiles.  Where shared memory allows
+    (``separate_o``: head_dim 64 and 128) the epilogue stages O apart from sQ, so the next
+    Q lands during it; otherwise (head_dim 256) the next Q waits for the epilogue.
+    ``persistent`` may name the tile scheduler (:data:`PERSISTENT_SCHEDULERS`; True is
+    ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
+    argument (two zeroed ints per stream, reset by the kernel's last CTA).
     """
+    if persistent is True:
+        persistent = "static"
+    if persistent and persistent not in PERSISTENT_SCHEDULERS:
+        known = ", ".join(PERSISTENT_SCHEDULERS)
+        raise ValueError(f"unknown persistent scheduler {persistent!r}; known: {known}")
+    if persistent == "m_major":
+        m_major = True
+    dynamic = persistent == "dynamic"
     stages = stages or HOPPER_STAGES
+    regs = HOPPER_PERSISTENT_REGS if persistent else HOPPER_REGS
     if target != "sm_90":
         raise ValueError(f"the warp-specialized tiles {tiles} need target sm_90, not {target}")
     if spec.head_dim != spec.head_dim_v or spec.head_dim not in HOPPER_HEAD_DIMS or spec.varlen:
@@ -857,7 +921,13 @@ def plan_hopper_forward(
     consumers = tiles.num_warps // 4 - 1
     tile_bytes = (tiles.block_m + 2 * stages * tiles.block_n) * d * 2
     smem = 1024 + tile_bytes + 8 * (1 + 5 * stages)  # 1 KiB alignment slack, mbarriers, stage info
-    if needs_block_table(spec):
+    separate_o = False
+    if persistent:
+        smem += 40  # q_empty (8 bytes), tile_info (2 x 4 ints)
+        # the epilogue's own staging buffer (BLOCK_M x HEAD_DIM) where it fits
+        separate_o = smem + tiles.block_m * d * 2 <= HOPPER_SMEM_LIMIT
+        smem += tiles.block_m * d * 2 if separate_o else 0
+    elif needs_block_table(spec):
         smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
@@ -867,13 +937,22 @@ def plan_hopper_forward(
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
            TmaArg("tma_v", "v", tiles.block_n))  # fmt: skip
+    if dynamic:  # the work-tile counter: [next tile - gridDim.x, CTAs done]
+        ctx["args"] = ctx["args"] + (KernelArg("tile_counter", "int*"),)
     ctx["args"] = ctx["args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     ctx.update(
         num_consumers=consumers,
         stages=stages,
         m_major=m_major,
-        producer_regs=HOPPER_REGS[0],
-        consumer_regs=HOPPER_REGS[1],
+        persistent=bool(persistent),
+        scheduler=persistent or None,
+        dynamic=dynamic,
+        separate_o=separate_o,
+        # the tile classifier's arguments after (q0, q1, k0, k1, b, h): seqlen_q, seqlen_k, params
+        tile_class_scalars=masktiles.classifier_params(spec)[6:],
+        o_stage="sO" if persistent else "sQ",
+        producer_regs=regs[0],
+        consumer_regs=regs[1],
         mma_t=spec.dtype.replace("fp", "f"),
         wgmma_ns=sorted({tiles.block_n, d}),
     )
@@ -888,6 +967,33 @@ def plan_hopper_forward(
         context=ctx,
         tma=tma,
     )
+
+
+def persistent_tile_order(
+    num_m_blocks: int, batch_heads: int, grid: int, *, reverse_m: bool, m_major: bool = False
+) -> list[list[tuple[int, int]]]:
+    """The work tiles each CTA of a persistent Hopper forward computes, in order: entry c
+    lists CTA c's ``(batch * heads_q + head, m_block)`` pairs.  Mirrors the kernel's
+    ``set_tile``: tile numbers ``c, c + grid, c + 2 * grid, ...`` below
+    ``num_m_blocks * batch_heads``; tile ``t`` is query block ``t % num_m_blocks`` of
+    (batch, head) ``t // num_m_blocks`` (``m_major``: block ``t // batch_heads`` of
+    ``t % batch_heads``), reversed (``reverse_m``: causal or a residual mask) so each
+    head's longest rows come first.  Pure Python; the unit tests check every tile is
+    computed exactly once and the heaviest-first order."""
+    if num_m_blocks < 0 or batch_heads < 0 or grid < 1:
+        raise ValueError(f"bad tile grid: {num_m_blocks=} {batch_heads=} {grid=}")
+    total = num_m_blocks * batch_heads
+    order: list[list[tuple[int, int]]] = []
+    for c in range(grid):
+        mine = []
+        for t in range(c, total, grid):
+            if m_major:
+                m_rev, bh = divmod(t, batch_heads)
+            else:
+                bh, m_rev = divmod(t, num_m_blocks)
+            mine.append((bh, num_m_blocks - 1 - m_rev if reverse_m else m_rev))
+        order.append(mine)
+    return order
 
 
 #: Threads per CTA of the block-table pre-pass (one CTA per (slice, m block, n block) tile).

@@ -745,8 +745,15 @@ class AttentionOp:
             values.update(
                 self._table_values(self._table_arg(rest), plan, dims, scalars, tensors, q.device)
             )
-        grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
-        kern.launch(grid, values, current_stream_ptr(q.device))
+        stream = current_stream_ptr(q.device)
+        if plan.context.get("persistent"):
+            ctas = _persistent_ctas(kern.device_index)
+            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q, ctas)
+            if plan.context["dynamic"]:
+                values["tile_counter"] = _tile_counter(q.device, stream)
+        else:
+            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
+        kern.launch(grid, values, stream)
         return o, lse
 
     def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
@@ -775,28 +782,74 @@ class AttentionOp:
         (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime`.  The kernel
         family follows ``FLASHGEN_KERNEL_FAMILY`` (``auto``, the default: the Hopper TMA +
         wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
-        read at every call.
+        read at every call, and so does ``FLASHGEN_PERSISTENT`` (``1``, ``static``, ``m_major``,
+        ``dynamic``: the Hopper kernel's persistent tile scheduler,
+        :func:`flashgen.lower.persistent_forward`; default off).
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
-        from .lower import kernel_family
+        from .lower import kernel_family, persistent_forward
 
         family = kernel_family()
-        kern = self._kernels.get((index, family))
+        persistent = persistent_forward()
+        key = (index, family, persistent) if persistent else (index, family)
+        kern = self._kernels.get(key)
         if kern is not None:
             return kern
         with self._kernel_lock:
-            kern = self._kernels.get((index, family))
+            kern = self._kernels.get(key)
             if kern is None:
                 from . import runtime
                 from .select import build_forward
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                plan, cubin, _report = build_forward(self.spec, target, gpu=gpu, family=family)
+                plan, cubin, _report = build_forward(
+                    self.spec, target, gpu=gpu, family=family, persistent=persistent
+                )
                 kern = runtime.load(cubin, plan, index)
-                self._kernels[(index, family)] = kern
+                self._kernels[key] = kern
         return kern
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``device_index`` (a persistent kernel's
+    grid)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTER_LOCK = threading.Lock()
+
+
+def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor:
+    """The work-tile counter of the dynamic persistent scheduler for launches on CUDA stream
+    ``stream_ptr``: int32 ``[2]``, zeroed once (on the current stream, so before the first
+    launch), then left at zero by every launch (its last CTA resets it).  One per (device,
+    stream): launches on one stream run in order, so they never share it concurrently (two
+    streams replaying one captured graph at once would)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, stream_ptr)
+    t = _COUNTERS.get(key)
+    if t is None:
+        with _COUNTER_LOCK:
+            t = _COUNTERS.get(key)
+            if t is None:
+                t = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return t
+
+
+def _persistent_ctas(device_index: int) -> int:
+    """CTAs of a persistent launch: the SM count, or ``FLASHGEN_PERSISTENT_CTAS`` where set
+    (a debugging knob: with a few CTAs every CTA loops over many tiles, e.g. under
+    ``tools/sanitize.py``).  ``ValueError`` unless it is a positive integer."""
+    value = os.environ.get("FLASHGEN_PERSISTENT_CTAS")
+    if not value:
+        return _sm_count(device_index)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"FLASHGEN_PERSISTENT_CTAS={value!r}: expected a positive integer")
+    return int(value)
 
 
 def _mask_reads(spec: ir.Spec, name: str) -> bool:

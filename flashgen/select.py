@@ -27,16 +27,21 @@ from .render import render
 
 
 def build_forward(
-    spec, target: str, gpu: str | None = None, family: str = "auto"
+    spec,
+    target: str,
+    gpu: str | None = None,
+    family: str = "auto",
+    persistent: bool | str = False,
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
-    (``family``: see :data:`flashgen.lower.FAMILIES`).
+    (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
+    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
     for tiles in forward_tile_candidates(spec, target, gpu, family):
-        plan = plan_forward(spec, target, gpu, tiles=tiles)
+        plan = plan_forward(spec, target, gpu, tiles=tiles, persistent=persistent)
         cubin, report = cache.get_or_build(render(plan), plan)
         if not report.spill_bytes:
             break

@@ -1,0 +1,267 @@
+"""The persistent Hopper forward (``plan_hopper_forward(persistent=True)``): plan and grid,
+the work-tile order, rendering, and (with nvcc) every shipped spec compiling to TMA + wgmma
+code with zero spills.  Numerics on the GPU: tests/gpu/test_persistent_gpu.py."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from flashgen import cache
+from flashgen.compile import find_nvcc
+from flashgen.lower import (
+    HOPPER_PERSISTENT_REGS,
+    HOPPER_REGS,
+    HOPPER_SMEM_LIMIT,
+    PERSISTENT_SCHEDULERS,
+    persistent_forward,
+    persistent_tile_order,
+    plan_forward,
+    plan_hopper_forward,
+)
+from flashgen.render import render
+from flashgen.spec import load_spec, loads_spec
+
+REPO = Path(__file__).resolve().parents[2]
+SPECS = sorted((REPO / "specs").glob("*.yaml"))
+
+
+def _variant(name: str, head_dim: int):
+    text = (REPO / "specs" / f"{name}.yaml").read_text()
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    return loads_spec(
+        text.replace(f"head_dim: {spec.head_dim}", f"head_dim: {head_dim}"), f"{name}.yaml"
+    )
+
+
+#: Specs the spill test compiles: the shipped ones plus head-dim variants that take other
+#: tiles (document_mask's block table at d64 / d256, a score_mod at d64, causal d256).
+VARIANTS = [("document_mask", 64), ("document_mask", 256), ("alibi", 64), ("causal_d128", 256)]
+
+
+def _all_specs():
+    return [load_spec(p) for p in SPECS] + [_variant(n, d) for n, d in VARIANTS]
+
+
+# ----------------------------------------------------------------------------- plan, grid
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_persistent_plan(path):
+    spec = load_spec(path)
+    off = plan_forward(spec, "sm_90")
+    on = plan_forward(spec, "sm_90", persistent=True)
+    assert not off.context["persistent"] and on.context["persistent"]
+    assert on.tiles == off.tiles and on.args == off.args and on.tma == off.tma
+    assert on.smem_bytes <= HOPPER_SMEM_LIMIT
+    # the epilogue gets its own staging buffer where it fits (not at head_dim 256)
+    assert on.context["separate_o"] == (spec.head_dim < 256)
+    assert (on.context["producer_regs"], on.context["consumer_regs"]) == HOPPER_PERSISTENT_REGS
+    assert (off.context["producer_regs"], off.context["consumer_regs"]) == HOPPER_REGS
+    p, c = HOPPER_PERSISTENT_REGS
+    assert 128 * (p + 2 * c) <= 65536 and 128 * (168 - p) >= 256 * (c - 168)
+    # the FA2-class kernel has no persistent form: the flag is ignored there
+    assert plan_forward(spec, "sm_80", persistent=True).template == "sm_80/fwd.cu.j2"
+
+
+def test_persistent_grid():
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    off = plan_forward(spec, "sm_90")
+    on = plan_forward(spec, "sm_90", persistent=True)
+    assert off.grid(2, 16, 8192) == (64 * 32, 1, 1)
+    assert off.grid(2, 16, 8192, num_sms=132) == (64 * 32, 1, 1)  # ignored when not persistent
+    assert on.grid(2, 16, 8192, num_sms=132) == (132, 1, 1)
+    assert on.grid(1, 1, 1000, num_sms=132) == (8, 1, 1)  # fewer tiles than SMs: one each
+    with pytest.raises(ValueError, match="num_sms"):
+        on.grid(2, 16, 8192)
+
+
+def test_persistent_env(monkeypatch):
+    monkeypatch.delenv("FLASHGEN_PERSISTENT", raising=False)
+    assert persistent_forward() is False
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    assert persistent_forward() is False
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
+    assert persistent_forward() == "static"
+    for name in PERSISTENT_SCHEDULERS:
+        monkeypatch.setenv("FLASHGEN_PERSISTENT", name)
+        assert persistent_forward() == name
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "yes")
+    with pytest.raises(ValueError, match="FLASHGEN_PERSISTENT"):
+        persistent_forward()
+
+
+def test_persistent_smem_layout():
+    """q_empty (8 bytes) and the double-buffered tile info (8 ints) after the stage info, and
+    at head_dim 64 / 128 a BLOCK_M x HEAD_DIM staging buffer; no warp_last (the producer
+    warp scans the block table itself)."""
+    doc = load_spec(REPO / "specs" / "document_mask.yaml")
+    plain = load_spec(REPO / "specs" / "causal_d128.yaml")
+    for spec in (doc, plain):
+        off = plan_forward(spec, "sm_90")
+        on = plan_forward(spec, "sm_90", persistent=True)
+        warp_last = 4 * off.tiles.num_warps if off.context["block_table"] else 0
+        staging = off.tiles.block_m * spec.head_dim * 2
+        assert on.smem_bytes == off.smem_bytes - warp_last + 40 + staging
+    with pytest.raises(ValueError, match="shared memory"):
+        plan_hopper_forward(plain, "sm_90", plan_forward(plain, "sm_90").tiles, stages=3,
+                            persistent=True)  # fmt: skip
+
+
+def test_schedulers():
+    """static and m_major differ in the tile numbering only; dynamic takes a tile counter
+    (before the tensor maps) and draws tiles with atomicAdd; unknown names are refused."""
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    tiles = plan_forward(spec, "sm_90").tiles
+    static = plan_forward(spec, "sm_90", persistent=True)
+    assert static.context["scheduler"] == "static" and not static.context["m_major"]
+    m_major = plan_forward(spec, "sm_90", persistent="m_major")
+    assert m_major.context["m_major"] and m_major.args == static.args
+    assert "const int m_rev = tile / (batch * heads_q);" in render(m_major)
+    dynamic = plan_forward(spec, "sm_90", persistent="dynamic")
+    names = [a.name for a in dynamic.args]
+    assert names[-4:] == ["tile_counter", "tma_q", "tma_k", "tma_v"]
+    assert dynamic.args[-4].ctype == "int*" and dynamic.context["dynamic"]
+    src = render(dynamic)
+    assert "atomicAdd(tile_counter, 1)" in src and "atomicAdd(tile_counter + 1, 1)" in src
+    assert "atomicAdd" not in render(static)
+    assert dynamic.grid(2, 16, 8192, num_sms=132) == (132, 1, 1)
+    with pytest.raises(ValueError, match="unknown persistent scheduler"):
+        plan_hopper_forward(spec, "sm_90", tiles, persistent="lpt")
+
+
+# ----------------------------------------------------------------------------- tile order
+@pytest.mark.parametrize(
+    "num_m,bh,grid,m_major",
+    [(64, 32, 132, False), (64, 32, 132, True), (8, 1, 132, False), (7, 3, 5, False),
+     (7, 3, 5, True), (1, 1, 1, False), (33, 5, 17, True), (0, 4, 8, False)],
+)  # fmt: skip
+def test_tile_order_covers_every_tile_once(num_m, bh, grid, m_major):
+    for reverse in (False, True):
+        order = persistent_tile_order(num_m, bh, grid, reverse_m=reverse, m_major=m_major)
+        assert len(order) == grid
+        flat = [t for cta in order for t in cta]
+        assert sorted(flat) == sorted(itertools.product(range(bh), range(num_m)))
+        sizes = [len(cta) for cta in order]
+        assert max(sizes) - min(sizes) <= 1  # static round robin: balanced tile counts
+
+
+def test_tile_order_heaviest_first():
+    """Causal (reverse_m): every CTA meets each head's query blocks longest first, and in
+    m-major order every CTA's sequence of blocks is non-increasing (the heaviest anywhere
+    come first); the first wave (tile i of every CTA) is the heaviest wave."""
+    for num_m, bh, grid in [(64, 32, 132), (7, 3, 5), (128, 2, 132)]:
+        order = persistent_tile_order(num_m, bh, grid, reverse_m=True)
+        for cta in order:
+            for head in range(bh):
+                ms = [m for h, m in cta if h == head]
+                assert ms == sorted(ms, reverse=True)
+        order = persistent_tile_order(num_m, bh, grid, reverse_m=True, m_major=True)
+        for cta in order:
+            ms = [m for _, m in cta]
+            assert ms == sorted(ms, reverse=True)
+        # m-major: the first wave (each CTA's first tile) holds the heaviest blocks
+        first = [cta[0][1] for cta in order if cta]
+        later = [m for cta in order for _, m in cta[1:]]
+        assert not later or min(first) >= max(later)
+    # non-causal keeps the plain order
+    assert persistent_tile_order(3, 1, 1, reverse_m=False) == [[(0, 0), (0, 1), (0, 2)]]
+    with pytest.raises(ValueError):
+        persistent_tile_order(4, 4, 0, reverse_m=False)
+
+
+def test_tile_order_matches_the_kernels_numbering():
+    """The kernel's decode (tile = blockIdx.x + ti * gridDim.x; m_rev = tile % num_m_blocks,
+    bh = tile / num_m_blocks; m_block reversed for causal or a residual mask) is the one
+    persistent_tile_order models; the non-persistent kernel numbers its CTAs the same way."""
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    src = render(plan_forward(spec, "sm_90", persistent=True))
+    assert "tile = blockIdx.x + ti * gridDim.x" in src
+    assert "const int m_rev = tile % num_m_blocks;" in src
+    assert "const int bh = tile / num_m_blocks;" in src
+    assert "const int m_block = num_m_blocks - 1 - m_rev;" in src
+    plain = render(plan_forward(load_spec(REPO / "specs" / "bidir_d256.yaml"), "sm_90",
+                                persistent=True))  # fmt: skip
+    assert "const int m_block = m_rev;" in plain
+
+
+# ----------------------------------------------------------------------------- rendering
+def test_persistent_render():
+    doc = load_spec(REPO / "specs" / "document_mask.yaml")
+    off = render(plan_forward(doc, "sm_90"))
+    on = render(plan_forward(doc, "sm_90", persistent=True))
+    assert (
+        "q_empty" not in off
+        and "tile_info" not in off
+        and "__forceinline__ int opaque(int x)" not in off
+    )
+    for needle in ("q_empty", "hand_over(-2, 0, 0, 0);", "__ballot_sync", "tile_at(0) - 1",
+                   "const uint32_t sO = sV + STAGES * SKV_BYTES;", "fg::setmaxnreg_dec<72>",
+                   "fg::setmaxnreg_inc<216>"):  # fmt: skip
+        assert needle in on, needle
+    assert "warp_last" not in on and "fg_tile_class" not in on
+    # head_dim 256: the epilogue stages in sQ, so q_empty waits for it (and a proxy fence)
+    d256 = render(plan_forward(load_spec(REPO / "specs" / "bidir_d256.yaml"), "sm_90",
+                               persistent=True))  # fmt: skip
+    assert "const uint32_t sO = sQ;" in d256 and "fence.proxy.async.shared::cta" in d256
+    # the classifier path walks with per-tile opaque copies of its scalar arguments
+    swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90",
+                              persistent=True))  # fmt: skip
+    assert "const int p_window_t = opaque(p_window);" in swa
+    assert "fg::iv::prev_live(j, c, full, kv_class)" in swa
+
+
+# ----------------------------------------------------------------------------- nvcc
+def _build(job):
+    spec, scheduler = job
+    plan = plan_forward(spec, "sm_90", persistent=scheduler)
+    assert plan.template == "sm_90/fwd.cu.j2" and plan.context["persistent"]
+    _, report = cache.get_or_build(render(plan), plan)
+    return spec.name, spec.head_dim, scheduler, report
+
+
+def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
+    """Every shipped spec and head-dim variant with the static scheduler; the shipped specs
+    with the dynamic one too (m_major differs from static in two index expressions)."""
+    jobs = [(s, "static") for s in _all_specs()]
+    jobs += [(load_spec(p), "dynamic") for p in SPECS]
+    with cf.ThreadPoolExecutor(2) as ex:
+        for name, d, scheduler, report in ex.map(_build, jobs):
+            assert report.spill_bytes == 0, (name, d, scheduler, report)
+
+
+def _ptx(spec, tmp: Path) -> tuple[str, str]:
+    plan = plan_forward(spec, "sm_90", persistent=True)
+    src = tmp / f"{spec.name}.cu"
+    src.write_text(render(plan))
+    out = tmp / f"{spec.name}.ptx"
+    cmd = [find_nvcc(), "-ptx", "-std=c++17", "-O3", plan.gencode, "-o", str(out), str(src)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    return spec.name, out.read_text()
+
+
+def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc, tmp_path):
+    specs = [load_spec(p) for p in SPECS]
+    with cf.ThreadPoolExecutor(2) as ex:
+        for name, ptx in ex.map(lambda s: _ptx(s, tmp_path), specs):
+            assert "wgmma.mma_async" in ptx, name
+            assert "cp.async.bulk.tensor" in ptx, name
+            assert "setmaxnreg" in ptx, name
+            assert "mbarrier.try_wait.parity" in ptx, name
+
+
+def test_persistent_ctas(monkeypatch):
+    """The op's persistent grid: the SM count, or FLASHGEN_PERSISTENT_CTAS (debugging)."""
+    from flashgen import op
+
+    monkeypatch.setattr(op, "_sm_count", lambda index: 132)
+    monkeypatch.delenv("FLASHGEN_PERSISTENT_CTAS", raising=False)
+    assert op._persistent_ctas(0) == 132
+    monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", "3")
+    assert op._persistent_ctas(0) == 3
+    for bad in ("0", "-1", "x"):
+        monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", bad)
+        with pytest.raises(ValueError, match="FLASHGEN_PERSISTENT_CTAS"):
+            op._persistent_ctas(0)
