@@ -173,7 +173,8 @@ def test_render(d, dtype, causal, dq_a):
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "red.global.add.v4.f32" in src and "fence.proxy.async.shared::cta" in src
     assert ("__syncthreads();  // both warpgroups' dS^T" in src) == (d == 128)
-    assert ("__syncthreads();  // both warpgroups' halves of P^T and dS^T" in src) == (d == 256)
+    assert ("__syncthreads();  // both warpgroups' halves of P^T are in sP" in src) == (d == 256)
+    assert ("__syncthreads();  // both warpgroups' halves of dS^T are in sDS" in src) == (d == 256)
     assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
     assert "fg_tile_class" not in src  # causal or none: the live range in closed form
 
