@@ -1347,7 +1347,9 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
     FA2-class path's (the same macros, templates/common/bwd_rowops.j2), rendered in this unit.
 
     The dkdv ABI is the atomic path's plus four ``CUtensorMap`` arguments (``tma_q``,
-    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  ``dq_a``:
+    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  head_dim
+    256 takes the split layout (:data:`HOPPER_BWD_TILES_SPLIT_D`, context ``split_d``):
+    64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns.  ``dq_a``:
     one of :data:`HOPPER_BWD_DQ_A` (default: ``$FLASHGEN_HOPPER_BWD_DQ_A``, else "smem").
     Raises ``ValueError`` unless :func:`hopper_bwd_eligible` (family "auto"), or for an
     unknown ``dq_a``.
