@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 
@@ -248,6 +249,15 @@ class Backward:
                 plan, cubin, _ = build_backward(
                     self.spec, target, atomic_dq=atomic, hopper=path == "hopper"
                 )
+                if path == "hopper" and plan.dkdv.template != "sm_90/bwd.cu.j2":
+                    kind = "atomic-dQ" if plan.atomic_dq else "deterministic"
+                    warnings.warn(
+                        f"flashgen op {self.spec.name!r}: the Hopper (wgmma) backward spills "
+                        f"registers in every dQ variant on {target}; running the FA2-class "
+                        f"{kind} backward kernels instead (correct, slower)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 hit = (plan, *(runtime.load(cubin, kp, index) for kp in plan.kernels))
                 self._kernels[key] = hit
         return hit

@@ -147,6 +147,7 @@ class BuildResult:
     cubin: str | None = None
     smem_dynamic: int = 0
     error: str | None = None
+    note: str | None = None  # e.g. the Hopper backward fell back to the FA2-class kernels
 
     @property
     def ok(self) -> bool:
@@ -169,6 +170,7 @@ class BuildResult:
             "compile_seconds": round(r.seconds, 3) if r else None,
             "cached": r.from_cache if r else None,
             "cubin": self.cubin,
+            "note": self.note,
         }
 
 
@@ -187,6 +189,12 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
                 spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma"
             )
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
+            if unit == "bwd_wgmma" and res.plan.dkdv.template != "sm_90/bwd.cu.j2":
+                res.note = (
+                    "the Hopper (wgmma) backward spills in every dQ variant; the op falls back "
+                    f"to the FA2-class kernels ({res.plan.dkdv.template}), whose numbers this "
+                    "row shows"
+                )
         res.cubin = str(path)
         if res.report.spill_bytes:
             res.error = (
@@ -242,6 +250,11 @@ def cmd_build(args) -> int:
     from .lower import hopper_bwd_eligible, kernel_family
 
     out, err = _consoles()
+    try:
+        family = kernel_family()
+    except ValueError as e:
+        err.print(f"error: {e}", markup=False)
+        return _fail_json(args, str(e))
     specs = _load_specs(args.specs, err)
     if specs is None:
         return _fail_json(args, "spec errors (see stderr)")
@@ -268,7 +281,7 @@ def cmd_build(args) -> int:
         futures += [  # the Hopper backward unit, where the spec takes it
             pool.submit(_compile_one, s, t, "bwd_wgmma")
             for s, t in pairs
-            if hopper_bwd_eligible(s, t, kernel_family())
+            if hopper_bwd_eligible(s, t, family)
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
@@ -326,7 +339,7 @@ def cmd_build(args) -> int:
         table.add_row(
             r.spec.name,
             r.target,
-            r.unit,
+            f"{r.unit} (fallback)" if r.note else r.unit,
             str(rep.registers),
             spill if not rep.spill_bytes else f"[red]{spill}[/red]",
             str(r.smem_dynamic + rep.smem),
@@ -334,6 +347,8 @@ def cmd_build(args) -> int:
         )
     out.print(table)
     for r in results:
+        if r.note:
+            err.print(f"note: {r.spec.name} [{r.target} {r.unit}]: {r.note}", markup=False)
         if r.error:
             err.print(f"error: {r.spec.name} [{r.target} {r.unit}]: {r.error}", markup=False)
     if verify:

@@ -377,8 +377,8 @@ class Invariants:
     ``raw_score``: the name of the unscaled logit (q . k) in the kernel, where the template
     has one; then ``score * c`` and ``score / d`` (c, d invariant) become ``raw * (scale * c)``
     and ``raw * (scale / d)``: one multiply per element instead of two (softmax_scale folded
-    into the invariant; within an ulp of the two roundings, and never where the value is
-    compared)."""
+    into the invariant; within an ulp of the two roundings, and never where the value
+    reaches a comparison, a float ``%`` or a ``trunc``)."""
 
     def __init__(self, raw_score: str | None = None) -> None:
         self.decls: list[str] = []
@@ -417,9 +417,11 @@ def cuda_expr(e: Expr, spec: Spec, inv: Invariants | None = None) -> str:
     truncate toward zero as in C, and give 0 for a zero divisor (``fg::idiv``/``imod``);
     the reference does the same.  With ``inv``, a divisor of constants and scalar params
     is hoisted into ``inv``'s prologue (see :class:`Invariants`), except that a float
-    division whose value reaches a comparison stays a division: ``x * (1 / d)`` may differ
-    from ``x / d`` by an ulp, and a comparison turns that ulp into a different decision
-    (``q_idx / 7.0 <= kv_idx`` at ``q_idx = 21``: 3.0000002 against 3).
+    division whose value reaches a comparison, a float ``%`` or a ``trunc`` stays a
+    division: ``x * (1 / d)`` may differ from ``x / d`` by an ulp, and a comparison turns
+    that ulp into a different decision (``q_idx / 7.0 <= kv_idx`` at ``q_idx = 21``:
+    3.0000002 against 3), a ``%`` or ``trunc`` into a whole unit (``(kv_idx / 41.0) % 1.0``
+    at ``kv_idx = 41``: 0.99999994 against 0).
     """
     return _cuda_expr(e, spec, inv, False)
 
@@ -427,9 +429,19 @@ def cuda_expr(e: Expr, spec: Spec, inv: Invariants | None = None) -> str:
 _COMPARE = {"<", "<=", ">", ">=", "==", "!="}
 
 
+def _exact_operands(e: Expr) -> bool:
+    """Whether ``e`` turns an ulp of its operands into a different decision or a whole unit:
+    a comparison, a float ``%`` (``fmodf(0.99999994, 1)`` against ``fmodf(1, 1)``) or a
+    ``trunc``.  Float divisions below it stay divisions: neither ``x * (1 / d)`` nor the
+    softmax_scale fold (``41 * (1 / 41.0f)`` is 0.99999994)."""
+    if isinstance(e, Binary):
+        return e.op in _COMPARE or (e.op == "%" and Ty.F32 in (e.lhs.ty, e.rhs.ty))
+    return isinstance(e, Call) and e.fn == "trunc"
+
+
 def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> str:
     def cuda_expr(x: Expr, spec: Spec) -> str:  # recursion keeps the collector
-        below = compared or (isinstance(e, Binary) and e.op in _COMPARE)
+        below = compared or _exact_operands(e)
         return _cuda_expr(x, spec, inv, below)
 
     def as_float(x: Expr, code: str) -> str:

@@ -192,7 +192,9 @@ class _TmaLaunch:
             desc = cache.lookup((dev, ptr, shape, strides, dtype, m.box_rows, swz))
             if desc is None:  # a hit was encoded from this very geometry: no copy needed
                 if tma.needs_copy(shape, strides, 2, ptr):
-                    t = t.contiguous()
+                    # a fresh (aligned, contiguous) allocation: .contiguous() of a contiguous
+                    # view at an unaligned offset would be the view itself
+                    t = t.new_empty(shape).copy_(t)
                     keep.append(t)
                     ptr, shape, strides = t.data_ptr(), t.shape, t.stride()
                 desc = cache.get(dev, ptr, shape, strides, dtype, m.box_rows, name=m.tensor,

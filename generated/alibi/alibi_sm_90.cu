@@ -637,7 +637,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
 
     float acc_o[NO * 4];
     float acc_s[NS * 4];
-    uint32_t p_frag[BLOCK_N / 16][4];
+    uint32_t frag_p[BLOCK_N / 16][4];
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
     #pragma unroll
     for (int i = 0; i < NO * 4; ++i) acc_o[i] = 0.f;
@@ -664,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
         fg::wgmma_fence();
         #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            fg::wgmma_rs_n128(acc_o, p_frag[kk], fg::gmma_desc(sV + s * SKV_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
+            fg::wgmma_rs_n128(acc_o, frag_p[kk], fg::gmma_desc(sV + s * SKV_BYTES + kk * 16 * 128, BLOCK_N * 128, 1024));
         fg::wgmma_commit();
     };
     // score_mod (and mask), online softmax of S (block at key n0): new row max, alpha, row sums, P in acc_s.
@@ -748,10 +748,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
     auto pack_p = [&]() {
         #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            p_frag[kk][0] = Mma::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
-            p_frag[kk][1] = Mma::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
-            p_frag[kk][2] = Mma::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
-            p_frag[kk][3] = Mma::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+            frag_p[kk][0] = Mma::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+            frag_p[kk][1] = Mma::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+            frag_p[kk][2] = Mma::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+            frag_p[kk][3] = Mma::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
         }
     };
 

@@ -3,7 +3,7 @@
 * seqlen > 65536 on either side, checked against a row-wise float64 reference;
 * B * H > 65535 (the grid must not put B or H alone on gridDim.y/z);
 * q/o and k/v with more than 2**31 elements (64-bit offsets), checked on the rows that sit
-  past the 2**31 element boundary;
+  past the 2**31 element boundary; a backward over tensors of more than 2**31 elements;
 * seqlen 1; logits far beyond the fp16 range (fp32 accumulation must keep them finite).
 
 The reference here is computed only for the rows checked, chunked over keys with an
@@ -180,6 +180,49 @@ def test_k_and_v_with_more_than_2_31_elements():
     # error: 1.9e-3 relative on the Hopper kernel (2**24 small terms added to a sum the 64
     # boosted keys dominate), so 1e-2 here; an offset bug moves lse by O(1).
     check_rows(spec, q, k, v, o, lse, list(range(sq)), causal=True, atol=6e-2, lse_rtol=1e-2)
+
+
+def _sdpa_grads(q, k, v, dout, dtype, causal):
+    """dq, dk, dv of PyTorch's math SDPA in ``dtype`` (float64: the reference; bf16: the
+    low-precision error the 2x rule compares against)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(dout.to(dtype))
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_with_more_than_2_31_elements(deterministic):
+    """Backward of q/k/v/o/dO [1, 65540, 256, 128] (> 2**31 elements each, B*H > 65535 too):
+    the gradients of the heads on both sides of element 2**31 match a float64 reference of
+    those heads alone (an int32 offset would read or write wrapped rows).  Both backward
+    paths: the deterministic kernels and deterministic=False (the Hopper wgmma backward on
+    sm_90).  ~45 GB of device memory."""
+    spec = spec_of("causal_d128", True)
+    op = build_op(spec)
+    h, s, d = 2**31 // (256 * 128) + 4, 256, 128
+    q, k, v = (randn(1, h, s, d, dtype=torch.bfloat16, seed=20 + i) for i in range(3))
+    assert q.numel() > 2**31
+    dout = randn(1, h, s, d, dtype=torch.bfloat16, seed=23)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, _ = op.attention(q, k, v, deterministic=deterministic)
+    o.backward(dout)
+    torch.cuda.synchronize()
+    boundary = 2**31 // (s * d)  # the first head past element 2**31
+    heads = [0, boundary - 1, boundary, h - 1]
+    sl = (slice(None), heads)
+    ours = (q.grad[sl], k.grad[sl], v.grad[sl])
+    ref = _sdpa_grads(q[sl], k[sl], v[sl], dout[sl], torch.float64, causal=True)
+    low = _sdpa_grads(q[sl], k[sl], v[sl], dout[sl], torch.bfloat16, causal=True)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), ours, ref, low, strict=True):
+        assert torch.isfinite(g).all(), f"non-finite {name}"
+        err = (g.double() - r).abs().max().item()
+        low_err = (lo.double() - r).abs().max().item()
+        assert err <= 2 * low_err + 1e-3, f"{name}: max err {err:.3e} vs math bf16 {low_err:.3e}"
+    del q, k, v, o, dout
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (1, 2), (2, 1), (1, 300)])

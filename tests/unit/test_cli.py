@@ -119,3 +119,38 @@ def test_python_dash_m(tmp_path):
         text=True,
     )
     assert out.returncode == 0 and "causal_d128" in out.stdout
+
+
+def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
+    """A spec whose Hopper backward spills in both dQ variants builds the FA2-class unit
+    in its place (select.build_backward): the bwd_wgmma row must say so, not pass off the
+    fallback's registers as the wgmma kernel's."""
+    from flashgen import cli, select
+    from flashgen.compile import CompileReport, KernelResources
+    from flashgen.lower import plan_backward, plan_hopper_backward
+
+    spec = load_spec(CAUSAL)
+    fallback = plan_backward(spec, "sm_90")
+    report = CompileReport("sm_90", "sm_90a", (KernelResources("k", registers=239),), 0.0, "13.0")
+
+    def fake(spec, target, *, atomic_dq=False, hopper=False):
+        return fallback, Path("unit.cubin"), report
+
+    monkeypatch.setattr(select, "build_backward", fake)
+    res = cli._compile_one(spec, "sm_90", "bwd_wgmma")
+    assert res.ok and res.note and "falls back" in res.note and "sm_80/bwd.cu.j2" in res.note
+    assert res.to_dict()["note"] == res.note
+    for unit in ("bwd", "bwd_atomic"):
+        assert cli._compile_one(spec, "sm_90", unit).note is None
+    hopper = plan_hopper_backward(spec, "sm_90")
+    monkeypatch.setattr(select, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
+    assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
+
+
+def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa4")
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "error: FLASHGEN_KERNEL_FAMILY='fa4': expected one of auto, fa3, fa2" in err
+    assert not (tmp_path / "causal_d128").exists()

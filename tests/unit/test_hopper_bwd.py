@@ -478,3 +478,36 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
     assert report.spill_bytes == 0
     plan, _, _ = select.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
+
+
+@pytest.mark.parametrize("spills", [True, False])
+def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
+    """backward.kernels on the "hopper" path: when select.build_backward returns the
+    FA2-class unit (every Hopper variant spilled), one RuntimeWarning names the spec and
+    what runs instead; a Hopper unit warns nothing.  Fakes for the GPU and the compiler."""
+    import warnings
+
+    import torch
+
+    from flashgen import op as op_mod
+    from flashgen import runtime, select
+    from flashgen.lower import plan_backward
+    from flashgen.op import build_op
+
+    spec = dataclasses.replace(shipped("causal_d128"), name=f"hb_fallback_{spills}".lower())
+    plan = plan_backward(spec, "sm_90") if spills else plan_hopper_backward(spec, "sm_90")
+    monkeypatch.setattr(select, "build_backward", lambda *a, **k: (plan, "unit.cubin", None))
+    monkeypatch.setattr(runtime, "load", lambda cubin, kp, index: kp.kernel_name)
+    monkeypatch.setattr(op_mod, "target_for_device", lambda spec, device: "sm_90")
+    bwd = build_op(spec).backward
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hit = bwd.kernels(torch.device("cuda", 0), path="hopper")
+        assert bwd.kernels(torch.device("cuda", 0), path="hopper") is hit  # cached: once
+    assert hit[0] is plan
+    msgs = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    if spills:
+        assert len(msgs) == 1 and f"'{spec.name}'" in msgs[0] and "FA2-class" in msgs[0]
+        assert "deterministic" in msgs[0]
+    else:
+        assert msgs == []

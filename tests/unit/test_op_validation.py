@@ -371,3 +371,74 @@ def test_fast_check_accepts_only_what_the_full_check_accepts(ops, case, device):
         assert fast is not None, "the common case should take the fast path"
     if any(name == c[0] for c in _GOOD_CASES):
         assert full is not None
+
+
+def test_fast_check_never_accepts_what_the_full_check_refuses_property(ops):
+    """The same property as above over random geometry (hypothesis): valid q, k, v of
+    sizes 0-3 (GQA head counts, any batch/head/sequence strides: 0, odd, over 2**32,
+    storage offsets), then none, one or two of: a dim of one tensor off by one, q's heads
+    not a multiple of k's, a rank of 3 or 5, a wrong head_dim, another dtype, a non-unit
+    last stride, another device."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from flashgen.op import _check_qkv, _dims_if_valid
+
+    spec = ops["alibi"].spec  # bf16, head_dim 128
+    size = st.sampled_from([0, 1, 2, 3])
+    stride = st.sampled_from([0, 1, 3, 128, 384, 2**33 + 7])
+    faults = st.lists(
+        st.sampled_from(["dim", "heads", "rank", "head_dim", "dtype", "stride", "device"]),
+        max_size=2,
+    )
+
+    def build(shape, strides, dtype, device, offset):
+        if device == "cpu":  # a real tensor: every row aliases one (stride 0)
+            strides = [0] * (len(shape) - 1) + [strides[-1]]
+            return torch.zeros(2 * max(shape[-1], 1), dtype=dtype).as_strided(shape, strides)
+        base = torch.empty(2**40, dtype=dtype, device="meta")
+        return base.as_strided(shape, strides, offset)
+
+    @given(st.data(), size, size, size, size, st.sampled_from([1, 2, 3]))
+    @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+    def check(data, b, sq, sk, hkv, group):
+        shapes = [[b, hkv * group, sq, 128], [b, hkv, sk, 128], [b, hkv, sk, 128]]
+        dtypes = [torch.bfloat16] * 3
+        devices = ["meta"] * 3
+        last = [1, 1, 1]
+        for fault in data.draw(faults):
+            t = data.draw(st.integers(0, 2))
+            if fault == "dim":
+                shapes[t][data.draw(st.integers(0, 3))] += data.draw(st.sampled_from([1, -1]))
+                shapes[t] = [max(x, 0) for x in shapes[t]]
+            elif fault == "heads":  # q's heads not a multiple of k's
+                shapes[0][1] = hkv * group + data.draw(st.sampled_from([1, hkv + 1]))
+            elif fault == "rank":
+                shapes[t] = shapes[t][1:] if data.draw(st.booleans()) else [1, *shapes[t]]
+            elif fault == "head_dim":
+                shapes[t][-1] = data.draw(st.sampled_from([64, 127, 129, 256]))
+            elif fault == "dtype":
+                dtypes[t] = data.draw(st.sampled_from([torch.float16, torch.float32]))
+            elif fault == "stride":
+                last[t] = data.draw(st.sampled_from([0, 2, 128]))
+            else:
+                devices[t] = "cpu"
+        q, k, v = (
+            build(
+                shape,
+                [data.draw(stride) for _ in shape[:-1]] + [lst],
+                dt,
+                dev,
+                data.draw(st.sampled_from([0, 1, 64])),
+            )
+            for shape, dt, dev, lst in zip(shapes, dtypes, devices, last, strict=True)
+        )
+        fast = _dims_if_valid(spec, q, k, v)
+        try:
+            full = _check_qkv(spec, q, k, v)
+        except OpInputError:
+            full = None
+        if fast is not None:
+            assert fast == full, (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride())
+
+    check()

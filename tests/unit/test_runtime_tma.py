@@ -296,3 +296,21 @@ def test_current_stream_ptr_falls_back_without_raw_getter(monkeypatch):
 def test_generic_path_is_untouched_for_kernels_without_tensor_maps():
     plan = plan_forward(load("causal_d128").spec, "sm_80")
     assert not plan.tma and runtime.LoadedKernel.launch  # CuPy's launcher, as before
+
+
+def test_contiguous_but_unaligned_tensor_is_copied_to_an_aligned_address(fake_gpu):
+    """A contiguous view at a storage offset that is not a multiple of 16 bytes needs a
+    copy too (TMA wants a 16-byte aligned global address): ``t.contiguous()`` would return
+    the view itself and encode its unaligned address."""
+    spec = load("causal_d128").spec
+    plan = plan_forward(spec, "sm_90")
+    fake_gpu.driver.plan = plan
+    values = problem(spec)
+    b, h, s, d = values["k"].shape
+    k = torch.zeros(b * h * s * d + 1, dtype=torch.bfloat16)[1:].view(b, h, s, d)
+    assert k.is_contiguous() and k.data_ptr() % 16 == 2
+    assert tma.needs_copy(k.shape, k.stride(), 2, k.data_ptr())
+    values.update(k=k)
+    kernel(plan).launch((1, 1, 1), values, 0)
+    calls = fake_gpu.encoder.calls
+    assert calls and all(c[0] % 16 == 0 for c in calls), calls
