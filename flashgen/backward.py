@@ -18,8 +18,9 @@ deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, w
 
   * Hopper (sm_90, ``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a dK/dV
     kernel on wgmma and TMA (FlashAttention-3's backward), for the specs
-    :func:`~flashgen.lower.hopper_bwd_eligible` accepts (head_dim == head_dim_v in 64/128,
-    a mask that reads no tensor, no varlen).
+    :func:`~flashgen.lower.hopper_bwd_eligible` accepts (head_dim == head_dim_v in
+    64/128/256, a mask that reads no tensor, no varlen; 256 splits the head dim of dK, dV
+    and dQ over the CTA's two warpgroups).
 
   :func:`backward_path` picks one per call: ``deterministic=True`` always runs the
   deterministic kernels; ``deterministic=False`` runs the Hopper kernels where eligible

@@ -1425,8 +1425,15 @@ def plan_backward(
 #: the deterministic-path fields (dq_*) are unused.  Registers per thread at head_dim 128:
 #: dK and dV accumulators 2 x 64, S^T and dP^T 2 x 32 (dQ's 32 once those are dead).
 HOPPER_BWD_TILES = BackwardTiles(128, 64, 8, 1, 64, 64, 4)
-#: Head dims of the Hopper backward (head_dim == head_dim_v).
-HOPPER_BWD_HEAD_DIMS = (64, 128)
+#: Tiles of the Hopper backward's split layout (head_dim 256, ``split_d`` in the template):
+#: 64 keys per CTA, 64-query steps, 8 warps; warpgroup c owns head-dim columns
+#: [128c, 128c + 128) of dK, dV and dQ and query columns [32c, 32c + 32) of S^T, dP^T (P^T and
+#: dS^T meet in shared memory).  Registers per thread: dK and dV 2 x 64, dQ 64, S^T and dP^T
+#: 2 x 16.  The plan is in the header of templates/sm_90/bwd.cu.j2.
+HOPPER_BWD_TILES_SPLIT_D = BackwardTiles(64, 64, 8, 1, 64, 64, 4)
+#: Head dims of the Hopper backward (head_dim == head_dim_v); those above 128 take
+#: :data:`HOPPER_BWD_TILES_SPLIT_D`.
+HOPPER_BWD_HEAD_DIMS = (64, 128, 256)
 #: How the Hopper backward's dQ = dS K GEMM gets its A operand (dS, stored transposed in
 #: shared memory): ``"smem"`` reads it there through an M-major (transposed) wgmma
 #: descriptor; ``"ldmatrix"`` loads it into registers with ldmatrix.trans and runs the
@@ -1468,7 +1475,9 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
     FA2-class path's (the same macros, templates/common/bwd_rowops.j2), rendered in this unit.
 
     The dkdv ABI is the atomic path's plus four ``CUtensorMap`` arguments (``tma_q``,
-    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  ``dq_a``:
+    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  head_dim
+    256 takes the split layout (:data:`HOPPER_BWD_TILES_SPLIT_D`, context ``split_d``):
+    64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns.  ``dq_a``:
     one of :data:`HOPPER_BWD_DQ_A` (default: ``$FLASHGEN_HOPPER_BWD_DQ_A``, else "smem").
     Raises ``ValueError`` unless :func:`hopper_bwd_eligible` (family "auto"), or for an
     unknown ``dq_a``.
@@ -1485,15 +1494,18 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
             f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
             "tensor"
         )
-    t = HOPPER_BWD_TILES
-    atomic = plan_backward(spec, target, atomic_dq=True, tiles=t)  # ABI and shared context
     d = spec.head_dim
+    split_d = d > 128  # see HOPPER_BWD_TILES_SPLIT_D
+    t = HOPPER_BWD_TILES_SPLIT_D if split_d else HOPPER_BWD_TILES
+    atomic = plan_backward(spec, target, atomic_dq=True, tiles=t)  # ABI and shared context
     block_m, block_n, threads = t.dkdv_block_m, t.dkdv_block_n, 32 * t.dkdv_warps
     tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
            TmaArg("tma_v", "v", block_n), TmaArg("tma_do", "dout", block_m))  # fmt: skip
     dkdv_args = atomic.dkdv.args + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    # 1 KiB alignment slack, K and V, two stages of Q and dO, dS^T, lse/dsum (2 stages), mbarriers
-    smem = 1024 + 2 * block_n * d * 2 + 4 * block_m * d * 2 + block_n * block_m * 2
+    # 1 KiB alignment slack, K and V, two stages of Q and dO, dS^T (and P^T when split_d),
+    # lse/dsum (2 stages), mbarriers
+    smem = 1024 + 2 * block_n * d * 2 + 4 * block_m * d * 2
+    smem += (2 if split_d else 1) * block_n * block_m * 2
     smem += 4 * block_m * 4 + 3 * 8
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma"
     ctx = dict(atomic.dkdv.context)
@@ -1507,8 +1519,11 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
         dkdv_args=dkdv_args,
         dkdv_smem_bytes=smem,
         mma_t=spec.dtype.replace("fp", "f"),
-        wgmma_ns=sorted({block_m, d}),
+        wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
         dq_ldmatrix=dq_a == "ldmatrix",
+        split_d=split_d,
+        dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
+        tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
     )
 
     def kp(name: str, warps: int, smem_bytes: int, args, tma_args=()) -> KernelPlan:

@@ -8,7 +8,7 @@
    specs on the non-deterministic path (skipped when compute-sanitizer is not on PATH);
 3. timing: forward, backward alone and forward+backward, bf16, B=1, H=2048/D, seqlen 16384
    (``--seqlen``), causal and not, D = 64, 128, 256, for flashgen deterministic, flashgen
-   "atomic" (``deterministic=False``: the Hopper wgmma backward on sm_90 for D 64/128, the
+   "atomic" (``deterministic=False``: the Hopper wgmma backward on sm_90 for D 64/128/256, the
    FA2-class atomic-dQ kernels otherwise; the path is printed), and PyTorch SDPA's
    FLASH_ATTENTION and CUDNN_ATTENTION backends;
    ``triton.testing.do_bench`` medians, printed as TFLOP/s.  FLOPs: forward 4*B*H*S^2*D,

@@ -1,9 +1,10 @@
 """The Hopper (sm_90a) wgmma backward (templates/sm_90/bwd.cu.j2) against the float64
 reference's autograd (``pytest -m gpu``; skipped without an sm_90 GPU).
 
-``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128 and masks that read
-no tensor, with or without a score_mod (:func:`flashgen.backward.backward_path`); every
-case asserts it ran.  Bound
+``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128/256 and masks that
+read no tensor, with or without a score_mod (:func:`flashgen.backward.backward_path`); every
+case asserts it ran (and, at 256, the split layout: 64-key CTAs whose two warpgroups split
+dK, dV, dQ by head-dim columns, P^T and dS^T through shared memory).  Bound
 per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3.  Fresh random inputs per case;
 the caching allocator is poisoned with NaN before each backward, so an output element the
@@ -54,6 +55,22 @@ def hb_spec(d: int, dtype: str, causal: bool, dq_a: str = "smem"):
     return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", f"<{name}>")
 
 
+def shipped(name: str):
+    """A shipped spec; ``d256:NAME``: the same at head_dim 256 (named NAME_d256)."""
+    if not name.startswith("d256:"):
+        return load_spec(REPO / "specs" / f"{name}.yaml")
+    name = name.removeprefix("d256:")
+    lines = [
+        "head_dim: 256"
+        if ln.startswith("head_dim:")
+        else f"name: {name}_d256"
+        if ln.startswith("name:")
+        else ln
+        for ln in (REPO / "specs" / f"{name}.yaml").read_text().splitlines()
+    ]
+    return loads_spec("\n".join(lines) + "\n", f"<{name}_d256>")
+
+
 def poison_allocator(*shapes_dtypes) -> None:
     """Fill freed blocks of these sizes with NaN, so the next torch.empty of the same size
     (the backward's dq, dk, dv, dq_accum) starts as NaN."""
@@ -85,6 +102,7 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, param
     assert hit is not None, "not the Hopper path"
     ldmatrix = spec.name.endswith("_ldmatrix")
     assert hit[0].dkdv.context["dq_ldmatrix"] == ldmatrix, "not the dQ variant under test"
+    assert hit[0].dkdv.context["split_d"] == (spec.head_dim > 128), "not the layout under test"
     return q, k, v, do, dlse, params
 
 
@@ -117,7 +135,9 @@ def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
     return qr.grad, kr.grad, vr.grad
 
 
-SHIPPED = ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm", "llama3_gqa"]
+SHIPPED = ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm", "llama3_gqa",
+           "bidir_d256", "gemma2_softcap", "d256:alibi", "d256:mistral_swa", "d256:chunked_local",
+           "d256:prefix_lm"]  # fmt: skip
 
 
 def softcap_spec():
@@ -139,9 +159,10 @@ def prebuilt():
     from flashgen.render import render
     from flashgen.select import build_forward
 
-    specs = [hb_spec(d, t, c) for d in (64, 128) for t in ("bf16", "fp16") for c in (True, False)]
-    specs += [hb_spec(d, "bf16", c, "ldmatrix") for d in (64, 128) for c in (True, False)]
-    specs += [load_spec(REPO / "specs" / f"{n}.yaml") for n in SHIPPED] + [softcap_spec()]
+    dims = (64, 128, 256)
+    specs = [hb_spec(d, t, c) for d in dims for t in ("bf16", "fp16") for c in (True, False)]
+    specs += [hb_spec(d, "bf16", c, "ldmatrix") for d in dims for c in (True, False)]
+    specs += [shipped(n) for n in SHIPPED] + [softcap_spec()]
     gpu = torch.cuda.get_device_name()
 
     def bwd(spec):
@@ -164,7 +185,7 @@ def dq_a_default(monkeypatch):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_lengths_gqa_dtypes(d, dtype, causal):
     spec = hb_spec(d, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
@@ -172,7 +193,7 @@ def test_lengths_gqa_dtypes(d, dtype, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
     """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma."""
     monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
@@ -185,7 +206,7 @@ def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
 def test_shipped_masks_and_score_mods(name):
     """Residual masks (tile classifier hull, per-step classes) and score_mods (their
     derivative in dS) at their default params; random_inputs gives the tensor params."""
-    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    spec = shipped(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=300 + i)
 
@@ -193,12 +214,14 @@ def test_shipped_masks_and_score_mods(name):
 @pytest.mark.parametrize(
     "name, param, values",
     [("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
-     ("prefix_lm", "prefix", [0, 1, 777])],
+     ("prefix_lm", "prefix", [0, 1, 777]), ("d256:mistral_swa", "window", [1, 40, 1000]),
+     ("d256:chunked_local", "chunk", [1, 32, 100]), ("d256:prefix_lm", "prefix", [0, 1, 777])],
 )  # fmt: skip
 def test_mask_params_sparse_and_dense(name, param, values):
     """Params that make the hull, the EMPTY blocks inside it and the FULL/PARTIAL tile
-    classes differ (a window of 1 keeps one key per row)."""
-    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    classes differ (a window of 1 keeps one key per row; a chunk of 32 is one warpgroup's
+    query half of a d256 step)."""
+    spec = shipped(name)
     for v in values:
         for i, (b, hq, hkv, sq, sk) in enumerate([(1, 4, 2, 1000, 1000), (1, 2, 1, 127, 1000),
                                                   (1, 2, 2, 1000, 127)]):  # fmt: skip
@@ -212,7 +235,7 @@ def test_softcap_d128():
         check(spec, b, hq, hkv, sq, sk, seed=400 + i)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_bshd_views_and_lse_gradient(d):
     """q, k, v as strided (B, S, H, D) views of one fused tensor, and a gradient on lse too
     (it folds into dsum before the dK/dV kernel)."""
@@ -224,22 +247,24 @@ def test_bshd_views_and_lse_gradient(d):
     check(spec, 1, 4, 2, 300, 100, seed=8, with_dlse=True)  # causal rows with nothing to attend
 
 
-def test_empty_rows_give_zero_dq():
+@pytest.mark.parametrize("d", [128, 256])
+def test_empty_rows_give_zero_dq(d):
     """Causal with Sq > Sk: the first Sq - Sk query rows attend to nothing: dq = 0 there."""
-    spec = hb_spec(128, "bf16", True)
+    spec = hb_spec(d, "bf16", True)
     q, *_ = run_case(spec, 1, 2, 2, 300, 100, seed=9)
     assert (q.grad[:, :, :200] == 0).all()
     assert not q.grad.isnan().any()
 
 
-def test_dk_dv_reproducible_dq_close():
+@pytest.mark.parametrize("d", [128, 256])
+def test_dk_dv_reproducible_dq_close(d):
     """dk, dv bitwise equal run to run (one owner per element); dq within fp32 reordering."""
-    spec = hb_spec(128, "bf16", True)
+    spec = hb_spec(d, "bf16", True)
     op = build_op(spec)
     gen = torch.Generator(device="cuda").manual_seed(11)
     q, k, v, _ = random_inputs(spec, 1, 8, 2, 1000, 1000, torch.device("cuda"), gen)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    do = torch.randn(1, 8, 1000, 128, device="cuda", generator=gen).to(q.dtype)
+    do = torch.randn(1, 8, 1000, d, device="cuda", generator=gen).to(q.dtype)
     grads = []
     for _ in range(5):
         q.grad = k.grad = v.grad = None

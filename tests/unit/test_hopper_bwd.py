@@ -2,8 +2,9 @@
 backward.backward_path), its plan (TMA maps, shared memory, kernels), the rendered unit
 (StrictUndefined) and, with nvcc, zero spills and wgmma in the PTX.  The index math of the
 kernel's loops (live query blocks, tiles that skip the mask, the dQ reduction lanes, the
-swizzled dS^T stores) is replayed in Python below.  The numerics run on a GPU in
-tests/gpu/test_hopper_bwd.py."""
+swizzled dS^T stores; at head_dim 256 the split layout's P^T/dS^T stores and its
+warpgroups' shares of dK, dV, dQ) is replayed in Python below.  The numerics run on a GPU
+in tests/gpu/test_hopper_bwd_gpu.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from flashgen.compile import find_nvcc
 from flashgen.lower import (
     HOPPER_BWD_DQ_A_ENV,
     HOPPER_BWD_TILES,
+    HOPPER_BWD_TILES_SPLIT_D,
     HOPPER_SMEM_LIMIT,
     compile_units,
     hopper_bwd_eligible,
@@ -29,9 +31,10 @@ from flashgen.spec import load_spec, loads_spec
 from flashgen.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
-#: Shipped specs the Hopper backward takes: d64/d128, masks that read no tensor, any score_mod.
-ELIGIBLE = ("alibi", "causal_d128", "chunked_local", "gpt2_d64", "llama3_gqa", "mistral_swa",
-            "prefix_lm", "t5_bias")  # fmt: skip
+#: Shipped specs the Hopper backward takes: d64/d128/d256, masks that read no tensor, any
+#: score_mod.
+ELIGIBLE = ("alibi", "bidir_d256", "causal_d128", "chunked_local", "gemma2_softcap", "gpt2_d64",
+            "llama3_gqa", "mistral_swa", "prefix_lm", "t5_bias")  # fmt: skip
 
 
 def shipped(name: str) -> ir.Spec:
@@ -41,6 +44,20 @@ def shipped(name: str) -> ir.Spec:
 def small(d: int, dtype: str, causal: bool) -> ir.Spec:
     text = f"name: hb_d{d}_{dtype}\nhead_dim: {d}\ndtype: {dtype}\n"
     return loads_spec(text + f"mask: {'causal' if causal else 'null'}\n", "<hb>")
+
+
+def at_d256(name: str) -> ir.Spec:
+    """Shipped spec ``name`` at head_dim 256 (its mask and score_mod, a new name)."""
+    text = (REPO / "specs" / f"{name}.yaml").read_text()
+    lines = [
+        "head_dim: 256"
+        if ln.startswith("head_dim:")
+        else f"name: {name}_d256"
+        if ln.startswith("name:")
+        else ln
+        for ln in text.splitlines()
+    ]
+    return loads_spec("\n".join(lines) + "\n", f"<{name}_d256>")
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "specs").glob("*.yaml")), ids=lambda p: p.stem)
@@ -57,11 +74,15 @@ def test_ineligible_specs():
     assert hopper_bwd_eligible(base, "sm_90")
     assert not hopper_bwd_eligible(varlen_spec(base), "sm_90")
     assert not hopper_bwd_eligible(dataclasses.replace(base, head_dim_v=64), "sm_90")
-    assert not hopper_bwd_eligible(small(256, "bf16", True), "sm_90")
-    assert not hopper_bwd_eligible(shipped("gemma2_softcap"), "sm_90")  # d256
+    assert hopper_bwd_eligible(small(256, "bf16", True), "sm_90")
+    for d in (32, 96, 160, 192):  # no layout for these yet
+        assert not hopper_bwd_eligible(small(d, "bf16", True), "sm_90")
+    assert not hopper_bwd_eligible(
+        dataclasses.replace(small(256, "bf16", True), head_dim_v=128), "sm_90"
+    )
     assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # the mask reads tensors
     with pytest.raises(ValueError, match="the Hopper backward needs"):
-        plan_hopper_backward(shipped("bidir_d256"), "sm_90")
+        plan_hopper_backward(small(192, "bf16", False), "sm_90")
     with pytest.raises(ValueError, match="unknown kernel family"):
         hopper_bwd_eligible(base, "sm_90", "fa9")
 
@@ -91,6 +112,7 @@ def test_plan(d):
     spec = small(d, "bf16", True)
     plan = plan_hopper_backward(spec, "sm_90")
     assert plan.atomic_dq and plan.dq is None and plan.tiles == HOPPER_BWD_TILES
+    assert not plan.dkdv.context["split_d"]
     assert plan.unit is plan.dkdv
     assert {k.template for k in plan.kernels} == {"sm_90/bwd.cu.j2"}
     assert [k.kernel_name for k in plan.kernels] == [
@@ -110,7 +132,28 @@ def test_plan(d):
     assert plan.config()["deterministic"] is False
 
 
-@pytest.mark.parametrize("d", [64, 128])
+def test_plan_d256_split_layout():
+    """64 keys per CTA (TMA boxes of 64 rows for k and v), P^T and dS^T in shared memory
+    (two 64 x 64 tiles): 215064 bytes; the wgmma N extents of the split (32: S^T, dP^T;
+    128: dK, dV, dQ per warpgroup)."""
+    spec = small(256, "bf16", True)
+    plan = plan_hopper_backward(spec, "sm_90")
+    assert plan.atomic_dq and plan.dq is None and plan.tiles == HOPPER_BWD_TILES_SPLIT_D
+    ctx = plan.dkdv.context
+    assert ctx["split_d"] and ctx["dkv_n"] == 128 and ctx["tt_ns"] == [128]
+    assert ctx["wgmma_ns"] == [32, 128] and (ctx["block_n"], ctx["block_m"]) == (64, 64)
+    assert plan.dkdv.threads == 256 and plan.dkdv.gencode.endswith("sm_90a")
+    assert [(m.name, m.tensor, m.box_rows) for m in plan.dkdv.tma] == [
+        ("tma_q", "q", 64), ("tma_k", "k", 64), ("tma_v", "v", 64), ("tma_do", "dout", 64),
+    ]  # fmt: skip
+    smem = 1024 + 2 * 64 * 256 * 2 + 4 * 64 * 256 * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 24
+    assert plan.dkdv.smem_bytes == smem == 215064 <= HOPPER_SMEM_LIMIT
+    grids = plan.grids(2, 8, 2, 1000, 4097)
+    assert grids["dkdv"] == (2 * 2 * 65, 1, 1)
+    assert grids["convert"] == (-(-(2 * 8 * 1000 * 64) // 256), 1, 1)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dq_a", ["smem", "ldmatrix"])
@@ -119,23 +162,29 @@ def test_render(d, dtype, causal, dq_a):
     plan lacks; the three kernels and the wgmma forms are there."""
     plan = plan_hopper_backward(small(d, dtype, causal), "sm_90", dq_a=dq_a)
     src = render(plan.unit)
+    dq_n = 128 if d == 256 else 64  # N of a warpgroup's dQ wgmma
     assert ("fg::ldmatrix_x4_trans(ds_a[kk]" in src) == (dq_a == "ldmatrix")
-    assert ("fg::wgmma_tt_n64(acc_dq" in src) == (dq_a == "smem")
+    assert (f"fg::wgmma_tt_n{dq_n}(acc_dq" in src) == (dq_a == "smem")
     for k in plan.kernels:
         assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
     t = "bf16" if dtype == "bf16" else "f16"
-    assert f"m64n64k16.f32.{t}.{t}" in src and f"m64n{d}k16.f32.{t}.{t}" in src
+    s_n, dkv_n = (32, 128) if d == 256 else (64, d)
+    assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "red.global.add.v4.f32" in src and "fence.proxy.async.shared::cta" in src
-    assert ("__syncthreads();  // both warpgroups" in src) == (d == 128)
+    assert ("__syncthreads();  // both warpgroups' dS^T" in src) == (d == 128)
+    assert ("__syncthreads();  // both warpgroups' halves of P^T are in sP" in src) == (d == 256)
+    assert ("__syncthreads();  // both warpgroups' halves of dS^T are in sDS" in src) == (d == 256)
+    assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
     assert "fg_tile_class" not in src  # causal or none: the live range in closed form
 
 
+@pytest.mark.parametrize("d256", [False, True], ids=["shipped", "d256"])
 @pytest.mark.parametrize("name", ["alibi", "t5_bias", "mistral_swa", "chunked_local", "prefix_lm"])
-def test_render_masks_and_score_mods(name):
+def test_render_masks_and_score_mods(name, d256):
     """A residual mask walks the classifier's hull and classifies each step's tiles; a
     score_mod's derivative multiplies P^T for dS^T."""
-    spec = shipped(name)
+    spec = at_d256(name) if d256 else shipped(name)
     src = render(plan_hopper_backward(spec, "sm_90").unit)
     masked = spec.mask is not None and spec.mask != ir.Causal()
     assert ("fg::iv::next_live(0, m_blocks, c, full_hi, head_class)" in src) == masked
@@ -165,22 +214,31 @@ def _ptx(plan, tmp_path) -> str:
     return out.read_text()
 
 
+D256 = ("alibi", "mistral_swa", "chunked_local", "prefix_lm")  # shipped masks and mods at d256
+
+
 @pytest.mark.parametrize(
     "name, dq_a",
-    [(n, "smem") for n in ELIGIBLE] + [(n, "ldmatrix") for n in ("causal_d128", "gpt2_d64")],
+    [(n, "smem") for n in ELIGIBLE]
+    + [(n, "ldmatrix") for n in ("causal_d128", "gpt2_d64", "bidir_d256", "gemma2_softcap")]
+    + [(f"d256:{n}", a) for n in D256 for a in ("smem", "ldmatrix")],
 )
 def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
     """About 1-2 s per unit on 2 idle cores.  alibi, chunked_local and prefix_lm sit at
-    253-255 registers: a template change that adds any may tip them into spills (then
-    select.build_backward falls back to the FA2-class kernels for them)."""
-    plan = plan_hopper_backward(shipped(name), "sm_90", dq_a=dq_a)
+    253-255 registers at d128: a template change that adds any may tip them into spills
+    (then select.build_backward falls back to the FA2-class kernels for them).  At d256
+    (the split layout) the units use 220-249 (chunked_local with ldmatrix the most)."""
+    spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
+    plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0, report
     assert report.registers <= 255
     ptx = _ptx(plan, tmp_path)
-    # S^T, dP^T: D/16 each; dV, dK: 4 each; dQ: 8 (d128) or 4 (d64)
+    # S^T, dP^T: D/16 each; dV, dK: 4 each; dQ: 8 (d128), 4 (d64: its own 64 keys; d256: 64 keys)
     d = plan.dkdv.context["head_dim"]
     assert ptx.count("wgmma.mma_async") == 2 * (d // 16) + 8 + (8 if d == 128 else 4)
+    if d == 256:
+        assert "m64n32k16" in ptx and "m64n128k16" in ptx and "m64n256k16" not in ptx
     assert "cp.async.bulk.tensor.4d" in ptx and "red.global.add.v4.f32" in ptx
     assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in ptx) == (dq_a == "ldmatrix")
 
@@ -282,6 +340,120 @@ def test_ds_stores_land_in_the_swizzled_layout():
                         assert addr == want
                         seen.add(addr)
     assert len(seen) == 128 * 64 // 2  # every bf16 pair of the 128 x 64 tile written once
+
+
+# ---------------------------------------------------- index math of the split layout (d256)
+def _steps_split(sq: int, sk: int, n_block: int, causal: bool) -> list[int]:
+    """The query blocks the split kernel visits for its 64-key block n_block (one head)."""
+    m_first = max(0, n_block * 64 - (sk - sq)) // 64 if causal else 0
+    return list(range(m_first, -(-sq // 64)))
+
+
+def _edge_split(sq: int, sk: int, kw0: int, qw0: int, causal: bool) -> bool:
+    """The split kernel's edge test for warpgroup tile (64 keys kw0 .., 32 queries qw0 ..)."""
+    return kw0 + 64 > sk or qw0 + 32 > sq or (causal and kw0 + 63 > qw0 + sk - sq)
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (17, 1), (1, 17), (127, 1000), (1000, 127), (300, 100),
+                                    (4097, 4097), (64, 128), (128, 64), (200, 333)])  # fmt: skip
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_steps_cover_every_kept_pair_and_skip_only_full_tiles(sq, sk, causal):
+    """Head dim 256: 64-key CTAs, each warpgroup's S^T tile is 64 keys x 32 queries
+    (queries m0 + 32 cg ..); kept pairs all visited, non-edge tiles all kept."""
+    import numpy as np
+
+    qi = np.arange(sq)[:, None]
+    ki = np.arange(sk)[None, :]
+    keep = (ki <= qi + sk - sq) if causal else np.ones((sq, sk), bool)
+    covered = np.zeros((sq, sk), bool)
+    for n_block in range(-(-sk // 64)):
+        n0 = n_block * 64
+        for mb in _steps_split(sq, sk, n_block, causal):
+            for cg in range(2):
+                qw0 = mb * 64 + 32 * cg
+                covered[qw0 : qw0 + 32, n0 : n0 + 64] = True
+                if not _edge_split(sq, sk, n0, qw0, causal):
+                    assert qw0 + 32 <= sq and n0 + 64 <= sk
+                    assert keep[qw0 : qw0 + 32, n0 : n0 + 64].all(), (n_block, mb, cg)
+        if causal:  # the skipped query blocks see none of the keys
+            first = _steps_split(sq, sk, n_block, causal)
+            m_first = first[0] if first else -(-sq // 64)
+            assert not keep[: m_first * 64, n0 : n0 + 64].any()
+    assert not (keep & ~covered).any()
+
+
+def _swizzled(row: int, col: int) -> int:
+    """Byte of element (row, col) of a 64-column elem_t tile in TMA's 128-byte swizzle."""
+    return row * 128 + (((col // 8) ^ (row % 8)) << 4) + (col % 8) * 2
+
+
+def test_split_p_and_ds_fragments_and_stores():
+    """p_tile packs acc_s[4j + 2r + e] into p_frag[j / 2][2 (j % 2) + r] and dS^T packs
+    acc_dp[8 kk + 2 t + e] into ds_frag[kk][t]: the same element; the kernel stores
+    frag[kk][t] of (warpgroup cg, warp w, lane l) at (row 16 w + l / 4 + 8 (t % 2), chunk
+    cg * 4 + 2 kk + t / 2); that must be element (key, query 32 cg + 8 j + 2 (l % 4)) of
+    P^T / dS^T in the swizzled layout, both warpgroups' halves filling the 64 x 64 tile."""
+    for j in range(4):
+        for r in range(2):
+            kk, t = j // 2, 2 * (j % 2) + r
+            assert 8 * kk + 2 * t == 4 * j + 2 * r  # ds_frag[kk][t] holds acc_dp[4j + 2r (+1)]
+    seen = set()
+    for cg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                for kk in range(2):
+                    for t in range(4):
+                        row = w * 16 + lane // 4
+                        chunk = cg * 4 + 2 * kk + t // 2
+                        off = (
+                            (row + 8 * (t % 2)) * 128
+                            + ((chunk ^ (lane // 4)) << 4)
+                            + (lane % 4) * 4
+                        )
+                        j, r = 2 * kk + t // 2, t % 2
+                        key, q = w * 16 + lane // 4 + 8 * r, 32 * cg + 8 * j + 2 * (lane % 4)
+                        assert off == _swizzled(key, q), (cg, w, lane, kk, t)
+                        assert off not in seen
+                        seen.add(off)
+    assert len(seen) == 64 * 64 // 2
+
+
+def test_split_outputs_have_one_owner():
+    """dq_accum reductions (4 columns each, 16-byte aligned) and the dK/dV stores (2 columns)
+    of the two warpgroups cover the 64 x 256 tile exactly once: warpgroup cg owns columns
+    128 cg .. 128 cg + 127."""
+    dq, dkv = {}, {}
+    for cg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                for j in range(16):
+                    row = w * 16 + lane // 4 + (lane & 1) * 8
+                    col0 = cg * 128 + (lane % 4 // 2) * 4 + 8 * j
+                    assert col0 % 4 == 0 and cg * 128 <= col0 < cg * 128 + 128
+                    for c in range(4):
+                        dq[(row, col0 + c)] = dq.get((row, col0 + c), 0) + 1
+                    for r in range(2):
+                        key = w * 16 + lane // 4 + 8 * r
+                        for e in range(2):
+                            col = cg * 128 + 8 * j + 2 * (lane % 4) + e
+                            dkv[(key, col)] = dkv.get((key, col), 0) + 1
+    full = {(r, c): 1 for r in range(64) for c in range(256)}
+    assert dq == full and dkv == full
+
+
+def test_split_ldmatrix_rows_of_the_ds_fragments():
+    """dq_a "ldmatrix" at d256: the same x4.trans addressing over the 64 keys of sDS (4 k16
+    steps), every row of every matrix at its swizzled address inside the 64 x 64 tile."""
+    for w in range(4):
+        for kk in range(4):
+            for lane in range(32):
+                key = kk * 16 + (lane % 8) + (lane // 16) * 8
+                chunk = w * 2 + (lane // 8) % 2
+                i = lane // 8
+                assert key == kk * 16 + 8 * (i // 2) + lane % 8 < 64
+                assert key * 128 + ((chunk ^ (key % 8)) << 4) == _swizzled(
+                    key, 16 * w + 8 * (i % 2)
+                )
 
 
 def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
