@@ -8,7 +8,10 @@
 #   tools/gpu_session.sh atomic     # the atomic-dQ backward's GPU tests (FLASHGEN_ATOMIC_DQ=1)
 #   tools/gpu_session.sh pending    # the GPU tests written after the last GPU run (docs/perf-notes.md
 #                                   # "Waiting for a GPU"): the >2**31-element backward, the
-#                                   # score_mod fold, the Hopper backward after the frag_p rename
+#                                   # score_mod fold, the Hopper backward (d64/d128/d256),
+#                                   # and the Hopper backward at d256 against FA2 / cuDNN
+#   tools/gpu_session.sh branches   # the persistent forward schedulers: tests, off/on bench, and
+#                                   # the gallery with FLASHGEN_PERSISTENT=dynamic
 #   tools/gpu_session.sh measure    # flashgen bench --quick
 #                                   # (default family), the FA2-class forward against FA2 and
 #                                   # cuDNN (bench, FLASHGEN_KERNEL_FAMILY=fa2), the gallery
@@ -45,7 +48,22 @@ pending)
         "tests/gpu/test_big_sizes.py::test_backward_with_more_than_2_31_elements" \
         tests/gpu/test_score_mod_fold_gpu.py tests/gpu/test_hopper_bwd_gpu.py \
         > "$out/gpu_pending.log" 2>&1
+    timeout 120 python3 tools/bwd_bench.py --skip-tests --skip-sanitizer --dims 256 \
+        --json "$out/bwd_bench_d256.json" > "$out/bwd_bench_d256.log" 2>&1
     summary gpu_pending.log "passed|failed"
+    tail -n 12 "$out/bwd_bench_d256.log"
+    ;;
+branches)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_persistent_gpu.py \
+        > "$out/gpu_persistent.log" 2>&1
+    timeout 150 python3 tools/persistent_bench.py --json "$out/persistent_bench.json" \
+        > "$out/persistent_bench.log" 2>&1
+    FLASHGEN_PERSISTENT=dynamic timeout 90 python3 tools/gallery.py --budget 60 \
+        --out "$out/gallery_persistent.md" --json "$out/gallery_persistent.json" \
+        > "$out/gallery_persistent.log" 2>&1
+    summary gpu_persistent.log "passed|failed"
+    tail -n 20 "$out/persistent_bench.log"
+    grep -E "speedup|wrote" "$out/gallery_persistent.log"
     ;;
 measure)
     timeout 220 python3 -m flashgen bench --quick --budget-s 200 --out "$out/bench" \
@@ -60,7 +78,7 @@ measure)
     grep -E "speedup|wrote" "$out/gallery.log"
     ;;
 *)
-    echo "usage: $0 validate|atomic|pending|measure" >&2
+    echo "usage: $0 validate|atomic|pending|branches|measure" >&2
     exit 2
     ;;
 esac
