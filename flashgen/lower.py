@@ -39,7 +39,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 
-from . import ir, masktiles
+from . import ir, masktiles, rowcol
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 
 #: CUDA element type per spec dtype.
@@ -750,6 +750,7 @@ def plan_forward(
     options: dict[str, bool] | None = None,
     family: str = "auto",
     persistent: bool | str = False,
+    side_terms: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -758,6 +759,9 @@ def plan_forward(
     :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
     :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
     unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them).
+    ``side_terms``: the Hopper kernel reads the mask's one-sided tensor reads once per row
+    and column (:mod:`flashgen.rowcol`); False keeps them per element (the spill fallback
+    of :mod:`flashgen.select` tries that before narrower tiles).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -787,7 +791,9 @@ def plan_forward(
         )
     tiles = tiles or choose_tiles(spec, target, gpu, family)
     if is_hopper_tiles(tiles):
-        return plan_hopper_forward(spec, target, tiles, persistent=persistent)
+        return plan_hopper_forward(
+            spec, target, tiles, persistent=persistent, side_terms=side_terms
+        )
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
@@ -832,13 +838,44 @@ def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:
     return max(spec.head_dim, spec.head_dim_v) <= 64 and tiles.block_n >= 128
 
 
-def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
+def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants) -> list[dict]:
+    """Template entries of :mod:`flashgen.rowcol` terms: the local's ``name`` and C type
+    ``ctype``, ``store_t`` (the 32-bit type its values travel in: a bool as int, for warp
+    shuffles) and ``code`` (in a scope that defines the side's index variable and its float
+    twin)."""
+    out = []
+    for t in terms:
+        ctype = _C_TYPE[t.ty]
+        out.append(
+            {
+                "name": t.name,
+                "ctype": ctype,
+                "store_t": "int" if t.ty == Ty.BOOL else ctype,
+                "code": cuda_expr(t.expr, spec, inv),
+            }
+        )
+    return out
+
+
+def _forward_context(
+    spec: Spec, target: str, tiles: TileConfig, *, side_terms: bool = False
+) -> dict:
     """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
-    residual mask and score_mod as CUDA expressions, the ABI argument list."""
+    residual mask and score_mod as CUDA expressions, the ABI argument list.
+
+    ``side_terms``: the mask's one-sided tensor reads become ``row_terms`` (evaluated once
+    per query row) and ``col_terms`` (once per key column of a masked tile), see
+    :mod:`flashgen.rowcol`; otherwise both lists are empty.  ``mask_reads_memory``: whether
+    the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
+    behind the cheap bounds and causal tests)."""
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
     inv = Invariants(raw_score="score_raw")  # both forward templates define score_raw = q.k
+    parts = rowcol.Split(residual, (), ())
+    if side_terms and residual is not None:
+        parts = rowcol.split(residual, spec)
+    residual = parts.expr
     return {
         "spec_name": spec.name,
         "kernel_name": f"flashgen_{spec.name}_fwd_{target}",
@@ -853,6 +890,10 @@ def _forward_context(spec: Spec, target: str, tiles: TileConfig) -> dict:
         "causal": causal,
         "mask_expr": cuda_expr(residual, spec, inv) if residual is not None else None,
         "score_mod_expr": cuda_expr(score_mod, spec, inv) if score_mod is not None else None,
+        "row_terms": _side_terms(parts.rows, spec, inv),
+        "col_terms": _side_terms(parts.cols, spec, inv),
+        "mask_reads_memory": residual is not None
+        and any(isinstance(n, Index) for n in ir.walk(residual)),
         "prologue": inv.prologue,
         "varlen": spec.varlen,
         "args": kernel_args(spec),
@@ -874,6 +915,7 @@ def plan_hopper_forward(
     stages: int | None = None,
     m_major: bool | None = None,
     persistent: bool | str = False,
+    side_terms: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -897,6 +939,8 @@ def plan_hopper_forward(
     ``persistent`` may name the tile scheduler (:data:`PERSISTENT_SCHEDULERS`; True is
     ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
     argument (two zeroed ints per stream, reset by the kernel's last CTA).
+    ``side_terms``: the mask's one-sided tensor reads are read once per query row and once
+    per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).
     """
     if persistent is True:
         persistent = "static"
@@ -931,7 +975,7 @@ def plan_hopper_forward(
         smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
-    ctx = _forward_context(spec, target, tiles)
+    ctx = _forward_context(spec, target, tiles, side_terms=side_terms)
     ctx["smem_bytes"] = smem
     if m_major is None:
         m_major = False
@@ -1004,12 +1048,15 @@ def plan_block_table(spec: Spec, target: str, tiles: TileConfig) -> KernelPlan:
     """Lower the block-table pre-pass of ``spec`` (a mask that reads tensor params).
 
     The kernel (``templates/sm_80/blockmask.cu.j2``) evaluates the whole mask, causal
-    included, from the same IR as the forward kernel over every in-range (q_idx, kv_idx)
-    pair of each (BLOCK_M x BLOCK_N) tile of ``tiles`` (the forward kernel's), and writes
-    one byte per tile: 0 EMPTY (no pair kept), 2 FULL (every in-range pair kept),
-    1 PARTIAL.  This is FlexAttention's BlockMask idea (create_block_mask), built on the
-    GPU in O(tiles) memory.  One CTA per tile, a 1-D grid over
-    tab_b * tab_h * m_blocks * n_blocks (see :meth:`BlockTablePlan.grid`).
+    included, from the same IR as the forward kernel over the in-range (q_idx, kv_idx) pairs
+    of each (BLOCK_M x BLOCK_N) tile of ``tiles`` (the forward kernel's), and writes one
+    byte per tile: 0 EMPTY (no pair kept), 2 FULL (every in-range pair kept), 1 PARTIAL.
+    Tiles the interval analysis (:mod:`flashgen.masktiles`, tensor reads unknown) already
+    calls EMPTY or FULL evaluate no pair; the others read the mask's one-sided tensor reads
+    once per row and column (:mod:`flashgen.rowcol`) and stop, thread by thread, once a kept
+    and a dropped pair are seen. This is FlexAttention's BlockMask idea (create_block_mask),
+    built on the GPU in O(tiles) memory. One CTA per tile, a 1-D grid over tab_b * tab_h *
+    m_blocks * n_blocks (see :meth:`BlockTablePlan.grid`).
 
     ABI: ``tab`` (unsigned char*, contiguous [tab_b, tab_h, m_blocks, n_blocks]);
     ``batch heads_q heads_kv seqlen_q seqlen_k tab_b tab_h`` (int); then the scalar and
@@ -1032,13 +1079,18 @@ def plan_block_table(spec: Spec, target: str, tiles: TileConfig) -> KernelPlan:
     per_b, per_h = block_table_dims(spec)
     name = f"flashgen_{spec.name}_blockmask_{target}_{tiles.block_m}x{tiles.block_n}"
     inv = Invariants()
+    parts = rowcol.split(spec.mask, spec)
     ctx = {
         "spec_name": spec.name,
         "kernel_name": name,
         "block_m": tiles.block_m,
         "block_n": tiles.block_n,
         "threads": BLOCK_TABLE_THREADS,
-        "mask_expr": cuda_expr(spec.mask, spec, inv),
+        "mask_expr": cuda_expr(parts.expr, spec, inv),
+        "row_terms": _side_terms(parts.rows, spec, inv),
+        "col_terms": _side_terms(parts.cols, spec, inv),
+        "tile_classifier": masktiles.classifier_source(spec),
+        "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "prologue": inv.prologue,
         "args": args,
         "per_batch": per_b,

@@ -12,6 +12,8 @@ spills.
 
 from __future__ import annotations
 
+import os
+
 from . import cache
 from .lower import (
     HOPPER_BWD_DQ_A,
@@ -25,6 +27,9 @@ from .lower import (
 )
 from .render import render
 
+#: Set to ``0``: forward kernels keep the mask's tensor reads per element (no row / column terms).
+SIDE_TERMS_ENV = "FLASHGEN_SIDE_TERMS"
+
 
 def build_forward(
     spec,
@@ -35,16 +40,30 @@ def build_forward(
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
     (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
-    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).
+    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).  At
+    each candidate's tiles a Hopper kernel with row / column terms (:mod:`flashgen.rowcol`)
+    that spills is retried with them per element before the next tiles;
+    ``FLASHGEN_SIDE_TERMS=0`` (read at each build) never uses them (to compare).
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
+    ways = (True, False) if os.environ.get(SIDE_TERMS_ENV, "1") != "0" else (False,)
     for tiles in forward_tile_candidates(spec, target, gpu, family):
-        plan = plan_forward(spec, target, gpu, tiles=tiles, persistent=persistent)
-        cubin, report = cache.get_or_build(render(plan), plan)
-        if not report.spill_bytes:
-            break
+        for side_terms in ways:
+            plan = plan_forward(
+                spec,
+                target,
+                gpu,
+                tiles=tiles,
+                persistent=persistent,
+                side_terms=side_terms,
+            )
+            cubin, report = cache.get_or_build(render(plan), plan)
+            if not report.spill_bytes:
+                return plan, cubin, report
+            if not (plan.context.get("row_terms") or plan.context.get("col_terms")):
+                break  # no terms: the same kernel again
     return plan, cubin, report
 
 

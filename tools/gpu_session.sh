@@ -3,19 +3,17 @@
 # command.  Logs and JSON go under ${OUT:-/tmp/flashgen-gpu}; the last lines printed are
 # the summary lines to paste.
 #
-#   tools/gpu_session.sh validate   # pytest -m gpu (both kernel families) and
-#                                   # compute-sanitizer (4 tools), every spec
+#   tools/gpu_session.sh tests      # pytest -m gpu, both kernel families (the persistent
+#                                   # scheduler's tests apart: `branches`), ~9 min
+#   tools/gpu_session.sh branches   # the persistent schedulers' tests and off/on bench, the
+#                                   # row/column-term bench (document_mask), the Hopper
+#                                   # backward at d256 against FA2 / cuDNN, ~9 min
+#   tools/gpu_session.sh measure    # compute-sanitizer (4 tools, every spec, fwd + bwd),
+#                                   # flashgen bench --quick, the gallery, ~8 min
+#   tools/gpu_session.sh fa2        # the FA2-class forward against FA2 and cuDNN (issue 4)
 #   tools/gpu_session.sh atomic     # the atomic-dQ backward's GPU tests (FLASHGEN_ATOMIC_DQ=1)
-#   tools/gpu_session.sh pending    # the GPU tests written after the last GPU run (docs/perf-notes.md
-#                                   # "Waiting for a GPU"): the >2**31-element backward, the
-#                                   # score_mod fold, the Hopper backward (d64/d128/d256),
-#                                   # and the Hopper backward at d256 against FA2 / cuDNN
-#   tools/gpu_session.sh branches   # the persistent forward schedulers: tests, off/on bench, and
-#                                   # the gallery with FLASHGEN_PERSISTENT=dynamic
-#   tools/gpu_session.sh measure    # flashgen bench --quick
-#                                   # (default family), the FA2-class forward against FA2 and
-#                                   # cuDNN (bench, FLASHGEN_KERNEL_FAMILY=fa2), the gallery
 #
+# FLASHGEN_PERSISTENT and other FLASHGEN_* settings pass through to every step.
 # Needs a CUDA GPU, torch, CuPy, triton, nvcc and compute-sanitizer (the lent H200 has
 # them; lark comes from ../shared/tools/device-prep.sh's wheels).
 set -uo pipefail
@@ -27,14 +25,43 @@ export FLASHGEN_CACHE_DIR=${FLASHGEN_CACHE_DIR:-/tmp/flashgen-cache} PYTHONUNBUF
 summary() { grep -E "$2" "$out/$1" | tail -n "${3:-1}" | sed "s|^|$1: |"; }
 
 case "${1:-}" in
-validate)
-    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-        --deselect tests/gpu/test_sanitizer.py > "$out/gpu.log" 2>&1
-    # forward and backward kernels of every spec under the 4 tools (~2x the forward-only time)
-    timeout 270 python3 tools/sanitize.py --jobs 16 --timeout 250 --json "$out/sanitize.json" \
-        > "$out/sanitize.log" 2>&1
+tests)
+    timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        --deselect tests/gpu/test_sanitizer.py --deselect tests/gpu/test_persistent_gpu.py \
+        > "$out/gpu.log" 2>&1
     summary gpu.log "passed|failed"
+    ;;
+branches)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_persistent_gpu.py \
+        > "$out/gpu_persistent.log" 2>&1
+    timeout 140 python3 tools/persistent_bench.py --json "$out/persistent_bench.json" \
+        > "$out/persistent_bench.log" 2>&1
+    timeout 80 python3 tools/rowcol_bench.py --json "$out/rowcol_bench.json" \
+        > "$out/rowcol_bench.log" 2>&1
+    timeout 120 python3 tools/bwd_bench.py --skip-tests --skip-sanitizer --dims 256 \
+        --json "$out/bwd_bench_d256.json" > "$out/bwd_bench_d256.log" 2>&1
+    summary gpu_persistent.log "passed|failed"
+    tail -n 20 "$out/persistent_bench.log"
+    tail -n 8 "$out/rowcol_bench.log"
+    tail -n 12 "$out/bwd_bench_d256.log"
+    ;;
+measure)
+    # forward and backward kernels of every spec under the 4 tools (~2x the forward-only time)
+    timeout 180 python3 tools/sanitize.py --jobs 16 --timeout 170 --json "$out/sanitize.json" \
+        > "$out/sanitize.log" 2>&1
+    timeout 220 python3 -m flashgen bench --quick --budget-s 200 --out "$out/bench" \
+        > "$out/bench.log" 2>&1
+    timeout 90 python3 tools/gallery.py --budget 70 --out "$out/gallery.md" \
+        --json "$out/gallery.json" > "$out/gallery.log" 2>&1
     summary sanitize.log "clean|dirty|fail" 1
+    tail -n 6 "$out/bench.log"
+    grep -E "speedup|wrote" "$out/gallery.log"
+    ;;
+fa2)
+    FLASHGEN_KERNEL_FAMILY=fa2 timeout 150 python3 -m flashgen bench --fwd-only --no-variants \
+        --no-memory --seqlen 4096,8192,16384 --dtype bf16,fp16 --impl flashgen,sdpa_flash,sdpa_cudnn \
+        --budget-s 130 --out "$out/bench_fa2" > "$out/bench_fa2.log" 2>&1
+    tail -n 6 "$out/bench_fa2.log"
     ;;
 atomic)
     # the atomic-dQ backward's GPU tests (skipped by the default run; they compile many units)
@@ -43,42 +70,8 @@ atomic)
         tests/gpu/test_mask_sparsity.py -k "backward or atomic" > "$out/gpu_atomic.log" 2>&1
     summary gpu_atomic.log "passed|failed"
     ;;
-pending)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider -rf \
-        "tests/gpu/test_big_sizes.py::test_backward_with_more_than_2_31_elements" \
-        tests/gpu/test_score_mod_fold_gpu.py tests/gpu/test_hopper_bwd_gpu.py \
-        > "$out/gpu_pending.log" 2>&1
-    timeout 120 python3 tools/bwd_bench.py --skip-tests --skip-sanitizer --dims 256 \
-        --json "$out/bwd_bench_d256.json" > "$out/bwd_bench_d256.log" 2>&1
-    summary gpu_pending.log "passed|failed"
-    tail -n 12 "$out/bwd_bench_d256.log"
-    ;;
-branches)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_persistent_gpu.py \
-        > "$out/gpu_persistent.log" 2>&1
-    timeout 150 python3 tools/persistent_bench.py --json "$out/persistent_bench.json" \
-        > "$out/persistent_bench.log" 2>&1
-    FLASHGEN_PERSISTENT=dynamic timeout 90 python3 tools/gallery.py --budget 60 \
-        --out "$out/gallery_persistent.md" --json "$out/gallery_persistent.json" \
-        > "$out/gallery_persistent.log" 2>&1
-    summary gpu_persistent.log "passed|failed"
-    tail -n 20 "$out/persistent_bench.log"
-    grep -E "speedup|wrote" "$out/gallery_persistent.log"
-    ;;
-measure)
-    timeout 220 python3 -m flashgen bench --quick --budget-s 200 --out "$out/bench" \
-        > "$out/bench.log" 2>&1
-    FLASHGEN_KERNEL_FAMILY=fa2 timeout 150 python3 -m flashgen bench --fwd-only --no-variants \
-        --no-memory --seqlen 4096,8192,16384 --dtype bf16,fp16 --impl flashgen,sdpa_flash,sdpa_cudnn \
-        --budget-s 130 --out "$out/bench_fa2" > "$out/bench_fa2.log" 2>&1
-    timeout 80 python3 tools/gallery.py --budget 60 --out "$out/gallery.md" \
-        --json "$out/gallery.json" > "$out/gallery.log" 2>&1
-    tail -n 6 "$out/bench.log"
-    tail -n 6 "$out/bench_fa2.log"
-    grep -E "speedup|wrote" "$out/gallery.log"
-    ;;
 *)
-    echo "usage: $0 validate|atomic|pending|branches|measure" >&2
+    echo "usage: $0 tests|branches|measure|fa2|atomic" >&2
     exit 2
     ;;
 esac

@@ -633,6 +633,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
 
+    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's two query rows, once.
+    // A live block means seqlen_k > 0, so every clamped read is in bounds.
+    int fg_row0_r[2];
+    if (first_block >= 0) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int q_idx = min(m0 + row_base + r * 8, seqlen_q - 1);
+            const float q_idx_f = (float)q_idx;
+            (void)q_idx_f;
+            fg_row0_r[r] = (int)(t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)]);
+        }
+    }
     constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"
     auto pp_wait = [&]() { fg::named_barrier_sync(PP_BARRIER + cg, 256); };
     auto pp_pass = [&]() { fg::named_barrier_arrive(PP_BARRIER + (1 - cg), 256); };
@@ -674,8 +686,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
     auto softmax = [&](int n0, int tile_cls) {
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
+            constexpr int NC = (BLOCK_N + 31) / 32;
+            int fg_col0_v[NC];
             #pragma unroll
-            for (int j = 0; j < NS; ++j)
+            for (int c = 0; c < NC; ++c) {
+                const int kv_idx = min(n0 + 32 * c + lane, seqlen_k - 1);
+                const float kv_idx_f = (float)kv_idx;
+                (void)kv_idx_f;
+                fg_col0_v[c] = (int)(t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]);
+            }
+            #pragma unroll
+            for (int j = 0; j < NS; ++j) {
+                int fg_col0_c[2];
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int src = (j % 4) * 8 + (lane % 4) * 2 + e;  // lane holding column j * 8 + (lane % 4) * 2 + e
+                    fg_col0_c[e] = __shfl_sync(0xffffffffu, fg_col0_v[j / 4], src);
+                }
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
@@ -687,10 +714,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
                     const float q_idx_f = (float)q_idx;
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
+                    const int fg_row0 = fg_row0_r[i / 2];
+                    const int fg_col0 = fg_col0_c[i % 2];
                     const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
-                                      && ((t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)] == t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]));
+                                      & ((fg_row0 == fg_col0));
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
+            }
         }
         #pragma unroll
         for (int r = 0; r < 2; ++r) {

@@ -2,12 +2,13 @@
 pre-pass, and the T5 bias table, against the float64 reference (``pytest -m gpu``).
 
 Checks: the pre-pass table equals the brute-force table (:func:`block_table_reference`);
-document_mask (2-D doc ids [batch, seqlen]), a 1-D non-causal variant, a per-head variant
-and random (unsorted) ids against the fp64 reference at odd lengths, Sq != Sk, GQA,
-(B, S, H, D) views and rows with nothing to attend to; query blocks whose whole table row is
-EMPTY (o = 0, lse = -inf); a BlockMask built once and reused gives bitwise the per-call
-result, and is refused by a kernel of other tiles; EMPTY tiles are never used (their V rows
-are NaN and the output stays finite); t5_bias with distances past the table's clamp.
+document_mask (2-D doc ids [batch, seqlen]), a 1-D non-causal variant, a per-head variant,
+float row and column terms (flashgen/rowcol.py) and random (unsorted) ids against the fp64
+reference at odd lengths, Sq != Sk, GQA, (B, S, H, D) views and rows with nothing to attend
+to; query blocks whose whole table row is EMPTY (o = 0, lse = -inf); a BlockMask built once
+and reused gives bitwise the per-call result, and is refused by a kernel of other tiles;
+EMPTY tiles are never used (their V rows are NaN and the output stays finite); t5_bias with
+distances past the table's clamp.
 Accuracy bound as in test_forward.py: max|ours - ref64| <= 2 * max|ref in the input dtype -
 ref64| + 1e-3.
 
@@ -47,6 +48,15 @@ PER_HEAD = loads_spec(
     "mask: 'causal && (q_idx - kv_idx < win[h] || doc[kv_idx] == 0)'\n"
     "params:\n  win: {type: i32, shape: [num_heads]}\n  doc: {type: i32, shape: [seqlen_k]}\n",
     "perhead.yaml",
+)
+#: float terms of each side (flashgen/rowcol.py: the Hopper kernel reads them once per query
+#: row and once per key column, shuffled to the elements), a bool column term, GQA
+FLOAT_TERMS = loads_spec(
+    "name: gpu_float_terms\nhead_dim: 128\ndtype: bf16\n"
+    "mask: 'qb[b, q_idx] + kw[h, kv_idx] > 0.0 || (kw[h, kv_idx] < -1.0 && causal)'\n"
+    "params:\n  qb: {type: f32, shape: [batch, seqlen_q]}\n"
+    "  kw: {type: f32, shape: [num_heads, seqlen_k]}\n",
+    "float_terms.yaml",
 )
 DEV = torch.device("cuda")
 
@@ -170,6 +180,21 @@ def test_per_head_tensor_mask(error_bound):
     q, k, v = qkv(PER_HEAD, 1, 4, 2, 777, 777, gen)
     win = torch.tensor([1, 64, 300, 5000], device=DEV, dtype=torch.int32)
     check(PER_HEAD, q, k, v, {"win": win, "doc": doc_ids(1, 777, 3, gen)[0]}, error_bound)
+
+
+@pytest.mark.parametrize("b, hq, hkv, sq, sk", [(2, 4, 2, 300, 257), (1, 2, 1, 17, 1031)])
+def test_float_row_and_column_terms(b, hq, hkv, sq, sk, error_bound):
+    gen = torch.Generator(device=DEV).manual_seed(sq + sk)
+    q, k, v = qkv(FLOAT_TERMS, b, hq, hkv, sq, sk, gen)
+    params = {
+        "qb": torch.randn(b, sq, device=DEV, generator=gen),
+        "kw": torch.randn(hq, sk, device=DEV, generator=gen),
+    }
+    check(FLOAT_TERMS, q, k, v, params, error_bound)
+    for spec in (FLOAT_TERMS, DOC):  # the Hopper kernel took the row / column terms
+        plan = build_op(spec).kernel(DEV).plan
+        if plan.template == "sm_90/fwd.cu.j2":
+            assert plan.context["row_terms"] and plan.context["col_terms"], spec.name
 
 
 # ----------------------------------------------------------------------------- block-mask reuse
