@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import cache
 from flashgen.compile import find_nvcc
 from flashgen.lower import (
     HOPPER_PERSISTENT_REGS,
