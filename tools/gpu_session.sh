@@ -12,6 +12,7 @@
 #                                   # flashgen bench --quick, the gallery, ~8 min
 #   tools/gpu_session.sh fa2        # the FA2-class forward against FA2 and cuDNN (issue 4)
 #   tools/gpu_session.sh atomic     # the atomic-dQ backward's GPU tests (FLASHGEN_ATOMIC_DQ=1)
+#   tools/gpu_session.sh profile    # ncu of the gallery masks' Hopper forwards side by side
 #
 # FLASHGEN_PERSISTENT and other FLASHGEN_* settings pass through to every step.
 # Needs a CUDA GPU, torch, CuPy, triton, nvcc and compute-sanitizer (the lent H200 has
@@ -63,6 +64,13 @@ fa2)
         --budget-s 130 --out "$out/bench_fa2" > "$out/bench_fa2.log" 2>&1
     tail -n 6 "$out/bench_fa2.log"
     ;;
+profile)
+    timeout 300 ncu --kernel-name regex:fwd_sm_90 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --csv --page details \
+        python3 tools/profile_masks.py > "$out/ncu_masks.csv" 2> "$out/ncu_masks.err"
+    grep -E '"(Duration|Executed Instructions|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Registers Per Thread)"' \
+        "$out/ncu_masks.csv" | cut -d, -f5,12- | head -40
+    ;;
 atomic)
     # the atomic-dQ backward's GPU tests (skipped by the default run; they compile many units)
     FLASHGEN_ATOMIC_DQ=1 timeout 540 python3 -m pytest -q -p no:cacheprovider -rf \
@@ -71,7 +79,7 @@ atomic)
     summary gpu_atomic.log "passed|failed"
     ;;
 *)
-    echo "usage: $0 tests|branches|measure|fa2|atomic" >&2
+    echo "usage: $0 tests|branches|measure|fa2|atomic|profile" >&2
     exit 2
     ;;
 esac
