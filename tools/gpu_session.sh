@@ -67,8 +67,9 @@ fa2)
 profile)
     timeout 300 ncu --kernel-name regex:fwd_sm_90 --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --csv --page details \
+        --metrics smsp__inst_executed_pipe_fp64.sum,smsp__inst_executed.sum,gpu__time_duration.sum \
         python3 tools/profile_masks.py > "$out/ncu_masks.csv" 2> "$out/ncu_masks.err"
-    grep -E '"(Duration|Executed Instructions|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Registers Per Thread)"' \
+    grep -E '"(Duration|Executed Instructions|Issue Slots Busy|No Eligible|Warp Cycles Per Issued Instruction|Registers Per Thread|smsp__inst_executed_pipe_fp64.sum)"' \
         "$out/ncu_masks.csv" | cut -d, -f5,12- | head -40
     ;;
 atomic)
