@@ -3,7 +3,10 @@
 Evaluates the same typed IR the kernels are generated from, with broadcasting index
 tensors ``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Sq,1]``, ``kv_idx [1,1,1,Sk]``.
 Integer ``/`` and ``%`` truncate toward zero (C semantics) and give 0 for a zero divisor,
-matching the CUDA lowering.
+matching the CUDA lowering.  The mask's float (``f32``) arithmetic runs in float32 whatever
+the compute dtype, as in the kernels: a mask is a decision, and float64 decides
+``q_idx * 0.1 == 0.3`` or ``kv_idx <= q_idx / 0.3`` differently from float32 (the
+score_mod, a continuous value, follows the compute dtype).
 Semantics follow FlexAttention: ``score_mod`` rewrites the scaled logit, ``mask`` drops pairs.
 """
 
@@ -169,7 +172,7 @@ def eval_mask(
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
     env = _env(
-        spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float64,
+        spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float32,
         batch_offset,
     )  # fmt: skip
     shape = (batch, heads_q, seqlen_q, seqlen_k)
@@ -200,7 +203,8 @@ def attention_reference(
         params: values of the spec's params (scalars as numbers, tensors as tensors);
             missing scalars take the spec default.
         compute_dtype: dtype of every intermediate (float64 for test references; the input
-            dtype to model PyTorch's own low-precision math).
+            dtype to model PyTorch's own low-precision math), except the mask's float
+            math, which is float32 as in the kernels.
         batch_offset: value of the index variable ``b`` for the first batch entry (the
             varlen reference passes one sequence at a time).
 
@@ -232,8 +236,10 @@ def attention_reference(
         env["score"] = s
         s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
     keep = None
-    if spec.mask is not None:
-        keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
+    if spec.mask is not None:  # float32 float math, as the kernels decide (see the module doc)
+        mask_env = _env(spec, B, Hq, Sq, Sk, params, dev, torch.float32, batch_offset)
+        keep = eval_expr(spec.mask, mask_env).expand(B, Hq, Sq, Sk)
+        env.setdefault("__oob__", []).extend(mask_env.get("__oob__", []))
         s = s.masked_fill(~keep, float("-inf"))
     _check_bounds(env, keep)
     # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.
