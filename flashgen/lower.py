@@ -1482,7 +1482,13 @@ def _table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
 
 def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
     """Backward tiles to try: the table's, then the same with 16-row inner steps (the
-    smallest score tiles), keeping the column split."""
+    smallest score tiles), keeping the column split, then those narrow steps with the
+    dK/dV columns split twice as many ways where the halves stay whole 16-column mma tiles
+    (the dkdv kernel's accumulators halve: a head_dim 256 score_mod with a conditional mask
+    spills 148 bytes in the atomic-dQ unit at dsplit 2, none at 4)."""
     first = _table_backward_tiles(spec, atomic_dq)
-    narrow = replace(first, dkdv_block_m=16, dq_block_n=16)
-    return [first] if narrow == first else [first, narrow]
+    out = [first, replace(first, dkdv_block_m=16, dq_block_n=16)]
+    split = 2 * first.dkdv_dsplit
+    if spec.head_dim % (16 * split) == 0 and spec.head_dim_v % (16 * split) == 0:
+        out.append(replace(out[1], dkdv_dsplit=split))
+    return list(dict.fromkeys(out))

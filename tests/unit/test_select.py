@@ -42,3 +42,23 @@ def test_spec_tiles_disable_the_fallback():
     plain = loads_spec(RELPOS, "relpos.yaml")
     cands = forward_tile_candidates(plain, "sm_80")
     assert len(cands) == len(set(cands)) > 1
+
+
+D256_COND = """\
+name: d256_cond
+head_dim: 256
+dtype: fp16
+targets: [sm_80]
+mask: "q_idx >= kv_idx ? true : kv_idx - q_idx < 4"
+score_mod: max(score, -10.0) * 0.5
+"""
+
+
+def test_atomic_backward_splits_the_columns_further_when_narrow_steps_still_spill(requires_nvcc):
+    """head_dim 256 with a score_mod and a conditional mask: the atomic-dQ unit spills at
+    the table's dsplit 2 with either step width (104 and 148 bytes, nvcc 13.0); the third
+    candidate (dsplit 4: 64 columns of dK/dV per CTA) does not."""
+    spec = loads_spec(D256_COND, "d256_cond.yaml")
+    plan, _, report = build_backward(spec, "sm_80", atomic_dq=True)
+    assert report.spill_bytes == 0, report
+    assert plan.dkdv.context["dkdv_dsplit"] == 4
