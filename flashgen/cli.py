@@ -7,7 +7,8 @@
         time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
         each op against the float64 reference and time it.
         Exit 0 on success; 1 for a bad spec, a failed compile, a kernel that spills, a
-        failed verification or missing nvcc.
+        failed verification or missing nvcc (a spec whose compile failed or spilled is not
+        written).
     flashgen show SPEC [--target T]    the checked IR, the kernel plan and the CUDA source
     flashgen list [DIR]                the specs in DIR (default specs/)
     flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
@@ -292,10 +293,13 @@ def cmd_build(args) -> int:
                     progress.advance(task)
         results = [f.result() for f in futures]
 
-    generated = []
+    generated, unwritten = [], []
     for spec in specs:
         mine = [r for r in results if r.spec is spec]
         if not mine:
+            continue
+        if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
+            unwritten.append(spec.name)
             continue
         reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
         targets = tuple(dict.fromkeys(r.target for r in mine))
@@ -377,6 +381,8 @@ def cmd_build(args) -> int:
             err.print(f"error: verifying {v['spec']}: {v['error']}", markup=False)
     for g in generated:
         out.print(f"wrote {g}/", markup=False)
+    for name in unwritten:
+        err.print(f"note: {name} not written to {args.out}/ (its build failed)", markup=False)
     return 0 if ok else 1
 
 

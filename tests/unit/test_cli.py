@@ -154,3 +154,26 @@ def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeyp
     assert rc == 1
     assert "error: FLASHGEN_KERNEL_FAMILY='fa4': expected one of auto, fa3, fa2" in err
     assert not (tmp_path / "causal_d128").exists()
+
+
+def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A unit that spills (or fails to compile) fails the build: its spec's generated/
+    folder is not written (it printed 'error: ... kernel spills' and then 'wrote ...')."""
+    from flashgen import cli
+
+    good = cli._compile_one
+
+    def spilling(spec, target, unit):
+        res = good(spec, target, unit)
+        if unit == "bwd_atomic":
+            res.error = "kernel spills: 60 bytes stores, 88 bytes loads"
+        return res
+
+    monkeypatch.setattr(cli, "_compile_one", spilling)
+    out = tmp_path / "gen"
+    rc = main(["build", CAUSAL, "--target", "sm_80", "--out", str(out), "--no-verify"])
+    cap = capsys.readouterr()
+    assert rc == 1
+    assert "kernel spills" in cap.err and "causal_d128 not written" in cap.err
+    assert "wrote" not in cap.out
+    assert not (out / "causal_d128").exists()
