@@ -292,6 +292,12 @@ class _Checker:
             raise self.fail(
                 start, f"score_mod must be a number (the new logit), got {typed.ty.value}"
             )
+        if field == "mask" and _never_true(typed, self.spec):
+            raise self.fail(
+                start,
+                "mask is never true: it removes every (q_idx, kv_idx) pair at every length "
+                "and param value (every output row would be o = 0, lse = -inf)",
+            )
         return typed
 
     def names(self) -> list[str]:
@@ -461,6 +467,31 @@ class _Checker:
                 f"the branches of '?:' have incompatible types {a.ty.value} and {b.ty.value}",
             )
         return replace(e, cond=c, then=a, other=b, ty=ty)
+
+
+def _never_true(mask: Expr, spec: ir.Spec) -> bool:
+    """Whether the interval analysis (:mod:`flashgen.maskinfo`, sound) proves the typed
+    ``mask`` false for every index, length and scalar param value the op accepts (params
+    over their declared ``min``/``max``).  Relational contradictions such as
+    ``q_idx > kv_idx && kv_idx > q_idx`` are beyond intervals and pass."""
+    from .maskinfo import Range, Truth, evaluate
+
+    big = float(2**31 - 1)
+    env = {n: Range(0.0, big) for n in ("b", "h", "q_idx", "kv_idx")}
+    env |= {n: Range(1.0, big) for n in ("seqlen_q", "seqlen_k")}
+    for p in spec.params:
+        if p.kind == "scalar":
+            lo = -(2.0**31) if p.ty == Ty.I32 else -math.inf
+            hi = big if p.ty == Ty.I32 else math.inf
+            env[p.name] = Range(
+                lo if p.minimum is None else float(p.minimum),
+                hi if p.maximum is None else float(p.maximum),
+            )
+    try:
+        t = evaluate(mask, env)
+    except (TypeError, KeyError):  # something the analysis does not model: no claim
+        return False
+    return t == Truth(False, True)
 
 
 def _is_zero(e: Expr) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsl_strategies import expr, spec_text  # noqa: E402
+from dsl_strategies import expr, may_be_true, spec_text  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from flashgen import masktiles  # noqa: E402
@@ -54,7 +54,7 @@ def _random_specs(n: int, wild: bool) -> list:
     @settings(
         max_examples=n, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
     )
-    @given(expr("bool", 3, False, wild))
+    @given(expr("bool", 3, False, wild).filter(may_be_true))
     def collect(m):
         masks.append(m)
 
