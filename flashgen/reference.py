@@ -50,8 +50,9 @@ def eval_expr(e: Expr, env: dict):
         # Reads are clamped into bounds, as in the kernels; where an index was out of
         # bounds is recorded, and attention_reference refuses it at pairs that are kept.
         clamped = []
-        for i, n in zip(idx, t.shape, strict=True):
-            env.setdefault("__oob__", []).append((e.name, (i < 0) | (i >= n)))
+        for dim, (i, n) in enumerate(zip(idx, t.shape, strict=True)):
+            oob = (i < 0) | (i >= n)
+            env.setdefault("__oob__", []).append((e.name, oob, dim, t.dim(), n, i))
             clamped.append(i.clamp(0, n - 1))
         return t[tuple(clamped)]
     if isinstance(e, Unary):
@@ -142,14 +143,24 @@ def _env(
 
 
 def _check_bounds(env: dict, keep) -> None:
-    """Refuse a tensor-param index outside the declared shape at a kept pair."""
-    for name, oob in env.get("__oob__", []):
+    """Refuse a tensor-param index outside the declared shape at a kept pair, naming the
+    index, its value, the extent and the first such (b, h, q_idx, kv_idx)."""
+    for name, oob, dim, rank, n, idx in env.get("__oob__", []):
         hit = oob if keep is None else oob & keep
         if bool(hit.any()):
+            where = tuple(hit.nonzero()[0].tolist())
+            value = int(idx.expand(hit.shape)[where])
+            at = ""
+            if hit.dim() == 4:  # the [B, H, Sq, Sk] grid; env[k] varies along axis i only
+                names = ("b", "h", "q_idx", "kv_idx")
+                vals = [int(env[k].reshape(-1)[where[i]]) for i, k in enumerate(names)]
+                at = " at " + ", ".join(f"{k}={v}" for k, v in zip(names, vals, strict=True))
+            subs = ", ".join("." if d != dim else str(value) for d in range(rank))
             raise IndexError(
-                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
-                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
-                f"expression or the param's declared shape"
+                f"tensor param '{name}' is indexed outside its shape at a (q_idx, kv_idx) pair "
+                f"the mask keeps: {name}[{subs}]{at}, but dim {dim} has extent {n}; the CUDA "
+                f"kernels clamp such indices into range, so fix the expression or the "
+                f"param's declared shape"
             )
 
 

@@ -43,3 +43,23 @@ def test_float_mask_math_is_float32_in_every_reference():
         torch.testing.assert_close(lse[0, 0].double(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
         ref_o = torch.softmax(s, -1) @ v[0, 0].double()
         torch.testing.assert_close(o[0, 0].double(), ref_o, rtol=1e-5, atol=1e-5)
+
+
+def test_an_out_of_range_tensor_index_names_the_index_value_and_pair():
+    """The CPU op / reference refuses an index the kernels would clamp; the message says
+    which subscript, its value, the extent and where (it named only the param)."""
+    spec = loads_spec(
+        "name: relb\nhead_dim: 64\ndtype: bf16\n"
+        "score_mod: score + bias[h, q_idx - kv_idx + off]\n"
+        "params: {'off': {type: i32, default: 6}, bias: {type: f32, shape: [num_heads, 16]}}\n"
+    )
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 9, 64, generator=g), torch.randn(2, 3, 7, 64, generator=g)
+    bias = torch.randn(3, 16, generator=g)
+    attention_reference(spec, q, k, k, params={"bias": bias})  # 0 .. 14: in range
+    with pytest.raises(IndexError) as info:
+        attention_reference(spec, q, k, k, params={"bias": bias, "off": 0})
+    msg = str(info.value)
+    assert "bias[., -1] at b=0, h=0, q_idx=0, kv_idx=1, but dim 1 has extent 16" in msg, msg
+    with pytest.raises(IndexError, match=r"bias\[\., 16\] at b=0, h=0, q_idx=3, kv_idx=0"):
+        attention_reference(spec, q, k, k, params={"bias": bias, "off": 13})
