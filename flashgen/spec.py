@@ -10,6 +10,7 @@ field locations recorded here so its errors point into the file too.
 from __future__ import annotations
 
 import os
+import re
 
 import yaml
 
@@ -117,7 +118,10 @@ class _Loader:
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for k, v in node.value:
             if not (isinstance(k, yaml.ScalarNode) and k.tag == _YAML_TAG + "str"):
-                raise self.error(k, f"keys of {field} must be names, got {self.describe(k)}")
+                hint = ""
+                if isinstance(k, yaml.ScalarNode) and re.fullmatch(r"[A-Za-z_]\w*", k.value):
+                    hint = f": YAML reads a bare {k.value} that way; quote it ('{k.value}')"
+                raise self.error(k, f"keys of {field} must be names, got {self.describe(k)}{hint}")
             key = k.value
             if key in out:
                 raise self.error(k, f"duplicate key '{key}' in {field}")

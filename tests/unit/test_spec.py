@@ -379,3 +379,16 @@ def test_unquoted_ternary_gets_a_quoting_hint(tmp_path):
     assert "quote an expression" in e.message
     ok = loads_spec(BASE + 'score_mod: "q_idx > 0 ? score : 0"\n')
     assert isinstance(ok.score_mod, ir.Cond) and ok.score_mod.ty == ir.Ty.F32
+
+
+@pytest.mark.parametrize("key", ["off", "on", "yes", "no"])
+def test_a_param_named_like_a_yaml_boolean_says_to_quote_it(tmp_path, key):
+    """YAML 1.1 reads a bare off/on/yes/no as a boolean (an offset param called ``off``);
+    the error says so and how to fix it, and the quoted name works."""
+    text = BASE.replace("mask: causal", f"mask: q_idx - kv_idx < {key}") + (
+        f"params:\n  {key}: {{type: i32, default: 4}}\n"
+    )
+    e = fails(tmp_path, text)
+    assert f"got a boolean ({key}): YAML reads a bare {key} that way; quote it ('{key}')" in str(e)
+    spec = loads_spec(text.replace(f"  {key}:", f"  '{key}':"))
+    assert spec.param(key).default == 4
