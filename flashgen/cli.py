@@ -564,6 +564,10 @@ def cmd_list(args) -> int:
             )
             bad = True
             continue
+        except OSError as e:  # a directory named *.yaml, a dangling link, no permission
+            rows.append((f.stem, "-", "-", "-", "-", f"ERROR cannot read spec: {e.strerror or e}"))
+            bad = True
+            continue
         hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"
         rows.append(
             (s.name, s.dtype, hd, format_expr(s.mask), format_expr(s.score_mod), s.description)

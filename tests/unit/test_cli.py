@@ -177,3 +177,15 @@ def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
     assert "kernel spills" in cap.err and "causal_d128 not written" in cap.err
     assert "wrote" not in cap.out
     assert not (out / "causal_d128").exists()
+
+
+def test_list_reports_an_unreadable_spec_instead_of_a_traceback(tmp_path, capsys):
+    (tmp_path / "ok.yaml").write_text("name: ok\nhead_dim: 64\ndtype: fp16\nmask: causal\n")
+    (tmp_path / "adir.yaml").mkdir()
+    (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere")
+    rc = main(["list", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "adir" in text and "ERROR cannot read spec: Is a directory" in text
+    assert "gone" in text and "ERROR cannot read spec: No such file or directory" in text
+    assert "ok" in text and "causal" in text
