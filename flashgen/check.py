@@ -163,6 +163,13 @@ class _Checker:
                     f"tiles.{key}",
                     f"tiles.{key} must be one of {', '.join(map(str, allowed))}, got {v}",
                 )
+        bm, nw = s.tiles.block_m, s.tiles.num_warps
+        if bm is not None and nw is not None and bm % (16 * nw):
+            raise self.fail(
+                "tiles.block_m",
+                f"tiles.block_m {bm} must be a multiple of 16 * num_warps = {16 * nw} "
+                "(each warp owns 16-row mma tiles of the query block)",
+            )
         seen: set[str] = set()
         for p in s.params:
             self.param(p, seen)

@@ -315,6 +315,8 @@ def test_bad_targets(tmp_path, targets, pos, fragment):
         ("{num_warps: 3}", (5, 20), "tiles.num_warps must be one of"),
         ("{num_warp: 4}", (5, 9), "did you mean 'num_warps'"),
         ("{block_m: big}", (5, 18), "must be an integer"),
+        # lowering refused this without a location: each warp owns 16 query rows
+        ("{block_m: 16, block_n: 16, num_warps: 8}", (5, 18), "multiple of 16 * num_warps = 128"),
     ],
 )
 def test_bad_tiles(tmp_path, tiles, pos, fragment):
