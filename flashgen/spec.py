@@ -39,6 +39,8 @@ TILE_FIELDS = ("block_m", "block_n", "num_warps")
 DEFAULT_TARGETS = ("sm_80", "sm_90")
 
 _YAML_TAG = "tag:yaml.org,2002:"
+#: A float with an exponent and no dot (``1e-3``, ``-2E+5``): a string to PyYAML.
+_EXP_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 _KIND = {"int": "an integer", "float": "a number", "bool": "a boolean", "null": "null"}
 
 
@@ -94,6 +96,14 @@ class _Loader:
         """The Python value of a scalar node whose tag is one of ``tags``."""
         if isinstance(node, yaml.ScalarNode) and node.tag.removeprefix(_YAML_TAG) in tags:
             return self.value(node)
+        if (
+            "float" in tags
+            and isinstance(node, yaml.ScalarNode)
+            and node.style is None  # unquoted
+            and node.tag == _YAML_TAG + "str"
+            and _EXP_FLOAT.fullmatch(node.value)
+        ):  # 1e-3: YAML 1.1 (PyYAML) wants a dot in a float, YAML 1.2 and the DSL do not
+            return float(node.value)
         raise self.error(node, f"{field} must be {what}, got {self.describe(node)}")
 
     def integer(self, node: yaml.Node, field: str) -> int:

@@ -394,3 +394,19 @@ def test_a_param_named_like_a_yaml_boolean_says_to_quote_it(tmp_path, key):
     assert f"got a boolean ({key}): YAML reads a bare {key} that way; quote it ('{key}')" in str(e)
     spec = loads_spec(text.replace(f"  {key}:", f"  '{key}':"))
     assert spec.param(key).default == 4
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads an unquoted 1e-3 as a string: 'default: 1e-3' of an f32
+    param was refused as "must be a number, got the string '1e-3'".  The DSL takes 1e-3."""
+    text = BASE.replace("mask: causal", "mask: causal\nscore_mod: score * w") + (
+        "softmax_scale: 1e-1\nparams:\n  w: {type: f32, default: 1e-3, min: -1e2, max: 5E+3}\n"
+    )
+    s = loads_spec(text)
+    assert s.softmax_scale == 0.1
+    p = s.param("w")
+    assert (p.default, p.minimum, p.maximum) == (0.001, -100.0, 5000.0)
+    e = fails(tmp_path, text.replace("default: 1e-3", "default: 1e39"))
+    assert "must be a finite float32 value, got 1e+39" in e.message
+    e = fails(tmp_path, text.replace("default: 1e-3", "default: '1e-3'"))  # quoted: a string
+    assert "must be a number, got the string '1e-3'" in e.message
