@@ -410,7 +410,8 @@ def test_fast_check_never_accepts_what_the_full_check_refuses_property(ops):
         for fault in data.draw(faults):
             t = data.draw(st.integers(0, 2))
             if fault == "dim":
-                shapes[t][data.draw(st.integers(0, len(shapes[t]) - 1))] += data.draw(st.sampled_from([1, -1]))
+                dim = data.draw(st.integers(0, len(shapes[t]) - 1))
+                shapes[t][dim] += data.draw(st.sampled_from([1, -1]))
                 shapes[t] = [max(x, 0) for x in shapes[t]]
             elif fault == "heads":  # q's heads not a multiple of k's
                 shapes[0][1] = hkv * group + data.draw(st.sampled_from([1, hkv + 1]))
