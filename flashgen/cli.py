@@ -213,9 +213,21 @@ def _load_specs(paths: list[str], err) -> list[ir.Spec] | None:
     from .spec import load_spec
 
     specs, bad = [], False
-    for p in paths:
+    by_name: dict[str, str] = {}
+    for p in dict.fromkeys(paths):  # a file named twice is built once
         try:
-            specs.append(load_spec(p))
+            spec = load_spec(p)
+            if spec.name in by_name:  # one generated/<name>/ folder, one torch op name
+                err.print(
+                    f"{p}: error: spec name '{spec.name}' is also the name of "
+                    f"{by_name[spec.name]}; both would write {spec.name}/ and register "
+                    f"torch.ops.flashgen.{spec.name}: rename one",
+                    markup=False,
+                )
+                bad = True
+                continue
+            by_name[spec.name] = p
+            specs.append(spec)
         except SpecError as e:
             err.print(str(e), markup=False, highlight=False)
             bad = True

@@ -189,3 +189,18 @@ def test_list_reports_an_unreadable_spec_instead_of_a_traceback(tmp_path, capsys
     assert "adir" in text and "ERROR cannot read spec: Is a directory" in text
     assert "gone" in text and "ERROR cannot read spec: No such file or directory" in text
     assert "ok" in text and "causal" in text
+
+
+def test_two_specs_with_one_name_are_refused(tmp_path, capsys):
+    """Both were built and written to the same generated/<name>/ ('wrote' twice, the
+    second silently replacing the first); the same file named twice builds once."""
+    other = tmp_path / "alibi.yaml"
+    other.write_text(Path(ALIBI).read_text().replace("head_dim: 128", "head_dim: 64"))
+    out = tmp_path / "gen"
+    rc = main(["build", ALIBI, str(other), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"{other}: error: spec name 'alibi' is also the name of {ALIBI}" in err
+    assert not out.exists()
+    rc = main(["show", ALIBI])
+    assert rc == 0
