@@ -53,3 +53,22 @@ def test_float_mask_math_matches_the_float32_reference(sq, sk, error_bound):
     spec = loads_spec(FLOAT_MASK, "float_mask.yaml")
     check(spec, 1, 2, 1, sq, sk, error_bound, seed=sq)
     check(spec, 1, 2, 1, sq, sk, error_bound, seed=sk, f=0.7)
+
+
+FLOAT_TILES = """\
+name: float_tiles
+head_dim: 64
+dtype: bf16
+mask: >-
+  kv_idx * 1.1 + 0.6 <= q_idx
+  || (q_idx - kv_idx) * 0.35 < 3.3 && exp((kv_idx - q_idx) * 0.05) * 3.3 >= 1.0
+"""
+
+
+@pytest.mark.parametrize("sq, sk", [(999, 999), (1000, 700), (333, 1025)])
+def test_float_mask_tiles_match_the_float32_reference(sq, sk, error_bound):
+    """The tile classifier rounds float results outward (fg::iv::fl): forward and backward
+    against the reference, whose mask math is float32 like the kernels'."""
+    spec = loads_spec(FLOAT_TILES, "float_tiles.yaml")
+    check(spec, 1, 2, 1, sq, sk, error_bound, seed=sq)
+    check_grads(spec, 1, 2, 1, sq, sk, seed=sk, deterministic=True)
