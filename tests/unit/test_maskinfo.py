@@ -172,6 +172,8 @@ def test_integer_overflow_makes_the_tile_unknown():
 #: float32, and the tile around it was called EMPTY (never loaded) at 16 x 16 tiles.
 FLOAT_MASKS = [
     "kv_idx * 1.1 + 0.6 <= q_idx",
+    "kv_idx * 0.6 + 0.6 <= q_idx",  # 128 x 64 tile (q 384, kv 576) was FULL, drops (384, 639)
+    "kv_idx * 0.4 + 0.4 <= q_idx",
     "kv_idx <= q_idx / 0.3 - 1.0",
     "q_idx * 0.1 - kv_idx * 0.1 >= 1.0 || kv_idx * 0.7 == 2.1",
     "(q_idx - kv_idx) * 0.35 < 3.3 && kv_idx * 2.9 <= q_idx * 3.3",
