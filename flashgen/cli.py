@@ -209,8 +209,14 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     return res
 
 
-def _load_specs(paths: list[str], err) -> list[ir.Spec] | None:
+def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Spec] | None:
+    """The specs at ``paths``, or None after printing every error to ``err`` (and
+    appending ``{file, line, col, message}`` to ``errors`` for ``--json``)."""
     from .spec import load_spec
+
+    def note(file, message, line=None, col=None):
+        if errors is not None:
+            errors.append({"file": str(file), "line": line, "col": col, "message": message})
 
     specs, bad = [], False
     by_name: dict[str, str] = {}
@@ -218,21 +224,24 @@ def _load_specs(paths: list[str], err) -> list[ir.Spec] | None:
         try:
             spec = load_spec(p)
             if spec.name in by_name:  # one generated/<name>/ folder, one torch op name
-                err.print(
-                    f"{p}: error: spec name '{spec.name}' is also the name of "
-                    f"{by_name[spec.name]}; both would write {spec.name}/ and register "
-                    f"torch.ops.flashgen.{spec.name}: rename one",
-                    markup=False,
+                msg = (
+                    f"spec name '{spec.name}' is also the name of {by_name[spec.name]}; both "
+                    f"would write {spec.name}/ and register torch.ops.flashgen.{spec.name}: "
+                    "rename one"
                 )
+                err.print(f"{p}: error: {msg}", markup=False)
+                note(p, msg)
                 bad = True
                 continue
             by_name[spec.name] = p
             specs.append(spec)
         except SpecError as e:
             err.print(str(e), markup=False, highlight=False)
+            note(e.file, e.message, e.line, e.col)
             bad = True
         except OSError as e:
             err.print(f"{p}: error: cannot read spec: {e.strerror or e}", markup=False)
+            note(p, f"cannot read spec: {e.strerror or e}")
             bad = True
     return None if bad else specs
 
@@ -248,10 +257,14 @@ def _consoles():
     return out, err
 
 
-def _fail_json(args, message: str) -> int:
-    """Exit status 1, printing ``{"ok": false, "error": ...}`` first in ``--json`` mode."""
+def _fail_json(args, message: str, errors: list | None = None) -> int:
+    """Exit status 1, printing ``{"ok": false, "error": ...}`` first in ``--json`` mode
+    (with ``"errors"``, the spec errors' locations, where there are any)."""
     if args.json:
-        print(json.dumps({"flashgen_version": __version__, "ok": False, "error": message}))
+        doc = {"flashgen_version": __version__, "ok": False, "error": message}
+        if errors:
+            doc["errors"] = errors
+        print(json.dumps(doc))
     return 1
 
 
@@ -268,9 +281,10 @@ def cmd_build(args) -> int:
     except ValueError as e:
         err.print(f"error: {e}", markup=False)
         return _fail_json(args, str(e))
-    specs = _load_specs(args.specs, err)
+    spec_errors: list = []
+    specs = _load_specs(args.specs, err, spec_errors)
     if specs is None:
-        return _fail_json(args, "spec errors (see stderr)")
+        return _fail_json(args, "spec errors (see stderr)", spec_errors)
     pairs = []
     for spec in specs:
         for t in dict.fromkeys(args.target or spec.targets):

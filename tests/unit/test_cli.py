@@ -204,3 +204,16 @@ def test_two_specs_with_one_name_are_refused(tmp_path, capsys):
     assert not out.exists()
     rc = main(["show", ALIBI])
     assert rc == 0
+
+
+def test_build_json_lists_spec_errors_with_locations(tmp_path, capsys):
+    """--json on spec errors said only "spec errors (see stderr)"."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nhead_dim: 80\ndtype: bf16\n")
+    rc = main(["build", str(bad), str(tmp_path / "missing.yaml"), "--json", "--no-verify"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["ok"] is False
+    first, second = doc["errors"]
+    assert (first["file"], first["line"], first["col"]) == (str(bad), 2, 11)
+    assert "head_dim 80 is not supported" in first["message"]
+    assert second["file"].endswith("missing.yaml") and "cannot read spec" in second["message"]
