@@ -502,10 +502,25 @@ def _never_true(mask: Expr, spec: ir.Spec) -> bool:
 
 
 def _is_zero(e: Expr) -> bool:
-    """Whether ``e`` is a literal zero (possibly negated or parenthesized)."""
-    while isinstance(e, Unary) and e.op == "-":
-        e = e.arg
-    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value == 0
+    """Whether ``e`` is a constant zero: a literal (possibly negated or parenthesized) or
+    ``+ - *`` of literals, such as ``3 - 3`` or ``0.5 * 0.0``."""
+    return _constant(e) == 0
+
+
+def _constant(e: Expr) -> int | float | None:
+    """The value of ``e`` if it is built from number literals with unary ``-`` and
+    ``+ - *`` only, else None."""
+    if isinstance(e, Const):
+        return None if isinstance(e.value, bool) else e.value
+    if isinstance(e, Unary) and e.op == "-":
+        v = _constant(e.arg)
+        return None if v is None else -v
+    if isinstance(e, Binary) and e.op in ("+", "-", "*"):
+        a, b = _constant(e.lhs), _constant(e.rhs)
+        if a is None or b is None:
+            return None
+        return a + b if e.op == "+" else a - b if e.op == "-" else a * b
+    return None
 
 
 def _leftmost(e: Expr) -> ir.Span:

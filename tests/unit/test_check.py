@@ -255,3 +255,20 @@ def test_masks_that_may_be_true_are_accepted(mask):
         "params: {w: {type: i32, default: 0}, w2: {type: f32, default: -1.0}}\n"
     )
     assert loads_spec(text, "maybe.yaml").mask is not None
+
+
+@pytest.mark.parametrize(
+    "field, expr, op",
+    [
+        ("mask", "q_idx % (3 - 3) == 0", "%"),
+        ("score_mod", "score / (1.0 - 1.0)", "/"),
+        ("score_mod", "score / (2 * 0.0 + -0.0)", "/"),
+    ],
+)
+def test_a_divisor_built_from_literals_that_is_zero_is_an_error(field, expr, op):
+    """Only a literal 0 was refused; `% (3 - 3)` gave 0 per element and `/ (1.0 - 1.0)`
+    inf or NaN, silently.  The caret is under the operator, as for a literal 0."""
+    e = bad(expr, field)
+    assert f"'{op}' by zero: the divisor is the constant 0" in e.message
+    assert e.col == len(field) + len(': "') + expr.index(op) + 1
+    typed("score / (3 - 2) + score % (1.0 - 0.5)")  # nonzero constants are fine
