@@ -42,7 +42,8 @@ def load(path: str | Path) -> AttentionOp:
     Cached by (resolved path, sha256 of the file's bytes): loading the same file again
     is free, an edited file is reloaded.  Raises :class:`SpecError` (with file:line:col)
     for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if another spec
-    with the same name is already registered in this process.
+    with the same name is already registered in this process, ``ModuleNotFoundError``
+    saying so without torch.
     """
     p = Path(path).resolve()
     data = p.read_bytes()
@@ -50,7 +51,16 @@ def load(path: str | Path) -> AttentionOp:
     op = _loaded.get(key)
     if op is not None:
         return op
-    from .op import build_op
+    try:
+        from .op import build_op
+    except ModuleNotFoundError as e:  # pip install -e . does not pull torch in
+        if e.name != "torch":
+            raise
+        raise ModuleNotFoundError(
+            "flashgen.load needs PyTorch (the op is a torch.library operator): "
+            "pip install torch (flashgen build, show and list do not)",
+            name="torch",
+        ) from None
 
     with _lock:
         op = _loaded.get(key)

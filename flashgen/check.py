@@ -163,6 +163,13 @@ class _Checker:
                     f"tiles.{key}",
                     f"tiles.{key} must be one of {', '.join(map(str, allowed))}, got {v}",
                 )
+        bm, nw = s.tiles.block_m, s.tiles.num_warps
+        if bm is not None and nw is not None and bm % (16 * nw):
+            raise self.fail(
+                "tiles.block_m",
+                f"tiles.block_m {bm} must be a multiple of 16 * num_warps = {16 * nw} "
+                "(each warp owns 16-row mma tiles of the query block)",
+            )
         seen: set[str] = set()
         for p in s.params:
             self.param(p, seen)
@@ -291,6 +298,12 @@ class _Checker:
         if field == "score_mod" and typed.ty not in _NUMERIC:
             raise self.fail(
                 start, f"score_mod must be a number (the new logit), got {typed.ty.value}"
+            )
+        if field == "mask" and _never_true(typed, self.spec):
+            raise self.fail(
+                start,
+                "mask is never true: it removes every (q_idx, kv_idx) pair at every length "
+                "and param value (every output row would be o = 0, lse = -inf)",
             )
         return typed
 
@@ -463,11 +476,51 @@ class _Checker:
         return replace(e, cond=c, then=a, other=b, ty=ty)
 
 
+def _never_true(mask: Expr, spec: ir.Spec) -> bool:
+    """Whether the interval analysis (:mod:`flashgen.maskinfo`, sound) proves the typed
+    ``mask`` false for every index, length and scalar param value the op accepts (params
+    over their declared ``min``/``max``).  Relational contradictions such as
+    ``q_idx > kv_idx && kv_idx > q_idx`` are beyond intervals and pass."""
+    from .maskinfo import Range, Truth, evaluate
+
+    big = float(2**31 - 1)
+    env = {n: Range(0.0, big) for n in ("b", "h", "q_idx", "kv_idx")}
+    env |= {n: Range(1.0, big) for n in ("seqlen_q", "seqlen_k")}
+    for p in spec.params:
+        if p.kind == "scalar":
+            lo = -(2.0**31) if p.ty == Ty.I32 else -math.inf
+            hi = big if p.ty == Ty.I32 else math.inf
+            env[p.name] = Range(
+                lo if p.minimum is None else float(p.minimum),
+                hi if p.maximum is None else float(p.maximum),
+            )
+    try:
+        t = evaluate(mask, env)
+    except (TypeError, KeyError):  # something the analysis does not model: no claim
+        return False
+    return t == Truth(False, True)
+
+
 def _is_zero(e: Expr) -> bool:
-    """Whether ``e`` is a literal zero (possibly negated or parenthesized)."""
-    while isinstance(e, Unary) and e.op == "-":
-        e = e.arg
-    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value == 0
+    """Whether ``e`` is a constant zero: a literal (possibly negated or parenthesized) or
+    ``+ - *`` of literals, such as ``3 - 3`` or ``0.5 * 0.0``."""
+    return _constant(e) == 0
+
+
+def _constant(e: Expr) -> int | float | None:
+    """The value of ``e`` if it is built from number literals with unary ``-`` and
+    ``+ - *`` only, else None."""
+    if isinstance(e, Const):
+        return None if isinstance(e.value, bool) else e.value
+    if isinstance(e, Unary) and e.op == "-":
+        v = _constant(e.arg)
+        return None if v is None else -v
+    if isinstance(e, Binary) and e.op in ("+", "-", "*"):
+        a, b = _constant(e.lhs), _constant(e.rhs)
+        if a is None or b is None:
+            return None
+        return a + b if e.op == "+" else a - b if e.op == "-" else a * b
+    return None
 
 
 def _leftmost(e: Expr) -> ir.Span:

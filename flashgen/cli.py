@@ -7,7 +7,8 @@
         time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
         each op against the float64 reference and time it.
         Exit 0 on success; 1 for a bad spec, a failed compile, a kernel that spills, a
-        failed verification or missing nvcc.
+        failed verification or missing nvcc (a spec whose compile failed or spilled is not
+        written).
     flashgen show SPEC [--target T]    the checked IR, the kernel plan and the CUDA source
     flashgen list [DIR]                the specs in DIR (default specs/)
     flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
@@ -210,18 +211,39 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     return res
 
 
-def _load_specs(paths: list[str], err) -> list[ir.Spec] | None:
+def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Spec] | None:
+    """The specs at ``paths``, or None after printing every error to ``err`` (and
+    appending ``{file, line, col, message}`` to ``errors`` for ``--json``)."""
     from .spec import load_spec
 
+    def note(file, message, line=None, col=None):
+        if errors is not None:
+            errors.append({"file": str(file), "line": line, "col": col, "message": message})
+
     specs, bad = [], False
-    for p in paths:
+    by_name: dict[str, str] = {}
+    for p in dict.fromkeys(paths):  # a file named twice is built once
         try:
-            specs.append(load_spec(p))
+            spec = load_spec(p)
+            if spec.name in by_name:  # one generated/<name>/ folder, one torch op name
+                msg = (
+                    f"spec name '{spec.name}' is also the name of {by_name[spec.name]}; both "
+                    f"would write {spec.name}/ and register torch.ops.flashgen.{spec.name}: "
+                    "rename one"
+                )
+                err.print(f"{p}: error: {msg}", markup=False)
+                note(p, msg)
+                bad = True
+                continue
+            by_name[spec.name] = p
+            specs.append(spec)
         except SpecError as e:
             err.print(str(e), markup=False, highlight=False)
+            note(e.file, e.message, e.line, e.col)
             bad = True
         except OSError as e:
             err.print(f"{p}: error: cannot read spec: {e.strerror or e}", markup=False)
+            note(p, f"cannot read spec: {e.strerror or e}")
             bad = True
     return None if bad else specs
 
@@ -237,10 +259,14 @@ def _consoles():
     return out, err
 
 
-def _fail_json(args, message: str) -> int:
-    """Exit status 1, printing ``{"ok": false, "error": ...}`` first in ``--json`` mode."""
+def _fail_json(args, message: str, errors: list | None = None) -> int:
+    """Exit status 1, printing ``{"ok": false, "error": ...}`` first in ``--json`` mode
+    (with ``"errors"``, the spec errors' locations, where there are any)."""
     if args.json:
-        print(json.dumps({"flashgen_version": __version__, "ok": False, "error": message}))
+        doc = {"flashgen_version": __version__, "ok": False, "error": message}
+        if errors:
+            doc["errors"] = errors
+        print(json.dumps(doc))
     return 1
 
 
@@ -257,9 +283,10 @@ def cmd_build(args) -> int:
     except ValueError as e:
         err.print(f"error: {e}", markup=False)
         return _fail_json(args, str(e))
-    specs = _load_specs(args.specs, err)
+    spec_errors: list = []
+    specs = _load_specs(args.specs, err, spec_errors)
     if specs is None:
-        return _fail_json(args, "spec errors (see stderr)")
+        return _fail_json(args, "spec errors (see stderr)", spec_errors)
     pairs = []
     for spec in specs:
         for t in dict.fromkeys(args.target or spec.targets):
@@ -294,10 +321,13 @@ def cmd_build(args) -> int:
                     progress.advance(task)
         results = [f.result() for f in futures]
 
-    generated = []
+    generated, unwritten = [], []
     for spec in specs:
         mine = [r for r in results if r.spec is spec]
         if not mine:
+            continue
+        if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
+            unwritten.append(spec.name)
             continue
         reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
         targets = tuple(dict.fromkeys(r.target for r in mine))
@@ -379,6 +409,8 @@ def cmd_build(args) -> int:
             err.print(f"error: verifying {v['spec']}: {v['error']}", markup=False)
     for g in generated:
         out.print(f"wrote {g}/", markup=False)
+    for name in unwritten:
+        err.print(f"note: {name} not written to {args.out}/ (its build failed)", markup=False)
     return 0 if ok else 1
 
 
@@ -558,6 +590,10 @@ def cmd_list(args) -> int:
             rows.append(
                 (f.stem, "-", "-", "-", "-", f"ERROR {e.file}:{e.line}:{e.col}: {e.message}")
             )
+            bad = True
+            continue
+        except OSError as e:  # a directory named *.yaml, a dangling link, no permission
+            rows.append((f.stem, "-", "-", "-", "-", f"ERROR cannot read spec: {e.strerror or e}"))
             bad = True
             continue
         hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"

@@ -179,6 +179,9 @@ HOPPER_REGS = (56, 224)
 HOPPER_PERSISTENT_REGS = (72, 216)
 #: Shared memory a CTA may use on sm_90 (227 KiB).
 HOPPER_SMEM_LIMIT = 232448
+#: Dynamic shared memory a CTA may opt into, per target: A100's 163 KiB for sm_80, H100's
+#: 227 KiB for sm_90 (cudaFuncSetAttribute refuses more; a launch would fail on the GPU).
+SMEM_LIMIT = {"sm_80": 166912, "sm_90": HOPPER_SMEM_LIMIT}
 
 
 def is_hopper_tiles(tiles: TileConfig) -> bool:
@@ -805,6 +808,12 @@ def plan_forward(
     smem = (tiles.block_m * max(d, dv) + tiles.block_n * d + tiles.block_n * dv) * elt
     table_smem = TABLE_ROW_SMEM if needs_block_table(spec) else 0
     smem += table_smem
+    if smem > SMEM_LIMIT[target]:
+        raise ValueError(
+            f"tiles {tiles.block_m}x{tiles.block_n} need {smem} B of shared memory at head_dim "
+            f"{d}/{dv}, more than a CTA may use on {target} ({SMEM_LIMIT[target]} B): pick a "
+            "smaller tiles.block_m or tiles.block_n"
+        )
     ctx = _forward_context(spec, target, tiles)
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
@@ -1633,7 +1642,9 @@ def forward_tile_candidates(
         return [first]
     rest = list(FORWARD_FALLBACK_TILES)
     if is_hopper_tiles(first):  # a narrower Hopper step first, then the FA2-class kernel
-        rest = [replace(first, block_n=first.block_n // 2), default_tiles(spec), *rest]
+        half = first.block_n // 2 // 16 * 16  # d256's 80 -> 32: 40 is no legal BLOCK_N
+        narrower = [replace(first, block_n=half)] if half >= 16 else []
+        rest = [*narrower, default_tiles(spec), *rest]
     return [first, *(t for t in dict.fromkeys(rest) if t != first)]
 
 
@@ -1655,7 +1666,13 @@ def _table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
 
 def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
     """Backward tiles to try: the table's, then the same with 16-row inner steps (the
-    smallest score tiles), keeping the column split."""
+    smallest score tiles), keeping the column split, then those narrow steps with the
+    dK/dV columns split twice as many ways where the halves stay whole 16-column mma tiles
+    (the dkdv kernel's accumulators halve: a head_dim 256 score_mod with a conditional mask
+    spills 148 bytes in the atomic-dQ unit at dsplit 2, none at 4)."""
     first = _table_backward_tiles(spec, atomic_dq)
-    narrow = replace(first, dkdv_block_m=16, dq_block_n=16)
-    return [first] if narrow == first else [first, narrow]
+    out = [first, replace(first, dkdv_block_m=16, dq_block_n=16)]
+    split = 2 * first.dkdv_dsplit
+    if spec.head_dim % (16 * split) == 0 and spec.head_dim_v % (16 * split) == 0:
+        out.append(replace(out[1], dkdv_dsplit=split))
+    return list(dict.fromkeys(out))

@@ -21,6 +21,7 @@ the kernels evaluate the same rules per tile through the C++ classifier that
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -71,6 +72,36 @@ def _i32(r: Range, is_int: bool) -> Range:
     if is_int and (r.lo < -(2**31) or r.hi > 2**31 - 1):
         return ANY
     return r
+
+
+#: float32 rounding: the kernels evaluate a mask's f32 math in float, this analysis in double.
+#: A float result's range is widened by these fractions of its magnitude (plus a subnormal
+#: step), so the float the kernel computes lies inside and no comparison claims EMPTY or
+#: FULL on a rounding (``kv_idx * 1.1 + 0.6 <= q_idx`` did at (q 335, kv 304)).  Basic ops
+#: and sqrt: 2 ulps (an FMA, a hoisted reciprocal); expf/logf: 4; tanh.approx.f32: 2^-10.
+F32_REL = 2.0**-22
+F32_REL_EXPLOG = 2.0**-21
+F32_REL_TANH = 2.0**-10
+_TINY = 1e-37
+
+
+def _fl(r: Range, rel: float = F32_REL) -> Range:
+    """``r`` widened to hold its float32 evaluation (``fg::iv::fl``)."""
+    if math.isnan(r.lo) or math.isnan(r.hi):
+        return ANY
+    lo = r.lo if math.isinf(r.lo) else r.lo - abs(r.lo) * rel - _TINY
+    hi = r.hi if math.isinf(r.hi) else r.hi + abs(r.hi) * rel + _TINY
+    return Range(lo, hi)
+
+
+def _fl_int(r: Range) -> Range:
+    """An int range converted to float (``fg::iv::fl_int``): exact up to 2^24."""
+    return r if abs(r.lo) <= 2.0**24 and abs(r.hi) <= 2.0**24 else _fl(r)
+
+
+def f32_exact(v: float) -> bool:
+    """Whether the float literal ``v`` is a float32 value (0.5 is, 0.1 is not)."""
+    return struct.unpack("f", struct.pack("f", v))[0] == v
 
 
 def _corners(op, a: Range, b: Range) -> Range:
@@ -137,6 +168,8 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
     if isinstance(e, Const):
         if e.ty == Ty.BOOL:
             return Truth(bool(e.value), not bool(e.value))
+        if e.ty == Ty.F32 and not f32_exact(float(e.value)):
+            return _fl(Range.exact(e.value))  # 0.1 is 0.1f in the kernels
         return Range.exact(e.value)
     if isinstance(e, Causal):
         lhs = evaluate(
@@ -164,25 +197,32 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
             return Truth(a.can_true and b.can_true, a.can_false or b.can_false)
         if e.op == "||":
             return Truth(a.can_true or b.can_true, a.can_false and b.can_false)
+        if Ty.F32 in (e.lhs.ty, e.rhs.ty):  # the int side is converted to float
+            a = _fl_int(a) if e.lhs.ty == Ty.I32 else a
+            b = _fl_int(b) if e.rhs.ty == Ty.I32 else b
         if e.op in ("<", "<=", ">", ">=", "==", "!="):
             return _compare(e.op, a, b)
         is_int = e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32
+        rnd = (lambda r: r) if is_int else _fl  # a float op rounds its result
         if e.op == "+":
-            return _i32(Range(a.lo + b.lo, a.hi + b.hi), is_int)
+            return _i32(rnd(Range(a.lo + b.lo, a.hi + b.hi)), is_int)
         if e.op == "-":
-            return _i32(Range(a.lo - b.hi, a.hi - b.lo), is_int)
+            return _i32(rnd(Range(a.lo - b.hi, a.hi - b.lo)), is_int)
         if e.op == "*":
-            return _i32(_corners(_mul, a, b), is_int)
+            return _i32(rnd(_corners(_mul, a, b)), is_int)
         if e.op == "/":
             if b.lo <= 0 <= b.hi:
                 return ANY
-            return _corners(_trunc_div if is_int else (lambda x, y: x / y), a, b)
+            return rnd(_corners(_trunc_div if is_int else (lambda x, y: x / y), a, b))
         if e.op == "%":
-            return _mod(a, b, is_int)
+            return _mod(a, b, is_int)  # fmodf is exact
     if isinstance(e, Cond):
         c = evaluate(e.cond, env)
         t = evaluate(e.then, env) if c.can_true else None
         o = evaluate(e.other, env) if c.can_false else None
+        if e.ty == Ty.F32:  # an int branch is converted to float
+            t = _fl_int(t) if t is not None and e.then.ty == Ty.I32 else t
+            o = _fl_int(o) if o is not None and e.other.ty == Ty.I32 else o
         if t is None:
             return o
         if o is None:
@@ -192,6 +232,8 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
         return Range(min(t.lo, o.lo), max(t.hi, o.hi))
     if isinstance(e, Call):
         args = [evaluate(x, env) for x in e.args]
+        if e.ty == Ty.F32:  # int arguments are converted to float
+            args = [_fl_int(r) if x.ty == Ty.I32 else r for r, x in zip(args, e.args, strict=True)]
         a = args[0]
         if e.fn == "abs":
             if a.lo >= 0:
@@ -204,13 +246,13 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
         if e.fn == "max":
             return Range(max(a.lo, args[1].lo), max(a.hi, args[1].hi))
         if e.fn == "exp":
-            return _monotone(_exp, a)
+            return _fl(_monotone(_exp, a), F32_REL_EXPLOG)
         if e.fn == "log":
-            return _monotone(_log, a, 0.0)
+            return _fl(_monotone(_log, a, 0.0), F32_REL_EXPLOG)
         if e.fn == "sqrt":
-            return _monotone(math.sqrt, a, 0.0)
+            return _fl(_monotone(math.sqrt, a, 0.0))
         if e.fn == "tanh":
-            return _monotone(math.tanh, a)
+            return _fl(_monotone(math.tanh, a), F32_REL_TANH)
         if e.fn == "trunc":
             return _monotone(math.trunc, a) if not math.isinf(a.lo + a.hi) else ANY
     raise TypeError(f"cannot analyse {e!r}")

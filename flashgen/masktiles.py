@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
+from .maskinfo import F32_REL, F32_REL_EXPLOG, F32_REL_TANH, f32_exact
 
 #: Name of the emitted function.
 FUNCTION = "fg_tile_class"
@@ -46,6 +47,14 @@ _CALL = {
     "tanh": "tanh_",
 }
 _IDX_VARS = {"b", "h", "seqlen_q", "seqlen_k"}
+#: float32 rounding slack of a float result (maskinfo.F32_REL and friends, as C++ hex literals)
+_REL = F32_REL.hex()
+_CALL_REL = {
+    "exp": F32_REL_EXPLOG.hex(),
+    "log": F32_REL_EXPLOG.hex(),
+    "sqrt": F32_REL.hex(),
+    "tanh": F32_REL_TANH.hex(),
+}
 
 
 def classifier_params(spec: Spec) -> list[tuple[str, str]]:
@@ -87,6 +96,8 @@ class _Emitter:
         if isinstance(e, Const):
             if e.ty == Ty.BOOL:
                 return self.let("T", f"fg::iv::truth({'true' if e.value else 'false'})")
+            if e.ty == Ty.F32 and not f32_exact(float(e.value)):  # 0.1 is 0.1f in the kernels
+                return self.let("R", f"fg::iv::fl(fg::iv::exact({_double(e.value)}), {_REL})")
             return self.let("R", f"fg::iv::exact({_double(e.value)})")
         if isinstance(e, Causal):
             lhs = self.let("R", "fg::iv::exact((double)seqlen_k - (double)seqlen_q)")
@@ -120,23 +131,39 @@ class _Emitter:
                 return self.let("T", f"fg::iv::land({a}, {b})")
             if e.op == "||":
                 return self.let("T", f"fg::iv::lor({a}, {b})")
+            if Ty.F32 in (e.lhs.ty, e.rhs.ty):  # the int side is converted to float
+                a = self.let("R", f"fg::iv::fl_int({a})") if e.lhs.ty == Ty.I32 else a
+                b = self.let("R", f"fg::iv::fl_int({b})") if e.rhs.ty == Ty.I32 else b
             if e.op in _CMP:
                 return self.let("T", f"fg::iv::{_CMP[e.op]}({a}, {b})")
             is_int = "true" if (e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32) else "false"
             if e.op in ("+", "-", "*"):
                 fn = {"+": "add", "-": "sub", "*": "mul"}[e.op]
                 code = f"fg::iv::{fn}({a}, {b})"
-                return self.let("R", f"fg::iv::i32({code})" if is_int == "true" else code)
+                if is_int == "true":
+                    return self.let("R", f"fg::iv::i32({code})")
+                return self.let("R", f"fg::iv::fl({code}, {_REL})")  # a float op rounds
             if e.op == "/":
-                return self.let("R", f"fg::iv::div({a}, {b}, {is_int})")
+                code = f"fg::iv::div({a}, {b}, {is_int})"
+                return self.let("R", code if is_int == "true" else f"fg::iv::fl({code}, {_REL})")
             if e.op == "%":
                 return self.let("R", f"fg::iv::mod({a}, {b}, {is_int})")
         if isinstance(e, Cond):
             c, t, o = self.emit(e.cond), self.emit(e.then), self.emit(e.other)
+            if e.ty == Ty.F32:  # an int branch is converted to float
+                t = self.let("R", f"fg::iv::fl_int({t})") if e.then.ty == Ty.I32 else t
+                o = self.let("R", f"fg::iv::fl_int({o})") if e.other.ty == Ty.I32 else o
             return self.let("T" if e.ty == Ty.BOOL else "R", f"fg::iv::cond({c}, {t}, {o})")
         if isinstance(e, Call) and e.fn in _CALL:
-            args = ", ".join(self.emit(a) for a in e.args)
-            return self.let("R", f"fg::iv::{_CALL[e.fn]}({args})")
+            names = [self.emit(a) for a in e.args]
+            if e.ty == Ty.F32:  # int arguments are converted to float
+                names = [
+                    self.let("R", f"fg::iv::fl_int({n})") if a.ty == Ty.I32 else n
+                    for n, a in zip(names, e.args, strict=True)
+                ]
+            code = f"fg::iv::{_CALL[e.fn]}({', '.join(names)})"
+            rel = _CALL_REL.get(e.fn) if e.ty == Ty.F32 else None
+            return self.let("R", code if rel is None else f"fg::iv::fl({code}, {rel})")
         raise TypeError(f"cannot classify {e!r}")
 
 

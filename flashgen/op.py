@@ -340,7 +340,8 @@ def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
     any value :func:`check_scalar` rejects (a non-integer for an ``i32`` param, a
     non-finite or non-number for an ``f32`` param, a value outside the declared
     ``min``/``max``) raise :class:`OpInputError`.  A scalar may also be a 0-d CPU
-    tensor; a CUDA tensor is refused (reading it would synchronize the device).
+    tensor; a CUDA tensor is refused (reading it would synchronize the device), one that
+    requires grad raises ``NotImplementedError`` (its gradient would be silently dropped).
     """
     valid = [p.name for p in spec.params]
     for name in params:
@@ -359,6 +360,12 @@ def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
                 raise OpInputError(
                     f"{p.name}: expected a Python number or a CPU scalar tensor, got a tensor "
                     f"on {val.device} (reading it would synchronize the device)"
+                )
+            if val.requires_grad:  # .item() would drop its gradient without a word
+                raise NotImplementedError(
+                    f"flashgen::{spec.name}: gradients with respect to scalar param "
+                    f"'{p.name}' are not supported; pass {p.name}.item() (a number) or "
+                    f"{p.name}.detach()"
                 )
             val = val.item()
         scalars.append(check_scalar(p, val))

@@ -3,7 +3,10 @@
 Evaluates the same typed IR the kernels are generated from, with broadcasting index
 tensors ``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Sq,1]``, ``kv_idx [1,1,1,Sk]``.
 Integer ``/`` and ``%`` truncate toward zero (C semantics) and give 0 for a zero divisor,
-matching the CUDA lowering.
+matching the CUDA lowering.  The mask's float (``f32``) arithmetic runs in float32 whatever
+the compute dtype, as in the kernels: a mask is a decision, and float64 decides
+``q_idx * 0.1 == 0.3`` or ``kv_idx <= q_idx / 0.3`` differently from float32 (the
+score_mod, a continuous value, follows the compute dtype).
 Semantics follow FlexAttention: ``score_mod`` rewrites the scaled logit, ``mask`` drops pairs.
 """
 
@@ -47,8 +50,9 @@ def eval_expr(e: Expr, env: dict):
         # Reads are clamped into bounds, as in the kernels; where an index was out of
         # bounds is recorded, and attention_reference refuses it at pairs that are kept.
         clamped = []
-        for i, n in zip(idx, t.shape, strict=True):
-            env.setdefault("__oob__", []).append((e.name, (i < 0) | (i >= n)))
+        for dim, (i, n) in enumerate(zip(idx, t.shape, strict=True)):
+            oob = (i < 0) | (i >= n)
+            env.setdefault("__oob__", []).append((e.name, oob, dim, t.dim(), n, i))
             clamped.append(i.clamp(0, n - 1))
         return t[tuple(clamped)]
     if isinstance(e, Unary):
@@ -139,14 +143,24 @@ def _env(
 
 
 def _check_bounds(env: dict, keep) -> None:
-    """Refuse a tensor-param index outside the declared shape at a kept pair."""
-    for name, oob in env.get("__oob__", []):
+    """Refuse a tensor-param index outside the declared shape at a kept pair, naming the
+    index, its value, the extent and the first such (b, h, q_idx, kv_idx)."""
+    for name, oob, dim, rank, n, idx in env.get("__oob__", []):
         hit = oob if keep is None else oob & keep
         if bool(hit.any()):
+            where = tuple(hit.nonzero()[0].tolist())
+            value = int(idx.expand(hit.shape)[where])
+            at = ""
+            if hit.dim() == 4:  # the [B, H, Sq, Sk] grid; env[k] varies along axis i only
+                names = ("b", "h", "q_idx", "kv_idx")
+                vals = [int(env[k].reshape(-1)[where[i]]) for i, k in enumerate(names)]
+                at = " at " + ", ".join(f"{k}={v}" for k, v in zip(names, vals, strict=True))
+            subs = ", ".join("." if d != dim else str(value) for d in range(rank))
             raise IndexError(
-                f"tensor param '{name}' is indexed outside its shape at (q_idx, kv_idx) pairs "
-                f"the mask keeps; the CUDA kernels clamp such indices into range, so fix the "
-                f"expression or the param's declared shape"
+                f"tensor param '{name}' is indexed outside its shape at a (q_idx, kv_idx) pair "
+                f"the mask keeps: {name}[{subs}]{at}, but dim {dim} has extent {n}; the CUDA "
+                f"kernels clamp such indices into range, so fix the expression or the "
+                f"param's declared shape"
             )
 
 
@@ -169,7 +183,7 @@ def eval_mask(
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
     env = _env(
-        spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float64,
+        spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float32,
         batch_offset,
     )  # fmt: skip
     shape = (batch, heads_q, seqlen_q, seqlen_k)
@@ -200,7 +214,8 @@ def attention_reference(
         params: values of the spec's params (scalars as numbers, tensors as tensors);
             missing scalars take the spec default.
         compute_dtype: dtype of every intermediate (float64 for test references; the input
-            dtype to model PyTorch's own low-precision math).
+            dtype to model PyTorch's own low-precision math), except the mask's float
+            math, which is float32 as in the kernels.
         batch_offset: value of the index variable ``b`` for the first batch entry (the
             varlen reference passes one sequence at a time).
 
@@ -232,8 +247,10 @@ def attention_reference(
         env["score"] = s
         s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
     keep = None
-    if spec.mask is not None:
-        keep = eval_expr(spec.mask, env).expand(B, Hq, Sq, Sk)
+    if spec.mask is not None:  # float32 float math, as the kernels decide (see the module doc)
+        mask_env = _env(spec, B, Hq, Sq, Sk, params, dev, torch.float32, batch_offset)
+        keep = eval_expr(spec.mask, mask_env).expand(B, Hq, Sq, Sk)
+        env.setdefault("__oob__", []).extend(mask_env.get("__oob__", []))
         s = s.masked_fill(~keep, float("-inf"))
     _check_bounds(env, keep)
     # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.

@@ -10,6 +10,7 @@ field locations recorded here so its errors point into the file too.
 from __future__ import annotations
 
 import os
+import re
 
 import yaml
 
@@ -38,6 +39,8 @@ TILE_FIELDS = ("block_m", "block_n", "num_warps")
 DEFAULT_TARGETS = ("sm_80", "sm_90")
 
 _YAML_TAG = "tag:yaml.org,2002:"
+#: A float with an exponent and no dot (``1e-3``, ``-2E+5``): a string to PyYAML.
+_EXP_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 _KIND = {"int": "an integer", "float": "a number", "bool": "a boolean", "null": "null"}
 
 
@@ -93,6 +96,14 @@ class _Loader:
         """The Python value of a scalar node whose tag is one of ``tags``."""
         if isinstance(node, yaml.ScalarNode) and node.tag.removeprefix(_YAML_TAG) in tags:
             return self.value(node)
+        if (
+            "float" in tags
+            and isinstance(node, yaml.ScalarNode)
+            and node.style is None  # unquoted
+            and node.tag == _YAML_TAG + "str"
+            and _EXP_FLOAT.fullmatch(node.value)
+        ):  # 1e-3: YAML 1.1 (PyYAML) wants a dot in a float, YAML 1.2 and the DSL do not
+            return float(node.value)
         raise self.error(node, f"{field} must be {what}, got {self.describe(node)}")
 
     def integer(self, node: yaml.Node, field: str) -> int:
@@ -117,7 +128,10 @@ class _Loader:
         out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
         for k, v in node.value:
             if not (isinstance(k, yaml.ScalarNode) and k.tag == _YAML_TAG + "str"):
-                raise self.error(k, f"keys of {field} must be names, got {self.describe(k)}")
+                hint = ""
+                if isinstance(k, yaml.ScalarNode) and re.fullmatch(r"[A-Za-z_]\w*", k.value):
+                    hint = f": YAML reads a bare {k.value} that way; quote it ('{k.value}')"
+                raise self.error(k, f"keys of {field} must be names, got {self.describe(k)}{hint}")
             key = k.value
             if key in out:
                 raise self.error(k, f"duplicate key '{key}' in {field}")

@@ -38,6 +38,15 @@ def _paren(*parts: str) -> str:
     return "(" + "".join(parts) + ")"
 
 
+def _folds_to(text: str, value: float) -> bool:
+    """Whether the expression ``text`` is made of literals only and equals ``value`` (the
+    checker refuses a divisor that folds to 0, such as ``((-3) + 2) + 1``)."""
+    from flashgen.check import _constant
+    from flashgen.parse import parse_expr
+
+    return _constant(parse_expr(text)) == value
+
+
 @cache
 def expr(ty: str, depth: int, score: bool, wild: bool) -> st.SearchStrategy[str]:
     """Strategy for expression text of DSL type ``ty`` (``"i32"``, ``"f32"``, ``"bool"``).
@@ -72,9 +81,9 @@ def expr(ty: str, depth: int, score: bool, wild: bool) -> st.SearchStrategy[str]
         ]
         if wild:
             opts.append(
-                st.tuples(sub("i32"), st.sampled_from(["*", "/", "%"]), sub("i32")).map(
-                    lambda x: _paren(x[0], f" {x[1]} (", x[2], " + 1)")
-                )
+                st.tuples(sub("i32"), st.sampled_from(["*", "/", "%"]), sub("i32"))
+                .filter(lambda x: x[1] == "*" or _folds_to(x[2], -1) is False)
+                .map(lambda x: _paren(x[0], f" {x[1]} (", x[2], " + 1)"))
             )
         return st.one_of(opts)
     if ty == "f32":
@@ -115,9 +124,13 @@ def expr(ty: str, depth: int, score: bool, wild: bool) -> st.SearchStrategy[str]
                 st.tuples(st.sampled_from(["exp", "log", "sqrt"]), num).map(
                     lambda x: f"{x[0]}({x[1]})"
                 ),
-                # a divisor is never the literal 0 (the checker rejects that by design)
-                st.tuples(num, num).map(lambda x: _paren(x[0], " / (", x[1], " + 0.5)")),
-                st.tuples(num, sub("f32")).map(lambda x: _paren(x[0], " % (", x[1], " + 0.5)")),
+                # a divisor is never a constant 0 (the checker rejects that by design)
+                st.tuples(num, num)
+                .filter(lambda x: _folds_to(x[1], -0.5) is False)
+                .map(lambda x: _paren(x[0], " / (", x[1], " + 0.5)")),
+                st.tuples(num, sub("f32"))
+                .filter(lambda x: _folds_to(x[1], -0.5) is False)
+                .map(lambda x: _paren(x[0], " % (", x[1], " + 0.5)")),
             ]
         return st.one_of(opts)
     # bool
@@ -144,6 +157,18 @@ def expr(ty: str, depth: int, score: bool, wild: bool) -> st.SearchStrategy[str]
     )
 
 
+def may_be_true(mask: str) -> bool:
+    """False for a mask the checker refuses as never true (``false``, ``q_idx < 0`` ...)."""
+    from flashgen.errors import SpecError
+    from flashgen.spec import loads_spec
+
+    try:
+        loads_spec(spec_text(mask, None), "fuzz.yaml")
+    except SpecError as e:
+        return "mask is never true" not in str(e)
+    return True
+
+
 def masks(wild: bool = False) -> st.SearchStrategy[str]:
     """Bool expressions for ``mask``.
 
@@ -152,8 +177,8 @@ def masks(wild: bool = False) -> st.SearchStrategy[str]:
     which keeps the diagonal's neighbourhood by construction.
     """
     m = expr("bool", MAX_DEPTH, False, wild)
-    if wild:
-        return m
+    if wild:  # the checker refuses a mask it proves never true (e.g. `false && ...`)
+        return m.filter(may_be_true)
     return st.tuples(m, st.booleans()).map(
         lambda x: (
             f"causal && ({x[0]} || kv_idx % 3 == 0 || q_idx + seqlen_k - seqlen_q == kv_idx)"

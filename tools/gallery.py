@@ -29,6 +29,7 @@ import json
 import math
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -192,7 +193,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--doc-len", type=int, default=1024, help="mean document length")
     ap.add_argument("--specs", nargs="*", default=list(GALLERY))
-    ap.add_argument("--out", default=str(REPO / "docs" / "gallery.md"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default docs/gallery.md; a --dry-run without --out prints the page instead "
+        "(it would replace the measured page with dashes)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
@@ -279,10 +285,17 @@ def main(argv=None) -> int:
             "the timings."
         )
     meta = {"where": where, "batch": batch, "seqlen": args.seqlen, "host": platform.node()}
-    write_page(rows, meta, Path(args.out))
+    if args.out is None and args.dry_run:  # keep the committed, measured page
+        with tempfile.TemporaryDirectory() as tmp:
+            write_page(rows, meta, Path(tmp) / "gallery.md")
+            print((Path(tmp) / "gallery.md").read_text())
+        out = "stdout"
+    else:
+        out = args.out or str(REPO / "docs" / "gallery.md")
+        write_page(rows, meta, Path(out))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {args.out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    print(f"wrote {out} in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     ok = all(r.get("missing") or math.isfinite(r["density"]) for r in rows)
     return 0 if ok else 1
 

@@ -90,7 +90,6 @@ def test_score_mod_types(expr, ty):
     [
         "causal",
         "true",
-        "false",
         "q_idx >= kv_idx",
         "causal && q_idx - kv_idx < window",
         "q_idx + seqlen_k - seqlen_q - kv_idx < window || false",
@@ -208,3 +207,68 @@ def test_float_literal_that_underflows_float32_is_refused():
     with pytest.raises(SpecError, match=r"rounds to 0 in float32"):
         loads_spec(spec_text(score_mod="score / 1e-50"))
     loads_spec(spec_text(score_mod="score * 1e-45 + score"))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "false",
+        "q_idx < 0",
+        "causal && (kv_idx < -1 || false)",
+        "q_idx + 0.5 < 0.0 || h < 0",
+        "!(b >= 0)",
+        "q_idx < w && kv_idx > 0",
+        "seqlen_k <= 0",
+        "w2 < 0.0 && true",
+    ],
+)
+def test_a_mask_that_is_never_true_is_an_error(mask):
+    """Proved by the interval analysis over every index, length and param value the op
+    accepts (``w`` has ``max: 0``, ``w2`` ``min: 1.0``): an op that returns o = 0,
+    lse = -inf on every row is a spec bug, not a kernel to build."""
+    text = (
+        "name: never\nhead_dim: 64\ndtype: fp16\n"
+        f"mask: '{mask}'\n"
+        "params: {w: {type: i32, default: -5, max: 0}, w2: {type: f32, default: 2.0, min: 1.0}}\n"
+    )
+    with pytest.raises(SpecError) as info:
+        loads_spec(text, "never.yaml")
+    e = info.value
+    assert "mask is never true" in str(e) and "o = 0, lse = -inf" in str(e)
+    assert (e.file, e.line, e.col) == ("never.yaml", 4, 8)  # after the quote
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "q_idx < w",  # w's default may be 0, but a call may pass more
+        "q_idx > kv_idx && kv_idx > q_idx",  # relational: beyond intervals, accepted
+        "q_idx + 2147483000 < 0",  # int32 overflow: no claim
+        "w2 > 0.0",
+        "kv_idx * 0.1 == 0.3",
+    ],
+)
+def test_masks_that_may_be_true_are_accepted(mask):
+    text = (
+        "name: maybe\nhead_dim: 64\ndtype: fp16\n"
+        f"mask: '{mask}'\n"
+        "params: {w: {type: i32, default: 0}, w2: {type: f32, default: -1.0}}\n"
+    )
+    assert loads_spec(text, "maybe.yaml").mask is not None
+
+
+@pytest.mark.parametrize(
+    "field, expr, op",
+    [
+        ("mask", "q_idx % (3 - 3) == 0", "%"),
+        ("score_mod", "score / (1.0 - 1.0)", "/"),
+        ("score_mod", "score / (2 * 0.0 + -0.0)", "/"),
+    ],
+)
+def test_a_divisor_built_from_literals_that_is_zero_is_an_error(field, expr, op):
+    """Only a literal 0 was refused; `% (3 - 3)` gave 0 per element and `/ (1.0 - 1.0)`
+    inf or NaN, silently.  The caret is under the operator, as for a literal 0."""
+    e = bad(expr, field)
+    assert f"'{op}' by zero: the divisor is the constant 0" in e.message
+    assert e.col == len(field) + len(': "') + expr.index(op) + 1
+    typed("score / (3 - 2) + score % (1.0 - 0.5)")  # nonzero constants are fine

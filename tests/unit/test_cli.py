@@ -154,3 +154,66 @@ def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeyp
     assert rc == 1
     assert "error: FLASHGEN_KERNEL_FAMILY='fa4': expected one of auto, fa3, fa2" in err
     assert not (tmp_path / "causal_d128").exists()
+
+
+def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A unit that spills (or fails to compile) fails the build: its spec's generated/
+    folder is not written (it printed 'error: ... kernel spills' and then 'wrote ...')."""
+    from flashgen import cli
+
+    good = cli._compile_one
+
+    def spilling(spec, target, unit):
+        res = good(spec, target, unit)
+        if unit == "bwd_atomic":
+            res.error = "kernel spills: 60 bytes stores, 88 bytes loads"
+        return res
+
+    monkeypatch.setattr(cli, "_compile_one", spilling)
+    out = tmp_path / "gen"
+    rc = main(["build", CAUSAL, "--target", "sm_80", "--out", str(out), "--no-verify"])
+    cap = capsys.readouterr()
+    assert rc == 1
+    assert "kernel spills" in cap.err and "causal_d128 not written" in cap.err
+    assert "wrote" not in cap.out
+    assert not (out / "causal_d128").exists()
+
+
+def test_list_reports_an_unreadable_spec_instead_of_a_traceback(tmp_path, capsys):
+    (tmp_path / "ok.yaml").write_text("name: ok\nhead_dim: 64\ndtype: fp16\nmask: causal\n")
+    (tmp_path / "adir.yaml").mkdir()
+    (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere")
+    rc = main(["list", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "adir" in text and "ERROR cannot read spec: Is a directory" in text
+    assert "gone" in text and "ERROR cannot read spec: No such file or directory" in text
+    assert "ok" in text and "causal" in text
+
+
+def test_two_specs_with_one_name_are_refused(tmp_path, capsys):
+    """Both were built and written to the same generated/<name>/ ('wrote' twice, the
+    second silently replacing the first); the same file named twice builds once."""
+    other = tmp_path / "alibi.yaml"
+    other.write_text(Path(ALIBI).read_text().replace("head_dim: 128", "head_dim: 64"))
+    out = tmp_path / "gen"
+    rc = main(["build", ALIBI, str(other), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"{other}: error: spec name 'alibi' is also the name of {ALIBI}" in err
+    assert not out.exists()
+    rc = main(["show", ALIBI])
+    assert rc == 0
+
+
+def test_build_json_lists_spec_errors_with_locations(tmp_path, capsys):
+    """--json on spec errors said only "spec errors (see stderr)"."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nhead_dim: 80\ndtype: bf16\n")
+    rc = main(["build", str(bad), str(tmp_path / "missing.yaml"), "--json", "--no-verify"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["ok"] is False
+    first, second = doc["errors"]
+    assert (first["file"], first["line"], first["col"]) == (str(bad), 2, 11)
+    assert "head_dim 80 is not supported" in first["message"]
+    assert second["file"].endswith("missing.yaml") and "cannot read spec" in second["message"]

@@ -72,6 +72,10 @@ CASES = [
         "{p: {type: i32, default: 1}}",
         {"p": 2**27 + 5},
     ),
+    # float math in a mask is float32 in the kernels and the reference alike (float64
+    # decides these differently: 3 * 0.1 != 0.3, 9 / 0.3 > 30, 0.1 as a double param)
+    ("q_idx * 0.1 == 0.3 || kv_idx * f == 0.3", "{f: {type: f32, default: 1.0}}", {"f": 0.1}),
+    ("kv_idx <= q_idx / 0.3", "{}", {}),
     (
         "q_idx - kv_idx + seqlen_k - seqlen_q < 0.5 * f && kv_idx > q_idx / 9",
         "{f: {type: f32, default: 1.0}}",

@@ -58,3 +58,18 @@ def test_dry_run_writes_the_page(tmp_path):
     row = next(line for line in page.splitlines() if line.startswith("| document_mask"))
     density = float(row.split("|")[3])
     assert 0.0 < density < 0.5  # causal within ~8 documents
+
+
+def test_dry_run_without_out_prints_and_keeps_the_measured_page(tmp_path, capsys):
+    """`--dry-run` (the README's CPU mode) replaced docs/gallery.md's measurements with
+    dashes; without --out it prints the page now."""
+    tool = _tool()
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "gallery.md"
+    page.write_text("measured\n")
+    (tmp_path / "specs").symlink_to(REPO / "specs")
+    tool.REPO = tmp_path  # the tool's docs/ and specs/
+    rc = tool.main(["--dry-run", "--seqlen", "256", "--specs", "mistral_swa"])
+    assert rc == 0
+    assert page.read_text() == "measured\n"
+    assert "| mistral_swa | 128 |" in capsys.readouterr().out

@@ -81,3 +81,21 @@ def test_generated_module_imports_and_runs_on_cpu(tmp_path):
     q = torch.randn(1, 2, 5, 128).bfloat16()
     o, lse = mod.attention(q, q, q)
     assert o.shape == (1, 2, 5, 128) and lse.shape == (1, 2, 5)
+
+
+def test_a_varlen_specs_module_documents_the_packed_call():
+    """``attention`` of a ``varlen: true`` spec is the packed-sequence op; its module's
+    docstring showed the padded ``attention(q, k, v)`` with [B, Hq, Sq, D] shapes."""
+    from flashgen.generate import module_source
+    from flashgen.spec import loads_spec
+
+    spec = loads_spec(
+        "name: vl\nhead_dim: 64\ndtype: fp16\nvarlen: true\nmask: causal\n"
+        "params: {s: {type: f32, shape: [num_heads]}}\n"
+    )
+    doc = module_source(spec)
+    assert "vl.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q," in doc
+    assert "max_seqlen_k, s=s)" in doc
+    assert "q [total_q, Hq, 64]" in doc and "lse [Hq, total_q]" in doc
+    assert "[B, Hq, Sq" not in doc
+    compile(doc, "vl/__init__.py", "exec")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsl_strategies import expr, spec_text  # noqa: E402
+from dsl_strategies import expr, may_be_true, spec_text  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from flashgen import masktiles  # noqa: E402
@@ -54,7 +54,7 @@ def _random_specs(n: int, wild: bool) -> list:
     @settings(
         max_examples=n, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
     )
-    @given(expr("bool", 3, False, wild))
+    @given(expr("bool", 3, False, wild).filter(may_be_true))
     def collect(m):
         masks.append(m)
 
@@ -260,3 +260,26 @@ def test_kernels_skip_empty_tiles_and_leave_full_ones_unmasked():
 
     atomic = render(plan_backward(spec, "sm_80", atomic_dq=True).unit)
     assert "m_first" in atomic and "fg::iv::prev_live(" in atomic  # the hull of live blocks
+
+
+def test_classifier_widens_float_math_like_maskinfo(host_exe):
+    """The kernels' classifier rounds a mask's float results outward as maskinfo does
+    (fg::iv::fl / fl_int): both sound for float32 evaluation, and equal to each other."""
+    masks = [  # test_maskinfo.FLOAT_MASKS
+        "kv_idx * 1.1 + 0.6 <= q_idx",
+        "kv_idx <= q_idx / 0.3 - 1.0",
+        "q_idx * 0.1 - kv_idx * 0.1 >= 1.0 || kv_idx * 0.7 == 2.1",
+        "(q_idx - kv_idx) * 0.35 < 3.3 && kv_idx * 2.9 <= q_idx * 3.3",
+        "exp((kv_idx - q_idx) * 0.05) * 3.3 >= 1.0",
+        "tanh((q_idx - kv_idx) * 0.01) > 0.05",
+    ]
+    specs = [
+        loads_spec(f"name: fm{i}\nhead_dim: 64\ndtype: bf16\nmask: '{m}'\n")
+        for i, m in enumerate(masks)
+    ]
+    rng = random.Random(5)
+    cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng, n=300)]
+    # the tile around (q 335, kv 304), which the classifier called EMPTY: PARTIAL now
+    cases += [((0, 320, 335, 304, 319, 0, 0, 999, 999, 0, 0, 0, 0), 1)]
+    got = _run_host(host_exe, specs, [c for c, _ in cases])
+    assert [w for _, w in cases] == got

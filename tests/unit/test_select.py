@@ -42,3 +42,59 @@ def test_spec_tiles_disable_the_fallback():
     plain = loads_spec(RELPOS, "relpos.yaml")
     cands = forward_tile_candidates(plain, "sm_80")
     assert len(cands) == len(set(cands)) > 1
+
+
+D256_COND = """\
+name: d256_cond
+head_dim: 256
+dtype: fp16
+targets: [sm_80]
+mask: "q_idx >= kv_idx ? true : kv_idx - q_idx < 4"
+score_mod: max(score, -10.0) * 0.5
+"""
+
+
+def test_atomic_backward_splits_the_columns_further_when_narrow_steps_still_spill(requires_nvcc):
+    """head_dim 256 with a score_mod and a conditional mask: the atomic-dQ unit spills at
+    the table's dsplit 2 with either step width (104 and 148 bytes, nvcc 13.0); the third
+    candidate (dsplit 4: 64 columns of dK/dV per CTA) does not."""
+    spec = loads_spec(D256_COND, "d256_cond.yaml")
+    plan, _, report = build_backward(spec, "sm_80", atomic_dq=True)
+    assert report.spill_bytes == 0, report
+    assert plan.dkdv.context["dkdv_dsplit"] == 4
+
+
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
+
+
+def test_every_forward_candidate_lowers():
+    """Each fallback candidate is a legal plan: the Hopper d256 step's 80 keys halved to 40
+    (not a multiple of 16) raised ValueError, ending the fallback search at its first spill."""
+    import itertools
+
+    from flashgen.lower import SMEM_LIMIT
+
+    for d, dv, mod, varlen in itertools.product(HEAD_DIMS, HEAD_DIMS, (0, 1), (0, 1)):
+        spec = loads_spec(
+            f"name: x\nhead_dim: {d}\nhead_dim_v: {dv}\ndtype: bf16\nmask: kv_idx < q_idx + 7\n"
+            + ("score_mod: score * 0.5\n" if mod else "")
+            + ("varlen: true\n" if varlen else "")
+        )
+        for target in ("sm_80", "sm_90"):
+            for tiles in forward_tile_candidates(spec, target):
+                plan = plan_forward(spec, target, tiles=tiles)
+                assert plan.smem_bytes <= SMEM_LIMIT[target]
+
+
+def test_pinned_tiles_beyond_the_targets_shared_memory_are_refused():
+    """180 KB of shared memory builds for sm_90 (227 KB) but not for sm_80 (A100: 163 KB);
+    it compiled and reported success, to fail at launch on the GPU."""
+    import pytest
+
+    spec = loads_spec(
+        "name: big\nhead_dim: 192\nhead_dim_v: 256\ndtype: fp16\n"
+        "tiles: {block_m: 128, block_n: 128, num_warps: 8}\n"
+    )
+    assert plan_forward(spec, "sm_90").smem_bytes == 180224
+    with pytest.raises(ValueError, match="need 180224 B of shared memory .* sm_80 .166912 B"):
+        plan_forward(spec, "sm_80")

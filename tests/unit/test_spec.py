@@ -124,10 +124,11 @@ description: demo spec
     assert s.description == "demo spec"
 
 
-@pytest.mark.parametrize("value", ["true", "false"])
-def test_mask_bool_literal(value):
-    s = loads_spec(BASE.replace("mask: causal", f"mask: {value}"))
-    assert s.mask == ir.Const(value == "true", ty=ir.Ty.BOOL)
+def test_mask_bool_literal():
+    s = loads_spec(BASE.replace("mask: causal", "mask: true"))
+    assert s.mask == ir.Const(True, ty=ir.Ty.BOOL)
+    with pytest.raises(SpecError, match="mask is never true"):  # every row would be empty
+        loads_spec(BASE.replace("mask: causal", "mask: false"))
 
 
 def test_mask_null_and_softmax_auto():
@@ -314,6 +315,8 @@ def test_bad_targets(tmp_path, targets, pos, fragment):
         ("{num_warps: 3}", (5, 20), "tiles.num_warps must be one of"),
         ("{num_warp: 4}", (5, 9), "did you mean 'num_warps'"),
         ("{block_m: big}", (5, 18), "must be an integer"),
+        # lowering refused this without a location: each warp owns 16 query rows
+        ("{block_m: 16, block_n: 16, num_warps: 8}", (5, 18), "multiple of 16 * num_warps = 128"),
     ],
 )
 def test_bad_tiles(tmp_path, tiles, pos, fragment):
@@ -378,3 +381,32 @@ def test_unquoted_ternary_gets_a_quoting_hint(tmp_path):
     assert "quote an expression" in e.message
     ok = loads_spec(BASE + 'score_mod: "q_idx > 0 ? score : 0"\n')
     assert isinstance(ok.score_mod, ir.Cond) and ok.score_mod.ty == ir.Ty.F32
+
+
+@pytest.mark.parametrize("key", ["off", "on", "yes", "no"])
+def test_a_param_named_like_a_yaml_boolean_says_to_quote_it(tmp_path, key):
+    """YAML 1.1 reads a bare off/on/yes/no as a boolean (an offset param called ``off``);
+    the error says so and how to fix it, and the quoted name works."""
+    text = BASE.replace("mask: causal", f"mask: q_idx - kv_idx < {key}") + (
+        f"params:\n  {key}: {{type: i32, default: 4}}\n"
+    )
+    e = fails(tmp_path, text)
+    assert f"got a boolean ({key}): YAML reads a bare {key} that way; quote it ('{key}')" in str(e)
+    spec = loads_spec(text.replace(f"  {key}:", f"  '{key}':"))
+    assert spec.param(key).default == 4
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads an unquoted 1e-3 as a string: 'default: 1e-3' of an f32
+    param was refused as "must be a number, got the string '1e-3'".  The DSL takes 1e-3."""
+    text = BASE.replace("mask: causal", "mask: causal\nscore_mod: score * w") + (
+        "softmax_scale: 1e-1\nparams:\n  w: {type: f32, default: 1e-3, min: -1e2, max: 5E+3}\n"
+    )
+    s = loads_spec(text)
+    assert s.softmax_scale == 0.1
+    p = s.param("w")
+    assert (p.default, p.minimum, p.maximum) == (0.001, -100.0, 5000.0)
+    e = fails(tmp_path, text.replace("default: 1e-3", "default: 1e39"))
+    assert "must be a finite float32 value, got 1e+39" in e.message
+    e = fails(tmp_path, text.replace("default: 1e-3", "default: '1e-3'"))  # quoted: a string
+    assert "must be a number, got the string '1e-3'" in e.message

@@ -1,0 +1,79 @@
+"""GPU checks of user-written specs that broke on the CPU machine (trial 5): a head_dim 256
+score_mod + conditional mask whose atomic-dQ backward now takes dsplit 4 (64 dK/dV columns
+per CTA, a tile config no shipped spec runs), and masks with float math, whose reference
+now decides in float32 as the kernels do.  ``python3 -m pytest tests/gpu/test_user_specs_gpu.py -q``
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_backward_kernels import check_grads  # noqa: E402
+from test_forward import check  # noqa: E402
+
+from flashgen.backward import ATOMIC_DQ_ENV  # noqa: E402
+from flashgen.spec import loads_spec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+D256_COND = """\
+name: d256_cond
+head_dim: 256
+dtype: fp16
+mask: "q_idx >= kv_idx ? true : kv_idx - q_idx < 4"
+score_mod: max(score, -10.0) * 0.5
+"""
+
+FLOAT_MASK = """\
+name: float_mask
+head_dim: 64
+dtype: bf16
+mask: 'kv_idx * 0.1 == 0.3 || kv_idx <= q_idx / 0.3 - 31.0 || kv_idx * f == 0.7'
+params: {f: {type: f32, default: 0.1}}
+"""
+
+
+@pytest.mark.parametrize("sq, sk", [(17, 33), (130, 127), (257, 300)])
+def test_d256_atomic_backward_with_dsplit_4(sq, sk, monkeypatch):
+    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
+    spec = loads_spec(D256_COND, "d256_cond.yaml")
+    check_grads(spec, 2, 4, 2, sq, sk, seed=sq, deterministic=False)
+    check_grads(spec, 1, 2, 1, sq, sk, seed=sk, deterministic=True)
+
+
+@pytest.mark.parametrize("sq, sk", [(13, 11), (200, 333), (1000, 70)])
+def test_float_mask_math_matches_the_float32_reference(sq, sk, error_bound):
+    spec = loads_spec(FLOAT_MASK, "float_mask.yaml")
+    check(spec, 1, 2, 1, sq, sk, error_bound, seed=sq)
+    check(spec, 1, 2, 1, sq, sk, error_bound, seed=sk, f=0.7)
+
+
+FLOAT_TILES = """\
+name: float_tiles
+head_dim: 64
+dtype: bf16
+mask: >-
+  kv_idx * 1.1 + 0.6 <= q_idx
+  || (q_idx - kv_idx) * 0.35 < 3.3 && exp((kv_idx - q_idx) * 0.05) * 3.3 >= 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    "mask", [None, "kv_idx * 0.6 + 0.6 <= q_idx", "kv_idx * 0.4 + 0.4 <= q_idx"]
+)
+@pytest.mark.parametrize("sq, sk", [(999, 999), (1000, 700), (333, 1025)])
+def test_float_mask_tiles_match_the_float32_reference(mask, sq, sk, error_bound):
+    """The tile classifier rounds float results outward (fg::iv::fl): forward and backward
+    against the reference, whose mask math is float32 like the kernels'.  The two plain
+    masks had 128 x 64 tiles called FULL that drop pairs in float32 (e.g. (384, 639))."""
+    text = FLOAT_TILES if mask is None else FLOAT_TILES.split("mask:")[0] + f"mask: '{mask}'\n"
+    spec = loads_spec(text, "float_tiles.yaml")
+    check(spec, 1, 2, 1, sq, sk, error_bound, seed=sq)
+    check_grads(spec, 1, 2, 1, sq, sk, seed=sk, deterministic=True)
