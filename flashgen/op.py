@@ -34,7 +34,6 @@ import contextlib
 import functools
 import math
 import numbers
-import os
 import threading
 from dataclasses import dataclass, replace
 
@@ -397,7 +396,9 @@ def poison_outputs(enabled: bool = True):
 
 
 def _poison_enabled() -> bool:
-    return _POISON or os.environ.get("FLASHGEN_POISON_OUTPUTS") == "1"
+    from .envflags import flag
+
+    return _POISON or bool(flag("FLASHGEN_POISON_OUTPUTS"))
 
 
 # ----------------------------------------------------------------------------- target choice
