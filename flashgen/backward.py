@@ -45,12 +45,12 @@ no gradient is ever silently zero.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 
 import torch
 
+from .envflags import flag
 from .ir import Spec
 from .lower import hopper_bwd_eligible, kernel_family, needs_block_table
 
@@ -59,8 +59,9 @@ ATOMIC_DQ_ENV = "FLASHGEN_ATOMIC_DQ"
 
 
 def atomic_dq_enabled() -> bool:
-    """Whether ``FLASHGEN_ATOMIC_DQ=1`` is set (read on every call, so tests can toggle it)."""
-    return os.environ.get(ATOMIC_DQ_ENV) == "1"
+    """Whether ``FLASHGEN_ATOMIC_DQ`` is on (``1``; read on every call, so tests can toggle
+    it; :func:`flashgen.envflags.flag` values, ``ValueError`` for others)."""
+    return flag(ATOMIC_DQ_ENV) is True
 
 
 def uses_atomic_dq(deterministic: bool) -> bool:
@@ -84,7 +85,7 @@ def backward_path(spec: Spec, target: str, deterministic: bool) -> str:
     ``FLASHGEN_KERNEL_FAMILY``); else atomic with ``FLASHGEN_ATOMIC_DQ=1``; else
     deterministic.  The environment is read on every call.
     """
-    if deterministic or os.environ.get(ATOMIC_DQ_ENV) == "0":
+    if deterministic or flag(ATOMIC_DQ_ENV, None) is False:
         return "deterministic"
     if hopper_bwd_eligible(spec, target, kernel_family()):
         return "hopper"

@@ -397,7 +397,9 @@ def poison_outputs(enabled: bool = True):
 
 
 def _poison_enabled() -> bool:
-    return _POISON or os.environ.get("FLASHGEN_POISON_OUTPUTS") == "1"
+    from .envflags import flag
+
+    return _POISON or bool(flag("FLASHGEN_POISON_OUTPUTS"))
 
 
 # ----------------------------------------------------------------------------- target choice

@@ -12,9 +12,8 @@ spills.
 
 from __future__ import annotations
 
-import os
-
 from . import cache
+from .envflags import flag
 from .lower import (
     HOPPER_BWD_DQ_A,
     BackwardPlan,
@@ -48,7 +47,7 @@ def build_forward(
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
-    ways = (True, False) if os.environ.get(SIDE_TERMS_ENV, "1") != "0" else (False,)
+    ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
     for tiles in forward_tile_candidates(spec, target, gpu, family):
         for side_terms in ways:
             plan = plan_forward(

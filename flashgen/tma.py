@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from collections import OrderedDict
+
+from .envflags import flag
 
 #: CUtensorMapDataType for the kernels' element types (cuda.h).
 DATA_TYPE = {"fp16": 6, "bf16": 9}
@@ -144,7 +145,7 @@ class DescriptorCache:
         self.maxsize = maxsize
         self.encoder = encoder if encoder is not None else encode
         if enabled is None:
-            enabled = os.environ.get("FLASHGEN_NO_TMA_CACHE", "") not in ("1", "true", "yes")
+            enabled = not flag("FLASHGEN_NO_TMA_CACHE")
         self.enabled = enabled
         self.hits = 0
         self.misses = 0

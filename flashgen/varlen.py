@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import ir
 from .backward import Backward, backward_name, refuse_tensor_param_grads, uses_atomic_dq
+from .envflags import flag
 from .errors import OpInputError, SpecError
 from .op import (
     _SCHEMA_TYPE,
@@ -97,7 +97,7 @@ def varlen_spec(spec: ir.Spec) -> ir.Spec:
 
 def check_enabled() -> bool:
     """Whether ``FLASHGEN_VARLEN_CHECK=1`` is set (read at each call)."""
-    return os.environ.get(CHECK_ENV) == "1"
+    return bool(flag(CHECK_ENV))
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,21 @@ FG_HD R mod(R a, R b, bool is_int) {
     return {a.lo >= 0 ? 0.0 : -edge, a.hi <= 0 ? 0.0 : edge};
 }
 
+// float32 rounding (the kernels evaluate a mask's f32 math in float, these bounds in double): a
+// float result's range widened by `rel` of its magnitude plus a subnormal step, so the float the
+// kernel computes (each op within an ulp, 2^-23; expf/logf 2 ulps; tanh.approx.f32 about 2^-11)
+// lies inside; a comparison of such ranges then never claims EMPTY or FULL on a rounding.
+FG_HD double fl_lo(double x, double rel) { return isinf(x) ? x : x - fabs(x) * rel - 1e-37; }
+FG_HD double fl_hi(double x, double rel) { return isinf(x) ? x : x + fabs(x) * rel + 1e-37; }
+FG_HD R fl(R a, double rel) {
+    if (isnan(a.lo) || isnan(a.hi)) return any();
+    return {fl_lo(a.lo, rel), fl_hi(a.hi, rel)};
+}
+// an int converted to float: exact up to 2^24
+FG_HD R fl_int(R a) {
+    return (fabs(a.lo) <= 16777216.0 && fabs(a.hi) <= 16777216.0) ? a : fl(a, 0x1p-22);
+}
+
 FG_HD T lt(R a, R b) { return {a.lo < b.hi, a.hi >= b.lo}; }
 FG_HD T le(R a, R b) { return {a.lo <= b.hi, a.hi > b.lo}; }
 FG_HD T gt(R a, R b) { return {a.hi > b.lo, a.lo <= b.hi}; }

@@ -122,14 +122,14 @@ def test_schemas_carry_the_flag():
 @pytest.mark.parametrize(
     ("env", "deterministic", "atomic"),
     [(None, False, False), (None, True, False), ("1", False, True), ("1", True, False)]
-    + [("0", False, False), ("yes", False, False)],
+    + [("0", False, False), ("yes", False, True), ("off", False, False)],
 )
 def test_env_gate(monkeypatch, env, deterministic, atomic):
     if env is None:
         monkeypatch.delenv(ATOMIC_DQ_ENV, raising=False)
     else:
         monkeypatch.setenv(ATOMIC_DQ_ENV, env)
-    assert atomic_dq_enabled() == (env == "1")
+    assert atomic_dq_enabled() == (env in ("1", "yes"))
     assert uses_atomic_dq(deterministic) is atomic
 
 

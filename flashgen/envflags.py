@@ -1,0 +1,28 @@
+"""On/off switches read from the environment (``FLASHGEN_ATOMIC_DQ``, ``FLASHGEN_NO_TMA_CACHE``
+...): one parser, so ``FLASHGEN_ATOMIC_DQ=yes`` means what it says and ``=maybe`` is an
+error naming the variable, not a silent "off"."""
+
+from __future__ import annotations
+
+import os
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def flag(name: str, default: bool | None = False) -> bool | None:
+    """The switch ``name``: True for ``1/true/yes/on``, False for ``0/false/no/off`` (any
+    case, surrounding blanks ignored), ``default`` when unset or empty.  Read on every call.
+
+    Raises ``ValueError`` naming the variable, its value and the accepted ones otherwise.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(
+        f"{name}={os.environ[name]!r}: expected one of {', '.join(_ON + _OFF)} (or unset)"
+    )
