@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from . import ir, masktiles, rowcol
@@ -762,9 +763,10 @@ def plan_forward(
     :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
     :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
     unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them).
-    ``side_terms``: the Hopper kernel reads the mask's one-sided tensor reads once per row
-    and column (:mod:`flashgen.rowcol`); False keeps them per element (the spill fallback
-    of :mod:`flashgen.select` tries that before narrower tiles).
+    ``side_terms``: both kernels read the mask's one-sided tensor reads once per query row
+    (per CTA) and once per key column of a masked tile (:mod:`flashgen.rowcol`); False
+    keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
+    narrower tiles).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -814,7 +816,8 @@ def plan_forward(
             f"{d}/{dv}, more than a CTA may use on {target} ({SMEM_LIMIT[target]} B): pick a "
             "smaller tiles.block_m or tiles.block_n"
         )
-    ctx = _forward_context(spec, target, tiles)
+    # Varlen specs never get here with a tensor-reading mask (refused above): no terms.
+    ctx = _forward_context(spec, target, tiles, side_terms=side_terms and not spec.varlen)
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
     ctx.update(
@@ -847,7 +850,7 @@ def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:
     return max(spec.head_dim, spec.head_dim_v) <= 64 and tiles.block_n >= 128
 
 
-def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants) -> list[dict]:
+def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants | None) -> list[dict]:
     """Template entries of :mod:`flashgen.rowcol` terms: the local's ``name`` and C type
     ``ctype``, ``store_t`` (the 32-bit type its values travel in: a bool as int, for warp
     shuffles) and ``code`` (in a scope that defines the side's index variable and its float
@@ -1345,6 +1348,11 @@ def atomic_dq_warp_grid(tiles: BackwardTiles, head_dim: int) -> tuple[int, int]:
     return max(grids, key=lambda g: (g[0] * g[1], g[1]))
 
 
+#: The backward kernels that can take row / column terms (``plan_backward``'s ``side_terms``):
+#: the dK/dV kernel (deterministic or atomic) and the deterministic dQ kernel.
+BACKWARD_SIDE_TERM_KERNELS = frozenset({"dkdv", "dq"})
+
+
 def plan_backward(
     spec: Spec,
     target: str,
@@ -1352,6 +1360,7 @@ def plan_backward(
     atomic_dq: bool = False,
     tiles: BackwardTiles | None = None,
     options: dict[str, bool] | None = None,
+    side_terms: bool | Iterable[str] = True,
 ) -> BackwardPlan:
     """Lower ``spec`` to its backward kernels for ``target`` (template ``sm_80/bwd.cu.j2``).
 
@@ -1361,7 +1370,12 @@ def plan_backward(
     :class:`BackwardPlan`.  The score_mod derivative d score_mod / d score comes from
     :func:`flashgen.derive.d_dscore`.  ``tiles`` replaces the table's choice (the spill
     fallback of :mod:`flashgen.select`).  ``options`` overrides entries of
-    :data:`BACKWARD_OPTIONS`.  Raises ``ValueError`` like :func:`plan_forward`.
+    :data:`BACKWARD_OPTIONS`.  ``side_terms``: the kernels (of :data:`BACKWARD_SIDE_TERM_KERNELS`;
+    True all, False none) that read the mask's one-sided tensor reads once per side of a
+    masked tile instead of per element (:mod:`flashgen.rowcol`): the side the kernel holds
+    per CTA (dkdv: its keys, dq: its query rows) two values per thread and step, the side
+    it steps over coalesced by lanes and shuffled to the elements.  Raises ``ValueError``
+    like :func:`plan_forward`.
     """
     from .derive import d_dscore
 
@@ -1371,6 +1385,16 @@ def plan_backward(
             raise ValueError(f"unknown backward option {key!r}; known: {', '.join(opts)}")
         opts[key] = bool(value)
 
+    if side_terms is True or side_terms is False:
+        term_kernels = BACKWARD_SIDE_TERM_KERNELS if side_terms else frozenset()
+    else:
+        term_kernels = frozenset(side_terms)
+        unknown = sorted(term_kernels - BACKWARD_SIDE_TERM_KERNELS)
+        if unknown:
+            raise ValueError(
+                f"side_terms names unknown kernels {unknown}; "
+                f"known: {', '.join(sorted(BACKWARD_SIDE_TERM_KERNELS))}"
+            )
     fwd = plan_forward(spec, target)  # validates target and dtype
     t = tiles or _table_backward_tiles(spec, atomic_dq)
     d, dv = spec.head_dim, spec.head_dim_v
@@ -1447,6 +1471,17 @@ def plan_backward(
     # The backward kernels run at the 255-register ceiling: a hoisted divisor would hold a
     # register through the whole loop (and spill), so they divide in place (no Invariants).
     residual = split_causal(spec.mask)[1]
+    parts = rowcol.Split(residual, (), ())
+    if term_kernels and residual is not None and not spec.varlen:
+        parts = rowcol.split(residual, spec)
+    has_terms = bool(parts.rows or parts.cols)
+    ctx.update(
+        mask_expr_split=cuda_expr(parts.expr, spec) if has_terms else None,
+        row_terms=_side_terms(parts.rows, spec, None),
+        col_terms=_side_terms(parts.cols, spec, None),
+        dkdv_side_terms=has_terms and "dkdv" in term_kernels,
+        dq_side_terms=has_terms and "dq" in term_kernels and not atomic_dq,
+    )
     ctx.update(
         mask_expr=cuda_expr(residual, spec) if residual is not None else None,
         score_mod_expr=cuda_expr(spec.score_mod, spec) if spec.score_mod is not None else None,

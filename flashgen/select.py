@@ -15,6 +15,7 @@ from __future__ import annotations
 from . import cache
 from .envflags import flag
 from .lower import (
+    BACKWARD_SIDE_TERM_KERNELS,
     HOPPER_BWD_DQ_A,
     BackwardPlan,
     KernelPlan,
@@ -26,7 +27,7 @@ from .lower import (
 )
 from .render import render
 
-#: Set to ``0``: forward kernels keep the mask's tensor reads per element (no row / column terms).
+#: Set to ``0``: the kernels keep the mask's tensor reads per element (no row / column terms).
 SIDE_TERMS_ENV = "FLASHGEN_SIDE_TERMS"
 
 
@@ -40,9 +41,9 @@ def build_forward(
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
     (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
     kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).  At
-    each candidate's tiles a Hopper kernel with row / column terms (:mod:`flashgen.rowcol`)
-    that spills is retried with them per element before the next tiles;
-    ``FLASHGEN_SIDE_TERMS=0`` (read at each build) never uses them (to compare).
+    each candidate's tiles a kernel (either family) with row / column terms
+    (:mod:`flashgen.rowcol`) that spills is retried with them per element before the next
+    tiles; ``FLASHGEN_SIDE_TERMS=0`` (read at each build) never uses them (to compare).
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
@@ -74,7 +75,11 @@ def build_backward(
     :func:`~flashgen.lower.plan_hopper_backward`, its dQ variant from the environment
     first, then the other one; when both spill (a score_mod or mask with more math than
     the kernel's registers hold), the FA2-class unit ``atomic_dq`` selects (check
-    ``plan.atomic_dq`` and ``plan.dkdv.template``).  Raises like :func:`build_forward`."""
+    ``plan.atomic_dq`` and ``plan.dkdv.template``).  The FA2-class unit is tried at each
+    candidate's tiles with row / column terms (:mod:`flashgen.rowcol`) in every kernel
+    that can take them, then without them in the kernels that spilled, then in none,
+    before the next tiles (``FLASHGEN_SIDE_TERMS=0``: never).  Raises like
+    :func:`build_forward`."""
     if hopper:
         first = plan_hopper_backward(spec, target)
         variants = [first] + [
@@ -86,9 +91,30 @@ def build_backward(
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes:
                 return plan, cubin, report
+    use_terms = flag(SIDE_TERMS_ENV, True)
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
-        plan = plan_backward(spec, target, atomic_dq=atomic_dq, tiles=tiles)
-        cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
-        if not report.spill_bytes:
-            break
+        kernels = set(BACKWARD_SIDE_TERM_KERNELS) if use_terms else set()
+        while True:
+            plan = plan_backward(
+                spec, target, atomic_dq=atomic_dq, tiles=tiles, side_terms=frozenset(kernels)
+            )
+            cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
+            if not report.spill_bytes:
+                return plan, cubin, report
+            spilled = {k for k in _term_kernels(plan) if report.kernel(k[1]).spill_bytes}
+            if not spilled:
+                break  # no kernel with terms spilled: the same kernels again
+            kernels -= {role for role, _ in spilled}
     return plan, cubin, report
+
+
+def _term_kernels(plan: BackwardPlan) -> set[tuple[str, str]]:
+    """``(role, kernel name)`` of the kernels of an FA2-class backward unit that read row /
+    column terms (role ``"dkdv"`` or ``"dq"``)."""
+    ctx = plan.dkdv.context
+    out = set()
+    if ctx.get("dkdv_side_terms"):
+        out.add(("dkdv", plan.dkdv.kernel_name))
+    if ctx.get("dq_side_terms") and plan.dq is not None:
+        out.add(("dq", plan.dq.kernel_name))
+    return out

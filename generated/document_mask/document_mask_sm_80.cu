@@ -523,6 +523,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     int cls = fg::iv::EMPTY;
     int n_block = prev_tab(n_kv_blocks - 1, cls);
     const float scale_log2 = softmax_scale * LOG2E;
+    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's query rows, once per CTA.
+    int fg_row0_r[MT][2];
+    if (n_block >= 0) {
+        #pragma unroll
+        for (int m = 0; m < MT; ++m)
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_idx = min(m0 + warp * WARP_M + m * 16 + lane / 4 + r * 8, seqlen_q - 1);
+                const float q_idx_f = (float)q_idx;
+                (void)q_idx_f;
+                fg_row0_r[m][r] = (int)(t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)]);
+            }
+    }
 
     // Per-lane parts of the ldmatrix addresses (row r, chunk c within a 16x16 fragment; see swz_at).
     const uint32_t sQ_lane = sQ + warp * WARP_M * Q_ROW_BYTES;  // WARP_M % 16 == 0: swizzle unchanged
@@ -589,10 +602,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
 
         // Scores -> log2 domain with score_mod; the mask only on tiles that are not FULL, or cross seqlen_k.
         if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
+            // Column terms (flashgen/rowcol.py): lane l reads columns n0 + 32c + l, the elements take
+            // theirs by shuffles, once per 8-column tile (so the column loop is the outer one here).
+            constexpr int SIDE_NC = (BLOCK_N + 31) / 32;
+            int fg_col0_v[SIDE_NC];
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+            for (int c = 0; c < SIDE_NC; ++c) {
+                const int kv_idx = min(n0 + 32 * c + lane, seqlen_k - 1);
+                const float kv_idx_f = (float)kv_idx;
+                (void)kv_idx_f;
+                fg_col0_v[c] = (int)(t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]);
+            }
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                int fg_col0_c[2];
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int e = 0; e < 2; ++e) {
+                    const int src = (nt % 4) * 8 + (lane % 4) * 2 + e;  // the lane holding column nt * 8 + (lane % 4) * 2 + e
+                    fg_col0_c[e] = __shfl_sync(0xffffffffu, fg_col0_v[nt / 4], src);
+                }
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
@@ -605,12 +635,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
                         const float kv_idx_f = (float)kv_idx;
                         (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                         float x = acc_s[mt][nt][i];  // raw q.k; scale_log2 > 0 is applied inside the exp2's FFMA
+                        const int fg_row0 = fg_row0_r[mt][i / 2];
+                        const int fg_col0 = fg_col0_c[i % 2];
                         const bool keep = q_raw < seqlen_q && kv_raw < seqlen_k
                                           && (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
-                                          && ((t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)] == t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]));
+                                          && ((fg_row0 == fg_col0));
                         x = keep ? x : -INFINITY;
                         acc_s[mt][nt][i] = x;
                     }
+            }
 
         } else {
             #pragma unroll

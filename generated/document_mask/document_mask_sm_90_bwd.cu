@@ -676,17 +676,48 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_document
         // P^T from the saved lse; dS^T = P^T (dP^T - dsum) * d score_mod / d score.  The mask only on tiles
         // that are not FULL, or cross seqlen_k.
         if (cls != fg::iv::FULL || n0 + KV_N > seqlen_k) {
+        // Row / column terms (flashgen/rowcol.py): this thread's two keys' column terms; the step's query
+        // rows' row terms read by lane (query m0 + 32c + lane) and shuffled to the elements per 8-query tile.
+        int fg_col0_k[1][2];
+        {
+            #pragma unroll
+            for (int m = 0; m < 1; ++m)
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int kv_idx = min(n0 + warp * 16 + lane / 4 + r * 8, seqlen_k - 1);
+                    const float kv_idx_f = (float)kv_idx;
+                    (void)kv_idx_f;
+                    fg_col0_k[m][r] = (int)(t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]);
+                }
+        }
+        constexpr int SIDE_NC = (KV_M + 31) / 32;
+        int fg_row0_v[SIDE_NC];
         #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int c = 0; c < SIDE_NC; ++c) {
+            const int q_idx = min(m0 + 32 * c + lane, seqlen_q - 1);
+            const float q_idx_f = (float)q_idx;
+            (void)q_idx_f;
+            fg_row0_v[c] = (int)(t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)]);
+        }
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            int fg_row0_c[2];
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int src = (nt % 4) * 8 + (lane % 4) * 2 + e;  // the lane holding column nt * 8 + (lane % 4) * 2 + e
+                fg_row0_c[e] = __shfl_sync(0xffffffffu, fg_row0_v[nt / 4], src);
+            }
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int qi = nt * 8 + (lane % 4) * 2 + (i % 2);
                 const int q_idx = min((m0 + qi), seqlen_q - 1);
                 const int kv_idx = min((n0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_k - 1);
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
+                const int fg_row0 = fg_row0_c[i % 2];
+                const int fg_col0 = fg_col0_k[0][i / 2];
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q)
-                                  && ((t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)] == t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]));
+                                  && ((fg_row0 == fg_col0));
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
@@ -697,6 +728,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_document
                 acc_s[nt][i] = p;
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - dsum_s[qi]) * g;
             }
+        }
         } else {
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -853,16 +885,47 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_document
         // dS = P (dP - dsum) * d score_mod / d score, P recomputed from lse; the mask only on tiles that are
         // not FULL, or cross seqlen_k.
         if (cls != fg::iv::FULL || n0 + DQ_N > seqlen_k) {
+        // Row / column terms (flashgen/rowcol.py): this thread's two query rows' row terms; the step's keys'
+        // column terms read by lane (key n0 + 32c + lane) and shuffled to the elements per 8-key tile.
+        int fg_row0_r[1][2];
+        {
+            #pragma unroll
+            for (int m = 0; m < 1; ++m)
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int q_idx = min(m0 + warp * 16 + lane / 4 + r * 8, seqlen_q - 1);
+                    const float q_idx_f = (float)q_idx;
+                    (void)q_idx_f;
+                    fg_row0_r[m][r] = (int)(t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)]);
+                }
+        }
+        constexpr int SIDE_NC = (DQ_N + 31) / 32;
+        int fg_col0_v[SIDE_NC];
         #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int c = 0; c < SIDE_NC; ++c) {
+            const int kv_idx = min(n0 + 32 * c + lane, seqlen_k - 1);
+            const float kv_idx_f = (float)kv_idx;
+            (void)kv_idx_f;
+            fg_col0_v[c] = (int)(t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]);
+        }
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            int fg_col0_c[2];
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int src = (nt % 4) * 8 + (lane % 4) * 2 + e;  // the lane holding column nt * 8 + (lane % 4) * 2 + e
+                fg_col0_c[e] = __shfl_sync(0xffffffffu, fg_col0_v[nt / 4], src);
+            }
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int q_idx = min((m0 + warp * 16 + lane / 4 + (i / 2) * 8), seqlen_q - 1);
                 const int kv_idx = min((n0 + nt * 8 + (lane % 4) * 2 + (i % 2)), seqlen_k - 1);
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
+                const int fg_row0 = fg_row0_r[0][i / 2];
+                const int fg_col0 = fg_col0_c[i % 2];
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q)
-                                  && ((t_doc_q[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_q) + (int64_t)fg::clamp_index(q_idx, seqlen_q)] == t_doc_kv[((int64_t)fg::clamp_index(b, batch)) * (int64_t)(seqlen_k) + (int64_t)fg::clamp_index(kv_idx, seqlen_k)]));
+                                  && ((fg_row0 == fg_col0));
                 const float score = acc_s[nt][i] * softmax_scale;
                 const float x = keep ? score * LOG2E : -INFINITY;
                 const float g = keep ? 1.f : 0.f;
@@ -871,6 +934,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_document
                 const float p = fg::exp2_approx(x - row_lse[i / 2]);
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
             }
+        }
         } else {
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)

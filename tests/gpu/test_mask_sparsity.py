@@ -140,3 +140,54 @@ def test_custom_masks_backward(key, bwd_path):
     sq, sk = 700, 1000
     extra = {"doc": _doc_ids(sk, torch.device("cuda"))} if key == "doc_causal" else {}
     check_grads_params(spec, 1, 4, 2, sq, sk, extra, seed=3, deterministic=bwd_path)
+
+
+# ----------------------------------------------------------------------------- row / column terms
+#: masks whose tensor reads the FA2-class backward takes as row / column terms
+#: (flashgen/rowcol.py): float terms of each side (a bool column term among them) and
+#: 2-D document ids, at every head dim of the backward tables' test set
+TERM_MASKS = {
+    "float_terms": (
+        "qb[b, q_idx] + kw[h, kv_idx] > 0.0 || (kw[h, kv_idx] < -1.0 && causal)",
+        "  qb: {type: f32, shape: [batch, seqlen_q]}\n"
+        "  kw: {type: f32, shape: [num_heads, seqlen_k]}\n",
+    ),
+    "doc_2d": (
+        "causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]",
+        "  doc_q: {type: i32, shape: [batch, seqlen_q]}\n"
+        "  doc_kv: {type: i32, shape: [batch, seqlen_k]}\n",
+    ),
+}
+
+
+def _term_params(key: str, b: int, hq: int, sq: int, sk: int, gen) -> dict:
+    dev = torch.device("cuda")
+    if key == "float_terms":
+        return {
+            "qb": torch.randn(b, sq, device=dev, generator=gen),
+            "kw": torch.randn(hq, sk, device=dev, generator=gen),
+        }
+    ids = [
+        torch.randint(0, 4, (b, s), device=dev, generator=gen, dtype=torch.int32) for s in (sq, sk)
+    ]
+    return {"doc_q": ids[0].sort(-1).values, "doc_kv": ids[1].sort(-1).values}
+
+
+@pytest.mark.parametrize("sq, sk", [(300, 257), (17, 1031)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("key", sorted(TERM_MASKS))
+def test_row_and_column_terms_backward(key, d, sq, sk, bwd_path):
+    """The backward kernels with row / column terms (dkdv: its keys' terms per thread, the
+    step's query rows' by shuffles; dq the other way round) against the float64 reference;
+    the plan must have taken them (the atomic dK/dV kernel at d256 falls back to
+    per-element reads for float_terms, where the terms spill)."""
+    spec = custom(f"{key}_d{d}", *TERM_MASKS[key], head_dim=d)
+    b, hq, hkv = 2, 4, 2
+    gen = torch.Generator(device=torch.device("cuda")).manual_seed(sq + d)
+    params = _term_params(key, b, hq, sq, sk, gen)
+    check_grads_params(spec, b, hq, hkv, sq, sk, params, seed=sq + d, deterministic=bwd_path)
+    path = expected_path(spec, bwd_path)
+    plan = build_op(spec).backward.kernels(torch.device("cuda"), path=path)[0]
+    ctx = plan.dkdv.context
+    assert ctx["dq_side_terms"] or plan.atomic_dq
+    assert ctx["dkdv_side_terms"] or (plan.atomic_dq and d == 256 and key == "float_terms")

@@ -173,3 +173,256 @@ def test_select_keeps_terms_where_they_fit_and_never_spills(requires_nvcc, mask,
         assert plan.context["row_terms"] and plan.context["col_terms"]
     if not plan.context["col_terms"]:
         assert plan.context["mask_reads_memory"]
+
+
+# ----------------------------------------------------------------------------- FA2-class kernels
+# The mma.sync m16n8k16 accumulator layout of templates/sm_80: a thread holds rows lane/4 (+8)
+# of each 16-row tile and, per 8-column tile nt, columns nt*8 + 2(lane%4) + e.  The index
+# expressions below are asserted to appear verbatim in the rendered kernels, then replayed.
+FETCH_SRC = "(nt % 4) * 8 + (lane % 4) * 2 + e"
+FETCH_REG = "_v[nt / 4]"
+
+
+def _c(expr: str, **env) -> int:
+    """A rendered C index expression over non-negative ints, evaluated in Python."""
+    return eval(expr.replace(" / ", " // "), {"min": min}, env)  # noqa: S307
+
+
+def _doc_spec(d: int = 128, mask: str = DOC_MASK):
+    return loads_spec(f"name: rc\nhead_dim: {d}\ndtype: bf16\nmask: '{mask}'\n{PARAMS}", "rc.yaml")
+
+
+def _between(src: str, start: str, end: str) -> str:
+    i = src.index(start)
+    return src[i : src.index(end, i)]
+
+
+def test_fa2_forward_reads_no_tensor_per_element():
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "document_mask.yaml")
+    for target in ("sm_80", "sm_90"):
+        plan = lower.plan_forward(spec, target, family="fa2")
+        assert plan.template == "sm_80/fwd.cu.j2"
+        src = render(plan)
+        # row terms once per CTA, before the key loop
+        pre = _between(src, "Row terms (flashgen/rowcol.py)", "while (n_block >= 0)")
+        assert "fg_row0_r[m][r] = (int)(t_doc_q[" in pre
+        masked = _between(src, "if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {", "} else {")
+        vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
+        assert "fg_col0_v[c] = (int)(t_doc_kv[" in vec and "t_doc_q" not in vec
+        assert "t_doc_" not in elems  # per element: registers only
+        assert f"const int src = {FETCH_SRC};" in elems
+        assert f"__shfl_sync(0xffffffffu, fg_col0{FETCH_REG}, src)" in elems
+        assert "const int fg_row0 = fg_row0_r[mt][i / 2];" in elems
+        assert "const int fg_col0 = fg_col0_c[i % 2];" in elems
+        assert "&& ((fg_row0 == fg_col0))" in elems
+        # the unmasked (FULL) path reads no term at all
+        assert "fg_" not in _between(src, "} else {", "// Online softmax")
+
+
+def test_fa2_forward_without_terms_is_the_per_element_kernel():
+    spec = _doc_spec()
+    src = render(lower.plan_forward(spec, "sm_80", side_terms=False))
+    assert "fg_row0" not in src and "__shfl_sync(0xffffffffu, fg_col" not in src
+    assert "&& ((t_doc_q[" in src
+
+
+@pytest.mark.parametrize("block_m,num_warps", [(64, 4), (128, 4), (128, 8), (64, 2)])
+@pytest.mark.parametrize("block_n", [16, 32, 64, 96, 128, 160, 256])
+def test_fa2_forward_term_indices_replay(block_m, num_warps, block_n):
+    """Every element (mt, nt, i) of every lane of the FA2 forward's masked tile reads the
+    row term of its own query row and the column term of its own key column."""
+    spec = _doc_spec()
+    tiles = lower.TileConfig(block_m, block_n, num_warps)
+    src = render(lower.plan_forward(spec, "sm_80", tiles=tiles))
+    q_raw = "m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8"
+    kv_raw = "n0 + nt * 8 + (lane % 4) * 2 + (i % 2)"
+    fixed = "m0 + warp * WARP_M + m * 16 + lane / 4"
+    assert f"const int q_raw = {q_raw};" in src and f"const int kv_raw = {kv_raw};" in src
+    assert f"min({fixed} + r * 8, seqlen_q - 1)" in src
+    assert "min(n0 + 32 * c + lane, seqlen_k - 1)" in src
+    warp_m, nc = block_m // num_warps, (block_n + 31) // 32
+    m0, n0 = 3 * block_m, 5 * block_n
+    for warp in range(num_warps):
+        for lane in range(32):
+            for mt in range(warp_m // 16):
+                for nt in range(block_n // 8):
+                    for i in range(4):
+                        env = dict(
+                            m0=m0, n0=n0, warp=warp, WARP_M=warp_m, lane=lane, mt=mt, nt=nt, i=i
+                        )
+                        # row term: fg_row0_r[mt][i / 2], filled at m = mt, r = i / 2
+                        row = (
+                            _c(fixed, m0=m0, warp=warp, WARP_M=warp_m, m=mt, lane=lane)
+                            + (i // 2) * 8
+                        )
+                        assert row == _c(q_raw, **env)
+                        # column term: register nt / 4 of lane src, column n0 + 32 (nt / 4) + src
+                        src_lane = _c(FETCH_SRC, nt=nt, lane=lane, e=i % 2)
+                        reg = nt // 4
+                        assert reg < nc and 0 <= src_lane < 32
+                        assert n0 + 32 * reg + src_lane == _c(kv_raw, **env)
+
+
+def _bwd_sources(spec, target="sm_80", atomic_dq=False, side_terms=True):
+    plan = lower.plan_backward(spec, target, atomic_dq=atomic_dq, side_terms=side_terms)
+    return plan, render(plan.unit)
+
+
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_fa2_backward_reads_no_tensor_per_element(atomic_dq):
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "document_mask.yaml")
+    for target in ("sm_80", "sm_90"):
+        plan, src = _bwd_sources(spec, target, atomic_dq)
+        assert plan.dkdv.context["dkdv_side_terms"]
+        assert plan.dkdv.context["dq_side_terms"] is (not atomic_dq)
+        kernels = [src[src.index(plan.dkdv.kernel_name + "(") :]]
+        if not atomic_dq:
+            kernels = [
+                src[src.index(plan.dkdv.kernel_name + "(") : src.index(plan.dq.kernel_name + "(")]
+            ]
+            kernels.append(src[src.index(plan.dq.kernel_name + "(") :])
+        for k, (fixed, stepped) in zip(
+            kernels, [("col0_k", "row0"), ("row0_r", "col0")], strict=False
+        ):
+            masked = _between(k, "Row / column terms (flashgen/rowcol.py)", "acc_dp[nt][i] = p *")
+            vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
+            assert f"fg_{fixed}[m][r] = (int)(t_doc_" in vec
+            assert f"fg_{stepped}_v[c] = (int)(t_doc_" in vec
+            assert "t_doc_" not in elems
+            assert f"const int src = {FETCH_SRC};" in elems
+            assert f"__shfl_sync(0xffffffffu, fg_{stepped}{FETCH_REG}, src)" in elems
+            assert "&& ((fg_row0 == fg_col0))" in elems
+
+
+def test_fa2_backward_terms_per_kernel():
+    spec = _doc_spec()
+    plan, src = _bwd_sources(spec, side_terms=["dq"])
+    assert not plan.dkdv.context["dkdv_side_terms"] and plan.dkdv.context["dq_side_terms"]
+    dkdv = src[src.index(plan.dkdv.kernel_name + "(") : src.index(plan.dq.kernel_name + "(")]
+    dq = src[src.index(plan.dq.kernel_name + "(") :]
+    assert "fg_row0" not in dkdv and "&& ((t_doc_q[" in dkdv
+    assert "fg_row0_r[m][r]" in dq
+    plan, src = _bwd_sources(spec, side_terms=False)
+    assert "fg_row0" not in src and "fg_col0" not in src
+    with pytest.raises(ValueError, match="unknown kernels"):
+        lower.plan_backward(spec, "sm_80", side_terms=["dkdv", "convert"])
+    # a mask without tensor reads has no terms, whatever side_terms says
+    plain = lower.plan_backward(_doc_spec(mask="causal && q_idx - kv_idx < p"), "sm_80")
+    assert not plain.dkdv.context["dkdv_side_terms"] and not plain.dkdv.context["dq_side_terms"]
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("rows,cols", [(64, 16), (64, 32), (64, 64), (32, 64), (64, 128)])
+def test_fa2_backward_term_indices_replay(kernel, rows, cols):
+    """dkdv holds keys in fragment rows (S^T: its column terms are the fixed side, the step's
+    query rows come by shuffles); dq holds query rows (row terms fixed, keys shuffled).  Every
+    element of every lane reads the terms of its own (query, key) pair.  ``rows``: the
+    kernel's rows per CTA (16 per warp), ``cols``: its columns per step."""
+    spec = _doc_spec()
+    warp_rows = "warp * 16 + lane / 4"
+    if kernel == "dkdv":
+        tiles = lower.BackwardTiles(rows, cols, rows // 16, 1, 64, 64, 4)
+        q_el, kv_el = "(m0 + qi)", f"(n0 + {warp_rows} + (i / 2) * 8)"
+        fixed, stepped = f"n0 + {warp_rows}", "m0"
+    else:
+        tiles = lower.BackwardTiles(64, 64, 4, 1, rows, cols, rows // 16)
+        q_el, kv_el = (
+            f"(m0 + {warp_rows} + (i / 2) * 8)",
+            "(n0 + nt * 8 + (lane % 4) * 2 + (i % 2))",
+        )
+        fixed, stepped = f"m0 + {warp_rows}", "n0"
+    src = render(lower.plan_backward(spec, "sm_80", tiles=tiles).unit)
+    assert f"min({q_el}, seqlen_q - 1)" in src and f"min({kv_el}, seqlen_k - 1)" in src
+    assert f"min({fixed} + r * 8, " in src and f"min({stepped} + 32 * c + lane, " in src
+    nc = (cols + 31) // 32
+    m0, n0 = 7 * 64, 3 * 64
+    for warp in range(rows // 16):
+        for lane in range(32):
+            for nt in range(cols // 8):
+                for i in range(4):
+                    qi = nt * 8 + (lane % 4) * 2 + (i % 2)
+                    env = dict(m0=m0, n0=n0, warp=warp, lane=lane, nt=nt, i=i, qi=qi)
+                    q, kv = _c(q_el, **env), _c(kv_el, **env)
+                    # the fixed side: NAME[0][i / 2], filled at r = i / 2
+                    fixed_val = _c(fixed, m0=m0, n0=n0, warp=warp, lane=lane) + (i // 2) * 8
+                    # the stepped side: register nt / 4 of lane src
+                    src_lane, reg = _c(FETCH_SRC, nt=nt, lane=lane, e=i % 2), nt // 4
+                    assert reg < nc and 0 <= src_lane < 32
+                    stepped_val = _c(stepped, m0=m0, n0=n0) + 32 * reg + src_lane
+                    want = (kv, q) if kernel == "dkdv" else (q, kv)
+                    assert (fixed_val, stepped_val) == want
+
+
+def test_select_backward_drops_terms_only_where_they_spill(monkeypatch):
+    """select.build_backward: all kernels with terms first; a kernel that spills with them
+    is retried without (the others keep theirs), before any narrower tiles."""
+    from flashgen import cache, select
+    from flashgen.compile import CompileReport, KernelResources
+
+    seen = []
+
+    def fake_build(source, plan):
+        ctx = plan.context
+        seen.append((ctx["dkdv_side_terms"], ctx["dq_side_terms"], ctx["dkdv_block_m"]))
+        spill = 8 if ctx["dkdv_side_terms"] else 0  # dkdv spills with terms only
+        ks = (
+            KernelResources(ctx["kernel_dkdv"], 255, spill, spill),
+            KernelResources(ctx["kernel_dq"], 200),
+            KernelResources(ctx["kernel_pre"], 28),
+        )
+        return "cubin", CompileReport("sm_80", "sm_80", ks, 0.0, "13.0")
+
+    monkeypatch.setattr(cache, "get_or_build", fake_build)
+    plan, _, report = select.build_backward(_doc_spec(), "sm_80")
+    assert report.spill_bytes == 0
+    assert seen == [(True, True, 32), (False, True, 32)]
+    assert plan.dq.context["dq_side_terms"] and not plan.dkdv.context["dkdv_side_terms"]
+    seen.clear()
+    monkeypatch.setenv(select.SIDE_TERMS_ENV, "0")
+    select.build_backward(_doc_spec(), "sm_80")
+    assert seen == [(False, False, 32)]
+
+
+BWD_SELECT_CASES = [
+    pytest.param(
+        mask, d, target, atomic, id=f"{name}-d{d}-{target}-{'atomic' if atomic else 'det'}"
+    )
+    for name, mask in (("doc", DOC_MASK), ("float", FLOAT_MASK), ("perhead", PER_HEAD))
+    for d in (64, 128, 256)
+    for target in ("sm_80", "sm_90")
+    for atomic in (False, True)
+]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("mask", [DOC_MASK, FLOAT_MASK, PER_HEAD])
+def test_select_fa2_forward_keeps_terms_without_spills(requires_nvcc, mask, target, d):
+    """The FA2-class forward (sm_80, and sm_90a with family fa2) keeps its row / column
+    terms at the planned tiles with 0 spills (ptxas 13.0) for the test masks."""
+    from flashgen import select
+
+    spec = _doc_spec(d, mask)
+    first = lower.forward_tile_candidates(spec, target, family="fa2")[0]
+    plan, _, report = select.build_forward(spec, target, family="fa2")
+    assert report.spill_bytes == 0, report
+    assert plan.template == "sm_80/fwd.cu.j2" and plan.tiles == first
+    assert plan.context["row_terms"] and plan.context["col_terms"]
+
+
+@pytest.mark.parametrize("mask,d,target,atomic", BWD_SELECT_CASES)
+def test_select_fa2_backward_keeps_terms_without_spills(requires_nvcc, mask, d, target, atomic):
+    """The FA2-class backward keeps row / column terms in every kernel at the table's tiles
+    with 0 spills (ptxas 13.0), except the atomic dK/dV kernel at d256 for masks with more
+    than one term or a float term (FLOAT_MASK, PER_HEAD: 76-116 bytes with them), which
+    falls back to per-element reads at the same tiles."""
+    from flashgen import select
+
+    spec = _doc_spec(d, mask)
+    first = lower.backward_tile_candidates(spec, atomic_dq=atomic)[0]
+    plan, _, report = select.build_backward(spec, target, atomic_dq=atomic)
+    assert report.spill_bytes == 0, report
+    assert plan.tiles == first and plan.atomic_dq is atomic
+    ctx = plan.dkdv.context
+    assert ctx["dq_side_terms"] is (not atomic)
+    assert ctx["dkdv_side_terms"] is not (atomic and d == 256 and mask != DOC_MASK)
