@@ -6,11 +6,12 @@
 #   tools/gpu_session.sh tests      # pytest -m gpu, both kernel families (the persistent
 #                                   # scheduler's tests apart: `branches`), ~9 min
 #   tools/gpu_session.sh branches   # the persistent schedulers' tests and off/on bench, the
-#                                   # row/column-term bench (document_mask), the Hopper
-#                                   # backward at d256 against FA2 / cuDNN, ~9 min
+#                                   # row/column-term benches (document_mask: Hopper forward,
+#                                   # FA2-class forward and backward), ~9 min
 #   tools/gpu_session.sh measure    # compute-sanitizer (4 tools, every spec, fwd + bwd),
 #                                   # flashgen bench --quick, the gallery, ~8 min
-#   tools/gpu_session.sh fa2        # the FA2-class forward against FA2 and cuDNN (issue 4)
+#   tools/gpu_session.sh fa2        # the FA2-class forward against FA2 and cuDNN (issue 4), the
+#                                   # Hopper backward at d256 against FA2 / cuDNN
 #   tools/gpu_session.sh atomic     # the atomic-dQ backward's GPU tests (FLASHGEN_ATOMIC_DQ=1)
 #   tools/gpu_session.sh profile    # ncu of the gallery masks' Hopper forwards side by side
 #
@@ -39,12 +40,12 @@ branches)
         > "$out/persistent_bench.log" 2>&1
     timeout 80 python3 tools/rowcol_bench.py --json "$out/rowcol_bench.json" \
         > "$out/rowcol_bench.log" 2>&1
-    timeout 120 python3 tools/bwd_bench.py --skip-tests --skip-sanitizer --dims 256 \
-        --json "$out/bwd_bench_d256.json" > "$out/bwd_bench_d256.log" 2>&1
+    timeout 100 python3 tools/rowcol80_bench.py --atomic --json "$out/rowcol80_bench.json" \
+        > "$out/rowcol80_bench.log" 2>&1
     summary gpu_persistent.log "passed|failed"
     tail -n 20 "$out/persistent_bench.log"
     tail -n 8 "$out/rowcol_bench.log"
-    tail -n 12 "$out/bwd_bench_d256.log"
+    tail -n 12 "$out/rowcol80_bench.log"
     ;;
 measure)
     # forward and backward kernels of every spec under the 4 tools (~2x the forward-only time)
@@ -62,7 +63,10 @@ fa2)
     FLASHGEN_KERNEL_FAMILY=fa2 timeout 150 python3 -m flashgen bench --fwd-only --no-variants \
         --no-memory --seqlen 4096,8192,16384 --dtype bf16,fp16 --impl flashgen,sdpa_flash,sdpa_cudnn \
         --budget-s 130 --out "$out/bench_fa2" > "$out/bench_fa2.log" 2>&1
+    timeout 120 python3 tools/bwd_bench.py --skip-tests --skip-sanitizer --dims 256 \
+        --json "$out/bwd_bench_d256.json" > "$out/bwd_bench_d256.log" 2>&1
     tail -n 6 "$out/bench_fa2.log"
+    tail -n 12 "$out/bwd_bench_d256.log"
     ;;
 profile)
     timeout 300 ncu --kernel-name regex:fwd_sm_90 --section SpeedOfLight --section WarpStateStats \
