@@ -36,12 +36,14 @@ import math
 import numbers
 import os
 import threading
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import ir
 from .errors import OpInputError, SpecError
+from .indexbounds import IndexBoundsWarning, possible_violations
 from .lower import needs_block_table
 
 #: torch dtype of each spec dtype.
@@ -437,6 +439,8 @@ class AttentionOp:
         self._kernel_lock = threading.Lock()
         #: whether the mask reads tensor params (a block table); asked on every call
         self._block_table = needs_block_table(spec)
+        #: (Dims, scalar values) whose tensor-param subscripts were bounded (indexbounds)
+        self._bounds_seen: set = set()
 
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
@@ -732,9 +736,27 @@ class AttentionOp:
         lse.copy_(ref_lse)
         return o, lse
 
+    def _check_index_bounds(self, dims: Dims, scalars) -> None:
+        """Warn (:class:`~flashgen.indexbounds.IndexBoundsWarning`, once per sizes and scalar
+        values) for each tensor-param subscript that may leave its tensor at these sizes:
+        the kernels clamp it, so the result would use a clamped element
+        (:func:`flashgen.indexbounds.possible_violations`)."""
+        values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in scalars)
+        key = (dims, values)
+        if key in self._bounds_seen:
+            return
+        if len(self._bounds_seen) >= 1024:
+            self._bounds_seen.clear()
+        self._bounds_seen.add(key)
+        named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
+        for line in possible_violations(self.spec, dims.symbols(), named):
+            warnings.warn(line, IndexBoundsWarning, stacklevel=3)
+
     def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        if self.spec.tensor_params:
+            self._check_index_bounds(dims, scalars)
         o, lse = self._empty_outputs(q, dims)
         if _poison_enabled():
             o.fill_(math.nan)

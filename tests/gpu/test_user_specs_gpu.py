@@ -77,3 +77,28 @@ def test_float_mask_tiles_match_the_float32_reference(mask, sq, sk, error_bound)
     spec = loads_spec(text, "float_tiles.yaml")
     check(spec, 1, 2, 1, sq, sk, error_bound, seed=sq)
     check_grads(spec, 1, 2, 1, sq, sk, seed=sk, deterministic=True)
+
+
+def test_a_per_kv_head_tensor_read_by_query_head_warns_under_gqa():
+    """``w[h]`` on a [num_heads_kv] tensor: with 4 query heads over 2 KV heads the kernel
+    clamps h = 2, 3 to w[1]; the op says so (IndexBoundsWarning) instead of staying silent."""
+    from flashgen.indexbounds import IndexBoundsWarning
+    from flashgen.op import build_op
+
+    spec = loads_spec(
+        "name: gpu_per_kv_head\nhead_dim: 64\ndtype: bf16\nscore_mod: score + w[h]\n"
+        "params:\n  w: {type: f32, shape: [num_heads_kv]}\n",
+        "per_kv_head.yaml",
+    )
+    op = build_op(spec)
+    q = torch.randn(1, 4, 33, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 33, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, device="cuda")
+    with pytest.warns(IndexBoundsWarning, match=r"w\[\.\.\.\] subscript 0 ranges over \[0, 3\]"):
+        op.attention(q, k, k, w=w)
+    k4 = torch.randn(1, 4, 33, 64, device="cuda", dtype=torch.bfloat16)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IndexBoundsWarning)
+        op.attention(q, k4, k4, w=torch.randn(4, device="cuda"))  # in bounds: no warning
