@@ -688,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
     auto softmax = [&](int n0, int tile_cls) {
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             #pragma unroll
-            for (int j = 0; j < NS; ++j)
+            for (int j = 0; j < NS; ++j) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
@@ -709,13 +709,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
                     x = keep ? x : -INFINITY;
                     acc_s[4 * j + i] = x;
                 }
+            }
 
         } else {
             // kv_idx_f, the float twin of kv_idx: a per-tile base plus a compile-time offset (on
             // masked tiles a conversion: the cheap form there makes ptxas spill)
             const float kv_f0 = (float)(n0 + (lane % 4) * 2);
             #pragma unroll
-            for (int j = 0; j < NS; ++j)
+            for (int j = 0; j < NS; ++j) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
@@ -734,6 +735,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
                     (void)q_raw; (void)kv_raw;
                     acc_s[4 * j + i] = x;
                 }
+            }
 
         }
         #pragma unroll

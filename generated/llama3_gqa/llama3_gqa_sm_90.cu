@@ -687,7 +687,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
     auto softmax = [&](int n0, int tile_cls) {
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             #pragma unroll
-            for (int j = 0; j < NS; ++j)
+            for (int j = 0; j < NS; ++j) {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
@@ -695,6 +695,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
                     const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q);
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
+            }
         }
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
