@@ -306,3 +306,76 @@ def test_model_catches_the_cross_tile_ping_pong_hazard():
         except (AssertionError, pytest.fail.Exception):
             failures += 1
     assert failures > 0
+
+
+# ----------------------------------------------------------------------------- template order
+def _persistent_source(name: str, head_dim: int | None = None, scheduler="static") -> str:
+    from pathlib import Path
+
+    from flashgen.lower import plan_forward
+    from flashgen.render import render
+    from flashgen.spec import load_spec, loads_spec
+
+    path = Path(__file__).resolve().parents[2] / "specs" / f"{name}.yaml"
+    spec = load_spec(path)
+    if head_dim is not None:
+        text = path.read_text().replace(f"head_dim: {spec.head_dim}", f"head_dim: {head_dim}")
+        spec = loads_spec(text, path.name)
+    return render(plan_forward(spec, "sm_90", persistent=scheduler))
+
+
+def _in_order(text: str, *needles: str) -> None:
+    """Each needle occurs in ``text``, the first occurrence of each after the previous one."""
+    at = -1
+    for n in needles:
+        i = text.find(n, at + 1)
+        assert i > at, f"{n!r} missing or out of order after offset {at}"
+        at = i
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+def test_template_follows_the_model_order(head_dim, scheduler):
+    """The rendered persistent kernel issues its waits and arrivals in the order the model
+    above assumes (the model is kept in sync by hand; this ties it to the template): the
+    producer's hand_over after the first block's K; q_empty after consumer 0's last pp_wait
+    (separate_o) or after the epilogue behind a proxy fence (head_dim 256); the row terms
+    (flashgen/rowcol.py) recomputed per tile after q_full and before the first softmax; the
+    dynamic counter reset after a fence and before the last hand-over."""
+    src = _persistent_source("document_mask", head_dim, scheduler)
+    producer = src[src.index("producer warpgroup\n") : src.index("consumer warpgroups\n")]
+    _in_order(producer, "auto hand_over = [&]", "fg::mbar_wait(q_empty, (ti & 1) ^ 1);",
+              "info[0] = first_it + 1;", "fg::mbar_arrive(q_full);",
+              "fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);", "++ti;")  # fmt: skip
+    _in_order(producer, "fg::mbar_wait(k_empty(s), phase ^ 1);", "stage_info[2 * s + 1] =",
+              "fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);", "&tma_k",
+              "if (first) hand_over(it, m0, b, h);", "fg::mbar_wait(v_empty(s), phase ^ 1);",
+              "&tma_v", "hand_over(-2, 0, 0, 0);")  # fmt: skip
+    if scheduler == "dynamic":
+        _in_order(producer, "next = draw();", "hand_over(-1, m0, b, h);", "__threadfence();",
+                  "atomicAdd(tile_counter + 1, 1)", "tile_counter[0] = 0;",
+                  "hand_over(-2, 0, 0, 0);")  # fmt: skip
+    body = src[src.index("for (;; ++ti) {") : src.index("}  // tiles")]
+    assert "int fg_row0_r[2];" in src[: src.index("for (;; ++ti) {")]
+    separate_o = head_dim < 256
+    if separate_o:  # (document_mask keeps its terms at d128; select drops them at d256)
+        assert src.count("fg_row0_r[r] =") == 1
+        _in_order(body, "fg::mbar_wait(q_full, ti & 1);", "if (kv_it < -1) break;",
+                  "if (kv_it >= 0) {", "fg_row0_r[r] =", "softmax(info_n0")  # fmt: skip
+    last_s = body.rindex("issue_s(s);")
+    _in_order(body[last_s:], "fg::wgmma_wait<1>();", "softmax(info_n0", "fg::wgmma_wait<0>();",
+              "if (cg == 0) pp_wait();", "issue_pv(s_last);")  # fmt: skip
+    arrivals = body.count("fg::mbar_arrive(q_empty);")
+    if separate_o:
+        # with blocks: after the last pass is consumed; without: at once; both before the
+        # epilogue's staging barrier
+        assert arrivals == 2
+        _in_order(body[last_s:], "if (cg == 0) pp_wait();", "fg::mbar_arrive(q_empty);",
+                  "issue_pv(s_last);", "fg::mbar_arrive(q_empty);",
+                  "fg::named_barrier_sync(1 + cg, 128);", "st.shared.b32",
+                  "fg::named_barrier_sync(1 + cg, 128);", "ld.shared.v4.b32")  # fmt: skip
+    else:
+        assert arrivals == 1
+        _in_order(body[last_s:], "if (cg == 0) pp_wait();", "issue_pv(s_last);",
+                  "st.shared.b32", "ld.shared.v4.b32", "fence.proxy.async.shared::cta",
+                  "fg::mbar_arrive(q_empty);")  # fmt: skip
