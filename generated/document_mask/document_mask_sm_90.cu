@@ -648,8 +648,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
 
-    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's two query rows, once
-    //.  A live block means seqlen_k > 0, so every clamped read is in bounds.
+    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's two query rows, once.
+    // A live block means seqlen_k > 0, so every clamped read is in bounds.
     int fg_row0_r[2];
     if (first_block >= 0) {
         #pragma unroll
