@@ -815,15 +815,20 @@ class AttentionOp:
         wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
         read at every call, and so does ``FLASHGEN_PERSISTENT`` (``1``, ``static``, ``m_major``,
         ``dynamic``: the Hopper kernel's persistent tile scheduler,
-        :func:`flashgen.lower.persistent_forward`; default off).
+        :func:`flashgen.lower.persistent_forward`; default off) and ``FLASHGEN_SIDE_TERMS``
+        (:mod:`flashgen.select`).
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
+        from .envflags import flag
         from .lower import kernel_family, persistent_forward
+        from .select import SIDE_TERMS_ENV
 
         family = kernel_family()
         persistent = persistent_forward()
         key = (index, family, persistent) if persistent else (index, family)
+        if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
+            key += ("per-element",)
         kern = self._kernels.get(key)
         if kern is not None:
             return kern
