@@ -204,8 +204,9 @@ def test_forward_kernels_compile_without_spills(text, target):
     assert report.spill_bytes == 0, report
     assert "h_kv" in render(plan)
     if target == "sm_90" and plan.template == "sm_90/fwd.cu.j2":
-        plan, _, report = build_forward(spec, target, persistent="static")
-        assert plan.context["persistent"] and report.spill_bytes == 0, report
+        for scheduler in ("static", "dynamic"):
+            plan, _, report = build_forward(spec, target, persistent=scheduler)
+            assert plan.context["persistent"] and report.spill_bytes == 0, (scheduler, report)
 
 
 @needs_nvcc
