@@ -438,12 +438,16 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
             raise Unsupported(f"no FlexAttention in this torch: {e}") from e
         from .flexmods import flex_mods, mask_uses_batch_or_head
 
-        score_mod, mask_mod = flex_mods(spec, seqlen_q, seqlen_k, params)
         flex = flex_retrying_smaller_blocks(flex_compiled())
         block_masks: dict = {}
+        mods: dict = {}  # group (num_heads // num_heads_kv: the DSL's h_kv) -> the mods
 
         def run_flex(q, k, v):
-            key = (q.shape[0], q.shape[1])
+            group = q.shape[1] // k.shape[1]
+            if group not in mods:
+                mods[group] = flex_mods(spec, seqlen_q, seqlen_k, params, group=group)
+            score_mod, mask_mod = mods[group]
+            key = (q.shape[0], q.shape[1], group)
             if mask_mod is not None and key not in block_masks:
                 bh = mask_uses_batch_or_head(spec)
                 block_masks[key] = create_block_mask(
@@ -504,13 +508,16 @@ def flashgen_has_backward(op) -> bool | None:
     return None
 
 
-def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) -> int:
+def kept_pairs(
+    spec, batch: int, heads: int, seqlen: int, params: dict, device, heads_kv: int | None = None
+) -> int:
     """Number of (b, h, q, kv) pairs ``spec``'s mask keeps at ``seqlen_q = seqlen_k =
     seqlen`` with ``params``, evaluated from the mask IR (:func:`flashgen.reference.eval_mask`)
     over the batch rows / heads it reads, one batch row at a time (``seqlen^2`` bytes per head
     of memory on ``device``; row ``b0`` sees ``b = b0`` and the whole params, so a mask that
     reads ``b`` directly or through a param of any shape counts each row's own pairs).
-    ``batch * heads * seqlen^2`` without a mask."""
+    ``batch * heads * seqlen^2`` without a mask.  ``heads_kv``: the KV heads a mask reading
+    ``h_kv`` sees (default ``heads``, no GQA)."""
     from .lower import block_table_dims
     from .reference import eval_mask
 
@@ -522,7 +529,7 @@ def kept_pairs(spec, batch: int, heads: int, seqlen: int, params: dict, device) 
     for b0 in range(tb):  # one batch row at a time keeps memory at seqlen^2 bytes per head
         keep = eval_mask(
             spec, batch=1, heads_q=th, seqlen_q=seqlen, seqlen_k=seqlen, params=params,
-            device=device, batch_offset=b0,
+            device=device, batch_offset=b0, heads_kv=heads_kv if per_h and heads_kv else th,
         )  # fmt: skip
         total += int(keep.sum())
     return total * (batch // tb) * (heads // th)

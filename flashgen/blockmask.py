@@ -45,7 +45,8 @@ class BlockMask:
     ``table``: uint8 ``[tab_b, tab_h, m_blocks, n_blocks]`` on the device it was built
     on; ``block_m`` / ``block_n``: the forward kernel's tiles it classifies;
     ``scalars``: the values of the scalar params the mask was evaluated with (the op
-    refuses a call with different ones).
+    refuses a call with different ones); ``heads_kv``: the KV heads it was built for when
+    the mask reads ``h_kv`` (the op refuses a call with another count), else None.
     """
 
     spec_name: str
@@ -57,6 +58,7 @@ class BlockMask:
     seqlen_q: int
     seqlen_k: int
     scalars: dict = field(default_factory=dict)
+    heads_kv: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -96,16 +98,19 @@ def block_table_reference(
     seqlen_k: int,
     params: dict,
     device=None,
+    heads_kv: int | None = None,
 ) -> torch.Tensor:
     """Brute-force block table: the mask materialized with :func:`flashgen.reference.eval_mask`
     over every in-range pair, reduced per tile.  uint8 ``[tab_b, tab_h, m_blocks, n_blocks]``
-    (:func:`flashgen.lower.block_table_shape`).  Memory O(tab_b * tab_h * seqlen_q *
-    seqlen_k): for tests and the CPU op, not for long sequences.
+    (:func:`flashgen.lower.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
+    default ``heads_q``).  Memory O(tab_b * tab_h * seqlen_q * seqlen_k): for tests and the
+    CPU op, not for long sequences.
     """
     tb, th, mb, nb = block_table_shape(spec, tiles, batch, heads_q, seqlen_q, seqlen_k)
+    hkv = th if th != heads_q or heads_kv is None else heads_kv  # th == 1: h, h_kv unread
     keep = eval_mask(
         spec, batch=tb, heads_q=th, seqlen_q=seqlen_q, seqlen_k=seqlen_k, params=params,
-        device=device,
+        device=device, heads_kv=hkv,
     )  # fmt: skip
     # Pad to whole tiles: padding counts as kept for "all" and as dropped for "any".
     pm, pn = mb * tiles.block_m - seqlen_q, nb * tiles.block_n - seqlen_k

@@ -484,7 +484,7 @@ def _never_true(mask: Expr, spec: ir.Spec) -> bool:
     from .maskinfo import Range, Truth, evaluate
 
     big = float(2**31 - 1)
-    env = {n: Range(0.0, big) for n in ("b", "h", "q_idx", "kv_idx")}
+    env = {n: Range(0.0, big) for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
     env |= {n: Range(1.0, big) for n in ("seqlen_q", "seqlen_k")}
     for p in spec.params:
         if p.kind == "scalar":

@@ -1,7 +1,8 @@
 """flashgen IR -> FlexAttention ``score_mod`` / ``mask_mod`` functions (for benchmarks).
 
 :func:`flex_mods` turns a spec's ``score_mod`` and ``mask`` into the two Python callables
-``torch.nn.attention.flex_attention`` takes::
+``torch.nn.attention.flex_attention`` takes (``h`` is the query head; the DSL's ``h_kv`` is
+``h // group``, :func:`flex_mods`' argument)::
 
     score_mod(score, b, h, q_idx, kv_idx) -> float tensor     (score: the scaled logit)
     mask_mod(b, h, q_idx, kv_idx) -> bool tensor               (True = keep the pair)
@@ -164,14 +165,20 @@ def _compile(e: Expr, spec: Spec) -> Fn:
 
 
 def flex_mods(
-    spec: Spec, seqlen_q: int, seqlen_k: int, params: dict | None = None
+    spec: Spec, seqlen_q: int, seqlen_k: int, params: dict | None = None, group: int = 1
 ) -> tuple[Callable | None, Callable | None]:
     """``(score_mod, mask_mod)`` for ``spec`` at fixed sequence lengths (None where absent).
 
     ``params`` maps the spec's param names to values: scalars default to the declared
     value; tensor params (required) are float32/int64 tensors on the device of q.
-    Raises ``ValueError`` for a missing tensor param.
+    ``group``: query heads per KV head (``num_heads // num_heads_kv``; FlexAttention hands
+    the mods the query head ``h``, and the DSL's ``h_kv`` is ``h // group``).
+    Raises ``ValueError`` for a missing tensor param or a ``group`` below 1.
     """
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(
+            f"group: expected a positive int (num_heads // num_heads_kv), got {group!r}"
+        )
     base: dict = {"seqlen_q": int(seqlen_q), "seqlen_k": int(seqlen_k)}
     params = dict(params or {})
     for p in spec.params:
@@ -191,7 +198,15 @@ def flex_mods(
         f = _compile(spec.score_mod, spec)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            env = dict(base, score=score, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx)
+            env = dict(
+                base,
+                score=score,
+                b=b,
+                h=h,
+                h_kv=h if group == 1 else h // group,
+                q_idx=q_idx,
+                kv_idx=kv_idx,
+            )
             out = f(env)
             return out if _is_t(out) else torch.full_like(score, out)
 
@@ -199,7 +214,11 @@ def flex_mods(
         g = _compile(spec.mask, spec)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            out = g(dict(base, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx))
+            out = g(
+                dict(
+                    base, b=b, h=h, h_kv=h if group == 1 else h // group, q_idx=q_idx, kv_idx=kv_idx
+                )
+            )
             if _is_t(out):
                 return out
             return torch.full_like(q_idx + kv_idx, bool(out), dtype=torch.bool)
@@ -208,12 +227,13 @@ def flex_mods(
 
 
 def mask_uses_batch_or_head(spec: Spec) -> bool:
-    """Whether the mask reads ``b``, ``h`` or a tensor param (the block mask then needs B, H)."""
+    """Whether the mask reads ``b``, ``h``, ``h_kv`` or a tensor param (the block mask then
+    needs B, H)."""
     from .ir import walk
 
     if spec.mask is None:
         return False
     return any(
-        (isinstance(n, Var) and n.name in ("b", "h")) or isinstance(n, Index)
+        (isinstance(n, Var) and n.name in ("b", "h", "h_kv")) or isinstance(n, Index)
         for n in walk(spec.mask)
     )

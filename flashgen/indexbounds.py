@@ -46,6 +46,8 @@ def possible_violations(spec: Spec, sym: dict[str, int], scalars: dict) -> list[
     env = {
         "b": Range(0, sym["batch"] - 1),
         "h": Range(0, sym["num_heads"] - 1),
+        # the KV head query head h reads (num_heads_kv divides num_heads; h itself without GQA)
+        "h_kv": Range(0, sym.get("num_heads_kv", sym["num_heads"]) - 1),
         "q_idx": Range(0, sym["seqlen_q"] - 1),
         "kv_idx": Range(0, sym["seqlen_k"] - 1),
         "seqlen_q": Range.exact(sym["seqlen_q"]),

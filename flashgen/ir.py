@@ -41,6 +41,8 @@ NO_SPAN = Span("<builtin>", 0, 0)
 INDEX_VARS: dict[str, Ty] = {
     "b": Ty.I32,  # batch index
     "h": Ty.I32,  # query head index
+    # the KV head query head h reads: h / (num_heads / num_heads_kv) (h itself without GQA)
+    "h_kv": Ty.I32,
     "q_idx": Ty.I32,  # query position, 0 <= q_idx < seqlen_q
     "kv_idx": Ty.I32,  # key/value position, 0 <= kv_idx < seqlen_k
     "seqlen_q": Ty.I32,

@@ -704,9 +704,11 @@ def needs_block_table(spec: Spec) -> bool:
 
 def block_table_dims(spec: Spec) -> tuple[bool, bool]:
     """``(per_batch, per_head)``: whether the block table needs a batch / head axis
-    (the mask reads ``b`` / ``h``, directly or inside a tensor index); else that axis has
-    extent 1 and the kernel reads it with stride 0."""
-    return _uses_index_var(spec.mask, "b"), _uses_index_var(spec.mask, "h")
+    (the mask reads ``b`` / ``h`` or ``h_kv``, directly or inside a tensor index; a mask
+    reading ``h_kv`` gets the per-query-head table, as one reading ``h``); else that axis
+    has extent 1 and the kernel reads it with stride 0."""
+    per_h = _uses_index_var(spec.mask, "h") or _uses_index_var(spec.mask, "h_kv")
+    return _uses_index_var(spec.mask, "b"), per_h
 
 
 def _uses_index_var(e: Expr | None, name: str) -> bool:
@@ -913,8 +915,8 @@ def _forward_context(
         # block sparsity: the mask's tile classifier and its arguments after the tile bounds
         "tile_classifier": masktiles.classifier_source(spec),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
-        "needs_bh": _uses(residual, {"b", "h"})
-        or _uses(score_mod, {"b", "h"})
+        "needs_bh": _uses(residual, {"b", "h", "h_kv"})
+        or _uses(score_mod, {"b", "h", "h_kv"})
         or bool(spec.tensor_params),
     }
 
@@ -1004,8 +1006,9 @@ def plan_hopper_forward(
         scheduler=persistent or None,
         dynamic=dynamic,
         separate_o=separate_o,
-        # the tile classifier's arguments after (q0, q1, k0, k1, b, h): seqlen_q, seqlen_k, params
-        tile_class_scalars=masktiles.classifier_params(spec)[6:],
+        # the tile classifier's arguments after (q0, q1, k0, k1, b, h, h_kv): seqlen_q,
+        # seqlen_k, params
+        tile_class_scalars=masktiles.classifier_params(spec)[7:],
         o_stage="sO" if persistent else "sQ",
         producer_regs=regs[0],
         consumer_regs=regs[1],

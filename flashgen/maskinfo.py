@@ -9,7 +9,7 @@ are PARTIAL.  The analysis is sound: EMPTY and FULL are only claimed when they h
 every element; imprecision only ever turns a tile PARTIAL.
 
 Inside a tile the index variables range over the tile (``q_idx`` in ``[q0, q1]``,
-``kv_idx`` in ``[k0, k1]``); ``b``, ``h``, ``seqlen_q``, ``seqlen_k`` and scalar params
+``kv_idx`` in ``[k0, k1]``); ``b``, ``h``, ``h_kv``, ``seqlen_q``, ``seqlen_k`` and scalar params
 are exact.  Tensor reads are unknown (any value), so masks that read tensors (document
 masking) classify as PARTIAL here and need a data-dependent pre-pass instead.
 
@@ -290,13 +290,17 @@ def tile_env(
     seqlen_q: int,
     seqlen_k: int,
     params: dict | None = None,
+    h_kv: int | None = None,
 ) -> dict:
-    """The abstract environment of one tile: ranges of the index variables and params."""
+    """The abstract environment of one tile: ranges of the index variables and params
+    (``h_kv``: the KV head query head ``h`` reads, ``h // (num_heads // num_heads_kv)``;
+    None means ``h``, no GQA)."""
     env = {
         "q_idx": Range(*q_range),
         "kv_idx": Range(*kv_range),
         "b": Range.exact(b),
         "h": Range.exact(h),
+        "h_kv": Range.exact(h if h_kv is None else h_kv),
         "seqlen_q": Range.exact(seqlen_q),
         "seqlen_k": Range.exact(seqlen_k),
     }
@@ -309,8 +313,8 @@ def tile_env(
 def classify(spec: Spec, q_range, kv_range, **kw) -> TileClass:
     """Class of the tile ``q_idx in q_range``, ``kv_idx in kv_range`` (inclusive bounds).
 
-    ``kw``: ``b``, ``h``, ``seqlen_q``, ``seqlen_k`` and ``params`` (scalar param values;
-    defaults from the spec).  No mask means FULL.
+    ``kw``: ``b``, ``h``, ``seqlen_q``, ``seqlen_k``, ``params`` (scalar param values;
+    defaults from the spec) and optionally ``h_kv`` (default ``h``: no GQA).  No mask means FULL.
     """
     if spec.mask is None:
         return TileClass.FULL
@@ -330,6 +334,7 @@ def tile_classes(
     b: int = 0,
     h: int = 0,
     params: dict | None = None,
+    h_kv: int | None = None,
 ) -> list[list[TileClass]]:
     """Classes of every (query block, key block) of one (batch, head): rows are query
     blocks of ``block_m``, columns key blocks of ``block_n`` (the last ones ragged)."""
@@ -346,6 +351,7 @@ def tile_classes(
                     (k0, k1),
                     b=b,
                     h=h,
+                    h_kv=h_kv,
                     seqlen_q=seqlen_q,
                     seqlen_k=seqlen_k,
                     params=params,

@@ -5,12 +5,13 @@ helpers of ``templates/common/masktiles.cuh`` (namespace ``fg::iv``), one helper
 of :mod:`flashgen.maskinfo`, so the kernel classifies a tile exactly as the host analysis
 does (same rules, double-precision bounds; sound: imprecision only ever gives PARTIAL)::
 
-    int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h,
+    int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv,
                       int seqlen_q, int seqlen_k, <p_x for each scalar param>)
         -> fg::iv::EMPTY (0) | PARTIAL (1) | FULL (2)
 
 for ``q_idx`` in ``[q0, q1]`` and ``kv_idx`` in ``[k0, k1]`` (inclusive, already clipped
-to the sequence lengths); ``b``, ``h``, the lengths and scalar params are exact.  No mask:
+to the sequence lengths); ``b``, ``h``, ``h_kv`` (the KV head ``h`` reads), the lengths
+and scalar params are exact.  No mask:
 the function returns FULL and the kernels' block searches fold away.
 
 Tensor reads (``doc[q_idx]``) are unknown values here, so a mask that depends on them is
@@ -46,7 +47,7 @@ _CALL = {
     "sqrt": "sqrt_",
     "tanh": "tanh_",
 }
-_IDX_VARS = {"b", "h", "seqlen_q", "seqlen_k"}
+_IDX_VARS = {"b", "h", "h_kv", "seqlen_q", "seqlen_k"}
 #: float32 rounding slack of a float result (maskinfo.F32_REL and friends, as C++ hex literals)
 _REL = F32_REL.hex()
 _CALL_REL = {
@@ -59,14 +60,15 @@ _CALL_REL = {
 
 def classifier_params(spec: Spec) -> list[tuple[str, str]]:
     """(ctype, name) of the classifier's parameters, in order."""
-    out = [("int", n) for n in ("q0", "q1", "k0", "k1", "b", "h", "seqlen_q", "seqlen_k")]
+    names = ("q0", "q1", "k0", "k1", "b", "h", "h_kv", "seqlen_q", "seqlen_k")
+    out = [("int", n) for n in names]
     out += [("int" if p.ty == Ty.I32 else "float", f"p_{p.name}") for p in spec.scalar_params]
     return out
 
 
 def classifier_call(spec: Spec, q0: str, q1: str, k0: str, k1: str) -> str:
     """C++ call of the classifier with the given tile bounds; the other arguments are the
-    kernel's own names (``b``, ``h``, ``seqlen_q``, ``seqlen_k``, ``p_<name>``)."""
+    kernel's own names (``b``, ``h``, ``h_kv``, ``seqlen_q``, ``seqlen_k``, ``p_<name>``)."""
     rest = [name for _, name in classifier_params(spec)[4:]]
     return f"{FUNCTION}({', '.join([q0, q1, k0, k1, *rest])})"
 

@@ -590,6 +590,7 @@ class AttentionOp:
             table = block_table_reference(
                 self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
                 seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
+                heads_kv=dims.heads_kv,
             )  # fmt: skip
         used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
         return BlockMask(
@@ -602,6 +603,7 @@ class AttentionOp:
             seqlen_q=seqlen_q,
             seqlen_k=seqlen_k,
             scalars={n: v for n, v in values.items() if n in used},
+            heads_kv=dims.heads_kv if _mask_reads(self.spec, "h_kv") else None,
         )
 
     def _block_mask_table(self, bm, q, dims: Dims, scalars):
@@ -627,6 +629,11 @@ class AttentionOp:
             raise OpInputError(
                 f"block_mask: expected (seqlen_q, seqlen_k) = {want} (q's and k's), got "
                 f"({bm.seqlen_q}, {bm.seqlen_k}); build one per problem size"
+            )
+        if bm.heads_kv is not None and bm.heads_kv != dims.heads_kv:
+            raise OpInputError(
+                f"block_mask: built for num_heads_kv={bm.heads_kv} (the mask reads h_kv), but "
+                f"k has {dims.heads_kv} heads; build one per head count"
             )
         values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         for name, val in bm.scalars.items():

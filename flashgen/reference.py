@@ -116,14 +116,29 @@ def eval_expr(e: Expr, env: dict):
 
 
 def _env(
-    spec: Spec, B: int, Hq: int, Sq: int, Sk: int, params: dict, dev, fdt, batch_offset: int = 0
+    spec: Spec,
+    B: int,
+    Hq: int,
+    Sq: int,
+    Sk: int,
+    params: dict,
+    dev,
+    fdt,
+    batch_offset: int = 0,
+    *,
+    Hkv: int,
 ) -> dict:
     """Evaluation environment: broadcasting index tensors, sizes and param values (``b``
-    counts from ``batch_offset``: the sequence index in varlen)."""
+    counts from ``batch_offset``: the sequence index in varlen; ``h_kv`` is the KV head
+    query head ``h`` reads, ``h // (Hq // Hkv)``).  Raises ``ValueError`` unless ``Hkv``
+    divides ``Hq``."""
+    if Hkv <= 0 or Hq % Hkv:
+        raise ValueError(f"num_heads {Hq} is not a multiple of num_heads_kv {Hkv}")
     ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
     env = {
         "b": (ar(B) + batch_offset).view(B, 1, 1, 1),
         "h": ar(Hq).view(1, Hq, 1, 1),
+        "h_kv": (ar(Hq) // (Hq // Hkv)).view(1, Hq, 1, 1),
         "q_idx": ar(Sq).view(1, 1, Sq, 1),
         "kv_idx": ar(Sk).view(1, 1, 1, Sk),
         "seqlen_q": torch.tensor(Sq, device=dev),
@@ -174,17 +189,20 @@ def eval_mask(
     params: dict | None = None,
     device=None,
     batch_offset: int = 0,
+    heads_kv: int | None = None,
 ):
     """``spec.mask`` materialized: bool ``[batch, heads_q, seqlen_q, seqlen_k]`` (all True
     without a mask), with ``b`` in ``range(batch_offset, batch_offset + batch)`` and ``h``
     in ``range(heads_q)`` (pass 1 for an axis the mask does not read, to broadcast over it).
-    ``params`` as in :func:`attention_reference` (whole: ``b`` indexes them).  Raises
-    ``IndexError`` like it for an out-of-range tensor-param index at a kept pair.
+    ``heads_kv``: the KV heads (``h_kv = h // (heads_q // heads_kv)``); default
+    ``heads_q`` (no GQA).  ``params`` as in :func:`attention_reference` (whole: ``b``
+    indexes them).  Raises ``IndexError`` like it for an out-of-range tensor-param index at
+    a kept pair, ``ValueError`` unless ``heads_kv`` divides ``heads_q``.
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
     env = _env(
         spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float32,
-        batch_offset,
+        batch_offset, Hkv=heads_q if heads_kv is None else heads_kv,
     )  # fmt: skip
     shape = (batch, heads_q, seqlen_q, seqlen_k)
     if spec.mask is None:
@@ -242,13 +260,13 @@ def attention_reference(
     vc = v.to(compute_dtype).repeat_interleave(group, dim=1)
     s = torch.matmul(qc, kc.transpose(-1, -2)).to(fdt) * softmax_scale  # [B,Hq,Sq,Sk]
 
-    env = _env(spec, B, Hq, Sq, Sk, params, dev, fdt, batch_offset)
+    env = _env(spec, B, Hq, Sq, Sk, params, dev, fdt, batch_offset, Hkv=Hkv)
     if spec.score_mod is not None:
         env["score"] = s
         s = _as(eval_expr(spec.score_mod, env), Ty.F32, env).expand(B, Hq, Sq, Sk)
     keep = None
     if spec.mask is not None:  # float32 float math, as the kernels decide (see the module doc)
-        mask_env = _env(spec, B, Hq, Sq, Sk, params, dev, torch.float32, batch_offset)
+        mask_env = _env(spec, B, Hq, Sq, Sk, params, dev, torch.float32, batch_offset, Hkv=Hkv)
         keep = eval_expr(spec.mask, mask_env).expand(B, Hq, Sq, Sk)
         env.setdefault("__oob__", []).extend(mask_env.get("__oob__", []))
         s = s.masked_fill(~keep, float("-inf"))

@@ -8,7 +8,7 @@ forward, more time than the tile's two GEMMs.  :func:`split` finds the maximal
 sub-expressions that read a tensor and depend on one side only, and replaces each by a
 kernel local:
 
-- a **row term** reads only ``b``, ``h``, ``q_idx``, ``seqlen_q``/``seqlen_k``, constants
+- a **row term** reads only ``b``, ``h``, ``h_kv``, ``q_idx``, ``seqlen_q``/``seqlen_k``, constants
   and params: the kernel evaluates it once per query row it owns (two per thread), before
   its key loop;
 - a **column term** reads ``kv_idx`` instead of ``q_idx``: on each masked tile every lane
@@ -29,10 +29,10 @@ from dataclasses import dataclass, replace
 from . import ir
 from .ir import Binary, Call, Causal, Cond, Expr, Index, Spec, Ty, Unary, Var
 
-#: Index variables of the query side and of the key side (``b``, ``h`` and the lengths
+#: Index variables of the query side and of the key side (``b``, ``h``, ``h_kv`` and the lengths
 #: are the same for the whole tile, so either side may read them).
-ROW_VARS = frozenset({"b", "h", "q_idx", "seqlen_q", "seqlen_k"})
-COL_VARS = frozenset({"b", "h", "kv_idx", "seqlen_q", "seqlen_k"})
+ROW_VARS = frozenset({"b", "h", "h_kv", "q_idx", "seqlen_q", "seqlen_k"})
+COL_VARS = frozenset({"b", "h", "h_kv", "kv_idx", "seqlen_q", "seqlen_k"})
 
 
 @dataclass(frozen=True)

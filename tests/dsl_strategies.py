@@ -22,15 +22,17 @@ from functools import cache
 
 from hypothesis import strategies as st
 
-#: Params every fuzz spec declares (``slopes[h]`` and ``ids[b]`` are always in bounds).
+#: Params every fuzz spec declares (``slopes[h]``, ``kv_slopes[h_kv]`` and ``ids[b]`` are
+#: always in bounds).
 PARAMS = {
     "w": {"type": "i32", "default": 5},
     "c": {"type": "f32", "default": 1.5},
     "slopes": {"type": "f32", "shape": ["num_heads"]},
+    "kv_slopes": {"type": "f32", "shape": ["num_heads_kv"]},
     "ids": {"type": "i32", "shape": ["batch"]},
 }
-INT_LEAVES = ("b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "w", "ids[b]")
-FLOAT_LEAVES = ("c", "slopes[h]")
+INT_LEAVES = ("b", "h", "h_kv", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "w", "ids[b]")
+FLOAT_LEAVES = ("c", "slopes[h]", "kv_slopes[h_kv]")
 MAX_DEPTH = 3
 
 

@@ -102,3 +102,49 @@ def test_a_per_kv_head_tensor_read_by_query_head_warns_under_gqa():
     with warnings.catch_warnings():
         warnings.simplefilter("error", IndexBoundsWarning)
         op.attention(q, k4, k4, w=torch.randn(4, device="cuda"))  # in bounds: no warning
+
+
+# h_kv: the KV head query head h reads (h / (num_heads / num_heads_kv)), so a [num_heads_kv]
+# tensor param is read in bounds under GQA (tests/unit/test_kv_head_var.py on CPU).
+KV_ALIBI = """\
+name: gpu_kv_alibi
+head_dim: 64
+dtype: bf16
+score_mod: score - w[h_kv] * abs(q_idx - kv_idx)
+params:
+  w: {type: f32, shape: [num_heads_kv]}
+"""
+KV_WINDOW = """\
+name: gpu_kv_window
+head_dim: 64
+dtype: fp16
+mask: causal && q_idx - kv_idx < 40 + 200 * h_kv
+"""
+KV_TABLE_WINDOW = """\
+name: gpu_kv_table_window
+head_dim: 64
+dtype: fp16
+mask: causal && q_idx - kv_idx < win[h_kv] * 16
+params:
+  win: {type: i32, shape: [num_heads_kv]}
+"""
+
+
+@pytest.mark.parametrize("persistent", ["0", "1"])
+@pytest.mark.parametrize("sq, sk", [(17, 17), (300, 1000), (1000, 300)])
+@pytest.mark.parametrize("text", [KV_ALIBI, KV_WINDOW, KV_TABLE_WINDOW])
+def test_kv_head_index_under_gqa(text, sq, sk, persistent, error_bound, monkeypatch):
+    """Hq = 8 over Hkv = 2: forward (also the persistent Hopper kernel on sm_90) and both
+    backward paths against the fp64 reference, where ``h_kv = h // 4``."""
+    import warnings
+
+    from flashgen.indexbounds import IndexBoundsWarning
+
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", persistent)
+    spec = loads_spec(text, "kv_head.yaml")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IndexBoundsWarning)  # w[h_kv] stays inside [Hkv]
+        check(spec, 2, 8, 2, sq, sk, error_bound, seed=sq + sk)
+        if persistent == "0":
+            check_grads(spec, 2, 8, 2, sq, sk, seed=sq, deterministic=True)
+            check_grads(spec, 1, 8, 2, sq, sk, seed=sk, deterministic=False)

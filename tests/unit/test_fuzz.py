@@ -37,8 +37,8 @@ FAST = settings(
 # ----------------------------------------------------------------------------- random text
 DSL_CHARS = string.ascii_letters + string.digits + " _.+-*/%<>=!&|?:()[],'\"\\\t\n#;{}$@^~`"
 DSL_WORDS = [
-    "q_idx", "kv_idx", "b", "h", "seqlen_q", "seqlen_k", "score", "causal", "true", "false",
-    "tanh", "exp", "log", "min", "max", "abs", "sqrt", "w", "c", "slopes", "ids",
+    "q_idx", "kv_idx", "b", "h", "h_kv", "seqlen_q", "seqlen_k", "score", "causal", "true", "false",
+    "tanh", "exp", "log", "min", "max", "abs", "sqrt", "w", "c", "slopes", "kv_slopes", "ids",
     "&&", "||", "==", "!=", "<=", ">=", "?", ":", "(", ")", "[", "]", ",", "1", "2.5", "1e39",
     "9" * 40, "0", "-", "!",
 ]  # fmt: skip
@@ -135,7 +135,7 @@ def test_random_field_values_only_raise_spec_error(fields):
 
 # ----------------------------------------------------------------------------- well-typed
 _CUDA_WORDS = {
-    "b", "h", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "score", "true", "false", "int",
+    "b", "h", "h_kv", "q_idx", "kv_idx", "seqlen_q", "seqlen_k", "score", "true", "false", "int",
     "float", "bool", "int64_t", "INFINITY", "fabsf", "fminf", "fmaxf", "expf", "logf",
     "tanh_approx", "sqrtf", "fmodf", "abs", "min", "max", "heads_q", "heads_kv", "batch", "fg",
     "clamp_index", "idiv", "imod", "q_idx_f", "kv_idx_f", "div", "mod",
@@ -233,6 +233,7 @@ def test_tame_score_mods_stay_finite(sm):
     env = {
         "b": ar(B).view(B, 1, 1, 1),
         "h": ar(H).view(1, H, 1, 1),
+        "h_kv": (ar(H) // H).view(1, H, 1, 1),  # one KV head
         "q_idx": ar(S).view(1, 1, S, 1),
         "kv_idx": ar(S).view(1, 1, 1, S),
         "seqlen_q": torch.tensor(S),
@@ -241,6 +242,7 @@ def test_tame_score_mods_stay_finite(sm):
         "w": torch.tensor(5),
         "c": torch.tensor(1.5, dtype=torch.float64),
         "slopes": torch.rand(H, generator=g, dtype=torch.float64),
+        "kv_slopes": torch.rand(1, generator=g, dtype=torch.float64),
         "ids": torch.randint(0, 16, (B,), generator=g),
         "__float__": torch.float64,
         "__device__": torch.device("cpu"),

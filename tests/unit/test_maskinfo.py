@@ -52,10 +52,11 @@ def _spec(mask: str, params: str):
     return loads_spec(body, "m.yaml")
 
 
-def brute(spec, sq, sk, b=0, h=0, params=None, tensors=None):
+def brute(spec, sq, sk, b=0, h=0, params=None, tensors=None, h_kv=None):
     """Boolean [sq, sk] mask by evaluating the IR on every pair (the reference evaluator)."""
     env = {
         "b": torch.tensor(b), "h": torch.tensor(h),
+        "h_kv": torch.tensor(h if h_kv is None else h_kv),
         "q_idx": torch.arange(sq).view(sq, 1), "kv_idx": torch.arange(sk).view(1, sk),
         "seqlen_q": torch.tensor(sq), "seqlen_k": torch.tensor(sk),
         "__float__": torch.float64, "__device__": torch.device("cpu"),
@@ -72,9 +73,9 @@ def brute_class(tile) -> TileClass:
     return TileClass.FULL if tile.all() else TileClass.PARTIAL
 
 
-def check_grid(spec, sq, sk, bm, bn, *, exact, b=0, h=0, params=None, tensors=None):
-    keep = brute(spec, sq, sk, b, h, params, tensors)
-    classes = tile_classes(spec, sq, sk, bm, bn, b=b, h=h, params=params)
+def check_grid(spec, sq, sk, bm, bn, *, exact, b=0, h=0, params=None, tensors=None, h_kv=None):
+    keep = brute(spec, sq, sk, b, h, params, tensors, h_kv)
+    classes = tile_classes(spec, sq, sk, bm, bn, b=b, h=h, params=params, h_kv=h_kv)
     for i, row in enumerate(classes):
         for j, c in enumerate(row):
             tile = keep[i * bm : (i + 1) * bm, j * bn : (j + 1) * bn]
@@ -127,16 +128,30 @@ def test_tensor_masks_are_partial_not_wrong():
 @given(
     mask=expr("bool", 3, False, False).filter(may_be_true),
     grid=st.sampled_from(GRIDS),
-    bh=st.tuples(st.integers(0, 2), st.integers(0, 3)),
+    bh=st.tuples(st.integers(0, 2), st.integers(0, 3), st.sampled_from([1, 2, 4])),
 )
 def test_random_masks_are_classified_soundly(mask, grid, bh):
     spec = loads_spec(spec_text(mask, None), "fuzz.yaml")
-    b, h = bh
+    b, h, group = bh  # h_kv = h // group: GQA groups of 1, 2, 4 query heads
     tensors = {
         "slopes": torch.linspace(-1, 1, 4, dtype=torch.float64),
+        "kv_slopes": torch.linspace(-2, 1, 4, dtype=torch.float64),
         "ids": torch.tensor([3, 0, 7]),
     }
-    check_grid(spec, *grid, exact=False, b=b, h=h, tensors=tensors)
+    check_grid(spec, *grid, exact=False, b=b, h=h, h_kv=h // group, tensors=tensors)
+
+
+@pytest.mark.parametrize("grid", GRIDS[:3], ids=lambda g: "x".join(map(str, g)))
+@pytest.mark.parametrize("h,group", [(0, 1), (3, 1), (3, 2), (5, 2), (7, 4)])
+def test_kv_head_masks_are_classified_exactly(grid, h, group):
+    """``h_kv`` is exact per tile, like ``h``: a per-KV-head window is decided exactly."""
+    spec = _spec("causal && q_idx - kv_idx < 4 + 8 * h_kv", "")
+    check_grid(spec, *grid, exact=True, h=h, h_kv=h // group)
+    # h_kv, not h: with group 4, heads 4..7 share KV head 1's window
+    if group == 4:
+        assert tile_classes(spec, 40, 40, 8, 8, h=h, h_kv=1) == tile_classes(
+            spec, 40, 40, 8, 8, h=4, h_kv=1
+        )
 
 
 def test_window_density_matches_the_band():

@@ -37,6 +37,9 @@ GALLERY = {
     "doc": ("causal && ids[q_idx] == ids[kv_idx]", "  ids: {type: i32, shape: [seqlen_q]}\n"),
     "float": ("abs(q_idx - kv_idx) * 0.5 <= c", "  c: {type: f32, default: 6.5}\n"),
     "overflow": ("q_idx * big >= kv_idx * big", "  big: {type: i32, default: 100000000}\n"),
+    # per-KV-head masks (GQA): h_kv is exact per tile, like h
+    "kv_head_window": ("causal && q_idx - kv_idx < w + 8 * h_kv", "  w: {type: i32, default: 9}\n"),
+    "kv_head_mix": ("h_kv == 0 || (h - h_kv) % 2 == 0 && kv_idx <= q_idx", ""),
 }  # fmt: skip
 # Small values so the small test grids show every class.
 SMALL_PARAMS = {"window": 13, "prefix": 11, "chunk": 7, "w": 9, "c": 6.5, "softcap": 50.0}
@@ -44,7 +47,8 @@ SMALL_PARAMS = {"window": 13, "prefix": 11, "chunk": 7, "w": 9, "c": 6.5, "softc
 
 def _gallery(name: str):
     mask, params = GALLERY[name]
-    text = f"name: {name}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams:\n{params}"
+    text = f"name: {name}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\n"
+    text += f"params:\n{params}" if params else ""
     return loads_spec(text, "g.yaml")
 
 
@@ -68,15 +72,15 @@ def _program(specs, cases) -> str:
     parts = [(root / "common" / "masktiles.cuh").read_text(), "#include <cstdio>"]
     for i, spec in enumerate(specs):
         parts.append(masktiles.classifier_source(spec, name=f"cls{i}"))
-    parts.append("int main() {\n    int i, q0, q1, k0, k1, b, h, sq, sk; double p[4];")
+    parts.append("int main() {\n    int i, q0, q1, k0, k1, b, h, hkv, sq, sk; double p[4];")
     parts.append(
-        '    while (scanf("%d %d %d %d %d %d %d %d %d %lf %lf %lf %lf", &i, &q0, &q1, &k0, &k1,'
-        " &b, &h, &sq, &sk, p, p + 1, p + 2, p + 3) == 13) {\n        int c = -1;\n"
+        '    while (scanf("%d %d %d %d %d %d %d %d %d %d %lf %lf %lf %lf", &i, &q0, &q1, &k0, &k1,'
+        " &b, &h, &hkv, &sq, &sk, p, p + 1, p + 2, p + 3) == 14) {\n        int c = -1;\n"
         "        switch (i) {"
     )
     for i, spec in enumerate(specs):
-        ps = [f"({t})p[{j}]" for j, (t, _) in enumerate(masktiles.classifier_params(spec)[8:])]
-        args = ", ".join(["q0", "q1", "k0", "k1", "b", "h", "sq", "sk", *ps])
+        ps = [f"({t})p[{j}]" for j, (t, _) in enumerate(masktiles.classifier_params(spec)[9:])]
+        args = ", ".join(["q0", "q1", "k0", "k1", "b", "h", "hkv", "sq", "sk", *ps])
         parts.append(f"        case {i}: c = cls{i}({args}); break;")
     parts.append('        }\n        printf("%d\\n", c);\n    }\n    return 0;\n}\n')
     return "\n".join(parts)
@@ -105,8 +109,11 @@ def _cases(i, spec, rng, n=150):
         k0 = rng.randrange(sk)
         k1 = rng.randrange(k0, min(sk, k0 + rng.choice([1, 4, 16, 64])))
         b, h = rng.randrange(3), rng.randrange(4)
-        want = classify(spec, (q0, q1), (k0, k1), b=b, h=h, seqlen_q=sq, seqlen_k=sk, params=params)
-        out.append(((i, q0, q1, k0, k1, b, h, sq, sk, *pv), int(want)))
+        h_kv = h // rng.choice([1, 2, 4])  # GQA groups of 1, 2, 4 query heads
+        want = classify(
+            spec, (q0, q1), (k0, k1), b=b, h=h, h_kv=h_kv, seqlen_q=sq, seqlen_k=sk, params=params
+        )
+        out.append(((i, q0, q1, k0, k1, b, h, h_kv, sq, sk, *pv), int(want)))
     return out
 
 
@@ -130,7 +137,7 @@ def test_no_mask_is_full_and_ignores_its_arguments():
 def test_call_uses_the_kernel_names():
     spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
     call = masktiles.classifier_call(spec, "m0", "m1", "n0", "n1")
-    assert call == "fg_tile_class(m0, m1, n0, n1, b, h, seqlen_q, seqlen_k, p_window)"
+    assert call == "fg_tile_class(m0, m1, n0, n1, b, h, h_kv, seqlen_q, seqlen_k, p_window)"
 
 
 def test_tensor_reads_are_unknown_unless_hooked():
@@ -280,6 +287,6 @@ def test_classifier_widens_float_math_like_maskinfo(host_exe):
     rng = random.Random(5)
     cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng, n=300)]
     # the tile around (q 335, kv 304), which the classifier called EMPTY: PARTIAL now
-    cases += [((0, 320, 335, 304, 319, 0, 0, 999, 999, 0, 0, 0, 0), 1)]
+    cases += [((0, 320, 335, 304, 319, 0, 0, 0, 999, 999, 0, 0, 0, 0), 1)]
     got = _run_host(host_exe, specs, [c for c, _ in cases])
     assert [w for _, w in cases] == got

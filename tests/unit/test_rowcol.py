@@ -29,6 +29,7 @@ PARAMS = (
     "  qb: {type: f32, shape: [seqlen_q]}\n"
     "  t: {type: f32, shape: [num_heads, 64]}\n"
     "  p: {type: i32, default: 3}\n"
+    "  kvw: {type: i32, shape: [num_heads_kv]}\n"
 )
 
 # (mask, row terms, column terms) expected
@@ -45,6 +46,9 @@ MASKS = [
     ("t[h, abs(q_idx - kv_idx) % 64] > 0.0", 0, 0),  # reads both sides: stays per element
     ("q_idx - kv_idx < p", 0, 0),  # no tensor: nothing to hoist
     ("causal && !(doc_q[b, q_idx] > doc_kv[b, kv_idx] + win[h])", 1, 1),  # win[h] joins the column
+    # h_kv (the KV head of h) is per CTA like h: kvw[h_kv] joins either side
+    ("q_idx - kv_idx < kvw[h_kv] + doc_kv[b, kv_idx]", 0, 1),
+    ("doc_q[b, q_idx] + kvw[h_kv] > doc_kv[b, kv_idx]", 1, 1),
 ]
 
 
@@ -60,6 +64,7 @@ def _values(b: int, hq: int, sq: int, sk: int, gen: torch.Generator) -> dict:
         "kw": torch.randn(hq, sk, generator=gen),
         "qb": torch.randn(sq, generator=gen),
         "t": torch.randn(hq, 64, generator=gen),
+        "kvw": torch.randint(-5, 40, (hq // 2,), generator=gen, dtype=torch.int32),
     }
 
 
@@ -77,9 +82,9 @@ def test_split_keeps_the_mask_and_hoists_what_it_should(mask, n_rows, n_cols):
     if not parts.rows and not parts.cols:
         assert parts.expr == spec.mask
     # the residual over the terms' values is the mask, pair by pair
-    b, hq, sq, sk = 2, 3, 37, 53
+    b, hq, sq, sk = 2, 4, 37, 53  # GQA: 2 query heads per KV head
     gen = torch.Generator().manual_seed(len(mask))
-    env = _env(spec, b, hq, sq, sk, _values(b, hq, sq, sk, gen), "cpu", torch.float64)
+    env = _env(spec, b, hq, sq, sk, _values(b, hq, sq, sk, gen), "cpu", torch.float64, Hkv=2)
     want = eval_expr(spec.mask, dict(env))
     env2 = dict(env)
     for t in parts.rows + parts.cols:
@@ -95,7 +100,7 @@ def test_row_terms_have_no_key_shape_and_column_terms_no_query_shape():
     spec = _spec(MASKS[5][0])
     parts = rowcol.split(spec.mask, spec)
     gen = torch.Generator().manual_seed(0)
-    env = _env(spec, 2, 3, 37, 53, _values(2, 3, 37, 53, gen), "cpu", torch.float64)
+    env = _env(spec, 2, 4, 37, 53, _values(2, 4, 37, 53, gen), "cpu", torch.float64, Hkv=2)
     for t in parts.rows:
         assert eval_expr(t.expr, dict(env)).shape[-1:] in (torch.Size([1]), torch.Size([]))
     for t in parts.cols:

@@ -140,7 +140,7 @@ def _program(cases) -> str:
 def _reference(spec, values, s: float, samples) -> torch.Tensor:
     """eval_expr of the score_mod in float64 at each sample, from the score the kernel
     sees: float32(raw) * float32(scale) rounded to float32."""
-    env = _env(spec, 1, 1, SQ, SK, values, "cpu", torch.float64)
+    env = _env(spec, 1, 1, SQ, SK, values, "cpu", torch.float64, Hkv=1)
     qi = torch.tensor([q for q, _, _, _ in samples])
     ki = torch.tensor([k for _, k, _, _ in samples])
     f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
