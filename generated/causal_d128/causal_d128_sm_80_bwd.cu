@@ -364,7 +364,7 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
 }  // namespace fg
 
 // Tile class of spec causal_d128's mask (flashgen/masktiles.py; rules of maskinfo.py).
-__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k) {
+__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
     (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
     const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);
     const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);
@@ -591,7 +591,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_causal_d
     // instead of being hoisted out of the loop into registers this kernel does not have.
     auto q_class = [&](int h, int i0, int i1) {
         const int q0 = i0 * KV_M, q1 = min((i1 + 1) * KV_M, seqlen_q) - 1;
-        return fg_tile_class(q0, q1, fg::iv::opaque(n0), fg::iv::opaque(n_last_row), b, h, seqlen_q, seqlen_k);
+        return fg_tile_class(q0, q1, fg::iv::opaque(n0), fg::iv::opaque(n_last_row), b, h, h_kv, seqlen_q, seqlen_k);
     };
     // The first live step at or after (hg, mb), in head-major order; hg == group when there is none.
     // full: query blocks of head hg up to this one are FULL (reset for each head).
@@ -782,7 +782,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_causal_d
     const int m_last = min(m0 + DQ_M, seqlen_q) - 1;
     auto kv_class = [&](int j0, int j1) {
         const int k0 = j0 * DQ_N, k1 = min((j1 + 1) * DQ_N, seqlen_k) - 1;
-        return fg_tile_class(m0, m_last, k0, k1, b, h, seqlen_q, seqlen_k);
+        return fg_tile_class(m0, m_last, k0, k1, b, h, h_kv, seqlen_q, seqlen_k);
     };
     int cls = fg::iv::EMPTY, full = -1;  // full: blocks from the last one visited up to here are FULL
     int n_block = fg::iv::next_live(0, n_blocks, cls, full, kv_class);

@@ -364,7 +364,7 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
 }  // namespace fg
 
 // Tile class of spec document_mask's mask (flashgen/masktiles.py; rules of maskinfo.py).
-__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k) {
+__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
     (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
     const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);
     const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);

@@ -491,7 +491,7 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
 }  // namespace fg
 
 // Tile class of spec gpt2_d64's mask (flashgen/masktiles.py; rules of maskinfo.py).
-__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int seqlen_q, int seqlen_k) {
+__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
     (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
     const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);
     const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);
@@ -581,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt2_d64_fwd_s
     const int m_last = min(m0 + BLOCK_M, seqlen_q) - 1;
     auto kv_class = [&](int j0, int j1) {
         const int k0 = j0 * BLOCK_N, k1 = min((j1 + 1) * BLOCK_N, seqlen_k) - 1;
-        return fg_tile_class(m0, m_last, k0, k1, b, h, seqlen_q, seqlen_k);
+        return fg_tile_class(m0, m_last, k0, k1, b, h, h_kv, seqlen_q, seqlen_k);
     };
     int full = 0x7fffffff;  // blocks from here to the last one visited are FULL
     auto prev_live = [&](int j, int& c) { return fg::iv::prev_live(j, c, full, kv_class); };
