@@ -3,8 +3,9 @@
 # command.  Logs and JSON go under ${OUT:-/tmp/flashgen-gpu}; the last lines printed are
 # the summary lines to paste.
 #
-#   tools/gpu_session.sh tests      # pytest -m gpu, both kernel families (the persistent
-#                                   # scheduler's tests apart: `branches`), ~9 min
+#   tools/gpu_session.sh tests      # pytest -m gpu, both kernel families, without session 5's
+#                                   # new tests (`tests2`) and the persistent ones (`branches`)
+#   tools/gpu_session.sh tests2     # session 5's new GPU tests (row/column terms, h_kv, user specs)
 #   tools/gpu_session.sh branches   # the persistent schedulers' tests and off/on bench, the
 #                                   # row/column-term benches (document_mask: Hopper forward,
 #                                   # FA2-class forward and backward), ~9 min
@@ -28,10 +29,24 @@ summary() { grep -E "$2" "$out/$1" | tail -n "${3:-1}" | sed "s|^|$1: |"; }
 
 case "${1:-}" in
 tests)
-    timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-        --deselect tests/gpu/test_sanitizer.py --deselect tests/gpu/test_persistent_gpu.py \
+    # the suite as of session 4 plus its pending items (the >2**31 backward, the score_mod fold)
+    timeout 560 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --durations=15 \
+        --ignore tests/gpu/test_sanitizer.py --ignore tests/gpu/test_persistent_gpu.py \
+        --ignore tests/gpu/test_user_specs_gpu.py -k "not row_and_column_terms" \
         > "$out/gpu.log" 2>&1
     summary gpu.log "passed|failed"
+    ;;
+tests2)
+    # session 5's new GPU tests: user specs (float masks, dsplit 4, GQA index warning, h_kv),
+    # the FA2-class row/column-term backward (both paths) and the Hopper/FA2 forward terms
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rf --durations=15 \
+        tests/gpu/test_user_specs_gpu.py tests/gpu/test_docmask.py \
+        tests/gpu/test_mask_sparsity.py -k "row_and_column_terms or user or kv_head or float" \
+        > "$out/gpu2.log" 2>&1
+    FLASHGEN_ATOMIC_DQ=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -rf \
+        tests/gpu/test_mask_sparsity.py -k row_and_column_terms > "$out/gpu2_atomic.log" 2>&1
+    summary gpu2.log "passed|failed"
+    summary gpu2_atomic.log "passed|failed"
     ;;
 branches)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_persistent_gpu.py \
@@ -84,7 +99,7 @@ atomic)
     summary gpu_atomic.log "passed|failed"
     ;;
 *)
-    echo "usage: $0 tests|branches|measure|fa2|atomic|profile" >&2
+    echo "usage: $0 tests|tests2|branches|measure|fa2|atomic|profile" >&2
     exit 2
     ;;
 esac
