@@ -92,6 +92,9 @@ def ref_grads(spec, q, k, v, do, params, dtype):
 
 
 def check_grads(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, deterministic=True):
+    """dq, dk, dv of ``spec``'s op on random inputs against the float64 reference (the 2x
+    rule, as test_forward.py bounds the forward); asserts the expected backward path ran.
+    Returns the op."""
     op = build_op(spec)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -115,6 +118,7 @@ def check_grads(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, deterministic=Tru
             f"{spec.name} d{name} B={b} H={hq}/{hkv} Sq={sq} Sk={sk} atomic={atomic}: "
             f"{err:.3e} > {bound:.3e}"
         )
+    return op
 
 
 @pytest.mark.parametrize("name", SPECS)

@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_backward_kernels import ref_grads  # noqa: E402
+from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
 from flashgen.cli import random_inputs  # noqa: E402
@@ -104,33 +104,12 @@ def check_scale(spec, b, hq, hkv, sq, sk, *, softmax_scale, seed):
     assert err <= bound, f"{spec.name} softmax_scale={softmax_scale}: {err:.3e} > {bound:.3e}"
 
 
-def grads(spec, b, hq, hkv, sq, sk, *, seed, deterministic):
-    op = build_op(spec)
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o, _ = op.attention(q, k, v, deterministic=deterministic, **params)
-    do = torch.randn(o.shape, device=dev, generator=gen).to(o.dtype)
-    o.backward(do)
-    ref64 = ref_grads(spec, q, k, v, do, params, torch.float64)
-    low = ref_grads(spec, q, k, v, do, params, q.dtype)
-    for name, ours, r64, rlow in zip("qkv", (q.grad, k.grad, v.grad), ref64, low, strict=True):
-        assert not ours.isnan().any(), f"d{name} has NaN"
-        err = (ours.double() - r64).abs().max().item()
-        bound = 2 * (rlow.double() - r64).abs().max().item() + 1e-3
-        assert err <= bound, (
-            f"{spec.name} d{name} {b}x{hq}/{hkv} {sq}x{sk}: {err:.3e} > {bound:.3e}"
-        )
-    return op
-
-
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("key", sorted(MODS))
 def test_backward_matches_reference(key, deterministic):
     spec = mod_spec(key)
     for i, shape in enumerate(SHAPES):
-        grads(spec, *shape, seed=30 + i, deterministic=deterministic)
+        check_grads(spec, *shape, seed=30 + i, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -140,7 +119,7 @@ def test_heavy_score_mod_forward_and_backward(deterministic, error_bound):
     spec = heavy_spec()
     for i, shape in enumerate([*SHAPES[:2], (2, 2, 1, 700, 600)]):  # 1000 x 127: all masked
         check(spec, *shape, error_bound, seed=40 + i)
-        op = grads(spec, *shape, seed=50 + i, deterministic=deterministic)
+        op = check_grads(spec, *shape, seed=50 + i, deterministic=deterministic)
     if not deterministic and torch.cuda.get_device_capability() == (9, 0):
         # the "hopper" path ran; with nvcc 13.0 and today's template it built the FA2-class
         # unit (sm_80/bwd.cu.j2) because both wgmma variants spill

@@ -14,17 +14,17 @@ lowering's: ``x * (1 / d)`` for ``x / d`` there was one (21 * (1 / 7.0f) = 3.000
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from host_cxx import preamble, scalar_params  # noqa: E402
+
 from flashgen.lower import Invariants, cuda_expr  # noqa: E402
 from flashgen.reference import eval_mask  # noqa: E402
 from flashgen.spec import loads_spec  # noqa: E402
 
-HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 SQ, SK = 150, 200
 
 # (mask, params declaration, values of the scalar params)
@@ -84,26 +84,12 @@ CASES = [
 ]
 
 
-def _fg_functions() -> str:
-    """fg::clamp_index, idiv, imod and Divisor, verbatim from the kernels' header."""
-    text = HEADER.read_text()
-    start = text.index("__device__ __forceinline__ int clamp_index")
-    end = text.index("};", text.index("struct Divisor")) + 2
-    return text[start:end]
-
-
 def _program(cases) -> str:
     funcs = []
     for i, (spec, values) in enumerate(cases):
         inv = Invariants()
         code = cuda_expr(spec.mask, spec, inv)
-        decl = "".join(
-            f", {'int' if p.ty.name == 'I32' else 'float'} p_{p.name}" for p in spec.scalar_params
-        )
-        args = "".join(
-            f", {int(values[p.name]) if p.ty.name == 'I32' else repr(float(values[p.name])) + 'f'}"
-            for p in spec.scalar_params
-        )
+        decl, args = scalar_params(spec, values)
         funcs.append(
             f"static bool mask_{i}(int q_idx, int kv_idx, int seqlen_q, int seqlen_k{decl}) {{\n"
             "    const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;\n"
@@ -117,12 +103,7 @@ def _program(cases) -> str:
             "    putchar('\\n');\n}\n"
         )
     main = "int main() {\n" + "".join(f"    run_{i}();\n" for i in range(len(cases))) + "}\n"
-    return (
-        "#include <algorithm>\n#include <cmath>\n#include <cstdint>\n#include <cstdio>\n"
-        "#include <cstdlib>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
-        "using std::max;\nusing std::min;\n"
-        f"namespace fg {{\n{_fg_functions()}\n}}  // namespace fg\n" + "".join(funcs) + main
-    )
+    return preamble() + "".join(funcs) + main
 
 
 def test_lowered_masks_match_the_reference(cxx_exe):

@@ -20,18 +20,18 @@ from __future__ import annotations
 import math
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from host_cxx import preamble, scalar_params  # noqa: E402
 
 from flashgen import ir  # noqa: E402
 from flashgen.lower import Invariants, cuda_expr  # noqa: E402
 from flashgen.reference import _env, eval_expr  # noqa: E402
 from flashgen.spec import loads_spec  # noqa: E402
 
-HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 SQ, SK = 97, 131
 N = 600  # (q_idx, kv_idx, raw score) triples per case and scale
 SCALES = (1.0, 0.125, 1.0 / math.sqrt(128.0))
@@ -71,14 +71,6 @@ CASES = [
 # fmt: on
 
 
-def _fg_functions() -> str:
-    """fg::clamp_index, idiv, imod and Divisor, verbatim from the kernels' header."""
-    text = HEADER.read_text()
-    start = text.index("__device__ __forceinline__ int clamp_index")
-    end = text.index("};", text.index("struct Divisor")) + 2
-    return text[start:end] + "\ninline float tanh_approx(float x) { return tanhf(x); }\n"
-
-
 def _samples(extra_raw, seed: int):
     """(q_idx, kv_idx, raw q.k) triples: random raw scores, the exact ones at every scale
     (divided by it so score = raw * scale lands on them), and the edges of the ranges."""
@@ -99,13 +91,7 @@ def _program(cases) -> str:
     for i, (spec, values, _) in enumerate(cases):
         inv = Invariants(raw_score="score_raw")
         code = cuda_expr(spec.score_mod, spec, inv)
-        decl = "".join(
-            f", {'int' if p.ty.name == 'I32' else 'float'} p_{p.name}" for p in spec.scalar_params
-        )
-        args = "".join(
-            f", {int(values[p.name]) if p.ty.name == 'I32' else repr(float(values[p.name])) + 'f'}"
-            for p in spec.scalar_params
-        )
+        decl, args = scalar_params(spec, values)
         funcs.append(
             f"static float mod_{i}(float score_raw, float softmax_scale, int q_idx, int kv_idx, "
             f"int seqlen_q, int seqlen_k{decl}) {{\n"
@@ -125,16 +111,7 @@ def _program(cases) -> str:
             for q, kv, raw, exact in samples:
                 r = raw if exact is None else float(torch.tensor(exact / s, dtype=torch.float32))
                 calls.append(f"    run_{i}({s!r}f, {q}, {kv}, {r!r}f);\n")
-    return (
-        "#include <algorithm>\n#include <cmath>\n#include <cstdint>\n#include <cstdio>\n"
-        "#include <cstdlib>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
-        "using std::max;\nusing std::min;\n"
-        f"namespace fg {{\n{_fg_functions()}\n}}  // namespace fg\n"
-        + "".join(funcs)
-        + "int main() {\n"
-        + "".join(calls)
-        + "}\n"
-    )
+    return preamble() + "".join(funcs) + "int main() {\n" + "".join(calls) + "}\n"
 
 
 def _reference(spec, values, s: float, samples) -> torch.Tensor:
