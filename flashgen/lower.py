@@ -348,6 +348,8 @@ _F_CALLS = {
     "trunc": "truncf",  # only in derived (backward) expressions
 }
 _I_CALLS = {"abs": "abs", "min": "min", "max": "max"}
+#: IEEE single operations nvcc never contracts into an FMA (used below comparisons).
+_ROUNDED = {"+": "__fadd_rn", "-": "__fsub_rn", "*": "__fmul_rn"}
 _C_TYPE = {Ty.I32: "int", Ty.F32: "float", Ty.BOOL: "bool"}
 
 
@@ -543,6 +545,11 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
                 return f"fmodf({lhs}, {rhs})"
             if e.op == "/" and hoist and not compared:  # one reciprocal, a multiply per element
                 return f"({lhs} * {inv.add('float', f'1.0f / {rhs}')})"
+            if compared and e.op in _ROUNDED:
+                # no FMA contraction where an ulp becomes a decision: nvcc fuses `a * b + c`
+                # into one rounding where the reference rounds twice (`kv_idx * 0.6 + 0.6 <=
+                # q_idx` at kv_idx 639: 384.00003 unfused, 384 fused)
+                return f"{_ROUNDED[e.op]}({lhs}, {rhs})"
         elif e.op in ("/", "%") and not (isinstance(e.rhs, Const) and e.rhs.value != 0):
             # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the
             # reference), not C's undefined behaviour
