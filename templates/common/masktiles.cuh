@@ -208,5 +208,48 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
     return -1;
 }
 
+#ifdef __CUDACC__
+// Warp-wide walk of the live key blocks of one query block, last to first (the Hopper forward's
+// producer; every warp once for the first block).  The 32 lanes classify 32 blocks at once: lane l
+// holds the class of block hi - l of the current window, so a window costs one classifier call per
+// lane and a step inside it a ballot; a window that is all EMPTY is crossed by ranges of 32 blocks per
+// lane, 1024 blocks per step.  The classes are those of single-block tile(j, j), as in prev_live.  All
+// 32 lanes call prev_live with the same arguments (it ballots and shuffles), successive calls with
+// decreasing j.
+struct WarpWalk {
+    int hi = -1;           // window: blocks hi - 31 .. hi
+    int lane_cls = EMPTY;  // this lane's class of block hi - lane (EMPTY below block 0)
+
+    // Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.
+    template <class Tile>
+    __device__ __forceinline__ int prev_live(int j, int& cls, Tile&& tile) {
+        const int lane = threadIdx.x % 32;
+        while (j >= 0) {
+            if (j > hi || j < hi - 31) {  // j left the window: classify blocks j - 31 .. j
+                hi = j;
+                lane_cls = j - lane >= 0 ? tile(j - lane, j - lane) : EMPTY;
+            }
+            const unsigned live = __ballot_sync(0xffffffffu, lane >= hi - j && lane_cls != EMPTY);
+            if (live) {
+                const int l = __ffs(live) - 1;  // the lowest lane holds the largest block
+                cls = __shfl_sync(0xffffffffu, lane_cls, l);
+                return hi - l;
+            }
+            // Blocks hi - 31 .. j are EMPTY: find the highest range of 32 blocks below that is not.
+            for (j = hi - 32; j >= 0; j -= 1024) {
+                const int top = j - 32 * lane, bot = top - 31 > 0 ? top - 31 : 0;
+                const unsigned any = __ballot_sync(0xffffffffu, top >= 0 && tile(bot, top) != EMPTY);
+                if (any) {
+                    j -= 32 * (__ffs(any) - 1);
+                    break;
+                }
+            }
+        }
+        cls = EMPTY;
+        return -1;
+    }
+};
+#endif
+
 }  // namespace iv
 }  // namespace fg
