@@ -42,17 +42,22 @@ FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x 
 FG_HD R mul(R a, R b) {
     return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
 }
-// C integer division (truncates toward zero) on integer-valued doubles.
+// C integer division (truncates toward zero) on integer-valued doubles, y != 0.  Finite operands are
+// int32 values (i32 makes a larger integer unknown), divided as ints: a double division is a call to
+// a slow path in SASS, whose ABI made ptxas spill in the Hopper forward.  NAN (unknown) otherwise.
 FG_HD double trunc_div(double x, double y) {
-    if (isinf(x) || isinf(y)) return x / y;
-    const double q = floor(fabs(x) / fabs(y));
-    return ((x >= 0) == (y > 0)) ? q : -q;
+    if (isinf(x)) return isinf(y) ? NAN : ((x > 0) == (y > 0) ? INFINITY : -INFINITY);
+    if (isinf(y)) return 0.0;
+    if (y == -1.0) return -x;  // exact; int would overflow at -2^31 / -1
+    if (!(x >= -2147483648.0 && x <= 2147483647.0 && y >= -2147483648.0 && y <= 2147483647.0)) return NAN;
+    return (double)((int)x / (int)y);
 }
 FG_HD R div(R a, R b, bool is_int) {
     if (b.lo <= 0 && 0 <= b.hi) return any();
     if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
         const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
         const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        if (isnan(lo) || isnan(hi)) return any();
         return b.lo > 0 ? R{lo, hi} : R{hi, lo};
     }
     if (is_int)
