@@ -146,7 +146,7 @@ def test_block_table_specs_take_the_hopper_kernel_and_its_table():
     assert fa2.tiles != plan.tiles and "s_tab[j] = tab_row[j]" in render(fa2)
     # the classifier path is unchanged for index-only masks
     swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90"))
-    assert "fg::iv::prev_live(j, c, full, kv_class)" in swa and "tab_row" not in swa
+    assert "walk.prev_live(j, c, kv_class)" in swa and "tab_row" not in swa
     # the smem layout reserves warp_last (one int per warp) only with a table
     plain = plan_hopper_forward(replace(spec, mask=None, params=()), "sm_90", plan.tiles)
     assert plan.smem_bytes == plain.smem_bytes + 4 * 12
