@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from . import ir, masktiles, rowcol
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
+from .maskinfo import Range, evaluate
 
 #: CUDA element type per spec dtype.
 CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
@@ -510,16 +511,7 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         p = spec.param(e.name)
         return f"p_{e.name}" if p is not None else e.name
     if isinstance(e, Index):
-        p = spec.param(e.name)
-        assert p is not None and p.kind == "tensor"
-        offset = ""
-        for i, ix in enumerate(e.indices):
-            extent = _shape_extent(p.shape[i])
-            # clamped into the declared shape: a read is never out of bounds (the reference
-            # refuses out-of-range indices at kept pairs; dropped pairs may compute any)
-            term = f"(int64_t)fg::clamp_index({cuda_expr(ix, spec)}, {extent})"
-            offset = term if i == 0 else f"({offset}) * (int64_t)({extent}) + {term}"
-        return f"t_{e.name}[{offset}]"
+        return _tensor_read(e, spec, [cuda_expr(ix, spec) for ix in e.indices])
     if isinstance(e, Unary):
         return f"({e.op}{cuda_expr(e.arg, spec)})"
     if isinstance(e, Binary):
@@ -568,6 +560,65 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         args = ", ".join(as_float(a, cuda_expr(a, spec)) for a in e.args)
         return f"{_F_CALLS[e.fn]}({args})"
     raise TypeError(f"cannot lower {e!r}")
+
+
+#: The index variable the kernels keep inside each shape symbol: ``0 <= h < heads_q`` etc.
+_OWN_INDEX = {
+    "batch": "b",
+    "num_heads": "h",
+    "num_heads_kv": "h_kv",
+    "seqlen_q": "q_idx",
+    "seqlen_k": "kv_idx",
+}
+_I32_MAX = 2**31 - 1
+
+
+def _static_env(spec: Spec) -> dict:
+    """Interval environment of every call (:func:`flashgen.maskinfo.evaluate`): the index
+    variables as the kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h <
+    heads_q``, ...; any int32 size), scalar params over their whole type, ``score`` any."""
+    below = Range(0, _I32_MAX - 1)  # an index below an int32 extent
+    env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
+    env["seqlen_q"] = env["seqlen_k"] = Range(0, _I32_MAX)
+    env[ir.SCORE_VAR] = Range(-math.inf, math.inf)
+    for p in spec.scalar_params:
+        env[p.name] = Range(-(2**31), _I32_MAX) if p.ty == Ty.I32 else Range(-math.inf, math.inf)
+    return env
+
+
+def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
+    """Whether tensor subscript ``ix`` provably lies in ``[0, extent)`` of its dimension
+    ``dim`` (a declared extent: an int or a shape symbol) at every call, so the kernels
+    need not clamp it: the index variable of that very dimension (``h`` into ``num_heads``,
+    ``kv_idx`` into ``seqlen_k``, ...: the kernels keep those inside already), or, for a
+    literal extent, an interval bound (:func:`flashgen.maskinfo.evaluate` over
+    :func:`_static_env`) inside ``[0, extent - 1]`` (``min(max(kv_idx - q_idx, -128), 128)
+    + 128`` into 257).  Sound, not complete: ``False`` keeps the clamp."""
+    if ix.ty != Ty.I32:
+        return False
+    if isinstance(dim, str):
+        own = _OWN_INDEX.get(dim)
+        return isinstance(ix, Var) and ix.name == own and spec.param(ix.name) is None
+    r = evaluate(ix, _static_env(spec))
+    return isinstance(r, Range) and 0 <= r.lo and r.hi <= dim - 1
+
+
+def _tensor_read(e: Index, spec: Spec, codes: list[str]) -> str:
+    """``t_<name>[offset]`` for the tensor read ``e`` (row-major, contiguous, 64-bit offset)
+    with the subscripts' CUDA code ``codes``.  A subscript is clamped into its extent
+    (``fg::clamp_index``) unless :func:`index_in_bounds` proves it inside: a read is never
+    out of bounds (the reference refuses out-of-range indices at kept pairs; dropped pairs
+    may compute any)."""
+    p = spec.param(e.name)
+    assert p is not None and p.kind == "tensor"
+    offset = ""
+    for i, (ix, code) in enumerate(zip(e.indices, codes, strict=True)):
+        extent = _shape_extent(p.shape[i])
+        if not index_in_bounds(ix, p.shape[i], spec):
+            code = f"fg::clamp_index({code}, {extent})"
+        term = f"(int64_t)({code})"
+        offset = term if i == 0 else f"({offset}) * (int64_t)({extent}) + {term}"
+    return f"t_{e.name}[{offset}]"
 
 
 def _is_score(e: Expr, spec: Spec) -> bool:
