@@ -511,7 +511,7 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         p = spec.param(e.name)
         return f"p_{e.name}" if p is not None else e.name
     if isinstance(e, Index):
-        return _tensor_read(e, spec, [cuda_expr(ix, spec) for ix in e.indices])
+        return _tensor_read(e, spec, lambda ix: cuda_expr(ix, spec))
     if isinstance(e, Unary):
         return f"({e.op}{cuda_expr(e.arg, spec)})"
     if isinstance(e, Binary):
@@ -571,6 +571,9 @@ _OWN_INDEX = {
     "seqlen_k": "kv_idx",
 }
 _I32_MAX = 2**31 - 1
+#: Index variables whose value is fixed for a whole (batch, head) tile: a subscript of only
+#: these (and params and constants) is part of a read's hoisted base offset.
+_TILE_INVARIANT = frozenset({"b", "h", "h_kv", "seqlen_q", "seqlen_k"})
 
 
 def _static_env(spec: Spec) -> dict:
@@ -603,22 +606,100 @@ def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
     return isinstance(r, Range) and 0 <= r.lo and r.hi <= dim - 1
 
 
-def _tensor_read(e: Index, spec: Spec, codes: list[str]) -> str:
-    """``t_<name>[offset]`` for the tensor read ``e`` (row-major, contiguous, 64-bit offset)
-    with the subscripts' CUDA code ``codes``.  A subscript is clamped into its extent
-    (``fg::clamp_index``) unless :func:`index_in_bounds` proves it inside: a read is never
-    out of bounds (the reference refuses out-of-range indices at kept pairs; dropped pairs
-    may compute any)."""
+def _tile_invariant(e: Expr, spec: Spec) -> bool:
+    """Whether ``e`` reads only b, h, h_kv, seqlen_q, seqlen_k, params and constants."""
+    for n in ir.walk(e):
+        if isinstance(n, (Index, Causal)):
+            return False
+        if isinstance(n, Var) and spec.param(n.name) is None and n.name not in _TILE_INVARIANT:
+            return False
+    return True
+
+
+def _peel_constant(ix: Expr, spec: Spec) -> tuple[Expr, int] | None:
+    """``(x, c)`` for an int subscript ``x + c``, ``c + x`` or ``x - c`` (c a literal)."""
+    if not (isinstance(ix, Binary) and ix.op in ("+", "-")):
+        return None
+    if isinstance(ix.rhs, Const) and ix.rhs.ty == Ty.I32:
+        return ix.lhs, int(ix.rhs.value) if ix.op == "+" else -int(ix.rhs.value)
+    if ix.op == "+" and isinstance(ix.lhs, Const) and ix.lhs.ty == Ty.I32:
+        return ix.rhs, int(ix.lhs.value)
+    return None
+
+
+def _tensor_read(e: Index, spec: Spec, render) -> str:
+    """``t_<name>[offset]`` for the tensor read ``e`` (row-major, contiguous); ``render``
+    gives a subscript's CUDA code.
+
+    A subscript is clamped into its extent (``fg::clamp_index``) unless
+    :func:`index_in_bounds` proves it inside: a read is never out of bounds (the reference
+    refuses out-of-range indices at kept pairs; dropped pairs may compute any).  The offset
+    splits in two: the subscripts of only tile-invariant values (b, h, h_kv, params) give a
+    64-bit base the compiler hoists out of the element loop; the others (q_idx, kv_idx, ...)
+    an int offset from it when their literal strides keep it inside int32 (each subscript is
+    inside its extent, clamped or proven), so an element's address is one 32x32+64 multiply-
+    add (``__ldg(fg::base_ptr(t_bias + (int64_t)h * 257 + 128) + idx)``: the base through a
+    copy NVVM cannot re-associate into each element's offset, see ``templates/common/
+    mma_sm80.cuh``) instead of 64-bit arithmetic per element.  With a base, a literal added
+    to a proven subscript (T5's ``min(max(kv_idx - q_idx, -128), 128) + 128``) moves into
+    the base too: one add less per element."""
     p = spec.param(e.name)
     assert p is not None and p.kind == "tensor"
-    offset = ""
-    for i, (ix, code) in enumerate(zip(e.indices, codes, strict=True)):
-        extent = _shape_extent(p.shape[i])
-        if not index_in_bounds(ix, p.shape[i], spec):
-            code = f"fg::clamp_index({code}, {extent})"
-        term = f"(int64_t)({code})"
-        offset = term if i == 0 else f"({offset}) * (int64_t)({extent}) + {term}"
-    return f"t_{e.name}[{offset}]"
+    base: list[str] = []  # int64 terms
+    # int terms: (code, stride, lo, hi, shift): the subscript times its literal stride and
+    # the bounds of that product; and, where a literal can be peeled off a proven subscript,
+    # the same without it (shift: the literal times the stride, moved into the base)
+    elem: list[tuple[tuple, tuple | None]] = []
+    wide: list[str] = []  # int64 terms of varying subscripts with symbolic strides
+    env = _static_env(spec)
+    for i, ix in enumerate(e.indices):
+        dim = p.shape[i]
+        code = render(ix)
+        inside = index_in_bounds(ix, dim, spec)
+        if not inside:
+            code = f"fg::clamp_index({code}, {_shape_extent(dim)})"
+        rest = p.shape[i + 1 :]
+        if _tile_invariant(ix, spec):
+            stride = "".join(f" * (int64_t)({_shape_extent(d)})" for d in rest)
+            base.append(f"(int64_t)({code}){stride}")
+            continue
+        if all(isinstance(d, int) for d in rest):
+            stride = math.prod(rest)
+            top = (dim - 1 if isinstance(dim, int) else _I32_MAX - 1) * stride
+            peeled = None
+            if inside and isinstance(dim, int) and (pc := _peel_constant(ix, spec)):
+                r = evaluate(ix, env)
+                x, c = pc
+                lo, hi = (int(r.lo) - c) * stride, (int(r.hi) - c) * stride
+                peeled = (render(x), stride, lo, hi, c * stride)
+            elem.append(((code, stride, 0, top, 0), peeled))
+            continue
+        stride = "".join(f" * (int64_t)({_shape_extent(d)})" for d in rest)
+        wide.append(f"(int64_t)({code}){stride}")
+
+    def fits(terms) -> bool:
+        return -(2**31) <= sum(t[2] for t in terms) and sum(t[3] for t in terms) <= _I32_MAX
+
+    def int32(terms) -> str:
+        return " + ".join(c if k == 1 else f"{c} * {k}" for c, k, *_ in terms)
+
+    whole = [w for w, _ in elem]
+    if wide or not fits(whole):  # one 64-bit offset
+        terms = base + wide
+        terms += [f"(int64_t)({c})" + (f" * (int64_t)({k})" if k > 1 else "") for c, k, *_ in whole]
+        return f"t_{e.name}[{' + '.join(terms) or '0'}]"
+    if not base:
+        return f"t_{e.name}[{int32(whole) or '0'}]"
+    if not elem:
+        return f"t_{e.name}[{' + '.join(base)}]"
+    terms = [pl or w for w, pl in elem]
+    shift = sum(t[4] for t in terms)
+    if not fits(terms) or shift == 0:
+        terms, shift = whole, 0
+    offset = " + ".join(base) + (f" + {shift}" if shift else "")
+    small = int32(terms)
+    # a row base computed once per tile (fg::base_ptr), read through the read-only path
+    return f"__ldg(fg::base_ptr(t_{e.name} + ({offset})) + ({small}))"
 
 
 def _is_score(e: Expr, spec: Spec) -> bool:

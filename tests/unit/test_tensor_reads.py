@@ -95,6 +95,38 @@ def test_t5_bias_reads_without_clamps():
     assert "clamp_index" not in code
 
 
+def test_t5_bias_offset_is_a_hoisted_base_plus_an_int():
+    """The head's row (and T5's + 128) is one per-tile base; the element offset is an int."""
+    spec = load_spec(SPEC_DIR / "t5_bias.yaml")
+    code = cuda_expr(spec.score_mod, spec, Invariants(raw_score="score_raw"))
+    assert "__ldg(fg::base_ptr(t_bias + ((int64_t)(h) * (int64_t)(257) + 128)) + (" in code
+    assert code.endswith("+ (min(max((kv_idx - q_idx), (-128)), 128))))")
+
+
+@pytest.mark.parametrize(
+    ("mod", "params", "want"),
+    [
+        # symbolic extents behind a varying subscript: 64-bit products, never int ones
+        ("score + t[q_idx, h % 3]", "  t: {type: f32, shape: [seqlen_q, 3]}\n",
+         "t_t[(int64_t)((h % 3)) + (int64_t)(q_idx) * (int64_t)(3)]"),
+        ("score + t[kv_idx, q_idx]", "  t: {type: f32, shape: [seqlen_k, seqlen_q]}\n",
+         "t_t[(int64_t)(kv_idx) * (int64_t)(seqlen_q) + (int64_t)(q_idx)]"),
+        # a literal table: one int offset, no base
+        ("score + t[q_idx % 4, kv_idx % 8]", "  t: {type: f32, shape: [4, 8]}\n",
+         "t_t[(q_idx % 4) * 8 + (kv_idx % 8)]"),
+        # only invariant subscripts: one 64-bit offset, as before
+        ("score + w[h_kv]", "  w: {type: f32, shape: [num_heads_kv]}\n", "t_w[(int64_t)(h_kv)]"),
+        # a clamped subscript keeps its literal (the clamp is of the whole sum)
+        ("score + t[b, kv_idx + 1]", "  t: {type: f32, shape: [batch, 7]}\n",
+         "__ldg(fg::base_ptr(t_t + ((int64_t)(b) * (int64_t)(7))) + "
+         "(fg::clamp_index((kv_idx + 1), 7)))"),
+    ],
+)  # fmt: skip
+def test_offset_forms(mod, params, want):
+    spec = _spec(mod, params)
+    assert want in cuda_expr(spec.score_mod, spec, Invariants(raw_score="score_raw"))
+
+
 def test_reference_keeps_its_bounds_check():
     """Dropping a kernel clamp changes nothing in the reference: it still refuses an index
     outside the tensor at a kept pair."""
@@ -124,6 +156,11 @@ HOST_CASES = [
     ("score + t[q_idx % 4, kv_idx % 8]", "  t: {type: f32, shape: [4, 8]}\n"),
     ("score + t[h_kv, q_idx, kv_idx / 50]",
      "  t: {type: f32, shape: [num_heads_kv, seqlen_q, 6]}\n"),
+    # literals peeled off proven subscripts into the base, a negative element offset
+    ("score + t[h, q_idx % 3 - 1 + 1, 2 + kv_idx % 4]",
+     "  t: {type: f32, shape: [num_heads, 3, 6]}\n"),
+    ("score + t[b, h_kv, min(kv_idx, 9) - 3 + 3]",
+     "  t: {type: f32, shape: [batch, num_heads_kv, 10]}\n"),
     ("score + w[h] * t[ids[b], kv_idx % 5]",
      "  w: {type: f32, shape: [num_heads_kv]}\n  t: {type: f32, shape: [8, 5]}\n"
      "  ids: {type: i32, shape: [batch]}\n"),
