@@ -650,7 +650,8 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
     # the bounds of that product; and, where a literal can be peeled off a proven subscript,
     # the same without it (shift: the literal times the stride, moved into the base)
     elem: list[tuple[tuple, tuple | None]] = []
-    wide: list[str] = []  # int64 terms of varying subscripts with symbolic strides
+    wide = False  # a varying subscript with a symbolic stride: one 64-bit offset
+    codes: list[str] = []  # each subscript's code, clamped where not proven inside
     env = _static_env(spec)
     for i, ix in enumerate(e.indices):
         dim = p.shape[i]
@@ -658,6 +659,7 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
         inside = index_in_bounds(ix, dim, spec)
         if not inside:
             code = f"fg::clamp_index({code}, {_shape_extent(dim)})"
+        codes.append(code)
         rest = p.shape[i + 1 :]
         if _tile_invariant(ix, spec):
             stride = "".join(f" * (int64_t)({_shape_extent(d)})" for d in rest)
@@ -674,8 +676,7 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
                 peeled = (render(x), stride, lo, hi, c * stride)
             elem.append(((code, stride, 0, top, 0), peeled))
             continue
-        stride = "".join(f" * (int64_t)({_shape_extent(d)})" for d in rest)
-        wide.append(f"(int64_t)({code}){stride}")
+        wide = True
 
     def fits(terms) -> bool:
         return -(2**31) <= sum(t[2] for t in terms) and sum(t[3] for t in terms) <= _I32_MAX
@@ -684,14 +685,16 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
         return " + ".join(c if k == 1 else f"{c} * {k}" for c, k, *_ in terms)
 
     whole = [w for w, _ in elem]
-    if wide or not fits(whole):  # one 64-bit offset
-        terms = base + wide
-        terms += [f"(int64_t)({c})" + (f" * (int64_t)({k})" if k > 1 else "") for c, k, *_ in whole]
-        return f"t_{e.name}[{' + '.join(terms) or '0'}]"
+    if wide or not fits(whole) or not elem:  # one 64-bit offset, row-major (Horner)
+        offset = ""
+        for i, code in enumerate(codes):
+            term = f"(int64_t)({code})"
+            offset = (
+                term if i == 0 else f"({offset}) * (int64_t)({_shape_extent(p.shape[i])}) + {term}"
+            )
+        return f"t_{e.name}[{offset or '0'}]"
     if not base:
-        return f"t_{e.name}[{int32(whole) or '0'}]"
-    if not elem:
-        return f"t_{e.name}[{' + '.join(base)}]"
+        return f"t_{e.name}[{int32(whole)}]"
     terms = [pl or w for w, pl in elem]
     shift = sum(t[4] for t in terms)
     if not fits(terms) or shift == 0:

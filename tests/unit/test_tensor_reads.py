@@ -106,11 +106,12 @@ def test_t5_bias_offset_is_a_hoisted_base_plus_an_int():
 @pytest.mark.parametrize(
     ("mod", "params", "want"),
     [
-        # symbolic extents behind a varying subscript: 64-bit products, never int ones
+        # a varying subscript times a symbolic extent: one row-major 64-bit offset, no int
+        # products
         ("score + t[q_idx, h % 3]", "  t: {type: f32, shape: [seqlen_q, 3]}\n",
-         "t_t[(int64_t)((h % 3)) + (int64_t)(q_idx) * (int64_t)(3)]"),
+         "t_t[((int64_t)(q_idx)) * (int64_t)(3) + (int64_t)((h % 3))]"),
         ("score + t[kv_idx, q_idx]", "  t: {type: f32, shape: [seqlen_k, seqlen_q]}\n",
-         "t_t[(int64_t)(kv_idx) * (int64_t)(seqlen_q) + (int64_t)(q_idx)]"),
+         "t_t[((int64_t)(kv_idx)) * (int64_t)(seqlen_q) + (int64_t)(q_idx)]"),
         # a literal table: one int offset, no base
         ("score + t[q_idx % 4, kv_idx % 8]", "  t: {type: f32, shape: [4, 8]}\n",
          "t_t[(q_idx % 4) * 8 + (kv_idx % 8)]"),
