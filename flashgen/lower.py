@@ -149,8 +149,10 @@ LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset({256})
 #: (a 64 x HEAD_DIM fp32 O accumulator, S, and P as 16-bit fragments) bound BLOCK_N.
 #: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
 #: wider steps amortize each step's barrier waits and row reductions.
-#: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spills
-#: for a bias-table score_mod).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
+#: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spilled
+#: for a bias-table score_mod while its reads were clamped 64-bit offsets; with the reads of
+#: :func:`_tensor_read` t5_bias compiles without spills at 96, 128, 160 and 192: to be timed
+#: with ``tools/t5_tiles.py``).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
 #: a key without a ``True`` entry uses the plain one.
 HOPPER_TILES: dict[tuple[int, bool], TileConfig] = {
     (64, False): TileConfig(128, 192, 12),

@@ -1,10 +1,10 @@
 """Tensor-param reads in every lowered form (``flashgen.lower._tensor_read``, CPU side in
-tests/unit/test_tensor_reads.py) on the GPU: forward (the default kernel and the FA2-class
-one) and both backward paths against the fp64 reference, Hq = 8 over Hkv = 2, odd lengths,
-Sq != Sk.  The forms: a clamped int element offset from a hoisted (b, h) base, literals
-peeled into the base with a negative element offset, a (b, h_kv) base with a peeled
-literal, 64-bit offsets behind symbolic strides, and T5's bias (shipped spec, also in
-test_forward.py / test_backward_kernels.py).
+tests/unit/test_tensor_reads.py) on the GPU: forward (the default kernel, the persistent
+Hopper one and the FA2-class one) and both backward paths against the fp64 reference,
+Hq = 8 over Hkv = 2, odd lengths, Sq != Sk.  The forms: a clamped int element offset from
+a hoisted (h) base, literals peeled into the base with a negative element offset, a
+(b, h_kv) base with a peeled literal, 64-bit offsets behind symbolic strides.  T5's bias
+(the shipped spec) is in test_forward.py / test_backward_kernels.py.
 
     python3 -m pytest tests/gpu/test_tensor_reads_gpu.py -q
 """
@@ -65,11 +65,15 @@ def _params(spec, b, hq, hkv, sq, sk, seed):
     return out
 
 
-@pytest.mark.parametrize("family", ["auto", "fa2"])
+@pytest.mark.parametrize(
+    "family, persistent", [("auto", "0"), ("fa2", "0"), ("auto", "1")], ids=["auto", "fa2", "pers"]
+)
 @pytest.mark.parametrize("sq, sk", [(17, 300), (1000, 257)])
 @pytest.mark.parametrize("case", SPECS, ids=[c[0] for c in SPECS])
-def test_forward(case, sq, sk, family, error_bound, monkeypatch):
+def test_forward(case, sq, sk, family, persistent, error_bound, monkeypatch):
+    """The default kernel (Hopper on an H200), the FA2-class one and the persistent Hopper one."""
     monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", family)
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", persistent)
     spec = _spec(*case)
     kw = _params(spec, 2, 8, 2, sq, sk, seed=sq)
     check(spec, 2, 8, 2, sq, sk, error_bound, seed=sq + sk, **kw)
