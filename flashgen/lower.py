@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from . import ir, masktiles, rowcol
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
+from .maskinfo import Range, evaluate
 
 #: CUDA element type per spec dtype.
 CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
@@ -148,8 +149,10 @@ LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset({256})
 #: (a 64 x HEAD_DIM fp32 O accumulator, S, and P as 16-bit fragments) bound BLOCK_N.
 #: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
 #: wider steps amortize each step's barrier waits and row reductions.
-#: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spills
-#: for a bias-table score_mod).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
+#: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spilled
+#: for a bias-table score_mod while its reads were clamped 64-bit offsets; with the reads of
+#: :func:`_tensor_read` t5_bias compiles without spills at 96, 128, 160 and 192: to be timed
+#: with ``tools/t5_tiles.py``).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
 #: a key without a ``True`` entry uses the plain one.
 HOPPER_TILES: dict[tuple[int, bool], TileConfig] = {
     (64, False): TileConfig(128, 192, 12),
@@ -517,16 +520,7 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         p = spec.param(e.name)
         return f"p_{e.name}" if p is not None else e.name
     if isinstance(e, Index):
-        p = spec.param(e.name)
-        assert p is not None and p.kind == "tensor"
-        offset = ""
-        for i, ix in enumerate(e.indices):
-            extent = _shape_extent(p.shape[i])
-            # clamped into the declared shape: a read is never out of bounds (the reference
-            # refuses out-of-range indices at kept pairs; dropped pairs may compute any)
-            term = f"(int64_t)fg::clamp_index({cuda_expr(ix, spec)}, {extent})"
-            offset = term if i == 0 else f"({offset}) * (int64_t)({extent}) + {term}"
-        return f"t_{e.name}[{offset}]"
+        return _tensor_read(e, spec, lambda ix: cuda_expr(ix, spec))
     if isinstance(e, Unary):
         return f"({e.op}{cuda_expr(e.arg, spec)})"
     if isinstance(e, Binary):
@@ -575,6 +569,149 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
         args = ", ".join(as_float(a, cuda_expr(a, spec)) for a in e.args)
         return f"{_F_CALLS[e.fn]}({args})"
     raise TypeError(f"cannot lower {e!r}")
+
+
+#: The index variable the kernels keep inside each shape symbol: ``0 <= h < heads_q`` etc.
+_OWN_INDEX = {
+    "batch": "b",
+    "num_heads": "h",
+    "num_heads_kv": "h_kv",
+    "seqlen_q": "q_idx",
+    "seqlen_k": "kv_idx",
+}
+_I32_MAX = 2**31 - 1
+#: Index variables whose value is fixed for a whole (batch, head) tile: a subscript of only
+#: these (and params and constants) is part of a read's hoisted base offset.
+_TILE_INVARIANT = frozenset({"b", "h", "h_kv", "seqlen_q", "seqlen_k"})
+
+
+def _static_env(spec: Spec) -> dict:
+    """Interval environment of every call (:func:`flashgen.maskinfo.evaluate`): the index
+    variables as the kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h <
+    heads_q``, ...; any int32 size), scalar params over their whole type, ``score`` any."""
+    below = Range(0, _I32_MAX - 1)  # an index below an int32 extent
+    env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
+    env["seqlen_q"] = env["seqlen_k"] = Range(0, _I32_MAX)
+    env[ir.SCORE_VAR] = Range(-math.inf, math.inf)
+    for p in spec.scalar_params:
+        env[p.name] = Range(-(2**31), _I32_MAX) if p.ty == Ty.I32 else Range(-math.inf, math.inf)
+    return env
+
+
+def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
+    """Whether tensor subscript ``ix`` provably lies in ``[0, extent)`` of its dimension
+    ``dim`` (a declared extent: an int or a shape symbol) at every call, so the kernels
+    need not clamp it: the index variable of that very dimension (``h`` into ``num_heads``,
+    ``kv_idx`` into ``seqlen_k``, ...: the kernels keep those inside already), or, for a
+    literal extent, an interval bound (:func:`flashgen.maskinfo.evaluate` over
+    :func:`_static_env`) inside ``[0, extent - 1]`` (``min(max(kv_idx - q_idx, -128), 128)
+    + 128`` into 257).  Sound, not complete: ``False`` keeps the clamp."""
+    if ix.ty != Ty.I32:
+        return False
+    if isinstance(dim, str):
+        own = _OWN_INDEX.get(dim)
+        return isinstance(ix, Var) and ix.name == own and spec.param(ix.name) is None
+    r = evaluate(ix, _static_env(spec))
+    return isinstance(r, Range) and 0 <= r.lo and r.hi <= dim - 1
+
+
+def _tile_invariant(e: Expr, spec: Spec) -> bool:
+    """Whether ``e`` reads only b, h, h_kv, seqlen_q, seqlen_k, params and constants."""
+    for n in ir.walk(e):
+        if isinstance(n, (Index, Causal)):
+            return False
+        if isinstance(n, Var) and spec.param(n.name) is None and n.name not in _TILE_INVARIANT:
+            return False
+    return True
+
+
+def _peel_constant(ix: Expr, spec: Spec) -> tuple[Expr, int] | None:
+    """``(x, c)`` for an int subscript ``x + c``, ``c + x`` or ``x - c`` (c a literal)."""
+    if not (isinstance(ix, Binary) and ix.op in ("+", "-")):
+        return None
+    if isinstance(ix.rhs, Const) and ix.rhs.ty == Ty.I32:
+        return ix.lhs, int(ix.rhs.value) if ix.op == "+" else -int(ix.rhs.value)
+    if ix.op == "+" and isinstance(ix.lhs, Const) and ix.lhs.ty == Ty.I32:
+        return ix.rhs, int(ix.lhs.value)
+    return None
+
+
+def _tensor_read(e: Index, spec: Spec, render) -> str:
+    """``t_<name>[offset]`` for the tensor read ``e`` (row-major, contiguous); ``render``
+    gives a subscript's CUDA code.
+
+    A subscript is clamped into its extent (``fg::clamp_index``) unless
+    :func:`index_in_bounds` proves it inside: a read is never out of bounds (the reference
+    refuses out-of-range indices at kept pairs; dropped pairs may compute any).  The offset
+    splits in two: the subscripts of only tile-invariant values (b, h, h_kv, params) give a
+    64-bit base the compiler hoists out of the element loop; the others (q_idx, kv_idx, ...)
+    an int offset from it when their literal strides keep it inside int32 (each subscript is
+    inside its extent, clamped or proven), so an element's address is one 32x32+64 multiply-
+    add (``__ldg(fg::base_ptr(t_bias + (int64_t)h * 257 + 128) + idx)``: the base through a
+    copy NVVM cannot re-associate into each element's offset, see ``templates/common/
+    mma_sm80.cuh``) instead of 64-bit arithmetic per element.  With a base, a literal added
+    to a proven subscript (T5's ``min(max(kv_idx - q_idx, -128), 128) + 128``) moves into
+    the base too: one add less per element."""
+    p = spec.param(e.name)
+    assert p is not None and p.kind == "tensor"
+    base: list[str] = []  # int64 terms
+    # int terms: (code, stride, lo, hi, shift): the subscript times its literal stride and
+    # the bounds of that product; and, where a literal can be peeled off a proven subscript,
+    # the same without it (shift: the literal times the stride, moved into the base)
+    elem: list[tuple[tuple, tuple | None]] = []
+    wide = False  # a varying subscript with a symbolic stride: one 64-bit offset
+    codes: list[str] = []  # each subscript's code, clamped where not proven inside
+    env = _static_env(spec)
+    for i, ix in enumerate(e.indices):
+        dim = p.shape[i]
+        code = render(ix)
+        inside = index_in_bounds(ix, dim, spec)
+        if not inside:
+            code = f"fg::clamp_index({code}, {_shape_extent(dim)})"
+        codes.append(code)
+        rest = p.shape[i + 1 :]
+        if _tile_invariant(ix, spec):
+            stride = "".join(f" * (int64_t)({_shape_extent(d)})" for d in rest)
+            base.append(f"(int64_t)({code}){stride}")
+            continue
+        if all(isinstance(d, int) for d in rest):
+            stride = math.prod(rest)
+            top = (dim - 1 if isinstance(dim, int) else _I32_MAX - 1) * stride
+            peeled = None
+            if inside and isinstance(dim, int) and (pc := _peel_constant(ix, spec)):
+                r = evaluate(ix, env)
+                x, c = pc
+                lo, hi = (int(r.lo) - c) * stride, (int(r.hi) - c) * stride
+                peeled = (render(x), stride, lo, hi, c * stride)
+            elem.append(((code, stride, 0, top, 0), peeled))
+            continue
+        wide = True
+
+    def fits(terms) -> bool:
+        return -(2**31) <= sum(t[2] for t in terms) and sum(t[3] for t in terms) <= _I32_MAX
+
+    def int32(terms) -> str:
+        return " + ".join(c if k == 1 else f"{c} * {k}" for c, k, *_ in terms)
+
+    whole = [w for w, _ in elem]
+    if wide or not fits(whole) or not elem:  # one 64-bit offset, row-major (Horner)
+        offset = ""
+        for i, code in enumerate(codes):
+            term = f"(int64_t)({code})"
+            offset = (
+                term if i == 0 else f"({offset}) * (int64_t)({_shape_extent(p.shape[i])}) + {term}"
+            )
+        return f"t_{e.name}[{offset or '0'}]"
+    if not base:
+        return f"t_{e.name}[{int32(whole)}]"
+    terms = [pl or w for w, pl in elem]
+    shift = sum(t[4] for t in terms)
+    if not fits(terms) or shift == 0:
+        terms, shift = whole, 0
+    offset = " + ".join(base) + (f" + {shift}" if shift else "")
+    small = int32(terms)
+    # a row base computed once per tile (fg::base_ptr), read through the read-only path
+    return f"__ldg(fg::base_ptr(t_{e.name} + ({offset})) + ({small}))"
 
 
 def _is_score(e: Expr, spec: Spec) -> bool:

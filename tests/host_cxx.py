@@ -11,8 +11,9 @@ HEADER = Path(__file__).resolve().parents[1] / "templates" / "common" / "mma_sm8
 
 def preamble() -> str:
     """Includes, host definitions of the CUDA qualifiers, and fg::clamp_index, idiv, imod,
-    Divisor verbatim from the kernels' header, plus fg::tanh_approx as tanhf and the
-    CUDA round-to-nearest intrinsics __fadd_rn, __fsub_rn, __fmul_rn as plain operators."""
+    Divisor verbatim from the kernels' header, plus fg::tanh_approx as tanhf, fg::base_ptr
+    and __ldg as plain pointer reads, and the CUDA round-to-nearest intrinsics __fadd_rn,
+    __fsub_rn, __fmul_rn as plain operators."""
     text = HEADER.read_text()
     start = text.index("__device__ __forceinline__ int clamp_index")
     end = text.index("};", text.index("struct Divisor")) + 2
@@ -21,7 +22,10 @@ def preamble() -> str:
         "#include <cstdlib>\n#define __host__\n#define __device__\n#define __forceinline__ inline\n"
         "using std::max;\nusing std::min;\n"
         f"namespace fg {{\n{text[start:end]}\n"
-        "inline float tanh_approx(float x) { return tanhf(x); }\n}  // namespace fg\n"
+        "inline float tanh_approx(float x) { return tanhf(x); }\n"
+        "template <class T> inline const T* base_ptr(const T* p) { return p; }\n"
+        "}  // namespace fg\n"
+        "template <class T> inline T __ldg(const T* p) { return *p; }\n"
         "inline float __fadd_rn(float a, float b) { return a + b; }\n"
         "inline float __fsub_rn(float a, float b) { return a - b; }\n"
         "inline float __fmul_rn(float a, float b) { return a * b; }\n"

@@ -89,6 +89,15 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
+// address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
+// 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
+// of one base are merged and hoisted.  Read it with __ldg (the copy hides the pointer's __restrict__).
+template <class T> __device__ __forceinline__ const T* base_ptr(const T* p) {
+    asm("mov.b64 %0, %0;\n" : "+l"(p));
+    return p;
+}
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
 // the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
 // multiplies it out is 64-bit.

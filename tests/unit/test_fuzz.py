@@ -139,7 +139,7 @@ _CUDA_WORDS = {
     "float", "bool", "int64_t", "INFINITY", "fabsf", "fminf", "fmaxf", "expf", "logf",
     "tanh_approx", "sqrtf", "fmodf", "abs", "min", "max", "heads_q", "heads_kv", "batch", "fg",
     "clamp_index", "idiv", "imod", "q_idx_f", "kv_idx_f", "div", "mod", "__fadd_rn", "__fsub_rn",
-    "__fmul_rn",
+    "__fmul_rn", "__ldg", "base_ptr",
 }  # fmt: skip
 _CUDA_WORDS |= {f"p_{n}" for n in PARAMS} | {f"t_{n}" for n in PARAMS}
 

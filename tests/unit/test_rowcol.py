@@ -133,7 +133,7 @@ def test_document_mask_kernel_reads_no_tensor_per_element():
     loop = src[src.index("auto softmax = [&]") : src.index("auto row_max_log2")]
     assert "t_doc_" not in loop.split("for (int j = 0; j < NS; ++j)")[1]
     assert "__shfl_sync(0xffffffffu, fg_col0_v[j / 4]" in loop
-    assert "fg_row0_r[r] = (int)(t_doc_q[" in src
+    assert "fg_row0_r[r] = (int)(__ldg(fg::base_ptr(t_doc_q + " in src
     assert "& ((fg_row0 == fg_col0))" in loop  # no short-circuit left: registers only
 
 
@@ -151,7 +151,7 @@ def test_forward_context_without_side_terms_is_unchanged():
     tiles = lower.default_tiles(spec)
     plain = lower._forward_context(spec, "sm_80", tiles)
     assert plain["row_terms"] == [] and plain["col_terms"] == []
-    assert plain["mask_reads_memory"] and "t_doc_q[" in plain["mask_expr"]
+    assert plain["mask_reads_memory"] and "__ldg(fg::base_ptr(t_doc_q + " in plain["mask_expr"]
     split = lower._forward_context(spec, "sm_90", tiles, side_terms=True)
     assert not split["mask_reads_memory"] and split["mask_expr"] == "(fg_row0 == fg_col0)"
 
@@ -210,10 +210,10 @@ def test_fa2_forward_reads_no_tensor_per_element():
         src = render(plan)
         # row terms once per CTA, before the key loop
         pre = _between(src, "Row terms (flashgen/rowcol.py)", "while (n_block >= 0)")
-        assert "fg_row0_r[m][r] = (int)(t_doc_q[" in pre
+        assert "fg_row0_r[m][r] = (int)(__ldg(fg::base_ptr(t_doc_q + " in pre
         masked = _between(src, "if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {", "} else {")
         vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
-        assert "fg_col0_v[c] = (int)(t_doc_kv[" in vec and "t_doc_q" not in vec
+        assert "fg_col0_v[c] = (int)(__ldg(fg::base_ptr(t_doc_kv + " in vec and "t_doc_q" not in vec
         assert "t_doc_" not in elems  # per element: registers only
         assert f"const int src = {FETCH_SRC};" in elems
         assert f"__shfl_sync(0xffffffffu, fg_col0{FETCH_REG}, src)" in elems
@@ -228,7 +228,7 @@ def test_fa2_forward_without_terms_is_the_per_element_kernel():
     spec = _doc_spec()
     src = render(lower.plan_forward(spec, "sm_80", side_terms=False))
     assert "fg_row0" not in src and "__shfl_sync(0xffffffffu, fg_col" not in src
-    assert "&& ((t_doc_q[" in src
+    assert "&& ((__ldg(fg::base_ptr(t_doc_q + " in src
 
 
 @pytest.mark.parametrize("block_m,num_warps", [(64, 4), (128, 4), (128, 8), (64, 2)])
@@ -291,8 +291,8 @@ def test_fa2_backward_reads_no_tensor_per_element(atomic_dq):
         ):
             masked = _between(k, "Row / column terms (flashgen/rowcol.py)", "acc_dp[nt][i] = p *")
             vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
-            assert f"fg_{fixed}[m][r] = (int)(t_doc_" in vec
-            assert f"fg_{stepped}_v[c] = (int)(t_doc_" in vec
+            assert f"fg_{fixed}[m][r] = (int)(__ldg(fg::base_ptr(t_doc_" in vec
+            assert f"fg_{stepped}_v[c] = (int)(__ldg(fg::base_ptr(t_doc_" in vec
             assert "t_doc_" not in elems
             assert f"const int src = {FETCH_SRC};" in elems
             assert f"__shfl_sync(0xffffffffu, fg_{stepped}{FETCH_REG}, src)" in elems
@@ -305,7 +305,7 @@ def test_fa2_backward_terms_per_kernel():
     assert not plan.dkdv.context["dkdv_side_terms"] and plan.dkdv.context["dq_side_terms"]
     dkdv = src[src.index(plan.dkdv.kernel_name + "(") : src.index(plan.dq.kernel_name + "(")]
     dq = src[src.index(plan.dq.kernel_name + "(") :]
-    assert "fg_row0" not in dkdv and "&& ((t_doc_q[" in dkdv
+    assert "fg_row0" not in dkdv and "&& ((__ldg(fg::base_ptr(t_doc_q + " in dkdv
     assert "fg_row0_r[m][r]" in dq
     plan, src = _bwd_sources(spec, side_terms=False)
     assert "fg_row0" not in src and "fg_col0" not in src
