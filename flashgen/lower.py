@@ -40,7 +40,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from . import ir, masktiles, rowcol
+from . import affine, ir, masktiles, rowcol
+from .envflags import flag
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 
 #: CUDA element type per spec dtype.
@@ -878,6 +879,35 @@ def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants | No
     return out
 
 
+#: ``FLASHGEN_AFFINE=0`` turns the affine score_mod decomposition off (:func:`affine_context`).
+AFFINE_ENV = "FLASHGEN_AFFINE"
+
+
+def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
+    """The affine decomposition of ``spec``'s score_mod (:mod:`flashgen.affine`) as CUDA
+    float expressions, or None (no affine form, or ``FLASHGEN_AFFINE=0``).
+
+    ``offset``: L, to evaluate where ``q_idx``/``q_idx_f`` are a row's clamped query index
+    and ``kv_idx``/``kv_idx_f`` the tile's first key ``n0``; ``kv_coef``: beta, the
+    coefficient of ``kv_idx`` (CTA-invariant; it may read ``h``, ``b``, tensor params).
+    The kernel computes ``x' = score + beta * (kv_idx - n0)`` per element and adds L(q, n0)
+    to the row max and the exp2's addend (FULL tiles only)."""
+    if not flag(AFFINE_ENV, True):
+        return None
+    form = affine.decompose(spec.score_mod, spec)
+    if form is None:
+        return None
+
+    def as_float(e: Expr) -> str:
+        code = cuda_expr(e, spec, inv)
+        if e.ty == Ty.I32:
+            twins = _float_affine(e, spec) if _affine_int(e) else None
+            return twins if twins is not None else _cast(code, Ty.I32, Ty.F32)
+        return code
+
+    return {"offset": as_float(form.offset), "kv_coef": as_float(form.kv_coef)}
+
+
 def _forward_context(
     spec: Spec, target: str, tiles: TileConfig, *, side_terms: bool = False
 ) -> dict:
@@ -897,6 +927,9 @@ def _forward_context(
     if side_terms and residual is not None:
         parts = rowcol.split(residual, spec)
     residual = parts.expr
+    mask_expr = cuda_expr(residual, spec, inv) if residual is not None else None
+    score_mod_expr = cuda_expr(score_mod, spec, inv) if score_mod is not None else None
+    affine_ctx = affine_context(spec, inv) if score_mod is not None else None
     return {
         "spec_name": spec.name,
         "kernel_name": f"flashgen_{spec.name}_fwd_{target}",
@@ -909,8 +942,10 @@ def _forward_context(
         "num_warps": tiles.num_warps,
         "threads": tiles.threads,
         "causal": causal,
-        "mask_expr": cuda_expr(residual, spec, inv) if residual is not None else None,
-        "score_mod_expr": cuda_expr(score_mod, spec, inv) if score_mod is not None else None,
+        "mask_expr": mask_expr,
+        "score_mod_expr": score_mod_expr,
+        # score_mod = score + L, L affine in q_idx, kv_idx (FULL tiles: one FFMA per element)
+        "affine": affine_ctx,
         "row_terms": _side_terms(parts.rows, spec, inv),
         "col_terms": _side_terms(parts.cols, spec, inv),
         "mask_reads_memory": residual is not None
