@@ -287,3 +287,30 @@ def test_the_fa2_forward_takes_it_too(monkeypatch):
         assert "exp2_approx(acc_s[mt][nt][2 * r + j] - shift)" in src
     monkeypatch.setenv(AFFINE_ENV, "off")
     assert "aff_d" not in render(plan_forward(spec, "sm_80"))
+
+
+SPILLS_WITH_SPLIT = """\
+name: affine_spill
+head_dim: 128
+dtype: bf16
+mask: causal && q_idx - kv_idx < win
+score_mod: q_idx - kv_idx + score
+params:
+  win: {type: i32, default: 256}
+"""
+
+
+def test_a_spilling_split_is_retried_without_it(requires_nvcc):
+    """The FA2-class kernel on sm_90 at 128 x 32 spills 56 bytes with this spec's split
+    (ptxas 13.0) and none without: select.build_forward keeps the tiles, drops the split."""
+    from flashgen import cache
+    from flashgen.select import build_forward
+
+    spec = loads_spec(SPILLS_WITH_SPLIT, "affine_spill.yaml")
+    split = plan_forward(spec, "sm_90", family="fa2")
+    _, report = cache.get_or_build(render(split), split)
+    if not report.spill_bytes:
+        pytest.skip("this ptxas does not spill the split kernel")
+    plan, _, report = build_forward(spec, "sm_90", family="fa2")
+    assert not report.spill_bytes and plan.tiles == split.tiles
+    assert plan.context["affine"] is None
