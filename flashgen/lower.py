@@ -40,7 +40,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from . import ir, masktiles, rowcol
+from . import affine, ir, masktiles, rowcol
+from .envflags import flag
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 from .maskinfo import Range, evaluate
 
@@ -908,6 +909,7 @@ def plan_forward(
     family: str = "auto",
     persistent: bool | str = False,
     side_terms: bool = True,
+    affine: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -919,7 +921,8 @@ def plan_forward(
     ``side_terms``: both kernels read the mask's one-sided tensor reads once per query row
     (per CTA) and once per key column of a masked tile (:mod:`flashgen.rowcol`); False
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
-    narrower tiles).
+    narrower tiles).  ``affine``: both kernels split an affine score_mod on FULL tiles
+    (:func:`affine_context`; False never does, the spill fallback of :mod:`flashgen.select`).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -950,7 +953,7 @@ def plan_forward(
     tiles = tiles or choose_tiles(spec, target, gpu, family)
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(
-            spec, target, tiles, persistent=persistent, side_terms=side_terms
+            spec, target, tiles, persistent=persistent, side_terms=side_terms, affine=affine
         )
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
@@ -970,7 +973,9 @@ def plan_forward(
             "smaller tiles.block_m or tiles.block_n"
         )
     # Varlen specs never get here with a tensor-reading mask (refused above): no terms.
-    ctx = _forward_context(spec, target, tiles, side_terms=side_terms and not spec.varlen)
+    ctx = _forward_context(
+        spec, target, tiles, side_terms=side_terms and not spec.varlen, affine=affine
+    )
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
     ctx.update(
@@ -1022,8 +1027,37 @@ def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants | No
     return out
 
 
+#: ``FLASHGEN_AFFINE=0`` turns the affine score_mod decomposition off (:func:`affine_context`).
+AFFINE_ENV = "FLASHGEN_AFFINE"
+
+
+def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
+    """The affine decomposition of ``spec``'s score_mod (:mod:`flashgen.affine`) as CUDA
+    float expressions, or None (no affine form, or ``FLASHGEN_AFFINE=0``).
+
+    ``offset``: L, to evaluate where ``q_idx``/``q_idx_f`` are a row's clamped query index
+    and ``kv_idx``/``kv_idx_f`` the tile's first key ``n0``; ``kv_coef``: beta, the
+    coefficient of ``kv_idx`` (CTA-invariant; it may read ``h``, ``b``, tensor params).
+    The kernel computes ``x' = score + beta * (kv_idx - n0)`` per element and adds L(q, n0)
+    to the row max and the exp2's addend (FULL tiles only)."""
+    if not flag(AFFINE_ENV, True):
+        return None
+    form = affine.decompose(spec.score_mod, spec)
+    if form is None:
+        return None
+
+    def as_float(e: Expr) -> str:
+        code = cuda_expr(e, spec, inv)
+        if e.ty == Ty.I32:
+            twins = _float_affine(e, spec) if _affine_int(e) else None
+            return twins if twins is not None else _cast(code, Ty.I32, Ty.F32)
+        return code
+
+    return {"offset": as_float(form.offset), "kv_coef": as_float(form.kv_coef)}
+
+
 def _forward_context(
-    spec: Spec, target: str, tiles: TileConfig, *, side_terms: bool = False
+    spec: Spec, target: str, tiles: TileConfig, *, side_terms: bool = False, affine: bool = False
 ) -> dict:
     """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
     residual mask and score_mod as CUDA expressions, the ABI argument list.
@@ -1032,7 +1066,8 @@ def _forward_context(
     per query row) and ``col_terms`` (once per key column of a masked tile), see
     :mod:`flashgen.rowcol`; otherwise both lists are empty.  ``mask_reads_memory``: whether
     the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
-    behind the cheap bounds and causal tests)."""
+    behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
+    (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None."""
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
@@ -1041,6 +1076,9 @@ def _forward_context(
     if side_terms and residual is not None:
         parts = rowcol.split(residual, spec)
     residual = parts.expr
+    mask_expr = cuda_expr(residual, spec, inv) if residual is not None else None
+    score_mod_expr = cuda_expr(score_mod, spec, inv) if score_mod is not None else None
+    affine_ctx = affine_context(spec, inv) if affine and score_mod is not None else None
     return {
         "spec_name": spec.name,
         "kernel_name": f"flashgen_{spec.name}_fwd_{target}",
@@ -1053,8 +1091,10 @@ def _forward_context(
         "num_warps": tiles.num_warps,
         "threads": tiles.threads,
         "causal": causal,
-        "mask_expr": cuda_expr(residual, spec, inv) if residual is not None else None,
-        "score_mod_expr": cuda_expr(score_mod, spec, inv) if score_mod is not None else None,
+        "mask_expr": mask_expr,
+        "score_mod_expr": score_mod_expr,
+        # score_mod = score + L, L affine in q_idx, kv_idx (FULL tiles: one FFMA per element)
+        "affine": affine_ctx,
         "row_terms": _side_terms(parts.rows, spec, inv),
         "col_terms": _side_terms(parts.cols, spec, inv),
         "mask_reads_memory": residual is not None
@@ -1081,6 +1121,7 @@ def plan_hopper_forward(
     m_major: bool | None = None,
     persistent: bool | str = False,
     side_terms: bool = True,
+    affine: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -1105,7 +1146,8 @@ def plan_hopper_forward(
     ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
     argument (two zeroed ints per stream, reset by the kernel's last CTA).
     ``side_terms``: the mask's one-sided tensor reads are read once per query row and once
-    per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).
+    per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).  ``affine``:
+    FULL tiles split an affine score_mod (:func:`affine_context`).
     """
     if persistent is True:
         persistent = "static"
@@ -1140,7 +1182,7 @@ def plan_hopper_forward(
         smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
-    ctx = _forward_context(spec, target, tiles, side_terms=side_terms)
+    ctx = _forward_context(spec, target, tiles, side_terms=side_terms, affine=affine)
     ctx["smem_bytes"] = smem
     if m_major is None:
         m_major = False

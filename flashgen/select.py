@@ -44,6 +44,8 @@ def build_forward(
     each candidate's tiles a kernel (either family) with row / column terms
     (:mod:`flashgen.rowcol`) that spills is retried with them per element before the next
     tiles; ``FLASHGEN_SIDE_TERMS=0`` (read at each build) never uses them (to compare).
+    Before each of those, a kernel that splits an affine score_mod (``plan_forward``'s
+    ``affine``) and spills is retried without the split.
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
@@ -51,17 +53,21 @@ def build_forward(
     ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
     for tiles in forward_tile_candidates(spec, target, gpu, family):
         for side_terms in ways:
-            plan = plan_forward(
-                spec,
-                target,
-                gpu,
-                tiles=tiles,
-                persistent=persistent,
-                side_terms=side_terms,
-            )
-            cubin, report = cache.get_or_build(render(plan), plan)
-            if not report.spill_bytes:
-                return plan, cubin, report
+            for affine in (True, False):
+                plan = plan_forward(
+                    spec,
+                    target,
+                    gpu,
+                    tiles=tiles,
+                    persistent=persistent,
+                    side_terms=side_terms,
+                    affine=affine,
+                )
+                cubin, report = cache.get_or_build(render(plan), plan)
+                if not report.spill_bytes:
+                    return plan, cubin, report
+                if plan.context.get("affine") is None:
+                    break  # no affine split: the same kernel again
             if not (plan.context.get("row_terms") or plan.context.get("col_terms")):
                 break  # no terms: the same kernel again
     return plan, cubin, report

@@ -567,6 +567,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_8
         }
 
         // Scores -> log2 domain with score_mod; the mask only on tiles that are not FULL, or cross seqlen_k.
+        float aff_d[MT][2] = {};  // acc_s + aff_d is x * LOG2E (FULL tiles: L(q_idx, n0) * LOG2E; else 0)
         if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -594,31 +595,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_8
                     }
 
         } else {
-            // kv_idx_f, the float twin of kv_idx: a per-tile base plus a compile-time offset (on
-            // masked tiles a conversion: the cheap form there makes ptxas spill)
-            const float kv_f0 = (float)(n0 + (lane % 4) * 2);
+            // Affine score_mod (score + L, flashgen/affine.py) on a FULL tile: acc_s = x' * LOG2E with
+            // x' = score + beta * (kv_idx - n0), one FFMA per element (beta * (kv_idx - n0) is shared
+            // by the rows), and aff_d = L(q_idx, n0) * LOG2E per row: x * LOG2E = acc_s + aff_d.
+            const float aff_beta = (float)(t_slopes[(int64_t)fg::clamp_index(h, heads_q)]) * LOG2E;
+            const float aff_c0 = aff_beta * (float)((lane % 4) * 2);
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int r = 0; r < 2; ++r) {
+                    const int q_idx = min(m0 + warp * WARP_M + mt * 16 + lane / 4 + r * 8, seqlen_q - 1);
+                    const int kv_idx = n0;
+                    const float q_idx_f = (float)q_idx;
+                    const float kv_idx_f = (float)kv_idx;
+                    (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
+                    aff_d[mt][r] = (float)((-(t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E;
+                }
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float col = fmaf(aff_beta, (float)(nt * 8 + e), aff_c0);
                     #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int q_raw = m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8;
-                        const int kv_raw = n0 + nt * 8 + (lane % 4) * 2 + (i % 2);
-                        // The DSL sees indices clamped into range (tensor params are read in bounds);
-                        // out-of-range pairs are dropped by selection.
-                        const int q_idx = min(q_raw, seqlen_q - 1);
-                        const int kv_idx = min(kv_raw, seqlen_k - 1);
-                        const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
-                        const float kv_idx_f = kv_f0 + (float)(nt * 8 + i % 2);
-                        (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                        const float score_raw = acc_s[mt][nt][i];  // q.k (lowering may fold the scale into a constant)
-                        const float score = score_raw * softmax_scale;
-                        (void)score_raw; (void)score;
-                        float x = (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E;
-                        (void)q_raw; (void)kv_raw;
-                        acc_s[mt][nt][i] = x;
-                    }
+                    for (int mt = 0; mt < MT; ++mt)
+                        #pragma unroll
+                        for (int r = 0; r < 2; ++r)
+                            acc_s[mt][nt][2 * r + e] = fmaf(acc_s[mt][nt][2 * r + e], scale_log2, col);
+                }
 
         }
 
@@ -627,13 +630,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_8
         for (int mt = 0; mt < MT; ++mt)
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
+                float mx = -INFINITY;  // the max of acc_s: x * LOG2E - aff_d (the same offset along the row)
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                     mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                mx = fmaxf(row_max[mt][r], mx + aff_d[mt][r]);  // the true row max
                 const float base = mx == -INFINITY ? 0.f : mx;  // a fully masked row so far stays at 0
+                const float shift = base - aff_d[mt][r];  // exp2(x * LOG2E - base) = exp2(acc_s - shift)
                 const float alpha = fg::exp2_approx(row_max[mt][r] - base);
                 row_max[mt][r] = mx;
                 float sum = 0.f;
@@ -641,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_8
                 for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
                     for (int j = 0; j < 2; ++j) {
-                        const float p = fg::exp2_approx(acc_s[mt][nt][2 * r + j] - base);
+                        const float p = fg::exp2_approx(acc_s[mt][nt][2 * r + j] - shift);
                         acc_s[mt][nt][2 * r + j] = p;
                         sum += p;
                     }

@@ -686,6 +686,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
     // Scores and row_max in natural units; log2(e) folds into the exp2's FFMA.
     // The mask is evaluated only on tiles that are not FULL or that cross seqlen_k.
     auto softmax = [&](int n0, int tile_cls) {
+        float aff_d[2] = {0.f, 0.f};  // acc_s + aff_d[r] is x (FULL tiles: L(q_idx, n0); else 0)
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             #pragma unroll
             for (int j = 0; j < NS; ++j) {
@@ -712,48 +713,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
             }
 
         } else {
-            // kv_idx_f, the float twin of kv_idx: a per-tile base plus a compile-time offset (on
-            // masked tiles a conversion: the cheap form there makes ptxas spill)
-            const float kv_f0 = (float)(n0 + (lane % 4) * 2);
+            // Affine score_mod on a FULL tile (n0 + BLOCK_N <= seqlen_k, so kv_idx = kv_raw):
+            // x = x' + L(q_idx, n0) with x' = score + beta * (kv_idx - n0), one FFMA per element;
+            // beta * (kv_idx - n0) = beta * (j * 8 + (lane % 4) * 2 + e) is shared by both rows.
+            const float aff_beta = (float)(t_slopes[(int64_t)fg::clamp_index(h, heads_q)]);
+            const float aff_c0 = aff_beta * (float)((lane % 4) * 2);
             #pragma unroll
-            for (int j = 0; j < NS; ++j) {
-                #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int q_raw = m0 + row_base + (i / 2) * 8;
-                    const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
-                    // The DSL sees indices clamped into range (tensor params are read in bounds);
-                    // out-of-range pairs are dropped by selection.
-                    const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = min(kv_raw, seqlen_k - 1);
-                    const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
-                    const float kv_idx_f = kv_f0 + (float)(j * 8 + i % 2);
-                    (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                    const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
-                    const float score = score_raw * softmax_scale;
-                    (void)score_raw; (void)score;
-                    float x = (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f))));
-                    (void)q_raw; (void)kv_raw;
-                    acc_s[4 * j + i] = x;
-                }
+            for (int r = 0; r < 2; ++r) {
+                const int q_idx = min(m0 + row_base + r * 8, seqlen_q - 1);
+                const int kv_idx = n0;
+                const float q_idx_f = (float)q_idx;
+                const float kv_idx_f = (float)kv_idx;
+                (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
+                aff_d[r] = (float)((-(t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f))));
             }
+            #pragma unroll
+            for (int j = 0; j < NS; ++j)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float col = fmaf(aff_beta, (float)(j * 8 + e), aff_c0);
+                    #pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        acc_s[4 * j + 2 * r + e] = fmaf(acc_s[4 * j + 2 * r + e], softmax_scale, col);
+                }
 
         }
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
+            float mx = -INFINITY;  // the max of acc_s: x - aff_d[r] (the same offset along the row)
             #pragma unroll
             for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            mx = fmaxf(row_max[r], mx + aff_d[r]);  // the true row max (x units)
             const float base = mx == -INFINITY ? 0.f : mx * LOG2E;  // a fully masked row so far stays at 0
             alpha[r] = fg::exp2_approx(row_max[r] * LOG2E - base);
             row_max[r] = mx;
+            const float shift = fmaf(aff_d[r], LOG2E, -base);  // exp2(x * LOG2E - base) = exp2(acc_s * LOG2E + shift)
             float sum = 0.f;
             #pragma unroll
             for (int j = 0; j < NS; ++j)
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float p = fg::exp2_approx(fmaf(acc_s[4 * j + 2 * r + e], LOG2E, -base));
+                    const float p = fg::exp2_approx(fmaf(acc_s[4 * j + 2 * r + e], LOG2E, shift));
                     acc_s[4 * j + 2 * r + e] = p;
                     sum += p;
                 }
