@@ -771,7 +771,9 @@ def plan_forward(
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
     :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
     :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
-    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them).
+    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them); when
+    ``tiles`` is None, a tuning-table entry's ``options`` (:mod:`flashgen.tuning`) come with
+    its tiles, under the explicit ``options``.
     ``side_terms``: both kernels read the mask's one-sided tensor reads once per query row
     (per CTA) and once per key column of a masked tile (:mod:`flashgen.rowcol`); False
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
@@ -798,6 +800,11 @@ def plan_forward(
         if key not in opts:
             raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")
         opts[key] = bool(value)
+    if tiles is None:
+        # A tuning-table entry's switches come with its tiles (explicit ``options`` win).
+        for key, value in _table_options(spec, target, gpu, family).items():
+            if key in opts and key not in (options or {}):
+                opts[key] = value
     if spec.varlen and needs_block_table(spec):
         raise ValueError(
             "a varlen spec's mask cannot read tensor params (the block table is per padded "
@@ -844,6 +851,23 @@ def plan_forward(
         args=ctx["args"],
         context=ctx,
     )
+
+
+def _table_options(spec: Spec, target: str, gpu: str | None, family: str) -> dict[str, bool]:
+    """The FA2-class template switches the tuning table recorded with the tiles
+    :func:`choose_tiles` takes from it (``options`` of the entry; see :mod:`flashgen.tuning`):
+    none when the spec pins tiles, the Hopper kernel runs, or the entry is a Hopper one."""
+    from .tuning import lookup, lookup_options
+
+    o = spec.tiles
+    if not gpu or hopper_eligible(spec, target, family) or o.block_m or o.block_n or o.num_warps:
+        return {}
+    key = (gpu, target, max(spec.head_dim, spec.head_dim_v), spec.dtype)
+    key += (split_causal(spec.mask)[0], spec.score_mod is not None)
+    tuned = lookup(*key)
+    if tuned is None or is_hopper_tiles(TileConfig(*tuned)):
+        return {}
+    return lookup_options(*key)
 
 
 def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:
