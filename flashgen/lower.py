@@ -128,12 +128,17 @@ VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
 #: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw and log2(e) *
 #: softmax_scale is folded into exp2's FFMA (FA2's ``scale_apply_exp2``).
 #: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
-#: around the multiplies; off until measured).
+#: around the multiplies; off until measured).  ``fwd_even_loads``: with unrolled loads, a
+#: tile wholly inside the sequence is loaded without per-row checks and selects (FA2's
+#: ``Is_even_MN``); at d256 128x64x8 it frees 7-13 registers and ptxas then issues each
+#: ldmatrix further ahead of its mma (docs/perf-notes.md); off until measured (a tuning-table
+#: entry's ``options`` may turn it on per GPU, see :mod:`flashgen.tuning`).
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,
     "fwd_fold_scale": True,
     "fwd_lazy_rescale": False,
+    "fwd_even_loads": False,
 }
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still

@@ -175,8 +175,14 @@ def candidate_variants(d: int, causal: bool, dtype: str) -> list[Variant]:
     return out
 
 
-#: The switch ``--rolled`` flips for every ``--tiles`` candidate (name suffix ``-unroll``).
-ROLLED = (("fwd_unrolled_loads", False),)
+#: Short names of the forward switches in variant names (``-unroll``: unrolled loads off).
+SWITCH_LABELS = {
+    "fwd_unrolled_loads": "unroll",
+    "fwd_hoisted_swizzle": "hoist",
+    "fwd_fold_scale": "fold",
+    "fwd_lazy_rescale": "lazy",
+    "fwd_even_loads": "even",
+}
 
 
 def parse_tiles(text: str) -> TileConfig:
@@ -188,21 +194,26 @@ def parse_tiles(text: str) -> TileConfig:
     return TileConfig(m, n, w)
 
 
+def switch_suffix(key: str) -> str:
+    """``-unroll`` / ``+even``: the variant-name suffix of flipping ``key`` from its default."""
+    return ("-" if lower.FORWARD_OPTIONS[key] else "+") + SWITCH_LABELS.get(key, key)
+
+
 def tile_variants(
-    d: int, causal: bool, dtype: str, tiles: list[TileConfig], rolled: bool
+    d: int, causal: bool, dtype: str, tiles: list[TileConfig], flips: list[str]
 ) -> list[Variant]:
     """``--tiles``: ``default`` and each listed tile config (one equal to the default's is
-    left out), each also with ``fwd_unrolled_loads`` off (``-unroll``) when ``rolled``."""
+    left out), each also with each ``--flip`` switch flipped from lower.FORWARD_OPTIONS
+    (one at a time; name suffix :func:`switch_suffix`)."""
     dflt = lower.default_tiles(spec_for(d, causal, dtype))
-    out = [Variant("fwd", "default", d, causal, dtype)]
-    if rolled:
-        out.append(Variant("fwd", "-unroll", d, causal, dtype, None, ROLLED))
-    for t in dict.fromkeys(tiles):
-        if t == dflt:
-            continue
-        out.append(Variant("fwd", tile_name(t), d, causal, dtype, t))
-        if rolled:
-            out.append(Variant("fwd", tile_name(t) + "-unroll", d, causal, dtype, t, ROLLED))
+    out = []
+    for t in [None, *dict.fromkeys(t for t in tiles if t != dflt)]:
+        name = "default" if t is None else tile_name(t)
+        out.append(Variant("fwd", name, d, causal, dtype, t))
+        for key in dict.fromkeys(flips):
+            flipped = ((key, not lower.FORWARD_OPTIONS[key]),)
+            suffix = switch_suffix(key)
+            out.append(Variant("fwd", (name + suffix), d, causal, dtype, t, flipped))
     return out
 
 
@@ -262,7 +273,7 @@ def all_variants(args) -> list[Variant]:
             for dtype in config_dtypes(args, d, causal):
                 if args.candidates:
                     if args.tiles:
-                        out += tile_variants(d, causal, dtype, args.tiles, args.rolled)
+                        out += tile_variants(d, causal, dtype, args.tiles, args.flip)
                     else:
                         out += candidate_variants(d, causal, dtype)
                     if args.hopper:
@@ -840,11 +851,9 @@ def parse(argv):
     ap.add_argument("--tiles", type=parse_tiles, nargs="+", default=None, metavar="MxNxW",
                     help="with --candidates: time default and these forward tiles (e.g. "
                     "64x64x4 128x48x8) instead of ALT_TILES / ALT_LAZY")  # fmt: skip
-    ap.add_argument(
-        "--rolled",
-        action="store_true",
-        help="with --tiles: also each of them with fwd_unrolled_loads off (-unroll)",
-    )
+    ap.add_argument("--flip", nargs="+", default=[], choices=sorted(lower.FORWARD_OPTIONS),
+                    help="with --tiles: also every tile config with each of these "
+                    "lower.FORWARD_OPTIONS switches flipped (one at a time)")  # fmt: skip
     ap.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
                     help="record each config's fastest checked spill-free FA2-class variant "
                     "(mean TFLOP/s over the seqlens) in the tuning table (default: "

@@ -289,17 +289,17 @@ def test_perf_sweep_flops():
     assert ps.flops(64, False, 4096, "bwd") == 2.5 * 4 * 4 * 32 * 4096**2 * 64
 
 
-def test_perf_sweep_tiles_and_rolled():
-    """--tiles/--rolled: default (and -unroll), each listed tile config but the default's,
-    each also with unrolled loads off; every variant plans the FA2-class kernel."""
+def test_perf_sweep_tiles_and_flips():
+    """--tiles/--flip: default and each listed tile config but the default's, each also with
+    each flipped switch; every variant plans the FA2-class kernel."""
     ps = _perf_sweep()
-    argv = ["--candidates", "--dims", "256", "--no-fa3", "--rolled"]
+    argv = ["--candidates", "--dims", "256", "--no-fa3", "--flip", "fwd_unrolled_loads"]
     args = ps.parse([*argv, "--tiles", "64x64x4", "128x64x8", "t128x48x8", "64x64x4"])
     assert args.tiles[0] == TileConfig(64, 64, 4)
     variants = ps.all_variants(args)
     assert len({v.key for v in variants}) == len(variants) == 2 * 6
     names = {v.name for v in variants if not v.causal}
-    assert names == {"default", "-unroll", "t64x64x4", "t64x64x4-unroll", "t128x48x8",
+    assert names == {"default", "default-unroll", "t64x64x4", "t64x64x4-unroll", "t128x48x8",
                      "t128x48x8-unroll"}  # fmt: skip
     for v in variants:
         plan = plan_forward(ps.spec_for(v.d, v.causal, v.dtype), "sm_90", tiles=v.tiles,
@@ -309,6 +309,16 @@ def test_perf_sweep_tiles_and_rolled():
         assert plan.context["fwd_lazy_rescale"]  # d256 (lower.LAZY_RESCALE_HEAD_DIMS)
     with pytest.raises(SystemExit):
         ps.parse([*argv, "--tiles", "64x64"])
+    two = ps.parse([*argv, "fwd_even_loads", "--tiles", "64x48x4"])
+    got = {v.name: dict(v.options) for v in ps.all_variants(two) if v.causal}
+    assert got == {
+        "default": {},
+        "default-unroll": {"fwd_unrolled_loads": False},
+        "default+even": {"fwd_even_loads": True},
+        "t64x48x4": {},
+        "t64x48x4-unroll": {"fwd_unrolled_loads": False},
+        "t64x48x4+even": {"fwd_even_loads": True},
+    }
 
 
 def test_perf_sweep_write_table(tmp_path, capsys):
