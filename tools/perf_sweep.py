@@ -56,9 +56,16 @@ backward is timed as ``torch.autograd.grad`` on a retained graph.
     python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --no-fa3
     # the same variants' registers and spills, no GPU needed:
     python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --build-only sm_90
+    # d256 tile candidates, each also with a switch flipped, at 4k/8k/16k; the fastest
+    # checked spill-free variant per (causal, dtype) goes into the tuning table (issue 4):
+    python3 tools/perf_sweep.py --candidates --dims 256 --dtypes bf16 fp16 \
+        --seqlens 4096 8192 16384 --no-fa3 --tiles 64x64x4 64x48x4 128x48x8 128x32x8 \
+        --flip fwd_even_loads fwd_unrolled_loads --write-table --budget 170
 
 To adopt a winner: edit ``DEFAULT_TILES`` / ``FORWARD_OPTIONS`` (forward) or
-``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``.
+``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``; or,
+per GPU, ``--write-table`` records the forward winners (tiles and flipped switches) in
+``flashgen/tuning/table.json``, which the op reads with the device name.
 Needs a CUDA GPU, torch, triton, CuPy and nvcc.  Exit status 0 when every variant that ran
 passed its check, 1 otherwise, 2 without a GPU.
 """
