@@ -776,9 +776,9 @@ def plan_forward(
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
     :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
     :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
-    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them); when
-    ``tiles`` is None, a tuning-table entry's ``options`` (:mod:`flashgen.tuning`) come with
-    its tiles, under the explicit ``options``.
+    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them); with
+    ``gpu``, a tuning-table entry's ``options`` (:mod:`flashgen.tuning`) come with its tiles
+    (chosen or passed as ``tiles``), under the explicit ``options``.
     ``side_terms``: both kernels read the mask's one-sided tensor reads once per query row
     (per CTA) and once per key column of a masked tile (:mod:`flashgen.rowcol`); False
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
@@ -805,17 +805,17 @@ def plan_forward(
         if key not in opts:
             raise ValueError(f"unknown forward option {key!r}; known: {', '.join(opts)}")
         opts[key] = bool(value)
-    if tiles is None:
-        # A tuning-table entry's switches come with its tiles (explicit ``options`` win).
-        for key, value in _table_options(spec, target, gpu, family).items():
-            if key in opts and key not in (options or {}):
-                opts[key] = value
     if spec.varlen and needs_block_table(spec):
         raise ValueError(
             "a varlen spec's mask cannot read tensor params (the block table is per padded "
             "batch); varlen already separates the sequences"
         )
     tiles = tiles or choose_tiles(spec, target, gpu, family)
+    # A tuning-table entry's switches come with its tiles (explicit ``options`` win); the
+    # spill fallback of flashgen.select passes the table's tiles explicitly, so compare.
+    for key, value in _table_options(spec, target, gpu, tiles).items():
+        if key in opts and key not in (options or {}):
+            opts[key] = value
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(
             spec, target, tiles, persistent=persistent, side_terms=side_terms
@@ -858,19 +858,19 @@ def plan_forward(
     )
 
 
-def _table_options(spec: Spec, target: str, gpu: str | None, family: str) -> dict[str, bool]:
-    """The FA2-class template switches the tuning table recorded with the tiles
-    :func:`choose_tiles` takes from it (``options`` of the entry; see :mod:`flashgen.tuning`):
-    none when the spec pins tiles, the Hopper kernel runs, or the entry is a Hopper one."""
+def _table_options(spec: Spec, target: str, gpu: str | None, tiles: TileConfig) -> dict[str, bool]:
+    """The FA2-class template switches the tuning table recorded with its entry's tiles
+    (``options``; see :mod:`flashgen.tuning`) when ``tiles`` are those tiles: none when the
+    spec pins tiles or the tiles are the Hopper kernel's."""
     from .tuning import lookup, lookup_options
 
     o = spec.tiles
-    if not gpu or hopper_eligible(spec, target, family) or o.block_m or o.block_n or o.num_warps:
+    if not gpu or is_hopper_tiles(tiles) or o.block_m or o.block_n or o.num_warps:
         return {}
     key = (gpu, target, max(spec.head_dim, spec.head_dim_v), spec.dtype)
     key += (split_causal(spec.mask)[0], spec.score_mod is not None)
     tuned = lookup(*key)
-    if tuned is None or is_hopper_tiles(TileConfig(*tuned)):
+    if tuned is None or TileConfig(*tuned) != tiles:
         return {}
     return lookup_options(*key)
 

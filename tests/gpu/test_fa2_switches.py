@@ -1,7 +1,7 @@
 """FA2-class forward switches that a tuning-table entry selects with its tiles (needs a GPU:
 ``pytest -m gpu``): ``fwd_even_loads`` (unpredicated loads of whole tiles) and
-``fwd_unrolled_loads`` off, at head_dim 256 on the tiles ``tools/perf_sweep.py
---write-table`` may record (FA2's 64x64x4 on H100/H200, and 128x64x8).
+``fwd_unrolled_loads`` off, at head_dim 256 on tiles ``tools/perf_sweep.py --write-table``
+may record (128x64x8, 64x48x4, and FA2's own 64x64x4 on H100/H200).
 
 Each case writes a temporary table (``$FLASHGEN_TUNING_TABLE``) with the device's key, so
 the op plans the entry's tiles and switches itself (``lower.plan_forward`` with the GPU
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 #: name -> (tiles, switches) of a table entry.
 ENTRIES = {
     "even": (TileConfig(128, 64, 8), {"fwd_even_loads": True}),
-    "even64": (TileConfig(64, 64, 4), {"fwd_even_loads": True, "fwd_unrolled_loads": False}),
+    "even48": (TileConfig(64, 48, 4), {"fwd_even_loads": True}),
     "rolled": (TileConfig(64, 64, 4), {"fwd_unrolled_loads": False}),
 }
 
@@ -71,7 +71,8 @@ def test_entry_compiles_spill_free(entry, tmp_path, monkeypatch):
     plan, _, report = select.build_forward(
         spec, target_for_device(spec, dev), gpu=torch.cuda.get_device_name(dev), family="fa2"
     )
-    assert plan.tiles == ENTRIES[entry][0]
+    tiles, opts = ENTRIES[entry]
+    assert plan.tiles == tiles and all(plan.context[k] == v for k, v in opts.items())
     assert report.spill_bytes == 0, f"{entry}: {plan.tiles} spills {report.spill_bytes} B"
 
 

@@ -186,8 +186,21 @@ def test_entry_options_come_with_the_entry_tiles(table):
         spec, "sm_90", gpu=GPU, family="fa2", options={"fwd_unrolled_loads": True}
     )
     assert explicit.context["fwd_unrolled_loads"]
-    pinned = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 64, 4))
-    assert pinned.context["fwd_unrolled_loads"]
+    # the same tiles passed explicitly (select.build_forward's first candidate) keep them;
+    # other tiles (a spill fallback) do not get them
+    same = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 64, 4))
+    assert not same.context["fwd_unrolled_loads"]
+    other = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 32, 4))
+    assert other.context["fwd_unrolled_loads"]
+    from flashgen import select
+
+    assert [t for t in select.forward_tile_candidates(spec, "sm_90", GPU, "fa2")][0] == (
+        TileConfig(64, 64, 4)
+    )
+    # select.build_forward plans its candidates with the default family: the tiles decide
+    assert not plan_forward(spec, "sm_90", GPU, tiles=TileConfig(64, 64, 4)).context[
+        "fwd_unrolled_loads"
+    ]
     spec_pinned = replace(spec, tiles=TileOverride(block_n=32))
     assert plan_forward(spec_pinned, "sm_90", gpu=GPU, family="fa2").context["fwd_unrolled_loads"]
     assert plan_forward(spec, "sm_90", gpu=GPU).template == "sm_90/fwd.cu.j2"
