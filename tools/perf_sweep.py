@@ -731,7 +731,7 @@ def ratio_table(rows: list[dict]) -> None:
         print(f"{_cfg_label(cfg):31} {fa2_s} {cudnn_s} " + " ".join(cells))
 
 
-def table_winners(rows: list[dict], checks: dict) -> dict[tuple, dict]:
+def table_winners(rows: list[dict]) -> dict[tuple, dict]:
     """``(d, causal, dtype)`` -> the fastest FA2-class forward variant there: passed its
     check, no spills, timed at every seqlen FA2 was timed at for that config, best mean
     TFLOP/s over those seqlens.  Each value: ``impl``, ``tiles``, ``options``,
@@ -955,7 +955,7 @@ def main(argv=None) -> int:
     if args.candidates:
         ratio_table(rows)
     if args.write_table is not None:
-        write_table(table_winners(rows, checks), torch.cuda.get_device_name(dev), target,
+        write_table(table_winners(rows), torch.cuda.get_device_name(dev), target,
                     args.write_table or None)  # fmt: skip
     if skipped:
         print(f"\nnot timed (past --budget {args.budget:.0f}s): {'; '.join(skipped)}")

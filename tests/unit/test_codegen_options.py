@@ -352,7 +352,7 @@ def test_perf_sweep_write_table(tmp_path, capsys):
         row("fg:t64x64x4", 4096, 999.0, True, tiles="64x64x4", options={}, spill_bytes=0,
             check={"ok": False}),
     ]  # fmt: skip
-    winners = ps.table_winners(rows, {})
+    winners = ps.table_winners(rows)
     assert winners[(256, False, "bf16")]["impl"] == "fg:t64x64x4-unroll"
     assert winners[(256, False, "bf16")]["tflops"] == 320.0
     assert winners[(256, True, "bf16")]["impl"] == "fg:default"
