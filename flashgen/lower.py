@@ -130,12 +130,17 @@ VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
 #: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw and log2(e) *
 #: softmax_scale is folded into exp2's FFMA (FA2's ``scale_apply_exp2``).
 #: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
-#: around the multiplies; off until measured).
+#: around the multiplies; off until measured).  ``fwd_even_loads``: with unrolled loads, a
+#: tile wholly inside the sequence is loaded without per-row checks and selects (FA2's
+#: ``Is_even_MN``); at d256 128x64x8 it frees 7-13 registers and ptxas then issues each
+#: ldmatrix further ahead of its mma (docs/perf-notes.md); off until measured (a tuning-table
+#: entry's ``options`` may turn it on per GPU, see :mod:`flashgen.tuning`).
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,
     "fwd_fold_scale": True,
     "fwd_lazy_rescale": False,
+    "fwd_even_loads": False,
 }
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still
@@ -917,7 +922,9 @@ def plan_forward(
     :func:`choose_tiles`.  ``tiles`` replaces that choice (the spill fallback of
     :mod:`flashgen.select` passes its candidates here).  ``options`` overrides entries of
     :data:`FORWARD_OPTIONS` (template code-generation switches of the FA2-class kernel;
-    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them).
+    unknown keys raise ``ValueError``; the Hopper kernel has none and ignores them); with
+    ``gpu``, a tuning-table entry's ``options`` (:mod:`flashgen.tuning`) come with its tiles
+    (chosen or passed as ``tiles``), under the explicit ``options``.
     ``side_terms``: both kernels read the mask's one-sided tensor reads once per query row
     (per CTA) and once per key column of a masked tile (:mod:`flashgen.rowcol`); False
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
@@ -951,6 +958,11 @@ def plan_forward(
             "batch); varlen already separates the sequences"
         )
     tiles = tiles or choose_tiles(spec, target, gpu, family)
+    # A tuning-table entry's switches come with its tiles (explicit ``options`` win); the
+    # spill fallback of flashgen.select passes the table's tiles explicitly, so compare.
+    for key, value in _table_options(spec, target, gpu, tiles).items():
+        if key in opts and key not in (options or {}):
+            opts[key] = value
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(
             spec, target, tiles, persistent=persistent, side_terms=side_terms, affine=affine
@@ -993,6 +1005,23 @@ def plan_forward(
         args=ctx["args"],
         context=ctx,
     )
+
+
+def _table_options(spec: Spec, target: str, gpu: str | None, tiles: TileConfig) -> dict[str, bool]:
+    """The FA2-class template switches the tuning table recorded with its entry's tiles
+    (``options``; see :mod:`flashgen.tuning`) when ``tiles`` are those tiles: none when the
+    spec pins tiles or the tiles are the Hopper kernel's."""
+    from .tuning import lookup, lookup_options
+
+    o = spec.tiles
+    if not gpu or is_hopper_tiles(tiles) or o.block_m or o.block_n or o.num_warps:
+        return {}
+    key = (gpu, target, max(spec.head_dim, spec.head_dim_v), spec.dtype)
+    key += (split_causal(spec.mask)[0], spec.score_mod is not None)
+    tuned = lookup(*key)
+    if tuned is None or TileConfig(*tuned) != tiles:
+        return {}
+    return lookup_options(*key)
 
 
 def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:

@@ -56,9 +56,16 @@ backward is timed as ``torch.autograd.grad`` on a retained graph.
     python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --no-fa3
     # the same variants' registers and spills, no GPU needed:
     python3 tools/perf_sweep.py --candidates --dims 64 256 --dtypes bf16 fp16 --build-only sm_90
+    # d256 tile candidates, each also with a switch flipped, at 4k/8k/16k; the fastest
+    # checked spill-free variant per (causal, dtype) goes into the tuning table (issue 4):
+    python3 tools/perf_sweep.py --candidates --dims 256 --dtypes bf16 fp16 \
+        --seqlens 4096 8192 16384 --no-fa3 --tiles 64x64x4 64x48x4 128x48x8 128x32x8 \
+        --flip fwd_even_loads fwd_unrolled_loads --write-table --budget 170
 
 To adopt a winner: edit ``DEFAULT_TILES`` / ``FORWARD_OPTIONS`` (forward) or
-``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``.
+``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``; or,
+per GPU, ``--write-table`` records the forward winners (tiles and flipped switches) in
+``flashgen/tuning/table.json``, which the op reads with the device name.
 Needs a CUDA GPU, torch, triton, CuPy and nvcc.  Exit status 0 when every variant that ran
 passed its check, 1 otherwise, 2 without a GPU.
 """
@@ -175,6 +182,48 @@ def candidate_variants(d: int, causal: bool, dtype: str) -> list[Variant]:
     return out
 
 
+#: Short names of the forward switches in variant names (``-unroll``: unrolled loads off).
+SWITCH_LABELS = {
+    "fwd_unrolled_loads": "unroll",
+    "fwd_hoisted_swizzle": "hoist",
+    "fwd_fold_scale": "fold",
+    "fwd_lazy_rescale": "lazy",
+    "fwd_even_loads": "even",
+}
+
+
+def parse_tiles(text: str) -> TileConfig:
+    """``"64x64x4"`` (BLOCK_M x BLOCK_N x warps) -> TileConfig; ``ValueError`` otherwise."""
+    try:
+        m, n, w = (int(x) for x in text.lower().removeprefix("t").split("x"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad tiles {text!r}; expected e.g. 64x64x4") from e
+    return TileConfig(m, n, w)
+
+
+def switch_suffix(key: str) -> str:
+    """``-unroll`` / ``+even``: the variant-name suffix of flipping ``key`` from its default."""
+    return ("-" if lower.FORWARD_OPTIONS[key] else "+") + SWITCH_LABELS.get(key, key)
+
+
+def tile_variants(
+    d: int, causal: bool, dtype: str, tiles: list[TileConfig], flips: list[str]
+) -> list[Variant]:
+    """``--tiles``: ``default`` and each listed tile config (one equal to the default's is
+    left out), each also with each ``--flip`` switch flipped from lower.FORWARD_OPTIONS
+    (one at a time; name suffix :func:`switch_suffix`)."""
+    dflt = lower.default_tiles(spec_for(d, causal, dtype))
+    out = []
+    for t in [None, *dict.fromkeys(t for t in tiles if t != dflt)]:
+        name = "default" if t is None else tile_name(t)
+        out.append(Variant("fwd", name, d, causal, dtype, t))
+        for key in dict.fromkeys(flips):
+            flipped = ((key, not lower.FORWARD_OPTIONS[key]),)
+            suffix = switch_suffix(key)
+            out.append(Variant("fwd", (name + suffix), d, causal, dtype, t, flipped))
+    return out
+
+
 def fwd_variants(
     d: int, causal: bool, dtype: str, ablations: bool, hopper: bool = True
 ) -> list[Variant]:
@@ -230,7 +279,10 @@ def all_variants(args) -> list[Variant]:
         for causal in (False, True):
             for dtype in config_dtypes(args, d, causal):
                 if args.candidates:
-                    out += candidate_variants(d, causal, dtype)
+                    if args.tiles:
+                        out += tile_variants(d, causal, dtype, args.tiles, args.flip)
+                    else:
+                        out += candidate_variants(d, causal, dtype)
                     if args.hopper:
                         out.append(Variant("fwd", "fa3-default", d, causal, dtype, family="auto"))
                     continue
@@ -509,6 +561,7 @@ def time_config(d, causal, dtype, s, built: dict[str, Built], checks, args, dev)
             r["error"] = err
         if b is not None:
             r.update(tiles=b.tiles, registers=b.registers, spill_bytes=b.spill_bytes)
+            r["options"] = dict(b.variant.options)
             r["template"] = b.template
             r["check"] = checks.get(b.variant.key, {})
         rows.append(r)
@@ -678,6 +731,78 @@ def ratio_table(rows: list[dict]) -> None:
         print(f"{_cfg_label(cfg):31} {fa2_s} {cudnn_s} " + " ".join(cells))
 
 
+def table_winners(rows: list[dict]) -> dict[tuple, dict]:
+    """``(d, causal, dtype)`` -> the fastest FA2-class forward variant there: passed its
+    check, no spills, timed at every seqlen FA2 was timed at for that config, best mean
+    TFLOP/s over those seqlens.  Each value: ``impl``, ``tiles``, ``options``,
+    ``registers``, ``tflops`` (mean), ``fa2`` (mean), ``by_seqlen`` ({S: (ours, FA2)})."""
+    fwd = [r for r in rows if r["direction"] == "fwd"]
+    out = {}
+    for cfg in sorted({(r["d"], r["causal"], r["dtype"]) for r in fwd}):
+        group = [r for r in fwd if (r["d"], r["causal"], r["dtype"]) == cfg]
+        fa2 = {
+            r["seqlen"]: r["tflops"] for r in group if r["impl"] == "sdpa-flash" and "tflops" in r
+        }
+        seqlens = sorted(fa2)
+        best = None
+        for impl in dict.fromkeys(r["impl"] for r in group):
+            if not impl.startswith("fg:") or impl == "fg:fa3-default":
+                continue
+            mine = {r["seqlen"]: r for r in group if r["impl"] == impl and "tflops" in r}
+            if not seqlens or any(s not in mine for s in seqlens):
+                continue
+            if any(mine[s].get("spill_bytes") or not mine[s].get("check", {}).get("ok")
+                   for s in seqlens):  # fmt: skip
+                continue
+            mean = sum(mine[s]["tflops"] for s in seqlens) / len(seqlens)
+            if best is None or mean > best["tflops"]:
+                r0 = mine[seqlens[0]]
+                best = {
+                    "impl": impl,
+                    "tiles": r0["tiles"],
+                    "options": r0.get("options", {}),
+                    "registers": r0.get("registers"),
+                    "tflops": mean,
+                    "fa2": sum(fa2.values()) / len(fa2),
+                    "by_seqlen": {s: (mine[s]["tflops"], fa2[s]) for s in seqlens},
+                }
+        if best is not None:
+            out[cfg] = best
+    return out
+
+
+def write_table(winners: dict[tuple, dict], gpu: str, target: str, path) -> None:
+    """Record each winner in the tuning table (flashgen/tuning) under its key on ``gpu``:
+    tiles, the flipped template switches as ``options`` (applied with the tiles by
+    ``lower.plan_forward``), and the measurements next to FA2's."""
+    from flashgen import tuning
+
+    print(f"\ntuning table ({path or tuning.table_path()}), FA2-class winners on {gpu}:")
+    for (d, causal, dtype), w in winners.items():
+        m, n, nw = (int(x) for x in w["tiles"].split("x"))
+        entry = {
+            "block_m": m,
+            "block_n": n,
+            "num_warps": nw,
+            "tflops": round(w["tflops"], 2),
+            "date": time.strftime("%Y-%m-%d"),
+            "seqlens": sorted(w["by_seqlen"]),
+            "fa2_tflops": round(w["fa2"], 2),
+            "vs_fa2": {str(s): round(a / b, 3) for s, (a, b) in sorted(w["by_seqlen"].items())},
+            "registers": w["registers"],
+            "variant": w["impl"].removeprefix("fg:"),
+            "source": "tools/perf_sweep.py --write-table",
+        }
+        if w["options"]:
+            entry["options"] = dict(w["options"])
+        key = tuning.table_key(gpu, target, d, dtype, causal, False)
+        tuning.update_table(key, entry, path)
+        ratios = " ".join(f"S={s}: {v}" for s, v in entry["vs_fa2"].items())
+        opts = f", {w['options']}" if w["options"] else ""
+        print(f"  {key}: {w['impl'][3:]} ({w['tiles']}{opts}) {entry['tflops']:.1f} TFLOP/s "
+              f"vs FA2 {entry['fa2_tflops']:.1f}  [{ratios}]")  # fmt: skip
+
+
 def write_json(args, checks: dict, rows: list[dict], t0: float) -> None:
     from flashgen.bench import environment
 
@@ -730,6 +855,16 @@ def parse(argv):
     ap.add_argument("--candidates", action="store_true",
                     help="forward tile candidates only: default, +lazy, ALT_TILES, ALT_LAZY "
                     "(no base, no switch ablations, no backward)")  # fmt: skip
+    ap.add_argument("--tiles", type=parse_tiles, nargs="+", default=None, metavar="MxNxW",
+                    help="with --candidates: time default and these forward tiles (e.g. "
+                    "64x64x4 128x48x8) instead of ALT_TILES / ALT_LAZY")  # fmt: skip
+    ap.add_argument("--flip", nargs="+", default=[], choices=sorted(lower.FORWARD_OPTIONS),
+                    help="with --tiles: also every tile config with each of these "
+                    "lower.FORWARD_OPTIONS switches flipped (one at a time)")  # fmt: skip
+    ap.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
+                    help="record each config's fastest checked spill-free FA2-class variant "
+                    "(mean TFLOP/s over the seqlens) in the tuning table (default: "
+                    "flashgen/tuning/table.json, or $FLASHGEN_TUNING_TABLE)")  # fmt: skip
     ap.add_argument("--no-fa3", dest="hopper", action="store_false",
                     help="leave out the Hopper kernel's reference row (fa3-default)")  # fmt: skip
     ap.add_argument("--no-ablations", dest="ablations", action="store_false",
@@ -819,6 +954,9 @@ def main(argv=None) -> int:
     summary(rows)
     if args.candidates:
         ratio_table(rows)
+    if args.write_table is not None:
+        write_table(table_winners(rows), torch.cuda.get_device_name(dev), target,
+                    args.write_table or None)  # fmt: skip
     if skipped:
         print(f"\nnot timed (past --budget {args.budget:.0f}s): {'; '.join(skipped)}")
     if args.json:

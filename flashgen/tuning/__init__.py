@@ -9,8 +9,12 @@ e.g. ``"NVIDIA H200|sm_90|128|bf16|causal|none"``, to an entry
     {"block_m": 128, "block_n": 64, "num_warps": 4, "tflops": 312.4, "date": "2026-11-30", ...}
 
 (``tflops``: the winner's mean forward TFLOP/s over the tuning sequence lengths; other
-fields are informational).  ``head_dim`` is ``max(head_dim, head_dim_v)``; ``score_mod``
-says whether the spec has one at all (its registers change what fits), not which.
+fields are informational, except ``options``: an optional ``{name: bool}`` of FA2-class
+template switches (``lower.FORWARD_OPTIONS`` keys, e.g. ``{"fwd_unrolled_loads": false}``)
+that :func:`lower.plan_forward <flashgen.lower.plan_forward>` applies with the entry's tiles,
+written by ``tools/perf_sweep.py --write-table`` when a variant with a switch flipped won).
+``head_dim`` is ``max(head_dim, head_dim_v)``; ``score_mod`` says whether the spec has one
+at all (its registers change what fits), not which.
 
 :func:`lower.choose_tiles <flashgen.lower.choose_tiles>` reads it through :func:`lookup`
 when it is given the GPU name; the spec's ``tiles:`` override wins over the table and the
@@ -75,6 +79,11 @@ def valid_entry(entry) -> bool:
         return False
     from ..lower import TileConfig, is_hopper_tiles
 
+    opts = entry.get("options", {})
+    if not isinstance(opts, dict) or not all(
+        isinstance(k, str) and isinstance(v, bool) for k, v in opts.items()
+    ):
+        return False
     return (bm % (16 * nw) == 0 or is_hopper_tiles(TileConfig(bm, bn, nw))) and bn % 16 == 0
 
 
@@ -122,6 +131,22 @@ def lookup(
     if entry is None:
         return None
     return entry["block_m"], entry["block_n"], entry["num_warps"]
+
+
+def lookup_options(
+    gpu: str | None,
+    target: str,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    has_score_mod: bool,
+    path: str | os.PathLike | None = None,
+) -> dict[str, bool]:
+    """The entry's ``options`` (template switches measured with its tiles), ``{}`` if none."""
+    if not gpu:
+        return {}
+    entry = load_table(path).get(table_key(gpu, target, head_dim, dtype, causal, has_score_mod))
+    return dict(entry.get("options", {})) if entry is not None else {}
 
 
 def update_table(key: str, entry: dict, path: str | os.PathLike | None = None) -> Path:

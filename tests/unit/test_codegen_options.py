@@ -287,3 +287,85 @@ def test_perf_sweep_flops():
     assert ps.flops(128, False, 16384, "fwd") == 4 * 1 * 16 * 16384**2 * 128
     assert ps.flops(128, True, 4096, "fwd") == 4 * 4 * 16 * 4096**2 * 128 / 2
     assert ps.flops(64, False, 4096, "bwd") == 2.5 * 4 * 4 * 32 * 4096**2 * 64
+
+
+def test_perf_sweep_tiles_and_flips():
+    """--tiles/--flip: default and each listed tile config but the default's, each also with
+    each flipped switch; every variant plans the FA2-class kernel."""
+    ps = _perf_sweep()
+    argv = ["--candidates", "--dims", "256", "--no-fa3", "--flip", "fwd_unrolled_loads"]
+    args = ps.parse([*argv, "--tiles", "64x64x4", "128x64x8", "t128x48x8", "64x64x4"])
+    assert args.tiles[0] == TileConfig(64, 64, 4)
+    variants = ps.all_variants(args)
+    assert len({v.key for v in variants}) == len(variants) == 2 * 6
+    names = {v.name for v in variants if not v.causal}
+    assert names == {"default", "default-unroll", "t64x64x4", "t64x64x4-unroll", "t128x48x8",
+                     "t128x48x8-unroll"}  # fmt: skip
+    for v in variants:
+        plan = plan_forward(ps.spec_for(v.d, v.causal, v.dtype), "sm_90", tiles=v.tiles,
+                            options=dict(v.options), family=v.family)  # fmt: skip
+        assert plan.template == ps.FA2_TEMPLATE
+        assert plan.context["fwd_unrolled_loads"] == (not v.name.endswith("-unroll"))
+        assert plan.context["fwd_lazy_rescale"]  # d256 (lower.LAZY_RESCALE_HEAD_DIMS)
+    with pytest.raises(SystemExit):
+        ps.parse([*argv, "--tiles", "64x64"])
+    two = ps.parse([*argv, "fwd_even_loads", "--tiles", "64x48x4"])
+    got = {v.name: dict(v.options) for v in ps.all_variants(two) if v.causal}
+    assert got == {
+        "default": {},
+        "default-unroll": {"fwd_unrolled_loads": False},
+        "default+even": {"fwd_even_loads": True},
+        "t64x48x4": {},
+        "t64x48x4-unroll": {"fwd_unrolled_loads": False},
+        "t64x48x4+even": {"fwd_even_loads": True},
+    }
+
+
+def test_perf_sweep_write_table(tmp_path, capsys):
+    """--write-table: per config the fastest checked spill-free FA2-class variant over every
+    seqlen FA2 ran at goes into the table, with its flipped switches as ``options``."""
+    from flashgen import tuning
+
+    ps = _perf_sweep()
+    ok = {"ok": True}
+
+    def row(impl, s, tf, causal=False, **kw):
+        return {"d": 256, "causal": causal, "dtype": "bf16", "seqlen": s, "direction": "fwd",
+                "impl": impl, "tflops": tf, **kw}  # fmt: skip
+
+    fg = {"spill_bytes": 0, "check": ok, "registers": 241}
+    rows = [
+        row("sdpa-flash", 4096, 300.0), row("sdpa-flash", 16384, 320.0),
+        row("fg:fa3-default", 4096, 900.0, tiles="128x80x12", **fg),
+        row("fg:fa3-default", 16384, 900.0, tiles="128x80x12", **fg),
+        row("fg:default", 4096, 280.0, tiles="128x64x8", options={}, **fg),
+        row("fg:default", 16384, 300.0, tiles="128x64x8", options={}, **fg),
+        row("fg:t64x64x4-unroll", 4096, 310.0, tiles="64x64x4",
+            options={"fwd_unrolled_loads": False}, **fg),
+        row("fg:t64x64x4-unroll", 16384, 330.0, tiles="64x64x4",
+            options={"fwd_unrolled_loads": False}, **fg),
+        row("fg:t64x48x4", 16384, 999.0, tiles="64x48x4", options={}, **fg),  # not at 4096
+        row("fg:t128x48x8", 4096, 999.0, tiles="128x48x8", spill_bytes=8, check=ok),
+        row("fg:t128x48x8", 16384, 999.0, tiles="128x48x8", spill_bytes=8, check=ok),
+        row("sdpa-flash", 4096, 290.0, True),
+        row("fg:default", 4096, 295.0, True, tiles="128x64x8", options={}, **fg),
+        row("fg:t64x64x4", 4096, 999.0, True, tiles="64x64x4", options={}, spill_bytes=0,
+            check={"ok": False}),
+    ]  # fmt: skip
+    winners = ps.table_winners(rows)
+    assert winners[(256, False, "bf16")]["impl"] == "fg:t64x64x4-unroll"
+    assert winners[(256, False, "bf16")]["tflops"] == 320.0
+    assert winners[(256, True, "bf16")]["impl"] == "fg:default"
+    path = tmp_path / "table.json"
+    ps.write_table(winners, "NVIDIA H200", "sm_90", path)
+    assert "NVIDIA H200|sm_90|256|bf16|noncausal|none" in capsys.readouterr().out
+    entries = tuning.load_table(path)
+    full = entries["NVIDIA H200|sm_90|256|bf16|noncausal|none"]
+    assert (full["block_m"], full["block_n"], full["num_warps"]) == (64, 64, 4)
+    assert full["options"] == {"fwd_unrolled_loads": False}
+    assert full["vs_fa2"] == {"4096": 1.033, "16384": 1.031}
+    causal = entries["NVIDIA H200|sm_90|256|bf16|causal|none"]
+    assert (causal["block_m"], causal["num_warps"]) == (128, 8) and "options" not in causal
+    assert tuning.lookup_options("NVIDIA H200", "sm_90", 256, "bf16", False, False, path) == {
+        "fwd_unrolled_loads": False
+    }

@@ -161,3 +161,49 @@ def test_hopper_entries_are_tuned_and_used_only_by_the_hopper_kernel(table):
         fa2.num_warps in (4, 8)
         and plan_forward(spec, "sm_90", gpu=GPU, family="fa2").template == "sm_80/fwd.cu.j2"
     )
+
+
+def test_entry_options_come_with_the_entry_tiles(table):
+    """An entry's ``options`` (template switches timed with its tiles) reach the FA2-class
+    plan with those tiles only: explicit options, pinned tiles and the Hopper kernel win."""
+    key = tuning.table_key(GPU, "sm_90", 128, "bf16", True, False)
+    rolled = {**_entry(64, 64, 4), "options": {"fwd_unrolled_loads": False}}
+    assert tuning.valid_entry(rolled)
+    assert not tuning.valid_entry({**_entry(64, 64, 4), "options": {"fwd_unrolled_loads": 0}})
+    assert not tuning.valid_entry({**_entry(64, 64, 4), "options": ["fwd_unrolled_loads"]})
+    spec = loads_spec(SPEC)
+    assert plan_forward(spec, "sm_90", gpu=GPU, family="fa2").context["fwd_unrolled_loads"]
+    tuning.update_table(key, rolled)
+    assert tuning.lookup_options(GPU, "sm_90", 128, "bf16", True, False) == {
+        "fwd_unrolled_loads": False
+    }
+    assert tuning.lookup_options(None, "sm_90", 128, "bf16", True, False) == {}
+    plan = plan_forward(spec, "sm_90", gpu=GPU, family="fa2")
+    assert plan.tiles == TileConfig(64, 64, 4) and not plan.context["fwd_unrolled_loads"]
+    # without the GPU name (offline builds) neither the tiles nor the options apply
+    assert plan_forward(spec, "sm_90", family="fa2").context["fwd_unrolled_loads"]
+    explicit = plan_forward(
+        spec, "sm_90", gpu=GPU, family="fa2", options={"fwd_unrolled_loads": True}
+    )
+    assert explicit.context["fwd_unrolled_loads"]
+    # the same tiles passed explicitly (select.build_forward's first candidate) keep them;
+    # other tiles (a spill fallback) do not get them
+    same = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 64, 4))
+    assert not same.context["fwd_unrolled_loads"]
+    other = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 32, 4))
+    assert other.context["fwd_unrolled_loads"]
+    from flashgen import select
+
+    assert [t for t in select.forward_tile_candidates(spec, "sm_90", GPU, "fa2")][0] == (
+        TileConfig(64, 64, 4)
+    )
+    # select.build_forward plans its candidates with the default family: the tiles decide
+    assert not plan_forward(spec, "sm_90", GPU, tiles=TileConfig(64, 64, 4)).context[
+        "fwd_unrolled_loads"
+    ]
+    spec_pinned = replace(spec, tiles=TileOverride(block_n=32))
+    assert plan_forward(spec_pinned, "sm_90", gpu=GPU, family="fa2").context["fwd_unrolled_loads"]
+    assert plan_forward(spec, "sm_90", gpu=GPU).template == "sm_90/fwd.cu.j2"
+    # a Hopper entry's options (none are defined) never reach the FA2-class kernel
+    tuning.update_table(key, {**_entry(128, 176, 12), "options": {"fwd_unrolled_loads": False}})
+    assert plan_forward(spec, "sm_90", gpu=GPU, family="fa2").context["fwd_unrolled_loads"]
