@@ -110,6 +110,15 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
+// address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
+// 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
+// of one base are merged and hoisted.  Read it with __ldg (the copy hides the pointer's __restrict__).
+template <class T> __device__ __forceinline__ const T* base_ptr(const T* p) {
+    asm("mov.b64 %0, %0;\n" : "+l"(p));
+    return p;
+}
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
 // the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
 // multiplies it out is 64-bit.
@@ -194,17 +203,22 @@ FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x 
 FG_HD R mul(R a, R b) {
     return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
 }
-// C integer division (truncates toward zero) on integer-valued doubles.
+// C integer division (truncates toward zero) on integer-valued doubles, y != 0.  Finite operands are
+// int32 values (i32 makes a larger integer unknown), divided as ints: a double division is a call to
+// a slow path in SASS, whose ABI made ptxas spill in the Hopper forward.  NAN (unknown) otherwise.
 FG_HD double trunc_div(double x, double y) {
-    if (isinf(x) || isinf(y)) return x / y;
-    const double q = floor(fabs(x) / fabs(y));
-    return ((x >= 0) == (y > 0)) ? q : -q;
+    if (isinf(x)) return isinf(y) ? NAN : ((x > 0) == (y > 0) ? INFINITY : -INFINITY);
+    if (isinf(y)) return 0.0;
+    if (y == -1.0) return -x;  // exact; int would overflow at -2^31 / -1
+    if (!(x >= -2147483648.0 && x <= 2147483647.0 && y >= -2147483648.0 && y <= 2147483647.0)) return NAN;
+    return (double)((int)x / (int)y);
 }
 FG_HD R div(R a, R b, bool is_int) {
     if (b.lo <= 0 && 0 <= b.hi) return any();
     if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
         const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
         const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        if (isnan(lo) || isnan(hi)) return any();
         return b.lo > 0 ? R{lo, hi} : R{hi, lo};
     }
     if (is_int)
@@ -359,6 +373,49 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
     }
     return -1;
 }
+
+#ifdef __CUDACC__
+// Warp-wide walk of the live key blocks of one query block, last to first (the Hopper forward's
+// producer; every warp once for the first block).  The 32 lanes classify 32 blocks at once: lane l
+// holds the class of block hi - l of the current window, so a window costs one classifier call per
+// lane and a step inside it a ballot; a window that is all EMPTY is crossed by ranges of 32 blocks per
+// lane, 1024 blocks per step.  The classes are those of single-block tile(j, j), as in prev_live.  All
+// 32 lanes call prev_live with the same arguments (it ballots and shuffles), successive calls with
+// decreasing j.
+struct WarpWalk {
+    int hi = -1;           // window: blocks hi - 31 .. hi
+    int lane_cls = EMPTY;  // this lane's class of block hi - lane (EMPTY below block 0)
+
+    // Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.
+    template <class Tile>
+    __device__ __forceinline__ int prev_live(int j, int& cls, Tile&& tile) {
+        const int lane = threadIdx.x % 32;
+        while (j >= 0) {
+            if (j > hi || j < hi - 31) {  // j left the window: classify blocks j - 31 .. j
+                hi = j;
+                lane_cls = j - lane >= 0 ? tile(j - lane, j - lane) : EMPTY;
+            }
+            const unsigned live = __ballot_sync(0xffffffffu, lane >= hi - j && lane_cls != EMPTY);
+            if (live) {
+                const int l = __ffs(live) - 1;  // the lowest lane holds the largest block
+                cls = __shfl_sync(0xffffffffu, lane_cls, l);
+                return hi - l;
+            }
+            // Blocks hi - 31 .. j are EMPTY: find the highest range of 32 blocks below that is not.
+            for (j = hi - 32; j >= 0; j -= 1024) {
+                const int top = j - 32 * lane, bot = top - 31 > 0 ? top - 31 : 0;
+                const unsigned any = __ballot_sync(0xffffffffu, top >= 0 && tile(bot, top) != EMPTY);
+                if (any) {
+                    j -= 32 * (__ffs(any) - 1);
+                    break;
+                }
+            }
+        }
+        cls = EMPTY;
+        return -1;
+    }
+};
+#endif
 
 }  // namespace iv
 }  // namespace fg
@@ -679,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_alibi_bw
                 const bool keep = (m0 + qi) < seqlen_q && (n0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + warp * 16 + lane / 4 + (i / 2) * 8) <= (m0 + qi) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)(h)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -698,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_alibi_bw
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)(h)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -851,7 +908,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_alibi_bw
                 const bool keep = (m0 + warp * 16 + lane / 4 + (i / 2) * 8) < seqlen_q && (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) < seqlen_k
                                   && (!IS_CAUSAL || (n0 + nt * 8 + (lane % 4) * 2 + (i % 2)) <= (m0 + warp * 16 + lane / 4 + (i / 2) * 8) + seqlen_k - seqlen_q);
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)(h)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
@@ -868,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_alibi_bw
                 const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;  // float twins
                 constexpr bool keep = true;
                 const float score = acc_s[nt][i] * softmax_scale;
-                const float x = keep ? (float)((score - (t_slopes[(int64_t)fg::clamp_index(h, heads_q)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
+                const float x = keep ? (float)((score - (t_slopes[(int64_t)(h)] * ((q_idx_f + ((float)(seqlen_k - seqlen_q))) - kv_idx_f)))) * LOG2E : -INFINITY;
                 const float g = keep ? (float)(1.0f) : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 

@@ -19,7 +19,7 @@
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
 // Block sparsity: the producer walks the live key blocks of its query block, EMPTY ones are never
 // loaded, FULL ones inside seqlen_k evaluate no mask.  Classes come from fg_tile_class (flashgen/masktiles.py):
-// interval arithmetic over the mask (causal included), walked with fg::iv::prev_live.
+// interval arithmetic over the mask (causal included), walked warp-wide with fg::iv::WarpWalk.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -111,6 +111,15 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
+// address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
+// 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
+// of one base are merged and hoisted.  Read it with __ldg (the copy hides the pointer's __restrict__).
+template <class T> __device__ __forceinline__ const T* base_ptr(const T* p) {
+    asm("mov.b64 %0, %0;\n" : "+l"(p));
+    return p;
+}
 // A tensor-param index clamped into [0, n) (n >= 1: no kernel runs on an empty param): DSL reads never leave
 // the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
 // multiplies it out is 64-bit.
@@ -321,17 +330,22 @@ FG_HD double mul0(double x, double y) { return (x == 0.0 || y == 0.0) ? 0.0 : x 
 FG_HD R mul(R a, R b) {
     return corners(mul0(a.lo, b.lo), mul0(a.lo, b.hi), mul0(a.hi, b.lo), mul0(a.hi, b.hi));
 }
-// C integer division (truncates toward zero) on integer-valued doubles.
+// C integer division (truncates toward zero) on integer-valued doubles, y != 0.  Finite operands are
+// int32 values (i32 makes a larger integer unknown), divided as ints: a double division is a call to
+// a slow path in SASS, whose ABI made ptxas spill in the Hopper forward.  NAN (unknown) otherwise.
 FG_HD double trunc_div(double x, double y) {
-    if (isinf(x) || isinf(y)) return x / y;
-    const double q = floor(fabs(x) / fabs(y));
-    return ((x >= 0) == (y > 0)) ? q : -q;
+    if (isinf(x)) return isinf(y) ? NAN : ((x > 0) == (y > 0) ? INFINITY : -INFINITY);
+    if (isinf(y)) return 0.0;
+    if (y == -1.0) return -x;  // exact; int would overflow at -2^31 / -1
+    if (!(x >= -2147483648.0 && x <= 2147483647.0 && y >= -2147483648.0 && y <= 2147483647.0)) return NAN;
+    return (double)((int)x / (int)y);
 }
 FG_HD R div(R a, R b, bool is_int) {
     if (b.lo <= 0 && 0 <= b.hi) return any();
     if (b.lo == b.hi && !isinf(b.lo) && !isnan(a.lo) && !isnan(a.hi)) {  // one divisor: monotone, 2 divisions
         const double lo = is_int ? trunc_div(a.lo, b.lo) : a.lo / b.lo;
         const double hi = is_int ? trunc_div(a.hi, b.lo) : a.hi / b.lo;
+        if (isnan(lo) || isnan(hi)) return any();
         return b.lo > 0 ? R{lo, hi} : R{hi, lo};
     }
     if (is_int)
@@ -487,6 +501,49 @@ FG_HD int prev_live(int j, int& cls, int& full, Tile&& tile) {
     return -1;
 }
 
+#ifdef __CUDACC__
+// Warp-wide walk of the live key blocks of one query block, last to first (the Hopper forward's
+// producer; every warp once for the first block).  The 32 lanes classify 32 blocks at once: lane l
+// holds the class of block hi - l of the current window, so a window costs one classifier call per
+// lane and a step inside it a ballot; a window that is all EMPTY is crossed by ranges of 32 blocks per
+// lane, 1024 blocks per step.  The classes are those of single-block tile(j, j), as in prev_live.  All
+// 32 lanes call prev_live with the same arguments (it ballots and shuffles), successive calls with
+// decreasing j.
+struct WarpWalk {
+    int hi = -1;           // window: blocks hi - 31 .. hi
+    int lane_cls = EMPTY;  // this lane's class of block hi - lane (EMPTY below block 0)
+
+    // Largest block i <= j that is not EMPTY, or -1; `cls` gets its class.
+    template <class Tile>
+    __device__ __forceinline__ int prev_live(int j, int& cls, Tile&& tile) {
+        const int lane = threadIdx.x % 32;
+        while (j >= 0) {
+            if (j > hi || j < hi - 31) {  // j left the window: classify blocks j - 31 .. j
+                hi = j;
+                lane_cls = j - lane >= 0 ? tile(j - lane, j - lane) : EMPTY;
+            }
+            const unsigned live = __ballot_sync(0xffffffffu, lane >= hi - j && lane_cls != EMPTY);
+            if (live) {
+                const int l = __ffs(live) - 1;  // the lowest lane holds the largest block
+                cls = __shfl_sync(0xffffffffu, lane_cls, l);
+                return hi - l;
+            }
+            // Blocks hi - 31 .. j are EMPTY: find the highest range of 32 blocks below that is not.
+            for (j = hi - 32; j >= 0; j -= 1024) {
+                const int top = j - 32 * lane, bot = top - 31 > 0 ? top - 31 : 0;
+                const unsigned any = __ballot_sync(0xffffffffu, top >= 0 && tile(bot, top) != EMPTY);
+                if (any) {
+                    j -= 32 * (__ffs(any) - 1);
+                    break;
+                }
+            }
+        }
+        cls = EMPTY;
+        return -1;
+    }
+};
+#endif
+
 }  // namespace iv
 }  // namespace fg
 
@@ -585,8 +642,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
         const int k0 = j0 * BLOCK_N, k1 = min((j1 + 1) * BLOCK_N, seqlen_k) - 1;
         return fg_tile_class(m0, m_last, k0, k1, b, h, h_kv, seqlen_q, seqlen_k, p_softcap);
     };
-    int full = 0x7fffffff;  // blocks from here to the last one visited are FULL
-    auto prev_live = [&](int j, int& c) { return fg::iv::prev_live(j, c, full, kv_class); };
+    // Every warp finds the first block (one classifier call per lane for 32 blocks); the producer
+    // warp's walk then goes on from there.
+    fg::iv::WarpWalk walk;
+    auto prev_live = [&](int j, int& c) { return walk.prev_live(j, c, kv_class); };
     int cls = fg::iv::EMPTY;
     const int first_block = prev_live(n_kv_blocks - 1, cls);
 
@@ -605,13 +664,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
     if (threadIdx.x < 128) {
         // ------------------------------------------------------------ producer warpgroup
         fg::setmaxnreg_dec<56>();
-        if (threadIdx.x == 0 && first_block >= 0) {
-            fg::tma_prefetch_desc(&tma_k);
-            fg::tma_prefetch_desc(&tma_v);
-            fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
-            #pragma unroll
-            for (int c = 0; c < DCB; ++c)
-                fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
+        // Warp 0 walks the key blocks, all lanes together (the walk is warp-wide); lane 0 issues the
+        // TMA loads and the arrivals.
+        if (threadIdx.x < 32 && first_block >= 0) {
+            if (threadIdx.x == 0) {
+                fg::tma_prefetch_desc(&tma_k);
+                fg::tma_prefetch_desc(&tma_v);
+                fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
+                #pragma unroll
+                for (int c = 0; c < DCB; ++c)
+                    fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
+            }
             // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.
             for (int it = 0, n_block = first_block; n_block >= 0; ++it) {
                 const int n0 = n_block * BLOCK_N, n_cls = cls;
@@ -619,17 +682,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                 const int s = it % STAGES;
                 const uint32_t phase = (it / STAGES) & 1;
                 fg::mbar_wait(k_empty(s), phase ^ 1);
-                stage_info[2 * s] = n0;
-                stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
-                fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
-                #pragma unroll
-                for (int c = 0; c < DCB; ++c)
-                    fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
+                if (threadIdx.x == 0) {
+                    stage_info[2 * s] = n0;
+                    stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
+                    fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
+                    #pragma unroll
+                    for (int c = 0; c < DCB; ++c)
+                        fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
+                }
                 fg::mbar_wait(v_empty(s), phase ^ 1);
-                fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
-                #pragma unroll
-                for (int c = 0; c < DCB; ++c)
-                    fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
+                if (threadIdx.x == 0) {
+                    fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
+                    #pragma unroll
+                    for (int c = 0; c < DCB; ++c)
+                        fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
+                }
                 n_block = n_next;
             }
         }
@@ -699,6 +766,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                     // The DSL sees indices clamped into range (tensor params are read in bounds);
                     // out-of-range pairs are dropped by selection.
                     const int q_idx = min(q_raw, seqlen_q - 1);
+                    // (a FULL tile lies inside seqlen_k: n0 + BLOCK_N <= seqlen_k, kv_raw needs no clamp)
                     const int kv_idx = min(kv_raw, seqlen_k - 1);
                     const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                     const float kv_idx_f = (float)kv_idx;
@@ -727,7 +795,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gemma2_softcap
                     // The DSL sees indices clamped into range (tensor params are read in bounds);
                     // out-of-range pairs are dropped by selection.
                     const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = min(kv_raw, seqlen_k - 1);
+                    // (a FULL tile lies inside seqlen_k: n0 + BLOCK_N <= seqlen_k, kv_raw needs no clamp)
+                    const int kv_idx = kv_raw;
                     const float q_idx_f = (float)q_idx;  // one per row, shared by the tile's columns
                     const float kv_idx_f = kv_f0 + (float)(j * 8 + i % 2);
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
