@@ -184,7 +184,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     try:
         if unit == "fwd":
             res.plan, path, res.report = build_forward(
-                spec, target, family=kernel_family(), persistent=persistent_forward(spec)
+                spec, target, family=kernel_family(), persistent=persistent_forward()
             )
             res.smem_dynamic = res.plan.smem_bytes
         else:

@@ -225,19 +225,12 @@ def kernel_family() -> str:
 PERSISTENT_SCHEDULERS = ("static", "m_major", "dynamic")
 
 
-def persistent_forward(spec: Spec | None = None) -> str | bool:
-    """``FLASHGEN_PERSISTENT``: ``auto`` (default), ``0`` off, ``1`` the ``static`` scheduler,
-    or a name in :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as
-    ``persistent`` (False or a scheduler) for ``spec``.  ``auto`` is ``m_major`` for a spec
-    whose mask reads tensors (:func:`needs_block_table`: short rows of live blocks, where
-    the persistent kernel's overlap of one tile's epilogue with the next tile's loads paid:
-    document_mask 303.5 against 278.0 TFLOP/s on the H200, B=2 H=16 S=8192, documents of
-    ~1024) and off otherwise (dense causal lost 5-37% to every scheduler in the same run).
-    Read at every call, like :func:`kernel_family`.  Raises ``ValueError`` for another
-    value."""
-    value = os.environ.get("FLASHGEN_PERSISTENT", "auto") or "auto"
-    if value == "auto":
-        return "m_major" if spec is not None and needs_block_table(spec) else False
+def persistent_forward() -> str | bool:
+    """``FLASHGEN_PERSISTENT``: ``0`` (default) off, ``1`` the ``static`` scheduler, or a name
+    in :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as
+    ``persistent`` (False or a scheduler).  Read at every call, like :func:`kernel_family`.
+    Raises ``ValueError`` for another value."""
+    value = os.environ.get("FLASHGEN_PERSISTENT", "0") or "0"
     if value == "0":
         return False
     value = "static" if value == "1" else value

@@ -822,8 +822,7 @@ class AttentionOp:
         wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
         read at every call, and so does ``FLASHGEN_PERSISTENT`` (``1``, ``static``, ``m_major``,
         ``dynamic``: the Hopper kernel's persistent tile scheduler,
-        :func:`flashgen.lower.persistent_forward`; default ``auto``: ``m_major`` for a mask
-        that reads tensors, else off) and ``FLASHGEN_SIDE_TERMS``
+        :func:`flashgen.lower.persistent_forward`; default off) and ``FLASHGEN_SIDE_TERMS``
         (:mod:`flashgen.select`).
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
@@ -833,7 +832,7 @@ class AttentionOp:
         from .select import SIDE_TERMS_ENV
 
         family = kernel_family()
-        persistent = persistent_forward(self.spec)
+        persistent = persistent_forward()
         key = (index, family, persistent) if persistent else (index, family)
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
             key += ("per-element",)
