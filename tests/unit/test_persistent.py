@@ -78,17 +78,8 @@ def test_persistent_grid():
 
 
 def test_persistent_env(monkeypatch):
-    from flashgen.spec import load_spec
-
-    docmask, causal = load_spec("specs/document_mask.yaml"), load_spec("specs/causal_d128.yaml")
     monkeypatch.delenv("FLASHGEN_PERSISTENT", raising=False)
     assert persistent_forward() is False
-    # auto: m_major where the mask reads tensors (a block table), off elsewhere
-    assert persistent_forward(docmask) == "m_major" and persistent_forward(causal) is False
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "auto")
-    assert persistent_forward(docmask) == "m_major" and persistent_forward(causal) is False
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
-    assert persistent_forward(docmask) is False
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
     assert persistent_forward() is False
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
