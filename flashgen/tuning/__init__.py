@@ -125,9 +125,7 @@ def lookup(
     path: str | os.PathLike | None = None,
 ) -> tuple[int, int, int] | None:
     """``(block_m, block_n, num_warps)`` tuned for this key, or None (no GPU name or untuned)."""
-    if not gpu:
-        return None
-    entry = load_table(path).get(table_key(gpu, target, head_dim, dtype, causal, has_score_mod))
+    entry = _entry(gpu, target, head_dim, dtype, causal, has_score_mod, path)
     if entry is None:
         return None
     return entry["block_m"], entry["block_n"], entry["num_warps"]
@@ -143,10 +141,15 @@ def lookup_options(
     path: str | os.PathLike | None = None,
 ) -> dict[str, bool]:
     """The entry's ``options`` (template switches measured with its tiles), ``{}`` if none."""
-    if not gpu:
-        return {}
-    entry = load_table(path).get(table_key(gpu, target, head_dim, dtype, causal, has_score_mod))
+    entry = _entry(gpu, target, head_dim, dtype, causal, has_score_mod, path)
     return dict(entry.get("options", {})) if entry is not None else {}
+
+
+def _entry(gpu, target, head_dim, dtype, causal, has_score_mod, path) -> dict | None:
+    """The table's entry for this key (None without a GPU name or when untuned)."""
+    if not gpu:
+        return None
+    return load_table(path).get(table_key(gpu, target, head_dim, dtype, causal, has_score_mod))
 
 
 def update_table(key: str, entry: dict, path: str | os.PathLike | None = None) -> Path:
