@@ -77,7 +77,7 @@ def test_alibi_is_affine_with_the_slope_as_kv_coefficient():
     form = affine.decompose(spec.score_mod, spec)
     assert form is not None
     ctx = affine_context(spec, Invariants(raw_score="score_raw"))
-    assert ctx["kv_coef"] == "t_slopes[(int64_t)(h)]"  # h is in range: no clamp (lower._tensor_read)
+    assert ctx["kv_coef"] == "t_slopes[(int64_t)(h)]"  # h is in range: no clamp
     assert "kv_idx_f" in ctx["offset"] and "score" not in ctx["offset"]
 
 
