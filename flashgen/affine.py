@@ -105,6 +105,14 @@ def _mul(a: Expr, b: Expr | None, op: str = "*") -> Expr | None:
     if b is None:
         return None
     if op == "/":
+        # a float division (the source's ``/`` is F32): an int coefficient (``kv_idx``'s 1)
+        # over an int divisor would otherwise lower and evaluate as integer division
+        if b.ty == Ty.I32 and a.ty == Ty.I32:
+            b = (
+                _const(b.value, Ty.F32)
+                if isinstance(b, Const)
+                else Binary("*", b, _const(1.0, Ty.F32), ty=Ty.F32)
+            )
         return Binary("/", b, a, ty=Ty.F32)
     if isinstance(a, Const) and isinstance(b, Const):
         return _const(a.value * b.value, _ty(a, b))

@@ -46,6 +46,9 @@ AFFINE = [
     "score + slopes[h]",
     "score + seqlen_k / n * kv_idx - 7",
     "score + p * (n * (q_idx - 2 * kv_idx) + seqlen_q)",
+    # float division by an int divisor of an int coefficient (beta = -1 / n: a float division)
+    "score + (q_idx * 1.0 - kv_idx) / n",
+    "score + (kv_idx * n + 0.0) / seqlen_k",
 ]
 # score_mods without one
 NOT_AFFINE = [
