@@ -92,6 +92,22 @@ def _neg(e: Expr | None) -> Expr | None:
     return Unary("-", e, ty=e.ty)
 
 
+def _to_f32(e: Expr) -> Expr:
+    """An I32 ``e`` converted to float (``e * 1.0``: the IR has no cast node; the lowering
+    converts the int operand and the compiler folds the exact ``* 1.0f``)."""
+    if isinstance(e, Const):
+        return _const(e.value, Ty.F32)
+    return Binary("*", e, _const(1.0, Ty.F32), ty=Ty.F32)
+
+
+def _promote(a: Expr | None, b: Expr | None, ty: Ty) -> tuple[Expr | None, Expr | None]:
+    """``(a, b)`` with ``b`` converted to float where the source operation is F32 but both
+    coefficients are I32 (the source combined them in float: in int they could wrap)."""
+    if ty == Ty.F32 and a is not None and b is not None and a.ty == b.ty == Ty.I32:
+        return a, _to_f32(b)
+    return a, b
+
+
 def _add(a: Expr | None, b: Expr | None, op: str = "+") -> Expr | None:
     if b is None:
         return a
@@ -108,11 +124,7 @@ def _mul(a: Expr, b: Expr | None, op: str = "*") -> Expr | None:
         # a float division (the source's ``/`` is F32): an int coefficient (``kv_idx``'s 1)
         # over an int divisor would otherwise lower and evaluate as integer division
         if b.ty == Ty.I32 and a.ty == Ty.I32:
-            b = (
-                _const(b.value, Ty.F32)
-                if isinstance(b, Const)
-                else Binary("*", b, _const(1.0, Ty.F32), ty=Ty.F32)
-            )
+            b = _to_f32(b)
         return Binary("/", b, a, ty=Ty.F32)
     if isinstance(a, Const) and isinstance(b, Const):
         return _const(a.value * b.value, _ty(a, b))
@@ -147,12 +159,14 @@ def linear(e: Expr, spec: Spec) -> Linear | None:
         lhs, rhs = linear(e.lhs, spec), linear(e.rhs, spec)
         if lhs is None or rhs is None:
             return None
-        return {k: _add(lhs[k], rhs[k], e.op) for k in lhs}
+        return {k: _add(*_promote(lhs[k], rhs[k], e.ty), e.op) for k in lhs}
     if e.op == "*":
         for inv, other in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
             if cta_invariant(inv, spec):
                 lin = linear(other, spec)
-                return None if lin is None else {k: _mul(inv, v) for k, v in lin.items()}
+                if lin is None:
+                    return None
+                return {k: _mul(*_promote(inv, v, e.ty)) for k, v in lin.items()}
         return None
     if e.op == "/" and e.ty == Ty.F32 and cta_invariant(e.rhs, spec):
         lin = linear(e.lhs, spec)
@@ -191,6 +205,10 @@ def decompose(score_mod: Expr | None, spec: Spec) -> Affine | None:
         return None
     offset: Expr | None = None
     for s, t in rest:
+        # the score_mod adds each term to a float (score's sum): two int terms are not summed
+        # in int, where they could wrap (q_idx * 1000000 + kv_idx * 500000)
+        if offset is not None and offset.ty == Ty.I32 and t.ty == Ty.I32:
+            t = _to_f32(t)
         offset = _add(offset, t, "+" if s > 0 else "-")
     lin = linear(offset, spec)
     if lin is None:

@@ -49,6 +49,10 @@ AFFINE = [
     # float division by an int divisor of an int coefficient (beta = -1 / n: a float division)
     "score + (q_idx * 1.0 - kv_idx) / n",
     "score + (kv_idx * n + 0.0) / seqlen_k",
+    # int terms the score_mod adds to a float one by one (their int sum would wrap)
+    "score + q_idx * 1000000 + kv_idx * 500000",
+    # int coefficients the score_mod multiplies in float (500000 * (n * 1000) would wrap)
+    "score + (kv_idx * 500000 + 0.5) * (n * 1000)",
 ]
 # score_mods without one
 NOT_AFFINE = [
