@@ -48,12 +48,13 @@ class Affine:
     q_coef: Expr
 
 
-def _is_score(e: Expr, spec: Spec) -> bool:
+def is_score(e: Expr, spec: Spec) -> bool:
+    """Whether ``e`` is the ``score`` variable (not a param of that name)."""
     return isinstance(e, Var) and e.name == "score" and spec.param(e.name) is None
 
 
 def _reads_score(e: Expr, spec: Spec) -> bool:
-    return any(_is_score(n, spec) for n in walk(e))
+    return any(is_score(n, spec) for n in walk(e))
 
 
 def cta_invariant(e: Expr, spec: Spec) -> bool:
@@ -177,7 +178,7 @@ def linear(e: Expr, spec: Spec) -> Linear | None:
 def _additive_terms(e: Expr, spec: Spec, sign: int = 1) -> list[tuple[int, Expr]] | None:
     """The signed terms of ``e``'s top-level sum, descending only into the +, - and unary -
     nodes that read ``score``; None where ``score`` sits anywhere else."""
-    if _is_score(e, spec):
+    if is_score(e, spec):
         return [(sign, e)]
     if not _reads_score(e, spec):
         return [(sign, e)]
@@ -199,8 +200,8 @@ def decompose(score_mod: Expr | None, spec: Spec) -> Affine | None:
     terms = _additive_terms(score_mod, spec)
     if terms is None:
         return None
-    scores = [(s, t) for s, t in terms if _is_score(t, spec)]
-    rest = [(s, t) for s, t in terms if not _is_score(t, spec)]
+    scores = [(s, t) for s, t in terms if is_score(t, spec)]
+    rest = [(s, t) for s, t in terms if not is_score(t, spec)]
     if len(scores) != 1 or scores[0][0] != 1 or not rest:
         return None
     offset: Expr | None = None

@@ -579,9 +579,6 @@ _OWN_INDEX = {
     "seqlen_k": "kv_idx",
 }
 _I32_MAX = 2**31 - 1
-#: Index variables whose value is fixed for a whole (batch, head) tile: a subscript of only
-#: these (and params and constants) is part of a read's hoisted base offset.
-_TILE_INVARIANT = frozenset({"b", "h", "h_kv", "seqlen_q", "seqlen_k"})
 
 
 def _static_env(spec: Spec) -> dict:
@@ -615,13 +612,10 @@ def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
 
 
 def _tile_invariant(e: Expr, spec: Spec) -> bool:
-    """Whether ``e`` reads only b, h, h_kv, seqlen_q, seqlen_k, params and constants."""
-    for n in ir.walk(e):
-        if isinstance(n, (Index, Causal)):
-            return False
-        if isinstance(n, Var) and spec.param(n.name) is None and n.name not in _TILE_INVARIANT:
-            return False
-    return True
+    """Whether ``e`` reads only b, h, h_kv, seqlen_q, seqlen_k, params and constants (a
+    subscript of the read's hoisted base offset): :func:`flashgen.affine.cta_invariant`
+    without nested tensor reads."""
+    return affine.cta_invariant(e, spec) and not any(isinstance(n, Index) for n in ir.walk(e))
 
 
 def _peel_constant(ix: Expr, spec: Spec) -> tuple[Expr, int] | None:
@@ -713,16 +707,12 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
     return f"__ldg(fg::base_ptr(t_{e.name} + ({offset})) + ({small}))"
 
 
-def _is_score(e: Expr, spec: Spec) -> bool:
-    return isinstance(e, Var) and e.name == "score" and spec.param(e.name) is None
-
-
 def _fold_scale(e: Binary, spec: Spec, inv: Invariants, as_float) -> str | None:
     """``score * c``, ``c * score`` or ``score / d`` with c, d invariant, as the raw logit
     times one hoisted value (softmax_scale folded in); None for any other product."""
-    if _is_score(e.lhs, spec) and _kernel_invariant(e.rhs, spec):
+    if affine.is_score(e.lhs, spec) and _kernel_invariant(e.rhs, spec):
         other = e.rhs
-    elif e.op == "*" and _is_score(e.rhs, spec) and _kernel_invariant(e.lhs, spec):
+    elif e.op == "*" and affine.is_score(e.rhs, spec) and _kernel_invariant(e.lhs, spec):
         other = e.lhs
     else:
         return None
