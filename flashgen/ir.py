@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 
 class Ty(str, Enum):
@@ -203,11 +204,14 @@ class Spec:
                 return p
         return None
 
-    @property
+    # computed once per spec (the op asks on every call); ``cached_property`` writes the
+    # instance ``__dict__`` directly, so it works on a frozen dataclass and is no field:
+    # equality, hashing and ``replace`` ignore it
+    @cached_property
     def scalar_params(self) -> tuple[Param, ...]:
         return tuple(p for p in self.params if p.kind == "scalar")
 
-    @property
+    @cached_property
     def tensor_params(self) -> tuple[Param, ...]:
         return tuple(p for p in self.params if p.kind == "tensor")
 

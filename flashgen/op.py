@@ -509,17 +509,27 @@ class AttentionOp:
         expected and the received value).
         """
         scalars, tensors = resolve_params(self.spec, params)
-        dims = validate(self.spec, q, k, v, self._tensor_map(tensors))
+        tensor_map = self._tensor_map(tensors)
+        dims = validate(self.spec, q, k, v, tensor_map)
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(self.spec)
         softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(deterministic, bool):
             raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
-        extra = []
+        table = None
         if block_mask is not None:
-            extra.append(self._block_mask_table(block_mask, q, dims, scalars))
-        elif self._block_table:
-            extra.append(None)
+            table = self._block_mask_table(block_mask, q, dims, scalars)
+        if _eager_cuda(q, k, v):
+            param_grad = any(t.requires_grad for t in tensors)  # refused by the op path
+            if not torch.is_grad_enabled() or not (
+                q.requires_grad or k.requires_grad or v.requires_grad or param_grad
+            ):
+                return self._forward(q, k, v, dims, softmax_scale, scalars, tensor_map, table)
+            if not param_grad:
+                return _EagerAttention.apply(
+                    self, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v
+                )
+        extra = [table] if self._block_table else []
         return self.torch_op(
             q, k, v, softmax_scale, *scalars, *tensors, *extra, deterministic=deterministic
         )
@@ -762,6 +772,12 @@ class AttentionOp:
     def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        return self._forward(q, k, v, dims, softmax_scale, scalars, tensors, self._table_arg(rest))
+
+    def _forward(self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table):
+        """The CUDA forward of inputs :func:`validate` accepted (``dims`` its answer):
+        ``(o, lse)``, launched on the current stream of q's device.  ``scalars`` in spec
+        order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None."""
         if self.spec.tensor_params:
             self._check_index_bounds(dims, scalars)
         o, lse = self._empty_outputs(q, dims)
@@ -780,9 +796,7 @@ class AttentionOp:
         )  # fmt: skip
         plan = kern.plan
         if plan.context["block_table"]:
-            values.update(
-                self._table_values(self._table_arg(rest), plan, dims, scalars, tensors, q.device)
-            )
+            values.update(self._table_values(table, plan, dims, scalars, tensors, q.device))
         stream = current_stream_ptr(q.device)
         if plan.context.get("persistent"):
             ctas = _persistent_ctas(kern.device_index)
@@ -965,6 +979,55 @@ def _kernel_aligned(t):
         and (ss % 8 == 0 or s <= 1)
     )
     return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------- eager fast path
+def _eager_cuda(q, k, v) -> bool:
+    """Whether :meth:`AttentionOp.attention` may run the CUDA forward itself instead of
+    going through the dispatcher (``torch.ops.flashgen.<name>``): plain CUDA tensors (no
+    subclass such as FakeTensor or DTensor), eager mode (no ``torch.compile`` trace), and
+    no torch-function / dispatch mode or functorch transform that must see the op.  The op
+    path costs ~40-60 us more host time per call (dispatch, the custom-op autograd wrapper,
+    a second validation); the results are the same."""
+    tensor = torch.Tensor
+    return (
+        type(q) is tensor
+        and type(k) is tensor
+        and type(v) is tensor
+        and q.is_cuda
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_torch_function_mode_enabled()
+        and _dispatch_mode() is None
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode()
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Autograd node of the eager fast path: the forward launches :meth:`AttentionOp._forward`
+    directly, the backward is the op's registered one (:class:`flashgen.backward.Backward`),
+    so gradients match the ``torch.ops.flashgen.<name>`` path exactly."""
+
+    @staticmethod
+    def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v):
+        o, lse = op._forward(q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors), table)
+        ctx.op = op
+        ctx.save_for_backward(q, k, v, o, lse, *tensors)
+        ctx.softmax_scale = softmax_scale
+        ctx.scalars = list(scalars)
+        ctx.deterministic = deterministic
+        ctx.block_mask_input = op._block_table
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        dq, dk, dv = ctx.op.backward.backward(ctx, grad_o, grad_lse)[:3]
+        return (None,) * 7 + (dq, dk, dv)
 
 
 # ----------------------------------------------------------------------------- registration

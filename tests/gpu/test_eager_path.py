@@ -1,0 +1,129 @@
+"""The eager fast path of ``op.attention`` against the dispatcher path (needs a GPU).
+
+``AttentionOp.attention`` launches the CUDA forward itself for plain CUDA tensors in eager
+mode (``flashgen.op._eager_cuda``), with its own autograd node (``_EagerAttention``), and
+goes through ``torch.ops.flashgen.<name>`` otherwise.  Both run the same kernels, so the
+outputs and the (deterministic) gradients must be bitwise equal; a dispatch mode must see
+the op; a tensor param that requires grad is still refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen import op as op_mod  # noqa: E402
+from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.op import build_op, default_softmax_scale, poison_outputs  # noqa: E402
+from flashgen.spec import load_spec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+SPECS = ["causal_d128", "alibi", "mistral_swa", "document_mask", "t5_bias"]
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def _problem(name, seed=0, sq=300, sk=517, b=2, hq=4, hkv=2):
+    op = build_op(load_spec(REPO / "specs" / f"{name}.yaml"))
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, tensors = random_inputs(op.spec, b, hq, hkv, sq, sk, "cuda", gen)
+    params = dict(tensors)
+    if name == "mistral_swa":
+        params["window"] = 100
+    return op, q, k, v, params
+
+
+def _via_op(op, q, k, v, params, deterministic=False):
+    """The dispatcher path: ``torch.ops.flashgen.<name>`` with the schema's arguments."""
+    scalars, tensors = op_mod.resolve_params(op.spec, params)
+    extra = [None] if op._block_table else []
+    scale = default_softmax_scale(op.spec)
+    return op.torch_op(q, k, v, scale, *scalars, *tensors, *extra, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_forward_matches_the_op_path(name, monkeypatch):
+    op, q, k, v, params = _problem(name)
+    calls = []
+    real = op_mod.validate
+    monkeypatch.setattr(op_mod, "validate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with poison_outputs():
+        o, lse = op.attention(q, k, v, **params)
+        # the dispatcher path validates twice: in attention() and in the CUDA impl
+        assert len(calls) == 1, "plain CUDA tensors in eager mode should skip the dispatcher"
+        o2, lse2 = _via_op(op, q, k, v, params)
+        assert len(calls) == 2
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    assert not o.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_gradients_match_the_op_path(name):
+    op, q, k, v, params = _problem(name, seed=1)
+    # non-contiguous (B, S, H, D) views for q, as users pass them
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    do = torch.randn(q.shape[:3] + (op.spec.head_dim_v,), device="cuda", generator=gen).to(q.dtype)
+    dl = torch.randn(q.shape[:3], device="cuda", generator=gen)
+    grads = []
+    for fn in (
+        lambda *t: op.attention(*t, deterministic=True, **params),
+        lambda *t: _via_op(op, *t, params, deterministic=True),
+    ):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o, lse = fn(*leaves)
+        assert o.grad_fn is not None and lse.grad_fn is not None
+        torch.autograd.backward((o, lse), (do, dl))
+        grads.append([t.grad for t in leaves] + [o.detach(), lse.detach()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_only_k_requires_grad():
+    op, q, k, v, params = _problem("causal_d128", seed=3)
+    k = k.clone().requires_grad_()
+    o, _ = op.attention(q, k, v)
+    o.float().square().sum().backward()
+    assert k.grad is not None and k.grad.isfinite().all() and k.grad.abs().sum() > 0
+
+
+def test_no_grad_mode_builds_no_graph():
+    op, q, k, v, params = _problem("causal_d128", seed=4)
+    q.requires_grad_()
+    with torch.no_grad():
+        o, lse = op.attention(q, k, v)
+    assert o.grad_fn is None and lse.grad_fn is None
+
+
+def test_a_dispatch_mode_sees_the_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    op, q, k, v, params = _problem("causal_d128", seed=5)
+    with Record():
+        op.attention(q, k, v)
+    assert any("flashgen" in s and "causal_d128" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("q_grad", [True, False])
+def test_tensor_param_requiring_grad_is_refused(q_grad):
+    op, q, k, v, params = _problem("alibi", seed=6)
+    params["slopes"].requires_grad_()
+    q.requires_grad_(q_grad)
+    with pytest.raises(NotImplementedError, match="slopes"):
+        op.attention(q, k, v, **params)

@@ -1,0 +1,89 @@
+"""The eager fast path's wiring (``flashgen.op._eager_cuda``, ``_EagerAttention``), on the CPU.
+
+The fast path only runs for CUDA tensors; here it is forced on with the CPU reference in
+place of the CUDA forward, so its autograd node must give the same outputs and gradients
+as the dispatcher path (``torch.ops.flashgen.<name>`` with its registered autograd).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen import op as op_mod  # noqa: E402
+from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.op import AttentionOp, build_op  # noqa: E402
+from flashgen.spec import load_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_tensors_take_the_dispatcher_path():
+    q = torch.zeros(1, 1, 1, 8)
+    assert not op_mod._eager_cuda(q, q, q)
+
+
+def test_a_tensor_subclass_takes_the_dispatcher_path():
+    class Sub(torch.Tensor):
+        pass
+
+    q = torch.zeros(1, 1, 1, 8).as_subclass(Sub)
+    assert not op_mod._eager_cuda(q, q, q)
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """The fast path on, with the CPU reference as its forward; counts its calls."""
+    calls = []
+
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table):
+        calls.append(self.spec.name)
+        ordered = [tensors[p.name] for p in self.spec.tensor_params]
+        return self._cpu_impl(q, k, v, scale, *scalars, *ordered)
+
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(AttentionOp, "_forward", forward)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "alibi", "mistral_swa"])
+def test_autograd_node_matches_the_op_path(name, forced):
+    op = build_op(load_spec(REPO / "specs" / f"{name}.yaml"))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, tensors = random_inputs(op.spec, 1, 2, 1, 19, 33, "cpu", gen)
+    params = dict(tensors, **({"window": 7} if name == "mistral_swa" else {}))
+    do = torch.randn(1, 2, 19, op.spec.head_dim_v, generator=gen).to(q.dtype)
+    dl = torch.randn(1, 2, 19, generator=gen)
+    scalars, tlist = op_mod.resolve_params(op.spec, params)
+    scale = op_mod.default_softmax_scale(op.spec)
+    runs = []
+    for fast in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if fast:
+            o, lse = op.attention(*leaves, **params)
+            assert forced == [name]
+            assert type(o.grad_fn).__name__.startswith("_EagerAttention")
+        else:
+            o, lse = op.torch_op(*leaves, scale, *scalars, *tlist)
+        torch.autograd.backward((o, lse), (do, dl))
+        runs.append([o.detach(), lse.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_without_grad_no_node(forced):
+    op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
+    q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
+    o, lse = op.attention(q, k, v)
+    assert forced and o.grad_fn is None
+
+
+def test_tensor_param_grad_refused_on_the_fast_path(forced):
+    op = build_op(load_spec(REPO / "specs" / "alibi.yaml"))
+    q, k, v, tensors = random_inputs(op.spec, 1, 2, 2, 5, 5, "cpu")
+    tensors["slopes"].requires_grad_()
+    with pytest.raises(NotImplementedError, match="slopes"):
+        op.attention(q, k, v, **tensors)
