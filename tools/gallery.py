@@ -18,8 +18,11 @@ TFLOP/s count only kept pairs: ``2 * (D + Dv) * kept``.  Shape (the FlashAttenti
 protocol): batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16, Sq = Sk =
 ``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.
 do_bench_ms`).  Document ids: each batch row is cut into documents of random lengths
-(mean ``--doc-len`` tokens).  Finishes in about 2-3 minutes on an H200, most of it
-torch.compile of FlexAttention; ``--budget`` (s) skips what is left after it.
+(mean ``--doc-len`` tokens).  Each spec's implementations are timed in ``--rounds``
+alternating rounds (flashgen, FlexAttention, flashgen, ...; default 3) and each reports
+its median, so drift of the GPU's clocks over the run reaches both alike.  Finishes in
+about 3-4 minutes on an H200, much of it torch.compile of FlexAttention; ``--budget`` (s)
+skips what is left after it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -75,40 +79,44 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     v = torch.randn(batch, heads, seqlen, spec.head_dim_v, device=device, generator=g).to(dt)
     out: dict = {}
     op = build_op(spec)
+    fns = {}  # result key -> callable, timed in alternating rounds below
     try:
         if needs_block_table(spec):
             bm = op.block_mask(seqlen, seqlen, batch=batch, num_heads=heads, **params)
             out["tiles"] = bm.counts()
-            out["flashgen_prepass_ms"] = bench.do_bench_ms(
-                lambda: op.attention(q, k, v, **params), args.warmup, args.rep
+            fns["flashgen_prepass_ms"] = lambda: op.attention(q, k, v, **params)
+            fns["prepass_ms"] = lambda: op.block_mask(
+                seqlen, seqlen, batch=batch, num_heads=heads, **params
             )
-            out["prepass_ms"] = bench.do_bench_ms(
-                lambda: op.block_mask(seqlen, seqlen, batch=batch, num_heads=heads, **params),
-                args.warmup,
-                args.rep,
-            )
-            out["flashgen_ms"] = bench.do_bench_ms(
-                lambda: op.attention(q, k, v, block_mask=bm, **params), args.warmup, args.rep
-            )
+            fns["flashgen_ms"] = lambda: op.attention(q, k, v, block_mask=bm, **params)
         else:
-            out["flashgen_ms"] = bench.do_bench_ms(
-                lambda: op.attention(q, k, v, **params), args.warmup, args.rep
-            )
+            fns["flashgen_ms"] = lambda: op.attention(q, k, v, **params)
+        for fn in list(fns.values()):
+            fn()
     except Exception as e:  # record, keep going
         out["flashgen_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    if args.no_flex:
-        return out
-    try:
-        t0 = time.perf_counter()
-        flex = bench.make_forward("flex", spec, seqlen, seqlen, params, device)
-        flex(q, k, v)
-        torch.cuda.synchronize()
-        out["flex_compile_s"] = time.perf_counter() - t0
-        out["flex_ms"] = bench.do_bench_ms(lambda: flex(q, k, v), args.warmup, args.rep)
-        if getattr(flex, "kernel_options", None):  # its default configs did not fit
-            out["flex_kernel_options"] = dict(flex.kernel_options)
-    except Exception as e:
-        out["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        fns.clear()
+    if not args.no_flex:
+        try:
+            t0 = time.perf_counter()
+            flex = bench.make_forward("flex", spec, seqlen, seqlen, params, device)
+            flex(q, k, v)
+            torch.cuda.synchronize()
+            out["flex_compile_s"] = time.perf_counter() - t0
+            fns["flex_ms"] = lambda: flex(q, k, v)
+            if getattr(flex, "kernel_options", None):  # its default configs did not fit
+                out["flex_kernel_options"] = dict(flex.kernel_options)
+        except Exception as e:
+            out["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    # alternate the implementations round by round, so clock and thermal drift over the
+    # run reach both alike; report each one's median over the rounds
+    times: dict[str, list] = {key: [] for key in fns}
+    for _ in range(max(1, args.rounds)):
+        for key, fn in fns.items():
+            times[key].append(bench.do_bench_ms(fn, args.warmup, args.rep))
+    for key, ts in times.items():
+        out[key] = statistics.median(ts)
+        out[key.removesuffix("_ms") + "_rounds_ms"] = ts
     return out
 
 
@@ -202,6 +210,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timing rounds, flashgen and FlexAttention alternating (median reported)",
+    )
     ap.add_argument("--budget", type=float, default=220.0, help="seconds; then skip the rest")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: spec texts and densities")

@@ -10,10 +10,19 @@ and pass (forward; backward alone):
     density     fraction of the Sq x Sk (q, kv) pairs the mask keeps (exact count)
     live, full  fraction of the forward kernel's (query block, key block) tiles that are
                 live / FULL (brute force, at the kernel's tiles)
-    ms          median time (``flashgen.bench.do_bench_ms``: triton do_bench, ``--rep-ms``)
+    ms          median time (``flashgen.bench.do_bench_ms``: triton do_bench, ``--rep-ms``);
+                the forward runs on inputs that do not require grad (the backward row
+                times ``torch.autograd.grad`` of a forward that does)
     causal_ms   the dense causal kernel, same pass and shape
     t/t_causal  time ratio;  d/d_causal  density ratio;  eff = (t/t_causal) / (d/d_causal):
                 1.0 = time in proportion to the kept pairs, > 1 = slower than proportional
+    dev_ms      forward only: device time per kernel, ``--calls`` forwards queued back to
+                back behind a ``torch.cuda._sleep`` between two CUDA events (no host time
+                in it; no L2 flush between calls)
+    mem_ms      forward only: the least time to read q, k, v and write o, lse once at the
+                measured copy ceiling (``--copy-tbs``, 4.27 TB/s on the H200): a mask that
+                keeps few pairs cannot go faster than this, whatever FLOPs it skips
+    floor_ms    max(causal dev_ms * d/d_causal, mem_ms);  dev_eff = dev_ms / floor_ms
 
     python3 tools/mask_speed.py                     # about a minute on an H200
     python3 tools/mask_speed.py --seqlen 32768 --json out.json
@@ -80,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time, ms")
+    ap.add_argument("--calls", type=int, default=20, help="forwards per device-time sample")
+    ap.add_argument("--copy-tbs", type=float, default=4.27, help="device copy ceiling, TB/s")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
 
@@ -111,6 +122,26 @@ def main(argv=None) -> int:
         for _ in range(3)
     )
     do = torch.randn(1, h, s, 128, device=dev, generator=gen, dtype=torch.bfloat16)
+    q0, k0, v0 = q.detach(), k.detach(), v.detach()
+    # bytes a forward must move: q, k, v read, o written (bf16), lse written (fp32)
+    mem_ms = (4 * h * s * 128 * 2 + h * s * 4) / (args.copy_tbs * 1e12) * 1e3
+
+    def device_ms(fn, calls: int) -> float:
+        """Median device ms per call of ``calls`` calls queued behind a sleep (5 samples)."""
+        fn()
+        samples = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # ~25 ms: the host queues every call meanwhile
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            samples.append(a.elapsed_time(b) / calls)
+        samples.sort()
+        return samples[len(samples) // 2]
 
     rows = []
     for label, name, params in cases:
@@ -120,10 +151,11 @@ def main(argv=None) -> int:
         dens, live, full = mask_stats(spec, s, params, tiles.block_m, tiles.block_n, dev)
 
         def fwd(op=op, params=params):
-            return op.attention(q, k, v, **params)
+            return op.attention(q0, k0, v0, **params)
 
         t_f = do_bench_ms(fwd, 25, args.rep_ms)
-        o, _ = fwd()
+        dev_f = device_ms(fwd, args.calls)
+        o, _ = op.attention(q, k, v, **params)
         t_b = do_bench_ms(
             lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), 25, args.rep_ms
         )
@@ -137,6 +169,7 @@ def main(argv=None) -> int:
                 "tiles_live": live,
                 "tiles_full": full,
                 "fwd_ms": t_f,
+                "fwd_dev_ms": dev_f,
                 "bwd_ms": t_b,
             }
         )
@@ -158,6 +191,16 @@ def main(argv=None) -> int:
                 f"{r['tiles_full']:6.3f} {t:8.3f} {tc:9.3f} {t / tc:10.3f} {d_ratio:10.3f} "
                 f"{(t / tc) / d_ratio:6.2f}"
             )
+    print(f"\n{'mask':14s} {'dev_ms':>8s} {'mem_ms':>8s} {'floor_ms':>8s} {'dev_eff':>7s}")
+    for r in rows:
+        d_ratio = r["density"] / base["density"]
+        r["mem_ms"] = mem_ms
+        r["floor_ms"] = max(base["fwd_dev_ms"] * d_ratio, mem_ms)
+        r["fwd_dev_eff"] = r["fwd_dev_ms"] / r["floor_ms"]
+        print(
+            f"{r['mask']:14s} {r['fwd_dev_ms']:8.3f} {mem_ms:8.3f} {r['floor_ms']:8.3f} "
+            f"{r['fwd_dev_eff']:7.2f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
