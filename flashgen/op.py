@@ -767,7 +767,7 @@ class AttentionOp:
         self._bounds_seen.add(key)
         named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
         for line in possible_violations(self.spec, dims.symbols(), named):
-            warnings.warn(line, IndexBoundsWarning, stacklevel=3)
+            warnings.warn(line, IndexBoundsWarning, stacklevel=4)
 
     def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
