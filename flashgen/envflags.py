@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import os
 
+#: Set to ``0``: the kernels keep the mask's tensor reads per element (no row / column terms;
+#: :mod:`flashgen.select`).
+SIDE_TERMS_ENV = "FLASHGEN_SIDE_TERMS"
+#: Set to ``1``: the CUDA op fills o and lse with NaN before each launch
+#: (:func:`flashgen.op.poison_outputs`).
+POISON_ENV = "FLASHGEN_POISON_OUTPUTS"
+
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 

@@ -42,9 +42,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ir
+from .envflags import POISON_ENV, SIDE_TERMS_ENV, flag
 from .errors import OpInputError, SpecError
 from .indexbounds import IndexBoundsWarning, possible_violations
-from .lower import needs_block_table
+from .lower import kernel_family, needs_block_table, persistent_forward
 
 #: torch dtype of each spec dtype.
 TORCH_DTYPE = {
@@ -399,9 +400,7 @@ def poison_outputs(enabled: bool = True):
 
 
 def _poison_enabled() -> bool:
-    from .envflags import flag
-
-    return _POISON or bool(flag("FLASHGEN_POISON_OUTPUTS"))
+    return _POISON or (POISON_ENV in os.environ and bool(flag(POISON_ENV)))
 
 
 # ----------------------------------------------------------------------------- target choice
@@ -841,10 +840,6 @@ class AttentionOp:
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
-        from .envflags import flag
-        from .lower import kernel_family, persistent_forward
-        from .select import SIDE_TERMS_ENV
-
         family = kernel_family()
         persistent = persistent_forward()
         key = (index, family, persistent) if persistent else (index, family)

@@ -13,7 +13,7 @@ spills.
 from __future__ import annotations
 
 from . import cache
-from .envflags import flag
+from .envflags import SIDE_TERMS_ENV, flag
 from .lower import (
     BACKWARD_SIDE_TERM_KERNELS,
     HOPPER_BWD_DQ_A,
@@ -26,9 +26,6 @@ from .lower import (
     plan_hopper_backward,
 )
 from .render import render
-
-#: Set to ``0``: the kernels keep the mask's tensor reads per element (no row / column terms).
-SIDE_TERMS_ENV = "FLASHGEN_SIDE_TERMS"
 
 
 def build_forward(
