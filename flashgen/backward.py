@@ -190,7 +190,7 @@ class Backward:
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
         fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
-        from .op import _kernel_aligned, kernel_values, validate
+        from .op import _kernel_aligned, current_stream_ptr, kernel_values, validate
 
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
@@ -215,7 +215,7 @@ class Backward:
             dims, softmax_scale, scalars, tensors,
         )  # fmt: skip
         grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
-        stream = torch.cuda.current_stream(q.device).cuda_stream
+        stream = current_stream_ptr(q.device)
         pre.launch(grids["pre"], values, stream)
         if dlse is not None:
             dsum.sub_(dlse)

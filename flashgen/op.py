@@ -671,8 +671,7 @@ class AttentionOp:
             return table
         values = kernel_values(self.spec, {"tab": table}, dims, 1.0, scalars, tensors)
         values.update(tab_b=shape[0], tab_h=shape[1])
-        stream = torch.cuda.current_stream(device)
-        kern.launch((table.numel(), 1, 1), values, stream.cuda_stream)
+        kern.launch((table.numel(), 1, 1), values, current_stream_ptr(device))
         return table
 
     def _block_table_kernel(self, device, tiles):

@@ -61,6 +61,7 @@ from .op import (
     check_heads_and_strides,
     check_scalar,
     check_softmax_scale,
+    current_stream_ptr,
     default_softmax_scale,
     kernel_values,
     out_dtype,
@@ -435,7 +436,7 @@ class VarlenOp(AttentionOp):
         grid, values = forward_launch(
             self.spec, kern.plan, q, k, v, o, lse, cq, ck, dims, softmax_scale, scalars, tensors
         )
-        kern.launch(grid, values, torch.cuda.current_stream(q.device).cuda_stream)
+        kern.launch(grid, values, current_stream_ptr(q.device))
         return o, lse
 
 
@@ -551,7 +552,7 @@ class VarlenBackward(Backward):
         launches = backward_launches(
             self.spec, plan, tensors_in, cq, ck, dims, scale, scalars, tensors
         )
-        stream = torch.cuda.current_stream(q.device).cuda_stream
+        stream = current_stream_ptr(q.device)
         pre.launch(*launches["pre"], stream)
         if dlse is not None:
             dsum.sub_(dlse)
