@@ -140,7 +140,9 @@ VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
 #: columns (half the accumulator registers); the pair exchanges row maxes and P through
 #: shared memory (:func:`split_o_error` says which tiles and head dims take it; from the
 #: tuning table it is dropped where they do not).  Off: for table entries at head_dim 256
-#: (docs/perf-notes.md).
+#: (docs/perf-notes.md).  ``fwd_q_regs``: Q's mma fragments are read from shared memory once
+#: per CTA into registers (64 per thread at head_dim 256, 16 query rows per warp) instead of
+#: once per key block; only with ``fwd_split_o`` is there room for them at head_dim 256.
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,
@@ -148,6 +150,7 @@ FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_lazy_rescale": False,
     "fwd_even_loads": False,
     "fwd_split_o": False,
+    "fwd_q_regs": False,
 }
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still

@@ -46,9 +46,10 @@ LABELS = {
     "lazy": "fwd_lazy_rescale",
     "even": "fwd_even_loads",
     "split": "fwd_split_o",
+    "qregs": "fwd_q_regs",
 }
 
-_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _REG = re.compile(r"\bR(\d+)\b")
 #: Opcodes whose first operand is not a register they write.
 _NO_DEST = ("ST", "RED", "BAR", "BRA", "EXIT", "RET", "CALL", "BSYNC", "BSSY", "WARPSYNC",
@@ -58,8 +59,11 @@ _NO_DEST = ("ST", "RED", "BAR", "BRA", "EXIT", "RET", "CALL", "BSYNC", "BSSY", "
 
 @dataclass(frozen=True)
 class Metric:
-    """One kernel's counts: ``distances`` per HMMA with an LDSM producer (program order)."""
+    """One kernel's counts inside its main loop (the innermost backward branch around every
+    HMMA; the whole kernel if there is none): instructions, HMMA, LDSM, BAR.SYNC, and
+    ``distances`` per HMMA with an LDSM producer (program order)."""
 
+    instructions: int
     hmma: int
     ldsm: int
     bars: int
@@ -101,43 +105,63 @@ def _hmma_sources(opcode: str, operands: list[str]) -> list[int]:
     return regs
 
 
+def _main_loop(instrs: list[tuple[int, str, list[str]]]) -> tuple[int, int]:
+    """Address range [start, end] of the innermost backward branch enclosing every HMMA."""
+    mma = [a for a, op, _ in instrs if op.startswith("HMMA")]
+    best = (instrs[0][0], instrs[-1][0]) if instrs else (0, 0)
+    if not mma:
+        return best
+    for addr, op, operands in instrs:
+        if op.startswith("BRA") and operands:
+            t = re.fullmatch(r"(?:`\()?0x([0-9a-f]+)\)?", operands[-1].split()[-1])
+            if t and int(t.group(1), 16) <= min(mma) and addr >= max(mma):
+                if addr - int(t.group(1), 16) < best[1] - best[0]:
+                    best = (int(t.group(1), 16), addr)
+    return best
+
+
 def mma_distances(sass: str) -> Metric:
-    """The metric over every instruction line of ``sass`` (one kernel's ``cuobjdump -sass``)."""
-    writer: dict[int, tuple[str, int]] = {}  # register -> (opcode kind, instruction index)
-    dists, no_ldsm, hmma, ldsm, bars = [], 0, 0, 0, 0
-    idx = 0
+    """The metric over the instruction lines of ``sass`` (one kernel's ``cuobjdump -sass``)."""
+    instrs = []
     for line in sass.splitlines():
         m = _LINE.search(line)
-        if not m:
-            continue
-        opcode, rest = m.group(1), m.group(2)
-        operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
+        if m:
+            rest = m.group(3)
+            ops = [o.strip() for o in rest.split(",")] if rest.strip() else []
+            instrs.append((int(m.group(1), 16), m.group(2), ops))
+    lo, hi = _main_loop(instrs)
+    writer: dict[int, tuple[str, int]] = {}  # register -> (opcode kind, instruction index)
+    dists, no_ldsm, n, hmma, ldsm, bars = [], 0, 0, 0, 0, 0
+    for idx, (addr, opcode, operands) in enumerate(instrs):
+        inside = lo <= addr <= hi
+        n += inside
         if opcode.startswith("HMMA") and len(operands) >= 3:
-            hmma += 1
+            hmma += inside
             prod = [writer.get(r) for r in _hmma_sources(opcode, operands)]
             ats = [i for kind, i in filter(None, prod) if kind == "LDSM"]
             if ats:
                 dists.append(idx - max(ats))
             else:
                 no_ldsm += 1
-        if opcode.startswith("LDSM"):
-            ldsm += 1
-        if opcode.startswith("BAR.SYNC") or opcode.startswith("BAR.RED"):
-            bars += 1
+        ldsm += inside and opcode.startswith("LDSM")
+        bars += inside and opcode.startswith(("BAR.SYNC", "BAR.RED"))
         if operands and not opcode.startswith(_NO_DEST):
             d = _REG.fullmatch(operands[0].split(".")[0])
             if d:
                 kind = "LDSM" if opcode.startswith("LDSM") else "other"
                 for r in range(int(d.group(1)), int(d.group(1)) + _width(opcode)):
                     writer[r] = (kind, idx)
-        idx += 1
-    return Metric(hmma, ldsm, bars, no_ldsm, tuple(dists))
+    return Metric(n, hmma, ldsm, bars, no_ldsm, tuple(dists))
 
 
 def cuobjdump() -> str:
     """Path of cuobjdump; ``FileNotFoundError`` if none is found."""
-    cands = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump",
-             "/tmp/cudatools/nvidia/cu13/bin/cuobjdump"]  # fmt: skip
+    cands = [
+        os.environ.get("CUOBJDUMP"),
+        shutil.which("cuobjdump"),
+        "/usr/local/cuda/bin/cuobjdump",
+        "/tmp/cudatools/nvidia/cu13/bin/cuobjdump",
+    ]
     for c in cands:
         if c and Path(c).is_file():
             return c
@@ -160,7 +184,8 @@ def kernel_sass(cubin: str) -> dict[str, str]:
 
 
 def parse_variant(text: str) -> tuple[tuple[int, int, int], dict[str, bool]]:
-    """``"128x64x16+split+even"`` -> ((128, 64, 16), {"fwd_split_o": True, "fwd_even_loads": True})."""
+    """``"64x64x4+split-unroll"`` -> ((64, 64, 4), {"fwd_split_o": True,
+    "fwd_unrolled_loads": False}); ``argparse.ArgumentTypeError`` if malformed."""
     m = re.fullmatch(r"t?(\d+)x(\d+)x(\d+)((?:[+-][a-z_0-9]+)*)", text)
     if not m:
         raise argparse.ArgumentTypeError(f"bad variant {text!r}; expected e.g. 64x64x4+even")
@@ -188,11 +213,11 @@ def build(variant: str, dim: int, causal: bool, dtype: str, target: str):
 def row(label: str, regs, spills, m: Metric) -> str:
     regs_s = f"{regs:4d}" if regs is not None else "   -"
     sp = f"{spills:4d}" if spills is not None else "   -"
-    return (f"{label:44} {regs_s} {sp} {m.hmma:5d} {m.ldsm:5d} {m.bars:4d} "
+    return (f"{label:44} {regs_s} {sp} {m.instructions:5d} {m.hmma:5d} {m.ldsm:5d} {m.bars:4d} "
             f"{m.near:4d}/{len(m.distances):<4d} {m.median:6.1f}")  # fmt: skip
 
 
-HEADER = f"{'variant':44} regs  spl  HMMA  LDSM  BAR  <=2/of    median"
+HEADER = f"{'variant':44} regs  spl  loop  HMMA  LDSM  BAR  <=2/of    median"
 
 
 def main(argv=None) -> int:
