@@ -89,7 +89,8 @@ def test_split_plan_doubles_the_warps(opts):
     # sP (BLOCK_M x BLOCK_N elements) and s_max (two floats per row) after sQ, sK, sV
     assert plan.smem_bytes == base.smem_bytes + 64 * 64 * 2 + 64 * 8
     src = render(plan)
-    assert "constexpr int NUM_WARPS = 8;" in src and "constexpr int ROW_WARPS = NUM_WARPS / 2;" in src
+    assert "constexpr int NUM_WARPS = 8;" in src
+    assert "constexpr int ROW_WARPS = NUM_WARPS / 2;" in src
     assert 'asm volatile("bar.sync %0, 64;\\n" :: "r"(1 + rw) : "memory");' in src
     assert f"{plan.smem_bytes}," in src  # the template static_asserts the plan's layout
     assert ("qf[" in src) == bool(opts.get("fwd_q_regs"))
