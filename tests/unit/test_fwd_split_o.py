@@ -234,3 +234,119 @@ def test_sass_mma_distance_metric():
         (64, 64, 4),
         {"fwd_split_o": True, "fwd_even_loads": True, "fwd_unrolled_loads": False},
     )
+
+
+# ----------------------------------------------------------------------------- fragment layouts
+# A model of the split kernel's shared-memory addressing (the template's formulas, by hand):
+# tiles stored as load_tile / the P store write them, read back with ldmatrix as the kernel
+# addresses them, compared with the m16n8k16 fragments the mmas need.  Elements are named
+# by (tile, row, col); a 32-bit register holds a (lo, hi) pair of them.
+
+
+def _swz(row: int, chunk: int, row_bytes: int) -> int:  # fg::swz
+    if row_bytes % 128 == 0:
+        return row * row_bytes + ((chunk ^ (row & 7)) << 4)
+    return row * row_bytes + ((chunk ^ ((row >> 1) & 3)) << 4)
+
+
+def _swz_at(row_bytes, lane_off, r, c, row0, chunk0):  # the template's swz_at (hoisted)
+    if row_bytes % 128 == 0:
+        return (lane_off ^ ((chunk0 & 7) << 4)) + row0 * row_bytes + (chunk0 & ~7) * 16
+    return _swz(row0 + r, chunk0 + c, row_bytes)
+
+
+def _lane_addrs(base, row_bytes, rs, cs, row0, chunk0):
+    """Each lane's ldmatrix address: base + swz_at(swz(r, c), r, c, row0, chunk0)."""
+    return [
+        base + _swz_at(row_bytes, _swz(r, c, row_bytes), r, c, row0, chunk0)
+        for r, c in zip(rs, cs, strict=True)
+    ]
+
+
+def _store_tile(mem, name, base, rows, cols):
+    for row in range(rows):
+        for col in range(cols):
+            mem[base + _swz(row, col // 8, cols * 2) + (col % 8) * 2] = (name, row, col)
+
+
+def _ldmatrix(mem, addrs, trans=False):
+    """regs[lane][i] of ldmatrix.x4 (``.trans``) with lane l addressing ``addrs[l]``."""
+    out = []
+    for t in range(32):
+        regs = []
+        for i in range(4):
+            rows = [addrs[8 * i + j] for j in range(8)]  # matrix i's 8 row addresses
+            if trans:
+                pair = tuple(mem[rows[2 * (t % 4) + e] + (t // 4) * 2] for e in (0, 1))
+            else:
+                pair = tuple(mem[rows[t // 4] + (2 * (t % 4) + e) * 2] for e in (0, 1))
+            regs.append(pair)
+        out.append(regs)
+    return out
+
+
+def _a_frag(name, row0, col0, lane):  # m16n8k16 A (16 x 16, rows row0.., cols col0..)
+    g, c = lane // 4, lane % 4
+    return [
+        tuple((name, row0 + g + 8 * (i % 2), col0 + 8 * (i // 2) + 2 * c + e) for e in (0, 1))
+        for i in range(4)
+    ]
+
+
+@pytest.mark.parametrize("block_n", [64, 32])
+def test_split_fragment_addressing(block_n):
+    d = dv = 256
+    q_rb, v_rb, p_rb = d * 2, dv * 2, block_n * 2
+    warp_m, row_warps = 16, 2
+    block_m = warp_m * row_warps
+    nt, dt = block_n // 16, dv // 16  # this warp's 8-column tiles of S and of O
+    mem: dict = {}
+    s_k, s_v, s_p = 1 << 20, 2 << 20, 3 << 20
+    _store_tile(mem, "K", s_k, block_n, d)
+    _store_tile(mem, "V", s_v, block_n, dv)
+    # P as the warps store it: row, chunk half * NT + nt, byte (lane % 4) * 4
+    for rw in range(row_warps):
+        for half in (0, 1):
+            for lane in range(32):
+                for j in range(nt):
+                    for r in (0, 1):
+                        row = rw * warp_m + lane // 4 + r * 8
+                        addr = s_p + _swz(row, half * nt + j, p_rb) + (lane % 4) * 4
+                        col = (half * nt + j) * 8 + (lane % 4) * 2
+                        mem[addr], mem[addr + 2] = ("P", row, col), ("P", row, col + 1)
+    for row in range(block_m):  # the same layout as a stored tile's
+        for col in range(block_n):
+            assert mem[s_p + _swz(row, col // 8, p_rb) + (col % 8) * 2] == ("P", row, col)
+    lanes = range(32)
+    q_r, q_c = [ln % 16 for ln in lanes], [ln // 16 for ln in lanes]
+    k_r = [(ln % 8) + (ln // 16) * 8 for ln in lanes]
+    k_c = [(ln // 8) % 2 for ln in lanes]
+    v_r = [(ln % 8) + ((ln // 8) % 2) * 8 for ln in lanes]
+    v_c = [ln // 16 for ln in lanes]
+    for rw in range(row_warps):
+        for half in (0, 1):
+            n_half = half * (block_n // 2)
+            s_k_h, s_v_h = s_k + n_half * q_rb, s_v + half * dt * 16
+            s_p_lane = s_p + rw * warp_m * p_rb
+            for kk in range(d // 16):  # S = Q K^T: B fragments of this warp's keys
+                for np_ in range(nt // 2):
+                    got = _ldmatrix(mem, _lane_addrs(s_k_h, q_rb, k_r, k_c, np_ * 16, kk * 2))
+                    for ln in lanes:
+                        g, c = ln // 4, ln % 4
+                        for i, (key0, k0) in enumerate(((0, 0), (0, 8), (8, 0), (8, 8))):
+                            key = n_half + np_ * 16 + key0 + g
+                            want = tuple(("K", key, kk * 16 + k0 + 2 * c + e) for e in (0, 1))
+                            assert got[ln][i] == want
+            for kk in range(block_n // 16):  # O += P V: A from sP, B from this warp's V columns
+                got = _ldmatrix(mem, _lane_addrs(s_p_lane, p_rb, q_r, q_c, 0, kk * 2))
+                for ln in lanes:
+                    assert got[ln] == _a_frag("P", rw * warp_m, kk * 16, ln)
+                for dp in range(dt // 2):
+                    addrs = _lane_addrs(s_v_h, v_rb, v_r, v_c, kk * 16, dp * 2)
+                    got = _ldmatrix(mem, addrs, trans=True)
+                    for ln in lanes:
+                        g, c = ln // 4, ln % 4
+                        for i, (k0, n0) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                            col = half * dv // 2 + dp * 16 + n0 + g
+                            want = tuple(("V", kk * 16 + k0 + 2 * c + e, col) for e in (0, 1))
+                            assert got[ln][i] == want
