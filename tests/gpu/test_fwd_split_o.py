@@ -7,10 +7,11 @@ the op plans the entry's tiles and switches itself (``lower.plan_forward`` with 
 name), then compares with the float64 reference (tests/gpu/test_forward.py's ``check``):
 lengths that end mid-tile and on a tile boundary (a pair's key half wholly past seqlen_k,
 rows with nothing to attend to under causal Sq > Sk), Sq != Sk, GQA, (B, S, H, D) views,
-and the mask / score_mod kinds the split touches (residual mask, block table with row and
-column terms, soft-capping).  The entries cover one row tile per warp pair (MT = 1) and two
-(MT = 2), BLOCK_N 64 and 32 (sP rows of 128 and 64 bytes: both swizzle forms), and tile
-loads with and without a whole number of rows per thread pass.
+the mask / score_mod kinds the split touches (residual mask, block table with row and
+column terms, soft-capping), and packed varlen sequences (the table's key has no varlen
+field: an entry applies to a spec's varlen form too).  The entries cover one row tile per
+warp pair (MT = 1) and two (MT = 2), BLOCK_N 64 and 32 (sP rows of 128 and 64 bytes: both
+swizzle forms), and tile loads with and without a whole number of rows per thread pass.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check, shipped, variant  # noqa: E402
+from test_varlen_gpu import MIXED, bound, make_inputs  # noqa: E402
 
 from flashgen import lower, select, tuning  # noqa: E402
 from flashgen.lower import TileConfig, split_causal  # noqa: E402
-from flashgen.op import target_for_device  # noqa: E402
+from flashgen.op import build_op, poison_outputs, target_for_device  # noqa: E402
+from flashgen.reference import attention_reference_varlen  # noqa: E402
 from flashgen.spec import loads_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -137,3 +140,30 @@ def test_masks_and_score_mods(entry, kind, tmp_path, monkeypatch, error_bound):
     spec = tabled(entry, tmp_path, monkeypatch, spec=base)
     check(spec, 2, 4, 2, 777, 1037, error_bound, seed=7)
     check(spec, 1, 4, 4, 1037, 777, error_bound, seed=8)
+
+
+@pytest.mark.parametrize("entry", ["split", "split_q", "split48"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen(entry, causal, tmp_path, monkeypatch):
+    """The varlen form of a tabled spec (per-sequence lengths 0..1000, Sq != Sk) against the
+    per-sequence float64 reference, as tests/gpu/test_varlen_gpu.py checks it."""
+    op = build_op(tabled(entry, tmp_path, monkeypatch, causal=causal)).varlen
+    spec = op.spec
+    q, k, v, cq, ck, params = make_inputs(spec, MIXED, 4, 2, seed=5)
+    mq, mk = max(a for a, _ in MIXED), max(b for _, b in MIXED)
+    with poison_outputs():
+        o, lse = op(q, k, v, cq, ck, mq, mk, **params)
+    torch.cuda.synchronize()
+    assert not o.isnan().any() and not lse.isnan().any(), "an element was not written"
+    ref_o, ref_lse = attention_reference_varlen(spec, q, k, v, cq, ck, params=params)
+    low_o, _ = attention_reference_varlen(
+        spec, q, k, v, cq, ck, params=params, compute_dtype=q.dtype
+    )
+    err = (o.double() - ref_o).abs().max().item()
+    b = bound((low_o.double() - ref_o).abs().max().item())
+    assert err <= b, f"{spec.name}: o error {err:.3e} > {b:.3e}"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "rows with nothing to attend to differ"
+    fin = ~empty
+    lse_err = ((lse[fin] - ref_lse[fin]).abs() / (1 + ref_lse[fin].abs())).max().item()
+    assert lse_err <= 1e-2, f"lse off by {lse_err:.3e} (relative)"
