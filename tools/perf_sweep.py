@@ -189,6 +189,8 @@ SWITCH_LABELS = {
     "fwd_fold_scale": "fold",
     "fwd_lazy_rescale": "lazy",
     "fwd_even_loads": "even",
+    "fwd_split_o": "split",
+    "fwd_q_regs": "qregs",
 }
 
 
@@ -201,25 +203,48 @@ def parse_tiles(text: str) -> TileConfig:
     return TileConfig(m, n, w)
 
 
+def parse_flip(text: str) -> tuple[str, ...]:
+    """``"fwd_split_o+fwd_even_loads"`` -> the lower.FORWARD_OPTIONS keys flipped together."""
+    keys = tuple(dict.fromkeys(text.split("+")))
+    bad = [k for k in keys if k not in lower.FORWARD_OPTIONS]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(
+            f"bad --flip {text!r}: {', '.join(bad) or 'empty'} not in "
+            f"{', '.join(sorted(lower.FORWARD_OPTIONS))} (join keys with '+')"
+        )
+    return keys
+
+
 def switch_suffix(key: str) -> str:
     """``-unroll`` / ``+even``: the variant-name suffix of flipping ``key`` from its default."""
     return ("-" if lower.FORWARD_OPTIONS[key] else "+") + SWITCH_LABELS.get(key, key)
 
 
 def tile_variants(
-    d: int, causal: bool, dtype: str, tiles: list[TileConfig], flips: list[str]
+    d: int,
+    causal: bool,
+    dtype: str,
+    tiles: list[TileConfig],
+    flips: list,
+    flip_only: bool = False,
 ) -> list[Variant]:
     """``--tiles``: ``default`` and each listed tile config (one equal to the default's is
-    left out), each also with each ``--flip`` switch flipped from lower.FORWARD_OPTIONS
-    (one at a time; name suffix :func:`switch_suffix`)."""
+    left out), each also with each ``--flip`` flipped from lower.FORWARD_OPTIONS (a key, or
+    a tuple of keys flipped together; name suffix :func:`switch_suffix` per key).  A flip
+    with ``fwd_split_o`` is left out where the tiles cannot take it
+    (``lower.split_o_error``).  ``flip_only``: the listed tiles only with their flips
+    (``default`` stays, with its flips)."""
     dflt = lower.default_tiles(spec_for(d, causal, dtype))
     out = []
     for t in [None, *dict.fromkeys(t for t in tiles if t != dflt)]:
         name = "default" if t is None else tile_name(t)
-        out.append(Variant("fwd", name, d, causal, dtype, t))
-        for key in dict.fromkeys(flips):
-            flipped = ((key, not lower.FORWARD_OPTIONS[key]),)
-            suffix = switch_suffix(key)
+        if t is None or not flip_only:
+            out.append(Variant("fwd", name, d, causal, dtype, t))
+        for combo in dict.fromkeys((f,) if isinstance(f, str) else tuple(f) for f in flips):
+            flipped = tuple((key, not lower.FORWARD_OPTIONS[key]) for key in combo)
+            if dict(flipped).get("fwd_split_o") and lower.split_o_error(t or dflt, d):
+                continue
+            suffix = "".join(switch_suffix(key) for key in combo)
             out.append(Variant("fwd", (name + suffix), d, causal, dtype, t, flipped))
     return out
 
@@ -280,7 +305,9 @@ def all_variants(args) -> list[Variant]:
             for dtype in config_dtypes(args, d, causal):
                 if args.candidates:
                     if args.tiles:
-                        out += tile_variants(d, causal, dtype, args.tiles, args.flip)
+                        out += tile_variants(
+                            d, causal, dtype, args.tiles, args.flip, args.flip_only
+                        )
                     else:
                         out += candidate_variants(d, causal, dtype)
                     if args.hopper:
@@ -858,9 +885,13 @@ def parse(argv):
     ap.add_argument("--tiles", type=parse_tiles, nargs="+", default=None, metavar="MxNxW",
                     help="with --candidates: time default and these forward tiles (e.g. "
                     "64x64x4 128x48x8) instead of ALT_TILES / ALT_LAZY")  # fmt: skip
-    ap.add_argument("--flip", nargs="+", default=[], choices=sorted(lower.FORWARD_OPTIONS),
+    ap.add_argument("--flip", nargs="+", default=[], type=parse_flip, metavar="KEY[+KEY...]",
                     help="with --tiles: also every tile config with each of these "
-                    "lower.FORWARD_OPTIONS switches flipped (one at a time)")  # fmt: skip
+                    "lower.FORWARD_OPTIONS switches flipped (one at a time; keys joined by "
+                    "'+' flip together, e.g. fwd_split_o+fwd_even_loads)")  # fmt: skip
+    ap.add_argument("--flip-only", action="store_true",
+                    help="with --tiles and --flip: the listed tiles only with their flips "
+                    "(default also as it is)")  # fmt: skip
     ap.add_argument("--write-table", nargs="?", const="", default=None, metavar="PATH",
                     help="record each config's fastest checked spill-free FA2-class variant "
                     "(mean TFLOP/s over the seqlens) in the tuning table (default: "
