@@ -135,22 +135,12 @@ VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
 #: ``Is_even_MN``); at d256 128x64x8 it frees 7-13 registers and ptxas then issues each
 #: ldmatrix further ahead of its mma (docs/perf-notes.md); off until measured (a tuning-table
 #: entry's ``options`` may turn it on per GPU, see :mod:`flashgen.tuning`).
-#: ``fwd_split_o``: each warp of the tiles becomes a pair of warps on the same query rows
-#: (twice the threads), each computing S for half of the key block and owning half of O's
-#: columns (half the accumulator registers); the pair exchanges row maxes and P through
-#: shared memory (:func:`split_o_error` says which tiles and head dims take it; from the
-#: tuning table it is dropped where they do not).  Off: for table entries at head_dim 256
-#: (docs/perf-notes.md).  ``fwd_q_regs``: Q's mma fragments are read from shared memory once
-#: per CTA into registers (64 per thread at head_dim 256, 16 query rows per warp) instead of
-#: once per key block; only with ``fwd_split_o`` is there room for them at head_dim 256.
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,
     "fwd_fold_scale": True,
     "fwd_lazy_rescale": False,
     "fwd_even_loads": False,
-    "fwd_split_o": False,
-    "fwd_q_regs": False,
 }
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still
@@ -307,8 +297,7 @@ class KernelPlan:
 
     @property
     def threads(self) -> int:
-        """Threads per CTA: the tiles' warps, twice that for the FA2-class ``fwd_split_o``."""
-        return self.tiles.threads * (2 if self.context.get("fwd_split_o") else 1)
+        return self.tiles.threads
 
     @property
     def gencode(self) -> str:
@@ -976,17 +965,11 @@ def plan_forward(
     for key, value in _table_options(spec, target, gpu, tiles).items():
         if key in opts and key not in (options or {}):
             opts[key] = value
-    if opts["fwd_split_o"] and "fwd_split_o" not in (options or {}):
-        # from the table: only where the tiles and head_dim_v allow it
-        opts["fwd_split_o"] = split_o_error(tiles, spec.head_dim_v) is None
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(
             spec, target, tiles, persistent=persistent, side_terms=side_terms, affine=affine
         )
     d, dv = spec.head_dim, spec.head_dim_v
-    split = opts["fwd_split_o"]
-    if split and (err := split_o_error(tiles, dv)):
-        raise ValueError(err)
     if tiles.block_m % (16 * tiles.num_warps):
         raise ValueError(f"BLOCK_M={tiles.block_m} must be a multiple of 16*num_warps")
     if tiles.block_n % 16:
@@ -997,8 +980,6 @@ def plan_forward(
     smem = (tiles.block_m * max(d, dv) + tiles.block_n * d + tiles.block_n * dv) * elt
     table_smem = TABLE_ROW_SMEM if needs_block_table(spec) else 0
     smem += table_smem
-    if split:  # sP (the step's P, BLOCK_M x BLOCK_N) and s_max (two floats per row)
-        smem += tiles.block_m * tiles.block_n * elt + tiles.block_m * 2 * 4
     if smem > SMEM_LIMIT[target]:
         raise ValueError(
             f"tiles {tiles.block_m}x{tiles.block_n} need {smem} B of shared memory at head_dim "
@@ -1011,8 +992,6 @@ def plan_forward(
     )
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
-    if split:  # two warps per warp of the tiles (KernelPlan.threads launches them)
-        ctx.update(num_warps=2 * tiles.num_warps, threads=2 * tiles.threads)
     ctx.update(
         opts,
         fold_scale=opts["fwd_fold_scale"] and spec.score_mod is None,
@@ -1028,19 +1007,6 @@ def plan_forward(
         args=ctx["args"],
         context=ctx,
     )
-
-
-def split_o_error(tiles: TileConfig, head_dim_v: int) -> str | None:
-    """Why ``fwd_split_o`` cannot take ``tiles`` at ``head_dim_v``, or None if it can: key
-    halves of whole 16-key steps (BLOCK_N a multiple of 32), O halves of whole swizzle groups
-    (head_dim_v a multiple of 128).  (Each of the tiles' warps becomes a pair: the rows per
-    pair are the tiles' rows per warp.)"""
-    if tiles.block_n % 32 or head_dim_v % 128:
-        return (
-            f"fwd_split_o needs BLOCK_N a multiple of 32 and head_dim_v a multiple of 128; "
-            f"got BLOCK_N {tiles.block_n} at head_dim_v {head_dim_v}"
-        )
-    return None
 
 
 def _table_options(spec: Spec, target: str, gpu: str | None, tiles: TileConfig) -> dict[str, bool]:

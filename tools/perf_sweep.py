@@ -189,8 +189,6 @@ SWITCH_LABELS = {
     "fwd_fold_scale": "fold",
     "fwd_lazy_rescale": "lazy",
     "fwd_even_loads": "even",
-    "fwd_split_o": "split",
-    "fwd_q_regs": "qregs",
 }
 
 
@@ -204,7 +202,7 @@ def parse_tiles(text: str) -> TileConfig:
 
 
 def parse_flip(text: str) -> tuple[str, ...]:
-    """``"fwd_split_o+fwd_even_loads"`` -> the lower.FORWARD_OPTIONS keys flipped together."""
+    """``"fwd_lazy_rescale+fwd_even_loads"`` -> the lower.FORWARD_OPTIONS keys flipped together."""
     keys = tuple(dict.fromkeys(text.split("+")))
     bad = [k for k in keys if k not in lower.FORWARD_OPTIONS]
     if bad or not keys:
@@ -230,9 +228,8 @@ def tile_variants(
 ) -> list[Variant]:
     """``--tiles``: ``default`` and each listed tile config (one equal to the default's is
     left out), each also with each ``--flip`` flipped from lower.FORWARD_OPTIONS (a key, or
-    a tuple of keys flipped together; name suffix :func:`switch_suffix` per key).  A flip
-    with ``fwd_split_o`` is left out where the tiles cannot take it
-    (``lower.split_o_error``).  ``flip_only``: the listed tiles only with their flips
+    a tuple of keys flipped together; name suffix :func:`switch_suffix` per key).
+    ``flip_only``: the listed tiles only with their flips
     (``default`` stays, with its flips)."""
     dflt = lower.default_tiles(spec_for(d, causal, dtype))
     out = []
@@ -242,8 +239,6 @@ def tile_variants(
             out.append(Variant("fwd", name, d, causal, dtype, t))
         for combo in dict.fromkeys((f,) if isinstance(f, str) else tuple(f) for f in flips):
             flipped = tuple((key, not lower.FORWARD_OPTIONS[key]) for key in combo)
-            if dict(flipped).get("fwd_split_o") and lower.split_o_error(t or dflt, d):
-                continue
             suffix = "".join(switch_suffix(key) for key in combo)
             out.append(Variant("fwd", (name + suffix), d, causal, dtype, t, flipped))
     return out
@@ -888,7 +883,7 @@ def parse(argv):
     ap.add_argument("--flip", nargs="+", default=[], type=parse_flip, metavar="KEY[+KEY...]",
                     help="with --tiles: also every tile config with each of these "
                     "lower.FORWARD_OPTIONS switches flipped (one at a time; keys joined by "
-                    "'+' flip together, e.g. fwd_split_o+fwd_even_loads)")  # fmt: skip
+                    "'+' flip together, e.g. fwd_lazy_rescale+fwd_even_loads)")  # fmt: skip
     ap.add_argument("--flip-only", action="store_true",
                     help="with --tiles and --flip: the listed tiles only with their flips "
                     "(default also as it is)")  # fmt: skip

@@ -11,11 +11,11 @@ HMMA / LDSM / BAR.SYNC counts, the HMMAs at distance <= 2 and the median distanc
 
 Variants are FA2-class d``--dim`` forward builds (no GPU; nvcc through flashgen's cache),
 named like ``tools/perf_sweep.py``'s: tiles ``MxNxW`` plus switch suffixes, ``+even``
-(``fwd_even_loads`` on), ``+split`` (``fwd_split_o``), ``-unroll`` (off), ... or the
-full key (``+fwd_split_o``):
+(``fwd_even_loads`` on), ``+lazy`` (``fwd_lazy_rescale``), ``-unroll`` (off), ... or the
+full key (``+fwd_lazy_rescale``):
 
-    python3 tools/sass_mma_distance.py 64x64x4+even 64x48x4+even 128x64x16+split+even
-    python3 tools/sass_mma_distance.py --targets sm_80 sm_90 --dtypes bf16 fp16 128x32x16+split
+    python3 tools/sass_mma_distance.py 64x64x4+even 64x48x4+even 128x64x8+lazy
+    python3 tools/sass_mma_distance.py --targets sm_80 sm_90 --dtypes bf16 fp16 128x32x4+even
     python3 tools/sass_mma_distance.py --cubin path/to/kernel.cubin     # any cubin
 
 Needs nvcc and cuobjdump (``$CUOBJDUMP``, PATH, /usr/local/cuda/bin, or the pip wheel
@@ -45,8 +45,6 @@ LABELS = {
     "fold": "fwd_fold_scale",
     "lazy": "fwd_lazy_rescale",
     "even": "fwd_even_loads",
-    "split": "fwd_split_o",
-    "qregs": "fwd_q_regs",
 }
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
@@ -184,7 +182,7 @@ def kernel_sass(cubin: str) -> dict[str, str]:
 
 
 def parse_variant(text: str) -> tuple[tuple[int, int, int], dict[str, bool]]:
-    """``"64x64x4+split-unroll"`` -> ((64, 64, 4), {"fwd_split_o": True,
+    """``"64x64x4+lazy-unroll"`` -> ((64, 64, 4), {"fwd_lazy_rescale": True,
     "fwd_unrolled_loads": False}); ``argparse.ArgumentTypeError`` if malformed."""
     m = re.fullmatch(r"t?(\d+)x(\d+)x(\d+)((?:[+-][a-z_0-9]+)*)", text)
     if not m:
@@ -222,7 +220,7 @@ HEADER = f"{'variant':44} regs  spl  loop  HMMA  LDSM  BAR  <=2/of    median"
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("variants", nargs="*", help="MxNxW[+switch...], e.g. 128x64x16+split+even")
+    ap.add_argument("variants", nargs="*", help="MxNxW[+switch...], e.g. 64x64x4+even")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--targets", nargs="+", default=["sm_90"], choices=("sm_80", "sm_90"))
     ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=("bf16", "fp16"))
