@@ -1060,6 +1060,48 @@ def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants | No
 
 #: ``FLASHGEN_AFFINE=0`` turns the affine score_mod decomposition off (:func:`affine_context`).
 AFFINE_ENV = "FLASHGEN_AFFINE"
+#: ``FLASHGEN_CAUSAL_TILES=0`` turns off the Hopper forward's CAUSAL_ONLY / NO_CAUSAL tiles
+#: (:func:`causal_tiles_context`): every PARTIAL tile evaluates the whole mask.
+CAUSAL_TILES_ENV = "FLASHGEN_CAUSAL_TILES"
+#: ``FLASHGEN_COL_LIMIT=0``: the Hopper forward's masked tiles test bounds and causal per element
+#: as before, not as one comparison with a per-row column limit (:func:`plan_hopper_forward`).
+COL_LIMIT_ENV = "FLASHGEN_COL_LIMIT"
+#: ``FLASHGEN_WALK_FROM_DIAGONAL=0``: the Hopper forward's key-block walk starts at the last
+#: key block, not at the causal diagonal's (:func:`plan_hopper_forward`).
+WALK_FROM_DIAGONAL_ENV = "FLASHGEN_WALK_FROM_DIAGONAL"
+
+
+def _causal_as_true(e: Expr) -> Expr:
+    """``e`` with every ``causal`` replaced by the constant true."""
+    if isinstance(e, Causal):
+        return Const(True, ty=Ty.BOOL)
+    kids = ir.children(e)
+    if not kids:
+        return e
+    return rowcol._with_children(e, tuple(_causal_as_true(k) for k in kids))
+
+
+def causal_tiles_context(spec: Spec, ctx: dict) -> dict:
+    """Template entries for the Hopper forward's causal tile flags (``fg::iv::CAUSAL_ONLY`` /
+    ``NO_CAUSAL``, :func:`flashgen.masktiles.classifier_source` with ``causal_bits``), given
+    the forward context ``ctx`` (:func:`_forward_context`; it has ``mask_expr_nc``).
+
+    ``causal_tiles``: whether the classifier sets the flags (a mask with ``causal`` and more,
+    classified by the kernel, not a block table; ``FLASHGEN_CAUSAL_TILES`` not 0).  Then a
+    PARTIAL tile whose mask is ``causal`` there runs causal_d128's masked loop (bounds and the
+    causal test), and one where ``causal`` holds everywhere evaluates ``mask_expr_nc``: the
+    residual mask with ``causal`` replaced by true (``IS_CAUSAL`` off).  The same
+    ``row_terms`` / ``col_terms`` serve both residual forms."""
+    on = (
+        flag(CAUSAL_TILES_ENV, True)
+        and not ctx["block_table"]
+        and ctx["mask_expr"] is not None
+        and masktiles.has_causal_bits(spec)
+    )
+    out: dict = {"causal_tiles": on}
+    if on:
+        out["tile_classifier"] = masktiles.classifier_source(spec, causal_bits=True)
+    return out
 
 
 def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
@@ -1108,6 +1150,9 @@ def _forward_context(
         parts = rowcol.split(residual, spec)
     residual = parts.expr
     mask_expr = cuda_expr(residual, spec, inv) if residual is not None else None
+    mask_expr_nc = None
+    if residual is not None:
+        mask_expr_nc = cuda_expr(_causal_as_true(residual), spec, inv)
     score_mod_expr = cuda_expr(score_mod, spec, inv) if score_mod is not None else None
     affine_ctx = affine_context(spec, inv) if affine and score_mod is not None else None
     return {
@@ -1123,6 +1168,8 @@ def _forward_context(
         "threads": tiles.threads,
         "causal": causal,
         "mask_expr": mask_expr,
+        # mask_expr with causal replaced by true (the Hopper forward's NO_CAUSAL tiles)
+        "mask_expr_nc": mask_expr_nc,
         "score_mod_expr": score_mod_expr,
         # score_mod = score + L, L affine in q_idx, kv_idx (FULL tiles: one FFMA per element)
         "affine": affine_ctx,
@@ -1153,6 +1200,9 @@ def plan_hopper_forward(
     persistent: bool | str = False,
     side_terms: bool = True,
     affine: bool = True,
+    causal_tiles: bool = True,
+    walk_from_diagonal: bool = True,
+    col_limit: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -1179,6 +1229,17 @@ def plan_hopper_forward(
     ``side_terms``: the mask's one-sided tensor reads are read once per query row and once
     per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).  ``affine``:
     FULL tiles split an affine score_mod (:func:`affine_context`).
+    ``causal_tiles``: PARTIAL tiles where the mask is just ``causal`` (or ``causal`` holds
+    everywhere) run a cheaper masked loop (:func:`causal_tiles_context`; also off with
+    ``FLASHGEN_CAUSAL_TILES=0``).  ``walk_from_diagonal``: with a top-level ``causal``, the
+    walk of the live key blocks (last to first) starts at the block of the query block's last
+    row's diagonal, not at the last key block: the blocks past it are EMPTY, and the first
+    classifier calls of every CTA (before any load is issued) find the first block at once
+    (also off with ``FLASHGEN_WALK_FROM_DIAGONAL=0``).  ``col_limit``: a masked tile tests
+    ``kv_idx < seqlen_k`` and the causal test (and, with a score_mod, ``q_idx < seqlen_q``)
+    per element as one comparison of the column offset with a per-row limit (FA3's
+    ``col_limit``), not two or three comparisons of indices (also off with
+    ``FLASHGEN_COL_LIMIT=0``).
     """
     if persistent is True:
         persistent = "static"
@@ -1215,6 +1276,14 @@ def plan_hopper_forward(
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(spec, target, tiles, side_terms=side_terms, affine=affine)
     ctx["smem_bytes"] = smem
+    if not causal_tiles:
+        ctx["causal_tiles"] = False
+    else:
+        ctx.update(causal_tiles_context(spec, ctx))
+    ctx["col_limit"] = bool(col_limit and flag(COL_LIMIT_ENV, True))
+    ctx["walk_from_diagonal"] = bool(
+        walk_from_diagonal and ctx["causal"] and flag(WALK_FROM_DIAGONAL_ENV, True)
+    )
     if m_major is None:
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
