@@ -917,6 +917,7 @@ def plan_forward(
     persistent: bool | str = False,
     side_terms: bool = True,
     affine: bool = True,
+    mask_tiles: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -932,6 +933,8 @@ def plan_forward(
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
     narrower tiles).  ``affine``: both kernels split an affine score_mod on FULL tiles
     (:func:`affine_context`; False never does, the spill fallback of :mod:`flashgen.select`).
+    ``mask_tiles``: the Hopper kernel's masked-tile reductions (``causal_tiles``,
+    ``col_limit`` of :func:`plan_hopper_forward`; False: neither, the spill fallback).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -967,7 +970,14 @@ def plan_forward(
             opts[key] = value
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(
-            spec, target, tiles, persistent=persistent, side_terms=side_terms, affine=affine
+            spec,
+            target,
+            tiles,
+            persistent=persistent,
+            side_terms=side_terms,
+            affine=affine,
+            causal_tiles=mask_tiles,
+            col_limit=mask_tiles,
         )
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
@@ -1280,7 +1290,10 @@ def plan_hopper_forward(
         ctx["causal_tiles"] = False
     else:
         ctx.update(causal_tiles_context(spec, ctx))
-    ctx["col_limit"] = bool(col_limit and flag(COL_LIMIT_ENV, True))
+    # (not at head_dim 256 with a score_mod: gemma2_softcap spilled 4 bytes there)
+    ctx["col_limit"] = bool(
+        col_limit and flag(COL_LIMIT_ENV, True) and not (spec.score_mod is not None and d >= 256)
+    )
     ctx["walk_from_diagonal"] = bool(
         walk_from_diagonal and ctx["causal"] and flag(WALK_FROM_DIAGONAL_ENV, True)
     )

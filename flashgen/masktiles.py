@@ -244,9 +244,6 @@ def classifier_source(
     keep_t = em.emit(spec.mask)
     em.causal_as = em.let("T", "fg::iv::truth(false)")
     keep_f = em.emit(spec.mask)
-    tail = [
-        f"    return fg::iv::causal_bits(fg::iv::tile_class({keep}), {causal}, {keep_t}, {keep_f});",
-        "}",
-        "",
-    ]
+    cls = f"fg::iv::tile_class({keep})"
+    tail = [f"    return fg::iv::causal_bits({cls}, {causal}, {keep_t}, {keep_f});", "}", ""]
     return "\n".join([*head, *em.lines, *tail])
