@@ -5,7 +5,8 @@ NO_CAUSAL tiles (``FLASHGEN_CAUSAL_TILES``), the per-row column limit
 (``FLASHGEN_WALK_FROM_DIAGONAL``), each on and all off, on the default kernel (the Hopper
 one on an H200) and the persistent one.  The masks make every tile kind appear (chunks and
 windows shorter and longer than a tile, a prefix, ``causal`` under ``||`` and ``!``), with
-and without a score_mod (the score_mod path masks after the scores), at odd lengths, Sq !=
+and without a score_mod (the score_mod path masks after the scores; an affine one without a
+residual mask takes its affine form on masked tiles too), at odd lengths, Sq !=
 Sk both ways (bottom-right causal: empty query blocks when Sq > Sk) and GQA.
 
     python3 -m pytest tests/gpu/test_mask_tiles_gpu.py -q
@@ -56,6 +57,18 @@ SPECS = {
             "causal && q_idx + seqlen_k - seqlen_q - kv_idx < w",
             "  w: {type: i32, default: 700}\n",
             "30.0 * tanh(score / 30.0) - 0.01 * (q_idx - kv_idx)",
+        ),
+        {},
+    ),
+    # an affine score_mod: plain causal takes the affine form on every tile (the column limit
+    # masks after it); with a residual mask the masked tiles evaluate the score_mod
+    "alibi": (lambda: load_spec(REPO / "specs" / "alibi.yaml"), {}),
+    "affine_window": (
+        lambda: _spec(
+            "mt_affine_window",
+            "causal && q_idx + seqlen_k - seqlen_q - kv_idx < w",
+            "  w: {type: i32, default: 500}\n",
+            "score + 0.05 * (kv_idx - q_idx)",
         ),
         {},
     ),
