@@ -24,7 +24,11 @@ The switches (``flashgen/lower.py``, read when a kernel is planned):
 Shape as tools/gallery.py: batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16,
 Sq = Sk = 8192; document ids of mean length 1024; a mask that reads tensors runs with a
 block table built once (``op.block_mask``).  TFLOP/s count kept pairs (``2 * (D + Dv) *
-kept``).  Times are medians over ``--rounds`` interleaved rounds of ``do_bench``.
+kept``).  Times are medians over ``--rounds`` interleaved rounds of ``do_bench`` (what
+tools/gallery.py reports: the op's host time shows where it exceeds the queue ahead of
+the kernel); ``graph`` columns replay 10 calls captured in a CUDA graph (kernel time only,
+no host work, no L2 flush).  ``t/causal`` compares the new kernel's time per head with
+causal_d128's new one (same head_dim), next to ``FLOPs/causal``, the kept-pair ratio.
 ``spec:param=value`` overrides a scalar param (the row gets its own name).
 """
 
@@ -61,6 +65,39 @@ def modes(each: bool) -> dict[str, dict[str, str]]:
     return out
 
 
+def graph_ms(call, reps: int = 10, iters: int = 5) -> float:
+    """Median ms per call of ``reps`` calls captured in one CUDA graph (nan if capture fails)."""
+    import torch
+
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up on the capture stream
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                call()
+        g.replay()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(iters):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            g.replay()
+            t1.record()
+            torch.cuda.synchronize()
+            out.append(t0.elapsed_time(t1) / reps)
+        del g
+        return statistics.median(out)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
+        return float("nan")
+
+
 def parse_item(item: str) -> tuple[str, dict]:
     """``spec`` or ``spec:p=v,q=w`` -> (spec name, scalar overrides)."""
     name, _, rest = item.partition(":")
@@ -80,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--each", action="store_true", help="also one switch off at a time")
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing")
     args = ap.parse_args(argv)
 
     import torch
@@ -97,9 +135,11 @@ def main(argv=None) -> int:
     mode_env = modes(args.each)
     print(f"switches: {', '.join(switches())}; old = all 0, new = all 1; S = {s}, bf16")
     cols = "".join(f" {m + ' ms':>14}" for m in mode_env)
-    print(f"{'spec':34}{cols} {'new/old':>8} {'TFLOP/s':>8} {'t/causal':>9} "
+    if not args.no_graph:
+        cols += "".join(f" {'graph ' + m:>14}" for m in mode_env)
+    print(f"{'spec':34}{cols} {'new/old':>8} {'TFLOP/s':>8} {'t/causal':>9} {'gt/causal':>9} "
           f"{'FLOPs/causal':>12} {'max|do|':>9} {'max|dlse|':>9}")  # fmt: skip
-    causal_new_per_head = causal_kept_per_head = None
+    causal_new_per_head = causal_kept_per_head = causal_graph_per_head = None
     for item in args.specs:
         name, over = parse_item(item)
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
@@ -137,20 +177,24 @@ def main(argv=None) -> int:
             for mode, call in calls.items():
                 times[mode].append(bench.do_bench_ms(call, args.warmup, args.rep))
         ms = {m: statistics.median(t) for m, t in times.items()}
+        gms = {m: graph_ms(c) for m, c in calls.items()} if not args.no_graph else {}
         flops = 2 * (spec.head_dim + spec.head_dim_v) * kept
         tflops = flops / (ms["new"] * 1e-3) / 1e12
         if name == "causal_d128" and not over:
             causal_new_per_head, causal_kept_per_head = ms["new"] / h, kept / h
-        t_rel = f_rel = float("nan")
+            causal_graph_per_head = gms.get("new", float("nan")) / h
+        t_rel = g_rel = f_rel = float("nan")
         if causal_new_per_head and spec.head_dim == 128:
             t_rel = ms["new"] / h / causal_new_per_head
+            g_rel = gms.get("new", float("nan")) / h / causal_graph_per_head
             f_rel = kept / h / causal_kept_per_head
         do = (outs["new"][0].float() - outs["old"][0].float()).abs().max().item()
         fin = torch.isfinite(outs["old"][1])
         dl = (outs["new"][1][fin] - outs["old"][1][fin]).abs().max().item() if fin.any() else 0.0
         cols = "".join(f" {ms[m]:14.3f}" for m in mode_env)
+        cols += "".join(f" {gms[m]:14.3f}" for m in gms)
         print(f"{item:34}{cols} {ms['old'] / ms['new']:7.3f}x {tflops:8.1f} {t_rel:9.3f} "
-              f"{f_rel:12.3f} {do:9.2e} {dl:9.2e}", flush=True)  # fmt: skip
+              f"{g_rel:9.3f} {f_rel:12.3f} {do:9.2e} {dl:9.2e}", flush=True)  # fmt: skip
     return 0
 
 
