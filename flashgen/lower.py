@@ -434,12 +434,17 @@ class Invariants:
     has one; then ``score * c`` and ``score / d`` (c, d invariant) become ``raw * (scale * c)``
     and ``raw * (scale / d)``: one multiply per element instead of two (softmax_scale folded
     into the invariant; within an ulp of the two roundings, and never where the value
-    reaches a comparison, a float ``%`` or a ``trunc``)."""
+    reaches a comparison, a float ``%`` or a ``trunc``).  ``nonneg_div``: an integer
+    division whose operands are proven ``x >= 0``, ``d >= 1`` uses ``fg::Divisor::div_nn``
+    (:func:`_nonneg_by_positive`)."""
 
-    def __init__(self, raw_score: str | None = None) -> None:
+    def __init__(self, raw_score: str | None = None, nonneg_div: bool = False) -> None:
         self.decls: list[str] = []
         self._names: dict[tuple[str, str], str] = {}
         self.raw_score = raw_score
+        # an int x / d with x >= 0, d >= 1 proven lowers to fg::Divisor::div_nn
+        # (_nonneg_by_positive; the Hopper forward only: the FA2-class one spilled with it)
+        self.nonneg_div = nonneg_div
 
     def add(self, ctype: str, init: str) -> str:
         """The name of a ``const ctype name(init);`` prologue value, declared once."""
@@ -554,7 +559,10 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
             # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the
             # reference), not C's undefined behaviour
             if hoist:
-                return f"{inv.add('fg::Divisor', rhs)}.{'div' if e.op == '/' else 'mod'}({lhs})"
+                fn = "div" if e.op == "/" else "mod"
+                if inv.nonneg_div and _nonneg_by_positive(e, spec):
+                    fn += "_nn"
+                return f"{inv.add('fg::Divisor', rhs)}.{fn}({lhs})"
             return f"fg::{'idiv' if e.op == '/' else 'imod'}({lhs}, {rhs})"
         return f"({lhs} {e.op} {rhs})"
     if isinstance(e, Cond):
@@ -592,6 +600,32 @@ def _static_env(spec: Spec) -> dict:
     for p in spec.scalar_params:
         env[p.name] = Range(-(2**31), _I32_MAX) if p.ty == Ty.I32 else Range(-math.inf, math.inf)
     return env
+
+
+#: ``FLASHGEN_NONNEG_DIV=0``: an integer ``x / d`` (``x % d``) by a kernel-invariant ``d``
+#: uses the signed ``fg::Divisor::div`` even where ``x >= 0`` and ``d >= 1`` are proven.
+NONNEG_DIV_ENV = "FLASHGEN_NONNEG_DIV"
+
+
+def _nonneg_by_positive(e: Binary, spec: Spec) -> bool:
+    """Whether the int division ``e`` provably has ``lhs >= 0`` and ``rhs >= 1`` at every
+    call (:func:`flashgen.maskinfo.evaluate` over :func:`_static_env`, scalar params within
+    their declared ``min`` / ``max``, which the op enforces): then ``fg::Divisor::div_nn``
+    (a multiply-high and a shift: ``kv_idx / chunk``) replaces the signed ``div`` (about 7
+    instructions).  ``FLASHGEN_NONNEG_DIV=0``: never."""
+    if not flag(NONNEG_DIV_ENV, True):
+        return False
+    env = _static_env(spec)
+    for p in spec.scalar_params:
+        if p.ty == Ty.I32:
+            lo = -(2**31) if p.minimum is None else int(p.minimum)
+            hi = _I32_MAX if p.maximum is None else int(p.maximum)
+            env[p.name] = Range(lo, hi)
+    try:
+        a, b = evaluate(e.lhs, env), evaluate(e.rhs, env)
+    except (TypeError, KeyError, ValueError):
+        return False
+    return isinstance(a, Range) and isinstance(b, Range) and a.lo >= 0 and b.lo >= 1
 
 
 def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
@@ -934,7 +968,8 @@ def plan_forward(
     narrower tiles).  ``affine``: both kernels split an affine score_mod on FULL tiles
     (:func:`affine_context`; False never does, the spill fallback of :mod:`flashgen.select`).
     ``mask_tiles``: the Hopper kernel's masked-tile reductions (``causal_tiles``,
-    ``col_limit`` of :func:`plan_hopper_forward`; False: neither, the spill fallback).
+    ``col_limit``, ``nonneg_div`` of :func:`plan_hopper_forward`; False: none, the spill
+    fallback).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -978,6 +1013,7 @@ def plan_forward(
             affine=affine,
             causal_tiles=mask_tiles,
             col_limit=mask_tiles,
+            nonneg_div=mask_tiles,
         )
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
@@ -1140,7 +1176,13 @@ def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
 
 
 def _forward_context(
-    spec: Spec, target: str, tiles: TileConfig, *, side_terms: bool = False, affine: bool = False
+    spec: Spec,
+    target: str,
+    tiles: TileConfig,
+    *,
+    side_terms: bool = False,
+    affine: bool = False,
+    nonneg_div: bool = False,
 ) -> dict:
     """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
     residual mask and score_mod as CUDA expressions, the ABI argument list.
@@ -1150,11 +1192,13 @@ def _forward_context(
     :mod:`flashgen.rowcol`; otherwise both lists are empty.  ``mask_reads_memory``: whether
     the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
-    (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None."""
+    (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
+    ``nonneg_div``: see :class:`Invariants`."""
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
-    inv = Invariants(raw_score="score_raw")  # both forward templates define score_raw = q.k
+    # both forward templates define score_raw = q.k
+    inv = Invariants(raw_score="score_raw", nonneg_div=nonneg_div)
     parts = rowcol.Split(residual, (), ())
     if side_terms and residual is not None:
         parts = rowcol.split(residual, spec)
@@ -1213,6 +1257,7 @@ def plan_hopper_forward(
     causal_tiles: bool = True,
     walk_from_diagonal: bool = True,
     col_limit: bool = True,
+    nonneg_div: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -1249,7 +1294,9 @@ def plan_hopper_forward(
     ``kv_idx < seqlen_k`` and the causal test (and, with a score_mod, ``q_idx < seqlen_q``)
     per element as one comparison of the column offset with a per-row limit (FA3's
     ``col_limit``), not two or three comparisons of indices (also off with
-    ``FLASHGEN_COL_LIMIT=0``).
+    ``FLASHGEN_COL_LIMIT=0``).  ``nonneg_div``: ``kv_idx / chunk`` and other integer
+    divisions by a kernel-invariant divisor with ``x >= 0`` and ``d >= 1`` proven take
+    ``fg::Divisor::div_nn`` (:class:`Invariants`; also off with ``FLASHGEN_NONNEG_DIV=0``).
     """
     if persistent is True:
         persistent = "static"
@@ -1284,8 +1331,11 @@ def plan_hopper_forward(
         smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
-    ctx = _forward_context(spec, target, tiles, side_terms=side_terms, affine=affine)
+    ctx = _forward_context(
+        spec, target, tiles, side_terms=side_terms, affine=affine, nonneg_div=nonneg_div
+    )
     ctx["smem_bytes"] = smem
+    ctx["nonneg_div"] = nonneg_div
     if not causal_tiles:
         ctx["causal_tiles"] = False
     else:

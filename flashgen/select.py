@@ -69,7 +69,8 @@ def build_forward(
                     cubin, report = cache.get_or_build(render(plan), plan)
                     if not report.spill_bytes:
                         return plan, cubin, report
-                    if not (plan.context.get("causal_tiles") or plan.context.get("col_limit")):
+                    reductions = ("causal_tiles", "col_limit", "nonneg_div")
+                    if not any(plan.context.get(r) for r in reductions):
                         break  # no masked-tile reductions: the same kernel again
                 if plan.context.get("affine") is None:
                     break  # no affine split: the same kernel again

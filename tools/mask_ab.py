@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A/B of the Hopper forward's masked-tile reductions (session 7, issue 6) on a GPU: each
-spec's forward with the reductions (default) and without them (``old``: the three switches
+spec's forward with the reductions (default) and without them (``old``: the four switches
 below at 0 while that op plans its kernel), timed in the same process on the same inputs,
 next to dense causal (causal_d128, also A/B: its diagonal tiles take the column limit), with
 the largest difference between the two outputs.
@@ -20,6 +20,8 @@ The switches (``flashgen/lower.py``, read when a kernel is planned):
   element of the column offset with a per-row limit.
 - ``FLASHGEN_WALK_FROM_DIAGONAL``: a causal mask's key-block walk starts at the diagonal's
   block, not at the last key block (fewer classifier calls before the first load).
+- ``FLASHGEN_NONNEG_DIV``: ``kv_idx / chunk`` (an int division with ``x >= 0``, ``d >= 1``
+  proven) is a multiply-high and a shift, not the signed ``fg::Divisor::div``.
 
 Shape as tools/gallery.py: batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16,
 Sq = Sk = 8192; document ids of mean length 1024; a mask that reads tensors runs with a
@@ -49,9 +51,14 @@ DEFAULT_SPECS += ["alibi", "chunked_local:chunk=1024", "mistral_swa:window=1024"
 
 
 def switches() -> tuple[str, ...]:
-    from flashgen.lower import CAUSAL_TILES_ENV, COL_LIMIT_ENV, WALK_FROM_DIAGONAL_ENV
+    from flashgen.lower import (
+        CAUSAL_TILES_ENV,
+        COL_LIMIT_ENV,
+        NONNEG_DIV_ENV,
+        WALK_FROM_DIAGONAL_ENV,
+    )
 
-    return (CAUSAL_TILES_ENV, COL_LIMIT_ENV, WALK_FROM_DIAGONAL_ENV)
+    return (CAUSAL_TILES_ENV, COL_LIMIT_ENV, WALK_FROM_DIAGONAL_ENV, NONNEG_DIV_ENV)
 
 
 def modes(each: bool) -> dict[str, dict[str, str]]:

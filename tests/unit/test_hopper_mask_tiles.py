@@ -12,6 +12,7 @@ from flashgen import cache
 from flashgen.lower import (
     CAUSAL_TILES_ENV,
     COL_LIMIT_ENV,
+    NONNEG_DIV_ENV,
     WALK_FROM_DIAGONAL_ENV,
     plan_forward,
 )
@@ -70,6 +71,15 @@ def test_switches_turn_each_reduction_off(monkeypatch):
     monkeypatch.setenv(WALK_FROM_DIAGONAL_ENV, "0")
     off = _kernel(render(_plan("chunked_local")))
     assert "diag_k" not in off and "prev_live(n_kv_blocks - 1, cls)" in off
+
+
+def test_chunk_columns_divide_unsigned_in_the_hopper_forward_only(monkeypatch):
+    spec = load_spec(REPO / "specs" / "chunked_local.yaml")
+    assert "fg_inv0.div_nn(kv_idx)" in _kernel(render(plan_forward(spec, "sm_90")))
+    fa2 = plan_forward(spec, "sm_90", family="fa2")  # spilled with div_nn (4 bytes)
+    assert "div_nn(kv_idx)" not in _kernel(render(fa2))
+    monkeypatch.setenv(NONNEG_DIV_ENV, "0")
+    assert "div_nn(kv_idx)" not in _kernel(render(plan_forward(spec, "sm_90")))
 
 
 def test_causal_only_tiles_run_the_causal_test_alone():
