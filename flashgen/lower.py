@@ -1112,6 +1112,9 @@ CAUSAL_TILES_ENV = "FLASHGEN_CAUSAL_TILES"
 #: ``FLASHGEN_COL_LIMIT=0``: the Hopper forward's masked tiles test bounds and causal per element
 #: as before, not as one comparison with a per-row column limit (:func:`plan_hopper_forward`).
 COL_LIMIT_ENV = "FLASHGEN_COL_LIMIT"
+#: ``FLASHGEN_SINGLE_WALK=0``: every warp of the Hopper forward walks the tile classifier for the
+#: first live key block, not warp 0 alone (:func:`plan_hopper_forward`).
+SINGLE_WALK_ENV = "FLASHGEN_SINGLE_WALK"
 #: ``FLASHGEN_WALK_FROM_DIAGONAL=0``: the Hopper forward's key-block walk starts at the last
 #: key block, not at the causal diagonal's (:func:`plan_hopper_forward`).
 WALK_FROM_DIAGONAL_ENV = "FLASHGEN_WALK_FROM_DIAGONAL"
@@ -1258,6 +1261,7 @@ def plan_hopper_forward(
     walk_from_diagonal: bool = True,
     col_limit: bool = True,
     nonneg_div: bool = True,
+    single_walk: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -1297,6 +1301,10 @@ def plan_hopper_forward(
     ``FLASHGEN_COL_LIMIT=0``).  ``nonneg_div``: ``kv_idx / chunk`` and other integer
     divisions by a kernel-invariant divisor with ``x >= 0`` and ``d >= 1`` proven take
     ``fg::Divisor::div_nn`` (:class:`Invariants`; also off with ``FLASHGEN_NONNEG_DIV=0``).
+    ``single_walk`` (non-persistent, no block table): warp 0 alone runs the classifier for the
+    first live key block and hands it to the other warps through shared memory (4 bytes),
+    instead of all twelve warps classifying at once before the barrier (also off with
+    ``FLASHGEN_SINGLE_WALK=0``).
     """
     if persistent is True:
         persistent = "static"
@@ -1329,6 +1337,9 @@ def plan_hopper_forward(
         smem += tiles.block_m * d * 2 if separate_o else 0
     elif needs_block_table(spec):
         smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
+    else:
+        single_walk = single_walk and flag(SINGLE_WALK_ENV, True)
+        smem += 8 if single_walk else 0  # first_slot: warp 0's first live key block
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(
@@ -1336,6 +1347,7 @@ def plan_hopper_forward(
     )
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = nonneg_div
+    ctx["single_walk"] = bool(single_walk and not persistent and not ctx["block_table"])
     if not causal_tiles:
         ctx["causal_tiles"] = False
     else:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A/B of the Hopper forward's masked-tile reductions (session 7, issue 6) on a GPU: each
-spec's forward with the reductions (default) and without them (``old``: the four switches
+spec's forward with the reductions (default) and without them (``old``: the five switches
 below at 0 while that op plans its kernel), timed in the same process on the same inputs,
 next to dense causal (causal_d128, also A/B: its diagonal tiles take the column limit), with
 the largest difference between the two outputs.
@@ -22,6 +22,8 @@ The switches (``flashgen/lower.py``, read when a kernel is planned):
   block, not at the last key block (fewer classifier calls before the first load).
 - ``FLASHGEN_NONNEG_DIV``: ``kv_idx / chunk`` (an int division with ``x >= 0``, ``d >= 1``
   proven) is a multiply-high and a shift, not the signed ``fg::Divisor::div``.
+- ``FLASHGEN_SINGLE_WALK``: warp 0 alone classifies for the first live key block (the other
+  eleven warps wait at the barrier instead of classifying too).
 
 Shape as tools/gallery.py: batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16,
 Sq = Sk = 8192; document ids of mean length 1024; a mask that reads tensors runs with a
@@ -55,10 +57,17 @@ def switches() -> tuple[str, ...]:
         CAUSAL_TILES_ENV,
         COL_LIMIT_ENV,
         NONNEG_DIV_ENV,
+        SINGLE_WALK_ENV,
         WALK_FROM_DIAGONAL_ENV,
     )
 
-    return (CAUSAL_TILES_ENV, COL_LIMIT_ENV, WALK_FROM_DIAGONAL_ENV, NONNEG_DIV_ENV)
+    return (
+        CAUSAL_TILES_ENV,
+        COL_LIMIT_ENV,
+        WALK_FROM_DIAGONAL_ENV,
+        NONNEG_DIV_ENV,
+        SINGLE_WALK_ENV,
+    )
 
 
 def modes(each: bool) -> dict[str, dict[str, str]]:

@@ -1,14 +1,15 @@
 """The Hopper forward's masked-tile reductions (session 7) on the GPU, against the fp64
 reference with the 2x rule (``tests/gpu/test_forward.py``'s ``check``): CAUSAL_ONLY and
 NO_CAUSAL tiles (``FLASHGEN_CAUSAL_TILES``), the per-row column limit
-(``FLASHGEN_COL_LIMIT``), the walk from the causal diagonal (``FLASHGEN_WALK_FROM_DIAGONAL``)
-and ``kv_idx / chunk`` as ``fg::Divisor::div_nn`` (``FLASHGEN_NONNEG_DIV``): all on, all
-off and the column limit alone off, on the default kernel (the Hopper one on an H200) and
-the persistent one.  The masks make every tile kind appear (chunks and windows shorter and
-longer than a tile, a prefix, ``causal`` under ``||`` and ``!``), with and without a
-score_mod (the score_mod path masks after the scores; an affine one without a residual mask
-takes its affine form on masked tiles too), at odd lengths, Sq != Sk both ways
-(bottom-right causal: empty query blocks when Sq > Sk) and GQA.
+(``FLASHGEN_COL_LIMIT``), the walk from the causal diagonal (``FLASHGEN_WALK_FROM_DIAGONAL``),
+``kv_idx / chunk`` as ``fg::Divisor::div_nn`` (``FLASHGEN_NONNEG_DIV``) and the first block
+found by warp 0 alone (``FLASHGEN_SINGLE_WALK``): all on, all off and the column limit alone
+off, on the default kernel (the Hopper one on an H200) and the persistent one.  The masks
+make every tile kind appear (chunks and windows shorter and longer than a tile, a prefix,
+``causal`` under ``||`` and ``!``), with and without a score_mod (the score_mod path masks
+after the scores; an affine one without a residual mask takes its affine form on masked
+tiles too), at odd lengths, Sq != Sk both ways (bottom-right causal: empty query blocks when
+Sq > Sk) and GQA.
 
     python3 -m pytest tests/gpu/test_mask_tiles_gpu.py -q
 """
@@ -31,6 +32,7 @@ from flashgen.lower import (  # noqa: E402
     CAUSAL_TILES_ENV,
     COL_LIMIT_ENV,
     NONNEG_DIV_ENV,
+    SINGLE_WALK_ENV,
     WALK_FROM_DIAGONAL_ENV,
 )
 from flashgen.spec import load_spec, loads_spec  # noqa: E402
@@ -38,7 +40,13 @@ from flashgen.spec import load_spec, loads_spec  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
-SWITCHES = (CAUSAL_TILES_ENV, COL_LIMIT_ENV, WALK_FROM_DIAGONAL_ENV, NONNEG_DIV_ENV)
+SWITCHES = (
+    CAUSAL_TILES_ENV,
+    COL_LIMIT_ENV,
+    WALK_FROM_DIAGONAL_ENV,
+    NONNEG_DIV_ENV,
+    SINGLE_WALK_ENV,
+)
 
 
 def _spec(name: str, mask: str, params: str = "", score_mod: str | None = None):

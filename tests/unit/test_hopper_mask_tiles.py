@@ -13,6 +13,7 @@ from flashgen.lower import (
     CAUSAL_TILES_ENV,
     COL_LIMIT_ENV,
     NONNEG_DIV_ENV,
+    SINGLE_WALK_ENV,
     WALK_FROM_DIAGONAL_ENV,
     plan_forward,
 )
@@ -70,7 +71,7 @@ def test_switches_turn_each_reduction_off(monkeypatch):
     assert "col_lim[" not in render(_plan("chunked_local"))
     monkeypatch.setenv(WALK_FROM_DIAGONAL_ENV, "0")
     off = _kernel(render(_plan("chunked_local")))
-    assert "diag_k" not in off and "prev_live(n_kv_blocks - 1, cls)" in off
+    assert "diag_k" not in off and "walk_start = n_kv_blocks - 1;" in off
 
 
 def test_chunk_columns_divide_unsigned_in_the_hopper_forward_only(monkeypatch):
@@ -80,6 +81,24 @@ def test_chunk_columns_divide_unsigned_in_the_hopper_forward_only(monkeypatch):
     assert "div_nn(kv_idx)" not in _kernel(render(fa2))
     monkeypatch.setenv(NONNEG_DIV_ENV, "0")
     assert "div_nn(kv_idx)" not in _kernel(render(plan_forward(spec, "sm_90")))
+
+
+def test_warp_zero_alone_finds_the_first_block(monkeypatch):
+    """single_walk: the non-persistent kernel without a block table hands warp 0's first block
+    to the other warps through 8 more bytes of shared memory."""
+    spec = load_spec(REPO / "specs" / "chunked_local.yaml")
+    plan = plan_forward(spec, "sm_90")
+    body = _kernel(render(plan))
+    assert plan.context["single_walk"] and "first_block = *first_slot" in body
+    assert "if (threadIdx.x < 32) {\n        first_block = prev_live(walk_start, cls);" in body
+    persistent = plan_forward(spec, "sm_90", persistent="static")
+    assert not persistent.context["single_walk"] and "first_slot" not in render(persistent)
+    doc = plan_forward(load_spec(REPO / "specs" / "document_mask.yaml"), "sm_90")
+    assert not doc.context["single_walk"] and "first_slot" not in render(doc)
+    monkeypatch.setenv(SINGLE_WALK_ENV, "0")
+    off = plan_forward(spec, "sm_90")
+    assert not off.context["single_walk"] and "first_slot" not in render(off)
+    assert off.smem_bytes == plan.smem_bytes - 8
 
 
 def test_causal_only_tiles_run_the_causal_test_alone():
