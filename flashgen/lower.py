@@ -434,12 +434,17 @@ class Invariants:
     has one; then ``score * c`` and ``score / d`` (c, d invariant) become ``raw * (scale * c)``
     and ``raw * (scale / d)``: one multiply per element instead of two (softmax_scale folded
     into the invariant; within an ulp of the two roundings, and never where the value
-    reaches a comparison, a float ``%`` or a ``trunc``)."""
+    reaches a comparison, a float ``%`` or a ``trunc``).  ``nonneg_div``: an integer
+    division whose operands are proven ``x >= 0``, ``d >= 1`` uses ``fg::Divisor::div_nn``
+    (:func:`_nonneg_by_positive`)."""
 
-    def __init__(self, raw_score: str | None = None) -> None:
+    def __init__(self, raw_score: str | None = None, nonneg_div: bool = False) -> None:
         self.decls: list[str] = []
         self._names: dict[tuple[str, str], str] = {}
         self.raw_score = raw_score
+        # an int x / d with x >= 0, d >= 1 proven lowers to fg::Divisor::div_nn
+        # (_nonneg_by_positive; the Hopper forward only: the FA2-class one spilled with it)
+        self.nonneg_div = nonneg_div
 
     def add(self, ctype: str, init: str) -> str:
         """The name of a ``const ctype name(init);`` prologue value, declared once."""
@@ -554,7 +559,10 @@ def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> s
             # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the
             # reference), not C's undefined behaviour
             if hoist:
-                return f"{inv.add('fg::Divisor', rhs)}.{'div' if e.op == '/' else 'mod'}({lhs})"
+                fn = "div" if e.op == "/" else "mod"
+                if inv.nonneg_div and _nonneg_by_positive(e, spec):
+                    fn += "_nn"
+                return f"{inv.add('fg::Divisor', rhs)}.{fn}({lhs})"
             return f"fg::{'idiv' if e.op == '/' else 'imod'}({lhs}, {rhs})"
         return f"({lhs} {e.op} {rhs})"
     if isinstance(e, Cond):
@@ -592,6 +600,32 @@ def _static_env(spec: Spec) -> dict:
     for p in spec.scalar_params:
         env[p.name] = Range(-(2**31), _I32_MAX) if p.ty == Ty.I32 else Range(-math.inf, math.inf)
     return env
+
+
+#: ``FLASHGEN_NONNEG_DIV=0``: an integer ``x / d`` (``x % d``) by a kernel-invariant ``d``
+#: uses the signed ``fg::Divisor::div`` even where ``x >= 0`` and ``d >= 1`` are proven.
+NONNEG_DIV_ENV = "FLASHGEN_NONNEG_DIV"
+
+
+def _nonneg_by_positive(e: Binary, spec: Spec) -> bool:
+    """Whether the int division ``e`` provably has ``lhs >= 0`` and ``rhs >= 1`` at every
+    call (:func:`flashgen.maskinfo.evaluate` over :func:`_static_env`, scalar params within
+    their declared ``min`` / ``max``, which the op enforces): then ``fg::Divisor::div_nn``
+    (a multiply-high and a shift: ``kv_idx / chunk``) replaces the signed ``div`` (about 7
+    instructions).  ``FLASHGEN_NONNEG_DIV=0``: never."""
+    if not flag(NONNEG_DIV_ENV, True):
+        return False
+    env = _static_env(spec)
+    for p in spec.scalar_params:
+        if p.ty == Ty.I32:
+            lo = -(2**31) if p.minimum is None else int(p.minimum)
+            hi = _I32_MAX if p.maximum is None else int(p.maximum)
+            env[p.name] = Range(lo, hi)
+    try:
+        a, b = evaluate(e.lhs, env), evaluate(e.rhs, env)
+    except (TypeError, KeyError, ValueError):
+        return False
+    return isinstance(a, Range) and isinstance(b, Range) and a.lo >= 0 and b.lo >= 1
 
 
 def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
@@ -917,6 +951,7 @@ def plan_forward(
     persistent: bool | str = False,
     side_terms: bool = True,
     affine: bool = True,
+    mask_tiles: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -932,6 +967,9 @@ def plan_forward(
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
     narrower tiles).  ``affine``: both kernels split an affine score_mod on FULL tiles
     (:func:`affine_context`; False never does, the spill fallback of :mod:`flashgen.select`).
+    ``mask_tiles``: the Hopper kernel's masked-tile reductions (``causal_tiles``,
+    ``col_limit``, ``nonneg_div`` of :func:`plan_hopper_forward`; False: none, the spill
+    fallback).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -967,7 +1005,15 @@ def plan_forward(
             opts[key] = value
     if is_hopper_tiles(tiles):
         return plan_hopper_forward(
-            spec, target, tiles, persistent=persistent, side_terms=side_terms, affine=affine
+            spec,
+            target,
+            tiles,
+            persistent=persistent,
+            side_terms=side_terms,
+            affine=affine,
+            causal_tiles=mask_tiles,
+            col_limit=mask_tiles,
+            nonneg_div=mask_tiles,
         )
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
@@ -1060,6 +1106,51 @@ def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants | No
 
 #: ``FLASHGEN_AFFINE=0`` turns the affine score_mod decomposition off (:func:`affine_context`).
 AFFINE_ENV = "FLASHGEN_AFFINE"
+#: ``FLASHGEN_CAUSAL_TILES=0`` turns off the Hopper forward's CAUSAL_ONLY / NO_CAUSAL tiles
+#: (:func:`causal_tiles_context`): every PARTIAL tile evaluates the whole mask.
+CAUSAL_TILES_ENV = "FLASHGEN_CAUSAL_TILES"
+#: ``FLASHGEN_COL_LIMIT=0``: the Hopper forward's masked tiles test bounds and causal per element
+#: as before, not as one comparison with a per-row column limit (:func:`plan_hopper_forward`).
+COL_LIMIT_ENV = "FLASHGEN_COL_LIMIT"
+#: ``FLASHGEN_SINGLE_WALK=0``: every warp of the Hopper forward walks the tile classifier for the
+#: first live key block, not warp 0 alone (:func:`plan_hopper_forward`).
+SINGLE_WALK_ENV = "FLASHGEN_SINGLE_WALK"
+#: ``FLASHGEN_WALK_FROM_DIAGONAL=0``: the Hopper forward's key-block walk starts at the last
+#: key block, not at the causal diagonal's (:func:`plan_hopper_forward`).
+WALK_FROM_DIAGONAL_ENV = "FLASHGEN_WALK_FROM_DIAGONAL"
+
+
+def _causal_as_true(e: Expr) -> Expr:
+    """``e`` with every ``causal`` replaced by the constant true."""
+    if isinstance(e, Causal):
+        return Const(True, ty=Ty.BOOL)
+    kids = ir.children(e)
+    if not kids:
+        return e
+    return rowcol._with_children(e, tuple(_causal_as_true(k) for k in kids))
+
+
+def causal_tiles_context(spec: Spec, ctx: dict) -> dict:
+    """Template entries for the Hopper forward's causal tile flags (``fg::iv::CAUSAL_ONLY`` /
+    ``NO_CAUSAL``, :func:`flashgen.masktiles.classifier_source` with ``causal_bits``), given
+    the forward context ``ctx`` (:func:`_forward_context`; it has ``mask_expr_nc``).
+
+    ``causal_tiles``: whether the classifier sets the flags (a mask with ``causal`` and more,
+    classified by the kernel, not a block table; ``FLASHGEN_CAUSAL_TILES`` not 0).  Then a
+    PARTIAL tile whose mask is ``causal`` there runs causal_d128's masked loop (bounds and the
+    causal test), and one where ``causal`` holds everywhere evaluates ``mask_expr_nc``: the
+    residual mask with ``causal`` replaced by true (``IS_CAUSAL`` off).  The same
+    ``row_terms`` / ``col_terms`` serve both residual forms."""
+    on = (
+        flag(CAUSAL_TILES_ENV, True)
+        and not ctx["block_table"]
+        and ctx["mask_expr"] is not None
+        and masktiles.has_causal_bits(spec)
+    )
+    out: dict = {"causal_tiles": on}
+    if on:
+        out["tile_classifier"] = masktiles.classifier_source(spec, causal_bits=True)
+    return out
 
 
 def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
@@ -1088,7 +1179,13 @@ def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
 
 
 def _forward_context(
-    spec: Spec, target: str, tiles: TileConfig, *, side_terms: bool = False, affine: bool = False
+    spec: Spec,
+    target: str,
+    tiles: TileConfig,
+    *,
+    side_terms: bool = False,
+    affine: bool = False,
+    nonneg_div: bool = False,
 ) -> dict:
     """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
     residual mask and score_mod as CUDA expressions, the ABI argument list.
@@ -1098,16 +1195,21 @@ def _forward_context(
     :mod:`flashgen.rowcol`; otherwise both lists are empty.  ``mask_reads_memory``: whether
     the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
-    (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None."""
+    (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
+    ``nonneg_div``: see :class:`Invariants`."""
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
-    inv = Invariants(raw_score="score_raw")  # both forward templates define score_raw = q.k
+    # both forward templates define score_raw = q.k
+    inv = Invariants(raw_score="score_raw", nonneg_div=nonneg_div)
     parts = rowcol.Split(residual, (), ())
     if side_terms and residual is not None:
         parts = rowcol.split(residual, spec)
     residual = parts.expr
     mask_expr = cuda_expr(residual, spec, inv) if residual is not None else None
+    mask_expr_nc = None
+    if residual is not None:
+        mask_expr_nc = cuda_expr(_causal_as_true(residual), spec, inv)
     score_mod_expr = cuda_expr(score_mod, spec, inv) if score_mod is not None else None
     affine_ctx = affine_context(spec, inv) if affine and score_mod is not None else None
     return {
@@ -1123,6 +1225,8 @@ def _forward_context(
         "threads": tiles.threads,
         "causal": causal,
         "mask_expr": mask_expr,
+        # mask_expr with causal replaced by true (the Hopper forward's NO_CAUSAL tiles)
+        "mask_expr_nc": mask_expr_nc,
         "score_mod_expr": score_mod_expr,
         # score_mod = score + L, L affine in q_idx, kv_idx (FULL tiles: one FFMA per element)
         "affine": affine_ctx,
@@ -1153,6 +1257,11 @@ def plan_hopper_forward(
     persistent: bool | str = False,
     side_terms: bool = True,
     affine: bool = True,
+    causal_tiles: bool = True,
+    walk_from_diagonal: bool = True,
+    col_limit: bool = True,
+    nonneg_div: bool = True,
+    single_walk: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -1179,6 +1288,23 @@ def plan_hopper_forward(
     ``side_terms``: the mask's one-sided tensor reads are read once per query row and once
     per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).  ``affine``:
     FULL tiles split an affine score_mod (:func:`affine_context`).
+    ``causal_tiles``: PARTIAL tiles where the mask is just ``causal`` (or ``causal`` holds
+    everywhere) run a cheaper masked loop (:func:`causal_tiles_context`; also off with
+    ``FLASHGEN_CAUSAL_TILES=0``).  ``walk_from_diagonal``: with a top-level ``causal``, the
+    walk of the live key blocks (last to first) starts at the block of the query block's last
+    row's diagonal, not at the last key block: the blocks past it are EMPTY, and the first
+    classifier calls of every CTA (before any load is issued) find the first block at once
+    (also off with ``FLASHGEN_WALK_FROM_DIAGONAL=0``).  ``col_limit``: a masked tile tests
+    ``kv_idx < seqlen_k`` and the causal test (and, with a score_mod, ``q_idx < seqlen_q``)
+    per element as one comparison of the column offset with a per-row limit (FA3's
+    ``col_limit``), not two or three comparisons of indices (also off with
+    ``FLASHGEN_COL_LIMIT=0``).  ``nonneg_div``: ``kv_idx / chunk`` and other integer
+    divisions by a kernel-invariant divisor with ``x >= 0`` and ``d >= 1`` proven take
+    ``fg::Divisor::div_nn`` (:class:`Invariants`; also off with ``FLASHGEN_NONNEG_DIV=0``).
+    ``single_walk`` (non-persistent, no block table): warp 0 alone runs the classifier for the
+    first live key block and hands it to the other warps through shared memory (4 bytes),
+    instead of all twelve warps classifying at once before the barrier (also off with
+    ``FLASHGEN_SINGLE_WALK=0``).
     """
     if persistent is True:
         persistent = "static"
@@ -1211,10 +1337,28 @@ def plan_hopper_forward(
         smem += tiles.block_m * d * 2 if separate_o else 0
     elif needs_block_table(spec):
         smem += 4 * tiles.num_warps  # warp_last: each warp's last live key block of the table row
+    else:
+        single_walk = single_walk and flag(SINGLE_WALK_ENV, True)
+        smem += 8 if single_walk else 0  # first_slot: warp 0's first live key block
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
-    ctx = _forward_context(spec, target, tiles, side_terms=side_terms, affine=affine)
+    ctx = _forward_context(
+        spec, target, tiles, side_terms=side_terms, affine=affine, nonneg_div=nonneg_div
+    )
     ctx["smem_bytes"] = smem
+    ctx["nonneg_div"] = nonneg_div
+    ctx["single_walk"] = bool(single_walk and not persistent and not ctx["block_table"])
+    if not causal_tiles:
+        ctx["causal_tiles"] = False
+    else:
+        ctx.update(causal_tiles_context(spec, ctx))
+    # (not at head_dim 256 with a score_mod: gemma2_softcap spilled 4 bytes there)
+    ctx["col_limit"] = bool(
+        col_limit and flag(COL_LIMIT_ENV, True) and not (spec.score_mod is not None and d >= 256)
+    )
+    ctx["walk_from_diagonal"] = bool(
+        walk_from_diagonal and ctx["causal"] and flag(WALK_FROM_DIAGONAL_ENV, True)
+    )
     if m_major is None:
         m_major = False
     tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),

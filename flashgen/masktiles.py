@@ -24,6 +24,15 @@ in the template (EMPTY wins, FULL needs both).
 
 The host mirror is :func:`flashgen.maskinfo.classify`; tests compile this source for the
 host with nvcc and compare it with that on grids.  No torch, no GPU.
+
+``causal_bits=True`` (the Hopper forward) adds two flags to a PARTIAL class, for a mask
+that contains ``causal``: ``fg::iv::CAUSAL_ONLY`` (4) when the mask equals ``causal`` on
+every pair of the tile (the mask with ``causal`` replaced by true is FULL there and with
+``causal`` replaced by false EMPTY: ``causal && r`` with ``r`` FULL, ``kv_idx < p ||
+causal`` with ``kv_idx < p`` EMPTY), so the kernel evaluates the causal test alone, and
+``fg::iv::NO_CAUSAL`` (8) when ``causal`` holds on every pair of the tile, so the kernel
+evaluates the mask with ``causal`` replaced by true.  The subexpressions without
+``causal`` are emitted once and shared by the three evaluations.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
+from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var, walk
 from .maskinfo import F32_REL, F32_REL_EXPLOG, F32_REL_TANH, f32_exact
 
 #: Name of the emitted function.
@@ -86,6 +95,10 @@ class _Emitter:
         self.index_range = index_range
         self.lines: list[str] = []
         self.n = 0
+        # the truth a ``causal`` node takes (None: its interval test); subexpressions without
+        # ``causal`` are memoized (by node identity) and shared across substitutions
+        self.causal_as: str | None = None
+        self.memo: dict[int, str] = {}
 
     def let(self, ty: str, code: str) -> str:
         name = f"e{self.n}"
@@ -95,6 +108,14 @@ class _Emitter:
 
     def emit(self, e: Expr) -> str:
         """Name of a local holding ``e``'s range (R) or truth (T)."""
+        name = self.memo.get(id(e))
+        if name is None:
+            name = self._emit(e)
+            if not _has_causal(e):
+                self.memo[id(e)] = name
+        return name
+
+    def _emit(self, e: Expr) -> str:
         if isinstance(e, Const):
             if e.ty == Ty.BOOL:
                 return self.let("T", f"fg::iv::truth({'true' if e.value else 'false'})")
@@ -102,6 +123,8 @@ class _Emitter:
                 return self.let("R", f"fg::iv::fl(fg::iv::exact({_double(e.value)}), {_REL})")
             return self.let("R", f"fg::iv::exact({_double(e.value)})")
         if isinstance(e, Causal):
+            if self.causal_as is not None:
+                return self.causal_as
             lhs = self.let("R", "fg::iv::exact((double)seqlen_k - (double)seqlen_q)")
             lhs = self.let("R", f"fg::iv::add(q_r, {lhs})")
             return self.let("T", f"fg::iv::ge({lhs}, kv_r)")
@@ -169,17 +192,29 @@ class _Emitter:
         raise TypeError(f"cannot classify {e!r}")
 
 
+def _has_causal(e: Expr) -> bool:
+    return any(isinstance(n, Causal) for n in walk(e))
+
+
+def has_causal_bits(spec: Spec) -> bool:
+    """Whether ``classifier_source(spec, causal_bits=True)`` can set CAUSAL_ONLY / NO_CAUSAL:
+    the mask contains ``causal`` and something else."""
+    return spec.mask is not None and _has_causal(spec.mask) and not isinstance(spec.mask, Causal)
+
+
 def classifier_source(
     spec: Spec,
     *,
     index_range: Callable[[Index], str] | None = None,
     name: str = FUNCTION,
+    causal_bits: bool = False,
 ) -> str:
     """C++ source of ``spec``'s tile classifier (needs ``masktiles.cuh`` before it).
 
     ``index_range``: see the module docstring (the pre-pass hook).  ``name``: the
-    function's name (tests put several in one file).  Raises ``TypeError`` for an
-    expression node the analysis does not know.
+    function's name (tests put several in one file).  ``causal_bits``: PARTIAL may carry
+    ``CAUSAL_ONLY`` / ``NO_CAUSAL`` (module docstring; only where :func:`has_causal_bits`).
+    Raises ``TypeError`` for an expression node the analysis does not know.
     """
     sig = ", ".join(f"{t} {n}" for t, n in classifier_params(spec))
     head = [
@@ -202,4 +237,13 @@ def classifier_source(
         "    (void)q_r; (void)kv_r;",
     ]
     keep = em.emit(spec.mask)
-    return "\n".join([*head, *em.lines, f"    return fg::iv::tile_class({keep});", "}", ""])
+    if not (causal_bits and has_causal_bits(spec)):
+        return "\n".join([*head, *em.lines, f"    return fg::iv::tile_class({keep});", "}", ""])
+    causal = em.emit(Causal())
+    em.causal_as = em.let("T", "fg::iv::truth(true)")
+    keep_t = em.emit(spec.mask)
+    em.causal_as = em.let("T", "fg::iv::truth(false)")
+    keep_f = em.emit(spec.mask)
+    cls = f"fg::iv::tile_class({keep})"
+    tail = [f"    return fg::iv::causal_bits({cls}, {causal}, {keep_t}, {keep_f});", "}", ""]
+    return "\n".join([*head, *em.lines, *tail])

@@ -42,7 +42,8 @@ def build_forward(
     (:mod:`flashgen.rowcol`) that spills is retried with them per element before the next
     tiles; ``FLASHGEN_SIDE_TERMS=0`` (read at each build) never uses them (to compare).
     Before each of those, a kernel that splits an affine score_mod (``plan_forward``'s
-    ``affine``) and spills is retried without the split.
+    ``affine``) and spills is retried without the split, and before that a Hopper kernel
+    with the masked-tile reductions (``plan_forward``'s ``mask_tiles``) without them.
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
@@ -51,18 +52,23 @@ def build_forward(
     for tiles in forward_tile_candidates(spec, target, gpu, family):
         for side_terms in ways:
             for affine in (True, False):
-                plan = plan_forward(
-                    spec,
-                    target,
-                    gpu,
-                    tiles=tiles,
-                    persistent=persistent,
-                    side_terms=side_terms,
-                    affine=affine,
-                )
-                cubin, report = cache.get_or_build(render(plan), plan)
-                if not report.spill_bytes:
-                    return plan, cubin, report
+                for mask_tiles in (True, False):
+                    plan = plan_forward(
+                        spec,
+                        target,
+                        gpu,
+                        tiles=tiles,
+                        persistent=persistent,
+                        side_terms=side_terms,
+                        affine=affine,
+                        mask_tiles=mask_tiles,
+                    )
+                    cubin, report = cache.get_or_build(render(plan), plan)
+                    if not report.spill_bytes:
+                        return plan, cubin, report
+                    reductions = ("causal_tiles", "col_limit", "nonneg_div")
+                    if not any(plan.context.get(r) for r in reductions):
+                        break  # no masked-tile reductions: the same kernel again
                 if plan.context.get("affine") is None:
                     break  # no affine split: the same kernel again
             if not (plan.context.get("row_terms") or plan.context.get("col_terms")):

@@ -150,6 +150,17 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
+// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
+// false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
+// neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
+constexpr int CAUSAL_ONLY = 4, NO_CAUSAL = 8;
+FG_HD int causal_bits(int cls, T causal, T keep_t, T keep_f) {
+    if (cls != PARTIAL) return cls;
+    if (keep_t.t && !keep_t.f && !keep_f.t) return cls | CAUSAL_ONLY;
+    return causal.f ? cls : (cls | NO_CAUSAL);
+}
+
 // Smallest power of two >= n (n >= 1).
 FG_HD int ceil_pow2(int n) {
     int s = 1;

@@ -134,6 +134,17 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // the multiply-high and a shift, no sign or zero handling.
+    __host__ __device__ __forceinline__ int div_nn(int x) const {
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi((uint32_t)x, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)(uint32_t)x * magic) >> 32);
+#endif
+        return (int)((hi + (uint32_t)x) >> shift);
+    }
+    __host__ __device__ __forceinline__ int mod_nn(int x) const { return x - div_nn(x) * d; }
 };
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

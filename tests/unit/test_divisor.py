@@ -4,7 +4,9 @@ integer (a DSL ``x / d`` or ``x % d`` with ``d`` a scalar param, hoisted by
 divisor, like ``fg::idiv``) in a host program compiled with nvcc from the very header the
 kernels include, over every divisor in [-1100, 1100], powers of two and their neighbours up
 to 2^31, and dividends at the int32 edges, around multiples of the divisor and at random.
-Also: the lowering hoists exactly the invariant divisors."""
+``div_nn`` / ``mod_nn`` (no sign handling) against the same where ``x >= 0`` and ``d >= 1``.
+Also: the lowering hoists exactly the invariant divisors, and takes ``div_nn`` only where it
+proves both."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ static void check(int x, int d) {
         if (failures++ < 20)
             printf("x %d d %d: div %d (want %d) mod %d (want %d)\n", x, d, dv.div(x), q,
                    dv.mod(x), r);
+    }
+    if (x >= 0 && d >= 1 && (dv.div_nn(x) != q || dv.mod_nn(x) != r)) {  // the proven case
+        if (failures++ < 20)
+            printf("x %d d %d: div_nn %d (want %d) mod_nn %d (want %d)\n", x, d, dv.div_nn(x),
+                   q, dv.mod_nn(x), r);
     }
 }
 
@@ -158,3 +165,24 @@ def test_softmax_scale_folds_into_score_products():
     # the backward (no raw logit) keeps the scaled score and the reciprocal
     plain = Invariants()
     assert "(score * fg_inv0)" in cuda_expr(spec.score_mod, spec, plain)
+
+
+def test_proven_nonnegative_divisions_take_div_nn(monkeypatch):
+    """With ``Invariants(nonneg_div=True)`` (the Hopper forward): ``kv_idx / chunk`` with
+    ``chunk`` declared ``min: 1`` is ``div_nn``; a dividend that may be negative, a divisor
+    that may be 0 or negative, or ``FLASHGEN_NONNEG_DIV=0`` keep the signed ``div``."""
+    from flashgen.lower import NONNEG_DIV_ENV
+
+    spec = loads_spec(
+        "name: nn\nhead_dim: 64\ndtype: bf16\n"
+        "mask: (q_idx + seqlen_k - seqlen_q) / c == kv_idx / c && kv_idx % c < q_idx / w + 1\n"
+        "params:\n  c: {type: i32, default: 64, min: 1}\n  w: {type: i32, default: 8}\n"
+    )
+    inv = Invariants(nonneg_div=True)
+    mask = cuda_expr(spec.mask, spec, inv)
+    assert "fg_inv0.div_nn(kv_idx)" in mask and "fg_inv0.mod_nn(kv_idx)" in mask
+    assert "fg_inv0.div(((q_idx + seqlen_k) - seqlen_q))" in mask  # may be negative
+    assert "fg_inv1.div(q_idx)" in mask  # w may be 0 or negative
+    assert "_nn" not in cuda_expr(spec.mask, spec, Invariants())  # the default: off
+    monkeypatch.setenv(NONNEG_DIV_ENV, "0")
+    assert "_nn" not in cuda_expr(spec.mask, spec, Invariants(nonneg_div=True))

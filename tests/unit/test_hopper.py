@@ -147,8 +147,11 @@ def test_block_table_specs_take_the_hopper_kernel_and_its_table():
     # the classifier path is unchanged for index-only masks
     swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90"))
     assert "walk.prev_live(j, c, kv_class)" in swa and "tab_row" not in swa
-    # the smem layout reserves warp_last (one int per warp) only with a table
-    plain = plan_hopper_forward(replace(spec, mask=None, params=()), "sm_90", plan.tiles)
+    # the smem layout reserves warp_last (one int per warp) only with a table (without one,
+    # single_walk's first_slot: 8 bytes)
+    plain = plan_hopper_forward(
+        replace(spec, mask=None, params=()), "sm_90", plan.tiles, single_walk=False
+    )
     assert plan.smem_bytes == plain.smem_bytes + 4 * 12
     with pytest.raises(ValueError, match="no varlen"):
         plan_hopper_forward(varlen_spec(load_spec(REPO / "specs" / "causal_d128.yaml")),

@@ -66,12 +66,12 @@ def _random_specs(n: int, wild: bool) -> list:
     return [loads_spec(spec_text(m, None), f"fuzz{i}.yaml") for i, m in enumerate(masks)]
 
 
-def _program(specs, cases) -> str:
+def _program(specs, cases, causal_bits: bool = False) -> str:
     """A host program: one classifier per spec, then the cases (one line each) classified."""
     root = template_root()
     parts = [(root / "common" / "masktiles.cuh").read_text(), "#include <cstdio>"]
     for i, spec in enumerate(specs):
-        parts.append(masktiles.classifier_source(spec, name=f"cls{i}"))
+        parts.append(masktiles.classifier_source(spec, name=f"cls{i}", causal_bits=causal_bits))
     parts.append("int main() {\n    int i, q0, q1, k0, k1, b, h, hkv, sq, sk; double p[4];")
     parts.append(
         '    while (scanf("%d %d %d %d %d %d %d %d %d %d %lf %lf %lf %lf", &i, &q0, &q1, &k0, &k1,'
@@ -86,8 +86,8 @@ def _program(specs, cases) -> str:
     return "\n".join(parts)
 
 
-def _run_host(host_exe, specs, cases) -> list[int]:
-    exe = host_exe(_program(specs, cases), "cls")
+def _run_host(host_exe, specs, cases, causal_bits: bool = False) -> list[int]:
+    exe = host_exe(_program(specs, cases, causal_bits), "cls")
     stdin = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     return [int(x) for x in out.stdout.split()]
@@ -290,3 +290,66 @@ def test_classifier_widens_float_math_like_maskinfo(host_exe):
     cases += [((0, 320, 335, 304, 319, 0, 0, 0, 999, 999, 0, 0, 0, 0), 1)]
     got = _run_host(host_exe, specs, [c for c, _ in cases])
     assert [w for _, w in cases] == got
+
+
+def _point(spec, q, k, case) -> bool | None:
+    """The mask at one pair (maskinfo on a one-pair tile: exact for integer masks), None where
+    the analysis cannot tell (float rounding)."""
+    _, _, _, _, _, b, h, h_kv, sq, sk, *_ = case
+    c = classify(
+        spec, (q, q), (k, k), b=b, h=h, h_kv=h_kv, seqlen_q=sq, seqlen_k=sk,
+        params=_param_values(spec),
+    )  # fmt: skip
+    return None if c == 1 else c == 2
+
+
+def test_causal_bits_are_sound_and_keep_the_class(host_exe):
+    """causal_bits (the Hopper forward's classifier): the class without its flags is the plain
+    one; CAUSAL_ONLY only where the mask equals causal on every pair of the tile, NO_CAUSAL only
+    where causal holds on every pair; and both are found on the gallery masks' diagonal / edge
+    tiles (chunked_local at chunk >= the tile: CAUSAL_ONLY on the diagonal)."""
+    names = ("window", "prefix_lm", "chunked", "kv_head_window", "kv_head_mix", "doc")
+    specs = [load_spec(p) for p in SHIPPED] + [_gallery(n) for n in names]
+    specs += [
+        loads_spec(f"name: c{i}\nhead_dim: 64\ndtype: bf16\nmask: '{m}'\n")
+        for i, m in enumerate(
+            [
+                "causal && q_idx / 64 == kv_idx / 64",
+                "!causal || kv_idx % 3 == 0",
+                "(causal || kv_idx < 5) && q_idx - kv_idx < 20",
+                "causal == (kv_idx % 2 == 0)",
+            ]
+        )
+    ]
+    specs += [s for s in _random_specs(40, wild=False) if masktiles.has_causal_bits(s)]
+    rng = random.Random(7)
+    cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng, n=120)]
+    plain = _run_host(host_exe, specs, [c for c, _ in cases])
+    got = _run_host(host_exe, specs, [c for c, _ in cases], causal_bits=True)
+    seen = {4: 0, 8: 0}
+    for (case, want), p, g in zip(cases, plain, got, strict=True):
+        spec = specs[case[0]]
+        assert g & 3 == p == want, (spec.mask, case, g, p, want)
+        if g & 12 == 0:
+            continue
+        assert g & 3 == 1 and g & 12 != 12 and masktiles.has_causal_bits(spec), (spec.mask, g)
+        _, q0, q1, k0, k1, _, _, _, sq, sk, *_ = case
+        for q in range(q0, q1 + 1):
+            for k in range(k0, k1 + 1):
+                causal = k <= q + sk - sq
+                if g & 8:
+                    assert causal, (spec.mask, case, q, k)
+                else:
+                    m = _point(spec, q, k, case)
+                    assert m is None or m == causal, (spec.mask, case, q, k)
+        seen[g & 12] += 1
+    assert seen[4] and seen[8], seen
+    # causal && q / 64 == kv / 64 at 256 x 256
+    c0 = next(j for j, s in enumerate(specs) if s.name == "c0")
+    probe = [
+        (c0, 16, 31, 16, 31, 0, 0, 0, 256, 256, 0, 0, 0, 0),  # diagonal, one chunk: CAUSAL_ONLY
+        (c0, 32, 47, 0, 15, 0, 0, 0, 256, 256, 0, 0, 0, 0),  # below it, one chunk: FULL
+        (c0, 64, 79, 48, 63, 0, 0, 0, 256, 256, 0, 0, 0, 0),  # below it, other chunk: EMPTY
+        (c0, 70, 79, 60, 69, 0, 0, 0, 256, 256, 0, 0, 0, 0),  # below it, two chunks: NO_CAUSAL
+    ]
+    assert _run_host(host_exe, specs, probe, causal_bits=True) == [1 | 4, 2, 0, 1 | 8]

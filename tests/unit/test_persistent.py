@@ -95,13 +95,14 @@ def test_persistent_env(monkeypatch):
 def test_persistent_smem_layout():
     """q_empty (8 bytes) and the double-buffered tile info (8 ints) after the stage info, and
     at head_dim 64 / 128 a BLOCK_M x HEAD_DIM staging buffer; no warp_last (the producer
-    warp scans the block table itself)."""
+    warp scans the block table itself) and no first_slot (the producer warp walks alone)."""
     doc = load_spec(REPO / "specs" / "document_mask.yaml")
     plain = load_spec(REPO / "specs" / "causal_d128.yaml")
     for spec in (doc, plain):
         off = plan_forward(spec, "sm_90")
         on = plan_forward(spec, "sm_90", persistent=True)
         warp_last = 4 * off.tiles.num_warps if off.context["block_table"] else 0
+        warp_last += 8 if off.context["single_walk"] else 0  # first_slot (single_walk)
         staging = off.tiles.block_m * spec.head_dim * 2
         assert on.smem_bytes == off.smem_bytes - warp_last + 40 + staging
     with pytest.raises(ValueError, match="shared memory"):

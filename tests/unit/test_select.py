@@ -98,3 +98,27 @@ def test_pinned_tiles_beyond_the_targets_shared_memory_are_refused():
     assert plan_forward(spec, "sm_90").smem_bytes == 180224
     with pytest.raises(ValueError, match="need 180224 B of shared memory .* sm_80 .166912 B"):
         plan_forward(spec, "sm_80")
+
+
+NOT_CAUSAL_OR = """\
+name: not_causal_or
+head_dim: 128
+dtype: bf16
+mask: "!causal || kv_idx % 7 == 0"
+"""
+
+
+def test_hopper_mask_tiles_are_dropped_when_they_spill(requires_nvcc):
+    """The Hopper forward's masked-tile reductions (causal_tiles, col_limit) cost registers:
+    with them this mask's kernel spilled (52 bytes, nvcc 13.0); the fallback keeps the
+    table's tiles and drops the reductions before anything else."""
+    spec = loads_spec(NOT_CAUSAL_OR, "not_causal_or.yaml")
+    first = plan_forward(spec, "sm_90")
+    assert first.context["causal_tiles"] and first.context["col_limit"]
+    _, rep0 = cache.get_or_build(render(first), first)
+    plan, _, report = build_forward(spec, "sm_90")
+    assert report.spill_bytes == 0 and plan.tiles == first.tiles
+    if rep0.spill_bytes:
+        assert not plan.context["causal_tiles"] and not plan.context["col_limit"]
+    else:
+        assert plan.context["causal_tiles"]
