@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
 """The gallery's head_dim-128 specs on the Hopper forward at each BLOCK_N, on the present
-H100/H200: is the one d128 tile of ``flashgen/lower.py``'s HOPPER_TILES (128 x 160, picked
-on dense attention) also the best tile for the masks?
+H100/H200: is the d128 tile of ``flashgen/lower.py``'s HOPPER_TILES (128 x 160, picked on
+dense attention; HOPPER_TABLE_TILES for masks that read tensors) the best tile for the masks?
 
 A mask's partial tiles cost more than full ones (the mask is evaluated per element), and
 how many there are depends on BLOCK_N: with BLOCK_M = BLOCK_N = 128 and Sq = Sk the
 causal diagonal is one tile per query block; at 160 it straddles two in most of them.
 For each spec and each ``--block-n``: the op's plan with that BLOCK_N in place of the
 table's (every other choice the same), built for all candidates first (nvcc in
-parallel), checked against the op at the table's tile on the timing inputs (max |diff|,
+parallel), checked against the op at the spec's own tile on the timing inputs (max |diff|,
 must be under 2e-2 in bf16), then timed at the gallery's shape (batch * seqlen = 16384,
 heads * head_dim = 2048, Sq = Sk = ``--seqlen``; ``flashgen.bench.do_bench_ms`` medians
 over ``--rounds`` rounds that alternate the candidates).  A spec whose mask reads
 tensors runs with a block table built once for each candidate's tiles.  Prints ms,
-TFLOP/s over the kept pairs, and the ratio to the table's tile.
+TFLOP/s over the kept pairs, and the ratio to the spec's own tile.
 
     python3 tools/mask_tiles.py                          # about two minutes on an H200
     python3 tools/mask_tiles.py --block-n 128 160 --specs prefix_lm --json out.json
@@ -64,10 +64,20 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     gpu = torch.cuda.get_device_name(dev)
     table_tile = lower.HOPPER_TILES[(128, False)]
+    block_table_tile = lower.HOPPER_TABLE_TILES.get(128)
 
-    def with_block_n(bn: int):
-        """HOPPER_TILES' d128 row (no score_mod: alibi's affine split keeps it) at ``bn``."""
-        lower.HOPPER_TILES[(128, False)] = lower.TileConfig(128, bn, table_tile.num_warps)
+    def with_block_n(bn: int | None):
+        """HOPPER_TILES' d128 row (no score_mod: alibi's affine split keeps it) and the
+        block-table row at ``bn`` (None: as they were)."""
+        if bn is None:
+            lower.HOPPER_TILES[(128, False)] = table_tile
+            if block_table_tile is not None:
+                lower.HOPPER_TABLE_TILES[128] = block_table_tile
+            return
+        tile = lower.TileConfig(128, bn, table_tile.num_warps)
+        lower.HOPPER_TILES[(128, False)] = tile
+        if block_table_tile is not None:
+            lower.HOPPER_TABLE_TILES[128] = tile
 
     ops = {}
     for name in args.specs:
@@ -115,7 +125,8 @@ def main(argv=None) -> int:
         )
         ref = None
         variants = {}  # BLOCK_N -> (the op's kernel cache with that kernel, call, max diff)
-        order = [table_tile.block_n, *[x for x in args.block_n if x != table_tile.block_n]]
+        default_bn = lower.hopper_tiles(spec).block_n  # the spec's tile in the tables
+        order = [default_bn, *[x for x in args.block_n if x != default_bn]]
         for bn in order:
             with_block_n(bn)
             op._kernels.clear()
@@ -139,7 +150,7 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 print(f"{name} BLOCK_N={bn}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
             finally:
-                with_block_n(table_tile.block_n)
+                with_block_n(None)
         times: dict[int, list] = {bn: [] for bn in variants}
         for _ in range(args.rounds):
             for bn, (kernels, call, _) in variants.items():
@@ -147,7 +158,7 @@ def main(argv=None) -> int:
                 op._kernels.update(kernels)  # the op runs this variant's kernel
                 times[bn].append(bench.do_bench_ms(call, args.warmup, args.rep))
         op._kernels.clear()
-        base = statistics.median(times[table_tile.block_n]) if table_tile.block_n in times else None
+        base = statistics.median(times[default_bn]) if default_bn in times else None
         for bn, ts in times.items():
             ms = statistics.median(ts)
             row = {
@@ -163,7 +174,7 @@ def main(argv=None) -> int:
             bad = "  BAD" if not row["max_diff"] <= 2e-2 else ""
             print(
                 f"{name:14s} BLOCK_N={bn:3d}: {ms:.3f} ms {row['tflops']:6.1f} TFLOP/s  "
-                f"x{row['vs_table'] or 0:.3f} vs {table_tile.block_n}  diff "
+                f"x{row['vs_table'] or 0:.3f} vs {default_bn}  diff "
                 f"{row['max_diff']:.1e}{bad}",
                 flush=True,
             )

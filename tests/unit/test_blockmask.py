@@ -162,7 +162,7 @@ def test_a_table_is_used_only_with_the_tiles_it_was_built_for():
     """op.block_mask's table travels to the CUDA impl as a [.., block_m, block_n] broadcast
     view; the impl's check (the same _table_values the CUDA launch runs) accepts it for a
     kernel of those tiles and refuses it for another, even where the tile counts agree
-    (here 1 x 1 tiles for both the FA2-class 128x32 and the Hopper 128x160 kernels)."""
+    (here 1 x 1 tiles for both the FA2-class 128x32 and the Hopper 128x128 kernels)."""
     from flashgen.blockmask import table_for_tiles
     from flashgen.op import validate
 
@@ -183,7 +183,7 @@ def test_a_table_is_used_only_with_the_tiles_it_was_built_for():
     hopper = plan_forward(op.spec, "sm_90")
     assert block_table_shape(op.spec, hopper.tiles, 2, 4, 100, 30) == bm.shape
     with pytest.raises(OpInputError, match=r"built for 128x32 tiles, but this call runs a "
-                       r"kernel with 128x160 tiles"):  # fmt: skip
+                       r"kernel with 128x128 tiles"):  # fmt: skip
         op._table_values(arg, hopper, dims, [], tensors, q.device)
     with pytest.raises(OpInputError, match=r"expected the uint8 table view .* \[2, 1, 1, 1, "):
         op._table_values(bm.table, fa2, dims, [], tensors, q.device)  # a bare table

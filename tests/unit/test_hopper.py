@@ -14,6 +14,7 @@ import pytest
 from flashgen import cache, tma
 from flashgen.compile import find_nvcc
 from flashgen.lower import (
+    HOPPER_TABLE_TILES,
     HOPPER_TILES,
     TileConfig,
     block_table_shape,
@@ -170,3 +171,13 @@ def test_hopper_block_table_kernel_compiles_without_spills(requires_nvcc, d):
     pre = plan_block_table(spec, "sm_90", plan.tiles)
     _, report = cache.get_or_build(render(pre), pre)
     assert report.spill_bytes == 0, report
+
+
+def test_a_block_table_mask_takes_its_own_hopper_tile():
+    """document masking (a mask that reads tensors) runs 128 x 128 steps at head_dim 128
+    (HOPPER_TABLE_TILES); index-only masks keep HOPPER_TILES' 128 x 160."""
+    doc = load_spec(REPO / "specs" / "document_mask.yaml")
+    prefix = load_spec(REPO / "specs" / "prefix_lm.yaml")
+    assert hopper_tiles(doc) == HOPPER_TABLE_TILES[128] == TileConfig(128, 128, 12)
+    assert plan_forward(doc, "sm_90").tiles == HOPPER_TABLE_TILES[128]
+    assert hopper_tiles(prefix) == HOPPER_TILES[(128, False)]
