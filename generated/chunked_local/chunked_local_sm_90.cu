@@ -156,6 +156,17 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // the multiply-high and a shift, no sign or zero handling.
+    __host__ __device__ __forceinline__ int div_nn(int x) const {
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi((uint32_t)x, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)(uint32_t)x * magic) >> 32);
+#endif
+        return (int)((hi + (uint32_t)x) >> shift);
+    }
+    __host__ __device__ __forceinline__ int mod_nn(int x) const { return x - div_nn(x) * d; }
 };
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -438,6 +449,17 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
+// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
+// false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
+// neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
+constexpr int CAUSAL_ONLY = 4, NO_CAUSAL = 8;
+FG_HD int causal_bits(int cls, T causal, T keep_t, T keep_f) {
+    if (cls != PARTIAL) return cls;
+    if (keep_t.t && !keep_t.f && !keep_f.t) return cls | CAUSAL_ONLY;
+    return causal.f ? cls : (cls | NO_CAUSAL);
+}
+
 // Smallest power of two >= n (n >= 1).
 FG_HD int ceil_pow2(int n) {
     int s = 1;
@@ -567,7 +589,14 @@ __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, in
     const fg::iv::R e10 = fg::iv::div(kv_r, e9, true);
     const fg::iv::T e11 = fg::iv::eq(e8, e10);
     const fg::iv::T e12 = fg::iv::land(e2, e11);
-    return fg::iv::tile_class(e12);
+    const fg::iv::R e13 = fg::iv::exact((double)seqlen_k - (double)seqlen_q);
+    const fg::iv::R e14 = fg::iv::add(q_r, e13);
+    const fg::iv::T e15 = fg::iv::ge(e14, kv_r);
+    const fg::iv::T e16 = fg::iv::truth(true);
+    const fg::iv::T e17 = fg::iv::land(e16, e11);
+    const fg::iv::T e18 = fg::iv::truth(false);
+    const fg::iv::T e19 = fg::iv::land(e18, e11);
+    return fg::iv::causal_bits(fg::iv::tile_class(e12), e15, e17, e19);
 }
 
 
@@ -631,6 +660,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_chunked_local_
     auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
     // Per ring stage, written by the producer before it arms k_full: the key block, its tile class, last?
     int* stage_info = reinterpret_cast<int*>(smem_raw + (bars + 8u * (1 + 4 * STAGES) - fg::smem_u32(smem_raw)));
+    int* first_slot = stage_info + 2 * STAGES;  // the first live key block, from warp 0's walk
 
     // Which (batch, head, query block) this CTA computes; heaviest causal blocks first.
     const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
@@ -652,12 +682,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_chunked_local_
         const int k0 = j0 * BLOCK_N, k1 = min((j1 + 1) * BLOCK_N, seqlen_k) - 1;
         return fg_tile_class(m0, m_last, k0, k1, b, h, h_kv, seqlen_q, seqlen_k, p_chunk);
     };
-    // Every warp finds the first block (one classifier call per lane for 32 blocks); the producer
-    // warp's walk then goes on from there.
+    // Warp 0 finds the first block (one classifier call per lane for 32 blocks) and its walk goes
+    // on from there; the other warps read the block after the barrier (lower.py, single_walk:
+    // all twelve classifying at once shared the issue slots of warp 0's walk).
     fg::iv::WarpWalk walk;
     auto prev_live = [&](int j, int& c) { return walk.prev_live(j, c, kv_class); };
     int cls = fg::iv::EMPTY;
-    const int first_block = prev_live(n_kv_blocks - 1, cls);
+    // causal: the key blocks past the one of the last row's diagonal are EMPTY (lower.py,
+    // walk_from_diagonal): the walk starts there.
+    const int diag_k = m_last + seqlen_k - seqlen_q;  // the last key the last row may keep
+    const int walk_start = diag_k < 0 ? -1 : min(n_kv_blocks - 1, diag_k / BLOCK_N);
+    int first_block = -1;
+    if (threadIdx.x < 32) {
+        first_block = prev_live(walk_start, cls);
+        if (threadIdx.x == 0) *first_slot = first_block;  // read after __syncthreads below
+    }
 
     if (threadIdx.x == 0) {
         fg::mbar_init(q_full, 1);
@@ -670,6 +709,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_chunked_local_
         fg::fence_barrier_init();
     }
     __syncthreads();
+    if (threadIdx.x >= 32) first_block = *first_slot;
 
     if (threadIdx.x < 128) {
         // ------------------------------------------------------------ producer warpgroup
@@ -767,6 +807,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_chunked_local_
     // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
     auto softmax = [&](int n0, int tile_cls) {
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
+            if (tile_cls & fg::iv::CAUSAL_ONLY) {  // the mask is causal on this tile
+            int col_lim[2];
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_row = m0 + fg::iv::opaque(row_base) + r * 8;  // opaque: not hoisted out of the key loop
+                int lim = seqlen_k - 1;
+                lim = min(lim, q_row + seqlen_k - seqlen_q);
+                col_lim[r] = lim - n0 - (lane % 4) * 2;
+            }
+
+            #pragma unroll
+            for (int j = 0; j < NS; ++j) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int q_raw = m0 + row_base + (i / 2) * 8;
+                    const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
+                    (void)q_raw; (void)kv_raw;
+                    const bool keep = (j * 8 + i % 2 <= col_lim[i / 2]);
+                    if (!keep) acc_s[4 * j + i] = -INFINITY;
+                }
+            }
+
+            } else if (tile_cls & fg::iv::NO_CAUSAL) {  // causal holds on the whole tile
+            int col_lim[2];
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_row = m0 + fg::iv::opaque(row_base) + r * 8;  // opaque: not hoisted out of the key loop
+                int lim = seqlen_k - 1;
+                col_lim[r] = lim - n0 - (lane % 4) * 2;
+            }
+
             #pragma unroll
             for (int j = 0; j < NS; ++j) {
                 #pragma unroll
@@ -774,17 +845,51 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_chunked_local_
                     const int q_raw = m0 + row_base + (i / 2) * 8;
                     const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
                     // The DSL sees indices clamped into range (and float twins); out-of-range pairs
-                    // are dropped anyway.
+                    // are dropped anyway (a mask without tensor reads sees kv_raw: the column limit drops the columns past seqlen_k before their value counts).
                     const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = min(kv_raw, seqlen_k - 1);
+                    const int kv_idx = kv_raw;
                     const float q_idx_f = (float)q_idx;
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
-                    const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
-                                      & ((fg_inv0.div(((q_idx + seqlen_k) - seqlen_q)) == fg_inv0.div(kv_idx)));
+                    (void)q_raw; (void)kv_raw;
+                    const bool keep = (j * 8 + i % 2 <= col_lim[i / 2])
+                                      & ((fg_inv0.div(((q_idx + seqlen_k) - seqlen_q)) == fg_inv0.div_nn(kv_idx)));
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
             }
+
+            } else {
+            int col_lim[2];
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_row = m0 + fg::iv::opaque(row_base) + r * 8;  // opaque: not hoisted out of the key loop
+                int lim = seqlen_k - 1;
+                if (IS_CAUSAL) lim = min(lim, q_row + seqlen_k - seqlen_q);
+                col_lim[r] = lim - n0 - (lane % 4) * 2;
+            }
+
+            #pragma unroll
+            for (int j = 0; j < NS; ++j) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int q_raw = m0 + row_base + (i / 2) * 8;
+                    const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
+                    // The DSL sees indices clamped into range (and float twins); out-of-range pairs
+                    // are dropped anyway (a mask without tensor reads sees kv_raw: the column limit drops the columns past seqlen_k before their value counts).
+                    const int q_idx = min(q_raw, seqlen_q - 1);
+                    const int kv_idx = kv_raw;
+                    const float q_idx_f = (float)q_idx;
+                    const float kv_idx_f = (float)kv_idx;
+                    (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
+                    (void)q_raw; (void)kv_raw;
+                    const bool keep = (j * 8 + i % 2 <= col_lim[i / 2])
+                                      & ((fg_inv0.div(((q_idx + seqlen_k) - seqlen_q)) == fg_inv0.div_nn(kv_idx)));
+                    if (!keep) acc_s[4 * j + i] = -INFINITY;
+                }
+            }
+
+            }
+
         }
         #pragma unroll
         for (int r = 0; r < 2; ++r) {

@@ -155,6 +155,17 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // the multiply-high and a shift, no sign or zero handling.
+    __host__ __device__ __forceinline__ int div_nn(int x) const {
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi((uint32_t)x, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)(uint32_t)x * magic) >> 32);
+#endif
+        return (int)((hi + (uint32_t)x) >> shift);
+    }
+    __host__ __device__ __forceinline__ int mod_nn(int x) const { return x - div_nn(x) * d; }
 };
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -310,6 +321,17 @@ FG_HD int opaque(int x) {
 }
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
+
+// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
+// false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
+// neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
+constexpr int CAUSAL_ONLY = 4, NO_CAUSAL = 8;
+FG_HD int causal_bits(int cls, T causal, T keep_t, T keep_f) {
+    if (cls != PARTIAL) return cls;
+    if (keep_t.t && !keep_t.f && !keep_f.t) return cls | CAUSAL_ONLY;
+    return causal.f ? cls : (cls | NO_CAUSAL);
+}
 
 // Smallest power of two >= n (n >= 1).
 FG_HD int ceil_pow2(int n) {

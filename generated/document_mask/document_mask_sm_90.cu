@@ -157,6 +157,17 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // the multiply-high and a shift, no sign or zero handling.
+    __host__ __device__ __forceinline__ int div_nn(int x) const {
+#ifdef __CUDA_ARCH__
+        const uint32_t hi = __umulhi((uint32_t)x, magic);
+#else
+        const uint32_t hi = (uint32_t)(((uint64_t)(uint32_t)x * magic) >> 32);
+#endif
+        return (int)((hi + (uint32_t)x) >> shift);
+    }
+    __host__ __device__ __forceinline__ int mod_nn(int x) const { return x - div_nn(x) * d; }
 };
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -262,27 +273,6 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a
                  "{ %64, %65, %66, %67}, "
                  "%68, p, 1, 1, 1;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-// d[64 x 160] (+)= A[64 x 16] (shared, K-major) * B[16 x 160] (shared, K-major); scale_d = 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss_n160(float (&d)[80], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile("{ .reg .pred p;\n"
-                 "setp.ne.b32 p, %82, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
-                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, "
-                 "%80, %81, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-// d[64 x 160] += A[64 x 16] (registers) * B[16 x 160] (shared, N-major: transposed).
-__device__ __forceinline__ void wgmma_rs_n160(float (&d)[80], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile("{ .reg .pred p;\n"
-                 "setp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
-                 "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79}, "
-                 "{ %80, %81, %82, %83}, "
-                 "%84, p, 1, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
@@ -439,6 +429,17 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
+// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
+// false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
+// neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
+constexpr int CAUSAL_ONLY = 4, NO_CAUSAL = 8;
+FG_HD int causal_bits(int cls, T causal, T keep_t, T keep_f) {
+    if (cls != PARTIAL) return cls;
+    if (keep_t.t && !keep_t.f && !keep_f.t) return cls | CAUSAL_ONLY;
+    return causal.f ? cls : (cls | NO_CAUSAL);
+}
+
 // Smallest power of two >= n (n >= 1).
 FG_HD int ceil_pow2(int n) {
     int s = 1;
@@ -551,7 +552,7 @@ struct WarpWalk {
 namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int BLOCK_M = 128;
-constexpr int BLOCK_N = 160;
+constexpr int BLOCK_N = 128;
 constexpr int NUM_CONSUMERS = 2;
 constexpr int STAGES = 2;
 constexpr int THREADS = 128 * (NUM_CONSUMERS + 1);
@@ -753,7 +754,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
             const uint32_t col = (kk / 4) * 128u, sub = (kk % 4) * 32u;
             const uint64_t da = fg::gmma_desc(sQ + col * BLOCK_M + cg * 64 * 128 + sub, 16, 1024);
             const uint64_t db = fg::gmma_desc(sK + s * SKV_BYTES + col * BLOCK_N + sub, 16, 1024);
-            fg::wgmma_ss_n160(acc_s, da, db, kk > 0);
+            fg::wgmma_ss_n128(acc_s, da, db, kk > 0);
         }
         fg::wgmma_commit();
     };
@@ -775,6 +776,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
     auto softmax = [&](int n0, int tile_cls) {
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
+            int col_lim[2];
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int q_row = m0 + fg::iv::opaque(row_base) + r * 8;  // opaque: not hoisted out of the key loop
+                int lim = seqlen_k - 1;
+                if (IS_CAUSAL) lim = min(lim, q_row + seqlen_k - seqlen_q);
+                col_lim[r] = lim - n0 - (lane % 4) * 2;
+            }
+
             constexpr int NC = (BLOCK_N + 31) / 32;
             int fg_col0_v[NC];
             #pragma unroll
@@ -797,19 +807,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
                     const int q_raw = m0 + row_base + (i / 2) * 8;
                     const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
                     // The DSL sees indices clamped into range (and float twins); out-of-range pairs
-                    // are dropped anyway.
+                    // are dropped anyway (a mask without tensor reads sees kv_raw: the column limit drops the columns past seqlen_k before their value counts).
                     const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = min(kv_raw, seqlen_k - 1);
+                    const int kv_idx = kv_raw;
                     const float q_idx_f = (float)q_idx;
                     const float kv_idx_f = (float)kv_idx;
                     (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                     const int fg_row0 = fg_row0_r[i / 2];
                     const int fg_col0 = fg_col0_c[i % 2];
-                    const bool keep = (kv_raw < seqlen_k) & (!IS_CAUSAL || kv_raw <= q_raw + seqlen_k - seqlen_q)
+                    (void)q_raw; (void)kv_raw;
+                    const bool keep = (j * 8 + i % 2 <= col_lim[i / 2])
                                       & ((fg_row0 == fg_col0));
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
             }
+
+
         }
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
