@@ -12,7 +12,10 @@ autograd registration whose backward is the op ``<name>__backward`` (see
 :mod:`flashgen.backward`).
 
 The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
-front (:func:`validate`, also run by every kernel) and fills in defaults.
+front (:func:`validate`, also run by every kernel) and fills in defaults.  On plain CUDA
+tensors in eager mode it launches the forward itself (:func:`_eager_cuda`; training through
+``_EagerAttention``, whose backward is the registered one), which saves the dispatcher's
+and the custom-op autograd wrapper's host time; everywhere else it calls the operator.
 
 ``deterministic`` does not change the forward (its impls ignore it); it is a schema
 argument so that it reaches the autograd ``setup_context`` the same way in eager mode,
@@ -506,6 +509,11 @@ class AttentionOp:
 
         Raises :class:`OpInputError` for bad inputs (message names the argument, the
         expected and the received value).
+
+        Plain CUDA tensors in eager mode skip the dispatcher (the same kernels and results,
+        less host time per call); under ``torch.compile``, a torch-function or dispatch
+        mode, a functorch transform, with tensor subclasses or CPU tensors this calls
+        ``torch.ops.flashgen.<name>``.
         """
         scalars, tensors = resolve_params(self.spec, params)
         tensor_map = self._tensor_map(tensors)
