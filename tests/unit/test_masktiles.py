@@ -357,6 +357,7 @@ def test_causal_bits_are_sound_and_keep_the_class(host_exe):
 
 # Hand-made masks for the kernel-semantics brute force below: causal under ||, !, ==, ?:,
 # negative offsets, a divisor that may be 0 (min 0), seqlen_k - seqlen_q < 0 on the grids.
+_W9, _W12 = "  w: {type: i32, default: 9}\n", "  w: {type: i32, default: 12, min: 0}\n"
 _EDGE_MASKS = [
     ("causal && q_idx / c == kv_idx / c", "  c: {type: i32, default: 0, min: 0}\n"),
     ("causal && (q_idx - 5) / 4 == kv_idx / 4", ""),
@@ -366,8 +367,8 @@ _EDGE_MASKS = [
     ("causal != (kv_idx > 3)", ""),
     ("causal ? kv_idx % 2 == 0 : kv_idx < 3", ""),
     ("(kv_idx > q_idx - 9 ? causal : kv_idx < 2) && q_idx != 7", ""),
-    ("causal && (causal || kv_idx == 0) && q_idx + seqlen_k - seqlen_q - kv_idx < w", "  w: {type: i32, default: 9}\n"),
-    ("causal && kv_idx + seqlen_q - seqlen_k > q_idx - w", "  w: {type: i32, default: 12, min: 0}\n"),
+    ("causal && (causal || kv_idx == 0) && q_idx + seqlen_k - seqlen_q - kv_idx < w", _W9),
+    ("causal && kv_idx + seqlen_q - seqlen_k > q_idx - w", _W12),
     ("(causal && kv_idx >= 4) || (kv_idx < 4 && q_idx >= 0)", ""),
     ("causal && kv_idx - seqlen_k + seqlen_q >= 0", ""),
     ("causal == (q_idx % 5 < 2)", ""),
