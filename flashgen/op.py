@@ -35,6 +35,7 @@ import functools
 import math
 import numbers
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -765,7 +766,7 @@ class AttentionOp:
         self._bounds_seen.add(key)
         named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
         for line in possible_violations(self.spec, dims.symbols(), named):
-            warnings.warn(line, IndexBoundsWarning, stacklevel=4)
+            warnings.warn(line, IndexBoundsWarning, stacklevel=_caller_stacklevel())
 
     def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
@@ -973,6 +974,19 @@ def _kernel_aligned(t):
         and (ss % 8 == 0 or s <= 1)
     )
     return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function name the first
+    frame outside flashgen and torch: the user's ``op.attention`` line, whether the forward
+    ran from it directly, from the fast path's autograd node (``Function.apply``) or from
+    the dispatcher (``torch.ops``)."""
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)  # fmt: skip
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # ----------------------------------------------------------------------------- eager fast path

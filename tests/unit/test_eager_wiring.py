@@ -87,3 +87,35 @@ def test_tensor_param_grad_refused_on_the_fast_path(forced):
     tensors["slopes"].requires_grad_()
     with pytest.raises(NotImplementedError, match="slopes"):
         op.attention(q, k, v, **tensors)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
+    """IndexBoundsWarning names the user's ``op.attention`` line on the fast path, with and
+    without its autograd node (not a frame inside flashgen or torch.autograd)."""
+    import warnings
+
+    from flashgen.indexbounds import IndexBoundsWarning
+    from flashgen.spec import loads_spec
+
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table):
+        self._check_index_bounds(dims, scalars)  # what the CUDA _forward does first
+        o, lse = self._empty_outputs(q, dims)
+        return o.zero_(), lse.zero_()
+
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(AttentionOp, "_forward", forward)
+    spec = loads_spec(
+        "name: ib_eager\nhead_dim: 64\ndtype: bf16\nscore_mod: score + w[h]\n"
+        "params:\n  w: {type: f32, shape: [num_heads_kv]}\n",
+        "ib.yaml",
+    )
+    op = build_op(spec)
+    op._bounds_seen.clear()  # build_op caches the op: warn again
+    q = torch.randn(1, 4, 3, 64).to(torch.bfloat16).requires_grad_(grad)
+    k = torch.randn(1, 2, 3, 64).to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        op.attention(q, k, k, w=torch.zeros(2))
+    (w,) = [x for x in seen if issubclass(x.category, IndexBoundsWarning)]
+    assert w.filename == __file__, w.filename
