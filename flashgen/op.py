@@ -992,18 +992,23 @@ def _caller_stacklevel() -> int:
 # ----------------------------------------------------------------------------- eager fast path
 def _eager_cuda(q, k, v) -> bool:
     """Whether :meth:`AttentionOp.attention` may run the CUDA forward itself instead of
-    going through the dispatcher (``torch.ops.flashgen.<name>``): plain CUDA tensors (no
-    subclass such as FakeTensor or DTensor), eager mode (no ``torch.compile`` trace), and
-    no torch-function / dispatch mode or functorch transform that must see the op.  The op
-    path costs ~40-60 us more host time per call (dispatch, the custom-op autograd wrapper,
-    a second validation); the results are the same."""
+    going through the dispatcher (``torch.ops.flashgen.<name>``): CUDA tensors and
+    :func:`_plain_eager`.  The op path costs ~40-60 us more host time per call (dispatch,
+    the custom-op autograd wrapper, a second validation); the results are the same."""
+    return type(q) is torch.Tensor and q.is_cuda and _plain_eager(q, k, v)
+
+
+def _plain_eager(q, k, v) -> bool:
+    """Plain tensors (no subclass such as FakeTensor or DTensor) in eager mode: no
+    ``torch.compile`` or ``torch.jit.trace`` recording, no torch-function / dispatch mode
+    and no functorch transform that must see the op."""
     tensor = torch.Tensor
     return (
         type(q) is tensor
         and type(k) is tensor
         and type(v) is tensor
-        and q.is_cuda
         and not torch.compiler.is_compiling()
+        and torch._C._get_tracing_state() is None
         and not torch._C._is_torch_function_mode_enabled()
         and _dispatch_mode() is None
         and not torch._C._are_functorch_transforms_active()

@@ -119,3 +119,39 @@ def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
         op.attention(q, k, k, w=torch.zeros(2))
     (w,) = [x for x in seen if issubclass(x.category, IndexBoundsWarning)]
     assert w.filename == __file__, w.filename
+
+
+def test_plain_eager_conditions_on_the_cpu():
+    """``_plain_eager`` (everything ``_eager_cuda`` asks but the device): plain tensors in
+    eager mode yes; a ``torch.jit.trace`` (which must record ``flashgen::<name>``, not the
+    fast path's raw launch), a dispatch mode and vmap no."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q = torch.zeros(1, 1, 1, 8)
+    assert op_mod._plain_eager(q, q, q)
+    seen = []
+
+    def f(x):
+        seen.append(op_mod._plain_eager(x, x, x))
+        return x * 2
+
+    torch.jit.trace(f, (q,), check_trace=False)
+    assert seen == [False]
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert not op_mod._plain_eager(q, q, q)
+    seen.clear()
+    torch.vmap(f)(torch.zeros(2, 1, 1, 1, 8))
+    assert seen == [False]
+
+
+def test_jit_trace_records_the_op():
+    """Under ``torch.jit.trace`` ``op.attention`` goes through ``torch.ops.flashgen``."""
+    op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
+    q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
+    traced = torch.jit.trace(lambda q, k, v: op.attention(q, k, v)[0], (q, k, v), check_trace=False)
+    assert "flashgen::causal_d128" in str(traced.graph)
