@@ -155,3 +155,22 @@ def test_jit_trace_records_the_op():
     q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
     traced = torch.jit.trace(lambda q, k, v: op.attention(q, k, v)[0], (q, k, v), check_trace=False)
     assert "flashgen::causal_d128" in str(traced.graph)
+
+
+def test_torch_compile_fullgraph_traces_the_op_through_plain_eager(monkeypatch):
+    """Dynamo traces ``_plain_eager`` without a graph break (``is_compiling`` short-circuits
+    the mode checks) and records ``flashgen::<name>``, as on CUDA (here the device test is
+    skipped so the CPU reaches it)."""
+    op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
+    q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
+    ref = op.attention(q, k, v)[0]
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: op_mod._plain_eager(q, k, v))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    f = torch.compile(lambda q, k, v: op.attention(q, k, v)[0], fullgraph=True, backend=backend)
+    torch.testing.assert_close(f(q, k, v), ref, rtol=0, atol=0)
+    assert len(graphs) == 1 and "flashgen.causal_d128" in graphs[0], graphs
