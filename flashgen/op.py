@@ -38,6 +38,7 @@ import functools
 import math
 import numbers
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -773,7 +774,7 @@ class AttentionOp:
         self._bounds_seen.add(key)
         named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
         for line in possible_violations(self.spec, dims.symbols(), named):
-            warnings.warn(line, IndexBoundsWarning, stacklevel=4)
+            warnings.warn(line, IndexBoundsWarning, stacklevel=_caller_stacklevel())
 
     def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
         scalars, tensors = self._split(rest)
@@ -983,21 +984,39 @@ def _kernel_aligned(t):
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the calling function name the first
+    frame outside flashgen and torch: the user's ``op.attention`` line, whether the forward
+    ran from it directly, from the fast path's autograd node (``Function.apply``) or from
+    the dispatcher (``torch.ops``)."""
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)  # fmt: skip
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 # ----------------------------------------------------------------------------- eager fast path
 def _eager_cuda(q, k, v) -> bool:
     """Whether :meth:`AttentionOp.attention` may run the CUDA forward itself instead of
-    going through the dispatcher (``torch.ops.flashgen.<name>``): plain CUDA tensors (no
-    subclass such as FakeTensor or DTensor), eager mode (no ``torch.compile`` trace), and
-    no torch-function / dispatch mode or functorch transform that must see the op.  The op
-    path costs ~40-60 us more host time per call (dispatch, the custom-op autograd wrapper,
-    a second validation); the results are the same."""
+    going through the dispatcher (``torch.ops.flashgen.<name>``): CUDA tensors and
+    :func:`_plain_eager`.  The op path costs ~40-60 us more host time per call (dispatch,
+    the custom-op autograd wrapper, a second validation); the results are the same."""
+    return type(q) is torch.Tensor and q.is_cuda and _plain_eager(q, k, v)
+
+
+def _plain_eager(q, k, v) -> bool:
+    """Plain tensors (no subclass such as FakeTensor or DTensor) in eager mode: no
+    ``torch.compile`` or ``torch.jit.trace`` recording, no torch-function / dispatch mode
+    and no functorch transform that must see the op."""
     tensor = torch.Tensor
     return (
         type(q) is tensor
         and type(k) is tensor
         and type(v) is tensor
-        and q.is_cuda
         and not torch.compiler.is_compiling()
+        and torch._C._get_tracing_state() is None
         and not torch._C._is_torch_function_mode_enabled()
         and _dispatch_mode() is None
         and not torch._C._are_functorch_transforms_active()

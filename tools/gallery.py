@@ -110,10 +110,17 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
             out["flex_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     # alternate the implementations round by round, so clock and thermal drift over the
     # run reach both alike; report each one's median over the rounds
+    # (an error while timed is recorded like one in the first call: flex_error for
+    # FlexAttention, flashgen_error for the rest; that implementation's rounds stop)
     times: dict[str, list] = {key: [] for key in fns}
     for _ in range(max(1, args.rounds)):
-        for key, fn in fns.items():
-            times[key].append(bench.do_bench_ms(fn, args.warmup, args.rep))
+        for key, fn in list(fns.items()):
+            try:
+                times[key].append(bench.do_bench_ms(fn, args.warmup, args.rep))
+            except Exception as e:  # record, keep going
+                impl = "flex" if key.startswith("flex") else "flashgen"
+                out.setdefault(f"{impl}_error", f"{type(e).__name__}: {str(e)[:200]}")
+                del fns[key], times[key]
     for key, ts in times.items():
         out[key] = statistics.median(ts)
         out[key.removesuffix("_ms") + "_rounds_ms"] = ts

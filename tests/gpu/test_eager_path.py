@@ -127,3 +127,42 @@ def test_tensor_param_requiring_grad_is_refused(q_grad):
     q.requires_grad_(q_grad)
     with pytest.raises(NotImplementedError, match="slopes"):
         op.attention(q, k, v, **params)
+
+
+def test_jit_trace_records_the_op_on_cuda():
+    """``torch.jit.trace`` of ``op.attention`` on CUDA tensors records
+    ``flashgen::<name>`` (the fast path stays off while tracing), and the trace reruns it."""
+    op, q, k, v, params = _problem("causal_d128", sq=65, sk=65, b=1, hq=2, hkv=2)
+    traced = torch.jit.trace(lambda q, k, v: op.attention(q, k, v)[0], (q, k, v), check_trace=False)
+    assert "flashgen::causal_d128" in str(traced.graph)
+    q2 = torch.randn_like(q)
+    torch.testing.assert_close(traced(q2, k, v), op.attention(q2, k, v)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["fast", "fast_grad", "op"])
+def test_index_bounds_warning_names_the_callers_line(how):
+    """IndexBoundsWarning on CUDA names this file's line, on the fast path without and with
+    its autograd node, and through ``torch.ops`` (the dispatcher)."""
+    import warnings
+
+    from flashgen.indexbounds import IndexBoundsWarning
+    from flashgen.spec import loads_spec
+
+    spec = loads_spec(
+        f"name: ib_gpu_{how}\nhead_dim: 64\ndtype: bf16\nscore_mod: score + w[h]\n"
+        "params:\n  w: {type: f32, shape: [num_heads_kv]}\n",
+        "ib.yaml",
+    )
+    op = build_op(spec)
+    q = torch.randn(1, 4, 33, 64, device="cuda").to(torch.bfloat16)
+    k = torch.randn(1, 2, 33, 64, device="cuda").to(torch.bfloat16)
+    w = torch.zeros(2, device="cuda")
+    q.requires_grad_(how == "fast_grad")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if how == "op":
+            _via_op(op, q, k, k, {"w": w})
+        else:
+            op.attention(q, k, k, w=w)
+    (hit,) = [x for x in seen if issubclass(x.category, IndexBoundsWarning)]
+    assert hit.filename == __file__, hit.filename

@@ -124,3 +124,39 @@ def test_mask_tiles_forward(key, setting, error_bound):
     spec = dataclasses.replace(base, name=f"{base.name}_{setting}")
     for sq, sk in LENGTHS:
         check(spec, 1, 4, 2, sq, sk, error_bound, seed=sq + 3 * sk, **params)
+
+
+# review7: causal under == and ?:, and a divisor that may be 0 (min 0: the signed division's
+# zero case on CAUSAL_ONLY / NO_CAUSAL tiles); every reduction on, the default kernel
+EDGE_SPECS = {
+    "causal_eq": (lambda: _spec("mt_causal_eq", "causal == (q_idx % 5 < 2)"), {}),
+    "causal_cond": (lambda: _spec("mt_causal_cond", "causal ? kv_idx % 2 == 0 : kv_idx < 3"), {}),
+    "chunk_zero": (
+        lambda: _spec(
+            "mt_chunk_zero",
+            "causal && q_idx / c == kv_idx / c",
+            "  c: {type: i32, default: 0, min: 0}\n",
+        ),
+        {},
+    ),
+    "chunk_200": (
+        lambda: _spec(
+            "mt_chunk_min0",
+            "causal && q_idx / c == kv_idx / c",
+            "  c: {type: i32, default: 200, min: 0}\n",
+        ),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(EDGE_SPECS))
+def test_mask_tiles_edge_masks(key, monkeypatch, error_bound):
+    for n in SWITCHES:
+        monkeypatch.setenv(n, "1")
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    make, params = EDGE_SPECS[key]
+    spec = make()
+    for sq, sk in LENGTHS:
+        check(spec, 1, 4, 2, sq, sk, error_bound, seed=sq + 3 * sk, **params)

@@ -186,3 +186,56 @@ def test_proven_nonnegative_divisions_take_div_nn(monkeypatch):
     assert "_nn" not in cuda_expr(spec.mask, spec, Invariants())  # the default: off
     monkeypatch.setenv(NONNEG_DIV_ENV, "0")
     assert "_nn" not in cuda_expr(spec.mask, spec, Invariants(nonneg_div=True))
+
+
+def test_div_nn_proof_holds_by_brute_force():
+    """Where the lowering proves ``x >= 0`` and ``d >= 1`` (``_nonneg_by_positive``), every
+    call on small grids (seqlen_k < seqlen_q and >, params at and near their declared
+    bounds) has them; and the cases it must not claim (a divisor with ``min: 0``, a
+    dividend shifted by ``seqlen_k - seqlen_q`` or a negative offset, a product that may
+    wrap in int32) keep the signed division."""
+    import itertools
+
+    from flashgen.ir import Binary, Ty, walk
+    from flashgen.lower import _nonneg_by_positive
+    from flashgen.maskinfo import Range, evaluate
+
+    cases = [  # (mask, params, proven)
+        ("kv_idx / c == 0", "c: {type: i32, default: 1, min: 0}", False),
+        ("(q_idx + seqlen_k - seqlen_q) / c == 0", "c: {type: i32, default: 1, min: 1}", False),
+        ("(q_idx - 3) / c == 0", "c: {type: i32, default: 1, min: 1}", False),
+        ("(kv_idx - q_idx + seqlen_q) / c == 0", "c: {type: i32, default: 1, min: 1}", False),
+        ("(kv_idx + c) / c == 0", "c: {type: i32, default: 1, min: 0}", False),
+        ("q_idx * c / c == 0", "c: {type: i32, default: 1, min: 1, max: 100}", False),
+        ("(kv_idx + c) / (c + 1) == 0", "c: {type: i32, default: 1, min: 0, max: 9}", False),
+        ("kv_idx / (c + 1) == 0", "c: {type: i32, default: 1, min: 0, max: 1000}", True),
+        ("max(q_idx - 3, 0) / c == 1", "c: {type: i32, default: 2, min: 2}", True),
+        ("abs(q_idx - kv_idx) % c == 1", "c: {type: i32, default: 2, min: 1}", True),
+        ("kv_idx / c == q_idx / c", "c: {type: i32, default: 2, min: 1}", True),
+        ("kv_idx / (c - 1) == 0", "c: {type: i32, default: 2, min: 2, max: 9}", True),
+    ]
+    for mask, param, proven in cases:
+        spec = loads_spec(
+            f"name: nnb\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams:\n  {param}\n"
+        )
+        (p,) = spec.scalar_params
+        divs = [
+            n for n in walk(spec.mask)
+            if isinstance(n, Binary) and n.op in ("/", "%") and n.ty == Ty.I32
+        ]  # fmt: skip
+        claims = [_nonneg_by_positive(n, spec) for n in divs]
+        assert any(claims) == proven, (mask, claims)
+        lo = int(p.minimum)
+        values = {lo, lo + 1, lo + 3} | ({int(p.maximum)} if p.maximum is not None else set())
+        for n, claim in zip(divs, claims, strict=True):
+            if not claim:
+                continue
+            for c, (sq, sk) in itertools.product(values, [(1, 1), (9, 3), (3, 9), (17, 17)]):
+                for q, kv in itertools.product(range(sq), range(sk)):
+                    env = {
+                        "q_idx": Range.exact(q), "kv_idx": Range.exact(kv),
+                        "seqlen_q": Range.exact(sq), "seqlen_k": Range.exact(sk),
+                        p.name: Range.exact(c),
+                    }  # fmt: skip
+                    x, d = evaluate(n.lhs, env), evaluate(n.rhs, env)
+                    assert x.lo >= 0 and d.lo >= 1, (mask, c, sq, sk, q, kv, x, d)

@@ -87,3 +87,90 @@ def test_tensor_param_grad_refused_on_the_fast_path(forced):
     tensors["slopes"].requires_grad_()
     with pytest.raises(NotImplementedError, match="slopes"):
         op.attention(q, k, v, **tensors)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
+    """IndexBoundsWarning names the user's ``op.attention`` line on the fast path, with and
+    without its autograd node (not a frame inside flashgen or torch.autograd)."""
+    import warnings
+
+    from flashgen.indexbounds import IndexBoundsWarning
+    from flashgen.spec import loads_spec
+
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table):
+        self._check_index_bounds(dims, scalars)  # what the CUDA _forward does first
+        o, lse = self._empty_outputs(q, dims)
+        return o.zero_(), lse.zero_()
+
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(AttentionOp, "_forward", forward)
+    spec = loads_spec(
+        "name: ib_eager\nhead_dim: 64\ndtype: bf16\nscore_mod: score + w[h]\n"
+        "params:\n  w: {type: f32, shape: [num_heads_kv]}\n",
+        "ib.yaml",
+    )
+    op = build_op(spec)
+    op._bounds_seen.clear()  # build_op caches the op: warn again
+    q = torch.randn(1, 4, 3, 64).to(torch.bfloat16).requires_grad_(grad)
+    k = torch.randn(1, 2, 3, 64).to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        op.attention(q, k, k, w=torch.zeros(2))
+    (w,) = [x for x in seen if issubclass(x.category, IndexBoundsWarning)]
+    assert w.filename == __file__, w.filename
+
+
+def test_plain_eager_conditions_on_the_cpu():
+    """``_plain_eager`` (everything ``_eager_cuda`` asks but the device): plain tensors in
+    eager mode yes; a ``torch.jit.trace`` (which must record ``flashgen::<name>``, not the
+    fast path's raw launch), a dispatch mode and vmap no."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q = torch.zeros(1, 1, 1, 8)
+    assert op_mod._plain_eager(q, q, q)
+    seen = []
+
+    def f(x):
+        seen.append(op_mod._plain_eager(x, x, x))
+        return x * 2
+
+    torch.jit.trace(f, (q,), check_trace=False)
+    assert seen == [False]
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert not op_mod._plain_eager(q, q, q)
+    seen.clear()
+    torch.vmap(f)(torch.zeros(2, 1, 1, 1, 8))
+    assert seen == [False]
+
+
+def test_jit_trace_records_the_op():
+    """Under ``torch.jit.trace`` ``op.attention`` goes through ``torch.ops.flashgen``."""
+    op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
+    q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
+    traced = torch.jit.trace(lambda q, k, v: op.attention(q, k, v)[0], (q, k, v), check_trace=False)
+    assert "flashgen::causal_d128" in str(traced.graph)
+
+
+def test_torch_compile_fullgraph_traces_the_op_through_plain_eager(monkeypatch):
+    """Dynamo traces ``_plain_eager`` without a graph break (``is_compiling`` short-circuits
+    the mode checks) and records ``flashgen::<name>``, as on CUDA (here the device test is
+    skipped so the CPU reaches it)."""
+    op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
+    q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
+    ref = op.attention(q, k, v)[0]
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: op_mod._plain_eager(q, k, v))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm
+
+    f = torch.compile(lambda q, k, v: op.attention(q, k, v)[0], fullgraph=True, backend=backend)
+    torch.testing.assert_close(f(q, k, v), ref, rtol=0, atol=0)
+    assert len(graphs) == 1 and "flashgen.causal_d128" in graphs[0], graphs

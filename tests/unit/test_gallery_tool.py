@@ -73,3 +73,27 @@ def test_dry_run_without_out_prints_and_keeps_the_measured_page(tmp_path, capsys
     assert rc == 0
     assert page.read_text() == "measured\n"
     assert "| mistral_swa | 128 |" in capsys.readouterr().out
+
+
+def test_measure_records_a_timing_error_and_keeps_the_others(monkeypatch):
+    """An implementation that fails while it is timed (in the alternating rounds, after its
+    first call worked) is recorded as its error, not raised (measure's contract)."""
+    import argparse
+
+    from flashgen import bench
+    from flashgen.spec import load_spec
+
+    gallery = _tool()
+    calls = []
+
+    def do_bench_ms(fn, warmup, rep):
+        calls.append(fn)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return 1.0
+
+    monkeypatch.setattr(bench, "do_bench_ms", do_bench_ms)
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    args = argparse.Namespace(no_flex=True, rounds=3, warmup=1, rep=1)
+    out = gallery.measure(spec, 1, 1, 8, {}, "cpu", args)
+    assert "out of memory" in out["flashgen_error"]

@@ -353,3 +353,90 @@ def test_causal_bits_are_sound_and_keep_the_class(host_exe):
         (c0, 70, 79, 60, 69, 0, 0, 0, 256, 256, 0, 0, 0, 0),  # below it, two chunks: NO_CAUSAL
     ]
     assert _run_host(host_exe, specs, probe, causal_bits=True) == [1 | 4, 2, 0, 1 | 8]
+
+
+# Hand-made masks for the kernel-semantics brute force below: causal under ||, !, ==, ?:,
+# negative offsets, a divisor that may be 0 (min 0), seqlen_k - seqlen_q < 0 on the grids.
+_W9, _W12 = "  w: {type: i32, default: 9}\n", "  w: {type: i32, default: 12, min: 0}\n"
+_EDGE_MASKS = [
+    ("causal && q_idx / c == kv_idx / c", "  c: {type: i32, default: 0, min: 0}\n"),
+    ("causal && (q_idx - 5) / 4 == kv_idx / 4", ""),
+    ("causal || kv_idx < q_idx - 20", ""),
+    ("!causal", ""),
+    ("!causal || kv_idx % 3 == 0", ""),
+    ("causal != (kv_idx > 3)", ""),
+    ("causal ? kv_idx % 2 == 0 : kv_idx < 3", ""),
+    ("(kv_idx > q_idx - 9 ? causal : kv_idx < 2) && q_idx != 7", ""),
+    ("causal && (causal || kv_idx == 0) && q_idx + seqlen_k - seqlen_q - kv_idx < w", _W9),
+    ("causal && kv_idx + seqlen_q - seqlen_k > q_idx - w", _W12),
+    ("(causal && kv_idx >= 4) || (kv_idx < 4 && q_idx >= 0)", ""),
+    ("causal && kv_idx - seqlen_k + seqlen_q >= 0", ""),
+    ("causal == (q_idx % 5 < 2)", ""),
+]  # fmt: skip
+
+
+def test_causal_bits_match_the_kernels_masked_loops_by_brute_force(host_exe):
+    """Every tile of small grids (seqlen_k < seqlen_q and >, 16 x 16 and 16 x 8 tiles clamped
+    like the Hopper forward's ``kv_class``): what the kernel keeps per class (EMPTY nothing,
+    FULL all, CAUSAL_ONLY the causal test alone, NO_CAUSAL the mask with causal := true,
+    else the mask) equals the reference mask on every in-range pair."""
+    import dataclasses
+
+    import torch
+
+    from flashgen.lower import _causal_as_true
+    from flashgen.reference import eval_mask
+
+    specs = []
+    for i, (m, params) in enumerate(_EDGE_MASKS):
+        text = f"name: e{i}\nhead_dim: 64\ndtype: bf16\nmask: '{m}'\n"
+        specs.append(loads_spec(text + (f"params:\n{params}" if params else ""), "e.yaml"))
+    specs += [_gallery(n) for n in ("window", "prefix_lm", "chunked", "kv_head_window")]
+    specs += [
+        s
+        for s in _random_specs(60, wild=False)
+        if masktiles.has_causal_bits(s) and not s.tensor_params
+    ]
+    grids = [(50, 21), (21, 50), (37, 37), (1, 40), (40, 1), (70, 33)]
+    cases, where = [], []
+    for i, spec in enumerate(specs):
+        params = {p.name: p.default for p in spec.scalar_params}
+        pv = list(params.values()) + [0] * (4 - len(params))
+        for sq, sk in grids:
+            for bm, bn in ((16, 16), (16, 8)):
+                for q0 in range(0, sq, bm):
+                    for k0 in range(0, sk, bn):
+                        q1, k1 = min(q0 + bm, sq) - 1, min(k0 + bn, sk) - 1
+                        cases.append((i, q0, q1, k0, k1, 0, 1, 1, sq, sk, *pv))
+                        where.append((sq, sk))
+    got = _run_host(host_exe, specs, cases, causal_bits=True)
+    grids_of: dict = {}
+    seen = {0: 0, 1: 0, 2: 0, 4: 0, 8: 0}
+    for case, g in zip(cases, got, strict=True):
+        i, q0, q1, k0, k1, _, _, _, sq, sk, *_ = case
+        spec = specs[i]
+        key = (i, sq, sk)
+        if key not in grids_of:
+            kw = dict(batch=1, heads_q=2, seqlen_q=sq, seqlen_k=sk, heads_kv=2)
+            m = eval_mask(spec, **kw)[0, 1]
+            nc = eval_mask(dataclasses.replace(spec, mask=_causal_as_true(spec.mask)), **kw)
+            qi = torch.arange(sq).view(-1, 1)
+            ki = torch.arange(sk).view(1, -1)
+            grids_of[key] = (m, nc[0, 1], ki <= qi + sk - sq)
+        m, nc, causal = (t[q0 : q1 + 1, k0 : k1 + 1] for t in grids_of[key])
+        base, bits = g & 3, g & 12
+        if base == 0:
+            kernel = torch.zeros_like(m)
+        elif base == 2:
+            kernel = torch.ones_like(m)
+        elif bits == 4:
+            kernel = causal
+        elif bits == 8:
+            assert bool(causal.all()), (spec.mask, case)
+            kernel = nc
+        else:
+            assert bits == 0, (spec.mask, case, g)
+            kernel = m
+        assert torch.equal(kernel, m), (spec.mask, case, g)
+        seen[bits or base] += 1
+    assert all(seen.values()), seen
