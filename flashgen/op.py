@@ -512,9 +512,9 @@ class AttentionOp:
         expected and the received value).
 
         Plain CUDA tensors in eager mode skip the dispatcher (the same kernels and results,
-        less host time per call); under ``torch.compile``, a torch-function or dispatch
-        mode, a functorch transform, with tensor subclasses or CPU tensors this calls
-        ``torch.ops.flashgen.<name>``.
+        less host time per call); under ``torch.compile`` or ``torch.jit.trace``, a
+        torch-function or dispatch mode, a functorch transform, with tensor subclasses or
+        CPU tensors this calls ``torch.ops.flashgen.<name>``.
         """
         scalars, tensors = resolve_params(self.spec, params)
         tensor_map = self._tensor_map(tensors)
