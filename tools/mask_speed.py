@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
         t_f = do_bench_ms(fwd, 25, args.rep_ms)
         dev_f = device_ms(fwd, args.calls)
         o, _ = op.attention(q, k, v, **params)
-        t_b = math.nan
+        t_b = None  # --fwd-only: no backward row
         if not args.fwd_only:
             t_b = do_bench_ms(
                 lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
@@ -188,7 +187,7 @@ def main(argv=None) -> int:
     )
     for r in rows:
         d_ratio = r["density"] / base["density"]
-        for pas in ("fwd", "bwd"):
+        for pas in ("fwd", "bwd") if not args.fwd_only else ("fwd",):
             t, tc = r[f"{pas}_ms"], base[f"{pas}_ms"]
             r[f"{pas}_ratio"] = t / tc
             r[f"{pas}_eff"] = (t / tc) / d_ratio
