@@ -602,13 +602,21 @@ _I32_MAX = 2**31 - 1
 def _static_env(spec: Spec) -> dict:
     """Interval environment of every call (:func:`flashgen.maskinfo.evaluate`): the index
     variables as the kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h <
-    heads_q``, ...; any int32 size), scalar params over their whole type, ``score`` any."""
+    heads_q``, ...; any int32 size), i32 scalar params within their declared ``min`` /
+    ``max`` (the op refuses other values, :func:`flashgen.op.check_scalar`) or else their
+    whole type, f32 params and ``score`` any."""
     below = Range(0, _I32_MAX - 1)  # an index below an int32 extent
     env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
     env["seqlen_q"] = env["seqlen_k"] = Range(0, _I32_MAX)
     env[ir.SCORE_VAR] = Range(-math.inf, math.inf)
     for p in spec.scalar_params:
-        env[p.name] = Range(-(2**31), _I32_MAX) if p.ty == Ty.I32 else Range(-math.inf, math.inf)
+        if p.ty == Ty.I32:
+            # int() truncates toward zero: never tighter than the integers the bound admits
+            lo = -(2**31) if p.minimum is None else int(p.minimum)
+            hi = _I32_MAX if p.maximum is None else int(p.maximum)
+            env[p.name] = Range(lo, hi)
+        else:
+            env[p.name] = Range(-math.inf, math.inf)
     return env
 
 
@@ -619,18 +627,12 @@ NONNEG_DIV_ENV = "FLASHGEN_NONNEG_DIV"
 
 def _nonneg_by_positive(e: Binary, spec: Spec) -> bool:
     """Whether the int division ``e`` provably has ``lhs >= 0`` and ``rhs >= 1`` at every
-    call (:func:`flashgen.maskinfo.evaluate` over :func:`_static_env`, scalar params within
-    their declared ``min`` / ``max``, which the op enforces): then ``fg::Divisor::div_nn``
-    (a multiply-high and a shift: ``kv_idx / chunk``) replaces the signed ``div`` (about 7
-    instructions).  ``FLASHGEN_NONNEG_DIV=0``: never."""
+    call (:func:`flashgen.maskinfo.evaluate` over :func:`_static_env`): then
+    ``fg::Divisor::div_nn`` (a multiply-high and a shift: ``kv_idx / chunk``) replaces the
+    signed ``div`` (about 7 instructions).  ``FLASHGEN_NONNEG_DIV=0``: never."""
     if not flag(NONNEG_DIV_ENV, True):
         return False
     env = _static_env(spec)
-    for p in spec.scalar_params:
-        if p.ty == Ty.I32:
-            lo = -(2**31) if p.minimum is None else int(p.minimum)
-            hi = _I32_MAX if p.maximum is None else int(p.maximum)
-            env[p.name] = Range(lo, hi)
     try:
         a, b = evaluate(e.lhs, env), evaluate(e.rhs, env)
     except (TypeError, KeyError, ValueError):
