@@ -1003,7 +1003,7 @@ def _eager_cuda(q, k, v) -> bool:
     going through the dispatcher (``torch.ops.flashgen.<name>``): CUDA tensors and
     :func:`_plain_eager`.  The op path costs ~40-60 us more host time per call (dispatch,
     the custom-op autograd wrapper, a second validation); the results are the same."""
-    return type(q) is torch.Tensor and q.is_cuda and _plain_eager(q, k, v)
+    return q.is_cuda and _plain_eager(q, k, v)
 
 
 def _plain_eager(q, k, v) -> bool:
@@ -1038,11 +1038,9 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v):
         o, lse = op._forward(q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors), table)
         ctx.op = op
-        ctx.save_for_backward(q, k, v, o, lse, *tensors)
-        ctx.softmax_scale = softmax_scale
-        ctx.scalars = list(scalars)
-        ctx.deterministic = deterministic
-        ctx.block_mask_input = op._block_table
+        # what the op path's autograd saves, from the same function and the schema's inputs
+        inputs = (q, k, v, softmax_scale, *scalars, *tensors, *([table] if op._block_table else []))
+        op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
         return o, lse
 
     @staticmethod
