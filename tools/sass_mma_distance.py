@@ -37,15 +37,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
-#: Short switch labels (as in tools/perf_sweep.py's variant names) -> lower.FORWARD_OPTIONS keys.
-LABELS = {
-    "unroll": "fwd_unrolled_loads",
-    "hoist": "fwd_hoisted_swizzle",
-    "fold": "fwd_fold_scale",
-    "lazy": "fwd_lazy_rescale",
-    "even": "fwd_even_loads",
-}
+from perf_sweep import SWITCH_LABELS  # noqa: E402  (no torch at import)
+
+#: Short switch labels (tools/perf_sweep.py's variant names) -> lower.FORWARD_OPTIONS keys.
+LABELS = {label: key for key, label in SWITCH_LABELS.items()}
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _REG = re.compile(r"\bR(\d+)\b")
