@@ -44,6 +44,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import ir
 from .envflags import POISON_ENV, SIDE_TERMS_ENV, flag
@@ -1018,15 +1019,9 @@ def _plain_eager(q, k, v) -> bool:
         and not torch.compiler.is_compiling()
         and torch._C._get_tracing_state() is None
         and not torch._C._is_torch_function_mode_enabled()
-        and _dispatch_mode() is None
+        and _get_current_dispatch_mode() is None
         and not torch._C._are_functorch_transforms_active()
     )
-
-
-def _dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
 
 
 class _EagerAttention(torch.autograd.Function):
