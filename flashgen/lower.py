@@ -147,6 +147,12 @@ FORWARD_OPTIONS: dict[str, bool] = {
 #: wins): lets a ``tools/perf_sweep.py`` ``+lazy`` winner at one head dim be adopted without
 #: the others.  d256: +1-4% over the same tiles without it (H200, 2026-11-30); d64 mixed.
 LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset({256})
+#: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes its CTAs in head groups
+#: (:func:`tile_group_expr`) by default.  The grouped order's CTA coordinates cannot be
+#: recomputed from ``blockIdx.x`` in one instruction, so they hold a register or two over the
+#: key loop: the 255-register d96 kernels spill 12-28 bytes with them; d64 / d128 / d256 do
+#: not, and measured 1.03-1.10x faster causal with them (H200, docs/perf-notes.md, session 8).
+HEAD_GROUP_FA2_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 
 
 #: Tiles of the Hopper kernel (``templates/sm_90/fwd.cu.j2``): BLOCK_M = 128 query rows
@@ -964,6 +970,7 @@ def plan_forward(
     side_terms: bool = True,
     affine: bool = True,
     mask_tiles: bool = True,
+    head_groups: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -981,7 +988,9 @@ def plan_forward(
     (:func:`affine_context`; False never does, the spill fallback of :mod:`flashgen.select`).
     ``mask_tiles``: the Hopper kernel's masked-tile reductions (``causal_tiles``,
     ``col_limit``, ``nonneg_div`` of :func:`plan_hopper_forward`; False: none, the spill
-    fallback).
+    fallback).  ``head_groups``: both kernels take their CTAs in L2 head groups
+    (:func:`tile_group_expr`; the FA2-class one at :data:`HEAD_GROUP_FA2_HEAD_DIMS`; False:
+    head-major, the spill fallback).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -1026,6 +1035,7 @@ def plan_forward(
             causal_tiles=mask_tiles,
             col_limit=mask_tiles,
             nonneg_div=mask_tiles,
+            head_groups=head_groups,
         )
     d, dv = spec.head_dim, spec.head_dim_v
     if tiles.block_m % (16 * tiles.num_warps):
@@ -1046,7 +1056,12 @@ def plan_forward(
         )
     # Varlen specs never get here with a tensor-reading mask (refused above): no terms.
     ctx = _forward_context(
-        spec, target, tiles, side_terms=side_terms and not spec.varlen, affine=affine
+        spec,
+        target,
+        tiles,
+        side_terms=side_terms and not spec.varlen,
+        affine=affine,
+        head_groups=head_groups and max(d, dv) in HEAD_GROUP_FA2_HEAD_DIMS,
     )
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem
@@ -1130,6 +1145,66 @@ SINGLE_WALK_ENV = "FLASHGEN_SINGLE_WALK"
 #: ``FLASHGEN_WALK_FROM_DIAGONAL=0``: the Hopper forward's key-block walk starts at the last
 #: key block, not at the causal diagonal's (:func:`plan_hopper_forward`).
 WALK_FROM_DIAGONAL_ENV = "FLASHGEN_WALK_FROM_DIAGONAL"
+#: ``FLASHGEN_HEAD_GROUPS=0``: the forward kernels take (batch, head, query block) tiles
+#: head-major (a group of one head), not in L2-sized head groups (:func:`tile_group_expr`).
+HEAD_GROUPS_ENV = "FLASHGEN_HEAD_GROUPS"
+#: The K and V bytes a head group of the forward's CTA order keeps in L2 together (H100 / H200
+#: have 50 MiB, A100 40 MiB): :func:`head_group`.
+HEAD_GROUP_L2_BYTES = 32 << 20
+
+
+def head_group(
+    seqlen_k: int, kv_row_bytes: int, q_per_kv: int, num_bh: int,
+    l2_bytes: int = HEAD_GROUP_L2_BYTES,
+) -> int:  # fmt: skip
+    """At most how many (batch, head) pairs the forward's CTA order groups together
+    (``fg::head_group`` in ``templates/common/tile_order.cuh``, which this mirrors): as many
+    K/V heads as have their ``seqlen_k`` rows of ``kv_row_bytes`` (``(head_dim + head_dim_v)
+    * 2`` bytes) within ``l2_bytes``, at least one, times the ``q_per_kv`` query heads that
+    share each, at most ``num_bh``.  Pure integer arithmetic."""
+    kv_head_bytes = max(seqlen_k, 1) * kv_row_bytes
+    return min(max(l2_bytes // kv_head_bytes, 1) * q_per_kv, max(num_bh, 1))
+
+
+def tile_coord(t: int, num_m_blocks: int, num_bh: int, group: int) -> tuple[int, int]:
+    """``(m_rev, bh)`` of tile ``t`` in the forward's CTA order (``fg::tile_coord``, which
+    this mirrors): the ``num_bh`` (batch, head) pairs in ``ceil(num_bh / group)`` groups of
+    as equal sizes as can be (the first ``num_bh % n`` one larger), query-block major within
+    a group (``group`` 1: head-major; ``num_bh``: query-block major over all heads).
+    ``m_rev`` is reversed afterwards for causal-like masks, so each group's heaviest blocks
+    come first."""
+    n = -(-num_bh // group)
+    q, rem = divmod(num_bh, n)
+    big = (q + 1) * num_m_blocks * rem  # the tiles of the groups of q + 1 heads
+    size = q + 1 if t < big else q
+    g, r = divmod(t if t < big else t - big, size * num_m_blocks)
+    start = g * size if t < big else rem * (q + 1) + g * size
+    return r // size, start + r % size
+
+
+def tile_group_expr(spec: Spec, *, m_major: bool = False, backward: bool = False) -> str:
+    """The head-group size of a kernel's CTA order as a CUDA expression of the kernel
+    arguments (``tile_group`` in both forward templates, ``bwd_tile_group`` in the Hopper
+    backward): ``batch * heads_q`` for ``m_major``; for a causal or masked spec (uneven
+    CTAs, heaviest first) :func:`head_group`'s L2 groups, which keep every head's longest
+    rows from being left for last (head-major order's idle tail: ~5% at B=2, S=8k);
+    otherwise, and with ``FLASHGEN_HEAD_GROUPS=0``, ``1`` (head-major: CTAs of one head are
+    alike, and they share its K/V in L2 best).  ``backward``: the Hopper backward's units
+    are (batch, KV head) pairs, each reading the Q and dO rows of its query heads."""
+    if m_major:
+        return "batch * heads_q"
+    if spec.mask is None or spec.varlen or not flag(HEAD_GROUPS_ENV, True):
+        return "1"
+    kv_row_bytes = (spec.head_dim + spec.head_dim_v) * 2
+    if backward:
+        return (
+            f"fg::head_group({HEAD_GROUP_L2_BYTES}LL, seqlen_q, {kv_row_bytes} * (heads_q / "
+            "heads_kv), 1, batch * heads_kv)"
+        )
+    return (
+        f"fg::head_group({HEAD_GROUP_L2_BYTES}LL, seqlen_k, {kv_row_bytes}, heads_q / heads_kv, "
+        "batch * heads_q)"
+    )
 
 
 def _causal_as_true(e: Expr) -> Expr:
@@ -1198,6 +1273,7 @@ def _forward_context(
     side_terms: bool = False,
     affine: bool = False,
     nonneg_div: bool = False,
+    head_groups: bool = True,
 ) -> dict:
     """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
     residual mask and score_mod as CUDA expressions, the ABI argument list.
@@ -1208,7 +1284,8 @@ def _forward_context(
     the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
     (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
-    ``nonneg_div``: see :class:`Invariants`."""
+    ``nonneg_div``: see :class:`Invariants`.  ``head_groups``: the CTA order's
+    ``tile_group`` (:func:`tile_group_expr`; False: head-major)."""
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
@@ -1253,6 +1330,8 @@ def _forward_context(
         # block sparsity: the mask's tile classifier and its arguments after the tile bounds
         "tile_classifier": masktiles.classifier_source(spec),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
+        # CTA order: heads in L2-sized groups, query-block major within one (tile_order.cuh)
+        "tile_group": tile_group_expr(spec) if head_groups else "1",
         "needs_bh": _uses(residual, {"b", "h", "h_kv"})
         or _uses(score_mod, {"b", "h", "h_kv"})
         or bool(spec.tensor_params),
@@ -1274,6 +1353,7 @@ def plan_hopper_forward(
     col_limit: bool = True,
     nonneg_div: bool = True,
     single_walk: bool = True,
+    head_groups: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -1316,7 +1396,7 @@ def plan_hopper_forward(
     ``single_walk`` (non-persistent, no block table): warp 0 alone runs the classifier for the
     first live key block and hands it to the other warps through shared memory (4 bytes),
     instead of all twelve warps classifying at once before the barrier (also off with
-    ``FLASHGEN_SINGLE_WALK=0``).
+    ``FLASHGEN_SINGLE_WALK=0``).  ``head_groups``: see :func:`plan_forward`.
     """
     if persistent is True:
         persistent = "static"
@@ -1355,7 +1435,13 @@ def plan_hopper_forward(
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     ctx = _forward_context(
-        spec, target, tiles, side_terms=side_terms, affine=affine, nonneg_div=nonneg_div
+        spec,
+        target,
+        tiles,
+        side_terms=side_terms,
+        affine=affine,
+        nonneg_div=nonneg_div,
+        head_groups=head_groups,
     )
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = nonneg_div
@@ -1382,6 +1468,7 @@ def plan_hopper_forward(
         num_consumers=consumers,
         stages=stages,
         m_major=m_major,
+        tile_group=tile_group_expr(spec, m_major=True) if m_major else ctx["tile_group"],
         persistent=bool(persistent),
         scheduler=persistent or None,
         dynamic=dynamic,
@@ -1409,27 +1496,30 @@ def plan_hopper_forward(
 
 
 def persistent_tile_order(
-    num_m_blocks: int, batch_heads: int, grid: int, *, reverse_m: bool, m_major: bool = False
+    num_m_blocks: int,
+    batch_heads: int,
+    grid: int,
+    *,
+    reverse_m: bool,
+    m_major: bool = False,
+    group: int = 1,
 ) -> list[list[tuple[int, int]]]:
     """The work tiles each CTA of a persistent Hopper forward computes, in order: entry c
-    lists CTA c's ``(batch * heads_q + head, m_block)`` pairs.  Mirrors the kernel's
-    ``set_tile``: tile numbers ``c, c + grid, c + 2 * grid, ...`` below
-    ``num_m_blocks * batch_heads``; tile ``t`` is query block ``t % num_m_blocks`` of
-    (batch, head) ``t // num_m_blocks`` (``m_major``: block ``t // batch_heads`` of
-    ``t % batch_heads``), reversed (``reverse_m``: causal or a residual mask) so each
-    head's longest rows come first.  Pure Python; the unit tests check every tile is
-    computed exactly once and the heaviest-first order."""
-    if num_m_blocks < 0 or batch_heads < 0 or grid < 1:
-        raise ValueError(f"bad tile grid: {num_m_blocks=} {batch_heads=} {grid=}")
+    lists CTA c's ``(batch * heads_q + head, m_block)`` pairs.  Mirrors the kernel: tile
+    numbers ``c, c + grid, c + 2 * grid, ...`` below ``num_m_blocks * batch_heads``, tile
+    ``t`` decoded by :func:`tile_coord` with ``group`` heads per group (1: head-major;
+    ``m_major``: all of them), its query block reversed (``reverse_m``: causal or a residual
+    mask) so each group's longest rows come first.  Pure Python; the unit tests check every
+    tile is computed exactly once and the heaviest-first order."""
+    if num_m_blocks < 0 or batch_heads < 0 or grid < 1 or group < 1:
+        raise ValueError(f"bad tile grid: {num_m_blocks=} {batch_heads=} {grid=} {group=}")
+    group = batch_heads if m_major else min(group, max(batch_heads, 1))
     total = num_m_blocks * batch_heads
     order: list[list[tuple[int, int]]] = []
     for c in range(grid):
         mine = []
         for t in range(c, total, grid):
-            if m_major:
-                m_rev, bh = divmod(t, batch_heads)
-            else:
-                bh, m_rev = divmod(t, num_m_blocks)
+            m_rev, bh = tile_coord(t, num_m_blocks, batch_heads, group)
             mine.append((bh, num_m_blocks - 1 - m_rev if reverse_m else m_rev))
         order.append(mine)
     return order
@@ -2003,6 +2093,8 @@ def plan_hopper_backward(spec: Spec, target: str, *, dq_a: str | None = None) ->
         split_d=split_d,
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
+        # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
+        bwd_tile_group=tile_group_expr(spec, backward=True),
     )
 
     def kp(name: str, warps: int, smem_bytes: int, args, tma_args=()) -> KernelPlan:

@@ -12,6 +12,8 @@ spills.
 
 from __future__ import annotations
 
+import itertools
+
 from . import cache
 from .envflags import SIDE_TERMS_ENV, flag
 from .lower import (
@@ -37,42 +39,43 @@ def build_forward(
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
     (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
-    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).  At
-    each candidate's tiles a kernel (either family) with row / column terms
-    (:mod:`flashgen.rowcol`) that spills is retried with them per element before the next
-    tiles; ``FLASHGEN_SIDE_TERMS=0`` (read at each build) never uses them (to compare).
-    Before each of those, a kernel that splits an affine score_mod (``plan_forward``'s
-    ``affine``) and spills is retried without the split, and before that a Hopper kernel
-    with the masked-tile reductions (``plan_forward``'s ``mask_tiles``) without them.
+    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).
+
+    At each candidate's tiles, a kernel that spills is retried with fewer of
+    ``plan_forward``'s register-hungry features before the next tiles, the last named
+    dropped first: row / column terms (:mod:`flashgen.rowcol`; ``FLASHGEN_SIDE_TERMS=0``,
+    read at each build, never uses them), the affine score_mod split (``affine``), the
+    Hopper kernel's masked-tile reductions (``mask_tiles``), the CTA order's head groups
+    (``head_groups``).  A variant that renders the same source as one tried (the feature
+    does not apply to this spec) is skipped.
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
     ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
     for tiles in forward_tile_candidates(spec, target, gpu, family):
-        for side_terms in ways:
-            for affine in (True, False):
-                for mask_tiles in (True, False):
-                    plan = plan_forward(
-                        spec,
-                        target,
-                        gpu,
-                        tiles=tiles,
-                        persistent=persistent,
-                        side_terms=side_terms,
-                        affine=affine,
-                        mask_tiles=mask_tiles,
-                    )
-                    cubin, report = cache.get_or_build(render(plan), plan)
-                    if not report.spill_bytes:
-                        return plan, cubin, report
-                    reductions = ("causal_tiles", "col_limit", "nonneg_div")
-                    if not any(plan.context.get(r) for r in reductions):
-                        break  # no masked-tile reductions: the same kernel again
-                if plan.context.get("affine") is None:
-                    break  # no affine split: the same kernel again
-            if not (plan.context.get("row_terms") or plan.context.get("col_terms")):
-                break  # no terms: the same kernel again
+        tried = set()
+        for side_terms, affine, mask_tiles, head_groups in itertools.product(
+            ways, (True, False), (True, False), (True, False)
+        ):
+            plan = plan_forward(
+                spec,
+                target,
+                gpu,
+                tiles=tiles,
+                persistent=persistent,
+                side_terms=side_terms,
+                affine=affine,
+                mask_tiles=mask_tiles,
+                head_groups=head_groups,
+            )
+            source = render(plan)
+            if source in tried:
+                continue
+            tried.add(source)
+            cubin, report = cache.get_or_build(source, plan)
+            if not report.spill_bytes:
+                return plan, cubin, report
     return plan, cubin, report
 
 

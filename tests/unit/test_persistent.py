@@ -17,10 +17,12 @@ from flashgen.lower import (
     HOPPER_REGS,
     HOPPER_SMEM_LIMIT,
     PERSISTENT_SCHEDULERS,
+    head_group,
     persistent_forward,
     persistent_tile_order,
     plan_forward,
     plan_hopper_forward,
+    tile_coord,
 )
 from flashgen.render import render
 from flashgen.spec import load_spec, loads_spec
@@ -119,7 +121,7 @@ def test_schedulers():
     assert static.context["scheduler"] == "static" and not static.context["m_major"]
     m_major = plan_forward(spec, "sm_90", persistent="m_major")
     assert m_major.context["m_major"] and m_major.args == static.args
-    assert "const int m_rev = tile / (batch * heads_q);" in render(m_major)
+    assert "const int group = batch * heads_q;" in render(m_major)
     dynamic = plan_forward(spec, "sm_90", persistent="dynamic")
     names = [a.name for a in dynamic.args]
     assert names[-4:] == ["tile_counter", "tma_q", "tma_k", "tma_v"]
@@ -173,18 +175,99 @@ def test_tile_order_heaviest_first():
 
 
 def test_tile_order_matches_the_kernels_numbering():
-    """The kernel's decode (tile = blockIdx.x + ti * gridDim.x; m_rev = tile % num_m_blocks,
-    bh = tile / num_m_blocks; m_block reversed for causal or a residual mask) is the one
+    """The kernel's decode (tile = blockIdx.x + ti * gridDim.x; fg::tile_coord with the
+    plan's head group; m_block reversed for causal or a residual mask) is the one
     persistent_tile_order models; the non-persistent kernel numbers its CTAs the same way."""
     spec = load_spec(REPO / "specs" / "causal_d128.yaml")
     src = render(plan_forward(spec, "sm_90", persistent=True))
     assert "tile = blockIdx.x + ti * gridDim.x" in src
-    assert "const int m_rev = tile % num_m_blocks;" in src
-    assert "const int bh = tile / num_m_blocks;" in src
+    assert "const int group = fg::head_group(33554432LL, seqlen_k, 512, heads_q / heads_kv, " in src
+    assert "fg::tile_coord(tile, num_m_blocks, batch * heads_q, group);" in src
     assert "const int m_block = num_m_blocks - 1 - m_rev;" in src
     plain = render(plan_forward(load_spec(REPO / "specs" / "bidir_d256.yaml"), "sm_90",
                                 persistent=True))  # fmt: skip
-    assert "const int m_block = m_rev;" in plain
+    assert "const int m_block = m_rev;" in plain and "const int group = 1;" in plain
+
+
+# ----------------------------------------------------------------------------- head groups
+@pytest.mark.parametrize("num_m", [0, 1, 3, 8])
+def test_tile_coord_is_a_bijection(num_m):
+    """Every (query block, head) once, for every group size from head-major to m-major."""
+    for num_bh in range(1, 14):
+        for group in range(1, num_bh + 1):
+            got = [tile_coord(t, num_m, num_bh, group) for t in range(num_m * num_bh)]
+            assert sorted(got) == sorted(itertools.product(range(num_m), range(num_bh)))
+
+
+def test_tile_coord_groups():
+    """group 1 is head-major, group num_bh query-block major; otherwise heads in equal
+    groups (32 heads at most 6 per group: 6, 6, 5, 5, 5, 5), block-major inside each."""
+    assert [tile_coord(t, 3, 2, 1) for t in range(6)] == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+        (0, 1),
+        (1, 1),
+        (2, 1),
+    ]
+    assert [tile_coord(t, 3, 2, 2) for t in range(6)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+    heads = [tile_coord(t, 4, 32, 6)[1] for t in range(4 * 32)]
+    sizes = [
+        len(set(heads[a:b]))
+        for a, b in [(0, 24), (24, 48), (48, 68), (68, 88), (88, 108), (108, 128)]
+    ]
+    assert sizes == [6, 6, 5, 5, 5, 5]
+    assert [tile_coord(t, 4, 32, 6) for t in range(7)] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (0, 4),
+        (0, 5),
+        (1, 0),
+    ]
+
+
+def test_head_group_fits_l2():
+    """As many K/V heads as fit the L2 budget, times the query heads sharing each, within
+    [1, num_bh]: causal_d128 at S=8k (4 MiB of K and V per head) groups 8 heads."""
+    assert head_group(8192, 512, 1, 32) == 8
+    assert head_group(8192, 512, 4, 32) == 32  # GQA: 8 K/V heads, 4 query heads each
+    assert head_group(1 << 20, 512, 1, 32) == 1  # one head larger than the budget
+    assert head_group(0, 512, 1, 5) == 5 and head_group(16, 512, 1, 0) == 1
+    assert head_group(8192, 512, 1, 32, l2_bytes=0) == 1
+
+
+def test_head_groups_balance_causal_tiles():
+    """The point of the groups: list-scheduling causal query blocks (work m + 1, in CTA order,
+    each on the first free SM) finishes within 1.5% of the ideal time at the benchmark shapes,
+    where head-major order left the last heads' longest rows for the end (5-14% idle tail)."""
+    import heapq
+
+    def makespan(order, sms=132):
+        free = [0.0] * sms
+        for work in order:
+            heapq.heappush(free, heapq.heappop(free) + work + 1)
+        return max(free)
+
+    for s, d, heads in [(4096, 128, 16), (8192, 128, 16), (8192, 256, 8), (16384, 128, 16)]:
+        num_m, num_bh = s // 128, (16384 // s) * heads
+        ideal = num_bh * (num_m * (num_m + 1) / 2 + num_m) / 132
+        group = head_group(s, 4 * d, 1, num_bh)
+        for g, bound in [(group, 1.015), (1, None)]:
+            order = [num_m - tile_coord(t, num_m, num_bh, g)[0] for t in range(num_m * num_bh)]
+            ratio = makespan(order) / ideal
+            if bound:
+                assert ratio < bound, (s, d, ratio)
+            elif s < 16384:
+                assert ratio > 1.05, (s, d, ratio)  # head-major's tail, for contrast
 
 
 # ----------------------------------------------------------------------------- rendering
