@@ -8,6 +8,7 @@ the largest difference between the two outputs.
     python3 tools/mask_ab.py                         # gallery shape, about 1.5 minutes
     python3 tools/mask_ab.py --each                  # also one switch off at a time
     python3 tools/mask_ab.py --specs chunked_local:chunk=1024 mistral_swa:window=1024
+    python3 tools/mask_ab.py --switches FLASHGEN_HEAD_GROUPS    # another switch instead
 
 The switches (``flashgen/lower.py``, read when a kernel is planned):
 
@@ -70,9 +71,10 @@ def switches() -> tuple[str, ...]:
     )
 
 
-def modes(each: bool) -> dict[str, dict[str, str]]:
-    """Mode name -> environment while the op plans its kernel."""
-    names = switches()
+def modes(each: bool, names: tuple[str, ...] | None = None) -> dict[str, dict[str, str]]:
+    """Mode name -> environment while the op plans its kernel (``names``: the switches to
+    flip, default :func:`switches`)."""
+    names = names or switches()
     out = {"new": {n: "1" for n in names}, "old": {n: "0" for n in names}}
     if each:
         for n in names:
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--each", action="store_true", help="also one switch off at a time")
+    ap.add_argument("--switches", nargs="*", metavar="ENV",
+                    help="flip these switches instead (e.g. FLASHGEN_HEAD_GROUPS)")  # fmt: skip
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing")
     args = ap.parse_args(argv)
 
@@ -148,8 +152,9 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     s = args.seqlen
-    mode_env = modes(args.each)
-    print(f"switches: {', '.join(switches())}; old = all 0, new = all 1; S = {s}, bf16")
+    names = tuple(args.switches or switches())
+    mode_env = modes(args.each, names)
+    print(f"switches: {', '.join(names)}; old = all 0, new = all 1; S = {s}, bf16")
     cols = "".join(f" {m + ' ms':>14}" for m in mode_env)
     if not args.no_graph:
         cols += "".join(f" {'graph ' + m:>14}" for m in mode_env)
