@@ -1173,12 +1173,13 @@ def tile_coord(t: int, num_m_blocks: int, num_bh: int, group: int) -> tuple[int,
     a group (``group`` 1: head-major; ``num_bh``: query-block major over all heads).
     ``m_rev`` is reversed afterwards for causal-like masks, so each group's heaviest blocks
     come first."""
-    n = -(-num_bh // group)
+    n = (num_bh - 1) // group + 1
     q, rem = divmod(num_bh, n)
-    big = (q + 1) * num_m_blocks * rem  # the tiles of the groups of q + 1 heads
+    big_heads = q * rem + rem  # the heads of the groups of q + 1
+    big = big_heads * num_m_blocks  # and their tiles
     size = q + 1 if t < big else q
     g, r = divmod(t if t < big else t - big, size * num_m_blocks)
-    start = g * size if t < big else rem * (q + 1) + g * size
+    start = g * size if t < big else big_heads + g * size
     return r // size, start + r % size
 
 

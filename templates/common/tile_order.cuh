@@ -15,15 +15,18 @@ struct TileCoord {
 
 // Tile t of num_m_blocks * num_bh, heads in ceil(num_bh / group) groups of as equal sizes as can
 // be (the first num_bh % n hold one more head; a small last group would leave its heaviest blocks
-// for the end), block m_rev of each head of a group in turn.
+// for the end), block m_rev of each head of a group in turn.  Needs t < num_m_blocks * num_bh
+// (so num_bh >= 1) and group >= 1; no intermediate exceeds num_m_blocks * num_bh, so any grid of
+// at most 2^31 - 1 tiles decodes without int overflow (tests/unit/test_tile_order_host.py).
 __device__ __forceinline__ TileCoord tile_coord(int t, int num_m_blocks, int num_bh, int group) {
-    const int n = (num_bh + group - 1) / group;
+    const int n = (num_bh - 1) / group + 1;  // ceil(num_bh / group), not overflowing for any group
     const int q = num_bh / n, rem = num_bh % n;
-    const int big = (q + 1) * num_m_blocks * rem;  // the tiles of the groups of q + 1 heads
+    const int big_heads = q * rem + rem;      // the heads of the groups of q + 1
+    const int big = big_heads * num_m_blocks;  // and their tiles
     const int size = t < big ? q + 1 : q;
     const int u = t < big ? t : t - big;
     const int g = u / (size * num_m_blocks), r = u - g * size * num_m_blocks;
-    const int start = t < big ? g * size : rem * (q + 1) + g * size;
+    const int start = t < big ? g * size : big_heads + g * size;
     return {r / size, start + r % size};
 }
 

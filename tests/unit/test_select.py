@@ -110,8 +110,9 @@ mask: "!causal || kv_idx % 7 == 0"
 
 def test_hopper_mask_tiles_are_dropped_when_they_spill(requires_nvcc):
     """The Hopper forward's masked-tile reductions (causal_tiles, col_limit) cost registers:
-    with them this mask's kernel spilled (52 bytes, nvcc 13.0); the fallback keeps the
-    table's tiles and drops the reductions before anything else."""
+    with them this mask's kernel spilled (52 bytes, nvcc 13.0; none with the templates of
+    session 8); the fallback keeps the table's tiles and drops the reductions before anything
+    but the head groups (dropped first, see tests/unit/test_select_order.py)."""
     spec = loads_spec(NOT_CAUSAL_OR, "not_causal_or.yaml")
     first = plan_forward(spec, "sm_90")
     assert first.context["causal_tiles"] and first.context["col_limit"]

@@ -1,0 +1,111 @@
+"""The order in which :func:`flashgen.select.build_forward` tries a tile candidate's feature
+variants (row / column terms, affine split, Hopper masked-tile reductions, head groups), with
+nvcc replaced by a recorder whose every kernel spills (so every variant is tried): the distinct
+kernel sources it builds, in order, are those of the nested loops with ``break`` it replaced
+(session 8; here with head groups as their innermost loop), so for any spill outcome both
+return the same plan; the source-level dedupe builds no source twice and skips none; and
+when every variant spills, the plan returned is the one whose kernel was built last (its
+cubin and report belong to it).  No nvcc: tests/unit/test_select.py has the real spills."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flashgen import cache, select
+from flashgen.envflags import SIDE_TERMS_ENV, flag
+from flashgen.lower import HEAD_GROUPS_ENV, forward_tile_candidates, plan_forward
+from flashgen.render import render
+from flashgen.spec import load_spec, loads_spec
+
+REPO = Path(__file__).resolve().parents[2]
+SPECS = sorted((REPO / "specs").glob("*.yaml"))
+
+#: Specs of tests/unit that spill somewhere (test_affine.SPILLS_WITH_SPLIT,
+#: test_select.RELPOS / D256_COND / NOT_CAUSAL_OR): they take the fallback for real.
+USER_SPECS = {
+    "affine_spill": "head_dim: 128\ndtype: bf16\nmask: causal && q_idx - kv_idx < win\n"
+    "score_mod: q_idx - kv_idx + score\nparams:\n  win: {type: i32, default: 256}\n",
+    "relpos": "head_dim: 64\ndtype: fp16\nmask: kv_idx < prefix || causal\n"
+    "score_mod: score + rel_bias[h, min(abs(q_idx - kv_idx), 31)]\nparams:\n"
+    "  prefix: {type: i32, default: 64}\n  rel_bias: {type: f32, shape: [num_heads, 32]}\n",
+    "d256_cond": 'head_dim: 256\ndtype: fp16\nmask: "q_idx >= kv_idx ? true : '
+    'kv_idx - q_idx < 4"\nscore_mod: max(score, -10.0) * 0.5\n',
+    "not_causal_or": 'head_dim: 128\ndtype: bf16\nmask: "!causal || kv_idx % 7 == 0"\n',
+    "varlen_causal": "head_dim: 128\ndtype: bf16\nmask: causal\nvarlen: true\n",
+}
+
+BUILDS = [
+    ("sm_80", "auto", False),
+    ("sm_90", "auto", False),
+    ("sm_90", "fa2", False),
+    ("sm_90", "auto", "static"),
+    ("sm_90", "auto", "m_major"),
+]
+
+
+def _specs():
+    out = [load_spec(p) for p in SPECS]
+    out += [loads_spec(f"name: {n}\n{t}", f"{n}.yaml") for n, t in USER_SPECS.items()]
+    return out
+
+
+def _old_loops(spec, target, family, persistent, build):
+    """build_forward's loops before session 8 (f2ba365), head groups added innermost the
+    same way: a feature that leaves no trace in the plan is not retried without."""
+    ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
+    for tiles in forward_tile_candidates(spec, target, None, family):
+        for side_terms in ways:
+            for affine in (True, False):
+                for mask_tiles in (True, False):
+                    for head_groups in (True, False):
+                        plan = plan_forward(
+                            spec, target, None, tiles=tiles, persistent=persistent,
+                            side_terms=side_terms, affine=affine, mask_tiles=mask_tiles,
+                            head_groups=head_groups,
+                        )  # fmt: skip
+                        build(render(plan), plan)
+                        if plan.context["tile_group"] == "1":
+                            break
+                    reductions = ("causal_tiles", "col_limit", "nonneg_div")
+                    if not any(plan.context.get(r) for r in reductions):
+                        break
+                if plan.context.get("affine") is None:
+                    break
+            if not (plan.context.get("row_terms") or plan.context.get("col_terms")):
+                break
+
+
+def _recorder(log: list):
+    def build(source, plan):
+        log.append((source, plan))
+        return Path(f"/nonexistent/{len(log)}.cubin"), SimpleNamespace(spill_bytes=4)
+
+    return build
+
+
+@pytest.mark.parametrize("head_groups", ["1", "0"])
+@pytest.mark.parametrize("spec", _specs(), ids=lambda s: s.name)
+def test_build_order_is_the_old_loops(spec, head_groups, monkeypatch):
+    monkeypatch.setenv(HEAD_GROUPS_ENV, head_groups)
+    for target, family, persistent in BUILDS:
+        if target not in spec.targets:
+            continue
+        new: list = []
+        monkeypatch.setattr(cache, "get_or_build", _recorder(new))
+        try:
+            plan, cubin, report = select.build_forward(
+                spec, target, family=family, persistent=persistent
+            )
+        except ValueError:  # not lowerable for this target / family (e.g. varlen Hopper)
+            continue
+        old: list = []
+        _old_loops(spec, target, family, persistent, _recorder(old))
+        new_sources = [s for s, _ in new]
+        assert len(set(new_sources)) == len(new_sources), "a source built twice"
+        old_sources = list(dict.fromkeys(s for s, _ in old))  # first builds, in order
+        assert new_sources == old_sources, (spec.name, target, family, persistent)
+        # every variant spilled: the plan returned is the last one built, with its cubin
+        assert render(plan) == new_sources[-1] and cubin == Path(f"/nonexistent/{len(new)}.cubin")
