@@ -600,8 +600,8 @@ __device__ __forceinline__ TileCoord tile_coord(int t, int num_m_blocks, int num
     return {r / size, start + r % size};
 }
 
-// At most how many heads a group holds (in steps of the q_per_kv query heads sharing one K/V head) have their K and V
-// (seqlen_k rows of kv_row_bytes) within l2_bytes; at least 1, at most num_bh.
+// The most heads a group may hold: the K/V heads whose seqlen rows of kv_row_bytes fit l2_bytes,
+// times the q_per_kv query heads sharing each; at least 1, at most num_bh.
 __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int kv_row_bytes, int q_per_kv, int num_bh) {
     const long long kv_head_bytes = (long long)max(seqlen_k, 1) * kv_row_bytes;
     const long long heads = max(l2_bytes / kv_head_bytes, 1LL) * q_per_kv;
@@ -687,7 +687,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_fwd_sm_9
 
     // Which (batch, head, query block) this CTA computes (common/tile_order.cuh); heaviest causal blocks first.
     const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const fg::TileCoord tc = fg::tile_coord(blockIdx.x, num_m_blocks, batch * heads_q, fg::head_group(33554432LL, seqlen_k, 512, heads_q / heads_kv, batch * heads_q));
+    const fg::TileCoord tc = fg::tile_coord(blockIdx.x, num_m_blocks, batch * heads_q, fg::head_group(33554432LL, seqlen_k, 512, heads_q / heads_kv, batch * heads_q));  // common/tile_order.cuh
     const int m_rev = tc.m_rev, bh = tc.bh;
     const int m_block = num_m_blocks - 1 - m_rev;
     const int b = bh / heads_q;
