@@ -329,17 +329,46 @@ class KernelPlan:
         return (seqlen_q + self.tiles.block_m - 1) // self.tiles.block_m
 
     def grid(
-        self, batch: int, heads_q: int, seqlen_q: int, num_sms: int | None = None
+        self,
+        batch: int,
+        heads_q: int,
+        seqlen_q: int,
+        num_sms: int | None = None,
+        *,
+        heads_kv: int | None = None,
+        seqlen_k: int | None = None,
     ) -> tuple[int, int, int]:
-        """1-D grid over (m_block, batch*head): gridDim.x = ceil(seqlen_q/BLOCK_M)*batch*heads_q
-        work tiles, one per CTA; a persistent plan (``context["persistent"]``) launches
-        ``min(tiles, num_sms)`` CTAs that loop over them (:func:`persistent_tile_order`;
-        ``num_sms``: the device's SM count, required then, ``ValueError`` if missing)."""
+        """The launch grid over the ``ceil(seqlen_q/BLOCK_M) * batch * heads_q`` work tiles
+        (query block, batch*head).  Usually 1-D, one tile per CTA.  A plan whose CTAs take
+        their head groups from the grid (``context["grid_groups"]``: the Hopper forward's
+        causal and masked kernels) gets :func:`grouped_grid`'s 2-D grid, which needs
+        ``heads_kv`` and ``seqlen_k`` (the group size: :func:`head_group` for the L2 budget
+        ``context["grid_l2_bytes"]``, :data:`HEAD_GROUP_L2_BYTES` when planned).  A persistent
+        plan (``context["persistent"]``) launches ``min(tiles, num_sms)`` CTAs that loop over
+        the tiles (:func:`persistent_tile_order`; ``num_sms``: the device's SM count).
+        ``ValueError`` if an argument the plan needs is missing."""
         tiles = self.num_m_blocks(seqlen_q) * batch * heads_q
         if self.context.get("persistent"):
             if not num_sms or num_sms < 1:
                 raise ValueError(f"{self.kernel_name} is persistent: grid() needs num_sms >= 1")
             return (min(tiles, num_sms), 1, 1)
+        groups = self.context.get("grid_groups")
+        if groups:
+            num_bh = batch * heads_q
+            if groups == "all":
+                group = num_bh
+            else:
+                if heads_kv is None or seqlen_k is None:
+                    raise ValueError(
+                        f"{self.kernel_name} takes its head groups from the grid: grid() "
+                        "needs heads_kv and seqlen_k"
+                    )
+                kv_row_bytes = (self.context["head_dim"] + self.context["head_dim_v"]) * 2
+                group = head_group(
+                    seqlen_k, kv_row_bytes, heads_q // heads_kv, num_bh,
+                    l2_bytes=self.context["grid_l2_bytes"],
+                )  # fmt: skip
+            return grouped_grid(self.num_m_blocks(seqlen_q), num_bh, group)
         return (tiles, 1, 1)
 
     def config(self) -> dict:
@@ -1183,6 +1212,40 @@ def tile_coord(t: int, num_m_blocks: int, num_bh: int, group: int) -> tuple[int,
     return r // size, start + r % size
 
 
+#: The most head groups a grid of :func:`grouped_grid` may hold (CUDA's gridDim.y limit).
+GRID_GROUPS_MAX = 65535
+
+
+def grouped_grid(num_m_blocks: int, num_bh: int, group: int) -> tuple[int, int, int]:
+    """The launch grid that carries :func:`tile_coord`'s order (``fg::grid_tile_coord`` in
+    ``templates/common/tile_order.cuh`` decodes it): ``(size * num_m_blocks, n, 1)`` for the
+    ``num_bh`` (batch, head) pairs in ``n = ceil(num_bh / group)`` groups of as equal sizes
+    as can be, ``size`` the larger groups' head count.  ``blockIdx.y`` is the group,
+    ``blockIdx.x = m_rev * size + head``; in a smaller group (one head fewer) the CTAs of
+    head ``size - 1`` are holes that exit at once.  CUDA numbers CTAs x-fastest, so the order
+    is :func:`tile_coord`'s with the holes in between, and a CTA finds its tile with two
+    divisions by run-time values where ``tile_coord`` and ``head_group`` take five, all on
+    the path to its first TMA load.  ``group`` is raised
+    where ``n`` would pass :data:`GRID_GROUPS_MAX` (larger groups: the same tiles, less L2
+    reuse; unreachable below ~2 TB of K and V).  An empty problem gives ``(0, 1, 1)``."""
+    if num_m_blocks * num_bh == 0:
+        return (0, 1, 1)
+    group = max(group, -(-num_bh // GRID_GROUPS_MAX))
+    n = (num_bh - 1) // group + 1
+    size = (num_bh - 1) // n + 1
+    return (size * num_m_blocks, n, 1)
+
+
+def grid_tile_coord(x: int, y: int, num_bh: int, n: int) -> tuple[int, int] | None:
+    """``(m_rev, bh)`` of the CTA at ``blockIdx = (x, y)`` of :func:`grouped_grid`'s grid with
+    ``n`` groups (``fg::grid_tile_coord``, which this mirrors), or None for a hole."""
+    q, rem = divmod(num_bh, n)
+    m_rev, head = divmod(x, q + 1 if rem else q)
+    if head >= q + (1 if y < rem else 0):
+        return None
+    return m_rev, y * q + min(y, rem) + head
+
+
 def tile_group_expr(spec: Spec, *, m_major: bool = False, backward: bool = False) -> str:
     """The head-group size of a kernel's CTA order as a CUDA expression of the kernel
     arguments (``tile_group`` in both forward templates, ``bwd_tile_group`` in the Hopper
@@ -1470,6 +1533,11 @@ def plan_hopper_forward(
         stages=stages,
         m_major=m_major,
         tile_group=tile_group_expr(spec, m_major=True) if m_major else ctx["tile_group"],
+        # non-persistent: the head groups come from the launch grid (KernelPlan.grid)
+        grid_groups=None
+        if persistent
+        else ("all" if m_major else ("l2" if ctx["tile_group"] != "1" else None)),
+        grid_l2_bytes=HEAD_GROUP_L2_BYTES,
         persistent=bool(persistent),
         scheduler=persistent or None,
         dynamic=dynamic,

@@ -812,7 +812,10 @@ class AttentionOp:
             if plan.context["dynamic"]:
                 values["tile_counter"] = _tile_counter(q.device, stream)
         else:
-            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
+            grid = plan.grid(
+                dims.batch, dims.heads_q, dims.seqlen_q,
+                heads_kv=dims.heads_kv, seqlen_k=dims.seqlen_k,
+            )  # fmt: skip
         kern.launch(grid, values, stream)
         return o, lse
 

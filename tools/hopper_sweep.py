@@ -62,7 +62,9 @@ def build(spec: ir.Spec, bn: int, stages: int, m_major):
 def launch(kern, spec, q, k, v, o, lse, scale):
     dims = validate(spec, q, k, v, {})
     vals = kernel_values(spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, scale, [], {})
-    grid = kern.plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
+    grid = kern.plan.grid(
+        dims.batch, dims.heads_q, dims.seqlen_q, heads_kv=dims.heads_kv, seqlen_k=dims.seqlen_k
+    )
     kern.launch(grid, vals, torch.cuda.current_stream().cuda_stream)
 
 

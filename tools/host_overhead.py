@@ -88,7 +88,7 @@ def measure(root: Path, seqlens, n: int, reps: int) -> list[dict]:
         values = op_mod.kernel_values(
             op.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, scale, [], {}
         )
-        grid = kern.plan.grid(b, h, s)
+        grid = kern.plan.grid(b, h, s, heads_kv=h, seqlen_k=s)
         stream = torch.cuda.current_stream(dev).cuda_stream
         flops = 4.0 * b * h * s * s * d / 2
         for mode in modes:
@@ -199,7 +199,7 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
         values = op_mod.kernel_values(
             op.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, 0.088, [], {}
         )
-        grid = kern.plan.grid(b, h, s)
+        grid = kern.plan.grid(b, h, s, heads_kv=h, seqlen_k=s)
         for mode in modes:
             if mode != "baseline":
                 tma.descriptors.enabled = mode == "cache on"

@@ -376,7 +376,17 @@ class Forward:
         values = kernel_values(self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims,
                                scale, (), {})  # fmt: skip
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        self.kern.launch(self.b.plan.grid(dims.batch, dims.heads_q, dims.seqlen_q), values, stream)
+        self.kern.launch(
+            self.b.plan.grid(
+                dims.batch,
+                dims.heads_q,
+                dims.seqlen_q,
+                heads_kv=dims.heads_kv,
+                seqlen_k=dims.seqlen_k,
+            ),
+            values,
+            stream,
+        )
         return o, lse
 
 

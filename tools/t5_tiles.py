@@ -48,7 +48,9 @@ def launch(kern, spec, q, k, v, bias, o, lse):
     dims = validate(spec, q, k, v, {"bias": bias})
     tensors = {"q": q, "k": k, "v": v, "o": o, "lse": lse}
     vals = kernel_values(spec, tensors, dims, scale, [], {"bias": bias})
-    grid = kern.plan.grid(dims.batch, dims.heads_q, dims.seqlen_q)
+    grid = kern.plan.grid(
+        dims.batch, dims.heads_q, dims.seqlen_q, heads_kv=dims.heads_kv, seqlen_k=dims.seqlen_k
+    )
     kern.launch(grid, vals, torch.cuda.current_stream().cuda_stream)
 
 

@@ -81,7 +81,7 @@ def test_forward_abi_gets_the_table_only_when_needed(target, family):
     if doc.template == "sm_80/fwd.cu.j2":  # the FA2-class kernel stages the row in smem
         assert "s_tab[j] = tab_row[j]" in src and "prev_tab(n_block - 1" in src
     else:  # the Hopper producer walks it in global memory
-        assert target == "sm_90" and "prev_live(n_block - 1, cls)" in src and "tab_row[j]" in src
+        assert target == "sm_90" and "prev_live(n_block - 1, c)" in src and "tab_row[j]" in src
     t5 = plan_forward(load_spec(T5), target, family=family)
     assert "blk_tab" not in [a.name for a in t5.args] and "tab_row" not in render(t5)
 

@@ -141,7 +141,7 @@ def test_block_table_specs_take_the_hopper_kernel_and_its_table():
     assert block_table_shape(spec, plan.tiles, 2, 4, 1000, 8000)[2:] == (8, n_blocks)
     src = render(plan)
     assert "tab_row[j]" in src and "__reduce_max_sync" in src and "fg_tile_class" not in src
-    assert "const int n_next = prev_live(n_block - 1, cls);" in src
+    assert "const int n_next = prev_live(n_block - 1, c);" in src
     fa2 = plan_forward(spec, "sm_90", family="fa2")
     assert fa2.template == "sm_80/fwd.cu.j2" and not is_hopper_tiles(fa2.tiles)
     assert fa2.tiles != plan.tiles and "s_tab[j] = tab_row[j]" in render(fa2)

@@ -13,10 +13,13 @@ import pytest
 
 from flashgen.compile import find_nvcc
 from flashgen.lower import (
+    GRID_GROUPS_MAX,
     HOPPER_PERSISTENT_REGS,
     HOPPER_REGS,
     HOPPER_SMEM_LIMIT,
     PERSISTENT_SCHEDULERS,
+    grid_tile_coord,
+    grouped_grid,
     head_group,
     persistent_forward,
     persistent_tile_order,
@@ -67,12 +70,24 @@ def test_persistent_plan(path):
     assert plan_forward(spec, "sm_80", persistent=True).template == "sm_80/fwd.cu.j2"
 
 
-def test_persistent_grid():
+def test_persistent_grid(monkeypatch):
     spec = load_spec(REPO / "specs" / "causal_d128.yaml")
     off = plan_forward(spec, "sm_90")
     on = plan_forward(spec, "sm_90", persistent=True)
-    assert off.grid(2, 16, 8192) == (64 * 32, 1, 1)
-    assert off.grid(2, 16, 8192, num_sms=132) == (64 * 32, 1, 1)  # ignored when not persistent
+    # causal: the non-persistent kernel takes its L2 head groups from the grid
+    assert off.context["grid_groups"] == "l2"
+    assert off.grid(2, 16, 8192, heads_kv=16, seqlen_k=8192) == (8 * 64, 4, 1)
+    assert off.grid(2, 16, 8192, 132, heads_kv=16, seqlen_k=8192) == (8 * 64, 4, 1)
+    with pytest.raises(ValueError, match="heads_kv and seqlen_k"):
+        off.grid(2, 16, 8192)
+    with monkeypatch.context() as m:
+        m.setenv("FLASHGEN_HEAD_GROUPS", "0")
+        plain = plan_forward(spec, "sm_90")
+    assert plain.context["grid_groups"] is None
+    assert plain.grid(2, 16, 8192) == (64 * 32, 1, 1)
+    full = plan_forward(load_spec(REPO / "specs" / "bidir_d256.yaml"), "sm_90")
+    assert full.context["grid_groups"] is None and full.grid(2, 8, 4096) == (32 * 16, 1, 1)
+    assert on.context["grid_groups"] is None
     assert on.grid(2, 16, 8192, num_sms=132) == (132, 1, 1)
     assert on.grid(1, 1, 1000, num_sms=132) == (8, 1, 1)  # fewer tiles than SMs: one each
     with pytest.raises(ValueError, match="num_sms"):
@@ -233,6 +248,30 @@ def test_tile_coord_groups():
         (0, 5),
         (1, 0),
     ]
+
+
+@pytest.mark.parametrize("num_m", [1, 2, 5])
+def test_grouped_grid_carries_tile_coords_order(num_m):
+    """CUDA numbers a grid's CTAs x-fastest: :func:`grouped_grid`'s CTAs, holes skipped,
+    give :func:`tile_coord`'s order, every tile once."""
+    for num_bh in range(1, 26):
+        for group in range(1, num_bh + 3):
+            gx, gy, gz = grouped_grid(num_m, num_bh, group)
+            assert gz == 1 and gy == -(-num_bh // group)
+            got = [grid_tile_coord(x, y, num_bh, gy) for y in range(gy) for x in range(gx)]
+            tiles = [c for c in got if c is not None]
+            assert tiles == [tile_coord(t, num_m, num_bh, group) for t in range(num_m * num_bh)]
+            # holes: each smaller group (one head fewer) has one per query block
+            rem = num_bh % gy
+            assert len(got) - len(tiles) == ((gy - rem) * num_m if rem else 0)
+
+
+def test_grouped_grid_limits():
+    assert grouped_grid(0, 32, 8) == (0, 1, 1) and grouped_grid(64, 0, 8) == (0, 1, 1)
+    # more groups than gridDim.y allows: the groups grow, the order stays grouped
+    gx, gy, _ = grouped_grid(2, 200_000, 1)
+    assert gy <= GRID_GROUPS_MAX and gx == 2 * -(-200_000 // gy)
+    assert grouped_grid(3, 7, 100) == (21, 1, 1)  # one group: query-block major over all heads
 
 
 def test_head_group_fits_l2():
