@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Where a CTA of the Hopper forward (non-persistent) spends its time: ``clock64`` stamps
+patched into the rendered source at fixed points, one row of 32 int64 per CTA in a
+``__device__`` buffer, read back after one launch.
+
+    python3 tools/cta_timeline.py causal_d128 mistral_swa      # gallery shape, B=2 H=16 S=8k
+    python3 tools/cta_timeline.py causal_d128 --shape 1 16 16384
+
+Prints, per spec, the mean cycles of each phase of a CTA: entry to the tile decoded, Q
+issued, the first live key block found, its K and V issued, the barrier, ``setmaxnreg``
+(thread 0); entry to Q and the first K landed, the first S + softmax, the main loop (and
+cycles per key block), the last P V, the epilogue (consumer warpgroup 0); the gap between a
+CTA's end and the next CTA's start on the same SM; and these by key blocks per CTA.  Cycles
+are one SM's ``clock64`` (the SM clock; under the card's power limit it runs at 1.4-1.7 GHz,
+see docs/perf-notes.md, session 9).
+
+The stamps are text patches at anchor lines of ``templates/sm_90/fwd.cu.j2``
+(:data:`ANCHORS`); :func:`patch` raises ``ValueError`` naming an anchor it cannot find, and
+``tests/unit/test_cta_timeline.py`` renders a shipped spec and compiles the patched source, so
+a template change that moves an anchor fails there, not silently here.  The kernel is built
+through ``flashgen.select`` with the patched renderer (its own cache entry); the op runs as
+usual.  Needs a GPU (sm_90), torch and CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+#: int64 slots per CTA in ``fg_prof``
+SLOTS = 32
+#: CTAs the buffer holds
+MAX_CTAS = 1 << 16
+
+#: (anchor text, code put right after it) for the plain anchors; the stamps' slots:
+#: 0 entry (consumer 0), 1 Q and first K landed, 2 first S + softmax done, 3 main loop done,
+#: 4 / 5 epilogue done (consumer 0 / 1), 6 Q issued, 7 SM id, 8 key blocks, 11 last P V done,
+#: 14 tile decoded, 15 first block found, 16 barrier passed, 17 setmaxnreg done, 18 entry
+#: (thread 0), 19 first K / V issued, 20 Q landed (consumer 0).
+ANCHORS = (
+    ("const int m0 = m_block * BLOCK_M;\n", "    if (threadIdx.x == 0) fgp[14] = clock64();\n"),
+    (
+        "if (threadIdx.x == 0) *first_slot = first_block;  // read after __syncthreads below\n",
+        "        if (threadIdx.x == 0) fgp[15] = clock64();\n",
+    ),
+    ("__syncthreads();\n", "    if (threadIdx.x == 0) fgp[16] = clock64();\n"),
+    (
+        "fg::setmaxnreg_dec<{producer_regs}>();\n",
+        "        if (threadIdx.x == 0) {{ fgp[17] = clock64(); fgp[18] = fgp_t0; }}\n",
+    ),
+    ("fg::mbar_wait(q_full, 0);\n", "        if (threadIdx.x == 128) fgp[20] = clock64();\n"),
+    (
+        "fg::mbar_wait(k_full(0), 0);\n",
+        "        if (threadIdx.x % 128 == 0) fgp[threadIdx.x == 128 ? 1 : 12] = clock64();\n",
+    ),
+    (
+        "int it = 1;\n",
+        "        if (threadIdx.x % 128 == 0) fgp[threadIdx.x == 128 ? 2 : 13] = clock64();\n",
+    ),
+    (
+        "next_block = load_block(0, first_block, cls);\n",
+        "        fgp[19] = clock64();\n",
+    ),
+    (
+        "fg::mbar_arrive(v_empty(s_last));\n",
+        "        if (threadIdx.x == 128) fgp[11] = clock64();\n",
+    ),
+)
+
+HEAD = f"__device__ long long fg_prof[{MAX_CTAS * SLOTS}];\n"
+ENTRY = (
+    "    const long long fgp_t0 = clock64();\n"
+    "    long long* fgp = fg_prof + (size_t)(blockIdx.x + blockIdx.y * gridDim.x) * "
+    f"{SLOTS};\n"
+)
+LOOP_END = "if (threadIdx.x == 128) { fgp[3] = clock64(); fgp[8] = it; }\n        "
+TAIL = """
+    if (threadIdx.x >= 128 && threadIdx.x % 128 == 0) {
+        fgp[threadIdx.x == 128 ? 4 : 5] = clock64();
+        if (threadIdx.x == 128) {
+            unsigned smid;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+            fgp[7] = smid;
+            fgp[0] = fgp_t0;
+        }
+    }"""
+
+
+def patch(src: str, producer_regs: int) -> str:
+    """``src`` (a rendered non-persistent Hopper forward, no block table) with the stamps.
+    Raises ``ValueError`` naming the first anchor missing."""
+
+    def need(anchor: str) -> None:
+        if anchor not in src:
+            raise ValueError(f"cta_timeline: anchor {anchor.strip()!r} not in the source")
+
+    for anchor in ('extern "C" __global__', "unsigned char smem_raw[];\n", "// Last P V.\n"):
+        need(anchor)
+    i = src.index('extern "C" __global__')
+    src = src[:i] + HEAD + src[i:]
+    a = "unsigned char smem_raw[];\n"
+    src = src.replace(a, a + ENTRY, 1)
+    q = re.search(r"\n(\s*)fg::tma_load_4d\(sQ [^\n]*tma_q[^\n]*\n", src)
+    if q is None:
+        raise ValueError("cta_timeline: anchor 'the Q TMA load' not in the source")
+    src = src[: q.end()] + q.group(1) + "fgp[6] = clock64();\n" + src[q.end() :]
+    for anchor, code in ANCHORS:
+        anchor = anchor.format(producer_regs=producer_regs)
+        need(anchor)
+        src = src.replace(anchor, anchor + code.format(), 1)
+    src = src.replace("// Last P V.\n", LOOP_END + "// Last P V.\n", 1)
+    end = src.rindex("\n}")
+    return src[:end] + TAIL + src[end:]
+
+
+def summarize(P, name: str) -> list[str]:
+    """Lines of the report for the stamp rows ``P`` (numpy int64 [CTAs, SLOTS])."""
+    import numpy as np
+
+    P = P[P[:, 0] != 0]
+    t0, t1, t2, t3, t4, t5 = (P[:, i] for i in range(6))
+    steps, tpv, smid = P[:, 8], P[:, 11], P[:, 7]
+    end = np.maximum(t4, t5)
+    span = end - t0
+    out = [f"{name}: {len(P)} CTAs, mean {span.mean():.0f} cycles, {steps.mean():.1f} key blocks"]
+    e0 = P[:, 18]
+    marks = (("decoded", 14), ("Q issued", 6), ("first block", 15), ("K/V issued", 19),
+             ("barrier", 16), ("setmaxnreg", 17))  # fmt: skip
+    out.append(
+        "  thread 0 since entry: " + ", ".join(f"{m} {np.mean(P[:, i] - e0):.0f}" for m, i in marks)
+    )
+    phases = {
+        "entry -> Q landed": P[:, 20] - t0,
+        "entry -> Q, first K landed": t1 - t0,
+        "first S + softmax": t2 - t1,
+        "main loop": t3 - t2,
+        "last P V": tpv - t3,
+        "epilogue": t4 - tpv,
+        "consumer 1 after 0": t5 - t4,
+    }
+    for k, x in phases.items():
+        out.append(f"  {k:28s} mean {x.mean():9.0f}  share {x.sum() / span.sum():6.3f}")
+    per = (t3 - t2) / np.maximum(steps - 1, 1)
+    out.append(f"  main loop per key block: median {np.median(per):.0f} cycles")
+    gaps, spans = [], []
+    for sm in np.unique(smid):
+        idx = np.where(smid == sm)[0]
+        idx = idx[np.argsort(t0[idx])]
+        gaps += list(t0[idx[1:]] - end[idx[:-1]])
+        spans.append(end[idx[-1]] - t0[idx[0]])
+    gaps = np.array(gaps)
+    share = gaps.sum() / np.sum(spans)
+    out.append(f"  gap to the next CTA on the SM: mean {gaps.mean():.0f}, share {share:.3f}")
+    for lo, hi in ((0, 8), (8, 16), (16, 32), (32, 48), (48, 1 << 30)):
+        sel = (steps >= lo) & (steps < hi)
+        if sel.any():
+            out.append(
+                f"  key blocks [{lo}, {hi if hi < 1 << 30 else 'inf'}): {sel.sum()} CTAs, span "
+                f"{span[sel].mean():.0f}, to first softmax {(t2 - t0)[sel].mean():.0f}, per block "
+                f"{per[sel].mean():.0f}, after the loop {(end - t3)[sel].mean():.0f}"
+            )
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("specs", nargs="+", help="shipped spec names (no block table)")
+    ap.add_argument("--shape", nargs=3, type=int, metavar=("B", "H", "S"), default=(2, 16, 8192))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("cta_timeline needs an sm_90 GPU", file=sys.stderr)
+        return 2
+    import cupy
+
+    import flashgen
+    import flashgen.select as sel
+    from flashgen import runtime
+
+    render = sel.render
+    sel.render = lambda plan: (
+        patch(render(plan), plan.context["producer_regs"])
+        if plan.template == "sm_90/fwd.cu.j2" and not plan.context.get("persistent")
+        else render(plan)
+    )
+    root = Path(__file__).resolve().parent.parent
+    b, h, s = args.shape
+    dev = torch.device("cuda")
+    for name in args.specs:
+        op = flashgen.load(root / "specs" / f"{name}.yaml")
+        spec = op.spec
+        q = torch.randn(b, h, s, spec.head_dim, device=dev, dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        op.attention(q, k, v)
+        torch.cuda.synchronize()
+        kern = op.kernel(dev)
+        if b * h * kern.plan.num_m_blocks(s) > MAX_CTAS:
+            print(f"{name}: more than {MAX_CTAS} CTAs", file=sys.stderr)
+            return 2
+        key = next(key for key, val in runtime._loaded.items() if val is kern)
+        buf = cupy.ndarray((MAX_CTAS, SLOTS), cupy.int64, kern.module.get_global("fg_prof"))
+        buf[:] = 0
+        op.attention(q, k, v)
+        torch.cuda.synchronize()
+        print("\n".join(summarize(cupy.asnumpy(buf), f"{name} B={b} H={h} S={s} ({key[1]})")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
