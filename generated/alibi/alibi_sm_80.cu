@@ -471,6 +471,20 @@ __device__ __forceinline__ TileCoord tile_coord(int t, int num_m_blocks, int num
     return {r / size, start + r % size};
 }
 
+// tile_coord's order carried by the launch grid (lower.grouped_grid): gridDim = (size *
+// num_m_blocks, n groups), blockIdx.y the group, blockIdx.x = m_rev * size + the head in it, size
+// the larger groups' head count.  A smaller group's CTAs of head size - 1 are holes: bh = -1.
+// Two dependent divisions by run-time values where head_group and tile_coord chain five, on the
+// path to the CTA's first TMA load (with bh / heads_q and h / q_per_kv after them: 1.7K cycles
+// before, 1.3K now; docs/perf-notes.md, session 9).  (x, g) = (blockIdx.x, blockIdx.y), n = gridDim.y.
+__device__ __forceinline__ TileCoord grid_tile_coord(int num_bh, int n, int x, int g) {
+    const int q = num_bh / n, rem = num_bh - q * n;  // rem groups of q + 1 heads first, then q
+    const int size = rem ? q + 1 : q;
+    const int m_rev = x / size, head = x - m_rev * size;
+    if (head >= (g < rem ? q + 1 : q)) return {m_rev, -1};
+    return {m_rev, g * q + min(g, rem) + head};
+}
+
 // The most heads a group may hold: the K/V heads whose seqlen rows of kv_row_bytes fit l2_bytes,
 // times the q_per_kv query heads sharing each; at least 1, at most num_bh.
 __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int kv_row_bytes, int q_per_kv, int num_bh) {

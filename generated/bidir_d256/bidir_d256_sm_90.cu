@@ -600,6 +600,20 @@ __device__ __forceinline__ TileCoord tile_coord(int t, int num_m_blocks, int num
     return {r / size, start + r % size};
 }
 
+// tile_coord's order carried by the launch grid (lower.grouped_grid): gridDim = (size *
+// num_m_blocks, n groups), blockIdx.y the group, blockIdx.x = m_rev * size + the head in it, size
+// the larger groups' head count.  A smaller group's CTAs of head size - 1 are holes: bh = -1.
+// Two dependent divisions by run-time values where head_group and tile_coord chain five, on the
+// path to the CTA's first TMA load (with bh / heads_q and h / q_per_kv after them: 1.7K cycles
+// before, 1.3K now; docs/perf-notes.md, session 9).  (x, g) = (blockIdx.x, blockIdx.y), n = gridDim.y.
+__device__ __forceinline__ TileCoord grid_tile_coord(int num_bh, int n, int x, int g) {
+    const int q = num_bh / n, rem = num_bh - q * n;  // rem groups of q + 1 heads first, then q
+    const int size = rem ? q + 1 : q;
+    const int m_rev = x / size, head = x - m_rev * size;
+    if (head >= (g < rem ? q + 1 : q)) return {m_rev, -1};
+    return {m_rev, g * q + min(g, rem) + head};
+}
+
 // The most heads a group may hold: the K/V heads whose seqlen rows of kv_row_bytes fit l2_bytes,
 // times the q_per_kv query heads sharing each; at least 1, at most num_bh.
 __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int kv_row_bytes, int q_per_kv, int num_bh) {
@@ -679,6 +693,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
     int* stage_info = reinterpret_cast<int*>(smem_raw + (bars + 8u * (1 + 4 * STAGES) - fg::smem_u32(smem_raw)));
     int* first_slot = stage_info + 2 * STAGES;  // the first live key block, from warp 0's walk
 
+    // Thread 0 readies the barriers first: Q goes out as soon as the CTA knows its tile.
+    if (threadIdx.x == 0) {
+        fg::tma_prefetch_desc(&tma_q);
+        fg::tma_prefetch_desc(&tma_k);
+        fg::tma_prefetch_desc(&tma_v);
+        fg::mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            fg::mbar_init(k_full(s), 1);
+            fg::mbar_init(v_full(s), 1);
+            fg::mbar_init(k_empty(s), NUM_CONSUMERS * 4);
+            fg::mbar_init(v_empty(s), NUM_CONSUMERS * 4);
+        }
+        fg::fence_barrier_init();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's TMA sees them
+    }
     // Which (batch, head, query block) this CTA computes (common/tile_order.cuh); heaviest causal blocks first.
     const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
     const int m_rev = blockIdx.x % num_m_blocks;  // head-major: one head's blocks together
@@ -688,7 +717,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
     const int h = bh % heads_q;
     const int h_kv = h / (heads_q / heads_kv);
     const int m0 = m_block * BLOCK_M;
-
+    // Q before the walk, which it does not need (a CTA without live blocks waits for it to land
+    // before its epilogue stages O in sQ).
+    if (threadIdx.x == 0) {
+        fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
+        #pragma unroll
+        for (int c = 0; c < DCB; ++c)
+            fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
+    }
     // Key blocks are visited last to first, live ones only: prev_live(j, c) is the last live key block
     // at or before j (-1 if none) and sets c to its class.
     const int n_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
@@ -712,15 +748,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
         if (threadIdx.x == 0) *first_slot = first_block;  // read after __syncthreads below
     }
 
-    if (threadIdx.x == 0) {
-        fg::mbar_init(q_full, 1);
-        for (int s = 0; s < STAGES; ++s) {
-            fg::mbar_init(k_full(s), 1);
-            fg::mbar_init(v_full(s), 1);
-            fg::mbar_init(k_empty(s), NUM_CONSUMERS * 4);
-            fg::mbar_init(v_empty(s), NUM_CONSUMERS * 4);
+    // Publish key block n_block (class c) in ring stage it % STAGES and load it (warp 0, lane 0
+    // issuing), STAGES ahead of the consumers; the walk first finds the next live block, returned
+    // (c becomes its class).
+    auto load_block = [&](int it, int n_block, int& c) {
+        const int n0 = n_block * BLOCK_N, n_cls = c;
+        const int n_next = prev_live(n_block - 1, c);
+        const int s = it % STAGES;
+        const uint32_t phase = (it / STAGES) & 1;
+        fg::mbar_wait(k_empty(s), phase ^ 1);
+        if (threadIdx.x == 0) {
+            stage_info[2 * s] = n0;
+            stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
+            fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
+            #pragma unroll
+            for (int c = 0; c < DCB; ++c)
+                fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
         }
-        fg::fence_barrier_init();
+        fg::mbar_wait(v_empty(s), phase ^ 1);
+        if (threadIdx.x == 0) {
+            fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
+            #pragma unroll
+            for (int c = 0; c < DCB; ++c)
+                fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
+        }
+        return n_next;
+    };
+    // The first block goes out before the barrier (its ring stage is free).
+    int next_block = -1;
+    if (threadIdx.x < 32 && first_block >= 0) {
+        __syncwarp();  // every lane of warp 0 sees thread 0's barrier init
+        next_block = load_block(0, first_block, cls);
     }
     __syncthreads();
     if (threadIdx.x >= 32) first_block = *first_slot;
@@ -731,38 +789,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
         // Warp 0 walks the key blocks, all lanes together (the walk is warp-wide); lane 0 issues the
         // TMA loads and the arrivals.
         if (threadIdx.x < 32 && first_block >= 0) {
-            if (threadIdx.x == 0) {
-                fg::tma_prefetch_desc(&tma_k);
-                fg::tma_prefetch_desc(&tma_v);
-                fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
-                #pragma unroll
-                for (int c = 0; c < DCB; ++c)
-                    fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
-            }
-            // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.
-            for (int it = 0, n_block = first_block; n_block >= 0; ++it) {
-                const int n0 = n_block * BLOCK_N, n_cls = cls;
-                const int n_next = prev_live(n_block - 1, cls);
-                const int s = it % STAGES;
-                const uint32_t phase = (it / STAGES) & 1;
-                fg::mbar_wait(k_empty(s), phase ^ 1);
-                if (threadIdx.x == 0) {
-                    stage_info[2 * s] = n0;
-                    stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
-                    fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
-                    #pragma unroll
-                    for (int c = 0; c < DCB; ++c)
-                        fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
-                }
-                fg::mbar_wait(v_empty(s), phase ^ 1);
-                if (threadIdx.x == 0) {
-                    fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
-                    #pragma unroll
-                    for (int c = 0; c < DCB; ++c)
-                        fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
-                }
-                n_block = n_next;
-            }
+            // Walk the KV blocks last to first (the causal diagonal block first).
+            for (int it = 1, n_block = next_block; n_block >= 0; ++it) n_block = load_block(it, n_block, cls);
         }
         return;
     }
@@ -919,6 +947,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_bidir_d256_fwd
         fg::fence_regs(acc_o);
         if (lane == 0) fg::mbar_arrive(v_empty(s_last));
         if (cg == 0) pp_wait();  // consume consumer 1's last pass: the barriers end balanced
+    }
+    else {
+        fg::mbar_wait(q_full, 0);  // Q went out before the walk: it lands before the epilogue stages O in sQ
     }
 
     // Epilogue: O / row_sum into this warpgroup's rows of sQ (same swizzle), then 16-byte stores.
