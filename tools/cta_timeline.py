@@ -117,6 +117,13 @@ def patch(src: str, producer_regs: int) -> str:
     return src[:end] + TAIL + src[end:]
 
 
+def launch_ctas(plan, b: int, h: int, s: int) -> int:
+    """CTAs in the launch grid of ``plan`` at B=b, H=h (no GQA), S=s: the stamp rows the run
+    needs (a grouped grid's holes have rows too, :func:`flashgen.lower.grouped_grid`)."""
+    gx, gy, gz = plan.grid(b, h, s, heads_kv=h, seqlen_k=s)
+    return gx * gy * gz
+
+
 def summarize(P, name: str) -> list[str]:
     """Lines of the report for the stamp rows ``P`` (numpy int64 [CTAs, SLOTS])."""
     import numpy as np
@@ -200,7 +207,7 @@ def main(argv=None) -> int:
         op.attention(q, k, v)
         torch.cuda.synchronize()
         kern = op.kernel(dev)
-        if b * h * kern.plan.num_m_blocks(s) > MAX_CTAS:
+        if launch_ctas(kern.plan, b, h, s) > MAX_CTAS:
             print(f"{name}: more than {MAX_CTAS} CTAs", file=sys.stderr)
             return 2
         key = next(key for key, val in runtime._loaded.items() if val is kern)
