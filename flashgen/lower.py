@@ -1227,7 +1227,7 @@ def grouped_grid(num_m_blocks: int, num_bh: int, group: int) -> tuple[int, int, 
     divisions by run-time values where ``tile_coord`` and ``head_group`` take five, all on
     the path to its first TMA load.  ``group`` is raised
     where ``n`` would pass :data:`GRID_GROUPS_MAX` (larger groups: the same tiles, less L2
-    reuse; unreachable below ~2 TB of K and V).  An empty problem gives ``(0, 1, 1)``."""
+    reuse; unreachable below ~1 TB of K and V).  An empty problem gives ``(0, 1, 1)``."""
     if num_m_blocks * num_bh == 0:
         return (0, 1, 1)
     group = max(group, -(-num_bh // GRID_GROUPS_MAX))
