@@ -1225,9 +1225,9 @@ def grouped_grid(num_m_blocks: int, num_bh: int, group: int) -> tuple[int, int, 
     head ``size - 1`` are holes that exit at once.  CUDA numbers CTAs x-fastest, so the order
     is :func:`tile_coord`'s with the holes in between, and a CTA finds its tile with two
     divisions by run-time values where ``tile_coord`` and ``head_group`` take five, all on
-    the path to its first TMA load.  ``group`` is raised
-    where ``n`` would pass :data:`GRID_GROUPS_MAX` (larger groups: the same tiles, less L2
-    reuse; unreachable below ~1 TB of K and V).  An empty problem gives ``(0, 1, 1)``."""
+    the path to its first TMA load.  ``group`` is raised where ``n`` would pass
+    :data:`GRID_GROUPS_MAX` (larger groups: the same tiles, less L2 reuse; unreachable below
+    ~1 TB of K and V).  An empty problem gives ``(0, 1, 1)``."""
     if num_m_blocks * num_bh == 0:
         return (0, 1, 1)
     group = max(group, -(-num_bh // GRID_GROUPS_MAX))
@@ -1528,15 +1528,16 @@ def plan_hopper_forward(
     if dynamic:  # the work-tile counter: [next tile - gridDim.x, CTAs done]
         ctx["args"] = ctx["args"] + (KernelArg("tile_counter", "int*"),)
     ctx["args"] = ctx["args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
+    # non-persistent: the head groups come from the launch grid (KernelPlan.grid)
+    grid_groups = None
+    if not persistent and (m_major or ctx["tile_group"] != "1"):
+        grid_groups = "all" if m_major else "l2"
     ctx.update(
         num_consumers=consumers,
         stages=stages,
         m_major=m_major,
         tile_group=tile_group_expr(spec, m_major=True) if m_major else ctx["tile_group"],
-        # non-persistent: the head groups come from the launch grid (KernelPlan.grid)
-        grid_groups=None
-        if persistent
-        else ("all" if m_major else ("l2" if ctx["tile_group"] != "1" else None)),
+        grid_groups=grid_groups,
         grid_l2_bytes=HEAD_GROUP_L2_BYTES,
         persistent=bool(persistent),
         scheduler=persistent or None,
