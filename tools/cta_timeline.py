@@ -50,7 +50,7 @@ ANCHORS = (
     ("__syncthreads();\n", "    if (threadIdx.x == 0) fgp[16] = clock64();\n"),
     (
         "fg::setmaxnreg_dec<{producer_regs}>();\n",
-        "        if (threadIdx.x == 0) {{ fgp[17] = clock64(); fgp[18] = fgp_t0; }}\n",
+        "        if (threadIdx.x == 0) { fgp[17] = clock64(); fgp[18] = fgp_t0; }\n",
     ),
     ("fg::mbar_wait(q_full, 0);\n", "        if (threadIdx.x == 128) fgp[20] = clock64();\n"),
     (
@@ -111,7 +111,7 @@ def patch(src: str, producer_regs: int) -> str:
     for anchor, code in ANCHORS:
         anchor = anchor.format(producer_regs=producer_regs)
         need(anchor)
-        src = src.replace(anchor, anchor + code.format(), 1)
+        src = src.replace(anchor, anchor + code, 1)
     src = src.replace("// Last P V.\n", LOOP_END + "// Last P V.\n", 1)
     end = src.rindex("\n}")
     return src[:end] + TAIL + src[end:]
