@@ -135,12 +135,20 @@ VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
 #: ``Is_even_MN``); at d256 128x64x8 it frees 7-13 registers and ptxas then issues each
 #: ldmatrix further ahead of its mma (docs/perf-notes.md); off until measured (a tuning-table
 #: entry's ``options`` may turn it on per GPU, see :mod:`flashgen.tuning`).
+#: ``fwd_row_chunks``: with unrolled loads, FA2's copy layout: 8 threads per row, each taking
+#: 16-byte chunks 128 bytes apart, so one swizzled shared base and one global pointer per row
+#: serve all of a thread's chunks (the default layout recomputes the swizzle per chunk when
+#: a thread's rows are not 8 apart, e.g. d256 with 4 warps).  Needs head dims that are
+#: multiples of 64 (else the default layout); at d128 on 4 warps it costs registers (spills
+#: at 128x64x4), so it is off by default and the H200 table turns it on at d256 (64x64x4:
+#: 1.01-1.05x FA2 non-causal, 1.04-1.11x causal, where the same tiles without it spill).
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,
     "fwd_fold_scale": True,
     "fwd_lazy_rescale": False,
     "fwd_even_loads": False,
+    "fwd_row_chunks": False,
 }
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still

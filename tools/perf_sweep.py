@@ -189,6 +189,7 @@ SWITCH_LABELS = {
     "fwd_fold_scale": "fold",
     "fwd_lazy_rescale": "lazy",
     "fwd_even_loads": "even",
+    "fwd_row_chunks": "rows",
 }
 
 

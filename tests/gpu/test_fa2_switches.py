@@ -1,5 +1,6 @@
 """FA2-class forward switches that a tuning-table entry selects with its tiles (needs a GPU:
-``pytest -m gpu``): ``fwd_even_loads`` (unpredicated loads of whole tiles) and
+``pytest -m gpu``): ``fwd_even_loads`` (unpredicated loads of whole tiles), ``fwd_row_chunks``
+(FA2's copy layout: 16-byte chunks 128 bytes apart in a row per thread) and
 ``fwd_unrolled_loads`` off, at head_dim 256 on tiles ``tools/perf_sweep.py --write-table``
 may record (128x64x8, 64x48x4, and FA2's own 64x64x4 on H100/H200).
 
@@ -34,6 +35,9 @@ ENTRIES = {
     "even": (TileConfig(128, 64, 8), {"fwd_even_loads": True}),
     "even48": (TileConfig(64, 48, 4), {"fwd_even_loads": True}),
     "rolled": (TileConfig(64, 64, 4), {"fwd_unrolled_loads": False}),
+    "rows": (TileConfig(64, 64, 4), {"fwd_row_chunks": True, "fwd_even_loads": True}),
+    "rows48": (TileConfig(64, 48, 4), {"fwd_row_chunks": True, "fwd_even_loads": False}),
+    "rows8w": (TileConfig(128, 64, 8), {"fwd_row_chunks": True, "fwd_even_loads": False}),
 }
 
 
