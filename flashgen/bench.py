@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -76,7 +77,10 @@ class BenchConfig:
 
     ``warmup_ms``/``rep_ms`` go to ``do_bench``; ``budget_s`` (0 = none) is a soft wall
     clock limit in seconds: once exceeded, remaining measurements are recorded as
-    ``skipped`` and the outputs are still written.
+    ``skipped`` and the outputs are still written.  ``rounds`` > 1 times the
+    implementations of one problem in that many alternating rounds (A B C, C B A, ...) on
+    the same inputs and reports each one's median over the rounds, so that a slow drift of
+    the GPU's clock (it runs at its power limit) reaches every implementation alike.
     """
 
     dtypes: tuple[str, ...] = ("bf16", "fp16")
@@ -96,6 +100,7 @@ class BenchConfig:
     ceilings: bool = True
     budget_s: float = 540.0
     quick: bool = False
+    rounds: int = 1
 
     @classmethod
     def quick_config(cls) -> BenchConfig:
@@ -311,6 +316,20 @@ def _is_oom(e: BaseException) -> bool:
 def _short(e: BaseException, n: int = 300) -> str:
     text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _failed(row, e: BaseException) -> None:
+    """Record exception ``e`` of a measurement in ``row`` (status and note)."""
+    if isinstance(e, Unsupported):
+        row.status, row.note = "unsupported", str(e)
+    elif isinstance(e, NotImplementedError):
+        row.status, row.note = "n/a", _short(e, 160)
+    elif _is_oom(e):
+        row.status, row.note = "oom", ""
+    elif row.impl in _SDPA_BACKENDS and isinstance(e, RuntimeError):
+        row.status, row.note = "unsupported", _short(e, 200)
+    else:
+        row.status, row.note = "error", _short(e)
 
 
 def _free() -> None:
@@ -829,6 +848,26 @@ class Bench:
         label: str | None = None,
     ) -> Row:
         """Time ``impl`` on one problem (``batch``, ``heads``, ``seqlen``) of ``spec``."""
+        row, fn = self.prepare(section, impl, spec, batch, heads, seqlen, direction, label)
+        if fn is not None:
+            self.time_rows([(row, fn)], rounds=1)
+        _free()
+        return row
+
+    def prepare(
+        self,
+        section: str,
+        impl: str,
+        spec: ir.Spec,
+        batch: int,
+        heads: int,
+        seqlen: int,
+        direction: str,
+        label: str | None = None,
+    ) -> tuple[Row, Callable[[], object] | None]:
+        """The row of one measurement and the callable to time (inputs rotated over enough
+        buffers to exceed the L2), already run once (compiles, probes support); the
+        callable is ``None`` when the row is final (skipped, unsupported, error, ...)."""
         import torch
 
         from .lower import split_causal
@@ -852,10 +891,10 @@ class Bench:
         row.bytes = attention_bytes(batch, heads, seqlen, d, 2, direction, impl, causal)
         if self.over_budget():
             row.status, row.note = "skipped", "time budget exhausted"
-            return row
+            return row, None
         if impl == "flashgen" and spec.name in self.compile_errors:
             row.status, row.note = "error", "compile: " + self.compile_errors[spec.name]
-            return row
+            return row, None
         dt = TORCH_DTYPE[spec.dtype]
         bwd = direction == "fwd_bwd"
         per_set = 3 * batch * heads * seqlen * d * 2 * (2 if bwd else 1)
@@ -872,7 +911,7 @@ class Bench:
 
                 if flashgen_has_backward(build_op(spec)) is False:
                     row.status, row.note = "n/a", "flashgen op has no backward"
-                    return row
+                    return row, None
 
             def make():
                 g = lambda *s: torch.randn(*s, device=self.device, dtype=dt)  # noqa: E731
@@ -899,23 +938,48 @@ class Bench:
                 warnings.simplefilter("ignore")
                 fn()  # probe: compiles (flex), raises for unsupported configs
                 torch.cuda.synchronize()
-                row.ms = do_bench_ms(fn, self.cfg.warmup_ms, self.cfg.rep_ms)
-            row.tflops = row.flops / (row.ms * 1e-3) / 1e12
-        except Unsupported as e:
-            row.status, row.note = "unsupported", str(e)
-        except NotImplementedError as e:
-            row.status, row.note = "n/a", _short(e, 160)
+            return row, fn
         except Exception as e:  # noqa: BLE001 - every failure becomes a row
-            if _is_oom(e):
-                row.status, row.note = "oom", ""
-            elif impl in _SDPA_BACKENDS and isinstance(e, RuntimeError):
-                row.status, row.note = "unsupported", _short(e, 200)
-            else:
-                row.status, row.note = "error", _short(e)
-        finally:
+            _failed(row, e)
             rot = None  # noqa: F841 - drop the buffers before the next config
             _free()
-        return row
+            return row, None
+
+    def time_rows(self, items: list[tuple[Row, Callable[[], object]]], rounds: int) -> None:
+        """Time each prepared ``(row, fn)``: ``rounds`` alternating rounds (forward, then
+        backward order, ...), ``row.ms`` the median of its rounds' ``do_bench`` medians
+        (each round's ms in ``row.note``).  With more than one round, the first item runs
+        once untimed before them."""
+        samples: list[list[float]] = [[] for _ in items]
+        live = [True] * len(items)
+        if rounds > 1 and items:
+            # settle: a GPU that idled while the inputs were made boosts its clock for the
+            # first ~100 ms of load (it runs at its power limit after), which would favour
+            # whichever implementation came first
+            try:
+                do_bench_ms(items[0][1], self.cfg.warmup_ms, self.cfg.rep_ms)
+            except Exception:  # noqa: BLE001, S110 - its own round reports the failure
+                pass
+        for r in range(rounds):
+            order = range(len(items)) if r % 2 == 0 else reversed(range(len(items)))
+            for i in order:
+                row, fn = items[i]
+                if not live[i]:
+                    continue
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        samples[i].append(do_bench_ms(fn, self.cfg.warmup_ms, self.cfg.rep_ms))
+                except Exception as e:  # noqa: BLE001 - every failure becomes a row
+                    _failed(row, e)
+                    live[i] = False
+        for (row, _), ms, ok in zip(items, samples, live, strict=True):
+            if ok and ms:
+                row.ms = statistics.median(ms)
+                row.tflops = row.flops / (row.ms * 1e-3) / 1e12
+                if rounds > 1:
+                    note = f"median of rounds {'/'.join(f'{x:.3f}' for x in ms)} ms"
+                    row.note = f"{row.note}; {note}" if row.note else note
 
     # ----------------------------------------------------------------- memory
     def measure_memory(self, impl: str, spec: ir.Spec, seqlen: int, direction: str) -> Row:
@@ -1023,28 +1087,47 @@ class Bench:
         self.save()
         last_group = None
         with Progress(len(work), "bench") as prog:
-            for kind, args in work:
+            for batch in self.problems(work):
+                kind = batch[0][0]
                 if kind == "memory":
-                    impl, spec, s, direction = args
-                    row = self.measure_memory(impl, spec, s, direction)
-                    desc = f"memory {impl} S={s} {direction}"
+                    rows = [self.measure_memory(*args) for _, args in batch]
                 else:
-                    impl, spec, b, h, s, direction = args
-                    row = self.measure(kind, impl, spec, b, h, s, direction)
-                    desc = f"{kind} {spec.name} S={s} {direction} {impl}"
-                self.rows.append(row)
-                val = (
-                    f"{row.tflops:.1f} TFLOP/s"
-                    if row.tflops
-                    else (f"{row.peak_bytes / 2**30:.2f} GiB" if row.peak_bytes else row.status)
-                )
-                prog.step(f"{desc}: {val}")
-                group = (kind, args[1].name if kind != "memory" else "memory")
+                    prepared = [self.prepare(kind, *args) for _, args in batch]
+                    self.time_rows([p for p in prepared if p[1] is not None], self.cfg.rounds)
+                    rows = [row for row, _ in prepared]
+                    prepared = None
+                    _free()
+                for (_, args), row in zip(batch, rows, strict=True):
+                    self.rows.append(row)
+                    impl, spec, s, direction = args[0], args[1], args[-2], args[-1]
+                    desc = f"{kind} {impl if kind == 'memory' else spec.name} S={s} {direction}"
+                    desc += f" {impl}" if kind != "memory" else ""
+                    val = (
+                        f"{row.tflops:.1f} TFLOP/s"
+                        if row.tflops
+                        else (f"{row.peak_bytes / 2**30:.2f} GiB" if row.peak_bytes else row.status)
+                    )
+                    prog.step(f"{desc}: {val}")
+                group = (kind, batch[0][1][1].name if kind != "memory" else "memory")
                 if group != last_group:
                     self.save()
                     last_group = group
         self.save()
         return self.results()
+
+    def problems(self, work: list[tuple]) -> list[list[tuple]]:
+        """``work`` cut into runs of consecutive items that time one problem (same kind, spec,
+        shape and direction; each memory item alone): the implementations timed together in
+        alternating rounds when ``rounds`` > 1."""
+        out: list[list[tuple]] = []
+        for item in work:
+            kind, args = item
+            key = None if kind == "memory" else (kind, args[1].name, *args[2:])
+            if out and key is not None and out[-1][0][0] == kind and out[-1][-1][2] == key:
+                out[-1].append((*item, key))
+            else:
+                out.append([(*item, key)])
+        return [[(k, a) for k, a, _ in b] for b in out]
 
 
 def run_bench(cfg: BenchConfig, out_dir: str | Path) -> dict:

@@ -682,6 +682,10 @@ def cmd_bench(args) -> int:
         cfg.dtypes = ()
     if args.budget_s is not None:
         cfg.budget_s = args.budget_s
+    if args.rounds is not None:
+        cfg.rounds = args.rounds
+    if args.warmup_ms is not None:
+        cfg.warmup_ms = args.warmup_ms
     doc = run_bench(cfg, out_dir)
     print(benchreport.summary(doc))
     return 0
@@ -797,6 +801,20 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="soft time limit in s (default 540, --quick 300; 0 = none): later rows are skipped",
+    )
+    be.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="time each problem's implementations in N alternating rounds and report each "
+        "one's median (default 1)",
+    )
+    be.add_argument(
+        "--warmup-ms",
+        type=int,
+        default=None,
+        help="do_bench warm-up per timing in ms (default 25, --quick 10); a GPU at its power "
+        "limit reaches its steady clock only after some 100 ms of load",
     )
     be.add_argument(
         "--from-json",
