@@ -836,24 +836,6 @@ class Bench:
         return self._kept[key]
 
     # ----------------------------------------------------------------- one measurement
-    def measure(
-        self,
-        section: str,
-        impl: str,
-        spec: ir.Spec,
-        batch: int,
-        heads: int,
-        seqlen: int,
-        direction: str,
-        label: str | None = None,
-    ) -> Row:
-        """Time ``impl`` on one problem (``batch``, ``heads``, ``seqlen``) of ``spec``."""
-        row, fn = self.prepare(section, impl, spec, batch, heads, seqlen, direction, label)
-        if fn is not None:
-            self.time_rows([(row, fn)], rounds=1)
-        _free()
-        return row
-
     def prepare(
         self,
         section: str,
