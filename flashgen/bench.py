@@ -1068,8 +1068,11 @@ class Bench:
             )
         self.save()
         last_group = None
+        # one round: each item probed, timed and freed before the next (the protocol of
+        # before --rounds); more: a problem's implementations prepared, then timed together
+        batches = self.problems(work) if self.cfg.rounds > 1 else [[item] for item in work]
         with Progress(len(work), "bench") as prog:
-            for batch in self.problems(work):
+            for batch in batches:
                 kind = batch[0][0]
                 if kind == "memory":
                     rows = [self.measure_memory(*args) for _, args in batch]
@@ -1099,8 +1102,9 @@ class Bench:
 
     def problems(self, work: list[tuple]) -> list[list[tuple]]:
         """``work`` cut into runs of consecutive items that time one problem (same kind, spec,
-        shape and direction; each memory item alone): the implementations timed together in
-        alternating rounds when ``rounds`` > 1."""
+        shape and direction; each memory item alone): the implementations :meth:`run` times
+        together in alternating rounds when ``rounds`` > 1 (all of them prepared first, so
+        their input rotations are held at once)."""
         out: list[list[tuple]] = []
         for item in work:
             kind, args = item

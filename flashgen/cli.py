@@ -630,6 +630,19 @@ def _require_cuda(what: str) -> str | None:
     return None
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from e
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def _csv(kind):
     def parse(text: str):
         try:
@@ -804,14 +817,14 @@ def parser() -> argparse.ArgumentParser:
     )
     be.add_argument(
         "--rounds",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help="time each problem's implementations in N alternating rounds and report each "
         "one's median (default 1)",
     )
     be.add_argument(
         "--warmup-ms",
-        type=int,
+        type=_int_at_least(0),
         default=None,
         help="do_bench warm-up per timing in ms (default 25, --quick 10); a GPU at its power "
         "limit reaches its steady clock only after some 100 ms of load",

@@ -138,10 +138,12 @@ VARLEN_TILES: dict[tuple[int, bool], TileConfig] = {
 #: ``fwd_row_chunks``: with unrolled loads, FA2's copy layout: 8 threads per row, each taking
 #: 16-byte chunks 128 bytes apart, so one swizzled shared base and one global pointer per row
 #: serve all of a thread's chunks (the default layout recomputes the swizzle per chunk when
-#: a thread's rows are not 8 apart, e.g. d256 with 4 warps).  Needs head dims that are
-#: multiples of 64 (else the default layout); at d128 on 4 warps it costs registers (spills
-#: at 128x64x4), so it is off by default and the H200 table turns it on at d256 (64x64x4:
-#: 1.01-1.05x FA2 non-causal, 1.04-1.11x causal, where the same tiles without it spill).
+#: a thread's rows are not 8 apart, e.g. d256 with 4 warps).  Each tile takes it where its
+#: width is a multiple of 64 elements, the warp count is even and its rows a multiple of
+#: 4 * warps (else the default layout: e.g. the 48-row K/V tiles of 128x48x8); at d128 on 4
+#: warps it costs registers (spills at 128x64x4), so it is off by default and the H200 table
+#: turns it on at d256 (64x64x4: 1.01-1.05x FA2 non-causal, 1.04-1.11x causal; without it
+#: those tiles sit at 255 registers, and with ``fwd_even_loads`` instead spill non-causal).
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,

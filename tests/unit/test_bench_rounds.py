@@ -75,3 +75,64 @@ def test_problems_group_the_implementations_of_one_problem():
     groups = _bench(3).problems(work)
     assert [len(g) for g in groups] == [2, 1, 1, 1, 1, 2]
     assert [item for g in groups for item in g] == work
+
+
+def _run(monkeypatch, rounds: int) -> list:
+    """The order in which ``Bench.run`` prepares, times and frees two implementations of
+    one problem (no GPU: the measurement steps are stand-ins that log themselves)."""
+    events: list = []
+    spec = SimpleNamespace(name="x")
+    work = [
+        ("sweep", ("flashgen", spec, 1, 16, 4096, "fwd")),
+        ("sweep", ("sdpa_flash", spec, 1, 16, 4096, "fwd")),
+    ]
+    b = _bench(rounds)
+    b.cfg.ceilings = False
+    b.out, b.rows, b.env, b.ceilings, b.kernels, b.compile_errors = None, [], {}, {}, {}, {}
+    b.t0 = 0.0
+    b.plan = lambda: work
+    b.precompile = lambda specs, need_bwd: None
+
+    def prepare(kind, impl, *args):
+        events.append(("prepare", impl))
+        return _row(impl), SimpleNamespace(name=impl)
+
+    b.prepare = prepare
+    b.time_rows = lambda items, rounds: events.append(("time", [f.name for _, f in items]))
+    monkeypatch.setattr(bench, "_free", lambda: events.append("free"))
+    b.run()
+    assert [r.impl for r in b.rows] == ["flashgen", "sdpa_flash"]
+    return events
+
+
+def test_one_round_times_each_implementation_right_after_its_own_probe(monkeypatch):
+    # the default keeps the protocol of before --rounds: probe, time, free the inputs, next
+    # (not every implementation's inputs held at once, nor timing long after the probe)
+    assert _run(monkeypatch, 1) == [
+        ("prepare", "flashgen"),
+        ("time", ["flashgen"]),
+        "free",
+        ("prepare", "sdpa_flash"),
+        ("time", ["sdpa_flash"]),
+        "free",
+    ]
+
+
+def test_rounds_prepare_a_problem_then_time_it_together(monkeypatch):
+    assert _run(monkeypatch, 3) == [
+        ("prepare", "flashgen"),
+        ("prepare", "sdpa_flash"),
+        ("time", ["flashgen", "sdpa_flash"]),
+        "free",
+    ]
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--warmup-ms"])
+def test_rounds_and_warmup_are_checked_by_the_parser(flag, capsys):
+    from flashgen.cli import parser
+
+    bad = "0" if flag == "--rounds" else "-1"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["bench", flag, bad])
+    assert flag in capsys.readouterr().err
+    assert getattr(parser().parse_args(["bench", flag, "2"]), flag[2:].replace("-", "_")) == 2
