@@ -35,7 +35,8 @@ ENTRIES = {
     "even": (TileConfig(128, 64, 8), {"fwd_even_loads": True}),
     "even48": (TileConfig(64, 48, 4), {"fwd_even_loads": True}),
     "rolled": (TileConfig(64, 64, 4), {"fwd_unrolled_loads": False}),
-    "rows": (TileConfig(64, 64, 4), {"fwd_row_chunks": True, "fwd_even_loads": True}),
+    "rows": (TileConfig(64, 64, 4), {"fwd_row_chunks": True, "fwd_even_loads": False}),  # H200's
+    "rows_even": (TileConfig(64, 64, 4), {"fwd_row_chunks": True, "fwd_even_loads": True}),
     "rows48": (TileConfig(64, 48, 4), {"fwd_row_chunks": True, "fwd_even_loads": False}),
     "rows8w": (TileConfig(128, 64, 8), {"fwd_row_chunks": True, "fwd_even_loads": False}),
 }
