@@ -4,27 +4,16 @@ compile (a template change that moves a pattern fails here, not on the GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-from pathlib import Path
-
 import pytest
+from patched_kernels import REPO, compile_source, load_tool
 
-from flashgen.compile import nvcc_command
 from flashgen.lower import plan_forward
 from flashgen.render import render
 from flashgen.spec import load_spec
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _tool():
-    spec = importlib.util.spec_from_file_location(
-        "energy_ablation", REPO / "tools" / "energy_ablation.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("energy_ablation")
 
 
 TOOL = _tool()
@@ -36,11 +25,7 @@ def test_each_variant_patches_and_compiles(variant, tmp_path, requires_nvcc):
     src = render(plan)
     out = TOOL.patch(src, variant)
     assert (out == src) == (variant == "base")
-    (tmp_path / "k.cu").write_text(out)
-    run = subprocess.run(
-        nvcc_command(plan, tmp_path / "k.cu", tmp_path / "k.cubin"),
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    run = compile_source(plan, out, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
 
 
