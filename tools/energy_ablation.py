@@ -7,12 +7,13 @@ one part of its work patched out at a time, timed next to the unpatched one.
 
 Variants (:data:`VARIANTS`): ``base``; ``no_softmax`` (the softmax lambda returns at once: P is
 S); ``no_pv_gemm`` / ``no_s_gemm`` (the P V / Q K^T wgmmas left out); ``no_o_rescale`` (O is
-not multiplied by alpha); ``no_kv_loads`` (the producer arrives on ``k_full`` / ``v_full``
-without loading K and V: the consumers read whatever the ring holds).  The outputs are wrong
-by design.  Each variant is a text patch of the rendered non-persistent Hopper forward
-(:func:`patch` raises ``ValueError`` naming a pattern it cannot find;
-``tests/unit/test_energy_ablation.py`` compiles every variant on CPU), built through
-``flashgen.select`` under its own spec name.
+not multiplied by alpha); ``vote_o_rescale`` (the multiplies skipped when no row of the warp
+changed its max: a warp vote, the result exact); ``no_kv_loads`` (the producer arrives on
+``k_full`` / ``v_full`` without loading K and V: the consumers read whatever the ring holds).
+The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant is a text patch of
+the rendered non-persistent Hopper forward (:func:`patch` raises ``ValueError`` naming a
+pattern it cannot find; ``tests/unit/test_energy_ablation.py`` compiles every variant on
+CPU), built through ``flashgen.select`` under its own spec name.
 
 Printed per variant: the median ms of ``--rounds`` alternating rounds (``do_bench``, 250 ms
 warm-up so each variant reaches its steady clock), its ratio to ``base``, and the power and SM
@@ -43,6 +44,10 @@ _K_TX = re.compile(r"fg::mbar_arrive_expect_tx\(k_full\(s\), SKV_BYTES\);")
 _V_TX = re.compile(r"fg::mbar_arrive_expect_tx\(v_full\(s\), SKV_BYTES\);")
 _SOFTMAX = re.compile(r"auto softmax = \[&\]\(int n0, int tile_cls\) \{\n")
 _RESCALE = re.compile(r"acc_o\[4 \* j \+ i\] \*= alpha\[i / 2\];")
+_RESCALE_LOOP = re.compile(
+    r"(\n[ \t]*#pragma unroll\n[ \t]*for \(int j = 0; j < NO; \+\+j\)\n[ \t]*#pragma unroll\n"
+    r"[ \t]*for \(int i = 0; i < 4; \+\+i\) acc_o\[4 \* j \+ i\] \*= alpha\[i / 2\];\n)"
+)
 
 #: variant -> [(pattern, replacement)]; every pattern must match at least once.
 VARIANTS: dict[str, list[tuple[re.Pattern, str]]] = {
@@ -51,6 +56,9 @@ VARIANTS: dict[str, list[tuple[re.Pattern, str]]] = {
     "no_pv_gemm": [(_PV_GEMM, "\n;\n")],
     "no_s_gemm": [(_S_GEMM, "\n;\n")],
     "no_o_rescale": [(_RESCALE, ";")],
+    "vote_o_rescale": [
+        (_RESCALE_LOOP, "\nif (__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {\\1}\n")
+    ],
     "no_kv_loads": [
         (_K_TX, "fg::mbar_arrive(k_full(s));"),
         (_V_TX, "fg::mbar_arrive(v_full(s));"),
