@@ -33,6 +33,7 @@ used for timing when present (CUDA events otherwise).
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -1105,15 +1106,12 @@ class Bench:
         shape and direction; each memory item alone): the implementations :meth:`run` times
         together in alternating rounds when ``rounds`` > 1 (all of them prepared first, so
         their input rotations are held at once)."""
-        out: list[list[tuple]] = []
-        for item in work:
+
+        def problem(item: tuple) -> tuple:
             kind, args = item
-            key = None if kind == "memory" else (kind, args[1].name, *args[2:])
-            if out and key is not None and out[-1][0][0] == kind and out[-1][-1][2] == key:
-                out[-1].append((*item, key))
-            else:
-                out.append([(*item, key)])
-        return [[(k, a) for k, a, _ in b] for b in out]
+            return (kind, id(item)) if kind == "memory" else (kind, args[1].name, *args[2:])
+
+        return [list(items) for _, items in itertools.groupby(work, key=problem)]
 
 
 def run_bench(cfg: BenchConfig, out_dir: str | Path) -> dict:
