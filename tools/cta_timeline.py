@@ -161,7 +161,10 @@ def summarize(P, name: str) -> list[str]:
         spans.append(end[idx[-1]] - t0[idx[0]])
     gaps = np.array(gaps)
     share = gaps.sum() / np.sum(spans)
-    out.append(f"  gap to the next CTA on the SM: mean {gaps.mean():.0f}, share {share:.3f}")
+    out.append(
+        f"  gap to the next CTA on the SM: mean {gaps.mean():.0f}, share {share:.3f}; "
+        f"{len(np.unique(smid))} SMs ran CTAs"
+    )
     for lo, hi in ((0, 8), (8, 16), (16, 32), (32, 48), (48, 1 << 30)):
         sel = (steps >= lo) & (steps < hi)
         if sel.any():

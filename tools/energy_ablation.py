@@ -9,7 +9,9 @@ Variants (:data:`VARIANTS`): ``base``; ``no_softmax`` (the softmax lambda return
 S); ``no_pv_gemm`` / ``no_s_gemm`` (the P V / Q K^T wgmmas left out); ``no_o_rescale`` (O is
 not multiplied by alpha); ``vote_o_rescale`` (the multiplies skipped when no row of the warp
 changed its max: a warp vote, the result exact); ``no_kv_loads`` (the producer arrives on
-``k_full`` / ``v_full`` without loading K and V: the consumers read whatever the ring holds).
+``k_full`` / ``v_full`` without loading K and V: the consumers read whatever the ring holds);
+``half_kv_loads`` (only the first 64 columns of each K and V row are loaded: half the bytes
+from L2, an upper bound for what sharing each K/V tile between two CTAs could save).
 The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant is a text patch of
 the rendered non-persistent Hopper forward (:func:`patch` raises ``ValueError`` naming a
 pattern it cannot find; ``tests/unit/test_energy_ablation.py`` compiles every variant on
@@ -38,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _S_GEMM = re.compile(r"\n[ \t]*fg::wgmma_ss_n\d+\(acc_s, da, db, kk > 0\);\n")
 _PV_GEMM = re.compile(r"\n[ \t]*fg::wgmma_rs_n\d+\(acc_o, frag_p\[kk\], [^\n]*\);\n")
-_K_LOAD = re.compile(r"\n[ \t]*fg::tma_load_4d\(sK \+ s \* SKV_BYTES[^\n]*\);\n")
-_V_LOAD = re.compile(r"\n[ \t]*fg::tma_load_4d\(sV \+ s \* SKV_BYTES[^\n]*\);\n")
+_K_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sK \+ s \* SKV_BYTES[^\n]*\);)\n")
+_V_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sV \+ s \* SKV_BYTES[^\n]*\);)\n")
 _K_TX = re.compile(r"fg::mbar_arrive_expect_tx\(k_full\(s\), SKV_BYTES\);")
 _V_TX = re.compile(r"fg::mbar_arrive_expect_tx\(v_full\(s\), SKV_BYTES\);")
 _SOFTMAX = re.compile(r"auto softmax = \[&\]\(int n0, int tile_cls\) \{\n")
@@ -64,6 +66,12 @@ VARIANTS: dict[str, list[tuple[re.Pattern, str]]] = {
         (_V_TX, "fg::mbar_arrive(v_full(s));"),
         (_K_LOAD, "\n;\n"),
         (_V_LOAD, "\n;\n"),
+    ],
+    "half_kv_loads": [
+        (_K_TX, "fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES / DCB);"),
+        (_V_TX, "fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES / DCB);"),
+        (_K_LOAD, "\nif (c == 0)\\1\n"),
+        (_V_LOAD, "\nif (c == 0)\\1\n"),
     ],
 }
 
