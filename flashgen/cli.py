@@ -142,7 +142,7 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
-    unit: str = "fwd"  # "fwd", "bwd", "bwd_atomic" or "bwd_wgmma" (flashgen.lower.compile_units)
+    unit: str = "fwd"  # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma": lower.compile_units
     plan: object | None = None  # the KernelPlan / BackwardPlan compiled (flashgen.select)
     report: object | None = None  # CompileReport
     cubin: str | None = None
@@ -182,10 +182,11 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
 
     res = BuildResult(spec, target, unit)
     try:
-        if unit == "fwd":
+        if unit in ("fwd", "fwd_sparse"):
             res.plan, path, res.report = build_forward(
-                spec, target, family=kernel_family(), persistent=persistent_forward()
-            )
+                spec, target, family=kernel_family(), persistent=persistent_forward(),
+                sparse=unit == "fwd_sparse",
+            )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:
             res.plan, path, res.report = build_backward(
@@ -275,7 +276,13 @@ def cmd_build(args) -> int:
 
     from .compile import CompileError, find_nvcc, nvcc_version
     from .generate import write_generated
-    from .lower import hopper_bwd_eligible, kernel_family
+    from .lower import (
+        choose_tiles,
+        hopper_bwd_eligible,
+        kernel_family,
+        persistent_forward,
+        sparse_tiles,
+    )
 
     out, err = _consoles()
     try:
@@ -311,6 +318,12 @@ def cmd_build(args) -> int:
             pool.submit(_compile_one, s, t, "bwd_wgmma")
             for s, t in pairs
             if hopper_bwd_eligible(s, t, family)
+        ]
+        futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
+            pool.submit(_compile_one, s, t, "fwd_sparse")
+            for s, t in pairs
+            if not persistent_forward()
+            and sparse_tiles(s, choose_tiles(s, t, family=family)) is not None
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress

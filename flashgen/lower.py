@@ -193,6 +193,34 @@ HOPPER_HEAD_DIMS = tuple(sorted({d for d, _ in HOPPER_TILES}))
 HOPPER_TABLE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 
 
+#: The Hopper forward's tiles for a call whose mask keeps few keys per query row, per head_dim:
+#: narrower key blocks waste less of the tiles at a window's or a chunk's edges and leave fewer
+#: of them.  Session 11 (H200, bf16, S = 1k-16k, same process): 128 x 128 took 0.91-0.99x the
+#: time of 128 x 160 at 4-14 live key blocks of 160 per query block (windows 256-2048, chunks
+#: 1024-4096, causal at 1k-4k), 1.015x at 24 (window 4096), 1.07x for causal at 16k.
+HOPPER_SPARSE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
+#: A call whose mask keeps fewer keys per query row than this on average (16 key blocks of
+#: 160; :mod:`flashgen.density`) runs :data:`HOPPER_SPARSE_TILES` (:func:`sparse_tiles`).
+SPARSE_KEYS_PER_ROW = 2560
+#: ``FLASHGEN_SPARSE_TILES=0``: the forward op always runs its dense tiles.
+SPARSE_TILES_ENV = "FLASHGEN_SPARSE_TILES"
+
+
+def sparse_tiles(spec: Spec, tiles: TileConfig) -> TileConfig | None:
+    """The tiles the forward op runs in place of ``tiles`` (the chosen ones) for a call that
+    keeps fewer than :data:`SPARSE_KEYS_PER_ROW` keys per query row, or None where it keeps
+    ``tiles``: no mask, a mask that reads tensors (its block table has its own tiles), tiles
+    pinned by the spec, a kernel other than the Hopper one, or no entry in
+    :data:`HOPPER_SPARSE_TILES` for the head_dim."""
+    o = spec.tiles
+    if spec.mask is None or needs_block_table(spec) or o.block_m or o.block_n or o.num_warps:
+        return None
+    alt = HOPPER_SPARSE_TILES.get(spec.head_dim)
+    if not is_hopper_tiles(tiles) or alt is None or alt == tiles:
+        return None
+    return alt
+
+
 def hopper_tiles(spec: Spec) -> TileConfig:
     """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod),
     or its :data:`HOPPER_TABLE_TILES` entry if its mask reads tensors and it has one."""
@@ -2200,14 +2228,20 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
     """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
     ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
     backward unit}`` (see :attr:`BackwardPlan.unit`), and where :func:`hopper_bwd_eligible`,
-    ``"bwd_wgmma"``: the Hopper backward unit (:func:`plan_hopper_backward`)."""
+    ``"bwd_wgmma"``: the Hopper backward unit (:func:`plan_hopper_backward`), and where
+    :func:`sparse_tiles` gives tiles, ``"fwd_sparse"``: the forward the op runs for calls
+    whose mask keeps few keys per row."""
+    fwd = plan_forward(spec, target)
     units = {
-        "fwd": plan_forward(spec, target),
+        "fwd": fwd,
         "bwd": plan_backward(spec, target).unit,
         "bwd_atomic": plan_backward(spec, target, atomic_dq=True).unit,
     }
     if hopper_bwd_eligible(spec, target):
         units["bwd_wgmma"] = plan_hopper_backward(spec, target).unit
+    alt = sparse_tiles(spec, fwd.tiles)
+    if alt is not None:
+        units["fwd_sparse"] = plan_forward(spec, target, tiles=alt)
     return units
 
 

@@ -50,7 +50,15 @@ from . import ir
 from .envflags import POISON_ENV, SIDE_TERMS_ENV, flag
 from .errors import OpInputError, SpecError
 from .indexbounds import IndexBoundsWarning, possible_violations
-from .lower import kernel_family, needs_block_table, persistent_forward
+from .lower import (
+    SPARSE_TILES_ENV,
+    hopper_eligible,
+    hopper_tiles,
+    kernel_family,
+    needs_block_table,
+    persistent_forward,
+    sparse_tiles,
+)
 
 #: torch dtype of each spec dtype.
 TORCH_DTYPE = {
@@ -439,6 +447,12 @@ class AttentionOp:
         self.name = spec.name
         self.qualname = f"flashgen::{spec.name}"
         self._kernels: dict[tuple[int, str], object] = {}
+        #: whether a call may run the sparse-mask tiles (lower.sparse_tiles of the Hopper
+        #: kernel's tiles), and per (seqlen_q, seqlen_k, scalars) whether it does
+        self._sparse_possible = hopper_eligible(spec, "sm_90") and (
+            sparse_tiles(spec, hopper_tiles(spec)) is not None
+        )
+        self._sparse_calls: dict[tuple, bool] = {}
         self._varlen_op: AttentionOp | None = None
         self._kernel_lock = threading.Lock()
         #: whether the mask reads tensor params (a block table); asked on every call
@@ -796,7 +810,7 @@ class AttentionOp:
             return o, lse
         if dims.seqlen_k == 0:
             return o.zero_(), lse.fill_(-math.inf)
-        kern = self.kernel(q.device)
+        kern = self.kernel(q.device, sparse=self._sparse_call(dims, scalars))
         q, k, v = _kernel_aligned(q), _kernel_aligned(k), _kernel_aligned(v)
         values = kernel_values(
             self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale,
@@ -837,7 +851,27 @@ class AttentionOp:
         sb, sh = table_strides(self.spec, table)
         return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
 
-    def kernel(self, device: torch.device):
+    def _sparse_call(self, dims: Dims, scalars) -> bool:
+        """Whether this call asks for the sparse-mask tiles (:func:`flashgen.lower.sparse_tiles`;
+        :meth:`kernel` runs them where the kernel has them): the mask keeps fewer than
+        :data:`~flashgen.lower.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
+        scalars (:func:`flashgen.density.keys_per_row`; the answer cached per op).  Off with
+        ``FLASHGEN_SPARSE_TILES=0``, read at every call."""
+        if not self._sparse_possible:
+            return False
+        key = (dims.seqlen_q, dims.seqlen_k, *scalars)
+        few = self._sparse_calls.get(key)
+        if few is None:
+            from .density import keys_per_row
+            from .lower import SPARSE_KEYS_PER_ROW
+
+            if len(self._sparse_calls) >= 4096:  # bounded: a loop over many lengths
+                self._sparse_calls.clear()
+            few = keys_per_row(self.spec, dims.seqlen_q, dims.seqlen_k, tuple(scalars))
+            few = self._sparse_calls[key] = few < SPARSE_KEYS_PER_ROW
+        return few and flag(SPARSE_TILES_ENV, True)
+
+    def kernel(self, device: torch.device, sparse: bool = False):
         """The loaded kernel for CUDA ``device`` (built and cached on first use).
 
         Renders the plan for :func:`target_for_device`, compiles through the on-disk
@@ -848,7 +882,10 @@ class AttentionOp:
         read at every call, and so does ``FLASHGEN_PERSISTENT`` (``1``, ``static``, ``m_major``,
         ``dynamic``: the Hopper kernel's persistent tile scheduler,
         :func:`flashgen.lower.persistent_forward`; default off) and ``FLASHGEN_SIDE_TERMS``
-        (:mod:`flashgen.select`).
+        (:mod:`flashgen.select`).  ``sparse``: the kernel with the tiles for masks that keep
+        few keys per row (:func:`flashgen.lower.sparse_tiles`; the op's calls choose it per
+        call, :meth:`_sparse_call`; not the persistent kernel), the same kernel as without
+        where there are none (the FA2-class kernel).
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -857,6 +894,8 @@ class AttentionOp:
         key = (index, family, persistent) if persistent else (index, family)
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
             key += ("per-element",)
+        if sparse and not persistent:
+            key += ("sparse",)
         kern = self._kernels.get(key)
         if kern is not None:
             return kern
@@ -869,8 +908,9 @@ class AttentionOp:
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
                 plan, cubin, _report = build_forward(
-                    self.spec, target, gpu=gpu, family=family, persistent=persistent
-                )
+                    self.spec, target, gpu=gpu, family=family, persistent=persistent,
+                    sparse=sparse and not persistent,
+                )  # fmt: skip
                 kern = runtime.load(cubin, plan, index)
                 self._kernels[key] = kern
         return kern

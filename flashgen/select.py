@@ -26,6 +26,7 @@ from .lower import (
     plan_backward,
     plan_forward,
     plan_hopper_backward,
+    sparse_tiles,
 )
 from .render import render
 
@@ -36,10 +37,13 @@ def build_forward(
     gpu: str | None = None,
     family: str = "auto",
     persistent: bool | str = False,
+    sparse: bool = False,
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
     (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
-    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`).
+    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`;
+    ``sparse``: the tiles :func:`flashgen.lower.sparse_tiles` gives for the chosen ones
+    are tried first, where it gives any).
 
     At each candidate's tiles, a kernel that spills is retried with fewer of
     ``plan_forward``'s register-hungry features before the next tiles, the last named
@@ -53,7 +57,11 @@ def build_forward(
     spec cannot be lowered for ``target``.
     """
     ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
-    for tiles in forward_tile_candidates(spec, target, gpu, family):
+    candidates = forward_tile_candidates(spec, target, gpu, family)
+    alt = sparse_tiles(spec, candidates[0]) if sparse else None
+    if alt is not None:
+        candidates = [alt, *(t for t in candidates if t != alt)]
+    for tiles in candidates:
         tried = set()
         for side_terms, affine, mask_tiles, head_groups in itertools.product(
             ways, (True, False), (True, False), (True, False)

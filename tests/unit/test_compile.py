@@ -107,18 +107,25 @@ def _build(path: Path, target: str, unit: str):
 
 def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
     """All (spec, target, unit) units of :func:`compile_units` (forward, deterministic
-    backward, atomic-dQ backward), compiled in parallel through the (session) cache; every
-    kernel in them (each backward unit holds three) is checked."""
+    backward, atomic-dQ backward, and the sparse-mask forward where there is one), compiled
+    in parallel through the (session) cache; every kernel in them (each backward unit holds
+    three) is checked."""
     assert SPECS, "no specs shipped"
     names = ("fwd", "bwd", "bwd_atomic")
     assert tuple(compile_units(load_spec(SPECS[0]), "sm_80")) == names
     units = [(p, t, u) for p in SPECS for t in ("sm_80", "sm_90") for u in names]
+    # the forward the op runs for calls whose mask keeps few keys per row (lower.sparse_tiles)
+    units += [
+        (p, "sm_90", "fwd_sparse")
+        for p in SPECS
+        if "fwd_sparse" in compile_units(load_spec(p), "sm_90")
+    ]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda ptu: _build(*ptu), units))
     problems = []
     for name, target, unit, cubin, report in results:
         assert cubin.stat().st_size > 0
-        expected = 1 if unit == "fwd" else 3
+        expected = 1 if unit.startswith("fwd") else 3
         assert len(report.kernels) == expected, f"{name}/{target}/{unit}: {report.kernels}"
         for k in report.kernels:
             assert 0 < k.registers <= 255

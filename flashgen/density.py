@@ -1,0 +1,72 @@
+"""How many keys a mask keeps per query row, estimated on the host for one call's lengths and
+scalar params: what the forward op reads to pick its Hopper tiles (a mask that keeps a few
+key blocks per query block runs faster on narrower key blocks,
+:data:`flashgen.lower.HOPPER_SPARSE_TILES`).
+
+The estimate evaluates the mask (the reference semantics, :func:`flashgen.reference.eval_expr`)
+on CPU at a few evenly spaced query rows and key columns, batch 0 and head 0; it never affects
+a result, only which of two correct kernels runs.  Lengths are rounded to a quarter octave first
+(:func:`bucket`), so a loop over growing lengths (decoding) evaluates a few masks per doubling,
+each once (:func:`keys_per_row` is cached).  Imports torch (CPU only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from . import ir
+from .lower import needs_block_table
+
+#: Query rows and key columns sampled per estimate (at most).
+ROWS, COLS = 16, 2048
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to the next of 2^(k/4) (integers; exact below 8)."""
+    if n <= 8:
+        return n
+    return math.ceil(2 ** (math.ceil(4 * math.log2(n)) / 4))
+
+
+def mean_keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
+    """Mean number of keys ``spec``'s mask keeps per query row at these lengths (``scalars``:
+    the scalar params' values in spec order), from ``ROWS x COLS`` sampled pairs at (b, h) =
+    (0, 0); ``seqlen_k`` without a mask.  The mask must not read tensor params
+    (``ValueError``: those masks get a block table instead)."""
+    import torch
+
+    from .reference import eval_expr
+
+    if spec.mask is None or seqlen_q <= 0 or seqlen_k <= 0:
+        return float(max(seqlen_k, 0))
+    if needs_block_table(spec):
+        raise ValueError(f"{spec.name}: a mask that reads tensors has no host estimate")
+    rows = torch.linspace(0, seqlen_q - 1, min(ROWS, seqlen_q)).round().to(torch.int64)
+    cols = torch.linspace(0, seqlen_k - 1, min(COLS, seqlen_k)).round().to(torch.int64)
+    env = {
+        "b": torch.tensor(0),
+        "h": torch.tensor(0),
+        "h_kv": torch.tensor(0),
+        "q_idx": rows.view(-1, 1),
+        "kv_idx": cols.view(1, -1),
+        "seqlen_q": torch.tensor(seqlen_q),
+        "seqlen_k": torch.tensor(seqlen_k),
+        "__float__": torch.float32,
+        "__device__": torch.device("cpu"),
+    }
+    for p, val in zip(spec.scalar_params, scalars, strict=True):
+        env[p.name] = torch.tensor(val)
+    keep = eval_expr(spec.mask, env).expand(len(rows), len(cols))
+    return keep.float().mean().item() * seqlen_k
+
+
+def keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
+    """:func:`mean_keys_per_row` at the :func:`bucket` of each length, cached per spec,
+    bucketed lengths and scalars (:func:`_bucketed`)."""
+    return _bucketed(spec, bucket(seqlen_q), bucket(seqlen_k), scalars)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucketed(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
+    return mean_keys_per_row(spec, seqlen_q, seqlen_k, scalars)

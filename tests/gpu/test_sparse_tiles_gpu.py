@@ -1,0 +1,79 @@
+"""The forward op's per-call choice of the Hopper tiles for sparse masks
+(``lower.sparse_tiles``: 128 x 128 in place of 128 x 160 at head_dim 128 when the mask keeps
+fewer than ``lower.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.density``) on an sm_90
+GPU: both kernels against the fp64 reference with the 2x rule (``test_forward.check``, outputs
+poisoned), the sparse one where the mask keeps few keys per row, the dense one with
+``FLASHGEN_SPARSE_TILES=0`` at the same lengths and by itself where the mask keeps many.
+
+    python3 -m pytest tests/gpu/test_sparse_tiles_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_forward import check  # noqa: E402
+
+from flashgen.lower import SPARSE_TILES_ENV, TileConfig  # noqa: E402
+from flashgen.op import build_op  # noqa: E402
+from flashgen.spec import load_spec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: key -> (shipped spec, params, (hq, hkv))
+CASES = {
+    "causal_d128": ("causal_d128", {}, (4, 2)),
+    "window_300": ("mistral_swa", {"window": 300}, (4, 2)),
+    "chunked_333": ("chunked_local", {"chunk": 333}, (2, 2)),
+    "prefix_200": ("prefix_lm", {"prefix": 200}, (2, 2)),
+    "alibi": ("alibi", {}, (2, 2)),
+    "llama3_gqa": ("llama3_gqa", {}, (8, 2)),
+}
+LENGTHS = [(1000, 1000), (127, 1000), (1031, 4097), (1, 1000), (1000, 127)]
+
+
+def _sparse_kernels(op) -> set:
+    return {key for key in op._kernels if "sparse" in key}
+
+
+@pytest.mark.parametrize("mode", ["auto", "dense"])
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
+    monkeypatch.setenv(SPARSE_TILES_ENV, "1" if mode == "auto" else "0")
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    name, params, (hq, hkv) = CASES[key]
+    base = load_spec(REPO / "specs" / f"{name}.yaml")
+    spec = dataclasses.replace(base, name=f"{base.name}_st_{mode}")  # its own op per mode
+    for sq, sk in LENGTHS:
+        check(spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 5 * sk, **params)
+    op = build_op(spec)
+    dev = torch.device("cuda")
+    if mode == "auto":  # every length above keeps fewer than 2560 keys per row
+        assert _sparse_kernels(op), "the sparse-mask tiles did not run"
+        assert op.kernel(dev, sparse=True).plan.tiles == TileConfig(128, 128, 12)
+    else:
+        assert not _sparse_kernels(op)
+        assert op.kernel(dev).plan.tiles.block_n != 128
+
+
+def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
+    monkeypatch.setenv(SPARSE_TILES_ENV, "1")
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    base = load_spec(REPO / "specs" / "causal_d128.yaml")
+    spec = dataclasses.replace(base, name="causal_d128_st_long")
+    check(spec, 1, 2, 2, 8192, 8192, error_bound, seed=3)  # ~4096 keys per row: dense
+    assert not _sparse_kernels(build_op(spec))
+    check(spec, 1, 2, 2, 3000, 3000, error_bound, seed=4)  # ~1500: sparse
+    assert _sparse_kernels(build_op(spec))

@@ -1,0 +1,129 @@
+"""The host estimate of kept keys per query row (``flashgen.density``) and the choice of the
+Hopper forward's sparse-mask tiles (``lower.sparse_tiles``, ``select.build_forward(sparse=)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flashgen import density, ir, lower  # noqa: E402
+from flashgen.lower import TileConfig  # noqa: E402
+from flashgen.reference import eval_expr  # noqa: E402
+from flashgen.spec import load_spec, loads_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _spec(name: str):
+    return load_spec(REPO / "specs" / f"{name}.yaml")
+
+
+def _exact(spec, sq: int, sk: int, scalars: tuple) -> float:
+    env = {
+        "b": torch.tensor(0),
+        "h": torch.tensor(0),
+        "h_kv": torch.tensor(0),
+        "q_idx": torch.arange(sq).view(-1, 1),
+        "kv_idx": torch.arange(sk).view(1, -1),
+        "seqlen_q": torch.tensor(sq),
+        "seqlen_k": torch.tensor(sk),
+        "__float__": torch.float32,
+        "__device__": torch.device("cpu"),
+    }
+    for p, val in zip(spec.scalar_params, scalars, strict=True):
+        env[p.name] = torch.tensor(val)
+    return eval_expr(spec.mask, env).expand(sq, sk).float().sum().item() / sq
+
+
+@pytest.mark.parametrize(
+    "name, scalars",
+    [("causal_d128", ()), ("mistral_swa", (300,)), ("mistral_swa", (2000,)),
+     ("chunked_local", (333,)), ("prefix_lm", (700,))],
+)  # fmt: skip
+@pytest.mark.parametrize("sq, sk", [(3000, 3000), (1000, 4097), (4097, 1000), (1, 777)])
+def test_estimate_is_close_to_the_exact_count(name, scalars, sq, sk):
+    spec = _spec(name)
+    est = density.mean_keys_per_row(spec, sq, sk, scalars)
+    exact = _exact(spec, sq, sk, scalars)
+    # 16 rows and 2048 columns sampled: a few percent of seqlen_k either way
+    assert abs(est - exact) <= 0.06 * sk + 2, (est, exact)
+
+
+def test_no_mask_keeps_every_key_and_empty_lengths():
+    spec = _spec("bidir_d256")
+    assert density.mean_keys_per_row(spec, 100, 333, ()) == 333
+    assert density.mean_keys_per_row(_spec("causal_d128"), 0, 10, ()) == 10
+    assert density.mean_keys_per_row(_spec("causal_d128"), 10, 0, ()) == 0
+
+
+def test_a_mask_that_reads_tensors_has_no_estimate():
+    with pytest.raises(ValueError, match="reads tensors"):
+        density.mean_keys_per_row(_spec("document_mask"), 64, 64, ())
+
+
+def test_bucket():
+    assert [density.bucket(n) for n in range(9)] == list(range(9))
+    prev = 0
+    for n in range(9, 5000):
+        b = density.bucket(n)
+        assert n <= b < n * 1.19 + 1 and b >= prev
+        prev = b
+    assert density.bucket(1 << 14) == 1 << 14
+
+
+def test_cached_estimate_uses_buckets():
+    spec = _spec("mistral_swa")
+    density._bucketed.cache_clear()
+    a = density.keys_per_row(spec, 16000, 16000, (1024,))
+    b = density.keys_per_row(spec, 16100, 16100, (1024,))
+    assert a == b and density._bucketed.cache_info().hits == 1
+
+
+def test_sparse_tiles_rules():
+    dense = TileConfig(128, 160, 12)
+    assert lower.sparse_tiles(_spec("mistral_swa"), dense) == TileConfig(128, 128, 12)
+    assert lower.sparse_tiles(_spec("causal_d128"), dense) == TileConfig(128, 128, 12)
+    assert lower.sparse_tiles(_spec("bidir_d256"), TileConfig(128, 80, 12)) is None  # no mask
+    assert lower.sparse_tiles(_spec("document_mask"), TileConfig(128, 128, 12)) is None
+    assert lower.sparse_tiles(_spec("gemma2_softcap"), TileConfig(128, 80, 12)) is None  # d256
+    assert lower.sparse_tiles(_spec("causal_d128"), TileConfig(128, 64, 4)) is None  # FA2-class
+    pinned = dataclasses.replace(_spec("causal_d128"), tiles=ir.TileOverride(128, 160, 12))
+    assert lower.sparse_tiles(pinned, dense) is None
+    assert lower.sparse_tiles(_spec("causal_d128"), TileConfig(128, 128, 12)) is None
+
+
+def test_build_forward_takes_the_sparse_tiles_first(requires_nvcc):
+    from flashgen.select import build_forward
+
+    spec = loads_spec(
+        "name: dens_window\nhead_dim: 128\ndtype: bf16\n"
+        "mask: 'causal && q_idx + seqlen_k - seqlen_q - kv_idx < 256'\n",
+        "dens_window.yaml",
+    )
+    plan, _, report = build_forward(spec, "sm_90", gpu="NVIDIA H200", sparse=True)
+    assert plan.tiles == TileConfig(128, 128, 12) and not report.spill_bytes
+    plan, _, _ = build_forward(spec, "sm_90", gpu="NVIDIA H200")
+    assert plan.tiles == TileConfig(128, 160, 12)
+
+
+def test_op_asks_for_sparse_tiles_per_call(monkeypatch):
+    from flashgen.op import Dims, build_op
+
+    spec = dataclasses.replace(_spec("mistral_swa"), name="dens_op_window")
+    op = build_op(spec)
+    assert op._sparse_possible
+    long = Dims(1, 4, 4, 16384, 16384, 128)
+    assert op._sparse_call(long, [256]) and not op._sparse_call(long, [4096])
+    assert op._sparse_calls[(16384, 16384, 256)] is True
+    monkeypatch.setenv(lower.SPARSE_TILES_ENV, "0")
+    assert not op._sparse_call(long, [256])
+    assert not build_op(
+        dataclasses.replace(_spec("bidir_d256"), name="dens_op_bidir")
+    )._sparse_possible
+    assert not build_op(
+        dataclasses.replace(_spec("document_mask"), name="dens_op_doc")
+    )._sparse_possible
