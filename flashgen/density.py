@@ -29,21 +29,13 @@ def bucket(n: int) -> int:
     return math.ceil(2 ** (math.ceil(4 * math.log2(n)) / 4))
 
 
-def mean_keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
-    """Mean number of keys ``spec``'s mask keeps per query row at these lengths (``scalars``:
-    the scalar params' values in spec order), from ``ROWS x COLS`` sampled pairs at (b, h) =
-    (0, 0); ``seqlen_k`` without a mask.  The mask must not read tensor params
-    (``ValueError``: those masks get a block table instead)."""
+def mask_keep(spec: ir.Spec, rows, cols, seqlen_q: int, seqlen_k: int, scalars: tuple):
+    """bool ``[len(rows), len(cols)]``: ``spec``'s mask (the reference semantics) at query
+    rows ``rows`` and key columns ``cols`` (int64 CPU tensors) of (b, h) = (0, 0)."""
     import torch
 
     from .reference import eval_expr
 
-    if spec.mask is None or seqlen_q <= 0 or seqlen_k <= 0:
-        return float(max(seqlen_k, 0))
-    if needs_block_table(spec):
-        raise ValueError(f"{spec.name}: a mask that reads tensors has no host estimate")
-    rows = torch.linspace(0, seqlen_q - 1, min(ROWS, seqlen_q)).round().to(torch.int64)
-    cols = torch.linspace(0, seqlen_k - 1, min(COLS, seqlen_k)).round().to(torch.int64)
     env = {
         "b": torch.tensor(0),
         "h": torch.tensor(0),
@@ -57,7 +49,23 @@ def mean_keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tupl
     }
     for p, val in zip(spec.scalar_params, scalars, strict=True):
         env[p.name] = torch.tensor(val)
-    keep = eval_expr(spec.mask, env).expand(len(rows), len(cols))
+    return eval_expr(spec.mask, env).expand(len(rows), len(cols))
+
+
+def mean_keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
+    """Mean number of keys ``spec``'s mask keeps per query row at these lengths (``scalars``:
+    the scalar params' values in spec order), from ``ROWS x COLS`` sampled pairs at (b, h) =
+    (0, 0); ``seqlen_k`` without a mask.  The mask must not read tensor params
+    (``ValueError``: those masks get a block table instead)."""
+    import torch
+
+    if spec.mask is None or seqlen_q <= 0 or seqlen_k <= 0:
+        return float(max(seqlen_k, 0))
+    if needs_block_table(spec):
+        raise ValueError(f"{spec.name}: a mask that reads tensors has no host estimate")
+    rows = torch.linspace(0, seqlen_q - 1, min(ROWS, seqlen_q)).round().to(torch.int64)
+    cols = torch.linspace(0, seqlen_k - 1, min(COLS, seqlen_k)).round().to(torch.int64)
+    keep = mask_keep(spec, rows, cols, seqlen_q, seqlen_k, scalars)
     return keep.float().mean().item() * seqlen_k
 
 

@@ -12,7 +12,6 @@ torch = pytest.importorskip("torch")
 
 from flashgen import density, ir, lower  # noqa: E402
 from flashgen.lower import TileConfig  # noqa: E402
-from flashgen.reference import eval_expr  # noqa: E402
 from flashgen.spec import load_spec, loads_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,20 +22,8 @@ def _spec(name: str):
 
 
 def _exact(spec, sq: int, sk: int, scalars: tuple) -> float:
-    env = {
-        "b": torch.tensor(0),
-        "h": torch.tensor(0),
-        "h_kv": torch.tensor(0),
-        "q_idx": torch.arange(sq).view(-1, 1),
-        "kv_idx": torch.arange(sk).view(1, -1),
-        "seqlen_q": torch.tensor(sq),
-        "seqlen_k": torch.tensor(sk),
-        "__float__": torch.float32,
-        "__device__": torch.device("cpu"),
-    }
-    for p, val in zip(spec.scalar_params, scalars, strict=True):
-        env[p.name] = torch.tensor(val)
-    return eval_expr(spec.mask, env).expand(sq, sk).float().sum().item() / sq
+    keep = density.mask_keep(spec, torch.arange(sq), torch.arange(sk), sq, sk, scalars)
+    return keep.float().sum().item() / sq
 
 
 @pytest.mark.parametrize(
