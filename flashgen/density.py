@@ -7,7 +7,9 @@ The estimate evaluates the mask (the reference semantics, :func:`flashgen.refere
 on CPU at a few evenly spaced query rows and key columns, batch 0 and head 0; it never affects
 a result, only which of two correct kernels runs.  Lengths are rounded to a quarter octave first
 (:func:`bucket`), so a loop over growing lengths (decoding) evaluates a few masks per doubling,
-each once (:func:`keys_per_row` is cached).  Imports torch (CPU only).
+each once (:func:`keys_per_row` is cached).  Imports torch (CPU only): every tensor here is made
+on the CPU with an explicit dtype, whatever ``torch.set_default_device`` / ``set_default_dtype``
+say (a CUDA default would sync the device at every new length and break a CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -36,19 +38,22 @@ def mask_keep(spec: ir.Spec, rows, cols, seqlen_q: int, seqlen_k: int, scalars: 
 
     from .reference import eval_expr
 
+    cpu = torch.device("cpu")
+    zero = torch.tensor(0, dtype=torch.int64, device=cpu)
     env = {
-        "b": torch.tensor(0),
-        "h": torch.tensor(0),
-        "h_kv": torch.tensor(0),
+        "b": zero,
+        "h": zero,
+        "h_kv": zero,
         "q_idx": rows.view(-1, 1),
         "kv_idx": cols.view(1, -1),
-        "seqlen_q": torch.tensor(seqlen_q),
-        "seqlen_k": torch.tensor(seqlen_k),
+        "seqlen_q": torch.tensor(seqlen_q, dtype=torch.int64, device=cpu),
+        "seqlen_k": torch.tensor(seqlen_k, dtype=torch.int64, device=cpu),
         "__float__": torch.float32,
-        "__device__": torch.device("cpu"),
+        "__device__": cpu,
     }
     for p, val in zip(spec.scalar_params, scalars, strict=True):
-        env[p.name] = torch.tensor(val)
+        dtype = torch.int64 if p.ty == ir.Ty.I32 else torch.float32  # as the reference
+        env[p.name] = torch.tensor(val, dtype=dtype, device=cpu)
     return eval_expr(spec.mask, env).expand(len(rows), len(cols))
 
 
@@ -63,8 +68,12 @@ def mean_keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tupl
         return float(max(seqlen_k, 0))
     if needs_block_table(spec):
         raise ValueError(f"{spec.name}: a mask that reads tensors has no host estimate")
-    rows = torch.linspace(0, seqlen_q - 1, min(ROWS, seqlen_q)).round().to(torch.int64)
-    cols = torch.linspace(0, seqlen_k - 1, min(COLS, seqlen_k)).round().to(torch.int64)
+
+    def spread(n: int, count: int):  # float64 on the CPU: exact for any int32 length
+        pts = torch.linspace(0, n - 1, min(count, n), dtype=torch.float64, device="cpu")
+        return pts.round().to(torch.int64)
+
+    rows, cols = spread(seqlen_q, ROWS), spread(seqlen_k, COLS)
     keep = mask_keep(spec, rows, cols, seqlen_q, seqlen_k, scalars)
     return keep.float().mean().item() * seqlen_k
 

@@ -196,8 +196,9 @@ HOPPER_TABLE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: The Hopper forward's tiles for a call whose mask keeps few keys per query row, per head_dim:
 #: narrower key blocks waste less of the tiles at a window's or a chunk's edges and leave fewer
 #: of them.  Session 11 (H200, bf16, S = 1k-16k, same process): 128 x 128 took 0.91-0.99x the
-#: time of 128 x 160 at 4-14 live key blocks of 160 per query block (windows 256-2048, chunks
-#: 1024-4096, causal at 1k-4k), 1.015x at 24 (window 4096), 1.07x for causal at 16k.
+#: time of 128 x 160 at 4-14 live key blocks of 160 per query block (windows 512-2048, chunks
+#: 2048-4096, causal at 1k-4k), 0.85x for window 256 and chunk 1024 at 16k, 1.015x at 24
+#: (window 4096), 1.07x for causal at 16k.
 HOPPER_SPARSE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: A call whose mask keeps fewer keys per query row than this on average (16 key blocks of
 #: 160; :mod:`flashgen.density`) runs :data:`HOPPER_SPARSE_TILES` (:func:`sparse_tiles`).

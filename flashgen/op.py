@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import ir
+from .density import bucket
 from .envflags import POISON_ENV, SIDE_TERMS_ENV, flag
 from .errors import OpInputError, SpecError
 from .indexbounds import IndexBoundsWarning, possible_violations
@@ -453,6 +454,12 @@ class AttentionOp:
             sparse_tiles(spec, hopper_tiles(spec)) is not None
         )
         self._sparse_calls: dict[tuple, bool] = {}
+        self._sparse_buckets: dict[tuple, bool] = {}  # the same per density.bucket of each length
+        #: positions (in spec order) of the scalar params the mask reads: the others (a
+        #: score_mod's float, say) do not change the estimate, so they are no part of its key
+        self._sparse_scalars = tuple(
+            i for i, p in enumerate(spec.scalar_params) if _mask_reads(spec, p.name)
+        )
         self._varlen_op: AttentionOp | None = None
         self._kernel_lock = threading.Lock()
         #: whether the mask reads tensor params (a block table); asked on every call
@@ -855,21 +862,35 @@ class AttentionOp:
         """Whether this call asks for the sparse-mask tiles (:func:`flashgen.lower.sparse_tiles`;
         :meth:`kernel` runs them where the kernel has them): the mask keeps fewer than
         :data:`~flashgen.lower.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
-        scalars (:func:`flashgen.density.keys_per_row`; the answer cached per op).  Off with
-        ``FLASHGEN_SPARSE_TILES=0``, read at every call."""
+        scalars (:func:`flashgen.density.keys_per_row`; the answer cached per op per lengths
+        and per the lengths' :func:`~flashgen.density.bucket`, keyed by the scalars the mask
+        reads only: a loop over growing lengths (decoding) costs a few microseconds per call,
+        a float param only the score_mod reads none).  Off with ``FLASHGEN_SPARSE_TILES=0``,
+        read at every call."""
         if not self._sparse_possible:
             return False
-        key = (dims.seqlen_q, dims.seqlen_k, *scalars)
+        read = tuple(scalars[i] for i in self._sparse_scalars) if self._sparse_scalars else ()
+        key = (dims.seqlen_q, dims.seqlen_k, *read)
         few = self._sparse_calls.get(key)
+        if few is None:  # a new length: its bucket's answer, estimated once per bucket
+            few = self._sparse_bucketed(dims, scalars, read)
+            if len(self._sparse_calls) >= 4096:  # bounded: a loop over many lengths
+                self._sparse_calls.clear()
+            self._sparse_calls[key] = few
+        return few and flag(SPARSE_TILES_ENV, True)
+
+    def _sparse_bucketed(self, dims: Dims, scalars, read: tuple) -> bool:
+        key = (bucket(dims.seqlen_q), bucket(dims.seqlen_k), *read)
+        few = self._sparse_buckets.get(key)
         if few is None:
             from .density import keys_per_row
             from .lower import SPARSE_KEYS_PER_ROW
 
-            if len(self._sparse_calls) >= 4096:  # bounded: a loop over many lengths
-                self._sparse_calls.clear()
+            if len(self._sparse_buckets) >= 4096:  # bounded: a loop over many scalar values
+                self._sparse_buckets.clear()
             few = keys_per_row(self.spec, dims.seqlen_q, dims.seqlen_k, tuple(scalars))
-            few = self._sparse_calls[key] = few < SPARSE_KEYS_PER_ROW
-        return few and flag(SPARSE_TILES_ENV, True)
+            few = self._sparse_buckets[key] = few < SPARSE_KEYS_PER_ROW
+        return few
 
     def kernel(self, device: torch.device, sparse: bool = False):
         """The loaded kernel for CUDA ``device`` (built and cached on first use).

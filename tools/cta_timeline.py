@@ -190,6 +190,7 @@ def main(argv=None) -> int:
     import cupy
 
     import flashgen
+    import flashgen.op as op_mod
     import flashgen.select as sel
     from flashgen import runtime
 
@@ -209,7 +210,9 @@ def main(argv=None) -> int:
         k, v = torch.randn_like(q), torch.randn_like(q)
         op.attention(q, k, v)
         torch.cuda.synchronize()
-        kern = op.kernel(dev)
+        # the kernel the call ran: the op picks its tiles per call (lower.sparse_tiles)
+        dims = op_mod.validate(spec, q, k, v, {})
+        kern = op.kernel(dev, sparse=op._sparse_call(dims, op_mod.resolve_params(spec, {})[0]))
         if launch_ctas(kern.plan, b, h, s) > MAX_CTAS:
             print(f"{name}: more than {MAX_CTAS} CTAs", file=sys.stderr)
             return 2

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     from flashgen.op import build_op
     from flashgen.spec import load_spec
 
+    # each candidate's BLOCK_N in every call: a call whose mask keeps few keys per row would
+    # run lower.HOPPER_SPARSE_TILES instead (the op's per-call choice), whatever BLOCK_N is set
+    os.environ[lower.SPARSE_TILES_ENV] = "0"
     dev = torch.device("cuda", torch.cuda.current_device())
     gpu = torch.cuda.get_device_name(dev)
     table_tile = lower.HOPPER_TILES[(128, False)]

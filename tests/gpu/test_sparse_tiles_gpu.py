@@ -77,3 +77,57 @@ def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
     assert not _sparse_kernels(build_op(spec))
     check(spec, 1, 2, 2, 3000, 3000, error_bound, seed=4)  # ~1500: sparse
     assert _sparse_kernels(build_op(spec))
+
+
+def _capture_and_compare(op, warm, capture, params):
+    """Warm the op up at lengths ``warm`` (eager, on the capture stream), then capture one
+    call at lengths ``capture`` under ``torch.device("cuda")`` as the default device, replay
+    it and compare with an eager call (bitwise: the same kernel)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(11)
+
+    def qkv(s):
+        return [torch.randn(1, 2, s, 128, device=dev, generator=gen).bfloat16() for _ in "qkv"]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            op.attention(*qkv(warm), **params)
+    torch.cuda.synchronize()
+    q, k, v = qkv(capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.device("cuda"), torch.cuda.graph(g, stream=s):
+        o_g, lse_g = op.attention(q, k, v, **params)
+    g.replay()
+    torch.cuda.synchronize()
+    o_e, lse_e = op.attention(q, k, v, **params)
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e), "graph != eager"
+
+
+def test_capture_at_a_new_length_under_a_cuda_default_device(monkeypatch):
+    """The estimate for a length the op has not seen runs inside the capture: it must make
+    no CUDA tensor (the default device is CUDA here) and sync nothing.  Both lengths run the
+    sparse-mask tiles (~500 and ~1500 keys per row), so no kernel is loaded in the capture."""
+    monkeypatch.setenv(SPARSE_TILES_ENV, "1")
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    base = load_spec(REPO / "specs" / "causal_d128.yaml")
+    op = build_op(dataclasses.replace(base, name="causal_d128_st_capture"))
+    _capture_and_compare(op, 1000, 3000, {})
+    assert _sparse_kernels(op)
+
+
+def test_capture_at_a_length_that_needs_the_other_kernel(monkeypatch):
+    """Warm-up at a length that runs the dense tiles, capture at one that runs the sparse-mask
+    tiles: the second kernel is built and loaded during the capture.  Tells whether that is
+    capturable; if not, the op should load both kernels on first use (or the docs should say
+    "warm up at every length you capture")."""
+    monkeypatch.setenv(SPARSE_TILES_ENV, "1")
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    base = load_spec(REPO / "specs" / "causal_d128.yaml")
+    op = build_op(dataclasses.replace(base, name="causal_d128_st_capture_new_kernel"))
+    _capture_and_compare(op, 8192, 1000, {})
+    assert _sparse_kernels(op)

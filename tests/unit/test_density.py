@@ -114,3 +114,73 @@ def test_op_asks_for_sparse_tiles_per_call(monkeypatch):
     assert not build_op(
         dataclasses.replace(_spec("document_mask"), name="dens_op_doc")
     )._sparse_possible
+
+
+def test_the_estimate_stays_on_the_cpu_whatever_the_default_device_and_dtype():
+    """Under ``torch.set_default_device("cuda")`` (or ``with torch.device("cuda")``, or the old
+    ``set_default_tensor_type(torch.cuda.HalfTensor)``) the estimate must not make CUDA
+    tensors: ``.item()`` would sync the device at every new length and fail inside a CUDA-graph
+    capture.  The meta device stands in for CUDA here (``.item()`` raises there); a float16
+    default dtype must not overflow ``linspace`` at long lengths either."""
+    spec = _spec("mistral_swa")
+    want = density.mean_keys_per_row(spec, 1000, 100_000, (256,))
+    with torch.device("meta"):
+        assert density.mean_keys_per_row(spec, 1000, 100_000, (256,)) == want
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        assert density.mean_keys_per_row(spec, 1000, 100_000, (256,)) == want
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_op_estimate_under_a_default_device():
+    from flashgen.op import Dims, build_op
+
+    op = build_op(dataclasses.replace(_spec("causal_d128"), name="dens_op_meta"))
+    with torch.device("meta"):
+        assert op._sparse_call(Dims(1, 4, 4, 1000, 1000, 128), [])
+
+
+def _count_estimates(monkeypatch) -> list:
+    calls = []
+    real = density.mean_keys_per_row
+
+    def counted(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(density, "mean_keys_per_row", counted)
+    density._bucketed.cache_clear()
+    return calls
+
+
+def test_a_scalar_the_mask_does_not_read_is_no_part_of_the_key(monkeypatch):
+    """A float param only the score_mod reads (a soft-cap, a temperature) may change at every
+    call: it must not cost an estimate (0.5 ms) per value, nor fill the op's cache."""
+    from flashgen.op import Dims, build_op
+
+    spec = loads_spec(
+        "name: dens_softcap\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
+        "score_mod: softcap * tanh(score / softcap)\n"
+        "params:\n  softcap: {type: f32, default: 50.0}\n",
+        "dens_softcap.yaml",
+    )
+    op = build_op(spec)
+    assert op._sparse_possible
+    calls = _count_estimates(monkeypatch)
+    dims = Dims(1, 4, 4, 4096, 4096, 128)
+    assert all(op._sparse_call(dims, [10.0 + i / 7]) for i in range(50))
+    assert len(calls) == 1 and len(op._sparse_calls) == 1
+
+
+def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
+    """Growing lengths (decoding: seqlen_q 1, seqlen_k + 1 per call) evaluate a few masks per
+    doubling: one per quarter octave, not one per length."""
+    from flashgen.op import Dims, build_op
+
+    op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_decode"))
+    calls = _count_estimates(monkeypatch)
+    for sk in range(1, 3001):
+        op._sparse_call(Dims(1, 4, 4, 1, sk, 128), [1024])
+    assert len(calls) <= 4 * 12 + 9 and len(op._sparse_buckets) == len(calls)
