@@ -906,17 +906,19 @@ class AttentionOp:
         (:mod:`flashgen.select`).  ``sparse``: the kernel with the tiles for masks that keep
         few keys per row (:func:`flashgen.lower.sparse_tiles`; the op's calls choose it per
         call, :meth:`_sparse_call`; not the persistent kernel), the same kernel as without
-        where there are none (the FA2-class kernel).
+        where there are none (the FA2-class kernel).  Where the op may pick either, the
+        first use builds and loads both, so a later call (a CUDA-graph capture at another
+        length) never loads a kernel.
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
         family = kernel_family()
         persistent = persistent_forward()
-        key = (index, family, persistent) if persistent else (index, family)
+        base = (index, family, persistent) if persistent else (index, family)
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
-            key += ("per-element",)
-        if sparse and not persistent:
-            key += ("sparse",)
+            base += ("per-element",)
+        sparse = sparse and not persistent
+        key = base + ("sparse",) if sparse else base
         kern = self._kernels.get(key)
         if kern is not None:
             return kern
@@ -928,12 +930,18 @@ class AttentionOp:
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                plan, cubin, _report = build_forward(
-                    self.spec, target, gpu=gpu, family=family, persistent=persistent,
-                    sparse=sparse and not persistent,
-                )  # fmt: skip
-                kern = runtime.load(cubin, plan, index)
-                self._kernels[key] = kern
+                # Both tile choices at once where the op picks per call: a call at a length
+                # that needs the other one (inside a CUDA-graph capture, say) loads nothing.
+                both = self._sparse_possible and not persistent
+                for want in (sparse, not sparse) if both else (sparse,):
+                    k = base + ("sparse",) if want else base
+                    if k not in self._kernels:
+                        plan, cubin, _report = build_forward(
+                            self.spec, target, gpu=gpu, family=family, persistent=persistent,
+                            sparse=want,
+                        )  # fmt: skip
+                        self._kernels[k] = runtime.load(cubin, plan, index)
+                kern = self._kernels[key]
         return kern
 
 

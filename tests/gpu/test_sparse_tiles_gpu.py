@@ -42,8 +42,18 @@ CASES = {
 LENGTHS = [(1000, 1000), (127, 1000), (1031, 4097), (1, 1000), (1000, 127)]
 
 
-def _sparse_kernels(op) -> set:
-    return {key for key in op._kernels if "sparse" in key}
+def _record_tiles(op, monkeypatch) -> list:
+    """The tiles of the kernel each later call of ``op`` runs (appended per call; the op
+    loads both kernels on first use, so which ones are loaded says nothing)."""
+    ran, kernel = [], op.kernel
+
+    def spy(device, sparse=False):
+        kern = kernel(device, sparse=sparse)
+        ran.append(kern.plan.tiles)
+        return kern
+
+    monkeypatch.setattr(op, "kernel", spy)
+    return ran
 
 
 @pytest.mark.parametrize("mode", ["auto", "dense"])
@@ -55,16 +65,14 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
     name, params, (hq, hkv) = CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")
     spec = dataclasses.replace(base, name=f"{base.name}_st_{mode}")  # its own op per mode
+    ran = _record_tiles(build_op(spec), monkeypatch)
     for sq, sk in LENGTHS:
         check(spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 5 * sk, **params)
-    op = build_op(spec)
-    dev = torch.device("cuda")
+    assert len(ran) == len(LENGTHS)
     if mode == "auto":  # every length above keeps fewer than 2560 keys per row
-        assert _sparse_kernels(op), "the sparse-mask tiles did not run"
-        assert op.kernel(dev, sparse=True).plan.tiles == TileConfig(128, 128, 12)
+        assert set(ran) == {TileConfig(128, 128, 12)}, ran
     else:
-        assert not _sparse_kernels(op)
-        assert op.kernel(dev).plan.tiles.block_n != 128
+        assert all(t.block_n != 128 for t in ran), ran
 
 
 def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
@@ -73,10 +81,10 @@ def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
     base = load_spec(REPO / "specs" / "causal_d128.yaml")
     spec = dataclasses.replace(base, name="causal_d128_st_long")
+    ran = _record_tiles(build_op(spec), monkeypatch)
     check(spec, 1, 2, 2, 8192, 8192, error_bound, seed=3)  # ~4096 keys per row: dense
-    assert not _sparse_kernels(build_op(spec))
     check(spec, 1, 2, 2, 3000, 3000, error_bound, seed=4)  # ~1500: sparse
-    assert _sparse_kernels(build_op(spec))
+    assert [t.block_n for t in ran] == [160, 128], ran
 
 
 def _capture_and_compare(op, warm, capture, params):
@@ -115,19 +123,20 @@ def test_capture_at_a_new_length_under_a_cuda_default_device(monkeypatch):
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
     base = load_spec(REPO / "specs" / "causal_d128.yaml")
     op = build_op(dataclasses.replace(base, name="causal_d128_st_capture"))
+    ran = _record_tiles(op, monkeypatch)
     _capture_and_compare(op, 1000, 3000, {})
-    assert _sparse_kernels(op)
+    assert {t.block_n for t in ran} == {128}, ran
 
 
 def test_capture_at_a_length_that_needs_the_other_kernel(monkeypatch):
     """Warm-up at a length that runs the dense tiles, capture at one that runs the sparse-mask
-    tiles: the second kernel is built and loaded during the capture.  Tells whether that is
-    capturable; if not, the op should load both kernels on first use (or the docs should say
-    "warm up at every length you capture")."""
+    tiles: the op loaded both kernels at its first call (op.kernel), so the capture loads
+    nothing."""
     monkeypatch.setenv(SPARSE_TILES_ENV, "1")
     monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
     base = load_spec(REPO / "specs" / "causal_d128.yaml")
     op = build_op(dataclasses.replace(base, name="causal_d128_st_capture_new_kernel"))
+    ran = _record_tiles(op, monkeypatch)
     _capture_and_compare(op, 8192, 1000, {})
-    assert _sparse_kernels(op)
+    assert [t.block_n for t in ran] == [160, 160, 128, 128], ran  # warm-up x 2, capture, eager

@@ -184,3 +184,33 @@ def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
     for sk in range(1, 3001):
         op._sparse_call(Dims(1, 4, 4, 1, sk, 128), [1024])
     assert len(calls) <= 4 * 12 + 9 and len(op._sparse_buckets) == len(calls)
+
+
+def test_first_use_loads_both_kernels(monkeypatch):
+    """op.kernel builds and loads the dense and the sparse-mask kernel together (a later call,
+    e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing);
+    persistent builds one.  The compiler, loader and device queries are faked (no GPU)."""
+    from types import SimpleNamespace
+
+    import flashgen.op as op_mod
+    import flashgen.runtime as runtime
+    import flashgen.select as select
+    from flashgen.op import build_op
+
+    built = []
+
+    def fake_build(spec, target, gpu=None, family="auto", persistent=False, sparse=False):
+        built.append((sparse, persistent))
+        return SimpleNamespace(tiles="sparse" if sparse else "dense"), f"cubin{sparse}", None
+
+    monkeypatch.setattr(select, "build_forward", fake_build)
+    monkeypatch.setattr(runtime, "load", lambda cubin, plan, index: SimpleNamespace(plan=plan))
+    monkeypatch.setattr(op_mod, "target_for_device", lambda spec, device: "sm_90")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_twins"))
+    dev = torch.device("cuda", 0)
+    assert op.kernel(dev).plan.tiles == "dense" and built == [(False, False), (True, False)]
+    assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and len(built) == 2
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
+    assert op.kernel(dev, sparse=True).plan.tiles == "dense"  # persistent: never sparse
+    assert built[2:] == [(False, "static")]
