@@ -42,6 +42,13 @@ CASES = {
 LENGTHS = [(1000, 1000), (127, 1000), (1031, 4097), (1, 1000), (1000, 127)]
 
 
+def _env(monkeypatch, sparse: str = "1") -> None:
+    """The default (Hopper, non-persistent) forward, with FLASHGEN_SPARSE_TILES=``sparse``."""
+    monkeypatch.setenv(SPARSE_TILES_ENV, sparse)
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+
+
 def _record_tiles(op, monkeypatch) -> list:
     """The tiles of the kernel each later call of ``op`` runs (appended per call; the op
     loads both kernels on first use, so which ones are loaded says nothing)."""
@@ -59,9 +66,7 @@ def _record_tiles(op, monkeypatch) -> list:
 @pytest.mark.parametrize("mode", ["auto", "dense"])
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
-    monkeypatch.setenv(SPARSE_TILES_ENV, "1" if mode == "auto" else "0")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    _env(monkeypatch, "1" if mode == "auto" else "0")
     name, params, (hq, hkv) = CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")
     spec = dataclasses.replace(base, name=f"{base.name}_st_{mode}")  # its own op per mode
@@ -76,9 +81,7 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
 
 
 def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
-    monkeypatch.setenv(SPARSE_TILES_ENV, "1")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    _env(monkeypatch)
     base = load_spec(REPO / "specs" / "causal_d128.yaml")
     spec = dataclasses.replace(base, name="causal_d128_st_long")
     ran = _record_tiles(build_op(spec), monkeypatch)
@@ -114,29 +117,23 @@ def _capture_and_compare(op, warm, capture, params):
     assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e), "graph != eager"
 
 
-def test_capture_at_a_new_length_under_a_cuda_default_device(monkeypatch):
-    """The estimate for a length the op has not seen runs inside the capture: it must make
-    no CUDA tensor (the default device is CUDA here) and sync nothing.  Both lengths run the
-    sparse-mask tiles (~500 and ~1500 keys per row), so no kernel is loaded in the capture."""
-    monkeypatch.setenv(SPARSE_TILES_ENV, "1")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
-    base = load_spec(REPO / "specs" / "causal_d128.yaml")
-    op = build_op(dataclasses.replace(base, name="causal_d128_st_capture"))
-    ran = _record_tiles(op, monkeypatch)
-    _capture_and_compare(op, 1000, 3000, {})
-    assert {t.block_n for t in ran} == {128}, ran
+#: (warm-up length, capture length, tiles of the calls: warm-up x 2, capture, eager)
+CAPTURES = {
+    # the estimate for a length the op has not seen runs inside the capture: it must make no
+    # CUDA tensor (the default device is CUDA there) and sync nothing; both lengths keep few
+    # keys per row (~500, ~1500)
+    "new_length": (1000, 3000, [128, 128, 128, 128]),
+    # the capture needs the other kernel: the op loaded both at its first call (op.kernel)
+    "other_kernel": (8192, 1000, [160, 160, 128, 128]),
+}
 
 
-def test_capture_at_a_length_that_needs_the_other_kernel(monkeypatch):
-    """Warm-up at a length that runs the dense tiles, capture at one that runs the sparse-mask
-    tiles: the op loaded both kernels at its first call (op.kernel), so the capture loads
-    nothing."""
-    monkeypatch.setenv(SPARSE_TILES_ENV, "1")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+@pytest.mark.parametrize("case", sorted(CAPTURES))
+def test_capture(case, monkeypatch):
+    _env(monkeypatch)
+    warm, capture, tiles = CAPTURES[case]
     base = load_spec(REPO / "specs" / "causal_d128.yaml")
-    op = build_op(dataclasses.replace(base, name="causal_d128_st_capture_new_kernel"))
+    op = build_op(dataclasses.replace(base, name=f"causal_d128_st_capture_{case}"))
     ran = _record_tiles(op, monkeypatch)
-    _capture_and_compare(op, 8192, 1000, {})
-    assert [t.block_n for t in ran] == [160, 160, 128, 128], ran  # warm-up x 2, capture, eager
+    _capture_and_compare(op, warm, capture, {})
+    assert [t.block_n for t in ran] == tiles, ran
