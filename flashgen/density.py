@@ -6,15 +6,14 @@ key blocks per query block runs faster on narrower key blocks,
 The estimate evaluates the mask (the reference semantics, :func:`flashgen.reference.eval_expr`)
 on CPU at a few evenly spaced query rows and key columns, batch 0 and head 0; it never affects
 a result, only which of two correct kernels runs.  Lengths are rounded to a quarter octave first
-(:func:`bucket`), so a loop over growing lengths (decoding) evaluates a few masks per doubling,
-each once (:func:`keys_per_row` is cached).  Imports torch (CPU only): every tensor here is made
+(:func:`bucket`), so a loop over growing lengths (decoding) evaluates a few masks per doubling
+(the forward op caches each bucket's answer).  Imports torch (CPU only): every tensor here is made
 on the CPU with an explicit dtype, whatever ``torch.set_default_device`` / ``set_default_dtype``
 say (a CUDA default would sync the device at every new length and break a CUDA-graph capture).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 from . import ir
@@ -79,11 +78,6 @@ def mean_keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tupl
 
 
 def keys_per_row(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
-    """:func:`mean_keys_per_row` at the :func:`bucket` of each length, cached per spec,
-    bucketed lengths and scalars (:func:`_bucketed`)."""
-    return _bucketed(spec, bucket(seqlen_q), bucket(seqlen_k), scalars)
-
-
-@functools.lru_cache(maxsize=4096)
-def _bucketed(spec: ir.Spec, seqlen_q: int, seqlen_k: int, scalars: tuple) -> float:
-    return mean_keys_per_row(spec, seqlen_q, seqlen_k, scalars)
+    """:func:`mean_keys_per_row` at the :func:`bucket` of each length: one answer per quarter
+    octave (the forward op caches it per bucket, ``AttentionOp._sparse_call``)."""
+    return mean_keys_per_row(spec, bucket(seqlen_q), bucket(seqlen_k), scalars)
