@@ -152,7 +152,8 @@ class BuildResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.report is not None and self.report.spill_bytes == 0
+        r = self.report
+        return self.error is None and r is not None and not r.spill_bytes and not r.wgmma_serialized
 
     def to_dict(self) -> dict:
         r = self.report
@@ -168,6 +169,7 @@ class BuildResult:
             "smem_static": r.smem if r else None,
             "smem_dynamic": self.smem_dynamic,
             "stack_frame": r.stack_frame if r else None,
+            "wgmma_serialized": list(r.wgmma_serialized) if r else None,
             "compile_seconds": round(r.seconds, 3) if r else None,
             "cached": r.from_cache if r else None,
             "cubin": self.cubin,
@@ -205,6 +207,9 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
                 f"kernel spills: {res.report.spill_stores} bytes stores, "
                 f"{res.report.spill_loads} bytes loads"
             )
+        elif res.report.wgmma_serialized:
+            k = res.report.kernel(res.report.wgmma_serialized[0])
+            res.error = f"ptxas serialized the wgmma instructions of {k.name}: {k.wgmma_serialized}"
     except CompileError as e:
         res.error = str(e)
     except (ValueError, OSError) as e:

@@ -55,6 +55,9 @@ class KernelResources:
     smem: int = 0  # static shared memory; the dynamic part is plan.smem_bytes
     stack_frame: int = 0
     barriers: int = 0
+    #: ptxas' reason when it serialized the kernel's wgmma instructions (each one waited for
+    #: before the next: C7510-C7520 "Potential Performance Loss"), "" when it did not
+    wgmma_serialized: str = ""
 
     @property
     def spill_bytes(self) -> int:
@@ -103,6 +106,12 @@ class CompileReport:
         return self.spill_stores + self.spill_loads
 
     @property
+    def wgmma_serialized(self) -> tuple[str, ...]:
+        """Names of the kernels whose wgmma instructions ptxas serialized (a performance
+        defect like a spill: each wgmma waits for the previous one)."""
+        return tuple(k.name for k in self.kernels if k.wgmma_serialized)
+
+    @property
     def smem(self) -> int:
         return max((k.smem for k in self.kernels), default=0)
 
@@ -120,14 +129,21 @@ class CompileReport:
     @classmethod
     def from_dict(cls, d: dict) -> CompileReport:
         """Inverse of :meth:`to_dict`; ``KeyError``/``TypeError`` on malformed input."""
+        log = d.get("log", "")
+        # reports cached before the field existed: ptxas' lines are in the log
+        serialized = {m.group(2): m.group(1) for m in _SERIALIZED.finditer(log)}
+        kernels = tuple(
+            KernelResources(**{"wgmma_serialized": serialized.get(k["name"], ""), **k})
+            for k in d["kernels"]
+        )
         return cls(
             target=d["target"],
             arch=d["arch"],
-            kernels=tuple(KernelResources(**k) for k in d["kernels"]),
+            kernels=kernels,
             seconds=float(d["seconds"]),
             nvcc_version=d["nvcc_version"],
             command=tuple(d.get("command", ())),
-            log=d.get("log", ""),
+            log=log,
             from_cache=bool(d.get("from_cache", False)),
         )
 
@@ -201,6 +217,9 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _BARRIERS = re.compile(r"used (\d+) barriers")
+_SERIALIZED = re.compile(
+    r"wgmma\.mma_async instructions are serialized due to (.+?) in the function '([^']+)'"
+)
 
 
 def parse_ptxas(log: str) -> tuple[KernelResources, ...]:
@@ -209,6 +228,9 @@ def parse_ptxas(log: str) -> tuple[KernelResources, ...]:
     current: str | None = None
     props_for: str | None = None
     for line in log.splitlines():
+        if m := _SERIALIZED.search(line):  # printed before the function's entry line
+            kernels.setdefault(m.group(2), {"name": m.group(2)})["wgmma_serialized"] = m.group(1)
+            continue
         if m := _ENTRY.search(line):
             current = m.group(1)
             kernels.setdefault(current, {"name": current})

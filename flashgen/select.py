@@ -45,7 +45,8 @@ def build_forward(
     ``sparse``: the tiles :func:`flashgen.lower.sparse_tiles` gives for the chosen ones
     are tried first, where it gives any).
 
-    At each candidate's tiles, a kernel that spills is retried with fewer of
+    At each candidate's tiles, a kernel that spills (or whose wgmma instructions ptxas
+    serialized: :attr:`flashgen.compile.CompileReport.wgmma_serialized`) is retried with fewer of
     ``plan_forward``'s register-hungry features before the next tiles, the last named
     dropped first: row / column terms (:mod:`flashgen.rowcol`; ``FLASHGEN_SIDE_TERMS=0``,
     read at each build, never uses them), the affine score_mod split (``affine``), the
@@ -82,7 +83,7 @@ def build_forward(
                 continue
             tried.add(source)
             cubin, report = cache.get_or_build(source, plan)
-            if not report.spill_bytes:
+            if not report.spill_bytes and not report.wgmma_serialized:
                 return plan, cubin, report
     return plan, cubin, report
 
