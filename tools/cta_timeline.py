@@ -5,6 +5,7 @@ patched into the rendered source at fixed points, one row of 32 int64 per CTA in
 
     python3 tools/cta_timeline.py causal_d128 mistral_swa      # gallery shape, B=2 H=16 S=8k
     python3 tools/cta_timeline.py causal_d128 --shape 1 16 16384
+    python3 tools/cta_timeline.py mistral_swa --shape 1 16 16384 --param window=256
 
 Prints, per spec, the mean cycles of each phase of a CTA: entry to the tile decoded, Q
 issued, the first live key block found, its K and V issued, the barrier, ``setmaxnreg``
@@ -40,7 +41,7 @@ MAX_CTAS = 1 << 16
 #: 0 entry (consumer 0), 1 Q and first K landed, 2 first S + softmax done, 3 main loop done,
 #: 4 / 5 epilogue done (consumer 0 / 1), 6 Q issued, 7 SM id, 8 key blocks, 11 last P V done,
 #: 14 tile decoded, 15 first block found, 16 barrier passed, 17 setmaxnreg done, 18 entry
-#: (thread 0), 19 first K / V issued, 20 Q landed (consumer 0).
+#: (thread 0), 19 first K / V issued, 20 Q landed (consumer 0), 21 the next live block found.
 ANCHORS = (
     ("const int m0 = m_block * BLOCK_M;\n", "    if (threadIdx.x == 0) fgp[14] = clock64();\n"),
     (
@@ -62,8 +63,12 @@ ANCHORS = (
         "        if (threadIdx.x % 128 == 0) fgp[threadIdx.x == 128 ? 2 : 13] = clock64();\n",
     ),
     (
-        "next_block = load_block(0, first_block, cls);\n",
-        "        fgp[19] = clock64();\n",
+        "fg::tma_load_4d(sV + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(0));\n",
+        "            fgp[19] = clock64();\n",
+    ),
+    (
+        "next_block = prev_live(first_block - 1, cls);\n",
+        "        if (threadIdx.x == 0) fgp[21] = clock64();\n",
     ),
     (
         "fg::mbar_arrive(v_empty(s_last));\n",
@@ -136,7 +141,7 @@ def summarize(P, name: str) -> list[str]:
     out = [f"{name}: {len(P)} CTAs, mean {span.mean():.0f} cycles, {steps.mean():.1f} key blocks"]
     e0 = P[:, 18]
     marks = (("decoded", 14), ("Q issued", 6), ("first block", 15), ("K/V issued", 19),
-             ("barrier", 16), ("setmaxnreg", 17))  # fmt: skip
+             ("next block", 21), ("barrier", 16), ("setmaxnreg", 17))  # fmt: skip
     out.append(
         "  thread 0 since entry: " + ", ".join(f"{m} {np.mean(P[:, i] - e0):.0f}" for m, i in marks)
     )
@@ -180,7 +185,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("specs", nargs="+", help="shipped spec names (no block table)")
     ap.add_argument("--shape", nargs=3, type=int, metavar=("B", "H", "S"), default=(2, 16, 8192))
+    ap.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a scalar param of the specs (repeatable), e.g. window=256",
+    )
     args = ap.parse_args(argv)
+    params = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--param {item!r}: expected NAME=VALUE")
+        params[name.strip()] = float(value) if "." in value else int(value)
 
     import torch
 
@@ -208,20 +226,22 @@ def main(argv=None) -> int:
         spec = op.spec
         q = torch.randn(b, h, s, spec.head_dim, device=dev, dtype=torch.bfloat16)
         k, v = torch.randn_like(q), torch.randn_like(q)
-        op.attention(q, k, v)
+        mine = {k_: v_ for k_, v_ in params.items() if spec.param(k_) is not None}
+        op.attention(q, k, v, **mine)
         torch.cuda.synchronize()
         # the kernel the call ran: the op picks its tiles per call (lower.sparse_tiles)
         dims = op_mod.validate(spec, q, k, v, {})
-        kern = op.kernel(dev, sparse=op._sparse_call(dims, op_mod.resolve_params(spec, {})[0]))
+        kern = op.kernel(dev, sparse=op._sparse_call(dims, op_mod.resolve_params(spec, mine)[0]))
         if launch_ctas(kern.plan, b, h, s) > MAX_CTAS:
             print(f"{name}: more than {MAX_CTAS} CTAs", file=sys.stderr)
             return 2
         key = next(key for key, val in runtime._loaded.items() if val is kern)
         buf = cupy.ndarray((MAX_CTAS, SLOTS), cupy.int64, kern.module.get_global("fg_prof"))
         buf[:] = 0
-        op.attention(q, k, v)
+        op.attention(q, k, v, **mine)
         torch.cuda.synchronize()
-        print("\n".join(summarize(cupy.asnumpy(buf), f"{name} B={b} H={h} S={s} ({key[1]})")))
+        label = f"{name} B={b} H={h} S={s} {mine or ''} ({key[1]})"
+        print("\n".join(summarize(cupy.asnumpy(buf), label)))
     return 0
 
 
