@@ -179,15 +179,16 @@ class BuildResult:
 
 def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
     from .compile import CompileError
-    from .lower import kernel_family, persistent_forward
+    from .lower import kernel_family, persistent_forward, sparse_persistent
     from .select import build_backward, build_forward
 
     res = BuildResult(spec, target, unit)
     try:
         if unit in ("fwd", "fwd_sparse"):
+            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (lower.sparse_persistent)
             res.plan, path, res.report = build_forward(
-                spec, target, family=kernel_family(), persistent=persistent_forward(),
-                sparse=unit == "fwd_sparse",
+                spec, target, family=kernel_family(), sparse=sparse,
+                persistent=sparse_persistent(spec) if sparse else persistent_forward(),
             )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:

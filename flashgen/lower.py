@@ -222,6 +222,53 @@ def sparse_tiles(spec: Spec, tiles: TileConfig) -> TileConfig | None:
     return alt
 
 
+#: ``FLASHGEN_SPARSE_PERSISTENT``: the persistent tile scheduler of the kernel the op runs for
+#: sparse calls (:func:`sparse_persistent`): ``0`` (the default) none, ``1`` ``static``, or a
+#: name in :data:`PERSISTENT_SCHEDULERS`.
+SPARSE_PERSISTENT_ENV = "FLASHGEN_SPARSE_PERSISTENT"
+
+
+def mask_divides(spec: Spec) -> bool:
+    """Whether ``spec``'s mask divides (``/`` or ``%``, e.g. chunked masks)."""
+    return spec.mask is not None and any(
+        isinstance(e, Binary) and e.op in ("/", "%") for e in ir.walk(spec.mask)
+    )
+
+
+def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
+    """The persistent scheduler of the kernel the op runs (at :func:`sparse_tiles`' tiles) for
+    calls that keep few keys per row, from ``FLASHGEN_SPARSE_PERSISTENT`` (read at every
+    call; default ``0``: the non-persistent kernel), or False where the mask divides
+    (``divides``: :func:`mask_divides`, given by callers that keep it).
+
+    Measured on the H200 (docs/perf-notes.md, session 12; device time, S * B = 16k, H=16,
+    against the non-persistent kernel): ``dynamic`` 0.81x at window 256, 0.95x at window
+    1024, 0.93x at window 2048, 0.83-0.93x for causal at 1k-4k, 1.02x for prefix 512 at
+    4k; ``static`` 0.84x at window 256 but 1.03-1.13x on the causal and prefix calls (its
+    round robin packs the uneven rows badly).  A query block of such a call visits a few
+    key blocks, and the non-persistent kernel's fixed cost per CTA (decode, Q and the first
+    K landing, the epilogue: ~7.5K of 16.5K cycles at window 256) is much of its time; a
+    persistent CTA loads the next tile's Q and first key block during the current one.  Not
+    where the mask divides: the persistent producer walks a tile's key blocks one
+    classifier call at a time (the warp-wide walk spilled there), with double-precision
+    interval divisions, and chunk 1024 at S=16k ran 1.35x slower.  Off by default: the
+    dynamic scheduler's tile counter is per stream, so a captured graph must not replay on
+    two streams at once (see :func:`persistent_forward`).  ``ValueError`` for another value.
+    """
+    value = os.environ.get(SPARSE_PERSISTENT_ENV, "0").strip() or "0"
+    if value == "0":
+        return False
+    value = "static" if value == "1" else value
+    if value not in PERSISTENT_SCHEDULERS:
+        raise ValueError(
+            f"{SPARSE_PERSISTENT_ENV}={value!r}: expected 0, 1 or one of "
+            f"{', '.join(PERSISTENT_SCHEDULERS)}"
+        )
+    if mask_divides(spec) if divides is None else divides:
+        return False
+    return value
+
+
 def hopper_tiles(spec: Spec) -> TileConfig:
     """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod),
     or its :data:`HOPPER_TABLE_TILES` entry if its mask reads tensors and it has one."""
@@ -2242,7 +2289,9 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
         units["bwd_wgmma"] = plan_hopper_backward(spec, target).unit
     alt = sparse_tiles(spec, fwd.tiles)
     if alt is not None:
-        units["fwd_sparse"] = plan_forward(spec, target, tiles=alt)
+        units["fwd_sparse"] = plan_forward(
+            spec, target, tiles=alt, persistent=sparse_persistent(spec)
+        )
     return units
 
 

@@ -56,8 +56,10 @@ from .lower import (
     hopper_eligible,
     hopper_tiles,
     kernel_family,
+    mask_divides,
     needs_block_table,
     persistent_forward,
+    sparse_persistent,
     sparse_tiles,
 )
 
@@ -453,6 +455,8 @@ class AttentionOp:
         self._sparse_possible = hopper_eligible(spec, "sm_90") and (
             sparse_tiles(spec, hopper_tiles(spec)) is not None
         )
+        #: whether the mask divides (lower.sparse_persistent: no persistent sparse kernel)
+        self._mask_divides = mask_divides(spec)
         self._sparse_calls: dict[tuple, bool] = {}
         self._sparse_buckets: dict[tuple, bool] = {}  # the same per density.bucket of each length
         #: positions (in spec order) of the scalar params the mask reads: the others (a
@@ -905,8 +909,10 @@ class AttentionOp:
         :func:`flashgen.lower.persistent_forward`; default off) and ``FLASHGEN_SIDE_TERMS``
         (:mod:`flashgen.select`).  ``sparse``: the kernel with the tiles for masks that keep
         few keys per row (:func:`flashgen.lower.sparse_tiles`; the op's calls choose it per
-        call, :meth:`_sparse_call`; not the persistent kernel), the same kernel as without
-        where there are none (the FA2-class kernel).  Where the op may pick either, the
+        call, :meth:`_sparse_call`; not under ``FLASHGEN_PERSISTENT``), persistent where
+        :func:`flashgen.lower.sparse_persistent` says so (``FLASHGEN_SPARSE_PERSISTENT``, read
+        at every call), the same kernel as without where there are none (the FA2-class
+        kernel).  Where the op may pick either, the
         first use builds and loads both, so a later call (a CUDA-graph capture at another
         length) never loads a kernel.
         Raises :class:`~flashgen.compile.CompileError` if nvcc fails.
@@ -918,7 +924,9 @@ class AttentionOp:
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
             base += ("per-element",)
         sparse = sparse and not persistent
-        key = base + ("sparse",) if sparse else base
+        # the sparse kernel's own scheduler (lower.sparse_persistent: FLASHGEN_SPARSE_PERSISTENT)
+        sparse_key = base + ("sparse", sparse_persistent(self.spec, self._mask_divides))
+        key = sparse_key if sparse else base
         kern = self._kernels.get(key)
         if kern is not None:
             return kern
@@ -934,11 +942,11 @@ class AttentionOp:
                 # that needs the other one (inside a CUDA-graph capture, say) loads nothing.
                 both = self._sparse_possible and not persistent
                 for want in (sparse, not sparse) if both else (sparse,):
-                    k = base + ("sparse",) if want else base
+                    k = sparse_key if want else base
                     if k not in self._kernels:
                         plan, cubin, _report = build_forward(
-                            self.spec, target, gpu=gpu, family=family, persistent=persistent,
-                            sparse=want,
+                            self.spec, target, gpu=gpu, family=family, sparse=want,
+                            persistent=sparse_key[-1] if want else persistent,
                         )  # fmt: skip
                         self._kernels[k] = runtime.load(cubin, plan, index)
                 kern = self._kernels[key]

@@ -205,9 +205,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("cta_timeline needs an sm_90 GPU", file=sys.stderr)
         return 2
+    import os
+
     import cupy
 
     import flashgen
+    from flashgen.lower import SPARSE_PERSISTENT_ENV
+
+    # the stamps go into the non-persistent kernel: sparse calls run it too, not the
+    # persistent one they run by default (lower.sparse_persistent)
+    os.environ[SPARSE_PERSISTENT_ENV] = "0"
     import flashgen.op as op_mod
     import flashgen.select as sel
     from flashgen import runtime

@@ -189,7 +189,9 @@ def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
 def test_first_use_loads_both_kernels(monkeypatch):
     """op.kernel builds and loads the dense and the sparse-mask kernel together (a later call,
     e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing);
-    persistent builds one.  The compiler, loader and device queries are faked (no GPU)."""
+    FLASHGEN_SPARSE_PERSISTENT=dynamic: a persistent sparse kernel of its own, built when
+    asked; FLASHGEN_PERSISTENT builds one.  The compiler, loader and device
+    queries are faked (no GPU)."""
     from types import SimpleNamespace
 
     import flashgen.op as op_mod
@@ -209,8 +211,38 @@ def test_first_use_loads_both_kernels(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_twins"))
     dev = torch.device("cuda", 0)
+    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV, raising=False)
     assert op.kernel(dev).plan.tiles == "dense" and built == [(False, False), (True, False)]
     assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and len(built) == 2
+    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "dynamic")  # its own kernel, built when asked
+    assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and built[2:] == [(True, "dynamic")]
+    assert op.kernel(dev).plan.tiles == "dense" and len(built) == 3
+    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV)
+    del built[2:]
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
     assert op.kernel(dev, sparse=True).plan.tiles == "dense"  # persistent: never sparse
     assert built[2:] == [(False, "static")]
+
+
+def test_sparse_persistent_switch(monkeypatch):
+    """FLASHGEN_SPARSE_PERSISTENT (default 0) names the sparse calls' persistent scheduler,
+    never where the mask divides (the persistent producer's one-call-at-a-time walk); the CI
+    compile unit follows it."""
+    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV, raising=False)
+    assert lower.sparse_persistent(_spec("mistral_swa")) is False
+    assert lower.compile_units(_spec("mistral_swa"), "sm_90")["fwd_sparse"].context[
+        "scheduler"
+    ] is None  # fmt: skip
+    for value, want in (("1", "static"), ("static", "static"), ("dynamic", "dynamic")):
+        monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, value)
+        for name in ("causal_d128", "mistral_swa", "prefix_lm", "alibi", "llama3_gqa"):
+            assert lower.sparse_persistent(_spec(name)) == want, name
+        unit = lower.compile_units(_spec("mistral_swa"), "sm_90")["fwd_sparse"]
+        assert unit.context["scheduler"] == want and unit.tiles.block_n == 128
+        assert lower.sparse_persistent(_spec("chunked_local")) is False  # q_idx / chunk
+        assert lower.sparse_persistent(_spec("chunked_local"), divides=False) == want
+    assert lower.mask_divides(_spec("chunked_local"))
+    assert not lower.mask_divides(_spec("bidir_d256"))
+    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "sometimes")
+    with pytest.raises(ValueError, match="FLASHGEN_SPARSE_PERSISTENT='sometimes'"):
+        lower.sparse_persistent(_spec("mistral_swa"))
