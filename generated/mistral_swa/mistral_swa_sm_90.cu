@@ -192,6 +192,10 @@ __device__ __forceinline__ void fence_barrier_init() {
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
+// Announce `bytes` of TMA traffic on this phase without arriving (the arrival comes later).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
@@ -800,11 +804,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_mistral_swa_fw
         }
         return n_next;
     };
-    // The first block goes out before the barrier (its ring stage is free).
+    // The first block goes out before the barrier (its ring stage is free), and before the
+    // walk to the next live block, which its stage_info's last flag needs: k_full(0) expects
+    // K's bytes at once and gets its arrival once stage_info[0] is written, so the consumers
+    // see the two together, and the walk runs while K and V are in flight.
     int next_block = -1;
     if (threadIdx.x < 32 && first_block >= 0) {
         __syncwarp();  // every lane of warp 0 sees thread 0's barrier init
-        next_block = load_block(0, first_block, cls);
+        const int n0 = first_block * BLOCK_N, n_cls = cls;
+        if (threadIdx.x == 0) {
+            fg::mbar_expect_tx(k_full(0), SKV_BYTES);
+            #pragma unroll
+            for (int c = 0; c < DCB; ++c)
+                fg::tma_load_4d(sK + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(0));
+            fg::mbar_arrive_expect_tx(v_full(0), SKV_BYTES);
+            #pragma unroll
+            for (int c = 0; c < DCB; ++c)
+                fg::tma_load_4d(sV + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(0));
+        }
+        next_block = prev_live(first_block - 1, cls);
+        if (threadIdx.x == 0) {
+            stage_info[0] = n0;
+            stage_info[1] = n_cls | (next_block < 0 ? 0x100 : 0);
+            fg::mbar_arrive(k_full(0));  // releases stage_info[0]
+        }
     }
     __syncthreads();
     if (threadIdx.x >= 32) first_block = *first_slot;
