@@ -99,3 +99,16 @@ def test_a_varlen_specs_module_documents_the_packed_call():
     assert "q [total_q, Hq, 64]" in doc and "lse [Hq, total_q]" in doc
     assert "[B, Hq, Sq" not in doc
     compile(doc, "vl/__init__.py", "exec")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "specs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_generated_sources_are_current(path, tmp_path):
+    """generated/<name>/ holds what the templates render now (README's first command
+    re-emits it: a stale copy leaves a fresh clone's `git status` dirty)."""
+    spec = load_spec(path)
+    out = write_generated(spec, tmp_path)
+    shipped = REPO / "generated" / spec.name
+    for src in sorted(out.glob("*.cu")):
+        assert (shipped / src.name).read_text() == src.read_text(), (
+            f"generated/{spec.name}/{src.name} is stale: run `flashgen build specs/{path.name}`"
+        )
