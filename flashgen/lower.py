@@ -244,8 +244,9 @@ def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
     Measured on the H200 (docs/perf-notes.md, session 12; device time, S * B = 16k, H=16,
     against the non-persistent kernel): ``dynamic`` 0.81x at window 256, 0.95x at window
     1024, 0.93x at window 2048, 0.83-0.93x for causal at 1k-4k, 1.02x for prefix 512 at
-    4k; ``static`` 0.84x at window 256 but 1.03-1.13x on the causal and prefix calls (its
-    round robin packs the uneven rows badly).  A query block of such a call visits a few
+    4k (0.90x in the first run); ``static`` 0.84x at window 256 but 1.03-1.13x for causal at
+    2k-4k, prefix 512 and window 2048 (0.93x for causal at 1k; its round robin packs the
+    uneven rows badly).  A query block of such a call visits a few
     key blocks, and the non-persistent kernel's fixed cost per CTA (decode, Q and the first
     K landing, the epilogue: ~7.5K of 16.5K cycles at window 256) is much of its time; a
     persistent CTA loads the next tile's Q and first key block during the current one.  Not

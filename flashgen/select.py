@@ -95,7 +95,9 @@ def build_backward(
     kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
     :func:`~flashgen.lower.plan_hopper_backward`, its dQ variant from the environment
     first, then the other one; when both spill (a score_mod or mask with more math than
-    the kernel's registers hold), the FA2-class unit ``atomic_dq`` selects (check
+    the kernel's registers hold) or ptxas serialized their wgmma instructions
+    (:attr:`flashgen.compile.CompileReport.wgmma_serialized`, which ``flashgen build``
+    fails), the FA2-class unit ``atomic_dq`` selects (check
     ``plan.atomic_dq`` and ``plan.dkdv.template``).  The FA2-class unit is tried at each
     candidate's tiles with row / column terms (:mod:`flashgen.rowcol`) in every kernel
     that can take them, then without them in the kernels that spilled, then in none,
@@ -110,7 +112,7 @@ def build_backward(
         ]
         for plan in variants:
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
-            if not report.spill_bytes:
+            if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
                 return plan, cubin, report
     use_terms = flag(SIDE_TERMS_ENV, True)
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):

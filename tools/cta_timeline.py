@@ -212,8 +212,9 @@ def main(argv=None) -> int:
     import flashgen
     from flashgen.lower import SPARSE_PERSISTENT_ENV
 
-    # the stamps go into the non-persistent kernel: sparse calls run it too, not the
-    # persistent one they run by default (lower.sparse_persistent)
+    # the stamps go into the non-persistent kernel: sparse calls must run it too, not the
+    # persistent one FLASHGEN_SPARSE_PERSISTENT may name (lower.sparse_persistent; off by
+    # default, forced off here whatever the caller's environment says)
     os.environ[SPARSE_PERSISTENT_ENV] = "0"
     import flashgen.op as op_mod
     import flashgen.select as sel

@@ -23,7 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_forward import check  # noqa: E402
 
 from flashgen import density  # noqa: E402
-from flashgen.lower import SPARSE_KEYS_PER_ROW, SPARSE_TILES_ENV  # noqa: E402
+from flashgen.lower import (  # noqa: E402
+    SPARSE_KEYS_PER_ROW,
+    SPARSE_PERSISTENT_ENV,
+    SPARSE_TILES_ENV,
+    mask_divides,
+)
 from flashgen.op import build_op  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 
@@ -48,6 +53,7 @@ def _env(monkeypatch, sparse: str = "1") -> None:
     monkeypatch.setenv(SPARSE_TILES_ENV, sparse)
     monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
     monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    monkeypatch.setenv(SPARSE_PERSISTENT_ENV, "0")
 
 
 def _keys_per_row(spec, sq: int, sk: int, scalars: tuple) -> float:
@@ -94,6 +100,34 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
         assert [t.block_n for t in ran] == want, ran
     else:
         assert all(t.block_n != 128 for t in ran), ran
+
+
+@pytest.mark.parametrize("key", sorted(CASES))
+def test_sparse_calls_on_the_persistent_kernel(key, monkeypatch, error_bound):
+    """FLASHGEN_SPARSE_PERSISTENT=dynamic: the calls that keep few keys per row run the
+    persistent 128 x 128 kernel (the non-persistent one where the mask divides,
+    lower.sparse_persistent), the others the non-persistent dense one; all against the
+    reference."""
+    _env(monkeypatch)
+    monkeypatch.setenv(SPARSE_PERSISTENT_ENV, "dynamic")
+    name, params, (hq, hkv) = CASES[key]
+    base = load_spec(REPO / "specs" / f"{name}.yaml")
+    op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent"))
+    ran, kernel = [], op.kernel
+
+    def spy(device, sparse=False):
+        kern = kernel(device, sparse=sparse)
+        ran.append((kern.plan.tiles.block_n, kern.plan.context.get("scheduler")))
+        return kern
+
+    monkeypatch.setattr(op, "kernel", spy)
+    for sq, sk in LENGTHS:
+        check(op.spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 7 * sk, **params)
+    scalars = tuple(params.get(p.name, p.default) for p in base.scalar_params)
+    sparse = None if mask_divides(base) else "dynamic"
+    want = [(128, sparse) if _keys_per_row(base, sq, sk, scalars) < SPARSE_KEYS_PER_ROW
+            else (160, None) for sq, sk in LENGTHS]  # fmt: skip
+    assert ran == want, ran
 
 
 def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):

@@ -1,6 +1,6 @@
 """nvcc compilation: every shipped spec compiles for sm_80 and sm_90 without spills and
-without ptxas serializing its wgmma instructions (forward, deterministic backward and
-atomic-dQ backward units)."""
+without ptxas serializing its wgmma instructions (forward, deterministic backward,
+atomic-dQ backward, sparse-mask forward and Hopper backward units)."""
 
 from __future__ import annotations
 
@@ -134,18 +134,21 @@ def _build(path: Path, target: str, unit: str):
 
 def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
     """All (spec, target, unit) units of :func:`compile_units` (forward, deterministic
-    backward, atomic-dQ backward, and the sparse-mask forward where there is one), compiled
+    backward, atomic-dQ backward, and the sparse-mask forward and the Hopper backward where
+    there are), compiled
     in parallel through the (session) cache; every kernel in them (each backward unit holds
     three) is checked."""
     assert SPECS, "no specs shipped"
     names = ("fwd", "bwd", "bwd_atomic")
     assert tuple(compile_units(load_spec(SPECS[0]), "sm_80")) == names
     units = [(p, t, u) for p in SPECS for t in ("sm_80", "sm_90") for u in names]
-    # the forward the op runs for calls whose mask keeps few keys per row (lower.sparse_tiles)
+    # the forward the op runs for calls whose mask keeps few keys per row (lower.sparse_tiles),
+    # and the Hopper backward (wgmma: ptxas may serialize it too)
     units += [
-        (p, "sm_90", "fwd_sparse")
+        (p, "sm_90", u)
         for p in SPECS
-        if "fwd_sparse" in compile_units(load_spec(p), "sm_90")
+        for u in ("fwd_sparse", "bwd_wgmma")
+        if u in compile_units(load_spec(p), "sm_90")
     ]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda ptu: _build(*ptu), units))

@@ -468,7 +468,7 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
     def fake_build(src, plan):
         tried.append((plan.template, plan.context.get("dq_ldmatrix")))
         spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
-        return "x.cubin", types.SimpleNamespace(spill_bytes=spill)
+        return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
 
     monkeypatch.setattr(select.cache, "get_or_build", fake_build)
     monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
@@ -478,6 +478,30 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
     assert report.spill_bytes == 0
     plan, _, _ = select.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
+
+
+def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
+    """select.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
+    build_forward does; ``flashgen build`` fails such a unit): the other dQ variant, then
+    the FA2-class unit."""
+    import types
+
+    from flashgen import select
+
+    tried = []
+
+    def fake_build(src, plan):
+        tried.append((plan.template, plan.context.get("dq_ldmatrix")))
+        hopper_first = plan.template == "sm_90/bwd.cu.j2" and len(tried) == 1
+        serialized = (plan.kernel_name,) if hopper_first else ()
+        return "x.cubin", types.SimpleNamespace(spill_bytes=0, wgmma_serialized=serialized)
+
+    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
+    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
+    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    assert tried == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
+    assert plan.dkdv.template == "sm_90/bwd.cu.j2" and not plan.dkdv.context["dq_ldmatrix"]
+    assert not report.wgmma_serialized
 
 
 @pytest.mark.parametrize("spills", [True, False])
