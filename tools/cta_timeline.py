@@ -198,7 +198,13 @@ def main(argv=None) -> int:
         name, sep, value = item.partition("=")
         if not sep:
             ap.error(f"--param {item!r}: expected NAME=VALUE")
-        params[name.strip()] = float(value) if "." in value else int(value)
+        try:
+            params[name.strip()] = int(value)
+        except ValueError:
+            try:
+                params[name.strip()] = float(value)
+            except ValueError:
+                ap.error(f"--param {item!r}: {value!r} is not a number")
 
     import torch
 
@@ -227,10 +233,14 @@ def main(argv=None) -> int:
         else render(plan)
     )
     root = Path(__file__).resolve().parent.parent
+    specs = {name: flashgen.load(root / "specs" / f"{name}.yaml") for name in args.specs}
+    unknown = [p for p in params if all(op.spec.param(p) is None for op in specs.values())]
+    if unknown:
+        ap.error(f"--param {', '.join(unknown)}: no such param in {', '.join(args.specs)}")
     b, h, s = args.shape
     dev = torch.device("cuda")
     for name in args.specs:
-        op = flashgen.load(root / "specs" / f"{name}.yaml")
+        op = specs[name]
         spec = op.spec
         q = torch.randn(b, h, s, spec.head_dim, device=dev, dtype=torch.bfloat16)
         k, v = torch.randn_like(q), torch.randn_like(q)
