@@ -256,16 +256,8 @@ def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
     dynamic scheduler's tile counter is per stream, so a captured graph must not replay on
     two streams at once (see :func:`persistent_forward`).  ``ValueError`` for another value.
     """
-    value = os.environ.get(SPARSE_PERSISTENT_ENV, "0").strip() or "0"
-    if value == "0":
-        return False
-    value = "static" if value == "1" else value
-    if value not in PERSISTENT_SCHEDULERS:
-        raise ValueError(
-            f"{SPARSE_PERSISTENT_ENV}={value!r}: expected 0, 1 or one of "
-            f"{', '.join(PERSISTENT_SCHEDULERS)}"
-        )
-    if mask_divides(spec) if divides is None else divides:
+    value = scheduler_from_env(SPARSE_PERSISTENT_ENV)
+    if not value or (mask_divides(spec) if divides is None else divides):
         return False
     return value
 
@@ -333,14 +325,20 @@ def persistent_forward() -> str | bool:
     in :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as
     ``persistent`` (False or a scheduler).  Read at every call, like :func:`kernel_family`.
     Raises ``ValueError`` for another value."""
-    value = os.environ.get("FLASHGEN_PERSISTENT", "0") or "0"
+    return scheduler_from_env("FLASHGEN_PERSISTENT")
+
+
+def scheduler_from_env(name: str) -> str | bool:
+    """The persistent scheduler environment variable ``name`` names: False for ``0`` (or
+    unset, or empty), ``static`` for ``1``, else a name in :data:`PERSISTENT_SCHEDULERS`
+    (``ValueError`` naming the variable and the accepted values otherwise)."""
+    value = os.environ.get(name, "0").strip() or "0"
     if value == "0":
         return False
     value = "static" if value == "1" else value
     if value not in PERSISTENT_SCHEDULERS:
         raise ValueError(
-            f"FLASHGEN_PERSISTENT={value!r}: expected 0, 1 or one of "
-            f"{', '.join(PERSISTENT_SCHEDULERS)}"
+            f"{name}={value!r}: expected 0, 1 or one of {', '.join(PERSISTENT_SCHEDULERS)}"
         )
     return value
 
