@@ -924,8 +924,10 @@ class AttentionOp:
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
             base += ("per-element",)
         sparse = sparse and not persistent
-        # the sparse kernel's own scheduler (lower.sparse_persistent: FLASHGEN_SPARSE_PERSISTENT)
-        sparse_key = base + ("sparse", sparse_persistent(self.spec, self._mask_divides))
+        # the sparse kernel's own scheduler (lower.sparse_persistent: FLASHGEN_SPARSE_PERSISTENT,
+        # read only where the op has a sparse kernel)
+        sched = self._sparse_possible and sparse_persistent(self.spec, self._mask_divides)
+        sparse_key = base + ("sparse", sched)
         key = sparse_key if sparse else base
         kern = self._kernels.get(key)
         if kern is not None:
