@@ -896,6 +896,13 @@ class AttentionOp:
             few = self._sparse_buckets[key] = few < SPARSE_KEYS_PER_ROW
         return few
 
+    def _sparse_key(self, base: tuple) -> tuple:
+        """The cache key of the sparse kernel: ``base`` and its persistent scheduler
+        (:func:`flashgen.lower.sparse_persistent`; ``FLASHGEN_SPARSE_PERSISTENT`` is read
+        only where the op has a sparse kernel, and only for sparse calls and builds)."""
+        sched = self._sparse_possible and sparse_persistent(self.spec, self._mask_divides)
+        return base + ("sparse", sched)
+
     def kernel(self, device: torch.device, sparse: bool = False):
         """The loaded kernel for CUDA ``device`` (built and cached on first use).
 
@@ -924,11 +931,7 @@ class AttentionOp:
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
             base += ("per-element",)
         sparse = sparse and not persistent
-        # the sparse kernel's own scheduler (lower.sparse_persistent: FLASHGEN_SPARSE_PERSISTENT,
-        # read only where the op has a sparse kernel)
-        sched = self._sparse_possible and sparse_persistent(self.spec, self._mask_divides)
-        sparse_key = base + ("sparse", sched)
-        key = sparse_key if sparse else base
+        key = self._sparse_key(base) if sparse else base
         kern = self._kernels.get(key)
         if kern is not None:
             return kern
@@ -943,6 +946,7 @@ class AttentionOp:
                 # Both tile choices at once where the op picks per call: a call at a length
                 # that needs the other one (inside a CUDA-graph capture, say) loads nothing.
                 both = self._sparse_possible and not persistent
+                sparse_key = self._sparse_key(base)
                 for want in (sparse, not sparse) if both else (sparse,):
                     k = sparse_key if want else base
                     if k not in self._kernels:
