@@ -44,6 +44,11 @@ _K_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sK \+ s \* SKV_BYTES[^\n]*\);)\
 _V_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sV \+ s \* SKV_BYTES[^\n]*\);)\n")
 _K_TX = re.compile(r"fg::mbar_arrive_expect_tx\(k_full\(s\), SKV_BYTES\);")
 _V_TX = re.compile(r"fg::mbar_arrive_expect_tx\(v_full\(s\), SKV_BYTES\);")
+# the first key block, loaded in the prologue (k_full(0) told its bytes, arrived on later)
+_K0_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sK \+ c \* BLOCK_N \* 128[^\n]*\);)\n")
+_V0_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sV \+ c \* BLOCK_N \* 128[^\n]*\);)\n")
+_K0_TX = re.compile(r"fg::mbar_expect_tx\(k_full\(0\), SKV_BYTES\);")
+_V0_TX = re.compile(r"fg::mbar_arrive_expect_tx\(v_full\(0\), SKV_BYTES\);")
 _SOFTMAX = re.compile(r"auto softmax = \[&\]\(int n0, int tile_cls\) \{\n")
 _RESCALE = re.compile(r"acc_o\[4 \* j \+ i\] \*= alpha\[i / 2\];")
 _RESCALE_LOOP = re.compile(
@@ -66,12 +71,20 @@ VARIANTS: dict[str, list[tuple[re.Pattern, str]]] = {
         (_V_TX, "fg::mbar_arrive(v_full(s));"),
         (_K_LOAD, "\n;\n"),
         (_V_LOAD, "\n;\n"),
+        (_K0_TX, ";"),  # its arrival comes after stage_info[0], as before
+        (_V0_TX, "fg::mbar_arrive(v_full(0));"),
+        (_K0_LOAD, "\n;\n"),
+        (_V0_LOAD, "\n;\n"),
     ],
     "half_kv_loads": [
         (_K_TX, "fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES / DCB);"),
         (_V_TX, "fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES / DCB);"),
         (_K_LOAD, "\nif (c == 0)\\1\n"),
         (_V_LOAD, "\nif (c == 0)\\1\n"),
+        (_K0_TX, "fg::mbar_expect_tx(k_full(0), SKV_BYTES / DCB);"),
+        (_V0_TX, "fg::mbar_arrive_expect_tx(v_full(0), SKV_BYTES / DCB);"),
+        (_K0_LOAD, "\nif (c == 0)\\1\n"),
+        (_V0_LOAD, "\nif (c == 0)\\1\n"),
     ],
 }
 
