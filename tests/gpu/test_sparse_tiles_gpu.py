@@ -68,14 +68,20 @@ def _keys_per_row(spec, sq: int, sk: int, scalars: tuple) -> float:
     return n
 
 
+def _sparse_lengths(base, params) -> list[bool]:
+    """Per entry of LENGTHS, whether the mask keeps few keys per row there (exact counts)."""
+    scalars = tuple(params.get(p.name, p.default) for p in base.scalar_params)
+    return [_keys_per_row(base, sq, sk, scalars) < SPARSE_KEYS_PER_ROW for sq, sk in LENGTHS]
+
+
 def _record_tiles(op, monkeypatch) -> list:
-    """The tiles of the kernel each later call of ``op`` runs (appended per call; the op
+    """The plan of the kernel each later call of ``op`` runs (appended per call; the op
     loads both kernels on first use, so which ones are loaded says nothing)."""
     ran, kernel = [], op.kernel
 
     def spy(device, sparse=False):
         kern = kernel(device, sparse=sparse)
-        ran.append(kern.plan.tiles)
+        ran.append(kern.plan)
         return kern
 
     monkeypatch.setattr(op, "kernel", spy)
@@ -93,13 +99,11 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
     for sq, sk in LENGTHS:
         check(spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 5 * sk, **params)
     assert len(ran) == len(LENGTHS)
+    block_n = [p.tiles.block_n for p in ran]
     if mode == "auto":  # 128 x 128 where the mask keeps few keys per row (exact counts)
-        scalars = tuple(params.get(p.name, p.default) for p in base.scalar_params)
-        want = [128 if _keys_per_row(base, sq, sk, scalars) < SPARSE_KEYS_PER_ROW else 160
-                for sq, sk in LENGTHS]  # fmt: skip
-        assert [t.block_n for t in ran] == want, ran
+        assert block_n == [128 if few else 160 for few in _sparse_lengths(base, params)]
     else:
-        assert all(t.block_n != 128 for t in ran), ran
+        assert all(n != 128 for n in block_n), block_n
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
@@ -113,21 +117,13 @@ def test_sparse_calls_on_the_persistent_kernel(key, monkeypatch, error_bound):
     name, params, (hq, hkv) = CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")
     op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent"))
-    ran, kernel = [], op.kernel
-
-    def spy(device, sparse=False):
-        kern = kernel(device, sparse=sparse)
-        ran.append((kern.plan.tiles.block_n, kern.plan.context.get("scheduler")))
-        return kern
-
-    monkeypatch.setattr(op, "kernel", spy)
+    ran = _record_tiles(op, monkeypatch)
     for sq, sk in LENGTHS:
         check(op.spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 7 * sk, **params)
-    scalars = tuple(params.get(p.name, p.default) for p in base.scalar_params)
     sparse = None if mask_divides(base) else "dynamic"
-    want = [(128, sparse) if _keys_per_row(base, sq, sk, scalars) < SPARSE_KEYS_PER_ROW
-            else (160, None) for sq, sk in LENGTHS]  # fmt: skip
-    assert ran == want, ran
+    want = [(128, sparse) if few else (160, None) for few in _sparse_lengths(base, params)]
+    got = [(p.tiles.block_n, p.context.get("scheduler")) for p in ran]
+    assert got == want, got
 
 
 def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
@@ -137,7 +133,7 @@ def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):
     ran = _record_tiles(build_op(spec), monkeypatch)
     check(spec, 1, 2, 2, 8192, 8192, error_bound, seed=3)  # ~4096 keys per row: dense
     check(spec, 1, 2, 2, 3000, 3000, error_bound, seed=4)  # ~1500: sparse
-    assert [t.block_n for t in ran] == [160, 128], ran
+    assert [p.tiles.block_n for p in ran] == [160, 128], ran
 
 
 def _capture_and_compare(op, warm, capture, params):
@@ -186,4 +182,4 @@ def test_capture(case, monkeypatch):
     op = build_op(dataclasses.replace(base, name=f"causal_d128_st_capture_{case}"))
     ran = _record_tiles(op, monkeypatch)
     _capture_and_compare(op, warm, capture, {})
-    assert [t.block_n for t in ran] == tiles, ran
+    assert [p.tiles.block_n for p in ran] == tiles, ran
