@@ -223,8 +223,8 @@ def sparse_tiles(spec: Spec, tiles: TileConfig) -> TileConfig | None:
 
 
 #: ``FLASHGEN_SPARSE_PERSISTENT``: the persistent tile scheduler of the kernel the op runs for
-#: sparse calls (:func:`sparse_persistent`): ``0`` (the default) none, ``1`` ``static``, or a
-#: name in :data:`PERSISTENT_SCHEDULERS`.
+#: sparse calls (:func:`sparse_persistent`): ``dynamic`` (the default), ``0`` none, ``1``
+#: ``static``, or another name in :data:`PERSISTENT_SCHEDULERS`.
 SPARSE_PERSISTENT_ENV = "FLASHGEN_SPARSE_PERSISTENT"
 
 
@@ -238,8 +238,8 @@ def mask_divides(spec: Spec) -> bool:
 def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
     """The persistent scheduler of the kernel the op runs (at :func:`sparse_tiles`' tiles) for
     calls that keep few keys per row, from ``FLASHGEN_SPARSE_PERSISTENT`` (read at every
-    call; default ``0``: the non-persistent kernel), or False where the mask divides
-    (``divides``: :func:`mask_divides`, given by callers that keep it).
+    call; default ``dynamic``; ``0``: the non-persistent kernel), or False where the mask
+    divides (``divides``: :func:`mask_divides`, given by callers that keep it).
 
     Measured on the H200 (docs/perf-notes.md, session 12; device time, S * B = 16k, H=16,
     against the non-persistent kernel): ``dynamic`` 0.81x at window 256, 0.95x at window
@@ -252,11 +252,12 @@ def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
     persistent CTA loads the next tile's Q and first key block during the current one.  Not
     where the mask divides: the persistent producer walks a tile's key blocks one
     classifier call at a time (the warp-wide walk spilled there), with double-precision
-    interval divisions, and chunk 1024 at S=16k ran 1.35x slower.  Off by default: the
-    dynamic scheduler's tile counter is per stream, so a captured graph must not replay on
-    two streams at once (see :func:`persistent_forward`).  ``ValueError`` for another value.
+    interval divisions, and chunk 1024 at S=16k ran 1.35x slower.  The dynamic scheduler's
+    tile counter is the stream's for eager calls and the call's own inside a CUDA-graph
+    capture (``flashgen.op``), so graphs replayed on several streams at once never share
+    one.  ``ValueError`` for another value.
     """
-    value = scheduler_from_env(SPARSE_PERSISTENT_ENV)
+    value = scheduler_from_env(SPARSE_PERSISTENT_ENV, default="dynamic")
     if not value or (mask_divides(spec) if divides is None else divides):
         return False
     return value
@@ -328,11 +329,11 @@ def persistent_forward() -> str | bool:
     return scheduler_from_env("FLASHGEN_PERSISTENT")
 
 
-def scheduler_from_env(name: str) -> str | bool:
-    """The persistent scheduler environment variable ``name`` names: False for ``0`` (or
-    unset, or empty), ``static`` for ``1``, else a name in :data:`PERSISTENT_SCHEDULERS`
-    (``ValueError`` naming the variable and the accepted values otherwise)."""
-    value = os.environ.get(name, "0").strip() or "0"
+def scheduler_from_env(name: str, default: str = "0") -> str | bool:
+    """The persistent scheduler environment variable ``name`` names: False for ``0``,
+    ``static`` for ``1``, else a name in :data:`PERSISTENT_SCHEDULERS`; unset or empty reads
+    as ``default`` (``ValueError`` naming the variable and the accepted values otherwise)."""
+    value = os.environ.get(name, "").strip() or default
     if value == "0":
         return False
     value = "static" if value == "1" else value

@@ -971,12 +971,18 @@ _COUNTER_LOCK = threading.Lock()
 
 
 def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor:
-    """The work-tile counter of the dynamic persistent scheduler for launches on CUDA stream
-    ``stream_ptr``: int32 ``[2]``, zeroed once (on the current stream, so before the first
-    launch), then left at zero by every launch (its last CTA resets it).  One per (device,
-    stream): launches on one stream run in order, so they never share it concurrently (two
-    streams replaying one captured graph at once would)."""
+    """The work-tile counter of the dynamic persistent scheduler for a launch on CUDA stream
+    ``stream_ptr``: int32 ``[2]``, zero when the kernel starts; its last CTA leaves it at zero.
+
+    Eager launches share one per (device, stream), zeroed once: launches on one stream run
+    in order, so they never use it at the same time.  A launch captured into a CUDA graph
+    gets its own, zeroed inside the capture (a memset node before the kernel, memory from
+    the graph's pool): two graphs captured on one stream and replayed on two streams at
+    once, or a replay next to eager calls on the capture stream, would otherwise share it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):  # the launch's device, whichever is current
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(2, dtype=torch.int32, device=device)
     key = (index, stream_ptr)
     t = _COUNTERS.get(key)
     if t is None:

@@ -134,3 +134,59 @@ def test_graph_capture_with_poisoning_and_empty_rows():
     assert not o_g.isnan().any() and torch.isneginf(lse_g[:, :, :70]).all()
     o_e, lse_e = op.attention(q, k, v)
     assert torch.equal(o_g, o_e) and torch.equal(lse_g, lse_e)
+
+
+def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
+    """The sparse calls' persistent kernel hands out tiles from a counter (the dynamic
+    scheduler, the default): two graphs captured on one stream, replayed on two other streams
+    at once while eager calls run on the capture stream, each get their own counter (a
+    per-stream one would be shared by all three).  Every replay matches its eager call."""
+    import flashgen.op as op_mod
+
+    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
+    op = load("mistral_swa")
+    plans = []
+    kernel = op.kernel
+
+    def spy(device, sparse=False):
+        kern = kernel(device, sparse)
+        plans.append(kern.plan)
+        return kern
+
+    monkeypatch.setattr(op, "kernel", spy)
+    shape = dict(b=2, hq=16, hkv=8, sq=4096, sk=4096)  # window 256: a sparse call, 512 tiles
+    ins = [inputs(op, seed=20 + i, **shape) for i in range(3)]
+    for _, _, _, p in ins:
+        p["window"] = 256
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream
+        eager = [op.attention(q, k, v, **p) for q, k, v, p in ins]
+    torch.cuda.synchronize()
+    assert plans and all(p.context.get("scheduler") == "dynamic" for p in plans), plans
+    counters = []
+    tile_counter = op_mod._tile_counter
+    monkeypatch.setattr(
+        op_mod, "_tile_counter", lambda *a: counters.append(tile_counter(*a)) or counters[-1]
+    )
+    graphs, outs = [], []
+    for q, k, v, p in ins[:2]:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            outs.append(op.attention(q, k, v, **p))
+        graphs.append(g)
+    assert len({c.data_ptr() for c in counters}) == 2  # one per captured call
+    q, k, v, p = ins[2]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(20):
+        for st in (*streams, s):
+            st.wait_stream(torch.cuda.current_stream())
+        for g, st in zip(graphs, streams, strict=True):
+            with torch.cuda.stream(st):
+                g.replay()
+        with torch.cuda.stream(s):
+            o_e, lse_e = op.attention(q, k, v, **p)
+        torch.cuda.synchronize()
+        for (o_g, lse_g), (o_ref, lse_ref) in zip(outs, eager[:2], strict=True):
+            assert torch.equal(o_g, o_ref) and torch.equal(lse_g, lse_ref), "replay != eager"
+        assert torch.equal(o_e, eager[2][0]) and torch.equal(lse_e, eager[2][1])

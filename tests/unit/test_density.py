@@ -189,8 +189,9 @@ def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
 def test_first_use_loads_both_kernels(monkeypatch):
     """op.kernel builds and loads the dense and the sparse-mask kernel together (a later call,
     e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing);
-    FLASHGEN_SPARSE_PERSISTENT=dynamic: a persistent sparse kernel of its own, built when
-    asked; FLASHGEN_PERSISTENT builds one.  The compiler, loader and device
+    the sparse kernel is the persistent dynamic one by default; FLASHGEN_SPARSE_PERSISTENT=0:
+    a non-persistent sparse kernel of its own, built when asked; FLASHGEN_PERSISTENT builds
+    one.  The compiler, loader and device
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 
@@ -212,10 +213,11 @@ def test_first_use_loads_both_kernels(monkeypatch):
     op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_twins"))
     dev = torch.device("cuda", 0)
     monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV, raising=False)
-    assert op.kernel(dev).plan.tiles == "dense" and built == [(False, False), (True, False)]
+    assert op.kernel(dev).plan.tiles == "dense"
+    assert built == [(False, False), (True, "dynamic")]
     assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and len(built) == 2
-    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "dynamic")  # its own kernel, built when asked
-    assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and built[2:] == [(True, "dynamic")]
+    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "0")  # its own kernel, built when asked
+    assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and built[2:] == [(True, False)]
     assert op.kernel(dev).plan.tiles == "dense" and len(built) == 3
     monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV)
     del built[2:]
@@ -225,15 +227,16 @@ def test_first_use_loads_both_kernels(monkeypatch):
 
 
 def test_sparse_persistent_switch(monkeypatch):
-    """FLASHGEN_SPARSE_PERSISTENT (default 0) names the sparse calls' persistent scheduler,
+    """FLASHGEN_SPARSE_PERSISTENT (default dynamic) names the sparse calls' persistent scheduler,
     never where the mask divides (the persistent producer's one-call-at-a-time walk); the CI
     compile unit follows it."""
-    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV, raising=False)
+    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "0")
     assert lower.sparse_persistent(_spec("mistral_swa")) is False
     assert lower.compile_units(_spec("mistral_swa"), "sm_90")["fwd_sparse"].context[
         "scheduler"
     ] is None  # fmt: skip
-    for value, want in (("1", "static"), ("static", "static"), ("dynamic", "dynamic")):
+    cases = (("", "dynamic"), ("1", "static"), ("static", "static"), ("dynamic", "dynamic"))
+    for value, want in cases:  # "": unset
         monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, value)
         for name in ("causal_d128", "mistral_swa", "prefix_lm", "alibi", "llama3_gqa"):
             assert lower.sparse_persistent(_spec(name)) == want, name
