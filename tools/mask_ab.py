@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B of the Hopper forward's masked-tile reductions (session 7, issue 6) on a GPU: each
 spec's forward with the reductions (default) and without them (``old``: the five switches
-below at 0 while that op plans its kernel), timed in the same process on the same inputs,
+below at 0 while that op plans and runs its kernel), timed in the same process on the same inputs,
 next to dense causal (causal_d128, also A/B: its diagonal tiles take the column limit), with
 the largest difference between the two outputs.
 
@@ -9,6 +9,7 @@ the largest difference between the two outputs.
     python3 tools/mask_ab.py --each                  # also one switch off at a time
     python3 tools/mask_ab.py --specs chunked_local:chunk=1024 mistral_swa:window=1024
     python3 tools/mask_ab.py --switches FLASHGEN_HEAD_GROUPS    # another switch instead
+    python3 tools/mask_ab.py --switches FLASHGEN_SPARSE_PERSISTENT=dynamic   # new: dynamic, old: 0
 
 The switches (``flashgen/lower.py``, read when a kernel is planned):
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -73,14 +75,30 @@ def switches() -> tuple[str, ...]:
 
 def modes(each: bool, names: tuple[str, ...] | None = None) -> dict[str, dict[str, str]]:
     """Mode name -> environment while the op plans its kernel (``names``: the switches to
-    flip, default :func:`switches`)."""
-    names = names or switches()
-    out = {"new": {n: "1" for n in names}, "old": {n: "0" for n in names}}
+    flip, default :func:`switches`; ``NAME=VALUE`` sets ``VALUE`` for new, not ``1``)."""
+    on = dict(n.partition("=")[::2] for n in names or switches())
+    on = {n: v or "1" for n, v in on.items()}
+    out = {"new": dict(on), "old": {n: "0" for n in on}}
     if each:
-        for n in names:
+        for n in on:
             key = "no_" + n.removeprefix("FLASHGEN_").lower()
-            out[key] = {m: "0" if m == n else "1" for m in names}
+            out[key] = {m: "0" if m == n else v for m, v in on.items()}
     return out
+
+
+def _under(env: dict[str, str], fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``env`` set (the switches read at every call, e.g.
+    ``FLASHGEN_SPARSE_PERSISTENT``, take the mode's value when timed too)."""
+    old = {n: os.environ.get(n) for n in env}
+    os.environ.update(env)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for n, val in old.items():
+            if val is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = val
 
 
 def graph_ms(call, reps: int = 10, iters: int = 5) -> float:
@@ -178,21 +196,12 @@ def main(argv=None) -> int:
         calls, outs = {}, {}
         for mode, env in mode_env.items():
             op = build_op(dataclasses.replace(spec, name=f"{spec.name}_ab_{mode}"))
-            old = {n: os.environ.get(n) for n in env}
-            os.environ.update(env)
-            try:
-                kw = dict(params)
-                if needs_block_table(spec):
-                    kw["block_mask"] = op.block_mask(s, s, batch=b, num_heads=h, **params)
-                outs[mode] = op.attention(q, k, v, **kw)  # plans and builds under the switches
-                torch.cuda.synchronize()
-            finally:
-                for n, val in old.items():
-                    if val is None:
-                        os.environ.pop(n, None)
-                    else:
-                        os.environ[n] = val
-            calls[mode] = lambda op=op, kw=kw, q=q, k=k, v=v: op.attention(q, k, v, **kw)
+            kw = dict(params)
+            if needs_block_table(spec):
+                kw["block_mask"] = _under(env, op.block_mask, s, s, batch=b, num_heads=h, **params)
+            outs[mode] = _under(env, op.attention, q, k, v, **kw)  # plans and builds under them
+            torch.cuda.synchronize()
+            calls[mode] = functools.partial(_under, env, op.attention, q, k, v, **kw)
         times: dict[str, list[float]] = {m: [] for m in mode_env}
         for _ in range(args.rounds):  # interleaved: drift (clocks, heat) hits both modes alike
             for mode, call in calls.items():

@@ -140,10 +140,14 @@ def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
     """The sparse calls' persistent kernel hands out tiles from a counter (the dynamic
     scheduler, the default): two graphs captured on one stream, replayed on two other streams
     at once while eager calls run on the capture stream, each get their own counter (a
-    per-stream one would be shared by all three).  Every replay matches its eager call."""
+    per-stream one would be shared by all three).  Every replay matches its eager call.
+    Eight CTAs per launch (``FLASHGEN_PERSISTENT_CTAS``): the three kernels run side by side
+    on the GPU for their whole length, so a shared counter would hand tiles of one launch to
+    the CTAs of another (the session-12 per-stream counter failed here)."""
     import flashgen.op as op_mod
 
     monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
+    monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", "8")
     op = load("mistral_swa")
     plans = []
     kernel = op.kernel
