@@ -226,6 +226,9 @@ def sparse_tiles(spec: Spec, tiles: TileConfig) -> TileConfig | None:
 #: sparse calls (:func:`sparse_persistent`): ``dynamic`` (the default), ``0`` none, ``1``
 #: ``static``, or another name in :data:`PERSISTENT_SCHEDULERS`.
 SPARSE_PERSISTENT_ENV = "FLASHGEN_SPARSE_PERSISTENT"
+#: ``FLASHGEN_SPARSE_PERSISTENT_DIVIDES=1``: :func:`sparse_persistent` gives its scheduler to
+#: masks that divide too (default 0: they keep the non-persistent kernel), to A/B them.
+SPARSE_PERSISTENT_DIVIDES_ENV = "FLASHGEN_SPARSE_PERSISTENT_DIVIDES"
 
 
 def mask_divides(spec: Spec) -> bool:
@@ -239,7 +242,9 @@ def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
     """The persistent scheduler of the kernel the op runs (at :func:`sparse_tiles`' tiles) for
     calls that keep few keys per row, from ``FLASHGEN_SPARSE_PERSISTENT`` (read at every
     call; default ``dynamic``; ``0``: the non-persistent kernel), or False where the mask
-    divides (``divides``: :func:`mask_divides`, given by callers that keep it).
+    divides (``divides``: :func:`mask_divides`, given by callers that keep it) unless
+    ``FLASHGEN_SPARSE_PERSISTENT_DIVIDES`` is on (read at every call where the mask divides;
+    default off).
 
     Measured on the H200 (docs/perf-notes.md, session 12; device time, S * B = 16k, H=16,
     against the non-persistent kernel): ``dynamic`` 0.81x at window 256, 0.95x at window
@@ -250,15 +255,20 @@ def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
     key blocks, and the non-persistent kernel's fixed cost per CTA (decode, Q and the first
     K landing, the epilogue: ~7.5K of 16.5K cycles at window 256) is much of its time; a
     persistent CTA loads the next tile's Q and first key block during the current one.  Not
-    where the mask divides: the persistent producer walks a tile's key blocks one
-    classifier call at a time (the warp-wide walk spilled there), with double-precision
-    interval divisions, and chunk 1024 at S=16k ran 1.35x slower.  The dynamic scheduler's
+    where the mask divides: chunk 1024 at S=16k ran 1.35x slower, when the persistent
+    producer walked a tile's key blocks one classifier call at a time (``fg::iv::prev_live``;
+    it now walks warp-wide, ``warp_walk`` of :func:`plan_hopper_forward`, not yet measured on
+    the GPU: ``tools/sparse_walk_ab.py``).  The dynamic scheduler's
     tile counter is the stream's for eager calls and the call's own inside a CUDA-graph
     capture (``flashgen.op``), so graphs replayed on several streams at once never share
     one.  ``ValueError`` for another value.
     """
     value = scheduler_from_env(SPARSE_PERSISTENT_ENV, default="dynamic")
-    if not value or (mask_divides(spec) if divides is None else divides):
+    if not value:
+        return False
+    if (mask_divides(spec) if divides is None else divides) and not flag(
+        SPARSE_PERSISTENT_DIVIDES_ENV, False
+    ):
         return False
     return value
 
@@ -279,9 +289,11 @@ def hopper_tiles(spec: Spec) -> TileConfig:
 HOPPER_STAGES = 2
 HOPPER_REGS = (56, 224)
 #: The same for the persistent kernel (``plan_hopper_forward(persistent=True)``): its producer
-#: warp carries the tile loop's state over the classifier walk, and chunked_local's producer
-#: spills at 56; at 72 / 216 no shipped spec spills anywhere (128 * (72 + 2 * 216) = 64K, what
-#: ``__launch_bounds__(384, 1)`` gives the CTA: the decrement must free what the increments take).
+#: warp carries the tile loop's state over the classifier walk: chunked_local's producer with
+#: the warp-wide walk (``warp_walk``) spills 28 bytes at 56, none at 64 (with ``prev_live``
+#: none at 40, since the classifier divides as ints); at 72 / 216 no shipped spec spills
+#: anywhere (128 * (72 + 2 * 216) = 64K, what ``__launch_bounds__(384, 1)`` gives the CTA:
+#: the decrement must free what the increments take).
 HOPPER_PERSISTENT_REGS = (72, 216)
 #: Shared memory a CTA may use on sm_90 (227 KiB).
 HOPPER_SMEM_LIMIT = 232448
@@ -1260,6 +1272,10 @@ SINGLE_WALK_ENV = "FLASHGEN_SINGLE_WALK"
 #: ``FLASHGEN_WALK_FROM_DIAGONAL=0``: the Hopper forward's key-block walk starts at the last
 #: key block, not at the causal diagonal's (:func:`plan_hopper_forward`).
 WALK_FROM_DIAGONAL_ENV = "FLASHGEN_WALK_FROM_DIAGONAL"
+#: ``FLASHGEN_PERSISTENT_WARP_WALK=0``: the persistent Hopper forward's producer walks a tile's
+#: key blocks with ``fg::iv::prev_live`` (one classifier call per step), not the warp-wide
+#: ``fg::iv::WarpWalk`` (:func:`plan_hopper_forward`, ``warp_walk``).
+PERSISTENT_WARP_WALK_ENV = "FLASHGEN_PERSISTENT_WARP_WALK"
 #: ``FLASHGEN_HEAD_GROUPS=0``: the forward kernels take (batch, head, query block) tiles
 #: head-major (a group of one head), not in L2-sized head groups (:func:`tile_group_expr`).
 HEAD_GROUPS_ENV = "FLASHGEN_HEAD_GROUPS"
@@ -1503,6 +1519,7 @@ def plan_hopper_forward(
     col_limit: bool = True,
     nonneg_div: bool = True,
     single_walk: bool = True,
+    warp_walk: bool = True,
     head_groups: bool = True,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
@@ -1546,7 +1563,12 @@ def plan_hopper_forward(
     ``single_walk`` (non-persistent, no block table): warp 0 alone runs the classifier for the
     first live key block and hands it to the other warps through shared memory (4 bytes),
     instead of all twelve warps classifying at once before the barrier (also off with
-    ``FLASHGEN_SINGLE_WALK=0``).  ``head_groups``: see :func:`plan_forward`.
+    ``FLASHGEN_SINGLE_WALK=0``).  ``warp_walk`` (persistent, no block table): the producer
+    walks each tile's live key blocks warp-wide (``fg::iv::WarpWalk``, a fresh window per
+    tile: one classifier call per lane for 32 blocks, then a ballot per step), as the
+    non-persistent kernel does, not with ``fg::iv::prev_live`` (one classifier call per step,
+    the 32 lanes computing the same; also off with ``FLASHGEN_PERSISTENT_WARP_WALK=0``).
+    ``head_groups``: see :func:`plan_forward`.
     """
     if persistent is True:
         persistent = "static"
@@ -1596,6 +1618,9 @@ def plan_hopper_forward(
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = nonneg_div
     ctx["single_walk"] = bool(single_walk and not persistent and not ctx["block_table"])
+    ctx["warp_walk"] = bool(
+        warp_walk and persistent and not ctx["block_table"] and flag(PERSISTENT_WARP_WALK_ENV, True)
+    )
     if not causal_tiles:
         ctx["causal_tiles"] = False
     else:

@@ -24,7 +24,9 @@ from test_forward import check  # noqa: E402
 
 from flashgen import density  # noqa: E402
 from flashgen.lower import (  # noqa: E402
+    PERSISTENT_WARP_WALK_ENV,
     SPARSE_KEYS_PER_ROW,
+    SPARSE_PERSISTENT_DIVIDES_ENV,
     SPARSE_PERSISTENT_ENV,
     SPARSE_TILES_ENV,
     mask_divides,
@@ -106,24 +108,77 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
         assert all(n != 128 for n in block_n), block_n
 
 
+@pytest.mark.parametrize("divides", ["0", "1"])
 @pytest.mark.parametrize("key", sorted(CASES))
-def test_sparse_calls_on_the_persistent_kernel(key, monkeypatch, error_bound):
+def test_sparse_calls_on_the_persistent_kernel(key, divides, monkeypatch, error_bound):
     """FLASHGEN_SPARSE_PERSISTENT=dynamic: the calls that keep few keys per row run the
-    persistent 128 x 128 kernel (the non-persistent one where the mask divides,
-    lower.sparse_persistent), the others the non-persistent dense one; all against the
-    reference."""
+    persistent 128 x 128 kernel (its producer walking warp-wide; where the mask divides, the
+    non-persistent one unless FLASHGEN_SPARSE_PERSISTENT_DIVIDES=1, lower.sparse_persistent),
+    the others the non-persistent dense one; all against the reference."""
     _env(monkeypatch)
     monkeypatch.setenv(SPARSE_PERSISTENT_ENV, "dynamic")
+    monkeypatch.setenv(SPARSE_PERSISTENT_DIVIDES_ENV, divides)
+    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
     name, params, (hq, hkv) = CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")
-    op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent"))
+    op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent_{divides}"))
     ran = _record_tiles(op, monkeypatch)
     for sq, sk in LENGTHS:
         check(op.spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 7 * sk, **params)
-    sparse = None if mask_divides(base) else "dynamic"
-    want = [(128, sparse) if few else (160, None) for few in _sparse_lengths(base, params)]
-    got = [(p.tiles.block_n, p.context.get("scheduler")) for p in ran]
+    sparse = None if mask_divides(base) and divides == "0" else "dynamic"
+    want = [(128, sparse, sparse is not None) if few else (160, None, False)
+            for few in _sparse_lengths(base, params)]  # fmt: skip
+    got = [(p.tiles.block_n, p.context.get("scheduler"), p.context["warp_walk"]) for p in ran]
     assert got == want, got
+
+
+#: key -> (shipped spec, params, (hq, hkv), (sq, sk)): sparse calls
+WALK_CASES = {
+    "chunked_333": ("chunked_local", {"chunk": 333}, (2, 2), (1031, 4097)),
+    "chunked_1024": ("chunked_local", {"chunk": 1024}, (3, 1), (5000, 5000)),
+    "window_300": ("mistral_swa", {"window": 300}, (4, 2), (1000, 1000)),
+    "prefix_200": ("prefix_lm", {"prefix": 200}, (2, 2), (127, 1000)),
+}
+
+
+@pytest.mark.parametrize("key", sorted(WALK_CASES))
+def test_persistent_walks_are_bitwise_the_non_persistent_kernel(key, monkeypatch):
+    """The sparse calls' persistent kernel, its producer walking warp-wide (fg::iv::WarpWalk,
+    a fresh window per tile) or one classifier call at a time (prev_live,
+    FLASHGEN_PERSISTENT_WARP_WALK=0), computes the non-persistent kernel's outputs bit for
+    bit (same blocks, same classes, same per-tile arithmetic); outputs poisoned first."""
+    from flashgen.op import poison_outputs
+
+    name, params, (hq, hkv), (sq, sk) = WALK_CASES[key]
+    base = load_spec(REPO / "specs" / f"{name}.yaml")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(sq + sk)
+    q = torch.randn(1, hq, sq, 128, device=dev, generator=gen).bfloat16()
+    k, v = (torch.randn(1, hkv, sk, 128, device=dev, generator=gen).bfloat16() for _ in "kv")
+    modes = {"nonpers": ("0", "1", None), "warp": ("dynamic", "1", True),
+             "serial": ("dynamic", "0", False)}  # fmt: skip
+    outs = {}
+    for mode, (sched, walk, want_walk) in modes.items():
+        _env(monkeypatch)
+        monkeypatch.setenv(SPARSE_PERSISTENT_ENV, sched)
+        monkeypatch.setenv(SPARSE_PERSISTENT_DIVIDES_ENV, "1")
+        monkeypatch.setenv(PERSISTENT_WARP_WALK_ENV, walk)
+        op = build_op(dataclasses.replace(base, name=f"{base.name}_st_walk_{mode}"))
+        ran = _record_tiles(op, monkeypatch)
+        with poison_outputs():
+            outs[mode] = op.attention(q, k, v, **params)
+        torch.cuda.synchronize()
+        (plan,) = ran
+        assert plan.tiles.block_n == 128, (mode, plan.tiles)
+        if want_walk is None:
+            assert not plan.context["persistent"], mode
+        else:
+            assert plan.context["scheduler"] == "dynamic", mode
+            assert plan.context["warp_walk"] is want_walk, mode
+    o, lse = outs["nonpers"]
+    assert not o.isnan().any() and not lse.isnan().any()
+    for mode in ("warp", "serial"):
+        assert torch.equal(outs[mode][0], o) and torch.equal(outs[mode][1], lse), mode
 
 
 def test_long_causal_keeps_the_dense_tiles(monkeypatch, error_bound):

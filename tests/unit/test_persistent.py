@@ -18,6 +18,7 @@ from flashgen.lower import (
     HOPPER_REGS,
     HOPPER_SMEM_LIMIT,
     PERSISTENT_SCHEDULERS,
+    PERSISTENT_WARP_WALK_ENV,
     grid_tile_coord,
     grouped_grid,
     head_group,
@@ -310,7 +311,9 @@ def test_head_groups_balance_causal_tiles():
 
 
 # ----------------------------------------------------------------------------- rendering
-def test_persistent_render():
+def test_persistent_render(monkeypatch):
+    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
+    off_swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90"))
     doc = load_spec(REPO / "specs" / "document_mask.yaml")
     off = render(plan_forward(doc, "sm_90"))
     on = render(plan_forward(doc, "sm_90", persistent=True))
@@ -332,7 +335,19 @@ def test_persistent_render():
     swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90",
                               persistent=True))  # fmt: skip
     assert "const int p_window_t = opaque(p_window);" in swa
-    assert "fg::iv::prev_live(j, c, full, kv_class)" in swa
+    # warp-wide, a fresh window per tile (inside the tile loop); FLASHGEN_PERSISTENT_WARP_WALK=0
+    # or warp_walk=False: prev_live, one classifier call per step
+    assert "walk.prev_live(j, c, kv_class)" in swa and "fg::iv::prev_live(" not in swa
+    tile_loop = swa.index("for (int tile = blockIdx.x")
+    assert tile_loop < swa.index("fg::iv::WarpWalk walk;") < swa.index("hand_over(-2, 0, 0, 0);")
+    swa_p = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    old = render(plan_hopper_forward(swa_p, "sm_90", plan_forward(swa_p, "sm_90").tiles,
+                                     persistent=True, warp_walk=False))  # fmt: skip
+    assert "fg::iv::prev_live(j, c, full, kv_class)" in old and "WarpWalk walk" not in old
+    monkeypatch.setenv(PERSISTENT_WARP_WALK_ENV, "0")
+    assert render(plan_forward(swa_p, "sm_90", persistent=True)) == old
+    # the non-persistent kernel walks warp-wide either way (its source does not change)
+    assert render(plan_forward(swa_p, "sm_90")) == off_swa
 
 
 # ----------------------------------------------------------------------------- nvcc
@@ -356,6 +371,36 @@ def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
     with cf.ThreadPoolExecutor(2) as ex:
         for name, d, scheduler, report in ex.map(_build, jobs):
             assert report.spill_bytes == 0, (name, d, scheduler, report)
+
+
+def _build_first(job):
+    from flashgen import cache
+
+    spec, scheduler, tiles = job
+    plan = plan_forward(spec, "sm_90", tiles=tiles, persistent=scheduler)
+    _, report = cache.get_or_build(render(plan), plan)
+    return spec.name, spec.head_dim, scheduler, plan, report
+
+
+def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
+    """The persistent producer's warp-wide walk (``warp_walk``) at its planned tiles with
+    every feature on (no fallback of select.build_forward): no spills, no serialized wgmma,
+    for every spec and head-dim variant (static), the shipped specs (dynamic) and the
+    sparse-call kernels (lower.sparse_tiles, dynamic; chunked_local's divides)."""
+    from flashgen.lower import sparse_tiles
+
+    jobs = [(s, "static", None) for s in _all_specs()]
+    jobs += [(load_spec(p), "dynamic", None) for p in SPECS]
+    for p in SPECS:
+        spec = load_spec(p)
+        alt = sparse_tiles(spec, plan_forward(spec, "sm_90").tiles)
+        jobs += [(spec, "dynamic", alt)] if alt else []
+    assert any(s.name == "chunked_local" and t for s, _, t in jobs)
+    with cf.ThreadPoolExecutor(2) as ex:
+        for name, d, scheduler, plan, report in ex.map(_build_first, jobs):
+            assert plan.context["warp_walk"] != plan.context["block_table"], (name, d)
+            assert report.spill_bytes == 0, (name, d, scheduler, plan.tiles, report)
+            assert not report.wgmma_serialized, (name, d, scheduler, plan.tiles, report)
 
 
 def _ptx(spec, tmp: Path) -> tuple[str, str]:
