@@ -188,7 +188,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
             sparse = unit == "fwd_sparse"  # as the op: its own scheduler (lower.sparse_persistent)
             res.plan, path, res.report = build_forward(
                 spec, target, family=kernel_family(), sparse=sparse,
-                persistent=sparse_persistent(spec) if sparse else persistent_forward(),
+                persistent=sparse_persistent() if sparse else persistent_forward(),
             )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:

@@ -226,51 +226,29 @@ def sparse_tiles(spec: Spec, tiles: TileConfig) -> TileConfig | None:
 #: sparse calls (:func:`sparse_persistent`): ``dynamic`` (the default), ``0`` none, ``1``
 #: ``static``, or another name in :data:`PERSISTENT_SCHEDULERS`.
 SPARSE_PERSISTENT_ENV = "FLASHGEN_SPARSE_PERSISTENT"
-#: ``FLASHGEN_SPARSE_PERSISTENT_DIVIDES=1``: :func:`sparse_persistent` gives its scheduler to
-#: masks that divide too (default 0: they keep the non-persistent kernel), to A/B them.
-SPARSE_PERSISTENT_DIVIDES_ENV = "FLASHGEN_SPARSE_PERSISTENT_DIVIDES"
 
 
-def mask_divides(spec: Spec) -> bool:
-    """Whether ``spec``'s mask divides (``/`` or ``%``, e.g. chunked masks)."""
-    return spec.mask is not None and any(
-        isinstance(e, Binary) and e.op in ("/", "%") for e in ir.walk(spec.mask)
-    )
-
-
-def sparse_persistent(spec: Spec, divides: bool | None = None) -> str | bool:
+def sparse_persistent() -> str | bool:
     """The persistent scheduler of the kernel the op runs (at :func:`sparse_tiles`' tiles) for
     calls that keep few keys per row, from ``FLASHGEN_SPARSE_PERSISTENT`` (read at every
-    call; default ``dynamic``; ``0``: the non-persistent kernel), or False where the mask
-    divides (``divides``: :func:`mask_divides`, given by callers that keep it) unless
-    ``FLASHGEN_SPARSE_PERSISTENT_DIVIDES`` is on (read at every call where the mask divides;
-    default off).
+    call; default ``dynamic``; ``0``: the non-persistent kernel).
 
-    Measured on the H200 (docs/perf-notes.md, session 12; device time, S * B = 16k, H=16,
-    against the non-persistent kernel): ``dynamic`` 0.81x at window 256, 0.95x at window
-    1024, 0.93x at window 2048, 0.83-0.93x for causal at 1k-4k, 1.02x for prefix 512 at
-    4k (0.90x in the first run); ``static`` 0.84x at window 256 but 1.03-1.13x for causal at
-    2k-4k, prefix 512 and window 2048 (0.93x for causal at 1k; its round robin packs the
-    uneven rows badly).  A query block of such a call visits a few
-    key blocks, and the non-persistent kernel's fixed cost per CTA (decode, Q and the first
-    K landing, the epilogue: ~7.5K of 16.5K cycles at window 256) is much of its time; a
-    persistent CTA loads the next tile's Q and first key block during the current one.  Not
-    where the mask divides: chunk 1024 at S=16k ran 1.35x slower, when the persistent
-    producer walked a tile's key blocks one classifier call at a time (``fg::iv::prev_live``;
-    it now walks warp-wide, ``warp_walk`` of :func:`plan_hopper_forward`, not yet measured on
-    the GPU: ``tools/sparse_walk_ab.py``).  The dynamic scheduler's
-    tile counter is the stream's for eager calls and the call's own inside a CUDA-graph
-    capture (``flashgen.op``), so graphs replayed on several streams at once never share
-    one.  ``ValueError`` for another value.
+    Measured on the H200 (docs/perf-notes.md, sessions 12-13; CUDA-graph device time, S * B
+    = 16k, H=16, against the non-persistent kernel): ``dynamic`` 0.81-0.84x at window 256,
+    0.91-0.95x at window 1024, 0.93x at window 2048, 0.83-0.93x for causal at 1k-4k, 0.89x
+    at chunk 1024, 0.95x at chunk 2048; ``static`` 0.84x at window 256 but 1.03-1.13x for
+    causal at 2k-4k, prefix 512 and window 2048 (its round robin packs the uneven rows
+    badly).  A query block of such a call visits a few key blocks, and the non-persistent
+    kernel's fixed cost per CTA (decode, Q and the first K landing, the epilogue: ~7.5K of
+    16.5K cycles at window 256) is much of its time; a persistent CTA loads the next tile's Q
+    and first key block during the current one.  (Chunked masks ran 1.35-1.37x slower while the
+    persistent producer walked one classifier call at a time; it walks warp-wide since
+    session 13, ``warp_walk`` of :func:`plan_hopper_forward`.)  The dynamic scheduler's tile
+    counter is the stream's for eager calls and the call's own inside a CUDA-graph capture
+    (``flashgen.op``), so graphs replayed on several streams at once never share one.
+    ``ValueError`` for another value.
     """
-    value = scheduler_from_env(SPARSE_PERSISTENT_ENV, default="dynamic")
-    if not value:
-        return False
-    if (mask_divides(spec) if divides is None else divides) and not flag(
-        SPARSE_PERSISTENT_DIVIDES_ENV, False
-    ):
-        return False
-    return value
+    return scheduler_from_env(SPARSE_PERSISTENT_ENV, default="dynamic")
 
 
 def hopper_tiles(spec: Spec) -> TileConfig:
@@ -2314,9 +2292,7 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
         units["bwd_wgmma"] = plan_hopper_backward(spec, target).unit
     alt = sparse_tiles(spec, fwd.tiles)
     if alt is not None:
-        units["fwd_sparse"] = plan_forward(
-            spec, target, tiles=alt, persistent=sparse_persistent(spec)
-        )
+        units["fwd_sparse"] = plan_forward(spec, target, tiles=alt, persistent=sparse_persistent())
     return units
 
 

@@ -56,7 +56,6 @@ from .lower import (
     hopper_eligible,
     hopper_tiles,
     kernel_family,
-    mask_divides,
     needs_block_table,
     persistent_forward,
     sparse_persistent,
@@ -455,8 +454,6 @@ class AttentionOp:
         self._sparse_possible = hopper_eligible(spec, "sm_90") and (
             sparse_tiles(spec, hopper_tiles(spec)) is not None
         )
-        #: whether the mask divides (lower.sparse_persistent: no persistent sparse kernel)
-        self._mask_divides = mask_divides(spec)
         self._sparse_calls: dict[tuple, bool] = {}
         self._sparse_buckets: dict[tuple, bool] = {}  # the same per density.bucket of each length
         #: positions (in spec order) of the scalar params the mask reads: the others (a
@@ -900,7 +897,7 @@ class AttentionOp:
         """The cache key of the sparse kernel: ``base`` and its persistent scheduler
         (:func:`flashgen.lower.sparse_persistent`; ``FLASHGEN_SPARSE_PERSISTENT`` is read
         only where the op has a sparse kernel, and only for sparse calls and builds)."""
-        sched = self._sparse_possible and sparse_persistent(self.spec, self._mask_divides)
+        sched = self._sparse_possible and sparse_persistent()
         return base + ("sparse", sched)
 
     def kernel(self, device: torch.device, sparse: bool = False):

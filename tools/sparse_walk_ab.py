@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B of the sparse calls' kernels on a GPU where the mask divides: the non-persistent
+"""A/B of the sparse calls' kernels on a GPU, masks that divide first: the non-persistent
 128 x 128 Hopper forward against the persistent dynamic one, whose producer walks the live key
 blocks warp-wide (``fg::iv::WarpWalk``, ``lower.plan_hopper_forward(warp_walk=True)``) or one
 classifier call at a time (``fg::iv::prev_live``, ``FLASHGEN_PERSISTENT_WARP_WALK=0``), with
@@ -12,9 +12,8 @@ Modes (environment while each op plans, builds and is called; ``FLASHGEN_SPARSE_
 is read at every call, ``FLASHGEN_PERSISTENT_WARP_WALK`` when the kernel is planned, so each
 mode has an op of its own):
 
-- ``nonpers``: ``FLASHGEN_SPARSE_PERSISTENT=0`` (what masks that divide run by default);
-- ``warp``: ``FLASHGEN_SPARSE_PERSISTENT=dynamic`` with ``FLASHGEN_SPARSE_PERSISTENT_DIVIDES=1``
-  (the persistent kernel also where the mask divides) and the warp-wide walk;
+- ``nonpers``: ``FLASHGEN_SPARSE_PERSISTENT=0`` (the non-persistent kernel);
+- ``warp``: ``FLASHGEN_SPARSE_PERSISTENT=dynamic`` (the default) with the warp-wide walk;
 - ``serial``: the same with ``FLASHGEN_PERSISTENT_WARP_WALK=0`` (the walk before this change).
 
 Shape: batch 1, 16 heads, seqlen 16384 (``--seqlen``), head_dim 128, bf16.  Times: device time
@@ -50,12 +49,10 @@ MODES = {
     "nonpers": {"FLASHGEN_SPARSE_PERSISTENT": "0"},
     "warp": {
         "FLASHGEN_SPARSE_PERSISTENT": "dynamic",
-        "FLASHGEN_SPARSE_PERSISTENT_DIVIDES": "1",
         "FLASHGEN_PERSISTENT_WARP_WALK": "1",
     },
     "serial": {
         "FLASHGEN_SPARSE_PERSISTENT": "dynamic",
-        "FLASHGEN_SPARSE_PERSISTENT_DIVIDES": "1",
         "FLASHGEN_PERSISTENT_WARP_WALK": "0",
     },
 }

@@ -26,10 +26,8 @@ from flashgen import density  # noqa: E402
 from flashgen.lower import (  # noqa: E402
     PERSISTENT_WARP_WALK_ENV,
     SPARSE_KEYS_PER_ROW,
-    SPARSE_PERSISTENT_DIVIDES_ENV,
     SPARSE_PERSISTENT_ENV,
     SPARSE_TILES_ENV,
-    mask_divides,
 )
 from flashgen.op import build_op  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
@@ -108,25 +106,21 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
         assert all(n != 128 for n in block_n), block_n
 
 
-@pytest.mark.parametrize("divides", ["0", "1"])
 @pytest.mark.parametrize("key", sorted(CASES))
-def test_sparse_calls_on_the_persistent_kernel(key, divides, monkeypatch, error_bound):
-    """FLASHGEN_SPARSE_PERSISTENT=dynamic: the calls that keep few keys per row run the
-    persistent 128 x 128 kernel (its producer walking warp-wide; where the mask divides, the
-    non-persistent one unless FLASHGEN_SPARSE_PERSISTENT_DIVIDES=1, lower.sparse_persistent),
-    the others the non-persistent dense one; all against the reference."""
+def test_sparse_calls_on_the_persistent_kernel(key, monkeypatch, error_bound):
+    """FLASHGEN_SPARSE_PERSISTENT unset (the default, dynamic): the calls that keep few keys
+    per row run the persistent 128 x 128 kernel, its producer walking warp-wide (masks that
+    divide included), the others the non-persistent dense one; all against the reference."""
     _env(monkeypatch)
-    monkeypatch.setenv(SPARSE_PERSISTENT_ENV, "dynamic")
-    monkeypatch.setenv(SPARSE_PERSISTENT_DIVIDES_ENV, divides)
+    monkeypatch.delenv(SPARSE_PERSISTENT_ENV, raising=False)
     monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
     name, params, (hq, hkv) = CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")
-    op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent_{divides}"))
+    op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent"))
     ran = _record_tiles(op, monkeypatch)
     for sq, sk in LENGTHS:
         check(op.spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 7 * sk, **params)
-    sparse = None if mask_divides(base) and divides == "0" else "dynamic"
-    want = [(128, sparse, sparse is not None) if few else (160, None, False)
+    want = [(128, "dynamic", True) if few else (160, None, False)
             for few in _sparse_lengths(base, params)]  # fmt: skip
     got = [(p.tiles.block_n, p.context.get("scheduler"), p.context["warp_walk"]) for p in ran]
     assert got == want, got
@@ -161,7 +155,6 @@ def test_persistent_walks_are_bitwise_the_non_persistent_kernel(key, monkeypatch
     for mode, (sched, walk, want_walk) in modes.items():
         _env(monkeypatch)
         monkeypatch.setenv(SPARSE_PERSISTENT_ENV, sched)
-        monkeypatch.setenv(SPARSE_PERSISTENT_DIVIDES_ENV, "1")
         monkeypatch.setenv(PERSISTENT_WARP_WALK_ENV, walk)
         op = build_op(dataclasses.replace(base, name=f"{base.name}_st_walk_{mode}"))
         ran = _record_tiles(op, monkeypatch)

@@ -227,51 +227,23 @@ def test_first_use_loads_both_kernels(monkeypatch):
 
 
 def test_sparse_persistent_switch(monkeypatch):
-    """FLASHGEN_SPARSE_PERSISTENT (default dynamic) names the sparse calls' persistent scheduler,
-    not where the mask divides (by default: FLASHGEN_SPARSE_PERSISTENT_DIVIDES); the CI
-    compile unit follows it."""
-    monkeypatch.delenv(lower.SPARSE_PERSISTENT_DIVIDES_ENV, raising=False)
+    """FLASHGEN_SPARSE_PERSISTENT (default dynamic) names the sparse calls' persistent
+    scheduler, masks that divide included (the persistent producer walks warp-wide since
+    session 13); the CI compile units follow it."""
     monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "0")
-    assert lower.sparse_persistent(_spec("mistral_swa")) is False
-    assert lower.compile_units(_spec("mistral_swa"), "sm_90")["fwd_sparse"].context[
-        "scheduler"
-    ] is None  # fmt: skip
+    assert lower.sparse_persistent() is False
+    for name in ("mistral_swa", "chunked_local"):
+        assert lower.compile_units(_spec(name), "sm_90")["fwd_sparse"].context[
+            "scheduler"
+        ] is None  # fmt: skip
     cases = (("", "dynamic"), ("1", "static"), ("static", "static"), ("dynamic", "dynamic"))
     for value, want in cases:  # "": unset
         monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, value)
-        for name in ("causal_d128", "mistral_swa", "prefix_lm", "alibi", "llama3_gqa"):
-            assert lower.sparse_persistent(_spec(name)) == want, name
-        unit = lower.compile_units(_spec("mistral_swa"), "sm_90")["fwd_sparse"]
-        assert unit.context["scheduler"] == want and unit.tiles.block_n == 128
-        assert lower.sparse_persistent(_spec("chunked_local")) is False  # q_idx / chunk
-        assert lower.sparse_persistent(_spec("chunked_local"), divides=False) == want
-    assert lower.mask_divides(_spec("chunked_local"))
-    assert not lower.mask_divides(_spec("bidir_d256"))
+        assert lower.sparse_persistent() == want
+        for name in ("mistral_swa", "chunked_local"):
+            unit = lower.compile_units(_spec(name), "sm_90")["fwd_sparse"]
+            assert unit.context["scheduler"] == want and unit.tiles.block_n == 128, name
+            assert unit.context["warp_walk"], name
     monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "sometimes")
     with pytest.raises(ValueError, match="FLASHGEN_SPARSE_PERSISTENT='sometimes'"):
-        lower.sparse_persistent(_spec("mistral_swa"))
-
-
-def test_sparse_persistent_divides_switch(monkeypatch):
-    """FLASHGEN_SPARSE_PERSISTENT_DIVIDES=1 (default 0) gives masks that divide the sparse
-    calls' persistent scheduler too (an A/B of the warp-wide persistent walk); read only
-    where the mask divides, and never past FLASHGEN_SPARSE_PERSISTENT=0."""
-    env = lower.SPARSE_PERSISTENT_DIVIDES_ENV
-    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV, raising=False)
-    for value, on in (("", False), ("0", False), ("off", False), ("1", True), ("yes", True)):
-        monkeypatch.setenv(env, value)
-        want = "dynamic" if on else False
-        assert lower.sparse_persistent(_spec("chunked_local")) == want, value
-        assert lower.sparse_persistent(_spec("mistral_swa"), divides=True) == want, value
-        assert lower.sparse_persistent(_spec("mistral_swa")) == "dynamic", value
-        unit = lower.compile_units(_spec("chunked_local"), "sm_90")["fwd_sparse"]
-        assert unit.context["scheduler"] == (want or None) and unit.tiles.block_n == 128
-    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "static")
-    assert lower.sparse_persistent(_spec("chunked_local")) == "static"
-    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "0")
-    assert lower.sparse_persistent(_spec("chunked_local")) is False
-    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV)
-    monkeypatch.setenv(env, "maybe")  # a bad value fails only where the mask divides
-    assert lower.sparse_persistent(_spec("mistral_swa")) == "dynamic"
-    with pytest.raises(ValueError, match="FLASHGEN_SPARSE_PERSISTENT_DIVIDES='maybe'"):
-        lower.sparse_persistent(_spec("chunked_local"))
+        lower.sparse_persistent()

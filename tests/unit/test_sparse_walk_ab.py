@@ -35,7 +35,6 @@ def test_modes_plan_the_expected_kernels(monkeypatch):
     names = {n for env in tool.MODES.values() for n in env} | set(tool.BASE_ENV)
     assert names == {
         lower.SPARSE_PERSISTENT_ENV,
-        lower.SPARSE_PERSISTENT_DIVIDES_ENV,
         lower.PERSISTENT_WARP_WALK_ENV,
         lower.SPARSE_TILES_ENV,
         "FLASHGEN_PERSISTENT",
@@ -50,7 +49,7 @@ def test_modes_plan_the_expected_kernels(monkeypatch):
         assert (tiles.block_m, tiles.block_n) == (128, 128), item
         for mode, env in tool.MODES.items():
             with tool.environ({**tool.BASE_ENV, **env}):
-                sched = lower.sparse_persistent(spec)
+                sched = lower.sparse_persistent()
                 plan = lower.plan_forward(spec, "sm_90", tiles=tiles, persistent=sched)
             got = (plan.context["scheduler"], plan.context["warp_walk"])
             assert got == tool.EXPECT[mode], (item, mode, got)
