@@ -188,7 +188,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
             sparse = unit == "fwd_sparse"  # as the op: its own scheduler (lower.sparse_persistent)
             res.plan, path, res.report = build_forward(
                 spec, target, family=kernel_family(), sparse=sparse,
-                persistent=sparse_persistent() if sparse else persistent_forward(),
+                persistent=sparse_persistent() if sparse else persistent_forward(spec),
             )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:
@@ -328,7 +328,7 @@ def cmd_build(args) -> int:
         futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
             pool.submit(_compile_one, s, t, "fwd_sparse")
             for s, t in pairs
-            if not persistent_forward()
+            if not persistent_forward(s)
             and sparse_tiles(s, choose_tiles(s, t, family=family)) is not None
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:

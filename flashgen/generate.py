@@ -22,7 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from . import __version__, ir
-from .lower import plan_backward, plan_forward
+from .lower import persistent_forward, plan_backward, plan_forward
 from .render import render
 
 #: What a spec name must look like to become a directory and a module name.
@@ -178,7 +178,8 @@ def write_generated(
     ``targets`` defaults to ``spec.targets``; ``reports`` maps (target, unit) to its
     :class:`~flashgen.compile.CompileReport`, unit "fwd" or "bwd" (resource usage goes to
     the manifest); ``plans`` maps (target, unit) to the KernelPlan / BackwardPlan that was
-    compiled (e.g. with fallback tiles, see :mod:`flashgen.select`), default: lowering's.
+    compiled (e.g. with fallback tiles, see :mod:`flashgen.select`), default: lowering's (with
+    the op's persistent scheduler, :func:`flashgen.lower.persistent_forward`).
     Sources of targets no longer written are removed.  Raises ``ValueError`` if a
     target cannot be lowered, ``OSError`` on write failures.
     """
@@ -194,7 +195,9 @@ def write_generated(
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
     given, plans = plans or {}, {}
     for t in targets:
-        plans[(t, "fwd")] = given.get((t, "fwd")) or plan_forward(spec, t)
+        plans[(t, "fwd")] = given.get((t, "fwd")) or plan_forward(
+            spec, t, persistent=persistent_forward(spec)
+        )
         plans[(t, "bwd")] = given.get((t, "bwd")) or plan_backward(spec, t)
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}
     for (t, unit), src in sources.items():

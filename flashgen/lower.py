@@ -311,12 +311,22 @@ def kernel_family() -> str:
 PERSISTENT_SCHEDULERS = ("static", "m_major", "dynamic")
 
 
-def persistent_forward() -> str | bool:
-    """``FLASHGEN_PERSISTENT``: ``0`` (default) off, ``1`` the ``static`` scheduler, or a name
-    in :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as
-    ``persistent`` (False or a scheduler).  Read at every call, like :func:`kernel_family`.
-    Raises ``ValueError`` for another value."""
-    return scheduler_from_env("FLASHGEN_PERSISTENT")
+def persistent_forward(spec: Spec | None = None) -> str | bool:
+    """``FLASHGEN_PERSISTENT``: ``0`` off, ``1`` the ``static`` scheduler, or a name in
+    :data:`PERSISTENT_SCHEDULERS`: what the op passes :func:`plan_forward` as ``persistent``
+    (False or a scheduler) for ``spec``'s forward.  Read at every call, like
+    :func:`kernel_family`.  Unset: ``dynamic`` where ``spec``'s mask reads tensors (a block
+    table, :func:`needs_block_table`), else off.  Raises ``ValueError`` for another value.
+
+    Block-table masks (document masking) gain from the persistent kernel at every density
+    measured (session 13, H200, document_mask, ``do_bench`` / CUDA-graph time against the
+    non-persistent kernel): 0.96x / 0.96x at S=8k with documents of mean length 1024, 0.95x /
+    0.94x at 16k, 0.85x / 0.83x at 16k with documents of 256, 0.95x / 0.95x at 4k with
+    documents of 2048.  Masks the tile classifier reads keep the non-persistent dense kernel
+    (mixed at the gallery shape: 0.97-1.03x, docs/perf-notes.md) and run their sparse calls on
+    the persistent one (:func:`sparse_persistent`)."""
+    default = "dynamic" if spec is not None and needs_block_table(spec) else "0"
+    return scheduler_from_env("FLASHGEN_PERSISTENT", default=default)
 
 
 def scheduler_from_env(name: str, default: str = "0") -> str | bool:
@@ -2282,7 +2292,7 @@ def compile_units(spec: Spec, target: str) -> dict[str, KernelPlan]:
     ``"bwd_wgmma"``: the Hopper backward unit (:func:`plan_hopper_backward`), and where
     :func:`sparse_tiles` gives tiles, ``"fwd_sparse"``: the forward the op runs for calls
     whose mask keeps few keys per row."""
-    fwd = plan_forward(spec, target)
+    fwd = plan_forward(spec, target, persistent=persistent_forward(spec))
     units = {
         "fwd": fwd,
         "bwd": plan_backward(spec, target).unit,

@@ -910,10 +910,11 @@ class AttentionOp:
         wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
         read at every call, and so does ``FLASHGEN_PERSISTENT`` (``1``, ``static``, ``m_major``,
         ``dynamic``: the Hopper kernel's persistent tile scheduler,
-        :func:`flashgen.lower.persistent_forward`; default off) and ``FLASHGEN_SIDE_TERMS``
-        (:mod:`flashgen.select`).  ``sparse``: the kernel with the tiles for masks that keep
-        few keys per row (:func:`flashgen.lower.sparse_tiles`; the op's calls choose it per
-        call, :meth:`_sparse_call`; not under ``FLASHGEN_PERSISTENT``), persistent where
+        :func:`flashgen.lower.persistent_forward`; default ``dynamic`` for a mask that reads
+        tensors, else off) and ``FLASHGEN_SIDE_TERMS`` (:mod:`flashgen.select`).  ``sparse``:
+        the kernel with the tiles for masks that keep few keys per row
+        (:func:`flashgen.lower.sparse_tiles`; the op's calls choose it per call,
+        :meth:`_sparse_call`; not under ``FLASHGEN_PERSISTENT``), persistent where
         :func:`flashgen.lower.sparse_persistent` says so (``FLASHGEN_SPARSE_PERSISTENT``, read
         at every call), the same kernel as without where there are none (the FA2-class
         kernel).  Where the op may pick either, the
@@ -923,7 +924,7 @@ class AttentionOp:
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
         family = kernel_family()
-        persistent = persistent_forward()
+        persistent = persistent_forward(self.spec)
         base = (index, family, persistent) if persistent else (index, family)
         if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
             base += ("per-element",)

@@ -16,6 +16,10 @@
 //             columns 8j + 2(l%4) + {0,1}: acc[4j + 2r + e]
 //   blk_tab   per-tile classes from the block-table pre-pass (blockmask.cu.j2), built for these BLOCK_M x BLOCK_N
 //             tiles: uint8 [tab_b, tab_h, m_blocks, n_blocks], 0 EMPTY, 1 PARTIAL, 2 FULL (exact classes)
+//   persistent  gridDim.x <= the SM count; CTA c computes work tiles (batch, head, query block)
+//             c, then those a global atomic counter hands out (scheduler dynamic).
+//             The producer warp walks them and hands each over (q_full / q_empty, tile_info); the
+//             K/V ring runs on across tiles (`it` counts every live key block this CTA loaded).
 // Softmax runs in the exp2 domain, one FFMA before each exp2: P = exp2(c * x - c * row max), with
 // x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
@@ -626,6 +630,18 @@ constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
 static_assert(BLOCK_M == 64 * NUM_CONSUMERS && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
+// A copy of x the compiler cannot see through (like fg::iv::opaque): what is derived from it is
+// computed where the copy is made, per tile or per step, not hoisted out of the tile loop into
+// registers the main loop needs (ptxas spilled the epilogue's staging addresses, the Q
+// descriptors and the tile classifier's constants).
+__device__ __forceinline__ int opaque(int x) {
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+    return x;
+}
+__device__ __forceinline__ float opaque(float x) {
+    asm volatile("mov.b32 %0, %0;\n" : "+f"(x));
+    return x;
+}
 }  // namespace
 extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_fwd_sm_90(
     const __nv_bfloat16* __restrict__ q,
@@ -656,6 +672,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     const unsigned char* __restrict__ blk_tab,
     int64_t blk_sb,
     int64_t blk_sh,
+    int* __restrict__ tile_counter,
     const __grid_constant__ fg::TmaDesc tma_q,
     const __grid_constant__ fg::TmaDesc tma_k,
     const __grid_constant__ fg::TmaDesc tma_v
@@ -664,22 +681,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     const uint32_t sQ = (fg::smem_u32(smem_raw) + 1023u) & ~1023u;  // 128-byte swizzle wants 1 KiB alignment
     const uint32_t sK = sQ + SQ_BYTES;
     const uint32_t sV = sK + STAGES * SKV_BYTES;
-    const uint32_t bars = sV + STAGES * SKV_BYTES;
+    // Epilogue staging apart from sQ, so the next tile's Q can land while this tile's O is stored.
+    const uint32_t sO = sV + STAGES * SKV_BYTES;
+    const uint32_t bars = sO + SQ_BYTES;
     const uint32_t q_full = bars;
     auto k_full = [&](int s) { return bars + 8u * (1 + s); };
     auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
     auto k_empty = [&](int s) { return bars + 8u * (1 + 2 * STAGES + s); };
     auto v_empty = [&](int s) { return bars + 8u * (1 + 3 * STAGES + s); };
+    // Consumers are done with sQ (their last Q K^T of the tile): every consumer thread arrives.
+    const uint32_t q_empty = bars + 8u * (1 + 4 * STAGES);
     // Per ring stage, written by the producer before it arms k_full: the key block, its tile class, last?
-    int* stage_info = reinterpret_cast<int*>(smem_raw + (bars + 8u * (1 + 4 * STAGES) - fg::smem_u32(smem_raw)));
-    int* warp_last = stage_info + 2 * STAGES;  // per warp: the last live key block it found in the table row
+    int* stage_info = reinterpret_cast<int*>(smem_raw + (bars + 8u * (2 + 4 * STAGES) - fg::smem_u32(smem_raw)));
+    // Per tile, double-buffered by tile parity, written before q_full: {1 + the ring position of
+    // the tile's first live key block (0: none; -1: no more tiles), m0, b, h}.  The consumers load
+    // these where they use them (kept in registers across the main loop, they spill).
+    int* tile_info = stage_info + 2 * STAGES;
 
-    // Thread 0 readies the barriers first: Q goes out as soon as the CTA knows its tile.
+    // Work tiles (batch, head, query block), numbered as the non-persistent kernel numbers its CTAs
+    // (common/tile_order.cuh, heaviest causal blocks first); this CTA takes tiles blockIdx.x,
+    // blockIdx.x + gridDim.x, ... (lower.persistent_tile_order).  Only the producer walks them; it
+    // hands each one over.
+    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int n_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    const int group = fg::head_group(33554432LL, seqlen_k, 512, heads_q / heads_kv, batch * heads_q);
+
     if (threadIdx.x == 0) {
-        fg::tma_prefetch_desc(&tma_q);
-        fg::tma_prefetch_desc(&tma_k);
-        fg::tma_prefetch_desc(&tma_v);
         fg::mbar_init(q_full, 1);
+        fg::mbar_init(q_empty, NUM_CONSUMERS * 128);
         for (int s = 0; s < STAGES; ++s) {
             fg::mbar_init(k_full(s), 1);
             fg::mbar_init(v_full(s), 1);
@@ -687,96 +716,120 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
             fg::mbar_init(v_empty(s), NUM_CONSUMERS * 4);
         }
         fg::fence_barrier_init();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // this thread's TMA sees them
     }
-    // Which (batch, head, query block) this CTA computes (common/tile_order.cuh); heaviest causal blocks first.
-    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const fg::TileCoord tc = fg::grid_tile_coord(batch * heads_q, gridDim.y, blockIdx.x, blockIdx.y);  // the grid holds the order (common/tile_order.cuh)
-    if (tc.bh < 0) return;  // a hole: this CTA's group has one head fewer
-    const int m_rev = tc.m_rev, bh = tc.bh;
-    const int m_block = num_m_blocks - 1 - m_rev;
-    const int b = bh / heads_q;
-    const int h = bh % heads_q;
-    const int h_kv = h / (heads_q / heads_kv);
-    const int m0 = m_block * BLOCK_M;
-    // Q before the walk, which it does not need (a CTA without live blocks waits for it to land
-    // before its epilogue stages O in sQ).
-    if (threadIdx.x == 0) {
-        fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);
-        #pragma unroll
-        for (int c = 0; c < DCB; ++c)
-            fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
-    }
-    // Key blocks are visited last to first, live ones only: prev_live(j, c) is the last live key block
-    // at or before j (-1 if none) and sets c to its class.
-    const int n_kv_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
-    // The table's row for this query block (read from global memory: only the producer walks it).
-    // The whole CTA finds the first block to visit: a strided scan, a max per warp, a max over warps.
-    const unsigned char* tab_row = blk_tab + b * blk_sb + h * blk_sh + (int64_t)m_block * n_kv_blocks;
-    // The producer warp scans 32 entries per step (one byte per lane, a ballot).
-    auto prev_live = [&](int j, int& c) {
-        for (; j >= 0; j -= 32) {
-            const int jj = j - (int)(threadIdx.x % 32);
-            const unsigned live = __ballot_sync(0xffffffffu, jj >= 0 && tab_row[jj] != fg::iv::EMPTY);
-            if (live) {
-                j -= __ffs(live) - 1;  // the lowest lane holds the largest live block
-                c = tab_row[j];
-                return j;
-            }
-        }
-        c = fg::iv::EMPTY;
-        return -1;
-    };
-    int last_live = -1;
-    for (int j = threadIdx.x; j < n_kv_blocks; j += THREADS)
-        if (tab_row[j] != fg::iv::EMPTY) last_live = j;
-    last_live = __reduce_max_sync(0xffffffffu, last_live);
-    if (threadIdx.x % 32 == 0) warp_last[threadIdx.x / 32] = last_live;  // read after __syncthreads below
-
-    // Publish key block n_block (class c) in ring stage it % STAGES and load it (warp 0, lane 0
-    // issuing), STAGES ahead of the consumers; the walk first finds the next live block, returned
-    // (c becomes its class).
-    auto load_block = [&](int it, int n_block, int& c) {
-        const int n0 = n_block * BLOCK_N, n_cls = c;
-        const int n_next = prev_live(n_block - 1, c);
-        const int s = it % STAGES;
-        const uint32_t phase = (it / STAGES) & 1;
-        fg::mbar_wait(k_empty(s), phase ^ 1);
-        if (threadIdx.x == 0) {
-            stage_info[2 * s] = n0;
-            stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
-            fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
-            #pragma unroll
-            for (int c = 0; c < DCB; ++c)
-                fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
-        }
-        fg::mbar_wait(v_empty(s), phase ^ 1);
-        if (threadIdx.x == 0) {
-            fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
-            #pragma unroll
-            for (int c = 0; c < DCB; ++c)
-                fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
-        }
-        return n_next;
-    };
     __syncthreads();
-    const int first_block = [&] {
-        int last = -1;
-        #pragma unroll
-        for (int w = 0; w < THREADS / 32; ++w) last = max(last, warp_last[w]);
-        return last;
-    }();
-    int cls = first_block >= 0 ? tab_row[first_block] : fg::iv::EMPTY;
 
     if (threadIdx.x < 128) {
         // ------------------------------------------------------------ producer warpgroup
-        fg::setmaxnreg_dec<56>();
-        // Warp 0 walks the key blocks, all lanes together (the walk is warp-wide); lane 0 issues the
-        // TMA loads and the arrivals.
-        if (threadIdx.x < 32 && first_block >= 0) {
-            // Walk the KV blocks last to first (the causal diagonal block first).
-            for (int it = 0, n_block = first_block; n_block >= 0; ++it) n_block = load_block(it, n_block, cls);
+        fg::setmaxnreg_dec<72>();
+        if (threadIdx.x >= 32) return;
+        // Warp 0 walks the tiles, all lanes together (the block-table scan is warp-wide); lane 0
+        // issues the TMA loads and the arrivals.
+        if (threadIdx.x == 0) {
+            fg::tma_prefetch_desc(&tma_q);
+            fg::tma_prefetch_desc(&tma_k);
+            fg::tma_prefetch_desc(&tma_v);
         }
+        int it = 0;  // K/V ring position: live key blocks loaded so far, over all tiles
+        int ti = 0;  // tiles handed over so far (q_full / q_empty phases, tile_info slot)
+        // Tile ti's info (tile_info above), then q_full (tx: the Q tile when it has blocks).
+        auto hand_over = [&](int first_it, int m0, int b, int h) {
+            fg::mbar_wait(q_empty, (ti & 1) ^ 1);
+            if (threadIdx.x == 0) {
+                int* info = tile_info + 4 * (ti & 1);
+                info[0] = first_it + 1;
+                info[1] = m0;
+                info[2] = b;
+                info[3] = h;
+                if (first_it < 0) {
+                    fg::mbar_arrive(q_full);  // releases info
+                } else {
+                    fg::mbar_arrive_expect_tx(q_full, SQ_BYTES);  // releases info with the Q tile
+                    #pragma unroll
+                    for (int c = 0; c < DCB; ++c)
+                        fg::tma_load_4d(sQ + c * BLOCK_M * 128, &tma_q, c * 64, m0, h, b, q_full);
+                }
+            }
+            ++ti;
+        };
+        // Dynamic: the first tile is blockIdx.x, the next ones gridDim.x + a ticket from the global
+        // counter, drawn at the start of the previous tile (its latency hides under the walk).
+        auto draw = [&]() {
+            int t = 0;
+            if (threadIdx.x == 0) t = (int)gridDim.x + atomicAdd(tile_counter, 1);
+            return __shfl_sync(0xffffffffu, t, 0);
+        };
+        for (int tile = blockIdx.x, next = 0; tile < num_m_blocks * batch * heads_q; tile = next) {
+            next = draw();
+            const fg::TileCoord tc = fg::tile_coord(tile, num_m_blocks, batch * heads_q, group);
+            const int m_rev = tc.m_rev, bh = tc.bh;
+            const int m_block = num_m_blocks - 1 - m_rev;
+            const int b = bh / heads_q;
+            const int h = bh % heads_q;
+            const int h_kv = h / (heads_q / heads_kv);  // the KV head h reads (the DSL's h_kv)
+            const int m0 = m_block * BLOCK_M;
+            // Key blocks are visited last to first, live ones only: prev_live(j, c) is the last live
+            // key block at or before j (-1 if none) and sets c to its class.
+            const unsigned char* tab_row = blk_tab + b * blk_sb + h * blk_sh + (int64_t)m_block * n_kv_blocks;
+            // 32 entries of the table row per step (one byte per lane, a ballot): a long EMPTY run
+            // (other documents) costs a step per 32 blocks.
+            auto prev_live = [&](int j, int& c) {
+                for (; j >= 0; j -= 32) {
+                    const int jj = j - (int)threadIdx.x;
+                    const unsigned live = __ballot_sync(0xffffffffu, jj >= 0 && tab_row[jj] != fg::iv::EMPTY);
+                    if (live) {
+                        j -= __ffs(live) - 1;  // the lowest lane holds the largest live block
+                        c = tab_row[j];
+                        return j;
+                    }
+                }
+                c = fg::iv::EMPTY;
+                return -1;
+            };
+            int cls = fg::iv::EMPTY;
+            int n_block = prev_live(n_kv_blocks - 1, cls);
+            if (n_block < 0) {  // nothing to load: the consumers write o = 0, lse = -inf
+                hand_over(-1, m0, b, h);
+                continue;
+            }
+            // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.  The
+            // first block's K goes out before Q: its ring slot frees during the previous tile's main
+            // loop, sQ only after its last Q K^T.
+            for (bool first = true; n_block >= 0; first = false, ++it) {
+                const int n0 = n_block * BLOCK_N, n_cls = cls;
+                const int n_next = prev_live(n_block - 1, cls);
+                const int s = it % STAGES;
+                const uint32_t phase = (it / STAGES) & 1;
+                fg::mbar_wait(k_empty(s), phase ^ 1);
+                if (threadIdx.x == 0) {
+                    stage_info[2 * s] = n0;
+                    stage_info[2 * s + 1] = n_cls | (n_next < 0 ? 0x100 : 0);
+                    fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES);  // releases stage_info[s] with the K tile
+                    #pragma unroll
+                    for (int c = 0; c < DCB; ++c)
+                        fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
+                }
+                if (first) hand_over(it, m0, b, h);
+                fg::mbar_wait(v_empty(s), phase ^ 1);
+                if (threadIdx.x == 0) {
+                    fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
+                    #pragma unroll
+                    for (int c = 0; c < DCB; ++c)
+                        fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
+                }
+                n_block = n_next;
+            }
+        }
+        // Every CTA draws until it gets a ticket past the last tile; the last CTA to get there
+        // resets the counter for the next launch (no CTA of this one reads it again).
+        if (threadIdx.x == 0) {
+            __threadfence();  // this CTA's draws are performed before it counts itself done
+            if (atomicAdd(tile_counter + 1, 1) == (int)gridDim.x - 1) {
+                tile_counter[0] = 0;
+                tile_counter[1] = 0;
+            }
+        }
+        hand_over(-2, 0, 0, 0);  // no more tiles
         return;
     }
 
@@ -785,28 +838,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     // O += P_{j-1} V_{j-1} together, then the softmax of S_j runs while the second GEMM (and the
     // other consumer warpgroup's GEMMs) occupy the tensor cores.  Named barriers PP0/PP1 make the
     // two consumer warpgroups take turns issuing GEMMs.
-    fg::setmaxnreg_inc<224>();
+    fg::setmaxnreg_inc<216>();
     const int cg = threadIdx.x / 128 - 1;          // consumer warpgroup
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
 
-    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's two query rows, once.
+    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's two query rows, once per tile.
     // A live block means seqlen_k > 0, so every clamped read is in bounds.
     int fg_row0_r[2];
-    if (first_block >= 0) {
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int q_idx = min(m0 + row_base + r * 8, seqlen_q - 1);
-            const float q_idx_f = (float)q_idx;
-            (void)q_idx_f;
-            fg_row0_r[r] = (int)(__ldg(fg::base_ptr(t_doc_q + ((int64_t)(b) * (int64_t)(seqlen_q))) + (q_idx)));
-        }
-    }
     constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"
     auto pp_wait = [&]() { fg::named_barrier_sync(PP_BARRIER + cg, 256); };
     auto pp_pass = [&]() { fg::named_barrier_arrive(PP_BARRIER + (1 - cg), 256); };
 
+    int ti = 0;  // tiles done (q_full phase; tile_info slot)
+    auto tile_at = [&](int i) { return tile_info[4 * (ti & 1) + i]; };
     float acc_o[NO * 4];
     float acc_s[NS * 4];
     uint32_t frag_p[BLOCK_N / 16][4];
@@ -817,10 +863,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     // S = Q K^T for ring stage s: HEAD_DIM / 16 wgmmas, operands straight from the swizzled tiles.
     auto issue_s = [&](int s) {
         fg::wgmma_fence();
+        // This warpgroup's Q rows through an opaque copy: the Q descriptors are rebuilt per step
+        // instead of held in registers over the tile loop (ptxas spilled them at head_dim 256).
+        const uint32_t sQ_cg = (uint32_t)opaque((int)(sQ + cg * 64 * 128));
         #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
             const uint32_t col = (kk / 4) * 128u, sub = (kk % 4) * 32u;
-            const uint64_t da = fg::gmma_desc(sQ + col * BLOCK_M + cg * 64 * 128 + sub, 16, 1024);
+            const uint64_t da = fg::gmma_desc(sQ_cg + col * BLOCK_M + sub, 16, 1024);
             const uint64_t db = fg::gmma_desc(sK + s * SKV_BYTES + col * BLOCK_N + sub, 16, 1024);
             fg::wgmma_ss_n128(acc_s, da, db, kk > 0);
         }
@@ -843,6 +892,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     // or not FULL under the mask) evaluate the mask; scale and max fold into one FFMA per
     // element, P = exp2(s * scale_log2 - max * scale_log2).  row_max is in raw units.
     auto softmax = [&](int n0, int tile_cls) {
+        const int m0 = tile_at(1), b = tile_at(2), h = tile_at(3), h_kv = h / (heads_q / heads_kv);
+        (void)b; (void)h; (void)h_kv;
         if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {
             int col_lim[2];
             #pragma unroll
@@ -926,21 +977,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
         }
     };
 
-    if (first_block >= 0) {
+    // Persistent: the tiles the producer hands over, until it says there are no more.  The loop body
+    // below is the non-persistent kernel's consumer code (not re-indented).
+    for (;; ++ti) {
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+    alpha[0] = alpha[1] = 1.f;
+    #pragma unroll
+    for (int i = 0; i < NO * 4; ++i) acc_o[i] = 0.f;
+    fg::mbar_wait(q_full, ti & 1);
+    // The ring position of the tile's first key block (the producer's count; carrying the
+    // consumers' own count over the tile loop costs registers), -1 for a tile without blocks.
+    const int kv_it = tile_at(0) - 1;
+    if (kv_it < -1) break;  // no more tiles
+    if (kv_it >= 0) {
+        {  // this tile's row terms
+        const int m0 = tile_at(1), b = tile_at(2), h = tile_at(3), h_kv = h / (heads_q / heads_kv);
+        (void)b; (void)h; (void)h_kv;
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int q_idx = min(m0 + row_base + r * 8, seqlen_q - 1);
+            const float q_idx_f = (float)q_idx;
+            (void)q_idx_f;
+            fg_row0_r[r] = (int)(__ldg(fg::base_ptr(t_doc_q + ((int64_t)(b) * (int64_t)(seqlen_q))) + (q_idx)));
+        }
+        }
         if (cg == 1) fg::named_barrier_arrive(PP_BARRIER, 256);  // consumer 0 issues first
         // The first live block: S only.  The producer tells each stage's block and class (stage_info).
-        fg::mbar_wait(q_full, 0);
-        fg::mbar_wait(k_full(0), 0);
-        int info_n0 = stage_info[0], info_cls = stage_info[1];
+        const int s0 = kv_it % STAGES;
+        fg::mbar_wait(k_full(s0), (kv_it / STAGES) & 1);
+        int info_n0 = stage_info[2 * s0], info_cls = stage_info[2 * s0 + 1];
         pp_wait();
-        issue_s(0);
+        issue_s(s0);
         pp_pass();
         fg::wgmma_wait<0>();
         fg::fence_regs(acc_s);
-        if (lane == 0) fg::mbar_arrive(k_empty(0));
+        if (lane == 0) fg::mbar_arrive(k_empty(s0));
         softmax(info_n0, info_cls & 0xff);
         pack_p();
-        int it = 1;
+        int it = kv_it + 1;
         for (bool more = !(info_cls & 0x100); more; ++it) {
             const int s = it % STAGES, s_prev = (it - 1) % STAGES;
             fg::mbar_wait(k_full(s), (it / STAGES) & 1);
@@ -961,6 +1036,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
             if (lane == 0) fg::mbar_arrive(v_empty(s_prev));
             pack_p();
         }
+        // Consume consumer 1's last pass (the barriers end balanced) before q_empty: consumer 1
+        // cannot start the next tile (and arrive on PP_BARRIER again) before that.
+        if (cg == 0) pp_wait();
+        // Every Q K^T of this tile has completed (wait_group above): sQ may take the next tile's Q.
+        fg::mbar_arrive(q_empty);
         // Last P V.
         const int s_last = (it - 1) % STAGES;
         fg::mbar_wait(v_full(s_last), ((it - 1) / STAGES) & 1);
@@ -968,13 +1048,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
         fg::wgmma_wait<0>();
         fg::fence_regs(acc_o);
         if (lane == 0) fg::mbar_arrive(v_empty(s_last));
-        if (cg == 0) pp_wait();  // consume consumer 1's last pass: the barriers end balanced
     }
     else {
-        fg::mbar_wait(q_full, 0);  // Q went out before the walk: it lands before the epilogue stages O in sQ
+        fg::mbar_arrive(q_empty);
     }
+    // This warpgroup's previous epilogue has read all of its rows of sO.
+    fg::named_barrier_sync(1 + cg, 128);
 
-    // Epilogue: O / row_sum into this warpgroup's rows of sQ (same swizzle), then 16-byte stores.
+    // Epilogue: O / row_sum into this warpgroup's rows of sO (same swizzle), then 16-byte stores.
+    const int m0 = tile_at(1), b = tile_at(2), h = tile_at(3), bh = b * heads_q + h;
+    const int row_base_t = opaque(row_base), cg_t = opaque(cg), lane_t = opaque(lane);
+    {  // the epilogue, with this tile's opaque copies of the thread's coordinates
+    const int row_base = row_base_t, cg = cg_t, lane = lane_t;
     const int64_t lse_row0 = (int64_t)bh * seqlen_q;
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -987,7 +1072,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
         #pragma unroll
         for (int j = 0; j < NO; ++j) {
             const uint32_t packed = Mma::pack(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
-            const uint32_t addr = sQ + (j / 8) * BLOCK_M * 128 + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (lane % 4) * 4;
+            const uint32_t addr = sO + (j / 8) * BLOCK_M * 128 + row * 128 + (((j % 8) ^ (row % 8)) << 4) + (lane % 4) * 4;
             asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
         }
         if (lane % 4 == 0 && m0 + row < seqlen_q)
@@ -995,16 +1080,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     }
     fg::named_barrier_sync(1 + cg, 128);
     elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;
-    const int t = threadIdx.x % 128;
+    const int t = opaque((int)(threadIdx.x % 128));
     #pragma unroll
     for (int i = t; i < 64 * NO; i += 128) {
         const int row = cg * 64 + i / NO, chunk = i % NO;
         if (m0 + row < seqlen_q) {
             uint4 val;
-            const uint32_t addr = sQ + (chunk / 8) * BLOCK_M * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+            const uint32_t addr = sO + (chunk / 8) * BLOCK_M * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
             asm volatile("ld.shared.v4.b32 { %0,%1,%2,%3}, [%4];\n"
                          : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(addr));
             *reinterpret_cast<uint4*>(o_blk + row * o_ss + chunk * 8) = val;
         }
     }
+    }
+    }  // tiles
 }

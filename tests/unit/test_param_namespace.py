@@ -32,6 +32,7 @@ FRAG = (
     "params: {frag: {type: f32, default: 1.0}}\n"
 )
 SPECS = ("alibi", "document_mask", "gemma2_softcap", "chunked_local", "gpt2_d64", "t5_bias")
+SPECS += ("mistral_swa", "prefix_lm")  # params read by the tile classifier (persistent sparse units)
 
 
 def _units(spec):

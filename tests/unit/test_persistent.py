@@ -110,6 +110,28 @@ def test_persistent_env(monkeypatch):
         persistent_forward()
 
 
+def test_block_table_masks_default_to_the_dynamic_scheduler(monkeypatch):
+    """Unset, FLASHGEN_PERSISTENT means ``dynamic`` for a mask that reads tensors (a block
+    table: document_mask) and off for the others; set, it holds for every spec.  The CI
+    compile unit (lower.compile_units' ``fwd``) follows it."""
+    from flashgen.lower import compile_units
+
+    doc = load_spec(REPO / "specs" / "document_mask.yaml")
+    swa = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    monkeypatch.delenv("FLASHGEN_PERSISTENT", raising=False)
+    assert persistent_forward(doc) == "dynamic" and persistent_forward(swa) is False
+    fwd = compile_units(doc, "sm_90")["fwd"]
+    assert fwd.context["scheduler"] == "dynamic" and fwd.context["block_table"]
+    assert fwd.context["persistent"] and "tile_counter" in [a.name for a in fwd.args]
+    assert compile_units(swa, "sm_90")["fwd"].context["scheduler"] is None
+    assert not compile_units(doc, "sm_80")["fwd"].context.get("persistent")  # FA2-class
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    assert persistent_forward(doc) is False
+    assert compile_units(doc, "sm_90")["fwd"].context["scheduler"] is None
+    monkeypatch.setenv("FLASHGEN_PERSISTENT", "static")
+    assert persistent_forward(doc) == "static" and persistent_forward(swa) == "static"
+
+
 def test_persistent_smem_layout():
     """q_empty (8 bytes) and the double-buffered tile info (8 ints) after the stage info, and
     at head_dim 64 / 128 a BLOCK_M x HEAD_DIM staging buffer; no warp_last (the producer
@@ -334,7 +356,7 @@ def test_persistent_render(monkeypatch):
     # the classifier path walks with per-tile opaque copies of its scalar arguments
     swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90",
                               persistent=True))  # fmt: skip
-    assert "const int p_window_t = opaque(p_window);" in swa
+    assert "const int opq_p_window = opaque(p_window);" in swa
     # warp-wide, a fresh window per tile (inside the tile loop); FLASHGEN_PERSISTENT_WARP_WALK=0
     # or warp_walk=False: prev_live, one classifier call per step
     assert "walk.prev_live(j, c, kv_class)" in swa and "fg::iv::prev_live(" not in swa
