@@ -1076,6 +1076,7 @@ def plan_forward(
     affine: bool = True,
     mask_tiles: bool = True,
     head_groups: bool = True,
+    warp_walk: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -1095,7 +1096,9 @@ def plan_forward(
     ``col_limit``, ``nonneg_div`` of :func:`plan_hopper_forward`; False: none, the spill
     fallback).  ``head_groups``: both kernels take their CTAs in L2 head groups
     (:func:`tile_group_expr`; the FA2-class one at :data:`HEAD_GROUP_FA2_HEAD_DIMS`; False:
-    head-major, the spill fallback).
+    head-major, the spill fallback).  ``warp_walk``: the persistent Hopper kernel's producer
+    walks the key blocks warp-wide (:func:`plan_hopper_forward`; False: ``fg::iv::prev_live``,
+    fewer producer registers, the spill fallback).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -1140,6 +1143,7 @@ def plan_forward(
             causal_tiles=mask_tiles,
             col_limit=mask_tiles,
             nonneg_div=mask_tiles,
+            warp_walk=warp_walk,
             head_groups=head_groups,
         )
     d, dv = spec.head_dim, spec.head_dim_v
