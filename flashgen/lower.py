@@ -233,19 +233,20 @@ def sparse_persistent() -> str | bool:
     calls that keep few keys per row, from ``FLASHGEN_SPARSE_PERSISTENT`` (read at every
     call; default ``dynamic``; ``0``: the non-persistent kernel).
 
-    Measured on the H200 (docs/perf-notes.md, sessions 12-13; CUDA-graph device time, S * B
-    = 16k, H=16, against the non-persistent kernel): ``dynamic`` 0.81-0.84x at window 256,
-    0.91-0.95x at window 1024, 0.93x at window 2048, 0.83-0.93x for causal at 1k-4k, 0.89x
-    at chunk 1024, 0.95x at chunk 2048; ``static`` 0.84x at window 256 but 1.03-1.13x for
-    causal at 2k-4k, prefix 512 and window 2048 (its round robin packs the uneven rows
-    badly).  A query block of such a call visits a few key blocks, and the non-persistent
-    kernel's fixed cost per CTA (decode, Q and the first K landing, the epilogue: ~7.5K of
-    16.5K cycles at window 256) is much of its time; a persistent CTA loads the next tile's Q
-    and first key block during the current one.  (Chunked masks ran 1.35-1.37x slower while the
-    persistent producer walked one classifier call at a time; it walks warp-wide since
-    session 13, ``warp_walk`` of :func:`plan_hopper_forward`.)  The dynamic scheduler's tile
-    counter is the stream's for eager calls and the call's own inside a CUDA-graph capture
-    (``flashgen.op``), so graphs replayed on several streams at once never share one.
+    Measured on the H200 (docs/perf-notes.md, sessions 12-13; CUDA-graph device time, S * B =
+    16k, H=16, against the non-persistent kernel): ``dynamic`` 0.81-0.84x at window 256,
+    0.91-0.95x at window 1024 (1.03x in one session-13 run), 0.93-0.95x at window 2048,
+    0.83-0.93x for causal at 1k-4k, 0.89x at chunk 1024, 0.95x at chunk 2048; ``static`` 0.84x
+    at window 256 but 1.03-1.13x for causal at 2k-4k, prefix 512 and window 2048 (its round
+    robin packs the uneven rows badly).  A query block of such a call visits a few key blocks,
+    and the non-persistent kernel's fixed cost per CTA (decode, Q and the first K landing, the
+    epilogue: ~7.5K of 16.5K cycles at window 256) is much of its time; a persistent CTA loads
+    the next tile's Q and first key block during the current one.  (Chunked masks ran 1.35-1.37x
+    slower while the persistent producer walked one classifier call at a time; it walks
+    warp-wide since session 13, ``warp_walk`` of :func:`plan_hopper_forward`.)  The dynamic
+    scheduler's tile counter is the stream's for eager calls and the call's own inside a
+    CUDA-graph capture (``flashgen.op``), so graphs replayed on several streams at once never
+    share one.
     ``ValueError`` for another value.
     """
     return scheduler_from_env(SPARSE_PERSISTENT_ENV, default="dynamic")
@@ -1086,6 +1087,7 @@ def plan_forward(
     affine: bool = True,
     mask_tiles: bool = True,
     head_groups: bool = True,
+    warp_walk: bool = True,
 ) -> KernelPlan:
     """Lower ``spec`` to the forward kernel plan for ``target`` (``sm_80`` or ``sm_90``).
 
@@ -1105,7 +1107,9 @@ def plan_forward(
     ``col_limit``, ``nonneg_div`` of :func:`plan_hopper_forward`; False: none, the spill
     fallback).  ``head_groups``: both kernels take their CTAs in L2 head groups
     (:func:`tile_group_expr`; the FA2-class one at :data:`HEAD_GROUP_FA2_HEAD_DIMS`; False:
-    head-major, the spill fallback).
+    head-major, the spill fallback).  ``warp_walk``: the persistent Hopper kernel's producer
+    walks the key blocks warp-wide (:func:`plan_hopper_forward`; False: ``fg::iv::prev_live``,
+    fewer producer registers, the spill fallback).
 
     ``sm_80`` renders the FA2-class template (``templates/sm_80/fwd.cu.j2``, Dao 2023,
     Algorithm 1).  ``sm_90`` renders the FA3-class template (``templates/sm_90/fwd.cu.j2``,
@@ -1150,6 +1154,7 @@ def plan_forward(
             causal_tiles=mask_tiles,
             col_limit=mask_tiles,
             nonneg_div=mask_tiles,
+            warp_walk=warp_walk,
             head_groups=head_groups,
         )
     d, dv = spec.head_dim, spec.head_dim_v

@@ -964,16 +964,20 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[int, int], int] = {}  # (device, stream) -> address (runtime.device_zeros)
 _COUNTER_LOCK = threading.Lock()
 
 
-def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor:
+def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor | int:
     """The work-tile counter of the dynamic persistent scheduler for a launch on CUDA stream
     ``stream_ptr``: int32 ``[2]``, zero when the kernel starts; its last CTA leaves it at zero.
 
     Eager launches share one per (device, stream), zeroed once: launches on one stream run
-    in order, so they never use it at the same time.  A launch captured into a CUDA graph
+    in order, so they never use it at the same time.  It is an address from
+    :func:`flashgen.runtime.device_zeros`, outside torch's caching allocator: an eager call
+    inside torch.compile's CUDA-graph trees (their warm-up of a new shape) has its
+    allocations routed to the trees' private pool, whose memory they hand to graph tensors
+    again after resetting the pool to a checkpoint.  A launch captured into a CUDA graph
     gets its own, zeroed inside the capture (a memset node before the kernel, memory from
     the graph's pool): two graphs captured on one stream and replayed on two streams at
     once, or a replay next to eager calls on the capture stream, would otherwise share it."""
@@ -987,7 +991,9 @@ def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor:
         with _COUNTER_LOCK:
             t = _COUNTERS.get(key)
             if t is None:
-                t = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+                from . import runtime
+
+                t = _COUNTERS[key] = runtime.device_zeros(8, index, stream_ptr)
     return t
 
 

@@ -234,6 +234,37 @@ class _TmaLaunch:
             raise RuntimeError(f"cuLaunchKernel({plan.kernel_name}) failed: CUresult {rc}")
 
 
+#: Bytes of each slab :func:`device_zeros` carves its buffers from (one ``cudaMalloc`` each).
+_SLAB_BYTES = 4096
+_slabs: dict[int, list[int]] = {}  # device index -> [slab address, bytes handed out]
+_slab_lock = threading.Lock()
+
+
+def device_zeros(nbytes: int, device_index: int, stream_ptr: int) -> int:
+    """The address of ``nbytes`` of device memory on ``device_index`` (16-byte aligned), zeroed
+    by an async memset on the raw stream ``stream_ptr`` (so before that stream's later work),
+    kept for the life of the process.
+
+    Outside torch's caching allocator: never in a private pool (a CUDA graph's, a
+    ``torch.cuda.MemPool``), whatever the thread's allocations are routed to when it is asked
+    for (torch.compile's CUDA-graph trees route a warm-up's into theirs, and may hand that
+    memory to graph tensors later), so nothing else is ever given this memory.  Carved from
+    4 KiB slabs, one ``cudaMalloc`` per slab.  ``ValueError`` unless 0 < ``nbytes`` <= 4096.
+    """
+    size = -(-nbytes // 16) * 16
+    if not 0 < size <= _SLAB_BYTES:
+        raise ValueError(f"device_zeros: nbytes={nbytes}, expected 1 to {_SLAB_BYTES}")
+    cupy = _cupy()
+    with _slab_lock, cupy.cuda.Device(device_index):
+        slab = _slabs.get(device_index)
+        if slab is None or slab[1] + size > _SLAB_BYTES:
+            slab = _slabs[device_index] = [int(cupy.cuda.runtime.malloc(_SLAB_BYTES)), 0]
+        ptr = slab[0] + slab[1]
+        slab[1] += size
+        cupy.cuda.runtime.memsetAsync(ptr, 0, size, stream_ptr)
+    return ptr
+
+
 def _external_stream(cupy, ptr: int, device_index: int):
     """A CuPy view of the raw stream ``ptr`` (cached: a warm launch creates nothing)."""
     key = (ptr, device_index)

@@ -51,8 +51,11 @@ def build_forward(
     dropped first: row / column terms (:mod:`flashgen.rowcol`; ``FLASHGEN_SIDE_TERMS=0``,
     read at each build, never uses them), the affine score_mod split (``affine``), the
     Hopper kernel's masked-tile reductions (``mask_tiles``), the CTA order's head groups
-    (``head_groups``).  A variant that renders the same source as one tried (the feature
-    does not apply to this spec) is skipped.
+    (``head_groups``), the persistent producer's warp-wide walk (``warp_walk``: tried off
+    right after each variant that spills, the producer's own registers, which the others
+    barely touch; a mask whose classifier divides twice spills the producer with it at 128 x
+    128).  A variant that renders the same source as one tried (the feature does not apply
+    to this spec, e.g. ``warp_walk`` to a non-persistent kernel) is skipped.
 
     Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
@@ -64,8 +67,8 @@ def build_forward(
         candidates = [alt, *(t for t in candidates if t != alt)]
     for tiles in candidates:
         tried = set()
-        for side_terms, affine, mask_tiles, head_groups in itertools.product(
-            ways, (True, False), (True, False), (True, False)
+        for side_terms, affine, mask_tiles, head_groups, warp_walk in itertools.product(
+            ways, (True, False), (True, False), (True, False), (True, False)
         ):
             plan = plan_forward(
                 spec,
@@ -77,6 +80,7 @@ def build_forward(
                 affine=affine,
                 mask_tiles=mask_tiles,
                 head_groups=head_groups,
+                warp_walk=warp_walk,
             )
             source = render(plan)
             if source in tried:

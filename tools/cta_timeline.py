@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     from flashgen.lower import SPARSE_PERSISTENT_ENV
 
     # the stamps go into the non-persistent kernel: sparse calls must run it too, not the
-    # persistent one FLASHGEN_SPARSE_PERSISTENT may name (lower.sparse_persistent; off by
+    # persistent one FLASHGEN_SPARSE_PERSISTENT names (lower.sparse_persistent; dynamic by
     # default, forced off here whatever the caller's environment says)
     os.environ[SPARSE_PERSISTENT_ENV] = "0"
     import flashgen.op as op_mod

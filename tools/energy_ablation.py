@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -133,6 +134,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("energy_ablation needs an sm_90 GPU", file=sys.stderr)
         return 2
+    from flashgen.lower import SPARSE_PERSISTENT_ENV
+
+    # the patches are of the non-persistent kernel: calls that keep few keys per row (short
+    # lengths) run it too, not the persistent one they default to (lower.sparse_persistent)
+    os.environ[SPARSE_PERSISTENT_ENV] = "0"
     import flashgen.select as sel
     from flashgen import bench
     from flashgen.op import build_op

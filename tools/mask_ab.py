@@ -172,7 +172,9 @@ def main(argv=None) -> int:
     s = args.seqlen
     names = tuple(args.switches or switches())
     mode_env = modes(args.each, names)
-    print(f"switches: {', '.join(names)}; old = all 0, new = all 1; S = {s}, bf16")
+    new = mode_env["new"]
+    on = "all 1" if set(new.values()) == {"1"} else ", ".join(f"{n}={v}" for n, v in new.items())
+    print(f"switches: {', '.join(new)}; old = all 0, new = {on}; S = {s}, bf16")
     cols = "".join(f" {m + ' ms':>14}" for m in mode_env)
     if not args.no_graph:
         cols += "".join(f" {'graph ' + m:>14}" for m in mode_env)

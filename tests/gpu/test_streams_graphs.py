@@ -194,3 +194,52 @@ def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
         for (o_g, lse_g), (o_ref, lse_ref) in zip(outs, eager[:2], strict=True):
             assert torch.equal(o_g, o_ref) and torch.equal(lse_g, lse_ref), "replay != eager"
         assert torch.equal(o_e, eager[2][0]) and torch.equal(lse_e, eager[2][1])
+
+
+def _in_private_pool(ptr: int) -> bool:
+    """Whether device address ``ptr`` lies in a segment of one of the caching allocator's
+    private pools (CUDA graphs, ``torch.cuda.MemPool``); False outside torch's memory."""
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    return False
+
+
+def test_reduce_overhead_keeps_eager_tile_counters_out_of_graph_pools(monkeypatch):
+    """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) runs each new shape once
+    eagerly first, with every allocation of the thread routed into the trees' private pool:
+    the eager tile counter the op keeps per stream (the sparse calls' dynamic scheduler, the
+    default) must not be created there, or a later recording, once the trees reset the pool
+    to a checkpoint, hands its memory to graph tensors (as the trees clear cuBLAS's cached
+    workspaces for).  Shapes alternate (warm-up, recording, replay of each, and a new
+    recording after a replay); every compiled call equals the eager one."""
+    import flashgen.op as op_mod
+
+    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
+    monkeypatch.setattr(op_mod, "_COUNTERS", {})  # none made before: this test makes them
+    op = load("mistral_swa")
+    made = []  # (capturing, address) of every counter handed out
+    tile_counter = op_mod._tile_counter
+
+    def spy(device, stream):
+        c = tile_counter(device, stream)
+        ptr = c if isinstance(c, int) else c.data_ptr()
+        made.append((torch.cuda.is_current_stream_capturing(), ptr))
+        return c
+
+    monkeypatch.setattr(op_mod, "_tile_counter", spy)
+    torch._dynamo.reset()
+    f = torch.compile(
+        lambda q, k, v: op.attention(q, k, v, window=256), mode="reduce-overhead", dynamic=False
+    )
+    for i, s in enumerate([1024, 2048, 1024, 2048, 1024, 2048]):
+        q, k, v, _ = inputs(op, seed=40 + i, b=1, hq=8, hkv=4, sq=s, sk=s)
+        o, lse = (t.clone() for t in f(q, k, v))
+        o_e, lse_e = op.attention(q, k, v, window=256)
+        assert torch.equal(o, o_e) and torch.equal(lse, lse_e), f"call {i}, S={s}"
+    torch._dynamo.reset()
+    assert any(cap for cap, _ in made), "no call captured: did the trees run the op eagerly?"
+    eager = {ptr for cap, ptr in made if not cap}
+    assert eager, "no eager call made a counter (is the call sparse, the scheduler dynamic?)"
+    inside = [hex(p) for p in eager if _in_private_pool(p)]
+    assert not inside, f"eager tile counters in a CUDA-graph pool: {inside}"

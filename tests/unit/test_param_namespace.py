@@ -32,7 +32,7 @@ FRAG = (
     "params: {frag: {type: f32, default: 1.0}}\n"
 )
 SPECS = ("alibi", "document_mask", "gemma2_softcap", "chunked_local", "gpt2_d64", "t5_bias")
-SPECS += ("mistral_swa", "prefix_lm")  # params read by the tile classifier (persistent sparse units)
+SPECS += ("mistral_swa", "prefix_lm")  # params the tile classifier reads (persistent sparse)
 
 
 def _units(spec):
@@ -67,3 +67,23 @@ def test_a_param_named_like_a_kernel_local_compiles(requires_nvcc):
     assert plan.template == "sm_90/fwd.cu.j2"
     _, report = cache.get_or_build(render(plan), plan)
     assert report.spill_bytes == 0
+
+
+def test_the_persistent_classifier_copies_stay_out_of_the_param_namespace():
+    """The persistent Hopper forward copies the classifier's scalars per tile (``opaque``):
+    named ``<arg>_t`` they were ``p_w_t`` for a param ``w``, the kernel argument of a param
+    ``w_t``, whose own copy then read the first one (``p_w_t_t = opaque(p_w_t)``: the
+    classifier would get ``w`` for ``w_t``).  Each copy reads its own argument, and none is
+    named like a param."""
+    spec = loads_spec(
+        "name: wt\nhead_dim: 128\ndtype: bf16\n"
+        "mask: causal && q_idx - kv_idx < w && q_idx - kv_idx >= w_t\n"
+        "params: {w: {type: i32, default: 256}, w_t: {type: i32, default: 0}}\n"
+    )
+    for scheduler in ("static", "dynamic"):
+        src = render(plan_forward(spec, "sm_90", persistent=scheduler))
+        copies = dict(re.findall(r"const int (\w+) = opaque\((\w+)\);", src))
+        assert {"p_w", "p_w_t"} <= set(copies.values()), copies
+        for local, arg in copies.items():
+            assert not PARAM_LIKE.fullmatch(local), (scheduler, local, arg)
+        assert len(set(copies.values())) == len(copies), copies

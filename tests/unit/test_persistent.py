@@ -356,7 +356,7 @@ def test_persistent_render(monkeypatch):
     # the classifier path walks with per-tile opaque copies of its scalar arguments
     swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90",
                               persistent=True))  # fmt: skip
-    assert "const int opq_p_window = opaque(p_window);" in swa
+    assert "const int tile_p_window = opaque(p_window);" in swa
     # warp-wide, a fresh window per tile (inside the tile loop); FLASHGEN_PERSISTENT_WARP_WALK=0
     # or warp_walk=False: prev_live, one classifier call per step
     assert "walk.prev_live(j, c, kv_class)" in swa and "fg::iv::prev_live(" not in swa

@@ -123,3 +123,41 @@ def test_hopper_mask_tiles_are_dropped_when_they_spill(requires_nvcc):
         assert not plan.context["causal_tiles"] and not plan.context["col_limit"]
     else:
         assert plan.context["causal_tiles"]
+
+
+TWO_CHUNKS = """\
+name: two_chunks
+head_dim: 128
+dtype: bf16
+targets: [sm_90]
+mask: >-
+  causal && (q_idx + seqlen_k - seqlen_q) / chunk == kv_idx / chunk
+  && (q_idx + seqlen_k - seqlen_q) / chunk2 == kv_idx / chunk2
+params:
+  chunk: {type: i32, default: 8192, min: 1}
+  chunk2: {type: i32, default: 4096, min: 1}
+"""
+
+
+def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_nvcc, monkeypatch):
+    """A mask whose classifier divides twice (chunked_local's test at two chunk sizes): the
+    persistent producer's warp-wide walk spills at the sparse calls' 128 x 128 tiles (20
+    bytes, nvcc 13.0; no other feature frees the producer's registers), ``fg::iv::prev_live``
+    does not.  The sparse calls' default kernel (persistent ``dynamic``,
+    lower.sparse_persistent) keeps the 128 x 128 Hopper tiles with the serial walk, not the
+    FA2-class 64 x 64 ones every warp-walk variant fell back to."""
+    from flashgen.lower import PERSISTENT_WARP_WALK_ENV, sparse_persistent, sparse_tiles
+
+    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
+    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
+    spec = loads_spec(TWO_CHUNKS, "two_chunks.yaml")
+    alt = sparse_tiles(spec, forward_tile_candidates(spec, "sm_90")[0])
+    assert alt == TileConfig(128, 128, 12)
+    walk = plan_forward(spec, "sm_90", tiles=alt, persistent="dynamic")
+    assert walk.context["warp_walk"]
+    _, rep = cache.get_or_build(render(walk), walk)
+    assert rep.spill_bytes  # today's nvcc (else this test checks nothing)
+    plan, _, report = build_forward(spec, "sm_90", sparse=True, persistent=sparse_persistent())
+    assert report.spill_bytes == 0 and not report.wgmma_serialized
+    assert plan.tiles == alt and plan.context["scheduler"] == "dynamic"
+    assert not plan.context["warp_walk"]

@@ -1,8 +1,10 @@
 """The order in which :func:`flashgen.select.build_forward` tries a tile candidate's feature
-variants (row / column terms, affine split, Hopper masked-tile reductions, head groups), with
+variants (row / column terms, affine split, Hopper masked-tile reductions, head groups, the
+persistent producer's warp-wide walk), with
 nvcc replaced by a recorder whose every kernel spills (so every variant is tried): the distinct
 kernel sources it builds, in order, are those of the nested loops with ``break`` it replaced
-(session 8; here with head groups as their innermost loop), so for any spill outcome both
+(session 8; here with head groups and, inside them, the persistent producer's warp-wide walk
+as their innermost loops), so for any spill outcome both
 return the same plan; the source-level dedupe builds no source twice and skips none; and
 when every variant spills, the plan returned is the one whose kernel was built last (its
 cubin and report belong to it).  No nvcc: tests/unit/test_select.py has the real spills."""
@@ -43,6 +45,7 @@ BUILDS = [
     ("sm_90", "fa2", False),
     ("sm_90", "auto", "static"),
     ("sm_90", "auto", "m_major"),
+    ("sm_90", "auto", "dynamic"),
 ]
 
 
@@ -61,12 +64,15 @@ def _old_loops(spec, target, family, persistent, build):
             for affine in (True, False):
                 for mask_tiles in (True, False):
                     for head_groups in (True, False):
-                        plan = plan_forward(
-                            spec, target, None, tiles=tiles, persistent=persistent,
-                            side_terms=side_terms, affine=affine, mask_tiles=mask_tiles,
-                            head_groups=head_groups,
-                        )  # fmt: skip
-                        build(render(plan), plan)
+                        for warp_walk in (True, False):
+                            plan = plan_forward(
+                                spec, target, None, tiles=tiles, persistent=persistent,
+                                side_terms=side_terms, affine=affine, mask_tiles=mask_tiles,
+                                head_groups=head_groups, warp_walk=warp_walk,
+                            )  # fmt: skip
+                            build(render(plan), plan)
+                            if not plan.context.get("warp_walk"):
+                                break
                         if plan.context["tile_group"] == "1":
                             break
                     reductions = ("causal_tiles", "col_limit", "nonneg_div")
