@@ -288,6 +288,56 @@ def do_bench_ms(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> float:
     return times[len(times) // 2]
 
 
+def capture_graph(call: Callable[[], object], reps: int = 10):
+    """A ``torch.cuda.CUDAGraph`` of ``reps`` calls of ``call``, warmed up (3 calls) on the
+    capture stream first and replayed once.  Raises what capture raises."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on the capture stream
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(reps):
+            call()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def graph_replay_ms(g, reps: int = 10, iters: int = 5) -> float:
+    """Device time per call (ms): the median over ``iters`` replays of ``g`` (a graph of
+    ``reps`` calls, :func:`capture_graph`), CUDA events around each replay (no host work, no
+    L2 flush between calls)."""
+    import torch
+
+    out = []
+    for _ in range(iters):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        g.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        out.append(t0.elapsed_time(t1) / reps)
+    return statistics.median(out)
+
+
+def parse_spec_item(item: str) -> tuple[str, dict]:
+    """``spec`` or ``spec:p=v,q=w`` (a shipped spec's name and scalar param overrides, as the
+    A/B tools take them) -> ``(name, {p: v, ...})``; a value with a ``.`` is a float, else
+    an int."""
+    name, _, rest = item.partition(":")
+    over = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        over[k] = float(v) if "." in v else int(v)
+    return name, over
+
+
 def rotation_sets(bytes_per_set: int, l2_bytes: int = L2_BYTES) -> int:
     """Input sets to rotate: ``max(2, ceil(2 * l2_bytes / bytes_per_set))``."""
     return max(2, math.ceil(2 * l2_bytes / max(1, bytes_per_set)))

@@ -4,6 +4,7 @@ error naming the variable, not a silent "off"."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 #: Set to ``0``: the kernels keep the mask's tensor reads per element (no row / column terms;
@@ -33,3 +34,20 @@ def flag(name: str, default: bool | None = False) -> bool | None:
     raise ValueError(
         f"{name}={os.environ[name]!r}: expected one of {', '.join(_ON + _OFF)} (or unset)"
     )
+
+
+@contextlib.contextmanager
+def scoped_env(env: dict[str, str]):
+    """``os.environ`` updated with ``env`` inside the ``with`` block, each variable restored
+    (or removed) after it, also when the block raises.  For tools that A/B switches read at
+    plan or call time (``tools/mask_ab.py``, ``tools/sparse_walk_ab.py``)."""
+    old = {n: os.environ.get(n) for n in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -89,59 +88,24 @@ def modes(each: bool, names: tuple[str, ...] | None = None) -> dict[str, dict[st
 def _under(env: dict[str, str], fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with ``env`` set (the switches read at every call, e.g.
     ``FLASHGEN_SPARSE_PERSISTENT``, take the mode's value when timed too)."""
-    old = {n: os.environ.get(n) for n in env}
-    os.environ.update(env)
-    try:
+    from flashgen.envflags import scoped_env
+
+    with scoped_env(env):
         return fn(*args, **kwargs)
-    finally:
-        for n, val in old.items():
-            if val is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = val
 
 
 def graph_ms(call, reps: int = 10, iters: int = 5) -> float:
     """Median ms per call of ``reps`` calls captured in one CUDA graph (nan if capture fails)."""
-    import torch
+    from flashgen.bench import capture_graph, graph_replay_ms
 
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm-up on the capture stream
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                call()
-        g.replay()
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(iters):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            g.replay()
-            t1.record()
-            torch.cuda.synchronize()
-            out.append(t0.elapsed_time(t1) / reps)
+        g = capture_graph(call, reps)
+        ms = graph_replay_ms(g, reps, iters)
         del g
-        return statistics.median(out)
+        return ms
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]})", file=sys.stderr)
         return float("nan")
-
-
-def parse_item(item: str) -> tuple[str, dict]:
-    """``spec`` or ``spec:p=v,q=w`` -> (spec name, scalar overrides)."""
-    name, _, rest = item.partition(":")
-    over = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        over[k] = float(v) if "." in v else int(v)
-    return name, over
 
 
 def main(argv=None) -> int:
@@ -182,7 +146,7 @@ def main(argv=None) -> int:
           f"{'FLOPs/causal':>12} {'max|do|':>9} {'max|dlse|':>9}")  # fmt: skip
     causal_new_per_head = causal_kept_per_head = causal_graph_per_head = None
     for item in args.specs:
-        name, over = parse_item(item)
+        name, over = bench.parse_spec_item(item)
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
         b, h = bench.problem(s, spec.head_dim)
         params = bench.spec_params(spec, h, b, s, s, dev, doc_len=args.doc_len)

@@ -27,7 +27,6 @@ that the outputs (o and lse, poisoned first) of ``warp`` and ``serial`` are bitw
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import statistics
@@ -66,66 +65,6 @@ BASE_ENV = {
 }
 
 
-@contextlib.contextmanager
-def environ(env: dict[str, str]):
-    """``os.environ`` updated with ``env`` within the block, restored after."""
-    old = {n: os.environ.get(n) for n in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for n, v in old.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
-
-
-def parse_case(item: str) -> tuple[str, dict]:
-    """``spec:p=v,q=w`` -> (spec name, scalar params)."""
-    name, _, rest = item.partition(":")
-    params = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        params[k] = float(v) if "." in v else int(v)
-    return name, params
-
-
-def capture(call, reps: int):
-    """A CUDA graph of ``reps`` calls of ``call`` (warmed up on the capture stream first)."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(reps):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def replay_ms(g, reps: int, iters: int) -> float:
-    """Median ms per call over ``iters`` replays of ``g`` (``reps`` calls each)."""
-    import torch
-
-    out = []
-    for _ in range(iters):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        out.append(t0.elapsed_time(t1) / reps)
-    return statistics.median(out)
-
-
 _SPIED: dict[str, tuple] = {}
 
 
@@ -152,10 +91,12 @@ def run_case(item: str, args) -> bool:
     """Time and compare the modes on one case; True if the outputs are bitwise equal."""
     import torch
 
+    from flashgen.bench import capture_graph, graph_replay_ms, parse_spec_item
+    from flashgen.envflags import scoped_env
     from flashgen.op import poison_outputs
     from flashgen.spec import load_spec
 
-    name, params = parse_case(item)
+    name, params = parse_spec_item(item)
     base = load_spec(REPO / "specs" / f"{name}.yaml")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -164,7 +105,7 @@ def run_case(item: str, args) -> bool:
     outs, graphs = {}, {}
     for mode, env in MODES.items():
         op, ran = spied_op(dataclasses.replace(base, name=f"{base.name}_walk_ab_{mode}"))
-        with environ(env):
+        with scoped_env(env):
             with poison_outputs():
                 outs[mode] = op.attention(q, k, v, **params)  # plans and builds under env
             torch.cuda.synchronize()
@@ -176,11 +117,11 @@ def run_case(item: str, args) -> bool:
                     f"expected 128 x 128 {EXPECT[mode]} (is the call sparse?)"
                 )
             call = lambda op=op: op.attention(q, k, v, **params)  # noqa: E731
-            graphs[mode] = capture(call, args.reps)
+            graphs[mode] = capture_graph(call, args.reps)
     times = {m: [] for m in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
-            times[mode].append(replay_ms(graphs[mode], args.reps, args.iters))
+            times[mode].append(graph_replay_ms(graphs[mode], args.reps, args.iters))
     ms = {m: statistics.median(t) for m, t in times.items()}
     ref_o, ref_lse = outs["nonpers"]
     equal = {}

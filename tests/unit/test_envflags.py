@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from flashgen.envflags import flag
@@ -50,3 +52,16 @@ def test_no_tma_cache_switch(monkeypatch):
     assert not DescriptorCache().enabled
     monkeypatch.setenv("FLASHGEN_NO_TMA_CACHE", "0")
     assert DescriptorCache().enabled
+
+
+def test_scoped_env_sets_and_restores(monkeypatch):
+    from flashgen.envflags import scoped_env
+
+    monkeypatch.setenv("FLASHGEN_T_KEEP", "a")
+    monkeypatch.delenv("FLASHGEN_T_NEW", raising=False)
+    with scoped_env({"FLASHGEN_T_KEEP": "b", "FLASHGEN_T_NEW": "c"}):
+        assert os.environ["FLASHGEN_T_KEEP"] == "b" and os.environ["FLASHGEN_T_NEW"] == "c"
+    assert os.environ["FLASHGEN_T_KEEP"] == "a" and "FLASHGEN_T_NEW" not in os.environ
+    with pytest.raises(RuntimeError), scoped_env({"FLASHGEN_T_NEW": "d"}):
+        raise RuntimeError("inside")
+    assert "FLASHGEN_T_NEW" not in os.environ  # restored when the block raises too

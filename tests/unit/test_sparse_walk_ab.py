@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen import lower  # noqa: E402
+from flashgen.bench import parse_spec_item  # noqa: E402
+from flashgen.envflags import scoped_env  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,12 +45,12 @@ def test_modes_plan_the_expected_kernels(monkeypatch):
     for n in names:
         monkeypatch.delenv(n, raising=False)
     for item in tool.DEFAULT_CASES:
-        name, params = tool.parse_case(item)
+        name, params = parse_spec_item(item)
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
         tiles = lower.sparse_tiles(spec, lower.plan_forward(spec, "sm_90").tiles)
         assert (tiles.block_m, tiles.block_n) == (128, 128), item
         for mode, env in tool.MODES.items():
-            with tool.environ({**tool.BASE_ENV, **env}):
+            with scoped_env({**tool.BASE_ENV, **env}):
                 sched = lower.sparse_persistent()
                 plan = lower.plan_forward(spec, "sm_90", tiles=tiles, persistent=sched)
             got = (plan.context["scheduler"], plan.context["warp_walk"])
@@ -61,15 +63,19 @@ def test_default_cases_are_sparse_calls():
 
     tool = _tool()
     for item in tool.DEFAULT_CASES:
-        name, params = tool.parse_case(item)
+        name, params = parse_spec_item(item)
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
         scalars = tuple(params.get(p.name, p.default) for p in spec.scalar_params)
         assert keys_per_row(spec, 16384, 16384, scalars) < lower.SPARSE_KEYS_PER_ROW / 2, item
 
 
-def test_parse_case_and_no_gpu(monkeypatch):
+def test_parse_spec_item_and_no_gpu(monkeypatch):
     tool = _tool()
-    assert tool.parse_case("chunked_local:chunk=1024") == ("chunked_local", {"chunk": 1024})
-    assert tool.parse_case("alibi") == ("alibi", {})
+    assert parse_spec_item("chunked_local:chunk=1024") == ("chunked_local", {"chunk": 1024})
+    assert parse_spec_item("alibi") == ("alibi", {})
+    assert parse_spec_item("gemma2_softcap:softcap=30.5,x=2") == (
+        "gemma2_softcap",
+        {"softcap": 30.5, "x": 2},
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tool.main([]) == 2
