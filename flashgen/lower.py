@@ -308,7 +308,8 @@ def kernel_family() -> str:
 #: head-major order; ``m_major``: the same in query-block-major order (every head's
 #: heaviest causal block first: balanced, less K/V reuse in L2); ``dynamic``: the head-major
 #: order handed out by a global atomic counter (balanced and head-major; the op passes a
-#: per-stream counter the kernel's last CTA resets).
+#: counter the kernel's last CTA resets: the stream's for eager calls, its own per captured
+#: call).
 PERSISTENT_SCHEDULERS = ("static", "m_major", "dynamic")
 
 
@@ -1536,7 +1537,8 @@ def plan_hopper_forward(
     Q lands during it; otherwise (head_dim 256) the next Q waits for the epilogue.
     ``persistent`` may name the tile scheduler (:data:`PERSISTENT_SCHEDULERS`; True is
     ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
-    argument (two zeroed ints per stream, reset by the kernel's last CTA).
+    argument (two zeroed ints, reset by the kernel's last CTA: one per stream for eager calls,
+    one per captured call, ``flashgen.op._tile_counter``).
     ``side_terms``: the mask's one-sided tensor reads are read once per query row and once
     per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).  ``affine``:
     FULL tiles split an affine score_mod (:func:`affine_context`).
