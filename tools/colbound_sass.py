@@ -2,13 +2,15 @@
 """SASS of the Hopper forward with and without the column bound (``FLASHGEN_COL_BOUND``).
 
 For each spec (default: mistral_swa and causal_d128 as the yardstick) and each scheduler
-(non-persistent, ``static`` persistent), renders the sm_90 forward with the switch on and
-off, compiles it (nvcc through :func:`flashgen.compile.compile_source`, no GPU) and prints
-registers, spill bytes, whether ptxas serialized the wgmmas, and the counts of the opcodes a
-masked tile's element loop spends (ISETP, FSEL, VIADD, IADD3, SEL, all instructions):
+(``none``: non-persistent, ``static`` / ``dynamic`` persistent, ``sparse``: the op's
+``fwd_sparse`` unit, :func:`flashgen.lower.compile_units`), renders the sm_90 forward with
+the switch on and off, compiles it (nvcc through :func:`flashgen.compile.compile_source`,
+no GPU) and prints registers, spill bytes, whether ptxas serialized the wgmmas, and the
+counts of the opcodes a masked tile's element loop spends (ISETP, FSEL, VIADD, IADD3, SEL,
+all instructions):
 
     python3 tools/colbound_sass.py
-    python3 tools/colbound_sass.py --specs mistral_swa --persistent none static dynamic
+    python3 tools/colbound_sass.py --specs mistral_swa --persistent none static dynamic sparse
 
 Needs nvcc and cuobjdump (see tools/sass_mma_distance.py).  Exit status 1 if a build spills
 or serializes its wgmmas.
@@ -32,7 +34,7 @@ from sass_mma_distance import kernel_sass  # noqa: E402
 
 from flashgen.compile import compile_source  # noqa: E402
 from flashgen.envflags import scoped_env  # noqa: E402
-from flashgen.lower import COL_BOUND_ENV, plan_forward  # noqa: E402
+from flashgen.lower import COL_BOUND_ENV, compile_units, plan_forward  # noqa: E402
 from flashgen.render import render  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 
@@ -53,7 +55,10 @@ def opcode_counts(sass: str) -> collections.Counter:
 def build(spec_name: str, persistent, on: bool, tmp: Path) -> dict:
     spec = load_spec(REPO / "specs" / f"{spec_name}.yaml")
     with scoped_env({COL_BOUND_ENV: "1" if on else "0"}):
-        plan = plan_forward(spec, "sm_90", persistent=persistent)
+        if persistent == "sparse":  # the forward the op runs for sparse calls
+            plan = compile_units(spec, "sm_90")["fwd_sparse"]
+        else:
+            plan = plan_forward(spec, "sm_90", persistent=persistent)
         src = render(plan)
     cubin = tmp / f"{spec_name}_{persistent}_{int(on)}.cubin"
     report = compile_source(src, plan, cubin)
@@ -71,7 +76,7 @@ def build(spec_name: str, persistent, on: bool, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--specs", nargs="+", default=["mistral_swa", "causal_d128"])
-    ap.add_argument("--persistent", nargs="+", default=["none", "static"])
+    ap.add_argument("--persistent", nargs="+", default=["none", "static", "sparse"])
     args = ap.parse_args(argv)
     bad = False
     head = f"{'spec':<14} {'sched':<8} {'switch':<6} {'regs':>4} {'spill':>5} {'ser':>3} "
