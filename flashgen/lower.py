@@ -40,7 +40,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from . import affine, ir, masktiles, rowcol
+from . import affine, colbound, ir, masktiles, rowcol
 from .envflags import flag
 from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
 from .maskinfo import Range, evaluate
@@ -1154,6 +1154,7 @@ def plan_forward(
             affine=affine,
             causal_tiles=mask_tiles,
             col_limit=mask_tiles,
+            col_bound=mask_tiles,
             nonneg_div=mask_tiles,
             warp_walk=warp_walk,
             head_groups=head_groups,
@@ -1260,6 +1261,10 @@ CAUSAL_TILES_ENV = "FLASHGEN_CAUSAL_TILES"
 #: ``FLASHGEN_COL_LIMIT=0``: the Hopper forward's masked tiles test bounds and causal per element
 #: as before, not as one comparison with a per-row column limit (:func:`plan_hopper_forward`).
 COL_LIMIT_ENV = "FLASHGEN_COL_LIMIT"
+#: ``FLASHGEN_COL_BOUND=0``: the Hopper forward's masked tiles evaluate a residual conjunct that
+#: is a column bound (``q_idx + seqlen_k - seqlen_q - kv_idx < window``) per element, not as a
+#: per-row column range (:mod:`flashgen.colbound`, :func:`plan_hopper_forward`).
+COL_BOUND_ENV = "FLASHGEN_COL_BOUND"
 #: ``FLASHGEN_SINGLE_WALK=0``: every warp of the Hopper forward walks the tile classifier for the
 #: first live key block, not warp 0 alone (:func:`plan_hopper_forward`).
 SINGLE_WALK_ENV = "FLASHGEN_SINGLE_WALK"
@@ -1434,6 +1439,7 @@ def _forward_context(
     affine: bool = False,
     nonneg_div: bool = False,
     head_groups: bool = True,
+    col_bound: bool = False,
 ) -> dict:
     """Template context shared by the forward kernels: sizes, tiles, the causal flag, the
     residual mask and score_mod as CUDA expressions, the ABI argument list.
@@ -1445,7 +1451,17 @@ def _forward_context(
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
     (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
     ``nonneg_div``: see :class:`Invariants`.  ``head_groups``: the CTA order's
-    ``tile_group`` (:func:`tile_group_expr`; False: head-major)."""
+    ``tile_group`` (:func:`tile_group_expr`; False: head-major).
+
+    ``tile_mask_expr``: the expression a masked tile of each kind (``mask``, ``nc``, ``causal``:
+    see :func:`causal_tiles_context`) evaluates per element, besides the bounds and causal
+    tests.  ``col_bound`` (the Hopper forward with ``col_limit``): the residual's conjuncts
+    that are column bounds (:func:`flashgen.colbound.extract`) leave it, and ``col_bound``
+    holds ``lo`` / ``hi``, CUDA ``long long`` expressions of a row's ``q_idx`` (None: no bound
+    that side) that the masked tiles of kinds ``mask`` and ``nc`` fold into their per-row
+    column range; otherwise ``col_bound`` is None.  With a score_mod only a residual that is
+    all bounds qualifies (the score_mod loop tests a rest per element, the column range after
+    the loop)."""
     d, dv = spec.head_dim, spec.head_dim_v
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
@@ -1459,6 +1475,26 @@ def _forward_context(
     mask_expr_nc = None
     if residual is not None:
         mask_expr_nc = cuda_expr(_causal_as_true(residual), spec, inv)
+    tile_mask_expr = {"mask": mask_expr, "nc": mask_expr_nc, "causal": None}
+    bound = colbound.extract(residual, spec) if col_bound else None
+    if bound is not None and score_mod is not None and bound.rest is not None:
+        bound = None
+    col_bound_ctx = None
+    if bound is not None:
+        rest = bound.rest
+        tile_mask_expr = {
+            "mask": cuda_expr(rest, spec, inv) if rest is not None else None,
+            "nc": cuda_expr(_causal_as_true(rest), spec, inv) if rest is not None else None,
+            "causal": None,
+        }
+
+        def row_code(e: Expr) -> str:
+            return cuda_expr(e, spec)
+
+        col_bound_ctx = {
+            "lo": colbound.bound_code(bound.lo, row_code, "max"),
+            "hi": colbound.bound_code(bound.hi, row_code, "min"),
+        }
     score_mod_expr = cuda_expr(score_mod, spec, inv) if score_mod is not None else None
     affine_ctx = affine_context(spec, inv) if affine and score_mod is not None else None
     return {
@@ -1476,6 +1512,9 @@ def _forward_context(
         "mask_expr": mask_expr,
         # mask_expr with causal replaced by true (the Hopper forward's NO_CAUSAL tiles)
         "mask_expr_nc": mask_expr_nc,
+        # per masked tile kind, what it evaluates per element; the column bounds it folds
+        "tile_mask_expr": tile_mask_expr,
+        "col_bound": col_bound_ctx,
         "score_mod_expr": score_mod_expr,
         # score_mod = score + L, L affine in q_idx, kv_idx (FULL tiles: one FFMA per element)
         "affine": affine_ctx,
@@ -1511,6 +1550,7 @@ def plan_hopper_forward(
     causal_tiles: bool = True,
     walk_from_diagonal: bool = True,
     col_limit: bool = True,
+    col_bound: bool = True,
     nonneg_div: bool = True,
     single_walk: bool = True,
     warp_walk: bool = True,
@@ -1552,7 +1592,11 @@ def plan_hopper_forward(
     ``kv_idx < seqlen_k`` and the causal test (and, with a score_mod, ``q_idx < seqlen_q``)
     per element as one comparison of the column offset with a per-row limit (FA3's
     ``col_limit``), not two or three comparisons of indices (also off with
-    ``FLASHGEN_COL_LIMIT=0``).  ``nonneg_div``: ``kv_idx / chunk`` and other integer
+    ``FLASHGEN_COL_LIMIT=0``).  ``col_bound`` (with ``col_limit``): a residual conjunct that
+    keeps a column range per row (``q_idx + seqlen_k - seqlen_q - kv_idx < window``,
+    :mod:`flashgen.colbound`) joins that limit as a per-row range, two comparisons per
+    element, instead of being evaluated (also off with ``FLASHGEN_COL_BOUND=0``).
+    ``nonneg_div``: ``kv_idx / chunk`` and other integer
     divisions by a kernel-invariant divisor with ``x >= 0`` and ``d >= 1`` proven take
     ``fg::Divisor::div_nn`` (:class:`Invariants`; also off with ``FLASHGEN_NONNEG_DIV=0``).
     ``single_walk`` (non-persistent, no block table): warp 0 alone runs the classifier for the
@@ -1601,6 +1645,10 @@ def plan_hopper_forward(
         smem += 8 if single_walk else 0  # first_slot: warp 0's first live key block
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
+    # (not at head_dim 256 with a score_mod: gemma2_softcap spilled 4 bytes there)
+    col_limit = bool(
+        col_limit and flag(COL_LIMIT_ENV, True) and not (spec.score_mod is not None and d >= 256)
+    )
     ctx = _forward_context(
         spec,
         target,
@@ -1609,6 +1657,7 @@ def plan_hopper_forward(
         affine=affine,
         nonneg_div=nonneg_div,
         head_groups=head_groups,
+        col_bound=bool(col_limit and col_bound and flag(COL_BOUND_ENV, True)),
     )
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = nonneg_div
@@ -1620,10 +1669,7 @@ def plan_hopper_forward(
         ctx["causal_tiles"] = False
     else:
         ctx.update(causal_tiles_context(spec, ctx))
-    # (not at head_dim 256 with a score_mod: gemma2_softcap spilled 4 bytes there)
-    ctx["col_limit"] = bool(
-        col_limit and flag(COL_LIMIT_ENV, True) and not (spec.score_mod is not None and d >= 256)
-    )
+    ctx["col_limit"] = col_limit
     ctx["walk_from_diagonal"] = bool(
         walk_from_diagonal and ctx["causal"] and flag(WALK_FROM_DIAGONAL_ENV, True)
     )

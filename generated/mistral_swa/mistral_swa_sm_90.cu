@@ -919,12 +919,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_mistral_swa_fw
             }
 
             } else if (tile_cls & fg::iv::NO_CAUSAL) {  // causal holds on the whole tile
-            int col_lim[2];
+            int col_lim[2], col_lo[2];
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int q_row = m0 + fg::iv::opaque(row_base) + r * 8;  // opaque: not hoisted out of the key loop
                 int lim = seqlen_k - 1;
-                col_lim[r] = lim - n0 - (lane % 4) * 2;
+                {
+                    const int q_idx = min(q_row, seqlen_q - 1);  // the masked loop's q_idx
+                    (void)q_idx;
+                    const long long col0 = n0 + (lane % 4) * 2;  // kv_idx at offset 0
+                    col_lim[r] = lim - (int)col0;
+                    col_lo[r] = (int)min(max(((long long)(((q_idx + seqlen_k) - seqlen_q)) - (long long)(p_window) + 1LL) - col0, 0LL), (long long)BLOCK_N);
+                }
             }
 
             #pragma unroll
@@ -933,28 +939,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_mistral_swa_fw
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
                     const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
-                    // The DSL sees indices clamped into range (and float twins); out-of-range pairs
-                    // are dropped anyway (a mask without tensor reads sees kv_raw: the column limit drops the columns past seqlen_k before their value counts).
-                    const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = kv_raw;
-                    const float q_idx_f = (float)q_idx;
-                    const float kv_idx_f = (float)kv_idx;
-                    (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                     (void)q_raw; (void)kv_raw;
-                    const bool keep = (j * 8 + i % 2 <= col_lim[i / 2])
-                                      & (((((q_idx + seqlen_k) - seqlen_q) - kv_idx) < p_window));
+                    const bool keep = (col_lo[i / 2] <= j * 8 + i % 2) & (j * 8 + i % 2 <= col_lim[i / 2]);
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
             }
 
             } else {
-            int col_lim[2];
+            int col_lim[2], col_lo[2];
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int q_row = m0 + fg::iv::opaque(row_base) + r * 8;  // opaque: not hoisted out of the key loop
                 int lim = seqlen_k - 1;
                 if (IS_CAUSAL) lim = min(lim, q_row + seqlen_k - seqlen_q);
-                col_lim[r] = lim - n0 - (lane % 4) * 2;
+                {
+                    const int q_idx = min(q_row, seqlen_q - 1);  // the masked loop's q_idx
+                    (void)q_idx;
+                    const long long col0 = n0 + (lane % 4) * 2;  // kv_idx at offset 0
+                    col_lim[r] = lim - (int)col0;
+                    col_lo[r] = (int)min(max(((long long)(((q_idx + seqlen_k) - seqlen_q)) - (long long)(p_window) + 1LL) - col0, 0LL), (long long)BLOCK_N);
+                }
             }
 
             #pragma unroll
@@ -963,16 +967,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_mistral_swa_fw
                 for (int i = 0; i < 4; ++i) {
                     const int q_raw = m0 + row_base + (i / 2) * 8;
                     const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
-                    // The DSL sees indices clamped into range (and float twins); out-of-range pairs
-                    // are dropped anyway (a mask without tensor reads sees kv_raw: the column limit drops the columns past seqlen_k before their value counts).
-                    const int q_idx = min(q_raw, seqlen_q - 1);
-                    const int kv_idx = kv_raw;
-                    const float q_idx_f = (float)q_idx;
-                    const float kv_idx_f = (float)kv_idx;
-                    (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f;
                     (void)q_raw; (void)kv_raw;
-                    const bool keep = (j * 8 + i % 2 <= col_lim[i / 2])
-                                      & (((((q_idx + seqlen_k) - seqlen_q) - kv_idx) < p_window));
+                    const bool keep = (col_lo[i / 2] <= j * 8 + i % 2) & (j * 8 + i % 2 <= col_lim[i / 2]);
                     if (!keep) acc_s[4 * j + i] = -INFINITY;
                 }
             }

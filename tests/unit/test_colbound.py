@@ -1,0 +1,409 @@
+"""flashgen/colbound.py and the Hopper forward's column bounds (lower.py ``col_bound``).
+
+Exhaustive CPU checks: for every shipped mask the bound applies to and random small user
+masks of the bound forms, the per-row range keeps exactly the pairs the expression keeps
+(brute force over small grids with the reference semantics, flashgen/reference.py), and the
+masked tile's arithmetic as the template writes it (the range's offsets clamped into
+``[-1, BLOCK_N]``, 64-bit) keeps exactly those columns of every tile.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashgen import colbound, ir
+from flashgen.errors import SpecError
+from flashgen.lower import (
+    COL_BOUND_ENV,
+    COL_LIMIT_ENV,
+    cuda_expr,
+    plan_forward,
+    split_causal,
+)
+from flashgen.reference import eval_expr
+from flashgen.render import render
+from flashgen.spec import load_spec, loads_spec
+
+REPO = Path(__file__).resolve().parents[2]
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+PARAMS = "params:\n  w: {type: i32, default: 4}\n  p: {type: i32, default: 2}\n"
+
+
+def _spec(mask: str, score_mod: str | None = None):
+    mod = f"score_mod: '{score_mod}'\n" if score_mod else ""
+    text = f"name: cb\nhead_dim: 128\ndtype: bf16\nmask: '{mask}'\n{mod}{PARAMS}"
+    return loads_spec(text, "cb.yaml")
+
+
+def _env(sq: int, sk: int, params: dict, b: int = 1, h: int = 2) -> dict:
+    env = {
+        "__float__": torch.float32,
+        "__device__": "cpu",
+        "b": torch.tensor(b),
+        "h": torch.tensor(h),
+        "h_kv": torch.tensor(h),
+        "q_idx": torch.arange(sq).view(sq, 1),
+        "kv_idx": torch.arange(sk).view(1, sk),
+        "seqlen_q": torch.tensor(sq),
+        "seqlen_k": torch.tensor(sk),
+    }
+    env.update({k: torch.tensor(v) for k, v in params.items()})
+    return env
+
+
+def _linear_value(v: colbound.Linear, env: dict, sq: int) -> torch.Tensor:
+    out = torch.full((sq, 1), v.const, dtype=torch.int64)
+    for sign, t in v.terms:
+        out = out + sign * eval_expr(t, env).to(torch.int64).expand(sq, 1)
+    return out
+
+
+def _range(bound: colbound.ColBound, env: dict, sq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the smallest and largest kv_idx the bounds keep (int64, [sq, 1])."""
+    lo = torch.full((sq, 1), -(2**62), dtype=torch.int64)
+    hi = torch.full((sq, 1), 2**62, dtype=torch.int64)
+    for v in bound.lo:
+        lo = torch.maximum(lo, _linear_value(v, env, sq))
+    for v in bound.hi:
+        hi = torch.minimum(hi, _linear_value(v, env, sq))
+    return lo, hi
+
+
+def _check(bound: colbound.ColBound, conj: ir.Expr, sq: int, sk: int, params: dict) -> None:
+    env = _env(sq, sk, params)
+    want = eval_expr(conj, env).expand(sq, sk)
+    lo, hi = _range(bound, env, sq)
+    kv = torch.arange(sk).view(1, sk)
+    got = (kv >= lo) & (kv <= hi)
+    assert torch.equal(got, want), (sq, sk, params)
+    _check_tiles(lo, hi, want, sk)
+
+
+def _check_tiles(lo: torch.Tensor, hi: torch.Tensor, want: torch.Tensor, sk: int) -> None:
+    """The template's bound_range on every tile (BLOCK_N 32, the four lane column pairs): the
+    offsets clamped as the kernel clamps them keep exactly ``want`` (with lim = seqlen_k - 1)."""
+    block_n = 32
+    for n0 in range(0, sk, block_n):
+        for lane4 in range(4):
+            col0 = n0 + 2 * lane4
+            lim = sk - 1
+            hi_off = torch.clamp(torch.minimum(hi, torch.tensor(lim)) - col0, min=-1)
+            lo_off = torch.clamp(lo - col0, 0, block_n)
+            assert int(hi_off.max()) < 2**31 and int(hi_off.min()) >= -1
+            for j in range(block_n // 8):
+                for e in range(2):
+                    off = j * 8 + e
+                    kv = col0 + off
+                    if kv >= sk:
+                        continue
+                    keep = (lo_off[:, 0] <= off) & (off <= hi_off[:, 0])
+                    assert torch.equal(keep, want[:, kv]), (n0, lane4, off)
+
+
+def _conjuncts(mask: ir.Expr) -> list[ir.Expr]:
+    _, residual = split_causal(mask)
+    out = []
+
+    def flat(e):
+        if isinstance(e, ir.Binary) and e.op == "&&":
+            flat(e.lhs)
+            flat(e.rhs)
+        else:
+            out.append(e)
+
+    flat(residual)
+    return out
+
+
+def test_mistral_window_is_a_lower_bound_over_every_small_grid():
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    _, residual = split_causal(spec.mask)
+    bound = colbound.extract(residual, spec)
+    assert bound is not None and bound.rest is None and len(bound.lo) == 1 and not bound.hi
+    windows = list(range(-3, 12)) + [I32_MAX, I32_MIN, I32_MIN + 1, I32_MAX - 1, 4096]
+    for sq in range(1, 10):
+        for sk in range(1, 41, 3):
+            for w in windows:
+                _check(bound, residual, sq, sk, {"window": w})
+
+
+@pytest.mark.parametrize(
+    "name", ["chunked_local", "document_mask", "prefix_lm", "causal_d128", "alibi", "t5_bias"]
+)
+def test_other_shipped_masks_have_no_column_bound(name):
+    spec = load_spec(REPO / "specs" / f"{name}.yaml")
+    _, residual = split_causal(spec.mask)
+    assert colbound.extract(residual, spec) is None
+    plan = plan_forward(spec, "sm_90")
+    assert plan.context["col_bound"] is None
+    assert "col_lo" not in render(plan)
+
+
+ROW_EXPRS = [
+    "q_idx",
+    "q_idx + seqlen_k - seqlen_q",
+    "q_idx - w",
+    "w",
+    "2 * q_idx - p",
+    "q_idx / 3",
+    "min(q_idx, p) + 1",
+    "q_idx % 4 == 1 ? w : p",
+    "-q_idx",
+    "seqlen_k - 1 - q_idx",
+    "h + q_idx",
+]
+FORMS = [
+    "{a} - kv_idx < {b}",
+    "{a} - kv_idx <= {b}",
+    "kv_idx > {a}",
+    "kv_idx >= {a}",
+    "{a} < kv_idx",
+    "{a} <= kv_idx",
+    "kv_idx < {a}",
+    "kv_idx <= {a}",
+    "{a} > kv_idx",
+    "{a} >= kv_idx",
+    "kv_idx == {a}",
+    "!(kv_idx < {a})",
+    "!({a} - kv_idx >= {b})",
+    "-kv_idx + {a} < {b}",
+    "{a} - (kv_idx - {b}) > 0",
+    "kv_idx + {b} < {a} + 3",
+]
+
+
+def test_random_user_bounds_keep_exactly_what_the_expression_keeps():
+    rng = random.Random(1234)
+    cases = [(f, a, rng.choice(ROW_EXPRS)) for f in FORMS for a in ROW_EXPRS]
+    checked = 0
+    for form, a, b in cases:
+        mask = form.format(a=f"({a})", b=f"({b})")
+        try:
+            spec = _spec(mask)
+        except SpecError:  # the checker refuses a mask that is never true (kv_idx < -q_idx)
+            continue
+        checked += 1
+        bound = colbound.extract(spec.mask, spec)
+        assert bound is not None and bound.rest is None, mask
+        for sq, sk in ((1, 1), (5, 17), (9, 40), (13, 7)):
+            for w, p in ((0, 0), (3, -2), (-4, 7), (I32_MAX, 1), (I32_MIN, -1)):
+                _check(bound, spec.mask, sq, sk, {"w": w, "p": p})
+    assert checked > 0.9 * len(cases)
+
+
+def test_several_bounds_and_a_rest():
+    spec = _spec(
+        "causal && kv_idx > q_idx - w && kv_idx <= q_idx + p && (kv_idx / 4) != (q_idx / 4)"
+    )
+    _, residual = split_causal(spec.mask)
+    bound = colbound.extract(residual, spec)
+    assert len(bound.lo) == 1 and len(bound.hi) == 1 and bound.rest is not None
+    conj = _conjuncts(spec.mask)
+    for sq, sk in ((7, 30), (16, 16)):
+        for w, p in ((3, 2), (0, 0), (20, -3)):
+            env = _env(sq, sk, {"w": w, "p": p})
+            lo, hi = _range(bound, env, sq)
+            kv = torch.arange(sk).view(1, sk)
+            got = (kv >= lo) & (kv <= hi) & eval_expr(bound.rest, env)
+            assert torch.equal(got, eval_expr(residual, env).expand(sq, sk))
+            assert len(conj) == 3
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "kv_idx * 2 < q_idx",  # coefficient 2
+        "kv_idx / 2 < q_idx",  # kv_idx under a division
+        "kv_idx - kv_idx < q_idx",  # coefficient 0
+        "kv_idx < q_idx * 0.5",  # float
+        "kv_idx != q_idx",  # not a range
+        "kv_idx < q_idx || q_idx < 3",  # under ||
+        "abs(q_idx - kv_idx) < w",  # two-sided but not linear
+        "(causal ? 1 : 0) + kv_idx < q_idx",  # causal reads kv_idx
+    ],
+)
+def test_what_is_not_a_column_bound(mask):
+    spec = _spec(mask)
+    assert colbound.extract(spec.mask, spec) is None
+
+
+def test_mistral_masked_tiles_test_a_column_range_and_the_switch(monkeypatch):
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
+    plan = plan_forward(spec, "sm_90")
+    ctx = plan.context
+    assert ctx["col_bound"]["lo"] is not None and ctx["col_bound"]["hi"] is None
+    assert ctx["tile_mask_expr"] == {"mask": None, "nc": None, "causal": None}
+    src = render(plan)
+    body = src[src.index('extern "C" __global__') :]
+    assert "p_window" in body and "- kv_idx) < p_window" not in body
+    assert body.count("(col_lo[i / 2] <= j * 8 + i % 2) & (j * 8 + i % 2 <= col_lim[i / 2])") == 2
+    monkeypatch.setenv(COL_BOUND_ENV, "0")
+    off = plan_forward(spec, "sm_90")
+    assert off.context["col_bound"] is None and "col_lo" not in render(off)
+    assert render(off) == render(plan_forward(spec, "sm_90", mask_tiles=True, persistent=False))
+    monkeypatch.delenv(COL_BOUND_ENV)
+    monkeypatch.setenv(COL_LIMIT_ENV, "0")  # the bound rides on the column limit
+    assert plan_forward(spec, "sm_90").context["col_bound"] is None
+
+
+@pytest.mark.parametrize("persistent", [False, "static"])
+def test_shipped_sources_without_a_bound_do_not_change(monkeypatch, persistent):
+    """Every shipped spec but mistral_swa renders the same source with the switch on or off."""
+    on = {}
+    for path in sorted((REPO / "specs").glob("*.yaml")):
+        spec = load_spec(path)
+        on[spec.name] = render(plan_forward(spec, "sm_90", persistent=persistent))
+    monkeypatch.setenv(COL_BOUND_ENV, "0")
+    for path in sorted((REPO / "specs").glob("*.yaml")):
+        spec = load_spec(path)
+        off = render(plan_forward(spec, "sm_90", persistent=persistent))
+        assert (off == on[spec.name]) == (spec.name != "mistral_swa"), spec.name
+
+
+def test_score_mod_takes_a_bound_only_without_a_rest():
+    alone = _spec("causal && q_idx - kv_idx < w", score_mod="score - 0.5 * (q_idx - kv_idx)")
+    plan = plan_forward(alone, "sm_90")
+    assert plan.context["col_bound"] is not None
+    assert "j * 8 + e < lo" in render(plan)  # the limit pass after the score_mod loop
+    mixed = _spec("q_idx - kv_idx < w && kv_idx % 3 != 0", score_mod="score * 0.5")
+    assert plan_forward(mixed, "sm_90").context["col_bound"] is None
+
+
+def test_bounds_render_as_64_bit_sums():
+    """Each row sub-expression renders as the mask renders it (int32, as evaluated today);
+    only the sum around kv_idx is 64-bit."""
+    spec = _spec("kv_idx - q_idx > p - w && kv_idx < q_idx + 5 && kv_idx <= w")
+    bound = colbound.extract(spec.mask, spec)
+    code = colbound.bound_code(bound.lo, lambda e: cuda_expr(e, spec), "max")
+    assert code == "((long long)((p_p - p_w)) + (long long)(q_idx) + 1LL)"
+    code = colbound.bound_code(bound.hi, lambda e: cuda_expr(e, spec), "min")
+    assert code == "min(((long long)((q_idx + 5)) - 1LL), ((long long)(p_w)))"
+
+
+HOST = r"""
+#include <cstdio>
+#include <algorithm>
+using std::max;
+using std::min;
+constexpr int BLOCK_N = 32;
+// the rendered bound_range block, run on the host (int r = 0: one row)
+static void range(int q_row, int seqlen_q, int seqlen_k, int n0, int lane, @PARAMS@,
+                  int* col_lim, int* col_lo) {
+    const int r = 0;
+    int lim = seqlen_k - 1;
+@BLOCK@
+}
+int main() {
+    int sq, sk;
+    while (scanf("%d %d", &sq, &sk) == 2) {
+        @READ@
+        for (int q = 0; q < sq; ++q)
+            for (int kv = 0; kv < sk; ++kv) {
+                const int n0 = kv / BLOCK_N * BLOCK_N, lane = ((kv - n0) % 8) / 2;
+                const int off = kv - n0 - 2 * lane;  // j * 8 + e
+                int col_lim[1], col_lo[1];
+                range(q, sq, sk, n0, lane, @ARGS@, col_lim, col_lo);
+                putchar(col_lo[0] <= off && off <= col_lim[0] ? '1' : '0');
+                const int q_idx = q, kv_idx = kv, seqlen_q = sq, seqlen_k = sk;
+                (void)q_idx; (void)kv_idx; (void)seqlen_q; (void)seqlen_k;
+                putchar((@OLD@) ? '1' : '0');  // the kernel's per-element test today
+            }
+        putchar('\n');
+    }
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,  # mistral_swa
+        "causal && kv_idx > q_idx - w && kv_idx <= q_idx + p",
+        "kv_idx == seqlen_k - 1 - q_idx",
+        "w - kv_idx >= q_idx / 3 - p",
+    ],
+)
+def test_rendered_bound_arithmetic_on_the_host(mask, host_exe, monkeypatch):
+    """The bound_range block of the rendered kernel (nvcc, host code, int32 wrapping as on the
+    GPU) keeps exactly the pairs today's per-element expression keeps (FLASHGEN_COL_BOUND=0's
+    ``mask_expr_nc``) and the reference keeps: for mistral_swa at every int32 window (its
+    ``q_idx + seqlen_k - seqlen_q - kv_idx`` lies in (-2^31, 2^31) at valid indices, so the
+    int32 form never overflows), for the others at small params.  Where a user mask's int32
+    form overflows, the int64 reference and today's kernel part ways; the bound then agrees
+    with today's kernel on a row term's overflow (it evaluates ``q_idx - w`` as today) and
+    with the reference on the sum's (``w - kv_idx``: 64-bit)."""
+    import subprocess
+
+    spec = load_spec(REPO / "specs" / "mistral_swa.yaml") if mask is None else _spec(mask)
+    src = render(plan_forward(spec, "sm_90"))
+    start = src.index("                {\n                    const int q_idx = min(q_row")
+    block = src[start : src.index("\n                }\n", start) + 18]
+    monkeypatch.setenv(COL_BOUND_ENV, "0")
+    old = plan_forward(spec, "sm_90").context["tile_mask_expr"]["nc"]
+    names = [p.name for p in spec.scalar_params]
+    prog = (
+        HOST.replace("@BLOCK@", block)
+        .replace("@OLD@", old)
+        .replace("@PARAMS@", ", ".join(f"int p_{n}" for n in names))
+        .replace("@READ@", " ".join(f'int p_{n}; scanf("%d", &p_{n});' for n in names))
+        .replace("@ARGS@", ", ".join(f"p_{n}" for n in names))
+    )
+    exe = host_exe(prog, "bound", "-Xcompiler=-O2,-fwrapv")
+    rng = random.Random(7)
+    extremes = [I32_MIN, I32_MIN + 1, -1, 0, 1, 3, 4096, I32_MAX - 1, I32_MAX]
+    cases = []
+    for sq, sk in ((1, 1), (3, 70), (9, 33), (40, 40), (17, 5), (64, 100)):
+        for _ in range(6):
+            cases.append((sq, sk, [rng.choice(extremes + [rng.randint(-50, 50)]) for _ in names]))
+    text = "".join(f"{sq} {sk} {' '.join(map(str, vals))}\n" for sq, sk, vals in cases)
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    _, residual = split_causal(spec.mask)
+    for (sq, sk, vals), line in zip(cases, out.stdout.split(), strict=True):
+        env = _env(sq, sk, dict(zip(names, vals, strict=True)))
+        got = torch.tensor([c == "1" for c in line[0::2]])
+        today = torch.tensor([c == "1" for c in line[1::2]])
+        want = eval_expr(residual, env).expand(sq, sk).reshape(-1)
+        if mask is None or all(abs(v) <= 4096 for v in vals):
+            assert torch.equal(got, today) and torch.equal(got, want), (mask, sq, sk, vals)
+        else:  # an overflow: of a row term (as today) or of the sum (as the reference)
+            assert bool(((got == today) | (got == want)).all()), (mask, sq, sk, vals)
+
+
+GPU_TEST_MASKS = {  # tests/gpu/test_colbound_gpu.py's user specs
+    "band": ("causal && kv_idx > q_idx - w && kv_idx <= q_idx + p", None),
+    "rest": ("causal && q_idx + seqlen_k - seqlen_q - kv_idx < w && kv_idx % 3 != 1", None),
+    "affine": (
+        "causal && q_idx + seqlen_k - seqlen_q - kv_idx < w",
+        "score - 0.01 * (q_idx - kv_idx)",
+    ),
+    "softcap": ("causal && q_idx + seqlen_k - seqlen_q - kv_idx < w", "30.0 * tanh(score / 30.0)"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(GPU_TEST_MASKS))
+@pytest.mark.parametrize("persistent", [False, "static"])
+def test_bound_kernels_spill_no_more(key, persistent, requires_nvcc, monkeypatch):
+    """0 spills and no wgmma serialization with the bound, except the softcap window, which
+    spills without it too (20 B; 216 B persistent) and a little less with it (20 B; 164 B):
+    the op's spill fallback (flashgen/select.py) takes other tiles for it either way.  (The
+    affine window spills 696 B persistent without the bound, 0 with it.)"""
+    from flashgen import cache
+
+    mask, score_mod = GPU_TEST_MASKS[key]
+    spills = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(COL_BOUND_ENV, on)
+        plan = plan_forward(_spec(mask, score_mod), "sm_90", persistent=persistent)
+        assert (plan.context["col_bound"] is not None) == (on == "1")
+        _, report = cache.get_or_build(render(plan), plan)
+        spills[on] = report.spill_bytes
+        if on == "1":
+            assert not report.wgmma_serialized, report.log
+    assert spills["1"] <= spills["0"]
+    if key != "softcap":
+        assert spills["1"] == 0
