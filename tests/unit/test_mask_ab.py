@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from patched_kernels import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("fg_mask_ab", REPO / "tools" / "mask_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("mask_ab")
 
 
 def test_modes_plain_and_valued_switches():
