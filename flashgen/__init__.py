@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from .errors import OpInputError, SpecError  # noqa: E402
-from .spec import load_spec, loads_spec  # noqa: E402
+from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .op import AttentionOp
+    from flashgen.ops.op import AttentionOp
 
 __all__ = [
     "__version__",
@@ -52,7 +52,7 @@ def load(path: str | Path) -> AttentionOp:
     if op is not None:
         return op
     try:
-        from .op import build_op
+        from flashgen.ops.op import build_op
     except ModuleNotFoundError as e:  # pip install -e . does not pull torch in
         if e.name != "torch":
             raise
@@ -72,7 +72,7 @@ def load(path: str | Path) -> AttentionOp:
 
 def __getattr__(name: str):
     if name == "AttentionOp":
-        from .op import AttentionOp
+        from flashgen.ops.op import AttentionOp
 
         return AttentionOp
     raise AttributeError(f"module 'flashgen' has no attribute {name!r}")

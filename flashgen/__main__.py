@@ -1,7 +1,7 @@
-"""``python -m flashgen``: same as the ``flashgen`` script (see :mod:`flashgen.cli`)."""
+"""``python -m flashgen``: same as the ``flashgen`` script (see :mod:`flashgen.cli.commands`)."""
 
 import sys
 
-from .cli import main
+from flashgen.cli.commands import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ import os
 #: :mod:`flashgen.select`).
 SIDE_TERMS_ENV = "FLASHGEN_SIDE_TERMS"
 #: Set to ``1``: the CUDA op fills o and lse with NaN before each launch
-#: (:func:`flashgen.op.poison_outputs`).
+#: (:func:`flashgen.ops.op.poison_outputs`).
 POISON_ENV = "FLASHGEN_POISON_OUTPUTS"
 
 _ON = ("1", "true", "yes", "on")

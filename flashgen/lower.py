@@ -1,4 +1,4 @@
-"""Lowering: a checked :class:`~flashgen.ir.Spec` -> a :class:`KernelPlan` for one target.
+"""Lowering: a checked :class:`~flashgen.frontend.ir.Spec` -> a :class:`KernelPlan` for one target.
 
 Pure Python (no torch, no cupy).  The plan holds everything the renderer, the
 compiler and the launcher need: the template to render and its context, the
@@ -40,10 +40,23 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from . import affine, colbound, ir, masktiles, rowcol
-from .envflags import flag
-from .ir import Binary, Call, Causal, Cond, Const, Expr, Index, Spec, Ty, Unary, Var
-from .maskinfo import Range, evaluate
+from flashgen.analysis import affine, colbound, masktiles, rowcol
+from flashgen.analysis.maskinfo import Range, evaluate
+from flashgen.envflags import flag
+from flashgen.frontend import ir
+from flashgen.frontend.ir import (
+    Binary,
+    Call,
+    Causal,
+    Cond,
+    Const,
+    Expr,
+    Index,
+    Spec,
+    Ty,
+    Unary,
+    Var,
+)
 
 #: CUDA element type per spec dtype.
 CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
@@ -201,7 +214,7 @@ HOPPER_TABLE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: (window 4096), 1.07x for causal at 16k.
 HOPPER_SPARSE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: A call whose mask keeps fewer keys per query row than this on average (16 key blocks of
-#: 160; :mod:`flashgen.density`) runs :data:`HOPPER_SPARSE_TILES` (:func:`sparse_tiles`).
+#: 160; :mod:`flashgen.ops.density`) runs :data:`HOPPER_SPARSE_TILES` (:func:`sparse_tiles`).
 SPARSE_KEYS_PER_ROW = 2560
 #: ``FLASHGEN_SPARSE_TILES=0``: the forward op always runs its dense tiles.
 SPARSE_TILES_ENV = "FLASHGEN_SPARSE_TILES"
@@ -245,7 +258,7 @@ def sparse_persistent() -> str | bool:
     slower while the persistent producer walked one classifier call at a time; it walks
     warp-wide since session 13, ``warp_walk`` of :func:`plan_hopper_forward`.)  The dynamic
     scheduler's tile counter is the stream's for eager calls and the call's own inside a
-    CUDA-graph capture (``flashgen.op``), so graphs replayed on several streams at once never
+    CUDA-graph capture (``flashgen.ops.op``), so graphs replayed on several streams at once never
     share one.
     ``ValueError`` for another value.
     """
@@ -377,7 +390,8 @@ class KernelArg:
 @dataclass(frozen=True)
 class TmaArg:
     """A ``CUtensorMap`` kernel argument ``name`` mapping tensor argument ``tensor``
-    (``[B, H, S, D]``) in boxes of 64 columns x ``box_rows`` rows (see :mod:`flashgen.tma`)."""
+    (``[B, H, S, D]``) in boxes of 64 columns x ``box_rows`` rows (see
+    :mod:`flashgen.runtime.tma`)."""
 
     name: str
     tensor: str
@@ -723,10 +737,10 @@ _I32_MAX = 2**31 - 1
 
 
 def _static_env(spec: Spec) -> dict:
-    """Interval environment of every call (:func:`flashgen.maskinfo.evaluate`): the index
+    """Interval environment of every call (:func:`flashgen.analysis.maskinfo.evaluate`): the index
     variables as the kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h <
     heads_q``, ...; any int32 size), i32 scalar params within their declared ``min`` /
-    ``max`` (the op refuses other values, :func:`flashgen.op.check_scalar`) or else their
+    ``max`` (the op refuses other values, :func:`flashgen.ops.op.check_scalar`) or else their
     whole type, f32 params and ``score`` any."""
     below = Range(0, _I32_MAX - 1)  # an index below an int32 extent
     env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
@@ -750,7 +764,7 @@ NONNEG_DIV_ENV = "FLASHGEN_NONNEG_DIV"
 
 def _nonneg_by_positive(e: Binary, spec: Spec) -> bool:
     """Whether the int division ``e`` provably has ``lhs >= 0`` and ``rhs >= 1`` at every
-    call (:func:`flashgen.maskinfo.evaluate` over :func:`_static_env`): then
+    call (:func:`flashgen.analysis.maskinfo.evaluate` over :func:`_static_env`): then
     ``fg::Divisor::div_nn`` (a multiply-high and a shift: ``kv_idx / chunk``) replaces the
     signed ``div`` (about 7 instructions).  ``FLASHGEN_NONNEG_DIV=0``: never."""
     if not flag(NONNEG_DIV_ENV, True):
@@ -768,7 +782,7 @@ def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
     ``dim`` (a declared extent: an int or a shape symbol) at every call, so the kernels
     need not clamp it: the index variable of that very dimension (``h`` into ``num_heads``,
     ``kv_idx`` into ``seqlen_k``, ...: the kernels keep those inside already), or, for a
-    literal extent, an interval bound (:func:`flashgen.maskinfo.evaluate` over
+    literal extent, an interval bound (:func:`flashgen.analysis.maskinfo.evaluate` over
     :func:`_static_env`) inside ``[0, extent - 1]`` (``min(max(kv_idx - q_idx, -128), 128)
     + 128`` into 257).  Sound, not complete: ``False`` keeps the clamp."""
     if ix.ty != Ty.I32:
@@ -782,7 +796,7 @@ def index_in_bounds(ix: Expr, dim, spec: Spec) -> bool:
 
 def _tile_invariant(e: Expr, spec: Spec) -> bool:
     """Whether ``e`` reads only b, h, h_kv, seqlen_q, seqlen_k, params and constants (a
-    subscript of the read's hoisted base offset): :func:`flashgen.affine.cta_invariant`
+    subscript of the read's hoisted base offset): :func:`flashgen.analysis.affine.cta_invariant`
     without nested tensor reads."""
     return affine.cta_invariant(e, spec) and not any(isinstance(n, Index) for n in ir.walk(e))
 
@@ -963,7 +977,7 @@ def choose_tiles(
     written by ``flashgen tune``), then ``DEFAULT_TILES``.  Without a GPU name (offline
     builds, ``generated/``) the table is not consulted.
     """
-    from .tuning import lookup
+    from flashgen.tuning import lookup
 
     d = max(spec.head_dim, spec.head_dim_v)
     has_mod = spec.score_mod is not None
@@ -1100,7 +1114,7 @@ def plan_forward(
     ``gpu``, a tuning-table entry's ``options`` (:mod:`flashgen.tuning`) come with its tiles
     (chosen or passed as ``tiles``), under the explicit ``options``.
     ``side_terms``: both kernels read the mask's one-sided tensor reads once per query row
-    (per CTA) and once per key column of a masked tile (:mod:`flashgen.rowcol`); False
+    (per CTA) and once per key column of a masked tile (:mod:`flashgen.analysis.rowcol`); False
     keeps them per element (the spill fallback of :mod:`flashgen.select` tries that before
     narrower tiles).  ``affine``: both kernels split an affine score_mod on FULL tiles
     (:func:`affine_context`; False never does, the spill fallback of :mod:`flashgen.select`).
@@ -1208,7 +1222,7 @@ def _table_options(spec: Spec, target: str, gpu: str | None, tiles: TileConfig) 
     """The FA2-class template switches the tuning table recorded with its entry's tiles
     (``options``; see :mod:`flashgen.tuning`) when ``tiles`` are those tiles: none when the
     spec pins tiles or the tiles are the Hopper kernel's."""
-    from .tuning import lookup, lookup_options
+    from flashgen.tuning import lookup, lookup_options
 
     o = spec.tiles
     if not gpu or is_hopper_tiles(tiles) or o.block_m or o.block_n or o.num_warps:
@@ -1235,7 +1249,7 @@ def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:
 
 
 def _side_terms(terms: tuple[rowcol.Term, ...], spec: Spec, inv: Invariants | None) -> list[dict]:
-    """Template entries of :mod:`flashgen.rowcol` terms: the local's ``name`` and C type
+    """Template entries of :mod:`flashgen.analysis.rowcol` terms: the local's ``name`` and C type
     ``ctype``, ``store_t`` (the 32-bit type its values travel in: a bool as int, for warp
     shuffles) and ``code`` (in a scope that defines the side's index variable and its float
     twin)."""
@@ -1263,7 +1277,7 @@ CAUSAL_TILES_ENV = "FLASHGEN_CAUSAL_TILES"
 COL_LIMIT_ENV = "FLASHGEN_COL_LIMIT"
 #: ``FLASHGEN_COL_BOUND=0``: the Hopper forward's masked tiles evaluate a residual conjunct that
 #: is a column bound (``q_idx + seqlen_k - seqlen_q - kv_idx < window``) per element, not as a
-#: per-row column range (:mod:`flashgen.colbound`, :func:`plan_hopper_forward`).
+#: per-row column range (:mod:`flashgen.analysis.colbound`, :func:`plan_hopper_forward`).
 COL_BOUND_ENV = "FLASHGEN_COL_BOUND"
 #: ``FLASHGEN_SINGLE_WALK=0``: every warp of the Hopper forward walks the tile classifier for the
 #: first live key block, not warp 0 alone (:func:`plan_hopper_forward`).
@@ -1384,7 +1398,8 @@ def _causal_as_true(e: Expr) -> Expr:
 
 def causal_tiles_context(spec: Spec, ctx: dict) -> dict:
     """Template entries for the Hopper forward's causal tile flags (``fg::iv::CAUSAL_ONLY`` /
-    ``NO_CAUSAL``, :func:`flashgen.masktiles.classifier_source` with ``causal_bits``), given
+    ``NO_CAUSAL``, :func:`flashgen.analysis.masktiles.classifier_source` with ``causal_bits``),
+    given
     the forward context ``ctx`` (:func:`_forward_context`; it has ``mask_expr_nc``).
 
     ``causal_tiles``: whether the classifier sets the flags (a mask with ``causal`` and more,
@@ -1406,7 +1421,7 @@ def causal_tiles_context(spec: Spec, ctx: dict) -> dict:
 
 
 def affine_context(spec: Spec, inv: Invariants | None) -> dict | None:
-    """The affine decomposition of ``spec``'s score_mod (:mod:`flashgen.affine`) as CUDA
+    """The affine decomposition of ``spec``'s score_mod (:mod:`flashgen.analysis.affine`) as CUDA
     float expressions, or None (no affine form, or ``FLASHGEN_AFFINE=0``).
 
     ``offset``: L, to evaluate where ``q_idx``/``q_idx_f`` are a row's clamped query index
@@ -1446,7 +1461,7 @@ def _forward_context(
 
     ``side_terms``: the mask's one-sided tensor reads become ``row_terms`` (evaluated once
     per query row) and ``col_terms`` (once per key column of a masked tile), see
-    :mod:`flashgen.rowcol`; otherwise both lists are empty.  ``mask_reads_memory``: whether
+    :mod:`flashgen.analysis.rowcol`; otherwise both lists are empty.  ``mask_reads_memory``: whether
     the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
     (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
@@ -1456,7 +1471,7 @@ def _forward_context(
     ``tile_mask_expr``: the expression a masked tile of each kind (``mask``, ``nc``, ``causal``:
     see :func:`causal_tiles_context`) evaluates per element, besides the bounds and causal
     tests.  ``col_bound`` (the Hopper forward with ``col_limit``): the residual's conjuncts
-    that are column bounds (:func:`flashgen.colbound.extract`) leave it, and ``col_bound``
+    that are column bounds (:func:`flashgen.analysis.colbound.extract`) leave it, and ``col_bound``
     holds ``lo`` / ``hi``, CUDA ``long long`` expressions of a row's ``q_idx`` (None: no bound
     that side) that the masked tiles of kinds ``mask`` and ``nc`` fold into their per-row
     column range; otherwise ``col_bound`` is None.  With a score_mod only a residual that is
@@ -1578,9 +1593,9 @@ def plan_hopper_forward(
     ``persistent`` may name the tile scheduler (:data:`PERSISTENT_SCHEDULERS`; True is
     ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
     argument (two zeroed ints, reset by the kernel's last CTA: one per stream for eager calls,
-    one per captured call, ``flashgen.op._tile_counter``).
+    one per captured call, ``flashgen.ops.op._tile_counter``).
     ``side_terms``: the mask's one-sided tensor reads are read once per query row and once
-    per key column of a masked tile, not per element (:mod:`flashgen.rowcol`).  ``affine``:
+    per key column of a masked tile, not per element (:mod:`flashgen.analysis.rowcol`).  ``affine``:
     FULL tiles split an affine score_mod (:func:`affine_context`).
     ``causal_tiles``: PARTIAL tiles where the mask is just ``causal`` (or ``causal`` holds
     everywhere) run a cheaper masked loop (:func:`causal_tiles_context`; also off with
@@ -1594,7 +1609,7 @@ def plan_hopper_forward(
     ``col_limit``), not two or three comparisons of indices (also off with
     ``FLASHGEN_COL_LIMIT=0``).  ``col_bound`` (with ``col_limit``): a residual conjunct that
     keeps a column range per row (``q_idx + seqlen_k - seqlen_q - kv_idx < window``,
-    :mod:`flashgen.colbound`) joins that limit as a per-row range, two comparisons per
+    :mod:`flashgen.analysis.colbound`) joins that limit as a per-row range, two comparisons per
     element, instead of being evaluated (also off with ``FLASHGEN_COL_BOUND=0``).
     ``nonneg_div``: ``kv_idx / chunk`` and other integer
     divisions by a kernel-invariant divisor with ``x >= 0`` and ``d >= 1`` proven take
@@ -1758,9 +1773,10 @@ def plan_block_table(spec: Spec, target: str, tiles: TileConfig) -> KernelPlan:
     included, from the same IR as the forward kernel over the in-range (q_idx, kv_idx) pairs
     of each (BLOCK_M x BLOCK_N) tile of ``tiles`` (the forward kernel's), and writes one
     byte per tile: 0 EMPTY (no pair kept), 2 FULL (every in-range pair kept), 1 PARTIAL.
-    Tiles the interval analysis (:mod:`flashgen.masktiles`, tensor reads unknown) already
+    Tiles the interval analysis (:mod:`flashgen.analysis.masktiles`, tensor reads unknown) already
     calls EMPTY or FULL evaluate no pair; the others read the mask's one-sided tensor reads
-    once per row and column (:mod:`flashgen.rowcol`) and stop, thread by thread, once a kept
+    once per row and column (:mod:`flashgen.analysis.rowcol`) and stop, thread by thread, once a
+    kept
     and a dropped pair are seen. This is FlexAttention's BlockMask idea (create_block_mask),
     built on the GPU in O(tiles) memory. One CTA per tile, a 1-D grid over tab_b * tab_h *
     m_blocks * n_blocks (see :meth:`BlockTablePlan.grid`).
@@ -2063,16 +2079,16 @@ def plan_backward(
     ``BACKWARD_TILES``).  True: the atomic-dQ kernels (pre, dkdv with the dQ product and
     float atomics into ``dq_accum``, convert; tiles from ``ATOMIC_BACKWARD_TILES``); see
     :class:`BackwardPlan`.  The score_mod derivative d score_mod / d score comes from
-    :func:`flashgen.derive.d_dscore`.  ``tiles`` replaces the table's choice (the spill
+    :func:`flashgen.analysis.derive.d_dscore`.  ``tiles`` replaces the table's choice (the spill
     fallback of :mod:`flashgen.select`).  ``options`` overrides entries of
     :data:`BACKWARD_OPTIONS`.  ``side_terms``: the kernels (of :data:`BACKWARD_SIDE_TERM_KERNELS`;
     True all, False none) that read the mask's one-sided tensor reads once per side of a
-    masked tile instead of per element (:mod:`flashgen.rowcol`): the side the kernel holds
+    masked tile instead of per element (:mod:`flashgen.analysis.rowcol`): the side the kernel holds
     per CTA (dkdv: its keys, dq: its query rows) two values per thread and step, the side
     it steps over coalesced by lanes and shuffled to the elements.  Raises ``ValueError``
     like :func:`plan_forward`.
     """
-    from .derive import d_dscore
+    from flashgen.analysis.derive import d_dscore
 
     opts = dict(BACKWARD_OPTIONS)
     for key, value in (options or {}).items():
@@ -2244,7 +2260,7 @@ def hopper_bwd_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     kernel (:func:`plan_hopper_backward`): sm_90, ``family`` not ``"fa2"``, head_dim ==
     head_dim_v in :data:`HOPPER_BWD_HEAD_DIMS`, fp16/bf16, no varlen, and a mask that reads
     no tensor (no block table; causal, none, or an index-only mask walked with the tile
-    classifier).  A score_mod is fine (its derivative comes from :mod:`flashgen.derive`).
+    classifier).  A score_mod is fine (its derivative comes from :mod:`flashgen.analysis.derive`).
     Everything else keeps the FA2-class kernels."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")

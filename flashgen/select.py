@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 
-from . import cache
-from .envflags import SIDE_TERMS_ENV, flag
-from .lower import (
+from flashgen.build import cache
+from flashgen.build.render import render
+from flashgen.envflags import SIDE_TERMS_ENV, flag
+from flashgen.lower import (
     BACKWARD_SIDE_TERM_KERNELS,
     HOPPER_BWD_DQ_A,
     BackwardPlan,
@@ -28,7 +29,6 @@ from .lower import (
     plan_hopper_backward,
     sparse_tiles,
 )
-from .render import render
 
 
 def build_forward(
@@ -46,9 +46,10 @@ def build_forward(
     are tried first, where it gives any).
 
     At each candidate's tiles, a kernel that spills (or whose wgmma instructions ptxas
-    serialized: :attr:`flashgen.compile.CompileReport.wgmma_serialized`) is retried with fewer of
+    serialized: :attr:`flashgen.build.compile.CompileReport.wgmma_serialized`) is retried with
+    fewer of
     ``plan_forward``'s register-hungry features before the next tiles, the last named
-    dropped first: row / column terms (:mod:`flashgen.rowcol`; ``FLASHGEN_SIDE_TERMS=0``,
+    dropped first: row / column terms (:mod:`flashgen.analysis.rowcol`; ``FLASHGEN_SIDE_TERMS=0``,
     read at each build, never uses them), the affine score_mod split (``affine``), the
     Hopper kernel's masked-tile reductions (``mask_tiles``), the CTA order's head groups
     (``head_groups``), the persistent producer's warp-wide walk (``warp_walk``: tried off
@@ -57,7 +58,7 @@ def build_forward(
     128).  A variant that renders the same source as one tried (the feature does not apply
     to this spec, e.g. ``warp_walk`` to a non-persistent kernel) is skipped.
 
-    Raises :class:`~flashgen.compile.CompileError` if nvcc fails, ``ValueError`` if the
+    Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
     ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
@@ -100,10 +101,10 @@ def build_backward(
     :func:`~flashgen.lower.plan_hopper_backward`, its dQ variant from the environment
     first, then the other one; when both spill (a score_mod or mask with more math than
     the kernel's registers hold) or ptxas serialized their wgmma instructions
-    (:attr:`flashgen.compile.CompileReport.wgmma_serialized`, which ``flashgen build``
+    (:attr:`flashgen.build.compile.CompileReport.wgmma_serialized`, which ``flashgen build``
     fails), the FA2-class unit ``atomic_dq`` selects (check
     ``plan.atomic_dq`` and ``plan.dkdv.template``).  The FA2-class unit is tried at each
-    candidate's tiles with row / column terms (:mod:`flashgen.rowcol`) in every kernel
+    candidate's tiles with row / column terms (:mod:`flashgen.analysis.rowcol`) in every kernel
     that can take them, then without them in the kernels that spilled, then in none,
     before the next tiles (``FLASHGEN_SIDE_TERMS=0``: never).  Raises like
     :func:`build_forward`."""

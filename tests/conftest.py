@@ -61,7 +61,7 @@ def host_exe(tmp_path, requires_nvcc):
     and return its path; the test fails with nvcc's output if it does not build."""
     import subprocess
 
-    from flashgen.compile import find_nvcc
+    from flashgen.build.compile import find_nvcc
 
     def build(source: str, name: str = "prog", opt: str = "-O1") -> Path:
         src, exe = tmp_path / f"{name}.cu", tmp_path / name
@@ -103,7 +103,7 @@ def cxx_exe(tmp_path_factory):
 @pytest.fixture
 def requires_nvcc():
     """Skip unless nvcc is available (it is on the project's CI machines)."""
-    from flashgen.compile import NvccNotFoundError, find_nvcc
+    from flashgen.build.compile import NvccNotFoundError, find_nvcc
 
     try:
         find_nvcc()
@@ -118,6 +118,6 @@ def error_bound():
     ``bound`` = 2 * max|reference in the input dtype - fp64 reference| + 1e-3: what plain
     PyTorch low-precision attention achieves, with a factor 2 of slack.
     """
-    from flashgen.cli import error_bound as bound
+    from flashgen.cli.commands import error_bound as bound
 
     return bound

@@ -43,8 +43,8 @@ def _paren(*parts: str) -> str:
 def _folds_to(text: str, value: float) -> bool:
     """Whether the expression ``text`` is made of literals only and equals ``value`` (the
     checker refuses a divisor that folds to 0, such as ``((-3) + 2) + 1``)."""
-    from flashgen.check import _constant
-    from flashgen.parse import parse_expr
+    from flashgen.frontend.check import _constant
+    from flashgen.frontend.parse import parse_expr
 
     return _constant(parse_expr(text)) == value
 
@@ -161,8 +161,8 @@ def expr(ty: str, depth: int, score: bool, wild: bool) -> st.SearchStrategy[str]
 
 def may_be_true(mask: str) -> bool:
     """False for a mask the checker refuses as never true (``false``, ``q_idx < 0`` ...)."""
-    from flashgen.errors import SpecError
-    from flashgen.spec import loads_spec
+    from flashgen.frontend.errors import SpecError
+    from flashgen.frontend.spec import loads_spec
 
     try:
         loads_spec(spec_text(mask, None), "fuzz.yaml")

@@ -8,8 +8,8 @@ head_dim_v != head_dim, (192, 128) as in DeepSeek MLA and (128, 256).
 
 from __future__ import annotations
 
-from flashgen import ir
-from flashgen.spec import loads_spec
+from flashgen.frontend import ir
+from flashgen.frontend.spec import loads_spec
 
 NEW_HEAD_DIMS = ((32, 32), (96, 96), (160, 160), (192, 192), (192, 128), (128, 256))
 
@@ -55,7 +55,7 @@ def prebuild(specs, device, *, backward: bool = False, atomic_dq: bool = False) 
 
     import torch
 
-    from flashgen.op import target_for_device
+    from flashgen.ops.op import target_for_device
     from flashgen.select import build_backward, build_forward
 
     gpu = torch.cuda.get_device_name(device)

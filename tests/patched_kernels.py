@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from types import ModuleType
 
-from flashgen.compile import nvcc_command
+from flashgen.build.compile import nvcc_command
 
 REPO = Path(__file__).resolve().parents[1]
 

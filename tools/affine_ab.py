@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B of the affine score_mod split (flashgen/affine.py) on a GPU: each spec's forward with
+"""A/B of the affine score_mod split (flashgen/analysis/affine.py) on a GPU: each spec's forward with
 the split (default) and without it (``FLASHGEN_AFFINE=0`` while that op plans its kernel),
 timed in the same process on the same inputs, with the largest difference between the two
 outputs.
@@ -46,7 +46,7 @@ params:
 
 
 def load(name: str):
-    from flashgen.spec import load_spec, loads_spec
+    from flashgen.frontend.spec import load_spec, loads_spec
 
     if name in USER_SPECS:
         return loads_spec(USER_SPECS[name], f"{name}.yaml")
@@ -63,11 +63,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen import affine
-    from flashgen.bench import do_bench_ms
-    from flashgen.cli import random_inputs
+    from flashgen.analysis import affine
+    from flashgen.bench.runner import do_bench_ms
+    from flashgen.cli.commands import random_inputs
     from flashgen.lower import AFFINE_ENV, split_causal
-    from flashgen.op import build_op
+    from flashgen.ops.op import build_op
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

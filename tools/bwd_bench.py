@@ -46,7 +46,7 @@ ENV = "FLASHGEN_ATOMIC_DQ"
 
 SANITIZER_DRIVER = r"""
 import sys, torch, flashgen
-from flashgen.cli import random_inputs
+from flashgen.cli.commands import random_inputs
 op = flashgen.load(sys.argv[1])
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
@@ -126,10 +126,11 @@ def precompile(ops, device) -> dict:
     """Build every kernel the timing uses, in parallel; registers/spills per kernel."""
     import torch
 
-    from flashgen import cache, lower
-    from flashgen.backward import backward_path
-    from flashgen.op import target_for_device
-    from flashgen.render import render
+    from flashgen import lower
+    from flashgen.build import cache
+    from flashgen.build.render import render
+    from flashgen.ops.backward import backward_path
+    from flashgen.ops.op import target_for_device
 
     gpu = torch.cuda.get_device_name(device)
 
@@ -162,9 +163,9 @@ def time_all(args) -> tuple[list[dict], bool]:
     import triton.testing as tt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashgen.backward import backward_path
-    from flashgen.op import build_op, target_for_device
-    from flashgen.spec import loads_spec
+    from flashgen.frontend.spec import loads_spec
+    from flashgen.ops.backward import backward_path
+    from flashgen.ops.op import build_op, target_for_device
 
     print("== step 3: timing", flush=True)
     os.environ[ENV] = "1"  # read per backward call: deterministic=False -> an atomic-dQ path

@@ -4,7 +4,7 @@
 For each spec (default: mistral_swa and causal_d128 as the yardstick) and each scheduler
 (``none``: non-persistent, ``static`` / ``dynamic`` persistent, ``sparse``: the op's
 ``fwd_sparse`` unit, :func:`flashgen.lower.compile_units`), renders the sm_90 forward with
-the switch on and off, compiles it (nvcc through :func:`flashgen.compile.compile_source`,
+the switch on and off, compiles it (nvcc through :func:`flashgen.build.compile.compile_source`,
 no GPU) and prints registers, spill bytes, whether ptxas serialized the wgmmas, and the
 counts of the opcodes a masked tile's element loop spends (ISETP, FSEL, VIADD, IADD3, SEL,
 all instructions):
@@ -32,11 +32,11 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from sass_mma_distance import kernel_sass  # noqa: E402
 
-from flashgen.compile import compile_source  # noqa: E402
+from flashgen.build.compile import compile_source  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
 from flashgen.envflags import scoped_env  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.lower import COL_BOUND_ENV, compile_units, plan_forward  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
 
 OPS = ("ISETP", "FSEL", "VIADD", "IADD3", "SEL")
 

@@ -222,9 +222,9 @@ def main(argv=None) -> int:
     # persistent one FLASHGEN_SPARSE_PERSISTENT names (lower.sparse_persistent; dynamic by
     # default, forced off here whatever the caller's environment says)
     os.environ[SPARSE_PERSISTENT_ENV] = "0"
-    import flashgen.op as op_mod
+    import flashgen.ops.op as op_mod
     import flashgen.select as sel
-    from flashgen import runtime
+    from flashgen.runtime import launch as runtime
 
     render = sel.render
     sel.render = lambda plan: (

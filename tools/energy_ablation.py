@@ -140,9 +140,9 @@ def main(argv=None) -> int:
     # lengths) run it too, not the persistent one they default to (lower.sparse_persistent)
     os.environ[SPARSE_PERSISTENT_ENV] = "0"
     import flashgen.select as sel
-    from flashgen import bench
-    from flashgen.op import build_op
-    from flashgen.spec import load_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
+    from flashgen.ops.op import build_op
 
     render = sel.render
 

@@ -9,14 +9,14 @@ text; the density (kept (q, kv) pairs / all pairs, from the mask IR on the same 
 flashgen's forward median time and TFLOP/s (a spec whose mask reads tensors runs with a
 BlockMask built once by ``op.block_mask``, and is also timed with the pre-pass in every
 call); FlexAttention's (``torch.compile``'d ``flex_attention`` with the spec's mask_mod /
-score_mod from :mod:`flashgen.flexmods` and a ``create_block_mask`` built once, as
-:func:`flashgen.bench.make_forward` does); the ratio; and, against flashgen's dense causal
+score_mod from :mod:`flashgen.bench.flexmods` and a ``create_block_mask`` built once, as
+:func:`flashgen.bench.runner.make_forward` does); the ratio; and, against flashgen's dense causal
 kernel at the same shape, the time ratio next to the FLOP ratio (a sparse mask should
 save time in proportion to the FLOPs it skips).
 
 TFLOP/s count only kept pairs: ``2 * (D + Dv) * kept``.  Shape (the FlashAttention
 protocol): batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16, Sq = Sk =
-``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.
+``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.runner.
 do_bench_ms`).  Document ids: each batch row is cut into documents of random lengths
 (mean ``--doc-len`` tokens).  Each spec's implementations are timed in ``--rounds``
 alternating rounds (flashgen, FlexAttention, flashgen, ...; default 3) and each reports
@@ -54,8 +54,8 @@ BASELINE = "causal_d128"
 
 def gallery_params(spec, batch: int, heads: int, seqlen: int, device, mean_len: int) -> dict:
     """Param values: scalar defaults and bench's tensor values (document ids of mean length
-    ``mean_len`` for int tensors along a sequence axis, :func:`flashgen.bench.spec_params`)."""
-    from flashgen import bench
+    ``mean_len`` for int tensors along a sequence axis, :func:`flashgen.bench.runner.spec_params`)."""
+    from flashgen.bench import runner as bench
 
     params = bench.spec_params(spec, heads, batch, seqlen, seqlen, device, doc_len=mean_len)
     for p in spec.scalar_params:
@@ -68,9 +68,9 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     and of FlexAttention for one spec; errors are recorded, not raised."""
     import torch
 
-    from flashgen import bench
+    from flashgen.bench import runner as bench
     from flashgen.lower import needs_block_table
-    from flashgen.op import TORCH_DTYPE, build_op
+    from flashgen.ops.op import TORCH_DTYPE, build_op
 
     dt = TORCH_DTYPE[spec.dtype]
     g = torch.Generator(device=device).manual_seed(0)
@@ -141,7 +141,7 @@ def write_page(rows: list[dict], meta: dict, path: Path) -> None:
         "heads * head_dim = 2048, bf16, forward.  TFLOP/s count only the (q, kv) pairs "
         "the mask keeps (`2 * (D + Dv) * kept`); density = kept / all pairs.  flashgen "
         "and FlexAttention (`torch.compile(flex_attention)`, mask_mod / score_mod from "
-        "`flashgen/flexmods.py`, `create_block_mask` built once) run in the same process "
+        "`flashgen/bench/flexmods.py`, `create_block_mask` built once) run in the same process "
         "on the same inputs; a spec whose mask reads tensors runs with a BlockMask built "
         "once by `op.block_mask` (FlexAttention's equivalent), and the column "
         "'with pre-pass' times flashgen building its block table in every call.  "
@@ -230,8 +230,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen import bench
-    from flashgen.spec import load_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
 
     t_start = time.perf_counter()
     gpu = torch.cuda.is_available() and not args.dry_run

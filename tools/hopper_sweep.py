@@ -28,11 +28,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from flashgen import cache, ir, runtime  # noqa: E402
+from flashgen.build import cache  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend import ir
+from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.lower import TileConfig, plan_hopper_forward  # noqa: E402
-from flashgen.op import kernel_values, validate  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.ops.op import kernel_values, validate  # noqa: E402
+from flashgen.runtime import launch as runtime
 
 SPEC = """
 name: sweep_d{d}_{c}

@@ -67,8 +67,8 @@ def measure(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from flashgen import op as op_mod
-    from flashgen import tma
+    from flashgen.ops import op as op_mod
+    from flashgen.runtime import tma
 
     op = flashgen.load(root / "specs" / "causal_d128.yaml")
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -164,9 +164,10 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     flashgen = _import_flashgen(root)
     import torch
 
-    from flashgen import op as op_mod
-    from flashgen import runtime, tma
     from flashgen.lower import plan_forward
+    from flashgen.ops import op as op_mod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
 
     class Driver:
         @staticmethod

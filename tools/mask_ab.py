@@ -96,7 +96,7 @@ def _under(env: dict[str, str], fn, *args, **kwargs):
 
 def graph_ms(call, reps: int = 10, iters: int = 5) -> float:
     """Median ms per call of ``reps`` calls captured in one CUDA graph (nan if capture fails)."""
-    from flashgen.bench import capture_graph, graph_replay_ms
+    from flashgen.bench.runner import capture_graph, graph_replay_ms
 
     try:
         g = capture_graph(call, reps)
@@ -124,10 +124,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen import bench
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
     from flashgen.lower import needs_block_table
-    from flashgen.op import TORCH_DTYPE, build_op
-    from flashgen.spec import load_spec
+    from flashgen.ops.op import TORCH_DTYPE, build_op
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -10,7 +10,7 @@ and pass (forward; backward alone):
     density     fraction of the Sq x Sk (q, kv) pairs the mask keeps (exact count)
     live, full  fraction of the forward kernel's (query block, key block) tiles that are
                 live / FULL (brute force, at the kernel's tiles)
-    ms          median time (``flashgen.bench.do_bench_ms``: triton do_bench, ``--rep-ms``);
+    ms          median time (``flashgen.bench.runner.do_bench_ms``: triton do_bench, ``--rep-ms``);
                 the forward runs on inputs that do not require grad (the backward row
                 times ``torch.autograd.grad`` of a forward that does)
     causal_ms   the dense causal kernel, same pass and shape
@@ -47,7 +47,7 @@ def mask_stats(spec, s: int, params: dict, bm: int, bn: int, dev) -> tuple[float
     ragged, as in the kernels)."""
     import torch
 
-    from flashgen.reference import eval_expr
+    from flashgen.ops.reference import eval_expr
 
     kept = live = full = 0
     rows = bm * max(1, 1024 // bm)
@@ -101,10 +101,10 @@ def main(argv=None) -> int:
         print("mask_speed needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    from flashgen.bench import do_bench_ms
+    from flashgen.bench.runner import do_bench_ms
+    from flashgen.frontend.spec import load_spec
     from flashgen.lower import plan_forward
-    from flashgen.op import build_op, target_for_device
-    from flashgen.spec import load_spec
+    from flashgen.ops.op import build_op, target_for_device
 
     dev = torch.device("cuda")
     s, h = args.seqlen, args.heads

@@ -10,7 +10,7 @@ For each spec and each ``--block-n``: the op's plan with that BLOCK_N in place o
 table's (every other choice the same), built for all candidates first (nvcc in
 parallel), checked against the op at the spec's own tile on the timing inputs (max |diff|,
 must be under 2e-2 in bf16), then timed at the gallery's shape (batch * seqlen = 16384,
-heads * head_dim = 2048, Sq = Sk = ``--seqlen``; ``flashgen.bench.do_bench_ms`` medians
+heads * head_dim = 2048, Sq = Sk = ``--seqlen``; ``flashgen.bench.runner.do_bench_ms`` medians
 over ``--rounds`` rounds that alternate the candidates).  A spec whose mask reads
 tensors runs with a block table built once for each candidate's tiles.  Prints ms,
 TFLOP/s over the kept pairs, and the ratio to the spec's own tile.
@@ -57,10 +57,11 @@ def main(argv=None) -> int:
 
     from gallery import gallery_params
 
-    from flashgen import bench, lower
+    from flashgen import lower
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
     from flashgen.lower import needs_block_table
-    from flashgen.op import build_op
-    from flashgen.spec import load_spec
+    from flashgen.ops.op import build_op
 
     # each candidate's BLOCK_N in every call: a call whose mask keeps few keys per row would
     # run lower.HOPPER_SPARSE_TILES instead (the op's per-call choice), whatever BLOCK_N is set
@@ -93,8 +94,8 @@ def main(argv=None) -> int:
 
     # build every (spec, BLOCK_N) kernel first, nvcc in parallel (the op's builds below then
     # find them in the cache)
-    from flashgen import cache
-    from flashgen.render import render
+    from flashgen.build import cache
+    from flashgen.build.render import render
 
     def prebuild(spec, bn):
         tiles = lower.TileConfig(128, bn, table_tile.num_warps)

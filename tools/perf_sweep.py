@@ -9,7 +9,7 @@ FlashAttention papers), this builds several variants of the FA2-class forward ke
 the template switches of ``lower.FORWARD_OPTIONS``) and of the backward (deterministic and
 atomic-dQ paths, tile tables and wider key blocks), then
 
-1. checks every variant once against the float64 reference (flashgen.reference) on one
+1. checks every variant once against the float64 reference (flashgen.ops.reference) on one
    odd-size GQA case (B=2, Hq=4, Hkv=2, Sq=777, Sk=1037) with the tests' bound: 2x the
    error of the same reference in the input dtype + 1e-3.  The checks run in a child
    process, one variant at a time, so a kernel that faults marks itself ``CRASH`` and the
@@ -158,7 +158,7 @@ class Built:
 
 # ----------------------------------------------------------------------------- variants
 def spec_for(d: int, causal: bool, dtype: str):
-    from flashgen.spec import loads_spec
+    from flashgen.frontend.spec import loads_spec
 
     name = f"sweep_d{d}_{'causal' if causal else 'full'}_{dtype}"
     mask = "causal" if causal else "null"
@@ -318,8 +318,8 @@ def all_variants(args) -> list[Variant]:
 # ----------------------------------------------------------------------------- build
 def build(v: Variant, target: str) -> Built:
     """Plan, render and compile ``v`` through flashgen's cache (nvcc; no GPU needed)."""
-    from flashgen import cache
-    from flashgen.render import render
+    from flashgen.build import cache
+    from flashgen.build.render import render
 
     spec = spec_for(v.d, v.causal, v.dtype)
     opts = dict(v.options)
@@ -359,7 +359,7 @@ class Forward:
     """``(o, lse) = f(q, k, v)`` through one built forward kernel."""
 
     def __init__(self, b: Built, device_index: int):
-        from flashgen import runtime
+        from flashgen.runtime import launch as runtime
 
         self.b = b
         self.kern = runtime.load(b.cubin, b.plan, device_index)
@@ -368,7 +368,7 @@ class Forward:
     def __call__(self, q, k, v):
         import torch
 
-        from flashgen.op import default_softmax_scale, kernel_values, validate
+        from flashgen.ops.op import default_softmax_scale, kernel_values, validate
 
         dims = validate(self.spec, q, k, v, {})
         o = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
@@ -393,10 +393,10 @@ class Forward:
 
 class Backward:
     """``(dq, dk, dv) = f(q, k, v, o, lse, do)`` through one built backward unit (the launch
-    sequence of ``flashgen.backward.Backward.cuda``)."""
+    sequence of ``flashgen.ops.backward.Backward.cuda``)."""
 
     def __init__(self, b: Built, device_index: int):
-        from flashgen import runtime
+        from flashgen.runtime import launch as runtime
 
         self.b = b
         self.spec = spec_for(b.variant.d, b.variant.causal, b.variant.dtype)
@@ -405,7 +405,7 @@ class Backward:
     def __call__(self, q, k, v, o, lse, do):
         import torch
 
-        from flashgen.op import default_softmax_scale, kernel_values, validate
+        from flashgen.ops.op import default_softmax_scale, kernel_values, validate
 
         dims = validate(self.spec, q, k, v, {})
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -431,7 +431,7 @@ def check(b: Built, device) -> dict:
     """Max error vs the fp64 reference and the bound, on CHECK_SHAPE."""
     import torch
 
-    from flashgen.reference import attention_reference
+    from flashgen.ops.reference import attention_reference
 
     v = b.variant
     spec = spec_for(v.d, v.causal, v.dtype)
@@ -489,7 +489,7 @@ def run_checks_child(keys: list[str], args) -> None:
     preceded by a START line so the parent can tell which one crashed the process."""
     import torch
 
-    from flashgen.op import target_for_device
+    from flashgen.ops.op import target_for_device
 
     dev = torch.device("cuda", 0)
     target = target_for_device(spec_for(64, False, "bf16"), dev)
@@ -560,7 +560,7 @@ def time_config(d, causal, dtype, s, built: dict[str, Built], checks, args, dev)
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from flashgen.bench import L2_BYTES, rotation_sets
+    from flashgen.bench.runner import L2_BYTES, rotation_sets
 
     bsz, h = max(1, args.tokens // s), args.hidden // d
     dt = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -837,7 +837,7 @@ def write_table(winners: dict[tuple, dict], gpu: str, target: str, path) -> None
 
 
 def write_json(args, checks: dict, rows: list[dict], t0: float) -> None:
-    from flashgen.bench import environment
+    from flashgen.bench.runner import environment
 
     try:
         env = environment()
@@ -944,7 +944,7 @@ def main(argv=None) -> int:
         run_checks_child(args.check_child.split(","), args)
         return 0
     t0 = time.perf_counter()
-    from flashgen.op import target_for_device
+    from flashgen.ops.op import target_for_device
 
     dev = torch.device("cuda", torch.cuda.current_device())
     target = target_for_device(spec_for(64, False, "bf16"), dev)

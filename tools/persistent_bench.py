@@ -7,7 +7,7 @@ next to FlexAttention (document_mask) and cuDNN (plain causal / non-causal), in 
     python3 tools/persistent_bench.py --no-flex         # skip FlexAttention (its compile)
 
 Cases: document_mask at the gallery's shape (batch 2, seqlen 8192, 16 heads, d128, bf16,
-documents of mean length 1024: :func:`flashgen.bench.spec_params`), timed with a BlockMask
+documents of mean length 1024: :func:`flashgen.bench.runner.spec_params`), timed with a BlockMask
 built once (as tools/gallery.py does); plain causal and non-causal attention at seqlen
 16384 (batch 1, heads * head_dim = 2048) at d64, d128 and d256.  Each flashgen kernel runs
 with ``FLASHGEN_PERSISTENT=0`` and with each scheduler of ``--modes`` (default ``static
@@ -17,8 +17,8 @@ the non-persistent one (bitwise equality expected: same per-tile arithmetic; the
 difference is printed otherwise) and that it has no NaN (outputs poisoned first).
 
 TFLOP/s count kept pairs only: ``4 * B * H * D * kept`` (for document_mask ``kept`` comes
-from the mask IR, :func:`flashgen.bench.kept_pairs`; causal: half the square).  Times are
-``do_bench`` medians (:func:`flashgen.bench.do_bench_ms`, L2 flushed between calls).
+from the mask IR, :func:`flashgen.bench.runner.kept_pairs`; causal: half the square).  Times are
+``do_bench`` medians (:func:`flashgen.bench.runner.do_bench_ms`, L2 flushed between calls).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def _time_flashgen(op, q, k, v, params, mode: str, args) -> tuple[float, object]
     """(median ms, output) of ``op`` with ``FLASHGEN_PERSISTENT=mode`` (``0``: off)."""
     import torch
 
-    from flashgen import bench
-    from flashgen.op import poison_outputs
+    from flashgen.bench import runner as bench
+    from flashgen.ops.op import poison_outputs
 
     os.environ["FLASHGEN_PERSISTENT"] = mode
     try:
@@ -69,8 +69,8 @@ def _compare(off, on) -> dict:
 def run_case(name, spec, batch, heads, seqlen, params, baseline, flops, device, args) -> dict:
     import torch
 
-    from flashgen import bench
-    from flashgen.op import TORCH_DTYPE, build_op
+    from flashgen.bench import runner as bench
+    from flashgen.ops.op import TORCH_DTYPE, build_op
 
     dt = TORCH_DTYPE[spec.dtype]
     g = torch.Generator(device=device).manual_seed(0)
@@ -119,9 +119,9 @@ def prebuild(specs, modes) -> None:
 
     import torch
 
-    from flashgen import cache
+    from flashgen.build import cache
+    from flashgen.build.render import render
     from flashgen.lower import plan_block_table
-    from flashgen.render import render
     from flashgen.select import build_forward
 
     gpu = torch.cuda.get_device_name()
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen import bench
-    from flashgen.spec import load_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("needs an sm_90 GPU (the persistent scheduler is the Hopper kernel's)")

@@ -29,10 +29,10 @@ SPECS = ("causal_d128", "chunked_local", "prefix_lm", "mistral_swa", "document_m
 def main() -> int:
     import torch
 
-    from flashgen import bench
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
     from flashgen.lower import needs_block_table
-    from flashgen.op import TORCH_DTYPE, build_op
-    from flashgen.spec import load_spec
+    from flashgen.ops.op import TORCH_DTYPE, build_op
 
     if not torch.cuda.is_available():
         print("profile_masks needs a CUDA GPU", file=sys.stderr)

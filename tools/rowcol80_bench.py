@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time document_mask's FA2-class kernels with the mask's tensor reads per element
-(``FLASHGEN_SIDE_TERMS=0``) and as row / column terms (:mod:`flashgen.rowcol`): the forward
+(``FLASHGEN_SIDE_TERMS=0``) and as row / column terms (:mod:`flashgen.analysis.rowcol`): the forward
 (``FLASHGEN_KERNEL_FAMILY=fa2``, one reused BlockMask) and the backward (deterministic, and
 atomic-dQ with ``--atomic``), in one process, at the gallery's shape.
 
@@ -46,11 +46,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen import bench
-    from flashgen.backward import ATOMIC_DQ_ENV
-    from flashgen.op import TORCH_DTYPE, build_op
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
+    from flashgen.ops.backward import ATOMIC_DQ_ENV
+    from flashgen.ops.op import TORCH_DTYPE, build_op
     from flashgen.select import SIDE_TERMS_ENV
-    from flashgen.spec import load_spec
 
     if not torch.cuda.is_available():
         print("rowcol80_bench needs a CUDA GPU", file=sys.stderr)

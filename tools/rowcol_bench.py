@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time document_mask's Hopper forward with the mask's tensor reads per element
-(``FLASHGEN_SIDE_TERMS=0``) and as row / column terms (:mod:`flashgen.rowcol`), next to
+(``FLASHGEN_SIDE_TERMS=0``) and as row / column terms (:mod:`flashgen.analysis.rowcol`), next to
 FlexAttention, at the gallery's shape, in one process; also the block-table pre-pass.
 
     python3 tools/rowcol_bench.py                 # on an H200: about a minute
@@ -8,7 +8,7 @@ FlexAttention, at the gallery's shape, in one process; also the block-table pre-
 
 Both kernels run on the same inputs with one BlockMask; their outputs must agree bitwise
 (same mask decisions, same arithmetic).  Times: ``do_bench`` medians (ms), TFLOP/s over
-kept pairs (:func:`flashgen.bench.kept_pairs`), as tools/gallery.py counts them.
+kept pairs (:func:`flashgen.bench.runner.kept_pairs`), as tools/gallery.py counts them.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen import bench
-    from flashgen.op import TORCH_DTYPE, build_op
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
+    from flashgen.ops.op import TORCH_DTYPE, build_op
     from flashgen.select import SIDE_TERMS_ENV
-    from flashgen.spec import load_spec
 
     if not torch.cuda.is_available():
         print("rowcol_bench needs a CUDA GPU", file=sys.stderr)

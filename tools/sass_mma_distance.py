@@ -192,10 +192,10 @@ def parse_variant(text: str) -> tuple[tuple[int, int, int], dict[str, bool]]:
 
 def build(variant: str, dim: int, causal: bool, dtype: str, target: str):
     """(cubin path, registers, spill bytes) of one FA2-class forward build."""
-    from flashgen import cache
+    from flashgen.build import cache
+    from flashgen.build.render import render
+    from flashgen.frontend.spec import loads_spec
     from flashgen.lower import TileConfig, plan_forward
-    from flashgen.render import render
-    from flashgen.spec import loads_spec
 
     tiles, opts = parse_variant(variant)
     mask = "causal" if causal else "null"

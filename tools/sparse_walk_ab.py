@@ -71,7 +71,7 @@ _SPIED: dict[str, tuple] = {}
 def spied_op(spec) -> tuple:
     """``(op, ran)``: ``spec``'s op (one per name in this process) and the list of the plans
     of the kernels its calls ran (appended per call)."""
-    from flashgen.op import build_op
+    from flashgen.ops.op import build_op
 
     if spec.name not in _SPIED:
         op = build_op(spec)
@@ -91,10 +91,10 @@ def run_case(item: str, args) -> bool:
     """Time and compare the modes on one case; True if the outputs are bitwise equal."""
     import torch
 
-    from flashgen.bench import capture_graph, graph_replay_ms, parse_spec_item
+    from flashgen.bench.runner import capture_graph, graph_replay_ms, parse_spec_item
     from flashgen.envflags import scoped_env
-    from flashgen.op import poison_outputs
-    from flashgen.spec import load_spec
+    from flashgen.frontend.spec import load_spec
+    from flashgen.ops.op import poison_outputs
 
     name, params = parse_spec_item(item)
     base = load_spec(REPO / "specs" / f"{name}.yaml")

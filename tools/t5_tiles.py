@@ -9,7 +9,7 @@ specs/t5_bias.yaml --targets sm_90 --tiles 128,96,12 128,192,12 ...``).  For eac
 build the kernel (``plan_hopper_forward``), check it on one odd-sized GQA-free case against
 the fp64 reference (max |error| printed, must be under the bf16 bound the GPU tests use:
 checked loosely here, 2e-2), and time it at the gallery's shape (batch * seqlen = 16384,
-heads * head_dim = 2048, Sq = Sk = 8192, bf16; ``flashgen.bench.do_bench_ms`` median).
+heads * head_dim = 2048, Sq = Sk = 8192, bf16; ``flashgen.bench.runner.do_bench_ms`` median).
 Prints TFLOP/s (4 * B * H * S^2 * D) per BLOCK_N and the op's own (today's table) time.
 
     python3 tools/t5_tiles.py                 # about a minute on an H200
@@ -27,12 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from flashgen import bench, cache, runtime  # noqa: E402
+from flashgen.bench import runner as bench  # noqa: E402
+from flashgen.build import cache
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.lower import TileConfig, plan_hopper_forward  # noqa: E402
-from flashgen.op import build_op, kernel_values, validate  # noqa: E402
-from flashgen.reference import attention_reference  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
+from flashgen.ops.op import build_op, kernel_values, validate  # noqa: E402
+from flashgen.ops.reference import attention_reference  # noqa: E402
+from flashgen.runtime import launch as runtime
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flashgen import cache  # noqa: E402
+from flashgen.build import cache  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import BackwardTiles, TileConfig, plan_backward, plan_forward  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.varlen import varlen_spec  # noqa: E402
+from flashgen.ops.varlen import varlen_spec  # noqa: E402
 
 MODS = {
     "none": "",

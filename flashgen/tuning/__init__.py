@@ -77,7 +77,7 @@ def valid_entry(entry) -> bool:
         return False
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (bm, bn, nw)):
         return False
-    from ..lower import TileConfig, is_hopper_tiles
+    from flashgen.lower import TileConfig, is_hopper_tiles
 
     opts = entry.get("options", {})
     if not isinstance(opts, dict) or not all(

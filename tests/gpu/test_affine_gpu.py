@@ -1,4 +1,4 @@
-"""The affine score_mod decomposition (flashgen/affine.py) on the GPU: score_mods ``score +
+"""The affine score_mod decomposition (flashgen/analysis/affine.py) on the GPU: score_mods ``score +
 L`` with L affine in q_idx, kv_idx, whose FULL tiles compute ``x' = score + beta * (kv_idx -
 n0)`` and add ``L(q_idx, n0)`` to the row max and the exp2 addend, against the fp64
 reference with the 2x rule (tests/gpu/test_forward.py's ``check``), on the default kernel
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
-from flashgen import affine  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.analysis import affine  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ ref64| + 1e-3 (the FlashAttention test rule).  Fresh random inputs (and a random
 case.  Causal on and off run in the same test, so a backward that ignores the flag fails.
 
 Every accuracy test runs on both values of ``deterministic`` (the ``bwd_path`` fixture):
-True, the deterministic kernels; False, whatever :func:`flashgen.backward.backward_path`
+True, the deterministic kernels; False, whatever :func:`flashgen.ops.backward.backward_path`
 picks -- on an sm_90 GPU the Hopper wgmma kernels for the specs they take (d64/d128,
 causal or no mask, no score_mod), the FA2-class atomic-dQ kernels with
 ``FLASHGEN_ATOMIC_DQ=1``, else the deterministic ones again (so the False case is skipped
@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec, prebuild  # noqa: E402
 
-from flashgen import ir  # noqa: E402
-from flashgen.backward import ATOMIC_DQ_ENV, backward_path, uses_atomic_dq  # noqa: E402
-from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import build_op, target_for_device  # noqa: E402
-from flashgen.reference import attention_reference  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
+from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path, uses_atomic_dq  # noqa: E402
+from flashgen.ops.op import build_op, target_for_device  # noqa: E402
+from flashgen.ops.reference import attention_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,7 @@ PATHS = [
 
 
 def expected_path(spec, deterministic: bool) -> str:
-    """The backward path (:data:`flashgen.backward.BACKWARD_PATHS`) a call should take."""
+    """The backward path (:data:`flashgen.ops.backward.BACKWARD_PATHS`) a call should take."""
     return backward_path(spec, target_for_device(spec, torch.device("cuda")), deterministic)
 
 

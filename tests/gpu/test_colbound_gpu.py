@@ -1,4 +1,5 @@
-"""The Hopper forward's column bounds (``FLASHGEN_COL_BOUND``, flashgen/colbound.py) on the GPU.
+"""The Hopper forward's column bounds (``FLASHGEN_COL_BOUND``, flashgen/analysis/colbound.py) on
+the GPU.
 
 A residual conjunct such as mistral_swa's ``q_idx + seqlen_k - seqlen_q - kv_idx < window`` is
 folded into the masked tiles' per-row column range.  Checked here: the fp64 reference with the
@@ -25,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check  # noqa: E402
 
-from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import COL_BOUND_ENV  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

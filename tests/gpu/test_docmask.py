@@ -3,7 +3,7 @@ pre-pass, and the T5 bias table, against the float64 reference (``pytest -m gpu`
 
 Checks: the pre-pass table equals the brute-force table (:func:`block_table_reference`);
 document_mask (2-D doc ids [batch, seqlen]), a 1-D non-causal variant, a per-head variant,
-float row and column terms (flashgen/rowcol.py) and random (unsorted) ids against the fp64
+float row and column terms (flashgen/analysis/rowcol.py) and random (unsorted) ids against the fp64
 reference at odd lengths, Sq != Sk, GQA, (B, S, H, D) views and rows with nothing to attend
 to; query blocks whose whole table row is EMPTY (o = 0, lse = -inf); a BlockMask built once
 and reused gives bitwise the per-call result, and is refused by a kernel of other tiles;
@@ -28,10 +28,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
-from flashgen.errors import OpInputError  # noqa: E402
-from flashgen.op import build_op, poison_outputs  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.frontend.errors import OpInputError  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
+from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,8 @@ PER_HEAD = loads_spec(
     "params:\n  win: {type: i32, shape: [num_heads]}\n  doc: {type: i32, shape: [seqlen_k]}\n",
     "perhead.yaml",
 )
-#: float terms of each side (flashgen/rowcol.py: both kernel families read them once per query
+#: float terms of each side (flashgen/analysis/rowcol.py: both kernel families read them once per
+#: query
 #: row and once per key column, shuffled to the elements), a bool column term, GQA
 FLOAT_TERMS = loads_spec(
     "name: gpu_float_terms\nhead_dim: 128\ndtype: bf16\n"

@@ -1,7 +1,7 @@
 """The eager fast path of ``op.attention`` against the dispatcher path (needs a GPU).
 
 ``AttentionOp.attention`` launches the CUDA forward itself for plain CUDA tensors in eager
-mode (``flashgen.op._eager_cuda``), with its own autograd node (``_EagerAttention``), and
+mode (``flashgen.ops.op._eager_cuda``), with its own autograd node (``_EagerAttention``), and
 goes through ``torch.ops.flashgen.<name>`` otherwise.  Both run the same kernels, so the
 outputs and the (deterministic) gradients must be bitwise equal; a dispatch mode must see
 the op; a tensor param that requires grad is still refused.
@@ -15,10 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import op as op_mod  # noqa: E402
-from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import build_op, default_softmax_scale, poison_outputs  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
+from flashgen.ops import op as op_mod  # noqa: E402
+from flashgen.ops.op import build_op, default_softmax_scale, poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -145,8 +145,8 @@ def test_index_bounds_warning_names_the_callers_line(how):
     its autograd node, and through ``torch.ops`` (the dispatcher)."""
     import warnings
 
-    from flashgen.indexbounds import IndexBoundsWarning
-    from flashgen.spec import loads_spec
+    from flashgen.analysis.indexbounds import IndexBoundsWarning
+    from flashgen.frontend.spec import loads_spec
 
     spec = loads_spec(
         f"name: ib_gpu_{how}\nhead_dim: 64\ndtype: bf16\nscore_mod: score + w[h]\n"

@@ -26,7 +26,7 @@ from test_forward import check, shipped, variant  # noqa: E402
 
 from flashgen import lower, select, tuning  # noqa: E402
 from flashgen.lower import TileConfig, split_causal  # noqa: E402
-from flashgen.op import target_for_device  # noqa: E402
+from flashgen.ops.op import target_for_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

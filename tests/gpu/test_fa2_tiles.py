@@ -23,9 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check, shipped, variant  # noqa: E402
 
-from flashgen import ir, select  # noqa: E402
+from flashgen import select  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
 from flashgen.lower import TileConfig  # noqa: E402
-from flashgen.op import target_for_device  # noqa: E402
+from flashgen.ops.op import target_for_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

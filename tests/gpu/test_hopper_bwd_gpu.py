@@ -2,7 +2,7 @@
 reference's autograd (``pytest -m gpu``; skipped without an sm_90 GPU).
 
 ``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128/256 and masks that
-read no tensor, with or without a score_mod (:func:`flashgen.backward.backward_path`); every
+read no tensor, with or without a score_mod (:func:`flashgen.ops.backward.backward_path`); every
 case asserts it ran (and, at 256, the split layout: 64-key CTAs whose two warpgroups split
 dK, dV, dQ by head-dim columns, P^T and dS^T through shared memory).  Bound
 per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
-from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import HOPPER_BWD_DQ_A_ENV  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -126,7 +126,7 @@ def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False, params
 
 
 def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
-    from flashgen.reference import attention_reference
+    from flashgen.ops.reference import attention_reference
 
     qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     o, lse = attention_reference(spec, qr, kr, vr, compute_dtype=dtype)
@@ -154,9 +154,9 @@ def prebuilt():
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from flashgen import cache
+    from flashgen.build import cache
+    from flashgen.build.render import render
     from flashgen.lower import plan_hopper_backward
-    from flashgen.render import render
     from flashgen.select import build_forward
 
     dims = (64, 128, 256)

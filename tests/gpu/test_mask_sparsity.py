@@ -1,7 +1,7 @@
 """Block-sparse masks on the GPU: skipped EMPTY tiles, unmasked FULL tiles (``pytest -m gpu``).
 
 The kernels classify (query block, key block) tiles with the spec's interval classifier
-(``flashgen/masktiles.py``), never load EMPTY ones and evaluate no mask on FULL ones.
+(``flashgen/analysis/masktiles.py``), never load EMPTY ones and evaluate no mask on FULL ones.
 This suite checks forward and backward against the float64 reference where that matters:
 the sparse shipped specs with parameters that make every class appear at many blocks
 (windows, chunks and prefixes of 1 to 1000 keys), lengths that are not multiples of any
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import PATHS, expected_path, ref_grads  # noqa: E402
 from test_forward import check, shipped  # noqa: E402
 
-from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend.spec import loads_spec  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -144,7 +144,7 @@ def test_custom_masks_backward(key, bwd_path):
 
 # ----------------------------------------------------------------------------- row / column terms
 #: masks whose tensor reads the FA2-class backward takes as row / column terms
-#: (flashgen/rowcol.py): float terms of each side (a bool column term among them) and
+#: (flashgen/analysis/rowcol.py): float terms of each side (a bool column term among them) and
 #: 2-D document ids, at every head dim of the backward tables' test set
 TERM_MASKS = {
     "float_terms": (

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check  # noqa: E402
 
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import (  # noqa: E402
     CAUSAL_TILES_ENV,
     COL_LIMIT_ENV,
@@ -35,7 +36,6 @@ from flashgen.lower import (  # noqa: E402
     SINGLE_WALK_ENV,
     WALK_FROM_DIAGONAL_ENV,
 )
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -27,11 +27,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import ir  # noqa: E402
-from flashgen import op as op_module  # noqa: E402
-from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import build_op, poison_outputs  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops import op as op_module  # noqa: E402
+from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -61,9 +61,9 @@ def prebuild():
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    from flashgen import cache
+    from flashgen.build import cache
+    from flashgen.build.render import render
     from flashgen.lower import plan_block_table
-    from flashgen.render import render
     from flashgen.select import build_forward
 
     gpu = torch.cuda.get_device_name()

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
-from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend.spec import loads_spec  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +87,7 @@ def test_forward_matches_reference(key, d, family, error_bound):
 def check_scale(spec, b, hq, hkv, sq, sk, *, softmax_scale, seed):
     """The op with a user softmax_scale (the fold hoists softmax_scale / d from the
     kernel argument) against the reference at that scale."""
-    from flashgen.reference import attention_reference
+    from flashgen.ops.reference import attention_reference
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)

@@ -1,6 +1,6 @@
 """The forward op's per-call choice of the Hopper tiles for sparse masks
 (``lower.sparse_tiles``: 128 x 128 in place of 128 x 160 at head_dim 128 when the mask keeps
-fewer than ``lower.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.density``) on an sm_90
+fewer than ``lower.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.ops.density``) on an sm_90
 GPU: both kernels against the fp64 reference with the 2x rule (``test_forward.check``, outputs
 poisoned), the sparse one where the mask keeps few keys per row, the dense one with
 ``FLASHGEN_SPARSE_TILES=0`` at the same lengths and by itself where the mask keeps many.
@@ -22,15 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check  # noqa: E402
 
-from flashgen import density  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.lower import (  # noqa: E402
     PERSISTENT_WARP_WALK_ENV,
     SPARSE_KEYS_PER_ROW,
     SPARSE_PERSISTENT_ENV,
     SPARSE_TILES_ENV,
 )
-from flashgen.op import build_op  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
+from flashgen.ops import density  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -141,7 +141,7 @@ def test_persistent_walks_are_bitwise_the_non_persistent_kernel(key, monkeypatch
     a fresh window per tile) or one classifier call at a time (prev_live,
     FLASHGEN_PERSISTENT_WARP_WALK=0), computes the non-persistent kernel's outputs bit for
     bit (same blocks, same classes, same per-tile arithmetic); outputs poisoned first."""
-    from flashgen.op import poison_outputs
+    from flashgen.ops.op import poison_outputs
 
     name, params, (hq, hkv), (sq, sk) = WALK_CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen import OpInputError  # noqa: E402
-from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -116,7 +116,7 @@ def test_cuda_graph_capture_and_replay_match_eager(name):
 
 def test_graph_capture_with_poisoning_and_empty_rows():
     """Poisoning (a fill) and fully masked rows are capturable too."""
-    from flashgen.op import poison_outputs
+    from flashgen.ops.op import poison_outputs
 
     op = load("causal_d128")
     q, k, v, _ = inputs(op, seed=6, sq=100, sk=30)  # bottom-right causal: 70 empty rows
@@ -144,7 +144,7 @@ def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
     Eight CTAs per launch (``FLASHGEN_PERSISTENT_CTAS``): the three kernels run side by side
     on the GPU for their whole length, so a shared counter would hand tiles of one launch to
     the CTAs of another (the session-12 per-stream counter failed here)."""
-    import flashgen.op as op_mod
+    import flashgen.ops.op as op_mod
 
     monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
     monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", "8")
@@ -213,7 +213,7 @@ def test_reduce_overhead_keeps_eager_tile_counters_out_of_graph_pools(monkeypatc
     to a checkpoint, hands its memory to graph tensors (as the trees clear cuBLAS's cached
     workspaces for).  Shapes alternate (warm-up, recording, replay of each, and a new
     recording after a replay); every compiled call equals the eager one."""
-    import flashgen.op as op_mod
+    import flashgen.ops.op as op_mod
 
     monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
     monkeypatch.setattr(op_mod, "_COUNTERS", {})  # none made before: this test makes them

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.frontend.spec import loads_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

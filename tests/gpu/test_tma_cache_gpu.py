@@ -1,6 +1,7 @@
 """The Hopper forward's host fast path on the GPU (``pytest -m gpu``; needs sm_90 for the
 TMA kernel, else skipped): with the CUtensorMap descriptor cache and the prepared argument
-block (:mod:`flashgen.tma`, :mod:`flashgen.runtime`), results are bitwise those of the
+block (:mod:`flashgen.runtime.tma`, :mod:`flashgen.runtime.launch`), results are bitwise those of
+the
 uncached path, across different tensors, views, lengths, a tensor reallocated at a freed
 one's address (same and other geometry), and CUDA graph capture with a warm or a cold
 cache.
@@ -15,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen import tma  # noqa: E402
-from flashgen.cli import random_inputs  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.runtime import tma  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
-from flashgen.backward import ATOMIC_DQ_ENV  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
+from flashgen.frontend.spec import loads_spec  # noqa: E402
+from flashgen.ops.backward import ATOMIC_DQ_ENV  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -86,8 +86,8 @@ def test_float_mask_tiles_match_the_float32_reference(mask, sq, sk, error_bound)
 def test_a_per_kv_head_tensor_read_by_query_head_warns_under_gqa():
     """``w[h]`` on a [num_heads_kv] tensor: with 4 query heads over 2 KV heads the kernel
     clamps h = 2, 3 to w[1]; the op says so (IndexBoundsWarning) instead of staying silent."""
-    from flashgen.indexbounds import IndexBoundsWarning
-    from flashgen.op import build_op
+    from flashgen.analysis.indexbounds import IndexBoundsWarning
+    from flashgen.ops.op import build_op
 
     spec = loads_spec(
         "name: gpu_per_kv_head\nhead_dim: 64\ndtype: bf16\nscore_mod: score + w[h]\n"
@@ -142,7 +142,7 @@ def test_kv_head_index_under_gqa(text, sq, sk, persistent, error_bound, monkeypa
     backward paths against the fp64 reference, where ``h_kv = h // 4``."""
     import warnings
 
-    from flashgen.indexbounds import IndexBoundsWarning
+    from flashgen.analysis.indexbounds import IndexBoundsWarning
 
     monkeypatch.setenv("FLASHGEN_PERSISTENT", persistent)
     spec = loads_spec(text, "kv_head.yaml")

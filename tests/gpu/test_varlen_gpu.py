@@ -1,7 +1,7 @@
 """Varlen kernels (packed sequences with cu_seqlens) against the per-sequence float64
 reference (``pytest -m gpu``; run alone: ``python3 -m pytest tests/gpu/test_varlen_gpu.py -q``).
 
-Reference: :func:`flashgen.reference.attention_reference_varlen`, the padded reference
+Reference: :func:`flashgen.ops.reference.attention_reference_varlen`, the padded reference
 called on each sequence.  Bound (the rule of tests/gpu/test_forward.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3, for o and for each gradient; lse
 within 1e-2 relative where finite and exactly -inf (with o == 0) where the reference's is.
@@ -19,12 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.backward import ATOMIC_DQ_ENV, uses_atomic_dq  # noqa: E402
-from flashgen.errors import OpInputError  # noqa: E402
-from flashgen.op import build_op, poison_outputs  # noqa: E402
-from flashgen.reference import attention_reference_varlen  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
-from flashgen.varlen import CHECK_ENV  # noqa: E402
+from flashgen.frontend.errors import OpInputError  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
+from flashgen.ops.backward import ATOMIC_DQ_ENV, uses_atomic_dq  # noqa: E402
+from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
+from flashgen.ops.reference import attention_reference_varlen  # noqa: E402
+from flashgen.ops.varlen import CHECK_ENV  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

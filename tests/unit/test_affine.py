@@ -1,4 +1,4 @@
-"""flashgen.affine: which score_mods decompose as score + L (L affine in q_idx, kv_idx with
+"""flashgen.analysis.affine: which score_mods decompose as score + L (L affine in q_idx, kv_idx with
 CTA-invariant coefficients), the identity L(q, kv) == L(q, n0) + beta * (kv - n0) in float64
 from the IR, the lowered CUDA expressions (``lower.affine_context``) evaluated on the host
 exactly as the Hopper forward's FULL tiles use them, and the rendered kernels."""
@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 from conftest import SPEC_DIR  # noqa: E402
 from host_cxx import preamble, scalar_params  # noqa: E402
 
-from flashgen import affine  # noqa: E402
+from flashgen.analysis import affine  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import AFFINE_ENV, Invariants, affine_context, plan_forward  # noqa: E402
-from flashgen.reference import _env, eval_expr  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.reference import _env, eval_expr  # noqa: E402
 
 PARAMS = (
     "params:\n"
@@ -314,7 +314,7 @@ def test_a_spilling_split_is_retried_without_it(requires_nvcc, monkeypatch):
     from flashgen.lower import HEAD_GROUPS_ENV
 
     monkeypatch.setenv(HEAD_GROUPS_ENV, "0")
-    from flashgen import cache
+    from flashgen.build import cache
     from flashgen.select import build_forward
 
     spec = loads_spec(SPILLS_WITH_SPLIT, "affine_spill.yaml")

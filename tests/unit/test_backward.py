@@ -10,12 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import ir  # noqa: E402
-from flashgen.cli import random_tensor_params  # noqa: E402
-from flashgen.derive import d_dscore  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
-from flashgen.reference import attention_reference, eval_expr  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.analysis.derive import d_dscore  # noqa: E402
+from flashgen.cli.commands import random_tensor_params  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
+from flashgen.ops.reference import attention_reference, eval_expr  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec
 from flashgen.lower import (
     ATOMIC_BACKWARD_TILES,
     BACKWARD_TILES,
@@ -16,8 +18,6 @@ from flashgen.lower import (
     PRE_WARPS,
     plan_backward,
 )
-from flashgen.render import render
-from flashgen.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -76,14 +76,14 @@ def test_atomic_grids():
 # ----------------------------------------------------------------------------- plumbing
 torch = pytest.importorskip("torch")
 
-from flashgen.backward import (  # noqa: E402
+from flashgen.frontend.errors import OpInputError  # noqa: E402
+from flashgen.ops.backward import (  # noqa: E402
     ATOMIC_DQ_ENV,
     atomic_dq_enabled,
     backward_schema,
     uses_atomic_dq,
 )
-from flashgen.errors import OpInputError  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
 
 
 def _qkv(spec, sq=5, sk=7, hq=2, hkv=1, seed=0):

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import autotune, bench
-from flashgen.cli import main
+from flashgen.bench import autotune
+from flashgen.bench import runner as bench
+from flashgen.cli.commands import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,8 +197,8 @@ def test_kept_pairs_counts_the_mask_from_the_ir():
     """Variant rows of ``flashgen bench`` count only kept (q, kv) pairs: causal keeps
     S (S + 1) / 2 per head, a sliding window of w keeps fewer, no mask keeps S^2."""
     torch = pytest.importorskip("torch")
-    from flashgen import bench
-    from flashgen.spec import load_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
 
     cpu = torch.device("cpu")
     causal = load_spec(REPO / "specs" / "causal_d128.yaml")
@@ -246,9 +247,9 @@ def test_kept_pairs_counts_each_batch_row(mask, params):
     """A mask that reads ``b`` (directly, or through a tensor param of any shape) keeps
     other pairs in each batch row: kept_pairs (one row at a time) equals the whole mask."""
     torch = pytest.importorskip("torch")
-    from flashgen import bench
-    from flashgen.reference import eval_mask
-    from flashgen.spec import loads_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import loads_spec
+    from flashgen.ops.reference import eval_mask
 
     spec = loads_spec(f"name: t\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n")
     gen = torch.Generator().manual_seed(0)

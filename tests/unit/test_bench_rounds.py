@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import bench
+from flashgen.bench import runner as bench
 
 
 def _bench(rounds: int) -> bench.Bench:
@@ -129,7 +129,7 @@ def test_rounds_prepare_a_problem_then_time_it_together(monkeypatch):
 
 @pytest.mark.parametrize("flag", ["--rounds", "--warmup-ms"])
 def test_rounds_and_warmup_are_checked_by_the_parser(flag, capsys):
-    from flashgen.cli import parser
+    from flashgen.cli.commands import parser
 
     bad = "0" if flag == "--rounds" else "-1"
     with pytest.raises(SystemExit):

@@ -13,9 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen import cache  # noqa: E402
-from flashgen.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
-from flashgen.errors import OpInputError  # noqa: E402
+from flashgen.build import cache  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend.errors import OpInputError  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import (  # noqa: E402
     TileConfig,
     block_table_dims,
@@ -24,10 +25,9 @@ from flashgen.lower import (  # noqa: E402
     plan_block_table,
     plan_forward,
 )
-from flashgen.reference import attention_reference, eval_mask  # noqa: E402
-from flashgen.render import render  # noqa: E402
+from flashgen.ops.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
+from flashgen.ops.reference import attention_reference, eval_mask  # noqa: E402
 from flashgen.select import build_forward  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "specs" / "document_mask.yaml"
@@ -163,8 +163,8 @@ def test_a_table_is_used_only_with_the_tiles_it_was_built_for():
     view; the impl's check (the same _table_values the CUDA launch runs) accepts it for a
     kernel of those tiles and refuses it for another, even where the tile counts agree
     (here 1 x 1 tiles for both the FA2-class 128x32 and the Hopper 128x128 kernels)."""
-    from flashgen.blockmask import table_for_tiles
-    from flashgen.op import validate
+    from flashgen.ops.blockmask import table_for_tiles
+    from flashgen.ops.op import validate
 
     op = flashgen.load(DOC)
     doc_q, doc_kv = docs(2, 100, 3), docs(2, 30, 3, seed=1)
@@ -267,9 +267,9 @@ def test_t5_bias_op_validates_the_table():
 
 def test_launch_values_pack_for_the_pre_pass_and_the_forward():
     """Every argument of both kernels' ABIs gets a value from the op's maps (numpy-only)."""
-    from flashgen.blockmask import table_strides
-    from flashgen.op import kernel_values, validate
-    from flashgen.runtime import kernel_args
+    from flashgen.ops.blockmask import table_strides
+    from flashgen.ops.op import kernel_values, validate
+    from flashgen.runtime.launch import kernel_args
 
     spec = load_spec(DOC)
     B, H, S = 2, 4, 100

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import __version__, cache
+from flashgen import __version__
+from flashgen.build import cache
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = 'extern "C" __global__ void fg_cache_probe(float* x) { x[threadIdx.x] *= %s; }\n'
@@ -109,7 +110,7 @@ def test_concurrent_processes_compile_once(cache_dir):
     script = (
         "import sys, time\n"
         "from types import SimpleNamespace\n"
-        "from flashgen import cache\n"
+        "from flashgen.build import cache\n"
         "p = SimpleNamespace(target='sm_80', arch='sm_80', kernel_name='fg_cache_probe',\n"
         "                    gencode='-gencode=arch=compute_80,code=sm_80')\n"
         "while time.time() < float(sys.argv[1]): time.sleep(0.005)\n"

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import cache
-from flashgen import compile as fcompile
-from flashgen.compile import find_nvcc
+from flashgen.build import cache
+from flashgen.build import compile as fcompile
+from flashgen.build.compile import find_nvcc
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "specs" / "gpt2_d64.yaml"
@@ -61,10 +61,10 @@ def _compiles(log: Path) -> int:
 
 def _build_spec_worker(spec_path: str, barrier, queue) -> None:
     """Child process: wait for all, then build the spec's sm_80 kernel through the cache."""
-    from flashgen import cache as c
+    from flashgen.build import cache as c
+    from flashgen.build.render import render
+    from flashgen.frontend.spec import load_spec
     from flashgen.lower import plan_forward
-    from flashgen.render import render
-    from flashgen.spec import load_spec
 
     try:
         plan = plan_forward(load_spec(spec_path), "sm_80")

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from flashgen import ir
-from flashgen.check import check_spec
-from flashgen.errors import SpecError
-from flashgen.ir import Ty
-from flashgen.parse import parse_expr
-from flashgen.spec import loads_spec
+from flashgen.frontend import ir
+from flashgen.frontend.check import check_spec
+from flashgen.frontend.errors import SpecError
+from flashgen.frontend.ir import Ty
+from flashgen.frontend.parse import parse_expr
+from flashgen.frontend.spec import loads_spec
 
 PARAMS = """\
 params:

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flashgen.cli import format_expr, main
-from flashgen.spec import load_spec, loads_spec
+from flashgen.cli.commands import format_expr, main
+from flashgen.frontend.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CAUSAL = str(REPO / "specs" / "causal_d128.yaml")
@@ -125,8 +125,9 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     """A spec whose Hopper backward spills in both dQ variants builds the FA2-class unit
     in its place (select.build_backward): the bwd_wgmma row must say so, not pass off the
     fallback's registers as the wgmma kernel's."""
-    from flashgen import cli, select
-    from flashgen.compile import CompileReport, KernelResources
+    import flashgen.cli.commands as cli
+    from flashgen import select
+    from flashgen.build.compile import CompileReport, KernelResources
     from flashgen.lower import plan_backward, plan_hopper_backward
 
     spec = load_spec(CAUSAL)
@@ -159,7 +160,7 @@ def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeyp
 def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
     """A unit that spills (or fails to compile) fails the build: its spec's generated/
     folder is not written (it printed 'error: ... kernel spills' and then 'wrote ...')."""
-    from flashgen import cli
+    import flashgen.cli.commands as cli
 
     good = cli._compile_one
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from flashgen import lower
+from flashgen.build.render import render
+from flashgen.frontend.spec import loads_spec
 from flashgen.lower import TileConfig, plan_backward, plan_forward
-from flashgen.render import render
-from flashgen.spec import loads_spec
-from flashgen.varlen import varlen_spec
+from flashgen.ops.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

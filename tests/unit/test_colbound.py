@@ -1,8 +1,8 @@
-"""flashgen/colbound.py and the Hopper forward's column bounds (lower.py ``col_bound``).
+"""flashgen/analysis/colbound.py and the Hopper forward's column bounds (lower.py ``col_bound``).
 
 Exhaustive CPU checks: for every shipped mask the bound applies to and random small user
 masks of the bound forms, the per-row range keeps exactly the pairs the expression keeps
-(brute force over small grids with the reference semantics, flashgen/reference.py), and the
+(brute force over small grids with the reference semantics, flashgen/ops/reference.py), and the
 masked tile's arithmetic as the template writes it (the range's offsets clamped into
 ``[-1, BLOCK_N]``, 64-bit) keeps exactly those columns of every tile.
 """
@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashgen import colbound, ir
-from flashgen.errors import SpecError
+from flashgen.analysis import colbound
+from flashgen.build.render import render
+from flashgen.frontend import ir
+from flashgen.frontend.errors import SpecError
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.lower import (
     COL_BOUND_ENV,
     COL_LIMIT_ENV,
@@ -24,9 +27,7 @@ from flashgen.lower import (
     plan_forward,
     split_causal,
 )
-from flashgen.reference import eval_expr
-from flashgen.render import render
-from flashgen.spec import load_spec, loads_spec
+from flashgen.ops.reference import eval_expr
 
 REPO = Path(__file__).resolve().parents[2]
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
@@ -392,7 +393,7 @@ def test_bound_kernels_spill_no_more(key, persistent, requires_nvcc, monkeypatch
     spills without it too (20 B; 216 B persistent) and a little less with it (20 B; 164 B):
     the op's spill fallback (flashgen/select.py) takes other tiles for it either way.  (The
     affine window spills 696 B persistent without the bound, 0 with it.)"""
-    from flashgen import cache
+    from flashgen.build import cache
 
     mask, score_mod = GPU_TEST_MASKS[key]
     spills = {}

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import cache
-from flashgen.compile import (
+from flashgen.build import cache
+from flashgen.build.compile import (
     NVCC_FLAGS,
     CompileError,
     CompileReport,
@@ -22,9 +22,9 @@ from flashgen.compile import (
     nvcc_version,
     parse_ptxas,
 )
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec
 from flashgen.lower import compile_units, plan_backward, plan_forward
-from flashgen.render import render
-from flashgen.spec import load_spec
 
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 

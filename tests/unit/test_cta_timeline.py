@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from patched_kernels import REPO, compile_source, load_tool
 
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec
 from flashgen.lower import plan_forward
-from flashgen.render import render
-from flashgen.spec import load_spec
 
 
 def _tool():

@@ -1,4 +1,4 @@
-"""The host estimate of kept keys per query row (``flashgen.density``) and the choice of the
+"""The host estimate of kept keys per query row (``flashgen.ops.density``) and the choice of the
 Hopper forward's sparse-mask tiles (``lower.sparse_tiles``, ``select.build_forward(sparse=)``)."""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import density, ir, lower  # noqa: E402
+from flashgen import lower  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import TileConfig  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops import density  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +101,7 @@ def test_build_forward_takes_the_sparse_tiles_first(requires_nvcc):
 
 
 def test_op_asks_for_sparse_tiles_per_call(monkeypatch):
-    from flashgen.op import Dims, build_op
+    from flashgen.ops.op import Dims, build_op
 
     spec = dataclasses.replace(_spec("mistral_swa"), name="dens_op_window")
     op = build_op(spec)
@@ -136,7 +138,7 @@ def test_the_estimate_stays_on_the_cpu_whatever_the_default_device_and_dtype():
 
 
 def test_op_estimate_under_a_default_device():
-    from flashgen.op import Dims, build_op
+    from flashgen.ops.op import Dims, build_op
 
     op = build_op(dataclasses.replace(_spec("causal_d128"), name="dens_op_meta"))
     with torch.device("meta"):
@@ -158,7 +160,7 @@ def _count_estimates(monkeypatch) -> list:
 def test_a_scalar_the_mask_does_not_read_is_no_part_of_the_key(monkeypatch):
     """A float param only the score_mod reads (a soft-cap, a temperature) may change at every
     call: it must not cost an estimate (0.5 ms) per value, nor fill the op's cache."""
-    from flashgen.op import Dims, build_op
+    from flashgen.ops.op import Dims, build_op
 
     spec = loads_spec(
         "name: dens_softcap\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
@@ -177,7 +179,7 @@ def test_a_scalar_the_mask_does_not_read_is_no_part_of_the_key(monkeypatch):
 def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
     """Growing lengths (decoding: seqlen_q 1, seqlen_k + 1 per call) evaluate a few masks per
     doubling: one per quarter octave, not one per length."""
-    from flashgen.op import Dims, build_op
+    from flashgen.ops.op import Dims, build_op
 
     op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_decode"))
     calls = _count_estimates(monkeypatch)
@@ -195,10 +197,10 @@ def test_first_use_loads_both_kernels(monkeypatch):
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 
-    import flashgen.op as op_mod
-    import flashgen.runtime as runtime
+    import flashgen.ops.op as op_mod
+    import flashgen.runtime.launch as runtime
     import flashgen.select as select
-    from flashgen.op import build_op
+    from flashgen.ops.op import build_op
 
     built = []
 

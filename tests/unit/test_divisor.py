@@ -13,8 +13,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from flashgen.frontend.spec import loads_spec
 from flashgen.lower import Invariants, cuda_expr
-from flashgen.spec import loads_spec
 
 HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 
@@ -196,9 +196,9 @@ def test_div_nn_proof_holds_by_brute_force():
     wrap in int32) keep the signed division."""
     import itertools
 
-    from flashgen.ir import Binary, Ty, walk
+    from flashgen.analysis.maskinfo import Range, evaluate
+    from flashgen.frontend.ir import Binary, Ty, walk
     from flashgen.lower import _nonneg_by_positive
-    from flashgen.maskinfo import Range, evaluate
 
     cases = [  # (mask, params, proven)
         ("kv_idx / c == 0", "c: {type: i32, default: 1, min: 0}", False),

@@ -1,4 +1,4 @@
-"""The eager fast path's wiring (``flashgen.op._eager_cuda``, ``_EagerAttention``), on the CPU.
+"""The eager fast path's wiring (``flashgen.ops.op._eager_cuda``, ``_EagerAttention``), on the CPU.
 
 The fast path only runs for CUDA tensors; here it is forced on with the CPU reference in
 place of the CUDA forward, so its autograd node must give the same outputs and gradients
@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import op as op_mod  # noqa: E402
-from flashgen.cli import random_inputs  # noqa: E402
-from flashgen.op import AttentionOp, build_op  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
+from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
+from flashgen.ops import op as op_mod  # noqa: E402
+from flashgen.ops.op import AttentionOp, build_op  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,8 +95,8 @@ def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
     without its autograd node (not a frame inside flashgen or torch.autograd)."""
     import warnings
 
-    from flashgen.indexbounds import IndexBoundsWarning
-    from flashgen.spec import loads_spec
+    from flashgen.analysis.indexbounds import IndexBoundsWarning
+    from flashgen.frontend.spec import loads_spec
 
     def forward(self, q, k, v, dims, scale, scalars, tensors, table):
         self._check_index_bounds(dims, scalars)  # what the CUDA _forward does first

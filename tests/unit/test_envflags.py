@@ -36,7 +36,7 @@ def test_other_values_are_an_error_naming_the_variable(monkeypatch):
 
 def test_atomic_dq_switch_reads_yes_and_refuses_typos(monkeypatch):
     """FLASHGEN_ATOMIC_DQ=yes used to be read as off (only "1" counted)."""
-    from flashgen.backward import atomic_dq_enabled
+    from flashgen.ops.backward import atomic_dq_enabled
 
     monkeypatch.setenv("FLASHGEN_ATOMIC_DQ", "yes")
     assert atomic_dq_enabled()
@@ -46,7 +46,7 @@ def test_atomic_dq_switch_reads_yes_and_refuses_typos(monkeypatch):
 
 
 def test_no_tma_cache_switch(monkeypatch):
-    from flashgen.tma import DescriptorCache
+    from flashgen.runtime.tma import DescriptorCache
 
     monkeypatch.setenv("FLASHGEN_NO_TMA_CACHE", "true")
     assert not DescriptorCache().enabled

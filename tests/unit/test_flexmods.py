@@ -1,4 +1,4 @@
-"""flashgen IR -> FlexAttention score_mod/mask_mod (flashgen/flexmods.py), on CPU."""
+"""flashgen IR -> FlexAttention score_mod/mask_mod (flashgen/bench/flexmods.py), on CPU."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashgen.cli import random_tensor_params
-from flashgen.flexmods import flex_mods, mask_uses_batch_or_head
-from flashgen.reference import attention_reference, eval_expr
-from flashgen.spec import load_spec, loads_spec
+from flashgen.bench.flexmods import flex_mods, mask_uses_batch_or_head
+from flashgen.cli.commands import random_tensor_params
+from flashgen.frontend.spec import load_spec, loads_spec
+from flashgen.ops.reference import attention_reference, eval_expr
 
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from flashgen import SpecError, loads_spec
-from flashgen.ir import Ty
+from flashgen.build.render import render
+from flashgen.frontend.ir import Ty
+from flashgen.frontend.parse import parse_expr
 from flashgen.lower import Invariants, cuda_expr, plan_forward
-from flashgen.parse import parse_expr
-from flashgen.render import render
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
 
@@ -191,7 +191,7 @@ def test_each_type_checks_to_its_type(i, f, b):
 @given(specs(wild=True, dtypes=("fp16", "bf16")))
 def test_random_specs_compile_with_nvcc(tmp_path_factory, text):
     """nvcc accepts what the lowering emits (``FLASHGEN_FUZZ_NVCC=50`` for a bigger run)."""
-    from flashgen.compile import compile_source
+    from flashgen.build.compile import compile_source
 
     spec = loads_spec(text, "fuzz.yaml")
     plan = plan_forward(spec, "sm_80")
@@ -204,8 +204,8 @@ def test_random_specs_compile_with_nvcc(tmp_path_factory, text):
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(specs(wild=False, dtypes=("fp16", "bf16")), st.integers(0, 2**16))
 def test_cpu_op_matches_reference_on_random_specs(text, seed):
-    from flashgen.cli import error_bound, random_inputs
-    from flashgen.op import build_op
+    from flashgen.cli.commands import error_bound, random_inputs
+    from flashgen.ops.op import build_op
 
     spec = loads_spec(text, "fuzz.yaml")
     op = build_op(spec)
@@ -225,7 +225,7 @@ def test_cpu_op_matches_reference_on_random_specs(text, seed):
 @given(score_mods(wild=False))
 def test_tame_score_mods_stay_finite(sm):
     """The GPU fuzz relies on this: tame score_mods of finite scores are finite."""
-    from flashgen.reference import eval_expr
+    from flashgen.ops.reference import eval_expr
 
     spec = loads_spec(spec_text(None, sm))
     g = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ def _tool():
 
 
 def test_doc_ids_are_sorted_documents():
-    from flashgen import bench
+    from flashgen.bench import runner as bench
 
     ids = bench.doc_ids(3, 500, 40, torch.Generator().manual_seed(0))
     assert ids.shape == (3, 500) and ids.dtype == torch.int32
@@ -33,8 +33,8 @@ def test_doc_ids_are_sorted_documents():
 def test_bench_gives_document_masks_packed_documents():
     """flashgen bench's document_mask inputs are packed documents (sorted ids, doc_q and
     doc_kv the same ids), not random ids: a realistic density and tile table."""
-    from flashgen import bench
-    from flashgen.spec import load_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
 
     spec = load_spec(REPO / "specs" / "document_mask.yaml")
     p = bench.spec_params(spec, 2, 3, 700, 700, torch.device("cpu"), doc_len=50)
@@ -80,8 +80,8 @@ def test_measure_records_a_timing_error_and_keeps_the_others(monkeypatch):
     first call worked) is recorded as its error, not raised (measure's contract)."""
     import argparse
 
-    from flashgen import bench
-    from flashgen.spec import load_spec
+    from flashgen.bench import runner as bench
+    from flashgen.frontend.spec import load_spec
 
     gallery = _tool()
     calls = []

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from flashgen import __version__
-from flashgen.compile import CompileReport, KernelResources
-from flashgen.generate import write_generated
-from flashgen.spec import load_spec
+from flashgen.build.compile import CompileReport, KernelResources
+from flashgen.build.generate import write_generated
+from flashgen.frontend.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,8 +86,8 @@ def test_generated_module_imports_and_runs_on_cpu(tmp_path):
 def test_a_varlen_specs_module_documents_the_packed_call():
     """``attention`` of a ``varlen: true`` spec is the packed-sequence op; its module's
     docstring showed the padded ``attention(q, k, v)`` with [B, Hq, Sq, D] shapes."""
-    from flashgen.generate import module_source
-    from flashgen.spec import loads_spec
+    from flashgen.build.generate import module_source
+    from flashgen.frontend.spec import loads_spec
 
     spec = loads_spec(
         "name: vl\nhead_dim: 64\ndtype: fp16\nvarlen: true\nmask: causal\n"

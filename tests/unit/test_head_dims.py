@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
 
-from flashgen import cache, ir  # noqa: E402
+from flashgen.build import cache  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend import ir
 from flashgen.lower import (  # noqa: E402
     ATOMIC_BACKWARD_TILES,
     BACKWARD_TILES,
@@ -34,7 +36,6 @@ from flashgen.lower import (  # noqa: E402
     plan_backward,
     plan_forward,
 )
-from flashgen.render import render  # noqa: E402
 
 SM80_SMEM = 163 * 1024
 VARIANTS = [
@@ -149,7 +150,7 @@ def test_every_head_dim_variant_compiles_without_spills(requires_nvcc):
 @pytest.mark.parametrize("d, dv", [(192, 128), (128, 256), (32, 32), (96, 96)], ids=str)
 def test_cpu_op_and_autograd_match_sdpa(d, dv):
     torch = pytest.importorskip("torch")
-    from flashgen.op import build_op
+    from flashgen.ops.op import build_op
 
     spec = hdim_spec(d, dv, "bf16", "none", causal=True)
     op = build_op(spec)
@@ -180,8 +181,8 @@ def test_cpu_op_and_autograd_match_sdpa(d, dv):
 @pytest.mark.parametrize("d, dv", [(192, 128), (128, 256)], ids=str)
 def test_cpu_op_rejects_wrong_v_head_dim(d, dv):
     torch = pytest.importorskip("torch")
-    from flashgen.errors import OpInputError
-    from flashgen.op import build_op
+    from flashgen.frontend.errors import OpInputError
+    from flashgen.ops.op import build_op
 
     op = build_op(hdim_spec(d, dv))
     q = torch.zeros(1, 2, 5, d, dtype=torch.bfloat16)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import cache, tma
-from flashgen.compile import find_nvcc
+from flashgen.build import cache
+from flashgen.build.compile import find_nvcc
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.lower import (
     HOPPER_TABLE_TILES,
     HOPPER_TILES,
@@ -26,10 +28,9 @@ from flashgen.lower import (
     plan_forward,
     plan_hopper_forward,
 )
-from flashgen.render import render
-from flashgen.runtime import kernel_args
-from flashgen.spec import load_spec, loads_spec
-from flashgen.varlen import varlen_spec
+from flashgen.ops.varlen import varlen_spec
+from flashgen.runtime import tma
+from flashgen.runtime.launch import kernel_args
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))

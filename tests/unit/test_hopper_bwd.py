@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import cache, ir
-from flashgen.backward import ATOMIC_DQ_ENV, backward_path
-from flashgen.compile import find_nvcc
+from flashgen.build import cache
+from flashgen.build.compile import find_nvcc
+from flashgen.build.render import render
+from flashgen.frontend import ir
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.lower import (
     HOPPER_BWD_DQ_A_ENV,
     HOPPER_BWD_TILES,
@@ -26,9 +28,8 @@ from flashgen.lower import (
     hopper_bwd_eligible,
     plan_hopper_backward,
 )
-from flashgen.render import render
-from flashgen.spec import load_spec, loads_spec
-from flashgen.varlen import varlen_spec
+from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path
+from flashgen.ops.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
 #: Shipped specs the Hopper backward takes: d64/d128/d256, masks that read no tensor, any
@@ -513,10 +514,11 @@ def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
 
     import torch
 
-    from flashgen import op as op_mod
-    from flashgen import runtime, select
+    from flashgen import select
     from flashgen.lower import plan_backward
-    from flashgen.op import build_op
+    from flashgen.ops import op as op_mod
+    from flashgen.ops.op import build_op
+    from flashgen.runtime import launch as runtime
 
     spec = dataclasses.replace(shipped("causal_d128"), name=f"hb_fallback_{spills}".lower())
     plan = plan_backward(spec, "sm_90") if spills else plan_hopper_backward(spec, "sm_90")

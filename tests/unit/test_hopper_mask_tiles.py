@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import cache
+from flashgen.build import cache
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec
 from flashgen.lower import (
     CAUSAL_TILES_ENV,
     COL_LIMIT_ENV,
@@ -17,8 +19,6 @@ from flashgen.lower import (
     WALK_FROM_DIAGONAL_ENV,
     plan_forward,
 )
-from flashgen.render import render
-from flashgen.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""flashgen.indexbounds: tensor-param subscripts that may leave their tensor at a call's
+"""flashgen.analysis.indexbounds: tensor-param subscripts that may leave their tensor at a call's
 sizes (the kernels clamp them), and the op's once-per-sizes warning."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.indexbounds import possible_violations
-from flashgen.spec import load_spec, loads_spec
+from flashgen.analysis.indexbounds import possible_violations
+from flashgen.frontend.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,8 @@ def test_shipped_specs_stay_inside_their_tensors(path, sq, sk, hq, hkv):
 
 def test_the_op_warns_once_per_sizes():
     torch = pytest.importorskip("torch")
-    from flashgen.indexbounds import IndexBoundsWarning
-    from flashgen.op import Dims, build_op
+    from flashgen.analysis.indexbounds import IndexBoundsWarning
+    from flashgen.ops.op import Dims, build_op
 
     op = build_op(PER_KV_HEAD)
     dims = Dims(batch=1, heads_q=8, heads_kv=2, seqlen_q=5, seqlen_k=5, head_dim_v=64)

@@ -19,21 +19,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import cache, derive, ir  # noqa: E402
-from flashgen.errors import OpInputError, SpecError  # noqa: E402
-from flashgen.flexmods import flex_mods  # noqa: E402
-from flashgen.indexbounds import possible_violations  # noqa: E402
+from flashgen.analysis import derive  # noqa: E402
+from flashgen.analysis.indexbounds import possible_violations  # noqa: E402
+from flashgen.bench.flexmods import flex_mods  # noqa: E402
+from flashgen.build import cache  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
+from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
+from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.lower import (  # noqa: E402
     block_table_dims,
     cuda_expr,
     hopper_bwd_eligible,
     plan_block_table,
 )
-from flashgen.op import build_op  # noqa: E402
-from flashgen.reference import _env, attention_reference, eval_expr, eval_mask  # noqa: E402
-from flashgen.render import render  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
+from flashgen.ops.reference import _env, attention_reference, eval_expr, eval_mask  # noqa: E402
 from flashgen.select import build_backward, build_forward  # noqa: E402
-from flashgen.spec import loads_spec  # noqa: E402
 
 #: ALiBi with one slope per KV head (the query heads of a group share it).
 SCORE = """\

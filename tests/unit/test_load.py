@@ -15,7 +15,7 @@ SPEC = Path(__file__).resolve().parents[2] / "specs" / "gpt2_d64.yaml"
 
 def test_load_without_torch_names_the_missing_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "flashgen.op", raising=False)
+    monkeypatch.delitem(sys.modules, "flashgen.ops.op", raising=False)
     monkeypatch.setattr(flashgen, "_loaded", {})
     with pytest.raises(ModuleNotFoundError, match="flashgen.load needs PyTorch") as info:
         flashgen.load(SPEC)

@@ -23,9 +23,9 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+from flashgen.build.render import render
+from flashgen.frontend.spec import loads_spec
 from flashgen.lower import plan_forward
-from flashgen.render import render
-from flashgen.spec import loads_spec
 
 HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 

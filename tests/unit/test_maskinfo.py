@@ -1,4 +1,4 @@
-"""Mask analysis (``flashgen.maskinfo``) against brute force on small grids.
+"""Mask analysis (``flashgen.analysis.maskinfo``) against brute force on small grids.
 
 Soundness for every mask (shipped, gallery-style and random well-typed ones): a tile
 called EMPTY has no kept pair, a tile called FULL keeps every pair.  Exactness for the
@@ -21,11 +21,11 @@ from dsl_strategies import expr, may_be_true, spec_text  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from flashgen.cli import random_tensor_params  # noqa: E402
+from flashgen.analysis.maskinfo import TileClass, classify, density, tile_classes  # noqa: E402
+from flashgen.cli.commands import random_tensor_params  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import needs_block_table  # noqa: E402
-from flashgen.maskinfo import TileClass, classify, density, tile_classes  # noqa: E402
-from flashgen.reference import eval_expr  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.reference import eval_expr  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,7 +199,7 @@ FLOAT_MASKS = [
 
 @pytest.mark.parametrize("mask", FLOAT_MASKS)
 def test_float_masks_are_classified_soundly_for_float32(mask):
-    from flashgen.reference import eval_mask
+    from flashgen.ops.reference import eval_mask
 
     spec = loads_spec(f"name: fm\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\n", "fm.yaml")
     for sq, sk, bm, bn in [(999, 999, 16, 16), (1024, 1000, 128, 64), (513, 700, 64, 32)]:

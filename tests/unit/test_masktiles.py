@@ -1,8 +1,9 @@
-"""The CUDA tile classifier (``flashgen.masktiles``) against the host analysis and brute force.
+"""The CUDA tile classifier (``flashgen.analysis.masktiles``) against the host analysis and brute
+force.
 
 The emitted classifiers are ``__host__ __device__``: the test compiles them for the host
 with nvcc (no GPU needed), runs them on many tiles and block ranges, and requires the
-same class as :func:`flashgen.maskinfo.classify` on every one (which is itself checked
+same class as :func:`flashgen.analysis.maskinfo.classify` on every one (which is itself checked
 against brute force in ``test_maskinfo.py``), for every shipped mask, the gallery masks
 and random well-typed masks.  The block searches (``fg::iv::next_live`` /
 ``prev_live``) run on the host too, against a linear scan of the brute-force classes.
@@ -20,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsl_strategies import expr, may_be_true, spec_text  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from flashgen import masktiles  # noqa: E402
-from flashgen.maskinfo import classify, tile_classes  # noqa: E402
-from flashgen.render import template_root  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.analysis import masktiles  # noqa: E402
+from flashgen.analysis.maskinfo import classify, tile_classes  # noqa: E402
+from flashgen.build.render import template_root  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "specs").glob("*.yaml"))
@@ -246,8 +247,8 @@ def _scoring_branches(src: str, open_marker: str) -> tuple[str, str]:
 def test_kernels_skip_empty_tiles_and_leave_full_ones_unmasked():
     """The rendered kernels search live blocks with the spec's classifier and have a scoring
     path with no mask; causal has no separate skipping left (kv_end, m_first)."""
+    from flashgen.build.render import render
     from flashgen.lower import plan_backward, plan_forward
-    from flashgen.render import render
 
     spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
     window = "p_window"
@@ -385,7 +386,7 @@ def test_causal_bits_match_the_kernels_masked_loops_by_brute_force(host_exe):
     import torch
 
     from flashgen.lower import _causal_as_true
-    from flashgen.reference import eval_mask
+    from flashgen.ops.reference import eval_mask
 
     specs = []
     for i, (m, params) in enumerate(_EDGE_MASKS):

@@ -13,10 +13,10 @@ import torch
 
 import flashgen
 from flashgen import OpInputError
-from flashgen.cli import random_tensor_params
-from flashgen.op import build_op, schema
-from flashgen.reference import attention_reference
-from flashgen.spec import load_spec
+from flashgen.cli.commands import random_tensor_params
+from flashgen.frontend.spec import load_spec
+from flashgen.ops.op import build_op, schema
+from flashgen.ops.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -209,7 +209,7 @@ def test_load_is_cached_and_import_needs_no_torch():
     a = flashgen.load(REPO / "specs" / "gpt2_d64.yaml")
     assert flashgen.load(str(REPO / "specs" / "gpt2_d64.yaml")) is a
     assert a.spec.name == "gpt2_d64" and math.isclose(
-        flashgen.op.default_softmax_scale(a.spec), 1 / 8
+        flashgen.ops.op.default_softmax_scale(a.spec), 1 / 8
     )
     code = "import sys, flashgen; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashgen
 from flashgen import OpInputError
-from flashgen import reference as reference_mod
-from flashgen.reference import attention_reference
+from flashgen.ops import reference as reference_mod
+from flashgen.ops.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -349,10 +349,10 @@ _GOOD_CASES = [
     ids=[c[0] for c in TENSOR_CASES] + [c[0] for c in _GOOD_CASES],
 )
 def test_fast_check_accepts_only_what_the_full_check_accepts(ops, case, device):
-    """``validate`` tries a few-read check first (:func:`flashgen.op._dims_if_valid`) and
-    runs every check in turn (:func:`flashgen.op._check_qkv`) only when it says no: it must
+    """``validate`` tries a few-read check first (:func:`flashgen.ops.op._dims_if_valid`) and
+    runs every check in turn (:func:`flashgen.ops.op._check_qkv`) only when it says no: it must
     never accept what the full check refuses, and give the same Dims where both accept."""
-    from flashgen.op import _check_qkv, _dims_if_valid
+    from flashgen.ops.op import _check_qkv, _dims_if_valid
 
     name, mutate = case
     spec = ops["alibi"].spec
@@ -382,7 +382,7 @@ def test_fast_check_never_accepts_what_the_full_check_refuses_property(ops):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from flashgen.op import _check_qkv, _dims_if_valid
+    from flashgen.ops.op import _check_qkv, _dims_if_valid
 
     spec = ops["alibi"].spec  # bf16, head_dim 128
     size = st.sampled_from([0, 1, 2, 3])

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.lower import (
     TileConfig,
     compile_units,
@@ -20,8 +22,6 @@ from flashgen.lower import (
     plan_block_table,
     plan_forward,
 )
-from flashgen.render import render
-from flashgen.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 PARAM_LIKE = re.compile(r"\b([pt])_([A-Za-z0-9_]+)")
@@ -60,7 +60,7 @@ def test_no_template_identifier_in_the_param_namespace(name):
 def test_a_param_named_like_a_kernel_local_compiles(requires_nvcc):
     """The user-facing failure: ``frag`` on the Hopper forward (nvcc: "expression must
     have arithmetic or unscoped enum type")."""
-    from flashgen import cache
+    from flashgen.build import cache
 
     spec = loads_spec(FRAG)
     plan = plan_forward(spec, "sm_90")

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashgen import ir
-from flashgen.errors import SpecError
-from flashgen.ir import Binary, Call, Causal, Cond, Const, Index, Ty, Unary, Var
-from flashgen.parse import MAX_DEPTH, parse_expr
+from flashgen.frontend import ir
+from flashgen.frontend.errors import SpecError
+from flashgen.frontend.ir import Binary, Call, Causal, Cond, Const, Index, Ty, Unary, Var
+from flashgen.frontend.parse import MAX_DEPTH, parse_expr
 
 
 def p(text: str) -> ir.Expr:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.compile import find_nvcc
+from flashgen.build.compile import find_nvcc
+from flashgen.build.render import render
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.lower import (
     GRID_GROUPS_MAX,
     HOPPER_PERSISTENT_REGS,
@@ -28,8 +30,6 @@ from flashgen.lower import (
     plan_hopper_forward,
     tile_coord,
 )
-from flashgen.render import render
-from flashgen.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -387,7 +387,7 @@ def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
     """Every shipped spec and head-dim variant with the static scheduler; the shipped specs
     with the dynamic one too (m_major differs from static in two index expressions).  At
     the planned tiles, through select's fallback (row / column terms of a tensor-reading
-    mask, flashgen/rowcol.py, are dropped where they spill: document_mask at d256)."""
+    mask, flashgen/analysis/rowcol.py, are dropped where they spill: document_mask at d256)."""
     jobs = [(s, "static") for s in _all_specs()]
     jobs += [(load_spec(p), "dynamic") for p in SPECS]
     with cf.ThreadPoolExecutor(2) as ex:
@@ -396,7 +396,7 @@ def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
 
 
 def _build_first(job):
-    from flashgen import cache
+    from flashgen.build import cache
 
     spec, scheduler, tiles = job
     plan = plan_forward(spec, "sm_90", tiles=tiles, persistent=scheduler)
@@ -447,7 +447,7 @@ def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc, tmp_path):
 
 def test_persistent_ctas(monkeypatch):
     """The op's persistent grid: the SM count, or FLASHGEN_PERSISTENT_CTAS (debugging)."""
-    from flashgen import op
+    from flashgen.ops import op
 
     monkeypatch.setattr(op, "_sm_count", lambda index: 132)
     monkeypatch.delenv("FLASHGEN_PERSISTENT_CTAS", raising=False)

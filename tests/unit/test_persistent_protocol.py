@@ -312,9 +312,9 @@ def test_model_catches_the_cross_tile_ping_pong_hazard():
 def _persistent_source(name: str, head_dim: int | None = None, scheduler="static") -> str:
     from pathlib import Path
 
+    from flashgen.build.render import render
+    from flashgen.frontend.spec import load_spec, loads_spec
     from flashgen.lower import plan_forward
-    from flashgen.render import render
-    from flashgen.spec import load_spec, loads_spec
 
     path = Path(__file__).resolve().parents[2] / "specs" / f"{name}.yaml"
     spec = load_spec(path)
@@ -340,7 +340,7 @@ def test_template_follows_the_model_order(head_dim, scheduler):
     above assumes (the model is kept in sync by hand; this ties it to the template): the
     producer's hand_over after the first block's K; q_empty after consumer 0's last pp_wait
     (separate_o) or after the epilogue behind a proxy fence (head_dim 256); the row terms
-    (flashgen/rowcol.py) recomputed per tile after q_full and before the first softmax; the
+    (flashgen/analysis/rowcol.py) recomputed per tile after q_full and before the first softmax; the
     dynamic counter reset after a fence and before the last hand-over."""
     src = _persistent_source("document_mask", head_dim, scheduler)
     producer = src[src.index("producer warpgroup\n") : src.index("consumer warpgroups\n")]

@@ -1,4 +1,4 @@
-"""flashgen.rowcol: a mask's one-sided tensor reads become row / column terms.
+"""flashgen.analysis.rowcol: a mask's one-sided tensor reads become row / column terms.
 
 The split is checked for meaning with the reference's evaluator (the residual expression
 over the terms' values equals the mask, pair by pair, on random tensors), for shape (which
@@ -15,10 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import ir, lower, rowcol  # noqa: E402
-from flashgen.reference import _env, eval_expr  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
+from flashgen import lower  # noqa: E402
+from flashgen.analysis import rowcol  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend import ir  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.reference import _env, eval_expr  # noqa: E402
 
 PARAMS = (
     "params:\n"
@@ -361,8 +363,9 @@ def test_fa2_backward_term_indices_replay(kernel, rows, cols):
 def test_select_backward_drops_terms_only_where_they_spill(monkeypatch):
     """select.build_backward: all kernels with terms first; a kernel that spills with them
     is retried without (the others keep theirs), before any narrower tiles."""
-    from flashgen import cache, select
-    from flashgen.compile import CompileReport, KernelResources
+    from flashgen import select
+    from flashgen.build import cache
+    from flashgen.build.compile import CompileReport, KernelResources
 
     seen = []
 

@@ -1,9 +1,9 @@
-"""The Hopper (TMA) launch path of :mod:`flashgen.runtime` without a GPU: a fake
+"""The Hopper (TMA) launch path of :mod:`flashgen.runtime.launch` without a GPU: a fake
 ``cuLaunchKernel`` reads the argument block back, a fake encoder stands in for
 ``cuTensorMapEncodeTiled`` and a fake CuPy for the device switch.
 
 Every argument must reach the driver with the bytes the generic conversion
-(:func:`flashgen.runtime.kernel_args`, numpy) gives; warm launches on the same tensors
+(:func:`flashgen.runtime.launch.kernel_args`, numpy) gives; warm launches on the same tensors
 encode nothing; tensors TMA cannot read in place are mapped through a copy; the op's CUDA
 impl wires its tensors and grid through.
 """
@@ -22,12 +22,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen import op as op_mod  # noqa: E402
-from flashgen import runtime, tma  # noqa: E402
 from flashgen.lower import plan_forward  # noqa: E402
-from flashgen.op import kernel_values, validate  # noqa: E402
-from flashgen.runtime import LoadedKernel, kernel_args  # noqa: E402
-from flashgen.tma import DescriptorCache  # noqa: E402
+from flashgen.ops import op as op_mod  # noqa: E402
+from flashgen.ops.op import kernel_values, validate  # noqa: E402
+from flashgen.runtime import launch as runtime  # noqa: E402
+from flashgen.runtime import tma  # noqa: E402
+from flashgen.runtime.launch import LoadedKernel, kernel_args  # noqa: E402
+from flashgen.runtime.tma import DescriptorCache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 _SIZE = {"int64_t": 8, "int": 4, "float": 4, "CUtensorMap": 128}

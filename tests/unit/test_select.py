@@ -3,11 +3,11 @@ the tile tables leave free still builds, with smaller tiles, and never spills.""
 
 from __future__ import annotations
 
-from flashgen import cache
+from flashgen.build import cache
+from flashgen.build.render import render
+from flashgen.frontend.spec import loads_spec
 from flashgen.lower import TileConfig, forward_tile_candidates, plan_forward
-from flashgen.render import render
 from flashgen.select import build_backward, build_forward
-from flashgen.spec import loads_spec
 
 RELPOS = """\
 name: prefix_lm_relpos

@@ -16,11 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import cache, select
+from flashgen import select
+from flashgen.build import cache
+from flashgen.build.render import render
 from flashgen.envflags import SIDE_TERMS_ENV, flag
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.lower import HEAD_GROUPS_ENV, forward_tile_candidates, plan_forward
-from flashgen.render import render
-from flashgen.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))

@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen import lower  # noqa: E402
-from flashgen.bench import parse_spec_item  # noqa: E402
+from flashgen.bench.runner import parse_spec_item  # noqa: E402
 from flashgen.envflags import scoped_env  # noqa: E402
-from flashgen.spec import load_spec  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_modes_plan_the_expected_kernels(monkeypatch):
 
 
 def test_default_cases_are_sparse_calls():
-    from flashgen.density import keys_per_row
+    from flashgen.ops.density import keys_per_row
 
     tool = _tool()
     for item in tool.DEFAULT_CASES:

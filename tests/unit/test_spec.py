@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import ir
-from flashgen.errors import SpecError
-from flashgen.spec import load_spec, loads_spec
+from flashgen.frontend import ir
+from flashgen.frontend.errors import SpecError
+from flashgen.frontend.spec import load_spec, loads_spec
 
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 

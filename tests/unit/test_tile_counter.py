@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import op as op_mod  # noqa: E402
-from flashgen import runtime  # noqa: E402
+from flashgen.ops import op as op_mod  # noqa: E402
+from flashgen.runtime import launch as runtime  # noqa: E402
 
 
 class FakeCupy:

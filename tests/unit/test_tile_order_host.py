@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.compile import find_nvcc
+from flashgen.build.compile import find_nvcc
 from flashgen.lower import (
     HEAD_GROUP_L2_BYTES,
     grid_tile_coord,

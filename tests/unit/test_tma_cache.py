@@ -1,4 +1,4 @@
-"""The CUtensorMap descriptor cache (:class:`flashgen.tma.DescriptorCache`) with a fake
+"""The CUtensorMap descriptor cache (:class:`flashgen.runtime.tma.DescriptorCache`) with a fake
 encoder: a hit calls no encoder, a change of any key field misses, the least recently
 used entry is evicted first, a refused encoding is not stored, and
 ``FLASHGEN_NO_TMA_CACHE=1`` turns caching off.  No GPU, no driver."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashgen import tma
-from flashgen.tma import SWIZZLE_128B, DescriptorCache, TmaError
+from flashgen.runtime import tma
+from flashgen.runtime.tma import SWIZZLE_128B, DescriptorCache, TmaError
 
 BASE = {
     "device": 0,

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from flashgen import tuning
-from flashgen.ir import TileOverride
+from flashgen.frontend.ir import TileOverride
+from flashgen.frontend.spec import loads_spec
 from flashgen.lower import (
     DEFAULT_TILES,
     HOPPER_TILES,
@@ -17,7 +18,6 @@ from flashgen.lower import (
     default_tiles,
     plan_forward,
 )
-from flashgen.spec import loads_spec
 
 GPU = "NVIDIA H200"
 
@@ -109,7 +109,7 @@ def test_plan_and_source_follow_the_table(table):
     after = plan_forward(spec, "sm_90", gpu=GPU, family="fa2")
     assert (after.tiles.block_m, after.tiles.block_n) == (64, 64)
     assert after.context["block_n"] == 64 and after.tiles != before.tiles
-    from flashgen.render import render
+    from flashgen.build.render import render
 
     # tiles are rendered into the source, so the kernel cache key changes with the table
     assert "BLOCK_N = 64;" in render(after) and render(after) != render(before)
@@ -143,7 +143,7 @@ def test_update_table_keeps_other_keys_and_rejects_bad_entries(table):
 
 
 def test_hopper_entries_are_tuned_and_used_only_by_the_hopper_kernel(table):
-    from flashgen import autotune
+    from flashgen.bench import autotune
 
     hopper = [t for t in autotune.candidates("sm_90") if t.num_warps == 12]
     assert hopper and all(t.block_m == 128 for t in hopper)

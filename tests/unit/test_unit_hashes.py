@@ -59,9 +59,9 @@ def _sha(text: str) -> str:
 def units() -> dict[str, str]:
     """``{key: sha256 of the rendered CUDA}`` for every unit of every shipped spec."""
     from flashgen import lower
-    from flashgen.render import render
-    from flashgen.spec import load_spec
-    from flashgen.varlen import varlen_spec
+    from flashgen.build.render import render
+    from flashgen.frontend.spec import load_spec
+    from flashgen.ops.varlen import varlen_spec
 
     out: dict[str, str] = {}
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from flashgen import SpecError, loads_spec
-from flashgen.generate import module_source, write_generated
+from flashgen.build.generate import module_source, write_generated
+from flashgen.build.render import render
 from flashgen.lower import plan_forward
-from flashgen.render import render
 
 REPO = Path(__file__).resolve().parents[2]
 MARK = "PWNED"  # every payload carries it; it must never reach generated code

@@ -14,13 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.errors import OpInputError, SpecError  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.lower import compile_units, plan_backward, plan_forward  # noqa: E402
-from flashgen.op import build_op  # noqa: E402
-from flashgen.reference import attention_reference, attention_reference_varlen  # noqa: E402
-from flashgen.render import render  # noqa: E402
-from flashgen.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
+from flashgen.ops.reference import attention_reference, attention_reference_varlen  # noqa: E402
+from flashgen.ops.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -225,7 +225,7 @@ def shipped_op_named(name):
 
 
 def test_check_cu_seqlens_accepts_good_offsets(vop):
-    from flashgen.varlen import validate_varlen
+    from flashgen.ops.varlen import validate_varlen
 
     q, k, v, cq, ck = packed(vop.spec, LENS_Q, LENS_K)
     dims = validate_varlen(vop.spec, q, k, v, cq, ck, 17, 30)
@@ -385,8 +385,9 @@ def test_varlen_spec_file_builds_its_own_op():
 
 
 def test_build_verification_packs_padded_inputs_for_a_varlen_spec():
-    """``flashgen build`` verifies a varlen spec through :func:`flashgen.cli.call_padded`."""
-    from flashgen.cli import call_padded, format_spec
+    """``flashgen build`` verifies a varlen spec through
+    :func:`flashgen.cli.commands.call_padded`."""
+    from flashgen.cli.commands import call_padded, format_spec
 
     pop = shipped_op_named("alibi")
     g = torch.Generator().manual_seed(3)
@@ -406,8 +407,8 @@ def test_launch_values_cover_every_kernel_argument(name):
     """What the CUDA impls launch with, packed against each varlen kernel's ABI (numpy only):
     batch strides 0, the grid's max_seqlen clamped to the totals, pre/convert over the
     packed rows as one batch, grids sized from the clamped maxima."""
-    from flashgen.runtime import kernel_args
-    from flashgen.varlen import backward_launches, forward_launch, validate_varlen
+    from flashgen.ops.varlen import backward_launches, forward_launch, validate_varlen
+    from flashgen.runtime.launch import kernel_args
 
     spec = varlen_spec(shipped(name))
     q, k, v, cq, ck = packed(spec, LENS_Q, LENS_K, hq=4, hkv=2)
@@ -439,7 +440,7 @@ def test_launch_values_cover_every_kernel_argument(name):
 
 
 def test_a_grid_past_the_cuda_limit_is_refused():
-    from flashgen.varlen import _check_grids
+    from flashgen.ops.varlen import _check_grids
 
     _check_grids((2**31 - 1, 1, 1))
     with pytest.raises(OpInputError, match="launch grid needs"):

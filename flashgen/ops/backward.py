@@ -1,0 +1,313 @@
+"""Backward pass of a flashgen op and its autograd registration.
+
+For every spec, ``flashgen::<name>__backward(dout, q, k, v, o, lse, dlse, softmax_scale,
+deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, with
+
+- a CUDA implementation with two kernel sets, both from ``templates/sm_80/bwd.cu.j2``
+  (FA2 backward, Dao 2023, Algorithm 2).  P is recomputed from the saved lse and never
+  stored, so memory stays O(B*H*S*D).
+
+  * deterministic (the default): dsum = rowsum(dO * O); dK, dV with KV outer / Q inner,
+    summed over the query heads of each GQA group in registers; dQ with Q outer / KV
+    inner.  No kernel uses atomics: gradients are bitwise reproducible run to run.  7
+    matmuls per (query block, key block) pair.
+  * atomic dQ (FA2's own scheme): the dK/dV kernel also computes dS K for every pair and
+    adds it into an fp32 ``dq_accum`` [B, Hq, Sq, D] with float atomics; a small kernel
+    writes dq = softmax_scale * dq_accum.  5 matmuls per pair, plus the fp32 buffer
+    (4 bytes per dq element).  dq is not bitwise reproducible (dk, dv still are).
+
+  * Hopper (sm_90, ``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a dK/dV
+    kernel on wgmma and TMA (FlashAttention-3's backward), for the specs
+    :func:`~flashgen.lower.hopper_bwd_eligible` accepts (head_dim == head_dim_v in
+    64/128/256, a mask that reads no tensor, no varlen; 256 splits the head dim of dK, dV
+    and dQ over the CTA's two warpgroups).
+
+  :func:`backward_path` picks one per call: ``deterministic=True`` always runs the
+  deterministic kernels; ``deterministic=False`` runs the Hopper kernels where eligible
+  (unless ``FLASHGEN_ATOMIC_DQ=0`` or ``FLASHGEN_KERNEL_FAMILY=fa2``), else the FA2-class
+  atomic kernels when the environment variable ``FLASHGEN_ATOMIC_DQ=1`` is set (read at
+  each call), else the deterministic kernels;
+- a CPU implementation: autograd through the float32 reference of the same IR (the flag
+  changes nothing there);
+- a fake implementation, so ``torch.compile`` traces the backward too.
+
+``deterministic`` reaches the backward through the forward schema's keyword-only
+``bool deterministic=False`` argument (ignored by the forward impls), which
+``setup_context`` receives as a keyword-only input and stores on the autograd ctx: a
+schema argument works the same in eager mode, under ``torch.compile(fullgraph=True)`` and
+in ``torch.library.opcheck`` (a thread-local or context variable would not be traced).
+
+The forward op's ``register_autograd`` calls it.  A gradient of ``lse`` folds into the row
+term: dS = P * (dP - (dsum - dlse)).  Tensor params (ALiBi slopes, bias tables) get no
+gradient: if one requires grad the forward raises ``NotImplementedError`` naming it, so
+no gradient is ever silently zero.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from flashgen.envflags import flag
+from flashgen.frontend.ir import Spec
+from flashgen.lower import hopper_bwd_eligible, kernel_family, needs_block_table
+
+#: Environment variable that enables the atomic-dQ kernels (value ``1``).
+ATOMIC_DQ_ENV = "FLASHGEN_ATOMIC_DQ"
+
+
+def atomic_dq_enabled() -> bool:
+    """Whether ``FLASHGEN_ATOMIC_DQ`` is on (``1``; read on every call, so tests can toggle
+    it; :func:`flashgen.envflags.flag` values, ``ValueError`` for others)."""
+    return flag(ATOMIC_DQ_ENV) is True
+
+
+def uses_atomic_dq(deterministic: bool) -> bool:
+    """Whether a CUDA backward with this ``deterministic`` flag may run the FA2-class
+    atomic-dQ kernels: only for ``deterministic=False`` with the :data:`ATOMIC_DQ_ENV` gate
+    on (the Hopper kernels take precedence where eligible, see :func:`backward_path`)."""
+    return not deterministic and atomic_dq_enabled()
+
+
+#: The backward kernel sets :func:`backward_path` chooses between.
+BACKWARD_PATHS = ("deterministic", "atomic", "hopper")
+
+
+def backward_path(spec: Spec, target: str, deterministic: bool) -> str:
+    """Which kernels a CUDA backward of ``spec`` on ``target`` runs: ``"deterministic"``
+    (pre, dkdv, dq), ``"atomic"`` (the FA2-class atomic-dQ kernels) or ``"hopper"`` (the
+    wgmma dK/dV kernel with atomic dQ, :func:`flashgen.lower.plan_hopper_backward`).
+
+    ``deterministic=True`` -> deterministic.  Otherwise: ``FLASHGEN_ATOMIC_DQ=0`` ->
+    deterministic; hopper where :func:`~flashgen.lower.hopper_bwd_eligible` (with
+    ``FLASHGEN_KERNEL_FAMILY``); else atomic with ``FLASHGEN_ATOMIC_DQ=1``; else
+    deterministic.  The environment is read on every call.
+    """
+    if deterministic or flag(ATOMIC_DQ_ENV, None) is False:
+        return "deterministic"
+    if hopper_bwd_eligible(spec, target, kernel_family()):
+        return "hopper"
+    return "atomic" if atomic_dq_enabled() else "deterministic"
+
+
+def backward_name(spec: Spec) -> str:
+    return f"{spec.name}__backward"
+
+
+def backward_schema(spec: Spec) -> str:
+    """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
+    softmax_scale, bool deterministic, Tensor slopes) -> (Tensor, Tensor, Tensor)``."""
+    from flashgen.ops.op import _SCHEMA_TYPE
+
+    args = [
+        "Tensor dout",
+        "Tensor q",
+        "Tensor k",
+        "Tensor v",
+        "Tensor o",
+        "Tensor lse",
+        "Tensor? dlse",
+        "float softmax_scale",
+        "bool deterministic",
+    ]
+    args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
+    args += [f"Tensor {p.name}" for p in spec.tensor_params]
+    return f"{backward_name(spec)}({', '.join(args)}) -> (Tensor, Tensor, Tensor)"
+
+
+def _grads_like(q, k, v, fill_zero: bool):
+    make = torch.zeros if fill_zero else torch.empty
+    return tuple(make(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def refuse_tensor_param_grads(spec: Spec, tensors) -> None:
+    """Raise ``NotImplementedError`` (at autograd setup, before any backward runs) if a
+    tensor param of ``spec`` requires grad: its gradient is not computed, and a silent zero
+    would be wrong.  ``tensors``: the op's tensor-param inputs, in ``spec.tensor_params``
+    order."""
+    for p, t in zip(spec.tensor_params, tensors, strict=True):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise NotImplementedError(
+                f"flashgen::{spec.name}: gradients with respect to tensor param "
+                f"'{p.name}' are not supported yet; pass {p.name}.detach() to train "
+                f"only q, k and v"
+            )
+
+
+class Backward:
+    """The backward implementations of one :class:`~flashgen.ops.op.AttentionOp`."""
+
+    def __init__(self, op):
+        self.op = op
+        self.spec = op.spec
+        self._kernels: dict[tuple[int, str], tuple] = {}  # (device index, backward_path)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ op impls
+    def fake(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+        return _grads_like(q, k, v, fill_zero=False)
+
+    def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+        """Autograd through the float32 reference; dq, dk, dv in the input dtype (the same
+        for either ``deterministic``)."""
+        from flashgen.ops.op import PARAM_DTYPE, validate
+        from flashgen.ops.reference import attention_reference
+
+        scalars, tensors = self.op._split(rest)
+        validate(self.spec, q, k, v, tensors)
+        if q.numel() == 0 or k.numel() == 0:
+            return _grads_like(q, k, v, fill_zero=True)
+        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        with torch.enable_grad():
+            qf, kf, vf = (t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v))
+            ref_o, ref_lse = attention_reference(
+                self.spec,
+                qf,
+                kf,
+                vf,
+                softmax_scale=softmax_scale,
+                params=params,
+                compute_dtype=torch.float32,
+            )
+            outs, seeds = [ref_o], [dout.to(torch.float32)]
+            if dlse is not None:
+                outs.append(ref_lse)
+                seeds.append(dlse.to(torch.float32))
+            grads = torch.autograd.grad(outs, (qf, kf, vf), seeds, allow_unused=True)
+        return tuple(
+            (g if g is not None else torch.zeros_like(t, dtype=torch.float32)).to(t.dtype)
+            for g, t in zip(grads, (q, k, v), strict=True)
+        )
+
+    def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+        """The backward kernels on the current stream of q's device: (pre, dkdv, dq), or
+        (pre, dkdv with atomic dQ, convert) on the atomic and Hopper paths
+        (:func:`backward_path`).
+
+        dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
+        dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
+        fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
+        from flashgen.ops.op import _kernel_aligned, current_stream_ptr, kernel_values, validate
+
+        scalars, tensors = self.op._split(rest)
+        dims = validate(self.spec, q, k, v, tensors)
+        if q.numel() == 0 or k.numel() == 0:
+            return _grads_like(q, k, v, fill_zero=True)
+        from flashgen.ops.op import target_for_device
+
+        path = backward_path(self.spec, target_for_device(self.spec, q.device), deterministic)
+        plan, pre, dkdv, last = self.kernels(q.device, path=path)
+        atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        q, k, v, o, dout = (_kernel_aligned(t) for t in (q, k, v, o, dout))
+        dq, dk, dv = _grads_like(q, k, v, fill_zero=False)
+        dsum = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+        # fp32 dQ accumulator of the atomic path: contiguous [B, Hq, Sq, D], zeroed by `pre`
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None
+        values = kernel_values(
+            self.spec,
+            {"q": q, "k": k, "v": v, "o": o, "dout": dout, "lse": lse, "dsum": dsum, "dq": dq,
+             "dk": dk, "dv": dv, "dq_accum": dq_accum},
+            dims, softmax_scale, scalars, tensors,
+        )  # fmt: skip
+        grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
+        stream = current_stream_ptr(q.device)
+        pre.launch(grids["pre"], values, stream)
+        if dlse is not None:
+            dsum.sub_(dlse)
+        dkdv.launch(grids["dkdv"], values, stream)
+        last.launch(grids["convert" if atomic else "dq"], values, stream)
+        return dq, dk, dv
+
+    def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None):
+        """(BackwardPlan, pre, dkdv, dq) loaded on ``device`` -- (BackwardPlan, pre,
+        dkdv_atomic, convert) for ``atomic_dq`` or a ``path`` (:data:`BACKWARD_PATHS`,
+        overrides ``atomic_dq``) other than "deterministic" -- built and cached on first use."""
+        if path is None:
+            path = "atomic" if atomic_dq else "deterministic"
+        if path not in BACKWARD_PATHS:
+            raise ValueError(f"unknown backward path {path!r}; known: {', '.join(BACKWARD_PATHS)}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, path)
+        hit = self._kernels.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            hit = self._kernels.get(key)
+            if hit is None:
+                from flashgen.ops.op import target_for_device
+                from flashgen.runtime import launch as runtime
+                from flashgen.select import build_backward
+
+                target = target_for_device(self.spec, device)
+                # "hopper" falls back to the FA2-class kernels if every Hopper variant spills:
+                # the atomic ones where FLASHGEN_ATOMIC_DQ=1 allows them, else deterministic
+                atomic = path == "atomic" or (path == "hopper" and atomic_dq_enabled())
+                plan, cubin, _ = build_backward(
+                    self.spec, target, atomic_dq=atomic, hopper=path == "hopper"
+                )
+                if path == "hopper" and not plan.wgmma:
+                    kind = "atomic-dQ" if plan.atomic_dq else "deterministic"
+                    warnings.warn(
+                        f"flashgen op {self.spec.name!r}: the Hopper (wgmma) backward spills "
+                        f"registers in every dQ variant on {target}; running the FA2-class "
+                        f"{kind} backward kernels instead (correct, slower)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                hit = (plan, *(runtime.load(cubin, kp, index) for kp in plan.kernels))
+                self._kernels[key] = hit
+        return hit
+
+    # ------------------------------------------------------------------ autograd
+    def setup_context(self, ctx, inputs, output, keyword_only_inputs=None):
+        """Save what the backward needs; ``keyword_only_inputs`` carries the forward's
+        ``deterministic`` flag (torch passes it because the schema has a kwarg-only arg)."""
+        q, k, v, softmax_scale, *rest = inputs
+        ctx.block_mask_input = needs_block_table(self.spec)  # last input; no gradient
+        if ctx.block_mask_input:
+            rest = rest[:-1]
+        n = len(self.spec.scalar_params)
+        tensors = rest[n:]
+        refuse_tensor_param_grads(self.spec, tensors)
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, *tensors)
+        ctx.softmax_scale = softmax_scale
+        ctx.scalars = list(rest[:n])
+        ctx.deterministic = bool((keyword_only_inputs or {}).get("deterministic", False))
+
+    def backward(self, ctx, grad_o, grad_lse):
+        q, k, v, o, lse, *tensors = ctx.saved_tensors
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
+        dq, dk, dv = bwd(
+            grad_o,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            grad_lse,
+            ctx.softmax_scale,
+            ctx.deterministic,
+            *ctx.scalars,
+            *tensors,
+        )
+        extra = len(ctx.scalars) + len(tensors) + int(ctx.block_mask_input)
+        return (dq, dk, dv, None, *([None] * extra))
+
+    def register(self, lib) -> None:
+        """Define the backward op on ``lib`` and attach autograd to the forward op."""
+        name = backward_name(self.spec)
+        lib.define(backward_schema(self.spec))
+        lib.impl(name, self.cuda, "CUDA")
+        lib.impl(name, self.cpu, "CPU")
+        torch.library.register_fake(f"flashgen::{name}", self.fake, lib=lib)
+        torch.library.register_autograd(
+            self.op.qualname, self.backward, setup_context=self.setup_context, lib=lib
+        )

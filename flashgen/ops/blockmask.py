@@ -1,0 +1,165 @@
+"""Block tables for masks that read tensor params (document masking and the like).
+
+A mask such as ``causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]`` cannot be classified
+per tile from indices alone (:mod:`flashgen.analysis.maskinfo` leaves it PARTIAL).  Like
+FlexAttention's ``create_block_mask``, a pre-pass evaluates the mask over every
+(BLOCK_M x BLOCK_N) tile of the forward kernel and records one byte per tile:
+
+    0 EMPTY    no in-range pair is kept: the forward kernel never loads the tile
+    1 PARTIAL  the kernel evaluates the mask per element
+    2 FULL     every in-range pair is kept: the kernel skips the mask expression
+
+The table is uint8 ``[tab_b, tab_h, ceil(seqlen_q / BLOCK_M), ceil(seqlen_k / BLOCK_N)]``
+(``tab_b`` = batch when the mask reads ``b``, else 1; ``tab_h`` likewise for ``h``), so
+it costs O(tiles) memory.  On a GPU it is built by the generated kernel of
+:func:`flashgen.lower.plan_block_table`; :func:`block_table_reference` is the brute-force
+torch version (CPU ``op.block_mask`` and the tests).
+
+Users build one with ``bm = op.block_mask(seqlen_q, seqlen_k, doc_q=..., doc_kv=...)``
+and pass it to ``op.attention(..., block_mask=bm)`` for as long as the tensor params'
+contents do not change (the op cannot check contents without a device sync); without
+``block_mask`` the op builds a fresh table on every call.  A table holds only for the
+tiles it was built for (the kernel that ``op.block_mask`` found: the Hopper kernel's
+on sm_90, the FA2-class kernel's under ``FLASHGEN_KERNEL_FAMILY=fa2``); the op refuses
+it with a kernel of other tiles (:func:`table_for_tiles`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashgen.frontend.errors import OpInputError
+from flashgen.frontend.ir import Spec
+from flashgen.lower import TileConfig, block_table_dims, block_table_shape
+from flashgen.ops.reference import eval_mask
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """A block table built for one op and problem size (see the module docstring).
+
+    ``table``: uint8 ``[tab_b, tab_h, m_blocks, n_blocks]`` on the device it was built
+    on; ``block_m`` / ``block_n``: the forward kernel's tiles it classifies;
+    ``scalars``: the values of the scalar params the mask was evaluated with (the op
+    refuses a call with different ones); ``heads_kv``: the KV heads it was built for when
+    the mask reads ``h_kv`` (the op refuses a call with another count), else None.
+    """
+
+    spec_name: str
+    table: torch.Tensor
+    block_m: int
+    block_n: int
+    batch: int
+    heads_q: int
+    seqlen_q: int
+    seqlen_k: int
+    scalars: dict = field(default_factory=dict)
+    heads_kv: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.table.shape)
+
+    def op_arg(self) -> torch.Tensor:
+        """The table as the op's ``block_mask`` argument: a broadcast view (no copy)
+        ``[tab_b, tab_h, m_blocks, n_blocks, block_m, block_n]`` with zero strides on the
+        last two axes, so the tiles it classifies travel with it into the CUDA impl, which
+        refuses a table built for other tiles than its kernel's (see :func:`table_for_tiles`)."""
+        return self.table[..., None, None].expand(*self.table.shape, self.block_m, self.block_n)
+
+    def counts(self) -> dict[str, int]:
+        """Number of EMPTY / PARTIAL / FULL tiles (reads the table: syncs its device)."""
+        t = self.table
+        return {
+            "empty": int((t == EMPTY).sum()),
+            "partial": int((t == PARTIAL).sum()),
+            "full": int((t == FULL).sum()),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockMask({self.spec_name}, table {list(self.table.shape)} on "
+            f"{self.table.device}, tiles {self.block_m}x{self.block_n}, "
+            f"seqlen_q {self.seqlen_q}, seqlen_k {self.seqlen_k})"
+        )
+
+
+def block_table_reference(
+    spec: Spec,
+    tiles: TileConfig,
+    *,
+    batch: int,
+    heads_q: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    params: dict,
+    device=None,
+    heads_kv: int | None = None,
+) -> torch.Tensor:
+    """Brute-force block table: the mask materialized with :func:`flashgen.ops.reference.eval_mask`
+    over every in-range pair, reduced per tile.  uint8 ``[tab_b, tab_h, m_blocks, n_blocks]``
+    (:func:`flashgen.lower.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
+    default ``heads_q``).  Memory O(tab_b * tab_h * seqlen_q * seqlen_k): for tests and the
+    CPU op, not for long sequences.
+    """
+    tb, th, mb, nb = block_table_shape(spec, tiles, batch, heads_q, seqlen_q, seqlen_k)
+    hkv = th if th != heads_q or heads_kv is None else heads_kv  # th == 1: h, h_kv unread
+    keep = eval_mask(
+        spec, batch=tb, heads_q=th, seqlen_q=seqlen_q, seqlen_k=seqlen_k, params=params,
+        device=device, heads_kv=hkv,
+    )  # fmt: skip
+    # Pad to whole tiles: padding counts as kept for "all" and as dropped for "any".
+    pm, pn = mb * tiles.block_m - seqlen_q, nb * tiles.block_n - seqlen_k
+    shape = (tb, th, mb, tiles.block_m, nb, tiles.block_n)
+    any_ = torch.nn.functional.pad(keep, (0, pn, 0, pm), value=False).view(shape)
+    all_ = torch.nn.functional.pad(keep, (0, pn, 0, pm), value=True).view(shape)
+    any_t = any_.any(dim=5).any(dim=3)
+    all_t = all_.all(dim=5).all(dim=3)
+    out = torch.full((tb, th, mb, nb), PARTIAL, dtype=torch.uint8, device=keep.device)
+    out[~any_t] = EMPTY
+    out[all_t & any_t] = FULL
+    return out
+
+
+def table_strides(spec: Spec, table: torch.Tensor) -> tuple[int, int]:
+    """``(blk_sb, blk_sh)``: element strides of the table's batch / head axes for the
+    forward kernel, 0 where the mask does not depend on ``b`` / ``h``."""
+    per_b, per_h = block_table_dims(spec)
+    return (table.stride(0) if per_b else 0, table.stride(1) if per_h else 0)
+
+
+def table_for_tiles(arg: torch.Tensor, shape: tuple[int, ...], tiles: TileConfig) -> torch.Tensor:
+    """The uint8 ``shape`` table behind an op ``block_mask`` argument (:meth:`BlockMask.op_arg`)
+    built for ``tiles`` (``shape``: :func:`flashgen.lower.block_table_shape` for them).
+
+    Raises :class:`~flashgen.frontend.errors.OpInputError` when ``arg`` is not such a view, or was
+    built for other tiles or sizes: a table's classes hold only for the tiles it was built
+    for, so one built for another kernel (``FLASHGEN_KERNEL_FAMILY`` changed, or another
+    GPU) must be built again, never reinterpreted.
+    """
+    built = tuple(arg.shape[4:]) if arg.dim() == 6 else None
+    want = (tiles.block_m, tiles.block_n)
+    if built is not None and built != want:
+        raise OpInputError(
+            f"block_mask: built for {built[0]}x{built[1]} tiles, but this call runs a kernel "
+            f"with {want[0]}x{want[1]} tiles (FLASHGEN_KERNEL_FAMILY or the GPU changed since "
+            f"op.block_mask?); build it again with op.block_mask(...)"
+        )
+    table = arg[..., 0, 0] if built is not None else None
+    if (
+        table is None
+        or tuple(arg.stride()[4:]) != (0, 0)
+        or tuple(table.shape) != shape
+        or table.dtype != torch.uint8
+        or not table.is_contiguous()
+    ):
+        raise OpInputError(
+            f"block_mask: expected the uint8 table view of op.block_mask(...).op_arg() of shape "
+            f"{[*shape, *want]} for this kernel's {want[0]}x{want[1]} tiles, got "
+            f"{arg.dtype} {list(arg.shape)}; build it with op.block_mask(...) on the same device"
+        )
+    return table
