@@ -65,7 +65,7 @@ def main(argv=None) -> int:
 
     from flashgen.analysis import affine
     from flashgen.bench.runner import do_bench_ms
-    from flashgen.cli.commands import random_inputs
+    from flashgen.bench.verify import random_inputs
     from flashgen.lower import AFFINE_ENV, split_causal
     from flashgen.ops.op import build_op
 

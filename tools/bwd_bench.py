@@ -46,7 +46,7 @@ ENV = "FLASHGEN_ATOMIC_DQ"
 
 SANITIZER_DRIVER = r"""
 import sys, torch, flashgen
-from flashgen.cli.commands import random_inputs
+from flashgen.bench.verify import random_inputs
 op = flashgen.load(sys.argv[1])
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)

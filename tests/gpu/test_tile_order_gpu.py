@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hopper_bwd_gpu import poison_allocator  # noqa: E402
 
 from flashgen import lower  # noqa: E402
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.envflags import POISON_ENV  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 import flashgen
 from flashgen import OpInputError
-from flashgen.cli.commands import random_tensor_params
+from flashgen.bench.verify import random_tensor_params
 from flashgen.frontend.spec import load_spec
 from flashgen.ops.op import build_op, schema
 from flashgen.ops.reference import attention_reference
