@@ -1,4 +1,4 @@
-"""Command line: ``flashgen build | show | list | bench | tune`` (also ``python -m flashgen``).
+"""Command line: ``flashgen build | show | list | bench | tune | ab`` (also ``python -m flashgen``).
 
     flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
                            [--no-verify]
@@ -17,6 +17,9 @@
     flashgen tune [SPEC...] [--all-shipped] [--quick] [--out DIR] [--compile-only]
         time candidate tile configs, record winners in flashgen/tuning/table.json
         (flashgen/bench/autotune.py); exit 2 without a CUDA GPU
+    flashgen ab SPEC... --option NAME=A,B [--option ...] [--peers] [--shapes ...]
+        the op under each combination of option values (flashgen.Options), outputs compared
+        and timed in alternating rounds (flashgen/bench/ab.py); exit 2 without a CUDA GPU
 
 torch is imported only for verification on a GPU machine.
 """
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flashgen import __version__
+from flashgen.bench import ab
 from flashgen.bench.verify import NO_GPU_EXIT
 from flashgen.bench.verify import cuda_available as _cuda_available
 from flashgen.bench.verify import require_cuda as _require_cuda
@@ -733,6 +737,8 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--child-out", help=argparse.SUPPRESS)
     tu.add_argument("--candidates", help=argparse.SUPPRESS)
     tu.set_defaults(func=cmd_tune)
+
+    ab.add_parser(sub)  # flashgen ab: flashgen/bench/ab.py
     return ap
 
 

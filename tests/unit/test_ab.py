@@ -1,0 +1,433 @@
+"""``flashgen ab`` without a GPU: options set by dotted name on nested frozen dataclasses,
+argument errors, the variants, the alternating rounds (timers replaced by scripts), the
+output comparison and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Literal
+
+import pytest
+
+from flashgen.bench import ab, abrun, options
+from flashgen.bench.options import (
+    OptionError,
+    combinations,
+    option_fields,
+    parse_option_arg,
+    parse_options,
+    parse_value,
+    set_option,
+    variant_label,
+    with_options,
+)
+from flashgen.cli.commands import main
+
+
+@dataclass(frozen=True)
+class Fwd:
+    affine: bool = True
+    col_bound: bool = True
+    block_n: int | None = None
+    tiles: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Bwd:
+    dq_a: Literal["tma", "ldg"] = "tma"
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Opts:
+    """Shaped like flashgen.Options: top-level switches, per-family groups."""
+
+    family: Literal["auto", "fa2", "fa3"] = "auto"
+    atomic_dq: bool = False
+    persistent: Literal["static", "dynamic", "m_major"] | None = None
+    side_terms: bool = True
+    name: str = "x"
+    hopper_fwd: Fwd = field(default_factory=Fwd)
+    hopper_bwd: Bwd = field(default_factory=Bwd)
+    extra: Fwd | None = None
+
+    def __post_init__(self):
+        if self.family == "fa2" and self.hopper_bwd.dq_a == "ldg":
+            raise ValueError("the FA2-class family has no Hopper backward to set dq_a on")
+
+
+# ----------------------------------------------------------------------------- dotted setter
+def test_option_fields_are_the_leaves_by_dotted_path():
+    names = list(option_fields(Opts))
+    assert names[:5] == ["family", "atomic_dq", "persistent", "side_terms", "name"]
+    assert "hopper_fwd.affine" in names and "hopper_bwd.dq_a" in names
+    assert "extra.tiles" in names  # a group behind `| None` too
+    assert "hopper_fwd" not in names and "extra" not in names
+
+
+def test_set_option_replaces_level_by_level_and_leaves_the_original():
+    base = Opts()
+    got = set_option(base, "hopper_fwd.col_bound", False)
+    assert got.hopper_fwd.col_bound is False and got.hopper_fwd.affine is True
+    assert base.hopper_fwd.col_bound is True  # frozen, not mutated
+    assert got.hopper_bwd is base.hopper_bwd  # untouched groups are shared
+    assert set_option(base, "atomic_dq", True).atomic_dq is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.atomic_dq = True  # type: ignore[misc]
+
+
+def test_a_group_that_is_none_is_made_from_its_defaults():
+    got = set_option(Opts(), "extra.block_n", 96)
+    assert got.extra == Fwd(block_n=96)
+
+
+def test_with_options_sets_several_and_reports_the_dataclass_checks():
+    got = with_options(Opts(), {"family": "fa3", "hopper_bwd.dq_a": "ldg", "side_terms": False})
+    assert (got.family, got.hopper_bwd.dq_a, got.side_terms) == ("fa3", "ldg", False)
+    with pytest.raises(OptionError, match="family=fa2 hopper_bwd.dq_a=ldg: the FA2-class"):
+        with_options(Opts(), {"family": "fa2", "hopper_bwd.dq_a": "ldg"})
+    with pytest.raises(OptionError, match="Fwd has no field 'nope'"):
+        set_option(Opts(), "hopper_fwd.nope", 1)
+
+
+@pytest.mark.parametrize(
+    "name, text, want",
+    [
+        ("atomic_dq", "1", True),
+        ("atomic_dq", "0", False),
+        ("atomic_dq", "TRUE", True),
+        ("atomic_dq", " false ", False),
+        ("family", "fa2", "fa2"),
+        ("persistent", "none", None),
+        ("persistent", "dynamic", "dynamic"),
+        ("hopper_fwd.block_n", "128", 128),
+        ("hopper_fwd.block_n", "null", None),
+        ("hopper_fwd.tiles", "128x64", (128, 64)),
+        ("hopper_bwd.scale", "0.5", 0.5),
+        ("name", "anything", "anything"),
+    ],
+)
+def test_values_parse_by_the_fields_type(name, text, want):
+    got = parse_value(name, text, option_fields(Opts)[name])
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("atomic_dq", "yes", "option atomic_dq: expected bool (0, 1, true, false), got 'yes'"),
+        ("atomic_dq", "none", "expected bool (0, 1, true, false), got 'none'"),
+        ("family", "fa4", "option family: expected one of auto, fa2, fa3, got 'fa4'"),
+        ("persistent", "on", "expected one of static, dynamic, m_major, or none, got 'on'"),
+        ("hopper_fwd.block_n", "1e3", "expected int, or none, got '1e3'"),
+        ("hopper_fwd.tiles", "128xN", "expected integers joined by x (e.g. 128x64), or none"),
+    ],
+)
+def test_bad_values_name_the_option_the_form_and_the_text(name, text, message):
+    with pytest.raises(OptionError) as e:
+        parse_value(name, text, option_fields(Opts)[name])
+    assert message in str(e.value)
+
+
+def test_option_arguments():
+    assert parse_option_arg("hopper_fwd.affine=1,0", Opts) == ("hopper_fwd.affine", [True, False])
+    assert parse_option_arg(" persistent =none,static", Opts) == ("persistent", [None, "static"])
+    for text in ("atomic_dq", "=1", "atomic_dq=", "atomic_dq= "):
+        with pytest.raises(OptionError, match="--option expects NAME=VALUE"):
+            parse_option_arg(text, Opts)
+    with pytest.raises(OptionError) as e:
+        parse_option_arg("hoper_fwd.affine=1", Opts)
+    assert "unknown option 'hoper_fwd.affine'; did you mean hopper_fwd.affine" in str(e.value)
+    assert "--list-options" in str(e.value)
+    with pytest.raises(OptionError, match="'hopper_fwd' is a group of options; set one of its "
+                       "fields: hopper_fwd.affine, hopper_fwd.col_bound"):  # fmt: skip
+        parse_option_arg("hopper_fwd=1", Opts)
+    with pytest.raises(OptionError, match="option atomic_dq lists the value 1 twice"):
+        parse_option_arg("atomic_dq=1,true", Opts)
+    with pytest.raises(OptionError, match="option family is given twice"):
+        parse_options(["family=fa2", "family=fa3"], Opts)
+
+
+def test_variants_product_and_zip():
+    values = parse_options(["atomic_dq=0,1", "family=fa2,fa3", "side_terms=0"], Opts)
+    prod = combinations(values)
+    assert [(v["atomic_dq"], v["family"]) for v in prod] == [
+        (False, "fa2"), (False, "fa3"), (True, "fa2"), (True, "fa3"),
+    ]  # fmt: skip
+    assert all(v["side_terms"] is False for v in prod)  # one value: held fixed
+    assert variant_label(prod[1], values) == "atomic_dq=0 family=fa3"
+    zipped = combinations(values, "zip")
+    assert [(v["atomic_dq"], v["family"]) for v in zipped] == [(False, "fa2"), (True, "fa3")]
+    uneven = parse_options(["atomic_dq=0,1", "persistent=static,dynamic,m_major"], Opts)
+    with pytest.raises(OptionError, match="same number of values"):
+        combinations(uneven, "zip")
+    assert combinations({}) == [{}] and variant_label({}, {}) == "default"
+
+
+def test_list_options_shows_names_values_and_defaults():
+    text = options.list_options(Opts)
+    lines = text.splitlines()
+    assert lines[0].split() == ["option", "values", "default"]
+    row = next(line for line in lines if line.startswith("persistent "))
+    assert "one of static, dynamic, m_major, or none" in row and row.endswith("none")
+    assert next(line for line in lines if line.startswith("hopper_fwd.affine")).endswith(" 1")
+
+
+# ----------------------------------------------------------------------------- the command
+@pytest.fixture
+def opts(monkeypatch):
+    monkeypatch.setattr(ab, "options_class", lambda: Opts)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _err(capsys) -> str:
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.err
+    return cap.err
+
+
+def test_without_a_gpu_it_exits_with_the_no_gpu_message(opts, no_cuda, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["ab", "causal_d128", "--option", "atomic_dq=0,1", "--peers", "--out", str(out)])
+    err = _err(capsys)
+    assert rc == 2
+    assert "flashgen ab needs a CUDA GPU" in err and "torch.cuda.is_available() is false" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["causal_d128", "--option", "atomic_dq=maybe"], "option atomic_dq: expected bool"),
+        (["causal_d128", "--option", "famly=fa2"], "unknown option 'famly'; did you mean family"),
+        (["causal_d128", "--option", "family=fa2", "--option", "hopper_bwd.dq_a=ldg"],
+         "options family=fa2 hopper_bwd.dq_a=ldg: the FA2-class family has no Hopper"),
+        (["no_such_spec"], "spec 'no_such_spec': no such file, nor a shipped spec"),
+        (["causal_d128:window=3"], "spec 'causal_d128:window=3': causal_d128 has no scalar "
+         "param window (its scalar params: none)"),
+        (["mistral_swa:window=x"], "spec 'mistral_swa:window=x': expected SPEC or "
+         "SPEC:param=value,... with numeric values"),
+        ([], "give at least one SPEC"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_errors_before_the_gpu(argv, message, opts, no_cuda, capsys):
+    assert main(["ab", *argv]) == 2
+    assert f"error: {message}" in _err(capsys)
+
+
+def test_without_flashgen_options_only_peers_run(no_cuda, capsys, monkeypatch):
+    import flashgen
+
+    monkeypatch.delattr(flashgen, "Options", raising=False)
+    assert main(["ab", "causal_d128", "--option", "atomic_dq=0,1"]) == 2
+    assert "this flashgen has no flashgen.Options" in _err(capsys)
+    assert main(["ab", "causal_d128", "--peers"]) == 2  # no options needed: the GPU is missing
+    assert "needs a CUDA GPU" in _err(capsys)
+
+
+def test_list_options_needs_no_gpu(opts, no_cuda, capsys):
+    assert main(["ab", "--list-options"]) == 0
+    assert "hopper_bwd.dq_a" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--shapes", "2x3", "expected S, BxHxS or BxHQ/HKVxSQxSK"),
+        ("--shapes", "1x6/4x128", "query heads 6 are not a multiple of kv heads 4"),
+        ("--shapes", "0", "positive integers"),
+        ("--peers", "sdpa_flash,fa3", "unknown peer fa3; known: sdpa_flash"),
+        ("--direction", "bwd,back", "unknown direction back"),
+        ("--timer", "events", "unknown timer events"),
+        ("--rounds", "-1", "expected an integer >= 0"),
+    ],
+)
+def test_argument_types_are_checked_by_the_parser(flag, value, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["ab", "causal_d128", flag, value])
+    assert message in capsys.readouterr().err
+
+
+def test_parsed_arguments():
+    from flashgen.cli.commands import parser
+
+    a = parser().parse_args(["ab", "prefix_lm", "alibi", "--peers", "--shapes", "16384",
+                             "2x32/8x1024x2048", "--direction", "fwd,bwd"])  # fmt: skip
+    assert a.specs == ["prefix_lm", "alibi"]
+    assert a.peers == ab.DEFAULT_PEERS and a.direction == ("fwd", "bwd")
+    assert a.timer == ("graph", "do_bench") and a.rounds == 5 and a.combine == "product"
+    s = a.shapes[1]
+    assert (s.batch, s.heads, s.heads_kv, s.seqlen_q, s.seqlen_k) == (2, 32, 8, 1024, 2048)
+    assert a.shapes[0].resolve(128) == (1, 16, 16, 16384, 16384)  # the protocol's B and H
+    assert s.resolve(128) == (2, 32, 8, 1024, 2048) and s.text() == "2x32/8x1024x2048"
+    assert parser().parse_args(["ab", "x", "--peers", "flex"]).peers == ("flex",)
+    assert parser().parse_args(["ab", "x"]).peers == ()
+
+
+def test_spec_items_resolve_files_and_shipped_names(tmp_path):
+    path, over = ab.resolve_spec("mistral_swa:window=256")
+    assert path.name == "mistral_swa.yaml" and over == {"window": 256}
+    f = tmp_path / "mine.yaml"
+    f.write_text("name: mine\nhead_dim: 64\ndtype: fp16\n")
+    assert ab.resolve_spec(str(f)) == (f, {})
+    assert ab.resolve_spec(f"{f}:x=1.5") == (f, {"x": 1.5})
+
+
+# ----------------------------------------------------------------------------- rounds (faked)
+def _cands(*names):
+    return [abrun.Candidate(n, "variant" if i < 2 else "peer") for i, n in enumerate(names)]
+
+
+def test_rounds_alternate_per_timer_and_report_medians_and_ratios(monkeypatch):
+    events = []
+    graph_script = {"a": [9.0, 1.0, 3.0, 2.0], "b": [2.0, 2.5, 1.5], "c": [4.0, 4.0, 4.0]}
+    bench_script = {"a": [8.0, 2.0, 2.0, 2.0], "b": [1.0, 1.0, 1.0], "c": [5.0, 6.0, 7.0]}
+
+    def capture(call, reps):
+        events.append(("capture", call.name, reps))
+        return SimpleNamespace(name=call.name)
+
+    def replay(g, reps, iters):
+        events.append(("graph", g.name))
+        return graph_script[g.name].pop(0)
+
+    def do_bench(fn, warmup, rep):
+        events.append(("do_bench", fn.name))
+        return bench_script[fn.name].pop(0)
+
+    monkeypatch.setattr(abrun, "capture_graph", capture)
+    monkeypatch.setattr(abrun, "graph_replay_ms", replay)
+    monkeypatch.setattr(abrun, "do_bench_ms", do_bench)
+    cands = _cands("a", "b", "c")
+    for c in cands:
+        c.call = SimpleNamespace(name=c.name)
+    abrun.time_candidates(cands, ("graph", "do_bench"), 3, graph_calls=7)
+    order = [(kind, name) for kind, name, *_ in events]
+    assert order[:3] == [("capture", "a"), ("capture", "b"), ("capture", "c")]
+    assert events[0][2] == 7
+    # a settle run of the first candidate, then A B C, C B A, A B C; per timer
+    rounds = ["a", "a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [n for k, n in order[3:13]] == rounds and {k for k, _ in order[3:13]} == {"graph"}
+    assert [n for k, n in order[13:]] == rounds and {k for k, _ in order[13:]} == {"do_bench"}
+    a, b, c = cands
+    assert a.samples == {"graph": [1.0, 3.0, 2.0], "do_bench": [2.0, 2.0, 2.0]}
+    assert (a.ms["graph"], b.ms["graph"], c.ms["graph"]) == (2.0, 2.0, 4.0)
+    assert (a.ms["do_bench"], b.ms["do_bench"], c.ms["do_bench"]) == (2.0, 1.0, 6.0)
+    assert a.ratio == {"graph": 1.0, "do_bench": 1.0}
+    assert b.ratio == {"graph": 1.0, "do_bench": 0.5} and c.ratio["do_bench"] == 3.0
+
+
+def test_a_failed_capture_or_timing_drops_only_that_candidate(monkeypatch):
+    def capture(call, reps):
+        if call.name == "b":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return SimpleNamespace(name=call.name)
+
+    calls = []
+
+    def do_bench(fn, warmup, rep):
+        calls.append(fn.name)
+        if fn.name == "c" and calls.count("c") == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return 1.0
+
+    monkeypatch.setattr(abrun, "capture_graph", capture)
+    monkeypatch.setattr(abrun, "graph_replay_ms", lambda g, reps, iters: 3.0)
+    monkeypatch.setattr(abrun, "do_bench_ms", do_bench)
+    cands = _cands("a", "b", "c")
+    for c in cands:
+        c.call = SimpleNamespace(name=c.name)
+    abrun.time_candidates(cands, ("graph", "do_bench"), 3)
+    a, b, c = cands
+    assert "graph" not in b.ms and "graph capture failed: RuntimeError" in b.note
+    assert b.ms["do_bench"] == 1.0 and a.ms["graph"] == 3.0
+    assert calls.count("c") == 2 and c.samples["do_bench"] == [1.0]  # out after its failure
+    assert "do_bench failed: RuntimeError: CUDA error: out of memory" in c.note
+
+
+def test_no_rounds_times_nothing_and_failed_candidates_are_not_timed(monkeypatch):
+    def boom(*a):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(abrun, "do_bench_ms", boom)
+    monkeypatch.setattr(abrun, "capture_graph", boom)
+    cands = _cands("a", "b")
+    cands[0].call = SimpleNamespace(name="a")
+    abrun.time_candidates(cands, ("graph", "do_bench"), 0)
+    assert cands[0].ms == {}
+    cands[0].fail("error", RuntimeError("nvcc failed"))
+    assert cands[0].call is None and cands[0].status == "error"
+    abrun.time_candidates(cands, ("graph", "do_bench"), 3)  # nothing left to time
+    assert "RuntimeError: nvcc failed" in cands[0].note
+
+
+# ----------------------------------------------------------------------------- checks, report
+def test_compare_is_bitwise_or_the_max_difference():
+    torch = pytest.importorskip("torch")
+    o = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    lse = torch.tensor([0.5, -torch.inf])  # an empty row: -inf on both sides is equal
+    base = {"o": o, "lse": lse}
+    assert abrun.compare({"o": o.clone(), "lse": lse.clone()}, base) == (True, 0.0)
+    bitwise, diff = abrun.compare({"o": o + 0.25, "lse": lse.clone()}, base)
+    assert bitwise is False and diff == 0.25
+    assert abrun.compare({"o": o}, base) == (True, 0.0)  # a peer: o only
+    nan = o.clone()
+    nan[0, 0] = torch.nan  # an element the kernel did not write (poisoned)
+    assert abrun.compare({"o": nan}, base) == (False, float("inf"))
+    assert abrun.compare({"o": o[:1]}, base) == (False, float("inf"))
+    assert abrun.compare({"dq": o}, base) == (None, None)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "fwd_bwd", "bwd"])
+def test_calls_return_the_outputs_and_the_backward_runs(direction):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(4))
+    forwards = []
+
+    def forward(q, k, v):
+        forwards.append(1)
+        o = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return o, o.sum(-1)
+
+    pb = abrun.Problem(None, 1, 2, 2, 3, 3, direction, {}, q, k, v, do)
+    checked, call = abrun._calls(pb, forward)
+    outs = checked()
+    assert set(outs) == ({"o", "lse"} if direction == "fwd" else {"o", "lse", "dq", "dk", "dv"})
+    n = len(forwards)
+    first, second = call(), call()
+    if direction == "fwd":
+        assert torch.equal(first[0], outs["o"]) and len(forwards) == n + 2
+    else:
+        assert torch.equal(first[0], outs["dq"]) and torch.equal(second[2], outs["dv"])
+        # the backward alone re-runs no forward after the first call
+        assert len(forwards) == n + (1 if direction == "bwd" else 2)
+
+
+def test_table_marks_the_baseline_equal_outputs_and_same_kernels():
+    base = abrun.Candidate("atomic_dq=0", "variant", ms={"graph": 2.0}, ratio={"graph": 1.0},
+                           kernels=["fwd_sm_90"], tflops=512.0,
+                           rule={"max_err": 1e-3, "bound": 4e-3, "ok": True})  # fmt: skip
+    same = abrun.Candidate("atomic_dq=1", "variant", ms={"graph": 1.0}, ratio={"graph": 0.5},
+                           bitwise=True, same_kernels=True, kernels=["fwd_sm_90"])  # fmt: skip
+    peer = abrun.Candidate("sdpa_cudnn", "peer", bitwise=False, max_diff=3e-3)
+    bad = abrun.Candidate("flex", "peer")
+    bad.fail("unsupported", "no FlexAttention")
+    head, rows = abrun.table([base, same, peer, bad], ("graph",))
+    assert head[:3] == ["candidate", "graph ms", "ratio"]
+    assert rows[0][:4] == ["atomic_dq=0 (baseline)", "2.0000", "1.000", "512.0"]
+    assert rows[0][5] == "ok 1.0e-03/4.0e-03" and rows[0][6] == "fwd_sm_90"
+    assert rows[1][4] == "bitwise" and rows[1][6] == "same kernels as the baseline"
+    assert rows[2][4] == "max|d| 3.00e-03" and rows[3][4] == "unsupported"
+    text = abrun.text_table(head, rows)
+    assert text.splitlines()[1].startswith("atomic_dq=0 (baseline)")
+    assert abrun.md_table(head, rows).splitlines()[1] == "|---|---|---|---|---|---|---|"
+    d = same.to_dict()
+    assert "call" not in d and d["name"] == "atomic_dq=1" and d["ms"] == {"graph": 1.0}
