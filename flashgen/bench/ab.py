@@ -7,9 +7,10 @@
 
 Each ``--option`` names a field of :class:`flashgen.Options` by its dotted path
 (``persistent``, ``hopper_fwd.col_bound``: fields of the nested per-family dataclasses) and
-the values to try; the variants are every combination (``--combine product``, the default)
-or the i-th values of every option together (``--combine zip``, e.g. several switches all on
-against all off).  A value is parsed by the field's type: ``0/1/true/false`` for a bool, an
+the values to try; the variants are every combination (``--combine product``, the default),
+the i-th values of every option together (``--combine zip``, e.g. several switches all on
+against all off), or the first values and then each option changed alone (``--combine
+each``).  A value is parsed by the field's type: ``0/1/true/false`` for a bool, an
 integer, a ``Literal``'s members, ``none`` where the field may be None, ``MxN`` for a tuple
 of ints.  The first variant is the baseline.
 
@@ -136,6 +137,11 @@ def _choices(kind: str, allowed: tuple[str, ...]):
     return parse
 
 
+def _deterministic(text: str) -> tuple[bool, ...]:
+    """``0``, ``1``, ``0,1`` or ``1,0`` -> the ``deterministic=`` values to call the op with."""
+    return tuple(v == "1" for v in _choices("deterministic value", ("0", "1"))(text))
+
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -171,9 +177,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     ab.add_argument(
         "--combine",
-        choices=("product", "zip"),
+        choices=("product", "zip", "each"),
         default="product",
-        help="variants: every combination (default) or the i-th values together",
+        help="variants: every combination (default), the i-th values together, or each "
+        "option changed alone from the first values",
     )
     ab.add_argument(
         "--peers",
@@ -216,9 +223,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ab.add_argument("--replays", type=_int_at_least(1), default=5, help="graph replays/round")
     ab.add_argument(
         "--deterministic",
-        type=_choices("value", ("0", "1")),
+        type=_deterministic,
         default=None,
-        help="pass deterministic=0/1 to the op's calls (default: the op's own)",
+        metavar="0,1",
+        help="pass deterministic= to the op's calls; two values time each variant with "
+        "both (default: the op's own)",
     )
     ab.add_argument(
         "--check-shape",

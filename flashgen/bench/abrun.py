@@ -334,10 +334,11 @@ def prepare_peer(c: Candidate, pb: Problem, device) -> None:
         c.fail("unsupported" if isinstance(e, RuntimeError) else "error", e)
 
 
-def reference_check(spec, ops: list, shape, device, deterministic) -> list[dict | str]:
-    """Each op's forward at ``shape`` (:class:`~flashgen.bench.ab.Shape`) against the float64
-    reference with the tests' rule (:func:`flashgen.bench.verify.error_bound`):
-    ``{"max_err", "bound", "ok", "shape"}`` per op, or the error text of one that raised."""
+def reference_check(spec, runs: list[tuple], shape, device) -> list[dict | str]:
+    """Each ``(op, deterministic)``'s forward at ``shape`` (:class:`~flashgen.bench.ab.Shape`)
+    against the float64 reference with the tests' rule
+    (:func:`flashgen.bench.verify.error_bound`): ``{"max_err", "bound", "ok", "shape"}`` per
+    run, or the error text of one that raised (``not built`` for an op that is None)."""
     import torch
 
     from flashgen.bench.verify import call_padded, error_bound, random_inputs
@@ -346,9 +347,9 @@ def reference_check(spec, ops: list, shape, device, deterministic) -> list[dict 
     gen = torch.Generator(device=device).manual_seed(1)
     q, k, v, params = random_inputs(spec, b, h, hkv, sq, sk, device, gen)
     ref_o, _, bound = error_bound(spec, q, k, v, params)
-    kw = dict(params) | ({"deterministic": deterministic} if deterministic is not None else {})
     out: list[dict | str] = []
-    for op in ops:
+    for op, det in runs:
+        kw = dict(params) | ({"deterministic": det} if det is not None else {})
         if op is None:
             out.append("not built")
             continue
@@ -448,22 +449,31 @@ def _inputs(spec, b, h, hkv, sq, sk, device, direction, seed: int = 0):
     return q, k, v, do
 
 
-def load_variants(path: Path, cls, variants: list[dict], values: dict) -> list[tuple]:
-    """``(label, assignments, op or None, error text)`` per variant: ``flashgen.load(path,
-    options=...)`` (plain ``flashgen.load(path)`` without ``--option``)."""
+def load_variants(
+    path: Path, cls, variants: list[dict], values: dict, dets: tuple = (None,)
+) -> list[tuple]:
+    """``(label, assignments, op or None, error text, deterministic)`` per variant and
+    ``deterministic`` value: ``flashgen.load(path, options=...)`` (plain
+    ``flashgen.load(path)`` without ``--option``), once per variant."""
     import flashgen
 
     out = []
     for assign in variants:
         label = variant_label(assign, values)
+        op = err = None
         try:
             if cls is None:
                 op = flashgen.load(path)
             else:
                 op = flashgen.load(path, options=with_options(cls(), assign))
-            out.append((label, assign, op, None))
         except Exception as e:  # noqa: BLE001 - recorded per variant
-            out.append((label, assign, None, _short(f"{type(e).__name__}: {e}")))
+            err = _short(f"{type(e).__name__}: {e}")
+        for det in dets:
+            name = label
+            if len(dets) > 1:
+                flag = f"deterministic={int(det)}"
+                name = flag if label == "default" else f"{label} {flag}"
+            out.append((name, assign, op, err, det))
     return out
 
 
@@ -478,7 +488,7 @@ def run(args, cls, values: dict, variants: list[dict], specs: list[tuple]) -> in
     from flashgen.frontend.spec import load_spec
 
     device = torch.device("cuda", torch.cuda.current_device())
-    det = None if args.deterministic is None else args.deterministic == "1"
+    dets = args.deterministic or (None,)
     out = Path(args.out)
     doc = {
         "schema": "flashgen-ab/1",
@@ -486,6 +496,7 @@ def run(args, cls, values: dict, variants: list[dict], specs: list[tuple]) -> in
         "argv": sys.argv[1:],
         "options": {k: [format_value(v) for v in vs] for k, vs in values.items()},
         "variants": [variant_label(a, values) for a in variants],
+        "deterministic": [None if d is None else int(d) for d in dets],
         "problems": [],
     }
     markdown: list[str] = []
@@ -493,11 +504,11 @@ def run(args, cls, values: dict, variants: list[dict], specs: list[tuple]) -> in
     t0 = time.perf_counter()
     for item, path, over in specs:
         spec = load_spec(path)
-        built = load_variants(path, cls, variants, values)
+        built = load_variants(path, cls, variants, values, dets)
         rules = (
             [None] * len(built)
             if args.no_check
-            else reference_check(spec, [b[2] for b in built], args.check_shape, device, det)
+            else reference_check(spec, [(b[2], b[4]) for b in built], args.check_shape, device)
         )
         for shape in args.shapes:
             b, h, hkv, sq, sk = shape.resolve(spec.head_dim)
@@ -511,8 +522,10 @@ def run(args, cls, values: dict, variants: list[dict], specs: list[tuple]) -> in
                     d = spec.head_dim + spec.head_dim_v
                     pb.flops = 2.0 * d * kept * FLOP_FACTOR[direction]
                 cands = []
-                for (label, assign, op, err), rule in zip(built, rules, strict=True):
+                for (label, assign, op, err, det), rule in zip(built, rules, strict=True):
                     c = Candidate(label, "variant", dict(assign))
+                    if det is not None:
+                        c.options["deterministic"] = det
                     if op is None:
                         c.fail("error", err)
                     else:

@@ -249,17 +249,24 @@ def parse_options(texts: Iterable[str], cls: type) -> dict[str, list]:
 
 
 def combinations(values: Mapping[str, list], combine: str = "product") -> list[dict]:
-    """The variants: ``product`` every combination of the options' values (the first
-    option's values vary slowest), ``zip`` the i-th values of every option together (every
-    option lists the same number of values, or one value: held fixed).  The first is the
-    baseline.  No options: one variant with none set."""
+    """The variants, the first of them the baseline; no options: one variant, none set.
+
+    ``product``: every combination of the options' values (the first option's values vary
+    slowest).  ``zip``: the i-th values of every option together (every option lists the same
+    number of values, or one value: held fixed).  ``each``: the baseline (every option at its
+    first value), then one option at a time at each of its other values, the others at
+    their first (which option costs what, one change at a time).
+    """
     if not values:
         return [{}]
     names = list(values)
     if combine == "product":
         return [dict(zip(names, vs, strict=True)) for vs in itertools.product(*values.values())]
+    if combine == "each":
+        base = {k: v[0] for k, v in values.items()}
+        return [base] + [base | {k: x} for k, vs in values.items() for x in vs[1:]]
     if combine != "zip":
-        raise OptionError(f"--combine: expected product or zip, got {combine!r}")
+        raise OptionError(f"--combine: expected product, zip or each, got {combine!r}")
     n = max(len(v) for v in values.values())
     uneven = [f"{k} ({len(v)})" for k, v in values.items() if len(v) not in (1, n)]
     if uneven:

@@ -166,6 +166,24 @@ def test_variants_product_and_zip():
     assert combinations({}) == [{}] and variant_label({}, {}) == "default"
 
 
+def test_variants_one_option_at_a_time():
+    """``--combine each`` (what tools/mask_ab.py --each did with environment switches): the
+    baseline, then each option alone at its other values."""
+    values = parse_options(["hopper_fwd.col_bound=1,0", "side_terms=1,0", "family=auto,fa2,fa3"],
+                           Opts)  # fmt: skip
+    got = combinations(values, "each")
+    base = {"hopper_fwd.col_bound": True, "side_terms": True, "family": "auto"}
+    assert got == [
+        base,
+        base | {"hopper_fwd.col_bound": False},
+        base | {"side_terms": False},
+        base | {"family": "fa2"},
+        base | {"family": "fa3"},
+    ]
+    with pytest.raises(OptionError, match="expected product, zip or each"):
+        combinations(values, "all")
+
+
 def test_list_options_shows_names_values_and_defaults():
     text = options.list_options(Opts)
     lines = text.splitlines()
@@ -431,3 +449,36 @@ def test_table_marks_the_baseline_equal_outputs_and_same_kernels():
     assert abrun.md_table(head, rows).splitlines()[1] == "|---|---|---|---|---|---|---|"
     d = same.to_dict()
     assert "call" not in d and d["name"] == "atomic_dq=1" and d["ms"] == {"graph": 1.0}
+
+
+def test_variants_are_loaded_once_each_with_their_options(monkeypatch, tmp_path):
+    import flashgen
+
+    loaded = []
+
+    def load(path, options=None):
+        loaded.append(options)
+        if options is not None and options.family == "fa3":
+            raise RuntimeError("no Hopper kernel for this spec")
+        return SimpleNamespace(options=options)
+
+    monkeypatch.setattr(flashgen, "load", load)
+    values = parse_options(["family=fa2,fa3", "hopper_fwd.affine=0"], Opts)
+    variants = combinations(values)
+    got = abrun.load_variants(tmp_path / "s.yaml", Opts, variants, values, (True, False))
+    assert [g[0] for g in got] == [
+        "family=fa2 deterministic=1", "family=fa2 deterministic=0",
+        "family=fa3 deterministic=1", "family=fa3 deterministic=0",
+    ]  # fmt: skip
+    assert len(loaded) == 2 and loaded[0] == Opts(family="fa2", hopper_fwd=Fwd(affine=False))
+    assert got[0][2] is got[1][2] and got[0][2].options is loaded[0]  # one op, both calls
+    assert got[2][2] is None and got[2][3] == "RuntimeError: no Hopper kernel for this spec"
+    assert [g[4] for g in got] == [True, False, True, False]
+    plain = abrun.load_variants(tmp_path / "s.yaml", None, [{}], {}, (None,))
+    assert plain[0][0] == "default" and plain[0][3] is None and loaded[2] is None
+    from flashgen.cli.commands import parser
+
+    assert parser().parse_args(["ab", "x", "--deterministic", "1,0"]).deterministic == (
+        True,
+        False,
+    )
