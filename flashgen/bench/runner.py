@@ -101,7 +101,7 @@ class BenchConfig:
 
     @classmethod
     def quick_config(cls) -> BenchConfig:
-        """The ``--quick`` subset (about two minutes on an H200): bf16, seqlen 1k/4k/16k,
+        """The ``--quick`` subset (a few minutes on one GPU): bf16, seqlen 1k/4k/16k,
         d64/128/256, causal and not, no EFFICIENT/flex, short timing windows, forward-only
         variants at 4k/16k."""
         return cls(
