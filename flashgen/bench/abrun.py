@@ -69,9 +69,11 @@ class Candidate:
         self.status, self.note, self.call = status, _short(text), None
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        for k in ("call", "outputs", "kernel_ids"):
-            out.pop(k)
+        """The JSON row (no tensors, no callables: ``asdict`` would deep-copy the outputs)."""
+        skip = ("call", "outputs", "kernel_ids")
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
+        }
         out["options"] = {k: format_value(v) for k, v in self.options.items()}
         return out
 

@@ -447,8 +447,15 @@ def test_table_marks_the_baseline_equal_outputs_and_same_kernels():
     text = abrun.text_table(head, rows)
     assert text.splitlines()[1].startswith("atomic_dq=0 (baseline)")
     assert abrun.md_table(head, rows).splitlines()[1] == "|---|---|---|---|---|---|---|"
+    same.outputs = {"o": object()}  # not copied into the JSON row
+    same.call = object()
     d = same.to_dict()
-    assert "call" not in d and d["name"] == "atomic_dq=1" and d["ms"] == {"graph": 1.0}
+    assert "call" not in d and "outputs" not in d and "kernel_ids" not in d
+    assert d["name"] == "atomic_dq=1" and d["ms"] == {"graph": 1.0}
+    assert d["options"] == {} and d["bitwise"] is True
+    import json
+
+    json.dumps(d)
 
 
 def test_variants_are_loaded_once_each_with_their_options(monkeypatch, tmp_path):
