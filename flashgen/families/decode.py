@@ -35,8 +35,11 @@ from flashgen.frontend.ir import Spec, Ty
 #: Query rows per CTA: one m16n8k16 row tile (the packed GQA group times Sq_new is split
 #: into blocks of this many rows).
 BLOCK_M = 16
-#: Warps per attention CTA; each takes BLOCK_N / NUM_WARPS columns of a key block.
+#: Warps along a key block's columns; each takes BLOCK_N / NUM_WARPS of them.  Heads of
+#: Dv >= 192 double the warps, each pair splitting the output's columns (DV_SPLIT): the
+#: accumulators of 16 rows x 256 columns in one warp leave ptxas too few registers.
 NUM_WARPS = 4
+DV_SPLIT_FROM = 192
 #: Threads of the combine kernel's CTA.
 COMBINE_THREADS = 128
 #: Threads of the append kernel's CTA (one new row of K and V per CTA).
@@ -201,7 +204,12 @@ def default_tiles(spec: Spec, options: Options | None = None) -> DecodeTiles:
         stages = 3
         while stages > 2 and smem_bytes(spec, block_n, stages) > SMEM_LIMIT["sm_80"]:
             stages -= 1
-    return DecodeTiles(BLOCK_M, block_n, NUM_WARPS, stages)
+    return DecodeTiles(BLOCK_M, block_n, NUM_WARPS * dv_split(spec), stages)
+
+
+def dv_split(spec: Spec) -> int:
+    """Warps along the output's columns: 2 for Dv >= :data:`DV_SPLIT_FROM`, else 1."""
+    return 2 if spec.head_dim_v >= DV_SPLIT_FROM else 1
 
 
 def smem_bytes(spec: Spec, block_n: int, stages: int) -> int:
@@ -387,6 +395,7 @@ def plan(spec: Spec, target: str, options: Options | None = None) -> DecodePlan:
         "block_m": tiles.block_m,
         "block_n": tiles.block_n,
         "num_warps": tiles.num_warps,
+        "dv_split": dv_split(spec),
         "stages": tiles.stages,
         "smem_bytes": smem,
         "causal": causal,
