@@ -478,6 +478,16 @@ def choose_num_splits(
 ) -> int:
     """:func:`num_splits_heuristic` for a call: ``batch * heads_kv_ctas * m_blocks`` CTAs
     without splitting, the key blocks of ``max_seqlen_k`` keys (the cache's capacity: the
-    host never reads the lengths)."""
+    host never reads the lengths), a wave of ``num_sms`` times :func:`ctas_per_sm` CTAs."""
     n_blocks = (max_seqlen_k + p.tiles.block_n - 1) // p.tiles.block_n
-    return num_splits_heuristic(batch * heads_kv_ctas * m_blocks, num_sms, n_blocks)
+    wave = num_sms * ctas_per_sm(p)
+    return num_splits_heuristic(batch * heads_kv_ctas * m_blocks, wave, n_blocks)
+
+
+#: Shared memory per SM (bytes a CTA may take, summed): A100 164 KiB, H100/H200 228 KiB.
+SM_SMEM = {"sm_80": 167936, "sm_90": 233472}
+
+
+def ctas_per_sm(p: DecodePlan) -> int:
+    """Attention CTAs resident per SM by shared memory (1 KiB reserved per CTA), 1 to 4."""
+    return max(1, min(4, SM_SMEM[p.target] // (p.smem_bytes + 1024)))
