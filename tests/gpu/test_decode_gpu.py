@@ -44,7 +44,8 @@ def _prebuild():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda", torch.cuda.current_device())
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda n: decode_op(op_of(n)).kernels(dev), ALL))
+        dops = [decode_op(op_of(n)) for n in ALL]  # registration: one thread
+        list(pool.map(lambda d: d.kernels(dev), dops))
 
 
 def params_of(name, hq, dev):
