@@ -30,6 +30,7 @@ __all__ = [
     "SpecError",
     "OpInputError",
     "AttentionOp",
+    "merge_attention",
 ]
 
 _loaded: dict[tuple[str, str], AttentionOp] = {}
@@ -75,4 +76,8 @@ def __getattr__(name: str):
         from flashgen.ops.op import AttentionOp
 
         return AttentionOp
+    if name == "merge_attention":
+        from flashgen.ops.decode import merge_attention
+
+        return merge_attention
     raise AttributeError(f"module 'flashgen' has no attribute {name!r}")

@@ -192,7 +192,15 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
 
     res = BuildResult(spec, target, unit)
     try:
-        if unit in ("fwd", "fwd_sparse"):
+        if unit == "decode":  # the serving unit (flashgen.families.decode): attn, combine, append
+            from flashgen.build import cache
+            from flashgen.build.render import render
+            from flashgen.families import decode
+
+            res.plan = decode.plan(spec, target)
+            path, res.report = cache.get_or_build(render(res.plan), res.plan)
+            res.smem_dynamic = res.plan.smem_bytes
+        elif unit in ("fwd", "fwd_sparse"):
             sparse = unit == "fwd_sparse"  # as the op: its own scheduler (lower.sparse_persistent)
             res.plan, path, res.report = build_forward(
                 spec, target, family=kernel_family(), sparse=sparse,
@@ -339,6 +347,11 @@ def cmd_build(args) -> int:
             if not persistent_forward(s)
             and sparse_tiles(s, choose_tiles(s, t, family=family)) is not None
         ]
+        from flashgen.families.decode import unsupported_reason
+
+        futures += [  # the decode (serving) unit, where the spec supports it
+            pool.submit(_compile_one, s, t, "decode") for s, t in pairs if not unsupported_reason(s)
+        ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
 
@@ -356,6 +369,7 @@ def cmd_build(args) -> int:
         if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
             unwritten.append(spec.name)
             continue
+        mine = [r for r in mine if r.unit != "decode"]  # compiled and reported; not in generated/
         reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
         targets = tuple(dict.fromkeys(r.target for r in mine))
         try:
@@ -522,6 +536,11 @@ def _csv(kind):
 
 
 def cmd_bench(args) -> int:
+    if args.decode:  # the serving benchmark: flashgen.bench.decode
+        from flashgen.bench.decode import main as decode_main
+
+        argv = ["--out", str(Path(args.out) / "decode.json")] + (["--quick"] if args.quick else [])
+        return decode_main(argv)
     from flashgen.bench import report as benchreport
     from flashgen.bench.runner import BenchConfig, run_bench
 
@@ -668,6 +687,7 @@ def parser() -> argparse.ArgumentParser:
         "specs", nargs="*", metavar="SPEC", help="variant specs to compare (default: specs/)"
     )
     be.add_argument("--quick", action="store_true", help="the ~2-minute subset")
+    be.add_argument("--decode", action="store_true", help="the decode (KV cache) benchmark instead")
     be.add_argument("--out", default="bench-results", help="output directory")
     be.add_argument("--fwd-only", action="store_true", help="skip forward+backward timings")
     be.add_argument("--dtype", type=_csv(str), help="e.g. bf16,fp16")

@@ -725,6 +725,21 @@ class AttentionOp:
                     self._kernels[key] = kern
         return kern
 
+    def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
+        """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
+        (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
+        :meth:`flashgen.ops.decode.DecodeOp.with_kvcache` for the arguments and contract."""
+        from flashgen.ops.decode import decode_op
+
+        return decode_op(self).with_kvcache(q, k_cache, v_cache, cache_seqlens, **kwargs)
+
+    def plan_decode(self, **kwargs):
+        """A reusable schedule for :meth:`with_kvcache` calls of one shape; see
+        :meth:`flashgen.ops.decode.DecodeOp.plan_decode`."""
+        from flashgen.ops.decode import decode_op
+
+        return decode_op(self).plan_decode(**kwargs)
+
     __call__ = attention
 
     # --------------------------------------------------------------------- kernels

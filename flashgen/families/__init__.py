@@ -1,0 +1,1 @@
+"""Kernel families (planning: no torch, no CuPy)."""
