@@ -60,3 +60,17 @@ def test_failed_registration_leaves_nothing_behind(monkeypatch):
     op = opmod.build_op(spec)  # a clean second attempt: nothing half-defined is in the way
     q, k, v = _qkv()
     assert torch.isfinite(op.attention(q, k, v)[0]).all()
+
+
+def test_the_most_params_the_checker_allows_register():
+    from flashgen.frontend.check import MAX_PARAMS
+
+    params = "".join(f"  p{i}: {{type: f32, default: 1.0}}\n" for i in range(MAX_PARAMS))
+    spec = loads_spec(
+        "name: many_params_probe\nhead_dim: 64\ndtype: bf16\nscore_mod: score * p0\n"
+        "params:\n" + params
+    )
+    op = opmod.build_op(spec)
+    q, k, v = _qkv()
+    assert torch.isfinite(op.attention(q, k, v, p0=0.5)[0]).all()
+    assert op.varlen is not None  # the widest schema (varlen backward) registered too
