@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 _loaded: dict[tuple[str, str], AttentionOp] = {}
+#: spec name -> the resolved path flashgen.load registered it from
+_origin: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -41,13 +43,18 @@ def load(path: str | Path) -> AttentionOp:
     """Load, check and register the spec at ``path``; return its :class:`AttentionOp`.
 
     Cached by (resolved path, sha256 of the file's bytes): loading the same file again
-    is free, an edited file is reloaded.  Raises :class:`SpecError` (with file:line:col)
-    for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if another spec
-    with the same name is already registered in this process, ``ModuleNotFoundError``
-    saying so without torch.
+    is free.  An edited file is reloaded: its op replaces the registration of
+    ``torch.ops.flashgen.<name>`` (forward, backward and varlen form), and the op object the
+    earlier load returned raises ``RuntimeError`` when called (use the new one).  Only a
+    regular file of at most ``MAX_SPEC_BYTES`` is read.  Raises :class:`SpecError` (with
+    file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a
+    spec with the same name from another file is already registered in this process,
+    ``ModuleNotFoundError`` saying so without torch.
     """
+    from flashgen.frontend.spec import loads_spec_bytes, read_spec_bytes
+
     p = Path(path).resolve()
-    data = p.read_bytes()
+    data = read_spec_bytes(p)
     key = (str(p), hashlib.sha256(data).hexdigest())
     op = _loaded.get(key)
     if op is not None:
@@ -66,8 +73,12 @@ def load(path: str | Path) -> AttentionOp:
     with _lock:
         op = _loaded.get(key)
         if op is None:
-            op = build_op(load_spec(path))
+            spec = loads_spec_bytes(data, str(path))  # the bytes hashed: no second read
+            op = build_op(spec, replace=_origin.get(spec.name) == str(p))
+            for k in [k for k, v in _loaded.items() if v.name == spec.name and v is not op]:
+                del _loaded[k]  # the replaced op
             _loaded[key] = op
+            _origin[spec.name] = str(p)
     return op
 
 

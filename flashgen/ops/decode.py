@@ -468,12 +468,12 @@ class DecodeOp:
         """Register both torch ops (once per process)."""
         if self._registered:
             return
-        from flashgen.ops.op import _library
+        from flashgen.ops.op import _LIBS
 
         with _REG_LOCK:
             if self._registered:
                 return
-            lib = _library()
+            lib = _LIBS[self.spec.name]  # the op's own library: a reload removes both
             for append in (False, True):
                 name = self.append_name if append else self.name
                 lib.define(self.schema(append))

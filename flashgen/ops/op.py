@@ -72,7 +72,9 @@ TORCH_DTYPE = {
 PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
 _SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
 
-_LIB: torch.library.Library | None = None
+#: One torch library fragment per registered spec name (its forward, backward and fake
+#: kernels), so a failed registration or a reload can be undone whole (``_destroy``).
+_LIBS: dict[str, torch.library.Library] = {}
 _REGISTRY: dict[str, AttentionOp] = {}
 _REG_LOCK = threading.RLock()
 _POISON = False
@@ -467,6 +469,16 @@ class AttentionOp:
         self._block_table = needs_block_table(spec)
         #: (Dims, scalar values) whose tensor-param subscripts were bounded (indexbounds)
         self._bounds_seen: set = set()
+        #: set when ``flashgen.load`` of the edited spec file replaced this op's registration
+        self._replaced_by: str | None = None
+
+    def _check_live(self) -> None:
+        """Raise ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        if self._replaced_by is not None:
+            raise RuntimeError(
+                f"op {self.qualname} was replaced when flashgen.load reloaded the edited spec "
+                f"{self._replaced_by}; use the op that flashgen.load returned then"
+            )
 
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
@@ -539,6 +551,7 @@ class AttentionOp:
         torch-function or dispatch mode, a functorch transform, with tensor subclasses or
         CPU tensors this calls ``torch.ops.flashgen.<name>``.
         """
+        self._check_live()
         scalars, tensors = resolve_params(self.spec, params)
         tensor_map = self._tensor_map(tensors)
         dims = validate(self.spec, q, k, v, tensor_map)
@@ -1158,11 +1171,17 @@ class _EagerAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- registration
-def _library() -> torch.library.Library:
-    global _LIB
-    if _LIB is None:
-        _LIB = torch.library.Library("flashgen", "FRAGMENT")
-    return _LIB
+def _unregister(name: str, path: str) -> None:
+    """Remove ``flashgen::<name>`` (with its backward and varlen companion) from the
+    dispatcher and mark its op object replaced (by a reload of ``path``)."""
+    op = _REGISTRY.pop(name, None)
+    if op is not None:
+        op._replaced_by = path
+        if op._varlen_op is not None and op._varlen_op is not op:
+            _unregister(op._varlen_op.name, path)
+    lib = _LIBS.pop(name, None)
+    if lib is not None:
+        lib._destroy()
 
 
 def schema(spec: ir.Spec) -> str:
@@ -1190,22 +1209,27 @@ def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
     return replace(a, path="", description="") == replace(b, path="", description="")
 
 
-def build_op(spec: ir.Spec) -> AttentionOp:
+def build_op(spec: ir.Spec, *, replace: bool = False) -> AttentionOp:
     """Register ``torch.ops.flashgen.<spec.name>`` for a checked spec and return its op.
 
     Idempotent per process: building an equal spec again (file path and description
     aside) returns the op already registered.  Raises ``ValueError`` if a different spec
-    with the same name is already registered in this process.
+    with the same name is already registered in this process, unless ``replace``
+    (``flashgen.load`` of an edited file): then the old registration is removed and the old
+    op object raises ``RuntimeError`` when called.  Registration is all or nothing: if any
+    step fails, nothing of it stays registered.
     """
     with _REG_LOCK:
         existing = _REGISTRY.get(spec.name)
         if existing is not None:
             if _same_spec(existing.spec, spec):
                 return existing
-            raise ValueError(
-                f"a different spec named {spec.name!r} is already registered as "
-                f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
-            )
+            if not replace:
+                raise ValueError(
+                    f"a different spec named {spec.name!r} is already registered as "
+                    f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
+                )
+            _unregister(spec.name, spec.path)
         if spec.varlen:
             from flashgen.ops.varlen import VarlenBackward as backward_cls
             from flashgen.ops.varlen import VarlenOp as op_cls
@@ -1214,19 +1238,28 @@ def build_op(spec: ir.Spec) -> AttentionOp:
 
             op_cls = AttentionOp
         op = op_cls(spec)
-        lib = _library()
-        lib.define(schema(spec))
-        lib.impl(spec.name, op._cuda_impl, "CUDA")
-        lib.impl(spec.name, op._cpu_impl, "CPU")
-        torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
-        op.backward = backward_cls(op)
-        op.backward.register(lib)
+        lib = torch.library.Library("flashgen", "FRAGMENT")
+        try:
+            lib.define(schema(spec))
+            lib.impl(spec.name, op._cuda_impl, "CUDA")
+            lib.impl(spec.name, op._cpu_impl, "CPU")
+            torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
+            op.backward = backward_cls(op)
+            op.backward.register(lib)
+        except BaseException:
+            lib._destroy()  # no half-registered op stays behind
+            raise
+        _LIBS[spec.name] = lib
         _REGISTRY[spec.name] = op
         if not spec.varlen:  # registered now, so `op.varlen` also works inside torch.compile
             from flashgen.ops.varlen import varlen_spec
 
             try:
-                op._varlen_op = build_op(varlen_spec(spec))
+                op._varlen_op = build_op(varlen_spec(spec), replace=replace)
             except SpecError:
                 pass  # no varlen form; `op.varlen` raises the error on access
+            except BaseException:
+                _unregister(spec.name, spec.path)
+                op._replaced_by = None
+                raise
         return op

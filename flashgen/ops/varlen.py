@@ -367,6 +367,7 @@ class VarlenOp(AttentionOp):
         [Hq, total_q].  Arguments follow ``flash_attn_varlen_func`` (module docstring);
         ``softmax_scale``, ``deterministic`` and ``params`` are as for the padded op.
         Raises :class:`OpInputError` for bad inputs."""
+        self._check_live()
         scalars, tensors = resolve_params(self.spec, params)
         validate_varlen(
             self.spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
