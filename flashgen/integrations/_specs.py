@@ -48,8 +48,9 @@ class SpecKey:
         dv = "" if self.head_dim_v == self.head_dim else f"v{self.head_dim_v}"
         parts = [f"fgi_d{self.head_dim}{dv}", self.dtype, {"none": "full", "bottom_right": "causal",
                  "top_left": "causaltl"}[self.causal]]  # fmt: skip
-        parts += [n for n, on in (("wl", self.window_left), ("wr", self.window_right),
-                                  ("softcap", self.softcap), ("alibi", self.alibi)) if on]  # fmt: skip
+        flags = (("wl", self.window_left), ("wr", self.window_right), ("softcap", self.softcap),
+                 ("alibi", self.alibi))  # fmt: skip
+        parts += [n for n, on in flags if on]
         return "_".join(parts)
 
     def text(self) -> str:

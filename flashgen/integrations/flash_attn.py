@@ -166,7 +166,8 @@ def flash_attn_func(
             f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
         )
     op, params = _prepare(q, v, causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2])
-    t = (x.transpose(1, 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x for x in (q, k, v))
+    t = (x.transpose(1, 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
+         for x in (q, k, v))  # fmt: skip
     o, _ = op.attention(*t, softmax_scale=softmax_scale, deterministic=deterministic, **params)
     return o.transpose(1, 2)
 
