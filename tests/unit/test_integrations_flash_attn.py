@@ -149,3 +149,17 @@ def test_unsupported_head_dim_and_dtype():
         cu = torch.tensor([0, 5], dtype=torch.int32)
         t = rnd(5, 2, 32)
         flash_attn_varlen_func(t, t, t, cu, cu, 5, 5, block_table=torch.zeros(1, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_attn_on_cuda_matches_reference():
+    q, k, v = (rnd(2, 200, 8, 128, dtype=torch.bfloat16, seed=s).cuda() for s in (1, 2, 3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    slopes = rnd(8, seed=4).abs().cuda()
+    for kw in (dict(causal=True), dict(window_size=(33, 7), softcap=20.0, alibi_slopes=slopes)):
+        o = flash_attn_func(q, k, v, **kw)
+        ref = ref_fa(q.cpu(), k.cpu(), v.cpu(), kw.get("causal", False),
+                     kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                     None if "alibi_slopes" not in kw else slopes.cpu())  # fmt: skip
+        assert (o.double().cpu() - ref).abs().max() < 2e-2
