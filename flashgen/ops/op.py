@@ -155,7 +155,9 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
         return None
     want = TORCH_DTYPE[spec.dtype]
     qs, ks, vs = q.shape, k.shape, v.shape
-    if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype == want):
+    if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype):
+        return None
+    if q.dtype != want and not (q.dtype == torch.float32 and q.device.type == "cpu"):
         return None
     batch, hq, sq, d = qs
     _, hkv, sk, _ = ks
@@ -182,7 +184,6 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
 
 def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
     """Every check of q, k, v in turn, raising :class:`OpInputError` at the first failure."""
-    want = TORCH_DTYPE[spec.dtype]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -192,11 +193,7 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
                 f"{name}: expected a 4-D tensor [batch, heads, seqlen, head_dim], "
                 f"got shape {_shape(t)}"
             )
-        if t.dtype != want:
-            raise OpInputError(
-                f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), "
-                f"got {t.dtype}"
-            )
+        check_input_dtype(spec, name, t, q)
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
@@ -216,6 +213,20 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
         )
     hq, hkv = check_heads_and_strides(q, k, v)
     return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+
+
+def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:
+    """``t`` (the input called ``name``) has the spec's dtype, or float32 on CPU
+    (:func:`flashgen.ops.cpu_attention.cpu_input_dtypes`), and q's dtype; else
+    :class:`OpInputError`."""
+    want = TORCH_DTYPE[spec.dtype]
+    ok = t.dtype == want or (t.dtype == torch.float32 and t.device.type == "cpu")
+    if not ok or t.dtype != q.dtype:
+        also = "; float32 also on CPU, the same for q, k and v"
+        raise OpInputError(
+            f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}{also}), "
+            f"got {t.dtype}" + ("" if t.dtype == q.dtype else f" (q has {q.dtype})")
+        )
 
 
 def check_heads_and_strides(q, k, v) -> tuple[int, int]:
@@ -774,7 +785,7 @@ class AttentionOp:
     def _empty_outputs(self, q, dims: Dims):
         o = torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
-            dtype=out_dtype(self.spec),
+            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
             device=q.device,
         )
         lse = torch.empty(
@@ -788,7 +799,7 @@ class AttentionOp:
         return self._empty_outputs(q, dims)
 
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
-        from flashgen.ops.reference import attention_reference
+        from flashgen.ops.cpu_attention import attention_blocked
 
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
@@ -799,14 +810,8 @@ class AttentionOp:
             return o.zero_(), lse.fill_(-math.inf)
         params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
-        ref_o, ref_lse = attention_reference(
-            self.spec,
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            params=params,
-            compute_dtype=torch.float32,
+        ref_o, ref_lse = attention_blocked(
+            self.spec, q, k, v, softmax_scale=softmax_scale, params=params
         )
         o.copy_(ref_o)
         lse.copy_(ref_lse)
