@@ -342,10 +342,15 @@ def decode_reference(
     params: dict | None = None,
     compute_dtype=torch.float64,
 ):
-    """Attention of each request's queries over its first ``live_lens[b]`` cached keys, by
-    :func:`flashgen.ops.reference.attention_reference` on the gathered keys (one request at
-    a time, ``b`` its batch index): o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse ``[B, Hq,
-    Sq]`` (float32, float64 for a float64 reference); no live key: o = 0, lse = -inf."""
+    """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
+    the gathered keys (one request at a time, ``b`` its batch index): by
+    :func:`flashgen.ops.reference.attention_reference` for a float64 ``compute_dtype`` (the
+    test oracle), else by the padded op's CPU path
+    (:func:`flashgen.ops.cpu_attention.attention_blocked`, so the decode op on CPU equals the
+    padded op on the gathered cache bitwise).  o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse
+    ``[B, Hq, Sq]`` (float32, float64 for a float64 reference); no live key: o = 0,
+    lse = -inf."""
+    from flashgen.ops.cpu_attention import attention_blocked
     from flashgen.ops.reference import attention_reference
 
     batch, hq, sq, _ = q.shape
@@ -358,10 +363,16 @@ def decode_reference(
         if lens[b] <= 0 or sq == 0:
             continue
         k, v = gather_cache(k_cache, v_cache, b, lens[b], block_table)
-        ob, lb = attention_reference(
-            spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale, params=params,
-            compute_dtype=compute_dtype, batch_offset=b,
-        )  # fmt: skip
+        if compute_dtype == torch.float64:
+            ob, lb = attention_reference(
+                spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
+                params=params, compute_dtype=compute_dtype, batch_offset=b,
+            )  # fmt: skip
+        else:
+            ob, lb = attention_blocked(
+                spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
+                params=params, batch_offset=b,
+            )  # fmt: skip
         o[b] = ob[0]
         lse[b] = lb[0].to(lse_dtype)
     return o, lse
