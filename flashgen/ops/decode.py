@@ -345,7 +345,8 @@ def decode_reference(
     """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
     the gathered keys (one request at a time, ``b`` its batch index): by
     :func:`flashgen.ops.reference.attention_reference` for a float64 ``compute_dtype`` (the
-    test oracle), else by the padded op's CPU path
+    test oracle) or a low-precision one (the error bound's torch math), for float32 by the
+    padded op's CPU path
     (:func:`flashgen.ops.cpu_attention.attention_blocked`, so the decode op on CPU equals the
     padded op on the gathered cache bitwise).  o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse
     ``[B, Hq, Sq]`` (float32, float64 for a float64 reference); no live key: o = 0,
@@ -363,12 +364,16 @@ def decode_reference(
         if lens[b] <= 0 or sq == 0:
             continue
         k, v = gather_cache(k_cache, v_cache, b, lens[b], block_table)
-        if compute_dtype == torch.float64:
+        if compute_dtype != torch.float32:  # the float64 oracle, or torch's low-precision math
             ob, lb = attention_reference(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
                 params=params, compute_dtype=compute_dtype, batch_offset=b,
             )  # fmt: skip
         else:
+            if softmax_scale is None:
+                from flashgen.ops.op import default_softmax_scale
+
+                softmax_scale = default_softmax_scale(spec)
             ob, lb = attention_blocked(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
                 params=params, batch_offset=b,
@@ -677,6 +682,8 @@ class DecodeOp:
             dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
                               False, batch, cache_capacity, 1, append)  # fmt: skip
         device = torch.device(device if device is not None else "cuda")
+        if device.type == "cuda" and device.index is None:  # the current device, by index
+            device = torch.device("cuda", torch.cuda.current_device())
         splits = check_num_splits(num_splits)
         return self.plan_for(dims, device, splits or None, pack_gqa=pack_gqa, own_workspace=True)
 
