@@ -292,6 +292,26 @@ def check_num_splits(num_splits) -> int:
 
 
 # ----------------------------------------------------------------------------- reference
+def unchecked_key_mask(dims: DecodeDims, cache_seqlens, block_table=None):
+    """The keys the CUDA kernels attend for values the debug check would refuse (module doc),
+    as host tensors: ``(live [B] int64, mask [B, capacity] bool)``.  ``live`` is
+    ``cache_seqlens + new keys`` clamped to ``[0, capacity]`` (the request's pages, or the
+    dense cache); ``mask[b, kv]`` is ``kv < live[b]`` and, paged, its page index in ``[0,
+    num_pages)`` (a bad page is empty, the request's other keys are attended).  The host
+    mirror of the attention kernel's ``live`` / ``locate`` (templates/sm_80/decode.cu.j2),
+    the oracle of the GPU tests that pass such values; reads the tensors."""
+    lens = cache_seqlens.detach().to("cpu", torch.int64)
+    cap = dims.capacity
+    live = (lens + (dims.seqlen_q if dims.append else 0)).clamp(0, cap)
+    kv = torch.arange(cap).view(1, -1)
+    mask = kv < live.view(-1, 1)
+    if dims.paged:
+        table = block_table.detach().to("cpu", torch.int64)
+        pages = table[:, kv[0] // dims.page_size]
+        mask &= (pages >= 0) & (pages < dims.num_pages)
+    return live, mask
+
+
 def gather_cache(k_cache, v_cache, b: int, live: int, block_table=None):
     """Request ``b``'s first ``live`` keys as ``(k [Hkv, live, D], v [Hkv, live, Dv])``."""
     if block_table is None:

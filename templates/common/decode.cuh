@@ -26,10 +26,19 @@ __host__ __device__ __forceinline__ Range split_range(int n_lo, int n_hi, int nu
 
 // Exact merge of n partial results by their log-sum-exps (natural log), FlashAttention's
 // flash_fwd_combine: m = max lse_i, lse = m + log(sum exp(lse_i - m)); the weight of partial i is
-// exp(lse_i - lse).  All -inf (no key anywhere): lse = -inf, every weight 0.  Fixed order.
+// exp(lse_i - lse).  All -inf (no key anywhere): lse = -inf, every weight 0.  A NaN partial (a NaN
+// key or value in its live range) makes lse NaN and so every weight and o NaN, as one split would:
+// fmaxf alone drops NaN, which once turned a NaN split into an empty one (o = 0, lse = -inf) and
+// made the result depend on num_splits.  Fixed order.
 __host__ __device__ __forceinline__ float merged_lse(const float* lse, int n, long long stride) {
     float m = -INFINITY;
-    for (int i = 0; i < n; ++i) m = fmaxf(m, lse[i * stride]);
+    bool nan = false;
+    for (int i = 0; i < n; ++i) {
+        const float x = lse[i * stride];
+        nan = nan || x != x;
+        m = fmaxf(m, x);
+    }
+    if (nan) return NAN;
     if (m == -INFINITY) return -INFINITY;
     float sum = 0.f;
     for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);

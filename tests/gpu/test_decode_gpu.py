@@ -278,18 +278,54 @@ def test_graph_capture_with_a_plan():
         check(op.spec, q, kc, vc, table, new, {"window": 4096}, og, lg)
 
 
-def test_bad_page_index_is_empty_not_a_crash():
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_bad_page_index_is_empty_not_a_crash(splits):
+    """Unchecked values: request 0's page 1 and request 1's page 0 are out of range (empty),
+    request 1's length 10**6 is clamped to its 3 pages (48 keys), whose slots all hold keys
+    (so the clamped tail is real data, not the NaN fill).  The rest is attended: o equals the
+    masked float64 softmax over exactly unchecked_key_mask's keys, for every num_splits."""
+    from flashgen.ops.decode import unchecked_key_mask, validate_decode
+
     op = op_of("llama3_gqa")
-    lens = [40, 40]
-    kc, vc, table = make_cache(lens, ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    kc, vc, table = make_cache([40, 48], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
     q = torch.randn(2, 4, 1, 128, device="cuda").to(torch.bfloat16)
     bad = table.clone()
     bad[0, 1] = 10**6
     bad[1, 0] = -5
-    lens_t = torch.tensor([40, 10**6], dtype=torch.int32, device="cuda")  # past the pages: clamped
-    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=bad, num_splits=2)
+    lens_t = torch.tensor([40, 10**6], dtype=torch.int32, device="cuda")
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=bad, num_splits=splits)
     torch.cuda.synchronize()
-    assert not torch.isnan(o).any() and torch.isfinite(lse).all()
+    dims = validate_decode(op.spec, q, kc, vc, lens_t, bad)
+    live, mask = unchecked_key_mask(dims, lens_t, bad)
+    assert live.tolist() == [40, 48] and mask.sum(1).tolist() == [24, 32]
+    scale = 1 / math.sqrt(128)
+    for b in range(2):
+        keys = torch.nonzero(mask[b]).flatten().tolist()
+        pos = torch.tensor(keys, device="cuda")
+        pages = table[b].long()[pos // 16]  # the good table: where make_cache put the keys
+        k = kc[pages, pos % 16].double()  # [n, Hkv, D]
+        v = vc[pages, pos % 16].double()
+        for h in range(4):  # causal, Sq_new = 1: every live key is visible
+            s_ = (k[:, h // 2] @ q[b, h, 0].double()) * scale
+            ref_l = torch.logsumexp(s_, 0)
+            ref_o = torch.softmax(s_, 0) @ v[:, h // 2]
+            assert abs(lse[b, h, 0].item() - ref_l.item()) <= 1e-2 * max(1.0, abs(ref_l.item()))
+            assert (o[b, h, 0].double() - ref_o).abs().max().item() <= 2e-2
+
+
+def test_nan_in_a_live_key_is_nan_for_every_num_splits():
+    """A NaN inside the live keys is the request's data: o and lse are NaN whatever the split
+    count (the combine once dropped a NaN split and returned o = 0, lse = -inf)."""
+    op = op_of("llama3_gqa")
+    kc, vc, table = make_cache([40, 48], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor([40, 44], dtype=torch.int32, device="cuda")  # request 1: 40..43 NaN
+    kc[table[1, 2].long(), 8:12] = float("nan")
+    for splits in (1, 2, 3):
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, num_splits=splits)
+        torch.cuda.synchronize()
+        assert torch.isfinite(lse[0]).all() and not torch.isnan(o[0]).any()
+        assert torch.isnan(lse[1]).all() and torch.isnan(o[1]).all(), splits
 
 
 def test_family_heuristic_on_this_device():

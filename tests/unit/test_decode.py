@@ -16,7 +16,12 @@ import torch
 import flashgen
 from flashgen.families import decode as family
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode import decode_reference, merge_attention
+from flashgen.ops.decode import (
+    DecodeDims,
+    decode_reference,
+    merge_attention,
+    unchecked_key_mask,
+)
 from flashgen.ops.reference import attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -456,3 +461,31 @@ def test_bad_inputs_raise_op_input_error():
     meta = torch.zeros(2, 2, 4, 128, dtype=torch.bfloat16, device="meta")
     with pytest.raises(OpInputError, match="expected device"):
         call(q, meta, meta, lens)
+
+
+def test_unchecked_values_clamp_and_empty_pages():
+    """The kernels' semantics for values the debug check refuses (host mirror): the length is
+    clamped to the request's pages, a page index outside [0, num_pages) is empty, the rest of
+    the request is attended; negative lengths are empty; dense clamps to S_cache."""
+    dims = DecodeDims(batch=3, heads_q=4, heads_kv=2, seqlen_q=1, head_dim_v=128, paged=True,
+                      num_pages=7, page_size=16, max_pages=3, append=False)  # fmt: skip
+    table = torch.tensor([[0, 10**6, 2], [-5, 3, 4], [5, 6, 1]], dtype=torch.int32)
+    lens = torch.tensor([40, 10**6, -3], dtype=torch.int32)
+    live, mask = unchecked_key_mask(dims, lens, table)
+    assert live.tolist() == [40, 48, 0]
+    assert mask[0].nonzero().flatten().tolist() == [*range(16), *range(32, 40)]
+    assert mask[1].nonzero().flatten().tolist() == list(range(16, 48))
+    assert not mask[2].any()
+    app = DecodeDims(2, 4, 2, 4, 128, False, 2, 10, 1, True)  # dense S_cache 10, 4 appended
+    live, mask = unchecked_key_mask(app, torch.tensor([3, 8], dtype=torch.int32))
+    assert live.tolist() == [7, 10] and mask.sum(1).tolist() == [7, 10]
+
+
+def test_merge_attention_propagates_nan():
+    """A NaN partial poisons the merge (the combine kernel's rule), an empty one does not."""
+    o = torch.randn(2, 8)
+    lse_a = torch.tensor([math.nan, 1.0])
+    lse_b = torch.tensor([0.5, -math.inf])
+    mo, ml = merge_attention(o, lse_a, o, lse_b)
+    assert math.isnan(ml[0]) and torch.isnan(mo[0]).all()
+    assert ml[1] == 1.0 and torch.equal(mo[1], o[1])
