@@ -317,15 +317,44 @@ def test_nan_in_a_live_key_is_nan_for_every_num_splits():
     """A NaN inside the live keys is the request's data: o and lse are NaN whatever the split
     count (the combine once dropped a NaN split and returned o = 0, lse = -inf)."""
     op = op_of("llama3_gqa")
-    kc, vc, table = make_cache([40, 48], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    kc, vc, table = make_cache([40, 600], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
     q = torch.randn(2, 4, 1, 128, device="cuda").to(torch.bfloat16)
-    lens_t = torch.tensor([40, 44], dtype=torch.int32, device="cuda")  # request 1: 40..43 NaN
-    kc[table[1, 2].long(), 8:12] = float("nan")
+    lens_t = torch.tensor([40, 600], dtype=torch.int32, device="cuda")
+    kc[table[1, 18].long(), 12:16] = float("nan")  # request 1, keys 300..303
     for splits in (1, 2, 3):
         o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, num_splits=splits)
         torch.cuda.synchronize()
         assert torch.isfinite(lse[0]).all() and not torch.isnan(o[0]).any()
         assert torch.isnan(lse[1]).all() and torch.isnan(o[1]).all(), splits
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_planned_fast_path_equals_the_general_path(append):
+    """The planned call (prepacked arguments, cuLaunchKernel) is bitwise the unplanned one
+    (CuPy launch) for the same num_splits, with and without an append, across a layout
+    change (a second cache) and a block-table change between calls."""
+    op = op_of("alibi")
+    batch, ps = 3, 16
+    kc, vc, table = make_cache([3000] * batch, ps=ps, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(batch, 8, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor([5, 1500, 2990], dtype=torch.int32, device="cuda")
+    prm = params_of("alibi", 8, q.device)
+    kn = torch.randn(batch, 2, 1, 128, device="cuda").to(torch.bfloat16) if append else None
+    vn = torch.randn_like(kn) if append else None
+    p = op.plan_decode(batch=batch, num_heads=8, num_heads_kv=2, seqlen_q=1,
+                       cache_capacity=table.shape[1] * ps, page_size=ps, num_pages=kc.shape[0],
+                       append=append)  # fmt: skip
+    assert p.fast is not None
+    for _ in range(2):
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        a = op.with_kvcache(q, k1, v1, lens_t, block_table=table, k_new=kn, v_new=vn, plan=p,
+                            **prm)  # fmt: skip
+        b = op.with_kvcache(q, k2, v2, lens_t, block_table=table, k_new=kn, v_new=vn,
+                            num_splits=p.num_splits, **prm)  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert torch.equal(k1.isnan(), k2.isnan()) and torch.equal(k1.nan_to_num(), k2.nan_to_num())
+        table = table.flip(0).contiguous()
 
 
 def test_family_heuristic_on_this_device():
