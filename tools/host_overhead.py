@@ -21,6 +21,15 @@ host-path work), so the before/after includes everything, not only the cache.
     python3 tools/host_overhead.py                     # ~30 s on an H200 once compiled
     python3 tools/host_overhead.py --baseline /path/to/old/checkout --json out.json
     python3 tools/host_overhead.py --cpu --baseline /path/to/old/checkout   # no GPU
+    python3 tools/host_overhead.py --decode            # planned op.with_kvcache calls
+    python3 tools/host_overhead.py --decode --cpu      # the same on CPU, driver faked
+
+``--decode``: the host time of ``op.with_kvcache(..., plan=p)`` (llama3_gqa, bf16, Hq/Hkv
+32/8, d128, Sq_new 1, B in --batch, a 64k paged-16 cache and a dense one; with k_new
+appended too), measured as above with the stream held busy (GPU), or on CPU with the
+driver, the device and the current stream faked (the planned fast path of
+flashgen.ops.decode runs whole; its cuLaunchKernel returns 0).  Issue 23's target is 20 us
+per call on the H200 machine's CPU.
 """
 
 from __future__ import annotations
@@ -224,6 +233,132 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     return rows
 
 
+def _decode_cases(torch, dev, batch: int):
+    """(name, kwargs) of planned decode calls on ``dev``: paged 16 and dense, 64k keys, with
+    and without an append (the cache is allocated small: host time does not depend on it)."""
+    hq, hkv, d, cap = 32, 8, 128, 65536
+    q = torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16)
+    lens = torch.full((batch,), 1000, dtype=torch.int32, device=dev)
+    ps, pages = 16, 64
+    kc = torch.zeros(pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    table = torch.zeros(batch, cap // ps, dtype=torch.int32, device=dev)
+    dk = torch.zeros(batch, hkv, 2048, d, device=dev, dtype=torch.bfloat16)
+    dv = torch.zeros_like(dk)
+    kn = torch.zeros(batch, hkv, 1, d, device=dev, dtype=torch.bfloat16)
+    vn = torch.zeros_like(kn)
+    return [
+        ("paged16", dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens, block_table=table),
+         dict(cache_capacity=cap, page_size=ps, num_pages=pages)),
+        ("paged16+append", dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens,
+                                block_table=table, k_new=kn, v_new=vn),
+         dict(cache_capacity=cap, page_size=ps, num_pages=pages, append=True)),
+        ("dense", dict(q=q, k_cache=dk, v_cache=dv, cache_seqlens=lens),
+         dict(cache_capacity=2048)),
+    ]  # fmt: skip
+
+
+def measure_decode(root: Path, batches, n: int, reps: int) -> list[dict]:
+    """Host us per planned ``with_kvcache`` call on the GPU, the stream held busy."""
+    flashgen = _import_flashgen(root)
+    import torch
+
+    op = flashgen.load(root / "specs" / "llama3_gqa.yaml")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cycles = _sleep_cycles(torch, 40.0)
+    rows = []
+    for batch in batches:
+        for name, kw, pk in _decode_cases(torch, dev, batch):
+            plan = op.plan_decode(batch=batch, num_heads=32, num_heads_kv=8, device=dev, **pk)
+            call = functools.partial(op.with_kvcache, plan=plan, **kw)
+            for _ in range(20):
+                call()
+            out, busy = [], True
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call()
+                t1 = time.perf_counter()
+                ev = torch.cuda.Event()
+                ev.record()
+                busy &= not ev.query()
+                out.append((t1 - t0) / n * 1e6)
+            torch.cuda.synchronize()
+            rows.append(dict(case=name, batch=batch, host_us=statistics.median(out),
+                             host_only=busy, num_splits=plan.num_splits))  # fmt: skip
+    return rows
+
+
+def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
+    """Host us per planned ``with_kvcache`` call on CPU: CPU tensors, the plan's kernels
+    faked (a CUfunction handle of 1), ``cuLaunchKernel`` returning 0, the CUDA checks
+    (device, current stream) answered as for device 0.  Everything else of the planned
+    fast path runs: the layout key, the pointer packing, the output allocations."""
+    import timeit
+    import types
+
+    flashgen = _import_flashgen(root)
+    import torch
+
+    from flashgen.families import decode as family
+    from flashgen.ops import decode as dmod
+    from flashgen.ops import op as op_mod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(*args):
+            return 0
+
+    tma.driver = lambda: Driver
+    dmod._eager_cuda = lambda q, k, v: op_mod._plain_eager(q, k, v)  # CPU tensors stand in
+    dmod._GET_DEVICE = lambda: None
+    op_mod._RAW_STREAM = lambda index: 0
+    op = flashgen.load(root / "specs" / "llama3_gqa.yaml")
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90")
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
+                                    function=types.SimpleNamespace(ptr=1), device_index=0)
+            for r in ("attn", "append")}  # fmt: skip
+    cpu = torch.device("cpu")
+    rows = []
+    for batch in batches:
+        for name, kw, pk in _decode_cases(torch, cpu, batch):
+            paged = "page_size" in pk
+            dims = dmod.DecodeDims(
+                batch, 32, 8, 1, 128, paged, pk.get("num_pages", batch), pk.get("page_size")
+                or pk["cache_capacity"], pk["cache_capacity"] // pk.get("page_size", 1)
+                if paged else 1, pk.get("append", False),
+            )  # fmt: skip
+            plan = dop.plan_for(dims, cpu, None)
+            plan.kernels = kern
+            if plan.num_splits > 1:
+                plan.o_part, plan.lse_part, plan.counters = dmod._workspace(
+                    dims, plan.geometry, plan.num_splits, cpu
+                )
+            plan.fast = dmod._FastPath(dop, plan)
+            call = functools.partial(op.with_kvcache, plan=plan, **kw)
+            assert plan.fast(kw["q"], kw["k_cache"], kw["v_cache"], kw["cache_seqlens"],
+                             kw.get("block_table"), kw.get("k_new"), kw.get("v_new"), None,
+                             {}) is not None, "the fast path did not take the call"  # fmt: skip
+            call()
+            per = min(timeit.repeat(call, number=n, repeat=reps)) / n * 1e6
+            rows.append(dict(case=name, batch=batch, host_us=per, host_only=True,
+                             num_splits=plan.num_splits))  # fmt: skip
+    return rows
+
+
+def print_decode_rows(rows: list[dict], where: str) -> None:
+    print(f"planned op.with_kvcache host time ({where}), llama3_gqa bf16 Hq/Hkv 32/8 d128")
+    print(f"{'case':>15} {'B':>4} {'splits':>6} | {'host us/call':>12}")
+    for r in rows:
+        warn = "" if r["host_only"] else "  (queue drained: includes waits)"
+        print(f"{r['case']:>15} {r['batch']:4d} {r['num_splits']:6d} | {r['host_us']:12.1f}{warn}")
+
+
 def print_cpu_rows(rows: list[dict]) -> None:
     print(f"{'checkout':>9} {'mode':>9} {'S':>5} | {'cuda impl us':>12} {'launch us':>9} "
           f"{'validate us':>11} {'kernel_values us':>16}")  # fmt: skip
@@ -264,8 +399,23 @@ def main() -> int:
         action="store_true",
         help="time the Python host path on CPU with a fake driver (no GPU needed)",
     )
+    ap.add_argument("--decode", action="store_true",
+                    help="planned op.with_kvcache calls instead of op.attention")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64],
+                    help="--decode batch sizes")  # fmt: skip
     args = ap.parse_args()
     import torch
+
+    if args.decode:
+        if not args.cpu and not torch.cuda.is_available():
+            print("host_overhead.py --decode needs a CUDA GPU (or --cpu)", file=sys.stderr)
+            return 2
+        fn = measure_decode_cpu if args.cpu else measure_decode
+        rows = fn(args.flashgen, args.batch, args.n, args.reps)
+        print_decode_rows(rows, "CPU, driver faked" if args.cpu else torch.cuda.get_device_name())
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
 
     if not args.cpu and not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA GPU (or --cpu)", file=sys.stderr)

@@ -4,12 +4,18 @@ cache, in one run (``python -m flashgen.bench.decode`` or ``flashgen bench --dec
 
 "KV read" is the unique cache bytes a call needs: ``2 x B x Hkv x live keys x D x element
 size`` (whatever a peer does with GQA).  Every call is timed inside a CUDA graph of
-``--calls`` back-to-back calls (no launch gaps, no host time), each method once per round,
-rounds alternating between the methods; the figure is the median over rounds.  Sq_new = 1,
+back-to-back calls (``--calls`` at most, fewer for long calls so a replay takes about 2 ms:
+no launch gaps, no host time), each method once per round, rounds alternating between the
+methods; the figure is the median over rounds.  The default set is issue 28's table (B 1,
+16, 64; cache 4k, 16k, 64k, 128k; dense, paged 16 and paged 1; about 4 minutes on an H200);
+``--quick`` is B1 and B16 at 64k with page 256 too.  FlexAttention (compiled per shape) runs
+at the ``--flex-cache`` lengths only.  Sq_new = 1,
 bf16, head_dim 128, Hq/Hkv 32/8 by default.  Extra rows: GQA packing off (B1/64k), sliding
 window (mistral_swa, window 4096, whose time should follow the window's bytes), and the host
 time of a planned call (``host_us``, the stream kept busy by the queued kernels).
-Writes ``--out`` (JSON) and prints a table.
+Writes ``--out`` (JSON), prints a table and, where matplotlib is importable, writes the
+plot (TB/s against cache length, one panel per batch) next to the JSON;
+``--plot JSON`` redraws the plot of an earlier run.
 """
 
 from __future__ import annotations
@@ -52,8 +58,9 @@ def _graph_time(fn, calls: int):
     return run
 
 
-def _peers(q, k, v):
-    """name -> zero-arg callable on the dense cache k, v ``[B, Hkv, L, D]``."""
+def _peers(q, k, v, flex: bool = True):
+    """name -> zero-arg callable on the dense cache k, v ``[B, Hkv, L, D]`` (FlexAttention
+    when ``flex``)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -67,13 +74,14 @@ def _peers(q, k, v):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
         out[name] = call
-    try:
-        from flashgen.bench.runner import flex_compiled
+    if flex:
+        try:
+            from flashgen.bench.peers import flex_compiled
 
-        flex = flex_compiled()
-        out["flex"] = lambda: flex(q, k, v, enable_gqa=True)
-    except Exception:  # noqa: BLE001 - no Triton: no FlexAttention row
-        pass
+            fx = flex_compiled()
+            out["flex"] = lambda: fx(q, k, v, enable_gqa=True)
+        except Exception:  # noqa: BLE001 - no Triton: no FlexAttention row
+            pass
     del torch
     return out
 
@@ -122,7 +130,8 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
                     kc = torch.randn(batch, hkv, live, d, device=dev, dtype=torch.bfloat16)
                     vc = torch.randn_like(kc)
                     table, ps, npages = None, None, None
-                    for name, fn in _peers(q.transpose(1, 2).transpose(1, 2), kc, vc).items():
+                    flex = cache in args.flex_cache
+                    for name, fn in _peers(q, kc, vc, flex).items():
                         methods[name] = fn
                 else:
                     ps = int(lay.removeprefix("paged"))
@@ -168,9 +177,11 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
                         lambda kc=kc, vc=vc, table=table, p=splan: swa.with_kvcache(
                             q, kc, vc, lens, block_table=table, plan=p, window=4096))  # fmt: skip
             timers = {}
+            # calls per graph: a replay of about 2 ms (at 4 TB/s), 3 at least
+            calls = max(3, min(args.calls, int(2e-3 * 4e12 / max(kv_bytes, 1))))
             for name, fn in methods.items():
                 try:
-                    timers[name] = _graph_time(fn, args.calls)
+                    timers[name] = _graph_time(fn, calls)
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run here
                     print(f"  {name} B{batch} {cache}: skipped ({type(e).__name__}: {e})"[:200],
                           file=sys.stderr)  # fmt: skip
@@ -214,21 +225,68 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
     return rows
 
 
+def write_plot(doc: dict, json_path: Path) -> Path | None:
+    """TB/s of KV read against cache length (log scale), one panel per batch size, one line
+    per method (the window and no-packing rows are single points, left out), into
+    ``<json stem>.png`` next to ``json_path``.  None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in doc["rows"] if "tb_per_s" in r and not r["method"].endswith(
+        ("_nopack", "_swa4096"))]  # fmt: skip
+    batches = sorted({r["batch"] for r in rows})
+    if not batches:
+        return None
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        methods = sorted({r["method"] for r in rows if r["batch"] == batch})
+        for m in methods:
+            pts = sorted((r["cache"], r["tb_per_s"]) for r in rows
+                         if r["batch"] == batch and r["method"] == m)  # fmt: skip
+            style = "-o" if m.startswith("flashgen") else "--s"
+            ax.plot([c for c, _ in pts], [t for _, t in pts], style, label=m, markersize=4)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length (keys)")
+        ax.set_ylabel("KV read (TB/s)")
+        ax.set_title(f"B={batch}")
+        ax.axhline(4.3, color="gray", linewidth=0.8, linestyle=":")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode, {doc.get('device', '')}, bf16 d128 Hq/Hkv 32/8, Sq_new 1")
+    fig.tight_layout()
+    png = json_path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashgen.bench.decode", description=__doc__)
     ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--cache", type=lambda s: [int(x) for x in s.split(",")],
                     default=[4096, 16384, 65536, 131072])  # fmt: skip
-    ap.add_argument("--layouts", default="dense,paged16,paged1,paged256")
+    ap.add_argument("--layouts", default="dense,paged16,paged1")
     ap.add_argument("--heads-q", type=int, default=32)
     ap.add_argument("--heads-kv", type=int, default=8)
     ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
-    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (median)")
+    ap.add_argument("--flex-cache", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[65536], help="cache lengths with a FlexAttention row")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="B1 and B16 at 64k only")
     ap.add_argument("--out", default="benchmarks/results/decode.json")
+    ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier run")
     args = ap.parse_args(argv)
+    if args.plot:
+        path = write_plot(json.loads(Path(args.plot).read_text()), Path(args.plot))
+        print(f"wrote {path}" if path else "no plot: matplotlib is not importable")
+        return 0 if path else 1
     if args.quick:
         args.batch, args.cache = [1, 16], [65536]
+        args.layouts = "dense,paged16,paged1,paged256"
     import torch
 
     if not torch.cuda.is_available():
@@ -240,6 +298,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")
+    png = write_plot(doc, out)
+    print(f"wrote {png}" if png else "no plot: matplotlib is not importable (--plot JSON later)")
     return 0
 
 

@@ -69,7 +69,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
 
     res = BuildResult(spec, target, unit)
     try:
-        if unit == "decode":  # the serving unit (flashgen.families.decode): attn, combine, append
+        if unit == "decode":  # serving unit (flashgen.families.decode): attn, append
             from flashgen.build import cache
             from flashgen.build.render import render
             from flashgen.families import decode

@@ -1,7 +1,7 @@
 """The decode family: FlashDecoding split-KV attention over a dense or paged KV cache, with
 GQA packing (no torch, no CuPy: planning only).
 
-One compile unit per (spec, target) holds three kernels (``templates/sm_80/decode.cu.j2``):
+One compile unit per (spec, target) holds two kernels (``templates/sm_80/decode.cu.j2``):
 
 * ``<kernel>_attn``: grid (query row blocks x splits, kv heads, batch).  A CTA's query rows
   are the ``Hq / Hkv`` query heads of one kv head times the ``Sq_new`` new queries, packed
@@ -11,11 +11,14 @@ One compile unit per (spec, target) holds three kernels (``templates/sm_80/decod
   cp.async ring.  The key blocks a split reads are its share of the request's live blocks
   (:func:`split_range`, also ``fg::dec::split_range`` on the device); blocks the mask's
   interval classifier (:mod:`flashgen.analysis.masktiles`) proves EMPTY are skipped unread.
-  With one split the kernel writes ``o`` / ``lse``, else fp32 partial ``o`` and ``lse`` to a
-  workspace.
-* ``<kernel>_combine``: the exact LSE merge of the splits (FlashAttention's
-  flash_fwd_combine: ``lse = m + log(sum exp(lse_i - m))``, ``o = sum exp(lse_i - lse) o_i``,
-  in a fixed order: bitwise reproducible for a fixed ``num_splits``).
+  A request uses :func:`effective_splits` of the ``num_splits`` (the other CTAs return at
+  once).  With one split the kernel writes ``o`` / ``lse``, else fp32 partial ``o`` and
+  ``lse`` to a workspace, and the last CTA of the splits of a (row block, kv head, request)
+  to finish (an atomic counter per tile, reset by that CTA) merges them: the exact LSE
+  merge (FlashAttention's flash_fwd_combine: ``lse = m + log(sum exp(lse_i - m))``, ``o =
+  sum exp(lse_i - lse) o_i``) in split order, so bitwise reproducible for a fixed
+  ``num_splits`` whichever CTA is last.  Fused rather than a second kernel: at B1 the
+  combine's launch and drain were a visible share of a 64k call.
 * ``<kernel>_append``: writes ``k_new`` / ``v_new`` into the cache at ``cache_seqlens[b]``
   through the block table (rows past the request's pages are dropped).
 
@@ -40,12 +43,17 @@ BLOCK_M = 16
 #: accumulators of 16 rows x 256 columns in one warp leave ptxas too few registers.
 NUM_WARPS = 4
 DV_SPLIT_FROM = 192
-#: Threads of the combine kernel's CTA.
-COMBINE_THREADS = 128
 #: Threads of the append kernel's CTA (one new row of K and V per CTA).
 APPEND_THREADS = 32
 #: FlashAttention-3's cap on the number of splits.
 MAX_SPLITS = 128
+#: Leading pointer arguments of the attention kernel that change per call (q, k_cache,
+#: v_cache, o, lse, cache_seqlens, block_table) and of the append kernel (k_new, v_new,
+#: k_cache, v_cache, cache_seqlens, block_table).
+CALL_POINTERS = 7
+APPEND_CALL_POINTERS = 6
+#: Fewest key blocks per split (``fg::dec::MIN_SPLIT_BLOCKS``): see :func:`effective_splits`.
+MIN_SPLIT_BLOCKS = 4
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
 #: planned against it on both targets, so one plan fits both).
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
@@ -97,8 +105,8 @@ class DecodePlan:
     """Everything needed to render, compile and launch one decode unit (the same fields as
     :class:`flashgen.lower.KernelPlan`, so :mod:`flashgen.build` and
     :mod:`flashgen.runtime.launch` take it).  ``kernel_name`` is the attention kernel;
-    :meth:`kernel` gives the plan of each of the unit's kernels (``attn``, ``combine``,
-    ``append``) to load from the same cubin."""
+    :meth:`kernel` gives the plan of each of the unit's kernels (``attn``, ``append``) to
+    load from the same cubin."""
 
     spec_name: str
     target: str
@@ -132,18 +140,12 @@ class DecodePlan:
         return self.context["base_name"]
 
     def kernel(self, role: str) -> DecodePlan:
-        """The plan of kernel ``role`` (``attn``, ``combine``, ``append``) of this unit: same
-        source and cubin, its own symbol, threads, dynamic shared memory and arguments."""
+        """The plan of kernel ``role`` (``attn``, ``append``) of this unit: same source and
+        cubin, its own symbol, threads, dynamic shared memory and arguments."""
         from dataclasses import replace
 
         if role == "attn":
             return self
-        if role == "combine":
-            tiles = DecodeTiles(1, 1, COMBINE_THREADS // 32, 1)
-            return replace(
-                self, kernel_name=f"{self.base_name}_combine", tiles=tiles, smem_bytes=0,
-                args=combine_args(self.context["elem_t"]), role=role,
-            )  # fmt: skip
         if role == "append":
             tiles = DecodeTiles(1, 1, APPEND_THREADS // 32, 1)
             return replace(
@@ -226,58 +228,41 @@ def smem_bytes(spec: Spec, block_n: int, stages: int) -> int:
 def num_splits_heuristic(
     total_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS
 ) -> int:
-    """Splits of each request's key blocks (FlashAttention-3's ``num_splits_heuristic``,
-    hopper/heuristics.h, rewritten): none when ``total_ctas`` (CTAs without splitting)
-    already fill 80% of a wave of ``num_sms``; else the smallest split count whose wave
-    efficiency is within 85% of the best, over the counts that leave each split at least
-    a few blocks (counts giving the same blocks per split as a smaller one are skipped).
+    """Splits of each request's key blocks, for bandwidth: decode streams K and V once, so
+    the aim is every SM holding its full complement of CTAs (``num_sms`` here is the wave:
+    SMs times the CTAs one SM holds) in a single wave, each with its ring of loads in
+    flight.  None when ``total_ctas`` (CTAs without splitting) already fill 80% of a wave
+    (FlashAttention-3's threshold, hopper/heuristics.h); else the most splits that keep
+    ``total_ctas * splits`` within one wave (``num_sms // total_ctas``), at most
+    ``num_n_blocks // MIN_SPLIT_BLOCKS`` (splits of at least a few blocks: the merge reads
+    one partial per split) and ``max_splits``.
 
     ``num_n_blocks``: key blocks of the longest request.  Returns an int in ``[1,
-    min(max_splits, num_sms, num_n_blocks)]``.  Pure: a host function with no device
-    state, tested in tests/unit/test_decode.py."""
+    max_splits]``.  Pure: a host function with no device state, tested in
+    tests/unit/test_decode.py."""
     if total_ctas <= 0 or num_n_blocks <= 1 or num_sms <= 0:
         return 1
     if total_ctas >= 0.8 * num_sms:
         return 1
-    # at least 4 blocks per split where there are enough blocks (FA3 keeps splits long
-    # enough to amortize the combine)
-    cap = min(max_splits, num_sms, max(1, num_n_blocks // 4) if num_n_blocks >= 8 else 2)
-    cap = max(1, min(cap, num_n_blocks))
-
-    def ceildiv(a: int, b: int) -> int:
-        return (a + b - 1) // b
-
-    def eligible(s: int) -> bool:
-        return s == 1 or ceildiv(num_n_blocks, s) != ceildiv(num_n_blocks, s - 1)
-
-    eff = []
-    for s in range(1, cap + 1):
-        if not eligible(s):
-            eff.append(0.0)
-            continue
-        waves = total_ctas * s / num_sms
-        eff.append(waves / math_ceil(waves))
-    best = max(eff)
-    for s in range(1, cap + 1):
-        if eligible(s) and eff[s - 1] >= 0.85 * best:
-            return s
-    return 1
+    return max(1, min(num_sms // total_ctas, num_n_blocks // MIN_SPLIT_BLOCKS, max_splits))
 
 
-def math_ceil(x: float) -> int:
-    i = int(x)
-    return i if i == x else i + 1
+def effective_splits(n_lo: int, n_hi: int, num_splits: int) -> int:
+    """Splits a request with live key blocks ``[n_lo, n_hi)`` uses under ``num_splits``:
+    ``min(num_splits, count // MIN_SPLIT_BLOCKS)``, at least 1 (``fg::dec::effective_splits``).
+    The other CTAs of its grid return at once: a short request or a sliding window costs
+    no empty splits' work and its merge reads few partials."""
+    cnt = max(n_hi - n_lo, 0)
+    return max(1, min(num_splits, cnt // MIN_SPLIT_BLOCKS))
 
 
 def split_range(n_lo: int, n_hi: int, num_splits: int, split: int) -> tuple[int, int]:
-    """Key blocks ``[begin, end)`` of split ``split`` of the live blocks ``[n_lo, n_hi)``:
-    ``ceil(count / num_splits)`` per split in order (trailing splits may be empty).  The
-    same arithmetic as ``fg::dec::split_range`` (templates/common/decode.cuh)."""
+    """Key blocks ``[begin, end)`` of split ``split`` of the live blocks ``[n_lo, n_hi)``,
+    balanced: ``[n_lo + count * split // num_splits, n_lo + count * (split + 1) //
+    num_splits)`` (sizes differ by at most one block).  The same arithmetic as
+    ``fg::dec::split_range`` (templates/common/decode.cuh)."""
     cnt = max(n_hi - n_lo, 0)
-    per = (cnt + num_splits - 1) // num_splits
-    begin = min(n_lo + split * per, max(n_hi, n_lo))
-    end = min(begin + per, max(n_hi, n_lo))
-    return begin, end
+    return n_lo + cnt * split // num_splits, n_lo + cnt * (split + 1) // num_splits
 
 
 # ----------------------------------------------------------------------------- kernel ABI
@@ -288,7 +273,9 @@ def _ctype(spec: Spec) -> str:
 
 
 def attn_args(spec: Spec) -> tuple:
-    """The attention kernel's arguments (:class:`flashgen.lower.KernelArg`), in order."""
+    """The attention kernel's arguments (:class:`flashgen.lower.KernelArg`), in order: the
+    pointers a call changes first (:data:`CALL_POINTERS` of them, packed per call by the
+    planned fast path), then the plan's workspace, the layout and the params."""
     from flashgen.lower import KernelArg
 
     t = _ctype(spec)
@@ -298,10 +285,11 @@ def attn_args(spec: Spec) -> tuple:
         KernelArg("v_cache", f"const {t}*"),
         KernelArg("o", f"{t}*"),
         KernelArg("lse", "float*"),
-        KernelArg("o_part", "float*"),
-        KernelArg("lse_part", "float*"),
         KernelArg("cache_seqlens", "const int*"),
         KernelArg("block_table", "const int*"),
+        KernelArg("o_part", "float*"),
+        KernelArg("lse_part", "float*"),
+        KernelArg("counters", "int*"),
     ]
     for n in ("q_sb", "q_sh", "q_ss", "k_sp", "k_ss", "k_sh", "v_sp", "v_ss", "v_sh", "bt_sb"):
         a.append(KernelArg(n, "int64_t"))
@@ -315,21 +303,6 @@ def attn_args(spec: Spec) -> tuple:
     for p in spec.tensor_params:
         a.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
     return tuple(a)
-
-
-def combine_args(elem_t: str) -> tuple:
-    """The combine kernel's arguments: partials ``[num_splits, rows, Dv]`` / ``[num_splits,
-    rows]`` fp32 -> ``o [rows, Dv]`` (elem_t), ``lse [rows]``."""
-    from flashgen.lower import KernelArg
-
-    return (
-        KernelArg("o_part", "const float*"),
-        KernelArg("lse_part", "const float*"),
-        KernelArg("o", f"{elem_t}*"),
-        KernelArg("lse", "float*"),
-        KernelArg("rows", "int"),
-        KernelArg("num_splits", "int"),
-    )
 
 
 def append_args(elem_t: str) -> tuple:
@@ -408,7 +381,6 @@ def plan(spec: Spec, target: str, options: Options | None = None) -> DecodePlan:
         "pack_gqa": options.pack_gqa,
         "args": attn_args(spec),
         "append_args": append_args(CTYPE[spec.dtype]),
-        "combine_args": combine_args(CTYPE[spec.dtype]),
     }
     return DecodePlan(
         spec_name=spec.name,
@@ -431,7 +403,6 @@ class Geometry:
     m_blocks: int  # CTAs along the rows
     num_splits: int
     grid: tuple[int, int, int]  # (m_blocks * num_splits, kv heads (or Hq unpacked), batch)
-    combine_grid: tuple[int, int, int]
     append_grid: tuple[int, int, int]
 
 
@@ -454,15 +425,12 @@ def geometry(
         group, heads = 1, heads_q
     rows = group * seqlen_q
     m_blocks = (rows + BLOCK_M - 1) // BLOCK_M
-    out_rows = batch * heads_q * seqlen_q
-    rpc = COMBINE_THREADS // (p.context["head_dim_v"] // 4)
     return Geometry(
         group=group,
         rows=rows,
         m_blocks=m_blocks,
         num_splits=num_splits,
         grid=(m_blocks * num_splits, heads, batch),
-        combine_grid=((out_rows + rpc - 1) // rpc, 1, 1),
         append_grid=(batch * heads_kv * seqlen_q, 1, 1),
     )
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 
@@ -50,9 +51,12 @@ import torch
 from flashgen.families import decode as family
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
+from flashgen.ops import op as _op_mod
+from flashgen.ops import varlen as _varlen
 from flashgen.ops.op import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
+    POISON_ENV,
     TORCH_DTYPE,
     _kernel_aligned,
     _plain_eager,
@@ -67,6 +71,7 @@ from flashgen.ops.op import (
     target_for_device,
     validate_tensor_params,
 )
+from flashgen.runtime import tma as _tma  # ctypes only, no CuPy
 
 _REG_LOCK = threading.RLock()
 
@@ -292,6 +297,26 @@ def check_num_splits(num_splits) -> int:
 
 
 # ----------------------------------------------------------------------------- reference
+def unchecked_key_mask(dims: DecodeDims, cache_seqlens, block_table=None):
+    """The keys the CUDA kernels attend for values the debug check would refuse (module doc),
+    as host tensors: ``(live [B] int64, mask [B, capacity] bool)``.  ``live`` is
+    ``cache_seqlens + new keys`` clamped to ``[0, capacity]`` (the request's pages, or the
+    dense cache); ``mask[b, kv]`` is ``kv < live[b]`` and, paged, its page index in ``[0,
+    num_pages)`` (a bad page is empty, the request's other keys are attended).  The host
+    mirror of the attention kernel's ``live`` / ``locate`` (templates/sm_80/decode.cu.j2),
+    the oracle of the GPU tests that pass such values; reads the tensors."""
+    lens = cache_seqlens.detach().to("cpu", torch.int64)
+    cap = dims.capacity
+    live = (lens + (dims.seqlen_q if dims.append else 0)).clamp(0, cap)
+    kv = torch.arange(cap).view(1, -1)
+    mask = kv < live.view(-1, 1)
+    if dims.paged:
+        table = block_table.detach().to("cpu", torch.int64)
+        pages = table[:, kv[0] // dims.page_size]
+        mask &= (pages >= 0) & (pages < dims.num_pages)
+    return live, mask
+
+
 def gather_cache(k_cache, v_cache, b: int, live: int, block_table=None):
     """Request ``b``'s first ``live`` keys as ``(k [Hkv, live, D], v [Hkv, live, Dv])``."""
     if block_table is None:
@@ -444,6 +469,11 @@ class DecodeCallPlan:
     o_part: torch.Tensor | None
     lse_part: torch.Tensor | None
     pack_gqa: bool = True
+    #: int32 [tiles] split counters of the fused combine, zero between launches (the last
+    #: CTA of a tile resets its own); None without splits or without a workspace
+    counters: torch.Tensor | None = None
+    #: the planned fast path (:class:`_FastPath`), CUDA plans from plan_decode only
+    fast: object = None
 
 
 # ----------------------------------------------------------------------------- the op
@@ -597,6 +627,12 @@ class DecodeOp:
         ``plan``: from :meth:`plan_decode` for this call's shapes (no host planning; CUDA
         graph capturable).  ``cu_seqlens_q`` (ragged Sq_new) is not supported yet.
         Raises :class:`OpInputError` for bad inputs or a spec decode does not support."""
+        fast = getattr(plan, "fast", None)
+        if fast is not None and cu_seqlens_q is None and num_splits is None:
+            out = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                       softmax_scale, params)  # fmt: skip
+            if out is not None:
+                return out
         self._refuse()
         if cu_seqlens_q is not None:
             raise OpInputError(
@@ -716,8 +752,8 @@ class DecodeOp:
 
     # ------------------------------------------------------------------ CUDA
     def kernels(self, device: torch.device) -> dict:
-        """The unit's loaded kernels on CUDA ``device`` (``attn``, ``combine``, ``append``),
-        built through the cache on first use."""
+        """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``), built through
+        the cache on first use."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         hit = self._units.get(index)
         if hit is not None:
@@ -733,10 +769,7 @@ class DecodeOp:
                     self.spec, target_for_device(self.spec, torch.device("cuda", index))
                 )
                 cubin, _report = cache.get_or_build(render(p), p)
-                hit = {
-                    r: runtime.load(cubin, p.kernel(r), index)
-                    for r in ("attn", "combine", "append")
-                }
+                hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
                 self._units[index] = hit
         return hit
 
@@ -763,21 +796,68 @@ class DecodeOp:
             seqlen_q=dims.seqlen_q, num_splits=num_splits, pack_gqa=pack_gqa,
         )  # fmt: skip
         rows = dims.batch * dims.heads_q * dims.seqlen_q
-        o_part = lse_part = None
+        o_part = lse_part = counters = None
         if own_workspace and num_splits > 1 and device.type == "cuda":
-            o_part = torch.empty(
-                (num_splits, rows, dims.head_dim_v), dtype=torch.float32, device=device
-            )
-            lse_part = torch.empty((num_splits, rows), dtype=torch.float32, device=device)
+            o_part, lse_part, counters = _workspace(dims, geo, num_splits, device)
         fixed = {
             "max_pages": dims.max_pages, "num_pages": dims.num_pages, "page_size": dims.page_size,
             "batch": dims.batch, "heads_q": dims.heads_q, "heads_kv": dims.heads_kv,
             "seqlen_q": dims.seqlen_q, "num_splits": num_splits,
             "new_keys": dims.seqlen_q if dims.append else 0, "group": geo.group, "rows": rows,
         }  # fmt: skip
-        return DecodeCallPlan(
-            dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa
+        plan = DecodeCallPlan(
+            dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters
         )
+        if own_workspace and kern and rows > 0:
+            plan.fast = _FastPath(self, plan)
+        return plan
+
+    def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
+                      scalars, tensors) -> dict:  # fmt: skip
+        """Every argument of the attention kernel (name -> tensor / address / number) for
+        this call; ``q`` already 16-byte aligned (``_kernel_aligned``), the workspace from
+        the plan or allocated here."""
+        dims = plan.dims
+        paged = table is not None
+        if paged:
+            k_sp, k_ss, k_sh = kc.stride(0), kc.stride(1), kc.stride(2)
+            v_sp, v_ss, v_sh = vc.stride(0), vc.stride(1), vc.stride(2)
+            bt_sb = table.stride(0)
+        else:
+            k_sp, k_sh, k_ss = kc.stride(0), kc.stride(1), kc.stride(2)
+            v_sp, v_sh, v_ss = vc.stride(0), vc.stride(1), vc.stride(2)
+            bt_sb = 0
+        values = dict(
+            plan.fixed, q=q, k_cache=kc, v_cache=vc, o=o, lse=lse, cache_seqlens=lens,
+            block_table=table if paged else 0, k_sp=k_sp, k_ss=k_ss, k_sh=k_sh, v_sp=v_sp,
+            v_ss=v_ss, v_sh=v_sh, bt_sb=bt_sb, q_sb=q.stride(0), q_sh=q.stride(1),
+            q_ss=q.stride(2), softmax_scale=scale,
+        )  # fmt: skip
+        # plan_decode fixes the capacity; a call passes its own cache's layout
+        values["num_pages"] = kc.shape[0] if paged else dims.batch
+        values["page_size"] = kc.shape[1] if paged else kc.shape[2]
+        values["max_pages"] = table.shape[1] if paged else 1
+        for p, val in zip(self.spec.scalar_params, scalars, strict=True):
+            values[f"p_{p.name}"] = val
+        for p in self.spec.tensor_params:
+            values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        if plan.num_splits > 1:
+            o_part, lse_part, counters = plan.o_part, plan.lse_part, plan.counters
+            if o_part is None:
+                o_part, lse_part, counters = _workspace(
+                    dims, plan.geometry, plan.num_splits, q.device
+                )
+            values.update(o_part=o_part, lse_part=lse_part, counters=counters)
+        else:
+            values.update(o_part=0, lse_part=0, counters=0)
+        return values
+
+    def append_values(self, values: dict, k_new, v_new) -> dict:
+        """The append kernel's arguments: the attention kernel's ``values`` and the new rows
+        (16-byte aligned)."""
+        return dict(values, k_new=k_new, v_new=v_new, kn_sb=k_new.stride(0),
+                    kn_sh=k_new.stride(1), kn_ss=k_new.stride(2), vn_sb=v_new.stride(0),
+                    vn_sh=v_new.stride(1), vn_ss=v_new.stride(2))  # fmt: skip
 
     def _launch(self, plan: DecodeCallPlan, q, kc, vc, lens, table, k_new, v_new, scale,
                 scalars, tensors):  # fmt: skip
@@ -791,54 +871,191 @@ class DecodeOp:
         kern = plan.kernels
         stream = current_stream_ptr(q.device)
         q = _kernel_aligned(q)
-        paged = table is not None
-        if paged:
-            k_sp, k_ss, k_sh = kc.stride(0), kc.stride(1), kc.stride(2)
-            v_sp, v_ss, v_sh = vc.stride(0), vc.stride(1), vc.stride(2)
-            bt_sb = table.stride(0)
-        else:
-            k_sp, k_sh, k_ss = kc.stride(0), kc.stride(1), kc.stride(2)
-            v_sp, v_sh, v_ss = vc.stride(0), vc.stride(1), vc.stride(2)
-            bt_sb = 0
-        fx = plan.fixed
-        values = dict(
-            fx, q=q, k_cache=kc, v_cache=vc, o=o, lse=lse, cache_seqlens=lens,
-            block_table=table if paged else 0, k_sp=k_sp, k_ss=k_ss, k_sh=k_sh, v_sp=v_sp,
-            v_ss=v_ss, v_sh=v_sh, bt_sb=bt_sb, q_sb=q.stride(0), q_sh=q.stride(1),
-            q_ss=q.stride(2), softmax_scale=scale,
-        )  # fmt: skip
-        # plan_decode fixes the capacity; a call passes its own cache's layout
-        values["num_pages"] = kc.shape[0] if paged else dims.batch
-        values["page_size"] = kc.shape[1] if paged else kc.shape[2]
-        values["max_pages"] = table.shape[1] if paged else 1
+        values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors)
         if dims.append and k_new.numel() > 0:
-            k_new, v_new = _kernel_aligned(k_new), _kernel_aligned(v_new)
-            av = dict(values, k_new=k_new, v_new=v_new, kn_sb=k_new.stride(0),
-                      kn_sh=k_new.stride(1), kn_ss=k_new.stride(2), vn_sb=v_new.stride(0),
-                      vn_sh=v_new.stride(1), vn_ss=v_new.stride(2))  # fmt: skip
+            av = self.append_values(values, _kernel_aligned(k_new), _kernel_aligned(v_new))
             kern["append"].launch(plan.geometry.append_grid, av, stream)
         if o.numel() == 0:
             return o, lse
-        for p, val in zip(self.spec.scalar_params, scalars, strict=True):
-            values[f"p_{p.name}"] = val
-        for p in self.spec.tensor_params:
-            values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
-        splits = plan.num_splits
-        if splits > 1:
-            rows = fx["rows"]
-            o_part, lse_part = plan.o_part, plan.lse_part
-            if o_part is None:
-                o_part = torch.empty(
-                    (splits, rows, dims.head_dim_v), dtype=torch.float32, device=q.device
-                )
-                lse_part = torch.empty((splits, rows), dtype=torch.float32, device=q.device)
-            values["o_part"], values["lse_part"] = o_part, lse_part
-        else:
-            values["o_part"] = values["lse_part"] = 0
         kern["attn"].launch(plan.geometry.grid, values, stream)
-        if splits > 1:
-            kern["combine"].launch(plan.geometry.combine_grid, values, stream)
         return o, lse
+
+
+def _workspace(dims: DecodeDims, geo, num_splits: int, device):
+    """The split workspace: fp32 partial o ``[num_splits, rows, Dv]`` and lse ``[num_splits,
+    rows]`` (rows = B x Hq x Sq_new), and the zeroed int32 counters of the fused combine, one
+    per attention tile (row block x kv head x request)."""
+    rows = dims.batch * dims.heads_q * dims.seqlen_q
+    o_part = torch.empty((num_splits, rows, dims.head_dim_v), dtype=torch.float32, device=device)
+    lse_part = torch.empty((num_splits, rows), dtype=torch.float32, device=device)
+    tiles = geo.m_blocks * geo.grid[1] * geo.grid[2]
+    counters = torch.zeros((max(tiles, 1),), dtype=torch.int32, device=device)
+    return o_part, lse_part, counters
+
+
+_TENSOR = torch.Tensor
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+_ENV_DATA = getattr(os.environ, "_data", None)
+_DEBUG_KEYS = tuple(os.environ.encodekey(k) for k in (POISON_ENV, _varlen.CHECK_ENV))
+
+
+def _debug_switches() -> bool:
+    """Whether the poison or the value-check switch is on (those calls take the general
+    path).  The environment is read on every call, as :func:`flag` does, but by one
+    lookup of each raw key (``os.environ``'s mapping encodes the key on each access)."""
+    if _op_mod._POISON:
+        return True
+    if _ENV_DATA is None:
+        return _poison_enabled() or _varlen.check_enabled()
+    for k in _DEBUG_KEYS:
+        if k in _ENV_DATA:
+            return _poison_enabled() or _varlen.check_enabled()
+    return False
+
+
+def _eager_cuda(q, kc, vc) -> bool:
+    """CUDA inputs in plain eager mode (:func:`flashgen.ops.op._plain_eager`): the planned
+    fast path may launch directly instead of through the registered op."""
+    return q.is_cuda and _plain_eager(q, kc, vc)
+
+
+class _FastPath:
+    """The planned call's host path (issue 23: ``with_kvcache(..., plan=p)`` does no host
+    planning): the kernels' argument blocks are packed once per call *layout* (shapes,
+    strides, dtypes, devices, scale, params: the key below) after the full validation, and a
+    call whose layout matches the last one's rewrites only the leading pointers (q, caches,
+    outputs, lengths, table: one ``struct.pack_into``), allocates o and lse and enqueues the
+    kernel with ``cuLaunchKernel``.  Validation is therefore from metadata only and done
+    once per layout; nothing loops over the batch.  Returns None (the caller takes the
+    general path) for anything but plain eager CUDA tensors on the plan's device (torch.compile,
+    tracing, modes, subclasses go through the registered op), the debug / poison switches,
+    0-d tensor scalars, or tensor params that would need a conversion.  Per thread state:
+    concurrent threads keep their own blocks."""
+
+    def __init__(self, dop: DecodeOp, plan: DecodeCallPlan):
+        from flashgen.runtime.launch import _function_ptr
+        from flashgen.runtime.packed import ArgLayout
+
+        self.dop, self.plan = dop, plan
+        self.index = plan.device.index
+        attn, app = plan.kernels["attn"], plan.kernels["append"]
+        self.attn_layout, self.app_layout = ArgLayout(attn.plan.args), ArgLayout(app.plan.args)
+        self.attn_head = self.attn_layout.head(family.CALL_POINTERS)
+        self.app_head = self.app_layout.head(family.APPEND_CALL_POINTERS)
+        self.attn_fn, self.app_fn = _function_ptr(attn.function), _function_ptr(app.function)
+        self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
+        self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
+        d = plan.dims
+        self.o_shape = (d.batch, d.heads_q, d.seqlen_q, d.head_dim_v)
+        self.lse_shape = (d.batch, d.heads_q, d.seqlen_q)
+        self.o_dtype = out_dtype(dop.spec)
+        self.tensor_names = [p.name for p in dop.spec.tensor_params]
+        self.tensor_dtypes = [PARAM_DTYPE[p.ty] for p in dop.spec.tensor_params]
+        self._tls = threading.local()
+
+    def _state(self):
+        st = self._tls.__dict__.get("st")
+        if st is None:
+            st = self._tls.st = _FastState(self.attn_layout, self.app_layout)
+        return st
+
+    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params):
+        if not _eager_cuda(q, kc, vc) or _GET_DEVICE is None or _GET_DEVICE() != self.index:
+            return None
+        if _debug_switches():
+            return None
+        # the call's layout: everything validation and the packed scalars depend on
+        key = (
+            q.shape, q.stride(), q.dtype, q.get_device(), kc.shape, kc.stride(), kc.dtype,
+            kc.get_device(), vc.shape, vc.stride(), vc.dtype, vc.get_device(), lens.shape,
+            lens.dtype, lens.get_device(), scale,
+        )  # fmt: skip
+        if table is not None:
+            key += (table.shape, table.stride(), table.dtype, table.get_device())
+        if k_new is not None:
+            key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
+                    v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        tensors = ()
+        if params:
+            pk = []
+            for n, v in params.items():
+                if type(v) is _TENSOR:
+                    if v.dim() == 0:
+                        return None  # a 0-d scalar: resolve_params reads it each call
+                    pk.append((n, v.shape, v.stride(), v.dtype, v.get_device()))
+                else:
+                    pk.append((n, v))
+            key += (tuple(pk),)
+            tensors = [params.get(n) for n in self.tensor_names]
+        st = self._tls.__dict__.get("st") or self._state()
+        if key != st.key:
+            if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params):
+                return None
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
+        if (q_ptr | k_ptr | v_ptr) & 15:
+            return None  # an unaligned base: the general path copies q or refuses the cache
+        o = torch.empty(self.o_shape, dtype=self.o_dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        lens_ptr = lens.data_ptr()
+        table_ptr = 0 if table is None else table.data_ptr()
+        buf = st.attn_buf
+        self.attn_head.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o.data_ptr(), lse.data_ptr(),
+                                 lens_ptr, table_ptr)  # fmt: skip
+        for name, t in zip(self.tensor_names, tensors, strict=False):
+            self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
+        stream = _op_mod._RAW_STREAM(self.index)
+        launch = _tma.driver().cuLaunchKernel
+        if k_new is not None:
+            kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
+            if (kn_ptr | vn_ptr) & 15:
+                return None
+            self.app_head.pack_into(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr,
+                                    table_ptr)  # fmt: skip
+            rc = launch(self.app_fn, *self.app_launch, stream, st.app_params, None)
+            if rc != 0:
+                raise RuntimeError(f"cuLaunchKernel(decode append) failed: CUresult {rc}")
+        rc = launch(self.attn_fn, *self.attn_launch, stream, st.attn_params, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernel(decode attention) failed: CUresult {rc}")
+        return o, lse
+
+    def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params) -> bool:
+        """Full validation of a new layout (raises what the general path raises) and the
+        packing of its argument blocks; False when the fast path does not apply."""
+        dop, spec, plan = self.dop, self.dop.spec, self.plan
+        scalars, tensors = resolve_params(spec, params)
+        tmap = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
+        for p, t in tmap.items():
+            if t.dtype != PARAM_DTYPE[spec.param(p).ty] or not t.is_contiguous():
+                return False
+        scale = check_softmax_scale(default_softmax_scale(spec) if scale is None else scale)
+        dims = validate_decode(spec, q, kc, vc, lens, table, k_new, v_new)
+        if spec.tensor_params:
+            validate_tensor_params(spec, tmap, q.device, dims.symbols())
+        dop._check_plan(plan, dims, q.device, 0)
+        if k_new is not None and (
+            _kernel_aligned(k_new) is not k_new or _kernel_aligned(v_new) is not v_new
+        ):
+            return False
+        if _kernel_aligned(q) is not q:
+            return False
+        values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap)
+        self.attn_layout.pack(st.attn_buf, values)
+        if k_new is not None:
+            self.app_layout.pack(st.app_buf, dop.append_values(values, k_new, v_new))
+        st.key = key
+        return True
+
+
+class _FastState:
+    """One thread's argument blocks of a :class:`_FastPath` and the layout they hold."""
+
+    def __init__(self, attn_layout, app_layout):
+        self.key = None
+        self.attn_buf, self.attn_params = attn_layout.new_block()
+        self.app_buf, self.app_params = app_layout.new_block()
 
 
 def decode_op(op) -> DecodeOp:

@@ -278,18 +278,83 @@ def test_graph_capture_with_a_plan():
         check(op.spec, q, kc, vc, table, new, {"window": 4096}, og, lg)
 
 
-def test_bad_page_index_is_empty_not_a_crash():
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_bad_page_index_is_empty_not_a_crash(splits):
+    """Unchecked values: request 0's page 1 and request 1's page 0 are out of range (empty),
+    request 1's length 10**6 is clamped to its 3 pages (48 keys), whose slots all hold keys
+    (so the clamped tail is real data, not the NaN fill).  The rest is attended: o equals the
+    masked float64 softmax over exactly unchecked_key_mask's keys, for every num_splits."""
+    from flashgen.ops.decode import unchecked_key_mask, validate_decode
+
     op = op_of("llama3_gqa")
-    lens = [40, 40]
-    kc, vc, table = make_cache(lens, ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    kc, vc, table = make_cache([40, 48], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
     q = torch.randn(2, 4, 1, 128, device="cuda").to(torch.bfloat16)
     bad = table.clone()
     bad[0, 1] = 10**6
     bad[1, 0] = -5
-    lens_t = torch.tensor([40, 10**6], dtype=torch.int32, device="cuda")  # past the pages: clamped
-    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=bad, num_splits=2)
+    lens_t = torch.tensor([40, 10**6], dtype=torch.int32, device="cuda")
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=bad, num_splits=splits)
     torch.cuda.synchronize()
-    assert not torch.isnan(o).any() and torch.isfinite(lse).all()
+    dims = validate_decode(op.spec, q, kc, vc, lens_t, bad)
+    live, mask = unchecked_key_mask(dims, lens_t, bad)
+    assert live.tolist() == [40, 48] and mask.sum(1).tolist() == [24, 32]
+    scale = 1 / math.sqrt(128)
+    for b in range(2):
+        keys = torch.nonzero(mask[b]).flatten().tolist()
+        pos = torch.tensor(keys, device="cuda")
+        pages = table[b].long()[pos // 16]  # the good table: where make_cache put the keys
+        k = kc[pages, pos % 16].double()  # [n, Hkv, D]
+        v = vc[pages, pos % 16].double()
+        for h in range(4):  # causal, Sq_new = 1: every live key is visible
+            s_ = (k[:, h // 2] @ q[b, h, 0].double()) * scale
+            ref_l = torch.logsumexp(s_, 0)
+            ref_o = torch.softmax(s_, 0) @ v[:, h // 2]
+            assert abs(lse[b, h, 0].item() - ref_l.item()) <= 1e-2 * max(1.0, abs(ref_l.item()))
+            assert (o[b, h, 0].double() - ref_o).abs().max().item() <= 2e-2
+
+
+def test_nan_in_a_live_key_is_nan_for_every_num_splits():
+    """A NaN inside the live keys is the request's data: o and lse are NaN whatever the split
+    count (the combine once dropped a NaN split and returned o = 0, lse = -inf)."""
+    op = op_of("llama3_gqa")
+    kc, vc, table = make_cache([40, 600], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor([40, 600], dtype=torch.int32, device="cuda")
+    kc[table[1, 18].long(), 12:16] = float("nan")  # request 1, keys 300..303
+    for splits in (1, 2, 3):
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, num_splits=splits)
+        torch.cuda.synchronize()
+        assert torch.isfinite(lse[0]).all() and not torch.isnan(o[0]).any()
+        assert torch.isnan(lse[1]).all() and torch.isnan(o[1]).all(), splits
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_planned_fast_path_equals_the_general_path(append):
+    """The planned call (prepacked arguments, cuLaunchKernel) is bitwise the unplanned one
+    (CuPy launch) for the same num_splits, with and without an append, across a layout
+    change (a second cache) and a block-table change between calls."""
+    op = op_of("alibi")
+    batch, ps = 3, 16
+    kc, vc, table = make_cache([3000] * batch, ps=ps, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(batch, 8, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor([5, 1500, 2990], dtype=torch.int32, device="cuda")
+    prm = params_of("alibi", 8, q.device)
+    kn = torch.randn(batch, 2, 1, 128, device="cuda").to(torch.bfloat16) if append else None
+    vn = torch.randn_like(kn) if append else None
+    p = op.plan_decode(batch=batch, num_heads=8, num_heads_kv=2, seqlen_q=1,
+                       cache_capacity=table.shape[1] * ps, page_size=ps, num_pages=kc.shape[0],
+                       append=append)  # fmt: skip
+    assert p.fast is not None
+    for _ in range(2):
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        a = op.with_kvcache(q, k1, v1, lens_t, block_table=table, k_new=kn, v_new=vn, plan=p,
+                            **prm)  # fmt: skip
+        b = op.with_kvcache(q, k2, v2, lens_t, block_table=table, k_new=kn, v_new=vn,
+                            num_splits=p.num_splits, **prm)  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert torch.equal(k1.isnan(), k2.isnan()) and torch.equal(k1.nan_to_num(), k2.nan_to_num())
+        table = table.flip(0).contiguous()
 
 
 def test_family_heuristic_on_this_device():

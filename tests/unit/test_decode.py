@@ -16,7 +16,12 @@ import torch
 import flashgen
 from flashgen.families import decode as family
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode import decode_reference, merge_attention
+from flashgen.ops.decode import (
+    DecodeDims,
+    decode_reference,
+    merge_attention,
+    unchecked_key_mask,
+)
 from flashgen.ops.reference import attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +120,10 @@ def test_num_splits_heuristic():
     assert h(106, 132, 1000) == 1  # >= 80% of a wave
     s = h(8, 132, 1024)  # B1 x 8 kv heads, 64k keys: many splits
     assert 8 <= s <= 128 and 8 * s <= 2 * 132
+    assert h(8, 264, 1024) == 33  # two CTAs per SM on 132 SMs: exactly one full wave
+    assert h(128, 264, 1024) == 2  # B16: 256 of 264
+    assert h(512, 264, 1024) == 1  # B64: already two waves
+    assert h(8, 264, 64) == 16  # a 4k cache: splits of at least MIN_SPLIT_BLOCKS blocks
     assert h(8, 132, 3) <= 3  # never more splits than blocks
     assert h(8, 132, 1) == 1
     assert h(0, 132, 100) == 1
@@ -131,6 +140,20 @@ def test_split_range_partitions_the_blocks():
             covered = [j for b, e in got for j in range(b, e)]
             assert covered == list(range(lo, hi))
             assert all(b <= e for b, e in got)
+            sizes = [e - b for b, e in got]
+            assert max(sizes) - min(sizes) <= 1  # balanced: no short tail split
+
+
+def test_effective_splits():
+    e = family.effective_splits
+    assert e(0, 0, 8) == 1 and e(0, 3, 8) == 1  # no or few blocks: one split, written directly
+    assert e(0, 64, 33) == 16  # a 4096-key window in a 64k plan: 16 splits of 4 blocks
+    assert e(0, 1024, 33) == 33
+    assert e(10, 18, 128) == 2
+    for cnt in range(0, 300, 7):
+        for n in (1, 2, 5, 33, 128):
+            k = e(0, cnt, n)
+            assert 1 <= k <= n and (k == 1 or cnt // k >= family.MIN_SPLIT_BLOCKS)
 
 
 def test_plan_shapes_fit_and_refusals():
@@ -146,7 +169,6 @@ def test_plan_shapes_fit_and_refusals():
         for t in ("sm_80", "sm_90"):
             p = family.plan(spec, t)
             assert p.smem_bytes <= family.SMEM_LIMIT["sm_80"]
-            assert p.kernel("combine").kernel_name.endswith("_combine")
 
 
 def test_document_mask_refuses_decode():
@@ -456,3 +478,120 @@ def test_bad_inputs_raise_op_input_error():
     meta = torch.zeros(2, 2, 4, 128, dtype=torch.bfloat16, device="meta")
     with pytest.raises(OpInputError, match="expected device"):
         call(q, meta, meta, lens)
+
+
+def test_unchecked_values_clamp_and_empty_pages():
+    """The kernels' semantics for values the debug check refuses (host mirror): the length is
+    clamped to the request's pages, a page index outside [0, num_pages) is empty, the rest of
+    the request is attended; negative lengths are empty; dense clamps to S_cache."""
+    dims = DecodeDims(batch=3, heads_q=4, heads_kv=2, seqlen_q=1, head_dim_v=128, paged=True,
+                      num_pages=7, page_size=16, max_pages=3, append=False)  # fmt: skip
+    table = torch.tensor([[0, 10**6, 2], [-5, 3, 4], [5, 6, 1]], dtype=torch.int32)
+    lens = torch.tensor([40, 10**6, -3], dtype=torch.int32)
+    live, mask = unchecked_key_mask(dims, lens, table)
+    assert live.tolist() == [40, 48, 0]
+    assert mask[0].nonzero().flatten().tolist() == [*range(16), *range(32, 40)]
+    assert mask[1].nonzero().flatten().tolist() == list(range(16, 48))
+    assert not mask[2].any()
+    app = DecodeDims(2, 4, 2, 4, 128, False, 2, 10, 1, True)  # dense S_cache 10, 4 appended
+    live, mask = unchecked_key_mask(app, torch.tensor([3, 8], dtype=torch.int32))
+    assert live.tolist() == [7, 10] and mask.sum(1).tolist() == [7, 10]
+
+
+def test_merge_attention_propagates_nan():
+    """A NaN partial poisons the merge (the combine kernel's rule), an empty one does not."""
+    o = torch.randn(2, 8)
+    lse_a = torch.tensor([math.nan, 1.0])
+    lse_b = torch.tensor([0.5, -math.inf])
+    mo, ml = merge_attention(o, lse_a, o, lse_b)
+    assert math.isnan(ml[0]) and torch.isnan(mo[0]).all()
+    assert ml[1] == 1.0 and torch.equal(mo[1], o[1])
+
+
+def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
+    """The planned fast path (CPU tensors standing in for CUDA ones, the driver faked): its
+    argument blocks hold exactly what the general path passes (every attention and append
+    argument, by name), it enqueues the append then the attention kernel with the plan's
+    grids, a second call with the same layout skips validation, and a new layout
+    re-validates (a bad one raises OpInputError)."""
+    import ctypes
+    import types
+
+    from flashgen.ops import decode as dmod
+    from flashgen.ops import op as op_mod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    launches = []
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            launches.append((fn, (gx, gy, gz), bx, smem, params))
+            return 0
+
+    monkeypatch.setattr(tma, "driver", lambda: Driver)
+    monkeypatch.setattr(dmod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: 7)
+    op = _op("mistral_swa")
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90")
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
+                                    function=types.SimpleNamespace(ptr=11 + i), device_index=0)
+            for i, r in enumerate(("attn", "append"))}  # fmt: skip
+    cpu = torch.device("cpu")
+    b, hq, hkv, ps, pages = 2, 8, 2, 16, 40
+    dims = DecodeDims(b, hq, hkv, 1, 128, True, pages, ps, 16, True)
+    plan = dop.plan_for(dims, cpu, 4)
+    plan.kernels = kern
+    plan.o_part, plan.lse_part, plan.counters = dmod._workspace(dims, plan.geometry, 4, cpu)
+    plan.fast = dmod._FastPath(dop, plan)
+    q = torch.randn(b, hq, 1, 128).to(torch.bfloat16)
+    kc = torch.zeros(pages, ps, hkv, 128, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    lens = torch.tensor([5, 100], dtype=torch.int32)
+    table = torch.arange(b * 16, dtype=torch.int32).view(b, 16) % pages
+    kn = torch.randn(b, hkv, 1, 128).to(torch.bfloat16)
+    vn = torch.randn_like(kn)
+    o, lse = op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn,
+                             plan=plan, window=9)  # fmt: skip
+    assert o.shape == (b, hq, 1, 128) and lse.shape == (b, hq, 1)
+    assert [x[0] for x in launches] == [12, 11]  # append, then attention
+    assert launches[1][1] == plan.geometry.grid and launches[0][1] == plan.geometry.append_grid
+    assert launches[1][3] == kern["attn"].plan.smem_bytes
+    scale = 1 / math.sqrt(128)
+    values = dop.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, [9], {})
+
+    def unpack(layout, params):
+        base = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0]
+        raw = ctypes.string_at(base, layout.size)
+        return dict(zip(layout.names, layout.struct.unpack_from(raw, 0), strict=True))
+
+    def as_c(layout, name, v):
+        code = layout.codes[layout.index[name]]
+        if code == "Q":
+            return v if isinstance(v, int) else v.data_ptr()
+        return float(torch.tensor(v, dtype=torch.float32)) if code == "f" else int(v)
+
+    fast = plan.fast
+    got = unpack(fast.attn_layout, launches[1][4])
+    want = {n: as_c(fast.attn_layout, n, values[n]) for n in fast.attn_layout.names}
+    assert got == want
+    got = unpack(fast.app_layout, launches[0][4])
+    av = dop.append_values(values, kn, vn)
+    assert got == {n: as_c(fast.app_layout, n, av[n]) for n in fast.app_layout.names}
+    # same layout: no validation (a wrong-device plan check would raise if it ran)
+    calls = []
+    monkeypatch.setattr(fast, "_prepare", lambda *a: calls.append(1) or False)
+    op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn, v_new=vn, plan=plan,
+                    window=9)  # fmt: skip
+    assert calls == [] and len(launches) == 4
+    monkeypatch.undo()
+    monkeypatch.setattr(tma, "driver", lambda: Driver)
+    monkeypatch.setattr(dmod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: 7)
+    with pytest.raises(OpInputError, match="q: expected dtype"):
+        op.with_kvcache(q.half(), kc, vc, lens, block_table=table, k_new=kn, v_new=vn,
+                        plan=plan, window=9)  # fmt: skip
