@@ -57,6 +57,9 @@ MIN_SPLIT_BLOCKS = 4
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
 #: planned against it on both targets, so one plan fits both).
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
+#: What explicit ``Options`` may use on sm_90 (H100/H200: 227 KiB per CTA); the defaults
+#: stay within :data:`SMEM_LIMIT`.
+SMEM_LIMIT_EXPLICIT = {"sm_80": 166912, "sm_90": 232448}
 TARGETS = ("sm_80", "sm_90")
 
 
@@ -68,12 +71,23 @@ class Options:
     depth of the cp.async ring (2..4); ``num_splits``: a fixed split count (1..128), or
     None for :func:`num_splits_heuristic` per call; ``pack_gqa``: pack the query heads of a
     kv head into one CTA's rows (False: one query head per CTA, each K/V block read once per
-    query head; kept to measure what packing buys)."""
+    query head; kept to measure what packing buys).
+
+    Schedule knobs (the ``flashgen.bench.decode --sweep`` grid): ``ctas_per_sm``: CTAs an SM
+    is planned to hold (1..4; None: as many as shared memory allows, at most 4), which sizes
+    the heuristic's wave and is the kernel's ``__launch_bounds__`` minimum (so registers
+    leave room for them); ``split_waves``: the heuristic fills this many waves (0.25..4;
+    1: one CTA per resident slot); ``min_split_blocks``: fewest key blocks per split (1..16,
+    ``fg::dec::effective_splits``; fewer lets a short cache use more CTAs, more keeps the
+    merge's partials few).  The split combine is always fused (the last CTA merges)."""
 
     block_n: int | None = None
     stages: int | None = None
     num_splits: int | None = None
     pack_gqa: bool = True
+    ctas_per_sm: int | None = None
+    split_waves: float = 1.0
+    min_split_blocks: int = MIN_SPLIT_BLOCKS
 
     def __post_init__(self) -> None:
         if self.block_n is not None and (self.block_n <= 0 or self.block_n % (16 * NUM_WARPS)):
@@ -84,6 +98,18 @@ class Options:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]")
         if not isinstance(self.pack_gqa, bool):
             raise ValueError("pack_gqa must be a bool")
+        if self.ctas_per_sm is not None and (
+            isinstance(self.ctas_per_sm, bool) or self.ctas_per_sm not in (1, 2, 3, 4)
+        ):
+            raise ValueError("ctas_per_sm must be None or 1..4")
+        if isinstance(self.split_waves, bool) or not 0.25 <= float(self.split_waves) <= 4:
+            raise ValueError("split_waves must be a number in [0.25, 4]")
+        if isinstance(self.min_split_blocks, bool) or self.min_split_blocks not in range(1, 17):
+            raise ValueError("min_split_blocks must be an int in [1, 16]")
+
+    def unit_key(self) -> tuple:
+        """The fields that change the compiled unit (the rest are host schedule knobs)."""
+        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks)
 
 
 @dataclass(frozen=True)
@@ -226,7 +252,11 @@ def smem_bytes(spec: Spec, block_n: int, stages: int) -> int:
 
 # ----------------------------------------------------------------------------- heuristic
 def num_splits_heuristic(
-    total_ctas: int, num_sms: int, num_n_blocks: int, max_splits: int = MAX_SPLITS
+    total_ctas: int,
+    num_sms: int,
+    num_n_blocks: int,
+    max_splits: int = MAX_SPLITS,
+    min_split_blocks: int = MIN_SPLIT_BLOCKS,
 ) -> int:
     """Splits of each request's key blocks, for bandwidth: decode streams K and V once, so
     the aim is every SM holding its full complement of CTAs (``num_sms`` here is the wave:
@@ -234,7 +264,7 @@ def num_splits_heuristic(
     flight.  None when ``total_ctas`` (CTAs without splitting) already fill 80% of a wave
     (FlashAttention-3's threshold, hopper/heuristics.h); else the most splits that keep
     ``total_ctas * splits`` within one wave (``num_sms // total_ctas``), at most
-    ``num_n_blocks // MIN_SPLIT_BLOCKS`` (splits of at least a few blocks: the merge reads
+    ``num_n_blocks // min_split_blocks`` (splits of at least a few blocks: the merge reads
     one partial per split) and ``max_splits``.
 
     ``num_n_blocks``: key blocks of the longest request.  Returns an int in ``[1,
@@ -244,16 +274,19 @@ def num_splits_heuristic(
         return 1
     if total_ctas >= 0.8 * num_sms:
         return 1
-    return max(1, min(num_sms // total_ctas, num_n_blocks // MIN_SPLIT_BLOCKS, max_splits))
+    return max(1, min(num_sms // total_ctas, num_n_blocks // min_split_blocks, max_splits))
 
 
-def effective_splits(n_lo: int, n_hi: int, num_splits: int) -> int:
+def effective_splits(
+    n_lo: int, n_hi: int, num_splits: int, min_split_blocks: int = MIN_SPLIT_BLOCKS
+) -> int:
     """Splits a request with live key blocks ``[n_lo, n_hi)`` uses under ``num_splits``:
-    ``min(num_splits, count // MIN_SPLIT_BLOCKS)``, at least 1 (``fg::dec::effective_splits``).
-    The other CTAs of its grid return at once: a short request or a sliding window costs
-    no empty splits' work and its merge reads few partials."""
+    ``min(num_splits, count // min_split_blocks)``, at least 1
+    (``fg::dec::effective_splits``; the unit's ``Options.min_split_blocks``).  The other CTAs
+    of its grid return at once: a short request or a sliding window costs no empty splits'
+    work and its merge reads few partials."""
     cnt = max(n_hi - n_lo, 0)
-    return max(1, min(num_splits, cnt // MIN_SPLIT_BLOCKS))
+    return max(1, min(num_splits, cnt // min_split_blocks))
 
 
 def split_range(n_lo: int, n_hi: int, num_splits: int, split: int) -> tuple[int, int]:
@@ -343,11 +376,11 @@ def plan(spec: Spec, target: str, options: Options | None = None) -> DecodePlan:
     options = options or Options()
     tiles = default_tiles(spec, options)
     smem = smem_bytes(spec, tiles.block_n, tiles.stages)
-    if smem > SMEM_LIMIT[target]:
+    if smem > SMEM_LIMIT_EXPLICIT[target]:
         raise ValueError(
             f"decode tiles block_n={tiles.block_n} x {tiles.stages} stages need {smem} B of "
             f"shared memory at head_dim {spec.head_dim}/{spec.head_dim_v} (limit "
-            f"{SMEM_LIMIT[target]}): pick a smaller block_n or fewer stages"
+            f"{SMEM_LIMIT_EXPLICIT[target]}): pick a smaller block_n or fewer stages"
         )
     causal, residual = split_causal(spec.mask)
     inv = Invariants(raw_score="score_raw")
@@ -379,6 +412,8 @@ def plan(spec: Spec, target: str, options: Options | None = None) -> DecodePlan:
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "mask_reads_h": reads_h,
         "pack_gqa": options.pack_gqa,
+        "min_split_blocks": options.min_split_blocks,
+        "ctas_per_sm": options.ctas_per_sm or _smem_ctas(target, smem),
         "args": attn_args(spec),
         "append_args": append_args(CTYPE[spec.dtype]),
     }
@@ -443,19 +478,87 @@ def choose_num_splits(
     m_blocks: int,
     max_seqlen_k: int,
     num_sms: int,
+    live_blocks: int | None = None,
+    split_waves: float = 1.0,
 ) -> int:
     """:func:`num_splits_heuristic` for a call: ``batch * heads_kv_ctas * m_blocks`` CTAs
     without splitting, the key blocks of ``max_seqlen_k`` keys (the cache's capacity: the
-    host never reads the lengths), a wave of ``num_sms`` times :func:`ctas_per_sm` CTAs."""
+    host never reads the lengths) or ``live_blocks`` when the mask bounds them
+    (:func:`live_key_blocks`: a sliding window), a wave of ``split_waves * num_sms *``
+    :func:`ctas_per_sm` CTAs, splits of at least the unit's ``min_split_blocks`` blocks."""
     n_blocks = (max_seqlen_k + p.tiles.block_n - 1) // p.tiles.block_n
-    wave = num_sms * ctas_per_sm(p)
-    return num_splits_heuristic(batch * heads_kv_ctas * m_blocks, wave, n_blocks)
+    if live_blocks is not None:
+        n_blocks = max(1, min(n_blocks, live_blocks))
+    wave = max(1, int(num_sms * ctas_per_sm(p) * split_waves))
+    msb = p.context.get("min_split_blocks", MIN_SPLIT_BLOCKS)
+    return num_splits_heuristic(batch * heads_kv_ctas * m_blocks, wave, n_blocks, MAX_SPLITS, msb)
 
 
 #: Shared memory per SM (bytes a CTA may take, summed): A100 164 KiB, H100/H200 228 KiB.
 SM_SMEM = {"sm_80": 167936, "sm_90": 233472}
 
 
+def _smem_ctas(target: str, smem: int) -> int:
+    return max(1, min(4, SM_SMEM[target] // (smem + 1024)))
+
+
 def ctas_per_sm(p: DecodePlan) -> int:
-    """Attention CTAs resident per SM by shared memory (1 KiB reserved per CTA), 1 to 4."""
-    return max(1, min(4, SM_SMEM[p.target] // (p.smem_bytes + 1024)))
+    """Attention CTAs planned per SM: ``Options.ctas_per_sm`` (the unit's launch bounds), at
+    most what shared memory allows (1 KiB reserved per CTA), 1 to 4."""
+    fit = _smem_ctas(p.target, p.smem_bytes)
+    return max(1, min(fit, p.context.get("ctas_per_sm") or fit))
+
+
+#: Most interval classifications :func:`live_key_blocks` spends before giving up (the
+#: capacity's blocks are then the bound).
+_LIVE_WALK_LIMIT = 256
+
+
+def live_key_blocks(
+    spec: Spec, *, capacity: int, seqlen_q: int, block_n: int, params: dict | None = None
+) -> int | None:
+    """Key blocks of ``block_n`` keys between the first and the last block the mask can
+    keep for the queries ``[0, seqlen_q)`` of a request with ``capacity`` live keys
+    (``seqlen_k = capacity``, ``b = h = 0``, the scalar ``params`` or their defaults), by
+    the host's interval classifier (:func:`flashgen.analysis.maskinfo.classify`) over
+    halving ranges (a bisection of the EMPTY runs at both ends: O(log blocks) calls for a
+    sliding window).  None without a mask, or when the walk exceeds its budget.  Used only
+    to size the split count (a heuristic: the kernel finds each request's live blocks
+    itself), so a window in a large cache launches the window's CTAs, not the cache's."""
+    from flashgen.analysis.maskinfo import TileClass, classify
+
+    if spec.mask is None or capacity <= 0 or seqlen_q <= 0:
+        return None
+    n = (capacity + block_n - 1) // block_n
+    calls = [0]
+
+    def empty(j0: int, j1: int) -> bool:  # blocks j0..j1 inclusive
+        calls[0] += 1
+        k1 = min((j1 + 1) * block_n, capacity) - 1
+        c = classify(spec, (0, seqlen_q - 1), (j0 * block_n, k1), b=0, h=0,
+                     seqlen_q=seqlen_q, seqlen_k=capacity, params=params)  # fmt: skip
+        return c == TileClass.EMPTY
+
+    def first(j0: int, j1: int, rev: bool) -> int | None:
+        """The first (``rev``: last) block of ``[j0, j1]`` that is not EMPTY."""
+        if calls[0] > _LIVE_WALK_LIMIT or empty(j0, j1):
+            return None
+        if j0 == j1:
+            return j0
+        mid = (j0 + j1) // 2
+        halves = ((mid + 1, j1), (j0, mid)) if rev else ((j0, mid), (mid + 1, j1))
+        for a, b in halves:
+            got = first(a, b, rev)
+            if got is not None or calls[0] > _LIVE_WALK_LIMIT:
+                return got
+        return None
+
+    lo = first(0, n - 1, False)
+    if calls[0] > _LIVE_WALK_LIMIT:
+        return None
+    if lo is None:
+        return 1
+    hi = first(lo, n - 1, True)
+    if hi is None or calls[0] > _LIVE_WALK_LIMIT:
+        return None
+    return hi - lo + 1

@@ -474,6 +474,11 @@ class DecodeCallPlan:
     counters: torch.Tensor | None = None
     #: the planned fast path (:class:`_FastPath`), CUDA plans from plan_decode only
     fast: object = None
+    #: the unit's and the schedule's knobs (:class:`flashgen.families.decode.Options`)
+    options: family.Options = family.Options()
+    #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
+    #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
+    live_blocks: int | None = None
 
 
 # ----------------------------------------------------------------------------- the op
@@ -487,6 +492,7 @@ class DecodeOp:
         self.name = f"{op.spec.name}__with_kvcache"
         self.append_name = f"{op.spec.name}__with_kvcache_append"
         self._units: dict = {}
+        self._live: dict = {}
         self._lock = threading.Lock()
         self._registered = False
         self.reason = family.unsupported_reason(self.spec)
@@ -594,7 +600,8 @@ class DecodeOp:
 
         if check_enabled():
             check_values(dims, lens, table)
-        plan = self.plan_for(dims, q.device, splits or None)
+        names = [p.name for p in self.spec.scalar_params]
+        plan = self.plan_for(dims, q.device, splits or None, params=dict(zip(names, scalars)))
         return self._launch(plan, q, kc, vc, lens, table, k_new, v_new, scale, scalars, tensors)
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
@@ -659,7 +666,9 @@ class DecodeOp:
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table)
             if plan is None:
-                plan = self.plan_for(dims, q.device, splits or None)
+                names = [p.name for p in self.spec.scalar_params]
+                plan = self.plan_for(dims, q.device, splits or None,
+                                     params=dict(zip(names, scalars, strict=True)))  # fmt: skip
             return self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                 softmax_scale, scalars, tmap,
@@ -686,16 +695,35 @@ class DecodeOp:
         num_splits: int | None = None,
         device=None,
         pack_gqa: bool = True,
+        options: family.Options | None = None,
+        **params,
     ) -> DecodeCallPlan:
         """Plan calls of one shape (FlashInfer's plan/run): ``batch`` requests, ``num_heads`` /
         ``num_heads_kv`` heads, ``seqlen_q`` new queries, ``cache_capacity`` keys per request
         (dense: S_cache; paged: max_pages * page_size, with ``page_size`` and ``num_pages``
         the paged cache's), ``append``: calls pass k_new/v_new.  ``num_splits`` None: the
         heuristic for this capacity on ``device``'s SM count.  ``pack_gqa`` False: one query
-        head per CTA (for measurements).  Builds and loads the kernels and allocates the
-        workspace on ``device`` (CUDA), so planned calls do no host planning and can be
-        captured in a CUDA graph.  Raises :class:`OpInputError` for bad sizes."""
+        head per CTA (for measurements).  ``options``: the unit's tiles and the split schedule
+        (:class:`flashgen.families.decode.Options`; ``flashgen.bench.decode --sweep`` times
+        a grid of them).  ``params``: values of the mask's scalar params the calls will pass
+        (the spec's defaults otherwise): a mask that bounds the live keys (a sliding window)
+        sizes the splits by its blocks, not the capacity's; calls may pass other values.
+        Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
+        planned calls do no host planning and can be captured in a CUDA graph.  Raises
+        :class:`OpInputError` for bad sizes, options or params."""
         self._refuse()
+        if options is not None and not isinstance(options, family.Options):
+            raise OpInputError(
+                f"options: expected flashgen.families.decode.Options, got {type(options).__name__}"
+            )
+        scalar = {p.name: p for p in self.spec.scalar_params}
+        for name, val in params.items():
+            if name not in scalar:
+                raise OpInputError(
+                    f"{name}: not a scalar param of spec {self.spec.name!r} (expected one of "
+                    f"{sorted(scalar)} or a plan_decode argument)"
+                )
+            check_scalar(scalar[name], val)
         for name, v in (("batch", batch), ("num_heads", num_heads), ("num_heads_kv", num_heads_kv),
                         ("seqlen_q", seqlen_q), ("cache_capacity", cache_capacity)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -721,7 +749,8 @@ class DecodeOp:
         if device.type == "cuda" and device.index is None:  # the current device, by index
             device = torch.device("cuda", torch.cuda.current_device())
         splits = check_num_splits(num_splits)
-        return self.plan_for(dims, device, splits or None, pack_gqa=pack_gqa, own_workspace=True)
+        return self.plan_for(dims, device, splits or None, pack_gqa=pack_gqa, own_workspace=True,
+                             options=options, params=params)  # fmt: skip
 
     def _check_plan(self, plan, dims: DecodeDims, device, splits: int) -> None:
         if not isinstance(plan, DecodeCallPlan):
@@ -751,45 +780,58 @@ class DecodeOp:
             )
 
     # ------------------------------------------------------------------ CUDA
-    def kernels(self, device: torch.device) -> dict:
-        """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``), built through
-        the cache on first use."""
+    def kernels(self, device: torch.device, options: family.Options | None = None) -> dict:
+        """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``) for the unit
+        knobs of ``options`` (default: the head dim's), built through the cache on first use."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        hit = self._units.get(index)
+        options = options or family.Options()
+        key = (index, options.unit_key())
+        hit = self._units.get(key)
         if hit is not None:
             return hit
         with self._lock:
-            hit = self._units.get(index)
+            hit = self._units.get(key)
             if hit is None:
                 from flashgen.build import cache
                 from flashgen.build.render import render
                 from flashgen.runtime import launch as runtime
 
                 p = family.plan(
-                    self.spec, target_for_device(self.spec, torch.device("cuda", index))
+                    self.spec, target_for_device(self.spec, torch.device("cuda", index)), options
                 )
-                cubin, _report = cache.get_or_build(render(p), p)
+                cubin, report = cache.get_or_build(render(p), p)
                 hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
-                self._units[index] = hit
+                hit["report"] = report
+                self._units[key] = hit
         return hit
 
     def plan_for(
         self, dims: DecodeDims, device, num_splits: int | None, *, pack_gqa: bool = True,
-        own_workspace: bool = False,
+        own_workspace: bool = False, options: family.Options | None = None,
+        params: dict | None = None,
     ) -> DecodeCallPlan:  # fmt: skip
-        """A :class:`DecodeCallPlan` for ``dims`` on ``device`` (see :meth:`plan_decode`)."""
-        kern = self.kernels(device) if device.type == "cuda" else {}
-        unit = kern["attn"].plan if kern else family.plan(self.spec, "sm_80")
+        """A :class:`DecodeCallPlan` for ``dims`` on ``device`` (see :meth:`plan_decode`);
+        ``params``: the mask's scalar params the split count is sized for (the spec's
+        defaults where missing)."""
+        options = options or family.Options()
+        pack_gqa = pack_gqa and options.pack_gqa
+        if num_splits is None:
+            num_splits = options.num_splits
+        kern = self.kernels(device, options) if device.type == "cuda" else {}
+        unit = kern["attn"].plan if kern else family.plan(self.spec, "sm_80", options)
         heads = dims.heads_kv if pack_gqa else dims.heads_q
+        live_blocks = None
         g0 = family.geometry(
             unit, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
             seqlen_q=dims.seqlen_q, num_splits=1, pack_gqa=pack_gqa,
         )  # fmt: skip
         if num_splits is None:
             sms = _sm_count(device.index if device.index is not None else 0) if kern else 132
+            live_blocks = self._live_blocks(dims, unit.tiles.block_n, params)
             num_splits = family.choose_num_splits(
                 unit, batch=dims.batch, heads_kv_ctas=heads, m_blocks=g0.m_blocks,
-                max_seqlen_k=dims.capacity, num_sms=sms,
+                max_seqlen_k=dims.capacity, num_sms=sms, live_blocks=live_blocks,
+                split_waves=options.split_waves,
             )  # fmt: skip
         geo = family.geometry(
             unit, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
@@ -806,11 +848,27 @@ class DecodeOp:
             "new_keys": dims.seqlen_q if dims.append else 0, "group": geo.group, "rows": rows,
         }  # fmt: skip
         plan = DecodeCallPlan(
-            dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters
+            dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
+            options=options, live_blocks=live_blocks,
         )
         if own_workspace and kern and rows > 0:
             plan.fast = _FastPath(self, plan)
         return plan
+
+    def _live_blocks(self, dims: DecodeDims, block_n: int, params: dict | None) -> int | None:
+        """:func:`flashgen.families.decode.live_key_blocks`, memoized per op (an unplanned
+        call plans on every call)."""
+        key = (dims.capacity, dims.seqlen_q, block_n, tuple(sorted((params or {}).items())))
+        hit = self._live.get(key, False)
+        if hit is False:
+            hit = family.live_key_blocks(
+                self.spec, capacity=dims.capacity, seqlen_q=dims.seqlen_q, block_n=block_n,
+                params=params,
+            )  # fmt: skip
+            if len(self._live) > 1024:
+                self._live.clear()
+            self._live[key] = hit
+        return hit
 
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors) -> dict:  # fmt: skip

@@ -14,9 +14,11 @@ namespace dec {
 // (at least 1), so a short request or a sliding window launches no empty splits' work and merges few
 // partials.  Same constant as flashgen.families.decode.MIN_SPLIT_BLOCKS.
 constexpr int MIN_SPLIT_BLOCKS = 4;
-__host__ __device__ __forceinline__ int effective_splits(int n_lo, int n_hi, int num_splits) {
+// A unit may pass its own minimum (flashgen.families.decode.Options.min_split_blocks).
+__host__ __device__ __forceinline__ int effective_splits(int n_lo, int n_hi, int num_splits,
+                                                         int min_blocks = MIN_SPLIT_BLOCKS) {
     const int cnt = n_hi > n_lo ? n_hi - n_lo : 0;
-    const int e = cnt / MIN_SPLIT_BLOCKS < num_splits ? cnt / MIN_SPLIT_BLOCKS : num_splits;
+    const int e = cnt / min_blocks < num_splits ? cnt / min_blocks : num_splits;
     return e > 1 ? e : 1;
 }
 
