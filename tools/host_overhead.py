@@ -235,7 +235,8 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
 
 def _decode_cases(torch, dev, batch: int):
     """(name, kwargs) of planned decode calls on ``dev``: paged 16 and dense, 64k keys, with
-    and without an append (the cache is allocated small: host time does not depend on it)."""
+    and without an append, and with ``out=`` buffers (the cache is allocated small: host time
+    does not depend on it)."""
     hq, hkv, d, cap = 32, 8, 128, 65536
     q = torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16)
     lens = torch.full((batch,), 1000, dtype=torch.int32, device=dev)
@@ -247,8 +248,13 @@ def _decode_cases(torch, dev, batch: int):
     dv = torch.zeros_like(dk)
     kn = torch.zeros(batch, hkv, 1, d, device=dev, dtype=torch.bfloat16)
     vn = torch.zeros_like(kn)
+    out = (torch.empty(batch, hq, 1, d, device=dev, dtype=torch.bfloat16),
+           torch.empty(batch, hq, 1, device=dev, dtype=torch.float32))  # fmt: skip
     return [
         ("paged16", dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens, block_table=table),
+         dict(cache_capacity=cap, page_size=ps, num_pages=pages)),
+        ("paged16 out=", dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens, block_table=table,
+                              out=out),
          dict(cache_capacity=cap, page_size=ps, num_pages=pages)),
         ("paged16+append", dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=lens,
                                 block_table=table, k_new=kn, v_new=vn),
@@ -314,7 +320,7 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
             return 0
 
     tma.driver = lambda: Driver
-    dmod._eager_cuda = lambda q, k, v: op_mod._plain_eager(q, k, v)  # CPU tensors stand in
+    dmod._eager_cuda = dmod._plain_eager_fast  # CPU tensors stand in (no is_cuda)
     dmod._GET_DEVICE = lambda: None
     op_mod._RAW_STREAM = lambda index: 0
     op = flashgen.load(root / "specs" / "llama3_gqa.yaml")
@@ -341,9 +347,10 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
                 )
             plan.fast = dmod._FastPath(dop, plan)
             call = functools.partial(op.with_kvcache, plan=plan, **kw)
-            assert plan.fast(kw["q"], kw["k_cache"], kw["v_cache"], kw["cache_seqlens"],
+            took = plan.fast(kw["q"], kw["k_cache"], kw["v_cache"], kw["cache_seqlens"],
                              kw.get("block_table"), kw.get("k_new"), kw.get("v_new"), None,
-                             {}) is not None, "the fast path did not take the call"  # fmt: skip
+                             {}, kw.get("out"))  # fmt: skip
+            assert took is not None, "the fast path did not take the call"
             call()
             per = min(timeit.repeat(call, number=n, repeat=reps)) / n * 1e6
             rows.append(dict(case=name, batch=batch, host_us=per, host_only=True,

@@ -284,6 +284,28 @@ def check_values(dims: DecodeDims, cache_seqlens, block_table) -> None:
             )
 
 
+def check_out(spec: ir.Spec, out, o_shape, device) -> None:
+    """Check ``out = (o, lse)`` of a with_kvcache call: o of shape ``o_shape`` ``[B, Hq,
+    Sq_new, Dv]`` in the spec's output dtype, lse ``[B, Hq, Sq_new]`` float32, both
+    contiguous on ``device``.  :class:`OpInputError` naming the tensor otherwise."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise OpInputError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
+    o_shape = tuple(o_shape)
+    for name, t, shape, dtype in (("out[0]", out[0], o_shape, out_dtype(spec)),
+                                  ("out[1]", out[1], o_shape[:-1], torch.float32)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise OpInputError(
+                f"{name}: expected shape {list(shape)} and dtype {dtype}, got "
+                f"{list(t.shape)} {t.dtype}"
+            )
+        if t.device != device:
+            raise OpInputError(f"{name}: expected device {device} (q's device), got {t.device}")
+        if not t.is_contiguous():
+            raise OpInputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
 def check_num_splits(num_splits) -> int:
     """``num_splits`` as an int: None -> 0 (the heuristic), else an int in [1, 128]."""
     if num_splits is None:
@@ -600,8 +622,8 @@ class DecodeOp:
 
         if check_enabled():
             check_values(dims, lens, table)
-        names = [p.name for p in self.spec.scalar_params]
-        plan = self.plan_for(dims, q.device, splits or None, params=dict(zip(names, scalars)))
+        params = dict(zip([p.name for p in self.spec.scalar_params], scalars, strict=True))
+        plan = self.plan_for(dims, q.device, splits or None, params=params)
         return self._launch(plan, q, kc, vc, lens, table, k_new, v_new, scale, scalars, tensors)
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
@@ -626,6 +648,7 @@ class DecodeOp:
         num_splits=None,
         plan: DecodeCallPlan | None = None,
         softmax_scale: float | None = None,
+        out=None,
         **params,
     ):
         """Attention of ``q`` against a dense or paged KV cache (module doc); returns ``(o,
@@ -633,13 +656,27 @@ class DecodeOp:
         reproducible results for a fixed value, independent of the other requests).
         ``plan``: from :meth:`plan_decode` for this call's shapes (no host planning; CUDA
         graph capturable).  ``cu_seqlens_q`` (ragged Sq_new) is not supported yet.
+        ``out``: ``(o, lse)`` to write instead of new tensors (contiguous, the shapes and
+        dtypes above, on q's device; FlashInfer's ``out=``): a serving loop that reuses them
+        saves the two allocations per call.  Returns ``out`` then.
         Raises :class:`OpInputError` for bad inputs or a spec decode does not support."""
         fast = getattr(plan, "fast", None)
         if fast is not None and cu_seqlens_q is None and num_splits is None:
-            out = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                       softmax_scale, params)  # fmt: skip
-            if out is not None:
-                return out
+            res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                       softmax_scale, params, out)  # fmt: skip
+            if res is not None:
+                return res
+        res = self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                 cu_seqlens_q, num_splits, plan, softmax_scale, params)  # fmt: skip
+        if out is None:
+            return res
+        check_out(self.spec, out, res[0].shape, q.device)
+        out[0].copy_(res[0])
+        out[1].copy_(res[1])
+        return out
+
+    def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                      cu_seqlens_q, num_splits, plan, softmax_scale, params):  # fmt: skip
         self._refuse()
         if cu_seqlens_q is not None:
             raise OpInputError(
@@ -850,7 +887,7 @@ class DecodeOp:
         plan = DecodeCallPlan(
             dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
             options=options, live_blocks=live_blocks,
-        )
+        )  # fmt: skip
         if own_workspace and kern and rows > 0:
             plan.fast = _FastPath(self, plan)
         return plan
@@ -973,24 +1010,49 @@ def _debug_switches() -> bool:
     return False
 
 
+_IS_COMPILING = torch.compiler.is_compiling
+_TRACING_STATE = torch._C._get_tracing_state
+_TF_MODE = torch._C._is_torch_function_mode_enabled
+_DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
+_FUNCTORCH = torch._C._are_functorch_transforms_active
+
+
 def _eager_cuda(q, kc, vc) -> bool:
-    """CUDA inputs in plain eager mode (:func:`flashgen.ops.op._plain_eager`): the planned
-    fast path may launch directly instead of through the registered op."""
-    return q.is_cuda and _plain_eager(q, kc, vc)
+    """CUDA inputs in plain eager mode (:func:`_plain_eager_fast`): the planned fast path
+    may launch directly instead of through the registered op."""
+    return q.is_cuda and _plain_eager_fast(q, kc, vc)
+
+
+def _plain_eager_fast(q, kc, vc) -> bool:
+    """The checks of :func:`flashgen.ops.op._plain_eager` (plain tensors; no compile, trace,
+    torch-function / dispatch mode or functorch transform) with the torch queries bound
+    once (a dispatch mode is on exactly when the dispatch stack is not empty)."""
+    return (
+        type(q) is _TENSOR
+        and type(kc) is _TENSOR
+        and type(vc) is _TENSOR
+        and not _IS_COMPILING()
+        and _TRACING_STATE() is None
+        and not _TF_MODE()
+        and _DISPATCH_DEPTH() == 0
+        and not _FUNCTORCH()
+    )
 
 
 class _FastPath:
     """The planned call's host path (issue 23: ``with_kvcache(..., plan=p)`` does no host
     planning): the kernels' argument blocks are packed once per call *layout* (shapes,
-    strides, dtypes, devices, scale, params: the key below) after the full validation, and a
-    call whose layout matches the last one's rewrites only the leading pointers (q, caches,
-    outputs, lengths, table: one ``struct.pack_into``), allocates o and lse and enqueues the
-    kernel with ``cuLaunchKernel``.  Validation is therefore from metadata only and done
-    once per layout; nothing loops over the batch.  Returns None (the caller takes the
-    general path) for anything but plain eager CUDA tensors on the plan's device (torch.compile,
+    strides, dtypes, devices, scale, params, ``out``'s layout: the key below) after the
+    full validation, and a call whose layout matches the last one's rewrites only the
+    leading pointers (q, caches, outputs, lengths, table: one ``struct.pack_into``),
+    allocates o and lse (unless the caller passes ``out``) and enqueues the kernel with
+    ``cuLaunchKernel``.  Validation is therefore from metadata only and done once per
+    layout; nothing loops over the batch.  Returns None (the caller takes the general
+    path) for anything but plain eager CUDA tensors on the plan's device (torch.compile,
     tracing, modes, subclasses go through the registered op), the debug / poison switches,
     0-d tensor scalars, or tensor params that would need a conversion.  Per thread state:
-    concurrent threads keep their own blocks."""
+    concurrent threads keep their own blocks.  Everything a call reads is bound once here
+    (no per-call module or attribute lookups beyond the tensors')."""
 
     def __init__(self, dop: DecodeOp, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
@@ -1002,6 +1064,8 @@ class _FastPath:
         self.attn_layout, self.app_layout = ArgLayout(attn.plan.args), ArgLayout(app.plan.args)
         self.attn_head = self.attn_layout.head(family.CALL_POINTERS)
         self.app_head = self.app_layout.head(family.APPEND_CALL_POINTERS)
+        self.attn_pack = self.attn_head.pack_into
+        self.app_pack = self.app_head.pack_into
         self.attn_fn, self.app_fn = _function_ptr(attn.function), _function_ptr(app.function)
         self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
         self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
@@ -1012,17 +1076,26 @@ class _FastPath:
         self.tensor_names = [p.name for p in dop.spec.tensor_params]
         self.tensor_dtypes = [PARAM_DTYPE[p.ty] for p in dop.spec.tensor_params]
         self._tls = threading.local()
+        self._tls_dict = self._tls.__dict__
+        self._empty = torch.empty
+        self._f32 = torch.float32
+        # resolved once: the driver's entry point and the raw-stream query (module globals
+        # that tools/host_overhead.py --cpu replaces before planning)
+        self._cu_launch = _tma.driver().cuLaunchKernel
+        self._raw_stream = _op_mod._RAW_STREAM
+        self._get_device = _GET_DEVICE
+        self._eager = _eager_cuda
 
     def _state(self):
-        st = self._tls.__dict__.get("st")
+        st = self._tls_dict.get("st")
         if st is None:
             st = self._tls.st = _FastState(self.attn_layout, self.app_layout)
         return st
 
-    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params):
-        if not _eager_cuda(q, kc, vc) or _GET_DEVICE is None or _GET_DEVICE() != self.index:
+    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None):
+        if not self._eager(q, kc, vc) or self._get_device is None:
             return None
-        if _debug_switches():
+        if self._get_device() != self.index or _debug_switches():
             return None
         # the call's layout: everything validation and the packed scalars depend on
         key = (
@@ -1035,6 +1108,14 @@ class _FastPath:
         if k_new is not None:
             key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
                     v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        if out is not None:
+            if type(out) is not tuple or len(out) != 2:
+                return None
+            o, lse = out
+            if type(o) is not _TENSOR or type(lse) is not _TENSOR:
+                return None
+            key += (o.shape, o.stride(), o.dtype, o.get_device(),
+                    lse.shape, lse.stride(), lse.dtype, lse.get_device())  # fmt: skip
         tensors = ()
         if params:
             pk = []
@@ -1047,39 +1128,45 @@ class _FastPath:
                     pk.append((n, v))
             key += (tuple(pk),)
             tensors = [params.get(n) for n in self.tensor_names]
-        st = self._tls.__dict__.get("st") or self._state()
+        st = self._tls_dict.get("st") or self._state()
         if key != st.key:
-            if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params):
+            if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
+                                 out):  # fmt: skip
                 return None
         q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
             return None  # an unaligned base: the general path copies q or refuses the cache
-        o = torch.empty(self.o_shape, dtype=self.o_dtype, device=q.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if out is None:
+            dev = q.device
+            o = self._empty(self.o_shape, dtype=self.o_dtype, device=dev)
+            lse = self._empty(self.lse_shape, dtype=self._f32, device=dev)
+            out = (o, lse)
+        o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+        if (o_ptr & 7) | (lse_ptr & 3):
+            return None  # the kernel stores o 8 bytes at a time
         lens_ptr = lens.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()
         buf = st.attn_buf
-        self.attn_head.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o.data_ptr(), lse.data_ptr(),
-                                 lens_ptr, table_ptr)  # fmt: skip
+        self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
         for name, t in zip(self.tensor_names, tensors, strict=False):
             self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
-        stream = _op_mod._RAW_STREAM(self.index)
-        launch = _tma.driver().cuLaunchKernel
+        stream = self._raw_stream(self.index)
+        launch = self._cu_launch
         if k_new is not None:
             kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
             if (kn_ptr | vn_ptr) & 15:
                 return None
-            self.app_head.pack_into(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr,
-                                    table_ptr)  # fmt: skip
+            self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
             rc = launch(self.app_fn, *self.app_launch, stream, st.app_params, None)
             if rc != 0:
                 raise RuntimeError(f"cuLaunchKernel(decode append) failed: CUresult {rc}")
         rc = launch(self.attn_fn, *self.attn_launch, stream, st.attn_params, None)
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernel(decode attention) failed: CUresult {rc}")
-        return o, lse
+        return out
 
-    def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params) -> bool:
+    def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
+                 out=None) -> bool:  # fmt: skip
         """Full validation of a new layout (raises what the general path raises) and the
         packing of its argument blocks; False when the fast path does not apply."""
         dop, spec, plan = self.dop, self.dop.spec, self.plan
@@ -1093,6 +1180,8 @@ class _FastPath:
         if spec.tensor_params:
             validate_tensor_params(spec, tmap, q.device, dims.symbols())
         dop._check_plan(plan, dims, q.device, 0)
+        if out is not None:
+            check_out(spec, out, self.o_shape, q.device)
         if k_new is not None and (
             _kernel_aligned(k_new) is not k_new or _kernel_aligned(v_new) is not v_new
         ):
