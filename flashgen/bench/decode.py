@@ -15,7 +15,15 @@ window (mistral_swa, window 4096, whose time should follow the window's bytes), 
 time of a planned call (``host_us``, the stream kept busy by the queued kernels).
 Writes ``--out`` (JSON), prints a table and, where matplotlib is importable, writes the
 plot (TB/s against cache length, one panel per batch) next to the JSON;
-``--plot JSON`` redraws the plot of an earlier run.
+``--plot JSON`` redraws the plot of an earlier run (each method keeps one color and marker
+across panels: :data:`STYLES`).
+
+``--sweep`` picks the decode defaults in one GPU call: it times the grid of
+:class:`flashgen.families.decode.Options` in :data:`SWEEP_UNITS` (block_n, stages,
+min_split_blocks; variants that spill or do not fit are skipped) times :data:`SWEEP_WAVES`
+split waves at the latency-bound shapes of :data:`SWEEP_SHAPES` (B1 64k / 16k / 4k paged 16
+and a 4096-key window in a 64k cache), alternating rounds in CUDA graphs, and prints every
+point and the best per shape (``<out stem>_sweep.json``).
 """
 
 from __future__ import annotations
@@ -225,6 +233,187 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
     return rows
 
 
+#: The --sweep grid: unit variants (block_n, stages, min_split_blocks; the other knobs as
+#: the defaults) and the split waves each is timed at.
+SWEEP_UNITS = (
+    dict(),
+    dict(block_n=64, stages=4),
+    dict(block_n=64, stages=2),
+    dict(block_n=128, stages=2),
+    dict(block_n=128, stages=3),
+    dict(min_split_blocks=2),
+    dict(block_n=64, stages=2, min_split_blocks=2),
+)
+SWEEP_WAVES = (0.5, 1.0, 2.0)
+#: The --sweep shapes: (label, spec, cache length, window or None); B1, Hq/Hkv 32/8, paged 16.
+SWEEP_SHAPES = (
+    ("B1 64k paged16", "llama3_gqa", 65536, None),
+    ("B1 16k paged16", "llama3_gqa", 16384, None),
+    ("B1 4k paged16", "llama3_gqa", 4096, None),
+    ("B1 64k paged16 swa4096", "mistral_swa", 65536, 4096),
+)
+
+
+def _sweep_units(ops: dict, dev) -> list:
+    """The :data:`SWEEP_UNITS` that plan and compile spill-free for every sweep spec on
+    ``dev`` (built in parallel through the cache), as Options; the others are reported and
+    left out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flashgen.build import cache
+    from flashgen.build.render import render
+    from flashgen.families import decode as family
+    from flashgen.ops.op import target_for_device
+
+    def build(job):
+        name, knobs = job
+        spec = ops[name].spec
+        try:
+            p = family.plan(spec, target_for_device(spec, dev), family.Options(**knobs))
+            _, report = cache.get_or_build(render(p), p)
+        except Exception as e:  # noqa: BLE001 - a variant that does not fit or build
+            return job, f"{type(e).__name__}: {e}"[:160]
+        spills = [f"{k.name}: {k.spill_bytes} B spilled" for k in report.kernels if k.spill_bytes]
+        regs = max(k.registers for k in report.kernels)
+        return job, "; ".join(spills) or f"ok ({regs} registers, {p.smem_bytes} B smem)"
+
+    jobs = [(n, k) for k in SWEEP_UNITS for n in ops]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(build, jobs))
+    bad = set()
+    for (name, knobs), what in results:
+        print(f"  unit {name} {knobs or 'defaults'}: {what}", flush=True)
+        if not what.startswith("ok"):
+            bad.add(tuple(sorted(knobs.items())))
+    return [family.Options(**k) for k in SWEEP_UNITS if tuple(sorted(k.items())) not in bad]
+
+
+def sweep(args) -> list[dict]:
+    """Time the :data:`SWEEP_UNITS` x :data:`SWEEP_WAVES` grid of decode options at the
+    :data:`SWEEP_SHAPES` (B1, paged 16: the latency-bound calls) in one run: CUDA graphs,
+    alternating rounds, medians; prints every point and the best per shape against the
+    defaults, and returns the rows.  Variants that spill or do not fit are skipped."""
+    import torch
+
+    import flashgen
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    hq, hkv, d, ps = args.heads_q, args.heads_kv, 128, 16
+    ops = {n: flashgen.load(REPO / "specs" / f"{n}.yaml") for n in {s[1] for s in SWEEP_SHAPES}}
+    t0 = time.perf_counter()
+    units = _sweep_units(ops, dev)
+    print(f"sweep: {len(units)} unit variants built in {time.perf_counter() - t0:.0f} s",
+          flush=True)  # fmt: skip
+    cap = max(s[2] for s in SWEEP_SHAPES)
+    pages = cap // ps
+    kc = torch.randn(pages, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table_full = torch.randperm(pages, device=dev).int().view(1, pages).contiguous()
+    q = torch.randn(1, hq, 1, d, device=dev, dtype=torch.bfloat16)
+    from flashgen.families import decode as family
+
+    timers, meta = {}, {}
+    for label, name, cache, window in SWEEP_SHAPES:
+        op = ops[name]
+        table = table_full[:, : cache // ps]
+        lens = torch.full((1,), cache, dtype=torch.int32, device=dev)
+        kv_bytes = 2 * hkv * (min(cache, window) if window else cache) * d * 2
+        calls = max(3, min(args.calls, int(2e-3 * 4e12 / kv_bytes)))
+        params = {"window": window} if window else {}
+        for opts in units:
+            seen = set()
+            for w in SWEEP_WAVES:
+                o = family.Options(**{**opts.__dict__, "split_waves": w})
+                plan = op.plan_decode(batch=1, num_heads=hq, num_heads_kv=hkv, seqlen_q=1,
+                                      cache_capacity=cache, page_size=ps, num_pages=pages,
+                                      device=dev, options=o, **params)  # fmt: skip
+                if plan.num_splits in seen:
+                    continue
+                seen.add(plan.num_splits)
+
+                def fn(op=op, plan=plan, table=table, lens=lens, params=params):
+                    return op.with_kvcache(q, kc, vc, lens, block_table=table, plan=plan,
+                                           **params)  # fmt: skip
+
+                key = (label, opts.block_n, opts.stages, opts.min_split_blocks, w)
+                try:
+                    timers[key] = _graph_time(fn, calls)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {key}: skipped ({type(e).__name__}: {e})"[:200], file=sys.stderr)
+                    continue
+                unit = plan.kernels["attn"].plan
+                meta[key] = dict(shape=label, spec=name, cache=cache, window=window,
+                                 block_n=unit.tiles.block_n, stages=unit.tiles.stages,
+                                 min_split_blocks=opts.min_split_blocks, split_waves=w,
+                                 num_splits=plan.num_splits, grid=list(plan.geometry.grid),
+                                 ctas_per_sm=family.ctas_per_sm(unit), kv_bytes=kv_bytes,
+                                 default=opts == family.Options() and w == 1.0)  # fmt: skip
+    times: dict = {k: [] for k in timers}
+    for _ in range(args.rounds):
+        for k, t in timers.items():
+            times[k].append(t())
+    rows = []
+    for k, ts in times.items():
+        ms = statistics.median(ts)
+        m = meta[k]
+        rows.append({**m, "method": "sweep", "us": ms * 1e3,
+                     "tb_per_s": m["kv_bytes"] / (ms * 1e-3) / 1e12})  # fmt: skip
+    print(f"{'shape':<24} {'block_n':>7} {'stages':>6} {'msb':>3} {'waves':>5} {'splits':>6} "
+          f"{'grid':>14} {'us':>8} {'TB/s':>6}")  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["shape"], r["us"])):
+        print(f"{r['shape']:<24} {r['block_n']:>7} {r['stages']:>6} {r['min_split_blocks']:>3} "
+              f"{r['split_waves']:>5} {r['num_splits']:>6} {str(tuple(r['grid'])):>14} "
+              f"{r['us']:8.1f} {r['tb_per_s']:6.2f}"
+              f"{'  (default)' if r['default'] else ''}")  # fmt: skip
+    print("best per shape:")
+    for label, *_ in SWEEP_SHAPES:
+        mine = [r for r in rows if r["shape"] == label]
+        if not mine:
+            continue
+        best = min(mine, key=lambda r: r["us"])
+        dflt = next((r for r in mine if r["default"]), None)
+        gain = f", {dflt['us'] / best['us']:.2f}x the default's {dflt['us']:.1f} us" if dflt else ""
+        print(f"  {label}: block_n {best['block_n']} stages {best['stages']} min_split_blocks "
+              f"{best['min_split_blocks']} split_waves {best['split_waves']} (splits "
+              f"{best['num_splits']}): {best['us']:.1f} us, {best['tb_per_s']:.2f} TB/s"
+              f"{gain}")  # fmt: skip
+    win = [r for r in rows if r["window"]]
+    dense4k = [r for r in rows if r["shape"] == "B1 4k paged16"]
+    if win and dense4k:
+        bw, bd = min(win, key=lambda r: r["us"]), min(dense4k, key=lambda r: r["us"])
+        print(f"  window / 4k cache (best of each): {bw['us'] / bd['us']:.2f}x (target <= 1.2x)")
+    return rows
+
+
+#: Fixed plot styles of the known implementations (color, marker, line style), so a method
+#: keeps its look in every panel and every run; others take the remaining colors in order.
+STYLES = {
+    "flashgen_dense": ("tab:blue", "o", "-"),
+    "flashgen_paged16": ("tab:orange", "o", "-"),
+    "flashgen_paged1": ("tab:green", "o", "-"),
+    "flashgen_paged256": ("tab:olive", "o", "-"),
+    "sdpa_flash": ("tab:red", "s", "--"),
+    "sdpa_cudnn": ("tab:purple", "^", "--"),
+    "flex": ("tab:brown", "D", "--"),
+    "flashinfer": ("tab:pink", "v", "--"),
+}
+_SPARE = ("tab:gray", "tab:cyan", "black", "gold", "navy", "teal")
+
+
+def method_styles(methods) -> dict[str, tuple[str, str, str]]:
+    """``method -> (color, marker, linestyle)``: :data:`STYLES` for the known methods, the
+    spare colors in sorted order for the rest (flashgen rows solid, peers dashed)."""
+    out, spare = {}, 0
+    for m in sorted(methods):
+        if m in STYLES:
+            out[m] = STYLES[m]
+        else:
+            line = "-" if m.startswith("flashgen") else "--"
+            out[m] = (_SPARE[spare % len(_SPARE)], "x", line)
+            spare += 1
+    return out
+
+
 def write_plot(doc: dict, json_path: Path) -> Path | None:
     """TB/s of KV read against cache length (log scale), one panel per batch size, one line
     per method (the window and no-packing rows are single points, left out), into
@@ -242,13 +431,15 @@ def write_plot(doc: dict, json_path: Path) -> Path | None:
     if not batches:
         return None
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    styles = method_styles(sorted({r["method"] for r in rows}))
     for ax, batch in zip(axes[0], batches, strict=True):
         methods = sorted({r["method"] for r in rows if r["batch"] == batch})
         for m in methods:
             pts = sorted((r["cache"], r["tb_per_s"]) for r in rows
                          if r["batch"] == batch and r["method"] == m)  # fmt: skip
-            style = "-o" if m.startswith("flashgen") else "--s"
-            ax.plot([c for c, _ in pts], [t for _, t in pts], style, label=m, markersize=4)
+            color, marker, line = styles[m]
+            ax.plot([c for c, _ in pts], [t for _, t in pts], linestyle=line, marker=marker,
+                    color=color, label=m, markersize=4)  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("cache length (keys)")
         ax.set_ylabel("KV read (TB/s)")
@@ -279,6 +470,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="B1 and B16 at 64k only")
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier run")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the decode options grid (SWEEP_UNITS x SWEEP_WAVES) at B1 "
+                    "64k/16k/4k paged16 and the window case; best per shape")  # fmt: skip
     args = ap.parse_args(argv)
     if args.plot:
         path = write_plot(json.loads(Path(args.plot).read_text()), Path(args.plot))
@@ -292,6 +486,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("flashgen bench --decode needs a CUDA device", file=sys.stderr)
         return 1
+    if args.sweep:
+        rows = sweep(args)
+        doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}
+        out = Path(args.out).with_name(Path(args.out).stem + "_sweep.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {out}")
+        return 0
     rows = run(args)
     doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}
     out = Path(args.out)

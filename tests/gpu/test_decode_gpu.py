@@ -361,3 +361,37 @@ def test_family_heuristic_on_this_device():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert family.num_splits_heuristic(8, sms, 1024) > 1
     assert family.num_splits_heuristic(64 * 8, sms, 1024) == 1
+
+
+def _sweep_variants():
+    from flashgen.bench.decode import SWEEP_UNITS
+
+    return [dict(k) for k in SWEEP_UNITS] + [dict(block_n=64, stages=2, ctas_per_sm=3)]
+
+
+@pytest.mark.parametrize("knobs", _sweep_variants(), ids=str)
+def test_sweep_options_are_correct(knobs):
+    """Every unit variant ``flashgen bench --decode --sweep`` may pick as the default
+    (block_n, stages, min_split_blocks, launch bounds) against the float64 reference, a
+    sliding window in a larger cache (the splits sized by the window) and planned calls
+    writing ``out=`` buffers, at several split waves."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for name, prm in (("llama3_gqa", {}), ("mistral_swa", {"window": 700})):
+        op = op_of(name)
+        lens = [5000, 1, 3000]
+        kc, vc, table = make_cache(lens, ps=16, hkv=8, d=128, dv=128, dtype=torch.bfloat16)
+        q = torch.randn(3, 32, 1, 128, device="cuda").to(torch.bfloat16)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        for waves in (0.5, 2.0):
+            opts = family.Options(**knobs, split_waves=waves)
+            p = op.plan_decode(batch=3, num_heads=32, num_heads_kv=8, seqlen_q=1,
+                               cache_capacity=table.shape[1] * 16, page_size=16,
+                               num_pages=kc.shape[0], device=dev, options=opts, **prm)  # fmt: skip
+            assert p.fast is not None and not p.kernels["report"].kernels[0].spill_bytes
+            out = (torch.full((3, 32, 1, 128), math.nan, device="cuda", dtype=torch.bfloat16),
+                   torch.full((3, 32, 1), math.nan, device="cuda"))  # fmt: skip
+            got = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p, out=out, **prm)
+            assert got is out
+            check(op.spec, q, kc, vc, table, lens, prm, *out)
+            o2, l2 = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p, **prm)
+            assert torch.equal(o2, out[0]) and torch.equal(l2, out[1])

@@ -595,3 +595,130 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     with pytest.raises(OpInputError, match="q: expected dtype"):
         op.with_kvcache(q.half(), kc, vc, lens, block_table=table, k_new=kn, v_new=vn,
                         plan=plan, window=9)  # fmt: skip
+
+
+def test_options_schedule_knobs():
+    o = family.Options(ctas_per_sm=3, split_waves=0.5, min_split_blocks=2)
+    assert o.unit_key() == (None, None, 3, 2)
+    for bad in (dict(ctas_per_sm=5), dict(ctas_per_sm=True), dict(split_waves=8),
+                dict(min_split_blocks=0), dict(min_split_blocks=17)):  # fmt: skip
+        with pytest.raises(ValueError):
+            family.Options(**bad)
+    spec = _op("llama3_gqa").spec
+    p = family.plan(spec, "sm_90", family.Options(block_n=128, stages=3))  # sm_90 only
+    assert p.smem_bytes > family.SMEM_LIMIT["sm_90"] and family.ctas_per_sm(p) == 1
+    with pytest.raises(ValueError, match="shared memory"):
+        family.plan(spec, "sm_80", family.Options(block_n=128, stages=3))
+    d = family.plan(spec, "sm_90")
+    assert family.ctas_per_sm(d) == 2 and d.context["min_split_blocks"] == 4
+    assert family.ctas_per_sm(family.plan(spec, "sm_90", family.Options(ctas_per_sm=1))) == 1
+    # a wave of 264 CTAs for 8: 33 splits; half a wave 16; min_split_blocks caps a 4k cache
+    kw = dict(batch=1, heads_kv_ctas=8, m_blocks=1, num_sms=132)
+    assert family.choose_num_splits(d, max_seqlen_k=65536, **kw) == 33
+    assert family.choose_num_splits(d, max_seqlen_k=65536, split_waves=0.5, **kw) == 16
+    assert family.choose_num_splits(d, max_seqlen_k=4096, **kw) == 16
+    d2 = family.plan(spec, "sm_90", family.Options(min_split_blocks=2))
+    assert family.choose_num_splits(d2, max_seqlen_k=4096, **kw) == 32
+    assert family.effective_splits(0, 64, 33, 2) == 32 and family.effective_splits(0, 64, 33) == 16
+
+
+def test_window_sizes_the_splits_by_its_blocks():
+    swa, llama = _op("mistral_swa").spec, _op("llama3_gqa").spec
+    kw = dict(capacity=65536, seqlen_q=1, block_n=64)
+    assert family.live_key_blocks(swa, **kw) == 64  # the default window, 4096 keys
+    assert family.live_key_blocks(swa, params={"window": 100}, **kw) == 2
+    assert family.live_key_blocks(swa, capacity=65536, seqlen_q=4, block_n=64,
+                                  params={"window": 4096}) in (64, 65)  # fmt: skip
+    assert family.live_key_blocks(llama, **kw) == 1024  # causal: all of them
+    p = family.plan(swa, "sm_90")
+    wave = dict(batch=1, heads_kv_ctas=8, m_blocks=1, max_seqlen_k=65536, num_sms=132)
+    assert family.choose_num_splits(p, live_blocks=64, **wave) == 16  # a 4k cache's
+    assert family.choose_num_splits(p, **wave) == 33
+    op = _op("mistral_swa")
+    plan = dict(batch=1, num_heads=32, num_heads_kv=8, cache_capacity=65536, page_size=16,
+                num_pages=4096, device="cpu")  # fmt: skip
+    small = op.plan_decode(window=512, **plan)
+    assert small.live_blocks == 8 and small.num_splits == 2
+    assert op.plan_decode(**plan).live_blocks == 64
+    with pytest.raises(OpInputError, match="not a scalar param"):
+        op.plan_decode(windw=512, **plan)
+    with pytest.raises(OpInputError, match="window"):
+        op.plan_decode(window=0, **plan)
+
+
+def test_out_buffers():
+    op = _op("llama3_gqa")
+    lens = [3, 9]
+    kc, vc, table = make_cache(lens, page_size=4, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(2, 8, 1, 128).to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table)
+    out = (torch.empty_like(o), torch.empty_like(lse))
+    got = op.with_kvcache(q, kc, vc, lens_t, block_table=table, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0], o) and torch.equal(out[1], lse)
+    with pytest.raises(OpInputError, match=r"out\[1\]: expected shape"):
+        op.with_kvcache(q, kc, vc, lens_t, block_table=table, out=(out[0], out[1][:1]))
+    with pytest.raises(OpInputError, match=r"out\[0\]: expected a contiguous"):
+        bad = torch.empty(2, 8, 1, 256, dtype=torch.bfloat16)[..., ::2]
+        op.with_kvcache(q, kc, vc, lens_t, block_table=table, out=(bad, out[1]))
+    with pytest.raises(OpInputError, match="out: expected a pair"):
+        op.with_kvcache(q, kc, vc, lens_t, block_table=table, out=out[0])
+
+
+def test_planned_fast_path_writes_out_buffers(monkeypatch):
+    """With ``out=``, the fast path packs the caller's o / lse addresses, allocates nothing
+    and returns ``out``; a bad out is refused with the general path's error."""
+    import ctypes
+    import types
+
+    from flashgen.ops import decode as dmod
+    from flashgen.ops import op as op_mod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    launches = []
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            launches.append(params)
+            return 0
+
+    monkeypatch.setattr(tma, "driver", lambda: Driver)
+    monkeypatch.setattr(dmod, "_eager_cuda", dmod._plain_eager_fast)
+    monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: 7)
+    op = _op("llama3_gqa")
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90")
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
+                                    function=types.SimpleNamespace(ptr=1), device_index=0)
+            for r in ("attn", "append")}  # fmt: skip
+    cpu = torch.device("cpu")
+    dims = DecodeDims(1, 8, 2, 1, 128, True, 8, 16, 4, False)
+    plan = dop.plan_for(dims, cpu, 1)
+    plan.kernels = kern
+    plan.fast = dmod._FastPath(dop, plan)
+    q = torch.randn(1, 8, 1, 128).to(torch.bfloat16)
+    kc = torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([20], dtype=torch.int32)
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)
+    out = (torch.empty(1, 8, 1, 128, dtype=torch.bfloat16), torch.empty(1, 8, 1))
+    got = op.with_kvcache(q, kc, kc, lens, block_table=table, plan=plan, out=out)
+    assert got is out and len(launches) == 1
+    base = ctypes.cast(launches[0], ctypes.POINTER(ctypes.c_void_p))[0]
+    ptrs = ctypes.cast(base, ctypes.POINTER(ctypes.c_uint64))
+    assert (ptrs[3], ptrs[4]) == (out[0].data_ptr(), out[1].data_ptr())
+    with pytest.raises(OpInputError, match=r"out\[1\]: expected shape"):
+        op.with_kvcache(q, kc, kc, lens, block_table=table, plan=plan,
+                        out=(out[0], torch.empty(1, 8)))  # fmt: skip
+
+
+def test_plot_styles_are_stable_per_method():
+    from flashgen.bench.decode import method_styles
+
+    a = method_styles(["flashgen_dense", "sdpa_cudnn", "sdpa_flash", "flex"])
+    b = method_styles(["sdpa_cudnn", "flashgen_paged1"])
+    assert a["sdpa_cudnn"] == b["sdpa_cudnn"]
+    assert len({a[m] for m in a}) == len(a)
