@@ -294,7 +294,64 @@ def measure_decode(root: Path, batches, n: int, reps: int) -> list[dict]:
             torch.cuda.synchronize()
             rows.append(dict(case=name, batch=batch, host_us=statistics.median(out),
                              host_only=busy, num_splits=plan.num_splits))  # fmt: skip
+            if name == "paged16" and batch == batches[0]:
+                _decode_parts(torch, plan, kw, cycles, n, rows, batch)
     return rows
+
+
+def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) -> None:
+    """Where a planned call's host time goes on this machine (stream held busy): the two
+    output allocations alone, the attention kernel's bare ``cuLaunchKernel`` with the
+    plan's packed block, and a cProfile of the planned calls (top entries, printed)."""
+    import cProfile
+    import io
+    import pstats
+
+    fast = plan.fast
+    st = fast._state()
+    q = kw["q"]
+    # the packed block then points at buffers that stay alive (the bare launches write them)
+    keep = (torch.empty(fast.o_shape, dtype=fast.o_dtype, device=q.device),
+            torch.empty(fast.lse_shape, dtype=torch.float32, device=q.device))  # fmt: skip
+    fast.dop.op.with_kvcache(plan=plan, out=keep, **kw)
+
+    def empties():
+        torch.empty(fast.o_shape, dtype=fast.o_dtype, device=q.device)
+        torch.empty(fast.lse_shape, dtype=torch.float32, device=q.device)
+
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch():
+        fast._cu_launch(fast.attn_fn, *fast.attn_launch, stream, st.attn_params, None)
+
+    for part, fn in (("2x torch.empty (o, lse)", empties), ("bare cuLaunchKernel", launch)):
+        ts = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            ts.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+        rows.append(dict(case=f"part: {part}", batch=batch, host_us=statistics.median(ts),
+                         host_only=True, num_splits=plan.num_splits))  # fmt: skip
+    from flashgen.ops import decode as dmod
+
+    op = fast.dop.op
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    prof.enable()
+    for _ in range(n):
+        op.with_kvcache(plan=plan, **kw)
+    prof.disable()
+    torch.cuda.synchronize()
+    del keep
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    print(f"cProfile of {n} planned paged16 calls (B{batch}; {dmod.__name__}):")
+    print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-2500:])
 
 
 def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
