@@ -53,7 +53,7 @@ MAX_SPLITS = 128
 CALL_POINTERS = 7
 APPEND_CALL_POINTERS = 6
 #: Fewest key blocks per split (``fg::dec::MIN_SPLIT_BLOCKS``): see :func:`effective_splits`.
-MIN_SPLIT_BLOCKS = 4
+MIN_SPLIT_BLOCKS = 2
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
 #: planned against it on both targets, so one plan fits both).
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
@@ -222,14 +222,16 @@ def unsupported_reason(spec: Spec) -> str | None:
 
 def default_tiles(spec: Spec, options: Options | None = None) -> DecodeTiles:
     """Block and ring depth by head dim: 64 keys per block up to d256 (16 per warp, one
-    m16n8k16 K step of P V), 128 at d <= 64; three stages where they fit sm_80's shared
-    memory, else two; ``options`` override."""
+    m16n8k16 K step of P V), 128 at d <= 64; at d128 two stages (three CTAs fit an SM, which
+    a short cache or a window fills faster: the H200 sweep of
+    benchmarks/results/h200-2026-12-01-s14, decode_sweep_v3.log), elsewhere three stages
+    where they fit sm_80's shared memory, else two; ``options`` override."""
     o = options or Options()
     d = max(spec.head_dim, spec.head_dim_v)
     block_n = o.block_n or (128 if d <= 64 else 64)
     stages = o.stages
     if stages is None:
-        stages = 3
+        stages = 2 if d == 128 else 3
         while stages > 2 and smem_bytes(spec, block_n, stages) > SMEM_LIMIT["sm_80"]:
             stages -= 1
     return DecodeTiles(BLOCK_M, block_n, NUM_WARPS * dv_split(spec), stages)

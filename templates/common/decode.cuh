@@ -13,7 +13,7 @@ namespace dec {
 // Minimum key blocks per split: a request with cnt live blocks uses min(num_splits, cnt / this) splits
 // (at least 1), so a short request or a sliding window launches no empty splits' work and merges few
 // partials.  Same constant as flashgen.families.decode.MIN_SPLIT_BLOCKS.
-constexpr int MIN_SPLIT_BLOCKS = 4;
+constexpr int MIN_SPLIT_BLOCKS = 2;
 // A unit may pass its own minimum (flashgen.families.decode.Options.min_split_blocks).
 __host__ __device__ __forceinline__ int effective_splits(int n_lo, int n_hi, int num_splits,
                                                          int min_blocks = MIN_SPLIT_BLOCKS) {

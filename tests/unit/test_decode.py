@@ -123,7 +123,7 @@ def test_num_splits_heuristic():
     assert h(8, 264, 1024) == 33  # two CTAs per SM on 132 SMs: exactly one full wave
     assert h(128, 264, 1024) == 2  # B16: 256 of 264
     assert h(512, 264, 1024) == 1  # B64: already two waves
-    assert h(8, 264, 64) == 16  # a 4k cache: splits of at least MIN_SPLIT_BLOCKS blocks
+    assert h(8, 264, 64) == 32  # a 4k cache: splits of at least MIN_SPLIT_BLOCKS (2) blocks
     assert h(8, 132, 3) <= 3  # never more splits than blocks
     assert h(8, 132, 1) == 1
     assert h(0, 132, 100) == 1
@@ -147,9 +147,9 @@ def test_split_range_partitions_the_blocks():
 def test_effective_splits():
     e = family.effective_splits
     assert e(0, 0, 8) == 1 and e(0, 3, 8) == 1  # no or few blocks: one split, written directly
-    assert e(0, 64, 33) == 16  # a 4096-key window in a 64k plan: 16 splits of 4 blocks
+    assert e(0, 64, 33) == 32  # a 4096-key window in a 64k plan: 32 splits of 2 blocks
     assert e(0, 1024, 33) == 33
-    assert e(10, 18, 128) == 2
+    assert e(10, 18, 128) == 4  # 8 blocks, at least MIN_SPLIT_BLOCKS (2) each
     for cnt in range(0, 300, 7):
         for n in (1, 2, 5, 33, 128):
             k = e(0, cnt, n)
@@ -610,16 +610,16 @@ def test_options_schedule_knobs():
     with pytest.raises(ValueError, match="shared memory"):
         family.plan(spec, "sm_80", family.Options(block_n=128, stages=3))
     d = family.plan(spec, "sm_90")
-    assert family.ctas_per_sm(d) == 2 and d.context["min_split_blocks"] == 4
+    assert family.ctas_per_sm(d) == 3 and d.context["min_split_blocks"] == 2  # d128: 2 stages
     assert family.ctas_per_sm(family.plan(spec, "sm_90", family.Options(ctas_per_sm=1))) == 1
-    # a wave of 264 CTAs for 8: 33 splits; half a wave 16; min_split_blocks caps a 4k cache
+    # a wave of 396 CTAs for 8: 49 splits; half a wave 24; min_split_blocks caps a 4k cache
     kw = dict(batch=1, heads_kv_ctas=8, m_blocks=1, num_sms=132)
-    assert family.choose_num_splits(d, max_seqlen_k=65536, **kw) == 33
-    assert family.choose_num_splits(d, max_seqlen_k=65536, split_waves=0.5, **kw) == 16
-    assert family.choose_num_splits(d, max_seqlen_k=4096, **kw) == 16
-    d2 = family.plan(spec, "sm_90", family.Options(min_split_blocks=2))
-    assert family.choose_num_splits(d2, max_seqlen_k=4096, **kw) == 32
-    assert family.effective_splits(0, 64, 33, 2) == 32 and family.effective_splits(0, 64, 33) == 16
+    assert family.choose_num_splits(d, max_seqlen_k=65536, **kw) == 49
+    assert family.choose_num_splits(d, max_seqlen_k=65536, split_waves=0.5, **kw) == 24
+    assert family.choose_num_splits(d, max_seqlen_k=4096, **kw) == 32
+    d4 = family.plan(spec, "sm_90", family.Options(min_split_blocks=4))
+    assert family.choose_num_splits(d4, max_seqlen_k=4096, **kw) == 16
+    assert family.effective_splits(0, 64, 33, 4) == 16 and family.effective_splits(0, 64, 33) == 32
 
 
 def test_window_sizes_the_splits_by_its_blocks():
@@ -632,13 +632,13 @@ def test_window_sizes_the_splits_by_its_blocks():
     assert family.live_key_blocks(llama, **kw) == 1024  # causal: all of them
     p = family.plan(swa, "sm_90")
     wave = dict(batch=1, heads_kv_ctas=8, m_blocks=1, max_seqlen_k=65536, num_sms=132)
-    assert family.choose_num_splits(p, live_blocks=64, **wave) == 16  # a 4k cache's
-    assert family.choose_num_splits(p, **wave) == 33
+    assert family.choose_num_splits(p, live_blocks=64, **wave) == 32  # a 4k cache's
+    assert family.choose_num_splits(p, **wave) == 49
     op = _op("mistral_swa")
     plan = dict(batch=1, num_heads=32, num_heads_kv=8, cache_capacity=65536, page_size=16,
                 num_pages=4096, device="cpu")  # fmt: skip
     small = op.plan_decode(window=512, **plan)
-    assert small.live_blocks == 8 and small.num_splits == 2
+    assert small.live_blocks == 8 and small.num_splits == 4
     assert op.plan_decode(**plan).live_blocks == 64
     with pytest.raises(OpInputError, match="not a scalar param"):
         op.plan_decode(windw=512, **plan)
