@@ -53,7 +53,9 @@ _KERNEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def cache_root() -> Path:
     """``$FLASHGEN_CACHE_DIR`` or ``~/.cache/flashgen`` (read on every call)."""
-    env = os.environ.get("FLASHGEN_CACHE_DIR")
+    from flashgen import env as _env
+
+    env = _env.get(_env.CACHE_DIR)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "flashgen"
 
 
@@ -68,7 +70,9 @@ def cache_key(source: str, plan) -> str:
 
     That is the CUDA source, the target arch, the nvcc argv without its file paths
     (``-gencode`` and every flag, read from :func:`flashgen.build.compile.nvcc_command`, so
-    a change to the flags changes the key), the toolkit version and the kernel name.
+    a change to the flags changes the key), the toolkit version and the kernel name, and
+    the plan's non-default options (``plan.options_key``; absent for the defaults, so their
+    keys are those of earlier versions).
     """
     argv = _compile.nvcc_command(plan, "SRC", "OUT", nvcc="nvcc")[1:]
     h = hashlib.sha256()
@@ -82,6 +86,9 @@ def cache_key(source: str, plan) -> str:
     ):
         h.update(part.encode())
         h.update(b"\0")
+    options_key = getattr(plan, "options_key", "")
+    if options_key:
+        h.update(f"options:{options_key}".encode())
     return h.hexdigest()
 
 

@@ -162,7 +162,9 @@ class CompileReport:
 # ----------------------------------------------------------------------------- nvcc
 def find_nvcc() -> str:
     """Path of the nvcc binary; raises :class:`NvccNotFoundError` if there is none."""
-    env = os.environ.get("FLASHGEN_NVCC")
+    from flashgen import env as _env
+
+    env = _env.get(_env.NVCC)
     if env:
         if shutil.which(env):
             return shutil.which(env)  # type: ignore[return-value]

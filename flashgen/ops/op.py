@@ -46,21 +46,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from flashgen import env
 from flashgen.analysis.indexbounds import IndexBoundsWarning, possible_violations
-from flashgen.envflags import POISON_ENV, SIDE_TERMS_ENV, flag
+from flashgen.codegen.abi import needs_block_table
+from flashgen.families import registry
+from flashgen.families.hopper_fwd import eligible as hopper_eligible
+from flashgen.families.tiles import hopper_tiles
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError, SpecError
-from flashgen.lower import (
-    SPARSE_TILES_ENV,
-    hopper_eligible,
-    hopper_tiles,
-    kernel_family,
-    needs_block_table,
-    persistent_forward,
-    sparse_persistent,
-    sparse_tiles,
-)
 from flashgen.ops.density import bucket
+from flashgen.options import DEFAULT, Options
 
 #: torch dtype of each spec dtype.
 TORCH_DTYPE = {
@@ -415,7 +410,7 @@ def poison_outputs(enabled: bool = True):
 
 
 def _poison_enabled() -> bool:
-    return _POISON or (POISON_ENV in os.environ and bool(flag(POISON_ENV)))
+    return _POISON or bool(env.flag(env.POISON_OUTPUTS))
 
 
 # ----------------------------------------------------------------------------- target choice
@@ -444,15 +439,17 @@ class AttentionOp:
     (``"flashgen::<name>"``).  Call :meth:`attention` (also ``op(q, k, v, ...)``).
     """
 
-    def __init__(self, spec: ir.Spec):
+    def __init__(self, spec: ir.Spec, options: Options = DEFAULT):
         self.spec = spec
+        #: the :class:`flashgen.options.Options` that pick this op's kernels
+        self.options = options
         self.name = spec.name
         self.qualname = f"flashgen::{spec.name}"
         self._kernels: dict[tuple[int, str], object] = {}
         #: whether a call may run the sparse-mask tiles (lower.sparse_tiles of the Hopper
         #: kernel's tiles), and per (seqlen_q, seqlen_k, scalars) whether it does
-        self._sparse_possible = hopper_eligible(spec, "sm_90") and (
-            sparse_tiles(spec, hopper_tiles(spec)) is not None
+        self._sparse_possible = hopper_eligible(spec, "sm_90", options.family) and (
+            registry.sparse_tiles(spec, hopper_tiles(spec), options) is not None
         )
         self._sparse_calls: dict[tuple, bool] = {}
         self._sparse_buckets: dict[tuple, bool] = {}  # the same per density.bucket of each length
@@ -471,6 +468,22 @@ class AttentionOp:
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
 
+    def with_options(self, options: Options) -> AttentionOp:
+        """This op bound to ``options`` (:class:`flashgen.options.Options`): the same spec and
+        registered operator, the kernels ``options`` pick (built and cached per options).
+        ``torch.ops.flashgen.<name>`` itself keeps running the first op's options; call
+        :meth:`attention` of the returned op."""
+        if options == self.options:
+            return self
+        with self._kernel_lock:
+            views = self.__dict__.setdefault("_option_views", {})
+            view = views.get(options)
+            if view is None:
+                view = type(self)(self.spec, options)
+                view.backward = type(self.backward)(view) if hasattr(self, "backward") else None
+                views[options] = view
+        return view
+
     @property
     def torch_op(self):
         """``torch.ops.flashgen.<name>.default``."""
@@ -488,7 +501,7 @@ class AttentionOp:
         if self._varlen_op is None:  # built once, outside any torch.compile trace after that
             from flashgen.ops.varlen import varlen_spec
 
-            self._varlen_op = build_op(varlen_spec(self.spec))
+            self._varlen_op = build_op(varlen_spec(self.spec), self.options)
         return self._varlen_op
 
     @property
@@ -831,7 +844,7 @@ class AttentionOp:
             values.update(self._table_values(table, plan, dims, scalars, tensors, q.device))
         stream = current_stream_ptr(q.device)
         if plan.context.get("persistent"):
-            ctas = _persistent_ctas(kern.device_index)
+            ctas = self.options.persistent_ctas or _sm_count(kern.device_index)
             grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q, ctas)
             if plan.context["dynamic"]:
                 values["tile_counter"] = _tile_counter(q.device, stream)
@@ -880,7 +893,7 @@ class AttentionOp:
             if len(self._sparse_calls) >= 4096:  # bounded: a loop over many lengths
                 self._sparse_calls.clear()
             self._sparse_calls[key] = few
-        return few and flag(SPARSE_TILES_ENV, True)
+        return few and self.options.sparse_tiles
 
     def _sparse_bucketed(self, dims: Dims, scalars, read: tuple) -> bool:
         key = (bucket(dims.seqlen_q), bucket(dims.seqlen_k), *read)
@@ -899,7 +912,8 @@ class AttentionOp:
         """The cache key of the sparse kernel: ``base`` and its persistent scheduler
         (:func:`flashgen.lower.sparse_persistent`; ``FLASHGEN_SPARSE_PERSISTENT`` is read
         only where the op has a sparse kernel, and only for sparse calls and builds)."""
-        sched = self._sparse_possible and sparse_persistent()
+        sp = self.options.sparse_persistent
+        sched = self._sparse_possible and (False if sp == "off" else sp)
         return base + ("sparse", sched)
 
     def kernel(self, device: torch.device, sparse: bool = False):
@@ -925,11 +939,9 @@ class AttentionOp:
         Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails.
         """
         index = device.index if device.index is not None else torch.cuda.current_device()
-        family = kernel_family()
-        persistent = persistent_forward(self.spec)
-        base = (index, family, persistent) if persistent else (index, family)
-        if not flag(SIDE_TERMS_ENV, True):  # read at every call too (to compare the two)
-            base += ("per-element",)
+        options = self.options
+        persistent = registry.persistent_scheduler(self.spec, options)
+        base = (index, options.key(), persistent)
         sparse = sparse and not persistent
         key = self._sparse_key(base) if sparse else base
         kern = self._kernels.get(key)
@@ -938,8 +950,8 @@ class AttentionOp:
         with self._kernel_lock:
             kern = self._kernels.get(key)
             if kern is None:
+                from flashgen.families.build import build_forward
                 from flashgen.runtime import launch as runtime
-                from flashgen.select import build_forward
 
                 target = target_for_device(self.spec, device)
                 gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
@@ -951,7 +963,7 @@ class AttentionOp:
                     k = sparse_key if want else base
                     if k not in self._kernels:
                         plan, cubin, _report = build_forward(
-                            self.spec, target, gpu=gpu, family=family, sparse=want,
+                            self.spec, target, gpu=gpu, options=options, sparse=want,
                             persistent=sparse_key[-1] if want else persistent,
                         )  # fmt: skip
                         self._kernels[k] = runtime.load(cubin, plan, index)
@@ -997,18 +1009,6 @@ def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor | int:
 
                 t = _COUNTERS[key] = runtime.device_zeros(8, index, stream_ptr)
     return t
-
-
-def _persistent_ctas(device_index: int) -> int:
-    """CTAs of a persistent launch: the SM count, or ``FLASHGEN_PERSISTENT_CTAS`` where set
-    (a debugging knob: with a few CTAs every CTA loops over many tiles, e.g. under
-    ``tools/sanitize.py``).  ``ValueError`` unless it is a positive integer."""
-    value = os.environ.get("FLASHGEN_PERSISTENT_CTAS")
-    if not value:
-        return _sm_count(device_index)
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"FLASHGEN_PERSISTENT_CTAS={value!r}: expected a positive integer")
-    return int(value)
 
 
 def _mask_reads(spec: ir.Spec, name: str) -> bool:
@@ -1175,18 +1175,22 @@ def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
     return replace(a, path="", description="") == replace(b, path="", description="")
 
 
-def build_op(spec: ir.Spec) -> AttentionOp:
+def build_op(spec: ir.Spec, options: Options = DEFAULT) -> AttentionOp:
     """Register ``torch.ops.flashgen.<spec.name>`` for a checked spec and return its op.
 
     Idempotent per process: building an equal spec again (file path and description
-    aside) returns the op already registered.  Raises ``ValueError`` if a different spec
+    aside) with equal ``options`` returns the op already registered; other options give
+    another op of the same registered operator whose :meth:`AttentionOp.attention` runs
+    the kernels those options pick.  Raises ``ValueError`` if a different spec
     with the same name is already registered in this process.
     """
     with _REG_LOCK:
         existing = _REGISTRY.get(spec.name)
         if existing is not None:
             if _same_spec(existing.spec, spec):
-                return existing
+                if existing.options == options:
+                    return existing
+                return existing.with_options(options)
             raise ValueError(
                 f"a different spec named {spec.name!r} is already registered as "
                 f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
@@ -1198,7 +1202,7 @@ def build_op(spec: ir.Spec) -> AttentionOp:
             from flashgen.ops.backward import Backward as backward_cls
 
             op_cls = AttentionOp
-        op = op_cls(spec)
+        op = op_cls(spec, options)
         lib = _library()
         lib.define(schema(spec))
         lib.impl(spec.name, op._cuda_impl, "CUDA")
@@ -1211,7 +1215,7 @@ def build_op(spec: ir.Spec) -> AttentionOp:
             from flashgen.ops.varlen import varlen_spec
 
             try:
-                op._varlen_op = build_op(varlen_spec(spec))
+                op._varlen_op = build_op(varlen_spec(spec), options)
             except SpecError:
                 pass  # no varlen form; `op.varlen` raises the error on access
         return op

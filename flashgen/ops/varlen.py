@@ -33,7 +33,7 @@ too-small max_seqlen does not cover left unwritten (``torch.empty`` contents), r
 ``cu_seqlens_q[-1]`` unwritten.
 
 The backward (``<name>__backward``, same kernels as the padded op: the deterministic
-path, and the atomic-dQ path under ``FLASHGEN_ATOMIC_DQ=1``) returns dq, dk, dv packed like
+path, and the atomic-dQ path under ``Options(atomic_dq=True)``) returns dq, dk, dv packed like
 q, k, v; autograd is registered as for the padded op (see :mod:`flashgen.ops.backward`).
 """
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashgen.envflags import flag
+from flashgen import env
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError, SpecError
 from flashgen.ops.backward import Backward, backward_name, refuse_tensor_param_grads, uses_atomic_dq
@@ -70,7 +70,7 @@ from flashgen.ops.op import (
 )
 
 #: Environment variable that makes CUDA calls check cu_seqlens' values (one host sync).
-CHECK_ENV = "FLASHGEN_VARLEN_CHECK"
+CHECK_ENV = env.VARLEN_CHECK
 _INT32_MAX = 2**31 - 1
 
 
@@ -98,7 +98,7 @@ def varlen_spec(spec: ir.Spec) -> ir.Spec:
 
 def check_enabled() -> bool:
     """Whether ``FLASHGEN_VARLEN_CHECK=1`` is set (read at each call)."""
-    return bool(flag(CHECK_ENV))
+    return bool(env.flag(env.VARLEN_CHECK))
 
 
 @dataclass(frozen=True)
@@ -533,7 +533,7 @@ class VarlenBackward(Backward):
             check_cu_seqlens(cq, ck, dims)
         if q.numel() == 0 or k.numel() == 0 or dims.batch == 0:
             return _zero_grads(q, k, v)
-        atomic = uses_atomic_dq(deterministic)
+        atomic = uses_atomic_dq(deterministic, self.op.options)
         plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()

@@ -43,7 +43,9 @@ def default_path() -> Path:
 
 def table_path() -> Path:
     """``$FLASHGEN_TUNING_TABLE`` if set, else :func:`default_path` (read on every call)."""
-    env = os.environ.get(ENV)
+    from flashgen import env as _env
+
+    env = _env.get(ENV)
     return Path(env).expanduser() if env else default_path()
 
 
@@ -77,7 +79,7 @@ def valid_entry(entry) -> bool:
         return False
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (bm, bn, nw)):
         return False
-    from flashgen.lower import TileConfig, is_hopper_tiles
+    from flashgen.codegen.plan import TileConfig, is_hopper_tiles
 
     opts = entry.get("options", {})
     if not isinstance(opts, dict) or not all(
