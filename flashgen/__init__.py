@@ -21,6 +21,7 @@ from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
     from flashgen.ops.op import AttentionOp
+    from flashgen.options import Options
 
 __all__ = [
     "__version__",
@@ -30,24 +31,33 @@ __all__ = [
     "SpecError",
     "OpInputError",
     "AttentionOp",
+    "Options",
 ]
 
-_loaded: dict[tuple[str, str], AttentionOp] = {}
+_loaded: dict[tuple, AttentionOp] = {}
 _lock = threading.Lock()
 
 
-def load(path: str | Path) -> AttentionOp:
-    """Load, check and register the spec at ``path``; return its :class:`AttentionOp`.
+def load(path: str | Path, options: Options | None = None) -> AttentionOp:
+    """Load, check and register the spec at ``path``; return its :class:`AttentionOp` bound
+    to ``options`` (:class:`flashgen.Options`, default ``Options()``: which kernels it runs).
 
-    Cached by (resolved path, sha256 of the file's bytes): loading the same file again
-    is free, an edited file is reloaded.  Raises :class:`SpecError` (with file:line:col)
+    Cached by (resolved path, sha256 of the file's bytes, options): loading the same file
+    again is free, an edited file is reloaded.  Raises
+    :class:`flashgen.env.RemovedVariableError` if a removed ``FLASHGEN_*`` switch is set
+    (naming its option).  Raises :class:`SpecError` (with file:line:col)
     for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if another spec
     with the same name is already registered in this process, ``ModuleNotFoundError``
     saying so without torch.
     """
+    from flashgen import env
+    from flashgen.options import DEFAULT
+
+    env.check_removed()
+    options = DEFAULT if options is None else options
     p = Path(path).resolve()
     data = p.read_bytes()
-    key = (str(p), hashlib.sha256(data).hexdigest())
+    key = (str(p), hashlib.sha256(data).hexdigest(), options)
     op = _loaded.get(key)
     if op is not None:
         return op
@@ -65,12 +75,16 @@ def load(path: str | Path) -> AttentionOp:
     with _lock:
         op = _loaded.get(key)
         if op is None:
-            op = build_op(load_spec(path))
+            op = build_op(load_spec(path), options)
             _loaded[key] = op
     return op
 
 
 def __getattr__(name: str):
+    if name == "Options":
+        from flashgen.options import Options
+
+        return Options
     if name == "AttentionOp":
         from flashgen.ops.op import AttentionOp
 

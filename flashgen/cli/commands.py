@@ -178,24 +178,44 @@ class BuildResult:
         }
 
 
-def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
+def _options(args):
+    """The :class:`flashgen.options.Options` of ``--option NAME=VALUE`` flags (dotted names,
+    :meth:`~flashgen.options.Options.replace_path`)."""
+    from flashgen.options import DEFAULT
+
+    out = DEFAULT
+    for item in getattr(args, "option", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
+        out = out.replace_path(name.strip(), value)
+    return out
+
+
+def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildResult:
     from flashgen.build.compile import CompileError
-    from flashgen.lower import kernel_family, persistent_forward, sparse_persistent
-    from flashgen.select import build_backward, build_forward
+    from flashgen.families.build import build_backward, build_forward
+    from flashgen.families.registry import persistent_scheduler
+    from flashgen.options import DEFAULT
+
+    options = options or DEFAULT
 
     res = BuildResult(spec, target, unit)
     try:
         if unit in ("fwd", "fwd_sparse"):
-            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (lower.sparse_persistent)
+            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (sparse_persistent)
+            sp = options.sparse_persistent
             res.plan, path, res.report = build_forward(
-                spec, target, family=kernel_family(), sparse=sparse,
-                persistent=sparse_persistent() if sparse else persistent_forward(spec),
+                spec, target, options=options, sparse=sparse,
+                persistent=(False if sp == "off" else sp) if sparse
+                else persistent_scheduler(spec, options),
             )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:
             res.plan, path, res.report = build_backward(
-                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma"
-            )
+                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma",
+                options=options,
+            )  # fmt: skip
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
             if unit == "bwd_wgmma" and not res.plan.wgmma:
                 res.note = (
@@ -283,18 +303,14 @@ def cmd_build(args) -> int:
 
     from flashgen.build.compile import CompileError, find_nvcc, nvcc_version
     from flashgen.build.generate import write_generated
-    from flashgen.lower import (
-        choose_tiles,
-        hopper_bwd_eligible,
-        kernel_family,
-        persistent_forward,
-        sparse_tiles,
-    )
+    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
+    from flashgen.families.registry import choose_tiles, persistent_scheduler, sparse_tiles
 
     out, err = _consoles()
     try:
-        family = kernel_family()
-    except ValueError as e:
+        options = _options(args)
+        family = options.family
+    except (KeyError, ValueError) as e:
         err.print(f"error: {e}", markup=False)
         return _fail_json(args, str(e))
     spec_errors: list = []
@@ -319,18 +335,18 @@ def cmd_build(args) -> int:
     results: list[BuildResult] = []
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        units = ("fwd", "bwd", "bwd_atomic")  # every unit of lower.compile_units
-        futures = [pool.submit(_compile_one, s, t, u) for s, t in pairs for u in units]
+        units = ("fwd", "bwd", "bwd_atomic")  # every unit of registry.compile_units
+        futures = [pool.submit(_compile_one, s, t, u, options) for s, t in pairs for u in units]
         futures += [  # the Hopper backward unit, where the spec takes it
-            pool.submit(_compile_one, s, t, "bwd_wgmma")
+            pool.submit(_compile_one, s, t, "bwd_wgmma", options)
             for s, t in pairs
             if hopper_bwd_eligible(s, t, family)
         ]
         futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
-            pool.submit(_compile_one, s, t, "fwd_sparse")
+            pool.submit(_compile_one, s, t, "fwd_sparse", options)
             for s, t in pairs
-            if not persistent_forward(s)
-            and sparse_tiles(s, choose_tiles(s, t, family=family)) is not None
+            if not persistent_scheduler(s, options)
+            and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
@@ -540,7 +556,7 @@ def verify_spec(spec: ir.Spec) -> dict:
     import torch
 
     from flashgen.bench.runner import do_bench_ms
-    from flashgen.lower import split_causal
+    from flashgen.codegen.cuda_expr import split_causal
     from flashgen.ops.op import build_op
 
     op = build_op(spec)
@@ -573,7 +589,7 @@ def verify_spec(spec: ir.Spec) -> dict:
 # ----------------------------------------------------------------------------- show / list
 def cmd_show(args) -> int:
     from flashgen.build.render import render
-    from flashgen.lower import kernel_family, plan_forward
+    from flashgen.families.registry import plan_forward
 
     _, err = _consoles()
     specs = _load_specs([args.spec], err)
@@ -584,7 +600,7 @@ def cmd_show(args) -> int:
     targets = args.target or list(spec.targets)
     for t in targets:
         try:
-            plan = plan_forward(spec, t, family=kernel_family())
+            plan = plan_forward(spec, t, _options(args))
         except ValueError as e:
             err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
             return 1
@@ -779,6 +795,10 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="check, render and compile specs; write generated/")
+    b.add_argument(
+        "--option", action="append", metavar="NAME=VALUE",
+        help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
+    )  # fmt: skip
     b.add_argument("specs", nargs="+", metavar="SPEC", help="spec YAML files")
     b.add_argument(
         "--target",
@@ -797,6 +817,10 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build)
 
     s = sub.add_parser("show", help="print the checked IR, plan and CUDA source of a spec")
+    s.add_argument(
+        "--option", action="append", metavar="NAME=VALUE",
+        help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
+    )  # fmt: skip
     s.add_argument("spec", metavar="SPEC")
     s.add_argument(
         "--target",
@@ -894,7 +918,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashgen`` script; returns the exit status."""
+    from flashgen import env
+
     args = parser().parse_args(argv)
+    try:
+        env.check_removed()
+    except env.RemovedVariableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashgen.codegen.abi import block_table_dims
+from flashgen.codegen.plan import TileConfig
+from flashgen.families.blocktable import block_table_shape
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
-from flashgen.lower import TileConfig, block_table_dims, block_table_shape
 from flashgen.ops.reference import eval_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 
+from flashgen.codegen.abi import needs_block_table
 from flashgen.frontend import ir
-from flashgen.lower import needs_block_table
 
 #: Query rows and key columns sampled per estimate (at most).
 ROWS, COLS = 16, 2048

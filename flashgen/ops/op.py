@@ -602,7 +602,7 @@ class AttentionOp:
         Returns a :class:`~flashgen.ops.blockmask.BlockMask`.  Raises :class:`OpInputError` if
         the spec's mask reads no tensor param, or for bad sizes or params.
         """
-        from flashgen.lower import block_table_dims, choose_tiles
+        from flashgen.codegen.abi import block_table_dims
         from flashgen.ops.blockmask import BlockMask, block_table_reference
 
         if not needs_block_table(self.spec):
@@ -640,7 +640,7 @@ class AttentionOp:
             tiles = kern.plan.tiles
             table = self._run_block_table(device, tiles, dims, scalars, tmap)
         else:
-            tiles = choose_tiles(self.spec, "sm_80")
+            tiles = registry.choose_tiles(self.spec, "sm_80", None, self.options)
             table = block_table_reference(
                 self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
                 seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
@@ -705,7 +705,7 @@ class AttentionOp:
     def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
         """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
         returns the uint8 table (see :func:`flashgen.lower.plan_block_table`)."""
-        from flashgen.lower import block_table_shape
+        from flashgen.families.blocktable import block_table_shape
 
         kern = self._block_table_kernel(device, tiles)
         shape = block_table_shape(
@@ -729,7 +729,7 @@ class AttentionOp:
                 if kern is None:
                     from flashgen.build import cache
                     from flashgen.build.render import render
-                    from flashgen.lower import plan_block_table
+                    from flashgen.families.registry import plan_block_table
                     from flashgen.runtime import launch as runtime
 
                     plan = plan_block_table(self.spec, target_for_device(self.spec, device), tiles)
@@ -861,7 +861,7 @@ class AttentionOp:
         ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
         :func:`flashgen.ops.blockmask.table_for_tiles`) or, when None, a fresh one from the
         pre-pass for those tiles."""
-        from flashgen.lower import block_table_shape
+        from flashgen.families.blocktable import block_table_shape
         from flashgen.ops.blockmask import table_for_tiles, table_strides
 
         shape = block_table_shape(
@@ -899,7 +899,7 @@ class AttentionOp:
         key = (bucket(dims.seqlen_q), bucket(dims.seqlen_k), *read)
         few = self._sparse_buckets.get(key)
         if few is None:
-            from flashgen.lower import SPARSE_KEYS_PER_ROW
+            from flashgen.families.tiles import SPARSE_KEYS_PER_ROW
             from flashgen.ops.density import keys_per_row
 
             if len(self._sparse_buckets) >= 4096:  # bounded: a loop over many scalar values

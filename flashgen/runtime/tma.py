@@ -26,7 +26,6 @@ import functools
 import threading
 from collections import OrderedDict
 
-
 #: CUtensorMapDataType for the kernels' element types (cuda.h).
 DATA_TYPE = {"fp16": 6, "bf16": 9}
 #: CUtensorMapSwizzle value of the kernels' 128-byte swizzle.
