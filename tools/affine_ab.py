@@ -62,11 +62,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from flashgen.MISSING import AFFINE_ENV
 
     from flashgen.analysis import affine
     from flashgen.bench.runner import do_bench_ms
     from flashgen.cli.commands import random_inputs
-    from flashgen.lower import AFFINE_ENV, split_causal
+    from flashgen.codegen.cuda_expr import split_causal
     from flashgen.ops.op import build_op
 
     if not torch.cuda.is_available():

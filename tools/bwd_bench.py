@@ -21,7 +21,7 @@
     python3 tools/bwd_bench.py --json out.json
 
 ``--atomic-tiles D:KV_N,KV_M,WARPS,DSPLIT`` (repeatable) overrides
-``flashgen.lower.ATOMIC_BACKWARD_TILES`` for head dim D in this process (both score_mod
+``flashgen.ATOMIC_BACKWARD_TILES`` for head dim D in this process (both score_mod
 keys), to try tiles without editing the table.  Needs a CUDA GPU, torch, triton, CuPy,
 nvcc and flashgen's dependencies (lark: ``pip install .whl/lark-*.whl`` where there is no
 index).  Exit status: 0 if every step that ran passed, 1 otherwise, 2 without a GPU.
@@ -110,15 +110,15 @@ def run_sanitizer(specs: list[str]) -> bool:
 
 
 def apply_tile_overrides(items: list[str]) -> None:
-    from flashgen import lower
+    from flashgen.families.tiles import ATOMIC_BACKWARD_TILES, BackwardTiles
 
     for item in items:
         d, cfg = item.split(":")
         n, m, w, s = (int(x) for x in cfg.split(","))
-        base = lower.ATOMIC_BACKWARD_TILES[(int(d), False)]
-        t = lower.BackwardTiles(n, m, w, s, base.dq_block_m, base.dq_block_n, base.dq_warps)
-        lower.ATOMIC_BACKWARD_TILES[(int(d), False)] = t
-        lower.ATOMIC_BACKWARD_TILES[(int(d), True)] = t
+        base = ATOMIC_BACKWARD_TILES[(int(d), False)]
+        t = BackwardTiles(n, m, w, s, base.dq_block_m, base.dq_block_n, base.dq_warps)
+        ATOMIC_BACKWARD_TILES[(int(d), False)] = t
+        ATOMIC_BACKWARD_TILES[(int(d), True)] = t
         print(f"   atomic tiles for D={d}: {t}", flush=True)
 
 
@@ -126,9 +126,9 @@ def precompile(ops, device) -> dict:
     """Build every kernel the timing uses, in parallel; registers/spills per kernel."""
     import torch
 
-    from flashgen import lower
     from flashgen.build import cache
     from flashgen.build.render import render
+    from flashgen.families.registry import plan_backward, plan_forward, plan_hopper_backward
     from flashgen.ops.backward import backward_path
     from flashgen.ops.op import target_for_device
 
@@ -138,11 +138,11 @@ def precompile(ops, device) -> dict:
         op, unit = job
         target = target_for_device(op.spec, device)
         if unit == "fwd":
-            plan = lower.plan_forward(op.spec, target, gpu=gpu)
+            plan = plan_forward(op.spec, target, gpu=gpu, persistent=False)
         elif unit == "atomic" and backward_path(op.spec, target, False) == "hopper":
-            plan = lower.plan_hopper_backward(op.spec, target).unit
+            plan = plan_hopper_backward(op.spec, target).unit
         else:
-            plan = lower.plan_backward(op.spec, target, atomic_dq=unit == "atomic").unit
+            plan = plan_backward(op.spec, target, atomic_dq=unit == "atomic").unit
         _, rep = cache.get_or_build(render(plan), plan)
         return op.spec.name, unit, [(k.name, k.registers, k.spill_bytes) for k in rep.kernels]
 

@@ -34,9 +34,9 @@ from sass_mma_distance import kernel_sass  # noqa: E402
 
 from flashgen.build.compile import compile_source  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
-from flashgen.envflags import scoped_env  # noqa: E402
+from flashgen.families.registry import compile_units, plan_forward  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.lower import COL_BOUND_ENV, compile_units, plan_forward  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 OPS = ("ISETP", "FSEL", "VIADD", "IADD3", "SEL")
 
@@ -54,12 +54,12 @@ def opcode_counts(sass: str) -> collections.Counter:
 
 def build(spec_name: str, persistent, on: bool, tmp: Path) -> dict:
     spec = load_spec(REPO / "specs" / f"{spec_name}.yaml")
-    with scoped_env({COL_BOUND_ENV: "1" if on else "0"}):
-        if persistent == "sparse":  # the forward the op runs for sparse calls
-            plan = compile_units(spec, "sm_90")["fwd_sparse"]
-        else:
-            plan = plan_forward(spec, "sm_90", persistent=persistent)
-        src = render(plan)
+    options = Options().replace_path("hopper_fwd.col_bound", on)
+    if persistent == "sparse":  # the forward the op runs for sparse calls
+        plan = compile_units(spec, "sm_90", options)["fwd_sparse"]
+    else:
+        plan = plan_forward(spec, "sm_90", options, persistent=persistent)
+    src = render(plan)
     cubin = tmp / f"{spec_name}_{persistent}_{int(on)}.cubin"
     report = compile_source(src, plan, cubin)
     k = next(k for k in report.kernels if k.name == plan.kernel_name)

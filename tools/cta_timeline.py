@@ -211,29 +211,28 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("cta_timeline needs an sm_90 GPU", file=sys.stderr)
         return 2
-    import os
 
     import cupy
 
     import flashgen
-    from flashgen.lower import SPARSE_PERSISTENT_ENV
 
     # the stamps go into the non-persistent kernel: sparse calls must run it too, not the
-    # persistent one FLASHGEN_SPARSE_PERSISTENT names (lower.sparse_persistent; dynamic by
-    # default, forced off here whatever the caller's environment says)
-    os.environ[SPARSE_PERSISTENT_ENV] = "0"
+    # persistent one Options.sparse_persistent names (dynamic by default, off here)
+    import flashgen.families.build as family_build
     import flashgen.ops.op as op_mod
-    import flashgen.select as sel
+    from flashgen.options import Options
     from flashgen.runtime import launch as runtime
 
-    render = sel.render
-    sel.render = lambda plan: (
+    render = family_build.render
+    family_build.render = lambda plan: (
         patch(render(plan), plan.context["producer_regs"])
         if plan.template == "sm_90/fwd.cu.j2" and not plan.context.get("persistent")
         else render(plan)
     )
     root = Path(__file__).resolve().parent.parent
-    specs = {name: flashgen.load(root / "specs" / f"{name}.yaml") for name in args.specs}
+    specs = {name: flashgen.load(
+            root / "specs" / f"{name}.yaml", options=Options(sparse_persistent="off")
+        ) for name in args.specs}
     unknown = [p for p in params if all(op.spec.param(p) is None for op in specs.values())]
     if unknown:
         ap.error(f"--param {', '.join(unknown)}: no such param in {', '.join(args.specs)}")

@@ -30,9 +30,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families import hopper_fwd  # noqa: E402
 from flashgen.frontend import ir
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.lower import TileConfig, plan_hopper_forward  # noqa: E402
 from flashgen.ops.op import kernel_values, validate  # noqa: E402
 from flashgen.runtime import launch as runtime
 
@@ -54,8 +55,9 @@ VARIANTS = {
 def build(spec: ir.Spec, bn: int, stages: int, m_major):
     if m_major == "flip":
         m_major = True  # the default is head-major
-    plan = plan_hopper_forward(
-        spec, "sm_90", TileConfig(128, bn, 12), stages=stages, m_major=m_major
+    plan = hopper_fwd.plan(
+        spec, "sm_90", hopper_fwd.Options(), tiles=TileConfig(128, bn, 12), stages=stages,
+        m_major=m_major,
     )
     cubin, report = cache.get_or_build(render(plan), plan)
     return runtime.load(cubin, plan, torch.cuda.current_device()), report

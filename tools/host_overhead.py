@@ -164,7 +164,7 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     flashgen = _import_flashgen(root)
     import torch
 
-    from flashgen.lower import plan_forward
+    from flashgen.families.registry import plan_forward
     from flashgen.ops import op as op_mod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
@@ -187,7 +187,7 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
     op = flashgen.load(root / "specs" / "causal_d128.yaml")
     kern = runtime.LoadedKernel(
-        plan=plan_forward(op.spec, "sm_90"), module=None,
+        plan=plan_forward(op.spec, "sm_90", op.options, persistent=False), module=None,
         function=types.SimpleNamespace(ptr=1), device_index=0,
     )  # fmt: skip
     op.kernel = lambda device: kern

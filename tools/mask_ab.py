@@ -55,7 +55,7 @@ DEFAULT_SPECS += ["alibi", "chunked_local:chunk=1024", "mistral_swa:window=1024"
 
 
 def switches() -> tuple[str, ...]:
-    from flashgen.lower import (
+    from flashgen.MISSING import (
         CAUSAL_TILES_ENV,
         COL_LIMIT_ENV,
         NONNEG_DIV_ENV,
@@ -125,8 +125,8 @@ def main(argv=None) -> int:
     import torch
 
     from flashgen.bench import runner as bench
+    from flashgen.codegen.abi import needs_block_table
     from flashgen.frontend.spec import load_spec
-    from flashgen.lower import needs_block_table
     from flashgen.ops.op import TORCH_DTYPE, build_op
 
     if not torch.cuda.is_available():

@@ -102,8 +102,8 @@ def main(argv=None) -> int:
         return 2
 
     from flashgen.bench.runner import do_bench_ms
+    from flashgen.families.registry import plan_forward
     from flashgen.frontend.spec import load_spec
-    from flashgen.lower import plan_forward
     from flashgen.ops.op import build_op, target_for_device
 
     dev = torch.device("cuda")
@@ -148,7 +148,9 @@ def main(argv=None) -> int:
     for label, name, params in cases:
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
         op = build_op(spec)
-        tiles = plan_forward(spec, target_for_device(spec, dev), torch.cuda.get_device_name()).tiles
+        tiles = plan_forward(
+            spec, target_for_device(spec, dev), gpu=torch.cuda.get_device_name(), persistent=False
+        ).tiles
         dens, live, full = mask_stats(spec, s, params, tiles.block_m, tiles.block_n, dev)
 
         def fwd(op=op, params=params):

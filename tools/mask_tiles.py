@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The gallery's head_dim-128 specs on the Hopper forward at each BLOCK_N, on the present
-H100/H200: is the d128 tile of ``flashgen/lower.py``'s HOPPER_TILES (128 x 160, picked on
+H100/H200: is the d128 tile of ``flashgen/families/tiles.py``'s HOPPER_TILES (128 x 160, picked on
 dense attention; HOPPER_TABLE_TILES for masks that read tensors) the best tile for the masks?
 
 A mask's partial tiles cost more than full ones (the mask is evaluated per element), and
@@ -55,34 +55,41 @@ def main(argv=None) -> int:
         print("mask_tiles.py needs a compute capability 9.x GPU (H100/H200)", file=sys.stderr)
         return 2
 
+    from flashgen.MISSING import SPARSE_TILES_ENV
     from gallery import gallery_params
 
-    from flashgen import lower
     from flashgen.bench import runner as bench
+    from flashgen.codegen.abi import needs_block_table
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.families.registry import plan_forward
+    from flashgen.families.tiles import (
+        HOPPER_TABLE_TILES,
+        HOPPER_TILES,
+        hopper_tiles,
+    )
     from flashgen.frontend.spec import load_spec
-    from flashgen.lower import needs_block_table
     from flashgen.ops.op import build_op
 
     # each candidate's BLOCK_N in every call: a call whose mask keeps few keys per row would
-    # run lower.HOPPER_SPARSE_TILES instead (the op's per-call choice), whatever BLOCK_N is set
-    os.environ[lower.SPARSE_TILES_ENV] = "0"
+    # run HOPPER_SPARSE_TILES instead (the op's per-call choice), whatever BLOCK_N is set
+    os.environ[SPARSE_TILES_ENV] = "0"
     dev = torch.device("cuda", torch.cuda.current_device())
     gpu = torch.cuda.get_device_name(dev)
-    table_tile = lower.HOPPER_TILES[(128, False)]
-    block_table_tile = lower.HOPPER_TABLE_TILES.get(128)
+    table_tile = HOPPER_TILES[(128, False)]
+    block_table_tile = HOPPER_TABLE_TILES.get(128)
 
     def with_block_n(bn: int | None):
         """HOPPER_TILES' d128 row (no score_mod: alibi's affine split keeps it) and the
         block-table row at ``bn`` (None: as they were)."""
         if bn is None:
-            lower.HOPPER_TILES[(128, False)] = table_tile
+            HOPPER_TILES[(128, False)] = table_tile
             if block_table_tile is not None:
-                lower.HOPPER_TABLE_TILES[128] = block_table_tile
+                HOPPER_TABLE_TILES[128] = block_table_tile
             return
-        tile = lower.TileConfig(128, bn, table_tile.num_warps)
-        lower.HOPPER_TILES[(128, False)] = tile
+        tile = TileConfig(128, bn, table_tile.num_warps)
+        HOPPER_TILES[(128, False)] = tile
         if block_table_tile is not None:
-            lower.HOPPER_TABLE_TILES[128] = tile
+            HOPPER_TABLE_TILES[128] = tile
 
     ops = {}
     for name in args.specs:
@@ -98,8 +105,8 @@ def main(argv=None) -> int:
     from flashgen.build.render import render
 
     def prebuild(spec, bn):
-        tiles = lower.TileConfig(128, bn, table_tile.num_warps)
-        plan = lower.plan_forward(spec, "sm_90", gpu, tiles=tiles)
+        tiles = TileConfig(128, bn, table_tile.num_warps)
+        plan = plan_forward(spec, "sm_90", gpu=gpu, tiles=tiles, persistent=False)
         return cache.get_or_build(render(plan), plan)[1]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
@@ -130,7 +137,7 @@ def main(argv=None) -> int:
         )
         ref = None
         variants = {}  # BLOCK_N -> (the op's kernel cache with that kernel, call, max diff)
-        default_bn = lower.hopper_tiles(spec).block_n  # the spec's tile in the tables
+        default_bn = hopper_tiles(spec).block_n  # the spec's tile in the tables
         order = [default_bn, *[x for x in args.block_n if x != default_bn]]
         for bn in order:
             with_block_n(bn)

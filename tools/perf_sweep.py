@@ -5,8 +5,8 @@ For head_dim 64/128/256, causal on and off, bf16 (``--dtypes bf16 fp16`` for bot
 everywhere; ``--fp16`` adds fp16 at d128 causal only),
 seqlen 4096 and 16384 (B*S = 16384 tokens, hidden 2048, so H = 2048 / D, as in the
 FlashAttention papers), this builds several variants of the FA2-class forward kernel
-(``templates/sm_80/fwd.cu.j2``: tile configs from ``lower.DEFAULT_TILES`` and others, and
-the template switches of ``lower.FORWARD_OPTIONS``) and of the backward (deterministic and
+(``templates/sm_80/fwd.cu.j2``: tile configs from ``DEFAULT_TILES`` and others, and
+the template switches of ``FORWARD_OPTIONS``) and of the backward (deterministic and
 atomic-dQ paths, tile tables and wider key blocks), then
 
 1. checks every variant once against the float64 reference (flashgen.ops.reference) on one
@@ -31,16 +31,16 @@ kernel is what is timed, and each plan's template is checked.  One extra forward
 ``fa3-default``, is the Hopper kernel with its default tiles, for reference (sm_90 only).
 
 Variants (``base`` is the code and tiles shipped before this sweep; ``default`` is what
-``lower.py`` picks now for the FA2 family; the rest flip one thing):
+``flashgen.families`` picks now for the FA2 family; the rest flip one thing):
 
     fwd  base        FORWARD_OPTIONS all off, session-1 tiles (d64 128x64x4, d128 128x32x4,
                      d256 64x64x4)
-    fwd  default     lower.FORWARD_OPTIONS + lower.DEFAULT_TILES
+    fwd  default     FORWARD_OPTIONS + DEFAULT_TILES
     fwd  -unroll / -hoist / -fold / +lazy   default with one switch flipped
     fwd  t<M>x<N>x<W>                       default switches, other tiles (ALT_TILES)
     fwd  t<M>x<N>x<W>+lazy                  the same with fwd_lazy_rescale (ALT_LAZY)
     fwd  fa3-default                        the Hopper kernel as shipped (sm_90 only)
-    bwd  det / atomic                       lower.BACKWARD_TILES / ATOMIC_BACKWARD_TILES
+    bwd  det / atomic                       BACKWARD_TILES / ATOMIC_BACKWARD_TILES
     bwd  det-base                           deterministic, BACKWARD_OPTIONS all off (as shipped)
     bwd  atomic-n128 / det-n128             128 key rows per CTA with 8 warps (FA2's shape)
     bwd  det-wide                           deterministic with wider steps (WIDE_DET_TILES, d128)
@@ -63,7 +63,7 @@ backward is timed as ``torch.autograd.grad`` on a retained graph.
         --flip fwd_even_loads fwd_unrolled_loads --write-table --budget 170
 
 To adopt a winner: edit ``DEFAULT_TILES`` / ``FORWARD_OPTIONS`` (forward) or
-``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/lower.py``; or,
+``ATOMIC_BACKWARD_TILES`` / ``BACKWARD_TILES`` (backward) in ``flashgen/families/tiles.py``; or,
 per GPU, ``--write-table`` records the forward winners (tiles and flipped switches) in
 ``flashgen/tuning/table.json``, which the op reads with the device name.
 Needs a CUDA GPU, torch, triton, CuPy and nvcc.  Exit status 0 when every variant that ran
@@ -85,14 +85,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from flashgen import lower  # noqa: E402  (no torch at import)
-from flashgen.lower import BackwardTiles, TileConfig  # noqa: E402
+
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families import fa2_bwd, fa2_fwd  # noqa: E402
+from flashgen.families.fa2_bwd import BACKWARD_OPTIONS  # noqa: E402
+from flashgen.families.fa2_fwd import FORWARD_OPTIONS  # noqa: E402
+from flashgen.families.registry import plan_backward, plan_forward  # noqa: E402
+from flashgen.families.tiles import (  # noqa: E402
+    BackwardTiles,  # noqa: E402
+    default_tiles,
+)
+from flashgen.options import Options  # noqa: E402
 
 #: Tiles the forward shipped with before this sweep (docs/perf-notes.md, 2026-11-29).
 BASE_TILES = {64: TileConfig(128, 64, 4), 128: TileConfig(128, 32, 4), 256: TileConfig(64, 64, 4)}
 #: Other forward tiles timed with the default switches, per head_dim: FA2's own forward
 #: tiles at d64 (128x128x4, spill-free since the pointer-chain loads,
-#: ``lower.uses_load_chain``) and d256 (128x64x8), and d128's runner-up of the 2026-11-29
+#: ``uses_load_chain``) and d256 (128x64x8), and d128's runner-up of the 2026-11-29
 #: tile sweep (docs/perf-notes.md); its clear losers (d64 64x64x4, d128 128x128x8,
 #: d256 64x32x4) are left out for time.
 ALT_TILES = {
@@ -125,7 +134,7 @@ CHECK_SHAPE = (2, 4, 2, 777, 1037)  # B, Hq, Hkv, Sq, Sk
 @dataclass(frozen=True)
 class Variant:
     """One kernel build: ``kind`` "fwd" or "bwd"; ``tiles`` None = the table's choice;
-    ``family`` the forward kernel family (:data:`flashgen.lower.FAMILIES`): "fa2" for every
+    ``family`` the forward kernel family (:data:`flashgen.FAMILIES`): "fa2" for every
     variant but ``fa3-default`` ("auto": the Hopper kernel on sm_90)."""
 
     kind: str
@@ -174,7 +183,7 @@ def candidate_variants(d: int, causal: bool, dtype: str) -> list[Variant]:
     times (and what the full sweep includes among its ablations)."""
     lazy = (("fwd_lazy_rescale", True),)
     out = [Variant("fwd", "default", d, causal, dtype)]
-    if not lower.FORWARD_OPTIONS["fwd_lazy_rescale"]:
+    if not FORWARD_OPTIONS["fwd_lazy_rescale"]:
         out.append(Variant("fwd", "+lazy", d, causal, dtype, None, lazy))
     out += [Variant("fwd", tile_name(t), d, causal, dtype, t) for t in ALT_TILES.get(d, [])]
     for t in ALT_LAZY.get(d, []):
@@ -203,20 +212,20 @@ def parse_tiles(text: str) -> TileConfig:
 
 
 def parse_flip(text: str) -> tuple[str, ...]:
-    """``"fwd_lazy_rescale+fwd_even_loads"`` -> the lower.FORWARD_OPTIONS keys flipped together."""
+    """``"fwd_lazy_rescale+fwd_even_loads"`` -> the FORWARD_OPTIONS keys flipped together."""
     keys = tuple(dict.fromkeys(text.split("+")))
-    bad = [k for k in keys if k not in lower.FORWARD_OPTIONS]
+    bad = [k for k in keys if k not in FORWARD_OPTIONS]
     if bad or not keys:
         raise argparse.ArgumentTypeError(
             f"bad --flip {text!r}: {', '.join(bad) or 'empty'} not in "
-            f"{', '.join(sorted(lower.FORWARD_OPTIONS))} (join keys with '+')"
+            f"{', '.join(sorted(FORWARD_OPTIONS))} (join keys with '+')"
         )
     return keys
 
 
 def switch_suffix(key: str) -> str:
     """``-unroll`` / ``+even``: the variant-name suffix of flipping ``key`` from its default."""
-    return ("-" if lower.FORWARD_OPTIONS[key] else "+") + SWITCH_LABELS.get(key, key)
+    return ("-" if FORWARD_OPTIONS[key] else "+") + SWITCH_LABELS.get(key, key)
 
 
 def tile_variants(
@@ -228,18 +237,18 @@ def tile_variants(
     flip_only: bool = False,
 ) -> list[Variant]:
     """``--tiles``: ``default`` and each listed tile config (one equal to the default's is
-    left out), each also with each ``--flip`` flipped from lower.FORWARD_OPTIONS (a key, or
+    left out), each also with each ``--flip`` flipped from FORWARD_OPTIONS (a key, or
     a tuple of keys flipped together; name suffix :func:`switch_suffix` per key).
     ``flip_only``: the listed tiles only with their flips
     (``default`` stays, with its flips)."""
-    dflt = lower.default_tiles(spec_for(d, causal, dtype))
+    dflt = default_tiles(spec_for(d, causal, dtype))
     out = []
     for t in [None, *dict.fromkeys(t for t in tiles if t != dflt)]:
         name = "default" if t is None else tile_name(t)
         if t is None or not flip_only:
             out.append(Variant("fwd", name, d, causal, dtype, t))
         for combo in dict.fromkeys((f,) if isinstance(f, str) else tuple(f) for f in flips):
-            flipped = tuple((key, not lower.FORWARD_OPTIONS[key]) for key in combo)
+            flipped = tuple((key, not FORWARD_OPTIONS[key]) for key in combo)
             suffix = "".join(switch_suffix(key) for key in combo)
             out.append(Variant("fwd", (name + suffix), d, causal, dtype, t, flipped))
     return out
@@ -248,7 +257,7 @@ def tile_variants(
 def fwd_variants(
     d: int, causal: bool, dtype: str, ablations: bool, hopper: bool = True
 ) -> list[Variant]:
-    off = tuple((k, False) for k in lower.FORWARD_OPTIONS)
+    off = tuple((k, False) for k in FORWARD_OPTIONS)
     out = [
         Variant("fwd", "base", d, causal, dtype, BASE_TILES[d], off),
         Variant("fwd", "default", d, causal, dtype),
@@ -260,7 +269,7 @@ def fwd_variants(
             ("fwd_fold_scale", "fold"),
             ("fwd_lazy_rescale", "lazy"),
         ):
-            now = lower.FORWARD_OPTIONS[key]
+            now = FORWARD_OPTIONS[key]
             name = ("-" if now else "+") + label
             out.append(Variant("fwd", name, d, causal, dtype, None, ((key, not now),)))
         names = {v.name for v in out}
@@ -277,7 +286,7 @@ def bwd_variants(d: int, causal: bool, dtype: str, ablations: bool) -> list[Vari
         Variant("bwd", "atomic-n128", d, causal, dtype, N128_TILES[d], atomic=True),
     ]
     if ablations:
-        off = tuple((k, False) for k in lower.BACKWARD_OPTIONS)
+        off = tuple((k, False) for k in BACKWARD_OPTIONS)
         out.append(Variant("bwd", "det-base", d, causal, dtype, None, off))
         out.append(Variant("bwd", "det-n128", d, causal, dtype, N128_TILES[d]))
         if d in WIDE_DET_TILES:
@@ -324,14 +333,16 @@ def build(v: Variant, target: str) -> Built:
     spec = spec_for(v.d, v.causal, v.dtype)
     opts = dict(v.options)
     if v.kind == "fwd":
-        plan = lower.plan_forward(spec, target, tiles=v.tiles, options=opts, family=v.family)
+        o = Options(family=v.family, fa2_fwd=fa2_fwd.Options(**opts))
+        plan = plan_forward(spec, target, o, tiles=v.tiles, persistent=False)
         if v.family == "fa2" and plan.template != FA2_TEMPLATE:
             raise RuntimeError(f"{v.key}: planned {plan.template}, not the FA2-class kernel")
         cubin, rep = cache.get_or_build(render(plan), plan)
         t = plan.tiles
         tiles = f"{t.block_m}x{t.block_n}x{t.num_warps}"
     else:
-        plan = lower.plan_backward(spec, target, atomic_dq=v.atomic, tiles=v.tiles, options=opts)
+        o = Options(fa2_bwd=fa2_bwd.Options(**opts))
+        plan = plan_backward(spec, target, o, atomic_dq=v.atomic, tiles=v.tiles)
         cubin, rep = cache.get_or_build(render(plan.unit), plan.unit)
         t = plan.tiles
         tiles = f"n{t.dkdv_block_n}m{t.dkdv_block_m}w{t.dkdv_warps}s{t.dkdv_dsplit}"
@@ -807,7 +818,7 @@ def table_winners(rows: list[dict]) -> dict[tuple, dict]:
 def write_table(winners: dict[tuple, dict], gpu: str, target: str, path) -> None:
     """Record each winner in the tuning table (flashgen/tuning) under its key on ``gpu``:
     tiles, the flipped template switches as ``options`` (applied with the tiles by
-    ``lower.plan_forward``), and the measurements next to FA2's."""
+    ``plan_forward``), and the measurements next to FA2's."""
     from flashgen import tuning
 
     print(f"\ntuning table ({path or tuning.table_path()}), FA2-class winners on {gpu}:")
@@ -846,8 +857,8 @@ def write_json(args, checks: dict, rows: list[dict], t0: float) -> None:
     doc = {
         "env": env,
         "args": {k: v for k, v in vars(args).items() if k != "json"},
-        "forward_options": lower.FORWARD_OPTIONS,
-        "backward_options": lower.BACKWARD_OPTIONS,
+        "forward_options": FORWARD_OPTIONS,
+        "backward_options": BACKWARD_OPTIONS,
         "checks": checks,
         "rows": rows,
         "seconds": time.perf_counter() - t0,
@@ -893,7 +904,7 @@ def parse(argv):
                     "64x64x4 128x48x8) instead of ALT_TILES / ALT_LAZY")  # fmt: skip
     ap.add_argument("--flip", nargs="+", default=[], type=parse_flip, metavar="KEY[+KEY...]",
                     help="with --tiles: also every tile config with each of these "
-                    "lower.FORWARD_OPTIONS switches flipped (one at a time; keys joined by "
+                    "FORWARD_OPTIONS switches flipped (one at a time; keys joined by "
                     "'+' flip together, e.g. fwd_lazy_rescale+fwd_even_loads)")  # fmt: skip
     ap.add_argument("--flip-only", action="store_true",
                     help="with --tiles and --flip: the listed tiles only with their flips "

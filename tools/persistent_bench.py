@@ -121,8 +121,8 @@ def prebuild(specs, modes) -> None:
 
     from flashgen.build import cache
     from flashgen.build.render import render
-    from flashgen.lower import plan_block_table
-    from flashgen.select import build_forward
+    from flashgen.families.build import build_forward
+    from flashgen.families.registry import plan_block_table
 
     gpu = torch.cuda.get_device_name()
 

@@ -30,8 +30,8 @@ def main() -> int:
     import torch
 
     from flashgen.bench import runner as bench
+    from flashgen.codegen.abi import needs_block_table
     from flashgen.frontend.spec import load_spec
-    from flashgen.lower import needs_block_table
     from flashgen.ops.op import TORCH_DTYPE, build_op
 
     if not torch.cuda.is_available():

@@ -43,11 +43,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from flashgen.MISSING import SIDE_TERMS_ENV
 
     from flashgen.bench import runner as bench
     from flashgen.frontend.spec import load_spec
     from flashgen.ops.op import TORCH_DTYPE, build_op
-    from flashgen.select import SIDE_TERMS_ENV
 
     if not torch.cuda.is_available():
         print("rowcol_bench needs a CUDA GPU", file=sys.stderr)

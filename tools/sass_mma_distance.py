@@ -194,13 +194,17 @@ def build(variant: str, dim: int, causal: bool, dtype: str, target: str):
     """(cubin path, registers, spill bytes) of one FA2-class forward build."""
     from flashgen.build import cache
     from flashgen.build.render import render
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.families import fa2_fwd
+    from flashgen.families.registry import plan_forward
     from flashgen.frontend.spec import loads_spec
-    from flashgen.lower import TileConfig, plan_forward
+    from flashgen.options import Options
 
     tiles, opts = parse_variant(variant)
     mask = "causal" if causal else "null"
     spec = loads_spec(f"name: mma_d{dim}\nhead_dim: {dim}\ndtype: {dtype}\nmask: {mask}\n")
-    plan = plan_forward(spec, target, tiles=TileConfig(*tiles), options=opts, family="fa2")
+    o = Options(family="fa2", fa2_fwd=fa2_fwd.Options(**opts))
+    plan = plan_forward(spec, target, o, tiles=TileConfig(*tiles), persistent=False)
     cubin, rep = cache.get_or_build(render(plan), plan)
     return str(cubin), max(k.registers for k in rep.kernels), rep.spill_bytes
 

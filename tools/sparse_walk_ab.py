@@ -90,9 +90,9 @@ def spied_op(spec) -> tuple:
 def run_case(item: str, args) -> bool:
     """Time and compare the modes on one case; True if the outputs are bitwise equal."""
     import torch
+    from flashgen.envflags import scoped_env
 
     from flashgen.bench.runner import capture_graph, graph_replay_ms, parse_spec_item
-    from flashgen.envflags import scoped_env
     from flashgen.frontend.spec import load_spec
     from flashgen.ops.op import poison_outputs
 

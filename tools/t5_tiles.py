@@ -30,8 +30,9 @@ import torch  # noqa: E402
 from flashgen.bench import runner as bench  # noqa: E402
 from flashgen.build import cache
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families import hopper_fwd  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.lower import TileConfig, plan_hopper_forward  # noqa: E402
 from flashgen.ops.op import build_op, kernel_values, validate  # noqa: E402
 from flashgen.ops.reference import attention_reference  # noqa: E402
 from flashgen.runtime import launch as runtime
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def build(spec, block_n: int):
-    plan = plan_hopper_forward(spec, "sm_90", TileConfig(128, block_n, 12))
+    plan = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(), tiles=TileConfig(128, block_n, 12))
     cubin, report = cache.get_or_build(render(plan), plan)
     return runtime.load(cubin, plan, torch.cuda.current_device()), report
 

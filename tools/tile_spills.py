@@ -32,9 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.registry import plan_backward, plan_forward  # noqa: E402
+from flashgen.families.tiles import BackwardTiles  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import BackwardTiles, TileConfig, plan_backward, plan_forward  # noqa: E402
 from flashgen.ops.varlen import varlen_spec  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 MODS = {
     "none": "",
@@ -63,7 +66,7 @@ def run(job):
     spec = mod if not isinstance(mod, str) else spec_for(d, dv, dtype, mod)
     if kind == "fwd":
         t = TileConfig(*tiles) if tiles else None
-        plan = plan_forward(spec, target, tiles=t, family=family)
+        plan = plan_forward(spec, target, Options(family=family), tiles=t, persistent=False)
     else:
         t = BackwardTiles(*tiles) if tiles else None
         plan = plan_backward(spec, target, atomic_dq=kind == "atomic", tiles=t).unit
