@@ -56,7 +56,7 @@ def prebuild(specs, device, *, backward: bool = False, atomic_dq: bool = False) 
     import torch
 
     from flashgen.ops.op import target_for_device
-    from flashgen.select import build_backward, build_forward
+    from flashgen.families.build import build_backward, build_forward
 
     gpu = torch.cuda.get_device_name(device)
     jobs = []

@@ -18,9 +18,12 @@ from flashgen.families.hopper_bwd import HOPPER_BWD_DQ_A
 from flashgen.options import DEFAULT, Options
 
 
-def _opts(family: str = "auto", fwd_switches: dict | None = None, **knobs) -> Options:
-    """Options for the legacy keyword knobs (False turns a feature off)."""
-    o = replace(DEFAULT, family=family)
+def _opts(
+    family: str = "auto", fwd_switches: dict | None = None, values: dict | None = None, **knobs
+) -> Options:
+    """Options for the keyword knobs (False turns a feature off); ``values``: more options
+    by dotted name (:meth:`flashgen.options.Options.with_values`)."""
+    o = replace(DEFAULT, family=family).with_values(values or {})
     if fwd_switches:
         unknown = sorted(set(fwd_switches) - set(FORWARD_OPTIONS))
         if unknown:
@@ -37,11 +40,13 @@ def _opts(family: str = "auto", fwd_switches: dict | None = None, **knobs) -> Op
 def plan_forward(
     spec, target, gpu=None, tiles=None, options=None, family="auto", persistent=False,
     side_terms=True, affine=True, mask_tiles=True, head_groups=True, warp_walk=True,
+    values=None,
 ) -> KernelPlan:  # fmt: skip
     """Keyword form of :func:`flashgen.families.registry.plan_forward` (``options``: a dict of
-    FA2-class template switches)."""
-    o = _opts(family, options, affine=affine, mask_tiles=mask_tiles, head_groups=head_groups,
-              warp_walk=warp_walk)  # fmt: skip
+    FA2-class template switches; ``values``: options by dotted name, e.g.
+    ``{"hopper_fwd.col_bound": False}``)."""
+    o = _opts(family, options, values, affine=affine, mask_tiles=mask_tiles,
+              head_groups=head_groups, warp_walk=warp_walk)  # fmt: skip
     return registry.plan_forward(
         spec, target, o, gpu=gpu, tiles=tiles, persistent=persistent, side_terms=side_terms
     )

@@ -5,7 +5,7 @@
 may record (128x64x8, 64x48x4, and FA2's own 64x64x4 on H100/H200).
 
 Each case writes a temporary table (``$FLASHGEN_TUNING_TABLE``) with the device's key, so
-the op plans the entry's tiles and switches itself (``lower.plan_forward`` with the GPU
+the op plans the entry's tiles and switches itself (``plan_forward`` with the GPU
 name), then compares with the float64 reference (tests/gpu/test_forward.py's ``check``):
 lengths that end mid-tile and on a tile boundary, Sq != Sk, GQA, (B, S, H, D) views.
 """
@@ -24,8 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check, shipped, variant  # noqa: E402
 
-from flashgen import lower, select, tuning  # noqa: E402
-from flashgen.lower import TileConfig, split_causal  # noqa: E402
+from flashgen import select, tuning  # noqa: E402
+
+from plan_helpers import plan_forward  # noqa: E402
+from flashgen.codegen.cuda_expr import split_causal  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +66,7 @@ def tabled(entry: str, tmp_path, monkeypatch, *, dtype=None, causal=None):
         path,
     )  # fmt: skip
     monkeypatch.setenv(tuning.ENV, str(path))
-    plan = lower.plan_forward(spec, target, gpu=gpu, family="fa2")
+    plan = plan_forward(spec, target, gpu=gpu, family="fa2")
     assert plan.tiles == tiles and plan.template == "sm_80/fwd.cu.j2"
     assert all(plan.context[k] == v for k, v in opts.items())
     return spec

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_hopper_bwd_gpu import poison_allocator  # noqa: E402
 
-from flashgen import lower  # noqa: E402
+from flashgen.MISSING import HEAD_GROUPS_ENV, SPARSE_TILES_ENV  # noqa: E402
 from flashgen.cli.commands import random_inputs  # noqa: E402
 from flashgen.envflags import POISON_ENV  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
@@ -65,7 +65,7 @@ def _ops(monkeypatch, mask, tag, budget):
 
 def _run(monkeypatch, op, groups: bool, fn):
     with monkeypatch.context() as m:
-        m.setenv(lower.HEAD_GROUPS_ENV, "1" if groups else "0")
+        m.setenv(HEAD_GROUPS_ENV, "1" if groups else "0")
         return fn(op)
 
 
@@ -77,7 +77,7 @@ def test_forward_matches_head_major(monkeypatch, kernel, case):
         monkeypatch.setenv(key, value)
     monkeypatch.setenv(POISON_ENV, "1")
     # the dense tiles at these short lengths too, so op.kernel(dev) is the kernel that ran
-    monkeypatch.setenv(lower.SPARSE_TILES_ENV, "0")
+    monkeypatch.setenv(SPARSE_TILES_ENV, "0")
     tag = f"f{kernel}{CASES.index(case)}"  # one spec name per mask and kernel
     spec, grouped, plain = _ops(monkeypatch, mask, tag, kv_heads * sk * 512)
     dev = torch.device("cuda")

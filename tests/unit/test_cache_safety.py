@@ -64,7 +64,7 @@ def _build_spec_worker(spec_path: str, barrier, queue) -> None:
     from flashgen.build import cache as c
     from flashgen.build.render import render
     from flashgen.frontend.spec import load_spec
-    from flashgen.lower import plan_forward
+    from plan_helpers import plan_forward
 
     try:
         plan = plan_forward(load_spec(spec_path), "sm_80")

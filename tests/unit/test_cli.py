@@ -123,12 +123,12 @@ def test_python_dash_m(tmp_path):
 
 def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     """A spec whose Hopper backward spills in both dQ variants builds the FA2-class unit
-    in its place (select.build_backward): the bwd_wgmma row must say so, not pass off the
+    in its place (family_build.build_backward): the bwd_wgmma row must say so, not pass off the
     fallback's registers as the wgmma kernel's."""
     import flashgen.cli.commands as cli
-    from flashgen import select
+    from flashgen.families import build as family_build
     from flashgen.build.compile import CompileReport, KernelResources
-    from flashgen.lower import plan_backward, plan_hopper_backward
+    from plan_helpers import plan_backward, plan_hopper_backward
 
     spec = load_spec(CAUSAL)
     fallback = plan_backward(spec, "sm_90")
@@ -137,14 +137,14 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     def fake(spec, target, *, atomic_dq=False, hopper=False):
         return fallback, Path("unit.cubin"), report
 
-    monkeypatch.setattr(select, "build_backward", fake)
+    monkeypatch.setattr(family_build, "build_backward", fake)
     res = cli._compile_one(spec, "sm_90", "bwd_wgmma")
     assert res.ok and res.note and "falls back" in res.note and "sm_80/bwd.cu.j2" in res.note
     assert res.to_dict()["note"] == res.note
     for unit in ("bwd", "bwd_atomic"):
         assert cli._compile_one(spec, "sm_90", unit).note is None
     hopper = plan_hopper_backward(spec, "sm_90")
-    monkeypatch.setattr(select, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
+    monkeypatch.setattr(family_build, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
     assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
 
 

@@ -24,7 +24,8 @@ from flashgen.build.compile import (
 )
 from flashgen.build.render import render
 from flashgen.frontend.spec import load_spec
-from flashgen.lower import compile_units, plan_backward, plan_forward
+from flashgen.families.registry import compile_units
+from plan_helpers import plan_backward, plan_forward
 
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 

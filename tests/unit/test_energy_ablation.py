@@ -9,7 +9,7 @@ from patched_kernels import REPO, compile_source, load_tool
 
 from flashgen.build.render import render
 from flashgen.frontend.spec import load_spec
-from flashgen.lower import plan_forward
+from plan_helpers import plan_forward
 
 
 def _tool():

@@ -24,7 +24,8 @@ from flashgen import SpecError, loads_spec
 from flashgen.build.render import render
 from flashgen.frontend.ir import Ty
 from flashgen.frontend.parse import parse_expr
-from flashgen.lower import Invariants, cuda_expr, plan_forward
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr
+from plan_helpers import plan_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
 

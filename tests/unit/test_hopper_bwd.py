@@ -19,15 +19,12 @@ from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
-    HOPPER_BWD_DQ_A_ENV,
-    HOPPER_BWD_TILES,
-    HOPPER_BWD_TILES_SPLIT_D,
-    HOPPER_SMEM_LIMIT,
-    compile_units,
-    hopper_bwd_eligible,
-    plan_hopper_backward,
-)
+from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV
+from flashgen.families.common import HOPPER_SMEM_LIMIT
+from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
+from flashgen.families.registry import compile_units
+from flashgen.families.tiles import HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
+from plan_helpers import plan_hopper_backward
 from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path
 from flashgen.ops.varlen import varlen_spec
 
@@ -227,7 +224,7 @@ D256 = ("alibi", "mistral_swa", "chunked_local", "prefix_lm")  # shipped masks a
 def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
     """About 1-2 s per unit on 2 idle cores.  alibi, chunked_local and prefix_lm sit at
     253-255 registers at d128: a template change that adds any may tip them into spills
-    (then select.build_backward falls back to the FA2-class kernels for them).  At d256
+    (then family_build.build_backward falls back to the FA2-class kernels for them).  At d256
     (the split layout) the units use 220-249 (chunked_local with ldmatrix the most)."""
     spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
     plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
@@ -458,11 +455,11 @@ def test_split_ldmatrix_rows_of_the_ds_fragments():
 
 
 def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
-    """select.build_backward(hopper=True): the environment's dQ variant, then the other,
+    """family_build.build_backward(hopper=True): the environment's dQ variant, then the other,
     then (both spilling) the FA2-class unit that ``atomic_dq`` selects."""
     import types
 
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     tried = []
 
@@ -471,23 +468,23 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
         spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
         return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
 
-    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
+    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
     monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
     assert tried[:2] == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
     assert report.spill_bytes == 0
-    plan, _, _ = select.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
+    plan, _, _ = family_build.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
 
 
 def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
-    """select.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
+    """family_build.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
     build_forward does; ``flashgen build`` fails such a unit): the other dQ variant, then
     the FA2-class unit."""
     import types
 
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     tried = []
 
@@ -497,9 +494,9 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
         serialized = (plan.kernel_name,) if hopper_first else ()
         return "x.cubin", types.SimpleNamespace(spill_bytes=0, wgmma_serialized=serialized)
 
-    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
+    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
     monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
     assert tried == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and not plan.dkdv.context["dq_ldmatrix"]
     assert not report.wgmma_serialized
@@ -507,22 +504,22 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
 
 @pytest.mark.parametrize("spills", [True, False])
 def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
-    """backward.kernels on the "hopper" path: when select.build_backward returns the
+    """backward.kernels on the "hopper" path: when family_build.build_backward returns the
     FA2-class unit (every Hopper variant spilled), one RuntimeWarning names the spec and
     what runs instead; a Hopper unit warns nothing.  Fakes for the GPU and the compiler."""
     import warnings
 
     import torch
 
-    from flashgen import select
-    from flashgen.lower import plan_backward
+    from flashgen.families import build as family_build
+    from plan_helpers import plan_backward
     from flashgen.ops import op as op_mod
     from flashgen.ops.op import build_op
     from flashgen.runtime import launch as runtime
 
     spec = dataclasses.replace(shipped("causal_d128"), name=f"hb_fallback_{spills}".lower())
     plan = plan_backward(spec, "sm_90") if spills else plan_hopper_backward(spec, "sm_90")
-    monkeypatch.setattr(select, "build_backward", lambda *a, **k: (plan, "unit.cubin", None))
+    monkeypatch.setattr(family_build, "build_backward", lambda *a, **k: (plan, "unit.cubin", None))
     monkeypatch.setattr(runtime, "load", lambda cubin, kp, index: kp.kernel_name)
     monkeypatch.setattr(op_mod, "target_for_device", lambda spec, device: "sm_90")
     bwd = build_op(spec).backward

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.lower import cuda_expr  # noqa: E402
+from flashgen.codegen.cuda_expr import cuda_expr  # noqa: E402
 from flashgen.ops.reference import attention_reference  # noqa: E402
 
 SPEC = """

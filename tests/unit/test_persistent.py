@@ -14,22 +14,22 @@ import pytest
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
+from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, persistent_forward
+from flashgen.families.common import (
     GRID_GROUPS_MAX,
-    HOPPER_PERSISTENT_REGS,
-    HOPPER_REGS,
     HOPPER_SMEM_LIMIT,
     PERSISTENT_SCHEDULERS,
-    PERSISTENT_WARP_WALK_ENV,
     grid_tile_coord,
     grouped_grid,
     head_group,
-    persistent_forward,
-    persistent_tile_order,
-    plan_forward,
-    plan_hopper_forward,
     tile_coord,
 )
+from flashgen.families.hopper_fwd import (
+    HOPPER_PERSISTENT_REGS,
+    HOPPER_REGS,
+    persistent_tile_order,
+)
+from plan_helpers import plan_forward, plan_hopper_forward
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -114,7 +114,7 @@ def test_block_table_masks_default_to_the_dynamic_scheduler(monkeypatch):
     """Unset, FLASHGEN_PERSISTENT means ``dynamic`` for a mask that reads tensors (a block
     table: document_mask) and off for the others; set, it holds for every spec.  The CI
     compile unit (lower.compile_units' ``fwd``) follows it."""
-    from flashgen.lower import compile_units
+    from flashgen.families.registry import compile_units
 
     doc = load_spec(REPO / "specs" / "document_mask.yaml")
     swa = load_spec(REPO / "specs" / "mistral_swa.yaml")
@@ -374,10 +374,10 @@ def test_persistent_render(monkeypatch):
 
 # ----------------------------------------------------------------------------- nvcc
 def _build(job):
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     spec, scheduler = job
-    plan, _, report = select.build_forward(spec, "sm_90", persistent=scheduler)
+    plan, _, report = family_build.build_forward(spec, "sm_90", persistent=scheduler)
     assert plan.template == "sm_90/fwd.cu.j2" and plan.context["persistent"]
     assert plan.tiles == plan_forward(spec, "sm_90").tiles, (spec.name, plan.tiles)
     return spec.name, spec.head_dim, scheduler, report
@@ -406,10 +406,10 @@ def _build_first(job):
 
 def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
     """The persistent producer's warp-wide walk (``warp_walk``) at its planned tiles with
-    every feature on (no fallback of select.build_forward): no spills, no serialized wgmma,
+    every feature on (no fallback of family_build.build_forward): no spills, no serialized wgmma,
     for every spec and head-dim variant (static), the shipped specs (dynamic) and the
     sparse-call kernels (lower.sparse_tiles, dynamic; chunked_local's divides)."""
-    from flashgen.lower import sparse_tiles
+    from flashgen.families.tiles import sparse_tiles
 
     jobs = [(s, "static", None) for s in _all_specs()]
     jobs += [(load_spec(p), "dynamic", None) for p in SPECS]

@@ -6,8 +6,9 @@ from __future__ import annotations
 from flashgen.build import cache
 from flashgen.build.render import render
 from flashgen.frontend.spec import loads_spec
-from flashgen.lower import TileConfig, forward_tile_candidates, plan_forward
-from flashgen.select import build_backward, build_forward
+from flashgen.codegen.plan import TileConfig
+from plan_helpers import forward_tile_candidates, plan_forward
+from flashgen.families.build import build_backward, build_forward
 
 RELPOS = """\
 name: prefix_lm_relpos
@@ -72,7 +73,7 @@ def test_every_forward_candidate_lowers():
     (not a multiple of 16) raised ValueError, ending the fallback search at its first spill."""
     import itertools
 
-    from flashgen.lower import SMEM_LIMIT
+    from flashgen.families.common import SMEM_LIMIT
 
     for d, dv, mod, varlen in itertools.product(HEAD_DIMS, HEAD_DIMS, (0, 1), (0, 1)):
         spec = loads_spec(
@@ -146,7 +147,8 @@ def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_n
     does not.  The sparse calls' default kernel (persistent ``dynamic``,
     lower.sparse_persistent) keeps the 128 x 128 Hopper tiles with the serial walk, not the
     FA2-class 64 x 64 ones every warp-walk variant fell back to."""
-    from flashgen.lower import PERSISTENT_WARP_WALK_ENV, sparse_persistent, sparse_tiles
+    from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, sparse_persistent
+    from flashgen.families.tiles import sparse_tiles
 
     monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
     monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)

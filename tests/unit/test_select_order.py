@@ -1,4 +1,4 @@
-"""The order in which :func:`flashgen.select.build_forward` tries a tile candidate's feature
+"""The order in which :func:`flashgen.family_build.build_forward` tries a tile candidate's feature
 variants (row / column terms, affine split, Hopper masked-tile reductions, head groups, the
 persistent producer's warp-wide walk), with
 nvcc replaced by a recorder whose every kernel spills (so every variant is tried): the distinct
@@ -16,12 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen import select
+from flashgen.families import build as family_build
 from flashgen.build import cache
 from flashgen.build.render import render
 from flashgen.envflags import SIDE_TERMS_ENV, flag
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import HEAD_GROUPS_ENV, forward_tile_candidates, plan_forward
+from flashgen.MISSING import HEAD_GROUPS_ENV
+from plan_helpers import forward_tile_candidates, plan_forward
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -103,7 +104,7 @@ def test_build_order_is_the_old_loops(spec, head_groups, monkeypatch):
         new: list = []
         monkeypatch.setattr(cache, "get_or_build", _recorder(new))
         try:
-            plan, cubin, report = select.build_forward(
+            plan, cubin, report = family_build.build_forward(
                 spec, target, family=family, persistent=persistent
             )
         except ValueError:  # not lowerable for this target / family (e.g. varlen Hopper)

@@ -14,7 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import lower  # noqa: E402
+from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, SPARSE_PERSISTENT_ENV, SPARSE_TILES_ENV, sparse_persistent  # noqa: E402
+
+from flashgen.families.tiles import SPARSE_KEYS_PER_ROW, sparse_tiles  # noqa: E402
+
+from plan_helpers import plan_forward  # noqa: E402
 from flashgen.bench.runner import parse_spec_item  # noqa: E402
 from flashgen.envflags import scoped_env  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
@@ -36,9 +40,9 @@ def test_modes_plan_the_expected_kernels(monkeypatch):
     tool = _tool()
     names = {n for env in tool.MODES.values() for n in env} | set(tool.BASE_ENV)
     assert names == {
-        lower.SPARSE_PERSISTENT_ENV,
-        lower.PERSISTENT_WARP_WALK_ENV,
-        lower.SPARSE_TILES_ENV,
+        SPARSE_PERSISTENT_ENV,
+        PERSISTENT_WARP_WALK_ENV,
+        SPARSE_TILES_ENV,
         "FLASHGEN_PERSISTENT",
         "FLASHGEN_KERNEL_FAMILY",
     }
@@ -47,12 +51,12 @@ def test_modes_plan_the_expected_kernels(monkeypatch):
     for item in tool.DEFAULT_CASES:
         name, params = parse_spec_item(item)
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
-        tiles = lower.sparse_tiles(spec, lower.plan_forward(spec, "sm_90").tiles)
+        tiles = sparse_tiles(spec, plan_forward(spec, "sm_90").tiles)
         assert (tiles.block_m, tiles.block_n) == (128, 128), item
         for mode, env in tool.MODES.items():
             with scoped_env({**tool.BASE_ENV, **env}):
-                sched = lower.sparse_persistent()
-                plan = lower.plan_forward(spec, "sm_90", tiles=tiles, persistent=sched)
+                sched = sparse_persistent()
+                plan = plan_forward(spec, "sm_90", tiles=tiles, persistent=sched)
             got = (plan.context["scheduler"], plan.context["warp_walk"])
             assert got == tool.EXPECT[mode], (item, mode, got)
         assert all(n not in os.environ for n in names)  # restored
@@ -66,7 +70,7 @@ def test_default_cases_are_sparse_calls():
         name, params = parse_spec_item(item)
         spec = load_spec(REPO / "specs" / f"{name}.yaml")
         scalars = tuple(params.get(p.name, p.default) for p in spec.scalar_params)
-        assert keys_per_row(spec, 16384, 16384, scalars) < lower.SPARSE_KEYS_PER_ROW / 2, item
+        assert keys_per_row(spec, 16384, 16384, scalars) < SPARSE_KEYS_PER_ROW / 2, item
 
 
 def test_parse_spec_item_and_no_gpu(monkeypatch):

@@ -19,7 +19,7 @@ from host_cxx import preamble
 
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import Invariants, cuda_expr, index_in_bounds
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr, index_in_bounds
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "specs"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flashgen.build.compile import find_nvcc
-from flashgen.lower import (
+from flashgen.families.common import (
     HEAD_GROUP_L2_BYTES,
     grid_tile_coord,
     grouped_grid,

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 from flashgen.build.render import render  # noqa: E402
 from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import compile_units, plan_backward, plan_forward  # noqa: E402
+from flashgen.families.registry import compile_units  # noqa: E402
+from plan_helpers import plan_backward, plan_forward  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 from flashgen.ops.reference import attention_reference, attention_reference_varlen  # noqa: E402
 from flashgen.ops.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
@@ -139,7 +140,7 @@ def test_varlen_source_reads_offsets_and_exits_past_the_sequence():
 def test_varlen_kernels_compile_without_spills(name, requires_nvcc):
     """What the op builds (the spill fallback of flashgen.select included): every varlen
     kernel, forward and both backward paths, for both targets, without spills."""
-    from flashgen.select import build_backward, build_forward
+    from flashgen.families.build import build_backward, build_forward
 
     spec = varlen_spec(shipped(name))
     for target in ("sm_80", "sm_90"):
