@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 import numbers
 import os
@@ -444,6 +445,8 @@ class AttentionOp:
         #: the :class:`flashgen.options.Options` that pick this op's kernels
         self.options = options
         self.name = spec.name
+        #: the spec's own name (``name`` is the registered one, see :func:`registered_name`)
+        self.base_name = spec.name
         self.qualname = f"flashgen::{spec.name}"
         self._kernels: dict[tuple[int, str], object] = {}
         #: whether a call may run the sparse-mask tiles (lower.sparse_tiles of the Hopper
@@ -469,20 +472,13 @@ class AttentionOp:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
 
     def with_options(self, options: Options) -> AttentionOp:
-        """This op bound to ``options`` (:class:`flashgen.options.Options`): the same spec and
-        registered operator, the kernels ``options`` pick (built and cached per options).
-        ``torch.ops.flashgen.<name>`` itself keeps running the first op's options; call
-        :meth:`attention` of the returned op."""
+        """The op of this spec bound to ``options`` (:class:`flashgen.options.Options`):
+        :func:`build_op` of the spec under its own name, so its :meth:`attention`,
+        :attr:`varlen` and ``torch.ops.flashgen.<its name>`` all run the kernels ``options``
+        pick."""
         if options == self.options:
             return self
-        with self._kernel_lock:
-            views = self.__dict__.setdefault("_option_views", {})
-            view = views.get(options)
-            if view is None:
-                view = type(self)(self.spec, options)
-                view.backward = type(self.backward)(view) if hasattr(self, "backward") else None
-                views[options] = view
-        return view
+        return build_op(replace(self.spec, name=self.base_name), options)
 
     @property
     def torch_op(self):
@@ -501,7 +497,9 @@ class AttentionOp:
         if self._varlen_op is None:  # built once, outside any torch.compile trace after that
             from flashgen.ops.varlen import varlen_spec
 
-            self._varlen_op = build_op(varlen_spec(self.spec), self.options)
+            self._varlen_op = _build_op(
+                varlen_spec(self.spec), self.options, self.base_name + "__varlen"
+            )
         return self._varlen_op
 
     @property
@@ -1175,22 +1173,38 @@ def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
     return replace(a, path="", description="") == replace(b, path="", description="")
 
 
+def registered_name(name: str, options: Options = DEFAULT) -> str:
+    """The operator name of spec ``name`` bound to ``options``: ``name`` for the defaults,
+    else ``<name>__o<first 8 hex digits of sha256(options.key())>`` -- its own operator (with
+    its own ``__backward`` and ``__varlen`` ops), so ``torch.ops.flashgen.<that name>`` (and
+    ``torch.compile``) runs the kernels ``options`` pick, not the default op's."""
+    if options == DEFAULT:
+        return name
+    return f"{name}__o{hashlib.sha256(options.key().encode()).hexdigest()[:8]}"
+
+
 def build_op(spec: ir.Spec, options: Options = DEFAULT) -> AttentionOp:
-    """Register ``torch.ops.flashgen.<spec.name>`` for a checked spec and return its op.
+    """Register ``torch.ops.flashgen.<registered_name(spec.name, options)>`` for a checked
+    spec and return its op (:func:`registered_name`: ``spec.name`` for the default options).
 
     Idempotent per process: building an equal spec again (file path and description
-    aside) with equal ``options`` returns the op already registered; other options give
-    another op of the same registered operator whose :meth:`AttentionOp.attention` runs
-    the kernels those options pick.  Raises ``ValueError`` if a different spec
-    with the same name is already registered in this process.
+    aside) with equal ``options`` returns the op already registered; other options register
+    another operator (its ``spec.name`` is the registered name; ``base_name`` the spec's).
+    Raises ``ValueError`` if a different spec with the same name is already registered in
+    this process.
     """
+    base = spec.name
+    if options != DEFAULT:
+        spec = replace(spec, name=registered_name(spec.name, options))
+    return _build_op(spec, options, base)
+
+
+def _build_op(spec: ir.Spec, options: Options, base_name: str) -> AttentionOp:
     with _REG_LOCK:
         existing = _REGISTRY.get(spec.name)
         if existing is not None:
-            if _same_spec(existing.spec, spec):
-                if existing.options == options:
-                    return existing
-                return existing.with_options(options)
+            if _same_spec(existing.spec, spec) and existing.options == options:
+                return existing
             raise ValueError(
                 f"a different spec named {spec.name!r} is already registered as "
                 f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
@@ -1203,6 +1217,7 @@ def build_op(spec: ir.Spec, options: Options = DEFAULT) -> AttentionOp:
 
             op_cls = AttentionOp
         op = op_cls(spec, options)
+        op.base_name = base_name
         lib = _library()
         lib.define(schema(spec))
         lib.impl(spec.name, op._cuda_impl, "CUDA")
@@ -1215,7 +1230,7 @@ def build_op(spec: ir.Spec, options: Options = DEFAULT) -> AttentionOp:
             from flashgen.ops.varlen import varlen_spec
 
             try:
-                op._varlen_op = build_op(varlen_spec(spec), options)
+                op._varlen_op = _build_op(varlen_spec(spec), options, base_name + "__varlen")
             except SpecError:
                 pass  # no varlen form; `op.varlen` raises the error on access
         return op
