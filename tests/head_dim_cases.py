@@ -55,8 +55,8 @@ def prebuild(specs, device, *, backward: bool = False, atomic_dq: bool = False) 
 
     import torch
 
-    from flashgen.ops.op import target_for_device
     from flashgen.families.build import build_backward, build_forward
+    from flashgen.ops.op import target_for_device
 
     gpu = torch.cuda.get_device_name(device)
     jobs = []

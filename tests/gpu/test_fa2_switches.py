@@ -22,11 +22,10 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from plan_helpers import plan_forward  # noqa: E402
 from test_forward import check, shipped, variant  # noqa: E402
 
 from flashgen import select, tuning  # noqa: E402
-
-from plan_helpers import plan_forward  # noqa: E402
 from flashgen.codegen.cuda_expr import split_causal  # noqa: E402
 from flashgen.codegen.plan import TileConfig  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402

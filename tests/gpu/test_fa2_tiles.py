@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_forward import check, shipped, variant  # noqa: E402
 
+from flashgen.codegen.plan import TileConfig  # noqa: E402
 from flashgen.families import build as family_build  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
-from flashgen.codegen.plan import TileConfig  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +59,7 @@ def tiled(name: str, **kw) -> ir.Spec:
 def test_candidate_tiles_compile_spill_free(name):
     spec = tiled(name)
     target = target_for_device(spec, torch.device("cuda"))
-    plan, _, report = family_build.build_forward(spec, target, family="fa2")
+    plan, _, report = family_build.build_forward(spec, target, options=Options(family="fa2"))
     assert plan.template == "sm_80/fwd.cu.j2"
     assert plan.tiles == CANDIDATES[name]
     assert report.spill_bytes == 0, f"{name} at {plan.tiles} spills {report.spill_bytes} B"

@@ -22,11 +22,11 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV  # noqa: E402
 from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
 from flashgen.cli.commands import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = [
@@ -154,9 +154,10 @@ def prebuilt():
     import os
     from concurrent.futures import ThreadPoolExecutor
 
+    from plan_helpers import plan_hopper_backward
+
     from flashgen.build import cache
     from flashgen.build.render import render
-    from plan_helpers import plan_hopper_backward
     from flashgen.families.build import build_forward
 
     dims = (64, 128, 256)

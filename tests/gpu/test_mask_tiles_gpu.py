@@ -26,9 +26,6 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_forward import check  # noqa: E402
-
-from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.MISSING import (
     CAUSAL_TILES_ENV,
     COL_LIMIT_ENV,
@@ -36,6 +33,9 @@ from flashgen.MISSING import (
     SINGLE_WALK_ENV,
     WALK_FROM_DIAGONAL_ENV,
 )  # noqa: E402
+from test_forward import check  # noqa: E402
+
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

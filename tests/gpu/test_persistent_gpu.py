@@ -63,8 +63,8 @@ def prebuild():
 
     from flashgen.build import cache
     from flashgen.build.render import render
-    from flashgen.families.registry import plan_block_table
     from flashgen.families.build import build_forward
+    from flashgen.families.registry import plan_block_table
 
     gpu = torch.cuda.get_device_name()
     specs = [shipped(n) for n in SPECS] + [PER_HEAD]

@@ -20,15 +20,15 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_forward import check  # noqa: E402
-
-from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.MISSING import (
     PERSISTENT_WARP_WALK_ENV,
     SPARSE_PERSISTENT_ENV,
     SPARSE_TILES_ENV,
 )  # noqa: E402
+from test_forward import check  # noqa: E402
+
 from flashgen.families.tiles import SPARSE_KEYS_PER_ROW  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.ops import density  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 

@@ -20,11 +20,12 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from flashgen.envflags import POISON_ENV  # noqa: E402
+from flashgen.MISSING import HEAD_GROUPS_ENV, SPARSE_TILES_ENV  # noqa: E402
 from test_hopper_bwd_gpu import poison_allocator  # noqa: E402
 
-from flashgen.MISSING import HEAD_GROUPS_ENV, SPARSE_TILES_ENV  # noqa: E402
 from flashgen.cli.commands import random_inputs  # noqa: E402
-from flashgen.envflags import POISON_ENV  # noqa: E402
+from flashgen.families import common as families_common  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 
@@ -56,7 +57,7 @@ def _spec(mask: str, tag: str):
 
 def _ops(monkeypatch, mask, tag, budget):
     """Two ops of the same spec: head groups of ``budget`` bytes, and head-major."""
-    monkeypatch.setattr(lower, "HEAD_GROUP_L2_BYTES", budget)
+    monkeypatch.setattr(families_common, "HEAD_GROUP_L2_BYTES", budget)
     spec = _spec(mask, tag)
     grouped = build_op(dataclasses.replace(spec, name=f"{spec.name}_grouped"))
     plain = build_op(dataclasses.replace(spec, name=f"{spec.name}_plain"))

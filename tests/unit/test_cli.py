@@ -125,10 +125,11 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     """A spec whose Hopper backward spills in both dQ variants builds the FA2-class unit
     in its place (family_build.build_backward): the bwd_wgmma row must say so, not pass off the
     fallback's registers as the wgmma kernel's."""
-    import flashgen.cli.commands as cli
-    from flashgen.families import build as family_build
-    from flashgen.build.compile import CompileReport, KernelResources
     from plan_helpers import plan_backward, plan_hopper_backward
+
+    import flashgen.cli.commands as cli
+    from flashgen.build.compile import CompileReport, KernelResources
+    from flashgen.families import build as family_build
 
     spec = load_spec(CAUSAL)
     fallback = plan_backward(spec, "sm_90")

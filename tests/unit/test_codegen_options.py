@@ -9,18 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from plan_helpers import choose_tiles, plan_backward, plan_forward
 
-from flashgen.families.fa2_bwd import BACKWARD_OPTIONS
-
-from flashgen.families.fa2_fwd import FORWARD_OPTIONS, LAZY_RESCALE_HEAD_DIMS, uses_load_chain
-
-from flashgen.families.tiles import DEFAULT_TILES, HOPPER_TILES, MASK_TILES, default_tiles
-
-from plan_helpers import choose_tiles
 from flashgen.build.render import render
-from flashgen.frontend.spec import loads_spec
 from flashgen.codegen.plan import TileConfig
-from plan_helpers import plan_backward, plan_forward
+from flashgen.families import fa2_fwd
+from flashgen.families.fa2_bwd import BACKWARD_OPTIONS
+from flashgen.families.fa2_fwd import FORWARD_OPTIONS, uses_load_chain
+from flashgen.families.tiles import DEFAULT_TILES, HOPPER_TILES, MASK_TILES, default_tiles
+from flashgen.frontend.spec import loads_spec
 from flashgen.ops.varlen import varlen_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -166,7 +163,7 @@ def test_load_chain_rule():
 
 def test_lazy_rescale_head_dims(monkeypatch):
     """LAZY_RESCALE_HEAD_DIMS turns fwd_lazy_rescale on per head dim; options= still wins."""
-    monkeypatch.setattr(lower, "LAZY_RESCALE_HEAD_DIMS", frozenset({64}))
+    monkeypatch.setattr(fa2_fwd, "LAZY_RESCALE_HEAD_DIMS", frozenset({64}))
     assert plan_forward(_spec(d=64), "sm_80").context["fwd_lazy_rescale"] is True
     assert plan_forward(_spec(d=128), "sm_80").context["fwd_lazy_rescale"] is False
     off = plan_forward(_spec(d=64), "sm_80", options={"fwd_lazy_rescale": False})

@@ -12,12 +12,11 @@ torch = pytest.importorskip("torch")
 
 from flashgen.MISSING import SPARSE_PERSISTENT_ENV, SPARSE_TILES_ENV, sparse_persistent  # noqa: E402
 
+from flashgen.codegen.plan import TileConfig  # noqa: E402
 from flashgen.families.registry import compile_units  # noqa: E402
-
 from flashgen.families.tiles import sparse_tiles  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.codegen.plan import TileConfig  # noqa: E402
 from flashgen.ops import density  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

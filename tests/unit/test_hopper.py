@@ -10,17 +10,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from plan_helpers import forward_tile_candidates, plan_forward, plan_hopper_forward
 
 from flashgen.build import cache
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
-from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.codegen.plan import TileConfig, is_hopper_tiles
 from flashgen.families.blocktable import block_table_shape
 from flashgen.families.hopper_fwd import eligible as hopper_eligible
 from flashgen.families.registry import plan_block_table
 from flashgen.families.tiles import HOPPER_TABLE_TILES, HOPPER_TILES, hopper_tiles
-from plan_helpers import forward_tile_candidates, plan_forward, plan_hopper_forward
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.ops.varlen import varlen_spec
 from flashgen.runtime import tma
 from flashgen.runtime.launch import kernel_args

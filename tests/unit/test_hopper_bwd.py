@@ -13,18 +13,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV
+from plan_helpers import plan_hopper_backward
 
 from flashgen.build import cache
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
-from flashgen.frontend import ir
-from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV
 from flashgen.families.common import HOPPER_SMEM_LIMIT
 from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
 from flashgen.families.registry import compile_units
 from flashgen.families.tiles import HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
-from plan_helpers import plan_hopper_backward
+from flashgen.frontend import ir
+from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path
 from flashgen.ops.varlen import varlen_spec
 
@@ -510,9 +510,9 @@ def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
     import warnings
 
     import torch
+    from plan_helpers import plan_backward
 
     from flashgen.families import build as family_build
-    from plan_helpers import plan_backward
     from flashgen.ops import op as op_mod
     from flashgen.ops.op import build_op
     from flashgen.runtime import launch as runtime

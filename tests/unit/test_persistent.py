@@ -10,11 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, persistent_forward
+from plan_helpers import plan_forward, plan_hopper_forward
 
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
-from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, persistent_forward
 from flashgen.families.common import (
     GRID_GROUPS_MAX,
     HOPPER_SMEM_LIMIT,
@@ -29,7 +29,7 @@ from flashgen.families.hopper_fwd import (
     HOPPER_REGS,
     persistent_tile_order,
 )
-from plan_helpers import plan_forward, plan_hopper_forward
+from flashgen.frontend.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))

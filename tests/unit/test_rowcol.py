@@ -15,18 +15,22 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.MISSING import _forward_context  # noqa: E402
-
-from flashgen.codegen.plan import TileConfig  # noqa: E402
-
-from flashgen.families.tiles import BackwardTiles, backward_tile_candidates, default_tiles, hopper_tiles  # noqa: E402
-
 from plan_helpers import forward_tile_candidates, plan_backward, plan_forward, plan_hopper_forward  # noqa: E402
+
 from flashgen.analysis import rowcol  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.common import forward_context as _forward_context  # noqa: E402
+from flashgen.families.tiles import (  # noqa: E402
+    BackwardTiles,
+    backward_tile_candidates,
+    default_tiles,
+    hopper_tiles,
+)
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.ops.reference import _env, eval_expr  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 PARAMS = (
     "params:\n"
@@ -369,9 +373,9 @@ def test_fa2_backward_term_indices_replay(kernel, rows, cols):
 def test_select_backward_drops_terms_only_where_they_spill(monkeypatch):
     """family_build.build_backward: all kernels with terms first; a kernel that spills with them
     is retried without (the others keep theirs), before any narrower tiles."""
-    from flashgen.families import build as family_build
     from flashgen.build import cache
     from flashgen.build.compile import CompileReport, KernelResources
+    from flashgen.families import build as family_build
 
     seen = []
 
@@ -392,8 +396,7 @@ def test_select_backward_drops_terms_only_where_they_spill(monkeypatch):
     assert seen == [(True, True, 32), (False, True, 32)]
     assert plan.dq.context["dq_side_terms"] and not plan.dkdv.context["dkdv_side_terms"]
     seen.clear()
-    monkeypatch.setenv(select.SIDE_TERMS_ENV, "0")
-    family_build.build_backward(_doc_spec(), "sm_80")
+    family_build.build_backward(_doc_spec(), "sm_80", options=Options(side_terms=False))
     assert seen == [(False, False, 32)]
 
 
@@ -418,7 +421,7 @@ def test_select_fa2_forward_keeps_terms_without_spills(requires_nvcc, mask, targ
 
     spec = _doc_spec(d, mask)
     first = forward_tile_candidates(spec, target, family="fa2")[0]
-    plan, _, report = family_build.build_forward(spec, target, family="fa2")
+    plan, _, report = family_build.build_forward(spec, target, options=Options(family="fa2"))
     assert report.spill_bytes == 0, report
     assert plan.template == "sm_80/fwd.cu.j2" and plan.tiles == first
     assert plan.context["row_terms"] and plan.context["col_terms"]

@@ -21,8 +21,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import flashgen  # noqa: E402
 from plan_helpers import plan_forward  # noqa: E402
+
+import flashgen  # noqa: E402
 from flashgen.ops import op as op_mod  # noqa: E402
 from flashgen.ops.op import kernel_values, validate  # noqa: E402
 from flashgen.runtime import launch as runtime  # noqa: E402

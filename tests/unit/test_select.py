@@ -3,12 +3,13 @@ the tile tables leave free still builds, with smaller tiles, and never spills.""
 
 from __future__ import annotations
 
+from plan_helpers import forward_tile_candidates, plan_forward
+
 from flashgen.build import cache
 from flashgen.build.render import render
-from flashgen.frontend.spec import loads_spec
 from flashgen.codegen.plan import TileConfig
-from plan_helpers import forward_tile_candidates, plan_forward
 from flashgen.families.build import build_backward, build_forward
+from flashgen.frontend.spec import loads_spec
 
 RELPOS = """\
 name: prefix_lm_relpos
@@ -148,6 +149,7 @@ def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_n
     lower.sparse_persistent) keeps the 128 x 128 Hopper tiles with the serial walk, not the
     FA2-class 64 x 64 ones every warp-walk variant fell back to."""
     from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, sparse_persistent
+
     from flashgen.families.tiles import sparse_tiles
 
     monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)

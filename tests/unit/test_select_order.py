@@ -15,14 +15,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from flashgen.families import build as family_build
-from flashgen.build import cache
-from flashgen.build.render import render
 from flashgen.envflags import SIDE_TERMS_ENV, flag
-from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.MISSING import HEAD_GROUPS_ENV
 from plan_helpers import forward_tile_candidates, plan_forward
+
+from flashgen.build import cache
+from flashgen.build.render import render
+from flashgen.families import build as family_build
+from flashgen.frontend.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))

@@ -14,13 +14,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, SPARSE_PERSISTENT_ENV, SPARSE_TILES_ENV, sparse_persistent  # noqa: E402
-
-from flashgen.families.tiles import SPARSE_KEYS_PER_ROW, sparse_tiles  # noqa: E402
-
-from plan_helpers import plan_forward  # noqa: E402
-from flashgen.bench.runner import parse_spec_item  # noqa: E402
 from flashgen.envflags import scoped_env  # noqa: E402
+from flashgen.MISSING import (  # noqa: E402
+    PERSISTENT_WARP_WALK_ENV,
+    SPARSE_PERSISTENT_ENV,
+    SPARSE_TILES_ENV,
+    sparse_persistent,
+)
+from plan_helpers import plan_forward  # noqa: E402
+
+from flashgen.bench.runner import parse_spec_item  # noqa: E402
+from flashgen.families.tiles import SPARSE_KEYS_PER_ROW, sparse_tiles  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

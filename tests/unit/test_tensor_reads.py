@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from host_cxx import preamble
 
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr, index_in_bounds
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.codegen.cuda_expr import Invariants, cuda_expr, index_in_bounds
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "specs"
 

@@ -6,13 +6,13 @@ import json
 from dataclasses import replace
 
 import pytest
+from plan_helpers import choose_tiles, plan_forward
 
 from flashgen import tuning
-from flashgen.frontend.ir import TileOverride
-from flashgen.frontend.spec import loads_spec
 from flashgen.codegen.plan import TileConfig
 from flashgen.families.tiles import DEFAULT_TILES, HOPPER_TILES, default_tiles
-from plan_helpers import choose_tiles, plan_forward
+from flashgen.frontend.ir import TileOverride
+from flashgen.frontend.spec import loads_spec
 
 GPU = "NVIDIA H200"
 

@@ -14,11 +14,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from plan_helpers import plan_backward, plan_forward  # noqa: E402
+
 from flashgen.build.render import render  # noqa: E402
+from flashgen.families.registry import compile_units  # noqa: E402
 from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.families.registry import compile_units  # noqa: E402
-from plan_helpers import plan_backward, plan_forward  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 from flashgen.ops.reference import attention_reference, attention_reference_varlen  # noqa: E402
 from flashgen.ops.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
