@@ -32,9 +32,12 @@ __all__ = [
     "OpInputError",
     "AttentionOp",
     "Options",
+    "merge_attention",
 ]
 
 _loaded: dict[tuple, AttentionOp] = {}
+#: spec name -> the resolved path flashgen.load registered it from
+_origin: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -43,20 +46,24 @@ def load(path: str | Path, options: Options | None = None) -> AttentionOp:
     to ``options`` (:class:`flashgen.Options`, default ``Options()``: which kernels it runs).
 
     Cached by (resolved path, sha256 of the file's bytes, options): loading the same file
-    again is free, an edited file is reloaded.  Raises
-    :class:`flashgen.env.RemovedVariableError` if a removed ``FLASHGEN_*`` switch is set
-    (naming its option).  Raises :class:`SpecError` (with file:line:col)
-    for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if another spec
-    with the same name is already registered in this process, ``ModuleNotFoundError``
-    saying so without torch.
+    with the same options again is free.  An edited file is reloaded: its op replaces the
+    registration of ``torch.ops.flashgen.<name>`` (forward, backward and varlen form; and
+    the operators of the spec under other options), and the op objects earlier loads returned
+    raise ``RuntimeError`` when called (use the new one).  Only a regular file of at most
+    ``MAX_SPEC_BYTES`` is read.  Raises :class:`flashgen.env.RemovedVariableError` if a
+    removed ``FLASHGEN_*`` switch is set (naming its option), :class:`SpecError` (with
+    file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a
+    spec with the same name from another file is already registered in this process,
+    ``ModuleNotFoundError`` saying so without torch.
     """
     from flashgen import env
+    from flashgen.frontend.spec import loads_spec_bytes, read_spec_bytes
     from flashgen.options import DEFAULT
 
     env.check_removed()
     options = DEFAULT if options is None else options
     p = Path(path).resolve()
-    data = p.read_bytes()
+    data = read_spec_bytes(p)
     key = (str(p), hashlib.sha256(data).hexdigest(), options)
     op = _loaded.get(key)
     if op is not None:
@@ -75,8 +82,12 @@ def load(path: str | Path, options: Options | None = None) -> AttentionOp:
     with _lock:
         op = _loaded.get(key)
         if op is None:
-            op = build_op(load_spec(path), options)
+            spec = loads_spec_bytes(data, str(path))  # the bytes hashed: no second read
+            op = build_op(spec, options, replace=_origin.get(spec.name) == str(p))
+            for k in [k for k, v in _loaded.items() if v._replaced_by is not None]:
+                del _loaded[k]  # the replaced ops
             _loaded[key] = op
+            _origin[spec.name] = str(p)
     return op
 
 
@@ -89,4 +100,8 @@ def __getattr__(name: str):
         from flashgen.ops.op import AttentionOp
 
         return AttentionOp
+    if name == "merge_attention":
+        from flashgen.ops.decode import merge_attention
+
+        return merge_attention
     raise AttributeError(f"module 'flashgen' has no attribute {name!r}")

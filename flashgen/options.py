@@ -5,7 +5,7 @@ each to its option).
 :class:`Options` bundles the routing choices (kernel family, atomic dQ, the persistent
 schedulers, sparse-call tiles, row / column terms, persistent CTAs) and one frozen options
 record per kernel family (``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``,
-``blocktable``).  Every field has a dotted name (``"hopper_fwd.affine"``, ``"family"``):
+``blocktable``, ``decode``).  Every field has a dotted name (``"hopper_fwd.affine"``, ``"family"``):
 :meth:`Options.paths` lists them, :meth:`Options.get_path` reads one and
 :meth:`Options.replace_path` returns a copy with one set (from a value or its string form,
 as ``flashgen ab SPEC --option hopper_fwd.affine=true,false`` passes it).  :meth:`Options.key`
@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from flashgen.families import blocktable, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd
+from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd
 from flashgen.families.common import FAMILIES, PERSISTENT_SCHEDULERS
 
 #: Values of :attr:`Options.persistent` (``auto``: ``dynamic`` for a mask that reads tensors,
@@ -33,6 +33,7 @@ FAMILY_OPTIONS = {
     "fa2_bwd": fa2_bwd.Options,
     "hopper_bwd": hopper_bwd.Options,
     "blocktable": blocktable.Options,
+    "decode": decode.Options,
 }
 
 
@@ -58,8 +59,9 @@ class Options:
       (False: per element); was ``FLASHGEN_SIDE_TERMS``.
     - ``persistent_ctas``: CTAs of a persistent launch (None: the SM count; a debugging knob);
       was ``FLASHGEN_PERSISTENT_CTAS``.
-    - ``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``, ``blocktable``: each family's
-      ``Options`` (see its module).
+    - ``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``, ``blocktable``, ``decode``:
+      each family's ``Options`` (see its module; ``decode``: the tiles and split count of
+      ``op.with_kvcache``).
 
     Raises ``ValueError`` naming the field for a value outside its choices.
     """
@@ -76,6 +78,7 @@ class Options:
     fa2_bwd: fa2_bwd.Options = field(default_factory=fa2_bwd.Options)
     hopper_bwd: hopper_bwd.Options = field(default_factory=hopper_bwd.Options)
     blocktable: blocktable.Options = field(default_factory=blocktable.Options)
+    decode: decode.Options = field(default_factory=decode.Options)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -115,6 +118,22 @@ class Options:
             else:
                 out.append(f.name)
         return out
+
+    @classmethod
+    def describe(cls, path: str) -> str:
+        """How the values of dotted name ``path`` are written (for ``--option`` help and
+        ``flashgen ab --list-options``), e.g. ``"one of auto, fa3, fa2"``, ``"bool"``,
+        ``"int, or none"``.  ``KeyError`` for an unknown name."""
+        if path not in cls.paths():
+            raise KeyError(f"unknown option {path!r}; known: {', '.join(cls.paths())}")
+        if path in _CHOICES:
+            return "one of " + ", ".join(_CHOICES[path])
+        head, _, rest = path.partition(".")
+        hint = _field_type(FAMILY_OPTIONS[head], rest) if rest else _field_type(cls, head)
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        names = [a.__name__ for a in args if a is not type(None)]
+        text = " or ".join("bool (true, false, 1, 0)" if n == "bool" else n for n in names)
+        return text + (", or none" if type(None) in args else "")
 
     def get_path(self, path: str):
         """The value of dotted name ``path`` (``KeyError`` listing the names otherwise)."""
@@ -165,6 +184,7 @@ class Options:
             "fa2_bwd": ("fa2_bwd.", "side_terms"),
             "hopper_bwd": ("hopper_bwd.",),
             "blocktable": ("blocktable.",),
+            "decode": ("decode.",),
         }[name]
         return ";".join(
             f"{p}={v!r}" for p, v in self.changed().items() if p.startswith(keep)
@@ -172,6 +192,13 @@ class Options:
 
 
 DEFAULT = Options()
+#: The dotted names whose values are one of a few strings, with those strings.
+_CHOICES = {
+    "family": FAMILIES,
+    "persistent": PERSISTENT_CHOICES,
+    "sparse_persistent": PERSISTENT_CHOICES[1:],
+    "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
+}
 
 
 def _field_type(cls, name: str):

@@ -118,6 +118,6 @@ def error_bound():
     ``bound`` = 2 * max|reference in the input dtype - fp64 reference| + 1e-3: what plain
     PyTorch low-precision attention achieves, with a factor 2 of slack.
     """
-    from flashgen.cli.commands import error_bound as bound
+    from flashgen.bench.verify import error_bound as bound
 
     return bound

@@ -19,7 +19,7 @@ The stamps are text patches at anchor lines of ``templates/sm_90/fwd.cu.j2``
 (:data:`ANCHORS`); :func:`patch` raises ``ValueError`` naming an anchor it cannot find, and
 ``tests/unit/test_cta_timeline.py`` renders a shipped spec and compiles the patched source, so
 a template change that moves an anchor fails there, not silently here.  The kernel is built
-through ``flashgen.select`` with the patched renderer (its own cache entry); the op runs as
+through ``flashgen.families.build`` with the patched renderer (its own cache entry); the op runs as
 usual.  Needs a GPU (sm_90), torch and CuPy.
 """
 
@@ -124,7 +124,7 @@ def patch(src: str, producer_regs: int) -> str:
 
 def launch_ctas(plan, b: int, h: int, s: int) -> int:
     """CTAs in the launch grid of ``plan`` at B=b, H=h (no GQA), S=s: the stamp rows the run
-    needs (a grouped grid's holes have rows too, :func:`flashgen.lower.grouped_grid`)."""
+    needs (a grouped grid's holes have rows too, :func:`flashgen.families.common.grouped_grid`)."""
     gx, gy, gz = plan.grid(b, h, s, heads_kv=h, seqlen_k=s)
     return gx * gy * gz
 
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         mine = {k_: v_ for k_, v_ in params.items() if spec.param(k_) is not None}
         op.attention(q, k, v, **mine)
         torch.cuda.synchronize()
-        # the kernel the call ran: the op picks its tiles per call (lower.sparse_tiles)
+        # the kernel the call ran: the op picks its tiles per call (registry.sparse_tiles)
         dims = op_mod.validate(spec, q, k, v, {})
         kern = op.kernel(dev, sparse=op._sparse_call(dims, op_mod.resolve_params(spec, mine)[0]))
         if launch_ctas(kern.plan, b, h, s) > MAX_CTAS:

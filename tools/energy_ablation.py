@@ -15,7 +15,7 @@ from L2, an upper bound for what sharing each K/V tile between two CTAs could sa
 The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant is a text patch of
 the rendered non-persistent Hopper forward (:func:`patch` raises ``ValueError`` naming a
 pattern it cannot find; ``tests/unit/test_energy_ablation.py`` compiles every variant on
-CPU), built through ``flashgen.select`` under its own spec name.
+CPU), built through ``flashgen.families.build`` under its own spec name.
 
 Printed per variant: the median ms of ``--rounds`` alternating rounds (``do_bench``, 250 ms
 warm-up so each variant reaches its steady clock), its ratio to ``base``, and the power and SM

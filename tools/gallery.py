@@ -10,13 +10,13 @@ flashgen's forward median time and TFLOP/s (a spec whose mask reads tensors runs
 BlockMask built once by ``op.block_mask``, and is also timed with the pre-pass in every
 call); FlexAttention's (``torch.compile``'d ``flex_attention`` with the spec's mask_mod /
 score_mod from :mod:`flashgen.bench.flexmods` and a ``create_block_mask`` built once, as
-:func:`flashgen.bench.runner.make_forward` does); the ratio; and, against flashgen's dense causal
+:func:`flashgen.bench.peers.make_forward` does); the ratio; and, against flashgen's dense causal
 kernel at the same shape, the time ratio next to the FLOP ratio (a sparse mask should
 save time in proportion to the FLOPs it skips).
 
 TFLOP/s count only kept pairs: ``2 * (D + Dv) * kept``.  Shape (the FlashAttention
 protocol): batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16, Sq = Sk =
-``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.runner.
+``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.timing.
 do_bench_ms`).  Document ids: each batch row is cut into documents of random lengths
 (mean ``--doc-len`` tokens).  Each spec's implementations are timed in ``--rounds``
 alternating rounds (flashgen, FlexAttention, flashgen, ...; default 3) and each reports
@@ -53,11 +53,12 @@ BASELINE = "causal_d128"
 
 
 def gallery_params(spec, batch: int, heads: int, seqlen: int, device, mean_len: int) -> dict:
-    """Param values: scalar defaults and bench's tensor values (document ids of mean length
-    ``mean_len`` for int tensors along a sequence axis, :func:`flashgen.bench.runner.spec_params`)."""
-    from flashgen.bench import runner as bench
+    """Param values: scalar defaults and the benchmark's tensor values (document ids of mean
+    length ``mean_len`` for int tensors along a sequence axis,
+    :func:`flashgen.bench.protocol.spec_params`)."""
+    from flashgen.bench import protocol
 
-    params = bench.spec_params(spec, heads, batch, seqlen, seqlen, device, doc_len=mean_len)
+    params = protocol.spec_params(spec, heads, batch, seqlen, seqlen, device, doc_len=mean_len)
     for p in spec.scalar_params:
         params.setdefault(p.name, p.default)
     return params
@@ -68,7 +69,7 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     and of FlexAttention for one spec; errors are recorded, not raised."""
     import torch
 
-    from flashgen.bench import runner as bench
+    from flashgen.bench import peers, timing
     from flashgen.codegen.abi import needs_block_table
     from flashgen.ops.op import TORCH_DTYPE, build_op
 
@@ -99,7 +100,7 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     if not args.no_flex:
         try:
             t0 = time.perf_counter()
-            flex = bench.make_forward("flex", spec, seqlen, seqlen, params, device)
+            flex = peers.make_forward("flex", spec, seqlen, seqlen, params, device)
             flex(q, k, v)
             torch.cuda.synchronize()
             out["flex_compile_s"] = time.perf_counter() - t0
@@ -116,7 +117,7 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     for _ in range(max(1, args.rounds)):
         for key, fn in list(fns.items()):
             try:
-                times[key].append(bench.do_bench_ms(fn, args.warmup, args.rep))
+                times[key].append(timing.do_bench_ms(fn, args.warmup, args.rep))
             except Exception as e:  # record, keep going
                 impl = "flex" if key.startswith("flex") else "flashgen"
                 out.setdefault(f"{impl}_error", f"{type(e).__name__}: {str(e)[:200]}")
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flashgen.bench import runner as bench
+    from flashgen.bench import protocol
     from flashgen.frontend.spec import load_spec
 
     t_start = time.perf_counter()
@@ -241,15 +242,15 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if gpu else "cpu")
     rows: list[dict] = []
     base_ms = base_kept = base_ms_per_head = None
-    batch, _ = bench.problem(args.seqlen, 128)
+    batch, _ = protocol.problem(args.seqlen, 128)
     if gpu:
         base_path = REPO / "specs" / f"{BASELINE}.yaml"
         if base_path.exists():
             base = load_spec(base_path)
         else:
-            base = bench.template_spec(128, "bf16", True)
-        _, heads = bench.problem(args.seqlen, base.head_dim)
-        base_kept = bench.kept_pairs(base, batch, heads, args.seqlen, {}, device) / heads
+            base = protocol.template_spec(128, "bf16", True)
+        _, heads = protocol.problem(args.seqlen, base.head_dim)
+        base_kept = protocol.kept_pairs(base, batch, heads, args.seqlen, {}, device) / heads
         base_ms = measure(base, batch, heads, args.seqlen, {}, device, argparse.Namespace(
             **{**vars(args), "no_flex": True})).get("flashgen_ms")  # fmt: skip
         base_ms_per_head = base_ms / heads if base_ms else None
@@ -260,9 +261,9 @@ def main(argv=None) -> int:
             print(f"{name}: not in specs/, skipped", file=sys.stderr)
             continue
         spec = load_spec(path)
-        b, heads = bench.problem(args.seqlen, spec.head_dim)
+        b, heads = protocol.problem(args.seqlen, spec.head_dim)
         params = gallery_params(spec, b, heads, args.seqlen, device, args.doc_len)
-        kept = bench.kept_pairs(spec, b, heads, args.seqlen, params, device)
+        kept = protocol.kept_pairs(spec, b, heads, args.seqlen, params, device)
         row = {
             "name": name,
             "text": path.read_text(),

@@ -41,7 +41,7 @@ SIZES = ((2, 4, 2, 37, 53), (1, 4, 1, 53, 37), (1, 2, 2, 1, 129), (1, 2, 1, 130,
 
 DRIVER = r"""
 import sys, torch, flashgen
-from flashgen.cli.commands import random_inputs
+from flashgen.bench.verify import random_inputs
 op = flashgen.load(sys.argv[1])
 backward = sys.argv[2] == "fwd+bwd"
 sizes = [tuple(map(int, s.split(","))) for s in sys.argv[3:]]
@@ -163,7 +163,7 @@ def prebuild(specs: list[Path]) -> None:
     """Compile every spec's kernel once, outside the sanitizer (fills the cache)."""
     code = (  # a tiny forward + backward builds every kernel the driver launches
         "import sys, torch, flashgen\n"
-        "from flashgen.cli.commands import random_inputs\n"
+        "from flashgen.bench.verify import random_inputs\n"
         "dev = torch.device('cuda', torch.cuda.current_device())\n"
         "for p in sys.argv[1:]:\n"
         "    op = flashgen.load(p)\n"

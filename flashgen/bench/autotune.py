@@ -10,7 +10,7 @@ causal/not x bf16/fp16, plus the shipped specs that have a score_mod):
 2. each survivor is checked against the float64 reference on a small random GQA problem
    (B=2, H=4/2, Sq=Sk=257 and Sq=100/Sk=257), a failure drops it;
 3. survivors are timed at seqlen 8192 and 16384 in the benchmark protocol
-   (:mod:`flashgen.bench.runner`: batch = 16384 / seqlen, heads = 2048 / head_dim), in ms, and
+   (:mod:`flashgen.bench.protocol`: batch = 16384 / seqlen, heads = 2048 / head_dim), in ms, and
    scored by mean TFLOP/s;
 4. the winner goes into the tuning table (:mod:`flashgen.tuning`) under
    ``"<GPU>|<target>|<head_dim>|<dtype>|<causal>|<score_mod>"``.
@@ -64,7 +64,8 @@ def candidates(target: str = "sm_80") -> list[TileConfig]:
 
 
 def default_tiles(spec: ir.Spec) -> TileConfig:
-    """What :func:`~flashgen.lower.choose_tiles` picks without a table (DEFAULT_TILES)."""
+    """What :func:`~flashgen.families.registry.choose_tiles` picks without a table
+    (DEFAULT_TILES)."""
     return lower_default_tiles(spec)
 
 
@@ -93,7 +94,7 @@ def candidate_spec(spec: ir.Spec, t: TileConfig) -> ir.Spec:
 def shipped_tuning_specs() -> list[ir.Spec]:
     """Specs whose keys matter: plain d64/128/256 x causal/not x bf16/fp16 (bench template
     specs), then each shipped spec whose key is not covered yet (those with a score_mod)."""
-    from flashgen.bench.runner import shipped_spec_paths, template_spec
+    from flashgen.bench.protocol import shipped_spec_paths, template_spec
     from flashgen.frontend.spec import load_spec
 
     specs = [
@@ -205,7 +206,7 @@ def verify_candidate(spec: ir.Spec, device) -> float:
 
     import torch
 
-    from flashgen.cli.commands import error_bound, random_inputs
+    from flashgen.bench.verify import error_bound, random_inputs
     from flashgen.ops.op import build_op
 
     op = build_op(spec)
@@ -228,14 +229,14 @@ def time_candidate(
     """(median ms, TFLOP/s) of ``spec``'s op at ``seqlen`` in the bench protocol."""
     import torch
 
-    from flashgen.bench.runner import (
+    from flashgen.bench.protocol import (
         Rotation,
         attention_flops,
-        do_bench_ms,
         problem,
         rotation_sets,
         spec_params,
     )
+    from flashgen.bench.timing import do_bench_ms
     from flashgen.ops.op import TORCH_DTYPE, build_op
 
     op = build_op(spec)

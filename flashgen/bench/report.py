@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from flashgen.bench.runner import DIRECTIONS, IMPLS
+from flashgen.bench.protocol import DIRECTIONS, IMPLS
 
 #: Display order and colors of the implementations.
 COLORS = {

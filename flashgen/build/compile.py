@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -258,10 +259,39 @@ def parse_ptxas(log: str) -> tuple[KernelResources, ...]:
 
 
 # ----------------------------------------------------------------------------- compile
+def run_group(cmd: list[str], timeout: float, cwd: str | None = None):
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a new session (process
+    group), killing the whole group when ``timeout`` seconds pass: nvcc's children (cicc,
+    ptxas) die with it instead of running on.  Also on KeyboardInterrupt.  Raises
+    ``subprocess.TimeoutExpired`` (with the output so far) after the kill."""
+    posix = os.name == "posix"
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        start_new_session=posix,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        try:
+            if posix:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:  # pragma: no cover
+                proc.kill()
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def compile_source(source: str, plan, out_path: str | Path) -> CompileReport:
     """Compile ``source`` (one translation unit) for ``plan.target`` into ``out_path``.
 
-    ``plan`` is a :class:`~flashgen.lower.KernelPlan` (``gencode``, ``arch``, ``target``,
+    ``plan`` is a :class:`~flashgen.codegen.plan.KernelPlan` (``gencode``, ``arch``, ``target``,
     ``kernel_name`` are read).  The source is written to a temporary directory as
     ``<kernel_name>.cu`` so diagnostics name the kernel.  ``ValueError`` if
     ``kernel_name`` is not a C identifier (it names a file).
@@ -280,12 +310,11 @@ def compile_source(source: str, plan, out_path: str | Path) -> CompileReport:
         cmd = nvcc_command(plan, src, out_path, nvcc)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S, cwd=tmp
-            )
+            proc = run_group(cmd, timeout=NVCC_TIMEOUT_S, cwd=tmp)
         except subprocess.TimeoutExpired as e:
             raise CompileError(
-                f"nvcc timed out after {NVCC_TIMEOUT_S}s compiling {plan.kernel_name}",
+                f"nvcc timed out after {NVCC_TIMEOUT_S} s (NVCC_TIMEOUT_S) compiling "
+                f"{plan.kernel_name}; nvcc and its children (cicc, ptxas) were killed",
                 str(e.stdout or "") + str(e.stderr or ""),
                 cmd,
             ) from e

@@ -8,16 +8,22 @@
                                           config and ptxas resource usage
 
 No torch, no cupy, no nvcc: rendering only (resource numbers come from ``reports``).
-Every file is written to a temporary name and moved into place with ``os.replace``;
-output is deterministic (no timestamps), so regenerating an unchanged spec is a no-op.
+Every file is written to a fresh temporary file (``tempfile.mkstemp``: ``O_EXCL``, so a
+planted link under a temporary name is never followed) in the target directory and moved
+into place with ``os.replace`` (which replaces a link, never writes through it); a
+``generated/<name>`` that is itself a link is refused.  Output is deterministic (no
+timestamps), so regenerating an unchanged spec is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import stat
+import tempfile
 import unicodedata
 from pathlib import Path
 
@@ -69,9 +75,41 @@ Packed sequences: q [total_q, Hq, {head_dim}], k [total_k, Hkv, {head_dim}], v [
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` through a new temporary file in its directory (created
+    with ``O_EXCL``, mode 0600 widened to 0644) and ``os.replace``: a link at ``path`` or at
+    any temporary name is replaced or avoided, never followed."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+#: Largest manifest.json read back (bytes); a larger or odd one is ignored.
+_MAX_MANIFEST = 1 << 20
+
+
+def _previous_manifest(dest: Path) -> dict | None:
+    """The manifest.json already in ``dest`` (a regular file, not a link), or None."""
+    try:
+        fd = os.open(dest / "manifest.json", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
+            return None
+        doc = json.loads(os.read(fd, _MAX_MANIFEST).decode("utf-8"))
+        return doc if isinstance(doc, dict) and isinstance(doc.get("targets"), dict) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _describe_params(spec: ir.Spec) -> str:
@@ -183,17 +221,24 @@ def write_generated(
     the manifest); ``plans`` maps (target, unit) to the KernelPlan / BackwardPlan that was
     compiled (e.g. with fallback tiles, see :mod:`flashgen.families.build`), default: the
     registry's for ``options`` (:class:`flashgen.options.Options`).
-    Sources of targets no longer written are removed.  Raises ``ValueError`` if a
-    target cannot be lowered, ``OSError`` on write failures.
+    Sources of targets not written now are removed, except those of the spec's other
+    targets that an earlier write of this same spec (the manifest's ``spec_sha256`` and
+    flashgen version) left: ``flashgen build --target sm_80`` keeps the committed sm_90
+    sources and their manifest entries.  Raises ``ValueError`` if a target cannot be
+    lowered or ``<out_dir>/<name>`` is a link, ``OSError`` on write failures.
     """
     targets = tuple(spec.targets if targets is None else targets)
-    if not _SAFE_NAME.match(spec.name):  # check_spec enforces this; a hand-built Spec may not
+    if not _SAFE_NAME.fullmatch(spec.name):  # check_spec enforces it; a hand-built Spec may not
         raise ValueError(f"spec name {spec.name!r} is not a plain identifier; refusing to write")
     root = Path(out_dir)
     dest = root / spec.name
+    if dest.is_symlink():
+        raise ValueError(f"{dest} is a symbolic link; refusing to write through it")
     if dest.resolve().parent != root.resolve():
         raise ValueError(f"spec name {spec.name!r} would write outside {root}")
     dest.mkdir(parents=True, exist_ok=True)
+    if dest.is_symlink() or not dest.is_dir():  # replaced between the check and mkdir
+        raise ValueError(f"{dest} is not a plain directory; refusing to write")
     if not (root / "__init__.py").exists():
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
     given, plans = plans or {}, {}
@@ -203,12 +248,26 @@ def write_generated(
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}
     for (t, unit), src in sources.items():
         _atomic_write(dest / _source_name(spec, t, unit), src)
+    doc = manifest(spec, sources, plans, reports)
     keep = {_source_name(spec, t, u) for t, u in plans}
+    old = _previous_manifest(dest)
+    if old and (old.get("spec_sha256"), old.get("flashgen_version")) == (
+        doc["spec_sha256"],
+        doc["flashgen_version"],
+    ):  # same spec: the targets not built now stay as that build wrote them
+        for t, entry in old["targets"].items():
+            if t in targets or t not in spec.targets or not isinstance(entry, dict):
+                continue
+            names = [entry.get("source"), (entry.get("backward") or {}).get("source")]
+            if all(isinstance(n, str) and (dest / n).is_file() for n in names):
+                doc["targets"][t] = entry
+                keep.update(names)
+        order = {t: i for i, t in enumerate(spec.targets)}
+        doc["targets"] = dict(sorted(doc["targets"].items(), key=lambda kv: order.get(kv[0], 99)))
     for stale in dest.glob(f"{spec.name}_*.cu"):
         if stale.name not in keep:
             stale.unlink()
     _atomic_write(dest / "spec.yaml", spec.source)
-    doc = manifest(spec, sources, plans, reports)
     _atomic_write(dest / "manifest.json", json.dumps(doc, indent=2, sort_keys=False) + "\n")
     _atomic_write(dest / "__init__.py", module_source(spec))
     return dest

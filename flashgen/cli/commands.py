@@ -1,7 +1,8 @@
-"""Command line: ``flashgen build | show | list | bench | tune`` (also ``python -m flashgen``).
+"""Command line: ``flashgen build | show | list | cache | bench | tune | ab`` (``python -m
+flashgen``).
 
     flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
-                           [--no-verify]
+                           [--no-verify] [--option NAME=VALUE]...
         check each spec, render and compile every (spec, target) with nvcc in parallel
         (through the kernel cache), print registers / spills / shared memory / compile
         time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
@@ -9,663 +10,48 @@
         Exit 0 on success; 1 for a bad spec, a failed compile, a kernel that spills, a
         failed verification or missing nvcc (a spec whose compile failed or spilled is not
         written).
-    flashgen show SPEC [--target T]    the checked IR, the kernel plan and the CUDA source
-    flashgen list [DIR]                the specs in DIR (default specs/)
+    flashgen show SPEC [--target T] [--option NAME=VALUE]...
+                                       the checked IR, the kernel plan and the CUDA source
+    flashgen list [DIR]                the specs in DIR (default ./specs, else the shipped ones)
+    flashgen cache [--prune [--older-than DAYS]]   kernel cache size; prune it
     flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
         benchmark against PyTorch SDPA backends, FlexAttention and standard attention
         (flashgen/bench/runner.py); exit 2 without a CUDA GPU
     flashgen tune [SPEC...] [--all-shipped] [--quick] [--out DIR] [--compile-only]
         time candidate tile configs, record winners in flashgen/tuning/table.json
         (flashgen/bench/autotune.py); exit 2 without a CUDA GPU
+    flashgen ab SPEC... --option NAME=A,B [--option ...] [--peers] [--shapes ...]
+        the op under each combination of option values (flashgen.Options), outputs compared
+        and timed in alternating rounds (flashgen/bench/ab.py); exit 2 without a CUDA GPU
 
 torch is imported only for verification on a GPU machine.
 """
-
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 
 from flashgen import __version__
+from flashgen.bench import ab
+from flashgen.bench.verify import NO_GPU_EXIT  # noqa: F401
+from flashgen.bench.verify import require_cuda as _require_cuda
+from flashgen.cli.build import (  # noqa: F401  (re-exported: tests and tools import them here)
+    BuildResult,
+    _compile_one,
+    _cuda_available,
+    _verify_safely,
+    cmd_build,
+)
+from flashgen.cli.cache import cmd_cache
+from flashgen.cli.common import _consoles, _fail_json, _load_specs, plain_warnings  # noqa: F401
+from flashgen.cli.show import _prec, cmd_list, cmd_show, format_expr, format_spec  # noqa: F401
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
 
-# ----------------------------------------------------------------------------- IR printing
-_PREC = {
-    "||": 1,
-    "&&": 2,
-    "==": 3,
-    "!=": 3,
-    "<": 4,
-    "<=": 4,
-    ">": 4,
-    ">=": 4,
-    "+": 5,
-    "-": 5,
-    "*": 6,
-    "/": 6,
-    "%": 6,
-}
-
-
-def _prec(e: ir.Expr) -> int:
-    if isinstance(e, ir.Cond):
-        return 0
-    if isinstance(e, ir.Binary):
-        return _PREC[e.op]
-    return 9
-
-
-def format_expr(e: ir.Expr | None) -> str:
-    """DSL text of an expression tree, with only the parentheses precedence needs."""
-    if e is None:
-        return "-"
-    if isinstance(e, ir.Const):
-        if isinstance(e.value, bool):
-            return "true" if e.value else "false"
-        text = repr(e.value)
-        if isinstance(e.value, float) and "." not in text and "e" in text:
-            text = text.replace("e", ".0e", 1)  # the DSL's floats need a dot: 1e-05 -> 1.0e-05
-        return text
-    if isinstance(e, ir.Var):
-        return e.name
-    if isinstance(e, ir.Causal):
-        return "causal"
-    if isinstance(e, ir.Index):
-        return f"{e.name}[{', '.join(format_expr(i) for i in e.indices)}]"
-    if isinstance(e, ir.Call):
-        return f"{e.fn}({', '.join(format_expr(a) for a in e.args)})"
-    if isinstance(e, ir.Unary):
-        arg = format_expr(e.arg)
-        return f"{e.op}({arg})" if _prec(e.arg) < 9 else f"{e.op}{arg}"
-    if isinstance(e, ir.Binary):
-        p = _PREC[e.op]
-        lhs, rhs = format_expr(e.lhs), format_expr(e.rhs)
-        if _prec(e.lhs) < p:
-            lhs = f"({lhs})"
-        if _prec(e.rhs) <= p:
-            rhs = f"({rhs})"
-        return f"{lhs} {e.op} {rhs}"
-    if isinstance(e, ir.Cond):
-        c, a, b = format_expr(e.cond), format_expr(e.then), format_expr(e.other)
-        c = f"({c})" if _prec(e.cond) == 0 else c
-        return f"{c} ? {a} : {b}"
-    return repr(e)
-
-
-def format_spec(spec: ir.Spec) -> str:
-    """A readable, multi-line rendering of a checked spec."""
-    lines = [
-        f"spec {spec.name}   ({spec.path})",
-        f"  dtype          {spec.dtype}",
-        f"  head_dim       {spec.head_dim} (v: {spec.head_dim_v})",
-        f"  targets        {', '.join(spec.targets)}",
-        f"  mask           {format_expr(spec.mask)}"
-        + (f"   : {spec.mask.ty.value}" if spec.mask is not None and spec.mask.ty else ""),
-        f"  score_mod      {format_expr(spec.score_mod)}"
-        + (
-            f"   : {spec.score_mod.ty.value}"
-            if spec.score_mod is not None and spec.score_mod.ty
-            else ""
-        ),
-        "  softmax_scale  "
-        + ("auto (1/sqrt(head_dim))" if spec.softmax_scale is None else repr(spec.softmax_scale)),
-    ]
-    if spec.params:
-        lines.append("  params")
-        for p in spec.params:
-            if p.kind == "tensor":
-                lines.append(f"    {p.name}: tensor [{', '.join(map(str, p.shape))}] {p.ty.value}")
-            else:
-                lines.append(f"    {p.name}: {p.ty.value} = {p.default!r}")
-    t = spec.tiles
-    if any(x is not None for x in (t.block_m, t.block_n, t.num_warps)):
-        lines.append(
-            f"  tiles          block_m={t.block_m} block_n={t.block_n} num_warps={t.num_warps}"
-        )
-    if spec.varlen:
-        lines.append("  varlen         true (packed sequences: cu_seqlens_q/k, max_seqlen_q/k)")
-    if spec.description:
-        lines.append(f"  description    {spec.description}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- build
-@dataclass
-class BuildResult:
-    """Outcome of compiling one (spec, target)."""
-
-    spec: ir.Spec
-    target: str
-    unit: str = "fwd"  # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma": lower.compile_units
-    plan: object | None = None  # the KernelPlan / BackwardPlan compiled (flashgen.select)
-    report: object | None = None  # CompileReport
-    cubin: str | None = None
-    smem_dynamic: int = 0
-    error: str | None = None
-    note: str | None = None  # e.g. the Hopper backward fell back to the FA2-class kernels
-
-    @property
-    def ok(self) -> bool:
-        r = self.report
-        return self.error is None and r is not None and not r.spill_bytes and not r.wgmma_serialized
-
-    def to_dict(self) -> dict:
-        r = self.report
-        return {
-            "spec": self.spec.name,
-            "target": self.target,
-            "unit": self.unit,
-            "ok": self.ok,
-            "error": self.error,
-            "registers": r.registers if r else None,
-            "spill_stores": r.spill_stores if r else None,
-            "spill_loads": r.spill_loads if r else None,
-            "smem_static": r.smem if r else None,
-            "smem_dynamic": self.smem_dynamic,
-            "stack_frame": r.stack_frame if r else None,
-            "wgmma_serialized": list(r.wgmma_serialized) if r else None,
-            "compile_seconds": round(r.seconds, 3) if r else None,
-            "cached": r.from_cache if r else None,
-            "cubin": self.cubin,
-            "note": self.note,
-        }
-
-
-def _options(args):
-    """The :class:`flashgen.options.Options` of ``--option NAME=VALUE`` flags (dotted names,
-    :meth:`~flashgen.options.Options.replace_path`)."""
-    from flashgen.options import DEFAULT
-
-    out = DEFAULT
-    for item in getattr(args, "option", None) or []:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
-        out = out.replace_path(name.strip(), value)
-    return out
-
-
-def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildResult:
-    from flashgen.build.compile import CompileError
-    from flashgen.families.build import build_backward, build_forward
-    from flashgen.families.registry import persistent_scheduler
-    from flashgen.options import DEFAULT
-
-    options = options or DEFAULT
-
-    res = BuildResult(spec, target, unit)
-    try:
-        if unit in ("fwd", "fwd_sparse"):
-            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (sparse_persistent)
-            sp = options.sparse_persistent
-            res.plan, path, res.report = build_forward(
-                spec, target, options=options, sparse=sparse,
-                persistent=(False if sp == "off" else sp) if sparse
-                else persistent_scheduler(spec, options),
-            )  # fmt: skip
-            res.smem_dynamic = res.plan.smem_bytes
-        else:
-            res.plan, path, res.report = build_backward(
-                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma",
-                options=options,
-            )  # fmt: skip
-            res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
-            if unit == "bwd_wgmma" and not res.plan.wgmma:
-                res.note = (
-                    "the Hopper (wgmma) backward spills in every dQ variant; the op falls back "
-                    f"to the FA2-class kernels ({res.plan.dkdv.template}), whose numbers this "
-                    "row shows"
-                )
-        res.cubin = str(path)
-        if res.report.spill_bytes:
-            res.error = (
-                f"kernel spills: {res.report.spill_stores} bytes stores, "
-                f"{res.report.spill_loads} bytes loads"
-            )
-        elif res.report.wgmma_serialized:
-            k = res.report.kernel(res.report.wgmma_serialized[0])
-            res.error = f"ptxas serialized the wgmma instructions of {k.name}: {k.wgmma_serialized}"
-    except CompileError as e:
-        res.error = str(e)
-    except (ValueError, OSError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Spec] | None:
-    """The specs at ``paths``, or None after printing every error to ``err`` (and
-    appending ``{file, line, col, message}`` to ``errors`` for ``--json``)."""
-    from flashgen.frontend.spec import load_spec
-
-    def note(file, message, line=None, col=None):
-        if errors is not None:
-            errors.append({"file": str(file), "line": line, "col": col, "message": message})
-
-    specs, bad = [], False
-    by_name: dict[str, str] = {}
-    for p in dict.fromkeys(paths):  # a file named twice is built once
-        try:
-            spec = load_spec(p)
-            if spec.name in by_name:  # one generated/<name>/ folder, one torch op name
-                msg = (
-                    f"spec name '{spec.name}' is also the name of {by_name[spec.name]}; both "
-                    f"would write {spec.name}/ and register torch.ops.flashgen.{spec.name}: "
-                    "rename one"
-                )
-                err.print(f"{p}: error: {msg}", markup=False)
-                note(p, msg)
-                bad = True
-                continue
-            by_name[spec.name] = p
-            specs.append(spec)
-        except SpecError as e:
-            err.print(str(e), markup=False, highlight=False)
-            note(e.file, e.message, e.line, e.col)
-            bad = True
-        except OSError as e:
-            err.print(f"{p}: error: cannot read spec: {e.strerror or e}", markup=False)
-            note(p, f"cannot read spec: {e.strerror or e}")
-            bad = True
-    return None if bad else specs
-
-
-def _consoles():
-    from rich.console import Console
-
-    # a pipe or file gets wide tables rather than rich's 80-column default
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
-    out = Console(file=sys.stdout, soft_wrap=False, highlight=False, width=width, emoji=False)
-    # errors are not wrapped: a spec error's caret must stay under its column
-    err = Console(file=sys.stderr, soft_wrap=True, highlight=False, emoji=False)
-    return out, err
-
-
-def _fail_json(args, message: str, errors: list | None = None) -> int:
-    """Exit status 1, printing ``{"ok": false, "error": ...}`` first in ``--json`` mode
-    (with ``"errors"``, the spec errors' locations, where there are any)."""
-    if args.json:
-        doc = {"flashgen_version": __version__, "ok": False, "error": message}
-        if errors:
-            doc["errors"] = errors
-        print(json.dumps(doc))
-    return 1
-
-
-def cmd_build(args) -> int:
-    from rich.table import Table
-
-    from flashgen.build.compile import CompileError, find_nvcc, nvcc_version
-    from flashgen.build.generate import write_generated
-    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
-    from flashgen.families.registry import choose_tiles, persistent_scheduler, sparse_tiles
-
-    out, err = _consoles()
-    try:
-        options = _options(args)
-        family = options.family
-    except (KeyError, ValueError) as e:
-        err.print(f"error: {e}", markup=False)
-        return _fail_json(args, str(e))
-    spec_errors: list = []
-    specs = _load_specs(args.specs, err, spec_errors)
-    if specs is None:
-        return _fail_json(args, "spec errors (see stderr)", spec_errors)
-    pairs = []
-    for spec in specs:
-        for t in dict.fromkeys(args.target or spec.targets):
-            if t in spec.targets:
-                pairs.append((spec, t))
-            else:
-                err.print(f"note: {spec.name} does not list target {t}; skipped", markup=False)
-    try:
-        find_nvcc()
-        toolkit = nvcc_version()
-    except CompileError as e:
-        err.print(f"error: {e}", markup=False)
-        err.print("flashgen build needs the CUDA toolkit's nvcc to compile kernels.", markup=False)
-        return _fail_json(args, str(e))
-
-    results: list[BuildResult] = []
-    jobs = max(1, args.jobs or os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        units = ("fwd", "bwd", "bwd_atomic")  # every unit of registry.compile_units
-        futures = [pool.submit(_compile_one, s, t, u, options) for s, t in pairs for u in units]
-        futures += [  # the Hopper backward unit, where the spec takes it
-            pool.submit(_compile_one, s, t, "bwd_wgmma", options)
-            for s, t in pairs
-            if hopper_bwd_eligible(s, t, family)
-        ]
-        futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
-            pool.submit(_compile_one, s, t, "fwd_sparse", options)
-            for s, t in pairs
-            if not persistent_scheduler(s, options)
-            and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
-        ]
-        if len(futures) > 1 and not args.json and err.is_terminal:
-            from rich.progress import Progress
-
-            with Progress(console=err, transient=True) as progress:
-                task = progress.add_task(f"compiling {len(futures)} kernels", total=len(futures))
-                for _ in as_completed(futures):
-                    progress.advance(task)
-        results = [f.result() for f in futures]
-
-    generated, unwritten = [], []
-    for spec in specs:
-        mine = [r for r in results if r.spec is spec]
-        if not mine:
-            continue
-        if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
-            unwritten.append(spec.name)
-            continue
-        reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
-        targets = tuple(dict.fromkeys(r.target for r in mine))
-        try:
-            plans = {(r.target, r.unit): r.plan for r in mine if r.plan is not None}
-            generated.append(
-                str(write_generated(spec, args.out, reports, targets=targets, plans=plans))
-            )
-        except (ValueError, OSError) as e:
-            err.print(f"error: writing {spec.name}: {e}", markup=False)
-            return 1
-
-    verify = []
-    if not args.no_verify and _cuda_available():
-        verify = [
-            _verify_safely(spec) for spec in specs if all(r.ok for r in results if r.spec is spec)
-        ]
-
-    ok = all(r.ok for r in results) and all(v["ok"] for v in verify)
-    if args.json:
-        doc = {
-            "flashgen_version": __version__,
-            "nvcc_version": toolkit,
-            "ok": ok,
-            "kernels": [r.to_dict() for r in results],
-            "generated": generated,
-            "verify": verify,
-        }
-        print(json.dumps(doc, indent=2))
-        return 0 if ok else 1
-
-    table = Table(title=f"flashgen {__version__} build (nvcc {toolkit})")
-    for col in ("spec", "target", "kernel", "regs", "spills st/ld (B)", "smem (B)", "compile (s)"):
-        table.add_column(col, justify="left" if col in ("spec", "target", "kernel") else "right")
-    for r in results:
-        rep = r.report
-        if rep is None:
-            table.add_row(r.spec.name, r.target, r.unit, "-", "-", "-", "[red]FAILED[/red]")
-            continue
-        spill = f"{rep.spill_stores}/{rep.spill_loads}"
-        table.add_row(
-            r.spec.name,
-            r.target,
-            f"{r.unit} (fallback)" if r.note else r.unit,
-            str(rep.registers),
-            spill if not rep.spill_bytes else f"[red]{spill}[/red]",
-            str(r.smem_dynamic + rep.smem),
-            "cached" if rep.from_cache else f"{rep.seconds:.1f}",
-        )
-    out.print(table)
-    for r in results:
-        if r.note:
-            err.print(f"note: {r.spec.name} [{r.target} {r.unit}]: {r.note}", markup=False)
-        if r.error:
-            err.print(f"error: {r.spec.name} [{r.target} {r.unit}]: {r.error}", markup=False)
-    if verify:
-        vt = Table(title="verification against the float64 reference")
-        for col in ("spec", "case", "max |err|", "bound", "result", "TFLOP/s"):
-            vt.add_column(col)
-        for v in verify:
-            for c in v["cases"]:
-                vt.add_row(
-                    v["spec"],
-                    c["case"],
-                    f"{c['max_err']:.2e}",
-                    f"{c['bound']:.2e}",
-                    "pass" if c["ok"] else "[red]FAIL[/red]",
-                    "",
-                )
-            if v.get("error"):
-                vt.add_row(v["spec"], "-", "", "", "[red]ERROR[/red]", "")
-            if v.get("tflops") is not None:
-                vt.add_row(v["spec"], v["bench_case"], "", "", "", f"{v['tflops']:.1f}")
-        out.print(vt)
-    elif not args.no_verify and not args.json:
-        err.print("note: no CUDA GPU here: kernels compiled, not run or verified", markup=False)
-    for v in verify:
-        if v.get("error"):
-            err.print(f"error: verifying {v['spec']}: {v['error']}", markup=False)
-    for g in generated:
-        out.print(f"wrote {g}/", markup=False)
-    for name in unwritten:
-        err.print(f"note: {name} not written to {args.out}/ (its build failed)", markup=False)
-    return 0 if ok else 1
-
-
-# ----------------------------------------------------------------------------- verify (GPU)
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def random_inputs(
-    spec: ir.Spec, b: int, hq: int, hkv: int, sq: int, sk: int, device, generator=None
-) -> tuple:
-    """Random q, k, v (spec dtype, ``torch.randn``) and tensor params for one problem
-    (see :func:`random_tensor_params`)."""
-    import torch
-
-    from flashgen.ops.op import TORCH_DTYPE
-
-    dt = TORCH_DTYPE[spec.dtype]
-
-    def randn(*shape):
-        return torch.randn(*shape, device=device, generator=generator).to(dt)
-
-    q = randn(b, hq, sq, spec.head_dim)
-    k = randn(b, hkv, sk, spec.head_dim)
-    v = randn(b, hkv, sk, spec.head_dim_v)
-    sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
-    return q, k, v, random_tensor_params(spec, sym, device, generator)
-
-
-def random_tensor_params(spec: ir.Spec, sizes: dict, device, generator=None) -> dict:
-    """Random values of ``spec``'s tensor params, shaped by ``sizes`` (shape symbol -> int).
-
-    Float params are uniform in [0, 1).  Int params whose last axis is ``seqlen_q`` or
-    ``seqlen_k`` are document ids: uniform in [0, 4), sorted along that axis (packed
-    documents, so a block table has EMPTY, FULL and PARTIAL tiles); other int params are
-    uniform in [0, 16).
-    """
-    import torch
-
-    from flashgen.ops.op import PARAM_DTYPE
-
-    params = {}
-    for p in spec.tensor_params:
-        shape = [d if isinstance(d, int) else sizes[d] for d in p.shape]
-        if p.ty == ir.Ty.F32:
-            params[p.name] = torch.rand(shape, device=device, generator=generator)
-            continue
-        doc = p.shape[-1] in ("seqlen_q", "seqlen_k")
-        t = torch.randint(
-            0, 4 if doc else 16, shape, device=device, generator=generator, dtype=PARAM_DTYPE[p.ty]
-        )
-        params[p.name] = t.sort(dim=-1).values if doc else t
-    return params
-
-
-def error_bound(spec: ir.Spec, q, k, v, params: dict) -> tuple:
-    """(fp64 reference o, fp64 reference lse, bound on max |o - ref|).
-
-    The bound is 2x the error of the same reference computed in the input dtype (what
-    plain PyTorch low-precision math achieves) plus 1e-3.
-    """
-    import torch
-
-    from flashgen.ops.reference import attention_reference
-
-    ref_o, ref_lse = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float64)
-    low_o, _ = attention_reference(spec, q, k, v, params=params, compute_dtype=q.dtype)
-    torch_err = (low_o.double() - ref_o).abs().max().item() if ref_o.numel() else 0.0
-    return ref_o, ref_lse, 2 * torch_err + 1e-3
-
-
-def _verify_safely(spec: ir.Spec) -> dict:
-    """:func:`verify_spec`, with any failure (CUDA error, bad kernel) turned into a result."""
-    try:
-        return verify_spec(spec)
-    except Exception as e:  # report it; do not crash the build summary
-        return {"spec": spec.name, "ok": False, "cases": [], "error": f"{type(e).__name__}: {e}"}
-
-
-def call_padded(op, q, k, v, params):
-    """``op.attention(q, k, v, **params)`` on padded ``[B, H, S, D]`` inputs; a varlen op
-    gets them packed as B sequences of equal length, and its o, lse come back in the
-    padded layout (``[B, Hq, Sq, Dv]``, ``[B, Hq, Sq]``)."""
-    if not op.spec.varlen:
-        return op.attention(q, k, v, **params)
-    import torch
-
-    b, hq, sq, _ = q.shape
-    sk = k.shape[2]
-
-    def pack(t):
-        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
-
-    def cu(s):
-        return torch.arange(b + 1, dtype=torch.int32, device=q.device) * s
-
-    o, lse = op.attention(pack(q), pack(k), pack(v), cu(sq), cu(sk), sq, sk, **params)
-    return o.view(b, sq, hq, -1).transpose(1, 2), lse.view(hq, b, sq).transpose(0, 1)
-
-
-def verify_spec(spec: ir.Spec) -> dict:
-    """Check the CUDA op against the fp64 reference and time it (needs a CUDA GPU)."""
-    import torch
-
-    from flashgen.bench.runner import do_bench_ms
-    from flashgen.codegen.cuda_expr import split_causal
-    from flashgen.ops.op import build_op
-
-    op = build_op(spec)
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    cases = []
-    for sq, sk in ((257, 257), (100, 257)):
-        q, k, v, params = random_inputs(spec, 2, 4, 2, sq, sk, dev, gen)
-        o, lse = call_padded(op, q, k, v, params)
-        ref_o, ref_lse, bound = error_bound(spec, q, k, v, params)
-        e = (o.double() - ref_o).abs().max().item()
-        ok = math.isfinite(e) and e <= bound
-        cases.append({"case": f"B=2 H=4/2 Sq={sq} Sk={sk}", "max_err": e, "bound": bound, "ok": ok})
-    s = 8192 if max(spec.head_dim, spec.head_dim_v) > 128 else 16384
-    q, k, v, params = random_inputs(spec, 1, 16, 16, s, s, dev, gen)
-    ms = do_bench_ms(lambda: call_padded(op, q, k, v, params), warmup_ms=25, rep_ms=100)
-
-    d_sum = spec.head_dim + spec.head_dim_v  # Q K^T costs 2·S²·D, P V costs 2·S²·Dv
-    flops = 2 * s * s * 16 * d_sum * (0.5 if split_causal(spec.mask)[0] else 1.0)
-    return {
-        "spec": spec.name,
-        "ok": all(c["ok"] for c in cases),
-        "cases": cases,
-        "bench_case": f"B=1 H=16 S={s}",
-        "ms": ms,
-        "tflops": flops / (ms * 1e-3) / 1e12,
-    }
-
-
-# ----------------------------------------------------------------------------- show / list
-def cmd_show(args) -> int:
-    from flashgen.build.render import render
-    from flashgen.families.registry import plan_forward
-
-    _, err = _consoles()
-    specs = _load_specs([args.spec], err)
-    if specs is None:
-        return 1
-    spec = specs[0]
-    print(format_spec(spec))
-    targets = args.target or list(spec.targets)
-    for t in targets:
-        try:
-            plan = plan_forward(spec, t, _options(args))
-        except ValueError as e:
-            err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
-            return 1
-        print(f"\n// ---- plan [{t}]: {json.dumps(plan.config())}")
-        print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")
-        sys.stdout.write(render(plan))
-    return 0
-
-
-def cmd_list(args) -> int:
-    from flashgen.frontend.spec import load_spec
-
-    root = Path(args.dir)
-    if not root.is_dir():
-        print(f"error: {root} is not a directory", file=sys.stderr)
-        return 1
-    rows = [("name", "dtype", "head_dim", "mask", "score_mod", "description")]
-    bad = False
-    for f in sorted(root.glob("*.yaml")) + sorted(root.glob("*.yml")):
-        try:
-            s = load_spec(f)
-        except SpecError as e:
-            rows.append(
-                (f.stem, "-", "-", "-", "-", f"ERROR {e.file}:{e.line}:{e.col}: {e.message}")
-            )
-            bad = True
-            continue
-        except OSError as e:  # a directory named *.yaml, a dangling link, no permission
-            rows.append((f.stem, "-", "-", "-", "-", f"ERROR cannot read spec: {e.strerror or e}"))
-            bad = True
-            continue
-        hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"
-        rows.append(
-            (s.name, s.dtype, hd, format_expr(s.mask), format_expr(s.score_mod), s.description)
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
-    return 1 if bad else 0
-
 
 # ----------------------------------------------------------------------------- bench / tune
-NO_GPU_EXIT = 2
-
-
-def _require_cuda(what: str) -> str | None:
-    """None if torch sees a CUDA device, else the message explaining why ``what`` cannot run."""
-    try:
-        import torch
-    except ImportError:
-        return f"flashgen {what} needs PyTorch with CUDA: torch is not installed."
-    if not torch.cuda.is_available():
-        return (
-            f"flashgen {what} needs a CUDA GPU, and torch.cuda.is_available() is false here "
-            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}). "
-            "Run it on a machine with a compute capability 8.x/9.x GPU"
-            + (
-                "; `flashgen bench --from-json` rebuilds reports from saved results without one."
-                if what == "bench"
-                else "; `flashgen tune --compile-only` checks the candidates without one."
-            )
-        )
-    return None
-
-
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -690,6 +76,11 @@ def _csv(kind):
 
 
 def cmd_bench(args) -> int:
+    if args.decode:  # the serving benchmark: flashgen.bench.decode
+        from flashgen.bench.decode import main as decode_main
+
+        argv = ["--out", str(Path(args.out) / "decode.json")] + (["--quick"] if args.quick else [])
+        return decode_main(argv)
     from flashgen.bench import report as benchreport
     from flashgen.bench.runner import BenchConfig, run_bench
 
@@ -809,7 +200,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="generated", help="output directory (default: generated)")
     b.add_argument("--json", action="store_true", help="print one JSON document")
     b.add_argument(
-        "--jobs", type=int, default=None, help="parallel nvcc processes (default: CPU count)"
+        "--jobs",
+        type=_int_at_least(1),
+        default=None,
+        help="parallel nvcc processes (default: CPU count)",
     )
     b.add_argument(
         "--no-verify", action="store_true", help="skip the GPU correctness check and benchmark"
@@ -831,8 +225,22 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_show)
 
     ls = sub.add_parser("list", help="list the specs in a directory")
-    ls.add_argument("dir", nargs="?", default="specs", metavar="DIR")
+    ls.add_argument(
+        "dir", nargs="?", default=None, metavar="DIR",
+        help="default: ./specs, else the specs shipped with flashgen",
+    )  # fmt: skip
     ls.set_defaults(func=cmd_list)
+
+    ca = sub.add_parser("cache", help="show the kernel cache's size; --prune it")
+    ca.add_argument(
+        "--prune", action="store_true",
+        help="delete other flashgen versions' kernels and broken entries",
+    )  # fmt: skip
+    ca.add_argument(
+        "--older-than", type=float, default=None, metavar="DAYS",
+        help="with --prune: also delete kernels not used for DAYS days",
+    )  # fmt: skip
+    ca.set_defaults(func=cmd_cache)
 
     be = sub.add_parser(
         "bench",
@@ -879,6 +287,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="RESULTS",
         help="no GPU: merge saved results.json files and rebuild the reports in --out",
     )
+    be.add_argument("--decode", action="store_true", help="the decode (KV cache) benchmark instead")
     be.set_defaults(func=cmd_bench)
 
     tu = sub.add_parser(
@@ -896,7 +305,9 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--table", default=None, help="table file (default flashgen/tuning/table.json)")
     tu.add_argument("--out", default=None, help="also write tune.json, tune.md, table.json here")
     tu.add_argument("--no-write", action="store_true", help="measure only; leave the table")
-    tu.add_argument("--jobs", type=int, default=None, help="parallel nvcc processes")
+    tu.add_argument(
+        "--jobs", type=_int_at_least(1), default=None, help="parallel nvcc processes"
+    )
     tu.add_argument("--budget-s", type=float, default=450.0, help="soft time limit (0 = none)")
     tu.add_argument(
         "--compile-only",
@@ -913,6 +324,8 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--child-out", help=argparse.SUPPRESS)
     tu.add_argument("--candidates", help=argparse.SUPPRESS)
     tu.set_defaults(func=cmd_tune)
+
+    ab.add_parser(sub)  # flashgen ab: flashgen/bench/ab.py
     return ap
 
 
@@ -927,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        return args.func(args)
+        with plain_warnings():
+            return args.func(args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `flashgen show ... | head`: the reader left; not an error

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from flashgen.codegen.abi import needs_block_table
 from flashgen.codegen.plan import KernelPlan, TileConfig
-from flashgen.families import blocktable, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
+from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
 from flashgen.families.bwd_common import BackwardPlan
 from flashgen.families.tiles import BackwardTiles
 from flashgen.frontend.ir import Spec
@@ -23,10 +23,11 @@ FAMILIES = {
     "fa2_bwd": fa2_bwd,
     "hopper_bwd": hopper_bwd,
     "blocktable": blocktable,
+    "decode": decode,
 }
 #: Calls :func:`select` answers: the dense forward, the forward of a call that keeps few
-#: keys per row, the backward, the block-table pre-pass.
-CALLS = ("fwd", "sparse", "bwd", "blocktable")
+#: keys per row, the backward, the block-table pre-pass, attention against a KV cache.
+CALLS = ("fwd", "sparse", "bwd", "blocktable", "decode")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,14 @@ def select(
       FA2-class kernels; else the Hopper backward where eligible; else the FA2-class
       atomic-dQ kernels if ``options.atomic_dq``, else the deterministic ones.
     - blocktable: the pre-pass.
+    - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
+      ``unsupported_reason`` says which specs have none).
 
     Raises ``ValueError`` for an unknown call."""
     if call not in CALLS:
         raise ValueError(f"unknown call {call!r}; known: {', '.join(CALLS)}")
-    if call == "blocktable":
-        return Route("blocktable")
+    if call in ("blocktable", "decode"):
+        return Route(call)
     if call in ("fwd", "sparse"):
         if not hopper_fwd.eligible(spec, target, options.family):
             return Route("fa2_fwd")
@@ -156,6 +159,15 @@ def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) ->
 def plan_block_table(spec: Spec, target: str, tile_config: TileConfig) -> KernelPlan:
     """The block-table pre-pass for the forward's tiles ``tile_config``."""
     return blocktable.plan(spec, target, tile_config)
+
+
+def plan_decode(spec: Spec, target: str, options: Options = DEFAULT) -> decode.DecodePlan:
+    """The decode unit (attention, combine, append kernels) of ``spec`` on ``target``
+    (:func:`flashgen.families.decode.plan` with ``options.decode``).  Raises ``ValueError``
+    for a spec decode does not support or tiles that do not fit."""
+    return decode.plan(
+        spec, target, options.decode, options_key=options.family_key("decode")
+    )
 
 
 def sparse_tiles(spec: Spec, dense: TileConfig, options: Options = DEFAULT) -> TileConfig | None:

@@ -12,15 +12,46 @@ import keyword
 import math
 import re
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 
 from flashgen.frontend import ir
-from flashgen.frontend.errors import SpecError, did_you_mean
+from flashgen.frontend.errors import SpecError, SpecWarning, clip, did_you_mean
 from flashgen.frontend.ir import Binary, Call, Causal, Cond, Const, Expr, Index, Ty, Unary, Var
 
-NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+#: A spec or param name (matched with ``fullmatch``: ``$`` would accept a trailing newline).
+NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
 MAX_NAME_LEN = 64
+#: Most params a spec may declare: every param is an argument of the op's schemas, and the
+#: widest one (the varlen backward: 13 fixed arguments) must stay within torch's limit.
+MAX_PARAMS = 32
+#: Most nodes in one expression (mask or score_mod): every pass, the rendered CUDA and nvcc's
+#: time grow with it.
+MAX_NODES = 2000
+#: Keyword arguments the op takes or will take (the open issues' features: paged KV,
+#: split-KV decoding, fp8 scales, ...): no param may shadow one.
+OP_KEYWORDS = frozenset(
+    {
+        "options",
+        "plan",
+        "block_table",
+        "cache_seqlens",
+        "num_splits",
+        "k_new",
+        "v_new",
+        "cu_seqlens_q",
+        "q_descale",
+        "k_descale",
+        "v_descale",
+        "q_offset",
+        "kv_offset",
+        "out",
+        "deterministic",
+        "softmax_scale",
+        "block_mask",
+    }
+)
 #: Spec names that would clash with the package, the op namespace or generated files.
 RESERVED_SPEC_NAMES = frozenset(
     {
@@ -41,6 +72,7 @@ RESERVED_SPEC_NAMES = frozenset(
         "test",
         "cache",
         "default",
+        "name",  # torch.ops.flashgen.name is the namespace's own name, not an op
         "forward",
         "backward",
         "kernel",
@@ -80,11 +112,18 @@ RESERVED_PARAM_NAMES = frozenset(
         "max_seqlen_k",
         "seqlen_q",
         "seqlen_k",
+        "name",
     }
+    | OP_KEYWORDS
 )
 BLOCK_M = (16, 32, 64, 128, 256)
 BLOCK_N = (16, 32, 64, 128)
 NUM_WARPS = (1, 2, 4, 8)
+#: Dynamic shared memory one CTA may use per target (bytes); mirrors ``SMEM_LIMIT`` of the
+#: lowering, and tests/unit/test_spec.py keeps the two (and the budget below) in step.
+SMEM_LIMIT = {"sm_80": 166912, "sm_90": 232448}
+#: Shared memory of the block-table row a mask that reads tensor params adds (bytes).
+TABLE_ROW_SMEM = 2048
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 #: Largest finite float32; f32 literals, defaults and bounds must stay within it (a larger
 #: value would be inf in the kernel but finite in the float64 reference).
@@ -170,32 +209,68 @@ class _Checker:
                 f"tiles.block_m {bm} must be a multiple of 16 * num_warps = {16 * nw} "
                 "(each warp owns 16-row mma tiles of the query block)",
             )
+        if len(s.params) > MAX_PARAMS:
+            raise self.fail(
+                f"params.{s.params[MAX_PARAMS].name}",
+                f"{len(s.params)} params; the limit (MAX_PARAMS) is {MAX_PARAMS} (each is an "
+                "argument of the op's schemas, and torch limits their number)",
+            )
+        self.tiles_fit()
         seen: set[str] = set()
         for p in s.params:
             self.param(p, seen)
 
+    def tiles_fit(self) -> None:
+        """Pinned ``tiles:`` must fit each target's shared memory: the FA2-class forward (the
+        kernel pinned tiles get) stages Q (``max(head_dim, head_dim_v)`` wide), K and V, plus
+        the block-table row of a mask that reads tensors.  A field left to the tuned table
+        counts at its smallest legal value, so this never refuses tiles the build accepts."""
+        s, t = self.spec, self.spec.tiles
+        if t.block_m is None and t.block_n is None:
+            return
+        bm = t.block_m or 16 * (t.num_warps or 1)
+        bn = t.block_n or 16
+        d, dv = s.head_dim, s.head_dim_v
+        smem = (bm * max(d, dv) + bn * d + bn * dv) * 2
+        if s.mask is not None and any(isinstance(n, Index) for n in ir.walk(s.mask)):
+            smem += TABLE_ROW_SMEM
+        for target in s.targets:
+            limit = SMEM_LIMIT.get(target)
+            if limit is not None and smem > limit:
+                raise self.fail(
+                    "tiles.block_n" if t.block_n is not None else "tiles.block_m",
+                    f"tiles {t.block_m or '-'}x{t.block_n or '-'} need at least {smem} B of "
+                    f"shared memory at head_dim {d}/{dv}; the limit of a CTA on {target} is "
+                    f"{limit} B: pick a smaller tiles.block_m or tiles.block_n",
+                )
+
     def name(self, name: str) -> None:
-        if not NAME_RE.match(name) or len(name) > MAX_NAME_LEN:
+        if not NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LEN:
             raise self.fail(
                 "name",
-                f"invalid name '{name}': use lowercase letters, digits and underscores, "
+                f"invalid name '{clip(name)}': use lowercase letters, digits and underscores, "
                 f"starting with a letter, at most {MAX_NAME_LEN} characters (no dots or slashes)",
+            )
+        if "__" in name:
+            raise self.fail(
+                "name",
+                f"name '{name}' contains '__', which is reserved for the ops flashgen derives "
+                "from a spec (<name>__varlen, <name>__backward)",
             )
         if keyword.iskeyword(name) or name in RESERVED_SPEC_NAMES:
             raise self.fail("name", f"name '{name}' is reserved; pick another")
 
     def param(self, p: ir.Param, seen: set[str]) -> None:
         key = f"params.{p.name}"
-        if not NAME_RE.match(p.name) or len(p.name) > MAX_NAME_LEN:
+        if not NAME_RE.fullmatch(p.name) or len(p.name) > MAX_NAME_LEN:
             raise self.fail(
                 key,
-                f"invalid param name '{p.name}': use lowercase letters, digits and "
-                "underscores, starting with a letter",
+                f"invalid param name '{clip(p.name)}': use lowercase letters, digits and "
+                f"underscores, starting with a letter, at most {MAX_NAME_LEN} characters",
             )
-        if keyword.iskeyword(p.name) or p.name in RESERVED_PARAM_NAMES:
-            raise self.fail(
-                key, f"param name '{p.name}' is reserved (a built-in name of the DSL or op)"
-            )
+        if keyword.iskeyword(p.name) or p.name in RESERVED_PARAM_NAMES or "__" in p.name:
+            what = "an op keyword" if p.name in OP_KEYWORDS else "a built-in name of the DSL or op"
+            raise self.fail(key, f"param name '{p.name}' is reserved ({what})")
         if p.name in seen:
             raise self.fail(key, f"param '{p.name}' is declared twice")
         seen.add(p.name)
@@ -285,6 +360,13 @@ class _Checker:
         if e is None:
             return None
         self.in_score_mod = field == "score_mod"
+        nodes = _count_nodes(e)
+        if nodes > MAX_NODES:
+            raise self.fail(
+                e.span if e.span != ir.NO_SPAN else field,
+                f"{field} has {nodes} operators and operands; the limit (MAX_NODES) is "
+                f"{MAX_NODES} (the kernel's code and its compile time grow with it)",
+            )
         try:
             typed = self.expr(e)
         except RecursionError:
@@ -501,6 +583,15 @@ def _never_true(mask: Expr, spec: ir.Spec) -> bool:
     return t == Truth(False, True)
 
 
+def _count_nodes(e: Expr) -> int:
+    """Number of nodes of ``e``, without recursion."""
+    n, stack = 0, [e]
+    while stack:
+        n += 1
+        stack.extend(ir.children(stack.pop()))
+    return n
+
+
 def _is_zero(e: Expr) -> bool:
     """Whether ``e`` is a constant zero: a literal (possibly negated or parenthesized) or
     ``+ - *`` of literals, such as ``3 - 3`` or ``0.5 * 0.0``."""
@@ -546,4 +637,51 @@ def check_spec(spec: ir.Spec, *, locations: Mapping[str, ir.Span] | None = None)
     ck.fields()
     mask = ck.root(spec.mask, "mask")
     score_mod = ck.root(spec.score_mod, "score_mod")
-    return replace(spec, mask=mask, score_mod=score_mod)
+    checked = replace(spec, mask=mask, score_mod=score_mod)
+    for span, message in zero_divisors(checked):
+        warnings.warn(SpecWarning(f"{span.file}:{span.line}:{span.col}: warning: {message}"),
+                      stacklevel=2)  # fmt: skip
+    return checked
+
+
+def zero_divisors(spec: ir.Spec) -> list[tuple[ir.Span, str]]:
+    """(span, message) for each float ``/`` or ``%`` of the typed ``spec`` whose divisor
+    reads a scalar param and can be 0 for a param value the op accepts (interval analysis,
+    :mod:`flashgen.analysis.maskinfo`, over the params' declared bounds): ``score / c`` with
+    ``c: 0.0`` makes every logit infinite or NaN (o = 0, lse = -inf) without a word.
+    :func:`check_spec` warns (:class:`~flashgen.frontend.errors.SpecWarning`) for each."""
+    from flashgen.analysis.maskinfo import ANY, Range, evaluate
+
+    scalars = {p.name: p for p in spec.scalar_params}
+    if not scalars:
+        return []
+    big = float(INT32_MAX)
+    env = {n: Range(0.0, big) for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
+    env |= {n: Range(1.0, big) for n in ("seqlen_q", "seqlen_k")}
+    env[ir.SCORE_VAR] = ANY
+    for p in scalars.values():
+        env[p.name] = Range(
+            -math.inf if p.minimum is None else float(p.minimum),
+            math.inf if p.maximum is None else float(p.maximum),
+        )
+    found = []
+    for e in (spec.mask, spec.score_mod):
+        for n in ir.walk(e) if e is not None else ():
+            if not (isinstance(n, Binary) and n.op in ("/", "%") and n.ty == Ty.F32):
+                continue
+            names = sorted({v.name for v in ir.walk(n.rhs) if isinstance(v, Var)} & set(scalars))
+            if not names:
+                continue
+            try:
+                r = evaluate(n.rhs, env)
+            except (TypeError, KeyError, ValueError, ArithmeticError):
+                continue  # beyond the analysis: no claim
+            if isinstance(r, Range) and r.lo <= 0 <= r.hi:
+                which = ", ".join(f"'{x}'" for x in names)
+                found.append((
+                    n.span,
+                    f"the divisor of '{n.op}' reads param {which} and can be 0 (o = 0 and "
+                    f"lse = -inf, or NaN, on every row then); declare a bound that excludes "
+                    f"0, e.g. {{type: f32, default: ..., above: 0}}",
+                ))  # fmt: skip
+    return found

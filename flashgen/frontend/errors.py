@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import unicodedata
 
 from flashgen.frontend.ir import Span
 
@@ -20,6 +21,39 @@ def source_line(source: str, line: int) -> str:
     """Line ``line`` (1-based) of ``source``, or ``""`` when out of range."""
     lines = _LINE_BREAK.split(source)
     return lines[line - 1] if 1 <= line <= len(lines) else ""
+
+
+#: Longest source line shown under an error; a longer one is clipped around the column.
+MAX_SHOWN_LINE = 120
+
+
+def terminal_safe(text: str, *, newlines: bool = False) -> str:
+    r"""``text`` with every character that could act on a terminal escaped.
+
+    Spec text is untrusted: an escape sequence in a description, a key or a name (OSC 52
+    writes the clipboard, CSI moves the cursor, U+202E reverses the line) must reach the
+    terminal inert.  Control, format, separator, surrogate and unassigned characters other
+    than space and tab (and newline where ``newlines``) become ``\xNN`` / ``\uNNNN`` /
+    ``\UNNNNNNNN``.  Printable text is returned unchanged.
+    """
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c in " \t" or (c == "\n" and newlines) or unicodedata.category(c)[0] not in "CZ":
+            out.append(c)
+        elif ord(c) < 0x100:
+            out.append(f"\\x{ord(c):02x}")
+        elif ord(c) < 0x10000:
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(f"\\U{ord(c):08x}")
+    return "".join(out)
+
+
+def clip(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``...`` when cut (to echo user input)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def did_you_mean(word: str, choices) -> str:
@@ -62,13 +96,22 @@ class SpecError(ValueError):
         return Span(self.file, self.line, self.col)
 
     def _render(self) -> str:
-        head = f"{self.file}:{self.line}:{self.col}: error: {self.message}"
+        file, message = terminal_safe(str(self.file)), terminal_safe(self.message)
+        head = f"{file}:{self.line}:{self.col}: error: {message}"
         if not self.source_line:
             return head
         text = self.source_line.rstrip("\r\n")
+        col = max(self.col - 1, 0)
+        before, after = text[:col], text[col:]
+        half = MAX_SHOWN_LINE // 2  # a long line is clipped to a window around the column
+        if len(text) > MAX_SHOWN_LINE and len(before) > half:
+            before = "..." + before[-(half - 3) :]
+        if len(text) > MAX_SHOWN_LINE and len(after) > half:
+            after = after[: half - 3] + "..."
+        before, after = terminal_safe(before), terminal_safe(after)
         # keep tabs so the caret lines up under tab-indented text
-        pad = "".join(c if c == "\t" else " " for c in text[: max(self.col - 1, 0)])
-        return f"{head}\n    {text}\n    {pad}^"
+        pad = "".join(c if c == "\t" else " " for c in before)
+        return f"{head}\n    {before}{after}\n    {pad}^"
 
     def __str__(self) -> str:
         return self._render()
@@ -90,3 +133,8 @@ class OpInputError(ValueError):
     Raised by the op layer for wrong shapes, dtypes, devices, strides or missing
     params; the message names the argument and what was expected.
     """
+
+
+class SpecWarning(UserWarning):
+    """A spec that checks but is probably not what its author meant (e.g. a param that can
+    be the zero divisor of a float expression); the message starts ``file:line:col:``."""

@@ -224,9 +224,15 @@ def parse_expr(
             if isinstance(exc.orig_exc, SpecError):
                 raise exc.orig_exc from None
             raise
-        if _depth(tree) > MAX_DEPTH:
+        depth = _depth(tree)
+        if depth > MAX_DEPTH:
             raise _error(
-                ir.Span(file, line, col), f"expression is nested too deeply (max {MAX_DEPTH})"
+                ir.Span(file, line, col),
+                f"expression is nested too deeply: {depth} levels, and the limit (MAX_DEPTH) is "
+                f"{MAX_DEPTH}. "
+                "Depth is the longest path of nested operators and calls, and a chain such as "
+                "a + b + c nests one level per term: a sum of more than 100 terms is too deep; "
+                "group it, e.g. (a + b) + (c + d)",
             )
         return tree
     finally:

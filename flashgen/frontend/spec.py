@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
+import numpy as np
 import yaml
 
 from flashgen.frontend import check, ir
-from flashgen.frontend.errors import SpecError, did_you_mean
+from flashgen.frontend.errors import SpecError, clip, did_you_mean
 from flashgen.frontend.parse import parse_expr
 
 #: Top-level fields of a spec, in documentation order.
@@ -34,9 +36,14 @@ FIELDS = (
     "varlen",
 )
 REQUIRED = ("name", "head_dim", "dtype")
-PARAM_FIELDS = ("type", "default", "shape", "min", "max")
+PARAM_FIELDS = ("type", "default", "shape", "min", "max", "above", "below")
 TILE_FIELDS = ("block_m", "block_n", "num_warps")
 DEFAULT_TARGETS = ("sm_80", "sm_90")
+#: Largest spec accepted, in bytes (a spec is a dozen lines; this bounds reading, YAML
+#: parsing and every later pass).  Only regular files are read.
+MAX_SPEC_BYTES = 64 * 1024
+#: Longest ``description`` accepted, in characters.
+MAX_DESCRIPTION = 4000
 
 _YAML_TAG = "tag:yaml.org,2002:"
 #: A float with an exponent and no dot (``1e-3``, ``-2E+5``): a string to PyYAML.
@@ -72,20 +79,31 @@ class _Loader:
             return "a mapping"
         tag = node.tag.removeprefix(_YAML_TAG)
         if tag == "str":
-            return f"the string '{node.value}'"
-        return _KIND.get(tag, f"a value tagged {node.tag}") + (
-            f" ({node.value})" if tag in ("int", "float", "bool") else ""
+            return f"the string '{clip(node.value)}'"
+        return _KIND.get(tag, f"a value tagged {clip(node.tag)}") + (
+            f" ({clip(node.value)})" if tag in ("int", "float", "bool") else ""
         )
 
     def value(self, node: yaml.ScalarNode):
         if not node.tag.startswith(_YAML_TAG):
             raise self.error(
-                node, f"unexpected YAML tag '{node.tag}' (quote the value if it is an expression)"
+                node,
+                f"unexpected YAML tag '{clip(node.tag)}' (quote the value if it is an expression)",
             )
+        tag = node.tag.removeprefix(_YAML_TAG)
         try:
             return yaml.SafeLoader("").construct_object(node, deep=True)
         except yaml.YAMLError as exc:
             raise self.error(node, f"invalid value: {getattr(exc, 'problem', exc)}") from None
+        except Exception as exc:  # noqa: BLE001  PyYAML's constructors raise anything:
+            # ValueError (an int over 4300 digits, `2001-13-45`, `!!int abc`, `!!float x`),
+            # KeyError (`!!bool maybe`), TypeError/AttributeError (`!!timestamp x`)
+            detail = f" ({clip(str(exc))})" if isinstance(exc, ValueError) else ""
+            raise self.error(
+                node,
+                f"invalid {_KIND.get(tag, tag)} value '{clip(node.value)}'{detail} "
+                "(quote it if it is meant as text or an expression)",
+            ) from None
 
     def is_null(self, node: yaml.Node | None) -> bool:
         return node is None or (
@@ -134,12 +152,12 @@ class _Loader:
                 raise self.error(k, f"keys of {field} must be names, got {self.describe(k)}{hint}")
             key = k.value
             if key in out:
-                raise self.error(k, f"duplicate key '{key}' in {field}")
+                raise self.error(k, f"duplicate key '{clip(key)}' in {field}")
             if allowed is not None and key not in allowed:
                 where = "field" if field == "the spec" else f"key in {field}"
                 raise self.error(
                     k,
-                    f"unknown {where} '{key}'{did_you_mean(key, allowed)}"
+                    f"unknown {where} '{clip(key)}'{did_you_mean(key, allowed)}"
                     f"; expected one of: {', '.join(allowed)}",
                 )
             out[key] = (k, v)
@@ -154,7 +172,7 @@ class _Loader:
     def plain_tag(self, node: yaml.Node, tag: str) -> None:
         """Reject an explicit tag (``!!python/...``, ``!custom``) on a mapping or list."""
         if node.tag != tag:
-            raise self.error(node, f"unexpected YAML tag '{node.tag}' on a collection")
+            raise self.error(node, f"unexpected YAML tag '{clip(node.tag)}' on a collection")
 
     # -- expressions
     def expr(self, node: yaml.Node, field: str) -> ir.Expr | None:
@@ -197,6 +215,26 @@ def _as_float(ld: _Loader, node: yaml.Node, value: int | float, field: str) -> f
         raise ld.error(node, f"{field} is too large ({str(value)[:12]}...)") from None
 
 
+def _exclusive(ld: _Loader, node, value, ty: ir.Ty, lower: bool, field: str):
+    """The inclusive bound equal to the exclusive bound ``value`` (``above:`` when ``lower``,
+    else ``below:``) for a param of type ``ty``: the next int32, or the next float32 (the
+    kernels' type) past ``value``.  Stored as ``minimum`` / ``maximum``, so the op, the
+    reference and the interval analysis need no second kind of bound."""
+    if ty == ir.Ty.I32:
+        if not isinstance(value, int):
+            raise ld.error(node, f"{field} must be an integer (the param is i32), got {value}")
+        return value + 1 if lower else value - 1
+    if not abs(value) <= check.F32_MAX:
+        raise ld.error(node, f"{field} must be a finite float32, got {value}")
+    f32 = float(np.float32(value))  # the nearest float32
+    if f32 > value if lower else f32 < value:
+        return f32
+    nxt = float(np.nextafter(np.float32(f32), np.float32(np.inf if lower else -np.inf)))
+    if abs(nxt) > check.F32_MAX:
+        raise ld.error(node, f"{field} leaves no finite float32 value on its side")
+    return nxt
+
+
 def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
     name = key_node.value
     where = f"params.{name}"
@@ -220,7 +258,7 @@ def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
             f"param '{name}' has both a default and a shape; a tensor param has no default",
         )
     if has_shape:
-        for key in ("min", "max"):
+        for key in ("min", "max", "above", "below"):
             if key in fields:
                 raise ld.error(
                     fields[key][0], f"param '{name}' is a tensor; only scalar params take a {key}"
@@ -246,14 +284,24 @@ def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
         if ty == ir.Ty.F32:
             default = _as_float(ld, dnode, default, f"the default of param '{name}'")
         bounds = {}
-        for key in ("min", "max"):
+        for key in ("min", "max", "above", "below"):
             if key in fields:
                 bnode = fields[key][1]
                 ld.record(f"{where}.{key}", bnode)
                 val = ld.number(bnode, f"the {key} of param '{name}'")
                 if ty == ir.Ty.F32:
                     val = _as_float(ld, bnode, val, f"the {key} of param '{name}'")
-                bounds["minimum" if key == "min" else "maximum"] = val
+                lower = key in ("min", "above")
+                other = ("min", "above") if lower else ("max", "below")
+                if all(o in fields for o in other):
+                    raise ld.error(
+                        fields[other[1]][0],
+                        f"param '{name}' has both {other[0]} and {other[1]}; give one",
+                    )
+                if key in ("above", "below"):
+                    ld.record(f"{where}.{'min' if lower else 'max'}", bnode)
+                    val = _exclusive(ld, bnode, val, ty, lower, f"the {key} of param '{name}'")
+                bounds["minimum" if lower else "maximum"] = val
         return ir.Param(name, "scalar", ty, default, (), ld.span(key_node), **bounds)
     raise ld.error(
         node,
@@ -319,6 +367,12 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
     description = ""
     if get("description") is not None:
         description = ld.string(get("description"), "description")
+        if len(description) > MAX_DESCRIPTION:
+            raise ld.error(
+                get("description"),
+                f"description is {len(description)} characters long; the limit "
+                f"(MAX_DESCRIPTION) is {MAX_DESCRIPTION}",
+            )
 
     return ir.Spec(
         name=name,
@@ -360,8 +414,12 @@ def loads_spec(text: str, path: str = "<string>") -> ir.Spec:
     Returns a checked :class:`~flashgen.frontend.ir.Spec` (typed expressions, ``source=text``,
     ``path=path``).  Raises :class:`~flashgen.frontend.errors.SpecError` (file:line:col and the
     offending line) for YAML syntax errors, unknown/missing/mistyped fields, DSL
-    syntax errors, and everything :func:`flashgen.frontend.check.check_spec` rejects.
+    syntax errors, a text over :data:`MAX_SPEC_BYTES`, and everything
+    :func:`flashgen.frontend.check.check_spec` rejects.
     """
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(_too_large(size), file=path, line=1, col=1)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -379,15 +437,73 @@ def loads_spec(text: str, path: str = "<string>") -> ir.Spec:
     return check.check_spec(spec, locations=ld.locations)
 
 
+def _too_large(size: int | str) -> str:
+    return (
+        f"spec is {size} bytes; the limit (MAX_SPEC_BYTES) is {MAX_SPEC_BYTES} bytes "
+        "(a spec is a few lines of YAML)"
+    )
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def read_spec_bytes(path: str | os.PathLike) -> bytes:
+    """The bytes of the spec file at ``path``: a regular file (a link to one is fine) of at
+    most :data:`MAX_SPEC_BYTES` bytes.
+
+    The file is opened without blocking (a FIFO cannot hang the call) and checked with
+    ``fstat`` on the open descriptor, so what is read is what was checked.  Raises
+    :class:`~flashgen.frontend.errors.SpecError` at ``path:1:1`` for a directory, FIFO,
+    device or socket (``/dev/zero``, or a ``*.yaml`` link to it) and for a larger file;
+    ``OSError`` when it cannot be opened.
+    """
+    p = os.fspath(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(p, flags | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+            raise SpecError(
+                f"a spec must be a regular file; {p} is {kind}", file=p, line=1, col=1
+            )
+        if st.st_size > MAX_SPEC_BYTES:
+            raise SpecError(_too_large(st.st_size), file=p, line=1, col=1)
+        chunks, size = [], 0
+        while size <= MAX_SPEC_BYTES:  # the size may change while reading: read at most limit+1
+            chunk = os.read(fd, MAX_SPEC_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_SPEC_BYTES:
+            raise SpecError(_too_large(f"more than {MAX_SPEC_BYTES}"), file=p, line=1, col=1)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def load_spec(path: str | os.PathLike) -> ir.Spec:
     """Read the spec file at ``path`` (UTF-8) and return it checked, as :func:`loads_spec`.
 
-    Raises :class:`~flashgen.frontend.errors.SpecError` for any problem in the file and
-    ``OSError`` when it cannot be read.
+    Only a regular file of at most :data:`MAX_SPEC_BYTES` bytes is read
+    (:func:`read_spec_bytes`).  Raises :class:`~flashgen.frontend.errors.SpecError` for any
+    problem in the file and ``OSError`` when it cannot be read.
     """
     p = os.fspath(path)
-    with open(p, "rb") as fh:
-        data = fh.read()
+    return loads_spec_bytes(read_spec_bytes(p), p)
+
+
+def loads_spec_bytes(data: bytes, path: str) -> ir.Spec:
+    """:func:`loads_spec` of ``data`` decoded as UTF-8 (a decoding error is a
+    :class:`~flashgen.frontend.errors.SpecError` at its line and column)."""
+    p = path
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

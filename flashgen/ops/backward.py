@@ -138,10 +138,11 @@ class Backward:
         return _grads_like(q, k, v, fill_zero=False)
 
     def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
-        """Autograd through the float32 reference; dq, dk, dv in the input dtype (the same
+        """The blocked CPU backward (:mod:`flashgen.ops.cpu_attention`: each query chunk's
+        float32 forward recomputed under autograd); dq, dk, dv in the input dtype (the same
         for either ``deterministic``)."""
+        from flashgen.ops.cpu_attention import attention_blocked_backward
         from flashgen.ops.op import PARAM_DTYPE, validate
-        from flashgen.ops.reference import attention_reference
 
         scalars, tensors = self.op._split(rest)
         validate(self.spec, q, k, v, tensors)
@@ -149,25 +150,8 @@ class Backward:
             return _grads_like(q, k, v, fill_zero=True)
         params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
-        with torch.enable_grad():
-            qf, kf, vf = (t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v))
-            ref_o, ref_lse = attention_reference(
-                self.spec,
-                qf,
-                kf,
-                vf,
-                softmax_scale=softmax_scale,
-                params=params,
-                compute_dtype=torch.float32,
-            )
-            outs, seeds = [ref_o], [dout.to(torch.float32)]
-            if dlse is not None:
-                outs.append(ref_lse)
-                seeds.append(dlse.to(torch.float32))
-            grads = torch.autograd.grad(outs, (qf, kf, vf), seeds, allow_unused=True)
-        return tuple(
-            (g if g is not None else torch.zeros_like(t, dtype=torch.float32)).to(t.dtype)
-            for g, t in zip(grads, (q, k, v), strict=True)
+        return attention_blocked_backward(
+            self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params
         )
 
     def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):

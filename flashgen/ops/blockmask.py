@@ -12,8 +12,8 @@ FlexAttention's ``create_block_mask``, a pre-pass evaluates the mask over every
 The table is uint8 ``[tab_b, tab_h, ceil(seqlen_q / BLOCK_M), ceil(seqlen_k / BLOCK_N)]``
 (``tab_b`` = batch when the mask reads ``b``, else 1; ``tab_h`` likewise for ``h``), so
 it costs O(tiles) memory.  On a GPU it is built by the generated kernel of
-:func:`flashgen.lower.plan_block_table`; :func:`block_table_reference` is the brute-force
-torch version (CPU ``op.block_mask`` and the tests).
+:func:`flashgen.families.registry.plan_block_table`; :func:`block_table_reference` is the
+brute-force torch version (CPU ``op.block_mask`` and the tests).
 
 Users build one with ``bm = op.block_mask(seqlen_q, seqlen_k, doc_q=..., doc_kv=...)``
 and pass it to ``op.attention(..., block_mask=bm)`` for as long as the tensor params'
@@ -104,7 +104,7 @@ def block_table_reference(
 ) -> torch.Tensor:
     """Brute-force block table: the mask materialized with :func:`flashgen.ops.reference.eval_mask`
     over every in-range pair, reduced per tile.  uint8 ``[tab_b, tab_h, m_blocks, n_blocks]``
-    (:func:`flashgen.lower.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
+    (:func:`flashgen.families.blocktable.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
     default ``heads_q``).  Memory O(tab_b * tab_h * seqlen_q * seqlen_k): for tests and the
     CPU op, not for long sequences.
     """
@@ -136,7 +136,8 @@ def table_strides(spec: Spec, table: torch.Tensor) -> tuple[int, int]:
 
 def table_for_tiles(arg: torch.Tensor, shape: tuple[int, ...], tiles: TileConfig) -> torch.Tensor:
     """The uint8 ``shape`` table behind an op ``block_mask`` argument (:meth:`BlockMask.op_arg`)
-    built for ``tiles`` (``shape``: :func:`flashgen.lower.block_table_shape` for them).
+    built for ``tiles`` (``shape``: :func:`flashgen.families.blocktable.block_table_shape`
+    for them).
 
     Raises :class:`~flashgen.frontend.errors.OpInputError` when ``arg`` is not such a view, or was
     built for other tiles or sizes: a table's classes hold only for the tiles it was built

@@ -34,6 +34,7 @@ Op contract (README.md, section "Op contract"):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import math
@@ -42,7 +43,7 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -68,7 +69,9 @@ TORCH_DTYPE = {
 PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
 _SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
 
-_LIB: torch.library.Library | None = None
+#: One torch library fragment per registered spec name (its forward, backward and fake
+#: kernels), so a failed registration or a reload can be undone whole (``_destroy``).
+_LIBS: dict[str, torch.library.Library] = {}
 _REGISTRY: dict[str, AttentionOp] = {}
 _REG_LOCK = threading.RLock()
 _POISON = False
@@ -149,7 +152,9 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
         return None
     want = TORCH_DTYPE[spec.dtype]
     qs, ks, vs = q.shape, k.shape, v.shape
-    if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype == want):
+    if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype):
+        return None
+    if q.dtype != want and not (q.dtype == torch.float32 and q.device.type == "cpu"):
         return None
     batch, hq, sq, d = qs
     _, hkv, sk, _ = ks
@@ -176,7 +181,6 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
 
 def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
     """Every check of q, k, v in turn, raising :class:`OpInputError` at the first failure."""
-    want = TORCH_DTYPE[spec.dtype]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -186,11 +190,7 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
                 f"{name}: expected a 4-D tensor [batch, heads, seqlen, head_dim], "
                 f"got shape {_shape(t)}"
             )
-        if t.dtype != want:
-            raise OpInputError(
-                f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), "
-                f"got {t.dtype}"
-            )
+        check_input_dtype(spec, name, t, q)
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
@@ -210,6 +210,20 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
         )
     hq, hkv = check_heads_and_strides(q, k, v)
     return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+
+
+def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:
+    """``t`` (the input called ``name``) has the spec's dtype, or float32 on CPU
+    (:func:`flashgen.ops.cpu_attention.cpu_input_dtypes`), and q's dtype; else
+    :class:`OpInputError`."""
+    want = TORCH_DTYPE[spec.dtype]
+    ok = t.dtype == want or (t.dtype == torch.float32 and t.device.type == "cpu")
+    if not ok or t.dtype != q.dtype:
+        also = "; float32 also on CPU, the same for q, k and v"
+        raise OpInputError(
+            f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}{also}), "
+            f"got {t.dtype}" + ("" if t.dtype == q.dtype else f" (q has {q.dtype})")
+        )
 
 
 def check_heads_and_strides(q, k, v) -> tuple[int, int]:
@@ -449,7 +463,7 @@ class AttentionOp:
         self.base_name = spec.name
         self.qualname = f"flashgen::{spec.name}"
         self._kernels: dict[tuple[int, str], object] = {}
-        #: whether a call may run the sparse-mask tiles (lower.sparse_tiles of the Hopper
+        #: whether a call may run the sparse-mask tiles (registry.sparse_tiles of the Hopper
         #: kernel's tiles), and per (seqlen_q, seqlen_k, scalars) whether it does
         self._sparse_possible = hopper_eligible(spec, "sm_90", options.family) and (
             registry.sparse_tiles(spec, hopper_tiles(spec), options) is not None
@@ -467,6 +481,16 @@ class AttentionOp:
         self._block_table = needs_block_table(spec)
         #: (Dims, scalar values) whose tensor-param subscripts were bounded (indexbounds)
         self._bounds_seen: set = set()
+        #: set when ``flashgen.load`` of the edited spec file replaced this op's registration
+        self._replaced_by: str | None = None
+
+    def _check_live(self) -> None:
+        """Raise ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        if self._replaced_by is not None:
+            raise RuntimeError(
+                f"op {self.qualname} was replaced when flashgen.load reloaded the edited spec "
+                f"{self._replaced_by}; use the op that flashgen.load returned then"
+            )
 
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
@@ -475,10 +499,11 @@ class AttentionOp:
         """The op of this spec bound to ``options`` (:class:`flashgen.options.Options`):
         :func:`build_op` of the spec under its own name, so its :meth:`attention`,
         :attr:`varlen` and ``torch.ops.flashgen.<its name>`` all run the kernels ``options``
-        pick."""
+        pick.  Raises ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        self._check_live()
         if options == self.options:
             return self
-        return build_op(replace(self.spec, name=self.base_name), options)
+        return build_op(dataclasses.replace(self.spec, name=self.base_name), options)
 
     @property
     def torch_op(self):
@@ -550,6 +575,7 @@ class AttentionOp:
         torch-function or dispatch mode, a functorch transform, with tensor subclasses or
         CPU tensors this calls ``torch.ops.flashgen.<name>``.
         """
+        self._check_live()
         scalars, tensors = resolve_params(self.spec, params)
         tensor_map = self._tensor_map(tensors)
         dims = validate(self.spec, q, k, v, tensor_map)
@@ -702,7 +728,7 @@ class AttentionOp:
 
     def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
         """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
-        returns the uint8 table (see :func:`flashgen.lower.plan_block_table`)."""
+        returns the uint8 table (see :func:`flashgen.families.registry.plan_block_table`)."""
         from flashgen.families.blocktable import block_table_shape
 
         kern = self._block_table_kernel(device, tiles)
@@ -736,6 +762,21 @@ class AttentionOp:
                     self._kernels[key] = kern
         return kern
 
+    def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
+        """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
+        (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
+        :meth:`flashgen.ops.decode.DecodeOp.with_kvcache` for the arguments and contract."""
+        from flashgen.ops.decode import decode_op
+
+        return decode_op(self).with_kvcache(q, k_cache, v_cache, cache_seqlens, **kwargs)
+
+    def plan_decode(self, **kwargs):
+        """A reusable schedule for :meth:`with_kvcache` calls of one shape; see
+        :meth:`flashgen.ops.decode.DecodeOp.plan_decode`."""
+        from flashgen.ops.decode import decode_op
+
+        return decode_op(self).plan_decode(**kwargs)
+
     __call__ = attention
 
     # --------------------------------------------------------------------- kernels
@@ -757,7 +798,7 @@ class AttentionOp:
     def _empty_outputs(self, q, dims: Dims):
         o = torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
-            dtype=out_dtype(self.spec),
+            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
             device=q.device,
         )
         lse = torch.empty(
@@ -771,7 +812,7 @@ class AttentionOp:
         return self._empty_outputs(q, dims)
 
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
-        from flashgen.ops.reference import attention_reference
+        from flashgen.ops.cpu_attention import attention_blocked
 
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
@@ -782,14 +823,8 @@ class AttentionOp:
             return o.zero_(), lse.fill_(-math.inf)
         params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
-        ref_o, ref_lse = attention_reference(
-            self.spec,
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            params=params,
-            compute_dtype=torch.float32,
+        ref_o, ref_lse = attention_blocked(
+            self.spec, q, k, v, softmax_scale=softmax_scale, params=params
         )
         o.copy_(ref_o)
         lse.copy_(ref_lse)
@@ -873,14 +908,15 @@ class AttentionOp:
         return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
 
     def _sparse_call(self, dims: Dims, scalars) -> bool:
-        """Whether this call asks for the sparse-mask tiles (:func:`flashgen.lower.sparse_tiles`;
-        :meth:`kernel` runs them where the kernel has them): the mask keeps fewer than
-        :data:`~flashgen.lower.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
+        """Whether this call asks for the sparse-mask tiles
+        (:func:`flashgen.families.registry.sparse_tiles`; :meth:`kernel` runs them where the
+        kernel has them): the mask keeps fewer than
+        :data:`~flashgen.families.tiles.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
         scalars (:func:`flashgen.ops.density.keys_per_row`; the answer cached per op per lengths
         and per the lengths' :func:`~flashgen.ops.density.bucket`, keyed by the scalars the mask
         reads only: a loop over growing lengths (decoding) costs a few microseconds per call,
-        a float param only the score_mod reads none).  Off with ``FLASHGEN_SPARSE_TILES=0``,
-        read at every call."""
+        a float param only the score_mod reads none).  Off with the op's
+        ``Options.sparse_tiles`` False."""
         if not self._sparse_possible:
             return False
         read = tuple(scalars[i] for i in self._sparse_scalars) if self._sparse_scalars else ()
@@ -907,9 +943,8 @@ class AttentionOp:
         return few
 
     def _sparse_key(self, base: tuple) -> tuple:
-        """The cache key of the sparse kernel: ``base`` and its persistent scheduler
-        (:func:`flashgen.lower.sparse_persistent`; ``FLASHGEN_SPARSE_PERSISTENT`` is read
-        only where the op has a sparse kernel, and only for sparse calls and builds)."""
+        """The cache key of the sparse kernel: ``base`` and its persistent scheduler (the op's
+        ``Options.sparse_persistent``, where the op has a sparse kernel)."""
         sp = self.options.sparse_persistent
         sched = self._sparse_possible and (False if sp == "off" else sp)
         return base + ("sparse", sched)
@@ -917,21 +952,20 @@ class AttentionOp:
     def kernel(self, device: torch.device, sparse: bool = False):
         """The loaded kernel for CUDA ``device`` (built and cached on first use).
 
-        Renders the plan for :func:`target_for_device`, compiles through the on-disk
-        cache, falling back to smaller tiles if the chosen ones spill
-        (:mod:`flashgen.select`), and loads it with :mod:`flashgen.runtime.launch`.  The kernel
-        family follows ``FLASHGEN_KERNEL_FAMILY`` (``auto``, the default: the Hopper TMA +
-        wgmma kernel on sm_90 where the spec allows; ``fa2``: the FA2-class kernel),
-        read at every call, and so does ``FLASHGEN_PERSISTENT`` (``1``, ``static``, ``m_major``,
-        ``dynamic``: the Hopper kernel's persistent tile scheduler,
-        :func:`flashgen.lower.persistent_forward`; default ``dynamic`` for a mask that reads
-        tensors, else off) and ``FLASHGEN_SIDE_TERMS`` (:mod:`flashgen.select`).  ``sparse``:
-        the kernel with the tiles for masks that keep few keys per row
-        (:func:`flashgen.lower.sparse_tiles`; the op's calls choose it per call,
-        :meth:`_sparse_call`; not under ``FLASHGEN_PERSISTENT``), persistent where
-        :func:`flashgen.lower.sparse_persistent` says so (``FLASHGEN_SPARSE_PERSISTENT``, read
-        at every call), the same kernel as without where there are none (the FA2-class
-        kernel).  Where the op may pick either, the
+        Renders the plan for :func:`target_for_device` (the family
+        :func:`flashgen.families.registry.select` picks under the op's options), compiles
+        through the on-disk cache, falling back to smaller tiles if the chosen ones spill
+        (:mod:`flashgen.families.build`), and loads it with :mod:`flashgen.runtime.launch`.
+        The op's :class:`~flashgen.options.Options` decide: ``family`` (``auto``, the
+        default: the Hopper TMA + wgmma kernel on sm_90 where the spec allows; ``fa2``: the
+        FA2-class kernel), ``persistent`` (the Hopper kernel's persistent tile scheduler,
+        :func:`flashgen.families.registry.persistent_scheduler`; ``auto``: ``dynamic`` for a
+        mask that reads tensors, else off) and ``side_terms``.  ``sparse``: the kernel with
+        the tiles for masks that keep few keys per row
+        (:func:`flashgen.families.registry.sparse_tiles`; the op's calls choose it per call,
+        :meth:`_sparse_call`; not when the dense kernel is persistent), persistent as
+        ``Options.sparse_persistent`` says, the same kernel as without where there are none
+        (the FA2-class kernel).  Where the op may pick either, the
         first use builds and loads both, so a later call (a CUDA-graph capture at another
         length) never loads a kernel.
         Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails.
@@ -1018,7 +1052,7 @@ def _mask_reads(spec: ir.Spec, name: str) -> bool:
 def kernel_values(
     spec: ir.Spec, tensors: dict, dims: Dims, softmax_scale: float, scalars, tensor_params: dict
 ) -> dict:
-    """Name -> value map for a launch under the kernel ABI (:mod:`flashgen.lower`).
+    """Name -> value map for a launch under the kernel ABI (:mod:`flashgen.codegen.abi`).
 
     ``tensors``: the kernel's tensors by argument name (``q``, ``o``, ``lse``, ``dq`` ...);
     each 4-D one also gets its ``<name>_sb/_sh/_ss`` element strides.  Adds the problem
@@ -1141,11 +1175,17 @@ class _EagerAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- registration
-def _library() -> torch.library.Library:
-    global _LIB
-    if _LIB is None:
-        _LIB = torch.library.Library("flashgen", "FRAGMENT")
-    return _LIB
+def _unregister(name: str, path: str) -> None:
+    """Remove ``flashgen::<name>`` (with its backward and varlen companion) from the
+    dispatcher and mark its op object replaced (by a reload of ``path``)."""
+    op = _REGISTRY.pop(name, None)
+    if op is not None:
+        op._replaced_by = path
+        if op._varlen_op is not None and op._varlen_op is not op:
+            _unregister(op._varlen_op.name, path)
+    lib = _LIBS.pop(name, None)
+    if lib is not None:
+        lib._destroy()
 
 
 def schema(spec: ir.Spec) -> str:
@@ -1170,7 +1210,8 @@ def schema(spec: ir.Spec) -> str:
 
 
 def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
-    return replace(a, path="", description="") == replace(b, path="", description="")
+    blank = {"path": "", "description": ""}
+    return dataclasses.replace(a, **blank) == dataclasses.replace(b, **blank)
 
 
 def registered_name(name: str, options: Options = DEFAULT) -> str:
@@ -1183,7 +1224,7 @@ def registered_name(name: str, options: Options = DEFAULT) -> str:
     return f"{name}__o{hashlib.sha256(options.key().encode()).hexdigest()[:8]}"
 
 
-def build_op(spec: ir.Spec, options: Options = DEFAULT) -> AttentionOp:
+def build_op(spec: ir.Spec, options: Options = DEFAULT, *, replace: bool = False) -> AttentionOp:
     """Register ``torch.ops.flashgen.<registered_name(spec.name, options)>`` for a checked
     spec and return its op (:func:`registered_name`: ``spec.name`` for the default options).
 
@@ -1191,24 +1232,33 @@ def build_op(spec: ir.Spec, options: Options = DEFAULT) -> AttentionOp:
     aside) with equal ``options`` returns the op already registered; other options register
     another operator (its ``spec.name`` is the registered name; ``base_name`` the spec's).
     Raises ``ValueError`` if a different spec with the same name is already registered in
-    this process.
+    this process, unless ``replace`` (``flashgen.load`` of an edited file): then the old
+    registrations of that spec name (under every options) are removed and the old op objects
+    raise ``RuntimeError`` when called.  Registration is all or nothing: if any step fails,
+    nothing of it stays registered.
     """
     base = spec.name
     if options != DEFAULT:
-        spec = replace(spec, name=registered_name(spec.name, options))
-    return _build_op(spec, options, base)
+        spec = dataclasses.replace(spec, name=registered_name(spec.name, options))
+    return _build_op(spec, options, base, replace)
 
 
-def _build_op(spec: ir.Spec, options: Options, base_name: str) -> AttentionOp:
+def _build_op(
+    spec: ir.Spec, options: Options, base_name: str, replace: bool = False
+) -> AttentionOp:
     with _REG_LOCK:
         existing = _REGISTRY.get(spec.name)
         if existing is not None:
             if _same_spec(existing.spec, spec) and existing.options == options:
                 return existing
-            raise ValueError(
-                f"a different spec named {spec.name!r} is already registered as "
-                f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
-            )
+            if not replace:
+                raise ValueError(
+                    f"a different spec named {spec.name!r} is already registered as "
+                    f"flashgen::{spec.name} (from {existing.spec.path}); rename one of them"
+                )
+            # the edited spec replaces its op under every options it was bound to
+            for other in [o for o in _REGISTRY.values() if o.base_name == base_name]:
+                _unregister(other.name, spec.path)
         if spec.varlen:
             from flashgen.ops.varlen import VarlenBackward as backward_cls
             from flashgen.ops.varlen import VarlenOp as op_cls
@@ -1218,19 +1268,30 @@ def _build_op(spec: ir.Spec, options: Options, base_name: str) -> AttentionOp:
             op_cls = AttentionOp
         op = op_cls(spec, options)
         op.base_name = base_name
-        lib = _library()
-        lib.define(schema(spec))
-        lib.impl(spec.name, op._cuda_impl, "CUDA")
-        lib.impl(spec.name, op._cpu_impl, "CPU")
-        torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
-        op.backward = backward_cls(op)
-        op.backward.register(lib)
+        lib = torch.library.Library("flashgen", "FRAGMENT")
+        try:
+            lib.define(schema(spec))
+            lib.impl(spec.name, op._cuda_impl, "CUDA")
+            lib.impl(spec.name, op._cpu_impl, "CPU")
+            torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
+            op.backward = backward_cls(op)
+            op.backward.register(lib)
+        except BaseException:
+            lib._destroy()  # no half-registered op stays behind
+            raise
+        _LIBS[spec.name] = lib
         _REGISTRY[spec.name] = op
         if not spec.varlen:  # registered now, so `op.varlen` also works inside torch.compile
             from flashgen.ops.varlen import varlen_spec
 
             try:
-                op._varlen_op = _build_op(varlen_spec(spec), options, base_name + "__varlen")
+                op._varlen_op = _build_op(
+                    varlen_spec(spec), options, base_name + "__varlen", replace
+                )
             except SpecError:
                 pass  # no varlen form; `op.varlen` raises the error on access
+            except BaseException:
+                _unregister(spec.name, spec.path)
+                op._replaced_by = None
+                raise
         return op

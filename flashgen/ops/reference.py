@@ -2,8 +2,11 @@
 
 Evaluates the same typed IR the kernels are generated from, with broadcasting index
 tensors ``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Sq,1]``, ``kv_idx [1,1,1,Sk]``.
-Integer ``/`` and ``%`` truncate toward zero (C semantics) and give 0 for a zero divisor,
-matching the CUDA lowering.  The mask's float (``f32``) arithmetic runs in float32 whatever
+Integer arithmetic wraps like the kernels' 32-bit ``int`` (two's complement: values are
+held in int64 and wrapped into int32 after every ``+ - *``, negation and ``abs``), so
+``q_idx * 1000000 >= kv_idx`` decides the same pairs as the kernels.  Integer ``/`` and
+``%`` truncate toward zero (C semantics) and give 0 for a zero divisor, matching the CUDA
+lowering.  The mask's float (``f32``) arithmetic runs in float32 whatever
 the compute dtype, as in the kernels: a mask is a decision, and float64 decides
 ``q_idx * 0.1 == 0.3`` or ``kv_idx <= q_idx / 0.3`` differently from float32 (the
 score_mod, a continuous value, follows the compute dtype).
@@ -43,6 +46,15 @@ def _as(x, ty: Ty | None, env: dict):
     return torch.tensor(x, dtype=want, device=env["__device__"])
 
 
+def _wrap32(x):
+    """An int64 tensor wrapped into int32's range (two's complement), as the kernels' ``int``."""
+    return ((x + 2**31) & 0xFFFFFFFF) - 2**31
+
+
+def _int_result(e: Expr, x):
+    return _wrap32(x) if e.ty == Ty.I32 and isinstance(x, torch.Tensor) else x
+
+
 def eval_expr(e: Expr, env: dict):
     """Evaluate a typed expression to a broadcastable tensor.
 
@@ -69,7 +81,7 @@ def eval_expr(e: Expr, env: dict):
         return t[tuple(clamped)]
     if isinstance(e, Unary):
         a = eval_expr(e.arg, env)
-        return torch.logical_not(a) if e.op == "!" else -a
+        return torch.logical_not(a) if e.op == "!" else _int_result(e, -a)
     if isinstance(e, Binary):
         a, b = eval_expr(e.lhs, env), eval_expr(e.rhs, env)
         if e.op == "&&":
@@ -81,16 +93,16 @@ def eval_expr(e: Expr, env: dict):
         int_math = e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32
         op = e.op
         if op == "+":
-            return a + b
+            return _int_result(e, a + b)
         if op == "-":
-            return a - b
+            return _int_result(e, a - b)
         if op == "*":
-            return a * b
+            return _int_result(e, a * b)
         if int_math and op in ("/", "%"):  # C truncation; a zero divisor gives 0 (as the kernels)
             zero = b == 0
             safe = torch.where(zero, torch.ones_like(b), b)
             r = torch.div(a, safe, rounding_mode="trunc") if op == "/" else torch.fmod(a, safe)
-            return torch.where(zero, torch.zeros_like(r), r)
+            return _wrap32(torch.where(zero, torch.zeros_like(r), r))  # INT_MIN / -1
         if op == "/":
             return a / b
         if op == "%":
@@ -123,7 +135,7 @@ def eval_expr(e: Expr, env: dict):
             "sqrt": torch.sqrt,
             "trunc": torch.trunc,
         }[e.fn]
-        return fn(*args)
+        return _int_result(e, fn(*args))
     raise TypeError(f"cannot evaluate {e!r}")
 
 
@@ -283,11 +295,17 @@ def attention_reference(
         env.setdefault("__oob__", []).extend(mask_env.get("__oob__", []))
         s = s.masked_fill(~keep, float("-inf"))
     _check_bounds(env, keep)
-    # Softmax that stays NaN-free, in value and in gradient, on rows with nothing to attend to.
+    # Softmax normalized as PyTorch's: exp(s - rowmax) divided by its row sum, so p sums to 1
+    # even where exp(s - lse) would not (lse rounds to s's precision when many large logits
+    # tie: bf16 q = k = 1e4 gave errors of 30 in o); NaN-free, in value and in gradient, on
+    # rows with nothing to attend to.
     row_has = torch.isfinite(s).any(dim=-1, keepdim=True)
     s_safe = torch.where(row_has, s, torch.zeros_like(s))
-    lse_safe = torch.logsumexp(s_safe, dim=-1, keepdim=True)
-    p = torch.where(row_has, torch.exp(s_safe - lse_safe), torch.zeros_like(s))
+    row_max = s_safe.amax(dim=-1, keepdim=True).detach()
+    e_s = torch.exp(s_safe - row_max)
+    denom = e_s.sum(dim=-1, keepdim=True)
+    p = torch.where(row_has, e_s / denom, torch.zeros_like(s))
+    lse_safe = row_max + torch.log(denom)
     lse = torch.where(row_has, lse_safe, torch.full_like(lse_safe, float("-inf"))).squeeze(-1)
     o = torch.matmul(p.to(compute_dtype), vc)
     return o, lse.to(fdt)  # float32, or float64 for a float64 reference

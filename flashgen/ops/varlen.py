@@ -52,13 +52,13 @@ from flashgen.ops.backward import Backward, backward_name, refuse_tensor_param_g
 from flashgen.ops.op import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
-    TORCH_DTYPE,
     AttentionOp,
     Dims,
     _kernel_aligned,
     _poison_enabled,
     _symbolic,
     check_heads_and_strides,
+    check_input_dtype,
     check_scalar,
     check_softmax_scale,
     current_stream_ptr,
@@ -183,7 +183,6 @@ def validate_varlen(
         for p, val in zip(spec.scalar_params, scalars, strict=True):
             if not _symbolic(val):
                 check_scalar(p, val)
-    want = TORCH_DTYPE[spec.dtype]
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q))
     for name, t in (*named, ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(t, torch.Tensor):
@@ -194,11 +193,7 @@ def validate_varlen(
                 f"{name}: expected a 3-D packed tensor [total_tokens, heads, head_dim] "
                 f"(varlen spec {spec.name!r}), got shape {_shape(t)}"
             )
-        if t.dtype != want:
-            raise OpInputError(
-                f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), "
-                f"got {t.dtype}"
-            )
+        check_input_dtype(spec, name, t, q)
     for name, t in (*named[1:], ("cu_seqlens_k", cu_seqlens_k)):
         if t.device != q.device:
             raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
@@ -367,6 +362,7 @@ class VarlenOp(AttentionOp):
         [Hq, total_q].  Arguments follow ``flash_attn_varlen_func`` (module docstring);
         ``softmax_scale``, ``deterministic`` and ``params`` are as for the padded op.
         Raises :class:`OpInputError` for bad inputs."""
+        self._check_live()
         scalars, tensors = resolve_params(self.spec, params)
         validate_varlen(
             self.spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -394,7 +390,8 @@ class VarlenOp(AttentionOp):
 
     def _packed_outputs(self, q, dims: VarlenDims):
         o = torch.empty(
-            (dims.total_q, dims.heads_q, dims.head_dim_v), dtype=out_dtype(self.spec),
+            (dims.total_q, dims.heads_q, dims.head_dim_v),
+            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
             device=q.device,
         )  # fmt: skip
         lse = torch.empty((dims.heads_q, dims.total_q), dtype=torch.float32, device=q.device)
@@ -405,16 +402,16 @@ class VarlenOp(AttentionOp):
         return self._packed_outputs(q, dims)
 
     def _cpu_impl(self, q, k, v, cq, ck, mq, mk, softmax_scale, *rest, deterministic=False):
-        from flashgen.ops.reference import attention_reference_varlen
+        from flashgen.ops.cpu_attention import varlen_blocked
 
         dims, scalars, tensors = self._validate(q, k, v, cq, ck, mq, mk, softmax_scale, rest)
         check_cu_seqlens(cq, ck, dims)
         o, lse = self._packed_outputs(q, dims)
         if o.numel() == 0 and lse.numel() == 0:
             return o, lse
-        ref_o, ref_lse = attention_reference_varlen(
+        ref_o, ref_lse = varlen_blocked(
             self.spec, q, k, v, cq, ck, softmax_scale=softmax_scale,
-            params=_reference_params(self.spec, scalars, tensors), compute_dtype=torch.float32,
+            params=_reference_params(self.spec, scalars, tensors),
         )  # fmt: skip
         o.copy_(ref_o)
         lse.copy_(ref_lse)
@@ -458,10 +455,10 @@ def forward_launch(spec, plan, q, k, v, o, lse, cq, ck, dims: VarlenDims, softma
 def backward_launches(spec, plan, tensors_in: dict, cq, ck, dims: VarlenDims, softmax_scale,
                       scalars, tensors) -> dict:  # fmt: skip
     """``{role: (grid, values)}`` for the varlen backward kernels of ``plan`` (a
-    :class:`~flashgen.lower.BackwardPlan`): ``pre`` (and ``convert``) see the packed rows as
-    one batch of total_q rows; ``dkdv`` and ``dq`` walk the sequences.  ``tensors_in``: the
-    kernels' tensors by name, packed ones 3-D or already as 4-D views.  Pure (no launch).
-    Raises :class:`OpInputError` for a grid too large."""
+    :class:`~flashgen.families.bwd_common.BackwardPlan`): ``pre`` (and ``convert``) see the packed
+    rows as one batch of total_q rows; ``dkdv`` and ``dq`` walk the sequences.  ``tensors_in``: the
+    kernels' tensors by name, packed ones 3-D or already as 4-D views.  Pure (no launch). Raises
+    :class:`OpInputError` for a grid too large."""
     values = _packed_values(spec, tensors_in, dims, softmax_scale, scalars, tensors, cq, ck)
     flat = dict(values, batch=1, seqlen_q=dims.total_q)
     grids = plan.grids(
@@ -500,29 +497,17 @@ class VarlenBackward(Backward):
         return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
     def cpu(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest):
-        """Autograd through the float32 varlen reference."""
-        from flashgen.ops.reference import attention_reference_varlen
+        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu_attention`)."""
+        from flashgen.ops.cpu_attention import varlen_blocked_backward
 
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
         check_cu_seqlens(cq, ck, dims)
         if q.numel() == 0 or k.numel() == 0:
             return _zero_grads(q, k, v)
-        with torch.enable_grad():
-            qf, kf, vf = (t.detach().to(torch.float32).requires_grad_(True) for t in (q, k, v))
-            ref_o, ref_lse = attention_reference_varlen(
-                self.spec, qf, kf, vf, cq, ck, softmax_scale=scale,
-                params=_reference_params(self.spec, scalars, tensors),
-                compute_dtype=torch.float32,
-            )  # fmt: skip
-            outs, seeds = [ref_o], [dout.to(torch.float32)]
-            if dlse is not None:
-                outs.append(ref_lse)
-                seeds.append(dlse.to(torch.float32))
-            grads = torch.autograd.grad(outs, (qf, kf, vf), seeds, allow_unused=True)
-        return tuple(
-            (g if g is not None else torch.zeros_like(t, dtype=torch.float32)).to(t.dtype)
-            for g, t in zip(grads, (q, k, v), strict=True)
-        )
+        return varlen_blocked_backward(
+            self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale,
+            params=_reference_params(self.spec, scalars, tensors),
+        )  # fmt: skip
 
     def cuda(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest):
         """The padded op's backward kernels in their varlen form: pre (over the packed rows

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from head_dim_cases import prebuild  # noqa: E402
 
-from flashgen.cli.commands import error_bound, random_inputs  # noqa: E402
+from flashgen.bench.verify import error_bound, random_inputs  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
 from flashgen.ops.reference import attention_reference  # noqa: E402

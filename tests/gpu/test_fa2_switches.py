@@ -1,8 +1,8 @@
 """FA2-class forward switches that a tuning-table entry selects with its tiles (needs a GPU:
 ``pytest -m gpu``): ``fwd_even_loads`` (unpredicated loads of whole tiles), ``fwd_row_chunks``
 (FA2's copy layout: 16-byte chunks 128 bytes apart in a row per thread) and
-``fwd_unrolled_loads`` off, at head_dim 256 on tiles ``tools/perf_sweep.py --write-table``
-may record (128x64x8, 64x48x4, and FA2's own 64x64x4 on H100/H200).
+``fwd_unrolled_loads`` off, at head_dim 256 on tiles a tuning-table entry may hold
+(128x64x8, 64x48x4, and FA2's own 64x64x4 on H100/H200).
 
 Each case writes a temporary table (``$FLASHGEN_TUNING_TABLE``) with the device's key, so
 the op plans the entry's tiles and switches itself (``plan_forward`` with the GPU

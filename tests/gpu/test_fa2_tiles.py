@@ -1,6 +1,6 @@
 """FlashAttention-2's own forward tiles in flashgen's FA2-class kernel (needs a GPU:
-``pytest -m gpu``): d64 at 128x128x4 and d256 at 128x64x8, the candidates that
-``tools/perf_sweep.py --candidates`` times against FA2, on the FA2-class kernel
+``pytest -m gpu``): d64 at 128x128x4 and d256 at 128x64x8, candidates of the FA2-class
+tile sweeps against FA2 (docs/perf-notes.md), on the FA2-class kernel
 (``FLASHGEN_KERNEL_FAMILY=fa2``) through the op, against the float64 reference.
 
 Each spec gets the tiles through its ``tiles:`` override (no spill fallback then), and

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen.cli.commands import error_bound, random_inputs  # noqa: E402
+from flashgen.bench.verify import error_bound, random_inputs  # noqa: E402
 from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
 
 pytestmark = [

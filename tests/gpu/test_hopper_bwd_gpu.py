@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV  # noqa: E402
 from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_backward_kernels import PATHS, expected_path, ref_grads  # noqa: E402
 from test_forward import check, shipped  # noqa: E402
 
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 

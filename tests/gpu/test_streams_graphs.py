@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen import OpInputError  # noqa: E402
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

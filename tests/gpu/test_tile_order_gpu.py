@@ -24,7 +24,7 @@ from flashgen.envflags import POISON_ENV  # noqa: E402
 from flashgen.MISSING import HEAD_GROUPS_ENV, SPARSE_TILES_ENV  # noqa: E402
 from test_hopper_bwd_gpu import poison_allocator  # noqa: E402
 
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.families import common as families_common  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.runtime import tma  # noqa: E402
 
 pytestmark = pytest.mark.gpu

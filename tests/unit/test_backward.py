@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen.analysis.derive import d_dscore  # noqa: E402
-from flashgen.cli.commands import random_tensor_params  # noqa: E402
+from flashgen.bench.verify import random_tensor_params  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402

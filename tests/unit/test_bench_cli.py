@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.bench import autotune
+from flashgen.bench import autotune, peers, protocol
 from flashgen.bench import runner as bench
 from flashgen.cli.commands import main
 
@@ -51,22 +51,22 @@ def test_bench_subprocess_exit_code_without_gpu(tmp_path):
 
 def test_flop_count_follows_the_papers():
     # forward 4*B*H*S^2*D, causal halves it, backward is 2.5x forward
-    f = bench.attention_flops(1, 16, 16384, 16384, 128, False, "fwd")
+    f = protocol.attention_flops(1, 16, 16384, 16384, 128, False, "fwd")
     assert f == 4 * 16 * 16384**2 * 128
-    assert bench.attention_flops(1, 16, 16384, 16384, 128, True, "fwd") == f / 2
-    assert bench.attention_flops(1, 16, 16384, 16384, 128, False, "fwd_bwd") == 3.5 * f
-    assert bench.problem(512, 64) == (32, 32)
-    assert bench.problem(16384, 256) == (1, 8)
+    assert protocol.attention_flops(1, 16, 16384, 16384, 128, True, "fwd") == f / 2
+    assert protocol.attention_flops(1, 16, 16384, 16384, 128, False, "fwd_bwd") == 3.5 * f
+    assert protocol.problem(512, 64) == (32, 32)
+    assert protocol.problem(16384, 256) == (1, 8)
     # standard attention moves the seqlen^2 matrices, fused kernels only q, k, v, o, lse
-    fused = bench.attention_bytes(1, 16, 4096, 128, 2, "fwd", "flashgen")
+    fused = protocol.attention_bytes(1, 16, 4096, 128, 2, "fwd", "flashgen")
     assert fused == 4 * 16 * 4096 * 128 * 2 + 16 * 4096 * 4
-    assert bench.attention_bytes(1, 16, 4096, 128, 2, "fwd", "standard") > 10 * fused
+    assert protocol.attention_bytes(1, 16, 4096, 128, 2, "fwd", "standard") > 10 * fused
 
 
 def test_rotation_covers_twice_the_l2():
-    assert bench.rotation_sets(192 * 10**6) == 2  # a 16k-token q/k/v set: at least 2
-    assert bench.rotation_sets(10**6) == 120  # ceil(2 * 60 MB / 1 MB)
-    rot = bench.Rotation(lambda: object(), 3)
+    assert protocol.rotation_sets(192 * 10**6) == 2  # a 16k-token q/k/v set: at least 2
+    assert protocol.rotation_sets(10**6) == 120  # ceil(2 * 60 MB / 1 MB)
+    rot = protocol.Rotation(lambda: object(), 3)
     seen = [rot.next() for _ in range(6)]
     assert seen[:3] == seen[3:] and len({id(x) for x in seen[:3]}) == 3
 
@@ -93,14 +93,14 @@ def test_quick_plan_is_the_documented_subset():
     # SDPA is only asked for what it can express (no ALiBi / softcap / windows)
     assert not any(a[0].startswith("sdpa") and a[1].name == "alibi" for a in variants)
     full = _plan(bench.BenchConfig())
-    assert {a[0] for k, a in full if k == "sweep"} == set(bench.IMPLS)
+    assert {a[0] for k, a in full if k == "sweep"} == set(protocol.IMPLS)
 
 
 def test_template_specs_are_plain_causal_or_full():
-    s = bench.template_spec(128, "fp16", True)
+    s = protocol.template_spec(128, "fp16", True)
     assert (s.head_dim, s.dtype, s.score_mod) == (128, "fp16", None)
     assert s.name == "bench_causal_d128_fp16"
-    assert bench.template_spec(64, "bf16", False).mask is None
+    assert protocol.template_spec(64, "bf16", False).mask is None
 
 
 def _doc():
@@ -109,13 +109,13 @@ def _doc():
         for d in (64, 128):
             for causal in (False, True):
                 for s in (1024, 4096, 16384):
-                    b, h = bench.problem(s, d)
+                    b, h = protocol.problem(s, d)
                     for impl, tf in (("flashgen", 250), ("sdpa_flash", 300), ("standard", 90)):
                         r = bench.Row(
                             "sweep", impl, f"bench_d{d}", "bf16", d, causal, direction, b, h, s
                         )
-                        r.flops = bench.attention_flops(b, h, s, s, d, causal, direction)
-                        r.bytes = bench.attention_bytes(b, h, s, d, 2, direction, impl, causal)
+                        r.flops = protocol.attention_flops(b, h, s, s, d, causal, direction)
+                        r.bytes = protocol.attention_bytes(b, h, s, d, 2, direction, impl, causal)
                         if impl == "flashgen" and direction == "fwd_bwd":
                             r.status, r.note = "n/a", "no backward"
                         elif impl == "standard" and s == 16384 and direction == "fwd_bwd":
@@ -197,18 +197,17 @@ def test_kept_pairs_counts_the_mask_from_the_ir():
     """Variant rows of ``flashgen bench`` count only kept (q, kv) pairs: causal keeps
     S (S + 1) / 2 per head, a sliding window of w keeps fewer, no mask keeps S^2."""
     torch = pytest.importorskip("torch")
-    from flashgen.bench import runner as bench
     from flashgen.frontend.spec import load_spec
 
     cpu = torch.device("cpu")
     causal = load_spec(REPO / "specs" / "causal_d128.yaml")
-    assert bench.kept_pairs(causal, 2, 3, 17, {}, cpu) == 2 * 3 * 17 * 18 // 2
+    assert protocol.kept_pairs(causal, 2, 3, 17, {}, cpu) == 2 * 3 * 17 * 18 // 2
     swa = load_spec(REPO / "specs" / "mistral_swa.yaml")
     w, s = 4, 17
     per_row = [min(q + 1, w) for q in range(s)]
-    assert bench.kept_pairs(swa, 1, 2, s, {"window": w}, cpu) == 2 * sum(per_row)
+    assert protocol.kept_pairs(swa, 1, 2, s, {"window": w}, cpu) == 2 * sum(per_row)
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
-    assert bench.kept_pairs(t5, 2, 2, 5, {}, cpu) == 2 * 2 * 25
+    assert protocol.kept_pairs(t5, 2, 2, 5, {}, cpu) == 2 * 2 * 25
 
 
 def test_flex_retries_with_smaller_blocks_only_for_resource_errors():
@@ -222,16 +221,16 @@ def test_flex_retries_with_smaller_blocks_only_for_resource_errors():
             )
         return "ok"
 
-    f = bench.flex_retrying_smaller_blocks(fake_flex)
+    f = peers.flex_retrying_smaller_blocks(fake_flex)
     assert f(1, 2, 3, scale=0.5) == "ok" and f(1, 2, 3, scale=0.5) == "ok"
-    assert calls == [None, bench.FLEX_SMALL_BLOCKS, bench.FLEX_SMALL_BLOCKS]
-    assert f.kernel_options == bench.FLEX_SMALL_BLOCKS
+    assert calls == [None, peers.FLEX_SMALL_BLOCKS, peers.FLEX_SMALL_BLOCKS]
+    assert f.kernel_options == peers.FLEX_SMALL_BLOCKS
 
     def broken(q, k, v, kernel_options=None, **kw):
         raise ValueError("a real bug")
 
     with pytest.raises(ValueError, match="a real bug"):
-        bench.flex_retrying_smaller_blocks(broken)(1, 2, 3)
+        peers.flex_retrying_smaller_blocks(broken)(1, 2, 3)
 
 
 @pytest.mark.parametrize(
@@ -247,7 +246,6 @@ def test_kept_pairs_counts_each_batch_row(mask, params):
     """A mask that reads ``b`` (directly, or through a tensor param of any shape) keeps
     other pairs in each batch row: kept_pairs (one row at a time) equals the whole mask."""
     torch = pytest.importorskip("torch")
-    from flashgen.bench import runner as bench
     from flashgen.frontend.spec import loads_spec
     from flashgen.ops.reference import eval_mask
 
@@ -259,4 +257,4 @@ def test_kept_pairs_counts_each_batch_row(mask, params):
     }
     values = {k: v.to(torch.int32) for k, v in values.items()}
     want = eval_mask(spec, batch=3, heads_q=2, seqlen_q=5, seqlen_k=5, params=values)
-    assert bench.kept_pairs(spec, 3, 2, 5, values, torch.device("cpu")) == int(want.sum())
+    assert protocol.kept_pairs(spec, 3, 2, 5, values, torch.device("cpu")) == int(want.sum())

@@ -40,6 +40,7 @@ def test_build_json_and_target_filter(tmp_path, capsys, requires_nvcc):
         ("causal_d128", "sm_80", "fwd"),
         ("causal_d128", "sm_80", "bwd"),
         ("causal_d128", "sm_80", "bwd_atomic"),
+        ("causal_d128", "sm_80", "decode"),
     ]
     k = doc["kernels"][0]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["registers"] > 0
@@ -67,8 +68,9 @@ def test_long_spec_error_is_not_wrapped(tmp_path, capsys):
     bad.write_text(f"name: long\nhead_dim: 128\ndtype: bf16\nscore_mod: {expr}\n")
     assert main(["show", str(bad)]) == 1
     lines = capsys.readouterr().err.splitlines()
-    src = next(i for i, line in enumerate(lines) if "score_mod:" in line)
-    assert lines[src].endswith("+ nope") and lines[src + 1].strip() == "^"
+    src = next(i for i, line in enumerate(lines) if line.endswith("+ nope"))
+    assert lines[src].lstrip().startswith("...")  # clipped to a window around the column
+    assert len(lines[src]) < 140 and lines[src + 1].strip() == "^"
     assert lines[src + 1].index("^") == lines[src].index("nope")
 
 
@@ -135,7 +137,7 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     fallback = plan_backward(spec, "sm_90")
     report = CompileReport("sm_90", "sm_90a", (KernelResources("k", registers=239),), 0.0, "13.0")
 
-    def fake(spec, target, *, atomic_dq=False, hopper=False):
+    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None):
         return fallback, Path("unit.cubin"), report
 
     monkeypatch.setattr(family_build, "build_backward", fake)
@@ -149,24 +151,34 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
 
 
-def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa4")
-    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify", "--option", "family=fa4"])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "error: FLASHGEN_KERNEL_FAMILY='fa4': expected one of auto, fa3, fa2" in err
+    assert "error: Options.family='fa4': expected one of" in err
     assert not (tmp_path / "causal_d128").exists()
+    assert main(["show", CAUSAL, "--option", "famly=fa2"]) == 1
+    assert "unknown option 'famly'" in capsys.readouterr().err
+
+
+def test_a_removed_switch_is_an_error_naming_its_option(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "FLASHGEN_KERNEL_FAMILY: use flashgen.load(spec, options=Options(...))" in err
+    assert "family=" in err and not (tmp_path / "causal_d128").exists()
 
 
 def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
     """A unit that spills (or fails to compile) fails the build: its spec's generated/
     folder is not written (it printed 'error: ... kernel spills' and then 'wrote ...')."""
-    import flashgen.cli.commands as cli
+    import flashgen.cli.build as cli
 
     good = cli._compile_one
 
-    def spilling(spec, target, unit):
-        res = good(spec, target, unit)
+    def spilling(spec, target, unit, options=None):
+        res = good(spec, target, unit, options)
         if unit == "bwd_atomic":
             res.error = "kernel spills: 60 bytes stores, 88 bytes loads"
         return res
@@ -188,7 +200,7 @@ def test_list_reports_an_unreadable_spec_instead_of_a_traceback(tmp_path, capsys
     rc = main(["list", str(tmp_path)])
     text = capsys.readouterr().out
     assert rc == 1
-    assert "adir" in text and "ERROR cannot read spec: Is a directory" in text
+    assert "adir" in text and "is a directory" in text
     assert "gone" in text and "ERROR cannot read spec: No such file or directory" in text
     assert "ok" in text and "causal" in text
 

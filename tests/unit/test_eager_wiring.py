@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.cli.commands import random_inputs  # noqa: E402
+from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.ops import op as op_mod  # noqa: E402
 from flashgen.ops.op import AttentionOp, build_op  # noqa: E402

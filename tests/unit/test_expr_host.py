@@ -76,6 +76,9 @@ CASES = [
     # decides these differently: 3 * 0.1 != 0.3, 9 / 0.3 > 30, 0.1 as a double param)
     ("q_idx * 0.1 == 0.3 || kv_idx * f == 0.3", "{f: {type: f32, default: 1.0}}", {"f": 0.1}),
     ("kv_idx <= q_idx / 0.3", "{}", {}),
+    # int32 arithmetic wraps in the kernels' int and the reference alike (issue 22 item 9)
+    ("q_idx * 100000000 >= kv_idx", "{}", {}),
+    ("q_idx * p + p >= kv_idx - p", "{p: {type: i32, default: 1}}", {"p": 2**30 + 7}),
     (
         "q_idx - kv_idx + seqlen_k - seqlen_q < 0.5 * f && kv_idx > q_idx / 9",
         "{f: {type: f32, default: 1.0}}",

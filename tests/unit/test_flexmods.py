@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashgen.bench.flexmods import flex_mods, mask_uses_batch_or_head
-from flashgen.cli.commands import random_tensor_params
+from flashgen.bench.verify import random_tensor_params
 from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.ops.reference import attention_reference, eval_expr
 

@@ -205,7 +205,7 @@ def test_random_specs_compile_with_nvcc(tmp_path_factory, text):
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(specs(wild=False, dtypes=("fp16", "bf16")), st.integers(0, 2**16))
 def test_cpu_op_matches_reference_on_random_specs(text, seed):
-    from flashgen.cli.commands import error_bound, random_inputs
+    from flashgen.bench.verify import error_bound, random_inputs
     from flashgen.ops.op import build_op
 
     spec = loads_spec(text, "fuzz.yaml")

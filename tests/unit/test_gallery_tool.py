@@ -23,7 +23,7 @@ def _tool():
 
 
 def test_doc_ids_are_sorted_documents():
-    from flashgen.bench import runner as bench
+    from flashgen.bench import protocol as bench
 
     ids = bench.doc_ids(3, 500, 40, torch.Generator().manual_seed(0))
     assert ids.shape == (3, 500) and ids.dtype == torch.int32
@@ -33,7 +33,7 @@ def test_doc_ids_are_sorted_documents():
 def test_bench_gives_document_masks_packed_documents():
     """flashgen bench's document_mask inputs are packed documents (sorted ids, doc_q and
     doc_kv the same ids), not random ids: a realistic density and tile table."""
-    from flashgen.bench import runner as bench
+    from flashgen.bench import protocol as bench
     from flashgen.frontend.spec import load_spec
 
     spec = load_spec(REPO / "specs" / "document_mask.yaml")
@@ -80,7 +80,7 @@ def test_measure_records_a_timing_error_and_keeps_the_others(monkeypatch):
     first call worked) is recorded as its error, not raised (measure's contract)."""
     import argparse
 
-    from flashgen.bench import runner as bench
+    from flashgen.bench import timing
     from flashgen.frontend.spec import load_spec
 
     gallery = _tool()
@@ -92,7 +92,7 @@ def test_measure_records_a_timing_error_and_keeps_the_others(monkeypatch):
             raise RuntimeError("CUDA error: out of memory")
         return 1.0
 
-    monkeypatch.setattr(bench, "do_bench_ms", do_bench_ms)
+    monkeypatch.setattr(timing, "do_bench_ms", do_bench_ms)
     spec = load_spec(REPO / "specs" / "causal_d128.yaml")
     args = argparse.Namespace(no_flex=True, rounds=3, warmup=1, rep=1)
     out = gallery.measure(spec, 1, 1, 8, {}, "cpu", args)

@@ -15,6 +15,7 @@ from flashgen import __version__
 from flashgen.build.compile import CompileReport, KernelResources
 from flashgen.build.generate import write_generated
 from flashgen.frontend.spec import load_spec
+from flashgen.frontend.spec import loads_spec as load_spec_text
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,8 +69,13 @@ def test_rewrite_is_deterministic_and_drops_stale_targets(tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     write_generated(spec, tmp_path)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    write_generated(spec, tmp_path, targets=("sm_80",))
+    # the same spec built for one target keeps the other's sources (test_cache_trust.py);
+    # an edited spec that no longer lists sm_90 drops them
+    edited = load_spec_text(spec.source.replace("targets: [sm_80, sm_90]", "targets: [sm_80]"))
+    assert edited.targets == ("sm_80",)
+    write_generated(edited, tmp_path)
     assert not (out / "gpt2_d64_sm_90.cu").exists() and (out / "gpt2_d64_sm_80.cu").exists()
+    assert list(json.loads((out / "manifest.json").read_text())["targets"]) == ["sm_80"]
 
 
 def test_generated_module_imports_and_runs_on_cpu(tmp_path):

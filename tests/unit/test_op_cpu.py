@@ -13,7 +13,7 @@ import torch
 
 import flashgen
 from flashgen import OpInputError
-from flashgen.cli.commands import random_tensor_params
+from flashgen.bench.verify import random_tensor_params
 from flashgen.frontend.spec import load_spec
 from flashgen.ops.op import build_op, schema
 from flashgen.ops.reference import attention_reference
@@ -47,8 +47,9 @@ def test_cpu_op_matches_reference(ops, path):
     assert o.shape == (2, 8, 40, spec.head_dim_v) and o.dtype == q.dtype and o.is_contiguous()
     assert lse.shape == (2, 8, 40) and lse.dtype == torch.float32
     ref_o, ref_lse = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float32)
-    torch.testing.assert_close(o, ref_o.to(q.dtype), rtol=0, atol=0)
-    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    # the blocked CPU path (cpu_attention) rounds differently from the materialized one
+    torch.testing.assert_close(o, ref_o.to(q.dtype))
+    torch.testing.assert_close(lse, ref_lse)
     ref64, _ = attention_reference(spec, q, k, v, params=params)
     assert (o.double() - ref64).abs().max() < 2e-2
 
@@ -66,7 +67,7 @@ def test_alibi_slopes_and_scalar_params_are_used(ops):
     ref, _ = attention_reference(
         swa.spec, q, k, v, params={"window": 4}, compute_dtype=torch.float32
     )
-    torch.testing.assert_close(w4, ref.to(q.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(w4, ref.to(q.dtype))
     assert not torch.equal(w4, wdef)
 
 

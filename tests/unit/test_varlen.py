@@ -388,8 +388,9 @@ def test_varlen_spec_file_builds_its_own_op():
 
 def test_build_verification_packs_padded_inputs_for_a_varlen_spec():
     """``flashgen build`` verifies a varlen spec through
-    :func:`flashgen.cli.commands.call_padded`."""
-    from flashgen.cli.commands import call_padded, format_spec
+    :func:`flashgen.bench.verify.call_padded`."""
+    from flashgen.bench.verify import call_padded
+    from flashgen.cli.commands import format_spec
 
     pop = shipped_op_named("alibi")
     g = torch.Generator().manual_seed(3)

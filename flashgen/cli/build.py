@@ -1,0 +1,313 @@
+"""``flashgen build``: check specs, compile every unit through the kernel cache, print the
+resource table, write ``generated/<name>/``, and on a GPU machine verify and time each op.
+
+torch is imported only for verification on a GPU machine (and not at all where the
+machine has no NVIDIA device nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+from flashgen import __version__
+from flashgen.cli.common import _consoles, _fail_json, _load_specs, _options
+from flashgen.frontend import ir
+from flashgen.frontend.errors import terminal_safe
+
+
+# ----------------------------------------------------------------------------- build
+@dataclass
+class BuildResult:
+    """Outcome of compiling one (spec, target)."""
+
+    spec: ir.Spec
+    target: str
+    # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma" (registry.compile_units), "decode"
+    unit: str = "fwd"
+    plan: object | None = None  # the KernelPlan / BackwardPlan compiled (families.build)
+    report: object | None = None  # CompileReport
+    cubin: str | None = None
+    smem_dynamic: int = 0
+    error: str | None = None
+    note: str | None = None  # e.g. the Hopper backward fell back to the FA2-class kernels
+
+    @property
+    def ok(self) -> bool:
+        r = self.report
+        return self.error is None and r is not None and not r.spill_bytes and not r.wgmma_serialized
+
+    def to_dict(self) -> dict:
+        r = self.report
+        return {
+            "spec": self.spec.name,
+            "target": self.target,
+            "unit": self.unit,
+            "ok": self.ok,
+            "error": self.error,
+            "registers": r.registers if r else None,
+            "spill_stores": r.spill_stores if r else None,
+            "spill_loads": r.spill_loads if r else None,
+            "smem_static": r.smem if r else None,
+            "smem_dynamic": self.smem_dynamic,
+            "stack_frame": r.stack_frame if r else None,
+            "wgmma_serialized": list(r.wgmma_serialized) if r else None,
+            "compile_seconds": round(r.seconds, 3) if r else None,
+            "cached": r.from_cache if r else None,
+            "cubin": self.cubin,
+            "note": self.note,
+        }
+
+
+def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildResult:
+    """Compile ``unit`` of ``spec`` for ``target`` under ``options`` (default
+    ``Options()``) through the kernel cache; failures land in the result's ``error``."""
+    from flashgen.build.cache import CacheLockTimeout, UnsafeCacheError
+    from flashgen.build.compile import CompileError
+    from flashgen.families import registry
+    from flashgen.families.build import build_backward, build_forward
+    from flashgen.options import DEFAULT
+
+    options = options or DEFAULT
+    res = BuildResult(spec, target, unit)
+    try:
+        if unit == "decode":  # the serving unit (flashgen.families.decode): attn, combine, append
+            from flashgen.build import cache
+            from flashgen.build.render import render
+
+            res.plan = registry.plan_decode(spec, target, options)
+            path, res.report = cache.get_or_build(render(res.plan), res.plan)
+            res.smem_dynamic = res.plan.smem_bytes
+        elif unit in ("fwd", "fwd_sparse"):
+            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (sparse_persistent)
+            sp = options.sparse_persistent
+            res.plan, path, res.report = build_forward(
+                spec, target, options=options, sparse=sparse,
+                persistent=(False if sp == "off" else sp) if sparse
+                else registry.persistent_scheduler(spec, options),
+            )  # fmt: skip
+            res.smem_dynamic = res.plan.smem_bytes
+        else:
+            res.plan, path, res.report = build_backward(
+                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma",
+                options=options,
+            )  # fmt: skip
+            res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
+            if unit == "bwd_wgmma" and not res.plan.wgmma:
+                res.note = (
+                    "the Hopper (wgmma) backward spills in every dQ variant; the op falls back "
+                    f"to the FA2-class kernels ({res.plan.dkdv.template}), whose numbers this "
+                    "row shows"
+                )
+        res.cubin = str(path)
+        if res.report.spill_bytes:
+            res.error = (
+                f"kernel spills: {res.report.spill_stores} bytes stores, "
+                f"{res.report.spill_loads} bytes loads"
+            )
+        elif res.report.wgmma_serialized:
+            k = res.report.kernel(res.report.wgmma_serialized[0])
+            res.error = f"ptxas serialized the wgmma instructions of {k.name}: {k.wgmma_serialized}"
+    except (CompileError, UnsafeCacheError, CacheLockTimeout) as e:
+        res.error = str(e)
+    except (ValueError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def cmd_build(args) -> int:
+    from rich.table import Table
+
+    from flashgen.build.compile import CompileError, find_nvcc, nvcc_version
+    from flashgen.build.generate import write_generated
+    from flashgen.families.decode import unsupported_reason
+    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
+    from flashgen.families.registry import choose_tiles, persistent_scheduler, sparse_tiles
+
+    out, err = _consoles()
+    try:
+        options = _options(args)
+        family = options.family
+    except (KeyError, ValueError) as e:
+        err.print(f"error: {e}", markup=False)
+        return _fail_json(args, str(e))
+    spec_errors: list = []
+    specs = _load_specs(args.specs, err, spec_errors)
+    if specs is None:
+        return _fail_json(args, "spec errors (see stderr)", spec_errors)
+    pairs = []
+    for spec in specs:
+        for t in dict.fromkeys(args.target or spec.targets):
+            if t in spec.targets:
+                pairs.append((spec, t))
+            else:
+                err.print(f"note: {spec.name} does not list target {t}; skipped", markup=False)
+    try:
+        find_nvcc()
+        toolkit = nvcc_version()
+    except CompileError as e:
+        err.print(f"error: {e}", markup=False)
+        err.print("flashgen build needs the CUDA toolkit's nvcc to compile kernels.", markup=False)
+        return _fail_json(args, str(e))
+
+    results: list[BuildResult] = []
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        units = ("fwd", "bwd", "bwd_atomic")  # every unit of registry.compile_units
+        futures = [pool.submit(_compile_one, s, t, u, options) for s, t in pairs for u in units]
+        futures += [  # the Hopper backward unit, where the spec takes it
+            pool.submit(_compile_one, s, t, "bwd_wgmma", options)
+            for s, t in pairs
+            if hopper_bwd_eligible(s, t, family)
+        ]
+        futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
+            pool.submit(_compile_one, s, t, "fwd_sparse", options)
+            for s, t in pairs
+            if not persistent_scheduler(s, options)
+            and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
+        ]
+        futures += [  # the decode (serving) unit, where the spec supports it
+            pool.submit(_compile_one, s, t, "decode", options)
+            for s, t in pairs
+            if not unsupported_reason(s)
+        ]
+        if len(futures) > 1 and not args.json and err.is_terminal:
+            from rich.progress import Progress
+
+            with Progress(console=err, transient=True) as progress:
+                task = progress.add_task(f"compiling {len(futures)} kernels", total=len(futures))
+                for _ in as_completed(futures):
+                    progress.advance(task)
+        results = [f.result() for f in futures]
+
+    generated, unwritten = [], []
+    for spec in specs:
+        mine = [r for r in results if r.spec is spec]
+        if not mine:
+            continue
+        if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
+            unwritten.append(spec.name)
+            continue
+        mine = [r for r in mine if r.unit != "decode"]  # compiled and reported; not in generated/
+        reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
+        targets = tuple(dict.fromkeys(r.target for r in mine))
+        try:
+            plans = {(r.target, r.unit): r.plan for r in mine if r.plan is not None}
+            generated.append(
+                str(write_generated(spec, args.out, reports, targets=targets, plans=plans))
+            )
+        except (ValueError, OSError) as e:
+            err.print(f"error: writing {spec.name}: {terminal_safe(str(e))}", markup=False)
+            return _fail_json(args, f"writing {spec.name}: {e}")
+
+    verify = []
+    if not args.no_verify and _cuda_available():
+        verify = [
+            _verify_safely(spec, options)
+            for spec in specs
+            if all(r.ok for r in results if r.spec is spec)
+        ]
+
+    ok = all(r.ok for r in results) and all(v["ok"] for v in verify)
+    if args.json:
+        doc = {
+            "flashgen_version": __version__,
+            "nvcc_version": toolkit,
+            "ok": ok,
+            "kernels": [r.to_dict() for r in results],
+            "generated": generated,
+            "verify": verify,
+        }
+        print(json.dumps(doc, indent=2))
+        return 0 if ok else 1
+
+    table = Table(title=f"flashgen {__version__} build (nvcc {toolkit})")
+    for col in ("spec", "target", "kernel", "regs", "spills st/ld (B)", "smem (B)", "compile (s)"):
+        table.add_column(col, justify="left" if col in ("spec", "target", "kernel") else "right")
+    for r in results:
+        rep = r.report
+        if rep is None:
+            table.add_row(r.spec.name, r.target, r.unit, "-", "-", "-", "[red]FAILED[/red]")
+            continue
+        spill = f"{rep.spill_stores}/{rep.spill_loads}"
+        table.add_row(
+            r.spec.name,
+            r.target,
+            f"{r.unit} (fallback)" if r.note else r.unit,
+            str(rep.registers),
+            spill if not rep.spill_bytes else f"[red]{spill}[/red]",
+            str(r.smem_dynamic + rep.smem),
+            "cached" if rep.from_cache else f"{rep.seconds:.1f}",
+        )
+    out.print(table)
+    for r in results:
+        if r.note:
+            err.print(f"note: {r.spec.name} [{r.target} {r.unit}]: {r.note}", markup=False)
+        if r.error:
+            err.print(f"error: {r.spec.name} [{r.target} {r.unit}]: {r.error}", markup=False)
+    if verify:
+        vt = Table(title="verification against the float64 reference")
+        for col in ("spec", "case", "max |err|", "bound", "result", "TFLOP/s"):
+            vt.add_column(col)
+        for v in verify:
+            for c in v["cases"]:
+                vt.add_row(
+                    v["spec"],
+                    c["case"],
+                    f"{c['max_err']:.2e}",
+                    f"{c['bound']:.2e}",
+                    "pass" if c["ok"] else "[red]FAIL[/red]",
+                    "",
+                )
+            if v.get("error"):
+                vt.add_row(v["spec"], "-", "", "", "[red]ERROR[/red]", "")
+            if v.get("tflops") is not None:
+                vt.add_row(v["spec"], v["bench_case"], "", "", "", f"{v['tflops']:.1f}")
+        out.print(vt)
+    elif not args.no_verify and not args.json:
+        built = sum(r.report is not None for r in results)
+        if built == len(results):
+            err.print("note: no CUDA GPU here: kernels compiled, not run or verified", markup=False)
+        elif built:
+            err.print(f"note: no CUDA GPU here: {built} of {len(results)} units compiled, none "
+                      "run or verified", markup=False)  # fmt: skip
+    for v in verify:
+        if v.get("error"):
+            err.print(f"error: verifying {v['spec']}: {v['error']}", markup=False)
+    for g in generated:
+        out.print(f"wrote {g}/", markup=False)
+    for name in unwritten:
+        err.print(f"note: {name} not written to {args.out}/ (its build failed)", markup=False)
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- verify (GPU)
+#: Device nodes the NVIDIA driver creates on Linux: without any, there is no CUDA GPU, and
+#: `flashgen build` need not spend a second importing torch to learn it.
+_NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")  # dxg: WSL
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device; False without importing torch on a Linux machine
+    with no NVIDIA device node."""
+    if sys.platform.startswith("linux") and not any(map(os.path.exists, _NVIDIA_NODES)):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _verify_safely(spec: ir.Spec, options=None) -> dict:
+    """:func:`verify_spec` (the op under ``options``), with any failure (CUDA error, bad
+    kernel) turned into a result."""
+    from flashgen.bench.verify import verify_spec
+
+    try:
+        return verify_spec(spec, options)
+    except Exception as e:  # report it; do not crash the build summary
+        return {"spec": spec.name, "ok": False, "cases": [], "error": f"{type(e).__name__}: {e}"}

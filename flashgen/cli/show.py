@@ -1,0 +1,202 @@
+"""``flashgen show`` and ``flashgen list``, and the IR printer they share.
+
+Everything a spec supplies that reaches the terminal (description, path, names in errors)
+goes through :func:`flashgen.frontend.errors.terminal_safe`: a spec cannot send escape
+sequences to the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from flashgen.cli.common import _consoles, _load_specs, _options
+from flashgen.frontend import ir
+from flashgen.frontend.errors import SpecError, terminal_safe
+
+# ----------------------------------------------------------------------------- IR printing
+_PREC = {
+    "||": 1,
+    "&&": 2,
+    "==": 3,
+    "!=": 3,
+    "<": 4,
+    "<=": 4,
+    ">": 4,
+    ">=": 4,
+    "+": 5,
+    "-": 5,
+    "*": 6,
+    "/": 6,
+    "%": 6,
+}
+
+
+def _prec(e: ir.Expr) -> int:
+    if isinstance(e, ir.Cond):
+        return 0
+    if isinstance(e, ir.Binary):
+        return _PREC[e.op]
+    return 9
+
+
+def format_expr(e: ir.Expr | None) -> str:
+    """DSL text of an expression tree, with only the parentheses precedence needs."""
+    if e is None:
+        return "-"
+    if isinstance(e, ir.Const):
+        if isinstance(e.value, bool):
+            return "true" if e.value else "false"
+        text = repr(e.value)
+        if isinstance(e.value, float) and "." not in text and "e" in text:
+            text = text.replace("e", ".0e", 1)  # the DSL's floats need a dot: 1e-05 -> 1.0e-05
+        return text
+    if isinstance(e, ir.Var):
+        return e.name
+    if isinstance(e, ir.Causal):
+        return "causal"
+    if isinstance(e, ir.Index):
+        return f"{e.name}[{', '.join(format_expr(i) for i in e.indices)}]"
+    if isinstance(e, ir.Call):
+        return f"{e.fn}({', '.join(format_expr(a) for a in e.args)})"
+    if isinstance(e, ir.Unary):
+        arg = format_expr(e.arg)
+        return f"{e.op}({arg})" if _prec(e.arg) < 9 else f"{e.op}{arg}"
+    if isinstance(e, ir.Binary):
+        p = _PREC[e.op]
+        lhs, rhs = format_expr(e.lhs), format_expr(e.rhs)
+        if _prec(e.lhs) < p:
+            lhs = f"({lhs})"
+        if _prec(e.rhs) <= p:
+            rhs = f"({rhs})"
+        return f"{lhs} {e.op} {rhs}"
+    if isinstance(e, ir.Cond):
+        c, a, b = format_expr(e.cond), format_expr(e.then), format_expr(e.other)
+        c = f"({c})" if _prec(e.cond) == 0 else c
+        return f"{c} ? {a} : {b}"
+    return repr(e)
+
+
+def format_spec(spec: ir.Spec) -> str:
+    """A readable, multi-line rendering of a checked spec."""
+    lines = [
+        f"spec {spec.name}   ({spec.path})",
+        f"  dtype          {spec.dtype}",
+        f"  head_dim       {spec.head_dim} (v: {spec.head_dim_v})",
+        f"  targets        {', '.join(spec.targets)}",
+        f"  mask           {format_expr(spec.mask)}"
+        + (f"   : {spec.mask.ty.value}" if spec.mask is not None and spec.mask.ty else ""),
+        f"  score_mod      {format_expr(spec.score_mod)}"
+        + (
+            f"   : {spec.score_mod.ty.value}"
+            if spec.score_mod is not None and spec.score_mod.ty
+            else ""
+        ),
+        "  softmax_scale  "
+        + ("auto (1/sqrt(head_dim))" if spec.softmax_scale is None else repr(spec.softmax_scale)),
+    ]
+    if spec.params:
+        lines.append("  params")
+        for p in spec.params:
+            if p.kind == "tensor":
+                lines.append(f"    {p.name}: tensor [{', '.join(map(str, p.shape))}] {p.ty.value}")
+            else:
+                pairs = (("min", p.minimum), ("max", p.maximum))
+                bounds = ", ".join(f"{w} {b!r}" for w, b in pairs if b is not None)
+                lines.append(
+                    f"    {p.name}: {p.ty.value} = {p.default!r}"
+                    + (f"   ({bounds})" if bounds else "")
+                )
+    t = spec.tiles
+    if any(x is not None for x in (t.block_m, t.block_n, t.num_warps)):
+        lines.append(
+            f"  tiles          block_m={t.block_m} block_n={t.block_n} num_warps={t.num_warps}"
+        )
+    if spec.varlen:
+        lines.append("  varlen         true (packed sequences: cu_seqlens_q/k, max_seqlen_q/k)")
+    if spec.description:  # untrusted text: escaped, so it cannot drive the terminal
+        lines.append(f"  description    {terminal_safe(spec.description)}")
+    lines[0] = terminal_safe(lines[0])  # the path
+    return "\n".join(lines)
+
+
+def cmd_show(args) -> int:
+    from flashgen.build.render import render
+    from flashgen.families.registry import plan_forward
+
+    _, err = _consoles()
+    try:
+        options = _options(args)
+    except (KeyError, ValueError) as e:
+        err.print(f"error: {terminal_safe(str(e))}", markup=False)
+        return 1
+    specs = _load_specs([args.spec], err)
+    if specs is None:
+        return 1
+    spec = specs[0]
+    print(format_spec(spec))
+    targets = args.target or list(spec.targets)
+    for t in targets:
+        try:
+            plan = plan_forward(spec, t, options)
+        except ValueError as e:
+            err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
+            return 1
+        print(f"\n// ---- plan [{t}]: {json.dumps(plan.config())}")
+        print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")
+        sys.stdout.write(render(plan))
+    return 0
+
+
+def shipped_specs_dir() -> Path | None:
+    """The shipped specs: ``specs/`` of a source checkout, else the ``flashgen.specs``
+    package data a wheel installs; None if neither is there."""
+    here = Path(__file__).resolve().parents[2] / "specs"
+    if here.is_dir():
+        return here
+    try:
+        from importlib import resources
+
+        packaged = Path(str(resources.files("flashgen.specs")))
+    except (ImportError, TypeError):
+        return None
+    return packaged if packaged.is_dir() else None
+
+
+def cmd_list(args) -> int:
+    from flashgen.frontend.spec import load_spec
+
+    if args.dir is None:  # ./specs, else the shipped ones wherever flashgen is installed
+        root = Path("specs") if Path("specs").is_dir() else shipped_specs_dir()
+        if root is None:
+            print("error: no specs/ here and no shipped specs found; give DIR", file=sys.stderr)
+            return 1
+    else:
+        root = Path(args.dir)
+    if not root.is_dir():
+        print(f"error: {terminal_safe(str(root))} is not a directory", file=sys.stderr)
+        return 1
+    rows = [("name", "dtype", "head_dim", "mask", "score_mod", "description")]
+    bad = False
+    for f in sorted(root.glob("*.yaml")) + sorted(root.glob("*.yml")):
+        try:
+            s = load_spec(f)
+        except SpecError as e:
+            where = f"{e.file}:{e.line}:{e.col}"
+            rows.append((terminal_safe(f.stem), "-", "-", "-", "-",
+                         terminal_safe(f"ERROR {where}: {e.message}")))  # fmt: skip
+            bad = True
+            continue
+        except OSError as e:  # a directory named *.yaml, a dangling link, no permission
+            rows.append((terminal_safe(f.stem), "-", "-", "-", "-",
+                         f"ERROR cannot read spec: {e.strerror or e}"))  # fmt: skip
+            bad = True
+            continue
+        hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"
+        desc = terminal_safe(s.description)  # untrusted text: escaped
+        rows.append((s.name, s.dtype, hd, format_expr(s.mask), format_expr(s.score_mod), desc))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    return 1 if bad else 0

@@ -1,0 +1,285 @@
+"""Blocked CPU attention: the CPU op's forward and backward at real sizes.
+
+The float64 materialized reference (:mod:`flashgen.ops.reference`) stays the test oracle;
+this module is what the op runs on CPU tensors.  Query rows are independent, so the
+computation is query-chunked: for each chunk of ``block_q`` query rows it builds the
+``[B, Hq, block_q, K]`` logits for the key range ``K`` the mask may keep, applies the
+spec's ``score_mod`` and ``mask`` (the same IR evaluator as the reference, with the index
+tensors restricted to the chunk), and a max-subtracted softmax (Milakov & Gimelshein
+2018's safe softmax; lse = max + log(sum)).  Memory is O(B * Hq * block_q * Sk) instead of
+O(B * Hq * Sq * Sk); ``block_q`` shrinks as the problem grows (:func:`query_block`).
+
+The key range of each chunk comes from the mask's interval analysis
+(:func:`flashgen.analysis.maskinfo.classify`, the rules the kernels' tile classifier
+uses): key blocks that are EMPTY for every row of the chunk are never touched (causal
+attention computes about half the logits, a sliding window only its band), and when every
+live block is FULL the mask is not evaluated.  Masks that read ``b``, ``h``, ``h_kv`` or
+tensors (their class depends on the batch entry or head) use all keys.
+
+GQA is computed without expanding K and V: the ``Hq // Hkv`` query heads of a group are
+stacked along the row axis of one matmul against their shared KV head.
+
+The backward recomputes each chunk's forward under autograd (FlashAttention's
+recomputation, chunk by chunk) and back-propagates ``dout`` (and ``dlse``) through it, so it
+is O(chunk) in memory too; dk and dv are accumulated over chunks.
+
+Inputs: float32, float16 or bfloat16 (computed in float32; outputs in the input dtype);
+``lse`` is float32.  A row with nothing to attend to gives o = 0, lse = -inf and zero
+gradients.  Tensor-param reads outside their shape at a kept pair raise ``IndexError``
+like the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashgen.analysis.maskinfo import TileClass, classify
+from flashgen.frontend import ir
+from flashgen.ops.reference import _check_bounds, _env, eval_expr
+
+#: elements of one chunk's logits (B * Hq * block_q * keys) the chunk size aims for
+_CHUNK_ELEMS = 1 << 21
+#: key-block width of the per-chunk interval analysis
+_KEY_BLOCK = 128
+_COMPUTE = torch.float32
+
+
+def cpu_input_dtypes(spec_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """Input dtypes the CPU op accepts for a spec of ``spec_dtype``: the spec's own and
+    float32 (a spec's ``dtype`` names the GPU kernel's input type; on CPU float32 compute
+    is what callers expect)."""
+    return (spec_dtype, torch.float32)
+
+
+def query_block(batch: int, heads: int, keys: int) -> int:
+    """Query rows per chunk: about :data:`_CHUNK_ELEMS` logits per chunk, 16 to 512 rows."""
+    per_row = max(1, batch * heads * max(keys, 1))
+    return int(min(512, max(16, _CHUNK_ELEMS // per_row)))
+
+
+def _reads(spec: ir.Spec) -> set[str]:
+    """Names (variables and indexed tensors) the mask reads."""
+    if spec.mask is None:
+        return set()
+    names = set()
+    for e in ir.walk(spec.mask):
+        if isinstance(e, (ir.Var, ir.Index)):
+            names.add(e.name)
+    return names
+
+
+def _key_ranges(spec: ir.Spec, sq: int, sk: int, block_q: int, scalars: dict, b_offset: int):
+    """Per query chunk: (q0, q1, k0, k1, full) with keys [k0, k1) covering every key the
+    mask may keep for rows [q0, q1) and ``full`` when the mask keeps all of them."""
+    reads = _reads(spec)
+    tensor_names = {p.name for p in spec.tensor_params}
+    exact = spec.mask is not None and not (reads & ({"b", "h", "h_kv"} | tensor_names))
+    out = []
+    for q0 in range(0, sq, block_q):
+        q1 = min(q0 + block_q, sq)
+        if spec.mask is None:
+            out.append((q0, q1, 0, sk, True))
+            continue
+        if not exact:
+            out.append((q0, q1, 0, sk, False))
+            continue
+        classes = [
+            classify(
+                spec, (q0, q1 - 1), (k0, min(k0 + _KEY_BLOCK, sk) - 1), b=b_offset, h=0,
+                seqlen_q=sq, seqlen_k=sk, params=scalars,
+            )
+            for k0 in range(0, sk, _KEY_BLOCK)
+        ]  # fmt: skip
+        live = [j for j, c in enumerate(classes) if c != TileClass.EMPTY]
+        if not live:
+            out.append((q0, q1, 0, 0, True))
+            continue
+        first, last = live[0], live[-1]
+        # EMPTY blocks between the first and the last live one are computed (and masked) too
+        full = all(c == TileClass.FULL for c in classes[first : last + 1])
+        out.append((q0, q1, first * _KEY_BLOCK, min((last + 1) * _KEY_BLOCK, sk), full))
+    return out
+
+
+def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q):
+    """o [B, Hq, C, Dv] (float32) and lse [B, Hq, C] of query rows [q0, q1) against keys
+    [k0, k1).  ``qs``: the chunk's queries as [B, Hkv, G * C, D] (G query heads per KV head
+    stacked on rows); ``k``/``v``: [B, Hkv, Sk, D] float32.  Differentiable when grad mode
+    is on; without it the softmax runs in place and o is normalized after the P V product
+    (fewer passes over the chunk's logits)."""
+    b, hkv = k.shape[0], k.shape[1]
+    c, n = q1 - q0, k1 - k0
+    grad = torch.is_grad_enabled()
+    kc, vc = k[:, :, k0:k1], v[:, :, k0:k1]
+    if spec.score_mod is None and not grad:  # scale folded into q: [C, D] instead of [C, K]
+        s = torch.matmul(qs * softmax_scale, kc.transpose(-1, -2)).view(b, heads_q, c, n)
+    else:
+        s = torch.matmul(qs, kc.transpose(-1, -2)).view(b, heads_q, c, n) * softmax_scale
+    dev = k.device
+    env["q_idx"] = torch.arange(q0, q1, device=dev, dtype=torch.int64).view(1, 1, c, 1)
+    env["kv_idx"] = torch.arange(k0, k1, device=dev, dtype=torch.int64).view(1, 1, 1, n)
+    env["__oob__"] = []
+    if spec.score_mod is not None:
+        env["score"] = s
+        s = eval_expr(spec.score_mod, env).to(_COMPUTE).expand_as(s)
+        env.pop("score")
+        if not grad:
+            s = s.contiguous()
+    keep = None
+    if spec.mask is not None and not full:
+        keep = eval_expr(spec.mask, env)
+        s = s.masked_fill_(~keep, -math.inf) if not grad else s.masked_fill(~keep, -math.inf)
+    if env["__oob__"]:
+        _check_bounds(env, None if keep is None else keep.expand_as(s))
+    m = s.detach().amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = s.sub_(m).exp_() if not grad else torch.exp(s - m)
+    den = p.sum(dim=-1, keepdim=True)
+    empty = den == 0
+    lse = torch.where(empty, torch.full_like(den, -math.inf), m + torch.log(den)).squeeze(-1)
+    den = torch.where(empty, torch.ones_like(den), den)
+    if grad:
+        p = p / den
+    o = torch.matmul(p.reshape(b, hkv, -1, n), vc).view(b, heads_q, c, v.shape[-1])
+    if not grad:
+        o.div_(den)
+    return o, lse
+
+
+def _stack_queries(q, q0, q1, hkv):
+    """q[:, :, q0:q1] as [B, Hkv, G * C, D] (float32): a group's query heads on rows."""
+    b, hq, _, d = q.shape
+    return q[:, :, q0:q1].to(_COMPUTE).reshape(b, hkv, (hq // hkv) * (q1 - q0), d)
+
+
+def _setup(spec, q, k, params, batch_offset):
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    env = _env(spec, b, hq, sq, sk, dict(params or {}), q.device, _COMPUTE, batch_offset, Hkv=hkv)
+    scalars = {p.name: params.get(p.name, p.default) for p in spec.scalar_params}
+    ranges = _key_ranges(spec, sq, sk, query_block(b, hq, sk), scalars, batch_offset)
+    return env, ranges
+
+
+def attention_blocked(
+    spec: ir.Spec, q, k, v, *, softmax_scale: float, params: dict | None = None,
+    batch_offset: int = 0,
+):  # fmt: skip
+    """Forward of ``spec`` on CPU tensors, query-chunked (module docstring).
+
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides; Hq % Hkv == 0),
+    float32 / float16 / bfloat16.  ``params``: scalar values and tensor params by name
+    (scalars default to the spec's).  ``batch_offset``: the ``b`` of the first batch entry
+    (varlen).  Returns o [B, Hq, Sq, Dv] in q's dtype and lse float32 [B, Hq, Sq]
+    (natural log).  Not differentiable itself: the op's autograd uses
+    :func:`attention_blocked_backward`.  Raises ``IndexError`` as the reference does.
+    """
+    params = dict(params or {})
+    b, hq, sq, _ = q.shape
+    hkv = k.shape[1]
+    o = torch.zeros((b, hq, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float32, device=q.device)
+    if o.numel() == 0 or k.shape[2] == 0:
+        return o, lse
+    env, ranges = _setup(spec, q, k, params, batch_offset)
+    with torch.no_grad():
+        kf, vf = k.to(_COMPUTE), v.to(_COMPUTE)
+        for q0, q1, k0, k1, full in ranges:
+            if k1 <= k0:
+                continue
+            qs = _stack_queries(q, q0, q1, hkv)
+            oc, lc = _chunk(spec, env, qs, kf, vf, q0, q1, k0, k1, full, softmax_scale, hq)
+            o[:, :, q0:q1] = oc
+            lse[:, :, q0:q1] = lc
+    return o, lse
+
+
+def attention_blocked_backward(
+    spec: ir.Spec, dout, q, k, v, dlse=None, *, softmax_scale: float, params: dict | None = None,
+    batch_offset: int = 0,
+):  # fmt: skip
+    """dq, dk, dv (each in its input's dtype) of :func:`attention_blocked` for output
+    gradient ``dout`` [B, Hq, Sq, Dv] and optional ``dlse`` [B, Hq, Sq]: each query chunk's
+    forward is recomputed under autograd and back-propagated (module docstring)."""
+    params = dict(params or {})
+    b, hq, sq, _ = q.shape
+    hkv = k.shape[1]
+    dq = torch.zeros(q.shape, dtype=_COMPUTE, device=q.device)
+    dk = torch.zeros(k.shape, dtype=_COMPUTE, device=q.device)
+    dv = torch.zeros(v.shape, dtype=_COMPUTE, device=q.device)
+    if q.numel() and k.numel():
+        env, ranges = _setup(spec, q, k, params, batch_offset)
+        kf, vf = k.detach().to(_COMPUTE), v.detach().to(_COMPUTE)
+        for q0, q1, k0, k1, full in ranges:
+            if k1 <= k0:
+                continue
+            with torch.enable_grad():
+                qs = _stack_queries(q.detach(), q0, q1, hkv).requires_grad_(True)
+                ks = kf[:, :, k0:k1].detach().requires_grad_(True)
+                vs = vf[:, :, k0:k1].detach().requires_grad_(True)
+                oc, lc = _chunk(spec, env, qs, ks, vs, q0, q1, 0, k1 - k0, full, softmax_scale,
+                                hq)  # fmt: skip
+                outs, seeds = [oc], [dout[:, :, q0:q1].to(_COMPUTE)]
+                if dlse is not None:
+                    outs.append(lc)
+                    seeds.append(dlse[:, :, q0:q1].to(_COMPUTE))
+                gq, gk, gv = torch.autograd.grad(outs, (qs, ks, vs), seeds, allow_unused=True)
+            if gq is not None:
+                dq[:, :, q0:q1] = gq.view(b, hq, q1 - q0, q.shape[-1])
+            if gk is not None:
+                dk[:, :, k0:k1] += gk
+            if gv is not None:
+                dv[:, :, k0:k1] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    return [(i, cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+
+
+def _seq4(t, a, z):
+    """Rows [a, z) of a packed [total, H, D] tensor as [1, H, z - a, D] (a view)."""
+    return t[a:z].transpose(0, 1).unsqueeze(0)
+
+
+def varlen_blocked(spec: ir.Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale: float,
+                   params: dict | None = None):  # fmt: skip
+    """Varlen forward on CPU: :func:`attention_blocked` per sequence (``b`` = its index).
+    q [total_q, Hq, D], k/v [total_k, Hkv, D/Dv]; cu_seqlens checked by the caller.
+    Returns o [total_q, Hq, Dv] in q's dtype (rows no sequence covers: 0) and lse float32
+    [Hq, total_q] (those rows: -inf)."""
+    o = torch.zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    for i, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        oi, li = attention_blocked(
+            spec, _seq4(q, q0, q1), _seq4(k, k0, k1), _seq4(v, k0, k1),
+            softmax_scale=softmax_scale, params=params, batch_offset=i,
+        )  # fmt: skip
+        o[q0:q1] = oi[0].transpose(0, 1)
+        lse[:, q0:q1] = li[0]
+    return o, lse
+
+
+def varlen_blocked_backward(spec: ir.Spec, dout, q, k, v, dlse, cu_seqlens_q, cu_seqlens_k, *,
+                            softmax_scale: float, params: dict | None = None):  # fmt: skip
+    """dq, dk, dv (packed like q, k, v) of :func:`varlen_blocked`; ``dlse`` [Hq, total_q]
+    or None."""
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    for i, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        gl = None if dlse is None else dlse[:, q0:q1].unsqueeze(0)
+        gq, gk, gv = attention_blocked_backward(
+            spec, _seq4(dout, q0, q1), _seq4(q, q0, q1), _seq4(k, k0, k1), _seq4(v, k0, k1), gl,
+            softmax_scale=softmax_scale, params=params, batch_offset=i,
+        )  # fmt: skip
+        dq[q0:q1] = gq[0].transpose(0, 1)
+        dk[k0:k1] += gk[0].transpose(0, 1)
+        dv[k0:k1] += gv[0].transpose(0, 1)
+    return dq, dk, dv

@@ -1,0 +1,298 @@
+"""Serving kernels (op.with_kvcache: split-KV, paged cache, GQA packing) on the device against
+the float64 reference on the gathered cache (``python -m pytest -q tests/gpu/test_decode_gpu.py``).
+
+Bound (the rule of tests/gpu/test_forward.py): max|ours - ref64| <= 2 * max|ref in bf16/fp16 -
+ref64| + 1e-3 for o; lse within 1e-2 relative where finite, -inf (with o == 0) exactly where the
+reference's is.  Outputs are poisoned (NaN) before launch; unused cache slots hold NaN (and 1e4)
+so a read past the live keys fails.  Also: results bitwise independent of the allocated cache
+size and of the other requests in the batch for a fixed num_splits, num_splits 1..128 within
+the rule, packing on/off bitwise equal, k_new appended in place, CUDA-graph capture with a plan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen.families import decode as family  # noqa: E402
+from flashgen.ops.decode import decode_op, decode_reference  # noqa: E402
+from flashgen.ops.op import poison_outputs  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+ALL = ["alibi", "bidir_d256", "causal_d128", "chunked_local", "gemma2_softcap", "gpt2_d64",
+       "llama3_gqa", "mistral_swa", "prefix_lm", "t5_bias"]  # fmt: skip
+FULL = ["mistral_swa", "gemma2_softcap", "alibi", "llama3_gqa"]
+
+
+def op_of(name):
+    return flashgen.load(REPO / "specs" / f"{name}.yaml")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild():
+    """Build every decode unit for this device at once (parallel nvcc)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        dops = [decode_op(op_of(n)) for n in ALL]  # registration: one thread
+        list(pool.map(lambda d: d.kernels(dev), dops))
+
+
+def params_of(name, hq, dev):
+    if name == "alibi":
+        return {"slopes": torch.tensor([2.0 ** (-8 * (i + 1) / hq) for i in range(hq)], device=dev)}
+    if name == "t5_bias":
+        return {"bias": torch.randn(hq, 257, device=dev)}
+    if name == "mistral_swa":
+        return {"window": 37}
+    if name == "chunked_local":
+        return {"chunk": 50}
+    if name == "prefix_lm":
+        return {"prefix": 9}
+    return {}
+
+
+def make_cache(lens, *, ps, hkv, d, dv, dtype, layout="paged", fill=float("nan"), cap=None,
+               extra_pages=5, seed=0):  # fmt: skip
+    """A cache whose unused slots hold ``fill``; ``layout``: paged (vLLM), flashinfer
+    ([P, Hkv, ps, D] viewed through strides), dense, bshd (dense [B, S, Hkv, D] viewed)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch = len(lens)
+    cap = cap or max(max(lens), 1)
+    if layout in ("dense", "bshd"):
+        shape = (batch, cap, hkv) if layout == "bshd" else (batch, hkv, cap)
+        kc = torch.full((*shape, d), fill, dtype=dtype, device="cuda")
+        vc = torch.full((*shape, dv), fill, dtype=dtype, device="cuda")
+        if layout == "bshd":
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+        for b, n in enumerate(lens):
+            kc[b, :, :n] = torch.randn(hkv, n, d, generator=g, device="cuda").to(dtype)
+            vc[b, :, :n] = torch.randn(hkv, n, dv, generator=g, device="cuda").to(dtype)
+        return kc, vc, None
+    max_pages = -(-cap // ps)
+    num_pages = batch * max_pages + extra_pages
+    perm = torch.randperm(num_pages, generator=g, device="cuda")
+    table = perm[: batch * max_pages].view(batch, max_pages).int().contiguous()
+    shape = (num_pages, hkv, ps) if layout == "flashinfer" else (num_pages, ps, hkv)
+    kc = torch.full((*shape, d), fill, dtype=dtype, device="cuda")
+    vc = torch.full((*shape, dv), fill, dtype=dtype, device="cuda")
+    if layout == "flashinfer":
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        k = torch.randn(n, hkv, d, generator=g, device="cuda").to(dtype)
+        v = torch.randn(n, hkv, dv, generator=g, device="cuda").to(dtype)
+        pos = torch.arange(n, device="cuda")
+        pages = table[b].long()[pos // ps]
+        kc[pages, pos % ps] = k
+        vc[pages, pos % ps] = v
+    return kc, vc, table
+
+
+def check(spec, q, kc, vc, table, live, params, o, lse):
+    """The accuracy rule against decode_reference in float64 and in the input dtype."""
+    lens = torch.as_tensor(live)
+    r64o, r64l = decode_reference(spec, q, kc, vc, lens, table, params=params)
+    rlo, _ = decode_reference(spec, q, kc, vc, lens, table, params=params, compute_dtype=q.dtype)
+    assert not torch.isnan(o).any(), "NaN in o (a row left unwritten, or garbage read)"
+    bound = 2 * (rlo.double() - r64o).abs().max().item() + 1e-3
+    err = (o.double() - r64o).abs().max().item()
+    assert err <= bound, f"o error {err:.3g} > bound {bound:.3g}"
+    fin = torch.isfinite(r64l)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert bool((lse[~fin] == -math.inf).all()) and bool((o[~fin] == 0).all())
+    if fin.any():
+        rel = ((lse.double() - r64l).abs() / r64l.abs().clamp_min(1.0))[fin].max().item()
+        assert rel <= 1e-2
+
+
+LAYOUTS = [("paged", 1), ("paged", 3), ("paged", 16), ("paged", 256), ("dense", 0)]
+CASES = [(n, lay, ps, sq, heads) for n in FULL for lay, ps in LAYOUTS for sq in (1, 4, 64)
+         for heads in ((32, 8), (8, 1))]  # fmt: skip
+CASES += [(n, "paged", 16, sq, (32, 8)) for n in ALL if n not in FULL for sq in (1, 4)]
+CASES += [("llama3_gqa", "flashinfer", 16, 1, (32, 8)), ("mistral_swa", "bshd", 0, 4, (8, 1))]
+
+
+@pytest.mark.parametrize("name,layout,ps,sq,heads", CASES, ids=str)
+def test_matrix_against_float64(name, layout, ps, sq, heads):
+    op = op_of(name)
+    spec = op.spec
+    hq, hkv = heads
+    p = max(ps, 1) if layout != "dense" else 64
+    lens = [0, 1, max(p - 1, 0), p, p + 1, 4097]
+    append = sq == 4  # Sq_new 4 appends k_new / v_new; 1 and 64 attend to the cache only
+    cap = max(lens) + (sq if append else 0)
+    kc, vc, table = make_cache(lens, ps=max(ps, 1), hkv=hkv, d=spec.head_dim, dv=spec.head_dim_v,
+                               dtype=torch.bfloat16 if spec.dtype == "bf16" else torch.float16,
+                               layout=layout, cap=cap)  # fmt: skip
+    dt = kc.dtype
+    q = torch.randn(len(lens), hq, sq, spec.head_dim, device="cuda").to(dt)
+    params = params_of(name, hq, q.device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kw = {}
+    if append:
+        kw["k_new"] = torch.randn(len(lens), hkv, sq, spec.head_dim, device="cuda").to(dt)
+        kw["v_new"] = torch.randn(len(lens), hkv, sq, spec.head_dim_v, device="cuda").to(dt)
+    with poison_outputs():
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, **kw, **params)
+    torch.cuda.synchronize()
+    live = [n + (sq if append else 0) for n in lens]
+    check(spec, q, kc, vc, table, live, params, o, lse)
+
+
+def test_long_cache_65537_and_every_num_splits():
+    op = op_of("llama3_gqa")
+    lens = [65537, 3]
+    kc, vc, table = make_cache(lens, ps=16, hkv=8, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(2, 32, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for splits in (None, 1, 2, 3, 7, 16, 64, 128):
+        with poison_outputs():
+            o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, num_splits=splits)
+        check(op.spec, q, kc, vc, table, lens, {}, o, lse)
+
+
+def test_garbage_1e4_and_nan_change_nothing():
+    op = op_of("gemma2_softcap")
+    lens = [5, 16, 17, 300]
+    q = torch.randn(4, 8, 4, 256, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    outs = []
+    for fill in (0.0, 1e4, float("nan"), float("inf")):
+        kc, vc, table = make_cache(
+            lens, ps=16, hkv=2, d=256, dv=256, dtype=torch.bfloat16, fill=fill
+        )
+        outs.append(op.with_kvcache(q, kc, vc, lens_t, block_table=table, num_splits=3))
+    for o, lse in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_independent_of_cache_size_and_batch(splits):
+    op = op_of("mistral_swa")
+    lens = [1000, 37, 4097]
+    q = torch.randn(3, 32, 4, 128, device="cuda").to(torch.bfloat16)
+    kc, vc, table = make_cache(lens, ps=16, hkv=8, d=128, dv=128, dtype=torch.bfloat16, seed=1)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, num_splits=splits, window=300)
+    # the same requests alone, and in a cache with more pages and longer table rows
+    for b in range(3):
+        big = torch.full(
+            (kc.shape[0] + 40, *kc.shape[1:]), float("nan"), dtype=kc.dtype, device="cuda"
+        )
+        bigv = torch.full_like(big, float("nan"))
+        big[: kc.shape[0]], bigv[: kc.shape[0]] = kc, vc
+        tb = torch.full((1, table.shape[1] + 30), kc.shape[0] + 7, dtype=torch.int32, device="cuda")
+        tb[0, : table.shape[1]] = table[b]
+        ob, lb = op.with_kvcache(q[b : b + 1], big, bigv, lens_t[b : b + 1], block_table=tb,
+                                 num_splits=splits, window=300)  # fmt: skip
+        assert torch.equal(ob, o[b : b + 1]) and torch.equal(lb, lse[b : b + 1])
+    # dense: a longer allocation changes nothing either
+    kd, vd, _ = make_cache(
+        lens, ps=1, hkv=8, d=128, dv=128, dtype=torch.bfloat16, layout="dense", seed=2
+    )
+    od, ld = op.with_kvcache(q, kd, vd, lens_t, num_splits=splits, window=300)
+    kd2 = torch.full((3, 8, 6000, 128), float("nan"), dtype=kd.dtype, device="cuda")
+    vd2 = torch.full_like(kd2, float("nan"))
+    kd2[:, :, : kd.shape[2]], vd2[:, :, : kd.shape[2]] = kd, vd
+    od2, ld2 = op.with_kvcache(q, kd2, vd2, lens_t, num_splits=splits, window=300)
+    assert torch.equal(od, od2) and torch.equal(ld, ld2)
+
+
+def test_pack_gqa_off_is_bitwise_equal():
+    op = op_of("llama3_gqa")
+    dop = decode_op(op)
+    lens = [4097, 100]
+    kc, vc, table = make_cache(lens, ps=16, hkv=8, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(2, 32, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    res = []
+    for pack in (True, False):
+        p = op.plan_decode(batch=2, num_heads=32, num_heads_kv=8, seqlen_q=1,
+                           cache_capacity=table.shape[1] * 16, page_size=16, num_pages=kc.shape[0],
+                           num_splits=4, pack_gqa=pack)  # fmt: skip
+        res.append(op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    del dop
+
+
+def test_append_in_place_matches_the_reference_cache():
+    op = op_of("alibi")
+    lens = [0, 15, 16, 31]
+    kc, vc, table = make_cache([40] * 4, ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    kc0, vc0 = kc.clone(), vc.clone()
+    kn = torch.randn(4, 2, 4, 128, device="cuda").to(torch.bfloat16)
+    vn = torch.randn(4, 2, 4, 128, device="cuda").to(torch.bfloat16)
+    q = torch.randn(4, 8, 4, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    prm = params_of("alibi", 8, q.device)
+    op.with_kvcache(q, kc, vc, lens_t, block_table=table, k_new=kn, v_new=vn, **prm)
+    from flashgen.ops.decode import append_reference
+
+    append_reference(kc0, vc0, lens_t.cpu(), kn, vn, table.cpu())
+    assert torch.equal(kc.isnan(), kc0.isnan())
+    assert torch.equal(kc.nan_to_num(), kc0.nan_to_num()) and torch.equal(
+        vc.nan_to_num(), vc0.nan_to_num()
+    )
+
+
+def test_graph_capture_with_a_plan():
+    op = op_of("mistral_swa")
+    batch, ps = 4, 16
+    kc, vc, table = make_cache([2000] * batch, ps=ps, hkv=8, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(batch, 32, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor([10, 500, 1999, 0], dtype=torch.int32, device="cuda")
+    p = op.plan_decode(
+        batch=batch,
+        num_heads=32,
+        num_heads_kv=8,
+        seqlen_q=1,
+        cache_capacity=table.shape[1] * ps,
+        page_size=ps,
+        num_pages=kc.shape[0],
+    )
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og, lg = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p)
+    for new in ([1, 2, 3, 4], [1999, 1000, 0, 64]):
+        lens_t.copy_(torch.tensor(new, dtype=torch.int32))
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
+        table.copy_(table.flip(0))
+        graph.replay()
+        eo, el = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p)
+        torch.cuda.synchronize()
+        assert torch.equal(og, eo) and torch.equal(lg, el)
+        check(op.spec, q, kc, vc, table, new, {"window": 4096}, og, lg)
+
+
+def test_bad_page_index_is_empty_not_a_crash():
+    op = op_of("llama3_gqa")
+    lens = [40, 40]
+    kc, vc, table = make_cache(lens, ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 1, 128, device="cuda").to(torch.bfloat16)
+    bad = table.clone()
+    bad[0, 1] = 10**6
+    bad[1, 0] = -5
+    lens_t = torch.tensor([40, 10**6], dtype=torch.int32, device="cuda")  # past the pages: clamped
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=bad, num_splits=2)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o).any() and torch.isfinite(lse).all()
+
+
+def test_family_heuristic_on_this_device():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert family.num_splits_heuristic(8, sms, 1024) > 1
+    assert family.num_splits_heuristic(64 * 8, sms, 1024) == 1

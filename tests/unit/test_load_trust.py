@@ -1,0 +1,100 @@
+"""Issue 22, items 11 and 14: registration is all or nothing, and ``flashgen.load`` of an
+edited spec file in the same process gives an op with the new semantics while the old op
+object refuses to run (it does not silently alias the new registration)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashgen  # noqa: E402
+from flashgen import loads_spec  # noqa: E402
+from flashgen.ops import op as opmod  # noqa: E402
+from flashgen.ops.reference import attention_reference  # noqa: E402
+
+SPEC = "name: {name}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\n"
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(1, 2, 16, 64, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def test_load_of_an_edited_spec_reloads_it(tmp_path):
+    path = tmp_path / "reload_probe.yaml"
+    path.write_text(SPEC.format(name="reload_probe", mask="q_idx >= kv_idx"))
+    old = flashgen.load(path)
+    q, k, v = _qkv()
+    o_old, _ = old.attention(q, k, v)
+    path.write_text(SPEC.format(name="reload_probe", mask="kv_idx <= 2"))
+    new = flashgen.load(path)
+    assert new is not old and new.spec.mask != old.spec.mask
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    o_new, _ = new.attention(qr, kr, vr)
+    want, _ = attention_reference(new.spec, q, k, v, compute_dtype=torch.float64)
+    assert (o_new.double() - want).abs().max() < 2e-2
+    assert (o_new.double() - o_old.double()).abs().max() > 0.1
+    o_new.float().sum().backward()  # the new backward is the registered one
+    assert torch.isfinite(kr.grad).all()
+    o_disp, _ = torch.ops.flashgen.reload_probe(q, k, v, 0.125)
+    assert torch.equal(o_disp, o_new.detach())
+    with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+        old.attention(q, k, v)
+    assert flashgen.load(path) is new
+
+
+def test_failed_registration_leaves_nothing_behind(monkeypatch):
+    from flashgen.ops.backward import Backward
+
+    spec = loads_spec(SPEC.format(name="partial_probe", mask="q_idx >= kv_idx"))
+
+    def boom(self, lib):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(Backward, "register", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        opmod.build_op(spec)
+    monkeypatch.undo()
+    assert "partial_probe" not in opmod._REGISTRY
+    op = opmod.build_op(spec)  # a clean second attempt: nothing half-defined is in the way
+    q, k, v = _qkv()
+    assert torch.isfinite(op.attention(q, k, v)[0]).all()
+
+
+def test_the_most_params_the_checker_allows_register():
+    from flashgen.frontend.check import MAX_PARAMS
+
+    params = "".join(f"  p{i}: {{type: f32, default: 1.0}}\n" for i in range(MAX_PARAMS))
+    spec = loads_spec(
+        "name: many_params_probe\nhead_dim: 64\ndtype: bf16\nscore_mod: score * p0\n"
+        "params:\n" + params
+    )
+    op = opmod.build_op(spec)
+    q, k, v = _qkv()
+    assert torch.isfinite(op.attention(q, k, v, p0=0.5)[0]).all()
+    assert op.varlen is not None  # the widest schema (varlen backward) registered too
+
+
+def test_a_reload_replaces_the_ops_under_every_options(tmp_path):
+    """An op bound to non-default options registers its own operator: reloading the edited
+    file (under any options) replaces those too, and ops of unchanged options stay."""
+    path = tmp_path / "reload_opts.yaml"
+    path.write_text(SPEC.format(name="reload_opts", mask="q_idx >= kv_idx"))
+    fa2 = flashgen.Options(family="fa2")
+    old, old_fa2 = flashgen.load(path), flashgen.load(path, options=fa2)
+    assert old_fa2.name != old.name and old_fa2.base_name == old.name
+    assert flashgen.load(path, options=fa2) is old_fa2 and flashgen.load(path) is old
+    path.write_text(SPEC.format(name="reload_opts", mask="kv_idx <= 2"))
+    new_fa2 = flashgen.load(path, options=fa2)
+    q, k, v = _qkv()
+    for stale in (old, old_fa2):
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            stale.attention(q, k, v)
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            stale.with_options(flashgen.Options())
+    assert new_fa2.name == old_fa2.name and new_fa2.spec.mask != old_fa2.spec.mask
+    new = flashgen.load(path)  # the default op of the edited file, registered afresh
+    assert new.spec.mask == new_fa2.spec.mask and new.with_options(fa2) is new_fa2
+    o, _ = new_fa2.attention(q, k, v)
+    assert torch.equal(o, new.attention(q, k, v)[0])
