@@ -1,4 +1,4 @@
-"""The Hopper (sm_90a) backward: which specs and calls take it (lower.hopper_bwd_eligible,
+"""The Hopper (sm_90a) backward: which specs and calls take it (hopper_bwd.eligible,
 backward.backward_path), its plan (TMA maps, shared memory, kernels), the rendered unit
 (StrictUndefined) and, with nvcc, zero spills and wgmma in the PTX.  The index math of the
 kernel's loops (live query blocks, tiles that skip the mask, the dQ reduction lanes, the
@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from flashgen.MISSING import HOPPER_BWD_DQ_A_ENV
 from plan_helpers import plan_hopper_backward
 
 from flashgen.build import cache
@@ -25,8 +24,9 @@ from flashgen.families.registry import compile_units
 from flashgen.families.tiles import HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path
+from flashgen.ops.backward import backward_path
 from flashgen.ops.varlen import varlen_spec
+from flashgen.options import DEFAULT
 
 REPO = Path(__file__).resolve().parents[2]
 #: Shipped specs the Hopper backward takes: d64/d128/d256, masks that read no tensor, any
@@ -85,24 +85,21 @@ def test_ineligible_specs():
         hopper_bwd_eligible(base, "sm_90", "fa9")
 
 
-def test_backward_path_selection(monkeypatch):
-    monkeypatch.delenv(ATOMIC_DQ_ENV, raising=False)
-    monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY", raising=False)
+def test_backward_path_selection():
     yes, no = shipped("causal_d128"), shipped("document_mask")
     assert backward_path(yes, "sm_90", True) == "deterministic"
     assert backward_path(yes, "sm_90", False) == "hopper"
     assert backward_path(yes, "sm_80", False) == "deterministic"
     assert backward_path(no, "sm_90", False) == "deterministic"
-    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
-    assert backward_path(yes, "sm_90", False) == "hopper"
-    assert backward_path(yes, "sm_90", True) == "deterministic"
-    assert backward_path(yes, "sm_80", False) == "atomic"
-    assert backward_path(no, "sm_90", False) == "atomic"
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")  # the FA2-class atomic kernel on sm_90
-    assert backward_path(yes, "sm_90", False) == "atomic"
-    monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY")
-    monkeypatch.setenv(ATOMIC_DQ_ENV, "0")  # opt out of every atomic path
-    assert backward_path(yes, "sm_90", False) == "deterministic"
+    atomic = DEFAULT.replace_path("atomic_dq", True)
+    assert backward_path(yes, "sm_90", False, atomic) == "hopper"
+    assert backward_path(yes, "sm_90", True, atomic) == "deterministic"
+    assert backward_path(yes, "sm_80", False, atomic) == "atomic"
+    assert backward_path(no, "sm_90", False, atomic) == "atomic"
+    fa2 = atomic.replace_path("family", "fa2")  # the FA2-class atomic kernel on sm_90
+    assert backward_path(yes, "sm_90", False, fa2) == "atomic"
+    never = DEFAULT.replace_path("atomic_dq", False)  # opt out of every atomic path
+    assert backward_path(yes, "sm_90", False, never) == "deterministic"
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -191,16 +188,15 @@ def test_render_masks_and_score_mods(name, d256):
     assert "keep_bits |= (uint32_t)keep << i;" in src
 
 
-def test_dq_a_option(monkeypatch):
+def test_dq_a_option():
     spec = small(128, "bf16", True)
-    monkeypatch.delenv(HOPPER_BWD_DQ_A_ENV, raising=False)
     assert not plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    assert plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
+    assert plan_hopper_backward(spec, "sm_90", dq_a="ldmatrix").dkdv.context["dq_ldmatrix"]
     assert not plan_hopper_backward(spec, "sm_90", dq_a="smem").dkdv.context["dq_ldmatrix"]
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "tma")
     with pytest.raises(ValueError, match="expected one of smem, ldmatrix"):
-        plan_hopper_backward(spec, "sm_90")
+        plan_hopper_backward(spec, "sm_90", dq_a="tma")
+    with pytest.raises(ValueError, match="expected one of"):
+        DEFAULT.replace_path("hopper_bwd.dq_a", "tma")
 
 
 def _ptx(plan, tmp_path) -> str:
@@ -469,12 +465,16 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
         return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    ldm = DEFAULT.replace_path("hopper_bwd.dq_a", "ldmatrix")
+    plan, _, report = family_build.build_backward(
+        shipped("causal_d128"), "sm_90", hopper=True, options=ldm
+    )
     assert tried[:2] == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
     assert report.spill_bytes == 0
-    plan, _, _ = family_build.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
+    plan, _, _ = family_build.build_backward(
+        shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True, options=ldm
+    )
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
 
 
@@ -495,8 +495,10 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
         return "x.cubin", types.SimpleNamespace(spill_bytes=0, wgmma_serialized=serialized)
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    ldm = DEFAULT.replace_path("hopper_bwd.dq_a", "ldmatrix")
+    plan, _, report = family_build.build_backward(
+        shipped("causal_d128"), "sm_90", hopper=True, options=ldm
+    )
     assert tried == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and not plan.dkdv.context["dq_ldmatrix"]
     assert not report.wgmma_serialized

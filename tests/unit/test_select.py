@@ -1,4 +1,4 @@
-"""Spill fallback (``flashgen.select``): a spec whose expressions need more registers than
+"""Spill fallback (``flashgen.families.build``): a spec whose expressions need more registers than
 the tile tables leave free still builds, with smaller tiles, and never spills."""
 
 from __future__ import annotations
@@ -141,19 +141,16 @@ params:
 """
 
 
-def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_nvcc, monkeypatch):
+def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_nvcc):
     """A mask whose classifier divides twice (chunked_local's test at two chunk sizes): the
     persistent producer's warp-wide walk spills at the sparse calls' 128 x 128 tiles (20
     bytes, nvcc 13.0; no other feature frees the producer's registers), ``fg::iv::prev_live``
     does not.  The sparse calls' default kernel (persistent ``dynamic``,
-    lower.sparse_persistent) keeps the 128 x 128 Hopper tiles with the serial walk, not the
+    ``Options.sparse_persistent``) keeps the 128 x 128 Hopper tiles with the serial walk, not the
     FA2-class 64 x 64 ones every warp-walk variant fell back to."""
-    from flashgen.MISSING import PERSISTENT_WARP_WALK_ENV, sparse_persistent
-
     from flashgen.families.tiles import sparse_tiles
+    from flashgen.options import DEFAULT
 
-    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
-    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
     spec = loads_spec(TWO_CHUNKS, "two_chunks.yaml")
     alt = sparse_tiles(spec, forward_tile_candidates(spec, "sm_90")[0])
     assert alt == TileConfig(128, 128, 12)
@@ -161,7 +158,8 @@ def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_n
     assert walk.context["warp_walk"]
     _, rep = cache.get_or_build(render(walk), walk)
     assert rep.spill_bytes  # today's nvcc (else this test checks nothing)
-    plan, _, report = build_forward(spec, "sm_90", sparse=True, persistent=sparse_persistent())
+    assert DEFAULT.sparse_persistent == "dynamic" and DEFAULT.hopper_fwd.warp_walk
+    plan, _, report = build_forward(spec, "sm_90", sparse=True, persistent="dynamic")
     assert report.spill_bytes == 0 and not report.wgmma_serialized
     assert plan.tiles == alt and plan.context["scheduler"] == "dynamic"
     assert not plan.context["warp_walk"]
