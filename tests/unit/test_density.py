@@ -193,10 +193,10 @@ def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
 
 def test_first_use_loads_both_kernels(monkeypatch):
     """op.kernel builds and loads the dense and the sparse-mask kernel together (a later call,
-    e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing);
-    the sparse kernel is the persistent dynamic one by default; an op with
-    ``Options.sparse_persistent='off'``: a non-persistent sparse kernel; with a persistent
-    dense kernel (``Options.persistent``) the op builds that one only.  The compiler, loader and device
+    e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing); the
+    sparse kernel is the persistent dynamic one by default; an op with
+    ``Options.sparse_persistent='off'``: a non-persistent sparse kernel; with a persistent dense
+    kernel (``Options.persistent``) the op builds that one only.  The compiler, loader and device
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 

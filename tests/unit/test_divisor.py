@@ -1,12 +1,11 @@
 """``fg::Divisor`` (templates/common/mma_sm80.cuh), the kernels' division by a kernel-invariant
 integer (a DSL ``x / d`` or ``x % d`` with ``d`` a scalar param, hoisted by
-:class:`flashgen.lower.Invariants`): checked against C's ``/`` and ``%`` (and 0 for a zero
-divisor, like ``fg::idiv``) in a host program compiled with nvcc from the very header the
-kernels include, over every divisor in [-1100, 1100], powers of two and their neighbours up
-to 2^31, and dividends at the int32 edges, around multiples of the divisor and at random.
-``div_nn`` / ``mod_nn`` (no sign handling) against the same where ``x >= 0`` and ``d >= 1``.
-Also: the lowering hoists exactly the invariant divisors, and takes ``div_nn`` only where it
-proves both."""
+:class:`flashgen.codegen.cuda_expr.Invariants`): checked against C's ``/`` and ``%`` (and 0 for a
+zero divisor, like ``fg::idiv``) in a host program compiled with nvcc from the very header the
+kernels include, over every divisor in [-1100, 1100], powers of two and their neighbours up to 2^31,
+and dividends at the int32 edges, around multiples of the divisor and at random. ``div_nn`` /
+``mod_nn`` (no sign handling) against the same where ``x >= 0`` and ``d >= 1``. Also: the lowering
+hoists exactly the invariant divisors, and takes ``div_nn`` only where it proves both."""
 
 from __future__ import annotations
 

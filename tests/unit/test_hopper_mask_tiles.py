@@ -1,6 +1,6 @@
-"""The Hopper forward's masked-tile reductions (``flashgen/lower.py``: ``causal_tiles``,
-``col_limit``, ``walk_from_diagonal``) as rendered: which specs get which, the switches that
-turn each off, and every shipped mask spec spill-free with them (nvcc, no GPU)."""
+"""The Hopper forward's masked-tile reductions (``flashgen/families/hopper_fwd.py``:
+``causal_tiles``, ``col_limit``, ``walk_from_diagonal``) as rendered: which specs get which,
+the options that turn each off, and every shipped mask spec spill-free with them (nvcc, no GPU)."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def test_varlen_source_reads_offsets_and_exits_past_the_sequence():
 
 @pytest.mark.parametrize("name", ["causal_d128", "alibi", "bidir_d256", "gemma2_softcap"])
 def test_varlen_kernels_compile_without_spills(name, requires_nvcc):
-    """What the op builds (the spill fallback of flashgen.select included): every varlen
+    """What the op builds (the spill fallback of flashgen.families.build included): every varlen
     kernel, forward and both backward paths, for both targets, without spills."""
     from flashgen.families.build import build_backward, build_forward
 
