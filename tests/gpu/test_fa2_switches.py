@@ -22,12 +22,14 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from plan_helpers import plan_forward  # noqa: E402
 from test_forward import check, shipped, variant  # noqa: E402
 
-from flashgen import select, tuning  # noqa: E402
+from flashgen import tuning  # noqa: E402
 from flashgen.codegen.cuda_expr import split_causal  # noqa: E402
 from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.build import build_forward  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -46,7 +48,8 @@ ENTRIES = {
 
 @pytest.fixture(autouse=True)
 def fa2_family(monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
+    """Ops bound to ``Options(family="fa2")`` (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family="fa2")
 
 
 def tabled(entry: str, tmp_path, monkeypatch, *, dtype=None, causal=None):
@@ -75,9 +78,10 @@ def tabled(entry: str, tmp_path, monkeypatch, *, dtype=None, causal=None):
 def test_entry_compiles_spill_free(entry, tmp_path, monkeypatch):
     spec = tabled(entry, tmp_path, monkeypatch)
     dev = torch.device("cuda")
-    plan, _, report = select.build_forward(
-        spec, target_for_device(spec, dev), gpu=torch.cuda.get_device_name(dev), family="fa2"
-    )
+    plan, _, report = build_forward(
+        spec, target_for_device(spec, dev), gpu=torch.cuda.get_device_name(dev),
+        options=gpu_options.CURRENT,
+    )  # fmt: skip
     tiles, opts = ENTRIES[entry]
     assert plan.tiles == tiles and all(plan.context[k] == v for k, v in opts.items())
     assert report.spill_bytes == 0, f"{entry}: {plan.tiles} spills {report.spill_bytes} B"
