@@ -14,10 +14,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
-from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
-from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.frontend.errors import OpInputError, SpecError
+from flashgen.frontend.spec import load_spec, loads_spec
+from flashgen.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from flashgen.ops.op import AttentionOp

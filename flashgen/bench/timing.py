@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-from flashgen import __version__
+from flashgen.version import __version__
 
 
 def nvidia_smi() -> dict:

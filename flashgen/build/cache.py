@@ -47,7 +47,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from flashgen import __version__
+from flashgen.version import __version__
 from flashgen.build import compile as _compile
 from flashgen.build.compile import CompileReport, compile_source, nvcc_version
 

@@ -27,7 +27,7 @@ import tempfile
 import unicodedata
 from pathlib import Path
 
-from flashgen import __version__
+from flashgen.version import __version__
 from flashgen.build.render import render
 from flashgen.families import registry
 from flashgen.frontend import ir

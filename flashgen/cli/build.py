@@ -13,10 +13,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from flashgen import __version__
 from flashgen.cli.common import _consoles, _fail_json, _load_specs, _options
 from flashgen.frontend import ir
 from flashgen.frontend.errors import terminal_safe
+from flashgen.version import __version__
 
 
 # ----------------------------------------------------------------------------- build

@@ -33,7 +33,6 @@ import json
 import sys
 from pathlib import Path
 
-from flashgen import __version__
 from flashgen.bench import ab
 from flashgen.bench.verify import NO_GPU_EXIT  # noqa: F401
 from flashgen.bench.verify import require_cuda as _require_cuda
@@ -49,6 +48,7 @@ from flashgen.cli.common import _consoles, _fail_json, _load_specs, plain_warnin
 from flashgen.cli.show import _prec, cmd_list, cmd_show, format_expr, format_spec  # noqa: F401
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
+from flashgen.version import __version__
 
 
 # ----------------------------------------------------------------------------- bench / tune

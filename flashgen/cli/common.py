@@ -10,9 +10,9 @@ import os
 import sys
 import warnings
 
-from flashgen import __version__
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, SpecWarning, terminal_safe
+from flashgen.version import __version__
 
 
 def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Spec] | None:

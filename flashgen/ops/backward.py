@@ -53,6 +53,8 @@ import torch
 from flashgen.codegen.abi import needs_block_table
 from flashgen.families import registry
 from flashgen.frontend.ir import Spec
+from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
+from flashgen.ops.validation import _SCHEMA_TYPE, PARAM_DTYPE, target_for_device, validate
 from flashgen.options import DEFAULT, Options
 
 
@@ -87,8 +89,6 @@ def backward_name(spec: Spec) -> str:
 def backward_schema(spec: Spec) -> str:
     """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
     softmax_scale, bool deterministic, Tensor slopes) -> (Tensor, Tensor, Tensor)``."""
-    from flashgen.ops.op import _SCHEMA_TYPE
-
     args = [
         "Tensor dout",
         "Tensor q",
@@ -142,8 +142,6 @@ class Backward:
         float32 forward recomputed under autograd); dq, dk, dv in the input dtype (the same
         for either ``deterministic``)."""
         from flashgen.ops.cpu_attention import attention_blocked_backward
-        from flashgen.ops.op import PARAM_DTYPE, validate
-
         scalars, tensors = self.op._split(rest)
         validate(self.spec, q, k, v, tensors)
         if q.numel() == 0 or k.numel() == 0:
@@ -162,14 +160,10 @@ class Backward:
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
         fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
-        from flashgen.ops.op import _kernel_aligned, current_stream_ptr, kernel_values, validate
-
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
         if q.numel() == 0 or k.numel() == 0:
             return _grads_like(q, k, v, fill_zero=True)
-        from flashgen.ops.op import target_for_device
-
         target = target_for_device(self.spec, q.device)
         path = backward_path(self.spec, target, deterministic, self.op.options)
         plan, pre, dkdv, last = self.kernels(q.device, path=path)
@@ -213,7 +207,6 @@ class Backward:
             hit = self._kernels.get(key)
             if hit is None:
                 from flashgen.families.build import build_backward
-                from flashgen.ops.op import target_for_device
                 from flashgen.runtime import launch as runtime
 
                 target = target_for_device(self.spec, device)

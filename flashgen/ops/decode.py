@@ -51,17 +51,15 @@ from flashgen.families import decode as family
 from flashgen.families import registry
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.op import (
+from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current_stream_ptr
+from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
     TORCH_DTYPE,
-    _kernel_aligned,
-    _plain_eager,
     _poison_enabled,
-    _sm_count,
+    check_enabled,
     check_scalar,
     check_softmax_scale,
-    current_stream_ptr,
     default_softmax_scale,
     out_dtype,
     resolve_params,
@@ -372,8 +370,6 @@ def decode_reference(
             )  # fmt: skip
         else:
             if softmax_scale is None:
-                from flashgen.ops.op import default_softmax_scale
-
                 softmax_scale = default_softmax_scale(spec)
             ob, lb = attention_blocked(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
@@ -485,12 +481,10 @@ class DecodeOp:
         """Register both torch ops (once per process)."""
         if self._registered:
             return
-        from flashgen.ops.op import _LIBS
-
         with _REG_LOCK:
             if self._registered:
                 return
-            lib = _LIBS[self.spec.name]  # the op's own library: a reload removes both
+            lib = self.op._lib  # the op's own library: a reload removes both
             for append in (False, True):
                 name = self.append_name if append else self.name
                 lib.define(self.schema(append))
@@ -561,8 +555,6 @@ class DecodeOp:
         )
         dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
         self._check_params(scale, scalars, tensors, dims, q.device)
-        from flashgen.ops.varlen import check_enabled
-
         if check_enabled():
             check_values(dims, lens, table)
         plan = self.plan_for(dims, q.device, splits or None)
@@ -619,8 +611,6 @@ class DecodeOp:
             self._check_plan(plan, dims, q.device, splits)
         append = k_new is not None
         if q.is_cuda and _plain_eager(q, k_cache, v_cache):
-            from flashgen.ops.varlen import check_enabled
-
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table)
             if plan is None:

@@ -48,22 +48,21 @@ import torch
 from flashgen import env
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError, SpecError
+from flashgen.ops.attention import AttentionOp
 from flashgen.ops.backward import Backward, backward_name, refuse_tensor_param_grads, uses_atomic_dq
-from flashgen.ops.op import (
+from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
+from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
-    AttentionOp,
     Dims,
-    _kernel_aligned,
     _poison_enabled,
     _symbolic,
+    check_enabled,
     check_heads_and_strides,
     check_input_dtype,
     check_scalar,
     check_softmax_scale,
-    current_stream_ptr,
     default_softmax_scale,
-    kernel_values,
     out_dtype,
     resolve_params,
     validate_tensor_params,
@@ -94,11 +93,6 @@ def varlen_spec(spec: ir.Spec) -> ir.Spec:
                     spec.source,
                 )
     return replace(spec, name=f"{spec.name}__varlen", varlen=True)
-
-
-def check_enabled() -> bool:
-    """Whether ``FLASHGEN_VARLEN_CHECK=1`` is set (read at each call)."""
-    return bool(env.flag(env.VARLEN_CHECK))
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ def test_first_use_loads_both_kernels(monkeypatch):
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 
-    import flashgen.ops.op as op_mod
+    import flashgen.ops.attention as op_mod
     import flashgen.runtime.launch as runtime
     from flashgen.families import build as family_build
     from flashgen.ops.op import build_op

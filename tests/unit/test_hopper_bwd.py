@@ -515,7 +515,7 @@ def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
     from plan_helpers import plan_backward
 
     from flashgen.families import build as family_build
-    from flashgen.ops import op as op_mod
+    from flashgen.ops import backward as op_mod
     from flashgen.ops.op import build_op
     from flashgen.runtime import launch as runtime
 
