@@ -44,15 +44,15 @@ def load(path: str | Path, options: Options | None = None) -> AttentionOp:
     """Load, check and register the spec at ``path``; return its :class:`AttentionOp` bound
     to ``options`` (:class:`flashgen.Options`, default ``Options()``: which kernels it runs).
 
-    Cached by (resolved path, sha256 of the file's bytes, options): loading the same file
-    with the same options again is free.  An edited file is reloaded: its op replaces the
-    registration of ``torch.ops.flashgen.<name>`` (forward, backward and varlen form; and
-    the operators of the spec under other options), and the op objects earlier loads returned
-    raise ``RuntimeError`` when called (use the new one).  Only a regular file of at most
-    ``MAX_SPEC_BYTES`` is read.  Raises :class:`flashgen.env.RemovedVariableError` if a
-    removed ``FLASHGEN_*`` switch is set (naming its option), :class:`SpecError` (with
-    file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a
-    spec with the same name from another file is already registered in this process,
+    Cached by (resolved path, sha256 of the file's bytes, options): loading the same file with
+    the same options again is free.  An edited file is reloaded: its op replaces the registration
+    of ``torch.ops.flashgen.<name>`` (forward, backward and varlen form; and the operators of the
+    spec under other options), and the op objects earlier loads returned raise ``RuntimeError``
+    when called (use the new one).  Only a regular file of at most ``MAX_SPEC_BYTES`` is
+    read.  Raises :class:`flashgen.env.RemovedVariableError` if a removed environment switch
+    (:data:`flashgen.env.REMOVED`) is set, naming its option, :class:`SpecError` (with
+    file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a spec
+    with the same name from another file is already registered in this process,
     ``ModuleNotFoundError`` saying so without torch.
     """
     from flashgen import env

@@ -1,6 +1,6 @@
 """Kernel options: the data that picks which kernels an op runs, in place of the
-``FLASHGEN_*`` environment switches of earlier versions (:data:`flashgen.env.REMOVED` maps
-each to its option).
+environment switches of earlier versions (:data:`flashgen.env.REMOVED` maps each to its
+option; a removed switch that is still set raises).
 
 :class:`Options` bundles the routing choices (kernel family, atomic dQ, the persistent
 schedulers, sparse-call tiles, row / column terms, persistent CTAs) and one frozen options
@@ -42,23 +42,20 @@ class Options:
     """Which kernels an op runs and how they are generated (frozen; compare and hash by value).
 
     - ``family``: ``"auto"`` / ``"fa3"`` (the Hopper kernels on sm_90 where they apply) or
-      ``"fa2"`` (always the FA2-class kernels); was ``FLASHGEN_KERNEL_FAMILY``.
+      ``"fa2"`` (always the FA2-class kernels).
     - ``atomic_dq``: the backward of ``deterministic=False`` calls.  ``None`` (default): the
       Hopper backward where it applies, else the deterministic kernels; ``True``: also the
       FA2-class atomic-dQ kernels elsewhere; ``False``: never atomic (the deterministic
-      kernels for every call).  Was ``FLASHGEN_ATOMIC_DQ``.  ``deterministic=True`` on a call
-      always runs the deterministic kernels.
+      kernels for every call).  ``deterministic=True`` on a call always runs the
+      deterministic kernels.
     - ``persistent``: the Hopper forward's persistent scheduler (:data:`PERSISTENT_CHOICES`;
-      ``auto``: ``dynamic`` for masks that read tensors, else ``off``); was
-      ``FLASHGEN_PERSISTENT``.
+      ``auto``: ``dynamic`` for masks that read tensors, else ``off``).
     - ``sparse_persistent``: the scheduler of the kernel for calls that keep few keys per row
-      (``off`` or a scheduler; default ``dynamic``); was ``FLASHGEN_SPARSE_PERSISTENT``.
-    - ``sparse_tiles``: such calls may run the narrower sparse tiles; was
-      ``FLASHGEN_SPARSE_TILES``.
+      (``off`` or a scheduler; default ``dynamic``).
+    - ``sparse_tiles``: such calls may run the narrower sparse tiles.
     - ``side_terms``: kernels may read a mask's one-sided tensor reads once per row / column
-      (False: per element); was ``FLASHGEN_SIDE_TERMS``.
-    - ``persistent_ctas``: CTAs of a persistent launch (None: the SM count; a debugging knob);
-      was ``FLASHGEN_PERSISTENT_CTAS``.
+      (False: per element).
+    - ``persistent_ctas``: CTAs of a persistent launch (None: the SM count; a debugging knob).
     - ``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``, ``blocktable``, ``decode``:
       each family's ``Options`` (see its module; ``decode``: the tiles and split count of
       ``op.with_kvcache``).

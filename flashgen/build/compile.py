@@ -9,7 +9,7 @@ There is no ``--use_fast_math``: arithmetic stays IEEE except where the kernel a
 an intrinsic itself (``exp2f`` etc.).  :data:`NVCC_FLAGS`, the gencode and the
 toolkit version all go into the cache key (:mod:`flashgen.build.cache`).
 
-The nvcc binary is ``$FLASHGEN_NVCC`` if set, else ``nvcc`` on ``PATH``, else
+The nvcc binary is the one :data:`flashgen.env.NVCC` names if set, else ``nvcc`` on ``PATH``, else
 ``$CUDA_HOME/bin/nvcc`` (``/usr/local/cuda`` by default).
 """
 
@@ -169,7 +169,7 @@ def find_nvcc() -> str:
     if env:
         if shutil.which(env):
             return shutil.which(env)  # type: ignore[return-value]
-        raise NvccNotFoundError(f"FLASHGEN_NVCC={env!r} is not an executable")
+        raise NvccNotFoundError(f"{_env.NVCC}={env!r} is not an executable")
     found = shutil.which("nvcc")
     if found:
         return found
@@ -179,7 +179,7 @@ def find_nvcc() -> str:
         return str(cand)
     raise NvccNotFoundError(
         "nvcc (the CUDA toolkit compiler) was not found: put it on PATH, or set "
-        "FLASHGEN_NVCC or CUDA_HOME"
+        f"{_env.NVCC} or CUDA_HOME"
     )
 
 

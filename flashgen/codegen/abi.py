@@ -124,7 +124,7 @@ def block_table_dims(spec: Spec) -> tuple[bool, bool]:
 
 def _per_spec(spec: Spec, what: str, compute):
     """``compute()``, remembered on ``spec`` itself: facts the op reads on every call (IR
-    walks cost ~40 us per call on document_mask's block-table path).  Kept in the frozen
+    walks on every call add measurable host time on a block-table path).  Kept in the frozen
     dataclass's ``__dict__`` (not a field: equality, hashing and ``replace`` ignore it), so
     they live and die with the spec."""
     facts = spec.__dict__.setdefault("_lower_facts", {})

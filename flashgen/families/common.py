@@ -152,7 +152,7 @@ def tile_group_expr(spec: Spec, *, m_major: bool = False, backward: bool = False
     arguments (``tile_group`` in both forward templates, ``bwd_tile_group`` in the Hopper
     backward): ``batch * heads_q`` for ``m_major``; for a causal or masked spec (uneven
     CTAs, heaviest first) :func:`head_group`'s L2 groups, which keep every head's longest
-    rows from being left for last (head-major order's idle tail: ~5% at B=2, S=8k);
+    rows from being left for last (head-major order leaves an idle tail of SMs);
     otherwise ``1`` (head-major: CTAs of one head are
     alike, and they share its K/V in L2 best).  ``backward``: the Hopper backward's units
     are (batch, KV head) pairs, each reading the Q and dO rows of its query heads."""

@@ -18,8 +18,8 @@ from flashgen.frontend.ir import Spec
 TEMPLATE = "sm_80/fwd.cu.j2"
 
 #: Code-generation switches of the FA2-class forward template (``templates/sm_80/fwd.cu.j2``);
-#: each changes only how the same algorithm is emitted, and ``tools/perf_sweep.py`` times
-#: every combination against the others.  ``fwd_unrolled_loads``: tile loads with a
+#: each changes only how the same algorithm is emitted, and ``flashgen ab`` times them
+#: against each other (``--option fa2_fwd.<name>=...``).  ``fwd_unrolled_loads``: tile loads with a
 #: compile-time trip count and one pointer per thread (the generic loop compiled to a
 #: runtime loop with a remainder inside the main loop).  ``fwd_hoisted_swizzle``:
 #: ldmatrix addresses as a per-lane offset XORed with constants (as CuTe's swizzled
@@ -37,9 +37,10 @@ TEMPLATE = "sm_80/fwd.cu.j2"
 #: a thread's rows are not 8 apart, e.g. d256 with 4 warps).  Each tile takes it where its
 #: width is a multiple of 64 elements, the warp count is even and its rows a multiple of
 #: 4 * warps (else the default layout: e.g. the 48-row K/V tiles of 128x48x8); at d128 on 4
-#: warps it costs registers (spills at 128x64x4), so it is off by default and the H200 table
-#: turns it on at d256 (64x64x4: 1.01-1.05x FA2 non-causal, 1.04-1.11x causal; without it
-#: those tiles sit at 255 registers, and with ``fwd_even_loads`` instead spill non-causal).
+#: warps it costs registers (spills at 128x64x4), so it is off by default and a tuning-table
+#: entry turns it on at d256 on 64x64x4, where it was worth it (without it those tiles sit at
+#: the register limit, and with ``fwd_even_loads`` instead spill non-causal; see
+#: docs/perf-notes.md).
 FORWARD_OPTIONS: dict[str, bool] = {
     "fwd_unrolled_loads": True,
     "fwd_hoisted_swizzle": True,
@@ -50,14 +51,17 @@ FORWARD_OPTIONS: dict[str, bool] = {
 }
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes ``fwd_lazy_rescale``
 #: even where :data:`FORWARD_OPTIONS` has it off (an explicit ``options=`` entry still
-#: wins): lets a ``tools/perf_sweep.py`` ``+lazy`` winner at one head dim be adopted without
-#: the others.  d256: +1-4% over the same tiles without it (H200, 2026-11-30); d64 mixed.
+#: wins): lets a head dim where lazy rescaling won (a ``flashgen ab`` run over
+#: ``fa2_fwd.fwd_lazy_rescale``) adopt it without the others.  At d256 the rescale of the
+#: wide accumulator is costly enough that skipping it pays; at d64 it did not clearly (see
+#: docs/perf-notes.md).
 LAZY_RESCALE_HEAD_DIMS: frozenset[int] = frozenset({256})
 #: Head dims (max(head_dim, head_dim_v)) whose FA2-class forward takes its CTAs in head groups
 #: (:func:`tile_group_expr`) by default.  The grouped order's CTA coordinates cannot be
 #: recomputed from ``blockIdx.x`` in one instruction, so they hold a register or two over the
-#: key loop: the 255-register d96 kernels spill 12-28 bytes with them; d64 / d128 / d256 do
-#: not, and measured 1.03-1.10x faster causal with them (H200, docs/perf-notes.md, session 8).
+#: key loop: the d96 kernels, already at the register limit, spill with them; d64 / d128 /
+#: d256 do not, and gain from the better L2 reuse of K/V on causal problems
+#: (docs/perf-notes.md).
 HEAD_GROUP_FA2_HEAD_DIMS: frozenset[int] = frozenset({64, 128, 256})
 
 
@@ -67,9 +71,9 @@ class Options:
     :data:`FORWARD_OPTIONS`) are ``None`` for their default (:data:`FORWARD_OPTIONS`, the
     head-dim rule :data:`LAZY_RESCALE_HEAD_DIMS`, then a tuning-table entry's ``options``
     with its tiles), or a bool that wins over those.  ``head_groups``: the CTAs take their
-    tiles in L2 head groups (at :data:`HEAD_GROUP_FA2_HEAD_DIMS`; False: head-major, was
-    ``FLASHGEN_HEAD_GROUPS=0``).  ``affine``: FULL tiles split an affine score_mod
-    (:func:`flashgen.families.common.affine_context`; False was ``FLASHGEN_AFFINE=0``)."""
+    tiles in L2 head groups (at :data:`HEAD_GROUP_FA2_HEAD_DIMS`; False: head-major).
+    ``affine``: FULL tiles split an affine score_mod
+    (:func:`flashgen.families.common.affine_context`)."""
 
     fwd_unrolled_loads: bool | None = None
     fwd_hoisted_swizzle: bool | None = None

@@ -26,7 +26,7 @@ TEMPLATE = HOPPER_BWD_TEMPLATE
 #: How the dQ = dS K GEMM gets its A operand (dS, stored transposed in shared memory):
 #: ``"smem"`` reads it there through an M-major (transposed) wgmma descriptor; ``"ldmatrix"``
 #: loads it into registers with ldmatrix.trans and runs the register-A form (as P in the
-#: forward's P V).  Default "smem" (:attr:`Options.dq_a`; was ``FLASHGEN_HOPPER_BWD_DQ_A``).
+#: forward's P V).  Default "smem" (:attr:`Options.dq_a`).
 HOPPER_BWD_DQ_A = ("smem", "ldmatrix")
 
 

@@ -49,8 +49,8 @@ HOPPER_PERSISTENT_REGS = (72, 216)
 
 @dataclass(frozen=True)
 class Options:
-    """Knobs of the Hopper forward (each True by default; False was the environment switch
-    ``FLASHGEN_<NAME>=0`` before options existed).  ``affine``: FULL tiles split an affine
+    """Knobs of the Hopper forward (each True by default; False turns the feature off, for
+    measurements and the spill fallback).  ``affine``: FULL tiles split an affine
     score_mod.  ``causal_tiles``: CAUSAL_ONLY / NO_CAUSAL masked tiles.  ``col_limit``: a
     masked tile's bounds and causal tests as one per-row column limit.  ``col_bound``: a
     residual column bound joins that limit.  ``single_walk``: warp 0 alone finds the first
@@ -176,8 +176,8 @@ def plan(
     ``stages``: K/V ring depth (default :data:`HOPPER_STAGES`).  ``m_major``: CTA order
     query-block-major over all (batch, head) pairs, so every head's heaviest causal block
     runs first; the default (False) is head-major (each head's query blocks together,
-    heaviest first for causal: best L2 reuse of K/V, and measured faster on the H200 for
-    causal and non-causal alike).
+    heaviest first for causal: best L2 reuse of K/V, the faster order for causal and
+    non-causal alike, docs/perf-notes.md).
 
     ``persistent`` (default off): a grid of at most one CTA per SM (:meth:`KernelPlan.grid`
     with ``num_sms``), each CTA looping over the work tiles of

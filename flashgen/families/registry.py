@@ -43,7 +43,8 @@ class Route:
 
 def persistent_scheduler(spec: Spec, options: Options = DEFAULT) -> str | bool:
     """``options.persistent`` for ``spec``: False for ``off``, ``auto`` -> ``dynamic`` where the
-    mask reads tensors (a block table: 0.83-0.96x the time there), else off."""
+    mask reads tensors (uneven block-table tiles: the dynamic scheduler balances them, which
+    paid there; docs/perf-notes.md), else off."""
     p = options.persistent
     if p == "auto":
         p = "dynamic" if needs_block_table(spec) else "off"

@@ -17,19 +17,19 @@ from flashgen.frontend.ir import Spec
 # ----------------------------------------------------------------------------- FA2-class forward
 #: Default tile table for the FA2-class kernel: (head_dim, has score_mod) -> tiles (see
 #: :func:`default_tiles`, which also consults :data:`MASK_TILES` and :data:`VARLEN_TILES`).
-#: Picked from sweeps on the H200 (bf16, seqlen 16k; see docs/perf-notes.md); every entry
+#: Picked from tile sweeps on a Hopper GPU (see docs/perf-notes.md); every entry
 #: compiles with zero spills for the specs it serves.  A score_mod needs registers for its
 #: math, so it halves BLOCK_N at head_dims 128 (alibi spills at 128x64) and 256.  To adopt
-#: a ``tools/perf_sweep.py`` winner, edit its entry here (and, for template switches,
-#: :data:`FORWARD_OPTIONS`).  ``flashgen tune`` measures per GPU, dtype and causal and
+#: a winner of ``flashgen tune`` or ``flashgen ab``, edit its entry here (and, for template
+#: switches, :data:`FORWARD_OPTIONS`).  ``flashgen tune`` measures per GPU, dtype and causal and
 #: writes :mod:`flashgen.tuning`'s table, which :func:`choose_tiles` prefers when it has a key.
 #: head_dim 32, 96, 160 and 192 (keyed, like every entry, by max(head_dim, head_dim_v)) are
-#: not measured on a GPU yet: chosen by ptxas register counts (tools/tile_spills.py), two
+#: not measured on a GPU yet: chosen by ptxas register counts (``flashgen build``), two
 #: 16-row mma tiles per warp where they fit without spills (32, 96), else the D=256 shape.
 #: A score_mod at 96 takes BLOCK_N 32 (ALiBi reaches 255 registers at 128x64).
-#: d64 and d256 take FlashAttention-2's own tiles (128x128x4; 128x64x8 with lazy rescaling),
-#: measured on the H200 (tools/perf_sweep.py --candidates, 2026-11-30): d64 1.04-1.08x FA2
-#: (the old 128x64x4: 0.93-0.97x), d256 0.86-1.03x (64x64x4: 0.81-0.93x).
+#: d64 and d256 take FlashAttention-2's own tiles (128x128x4; 128x64x8 with lazy rescaling):
+#: in the candidate sweep they beat the tiles they replaced at both head dims (the wider key
+#: step halves the per-step overhead at d64; see docs/perf-notes.md).
 DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
     (32, False): TileConfig(128, 64, 4),
     (64, False): TileConfig(128, 128, 4),
@@ -47,7 +47,7 @@ DEFAULT_TILES: dict[tuple[int, bool], TileConfig] = {
 #: (head_dim, False) entry has no registers left for the mask's per-element math
 #: (mistral_swa spills 80-232 bytes at d128's 128x64x4).  The d64 and d256 rows are the
 #: plain entries' tiles today; they keep masks there if FA2's tiles (d64 128x128x4, d256
-#: 128x64x8, timed by ``tools/perf_sweep.py``) become the plain entries: at 128x128x4
+#: 128x64x8) become the plain entries: at 128x128x4
 #: mistral_swa / prefix_lm / chunked_local at d64 spill 56-488 bytes, and chunked_local at
 #: d256 spills 40 bytes on sm_90a at 128x64x8.
 MASK_TILES: dict[int, TileConfig] = {
@@ -133,12 +133,12 @@ def table_options(spec: Spec, target: str, gpu: str | None, tiles: TileConfig) -
 
 
 # ----------------------------------------------------------------------------- Hopper forward
-#: Picked by ``tools/hopper_sweep.py`` on the H200 (bf16, seqlen 16k; docs/perf-notes.md):
-#: wider steps amortize each step's barrier waits and row reductions.
+#: Picked from a Hopper tile sweep (docs/perf-notes.md): wider steps amortize each step's
+#: barrier waits and row reductions.
 #: A score_mod's math needs registers too: at head_dim 64 it gets 96-wide steps (192 spilled
 #: for a bias-table score_mod while its reads were clamped 64-bit offsets; with the reads of
 #: :func:`_tensor_read` t5_bias compiles without spills at 96, 128, 160 and 192: to be timed
-#: with ``tools/t5_tiles.py``).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
+#: with ``flashgen ab``).  Keyed like DEFAULT_TILES: (head_dim, has score_mod);
 #: a key without a ``True`` entry uses the plain one.
 HOPPER_TILES: dict[tuple[int, bool], TileConfig] = {
     (64, False): TileConfig(128, 192, 12),
@@ -151,18 +151,17 @@ HOPPER_HEAD_DIMS = tuple(sorted({d for d, _ in HOPPER_TILES}))
 #: Hopper tiles of a spec whose mask reads tensors (a block table: document masking), by
 #: head_dim, where they differ from :data:`HOPPER_TILES`.  Short documents make many short
 #: rows of PARTIAL tiles, and a narrower step wastes fewer masked columns: document_mask at
-#: the gallery's shape (B=2, S=8192, documents of mean length 1024) ran 0.274 ms at 128 x
-#: 128 against 0.285 ms at 128 x 160 (H200, ``tools/mask_tiles.py``, alternating rounds);
-#: prefix_lm, chunked_local and mistral_swa were as fast or faster at 160.
+#: the gallery's shape (documents much shorter than the sequence) ran faster at 128 x 128
+#: than at 128 x 160, while prefix_lm, chunked_local and mistral_swa were as fast or faster
+#: at 160 (docs/perf-notes.md).
 HOPPER_TABLE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 
 
 #: The Hopper forward's tiles for a call whose mask keeps few keys per query row, per head_dim:
 #: narrower key blocks waste less of the tiles at a window's or a chunk's edges and leave fewer
-#: of them.  Session 11 (H200, bf16, S = 1k-16k, same process): 128 x 128 took 0.91-0.99x the
-#: time of 128 x 160 at 4-14 live key blocks of 160 per query block (windows 512-2048, chunks
-#: 2048-4096, causal at 1k-4k), 0.85x for window 256 and chunk 1024 at 16k, 1.015x at 24
-#: (window 4096), 1.07x for causal at 16k.
+#: of them.  With few live key blocks per query block (short windows and chunks, causal at
+#: short lengths) 128 x 128 is the faster step; with many (long windows, causal at long
+#: lengths) 128 x 160 is, hence the per-call rule below (docs/perf-notes.md).
 HOPPER_SPARSE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: A call whose mask keeps fewer keys per query row than this on average (16 key blocks of
 #: 160; :mod:`flashgen.ops.density`) runs :data:`HOPPER_SPARSE_TILES` (:func:`sparse_tiles`).

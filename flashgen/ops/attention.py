@@ -182,8 +182,8 @@ class AttentionOp:
         kernels (bitwise reproducible dq, dk, dv).  False allows the faster atomic-dQ
         kernels (dq not bitwise reproducible): on sm_90 the Hopper wgmma backward for the
         specs it takes (:func:`flashgen.ops.backward.backward_path`), elsewhere the FA2-class
-        atomic kernels only where the environment variable ``FLASHGEN_ATOMIC_DQ=1`` is set
-        (else the deterministic ones); ``FLASHGEN_ATOMIC_DQ=0`` keeps every atomic path off.
+        atomic kernels only for an op bound to ``Options(atomic_dq=True)`` (else the
+        deterministic ones); ``Options(atomic_dq=False)`` keeps every atomic path off.
         Must be a bool (else :class:`OpInputError`).
 
         ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
@@ -667,8 +667,9 @@ def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor | int:
 def _eager_cuda(q, k, v) -> bool:
     """Whether :meth:`AttentionOp.attention` may run the CUDA forward itself instead of
     going through the dispatcher (``torch.ops.flashgen.<name>``): CUDA tensors and
-    :func:`_plain_eager`.  The op path costs ~40-60 us more host time per call (dispatch,
-    the custom-op autograd wrapper, a second validation); the results are the same."""
+    :func:`_plain_eager`.  The op path costs more host time per call (dispatch, the
+    custom-op autograd wrapper, a second validation: see docs/perf-notes.md); the results
+    are the same."""
     return q.is_cuda and _plain_eager(q, k, v)
 
 class _EagerAttention(torch.autograd.Function):

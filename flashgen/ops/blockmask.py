@@ -20,7 +20,7 @@ and pass it to ``op.attention(..., block_mask=bm)`` for as long as the tensor pa
 contents do not change (the op cannot check contents without a device sync); without
 ``block_mask`` the op builds a fresh table on every call.  A table holds only for the
 tiles it was built for (the kernel that ``op.block_mask`` found: the Hopper kernel's
-on sm_90, the FA2-class kernel's under ``FLASHGEN_KERNEL_FAMILY=fa2``); the op refuses
+on sm_90, the FA2-class kernel's for an op bound to ``Options(family="fa2")``); an op refuses
 it with a kernel of other tiles (:func:`table_for_tiles`).
 """
 
@@ -141,16 +141,16 @@ def table_for_tiles(arg: torch.Tensor, shape: tuple[int, ...], tiles: TileConfig
 
     Raises :class:`~flashgen.frontend.errors.OpInputError` when ``arg`` is not such a view, or was
     built for other tiles or sizes: a table's classes hold only for the tiles it was built
-    for, so one built for another kernel (``FLASHGEN_KERNEL_FAMILY`` changed, or another
-    GPU) must be built again, never reinterpreted.
+    for, so one built for another kernel (an op of other options, ``Options.family``, or
+    another GPU) must be built again, never reinterpreted.
     """
     built = tuple(arg.shape[4:]) if arg.dim() == 6 else None
     want = (tiles.block_m, tiles.block_n)
     if built is not None and built != want:
         raise OpInputError(
             f"block_mask: built for {built[0]}x{built[1]} tiles, but this call runs a kernel "
-            f"with {want[0]}x{want[1]} tiles (FLASHGEN_KERNEL_FAMILY or the GPU changed since "
-            f"op.block_mask?); build it again with op.block_mask(...)"
+            f"with {want[0]}x{want[1]} tiles (built by an op of other options, Options.family, "
+            f"or on another GPU?); build it again with this op's op.block_mask(...)"
         )
     table = arg[..., 0, 0] if built is not None else None
     if (

@@ -25,12 +25,12 @@ The queries are the last Sq_new of the live keys: the mask and score_mod see q_i
 [0, Sq_new), kv_idx in [0, L), seqlen_q = Sq_new, seqlen_k = L (the padded op on the
 gathered cache, bottom-right causal).  A request with no live key gives o = 0, lse = -inf.
 
-Values (cache_seqlens >= 0, the live keys within the request's pages, page indices in
-[0, num_pages)) are checked on CPU inputs always and on CUDA inputs under
-``FLASHGEN_VARLEN_CHECK=1`` (one host sync); unchecked, the kernels clamp the live length
-to the request's pages, treat a page index outside [0, num_pages) as empty (its keys are
-masked) and drop appends past the request's pages: they never read or write outside the
-cache tensors.
+Values (cache_seqlens >= 0, the live keys within the request's pages, page indices in [0,
+num_pages)) are checked on CPU inputs always and on CUDA inputs when
+:data:`flashgen.env.VARLEN_CHECK` is set to 1 (one host sync); unchecked, the kernels clamp the
+live length to the request's pages, treat a page index outside [0, num_pages) as empty (its keys
+are masked) and drop appends past the request's pages: they never read or write outside the cache
+tensors.
 
 Registered ops: ``flashgen::<name>__with_kvcache`` (no k_new) and
 ``flashgen::<name>__with_kvcache_append`` (declares that it mutates k_cache and v_cache),

@@ -368,7 +368,7 @@ def poison_outputs(enabled: bool = True):
     """Within the block, the CUDA kernel fills ``o`` and ``lse`` with NaN before launch.
 
     Lets tests prove the kernel writes every output element.  The environment variable
-    ``FLASHGEN_POISON_OUTPUTS=1`` does the same for a whole process.
+    :data:`flashgen.env.POISON_OUTPUTS` set to 1 does the same for a whole process.
     """
     global _POISON
     old, _POISON = _POISON, enabled
@@ -401,6 +401,6 @@ def target_for_device(spec: ir.Spec, device: torch.device) -> str:
 
 
 def check_enabled() -> bool:
-    """Whether ``FLASHGEN_VARLEN_CHECK=1`` is set (read at each call): varlen and decode
+    """Whether :data:`flashgen.env.VARLEN_CHECK` is set to 1 (read at each call): varlen and decode
     calls then check their offsets and lengths on the host."""
     return bool(env.flag(env.VARLEN_CHECK))

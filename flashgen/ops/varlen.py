@@ -27,7 +27,7 @@ sequences; seqlen_q/seqlen_k shape symbols are rejected by the spec checker) -- 
 without reading device memory.  The *values* of cu_seqlens (start at 0, nondecreasing,
 end at total, each length <= max_seqlen) cannot be checked on a CUDA device without a
 host sync, so they are checked on CPU inputs always and on CUDA inputs only when the
-environment variable ``FLASHGEN_VARLEN_CHECK=1`` is set.  Unchecked bad values give what
+debugging variable :data:`flashgen.env.VARLEN_CHECK` is set to 1.  Unchecked bad values give what
 FlashAttention gives: out-of-bounds reads or writes for offsets past the tensors, rows a
 too-small max_seqlen does not cover left unwritten (``torch.empty`` contents), rows past
 ``cu_seqlens_q[-1]`` unwritten.

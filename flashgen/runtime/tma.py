@@ -126,7 +126,7 @@ def encode(
     return bytes(out)
 
 
-#: Whether new descriptor caches cache (:func:`set_cache_enabled`; was FLASHGEN_NO_TMA_CACHE).
+#: Whether new descriptor caches cache (:func:`set_cache_enabled`).
 _CACHE_ENABLED = True
 
 

@@ -18,7 +18,7 @@ variant with a switch flipped won, e.g. in a ``flashgen ab --option fa2_fwd.<swi
 
 :func:`flashgen.families.registry.choose_tiles` reads it through :func:`lookup`
 when it is given the GPU name; the spec's ``tiles:`` override wins over the table and the
-table over ``flashgen.families.tiles.DEFAULT_TILES``.  ``$FLASHGEN_TUNING_TABLE`` points at
+table over ``flashgen.families.tiles.DEFAULT_TILES``.  :data:`flashgen.env.TUNING_TABLE` points at
 another file (tests, experiments).  Pure Python: no torch, no cupy.
 """
 
@@ -30,8 +30,10 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-#: Environment variable naming an alternative table file.
-ENV = "FLASHGEN_TUNING_TABLE"
+from flashgen import env as _env
+
+#: Environment variable naming an alternative table file (:data:`flashgen.env.TUNING_TABLE`).
+ENV = _env.TUNING_TABLE
 
 _write_lock = threading.Lock()
 
@@ -42,9 +44,8 @@ def default_path() -> Path:
 
 
 def table_path() -> Path:
-    """``$FLASHGEN_TUNING_TABLE`` if set, else :func:`default_path` (read on every call)."""
-    from flashgen import env as _env
-
+    """The file :data:`flashgen.env.TUNING_TABLE` names if set, else :func:`default_path`
+    (read on every call)."""
     env = _env.get(ENV)
     return Path(env).expanduser() if env else default_path()
 
