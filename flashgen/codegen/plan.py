@@ -122,8 +122,9 @@ class KernelPlan:
             self, batch, heads_q, seqlen_q, num_sms, heads_kv=heads_kv, seqlen_k=seqlen_k
         )
 
-    def config(self) -> dict:
-        """JSON-able summary for manifests and ``flashgen show``."""
+    def base_config(self) -> dict:
+        """The part of :meth:`config` every plan has: target, template, kernel, tiles,
+        threads and dynamic shared memory."""
         return {
             "target": self.target,
             "template": self.template,
@@ -133,6 +134,12 @@ class KernelPlan:
             "num_warps": self.tiles.num_warps,
             "threads": self.threads,
             "smem_bytes": self.smem_bytes,
+        }
+
+    def config(self) -> dict:
+        """JSON-able summary for manifests and ``flashgen show``."""
+        return {
+            **self.base_config(),
             "causal": self.context["causal"],
             "has_mask": self.context["mask_expr"] is not None,
             "has_score_mod": self.context["score_mod_expr"] is not None,

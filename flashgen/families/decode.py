@@ -168,15 +168,8 @@ class DecodePlan(KernelPlan):
     def config(self) -> dict:
         """JSON-able summary for manifests and ``flashgen show``."""
         return {
-            "target": self.target,
-            "template": self.template,
-            "kernel": self.kernel_name,
-            "block_m": self.tiles.block_m,
-            "block_n": self.tiles.block_n,
-            "num_warps": self.tiles.num_warps,
+            **self.base_config(),
             "stages": self.tiles.stages,
-            "threads": self.threads,
-            "smem_bytes": self.smem_bytes,
             "pack_gqa": self.context["pack_gqa"],
         }
 

@@ -1,37 +1,9 @@
 """A checked spec -> a PyTorch operator ``torch.ops.flashgen.<name>``: the registration
-(:func:`build_op`, :func:`registered_name`, :func:`schema`) and the public names of the op
-modules (:class:`~flashgen.ops.attention.AttentionOp`, the checks of
-:mod:`flashgen.ops.validation`, the call helpers of :mod:`flashgen.ops.calls`).
-
-:func:`build_op` registers, once per process and spec name, an operator with schema::
-
-    <name>(Tensor q, Tensor k, Tensor v, float softmax_scale,
-           <int|float scalar params, spec order>, <Tensor params, spec order>,
-           *, bool deterministic=False) -> (Tensor, Tensor)
-
-with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the
-materialized float32 reference), a fake kernel (so ``torch.compile`` traces it) and an
-autograd registration whose backward is the op ``<name>__backward`` (see
-:mod:`flashgen.ops.backward`).
-
-The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
-front (:func:`validate`, also run by every kernel) and fills in defaults.  On plain CUDA
-tensors in eager mode it launches the forward itself (:func:`_eager_cuda`; training through
-``_EagerAttention``, whose backward is the registered one), which saves the dispatcher's
-and the custom-op autograd wrapper's host time; everywhere else it calls the operator.
-
-``deterministic`` does not change the forward (its impls ignore it); it is a schema
-argument so that it reaches the autograd ``setup_context`` the same way in eager mode,
-under ``torch.compile(fullgraph=True)`` and in opcheck, and picks the backward kernels
-(see :mod:`flashgen.ops.backward`).
-
-Op contract (README.md, section "Op contract"):
-
-    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
-    on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
-    o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous;
-    lse [B, Hq, Sq] float32, natural log, contiguous.
-    A row with nothing to attend to: o = 0, lse = -inf.  B, Sq or Sk = 0: no launch.
+(:func:`build_op`, :func:`registered_name`, :func:`schema`; one torch library fragment per
+operator, all or nothing, replaced whole by a reload) and the public names of the op modules:
+:class:`~flashgen.ops.attention.AttentionOp` (its schema and the op contract are described
+there), the checks of :mod:`flashgen.ops.validation`, the call helpers of
+:mod:`flashgen.ops.calls`.
 """
 
 from __future__ import annotations

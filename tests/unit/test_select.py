@@ -90,13 +90,19 @@ def test_every_forward_candidate_lowers():
 
 def test_pinned_tiles_beyond_the_targets_shared_memory_are_refused():
     """180 KB of shared memory builds for sm_90 (227 KB) but not for sm_80 (A100: 163 KB);
-    it compiled and reported success, to fail at launch on the GPU."""
+    it compiled and reported success, to fail at launch on the GPU.  The spec checker refuses
+    such tiles for the targets a spec lists; planning refuses them for any other target."""
     import pytest
 
-    spec = loads_spec(
+    from flashgen.frontend.errors import SpecError
+
+    text = (
         "name: big\nhead_dim: 192\nhead_dim_v: 256\ndtype: fp16\n"
         "tiles: {block_m: 128, block_n: 128, num_warps: 8}\n"
     )
+    with pytest.raises(SpecError, match="the limit of a CTA on sm_80 is 166912 B"):
+        loads_spec(text)
+    spec = loads_spec(text + "targets: [sm_90]\n")
     assert plan_forward(spec, "sm_90").smem_bytes == 180224
     with pytest.raises(ValueError, match="need 180224 B of shared memory .* sm_80 .166912 B"):
         plan_forward(spec, "sm_80")
