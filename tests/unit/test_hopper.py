@@ -52,7 +52,7 @@ def test_pinned_fa2_tiles_and_other_head_dims_take_the_fa2_kernel():
             "sm_80",
             tiles=TileConfig(128, 128, 12),
         )
-    with pytest.raises(ValueError, match="unknown kernel family"):
+    with pytest.raises(ValueError, match="Options.family=.fa4.: expected one of"):
         plan_forward(loads_spec("name: t\nhead_dim: 128\ndtype: bf16\n"), "sm_90", family="fa4")
 
 
