@@ -14,13 +14,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
-from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
-from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.frontend.errors import OpInputError, SpecError
+from flashgen.frontend.spec import load_spec, loads_spec
+from flashgen.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     from flashgen.ops.op import AttentionOp
+    from flashgen.options import Options
 
 __all__ = [
     "__version__",
@@ -30,32 +30,40 @@ __all__ = [
     "SpecError",
     "OpInputError",
     "AttentionOp",
+    "Options",
     "merge_attention",
 ]
 
-_loaded: dict[tuple[str, str], AttentionOp] = {}
+_loaded: dict[tuple, AttentionOp] = {}
 #: spec name -> the resolved path flashgen.load registered it from
 _origin: dict[str, str] = {}
 _lock = threading.Lock()
 
 
-def load(path: str | Path) -> AttentionOp:
-    """Load, check and register the spec at ``path``; return its :class:`AttentionOp`.
+def load(path: str | Path, options: Options | None = None) -> AttentionOp:
+    """Load, check and register the spec at ``path``; return its :class:`AttentionOp` bound
+    to ``options`` (:class:`flashgen.Options`, default ``Options()``: which kernels it runs).
 
-    Cached by (resolved path, sha256 of the file's bytes): loading the same file again
-    is free.  An edited file is reloaded: its op replaces the registration of
-    ``torch.ops.flashgen.<name>`` (forward, backward and varlen form), and the op object the
-    earlier load returned raises ``RuntimeError`` when called (use the new one).  Only a
-    regular file of at most ``MAX_SPEC_BYTES`` is read.  Raises :class:`SpecError` (with
-    file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a
-    spec with the same name from another file is already registered in this process,
+    Cached by (resolved path, sha256 of the file's bytes, options): loading the same file with
+    the same options again is free.  An edited file is reloaded: its op replaces the registration
+    of ``torch.ops.flashgen.<name>`` (forward, backward and varlen form; and the operators of the
+    spec under other options), and the op objects earlier loads returned raise ``RuntimeError``
+    when called (use the new one).  Only a regular file of at most ``MAX_SPEC_BYTES`` is
+    read.  Raises :class:`flashgen.env.RemovedVariableError` if a removed environment switch
+    (:data:`flashgen.env.REMOVED`) is set, naming its option, :class:`SpecError` (with
+    file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a spec
+    with the same name from another file is already registered in this process,
     ``ModuleNotFoundError`` saying so without torch.
     """
+    from flashgen import env
     from flashgen.frontend.spec import loads_spec_bytes, read_spec_bytes
+    from flashgen.options import DEFAULT
 
+    env.check_removed()
+    options = DEFAULT if options is None else options
     p = Path(path).resolve()
     data = read_spec_bytes(p)
-    key = (str(p), hashlib.sha256(data).hexdigest())
+    key = (str(p), hashlib.sha256(data).hexdigest(), options)
     op = _loaded.get(key)
     if op is not None:
         return op
@@ -74,15 +82,19 @@ def load(path: str | Path) -> AttentionOp:
         op = _loaded.get(key)
         if op is None:
             spec = loads_spec_bytes(data, str(path))  # the bytes hashed: no second read
-            op = build_op(spec, replace=_origin.get(spec.name) == str(p))
-            for k in [k for k, v in _loaded.items() if v.name == spec.name and v is not op]:
-                del _loaded[k]  # the replaced op
+            op = build_op(spec, options, replace=_origin.get(spec.name) == str(p))
+            for k in [k for k, v in _loaded.items() if v._replaced_by is not None]:
+                del _loaded[k]  # the replaced ops
             _loaded[key] = op
             _origin[spec.name] = str(p)
     return op
 
 
 def __getattr__(name: str):
+    if name == "Options":
+        from flashgen.options import Options
+
+        return Options
     if name == "AttentionOp":
         from flashgen.ops.op import AttentionOp
 

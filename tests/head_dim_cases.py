@@ -44,28 +44,36 @@ def hdim_spec(
     return loads_spec(text, path=f"<{name}>")
 
 
-def prebuild(specs, device, *, backward: bool = False, atomic_dq: bool = False) -> None:
+def prebuild(
+    specs, device, *, backward: bool = False, atomic_dq: bool = False, options=None
+) -> None:
     """Compile the kernels ``specs`` will need on CUDA ``device`` into the kernel cache, in
     parallel (one nvcc per CPU core), so the tests' sequential ``build_op`` calls hit the
     cache.  Forward always; with ``backward`` the deterministic backward unit, and with
     ``atomic_dq`` the atomic-dQ unit too.  Only warms the cache: a plan chosen differently
-    at run time is still built then."""
+    at run time is still built then.  ``options``: the :class:`flashgen.options.Options` the
+    ops will run under (default the defaults)."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
+    from flashgen.families.build import build_backward, build_forward
     from flashgen.ops.op import target_for_device
-    from flashgen.select import build_backward, build_forward
+    from flashgen.options import DEFAULT
+
+    options = DEFAULT if options is None else options
 
     gpu = torch.cuda.get_device_name(device)
     jobs = []
     for spec in specs:
         target = target_for_device(spec, device)
-        jobs.append(lambda s=spec, t=target: build_forward(s, t, gpu=gpu))
+        jobs.append(lambda s=spec, t=target: build_forward(s, t, gpu=gpu, options=options))
         if backward:
-            jobs.append(lambda s=spec, t=target: build_backward(s, t))
+            jobs.append(lambda s=spec, t=target: build_backward(s, t, options=options))
         if atomic_dq:
-            jobs.append(lambda s=spec, t=target: build_backward(s, t, atomic_dq=True))
+            jobs.append(
+                lambda s=spec, t=target: build_backward(s, t, atomic_dq=True, options=options)
+            )
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(lambda job: job(), jobs))

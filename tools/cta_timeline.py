@@ -19,7 +19,7 @@ The stamps are text patches at anchor lines of ``templates/sm_90/fwd.cu.j2``
 (:data:`ANCHORS`); :func:`patch` raises ``ValueError`` naming an anchor it cannot find, and
 ``tests/unit/test_cta_timeline.py`` renders a shipped spec and compiles the patched source, so
 a template change that moves an anchor fails there, not silently here.  The kernel is built
-through ``flashgen.select`` with the patched renderer (its own cache entry); the op runs as
+through ``flashgen.families.build`` with the patched renderer (its own cache entry); the op runs as
 usual.  Needs a GPU (sm_90), torch and CuPy.
 """
 
@@ -124,7 +124,7 @@ def patch(src: str, producer_regs: int) -> str:
 
 def launch_ctas(plan, b: int, h: int, s: int) -> int:
     """CTAs in the launch grid of ``plan`` at B=b, H=h (no GQA), S=s: the stamp rows the run
-    needs (a grouped grid's holes have rows too, :func:`flashgen.lower.grouped_grid`)."""
+    needs (a grouped grid's holes have rows too, :func:`flashgen.families.common.grouped_grid`)."""
     gx, gy, gz = plan.grid(b, h, s, heads_kv=h, seqlen_k=s)
     return gx * gy * gz
 
@@ -211,29 +211,28 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("cta_timeline needs an sm_90 GPU", file=sys.stderr)
         return 2
-    import os
 
     import cupy
 
     import flashgen
-    from flashgen.lower import SPARSE_PERSISTENT_ENV
 
     # the stamps go into the non-persistent kernel: sparse calls must run it too, not the
-    # persistent one FLASHGEN_SPARSE_PERSISTENT names (lower.sparse_persistent; dynamic by
-    # default, forced off here whatever the caller's environment says)
-    os.environ[SPARSE_PERSISTENT_ENV] = "0"
+    # persistent one Options.sparse_persistent names (dynamic by default, off here)
+    import flashgen.families.build as family_build
     import flashgen.ops.op as op_mod
-    import flashgen.select as sel
+    from flashgen.options import Options
     from flashgen.runtime import launch as runtime
 
-    render = sel.render
-    sel.render = lambda plan: (
+    render = family_build.render
+    family_build.render = lambda plan: (
         patch(render(plan), plan.context["producer_regs"])
         if plan.template == "sm_90/fwd.cu.j2" and not plan.context.get("persistent")
         else render(plan)
     )
     root = Path(__file__).resolve().parent.parent
-    specs = {name: flashgen.load(root / "specs" / f"{name}.yaml") for name in args.specs}
+    specs = {name: flashgen.load(
+            root / "specs" / f"{name}.yaml", options=Options(sparse_persistent="off")
+        ) for name in args.specs}
     unknown = [p for p in params if all(op.spec.param(p) is None for op in specs.values())]
     if unknown:
         ap.error(f"--param {', '.join(unknown)}: no such param in {', '.join(args.specs)}")
@@ -247,7 +246,7 @@ def main(argv=None) -> int:
         mine = {k_: v_ for k_, v_ in params.items() if spec.param(k_) is not None}
         op.attention(q, k, v, **mine)
         torch.cuda.synchronize()
-        # the kernel the call ran: the op picks its tiles per call (lower.sparse_tiles)
+        # the kernel the call ran: the op picks its tiles per call (registry.sparse_tiles)
         dims = op_mod.validate(spec, q, k, v, {})
         kern = op.kernel(dev, sparse=op._sparse_call(dims, op_mod.resolve_params(spec, mine)[0]))
         if launch_ctas(kern.plan, b, h, s) > MAX_CTAS:

@@ -15,7 +15,7 @@ from L2, an upper bound for what sharing each K/V tile between two CTAs could sa
 The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant is a text patch of
 the rendered non-persistent Hopper forward (:func:`patch` raises ``ValueError`` naming a
 pattern it cannot find; ``tests/unit/test_energy_ablation.py`` compiles every variant on
-CPU), built through ``flashgen.select`` under its own spec name.
+CPU), built through ``flashgen.families.build`` under its own spec name.
 
 Printed per variant: the median ms of ``--rounds`` alternating rounds (``do_bench``, 250 ms
 warm-up so each variant reaches its steady clock), its ratio to ``base``, and the power and SM
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -134,17 +133,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("energy_ablation needs an sm_90 GPU", file=sys.stderr)
         return 2
-    from flashgen.lower import SPARSE_PERSISTENT_ENV
-
     # the patches are of the non-persistent kernel: calls that keep few keys per row (short
-    # lengths) run it too, not the persistent one they default to (lower.sparse_persistent)
-    os.environ[SPARSE_PERSISTENT_ENV] = "0"
-    import flashgen.select as sel
+    # lengths) run it too, not the persistent one they default to (Options.sparse_persistent)
+    import flashgen.families.build as family_build
+    from flashgen.options import Options
+
+    options = Options(sparse_persistent="off")
     from flashgen.bench import runner as bench
     from flashgen.frontend.spec import load_spec
     from flashgen.ops.op import build_op
 
-    render = sel.render
+    render = family_build.render
 
     def patched(plan):
         src = render(plan)
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
                 return patch(src, v)
         return src
 
-    sel.render = patched
+    family_build.render = patched
     root = Path(__file__).resolve().parent.parent
     b, h, s = args.shape
     dev = torch.device("cuda")
@@ -168,7 +167,7 @@ def main(argv=None) -> int:
         v = torch.randn(b, h, s, spec.head_dim_v, device=dev, dtype=torch.bfloat16)
         calls = {}
         for var in variants:
-            op = build_op(dataclasses.replace(spec, name=f"{spec.name}_abl_{var}"))
+            op = build_op(dataclasses.replace(spec, name=f"{spec.name}_abl_{var}"), options)
             calls[var] = functools.partial(op.attention, q, k, v, **params)
             calls[var]()
         torch.cuda.synchronize()

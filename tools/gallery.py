@@ -70,7 +70,7 @@ def measure(spec, batch, heads, seqlen, params, device, args) -> dict:
     import torch
 
     from flashgen.bench import peers, timing
-    from flashgen.lower import needs_block_table
+    from flashgen.codegen.abi import needs_block_table
     from flashgen.ops.op import TORCH_DTYPE, build_op
 
     dt = TORCH_DTYPE[spec.dtype]

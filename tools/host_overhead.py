@@ -14,8 +14,8 @@ For ``causal_d128`` (bf16) at B=1, H=16 and each --seqlens, measures:
   (about max(host, device)); TFLOP/s = 4*B*H*S^2*D/2 over it, and over the device time.
 
 Rows come for the descriptor cache on and off (``tma.descriptors.enabled``; the same as
-``FLASHGEN_NO_TMA_CACHE=1``).  ``--baseline DIR`` runs the same measurement in a child
-process with the flashgen package of another checkout (e.g. one at the commit before the
+``flashgen.runtime.tma.set_cache_enabled(False)``).  ``--baseline DIR`` runs the same measurement in
+a child process with the flashgen package of another checkout (e.g. one at the commit before the
 host-path work), so the before/after includes everything, not only the cache.
 
     python3 tools/host_overhead.py                     # ~30 s on an H200 once compiled
@@ -173,7 +173,7 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     flashgen = _import_flashgen(root)
     import torch
 
-    from flashgen.lower import plan_forward
+    from flashgen.families.registry import plan_forward
     from flashgen.ops import op as op_mod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
@@ -196,7 +196,7 @@ def measure_cpu(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
     op = flashgen.load(root / "specs" / "causal_d128.yaml")
     kern = runtime.LoadedKernel(
-        plan=plan_forward(op.spec, "sm_90"), module=None,
+        plan=plan_forward(op.spec, "sm_90", op.options, persistent=False), module=None,
         function=types.SimpleNamespace(ptr=1), device_index=0,
     )  # fmt: skip
     op.kernel = lambda device: kern

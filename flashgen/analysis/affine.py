@@ -13,7 +13,7 @@ so the forward kernel computes ``x'`` with one FFMA per element (``beta * (kv_id
 is the same for every row of the tile) and folds ``d`` into the row max and the exp2's
 FFMA (ALiBi: ``score - slopes[h] * (q_idx + seqlen_k - seqlen_q - kv_idx)``, beta =
 ``slopes[h]``).  Pure IR analysis (no CUDA text): :func:`decompose` returns the typed
-expressions L and beta; :mod:`flashgen.lower` renders them.
+expressions L and beta; :mod:`flashgen.codegen` renders them.
 
 ``L`` is rebuilt from the score-free terms of the sum (each kept whole), so it evaluates
 as the score_mod does up to float rounding order.  Integer ``/`` and ``%``, calls and

@@ -16,7 +16,7 @@ operations.  Sums and differences around ``kv_idx`` are decomposed (:func:`_line
 ``A - kv_idx < B`` becomes ``kv_idx >= A - B + 1``, ``kv_idx < A`` becomes ``kv_idx <= A - 1``.
 
 Integer semantics: each row expression is evaluated exactly as the kernel evaluates it in
-the mask today (C ``int``, :func:`flashgen.lower.cuda_expr`), and only the linear
+the mask today (C ``int``, :func:`flashgen.codegen.cuda_expr.cuda_expr`), and only the linear
 combination around ``kv_idx`` (the terms, the comparison's constant) is moved, in 64-bit
 arithmetic: the bound keeps the same pairs as the DSL's semantics (the reference,
 :mod:`flashgen.ops.reference`, computes in int64), and as the int32 expression wherever that
@@ -165,7 +165,7 @@ def extract(residual: Expr | None, spec: Spec) -> ColBound | None:
 
 def linear_code(v: Linear, code) -> str:
     """``v`` as a CUDA ``long long`` expression; ``code(expr)`` renders a row expression (as
-    the mask renders it, :func:`flashgen.lower.cuda_expr`)."""
+    the mask renders it, :func:`flashgen.codegen.cuda_expr.cuda_expr`)."""
     parts = []
     for sign, t in v.terms:
         parts.append(f"{'-' if sign < 0 else '+'} (long long)({code(t)})")

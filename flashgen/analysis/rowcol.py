@@ -18,8 +18,8 @@ kernel local:
 The residual expression compares registers.  Terms that read both ``q_idx`` and
 ``kv_idx`` (a bias table indexed by ``q_idx - kv_idx``), or ``score``, stay per element.
 Evaluating a term where the element loop would not (the ``&&`` short-circuit skipped it)
-is safe: every tensor index is clamped into its declared shape (:func:`flashgen.lower.
-cuda_expr`), and every DSL expression is defined everywhere.
+is safe: every tensor index is clamped into its declared shape (:func:`flashgen.codegen.
+cuda_expr.cuda_expr`), and every DSL expression is defined everywhere.
 """
 
 from __future__ import annotations

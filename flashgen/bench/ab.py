@@ -10,9 +10,9 @@ Each ``--option`` names a field of :class:`flashgen.Options` by its dotted path
 the values to try; the variants are every combination (``--combine product``, the default),
 the i-th values of every option together (``--combine zip``, e.g. several switches all on
 against all off), or the first values and then each option changed alone (``--combine
-each``).  A value is parsed by the field's type: ``0/1/true/false`` for a bool, an
-integer, a ``Literal``'s members, ``none`` where the field may be None, ``MxN`` for a tuple
-of ints.  The first variant is the baseline.
+each``).  A value is parsed and checked by :meth:`flashgen.Options.replace_path`:
+``0/1/true/false`` for a bool, an integer, one of a field's choices, ``none`` where the field
+may be None.  The first variant is the baseline.
 
 Per (spec, shape, direction) every variant's op (``flashgen.load(spec, options=...)``, built
 once per spec) runs once on the same inputs with its outputs poisoned first: the outputs
@@ -54,7 +54,6 @@ from flashgen.bench.options import (
     OptionError,
     combinations,
     list_options,
-    options_class,
     parse_options,
     with_options,
 )
@@ -279,15 +278,17 @@ def _spec_item(item: str) -> tuple[str, dict]:
 
 
 def check_args(args) -> tuple[type | None, dict[str, list], list[dict], list[tuple]]:
-    """The options class (None without ``--option``), the parsed options, the variants and
-    the specs as ``(item, file, scalar param overrides)``; raises :class:`OptionError` for any
-    bad argument (before anything touches a GPU)."""
-    cls = options_class() if (args.option or args.list_options) else None
-    values = parse_options(args.option, cls) if cls is not None else {}
+    """The options class (:class:`flashgen.Options`; None without ``--option``), the parsed
+    options, the variants and the specs as ``(item, file, scalar param overrides)``; raises
+    :class:`OptionError` for any bad argument (before anything touches a GPU)."""
+    from flashgen.options import Options
+
+    cls = Options if args.option else None
+    values = parse_options(args.option or ())
     variants = combinations(values, args.combine)
     if cls is not None:
         for assign in variants:
-            with_options(cls(), assign)  # the dataclass's own checks, per combination
+            with_options(cls(), assign)  # the options' own checks, per combination
     specs = []
     if not args.list_options:
         if not args.specs:
@@ -330,7 +331,7 @@ def cmd_ab(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.list_options:
-        print(list_options(cls))
+        print(list_options())
         return 0
     problem = require_cuda("ab")
     if problem:

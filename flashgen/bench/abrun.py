@@ -204,10 +204,8 @@ def _poisoned():
 
 
 def _needs_block_table(spec) -> bool:
-    try:
-        from flashgen.lower import needs_block_table
-    except ImportError:
-        return False
+    from flashgen.codegen.abi import needs_block_table
+
     return needs_block_table(spec)
 
 

@@ -31,9 +31,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from flashgen import tuning
+from flashgen.codegen.cuda_expr import split_causal
+from flashgen.codegen.plan import TileConfig
+from flashgen.families.tiles import default_tiles as lower_default_tiles
 from flashgen.frontend import ir
-from flashgen.lower import TileConfig, split_causal
-from flashgen.lower import default_tiles as lower_default_tiles
 
 BLOCK_M = (64, 128)
 BLOCK_N = (32, 48, 64, 128)
@@ -63,7 +64,8 @@ def candidates(target: str = "sm_80") -> list[TileConfig]:
 
 
 def default_tiles(spec: ir.Spec) -> TileConfig:
-    """What :func:`~flashgen.lower.choose_tiles` picks without a table (DEFAULT_TILES)."""
+    """What :func:`~flashgen.families.registry.choose_tiles` picks without a table
+    (DEFAULT_TILES)."""
     return lower_default_tiles(spec)
 
 
@@ -164,7 +166,7 @@ def compile_candidates(
     """
     from flashgen.build import cache
     from flashgen.build.render import render
-    from flashgen.lower import plan_forward
+    from flashgen.families.registry import plan_forward
 
     out = {
         s.name: [Candidate(t.block_m, t.block_n, t.num_warps) for t in candidates(target)]
@@ -176,7 +178,7 @@ def compile_candidates(
         name, c = item
         cs = candidate_spec(by_name[name], c.tiles)
         try:
-            plan = plan_forward(cs, target, gpu=gpu)
+            plan = plan_forward(cs, target, gpu=gpu, persistent=False)
         except ValueError as e:
             c.status, c.note = "invalid", str(e)
             return

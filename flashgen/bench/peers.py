@@ -102,7 +102,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
     """
     import torch
 
-    from flashgen.lower import split_causal
+    from flashgen.codegen.cuda_expr import split_causal
     from flashgen.ops.op import build_op, default_softmax_scale
 
     scale = default_softmax_scale(spec)
@@ -186,7 +186,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
 
 def expressible(impl: str, spec: ir.Spec) -> bool:
     """Whether ``impl`` can compute ``spec``: SDPA only plain causal/unmasked attention."""
-    from flashgen.lower import split_causal
+    from flashgen.codegen.cuda_expr import split_causal
 
     if impl in SDPA_BACKENDS:
         causal, residual = split_causal(spec.mask)

@@ -147,7 +147,7 @@ def kept_pairs(
     reads ``b`` directly or through a param of any shape counts each row's own pairs).
     ``batch * heads * seqlen^2`` without a mask.  ``heads_kv``: the KV heads a mask reading
     ``h_kv`` sees (default ``heads``, no GQA)."""
-    from flashgen.lower import block_table_dims
+    from flashgen.codegen.abi import block_table_dims
     from flashgen.ops.reference import eval_mask
 
     if spec.mask is None:

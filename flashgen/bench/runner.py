@@ -297,8 +297,8 @@ class Bench:
     ) -> None:
         """Compile every flashgen kernel the run needs, in parallel, before any timing.
 
-        Forward kernels and, for the spec names in ``backward`` (when
-        :func:`flashgen.lower.plan_backward` exists), the backward kernels, through the
+        Forward kernels and, for the spec names in ``backward``
+        (:func:`flashgen.families.registry.plan_backward`), the backward kernels, through the
         on-disk cache (``cache.get_or_build`` takes a per-uri file lock, so threads and
         processes compile each kernel once and the op's own build later is a cache hit).
         Tiles, registers and spills land in ``kernels``; failures in ``compile_errors``
@@ -307,9 +307,9 @@ class Bench:
         """
         import torch
 
-        from flashgen import lower
         from flashgen.build import cache
         from flashgen.build.render import render
+        from flashgen.families.registry import plan_backward, plan_forward
         from flashgen.ops.op import target_for_device
 
         gpu = torch.cuda.get_device_name(self.device)
@@ -319,7 +319,7 @@ class Bench:
             target = target_for_device(spec, self.device)
             try:
                 if kind == "fwd":
-                    plan = lower.plan_forward(spec, target, gpu=gpu)
+                    plan = plan_forward(spec, target, gpu=gpu, persistent=False)
                     _, report = cache.get_or_build(render(plan), plan)
                     info = {
                         "tiles": [plan.tiles.block_m, plan.tiles.block_n, plan.tiles.num_warps],
@@ -327,7 +327,7 @@ class Bench:
                         "spill_bytes": report.spill_bytes,
                     }
                 else:
-                    plan = lower.plan_backward(spec, target)
+                    plan = plan_backward(spec, target)
                     _, report = cache.get_or_build(render(plan.dq), plan.dq)
                     info = {
                         "bwd_registers": report.registers,
@@ -339,8 +339,7 @@ class Bench:
 
         uniq = {s.name: s for s in specs}
         jobs_list = [(s, "fwd") for s in uniq.values()]
-        if hasattr(lower, "plan_backward"):
-            jobs_list += [(s, "bwd") for s in uniq.values() if s.name in backward]
+        jobs_list += [(s, "bwd") for s in uniq.values() if s.name in backward]
         workers = max(1, min(len(jobs_list), jobs or os.cpu_count() or 4))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
@@ -382,7 +381,7 @@ class Bench:
         callable is ``None`` when the row is final (skipped, unsupported, error, ...)."""
         import torch
 
-        from flashgen.lower import split_causal
+        from flashgen.codegen.cuda_expr import split_causal
         from flashgen.ops.op import TORCH_DTYPE
 
         causal = split_causal(spec.mask)[0]

@@ -144,15 +144,17 @@ def call_padded(op, q, k, v, params):
     return o.view(b, sq, hq, -1).transpose(1, 2), lse.view(hq, b, sq).transpose(0, 1)
 
 
-def verify_spec(spec: ir.Spec) -> dict:
-    """Check the CUDA op against the fp64 reference and time it (needs a CUDA GPU)."""
+def verify_spec(spec: ir.Spec, options=None) -> dict:
+    """Check the CUDA op (bound to ``options``, a :class:`flashgen.options.Options`; default
+    the defaults) against the fp64 reference and time it (needs a CUDA GPU)."""
     import torch
 
     from flashgen.bench.timing import do_bench_ms
-    from flashgen.lower import split_causal
+    from flashgen.codegen.cuda_expr import split_causal
     from flashgen.ops.op import build_op
+    from flashgen.options import DEFAULT
 
-    op = build_op(spec)
+    op = build_op(spec, options or DEFAULT)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     cases = []

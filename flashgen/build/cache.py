@@ -2,7 +2,7 @@
 
 Layout::
 
-    $FLASHGEN_CACHE_DIR (default ~/.cache/flashgen)
+    <cache root> (flashgen.env.CACHE_DIR, default ~/.cache/flashgen)
       /<flashgen version>/<arch>/<uri>/kernel.cubin
                                       /meta.json     {uri, kernel_name, cubin_sha256, report}
       /<flashgen version>/<arch>/<uri>.lock
@@ -47,7 +47,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from flashgen import __version__
+from flashgen import env as _env
+from flashgen.version import __version__
 from flashgen.build import compile as _compile
 from flashgen.build.compile import CompileReport, compile_source, nvcc_version
 
@@ -99,7 +100,7 @@ def check_trusted(path: Path, *, follow: bool = False, private: bool = False) ->
     if st.st_uid != uid:
         raise UnsafeCacheError(
             f"kernel cache: {path} is owned by uid {st.st_uid}, not by you (uid {uid}); "
-            "flashgen only runs kernels from a cache you own: set FLASHGEN_CACHE_DIR to a "
+            f"flashgen only runs kernels from a cache you own: set {_env.CACHE_DIR} to a "
             "directory of your own"
         )
     bad = st.st_mode & (0o077 if private else 0o022)
@@ -108,7 +109,7 @@ def check_trusted(path: Path, *, follow: bool = False, private: bool = False) ->
             f"kernel cache: {path} has mode {stat.S_IMODE(st.st_mode):o}, "
             f"{'accessible' if private else 'writable'} by group or others, so another user "
             f"could plant kernels in it; run `chmod go-{'rwx' if private else 'w'} {path}` "
-            "(or point FLASHGEN_CACHE_DIR elsewhere)"
+            f"(or point {_env.CACHE_DIR} elsewhere)"
         )
 
 
@@ -122,8 +123,9 @@ def _private_dir(path: Path, *, follow: bool = False, private: bool = False) -> 
 
 
 def cache_root() -> Path:
-    """``$FLASHGEN_CACHE_DIR`` or ``~/.cache/flashgen`` (read on every call)."""
-    env = os.environ.get("FLASHGEN_CACHE_DIR")
+    """The directory :data:`flashgen.env.CACHE_DIR` names, or ``~/.cache/flashgen`` (read on
+    every call)."""
+    env = _env.get(_env.CACHE_DIR)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "flashgen"
 
 
@@ -139,7 +141,9 @@ def cache_key(source: str, plan) -> str:
 
     That is the CUDA source, the target arch, the nvcc argv without its file paths
     (``-gencode`` and every flag, read from :func:`flashgen.build.compile.nvcc_command`, so
-    a change to the flags changes the key), the toolkit version and the kernel name.
+    a change to the flags changes the key), the toolkit version and the kernel name, and
+    the plan's non-default options (``plan.options_key``; absent for the defaults, so their
+    keys are those of earlier versions).
     """
     argv = _compile.nvcc_command(plan, "SRC", "OUT", nvcc="nvcc")[1:]
     h = hashlib.sha256()
@@ -153,6 +157,9 @@ def cache_key(source: str, plan) -> str:
     ):
         h.update(part.encode())
         h.update(b"\0")
+    options_key = getattr(plan, "options_key", "")
+    if options_key:
+        h.update(f"options:{options_key}".encode())
     return h.hexdigest()
 
 
@@ -270,7 +277,7 @@ def get_or_build(source: str, plan) -> tuple[Path, CompileReport]:
             _warned_roots.add(str(root))
             warnings.warn(
                 f"flashgen kernel cache {root} is not writable ({e.strerror or e}); "
-                f"building in {fallback} instead (set FLASHGEN_CACHE_DIR to a writable "
+                f"building in {fallback} instead (set {_env.CACHE_DIR} to a writable "
                 "directory to keep kernels across runs)",
                 CacheWarning,
                 stacklevel=2,

@@ -9,7 +9,7 @@ There is no ``--use_fast_math``: arithmetic stays IEEE except where the kernel a
 an intrinsic itself (``exp2f`` etc.).  :data:`NVCC_FLAGS`, the gencode and the
 toolkit version all go into the cache key (:mod:`flashgen.build.cache`).
 
-The nvcc binary is ``$FLASHGEN_NVCC`` if set, else ``nvcc`` on ``PATH``, else
+The nvcc binary is the one :data:`flashgen.env.NVCC` names if set, else ``nvcc`` on ``PATH``, else
 ``$CUDA_HOME/bin/nvcc`` (``/usr/local/cuda`` by default).
 """
 
@@ -163,11 +163,13 @@ class CompileReport:
 # ----------------------------------------------------------------------------- nvcc
 def find_nvcc() -> str:
     """Path of the nvcc binary; raises :class:`NvccNotFoundError` if there is none."""
-    env = os.environ.get("FLASHGEN_NVCC")
+    from flashgen import env as _env
+
+    env = _env.get(_env.NVCC)
     if env:
         if shutil.which(env):
             return shutil.which(env)  # type: ignore[return-value]
-        raise NvccNotFoundError(f"FLASHGEN_NVCC={env!r} is not an executable")
+        raise NvccNotFoundError(f"{_env.NVCC}={env!r} is not an executable")
     found = shutil.which("nvcc")
     if found:
         return found
@@ -177,7 +179,7 @@ def find_nvcc() -> str:
         return str(cand)
     raise NvccNotFoundError(
         "nvcc (the CUDA toolkit compiler) was not found: put it on PATH, or set "
-        "FLASHGEN_NVCC or CUDA_HOME"
+        f"{_env.NVCC} or CUDA_HOME"
     )
 
 
@@ -289,7 +291,7 @@ def run_group(cmd: list[str], timeout: float, cwd: str | None = None):
 def compile_source(source: str, plan, out_path: str | Path) -> CompileReport:
     """Compile ``source`` (one translation unit) for ``plan.target`` into ``out_path``.
 
-    ``plan`` is a :class:`~flashgen.lower.KernelPlan` (``gencode``, ``arch``, ``target``,
+    ``plan`` is a :class:`~flashgen.codegen.plan.KernelPlan` (``gencode``, ``arch``, ``target``,
     ``kernel_name`` are read).  The source is written to a temporary directory as
     ``<kernel_name>.cu`` so diagnostics name the kernel.  ``ValueError`` if
     ``kernel_name`` is not a C identifier (it names a file).

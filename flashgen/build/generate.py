@@ -27,10 +27,11 @@ import tempfile
 import unicodedata
 from pathlib import Path
 
-from flashgen import __version__
+from flashgen.version import __version__
 from flashgen.build.render import render
+from flashgen.families import registry
 from flashgen.frontend import ir
-from flashgen.lower import persistent_forward, plan_backward, plan_forward
+from flashgen.options import DEFAULT, Options
 
 #: What a spec name must look like to become a directory and a module name.
 _SAFE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -211,14 +212,15 @@ def write_generated(
     reports: dict | None = None,
     targets: tuple[str, ...] | None = None,
     plans: dict | None = None,
+    options: Options = DEFAULT,
 ) -> Path:
     """Write ``<out_dir>/<spec.name>/`` and return that directory.
 
     ``targets`` defaults to ``spec.targets``; ``reports`` maps (target, unit) to its
     :class:`~flashgen.build.compile.CompileReport`, unit "fwd" or "bwd" (resource usage goes to
     the manifest); ``plans`` maps (target, unit) to the KernelPlan / BackwardPlan that was
-    compiled (e.g. with fallback tiles, see :mod:`flashgen.select`), default: lowering's (with
-    the op's persistent scheduler, :func:`flashgen.lower.persistent_forward`).
+    compiled (e.g. with fallback tiles, see :mod:`flashgen.families.build`), default: the
+    registry's for ``options`` (:class:`flashgen.options.Options`).
     Sources of targets not written now are removed, except those of the spec's other
     targets that an earlier write of this same spec (the manifest's ``spec_sha256`` and
     flashgen version) left: ``flashgen build --target sm_80`` keeps the committed sm_90
@@ -241,10 +243,8 @@ def write_generated(
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
     given, plans = plans or {}, {}
     for t in targets:
-        plans[(t, "fwd")] = given.get((t, "fwd")) or plan_forward(
-            spec, t, persistent=persistent_forward(spec)
-        )
-        plans[(t, "bwd")] = given.get((t, "bwd")) or plan_backward(spec, t)
+        plans[(t, "fwd")] = given.get((t, "fwd")) or registry.plan_forward(spec, t, options)
+        plans[(t, "bwd")] = given.get((t, "bwd")) or registry.plan_backward(spec, t, options)
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}
     for (t, unit), src in sources.items():
         _atomic_write(dest / _source_name(spec, t, unit), src)

@@ -1,4 +1,4 @@
-"""Render CUDA source from a :class:`~flashgen.lower.KernelPlan` with Jinja2.
+"""Render CUDA source from a :class:`~flashgen.codegen.plan.KernelPlan` with Jinja2.
 
 One ``jinja2.Environment`` (StrictUndefined) over the ``templates/`` tree, which
 ships inside the package as ``flashgen.templates``.  Shared device code in
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from flashgen.lower import KernelPlan
+from flashgen.codegen.plan import KernelPlan
 
 
 def template_root() -> Path:
@@ -44,4 +44,4 @@ def render(plan: KernelPlan) -> str:
 
     Raises ``jinja2.UndefinedError`` if the template reads a name the plan lacks.
     """
-    return environment().get_template(plan.template).render(**plan.context)
+    return environment().get_template(plan.template).render(**plan.context.fields())

@@ -13,10 +13,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from flashgen import __version__
-from flashgen.cli.common import _consoles, _fail_json, _load_specs
+from flashgen.cli.common import _consoles, _fail_json, _load_specs, _options
 from flashgen.frontend import ir
 from flashgen.frontend.errors import terminal_safe
+from flashgen.version import __version__
 
 
 # ----------------------------------------------------------------------------- build
@@ -26,8 +26,9 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
-    unit: str = "fwd"  # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma": lower.compile_units
-    plan: object | None = None  # the KernelPlan / BackwardPlan compiled (flashgen.select)
+    # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma" (registry.compile_units), "decode"
+    unit: str = "fwd"
+    plan: object | None = None  # the KernelPlan / BackwardPlan compiled (families.build)
     report: object | None = None  # CompileReport
     cubin: str | None = None
     smem_dynamic: int = 0
@@ -61,33 +62,39 @@ class BuildResult:
         }
 
 
-def _compile_one(spec: ir.Spec, target: str, unit: str) -> BuildResult:
+def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildResult:
+    """Compile ``unit`` of ``spec`` for ``target`` under ``options`` (default
+    ``Options()``) through the kernel cache; failures land in the result's ``error``."""
     from flashgen.build.cache import CacheLockTimeout, UnsafeCacheError
     from flashgen.build.compile import CompileError
-    from flashgen.lower import kernel_family, persistent_forward, sparse_persistent
-    from flashgen.select import build_backward, build_forward
+    from flashgen.families import registry
+    from flashgen.families.build import build_backward, build_forward
+    from flashgen.options import DEFAULT
 
+    options = options or DEFAULT
     res = BuildResult(spec, target, unit)
     try:
         if unit == "decode":  # serving unit (flashgen.families.decode): attn, append
             from flashgen.build import cache
             from flashgen.build.render import render
-            from flashgen.families import decode
 
-            res.plan = decode.plan(spec, target)
+            res.plan = registry.plan_decode(spec, target, options)
             path, res.report = cache.get_or_build(render(res.plan), res.plan)
             res.smem_dynamic = res.plan.smem_bytes
         elif unit in ("fwd", "fwd_sparse"):
-            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (lower.sparse_persistent)
+            sparse = unit == "fwd_sparse"  # as the op: its own scheduler (sparse_persistent)
+            sp = options.sparse_persistent
             res.plan, path, res.report = build_forward(
-                spec, target, family=kernel_family(), sparse=sparse,
-                persistent=sparse_persistent() if sparse else persistent_forward(spec),
+                spec, target, options=options, sparse=sparse,
+                persistent=(False if sp == "off" else sp) if sparse
+                else registry.persistent_scheduler(spec, options),
             )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:
             res.plan, path, res.report = build_backward(
-                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma"
-            )
+                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma",
+                options=options,
+            )  # fmt: skip
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
             if unit == "bwd_wgmma" and not res.plan.wgmma:
                 res.note = (
@@ -116,18 +123,15 @@ def cmd_build(args) -> int:
 
     from flashgen.build.compile import CompileError, find_nvcc, nvcc_version
     from flashgen.build.generate import write_generated
-    from flashgen.lower import (
-        choose_tiles,
-        hopper_bwd_eligible,
-        kernel_family,
-        persistent_forward,
-        sparse_tiles,
-    )
+    from flashgen.families.decode import unsupported_reason
+    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
+    from flashgen.families.registry import choose_tiles, persistent_scheduler, sparse_tiles
 
     out, err = _consoles()
     try:
-        family = kernel_family()
-    except ValueError as e:
+        options = _options(args)
+        family = options.family
+    except (KeyError, ValueError) as e:
         err.print(f"error: {e}", markup=False)
         return _fail_json(args, str(e))
     spec_errors: list = []
@@ -152,23 +156,23 @@ def cmd_build(args) -> int:
     results: list[BuildResult] = []
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        units = ("fwd", "bwd", "bwd_atomic")  # every unit of lower.compile_units
-        futures = [pool.submit(_compile_one, s, t, u) for s, t in pairs for u in units]
+        units = ("fwd", "bwd", "bwd_atomic")  # every unit of registry.compile_units
+        futures = [pool.submit(_compile_one, s, t, u, options) for s, t in pairs for u in units]
         futures += [  # the Hopper backward unit, where the spec takes it
-            pool.submit(_compile_one, s, t, "bwd_wgmma")
+            pool.submit(_compile_one, s, t, "bwd_wgmma", options)
             for s, t in pairs
             if hopper_bwd_eligible(s, t, family)
         ]
         futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
-            pool.submit(_compile_one, s, t, "fwd_sparse")
+            pool.submit(_compile_one, s, t, "fwd_sparse", options)
             for s, t in pairs
-            if not persistent_forward(s)
-            and sparse_tiles(s, choose_tiles(s, t, family=family)) is not None
+            if not persistent_scheduler(s, options)
+            and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
         ]
-        from flashgen.families.decode import unsupported_reason
-
         futures += [  # the decode (serving) unit, where the spec supports it
-            pool.submit(_compile_one, s, t, "decode") for s, t in pairs if not unsupported_reason(s)
+            pool.submit(_compile_one, s, t, "decode", options)
+            for s, t in pairs
+            if not unsupported_reason(s)
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
@@ -202,7 +206,9 @@ def cmd_build(args) -> int:
     verify = []
     if not args.no_verify and _cuda_available():
         verify = [
-            _verify_safely(spec) for spec in specs if all(r.ok for r in results if r.spec is spec)
+            _verify_safely(spec, options)
+            for spec in specs
+            if all(r.ok for r in results if r.spec is spec)
         ]
 
     ok = all(r.ok for r in results) and all(v["ok"] for v in verify)
@@ -296,11 +302,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _verify_safely(spec: ir.Spec) -> dict:
-    """:func:`verify_spec`, with any failure (CUDA error, bad kernel) turned into a result."""
+def _verify_safely(spec: ir.Spec, options=None) -> dict:
+    """:func:`verify_spec` (the op under ``options``), with any failure (CUDA error, bad
+    kernel) turned into a result."""
     from flashgen.bench.verify import verify_spec
 
     try:
-        return verify_spec(spec)
+        return verify_spec(spec, options)
     except Exception as e:  # report it; do not crash the build summary
         return {"spec": spec.name, "ok": False, "cases": [], "error": f"{type(e).__name__}: {e}"}

@@ -2,7 +2,7 @@
 flashgen``).
 
     flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
-                           [--no-verify]
+                           [--no-verify] [--option NAME=VALUE]...
         check each spec, render and compile every (spec, target) with nvcc in parallel
         (through the kernel cache), print registers / spills / shared memory / compile
         time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
@@ -10,7 +10,8 @@ flashgen``).
         Exit 0 on success; 1 for a bad spec, a failed compile, a kernel that spills, a
         failed verification or missing nvcc (a spec whose compile failed or spilled is not
         written).
-    flashgen show SPEC [--target T]    the checked IR, the kernel plan and the CUDA source
+    flashgen show SPEC [--target T] [--option NAME=VALUE]...
+                                       the checked IR, the kernel plan and the CUDA source
     flashgen list [DIR]                the specs in DIR (default ./specs, else the shipped ones)
     flashgen cache [--prune [--older-than DAYS]]   kernel cache size; prune it
     flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
@@ -32,7 +33,6 @@ import json
 import sys
 from pathlib import Path
 
-from flashgen import __version__
 from flashgen.bench import ab
 from flashgen.bench.verify import NO_GPU_EXIT  # noqa: F401
 from flashgen.bench.verify import require_cuda as _require_cuda
@@ -48,6 +48,7 @@ from flashgen.cli.common import _consoles, _fail_json, _load_specs, plain_warnin
 from flashgen.cli.show import _prec, cmd_list, cmd_show, format_expr, format_spec  # noqa: F401
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
+from flashgen.version import __version__
 
 
 # ----------------------------------------------------------------------------- bench / tune
@@ -185,6 +186,10 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="check, render and compile specs; write generated/")
+    b.add_argument(
+        "--option", action="append", metavar="NAME=VALUE",
+        help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
+    )  # fmt: skip
     b.add_argument("specs", nargs="+", metavar="SPEC", help="spec YAML files")
     b.add_argument(
         "--target",
@@ -206,6 +211,10 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_build)
 
     s = sub.add_parser("show", help="print the checked IR, plan and CUDA source of a spec")
+    s.add_argument(
+        "--option", action="append", metavar="NAME=VALUE",
+        help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
+    )  # fmt: skip
     s.add_argument("spec", metavar="SPEC")
     s.add_argument(
         "--target",
@@ -322,7 +331,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``flashgen`` script; returns the exit status."""
+    from flashgen import env
+
     args = parser().parse_args(argv)
+    try:
+        env.check_removed()
+    except env.RemovedVariableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         with plain_warnings():
             return args.func(args)

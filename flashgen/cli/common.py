@@ -1,5 +1,6 @@
-"""Helpers every ``flashgen`` command shares: reading specs with located errors, the rich
-consoles, ``--json`` failure documents, and terminal-safe printing of warnings."""
+"""Helpers every ``flashgen`` command shares: reading specs with located errors, the
+``--option`` flags, the rich consoles, ``--json`` failure documents, and terminal-safe
+printing of warnings."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import os
 import sys
 import warnings
 
-from flashgen import __version__
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, SpecWarning, terminal_safe
+from flashgen.version import __version__
 
 
 def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Spec] | None:
@@ -50,6 +51,21 @@ def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Sp
             note(p, f"cannot read spec: {e.strerror or e}")
             bad = True
     return None if bad else specs
+
+
+def _options(args):
+    """The :class:`flashgen.options.Options` of ``--option NAME=VALUE`` flags (dotted names,
+    :meth:`~flashgen.options.Options.replace_path`).  ``ValueError`` for a flag without
+    ``=`` or a value the option does not take, ``KeyError`` for an unknown name."""
+    from flashgen.options import DEFAULT
+
+    out = DEFAULT
+    for item in getattr(args, "option", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
+        out = out.replace_path(name.strip(), value)
+    return out
 
 
 def _consoles():

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from flashgen.cli.common import _consoles, _load_specs
+from flashgen.cli.common import _consoles, _load_specs, _options
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, terminal_safe
 
@@ -123,9 +123,14 @@ def format_spec(spec: ir.Spec) -> str:
 
 def cmd_show(args) -> int:
     from flashgen.build.render import render
-    from flashgen.lower import kernel_family, plan_forward
+    from flashgen.families.registry import plan_forward
 
     _, err = _consoles()
+    try:
+        options = _options(args)
+    except (KeyError, ValueError) as e:
+        err.print(f"error: {terminal_safe(str(e))}", markup=False)
+        return 1
     specs = _load_specs([args.spec], err)
     if specs is None:
         return 1
@@ -134,7 +139,7 @@ def cmd_show(args) -> int:
     targets = args.target or list(spec.targets)
     for t in targets:
         try:
-            plan = plan_forward(spec, t, family=kernel_family())
+            plan = plan_forward(spec, t, options)
         except ValueError as e:
             err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
             return 1

@@ -30,8 +30,13 @@ absolute position is ``q_idx + seqlen_k - seqlen_q`` (bottom-right, as the prefi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
+from flashgen.analysis import masktiles
+from flashgen.codegen.abi import KernelArg
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr, split_causal
+from flashgen.codegen.dtypes import CTYPE, dtype
+from flashgen.codegen.plan import KernelPlan, TemplateContext
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Spec, Ty
 
@@ -127,39 +132,50 @@ class DecodeTiles:
 
 
 @dataclass(frozen=True)
-class DecodePlan:
-    """Everything needed to render, compile and launch one decode unit (the same fields as
-    :class:`flashgen.lower.KernelPlan`, so :mod:`flashgen.build` and
-    :mod:`flashgen.runtime.launch` take it).  ``kernel_name`` is the attention kernel;
-    :meth:`kernel` gives the plan of each of the unit's kernels (``attn``, ``append``) to
-    load from the same cubin."""
+class DecodeContext(TemplateContext):
+    """What ``templates/sm_80/decode.cu.j2`` reads (one unit: the attention kernel, whose last
+    CTA of a tile merges the splits, and the append kernel).  ``args`` / ``append_args``: each
+    kernel's :class:`~flashgen.codegen.abi.KernelArg` tuple; ``mask_expr`` /
+    ``score_mod_expr``: the spec's DSL as CUDA (None without), ``prologue`` their hoisted
+    invariants; ``tile_classifier``: the mask's interval classifier source."""
 
     spec_name: str
-    target: str
-    template: str
+    base_name: str
     kernel_name: str
-    tiles: DecodeTiles
+    dtype: str
+    elem_t: str
+    head_dim: int
+    head_dim_v: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    dv_split: int
+    stages: int
     smem_bytes: int
+    causal: bool
+    mask_expr: str | None
+    score_mod_expr: str | None
+    prologue: str
+    tile_classifier: str
+    tile_class_args: str
+    mask_reads_h: bool
+    pack_gqa: bool
+    min_split_blocks: int
+    ctas_per_sm: int
     args: tuple
-    context: dict = field(compare=False, hash=False)
-    tma: tuple = ()
+    append_args: tuple
+
+
+@dataclass(frozen=True)
+class DecodePlan(KernelPlan):
+    """Everything needed to render, compile and launch one decode unit: a
+    :class:`flashgen.codegen.plan.KernelPlan` (so :mod:`flashgen.build` and
+    :mod:`flashgen.runtime.launch` take it) whose ``context`` is a :class:`DecodeContext` and whose
+    ``kernel_name`` is the attention kernel; :meth:`kernel` gives the plan of each of the
+    unit's kernels (``attn``, ``append``, its ``role``) to load from the same
+    cubin."""
+
     role: str = "attn"
-
-    @property
-    def threads(self) -> int:
-        return self.tiles.threads
-
-    @property
-    def gencode(self) -> str:
-        from flashgen.lower import GENCODE
-
-        return GENCODE[self.target]
-
-    @property
-    def arch(self) -> str:
-        from flashgen.lower import ARCH
-
-        return ARCH[self.target]
 
     @property
     def base_name(self) -> str:
@@ -168,8 +184,6 @@ class DecodePlan:
     def kernel(self, role: str) -> DecodePlan:
         """The plan of kernel ``role`` (``attn``, ``append``) of this unit: same source and
         cubin, its own symbol, threads, dynamic shared memory and arguments."""
-        from dataclasses import replace
-
         if role == "attn":
             return self
         if role == "append":
@@ -183,15 +197,8 @@ class DecodePlan:
     def config(self) -> dict:
         """JSON-able summary for manifests and ``flashgen show``."""
         return {
-            "target": self.target,
-            "template": self.template,
-            "kernel": self.kernel_name,
-            "block_m": self.tiles.block_m,
-            "block_n": self.tiles.block_n,
-            "num_warps": self.tiles.num_warps,
+            **self.base_config(),
             "stages": self.tiles.stages,
-            "threads": self.threads,
-            "smem_bytes": self.smem_bytes,
             "pack_gqa": self.context["pack_gqa"],
         }
 
@@ -246,8 +253,9 @@ def smem_bytes(spec: Spec, block_n: int, stages: int) -> int:
     """Dynamic shared memory of the attention kernel: the Q tile, ``stages`` K and V blocks
     and their per-row validity bytes, and the warps' merge area (which reuses the ring)."""
     d, dv = spec.head_dim, spec.head_dim_v
-    q = BLOCK_M * d * 2
-    ring = stages * block_n * (d + dv) * 2
+    elem = dtype(spec.dtype).elem_bytes
+    q = BLOCK_M * d * elem
+    ring = stages * block_n * (d + dv) * elem
     merge = NUM_WARPS * BLOCK_M * dv * 4 + 2 * NUM_WARPS * BLOCK_M * 4
     return q + max(ring, merge) + stages * block_n
 
@@ -302,17 +310,13 @@ def split_range(n_lo: int, n_hi: int, num_splits: int, split: int) -> tuple[int,
 
 # ----------------------------------------------------------------------------- kernel ABI
 def _ctype(spec: Spec) -> str:
-    from flashgen.lower import CTYPE
-
     return CTYPE[spec.dtype]
 
 
 def attn_args(spec: Spec) -> tuple:
-    """The attention kernel's arguments (:class:`flashgen.lower.KernelArg`), in order: the
-    pointers a call changes first (:data:`CALL_POINTERS` of them, packed per call by the
+    """The attention kernel's arguments (:class:`flashgen.codegen.abi.KernelArg`), in order:
+    the pointers a call changes first (:data:`CALL_POINTERS` of them, packed per call by the
     planned fast path), then the plan's workspace, the layout and the params."""
-    from flashgen.lower import KernelArg
-
     t = _ctype(spec)
     a = [
         KernelArg("q", f"const {t}*"),
@@ -343,8 +347,6 @@ def attn_args(spec: Spec) -> tuple:
 def append_args(elem_t: str) -> tuple:
     """The append kernel's arguments: ``k_new``/``v_new`` ``[B, Hkv, Sq_new, D]`` (strides)
     into the cache (the attention kernel's layout arguments)."""
-    from flashgen.lower import KernelArg
-
     a = [
         KernelArg("k_new", f"const {elem_t}*"),
         KernelArg("v_new", f"const {elem_t}*"),
@@ -363,13 +365,14 @@ def append_args(elem_t: str) -> tuple:
 
 
 # ----------------------------------------------------------------------------- plan
-def plan(spec: Spec, target: str, options: Options | None = None) -> DecodePlan:
+def plan(
+    spec: Spec, target: str, options: Options | None = None, *, options_key: str = ""
+) -> DecodePlan:
     """Lower ``spec`` to its decode unit for ``target`` (``sm_80``: mma.sync, also what
-    ``sm_90`` compiles for sm_90a).  Raises ``ValueError`` for a spec decode does not
-    support (:func:`unsupported_reason`), an unknown target or tiles that do not fit."""
-    from flashgen.analysis import masktiles
-    from flashgen.lower import CTYPE, Invariants, cuda_expr, split_causal
-
+    ``sm_90`` compiles for sm_90a); ``options_key`` (the registry's
+    :meth:`flashgen.options.Options.family_key`) goes into the plan's cache key.  Raises
+    ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`), an
+    unknown target or tiles that do not fit."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(TARGETS)}")
     why = unsupported_reason(spec)
@@ -392,42 +395,43 @@ def plan(spec: Spec, target: str, options: Options | None = None) -> DecodePlan:
         isinstance(n, ir.Var) and n.name == "h" for n in ir.walk(spec.mask)
     )
     base = f"flashgen_{spec.name}_decode_{target}"
-    ctx = {
-        "spec_name": spec.name,
-        "base_name": base,
-        "kernel_name": f"{base}_attn",
-        "dtype": spec.dtype,
-        "elem_t": CTYPE[spec.dtype],
-        "head_dim": spec.head_dim,
-        "head_dim_v": spec.head_dim_v,
-        "block_m": tiles.block_m,
-        "block_n": tiles.block_n,
-        "num_warps": tiles.num_warps,
-        "dv_split": dv_split(spec),
-        "stages": tiles.stages,
-        "smem_bytes": smem,
-        "causal": causal,
-        "mask_expr": mask_expr,
-        "score_mod_expr": score_mod_expr,
-        "prologue": inv.prologue,
-        "tile_classifier": masktiles.classifier_source(spec),
-        "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
-        "mask_reads_h": reads_h,
-        "pack_gqa": options.pack_gqa,
-        "min_split_blocks": options.min_split_blocks,
-        "ctas_per_sm": options.ctas_per_sm or _smem_ctas(target, smem),
-        "args": attn_args(spec),
-        "append_args": append_args(CTYPE[spec.dtype]),
-    }
+    ctx = DecodeContext(
+        spec_name=spec.name,
+        base_name=base,
+        kernel_name=f"{base}_attn",
+        dtype=spec.dtype,
+        elem_t=CTYPE[spec.dtype],
+        head_dim=spec.head_dim,
+        head_dim_v=spec.head_dim_v,
+        block_m=tiles.block_m,
+        block_n=tiles.block_n,
+        num_warps=tiles.num_warps,
+        dv_split=dv_split(spec),
+        stages=tiles.stages,
+        smem_bytes=smem,
+        causal=causal,
+        mask_expr=mask_expr,
+        score_mod_expr=score_mod_expr,
+        prologue=inv.prologue,
+        tile_classifier=masktiles.classifier_source(spec),
+        tile_class_args=", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
+        mask_reads_h=reads_h,
+        pack_gqa=options.pack_gqa,
+        min_split_blocks=options.min_split_blocks,
+        ctas_per_sm=options.ctas_per_sm or _smem_ctas(target, smem),
+        args=attn_args(spec),
+        append_args=append_args(CTYPE[spec.dtype]),
+    )
     return DecodePlan(
         spec_name=spec.name,
         target=target,
         template="sm_80/decode.cu.j2",
-        kernel_name=ctx["kernel_name"],
+        kernel_name=ctx.kernel_name,
         tiles=tiles,
         smem_bytes=smem,
-        args=ctx["args"],
+        args=ctx.args,
         context=ctx,
+        options_key=options_key,
     )
 
 

@@ -3,7 +3,7 @@
 Everything here is plain frozen dataclasses: no torch, no cupy, no lark.  The
 front end (``flashgen.frontend.spec``) builds these from YAML + the DSL, the checker
 (``flashgen.frontend.check``) fills in expression types, and the lowering passes
-(``flashgen.lower``, ``flashgen.ops.reference``) read them.
+(``flashgen.codegen``, ``flashgen.ops.reference``) read them.
 
 Expression nodes carry a :class:`Span` (file, 1-based line/column) so any later
 error can point at the source text.

@@ -18,15 +18,15 @@ deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, w
 
   * Hopper (sm_90, ``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a dK/dV
     kernel on wgmma and TMA (FlashAttention-3's backward), for the specs
-    :func:`~flashgen.lower.hopper_bwd_eligible` accepts (head_dim == head_dim_v in
+    :func:`~flashgen.families.hopper_bwd.eligible` accepts (head_dim == head_dim_v in
     64/128/256, a mask that reads no tensor, no varlen; 256 splits the head dim of dK, dV
     and dQ over the CTA's two warpgroups).
 
   :func:`backward_path` picks one per call: ``deterministic=True`` always runs the
   deterministic kernels; ``deterministic=False`` runs the Hopper kernels where eligible
-  (unless ``FLASHGEN_ATOMIC_DQ=0`` or ``FLASHGEN_KERNEL_FAMILY=fa2``), else the FA2-class
-  atomic kernels when the environment variable ``FLASHGEN_ATOMIC_DQ=1`` is set (read at
-  each call), else the deterministic kernels;
+  (unless the op's ``Options.atomic_dq`` is False or ``Options.family`` is ``fa2``), else the
+  FA2-class atomic kernels when ``Options.atomic_dq`` is True, else the deterministic
+  kernels;
 - a CPU implementation: autograd through the float32 reference of the same IR (the flag
   changes nothing there);
 - a fake implementation, so ``torch.compile`` traces the backward too.
@@ -50,46 +50,36 @@ import warnings
 
 import torch
 
-from flashgen.envflags import flag
+from flashgen.codegen.abi import needs_block_table
+from flashgen.families import registry
 from flashgen.frontend.ir import Spec
-from flashgen.lower import hopper_bwd_eligible, kernel_family, needs_block_table
-
-#: Environment variable that enables the atomic-dQ kernels (value ``1``).
-ATOMIC_DQ_ENV = "FLASHGEN_ATOMIC_DQ"
-
-
-def atomic_dq_enabled() -> bool:
-    """Whether ``FLASHGEN_ATOMIC_DQ`` is on (``1``; read on every call, so tests can toggle
-    it; :func:`flashgen.envflags.flag` values, ``ValueError`` for others)."""
-    return flag(ATOMIC_DQ_ENV) is True
+from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
+from flashgen.ops.validation import _SCHEMA_TYPE, PARAM_DTYPE, target_for_device, validate
+from flashgen.options import DEFAULT, Options
 
 
-def uses_atomic_dq(deterministic: bool) -> bool:
+def uses_atomic_dq(deterministic: bool, options: Options = DEFAULT) -> bool:
     """Whether a CUDA backward with this ``deterministic`` flag may run the FA2-class
-    atomic-dQ kernels: only for ``deterministic=False`` with the :data:`ATOMIC_DQ_ENV` gate
-    on (the Hopper kernels take precedence where eligible, see :func:`backward_path`)."""
-    return not deterministic and atomic_dq_enabled()
+    atomic-dQ kernels: only for ``deterministic=False`` with ``options.atomic_dq`` True (the
+    Hopper kernels take precedence where eligible, see :func:`backward_path`)."""
+    return not deterministic and options.atomic_dq is True
 
 
 #: The backward kernel sets :func:`backward_path` chooses between.
 BACKWARD_PATHS = ("deterministic", "atomic", "hopper")
 
 
-def backward_path(spec: Spec, target: str, deterministic: bool) -> str:
+def backward_path(
+    spec: Spec, target: str, deterministic: bool, options: Options = DEFAULT
+) -> str:
     """Which kernels a CUDA backward of ``spec`` on ``target`` runs: ``"deterministic"``
     (pre, dkdv, dq), ``"atomic"`` (the FA2-class atomic-dQ kernels) or ``"hopper"`` (the
-    wgmma dK/dV kernel with atomic dQ, :func:`flashgen.lower.plan_hopper_backward`).
-
-    ``deterministic=True`` -> deterministic.  Otherwise: ``FLASHGEN_ATOMIC_DQ=0`` ->
-    deterministic; hopper where :func:`~flashgen.lower.hopper_bwd_eligible` (with
-    ``FLASHGEN_KERNEL_FAMILY``); else atomic with ``FLASHGEN_ATOMIC_DQ=1``; else
-    deterministic.  The environment is read on every call.
-    """
-    if deterministic or flag(ATOMIC_DQ_ENV, None) is False:
-        return "deterministic"
-    if hopper_bwd_eligible(spec, target, kernel_family()):
+    wgmma dK/dV kernel with atomic dQ): :func:`flashgen.families.registry.select` for the
+    ``"bwd"`` call with ``options`` (``options.atomic_dq``, ``options.family``)."""
+    route = registry.select(spec, target, "bwd", options, deterministic=deterministic)
+    if route.family == "hopper_bwd":
         return "hopper"
-    return "atomic" if atomic_dq_enabled() else "deterministic"
+    return "atomic" if route.atomic_dq else "deterministic"
 
 
 def backward_name(spec: Spec) -> str:
@@ -99,8 +89,6 @@ def backward_name(spec: Spec) -> str:
 def backward_schema(spec: Spec) -> str:
     """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
     softmax_scale, bool deterministic, Tensor slopes) -> (Tensor, Tensor, Tensor)``."""
-    from flashgen.ops.op import _SCHEMA_TYPE
-
     args = [
         "Tensor dout",
         "Tensor q",
@@ -154,8 +142,6 @@ class Backward:
         float32 forward recomputed under autograd); dq, dk, dv in the input dtype (the same
         for either ``deterministic``)."""
         from flashgen.ops.cpu_attention import attention_blocked_backward
-        from flashgen.ops.op import PARAM_DTYPE, validate
-
         scalars, tensors = self.op._split(rest)
         validate(self.spec, q, k, v, tensors)
         if q.numel() == 0 or k.numel() == 0:
@@ -174,15 +160,12 @@ class Backward:
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
         fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
-        from flashgen.ops.op import _kernel_aligned, current_stream_ptr, kernel_values, validate
-
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
         if q.numel() == 0 or k.numel() == 0:
             return _grads_like(q, k, v, fill_zero=True)
-        from flashgen.ops.op import target_for_device
-
-        path = backward_path(self.spec, target_for_device(self.spec, q.device), deterministic)
+        target = target_for_device(self.spec, q.device)
+        path = backward_path(self.spec, target, deterministic, self.op.options)
         plan, pre, dkdv, last = self.kernels(q.device, path=path)
         atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
         if dout.stride(-1) != 1:
@@ -223,17 +206,18 @@ class Backward:
         with self._lock:
             hit = self._kernels.get(key)
             if hit is None:
-                from flashgen.ops.op import target_for_device
+                from flashgen.families.build import build_backward
                 from flashgen.runtime import launch as runtime
-                from flashgen.select import build_backward
 
                 target = target_for_device(self.spec, device)
                 # "hopper" falls back to the FA2-class kernels if every Hopper variant spills:
-                # the atomic ones where FLASHGEN_ATOMIC_DQ=1 allows them, else deterministic
-                atomic = path == "atomic" or (path == "hopper" and atomic_dq_enabled())
+                # the atomic ones where Options.atomic_dq allows them, else deterministic
+                options = self.op.options
+                atomic = path == "atomic" or (path == "hopper" and options.atomic_dq is True)
                 plan, cubin, _ = build_backward(
-                    self.spec, target, atomic_dq=atomic, hopper=path == "hopper"
-                )
+                    self.spec, target, atomic_dq=atomic, hopper=path == "hopper",
+                    options=options,
+                )  # fmt: skip
                 if path == "hopper" and not plan.wgmma:
                     kind = "atomic-dQ" if plan.atomic_dq else "deterministic"
                     warnings.warn(

@@ -12,15 +12,15 @@ FlexAttention's ``create_block_mask``, a pre-pass evaluates the mask over every
 The table is uint8 ``[tab_b, tab_h, ceil(seqlen_q / BLOCK_M), ceil(seqlen_k / BLOCK_N)]``
 (``tab_b`` = batch when the mask reads ``b``, else 1; ``tab_h`` likewise for ``h``), so
 it costs O(tiles) memory.  On a GPU it is built by the generated kernel of
-:func:`flashgen.lower.plan_block_table`; :func:`block_table_reference` is the brute-force
-torch version (CPU ``op.block_mask`` and the tests).
+:func:`flashgen.families.registry.plan_block_table`; :func:`block_table_reference` is the
+brute-force torch version (CPU ``op.block_mask`` and the tests).
 
 Users build one with ``bm = op.block_mask(seqlen_q, seqlen_k, doc_q=..., doc_kv=...)``
 and pass it to ``op.attention(..., block_mask=bm)`` for as long as the tensor params'
 contents do not change (the op cannot check contents without a device sync); without
 ``block_mask`` the op builds a fresh table on every call.  A table holds only for the
 tiles it was built for (the kernel that ``op.block_mask`` found: the Hopper kernel's
-on sm_90, the FA2-class kernel's under ``FLASHGEN_KERNEL_FAMILY=fa2``); the op refuses
+on sm_90, the FA2-class kernel's for an op bound to ``Options(family="fa2")``); an op refuses
 it with a kernel of other tiles (:func:`table_for_tiles`).
 """
 
@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashgen.codegen.abi import block_table_dims
+from flashgen.codegen.plan import TileConfig
+from flashgen.families.blocktable import block_table_shape
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
-from flashgen.lower import TileConfig, block_table_dims, block_table_shape
 from flashgen.ops.reference import eval_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -102,7 +104,7 @@ def block_table_reference(
 ) -> torch.Tensor:
     """Brute-force block table: the mask materialized with :func:`flashgen.ops.reference.eval_mask`
     over every in-range pair, reduced per tile.  uint8 ``[tab_b, tab_h, m_blocks, n_blocks]``
-    (:func:`flashgen.lower.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
+    (:func:`flashgen.families.blocktable.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
     default ``heads_q``).  Memory O(tab_b * tab_h * seqlen_q * seqlen_k): for tests and the
     CPU op, not for long sequences.
     """
@@ -134,20 +136,21 @@ def table_strides(spec: Spec, table: torch.Tensor) -> tuple[int, int]:
 
 def table_for_tiles(arg: torch.Tensor, shape: tuple[int, ...], tiles: TileConfig) -> torch.Tensor:
     """The uint8 ``shape`` table behind an op ``block_mask`` argument (:meth:`BlockMask.op_arg`)
-    built for ``tiles`` (``shape``: :func:`flashgen.lower.block_table_shape` for them).
+    built for ``tiles`` (``shape``: :func:`flashgen.families.blocktable.block_table_shape`
+    for them).
 
     Raises :class:`~flashgen.frontend.errors.OpInputError` when ``arg`` is not such a view, or was
     built for other tiles or sizes: a table's classes hold only for the tiles it was built
-    for, so one built for another kernel (``FLASHGEN_KERNEL_FAMILY`` changed, or another
-    GPU) must be built again, never reinterpreted.
+    for, so one built for another kernel (an op of other options, ``Options.family``, or
+    another GPU) must be built again, never reinterpreted.
     """
     built = tuple(arg.shape[4:]) if arg.dim() == 6 else None
     want = (tiles.block_m, tiles.block_n)
     if built is not None and built != want:
         raise OpInputError(
             f"block_mask: built for {built[0]}x{built[1]} tiles, but this call runs a kernel "
-            f"with {want[0]}x{want[1]} tiles (FLASHGEN_KERNEL_FAMILY or the GPU changed since "
-            f"op.block_mask?); build it again with op.block_mask(...)"
+            f"with {want[0]}x{want[1]} tiles (built by an op of other options, Options.family, "
+            f"or on another GPU?); build it again with this op's op.block_mask(...)"
         )
     table = arg[..., 0, 0] if built is not None else None
     if (

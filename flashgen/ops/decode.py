@@ -25,12 +25,12 @@ The queries are the last Sq_new of the live keys: the mask and score_mod see q_i
 [0, Sq_new), kv_idx in [0, L), seqlen_q = Sq_new, seqlen_k = L (the padded op on the
 gathered cache, bottom-right causal).  A request with no live key gives o = 0, lse = -inf.
 
-Values (cache_seqlens >= 0, the live keys within the request's pages, page indices in
-[0, num_pages)) are checked on CPU inputs always and on CUDA inputs under
-``FLASHGEN_VARLEN_CHECK=1`` (one host sync); unchecked, the kernels clamp the live length
-to the request's pages, treat a page index outside [0, num_pages) as empty (its keys are
-masked) and drop appends past the request's pages: they never read or write outside the
-cache tensors.
+Values (cache_seqlens >= 0, the live keys within the request's pages, page indices in [0,
+num_pages)) are checked on CPU inputs always and on CUDA inputs when
+:data:`flashgen.env.VARLEN_CHECK` is set to 1 (one host sync); unchecked, the kernels clamp the
+live length to the request's pages, treat a page index outside [0, num_pages) as empty (its keys
+are masked) and drop appends past the request's pages: they never read or write outside the cache
+tensors.
 
 Registered ops: ``flashgen::<name>__with_kvcache`` (no k_new) and
 ``flashgen::<name>__with_kvcache_append`` (declares that it mutates k_cache and v_cache),
@@ -39,32 +39,31 @@ each with CPU, CUDA and fake kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from flashgen import env
 from flashgen.families import decode as family
+from flashgen.families import registry
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops import op as _op_mod
-from flashgen.ops import varlen as _varlen
-from flashgen.ops.op import (
+from flashgen.ops import calls as _calls
+from flashgen.ops import validation as _validation
+from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current_stream_ptr
+from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
-    POISON_ENV,
     TORCH_DTYPE,
-    _kernel_aligned,
-    _plain_eager,
     _poison_enabled,
-    _sm_count,
+    check_enabled,
     check_scalar,
     check_softmax_scale,
-    current_stream_ptr,
     default_softmax_scale,
     out_dtype,
     resolve_params,
@@ -418,8 +417,6 @@ def decode_reference(
             )  # fmt: skip
         else:
             if softmax_scale is None:
-                from flashgen.ops.op import default_softmax_scale
-
                 softmax_scale = default_softmax_scale(spec)
             ob, lb = attention_blocked(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
@@ -542,12 +539,10 @@ class DecodeOp:
         """Register both torch ops (once per process)."""
         if self._registered:
             return
-        from flashgen.ops.op import _LIBS
-
         with _REG_LOCK:
             if self._registered:
                 return
-            lib = _LIBS[self.spec.name]  # the op's own library: a reload removes both
+            lib = self.op._lib  # the op's own library: a reload removes both
             for append in (False, True):
                 name = self.append_name if append else self.name
                 lib.define(self.schema(append))
@@ -618,8 +613,6 @@ class DecodeOp:
         )
         dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
         self._check_params(scale, scalars, tensors, dims, q.device)
-        from flashgen.ops.varlen import check_enabled
-
         if check_enabled():
             check_values(dims, lens, table)
         params = dict(zip([p.name for p in self.spec.scalar_params], scalars, strict=True))
@@ -698,8 +691,6 @@ class DecodeOp:
             self._check_plan(plan, dims, q.device, splits)
         append = k_new is not None
         if q.is_cuda and _plain_eager(q, k_cache, v_cache):
-            from flashgen.ops.varlen import check_enabled
-
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table)
             if plan is None:
@@ -741,10 +732,11 @@ class DecodeOp:
         the paged cache's), ``append``: calls pass k_new/v_new.  ``num_splits`` None: the
         heuristic for this capacity on ``device``'s SM count.  ``pack_gqa`` False: one query
         head per CTA (for measurements).  ``options``: the unit's tiles and the split schedule
-        (:class:`flashgen.families.decode.Options`; ``flashgen.bench.decode --sweep`` times
-        a grid of them).  ``params``: values of the mask's scalar params the calls will pass
-        (the spec's defaults otherwise): a mask that bounds the live keys (a sliding window)
-        sizes the splits by its blocks, not the capacity's; calls may pass other values.
+        (:class:`flashgen.families.decode.Options`; default: the op's ``Options.decode``;
+        ``flashgen.bench.decode --sweep`` times a grid of them).  ``params``: values of the mask's
+        scalar params the calls will pass (the spec's defaults otherwise): a mask that bounds the
+        live keys (a sliding window) sizes the splits by its blocks, not the capacity's; calls may
+        pass other values.
         Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
         planned calls do no host planning and can be captured in a CUDA graph.  Raises
         :class:`OpInputError` for bad sizes, options or params."""
@@ -821,7 +813,7 @@ class DecodeOp:
         """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``) for the unit
         knobs of ``options`` (default: the head dim's), built through the cache on first use."""
         index = device.index if device.index is not None else torch.cuda.current_device()
-        options = options or family.Options()
+        options = options or self.op.options.decode
         key = (index, options.unit_key())
         hit = self._units.get(key)
         if hit is not None:
@@ -833,8 +825,9 @@ class DecodeOp:
                 from flashgen.build.render import render
                 from flashgen.runtime import launch as runtime
 
-                p = family.plan(
-                    self.spec, target_for_device(self.spec, torch.device("cuda", index)), options
+                target = target_for_device(self.spec, torch.device("cuda", index))
+                p = registry.plan_decode(
+                    self.spec, target, dataclasses.replace(self.op.options, decode=options)
                 )
                 cubin, report = cache.get_or_build(render(p), p)
                 hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
@@ -848,14 +841,16 @@ class DecodeOp:
         params: dict | None = None,
     ) -> DecodeCallPlan:  # fmt: skip
         """A :class:`DecodeCallPlan` for ``dims`` on ``device`` (see :meth:`plan_decode`);
-        ``params``: the mask's scalar params the split count is sized for (the spec's
-        defaults where missing)."""
-        options = options or family.Options()
+        ``options`` None: the op's ``Options.decode``; ``params``: the mask's scalar params
+        the split count is sized for (the spec's defaults where missing)."""
+        options = options or self.op.options.decode
         pack_gqa = pack_gqa and options.pack_gqa
         if num_splits is None:
             num_splits = options.num_splits
         kern = self.kernels(device, options) if device.type == "cuda" else {}
-        unit = kern["attn"].plan if kern else family.plan(self.spec, "sm_80", options)
+        unit = kern["attn"].plan if kern else registry.plan_decode(
+            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options)
+        )
         heads = dims.heads_kv if pack_gqa else dims.heads_q
         live_blocks = None
         g0 = family.geometry(
@@ -992,21 +987,13 @@ _TENSOR = torch.Tensor
 _GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
 
-_ENV_DATA = getattr(os.environ, "_data", None)
-_DEBUG_KEYS = tuple(os.environ.encodekey(k) for k in (POISON_ENV, _varlen.CHECK_ENV))
-
-
 def _debug_switches() -> bool:
     """Whether the poison or the value-check switch is on (those calls take the general
-    path).  The environment is read on every call, as :func:`flag` does, but by one
-    lookup of each raw key (``os.environ``'s mapping encodes the key on each access)."""
-    if _op_mod._POISON:
+    path); the environment is read on every call, cheaply (:func:`flashgen.env.any_set`)."""
+    if _validation._POISON:
         return True
-    if _ENV_DATA is None:
-        return _poison_enabled() or _varlen.check_enabled()
-    for k in _DEBUG_KEYS:
-        if k in _ENV_DATA:
-            return _poison_enabled() or _varlen.check_enabled()
+    if env.any_set(env.POISON_OUTPUTS, env.VARLEN_CHECK):
+        return _poison_enabled() or check_enabled()
     return False
 
 
@@ -1082,7 +1069,7 @@ class _FastPath:
         # resolved once: the driver's entry point and the raw-stream query (module globals
         # that tools/host_overhead.py --cpu replaces before planning)
         self._cu_launch = _tma.driver().cuLaunchKernel
-        self._raw_stream = _op_mod._RAW_STREAM
+        self._raw_stream = _calls._RAW_STREAM
         self._get_device = _GET_DEVICE
         self._eager = _eager_cuda
 

@@ -1,7 +1,7 @@
 """How many keys a mask keeps per query row, estimated on the host for one call's lengths and
 scalar params: what the forward op reads to pick its Hopper tiles (a mask that keeps a few
 key blocks per query block runs faster on narrower key blocks,
-:data:`flashgen.lower.HOPPER_SPARSE_TILES`).
+:data:`flashgen.families.tiles.HOPPER_SPARSE_TILES`).
 
 The estimate evaluates the mask (the reference semantics, :func:`flashgen.ops.reference.eval_expr`)
 on CPU at a few evenly spaced query rows and key columns, batch 0 and head 0; it never affects
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 
+from flashgen.codegen.abi import needs_block_table
 from flashgen.frontend import ir
-from flashgen.lower import needs_block_table
 
 #: Query rows and key columns sampled per estimate (at most).
 ROWS, COLS = 16, 2048

@@ -27,13 +27,13 @@ sequences; seqlen_q/seqlen_k shape symbols are rejected by the spec checker) -- 
 without reading device memory.  The *values* of cu_seqlens (start at 0, nondecreasing,
 end at total, each length <= max_seqlen) cannot be checked on a CUDA device without a
 host sync, so they are checked on CPU inputs always and on CUDA inputs only when the
-environment variable ``FLASHGEN_VARLEN_CHECK=1`` is set.  Unchecked bad values give what
+debugging variable :data:`flashgen.env.VARLEN_CHECK` is set to 1.  Unchecked bad values give what
 FlashAttention gives: out-of-bounds reads or writes for offsets past the tensors, rows a
 too-small max_seqlen does not cover left unwritten (``torch.empty`` contents), rows past
 ``cu_seqlens_q[-1]`` unwritten.
 
 The backward (``<name>__backward``, same kernels as the padded op: the deterministic
-path, and the atomic-dQ path under ``FLASHGEN_ATOMIC_DQ=1``) returns dq, dk, dv packed like
+path, and the atomic-dQ path under ``Options(atomic_dq=True)``) returns dq, dk, dv packed like
 q, k, v; autograd is registered as for the padded op (see :mod:`flashgen.ops.backward`).
 """
 
@@ -45,32 +45,31 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashgen.envflags import flag
+from flashgen import env
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError, SpecError
+from flashgen.ops.attention import AttentionOp
 from flashgen.ops.backward import Backward, backward_name, refuse_tensor_param_grads, uses_atomic_dq
-from flashgen.ops.op import (
+from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
+from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
-    AttentionOp,
     Dims,
-    _kernel_aligned,
     _poison_enabled,
     _symbolic,
+    check_enabled,
     check_heads_and_strides,
     check_input_dtype,
     check_scalar,
     check_softmax_scale,
-    current_stream_ptr,
     default_softmax_scale,
-    kernel_values,
     out_dtype,
     resolve_params,
     validate_tensor_params,
 )
 
 #: Environment variable that makes CUDA calls check cu_seqlens' values (one host sync).
-CHECK_ENV = "FLASHGEN_VARLEN_CHECK"
+CHECK_ENV = env.VARLEN_CHECK
 _INT32_MAX = 2**31 - 1
 
 
@@ -94,11 +93,6 @@ def varlen_spec(spec: ir.Spec) -> ir.Spec:
                     spec.source,
                 )
     return replace(spec, name=f"{spec.name}__varlen", varlen=True)
-
-
-def check_enabled() -> bool:
-    """Whether ``FLASHGEN_VARLEN_CHECK=1`` is set (read at each call)."""
-    return bool(flag(CHECK_ENV))
 
 
 @dataclass(frozen=True)
@@ -455,10 +449,10 @@ def forward_launch(spec, plan, q, k, v, o, lse, cq, ck, dims: VarlenDims, softma
 def backward_launches(spec, plan, tensors_in: dict, cq, ck, dims: VarlenDims, softmax_scale,
                       scalars, tensors) -> dict:  # fmt: skip
     """``{role: (grid, values)}`` for the varlen backward kernels of ``plan`` (a
-    :class:`~flashgen.lower.BackwardPlan`): ``pre`` (and ``convert``) see the packed rows as
-    one batch of total_q rows; ``dkdv`` and ``dq`` walk the sequences.  ``tensors_in``: the
-    kernels' tensors by name, packed ones 3-D or already as 4-D views.  Pure (no launch).
-    Raises :class:`OpInputError` for a grid too large."""
+    :class:`~flashgen.families.bwd_common.BackwardPlan`): ``pre`` (and ``convert``) see the packed
+    rows as one batch of total_q rows; ``dkdv`` and ``dq`` walk the sequences.  ``tensors_in``: the
+    kernels' tensors by name, packed ones 3-D or already as 4-D views.  Pure (no launch). Raises
+    :class:`OpInputError` for a grid too large."""
     values = _packed_values(spec, tensors_in, dims, softmax_scale, scalars, tensors, cq, ck)
     flat = dict(values, batch=1, seqlen_q=dims.total_q)
     grids = plan.grids(
@@ -518,7 +512,7 @@ class VarlenBackward(Backward):
             check_cu_seqlens(cq, ck, dims)
         if q.numel() == 0 or k.numel() == 0 or dims.batch == 0:
             return _zero_grads(q, k, v)
-        atomic = uses_atomic_dq(deterministic)
+        atomic = uses_atomic_dq(deterministic, self.op.options)
         plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()

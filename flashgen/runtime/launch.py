@@ -41,7 +41,7 @@ def _cupy():
 class LoadedKernel:
     """A kernel function loaded on one device, with the plan that describes its ABI."""
 
-    plan: object  # flashgen.lower.KernelPlan
+    plan: object  # flashgen.codegen.plan.KernelPlan
     module: object  # cupy.RawModule (kept alive with the function)
     function: object  # cupy.RawKernel
     device_index: int

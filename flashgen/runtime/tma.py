@@ -10,7 +10,7 @@ A descriptor holds only the global address and the geometry, so :data:`descripto
 (a bounded LRU, :class:`DescriptorCache`) keeps the encoded bytes keyed by everything
 that determines them: a warm launch on the same tensors calls no driver function to build
 its maps.  A tensor freed and another allocated at the same address with the same
-geometry maps to the same bytes, which is correct.  ``FLASHGEN_NO_TMA_CACHE=1`` (read at
+geometry maps to the same bytes, which is correct.  ``set_cache_enabled(False)`` (read at
 import; or set ``descriptors.enabled``) encodes on every launch instead.
 
 A q/k/v tensor ``[B, H, S, D]`` with element strides ``(sb, sh, ss, 1)`` becomes the 4-D
@@ -25,8 +25,6 @@ import ctypes
 import functools
 import threading
 from collections import OrderedDict
-
-from flashgen.envflags import flag
 
 #: CUtensorMapDataType for the kernels' element types (cuda.h).
 DATA_TYPE = {"fp16": 6, "bf16": 9}
@@ -128,6 +126,17 @@ def encode(
     return bytes(out)
 
 
+#: Whether new descriptor caches cache (:func:`set_cache_enabled`).
+_CACHE_ENABLED = True
+
+
+def set_cache_enabled(enabled: bool) -> None:
+    """Turn caching of encoded descriptors on or off for caches made after the call (a
+    debugging knob: every launch then encodes its tensor maps)."""
+    global _CACHE_ENABLED
+    _CACHE_ENABLED = bool(enabled)
+
+
 class DescriptorCache:
     """A bounded LRU of encoded descriptors (``maxsize`` entries, least recently used
     evicted first), thread-safe.
@@ -144,9 +153,7 @@ class DescriptorCache:
             raise ValueError(f"maxsize: expected >= 1, got {maxsize}")
         self.maxsize = maxsize
         self.encoder = encoder if encoder is not None else encode
-        if enabled is None:
-            enabled = not flag("FLASHGEN_NO_TMA_CACHE")
-        self.enabled = enabled
+        self.enabled = _CACHE_ENABLED if enabled is None else enabled
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[tuple, bytes] = OrderedDict()

@@ -8,18 +8,18 @@ e.g. ``"NVIDIA H200|sm_90|128|bf16|causal|none"``, to an entry
 
     {"block_m": 128, "block_n": 64, "num_warps": 4, "tflops": 312.4, "date": "2026-11-30", ...}
 
-(``tflops``: the winner's mean forward TFLOP/s over the tuning sequence lengths; other
-fields are informational, except ``options``: an optional ``{name: bool}`` of FA2-class
-template switches (``lower.FORWARD_OPTIONS`` keys, e.g. ``{"fwd_unrolled_loads": false}``)
-that :func:`lower.plan_forward <flashgen.lower.plan_forward>` applies with the entry's tiles,
-written by ``tools/perf_sweep.py --write-table`` when a variant with a switch flipped won).
-``head_dim`` is ``max(head_dim, head_dim_v)``; ``score_mod`` says whether the spec has one
-at all (its registers change what fits), not which.
+(``tflops``: the winner's mean forward TFLOP/s over the tuning sequence lengths; other fields are
+informational, except ``options``: an optional ``{name: bool}`` of FA2-class template switches
+(``flashgen.families.fa2_fwd.FORWARD_OPTIONS`` keys, e.g. ``{"fwd_unrolled_loads": false}``) that
+:func:`flashgen.families.registry.plan_forward` applies with the entry's tiles, written where a
+variant with a switch flipped won, e.g. in a ``flashgen ab --option fa2_fwd.<switch>=...`` run).
+``head_dim`` is ``max(head_dim, head_dim_v)``; ``score_mod`` says whether the spec has one at all
+(its registers change what fits), not which.
 
-:func:`lower.choose_tiles <flashgen.lower.choose_tiles>` reads it through :func:`lookup`
+:func:`flashgen.families.registry.choose_tiles` reads it through :func:`lookup`
 when it is given the GPU name; the spec's ``tiles:`` override wins over the table and the
-table over ``lower.DEFAULT_TILES``.  ``$FLASHGEN_TUNING_TABLE`` points at another file
-(tests, experiments).  Pure Python: no torch, no cupy.
+table over ``flashgen.families.tiles.DEFAULT_TILES``.  :data:`flashgen.env.TUNING_TABLE` points at
+another file (tests, experiments).  Pure Python: no torch, no cupy.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-#: Environment variable naming an alternative table file.
-ENV = "FLASHGEN_TUNING_TABLE"
+from flashgen import env as _env
+
+#: Environment variable naming an alternative table file (:data:`flashgen.env.TUNING_TABLE`).
+ENV = _env.TUNING_TABLE
 
 _write_lock = threading.Lock()
 
@@ -42,8 +44,9 @@ def default_path() -> Path:
 
 
 def table_path() -> Path:
-    """``$FLASHGEN_TUNING_TABLE`` if set, else :func:`default_path` (read on every call)."""
-    env = os.environ.get(ENV)
+    """The file :data:`flashgen.env.TUNING_TABLE` names if set, else :func:`default_path`
+    (read on every call)."""
+    env = _env.get(ENV)
     return Path(env).expanduser() if env else default_path()
 
 
@@ -77,7 +80,7 @@ def valid_entry(entry) -> bool:
         return False
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (bm, bn, nw)):
         return False
-    from flashgen.lower import TileConfig, is_hopper_tiles
+    from flashgen.codegen.plan import TileConfig, is_hopper_tiles
 
     opts = entry.get("options", {})
     if not isinstance(opts, dict) or not all(

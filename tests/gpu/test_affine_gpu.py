@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
@@ -54,10 +55,13 @@ LENGTHS = [(1, 1), (17, 4097), (127, 127), (1000, 17), (1000, 4097), (4097, 1000
 
 @pytest.fixture(params=["auto", "persistent", "fa2"])
 def kernel(request, monkeypatch):
-    """The default kernel (Hopper on an H200), the persistent Hopper kernel, the FA2 one."""
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2" if request.param == "fa2" else "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1" if request.param == "persistent" else "0")
-    monkeypatch.delenv("FLASHGEN_AFFINE", raising=False)
+    """The default kernel (Hopper on an H200), the persistent Hopper kernel, the FA2 one (ops
+    bound to those options, :mod:`gpu_options`)."""
+    gpu_options.use(
+        monkeypatch,
+        family="fa2" if request.param == "fa2" else "auto",
+        persistent="static" if request.param == "persistent" else "off",
+    )
     return request.param
 
 
@@ -81,10 +85,9 @@ def test_affine_score_mods(name, sq, sk, kernel, error_bound):
         check(spec, 1, 8, 2, sq, sk, error_bound, seed=sk, w=w, p=-1.5)
 
 
-def test_alibi_bshd_views_and_backward(error_bound, monkeypatch):
+def test_alibi_bshd_views_and_backward(error_bound):
     """(B, S, H, D) views through the default kernel, and the backward (which reads the
     forward's lse) against the reference gradients."""
-    monkeypatch.delenv("FLASHGEN_AFFINE", raising=False)
     spec = SPECS["alibi"]()
     check(spec, 2, 8, 2, 1000, 1337, error_bound, bshd=True, seed=3, slopes=_slopes(8))
     check_grads(spec, 1, 8, 2, 700, 1000, seed=5, deterministic=True)

@@ -4,14 +4,14 @@ Bound per gradient: max|ours - ref64| <= 2 * max|reference autograd in the input
 ref64| + 1e-3 (the FlashAttention test rule).  Fresh random inputs (and a random dO) per
 case.  Causal on and off run in the same test, so a backward that ignores the flag fails.
 
-Every accuracy test runs on both values of ``deterministic`` (the ``bwd_path`` fixture):
-True, the deterministic kernels; False, whatever :func:`flashgen.ops.backward.backward_path`
-picks -- on an sm_90 GPU the Hopper wgmma kernels for the specs they take (d64/d128,
-causal or no mask, no score_mod), the FA2-class atomic-dQ kernels with
-``FLASHGEN_ATOMIC_DQ=1``, else the deterministic ones again (so the False case is skipped
-unless ``FLASHGEN_ATOMIC_DQ=1`` is set or the GPU is an sm_90 one).  The other GPU suites
-(big sizes, streams and graphs) use the default ``deterministic=False`` and so run the
-same choice.
+Every accuracy test runs on both values of ``deterministic`` (the ``bwd_path`` fixture): True, the
+deterministic kernels; False, whatever :func:`flashgen.ops.backward.backward_path` picks -- on an
+sm_90 GPU the Hopper wgmma kernels for the specs they take (d64/d128, causal or no mask, no
+score_mod), else the deterministic ones again (so the False case is skipped unless the GPU is an
+sm_90 one).  The FA2-class atomic-dQ kernels run for an op bound to
+``Options(atomic_dq=True)`` (with ``family="fa2"`` on sm_90): ``test_fa2_atomic_dq``.  The other
+GPU suites (big sizes, streams and graphs) use the default ``deterministic=False`` and so run
+the same choice.
 
 Head dims 32, 96, 160, 192 and the (head_dim, head_dim_v) pairs (192, 128) and (128, 256)
 (``-k head_dim``): causal on/off, Sq != Sk both ways, lengths 1 to 1000, GQA, fp16 and
@@ -30,13 +30,14 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu_options  # noqa: E402
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec, prebuild  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path, uses_atomic_dq  # noqa: E402
-from flashgen.ops.op import build_op, target_for_device  # noqa: E402
+from flashgen.ops.backward import backward_path, uses_atomic_dq  # noqa: E402
+from flashgen.ops.op import target_for_device  # noqa: E402
 from flashgen.ops.reference import attention_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -49,10 +50,10 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-#: deterministic=False runs other kernels than True only on sm_90 (the Hopper backward) or
-#: with FLASHGEN_ATOMIC_DQ=1 (the FA2-class atomic-dQ kernels).
+#: deterministic=False runs other kernels than True under the default options only on sm_90
+#: (the Hopper backward; an op with Options(atomic_dq=True) runs the FA2-class atomic-dQ ones).
 NONDET_DIFFERS = uses_atomic_dq(False) or _sm90()
-NONDET_REASON = f"deterministic=False runs the deterministic kernels (no sm_90, {ATOMIC_DQ_ENV})"
+NONDET_REASON = "deterministic=False runs the deterministic kernels (no sm_90)"
 
 PATHS = [
     pytest.param(True, id="deterministic"),
@@ -65,8 +66,10 @@ PATHS = [
 
 
 def expected_path(spec, deterministic: bool) -> str:
-    """The backward path (:data:`flashgen.ops.backward.BACKWARD_PATHS`) a call should take."""
-    return backward_path(spec, target_for_device(spec, torch.device("cuda")), deterministic)
+    """The backward path (:data:`flashgen.ops.backward.BACKWARD_PATHS`) a call should take
+    (under the running test's options, :data:`gpu_options.CURRENT`)."""
+    target = target_for_device(spec, torch.device("cuda"))
+    return backward_path(spec, target, deterministic, gpu_options.CURRENT)
 
 
 @pytest.fixture(params=PATHS)
@@ -94,8 +97,8 @@ def ref_grads(spec, q, k, v, do, params, dtype):
 def check_grads(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, deterministic=True):
     """dq, dk, dv of ``spec``'s op on random inputs against the float64 reference (the 2x
     rule, as test_forward.py bounds the forward); asserts the expected backward path ran.
-    Returns the op."""
-    op = build_op(spec)
+    Returns the op (bound to the running test's options, :mod:`gpu_options`)."""
+    op = gpu_options.build(spec)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
     q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
@@ -212,7 +215,7 @@ def test_fused_qkv_views(name, bwd_path):
 
 def _repeat_backward(deterministic: bool, n: int = 20):
     spec = shipped("llama3_gqa")
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v, _ = random_inputs(spec, 2, 8, 2, 1000, 1000, torch.device("cuda"), gen)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -226,11 +229,25 @@ def _repeat_backward(deterministic: bool, n: int = 20):
 
 
 def test_deterministic_dq():
-    """deterministic=True: 20 backwards are bitwise equal (also with FLASHGEN_ATOMIC_DQ=1)."""
+    """deterministic=True: 20 backwards are bitwise equal (also under Options(atomic_dq=True))."""
     grads = _repeat_backward(True)
     for g in grads[1:]:
         for a, b_ in zip(g, grads[0], strict=True):
             assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "alibi", "document_mask", "bidir_d256"])
+def test_fa2_atomic_dq(name, monkeypatch):
+    """An op bound to ``Options(family="fa2", atomic_dq=True)`` (was ``FLASHGEN_ATOMIC_DQ=1``
+    with ``FLASHGEN_KERNEL_FAMILY=fa2``): deterministic=False runs the FA2-class atomic-dQ
+    kernels, deterministic=True the deterministic ones, both within the reference's bound."""
+    gpu_options.use(monkeypatch, family="fa2", atomic_dq=True)
+    spec = shipped(name)
+    assert expected_path(spec, False) == "atomic" and expected_path(spec, True) == "deterministic"
+    check_grads(spec, 2, 4, 2, 127, 257, seed=11, deterministic=False)
+    check_grads(spec, 1, 2, 1, 257, 127, seed=12, deterministic=True)
+    grads = _repeat_backward(True, n=3)  # the deterministic kernels stay bitwise reproducible
+    assert all(torch.equal(a, b_) for g in grads[1:] for a, b_ in zip(g, grads[0], strict=True))
 
 
 @pytest.mark.skipif(not NONDET_DIFFERS, reason=NONDET_REASON)
@@ -252,7 +269,7 @@ def test_atomic_dq_repeatability_and_agreement():
 def test_empty_rows_give_zero_gradients_and_no_nan(bwd_path):
     """Causal with Sq > Sk: the first Sq - Sk query rows attend to nothing."""
     spec = shipped("causal_d128")
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     q, k, v, _ = random_inputs(spec, 1, 2, 2, 300, 100, torch.device("cuda"))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     o, lse = op.attention(q, k, v, deterministic=bwd_path)

@@ -1,12 +1,12 @@
-"""The Hopper forward's column bounds (``FLASHGEN_COL_BOUND``, flashgen/analysis/colbound.py) on
-the GPU.
+"""The Hopper forward's column bounds (``Options`` ``hopper_fwd.col_bound``,
+flashgen/analysis/colbound.py) on the GPU.
 
 A residual conjunct such as mistral_swa's ``q_idx + seqlen_k - seqlen_q - kv_idx < window`` is
 folded into the masked tiles' per-row column range.  Checked here: the fp64 reference with the
 2x rule (``tests/gpu/test_forward.py``'s ``check``) on the default and the persistent kernel,
 windows shorter than a tile, longer than the sequence and at int32's edge, lower and upper
 bounds together, a bound beside a remaining conjunct and beside a score_mod, at odd lengths,
-Sq != Sk both ways and GQA; and that the switch changes no bit of the output (the same pairs
+Sq != Sk both ways and GQA; and that the option changes no bit of the output (the same pairs
 are kept, the scores and the softmax are the same instructions).
 
     python3 -m pytest tests/gpu/test_colbound_gpu.py -q
@@ -24,12 +24,11 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_forward import check  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import COL_BOUND_ENV  # noqa: E402
-from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -93,9 +92,10 @@ LENGTHS = [(1000, 1000), (127, 1000), (1000, 127), (1, 1000), (1031, 4097)]
 
 @pytest.fixture(params=["auto", "persistent"])
 def kernel(request, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1" if request.param == "persistent" else "0")
-    monkeypatch.setenv(COL_BOUND_ENV, "1")
+    gpu_options.use(
+        monkeypatch, {"hopper_fwd.col_bound": True}, family="auto",
+        persistent="static" if request.param == "persistent" else "off",
+    )  # fmt: skip
     return request.param
 
 
@@ -110,16 +110,18 @@ def test_column_bound_forward(key, kernel, error_bound):
 
 
 @pytest.mark.parametrize("window", [37, 1000])
-def test_switch_changes_no_bit(window, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+def test_switch_changes_no_bit(window):
+    """Two ops of one spec, ``hopper_fwd.col_bound`` on and off (the kernels differ: the
+    plans say so), compute the same bits."""
     dev = torch.device("cuda")
     base = _mistral()
+    spec = dataclasses.replace(base, name="mistral_swa_cb_bits")
     outs = []
-    for on in ("1", "0"):
-        monkeypatch.setenv(COL_BOUND_ENV, on)
-        op = build_op(dataclasses.replace(base, name=f"mistral_swa_cb_bits{on}"))
-        assert op is not None
+    for on in (True, False):
+        op = gpu_options.build(
+            spec, gpu_options.options({"hopper_fwd.col_bound": on}, persistent="off")
+        )
+        assert op.kernel(dev).plan.context["col_bound"] is on
         gen = torch.Generator(device=dev).manual_seed(window)
         q, k, v, params = random_inputs(base, 2, 8, 2, 1500, 3001, dev, gen)
         params["window"] = window

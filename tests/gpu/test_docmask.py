@@ -14,24 +14,25 @@ ref64| + 1e-3.
 
 Each case runs with both kernel families (the ``family`` fixture): on an H200 the default
 is the Hopper TMA + wgmma kernel walking a table built for its tiles (checked on every
-call), ``FLASHGEN_KERNEL_FAMILY=fa2`` the FA2-class kernel with its own tiles.
+call), an op bound to ``Options(family="fa2")`` the FA2-class kernel with its own tiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import gpu_options  # noqa: E402
+
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.ops.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
-from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
+from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -65,8 +66,8 @@ DEV = torch.device("cuda")
 @pytest.fixture(autouse=True, params=["auto", "fa2"])
 def family(request, monkeypatch):
     """Every case runs twice: with the default kernel (on an H200, the Hopper kernel) and
-    with the FA2-class kernel (``FLASHGEN_KERNEL_FAMILY=fa2``)."""
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    with the FA2-class kernel: ops bound to ``Options(family=...)`` (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family=request.param)
     return request.param
 
 
@@ -91,11 +92,11 @@ def qkv(spec, b, hq, hkv, sq, sk, gen, bshd=False):
 
 
 def check(spec, q, k, v, params, error_bound, **kw):
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     with poison_outputs():
         o, lse = op.attention(q, k, v, **params, **kw)
     torch.cuda.synchronize()
-    family = os.environ["FLASHGEN_KERNEL_FAMILY"]
+    family = op.options.family
     assert op.kernel(DEV).plan.template == expected_template(family), "not the expected kernel"
     assert not o.isnan().any() and not lse.isnan().any(), "an output element was not written"
     ref_o, ref_lse, bound = error_bound(spec, q, k, v, params)
@@ -115,7 +116,7 @@ def check(spec, q, k, v, params, error_bound, **kw):
 @pytest.mark.parametrize("sq, sk", [(1, 1), (17, 1000), (1000, 17), (127, 127), (2049, 1031)])
 def test_pre_pass_table_matches_brute_force(sq, sk):
     gen = torch.Generator(device=DEV).manual_seed(sq + sk)
-    op = build_op(DOC)
+    op = gpu_options.build(DOC)
     b = 3
     params = {"doc_q": doc_ids(b, sq, 5, gen), "doc_kv": doc_ids(b, sk, 5, gen)}
     bm = op.block_mask(sq, sk, **params)
@@ -128,7 +129,7 @@ def test_pre_pass_table_matches_brute_force(sq, sk):
 
 def test_pre_pass_table_per_head():
     gen = torch.Generator(device=DEV).manual_seed(1)
-    op = build_op(PER_HEAD)
+    op = gpu_options.build(PER_HEAD)
     win = torch.tensor([1, 64, 300, 5000], device=DEV, dtype=torch.int32)
     doc = doc_ids(1, 777, 3, gen)[0]
     bm = op.block_mask(777, 777, win=win, doc=doc)
@@ -193,13 +194,13 @@ def test_float_row_and_column_terms(b, hq, hkv, sq, sk, error_bound):
     }
     check(FLOAT_TERMS, q, k, v, params, error_bound)
     for spec in (FLOAT_TERMS, DOC):  # both families took the row / column terms
-        plan = build_op(spec).kernel(DEV).plan
+        plan = gpu_options.build(spec).kernel(DEV).plan
         assert plan.context["row_terms"] and plan.context["col_terms"], spec.name
 
 
 # ----------------------------------------------------------------------------- block-mask reuse
 def test_block_mask_reuse_is_bitwise_the_per_call_result(error_bound):
-    op = build_op(DOC)
+    op = gpu_options.build(DOC)
     gen = torch.Generator(device=DEV).manual_seed(11)
     b, s = 2, 2000
     params = {"doc_q": doc_ids(b, s, 6, gen)}
@@ -218,7 +219,7 @@ def test_empty_tiles_are_never_used():
     """Documents of L tokens (a multiple of the kernel's BLOCK_M and BLOCK_N), no causal:
     each query tile sees FULL tiles of its own document and EMPTY ones elsewhere.  V of
     document 0 is NaN: only document 0's queries may see it."""
-    op = build_op(DOC1D)
+    op = gpu_options.build(DOC1D)
     tiles = op.kernel(DEV).plan.tiles
     L = math.lcm(tiles.block_m, tiles.block_n)
     gen = torch.Generator(device=DEV).manual_seed(5)
@@ -246,7 +247,7 @@ def test_query_blocks_with_no_live_key_block(sq, sk, prebuilt, error_bound):
     """Query blocks whose whole table row is EMPTY (their rows' documents have no key):
     o = 0 and lse = -inf there, the rest as the reference; GQA, Sq != Sk, odd lengths,
     with a table from op.block_mask and one the op builds itself."""
-    op = build_op(DOC)
+    op = gpu_options.build(DOC)
     bm_rows = op.kernel(DEV).plan.tiles.block_m
     gen = torch.Generator(device=DEV).manual_seed(sq + sk)
     b = 2
@@ -267,17 +268,17 @@ def test_query_blocks_with_no_live_key_block(sq, sk, prebuilt, error_bound):
         assert (o[bi, :, rows] == 0).all() and torch.isneginf(lse[bi, :, rows]).all()
 
 
-def test_block_mask_is_refused_by_a_kernel_of_other_tiles(family, monkeypatch):
+def test_block_mask_is_refused_by_a_kernel_of_other_tiles(family):
     """A BlockMask built for one kernel family's tiles, used after switching families: the
     op refuses it (never reinterprets it) when the tiles differ, and runs when they agree."""
-    op = build_op(DOC)
+    op = gpu_options.build(DOC)
     gen = torch.Generator(device=DEV).manual_seed(2)
     s = 1000
     params = {"doc_q": doc_ids(1, s, 3, gen), "doc_kv": doc_ids(1, s, 3, gen)}
     bm = op.block_mask(s, s, **params)
     assert (bm.block_m, bm.block_n) == astuple_tiles(op)
     q, k, v = qkv(DOC, 1, 2, 2, s, s, gen)
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2" if family == "auto" else "auto")
+    op = op.with_options(gpu_options.options(family="fa2" if family == "auto" else "auto"))
     if astuple_tiles(op) == (bm.block_m, bm.block_n):
         op.attention(q, k, v, **params, block_mask=bm)  # same tiles (e.g. no Hopper here)
         return

@@ -11,7 +11,6 @@ divides in place) must keep the same pairs as the forward.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,11 +20,12 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu_options  # noqa: E402
 from head_dim_cases import prebuild  # noqa: E402
 
 from flashgen.bench.verify import error_bound, random_inputs  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
+from flashgen.ops.op import poison_outputs  # noqa: E402
 from flashgen.ops.reference import attention_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -49,22 +49,16 @@ def spec_of(name: str):
 def kernels():
     """Every kernel of this module compiled in parallel up front (both families; the
     backward of the mask spec)."""
-    dev, old = torch.device("cuda"), os.environ.get("FLASHGEN_KERNEL_FAMILY")
-    try:
-        for fam in ("auto", "fa2"):
-            os.environ["FLASHGEN_KERNEL_FAMILY"] = fam
-            prebuild([spec_of(n) for n in sorted(SPECS)], dev)
-        prebuild([spec_of("exprlow_cmp_mask")], dev, backward=True)
-    finally:
-        if old is None:
-            os.environ.pop("FLASHGEN_KERNEL_FAMILY", None)
-        else:
-            os.environ["FLASHGEN_KERNEL_FAMILY"] = old
+    dev = torch.device("cuda")
+    for fam in ("auto", "fa2"):
+        prebuild([spec_of(n) for n in sorted(SPECS)], dev, options=gpu_options.options(family=fam))
+    prebuild([spec_of("exprlow_cmp_mask")], dev, backward=True)
 
 
 @pytest.fixture(autouse=True, params=["auto", "fa2"])
 def family(request, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    """Ops bound to ``Options(family=...)`` (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family=request.param)
     return request.param
 
 
@@ -72,7 +66,7 @@ def family(request, monkeypatch):
 @pytest.mark.parametrize("sq, sk", [(127, 127), (1000, 200), (17, 1000)])
 def test_compared_float_division(name, sq, sk):
     spec = spec_of(name)
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     q, k, v, params = random_inputs(spec, 2, 4, 2, sq, sk, dev, gen)
@@ -102,7 +96,7 @@ def test_compared_float_division_backward(family):
         pytest.skip("the backward kernels are one family")
     name = "exprlow_cmp_mask"
     spec = spec_of(name)
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(1)
     q, k, v, params = random_inputs(spec, 2, 4, 2, 300, 200, dev, gen)

@@ -5,7 +5,7 @@
 (128x64x8, 64x48x4, and FA2's own 64x64x4 on H100/H200).
 
 Each case writes a temporary table (``$FLASHGEN_TUNING_TABLE``) with the device's key, so
-the op plans the entry's tiles and switches itself (``lower.plan_forward`` with the GPU
+the op plans the entry's tiles and switches itself (``plan_forward`` with the GPU
 name), then compares with the float64 reference (tests/gpu/test_forward.py's ``check``):
 lengths that end mid-tile and on a tile boundary, Sq != Sk, GQA, (B, S, H, D) views.
 """
@@ -22,10 +22,14 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
+from plan_helpers import plan_forward  # noqa: E402
 from test_forward import check, shipped, variant  # noqa: E402
 
-from flashgen import lower, select, tuning  # noqa: E402
-from flashgen.lower import TileConfig, split_causal  # noqa: E402
+from flashgen import tuning  # noqa: E402
+from flashgen.codegen.cuda_expr import split_causal  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.build import build_forward  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +48,8 @@ ENTRIES = {
 
 @pytest.fixture(autouse=True)
 def fa2_family(monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
+    """Ops bound to ``Options(family="fa2")`` (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family="fa2")
 
 
 def tabled(entry: str, tmp_path, monkeypatch, *, dtype=None, causal=None):
@@ -63,7 +68,7 @@ def tabled(entry: str, tmp_path, monkeypatch, *, dtype=None, causal=None):
         path,
     )  # fmt: skip
     monkeypatch.setenv(tuning.ENV, str(path))
-    plan = lower.plan_forward(spec, target, gpu=gpu, family="fa2")
+    plan = plan_forward(spec, target, gpu=gpu, family="fa2")
     assert plan.tiles == tiles and plan.template == "sm_80/fwd.cu.j2"
     assert all(plan.context[k] == v for k, v in opts.items())
     return spec
@@ -73,9 +78,10 @@ def tabled(entry: str, tmp_path, monkeypatch, *, dtype=None, causal=None):
 def test_entry_compiles_spill_free(entry, tmp_path, monkeypatch):
     spec = tabled(entry, tmp_path, monkeypatch)
     dev = torch.device("cuda")
-    plan, _, report = select.build_forward(
-        spec, target_for_device(spec, dev), gpu=torch.cuda.get_device_name(dev), family="fa2"
-    )
+    plan, _, report = build_forward(
+        spec, target_for_device(spec, dev), gpu=torch.cuda.get_device_name(dev),
+        options=gpu_options.CURRENT,
+    )  # fmt: skip
     tiles, opts = ENTRIES[entry]
     assert plan.tiles == tiles and all(plan.context[k] == v for k, v in opts.items())
     assert report.spill_bytes == 0, f"{entry}: {plan.tiles} spills {report.spill_bytes} B"

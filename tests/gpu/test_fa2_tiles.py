@@ -1,7 +1,7 @@
 """FlashAttention-2's own forward tiles in flashgen's FA2-class kernel (needs a GPU:
 ``pytest -m gpu``): d64 at 128x128x4 and d256 at 128x64x8, candidates of the FA2-class
 tile sweeps against FA2 (docs/perf-notes.md), on the FA2-class kernel
-(``FLASHGEN_KERNEL_FAMILY=fa2``) through the op, against the float64 reference.
+(ops bound to ``Options(family="fa2")``) through the op, against the float64 reference.
 
 Each spec gets the tiles through its ``tiles:`` override (no spill fallback then), and
 the first test checks that the device's target compiles them spill-free.  Cases: both
@@ -21,12 +21,14 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_forward import check, shipped, variant  # noqa: E402
 
-from flashgen import select  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families import build as family_build  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
-from flashgen.lower import TileConfig  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +43,8 @@ CANDIDATES = {
 
 @pytest.fixture(autouse=True)
 def fa2_family(monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
+    """Ops bound to ``Options(family="fa2")`` (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family="fa2")
 
 
 def tiled(name: str, **kw) -> ir.Spec:
@@ -58,7 +61,7 @@ def tiled(name: str, **kw) -> ir.Spec:
 def test_candidate_tiles_compile_spill_free(name):
     spec = tiled(name)
     target = target_for_device(spec, torch.device("cuda"))
-    plan, _, report = select.build_forward(spec, target, family="fa2")
+    plan, _, report = family_build.build_forward(spec, target, options=Options(family="fa2"))
     assert plan.template == "sm_80/fwd.cu.j2"
     assert plan.tiles == CANDIDATES[name]
     assert report.spill_bytes == 0, f"{name} at {plan.tiles} spills {report.spill_bytes} B"

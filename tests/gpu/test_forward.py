@@ -26,13 +26,14 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu_options  # noqa: E402
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec, prebuild  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.build import cache  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
+from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -40,8 +41,9 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True, params=["auto", "fa2"])
 def family(request, monkeypatch):
     """Every case runs twice: with the default kernel (on an H200, the Hopper TMA + wgmma
-    kernel) and with the FA2-class kernel (``FLASHGEN_KERNEL_FAMILY=fa2``)."""
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    kernel) and with the FA2-class kernel: ops bound to ``Options(family=...)``
+    (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family=request.param)
     return request.param
 
 
@@ -66,7 +68,7 @@ def variant(spec: ir.Spec, *, dtype: str | None = None, causal: bool | None = No
 
 def check(spec: ir.Spec, b, hq, hkv, sq, sk, error_bound, *, bshd=False, seed=0, **kw):
     """Run ``spec``'s op on random inputs and compare with the fp64 reference."""
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
     q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
@@ -185,7 +187,7 @@ def test_head_dim_score_mod_and_bshd_views(d, dv, score_mod, error_bound, hdim_k
 # ----------------------------------------------------------------------------- empty sizes
 @pytest.mark.parametrize("b, sq, sk", [(0, 17, 17), (2, 0, 17), (2, 17, 0)])
 def test_empty(b, sq, sk):
-    op = build_op(shipped("causal_d128"))
+    op = gpu_options.build(shipped("causal_d128"))
     dev = torch.device("cuda")
     q, k, v, _ = random_inputs(op.spec, b, 4, 2, sq, sk, dev)
     with poison_outputs():
@@ -200,7 +202,7 @@ def test_warm_calls_do_not_rebuild_and_use_the_current_stream(error_bound):
     spec = shipped("causal_d128")
     check(spec, 1, 2, 2, 64, 64, error_bound)
     builds = cache.builds
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     q, k, v, _ = random_inputs(spec, 1, 2, 2, 64, 64, torch.device("cuda"))
     ref, _ = op.attention(q, k, v)
     s = torch.cuda.Stream()
@@ -213,13 +215,13 @@ def test_warm_calls_do_not_rebuild_and_use_the_current_stream(error_bound):
 
 
 def test_opcheck_cuda():
-    op = build_op(shipped("alibi"))
+    op = gpu_options.build(shipped("alibi"))
     q, k, v, params = random_inputs(op.spec, 1, 2, 1, 33, 40, torch.device("cuda"))
     torch.library.opcheck(op.torch_op, (q, k, v, 0.1, params["slopes"]))
 
 
 def test_torch_compile_cuda():
-    op = build_op(shipped("mistral_swa"))
+    op = gpu_options.build(shipped("mistral_swa"))
     q, k, v, _ = random_inputs(op.spec, 1, 2, 2, 100, 100, torch.device("cuda"))
     f = torch.compile(lambda q, k, v: op.attention(q, k, v, window=16), fullgraph=True)
     o, lse = f(q, k, v)
@@ -234,7 +236,7 @@ def test_fused_qkv_views(offset, error_bound):
     aligned), which the op must still get right."""
     spec = shipped("bidir_d256")
     b, h, s, d = 2, 4, 129, spec.head_dim
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     qkv = torch.randn(b, s, 3, h, d + offset, device="cuda", dtype=torch.bfloat16)
     q, k, v = (qkv[:, :, i, :, offset:].transpose(1, 2) for i in range(3))
     assert q.stride(-1) == 1

@@ -22,12 +22,11 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import HOPPER_BWD_DQ_A_ENV  # noqa: E402
-from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,6 +68,13 @@ def shipped(name: str):
         for ln in (REPO / "specs" / f"{name}.yaml").read_text().splitlines()
     ]
     return loads_spec("\n".join(lines) + "\n", f"<{name}_d256>")
+
+
+def build_op(spec):
+    """The op of ``spec`` with the dQ A-operand variant (``Options`` ``hopper_bwd.dq_a``) its
+    name says: ``..._ldmatrix`` for "ldmatrix", else "smem" (each variant its own op)."""
+    dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
+    return gpu_options.build(spec, gpu_options.options({"hopper_bwd.dq_a": dq_a}))
 
 
 def poison_allocator(*shapes_dtypes) -> None:
@@ -154,10 +160,11 @@ def prebuilt():
     import os
     from concurrent.futures import ThreadPoolExecutor
 
+    from plan_helpers import plan_hopper_backward
+
     from flashgen.build import cache
     from flashgen.build.render import render
-    from flashgen.lower import plan_hopper_backward
-    from flashgen.select import build_forward
+    from flashgen.families.build import build_forward
 
     dims = (64, 128, 256)
     specs = [hb_spec(d, t, c) for d in dims for t in ("bf16", "fp16") for c in (True, False)]
@@ -176,13 +183,6 @@ def prebuilt():
         list(pool.map(lambda job: job(), jobs))
 
 
-@pytest.fixture(autouse=True)
-def dq_a_default(monkeypatch):
-    """The dQ A-operand variant (lower.HOPPER_BWD_DQ_A) is read at plan time: "smem" unless
-    a test sets another (its spec name says which, so each variant builds its own op)."""
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "smem")
-
-
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -194,9 +194,8 @@ def test_lengths_gqa_dtypes(d, dtype, causal):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_dq_a_from_ldmatrix(d, causal, monkeypatch):
+def test_dq_a_from_ldmatrix(d, causal):
     """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma."""
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
     spec = hb_spec(d, "bf16", causal, "ldmatrix")
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)

@@ -1,9 +1,9 @@
 """The Hopper forward's masked-tile reductions (session 7) on the GPU, against the fp64
 reference with the 2x rule (``tests/gpu/test_forward.py``'s ``check``): CAUSAL_ONLY and
-NO_CAUSAL tiles (``FLASHGEN_CAUSAL_TILES``), the per-row column limit
-(``FLASHGEN_COL_LIMIT``), the walk from the causal diagonal (``FLASHGEN_WALK_FROM_DIAGONAL``),
-``kv_idx / chunk`` as ``fg::Divisor::div_nn`` (``FLASHGEN_NONNEG_DIV``) and the first block
-found by warp 0 alone (``FLASHGEN_SINGLE_WALK``): all on, all off and the column limit alone
+NO_CAUSAL tiles (``Options`` ``hopper_fwd.causal_tiles``), the per-row column limit
+(``hopper_fwd.col_limit``), the walk from the causal diagonal (``hopper_fwd.walk_from_diagonal``),
+``kv_idx / chunk`` as ``fg::Divisor::div_nn`` (``hopper_fwd.nonneg_div``) and the first block
+found by warp 0 alone (``hopper_fwd.single_walk``): all on, all off and the column limit alone
 off, on the default kernel (the Hopper one on an H200) and the persistent one.  The masks
 make every tile kind appear (chunks and windows shorter and longer than a tile, a prefix,
 ``causal`` under ``||`` and ``!``), with and without a score_mod (the score_mod path masks
@@ -26,26 +26,22 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_forward import check  # noqa: E402
 
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import (  # noqa: E402
-    CAUSAL_TILES_ENV,
-    COL_LIMIT_ENV,
-    NONNEG_DIV_ENV,
-    SINGLE_WALK_ENV,
-    WALK_FROM_DIAGONAL_ENV,
-)
 
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
+COL_LIMIT = "hopper_fwd.col_limit"
+#: The reductions' options (dotted names of flashgen.Options).
 SWITCHES = (
-    CAUSAL_TILES_ENV,
-    COL_LIMIT_ENV,
-    WALK_FROM_DIAGONAL_ENV,
-    NONNEG_DIV_ENV,
-    SINGLE_WALK_ENV,
+    "hopper_fwd.causal_tiles",
+    COL_LIMIT,
+    "hopper_fwd.walk_from_diagonal",
+    "hopper_fwd.nonneg_div",
+    "hopper_fwd.single_walk",
 )
 
 
@@ -102,17 +98,18 @@ SETTINGS = {
     "all_on": ((), "auto"),
     "all_on_persistent": ((), "persistent"),
     "all_off": (SWITCHES, "auto"),
-    "col_limit_off": ((COL_LIMIT_ENV,), "auto"),
+    "col_limit_off": ((COL_LIMIT,), "auto"),
 }
 
 
 @pytest.fixture(params=sorted(SETTINGS))
 def setting(request, monkeypatch):
+    """Ops bound to the setting's options (:mod:`gpu_options`)."""
     off, kernel = SETTINGS[request.param]
-    for n in SWITCHES:
-        monkeypatch.setenv(n, "0" if n in off else "1")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1" if kernel == "persistent" else "0")
+    gpu_options.use(
+        monkeypatch, {n: n not in off for n in SWITCHES}, family="auto",
+        persistent="static" if kernel == "persistent" else "off",
+    )  # fmt: skip
     return request.param
 
 
@@ -120,7 +117,7 @@ def setting(request, monkeypatch):
 def test_mask_tiles_forward(key, setting, error_bound):
     make, params = SPECS[key]
     base = make()
-    # its own op per setting: an op plans its kernel once, under the switches it sees
+    # its own spec name per setting (each setting's options register their own op anyway)
     spec = dataclasses.replace(base, name=f"{base.name}_{setting}")
     for sq, sk in LENGTHS:
         check(spec, 1, 4, 2, sq, sk, error_bound, seed=sq + 3 * sk, **params)
@@ -152,10 +149,7 @@ EDGE_SPECS = {
 
 @pytest.mark.parametrize("key", sorted(EDGE_SPECS))
 def test_mask_tiles_edge_masks(key, monkeypatch, error_bound):
-    for n in SWITCHES:
-        monkeypatch.setenv(n, "1")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    gpu_options.use(monkeypatch, {n: True for n in SWITCHES}, family="auto", persistent="off")
     make, params = EDGE_SPECS[key]
     spec = make()
     for sq, sk in LENGTHS:

@@ -1,4 +1,5 @@
-"""The persistent Hopper forward (``FLASHGEN_PERSISTENT=1``) on an sm_90 GPU against the
+"""The persistent Hopper forward (ops bound to ``Options(persistent="static")`` and the other
+schedulers) on an sm_90 GPU against the
 float64 reference (``pytest -m gpu``; skipped without an sm_90 device).
 
 What it checks: the forward matrix of tests/gpu/test_forward.py that matters for the tile
@@ -7,7 +8,7 @@ loop (odd lengths 1 / 17 / 127 / 1000 / 4097, Sq != Sk, GQA, causal on and off, 
 unsorted ids, rows and whole query blocks with nothing to attend to), all with poisoned
 outputs (NaN-filled before the launch: every element must be written).  Grids: the real SM
 count (one CTA per SM, many tiles each at 4097) and forced small grids of 1 and 7 CTAs
-(``op._sm_count`` patched), which run every tile of a problem through few CTAs, empty tiles
+(``Options.persistent_ctas``), which run every tile of a problem through few CTAs, empty tiles
 and all: the mbarrier phases (q_full / q_empty per tile, the K/V ring across tiles) and the
 double-buffered tile info get exercised hundreds of times per CTA.  The persistent output
 must also match the non-persistent kernel's (same per-tile arithmetic: bitwise, reported as
@@ -27,11 +28,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gpu_options  # noqa: E402
+
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops import op as op_module  # noqa: E402
-from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
+from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -48,8 +50,7 @@ def persistent(monkeypatch):
     """Every case runs the persistent Hopper kernel (skipped where there is none)."""
     if not _sm90():
         pytest.skip("the persistent forward is the sm_90 (Hopper) kernel's")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
+    gpu_options.use(monkeypatch, family="auto", persistent="static")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,13 +59,12 @@ def prebuild():
     tests' sequential calls then hit the kernel cache."""
     if not _sm90():
         return
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     from flashgen.build import cache
     from flashgen.build.render import render
-    from flashgen.lower import plan_block_table
-    from flashgen.select import build_forward
+    from flashgen.families.build import build_forward
+    from flashgen.families.registry import plan_block_table
 
     gpu = torch.cuda.get_device_name()
     specs = [shipped(n) for n in SPECS] + [PER_HEAD]
@@ -88,17 +88,17 @@ def prebuild():
 
 @pytest.fixture(params=["static", "m_major", "dynamic"])
 def scheduler(request, monkeypatch):
-    """The tile scheduler (``FLASHGEN_PERSISTENT``), for the tests that take it; the others
+    """The tile scheduler (``Options.persistent``), for the tests that take it; the others
     run ``static``."""
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", request.param)
+    gpu_options.update(monkeypatch, persistent=request.param)
     return request.param
 
 
 @pytest.fixture(params=[None, 1, 7], ids=["sms", "grid1", "grid7"])
 def grid(request, monkeypatch):
-    """The persistent grid: the device's SM count, or a forced small one."""
-    if request.param is not None:
-        monkeypatch.setattr(op_module, "_sm_count", lambda index: request.param)
+    """The persistent grid: the device's SM count, or a forced small one
+    (``Options.persistent_ctas``)."""
+    gpu_options.update(monkeypatch, persistent_ctas=request.param)
     return request.param
 
 
@@ -129,14 +129,13 @@ def variant(spec: ir.Spec, *, causal: bool | None = None, head_dim: int | None =
 
 
 def run(spec, q, k, v, params):
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     with poison_outputs():
         o, lse = op.attention(q, k, v, **params)
     torch.cuda.synchronize()
     plan = op.kernel(q.device).plan
     assert plan.template == "sm_90/fwd.cu.j2" and plan.context["persistent"], "not persistent"
-    want = os.environ["FLASHGEN_PERSISTENT"]
-    assert plan.context["scheduler"] == ("static" if want == "1" else want)
+    assert plan.context["scheduler"] == op.options.persistent
     return o, lse
 
 
@@ -191,7 +190,7 @@ def test_lengths(sq, sk, causal, grid, error_bound):
 @pytest.mark.parametrize("scheduler", ["m_major", "dynamic"], indirect=True)
 def test_lengths_schedulers(sq, sk, causal, scheduler, monkeypatch, error_bound):
     """The other schedulers on causal / non-causal problems through 5 CTAs."""
-    monkeypatch.setattr(op_module, "_sm_count", lambda index: 5)
+    gpu_options.update(monkeypatch, persistent_ctas=5)
     spec = variant(shipped("causal_d128"), causal=causal)
     check(spec, *inputs(spec, 2, 3, 1, sq, sk, seed=sq + 5 * sk), error_bound)
 
@@ -199,11 +198,10 @@ def test_lengths_schedulers(sq, sk, causal, scheduler, monkeypatch, error_bound)
 def test_dynamic_counter_resets(monkeypatch, error_bound):
     """The dynamic scheduler's counter is left at zero by every launch: repeated launches,
     two streams, a CUDA graph replayed, all give the same output."""
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "dynamic")
-    monkeypatch.setattr(op_module, "_sm_count", lambda index: 7)
+    gpu_options.update(monkeypatch, persistent="dynamic", persistent_ctas=7)
     spec = DOC
     q, k, v, params = inputs(spec, 2, 4, 2, 2049, 2049, seed=4)
-    op = build_op(spec)
+    op = gpu_options.build(spec)
     o0, lse0 = check(spec, q, k, v, params, error_bound)
     for _ in range(5):
         o, lse = op.attention(q, k, v, **params)
@@ -260,7 +258,7 @@ def test_shipped_spec(name, sq, sk, error_bound):
 def test_shipped_spec_small_grid(name, monkeypatch, error_bound):
     """Classifier walks (window, chunks: EMPTY tiles in the middle of a row) and score_mods
     through 3 CTAs."""
-    monkeypatch.setattr(op_module, "_sm_count", lambda index: 3)
+    gpu_options.update(monkeypatch, persistent_ctas=3)
     spec = shipped(name)
     q, k, v, params = inputs(spec, 2, 2, 1, 1000, 1000, seed=11)
     if spec.param("chunk") is not None:
@@ -333,11 +331,11 @@ def test_matches_non_persistent(name, sq, sk, scheduler, monkeypatch, error_boun
     spec = shipped(name)
     q, k, v, params = inputs(spec, 2, 4, 2, sq, sk, seed=1)
     o1, lse1 = run(spec, q, k, v, params)
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
+    plain = gpu_options.build(spec, gpu_options.CURRENT.replace_path("persistent", "off"))
     with poison_outputs():
-        o0, lse0 = build_op(spec).attention(q, k, v, **params)
+        o0, lse0 = plain.attention(q, k, v, **params)
     torch.cuda.synchronize()
-    assert not build_op(spec).kernel(q.device).plan.context["persistent"]
+    assert not plain.kernel(q.device).plan.context["persistent"]
     diff = (o1.float() - o0.float()).abs().max().item()
     if not (torch.equal(o1, o0) and torch.equal(lse1, lse0)):
         _, _, bound = error_bound(spec, q, k, v, params)

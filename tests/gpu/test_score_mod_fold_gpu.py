@@ -26,12 +26,12 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -71,7 +71,8 @@ def heavy_spec():
 
 @pytest.fixture(params=["auto", "fa2"])
 def family(request, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", request.param)
+    """Ops bound to ``Options(family=...)`` (:mod:`gpu_options`)."""
+    gpu_options.use(monkeypatch, family=request.param)
     return request.param
 
 
@@ -92,7 +93,7 @@ def check_scale(spec, b, hq, hkv, sq, sk, *, softmax_scale, seed):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
     q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
-    o, _ = build_op(spec).attention(q, k, v, softmax_scale=softmax_scale, **params)
+    o, _ = gpu_options.build(spec).attention(q, k, v, softmax_scale=softmax_scale, **params)
     ref, low = (
         attention_reference(
             spec, q, k, v, softmax_scale=softmax_scale, params=params, compute_dtype=dt

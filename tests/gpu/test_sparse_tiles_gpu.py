@@ -1,9 +1,9 @@
 """The forward op's per-call choice of the Hopper tiles for sparse masks
-(``lower.sparse_tiles``: 128 x 128 in place of 128 x 160 at head_dim 128 when the mask keeps
-fewer than ``lower.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.ops.density``) on an sm_90
+(``registry.sparse_tiles``: 128 x 128 in place of 128 x 160 at head_dim 128 when the mask keeps
+fewer than ``tiles.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.ops.density``) on an sm_90
 GPU: both kernels against the fp64 reference with the 2x rule (``test_forward.check``, outputs
-poisoned), the sparse one where the mask keeps few keys per row, the dense one with
-``FLASHGEN_SPARSE_TILES=0`` at the same lengths and by itself where the mask keeps many.
+poisoned), the sparse one where the mask keeps few keys per row, the dense one (an op bound to
+``Options(sparse_tiles=False)``) at the same lengths and by itself where the mask keeps many.
 
     python3 -m pytest tests/gpu/test_sparse_tiles_gpu.py -q
 """
@@ -20,17 +20,12 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_forward import check  # noqa: E402
 
+from flashgen.families.tiles import SPARSE_KEYS_PER_ROW  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.lower import (  # noqa: E402
-    PERSISTENT_WARP_WALK_ENV,
-    SPARSE_KEYS_PER_ROW,
-    SPARSE_PERSISTENT_ENV,
-    SPARSE_TILES_ENV,
-)
 from flashgen.ops import density  # noqa: E402
-from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -48,12 +43,16 @@ CASES = {
 LENGTHS = [(1000, 1000), (127, 1000), (1031, 4097), (1, 1000), (1000, 127)]
 
 
-def _env(monkeypatch, sparse: str = "1") -> None:
-    """The default (Hopper, non-persistent) forward, with FLASHGEN_SPARSE_TILES=``sparse``."""
-    monkeypatch.setenv(SPARSE_TILES_ENV, sparse)
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
-    monkeypatch.setenv(SPARSE_PERSISTENT_ENV, "0")
+def _env(monkeypatch, sparse: str = "1", **more) -> None:
+    """Ops of the default (Hopper, non-persistent) forward, non-persistent sparse calls too,
+    with ``Options.sparse_tiles`` ``sparse == "1"`` (:mod:`gpu_options`); ``more``: other
+    options by dotted name."""
+    values = {"sparse_tiles": sparse == "1", "sparse_persistent": "off", **more}
+    gpu_options.use(monkeypatch, values, family="auto", persistent="off")
+
+
+def build_op(spec):
+    return gpu_options.build(spec)
 
 
 def _keys_per_row(spec, sq: int, sk: int, scalars: tuple) -> float:
@@ -108,18 +107,17 @@ def test_sparse_and_dense_tiles(key, mode, monkeypatch, error_bound):
 
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_sparse_calls_on_the_persistent_kernel(key, monkeypatch, error_bound):
-    """FLASHGEN_SPARSE_PERSISTENT unset (the default, dynamic): the calls that keep few keys
+    """``Options.sparse_persistent`` at its default (dynamic): the calls that keep few keys
     per row run the persistent 128 x 128 kernel, its producer walking warp-wide (masks that
     divide included), the others the non-persistent dense one; all against the reference."""
-    _env(monkeypatch)
-    monkeypatch.delenv(SPARSE_PERSISTENT_ENV, raising=False)
-    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
+    _env(monkeypatch, sparse_persistent="dynamic")
     name, params, (hq, hkv) = CASES[key]
     base = load_spec(REPO / "specs" / f"{name}.yaml")
-    op = build_op(dataclasses.replace(base, name=f"{base.name}_st_persistent"))
+    spec = dataclasses.replace(base, name=f"{base.name}_st_persistent")
+    op = build_op(spec)
     ran = _record_tiles(op, monkeypatch)
-    for sq, sk in LENGTHS:
-        check(op.spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 7 * sk, **params)
+    for sq, sk in LENGTHS:  # check builds the same op (spec and options): the spy sees it
+        check(spec, 1, hq, hkv, sq, sk, error_bound, seed=sq + 7 * sk, **params)
     want = [(128, "dynamic", True) if few else (160, None, False)
             for few in _sparse_lengths(base, params)]  # fmt: skip
     got = [(p.tiles.block_n, p.context.get("scheduler"), p.context["warp_walk"]) for p in ran]
@@ -139,7 +137,7 @@ WALK_CASES = {
 def test_persistent_walks_are_bitwise_the_non_persistent_kernel(key, monkeypatch):
     """The sparse calls' persistent kernel, its producer walking warp-wide (fg::iv::WarpWalk,
     a fresh window per tile) or one classifier call at a time (prev_live,
-    FLASHGEN_PERSISTENT_WARP_WALK=0), computes the non-persistent kernel's outputs bit for
+    ``hopper_fwd.warp_walk`` False), computes the non-persistent kernel's outputs bit for
     bit (same blocks, same classes, same per-tile arithmetic); outputs poisoned first."""
     from flashgen.ops.op import poison_outputs
 
@@ -149,13 +147,11 @@ def test_persistent_walks_are_bitwise_the_non_persistent_kernel(key, monkeypatch
     gen = torch.Generator(device=dev).manual_seed(sq + sk)
     q = torch.randn(1, hq, sq, 128, device=dev, generator=gen).bfloat16()
     k, v = (torch.randn(1, hkv, sk, 128, device=dev, generator=gen).bfloat16() for _ in "kv")
-    modes = {"nonpers": ("0", "1", None), "warp": ("dynamic", "1", True),
-             "serial": ("dynamic", "0", False)}  # fmt: skip
+    modes = {"nonpers": ("off", True, None), "warp": ("dynamic", True, True),
+             "serial": ("dynamic", False, False)}  # fmt: skip
     outs = {}
     for mode, (sched, walk, want_walk) in modes.items():
-        _env(monkeypatch)
-        monkeypatch.setenv(SPARSE_PERSISTENT_ENV, sched)
-        monkeypatch.setenv(PERSISTENT_WARP_WALK_ENV, walk)
+        _env(monkeypatch, sparse_persistent=sched, **{"hopper_fwd.warp_walk": walk})
         op = build_op(dataclasses.replace(base, name=f"{base.name}_st_walk_{mode}"))
         ran = _record_tiles(op, monkeypatch)
         with poison_outputs():

@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at ~2 GHz
 
 
-def load(name):
-    return flashgen.load(REPO / "specs" / f"{name}.yaml")
+def load(name, options=None):
+    """The op of shipped spec ``name`` (bound to ``options``, default the defaults)."""
+    return flashgen.load(REPO / "specs" / f"{name}.yaml", options=options)
 
 
 def inputs(op, seed=0, b=2, hq=4, hkv=2, sq=129, sk=77):
@@ -141,14 +142,12 @@ def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
     scheduler, the default): two graphs captured on one stream, replayed on two other streams
     at once while eager calls run on the capture stream, each get their own counter (a
     per-stream one would be shared by all three).  Every replay matches its eager call.
-    Eight CTAs per launch (``FLASHGEN_PERSISTENT_CTAS``): the three kernels run side by side
+    Eight CTAs per launch (``Options.persistent_ctas``): the three kernels run side by side
     on the GPU for their whole length, so a shared counter would hand tiles of one launch to
     the CTAs of another (the session-12 per-stream counter failed here)."""
-    import flashgen.ops.op as op_mod
+    import flashgen.ops.attention as op_mod
 
-    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
-    monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", "8")
-    op = load("mistral_swa")
+    op = load("mistral_swa", flashgen.Options(persistent_ctas=8))
     plans = []
     kernel = op.kernel
 
@@ -213,9 +212,8 @@ def test_reduce_overhead_keeps_eager_tile_counters_out_of_graph_pools(monkeypatc
     to a checkpoint, hands its memory to graph tensors (as the trees clear cuBLAS's cached
     workspaces for).  Shapes alternate (warm-up, recording, replay of each, and a new
     recording after a replay); every compiled call equals the eager one."""
-    import flashgen.ops.op as op_mod
+    import flashgen.ops.attention as op_mod
 
-    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
     monkeypatch.setattr(op_mod, "_COUNTERS", {})  # none made before: this test makes them
     op = load("mistral_swa")
     made = []  # (capturing, address) of every counter handed out

@@ -1,10 +1,10 @@
-"""Tensor-param reads in every lowered form (``flashgen.lower._tensor_read``, CPU side in
-tests/unit/test_tensor_reads.py) on the GPU: forward (the default kernel, the persistent
-Hopper one and the FA2-class one) and both backward paths against the fp64 reference,
-Hq = 8 over Hkv = 2, odd lengths, Sq != Sk.  The forms: a clamped int element offset from
-a hoisted (h) base, literals peeled into the base with a negative element offset, a
-(b, h_kv) base with a peeled literal, 64-bit offsets behind symbolic strides.  T5's bias
-(the shipped spec) is in test_forward.py / test_backward_kernels.py.
+"""Tensor-param reads in every lowered form (``flashgen.codegen.cuda_expr._tensor_read``, CPU side
+in tests/unit/test_tensor_reads.py) on the GPU: forward (the default kernel, the persistent Hopper
+one and the FA2-class one) and both backward paths against the fp64 reference, Hq = 8 over Hkv = 2,
+odd lengths, Sq != Sk.  The forms: a clamped int element offset from a hoisted (h) base, literals
+peeled into the base with a negative element offset, a (b, h_kv) base with a peeled literal, 64-bit
+offsets behind symbolic strides.  T5's bias (the shipped spec) is in test_forward.py /
+test_backward_kernels.py.
 
     python3 -m pytest tests/gpu/test_tensor_reads_gpu.py -q
 """
@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
@@ -72,8 +73,7 @@ def _params(spec, b, hq, hkv, sq, sk, seed):
 @pytest.mark.parametrize("case", SPECS, ids=[c[0] for c in SPECS])
 def test_forward(case, sq, sk, family, persistent, error_bound, monkeypatch):
     """The default kernel (Hopper on an H200), the FA2-class one and the persistent Hopper one."""
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", family)
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", persistent)
+    gpu_options.use(monkeypatch, family=family, persistent=gpu_options.persistent(persistent))
     spec = _spec(*case)
     kw = _params(spec, 2, 8, 2, sq, sk, seed=sq)
     check(spec, 2, 8, 2, sq, sk, error_bound, seed=sq + sk, **kw)

@@ -1,7 +1,8 @@
 """The head-grouped CTA order (``templates/common/tile_order.cuh``) on a GPU: with the L2
 budget shrunk so that problems of this size split into several groups of unequal sizes, the
 forward (Hopper, FA2-class, persistent with the dynamic scheduler) and the Hopper backward
-must compute exactly what the head-major order computes (``FLASHGEN_HEAD_GROUPS=0``, which
+must compute exactly what the head-major order computes (an op bound to the head groups off:
+``hopper_fwd.head_groups``, ``fa2_fwd.head_groups``, ``hopper_bwd.head_groups`` False, which
 the rest of ``pytest -m gpu`` checks against the float64 reference): the order moves whole
 tiles between CTAs and changes no arithmetic, so o, lse, dK and dV are bitwise equal (dQ
 accumulates with atomics in either order: compared to 1e-2 of its scale).  Outputs are
@@ -20,13 +21,13 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_hopper_bwd_gpu import poison_allocator  # noqa: E402
 
-from flashgen import lower  # noqa: E402
 from flashgen.bench.verify import random_inputs  # noqa: E402
-from flashgen.envflags import POISON_ENV  # noqa: E402
+from flashgen.env import POISON_OUTPUTS as POISON_ENV  # noqa: E402
+from flashgen.families import common as families_common  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.op import build_op  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,8 +46,9 @@ CASES = [
     ("causal", 3, 4, 2, 1000, 127, 2),
     ("causal && q_idx - kv_idx < 300", 2, 5, 5, 1000, 1000, 3),
 ]
-KERNELS = {"hopper": {}, "fa2": {"FLASHGEN_KERNEL_FAMILY": "fa2"},
-           "dynamic": {"FLASHGEN_PERSISTENT": "dynamic"}}  # fmt: skip
+#: kernel -> its options (the dense tiles at these short lengths too, so op.kernel(dev) is
+#: the kernel that ran: sparse_tiles off)
+KERNELS = {"hopper": {}, "fa2": {"family": "fa2"}, "dynamic": {"persistent": "dynamic"}}
 
 
 def _spec(mask: str, tag: str):
@@ -54,32 +56,31 @@ def _spec(mask: str, tag: str):
     return loads_spec(f"name: {name}\nhead_dim: 128\ndtype: bf16\nmask: {mask}\n", f"<{name}>")
 
 
-def _ops(monkeypatch, mask, tag, budget):
-    """Two ops of the same spec: head groups of ``budget`` bytes, and head-major."""
-    monkeypatch.setattr(lower, "HEAD_GROUP_L2_BYTES", budget)
+def _ops(monkeypatch, mask, tag, budget, **fields):
+    """Two ops of the same spec under the options ``fields``: head groups of ``budget``
+    bytes, and head-major (every kernel's head groups off)."""
+    monkeypatch.setattr(families_common, "HEAD_GROUP_L2_BYTES", budget)
     spec = _spec(mask, tag)
-    grouped = build_op(dataclasses.replace(spec, name=f"{spec.name}_grouped"))
-    plain = build_op(dataclasses.replace(spec, name=f"{spec.name}_plain"))
+    on, off = (gpu_options.options(gpu_options.head_groups(g), **fields) for g in (True, False))
+    grouped = gpu_options.build(dataclasses.replace(spec, name=f"{spec.name}_grouped"), on)
+    plain = gpu_options.build(dataclasses.replace(spec, name=f"{spec.name}_plain"), off)
     return spec, grouped, plain
 
 
 def _run(monkeypatch, op, groups: bool, fn):
-    with monkeypatch.context() as m:
-        m.setenv(lower.HEAD_GROUPS_ENV, "1" if groups else "0")
-        return fn(op)
+    assert op.options.hopper_fwd.head_groups is groups
+    return fn(op)
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[1:])))
 def test_forward_matches_head_major(monkeypatch, kernel, case):
     mask, b, hq, hkv, sq, sk, kv_heads = case
-    for key, value in KERNELS[kernel].items():
-        monkeypatch.setenv(key, value)
     monkeypatch.setenv(POISON_ENV, "1")
-    # the dense tiles at these short lengths too, so op.kernel(dev) is the kernel that ran
-    monkeypatch.setenv(lower.SPARSE_TILES_ENV, "0")
     tag = f"f{kernel}{CASES.index(case)}"  # one spec name per mask and kernel
-    spec, grouped, plain = _ops(monkeypatch, mask, tag, kv_heads * sk * 512)
+    spec, grouped, plain = _ops(
+        monkeypatch, mask, tag, kv_heads * sk * 512, sparse_tiles=False, **KERNELS[kernel]
+    )
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(sq + sk)
     q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)

@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 def hopper(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the TMA kernel needs a compute capability 9.x GPU")
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "auto")
     tma.descriptors.enabled = True
     yield
     tma.descriptors.enabled = True

@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_options  # noqa: E402
 from test_backward_kernels import check_grads  # noqa: E402
 from test_forward import check  # noqa: E402
 
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.backward import ATOMIC_DQ_ENV  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +42,7 @@ params: {f: {type: f32, default: 0.1}}
 
 @pytest.mark.parametrize("sq, sk", [(17, 33), (130, 127), (257, 300)])
 def test_d256_atomic_backward_with_dsplit_4(sq, sk, monkeypatch):
-    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
+    gpu_options.use(monkeypatch, atomic_dq=True)  # the FA2-class atomic-dQ kernels
     spec = loads_spec(D256_COND, "d256_cond.yaml")
     check_grads(spec, 2, 4, 2, sq, sk, seed=sq, deterministic=False)
     check_grads(spec, 1, 2, 1, sq, sk, seed=sk, deterministic=True)
@@ -144,7 +144,7 @@ def test_kv_head_index_under_gqa(text, sq, sk, persistent, error_bound, monkeypa
 
     from flashgen.analysis.indexbounds import IndexBoundsWarning
 
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", persistent)
+    gpu_options.use(monkeypatch, persistent=gpu_options.persistent(persistent))
     spec = loads_spec(text, "kv_head.yaml")
     with warnings.catch_warnings():
         warnings.simplefilter("error", IndexBoundsWarning)  # w[h_kv] stays inside [Hkv]

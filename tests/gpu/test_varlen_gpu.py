@@ -19,10 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gpu_options  # noqa: E402
+
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops.backward import ATOMIC_DQ_ENV, uses_atomic_dq  # noqa: E402
-from flashgen.ops.op import build_op, poison_outputs  # noqa: E402
+from flashgen.ops.backward import uses_atomic_dq  # noqa: E402
+from flashgen.ops.op import poison_outputs  # noqa: E402
 from flashgen.ops.reference import attention_reference_varlen  # noqa: E402
 from flashgen.ops.varlen import CHECK_ENV  # noqa: E402
 
@@ -35,25 +37,21 @@ MIXED = [(5, 7), (0, 4), (1, 0), (17, 17), (3, 1), (0, 0), (1, 1), (127, 1000), 
          (300, 513), (64, 64), (129, 65)]  # fmt: skip
 SAME = [(1, 1), (17, 17), (0, 0), (127, 127), (1000, 1000), (4097, 4097), (33, 33)]
 
-PATHS = [
-    pytest.param(True, id="deterministic"),
-    pytest.param(
-        False,
-        id="atomic_dq",
-        marks=pytest.mark.skipif(
-            not uses_atomic_dq(False), reason=f"atomic-dQ path needs {ATOMIC_DQ_ENV}=1"
-        ),
-    ),
-]
+PATHS = [pytest.param(True, id="deterministic"), pytest.param(False, id="atomic_dq")]
 
 
 @pytest.fixture(params=PATHS)
-def bwd_path(request) -> bool:
+def bwd_path(request, monkeypatch) -> bool:
+    """The ``deterministic`` flag of the calls; False runs the FA2-class atomic-dQ kernels of
+    an op bound to ``Options(atomic_dq=True)`` (:mod:`gpu_options`)."""
+    if not request.param:
+        gpu_options.use(monkeypatch, atomic_dq=True)
     return request.param
 
 
 def padded_op(name: str):
-    return build_op(load_spec(REPO / "specs" / f"{name}.yaml"))
+    """The op of shipped spec ``name`` under the running test's options."""
+    return gpu_options.build(load_spec(REPO / "specs" / f"{name}.yaml"))
 
 
 def cu(lens) -> torch.Tensor:
@@ -221,7 +219,7 @@ def check_backward(name, lens, hq, hkv, *, deterministic, seed=0, oversize=1):
     do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
     dlse = torch.randn(lse.shape, device="cuda", generator=gen)
     torch.autograd.backward([o, lse.masked_fill(torch.isneginf(lse), 0)], [do, dlse])
-    atomic = uses_atomic_dq(deterministic)
+    atomic = uses_atomic_dq(deterministic, op.options)
     path = "atomic" if atomic else "deterministic"  # varlen never takes the Hopper backward
     assert (torch.cuda.current_device(), path) in op.backward._kernels  # the path ran
     r64 = ref_grads(spec, q, k, v, cq, ck, do, dlse, params, torch.float64)

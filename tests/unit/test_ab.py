@@ -1,13 +1,11 @@
-"""``flashgen ab`` without a GPU: options set by dotted name on nested frozen dataclasses,
+"""``flashgen ab`` without a GPU: its option arguments over flashgen.Options' dotted names,
 argument errors, the variants, the alternating rounds (timers replaced by scripts), the
 output comparison and the report."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Literal
 
 import pytest
 
@@ -15,81 +13,29 @@ from flashgen.bench import ab, abrun, options
 from flashgen.bench.options import (
     OptionError,
     combinations,
-    option_fields,
     parse_option_arg,
     parse_options,
     parse_value,
-    set_option,
     variant_label,
     with_options,
 )
 from flashgen.cli.commands import main
+from flashgen.options import Options
 
 
-@dataclass(frozen=True)
-class Fwd:
-    affine: bool = True
-    col_bound: bool = True
-    block_n: int | None = None
-    tiles: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Bwd:
-    dq_a: Literal["tma", "ldg"] = "tma"
-    scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class Opts:
-    """Shaped like flashgen.Options: top-level switches, per-family groups."""
-
-    family: Literal["auto", "fa2", "fa3"] = "auto"
-    atomic_dq: bool = False
-    persistent: Literal["static", "dynamic", "m_major"] | None = None
-    side_terms: bool = True
-    name: str = "x"
-    hopper_fwd: Fwd = field(default_factory=Fwd)
-    hopper_bwd: Bwd = field(default_factory=Bwd)
-    extra: Fwd | None = None
-
-    def __post_init__(self):
-        if self.family == "fa2" and self.hopper_bwd.dq_a == "ldg":
-            raise ValueError("the FA2-class family has no Hopper backward to set dq_a on")
-
-
-# ----------------------------------------------------------------------------- dotted setter
-def test_option_fields_are_the_leaves_by_dotted_path():
-    names = list(option_fields(Opts))
-    assert names[:5] == ["family", "atomic_dq", "persistent", "side_terms", "name"]
-    assert "hopper_fwd.affine" in names and "hopper_bwd.dq_a" in names
-    assert "extra.tiles" in names  # a group behind `| None` too
-    assert "hopper_fwd" not in names and "extra" not in names
-
-
-def test_set_option_replaces_level_by_level_and_leaves_the_original():
-    base = Opts()
-    got = set_option(base, "hopper_fwd.col_bound", False)
-    assert got.hopper_fwd.col_bound is False and got.hopper_fwd.affine is True
-    assert base.hopper_fwd.col_bound is True  # frozen, not mutated
-    assert got.hopper_bwd is base.hopper_bwd  # untouched groups are shared
-    assert set_option(base, "atomic_dq", True).atomic_dq is True
+# ----------------------------------------------------------------------------- option arguments
+def test_with_options_sets_several_through_options_and_reports_its_checks():
+    base = Options()
+    got = with_options(base, {"family": "fa2", "hopper_bwd.dq_a": "ldmatrix", "side_terms": False})
+    assert (got.family, got.hopper_bwd.dq_a, got.side_terms) == ("fa2", "ldmatrix", False)
+    assert got == base.replace_path("family", "fa2").replace_path(
+        "hopper_bwd.dq_a", "ldmatrix"
+    ).replace_path("side_terms", False)
+    assert base == Options() and got.hopper_fwd is base.hopper_fwd  # frozen, groups shared
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.atomic_dq = True  # type: ignore[misc]
-
-
-def test_a_group_that_is_none_is_made_from_its_defaults():
-    got = set_option(Opts(), "extra.block_n", 96)
-    assert got.extra == Fwd(block_n=96)
-
-
-def test_with_options_sets_several_and_reports_the_dataclass_checks():
-    got = with_options(Opts(), {"family": "fa3", "hopper_bwd.dq_a": "ldg", "side_terms": False})
-    assert (got.family, got.hopper_bwd.dq_a, got.side_terms) == ("fa3", "ldg", False)
-    with pytest.raises(OptionError, match="family=fa2 hopper_bwd.dq_a=ldg: the FA2-class"):
-        with_options(Opts(), {"family": "fa2", "hopper_bwd.dq_a": "ldg"})
-    with pytest.raises(OptionError, match="Fwd has no field 'nope'"):
-        set_option(Opts(), "hopper_fwd.nope", 1)
+    with pytest.raises(OptionError, match="options persistent_ctas=0: Options.persistent_ctas"):
+        with_options(Options(), {"persistent_ctas": 0})
 
 
 @pytest.mark.parametrize(
@@ -99,59 +45,58 @@ def test_with_options_sets_several_and_reports_the_dataclass_checks():
         ("atomic_dq", "0", False),
         ("atomic_dq", "TRUE", True),
         ("atomic_dq", " false ", False),
+        ("atomic_dq", "none", None),
         ("family", "fa2", "fa2"),
-        ("persistent", "none", None),
         ("persistent", "dynamic", "dynamic"),
-        ("hopper_fwd.block_n", "128", 128),
-        ("hopper_fwd.block_n", "null", None),
-        ("hopper_fwd.tiles", "128x64", (128, 64)),
-        ("hopper_bwd.scale", "0.5", 0.5),
-        ("name", "anything", "anything"),
+        ("persistent_ctas", "128", 128),
+        ("persistent_ctas", "none", None),
+        ("decode.num_splits", "4", 4),
+        ("hopper_fwd.col_bound", "0", False),
     ],
 )
 def test_values_parse_by_the_fields_type(name, text, want):
-    got = parse_value(name, text, option_fields(Opts)[name])
+    got = parse_value(name, text)
     assert got == want and type(got) is type(want)
 
 
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("atomic_dq", "yes", "option atomic_dq: expected bool (0, 1, true, false), got 'yes'"),
-        ("atomic_dq", "none", "expected bool (0, 1, true, false), got 'none'"),
-        ("family", "fa4", "option family: expected one of auto, fa2, fa3, got 'fa4'"),
-        ("persistent", "on", "expected one of static, dynamic, m_major, or none, got 'on'"),
-        ("hopper_fwd.block_n", "1e3", "expected int, or none, got '1e3'"),
-        ("hopper_fwd.tiles", "128xN", "expected integers joined by x (e.g. 128x64), or none"),
+        ("side_terms", "maybe", "option side_terms: expected bool (true, false, 1, 0), got "
+         "'maybe'"),
+        ("family", "fa4", "option family: expected one of auto, fa3, fa2, got 'fa4'"),
+        ("persistent", "on", "expected one of auto, off, static, m_major, dynamic, got 'on'"),
+        ("persistent_ctas", "1e3", "expected int, or none, got '1e3'"),
+        ("hopper_bwd.dq_a", "tma", "expected one of smem, ldmatrix, got 'tma'"),
     ],
-)
+)  # fmt: skip
 def test_bad_values_name_the_option_the_form_and_the_text(name, text, message):
     with pytest.raises(OptionError) as e:
-        parse_value(name, text, option_fields(Opts)[name])
+        parse_value(name, text)
     assert message in str(e.value)
 
 
 def test_option_arguments():
-    assert parse_option_arg("hopper_fwd.affine=1,0", Opts) == ("hopper_fwd.affine", [True, False])
-    assert parse_option_arg(" persistent =none,static", Opts) == ("persistent", [None, "static"])
+    assert parse_option_arg("hopper_fwd.affine=1,0") == ("hopper_fwd.affine", [True, False])
+    assert parse_option_arg(" persistent =off,static") == ("persistent", ["off", "static"])
     for text in ("atomic_dq", "=1", "atomic_dq=", "atomic_dq= "):
         with pytest.raises(OptionError, match="--option expects NAME=VALUE"):
-            parse_option_arg(text, Opts)
+            parse_option_arg(text)
     with pytest.raises(OptionError) as e:
-        parse_option_arg("hoper_fwd.affine=1", Opts)
+        parse_option_arg("hoper_fwd.affine=1")
     assert "unknown option 'hoper_fwd.affine'; did you mean hopper_fwd.affine" in str(e.value)
     assert "--list-options" in str(e.value)
-    with pytest.raises(OptionError, match="'hopper_fwd' is a group of options; set one of its "
-                       "fields: hopper_fwd.affine, hopper_fwd.col_bound"):  # fmt: skip
-        parse_option_arg("hopper_fwd=1", Opts)
+    with pytest.raises(OptionError, match="'hopper_bwd' is a group of options; set one of its "
+                       "fields: hopper_bwd.dq_a, hopper_bwd.head_groups"):  # fmt: skip
+        parse_option_arg("hopper_bwd=1")
     with pytest.raises(OptionError, match="option atomic_dq lists the value 1 twice"):
-        parse_option_arg("atomic_dq=1,true", Opts)
+        parse_option_arg("atomic_dq=1,true")
     with pytest.raises(OptionError, match="option family is given twice"):
-        parse_options(["family=fa2", "family=fa3"], Opts)
+        parse_options(["family=fa2", "family=fa3"])
 
 
 def test_variants_product_and_zip():
-    values = parse_options(["atomic_dq=0,1", "family=fa2,fa3", "side_terms=0"], Opts)
+    values = parse_options(["atomic_dq=0,1", "family=fa2,fa3", "side_terms=0"])
     prod = combinations(values)
     assert [(v["atomic_dq"], v["family"]) for v in prod] == [
         (False, "fa2"), (False, "fa3"), (True, "fa2"), (True, "fa3"),
@@ -160,7 +105,7 @@ def test_variants_product_and_zip():
     assert variant_label(prod[1], values) == "atomic_dq=0 family=fa3"
     zipped = combinations(values, "zip")
     assert [(v["atomic_dq"], v["family"]) for v in zipped] == [(False, "fa2"), (True, "fa3")]
-    uneven = parse_options(["atomic_dq=0,1", "persistent=static,dynamic,m_major"], Opts)
+    uneven = parse_options(["atomic_dq=0,1", "persistent=static,dynamic,m_major"])
     with pytest.raises(OptionError, match="same number of values"):
         combinations(uneven, "zip")
     assert combinations({}) == [{}] and variant_label({}, {}) == "default"
@@ -169,8 +114,7 @@ def test_variants_product_and_zip():
 def test_variants_one_option_at_a_time():
     """``--combine each`` (what tools/mask_ab.py --each did with environment switches): the
     baseline, then each option alone at its other values."""
-    values = parse_options(["hopper_fwd.col_bound=1,0", "side_terms=1,0", "family=auto,fa2,fa3"],
-                           Opts)  # fmt: skip
+    values = parse_options(["hopper_fwd.col_bound=1,0", "side_terms=1,0", "family=auto,fa2,fa3"])
     got = combinations(values, "each")
     base = {"hopper_fwd.col_bound": True, "side_terms": True, "family": "auto"}
     assert got == [
@@ -185,20 +129,17 @@ def test_variants_one_option_at_a_time():
 
 
 def test_list_options_shows_names_values_and_defaults():
-    text = options.list_options(Opts)
+    text = options.list_options()
     lines = text.splitlines()
     assert lines[0].split() == ["option", "values", "default"]
+    assert [line.split()[0] for line in lines[1:]] == Options.paths()
     row = next(line for line in lines if line.startswith("persistent "))
-    assert "one of static, dynamic, m_major, or none" in row and row.endswith("none")
+    assert "one of auto, off, static, m_major, dynamic" in row and row.endswith("auto")
     assert next(line for line in lines if line.startswith("hopper_fwd.affine")).endswith(" 1")
+    assert next(line for line in lines if line.startswith("atomic_dq")).endswith(" none")
 
 
 # ----------------------------------------------------------------------------- the command
-@pytest.fixture
-def opts(monkeypatch):
-    monkeypatch.setattr(ab, "options_class", lambda: Opts)
-
-
 @pytest.fixture
 def no_cuda(monkeypatch):
     torch = pytest.importorskip("torch")
@@ -211,7 +152,7 @@ def _err(capsys) -> str:
     return cap.err
 
 
-def test_without_a_gpu_it_exits_with_the_no_gpu_message(opts, no_cuda, tmp_path, capsys):
+def test_without_a_gpu_it_exits_with_the_no_gpu_message(no_cuda, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["ab", "causal_d128", "--option", "atomic_dq=0,1", "--peers", "--out", str(out)])
     err = _err(capsys)
@@ -223,10 +164,10 @@ def test_without_a_gpu_it_exits_with_the_no_gpu_message(opts, no_cuda, tmp_path,
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["causal_d128", "--option", "atomic_dq=maybe"], "option atomic_dq: expected bool"),
+        (["causal_d128", "--option", "side_terms=maybe"], "option side_terms: expected bool"),
         (["causal_d128", "--option", "famly=fa2"], "unknown option 'famly'; did you mean family"),
-        (["causal_d128", "--option", "family=fa2", "--option", "hopper_bwd.dq_a=ldg"],
-         "options family=fa2 hopper_bwd.dq_a=ldg: the FA2-class family has no Hopper"),
+        (["causal_d128", "--option", "hopper_bwd.dq_a=smem,tma"],
+         "option hopper_bwd.dq_a: expected one of smem, ldmatrix, got 'tma'"),
         (["no_such_spec"], "spec 'no_such_spec': no such file, nor a shipped spec"),
         (["causal_d128:window=3"], "spec 'causal_d128:window=3': causal_d128 has no scalar "
          "param window (its scalar params: none)"),
@@ -235,22 +176,17 @@ def test_without_a_gpu_it_exits_with_the_no_gpu_message(opts, no_cuda, tmp_path,
         ([], "give at least one SPEC"),
     ],
 )  # fmt: skip
-def test_bad_arguments_are_errors_before_the_gpu(argv, message, opts, no_cuda, capsys):
+def test_bad_arguments_are_errors_before_the_gpu(argv, message, no_cuda, capsys):
     assert main(["ab", *argv]) == 2
     assert f"error: {message}" in _err(capsys)
 
 
-def test_without_flashgen_options_only_peers_run(no_cuda, capsys, monkeypatch):
-    import flashgen
-
-    monkeypatch.delattr(flashgen, "Options", raising=False)
-    assert main(["ab", "causal_d128", "--option", "atomic_dq=0,1"]) == 2
-    assert "this flashgen has no flashgen.Options" in _err(capsys)
+def test_without_options_only_peers_run(no_cuda, capsys):
     assert main(["ab", "causal_d128", "--peers"]) == 2  # no options needed: the GPU is missing
     assert "needs a CUDA GPU" in _err(capsys)
 
 
-def test_list_options_needs_no_gpu(opts, no_cuda, capsys):
+def test_list_options_needs_no_gpu(no_cuda, capsys):
     assert main(["ab", "--list-options"]) == 0
     assert "hopper_bwd.dq_a" in capsys.readouterr().out
 
@@ -470,14 +406,15 @@ def test_variants_are_loaded_once_each_with_their_options(monkeypatch, tmp_path)
         return SimpleNamespace(options=options)
 
     monkeypatch.setattr(flashgen, "load", load)
-    values = parse_options(["family=fa2,fa3", "hopper_fwd.affine=0"], Opts)
+    values = parse_options(["family=fa2,fa3", "hopper_fwd.affine=0"])
     variants = combinations(values)
-    got = abrun.load_variants(tmp_path / "s.yaml", Opts, variants, values, (True, False))
+    got = abrun.load_variants(tmp_path / "s.yaml", Options, variants, values, (True, False))
     assert [g[0] for g in got] == [
         "family=fa2 deterministic=1", "family=fa2 deterministic=0",
         "family=fa3 deterministic=1", "family=fa3 deterministic=0",
     ]  # fmt: skip
-    assert len(loaded) == 2 and loaded[0] == Opts(family="fa2", hopper_fwd=Fwd(affine=False))
+    assert len(loaded) == 2
+    assert loaded[0] == Options().with_values({"family": "fa2", "hopper_fwd.affine": False})
     assert got[0][2] is got[1][2] and got[0][2].options is loaded[0]  # one op, both calls
     assert got[2][2] is None and got[2][3] == "RuntimeError: no Hopper kernel for this spec"
     assert [g[4] for g in got] == [True, False, True, False]

@@ -14,12 +14,15 @@ torch = pytest.importorskip("torch")
 
 from conftest import SPEC_DIR  # noqa: E402
 from host_cxx import preamble, scalar_params  # noqa: E402
+from plan_helpers import plan_forward  # noqa: E402
 
 from flashgen.analysis import affine  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.cuda_expr import Invariants  # noqa: E402
+from flashgen.families.common import affine_context  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import AFFINE_ENV, Invariants, affine_context, plan_forward  # noqa: E402
 from flashgen.ops.reference import _env, eval_expr  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 PARAMS = (
     "params:\n"
@@ -157,7 +160,7 @@ N = 400
 def _program(cases) -> str:
     """Per case: the kernel's FULL-tile arithmetic (affine_context's expressions, the
     template's locals) and the score_mod itself, both printed per sample."""
-    from flashgen.lower import cuda_expr
+    from flashgen.codegen.cuda_expr import cuda_expr
 
     funcs, calls = [], []
     for i, (spec, values, samples) in enumerate(cases):
@@ -273,8 +276,7 @@ def test_the_hopper_forward_takes_the_affine_path_for_alibi(monkeypatch):
     assert "aff_d[r] = (float)(" in src
     assert "fmaf(acc_s[4 * j + 2 * r + e], softmax_scale, col)" in src
     assert "fmaf(acc_s[4 * j + 2 * r + e], LOG2E, shift)" in src
-    monkeypatch.setenv(AFFINE_ENV, "0")
-    plain = plan_forward(spec, "sm_90")
+    plain = plan_forward(spec, "sm_90", affine=False)
     assert plain.context["affine"] is None and "aff_d" not in render(plain)
 
 
@@ -292,8 +294,7 @@ def test_the_fa2_forward_takes_it_too(monkeypatch):
         src = render(plan)
         assert "fmaf(acc_s[mt][nt][2 * r + e], scale_log2, col)" in src
         assert "exp2_approx(acc_s[mt][nt][2 * r + j] - shift)" in src
-    monkeypatch.setenv(AFFINE_ENV, "off")
-    assert "aff_d" not in render(plan_forward(spec, "sm_80"))
+    assert "aff_d" not in render(plan_forward(spec, "sm_80", affine=False))
 
 
 SPILLS_WITH_SPLIT = """\
@@ -311,17 +312,17 @@ def test_a_spilling_split_is_retried_without_it(requires_nvcc, monkeypatch):
     """The FA2-class kernel on sm_90 at 128 x 32 spills 56 bytes with this spec's split
     (ptxas 13.0) and none without: select.build_forward keeps the tiles, drops the split.
     (In head-major CTA order: with the head groups' prologue neither spills.)"""
-    from flashgen.lower import HEAD_GROUPS_ENV
-
-    monkeypatch.setenv(HEAD_GROUPS_ENV, "0")
     from flashgen.build import cache
-    from flashgen.select import build_forward
+    from flashgen.families.build import build_forward
 
     spec = loads_spec(SPILLS_WITH_SPLIT, "affine_spill.yaml")
-    split = plan_forward(spec, "sm_90", family="fa2")
+    split = plan_forward(spec, "sm_90", family="fa2", head_groups=False)
     _, report = cache.get_or_build(render(split), split)
     if not report.spill_bytes:
         pytest.skip("this ptxas does not spill the split kernel")
-    plan, _, report = build_forward(spec, "sm_90", family="fa2")
+    options = Options(family="fa2").with_values(
+        {"fa2_fwd.head_groups": False, "hopper_fwd.head_groups": False}
+    )
+    plan, _, report = build_forward(spec, "sm_90", options=options)
     assert not report.spill_bytes and plan.tiles == split.tiles
     assert plan.context["affine"] is None

@@ -1,23 +1,19 @@
 """The atomic-dQ backward path on the CPU: lowering (plans, kernels, grids, rendered
 source), the ``deterministic`` flag's plumbing (schemas, env gate, autograd ctx in eager
 mode, under torch.compile and in opcheck).  The kernels themselves are exercised by
-tests/gpu/test_backward_kernels.py (with ``FLASHGEN_ATOMIC_DQ=1``)."""
+tests/gpu/test_backward_kernels.py (with ``Options(atomic_dq=True)``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan_backward
 
 from flashgen.build.render import render
+from flashgen.families.bwd_common import CONVERT_THREADS, PRE_WARPS
+from flashgen.families.tiles import ATOMIC_BACKWARD_TILES, BACKWARD_TILES
 from flashgen.frontend.spec import load_spec
-from flashgen.lower import (
-    ATOMIC_BACKWARD_TILES,
-    BACKWARD_TILES,
-    CONVERT_THREADS,
-    PRE_WARPS,
-    plan_backward,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -78,12 +74,11 @@ torch = pytest.importorskip("torch")
 
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.ops.backward import (  # noqa: E402
-    ATOMIC_DQ_ENV,
-    atomic_dq_enabled,
     backward_schema,
     uses_atomic_dq,
 )
 from flashgen.ops.op import build_op  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 
 def _qkv(spec, sq=5, sk=7, hq=2, hkv=1, seed=0):
@@ -120,17 +115,21 @@ def test_schemas_carry_the_flag():
 
 
 @pytest.mark.parametrize(
-    ("env", "deterministic", "atomic"),
-    [(None, False, False), (None, True, False), ("1", False, True), ("1", True, False)]
-    + [("0", False, False), ("yes", False, True), ("off", False, False)],
+    ("atomic_dq", "deterministic", "atomic"),
+    [(None, False, False), (None, True, False), (True, False, True), (True, True, False)]
+    + [(False, False, False), (False, True, False)],
 )
-def test_env_gate(monkeypatch, env, deterministic, atomic):
-    if env is None:
-        monkeypatch.delenv(ATOMIC_DQ_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ATOMIC_DQ_ENV, env)
-    assert atomic_dq_enabled() == (env in ("1", "yes"))
-    assert uses_atomic_dq(deterministic) is atomic
+def test_atomic_dq_option_gate(atomic_dq, deterministic, atomic):
+    assert uses_atomic_dq(deterministic, Options(atomic_dq=atomic_dq)) is atomic
+
+
+def test_the_removed_switch_raises_naming_its_option(monkeypatch, tmp_path):
+    import flashgen
+    from flashgen.env import RemovedVariableError
+
+    monkeypatch.setenv("FLASHGEN_ATOMIC_DQ", "1")
+    with pytest.raises(RemovedVariableError, match="FLASHGEN_ATOMIC_DQ: use .*atomic_dq=True"):
+        flashgen.load(REPO / "specs" / "gpt2_d64.yaml")
 
 
 @pytest.mark.parametrize("deterministic", [None, False, True])

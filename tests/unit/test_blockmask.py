@@ -12,22 +12,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from plan_helpers import plan_forward  # noqa: E402
+
 import flashgen  # noqa: E402
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.abi import block_table_dims, needs_block_table  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.blocktable import block_table_shape  # noqa: E402
+from flashgen.families.build import build_forward  # noqa: E402
+from flashgen.families.registry import plan_block_table  # noqa: E402
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import (  # noqa: E402
-    TileConfig,
-    block_table_dims,
-    block_table_shape,
-    needs_block_table,
-    plan_block_table,
-    plan_forward,
-)
 from flashgen.ops.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
 from flashgen.ops.reference import attention_reference, eval_mask  # noqa: E402
-from flashgen.select import build_forward  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "specs" / "document_mask.yaml"

@@ -61,10 +61,11 @@ def _compiles(log: Path) -> int:
 
 def _build_spec_worker(spec_path: str, barrier, queue) -> None:
     """Child process: wait for all, then build the spec's sm_80 kernel through the cache."""
+    from plan_helpers import plan_forward
+
     from flashgen.build import cache as c
     from flashgen.build.render import render
     from flashgen.frontend.spec import load_spec
-    from flashgen.lower import plan_forward
 
     try:
         plan = plan_forward(load_spec(spec_path), "sm_80")

@@ -125,38 +125,49 @@ def test_python_dash_m(tmp_path):
 
 def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     """A spec whose Hopper backward spills in both dQ variants builds the FA2-class unit
-    in its place (select.build_backward): the bwd_wgmma row must say so, not pass off the
+    in its place (family_build.build_backward): the bwd_wgmma row must say so, not pass off the
     fallback's registers as the wgmma kernel's."""
+    from plan_helpers import plan_backward, plan_hopper_backward
+
     import flashgen.cli.commands as cli
-    from flashgen import select
     from flashgen.build.compile import CompileReport, KernelResources
-    from flashgen.lower import plan_backward, plan_hopper_backward
+    from flashgen.families import build as family_build
 
     spec = load_spec(CAUSAL)
     fallback = plan_backward(spec, "sm_90")
     report = CompileReport("sm_90", "sm_90a", (KernelResources("k", registers=239),), 0.0, "13.0")
 
-    def fake(spec, target, *, atomic_dq=False, hopper=False):
+    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None):
         return fallback, Path("unit.cubin"), report
 
-    monkeypatch.setattr(select, "build_backward", fake)
+    monkeypatch.setattr(family_build, "build_backward", fake)
     res = cli._compile_one(spec, "sm_90", "bwd_wgmma")
     assert res.ok and res.note and "falls back" in res.note and "sm_80/bwd.cu.j2" in res.note
     assert res.to_dict()["note"] == res.note
     for unit in ("bwd", "bwd_atomic"):
         assert cli._compile_one(spec, "sm_90", unit).note is None
     hopper = plan_hopper_backward(spec, "sm_90")
-    monkeypatch.setattr(select, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
+    monkeypatch.setattr(family_build, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
     assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
 
 
-def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa4")
-    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify", "--option", "family=fa4"])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "error: FLASHGEN_KERNEL_FAMILY='fa4': expected one of auto, fa3, fa2" in err
+    assert "error: Options.family='fa4': expected one of" in err
     assert not (tmp_path / "causal_d128").exists()
+    assert main(["show", CAUSAL, "--option", "famly=fa2"]) == 1
+    assert "unknown option 'famly'" in capsys.readouterr().err
+
+
+def test_a_removed_switch_is_an_error_naming_its_option(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
+    rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "FLASHGEN_KERNEL_FAMILY: use flashgen.load(spec, options=Options(...))" in err
+    assert "family=" in err and not (tmp_path / "causal_d128").exists()
 
 
 def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
@@ -166,8 +177,8 @@ def test_a_failed_build_writes_nothing(tmp_path, capsys, monkeypatch):
 
     good = cli._compile_one
 
-    def spilling(spec, target, unit):
-        res = good(spec, target, unit)
+    def spilling(spec, target, unit, options=None):
+        res = good(spec, target, unit, options)
         if unit == "bwd_atomic":
             res.error = "kernel spills: 60 bytes stores, 88 bytes loads"
         return res

@@ -53,7 +53,7 @@ def test_odd_files_are_reported_and_skipped(tmp_path, capsys):
 def _fake_units(fail: bool):
     from flashgen.build.compile import CompileReport
 
-    def one(spec, target, unit):
+    def one(spec, target, unit, options=None):
         res = clibuild.BuildResult(spec, target, unit)
         if fail:
             res.error = "nvcc failed"

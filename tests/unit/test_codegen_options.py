@@ -1,4 +1,4 @@
-"""Template code-generation switches (lower.FORWARD_OPTIONS / BACKWARD_OPTIONS).  CPU only:
+"""Template code-generation switches (FORWARD_OPTIONS / BACKWARD_OPTIONS).  CPU only:
 planning and rendering, no nvcc."""
 
 from __future__ import annotations
@@ -6,11 +6,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from plan_helpers import choose_tiles, plan_backward, plan_forward
 
-from flashgen import lower
 from flashgen.build.render import render
+from flashgen.codegen.plan import TileConfig
+from flashgen.families import fa2_fwd
+from flashgen.families.fa2_bwd import BACKWARD_OPTIONS
+from flashgen.families.fa2_fwd import FORWARD_OPTIONS, uses_load_chain
+from flashgen.families.tiles import DEFAULT_TILES, HOPPER_TILES, MASK_TILES, default_tiles
 from flashgen.frontend.spec import loads_spec
-from flashgen.lower import TileConfig, plan_backward, plan_forward
 from flashgen.ops.varlen import varlen_spec
 
 
@@ -28,7 +32,7 @@ def test_unknown_option_is_refused():
         plan_backward(_spec(), "sm_80", options={"nope": True})
 
 
-@pytest.mark.parametrize("key", sorted(lower.FORWARD_OPTIONS))
+@pytest.mark.parametrize("key", sorted(FORWARD_OPTIONS))
 def test_each_forward_switch_changes_the_source(key):
     spec = _spec()
     on = render(plan_forward(spec, "sm_90", options={key: True}, family="fa2"))
@@ -46,7 +50,7 @@ params:
 
 
 def test_every_forward_switch_combination_renders():
-    keys = sorted(lower.FORWARD_OPTIONS)
+    keys = sorted(FORWARD_OPTIONS)
     for spec in (
         _spec(),
         _spec(mask="null", score_mod="score * 0.5"),
@@ -79,12 +83,12 @@ def test_fold_scale_reaches_both_paths_of_the_scores_macro(spec):
 def test_fold_scale_only_without_score_mod():
     plain = plan_forward(_spec(), "sm_80")
     modded = plan_forward(_spec(score_mod="score * 0.5"), "sm_80")
-    assert plain.context["fold_scale"] is lower.FORWARD_OPTIONS["fwd_fold_scale"]
+    assert plain.context["fold_scale"] is FORWARD_OPTIONS["fwd_fold_scale"]
     assert modded.context["fold_scale"] is False
     assert "fmaf(acc_s" not in render(modded)
 
 
-@pytest.mark.parametrize("key", sorted(lower.BACKWARD_OPTIONS))
+@pytest.mark.parametrize("key", sorted(BACKWARD_OPTIONS))
 def test_each_backward_switch_changes_the_source(key):
     on = render(plan_backward(_spec(), "sm_90", options={key: True}).unit)
     off = render(plan_backward(_spec(), "sm_90", options={key: False}).unit)
@@ -98,54 +102,54 @@ def test_async_stats_only_without_score_mod():
 
 def test_default_tiles_mask_rule():
     assert (
-        lower.default_tiles(_spec()) == lower.DEFAULT_TILES[(128, False)] == TileConfig(128, 64, 4)
+        default_tiles(_spec()) == DEFAULT_TILES[(128, False)] == TileConfig(128, 64, 4)
     )
     # a mask beyond causal takes MASK_TILES where it has the head dim (d128: narrower; d64
     # and d256: today's plain tiles, kept for masks if FA2's tiles become the plain entries);
     # other head dims keep their entry
     swa = "causal && q_idx - kv_idx < 64"
-    assert lower.default_tiles(_spec(swa)) == lower.MASK_TILES[128] == TileConfig(128, 32, 4)
-    assert lower.default_tiles(_spec(swa, d=64)) == lower.MASK_TILES[64] == TileConfig(128, 64, 4)
-    assert lower.default_tiles(_spec(swa, d=256)) == lower.MASK_TILES[256] == TileConfig(64, 64, 4)
-    assert lower.default_tiles(_spec(swa, d=96)) == lower.DEFAULT_TILES[(96, False)]
+    assert default_tiles(_spec(swa)) == MASK_TILES[128] == TileConfig(128, 32, 4)
+    assert default_tiles(_spec(swa, d=64)) == MASK_TILES[64] == TileConfig(128, 64, 4)
+    assert default_tiles(_spec(swa, d=256)) == MASK_TILES[256] == TileConfig(64, 64, 4)
+    assert default_tiles(_spec(swa, d=96)) == DEFAULT_TILES[(96, False)]
     # a score_mod keys the table as before
     modded = _spec(score_mod="score * 0.5")
-    assert lower.default_tiles(modded) == lower.DEFAULT_TILES[(128, True)]
+    assert default_tiles(modded) == DEFAULT_TILES[(128, True)]
     assert (
-        lower.default_tiles(_spec(d=64, score_mod="score * 0.5"))
-        == lower.DEFAULT_TILES[(64, True)]
+        default_tiles(_spec(d=64, score_mod="score * 0.5"))
+        == DEFAULT_TILES[(64, True)]
         == TileConfig(128, 32, 4)
     )
     # a head dim without a score_mod entry falls back to its plain entry
     assert (
-        lower.default_tiles(_spec(d=32, score_mod="score * 0.5"))
-        == lower.DEFAULT_TILES[(32, False)]
+        default_tiles(_spec(d=32, score_mod="score * 0.5"))
+        == DEFAULT_TILES[(32, False)]
     )
 
 
 def test_varlen_and_hopper_keep_their_tiles():
     # varlen keeps the pre-128x64x4 d128 tile and keys on score_mod only
-    assert lower.default_tiles(varlen_spec(_spec())) == TileConfig(128, 32, 4)
+    assert default_tiles(varlen_spec(_spec())) == TileConfig(128, 32, 4)
     swa = varlen_spec(_spec("causal && q_idx - kv_idx < 64"))
-    assert lower.default_tiles(swa) == TileConfig(128, 32, 4)
-    assert lower.default_tiles(varlen_spec(_spec(d=256))) == lower.DEFAULT_TILES[(256, False)]
-    assert lower.default_tiles(varlen_spec(_spec(d=64))) == TileConfig(128, 64, 4)
+    assert default_tiles(swa) == TileConfig(128, 32, 4)
+    assert default_tiles(varlen_spec(_spec(d=256))) == DEFAULT_TILES[(256, False)]
+    assert default_tiles(varlen_spec(_spec(d=64))) == TileConfig(128, 64, 4)
     # sm_90 picks the Hopper kernel by default; family="fa2" gets this branch's default tiles
-    assert lower.choose_tiles(_spec(), "sm_90") == lower.HOPPER_TILES[(128, False)]
-    assert lower.choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
-    assert lower.choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
+    assert choose_tiles(_spec(), "sm_90") == HOPPER_TILES[(128, False)]
+    assert choose_tiles(_spec(), "sm_90", family="fa2") == TileConfig(128, 64, 4)
+    assert choose_tiles(_spec(), "sm_80") == TileConfig(128, 64, 4)
 
 
 def test_load_chain_rule():
     """Pointer-chain tile loads: DSL math, or plain head_dim <= 64 with 128-row key blocks
     (FA2's d64 tile); the offsets form everywhere else (plain d128 needs it)."""
     t64, t128 = TileConfig(128, 64, 4), TileConfig(128, 128, 4)
-    assert lower.uses_load_chain(_spec(d=64), t128)
-    assert not lower.uses_load_chain(_spec(d=64), t64)
-    assert not lower.uses_load_chain(_spec(), t64)
-    assert not lower.uses_load_chain(_spec(d=256), TileConfig(128, 64, 8))
-    assert lower.uses_load_chain(_spec(score_mod="score * 0.5"), t64)
-    assert lower.uses_load_chain(_spec("causal && q_idx - kv_idx < 64"), t64)
+    assert uses_load_chain(_spec(d=64), t128)
+    assert not uses_load_chain(_spec(d=64), t64)
+    assert not uses_load_chain(_spec(), t64)
+    assert not uses_load_chain(_spec(d=256), TileConfig(128, 64, 8))
+    assert uses_load_chain(_spec(score_mod="score * 0.5"), t64)
+    assert uses_load_chain(_spec("causal && q_idx - kv_idx < 64"), t64)
     plan = plan_forward(_spec(d=64), "sm_90", tiles=t128, family="fa2")
     assert plan.context["load_chain"] and "g += step" in render(plan)
     plan = plan_forward(_spec(d=64), "sm_90", tiles=t64, family="fa2")
@@ -154,7 +158,7 @@ def test_load_chain_rule():
 
 def test_lazy_rescale_head_dims(monkeypatch):
     """LAZY_RESCALE_HEAD_DIMS turns fwd_lazy_rescale on per head dim; options= still wins."""
-    monkeypatch.setattr(lower, "LAZY_RESCALE_HEAD_DIMS", frozenset({64}))
+    monkeypatch.setattr(fa2_fwd, "LAZY_RESCALE_HEAD_DIMS", frozenset({64}))
     assert plan_forward(_spec(d=64), "sm_80").context["fwd_lazy_rescale"] is True
     assert plan_forward(_spec(d=128), "sm_80").context["fwd_lazy_rescale"] is False
     off = plan_forward(_spec(d=64), "sm_80", options={"fwd_lazy_rescale": False})

@@ -14,20 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_helpers import plan_forward
 
 from flashgen.analysis import colbound
 from flashgen.build.render import render
+from flashgen.codegen.cuda_expr import cuda_expr, split_causal
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
-    COL_BOUND_ENV,
-    COL_LIMIT_ENV,
-    cuda_expr,
-    plan_forward,
-    split_causal,
-)
 from flashgen.ops.reference import eval_expr
+
+#: Options without the column bound.
+NO_BOUND = {"hopper_fwd.col_bound": False}
 
 REPO = Path(__file__).resolve().parents[2]
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
@@ -242,13 +240,14 @@ def test_mistral_masked_tiles_test_a_column_range_and_the_switch(monkeypatch):
     body = src[src.index('extern "C" __global__') :]
     assert "p_window" in body and "- kv_idx) < p_window" not in body
     assert body.count("(col_lo[i / 2] <= j * 8 + i % 2) & (j * 8 + i % 2 <= col_lim[i / 2])") == 2
-    monkeypatch.setenv(COL_BOUND_ENV, "0")
-    off = plan_forward(spec, "sm_90")
+    off = plan_forward(spec, "sm_90", values=NO_BOUND)
     assert off.context["col_bound"] is None and "col_lo" not in render(off)
-    assert render(off) == render(plan_forward(spec, "sm_90", mask_tiles=True, persistent=False))
-    monkeypatch.delenv(COL_BOUND_ENV)
-    monkeypatch.setenv(COL_LIMIT_ENV, "0")  # the bound rides on the column limit
-    assert plan_forward(spec, "sm_90").context["col_bound"] is None
+    assert render(off) == render(
+        plan_forward(spec, "sm_90", mask_tiles=True, persistent=False, values=NO_BOUND)
+    )
+    # the bound rides on the column limit
+    no_limit = plan_forward(spec, "sm_90", values={"hopper_fwd.col_limit": False})
+    assert no_limit.context["col_bound"] is None
 
 
 @pytest.mark.parametrize("persistent", [False, "static"])
@@ -258,10 +257,9 @@ def test_shipped_sources_without_a_bound_do_not_change(monkeypatch, persistent):
     for path in sorted((REPO / "specs").glob("*.yaml")):
         spec = load_spec(path)
         on[spec.name] = render(plan_forward(spec, "sm_90", persistent=persistent))
-    monkeypatch.setenv(COL_BOUND_ENV, "0")
     for path in sorted((REPO / "specs").glob("*.yaml")):
         spec = load_spec(path)
-        off = render(plan_forward(spec, "sm_90", persistent=persistent))
+        off = render(plan_forward(spec, "sm_90", persistent=persistent, values=NO_BOUND))
         assert (off == on[spec.name]) == (spec.name != "mistral_swa"), spec.name
 
 
@@ -330,8 +328,9 @@ int main() {
 )
 def test_rendered_bound_arithmetic_on_the_host(mask, host_exe, monkeypatch):
     """The bound_range block of the rendered kernel (nvcc, host code, int32 wrapping as on the
-    GPU) keeps exactly the pairs today's per-element expression keeps (FLASHGEN_COL_BOUND=0's
-    ``mask_expr_nc``) and the reference keeps: for mistral_swa at every int32 window (its
+    GPU) keeps exactly the pairs today's per-element expression keeps (the
+    ``mask_expr_nc`` without ``hopper_fwd.col_bound``) and the reference keeps: for mistral_swa
+    at every int32 window (its
     ``q_idx + seqlen_k - seqlen_q - kv_idx`` lies in (-2^31, 2^31) at valid indices, so the
     int32 form never overflows), for the others at small params.  Where a user mask's int32
     form overflows, the int64 reference and today's kernel part ways; the bound then agrees
@@ -343,8 +342,7 @@ def test_rendered_bound_arithmetic_on_the_host(mask, host_exe, monkeypatch):
     src = render(plan_forward(spec, "sm_90"))
     start = src.index("                {\n                    const int q_idx = min(q_row")
     block = src[start : src.index("\n                }\n", start) + 18]
-    monkeypatch.setenv(COL_BOUND_ENV, "0")
-    old = plan_forward(spec, "sm_90").context["tile_mask_expr"]["nc"]
+    old = plan_forward(spec, "sm_90", values=NO_BOUND).context["tile_mask_expr"]["nc"]
     names = [p.name for p in spec.scalar_params]
     prog = (
         HOST.replace("@BLOCK@", block)
@@ -391,15 +389,17 @@ GPU_TEST_MASKS = {  # tests/gpu/test_colbound_gpu.py's user specs
 def test_bound_kernels_spill_no_more(key, persistent, requires_nvcc, monkeypatch):
     """0 spills and no wgmma serialization with the bound, except the softcap window, which
     spills without it too (20 B; 216 B persistent) and a little less with it (20 B; 164 B):
-    the op's spill fallback (flashgen/select.py) takes other tiles for it either way.  (The
+    the op's spill fallback (flashgen/families/build.py) takes other tiles for it either way.  (The
     affine window spills 696 B persistent without the bound, 0 with it.)"""
     from flashgen.build import cache
 
     mask, score_mod = GPU_TEST_MASKS[key]
     spills = {}
     for on in ("1", "0"):
-        monkeypatch.setenv(COL_BOUND_ENV, on)
-        plan = plan_forward(_spec(mask, score_mod), "sm_90", persistent=persistent)
+        plan = plan_forward(
+            _spec(mask, score_mod), "sm_90", persistent=persistent,
+            values={"hopper_fwd.col_bound": on == "1"},
+        )  # fmt: skip
         assert (plan.context["col_bound"] is not None) == (on == "1")
         _, report = cache.get_or_build(render(plan), plan)
         spills[on] = report.spill_bytes

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from plan_helpers import plan_backward, plan_forward
 
 from flashgen.build import cache
 from flashgen.build.compile import (
@@ -23,8 +24,8 @@ from flashgen.build.compile import (
     parse_ptxas,
 )
 from flashgen.build.render import render
+from flashgen.families.registry import compile_units
 from flashgen.frontend.spec import load_spec
-from flashgen.lower import compile_units, plan_backward, plan_forward
 
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 

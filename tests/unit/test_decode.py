@@ -517,8 +517,8 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     import ctypes
     import types
 
+    from flashgen.ops import calls as calls_mod
     from flashgen.ops import decode as dmod
-    from flashgen.ops import op as op_mod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 
@@ -533,7 +533,7 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     monkeypatch.setattr(tma, "driver", lambda: Driver)
     monkeypatch.setattr(dmod, "_eager_cuda", lambda q, k, v: True)
     monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
-    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: 7)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
     op = _op("mistral_swa")
     dop = dmod.decode_op(op)
     unit = family.plan(op.spec, "sm_90")
@@ -591,7 +591,7 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     monkeypatch.setattr(tma, "driver", lambda: Driver)
     monkeypatch.setattr(dmod, "_eager_cuda", lambda q, k, v: True)
     monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
-    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: 7)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
     with pytest.raises(OpInputError, match="q: expected dtype"):
         op.with_kvcache(q.half(), kc, vc, lens, block_table=table, k_new=kn, v_new=vn,
                         plan=plan, window=9)  # fmt: skip
@@ -672,8 +672,8 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
     import ctypes
     import types
 
+    from flashgen.ops import calls as calls_mod
     from flashgen.ops import decode as dmod
-    from flashgen.ops import op as op_mod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 
@@ -688,7 +688,7 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
     monkeypatch.setattr(tma, "driver", lambda: Driver)
     monkeypatch.setattr(dmod, "_eager_cuda", dmod._plain_eager_fast)
     monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
-    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: 7)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
     op = _op("llama3_gqa")
     dop = dmod.decode_op(op)
     unit = family.plan(op.spec, "sm_90")

@@ -1,5 +1,5 @@
 """The host estimate of kept keys per query row (``flashgen.ops.density``) and the choice of the
-Hopper forward's sparse-mask tiles (``lower.sparse_tiles``, ``select.build_forward(sparse=)``)."""
+Hopper forward's sparse-mask tiles (``sparse_tiles``, ``family_build.build_forward(sparse=)``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import lower  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.registry import compile_units  # noqa: E402
+from flashgen.families.tiles import sparse_tiles  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import TileConfig  # noqa: E402
 from flashgen.ops import density  # noqa: E402
+from flashgen.options import DEFAULT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,19 +77,19 @@ def test_estimate_uses_buckets(monkeypatch):
 
 def test_sparse_tiles_rules():
     dense = TileConfig(128, 160, 12)
-    assert lower.sparse_tiles(_spec("mistral_swa"), dense) == TileConfig(128, 128, 12)
-    assert lower.sparse_tiles(_spec("causal_d128"), dense) == TileConfig(128, 128, 12)
-    assert lower.sparse_tiles(_spec("bidir_d256"), TileConfig(128, 80, 12)) is None  # no mask
-    assert lower.sparse_tiles(_spec("document_mask"), TileConfig(128, 128, 12)) is None
-    assert lower.sparse_tiles(_spec("gemma2_softcap"), TileConfig(128, 80, 12)) is None  # d256
-    assert lower.sparse_tiles(_spec("causal_d128"), TileConfig(128, 64, 4)) is None  # FA2-class
+    assert sparse_tiles(_spec("mistral_swa"), dense) == TileConfig(128, 128, 12)
+    assert sparse_tiles(_spec("causal_d128"), dense) == TileConfig(128, 128, 12)
+    assert sparse_tiles(_spec("bidir_d256"), TileConfig(128, 80, 12)) is None  # no mask
+    assert sparse_tiles(_spec("document_mask"), TileConfig(128, 128, 12)) is None
+    assert sparse_tiles(_spec("gemma2_softcap"), TileConfig(128, 80, 12)) is None  # d256
+    assert sparse_tiles(_spec("causal_d128"), TileConfig(128, 64, 4)) is None  # FA2-class
     pinned = dataclasses.replace(_spec("causal_d128"), tiles=ir.TileOverride(128, 160, 12))
-    assert lower.sparse_tiles(pinned, dense) is None
-    assert lower.sparse_tiles(_spec("causal_d128"), TileConfig(128, 128, 12)) is None
+    assert sparse_tiles(pinned, dense) is None
+    assert sparse_tiles(_spec("causal_d128"), TileConfig(128, 128, 12)) is None
 
 
 def test_build_forward_takes_the_sparse_tiles_first(requires_nvcc):
-    from flashgen.select import build_forward
+    from flashgen.families.build import build_forward
 
     spec = loads_spec(
         "name: dens_window\nhead_dim: 128\ndtype: bf16\n"
@@ -100,7 +102,7 @@ def test_build_forward_takes_the_sparse_tiles_first(requires_nvcc):
     assert plan.tiles == TileConfig(128, 160, 12)
 
 
-def test_op_asks_for_sparse_tiles_per_call(monkeypatch):
+def test_op_asks_for_sparse_tiles_per_call():
     from flashgen.ops.op import Dims, build_op
 
     spec = dataclasses.replace(_spec("mistral_swa"), name="dens_op_window")
@@ -109,8 +111,9 @@ def test_op_asks_for_sparse_tiles_per_call(monkeypatch):
     long = Dims(1, 4, 4, 16384, 16384, 128)
     assert op._sparse_call(long, [256]) and not op._sparse_call(long, [4096])
     assert op._sparse_calls[(16384, 16384, 256)] is True
-    monkeypatch.setenv(lower.SPARSE_TILES_ENV, "0")
-    assert not op._sparse_call(long, [256])
+    off = op.with_options(DEFAULT.replace_path("sparse_tiles", False))
+    assert not off._sparse_possible and not off._sparse_call(long, [256])
+    assert op._sparse_call(long, [256])  # the default op's calls still do
     assert not build_op(
         dataclasses.replace(_spec("bidir_d256"), name="dens_op_bidir")
     )._sparse_possible
@@ -190,62 +193,57 @@ def test_a_decoding_loop_hits_the_op_cache(monkeypatch):
 
 def test_first_use_loads_both_kernels(monkeypatch):
     """op.kernel builds and loads the dense and the sparse-mask kernel together (a later call,
-    e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing);
-    the sparse kernel is the persistent dynamic one by default; FLASHGEN_SPARSE_PERSISTENT=0:
-    a non-persistent sparse kernel of its own, built when asked; FLASHGEN_PERSISTENT builds
-    one.  The compiler, loader and device
+    e.g. inside a CUDA-graph capture, at a length that needs the other one loads nothing); the
+    sparse kernel is the persistent dynamic one by default; an op with
+    ``Options.sparse_persistent='off'``: a non-persistent sparse kernel; with a persistent dense
+    kernel (``Options.persistent``) the op builds that one only.  The compiler, loader and device
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 
-    import flashgen.ops.op as op_mod
+    import flashgen.ops.attention as op_mod
     import flashgen.runtime.launch as runtime
-    import flashgen.select as select
+    from flashgen.families import build as family_build
     from flashgen.ops.op import build_op
 
     built = []
 
-    def fake_build(spec, target, gpu=None, family="auto", persistent=False, sparse=False):
+    def fake_build(spec, target, gpu=None, options=DEFAULT, persistent=False, sparse=False):
         built.append((sparse, persistent))
         return SimpleNamespace(tiles="sparse" if sparse else "dense"), f"cubin{sparse}", None
 
-    monkeypatch.setattr(select, "build_forward", fake_build)
+    monkeypatch.setattr(family_build, "build_forward", fake_build)
     monkeypatch.setattr(runtime, "load", lambda cubin, plan, index: SimpleNamespace(plan=plan))
     monkeypatch.setattr(op_mod, "target_for_device", lambda spec, device: "sm_90")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_twins"))
     dev = torch.device("cuda", 0)
-    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV, raising=False)
     assert op.kernel(dev).plan.tiles == "dense"
     assert built == [(False, False), (True, "dynamic")]
     assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and len(built) == 2
-    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "0")  # its own kernel, built when asked
-    assert op.kernel(dev, sparse=True).plan.tiles == "sparse" and built[2:] == [(True, False)]
-    assert op.kernel(dev).plan.tiles == "dense" and len(built) == 3
-    monkeypatch.delenv(lower.SPARSE_PERSISTENT_ENV)
+    off = op.with_options(DEFAULT.replace_path("sparse_persistent", "off"))
+    assert off.kernel(dev, sparse=True).plan.tiles == "sparse"  # its own op and kernels
+    assert built[2:] == [(True, False), (False, False)]
     del built[2:]
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
-    assert op.kernel(dev, sparse=True).plan.tiles == "dense"  # persistent: never sparse
+    static = op.with_options(DEFAULT.replace_path("persistent", "static"))
+    assert static.kernel(dev, sparse=True).plan.tiles == "dense"  # persistent: never sparse
     assert built[2:] == [(False, "static")]
 
 
-def test_sparse_persistent_switch(monkeypatch):
-    """FLASHGEN_SPARSE_PERSISTENT (default dynamic) names the sparse calls' persistent
-    scheduler, masks that divide included (the persistent producer walks warp-wide since
-    session 13); the CI compile units follow it."""
-    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "0")
-    assert lower.sparse_persistent() is False
+def test_sparse_persistent_option():
+    """``Options.sparse_persistent`` (default dynamic) names the sparse calls' persistent
+    scheduler, masks that divide included (the persistent producer walks warp-wide); the CI
+    compile units follow it."""
+    off = DEFAULT.replace_path("sparse_persistent", "off")
     for name in ("mistral_swa", "chunked_local"):
-        assert lower.compile_units(_spec(name), "sm_90")["fwd_sparse"].context[
+        assert compile_units(_spec(name), "sm_90", off)["fwd_sparse"].context[
             "scheduler"
         ] is None  # fmt: skip
-    cases = (("", "dynamic"), ("1", "static"), ("static", "static"), ("dynamic", "dynamic"))
-    for value, want in cases:  # "": unset
-        monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, value)
-        assert lower.sparse_persistent() == want
+    assert DEFAULT.sparse_persistent == "dynamic"
+    for value in ("dynamic", "static", "m_major"):
+        options = DEFAULT.replace_path("sparse_persistent", value)
         for name in ("mistral_swa", "chunked_local"):
-            unit = lower.compile_units(_spec(name), "sm_90")["fwd_sparse"]
-            assert unit.context["scheduler"] == want and unit.tiles.block_n == 128, name
+            unit = compile_units(_spec(name), "sm_90", options)["fwd_sparse"]
+            assert unit.context["scheduler"] == value and unit.tiles.block_n == 128, name
             assert unit.context["warp_walk"], name
-    monkeypatch.setenv(lower.SPARSE_PERSISTENT_ENV, "sometimes")
-    with pytest.raises(ValueError, match="FLASHGEN_SPARSE_PERSISTENT='sometimes'"):
-        lower.sparse_persistent()
+    with pytest.raises(ValueError, match="Options.sparse_persistent='sometimes'"):
+        DEFAULT.replace_path("sparse_persistent", "sometimes")

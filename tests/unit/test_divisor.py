@@ -1,20 +1,19 @@
 """``fg::Divisor`` (templates/common/mma_sm80.cuh), the kernels' division by a kernel-invariant
 integer (a DSL ``x / d`` or ``x % d`` with ``d`` a scalar param, hoisted by
-:class:`flashgen.lower.Invariants`): checked against C's ``/`` and ``%`` (and 0 for a zero
-divisor, like ``fg::idiv``) in a host program compiled with nvcc from the very header the
-kernels include, over every divisor in [-1100, 1100], powers of two and their neighbours up
-to 2^31, and dividends at the int32 edges, around multiples of the divisor and at random.
-``div_nn`` / ``mod_nn`` (no sign handling) against the same where ``x >= 0`` and ``d >= 1``.
-Also: the lowering hoists exactly the invariant divisors, and takes ``div_nn`` only where it
-proves both."""
+:class:`flashgen.codegen.cuda_expr.Invariants`): checked against C's ``/`` and ``%`` (and 0 for a
+zero divisor, like ``fg::idiv``) in a host program compiled with nvcc from the very header the
+kernels include, over every divisor in [-1100, 1100], powers of two and their neighbours up to 2^31,
+and dividends at the int32 edges, around multiples of the divisor and at random. ``div_nn`` /
+``mod_nn`` (no sign handling) against the same where ``x >= 0`` and ``d >= 1``. Also: the lowering
+hoists exactly the invariant divisors, and takes ``div_nn`` only where it proves both."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr
 from flashgen.frontend.spec import loads_spec
-from flashgen.lower import Invariants, cuda_expr
 
 HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 
@@ -170,22 +169,25 @@ def test_softmax_scale_folds_into_score_products():
 def test_proven_nonnegative_divisions_take_div_nn(monkeypatch):
     """With ``Invariants(nonneg_div=True)`` (the Hopper forward): ``kv_idx / chunk`` with
     ``chunk`` declared ``min: 1`` is ``div_nn``; a dividend that may be negative, a divisor
-    that may be 0 or negative, or ``FLASHGEN_NONNEG_DIV=0`` keep the signed ``div``."""
-    from flashgen.lower import NONNEG_DIV_ENV
-
+    that may be 0 or negative, or ``hopper_fwd.nonneg_div=False`` keep the signed ``div``."""
     spec = loads_spec(
         "name: nn\nhead_dim: 64\ndtype: bf16\n"
         "mask: (q_idx + seqlen_k - seqlen_q) / c == kv_idx / c && kv_idx % c < q_idx / w + 1\n"
         "params:\n  c: {type: i32, default: 64, min: 1}\n  w: {type: i32, default: 8}\n"
     )
+    from plan_helpers import plan_forward
+
+    from flashgen.build.render import render
+
     inv = Invariants(nonneg_div=True)
     mask = cuda_expr(spec.mask, spec, inv)
     assert "fg_inv0.div_nn(kv_idx)" in mask and "fg_inv0.mod_nn(kv_idx)" in mask
     assert "fg_inv0.div(((q_idx + seqlen_k) - seqlen_q))" in mask  # may be negative
     assert "fg_inv1.div(q_idx)" in mask  # w may be 0 or negative
     assert "_nn" not in cuda_expr(spec.mask, spec, Invariants())  # the default: off
-    monkeypatch.setenv(NONNEG_DIV_ENV, "0")
-    assert "_nn" not in cuda_expr(spec.mask, spec, Invariants(nonneg_div=True))
+    on = plan_forward(spec, "sm_90")
+    off = plan_forward(spec, "sm_90", values={"hopper_fwd.nonneg_div": False})
+    assert ".div_nn(kv_idx)" in render(on) and ".div_nn(" not in render(off)
 
 
 def test_div_nn_proof_holds_by_brute_force():
@@ -197,8 +199,8 @@ def test_div_nn_proof_holds_by_brute_force():
     import itertools
 
     from flashgen.analysis.maskinfo import Range, evaluate
+    from flashgen.codegen.cuda_expr import _nonneg_by_positive
     from flashgen.frontend.ir import Binary, Ty, walk
-    from flashgen.lower import _nonneg_by_positive
 
     cases = [  # (mask, params, proven)
         ("kv_idx / c == 0", "c: {type: i32, default: 1, min: 0}", False),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 from patched_kernels import REPO, compile_source, load_tool
+from plan_helpers import plan_forward
 
 from flashgen.build.render import render
 from flashgen.frontend.spec import load_spec
-from flashgen.lower import plan_forward
 
 
 def _tool():

@@ -19,12 +19,13 @@ import torch
 from dsl_strategies import PARAMS, expr, may_be_true, score_mods, spec_text, specs
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from plan_helpers import plan_forward
 
 from flashgen import SpecError, loads_spec
 from flashgen.build.render import render
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr
 from flashgen.frontend.ir import Ty
 from flashgen.frontend.parse import parse_expr
-from flashgen.lower import Invariants, cuda_expr, plan_forward
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
 

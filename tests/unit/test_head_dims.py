@@ -21,21 +21,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
+from plan_helpers import plan_backward, plan_forward  # noqa: E402
 
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
-from flashgen.frontend import ir
-from flashgen.lower import (  # noqa: E402
+from flashgen.families.fa2_bwd import atomic_dq_warp_grid  # noqa: E402
+from flashgen.families.registry import compile_units  # noqa: E402
+from flashgen.families.tiles import (
     ATOMIC_BACKWARD_TILES,
     BACKWARD_TILES,
     DEFAULT_TILES,
     BackwardTiles,
-    atomic_dq_warp_grid,
     backward_tile_candidates,
-    compile_units,
-    plan_backward,
-    plan_forward,
-)
+)  # noqa: E402
+from flashgen.frontend import ir
 
 SM80_SMEM = 163 * 1024
 VARIANTS = [

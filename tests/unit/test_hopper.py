@@ -10,24 +10,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from plan_helpers import forward_tile_candidates, plan_forward, plan_hopper_forward
 
 from flashgen.build import cache
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
+from flashgen.codegen.plan import TileConfig, is_hopper_tiles
+from flashgen.families.blocktable import block_table_shape
+from flashgen.families.hopper_fwd import eligible as hopper_eligible
+from flashgen.families.registry import plan_block_table
+from flashgen.families.tiles import HOPPER_TABLE_TILES, HOPPER_TILES, hopper_tiles
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
-    HOPPER_TABLE_TILES,
-    HOPPER_TILES,
-    TileConfig,
-    block_table_shape,
-    forward_tile_candidates,
-    hopper_eligible,
-    hopper_tiles,
-    is_hopper_tiles,
-    plan_block_table,
-    plan_forward,
-    plan_hopper_forward,
-)
 from flashgen.ops.varlen import varlen_spec
 from flashgen.runtime import tma
 from flashgen.runtime.launch import kernel_args
@@ -59,7 +52,7 @@ def test_pinned_fa2_tiles_and_other_head_dims_take_the_fa2_kernel():
             "sm_80",
             tiles=TileConfig(128, 128, 12),
         )
-    with pytest.raises(ValueError, match="unknown kernel family"):
+    with pytest.raises(ValueError, match="Options.family=.fa4.: expected one of"):
         plan_forward(loads_spec("name: t\nhead_dim: 128\ndtype: bf16\n"), "sm_90", family="fa4")
 
 

@@ -1,4 +1,4 @@
-"""The Hopper (sm_90a) backward: which specs and calls take it (lower.hopper_bwd_eligible,
+"""The Hopper (sm_90a) backward: which specs and calls take it (hopper_bwd.eligible,
 backward.backward_path), its plan (TMA maps, shared memory, kernels), the rendered unit
 (StrictUndefined) and, with nvcc, zero spills and wgmma in the PTX.  The index math of the
 kernel's loops (live query blocks, tiles that skip the mask, the dQ reduction lanes, the
@@ -13,23 +13,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan_hopper_backward
 
 from flashgen.build import cache
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
+from flashgen.families.common import HOPPER_SMEM_LIMIT
+from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
+from flashgen.families.registry import compile_units
+from flashgen.families.tiles import HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
-    HOPPER_BWD_DQ_A_ENV,
-    HOPPER_BWD_TILES,
-    HOPPER_BWD_TILES_SPLIT_D,
-    HOPPER_SMEM_LIMIT,
-    compile_units,
-    hopper_bwd_eligible,
-    plan_hopper_backward,
-)
-from flashgen.ops.backward import ATOMIC_DQ_ENV, backward_path
+from flashgen.ops.backward import backward_path
 from flashgen.ops.varlen import varlen_spec
+from flashgen.options import DEFAULT
 
 REPO = Path(__file__).resolve().parents[2]
 #: Shipped specs the Hopper backward takes: d64/d128/d256, masks that read no tensor, any
@@ -88,24 +85,21 @@ def test_ineligible_specs():
         hopper_bwd_eligible(base, "sm_90", "fa9")
 
 
-def test_backward_path_selection(monkeypatch):
-    monkeypatch.delenv(ATOMIC_DQ_ENV, raising=False)
-    monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY", raising=False)
+def test_backward_path_selection():
     yes, no = shipped("causal_d128"), shipped("document_mask")
     assert backward_path(yes, "sm_90", True) == "deterministic"
     assert backward_path(yes, "sm_90", False) == "hopper"
     assert backward_path(yes, "sm_80", False) == "deterministic"
     assert backward_path(no, "sm_90", False) == "deterministic"
-    monkeypatch.setenv(ATOMIC_DQ_ENV, "1")
-    assert backward_path(yes, "sm_90", False) == "hopper"
-    assert backward_path(yes, "sm_90", True) == "deterministic"
-    assert backward_path(yes, "sm_80", False) == "atomic"
-    assert backward_path(no, "sm_90", False) == "atomic"
-    monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")  # the FA2-class atomic kernel on sm_90
-    assert backward_path(yes, "sm_90", False) == "atomic"
-    monkeypatch.delenv("FLASHGEN_KERNEL_FAMILY")
-    monkeypatch.setenv(ATOMIC_DQ_ENV, "0")  # opt out of every atomic path
-    assert backward_path(yes, "sm_90", False) == "deterministic"
+    atomic = DEFAULT.replace_path("atomic_dq", True)
+    assert backward_path(yes, "sm_90", False, atomic) == "hopper"
+    assert backward_path(yes, "sm_90", True, atomic) == "deterministic"
+    assert backward_path(yes, "sm_80", False, atomic) == "atomic"
+    assert backward_path(no, "sm_90", False, atomic) == "atomic"
+    fa2 = atomic.replace_path("family", "fa2")  # the FA2-class atomic kernel on sm_90
+    assert backward_path(yes, "sm_90", False, fa2) == "atomic"
+    never = DEFAULT.replace_path("atomic_dq", False)  # opt out of every atomic path
+    assert backward_path(yes, "sm_90", False, never) == "deterministic"
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -194,16 +188,15 @@ def test_render_masks_and_score_mods(name, d256):
     assert "keep_bits |= (uint32_t)keep << i;" in src
 
 
-def test_dq_a_option(monkeypatch):
+def test_dq_a_option():
     spec = small(128, "bf16", True)
-    monkeypatch.delenv(HOPPER_BWD_DQ_A_ENV, raising=False)
     assert not plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    assert plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
+    assert plan_hopper_backward(spec, "sm_90", dq_a="ldmatrix").dkdv.context["dq_ldmatrix"]
     assert not plan_hopper_backward(spec, "sm_90", dq_a="smem").dkdv.context["dq_ldmatrix"]
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "tma")
     with pytest.raises(ValueError, match="expected one of smem, ldmatrix"):
-        plan_hopper_backward(spec, "sm_90")
+        plan_hopper_backward(spec, "sm_90", dq_a="tma")
+    with pytest.raises(ValueError, match="expected one of"):
+        DEFAULT.replace_path("hopper_bwd.dq_a", "tma")
 
 
 def _ptx(plan, tmp_path) -> str:
@@ -227,7 +220,7 @@ D256 = ("alibi", "mistral_swa", "chunked_local", "prefix_lm")  # shipped masks a
 def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
     """About 1-2 s per unit on 2 idle cores.  alibi, chunked_local and prefix_lm sit at
     253-255 registers at d128: a template change that adds any may tip them into spills
-    (then select.build_backward falls back to the FA2-class kernels for them).  At d256
+    (then family_build.build_backward falls back to the FA2-class kernels for them).  At d256
     (the split layout) the units use 220-249 (chunked_local with ldmatrix the most)."""
     spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
     plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
@@ -458,11 +451,11 @@ def test_split_ldmatrix_rows_of_the_ds_fragments():
 
 
 def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
-    """select.build_backward(hopper=True): the environment's dQ variant, then the other,
+    """family_build.build_backward(hopper=True): the environment's dQ variant, then the other,
     then (both spilling) the FA2-class unit that ``atomic_dq`` selects."""
     import types
 
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     tried = []
 
@@ -471,23 +464,27 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
         spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
         return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
 
-    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    ldm = DEFAULT.replace_path("hopper_bwd.dq_a", "ldmatrix")
+    plan, _, report = family_build.build_backward(
+        shipped("causal_d128"), "sm_90", hopper=True, options=ldm
+    )
     assert tried[:2] == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
     assert report.spill_bytes == 0
-    plan, _, _ = select.build_backward(shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True)
+    plan, _, _ = family_build.build_backward(
+        shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True, options=ldm
+    )
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
 
 
 def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
-    """select.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
+    """family_build.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
     build_forward does; ``flashgen build`` fails such a unit): the other dQ variant, then
     the FA2-class unit."""
     import types
 
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     tried = []
 
@@ -497,9 +494,11 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
         serialized = (plan.kernel_name,) if hopper_first else ()
         return "x.cubin", types.SimpleNamespace(spill_bytes=0, wgmma_serialized=serialized)
 
-    monkeypatch.setattr(select.cache, "get_or_build", fake_build)
-    monkeypatch.setenv(HOPPER_BWD_DQ_A_ENV, "ldmatrix")
-    plan, _, report = select.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    ldm = DEFAULT.replace_path("hopper_bwd.dq_a", "ldmatrix")
+    plan, _, report = family_build.build_backward(
+        shipped("causal_d128"), "sm_90", hopper=True, options=ldm
+    )
     assert tried == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and not plan.dkdv.context["dq_ldmatrix"]
     assert not report.wgmma_serialized
@@ -507,22 +506,22 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
 
 @pytest.mark.parametrize("spills", [True, False])
 def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
-    """backward.kernels on the "hopper" path: when select.build_backward returns the
+    """backward.kernels on the "hopper" path: when family_build.build_backward returns the
     FA2-class unit (every Hopper variant spilled), one RuntimeWarning names the spec and
     what runs instead; a Hopper unit warns nothing.  Fakes for the GPU and the compiler."""
     import warnings
 
     import torch
+    from plan_helpers import plan_backward
 
-    from flashgen import select
-    from flashgen.lower import plan_backward
-    from flashgen.ops import op as op_mod
+    from flashgen.families import build as family_build
+    from flashgen.ops import backward as op_mod
     from flashgen.ops.op import build_op
     from flashgen.runtime import launch as runtime
 
     spec = dataclasses.replace(shipped("causal_d128"), name=f"hb_fallback_{spills}".lower())
     plan = plan_backward(spec, "sm_90") if spills else plan_hopper_backward(spec, "sm_90")
-    monkeypatch.setattr(select, "build_backward", lambda *a, **k: (plan, "unit.cubin", None))
+    monkeypatch.setattr(family_build, "build_backward", lambda *a, **k: (plan, "unit.cubin", None))
     monkeypatch.setattr(runtime, "load", lambda cubin, kp, index: kp.kernel_name)
     monkeypatch.setattr(op_mod, "target_for_device", lambda spec, device: "sm_90")
     bwd = build_op(spec).backward

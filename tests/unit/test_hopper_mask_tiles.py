@@ -1,30 +1,25 @@
-"""The Hopper forward's masked-tile reductions (``flashgen/lower.py``: ``causal_tiles``,
-``col_limit``, ``walk_from_diagonal``) as rendered: which specs get which, the switches that
-turn each off, and every shipped mask spec spill-free with them (nvcc, no GPU)."""
+"""The Hopper forward's masked-tile reductions (``flashgen/families/hopper_fwd.py``:
+``causal_tiles``, ``col_limit``, ``walk_from_diagonal``) as rendered: which specs get which,
+the options that turn each off, and every shipped mask spec spill-free with them (nvcc, no GPU)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan_forward
 
 from flashgen.build import cache
 from flashgen.build.render import render
 from flashgen.frontend.spec import load_spec
-from flashgen.lower import (
-    CAUSAL_TILES_ENV,
-    COL_LIMIT_ENV,
-    NONNEG_DIV_ENV,
-    SINGLE_WALK_ENV,
-    WALK_FROM_DIAGONAL_ENV,
-    plan_forward,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _plan(name: str):
-    return plan_forward(load_spec(REPO / "specs" / f"{name}.yaml"), "sm_90")
+def _plan(name: str, **values):
+    """The sm_90 forward of shipped spec ``name`` with ``hopper_fwd.<field>=value`` options."""
+    values = {f"hopper_fwd.{k}": v for k, v in values.items()}
+    return plan_forward(load_spec(REPO / "specs" / f"{name}.yaml"), "sm_90", values=values)
 
 
 def _kernel(src: str) -> str:
@@ -63,14 +58,12 @@ def test_which_specs_take_which_reduction(name, causal_tiles, col_limit, walk):
 def test_switches_turn_each_reduction_off(monkeypatch):
     on = _kernel(render(_plan("chunked_local")))
     assert "col_lim[" in on and "fg::iv::CAUSAL_ONLY" in on and "diag_k" in on
-    monkeypatch.setenv(CAUSAL_TILES_ENV, "0")
-    src = render(_plan("chunked_local"))
+    src = render(_plan("chunked_local", causal_tiles=False))
     assert "fg::iv::CAUSAL_ONLY" not in _kernel(src) and "col_lim[" in src
     assert "fg::iv::causal_bits(" not in src  # the plain classifier
-    monkeypatch.setenv(COL_LIMIT_ENV, "0")
-    assert "col_lim[" not in render(_plan("chunked_local"))
-    monkeypatch.setenv(WALK_FROM_DIAGONAL_ENV, "0")
-    off = _kernel(render(_plan("chunked_local")))
+    off = dict(causal_tiles=False, col_limit=False)
+    assert "col_lim[" not in render(_plan("chunked_local", **off))
+    off = _kernel(render(_plan("chunked_local", **off, walk_from_diagonal=False)))
     assert "diag_k" not in off and "walk_start = n_kv_blocks - 1;" in off
 
 
@@ -79,8 +72,8 @@ def test_chunk_columns_divide_unsigned_in_the_hopper_forward_only(monkeypatch):
     assert "fg_inv0.div_nn(kv_idx)" in _kernel(render(plan_forward(spec, "sm_90")))
     fa2 = plan_forward(spec, "sm_90", family="fa2")  # spilled with div_nn (4 bytes)
     assert "div_nn(kv_idx)" not in _kernel(render(fa2))
-    monkeypatch.setenv(NONNEG_DIV_ENV, "0")
-    assert "div_nn(kv_idx)" not in _kernel(render(plan_forward(spec, "sm_90")))
+    off = plan_forward(spec, "sm_90", values={"hopper_fwd.nonneg_div": False})
+    assert "div_nn(kv_idx)" not in _kernel(render(off))
 
 
 def test_warp_zero_alone_finds_the_first_block(monkeypatch):
@@ -95,8 +88,7 @@ def test_warp_zero_alone_finds_the_first_block(monkeypatch):
     assert not persistent.context["single_walk"] and "first_slot" not in render(persistent)
     doc = plan_forward(load_spec(REPO / "specs" / "document_mask.yaml"), "sm_90")
     assert not doc.context["single_walk"] and "first_slot" not in render(doc)
-    monkeypatch.setenv(SINGLE_WALK_ENV, "0")
-    off = plan_forward(spec, "sm_90")
+    off = plan_forward(spec, "sm_90", values={"hopper_fwd.single_walk": False})
     assert not off.context["single_walk"] and "first_slot" not in render(off)
     assert off.smem_bytes == plan.smem_bytes - 8
 

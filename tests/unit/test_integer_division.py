@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from flashgen.codegen.cuda_expr import cuda_expr  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.lower import cuda_expr  # noqa: E402
 from flashgen.ops.reference import attention_reference  # noqa: E402
 
 SPEC = """

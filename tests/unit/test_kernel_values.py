@@ -10,8 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from plan_helpers import plan_backward, plan_forward  # noqa: E402
+
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.lower import plan_backward, plan_forward  # noqa: E402
 from flashgen.ops.op import kernel_values, validate  # noqa: E402
 from flashgen.runtime.launch import kernel_args  # noqa: E402
 

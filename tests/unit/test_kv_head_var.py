@@ -24,18 +24,16 @@ from flashgen.analysis.indexbounds import possible_violations  # noqa: E402
 from flashgen.bench.flexmods import flex_mods  # noqa: E402
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.abi import block_table_dims  # noqa: E402
+from flashgen.codegen.cuda_expr import cuda_expr  # noqa: E402
+from flashgen.families.build import build_backward, build_forward  # noqa: E402
+from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible  # noqa: E402
+from flashgen.families.registry import plan_block_table  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.lower import (  # noqa: E402
-    block_table_dims,
-    cuda_expr,
-    hopper_bwd_eligible,
-    plan_block_table,
-)
 from flashgen.ops.op import build_op  # noqa: E402
 from flashgen.ops.reference import _env, attention_reference, eval_expr, eval_mask  # noqa: E402
-from flashgen.select import build_backward, build_forward  # noqa: E402
 
 #: ALiBi with one slope per KV head (the query heads of a group share it).
 SCORE = """\

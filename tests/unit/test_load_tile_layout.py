@@ -23,9 +23,10 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+from plan_helpers import plan_forward
+
 from flashgen.build.render import render
 from flashgen.frontend.spec import loads_spec
-from flashgen.lower import plan_forward
 
 HEADER = Path(__file__).resolve().parents[2] / "templates" / "common" / "mma_sm80.cuh"
 

@@ -74,3 +74,27 @@ def test_the_most_params_the_checker_allows_register():
     q, k, v = _qkv()
     assert torch.isfinite(op.attention(q, k, v, p0=0.5)[0]).all()
     assert op.varlen is not None  # the widest schema (varlen backward) registered too
+
+
+def test_a_reload_replaces_the_ops_under_every_options(tmp_path):
+    """An op bound to non-default options registers its own operator: reloading the edited
+    file (under any options) replaces those too, and ops of unchanged options stay."""
+    path = tmp_path / "reload_opts.yaml"
+    path.write_text(SPEC.format(name="reload_opts", mask="q_idx >= kv_idx"))
+    fa2 = flashgen.Options(family="fa2")
+    old, old_fa2 = flashgen.load(path), flashgen.load(path, options=fa2)
+    assert old_fa2.name != old.name and old_fa2.base_name == old.name
+    assert flashgen.load(path, options=fa2) is old_fa2 and flashgen.load(path) is old
+    path.write_text(SPEC.format(name="reload_opts", mask="kv_idx <= 2"))
+    new_fa2 = flashgen.load(path, options=fa2)
+    q, k, v = _qkv()
+    for stale in (old, old_fa2):
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            stale.attention(q, k, v)
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            stale.with_options(flashgen.Options())
+    assert new_fa2.name == old_fa2.name and new_fa2.spec.mask != old_fa2.spec.mask
+    new = flashgen.load(path)  # the default op of the edited file, registered afresh
+    assert new.spec.mask == new_fa2.spec.mask and new.with_options(fa2) is new_fa2
+    o, _ = new_fa2.attention(q, k, v)
+    assert torch.equal(o, new.attention(q, k, v)[0])

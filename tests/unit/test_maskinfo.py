@@ -23,8 +23,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from flashgen.analysis.maskinfo import TileClass, classify, density, tile_classes  # noqa: E402
 from flashgen.bench.verify import random_tensor_params  # noqa: E402
+from flashgen.codegen.abi import needs_block_table  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import needs_block_table  # noqa: E402
 from flashgen.ops.reference import eval_expr  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

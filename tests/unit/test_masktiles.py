@@ -247,8 +247,9 @@ def _scoring_branches(src: str, open_marker: str) -> tuple[str, str]:
 def test_kernels_skip_empty_tiles_and_leave_full_ones_unmasked():
     """The rendered kernels search live blocks with the spec's classifier and have a scoring
     path with no mask; causal has no separate skipping left (kv_end, m_first)."""
+    from plan_helpers import plan_backward, plan_forward
+
     from flashgen.build.render import render
-    from flashgen.lower import plan_backward, plan_forward
 
     spec = load_spec(REPO / "specs" / "mistral_swa.yaml")
     window = "p_window"
@@ -385,7 +386,7 @@ def test_causal_bits_match_the_kernels_masked_loops_by_brute_force(host_exe):
 
     import torch
 
-    from flashgen.lower import _causal_as_true
+    from flashgen.codegen.cuda_expr import causal_as_true as _causal_as_true
     from flashgen.ops.reference import eval_mask
 
     specs = []

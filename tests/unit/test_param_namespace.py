@@ -12,16 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan_forward
 
 from flashgen.build.render import render
+from flashgen.codegen.abi import needs_block_table
+from flashgen.codegen.plan import TileConfig
+from flashgen.families.registry import compile_units, plan_block_table
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
-    TileConfig,
-    compile_units,
-    needs_block_table,
-    plan_block_table,
-    plan_forward,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 PARAM_LIKE = re.compile(r"\b([pt])_([A-Za-z0-9_]+)")

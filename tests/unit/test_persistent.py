@@ -10,26 +10,25 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan_forward, plan_hopper_forward
 
 from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
-from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import (
+from flashgen.families.common import (
     GRID_GROUPS_MAX,
-    HOPPER_PERSISTENT_REGS,
-    HOPPER_REGS,
     HOPPER_SMEM_LIMIT,
     PERSISTENT_SCHEDULERS,
-    PERSISTENT_WARP_WALK_ENV,
     grid_tile_coord,
     grouped_grid,
     head_group,
-    persistent_forward,
-    persistent_tile_order,
-    plan_forward,
-    plan_hopper_forward,
     tile_coord,
 )
+from flashgen.families.hopper_fwd import (
+    HOPPER_PERSISTENT_REGS,
+    HOPPER_REGS,
+    persistent_tile_order,
+)
+from flashgen.frontend.spec import load_spec, loads_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -71,7 +70,7 @@ def test_persistent_plan(path):
     assert plan_forward(spec, "sm_80", persistent=True).template == "sm_80/fwd.cu.j2"
 
 
-def test_persistent_grid(monkeypatch):
+def test_persistent_grid():
     spec = load_spec(REPO / "specs" / "causal_d128.yaml")
     off = plan_forward(spec, "sm_90")
     on = plan_forward(spec, "sm_90", persistent=True)
@@ -81,9 +80,7 @@ def test_persistent_grid(monkeypatch):
     assert off.grid(2, 16, 8192, 132, heads_kv=16, seqlen_k=8192) == (8 * 64, 4, 1)
     with pytest.raises(ValueError, match="heads_kv and seqlen_k"):
         off.grid(2, 16, 8192)
-    with monkeypatch.context() as m:
-        m.setenv("FLASHGEN_HEAD_GROUPS", "0")
-        plain = plan_forward(spec, "sm_90")
+    plain = plan_forward(spec, "sm_90", head_groups=False)
     assert plain.context["grid_groups"] is None
     assert plain.grid(2, 16, 8192) == (64 * 32, 1, 1)
     full = plan_forward(load_spec(REPO / "specs" / "bidir_d256.yaml"), "sm_90")
@@ -95,41 +92,40 @@ def test_persistent_grid(monkeypatch):
         on.grid(2, 16, 8192)
 
 
-def test_persistent_env(monkeypatch):
-    monkeypatch.delenv("FLASHGEN_PERSISTENT", raising=False)
-    assert persistent_forward() is False
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
-    assert persistent_forward() is False
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "1")
-    assert persistent_forward() == "static"
+def test_persistent_option():
+    from flashgen.families.registry import persistent_scheduler
+    from flashgen.options import DEFAULT
+
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    assert persistent_scheduler(spec) is False  # auto: off for a mask without a block table
+    assert persistent_scheduler(spec, DEFAULT.replace_path("persistent", "off")) is False
     for name in PERSISTENT_SCHEDULERS:
-        monkeypatch.setenv("FLASHGEN_PERSISTENT", name)
-        assert persistent_forward() == name
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "yes")
-    with pytest.raises(ValueError, match="FLASHGEN_PERSISTENT"):
-        persistent_forward()
+        assert persistent_scheduler(spec, DEFAULT.replace_path("persistent", name)) == name
+    with pytest.raises(ValueError, match="Options.persistent='yes'"):
+        DEFAULT.replace_path("persistent", "yes")
 
 
-def test_block_table_masks_default_to_the_dynamic_scheduler(monkeypatch):
-    """Unset, FLASHGEN_PERSISTENT means ``dynamic`` for a mask that reads tensors (a block
-    table: document_mask) and off for the others; set, it holds for every spec.  The CI
-    compile unit (lower.compile_units' ``fwd``) follows it."""
-    from flashgen.lower import compile_units
+def test_block_table_masks_default_to_the_dynamic_scheduler():
+    """``Options.persistent`` ``auto`` (the default) means ``dynamic`` for a mask that reads
+    tensors (a block table: document_mask) and off for the others; a scheduler named holds for
+    every spec.  The CI compile unit (registry.compile_units' ``fwd``) follows it."""
+    from flashgen.families.registry import compile_units, persistent_scheduler
+    from flashgen.options import DEFAULT
 
     doc = load_spec(REPO / "specs" / "document_mask.yaml")
     swa = load_spec(REPO / "specs" / "mistral_swa.yaml")
-    monkeypatch.delenv("FLASHGEN_PERSISTENT", raising=False)
-    assert persistent_forward(doc) == "dynamic" and persistent_forward(swa) is False
+    assert persistent_scheduler(doc) == "dynamic" and persistent_scheduler(swa) is False
     fwd = compile_units(doc, "sm_90")["fwd"]
     assert fwd.context["scheduler"] == "dynamic" and fwd.context["block_table"]
     assert fwd.context["persistent"] and "tile_counter" in [a.name for a in fwd.args]
     assert compile_units(swa, "sm_90")["fwd"].context["scheduler"] is None
     assert not compile_units(doc, "sm_80")["fwd"].context.get("persistent")  # FA2-class
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "0")
-    assert persistent_forward(doc) is False
-    assert compile_units(doc, "sm_90")["fwd"].context["scheduler"] is None
-    monkeypatch.setenv("FLASHGEN_PERSISTENT", "static")
-    assert persistent_forward(doc) == "static" and persistent_forward(swa) == "static"
+    off = DEFAULT.replace_path("persistent", "off")
+    assert persistent_scheduler(doc, off) is False
+    assert compile_units(doc, "sm_90", off)["fwd"].context["scheduler"] is None
+    static = DEFAULT.replace_path("persistent", "static")
+    assert persistent_scheduler(doc, static) == "static"
+    assert persistent_scheduler(swa, static) == "static"
 
 
 def test_persistent_smem_layout():
@@ -333,8 +329,7 @@ def test_head_groups_balance_causal_tiles():
 
 
 # ----------------------------------------------------------------------------- rendering
-def test_persistent_render(monkeypatch):
-    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
+def test_persistent_render():
     off_swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90"))
     doc = load_spec(REPO / "specs" / "document_mask.yaml")
     off = render(plan_forward(doc, "sm_90"))
@@ -357,8 +352,8 @@ def test_persistent_render(monkeypatch):
     swa = render(plan_forward(load_spec(REPO / "specs" / "mistral_swa.yaml"), "sm_90",
                               persistent=True))  # fmt: skip
     assert "const int tile_p_window = opaque(p_window);" in swa
-    # warp-wide, a fresh window per tile (inside the tile loop); FLASHGEN_PERSISTENT_WARP_WALK=0
-    # or warp_walk=False: prev_live, one classifier call per step
+    # warp-wide, a fresh window per tile (inside the tile loop); hopper_fwd.warp_walk False:
+    # prev_live, one classifier call per step
     assert "walk.prev_live(j, c, kv_class)" in swa and "fg::iv::prev_live(" not in swa
     tile_loop = swa.index("for (int tile = blockIdx.x")
     assert tile_loop < swa.index("fg::iv::WarpWalk walk;") < swa.index("hand_over(-2, 0, 0, 0);")
@@ -366,18 +361,18 @@ def test_persistent_render(monkeypatch):
     old = render(plan_hopper_forward(swa_p, "sm_90", plan_forward(swa_p, "sm_90").tiles,
                                      persistent=True, warp_walk=False))  # fmt: skip
     assert "fg::iv::prev_live(j, c, full, kv_class)" in old and "WarpWalk walk" not in old
-    monkeypatch.setenv(PERSISTENT_WARP_WALK_ENV, "0")
-    assert render(plan_forward(swa_p, "sm_90", persistent=True)) == old
+    no_walk = plan_forward(swa_p, "sm_90", persistent=True, values={"hopper_fwd.warp_walk": False})
+    assert render(no_walk) == old
     # the non-persistent kernel walks warp-wide either way (its source does not change)
     assert render(plan_forward(swa_p, "sm_90")) == off_swa
 
 
 # ----------------------------------------------------------------------------- nvcc
 def _build(job):
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     spec, scheduler = job
-    plan, _, report = select.build_forward(spec, "sm_90", persistent=scheduler)
+    plan, _, report = family_build.build_forward(spec, "sm_90", persistent=scheduler)
     assert plan.template == "sm_90/fwd.cu.j2" and plan.context["persistent"]
     assert plan.tiles == plan_forward(spec, "sm_90").tiles, (spec.name, plan.tiles)
     return spec.name, spec.head_dim, scheduler, report
@@ -406,10 +401,10 @@ def _build_first(job):
 
 def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
     """The persistent producer's warp-wide walk (``warp_walk``) at its planned tiles with
-    every feature on (no fallback of select.build_forward): no spills, no serialized wgmma,
+    every feature on (no fallback of family_build.build_forward): no spills, no serialized wgmma,
     for every spec and head-dim variant (static), the shipped specs (dynamic) and the
     sparse-call kernels (lower.sparse_tiles, dynamic; chunked_local's divides)."""
-    from flashgen.lower import sparse_tiles
+    from flashgen.families.tiles import sparse_tiles
 
     jobs = [(s, "static", None) for s in _all_specs()]
     jobs += [(load_spec(p), "dynamic", None) for p in SPECS]
@@ -445,16 +440,12 @@ def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc, tmp_path):
             assert "mbarrier.try_wait.parity" in ptx, name
 
 
-def test_persistent_ctas(monkeypatch):
-    """The op's persistent grid: the SM count, or FLASHGEN_PERSISTENT_CTAS (debugging)."""
-    from flashgen.ops import op
+def test_persistent_ctas():
+    """The op's persistent grid: the SM count, or ``Options.persistent_ctas`` (debugging)."""
+    from flashgen.options import DEFAULT
 
-    monkeypatch.setattr(op, "_sm_count", lambda index: 132)
-    monkeypatch.delenv("FLASHGEN_PERSISTENT_CTAS", raising=False)
-    assert op._persistent_ctas(0) == 132
-    monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", "3")
-    assert op._persistent_ctas(0) == 3
+    assert DEFAULT.persistent_ctas is None  # the SM count
+    assert DEFAULT.replace_path("persistent_ctas", "3").persistent_ctas == 3
     for bad in ("0", "-1", "x"):
-        monkeypatch.setenv("FLASHGEN_PERSISTENT_CTAS", bad)
-        with pytest.raises(ValueError, match="FLASHGEN_PERSISTENT_CTAS"):
-            op._persistent_ctas(0)
+        with pytest.raises(ValueError, match="persistent_ctas"):
+            DEFAULT.replace_path("persistent_ctas", bad)

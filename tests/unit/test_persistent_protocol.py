@@ -312,9 +312,10 @@ def test_model_catches_the_cross_tile_ping_pong_hazard():
 def _persistent_source(name: str, head_dim: int | None = None, scheduler="static") -> str:
     from pathlib import Path
 
+    from plan_helpers import plan_forward
+
     from flashgen.build.render import render
     from flashgen.frontend.spec import load_spec, loads_spec
-    from flashgen.lower import plan_forward
 
     path = Path(__file__).resolve().parents[2] / "specs" / f"{name}.yaml"
     spec = load_spec(path)

@@ -15,12 +15,22 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen import lower  # noqa: E402
+from plan_helpers import forward_tile_candidates, plan_backward, plan_forward, plan_hopper_forward  # noqa: E402
+
 from flashgen.analysis import rowcol  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.codegen.plan import TileConfig  # noqa: E402
+from flashgen.families.common import forward_context as _forward_context  # noqa: E402
+from flashgen.families.tiles import (  # noqa: E402
+    BackwardTiles,
+    backward_tile_candidates,
+    default_tiles,
+    hopper_tiles,
+)
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 from flashgen.ops.reference import _env, eval_expr  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 PARAMS = (
     "params:\n"
@@ -125,7 +135,7 @@ def test_column_shuffle_reaches_every_element_s_column(block_n):
 
 
 def _hopper_source(spec) -> str:
-    plan = lower.plan_hopper_forward(spec, "sm_90", lower.hopper_tiles(spec))
+    plan = plan_hopper_forward(spec, "sm_90", hopper_tiles(spec))
     return render(plan)
 
 
@@ -150,11 +160,11 @@ def test_bool_and_float_terms_render_with_their_types():
 
 def test_forward_context_without_side_terms_is_unchanged():
     spec = _spec(MASKS[0][0])
-    tiles = lower.default_tiles(spec)
-    plain = lower._forward_context(spec, "sm_80", tiles)
+    tiles = default_tiles(spec)
+    plain = _forward_context(spec, "sm_80", tiles)
     assert plain["row_terms"] == [] and plain["col_terms"] == []
     assert plain["mask_reads_memory"] and "__ldg(fg::base_ptr(t_doc_q + " in plain["mask_expr"]
-    split = lower._forward_context(spec, "sm_90", tiles, side_terms=True)
+    split = _forward_context(spec, "sm_90", tiles, side_terms=True)
     assert not split["mask_reads_memory"] and split["mask_expr"] == "(fg_row0 == fg_col0)"
 
 
@@ -166,14 +176,14 @@ PER_HEAD = "causal && (q_idx - kv_idx < win[h] || doc_kv[b, kv_idx] == 0)"
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mask", [DOC_MASK, FLOAT_MASK, PER_HEAD])
 def test_select_keeps_terms_where_they_fit_and_never_spills(requires_nvcc, mask, d):
-    """select.build_forward: the Hopper kernel with row / column terms at the planned tiles,
+    """family_build.build_forward: the Hopper kernel with row / column terms at the planned tiles,
     or (where those spill, as PER_HEAD's do on ptxas 13.0 at d128) the same tiles with the
     reads per element, before any narrower tiles."""
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     spec = loads_spec(f"name: rc\nhead_dim: {d}\ndtype: bf16\nmask: '{mask}'\n{PARAMS}", "rc.yaml")
-    first = lower.forward_tile_candidates(spec, "sm_90")[0]
-    plan, _, report = select.build_forward(spec, "sm_90")
+    first = forward_tile_candidates(spec, "sm_90")[0]
+    plan, _, report = family_build.build_forward(spec, "sm_90")
     assert report.spill_bytes == 0, report
     assert plan.template == "sm_90/fwd.cu.j2" and plan.tiles == first
     if mask == DOC_MASK:  # the shipped document_mask's form keeps its terms at every head dim
@@ -207,7 +217,7 @@ def _between(src: str, start: str, end: str) -> str:
 def test_fa2_forward_reads_no_tensor_per_element():
     spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "document_mask.yaml")
     for target in ("sm_80", "sm_90"):
-        plan = lower.plan_forward(spec, target, family="fa2")
+        plan = plan_forward(spec, target, family="fa2")
         assert plan.template == "sm_80/fwd.cu.j2"
         src = render(plan)
         # row terms once per CTA, before the key loop
@@ -228,7 +238,7 @@ def test_fa2_forward_reads_no_tensor_per_element():
 
 def test_fa2_forward_without_terms_is_the_per_element_kernel():
     spec = _doc_spec()
-    src = render(lower.plan_forward(spec, "sm_80", side_terms=False))
+    src = render(plan_forward(spec, "sm_80", side_terms=False))
     assert "fg_row0" not in src and "__shfl_sync(0xffffffffu, fg_col" not in src
     assert "&& ((__ldg(fg::base_ptr(t_doc_q + " in src
 
@@ -239,8 +249,8 @@ def test_fa2_forward_term_indices_replay(block_m, num_warps, block_n):
     """Every element (mt, nt, i) of every lane of the FA2 forward's masked tile reads the
     row term of its own query row and the column term of its own key column."""
     spec = _doc_spec()
-    tiles = lower.TileConfig(block_m, block_n, num_warps)
-    src = render(lower.plan_forward(spec, "sm_80", tiles=tiles))
+    tiles = TileConfig(block_m, block_n, num_warps)
+    src = render(plan_forward(spec, "sm_80", tiles=tiles))
     q_raw = "m0 + warp * WARP_M + mt * 16 + lane / 4 + (i / 2) * 8"
     kv_raw = "n0 + nt * 8 + (lane % 4) * 2 + (i % 2)"
     fixed = "m0 + warp * WARP_M + m * 16 + lane / 4"
@@ -271,7 +281,7 @@ def test_fa2_forward_term_indices_replay(block_m, num_warps, block_n):
 
 
 def _bwd_sources(spec, target="sm_80", atomic_dq=False, side_terms=True):
-    plan = lower.plan_backward(spec, target, atomic_dq=atomic_dq, side_terms=side_terms)
+    plan = plan_backward(spec, target, atomic_dq=atomic_dq, side_terms=side_terms)
     return plan, render(plan.unit)
 
 
@@ -312,9 +322,9 @@ def test_fa2_backward_terms_per_kernel():
     plan, src = _bwd_sources(spec, side_terms=False)
     assert "fg_row0" not in src and "fg_col0" not in src
     with pytest.raises(ValueError, match="unknown kernels"):
-        lower.plan_backward(spec, "sm_80", side_terms=["dkdv", "convert"])
+        plan_backward(spec, "sm_80", side_terms=["dkdv", "convert"])
     # a mask without tensor reads has no terms, whatever side_terms says
-    plain = lower.plan_backward(_doc_spec(mask="causal && q_idx - kv_idx < p"), "sm_80")
+    plain = plan_backward(_doc_spec(mask="causal && q_idx - kv_idx < p"), "sm_80")
     assert not plain.dkdv.context["dkdv_side_terms"] and not plain.dkdv.context["dq_side_terms"]
 
 
@@ -328,17 +338,17 @@ def test_fa2_backward_term_indices_replay(kernel, rows, cols):
     spec = _doc_spec()
     warp_rows = "warp * 16 + lane / 4"
     if kernel == "dkdv":
-        tiles = lower.BackwardTiles(rows, cols, rows // 16, 1, 64, 64, 4)
+        tiles = BackwardTiles(rows, cols, rows // 16, 1, 64, 64, 4)
         q_el, kv_el = "(m0 + qi)", f"(n0 + {warp_rows} + (i / 2) * 8)"
         fixed, stepped = f"n0 + {warp_rows}", "m0"
     else:
-        tiles = lower.BackwardTiles(64, 64, 4, 1, rows, cols, rows // 16)
+        tiles = BackwardTiles(64, 64, 4, 1, rows, cols, rows // 16)
         q_el, kv_el = (
             f"(m0 + {warp_rows} + (i / 2) * 8)",
             "(n0 + nt * 8 + (lane % 4) * 2 + (i % 2))",
         )
         fixed, stepped = f"m0 + {warp_rows}", "n0"
-    src = render(lower.plan_backward(spec, "sm_80", tiles=tiles).unit)
+    src = render(plan_backward(spec, "sm_80", tiles=tiles).unit)
     assert f"min({q_el}, seqlen_q - 1)" in src and f"min({kv_el}, seqlen_k - 1)" in src
     assert f"min({fixed} + r * 8, " in src and f"min({stepped} + 32 * c + lane, " in src
     nc = (cols + 31) // 32
@@ -361,11 +371,11 @@ def test_fa2_backward_term_indices_replay(kernel, rows, cols):
 
 
 def test_select_backward_drops_terms_only_where_they_spill(monkeypatch):
-    """select.build_backward: all kernels with terms first; a kernel that spills with them
+    """family_build.build_backward: all kernels with terms first; a kernel that spills with them
     is retried without (the others keep theirs), before any narrower tiles."""
-    from flashgen import select
     from flashgen.build import cache
     from flashgen.build.compile import CompileReport, KernelResources
+    from flashgen.families import build as family_build
 
     seen = []
 
@@ -381,13 +391,12 @@ def test_select_backward_drops_terms_only_where_they_spill(monkeypatch):
         return "cubin", CompileReport("sm_80", "sm_80", ks, 0.0, "13.0")
 
     monkeypatch.setattr(cache, "get_or_build", fake_build)
-    plan, _, report = select.build_backward(_doc_spec(), "sm_80")
+    plan, _, report = family_build.build_backward(_doc_spec(), "sm_80")
     assert report.spill_bytes == 0
     assert seen == [(True, True, 32), (False, True, 32)]
     assert plan.dq.context["dq_side_terms"] and not plan.dkdv.context["dkdv_side_terms"]
     seen.clear()
-    monkeypatch.setenv(select.SIDE_TERMS_ENV, "0")
-    select.build_backward(_doc_spec(), "sm_80")
+    family_build.build_backward(_doc_spec(), "sm_80", options=Options(side_terms=False))
     assert seen == [(False, False, 32)]
 
 
@@ -408,11 +417,11 @@ BWD_SELECT_CASES = [
 def test_select_fa2_forward_keeps_terms_without_spills(requires_nvcc, mask, target, d):
     """The FA2-class forward (sm_80, and sm_90a with family fa2) keeps its row / column
     terms at the planned tiles with 0 spills (ptxas 13.0) for the test masks."""
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     spec = _doc_spec(d, mask)
-    first = lower.forward_tile_candidates(spec, target, family="fa2")[0]
-    plan, _, report = select.build_forward(spec, target, family="fa2")
+    first = forward_tile_candidates(spec, target, family="fa2")[0]
+    plan, _, report = family_build.build_forward(spec, target, options=Options(family="fa2"))
     assert report.spill_bytes == 0, report
     assert plan.template == "sm_80/fwd.cu.j2" and plan.tiles == first
     assert plan.context["row_terms"] and plan.context["col_terms"]
@@ -424,11 +433,11 @@ def test_select_fa2_backward_keeps_terms_without_spills(requires_nvcc, mask, d, 
     with 0 spills (ptxas 13.0), except the atomic dK/dV kernel at d256 for masks with more
     than one term or a float term (FLOAT_MASK, PER_HEAD: 76-116 bytes with them), which
     falls back to per-element reads at the same tiles."""
-    from flashgen import select
+    from flashgen.families import build as family_build
 
     spec = _doc_spec(d, mask)
-    first = lower.backward_tile_candidates(spec, atomic_dq=atomic)[0]
-    plan, _, report = select.build_backward(spec, target, atomic_dq=atomic)
+    first = backward_tile_candidates(spec, atomic_dq=atomic)[0]
+    plan, _, report = family_build.build_backward(spec, target, atomic_dq=atomic)
     assert report.spill_bytes == 0, report
     assert plan.tiles == first and plan.atomic_dq is atomic
     ctx = plan.dkdv.context

@@ -21,9 +21,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from plan_helpers import plan_forward  # noqa: E402
+
 import flashgen  # noqa: E402
-from flashgen.lower import plan_forward  # noqa: E402
-from flashgen.ops import op as op_mod  # noqa: E402
+from flashgen.ops import attention as op_mod  # noqa: E402
+from flashgen.ops import calls as calls_mod  # noqa: E402
 from flashgen.ops.op import kernel_values, validate  # noqa: E402
 from flashgen.runtime import launch as runtime  # noqa: E402
 from flashgen.runtime import tma  # noqa: E402
@@ -287,13 +289,13 @@ def test_cuda_impl_launches_its_outputs_on_the_current_stream(fake_gpu, monkeypa
 
 def test_current_stream_ptr_falls_back_without_raw_getter(monkeypatch):
     calls = []
-    monkeypatch.setattr(op_mod, "_RAW_STREAM", lambda index: calls.append(index) or 99)
-    assert op_mod.current_stream_ptr(torch.device("cuda", 3)) == 99 and calls == [3]
-    monkeypatch.setattr(op_mod, "_RAW_STREAM", None)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: calls.append(index) or 99)
+    assert calls_mod.current_stream_ptr(torch.device("cuda", 3)) == 99 and calls == [3]
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", None)
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=7)
     )
-    assert op_mod.current_stream_ptr(torch.device("cuda", 0)) == 7
+    assert calls_mod.current_stream_ptr(torch.device("cuda", 0)) == 7
 
 
 def test_generic_path_is_untouched_for_kernels_without_tensor_maps():

@@ -27,9 +27,9 @@ torch = pytest.importorskip("torch")
 
 from host_cxx import preamble, scalar_params  # noqa: E402
 
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.lower import Invariants, cuda_expr  # noqa: E402
 from flashgen.ops.reference import _env, eval_expr  # noqa: E402
 
 SQ, SK = 97, 131

@@ -1,13 +1,15 @@
-"""Spill fallback (``flashgen.select``): a spec whose expressions need more registers than
+"""Spill fallback (``flashgen.families.build``): a spec whose expressions need more registers than
 the tile tables leave free still builds, with smaller tiles, and never spills."""
 
 from __future__ import annotations
 
+from plan_helpers import forward_tile_candidates, plan_forward
+
 from flashgen.build import cache
 from flashgen.build.render import render
+from flashgen.codegen.plan import TileConfig
+from flashgen.families.build import build_backward, build_forward
 from flashgen.frontend.spec import loads_spec
-from flashgen.lower import TileConfig, forward_tile_candidates, plan_forward
-from flashgen.select import build_backward, build_forward
 
 RELPOS = """\
 name: prefix_lm_relpos
@@ -72,7 +74,7 @@ def test_every_forward_candidate_lowers():
     (not a multiple of 16) raised ValueError, ending the fallback search at its first spill."""
     import itertools
 
-    from flashgen.lower import SMEM_LIMIT
+    from flashgen.families.common import SMEM_LIMIT
 
     for d, dv, mod, varlen in itertools.product(HEAD_DIMS, HEAD_DIMS, (0, 1), (0, 1)):
         spec = loads_spec(
@@ -88,13 +90,19 @@ def test_every_forward_candidate_lowers():
 
 def test_pinned_tiles_beyond_the_targets_shared_memory_are_refused():
     """180 KB of shared memory builds for sm_90 (227 KB) but not for sm_80 (A100: 163 KB);
-    it compiled and reported success, to fail at launch on the GPU."""
+    it compiled and reported success, to fail at launch on the GPU.  The spec checker refuses
+    such tiles for the targets a spec lists; planning refuses them for any other target."""
     import pytest
 
-    spec = loads_spec(
+    from flashgen.frontend.errors import SpecError
+
+    text = (
         "name: big\nhead_dim: 192\nhead_dim_v: 256\ndtype: fp16\n"
         "tiles: {block_m: 128, block_n: 128, num_warps: 8}\n"
     )
+    with pytest.raises(SpecError, match="the limit of a CTA on sm_80 is 166912 B"):
+        loads_spec(text)
+    spec = loads_spec(text + "targets: [sm_90]\n")
     assert plan_forward(spec, "sm_90").smem_bytes == 180224
     with pytest.raises(ValueError, match="need 180224 B of shared memory .* sm_80 .166912 B"):
         plan_forward(spec, "sm_80")
@@ -139,17 +147,16 @@ params:
 """
 
 
-def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_nvcc, monkeypatch):
+def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_nvcc):
     """A mask whose classifier divides twice (chunked_local's test at two chunk sizes): the
     persistent producer's warp-wide walk spills at the sparse calls' 128 x 128 tiles (20
     bytes, nvcc 13.0; no other feature frees the producer's registers), ``fg::iv::prev_live``
     does not.  The sparse calls' default kernel (persistent ``dynamic``,
-    lower.sparse_persistent) keeps the 128 x 128 Hopper tiles with the serial walk, not the
+    ``Options.sparse_persistent``) keeps the 128 x 128 Hopper tiles with the serial walk, not the
     FA2-class 64 x 64 ones every warp-walk variant fell back to."""
-    from flashgen.lower import PERSISTENT_WARP_WALK_ENV, sparse_persistent, sparse_tiles
+    from flashgen.families.tiles import sparse_tiles
+    from flashgen.options import DEFAULT
 
-    monkeypatch.delenv(PERSISTENT_WARP_WALK_ENV, raising=False)
-    monkeypatch.delenv("FLASHGEN_SPARSE_PERSISTENT", raising=False)
     spec = loads_spec(TWO_CHUNKS, "two_chunks.yaml")
     alt = sparse_tiles(spec, forward_tile_candidates(spec, "sm_90")[0])
     assert alt == TileConfig(128, 128, 12)
@@ -157,7 +164,8 @@ def test_the_persistent_warp_walk_is_dropped_when_the_producer_spills(requires_n
     assert walk.context["warp_walk"]
     _, rep = cache.get_or_build(render(walk), walk)
     assert rep.spill_bytes  # today's nvcc (else this test checks nothing)
-    plan, _, report = build_forward(spec, "sm_90", sparse=True, persistent=sparse_persistent())
+    assert DEFAULT.sparse_persistent == "dynamic" and DEFAULT.hopper_fwd.warp_walk
+    plan, _, report = build_forward(spec, "sm_90", sparse=True, persistent="dynamic")
     assert report.spill_bytes == 0 and not report.wgmma_serialized
     assert plan.tiles == alt and plan.context["scheduler"] == "dynamic"
     assert not plan.context["warp_walk"]

@@ -1,4 +1,4 @@
-"""The order in which :func:`flashgen.select.build_forward` tries a tile candidate's feature
+"""The order in which :func:`flashgen.families.build.build_forward` tries a tile candidate's feature
 variants (row / column terms, affine split, Hopper masked-tile reductions, head groups, the
 persistent producer's warp-wide walk), with
 nvcc replaced by a recorder whose every kernel spills (so every variant is tried): the distinct
@@ -15,13 +15,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from plan_helpers import forward_tile_candidates, plan_forward
 
-from flashgen import select
 from flashgen.build import cache
 from flashgen.build.render import render
-from flashgen.envflags import SIDE_TERMS_ENV, flag
+from flashgen.families import build as family_build
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import HEAD_GROUPS_ENV, forward_tile_candidates, plan_forward
+from flashgen.options import DEFAULT
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
@@ -56,10 +56,11 @@ def _specs():
     return out
 
 
-def _old_loops(spec, target, family, persistent, build):
+def _old_loops(spec, target, family, persistent, build, values):
     """build_forward's loops before session 8 (f2ba365), head groups added innermost the
-    same way: a feature that leaves no trace in the plan is not retried without."""
-    ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
+    same way: a feature that leaves no trace in the plan is not retried without.  ``values``:
+    the options (by dotted name) every plan starts from."""
+    ways = (True, False) if DEFAULT.with_values(values).side_terms else (False,)
     for tiles in forward_tile_candidates(spec, target, None, family):
         for side_terms in ways:
             for affine in (True, False):
@@ -69,7 +70,8 @@ def _old_loops(spec, target, family, persistent, build):
                             plan = plan_forward(
                                 spec, target, None, tiles=tiles, persistent=persistent,
                                 side_terms=side_terms, affine=affine, mask_tiles=mask_tiles,
-                                head_groups=head_groups, warp_walk=warp_walk,
+                                head_groups=head_groups, warp_walk=warp_walk, family=family,
+                                values=values,
                             )  # fmt: skip
                             build(render(plan), plan)
                             if not plan.context.get("warp_walk"):
@@ -93,23 +95,26 @@ def _recorder(log: list):
     return build
 
 
-@pytest.mark.parametrize("head_groups", ["1", "0"])
+@pytest.mark.parametrize("head_groups", [True, False])
 @pytest.mark.parametrize("spec", _specs(), ids=lambda s: s.name)
 def test_build_order_is_the_old_loops(spec, head_groups, monkeypatch):
-    monkeypatch.setenv(HEAD_GROUPS_ENV, head_groups)
+    """Also with the head groups off in the options (``hopper_fwd.head_groups`` and
+    ``fa2_fwd.head_groups``, what ``FLASHGEN_HEAD_GROUPS=0`` was)."""
+    values = {"hopper_fwd.head_groups": head_groups, "fa2_fwd.head_groups": head_groups}
     for target, family, persistent in BUILDS:
+        options = DEFAULT.with_values({**values, "family": family})
         if target not in spec.targets:
             continue
         new: list = []
         monkeypatch.setattr(cache, "get_or_build", _recorder(new))
         try:
-            plan, cubin, report = select.build_forward(
-                spec, target, family=family, persistent=persistent
+            plan, cubin, report = family_build.build_forward(
+                spec, target, options=options, persistent=persistent
             )
         except ValueError:  # not lowerable for this target / family (e.g. varlen Hopper)
             continue
         old: list = []
-        _old_loops(spec, target, family, persistent, _recorder(old))
+        _old_loops(spec, target, family, persistent, _recorder(old), values)
         new_sources = [s for s, _ in new]
         assert len(set(new_sources)) == len(new_sources), "a source built twice"
         old_sources = list(dict.fromkeys(s for s, _ in old))  # first builds, in order

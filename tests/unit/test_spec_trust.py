@@ -163,10 +163,13 @@ def test_oversized_tiles_are_a_spec_error_at_the_tiles_line():
 def test_tile_budget_matches_the_lowering():
     """The checker's budget is the lowering's: every tile pair it accepts plans, every one
     it refuses raises in plan_forward."""
-    from flashgen import lower
+    from flashgen.codegen.abi import TABLE_ROW_SMEM
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.families.common import SMEM_LIMIT
+    from flashgen.families.registry import plan_forward
 
-    assert check.SMEM_LIMIT == lower.SMEM_LIMIT
-    assert check.TABLE_ROW_SMEM == lower.TABLE_ROW_SMEM
+    assert check.SMEM_LIMIT == SMEM_LIMIT
+    assert check.TABLE_ROW_SMEM == TABLE_ROW_SMEM
     for d in (64, 128, 256):
         for bm in (64, 128):
             for bn in (32, 64, 128):
@@ -178,7 +181,7 @@ def test_tile_budget_matches_the_lowering():
                     spec = loads_spec(text)
                 except SpecError:
                     with pytest.raises(ValueError, match="shared memory"):
-                        lower.plan_forward(loads_spec(text.replace("tiles", "#")), "sm_80",
-                                           tiles=lower.TileConfig(bm, bn, 4))  # fmt: skip
+                        plan_forward(loads_spec(text.replace("tiles", "#")), "sm_80",
+                                     tiles=TileConfig(bm, bn, 4))  # fmt: skip
                     continue
-                lower.plan_forward(spec, "sm_80")
+                plan_forward(spec, "sm_80")

@@ -1,6 +1,6 @@
-"""Tensor-param reads as the kernels lower them (``flashgen.lower.cuda_expr``): a subscript
+"""Tensor-param reads as the kernels lower them (``flashgen.codegen.cuda_expr``): a subscript
 is clamped into its extent (``fg::clamp_index``) exactly where interval bounds do not prove
-it inside (``lower.index_in_bounds``), and the offset splits into a hoisted 64-bit base of
+it inside (``cuda_expr.index_in_bounds``), and the offset splits into a hoisted 64-bit base of
 tile-invariant subscripts plus a 32-bit per-element part where that cannot overflow.
 
 The lowered reads are also run on the host (a C++ program built with the host compiler, the
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from host_cxx import preamble
 
+from flashgen.codegen.cuda_expr import Invariants, cuda_expr, index_in_bounds
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.lower import Invariants, cuda_expr, index_in_bounds
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "specs"
 

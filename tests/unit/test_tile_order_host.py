@@ -1,13 +1,13 @@
 """``fg::tile_coord``, ``fg::grid_tile_coord`` and ``fg::head_group``
-(templates/common/tile_order.cuh), the CTA order of both forwards and the Hopper backward,
-compiled for the host with nvcc from a copy of the very header the kernels include (its
-functions made ``__host__ __device__``) and checked against their Python mirrors
-:func:`flashgen.lower.tile_coord` / :func:`~flashgen.lower.grid_tile_coord` /
-:func:`~flashgen.lower.head_group`: every tile of every (query blocks 0-8, heads 1-24, group
-1 to heads + 2) grid, every CTA of :func:`~flashgen.lower.grouped_grid`'s grids for them,
-the head groups over seqlens 0 to 2^31 - 1, GQA ratios and L2 budgets, and grids at the
-int32 edge (every intermediate of ``tile_coord`` stays within the grid's tile count, checked
-under UBSan's signed-overflow trap where the host toolchain has it)."""
+(templates/common/tile_order.cuh), the CTA order of both forwards and the Hopper backward, compiled
+for the host with nvcc from a copy of the very header the kernels include (its functions made
+``__host__ __device__``) and checked against their Python mirrors
+:func:`flashgen.families.common.tile_coord` / :func:`~flashgen.families.common.grid_tile_coord` /
+:func:`~flashgen.families.common.head_group`: every tile of every (query blocks 0-8, heads 1-24,
+group 1 to heads + 2) grid, every CTA of :func:`~flashgen.families.common.grouped_grid`'s grids for
+them, the head groups over seqlens 0 to 2^31 - 1, GQA ratios and L2 budgets, and grids at the int32
+edge (every intermediate of ``tile_coord`` stays within the grid's tile count, checked under UBSan's
+signed-overflow trap where the host toolchain has it)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flashgen.build.compile import find_nvcc
-from flashgen.lower import (
+from flashgen.families.common import (
     HEAD_GROUP_L2_BYTES,
     grid_tile_coord,
     grouped_grid,

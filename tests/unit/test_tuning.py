@@ -6,18 +6,13 @@ import json
 from dataclasses import replace
 
 import pytest
+from plan_helpers import choose_tiles, plan_forward
 
 from flashgen import tuning
+from flashgen.codegen.plan import TileConfig
+from flashgen.families.tiles import DEFAULT_TILES, HOPPER_TILES, default_tiles
 from flashgen.frontend.ir import TileOverride
 from flashgen.frontend.spec import loads_spec
-from flashgen.lower import (
-    DEFAULT_TILES,
-    HOPPER_TILES,
-    TileConfig,
-    choose_tiles,
-    default_tiles,
-    plan_forward,
-)
 
 GPU = "NVIDIA H200"
 
@@ -186,18 +181,16 @@ def test_entry_options_come_with_the_entry_tiles(table):
         spec, "sm_90", gpu=GPU, family="fa2", options={"fwd_unrolled_loads": True}
     )
     assert explicit.context["fwd_unrolled_loads"]
-    # the same tiles passed explicitly (select.build_forward's first candidate) keep them;
+    # the same tiles passed explicitly (family_build.build_forward's first candidate) keep them;
     # other tiles (a spill fallback) do not get them
     same = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 64, 4))
     assert not same.context["fwd_unrolled_loads"]
     other = plan_forward(spec, "sm_90", gpu=GPU, family="fa2", tiles=TileConfig(64, 32, 4))
     assert other.context["fwd_unrolled_loads"]
-    from flashgen import select
+    from plan_helpers import forward_tile_candidates
 
-    assert [t for t in select.forward_tile_candidates(spec, "sm_90", GPU, "fa2")][0] == (
-        TileConfig(64, 64, 4)
-    )
-    # select.build_forward plans its candidates with the default family: the tiles decide
+    assert forward_tile_candidates(spec, "sm_90", GPU, "fa2")[0] == TileConfig(64, 64, 4)
+    # family_build.build_forward plans its candidates with the default family: the tiles decide
     assert not plan_forward(spec, "sm_90", GPU, tiles=TileConfig(64, 64, 4)).context[
         "fwd_unrolled_loads"
     ]

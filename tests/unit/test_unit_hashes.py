@@ -3,16 +3,16 @@ render byte-identical CUDA (or prove identical SASS, ``tools/sass_identity.py``)
 
 The fixture ``tests/fixtures/unit_hashes.json`` was recorded at 3257e40, before the
 kernel-families redesign.  Each key names one unit and the knobs it was planned with; the
-enumeration below builds the same unit through today's API.  Regenerate only on purpose
+enumeration below builds the same unit through today's API
+(:mod:`flashgen.families.registry` and :class:`flashgen.options.Options`; the old
+environment switches as the options that replace them).  Regenerate only on purpose
 (a template change whose SASS was checked): ``python tests/unit/test_unit_hashes.py --write``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,34 +22,25 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "unit_hashes.json"
 GPU = "NVIDIA H200"
 
-#: Plan-time switches of 3257e40 and the value that flips each one from its default.
+#: Plan-time switches of 3257e40, the value that flipped each one from its default, and the
+#: options that do the same now (``FLASHGEN_SIDE_TERMS`` was read by the spill fallback only,
+#: never by planning: its fixture entries are the default plans).
 SWITCHES = {
-    "FLASHGEN_AFFINE": "0",
-    "FLASHGEN_CAUSAL_TILES": "0",
-    "FLASHGEN_COL_LIMIT": "0",
-    "FLASHGEN_COL_BOUND": "0",
-    "FLASHGEN_SINGLE_WALK": "0",
-    "FLASHGEN_WALK_FROM_DIAGONAL": "0",
-    "FLASHGEN_PERSISTENT_WARP_WALK": "0",
-    "FLASHGEN_HEAD_GROUPS": "0",
-    "FLASHGEN_NONNEG_DIV": "0",
-    "FLASHGEN_SIDE_TERMS": "0",
+    "FLASHGEN_AFFINE": ("0", {"fa2_fwd.affine": False, "hopper_fwd.affine": False}),
+    "FLASHGEN_CAUSAL_TILES": ("0", {"hopper_fwd.causal_tiles": False}),
+    "FLASHGEN_COL_LIMIT": ("0", {"hopper_fwd.col_limit": False}),
+    "FLASHGEN_COL_BOUND": ("0", {"hopper_fwd.col_bound": False}),
+    "FLASHGEN_SINGLE_WALK": ("0", {"hopper_fwd.single_walk": False}),
+    "FLASHGEN_WALK_FROM_DIAGONAL": ("0", {"hopper_fwd.walk_from_diagonal": False}),
+    "FLASHGEN_PERSISTENT_WARP_WALK": ("0", {"hopper_fwd.warp_walk": False}),
+    "FLASHGEN_HEAD_GROUPS": (
+        "0",
+        {"fa2_fwd.head_groups": False, "hopper_fwd.head_groups": False,
+         "hopper_bwd.head_groups": False},
+    ),  # fmt: skip
+    "FLASHGEN_NONNEG_DIV": ("0", {"hopper_fwd.nonneg_div": False}),
+    "FLASHGEN_SIDE_TERMS": ("0", {}),
 }
-
-
-@contextlib.contextmanager
-def _env(name: str | None, value: str | None):
-    old = os.environ.get(name) if name else None
-    if name:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if name:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 def _sha(text: str) -> str:
@@ -58,10 +49,22 @@ def _sha(text: str) -> str:
 
 def units() -> dict[str, str]:
     """``{key: sha256 of the rendered CUDA}`` for every unit of every shipped spec."""
-    from flashgen import lower
+    from dataclasses import replace
+
     from flashgen.build.render import render
+    from flashgen.families import registry as reg
+    from flashgen.families import tiles as tt
+    from flashgen.families.build import _forward_variant
+    from flashgen.families.hopper_bwd import HOPPER_BWD_DQ_A
+    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
     from flashgen.frontend.spec import load_spec
     from flashgen.ops.varlen import varlen_spec
+    from flashgen.options import DEFAULT, Options
+
+    def knobs(family: str, **off) -> Options:
+        """Options of ``family`` with the spill fallback's knobs off where named."""
+        flags = {k: off.get(k, True) for k in ("affine", "mask_tiles", "head_groups", "warp_walk")}
+        return _forward_variant(replace(DEFAULT, family=family), **flags)
 
     out: dict[str, str] = {}
 
@@ -81,80 +84,79 @@ def units() -> dict[str, str]:
                 for gpu in (None, GPU):
                     g = "gpu/" if gpu else ""
                     for family in ("auto", "fa2"):
+                        o = knobs(family)
+                        pre = f"{base}{g}{family}"
                         try:
-                            fwd = lower.plan_forward(s, t, gpu, family=family)
+                            fwd = reg.plan_forward(s, t, o, gpu=gpu, persistent=False)
                         except ValueError as e:
-                            out[f"{base}{g}{family}/fwd"] = f"error: {e}"
+                            out[f"{pre}/fwd"] = f"error: {e}"
                             continue
-                        put(f"{base}{g}{family}/fwd", fwd)
+                        put(f"{pre}/fwd", fwd)
                         for p in ("static", "m_major", "dynamic"):
                             put(
-                                f"{base}{g}{family}/fwd/persistent={p}",
-                                lower.plan_forward(s, t, gpu, family=family, persistent=p),
-                            )
-                        for knob in ("side_terms", "affine", "mask_tiles", "head_groups"):
-                            put(
-                                f"{base}{g}{family}/fwd/{knob}=0",
-                                lower.plan_forward(s, t, gpu, family=family, **{knob: False}),
+                                f"{pre}/fwd/persistent={p}",
+                                reg.plan_forward(s, t, o, gpu=gpu, persistent=p),
                             )
                         put(
-                            f"{base}{g}{family}/fwd/persistent=dynamic/warp_walk=0",
-                            lower.plan_forward(
-                                s, t, gpu, family=family, persistent="dynamic", warp_walk=False
+                            f"{pre}/fwd/side_terms=0",
+                            reg.plan_forward(s, t, o, gpu=gpu, persistent=False, side_terms=False),
+                        )
+                        for knob in ("affine", "mask_tiles", "head_groups"):
+                            put(
+                                f"{pre}/fwd/{knob}=0",
+                                reg.plan_forward(
+                                    s, t, knobs(family, **{knob: False}), gpu=gpu,
+                                    persistent=False,
+                                ),
+                            )  # fmt: skip
+                        put(
+                            f"{pre}/fwd/persistent=dynamic/warp_walk=0",
+                            reg.plan_forward(
+                                s, t, knobs(family, warp_walk=False), gpu=gpu, persistent="dynamic"
                             ),
                         )
-                        for i, tiles in enumerate(
-                            lower.forward_tile_candidates(s, t, gpu, family)
-                        ):
+                        for i, tiles in enumerate(reg.forward_tile_candidates(s, t, gpu, o)):
                             put(
-                                f"{base}{g}{family}/fwd/candidate{i}",
-                                lower.plan_forward(s, t, gpu, family=family, tiles=tiles),
+                                f"{pre}/fwd/candidate{i}",
+                                reg.plan_forward(s, t, o, gpu=gpu, tiles=tiles, persistent=False),
                             )
-                        alt = lower.sparse_tiles(s, fwd.tiles)
+                        alt = tt.sparse_tiles(s, fwd.tiles)
                         if alt is not None:
                             for p in (False, "static", "dynamic"):
                                 put(
-                                    f"{base}{g}{family}/fwd_sparse/persistent={p or 0}",
-                                    lower.plan_forward(
-                                        s, t, gpu, family=family, tiles=alt, persistent=p
-                                    ),
+                                    f"{pre}/fwd_sparse/persistent={p or 0}",
+                                    reg.plan_forward(s, t, o, gpu=gpu, tiles=alt, persistent=p),
                                 )
-                        if lower.needs_block_table(s):
-                            put(
-                                f"{base}{g}{family}/blockmask",
-                                lower.plan_block_table(s, t, fwd.tiles),
-                            )
+                        if fwd.context["block_table"]:
+                            put(f"{pre}/blockmask", reg.plan_block_table(s, t, fwd.tiles))
                 for atomic in (False, True):
                     kind = "bwd_atomic" if atomic else "bwd"
-                    for i, bt in enumerate(lower.backward_tile_candidates(s, atomic_dq=atomic)):
+                    for i, bt in enumerate(tt.backward_tile_candidates(s, atomic_dq=atomic)):
                         put(
                             f"{base}{kind}/candidate{i}",
-                            lower.plan_backward(s, t, atomic_dq=atomic, tiles=bt),
+                            reg.plan_backward(s, t, atomic_dq=atomic, tiles=bt),
                         )
                         put(
                             f"{base}{kind}/candidate{i}/side_terms=0",
-                            lower.plan_backward(
+                            reg.plan_backward(
                                 s, t, atomic_dq=atomic, tiles=bt, side_terms=frozenset()
                             ),
                         )
-                if lower.hopper_bwd_eligible(s, t):
-                    for dq_a in lower.HOPPER_BWD_DQ_A:
-                        plan = lower.plan_hopper_backward(s, t, dq_a=dq_a)
-                        put(f"{base}bwd_wgmma/dq_a={dq_a}", plan)
-                for name, value in SWITCHES.items():
-                    short = name.removeprefix("FLASHGEN_")
-                    with _env(name, value):
-                        put(f"{base}env/{short}={value}/fwd", lower.plan_forward(s, t))
-                        put(
-                            f"{base}env/{short}={value}/fwd/persistent=dynamic",
-                            lower.plan_forward(s, t, persistent="dynamic"),
-                        )
-                        put(f"{base}env/{short}={value}/bwd", lower.plan_backward(s, t))
-                        put(
-                            f"{base}env/{short}={value}/bwd_atomic",
-                            lower.plan_backward(s, t, atomic_dq=True),
-                        )
-                for key, plan in lower.compile_units(s, t).items():
+                if hopper_bwd_eligible(s, t):
+                    for dq_a in HOPPER_BWD_DQ_A:
+                        o = DEFAULT.replace_path("hopper_bwd.dq_a", dq_a)
+                        put(f"{base}bwd_wgmma/dq_a={dq_a}", reg.plan_hopper_backward(s, t, o))
+                for name, (value, values) in SWITCHES.items():
+                    pre = f"{base}env/{name.removeprefix('FLASHGEN_')}={value}"
+                    o = DEFAULT.with_values(values)
+                    put(f"{pre}/fwd", reg.plan_forward(s, t, o, persistent=False))
+                    put(
+                        f"{pre}/fwd/persistent=dynamic",
+                        reg.plan_forward(s, t, o, persistent="dynamic"),
+                    )
+                    put(f"{pre}/bwd", reg.plan_backward(s, t, o))
+                    put(f"{pre}/bwd_atomic", reg.plan_backward(s, t, o, atomic_dq=True))
+                for key, plan in reg.compile_units(s, t).items():
                     put(f"{base}compile_units/{key}", plan)
     return out
 

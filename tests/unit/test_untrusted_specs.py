@@ -16,11 +16,11 @@ import re
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan_forward
 
 from flashgen import SpecError, loads_spec
 from flashgen.build.generate import module_source, write_generated
 from flashgen.build.render import render
-from flashgen.lower import plan_forward
 
 REPO = Path(__file__).resolve().parents[2]
 MARK = "PWNED"  # every payload carries it; it must never reach generated code

@@ -14,10 +14,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from plan_helpers import plan_backward, plan_forward  # noqa: E402
+
 from flashgen.build.render import render  # noqa: E402
+from flashgen.families.registry import compile_units  # noqa: E402
 from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.lower import compile_units, plan_backward, plan_forward  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 from flashgen.ops.reference import attention_reference, attention_reference_varlen  # noqa: E402
 from flashgen.ops.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
@@ -137,9 +139,9 @@ def test_varlen_source_reads_offsets_and_exits_past_the_sequence():
 
 @pytest.mark.parametrize("name", ["causal_d128", "alibi", "bidir_d256", "gemma2_softcap"])
 def test_varlen_kernels_compile_without_spills(name, requires_nvcc):
-    """What the op builds (the spill fallback of flashgen.select included): every varlen
+    """What the op builds (the spill fallback of flashgen.families.build included): every varlen
     kernel, forward and both backward paths, for both targets, without spills."""
-    from flashgen.select import build_backward, build_forward
+    from flashgen.families.build import build_backward, build_forward
 
     spec = varlen_spec(shipped(name))
     for target in ("sm_80", "sm_90"):

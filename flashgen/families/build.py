@@ -1,10 +1,10 @@
-"""Pick tiles whose kernels compile without register spills.
+"""Build a family's kernels through the cache, picking tiles that compile without spills.
 
 Lowering takes its tiles from tables measured on the shipped specs.  A user's score_mod
 or mask can need more registers than those tiles leave free, and ptxas then spills to
 local memory (slow, and refused by ``flashgen build``).  These functions compile the
-candidates of :func:`flashgen.lower.forward_tile_candidates` /
-:func:`~flashgen.lower.backward_tile_candidates` in order, through the on-disk cache (a
+candidates of :func:`flashgen.families.registry.forward_tile_candidates` /
+:func:`flashgen.families.tiles.backward_tile_candidates` in order, through the on-disk cache (a
 spilling candidate is compiled once and remembered there), and return the first one
 without spills, or the last one tried when all spill.  No GPU needed: nvcc reports the
 spills.
@@ -13,44 +13,40 @@ spills.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from flashgen.build import cache
 from flashgen.build.render import render
-from flashgen.envflags import SIDE_TERMS_ENV, flag
-from flashgen.lower import (
-    BACKWARD_SIDE_TERM_KERNELS,
-    HOPPER_BWD_DQ_A,
-    BackwardPlan,
-    KernelPlan,
-    backward_tile_candidates,
-    forward_tile_candidates,
-    plan_backward,
-    plan_forward,
-    plan_hopper_backward,
-    sparse_tiles,
-)
+from flashgen.codegen.plan import KernelPlan
+from flashgen.families import registry
+from flashgen.families.bwd_common import BackwardPlan
+from flashgen.families.fa2_bwd import BACKWARD_SIDE_TERM_KERNELS
+from flashgen.families.hopper_bwd import HOPPER_BWD_DQ_A
+from flashgen.families.tiles import backward_tile_candidates
+from flashgen.options import DEFAULT, Options
 
 
 def build_forward(
     spec,
     target: str,
     gpu: str | None = None,
-    family: str = "auto",
+    options: Options = DEFAULT,
     persistent: bool | str = False,
     sparse: bool = False,
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
-    (``family``: see :data:`flashgen.lower.FAMILIES`; ``persistent``: False or the Hopper
-    kernel's persistent scheduler, see :func:`flashgen.lower.plan_hopper_forward`;
-    ``sparse``: the tiles :func:`flashgen.lower.sparse_tiles` gives for the chosen ones
-    are tried first, where it gives any).
+    (``options``: :class:`flashgen.options.Options`, the family among them; ``persistent``:
+    False or the Hopper kernel's persistent scheduler, see
+    :func:`flashgen.families.hopper_fwd.plan`; ``sparse``: the tiles
+    :func:`flashgen.families.registry.sparse_tiles` gives for the chosen ones are tried
+    first, where it gives any).
 
     At each candidate's tiles, a kernel that spills (or whose wgmma instructions ptxas
     serialized: :attr:`flashgen.build.compile.CompileReport.wgmma_serialized`) is retried with
     fewer of
     ``plan_forward``'s register-hungry features before the next tiles, the last named
-    dropped first: row / column terms (:mod:`flashgen.analysis.rowcol`; ``FLASHGEN_SIDE_TERMS=0``,
-    read at each build, never uses them), the affine score_mod split (``affine``), the
+    dropped first: row / column terms (:mod:`flashgen.analysis.rowcol`;
+    ``options.side_terms`` False never uses them), the affine score_mod split (``affine``), the
     Hopper kernel's masked-tile reductions (``mask_tiles``), the CTA order's head groups
     (``head_groups``), the persistent producer's warp-wide walk (``warp_walk``: tried off
     right after each variant that spills, the producer's own registers, which the others
@@ -61,9 +57,9 @@ def build_forward(
     Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
     """
-    ways = (True, False) if flag(SIDE_TERMS_ENV, True) else (False,)
-    candidates = forward_tile_candidates(spec, target, gpu, family)
-    alt = sparse_tiles(spec, candidates[0]) if sparse else None
+    ways = (True, False) if options.side_terms else (False,)
+    candidates = registry.forward_tile_candidates(spec, target, gpu, options)
+    alt = registry.sparse_tiles(spec, candidates[0], options) if sparse else None
     if alt is not None:
         candidates = [alt, *(t for t in candidates if t != alt)]
     for tiles in candidates:
@@ -71,18 +67,11 @@ def build_forward(
         for side_terms, affine, mask_tiles, head_groups, warp_walk in itertools.product(
             ways, (True, False), (True, False), (True, False), (True, False)
         ):
-            plan = plan_forward(
-                spec,
-                target,
-                gpu,
-                tiles=tiles,
-                persistent=persistent,
+            opts = _forward_variant(options, affine, mask_tiles, head_groups, warp_walk)
+            plan = registry.plan_forward(
+                spec, target, opts, gpu=gpu, tiles=tiles, persistent=persistent,
                 side_terms=side_terms,
-                affine=affine,
-                mask_tiles=mask_tiles,
-                head_groups=head_groups,
-                warp_walk=warp_walk,
-            )
+            )  # fmt: skip
             source = render(plan)
             if source in tried:
                 continue
@@ -93,39 +82,63 @@ def build_forward(
     return plan, cubin, report
 
 
+def _forward_variant(
+    options: Options, affine: bool, mask_tiles: bool, head_groups: bool, warp_walk: bool
+) -> Options:
+    """``options`` with the spill fallback's features turned off where False (never on)."""
+    h, f = options.hopper_fwd, options.fa2_fwd
+    h = replace(
+        h,
+        affine=h.affine and affine,
+        causal_tiles=h.causal_tiles and mask_tiles,
+        col_limit=h.col_limit and mask_tiles,
+        col_bound=h.col_bound and mask_tiles,
+        nonneg_div=h.nonneg_div and mask_tiles,
+        head_groups=h.head_groups and head_groups,
+        warp_walk=h.warp_walk and warp_walk,
+    )
+    f = replace(f, affine=f.affine and affine, head_groups=f.head_groups and head_groups)
+    return replace(options, hopper_fwd=h, fa2_fwd=f)
+
+
 def build_backward(
-    spec, target: str, *, atomic_dq: bool = False, hopper: bool = False
-) -> tuple[BackwardPlan, object, object]:
+    spec, target: str, *, atomic_dq: bool = False, hopper: bool = False,
+    options: Options = DEFAULT,
+) -> tuple[BackwardPlan, object, object]:  # fmt: skip
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
     kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
-    :func:`~flashgen.lower.plan_hopper_backward`, its dQ variant from the environment
-    first, then the other one; when both spill (a score_mod or mask with more math than
+    :func:`~flashgen.families.hopper_bwd.plan`, its dQ variant from
+    ``options.hopper_bwd.dq_a`` first, then the other one; when both spill (a score_mod or
+    mask with more math than
     the kernel's registers hold) or ptxas serialized their wgmma instructions
     (:attr:`flashgen.build.compile.CompileReport.wgmma_serialized`, which ``flashgen build``
     fails), the FA2-class unit ``atomic_dq`` selects (check
     ``plan.atomic_dq`` and ``plan.dkdv.template``).  The FA2-class unit is tried at each
     candidate's tiles with row / column terms (:mod:`flashgen.analysis.rowcol`) in every kernel
     that can take them, then without them in the kernels that spilled, then in none,
-    before the next tiles (``FLASHGEN_SIDE_TERMS=0``: never).  Raises like
+    before the next tiles (``options.side_terms`` False: never).  Raises like
     :func:`build_forward`."""
     if hopper:
-        first = plan_hopper_backward(spec, target)
+        first = registry.plan_hopper_backward(spec, target, options)
         variants = [first] + [
-            plan_hopper_backward(spec, target, dq_a=v)
+            registry.plan_hopper_backward(
+                spec, target, replace(options, hopper_bwd=replace(options.hopper_bwd, dq_a=v))
+            )
             for v in HOPPER_BWD_DQ_A
-            if v != ("ldmatrix" if first.dkdv.context["dq_ldmatrix"] else "smem")
+            if v != options.hopper_bwd.dq_a
         ]
         for plan in variants:
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
                 return plan, cubin, report
-    use_terms = flag(SIDE_TERMS_ENV, True)
+    use_terms = options.side_terms
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
         kernels = set(BACKWARD_SIDE_TERM_KERNELS) if use_terms else set()
         while True:
-            plan = plan_backward(
-                spec, target, atomic_dq=atomic_dq, tiles=tiles, side_terms=frozenset(kernels)
-            )
+            plan = registry.plan_backward(
+                spec, target, options, atomic_dq=atomic_dq, tiles=tiles,
+                side_terms=frozenset(kernels),
+            )  # fmt: skip
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes:
                 return plan, cubin, report

@@ -1,0 +1,244 @@
+"""What the backward families share: the :class:`BackwardPlan` record (pre, dK/dV, dQ or
+convert kernels of one translation unit), its ABI (:func:`backward_abi`), and the template
+fields both backward templates read (:func:`base_fields`).  Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashgen.analysis import masktiles, rowcol
+from flashgen.analysis.derive import d_dscore
+from flashgen.codegen.abi import (
+    KernelArg,
+    dim_args,
+    needs_block_table,
+    param_args,
+    strides,
+    varlen_args,
+)
+from flashgen.codegen.cuda_expr import cuda_expr, split_causal
+from flashgen.codegen.dtypes import dtype
+from flashgen.codegen.plan import KernelPlan, TemplateContext
+from flashgen.families.tiles import BackwardTiles
+from flashgen.frontend.ir import Spec
+
+#: The Hopper backward's template (its dK/dV kernel on wgmma).
+HOPPER_BWD_TEMPLATE = "sm_90/bwd.cu.j2"
+#: Warps (one row each) per CTA of the preprocess kernel D = rowsum(dO * O).
+PRE_WARPS = 8
+#: Threads per CTA of the atomic path's convert kernel (dq = scale * dq_accum, 4 columns each).
+CONVERT_THREADS = 256
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The kernels of the backward pass, rendered from one source (``sm_80/bwd.cu.j2``).
+
+    Deterministic path (``atomic_dq`` False; ``dq`` set, ``convert`` None): ``pre``,
+    D = rowsum(dO * O) per query row (fp32); ``dkdv``, dK and dV with KV outer / Q inner,
+    summed over the query heads of a GQA group in registers; ``dq``, dQ with Q outer /
+    KV inner.  No atomics: every output element is written by one thread, so the gradients
+    are bitwise reproducible run to run.
+
+    Atomic-dQ path (``atomic_dq`` True; ``convert`` set, ``dq`` None): ``pre`` also zeroes
+    the fp32 ``dq_accum`` [B, Hq, Sq, D] buffer; ``dkdv`` also adds dS K of every step into
+    it with float atomics; ``convert`` writes dq = softmax_scale * dq_accum in the input
+    dtype.  5 matmuls per (query block, key block) instead of 7; dQ is not bitwise
+    reproducible (the order of the atomic adds varies).
+    """
+
+    spec_name: str
+    target: str
+    tiles: BackwardTiles
+    pre: KernelPlan
+    dkdv: KernelPlan
+    dq: KernelPlan | None
+    convert: KernelPlan | None = None
+    atomic_dq: bool = False
+
+    @property
+    def unit(self) -> KernelPlan:
+        """The plan that stands for the whole translation unit when compiling (all its
+        kernels share one source, template and target): ``dq``, or ``dkdv`` on the
+        atomic path."""
+        return self.dkdv if self.atomic_dq else self.dq
+
+    @property
+    def wgmma(self) -> bool:
+        """Whether this is the Hopper unit (:func:`plan_hopper_backward`): a caller that
+        asked for it gets the FA2-class unit instead when every Hopper variant spills."""
+        return self.dkdv.template == HOPPER_BWD_TEMPLATE
+
+    @property
+    def kernels(self) -> tuple[KernelPlan, ...]:
+        """Every kernel of the unit, in launch order: (pre, dkdv, dq) or (pre, dkdv, convert)."""
+        last = self.convert if self.atomic_dq else self.dq
+        return (self.pre, self.dkdv, last)
+
+    def config(self) -> dict:
+        """JSON-able summary for manifests."""
+        t = self.tiles
+        out = {
+            "target": self.target,
+            "template": self.dkdv.template,
+            "kernels": [kp.kernel_name for kp in self.kernels],
+            "dkdv": {
+                "block_n": t.dkdv_block_n,
+                "block_m": t.dkdv_block_m,
+                "num_warps": t.dkdv_warps,
+                "dsplit": t.dkdv_dsplit,
+                "smem_bytes": self.dkdv.smem_bytes,
+            },
+        }
+        if self.atomic_dq:
+            out["convert"] = {"threads": CONVERT_THREADS}
+        else:
+            out["dq"] = {
+                "block_m": t.dq_block_m,
+                "block_n": t.dq_block_n,
+                "num_warps": t.dq_warps,
+                "smem_bytes": self.dq.smem_bytes,
+            }
+        out["deterministic"] = not self.atomic_dq  # False: the atomic-dQ kernels
+        return out
+
+    def grids(
+        self, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int
+    ) -> dict[str, tuple[int, int, int]]:
+        """1-D grids (gridDim.x only) by kernel role: ``pre``, ``dkdv`` and ``dq`` (or
+        ``convert`` on the atomic path)."""
+        t = self.tiles
+        rows = batch * heads_q * seqlen_q
+        out = {"pre": (-(-rows // PRE_WARPS), 1, 1)}
+        n_blocks = -(-seqlen_k // t.dkdv_block_n)
+        out["dkdv"] = (n_blocks * batch * heads_kv * t.dkdv_dsplit, 1, 1)
+        if self.atomic_dq:
+            chunks = rows * (self.dkdv.context["head_dim"] // 4)
+            out["convert"] = (-(-chunks // CONVERT_THREADS), 1, 1)
+        else:
+            m_blocks = -(-seqlen_q // t.dq_block_m)
+            out["dq"] = (m_blocks * batch * heads_q, 1, 1)
+        return out
+
+
+@dataclass(frozen=True)
+class BackwardContext(TemplateContext):
+    """The fields both backward templates read: names, sizes, the ABI of the pre and convert
+    kernels, the mask, score_mod and d score_mod / d score as CUDA, and the tile classifier."""
+
+    spec_name: str
+    dtype: str
+    elem_t: str
+    head_dim: int
+    head_dim_v: int
+    varlen: bool
+    causal: bool
+    atomic_dq: bool
+    kernel_pre: str
+    kernel_dkdv: str
+    kernel_convert: str
+    pre_args: tuple[KernelArg, ...]
+    dkdv_args: tuple[KernelArg, ...]
+    convert_args: tuple[KernelArg, ...]
+    convert_threads: int
+    pre_warps: int
+    dkdv_smem_bytes: int
+    mask_expr: str | None
+    score_mod_expr: str | None
+    score_grad_expr: str | None
+    tile_classifier: str
+    tile_class_args: str
+
+
+def tile_classifier(spec: Spec, causal_bits: bool) -> str:
+    """The tile classifier the backward units render: with the CAUSAL_ONLY / NO_CAUSAL bits
+    (:func:`flashgen.analysis.masktiles.classifier_source`, ``causal_bits``) where
+    ``causal_bits`` and the Hopper forward's classifier has them for this spec (a mask with
+    ``causal`` and more that the kernel classifies); the backward kernels read only the
+    class.  The registry passes ``causal_bits`` (the units stay those of the forward they
+    were first planned beside)."""
+    residual = split_causal(spec.mask)[1]
+    on = (
+        causal_bits
+        and not needs_block_table(spec)
+        and residual is not None
+        and rowcol.split(residual, spec).expr is not None
+        and masktiles.has_causal_bits(spec)
+    )
+    return masktiles.classifier_source(spec, causal_bits=on)
+
+
+def base_fields(spec: Spec, causal_bits: bool) -> dict:
+    """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
+    and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
+    hoisted divisor would hold a register through the loop; they divide in place, no
+    :class:`~flashgen.codegen.cuda_expr.Invariants`)."""
+    causal, residual = split_causal(spec.mask)
+    score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
+    return {
+        "spec_name": spec.name,
+        "dtype": spec.dtype,
+        "elem_t": dtype(spec.dtype).ctype,
+        "head_dim": spec.head_dim,
+        "head_dim_v": spec.head_dim_v,
+        "varlen": spec.varlen,
+        "causal": causal,
+        "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
+        "score_mod_expr": cuda_expr(spec.score_mod, spec) if spec.score_mod is not None else None,
+        "score_grad_expr": cuda_expr(score_grad, spec) if score_grad is not None else None,
+        "tile_classifier": tile_classifier(spec, causal_bits),
+        "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
+    }
+
+
+def backward_abi(spec: Spec, atomic_dq: bool) -> dict[str, tuple[KernelArg, ...]]:
+    """``{"pre_args", "dkdv_args", "dq_args", "convert_args"}``: the argument lists of the
+    backward kernels (the dK/dV kernel of the atomic path also takes ``dq_accum``)."""
+    et = dtype(spec.dtype).ctype
+    dims = dim_args(spec)
+    ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
+    stats = [KernelArg("lse", "const float*"), KernelArg("dsum", "const float*")]
+    stats += varlen_args(spec)
+    tail = [*dims, KernelArg("softmax_scale", "float"), *param_args(spec)]
+    accum = [KernelArg("dq_accum", "float*")] if atomic_dq else []
+    pre_args = (
+        KernelArg("o", f"const {et}*"),
+        KernelArg("dout", f"const {et}*"),
+        KernelArg("dsum", "float*"),
+        *accum,
+        *strides("o", "dout"),
+        KernelArg("batch", "int"),
+        KernelArg("heads_q", "int"),
+        KernelArg("seqlen_q", "int"),
+    )
+    dkdv_args = (
+        *ins,
+        *stats,
+        KernelArg("dk", f"{et}*"),
+        KernelArg("dv", f"{et}*"),
+        *accum,
+        *strides("q", "k", "v", "dout", "dk", "dv"),
+        *tail,
+    )
+    convert_args = (
+        KernelArg("dq_accum", "const float*"),
+        KernelArg("dq", f"{et}*"),
+        *strides("dq"),
+        KernelArg("batch", "int"),
+        KernelArg("heads_q", "int"),
+        KernelArg("seqlen_q", "int"),
+        KernelArg("softmax_scale", "float"),
+    )
+    dq_args = (
+        *ins,
+        *stats,
+        KernelArg("dq", f"{et}*"),
+        *strides("q", "k", "v", "dout", "dq"),
+        *tail,
+    )
+    return {
+        "pre_args": pre_args,
+        "dkdv_args": dkdv_args,
+        "dq_args": dq_args,
+        "convert_args": convert_args,
+    }

@@ -1,0 +1,207 @@
+"""The registry: which kernel family runs for a spec, a target and a call, in one place.
+
+:func:`select` reads top to bottom; the ``plan_*`` functions plan what it chose (or what a
+caller names), :func:`compile_units` lists the translation units ``flashgen build``
+compiles.  Options come in as :class:`flashgen.options.Options`.  Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashgen.codegen.abi import needs_block_table
+from flashgen.codegen.plan import KernelPlan, TileConfig
+from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
+from flashgen.families.bwd_common import BackwardPlan
+from flashgen.families.tiles import BackwardTiles
+from flashgen.frontend.ir import Spec
+from flashgen.options import DEFAULT, Options
+
+#: The families by name (the registry's one table; a new family is one more line).
+FAMILIES = {
+    "fa2_fwd": fa2_fwd,
+    "hopper_fwd": hopper_fwd,
+    "fa2_bwd": fa2_bwd,
+    "hopper_bwd": hopper_bwd,
+    "blocktable": blocktable,
+    "decode": decode,
+}
+#: Calls :func:`select` answers: the dense forward, the forward of a call that keeps few
+#: keys per row, the backward, the block-table pre-pass, attention against a KV cache.
+CALLS = ("fwd", "sparse", "bwd", "blocktable", "decode")
+
+
+@dataclass(frozen=True)
+class Route:
+    """What :func:`select` chose: the ``family`` name (a key of :data:`FAMILIES`), the Hopper
+    forward's ``persistent`` scheduler (False: none) and, for the FA2-class backward,
+    ``atomic_dq``."""
+
+    family: str
+    persistent: str | bool = False
+    atomic_dq: bool = False
+
+
+def persistent_scheduler(spec: Spec, options: Options = DEFAULT) -> str | bool:
+    """``options.persistent`` for ``spec``: False for ``off``, ``auto`` -> ``dynamic`` where the
+    mask reads tensors (uneven block-table tiles: the dynamic scheduler balances them, which
+    paid there; docs/perf-notes.md), else off."""
+    p = options.persistent
+    if p == "auto":
+        p = "dynamic" if needs_block_table(spec) else "off"
+    return False if p == "off" else p
+
+
+def select(
+    spec: Spec, target: str, call: str = "fwd", options: Options = DEFAULT, *,
+    deterministic: bool = True,
+) -> Route:  # fmt: skip
+    """The family that runs ``call`` (:data:`CALLS`) of ``spec`` on ``target``.
+
+    - forward: the Hopper kernel where :func:`flashgen.families.hopper_fwd.eligible` (sm_90,
+      head dims 64/128/256 with head_dim == head_dim_v, no varlen, no pinned tiles) and
+      ``options.family`` is not ``fa2``, with ``options.persistent``'s scheduler (a sparse
+      call: ``options.sparse_persistent``'s, unless the dense kernel is persistent already);
+      else the FA2-class kernel.
+    - backward: ``deterministic`` or ``options.atomic_dq is False``: the deterministic
+      FA2-class kernels; else the Hopper backward where eligible; else the FA2-class
+      atomic-dQ kernels if ``options.atomic_dq``, else the deterministic ones.
+    - blocktable: the pre-pass.
+    - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
+      ``unsupported_reason`` says which specs have none).
+
+    Raises ``ValueError`` for an unknown call."""
+    if call not in CALLS:
+        raise ValueError(f"unknown call {call!r}; known: {', '.join(CALLS)}")
+    if call in ("blocktable", "decode"):
+        return Route(call)
+    if call in ("fwd", "sparse"):
+        if not hopper_fwd.eligible(spec, target, options.family):
+            return Route("fa2_fwd")
+        persistent = persistent_scheduler(spec, options)
+        if call == "sparse" and not persistent:
+            sp = options.sparse_persistent
+            persistent = False if sp == "off" else sp
+        return Route("hopper_fwd", persistent=persistent)
+    if deterministic or options.atomic_dq is False:
+        return Route("fa2_bwd")
+    if hopper_bwd.eligible(spec, target, options.family):
+        return Route("hopper_bwd", atomic_dq=True)
+    return Route("fa2_bwd", atomic_dq=bool(options.atomic_dq))
+
+
+def choose_tiles(spec: Spec, target: str, gpu: str | None = None, options: Options = DEFAULT):
+    """The forward tiles of the family :func:`select` picks (tuning table for ``gpu``)."""
+    fam = FAMILIES[select(spec, target, "fwd", options).family]
+    return fam.tiles(spec, target, gpu)
+
+
+def plan_forward(
+    spec: Spec,
+    target: str,
+    options: Options = DEFAULT,
+    *,
+    gpu: str | None = None,
+    tiles: TileConfig | None = None,
+    persistent: str | bool | None = None,
+    side_terms: bool = True,
+) -> KernelPlan:
+    """The forward plan of the family :func:`select` picks, or, with ``tiles``, of the
+    family those tiles are for (warp-specialized tiles: the Hopper kernel).  ``persistent``
+    (None: the route's) applies to the Hopper kernel only.  ``side_terms`` (and
+    ``options.side_terms``): row / column terms.  Raises ``ValueError`` like the families'
+    ``plan``."""
+    route = select(spec, target, "fwd", options)
+    name = route.family if tiles is None else (
+        "hopper_fwd" if tiles.warp_specialized else "fa2_fwd"
+    )
+    side_terms = side_terms and options.side_terms
+    key = options.family_key(name)
+    if name == "hopper_fwd":
+        return hopper_fwd.plan(
+            spec, target, options.hopper_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
+            persistent=route.persistent if persistent is None else persistent, options_key=key,
+        )  # fmt: skip
+    return fa2_fwd.plan(
+        spec, target, options.fa2_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
+        options_key=key,
+    )  # fmt: skip
+
+
+def _causal_bits(spec: Spec, target: str, options: Options) -> bool:
+    return hopper_fwd.eligible(spec, target) and options.hopper_fwd.causal_tiles
+
+
+def plan_backward(
+    spec: Spec,
+    target: str,
+    options: Options = DEFAULT,
+    *,
+    atomic_dq: bool = False,
+    tiles: BackwardTiles | None = None,
+    side_terms=True,
+) -> BackwardPlan:
+    """The FA2-class backward (:func:`flashgen.families.fa2_bwd.plan`)."""
+    if not options.side_terms:
+        side_terms = False
+    return fa2_bwd.plan(
+        spec, target, options.fa2_bwd, atomic_dq=atomic_dq, tiles=tiles, side_terms=side_terms,
+        causal_bits=_causal_bits(spec, target, options), options_key=options.family_key("fa2_bwd"),
+    )  # fmt: skip
+
+
+def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) -> BackwardPlan:
+    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`)."""
+    return hopper_bwd.plan(
+        spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
+        options_key=options.family_key("hopper_bwd"),
+    )  # fmt: skip
+
+
+def plan_block_table(spec: Spec, target: str, tile_config: TileConfig) -> KernelPlan:
+    """The block-table pre-pass for the forward's tiles ``tile_config``."""
+    return blocktable.plan(spec, target, tile_config)
+
+
+def plan_decode(spec: Spec, target: str, options: Options = DEFAULT) -> decode.DecodePlan:
+    """The decode unit (attention, combine, append kernels) of ``spec`` on ``target``
+    (:func:`flashgen.families.decode.plan` with ``options.decode``).  Raises ``ValueError``
+    for a spec decode does not support or tiles that do not fit."""
+    return decode.plan(
+        spec, target, options.decode, options_key=options.family_key("decode")
+    )
+
+
+def sparse_tiles(spec: Spec, dense: TileConfig, options: Options = DEFAULT) -> TileConfig | None:
+    """The tiles of a sparse call (:func:`flashgen.families.tiles.sparse_tiles`), or None
+    (also with ``options.sparse_tiles`` off)."""
+    return tiles.sparse_tiles(spec, dense) if options.sparse_tiles else None
+
+
+def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[str, KernelPlan]:
+    """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
+    ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
+    backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
+    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler)."""
+    fwd = plan_forward(spec, target, options)
+    units = {
+        "fwd": fwd,
+        "bwd": plan_backward(spec, target, options).unit,
+        "bwd_atomic": plan_backward(spec, target, options, atomic_dq=True).unit,
+    }
+    if hopper_bwd.eligible(spec, target, options.family):
+        units["bwd_wgmma"] = plan_hopper_backward(spec, target, options).unit
+    alt = sparse_tiles(spec, fwd.tiles, options)
+    if alt is not None:
+        sp = options.sparse_persistent
+        units["fwd_sparse"] = plan_forward(
+            spec, target, options, tiles=alt, persistent=False if sp == "off" else sp
+        )
+    return units
+
+
+def forward_tile_candidates(
+    spec: Spec, target: str, gpu: str | None = None, options: Options = DEFAULT
+) -> list[TileConfig]:
+    """Forward tiles to try, in order (:func:`flashgen.families.tiles.forward_tile_candidates`
+    after the chosen ones)."""
+    return tiles.forward_tile_candidates(spec, choose_tiles(spec, target, gpu, options))

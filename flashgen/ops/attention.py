@@ -1,0 +1,692 @@
+"""The attention op of one spec, :class:`AttentionOp`: :func:`flashgen.ops.op.build_op`
+registers it, once per process and spec name, as an operator with schema::
+
+    <name>(Tensor q, Tensor k, Tensor v, float softmax_scale,
+           <int|float scalar params, spec order>, <Tensor params, spec order>,
+           *, bool deterministic=False) -> (Tensor, Tensor)
+
+with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the
+materialized float32 reference), a fake kernel (so ``torch.compile`` traces it) and an
+autograd registration whose backward is the op ``<name>__backward`` (see
+:mod:`flashgen.ops.backward`).
+
+The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
+front (:func:`validate`, also run by every kernel) and fills in defaults.  On plain CUDA
+tensors in eager mode it launches the forward itself (:func:`_eager_cuda`; training through
+``_EagerAttention``, whose backward is the registered one), which saves the dispatcher's
+and the custom-op autograd wrapper's host time; everywhere else it calls the operator.
+
+``deterministic`` does not change the forward (its impls ignore it); it is a schema
+argument so that it reaches the autograd ``setup_context`` the same way in eager mode,
+under ``torch.compile(fullgraph=True)`` and in opcheck, and picks the backward kernels
+(see :mod:`flashgen.ops.backward`).
+
+Op contract (README.md, section "Op contract"):
+
+    q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
+    on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
+    o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous;
+    lse [B, Hq, Sq] float32, natural log, contiguous.
+    A row with nothing to attend to: o = 0, lse = -inf.  B, Sq or Sk = 0: no launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import warnings
+
+import torch
+
+from flashgen.analysis.indexbounds import IndexBoundsWarning, possible_violations
+from flashgen.codegen.abi import needs_block_table
+from flashgen.families import registry
+from flashgen.families.hopper_fwd import eligible as hopper_eligible
+from flashgen.families.tiles import hopper_tiles
+from flashgen.frontend import ir
+from flashgen.frontend.errors import OpInputError
+from flashgen.ops.calls import (
+    _caller_stacklevel,
+    _kernel_aligned,
+    _mask_reads,
+    _plain_eager,
+    _sm_count,
+    current_stream_ptr,
+    kernel_values,
+)
+from flashgen.ops.density import bucket
+from flashgen.ops.validation import (
+    PARAM_DTYPE,
+    Dims,
+    _poison_enabled,
+    check_softmax_scale,
+    default_softmax_scale,
+    out_dtype,
+    resolve_params,
+    target_for_device,
+    validate,
+    validate_tensor_params,
+)
+from flashgen.options import DEFAULT, Options
+
+
+# ----------------------------------------------------------------------------- the op
+class AttentionOp:
+    """The op generated for one spec; build it with :func:`build_op` or ``flashgen.load``.
+
+    Attributes: ``spec`` (the checked :class:`~flashgen.frontend.ir.Spec`), ``name``, ``qualname``
+    (``"flashgen::<name>"``).  Call :meth:`attention` (also ``op(q, k, v, ...)``).
+    """
+
+    def __init__(self, spec: ir.Spec, options: Options = DEFAULT):
+        self.spec = spec
+        #: the :class:`flashgen.options.Options` that pick this op's kernels
+        self.options = options
+        self.name = spec.name
+        #: the spec's own name (``name`` is the registered one, see :func:`registered_name`)
+        self.base_name = spec.name
+        self.qualname = f"flashgen::{spec.name}"
+        self._kernels: dict[tuple[int, str], object] = {}
+        #: whether a call may run the sparse-mask tiles (registry.sparse_tiles of the Hopper
+        #: kernel's tiles), and per (seqlen_q, seqlen_k, scalars) whether it does
+        self._sparse_possible = hopper_eligible(spec, "sm_90", options.family) and (
+            registry.sparse_tiles(spec, hopper_tiles(spec), options) is not None
+        )
+        self._sparse_calls: dict[tuple, bool] = {}
+        self._sparse_buckets: dict[tuple, bool] = {}  # the same per density.bucket of each length
+        #: positions (in spec order) of the scalar params the mask reads: the others (a
+        #: score_mod's float, say) do not change the estimate, so they are no part of its key
+        self._sparse_scalars = tuple(
+            i for i, p in enumerate(spec.scalar_params) if _mask_reads(spec, p.name)
+        )
+        self._varlen_op: AttentionOp | None = None
+        self._kernel_lock = threading.Lock()
+        #: whether the mask reads tensor params (a block table); asked on every call
+        self._block_table = needs_block_table(spec)
+        #: (Dims, scalar values) whose tensor-param subscripts were bounded (indexbounds)
+        self._bounds_seen: set = set()
+        #: set when ``flashgen.load`` of the edited spec file replaced this op's registration
+        self._replaced_by: str | None = None
+        #: set by :func:`flashgen.ops.op.build_op` (which imports this module, not the other
+        #: way round): its ``build(spec, options)`` and ``varlen_of(op)`` register ops, and
+        #: ``_lib`` is this op's torch library fragment
+        self._registration = None
+        self._lib = None
+
+    def _check_live(self) -> None:
+        """Raise ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        if self._replaced_by is not None:
+            raise RuntimeError(
+                f"op {self.qualname} was replaced when flashgen.load reloaded the edited spec "
+                f"{self._replaced_by}; use the op that flashgen.load returned then"
+            )
+
+    def __repr__(self) -> str:
+        return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
+
+    def with_options(self, options: Options) -> AttentionOp:
+        """The op of this spec bound to ``options`` (:class:`flashgen.options.Options`):
+        :func:`build_op` of the spec under its own name, so its :meth:`attention`,
+        :attr:`varlen` and ``torch.ops.flashgen.<its name>`` all run the kernels ``options``
+        pick.  Raises ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        self._check_live()
+        if options == self.options:
+            return self
+        spec = dataclasses.replace(self.spec, name=self.base_name)
+        return self._registration.build(spec, options)
+
+    @property
+    def torch_op(self):
+        """``torch.ops.flashgen.<name>.default``."""
+        return getattr(torch.ops.flashgen, self.name).default
+
+    @property
+    def varlen(self) -> AttentionOp:
+        """This variant over packed variable-length sequences (FlashAttention's varlen
+        interface, see :mod:`flashgen.ops.varlen`): the op of the same spec with ``varlen:
+        true``, registered as ``flashgen::<name>__varlen`` with this op.  Call it as
+        ``op.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
+        A varlen spec's op is its own varlen form."""
+        if self.spec.varlen:
+            return self
+        if self._varlen_op is None:  # built once, outside any torch.compile trace after that
+            self._varlen_op = self._registration.varlen_of(self)
+        return self._varlen_op
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.spec.params)
+
+    def attention(
+        self,
+        q,
+        k,
+        v,
+        *,
+        softmax_scale: float | None = None,
+        deterministic: bool = False,
+        block_mask=None,
+        **params,
+    ):
+        """Run the attention variant: returns ``(o, lse)``.
+
+        q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] in the spec's dtype on
+        one device, stride(-1) == 1 (``(B, S, H, D)`` storage viewed with
+        ``.transpose(1, 2)`` is fine); Hq % Hkv == 0.  ``softmax_scale`` defaults to the
+        spec's value (``auto``: 1/sqrt(D)).  ``params`` are the spec's params by name:
+        scalars default to their declared value, tensors (declared shape, f32/i32
+        elements, same device) are required.
+
+        ``deterministic`` only affects the backward: True always uses the no-atomics
+        kernels (bitwise reproducible dq, dk, dv).  False allows the faster atomic-dQ
+        kernels (dq not bitwise reproducible): on sm_90 the Hopper wgmma backward for the
+        specs it takes (:func:`flashgen.ops.backward.backward_path`), elsewhere the FA2-class
+        atomic kernels only for an op bound to ``Options(atomic_dq=True)`` (else the
+        deterministic ones); ``Options(atomic_dq=False)`` keeps every atomic path off.
+        Must be a bool (else :class:`OpInputError`).
+
+        ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
+        masking): a :class:`~flashgen.ops.blockmask.BlockMask` from :meth:`block_mask` for these
+        sequence lengths and the same param values, reused across calls; without it the
+        CUDA op runs the block-table pre-pass on every call.  The CPU op ignores it.
+
+        Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
+        [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
+
+        Raises :class:`OpInputError` for bad inputs (message names the argument, the
+        expected and the received value).
+
+        Plain CUDA tensors in eager mode skip the dispatcher (the same kernels and results,
+        less host time per call); under ``torch.compile`` or ``torch.jit.trace``, a
+        torch-function or dispatch mode, a functorch transform, with tensor subclasses or
+        CPU tensors this calls ``torch.ops.flashgen.<name>``.
+        """
+        self._check_live()
+        scalars, tensors = resolve_params(self.spec, params)
+        tensor_map = self._tensor_map(tensors)
+        dims = validate(self.spec, q, k, v, tensor_map)
+        if softmax_scale is None:
+            softmax_scale = default_softmax_scale(self.spec)
+        softmax_scale = check_softmax_scale(softmax_scale)
+        if not isinstance(deterministic, bool):
+            raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
+        table = None
+        if block_mask is not None:
+            table = self._block_mask_table(block_mask, q, dims, scalars)
+        if _eager_cuda(q, k, v):
+            param_grad = any(t.requires_grad for t in tensors)  # refused by the op path
+            if not torch.is_grad_enabled() or not (
+                q.requires_grad or k.requires_grad or v.requires_grad or param_grad
+            ):
+                return self._forward(q, k, v, dims, softmax_scale, scalars, tensor_map, table)
+            if not param_grad:
+                return _EagerAttention.apply(
+                    self, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v
+                )
+        extra = [table] if self._block_table else []
+        return self.torch_op(
+            q, k, v, softmax_scale, *scalars, *tensors, *extra, deterministic=deterministic
+        )
+
+    def block_mask(
+        self,
+        seqlen_q: int,
+        seqlen_k: int,
+        *,
+        batch: int | None = None,
+        num_heads: int | None = None,
+        num_heads_kv: int | None = None,
+        device=None,
+        **params,
+    ):
+        """Build the block table of this op's tensor-reading mask for one problem size,
+        to reuse across :meth:`attention` calls (FlexAttention's ``create_block_mask``).
+
+        ``params``: the spec's params by name, as for :meth:`attention` (tensors required,
+        scalars default to their declared values).  ``batch`` / ``num_heads`` /
+        ``num_heads_kv`` default to what the tensor params' declared shapes imply, else 1
+        (they only matter where the mask reads ``b`` / ``h``).  ``device`` defaults to the
+        tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
+        table for the forward kernel's tiles; on CPU the brute-force reference builds it.
+
+        Returns a :class:`~flashgen.ops.blockmask.BlockMask`.  Raises :class:`OpInputError` if
+        the spec's mask reads no tensor param, or for bad sizes or params.
+        """
+        from flashgen.codegen.abi import block_table_dims
+        from flashgen.ops.blockmask import BlockMask, block_table_reference
+
+        if not needs_block_table(self.spec):
+            raise OpInputError(
+                f"block_mask: the mask of op {self.spec.name!r} reads no tensor param, so it "
+                f"needs no block table (its tiles are classified from indices)"
+            )
+        scalars, tensors = resolve_params(self.spec, params)
+        tmap = self._tensor_map(tensors)
+        given = {"batch": batch, "num_heads": num_heads, "num_heads_kv": num_heads_kv}
+        for p in self.spec.tensor_params:
+            t = tmap.get(p.name)
+            if isinstance(t, torch.Tensor) and t.dim() == len(p.shape):
+                for d, n in zip(p.shape, t.shape, strict=True):
+                    if d in given and given[d] is None:
+                        given[d] = int(n)
+        sizes = {k: 1 if val is None else val for k, val in given.items()}
+        if given["num_heads_kv"] is None:
+            sizes["num_heads_kv"] = sizes["num_heads"]
+        for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), *sizes.items()):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise OpInputError(f"{name}: expected a non-negative int, got {n!r}")
+        first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if device is None:
+            device = first.device if first is not None else torch.device("cpu")
+        device = torch.device(device)
+        dims = Dims(
+            sizes["batch"], sizes["num_heads"], sizes["num_heads_kv"], seqlen_q, seqlen_k, 0
+        )
+        validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device")
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        per_b, per_h = block_table_dims(self.spec)
+        if device.type == "cuda":
+            kern = self.kernel(device)
+            tiles = kern.plan.tiles
+            table = self._run_block_table(device, tiles, dims, scalars, tmap)
+        else:
+            tiles = registry.choose_tiles(self.spec, "sm_80", None, self.options)
+            table = block_table_reference(
+                self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
+                heads_kv=dims.heads_kv,
+            )  # fmt: skip
+        used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
+        return BlockMask(
+            spec_name=self.spec.name,
+            table=table,
+            block_m=tiles.block_m,
+            block_n=tiles.block_n,
+            batch=dims.batch if per_b else 1,
+            heads_q=dims.heads_q if per_h else 1,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            scalars={n: v for n, v in values.items() if n in used},
+            heads_kv=dims.heads_kv if _mask_reads(self.spec, "h_kv") else None,
+        )
+
+    def _block_mask_table(self, bm, q, dims: Dims, scalars):
+        """The table tensor of ``bm`` after checking it fits this call (metadata only)."""
+        from flashgen.ops.blockmask import BlockMask
+
+        if not needs_block_table(self.spec):
+            raise OpInputError(
+                f"block_mask: op {self.spec.name!r} takes none (its mask reads no tensor "
+                f"param), got {type(bm).__name__}"
+            )
+        if not isinstance(bm, BlockMask):
+            raise OpInputError(
+                f"block_mask: expected a BlockMask from op.block_mask(...), got {type(bm).__name__}"
+            )
+        if bm.spec_name != self.spec.name:
+            raise OpInputError(
+                f"block_mask: expected one built by op {self.spec.name!r}, got one built "
+                f"by {bm.spec_name!r}"
+            )
+        want = (dims.seqlen_q, dims.seqlen_k)
+        if (bm.seqlen_q, bm.seqlen_k) != want:
+            raise OpInputError(
+                f"block_mask: expected (seqlen_q, seqlen_k) = {want} (q's and k's), got "
+                f"({bm.seqlen_q}, {bm.seqlen_k}); build one per problem size"
+            )
+        if bm.heads_kv is not None and bm.heads_kv != dims.heads_kv:
+            raise OpInputError(
+                f"block_mask: built for num_heads_kv={bm.heads_kv} (the mask reads h_kv), but "
+                f"k has {dims.heads_kv} heads; build one per head count"
+            )
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        for name, val in bm.scalars.items():
+            if values[name] != val:
+                raise OpInputError(
+                    f"block_mask: built with {name}={val!r}, but this call has "
+                    f"{name}={values[name]!r}; build it again with the new value"
+                )
+        if bm.table.device != q.device:
+            raise OpInputError(
+                f"block_mask: expected device {q.device} (q's device), got {bm.table.device}"
+            )
+        return bm.op_arg()  # carries its tiles: the CUDA impl checks them against its kernel's
+
+    def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
+        """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
+        returns the uint8 table (see :func:`flashgen.families.registry.plan_block_table`)."""
+        from flashgen.families.blocktable import block_table_shape
+
+        kern = self._block_table_kernel(device, tiles)
+        shape = block_table_shape(
+            self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        table = torch.empty(shape, dtype=torch.uint8, device=device)
+        if table.numel() == 0:
+            return table
+        values = kernel_values(self.spec, {"tab": table}, dims, 1.0, scalars, tensors)
+        values.update(tab_b=shape[0], tab_h=shape[1])
+        kern.launch((table.numel(), 1, 1), values, current_stream_ptr(device))
+        return table
+
+    def _block_table_kernel(self, device, tiles):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("blockmask", index, tiles)
+        kern = self._kernels.get(key)
+        if kern is None:
+            with self._kernel_lock:
+                kern = self._kernels.get(key)
+                if kern is None:
+                    from flashgen.build import cache
+                    from flashgen.build.render import render
+                    from flashgen.families.registry import plan_block_table
+                    from flashgen.runtime import launch as runtime
+
+                    plan = plan_block_table(self.spec, target_for_device(self.spec, device), tiles)
+                    cubin, _report = cache.get_or_build(render(plan), plan)
+                    kern = runtime.load(cubin, plan, index)
+                    self._kernels[key] = kern
+        return kern
+
+    def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
+        """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
+        (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
+        :meth:`flashgen.ops.decode.DecodeOp.with_kvcache` for the arguments and contract."""
+        from flashgen.ops.decode import decode_op
+
+        return decode_op(self).with_kvcache(q, k_cache, v_cache, cache_seqlens, **kwargs)
+
+    def plan_decode(self, **kwargs):
+        """A reusable schedule for :meth:`with_kvcache` calls of one shape; see
+        :meth:`flashgen.ops.decode.DecodeOp.plan_decode`."""
+        from flashgen.ops.decode import decode_op
+
+        return decode_op(self).plan_decode(**kwargs)
+
+    __call__ = attention
+
+    # --------------------------------------------------------------------- kernels
+    def _tensor_map(self, tensors) -> dict:
+        return {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
+
+    def _split(self, rest) -> tuple[list, dict]:
+        """Schema arguments after softmax_scale -> (scalars, tensor param map); a trailing
+        ``block_mask`` argument (specs with a block table) is left out: see :meth:`_table_arg`."""
+        n = len(self.spec.scalar_params)
+        m = n + len(self.spec.tensor_params)
+        return list(rest[:n]), self._tensor_map(rest[n:m])
+
+    def _table_arg(self, rest):
+        """The ``block_mask`` schema argument (a uint8 table or None)."""
+        m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
+        return rest[m] if self._block_table and len(rest) > m else None
+
+    def _empty_outputs(self, q, dims: Dims):
+        o = torch.empty(
+            (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
+            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
+            device=q.device,
+        )
+        lse = torch.empty(
+            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32, device=q.device
+        )
+        return o, lse
+
+    def _fake_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
+        scalars, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        return self._empty_outputs(q, dims)
+
+    def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
+        from flashgen.ops.cpu_attention import attention_blocked
+
+        scalars, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        o, lse = self._empty_outputs(q, dims)
+        if lse.numel() == 0:
+            return o, lse
+        if dims.seqlen_k == 0:
+            return o.zero_(), lse.fill_(-math.inf)
+        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        ref_o, ref_lse = attention_blocked(
+            self.spec, q, k, v, softmax_scale=softmax_scale, params=params
+        )
+        o.copy_(ref_o)
+        lse.copy_(ref_lse)
+        return o, lse
+
+    def _check_index_bounds(self, dims: Dims, scalars) -> None:
+        """Warn (:class:`~flashgen.analysis.indexbounds.IndexBoundsWarning`, once per sizes and
+        scalar
+        values) for each tensor-param subscript that may leave its tensor at these sizes:
+        the kernels clamp it, so the result would use a clamped element
+        (:func:`flashgen.analysis.indexbounds.possible_violations`)."""
+        values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in scalars)
+        key = (dims, values)
+        if key in self._bounds_seen:
+            return
+        if len(self._bounds_seen) >= 1024:
+            self._bounds_seen.clear()
+        self._bounds_seen.add(key)
+        named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
+        for line in possible_violations(self.spec, dims.symbols(), named):
+            warnings.warn(line, IndexBoundsWarning, stacklevel=_caller_stacklevel())
+
+    def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
+        scalars, tensors = self._split(rest)
+        dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        return self._forward(q, k, v, dims, softmax_scale, scalars, tensors, self._table_arg(rest))
+
+    def _forward(self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table):
+        """The CUDA forward of inputs :func:`validate` accepted (``dims`` its answer):
+        ``(o, lse)``, launched on the current stream of q's device.  ``scalars`` in spec
+        order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None."""
+        if self.spec.tensor_params:
+            self._check_index_bounds(dims, scalars)
+        o, lse = self._empty_outputs(q, dims)
+        if _poison_enabled():
+            o.fill_(math.nan)
+            lse.fill_(math.nan)
+        if lse.numel() == 0:
+            return o, lse
+        if dims.seqlen_k == 0:
+            return o.zero_(), lse.fill_(-math.inf)
+        kern = self.kernel(q.device, sparse=self._sparse_call(dims, scalars))
+        q, k, v = _kernel_aligned(q), _kernel_aligned(k), _kernel_aligned(v)
+        values = kernel_values(
+            self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale,
+            scalars, tensors,
+        )  # fmt: skip
+        plan = kern.plan
+        if plan.context["block_table"]:
+            values.update(self._table_values(table, plan, dims, scalars, tensors, q.device))
+        stream = current_stream_ptr(q.device)
+        if plan.context.get("persistent"):
+            ctas = self.options.persistent_ctas or _sm_count(kern.device_index)
+            grid = plan.grid(dims.batch, dims.heads_q, dims.seqlen_q, ctas)
+            if plan.context["dynamic"]:
+                values["tile_counter"] = _tile_counter(q.device, stream)
+        else:
+            grid = plan.grid(
+                dims.batch, dims.heads_q, dims.seqlen_q,
+                heads_kv=dims.heads_kv, seqlen_k=dims.seqlen_k,
+            )  # fmt: skip
+        kern.launch(grid, values, stream)
+        return o, lse
+
+    def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
+        """``blk_tab / blk_sb / blk_sh`` for the forward launch: the table of the
+        ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
+        :func:`flashgen.ops.blockmask.table_for_tiles`) or, when None, a fresh one from the
+        pre-pass for those tiles."""
+        from flashgen.families.blocktable import block_table_shape
+        from flashgen.ops.blockmask import table_for_tiles, table_strides
+
+        shape = block_table_shape(
+            self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        if arg is None:
+            table = self._run_block_table(device, plan.tiles, dims, scalars, tensors)
+        else:
+            table = table_for_tiles(arg, shape, plan.tiles)
+        sb, sh = table_strides(self.spec, table)
+        return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
+
+    def _sparse_call(self, dims: Dims, scalars) -> bool:
+        """Whether this call asks for the sparse-mask tiles
+        (:func:`flashgen.families.registry.sparse_tiles`; :meth:`kernel` runs them where the
+        kernel has them): the mask keeps fewer than
+        :data:`~flashgen.families.tiles.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
+        scalars (:func:`flashgen.ops.density.keys_per_row`; the answer cached per op per lengths
+        and per the lengths' :func:`~flashgen.ops.density.bucket`, keyed by the scalars the mask
+        reads only: a loop over growing lengths (decoding) costs a few microseconds per call,
+        a float param only the score_mod reads none).  Off with the op's
+        ``Options.sparse_tiles`` False."""
+        if not self._sparse_possible:
+            return False
+        read = tuple(scalars[i] for i in self._sparse_scalars) if self._sparse_scalars else ()
+        key = (dims.seqlen_q, dims.seqlen_k, *read)
+        few = self._sparse_calls.get(key)
+        if few is None:  # a new length: its bucket's answer, estimated once per bucket
+            few = self._sparse_bucketed(dims, scalars, read)
+            if len(self._sparse_calls) >= 4096:  # bounded: a loop over many lengths
+                self._sparse_calls.clear()
+            self._sparse_calls[key] = few
+        return few and self.options.sparse_tiles
+
+    def _sparse_bucketed(self, dims: Dims, scalars, read: tuple) -> bool:
+        key = (bucket(dims.seqlen_q), bucket(dims.seqlen_k), *read)
+        few = self._sparse_buckets.get(key)
+        if few is None:
+            from flashgen.families.tiles import SPARSE_KEYS_PER_ROW
+            from flashgen.ops.density import keys_per_row
+
+            if len(self._sparse_buckets) >= 4096:  # bounded: a loop over many scalar values
+                self._sparse_buckets.clear()
+            few = keys_per_row(self.spec, dims.seqlen_q, dims.seqlen_k, tuple(scalars))
+            few = self._sparse_buckets[key] = few < SPARSE_KEYS_PER_ROW
+        return few
+
+    def _sparse_key(self, base: tuple) -> tuple:
+        """The cache key of the sparse kernel: ``base`` and its persistent scheduler (the op's
+        ``Options.sparse_persistent``, where the op has a sparse kernel)."""
+        sp = self.options.sparse_persistent
+        sched = self._sparse_possible and (False if sp == "off" else sp)
+        return base + ("sparse", sched)
+
+    def kernel(self, device: torch.device, sparse: bool = False):
+        """The loaded kernel for CUDA ``device`` (built and cached on first use).
+
+        Renders the plan for :func:`target_for_device` (the family
+        :func:`flashgen.families.registry.select` picks under the op's options), compiles
+        through the on-disk cache, falling back to smaller tiles if the chosen ones spill
+        (:mod:`flashgen.families.build`), and loads it with :mod:`flashgen.runtime.launch`.
+        The op's :class:`~flashgen.options.Options` decide: ``family`` (``auto``, the
+        default: the Hopper TMA + wgmma kernel on sm_90 where the spec allows; ``fa2``: the
+        FA2-class kernel), ``persistent`` (the Hopper kernel's persistent tile scheduler,
+        :func:`flashgen.families.registry.persistent_scheduler`; ``auto``: ``dynamic`` for a
+        mask that reads tensors, else off) and ``side_terms``.  ``sparse``: the kernel with
+        the tiles for masks that keep few keys per row
+        (:func:`flashgen.families.registry.sparse_tiles`; the op's calls choose it per call,
+        :meth:`_sparse_call`; not when the dense kernel is persistent), persistent as
+        ``Options.sparse_persistent`` says, the same kernel as without where there are none
+        (the FA2-class kernel).  Where the op may pick either, the
+        first use builds and loads both, so a later call (a CUDA-graph capture at another
+        length) never loads a kernel.
+        Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails.
+        """
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        options = self.options
+        persistent = registry.persistent_scheduler(self.spec, options)
+        base = (index, options.key(), persistent)
+        sparse = sparse and not persistent
+        key = self._sparse_key(base) if sparse else base
+        kern = self._kernels.get(key)
+        if kern is not None:
+            return kern
+        with self._kernel_lock:
+            kern = self._kernels.get(key)
+            if kern is None:
+                from flashgen.families.build import build_forward
+                from flashgen.runtime import launch as runtime
+
+                target = target_for_device(self.spec, device)
+                gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
+                # Both tile choices at once where the op picks per call: a call at a length
+                # that needs the other one (inside a CUDA-graph capture, say) loads nothing.
+                both = self._sparse_possible and not persistent
+                sparse_key = self._sparse_key(base)
+                for want in (sparse, not sparse) if both else (sparse,):
+                    k = sparse_key if want else base
+                    if k not in self._kernels:
+                        plan, cubin, _report = build_forward(
+                            self.spec, target, gpu=gpu, options=options, sparse=want,
+                            persistent=sparse_key[-1] if want else persistent,
+                        )  # fmt: skip
+                        self._kernels[k] = runtime.load(cubin, plan, index)
+                kern = self._kernels[key]
+        return kern
+
+
+_COUNTERS: dict[tuple[int, int], int] = {}  # (device, stream) -> address (runtime.device_zeros)
+_COUNTER_LOCK = threading.Lock()
+
+
+def _tile_counter(device: torch.device, stream_ptr: int) -> torch.Tensor | int:
+    """The work-tile counter of the dynamic persistent scheduler for a launch on CUDA stream
+    ``stream_ptr``: int32 ``[2]``, zero when the kernel starts; its last CTA leaves it at zero.
+
+    Eager launches share one per (device, stream), zeroed once: launches on one stream run
+    in order, so they never use it at the same time.  It is an address from
+    :func:`flashgen.runtime.launch.device_zeros`, outside torch's caching allocator: an eager call
+    inside torch.compile's CUDA-graph trees (their warm-up of a new shape) has its
+    allocations routed to the trees' private pool, whose memory they hand to graph tensors
+    again after resetting the pool to a checkpoint.  A launch captured into a CUDA graph
+    gets its own, zeroed inside the capture (a memset node before the kernel, memory from
+    the graph's pool): two graphs captured on one stream and replayed on two streams at
+    once, or a replay next to eager calls on the capture stream, would otherwise share it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):  # the launch's device, whichever is current
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (index, stream_ptr)
+    t = _COUNTERS.get(key)
+    if t is None:
+        with _COUNTER_LOCK:
+            t = _COUNTERS.get(key)
+            if t is None:
+                from flashgen.runtime import launch as runtime
+
+                t = _COUNTERS[key] = runtime.device_zeros(8, index, stream_ptr)
+    return t
+
+
+# ----------------------------------------------------------------------------- eager fast path
+def _eager_cuda(q, k, v) -> bool:
+    """Whether :meth:`AttentionOp.attention` may run the CUDA forward itself instead of
+    going through the dispatcher (``torch.ops.flashgen.<name>``): CUDA tensors and
+    :func:`_plain_eager`.  The op path costs more host time per call (dispatch, the
+    custom-op autograd wrapper, a second validation: see docs/perf-notes.md); the results
+    are the same."""
+    return q.is_cuda and _plain_eager(q, k, v)
+
+class _EagerAttention(torch.autograd.Function):
+    """Autograd node of the eager fast path: the forward launches :meth:`AttentionOp._forward`
+    directly, the backward is the op's registered one (:class:`flashgen.ops.backward.Backward`),
+    so gradients match the ``torch.ops.flashgen.<name>`` path exactly."""
+
+    @staticmethod
+    def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v):
+        o, lse = op._forward(q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors), table)
+        ctx.op = op
+        # what the op path's autograd saves, from the same function and the schema's inputs
+        inputs = (q, k, v, softmax_scale, *scalars, *tensors, *([table] if op._block_table else []))
+        op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        dq, dk, dv = ctx.op.backward.backward(ctx, grad_o, grad_lse)[:3]
+        return (None,) * 7 + (dq, dk, dv)

@@ -1,0 +1,406 @@
+"""Input checks of the attention ops (no launch): the dtype tables, :class:`Dims`,
+:func:`validate` (q, k, v, tensor params, scalars, softmax_scale) and the
+:class:`~flashgen.frontend.errors.OpInputError` each check raises, the defaults the op fills
+in, the poisoned-output debugging hook and the kernel target of a device.  Shared by
+:mod:`flashgen.ops.attention`, :mod:`~flashgen.ops.backward`, :mod:`~flashgen.ops.varlen`
+and :mod:`~flashgen.ops.decode`; imports none of them."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from flashgen import env
+from flashgen.frontend import ir
+from flashgen.frontend.errors import OpInputError
+
+#: torch dtype of each spec dtype.
+TORCH_DTYPE = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": getattr(torch, "float8_e4m3fn", None),
+}
+#: torch dtype of a tensor param's element type.
+PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
+_SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
+
+_POISON = False
+
+
+def out_dtype(spec: ir.Spec) -> torch.dtype:
+    """Dtype of ``o``: the input dtype, bf16 for fp8 inputs."""
+    return torch.bfloat16 if spec.dtype.startswith("fp8") else TORCH_DTYPE[spec.dtype]
+
+
+# ----------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class Dims:
+    """Problem sizes read off validated inputs."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim_v: int
+
+    def symbols(self) -> dict[str, int]:
+        """Values of the shape symbols tensor params may use."""
+        return {
+            "batch": self.batch,
+            "num_heads": self.heads_q,
+            "num_heads_kv": self.heads_kv,
+            "seqlen_q": self.seqlen_q,
+            "seqlen_k": self.seqlen_k,
+        }
+
+
+def _shape(t) -> list:
+    return list(t.shape)
+
+
+def validate(
+    spec: ir.Spec,
+    q,
+    k,
+    v,
+    tensor_params: dict | None = None,
+    *,
+    softmax_scale=None,
+    scalars=None,
+) -> Dims:
+    """Check q, k, v (and tensor params) against ``spec`` and the op contract.
+
+    ``tensor_params`` maps each tensor param name to its tensor (missing ones are
+    reported).  When given, ``softmax_scale`` (see :func:`check_softmax_scale`) and
+    ``scalars`` (scalar param values in spec order, see :func:`check_scalar`) are
+    checked too.  Returns the problem :class:`Dims`.  Raises :class:`OpInputError`
+    naming the offending argument with the expected and received value.  Reads only
+    shapes, strides, dtypes and devices: never tensor contents (no device sync).
+    """
+    if softmax_scale is not None and not _symbolic(softmax_scale):
+        check_softmax_scale(softmax_scale)
+    if scalars is not None:
+        for p, val in zip(spec.scalar_params, scalars, strict=True):
+            if not _symbolic(val):
+                check_scalar(p, val)
+    dims = _dims_if_valid(spec, q, k, v)
+    if dims is None:
+        dims = _check_qkv(spec, q, k, v)
+    if spec.tensor_params:
+        validate_tensor_params(spec, tensor_params, q.device, dims.symbols())
+    return dims
+
+
+def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
+    """The common case of :func:`_check_qkv` in few attribute reads: the :class:`Dims` of
+    q, k, v when they pass every one of its checks, else None (and :func:`_check_qkv`
+    runs to name the failure).  It may say None where :func:`_check_qkv` accepts (no kv
+    heads, an empty tensor with stride(-1) != 1), never the reverse."""
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
+        return None
+    want = TORCH_DTYPE[spec.dtype]
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype):
+        return None
+    if q.dtype != want and not (q.dtype == torch.float32 and q.device.type == "cpu"):
+        return None
+    batch, hq, sq, d = qs
+    _, hkv, sk, _ = ks
+    if not (
+        d == spec.head_dim
+        and ks[3] == spec.head_dim
+        and vs[3] == spec.head_dim_v
+        and ks[0] == batch
+        and vs[0] == batch
+        and vs[1] == hkv
+        and vs[2] == sk
+        and hkv != 0
+        and hq % hkv == 0
+        and q.stride(3) == 1
+        and k.stride(3) == 1
+        and v.stride(3) == 1
+    ):
+        return None
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        return None
+    return Dims(batch, hq, hkv, sq, sk, vs[3])
+
+
+def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
+    """Every check of q, k, v in turn, raising :class:`OpInputError` at the first failure."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise OpInputError(
+                f"{name}: expected a 4-D tensor [batch, heads, seqlen, head_dim], "
+                f"got shape {_shape(t)}"
+            )
+        check_input_dtype(spec, name, t, q)
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
+    if q.shape[3] != spec.head_dim:
+        raise OpInputError(f"q: expected head_dim {spec.head_dim} (shape[-1]), got {q.shape[3]}")
+    if k.shape[3] != spec.head_dim:
+        raise OpInputError(f"k: expected head_dim {spec.head_dim} (shape[-1]), got {k.shape[3]}")
+    if v.shape[3] != spec.head_dim_v:
+        raise OpInputError(
+            f"v: expected head_dim_v {spec.head_dim_v} (shape[-1]), got {v.shape[3]}"
+        )
+    if k.shape[0] != q.shape[0]:
+        raise OpInputError(f"k: expected batch {q.shape[0]} (q's batch), got {k.shape[0]}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise OpInputError(
+            f"v: expected [batch, heads_kv, seqlen_k] = {_shape(k)[:3]} (k's), got {_shape(v)[:3]}"
+        )
+    hq, hkv = check_heads_and_strides(q, k, v)
+    return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+
+
+def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:
+    """``t`` (the input called ``name``) has the spec's dtype, or float32 on CPU
+    (:func:`flashgen.ops.cpu_attention.cpu_input_dtypes`), and q's dtype; else
+    :class:`OpInputError`."""
+    want = TORCH_DTYPE[spec.dtype]
+    ok = t.dtype == want or (t.dtype == torch.float32 and t.device.type == "cpu")
+    if not ok or t.dtype != q.dtype:
+        also = "; float32 also on CPU, the same for q, k and v"
+        raise OpInputError(
+            f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}{also}), "
+            f"got {t.dtype}" + ("" if t.dtype == q.dtype else f" (q has {q.dtype})")
+        )
+
+
+def check_heads_and_strides(q, k, v) -> tuple[int, int]:
+    """``(heads_q, heads_kv)`` after checking Hq % Hkv == 0 (heads on dim 1) and that the
+    last dim of q, k, v is contiguous; :class:`OpInputError` otherwise.  Shared by the
+    padded ``[B, H, S, D]`` and the packed varlen ``[total, H, D]`` layouts."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 and hq != 0:
+        raise OpInputError(f"k: expected at least one kv head for {hq} query heads, got 0")
+    if hkv != 0 and hq % hkv != 0:
+        raise OpInputError(
+            f"q: expected num_heads to be a multiple of k's num_heads_kv {hkv}, got {hq}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise OpInputError(
+                f"{name}: expected stride(-1) == 1 (head_dim contiguous), got strides "
+                f"{list(t.stride())}; call .contiguous() first"
+            )
+    return hq, hkv
+
+
+def validate_tensor_params(
+    spec: ir.Spec, tensor_params: dict | None, device, sym: dict, device_of: str = "q's device"
+) -> None:
+    """Check each tensor param (present, a tensor on ``device``, the declared shape with the
+    shape symbols valued by ``sym`` (see :meth:`Dims.symbols`), the declared element kind);
+    :class:`OpInputError` otherwise.  Metadata only.  ``device_of`` names where ``device``
+    comes from in the error message."""
+    if spec.tensor_params:
+        tensor_params = tensor_params or {}
+        for p in spec.tensor_params:
+            t = tensor_params.get(p.name)
+            if t is None:
+                raise OpInputError(f"{p.name}: missing tensor param {_describe_param(p)}")
+            if not isinstance(t, torch.Tensor):
+                raise OpInputError(
+                    f"{p.name}: expected a torch.Tensor {_describe_param(p)}, "
+                    f"got {type(t).__name__}"
+                )
+            if t.device != device:
+                raise OpInputError(
+                    f"{p.name}: expected device {device} ({device_of}), got {t.device}"
+                )
+            expected = [d if isinstance(d, int) else sym[d] for d in p.shape]
+            if list(t.shape) != expected:
+                raise OpInputError(
+                    f"{p.name}: expected shape {expected} ({_shape_decl(p)}), got {_shape(t)}"
+                )
+            ok = (
+                t.dtype.is_floating_point
+                if p.ty == ir.Ty.F32
+                else not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+            )
+            if not ok or t.dtype in _FP8_DTYPES:
+                kind = "a floating-point" if p.ty == ir.Ty.F32 else "an integer"
+                raise OpInputError(
+                    f"{p.name}: expected {kind} tensor ({p.ty.value} elements, e.g. "
+                    f"{PARAM_DTYPE[p.ty]}), got {t.dtype}"
+                )
+
+
+_FP8_DTYPES = tuple(
+    d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None
+)
+#: Largest finite float32 (a larger f32 param would reach the kernel as inf).
+_F32_MAX = 3.4028234663852886e38
+#: Smallest positive normal float32: the least softmax_scale accepted.
+_F32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+def _symbolic(x) -> bool:
+    """Whether ``x`` is a traced symbolic number (``torch.compile`` with dynamic shapes)."""
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def check_softmax_scale(value) -> float:
+    """``value`` as a float if it is a usable softmax scale: a real number, finite,
+    positive and representable in float32; else :class:`OpInputError`."""
+    if type(value) is float and _F32_MIN_NORMAL <= value <= _F32_MAX:
+        return value  # the common case: the checks below would all pass (NaN fails here)
+    if _symbolic(value) or torch.compiler.is_compiling():
+        return value  # checked again by the op's CPU / CUDA implementation, on the real value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OpInputError(f"softmax_scale: expected a float (finite, > 0), got {value!r}")
+    f = float(value)
+    if not (math.isfinite(f) and _F32_MIN_NORMAL <= f <= _F32_MAX):
+        raise OpInputError(
+            f"softmax_scale: expected a finite positive float32 value, got {value!r}"
+        )
+    return f
+
+
+def check_scalar(p: ir.Param, val) -> int | float:
+    """Check one scalar param value against its declaration; return it as int / float.
+
+    i32: an integer (not bool) in int32 range; f32: a real number, finite and within
+    float32 range.  Either must lie within the param's declared ``min``/``max``.
+    Raises :class:`OpInputError` naming the param, the expected and the received value.
+    While ``torch.compile`` traces (a changed float becomes symbolic) the value is passed
+    through: the op's CPU and CUDA implementations check it again on the real value.
+    """
+    if _symbolic(val) or torch.compiler.is_compiling():
+        return val  # checked again by the op's CPU / CUDA implementation, on the real value
+    if p.ty == ir.Ty.I32:
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise OpInputError(f"{p.name}: expected an int (i32), got {val!r}")
+        out: int | float = int(val)
+        if not -(2**31) <= out < 2**31:
+            raise OpInputError(f"{p.name}: expected an i32 value, got {val} (out of range)")
+    else:
+        if isinstance(val, bool) or not isinstance(val, numbers.Real):
+            raise OpInputError(f"{p.name}: expected a float (f32), got {val!r}")
+        out = float(val)
+        if not math.isfinite(out):
+            raise OpInputError(f"{p.name}: expected a finite float (f32), got {val!r}")
+        if abs(out) > _F32_MAX:
+            raise OpInputError(
+                f"{p.name}: expected a float32 value, got {val!r} (out of float32 range)"
+            )
+    if p.minimum is not None and out < p.minimum:
+        raise OpInputError(f"{p.name}: expected a value >= {p.minimum} (declared min), got {val!r}")
+    if p.maximum is not None and out > p.maximum:
+        raise OpInputError(f"{p.name}: expected a value <= {p.maximum} (declared max), got {val!r}")
+    return out
+
+
+def _shape_decl(p: ir.Param) -> str:
+    return "[" + ", ".join(str(d) for d in p.shape) + "]"
+
+
+def _describe_param(p: ir.Param) -> str:
+    if p.kind == "tensor":
+        return f"(tensor {_shape_decl(p)} of {p.ty.value})"
+    return f"({p.ty.value}, default {p.default!r})"
+
+
+def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
+    """Op keyword params -> (scalar values, tensor values), each in spec order.
+
+    Missing scalars take their spec default; unknown names, a missing tensor param, and
+    any value :func:`check_scalar` rejects (a non-integer for an ``i32`` param, a
+    non-finite or non-number for an ``f32`` param, a value outside the declared
+    ``min``/``max``) raise :class:`OpInputError`.  A scalar may also be a 0-d CPU
+    tensor; a CUDA tensor is refused (reading it would synchronize the device), one that
+    requires grad raises ``NotImplementedError`` (its gradient would be silently dropped).
+    """
+    valid = [p.name for p in spec.params]
+    for name in params:
+        if name not in valid:
+            listing = ", ".join(f"{p.name} {_describe_param(p)}" for p in spec.params)
+            raise OpInputError(
+                f"{name}: unknown param for op {spec.name!r}; valid params: {listing or '(none)'}"
+            )
+    scalars: list = []
+    for p in spec.scalar_params:
+        val = params.get(p.name, p.default)
+        if val is None:
+            raise OpInputError(f"{p.name}: missing scalar param {_describe_param(p)}")
+        if isinstance(val, torch.Tensor) and val.dim() == 0:
+            if val.device.type != "cpu":
+                raise OpInputError(
+                    f"{p.name}: expected a Python number or a CPU scalar tensor, got a tensor "
+                    f"on {val.device} (reading it would synchronize the device)"
+                )
+            if val.requires_grad:  # .item() would drop its gradient without a word
+                raise NotImplementedError(
+                    f"flashgen::{spec.name}: gradients with respect to scalar param "
+                    f"'{p.name}' are not supported; pass {p.name}.item() (a number) or "
+                    f"{p.name}.detach()"
+                )
+            val = val.item()
+        scalars.append(check_scalar(p, val))
+    tensors = [params.get(p.name) for p in spec.tensor_params]
+    return scalars, tensors
+
+
+def default_softmax_scale(spec: ir.Spec) -> float:
+    """``spec.softmax_scale``, or 1/sqrt(head_dim) for ``auto``."""
+    if spec.softmax_scale is not None:
+        return float(spec.softmax_scale)
+    return 1.0 / math.sqrt(spec.head_dim)
+
+
+# ----------------------------------------------------------------------------- debugging hook
+@contextlib.contextmanager
+def poison_outputs(enabled: bool = True):
+    """Within the block, the CUDA kernel fills ``o`` and ``lse`` with NaN before launch.
+
+    Lets tests prove the kernel writes every output element.  The environment variable
+    :data:`flashgen.env.POISON_OUTPUTS` set to 1 does the same for a whole process.
+    """
+    global _POISON
+    old, _POISON = _POISON, enabled
+    try:
+        yield
+    finally:
+        _POISON = old
+
+
+def _poison_enabled() -> bool:
+    return _POISON or bool(env.flag(env.POISON_OUTPUTS))
+
+
+# ----------------------------------------------------------------------------- target choice
+def target_for_device(spec: ir.Spec, device: torch.device) -> str:
+    """Kernel target for a CUDA ``device``: ``sm_90`` on 9.x, ``sm_80`` on 8.x.
+
+    On 9.x the plan is built for ``sm_90`` even when the spec lists only ``sm_80``: the
+    sm_80 template then compiles for sm_90a (an sm_80 cubin does not load there).
+    Raises ``RuntimeError`` for other compute capabilities.
+    """
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9:
+        return "sm_90"
+    if major == 8:
+        return "sm_80"
+    raise RuntimeError(
+        f"flashgen kernels need a compute capability 8.x or 9.x GPU; {device} is {major}.{minor}"
+    )
+
+
+def check_enabled() -> bool:
+    """Whether :data:`flashgen.env.VARLEN_CHECK` is set to 1 (read at each call): varlen and decode
+    calls then check their offsets and lengths on the host."""
+    return bool(env.flag(env.VARLEN_CHECK))

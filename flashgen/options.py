@@ -1,0 +1,227 @@
+"""Kernel options: the data that picks which kernels an op runs, in place of the
+environment switches of earlier versions (:data:`flashgen.env.REMOVED` maps each to its
+option; a removed switch that is still set raises).
+
+:class:`Options` bundles the routing choices (kernel family, atomic dQ, the persistent
+schedulers, sparse-call tiles, row / column terms, persistent CTAs) and one frozen options
+record per kernel family (``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``,
+``blocktable``, ``decode``).  Every field has a dotted name (``"hopper_fwd.affine"``, ``"family"``):
+:meth:`Options.paths` lists them, :meth:`Options.get_path` reads one and
+:meth:`Options.replace_path` returns a copy with one set (from a value or its string form,
+as ``flashgen ab SPEC --option hopper_fwd.affine=true,false`` passes it).  :meth:`Options.key`
+is a stable string of the non-default fields: part of the op's kernel key and of the kernel
+cache key.  Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd
+from flashgen.families.common import FAMILIES, PERSISTENT_SCHEDULERS
+
+#: Values of :attr:`Options.persistent` (``auto``: ``dynamic`` for a mask that reads tensors,
+#: else ``off``) and of :attr:`Options.sparse_persistent`.
+PERSISTENT_CHOICES = ("auto", "off", *PERSISTENT_SCHEDULERS)
+#: The per-family option records, by field name of :class:`Options`.
+FAMILY_OPTIONS = {
+    "fa2_fwd": fa2_fwd.Options,
+    "hopper_fwd": hopper_fwd.Options,
+    "fa2_bwd": fa2_bwd.Options,
+    "hopper_bwd": hopper_bwd.Options,
+    "blocktable": blocktable.Options,
+    "decode": decode.Options,
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Which kernels an op runs and how they are generated (frozen; compare and hash by value).
+
+    - ``family``: ``"auto"`` / ``"fa3"`` (the Hopper kernels on sm_90 where they apply) or
+      ``"fa2"`` (always the FA2-class kernels).
+    - ``atomic_dq``: the backward of ``deterministic=False`` calls.  ``None`` (default): the
+      Hopper backward where it applies, else the deterministic kernels; ``True``: also the
+      FA2-class atomic-dQ kernels elsewhere; ``False``: never atomic (the deterministic
+      kernels for every call).  ``deterministic=True`` on a call always runs the
+      deterministic kernels.
+    - ``persistent``: the Hopper forward's persistent scheduler (:data:`PERSISTENT_CHOICES`;
+      ``auto``: ``dynamic`` for masks that read tensors, else ``off``).
+    - ``sparse_persistent``: the scheduler of the kernel for calls that keep few keys per row
+      (``off`` or a scheduler; default ``dynamic``).
+    - ``sparse_tiles``: such calls may run the narrower sparse tiles.
+    - ``side_terms``: kernels may read a mask's one-sided tensor reads once per row / column
+      (False: per element).
+    - ``persistent_ctas``: CTAs of a persistent launch (None: the SM count; a debugging knob).
+    - ``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``, ``blocktable``, ``decode``:
+      each family's ``Options`` (see its module; ``decode``: the tiles and split count of
+      ``op.with_kvcache``).
+
+    Raises ``ValueError`` naming the field for a value outside its choices.
+    """
+
+    family: str = "auto"
+    atomic_dq: bool | None = None
+    persistent: str = "auto"
+    sparse_persistent: str = "dynamic"
+    sparse_tiles: bool = True
+    side_terms: bool = True
+    persistent_ctas: int | None = None
+    fa2_fwd: fa2_fwd.Options = field(default_factory=fa2_fwd.Options)
+    hopper_fwd: hopper_fwd.Options = field(default_factory=hopper_fwd.Options)
+    fa2_bwd: fa2_bwd.Options = field(default_factory=fa2_bwd.Options)
+    hopper_bwd: hopper_bwd.Options = field(default_factory=hopper_bwd.Options)
+    blocktable: blocktable.Options = field(default_factory=blocktable.Options)
+    decode: decode.Options = field(default_factory=decode.Options)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"Options.family={self.family!r}: expected one of {FAMILIES}")
+        if self.persistent not in PERSISTENT_CHOICES:
+            raise ValueError(
+                f"Options.persistent={self.persistent!r}: expected one of {PERSISTENT_CHOICES}"
+            )
+        if self.sparse_persistent not in PERSISTENT_CHOICES[1:]:
+            raise ValueError(
+                f"Options.sparse_persistent={self.sparse_persistent!r}: expected one of "
+                f"{PERSISTENT_CHOICES[1:]}"
+            )
+        if self.persistent_ctas is not None and (
+            not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1
+        ):
+            raise ValueError(
+                f"Options.persistent_ctas={self.persistent_ctas!r}: expected a positive int or None"
+            )
+        if self.hopper_bwd.dq_a not in hopper_bwd.HOPPER_BWD_DQ_A:
+            raise ValueError(
+                f"Options.hopper_bwd.dq_a={self.hopper_bwd.dq_a!r}: expected one of "
+                f"{hopper_bwd.HOPPER_BWD_DQ_A}"
+            )
+        for name, cls in FAMILY_OPTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"Options.{name}: expected a {cls.__module__}.Options")
+
+    # ------------------------------------------------------------------ dotted names
+    @classmethod
+    def paths(cls) -> list[str]:
+        """Every settable dotted name, e.g. ``["family", ..., "hopper_fwd.affine", ...]``."""
+        out = []
+        for f in dataclasses.fields(cls):
+            if f.name in FAMILY_OPTIONS:
+                out += [f"{f.name}.{g.name}" for g in dataclasses.fields(FAMILY_OPTIONS[f.name])]
+            else:
+                out.append(f.name)
+        return out
+
+    @classmethod
+    def describe(cls, path: str) -> str:
+        """How the values of dotted name ``path`` are written (for ``--option`` help and
+        ``flashgen ab --list-options``), e.g. ``"one of auto, fa3, fa2"``, ``"bool"``,
+        ``"int, or none"``.  ``KeyError`` for an unknown name."""
+        if path not in cls.paths():
+            raise KeyError(f"unknown option {path!r}; known: {', '.join(cls.paths())}")
+        if path in _CHOICES:
+            return "one of " + ", ".join(_CHOICES[path])
+        head, _, rest = path.partition(".")
+        hint = _field_type(FAMILY_OPTIONS[head], rest) if rest else _field_type(cls, head)
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        names = [a.__name__ for a in args if a is not type(None)]
+        text = " or ".join("bool (true, false, 1, 0)" if n == "bool" else n for n in names)
+        return text + (", or none" if type(None) in args else "")
+
+    def get_path(self, path: str):
+        """The value of dotted name ``path`` (``KeyError`` listing the names otherwise)."""
+        head, _, rest = path.partition(".")
+        if path not in self.paths():
+            raise KeyError(f"unknown option {path!r}; known: {', '.join(self.paths())}")
+        return getattr(getattr(self, head), rest) if rest else getattr(self, head)
+
+    def replace_path(self, path: str, value) -> Options:
+        """A copy with dotted name ``path`` set to ``value``; a ``str`` value is parsed for
+        the field's type (``true/false/1/0/yes/no/on/off`` for bools, ``none`` for an
+        optional one, digits for ints).  ``KeyError`` for an unknown name, ``ValueError``
+        for a value the field does not take."""
+        self.get_path(path)  # validates the name
+        head, _, rest = path.partition(".")
+        if rest:
+            sub = getattr(self, head)
+            hint = _field_type(type(sub), rest)
+            sub = dataclasses.replace(sub, **{rest: _parse(path, value, hint)})
+            return dataclasses.replace(self, **{head: sub})
+        hint = _field_type(Options, head)
+        return dataclasses.replace(self, **{head: _parse(path, value, hint)})
+
+    def with_values(self, assignments: dict[str, object]) -> Options:
+        """:meth:`replace_path` for each ``{dotted name: value}``, in order."""
+        out = self
+        for path, value in assignments.items():
+            out = out.replace_path(path, value)
+        return out
+
+    def changed(self) -> dict[str, object]:
+        """``{dotted name: value}`` of the fields that differ from the defaults."""
+        default = Options()
+        values = {p: self.get_path(p) for p in self.paths()}
+        return {p: v for p, v in values.items() if v != default.get_path(p)}
+
+    def key(self) -> str:
+        """A stable string of the non-default fields, ``"name=value;..."`` in field order
+        (``""`` for the defaults): part of kernel keys and of the kernel cache key."""
+        return ";".join(f"{p}={v!r}" for p, v in self.changed().items())
+
+    def family_key(self, name: str) -> str:
+        """:meth:`key` restricted to family ``name``'s options and the routing fields that
+        shape its kernels (what a plan of that family records as ``options_key``)."""
+        keep = {
+            "fa2_fwd": ("fa2_fwd.", "side_terms"),
+            "hopper_fwd": ("hopper_fwd.", "side_terms"),
+            "fa2_bwd": ("fa2_bwd.", "side_terms"),
+            "hopper_bwd": ("hopper_bwd.",),
+            "blocktable": ("blocktable.",),
+            "decode": ("decode.",),
+        }[name]
+        return ";".join(
+            f"{p}={v!r}" for p, v in self.changed().items() if p.startswith(keep)
+        )
+
+
+DEFAULT = Options()
+#: The dotted names whose values are one of a few strings, with those strings.
+_CHOICES = {
+    "family": FAMILIES,
+    "persistent": PERSISTENT_CHOICES,
+    "sparse_persistent": PERSISTENT_CHOICES[1:],
+    "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
+}
+
+
+def _field_type(cls, name: str):
+    return typing.get_type_hints(cls, vars(__import__(cls.__module__, fromlist=["_"])))[name]
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse(path: str, value, hint):
+    """``value`` for a field of type ``hint`` (``value`` as is unless a ``str``)."""
+    if not isinstance(value, str):
+        return value
+    v = value.strip()
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if type(None) in args and v.lower() in ("none", ""):
+        return None
+    if bool in args:
+        if v.lower() in _TRUE:
+            return True
+        if v.lower() in _FALSE:
+            return False
+        raise ValueError(f"option {path}={value!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+    if int in args:
+        if not v.isdigit():
+            raise ValueError(f"option {path}={value!r}: expected an integer")
+        return int(v)
+    return v

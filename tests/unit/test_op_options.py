@@ -1,0 +1,81 @@
+"""Ops of one spec bound to different options (CPU): each registers its own operator
+(``<name>__o<hash>`` with its own ``__backward`` and ``__varlen``), so ``torch.ops``,
+``torch.compile`` and ``op.attention`` run that op's options, and each op's kernels are
+the ones its options pick."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conftest import SPEC_DIR  # noqa: E402
+
+from flashgen.families import registry  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
+from flashgen.ops.op import build_op, registered_name  # noqa: E402
+from flashgen.options import DEFAULT, Options  # noqa: E402
+
+FA2 = Options(family="fa2")
+
+
+def _pair():
+    spec = load_spec(SPEC_DIR / "causal_d128.yaml")
+    return spec, build_op(spec), build_op(spec, FA2)
+
+
+def test_options_register_their_own_operators():
+    spec, default, fa2 = _pair()
+    h = hashlib.sha256(FA2.key().encode()).hexdigest()[:8]
+    assert default.name == spec.name == registered_name(spec.name, DEFAULT)
+    assert fa2.name == f"{spec.name}__o{h}" == registered_name(spec.name, FA2)
+    assert fa2.base_name == spec.name and fa2.options == FA2
+    for op in (default, fa2):
+        assert hasattr(torch.ops.flashgen, op.name)
+        assert hasattr(torch.ops.flashgen, f"{op.name}__backward")
+        assert op.torch_op is getattr(torch.ops.flashgen, op.name).default
+        assert op.varlen.name == f"{op.name}__varlen" and op.varlen.options == op.options
+        assert hasattr(torch.ops.flashgen, f"{op.name}__varlen__backward")
+    assert default.torch_op is not fa2.torch_op
+    # idempotent, and with_options goes to the same registered op
+    assert build_op(spec, FA2) is fa2 and default.with_options(FA2) is fa2
+    assert fa2.with_options(DEFAULT) is default
+
+
+def test_each_op_runs_its_own_options_on_cpu():
+    spec, default, fa2 = _pair()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, 128, generator=g).to(torch.bfloat16)
+    k, v = q.clone(), q.clone()
+    o1, lse1 = default.attention(q, k, v)
+    o2, lse2 = getattr(torch.ops.flashgen, fa2.name)(q, k, v, 128**-0.5)
+    o3, _ = torch.compile(fa2.attention, backend="eager")(q, k, v)
+    torch.testing.assert_close(o1, o2)  # the CPU reference: the same numbers
+    torch.testing.assert_close(o2, o3)
+    assert lse1.shape == lse2.shape
+
+
+def test_the_kernel_keys_and_plans_differ():
+    """The CUDA path keys its kernels by ``options.key()`` and plans through the registry
+    with the op's options: on sm_90 the default op runs the Hopper forward, the ``fa2`` op
+    the FA2-class one."""
+    _, default, fa2 = _pair()
+    assert default.options.key() == "" and fa2.options.key() == "family='fa2'"
+    plans = {
+        op.name: registry.plan_forward(op.spec, "sm_90", op.options) for op in (default, fa2)
+    }
+    assert plans[default.name].template == "sm_90/fwd.cu.j2"
+    assert plans[fa2.name].template == "sm_80/fwd.cu.j2"
+    assert registry.select(fa2.spec, "sm_90", "fwd", fa2.options).family == "fa2_fwd"
+    assert registry.select(default.spec, "sm_90", "fwd", default.options).family == "hopper_fwd"
+
+
+def test_a_different_spec_under_a_registered_name_is_refused():
+    spec, _, _ = _pair()
+    from dataclasses import replace
+
+    other = replace(spec, head_dim=64, head_dim_v=64)
+    with pytest.raises(ValueError, match="already registered"):
+        build_op(other, FA2)
