@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from flashgen.frontend.ir import (
+    SCORE_VAR,
     Binary,
     Call,
     Causal,
@@ -290,6 +291,32 @@ def _compare(op: str, a: Range | Truth, b: Range | Truth) -> Truth:
     if op == "==":
         return Truth(overlap, not same)
     return Truth(not same, overlap)
+
+
+#: The largest int32: sizes (``seqlen_q``, ``batch``, ...) are int32, indices lie below them.
+I32_MAX = 2**31 - 1
+
+
+def static_env(spec: Spec) -> dict:
+    """Interval environment of every call (:func:`evaluate`): the index variables as the
+    kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h < heads_q``, ...; any
+    int32 size), i32 scalar params within their declared ``min`` / ``max`` (``above`` /
+    ``below`` are stored as those; the op refuses other values,
+    :func:`flashgen.ops.op.check_scalar`) or else their whole type, f32 params and ``score``
+    any."""
+    below = Range(0, I32_MAX - 1)  # an index below an int32 extent
+    env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
+    env["seqlen_q"] = env["seqlen_k"] = Range(0, I32_MAX)
+    env[SCORE_VAR] = Range(-INF, INF)
+    for p in spec.scalar_params:
+        if p.ty == Ty.I32:
+            # int() truncates toward zero: never tighter than the integers the bound admits
+            lo = -(2**31) if p.minimum is None else int(p.minimum)
+            hi = I32_MAX if p.maximum is None else int(p.maximum)
+            env[p.name] = Range(lo, hi)
+        else:
+            env[p.name] = Range(-INF, INF)
+    return env
 
 
 def tile_env(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from flashgen.analysis import affine, rowcol
-from flashgen.analysis.maskinfo import Range, evaluate
+from flashgen.analysis.maskinfo import Range, evaluate, static_env
 from flashgen.frontend import ir
 from flashgen.frontend.ir import (
     Binary,
@@ -267,25 +267,8 @@ _OWN_INDEX = {
 _I32_MAX = 2**31 - 1
 
 
-def _static_env(spec: Spec) -> dict:
-    """Interval environment of every call (:func:`flashgen.analysis.maskinfo.evaluate`): the index
-    variables as the kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h <
-    heads_q``, ...; any int32 size), i32 scalar params within their declared ``min`` /
-    ``max`` (the op refuses other values, :func:`flashgen.ops.op.check_scalar`) or else their
-    whole type, f32 params and ``score`` any."""
-    below = Range(0, _I32_MAX - 1)  # an index below an int32 extent
-    env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
-    env["seqlen_q"] = env["seqlen_k"] = Range(0, _I32_MAX)
-    env[ir.SCORE_VAR] = Range(-math.inf, math.inf)
-    for p in spec.scalar_params:
-        if p.ty == Ty.I32:
-            # int() truncates toward zero: never tighter than the integers the bound admits
-            lo = -(2**31) if p.minimum is None else int(p.minimum)
-            hi = _I32_MAX if p.maximum is None else int(p.maximum)
-            env[p.name] = Range(lo, hi)
-        else:
-            env[p.name] = Range(-math.inf, math.inf)
-    return env
+#: Interval environment of every call (:func:`flashgen.analysis.maskinfo.static_env`).
+_static_env = static_env
 
 
 def _nonneg_by_positive(e: Binary, spec: Spec) -> bool:

@@ -1,4 +1,4 @@
-"""flashgen/analysis/colbound.py and the Hopper forward's column bounds (lower.py ``col_bound``).
+"""flashgen/analysis/colbound.py and the Hopper forward's column bounds (``hopper_fwd.col_bound``).
 
 Exhaustive CPU checks: for every shipped mask the bound applies to and random small user
 masks of the bound forms, the per-row range keeps exactly the pairs the expression keeps
@@ -30,12 +30,32 @@ NO_BOUND = {"hopper_fwd.col_bound": False}
 REPO = Path(__file__).resolve().parents[2]
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 PARAMS = "params:\n  w: {type: i32, default: 4}\n  p: {type: i32, default: 2}\n"
+#: w and p bounded so that more of the user bounds below are provably exact in int32
+BOUNDED = (
+    "params:\n  w: {type: i32, default: 0, min: -2, max: 0}\n"
+    "  p: {type: i32, default: 0, min: -1, max: 1}\n"
+)
 
 
-def _spec(mask: str, score_mod: str | None = None):
+def _spec(mask: str, score_mod: str | None = None, params: str = PARAMS):
     mod = f"score_mod: '{score_mod}'\n" if score_mod else ""
-    text = f"name: cb\nhead_dim: 128\ndtype: bf16\nmask: '{mask}'\n{mod}{PARAMS}"
+    text = f"name: cb\nhead_dim: 128\ndtype: bf16\nmask: '{mask}'\n{mod}{params}"
     return loads_spec(text, "cb.yaml")
+
+
+def _param_values(spec, rng: random.Random, n: int) -> list[dict]:
+    """``n`` param sets over each i32 param's declared range (all of int32 where undeclared):
+    its ends, int32's extremes and small values where inside, and uniform draws."""
+    out = []
+    for _ in range(n):
+        vals = {}
+        for p in spec.scalar_params:
+            lo = I32_MIN if p.minimum is None else int(p.minimum)
+            hi = I32_MAX if p.maximum is None else int(p.maximum)
+            picks = [lo, hi, lo + 1, hi - 1, -1, 0, 1, 3, I32_MIN, I32_MAX, rng.randint(lo, hi)]
+            vals[p.name] = min(max(rng.choice(picks), lo), hi)
+        out.append(vals)
+    return out
 
 
 def _env(sq: int, sk: int, params: dict, b: int = 1, h: int = 2) -> dict:
@@ -55,6 +75,8 @@ def _env(sq: int, sk: int, params: dict, b: int = 1, h: int = 2) -> dict:
 
 
 def _linear_value(v: colbound.Linear, env: dict, sq: int) -> torch.Tensor:
+    """``v`` per row, in int64 (the bound's 64-bit sum; each term as the reference evaluates
+    it, wrapped like int32); ``sq``: the number of rows in ``env["q_idx"]``."""
     out = torch.full((sq, 1), v.const, dtype=torch.int64)
     for sign, t in v.terms:
         out = out + sign * eval_expr(t, env).to(torch.int64).expand(sq, 1)
@@ -101,6 +123,30 @@ def _check_tiles(lo: torch.Tensor, hi: torch.Tensor, want: torch.Tensor, sk: int
                         continue
                     keep = (lo_off[:, 0] <= off) & (off <= hi_off[:, 0])
                     assert torch.equal(keep, want[:, kv]), (n0, lane4, off)
+
+
+def _check_points(bound, conj, sq: int, sk: int, qs, kvs, params: dict) -> None:
+    """The bound keeps exactly the pairs the reference keeps at rows ``qs`` and columns
+    ``kvs`` of sizes ``sq`` x ``sk`` (any int32 sizes: only those rows and columns)."""
+    env = _env(1, 1, params)
+    env.update(
+        q_idx=torch.tensor(qs).view(-1, 1),
+        kv_idx=torch.tensor(kvs).view(1, -1),
+        seqlen_q=torch.tensor(sq),
+        seqlen_k=torch.tensor(sk),
+    )
+    want = eval_expr(conj, env).expand(len(qs), len(kvs))
+    lo, hi = _range(bound, env, len(qs))
+    kv = env["kv_idx"]
+    assert torch.equal((kv >= lo) & (kv <= hi), want), (sq, sk, qs, kvs, params)
+
+
+#: int32 sizes up to the largest, with rows and columns at their ends
+BIG = [(I32_MAX, I32_MAX), (I32_MAX, 5), (7, I32_MAX), (2**30 + 3, 3 * 2**29), (2**16, 2**31 - 2)]
+
+
+def _points(n: int, rng: random.Random) -> list[int]:
+    return sorted({0, 1 % n, n // 2, max(n - 2, 0), n - 1, rng.randrange(n)})
 
 
 def _conjuncts(mask: ir.Expr) -> list[ir.Expr]:
@@ -175,23 +221,95 @@ FORMS = [
 ]
 
 
-def test_random_user_bounds_keep_exactly_what_the_expression_keeps():
+@pytest.mark.parametrize("params", [PARAMS, BOUNDED], ids=["any_int32", "bounded"])
+def test_random_user_bounds_keep_exactly_what_the_expression_keeps(params):
+    """Each user bound folds only where it provably keeps what its int32 comparison keeps,
+    and where it folds it keeps exactly what the reference (int32 wrapping) keeps: on small
+    grids and at rows and columns of int32 sizes up to 2^31 - 1, with params anywhere in
+    their declared ranges (all of int32 for ``any_int32``)."""
     rng = random.Random(1234)
     cases = [(f, a, rng.choice(ROW_EXPRS)) for f in FORMS for a in ROW_EXPRS]
-    checked = 0
+    checked = folded = 0
     for form, a, b in cases:
         mask = form.format(a=f"({a})", b=f"({b})")
         try:
-            spec = _spec(mask)
+            spec = _spec(mask, params=params)
         except SpecError:  # the checker refuses a mask that is never true (kv_idx < -q_idx)
             continue
         checked += 1
         bound = colbound.extract(spec.mask, spec)
-        assert bound is not None and bound.rest is None, mask
-        for sq, sk in ((1, 1), (5, 17), (9, 40), (13, 7)):
-            for w, p in ((0, 0), (3, -2), (-4, 7), (I32_MAX, 1), (I32_MIN, -1)):
-                _check(bound, spec.mask, sq, sk, {"w": w, "p": p})
+        if bound is None:  # not provable: the kernels evaluate it per element, as the reference
+            continue
+        folded += 1
+        assert bound.rest is None, mask
+        for vals in _param_values(spec, rng, 6):
+            for sq, sk in ((1, 1), (5, 17), (9, 40), (13, 7)):
+                _check(bound, spec.mask, sq, sk, vals)
+            for sq, sk in BIG:
+                _check_points(bound, spec.mask, sq, sk, _points(sq, rng), _points(sk, rng), vals)
     assert checked > 0.9 * len(cases)
+    # which fold (any int32 params): every form with a lone kv_idx on one side, and those
+    # whose kv_idx side cannot wrap; bounded params fold more of the ``a - kv_idx`` forms
+    assert folded >= (0.5 if params == PARAMS else 0.75) * checked, (folded, checked)
+    assert folded < checked
+
+
+@pytest.mark.parametrize(
+    "mask, folds",
+    [
+        ("kv_idx <= q_idx + p", True),  # a lone row expression: its int32 value, whatever p
+        ("q_idx - kv_idx < w", True),  # q_idx - kv_idx lies in (-2^31, 2^31)
+        ("q_idx + seqlen_k - seqlen_q - kv_idx < w", True),  # the index/size pairs
+        ("kv_idx - q_idx > p - w", True),  # p - w wraps, but as one row value
+        ("w - kv_idx >= q_idx / 3 - p", False),  # w - kv_idx wraps at w near -2^31
+        ("-q_idx - kv_idx < w", False),  # down to -2^32 + 4
+        ("q_idx + 1 - kv_idx < w", True),
+        ("q_idx + 2 - kv_idx > w", False),  # q_idx + 2 reaches 2^31
+        ("kv_idx + w < 5", False),
+        ("kv_idx + seqlen_q - seqlen_k < 5", True),  # kv_idx - seqlen_k in [-seqlen_k, -1]
+        ("kv_idx + seqlen_q < 5", False),  # up to 2^32 - 3
+    ],
+)
+def test_a_conjunct_folds_only_where_provably_exact(mask, folds):
+    spec = _spec(mask)
+    bound = colbound.extract(spec.mask, spec)
+    assert (bound is not None) == folds, mask
+    plan = plan_forward(spec, "sm_90")
+    assert (plan.context["col_bound"] is not None) == folds
+    if not folds:  # the per-element mask keeps the conjunct
+        assert "col_lo" not in render(plan)
+        assert plan.context["tile_mask_expr"]["nc"] == cuda_expr(spec.mask, spec)
+
+
+def test_an_unprovable_conjunct_stays_in_the_rest_and_a_bound_makes_it_provable():
+    """``w - kv_idx >= q_idx / 3 - p`` with any int32 ``w`` is not folded (it stays in the
+    per-element mask beside a provable bound); with ``w``'s declared ``min: -2`` it folds.
+    Past that min the folded bound would be wrong: the per-element int32 comparison wraps
+    at ``w = -2^31 + 1`` and the 64-bit bound does not, so the proof is needed."""
+    mixed = _spec("w - kv_idx >= q_idx / 3 - p && kv_idx <= q_idx + p")
+    bound = colbound.extract(mixed.mask, mixed)
+    assert bound is not None and not bound.lo and len(bound.hi) == 1
+    assert bound.rest is mixed.mask.lhs
+    plan = plan_forward(mixed, "sm_90")
+    assert plan.context["tile_mask_expr"]["nc"] == cuda_expr(mixed.mask.lhs, mixed)
+    assert plan.context["col_bound"]["lo"] is None and plan.context["col_bound"]["hi"]
+
+    text = "params:\n  w: {type: i32, default: 4, min: -2}\n  p: {type: i32, default: 2}\n"
+    spec = _spec("w - kv_idx >= q_idx / 3 - p", params=text)
+    bound = colbound.extract(spec.mask, spec)
+    assert bound is not None and bound.rest is None
+    rng = random.Random(5)
+    for w in (-2, -1, 0, 7, I32_MAX):  # inside the declared range: exact at any size
+        for p in (I32_MIN, -1, 0, 5, I32_MAX):
+            for sq, sk in BIG + [(40, 70)]:
+                _check_points(
+                    bound, spec.mask, sq, sk, _points(sq, rng), _points(sk, rng), {"w": w, "p": p}
+                )
+    env = _env(1, 1, {"w": I32_MIN + 1, "p": 0})
+    env.update(kv_idx=torch.tensor([[5]]))  # w - 5 wraps to 2^31 - 4: the pair is kept
+    assert bool(eval_expr(spec.mask, env).all())
+    lo, hi = _range(bound, env, 1)
+    assert not bool(((5 >= lo) & (5 <= hi)).all())  # the 64-bit bound would drop it
 
 
 def test_several_bounds_and_a_rest():
@@ -318,28 +436,35 @@ int main() {
 
 
 @pytest.mark.parametrize(
-    "mask",
+    "mask, params",
     [
-        None,  # mistral_swa
-        "causal && kv_idx > q_idx - w && kv_idx <= q_idx + p",
-        "kv_idx == seqlen_k - 1 - q_idx",
-        "w - kv_idx >= q_idx / 3 - p",
+        (None, None),  # mistral_swa
+        ("causal && kv_idx > q_idx - w && kv_idx <= q_idx + p", PARAMS),
+        ("kv_idx == seqlen_k - 1 - q_idx", PARAMS),
+        # w = 2^31 - 1: the bound w - q_idx / 3 + p passes INT_MAX (64-bit, exact)
+        ("w - kv_idx >= q_idx / 3 - p", PARAMS.replace("default: 4}", "default: 4, min: -2}")),
+        ("q_idx + seqlen_k - seqlen_q - kv_idx < w", PARAMS),
+        ("kv_idx - q_idx > p - w && kv_idx <= w", PARAMS),
     ],
 )
-def test_rendered_bound_arithmetic_on_the_host(mask, host_exe, monkeypatch):
+def test_rendered_bound_arithmetic_on_the_host(mask, params, host_exe, monkeypatch):
     """The bound_range block of the rendered kernel (nvcc, host code, int32 wrapping as on the
-    GPU) keeps exactly the pairs today's per-element expression keeps (the
-    ``mask_expr_nc`` without ``hopper_fwd.col_bound``) and the reference keeps: for mistral_swa
-    at every int32 window (its
-    ``q_idx + seqlen_k - seqlen_q - kv_idx`` lies in (-2^31, 2^31) at valid indices, so the
-    int32 form never overflows), for the others at small params.  Where a user mask's int32
-    form overflows, the int64 reference and today's kernel part ways; the bound then agrees
-    with today's kernel on a row term's overflow (it evaluates ``q_idx - w`` as today) and
-    with the reference on the sum's (``w - kv_idx``: 64-bit)."""
+    GPU) keeps exactly the pairs the per-element expression keeps (``mask_expr_nc``, what
+    ``hopper_fwd.col_bound=false`` renders) and the reference keeps, at params anywhere in
+    their declared ranges (all of int32 where undeclared): a conjunct is folded only where its
+    int32 form provably equals the 64-bit bound (flashgen/analysis/colbound.py), so no param
+    value parts them."""
     import subprocess
 
-    spec = load_spec(REPO / "specs" / "mistral_swa.yaml") if mask is None else _spec(mask)
-    src = render(plan_forward(spec, "sm_90"))
+    spec = (
+        load_spec(REPO / "specs" / "mistral_swa.yaml")
+        if mask is None
+        else _spec(mask, None, params)
+    )
+    plan = plan_forward(spec, "sm_90")
+    assert plan.context["col_bound"] is not None
+    assert plan.context["tile_mask_expr"]["nc"] is None  # every conjunct folded
+    src = render(plan)
     start = src.index("                {\n                    const int q_idx = min(q_row")
     block = src[start : src.index("\n                }\n", start) + 18]
     old = plan_forward(spec, "sm_90", values=NO_BOUND).context["tile_mask_expr"]["nc"]
@@ -353,11 +478,10 @@ def test_rendered_bound_arithmetic_on_the_host(mask, host_exe, monkeypatch):
     )
     exe = host_exe(prog, "bound", "-Xcompiler=-O2,-fwrapv")
     rng = random.Random(7)
-    extremes = [I32_MIN, I32_MIN + 1, -1, 0, 1, 3, 4096, I32_MAX - 1, I32_MAX]
     cases = []
     for sq, sk in ((1, 1), (3, 70), (9, 33), (40, 40), (17, 5), (64, 100)):
-        for _ in range(6):
-            cases.append((sq, sk, [rng.choice(extremes + [rng.randint(-50, 50)]) for _ in names]))
+        for vals in _param_values(spec, rng, 8):
+            cases.append((sq, sk, [vals[n] for n in names]))
     text = "".join(f"{sq} {sk} {' '.join(map(str, vals))}\n" for sq, sk, vals in cases)
     out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -367,10 +491,7 @@ def test_rendered_bound_arithmetic_on_the_host(mask, host_exe, monkeypatch):
         got = torch.tensor([c == "1" for c in line[0::2]])
         today = torch.tensor([c == "1" for c in line[1::2]])
         want = eval_expr(residual, env).expand(sq, sk).reshape(-1)
-        if mask is None or all(abs(v) <= 4096 for v in vals):
-            assert torch.equal(got, today) and torch.equal(got, want), (mask, sq, sk, vals)
-        else:  # an overflow: of a row term (as today) or of the sum (as the reference)
-            assert bool(((got == today) | (got == want)).all()), (mask, sq, sk, vals)
+        assert torch.equal(got, today) and torch.equal(got, want), (mask, sq, sk, vals)
 
 
 GPU_TEST_MASKS = {  # tests/gpu/test_colbound_gpu.py's user specs
