@@ -46,6 +46,8 @@ OP_KEYWORDS = frozenset(
         "v_descale",
         "q_offset",
         "kv_offset",
+        "seqlen_q_global",
+        "seqlen_k_global",
         "out",
         "deterministic",
         "softmax_scale",

@@ -46,6 +46,7 @@ from flashgen.families.hopper_fwd import eligible as hopper_eligible
 from flashgen.families.tiles import hopper_tiles
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
+from flashgen.frontend.offsets import is_offsets_spec
 from flashgen.ops.calls import (
     _caller_stacklevel,
     _kernel_aligned,
@@ -101,6 +102,9 @@ class AttentionOp:
             i for i, p in enumerate(spec.scalar_params) if _mask_reads(spec, p.name)
         )
         self._varlen_op: AttentionOp | None = None
+        #: the global-position form (``op.offsets``), and whether this op is one
+        self._offsets_op: AttentionOp | None = None
+        self._offsets_form = is_offsets_spec(spec)
         self._kernel_lock = threading.Lock()
         #: whether the mask reads tensor params (a block table); asked on every call
         self._block_table = needs_block_table(spec)
@@ -155,6 +159,20 @@ class AttentionOp:
         return self._varlen_op
 
     @property
+    def offsets(self) -> AttentionOp:
+        """This variant at global positions (:mod:`flashgen.frontend.offsets`): the op of
+        ``<name>__offsets``, whose mask and score_mod see ``q_idx + q_offset``,
+        ``kv_idx + kv_offset`` and the global lengths; built on first use (touch it once
+        before ``torch.compile`` traces a call with offsets).  :meth:`attention` runs it when
+        given ``q_offset``, ``kv_offset``, ``seqlen_q_global`` or ``seqlen_k_global``.  An
+        offsets op is its own offsets form."""
+        if self._offsets_form:
+            return self
+        if self._offsets_op is None:
+            self._offsets_op = self._registration.offsets_of(self)
+        return self._offsets_op
+
+    @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.spec.params)
 
@@ -167,6 +185,10 @@ class AttentionOp:
         softmax_scale: float | None = None,
         deterministic: bool = False,
         block_mask=None,
+        q_offset: int | None = None,
+        kv_offset: int | None = None,
+        seqlen_q_global: int | None = None,
+        seqlen_k_global: int | None = None,
         **params,
     ):
         """Run the attention variant: returns ``(o, lse)``.
@@ -194,6 +216,15 @@ class AttentionOp:
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
         [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
 
+        ``q_offset``, ``kv_offset``, ``seqlen_q_global``, ``seqlen_k_global`` (ints): this
+        call is a slice of a longer sequence -- q holds global rows ``q_offset ..
+        q_offset + Sq - 1`` of ``seqlen_q_global``, k / v keys ``kv_offset .. kv_offset + Sk
+        - 1`` of ``seqlen_k_global`` -- and the mask and score_mod see global positions
+        (:meth:`offsets`; tensor params declared with a ``seqlen_q`` / ``seqlen_k`` dim are
+        passed sliced like q / like k).  Offsets default to 0, the global lengths to
+        ``q_offset + Sq`` and ``kv_offset + Sk``.  Used by
+        :func:`flashgen.distributed.ring_attention`.
+
         Raises :class:`OpInputError` for bad inputs (message names the argument, the
         expected and the received value).
 
@@ -203,6 +234,19 @@ class AttentionOp:
         CPU tensors this calls ``torch.ops.flashgen.<name>``.
         """
         self._check_live()
+        if self._offsets_form or not (
+            q_offset is None and kv_offset is None and seqlen_q_global is None
+            and seqlen_k_global is None
+        ):  # fmt: skip
+            from flashgen.ops.offsets import offsets_values
+
+            pos = offsets_values(q, k, q_offset, kv_offset, seqlen_q_global, seqlen_k_global)
+            if not self._offsets_form:
+                return self.offsets.attention(
+                    q, k, v, softmax_scale=softmax_scale, deterministic=deterministic,
+                    block_mask=block_mask, **pos, **params,
+                )  # fmt: skip
+            params = {**params, **pos}
         scalars, tensors = resolve_params(self.spec, params)
         tensor_map = self._tensor_map(tensors)
         dims = validate(self.spec, q, k, v, tensor_map)

@@ -139,8 +139,9 @@ class Backward:
 
     def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
         """The blocked CPU backward (:mod:`flashgen.ops.cpu_attention`: each query chunk's
-        float32 forward recomputed under autograd); dq, dk, dv in the input dtype (the same
-        for either ``deterministic``)."""
+        float32 forward recomputed under autograd, P taken against the saved ``lse`` and the
+        row term from the saved ``o``, as the kernels do); dq, dk, dv in the input dtype
+        (the same for either ``deterministic``)."""
         from flashgen.ops.cpu_attention import attention_blocked_backward
         scalars, tensors = self.op._split(rest)
         validate(self.spec, q, k, v, tensors)
@@ -149,7 +150,8 @@ class Backward:
         params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
         return attention_blocked_backward(
-            self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params
+            self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params, o=o,
+            lse=lse,
         )
 
     def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):

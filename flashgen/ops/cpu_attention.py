@@ -103,10 +103,11 @@ def _key_ranges(spec: ir.Spec, sq: int, sk: int, block_q: int, scalars: dict, b_
     return out
 
 
-def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q):
+def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q, kv_base=0):
     """o [B, Hq, C, Dv] (float32) and lse [B, Hq, C] of query rows [q0, q1) against keys
     [k0, k1).  ``qs``: the chunk's queries as [B, Hkv, G * C, D] (G query heads per KV head
-    stacked on rows); ``k``/``v``: [B, Hkv, Sk, D] float32.  Differentiable when grad mode
+    stacked on rows); ``k``/``v``: [B, Hkv, Sk, D] float32, whose key 0 is position
+    ``kv_base`` (the backward passes the live keys alone).  Differentiable when grad mode
     is on; without it the softmax runs in place and o is normalized after the P V product
     (fewer passes over the chunk's logits)."""
     b, hkv = k.shape[0], k.shape[1]
@@ -119,7 +120,9 @@ def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q):
         s = torch.matmul(qs, kc.transpose(-1, -2)).view(b, heads_q, c, n) * softmax_scale
     dev = k.device
     env["q_idx"] = torch.arange(q0, q1, device=dev, dtype=torch.int64).view(1, 1, c, 1)
-    env["kv_idx"] = torch.arange(k0, k1, device=dev, dtype=torch.int64).view(1, 1, 1, n)
+    env["kv_idx"] = torch.arange(
+        kv_base + k0, kv_base + k1, device=dev, dtype=torch.int64
+    ).view(1, 1, 1, n)
     env["__oob__"] = []
     if spec.score_mod is not None:
         env["score"] = s
@@ -198,11 +201,19 @@ def attention_blocked(
 
 def attention_blocked_backward(
     spec: ir.Spec, dout, q, k, v, dlse=None, *, softmax_scale: float, params: dict | None = None,
-    batch_offset: int = 0,
+    batch_offset: int = 0, o=None, lse=None,
 ):  # fmt: skip
     """dq, dk, dv (each in its input's dtype) of :func:`attention_blocked` for output
     gradient ``dout`` [B, Hq, Sq, Dv] and optional ``dlse`` [B, Hq, Sq]: each query chunk's
-    forward is recomputed under autograd and back-propagated (module docstring)."""
+    forward is recomputed under autograd and back-propagated (module docstring).
+
+    ``o`` [B, Hq, Sq, Dv] and ``lse`` [B, Hq, Sq] (both or neither): the forward's outputs,
+    used as the kernels use them (FA2's backward, Dao 2023, Algorithm 2): P = exp(S - lse)
+    and the row term D = rowsum(dout * o) - dlse, so dS = P (dP - D) and dV = P^T dout.
+    For the op's own (o, lse) that is its gradient; for the (o, lse) of an attention over
+    more keys than k, v hold (a ring-attention step with the merged result) it is this
+    key block's share of that attention's gradient.  Without them each chunk's own
+    softmax is differentiated."""
     params = dict(params or {})
     b, hq, sq, _ = q.shape
     hkv = k.shape[1]
@@ -220,11 +231,15 @@ def attention_blocked_backward(
                 ks = kf[:, :, k0:k1].detach().requires_grad_(True)
                 vs = vf[:, :, k0:k1].detach().requires_grad_(True)
                 oc, lc = _chunk(spec, env, qs, ks, vs, q0, q1, 0, k1 - k0, full, softmax_scale,
-                                hq)  # fmt: skip
-                outs, seeds = [oc], [dout[:, :, q0:q1].to(_COMPUTE)]
-                if dlse is not None:
-                    outs.append(lc)
-                    seeds.append(dlse[:, :, q0:q1].to(_COMPUTE))
+                                hq, kv_base=k0)  # fmt: skip
+                g = dout[:, :, q0:q1].to(_COMPUTE)
+                if lse is None:
+                    outs, seeds = [oc], [g]
+                    if dlse is not None:
+                        outs.append(lc)
+                        seeds.append(dlse[:, :, q0:q1].to(_COMPUTE))
+                else:
+                    outs, seeds = [_saved_lse_loss(oc, lc, g, o, lse, dlse, q0, q1)], None
                 gq, gk, gv = torch.autograd.grad(outs, (qs, ks, vs), seeds, allow_unused=True)
             if gq is not None:
                 dq[:, :, q0:q1] = gq.view(b, hq, q1 - q0, q.shape[-1])
@@ -233,6 +248,21 @@ def attention_blocked_backward(
             if gv is not None:
                 dv[:, :, k0:k1] += gv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _saved_lse_loss(oc, lc, g, o, lse, dlse, q0, q1):
+    """A scalar whose gradient is FA2's backward with the saved ``o``, ``lse``
+    (:func:`attention_blocked_backward`): with w = exp(lc - lse) (the chunk's own softmax
+    rescaled to the saved lse: ``oc * w = P V`` and ``w = rowsum(P)`` for P = exp(S - lse)),
+    ``sum(g * oc * w) - sum(D * w)``, D = rowsum(g * o) - dlse held constant."""
+    ls = lse[:, :, q0:q1].to(_COMPUTE)
+    ok = torch.isfinite(ls) & torch.isfinite(lc.detach())
+    arg = torch.where(ok, lc - torch.where(ok, ls, torch.zeros_like(ls)), torch.zeros_like(ls))
+    w = torch.where(ok, torch.exp(arg), torch.zeros_like(arg))
+    d = (g * o[:, :, q0:q1].to(_COMPUTE)).sum(-1)
+    if dlse is not None:
+        d = d - dlse[:, :, q0:q1].to(_COMPUTE)
+    return (g * oc * w.unsqueeze(-1)).sum() - (d * w).sum()
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):

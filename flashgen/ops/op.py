@@ -64,6 +64,8 @@ def _unregister(name: str, path: str) -> None:
         op._replaced_by = path
         if op._varlen_op is not None and op._varlen_op is not op:
             _unregister(op._varlen_op.name, path)
+        if op._offsets_op is not None and op._offsets_op is not op:
+            _unregister(op._offsets_op.name, path)
     lib = _LIBS.pop(name, None)
     if lib is not None:
         lib._destroy()
@@ -192,3 +194,9 @@ class _Registration:
         from flashgen.ops.varlen import varlen_spec
 
         return _build_op(varlen_spec(op.spec), op.options, op.base_name + "__varlen")
+
+    @staticmethod
+    def offsets_of(op: AttentionOp) -> AttentionOp:
+        from flashgen.frontend.offsets import offsets_spec
+
+        return _build_op(offsets_spec(op.spec), op.options, op.base_name + "__offsets")

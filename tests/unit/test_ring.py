@@ -1,0 +1,170 @@
+"""flashgen.distributed.ring_attention on CPU: gloo, 2 and 4 processes (torch.multiprocessing).
+
+Each worker builds the same global q, k, v, shards them, runs ring_attention forward and
+backward, and compares o, lse, dq, dk, dv with its rows of the single-process CPU op on the
+whole sequence.  One spawn per world size runs every case (process start-up dominates)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+TOL = {"atol": 2e-5, "rtol": 1e-5}  # float32 on CPU: both sides compute in float32
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _docs(s: int, seed: int) -> torch.Tensor:
+    """Document ids with uneven lengths (boundaries fall anywhere in the ranks' chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < s:
+        n = int(torch.randint(3, max(4, s // 3), (1,), generator=g))
+        lengths.append(n)
+        total += n
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:s]
+    return ids.view(1, s).int()
+
+
+def _case_params(name, s, h):
+    """(params, q-sharded names, kv-sharded names) of each case's spec."""
+    if name == "mistral_swa":
+        return {"window": 37}, (), ()
+    if name == "chunked_local":
+        return {"chunk": 40}, (), ()
+    if name == "alibi":
+        return {"slopes": torch.linspace(0.05, 0.5, h)}, (), ()
+    if name == "document_mask":
+        doc = _docs(s, 7)
+        return {"doc_q": doc, "doc_kv": doc}, ("doc_q",), ("doc_kv",)
+    return {}, (), ()
+
+
+def _check_case(rank, world, name, layout, mode, hkv, s_local=48):
+    import flashgen
+    from flashgen.distributed import ring_attention, shard_sequence
+
+    op = flashgen.load(SPECS / f"{name}.yaml")
+    s, h, d = world * s_local, 4, op.spec.head_dim
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name} {layout} {mode}".encode()))
+    q = torch.randn(2, h, s, d, generator=g)
+    k, v = (torch.randn(2, hkv, s, d, generator=g) for _ in range(2))
+    do = torch.randn(2, h, s, d, generator=g)
+    dlse = torch.randn(2, h, s, generator=g)
+    params, qn, kn = _case_params(name, s, h)
+    if name == "document_mask":
+        params = {n: t.expand(2, s).contiguous() for n, t in params.items()}
+    qf, kf, vf = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o, lse = op(qf, kf, vf, **params)
+    ((o * do).sum() + (lse * dlse).sum()).backward()
+
+    def sh(t, dim=2):
+        return shard_sequence(t, rank, world, dim=dim, layout=layout)
+
+    ql, kl, vl = (sh(t).requires_grad_(True) for t in (q, k, v))
+    local = {n: (sh(t, 1) if n in qn or n in kn else t) for n, t in params.items()}
+    ol, ll = ring_attention(op, ql, kl, vl, layout=layout, mode=mode, **local)
+    ((ol * sh(do)).sum() + (ll * sh(dlse)).sum()).backward()
+    what = f"{name} {layout} {mode} world {world} rank {rank}"
+    for got, want, label in (
+        (ol, sh(o), "o"), (ll, sh(lse), "lse"), (ql.grad, sh(qf.grad), "dq"),
+        (kl.grad, sh(kf.grad), "dk"), (vl.grad, sh(vf.grad), "dv"),
+    ):  # fmt: skip
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, w=label: f"{what} {w}: {m}")
+
+
+CASES_2 = [
+    ("causal_d128", "zigzag", "ring", 4),
+    ("causal_d128", "contiguous", "ring", 4),
+    ("causal_d128", "zigzag", "allgather", 4),
+    ("mistral_swa", "zigzag", "ring", 4),
+    ("chunked_local", "contiguous", "ring", 4),
+    ("document_mask", "zigzag", "ring", 4),
+    ("document_mask", "contiguous", "allgather", 4),
+    ("alibi", "zigzag", "ring", 4),
+    ("llama3_gqa", "zigzag", "ring", 2),
+]
+CASES_4 = [
+    ("causal_d128", "zigzag", "ring", 4),
+    ("mistral_swa", "contiguous", "ring", 4),
+    ("document_mask", "zigzag", "ring", 4),
+    ("llama3_gqa", "zigzag", "allgather", 1),
+]
+
+
+def _worker(rank, world, port, cases):
+    _init(rank, world, port)
+    try:
+        for case in cases:
+            _check_case(rank, world, *case)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["2ranks", "4ranks"])
+def test_ring_matches_single_process(world, cases):
+    """o, lse, dq, dk, dv (lse's gradient included) equal the single-process CPU op on the
+    gathered sequence: causal (both layouts, ring and allgather), sliding window, chunked,
+    document mask with uneven documents, ALiBi, GQA."""
+    mp.spawn(_worker, args=(world, _port(), cases), nprocs=world)
+
+
+def _bad_worker(rank, world, port):
+    import flashgen
+    from flashgen.distributed import ring_attention
+    from flashgen.frontend.errors import OpInputError
+
+    _init(rank, world, port)
+    op = flashgen.load(SPECS / "mistral_swa.yaml")
+    try:
+
+        def expect(match, **kw):
+            s = kw.pop("s", 16)
+            q = torch.randn(1, 2, s, 128)
+            with pytest.raises(OpInputError, match=match):
+                ring_attention(op, q, q, q, **kw)
+
+        # ranks with different shapes: the message names the multiple to pad to
+        expect(r"S_local.*rank 0 has 16 and rank 1 has 18.*multiple of 4", s=16 + 2 * rank)
+        expect("needs an even S_local", s=15)  # zigzag, odd length on every rank
+        expect(r"layout: expected the same value.*rank 1 has 'contiguous'",
+               layout="zigzag" if rank == 0 else "contiguous")  # fmt: skip
+        # one rank refuses its own params: it raises its error, the other rank says so
+        expect(r"window|rank\(s\) \[1\] of the group refused",
+               window=4096 if rank == 0 else 0)  # fmt: skip
+        expect("layout: expected one of", layout="diagonal")
+        # a group this rank is not in: raised at once; rank 0 alone is a ring of one
+        solo = dist.new_group([0])
+        q = torch.randn(1, 2, 16, 128)
+        if rank == 1:
+            with pytest.raises(OpInputError, match="not a member of the group"):
+                ring_attention(op, q, q, q, group=solo)
+        else:
+            o, _ = ring_attention(op, q, q, q, group=solo, window=7)
+            torch.testing.assert_close(o, op(q, q, q, window=7)[0], **TOL)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_input_raises_on_every_rank():
+    mp.spawn(_bad_worker, args=(2, _port()), nprocs=2)
