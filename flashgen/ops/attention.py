@@ -343,7 +343,7 @@ class AttentionOp:
             )  # fmt: skip
         used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
         return BlockMask(
-            spec_name=self.spec.name,
+            spec_name=self.base_name,  # any op of this spec may take it: the tiles must fit
             table=table,
             block_m=tiles.block_m,
             block_n=tiles.block_n,
@@ -368,10 +368,10 @@ class AttentionOp:
             raise OpInputError(
                 f"block_mask: expected a BlockMask from op.block_mask(...), got {type(bm).__name__}"
             )
-        if bm.spec_name != self.spec.name:
+        if bm.spec_name != self.base_name:  # ops of one spec under other options: tiles
             raise OpInputError(
-                f"block_mask: expected one built by op {self.spec.name!r}, got one built "
-                f"by {bm.spec_name!r}"
+                f"block_mask: expected one built by an op of spec {self.base_name!r}, got one "
+                f"built by {bm.spec_name!r}"
             )
         want = (dims.seqlen_q, dims.seqlen_k)
         if (bm.seqlen_q, bm.seqlen_k) != want:

@@ -289,3 +289,25 @@ def test_launch_values_pack_for_the_pre_pass_and_the_forward():
     pv = kernel_values(spec, {"tab": table}, dims, 1.0, [], tensors)
     pv.update(tab_b=table.shape[0], tab_h=table.shape[1])
     assert len(kernel_args(pre, pv)) == len(pre.args)
+
+
+def test_block_mask_of_one_spec_serves_its_ops_under_other_options():
+    """A block table belongs to the spec and its tiles, not to the options an op was bound
+    with: an op of the same spec under other options takes it where the tiles agree (the CPU
+    op here; on CUDA a kernel of other tiles refuses it by its tiles), and an op of another
+    spec refuses it by name."""
+    op = flashgen.load(DOC)
+    other = op.with_options(flashgen.Options(family="fa2"))
+    assert other.name != op.name and other.base_name == op.base_name
+    doc = docs(1, 64, 2)
+    q = torch.randn(1, 2, 64, 128).bfloat16()
+    k = v = torch.randn(1, 2, 64, 128).bfloat16()
+    bm = op.block_mask(64, 64, doc_q=doc, doc_kv=doc)
+    o1, _ = other.attention(q, k, v, doc_q=doc, doc_kv=doc, block_mask=bm)
+    o2, _ = other.attention(q, k, v, doc_q=doc, doc_kv=doc)
+    assert torch.equal(o1, o2)
+    renamed = flashgen.loads_spec(DOC.read_text().replace("name: document_mask", "name: docm2"))
+    from flashgen.ops.op import build_op
+
+    with pytest.raises(OpInputError, match="expected one built by an op of spec 'docm2'"):
+        build_op(renamed).attention(q, k, v, doc_q=doc, doc_kv=doc, block_mask=bm)
