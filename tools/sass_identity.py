@@ -23,11 +23,14 @@ instruction text only).  Otherwise the first differing instructions are printed.
 nvidia-cuda-cuobjdump==13.2.86`` puts in ``site-packages/nvidia/cu13/bin``, or ``--cuobjdump``.
 Addresses, encodings' comments and blank lines are dropped (:func:`normalise`).  ptxas' report of
 side B's units is read too: ``--ptxas`` lists each compiled unit's registers, spills and serialized
-wgmma, and spills or serialization on side B fail the run like a difference.
+wgmma, and spills or serialization on side B fail the run like a difference; ``--b-only`` compiles
+only side B of the units whose source differs and reports just that (a change meant to alter the
+code: is it spill-free?).
 
-Exit status: 0 all identical; 1 a unit differs (or exists on one side only, or spills on side B
-with ``--ptxas``); 2 a side failed to render or compile.  Not run in CI (CI has no cuobjdump);
-``tests/unit/test_sass_identity.py`` tests the normalisation and comparison on small dumps.
+Exit status: 0 all identical (``--b-only``: side B compiled clean); 1 a unit differs (or exists
+on one side only, or spills on side B with ``--ptxas``); 2 a side failed to render or compile.
+Not run in CI (CI has no cuobjdump); ``tests/unit/test_sass_identity.py`` tests the
+normalisation and comparison on small dumps.
 """
 
 from __future__ import annotations
@@ -315,6 +318,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ignore-control", action="store_true", help="compare instruction text only")
     ap.add_argument("--ptxas", action="store_true", help="print side B's ptxas report per unit")
     ap.add_argument("--list-changed", action="store_true", help="print only the differing keys")
+    ap.add_argument(
+        "--b-only",
+        action="store_true",
+        help="compile only side B of the units whose source differs and print ptxas' report "
+        "(spills, serialized wgmma; no SASS comparison)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="a line for every unit")
     args = ap.parse_args(argv)
 
@@ -342,7 +351,7 @@ def main(argv=None) -> int:
         (k.split("/")[1], s)
         for k in keys
         if k in ua and k in ub and ua[k] != ub[k]
-        for s in (ua[k], ub[k])
+        for s in ((ub[k],) if args.b_only else (ua[k], ub[k]))
     }
     if args.list_changed:
         todo = set()
@@ -364,8 +373,10 @@ def main(argv=None) -> int:
                 print(f"  compiled {n}/{len(todo)}", file=sys.stderr, flush=True)
 
     counts = {"identical (source)": 0, "identical (SASS)": 0, "different": 0, "error": 0}
-    if args.ptxas:
+    if args.ptxas or args.b_only:
         counts["spilled or serialized on B"] = 0
+    if args.b_only:
+        counts["source differs, B clean"] = 0
     normal: dict[tuple[str, str], dict] = {}
 
     def norm(t: str, s: str) -> dict:
@@ -388,6 +399,16 @@ def main(argv=None) -> int:
             print(k)
             continue
         t = k.split("/")[1]
+        if args.b_only:
+            bb = built[(t, ub[k])]
+            if isinstance(bb, Exception):
+                counts["error"] += 1
+                print(f"{k}: ERROR {bb}")
+                continue
+            summary, bad = ptxas_summary(bb.log)
+            counts["spilled or serialized on B" if bad else "source differs, B clean"] += 1
+            print(f"{k}: source differs; B ptxas: {summary}")
+            continue
         ba, bb = built[(t, ua[k])], built[(t, ub[k])]
         if isinstance(ba, Exception) or isinstance(bb, Exception):
             counts["error"] += 1
