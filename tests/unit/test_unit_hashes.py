@@ -180,6 +180,7 @@ def test_every_rendered_unit_matches_the_fixture():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # this checkout's flashgen, not an installed one
     if "--write" not in sys.argv:
         pytest.main([__file__, "-q"])
     else:
