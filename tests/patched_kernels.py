@@ -1,11 +1,12 @@
-"""Shared by the tests of the tools that patch rendered kernels (tools/cta_timeline.py,
-tools/energy_ablation.py): load a tool module by path, and compile a patched source with the
-plan's own nvcc command."""
+"""Shared by the tests of the tools that instrument rendered kernels (tools/cta_timeline.py,
+tools/energy_ablation.py: probe points) and of tools/sass_identity.py: load a tool module by
+path, and compile a probed source with the plan's own nvcc command."""
 
 from __future__ import annotations
 
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -18,6 +19,7 @@ def load_tool(name: str) -> ModuleType:
     """``tools/<name>.py`` as a module (tools/ is not a package)."""
     spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

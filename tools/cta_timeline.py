@@ -15,18 +15,17 @@ CTA's end and the next CTA's start on the same SM; and these by key blocks per C
 are one SM's ``clock64`` (the SM clock; under the card's power limit it runs at 1.4-1.7 GHz,
 see docs/perf-notes.md, session 9).
 
-The stamps are text patches at anchor lines of ``templates/sm_90/fwd.cu.j2``
-(:data:`ANCHORS`); :func:`patch` raises ``ValueError`` naming an anchor it cannot find, and
-``tests/unit/test_cta_timeline.py`` renders a shipped spec and compiles the patched source, so
-a template change that moves an anchor fails there, not silently here.  The kernel is built
-through ``flashgen.families.build`` with the patched renderer (its own cache entry); the op runs as
-usual.  Needs a GPU (sm_90), torch and CuPy.
+The stamps are the probe point ``timeline`` of ``templates/sm_90/fwd.cu.j2``
+(``flashgen.build.render.PROBES``; nothing is rendered without it), and
+``tests/unit/test_cta_timeline.py`` checks that every slot of :data:`STAMPS` is stamped and
+compiles the probed source.  The kernel is built through ``flashgen.families.build`` with the probed
+renderer (its own cache entry: the source differs); the op runs as usual.  Needs a GPU (sm_90),
+torch and CuPy.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -37,89 +36,21 @@ SLOTS = 32
 #: CTAs the buffer holds
 MAX_CTAS = 1 << 16
 
-#: (anchor text, code put right after it) for the plain anchors; the stamps' slots:
-#: 0 entry (consumer 0), 1 Q and first K landed, 2 first S + softmax done, 3 main loop done,
-#: 4 / 5 epilogue done (consumer 0 / 1), 6 Q issued, 7 SM id, 8 key blocks, 11 last P V done,
-#: 14 tile decoded, 15 first block found, 16 barrier passed, 17 setmaxnreg done, 18 entry
-#: (thread 0), 19 first K / V issued, 20 Q landed (consumer 0), 21 the next live block found.
-ANCHORS = (
-    ("const int m0 = m_block * BLOCK_M;\n", "    if (threadIdx.x == 0) fgp[14] = clock64();\n"),
-    (
-        "if (threadIdx.x == 0) *first_slot = first_block;  // read after __syncthreads below\n",
-        "        if (threadIdx.x == 0) fgp[15] = clock64();\n",
-    ),
-    ("__syncthreads();\n", "    if (threadIdx.x == 0) fgp[16] = clock64();\n"),
-    (
-        "fg::setmaxnreg_dec<{producer_regs}>();\n",
-        "        if (threadIdx.x == 0) { fgp[17] = clock64(); fgp[18] = fgp_t0; }\n",
-    ),
-    ("fg::mbar_wait(q_full, 0);\n", "        if (threadIdx.x == 128) fgp[20] = clock64();\n"),
-    (
-        "fg::mbar_wait(k_full(0), 0);\n",
-        "        if (threadIdx.x % 128 == 0) fgp[threadIdx.x == 128 ? 1 : 12] = clock64();\n",
-    ),
-    (
-        "int it = 1;\n",
-        "        if (threadIdx.x % 128 == 0) fgp[threadIdx.x == 128 ? 2 : 13] = clock64();\n",
-    ),
-    (
-        "fg::tma_load_4d(sV + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(0));\n",
-        "            fgp[19] = clock64();\n",
-    ),
-    (
-        "next_block = prev_live(first_block - 1, cls);\n",
-        "        if (threadIdx.x == 0) fgp[21] = clock64();\n",
-    ),
-    (
-        "fg::mbar_arrive(v_empty(s_last));\n",
-        "        if (threadIdx.x == 128) fgp[11] = clock64();\n",
-    ),
-)
-
-HEAD = f"__device__ long long fg_prof[{MAX_CTAS * SLOTS}];\n"
-ENTRY = (
-    "    const long long fgp_t0 = clock64();\n"
-    "    long long* fgp = fg_prof + (size_t)(blockIdx.x + blockIdx.y * gridDim.x) * "
-    f"{SLOTS};\n"
-)
-LOOP_END = "if (threadIdx.x == 128) { fgp[3] = clock64(); fgp[8] = it; }\n        "
-TAIL = """
-    if (threadIdx.x >= 128 && threadIdx.x % 128 == 0) {
-        fgp[threadIdx.x == 128 ? 4 : 5] = clock64();
-        if (threadIdx.x == 128) {
-            unsigned smid;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-            fgp[7] = smid;
-            fgp[0] = fgp_t0;
-        }
-    }"""
+#: The stamps' slots (``templates/sm_90/fwd.cu.j2``, probe ``timeline``): 0 entry (consumer 0),
+#: 1 Q and first K landed, 2 first S + softmax done, 3 main loop done, 4 / 5 epilogue done
+#: (consumer 0 / 1), 6 Q issued, 7 SM id, 8 key blocks, 11 last P V done, 12 / 13 consumer 1's
+#: 1 / 2, 14 tile decoded, 15 first block found (single walk), 16 barrier passed, 17 setmaxnreg
+#: done, 18 entry (thread 0), 19 first K / V issued, 20 Q landed (consumer 0), 21 the next live
+#: block found.
+STAMPS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21)
 
 
-def patch(src: str, producer_regs: int) -> str:
-    """``src`` (a rendered non-persistent Hopper forward, no block table) with the stamps.
-    Raises ``ValueError`` naming the first anchor missing."""
+def timeline_source(plan) -> str:
+    """The CUDA of ``plan`` (a non-persistent Hopper forward) with the stamps (probe
+    ``timeline``; other kernels render unchanged)."""
+    from flashgen.build.render import render
 
-    def need(anchor: str) -> None:
-        if anchor not in src:
-            raise ValueError(f"cta_timeline: anchor {anchor.strip()!r} not in the source")
-
-    for anchor in ('extern "C" __global__', "unsigned char smem_raw[];\n", "// Last P V.\n"):
-        need(anchor)
-    i = src.index('extern "C" __global__')
-    src = src[:i] + HEAD + src[i:]
-    a = "unsigned char smem_raw[];\n"
-    src = src.replace(a, a + ENTRY, 1)
-    q = re.search(r"\n(\s*)fg::tma_load_4d\(sQ [^\n]*tma_q[^\n]*\n", src)
-    if q is None:
-        raise ValueError("cta_timeline: anchor 'the Q TMA load' not in the source")
-    src = src[: q.end()] + q.group(1) + "fgp[6] = clock64();\n" + src[q.end() :]
-    for anchor, code in ANCHORS:
-        anchor = anchor.format(producer_regs=producer_regs)
-        need(anchor)
-        src = src.replace(anchor, anchor + code, 1)
-    src = src.replace("// Last P V.\n", LOOP_END + "// Last P V.\n", 1)
-    end = src.rindex("\n}")
-    return src[:end] + TAIL + src[end:]
+    return render(plan, probes=frozenset({"timeline"}))
 
 
 def launch_ctas(plan, b: int, h: int, s: int) -> int:
@@ -215,24 +146,18 @@ def main(argv=None) -> int:
     import cupy
 
     import flashgen
-
-    # the stamps go into the non-persistent kernel: sparse calls must run it too, not the
-    # persistent one Options.sparse_persistent names (dynamic by default, off here)
     import flashgen.families.build as family_build
     import flashgen.ops.op as op_mod
     from flashgen.options import Options
+
+    # the stamps go into the non-persistent kernel: sparse calls must run it too, not the
+    # persistent one Options.sparse_persistent names (dynamic by default, off here)
     from flashgen.runtime import launch as runtime
 
-    render = family_build.render
-    family_build.render = lambda plan: (
-        patch(render(plan), plan.context["producer_regs"])
-        if plan.template == "sm_90/fwd.cu.j2" and not plan.context.get("persistent")
-        else render(plan)
-    )
+    family_build.render = timeline_source  # the probe renders nothing in the other kernels
     root = Path(__file__).resolve().parent.parent
-    specs = {name: flashgen.load(
-            root / "specs" / f"{name}.yaml", options=Options(sparse_persistent="off")
-        ) for name in args.specs}
+    off = Options(sparse_persistent="off")
+    specs = {n: flashgen.load(root / "specs" / f"{n}.yaml", options=off) for n in args.specs}
     unknown = [p for p in params if all(op.spec.param(p) is None for op in specs.values())]
     if unknown:
         ap.error(f"--param {', '.join(unknown)}: no such param in {', '.join(args.specs)}")

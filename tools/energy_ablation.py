@@ -12,9 +12,9 @@ changed its max: a warp vote, the result exact); ``no_kv_loads`` (the producer a
 ``k_full`` / ``v_full`` without loading K and V: the consumers read whatever the ring holds);
 ``half_kv_loads`` (only the first 64 columns of each K and V row are loaded: half the bytes
 from L2, an upper bound for what sharing each K/V tile between two CTAs could save).
-The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant is a text patch of
-the rendered non-persistent Hopper forward (:func:`patch` raises ``ValueError`` naming a
-pattern it cannot find; ``tests/unit/test_energy_ablation.py`` compiles every variant on
+The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant renders probe points
+of ``templates/sm_90/fwd.cu.j2`` (``flashgen.build.render.PROBES``: they render to nothing by
+default; ``tests/unit/test_energy_ablation.py`` checks every point and compiles every variant on
 CPU), built through ``flashgen.families.build`` under its own spec name.
 
 Printed per variant: the median ms of ``--rounds`` alternating rounds (``do_bench``, 250 ms
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import re
 import subprocess
 import sys
 import time
@@ -38,66 +37,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-_S_GEMM = re.compile(r"\n[ \t]*fg::wgmma_ss_n\d+\(acc_s, da, db, kk > 0\);\n")
-_PV_GEMM = re.compile(r"\n[ \t]*fg::wgmma_rs_n\d+\(acc_o, frag_p\[kk\], [^\n]*\);\n")
-_K_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sK \+ s \* SKV_BYTES[^\n]*\);)\n")
-_V_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sV \+ s \* SKV_BYTES[^\n]*\);)\n")
-_K_TX = re.compile(r"fg::mbar_arrive_expect_tx\(k_full\(s\), SKV_BYTES\);")
-_V_TX = re.compile(r"fg::mbar_arrive_expect_tx\(v_full\(s\), SKV_BYTES\);")
-# the first key block, loaded in the prologue (k_full(0) told its bytes, arrived on later)
-_K0_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sK \+ c \* BLOCK_N \* 128[^\n]*\);)\n")
-_V0_LOAD = re.compile(r"\n([ \t]*fg::tma_load_4d\(sV \+ c \* BLOCK_N \* 128[^\n]*\);)\n")
-_K0_TX = re.compile(r"fg::mbar_expect_tx\(k_full\(0\), SKV_BYTES\);")
-_V0_TX = re.compile(r"fg::mbar_arrive_expect_tx\(v_full\(0\), SKV_BYTES\);")
-_SOFTMAX = re.compile(r"auto softmax = \[&\]\(int n0, int tile_cls\) \{\n")
-_RESCALE = re.compile(r"acc_o\[4 \* j \+ i\] \*= alpha\[i / 2\];")
-_RESCALE_LOOP = re.compile(
-    r"(\n[ \t]*#pragma unroll\n[ \t]*for \(int j = 0; j < NO; \+\+j\)\n[ \t]*#pragma unroll\n"
-    r"[ \t]*for \(int i = 0; i < 4; \+\+i\) acc_o\[4 \* j \+ i\] \*= alpha\[i / 2\];\n)"
-)
-
-#: variant -> [(pattern, replacement)]; every pattern must match at least once.
-VARIANTS: dict[str, list[tuple[re.Pattern, str]]] = {
-    "base": [],
-    "no_softmax": [(_SOFTMAX, "auto softmax = [&](int n0, int tile_cls) {\n        return;\n")],
-    "no_pv_gemm": [(_PV_GEMM, "\n;\n")],
-    "no_s_gemm": [(_S_GEMM, "\n;\n")],
-    "no_o_rescale": [(_RESCALE, ";")],
-    "vote_o_rescale": [
-        (_RESCALE_LOOP, "\nif (__any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) {\\1}\n")
-    ],
-    "no_kv_loads": [
-        (_K_TX, "fg::mbar_arrive(k_full(s));"),
-        (_V_TX, "fg::mbar_arrive(v_full(s));"),
-        (_K_LOAD, "\n;\n"),
-        (_V_LOAD, "\n;\n"),
-        (_K0_TX, ";"),  # its arrival comes after stage_info[0], as before
-        (_V0_TX, "fg::mbar_arrive(v_full(0));"),
-        (_K0_LOAD, "\n;\n"),
-        (_V0_LOAD, "\n;\n"),
-    ],
-    "half_kv_loads": [
-        (_K_TX, "fg::mbar_arrive_expect_tx(k_full(s), SKV_BYTES / DCB);"),
-        (_V_TX, "fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES / DCB);"),
-        (_K_LOAD, "\nif (c == 0)\\1\n"),
-        (_V_LOAD, "\nif (c == 0)\\1\n"),
-        (_K0_TX, "fg::mbar_expect_tx(k_full(0), SKV_BYTES / DCB);"),
-        (_V0_TX, "fg::mbar_arrive_expect_tx(v_full(0), SKV_BYTES / DCB);"),
-        (_K0_LOAD, "\nif (c == 0)\\1\n"),
-        (_V0_LOAD, "\nif (c == 0)\\1\n"),
-    ],
+#: variant -> the probe points of ``templates/sm_90/fwd.cu.j2`` it renders
+#: (:data:`flashgen.build.render.PROBES`); ``base`` renders none.
+VARIANTS: dict[str, frozenset[str]] = {
+    "base": frozenset(),
+    **{
+        name: frozenset({name})
+        for name in (
+            "no_softmax",
+            "no_pv_gemm",
+            "no_s_gemm",
+            "no_o_rescale",
+            "vote_o_rescale",
+            "no_kv_loads",
+            "half_kv_loads",
+        )
+    },
 }
 
 
-def patch(src: str, variant: str) -> str:
-    """``src`` (a rendered non-persistent Hopper forward) with ``variant``'s work left out.
-    Raises ``ValueError`` naming the first pattern that does not match, ``KeyError`` for an
-    unknown variant."""
-    for pat, repl in VARIANTS[variant]:
-        src, n = pat.subn(repl, src)
-        if n == 0:
-            raise ValueError(f"energy_ablation: {variant}: {pat.pattern!r} not in the source")
-    return src
+def variant_source(plan, variant: str) -> str:
+    """The CUDA of ``plan`` (a Hopper forward) with ``variant``'s probe points rendered.
+    ``KeyError`` for an unknown variant."""
+    from flashgen.build.render import render
+
+    return render(plan, probes=VARIANTS[variant])
 
 
 def _dmon(fn, seconds: float) -> tuple[list[int], list[int]]:
@@ -133,27 +97,25 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("energy_ablation needs an sm_90 GPU", file=sys.stderr)
         return 2
-    # the patches are of the non-persistent kernel: calls that keep few keys per row (short
+    # the probes are of the non-persistent kernel: calls that keep few keys per row (short
     # lengths) run it too, not the persistent one they default to (Options.sparse_persistent)
     import flashgen.families.build as family_build
     from flashgen.options import Options
 
     options = Options(sparse_persistent="off")
     from flashgen.bench import runner as bench
+    from flashgen.build.render import render
     from flashgen.frontend.spec import load_spec
     from flashgen.ops.op import build_op
 
-    render = family_build.render
-
-    def patched(plan):
-        src = render(plan)
+    def probed(plan):
         name = plan.context.get("spec_name", "")
         for v in VARIANTS:
             if name.endswith(f"_abl_{v}") and plan.template == "sm_90/fwd.cu.j2":
-                return patch(src, v)
-        return src
+                return render(plan, probes=VARIANTS[v])
+        return render(plan)
 
-    family_build.render = patched
+    family_build.render = probed
     root = Path(__file__).resolve().parent.parent
     b, h, s = args.shape
     dev = torch.device("cuda")

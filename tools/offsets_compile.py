@@ -3,9 +3,10 @@ every shipped spec for sm_80 and sm_90a and report spills.
 
     python tools/offsets_compile.py [--jobs 4] [spec names...]
 
-Each (spec, target, unit) of :func:`flashgen.families.registry.compile_units` is rendered and compiled
+Each (spec, target, unit) of :func:`flashgen.families.registry.compile_units` is rendered and
+compiled
 through the kernel cache (parallel nvcc runs); a unit whose first-choice tiles spill is
-then built the way the op builds it (:func:`flashgen.select.build_forward` /
+then built the way the op builds it (:func:`flashgen.families.build.build_forward` /
 ``build_backward``, smaller tiles as fallback) and reported with the tiles that fit.
 Exit status 1 if any unit still spills.  tests/unit/test_offsets_compile.py compiles a
 representative subset in CI; this script covers the rest (about 70 nvcc runs).
@@ -23,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
+from flashgen.families.registry import compile_units  # noqa: E402
 from flashgen.frontend.offsets import offsets_spec  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.families.registry import compile_units  # noqa: E402
 
 
 def _build(spec, target, unit):

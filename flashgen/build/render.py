@@ -39,9 +39,33 @@ def environment() -> jinja2.Environment:
     )
 
 
-def render(plan: KernelPlan) -> str:
+#: Probe points of the templates: instrumentation for tools, each rendered only when
+#: :func:`render` is asked for it (``probes=``), else nothing (the source is byte-identical).
+#: Name -> what it does; all are in ``templates/sm_90/fwd.cu.j2``.
+PROBES: dict[str, str] = {
+    "timeline": "non-persistent Hopper forward: clock64 stamps, 32 int64 slots per CTA in the "
+    "__device__ array fg_prof[65536 * 32] (tools/cta_timeline.py)",
+    "no_softmax": "Hopper forward: the softmax returns at once, P is S (tools/energy_ablation.py)",
+    "no_s_gemm": "Hopper forward: the Q K^T wgmmas left out",
+    "no_pv_gemm": "Hopper forward: the P V wgmmas left out",
+    "no_o_rescale": "Hopper forward: O is not multiplied by alpha",
+    "vote_o_rescale": "Hopper forward: the O rescale skipped when no row of the warp changed "
+    "its max (a warp vote; the result stays exact)",
+    "no_kv_loads": "Hopper forward: the producer arms k_full / v_full without loading K and V",
+    "half_kv_loads": "Hopper forward: only the first 64 columns of each K and V row are loaded",
+}
+
+
+def render(plan: KernelPlan, probes: frozenset[str] = frozenset()) -> str:
     """CUDA C++ source of ``plan``'s kernel (one translation unit, ``extern "C"`` symbol).
 
-    Raises ``jinja2.UndefinedError`` if the template reads a name the plan lacks.
+    ``probes``: names of :data:`PROBES` to render (instrumentation for tools; the outputs of a
+    probed kernel are wrong by design, but ``timeline``'s and ``vote_o_rescale``'s).  A probe
+    whose template has no such point renders as nothing.  Raises ``ValueError`` naming an
+    unknown probe, ``jinja2.UndefinedError`` if the template reads a name the plan lacks.
     """
-    return environment().get_template(plan.template).render(**plan.context.fields())
+    unknown = sorted(set(probes) - PROBES.keys())
+    if unknown:
+        raise ValueError(f"render: unknown probes {unknown}; expected names of {sorted(PROBES)}")
+    context = {**plan.context.fields(), "probes": frozenset(probes)}
+    return environment().get_template(plan.template).render(**context)

@@ -27,7 +27,7 @@ def _code(ctype: str) -> tuple[str, int]:
 
 
 class ArgLayout:
-    """The layout of a kernel's arguments (``args``: :class:`flashgen.lower.KernelArg` in ABI
+    """The layout of a kernel's arguments (``args``: :class:`flashgen.codegen.abi.KernelArg` in ABI
     order) in one byte block, each at its C alignment: ``offsets[i]``; ``struct`` packs every
     argument; :meth:`head` packs the first ``n`` (the fields a call changes, when the ABI
     puts them first); :meth:`field` packs one."""
