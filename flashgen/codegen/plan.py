@@ -86,6 +86,19 @@ class KernelPlan:
     #: of its family's part; empty for the defaults): part of the kernel cache key
     options_key: str = ""
 
+    @classmethod
+    def of(
+        cls, spec_name: str, target: str, template: str, tiles, smem_bytes: int, context,
+        options_key: str = "", **extra,
+    ):  # fmt: skip
+        """The plan of a family whose typed ``context`` carries ``kernel_name`` and ``args``
+        (the forward families, decode); ``extra``: further fields (``tma``, ``role``)."""
+        return cls(
+            spec_name=spec_name, target=target, template=template,
+            kernel_name=context.kernel_name, tiles=tiles, smem_bytes=smem_bytes,
+            args=context.args, context=context, options_key=options_key, **extra,
+        )  # fmt: skip
+
     @property
     def threads(self) -> int:
         return self.tiles.threads

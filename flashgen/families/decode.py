@@ -422,17 +422,7 @@ def plan(
         args=attn_args(spec),
         append_args=append_args(CTYPE[spec.dtype]),
     )
-    return DecodePlan(
-        spec_name=spec.name,
-        target=target,
-        template="sm_80/decode.cu.j2",
-        kernel_name=ctx.kernel_name,
-        tiles=tiles,
-        smem_bytes=smem,
-        args=ctx.args,
-        context=ctx,
-        options_key=options_key,
-    )
+    return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 
 
 @dataclass(frozen=True)

@@ -182,17 +182,7 @@ def plan(
         load_chain=uses_load_chain(spec, tiles),
     )
     context = Context(**ctx)
-    return KernelPlan(
-        spec_name=spec.name,
-        target=target,
-        template=TEMPLATE,
-        kernel_name=context.kernel_name,
-        tiles=tiles,
-        smem_bytes=smem,
-        args=context.args,
-        context=context,
-        options_key=options_key,
-    )
+    return KernelPlan.of(spec.name, target, TEMPLATE, tiles, smem, context, options_key)
 
 
 def uses_load_chain(spec: Spec, tiles: TileConfig) -> bool:

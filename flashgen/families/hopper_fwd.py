@@ -317,18 +317,7 @@ def plan(
         wgmma_ns=sorted({tiles.block_n, d}),
     )
     context = Context(**ctx)
-    return KernelPlan(
-        spec_name=spec.name,
-        target=target,
-        template=TEMPLATE,
-        kernel_name=context.kernel_name,
-        tiles=tiles,
-        smem_bytes=smem,
-        args=context.args,
-        context=context,
-        tma=tma,
-        options_key=options_key,
-    )
+    return KernelPlan.of(spec.name, target, TEMPLATE, tiles, smem, context, options_key, tma=tma)
 
 
 def persistent_tile_order(
