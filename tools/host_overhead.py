@@ -367,6 +367,7 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
 
     from flashgen.families import decode as family
     from flashgen.ops import decode as dmod
+    from flashgen.ops import decode_fast as dfast
     from flashgen.ops import op as op_mod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
@@ -377,8 +378,8 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
             return 0
 
     tma.driver = lambda: Driver
-    dmod._eager_cuda = dmod._plain_eager_fast  # CPU tensors stand in (no is_cuda)
-    dmod._GET_DEVICE = lambda: None
+    dfast._eager_cuda = dfast._plain_eager_fast  # CPU tensors stand in (no is_cuda)
+    dfast._GET_DEVICE = lambda: None
     op_mod._RAW_STREAM = lambda index: 0
     op = flashgen.load(root / "specs" / "llama3_gqa.yaml")
     dop = dmod.decode_op(op)
@@ -399,10 +400,10 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
             plan = dop.plan_for(dims, cpu, None)
             plan.kernels = kern
             if plan.num_splits > 1:
-                plan.o_part, plan.lse_part, plan.counters = dmod._workspace(
+                plan.o_part, plan.lse_part, plan.counters = dfast._workspace(
                     dims, plan.geometry, plan.num_splits, cpu
                 )
-            plan.fast = dmod._FastPath(dop, plan)
+            plan.fast = dfast._FastPath(dop, plan)
             call = functools.partial(op.with_kvcache, plan=plan, **kw)
             took = plan.fast(kw["q"], kw["k_cache"], kw["v_cache"], kw["cache_seqlens"],
                              kw.get("block_table"), kw.get("k_new"), kw.get("v_new"), None,

@@ -519,6 +519,7 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
 
     from flashgen.ops import calls as calls_mod
     from flashgen.ops import decode as dmod
+    from flashgen.ops import decode_fast as dfast
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 
@@ -531,8 +532,8 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
             return 0
 
     monkeypatch.setattr(tma, "driver", lambda: Driver)
-    monkeypatch.setattr(dmod, "_eager_cuda", lambda q, k, v: True)
-    monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(dfast, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
     monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
     op = _op("mistral_swa")
     dop = dmod.decode_op(op)
@@ -545,8 +546,8 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     dims = DecodeDims(b, hq, hkv, 1, 128, True, pages, ps, 16, True)
     plan = dop.plan_for(dims, cpu, 4)
     plan.kernels = kern
-    plan.o_part, plan.lse_part, plan.counters = dmod._workspace(dims, plan.geometry, 4, cpu)
-    plan.fast = dmod._FastPath(dop, plan)
+    plan.o_part, plan.lse_part, plan.counters = dfast._workspace(dims, plan.geometry, 4, cpu)
+    plan.fast = dfast._FastPath(dop, plan)
     q = torch.randn(b, hq, 1, 128).to(torch.bfloat16)
     kc = torch.zeros(pages, ps, hkv, 128, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
@@ -589,8 +590,8 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     assert calls == [] and len(launches) == 4
     monkeypatch.undo()
     monkeypatch.setattr(tma, "driver", lambda: Driver)
-    monkeypatch.setattr(dmod, "_eager_cuda", lambda q, k, v: True)
-    monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(dfast, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
     monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
     with pytest.raises(OpInputError, match="q: expected dtype"):
         op.with_kvcache(q.half(), kc, vc, lens, block_table=table, k_new=kn, v_new=vn,
@@ -674,6 +675,7 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
 
     from flashgen.ops import calls as calls_mod
     from flashgen.ops import decode as dmod
+    from flashgen.ops import decode_fast as dfast
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 
@@ -686,8 +688,8 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
             return 0
 
     monkeypatch.setattr(tma, "driver", lambda: Driver)
-    monkeypatch.setattr(dmod, "_eager_cuda", dmod._plain_eager_fast)
-    monkeypatch.setattr(dmod, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(dfast, "_eager_cuda", dfast._plain_eager_fast)
+    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
     monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
     op = _op("llama3_gqa")
     dop = dmod.decode_op(op)
@@ -699,7 +701,7 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
     dims = DecodeDims(1, 8, 2, 1, 128, True, 8, 16, 4, False)
     plan = dop.plan_for(dims, cpu, 1)
     plan.kernels = kern
-    plan.fast = dmod._FastPath(dop, plan)
+    plan.fast = dfast._FastPath(dop, plan)
     q = torch.randn(1, 8, 1, 128).to(torch.bfloat16)
     kc = torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16)
     lens = torch.tensor([20], dtype=torch.int32)

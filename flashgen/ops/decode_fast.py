@@ -1,0 +1,286 @@
+"""The planned decode call (:mod:`flashgen.ops.decode`): :class:`DecodeCallPlan`, its split
+workspace and its fast host path (:class:`_FastPath`: argument blocks packed once per call
+layout, the eager and debug-switch checks, the direct ``cuLaunchKernel``).
+
+Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the public names."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashgen import env
+from flashgen.families import decode as family
+from flashgen.ops import calls as _calls
+from flashgen.ops import validation as _validation
+from flashgen.ops.calls import _kernel_aligned
+from flashgen.ops.decode_inputs import DecodeDims, check_out, validate_decode
+from flashgen.ops.validation import (
+    PARAM_DTYPE,
+    _poison_enabled,
+    check_enabled,
+    check_softmax_scale,
+    default_softmax_scale,
+    out_dtype,
+    resolve_params,
+    validate_tensor_params,
+)
+from flashgen.runtime import tma as _tma  # ctypes only, no CuPy
+
+if TYPE_CHECKING:
+    from flashgen.ops.decode import DecodeOp
+
+
+# ----------------------------------------------------------------------------- plans
+@dataclass
+class DecodeCallPlan:
+    """What :meth:`DecodeOp.plan_decode` precomputes for calls of one shape (FlashInfer's
+    plan): the sizes it fixes (batch, heads, Sq_new, cache layout and capacity, append or
+    not), the split count, the grids, the kernels, the workspace and the launch values
+    that do not change between calls.  Cache lengths, block-table contents and the cache
+    itself may change between calls and graph replays (read on the device).  Its
+    workspace is used in stream order: one plan per concurrently used stream."""
+
+    dims: DecodeDims
+    num_splits: int
+    geometry: family.Geometry
+    device: torch.device
+    kernels: dict
+    fixed: dict
+    o_part: torch.Tensor | None
+    lse_part: torch.Tensor | None
+    pack_gqa: bool = True
+    #: int32 [tiles] split counters of the fused combine, zero between launches (the last
+    #: CTA of a tile resets its own); None without splits or without a workspace
+    counters: torch.Tensor | None = None
+    #: the planned fast path (:class:`_FastPath`), CUDA plans from plan_decode only
+    fast: object = None
+    #: the unit's and the schedule's knobs (:class:`flashgen.families.decode.Options`)
+    options: family.Options = family.Options()
+    #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
+    #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
+    live_blocks: int | None = None
+
+
+def _workspace(dims: DecodeDims, geo, num_splits: int, device):
+    """The split workspace: fp32 partial o ``[num_splits, rows, Dv]`` and lse ``[num_splits,
+    rows]`` (rows = B x Hq x Sq_new), and the zeroed int32 counters of the fused combine, one
+    per attention tile (row block x kv head x request)."""
+    rows = dims.batch * dims.heads_q * dims.seqlen_q
+    o_part = torch.empty((num_splits, rows, dims.head_dim_v), dtype=torch.float32, device=device)
+    lse_part = torch.empty((num_splits, rows), dtype=torch.float32, device=device)
+    tiles = geo.m_blocks * geo.grid[1] * geo.grid[2]
+    counters = torch.zeros((max(tiles, 1),), dtype=torch.int32, device=device)
+    return o_part, lse_part, counters
+
+
+_TENSOR = torch.Tensor
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _debug_switches() -> bool:
+    """Whether the poison or the value-check switch is on (those calls take the general
+    path); the environment is read on every call, cheaply (:func:`flashgen.env.any_set`)."""
+    if _validation._POISON:
+        return True
+    if env.any_set(env.POISON_OUTPUTS, env.VARLEN_CHECK):
+        return _poison_enabled() or check_enabled()
+    return False
+
+
+_IS_COMPILING = torch.compiler.is_compiling
+_TRACING_STATE = torch._C._get_tracing_state
+_TF_MODE = torch._C._is_torch_function_mode_enabled
+_DISPATCH_DEPTH = torch._C._len_torch_dispatch_stack
+_FUNCTORCH = torch._C._are_functorch_transforms_active
+
+
+def _eager_cuda(q, kc, vc) -> bool:
+    """CUDA inputs in plain eager mode (:func:`_plain_eager_fast`): the planned fast path
+    may launch directly instead of through the registered op."""
+    return q.is_cuda and _plain_eager_fast(q, kc, vc)
+
+
+def _plain_eager_fast(q, kc, vc) -> bool:
+    """The checks of :func:`flashgen.ops.op._plain_eager` (plain tensors; no compile, trace,
+    torch-function / dispatch mode or functorch transform) with the torch queries bound
+    once (a dispatch mode is on exactly when the dispatch stack is not empty)."""
+    return (
+        type(q) is _TENSOR
+        and type(kc) is _TENSOR
+        and type(vc) is _TENSOR
+        and not _IS_COMPILING()
+        and _TRACING_STATE() is None
+        and not _TF_MODE()
+        and _DISPATCH_DEPTH() == 0
+        and not _FUNCTORCH()
+    )
+
+
+class _FastPath:
+    """The planned call's host path (issue 23: ``with_kvcache(..., plan=p)`` does no host
+    planning): the kernels' argument blocks are packed once per call *layout* (shapes,
+    strides, dtypes, devices, scale, params, ``out``'s layout: the key below) after the
+    full validation, and a call whose layout matches the last one's rewrites only the
+    leading pointers (q, caches, outputs, lengths, table: one ``struct.pack_into``),
+    allocates o and lse (unless the caller passes ``out``) and enqueues the kernel with
+    ``cuLaunchKernel``.  Validation is therefore from metadata only and done once per
+    layout; nothing loops over the batch.  Returns None (the caller takes the general
+    path) for anything but plain eager CUDA tensors on the plan's device (torch.compile,
+    tracing, modes, subclasses go through the registered op), the debug / poison switches,
+    0-d tensor scalars, or tensor params that would need a conversion.  Per thread state:
+    concurrent threads keep their own blocks.  Everything a call reads is bound once here
+    (no per-call module or attribute lookups beyond the tensors')."""
+
+    def __init__(self, dop: DecodeOp, plan: DecodeCallPlan):
+        from flashgen.runtime.launch import _function_ptr
+        from flashgen.runtime.packed import ArgLayout
+
+        self.dop, self.plan = dop, plan
+        self.index = plan.device.index
+        attn, app = plan.kernels["attn"], plan.kernels["append"]
+        self.attn_layout, self.app_layout = ArgLayout(attn.plan.args), ArgLayout(app.plan.args)
+        self.attn_head = self.attn_layout.head(family.CALL_POINTERS)
+        self.app_head = self.app_layout.head(family.APPEND_CALL_POINTERS)
+        self.attn_pack = self.attn_head.pack_into
+        self.app_pack = self.app_head.pack_into
+        self.attn_fn, self.app_fn = _function_ptr(attn.function), _function_ptr(app.function)
+        self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
+        self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
+        d = plan.dims
+        self.o_shape = (d.batch, d.heads_q, d.seqlen_q, d.head_dim_v)
+        self.lse_shape = (d.batch, d.heads_q, d.seqlen_q)
+        self.o_dtype = out_dtype(dop.spec)
+        self.tensor_names = [p.name for p in dop.spec.tensor_params]
+        self.tensor_dtypes = [PARAM_DTYPE[p.ty] for p in dop.spec.tensor_params]
+        self._tls = threading.local()
+        self._tls_dict = self._tls.__dict__
+        self._empty = torch.empty
+        self._f32 = torch.float32
+        # resolved once: the driver's entry point and the raw-stream query (module globals
+        # that tools/host_overhead.py --cpu replaces before planning)
+        self._cu_launch = _tma.driver().cuLaunchKernel
+        self._raw_stream = _calls._RAW_STREAM
+        self._get_device = _GET_DEVICE
+        self._eager = _eager_cuda
+
+    def _state(self):
+        st = self._tls_dict.get("st")
+        if st is None:
+            st = self._tls.st = _FastState(self.attn_layout, self.app_layout)
+        return st
+
+    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None):
+        if not self._eager(q, kc, vc) or self._get_device is None:
+            return None
+        if self._get_device() != self.index or _debug_switches():
+            return None
+        # the call's layout: everything validation and the packed scalars depend on
+        key = (
+            q.shape, q.stride(), q.dtype, q.get_device(), kc.shape, kc.stride(), kc.dtype,
+            kc.get_device(), vc.shape, vc.stride(), vc.dtype, vc.get_device(), lens.shape,
+            lens.dtype, lens.get_device(), scale,
+        )  # fmt: skip
+        if table is not None:
+            key += (table.shape, table.stride(), table.dtype, table.get_device())
+        if k_new is not None:
+            key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
+                    v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        if out is not None:
+            if type(out) is not tuple or len(out) != 2:
+                return None
+            o, lse = out
+            if type(o) is not _TENSOR or type(lse) is not _TENSOR:
+                return None
+            key += (o.shape, o.stride(), o.dtype, o.get_device(),
+                    lse.shape, lse.stride(), lse.dtype, lse.get_device())  # fmt: skip
+        tensors = ()
+        if params:
+            pk = []
+            for n, v in params.items():
+                if type(v) is _TENSOR:
+                    if v.dim() == 0:
+                        return None  # a 0-d scalar: resolve_params reads it each call
+                    pk.append((n, v.shape, v.stride(), v.dtype, v.get_device()))
+                else:
+                    pk.append((n, v))
+            key += (tuple(pk),)
+            tensors = [params.get(n) for n in self.tensor_names]
+        st = self._tls_dict.get("st") or self._state()
+        if key != st.key:
+            if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
+                                 out):  # fmt: skip
+                return None
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
+        if (q_ptr | k_ptr | v_ptr) & 15:
+            return None  # an unaligned base: the general path copies q or refuses the cache
+        if out is None:
+            dev = q.device
+            o = self._empty(self.o_shape, dtype=self.o_dtype, device=dev)
+            lse = self._empty(self.lse_shape, dtype=self._f32, device=dev)
+            out = (o, lse)
+        o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+        if (o_ptr & 7) | (lse_ptr & 3):
+            return None  # the kernel stores o 8 bytes at a time
+        lens_ptr = lens.data_ptr()
+        table_ptr = 0 if table is None else table.data_ptr()
+        buf = st.attn_buf
+        self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
+        for name, t in zip(self.tensor_names, tensors, strict=False):
+            self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
+        stream = self._raw_stream(self.index)
+        launch = self._cu_launch
+        if k_new is not None:
+            kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
+            if (kn_ptr | vn_ptr) & 15:
+                return None
+            self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
+            rc = launch(self.app_fn, *self.app_launch, stream, st.app_params, None)
+            if rc != 0:
+                raise RuntimeError(f"cuLaunchKernel(decode append) failed: CUresult {rc}")
+        rc = launch(self.attn_fn, *self.attn_launch, stream, st.attn_params, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernel(decode attention) failed: CUresult {rc}")
+        return out
+
+    def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
+                 out=None) -> bool:  # fmt: skip
+        """Full validation of a new layout (raises what the general path raises) and the
+        packing of its argument blocks; False when the fast path does not apply."""
+        dop, spec, plan = self.dop, self.dop.spec, self.plan
+        scalars, tensors = resolve_params(spec, params)
+        tmap = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
+        for p, t in tmap.items():
+            if t.dtype != PARAM_DTYPE[spec.param(p).ty] or not t.is_contiguous():
+                return False
+        scale = check_softmax_scale(default_softmax_scale(spec) if scale is None else scale)
+        dims = validate_decode(spec, q, kc, vc, lens, table, k_new, v_new)
+        if spec.tensor_params:
+            validate_tensor_params(spec, tmap, q.device, dims.symbols())
+        dop._check_plan(plan, dims, q.device, 0)
+        if out is not None:
+            check_out(spec, out, self.o_shape, q.device)
+        if k_new is not None and (
+            _kernel_aligned(k_new) is not k_new or _kernel_aligned(v_new) is not v_new
+        ):
+            return False
+        if _kernel_aligned(q) is not q:
+            return False
+        values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap)
+        self.attn_layout.pack(st.attn_buf, values)
+        if k_new is not None:
+            self.app_layout.pack(st.app_buf, dop.append_values(values, k_new, v_new))
+        st.key = key
+        return True
+
+
+class _FastState:
+    """One thread's argument blocks of a :class:`_FastPath` and the layout they hold."""
+
+    def __init__(self, attn_layout, app_layout):
+        self.key = None
+        self.attn_buf, self.attn_params = attn_layout.new_block()
+        self.app_buf, self.app_params = app_layout.new_block()

@@ -1,0 +1,137 @@
+"""The decode op's references (:mod:`flashgen.ops.decode`): the cache append
+(:func:`append_reference`), attention over the gathered cache (:func:`decode_reference`, the
+op's CPU path and the tests' oracle) and the exact merge of two attention results
+(:func:`merge_attention`, FlashInfer's ``merge_state``).
+
+Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the public names."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashgen.frontend import ir
+from flashgen.frontend.errors import OpInputError
+from flashgen.ops.decode_inputs import gather_cache
+from flashgen.ops.validation import default_softmax_scale
+
+
+def append_reference(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=None) -> None:
+    """Write ``k_new``/``v_new`` ``[B, Hkv, Sq, D]`` into the cache at ``cache_seqlens[b]`` (in
+    place; rows past the request's pages dropped, as the kernel does)."""
+    batch, _, sq, _ = k_new.shape
+    lens = cache_seqlens.to("cpu", torch.int64).tolist()
+    for b in range(batch):
+        for s in range(sq):
+            pos = lens[b] + s
+            if pos < 0:
+                continue
+            if block_table is None:
+                if pos >= k_cache.shape[2]:
+                    continue
+                k_cache[b, :, pos] = k_new[b, :, s]
+                v_cache[b, :, pos] = v_new[b, :, s]
+            else:
+                ps = k_cache.shape[1]
+                pi = pos // ps
+                if pi >= block_table.shape[1]:
+                    continue
+                pg = int(block_table[b, pi])
+                if not 0 <= pg < k_cache.shape[0]:
+                    continue
+                k_cache[pg, pos % ps] = k_new[b, :, s]
+                v_cache[pg, pos % ps] = v_new[b, :, s]
+
+
+def decode_reference(
+    spec: ir.Spec,
+    q,
+    k_cache,
+    v_cache,
+    live_lens,
+    block_table=None,
+    *,
+    softmax_scale: float | None = None,
+    params: dict | None = None,
+    compute_dtype=torch.float64,
+):
+    """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
+    the gathered keys (one request at a time, ``b`` its batch index): by
+    :func:`flashgen.ops.reference.attention_reference` for a float64 ``compute_dtype`` (the
+    test oracle) or a low-precision one (the error bound's torch math), for float32 by the
+    padded op's CPU path
+    (:func:`flashgen.ops.cpu_attention.attention_blocked`, so the decode op on CPU equals the
+    padded op on the gathered cache bitwise).  o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse
+    ``[B, Hq, Sq]`` (float32, float64 for a float64 reference); no live key: o = 0,
+    lse = -inf."""
+    from flashgen.ops.cpu_attention import attention_blocked
+    from flashgen.ops.reference import attention_reference
+
+    batch, hq, sq, _ = q.shape
+    dv = v_cache.shape[-1]
+    lse_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    o = torch.zeros(batch, hq, sq, dv, dtype=compute_dtype, device=q.device)
+    lse = torch.full((batch, hq, sq), -math.inf, dtype=lse_dtype, device=q.device)
+    lens = [int(x) for x in torch.as_tensor(live_lens).tolist()]
+    for b in range(batch):
+        if lens[b] <= 0 or sq == 0:
+            continue
+        k, v = gather_cache(k_cache, v_cache, b, lens[b], block_table)
+        if compute_dtype != torch.float32:  # the float64 oracle, or torch's low-precision math
+            ob, lb = attention_reference(
+                spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
+                params=params, compute_dtype=compute_dtype, batch_offset=b,
+            )  # fmt: skip
+        else:
+            if softmax_scale is None:
+                softmax_scale = default_softmax_scale(spec)
+            ob, lb = attention_blocked(
+                spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
+                params=params, batch_offset=b,
+            )  # fmt: skip
+        o[b] = ob[0]
+        lse[b] = lb[0].to(lse_dtype)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- merge
+def merge_attention(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two attention results over disjoint key sets (FlashInfer's
+    ``merge_state``; the combine of split-KV): ``lse = log(exp(lse_a) + exp(lse_b))``,
+    ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``, computed in float32.
+
+    ``o_*`` ``[..., Dv]`` (float32, float16 or bfloat16), ``lse_*`` ``[...]`` float32 (natural
+    log; -inf: no key, weight 0), one device.  Returns ``(o, lse)``: o in ``o_a``'s dtype
+    (a caller that accumulates keeps float32), lse float32; both -inf gives o = 0, lse =
+    -inf.  Raises :class:`OpInputError` for mismatched shapes, dtypes or devices."""
+    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device != o_a.device:
+            raise OpInputError(f"{name}: expected device {o_a.device} (o_a's), got {t.device}")
+    if o_a.shape != o_b.shape:
+        raise OpInputError(f"o_b: expected shape {list(o_a.shape)} (o_a's), got {list(o_b.shape)}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != tuple(o_a.shape[:-1]):
+            raise OpInputError(
+                f"{name}: expected shape {list(o_a.shape[:-1])} (o's without its last dim), got "
+                f"{list(t.shape)}"
+            )
+        if t.dtype != torch.float32:
+            raise OpInputError(f"{name}: expected dtype torch.float32, got {t.dtype}")
+    for name, t in (("o_a", o_a), ("o_b", o_b)):
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise OpInputError(
+                f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}"
+            )
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa = torch.exp(lse_a - m_safe)
+    wb = torch.exp(lse_b - m_safe)
+    total = wa + wb
+    empty = total == 0
+    lse = torch.where(empty, torch.full_like(m, -math.inf), m_safe + torch.log(total))
+    inv = torch.where(empty, torch.zeros_like(total), 1.0 / torch.where(empty, 1.0, total))
+    o = (wa * inv).unsqueeze(-1) * o_a.float() + (wb * inv).unsqueeze(-1) * o_b.float()
+    return o.to(o_a.dtype), lse
