@@ -366,9 +366,9 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
     import torch
 
     from flashgen.families import decode as family
+    from flashgen.ops import calls as calls_mod
     from flashgen.ops import decode as dmod
     from flashgen.ops import decode_fast as dfast
-    from flashgen.ops import op as op_mod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 
@@ -380,7 +380,7 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
     tma.driver = lambda: Driver
     dfast._eager_cuda = dfast._plain_eager_fast  # CPU tensors stand in (no is_cuda)
     dfast._GET_DEVICE = lambda: None
-    op_mod._RAW_STREAM = lambda index: 0
+    calls_mod._RAW_STREAM = lambda index: 0
     op = flashgen.load(root / "specs" / "llama3_gqa.yaml")
     dop = dmod.decode_op(op)
     unit = family.plan(op.spec, "sm_90")
