@@ -611,6 +611,33 @@ __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int 
 }
 
 }  // namespace fg
+// One row of a block table (templates/sm_80/blockmask.cu.j2: one byte per key block, EMPTY / PARTIAL /
+// FULL, for the kernel's BLOCK_M x BLOCK_N tiles), walked last to first by a whole warp: 32 entries
+// per step (one byte per lane, a ballot), so a long EMPTY run (other documents) costs a step per 32
+// blocks.  Every lane of the warp calls prev_live with the same j and gets the same answer.
+
+namespace fg {
+
+struct TableWalk {
+    const unsigned char* row;
+    // The last live key block at or before j (-1 if none); c becomes its class.  lane: this
+    // thread's lane in the warp.
+    __device__ __forceinline__ int prev_live(int j, int& c, int lane) const {
+        for (; j >= 0; j -= 32) {
+            const int jj = j - lane;
+            const unsigned live = __ballot_sync(0xffffffffu, jj >= 0 && row[jj] != fg::iv::EMPTY);
+            if (live) {
+                j -= __ffs(live) - 1;  // the lowest lane holds the largest live block
+                c = row[j];
+                return j;
+            }
+        }
+        c = fg::iv::EMPTY;
+        return -1;
+    }
+};
+
+}  // namespace fg
 
 namespace {
 constexpr int HEAD_DIM = 128;
@@ -771,21 +798,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
             // Key blocks are visited last to first, live ones only: prev_live(j, c) is the last live
             // key block at or before j (-1 if none) and sets c to its class.
             const unsigned char* tab_row = blk_tab + b * blk_sb + h * blk_sh + (int64_t)m_block * n_kv_blocks;
-            // 32 entries of the table row per step (one byte per lane, a ballot): a long EMPTY run
-            // (other documents) costs a step per 32 blocks.
-            auto prev_live = [&](int j, int& c) {
-                for (; j >= 0; j -= 32) {
-                    const int jj = j - (int)threadIdx.x;
-                    const unsigned live = __ballot_sync(0xffffffffu, jj >= 0 && tab_row[jj] != fg::iv::EMPTY);
-                    if (live) {
-                        j -= __ffs(live) - 1;  // the lowest lane holds the largest live block
-                        c = tab_row[j];
-                        return j;
-                    }
-                }
-                c = fg::iv::EMPTY;
-                return -1;
-            };
+            // 32 entries of the table row per step (common/block_table.cuh; threads 0-31 run here).
+            const fg::TableWalk table{tab_row};
+            auto prev_live = [&](int j, int& c) { return table.prev_live(j, c, (int)threadIdx.x); };
             int cls = fg::iv::EMPTY;
             int n_block = prev_live(n_kv_blocks - 1, cls);
             if (n_block < 0) {  // nothing to load: the consumers write o = 0, lse = -inf

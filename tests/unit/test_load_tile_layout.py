@@ -52,7 +52,7 @@ def admitted(threads: int, rows: int, cols: int) -> bool:
 
 def _load_tile_text(row_chunks: bool, even: bool, chain: bool) -> str:
     plan = plan_forward(loads_spec(SPEC, path="<lt>"), "sm_80", family="fa2")
-    ctx = dict(plan.context, fwd_row_chunks=row_chunks, fwd_even_loads=even, load_chain=chain)
+    ctx = replace(plan.context, fwd_row_chunks=row_chunks, fwd_even_loads=even, load_chain=chain)
     src = render(replace(plan, context=ctx))
     start = src.index("template <int ROWS, int COLS>\n__device__ __forceinline__ void load_tile")
     depth, i = 0, src.index("{", start)

@@ -1,7 +1,7 @@
 """The CUtensorMap descriptor cache (:class:`flashgen.runtime.tma.DescriptorCache`) with a fake
 encoder: a hit calls no encoder, a change of any key field misses, the least recently
 used entry is evicted first, a refused encoding is not stored, and
-``FLASHGEN_NO_TMA_CACHE=1`` turns caching off.  No GPU, no driver."""
+``flashgen.runtime.tma.set_cache_enabled(False)`` turns caching off.  No GPU, no driver."""
 
 from __future__ import annotations
 
@@ -135,15 +135,19 @@ def test_refused_encoding_is_not_stored():
     assert len(calls) == 2 and len(cache) == 0
 
 
-def test_disabled_encodes_every_time(monkeypatch):
-    monkeypatch.setenv("FLASHGEN_NO_TMA_CACHE", "1")
-    enc = FakeEncoder()
-    cache = DescriptorCache(encoder=enc)
-    assert not cache.enabled
-    get(cache)
-    get(cache)
-    assert len(enc.calls) == 2 and len(cache) == 0 and cache.misses == 2
-    monkeypatch.delenv("FLASHGEN_NO_TMA_CACHE")
+def test_disabled_encodes_every_time():
+    from flashgen.runtime.tma import set_cache_enabled
+
+    set_cache_enabled(False)  # what FLASHGEN_NO_TMA_CACHE=1 was
+    try:
+        enc = FakeEncoder()
+        cache = DescriptorCache(encoder=enc)
+        assert not cache.enabled
+        get(cache)
+        get(cache)
+        assert len(enc.calls) == 2 and len(cache) == 0 and cache.misses == 2
+    finally:
+        set_cache_enabled(True)
     assert DescriptorCache().enabled
 
 
