@@ -21,6 +21,13 @@ Op contract::
                  (in place) and attended: the live keys are cache_seqlens[b] + Sq_new
     o [B, Hq, Sq_new, Dv] (spec dtype), lse [B, Hq, Sq_new] float32 (natural log)
 
+Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
+``cu_seqlens_q`` ``[B + 1]`` (as the varlen op); request b's Sq_b = cu_seqlens_q[b + 1] -
+cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its mask); k_new / v_new
+``[total_q, Hkv, D]`` append Sq_b rows per request; o ``[total_q, Hq, Dv]``, lse ``[Hq,
+total_q]``.  ``max_seqlen_q`` (the grid's rows; None: read from cu_seqlens_q) bounds every
+Sq_b; its values are checked as cache_seqlens' are.  No plan, no out, no torch op yet.
+
 The queries are the last Sq_new of the live keys: the mask and score_mod see q_idx in
 [0, Sq_new), kv_idx in [0, L), seqlen_q = Sq_new, seqlen_k = L (the padded op on the
 gathered cache, bottom-right causal).  A request with no live key gives o = 0, lse = -inf.
@@ -53,6 +60,7 @@ from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current
 from flashgen.ops.decode_fast import DecodeCallPlan, _FastPath, _workspace
 from flashgen.ops.decode_inputs import (
     DecodeDims,
+    _aligned_16,
     check_num_splits,
     check_out,
     check_values,
@@ -651,17 +659,25 @@ class DecodeOp:
             return o, lse
         kern = plan.kernels
         stream = current_stream_ptr(q.device)
-        q = _kernel_aligned(q)
+        q = _aligned_any(q)
         values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors)
         if cu_seqlens_q is not None:
             values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:
-            av = self.append_values(values, _kernel_aligned(k_new), _kernel_aligned(v_new))
+            av = self.append_values(values, _aligned_any(k_new), _aligned_any(v_new))
             kern["append"].launch(plan.geometry.append_grid, av, stream)
         if o.numel() == 0:
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def _aligned_any(t):
+    """``t`` when the kernels' 16-byte copies can address it (4-D: ``_kernel_aligned``; the
+    ragged 3-D q / k_new / v_new: the same rule on their dims), else a contiguous copy."""
+    if t.dim() == 4:
+        return _kernel_aligned(t)
+    return t if _aligned_16(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def decode_op(op) -> DecodeOp:

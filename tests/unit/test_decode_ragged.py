@@ -222,3 +222,33 @@ def test_append_past_the_pages_is_flagged(dense):
         else:
             with pytest.raises(OpInputError, match=r"append of request 1 .* 6 \+ 3 new keys"):
                 op.with_kvcache(qr, kc, vc, lens, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ragged_launch_values_cover_the_ragged_kernels_arguments(splits):
+    """The CUDA path's arguments (built on CPU tensors, no launch): every argument of the
+    ragged unit's attn and append kernels has a value, the workspace holds total_q x Hq rows,
+    q / k_new pass their token stride as q_ss / kn_ss, new_keys is the append flag."""
+    from flashgen.families import decode as family
+    from flashgen.ops.decode import decode_op, validate_decode_ragged
+
+    op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+        "alibi", (1, 0, 5), (3, 4, 0), hq=8, hkv=2, ps=4, dense=False, append=True
+    )
+    dop = decode_op(op)
+    dims = validate_decode_ragged(op.spec, q, kc, vc, lens_t, table, kn, vn, cu, 5)
+    plan = dop.plan_for(dims, torch.device("cpu"), splits, own_workspace=False)
+    o, lse = dop._outputs(q, dims)
+    slopes = {"slopes": _params("alibi", 8)["slopes"]}
+    values = dop.launch_values(plan, q, kc, vc, lens_t, table, o, lse, 0.1, [], slopes)
+    values["cu_seqlens_q"] = cu
+    unit = family.plan(op.spec, "sm_80", ragged=True)
+    assert {a.name for a in unit.args} <= set(values)
+    av = dop.append_values(values, kn, vn)
+    assert {a.name for a in unit.kernel("append").args} <= set(av)
+    assert (values["q_sb"], values["q_ss"], values["q_sh"]) == (0, q.stride(0), q.stride(1))
+    assert (av["kn_sb"], av["kn_ss"], av["kn_sh"]) == (0, kn.stride(0), kn.stride(1))
+    assert values["max_seqlen_q"] == 5 and values["new_keys"] == 1
+    assert plan.geometry.grid == (plan.geometry.m_blocks * splits, 2, 3)
+    if splits > 1:
+        assert values["o_part"].shape == (splits, 6 * 8, op.spec.head_dim_v)
