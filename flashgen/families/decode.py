@@ -137,7 +137,9 @@ class DecodeContext(TemplateContext):
     CTA of a tile merges the splits, and the append kernel).  ``args`` / ``append_args``: each
     kernel's :class:`~flashgen.codegen.abi.KernelArg` tuple; ``mask_expr`` /
     ``score_mod_expr``: the spec's DSL as CUDA (None without), ``prologue`` their hoisted
-    invariants; ``tile_classifier``: the mask's interval classifier source."""
+    invariants; ``tile_classifier``: the mask's interval classifier source.  ``ragged``:
+    the ragged-Sq_new unit (q ``[total_q, Hq, D]`` with ``cu_seqlens_q``; False renders the
+    padded unit unchanged)."""
 
     spec_name: str
     base_name: str
@@ -164,6 +166,7 @@ class DecodeContext(TemplateContext):
     ctas_per_sm: int
     args: tuple
     append_args: tuple
+    ragged: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,8 @@ class DecodePlan(KernelPlan):
             tiles = DecodeTiles(1, 1, APPEND_THREADS // 32, 1)
             return replace(
                 self, kernel_name=f"{self.base_name}_append", tiles=tiles, smem_bytes=0,
-                args=append_args(self.context["elem_t"]), role=role,
+                args=append_args(self.context["elem_t"], self.context.get("ragged", False)),
+                role=role,
             )  # fmt: skip
         raise ValueError(f"unknown decode kernel role {role!r}")
 
@@ -313,10 +317,12 @@ def _ctype(spec: Spec) -> str:
     return CTYPE[spec.dtype]
 
 
-def attn_args(spec: Spec) -> tuple:
+def attn_args(spec: Spec, ragged: bool = False) -> tuple:
     """The attention kernel's arguments (:class:`flashgen.codegen.abi.KernelArg`), in order:
     the pointers a call changes first (:data:`CALL_POINTERS` of them, packed per call by the
-    planned fast path), then the plan's workspace, the layout and the params."""
+    planned fast path), then the plan's workspace, the layout and the params.  ``ragged``:
+    ``seqlen_q`` is ``max_seqlen_q`` (the grid's), ``new_keys`` a 0/1 append flag (each
+    request appends its own Sq_b), and ``cu_seqlens_q`` (int32 ``[B + 1]``) comes last."""
     t = _ctype(spec)
     a = [
         KernelArg("q", f"const {t}*"),
@@ -334,19 +340,23 @@ def attn_args(spec: Spec) -> tuple:
         a.append(KernelArg(n, "int64_t"))
     for n in ("max_pages", "num_pages", "page_size", "batch", "heads_q", "heads_kv"):
         a.append(KernelArg(n, "int"))
-    for n in ("seqlen_q", "num_splits", "new_keys", "group"):
+    for n in ("max_seqlen_q" if ragged else "seqlen_q", "num_splits", "new_keys", "group"):
         a.append(KernelArg(n, "int"))
     a.append(KernelArg("softmax_scale", "float"))
     for p in spec.scalar_params:
         a.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
         a.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    if ragged:
+        a.append(KernelArg("cu_seqlens_q", "const int*"))
     return tuple(a)
 
 
-def append_args(elem_t: str) -> tuple:
+def append_args(elem_t: str, ragged: bool = False) -> tuple:
     """The append kernel's arguments: ``k_new``/``v_new`` ``[B, Hkv, Sq_new, D]`` (strides)
-    into the cache (the attention kernel's layout arguments)."""
+    into the cache (the attention kernel's layout arguments).  ``ragged``: ``k_new``/``v_new``
+    ``[total_q, Hkv, D]`` (the token stride passed as ``kn_ss``), ``max_seqlen_q`` for
+    ``seqlen_q`` and ``cu_seqlens_q`` last."""
     a = [
         KernelArg("k_new", f"const {elem_t}*"),
         KernelArg("v_new", f"const {elem_t}*"),
@@ -359,18 +369,24 @@ def append_args(elem_t: str) -> tuple:
         a.append(KernelArg(n, "int64_t"))
     for n in ("k_sp", "k_ss", "k_sh", "v_sp", "v_ss", "v_sh", "bt_sb"):
         a.append(KernelArg(n, "int64_t"))
-    for n in ("max_pages", "num_pages", "page_size", "heads_kv", "seqlen_q"):
+    for n in ("max_pages", "num_pages", "page_size", "heads_kv"):
         a.append(KernelArg(n, "int"))
+    a.append(KernelArg("max_seqlen_q" if ragged else "seqlen_q", "int"))
+    if ragged:
+        a.append(KernelArg("cu_seqlens_q", "const int*"))
     return tuple(a)
 
 
 # ----------------------------------------------------------------------------- plan
 def plan(
-    spec: Spec, target: str, options: Options | None = None, *, options_key: str = ""
+    spec: Spec, target: str, options: Options | None = None, *, options_key: str = "",
+    ragged: bool = False,
 ) -> DecodePlan:
     """Lower ``spec`` to its decode unit for ``target`` (``sm_80``: mma.sync, also what
     ``sm_90`` compiles for sm_90a); ``options_key`` (the registry's
-    :meth:`flashgen.options.Options.family_key`) goes into the plan's cache key.  Raises
+    :meth:`flashgen.options.Options.family_key`) goes into the plan's cache key.  ``ragged``:
+    the ragged-Sq_new unit (kernels ``flashgen_<spec>_decode_ragged_<target>_*``; q
+    ``[total_q, Hq, D]`` with ``cu_seqlens_q``, rows of a request past its Sq_b exit).  Raises
     ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`), an
     unknown target or tiles that do not fit."""
     if target not in TARGETS:
@@ -394,7 +410,7 @@ def plan(
     reads_h = spec.mask is not None and any(
         isinstance(n, ir.Var) and n.name == "h" for n in ir.walk(spec.mask)
     )
-    base = f"flashgen_{spec.name}_decode_{target}"
+    base = f"flashgen_{spec.name}_decode_{'ragged_' if ragged else ''}{target}"
     ctx = DecodeContext(
         spec_name=spec.name,
         base_name=base,
@@ -419,8 +435,9 @@ def plan(
         pack_gqa=options.pack_gqa,
         min_split_blocks=options.min_split_blocks,
         ctas_per_sm=options.ctas_per_sm or _smem_ctas(target, smem),
-        args=attn_args(spec),
-        append_args=append_args(CTYPE[spec.dtype]),
+        args=attn_args(spec, ragged),
+        append_args=append_args(CTYPE[spec.dtype], ragged),
+        ragged=ragged,
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

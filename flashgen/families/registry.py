@@ -162,12 +162,15 @@ def plan_block_table(spec: Spec, target: str, tile_config: TileConfig) -> Kernel
     return blocktable.plan(spec, target, tile_config)
 
 
-def plan_decode(spec: Spec, target: str, options: Options = DEFAULT) -> decode.DecodePlan:
+def plan_decode(
+    spec: Spec, target: str, options: Options = DEFAULT, *, ragged: bool = False
+) -> decode.DecodePlan:
     """The decode unit (attention, combine, append kernels) of ``spec`` on ``target``
-    (:func:`flashgen.families.decode.plan` with ``options.decode``).  Raises ``ValueError``
-    for a spec decode does not support or tiles that do not fit."""
+    (:func:`flashgen.families.decode.plan` with ``options.decode``; ``ragged``: the
+    ragged-Sq_new unit).  Raises ``ValueError`` for a spec decode does not support or tiles
+    that do not fit."""
     return decode.plan(
-        spec, target, options.decode, options_key=options.family_key("decode")
+        spec, target, options.decode, options_key=options.family_key("decode"), ragged=ragged
     )
 
 

@@ -21,6 +21,13 @@ Op contract::
                  (in place) and attended: the live keys are cache_seqlens[b] + Sq_new
     o [B, Hq, Sq_new, Dv] (spec dtype), lse [B, Hq, Sq_new] float32 (natural log)
 
+Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
+``cu_seqlens_q`` ``[B + 1]`` (as the varlen op); request b's Sq_b = cu_seqlens_q[b + 1] -
+cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its mask); k_new / v_new
+``[total_q, Hkv, D]`` append Sq_b rows per request; o ``[total_q, Hq, Dv]``, lse ``[Hq,
+total_q]``.  ``max_seqlen_q`` (the grid's rows; None: read from cu_seqlens_q) bounds every
+Sq_b; its values are checked as cache_seqlens' are.  No plan, no out, no torch op yet.
+
 The queries are the last Sq_new of the live keys: the mask and score_mod see q_idx in
 [0, Sq_new), kv_idx in [0, L), seqlen_q = Sq_new, seqlen_k = L (the padded op on the
 gathered cache, bottom-right causal).  A request with no live key gives o = 0, lse = -inf.
@@ -53,12 +60,14 @@ from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current
 from flashgen.ops.decode_fast import DecodeCallPlan, _FastPath, _workspace
 from flashgen.ops.decode_inputs import (
     DecodeDims,
+    _aligned_16,
     check_num_splits,
     check_out,
     check_values,
     gather_cache,
     unchecked_key_mask,
     validate_decode,
+    validate_decode_ragged,
 )
 from flashgen.ops.decode_reference import append_reference, decode_reference, merge_attention
 from flashgen.ops.validation import (
@@ -166,6 +175,11 @@ class DecodeOp:
         return q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors
 
     def _outputs(self, q, dims: DecodeDims):
+        if dims.ragged:  # o [total_q, Hq, Dv], lse [Hq, total_q] (the varlen op's layout)
+            o = torch.empty((dims.total_q, dims.heads_q, dims.head_dim_v),
+                            dtype=out_dtype(self.spec), device=q.device)  # fmt: skip
+            lse = torch.empty((dims.heads_q, dims.total_q), dtype=torch.float32, device=q.device)
+            return o, lse
         o = torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
             dtype=out_dtype(self.spec), device=q.device,
@@ -232,6 +246,7 @@ class DecodeOp:
         k_new=None,
         v_new=None,
         cu_seqlens_q=None,
+        max_seqlen_q: int | None = None,
         num_splits=None,
         plan: DecodeCallPlan | None = None,
         softmax_scale: float | None = None,
@@ -242,7 +257,9 @@ class DecodeOp:
         lse)``.  ``num_splits``: None (the heuristic, or the plan's), or 1..128 (bitwise
         reproducible results for a fixed value, independent of the other requests).
         ``plan``: from :meth:`plan_decode` for this call's shapes (no host planning; CUDA
-        graph capturable).  ``cu_seqlens_q`` (ragged Sq_new) is not supported yet.
+        graph capturable).  ``cu_seqlens_q`` (ragged Sq_new, :meth:`_with_kvcache_ragged`):
+        q ``[total_q, Hq, D]``, int32 ``[B + 1]`` offsets; ``max_seqlen_q`` its longest Sq_b
+        (None: read from ``cu_seqlens_q``, a host sync on CUDA); no ``plan`` or ``out``.
         ``out``: ``(o, lse)`` to write instead of new tensors (contiguous, the shapes and
         dtypes above, on q's device; FlashInfer's ``out=``): a serving loop that reuses them
         saves the two allocations per call.  Returns ``out`` then.
@@ -253,6 +270,17 @@ class DecodeOp:
                        softmax_scale, params, out)  # fmt: skip
             if res is not None:
                 return res
+        if cu_seqlens_q is not None:
+            if plan is not None or out is not None:
+                raise OpInputError(
+                    "plan, out: not supported with cu_seqlens_q (ragged Sq_new) yet; pass neither"
+                )
+            return self._with_kvcache_ragged(
+                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cu_seqlens_q,
+                max_seqlen_q, num_splits, softmax_scale, params,
+            )  # fmt: skip
+        if max_seqlen_q is not None:
+            raise OpInputError("max_seqlen_q: only with cu_seqlens_q (ragged Sq_new)")
         res = self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                  cu_seqlens_q, num_splits, plan, softmax_scale, params)  # fmt: skip
         if out is None:
@@ -302,6 +330,71 @@ class DecodeOp:
             args += [k_new, v_new]
         args += [softmax_scale, splits, *scalars, *tensors]
         return self.torch_op(append)(*args)
+
+    def _with_kvcache_ragged(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
+                             v_new, cu_seqlens_q, max_seqlen_q, num_splits, softmax_scale,
+                             params):  # fmt: skip
+        """Ragged Sq_new: request b's queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b +
+        1]`` of q ``[total_q, Hq, D]`` (Sq_b of them, the last Sq_b of its live keys; the mask
+        sees ``q_idx`` in ``[0, Sq_b)``, ``seqlen_q = Sq_b``); k_new / v_new ``[total_q, Hkv,
+        D]`` append each request's own Sq_b rows at ``cache_seqlens[b]``.  Returns o
+        ``[total_q, Hq, Dv]``, lse ``[Hq, total_q]`` float32.  CPU: the values are checked,
+        then each request runs through the padded op (its reference / blocked path).  CUDA:
+        the ragged unit (``plan(..., ragged=True)``), values checked under the debug check;
+        not a registered torch op (no torch.compile / opcheck yet)."""
+        self._refuse()
+        if not isinstance(cu_seqlens_q, torch.Tensor):
+            raise OpInputError(
+                f"cu_seqlens_q: expected a torch.Tensor [batch + 1] of int32, got "
+                f"{type(cu_seqlens_q).__name__}"
+            )
+        if max_seqlen_q is None:  # a host read (a sync on CUDA)
+            cu = cu_seqlens_q.detach().to("cpu", torch.int64)
+            max_seqlen_q = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+            max_seqlen_q = max(max_seqlen_q, 0)
+        scalars, tensors = resolve_params(self.spec, params)
+        tmap = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
+        if softmax_scale is None:
+            softmax_scale = default_softmax_scale(self.spec)
+        softmax_scale = check_softmax_scale(softmax_scale)
+        splits = check_num_splits(num_splits)
+        dims = validate_decode_ragged(
+            self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+            cu_seqlens_q, max_seqlen_q,
+        )  # fmt: skip
+        if self.spec.tensor_params:
+            validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
+        if q.is_cuda:
+            if check_enabled():
+                check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
+            names = [p.name for p in self.spec.scalar_params]
+            plan = self.plan_for(dims, q.device, splits or None,
+                                 params=dict(zip(names, scalars, strict=True)))  # fmt: skip
+            return self._launch(
+                plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q,
+            )  # fmt: skip
+        check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
+        o, lse = self._outputs(q, dims)
+        cu = cu_seqlens_q.tolist()
+        for b in range(dims.batch):
+            q0, q1 = cu[b], cu[b + 1]
+            qb = q[q0:q1].permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Sq_b, D]
+            sl = slice(b, b + 1)
+            if block_table is None:
+                kc, vc, table = k_cache[sl], v_cache[sl], None
+            else:
+                kc, vc, table = k_cache, v_cache, block_table[sl]
+            kn = vn = None
+            if k_new is not None:
+                kn = k_new[q0:q1].permute(1, 0, 2).unsqueeze(0)
+                vn = v_new[q0:q1].permute(1, 0, 2).unsqueeze(0)
+            ob, lb = self._with_kvcache(qb, kc, vc, cache_seqlens[sl], table, kn, vn, None,
+                                        splits or None, None, softmax_scale,
+                                        dict(params))  # fmt: skip
+            o[q0:q1] = ob[0].permute(1, 0, 2)
+            lse[:, q0:q1] = lb[0]
+        return o, lse
 
     def plan_decode(
         self,
@@ -403,12 +496,14 @@ class DecodeOp:
             )
 
     # ------------------------------------------------------------------ CUDA
-    def kernels(self, device: torch.device, options: family.Options | None = None) -> dict:
+    def kernels(self, device: torch.device, options: family.Options | None = None,
+                ragged: bool = False) -> dict:  # fmt: skip
         """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``) for the unit
-        knobs of ``options`` (default: the head dim's), built through the cache on first use."""
+        knobs of ``options`` (default: the head dim's), built through the cache on first use;
+        ``ragged``: the ragged-Sq_new unit."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         options = options or self.op.options.decode
-        key = (index, options.unit_key())
+        key = (index, options.unit_key()) + (("ragged",) if ragged else ())
         hit = self._units.get(key)
         if hit is not None:
             return hit
@@ -421,7 +516,8 @@ class DecodeOp:
 
                 target = target_for_device(self.spec, torch.device("cuda", index))
                 p = registry.plan_decode(
-                    self.spec, target, dataclasses.replace(self.op.options, decode=options)
+                    self.spec, target, dataclasses.replace(self.op.options, decode=options),
+                    ragged=ragged,
                 )
                 cubin, report = cache.get_or_build(render(p), p)
                 hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
@@ -441,7 +537,7 @@ class DecodeOp:
         pack_gqa = pack_gqa and options.pack_gqa
         if num_splits is None:
             num_splits = options.num_splits
-        kern = self.kernels(device, options) if device.type == "cuda" else {}
+        kern = self.kernels(device, options, dims.ragged) if device.type == "cuda" else {}
         unit = kern["attn"].plan if kern else registry.plan_decode(
             self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options)
         )
@@ -463,7 +559,7 @@ class DecodeOp:
             unit, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
             seqlen_q=dims.seqlen_q, num_splits=num_splits, pack_gqa=pack_gqa,
         )  # fmt: skip
-        rows = dims.batch * dims.heads_q * dims.seqlen_q
+        rows = dims.heads_q * (dims.total_q if dims.ragged else dims.batch * dims.seqlen_q)
         o_part = lse_part = counters = None
         if own_workspace and num_splits > 1 and device.type == "cuda":
             o_part, lse_part, counters = _workspace(dims, geo, num_splits, device)
@@ -473,11 +569,14 @@ class DecodeOp:
             "seqlen_q": dims.seqlen_q, "num_splits": num_splits,
             "new_keys": dims.seqlen_q if dims.append else 0, "group": geo.group, "rows": rows,
         }  # fmt: skip
+        if dims.ragged:  # new_keys: the append flag; each request appends its own Sq_b
+            fixed["max_seqlen_q"] = fixed.pop("seqlen_q")
+            fixed["new_keys"] = int(dims.append)
         plan = DecodeCallPlan(
             dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
             options=options, live_blocks=live_blocks,
         )  # fmt: skip
-        if own_workspace and kern and rows > 0:
+        if own_workspace and kern and rows > 0 and not dims.ragged:
             plan.fast = _FastPath(self, plan)
         return plan
 
@@ -521,6 +620,8 @@ class DecodeOp:
         values["num_pages"] = kc.shape[0] if paged else dims.batch
         values["page_size"] = kc.shape[1] if paged else kc.shape[2]
         values["max_pages"] = table.shape[1] if paged else 1
+        if dims.ragged:  # q [total_q, Hq, D]: the token stride is q_ss, request b starts at
+            values.update(q_sb=0, q_sh=q.stride(1), q_ss=q.stride(0))  # cu_seqlens_q[b]
         for p, val in zip(self.spec.scalar_params, scalars, strict=True):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
@@ -538,13 +639,17 @@ class DecodeOp:
 
     def append_values(self, values: dict, k_new, v_new) -> dict:
         """The append kernel's arguments: the attention kernel's ``values`` and the new rows
-        (16-byte aligned)."""
+        (16-byte aligned; ragged ``[total_q, Hkv, D]``: the token stride as ``kn_ss``)."""
+        if k_new.dim() == 3:
+            return dict(values, k_new=k_new, v_new=v_new, kn_sb=0, kn_sh=k_new.stride(1),
+                        kn_ss=k_new.stride(0), vn_sb=0, vn_sh=v_new.stride(1),
+                        vn_ss=v_new.stride(0))  # fmt: skip
         return dict(values, k_new=k_new, v_new=v_new, kn_sb=k_new.stride(0),
                     kn_sh=k_new.stride(1), kn_ss=k_new.stride(2), vn_sb=v_new.stride(0),
                     vn_sh=v_new.stride(1), vn_ss=v_new.stride(2))  # fmt: skip
 
     def _launch(self, plan: DecodeCallPlan, q, kc, vc, lens, table, k_new, v_new, scale,
-                scalars, tensors):  # fmt: skip
+                scalars, tensors, cu_seqlens_q=None):  # fmt: skip
         dims = plan.dims
         o, lse = self._outputs(q, dims)
         if _poison_enabled():
@@ -554,15 +659,25 @@ class DecodeOp:
             return o, lse
         kern = plan.kernels
         stream = current_stream_ptr(q.device)
-        q = _kernel_aligned(q)
+        q = _aligned_any(q)
         values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors)
+        if cu_seqlens_q is not None:
+            values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:
-            av = self.append_values(values, _kernel_aligned(k_new), _kernel_aligned(v_new))
+            av = self.append_values(values, _aligned_any(k_new), _aligned_any(v_new))
             kern["append"].launch(plan.geometry.append_grid, av, stream)
         if o.numel() == 0:
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def _aligned_any(t):
+    """``t`` when the kernels' 16-byte copies can address it (4-D: ``_kernel_aligned``; the
+    ragged 3-D q / k_new / v_new: the same rule on their dims), else a contiguous copy."""
+    if t.dim() == 4:
+        return _kernel_aligned(t)
+    return t if _aligned_16(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def decode_op(op) -> DecodeOp:

@@ -67,9 +67,9 @@ class DecodeCallPlan:
 
 def _workspace(dims: DecodeDims, geo, num_splits: int, device):
     """The split workspace: fp32 partial o ``[num_splits, rows, Dv]`` and lse ``[num_splits,
-    rows]`` (rows = B x Hq x Sq_new), and the zeroed int32 counters of the fused combine, one
-    per attention tile (row block x kv head x request)."""
-    rows = dims.batch * dims.heads_q * dims.seqlen_q
+    rows]`` (rows = B x Hq x Sq_new; ragged: total_q x Hq), and the zeroed int32 counters of
+    the fused combine, one per attention tile (row block x kv head x request)."""
+    rows = dims.heads_q * (dims.total_q if dims.ragged else dims.batch * dims.seqlen_q)
     o_part = torch.empty((num_splits, rows, dims.head_dim_v), dtype=torch.float32, device=device)
     lse_part = torch.empty((num_splits, rows), dtype=torch.float32, device=device)
     tiles = geo.m_blocks * geo.grid[1] * geo.grid[2]

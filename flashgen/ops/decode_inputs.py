@@ -7,7 +7,7 @@ Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the pu
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,12 @@ class DecodeDims:
     page_size: int  # paged: keys per page; dense: S_cache
     max_pages: int  # paged: block_table.shape[1]; dense: 1
     append: bool
+    total_q: int | None = None  # ragged Sq_new: q's rows (seqlen_q is then max_seqlen_q)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the call is ragged (q ``[total_q, Hq, D]`` with ``cu_seqlens_q``)."""
+        return self.total_q is not None
 
     @property
     def capacity(self) -> int:
@@ -188,10 +194,13 @@ def validate_decode(
     )  # fmt: skip
 
 
-def check_values(dims: DecodeDims, cache_seqlens, block_table) -> None:
+def check_values(dims: DecodeDims, cache_seqlens, block_table, cu_seqlens_q=None) -> None:
     """The value checks (module doc): ``cache_seqlens >= 0``, the live keys within the
     request's pages (``block_table`` long enough) or the dense cache, page indices of the
-    live pages in ``[0, num_pages)``.  Reads the tensors (a host sync on CUDA).
+    live pages in ``[0, num_pages)``; ragged (``cu_seqlens_q``), first the offsets
+    (:func:`check_cu_seqlens_q`), each request appending its own Sq_b.  An append
+    (``dims.append``) that would run past the request's pages (which the kernels drop) is
+    refused naming the request and its append.  Reads the tensors (a host sync on CUDA).
     :class:`OpInputError` naming the first bad request."""
     lens = cache_seqlens.detach().to("cpu", torch.int64)
     if lens.numel() and int(lens.min()) < 0:
@@ -199,8 +208,26 @@ def check_values(dims: DecodeDims, cache_seqlens, block_table) -> None:
         raise OpInputError(
             f"cache_seqlens: expected values >= 0, got {int(lens[b])} at request {b}"
         )
-    live = lens + (dims.seqlen_q if dims.append else 0)
+    if cu_seqlens_q is not None:
+        new = check_cu_seqlens_q(dims, cu_seqlens_q)
+    else:
+        new = torch.full_like(lens, dims.seqlen_q)
+    if not dims.append:
+        new = torch.zeros_like(lens)
+    live = lens + new
     cap = dims.capacity
+    if dims.append and live.numel() and int(live.max()) > cap:
+        b = int((live > cap).nonzero()[0])
+        where = (
+            f"its {dims.max_pages} pages of {dims.page_size} (block_table row {b})"
+            if dims.paged
+            else f"the dense cache's {cap} slots"
+        )
+        raise OpInputError(
+            f"k_new: the append of request {b} would run past its pages: cache_seqlens[{b}] = "
+            f"{int(lens[b])} + {int(new[b])} new keys = {int(live[b])} keys, more than {where} "
+            f"(the kernel would drop the keys past them)"
+        )
     if live.numel() and int(live.max()) > cap:
         b = int((live > cap).nonzero()[0])
         what = (
@@ -223,6 +250,96 @@ def check_values(dims: DecodeDims, cache_seqlens, block_table) -> None:
                 f"block_table: expected page indices in [0, {dims.num_pages}) (k_cache.shape[0]), "
                 f"got {int(table[b, j])} at [{b}, {j}]"
             )
+
+
+def check_cu_seqlens_q(dims: DecodeDims, cu_seqlens_q):
+    """Check a ragged call's ``cu_seqlens_q`` values (as the varlen op's
+    :func:`flashgen.ops.varlen.check_cu_seqlens`): start at 0, nondecreasing, end at
+    ``total_q``, every Sq_b <= ``max_seqlen_q`` (``dims.seqlen_q``).  Returns Sq_b ``[B]``
+    int64 (CPU).  Reads the tensor (a host sync on CUDA); :class:`OpInputError` naming the
+    first offending entry."""
+    cu = cu_seqlens_q.detach().to("cpu", torch.int64)
+    if int(cu[0]) != 0:
+        raise OpInputError(f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {int(cu[0])}")
+    n = cu[1:] - cu[:-1]
+    if n.numel() and int(n.min()) < 0:
+        i = int((n < 0).nonzero()[0]) + 1
+        raise OpInputError(
+            f"cu_seqlens_q: expected nondecreasing offsets, got cu_seqlens_q[{i - 1}] = "
+            f"{int(cu[i - 1])} > cu_seqlens_q[{i}] = {int(cu[i])}"
+        )
+    if n.numel() and int(n.max()) > dims.seqlen_q:
+        b = int((n > dims.seqlen_q).nonzero()[0])
+        raise OpInputError(
+            f"max_seqlen_q: expected at least every request's Sq_b, but request {b} has "
+            f"{int(n[b])} queries (> {dims.seqlen_q})"
+        )
+    if int(cu[-1]) != dims.total_q:
+        raise OpInputError(
+            f"cu_seqlens_q: expected cu_seqlens_q[-1] == {dims.total_q} (q's rows), got "
+            f"{int(cu[-1])}"
+        )
+    return n
+
+
+def validate_decode_ragged(
+    spec: ir.Spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+    cu_seqlens_q, max_seqlen_q,
+) -> DecodeDims:  # fmt: skip
+    """Metadata checks of a ragged with_kvcache call (module doc of
+    :mod:`flashgen.ops.decode`): q ``[total_q, Hq, D]``, ``cu_seqlens_q`` int32 ``[B + 1]``
+    on q's device, ``max_seqlen_q`` an int in ``[0, total_q]`` (>= 1 when total_q > 0),
+    k_new / v_new ``[total_q, Hkv, D / Dv]``; the cache, lengths and table as
+    :func:`validate_decode`.  Never reads tensor contents.  Returns :class:`DecodeDims` with
+    ``seqlen_q = max_seqlen_q`` and ``total_q``; raises :class:`OpInputError`."""
+    want = TORCH_DTYPE[spec.dtype]
+    _tensor("q", q, 3, "[total_q, heads, head_dim] (ragged, with cu_seqlens_q)")
+    if q.dtype != want:
+        raise OpInputError(
+            f"q: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), got {q.dtype}"
+        )
+    if q.numel() > 0 and q.stride(-1) != 1:
+        raise OpInputError(f"q: expected stride(-1) == 1, got strides {list(q.stride())}")
+    _tensor("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1] of int32")
+    if cu_seqlens_q.dtype != torch.int32:
+        raise OpInputError(f"cu_seqlens_q: expected dtype torch.int32, got {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.device != q.device:
+        raise OpInputError(
+            f"cu_seqlens_q: expected device {q.device} (q's device), got {cu_seqlens_q.device}"
+        )
+    if cu_seqlens_q.shape[0] < 1:
+        raise OpInputError(
+            f"cu_seqlens_q: expected shape [batch + 1] (>= 1 entry), got {list(cu_seqlens_q.shape)}"
+        )
+    total_q, hq, d = q.shape
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, numbers.Integral):
+        raise OpInputError(f"max_seqlen_q: expected a Python int, got {max_seqlen_q!r}")
+    if not 0 <= int(max_seqlen_q) <= max(total_q, 0) or (total_q > 0 and max_seqlen_q == 0):
+        raise OpInputError(
+            f"max_seqlen_q: expected an int in [1, {total_q}] (q's rows; 0 only when q is "
+            f"empty), got {max_seqlen_q}"
+        )
+    batch = cu_seqlens_q.shape[0] - 1
+    # The padded checks on row-free stand-ins of q / k_new / v_new (no allocation).
+    q4 = q.new_empty((batch, hq, 0, d))
+    kn = vn = None
+    if (k_new is None) != (v_new is None):
+        raise OpInputError("k_new, v_new: expected both or neither, got only one")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            _tensor(name, t, 3, "[total_q, heads_kv, head_dim] (ragged)")
+            if t.shape[0] != total_q:
+                raise OpInputError(
+                    f"{name}: expected {total_q} rows (q's total_q), got shape {list(t.shape)}"
+                )
+        kn = k_new.new_empty((batch, k_new.shape[1], 0, k_new.shape[2]))
+        vn = v_new.new_empty((batch, v_new.shape[1], 0, v_new.shape[2]))
+    dims = validate_decode(spec, q4, k_cache, v_cache, cache_seqlens, block_table, kn, vn)
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.numel() > 0 and t.stride(-1) != 1:
+                raise OpInputError(f"{name}: expected stride(-1) == 1, got {list(t.stride())}")
+    return replace(dims, seqlen_q=int(max_seqlen_q), total_q=total_q)
 
 
 def check_out(spec: ir.Spec, out, o_shape, device) -> None:

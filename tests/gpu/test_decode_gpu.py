@@ -395,3 +395,59 @@ def test_sweep_options_are_correct(knobs):
             check(op.spec, q, kc, vc, table, lens, prm, *out)
             o2, l2 = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p, **prm)
             assert torch.equal(o2, out[0]) and torch.equal(l2, out[1])
+
+
+RAGGED = [("llama3_gqa", "paged", 16, (32, 8)), ("mistral_swa", "paged", 1, (8, 1)),
+          ("alibi", "dense", 0, (32, 8)), ("gemma2_softcap", "paged", 3, (8, 1))]  # fmt: skip
+
+
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("name,layout,ps,heads", RAGGED, ids=str)
+def test_ragged_against_float64(name, layout, ps, heads, splits, append):
+    """Ragged Sq_new (cu_seqlens_q; Sq_b 1 / 0 / 4 / 64 / 1 mixed): each request's rows
+    against the float64 reference of that request alone (seqlen_q = Sq_b), outputs poisoned,
+    unused slots NaN; appends land per request; rows of o / lse of empty requests: none."""
+    op = op_of(name)
+    spec = op.spec
+    hq, hkv = heads
+    lens = [5, 300, 0, 4097, 17]
+    sqs = [1, 0, 4, 64, 1]
+    cap = max(n + s for n, s in zip(lens, sqs, strict=True))
+    kc, vc, table = make_cache(lens, ps=max(ps, 1), hkv=hkv, d=spec.head_dim, dv=spec.head_dim_v,
+                               dtype=torch.bfloat16 if spec.dtype == "bf16" else torch.float16,
+                               layout=layout, cap=cap)  # fmt: skip
+    dt = kc.dtype
+    cu = torch.tensor([0, *torch.tensor(sqs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(sqs)
+    q = torch.randn(total, hq, spec.head_dim, device="cuda").to(dt)
+    params = params_of(name, hq, q.device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kw = {}
+    if append:
+        kw["k_new"] = torch.randn(total, hkv, spec.head_dim, device="cuda").to(dt)
+        kw["v_new"] = torch.randn(total, hkv, spec.head_dim_v, device="cuda").to(dt)
+    with poison_outputs():
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
+                                 max_seqlen_q=max(sqs), num_splits=splits, **kw,
+                                 **params)  # fmt: skip
+    torch.cuda.synchronize()
+    assert o.shape == (total, hq, spec.head_dim_v) and lse.shape == (hq, total)
+    for b in range(len(lens)):
+        q0, q1 = int(cu[b]), int(cu[b + 1])
+        if q1 == q0:
+            continue
+        live = [lens[b] + (sqs[b] if append else 0)]
+        if table is None:
+            kcb, vcb, tb = kc[b : b + 1], vc[b : b + 1], None
+        else:
+            kcb, vcb, tb = kc, vc, table[b : b + 1]
+        if append:  # the new rows landed at cache_seqlens[b] .. (checked through the gather)
+            from flashgen.ops.decode import gather_cache
+
+            kg, vg = gather_cache(kcb, vcb, 0, live[0], tb)
+            assert torch.equal(kg[:, lens[b]:].transpose(0, 1), kw["k_new"][q0:q1])
+            assert torch.equal(vg[:, lens[b]:].transpose(0, 1), kw["v_new"][q0:q1])
+        qb = q[q0:q1].permute(1, 0, 2)[None]
+        check(spec, qb, kcb, vcb, tb, live, params, o[q0:q1].permute(1, 0, 2)[None],
+              lse[:, q0:q1][None])  # fmt: skip
