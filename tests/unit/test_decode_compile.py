@@ -33,20 +33,35 @@ def _specs():
 
 
 def _compile(job):
-    spec, target = job
-    plan = family.plan(spec, target)
+    spec, target, ragged = job
+    plan = family.plan(spec, target, ragged=ragged)
     _, report = cache.get_or_build(render(plan), plan)
     return job, plan, report
 
 
-def test_every_decode_unit_compiles_without_spills(requires_nvcc):
-    jobs = [(s, t) for s in _specs() for t in ("sm_80", "sm_90")]
+def test_ragged_and_padded_units_differ_only_when_asked():
+    for spec in _specs():
+        padded = family.plan(spec, "sm_80")
+        assert render(padded) == render(family.plan(spec, "sm_80", ragged=False))
+        ragged = family.plan(spec, "sm_80", ragged=True)
+        src = render(ragged)
+        assert "cu_seqlens_q" in src and "cu_seqlens_q" not in render(padded)
+        assert ragged.kernel_name != padded.kernel_name
+        assert [a.name for a in ragged.args][-1] == "cu_seqlens_q"
+        assert [a.name for a in ragged.kernel("append").args][-1] == "cu_seqlens_q"
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
+def test_every_decode_unit_compiles_without_spills(ragged, requires_nvcc):
+    """Both kernels (attn, append) of every supporting shipped spec's padded and ragged-Sq_new
+    units, sm_80 and sm_90a, spill-free (20 nvcc runs each, in parallel)."""
+    jobs = [(s, t, ragged) for s in _specs() for t in ("sm_80", "sm_90")]
     assert len(jobs) == 20
     workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(_compile, jobs))
     problems = []
-    for (spec, target), plan, report in results:
+    for (spec, target, _), plan, report in results:
         names = {k.name for k in report.kernels}
         assert names == {plan.kernel("attn").kernel_name, plan.kernel("append").kernel_name}
         for k in report.kernels:
