@@ -64,6 +64,19 @@ def check_removed() -> None:
         )
 
 
+#: Other programs' variables flashgen follows: the CUDA toolkit's location (nvcc lookup) and
+#: the terminal width (tables).
+FOREIGN = ("CUDA_HOME", "CUDA_PATH", "COLUMNS")
+
+
+def foreign(name: str) -> str | None:
+    """The value of another program's variable ``name`` (one of :data:`FOREIGN`;
+    ``ValueError`` for another)."""
+    if name not in FOREIGN:
+        raise ValueError(f"flashgen reads no environment variable {name!r}; read: {FOREIGN}")
+    return os.environ.get(name)
+
+
 def get(name: str) -> str | None:
     """The value of ``name`` (one of :data:`READ`; ``ValueError`` for another)."""
     if name not in READ:

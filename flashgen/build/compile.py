@@ -173,7 +173,7 @@ def find_nvcc() -> str:
     found = shutil.which("nvcc")
     if found:
         return found
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    cuda_home = _env.foreign("CUDA_HOME") or _env.foreign("CUDA_PATH") or "/usr/local/cuda"
     cand = Path(cuda_home) / "bin" / "nvcc"
     if cand.is_file() and os.access(cand, os.X_OK):
         return str(cand)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import warnings
 
+from flashgen import env
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, SpecWarning, terminal_safe
 from flashgen.version import __version__
@@ -72,7 +72,7 @@ def _consoles():
     from rich.console import Console
 
     # a pipe or file gets wide tables rather than rich's 80-column default
-    width = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    width = None if sys.stdout.isatty() or env.foreign("COLUMNS") else 160
     out = Console(file=sys.stdout, soft_wrap=False, highlight=False, width=width, emoji=False)
     # errors are not wrapped: a spec error's caret must stay under its column
     err = Console(file=sys.stderr, soft_wrap=True, highlight=False, emoji=False)
