@@ -271,10 +271,14 @@ class Backward:
         extra = len(ctx.scalars) + len(tensors) + int(ctx.block_mask_input)
         return (dq, dk, dv, None, *([None] * extra))
 
+    def schema(self) -> str:
+        """The backward op's schema (:func:`backward_schema`; the varlen form has its own)."""
+        return backward_schema(self.spec)
+
     def register(self, lib) -> None:
         """Define the backward op on ``lib`` and attach autograd to the forward op."""
         name = backward_name(self.spec)
-        lib.define(backward_schema(self.spec))
+        lib.define(self.schema())
         lib.impl(name, self.cuda, "CUDA")
         lib.impl(name, self.cpu, "CPU")
         torch.library.register_fake(f"flashgen::{name}", self.fake, lib=lib)

@@ -564,13 +564,6 @@ class VarlenBackward(Backward):
         n_rest = len(ctx.scalars) + len(tensors)
         return (dq, dk, dv, None, None, None, None, None, *([None] * n_rest))
 
-    def register(self, lib) -> None:
-        """Define the varlen backward op on ``lib`` and attach autograd to the forward op."""
-        name = backward_name(self.spec)
-        lib.define(backward_schema(self.spec))
-        lib.impl(name, self.cuda, "CUDA")
-        lib.impl(name, self.cpu, "CPU")
-        torch.library.register_fake(f"flashgen::{name}", self.fake, lib=lib)
-        torch.library.register_autograd(
-            self.op.qualname, self.backward, setup_context=self.setup_context, lib=lib
-        )
+    def schema(self) -> str:
+        """The varlen backward op's schema (:func:`backward_schema` of this module)."""
+        return backward_schema(self.spec)
