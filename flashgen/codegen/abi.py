@@ -9,6 +9,7 @@ Kernel ABI (every forward kernel, every target), in this order:
     q_sb q_sh q_ss  k_sb k_sh k_ss  v_sb v_sh v_ss  o_sb o_sh o_ss   int64_t element strides
     batch heads_q heads_kv seqlen_q seqlen_k                          int
     softmax_scale                                                     float
+    q_descale k_descale v_descale   fp8 specs only: const float*, contiguous [batch, heads_kv]
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
@@ -141,12 +142,13 @@ def _uses_index_var(e: Expr | None, name: str) -> bool:
 
 def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     """The forward ABI of the module docstring, for ``spec``."""
-    t = dtype(spec.dtype).ctype
+    dt = dtype(spec.dtype)
+    t = dt.ctype
     args = [
         KernelArg("q", f"const {t}*"),
         KernelArg("k", f"const {t}*"),
         KernelArg("v", f"const {t}*"),
-        KernelArg("o", f"{t}*"),
+        KernelArg("o", f"{dt.out_ctype}*"),
         KernelArg("lse", "float*"),
     ]
     for x in "qkvo":
@@ -158,6 +160,8 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     args += varlen_args(spec)
     args += dim_args(spec)
     args.append(KernelArg("softmax_scale", "float"))
+    if dt.scaled:
+        args += descale_args()
     for p in spec.scalar_params:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
@@ -170,6 +174,13 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
         ]
     return tuple(args)
 
+
+
+def descale_args() -> list[KernelArg]:
+    """``q_descale, k_descale, v_descale`` (const float*, contiguous ``[batch, heads_kv]``):
+    an fp8 spec's inputs are ``x_descale[b, h_kv] * x_fp8`` (FlashAttention-3's interface);
+    the kernels fold q's and k's into the softmax scale and v's into o."""
+    return [KernelArg(f"{x}_descale", "const float*") for x in "qkv"]
 
 
 def strides(*names: str) -> list[KernelArg]:
