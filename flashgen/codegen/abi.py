@@ -68,12 +68,14 @@ class KernelArg:
 @dataclass(frozen=True)
 class TmaArg:
     """A ``CUtensorMap`` kernel argument ``name`` mapping tensor argument ``tensor``
-    (``[B, H, S, D]``) in boxes of 64 columns x ``box_rows`` rows (see
-    :mod:`flashgen.runtime.tma`)."""
+    (``[B, H, S, D]``) in boxes of ``box_cols`` columns x ``box_rows`` rows, with the
+    ``swizzle``-byte swizzle (128 or 64; see :mod:`flashgen.runtime.tma`)."""
 
     name: str
     tensor: str
     box_rows: int
+    box_cols: int = 64
+    swizzle: int = 128
 
 
 def dim_args(spec: Spec) -> list[KernelArg]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.codegen.abi import needs_block_table
+from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
 from flashgen.families.bwd_common import BackwardPlan
@@ -69,9 +70,14 @@ def select(
     - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
       ``unsupported_reason`` says which specs have none).
 
-    Raises ``ValueError`` for an unknown call."""
+    An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent.
+
+    Raises ``ValueError`` for an unknown call, and for an fp8 spec's call that has no kernel:
+    a forward the Hopper kernel cannot take, a backward, a decode."""
     if call not in CALLS:
         raise ValueError(f"unknown call {call!r}; known: {', '.join(CALLS)}")
+    if is_fp8(spec) and call != "blocktable":
+        return _select_fp8(spec, target, call, options)
     if call in ("blocktable", "decode"):
         return Route(call)
     if call in ("fwd", "sparse"):
@@ -87,6 +93,27 @@ def select(
     if hopper_bwd.eligible(spec, target, options.family):
         return Route("hopper_bwd", atomic_dq=True)
     return Route("fa2_bwd", atomic_dq=bool(options.atomic_dq))
+
+
+def is_fp8(spec: Spec) -> bool:
+    """Whether ``spec``'s inputs are fp8 (1-byte elements with descales)."""
+    return dtype(spec.dtype).scaled
+
+
+def _select_fp8(spec: Spec, target: str, call: str, options: Options) -> Route:
+    """:func:`select` for an fp8 spec: its forward is the Hopper kernel's fp8 form
+    (FlashAttention-3, section 3.3) and nothing else."""
+    if call in ("fwd", "sparse"):
+        if not hopper_fwd.eligible(spec, target, options.family):
+            raise ValueError(
+                f"{spec.name}: dtype {spec.dtype} runs on the Hopper forward only (target sm_90, "
+                f"head_dim == head_dim_v in {list(tiles.HOPPER_HEAD_DIMS)}, no varlen, no pinned "
+                f"tiles, family not fa2); got target {target}, head_dim "
+                f"{spec.head_dim}/{spec.head_dim_v}, varlen {spec.varlen}, family {options.family}"
+            )
+        return Route("hopper_fwd")
+    what = "backward" if call == "bwd" else "decode (use a bf16 spec with an fp8 KV cache)"
+    raise ValueError(f"{spec.name}: dtype {spec.dtype} has no {what}")
 
 
 def choose_tiles(spec: Spec, target: str, gpu: str | None = None, options: Options = DEFAULT):
@@ -186,6 +213,8 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
     call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler)."""
     fwd = plan_forward(spec, target, options)
+    if is_fp8(spec):
+        return {"fwd": fwd}
     units = {
         "fwd": fwd,
         "bwd": plan_backward(spec, target, options).unit,
