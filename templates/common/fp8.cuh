@@ -87,21 +87,41 @@ struct VTranspose {
         y[2] = byte_perm(t1, u1, 0x5410);
         y[3] = byte_perm(t1, u1, 0x7632);
     }
+    // The same offsets in two parts, so the loop computes almost nothing per unit: the lane's
+    // offsets at w = 0 (lane_offsets) and per iteration an XOR on the swizzle and row bits and an
+    // addition above them (iter_terms): offset(w) = (offset(lane, 0) ^ x(w)) + add(w).
+    __host__ __device__ static void lane_offsets(int lane, uint32_t (&v)[4], uint32_t (&vt)[4]) {
+        int g, q;
+        unit(lane, 0, g, q);
+        for (int i = 0; i < 4; ++i) v[i] = v_offset(key(g, i), q);
+        for (int j = 0; j < 4; ++j) vt[j] = vt_offset(4 * q + j, g);
+    }
+    __host__ __device__ static void iter_terms(int w, uint32_t& xv, uint32_t& av, uint32_t& xvt, uint32_t& avt) {
+        const int a = w & 1, b = (w >> 1) & 1, rest = w >> 2;
+        const int ghi = rest % (NG / 16), qhi = rest / (NG / 16);
+        constexpr int QP = PANEL / 32;  // q values (of 4 bytes) per panel row, over 8
+        xv = (uint32_t)((16 * a + 32 * b) * PANEL + ((2 * (qhi % QP)) << 4));
+        av = (uint32_t)(ghi * 64 * PANEL + (qhi / QP) * BLOCK_N * PANEL);
+        xvt = (uint32_t)((a + 2 * b + 4 * ghi) << 4);
+        avt = (uint32_t)(qhi * 32 * BLOCK_N);
+    }
 #ifdef __CUDA_ARCH__
-    // Warp `warp` of `warps` transposing warps: sv (a staging stage) -> svt (a Vt stage).
-    __device__ static void run(uint32_t sv, uint32_t svt, int warp, int warps, int lane) {
+    // Warp `warp` of `warps` transposing warps: sv (a staging stage) -> svt (a Vt stage); `v`,
+    // `vt`: this lane's lane_offsets.
+    __device__ static void run(uint32_t sv, uint32_t svt, int warp, int warps,
+                               const uint32_t (&v)[4], const uint32_t (&vt)[4]) {
         #pragma unroll 2
         for (int w = warp; w < ITERS; w += warps) {
-            int g, q;
-            unit(lane, w, g, q);
+            uint32_t xv, av, xvt, avt;
+            iter_terms(w, xv, av, xvt, avt);
             uint32_t x[4], y[4];
             #pragma unroll
             for (int i = 0; i < 4; ++i)
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x[i]) : "r"(sv + v_offset(key(g, i), q)));
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x[i]) : "r"(sv + ((v[i] ^ xv) + av)));
             transpose(x, y);
             #pragma unroll
             for (int j = 0; j < 4; ++j)
-                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(svt + vt_offset(4 * q + j, g)), "r"(y[j]));
+                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(svt + ((vt[j] ^ xvt) + avt)), "r"(y[j]));
         }
     }
 #endif

@@ -39,10 +39,18 @@ void tile(const char* tag) {
             st[(d / PANEL) * BN * PANEL + swz<PANEL>(k, d % PANEL)] =
                 (unsigned char)((k * 3 + d * 5 + 1) & 255);
     std::vector<int> writes(BN * D, 0);
+    int fast_ok = 1;
     for (int w = 0; w < VT::ITERS; ++w) {
         for (int lane = 0; lane < 32; ++lane) {
             int g, q;
             VT::unit(lane, w, g, q);
+            uint32_t lv[4], lvt[4], xv, av, xvt, avt;  // the kernel's form of the offsets
+            VT::lane_offsets(lane, lv, lvt);
+            VT::iter_terms(w, xv, av, xvt, avt);
+            for (int i = 0; i < 4; ++i)
+                fast_ok &= ((lv[i] ^ xv) + av) == VT::v_offset(VT::key(g, i), q);
+            for (int j = 0; j < 4; ++j)
+                fast_ok &= ((lvt[j] ^ xvt) + avt) == VT::vt_offset(4 * q + j, g);
             uint32_t x[4], y[4];
             for (int i = 0; i < 4; ++i) {
                 const uint32_t off = VT::v_offset(VT::key(g, i), q);
@@ -62,6 +70,7 @@ void tile(const char* tag) {
         }
     }
     for (int i = 0; i < BN * D; ++i) printf("V %s %d %d %d\n", tag, i, vt[i], writes[i]);
+    printf("F %s %d\n", tag, fast_ok);
 }
 
 int main() {
@@ -104,13 +113,15 @@ def run(tmp_path_factory):
     assert built.returncode == 0, built.stderr
     out = subprocess.run([str(tmp / "prog")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    rec: dict = {"K": {}, "A": {}, "L": {}, "S": {}, "V": {}}
+    rec: dict = {"K": {}, "A": {}, "L": {}, "S": {}, "V": {}, "F": {}}
     for line in out.stdout.splitlines():
         kind, *f = line.split()
         if kind == "K":
             rec["K"][int(f[0])] = int(f[1])
         elif kind == "A":
             rec["A"][int(f[0]), int(f[1])] = int(f[2])
+        elif kind == "F":
+            rec["F"][f[0]] = int(f[1])
         elif kind in "LS":
             rec[kind].setdefault((f[0], int(f[1]), int(f[2])), []).append(int(f[3]))
         else:
@@ -137,6 +148,12 @@ def test_v_transpose_writes_vt_in_key_of_col_order(run, tag):
             key = 32 * (col // 32) + key_of_col[col % 32]
             want = (key * 3 + row * 5 + 1) & 255
             assert vt[_swz(row, col, bn)][0] == want, (tag, row, col)
+
+
+@pytest.mark.parametrize("tag", list(CONFIGS))
+def test_kernel_offsets_equal_the_definition(run, tag):
+    """The kernel's per-lane offsets XOR / plus per-iteration terms are the unit's offsets."""
+    assert run["F"][tag] == 1
 
 
 @pytest.mark.parametrize("tag", ["d128", "d256"])
