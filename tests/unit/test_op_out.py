@@ -185,3 +185,33 @@ def test_torch_compile_fullgraph_with_out(grad):
     if grad:
         o.float().sum().backward()
         assert all(t.grad is not None for t in args)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_flash_attn_func_returns_the_tensor_it_allocated(monkeypatch, grad):
+    from flashgen.flash_attn import flash_attn_func
+    from flashgen.ops.attention import AttentionOp
+
+    seen = []
+    real = AttentionOp.attention
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("out"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionOp, "attention", spy)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 10, 4, 64, generator=gen).requires_grad_(grad)
+    k, v = (torch.randn(2, 10, 2, 64, generator=gen) for _ in range(2))
+    res = flash_attn_func(q, k, v, causal=True)
+    (out,) = seen
+    buf = out._base
+    assert buf.shape == (2, 10, 4, 64) and buf.is_contiguous()
+    assert res.shape == (2, 10, 4, 64) and res.is_contiguous()
+    assert res.data_ptr() == buf.data_ptr()
+    if grad:
+        assert res.requires_grad
+        res.sum().backward()
+        assert q.grad is not None
+    else:
+        assert res is buf
