@@ -3,11 +3,15 @@
 One code path for offline builds (``flashgen build``, CI) and JIT builds on the GPU
 machine.  No torch, no cupy.  The exact command is::
 
-    nvcc -cubin -std=c++17 -O3 <plan.gencode> -Xptxas -v -lineinfo -o OUT.cubin SRC.cu
+    nvcc <-cubin|-fatbin> -std=c++17 -O3 <plan.gencode> -Xptxas -v -lineinfo -o OUT SRC.cu
 
-There is no ``--use_fast_math``: arithmetic stays IEEE except where the kernel asks for
-an intrinsic itself (``exp2f`` etc.).  :data:`NVCC_FLAGS`, the gencode and the
-toolkit version all go into the cache key (:mod:`flashgen.build.cache`).
+``-fatbin`` where the gencode embeds PTX besides the SASS (sm_80:
+``code=[sm_80,compute_80]``, so the FA2-class units JIT on newer GPUs; nvcc refuses
+``-cubin`` for two code instances), ``-cubin`` otherwise (sm_90a).  The file is called
+``kernel.cubin`` either way; the driver loads both kinds.  There is no ``--use_fast_math``:
+arithmetic stays IEEE except where the kernel asks for an intrinsic itself (``exp2f`` etc.).
+:data:`NVCC_FLAGS`, the gencode and the toolkit version all go into the cache key
+(:mod:`flashgen.build.cache`).
 
 The nvcc binary is the one :data:`flashgen.env.NVCC` names if set, else ``nvcc`` on ``PATH``, else
 ``$CUDA_HOME/bin/nvcc`` (``/usr/local/cuda`` by default).
@@ -26,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 
-#: Flags every build uses besides the target's ``-gencode`` (part of the cache key).
-NVCC_FLAGS: tuple[str, ...] = ("-cubin", "-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo")
+#: Flags every build uses besides the output kind (:func:`output_flag`) and the target's
+#: ``-gencode`` (part of the cache key).
+NVCC_FLAGS: tuple[str, ...] = ("-std=c++17", "-O3", "-Xptxas", "-v", "-lineinfo")
 #: Seconds one nvcc run may take before it is killed.
 NVCC_TIMEOUT_S = 900
 
@@ -200,13 +205,25 @@ def nvcc_version() -> str:
     return _nvcc_version(find_nvcc())
 
 
+def embeds_ptx(gencode: str) -> bool:
+    """Whether ``gencode`` asks for PTX besides SASS (``code=[sm_80,compute_80]``)."""
+    return any("compute_" in m for m in re.findall(r",code=(\[[^\]]*\]|[^,\s]*)", gencode))
+
+
+def output_flag(gencode: str) -> str:
+    """nvcc's output kind for ``gencode``: ``-fatbin`` where it embeds PTX (nvcc refuses
+    ``-cubin`` for two code instances), else ``-cubin``."""
+    return "-fatbin" if embeds_ptx(gencode) else "-cubin"
+
+
 def nvcc_command(plan, src: str | Path, out: str | Path, nvcc: str | None = None) -> list[str]:
     """The nvcc argv that compiles ``src`` to ``out`` for ``plan.target``."""
     return [
         nvcc or find_nvcc(),
-        *NVCC_FLAGS[:3],
+        output_flag(plan.gencode),
+        *NVCC_FLAGS[:2],
         plan.gencode,
-        *NVCC_FLAGS[3:],
+        *NVCC_FLAGS[2:],
         "-o",
         str(out),
         str(src),

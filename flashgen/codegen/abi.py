@@ -39,9 +39,12 @@ from flashgen.codegen.dtypes import dtype
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Expr, Index, Spec, Ty, Var
 
-#: nvcc/NVRTC code generation per target.
+#: nvcc/NVRTC code generation per target.  sm_80 units carry compute_80 PTX besides their
+#: sm_80 SASS, so the driver JIT-compiles them on GPUs newer than any SASS they hold (10.x,
+#: 12.x); sm_90a SASS is arch-specific (wgmma, setmaxnreg) and runs on compute capability 9.0
+#: only, so those units carry no PTX.
 GENCODE = {
-    "sm_80": "-gencode=arch=compute_80,code=sm_80",
+    "sm_80": "-gencode=arch=compute_80,code=[sm_80,compute_80]",
     "sm_90": "-gencode=arch=compute_90a,code=sm_90a",
 }
 ARCH = {"sm_80": "sm_80", "sm_90": "sm_90a"}
