@@ -50,6 +50,21 @@ GENCODE = {
 ARCH = {"sm_80": "sm_80", "sm_90": "sm_90a"}
 
 
+def target_for_capability(major: int, minor: int) -> str:
+    """The kernel target for a GPU of compute capability ``major.minor``: ``sm_90`` on 9.x
+    (the Hopper kernels where they apply), ``sm_80`` on 8.x (its SASS) and on 10.x and newer
+    (its compute_80 PTX, JIT-compiled by the driver).  ``ValueError`` below 8.0 (the kernels
+    use sm_80's mma.sync shapes, ldmatrix and cp.async)."""
+    if major == 9:
+        return "sm_90"
+    if major >= 8:
+        return "sm_80"
+    raise ValueError(
+        f"compute capability {major}.{minor}: flashgen kernels need 8.0 or newer (sm_80's "
+        "mma.sync, ldmatrix and cp.async)"
+    )
+
+
 def check_target(target: str) -> None:
     """``ValueError`` naming the supported targets unless ``target`` is one."""
     if target not in GENCODE:

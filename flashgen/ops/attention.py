@@ -131,6 +131,30 @@ class AttentionOp:
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
 
+    def family_for(self, device) -> registry.DeviceKernels:
+        """Which kernels this op runs on ``device`` (a CUDA ``torch.device`` / device string,
+        or a compute capability ``(major, minor)``), under its options: a
+        :class:`flashgen.families.registry.DeviceKernels` (``target``, ``family``: FA2-class
+        or Hopper, the forward and backward families, ``ptx_jit``; ``str()`` says it).
+        8.x: FA2-class (sm_80 SASS); 9.0: Hopper where the spec allows; 10.x and newer:
+        FA2-class through the driver's JIT of the units' compute_80 PTX.  Raises
+        ``RuntimeError`` below compute capability 8.0, ``ValueError`` for a non-CUDA device
+        (the CPU op runs :mod:`flashgen.ops.cpu_attention`)."""
+        if isinstance(device, tuple):
+            capability = device
+        else:
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(
+                    f"device: expected a CUDA device or a compute capability (major, minor), got "
+                    f"{device} (on CPU the op runs flashgen/ops/cpu_attention.py)"
+                )
+            capability = torch.cuda.get_device_capability(device)
+        try:
+            return registry.for_capability(self.spec, capability, self.options)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+
     def with_options(self, options: Options) -> AttentionOp:
         """The op of this spec bound to ``options`` (:class:`flashgen.options.Options`):
         :func:`build_op` of the spec under its own name, so its :meth:`attention`,
