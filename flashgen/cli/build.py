@@ -121,7 +121,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
 def cmd_build(args) -> int:
     from rich.table import Table
 
-    from flashgen.build.compile import CompileError, find_nvcc, nvcc_version
+    from flashgen.build.compile import CompileError, find_compiler
     from flashgen.build.generate import write_generated
     from flashgen.families.decode import unsupported_reason
     from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
@@ -146,11 +146,10 @@ def cmd_build(args) -> int:
             else:
                 err.print(f"note: {spec.name} does not list target {t}; skipped", markup=False)
     try:
-        find_nvcc()
-        toolkit = nvcc_version()
+        toolkit = find_compiler().key  # nvcc's version, or NVRTC's key where there is no nvcc
     except CompileError as e:
         err.print(f"error: {e}", markup=False)
-        err.print("flashgen build needs the CUDA toolkit's nvcc to compile kernels.", markup=False)
+        err.print("flashgen build needs nvcc (or NVRTC) to compile kernels.", markup=False)
         return _fail_json(args, str(e))
 
     results: list[BuildResult] = []
