@@ -160,6 +160,10 @@ def _build_op(
             torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
             op.backward = backward_cls(op)
             op.backward.register(lib)
+            if not spec.varlen:  # with_kvcache's ops, now: they must exist under torch.compile
+                from flashgen.ops.decode import decode_op
+
+                decode_op(op)
         except BaseException:
             lib._destroy()  # no half-registered op stays behind
             raise
