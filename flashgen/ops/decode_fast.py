@@ -45,8 +45,9 @@ if TYPE_CHECKING:
 class DecodeCallPlan:
     """What :meth:`DecodeOp.plan_decode` precomputes for calls of one shape (FlashInfer's
     plan): the sizes it fixes (batch, heads, Sq_new, cache layout and capacity, append or
-    not), the split count, the grids, the kernels, the workspace and the launch values
-    that do not change between calls.  Cache lengths, block-table contents and the cache
+    not; a ragged plan, ``dims.total_q`` set: max_seqlen_q and the most q rows), the split
+    count, the grids, the kernels, the workspace and the launch values that do not change
+    between calls.  Cache lengths, block-table contents, ``cu_seqlens_q`` and the cache
     itself may change between calls and graph replays (read on the device).  Its
     workspace is used in stream order: one plan per concurrently used stream."""
 

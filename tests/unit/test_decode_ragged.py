@@ -349,6 +349,18 @@ def test_torch_compile_fullgraph_padded_and_ragged():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
+    p = op.plan_decode(batch=3, num_heads=8, num_heads_kv=2, seqlen_q=4, total_q=8,
+                       cache_capacity=16, page_size=4, num_pages=kc.shape[0], append=True,
+                       device="cpu")  # fmt: skip
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+
+    def planned(q, kc, vc, lens, cu):  # max_seqlen_q: the plan's
+        return op.with_kvcache(q, kc, vc, lens, cu_seqlens_q=cu, plan=p, **kw)
+
+    got = torch.compile(planned, fullgraph=True, backend="aot_eager")(q, k1, v1, lens_t, cu)
+    want = op.with_kvcache(q, k2, v2, lens_t, cu_seqlens_q=cu, num_splits=p.num_splits, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(k1, k2)
+
     def no_max(q, kc, vc, lens, cu):
         return op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu)
 
