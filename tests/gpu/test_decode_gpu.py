@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from flashgen.ops.op import poison_outputs  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
+
 ALL = ["alibi", "bidir_d256", "causal_d128", "chunked_local", "gemma2_softcap", "gpt2_d64",
        "llama3_gqa", "mistral_swa", "prefix_lm", "t5_bias"]  # fmt: skip
 FULL = ["mistral_swa", "gemma2_softcap", "alibi", "llama3_gqa"]
@@ -406,10 +411,12 @@ RAGGED = [("llama3_gqa", "paged", 16, (32, 8)), ("mistral_swa", "paged", 1, (8, 
 
 
 def ragged_inputs(name, layout, ps, heads, lens, sqs, append, *, seed=0):
-    """A ragged call's inputs: the cache (unused slots NaN), q ``[total_q, Hq, D]``,
-    cu_seqlens_q, cache_seqlens and (``append``) k_new / v_new ``[total_q, Hkv, D]``."""
-    op = op_of(name)
+    """A ragged call's inputs for the spec ``name`` (or an op): the cache (unused slots NaN),
+    q ``[total_q, Hq, D]``, cu_seqlens_q, cache_seqlens and (``append``) k_new / v_new
+    ``[total_q, Hkv, D]``; the spec's params (:func:`params_of`)."""
+    op = op_of(name) if isinstance(name, str) else name
     spec = op.spec
+    name = spec.name
     hq, hkv = heads
     cap = max(n + s for n, s in zip(lens, sqs, strict=True))
     kc, vc, table = make_cache(lens, ps=max(ps, 1), hkv=hkv, d=spec.head_dim, dv=spec.head_dim_v,
@@ -643,7 +650,6 @@ def test_decode_kernels_are_sanitizer_clean(tool):
     import importlib.util
     import shutil
     import subprocess
-    import sys
 
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
@@ -660,3 +666,59 @@ def test_decode_kernels_are_sanitizer_clean(tool):
     errors, hazards = tools.parse_summary(log)
     assert "FLASHGEN DRIVER OK" in log and proc.returncode == 0, log[-6000:]
     assert errors == 0 and hazards == 0, log[-6000:]
+
+
+@pytest.fixture(scope="module")
+def hdim_decode_ops():
+    """The head-dim matrix's ops (bf16 causal, fp16 causal, bf16 softcap), their padded and
+    ragged decode units built in parallel."""
+    from flashgen.ops.op import build_op
+
+    ops = {(d, dv, dt, mod): build_op(hdim_spec(d, dv, dt, mod)) for d, dv in NEW_HEAD_DIMS
+           for dt, mod in (("bf16", "none"), ("fp16", "none"), ("bf16", "softcap"))}  # fmt: skip
+    dev = torch.device("cuda", torch.cuda.current_device())
+    jobs = [(decode_op(op), r) for op in ops.values() for r in (False, True)]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda j: j[0].kernels(dev, ragged=j[1]), jobs))
+    return ops
+
+
+@pytest.mark.parametrize("dims", NEW_HEAD_DIMS, ids=[dims_id(*x) for x in NEW_HEAD_DIMS])
+def test_head_dims_against_float64(dims, hdim_decode_ops):
+    """Every head dim the prefill supports beyond 64/128/256 (32, 96, 160, 192, (192, 128),
+    (128, 256)), fp16 / bf16 and softcap: paged (page size 16, GQA 8/2, lengths 0 to 4097)
+    with Sq_new 1 and 4 appended, dense, and ragged with appends, num_splits heuristic and 3,
+    against the float64 reference."""
+    d, dv = dims
+    for (dd, ddv, dt, _), op in hdim_decode_ops.items():
+        if (dd, ddv) != dims:
+            continue
+        spec = op.spec
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        lens = [0, 1, 15, 17, 4097]
+        for layout in ("paged", "dense"):
+            kc, vc, table = make_cache(lens, ps=16, hkv=2, d=d, dv=dv, dtype=dtype, layout=layout,
+                                       cap=4097 + 4)  # fmt: skip
+            lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            for sq, splits in ((1, None), (4, 3)):
+                q = torch.randn(5, 8, sq, d, device="cuda").to(dtype)
+                kw = {}
+                if sq == 4:
+                    kw = {"k_new": torch.randn(5, 2, sq, d, device="cuda").to(dtype),
+                          "v_new": torch.randn(5, 2, sq, dv, device="cuda").to(dtype)}  # fmt: skip
+                k1, v1 = kc.clone(), vc.clone()
+                with poison_outputs():
+                    o, lse = op.with_kvcache(q, k1, v1, lens_t, block_table=table,
+                                             num_splits=splits, **kw)  # fmt: skip
+                torch.cuda.synchronize()
+                live = [n + (sq if kw else 0) for n in lens]
+                check(spec, q, k1, v1, table, live, {}, o, lse)
+        sqs = [1, 0, 4, 64, 2]
+        for splits in (None, 3):
+            _, q, kc, vc, table, cu, lens_t, kw, _ = ragged_inputs(op, "paged", 16, (8, 2), lens,
+                                                                   sqs, True)  # fmt: skip
+            with poison_outputs():
+                o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
+                                         num_splits=splits, **kw)  # fmt: skip
+            torch.cuda.synchronize()
+            check_ragged(spec, q, kc, vc, table, cu, lens, sqs, True, {}, o, lse, kw)
