@@ -52,6 +52,17 @@ OP_KEYWORDS = frozenset(
         "deterministic",
         "softmax_scale",
         "block_mask",
+        # with_kvcache's schema arguments and plan_decode's keywords (the decode ops are
+        # registered with every op, so a param of these names would clash at load)
+        "k_cache",
+        "v_cache",
+        "total_q",
+        "cache_capacity",
+        "page_size",
+        "num_pages",
+        "append",
+        "pack_gqa",
+        "device",
     }
 )
 #: Spec names that would clash with the package, the op namespace or generated files.

@@ -204,8 +204,11 @@ def _build_op(
             torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
             op.backward = backward_cls(op)
             op.backward.register(lib)
-            if not spec.varlen:
+            if not spec.varlen:  # with_kvcache's ops, now: they must exist under torch.compile
                 _register_out(op, lib)
+                from flashgen.ops.decode import decode_op
+
+                decode_op(op)
         except BaseException:
             lib._destroy()  # no half-registered op stays behind
             raise
