@@ -1,0 +1,81 @@
+"""Every shipped spec built as fp8 (``dtype: fp8_e4m3``; a test matrix, not files in specs/)
+plans the fp8 Hopper forward, compiles for sm_90a with zero spills and no serialized wgmma
+(nvcc for real), and its code has FP8 wgmma (``wgmma.mma_async ... k32.f32.e4m3.e4m3``, both
+GEMMs) in the PTX; fp8 has no other kernel: sm_80, varlen, the backward and the FA2-class
+family are refused with errors that say so."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from flashgen.build.compile import compile_source, find_nvcc, nvcc_command
+from flashgen.build.render import render
+from flashgen.families import registry
+from flashgen.frontend.spec import load_spec
+from flashgen.options import DEFAULT
+
+SPECS = sorted(
+    p for p in (Path(__file__).resolve().parents[2] / "specs").glob("*.yaml")
+    if "fp8" not in p.stem
+)  # fmt: skip
+
+
+def fp8(path: Path):
+    return replace(load_spec(path), dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_every_shipped_spec_as_fp8_compiles_without_spills(path, tmp_path, requires_nvcc):
+    spec = fp8(path)
+    units = registry.compile_units(spec, "sm_90")
+    assert list(units) == ["fwd"]  # no backward, no sparse variant
+    plan = units["fwd"]
+    assert plan.context["fp8"] and not plan.context["persistent"]
+    src = render(plan)
+    # both GEMMs are e4m3 wgmma with k = 32: Q K^T from shared memory, P V with P in registers
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", src)
+    report = compile_source(src, plan, tmp_path / "k.cubin")
+    (k,) = report.kernels
+    assert (k.spill_stores, k.spill_loads, k.wgmma_serialized) == (0, 0, ""), k
+
+
+def test_fp8_ptx_has_e4m3_wgmma(tmp_path, requires_nvcc):
+    spec = fp8(SPECS[0].with_name("causal_d128.yaml"))
+    plan = registry.plan_forward(spec, "sm_90")
+    (tmp_path / "k.cu").write_text(render(plan))
+    cmd = [a for a in nvcc_command(plan, tmp_path / "k.cu", tmp_path / "k.ptx") if a != "-cubin"]
+    cmd = [find_nvcc(), "-ptx", *[a for a in cmd[1:] if a not in ("-Xptxas", "-v")]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    ss = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
+    assert {"128"} <= set(ss), ss  # S (n = BLOCK_N) and O (n = head_dim), both 128 here
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P packed to e4m3 in registers
+
+
+@pytest.mark.parametrize(
+    "change, target, words",
+    [
+        ({}, "sm_80", ["Hopper forward only", "sm_80"]),
+        ({"varlen": True}, "sm_90", ["varlen True"]),
+        ({"head_dim": 96, "head_dim_v": 96}, "sm_90", ["head_dim 96/96"]),
+    ],
+)
+def test_fp8_without_the_hopper_kernel_is_refused(change, target, words):
+    spec = replace(fp8(SPECS[0].with_name("causal_d128.yaml")), **change)
+    with pytest.raises(ValueError) as e:
+        registry.plan_forward(spec, target)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_fp8_has_no_backward_and_no_fa2_family():
+    spec = fp8(SPECS[0].with_name("causal_d128.yaml"))
+    with pytest.raises(ValueError, match="no backward"):
+        registry.select(spec, "sm_90", "bwd", deterministic=False)
+    with pytest.raises(ValueError, match="family fa2"):
+        registry.plan_forward(spec, "sm_90", replace(DEFAULT, family="fa2"))
