@@ -21,6 +21,13 @@ Op contract::
                  (in place) and attended: the live keys are cache_seqlens[b] + Sq_new
     o [B, Hq, Sq_new, Dv] (spec dtype), lse [B, Hq, Sq_new] float32 (natural log)
 
+FP8 cache (:mod:`flashgen.ops.decode_fp8`): k_cache / v_cache (and k_new / v_new) of dtype
+``torch.float8_e4m3fn`` for an fp16 / bf16 spec, with ``k_descale`` / ``v_descale`` (float32
+``[B, Hkv]``, one element or a Python float; default 1.0; the true K is ``k_descale[b, h_kv] *
+k_cache``); q in the spec's dtype, or e4m3 with ``q_descale``.  Its own units (the cache dtype
+is part of the plan: ``plan_decode(..., cache_dtype=torch.float8_e4m3fn)``) and torch ops
+``flashgen::<name>__with_kvcache_kv8`` / ``__with_kvcache_kv8_append``.
+
 Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
 ``cu_seqlens_q`` ``[B + 1]`` (as the varlen op); request b's Sq_b = cu_seqlens_q[b + 1] -
 cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its mask); k_new / v_new
@@ -58,7 +65,9 @@ from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current_stream_ptr
 from flashgen.ops.decode_fast import DecodeCallPlan, _FastPath, _workspace
+from flashgen.ops.decode_fp8 import KvScales, check_scale_values, resolve_scales
 from flashgen.ops.decode_inputs import (
+    FP8_CACHE,
     DecodeDims,
     _aligned_16,
     check_num_splits,
@@ -73,6 +82,7 @@ from flashgen.ops.decode_reference import append_reference, decode_reference, me
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
+    TORCH_DTYPE,
     _poison_enabled,
     check_enabled,
     check_scalar,
@@ -113,6 +123,7 @@ class DecodeOp:
         self.spec = op.spec
         self.name = f"{op.spec.name}__with_kvcache"
         self.append_name = f"{op.spec.name}__with_kvcache_append"
+        self.kv8 = family.cache_dtype_reason(op.spec, "fp8_e4m3") is None and FP8_CACHE is not None
         self._units: dict = {}
         self._live: dict = {}
         self._lock = threading.Lock()
@@ -124,7 +135,12 @@ class DecodeOp:
             raise OpInputError(f"with_kvcache: {self.reason}")
 
     # ------------------------------------------------------------------ registration
-    def schema(self, append: bool) -> str:
+    def op_name(self, append: bool, kv8: bool = False) -> str:
+        """The torch op's name: ``<spec>__with_kvcache[_kv8][_append]``."""
+        base = self.name + ("_kv8" if kv8 else "")
+        return base + "_append" if append else base
+
+    def schema(self, append: bool, kv8: bool = False) -> str:
         spec = self.spec
         kv = (
             "Tensor(a!) k_cache, Tensor(b!) v_cache" if append else "Tensor k_cache, Tensor v_cache"
@@ -132,47 +148,55 @@ class DecodeOp:
         args = ["Tensor q", kv, "Tensor cache_seqlens", "Tensor? block_table"]
         if append:
             args += ["Tensor k_new", "Tensor v_new"]
+        if kv8:
+            args += ["Tensor k_descale", "Tensor v_descale"]
         args += ["float softmax_scale", "int num_splits"]
         args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
         args += [f"Tensor {p.name}" for p in spec.tensor_params]
-        name = self.append_name if append else self.name
+        name = self.op_name(append, kv8)
         return f"{name}({', '.join(args)}) -> (Tensor, Tensor)"
 
     def register(self) -> None:
-        """Register both torch ops (once per process)."""
+        """Register the torch ops (once per process): with and without append, and the same
+        for an e4m3 cache where the spec can read one (:attr:`kv8`)."""
         if self._registered:
             return
         with _REG_LOCK:
             if self._registered:
                 return
             lib = self.op._lib  # the op's own library: a reload removes both
-            for append in (False, True):
-                name = self.append_name if append else self.name
-                lib.define(self.schema(append))
-                lib.impl(name, functools.partial(self._impl_cpu, append), "CPU")
-                lib.impl(name, functools.partial(self._impl_cuda, append), "CUDA")
-                torch.library.register_fake(
-                    f"flashgen::{name}", functools.partial(self._impl_fake, append), lib=lib
-                )
+            for kv8 in (False, True) if self.kv8 else (False,):
+                for append in (False, True):
+                    name = self.op_name(append, kv8)
+                    lib.define(self.schema(append, kv8))
+                    lib.impl(name, functools.partial(self._impl_cpu, append, kv8), "CPU")
+                    lib.impl(name, functools.partial(self._impl_cuda, append, kv8), "CUDA")
+                    torch.library.register_fake(
+                        f"flashgen::{name}", functools.partial(self._impl_fake, append, kv8),
+                        lib=lib,
+                    )  # fmt: skip
             self._registered = True
 
-    def torch_op(self, append: bool):
+    def torch_op(self, append: bool, kv8: bool = False):
         self.register()
-        return getattr(torch.ops.flashgen, self.append_name if append else self.name).default
+        return getattr(torch.ops.flashgen, self.op_name(append, kv8)).default
 
-    def _unpack(self, append: bool, args):
+    def _unpack(self, append: bool, kv8: bool, args):
         """Schema arguments -> (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-        softmax_scale, num_splits, scalars, tensor map)."""
+        softmax_scale, num_splits, scalars, tensor map, scales: a :class:`KvScales` or None)."""
         q, kc, vc, lens, table = args[:5]
         rest = args[5:]
         k_new = v_new = None
         if append:
             k_new, v_new, rest = rest[0], rest[1], rest[2:]
+        scales = None
+        if kv8:
+            scales, rest = KvScales(rest[0], 1.0, rest[1], 1.0), rest[2:]
         scale, splits, rest = rest[0], rest[1], rest[2:]
         n = len(self.spec.scalar_params)
         scalars = list(rest[:n])
         tensors = {p.name: t for p, t in zip(self.spec.tensor_params, rest[n:], strict=True)}
-        return q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors
+        return q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors, scales
 
     def _outputs(self, q, dims: DecodeDims):
         if dims.ragged:  # o [total_q, Hq, Dv], lse [Hq, total_q] (the varlen op's layout)
@@ -189,43 +213,64 @@ class DecodeOp:
         )
         return o, lse
 
-    def _impl_fake(self, append, *args):
-        q, kc, vc, lens, table, k_new, v_new, *_ = self._unpack(append, args)
+    def _impl_fake(self, append, kv8, *args):
+        q, kc, vc, lens, table, k_new, v_new, *_ = self._unpack(append, kv8, args)
         dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
         return self._outputs(q, dims)
 
-    def _impl_cpu(self, append, *args):
-        q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors = self._unpack(
-            append, args
+    def _scales_of_op(self, dims: DecodeDims, q, scales: KvScales | None) -> KvScales | None:
+        """The registered op's descale tensors (its ``_kv8`` ops take them), checked against
+        the call's cache: the ``_kv8`` ops take an e4m3 cache, the others the spec's dtype."""
+        if (dims.cache_dtype is None) != (scales is None):
+            want = FP8_CACHE if scales is not None else TORCH_DTYPE[self.spec.dtype]
+            raise OpInputError(
+                f"k_cache: this torch op ({self.op_name(False, scales is not None)}"
+                f"[_append]) takes a {want} cache, got "
+                f"{FP8_CACHE if dims.cache_dtype else TORCH_DTYPE[self.spec.dtype]}"
+            )
+        if scales is None:
+            return None
+        return resolve_scales(self.spec, dims, q, scales.k, scales.v, None)[1]
+
+    def _impl_cpu(self, append, kv8, *args):
+        q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors, scales = (
+            self._unpack(append, kv8, args)
         )
         dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
         self._check_params(scale, scalars, tensors, dims, q.device)
+        scales = self._scales_of_op(dims, q, scales)
         check_values(dims, lens, table)
+        check_scale_values(scales)
         if append:
             append_reference(kc, vc, lens, k_new, v_new, table)
         live = lens.to(torch.int64) + (dims.seqlen_q if append else 0)
         params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        kd, vd = (None, None) if scales is None else scales.tensors(dims.batch, dims.heads_kv,
+                                                                     q.device)  # fmt: skip
         ro, rl = decode_reference(
             self.spec, q, kc, vc, live, table, softmax_scale=scale, params=params,
-            compute_dtype=torch.float32,
+            compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
         )  # fmt: skip
         o, lse = self._outputs(q, dims)
         o.copy_(ro)
         lse.copy_(rl)
         return o, lse
 
-    def _impl_cuda(self, append, *args):
-        q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors = self._unpack(
-            append, args
+    def _impl_cuda(self, append, kv8, *args):
+        q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors, scales = (
+            self._unpack(append, kv8, args)
         )
         dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
         self._check_params(scale, scalars, tensors, dims, q.device)
+        scales = self._scales_of_op(dims, q, scales)
         if check_enabled():
             check_values(dims, lens, table)
+            check_scale_values(scales)
         params = dict(zip([p.name for p in self.spec.scalar_params], scalars, strict=True))
         plan = self.plan_for(dims, q.device, splits or None, params=params)
-        return self._launch(plan, q, kc, vc, lens, table, k_new, v_new, scale, scalars, tensors)
+        return self._launch(plan, q, kc, vc, lens, table, k_new, v_new, scale, scalars, tensors,
+                            scales=scales)  # fmt: skip
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
         check_softmax_scale(scale)
@@ -251,6 +296,9 @@ class DecodeOp:
         plan: DecodeCallPlan | None = None,
         softmax_scale: float | None = None,
         out=None,
+        k_descale=None,
+        v_descale=None,
+        q_descale=None,
         **params,
     ):
         """Attention of ``q`` against a dense or paged KV cache (module doc); returns ``(o,
@@ -263,13 +311,16 @@ class DecodeOp:
         ``out``: ``(o, lse)`` to write instead of new tensors (contiguous, the shapes and
         dtypes above, on q's device; FlashInfer's ``out=``): a serving loop that reuses them
         saves the two allocations per call.  Returns ``out`` then.
+        ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3 (``torch.float8_e4m3fn``) cache's
+        and q's descales (module doc, :mod:`flashgen.ops.decode_fp8`).
         Raises :class:`OpInputError` for bad inputs or a spec decode does not support."""
         fast = getattr(plan, "fast", None)
-        if fast is not None and cu_seqlens_q is None and num_splits is None:
+        if fast is not None and cu_seqlens_q is None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                       softmax_scale, params, out)  # fmt: skip
+                       softmax_scale, params, out, k_descale, v_descale)  # fmt: skip
             if res is not None:
                 return res
+        descales = (k_descale, v_descale, q_descale)
         if cu_seqlens_q is not None:
             if plan is not None or out is not None:
                 raise OpInputError(
@@ -277,12 +328,13 @@ class DecodeOp:
                 )
             return self._with_kvcache_ragged(
                 q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cu_seqlens_q,
-                max_seqlen_q, num_splits, softmax_scale, params,
+                max_seqlen_q, num_splits, softmax_scale, params, descales,
             )  # fmt: skip
         if max_seqlen_q is not None:
             raise OpInputError("max_seqlen_q: only with cu_seqlens_q (ragged Sq_new)")
         res = self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                                 cu_seqlens_q, num_splits, plan, softmax_scale, params)  # fmt: skip
+                                 cu_seqlens_q, num_splits, plan, softmax_scale, params,
+                                 descales)  # fmt: skip
         if out is None:
             return res
         check_out(self.spec, out, res[0].shape, q.device)
@@ -291,7 +343,10 @@ class DecodeOp:
         return out
 
     def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                      cu_seqlens_q, num_splits, plan, softmax_scale, params):  # fmt: skip
+                      cu_seqlens_q, num_splits, plan, softmax_scale, params,
+                      descales=(None, None, None), scales=None):  # fmt: skip
+        """The padded call (:meth:`with_kvcache`); ``scales``: already resolved descales
+        (the ragged CPU loop passes each request's, q already in the spec's dtype)."""
         self._refuse()
         if cu_seqlens_q is not None:
             raise OpInputError(
@@ -307,6 +362,8 @@ class DecodeOp:
         dims = validate_decode(
             self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
         )
+        if scales is None:
+            q, scales = resolve_scales(self.spec, dims, q, *descales)
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
         if plan is not None:
@@ -315,25 +372,28 @@ class DecodeOp:
         if q.is_cuda and _plain_eager(q, k_cache, v_cache):
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table)
+                check_scale_values(scales)
             if plan is None:
                 names = [p.name for p in self.spec.scalar_params]
                 plan = self.plan_for(dims, q.device, splits or None,
                                      params=dict(zip(names, scalars, strict=True)))  # fmt: skip
             return self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                softmax_scale, scalars, tmap,
+                softmax_scale, scalars, tmap, scales=scales,
             )  # fmt: skip
         if plan is not None and not splits:
             splits = plan.num_splits
         args = [q, k_cache, v_cache, cache_seqlens, block_table]
         if append:
             args += [k_new, v_new]
+        if scales is not None:
+            args += list(scales.tensors(dims.batch, dims.heads_kv, q.device))
         args += [softmax_scale, splits, *scalars, *tensors]
-        return self.torch_op(append)(*args)
+        return self.torch_op(append, scales is not None)(*args)
 
     def _with_kvcache_ragged(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
                              v_new, cu_seqlens_q, max_seqlen_q, num_splits, softmax_scale,
-                             params):  # fmt: skip
+                             params, descales=(None, None, None)):  # fmt: skip
         """Ragged Sq_new: request b's queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b +
         1]`` of q ``[total_q, Hq, D]`` (Sq_b of them, the last Sq_b of its live keys; the mask
         sees ``q_idx`` in ``[0, Sq_b)``, ``seqlen_q = Sq_b``); k_new / v_new ``[total_q, Hkv,
@@ -362,19 +422,22 @@ class DecodeOp:
             self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             cu_seqlens_q, max_seqlen_q,
         )  # fmt: skip
+        q, scales = resolve_scales(self.spec, dims, q, *descales)
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
         if q.is_cuda:
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
+                check_scale_values(scales)
             names = [p.name for p in self.spec.scalar_params]
             plan = self.plan_for(dims, q.device, splits or None,
                                  params=dict(zip(names, scalars, strict=True)))  # fmt: skip
             return self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q,
+                softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q, scales=scales,
             )  # fmt: skip
         check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
+        check_scale_values(scales)
         o, lse = self._outputs(q, dims)
         cu = cu_seqlens_q.tolist()
         for b in range(dims.batch):
@@ -389,9 +452,13 @@ class DecodeOp:
             if k_new is not None:
                 kn = k_new[q0:q1].permute(1, 0, 2).unsqueeze(0)
                 vn = v_new[q0:q1].permute(1, 0, 2).unsqueeze(0)
+            sb = None
+            if scales is not None:  # request b's descales, each [1, Hkv]
+                sb = KvScales(None if scales.k is None else scales.k[sl], scales.k_mul,
+                              None if scales.v is None else scales.v[sl], scales.v_mul)  # fmt: skip
             ob, lb = self._with_kvcache(qb, kc, vc, cache_seqlens[sl], table, kn, vn, None,
                                         splits or None, None, softmax_scale,
-                                        dict(params))  # fmt: skip
+                                        dict(params), scales=sb)  # fmt: skip
             o[q0:q1] = ob[0].permute(1, 0, 2)
             lse[:, q0:q1] = lb[0]
         return o, lse
@@ -411,6 +478,7 @@ class DecodeOp:
         device=None,
         pack_gqa: bool = True,
         options: family.Options | None = None,
+        cache_dtype=None,
         **params,
     ) -> DecodeCallPlan:
         """Plan calls of one shape (FlashInfer's plan/run): ``batch`` requests, ``num_heads`` /
@@ -423,7 +491,8 @@ class DecodeOp:
         ``flashgen.bench.decode --sweep`` times a grid of them).  ``params``: values of the mask's
         scalar params the calls will pass (the spec's defaults otherwise): a mask that bounds the
         live keys (a sliding window) sizes the splits by its blocks, not the capacity's; calls may
-        pass other values.
+        pass other values.  ``cache_dtype``: the calls' cache dtype, None (the spec's) or
+        ``torch.float8_e4m3fn`` (an e4m3 cache: its own unit; the calls pass the descales).
         Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
         planned calls do no host planning and can be captured in a CUDA graph.  Raises
         :class:`OpInputError` for bad sizes, options or params."""
@@ -448,6 +517,17 @@ class DecodeOp:
             raise OpInputError(
                 f"num_heads: expected a multiple of num_heads_kv {num_heads_kv}, got {num_heads}"
             )
+        kv_dtype = None
+        if cache_dtype is not None and cache_dtype != TORCH_DTYPE[self.spec.dtype]:
+            if FP8_CACHE is None or cache_dtype != FP8_CACHE:
+                raise OpInputError(
+                    f"cache_dtype: expected None, {TORCH_DTYPE[self.spec.dtype]} or {FP8_CACHE}, "
+                    f"got {cache_dtype!r}"
+                )
+            why = family.cache_dtype_reason(self.spec, "fp8_e4m3")
+            if why is not None:
+                raise OpInputError(f"cache_dtype: {why}")
+            kv_dtype = "fp8_e4m3"
         paged = page_size is not None
         if paged:
             if not isinstance(page_size, int) or page_size < 1 or not isinstance(num_pages, int):
@@ -457,10 +537,12 @@ class DecodeOp:
                 )
             max_pages = -(-cache_capacity // page_size)
             dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
-                              True, num_pages, page_size, max_pages, append)  # fmt: skip
+                              True, num_pages, page_size, max_pages, append,
+                              cache_dtype=kv_dtype)  # fmt: skip
         else:
             dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
-                              False, batch, cache_capacity, 1, append)  # fmt: skip
+                              False, batch, cache_capacity, 1, append,
+                              cache_dtype=kv_dtype)  # fmt: skip
         device = torch.device(device if device is not None else "cuda")
         if device.type == "cuda" and device.index is None:  # the current device, by index
             device = torch.device("cuda", torch.cuda.current_device())
@@ -490,6 +572,14 @@ class DecodeOp:
             )
         if plan.device != device:
             raise OpInputError(f"plan: planned for device {plan.device}, q is on {device}")
+        if p.cache_dtype != dims.cache_dtype:
+            def kind(x):
+                return FP8_CACHE if x else TORCH_DTYPE[self.spec.dtype]
+
+            raise OpInputError(
+                f"plan: planned for a {kind(p.cache_dtype)} cache (plan_decode's cache_dtype), "
+                f"this call's cache is {kind(dims.cache_dtype)}"
+            )
         if splits and splits != plan.num_splits:
             raise OpInputError(
                 f"num_splits: the plan fixes {plan.num_splits}, this call asks for {splits}"
@@ -497,13 +587,16 @@ class DecodeOp:
 
     # ------------------------------------------------------------------ CUDA
     def kernels(self, device: torch.device, options: family.Options | None = None,
-                ragged: bool = False) -> dict:  # fmt: skip
+                ragged: bool = False, cache_dtype: str | None = None) -> dict:  # fmt: skip
         """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``) for the unit
         knobs of ``options`` (default: the head dim's), built through the cache on first use;
-        ``ragged``: the ragged-Sq_new unit."""
+        ``ragged``: the ragged-Sq_new unit; ``cache_dtype``: the e4m3-cache unit for
+        ``"fp8_e4m3"``."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         options = options or self.op.options.decode
         key = (index, options.unit_key()) + (("ragged",) if ragged else ())
+        if cache_dtype is not None:
+            key += (cache_dtype,)
         hit = self._units.get(key)
         if hit is not None:
             return hit
@@ -517,8 +610,8 @@ class DecodeOp:
                 target = target_for_device(self.spec, torch.device("cuda", index))
                 p = registry.plan_decode(
                     self.spec, target, dataclasses.replace(self.op.options, decode=options),
-                    ragged=ragged,
-                )
+                    ragged=ragged, cache_dtype=cache_dtype,
+                )  # fmt: skip
                 cubin, report = cache.get_or_build(render(p), p)
                 hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
                 hit["report"] = report
@@ -537,10 +630,14 @@ class DecodeOp:
         pack_gqa = pack_gqa and options.pack_gqa
         if num_splits is None:
             num_splits = options.num_splits
-        kern = self.kernels(device, options, dims.ragged) if device.type == "cuda" else {}
+        kern = (
+            self.kernels(device, options, dims.ragged, dims.cache_dtype)
+            if device.type == "cuda" else {}
+        )  # fmt: skip
         unit = kern["attn"].plan if kern else registry.plan_decode(
-            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options)
-        )
+            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
+            cache_dtype=dims.cache_dtype,
+        )  # fmt: skip
         heads = dims.heads_kv if pack_gqa else dims.heads_q
         live_blocks = None
         g0 = family.geometry(
@@ -596,10 +693,10 @@ class DecodeOp:
         return hit
 
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
-                      scalars, tensors) -> dict:  # fmt: skip
+                      scalars, tensors, scales: KvScales | None = None) -> dict:  # fmt: skip
         """Every argument of the attention kernel (name -> tensor / address / number) for
         this call; ``q`` already 16-byte aligned (``_kernel_aligned``), the workspace from
-        the plan or allocated here."""
+        the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0)."""
         dims = plan.dims
         paged = table is not None
         if paged:
@@ -622,6 +719,8 @@ class DecodeOp:
         values["max_pages"] = table.shape[1] if paged else 1
         if dims.ragged:  # q [total_q, Hq, D]: the token stride is q_ss, request b starts at
             values.update(q_sb=0, q_sh=q.stride(1), q_ss=q.stride(0))  # cu_seqlens_q[b]
+        if dims.cache_dtype is not None:
+            values.update((scales or KvScales()).launch_values())
         for p, val in zip(self.spec.scalar_params, scalars, strict=True):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
@@ -649,7 +748,7 @@ class DecodeOp:
                     vn_sh=v_new.stride(1), vn_ss=v_new.stride(2))  # fmt: skip
 
     def _launch(self, plan: DecodeCallPlan, q, kc, vc, lens, table, k_new, v_new, scale,
-                scalars, tensors, cu_seqlens_q=None):  # fmt: skip
+                scalars, tensors, cu_seqlens_q=None, scales=None):  # fmt: skip
         dims = plan.dims
         o, lse = self._outputs(q, dims)
         if _poison_enabled():
@@ -660,7 +759,8 @@ class DecodeOp:
         kern = plan.kernels
         stream = current_stream_ptr(q.device)
         q = _aligned_any(q)
-        values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors)
+        values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors,
+                                    scales)  # fmt: skip
         if cu_seqlens_q is not None:
             values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:
@@ -673,9 +773,10 @@ class DecodeOp:
 
 
 def _aligned_any(t):
-    """``t`` when the kernels' 16-byte copies can address it (4-D: ``_kernel_aligned``; the
-    ragged 3-D q / k_new / v_new: the same rule on their dims), else a contiguous copy."""
-    if t.dim() == 4:
+    """``t`` when the kernels' 16-byte copies can address it (4-D 2-byte: ``_kernel_aligned``;
+    the ragged 3-D q / k_new / v_new and e4m3 k_new / v_new: the same rule on their dims and
+    bytes), else a contiguous copy."""
+    if t.dim() == 4 and t.element_size() == 2:
         return _kernel_aligned(t)
     return t if _aligned_16(t) else t.clone(memory_format=torch.contiguous_format)
 

@@ -17,9 +17,11 @@ from flashgen.families import decode as family
 from flashgen.ops import calls as _calls
 from flashgen.ops import validation as _validation
 from flashgen.ops.calls import _kernel_aligned
-from flashgen.ops.decode_inputs import DecodeDims, check_out, validate_decode
+from flashgen.ops.decode_fp8 import resolve_scales
+from flashgen.ops.decode_inputs import DecodeDims, _aligned_16, check_out, validate_decode
 from flashgen.ops.validation import (
     PARAM_DTYPE,
+    TORCH_DTYPE,
     _poison_enabled,
     check_enabled,
     check_softmax_scale,
@@ -143,7 +145,11 @@ class _FastPath:
         self.index = plan.device.index
         attn, app = plan.kernels["attn"], plan.kernels["append"]
         self.attn_layout, self.app_layout = ArgLayout(attn.plan.args), ArgLayout(app.plan.args)
-        self.attn_head = self.attn_layout.head(family.CALL_POINTERS)
+        #: an e4m3-cache plan: k_descale / v_descale are per-call pointers too
+        self.kv8 = attn.plan.kv8
+        self.attn_head = self.attn_layout.head(
+            family.CALL_POINTERS_KV8 if self.kv8 else family.CALL_POINTERS
+        )
         self.app_head = self.app_layout.head(family.APPEND_CALL_POINTERS)
         self.attn_pack = self.attn_head.pack_into
         self.app_pack = self.app_head.pack_into
@@ -173,7 +179,8 @@ class _FastPath:
             st = self._tls.st = _FastState(self.attn_layout, self.app_layout)
         return st
 
-    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None):
+    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None,
+                 k_descale=None, v_descale=None):  # fmt: skip
         if not self._eager(q, kc, vc) or self._get_device is None:
             return None
         if self._get_device() != self.index or _debug_switches():
@@ -189,6 +196,22 @@ class _FastPath:
         if k_new is not None:
             key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
                     v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        kd_ptr = vd_ptr = 0
+        if self.kv8:  # the descales: a tensor's layout (its address per call) or a number
+            if type(k_descale) is _TENSOR:
+                key += (k_descale.shape, k_descale.stride(), k_descale.dtype,
+                        k_descale.get_device())  # fmt: skip
+                kd_ptr = k_descale.data_ptr()
+            else:
+                key += (k_descale,)
+            if type(v_descale) is _TENSOR:
+                key += (v_descale.shape, v_descale.stride(), v_descale.dtype,
+                        v_descale.get_device())  # fmt: skip
+                vd_ptr = v_descale.data_ptr()
+            else:
+                key += (v_descale,)
+        elif k_descale is not None or v_descale is not None:
+            return None  # the general path names the argument
         if out is not None:
             if type(out) is not tuple or len(out) != 2:
                 return None
@@ -212,7 +235,7 @@ class _FastPath:
         st = self._tls_dict.get("st") or self._state()
         if key != st.key:
             if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                                 out):  # fmt: skip
+                                 out, k_descale, v_descale):  # fmt: skip
                 return None
         q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
@@ -228,7 +251,11 @@ class _FastPath:
         lens_ptr = lens.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()
         buf = st.attn_buf
-        self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
+        if self.kv8:
+            self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr,
+                           kd_ptr, vd_ptr)  # fmt: skip
+        else:
+            self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
         for name, t in zip(self.tensor_names, tensors, strict=False):
             self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
         stream = self._raw_stream(self.index)
@@ -247,7 +274,7 @@ class _FastPath:
         return out
 
     def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                 out=None) -> bool:  # fmt: skip
+                 out=None, k_descale=None, v_descale=None) -> bool:  # fmt: skip
         """Full validation of a new layout (raises what the general path raises) and the
         packing of its argument blocks; False when the fast path does not apply."""
         dop, spec, plan = self.dop, self.dop.spec, self.plan
@@ -258,18 +285,20 @@ class _FastPath:
                 return False
         scale = check_softmax_scale(default_softmax_scale(spec) if scale is None else scale)
         dims = validate_decode(spec, q, kc, vc, lens, table, k_new, v_new)
+        if q.dtype != TORCH_DTYPE[spec.dtype]:
+            return False  # an e4m3 q: the general path converts it
+        _, scales = resolve_scales(spec, dims, q, k_descale, v_descale, None)
         if spec.tensor_params:
             validate_tensor_params(spec, tmap, q.device, dims.symbols())
         dop._check_plan(plan, dims, q.device, 0)
         if out is not None:
             check_out(spec, out, self.o_shape, q.device)
-        if k_new is not None and (
-            _kernel_aligned(k_new) is not k_new or _kernel_aligned(v_new) is not v_new
-        ):
+        if k_new is not None and not (_aligned_16(k_new) and _aligned_16(v_new)):
             return False
         if _kernel_aligned(q) is not q:
             return False
-        values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap)
+        values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
+                                   scales)  # fmt: skip
         self.attn_layout.pack(st.attn_buf, values)
         if k_new is not None:
             self.app_layout.pack(st.app_buf, dop.append_values(values, k_new, v_new))

@@ -55,6 +55,8 @@ def decode_reference(
     softmax_scale: float | None = None,
     params: dict | None = None,
     compute_dtype=torch.float64,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
     the gathered keys (one request at a time, ``b`` its batch index): by
@@ -64,7 +66,9 @@ def decode_reference(
     (:func:`flashgen.ops.cpu_attention.attention_blocked`, so the decode op on CPU equals the
     padded op on the gathered cache bitwise).  o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse
     ``[B, Hq, Sq]`` (float32, float64 for a float64 reference); no live key: o = 0,
-    lse = -inf."""
+    lse = -inf.  ``k_descale`` / ``v_descale``: float32 ``[B, Hkv]`` (an e4m3 cache,
+    :mod:`flashgen.ops.decode_fp8`): request b's gathered keys and values are dequantized
+    (``k_descale[b, h] * k``, in float32, float64 for the oracle) before the attention."""
     from flashgen.ops.cpu_attention import attention_blocked
     from flashgen.ops.reference import attention_reference
 
@@ -78,6 +82,10 @@ def decode_reference(
         if lens[b] <= 0 or sq == 0:
             continue
         k, v = gather_cache(k_cache, v_cache, b, lens[b], block_table)
+        if k_descale is not None:
+            deq = torch.float64 if compute_dtype == torch.float64 else torch.float32
+            k = k.to(deq) * k_descale[b].to(deq).view(-1, 1, 1)
+            v = v.to(deq) * v_descale[b].to(deq).view(-1, 1, 1)
         if compute_dtype != torch.float32:  # the float64 oracle, or torch's low-precision math
             ob, lb = attention_reference(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
