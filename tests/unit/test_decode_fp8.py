@@ -723,3 +723,14 @@ def test_fragment_model_qk_and_pv(host):
                 out[row, cols[(t, 0, j)]] = c_even[row, 2 * t + j]
                 out[row, cols[(t, 1, j)]] = c_odd[row, 2 * t + j]
     assert np.array_equal(out, pm @ v.astype(np.float64))
+
+
+def test_decode_bench_takes_fp8(capsys):
+    """``python -m flashgen.bench.decode --fp8`` parses (it needs a GPU to run: without one it
+    says so and returns 1)."""
+    from flashgen.bench.decode import main
+
+    if torch.cuda.is_available():
+        pytest.skip("would run the benchmark")
+    assert main(["--fp8", "--quick"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
