@@ -64,9 +64,9 @@ def check_removed() -> None:
         )
 
 
-#: Other programs' variables flashgen follows: the CUDA toolkit's location (nvcc lookup) and
-#: the terminal width (tables).
-FOREIGN = ("CUDA_HOME", "CUDA_PATH", "COLUMNS")
+#: Other programs' variables flashgen follows: the CUDA toolkit's location and the executable
+#: search path (nvcc lookup) and the terminal width (tables).
+FOREIGN = ("CUDA_HOME", "CUDA_PATH", "PATH", "COLUMNS")
 
 
 def foreign(name: str) -> str | None:

@@ -9,7 +9,9 @@ Rules: constants, index variables, params and tensor reads have derivative 0 (th
 not depend on ``score``); sum, product, quotient and chain rules; ``c ? a : b`` ->
 ``c ? a' : b'``; ``abs(a)' = (a < 0 ? -1 : 1) a'``; ``min/max`` follow the selected
 argument; ``fmod(a, b)' = a' - trunc(a / b) b'``.  The result is typed (f32) and
-folded where a factor is 0 or 1.
+folded where a factor is 0 or 1.  It refers to ``e``'s own sub-expression objects at every
+rule (a DAG of O(size) distinct nodes whose tree is O(size x depth));
+:func:`flashgen.codegen.cuda_expr.cuda_expr` renders each shared node once.
 """
 
 from __future__ import annotations

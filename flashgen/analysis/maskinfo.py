@@ -300,10 +300,11 @@ I32_MAX = 2**31 - 1
 def static_env(spec: Spec) -> dict:
     """Interval environment of every call (:func:`evaluate`): the index variables as the
     kernels define them (clamped: ``0 <= q_idx < seqlen_q``, ``0 <= h < heads_q``, ...; any
-    int32 size), i32 scalar params within their declared ``min`` / ``max`` (``above`` /
+    int32 size), scalar params within their declared ``min`` / ``max`` (``above`` /
     ``below`` are stored as those; the op refuses other values,
-    :func:`flashgen.ops.op.check_scalar`) or else their whole type, f32 params and ``score``
-    any."""
+    :func:`flashgen.ops.validation.check_scalar`) or else their whole type, ``score`` any.
+    An f32 param's bound is widened to its float32 rounding where it is no float32 value
+    (:func:`f32_bound`): the op checks the value in double, the kernel receives it rounded."""
     below = Range(0, I32_MAX - 1)  # an index below an int32 extent
     env = {n: below for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
     env["seqlen_q"] = env["seqlen_k"] = Range(0, I32_MAX)
@@ -315,8 +316,26 @@ def static_env(spec: Spec) -> dict:
             hi = I32_MAX if p.maximum is None else int(p.maximum)
             env[p.name] = Range(lo, hi)
         else:
-            env[p.name] = Range(-INF, INF)
+            lo = -INF if p.minimum is None else f32_bound(float(p.minimum), lower=True)
+            hi = INF if p.maximum is None else f32_bound(float(p.maximum), lower=False)
+            env[p.name] = Range(lo, hi)
     return env
+
+
+#: The largest finite float32.
+F32_MAX = float.fromhex("0x1.fffffep+127")
+
+
+def f32_bound(v: float, *, lower: bool) -> float:
+    """A declared f32 param bound ``v`` (a double) as a bound of the values a kernel may
+    receive: rounding to float32 is monotone, so a value ``x >= v`` arrives as
+    ``f32(x) >= f32(v)``, which may lie half an ulp below ``v`` (``min: 0.7``: 0.699999988);
+    the lower bound is the smaller of ``v`` and ``f32(v)``, the upper one the larger (the
+    reference computes with ``x`` itself).  Beyond the float32 range: unbounded."""
+    if not abs(v) <= F32_MAX:
+        return -INF if lower else INF
+    r = struct.unpack("f", struct.pack("f", v))[0]
+    return min(v, r) if lower else max(v, r)
 
 
 def tile_env(

@@ -8,7 +8,8 @@ Layout::
       /<flashgen version>/<arch>/<uri>.lock
 
 ``uri`` is the sha256 of (source, arch, the full nvcc argv less paths (gencode and
-flags), nvcc version, kernel name): a pure function of what goes into nvcc.
+flags), nvcc version, kernel name): a pure function of what goes into nvcc (with NVRTC, the
+compiler's options and :attr:`~flashgen.build.compile.Compiler.key` in their place).
 :func:`get_or_build` follows the sequence
 *try load -> file lock -> try load again -> compile to a temp file -> atomic rename
 -> load*, so concurrent builders (threads or processes) of one uri compile once, and a
@@ -143,16 +144,26 @@ def cache_key(source: str, plan) -> str:
     (``-gencode`` and every flag, read from :func:`flashgen.build.compile.nvcc_command`, so
     a change to the flags changes the key), the toolkit version and the kernel name, and
     the plan's non-default options (``plan.options_key``; absent for the defaults, so their
-    keys are those of earlier versions).
+    keys are those of earlier versions).  The compiler is the one
+    :func:`flashgen.build.compile.find_compiler` picks: for NVRTC its options
+    (:func:`~flashgen.build.compile.nvrtc_options`) and its
+    :attr:`~flashgen.build.compile.Compiler.key` replace the nvcc argv and version, so a
+    kernel NVRTC built is never served to an nvcc build, or the reverse.
     """
-    argv = _compile.nvcc_command(plan, "SRC", "OUT", nvcc="nvcc")[1:]
+    comp = _compile.find_compiler()
+    if comp.kind == "nvcc":
+        argv = _compile.nvcc_command(plan, "SRC", "OUT", nvcc="nvcc")[1:]
+        version = nvcc_version()
+    else:
+        argv = ["nvrtc", *_compile.nvrtc_options(plan, None)]
+        version = comp.key
     h = hashlib.sha256()
     for part in (
         source,
         plan.arch,
         plan.gencode,
         " ".join(argv),
-        nvcc_version(),
+        version,
         plan.kernel_name,
     ):
         h.update(part.encode())

@@ -53,6 +53,7 @@ PROBES: dict[str, str] = {
     "its max (a warp vote; the result stays exact)",
     "no_kv_loads": "Hopper forward: the producer arms k_full / v_full without loading K and V",
     "half_kv_loads": "Hopper forward: only the first 64 columns of each K and V row are loaded",
+    "no_transpose": "fp8 Hopper forward: the transposing warps arrive without transposing V",
 }
 
 

@@ -26,7 +26,8 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
-    # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma" (registry.compile_units), "decode"
+    # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma" (registry.compile_units), "decode",
+    # "decode_ragged"
     unit: str = "fwd"
     plan: object | None = None  # the KernelPlan / BackwardPlan compiled (families.build)
     report: object | None = None  # CompileReport
@@ -74,11 +75,11 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
     options = options or DEFAULT
     res = BuildResult(spec, target, unit)
     try:
-        if unit == "decode":  # serving unit (flashgen.families.decode): attn, append
+        if unit in ("decode", "decode_ragged"):  # serving units (families.decode): attn, append
             from flashgen.build import cache
             from flashgen.build.render import render
 
-            res.plan = registry.plan_decode(spec, target, options)
+            res.plan = registry.plan_decode(spec, target, options, ragged=unit == "decode_ragged")
             path, res.report = cache.get_or_build(render(res.plan), res.plan)
             res.smem_dynamic = res.plan.smem_bytes
         elif unit in ("fwd", "fwd_sparse"):
@@ -121,7 +122,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
 def cmd_build(args) -> int:
     from rich.table import Table
 
-    from flashgen.build.compile import CompileError, find_nvcc, nvcc_version
+    from flashgen.build.compile import CompileError, find_compiler
     from flashgen.build.generate import write_generated
     from flashgen.families.decode import unsupported_reason
     from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
@@ -146,11 +147,10 @@ def cmd_build(args) -> int:
             else:
                 err.print(f"note: {spec.name} does not list target {t}; skipped", markup=False)
     try:
-        find_nvcc()
-        toolkit = nvcc_version()
+        toolkit = find_compiler().key  # nvcc's version, or NVRTC's key where there is no nvcc
     except CompileError as e:
         err.print(f"error: {e}", markup=False)
-        err.print("flashgen build needs the CUDA toolkit's nvcc to compile kernels.", markup=False)
+        err.print("flashgen build needs nvcc (or NVRTC) to compile kernels.", markup=False)
         return _fail_json(args, str(e))
 
     results: list[BuildResult] = []
@@ -169,10 +169,11 @@ def cmd_build(args) -> int:
             if not persistent_scheduler(s, options)
             and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
         ]
-        futures += [  # the decode (serving) unit, where the spec supports it
-            pool.submit(_compile_one, s, t, "decode", options)
+        futures += [  # the decode (serving) units, padded and ragged Sq_new, where supported
+            pool.submit(_compile_one, s, t, unit, options)
             for s, t in pairs
             if not unsupported_reason(s)
+            for unit in ("decode", "decode_ragged")
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress
@@ -191,7 +192,8 @@ def cmd_build(args) -> int:
         if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
             unwritten.append(spec.name)
             continue
-        mine = [r for r in mine if r.unit != "decode"]  # compiled and reported; not in generated/
+        # the decode units are compiled and reported, not written to generated/
+        mine = [r for r in mine if r.unit not in ("decode", "decode_ragged")]
         reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
         targets = tuple(dict.fromkeys(r.target for r in mine))
         try:

@@ -39,12 +39,30 @@ from flashgen.codegen.dtypes import dtype
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Expr, Index, Spec, Ty, Var
 
-#: nvcc/NVRTC code generation per target.
+#: nvcc/NVRTC code generation per target.  sm_80 units carry compute_80 PTX besides their
+#: sm_80 SASS, so the driver JIT-compiles them on GPUs newer than any SASS they hold (10.x,
+#: 12.x); sm_90a SASS is arch-specific (wgmma, setmaxnreg) and runs on compute capability 9.0
+#: only, so those units carry no PTX.
 GENCODE = {
-    "sm_80": "-gencode=arch=compute_80,code=sm_80",
+    "sm_80": "-gencode=arch=compute_80,code=[sm_80,compute_80]",
     "sm_90": "-gencode=arch=compute_90a,code=sm_90a",
 }
 ARCH = {"sm_80": "sm_80", "sm_90": "sm_90a"}
+
+
+def target_for_capability(major: int, minor: int) -> str:
+    """The kernel target for a GPU of compute capability ``major.minor``: ``sm_90`` on 9.x
+    (the Hopper kernels where they apply), ``sm_80`` on 8.x (its SASS) and on 10.x and newer
+    (its compute_80 PTX, JIT-compiled by the driver).  ``ValueError`` below 8.0 (the kernels
+    use sm_80's mma.sync shapes, ldmatrix and cp.async)."""
+    if major == 9:
+        return "sm_90"
+    if major >= 8:
+        return "sm_80"
+    raise ValueError(
+        f"compute capability {major}.{minor}: flashgen kernels need 8.0 or newer (sm_80's "
+        "mma.sync, ldmatrix and cp.async)"
+    )
 
 
 def check_target(target: str) -> None:
@@ -68,12 +86,14 @@ class KernelArg:
 @dataclass(frozen=True)
 class TmaArg:
     """A ``CUtensorMap`` kernel argument ``name`` mapping tensor argument ``tensor``
-    (``[B, H, S, D]``) in boxes of 64 columns x ``box_rows`` rows (see
-    :mod:`flashgen.runtime.tma`)."""
+    (``[B, H, S, D]``) in boxes of ``box_cols`` columns x ``box_rows`` rows, with the
+    ``swizzle``-byte swizzle (128 or 64; see :mod:`flashgen.runtime.tma`)."""
 
     name: str
     tensor: str
     box_rows: int
+    box_cols: int = 64
+    swizzle: int = 128
 
 
 def dim_args(spec: Spec) -> list[KernelArg]:

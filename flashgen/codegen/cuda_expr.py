@@ -161,8 +161,53 @@ def cuda_expr(e: Expr, spec: Spec, inv: Invariants | None = None) -> str:
     that ulp into a different decision (``q_idx / 7.0 <= kv_idx`` at ``q_idx = 21``:
     3.0000002 against 3), a ``%`` or ``trunc`` into a whole unit (``(kv_idx / 41.0) % 1.0``
     at ``kv_idx = 41``: 0.99999994 against 0).
+
+    Size: ``e`` may share sub-expressions (one node object under several parents: the
+    derivative of :func:`flashgen.analysis.derive.d_dscore` refers to the score_mod's own
+    sub-trees at every rule, so its tree grows as size times depth).  Each node is rendered
+    once; where inlining every use would more than double the node count
+    (:data:`INLINE_GROWTH`, :func:`shared_nodes`), the shared sub-expressions become
+    ``const auto`` temporaries of an immediately invoked lambda,
+    ``([&]() { const auto fg_sub0 = ...; return ...; }())``, so the text stays linear in
+    the number of distinct nodes.  A tree (every parsed spec expression) renders inline,
+    as it always did.
     """
-    return _cuda_expr(e, spec, inv, False)
+    return _Lowering(spec, inv, shared_nodes(e)).render(e)
+
+
+#: Largest ratio of an expression's tree size (shared sub-expressions counted at every use)
+#: to its number of distinct nodes that :func:`cuda_expr` still renders inline.
+INLINE_GROWTH = 2
+
+
+def shared_nodes(e: Expr) -> frozenset[int]:
+    """``id()`` of the sub-expressions of ``e`` that :func:`cuda_expr` renders as
+    temporaries: none where the tree size of ``e`` is at most :data:`INLINE_GROWTH` times
+    its number of distinct node objects, otherwise every node with operands that has more
+    than one parent edge.  Linear in the distinct nodes (no recursion)."""
+    nodes: dict[int, Expr] = {id(e): e}
+    uses: dict[int, int] = {}
+    stack = [e]
+    while stack:
+        for c in ir.children(stack.pop()):
+            uses[id(c)] = uses.get(id(c), 0) + 1
+            if id(c) not in nodes:
+                nodes[id(c)] = c
+                stack.append(c)
+    size: dict[int, int] = {}
+    todo: list[tuple[Expr, bool]] = [(e, False)]
+    while todo:
+        n, ready = todo.pop()
+        if id(n) in size:
+            continue
+        if ready:
+            size[id(n)] = 1 + sum(size[id(c)] for c in ir.children(n))
+        else:
+            todo.append((n, True))
+            todo.extend((c, False) for c in ir.children(n) if id(c) not in size)
+    if size[id(e)] <= INLINE_GROWTH * len(nodes):
+        return frozenset()
+    return frozenset(i for i, n in nodes.items() if uses.get(i, 0) > 1 and ir.children(n))
 
 
 _COMPARE = {"<", "<=", ">", ">=", "==", "!="}
@@ -179,81 +224,126 @@ def _exact_operands(e: Expr) -> bool:
 
 
 def _cuda_expr(e: Expr, spec: Spec, inv: Invariants | None, compared: bool) -> str:
-    def cuda_expr(x: Expr, spec: Spec) -> str:  # recursion keeps the collector
-        below = compared or _exact_operands(e)
-        return _cuda_expr(x, spec, inv, below)
+    """``e`` lowered on its own (no temporaries), ``compared``: below a comparison."""
+    return _Lowering(spec, inv, frozenset()).expr(e, compared)
 
-    def as_float(x: Expr, code: str) -> str:
-        twins = _float_affine(x, spec) if x.ty == Ty.I32 and _affine_int(x) else None
-        return twins if twins is not None else _cast(code, x.ty, Ty.F32)
 
-    if isinstance(e, Const):
-        if e.ty == Ty.BOOL:
-            return "true" if e.value else "false"
-        if e.ty == Ty.F32:
-            v = float(e.value)
-            if math.isinf(v):
-                return "(-INFINITY)" if v < 0 else "INFINITY"
-            return f"{v!r}f"
-        return f"{int(e.value)}"
-    if isinstance(e, Causal):
-        return "(q_idx + seqlen_k - seqlen_q >= kv_idx)"
-    if isinstance(e, Var):
-        p = spec.param(e.name)
-        return f"p_{e.name}" if p is not None else e.name
-    if isinstance(e, Index):
-        return _tensor_read(e, spec, lambda ix: cuda_expr(ix, spec))
-    if isinstance(e, Unary):
-        return f"({e.op}{cuda_expr(e.arg, spec)})"
-    if isinstance(e, Binary):
-        assert e.op in _C_BINOPS
-        if inv is not None and inv.raw_score and not compared and e.op in ("*", "/"):
-            folded = _fold_scale(e, spec, inv, lambda x: as_float(x, cuda_expr(x, spec)))
-            if folded is not None:
-                return folded
-        lt, rt = e.lhs.ty, e.rhs.ty
-        lhs, rhs = cuda_expr(e.lhs, spec), cuda_expr(e.rhs, spec)
-        if e.op in ("&&", "||"):
-            # Both sides evaluated where neither reads memory (any DSL expression is safe to
-            # evaluate: reads are clamped, division by zero is defined): no branch per element,
-            # and common terms stay visible to CSE.  A side with a tensor read short-circuits
-            # (its loads are skipped where the other side decides, and need fewer registers).
-            if any(isinstance(n, Index) for side in (e.lhs, e.rhs) for n in ir.walk(side)):
-                return f"({lhs} {e.op} {rhs})"
-            return f"({lhs} {'&' if e.op == '&&' else '|'} {rhs})"
-        hoist = inv is not None and _kernel_invariant(e.rhs, spec)
-        if Ty.F32 in (lt, rt):  # mixed arithmetic / comparison promotes to float
-            lhs, rhs = as_float(e.lhs, lhs), as_float(e.rhs, rhs)
-            if e.op == "%":
-                return f"fmodf({lhs}, {rhs})"
-            if e.op == "/" and hoist and not compared:  # one reciprocal, a multiply per element
-                return f"({lhs} * {inv.add('float', f'1.0f / {rhs}')})"
-            if compared and e.op in _ROUNDED:
-                # no FMA contraction where an ulp becomes a decision: nvcc fuses `a * b + c`
-                # into one rounding where the reference rounds twice (`kv_idx * 0.6 + 0.6 <=
-                # q_idx` at kv_idx 639: 384.00003 unfused, 384 fused)
-                return f"{_ROUNDED[e.op]}({lhs}, {rhs})"
-        elif e.op in ("/", "%") and not (isinstance(e.rhs, Const) and e.rhs.value != 0):
-            # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the
-            # reference), not C's undefined behaviour
-            if hoist:
-                fn = "div" if e.op == "/" else "mod"
-                if inv.nonneg_div and _nonneg_by_positive(e, spec):
-                    fn += "_nn"
-                return f"{inv.add('fg::Divisor', rhs)}.{fn}({lhs})"
-            return f"fg::{'idiv' if e.op == '/' else 'imod'}({lhs}, {rhs})"
-        return f"({lhs} {e.op} {rhs})"
-    if isinstance(e, Cond):
-        then, other = cuda_expr(e.then, spec), cuda_expr(e.other, spec)
-        if e.ty == Ty.F32:
-            then, other = as_float(e.then, then), as_float(e.other, other)
-        return f"({cuda_expr(e.cond, spec)} ? {then} : {other})"
-    if isinstance(e, Call):
-        if e.ty == Ty.I32:
-            return f"{_I_CALLS[e.fn]}({', '.join(cuda_expr(a, spec) for a in e.args)})"
-        args = ", ".join(as_float(a, cuda_expr(a, spec)) for a in e.args)
-        return f"{_F_CALLS[e.fn]}({args})"
-    raise TypeError(f"cannot lower {e!r}")
+class _Lowering:
+    """One :func:`cuda_expr` call: each (node, context) is rendered once (``memo``; the
+    context is whether the node's value reaches a comparison, :func:`_exact_operands`),
+    and the nodes in ``shared`` (:func:`shared_nodes`) become temporaries (``temps``,
+    in dependency order: a node's operands are rendered before it)."""
+
+    def __init__(self, spec: Spec, inv: Invariants | None, shared: frozenset[int]) -> None:
+        self.spec = spec
+        self.inv = inv
+        self.shared = shared
+        # (id(node), compared) -> (node, code); the node is kept so that its id stays its own
+        self.memo: dict[tuple[int, bool], tuple[Expr, str]] = {}
+        self.temps: list[str] = []
+        self.names: dict[str, str] = {}  # a temporary's code -> its name
+
+    def render(self, e: Expr) -> str:
+        """The CUDA expression of ``e``: inline, or the temporaries and the result in an
+        immediately invoked lambda (one line: the templates paste it into expressions)."""
+        code = self.expr(e, False)
+        if not self.temps:
+            return code
+        return f"([&]() {{ {' '.join(self.temps)} return {code}; }}())"
+
+    def expr(self, e: Expr, compared: bool) -> str:
+        """Code of ``e`` (a temporary's name where ``e`` is shared), rendered once."""
+        key = (id(e), compared)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit[1]
+        code = self._node(e, compared)
+        if id(e) in self.shared:
+            name = self.names.get(code)
+            if name is None:  # the same code in both contexts: one temporary
+                name = self.names[code] = f"fg_sub{len(self.temps)}"
+                self.temps.append(f"const auto {name} = {code};")
+            code = name
+        self.memo[key] = (e, code)
+        return code
+
+    def _node(self, e: Expr, compared: bool) -> str:
+        spec, inv = self.spec, self.inv
+
+        def cuda_expr(x: Expr, spec: Spec) -> str:  # an operand of e, in e's context
+            return self.expr(x, compared or _exact_operands(e))
+
+        def as_float(x: Expr, code: str) -> str:
+            twins = _float_affine(x, spec) if x.ty == Ty.I32 and _affine_int(x) else None
+            return twins if twins is not None else _cast(code, x.ty, Ty.F32)
+
+        if isinstance(e, Const):
+            if e.ty == Ty.BOOL:
+                return "true" if e.value else "false"
+            if e.ty == Ty.F32:
+                v = float(e.value)
+                if math.isinf(v):
+                    return "(-INFINITY)" if v < 0 else "INFINITY"
+                return f"{v!r}f"
+            return f"{int(e.value)}"
+        if isinstance(e, Causal):
+            return "(q_idx + seqlen_k - seqlen_q >= kv_idx)"
+        if isinstance(e, Var):
+            p = spec.param(e.name)
+            return f"p_{e.name}" if p is not None else e.name
+        if isinstance(e, Index):
+            return _tensor_read(e, spec, lambda ix: cuda_expr(ix, spec))
+        if isinstance(e, Unary):
+            return f"({e.op}{cuda_expr(e.arg, spec)})"
+        if isinstance(e, Binary):
+            assert e.op in _C_BINOPS
+            if inv is not None and inv.raw_score and not compared and e.op in ("*", "/"):
+                folded = _fold_scale(e, spec, inv, lambda x: as_float(x, cuda_expr(x, spec)))
+                if folded is not None:
+                    return folded
+            lt, rt = e.lhs.ty, e.rhs.ty
+            lhs, rhs = cuda_expr(e.lhs, spec), cuda_expr(e.rhs, spec)
+            if e.op in ("&&", "||"):
+                # Both sides evaluated where neither reads memory (any DSL expression is safe to
+                # evaluate: reads are clamped, division by zero is defined): no branch per element,
+                # and common terms stay visible to CSE.  A side with a tensor read short-circuits
+                # (its loads are skipped where the other side decides, and need fewer registers).
+                if any(isinstance(n, Index) for side in (e.lhs, e.rhs) for n in ir.walk(side)):
+                    return f"({lhs} {e.op} {rhs})"
+                return f"({lhs} {'&' if e.op == '&&' else '|'} {rhs})"
+            hoist = inv is not None and _kernel_invariant(e.rhs, spec)
+            if Ty.F32 in (lt, rt):  # mixed arithmetic / comparison promotes to float
+                lhs, rhs = as_float(e.lhs, lhs), as_float(e.rhs, rhs)
+                if e.op == "%":
+                    return f"fmodf({lhs}, {rhs})"
+                if e.op == "/" and hoist and not compared:  # one reciprocal, a multiply per element
+                    return f"({lhs} * {inv.add('float', f'1.0f / {rhs}')})"
+                if compared and e.op in _ROUNDED:
+                    # no FMA contraction where an ulp becomes a decision: nvcc fuses `a * b + c`
+                    # into one rounding where the reference rounds twice (`kv_idx * 0.6 + 0.6 <=
+                    # q_idx` at kv_idx 639: 384.00003 unfused, 384 fused)
+                    return f"{_ROUNDED[e.op]}({lhs}, {rhs})"
+            elif e.op in ("/", "%") and not (isinstance(e.rhs, Const) and e.rhs.value != 0):
+                # integer division by a run-time value: x / 0 and x % 0 are 0 (defined, as in the
+                # reference), not C's undefined behaviour
+                if hoist:
+                    fn = "div" if e.op == "/" else "mod"
+                    if inv.nonneg_div and _nonneg_by_positive(e, spec):
+                        fn += "_nn"
+                    return f"{inv.add('fg::Divisor', rhs)}.{fn}({lhs})"
+                return f"fg::{'idiv' if e.op == '/' else 'imod'}({lhs}, {rhs})"
+            return f"({lhs} {e.op} {rhs})"
+        if isinstance(e, Cond):
+            then, other = cuda_expr(e.then, spec), cuda_expr(e.other, spec)
+            if e.ty == Ty.F32:
+                then, other = as_float(e.then, then), as_float(e.other, other)
+            return f"({cuda_expr(e.cond, spec)} ? {then} : {other})"
+        if isinstance(e, Call):
+            if e.ty == Ty.I32:
+                return f"{_I_CALLS[e.fn]}({', '.join(cuda_expr(a, spec) for a in e.args)})"
+            args = ", ".join(as_float(a, cuda_expr(a, spec)) for a in e.args)
+            return f"{_F_CALLS[e.fn]}({args})"
+        raise TypeError(f"cannot lower {e!r}")
 
 
 #: The index variable the kernels keep inside each shape symbol: ``0 <= h < heads_q`` etc.

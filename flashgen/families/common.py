@@ -18,7 +18,7 @@ from flashgen.codegen.cuda_expr import (
     split_causal,
 )
 from flashgen.codegen.cuda_expr import side_terms as side_terms_entries
-from flashgen.codegen.dtypes import dtype
+from flashgen.codegen.dtypes import DType, dtype
 from flashgen.codegen.plan import TemplateContext, TileConfig
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Expr, Index, Spec
@@ -38,6 +38,23 @@ PERSISTENT_SCHEDULERS = ("static", "m_major", "dynamic")
 #: 227 KiB for sm_90 (cudaFuncSetAttribute refuses more; a launch would fail on the GPU).
 HOPPER_SMEM_LIMIT = 232448
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": HOPPER_SMEM_LIMIT}
+#: Spec dtypes of the 16-bit tensor-core kernels (mma.sync m16n8k16 and ldmatrix .b16, the
+#: Hopper backward's wgmma k16 forms): the FA2-class families and the Hopper backward.
+MMA16_DTYPES = ("fp16", "bf16")
+
+
+def mma16_dtype(spec: Spec, family: str) -> DType:
+    """The dtype record (:mod:`flashgen.codegen.dtypes`) of ``spec`` for ``family``, a family
+    of 16-bit tensor-core kernels (:data:`MMA16_DTYPES`).  ``ValueError`` naming the family
+    and the dtypes it takes for any other dtype (e.g. ``fp8_e4m3``, whose kernels need e4m3
+    operands)."""
+    rec = dtype(spec.dtype)
+    if rec.name not in MMA16_DTYPES:
+        raise ValueError(
+            f"dtype {rec.name!r}: {family} takes {', '.join(MMA16_DTYPES)} only "
+            "(16-bit tensor-core operands)"
+        )
+    return rec
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from flashgen.analysis import rowcol
 from flashgen.codegen.abi import KernelArg, check_target
 from flashgen.codegen.cuda_expr import cuda_expr, split_causal
 from flashgen.codegen.cuda_expr import side_terms as side_term_entries
-from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families.bwd_common import (
     CONVERT_THREADS,
@@ -21,6 +20,7 @@ from flashgen.families.bwd_common import (
     backward_abi,
     base_fields,
 )
+from flashgen.families.common import mma16_dtype
 from flashgen.families.tiles import BackwardTiles, table_backward_tiles
 from flashgen.frontend.ir import Spec
 
@@ -142,7 +142,7 @@ def plan(
     ``side_terms``.
     """
     check_target(target)
-    dtype(spec.dtype)  # validates the dtype
+    elt = mma16_dtype(spec, "the FA2-class backward").elem_bytes
     opts = dict(BACKWARD_OPTIONS)
     opts.update(options.switches())
     if side_terms is True or side_terms is False:
@@ -157,7 +157,6 @@ def plan(
             )
     t = tiles or table_backward_tiles(spec, atomic_dq)
     d, dv = spec.head_dim, spec.head_dim_v
-    elt = dtype(spec.dtype).elem_bytes
     abi = backward_abi(spec, atomic_dq)
     grid = atomic_dq_warp_grid(t, d) if atomic_dq else (0, 0)  # unused by the deterministic unit
     base = f"flashgen_{spec.name}_bwd_{target}"

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from flashgen.codegen.abi import TABLE_ROW_SMEM, check_target, needs_block_table
 from flashgen.codegen.cuda_expr import split_causal
-from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import tiles as tile_tables
-from flashgen.families.common import SMEM_LIMIT, ForwardContext, forward_context
+from flashgen.families.common import SMEM_LIMIT, ForwardContext, forward_context, mma16_dtype
 from flashgen.frontend.ir import Spec
 
 #: The template this family renders.
@@ -132,7 +131,7 @@ def plan(
     Raises ``ValueError`` for a target or dtype this version cannot lower, tiles that are
     not legal, or a varlen spec whose mask reads tensors."""
     check_target(target)
-    elt = dtype(spec.dtype).elem_bytes
+    elt = mma16_dtype(spec, "the FA2-class forward").elem_bytes
     explicit = options.switches()
     opts = dict(FORWARD_OPTIONS)
     if max(spec.head_dim, spec.head_dim_v) in LAZY_RESCALE_HEAD_DIMS:

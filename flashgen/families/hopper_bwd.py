@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.codegen.abi import KernelArg, TmaArg, needs_block_table
-from flashgen.codegen.dtypes import DTYPES, dtype
+from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families.bwd_common import (
     CONVERT_THREADS,
@@ -17,7 +17,7 @@ from flashgen.families.bwd_common import (
     backward_abi,
     base_fields,
 )
-from flashgen.families.common import FAMILIES, tile_group_expr
+from flashgen.families.common import FAMILIES, MMA16_DTYPES, tile_group_expr
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend.ir import Spec
 
@@ -67,7 +67,7 @@ def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     return (
         family != "fa2"
         and target == "sm_90"
-        and spec.dtype in DTYPES
+        and spec.dtype in MMA16_DTYPES
         and not spec.varlen
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_BWD_HEAD_DIMS

@@ -98,6 +98,14 @@ class Context(ForwardContext):
     consumer_regs: int
     mma_t: str
     wgmma_ns: list
+    fp8: bool
+    elem_bytes: int
+    mma_k: int
+    row_bytes: int
+    panel_cols: int
+    desc_fn: str
+    pv_full: str
+    pv_empty: str
 
     def grid(self, plan, batch, heads_q, seqlen_q, num_sms=None, *, heads_kv=None, seqlen_k=None):
         """A persistent plan launches ``min(tiles, num_sms)`` CTAs that loop over the tiles
@@ -235,6 +243,10 @@ def plan(
     if persistent == "m_major":
         m_major = True
     dynamic = persistent == "dynamic"
+    dt = dtype(spec.dtype)
+    fp8 = dt.elem_bytes == 1
+    if fp8 and persistent:
+        raise ValueError(f"the fp8 Hopper forward has no persistent form (got {persistent!r})")
     stages = stages or HOPPER_STAGES
     regs = HOPPER_PERSISTENT_REGS if persistent else HOPPER_REGS
     if target != "sm_90":
@@ -246,11 +258,19 @@ def plan(
         )
     if tiles.block_n % 16 or not 16 <= tiles.block_n <= 256:
         raise ValueError(f"BLOCK_N={tiles.block_n} must be a multiple of 16 in [16, 256]")
+    if fp8 and (tiles.block_n not in (64, 128) or tiles.block_m != 128 or tiles.num_warps != 12):
+        raise ValueError(
+            f"the fp8 Hopper forward needs BLOCK_M 128, BLOCK_N 64 or 128, 12 warps; got {tiles}"
+        )
+    if fp8 and 2 * tiles.block_m > tiles.block_m + stages * tiles.block_n:
+        raise ValueError(f"{tiles}: bf16 O does not fit over the fp8 Q tile and the K ring")
     d = spec.head_dim
     consumers = tiles.num_warps // 4 - 1
-    elt = dtype(spec.dtype).elem_bytes
+    elt = dt.elem_bytes
     tile_bytes = (tiles.block_m + 2 * stages * tiles.block_n) * d * elt
     smem = 1024 + tile_bytes + 8 * (1 + 5 * stages)  # 1 KiB alignment slack, mbarriers, stage info
+    if fp8:  # the V^T ring, its two barriers and the last-V flag per stage
+        smem += stages * tiles.block_n * d + stages * (16 + 4)
     separate_o = False
     if persistent:
         smem += 40  # q_empty (8 bytes), tile_info (2 x 4 ints)
@@ -287,8 +307,13 @@ def plan(
     ctx["walk_from_diagonal"] = bool(o.walk_from_diagonal and ctx["causal"])
     if m_major is None:
         m_major = False
-    tma = (TmaArg("tma_q", "q", tiles.block_m), TmaArg("tma_k", "k", tiles.block_n),
-           TmaArg("tma_v", "v", tiles.block_n))  # fmt: skip
+    # Q, K, V tiles as panels of 128-byte rows (64 bytes: an fp8 head_dim 64), the swizzle of
+    # the same span
+    row_bytes = min(128, d * elt)
+    tma = tuple(
+        TmaArg(f"tma_{x}", x, rows, box_cols=row_bytes // elt, swizzle=row_bytes)
+        for x, rows in (("q", tiles.block_m), ("k", tiles.block_n), ("v", tiles.block_n))
+    )
     if dynamic:  # the work-tile counter: [next tile - gridDim.x, CTAs done]
         ctx["args"] = ctx["args"] + (KernelArg("tile_counter", "int*"),)
     ctx["args"] = ctx["args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
@@ -313,8 +338,17 @@ def plan(
         o_stage="sO" if persistent else "sQ",
         producer_regs=regs[0],
         consumer_regs=regs[1],
-        mma_t=dtype(spec.dtype).mma_t,
+        mma_t=dt.mma_t,
         wgmma_ns=sorted({tiles.block_n, d}),
+        fp8=fp8,
+        elem_bytes=elt,
+        mma_k=32 // elt,
+        row_bytes=row_bytes,
+        panel_cols=row_bytes // elt,
+        desc_fn="gmma_desc" if row_bytes == 128 else "gmma_desc64",
+        # the P V GEMM's V stage: fp8 reads the transposed copy (sVt)
+        pv_full="vt_full" if fp8 else "v_full",
+        pv_empty="vt_empty" if fp8 else "v_empty",
     )
     context = Context(**ctx)
     return KernelPlan.of(spec.name, target, TEMPLATE, tiles, smem, context, options_key, tma=tma)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.codegen.abi import needs_block_table
+from flashgen.codegen.abi import needs_block_table, target_for_capability
+from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
 from flashgen.families.bwd_common import BackwardPlan
@@ -69,9 +70,14 @@ def select(
     - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
       ``unsupported_reason`` says which specs have none).
 
-    Raises ``ValueError`` for an unknown call."""
+    An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent.
+
+    Raises ``ValueError`` for an unknown call, and for an fp8 spec's call that has no kernel:
+    a forward the Hopper kernel cannot take, a backward, a decode."""
     if call not in CALLS:
         raise ValueError(f"unknown call {call!r}; known: {', '.join(CALLS)}")
+    if is_fp8(spec) and call != "blocktable":
+        return _select_fp8(spec, target, call, options)
     if call in ("blocktable", "decode"):
         return Route(call)
     if call in ("fwd", "sparse"):
@@ -87,6 +93,77 @@ def select(
     if hopper_bwd.eligible(spec, target, options.family):
         return Route("hopper_bwd", atomic_dq=True)
     return Route("fa2_bwd", atomic_dq=bool(options.atomic_dq))
+
+
+def is_fp8(spec: Spec) -> bool:
+    """Whether ``spec``'s inputs are fp8 (1-byte elements with descales)."""
+    return dtype(spec.dtype).scaled
+
+
+def _select_fp8(spec: Spec, target: str, call: str, options: Options) -> Route:
+    """:func:`select` for an fp8 spec: its forward is the Hopper kernel's fp8 form
+    (FlashAttention-3, section 3.3) and nothing else."""
+    if call in ("fwd", "sparse"):
+        if not hopper_fwd.eligible(spec, target, options.family):
+            raise ValueError(
+                f"{spec.name}: dtype {spec.dtype} runs on the Hopper forward only (target sm_90, "
+                f"head_dim == head_dim_v in {list(tiles.HOPPER_HEAD_DIMS)}, no varlen, no pinned "
+                f"tiles, family not fa2); got target {target}, head_dim "
+                f"{spec.head_dim}/{spec.head_dim_v}, varlen {spec.varlen}, family {options.family}"
+            )
+        return Route("hopper_fwd")
+    what = "backward" if call == "bwd" else "decode (use a bf16 spec with an fp8 KV cache)"
+    raise ValueError(f"{spec.name}: dtype {spec.dtype} has no {what}")
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """Which kernels a GPU of compute capability ``capability`` runs for a spec
+    (:func:`for_capability`): the ``target`` its units are built for, the ``family``
+    (``"Hopper"`` where the forward is the Hopper kernel, else ``"FA2-class"``), the
+    :func:`select`-ed ``forward`` and ``backward`` families (the backward of a
+    ``deterministic=False`` call) and ``ptx_jit``: whether the driver JIT-compiles the
+    units' compute_80 PTX (no SASS for this GPU).  ``str()`` says it in a sentence."""
+
+    capability: tuple[int, int]
+    target: str
+    family: str
+    forward: str
+    backward: str
+    ptx_jit: bool
+
+    def __str__(self) -> str:
+        cc = f"compute capability {self.capability[0]}.{self.capability[1]}"
+        fams = f"forward {self.forward}, backward {self.backward}"
+        if self.ptx_jit:
+            return (
+                f"{cc}: FA2-class kernels through PTX JIT ({fams}: the sm_80 units' compute_80 "
+                "PTX, compiled by the driver on first load; the Hopper kernels are sm_90a "
+                "SASS, which runs on 9.0 only)"
+            )
+        if self.target == "sm_90":
+            what = "Hopper kernels" if self.family == "Hopper" else "FA2-class kernels"
+            return f"{cc}: {what} compiled for sm_90a ({fams})"
+        return f"{cc}: FA2-class kernels, sm_80 SASS ({fams})"
+
+
+def for_capability(
+    spec: Spec, capability: tuple[int, int], options: Options = DEFAULT
+) -> DeviceKernels:
+    """What a GPU of compute capability ``capability`` (``(major, minor)``) runs for ``spec``
+    under ``options``: 8.x the FA2-class sm_80 units; 9.x the ``sm_90`` target (the Hopper
+    kernels where :func:`select` picks them, else FA2-class ones compiled for sm_90a); 10.x
+    and newer the FA2-class sm_80 units through their compute_80 PTX.  ``ValueError`` below
+    8.0 (:func:`flashgen.codegen.abi.target_for_capability`).  An fp8 spec has the Hopper
+    forward only (``backward`` ``"none"``); ``ValueError`` on any other GPU."""
+    major, minor = (int(c) for c in capability)
+    target = target_for_capability(major, minor)
+    fwd = select(spec, target, "fwd", options).family
+    if is_fp8(spec):
+        return DeviceKernels((major, minor), target, "Hopper", fwd, "none", ptx_jit=False)
+    bwd = select(spec, target, "bwd", options, deterministic=False).family
+    family = "Hopper" if fwd == "hopper_fwd" else "FA2-class"
+    return DeviceKernels((major, minor), target, family, fwd, bwd, ptx_jit=major >= 10)
 
 
 def choose_tiles(spec: Spec, target: str, gpu: str | None = None, options: Options = DEFAULT):
@@ -189,6 +266,8 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
     call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler)."""
     fwd = plan_forward(spec, target, options)
+    if is_fp8(spec):
+        return {"fwd": fwd}
     units = {
         "fwd": fwd,
         "bwd": plan_backward(spec, target, options).unit,

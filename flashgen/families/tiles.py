@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from flashgen import tuning
 from flashgen.codegen.abi import needs_block_table
 from flashgen.codegen.cuda_expr import split_causal
+from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import TileConfig
 from flashgen.frontend.ir import Spec
 
@@ -148,6 +149,16 @@ HOPPER_TILES: dict[tuple[int, bool], TileConfig] = {
 }
 #: Head dims the Hopper kernel supports (head_dim == head_dim_v).
 HOPPER_HEAD_DIMS = tuple(sorted({d for d, _ in HOPPER_TILES}))
+#: Tiles of the fp8 (e4m3) Hopper forward by head_dim: a row of the transposed V tile
+#: (``templates/common/fp8.cuh``) is one swizzle span, 128 or 64 keys.  128 keys per step up
+#: to head_dim 128 (FlashAttention-3's FP8 forward steps 128-224 there); 64 at 256, where the
+#: 64 x 256 O accumulator leaves no registers for 128 (144 bytes spilled; FlashAttention-3
+#: steps 80).
+HOPPER_FP8_TILES: dict[int, TileConfig] = {
+    64: TileConfig(128, 128, 12),
+    128: TileConfig(128, 128, 12),
+    256: TileConfig(128, 64, 12),
+}
 #: Hopper tiles of a spec whose mask reads tensors (a block table: document masking), by
 #: head_dim, where they differ from :data:`HOPPER_TILES`.  Short documents make many short
 #: rows of PARTIAL tiles, and a narrower step wastes fewer masked columns: document_mask at
@@ -188,6 +199,8 @@ def hopper_tiles(spec: Spec) -> TileConfig:
     """The :data:`HOPPER_TILES` entry for ``spec`` (head_dim, with or without score_mod),
     or its :data:`HOPPER_TABLE_TILES` entry if its mask reads tensors and it has one."""
     d = spec.head_dim
+    if dtype(spec.dtype).elem_bytes == 1:
+        return HOPPER_FP8_TILES[d]
     if d in HOPPER_TABLE_TILES and spec.score_mod is None and needs_block_table(spec):
         return HOPPER_TABLE_TILES[d]
     return HOPPER_TILES.get((d, spec.score_mod is not None)) or HOPPER_TILES[(d, False)]
@@ -289,8 +302,8 @@ def forward_tile_candidates(spec: Spec, first: TileConfig) -> list[TileConfig]:
     the spec fixes any of its ``tiles:``) :data:`FORWARD_FALLBACK_TILES`; after Hopper tiles,
     a narrower Hopper step and then the FA2-class kernel's :func:`default_tiles` first."""
     o = spec.tiles
-    if o.block_m or o.block_n or o.num_warps:
-        return [first]
+    if o.block_m or o.block_n or o.num_warps or dtype(spec.dtype).elem_bytes == 1:
+        return [first]  # (fp8: the Hopper kernel at its one tile shape, or nothing)
     rest = list(FORWARD_FALLBACK_TILES)
     if first.warp_specialized:  # a narrower Hopper step first, then the FA2-class kernel
         half = first.block_n // 2 // 16 * 16  # d256's 80 -> 32: 40 is no legal BLOCK_N

@@ -52,6 +52,17 @@ OP_KEYWORDS = frozenset(
         "deterministic",
         "softmax_scale",
         "block_mask",
+        # with_kvcache's schema arguments and plan_decode's keywords (the decode ops are
+        # registered with every op, so a param of these names would clash at load)
+        "k_cache",
+        "v_cache",
+        "total_q",
+        "cache_capacity",
+        "page_size",
+        "num_pages",
+        "append",
+        "pack_gqa",
+        "device",
     }
 )
 #: Spec names that would clash with the package, the op namespace or generated files.
@@ -563,21 +574,16 @@ class _Checker:
 def _never_true(mask: Expr, spec: ir.Spec) -> bool:
     """Whether the interval analysis (:mod:`flashgen.analysis.maskinfo`, sound) proves the typed
     ``mask`` false for every index, length and scalar param value the op accepts (params
-    over their declared ``min``/``max``).  Relational contradictions such as
-    ``q_idx > kv_idx && kv_idx > q_idx`` are beyond intervals and pass."""
-    from flashgen.analysis.maskinfo import Range, Truth, evaluate
+    over their declared ``min``/``max``, as :func:`flashgen.analysis.maskinfo.static_env` has
+    them).  Relational contradictions such as ``q_idx > kv_idx && kv_idx > q_idx`` are
+    beyond intervals and pass."""
+    from flashgen.analysis.maskinfo import Range, Truth, evaluate, static_env
 
     big = float(2**31 - 1)
     env = {n: Range(0.0, big) for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
     env |= {n: Range(1.0, big) for n in ("seqlen_q", "seqlen_k")}
-    for p in spec.params:
-        if p.kind == "scalar":
-            lo = -(2.0**31) if p.ty == Ty.I32 else -math.inf
-            hi = big if p.ty == Ty.I32 else math.inf
-            env[p.name] = Range(
-                lo if p.minimum is None else float(p.minimum),
-                hi if p.maximum is None else float(p.maximum),
-            )
+    params = static_env(spec)  # declared bounds, f32 ones widened to their float32 rounding
+    env |= {p.name: params[p.name] for p in spec.scalar_params}
     try:
         t = evaluate(mask, env)
     except (TypeError, KeyError):  # something the analysis does not model: no claim
@@ -652,7 +658,7 @@ def zero_divisors(spec: ir.Spec) -> list[tuple[ir.Span, str]]:
     :mod:`flashgen.analysis.maskinfo`, over the params' declared bounds): ``score / c`` with
     ``c: 0.0`` makes every logit infinite or NaN (o = 0, lse = -inf) without a word.
     :func:`check_spec` warns (:class:`~flashgen.frontend.errors.SpecWarning`) for each."""
-    from flashgen.analysis.maskinfo import ANY, Range, evaluate
+    from flashgen.analysis.maskinfo import ANY, Range, evaluate, static_env
 
     scalars = {p.name: p for p in spec.scalar_params}
     if not scalars:
@@ -661,11 +667,8 @@ def zero_divisors(spec: ir.Spec) -> list[tuple[ir.Span, str]]:
     env = {n: Range(0.0, big) for n in ("b", "h", "h_kv", "q_idx", "kv_idx")}
     env |= {n: Range(1.0, big) for n in ("seqlen_q", "seqlen_k")}
     env[ir.SCORE_VAR] = ANY
-    for p in scalars.values():
-        env[p.name] = Range(
-            -math.inf if p.minimum is None else float(p.minimum),
-            math.inf if p.maximum is None else float(p.maximum),
-        )
+    params = static_env(spec)  # the values the kernels may receive, as the analysis sees them
+    env |= {name: params[name] for name in scalars}
     found = []
     for e in (spec.mask, spec.score_mod):
         for n in ir.walk(e) if e is not None else ():

@@ -25,10 +25,10 @@ GPU; the CPU op runs anywhere (float32 inputs too).  ``dropout_p > 0``,
 ``return_attn_probs=True`` and ``block_table`` raise :class:`~flashgen.OpInputError`
 (flashgen has no dropout, never materializes P, has no paged KV yet).
 
-The output of :func:`flash_attn_func` is ``(B, Sq, Hq, Dv)``: a transposed view of the op's
-contiguous ``[B, Hq, Sq, Dv]`` output (no copy; ``.contiguous()`` when a contiguous
-``(B, S, H, D)`` tensor is needed).  An ``out=`` argument of the op, letting it write
-``(B, S, H, D)`` storage directly, is left for later.
+The output of :func:`flash_attn_func` is a contiguous ``(B, Sq, Hq, Dv)`` tensor, as
+FlashAttention's: it is allocated in that layout and passed to the op as ``out=`` (viewed
+``[B, Hq, Sq, Dv]``), which the kernel writes through its strides (no copy; see
+:meth:`flashgen.ops.attention.AttentionOp.attention`).  lse stays ``[B, Hq, Sq]``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 
 from flashgen.frontend.errors import OpInputError
 from flashgen.integrations._specs import SpecKey, check_head_dims, op_for, spec_dtype
+from flashgen.ops.out_arg import expected_out_dtype
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func"]
 
@@ -154,10 +155,11 @@ def flash_attn_func(
 
     q ``(B, Sq, Hq, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``: fp16 / bf16 (float32
     also on CPU), one device, last dim contiguous; D, Dv in flashgen's head dims.
-    ``softmax_scale`` defaults to 1/sqrt(D).  Returns out ``(B, Sq, Hq, Dv)`` in q's dtype
-    (a transposed view of contiguous ``[B, Hq, Sq, Dv]`` storage).  Differentiable in q,
-    k, v.  Raises :class:`~flashgen.OpInputError` for bad or unsupported arguments
-    (``dropout_p > 0``, ``return_attn_probs``).
+    ``softmax_scale`` defaults to 1/sqrt(D).  Returns out ``(B, Sq, Hq, Dv)``, contiguous,
+    in q's dtype: allocated so and written by the op through ``out=`` (without gradients the
+    very tensor allocated; with them a view of it carrying the autograd history).
+    Differentiable in q, k, v.  Raises :class:`~flashgen.OpInputError` for bad or
+    unsupported arguments (``dropout_p > 0``, ``return_attn_probs``).
     """
     _unsupported(dropout_p, return_attn_probs)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -168,8 +170,15 @@ def flash_attn_func(
     op, params = _prepare(q, v, causal, window_size, softcap, alibi_slopes, q.shape[0], q.shape[2])
     t = (x.transpose(1, 2) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
          for x in (q, k, v))  # fmt: skip
-    o, _ = op.attention(*t, softmax_scale=softmax_scale, deterministic=deterministic, **params)
-    return o.transpose(1, 2)
+    b, sq, hq = q.shape[:3]
+    out = torch.empty(
+        (b, sq, hq, v.shape[-1]), dtype=expected_out_dtype(op.spec, q), device=q.device
+    )
+    o, _ = op.attention(
+        *t, softmax_scale=softmax_scale, deterministic=deterministic, out=out.transpose(1, 2),
+        **params,
+    )  # fmt: skip
+    return o.transpose(1, 2) if o.requires_grad else out
 
 
 def flash_attn_qkvpacked_func(

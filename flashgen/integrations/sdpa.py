@@ -14,7 +14,7 @@ call that selects the flash backend on a CUDA device runs flashgen's forward and
 kernels: causal (SDPA's ``is_causal`` is top-left aligned: key j <= query i; the DSL's
 bottom-right ``causal`` when Sq == Sk), any ``scale``, GQA (``enable_gqa``: k/v heads are
 read unexpanded).  A call flashgen cannot serve (:func:`unsupported_reason`: dropout > 0,
-a debug mask, a head dim or dtype it lacks, a GPU that is not compute capability 8.x/9.x)
+a debug mask, a head dim or dtype it lacks, a GPU below compute capability 8.0)
 runs the kernel it replaced (``torch.library.get_kernel``), not an error.
 ``torch.nn.attention.restore_flash_attention_impl()`` puts torch's kernels back.
 
@@ -126,8 +126,8 @@ def unsupported_reason(query, key, value, dropout_p=0.0, return_debug_mask=False
         if not all(t.is_cuda for t in ts) or len({t.device for t in ts}) != 1:
             return "inputs are not on one CUDA device"
         major = torch.cuda.get_device_capability(query.device)[0]
-        if major not in (8, 9):
-            return f"compute capability {major}.x (flashgen kernels: 8.x, 9.x)"
+        if major < 8:  # 10.x and newer run the FA2-class units' compute_80 PTX
+            return f"compute capability {major}.x (flashgen kernels: 8.0 and newer)"
     return None
 
 

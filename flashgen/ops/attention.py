@@ -25,7 +25,8 @@ Op contract (README.md, section "Op contract"):
 
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
     on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
-    o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous;
+    o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous, or written into
+    the caller's ``out=`` (any layout with stride(-1) == 1; mutating overload ``<name>.out``);
     lse [B, Hq, Sq] float32, natural log, contiguous.
     A row with nothing to attend to: o = 0, lse = -inf.  B, Sq or Sk = 0: no launch.
 """
@@ -57,6 +58,7 @@ from flashgen.ops.calls import (
     kernel_values,
 )
 from flashgen.ops.density import bucket
+from flashgen.ops.out_arg import check_out
 from flashgen.ops.validation import (
     PARAM_DTYPE,
     Dims,
@@ -129,6 +131,30 @@ class AttentionOp:
     def __repr__(self) -> str:
         return f"<flashgen op {self.qualname} ({self.spec.dtype}, head_dim {self.spec.head_dim})>"
 
+    def family_for(self, device) -> registry.DeviceKernels:
+        """Which kernels this op runs on ``device`` (a CUDA ``torch.device`` / device string,
+        or a compute capability ``(major, minor)``), under its options: a
+        :class:`flashgen.families.registry.DeviceKernels` (``target``, ``family``: FA2-class
+        or Hopper, the forward and backward families, ``ptx_jit``; ``str()`` says it).
+        8.x: FA2-class (sm_80 SASS); 9.0: Hopper where the spec allows; 10.x and newer:
+        FA2-class through the driver's JIT of the units' compute_80 PTX.  Raises
+        ``RuntimeError`` below compute capability 8.0, ``ValueError`` for a non-CUDA device
+        (the CPU op runs :mod:`flashgen.ops.cpu_attention`)."""
+        if isinstance(device, tuple):
+            capability = device
+        else:
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(
+                    f"device: expected a CUDA device or a compute capability (major, minor), got "
+                    f"{device} (on CPU the op runs flashgen/ops/cpu_attention.py)"
+                )
+            capability = torch.cuda.get_device_capability(device)
+        try:
+            return registry.for_capability(self.spec, capability, self.options)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+
     def with_options(self, options: Options) -> AttentionOp:
         """The op of this spec bound to ``options`` (:class:`flashgen.options.Options`):
         :func:`build_op` of the spec under its own name, so its :meth:`attention`,
@@ -189,6 +215,7 @@ class AttentionOp:
         kv_offset: int | None = None,
         seqlen_q_global: int | None = None,
         seqlen_k_global: int | None = None,
+        out=None,
         **params,
     ):
         """Run the attention variant: returns ``(o, lse)``.
@@ -215,6 +242,15 @@ class AttentionOp:
 
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
         [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
+
+        ``out``: a tensor to write o into, returned as o: ``[B, Hq, Sq, Dv]`` in o's dtype
+        on q's device, any layout with ``stride(-1) == 1`` (``(B, S, H, Dv)`` storage viewed
+        with ``.transpose(1, 2)``), sharing no memory with the inputs, not requiring grad
+        (:func:`flashgen.ops.out_arg.check_out`).  The kernel writes it through its strides,
+        no copy; the CPU op and calls that autograd records through the operator (CPU
+        tensors, ``torch.compile``) copy o into it.  Without gradients the operator call is
+        the mutating overload ``torch.ops.flashgen.<name>.out(..., o=out)`` (returns lse).
+        lse is always allocated ``[B, Hq, Sq]``.
 
         ``q_offset``, ``kv_offset``, ``seqlen_q_global``, ``seqlen_k_global`` (ints): this
         call is a slice of a longer sequence -- q holds global rows ``q_offset ..
@@ -244,7 +280,7 @@ class AttentionOp:
             if not self._offsets_form:
                 return self.offsets.attention(
                     q, k, v, softmax_scale=softmax_scale, deterministic=deterministic,
-                    block_mask=block_mask, **pos, **params,
+                    block_mask=block_mask, out=out, **pos, **params,
                 )  # fmt: skip
             params = {**params, **pos}
         scalars, tensors = resolve_params(self.spec, params)
@@ -258,20 +294,32 @@ class AttentionOp:
         table = None
         if block_mask is not None:
             table = self._block_mask_table(block_mask, q, dims, scalars)
+        if out is not None:
+            check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensor_map})
         if _eager_cuda(q, k, v):
             param_grad = any(t.requires_grad for t in tensors)  # refused by the op path
             if not torch.is_grad_enabled() or not (
                 q.requires_grad or k.requires_grad or v.requires_grad or param_grad
             ):
-                return self._forward(q, k, v, dims, softmax_scale, scalars, tensor_map, table)
+                return self._forward(
+                    q, k, v, dims, softmax_scale, scalars, tensor_map, table, out=out
+                )
             if not param_grad:
                 return _EagerAttention.apply(
-                    self, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v
-                )
+                    self, dims, softmax_scale, scalars, tensors, table, deterministic, (out,),
+                    q, k, v,
+                )  # fmt: skip
         extra = [table] if self._block_table else []
-        return self.torch_op(
-            q, k, v, softmax_scale, *scalars, *tensors, *extra, deterministic=deterministic
-        )
+        args = (q, k, v, softmax_scale, *scalars, *tensors, *extra)
+        if out is None:
+            return self.torch_op(*args, deterministic=deterministic)
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *tensors)
+        ):  # the mutating overload has no autograd: the functional op, o copied into out
+            o, lse = self.torch_op(*args, deterministic=deterministic)
+            return out.copy_(o), lse
+        lse = getattr(torch.ops.flashgen, self.name).out(*args, o=out, deterministic=deterministic)
+        return out, lse
 
     def block_mask(
         self,
@@ -466,28 +514,36 @@ class AttentionOp:
         m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
         return rest[m] if self._block_table and len(rest) > m else None
 
-    def _empty_outputs(self, q, dims: Dims):
-        o = torch.empty(
+    def _empty_outputs(self, q, dims: Dims, out=None):
+        """``(o, lse)`` to fill: o is ``out`` when given (checked by the caller)."""
+        o = out if out is not None else torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
             dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
             device=q.device,
-        )
+        )  # fmt: skip
         lse = torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32, device=q.device
         )
         return o, lse
 
-    def _fake_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
+    def _fake_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
-        return self._empty_outputs(q, dims)
+        self._check_out_arg(out, q, k, v, dims, tensors)
+        return self._empty_outputs(q, dims, out)
 
-    def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
+    def _check_out_arg(self, out, q, k, v, dims: Dims, tensors: dict) -> None:
+        """:func:`~flashgen.ops.out_arg.check_out` of the mutating overload's ``out``."""
+        if out is not None:
+            check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensors})
+
+    def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
         from flashgen.ops.cpu_attention import attention_blocked
 
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
-        o, lse = self._empty_outputs(q, dims)
+        self._check_out_arg(out, q, k, v, dims, tensors)
+        o, lse = self._empty_outputs(q, dims, out)
         if lse.numel() == 0:
             return o, lse
         if dims.seqlen_k == 0:
@@ -518,18 +574,23 @@ class AttentionOp:
         for line in possible_violations(self.spec, dims.symbols(), named):
             warnings.warn(line, IndexBoundsWarning, stacklevel=_caller_stacklevel())
 
-    def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False):
+    def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
-        return self._forward(q, k, v, dims, softmax_scale, scalars, tensors, self._table_arg(rest))
+        self._check_out_arg(out, q, k, v, dims, tensors)
+        return self._forward(
+            q, k, v, dims, softmax_scale, scalars, tensors, self._table_arg(rest), out=out
+        )
 
-    def _forward(self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table):
+    def _forward(self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table,
+                 out=None):  # fmt: skip
         """The CUDA forward of inputs :func:`validate` accepted (``dims`` its answer):
         ``(o, lse)``, launched on the current stream of q's device.  ``scalars`` in spec
-        order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None."""
+        order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None;
+        ``out``: o's tensor (checked by :func:`~flashgen.ops.out_arg.check_out`) or None."""
         if self.spec.tensor_params:
             self._check_index_bounds(dims, scalars)
-        o, lse = self._empty_outputs(q, dims)
+        o, lse = self._empty_outputs(q, dims, out)
         if _poison_enabled():
             o.fill_(math.nan)
             lse.fill_(math.nan)
@@ -722,8 +783,12 @@ class _EagerAttention(torch.autograd.Function):
     so gradients match the ``torch.ops.flashgen.<name>`` path exactly."""
 
     @staticmethod
-    def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, q, k, v):
-        o, lse = op._forward(q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors), table)
+    def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, out, q, k,
+                v):  # fmt: skip
+        # out: (o's tensor or None,), out of autograd's sight: o is that tensor, not an alias
+        o, lse = op._forward(
+            q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors), table, out=out[0]
+        )
         ctx.op = op
         # what the op path's autograd saves, from the same function and the schema's inputs
         inputs = (q, k, v, softmax_scale, *scalars, *tensors, *([table] if op._block_table else []))
@@ -733,4 +798,4 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         dq, dk, dv = ctx.op.backward.backward(ctx, grad_o, grad_lse)[:3]
-        return (None,) * 7 + (dq, dk, dv)
+        return (None,) * 8 + (dq, dk, dv)

@@ -2,20 +2,22 @@
 ``flash_attn_with_kvcache`` and FlashInfer's plan/run, in flashgen's axis order).
 
 Status: the CPU path is tested in CI; the CUDA kernels (:mod:`flashgen.families.decode`,
-``templates/sm_80/decode.cu.j2``) await GPU validation (tests/gpu/test_decode_gpu.py).
+``templates/sm_80/decode.cu.j2``) are validated on the H200 (tests/gpu/test_decode_gpu.py),
+the ragged form's await that run.
 
 Op contract::
 
     o, lse = op.with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
-                             k_new=None, v_new=None, num_splits=None, plan=None,
-                             softmax_scale=None, **params)
+                             k_new=None, v_new=None, cu_seqlens_q=None, max_seqlen_q=None,
+                             num_splits=None, plan=None, softmax_scale=None, out=None,
+                             **params)
 
     q            [B, Hq, Sq_new, D], the spec's dtype, stride(-1) == 1 (BSHD views work)
     k_cache      dense [B, Hkv, S_cache, D], or paged [num_pages, page_size, Hkv, D] with
                  block_table (FlashInfer's [num_pages, Hkv, page_size, D] as a transposed
                  view); v_cache the same with Dv; stride(-1) == 1, on CUDA 16-byte aligned
                  with strides that are multiples of 8 elements
-    cache_seqlens int32 [B]: request b's cache holds cache_seqlens[b] keys
+    cache_seqlens int32 [B], contiguous: request b's cache holds cache_seqlens[b] keys
     block_table  int32 [B, max_pages] (paged only), stride(-1) == 1
     k_new, v_new [B, Hkv, Sq_new, D / Dv]: written into the cache at cache_seqlens[b]
                  (in place) and attended: the live keys are cache_seqlens[b] + Sq_new
@@ -26,14 +28,15 @@ FP8 cache (:mod:`flashgen.ops.decode_fp8`): k_cache / v_cache (and k_new / v_new
 ``[B, Hkv]``, one element or a Python float; default 1.0; the true K is ``k_descale[b, h_kv] *
 k_cache``); q in the spec's dtype, or e4m3 with ``q_descale``.  Its own units (the cache dtype
 is part of the plan: ``plan_decode(..., cache_dtype=torch.float8_e4m3fn)``) and torch ops
-``flashgen::<name>__with_kvcache_kv8`` / ``__with_kvcache_kv8_append``.
+``flashgen::<name>__with_kvcache[_ragged]_kv8[_append]``; padded and ragged alike.
 
 Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
-``cu_seqlens_q`` ``[B + 1]`` (as the varlen op); request b's Sq_b = cu_seqlens_q[b + 1] -
-cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its mask); k_new / v_new
-``[total_q, Hkv, D]`` append Sq_b rows per request; o ``[total_q, Hq, Dv]``, lse ``[Hq,
-total_q]``.  ``max_seqlen_q`` (the grid's rows; None: read from cu_seqlens_q) bounds every
-Sq_b; its values are checked as cache_seqlens' are.  No plan, no out, no torch op yet.
+``cu_seqlens_q`` ``[B + 1]`` (contiguous, as the varlen op); request b's Sq_b =
+cu_seqlens_q[b + 1] - cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its
+mask); k_new / v_new ``[total_q, Hkv, D]`` append Sq_b rows per request; o ``[total_q, Hq,
+Dv]``, lse ``[Hq, total_q]``.  ``max_seqlen_q`` (the grid's rows; None: the plan's, else read
+from cu_seqlens_q) bounds every Sq_b; its values are checked as cache_seqlens' are.  The same
+API as the padded form: ``plan=`` (``plan_decode(..., total_q=)``), ``out=``, registered ops.
 
 The queries are the last Sq_new of the live keys: the mask and score_mod see q_idx in
 [0, Sq_new), kv_idx in [0, L), seqlen_q = Sq_new, seqlen_k = L (the padded op on the
@@ -47,8 +50,11 @@ are masked) and drop appends past the request's pages: they never read or write 
 tensors.
 
 Registered ops: ``flashgen::<name>__with_kvcache`` (no k_new) and
-``flashgen::<name>__with_kvcache_append`` (declares that it mutates k_cache and v_cache),
-each with CPU, CUDA and fake kernels.
+``flashgen::<name>__with_kvcache_append`` (declares that it mutates k_cache and v_cache), and
+their ragged forms ``__with_kvcache_ragged`` and ``__with_kvcache_ragged_append``, each with
+CPU, CUDA and fake kernels (and the ``_kv8`` forms of all four for an e4m3 cache, where the
+spec can read one); registered with the op (``flashgen.load``), so ``op.with_kvcache``
+traces under ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import dataclasses
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -78,7 +85,13 @@ from flashgen.ops.decode_inputs import (
     validate_decode,
     validate_decode_ragged,
 )
-from flashgen.ops.decode_reference import append_reference, decode_reference, merge_attention
+from flashgen.ops.decode_reference import (
+    append_reference,
+    append_reference_ragged,
+    decode_reference,
+    decode_reference_ragged,
+    merge_attention,
+)
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
@@ -99,30 +112,54 @@ __all__ = [
     "DecodeDims",
     "DecodeOp",
     "append_reference",
+    "append_reference_ragged",
     "check_num_splits",
     "check_out",
     "check_values",
     "decode_op",
     "decode_reference",
+    "decode_reference_ragged",
     "gather_cache",
     "merge_attention",
     "unchecked_key_mask",
     "validate_decode",
+    "validate_decode_ragged",
 ]
 
 _REG_LOCK = threading.RLock()
 
 
 # ----------------------------------------------------------------------------- the op
+class _Args(NamedTuple):
+    """The schema arguments of one registered decode op call, by name."""
+
+    q: torch.Tensor
+    kc: torch.Tensor
+    vc: torch.Tensor
+    lens: torch.Tensor
+    table: torch.Tensor | None
+    cu: torch.Tensor | None  # ragged: cu_seqlens_q
+    k_new: torch.Tensor | None
+    v_new: torch.Tensor | None
+    max_seqlen_q: int | None  # ragged
+    scale: float
+    splits: int
+    scalars: list
+    tensors: dict
+    scales: KvScales | None  # the _kv8 ops: k_descale / v_descale
+
+
 class DecodeOp:
     """The serving entry points of one :class:`~flashgen.ops.op.AttentionOp` (``op.with_kvcache``,
-    ``op.plan_decode``); built on first use."""
+    ``op.plan_decode``); built with the op (:func:`decode_op`)."""
 
     def __init__(self, op):
         self.op = op
         self.spec = op.spec
         self.name = f"{op.spec.name}__with_kvcache"
         self.append_name = f"{op.spec.name}__with_kvcache_append"
+        self.ragged_name = f"{op.spec.name}__with_kvcache_ragged"
+        self.ragged_append_name = f"{op.spec.name}__with_kvcache_ragged_append"
         self.kv8 = family.cache_dtype_reason(op.spec, "fp8_e4m3") is None and FP8_CACHE is not None
         self._units: dict = {}
         self._live: dict = {}
@@ -135,88 +172,102 @@ class DecodeOp:
             raise OpInputError(f"with_kvcache: {self.reason}")
 
     # ------------------------------------------------------------------ registration
-    def op_name(self, append: bool, kv8: bool = False) -> str:
-        """The torch op's name: ``<spec>__with_kvcache[_kv8][_append]``."""
-        base = self.name + ("_kv8" if kv8 else "")
+    def op_name(self, append: bool, ragged: bool = False, kv8: bool = False) -> str:
+        """The registered name (without ``flashgen::``) of the padded or ragged, plain or
+        appending op, for a cache of the spec's dtype or (``kv8``) an e4m3 one:
+        ``<spec>__with_kvcache[_ragged][_kv8][_append]``."""
+        base = self.ragged_name if ragged else self.name
+        if kv8:
+            base += "_kv8"
         return base + "_append" if append else base
 
-    def schema(self, append: bool, kv8: bool = False) -> str:
+    def schema(self, append: bool, ragged: bool = False, kv8: bool = False) -> str:
+        """The op's schema: ``append`` declares that it mutates ``k_cache`` / ``v_cache``
+        (``Tensor(a!)``); ``ragged`` adds ``cu_seqlens_q`` after ``block_table`` and ``int
+        max_seqlen_q`` before ``softmax_scale``; ``kv8`` (an e4m3 cache) adds ``k_descale``
+        and ``v_descale`` (float32 ``[B, Hkv]``) before ``softmax_scale``."""
         spec = self.spec
         kv = (
             "Tensor(a!) k_cache, Tensor(b!) v_cache" if append else "Tensor k_cache, Tensor v_cache"
         )
         args = ["Tensor q", kv, "Tensor cache_seqlens", "Tensor? block_table"]
+        if ragged:
+            args.append("Tensor cu_seqlens_q")
         if append:
             args += ["Tensor k_new", "Tensor v_new"]
+        if ragged:
+            args.append("int max_seqlen_q")
         if kv8:
             args += ["Tensor k_descale", "Tensor v_descale"]
         args += ["float softmax_scale", "int num_splits"]
         args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
         args += [f"Tensor {p.name}" for p in spec.tensor_params]
-        name = self.op_name(append, kv8)
-        return f"{name}({', '.join(args)}) -> (Tensor, Tensor)"
+        return f"{self.op_name(append, ragged, kv8)}({', '.join(args)}) -> (Tensor, Tensor)"
 
     def register(self) -> None:
-        """Register the torch ops (once per process): with and without append, and the same
-        for an e4m3 cache where the spec can read one (:attr:`kv8`)."""
+        """Register the torch ops (padded / ragged, with / without append, and the same for
+        an e4m3 cache where the spec can read one (:attr:`kv8`); once per process), each with
+        CPU, CUDA and fake kernels."""
         if self._registered:
             return
         with _REG_LOCK:
             if self._registered:
                 return
-            lib = self.op._lib  # the op's own library: a reload removes both
+            lib = self.op._lib  # the op's own library: a reload removes them
             for kv8 in (False, True) if self.kv8 else (False,):
-                for append in (False, True):
-                    name = self.op_name(append, kv8)
-                    lib.define(self.schema(append, kv8))
-                    lib.impl(name, functools.partial(self._impl_cpu, append, kv8), "CPU")
-                    lib.impl(name, functools.partial(self._impl_cuda, append, kv8), "CUDA")
-                    torch.library.register_fake(
-                        f"flashgen::{name}", functools.partial(self._impl_fake, append, kv8),
-                        lib=lib,
-                    )  # fmt: skip
+                for ragged in (False, True):
+                    for append in (False, True):
+                        name = self.op_name(append, ragged, kv8)
+                        form = (append, ragged, kv8)
+                        lib.define(self.schema(*form))
+                        lib.impl(name, functools.partial(self._impl_cpu, *form), "CPU")
+                        lib.impl(name, functools.partial(self._impl_cuda, *form), "CUDA")
+                        torch.library.register_fake(
+                            f"flashgen::{name}", functools.partial(self._impl_fake, *form),
+                            lib=lib,
+                        )  # fmt: skip
             self._registered = True
 
-    def torch_op(self, append: bool, kv8: bool = False):
+    def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
+        """The registered op (``torch.ops.flashgen.<op_name>.default``)."""
         self.register()
-        return getattr(torch.ops.flashgen, self.op_name(append, kv8)).default
+        return getattr(torch.ops.flashgen, self.op_name(append, ragged, kv8)).default
 
-    def _unpack(self, append: bool, kv8: bool, args):
-        """Schema arguments -> (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-        softmax_scale, num_splits, scalars, tensor map, scales: a :class:`KvScales` or None)."""
+    def _unpack(self, append: bool, ragged: bool, kv8: bool, args) -> _Args:
+        """Schema arguments (:meth:`schema`) -> :class:`_Args`."""
         q, kc, vc, lens, table = args[:5]
-        rest = args[5:]
+        rest = list(args[5:])
+        cu = rest.pop(0) if ragged else None
         k_new = v_new = None
         if append:
-            k_new, v_new, rest = rest[0], rest[1], rest[2:]
+            k_new, v_new = rest.pop(0), rest.pop(0)
+        max_seqlen_q = rest.pop(0) if ragged else None
         scales = None
         if kv8:
-            scales, rest = KvScales(rest[0], 1.0, rest[1], 1.0), rest[2:]
+            scales = KvScales(rest.pop(0), 1.0, rest.pop(0), 1.0)
         scale, splits, rest = rest[0], rest[1], rest[2:]
         n = len(self.spec.scalar_params)
         scalars = list(rest[:n])
         tensors = {p.name: t for p, t in zip(self.spec.tensor_params, rest[n:], strict=True)}
-        return q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors, scales
+        return _Args(q, kc, vc, lens, table, cu, k_new, v_new, max_seqlen_q, scale, splits,
+                     scalars, tensors, scales)  # fmt: skip
+
+    def _validate(self, a: _Args) -> DecodeDims:
+        if a.cu is None:
+            return validate_decode(self.spec, a.q, a.kc, a.vc, a.lens, a.table, a.k_new, a.v_new)
+        return validate_decode_ragged(self.spec, a.q, a.kc, a.vc, a.lens, a.table, a.k_new,
+                                      a.v_new, a.cu, a.max_seqlen_q)  # fmt: skip
 
     def _outputs(self, q, dims: DecodeDims):
-        if dims.ragged:  # o [total_q, Hq, Dv], lse [Hq, total_q] (the varlen op's layout)
-            o = torch.empty((dims.total_q, dims.heads_q, dims.head_dim_v),
-                            dtype=out_dtype(self.spec), device=q.device)  # fmt: skip
-            lse = torch.empty((dims.heads_q, dims.total_q), dtype=torch.float32, device=q.device)
-            return o, lse
-        o = torch.empty(
-            (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
-            dtype=out_dtype(self.spec), device=q.device,
-        )  # fmt: skip
-        lse = torch.empty(
-            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32, device=q.device
-        )
+        """Fresh ``(o, lse)`` of the call (:meth:`DecodeDims.out_shapes`) on q's device."""
+        o_shape, lse_shape = dims.out_shapes()
+        o = torch.empty(o_shape, dtype=out_dtype(self.spec), device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         return o, lse
 
-    def _impl_fake(self, append, kv8, *args):
-        q, kc, vc, lens, table, k_new, v_new, *_ = self._unpack(append, kv8, args)
-        dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
-        return self._outputs(q, dims)
+    def _impl_fake(self, append, ragged, kv8, *args):
+        a = self._unpack(append, ragged, kv8, args)
+        return self._outputs(a.q, self._validate(a))
 
     def _scales_of_op(self, dims: DecodeDims, q, scales: KvScales | None) -> KvScales | None:
         """The registered op's descale tensors (its ``_kv8`` ops take them), checked against
@@ -224,7 +275,7 @@ class DecodeOp:
         if (dims.cache_dtype is None) != (scales is None):
             want = FP8_CACHE if scales is not None else TORCH_DTYPE[self.spec.dtype]
             raise OpInputError(
-                f"k_cache: this torch op ({self.op_name(False, scales is not None)}"
+                f"k_cache: this torch op ({self.op_name(False, dims.ragged, scales is not None)}"
                 f"[_append]) takes a {want} cache, got "
                 f"{FP8_CACHE if dims.cache_dtype else TORCH_DTYPE[self.spec.dtype]}"
             )
@@ -232,44 +283,52 @@ class DecodeOp:
             return None
         return resolve_scales(self.spec, dims, q, scales.k, scales.v, None)[1]
 
-    def _impl_cpu(self, append, kv8, *args):
-        q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors, scales = (
-            self._unpack(append, kv8, args)
-        )
-        dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
-        self._check_params(scale, scalars, tensors, dims, q.device)
-        scales = self._scales_of_op(dims, q, scales)
-        check_values(dims, lens, table)
+    def _impl_cpu(self, append, ragged, kv8, *args):
+        a = self._unpack(append, ragged, kv8, args)
+        dims = self._validate(a)
+        self._check_params(a.scale, a.scalars, a.tensors, dims, a.q.device)
+        scales = self._scales_of_op(dims, a.q, a.scales)
+        check_values(dims, a.lens, a.table, a.cu)
         check_scale_values(scales)
-        if append:
-            append_reference(kc, vc, lens, k_new, v_new, table)
-        live = lens.to(torch.int64) + (dims.seqlen_q if append else 0)
-        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
-        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        params = dict(zip((p.name for p in self.spec.scalar_params), a.scalars, strict=True))
+        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in a.tensors.items()})
         kd, vd = (None, None) if scales is None else scales.tensors(dims.batch, dims.heads_kv,
-                                                                     q.device)  # fmt: skip
-        ro, rl = decode_reference(
-            self.spec, q, kc, vc, live, table, softmax_scale=scale, params=params,
-            compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
-        )  # fmt: skip
-        o, lse = self._outputs(q, dims)
+                                                                     a.q.device)  # fmt: skip
+        live = a.lens.to(torch.int64)
+        if ragged:  # each request appends (and attends) its own Sq_b rows
+            if append:
+                append_reference_ragged(a.kc, a.vc, a.lens, a.cu, a.k_new, a.v_new, a.table)
+                cu = a.cu.to(torch.int64)
+                live = live + (cu[1:] - cu[:-1])
+            ro, rl = decode_reference_ragged(
+                self.spec, a.q, a.kc, a.vc, live, a.cu, a.table, softmax_scale=a.scale,
+                params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
+            )  # fmt: skip
+        else:
+            if append:
+                append_reference(a.kc, a.vc, a.lens, a.k_new, a.v_new, a.table)
+                live = live + dims.seqlen_q
+            ro, rl = decode_reference(
+                self.spec, a.q, a.kc, a.vc, live, a.table, softmax_scale=a.scale, params=params,
+                compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
+            )  # fmt: skip
+        o, lse = self._outputs(a.q, dims)
         o.copy_(ro)
         lse.copy_(rl)
         return o, lse
 
-    def _impl_cuda(self, append, kv8, *args):
-        q, kc, vc, lens, table, k_new, v_new, scale, splits, scalars, tensors, scales = (
-            self._unpack(append, kv8, args)
-        )
-        dims = validate_decode(self.spec, q, kc, vc, lens, table, k_new, v_new)
-        self._check_params(scale, scalars, tensors, dims, q.device)
-        scales = self._scales_of_op(dims, q, scales)
+    def _impl_cuda(self, append, ragged, kv8, *args):
+        a = self._unpack(append, ragged, kv8, args)
+        dims = self._validate(a)
+        self._check_params(a.scale, a.scalars, a.tensors, dims, a.q.device)
+        scales = self._scales_of_op(dims, a.q, a.scales)
         if check_enabled():
-            check_values(dims, lens, table)
+            check_values(dims, a.lens, a.table, a.cu)
             check_scale_values(scales)
-        params = dict(zip([p.name for p in self.spec.scalar_params], scalars, strict=True))
-        plan = self.plan_for(dims, q.device, splits or None, params=params)
-        return self._launch(plan, q, kc, vc, lens, table, k_new, v_new, scale, scalars, tensors,
+        params = dict(zip([p.name for p in self.spec.scalar_params], a.scalars, strict=True))
+        plan = self.plan_for(dims, a.q.device, a.splits or None, params=params)
+        return self._launch(plan, a.q, a.kc, a.vc, a.lens, a.table, a.k_new, a.v_new, a.scale,
+                            a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims,
                             scales=scales)  # fmt: skip
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
@@ -305,163 +364,122 @@ class DecodeOp:
         lse)``.  ``num_splits``: None (the heuristic, or the plan's), or 1..128 (bitwise
         reproducible results for a fixed value, independent of the other requests).
         ``plan``: from :meth:`plan_decode` for this call's shapes (no host planning; CUDA
-        graph capturable).  ``cu_seqlens_q`` (ragged Sq_new, :meth:`_with_kvcache_ragged`):
-        q ``[total_q, Hq, D]``, int32 ``[B + 1]`` offsets; ``max_seqlen_q`` its longest Sq_b
-        (None: read from ``cu_seqlens_q``, a host sync on CUDA); no ``plan`` or ``out``.
-        ``out``: ``(o, lse)`` to write instead of new tensors (contiguous, the shapes and
-        dtypes above, on q's device; FlashInfer's ``out=``): a serving loop that reuses them
-        saves the two allocations per call.  Returns ``out`` then.
-        ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3 (``torch.float8_e4m3fn``) cache's
-        and q's descales (module doc, :mod:`flashgen.ops.decode_fp8`).
-        Raises :class:`OpInputError` for bad inputs or a spec decode does not support."""
+        graph capturable); a plan for other shapes raises :class:`OpInputError` naming what
+        differs.  ``cu_seqlens_q`` (ragged Sq_new): q ``[total_q, Hq, D]``, int32 ``[B +
+        1]`` offsets; ``max_seqlen_q`` its longest Sq_b, at most total_q (None: the plan's,
+        capped at total_q, or else read from ``cu_seqlens_q``, a host sync on CUDA, refused
+        under ``torch.compile``).  ``out``: ``(o, lse)`` to write instead of new tensors
+        (contiguous, the shapes and dtypes above, on q's device; FlashInfer's ``out=``): a
+        serving loop that reuses them saves the two allocations per call.  Returns ``out``
+        then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
+        (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
+        :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
+        bad inputs or a spec decode does not support."""
         fast = getattr(plan, "fast", None)
-        if fast is not None and cu_seqlens_q is None and num_splits is None and q_descale is None:
+        if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                       softmax_scale, params, out, k_descale, v_descale)  # fmt: skip
+                       softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,
+                       v_descale)  # fmt: skip
             if res is not None:
                 return res
-        descales = (k_descale, v_descale, q_descale)
-        if cu_seqlens_q is not None:
-            if plan is not None or out is not None:
-                raise OpInputError(
-                    "plan, out: not supported with cu_seqlens_q (ragged Sq_new) yet; pass neither"
-                )
-            return self._with_kvcache_ragged(
-                q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, cu_seqlens_q,
-                max_seqlen_q, num_splits, softmax_scale, params, descales,
-            )  # fmt: skip
-        if max_seqlen_q is not None:
-            raise OpInputError("max_seqlen_q: only with cu_seqlens_q (ragged Sq_new)")
-        res = self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                                 cu_seqlens_q, num_splits, plan, softmax_scale, params,
-                                 descales)  # fmt: skip
-        if out is None:
-            return res
-        check_out(self.spec, out, res[0].shape, q.device)
-        out[0].copy_(res[0])
-        out[1].copy_(res[1])
-        return out
+        return self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                  cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
+                                  params, out, (k_descale, v_descale, q_descale))  # fmt: skip
 
-    def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                      cu_seqlens_q, num_splits, plan, softmax_scale, params,
-                      descales=(None, None, None), scales=None):  # fmt: skip
-        """The padded call (:meth:`with_kvcache`); ``scales``: already resolved descales
-        (the ragged CPU loop passes each request's, q already in the spec's dtype)."""
-        self._refuse()
-        if cu_seqlens_q is not None:
-            raise OpInputError(
-                "cu_seqlens_q: ragged Sq_new is not supported yet by with_kvcache; pad q to "
-                "[B, Hq, Sq_new, D]"
-            )
-        scalars, tensors = resolve_params(self.spec, params)
-        tmap = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
-        if softmax_scale is None:
-            softmax_scale = default_softmax_scale(self.spec)
-        softmax_scale = check_softmax_scale(softmax_scale)
-        splits = check_num_splits(num_splits)
-        dims = validate_decode(
-            self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
-        )
-        if scales is None:
-            q, scales = resolve_scales(self.spec, dims, q, *descales)
-        if self.spec.tensor_params:
-            validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
-        if plan is not None:
-            self._check_plan(plan, dims, q.device, splits)
-        append = k_new is not None
-        if q.is_cuda and _plain_eager(q, k_cache, v_cache):
-            if check_enabled():
-                check_values(dims, cache_seqlens, block_table)
-                check_scale_values(scales)
-            if plan is None:
-                names = [p.name for p in self.spec.scalar_params]
-                plan = self.plan_for(dims, q.device, splits or None,
-                                     params=dict(zip(names, scalars, strict=True)))  # fmt: skip
-            return self._launch(
-                plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                softmax_scale, scalars, tmap, scales=scales,
-            )  # fmt: skip
-        if plan is not None and not splits:
-            splits = plan.num_splits
-        args = [q, k_cache, v_cache, cache_seqlens, block_table]
-        if append:
-            args += [k_new, v_new]
-        if scales is not None:
-            args += list(scales.tensors(dims.batch, dims.heads_kv, q.device))
-        args += [softmax_scale, splits, *scalars, *tensors]
-        return self.torch_op(append, scales is not None)(*args)
-
-    def _with_kvcache_ragged(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new,
-                             v_new, cu_seqlens_q, max_seqlen_q, num_splits, softmax_scale,
-                             params, descales=(None, None, None)):  # fmt: skip
-        """Ragged Sq_new: request b's queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b +
-        1]`` of q ``[total_q, Hq, D]`` (Sq_b of them, the last Sq_b of its live keys; the mask
-        sees ``q_idx`` in ``[0, Sq_b)``, ``seqlen_q = Sq_b``); k_new / v_new ``[total_q, Hkv,
-        D]`` append each request's own Sq_b rows at ``cache_seqlens[b]``.  Returns o
-        ``[total_q, Hq, Dv]``, lse ``[Hq, total_q]`` float32.  CPU: the values are checked,
-        then each request runs through the padded op (its reference / blocked path).  CUDA:
-        the ragged unit (``plan(..., ragged=True)``), values checked under the debug check;
-        not a registered torch op (no torch.compile / opcheck yet)."""
-        self._refuse()
+    def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int:
+        """A ragged call's ``max_seqlen_q``: the caller's; else a ragged plan's, capped at q's
+        rows (no host read); else the longest Sq_b of ``cu_seqlens_q`` (a host read: a sync
+        on CUDA; refused under ``torch.compile``, where it would break the graph)."""
         if not isinstance(cu_seqlens_q, torch.Tensor):
             raise OpInputError(
                 f"cu_seqlens_q: expected a torch.Tensor [batch + 1] of int32, got "
                 f"{type(cu_seqlens_q).__name__}"
             )
-        if max_seqlen_q is None:  # a host read (a sync on CUDA)
-            cu = cu_seqlens_q.detach().to("cpu", torch.int64)
-            max_seqlen_q = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-            max_seqlen_q = max(max_seqlen_q, 0)
+        if max_seqlen_q is not None:
+            return max_seqlen_q
+        if isinstance(plan, DecodeCallPlan) and plan.dims.ragged:
+            rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else 0
+            return min(plan.dims.seqlen_q, rows)
+        if torch.compiler.is_compiling():
+            raise OpInputError(
+                "max_seqlen_q: required with cu_seqlens_q under torch.compile (reading it from "
+                "cu_seqlens_q would break the graph); pass max_seqlen_q= or plan="
+            )
+        cu = cu_seqlens_q.detach().to("cpu", torch.int64)
+        return max(int((cu[1:] - cu[:-1]).max()), 0) if cu.numel() > 1 else 0
+
+    def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                      cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, params,
+                      out=None, descales=(None, None, None)):  # fmt: skip
+        """The general path of :meth:`with_kvcache` (padded, or ragged with ``cu_seqlens_q``:
+        request b's queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q
+        ``[total_q, Hq, D]``, the last Sq_b of its live keys; k_new / v_new ``[total_q, Hkv,
+        D]`` append each request's own Sq_b rows; ``descales``: ``(k_descale, v_descale,
+        q_descale)`` of an e4m3 cache): full validation, then on plain eager CUDA tensors the
+        kernels directly, else the registered op (CPU, torch.compile, modes; the ``_kv8`` ones
+        for an e4m3 cache)."""
+        self._refuse()
+        ragged = cu_seqlens_q is not None
+        if ragged:
+            max_seqlen_q = self.max_seqlen_q_of(q, cu_seqlens_q, max_seqlen_q, plan)
+        elif max_seqlen_q is not None:
+            raise OpInputError("max_seqlen_q: only with cu_seqlens_q (ragged Sq_new)")
         scalars, tensors = resolve_params(self.spec, params)
         tmap = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(self.spec)
         softmax_scale = check_softmax_scale(softmax_scale)
         splits = check_num_splits(num_splits)
-        dims = validate_decode_ragged(
-            self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-            cu_seqlens_q, max_seqlen_q,
-        )  # fmt: skip
+        if ragged:
+            dims = validate_decode_ragged(
+                self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                cu_seqlens_q, max_seqlen_q,
+            )  # fmt: skip
+        else:
+            dims = validate_decode(
+                self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
+            )
         q, scales = resolve_scales(self.spec, dims, q, *descales)
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
-        if q.is_cuda:
+        if plan is not None:
+            self._check_plan(plan, dims, q.device, splits)
+        if out is not None:
+            o_shape, lse_shape = dims.out_shapes()
+            check_out(self.spec, out, o_shape, q.device, lse_shape)
+        append = k_new is not None
+        if q.is_cuda and _plain_eager(q, k_cache, v_cache):
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
                 check_scale_values(scales)
-            names = [p.name for p in self.spec.scalar_params]
-            plan = self.plan_for(dims, q.device, splits or None,
-                                 params=dict(zip(names, scalars, strict=True)))  # fmt: skip
-            return self._launch(
+            if plan is None:
+                names = [p.name for p in self.spec.scalar_params]
+                plan = self.plan_for(dims, q.device, splits or None,
+                                     params=dict(zip(names, scalars, strict=True)))  # fmt: skip
+            res = self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q, scales=scales,
+                softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q, dims=dims,
+                scales=scales,
             )  # fmt: skip
-        check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
-        check_scale_values(scales)
-        o, lse = self._outputs(q, dims)
-        cu = cu_seqlens_q.tolist()
-        for b in range(dims.batch):
-            q0, q1 = cu[b], cu[b + 1]
-            qb = q[q0:q1].permute(1, 0, 2).unsqueeze(0)  # [1, Hq, Sq_b, D]
-            sl = slice(b, b + 1)
-            if block_table is None:
-                kc, vc, table = k_cache[sl], v_cache[sl], None
-            else:
-                kc, vc, table = k_cache, v_cache, block_table[sl]
-            kn = vn = None
-            if k_new is not None:
-                kn = k_new[q0:q1].permute(1, 0, 2).unsqueeze(0)
-                vn = v_new[q0:q1].permute(1, 0, 2).unsqueeze(0)
-            sb = None
-            if scales is not None:  # request b's descales, each [1, Hkv]
-                sb = KvScales(None if scales.k is None else scales.k[sl], scales.k_mul,
-                              None if scales.v is None else scales.v[sl], scales.v_mul)  # fmt: skip
-            ob, lb = self._with_kvcache(qb, kc, vc, cache_seqlens[sl], table, kn, vn, None,
-                                        splits or None, None, softmax_scale,
-                                        dict(params), scales=sb)  # fmt: skip
-            o[q0:q1] = ob[0].permute(1, 0, 2)
-            lse[:, q0:q1] = lb[0]
-        return o, lse
+        else:
+            if plan is not None and not splits:
+                splits = plan.num_splits
+            args = [q, k_cache, v_cache, cache_seqlens, block_table]
+            if ragged:
+                args.append(cu_seqlens_q)
+            if append:
+                args += [k_new, v_new]
+            if ragged:
+                args.append(max_seqlen_q)
+            if scales is not None:
+                args += list(scales.tensors(dims.batch, dims.heads_kv, q.device))
+            args += [softmax_scale, splits, *scalars, *tensors]
+            res = self.torch_op(append, ragged, scales is not None)(*args)
+        if out is None:
+            return res
+        out[0].copy_(res[0])
+        out[1].copy_(res[1])
+        return out
 
     def plan_decode(
         self,
@@ -474,6 +492,7 @@ class DecodeOp:
         page_size: int | None = None,
         num_pages: int | None = None,
         append: bool = False,
+        total_q: int | None = None,
         num_splits: int | None = None,
         device=None,
         pack_gqa: bool = True,
@@ -484,15 +503,21 @@ class DecodeOp:
         """Plan calls of one shape (FlashInfer's plan/run): ``batch`` requests, ``num_heads`` /
         ``num_heads_kv`` heads, ``seqlen_q`` new queries, ``cache_capacity`` keys per request
         (dense: S_cache; paged: max_pages * page_size, with ``page_size`` and ``num_pages``
-        the paged cache's), ``append``: calls pass k_new/v_new.  ``num_splits`` None: the
-        heuristic for this capacity on ``device``'s SM count.  ``pack_gqa`` False: one query
-        head per CTA (for measurements).  ``options``: the unit's tiles and the split schedule
-        (:class:`flashgen.families.decode.Options`; default: the op's ``Options.decode``;
-        ``flashgen.bench.decode --sweep`` times a grid of them).  ``params``: values of the mask's
-        scalar params the calls will pass (the spec's defaults otherwise): a mask that bounds the
-        live keys (a sliding window) sizes the splits by its blocks, not the capacity's; calls may
-        pass other values.  ``cache_dtype``: the calls' cache dtype, None (the spec's) or
-        ``torch.float8_e4m3fn`` (an e4m3 cache: its own unit; the calls pass the descales).
+        the paged cache's), ``append``: calls pass k_new/v_new.
+        ``total_q``: a plan for ragged calls (``cu_seqlens_q=``): q ``[total_q, Hq, D]`` with
+        at most ``total_q`` rows (the split workspace's), ``seqlen_q`` their ``max_seqlen_q``
+        (the grid's; the calls' Sq_b and own ``max_seqlen_q`` at most that), ``batch`` the
+        requests (``cu_seqlens_q`` ``[batch + 1]``); None: padded calls, q ``[batch, Hq,
+        seqlen_q, D]``.
+        ``num_splits`` None: the heuristic for this capacity on ``device``'s SM count.
+        ``pack_gqa`` False: one query head per CTA (for measurements).  ``options``: the
+        unit's tiles and the split schedule (:class:`flashgen.families.decode.Options`;
+        default: the op's ``Options.decode``; ``flashgen.bench.decode --sweep`` times a grid
+        of them).  ``params``: values of the mask's scalar params the calls will pass (the
+        spec's defaults otherwise): a mask that bounds the live keys (a sliding window) sizes
+        the splits by its blocks, not the capacity's; calls may pass other values.
+        ``cache_dtype``: the calls' cache dtype, None (the spec's) or ``torch.float8_e4m3fn``
+        (an e4m3 cache: its own unit; the calls pass the descales).
         Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
         planned calls do no host planning and can be captured in a CUDA graph.  Raises
         :class:`OpInputError` for bad sizes, options or params."""
@@ -510,9 +535,14 @@ class DecodeOp:
                 )
             check_scalar(scalar[name], val)
         for name, v in (("batch", batch), ("num_heads", num_heads), ("num_heads_kv", num_heads_kv),
-                        ("seqlen_q", seqlen_q), ("cache_capacity", cache_capacity)):  # fmt: skip
+                        ("seqlen_q", seqlen_q), ("cache_capacity", cache_capacity),
+                        ("total_q", 0 if total_q is None else total_q)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise OpInputError(f"{name}: expected a non-negative int, got {v!r}")
+        if total_q is not None and total_q > 0 and seqlen_q == 0:
+            raise OpInputError(
+                f"seqlen_q: expected >= 1 (the ragged calls' max_seqlen_q) for total_q {total_q}"
+            )
         if num_heads_kv == 0 or num_heads % num_heads_kv:
             raise OpInputError(
                 f"num_heads: expected a multiple of num_heads_kv {num_heads_kv}, got {num_heads}"
@@ -543,6 +573,8 @@ class DecodeOp:
             dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
                               False, batch, cache_capacity, 1, append,
                               cache_dtype=kv_dtype)  # fmt: skip
+        if total_q is not None:
+            dims = dataclasses.replace(dims, total_q=total_q)
         device = torch.device(device if device is not None else "cuda")
         if device.type == "cuda" and device.index is None:  # the current device, by index
             device = torch.device("cuda", torch.cuda.current_device())
@@ -551,20 +583,35 @@ class DecodeOp:
                              options=options, params=params)  # fmt: skip
 
     def _check_plan(self, plan, dims: DecodeDims, device, splits: int) -> None:
+        """Refuse ``plan`` for a call it was not made for (:meth:`plan_decode`): another form
+        (padded / ragged), batch, heads, Sq_new (ragged: a longer max_seqlen_q or more q rows
+        than planned), paged or dense, append or not, a larger cache or another page size,
+        device, cache dtype or num_splits.  :class:`OpInputError` naming what differs."""
         if not isinstance(plan, DecodeCallPlan):
             raise OpInputError(
                 f"plan: expected a plan from op.plan_decode, got {type(plan).__name__}"
             )
         p = plan.dims
-        if (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.paged, p.append) != (
-            dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.paged, dims.append,
-        ):  # fmt: skip
-            raise OpInputError(
-                f"plan: planned for batch {p.batch}, heads {p.heads_q}/{p.heads_kv}, seqlen_q "
-                f"{p.seqlen_q}, paged {p.paged}, append {p.append}; this call has batch "
-                f"{dims.batch}, heads {dims.heads_q}/{dims.heads_kv}, seqlen_q {dims.seqlen_q}, "
-                f"paged {dims.paged}, append {dims.append}"
-            )
+
+        def form(d):
+            return ("ragged calls (cu_seqlens_q, q [total_q, Hq, D]; plan_decode(total_q=...))"
+                    if d.ragged else "padded calls (q [B, Hq, Sq_new, D])")  # fmt: skip
+
+        if p.ragged != dims.ragged:
+            raise OpInputError(f"plan: planned for {form(p)}, this call is one of {form(dims)}")
+        pairs = [("batch", p.batch, dims.batch), ("num_heads", p.heads_q, dims.heads_q),
+                 ("num_heads_kv", p.heads_kv, dims.heads_kv), ("paged", p.paged, dims.paged),
+                 ("append", p.append, dims.append)]  # fmt: skip
+        if not dims.ragged:
+            pairs.insert(3, ("seqlen_q", p.seqlen_q, dims.seqlen_q))
+        diff = [f"{n} {a} (this call: {b})" for n, a, b in pairs if a != b]
+        if dims.ragged:  # the plan's grid and workspace bound the call's
+            if dims.seqlen_q > p.seqlen_q:
+                diff.append(f"max_seqlen_q at most {p.seqlen_q} (this call: {dims.seqlen_q})")
+            if dims.total_q > p.total_q:
+                diff.append(f"total_q at most {p.total_q} (this call's q rows: {dims.total_q})")
+        if diff:
+            raise OpInputError(f"plan: planned for {'; '.join(diff)}")
         if dims.capacity > p.capacity or (dims.paged and dims.page_size != p.page_size):
             raise OpInputError(
                 f"plan: planned for a cache of {p.capacity} keys per request (page_size "
@@ -673,7 +720,7 @@ class DecodeOp:
             dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
             options=options, live_blocks=live_blocks,
         )  # fmt: skip
-        if own_workspace and kern and rows > 0 and not dims.ragged:
+        if own_workspace and kern and rows > 0:
             plan.fast = _FastPath(self, plan)
         return plan
 
@@ -748,9 +795,14 @@ class DecodeOp:
                     vn_sh=v_new.stride(1), vn_ss=v_new.stride(2))  # fmt: skip
 
     def _launch(self, plan: DecodeCallPlan, q, kc, vc, lens, table, k_new, v_new, scale,
-                scalars, tensors, cu_seqlens_q=None, scales=None):  # fmt: skip
+                scalars, tensors, cu_seqlens_q=None, dims: DecodeDims | None = None,
+                scales: KvScales | None = None):  # fmt: skip
+        """Enqueue the append (with k_new) and attention kernels of ``plan`` for this call
+        (``dims``: the call's sizes, None: the plan's; a ragged call's q may have fewer rows
+        than its plan's ``total_q``; ``scales``: an e4m3 cache's descales); returns fresh
+        ``(o, lse)``."""
+        o, lse = self._outputs(q, dims or plan.dims)
         dims = plan.dims
-        o, lse = self._outputs(q, dims)
         if _poison_enabled():
             o.fill_(math.nan)
             lse.fill_(math.nan)

@@ -18,7 +18,13 @@ from flashgen.ops import calls as _calls
 from flashgen.ops import validation as _validation
 from flashgen.ops.calls import _kernel_aligned
 from flashgen.ops.decode_fp8 import resolve_scales
-from flashgen.ops.decode_inputs import DecodeDims, _aligned_16, check_out, validate_decode
+from flashgen.ops.decode_inputs import (
+    DecodeDims,
+    _aligned_16,
+    check_out,
+    validate_decode,
+    validate_decode_ragged,
+)
 from flashgen.ops.validation import (
     PARAM_DTYPE,
     TORCH_DTYPE,
@@ -41,8 +47,9 @@ if TYPE_CHECKING:
 class DecodeCallPlan:
     """What :meth:`DecodeOp.plan_decode` precomputes for calls of one shape (FlashInfer's
     plan): the sizes it fixes (batch, heads, Sq_new, cache layout and capacity, append or
-    not), the split count, the grids, the kernels, the workspace and the launch values
-    that do not change between calls.  Cache lengths, block-table contents and the cache
+    not; a ragged plan, ``dims.total_q`` set: max_seqlen_q and the most q rows), the split
+    count, the grids, the kernels, the workspace and the launch values that do not change
+    between calls.  Cache lengths, block-table contents, ``cu_seqlens_q`` and the cache
     itself may change between calls and graph replays (read on the device).  Its
     workspace is used in stream order: one plan per concurrently used stream."""
 
@@ -133,7 +140,10 @@ class _FastPath:
     layout; nothing loops over the batch.  Returns None (the caller takes the general
     path) for anything but plain eager CUDA tensors on the plan's device (torch.compile,
     tracing, modes, subclasses go through the registered op), the debug / poison switches,
-    0-d tensor scalars, or tensor params that would need a conversion.  Per thread state:
+    0-d tensor scalars, tensor params that would need a conversion, or a call of the other
+    form (padded / ragged) than the plan's.  A ragged plan's calls pass ``cu_seqlens_q``
+    (packed per call; q's rows, hence o's and lse's shapes, are part of the layout) and
+    ``max_seqlen_q`` None (the plan's) or at most the plan's.  Per thread state:
     concurrent threads keep their own blocks.  Everything a call reads is bound once here
     (no per-call module or attribute lookups beyond the tensors')."""
 
@@ -157,6 +167,8 @@ class _FastPath:
         self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
         self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
         d = plan.dims
+        self.ragged = d.ragged
+        # a padded plan's outputs (a ragged plan's follow q's rows: the layout's, in _prepare)
         self.o_shape = (d.batch, d.heads_q, d.seqlen_q, d.head_dim_v)
         self.lse_shape = (d.batch, d.heads_q, d.seqlen_q)
         self.o_dtype = out_dtype(dop.spec)
@@ -179,9 +191,9 @@ class _FastPath:
             st = self._tls.st = _FastState(self.attn_layout, self.app_layout)
         return st
 
-    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None,
-                 k_descale=None, v_descale=None):  # fmt: skip
-        if not self._eager(q, kc, vc) or self._get_device is None:
+    def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None, cu=None,
+                 max_seqlen_q=None, k_descale=None, v_descale=None):  # fmt: skip
+        if (cu is None) is self.ragged or not self._eager(q, kc, vc) or self._get_device is None:
             return None
         if self._get_device() != self.index or _debug_switches():
             return None
@@ -193,6 +205,10 @@ class _FastPath:
         )  # fmt: skip
         if table is not None:
             key += (table.shape, table.stride(), table.dtype, table.get_device())
+        if cu is not None:
+            if type(cu) is not _TENSOR:
+                return None
+            key += (cu.shape, cu.stride(), cu.dtype, cu.get_device(), max_seqlen_q)
         if k_new is not None:
             key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
                     v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
@@ -235,15 +251,15 @@ class _FastPath:
         st = self._tls_dict.get("st") or self._state()
         if key != st.key:
             if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                                 out, k_descale, v_descale):  # fmt: skip
+                                 out, cu, max_seqlen_q, k_descale, v_descale):  # fmt: skip
                 return None
         q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
             return None  # an unaligned base: the general path copies q or refuses the cache
         if out is None:
             dev = q.device
-            o = self._empty(self.o_shape, dtype=self.o_dtype, device=dev)
-            lse = self._empty(self.lse_shape, dtype=self._f32, device=dev)
+            o = self._empty(st.o_shape, dtype=self.o_dtype, device=dev)
+            lse = self._empty(st.lse_shape, dtype=self._f32, device=dev)
             out = (o, lse)
         o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
         if (o_ptr & 7) | (lse_ptr & 3):
@@ -258,6 +274,9 @@ class _FastPath:
             self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
         for name, t in zip(self.tensor_names, tensors, strict=False):
             self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
+        if cu is not None:
+            cu_ptr = cu.data_ptr()
+            self.attn_layout.field(buf, "cu_seqlens_q", cu_ptr)
         stream = self._raw_stream(self.index)
         launch = self._cu_launch
         if k_new is not None:
@@ -265,6 +284,8 @@ class _FastPath:
             if (kn_ptr | vn_ptr) & 15:
                 return None
             self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
+            if cu is not None:
+                self.app_layout.field(st.app_buf, "cu_seqlens_q", cu_ptr)
             rc = launch(self.app_fn, *self.app_launch, stream, st.app_params, None)
             if rc != 0:
                 raise RuntimeError(f"cuLaunchKernel(decode append) failed: CUresult {rc}")
@@ -274,7 +295,8 @@ class _FastPath:
         return out
 
     def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                 out=None, k_descale=None, v_descale=None) -> bool:  # fmt: skip
+                 out=None, cu=None, max_seqlen_q=None, k_descale=None,
+                 v_descale=None) -> bool:  # fmt: skip
         """Full validation of a new layout (raises what the general path raises) and the
         packing of its argument blocks; False when the fast path does not apply."""
         dop, spec, plan = self.dop, self.dop.spec, self.plan
@@ -284,21 +306,30 @@ class _FastPath:
             if t.dtype != PARAM_DTYPE[spec.param(p).ty] or not t.is_contiguous():
                 return False
         scale = check_softmax_scale(default_softmax_scale(spec) if scale is None else scale)
-        dims = validate_decode(spec, q, kc, vc, lens, table, k_new, v_new)
+        if cu is not None:
+            msq = dop.max_seqlen_q_of(q, cu, max_seqlen_q, plan)
+            dims = validate_decode_ragged(spec, q, kc, vc, lens, table, k_new, v_new, cu, msq)
+        else:
+            dims = validate_decode(spec, q, kc, vc, lens, table, k_new, v_new)
         if q.dtype != TORCH_DTYPE[spec.dtype]:
             return False  # an e4m3 q: the general path converts it
         _, scales = resolve_scales(spec, dims, q, k_descale, v_descale, None)
         if spec.tensor_params:
             validate_tensor_params(spec, tmap, q.device, dims.symbols())
         dop._check_plan(plan, dims, q.device, 0)
+        o_shape, lse_shape = dims.out_shapes()
         if out is not None:
-            check_out(spec, out, self.o_shape, q.device)
+            check_out(spec, out, o_shape, q.device, lse_shape)
+        aligned = _aligned_16 if cu is not None else (lambda t: _kernel_aligned(t) is t)
         if k_new is not None and not (_aligned_16(k_new) and _aligned_16(v_new)):
             return False
-        if _kernel_aligned(q) is not q:
+        if not aligned(q):
             return False
         values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
                                    scales)  # fmt: skip
+        if cu is not None:
+            values["cu_seqlens_q"] = cu
+        st.o_shape, st.lse_shape = o_shape, lse_shape
         self.attn_layout.pack(st.attn_buf, values)
         if k_new is not None:
             self.app_layout.pack(st.app_buf, dop.append_values(values, k_new, v_new))
@@ -311,5 +342,6 @@ class _FastState:
 
     def __init__(self, attn_layout, app_layout):
         self.key = None
+        self.o_shape = self.lse_shape = None  # the outputs of the layout in ``key``
         self.attn_buf, self.attn_params = attn_layout.new_block()
         self.app_buf, self.app_params = app_layout.new_block()

@@ -50,6 +50,16 @@ class DecodeDims:
     def symbols(self) -> dict[str, int]:
         return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv}
 
+    def out_shapes(self) -> tuple[tuple, tuple]:
+        """``(o shape, lse shape)`` of the call: padded ``[B, Hq, Sq_new, Dv]`` and ``[B, Hq,
+        Sq_new]``; ragged ``[total_q, Hq, Dv]`` and ``[Hq, total_q]`` (the varlen op's)."""
+        if self.ragged:
+            return (self.total_q, self.heads_q, self.head_dim_v), (self.heads_q, self.total_q)
+        return (
+            (self.batch, self.heads_q, self.seqlen_q, self.head_dim_v),
+            (self.batch, self.heads_q, self.seqlen_q),
+        )
+
 
 def _tensor(name: str, t, dims: int, what: str):
     if not isinstance(t, torch.Tensor):
@@ -193,6 +203,11 @@ def validate_decode(
     if cache_seqlens.shape[0] != batch:
         raise OpInputError(
             f"cache_seqlens: expected shape [{batch}] (q's batch), got {list(cache_seqlens.shape)}"
+        )
+    if batch > 1 and cache_seqlens.stride(0) != 1:  # the kernels read cache_seqlens[b]
+        raise OpInputError(
+            f"cache_seqlens: expected a contiguous tensor (stride 1), got strides "
+            f"{list(cache_seqlens.stride())}"
         )
     if (k_new is None) != (v_new is None):
         raise OpInputError("k_new, v_new: expected both or neither, got only one")
@@ -357,8 +372,15 @@ def validate_decode_ragged(
         raise OpInputError(
             f"cu_seqlens_q: expected shape [batch + 1] (>= 1 entry), got {list(cu_seqlens_q.shape)}"
         )
+    if cu_seqlens_q.shape[0] > 1 and cu_seqlens_q.stride(0) != 1:  # the kernels read cu[b]
+        raise OpInputError(
+            f"cu_seqlens_q: expected a contiguous tensor (stride 1), got strides "
+            f"{list(cu_seqlens_q.stride())}"
+        )
     total_q, hq, d = q.shape
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, numbers.Integral):
+    if isinstance(max_seqlen_q, bool) or not isinstance(
+        max_seqlen_q, (numbers.Integral, torch.SymInt)
+    ):  # a SymInt: the fake kernel under torch.compile's dynamic shapes
         raise OpInputError(f"max_seqlen_q: expected a Python int, got {max_seqlen_q!r}")
     if not 0 <= int(max_seqlen_q) <= max(total_q, 0) or (total_q > 0 and max_seqlen_q == 0):
         raise OpInputError(
@@ -388,15 +410,18 @@ def validate_decode_ragged(
     return replace(dims, seqlen_q=int(max_seqlen_q), total_q=total_q)
 
 
-def check_out(spec: ir.Spec, out, o_shape, device) -> None:
-    """Check ``out = (o, lse)`` of a with_kvcache call: o of shape ``o_shape`` ``[B, Hq,
-    Sq_new, Dv]`` in the spec's output dtype, lse ``[B, Hq, Sq_new]`` float32, both
-    contiguous on ``device``.  :class:`OpInputError` naming the tensor otherwise."""
+def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None) -> None:
+    """Check ``out = (o, lse)`` of a with_kvcache call: o of shape ``o_shape`` (``[B, Hq,
+    Sq_new, Dv]``; ragged ``[total_q, Hq, Dv]``) in the spec's output dtype, lse of shape
+    ``lse_shape`` (None: ``o_shape[:-1]``, the padded ``[B, Hq, Sq_new]``; ragged ``[Hq,
+    total_q]``) float32, both contiguous on ``device``.  :class:`OpInputError` naming the
+    tensor, the expected and the received value otherwise."""
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise OpInputError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
     o_shape = tuple(o_shape)
+    lse_shape = o_shape[:-1] if lse_shape is None else tuple(lse_shape)
     for name, t, shape, dtype in (("out[0]", out[0], o_shape, out_dtype(spec)),
-                                  ("out[1]", out[1], o_shape[:-1], torch.float32)):  # fmt: skip
+                                  ("out[1]", out[1], lse_shape, torch.float32)):  # fmt: skip
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shape or t.dtype != dtype:

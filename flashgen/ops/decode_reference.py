@@ -1,9 +1,10 @@
 """The decode op's references (:mod:`flashgen.ops.decode`): the cache append
 (:func:`append_reference`), attention over the gathered cache (:func:`decode_reference`, the
-op's CPU path and the tests' oracle) and the exact merge of two attention results
-(:func:`merge_attention`, FlashInfer's ``merge_state``).
+op's CPU path and the tests' oracle), their ragged-Sq_new forms
+(:func:`append_reference_ragged`, :func:`decode_reference_ragged`) and the exact merge of two
+attention results (:func:`merge_attention`, FlashInfer's ``merge_state``).
 
-Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the public names."""
+:mod:`flashgen.ops.decode` re-exports the public names."""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ def decode_reference(
     softmax_scale: float | None = None,
     params: dict | None = None,
     compute_dtype=torch.float64,
+    batch_offset: int = 0,
     k_descale=None,
     v_descale=None,
 ):
     """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
-    the gathered keys (one request at a time, ``b`` its batch index): by
+    the gathered keys (one request at a time, ``b`` its batch index, the mask's ``b`` being
+    ``batch_offset + b``): by
     :func:`flashgen.ops.reference.attention_reference` for a float64 ``compute_dtype`` (the
     test oracle) or a low-precision one (the error bound's torch math), for float32 by the
     padded op's CPU path
@@ -89,17 +92,85 @@ def decode_reference(
         if compute_dtype != torch.float32:  # the float64 oracle, or torch's low-precision math
             ob, lb = attention_reference(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
-                params=params, compute_dtype=compute_dtype, batch_offset=b,
+                params=params, compute_dtype=compute_dtype, batch_offset=batch_offset + b,
             )  # fmt: skip
         else:
             if softmax_scale is None:
                 softmax_scale = default_softmax_scale(spec)
             ob, lb = attention_blocked(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
-                params=params, batch_offset=b,
+                params=params, batch_offset=batch_offset + b,
             )  # fmt: skip
         o[b] = ob[0]
         lse[b] = lb[0].to(lse_dtype)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- ragged Sq_new
+def _request(k_cache, v_cache, block_table, b: int):
+    """Request ``b``'s cache as a batch of one: ``(k, v, table)`` (dense: views of its rows,
+    so writes land in the cache; paged: the whole cache and its table row)."""
+    if block_table is None:
+        return k_cache[b : b + 1], v_cache[b : b + 1], None
+    return k_cache, v_cache, block_table[b : b + 1]
+
+
+def append_reference_ragged(k_cache, v_cache, cache_seqlens, cu_seqlens_q, k_new, v_new,
+                            block_table=None) -> None:  # fmt: skip
+    """The ragged append: request ``b``'s rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of
+    ``k_new``/``v_new`` ``[total_q, Hkv, D]`` written at ``cache_seqlens[b]`` (in place; as
+    :func:`append_reference`, rows past the request's pages dropped)."""
+    cu = cu_seqlens_q.to("cpu", torch.int64).tolist()
+    for b in range(len(cu) - 1):
+        q0, q1 = cu[b], cu[b + 1]
+        if q1 <= q0:
+            continue
+        kc, vc, table = _request(k_cache, v_cache, block_table, b)
+        append_reference(kc, vc, cache_seqlens[b : b + 1], k_new[q0:q1].permute(1, 0, 2)[None],
+                         v_new[q0:q1].permute(1, 0, 2)[None], table)  # fmt: skip
+
+
+def decode_reference_ragged(
+    spec: ir.Spec,
+    q,
+    k_cache,
+    v_cache,
+    live_lens,
+    cu_seqlens_q,
+    block_table=None,
+    *,
+    softmax_scale: float | None = None,
+    params: dict | None = None,
+    compute_dtype=torch.float64,
+    k_descale=None,
+    v_descale=None,
+):
+    """:func:`decode_reference` of a ragged call: request ``b``'s queries are rows
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q ``[total_q, Hq, D]`` (Sq_b of them:
+    ``seqlen_q = Sq_b``, the last Sq_b of its ``live_lens[b]`` keys; the mask's ``b`` is
+    ``b``, as in the kernel).  o ``[total_q, Hq, Dv]`` in ``compute_dtype``, lse ``[Hq,
+    total_q]`` (float32; float64 for a float64 reference); no live key: o = 0, lse = -inf.
+    ``k_descale`` / ``v_descale``: float32 ``[B, Hkv]`` of an e4m3 cache (request b's row
+    dequantizes its keys and values, as :func:`decode_reference`)."""
+    total_q, hq, _ = q.shape
+    lse_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    o = torch.zeros(total_q, hq, v_cache.shape[-1], dtype=compute_dtype, device=q.device)
+    lse = torch.full((hq, total_q), -math.inf, dtype=lse_dtype, device=q.device)
+    cu = cu_seqlens_q.to("cpu", torch.int64).tolist()
+    lens = [int(x) for x in torch.as_tensor(live_lens).tolist()]
+    for b in range(len(cu) - 1):
+        q0, q1 = cu[b], cu[b + 1]
+        if q1 <= q0:
+            continue
+        kc, vc, table = _request(k_cache, v_cache, block_table, b)
+        ob, lb = decode_reference(
+            spec, q[q0:q1].permute(1, 0, 2)[None], kc, vc, lens[b : b + 1], table,
+            softmax_scale=softmax_scale, params=params, compute_dtype=compute_dtype,
+            batch_offset=b, k_descale=None if k_descale is None else k_descale[b : b + 1],
+            v_descale=None if v_descale is None else v_descale[b : b + 1],
+        )  # fmt: skip
+        o[q0:q1] = ob[0].permute(1, 0, 2)
+        lse[:, q0:q1] = lb[0]
     return o, lse
 
 

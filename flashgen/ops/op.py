@@ -92,6 +92,50 @@ def schema(spec: ir.Spec) -> str:
     return f"{spec.name}({', '.join(args)}) -> (Tensor, Tensor)"
 
 
+def out_schema(spec: ir.Spec) -> str:
+    """The schema of the mutating overload ``<name>.out``: :func:`schema`'s arguments with a
+    keyword-only ``Tensor(a!) o`` that o is written into, returning lse only, e.g.
+    ``alibi.out(Tensor q, Tensor k, Tensor v, float softmax_scale, Tensor slopes, *,
+    Tensor(a!) o, bool deterministic=False) -> Tensor``.  Its return aliases no input, so
+    ``torch.compile`` functionalizes it (``auto_functionalized``); it has no autograd (a call
+    with inputs that require grad raises, as torch's own ``out=`` ops do).  The argument is
+    ``o``, not ``out``: Dynamo takes an ``out=`` keyword for torch's resizing out= convention
+    and refuses a non-contiguous one.  Non-varlen specs only."""
+    base = schema(spec)
+    head, args = base.split("(", 1)
+    args = args.replace("*, bool deterministic=False) -> (Tensor, Tensor)",
+                        "*, Tensor(a!) o, bool deterministic=False) -> Tensor")  # fmt: skip
+    return f"{head}.out({args}"
+
+
+def _register_out(op: AttentionOp, lib) -> None:
+    """Define and implement ``flashgen::<name>.out`` (:func:`out_schema`): the op's CUDA,
+    CPU and fake kernels with o written into ``o``, and an autograd kernel that refuses
+    inputs requiring grad (:meth:`AttentionOp.attention` routes those to the functional op)."""
+    name = f"{op.spec.name}.out"
+    lib.define(out_schema(op.spec))
+    lib.impl(name, lambda *a, o, **kw: op._cuda_impl(*a, out=o, **kw)[1], "CUDA")
+    lib.impl(name, lambda *a, o, **kw: op._cpu_impl(*a, out=o, **kw)[1], "CPU")
+    torch.library.register_fake(
+        f"{op.qualname}.out", lambda *a, o, **kw: op._fake_impl(*a, out=o, **kw)[1], lib=lib
+    )
+    overload = getattr(torch.ops.flashgen, op.spec.name).out
+
+    def autograd(keyset, *args, **kwargs):
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())
+        ):
+            raise RuntimeError(
+                f"{op.qualname}.out(): functions with out=... arguments don't support automatic "
+                "differentiation, but one of the arguments requires grad; call "
+                f"{op.qualname} (or op.attention(..., out=...), which does) instead"
+            )
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    lib.impl(name, autograd, "Autograd", with_keyset=True)
+
+
 def _same_spec(a: ir.Spec, b: ir.Spec) -> bool:
     blank = {"path": "", "description": ""}
     return dataclasses.replace(a, **blank) == dataclasses.replace(b, **blank)
@@ -160,6 +204,11 @@ def _build_op(
             torch.library.register_fake(op.qualname, op._fake_impl, lib=lib)
             op.backward = backward_cls(op)
             op.backward.register(lib)
+            if not spec.varlen:  # with_kvcache's ops, now: they must exist under torch.compile
+                _register_out(op, lib)
+                from flashgen.ops.decode import decode_op
+
+                decode_op(op)
         except BaseException:
             lib._destroy()  # no half-registered op stays behind
             raise

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from flashgen import env
+from flashgen.codegen.abi import target_for_capability
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 
@@ -384,20 +385,19 @@ def _poison_enabled() -> bool:
 
 # ----------------------------------------------------------------------------- target choice
 def target_for_device(spec: ir.Spec, device: torch.device) -> str:
-    """Kernel target for a CUDA ``device``: ``sm_90`` on 9.x, ``sm_80`` on 8.x.
+    """Kernel target for a CUDA ``device``: ``sm_90`` on 9.x, ``sm_80`` on 8.x and on 10.x
+    and newer (through the units' compute_80 PTX), as
+    :func:`flashgen.codegen.abi.target_for_capability` says.
 
     On 9.x the plan is built for ``sm_90`` even when the spec lists only ``sm_80``: the
-    sm_80 template then compiles for sm_90a (an sm_80 cubin does not load there).
-    Raises ``RuntimeError`` for other compute capabilities.
+    sm_80 template then compiles for sm_90a (faster there than the JIT of its PTX).
+    Raises ``RuntimeError`` below compute capability 8.0.
     """
     major, minor = torch.cuda.get_device_capability(device)
-    if major == 9:
-        return "sm_90"
-    if major == 8:
-        return "sm_80"
-    raise RuntimeError(
-        f"flashgen kernels need a compute capability 8.x or 9.x GPU; {device} is {major}.{minor}"
-    )
+    try:
+        return target_for_capability(major, minor)
+    except ValueError as e:
+        raise RuntimeError(f"{device}: {e}") from None
 
 
 def check_enabled() -> bool:

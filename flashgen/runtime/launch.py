@@ -184,14 +184,16 @@ class _TmaLaunch:
         except KeyError:
             kernel_args(self.plan, values)  # raises the KeyError that names the argument
             raise
-        cache, swz, dev, dtype = tma.descriptors, tma.SWIZZLE_128B, self.device_index, self.dtype
+        cache, dev, dtype = tma.descriptors, self.device_index, self.dtype
+        elem = tma.ELEM_BYTES[dtype]
         out, keep = [], []
         for m in self.maps:
             t = values[m.tensor]
+            swz = tma.SWIZZLE[m.swizzle]
             ptr, shape, strides = t.data_ptr(), t.shape, t.stride()
             desc = cache.lookup((dev, ptr, shape, strides, dtype, m.box_rows, swz))
             if desc is None:  # a hit was encoded from this very geometry: no copy needed
-                if tma.needs_copy(shape, strides, 2, ptr):
+                if tma.needs_copy(shape, strides, elem, ptr):
                     # a fresh (aligned, contiguous) allocation: .contiguous() of a contiguous
                     # view at an unaligned offset would be the view itself
                     t = t.new_empty(shape).copy_(t)

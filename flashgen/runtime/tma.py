@@ -15,7 +15,8 @@ import; or set ``descriptors.enabled``) encodes on every launch instead.
 
 A q/k/v tensor ``[B, H, S, D]`` with element strides ``(sb, sh, ss, 1)`` becomes the 4-D
 map ``{D, S, H, B}`` (innermost first) with byte strides ``{ss, sh, sb} * elem_bytes``,
-box ``{64, rows, 1, 1}`` and 128-byte swizzle: one box is 64 columns (128 bytes) of
+box ``{cols, rows, 1, 1}`` and a swizzle of the box row's bytes: one box is one swizzle span
+(128 bytes: 64 columns of a 16-bit type, 128 of fp8; 64 bytes for an fp8 head_dim 64) of
 ``rows`` consecutive sequence positions; rows past S read as zeros.
 """
 
@@ -26,10 +27,14 @@ import functools
 import threading
 from collections import OrderedDict
 
-#: CUtensorMapDataType for the kernels' element types (cuda.h).
-DATA_TYPE = {"fp16": 6, "bf16": 9}
+#: CUtensorMapDataType for the kernels' element types (cuda.h; e4m3 maps as UINT8).
+DATA_TYPE = {"fp16": 6, "bf16": 9, "fp8_e4m3": 0}
+#: Bytes per element of each.
+ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 #: CUtensorMapSwizzle value of the kernels' 128-byte swizzle.
 SWIZZLE_128B = 3
+#: CUtensorMapSwizzle by swizzle span in bytes.
+SWIZZLE = {128: SWIZZLE_128B, 64: 2}
 _L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = 0
 _OOB_FILL_ZERO = 0
@@ -101,18 +106,21 @@ def encode(
     name: str = "tensor",
     swizzle: int = SWIZZLE_128B,
 ) -> bytes:
-    """The 128-byte CUtensorMap for a ``[B, H, S, D]`` tensor (``dtype`` "fp16"/"bf16"),
-    box ``64 x box_rows``, ``swizzle`` (a CUtensorMapSwizzle, default 128-byte), zero fill
-    out of bounds.  Calls the driver every time; :data:`descriptors` caches the result.
+    """The 128-byte CUtensorMap for a ``[B, H, S, D]`` tensor (``dtype`` a key of
+    :data:`DATA_TYPE`), box ``cols x box_rows`` with ``swizzle`` (a CUtensorMapSwizzle, default
+    128-byte) and ``cols`` its span in elements, zero fill out of bounds.  Calls the driver
+    every time; :data:`descriptors` caches the result.
 
     Raises :class:`TmaError` naming ``name``, its shape and strides if the driver refuses.
     """
     lib = driver()
-    dims, gstrides = map_geometry(shape, strides, 2)
+    elem = ELEM_BYTES[dtype]
+    cols = {SWIZZLE_128B: 128, SWIZZLE[64]: 64}[swizzle] // elem
+    dims, gstrides = map_geometry(shape, strides, elem)
     out = (ctypes.c_uint8 * 128)()
     c_dims = (ctypes.c_uint64 * 4)(*dims)
     c_strides = (ctypes.c_uint64 * 3)(*gstrides)
-    c_box = (ctypes.c_uint32 * 4)(BOX_COLS, box_rows, 1, 1)
+    c_box = (ctypes.c_uint32 * 4)(cols, box_rows, 1, 1)
     rc = lib.cuTensorMapEncodeTiled(
         ctypes.addressof(out), DATA_TYPE[dtype], 4, ctypes.c_void_p(data_ptr),
         c_dims, c_strides, c_box, _ELEM_STRIDES,
@@ -121,7 +129,7 @@ def encode(
     if rc != 0:
         raise TmaError(
             f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {name}: shape {list(shape)}, "
-            f"element strides {list(strides)}, box 64 x {box_rows}"
+            f"element strides {list(strides)}, box {cols} x {box_rows}"
         )
     return bytes(out)
 

@@ -2,6 +2,11 @@
 // descriptors, warpgroup register reallocation, named barriers.  PTX ISA 8.x, sections
 // "mbarrier", "cp.async.bulk.tensor", "Asynchronous Warpgroup Level Matrix Multiply-Accumulate".
 // Rendered by Jinja: the wgmma wrappers are generated for the N extents in `wgmma_ns`.
+{# for the operand type mma_t: K = 16 for 16-bit types, 32 for fp8, whose wgmma has no
+   transposed forms; row_bytes: the swizzle span of the fp8 forward's Q and K tiles #}
+{% set fp8 = fp8 is defined and fp8 %}
+{% set mma_k = 32 if fp8 else 16 %}
+{% set row_bytes = row_bytes if row_bytes is defined else 128 %}
 
 namespace fg {
 
@@ -69,6 +74,12 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
 }
+{% if fp8 and (row_bytes == 64 or block_n == 64) %}
+// The same for the 64-byte swizzle (CU_TENSOR_MAP_SWIZZLE_64B: rows of 64 bytes).
+__device__ __forceinline__ uint64_t gmma_desc64(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (2ull << 62);
+}
+{% endif %}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {
@@ -85,25 +96,25 @@ template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 }
 
 {% for n in wgmma_ns %}
-// d[64 x {{ n }}] (+)= A[64 x 16] (shared, K-major) * B[16 x {{ n }}] (shared, K-major); scale_d = 0 overwrites d.
+// d[64 x {{ n }}] (+)= A[64 x {{ mma_k }}] (shared, K-major) * B[{{ mma_k }} x {{ n }}] (shared, K-major); scale_d = 0 overwrites d.
 __device__ __forceinline__ void wgmma_ss_n{{ n }}(float (&d)[{{ n // 2 }}], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile("{ .reg .pred p;\n"
                  "setp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ mma_t }}.{{ mma_t }} "
+                 "wgmma.mma_async.sync.aligned.m64n{{ n }}k{{ mma_k }}.f32.{{ mma_t }}.{{ mma_t }} "
                  "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last else "" }}{% endfor %}}, "
-                 "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, 0, 0;\n}\n"
+                 "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1{{ "" if fp8 else ", 0, 0" }};\n}\n"
                  : {% for i in range(n // 2) %}"+f"(d[{{ i }}]){{ ", " if not loop.last else "" }}{% endfor %}
 
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
-// d[64 x {{ n }}] += A[64 x 16] (registers) * B[16 x {{ n }}] (shared, N-major: transposed).
+// d[64 x {{ n }}] += A[64 x {{ mma_k }}] (registers) * B[{{ mma_k }} x {{ n }}] (shared, {{ "K-major" if fp8 else "N-major: transposed" }}).
 __device__ __forceinline__ void wgmma_rs_n{{ n }}(float (&d)[{{ n // 2 }}], const uint32_t (&a)[4], uint64_t desc_b) {
     asm volatile("{ .reg .pred p;\n"
                  "setp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ mma_t }}.{{ mma_t }} "
+                 "wgmma.mma_async.sync.aligned.m64n{{ n }}k{{ mma_k }}.f32.{{ mma_t }}.{{ mma_t }} "
                  "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last else "" }}{% endfor %}}, "
                  "{ %{{ n // 2 }}, %{{ n // 2 + 1 }}, %{{ n // 2 + 2 }}, %{{ n // 2 + 3 }}}, "
-                 "%{{ n // 2 + 4 }}, p, 1, 1, 1;\n}\n"
+                 "%{{ n // 2 + 4 }}, p, 1, 1{{ "" if fp8 else ", 1" }};\n}\n"
                  : {% for i in range(n // 2) %}"+f"(d[{{ i }}]){{ ", " if not loop.last else "" }}{% endfor %}
 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));

@@ -7,12 +7,16 @@ reference's is.  Outputs are poisoned (NaN) before launch; unused cache slots ho
 so a read past the live keys fails.  Also: results bitwise independent of the allocated cache
 size and of the other requests in the batch for a fixed num_splits, num_splits 1..128 within
 the rule, packing on/off bitwise equal, k_new appended in place, CUDA-graph capture with a plan.
+Ragged Sq_new (``-k ragged``: cu_seqlens_q, Sq_b 0 / 1..64 per request, dense and paged, GQA,
+appends, a sliding window; planned calls with the fast path and out=, graph capture with a
+ragged plan, torch.compile).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +32,10 @@ from flashgen.ops.op import poison_outputs  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
+
 ALL = ["alibi", "bidir_d256", "causal_d128", "chunked_local", "gemma2_softcap", "gpt2_d64",
        "llama3_gqa", "mistral_swa", "prefix_lm", "t5_bias"]  # fmt: skip
 FULL = ["mistral_swa", "gemma2_softcap", "alibi", "llama3_gqa"]
@@ -45,7 +53,8 @@ def _prebuild():
     dev = torch.device("cuda", torch.cuda.current_device())
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         dops = [decode_op(op_of(n)) for n in ALL]  # registration: one thread
-        list(pool.map(lambda d: d.kernels(dev), dops))
+        jobs = [(d, ragged) for d in dops for ragged in (False, True)]  # padded, ragged units
+        list(pool.map(lambda j: j[0].kernels(dev, ragged=j[1]), jobs))
 
 
 def params_of(name, hq, dev):
@@ -401,22 +410,18 @@ RAGGED = [("llama3_gqa", "paged", 16, (32, 8)), ("mistral_swa", "paged", 1, (8, 
           ("alibi", "dense", 0, (32, 8)), ("gemma2_softcap", "paged", 3, (8, 1))]  # fmt: skip
 
 
-@pytest.mark.parametrize("append", [False, True])
-@pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("name,layout,ps,heads", RAGGED, ids=str)
-def test_ragged_against_float64(name, layout, ps, heads, splits, append):
-    """Ragged Sq_new (cu_seqlens_q; Sq_b 1 / 0 / 4 / 64 / 1 mixed): each request's rows
-    against the float64 reference of that request alone (seqlen_q = Sq_b), outputs poisoned,
-    unused slots NaN; appends land per request; rows of o / lse of empty requests: none."""
-    op = op_of(name)
+def ragged_inputs(name, layout, ps, heads, lens, sqs, append, *, seed=0):
+    """A ragged call's inputs for the spec ``name`` (or an op): the cache (unused slots NaN),
+    q ``[total_q, Hq, D]``, cu_seqlens_q, cache_seqlens and (``append``) k_new / v_new
+    ``[total_q, Hkv, D]``; the spec's params (:func:`params_of`)."""
+    op = op_of(name) if isinstance(name, str) else name
     spec = op.spec
+    name = spec.name
     hq, hkv = heads
-    lens = [5, 300, 0, 4097, 17]
-    sqs = [1, 0, 4, 64, 1]
     cap = max(n + s for n, s in zip(lens, sqs, strict=True))
     kc, vc, table = make_cache(lens, ps=max(ps, 1), hkv=hkv, d=spec.head_dim, dv=spec.head_dim_v,
                                dtype=torch.bfloat16 if spec.dtype == "bf16" else torch.float16,
-                               layout=layout, cap=cap)  # fmt: skip
+                               layout=layout, cap=cap, seed=seed)  # fmt: skip
     dt = kc.dtype
     cu = torch.tensor([0, *torch.tensor(sqs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     total = sum(sqs)
@@ -427,11 +432,15 @@ def test_ragged_against_float64(name, layout, ps, heads, splits, append):
     if append:
         kw["k_new"] = torch.randn(total, hkv, spec.head_dim, device="cuda").to(dt)
         kw["v_new"] = torch.randn(total, hkv, spec.head_dim_v, device="cuda").to(dt)
-    with poison_outputs():
-        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
-                                 max_seqlen_q=max(sqs), num_splits=splits, **kw,
-                                 **params)  # fmt: skip
-    torch.cuda.synchronize()
+    return op, q, kc, vc, table, cu, lens_t, kw, params
+
+
+def check_ragged(spec, q, kc, vc, table, cu, lens, sqs, append, params, o, lse, kw):
+    """Each request's rows of o / lse against the float64 reference of that request alone
+    (seqlen_q = Sq_b), its appended rows at cache_seqlens[b] .. (through the gather)."""
+    from flashgen.ops.decode import gather_cache
+
+    total, hq = q.shape[0], q.shape[1]
     assert o.shape == (total, hq, spec.head_dim_v) and lse.shape == (hq, total)
     for b in range(len(lens)):
         q0, q1 = int(cu[b]), int(cu[b + 1])
@@ -442,12 +451,274 @@ def test_ragged_against_float64(name, layout, ps, heads, splits, append):
             kcb, vcb, tb = kc[b : b + 1], vc[b : b + 1], None
         else:
             kcb, vcb, tb = kc, vc, table[b : b + 1]
-        if append:  # the new rows landed at cache_seqlens[b] .. (checked through the gather)
-            from flashgen.ops.decode import gather_cache
-
+        if append:
             kg, vg = gather_cache(kcb, vcb, 0, live[0], tb)
             assert torch.equal(kg[:, lens[b]:].transpose(0, 1), kw["k_new"][q0:q1])
             assert torch.equal(vg[:, lens[b]:].transpose(0, 1), kw["v_new"][q0:q1])
         qb = q[q0:q1].permute(1, 0, 2)[None]
         check(spec, qb, kcb, vcb, tb, live, params, o[q0:q1].permute(1, 0, 2)[None],
               lse[:, q0:q1][None])  # fmt: skip
+
+
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("name,layout,ps,heads", RAGGED, ids=str)
+def test_ragged_against_float64(name, layout, ps, heads, splits, append):
+    """Ragged Sq_new (cu_seqlens_q; Sq_b 1 / 0 / 4 / 64 / 1 mixed): each request's rows
+    against the float64 reference of that request alone (seqlen_q = Sq_b), outputs poisoned,
+    unused slots NaN; appends land per request; rows of o / lse of empty requests: none."""
+    lens, sqs = [5, 300, 0, 4097, 17], [1, 0, 4, 64, 1]
+    op, q, kc, vc, table, cu, lens_t, kw, params = ragged_inputs(name, layout, ps, heads, lens,
+                                                                 sqs, append)  # fmt: skip
+    with poison_outputs():
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
+                                 max_seqlen_q=max(sqs), num_splits=splits, **kw,
+                                 **params)  # fmt: skip
+    torch.cuda.synchronize()
+    check_ragged(op.spec, q, kc, vc, table, cu, lens, sqs, append, params, o, lse, kw)
+
+
+VARYING = [("llama3_gqa", "paged", 16, (32, 8)), ("llama3_gqa", "dense", 0, (8, 1)),
+           ("mistral_swa", "paged", 1, (32, 8)), ("mistral_swa", "dense", 0, (8, 1))]  # fmt: skip
+
+
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("name,layout,ps,heads", VARYING, ids=str)
+def test_ragged_sq_1_to_64_per_request(name, layout, ps, heads, append):
+    """Sq_b drawn from 1..64 per request (12 requests, cache lengths 0 to 5000), dense and
+    paged (page size 1 and 16), GQA 32/8 and 8/1, a sliding window (mistral_swa, window 37:
+    most of a long request's keys outside it), with and without the append; the heuristic's
+    num_splits and 1 against the float64 reference, max_seqlen_q read from cu_seqlens_q."""
+    g = torch.Generator().manual_seed(7)
+    sqs = torch.randint(1, 65, (12,), generator=g).tolist()
+    sqs[0], sqs[1] = 1, 64
+    lens = torch.randint(0, 5001, (12,), generator=g).tolist()
+    lens[2] = 0
+    op, q, kc, vc, table, cu, lens_t, kw, params = ragged_inputs(name, layout, ps, heads, lens,
+                                                                 sqs, append, seed=3)  # fmt: skip
+    kc0, vc0 = kc.clone(), vc.clone()
+    for splits in (None, 1):
+        kc.copy_(kc0)
+        vc.copy_(vc0)
+        with poison_outputs():
+            o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
+                                     num_splits=splits, **kw, **params)  # fmt: skip
+        torch.cuda.synchronize()
+        check_ragged(op.spec, q, kc, vc, table, cu, lens, sqs, append, params, o, lse, kw)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_ragged_planned_fast_path_equals_the_general_path(append):
+    """plan_decode(total_q=...) on the device: the planned call (prepacked arguments,
+    cu_seqlens_q packed per call, cuLaunchKernel) is bitwise the unplanned one for the same
+    num_splits, with out= buffers, and for a call with fewer rows than planned (o / lse
+    follow q's rows); against the float64 reference."""
+    lens, sqs = [3000, 5, 1500, 0], [3, 1, 8, 2]
+    op, q, kc, vc, table, cu, lens_t, kw, params = ragged_inputs(
+        "alibi", "paged", 16, (8, 2), lens, sqs, append
+    )
+    p = op.plan_decode(batch=4, num_heads=8, num_heads_kv=2, seqlen_q=8, total_q=16,
+                       cache_capacity=table.shape[1] * 16, page_size=16, num_pages=kc.shape[0],
+                       append=append)  # fmt: skip
+    assert p.fast is not None and p.dims.total_q == 16
+    for _ in range(2):  # the second call: the packed layout reused
+        k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        a = op.with_kvcache(q, k1, v1, lens_t, block_table=table, cu_seqlens_q=cu, plan=p,
+                            **kw, **params)  # fmt: skip
+        b = op.with_kvcache(q, k2, v2, lens_t, block_table=table, cu_seqlens_q=cu,
+                            max_seqlen_q=8, num_splits=p.num_splits, **kw, **params)  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert torch.equal(k1.isnan(), k2.isnan()) and torch.equal(k1.nan_to_num(), k2.nan_to_num())
+    check_ragged(op.spec, q, k1, v1, table, cu, lens, sqs, append, params, *a, kw)
+    out = (torch.full_like(a[0], math.nan), torch.full_like(a[1], math.nan))
+    k3, v3 = kc.clone(), vc.clone()
+    got = op.with_kvcache(q, k3, v3, lens_t, block_table=table, cu_seqlens_q=cu, plan=p, out=out,
+                          **kw, **params)  # fmt: skip
+    torch.cuda.synchronize()
+    assert got is out and torch.equal(out[0], a[0]) and torch.equal(out[1], a[1])
+    # fewer rows than planned: requests 0 and 1 only (cu_seqlens_q [0, 3, 4, 4, 4])
+    cu2 = torch.tensor([0, 3, 4, 4, 4], dtype=torch.int32, device="cuda")
+    kw2 = {k: v[:4] for k, v in kw.items()}
+    k4, v4 = kc.clone(), vc.clone()
+    o2, l2 = op.with_kvcache(q[:4], k4, v4, lens_t, block_table=table, cu_seqlens_q=cu2, plan=p,
+                             **kw2, **params)  # fmt: skip
+    torch.cuda.synchronize()
+    assert o2.shape == (4, 8, 128) and l2.shape == (8, 4)
+    check_ragged(op.spec, q[:4], k4, v4, table, cu2, lens, [3, 1, 0, 0], append, params, o2, l2,
+                 kw2)  # fmt: skip
+
+
+def test_ragged_graph_capture_with_a_plan():
+    """A ragged plan's call captured in a CUDA graph: replays with new cache lengths, new
+    cu_seqlens_q (same total rows), new q and a permuted block table equal eager calls and
+    the float64 reference."""
+    sqs = [1, 4, 2, 1]
+    op, q, kc, vc, table, cu, lens_t, kw, params = ragged_inputs(
+        "mistral_swa", "paged", 16, (32, 8), [2000] * 4, sqs, False
+    )  # every page live: the permuted table gives a request another's 2000 keys
+    lens_t.copy_(torch.tensor([2000, 10, 500, 1999], dtype=torch.int32))
+    p = op.plan_decode(batch=4, num_heads=32, num_heads_kv=8, seqlen_q=4, total_q=8,
+                       cache_capacity=table.shape[1] * 16, page_size=16, num_pages=kc.shape[0],
+                       window=37)  # fmt: skip
+    op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu, plan=p, **params)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        og, lg = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu, plan=p,
+                                 **params)  # fmt: skip
+    for new_lens, new_sqs in (([1, 2, 3, 4], [4, 1, 1, 2]), ([1999, 1000, 0, 64], [2, 2, 2, 2])):
+        lens_t.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        cu.copy_(torch.tensor([0, *torch.tensor(new_sqs).cumsum(0).tolist()], dtype=torch.int32))
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
+        table.copy_(table.flip(0))
+        graph.replay()
+        eo, el = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu, plan=p,
+                                 **params)  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(og, eo) and torch.equal(lg, el)
+        check_ragged(op.spec, q, kc, vc, table, cu, new_lens, new_sqs, False, params, og, lg, {})
+
+
+def test_ragged_torch_compile_fullgraph():
+    """torch.compile(fullgraph=True) of a ragged call with the append on the device (the
+    registered op's CUDA kernel) equals the eager call, the caches included."""
+    lens, sqs = [100, 7, 0], [5, 1, 3]
+    op, q, kc, vc, table, cu, lens_t, kw, params = ragged_inputs(
+        "llama3_gqa", "paged", 16, (32, 8), lens, sqs, True
+    )
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+
+    def f(q, kc, vc, lens, cu, kn, vn):
+        return op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu,
+                               max_seqlen_q=5, k_new=kn, v_new=vn, num_splits=2)  # fmt: skip
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k1, v1, lens_t, cu, kw["k_new"], kw["v_new"])
+    want = f(q, k2, v2, lens_t, cu, kw["k_new"], kw["v_new"])
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(k1.nan_to_num(), k2.nan_to_num()) and torch.equal(v1.isnan(), v2.isnan())
+
+
+SANITIZE_DRIVER = r"""
+import sys, torch, flashgen
+op = flashgen.load(sys.argv[1] + "/specs/mistral_swa.yaml")
+bf, dev = torch.bfloat16, "cuda"
+torch.manual_seed(0)
+ps, hkv, hq, d, B, max_pages = 16, 2, 8, 128, 4, 20
+num_pages = B * max_pages + 3
+kc = torch.randn(num_pages, ps, hkv, d, device=dev).to(bf)
+vc = torch.randn(num_pages, ps, hkv, d, device=dev).to(bf)
+table = torch.randperm(num_pages, device=dev)[: B * max_pages].view(B, max_pages).int()
+table[3, 5] = num_pages + 7  # a live page index out of range: empty, never read
+lens = torch.tensor([0, 1, 17, 300], dtype=torch.int32, device=dev)
+q = torch.randn(B, hq, 4, d, device=dev).to(bf)
+kn = torch.randn(B, hkv, 4, d, device=dev).to(bf)
+cu = torch.tensor([0, 1, 5, 5, 9], dtype=torch.int32, device=dev)
+qr = torch.randn(9, hq, d, device=dev).to(bf)
+knr = torch.randn(9, hkv, d, device=dev).to(bf)
+kd = torch.randn(B, hkv, 320, d, device=dev).to(bf)
+vd = torch.randn(B, hkv, 320, d, device=dev).to(bf)
+for splits in (1, 3):
+    op.with_kvcache(q, kc, vc, lens, block_table=table, num_splits=splits, window=37)
+    op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn, v_new=kn, num_splits=splits)
+    op.with_kvcache(q, kd, vd, lens, k_new=kn, v_new=kn, num_splits=splits)
+    op.with_kvcache(qr, kc, vc, lens, block_table=table, cu_seqlens_q=cu, k_new=knr, v_new=knr,
+                    num_splits=splits, window=37)
+    op.with_kvcache(qr, kd, vd, lens, cu_seqlens_q=cu, max_seqlen_q=4, num_splits=splits)
+for total_q in (None, 9):
+    p = op.plan_decode(batch=B, num_heads=hq, num_heads_kv=hkv, seqlen_q=4, total_q=total_q,
+                       cache_capacity=max_pages * ps, page_size=ps, num_pages=num_pages,
+                       append=True, num_splits=3)
+    for _ in range(2):  # the fast path's first (packing) and second call
+        if total_q is None:
+            op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn, v_new=kn, plan=p)
+        else:
+            op.with_kvcache(qr, kc, vc, lens, block_table=table, cu_seqlens_q=cu, k_new=knr,
+                            v_new=knr, plan=p)
+torch.cuda.synchronize()
+print("FLASHGEN DRIVER OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
+def test_decode_kernels_are_sanitizer_clean(tool):
+    """compute-sanitizer over the decode kernels (attention with the fused combine, append),
+    padded and ragged, dense and paged, 1 and 3 splits, a bad page index, planned calls on
+    the fast path: no error, no hazard (tools/sanitize.py's parsing and kernel filter)."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("no compute-sanitizer")
+    spec = importlib.util.spec_from_file_location("fg_sanitize", REPO / "tools" / "sanitize.py")
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    filt = tools.kernel_filter_args(sanitizer) if tool != "initcheck" else []
+    extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
+    cmd = [sanitizer, "--tool", tool, *extra, *filt, "--print-limit", "20", sys.executable,
+           "-c", SANITIZE_DRIVER, str(REPO)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    errors, hazards = tools.parse_summary(log)
+    assert "FLASHGEN DRIVER OK" in log and proc.returncode == 0, log[-6000:]
+    assert errors == 0 and hazards == 0, log[-6000:]
+
+
+@pytest.fixture(scope="module")
+def hdim_decode_ops():
+    """The head-dim matrix's ops (bf16 causal, fp16 causal, bf16 softcap), their padded and
+    ragged decode units built in parallel."""
+    from flashgen.ops.op import build_op
+
+    ops = {(d, dv, dt, mod): build_op(hdim_spec(d, dv, dt, mod)) for d, dv in NEW_HEAD_DIMS
+           for dt, mod in (("bf16", "none"), ("fp16", "none"), ("bf16", "softcap"))}  # fmt: skip
+    dev = torch.device("cuda", torch.cuda.current_device())
+    jobs = [(decode_op(op), r) for op in ops.values() for r in (False, True)]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda j: j[0].kernels(dev, ragged=j[1]), jobs))
+    return ops
+
+
+@pytest.mark.parametrize("dims", NEW_HEAD_DIMS, ids=[dims_id(*x) for x in NEW_HEAD_DIMS])
+def test_head_dims_against_float64(dims, hdim_decode_ops):
+    """Every head dim the prefill supports beyond 64/128/256 (32, 96, 160, 192, (192, 128),
+    (128, 256)), fp16 / bf16 and softcap: paged (page size 16, GQA 8/2, lengths 0 to 4097)
+    with Sq_new 1 and 4 appended, dense, and ragged with appends, num_splits heuristic and 3,
+    against the float64 reference."""
+    d, dv = dims
+    for (dd, ddv, dt, _), op in hdim_decode_ops.items():
+        if (dd, ddv) != dims:
+            continue
+        spec = op.spec
+        dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+        lens = [0, 1, 15, 17, 4097]
+        for layout in ("paged", "dense"):
+            kc, vc, table = make_cache(lens, ps=16, hkv=2, d=d, dv=dv, dtype=dtype, layout=layout,
+                                       cap=4097 + 4)  # fmt: skip
+            lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            for sq, splits in ((1, None), (4, 3)):
+                q = torch.randn(5, 8, sq, d, device="cuda").to(dtype)
+                kw = {}
+                if sq == 4:
+                    kw = {"k_new": torch.randn(5, 2, sq, d, device="cuda").to(dtype),
+                          "v_new": torch.randn(5, 2, sq, dv, device="cuda").to(dtype)}  # fmt: skip
+                k1, v1 = kc.clone(), vc.clone()
+                with poison_outputs():
+                    o, lse = op.with_kvcache(q, k1, v1, lens_t, block_table=table,
+                                             num_splits=splits, **kw)  # fmt: skip
+                torch.cuda.synchronize()
+                live = [n + (sq if kw else 0) for n in lens]
+                check(spec, q, k1, v1, table, live, {}, o, lse)
+        sqs = [1, 0, 4, 64, 2]
+        for splits in (None, 3):
+            _, q, kc, vc, table, cu, lens_t, kw, _ = ragged_inputs(op, "paged", 16, (8, 2), lens,
+                                                                   sqs, True)  # fmt: skip
+            with poison_outputs():
+                o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
+                                         num_splits=splits, **kw)  # fmt: skip
+            torch.cuda.synchronize()
+            check_ragged(spec, q, kc, vc, table, cu, lens, sqs, True, {}, o, lse, kw)

@@ -46,7 +46,7 @@ def nvcc_log(tmp_path, monkeypatch, requires_nvcc):
     wrapper = tmp_path / "nvcc-wrapper.sh"
     wrapper.write_text(
         "#!/bin/sh\n"
-        f'case " $* " in *" -cubin "*) echo "$$ $*" >> "{log}";; esac\n'
+        f'case " $* " in *" -cubin "*|*" -fatbin "*) echo "$$ $*" >> "{log}";; esac\n'
         f'exec "{real}" "$@"\n'
     )
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC | stat.S_IXGRP | stat.S_IXOTH)

@@ -41,6 +41,7 @@ def test_build_json_and_target_filter(tmp_path, capsys, requires_nvcc):
         ("causal_d128", "sm_80", "bwd"),
         ("causal_d128", "sm_80", "bwd_atomic"),
         ("causal_d128", "sm_80", "decode"),
+        ("causal_d128", "sm_80", "decode_ragged"),
     ]
     k = doc["kernels"][0]
     assert k["spill_stores"] == 0 and k["spill_loads"] == 0 and k["registers"] > 0

@@ -232,6 +232,52 @@ def test_ragged_sq_new_with_an_e4m3_cache():
                   k64[b : b + 1], v64[b : b + 1], [lens[b]], {})  # fmt: skip
 
 
+def test_ragged_kv8_ops_append_and_match_the_padded_calls():
+    """The ragged e4m3 form through its registered ops (``__with_kvcache_ragged_kv8[_append]``):
+    a ragged append with descales equals each request's padded call on the same cache (o, lse
+    and the written rows), an e4m3 q with ``q_descale`` is accepted, and the ops' schemas and
+    fake kernels pass opcheck."""
+    op = _op("mistral_swa")
+    dop = decode_op(op)
+    lens, sqs = [5, 0, 9], [2, 3, 1]
+    kc, vc, table, kd, vd = fp8_cache([n + s for n, s in zip(lens, sqs, strict=True)],
+                                      page_size=4, hkv=2, d=128, dv=128)  # fmt: skip
+    cu = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    q = torch.randn(6, 4, 128).to(torch.bfloat16)
+    kn = (torch.randn(6, 2, 128) * 10).to(E4M3)
+    vn = (torch.randn(6, 2, 128) * 10).to(E4M3)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, k_new=kn, v_new=vn,
+                             cu_seqlens_q=cu, k_descale=kd, v_descale=vd, window=5)  # fmt: skip
+    for b in range(3):
+        q0, q1 = int(cu[b]), int(cu[b + 1])
+        ob, lb = op.with_kvcache(
+            q[q0:q1].permute(1, 0, 2)[None], kc2, vc2, lens_t[b : b + 1],
+            block_table=table[b : b + 1], k_new=kn[q0:q1].permute(1, 0, 2)[None],
+            v_new=vn[q0:q1].permute(1, 0, 2)[None], k_descale=kd[b : b + 1],
+            v_descale=vd[b : b + 1], window=5,
+        )  # fmt: skip
+        assert torch.equal(o[q0:q1], ob[0].permute(1, 0, 2))
+        assert torch.equal(lse[:, q0:q1], lb[0])
+    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc2.view(torch.uint8))
+    o8, _ = op.with_kvcache(q.to(E4M3), kc, vc, lens_t, block_table=table, cu_seqlens_q=cu,
+                            max_seqlen_q=3, k_descale=kd, v_descale=vd, q_descale=0.5)  # fmt: skip
+    assert o8.shape == (6, 4, 128) and o8.dtype == torch.bfloat16
+    assert "Tensor k_descale, Tensor v_descale" in dop.schema(True, True, True)
+    torch.library.opcheck(
+        dop.torch_op(False, True, True), (q, kc, vc, lens_t, table, cu, 3, kd, vd, 0.1, 0, 5),
+        test_utils=("test_faketensor",),
+    )  # fmt: skip
+    torch.library.opcheck(
+        dop.torch_op(True, True, True),
+        (q, kc, vc, lens_t, table, cu, kn, vn, 3, kd, vd, 0.1, 0, 5),
+        test_utils=("test_faketensor",),
+    )  # fmt: skip
+    assert dop.op_name(True, True, True).endswith("__with_kvcache_ragged_kv8_append")
+
+
 def test_opcheck_the_kv8_schemas():
     """The fake kernels (opcheck's test_faketensor) and the schemas: the append op declares
     that it mutates the caches (opcheck's test_schema compares inputs with a mul, which torch
@@ -243,21 +289,22 @@ def test_opcheck_the_kv8_schemas():
     q = torch.randn(2, 4, 1, 128).to(torch.bfloat16)
     lens_t = torch.tensor([2, 5], dtype=torch.int32)
     torch.library.opcheck(
-        dop.torch_op(False, True), (q, kc, vc, lens_t, table, kd, vd, 0.1, 0, 4096),
+        dop.torch_op(False, kv8=True), (q, kc, vc, lens_t, table, kd, vd, 0.1, 0, 4096),
         test_utils=("test_faketensor",),
     )  # fmt: skip
     kn = (torch.randn(2, 2, 1, 128) * 10).to(E4M3)
     torch.library.opcheck(
-        dop.torch_op(True, True), (q, kc, vc, lens_t, table, kn, kn.clone(), kd, vd, 0.1, 0, 4096),
+        dop.torch_op(True, kv8=True),
+        (q, kc, vc, lens_t, table, kn, kn.clone(), kd, vd, 0.1, 0, 4096),
         test_utils=("test_faketensor",),
     )  # fmt: skip
-    assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in dop.schema(True, True)
-    assert "Tensor k_cache, Tensor v_cache" in dop.schema(False, True)
-    assert "Tensor k_descale, Tensor v_descale" in dop.schema(True, True)
+    assert "Tensor(a!) k_cache, Tensor(b!) v_cache" in dop.schema(True, kv8=True)
+    assert "Tensor k_cache, Tensor v_cache" in dop.schema(False, kv8=True)
+    assert "Tensor k_descale, Tensor v_descale" in dop.schema(True, kv8=True)
     assert "k_descale" not in dop.schema(False) and "k_descale" not in dop.schema(True)
     with pytest.raises(OpInputError, match="k_cache: this torch op"):
-        dop.torch_op(False, True)(q, kc.bfloat16(), vc.bfloat16(), lens_t, table, kd, vd, 0.1, 0,
-                                  4096)  # fmt: skip
+        dop.torch_op(False, kv8=True)(q, kc.bfloat16(), vc.bfloat16(), lens_t, table, kd, vd,
+                                      0.1, 0, 4096)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- bad inputs

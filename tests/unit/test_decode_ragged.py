@@ -252,3 +252,288 @@ def test_ragged_launch_values_cover_the_ragged_kernels_arguments(splits):
     assert plan.geometry.grid == (plan.geometry.m_blocks * splits, 2, 3)
     if splits > 1:
         assert values["o_part"].shape == (splits, 6 * 8, op.spec.head_dim_v)
+
+
+# ----------------------------------------------------------------------------- the same API
+def test_uniform_ragged_equals_the_padded_op_and_the_mask_sees_b(tmp_path):
+    """Every Sq_b equal: the ragged call is the padded op on the same rows, bitwise, also for
+    a spec whose score_mod reads the request index ``b`` (a [batch, heads] tensor param):
+    request b's rows see b, as the kernel's blockIdx.z."""
+    path = tmp_path / "ragged_bbias.yaml"
+    path.write_text(
+        "name: ragged_bbias\nhead_dim: 64\ndtype: fp16\ntargets: [sm_80, sm_90]\nmask: causal\n"
+        "score_mod: score + bias[b, h] * kv_idx\n"
+        "params:\n  bias: {type: f32, shape: [batch, num_heads]}\nsoftmax_scale: auto\n"
+    )
+    hq, hkv, sq, lens = 4, 2, 3, (5, 0, 9)
+    for name in ("ragged_bbias", "alibi"):
+        if name == "alibi":
+            op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+                "alibi", (sq,) * 3, lens, hq=hq, hkv=hkv, ps=4, dense=False, append=True, seed=3
+            )
+            params = _params("alibi", hq)
+        else:
+            op, dt = flashgen.load(path), torch.float16
+            kc, vc, table = _cache(lens, ps=4, hkv=hkv, d=64, dv=64, dtype=dt, dense=False,
+                                   cap=16)  # fmt: skip
+            g = torch.Generator().manual_seed(5)
+            q = torch.randn(3 * sq, hq, 64, generator=g).to(dt)
+            kn = torch.randn(3 * sq, hkv, 64, generator=g).to(dt)
+            vn = torch.randn(3 * sq, hkv, 64, generator=g).to(dt)
+            lens_t = torch.tensor(lens, dtype=torch.int32)
+            cu = torch.arange(0, 3 * sq + 1, sq, dtype=torch.int32)
+            params = {"bias": torch.randn(3, hq, generator=g)}
+        spec = op.spec
+        kc2, vc2 = kc.clone(), vc.clone()
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, k_new=kn, v_new=vn,
+                                 cu_seqlens_q=cu, **params)  # fmt: skip
+
+        def pad(t, sq=sq):  # [B * Sq, H, D] -> [B, H, Sq, D]
+            return t.view(3, sq, *t.shape[1:]).permute(0, 2, 1, 3)
+
+        po, pl = op.with_kvcache(pad(q), kc2, vc2, lens_t, block_table=table, k_new=pad(kn),
+                                 v_new=pad(vn), **params)  # fmt: skip
+        assert torch.equal(o, po.permute(0, 2, 1, 3).reshape(o.shape)), spec.name
+        assert torch.equal(lse, pl.permute(1, 0, 2).reshape(lse.shape)), spec.name
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_opcheck_ragged_and_padded_schemas(append):
+    """torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch with
+    dynamic shapes) of the ragged op and the padded op, with and without the append (the
+    appending ops declare that they mutate k_cache / v_cache)."""
+    from flashgen.ops.decode import decode_op
+
+    op = _op("mistral_swa")
+    dop = decode_op(op)
+    op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+        "mistral_swa", (1, 3), (2, 4), hq=4, hkv=2, ps=4, dense=False, append=True
+    )
+    new = [kn, vn] if append else []
+    torch.library.opcheck(dop.torch_op(append, True),
+                          (q, kc, vc, lens_t, table, cu, *new, 3, 0.1, 0, 4096))  # fmt: skip
+    q4 = q[:2].view(2, 4, 1, 128)
+    new = [kn[:2].view(2, 2, 1, 128), vn[:2].view(2, 2, 1, 128)] if append else []
+    torch.library.opcheck(dop.torch_op(append), (q4, kc, vc, lens_t, table, *new, 0.1, 0, 4096))
+
+
+def test_torch_compile_fullgraph_padded_and_ragged():
+    """op.with_kvcache traces with torch.compile(fullgraph=True) on CPU, padded and ragged,
+    with the append (the cache mutation is replayed on the caller's cache); the ragged call
+    needs max_seqlen_q (or a plan) there: reading it from cu_seqlens_q would break the
+    graph, refused with the OpInputError's message."""
+    op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+        "llama3_gqa", (1, 4, 0), (3, 7, 2), hq=8, hkv=2, ps=4, dense=False, append=True
+    )
+    kw = dict(block_table=table, k_new=kn, v_new=vn)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+
+    def ragged(q, kc, vc, lens, cu):
+        return op.with_kvcache(q, kc, vc, lens, cu_seqlens_q=cu, max_seqlen_q=4, **kw)
+
+    got = torch.compile(ragged, fullgraph=True, backend="aot_eager")(q, k1, v1, lens_t, cu)
+    want = op.with_kvcache(q, k2, v2, lens_t, cu_seqlens_q=cu, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(k1, k2) and torch.equal(v1, v2) and not torch.equal(k1, kc)
+
+    q4 = torch.randn(3, 8, 2, 128).to(torch.bfloat16)
+    kn4 = torch.randn(3, 2, 2, 128).to(torch.bfloat16)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+
+    def padded(q, kc, vc, lens):
+        return op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn4, v_new=kn4)
+
+    got = torch.compile(padded, fullgraph=True, backend="aot_eager")(q4, k1, v1, lens_t)
+    want = padded(q4, k2, v2, lens_t)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+    p = op.plan_decode(batch=3, num_heads=8, num_heads_kv=2, seqlen_q=4, total_q=8,
+                       cache_capacity=16, page_size=4, num_pages=kc.shape[0], append=True,
+                       device="cpu")  # fmt: skip
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+
+    def planned(q, kc, vc, lens, cu):  # max_seqlen_q: the plan's
+        return op.with_kvcache(q, kc, vc, lens, cu_seqlens_q=cu, plan=p, **kw)
+
+    got = torch.compile(planned, fullgraph=True, backend="aot_eager")(q, k1, v1, lens_t, cu)
+    want = op.with_kvcache(q, k2, v2, lens_t, cu_seqlens_q=cu, num_splits=p.num_splits, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(k1, k2)
+
+    def no_max(q, kc, vc, lens, cu):
+        return op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu)
+
+    with pytest.raises(Exception, match="max_seqlen_q: required with cu_seqlens_q"):
+        torch.compile(no_max, fullgraph=True, backend="aot_eager")(q, kc, vc, lens_t, cu)
+
+
+def _plan(op, *, total_q, batch=3, seqlen_q=4, append=True, splits=2, **kw):
+    base = dict(batch=batch, num_heads=8, num_heads_kv=2, seqlen_q=seqlen_q,
+                cache_capacity=16, page_size=4, num_pages=14, append=append, device="cpu",
+                num_splits=splits)  # fmt: skip
+    base.update(kw)
+    return op.plan_decode(total_q=total_q, **base)
+
+
+def test_ragged_plan_runs_and_refuses_other_calls():
+    """plan_decode(total_q=...) plans ragged calls: a call with at most total_q rows and
+    max_seqlen_q (None: the plan's) runs as the unplanned call with the plan's num_splits;
+    a plan made for other calls raises OpInputError naming what differs."""
+    op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+        "llama3_gqa", (1, 4, 0), (3, 7, 2), hq=8, hkv=2, ps=4, dense=False, append=True
+    )
+    assert table.shape == (3, 4) and kc.shape[0] == 14
+    p = _plan(op, total_q=8)
+    assert p.dims.ragged and p.dims.total_q == 8 and p.num_splits == 2
+    kw = dict(block_table=table, k_new=kn, v_new=vn, cu_seqlens_q=cu)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    a = op.with_kvcache(q, k1, v1, lens_t, plan=p, **kw)
+    b = op.with_kvcache(q, k2, v2, lens_t, num_splits=2, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(k1, k2)
+    a = op.with_kvcache(q, kc.clone(), vc.clone(), lens_t, plan=p, max_seqlen_q=4, **kw)
+    assert torch.equal(a[0], b[0])
+
+    def refused(plan, msg, **over):
+        args = dict(kw, plan=plan)
+        args.update(over)
+        qq = args.pop("q", q)
+        with pytest.raises(OpInputError, match=msg):
+            op.with_kvcache(qq, kc.clone(), vc.clone(), args.pop("lens", lens_t), **args)
+
+    refused(_plan(op, total_q=4), r"plan: planned for total_q at most 4 \(this call's q rows: 5\)")
+    refused(_plan(op, total_q=8, seqlen_q=2), r"max_seqlen_q at most 2 \(this call: 4\)",
+            max_seqlen_q=4)  # fmt: skip
+    refused(_plan(op, total_q=8, append=False), r"append False \(this call: True\)")
+    refused(_plan(op, total_q=8, batch=2), r"batch 2 \(this call: 3\)")
+    refused(_plan(op, total_q=8, num_heads=16, num_heads_kv=4),
+            r"num_heads 16 \(this call: 8\); num_heads_kv 4 \(this call: 2\)")  # fmt: skip
+    refused(_plan(op, total_q=8, page_size=2, cache_capacity=8), "page_size 2")
+    padded_plan = op.plan_decode(batch=3, num_heads=8, num_heads_kv=2, seqlen_q=4,
+                                 cache_capacity=16, page_size=4, num_pages=14, append=True,
+                                 device="cpu")  # fmt: skip
+    refused(padded_plan, r"plan: planned for padded calls .* this call is one of ragged")
+    refused(p, "num_splits: the plan fixes 2", num_splits=3)
+    with pytest.raises(OpInputError, match="plan: planned for ragged calls .* padded"):
+        q4 = torch.randn(3, 8, 4, 128).to(torch.bfloat16)
+        kn4 = torch.randn(3, 2, 4, 128).to(torch.bfloat16)
+        op.with_kvcache(q4, kc, vc, lens_t, block_table=table, k_new=kn4, v_new=kn4, plan=p)
+    with pytest.raises(OpInputError, match="total_q: expected a non-negative int"):
+        _plan(op, total_q=-1)
+    with pytest.raises(OpInputError, match=r"seqlen_q: expected >= 1 \(the ragged calls'"):
+        _plan(op, total_q=4, seqlen_q=0)
+
+
+def test_ragged_out_buffers_and_contiguous_offsets():
+    """out= of a ragged call: o [total_q, Hq, Dv], lse [Hq, total_q] written and returned;
+    checked as the inputs are (shape, dtype, device, contiguity).  cu_seqlens_q and
+    cache_seqlens must be contiguous (the kernels index them)."""
+    op, q, kc, vc, lens_t, table, _, _, cu = _case(
+        "alibi", (2, 0, 3), (4, 1, 6), hq=8, hkv=2, ps=4, dense=False, append=False
+    )
+    prm = _params("alibi", 8)
+    kw = dict(block_table=table, cu_seqlens_q=cu, **prm)
+    o, lse = op.with_kvcache(q, kc, vc, lens_t, **kw)
+    out = (torch.full_like(o, math.nan), torch.full_like(lse, math.nan))
+    got = op.with_kvcache(q, kc, vc, lens_t, out=out, **kw)
+    assert got is out and torch.equal(out[0], o) and torch.equal(out[1], lse)
+    p = _plan(op, total_q=5, append=False, splits=1)
+    got = op.with_kvcache(q, kc, vc, lens_t, out=out, plan=p, **kw)
+    assert got is out and torch.equal(out[0], o)
+    bad = [
+        ((out[0], out[1].t().contiguous()), r"out\[1\]: expected shape \[8, 5\]"),
+        ((out[0][:4], out[1]), r"out\[0\]: expected shape \[5, 8, 128\]"),
+        ((out[0].float(), out[1]), r"out\[0\]: expected shape \[5, 8, 128\] and dtype"),
+        ((out[0].transpose(0, 1).contiguous().transpose(0, 1), out[1]), "out[0]: expected a "
+         "contiguous"),
+        (out[0], "out: expected a pair"),
+    ]  # fmt: skip
+    for o_bad, msg in bad:
+        with pytest.raises(OpInputError) as e:
+            op.with_kvcache(q, kc, vc, lens_t, out=o_bad, **kw)
+        assert msg.replace("\\", "") in str(e.value) or pytest.fail(f"{msg}: {e.value}")
+    with pytest.raises(OpInputError, match="cu_seqlens_q: expected a contiguous tensor"):
+        cu2 = torch.stack([cu, cu], 1)[:, 0]
+        op.with_kvcache(q, kc, vc, lens_t, **dict(kw, cu_seqlens_q=cu2))
+    with pytest.raises(OpInputError, match="cache_seqlens: expected a contiguous tensor"):
+        op.with_kvcache(q, kc, vc, torch.stack([lens_t, lens_t], 1)[:, 0], **kw)
+
+
+def test_ragged_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
+    """A ragged plan's fast path (CPU tensors for CUDA ones, the driver faked): its blocks
+    hold what the general path passes, cu_seqlens_q included, for the append and attention
+    kernels of the ragged unit; o / lse follow the call's q rows (fewer than the plan's
+    total_q re-validates and packs again); a padded call with that plan is refused."""
+    import ctypes
+    import types
+
+    from flashgen.families import decode as family
+    from flashgen.ops import calls as calls_mod
+    from flashgen.ops import decode as dmod
+    from flashgen.ops import decode_fast as dfast
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    launches = []
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            launches.append((fn, (gx, gy, gz), params))
+            return 0
+
+    monkeypatch.setattr(tma, "driver", lambda: Driver)
+    monkeypatch.setattr(dfast, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
+    op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+        "mistral_swa", (1, 4, 0), (3, 7, 2), hq=8, hkv=2, ps=4, dense=False, append=True
+    )
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90", ragged=True)
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
+                                    function=types.SimpleNamespace(ptr=11 + i), device_index=0)
+            for i, r in enumerate(("attn", "append"))}  # fmt: skip
+    cpu = torch.device("cpu")
+    dims = dmod.DecodeDims(3, 8, 2, 4, 128, True, kc.shape[0], 4, 4, True, total_q=8)
+    plan = dop.plan_for(dims, cpu, 3)
+    plan.kernels = kern
+    plan.o_part, plan.lse_part, plan.counters = dfast._workspace(dims, plan.geometry, 3, cpu)
+    plan.fast = dfast._FastPath(dop, plan)
+    fast = plan.fast
+
+    def unpack(layout, params):
+        base = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0]
+        raw = ctypes.string_at(base, layout.size)
+        return dict(zip(layout.names, layout.struct.unpack_from(raw, 0), strict=True))
+
+    def as_c(layout, name, v):
+        code = layout.codes[layout.index[name]]
+        if code == "Q":
+            return v if isinstance(v, int) else v.data_ptr()
+        return float(torch.tensor(v, dtype=torch.float32)) if code == "f" else int(v)
+
+    for rows in (5, 3):  # the second call: fewer rows, a new layout
+        launches.clear()
+        qq, kk, vv = q[:rows].clone(), kn[:rows].clone(), vn[:rows].clone()
+        cc = cu.clamp(max=rows).contiguous()
+        o, lse = op.with_kvcache(qq, kc, vc, lens_t, block_table=table, k_new=kk, v_new=vv,
+                                 cu_seqlens_q=cc, plan=plan, window=9)  # fmt: skip
+        assert o.shape == (rows, 8, 128) and lse.shape == (8, rows)
+        assert [x[0] for x in launches] == [12, 11]
+        assert launches[1][1] == plan.geometry.grid
+        assert launches[0][1] == plan.geometry.append_grid == (3 * 2 * 4, 1, 1)
+        values = dop.launch_values(plan, qq, kc, vc, lens_t, table, o, lse,
+                                   1 / math.sqrt(128), [9], {})  # fmt: skip
+        values["cu_seqlens_q"] = cc
+        assert values["max_seqlen_q"] == 4 and values["q_ss"] == qq.stride(0)
+        got = unpack(fast.attn_layout, launches[1][2])
+        assert got == {n: as_c(fast.attn_layout, n, values[n]) for n in fast.attn_layout.names}
+        av = dop.append_values(values, kk, vv)
+        got = unpack(fast.app_layout, launches[0][2])
+        assert got == {n: as_c(fast.app_layout, n, av[n]) for n in fast.app_layout.names}
+        assert got["cu_seqlens_q"] == cc.data_ptr()
+    q4 = torch.randn(3, 8, 1, 128).to(torch.bfloat16)
+    with pytest.raises(OpInputError, match="plan: planned for ragged calls"):
+        op.with_kvcache(q4, kc, vc, lens_t, block_table=table, k_new=kn[:3].view(3, 2, 1, 128),
+                        v_new=vn[:3].view(3, 2, 1, 128), plan=plan, window=9)  # fmt: skip

@@ -39,10 +39,10 @@ def forced(monkeypatch):
     """The fast path on, with the CPU reference as its forward; counts its calls."""
     calls = []
 
-    def forward(self, q, k, v, dims, scale, scalars, tensors, table):
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table, out=None):
         calls.append(self.spec.name)
         ordered = [tensors[p.name] for p in self.spec.tensor_params]
-        return self._cpu_impl(q, k, v, scale, *scalars, *ordered)
+        return self._cpu_impl(q, k, v, scale, *scalars, *ordered, out=out)
 
     monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: True)
     monkeypatch.setattr(AttentionOp, "_forward", forward)
@@ -74,6 +74,28 @@ def test_autograd_node_matches_the_op_path(name, forced):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_out_on_the_fast_path(forced, grad):
+    """``out=`` reaches the fast path's forward: o is the caller's tensor itself (also as
+    the output of the autograd node), and the gradients are those of a call without it."""
+    op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
+    q, k, v, _ = random_inputs(op.spec, 2, 3, 1, 7, 9, "cpu")
+    runs = []
+    for with_out in (True, False):
+        leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        buf = torch.empty(2, 7, 3, 128, dtype=q.dtype)
+        o, lse = op.attention(*leaves, out=buf.transpose(1, 2) if with_out else None)
+        if with_out:
+            assert o._base is buf and o.stride() == buf.transpose(1, 2).stride()
+            assert (o.grad_fn is not None) == grad
+        if grad:
+            o.float().square().sum().backward()
+        runs.append([o.detach(), lse, *(t.grad for t in leaves if grad)])
+    assert forced == ["causal_d128"] * 2
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_without_grad_no_node(forced):
     op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))
     q, k, v, _ = random_inputs(op.spec, 1, 1, 1, 5, 5, "cpu")
@@ -98,7 +120,7 @@ def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
     from flashgen.analysis.indexbounds import IndexBoundsWarning
     from flashgen.frontend.spec import loads_spec
 
-    def forward(self, q, k, v, dims, scale, scalars, tensors, table):
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table, out=None):
         self._check_index_bounds(dims, scalars)  # what the CUDA _forward does first
         o, lse = self._empty_outputs(q, dims)
         return o.zero_(), lse.zero_()

@@ -8,7 +8,8 @@ pointer chain and per-row offsets), every tile shape (ROWS x COLS) and block siz
 below, and several ``valid_rows`` (whole tiles, ragged last tiles, one row, none), the
 threads' copies must
 * write each 16-byte chunk of the swizzled tile exactly once, at
-  ``dst + fg::swz(row, chunk, COLS * 2)`` (no other shared address),
+  ``dst + fg::swz(row, chunk, COLS * 2)`` (no other shared address; 16-bit elements, the
+  template's ``ELEM_BYTES``, defined here as there),
 * read that chunk from ``src + row * stride + chunk * 8`` when ``row < valid_rows``, and
   zero-fill it (``valid`` false, source address ``src``: the tile's first row, in bounds
   whenever ``valid_rows >= 1``, which every caller guarantees) otherwise.
@@ -78,6 +79,8 @@ PRELUDE = r"""
 #define __forceinline__ inline
 struct { unsigned x; } threadIdx;
 using elem_t = uint16_t;
+constexpr int ELEM_BYTES = sizeof(elem_t);  // as the template defines them
+constexpr int CHUNK_ELEMS = 16 / ELEM_BYTES;
 namespace fg {
 SWZ
 struct Copy { uint32_t dst; const void* src; bool valid; unsigned thread; };

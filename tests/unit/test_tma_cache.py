@@ -188,10 +188,15 @@ def test_encode_passes_geometry_box_and_swizzle_to_the_driver(monkeypatch):
     assert seen == {
         "dtype": tma.DATA_TYPE["fp16"], "rank": 4, "addr": 0x7F00_0000_0000,
         "dims": [d, s, h, b], "strides": [2 * h * d, 2 * d, 2 * s * h * d],
-        "box": [tma.BOX_COLS, 176, 1, 1], "elem": [1, 1, 1, 1], "swizzle": 2, "oob": 0,
-    }  # fmt: skip
+        "box": [32, 176, 1, 1], "elem": [1, 1, 1, 1], "swizzle": 2, "oob": 0,
+    }  # fmt: skip  (a box row is one 64-byte swizzle span: 32 fp16 columns)
     tma.encode(0x7F00_0000_0000, (b, h, s, d), (s * h * d, d, h * d, 1), "bf16", 128)
     assert seen["swizzle"] == SWIZZLE_128B and seen["dtype"] == tma.DATA_TYPE["bf16"]
+    assert seen["box"] == [tma.BOX_COLS, 128, 1, 1]
+    # e4m3: UINT8 elements, byte strides of 1-byte elements, 128 columns per 128-byte span
+    tma.encode(0x7F00_0000_0000, (b, h, s, d), (s * h * d, d, h * d, 1), "fp8_e4m3", 128)
+    assert seen["dtype"] == 0 and seen["box"] == [128, 128, 1, 1]
+    assert seen["strides"] == [h * d, d, s * h * d]
 
 
 def test_process_cache_uses_the_driver_encoder():
