@@ -13,6 +13,10 @@ at the ``--flex-cache`` lengths only.  Sq_new = 1,
 bf16, head_dim 128, Hq/Hkv 32/8 by default.  Extra rows: GQA packing off (B1/64k), sliding
 window (mistral_swa, window 4096, whose time should follow the window's bytes), and the host
 time of a planned call (``host_us``, the stream kept busy by the queued kernels).
+``--fp8`` adds, for every flashgen layout, the same call on an e4m3 cache of the same shape
+(``flashgen_<layout>_fp8``: the kv8 unit, per (request, kv head) descale tensors): its KV
+read is half the bytes (1-byte elements), and its row carries ``speedup_vs_bf16`` (the bf16
+call's time over its own, the figure the FP8 cache is for: > 1 means faster).
 Writes ``--out`` (JSON), prints a table and, where matplotlib is importable, writes the
 plot (TB/s against cache length, one panel per batch) next to the JSON;
 ``--plot JSON`` redraws the plot of an earlier run (each method keeps one color and marker
@@ -112,7 +116,7 @@ def run(args) -> list[dict]:
             q = torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16)
             lens = torch.full((batch,), live, dtype=torch.int32, device=dev)
             free = torch.cuda.mem_get_info()[0]
-            fits = len(layouts) * kv_bytes < 0.7 * free
+            fits = len(layouts) * kv_bytes * (1.5 if args.fp8 else 1.0) < 0.7 * free
             groups = [layouts] if fits else [[lay] for lay in layouts]
             for group in groups:
                 self_rows = _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, group,
@@ -165,6 +169,21 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
 
                 methods[f"flashgen_{lay}"] = ours
                 methods[f"flashgen_{lay}"].splits = plan.num_splits
+                if args.fp8:  # the same shape on an e4m3 cache (half the bytes)
+                    f8 = torch.float8_e4m3fn
+                    k8, v8 = kc.to(f8), vc.to(f8)
+                    ds = torch.full((batch, hkv), 0.01, device=dev)
+                    tensors.append((k8, v8, ds))
+                    plan8 = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=hkv,
+                                           seqlen_q=1, cache_capacity=live, page_size=ps,
+                                           num_pages=npages, cache_dtype=f8)  # fmt: skip
+
+                    def ours8(k8=k8, v8=v8, table=table, plan=plan8, ds=ds):
+                        return op.with_kvcache(q, k8, v8, lens, block_table=table, plan=plan,
+                                               k_descale=ds, v_descale=ds)  # fmt: skip
+
+                    methods[f"flashgen_{lay}_fp8"] = ours8
+                    methods[f"flashgen_{lay}_fp8"].splits = plan8.num_splits
                 if lay == layouts[0] and batch == 1 and cache >= 65536:
                     nopack = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=hkv,
                                             seqlen_q=1, cache_capacity=live, page_size=ps,
@@ -197,19 +216,26 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
             for _ in range(args.rounds):
                 for name, t in timers.items():
                     times[name].append(t())
-            for name, ts in times.items():
-                ms = statistics.median(ts)
-                nbytes = kv_bytes
+            medians = {name: statistics.median(ts) for name, ts in times.items()}
+            for name, ms in medians.items():
+                fp8 = name.endswith("_fp8")
+                nbytes = kv_bytes // 2 if fp8 else kv_bytes  # 1-byte elements
                 if name.endswith("_swa4096"):
                     nbytes = 2 * batch * hkv * min(live, 4096) * d * 2
                 row = {"method": name, "batch": batch, "cache": cache, "heads_q": hq,
-                       "heads_kv": hkv, "head_dim": d, "dtype": "bf16", "ms": ms,
-                       "kv_bytes": nbytes, "tb_per_s": nbytes / (ms * 1e-3) / 1e12}  # fmt: skip
+                       "heads_kv": hkv, "head_dim": d, "dtype": "fp8_e4m3" if fp8 else "bf16",
+                       "ms": ms, "kv_bytes": nbytes,
+                       "tb_per_s": nbytes / (ms * 1e-3) / 1e12}  # fmt: skip
                 if hasattr(methods[name], "splits"):
                     row["num_splits"] = methods[name].splits
+                extra = ""
+                bf16 = medians.get(name.removesuffix("_fp8")) if fp8 else None
+                if bf16 is not None:
+                    row["speedup_vs_bf16"] = bf16 / ms
+                    extra = f"  {bf16 / ms:5.2f}x the bf16 cache's speed"
                 rows.append(row)
                 print(f"B{batch:<3} {cache:>7} {name:<26} {ms * 1e3:9.1f} us "
-                      f"{row['tb_per_s']:6.2f} TB/s", flush=True)  # fmt: skip
+                      f"{row['tb_per_s']:6.2f} TB/s{extra}", flush=True)  # fmt: skip
             # host time of a planned call, the stream kept busy by the queued kernels
             fn = methods.get(f"flashgen_{layouts[-1]}")
             if (
@@ -468,6 +494,9 @@ def main(argv=None) -> int:
     ap.add_argument("--flex-cache", type=lambda s: [int(x) for x in s.split(",") if x],
                     default=[65536], help="cache lengths with a FlexAttention row")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="B1 and B16 at 64k only")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time each flashgen layout on an e4m3 cache of the same shape "
+                    "(half the bytes; rows flashgen_<layout>_fp8, speedup_vs_bf16)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier run")
     ap.add_argument("--sweep", action="store_true",

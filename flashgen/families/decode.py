@@ -22,6 +22,19 @@ One compile unit per (spec, target) holds two kernels (``templates/sm_80/decode.
 * ``<kernel>_append``: writes ``k_new`` / ``v_new`` into the cache at ``cache_seqlens[b]``
   through the block table (rows past the request's pages are dropped).
 
+FP8 KV cache (``plan(..., cache_dtype="fp8_e4m3")``, units ``flashgen_<spec>_decode_kv8_*``):
+the cache holds e4m3 bytes (:data:`flashgen.codegen.dtypes.DTYPES`' record: 1 byte), q and
+o stay in the spec's fp16 / bf16.  The ring holds the 1-byte rows as loaded (half the bytes
+of a 2-byte cache per key); a warp converts its K / V fragments to the MMA type in
+registers (``templates/common/decode_fp8.cuh``: bit moves and one exact multiply per pair,
+no table, no shared-memory round trip).  A 32-bit word of four e4m3 from ``ldmatrix``
+becomes the pairs (byte 0, byte 2) and (byte 1, byte 3): for K that fixes the order of the
+head dim inside each 16-wide k step, so the Q tile is stored with its columns permuted to
+match (:func:`fp8_k_order`); for V (``ldmatrix.trans`` of byte pairs) the two pairs are the
+even and odd output columns of one 16-column chunk, two MMAs.  Per (request, kv head)
+descales (FlashAttention-3's ``[B, Hkv]``: true K = ``k_descale[b, h_kv] * K_fp8``) fold into
+the softmax scale (k) and the output normalization (v).
+
 Semantics (as the padded op on the gathered cache): request ``b`` has ``L = cache_seqlens[b]
 (+ Sq_new with k_new)`` live keys; the spec's mask and score_mod see ``q_idx`` in
 ``[0, Sq_new)``, ``kv_idx`` in ``[0, L)``, ``seqlen_q = Sq_new``, ``seqlen_k = L``, so a query's
@@ -35,7 +48,7 @@ from dataclasses import dataclass, replace
 from flashgen.analysis import masktiles
 from flashgen.codegen.abi import KernelArg
 from flashgen.codegen.cuda_expr import Invariants, cuda_expr, split_causal
-from flashgen.codegen.dtypes import CTYPE, dtype
+from flashgen.codegen.dtypes import CTYPE, DType, dtype
 from flashgen.codegen.plan import KernelPlan, TemplateContext
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Spec, Ty
@@ -57,6 +70,12 @@ MAX_SPLITS = 128
 #: k_cache, v_cache, cache_seqlens, block_table).
 CALL_POINTERS = 7
 APPEND_CALL_POINTERS = 6
+#: The FP8-cache unit's attention kernel also takes ``k_descale`` and ``v_descale`` among its
+#: per-call pointers (after the seven above).
+CALL_POINTERS_KV8 = 9
+#: Cache element types a decode unit can read besides the spec's own dtype (by
+#: :mod:`flashgen.codegen.dtypes` name), and the spec dtypes each may serve.
+CACHE_DTYPES = {"fp8_e4m3": ("fp16", "bf16")}
 #: Fewest key blocks per split (``fg::dec::MIN_SPLIT_BLOCKS``): see :func:`effective_splits`.
 MIN_SPLIT_BLOCKS = 2
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
@@ -139,7 +158,8 @@ class DecodeContext(TemplateContext):
     ``score_mod_expr``: the spec's DSL as CUDA (None without), ``prologue`` their hoisted
     invariants; ``tile_classifier``: the mask's interval classifier source.  ``ragged``:
     the ragged-Sq_new unit (q ``[total_q, Hq, D]`` with ``cu_seqlens_q``; False renders the
-    padded unit unchanged)."""
+    padded unit unchanged).  ``kv_fp8``: the cache holds e4m3 (``kv_t`` its C type; False
+    renders the spec-dtype unit unchanged)."""
 
     spec_name: str
     base_name: str
@@ -167,6 +187,8 @@ class DecodeContext(TemplateContext):
     args: tuple
     append_args: tuple
     ragged: bool = False
+    kv_fp8: bool = False
+    kv_t: str = ""
 
 
 @dataclass(frozen=True)
@@ -191,20 +213,34 @@ class DecodePlan(KernelPlan):
             return self
         if role == "append":
             tiles = DecodeTiles(1, 1, APPEND_THREADS // 32, 1)
+            elem_t = self.context.get("kv_t") or self.context["elem_t"]
             return replace(
                 self, kernel_name=f"{self.base_name}_append", tiles=tiles, smem_bytes=0,
-                args=append_args(self.context["elem_t"], self.context.get("ragged", False)),
+                args=append_args(elem_t, self.context.get("ragged", False)),
                 role=role,
             )  # fmt: skip
         raise ValueError(f"unknown decode kernel role {role!r}")
 
+    @property
+    def kv8(self) -> bool:
+        """Whether this unit reads an e4m3 cache (its attention kernel takes the descales)."""
+        return bool(self.context.get("kv_fp8"))
+
+    @property
+    def call_pointers(self) -> int:
+        """Leading pointer arguments of the attention kernel that change per call."""
+        return CALL_POINTERS_KV8 if self.kv8 else CALL_POINTERS
+
     def config(self) -> dict:
         """JSON-able summary for manifests and ``flashgen show``."""
-        return {
+        out = {
             **self.base_config(),
             "stages": self.tiles.stages,
             "pack_gqa": self.context["pack_gqa"],
         }
+        if self.kv8:
+            out["cache_dtype"] = "fp8_e4m3"
+        return out
 
 
 # ----------------------------------------------------------------------------- support
@@ -231,19 +267,52 @@ def unsupported_reason(spec: Spec) -> str | None:
     return None
 
 
-def default_tiles(spec: Spec, options: Options | None = None) -> DecodeTiles:
+def cache_dtype_reason(spec: Spec, cache_dtype: str | None) -> str | None:
+    """Why ``spec``'s decode cannot read a cache of ``cache_dtype`` (a
+    :mod:`flashgen.codegen.dtypes` name; None: the spec's own), or None.  An e4m3 cache
+    serves fp16 / bf16 specs whose head dims are multiples of 64 (its 1-byte rows are then
+    whole 64-byte swizzle groups of ``fg::swz``)."""
+    if cache_dtype is None or cache_dtype == spec.dtype:
+        return None
+    if cache_dtype not in CACHE_DTYPES:
+        return (
+            f"a {cache_dtype} cache is not supported; decode reads the spec's dtype "
+            f"({spec.dtype}) or {', '.join(CACHE_DTYPES)}"
+        )
+    if spec.dtype not in CACHE_DTYPES[cache_dtype]:
+        return f"a {cache_dtype} cache needs an fp16 or bf16 spec, {spec.name!r} is {spec.dtype}"
+    if spec.head_dim % 64 or spec.head_dim_v % 64:
+        return (
+            f"a {cache_dtype} cache needs head dims that are multiples of 64, spec "
+            f"{spec.name!r} has {spec.head_dim}/{spec.head_dim_v}"
+        )
+    return None
+
+
+def _kv(spec: Spec, cache_dtype: str | None) -> DType:
+    return dtype(cache_dtype or spec.dtype)
+
+
+def default_tiles(
+    spec: Spec, options: Options | None = None, cache_dtype: str | None = None
+) -> DecodeTiles:
     """Block and ring depth by head dim: 64 keys per block up to d256 (16 per warp, one
     m16n8k16 K step of P V), 128 at d <= 64; at d128 two stages (three CTAs fit an SM, which
     a short cache or a window fills faster: the H200 sweep of
     benchmarks/results/h200-2026-12-01-s14, decode_sweep_v3.log), elsewhere three stages
-    where they fit sm_80's shared memory, else two; ``options`` override."""
+    where they fit sm_80's shared memory, else two; ``options`` override.  A 1-byte cache
+    (``cache_dtype`` fp8_e4m3) takes twice the keys per block (the same bytes per stage as
+    the 2-byte cache, half the loop trips per key; not yet tuned on a GPU)."""
     o = options or Options()
     d = max(spec.head_dim, spec.head_dim_v)
     block_n = o.block_n or (128 if d <= 64 else 64)
+    kv_bytes = _kv(spec, cache_dtype).elem_bytes
+    if o.block_n is None and kv_bytes == 1:
+        block_n *= 2
     stages = o.stages
     if stages is None:
         stages = 2 if d == 128 else 3
-        while stages > 2 and smem_bytes(spec, block_n, stages) > SMEM_LIMIT["sm_80"]:
+        while stages > 2 and smem_bytes(spec, block_n, stages, kv_bytes) > SMEM_LIMIT["sm_80"]:
             stages -= 1
     return DecodeTiles(BLOCK_M, block_n, NUM_WARPS * dv_split(spec), stages)
 
@@ -253,13 +322,14 @@ def dv_split(spec: Spec) -> int:
     return 2 if spec.head_dim_v >= DV_SPLIT_FROM else 1
 
 
-def smem_bytes(spec: Spec, block_n: int, stages: int) -> int:
+def smem_bytes(spec: Spec, block_n: int, stages: int, kv_bytes: int | None = None) -> int:
     """Dynamic shared memory of the attention kernel: the Q tile, ``stages`` K and V blocks
-    and their per-row validity bytes, and the warps' merge area (which reuses the ring)."""
+    (``kv_bytes`` per element: the cache's; default the spec dtype's) and their per-row
+    validity bytes, and the warps' merge area (which reuses the ring)."""
     d, dv = spec.head_dim, spec.head_dim_v
     elem = dtype(spec.dtype).elem_bytes
     q = BLOCK_M * d * elem
-    ring = stages * block_n * (d + dv) * elem
+    ring = stages * block_n * (d + dv) * (kv_bytes or elem)
     merge = NUM_WARPS * BLOCK_M * dv * 4 + 2 * NUM_WARPS * BLOCK_M * 4
     return q + max(ring, merge) + stages * block_n
 
@@ -303,6 +373,17 @@ def effective_splits(
     return max(1, min(num_splits, cnt // min_split_blocks))
 
 
+def fp8_k_order(p: int) -> int:
+    """The MMA k index (0..15) at which column ``p`` (0..15) of a 16-wide group of the head
+    dim is multiplied in the e4m3-cache unit: ``ldmatrix`` gives thread ``t`` of a quad the
+    bytes ``4t .. 4t + 3`` of a K row, whose pairs (0, 2) and (1, 3) are its B fragments
+    ``b0`` (k = 2t, 2t + 1) and ``b1`` (k = 2t + 8, 2t + 9); so column ``4t + r`` is k ``2t
+    + r // 2 + 8 * (r % 2)`` (``fg::kv8::k_order``; the Q tile is stored in this order).  Any
+    permutation of k leaves Q K^T unchanged when Q and K share it."""
+    t, r = divmod(p, 4)
+    return 2 * t + r // 2 + 8 * (r % 2)
+
+
 def split_range(n_lo: int, n_hi: int, num_splits: int, split: int) -> tuple[int, int]:
     """Key blocks ``[begin, end)`` of split ``split`` of the live blocks ``[n_lo, n_hi)``,
     balanced: ``[n_lo + count * split // num_splits, n_lo + count * (split + 1) //
@@ -317,21 +398,32 @@ def _ctype(spec: Spec) -> str:
     return CTYPE[spec.dtype]
 
 
-def attn_args(spec: Spec, ragged: bool = False) -> tuple:
+def attn_args(spec: Spec, ragged: bool = False, cache_dtype: str | None = None) -> tuple:
     """The attention kernel's arguments (:class:`flashgen.codegen.abi.KernelArg`), in order:
     the pointers a call changes first (:data:`CALL_POINTERS` of them, packed per call by the
     planned fast path), then the plan's workspace, the layout and the params.  ``ragged``:
     ``seqlen_q`` is ``max_seqlen_q`` (the grid's), ``new_keys`` a 0/1 append flag (each
-    request appends its own Sq_b), and ``cu_seqlens_q`` (int32 ``[B + 1]``) comes last."""
+    request appends its own Sq_b), and ``cu_seqlens_q`` (int32 ``[B + 1]``) comes last.
+    ``cache_dtype`` fp8_e4m3: the caches are e4m3 and :data:`CALL_POINTERS_KV8` pointers lead
+    (``k_descale``, ``v_descale``: float32 read at ``b * x_sb + h_kv * x_sh``, or null for
+    1), and after ``softmax_scale`` come ``k_descale_mul`` / ``v_descale_mul`` (factors of the
+    descales: a Python float descale) and the descales' strides ``kds_sb kds_sh vds_sb
+    vds_sh``."""
     t = _ctype(spec)
+    kv = _kv(spec, cache_dtype)
+    kt = kv.ctype
     a = [
         KernelArg("q", f"const {t}*"),
-        KernelArg("k_cache", f"const {t}*"),
-        KernelArg("v_cache", f"const {t}*"),
+        KernelArg("k_cache", f"const {kt}*"),
+        KernelArg("v_cache", f"const {kt}*"),
         KernelArg("o", f"{t}*"),
         KernelArg("lse", "float*"),
         KernelArg("cache_seqlens", "const int*"),
         KernelArg("block_table", "const int*"),
+    ]
+    if kv.elem_bytes == 1:
+        a += [KernelArg("k_descale", "const float*"), KernelArg("v_descale", "const float*")]
+    a += [
         KernelArg("o_part", "float*"),
         KernelArg("lse_part", "float*"),
         KernelArg("counters", "int*"),
@@ -343,6 +435,9 @@ def attn_args(spec: Spec, ragged: bool = False) -> tuple:
     for n in ("max_seqlen_q" if ragged else "seqlen_q", "num_splits", "new_keys", "group"):
         a.append(KernelArg(n, "int"))
     a.append(KernelArg("softmax_scale", "float"))
+    if kv.elem_bytes == 1:
+        a += [KernelArg("k_descale_mul", "float"), KernelArg("v_descale_mul", "float")]
+        a += [KernelArg(n, "int64_t") for n in ("kds_sb", "kds_sh", "vds_sb", "vds_sh")]
     for p in spec.scalar_params:
         a.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
@@ -380,23 +475,30 @@ def append_args(elem_t: str, ragged: bool = False) -> tuple:
 # ----------------------------------------------------------------------------- plan
 def plan(
     spec: Spec, target: str, options: Options | None = None, *, options_key: str = "",
-    ragged: bool = False,
+    ragged: bool = False, cache_dtype: str | None = None,
 ) -> DecodePlan:
     """Lower ``spec`` to its decode unit for ``target`` (``sm_80``: mma.sync, also what
     ``sm_90`` compiles for sm_90a); ``options_key`` (the registry's
     :meth:`flashgen.options.Options.family_key`) goes into the plan's cache key.  ``ragged``:
     the ragged-Sq_new unit (kernels ``flashgen_<spec>_decode_ragged_<target>_*``; q
-    ``[total_q, Hq, D]`` with ``cu_seqlens_q``, rows of a request past its Sq_b exit).  Raises
-    ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`), an
-    unknown target or tiles that do not fit."""
+    ``[total_q, Hq, D]`` with ``cu_seqlens_q``, rows of a request past its Sq_b exit).
+    ``cache_dtype``: the cache's element type (a :mod:`flashgen.codegen.dtypes` name; None
+    or the spec's dtype: the spec-dtype unit, unchanged; ``fp8_e4m3``: the e4m3-cache unit,
+    kernels ``flashgen_<spec>_decode_[ragged_]kv8_<target>_*``, see the module doc).  Raises
+    ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`,
+    :func:`cache_dtype_reason`), an unknown target or tiles that do not fit."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; supported: {', '.join(TARGETS)}")
-    why = unsupported_reason(spec)
+    why = unsupported_reason(spec) or cache_dtype_reason(spec, cache_dtype)
     if why is not None:
         raise ValueError(why)
+    if cache_dtype == spec.dtype:
+        cache_dtype = None
+    kv = _kv(spec, cache_dtype)
+    kv8 = kv.elem_bytes == 1
     options = options or Options()
-    tiles = default_tiles(spec, options)
-    smem = smem_bytes(spec, tiles.block_n, tiles.stages)
+    tiles = default_tiles(spec, options, cache_dtype)
+    smem = smem_bytes(spec, tiles.block_n, tiles.stages, kv.elem_bytes)
     if smem > SMEM_LIMIT_EXPLICIT[target]:
         raise ValueError(
             f"decode tiles block_n={tiles.block_n} x {tiles.stages} stages need {smem} B of "
@@ -410,7 +512,8 @@ def plan(
     reads_h = spec.mask is not None and any(
         isinstance(n, ir.Var) and n.name == "h" for n in ir.walk(spec.mask)
     )
-    base = f"flashgen_{spec.name}_decode_{'ragged_' if ragged else ''}{target}"
+    kind = ("ragged_" if ragged else "") + ("kv8_" if kv8 else "")
+    base = f"flashgen_{spec.name}_decode_{kind}{target}"
     ctx = DecodeContext(
         spec_name=spec.name,
         base_name=base,
@@ -435,9 +538,11 @@ def plan(
         pack_gqa=options.pack_gqa,
         min_split_blocks=options.min_split_blocks,
         ctas_per_sm=options.ctas_per_sm or _smem_ctas(target, smem),
-        args=attn_args(spec, ragged),
-        append_args=append_args(CTYPE[spec.dtype], ragged),
+        args=attn_args(spec, ragged, cache_dtype),
+        append_args=append_args(kv.ctype, ragged),
         ragged=ragged,
+        kv_fp8=kv8,
+        kv_t=kv.ctype if kv8 else "",
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

@@ -240,15 +240,18 @@ def plan_block_table(spec: Spec, target: str, tile_config: TileConfig) -> Kernel
 
 
 def plan_decode(
-    spec: Spec, target: str, options: Options = DEFAULT, *, ragged: bool = False
+    spec: Spec, target: str, options: Options = DEFAULT, *, ragged: bool = False,
+    cache_dtype: str | None = None,
 ) -> decode.DecodePlan:
     """The decode unit (attention, combine, append kernels) of ``spec`` on ``target``
     (:func:`flashgen.families.decode.plan` with ``options.decode``; ``ragged``: the
-    ragged-Sq_new unit).  Raises ``ValueError`` for a spec decode does not support or tiles
-    that do not fit."""
+    ragged-Sq_new unit; ``cache_dtype``: the cache's dtype name, None for the spec's, e.g.
+    ``fp8_e4m3``).  Raises ``ValueError`` for a spec decode does not support or tiles that
+    do not fit."""
     return decode.plan(
-        spec, target, options.decode, options_key=options.family_key("decode"), ragged=ragged
-    )
+        spec, target, options.decode, options_key=options.family_key("decode"), ragged=ragged,
+        cache_dtype=cache_dtype,
+    )  # fmt: skip
 
 
 def sparse_tiles(spec: Spec, dense: TileConfig, options: Options = DEFAULT) -> TileConfig | None:

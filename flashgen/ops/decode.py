@@ -23,6 +23,13 @@ Op contract::
                  (in place) and attended: the live keys are cache_seqlens[b] + Sq_new
     o [B, Hq, Sq_new, Dv] (spec dtype), lse [B, Hq, Sq_new] float32 (natural log)
 
+FP8 cache (:mod:`flashgen.ops.decode_fp8`): k_cache / v_cache (and k_new / v_new) of dtype
+``torch.float8_e4m3fn`` for an fp16 / bf16 spec, with ``k_descale`` / ``v_descale`` (float32
+``[B, Hkv]``, one element or a Python float; default 1.0; the true K is ``k_descale[b, h_kv] *
+k_cache``); q in the spec's dtype, or e4m3 with ``q_descale``.  Its own units (the cache dtype
+is part of the plan: ``plan_decode(..., cache_dtype=torch.float8_e4m3fn)``) and torch ops
+``flashgen::<name>__with_kvcache[_ragged]_kv8[_append]``; padded and ragged alike.
+
 Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
 ``cu_seqlens_q`` ``[B + 1]`` (contiguous, as the varlen op); request b's Sq_b =
 cu_seqlens_q[b + 1] - cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its
@@ -45,7 +52,8 @@ tensors.
 Registered ops: ``flashgen::<name>__with_kvcache`` (no k_new) and
 ``flashgen::<name>__with_kvcache_append`` (declares that it mutates k_cache and v_cache), and
 their ragged forms ``__with_kvcache_ragged`` and ``__with_kvcache_ragged_append``, each with
-CPU, CUDA and fake kernels; registered with the op (``flashgen.load``), so ``op.with_kvcache``
+CPU, CUDA and fake kernels (and the ``_kv8`` forms of all four for an e4m3 cache, where the
+spec can read one); registered with the op (``flashgen.load``), so ``op.with_kvcache``
 traces under ``torch.compile(fullgraph=True)``.
 """
 
@@ -64,7 +72,9 @@ from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current_stream_ptr
 from flashgen.ops.decode_fast import DecodeCallPlan, _FastPath, _workspace
+from flashgen.ops.decode_fp8 import KvScales, check_scale_values, resolve_scales
 from flashgen.ops.decode_inputs import (
+    FP8_CACHE,
     DecodeDims,
     _aligned_16,
     check_num_splits,
@@ -85,6 +95,7 @@ from flashgen.ops.decode_reference import (
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
+    TORCH_DTYPE,
     _poison_enabled,
     check_enabled,
     check_scalar,
@@ -135,6 +146,7 @@ class _Args(NamedTuple):
     splits: int
     scalars: list
     tensors: dict
+    scales: KvScales | None  # the _kv8 ops: k_descale / v_descale
 
 
 class DecodeOp:
@@ -148,6 +160,7 @@ class DecodeOp:
         self.append_name = f"{op.spec.name}__with_kvcache_append"
         self.ragged_name = f"{op.spec.name}__with_kvcache_ragged"
         self.ragged_append_name = f"{op.spec.name}__with_kvcache_ragged_append"
+        self.kv8 = family.cache_dtype_reason(op.spec, "fp8_e4m3") is None and FP8_CACHE is not None
         self._units: dict = {}
         self._live: dict = {}
         self._lock = threading.Lock()
@@ -159,17 +172,20 @@ class DecodeOp:
             raise OpInputError(f"with_kvcache: {self.reason}")
 
     # ------------------------------------------------------------------ registration
-    def op_name(self, append: bool, ragged: bool = False) -> str:
+    def op_name(self, append: bool, ragged: bool = False, kv8: bool = False) -> str:
         """The registered name (without ``flashgen::``) of the padded or ragged, plain or
-        appending op."""
-        if ragged:
-            return self.ragged_append_name if append else self.ragged_name
-        return self.append_name if append else self.name
+        appending op, for a cache of the spec's dtype or (``kv8``) an e4m3 one:
+        ``<spec>__with_kvcache[_ragged][_kv8][_append]``."""
+        base = self.ragged_name if ragged else self.name
+        if kv8:
+            base += "_kv8"
+        return base + "_append" if append else base
 
-    def schema(self, append: bool, ragged: bool = False) -> str:
+    def schema(self, append: bool, ragged: bool = False, kv8: bool = False) -> str:
         """The op's schema: ``append`` declares that it mutates ``k_cache`` / ``v_cache``
         (``Tensor(a!)``); ``ragged`` adds ``cu_seqlens_q`` after ``block_table`` and ``int
-        max_seqlen_q`` before ``softmax_scale``."""
+        max_seqlen_q`` before ``softmax_scale``; ``kv8`` (an e4m3 cache) adds ``k_descale``
+        and ``v_descale`` (float32 ``[B, Hkv]``) before ``softmax_scale``."""
         spec = self.spec
         kv = (
             "Tensor(a!) k_cache, Tensor(b!) v_cache" if append else "Tensor k_cache, Tensor v_cache"
@@ -181,38 +197,43 @@ class DecodeOp:
             args += ["Tensor k_new", "Tensor v_new"]
         if ragged:
             args.append("int max_seqlen_q")
+        if kv8:
+            args += ["Tensor k_descale", "Tensor v_descale"]
         args += ["float softmax_scale", "int num_splits"]
         args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
         args += [f"Tensor {p.name}" for p in spec.tensor_params]
-        return f"{self.op_name(append, ragged)}({', '.join(args)}) -> (Tensor, Tensor)"
+        return f"{self.op_name(append, ragged, kv8)}({', '.join(args)}) -> (Tensor, Tensor)"
 
     def register(self) -> None:
-        """Register the four torch ops (padded / ragged, with / without append; once per
-        process), each with CPU, CUDA and fake kernels."""
+        """Register the torch ops (padded / ragged, with / without append, and the same for
+        an e4m3 cache where the spec can read one (:attr:`kv8`); once per process), each with
+        CPU, CUDA and fake kernels."""
         if self._registered:
             return
         with _REG_LOCK:
             if self._registered:
                 return
             lib = self.op._lib  # the op's own library: a reload removes them
-            for ragged in (False, True):
-                for append in (False, True):
-                    name = self.op_name(append, ragged)
-                    lib.define(self.schema(append, ragged))
-                    lib.impl(name, functools.partial(self._impl_cpu, append, ragged), "CPU")
-                    lib.impl(name, functools.partial(self._impl_cuda, append, ragged), "CUDA")
-                    torch.library.register_fake(
-                        f"flashgen::{name}", functools.partial(self._impl_fake, append, ragged),
-                        lib=lib,
-                    )  # fmt: skip
+            for kv8 in (False, True) if self.kv8 else (False,):
+                for ragged in (False, True):
+                    for append in (False, True):
+                        name = self.op_name(append, ragged, kv8)
+                        form = (append, ragged, kv8)
+                        lib.define(self.schema(*form))
+                        lib.impl(name, functools.partial(self._impl_cpu, *form), "CPU")
+                        lib.impl(name, functools.partial(self._impl_cuda, *form), "CUDA")
+                        torch.library.register_fake(
+                            f"flashgen::{name}", functools.partial(self._impl_fake, *form),
+                            lib=lib,
+                        )  # fmt: skip
             self._registered = True
 
-    def torch_op(self, append: bool, ragged: bool = False):
+    def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
         """The registered op (``torch.ops.flashgen.<op_name>.default``)."""
         self.register()
-        return getattr(torch.ops.flashgen, self.op_name(append, ragged)).default
+        return getattr(torch.ops.flashgen, self.op_name(append, ragged, kv8)).default
 
-    def _unpack(self, append: bool, ragged: bool, args) -> _Args:
+    def _unpack(self, append: bool, ragged: bool, kv8: bool, args) -> _Args:
         """Schema arguments (:meth:`schema`) -> :class:`_Args`."""
         q, kc, vc, lens, table = args[:5]
         rest = list(args[5:])
@@ -221,12 +242,15 @@ class DecodeOp:
         if append:
             k_new, v_new = rest.pop(0), rest.pop(0)
         max_seqlen_q = rest.pop(0) if ragged else None
+        scales = None
+        if kv8:
+            scales = KvScales(rest.pop(0), 1.0, rest.pop(0), 1.0)
         scale, splits, rest = rest[0], rest[1], rest[2:]
         n = len(self.spec.scalar_params)
         scalars = list(rest[:n])
         tensors = {p.name: t for p, t in zip(self.spec.tensor_params, rest[n:], strict=True)}
         return _Args(q, kc, vc, lens, table, cu, k_new, v_new, max_seqlen_q, scale, splits,
-                     scalars, tensors)  # fmt: skip
+                     scalars, tensors, scales)  # fmt: skip
 
     def _validate(self, a: _Args) -> DecodeDims:
         if a.cu is None:
@@ -241,17 +265,35 @@ class DecodeOp:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         return o, lse
 
-    def _impl_fake(self, append, ragged, *args):
-        a = self._unpack(append, ragged, args)
+    def _impl_fake(self, append, ragged, kv8, *args):
+        a = self._unpack(append, ragged, kv8, args)
         return self._outputs(a.q, self._validate(a))
 
-    def _impl_cpu(self, append, ragged, *args):
-        a = self._unpack(append, ragged, args)
+    def _scales_of_op(self, dims: DecodeDims, q, scales: KvScales | None) -> KvScales | None:
+        """The registered op's descale tensors (its ``_kv8`` ops take them), checked against
+        the call's cache: the ``_kv8`` ops take an e4m3 cache, the others the spec's dtype."""
+        if (dims.cache_dtype is None) != (scales is None):
+            want = FP8_CACHE if scales is not None else TORCH_DTYPE[self.spec.dtype]
+            raise OpInputError(
+                f"k_cache: this torch op ({self.op_name(False, dims.ragged, scales is not None)}"
+                f"[_append]) takes a {want} cache, got "
+                f"{FP8_CACHE if dims.cache_dtype else TORCH_DTYPE[self.spec.dtype]}"
+            )
+        if scales is None:
+            return None
+        return resolve_scales(self.spec, dims, q, scales.k, scales.v, None)[1]
+
+    def _impl_cpu(self, append, ragged, kv8, *args):
+        a = self._unpack(append, ragged, kv8, args)
         dims = self._validate(a)
         self._check_params(a.scale, a.scalars, a.tensors, dims, a.q.device)
+        scales = self._scales_of_op(dims, a.q, a.scales)
         check_values(dims, a.lens, a.table, a.cu)
+        check_scale_values(scales)
         params = dict(zip((p.name for p in self.spec.scalar_params), a.scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in a.tensors.items()})
+        kd, vd = (None, None) if scales is None else scales.tensors(dims.batch, dims.heads_kv,
+                                                                     a.q.device)  # fmt: skip
         live = a.lens.to(torch.int64)
         if ragged:  # each request appends (and attends) its own Sq_b rows
             if append:
@@ -260,7 +302,7 @@ class DecodeOp:
                 live = live + (cu[1:] - cu[:-1])
             ro, rl = decode_reference_ragged(
                 self.spec, a.q, a.kc, a.vc, live, a.cu, a.table, softmax_scale=a.scale,
-                params=params, compute_dtype=torch.float32,
+                params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
             )  # fmt: skip
         else:
             if append:
@@ -268,23 +310,26 @@ class DecodeOp:
                 live = live + dims.seqlen_q
             ro, rl = decode_reference(
                 self.spec, a.q, a.kc, a.vc, live, a.table, softmax_scale=a.scale, params=params,
-                compute_dtype=torch.float32,
+                compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
             )  # fmt: skip
         o, lse = self._outputs(a.q, dims)
         o.copy_(ro)
         lse.copy_(rl)
         return o, lse
 
-    def _impl_cuda(self, append, ragged, *args):
-        a = self._unpack(append, ragged, args)
+    def _impl_cuda(self, append, ragged, kv8, *args):
+        a = self._unpack(append, ragged, kv8, args)
         dims = self._validate(a)
         self._check_params(a.scale, a.scalars, a.tensors, dims, a.q.device)
+        scales = self._scales_of_op(dims, a.q, a.scales)
         if check_enabled():
             check_values(dims, a.lens, a.table, a.cu)
+            check_scale_values(scales)
         params = dict(zip([p.name for p in self.spec.scalar_params], a.scalars, strict=True))
         plan = self.plan_for(dims, a.q.device, a.splits or None, params=params)
         return self._launch(plan, a.q, a.kc, a.vc, a.lens, a.table, a.k_new, a.v_new, a.scale,
-                            a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims)  # fmt: skip
+                            a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims,
+                            scales=scales)  # fmt: skip
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
         check_softmax_scale(scale)
@@ -310,6 +355,9 @@ class DecodeOp:
         plan: DecodeCallPlan | None = None,
         softmax_scale: float | None = None,
         out=None,
+        k_descale=None,
+        v_descale=None,
+        q_descale=None,
         **params,
     ):
         """Attention of ``q`` against a dense or paged KV cache (module doc); returns ``(o,
@@ -323,17 +371,20 @@ class DecodeOp:
         under ``torch.compile``).  ``out``: ``(o, lse)`` to write instead of new tensors
         (contiguous, the shapes and dtypes above, on q's device; FlashInfer's ``out=``): a
         serving loop that reuses them saves the two allocations per call.  Returns ``out``
-        then.  Raises :class:`OpInputError` for bad inputs or a spec decode does not
-        support."""
+        then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
+        (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
+        :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
+        bad inputs or a spec decode does not support."""
         fast = getattr(plan, "fast", None)
-        if fast is not None and num_splits is None:
+        if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                       softmax_scale, params, out, cu_seqlens_q, max_seqlen_q)  # fmt: skip
+                       softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,
+                       v_descale)  # fmt: skip
             if res is not None:
                 return res
         return self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                   cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
-                                  params, out)  # fmt: skip
+                                  params, out, (k_descale, v_descale, q_descale))  # fmt: skip
 
     def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int:
         """A ragged call's ``max_seqlen_q``: the caller's; else a ragged plan's, capped at q's
@@ -359,12 +410,14 @@ class DecodeOp:
 
     def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                       cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, params,
-                      out=None):  # fmt: skip
+                      out=None, descales=(None, None, None)):  # fmt: skip
         """The general path of :meth:`with_kvcache` (padded, or ragged with ``cu_seqlens_q``:
         request b's queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q
         ``[total_q, Hq, D]``, the last Sq_b of its live keys; k_new / v_new ``[total_q, Hkv,
-        D]`` append each request's own Sq_b rows): full validation, then on plain eager CUDA
-        tensors the kernels directly, else the registered op (CPU, torch.compile, modes)."""
+        D]`` append each request's own Sq_b rows; ``descales``: ``(k_descale, v_descale,
+        q_descale)`` of an e4m3 cache): full validation, then on plain eager CUDA tensors the
+        kernels directly, else the registered op (CPU, torch.compile, modes; the ``_kv8`` ones
+        for an e4m3 cache)."""
         self._refuse()
         ragged = cu_seqlens_q is not None
         if ragged:
@@ -386,6 +439,7 @@ class DecodeOp:
             dims = validate_decode(
                 self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
             )
+        q, scales = resolve_scales(self.spec, dims, q, *descales)
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
         if plan is not None:
@@ -397,6 +451,7 @@ class DecodeOp:
         if q.is_cuda and _plain_eager(q, k_cache, v_cache):
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
+                check_scale_values(scales)
             if plan is None:
                 names = [p.name for p in self.spec.scalar_params]
                 plan = self.plan_for(dims, q.device, splits or None,
@@ -404,6 +459,7 @@ class DecodeOp:
             res = self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                 softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q, dims=dims,
+                scales=scales,
             )  # fmt: skip
         else:
             if plan is not None and not splits:
@@ -415,8 +471,10 @@ class DecodeOp:
                 args += [k_new, v_new]
             if ragged:
                 args.append(max_seqlen_q)
+            if scales is not None:
+                args += list(scales.tensors(dims.batch, dims.heads_kv, q.device))
             args += [softmax_scale, splits, *scalars, *tensors]
-            res = self.torch_op(append, ragged)(*args)
+            res = self.torch_op(append, ragged, scales is not None)(*args)
         if out is None:
             return res
         out[0].copy_(res[0])
@@ -439,6 +497,7 @@ class DecodeOp:
         device=None,
         pack_gqa: bool = True,
         options: family.Options | None = None,
+        cache_dtype=None,
         **params,
     ) -> DecodeCallPlan:
         """Plan calls of one shape (FlashInfer's plan/run): ``batch`` requests, ``num_heads`` /
@@ -457,6 +516,8 @@ class DecodeOp:
         of them).  ``params``: values of the mask's scalar params the calls will pass (the
         spec's defaults otherwise): a mask that bounds the live keys (a sliding window) sizes
         the splits by its blocks, not the capacity's; calls may pass other values.
+        ``cache_dtype``: the calls' cache dtype, None (the spec's) or ``torch.float8_e4m3fn``
+        (an e4m3 cache: its own unit; the calls pass the descales).
         Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
         planned calls do no host planning and can be captured in a CUDA graph.  Raises
         :class:`OpInputError` for bad sizes, options or params."""
@@ -486,6 +547,17 @@ class DecodeOp:
             raise OpInputError(
                 f"num_heads: expected a multiple of num_heads_kv {num_heads_kv}, got {num_heads}"
             )
+        kv_dtype = None
+        if cache_dtype is not None and cache_dtype != TORCH_DTYPE[self.spec.dtype]:
+            if FP8_CACHE is None or cache_dtype != FP8_CACHE:
+                raise OpInputError(
+                    f"cache_dtype: expected None, {TORCH_DTYPE[self.spec.dtype]} or {FP8_CACHE}, "
+                    f"got {cache_dtype!r}"
+                )
+            why = family.cache_dtype_reason(self.spec, "fp8_e4m3")
+            if why is not None:
+                raise OpInputError(f"cache_dtype: {why}")
+            kv_dtype = "fp8_e4m3"
         paged = page_size is not None
         if paged:
             if not isinstance(page_size, int) or page_size < 1 or not isinstance(num_pages, int):
@@ -495,10 +567,12 @@ class DecodeOp:
                 )
             max_pages = -(-cache_capacity // page_size)
             dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
-                              True, num_pages, page_size, max_pages, append)  # fmt: skip
+                              True, num_pages, page_size, max_pages, append,
+                              cache_dtype=kv_dtype)  # fmt: skip
         else:
             dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
-                              False, batch, cache_capacity, 1, append)  # fmt: skip
+                              False, batch, cache_capacity, 1, append,
+                              cache_dtype=kv_dtype)  # fmt: skip
         if total_q is not None:
             dims = dataclasses.replace(dims, total_q=total_q)
         device = torch.device(device if device is not None else "cuda")
@@ -512,7 +586,7 @@ class DecodeOp:
         """Refuse ``plan`` for a call it was not made for (:meth:`plan_decode`): another form
         (padded / ragged), batch, heads, Sq_new (ragged: a longer max_seqlen_q or more q rows
         than planned), paged or dense, append or not, a larger cache or another page size,
-        device or num_splits.  :class:`OpInputError` naming what differs."""
+        device, cache dtype or num_splits.  :class:`OpInputError` naming what differs."""
         if not isinstance(plan, DecodeCallPlan):
             raise OpInputError(
                 f"plan: expected a plan from op.plan_decode, got {type(plan).__name__}"
@@ -545,6 +619,14 @@ class DecodeOp:
             )
         if plan.device != device:
             raise OpInputError(f"plan: planned for device {plan.device}, q is on {device}")
+        if p.cache_dtype != dims.cache_dtype:
+            def kind(x):
+                return FP8_CACHE if x else TORCH_DTYPE[self.spec.dtype]
+
+            raise OpInputError(
+                f"plan: planned for a {kind(p.cache_dtype)} cache (plan_decode's cache_dtype), "
+                f"this call's cache is {kind(dims.cache_dtype)}"
+            )
         if splits and splits != plan.num_splits:
             raise OpInputError(
                 f"num_splits: the plan fixes {plan.num_splits}, this call asks for {splits}"
@@ -552,13 +634,16 @@ class DecodeOp:
 
     # ------------------------------------------------------------------ CUDA
     def kernels(self, device: torch.device, options: family.Options | None = None,
-                ragged: bool = False) -> dict:  # fmt: skip
+                ragged: bool = False, cache_dtype: str | None = None) -> dict:  # fmt: skip
         """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``) for the unit
         knobs of ``options`` (default: the head dim's), built through the cache on first use;
-        ``ragged``: the ragged-Sq_new unit."""
+        ``ragged``: the ragged-Sq_new unit; ``cache_dtype``: the e4m3-cache unit for
+        ``"fp8_e4m3"``."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         options = options or self.op.options.decode
         key = (index, options.unit_key()) + (("ragged",) if ragged else ())
+        if cache_dtype is not None:
+            key += (cache_dtype,)
         hit = self._units.get(key)
         if hit is not None:
             return hit
@@ -572,8 +657,8 @@ class DecodeOp:
                 target = target_for_device(self.spec, torch.device("cuda", index))
                 p = registry.plan_decode(
                     self.spec, target, dataclasses.replace(self.op.options, decode=options),
-                    ragged=ragged,
-                )
+                    ragged=ragged, cache_dtype=cache_dtype,
+                )  # fmt: skip
                 cubin, report = cache.get_or_build(render(p), p)
                 hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
                 hit["report"] = report
@@ -592,10 +677,14 @@ class DecodeOp:
         pack_gqa = pack_gqa and options.pack_gqa
         if num_splits is None:
             num_splits = options.num_splits
-        kern = self.kernels(device, options, dims.ragged) if device.type == "cuda" else {}
+        kern = (
+            self.kernels(device, options, dims.ragged, dims.cache_dtype)
+            if device.type == "cuda" else {}
+        )  # fmt: skip
         unit = kern["attn"].plan if kern else registry.plan_decode(
-            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options)
-        )
+            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
+            cache_dtype=dims.cache_dtype,
+        )  # fmt: skip
         heads = dims.heads_kv if pack_gqa else dims.heads_q
         live_blocks = None
         g0 = family.geometry(
@@ -651,10 +740,10 @@ class DecodeOp:
         return hit
 
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
-                      scalars, tensors) -> dict:  # fmt: skip
+                      scalars, tensors, scales: KvScales | None = None) -> dict:  # fmt: skip
         """Every argument of the attention kernel (name -> tensor / address / number) for
         this call; ``q`` already 16-byte aligned (``_kernel_aligned``), the workspace from
-        the plan or allocated here."""
+        the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0)."""
         dims = plan.dims
         paged = table is not None
         if paged:
@@ -677,6 +766,8 @@ class DecodeOp:
         values["max_pages"] = table.shape[1] if paged else 1
         if dims.ragged:  # q [total_q, Hq, D]: the token stride is q_ss, request b starts at
             values.update(q_sb=0, q_sh=q.stride(1), q_ss=q.stride(0))  # cu_seqlens_q[b]
+        if dims.cache_dtype is not None:
+            values.update((scales or KvScales()).launch_values())
         for p, val in zip(self.spec.scalar_params, scalars, strict=True):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
@@ -704,10 +795,12 @@ class DecodeOp:
                     vn_sh=v_new.stride(1), vn_ss=v_new.stride(2))  # fmt: skip
 
     def _launch(self, plan: DecodeCallPlan, q, kc, vc, lens, table, k_new, v_new, scale,
-                scalars, tensors, cu_seqlens_q=None, dims: DecodeDims | None = None):  # fmt: skip
+                scalars, tensors, cu_seqlens_q=None, dims: DecodeDims | None = None,
+                scales: KvScales | None = None):  # fmt: skip
         """Enqueue the append (with k_new) and attention kernels of ``plan`` for this call
         (``dims``: the call's sizes, None: the plan's; a ragged call's q may have fewer rows
-        than its plan's ``total_q``); returns fresh ``(o, lse)``."""
+        than its plan's ``total_q``; ``scales``: an e4m3 cache's descales); returns fresh
+        ``(o, lse)``."""
         o, lse = self._outputs(q, dims or plan.dims)
         dims = plan.dims
         if _poison_enabled():
@@ -718,7 +811,8 @@ class DecodeOp:
         kern = plan.kernels
         stream = current_stream_ptr(q.device)
         q = _aligned_any(q)
-        values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors)
+        values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors,
+                                    scales)  # fmt: skip
         if cu_seqlens_q is not None:
             values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:
@@ -731,9 +825,10 @@ class DecodeOp:
 
 
 def _aligned_any(t):
-    """``t`` when the kernels' 16-byte copies can address it (4-D: ``_kernel_aligned``; the
-    ragged 3-D q / k_new / v_new: the same rule on their dims), else a contiguous copy."""
-    if t.dim() == 4:
+    """``t`` when the kernels' 16-byte copies can address it (4-D 2-byte: ``_kernel_aligned``;
+    the ragged 3-D q / k_new / v_new and e4m3 k_new / v_new: the same rule on their dims and
+    bytes), else a contiguous copy."""
+    if t.dim() == 4 and t.element_size() == 2:
         return _kernel_aligned(t)
     return t if _aligned_16(t) else t.clone(memory_format=torch.contiguous_format)
 

@@ -17,6 +17,7 @@ from flashgen.families import decode as family
 from flashgen.ops import calls as _calls
 from flashgen.ops import validation as _validation
 from flashgen.ops.calls import _kernel_aligned
+from flashgen.ops.decode_fp8 import resolve_scales
 from flashgen.ops.decode_inputs import (
     DecodeDims,
     _aligned_16,
@@ -26,6 +27,7 @@ from flashgen.ops.decode_inputs import (
 )
 from flashgen.ops.validation import (
     PARAM_DTYPE,
+    TORCH_DTYPE,
     _poison_enabled,
     check_enabled,
     check_softmax_scale,
@@ -153,7 +155,11 @@ class _FastPath:
         self.index = plan.device.index
         attn, app = plan.kernels["attn"], plan.kernels["append"]
         self.attn_layout, self.app_layout = ArgLayout(attn.plan.args), ArgLayout(app.plan.args)
-        self.attn_head = self.attn_layout.head(family.CALL_POINTERS)
+        #: an e4m3-cache plan: k_descale / v_descale are per-call pointers too
+        self.kv8 = attn.plan.kv8
+        self.attn_head = self.attn_layout.head(
+            family.CALL_POINTERS_KV8 if self.kv8 else family.CALL_POINTERS
+        )
         self.app_head = self.app_layout.head(family.APPEND_CALL_POINTERS)
         self.attn_pack = self.attn_head.pack_into
         self.app_pack = self.app_head.pack_into
@@ -186,7 +192,7 @@ class _FastPath:
         return st
 
     def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None, cu=None,
-                 max_seqlen_q=None):  # fmt: skip
+                 max_seqlen_q=None, k_descale=None, v_descale=None):  # fmt: skip
         if (cu is None) is self.ragged or not self._eager(q, kc, vc) or self._get_device is None:
             return None
         if self._get_device() != self.index or _debug_switches():
@@ -206,6 +212,22 @@ class _FastPath:
         if k_new is not None:
             key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
                     v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        kd_ptr = vd_ptr = 0
+        if self.kv8:  # the descales: a tensor's layout (its address per call) or a number
+            if type(k_descale) is _TENSOR:
+                key += (k_descale.shape, k_descale.stride(), k_descale.dtype,
+                        k_descale.get_device())  # fmt: skip
+                kd_ptr = k_descale.data_ptr()
+            else:
+                key += (k_descale,)
+            if type(v_descale) is _TENSOR:
+                key += (v_descale.shape, v_descale.stride(), v_descale.dtype,
+                        v_descale.get_device())  # fmt: skip
+                vd_ptr = v_descale.data_ptr()
+            else:
+                key += (v_descale,)
+        elif k_descale is not None or v_descale is not None:
+            return None  # the general path names the argument
         if out is not None:
             if type(out) is not tuple or len(out) != 2:
                 return None
@@ -229,7 +251,7 @@ class _FastPath:
         st = self._tls_dict.get("st") or self._state()
         if key != st.key:
             if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                                 out, cu, max_seqlen_q):  # fmt: skip
+                                 out, cu, max_seqlen_q, k_descale, v_descale):  # fmt: skip
                 return None
         q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
@@ -245,7 +267,11 @@ class _FastPath:
         lens_ptr = lens.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()
         buf = st.attn_buf
-        self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
+        if self.kv8:
+            self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr,
+                           kd_ptr, vd_ptr)  # fmt: skip
+        else:
+            self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
         for name, t in zip(self.tensor_names, tensors, strict=False):
             self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
         if cu is not None:
@@ -269,7 +295,8 @@ class _FastPath:
         return out
 
     def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                 out=None, cu=None, max_seqlen_q=None) -> bool:  # fmt: skip
+                 out=None, cu=None, max_seqlen_q=None, k_descale=None,
+                 v_descale=None) -> bool:  # fmt: skip
         """Full validation of a new layout (raises what the general path raises) and the
         packing of its argument blocks; False when the fast path does not apply."""
         dop, spec, plan = self.dop, self.dop.spec, self.plan
@@ -284,6 +311,9 @@ class _FastPath:
             dims = validate_decode_ragged(spec, q, kc, vc, lens, table, k_new, v_new, cu, msq)
         else:
             dims = validate_decode(spec, q, kc, vc, lens, table, k_new, v_new)
+        if q.dtype != TORCH_DTYPE[spec.dtype]:
+            return False  # an e4m3 q: the general path converts it
+        _, scales = resolve_scales(spec, dims, q, k_descale, v_descale, None)
         if spec.tensor_params:
             validate_tensor_params(spec, tmap, q.device, dims.symbols())
         dop._check_plan(plan, dims, q.device, 0)
@@ -291,11 +321,12 @@ class _FastPath:
         if out is not None:
             check_out(spec, out, o_shape, q.device, lse_shape)
         aligned = _aligned_16 if cu is not None else (lambda t: _kernel_aligned(t) is t)
-        if k_new is not None and not (aligned(k_new) and aligned(v_new)):
+        if k_new is not None and not (_aligned_16(k_new) and _aligned_16(v_new)):
             return False
         if not aligned(q):
             return False
-        values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap)
+        values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
+                                   scales)  # fmt: skip
         if cu is not None:
             values["cu_seqlens_q"] = cu
         st.o_shape, st.lse_shape = o_shape, lse_shape

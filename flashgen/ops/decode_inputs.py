@@ -33,6 +33,9 @@ class DecodeDims:
     max_pages: int  # paged: block_table.shape[1]; dense: 1
     append: bool
     total_q: int | None = None  # ragged Sq_new: q's rows (seqlen_q is then max_seqlen_q)
+    #: the cache's element type when it is not the spec's (a flashgen.codegen.dtypes name:
+    #: "fp8_e4m3" for a float8_e4m3fn cache); part of the plan and the unit key
+    cache_dtype: str | None = None
 
     @property
     def ragged(self) -> bool:
@@ -66,13 +69,30 @@ def _tensor(name: str, t, dims: int, what: str):
 
 
 def _aligned_16(t) -> bool:
-    """Whether the kernels' 16-byte copies can address every row of ``t`` directly."""
+    """Whether the kernels' 16-byte copies can address every row of ``t`` directly (a
+    16-byte aligned base and strides of whole 16-byte chunks: 8 elements of 2 bytes, 16 of
+    an e4m3 cache)."""
     if t.numel() == 0:
         return True
     ok = t.data_ptr() % 16 == 0
+    size = t.element_size()
     for n, s in zip(t.shape[:-1], t.stride()[:-1], strict=True):
-        ok = ok and (n <= 1 or s % 8 == 0)
+        ok = ok and (n <= 1 or (s * size) % 16 == 0)
     return ok
+
+
+#: torch dtype of an e4m3 KV cache (None where torch lacks it).
+FP8_CACHE = getattr(torch, "float8_e4m3fn", None)
+
+
+def cache_dtype_of(spec: ir.Spec, k_cache) -> str | None:
+    """The :mod:`flashgen.codegen.dtypes` name of ``k_cache``'s dtype when it is a cache
+    dtype the spec's decode can read besides its own (``"fp8_e4m3"`` for float8_e4m3fn with
+    an fp16 / bf16 spec), else None (the spec's dtype, or a dtype validation refuses)."""
+    if FP8_CACHE is not None and isinstance(k_cache, torch.Tensor) and k_cache.dtype == FP8_CACHE:
+        if family.cache_dtype_reason(spec, "fp8_e4m3") is None:
+            return "fp8_e4m3"
+    return None
 
 
 def validate_decode(
@@ -87,8 +107,14 @@ def validate_decode(
 ) -> DecodeDims:
     """Check a with_kvcache call's tensors against ``spec`` and the op contract (module
     doc): metadata only, never tensor contents.  Returns :class:`DecodeDims`; raises
-    :class:`OpInputError` naming the argument, the expected and the received value."""
+    :class:`OpInputError` naming the argument, the expected and the received value.
+
+    An e4m3 cache (float8_e4m3fn ``k_cache`` and ``v_cache`` for an fp16 / bf16 spec whose head
+    dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
+    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`)."""
     want = TORCH_DTYPE[spec.dtype]
+    cache_dtype = cache_dtype_of(spec, k_cache)
+    kv_want = FP8_CACHE if cache_dtype else want
     _tensor("q", q, 4, "[batch, heads, seqlen_q_new, head_dim]")
     paged = block_table is not None
     layout = (
@@ -98,12 +124,20 @@ def validate_decode(
     )
     _tensor("k_cache", k_cache, 4, layout)
     _tensor("v_cache", v_cache, 4, layout)
+    if q.dtype != want and not (cache_dtype and q.dtype == FP8_CACHE):
+        also = f" or {FP8_CACHE} with q_descale (the cache is e4m3)" if cache_dtype else ""
+        raise OpInputError(
+            f"q: expected dtype {want}{also} (spec {spec.name!r} has dtype {spec.dtype}), "
+            f"got {q.dtype}"
+        )
+    if k_cache.dtype != kv_want:
+        raise OpInputError(f"k_cache: expected dtype {want} (spec {spec.name!r} has dtype "
+                           f"{spec.dtype}){_fp8_note(spec)}, got {k_cache.dtype}")  # fmt: skip
+    if v_cache.dtype != k_cache.dtype:
+        raise OpInputError(
+            f"v_cache: expected dtype {k_cache.dtype} (k_cache's dtype), got {v_cache.dtype}"
+        )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != want:
-            raise OpInputError(
-                f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), "
-                f"got {t.dtype}"
-            )
         if t.device != q.device:
             raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
         if t.numel() > 0 and t.stride(-1) != 1:
@@ -180,8 +214,9 @@ def validate_decode(
     if k_new is not None:
         for name, t, dd in (("k_new", k_new, spec.head_dim), ("v_new", v_new, spec.head_dim_v)):
             _tensor(name, t, 4, "[batch, heads_kv, seqlen_q_new, head_dim]")
-            if t.dtype != want:
-                raise OpInputError(f"{name}: expected dtype {want}, got {t.dtype}")
+            if t.dtype != kv_want:
+                what = " (the cache's: quantized with its descales)" if cache_dtype else ""
+                raise OpInputError(f"{name}: expected dtype {kv_want}{what}, got {t.dtype}")
             if t.device != q.device:
                 raise OpInputError(
                     f"{name}: expected device {q.device} (q's device), got {t.device}"
@@ -200,13 +235,24 @@ def validate_decode(
             if not _aligned_16(t):
                 raise OpInputError(
                     f"{name}: expected a 16-byte aligned base and strides that are multiples "
-                    f"of 8 elements (the kernels copy 16-byte chunks and the cache is updated "
-                    f"in place, so it is not copied), got strides {list(t.stride())}"
+                    f"of {16 // t.element_size()} elements (the kernels copy 16-byte chunks "
+                    f"and the cache is updated in place, so it is not copied), got strides "
+                    f"{list(t.stride())}"
                 )
     return DecodeDims(
         batch, hq, hkv, sq, spec.head_dim_v, paged, num_pages, page_size, max_pages,
-        k_new is not None,
+        k_new is not None, cache_dtype=cache_dtype,
     )  # fmt: skip
+
+
+def _fp8_note(spec: ir.Spec) -> str:
+    """What the k_cache dtype error adds about e4m3 caches for ``spec``."""
+    why = family.cache_dtype_reason(spec, "fp8_e4m3")
+    if FP8_CACHE is None:
+        return ""
+    if why is None:
+        return f" or {FP8_CACHE} (an e4m3 cache, with k_descale / v_descale)"
+    return f" ({FP8_CACHE} caches: {why})"
 
 
 def check_values(dims: DecodeDims, cache_seqlens, block_table, cu_seqlens_q=None) -> None:
@@ -309,7 +355,7 @@ def validate_decode_ragged(
     ``seqlen_q = max_seqlen_q`` and ``total_q``; raises :class:`OpInputError`."""
     want = TORCH_DTYPE[spec.dtype]
     _tensor("q", q, 3, "[total_q, heads, head_dim] (ragged, with cu_seqlens_q)")
-    if q.dtype != want:
+    if q.dtype != want and not (cache_dtype_of(spec, k_cache) and q.dtype == FP8_CACHE):
         raise OpInputError(
             f"q: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), got {q.dtype}"
         )

@@ -57,6 +57,8 @@ def decode_reference(
     params: dict | None = None,
     compute_dtype=torch.float64,
     batch_offset: int = 0,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
     the gathered keys (one request at a time, ``b`` its batch index, the mask's ``b`` being
@@ -67,7 +69,9 @@ def decode_reference(
     (:func:`flashgen.ops.cpu_attention.attention_blocked`, so the decode op on CPU equals the
     padded op on the gathered cache bitwise).  o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse
     ``[B, Hq, Sq]`` (float32, float64 for a float64 reference); no live key: o = 0,
-    lse = -inf."""
+    lse = -inf.  ``k_descale`` / ``v_descale``: float32 ``[B, Hkv]`` (an e4m3 cache,
+    :mod:`flashgen.ops.decode_fp8`): request b's gathered keys and values are dequantized
+    (``k_descale[b, h] * k``, in float32, float64 for the oracle) before the attention."""
     from flashgen.ops.cpu_attention import attention_blocked
     from flashgen.ops.reference import attention_reference
 
@@ -81,6 +85,10 @@ def decode_reference(
         if lens[b] <= 0 or sq == 0:
             continue
         k, v = gather_cache(k_cache, v_cache, b, lens[b], block_table)
+        if k_descale is not None:
+            deq = torch.float64 if compute_dtype == torch.float64 else torch.float32
+            k = k.to(deq) * k_descale[b].to(deq).view(-1, 1, 1)
+            v = v.to(deq) * v_descale[b].to(deq).view(-1, 1, 1)
         if compute_dtype != torch.float32:  # the float64 oracle, or torch's low-precision math
             ob, lb = attention_reference(
                 spec, q[b : b + 1], k[None], v[None], softmax_scale=softmax_scale,
@@ -134,12 +142,16 @@ def decode_reference_ragged(
     softmax_scale: float | None = None,
     params: dict | None = None,
     compute_dtype=torch.float64,
+    k_descale=None,
+    v_descale=None,
 ):
     """:func:`decode_reference` of a ragged call: request ``b``'s queries are rows
     ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q ``[total_q, Hq, D]`` (Sq_b of them:
     ``seqlen_q = Sq_b``, the last Sq_b of its ``live_lens[b]`` keys; the mask's ``b`` is
     ``b``, as in the kernel).  o ``[total_q, Hq, Dv]`` in ``compute_dtype``, lse ``[Hq,
-    total_q]`` (float32; float64 for a float64 reference); no live key: o = 0, lse = -inf."""
+    total_q]`` (float32; float64 for a float64 reference); no live key: o = 0, lse = -inf.
+    ``k_descale`` / ``v_descale``: float32 ``[B, Hkv]`` of an e4m3 cache (request b's row
+    dequantizes its keys and values, as :func:`decode_reference`)."""
     total_q, hq, _ = q.shape
     lse_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
     o = torch.zeros(total_q, hq, v_cache.shape[-1], dtype=compute_dtype, device=q.device)
@@ -154,7 +166,8 @@ def decode_reference_ragged(
         ob, lb = decode_reference(
             spec, q[q0:q1].permute(1, 0, 2)[None], kc, vc, lens[b : b + 1], table,
             softmax_scale=softmax_scale, params=params, compute_dtype=compute_dtype,
-            batch_offset=b,
+            batch_offset=b, k_descale=None if k_descale is None else k_descale[b : b + 1],
+            v_descale=None if v_descale is None else v_descale[b : b + 1],
         )  # fmt: skip
         o[q0:q1] = ob[0].permute(1, 0, 2)
         lse[:, q0:q1] = lb[0]
