@@ -68,6 +68,7 @@ def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
         family != "fa2"
         and target == "sm_90"
         and spec.dtype in DTYPES
+        and not DTYPES[spec.dtype].scaled  # fp8 specs have no backward
         and not spec.varlen
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_BWD_HEAD_DIMS

@@ -427,3 +427,30 @@ def test_round_e4m3_and_the_fp8_error_bound():
     assert ref_o.dtype == torch.float64 and 1e-3 < bound < 5e-2
     exact, _ = attention_reference(spec, *deq64(q8, k8, v8, qd, kd, vd))
     assert torch.equal(ref_o, exact)
+
+
+# ----------------------------------------------------------------------------- build side
+def test_fp8_specs_plan_forward_units_only(tmp_path):
+    import json
+
+    from flashgen.build.generate import module_source, write_generated
+    from flashgen.families import registry
+    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
+    from flashgen.frontend.spec import load_spec
+
+    spec = load_spec(flashgen_spec("llama3_fp8"))
+    assert spec.targets == ("sm_90",) and not registry.has_backward(spec)
+    assert set(registry.compile_units(spec, "sm_90")) <= {"fwd", "fwd_sparse"}
+    assert not hopper_bwd_eligible(spec, "sm_90")
+    for plan in (registry.plan_backward, registry.plan_hopper_backward):
+        with pytest.raises(ValueError, match="no backward kernels"):
+            plan(spec, "sm_90")
+    assert registry.has_backward(load_spec(flashgen_spec("llama3_gqa")))
+    out = write_generated(spec, tmp_path)
+    assert sorted(p.name for p in out.glob("*.cu")) == ["llama3_fp8_sm_90.cu"]
+    doc = json.loads((out / "manifest.json").read_text())
+    assert set(doc["targets"]) == {"sm_90"} and "backward" not in doc["targets"]["sm_90"]
+    text = module_source(spec)
+    assert "q_descale=q_descale" in text and "torch.float8_e4m3fn" in text
+    assert "Forward only." in text and "128] (bf16), lse" in text
+    compile(text, "llama3_fp8/__init__.py", "exec")
