@@ -42,8 +42,9 @@ SIZES = ((2, 4, 2, 37, 53), (1, 4, 1, 53, 37), (1, 2, 2, 1, 129), (1, 2, 1, 130,
 DRIVER = r"""
 import sys, torch, flashgen
 from flashgen.bench.verify import random_inputs
+from flashgen.families.registry import has_backward
 op = flashgen.load(sys.argv[1])
-backward = sys.argv[2] == "fwd+bwd"
+backward = sys.argv[2] == "fwd+bwd" and has_backward(op.spec)  # fp8 specs: forward only
 sizes = [tuple(map(int, s.split(","))) for s in sys.argv[3:]]
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
@@ -164,10 +165,14 @@ def prebuild(specs: list[Path]) -> None:
     code = (  # a tiny forward + backward builds every kernel the driver launches
         "import sys, torch, flashgen\n"
         "from flashgen.bench.verify import random_inputs\n"
+        "from flashgen.families.registry import has_backward\n"
         "dev = torch.device('cuda', torch.cuda.current_device())\n"
         "for p in sys.argv[1:]:\n"
         "    op = flashgen.load(p)\n"
         "    q, k, v, params = random_inputs(op.spec, 1, 2, 1, 17, 17, dev, None)\n"
+        "    if not has_backward(op.spec):  # fp8 specs: forward only\n"
+        "        op.attention(q, k, v, **params)\n"
+        "        continue\n"
         "    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))\n"
         "    op.attention(q, k, v, **params)[0].sum().backward()\n"
     )

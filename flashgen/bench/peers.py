@@ -6,6 +6,8 @@
     sdpa_efficient  torch SDPA, SDPBackend.EFFICIENT_ATTENTION forced
     flex            FlexAttention under torch.compile (mask/score_mod from flashgen.bench.flexmods)
     standard        eager matmul -> softmax -> matmul (materializes the seqlen^2 scores)
+    flashgen_bf16   an fp8 spec's bf16 build (protocol.bf16_twin): fp8 specs are timed only
+                    against it, no torch implementation runs FP8 attention
 
 :func:`make_forward` builds one; an implementation that cannot express a spec raises
 :class:`Unsupported`.  Used by ``flashgen bench``, ``flashgen ab --peers`` and tools/gallery.py.
@@ -14,7 +16,7 @@ torch is imported inside the functions.
 
 from __future__ import annotations
 
-from flashgen.bench.protocol import IMPLS
+from flashgen.bench.protocol import FP8_PEER, IMPLS, bf16_twin, is_fp8, spec_impls
 from flashgen.frontend import ir
 
 
@@ -110,7 +112,24 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
     plain = residual is None and spec.score_mod is None and not spec.params
     if impl == "flashgen":
         op = build_op(spec)
+        if is_fp8(spec):  # descales of 1.0 made once per [B, Hkv], not on every call
+            ones: dict = {}
+
+            def fp8(q, k, v):
+                key = (k.shape[0], k.shape[1], k.device)
+                d = ones.get(key)
+                if d is None:
+                    d = ones[key] = torch.ones(key[:2], dtype=torch.float32, device=k.device)
+                return op.attention(q, k, v, q_descale=d, k_descale=d, v_descale=d, **params)[0]
+
+            return fp8
         return lambda q, k, v: op.attention(q, k, v, **params)[0]
+    if impl == FP8_PEER:
+        if not is_fp8(spec):
+            raise Unsupported(f"{FP8_PEER} is the bf16 build of an fp8 spec")
+        return make_forward("flashgen", bf16_twin(spec), seqlen_q, seqlen_k, params, device)
+    if is_fp8(spec):
+        raise Unsupported(f"{impl} has no FP8 attention (fp8 specs: flashgen and {FP8_PEER})")
     if impl in SDPA_BACKENDS:
         if not plain:
             raise Unsupported("SDPA has no equivalent of this mask/score_mod")
@@ -185,9 +204,12 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
 
 
 def expressible(impl: str, spec: ir.Spec) -> bool:
-    """Whether ``impl`` can compute ``spec``: SDPA only plain causal/unmasked attention."""
+    """Whether ``impl`` can compute ``spec``: SDPA only plain causal/unmasked attention; an
+    fp8 spec only flashgen and :data:`FP8_PEER` (its bf16 build), which nothing else is."""
     from flashgen.codegen.cuda_expr import split_causal
 
+    if is_fp8(spec) or impl == FP8_PEER:
+        return impl in spec_impls(spec, (impl,))
     if impl in SDPA_BACKENDS:
         causal, residual = split_causal(spec.mask)
         return residual is None and spec.score_mod is None and not spec.params

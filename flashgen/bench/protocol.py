@@ -14,7 +14,10 @@ make tensors.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +30,10 @@ HIDDEN = 2048
 L2_BYTES = 60 * 10**6
 #: Every implementation, in table order.
 IMPLS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "standard")
+#: The implementation timed next to an fp8 spec's flashgen op: the bf16 build of the same spec
+#: (:func:`bf16_twin`), in the same run.  No peer in torch runs FP8 attention, so the fp8 /
+#: bf16 ratio is the figure (issue 24).
+FP8_PEER = "flashgen_bf16"
 DIRECTIONS = ("fwd", "fwd_bwd")
 #: Backward FLOPs relative to forward (papers' convention).
 BWD_FACTOR = 2.5
@@ -99,6 +106,40 @@ def template_spec(head_dim: int, dtype: str, causal: bool) -> ir.Spec:
         dtype=dtype,
     )
     return loads_spec(text, path=f"<bench {kind} d{head_dim} {dtype}>")
+
+
+def is_fp8(spec: ir.Spec) -> bool:
+    """Whether ``spec``'s dtype is an FP8 one (its op takes descales, runs forward only)."""
+    return spec.dtype in ir.FP8_DTYPES
+
+
+@functools.lru_cache(maxsize=64)
+def bf16_twin(spec: ir.Spec) -> ir.Spec:
+    """The bf16 build of fp8 spec ``spec``: the same variant (mask, score_mod, params, head
+    dims, targets) with ``dtype: bf16``, named ``<name>_bf16`` (its own op and kernels); from
+    the spec text when there is one (checked again), else by replacing the two fields."""
+    name = f"{spec.name}_bf16"
+    if spec.source:
+        text = re.sub(r"(?m)^dtype:.*$", "dtype: bf16", spec.source, count=1)
+        text = re.sub(r"(?m)^name:.*$", f"name: {name}", text, count=1)
+        from flashgen.frontend.spec import loads_spec
+
+        return loads_spec(text, path=f"<bf16 build of {spec.path}>")
+    return dataclasses.replace(spec, name=name, dtype="bf16")
+
+
+def spec_impls(spec: ir.Spec, impls) -> tuple[str, ...]:
+    """The implementations that time ``spec`` out of ``impls``: all of them, except for an fp8
+    spec: flashgen and :data:`FP8_PEER` (when ``impls`` has flashgen), since no torch
+    implementation runs FP8 attention."""
+    if not is_fp8(spec):
+        return tuple(i for i in impls if i != FP8_PEER)
+    return ("flashgen", FP8_PEER) if "flashgen" in impls or FP8_PEER in impls else ()
+
+
+def spec_directions(spec: ir.Spec, directions) -> tuple[str, ...]:
+    """``directions`` ``spec`` is timed in: an fp8 spec's op is forward only."""
+    return tuple(d for d in directions if d == "fwd" or not is_fp8(spec))
 
 
 def shipped_spec_paths() -> list[Path]:

@@ -14,11 +14,12 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from flashgen.bench.protocol import DIRECTIONS, IMPLS
+from flashgen.bench.protocol import DIRECTIONS, FP8_PEER, IMPLS
 
 #: Display order and colors of the implementations.
 COLORS = {
     "flashgen": "tab:red",
+    FP8_PEER: "tab:brown",
     "sdpa_flash": "tab:blue",
     "sdpa_cudnn": "tab:green",
     "sdpa_efficient": "tab:purple",
@@ -65,7 +66,33 @@ def _cell(r: dict | None, key: str = "tflops", fmt: str = "{:.1f}") -> str:
 
 def _impls_present(rows: list[dict]) -> list[str]:
     seen = {r["impl"] for r in rows}
-    return [i for i in IMPLS if i in seen] + sorted(seen - set(IMPLS))
+    order = (IMPLS[0], FP8_PEER, *IMPLS[1:])
+    return [i for i in order if i in seen] + sorted(seen - set(order))
+
+
+def fp8_speedups(rows: list[dict]) -> list[dict]:
+    """For each timed fp8 row of flashgen (``dtype`` fp8_e4m3) that has its ``flashgen_bf16``
+    row (the bf16 build of the same spec, same problem, same run): ``spec``, ``section``,
+    ``head_dim``, ``causal``, ``direction``, ``seqlen``, ``fp8_tflops``, ``bf16_tflops`` and
+    ``speedup`` = bf16 ms / fp8 ms (above 1: fp8 is faster), ordered by spec and seqlen."""
+    def key(r: dict) -> tuple:
+        return (r["section"], r["spec"], r["head_dim"], r["causal"], r["direction"], r["seqlen"])
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("ms") and
+          str(r.get("dtype", "")).startswith("fp8")]  # fmt: skip
+    peer = {key(r): r for r in ok if r["impl"] == FP8_PEER}
+    out = []
+    for r in ok:
+        b = peer.get(key(r)) if r["impl"] == "flashgen" else None
+        if b is None:
+            continue
+        out.append({
+            "spec": r["spec"], "section": r["section"], "head_dim": r["head_dim"],
+            "causal": r["causal"], "direction": r["direction"], "seqlen": r["seqlen"],
+            "fp8_tflops": r.get("tflops"), "bf16_tflops": b.get("tflops"),
+            "speedup": b["ms"] / r["ms"],
+        })  # fmt: skip
+    return sorted(out, key=lambda x: (x["section"], x["spec"], x["direction"], x["seqlen"]))
 
 
 def _gib(x) -> float:
@@ -173,6 +200,25 @@ def markdown(doc: dict) -> str:
                 f"| {sp} | {dt} | {d} | {_dir_text(direction)} | {s} | " + " | ".join(cells) + " |"
             )
         lines.append("")
+    fp8 = fp8_speedups(rows)
+    if fp8:
+        lines += [
+            "## FP8 against bf16 (the same spec, the same run)",
+            "",
+            f"No torch implementation runs FP8 attention: each fp8 spec is timed next to "
+            f"`{FP8_PEER}`, the bf16 build of the same spec.  speedup = bf16 time / fp8 time.",
+            "",
+            "| spec | head_dim | causal | direction | seqlen | fp8 TFLOP/s | bf16 TFLOP/s "
+            "| speedup |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for x in fp8:
+            lines.append(
+                f"| {x['spec']} | {x['head_dim']} | {'yes' if x['causal'] else 'no'} | "
+                f"{_dir_text(x['direction'])} | {x['seqlen']} | {x['fp8_tflops']:.1f} | "
+                f"{x['bf16_tflops']:.1f} | {x['speedup']:.2f}x |"
+            )
+        lines.append("")
     kernels = doc.get("kernels") or {}
     if kernels:
         lines += [
@@ -250,6 +296,12 @@ def summary(doc: dict) -> str:
         if section == "variant":
             name = "variant " + name
         out.append(f"{name:34} {s:>6} {fg_txt:>9} {best_txt:>24} {ratio:>6}")
+    for x in fp8_speedups(doc.get("rows", [])):
+        out.append(
+            f"fp8 {x['spec']} {'fwd+bwd' if x['direction'] == 'fwd_bwd' else 'fwd'} "
+            f"S={x['seqlen']}: {x['fp8_tflops']:.1f} TFLOP/s, bf16 build {x['bf16_tflops']:.1f}: "
+            f"{x['speedup']:.2f}x"
+        )
     ceil = doc.get("ceilings", {})
     if ceil:
         out.append(

@@ -8,6 +8,11 @@ implementation is timed in the same process and run:
     flashgen, sdpa_flash, sdpa_cudnn, sdpa_efficient, flex, standard
     (:mod:`flashgen.bench.peers`; flashgen's specs built on the fly from a template spec text)
 
+An fp8 spec (``dtype: fp8_e4m3``, a variant spec or ``--dtype fp8_e4m3``) is timed forward
+only, against ``flashgen_bf16``, the bf16 build of the same spec
+(:func:`~flashgen.bench.protocol.bf16_twin`) in the same run, since no torch implementation
+runs FP8 attention; the reports give the ratio (:func:`flashgen.bench.report.fp8_speedups`).
+
 Times are medians of ``triton.testing.do_bench(..., return_mode="median")`` in **ms**;
 inputs rotate among ``max(2, ceil(2 * 60 MB / bytes_per_set))`` buffer sets so the L2
 cache never holds them.  Throughput in **TFLOP/s** by the papers' count: forward
@@ -52,14 +57,19 @@ from flashgen.bench.peers import (
 from flashgen.bench.protocol import (
     BWD_FACTOR,
     DIRECTIONS,
+    FP8_PEER,
     IMPLS,
     Rotation,
     attention_bytes,
     attention_flops,
+    bf16_twin,
+    is_fp8,
     kept_pairs,
     problem,
     rotation_sets,
     shipped_spec_paths,
+    spec_directions,
+    spec_impls,
     spec_params,
     template_spec,
 )
@@ -403,10 +413,13 @@ class Bench:
         if self.over_budget():
             row.status, row.note = "skipped", "time budget exhausted"
             return row, None
-        if impl == "flashgen" and spec.name in self.compile_errors:
-            row.status, row.note = "error", "compile: " + self.compile_errors[spec.name]
+        if impl == FP8_PEER:
+            row.note = f"bf16 build of {spec.name}"
+        built = bf16_twin(spec) if impl == FP8_PEER else spec  # the spec flashgen's op runs
+        if impl in ("flashgen", FP8_PEER) and built.name in self.compile_errors:
+            row.status, row.note = "error", "compile: " + self.compile_errors[built.name]
             return row, None
-        dt = TORCH_DTYPE[spec.dtype]
+        dt = TORCH_DTYPE[built.dtype]
         bwd = direction == "fwd_bwd"
         per_set = 3 * batch * heads * seqlen * d * 2 * (2 if bwd else 1)
         try:
@@ -425,7 +438,10 @@ class Bench:
                     return row, None
 
             def make():
-                g = lambda *s: torch.randn(*s, device=self.device, dtype=dt)  # noqa: E731
+                if is_fp8(built):  # e4m3 inputs (randn has no float8 kernel), descales 1.0
+                    g = lambda *s: torch.randn(*s, device=self.device).to(dt)  # noqa: E731
+                else:
+                    g = lambda *s: torch.randn(*s, device=self.device, dtype=dt)  # noqa: E731
                 q = g(batch, heads, seqlen, d).requires_grad_(bwd)
                 k = g(batch, heads, seqlen, d).requires_grad_(bwd)
                 v = g(batch, heads, seqlen, d).requires_grad_(bwd)
@@ -542,8 +558,8 @@ class Bench:
                     spec = template_spec(d, dtype, causal)
                     for s in c.seqlens:
                         b, h = problem(s, d)
-                        for direction in c.directions:
-                            for impl in c.impls:
+                        for direction in spec_directions(spec, c.directions):
+                            for impl in spec_impls(spec, c.impls):
                                 work.append(("sweep", (impl, spec, b, h, s, direction)))
         if c.memory:
             mspec = template_spec(128, "bf16", False)
@@ -555,8 +571,8 @@ class Bench:
             for spec in self.variant_specs():
                 for s in c.variant_seqlens:
                     b, h = problem(s, spec.head_dim)
-                    for direction in c.variant_directions:
-                        for impl in c.impls:
+                    for direction in spec_directions(spec, c.variant_directions):
+                        for impl in spec_impls(spec, c.impls):
                             if expressible(impl, spec):
                                 work.append(("variant", (impl, spec, b, h, s, direction)))
         return work
@@ -573,7 +589,8 @@ class Bench:
         work = self.plan()
         fg = [a for k, a in work if a[0] == "flashgen"]
         need_bwd = {a[1].name for a in fg if a[-1] == "fwd_bwd"}
-        self.precompile([a[1] for a in fg], need_bwd)
+        twins = [bf16_twin(a[1]) for k, a in work if a[0] == FP8_PEER]
+        self.precompile([a[1] for a in fg] + twins, need_bwd)
         if self.cfg.ceilings:
             self.measure_ceilings()
             print(

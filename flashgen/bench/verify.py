@@ -4,8 +4,10 @@ Shared by ``flashgen build`` (its GPU verification), ``flashgen tune`` (each can
 checked before it is timed), ``flashgen ab`` (the accuracy rule), tools/sanitize.py and the
 tests: :func:`random_inputs` / :func:`random_tensor_params` (random q, k, v and tensor
 params of a spec), :func:`error_bound` (the accuracy rule: max |o - ref64| <= 2 x the error
-of the same reference in the input dtype + 1e-3), :func:`call_padded` (a varlen op called on
-padded inputs), :func:`verify_spec` (a GPU check and timing of one op), and
+of the same reference in the input dtype + 1e-3; fp8 specs: :func:`fp8_error_bound`),
+:func:`outlier_normal` and :func:`rmse` (FlashAttention-3's Table 3 inputs and measure),
+:func:`call_padded` (a varlen op called on padded inputs), :func:`verify_spec` (a GPU
+check and timing of one op), and
 :func:`require_cuda` (why a GPU command cannot run here; exit status :data:`NO_GPU_EXIT`).
 torch is imported inside the functions.
 """
@@ -99,20 +101,75 @@ def random_tensor_params(spec: ir.Spec, sizes: dict, device, generator=None) -> 
     return params
 
 
-def error_bound(spec: ir.Spec, q, k, v, params: dict) -> tuple:
+def error_bound(spec: ir.Spec, q, k, v, params: dict, descales=None) -> tuple:
     """(fp64 reference o, fp64 reference lse, bound on max |o - ref|).
 
     The bound is 2x the error of the same reference computed in the input dtype (what
-    plain PyTorch low-precision math achieves) plus 1e-3.
+    plain PyTorch low-precision math achieves) plus 1e-3.  fp8 specs:
+    :func:`fp8_error_bound` (``descales``: their ``(q_descale, k_descale, v_descale)``,
+    None for 1.0).
     """
     import torch
 
     from flashgen.ops.reference import attention_reference
 
+    if spec.dtype in ir.FP8_DTYPES:
+        return fp8_error_bound(spec, q, k, v, params, descales)
+
     ref_o, ref_lse = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float64)
     low_o, _ = attention_reference(spec, q, k, v, params=params, compute_dtype=q.dtype)
     torch_err = (low_o.double() - ref_o).abs().max().item() if ref_o.numel() else 0.0
     return ref_o, ref_lse, 2 * torch_err + 1e-3
+
+
+def fp8_error_bound(spec: ir.Spec, q8, k8, v8, params: dict, descales=None) -> tuple:
+    """The accuracy rule of fp8 specs: (fp64 reference o, fp64 reference lse, bound on
+    max |o - ref|), the reference computed on the dequantized inputs
+    (:func:`flashgen.fp8.dequantize`; ``descales`` ``(q_descale, k_descale, v_descale)``
+    float32 [B, Hkv], None for 1.0).
+
+    The bound is 2x the error of the kernel's arithmetic emulated in torch, plus 1e-3: a
+    float32 attention on the same dequantized inputs whose unnormalized P (in [0, 1] after
+    the row max is subtracted) is rounded to e4m3 before the P V product, as the FP8 kernel
+    feeds P to its FP8 GEMM (FlashAttention-3, Shah et al. 2024, section 3.3), and whose o
+    is rounded to bf16 (the kernel's output dtype).  So: 2x what a float32 attention on
+    the dequantized inputs achieves, plus the rounding of P to e4m3 (issue 24's rule)."""
+    import torch
+
+    from flashgen.fp8 import dequantize, round_e4m3
+    from flashgen.ops.reference import attention_reference
+
+    if descales is None:
+        ones = torch.ones((k8.shape[0], k8.shape[1]), dtype=torch.float32, device=k8.device)
+        descales = (ones, ones, ones)
+    ins = [(x, d) for x, d in zip((q8, k8, v8), descales, strict=True)]
+    ref_o, ref_lse = attention_reference(
+        spec, *(dequantize(x, d, torch.float64) for x, d in ins), params=params
+    )
+    emu_o, _ = attention_reference(
+        spec, *(dequantize(x, d, torch.float32) for x, d in ins), params=params,
+        compute_dtype=torch.float32, round_p=round_e4m3,
+    )  # fmt: skip
+    err = (emu_o.bfloat16().double() - ref_o).abs().max().item() if ref_o.numel() else 0.0
+    return ref_o, ref_lse, 2 * err + 1e-3
+
+
+def outlier_normal(shape, device=None, generator=None, *, frac: float = 1e-3, std: float = 10.0):
+    """FlashAttention-3's Table 3 inputs (Shah et al. 2024, section 4.3): float32 entries
+    from N(0, 1), plus N(0, ``std``^2) on a random ``frac`` of them (0.1% outliers with
+    standard deviation 10), the distribution on which incoherent processing
+    (:func:`flashgen.fp8.quantize` with ``hadamard=True``) pays off."""
+    import torch
+
+    x = torch.randn(shape, device=device, generator=generator)
+    hit = torch.rand(shape, device=device, generator=generator) < frac
+    return x + hit * torch.randn(shape, device=device, generator=generator) * std
+
+
+def rmse(a, b) -> float:
+    """Root-mean-square of ``a - b`` (in float64): the error measure of FlashAttention-3's
+    Table 3."""
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
 
 
 def verify_safely(spec: ir.Spec) -> dict:

@@ -63,6 +63,19 @@ q [B, Hq, Sq, {head_dim}], k [B, Hkv, Sk, {head_dim}], v [B, Hkv, Sk, {head_dim_
 CUDA device, stride(-1) == 1, Hq % Hkv == 0) -> o [B, Hq, Sq, {head_dim_v}] ({out_dtype}),
 lse [B, Hq, Sq] float32 (natural log)."""
 
+#: An fp8 spec's op takes the descales (FlashAttention-3's FP8 interface) and has no backward.
+_FP8_USAGE = """    from flashgen.fp8 import quantize
+    from generated import {name}
+    q8, k8, v8, q_descale, k_descale, v_descale = quantize(q, k, v)
+    o, lse = {name}.attention(q8, k8, v8{param_example}, q_descale=q_descale,
+        k_descale=k_descale, v_descale=v_descale)
+
+q [B, Hq, Sq, {head_dim}], k [B, Hkv, Sk, {head_dim}], v [B, Hkv, Sk, {head_dim_v}] ({dtype}:
+torch.float8_e4m3fn, one CUDA device of compute capability 9.x, stride(-1) == 1, Hq % Hkv
+== 0), q_descale / k_descale / v_descale float32 [B, Hkv] (default 1.0) -> o [B, Hq, Sq,
+{head_dim_v}] ({out_dtype}), lse [B, Hq, Sq] float32 (natural log) of the dequantized logits.
+Forward only."""
+
 #: A ``varlen: true`` spec's op is the packed-sequence one (``VarlenOp.attention``).
 _VARLEN_USAGE = """    from generated import {name}
     o, lse = {name}.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -153,7 +166,9 @@ def module_source(spec: ir.Spec) -> str:
     :func:`docstring_text`, so the module always compiles."""
     example = "".join(f", {p.name}={p.name}" for p in spec.tensor_params)
     desc = spec.description.strip() or f"Attention variant {spec.name}."
-    usage = (_VARLEN_USAGE if spec.varlen else _USAGE).format(
+    usage = (
+        _VARLEN_USAGE if spec.varlen else _FP8_USAGE if spec.dtype in ir.FP8_DTYPES else _USAGE
+    ).format(
         name=spec.name,
         param_example=example,
         head_dim=spec.head_dim,
@@ -244,7 +259,8 @@ def write_generated(
     given, plans = plans or {}, {}
     for t in targets:
         plans[(t, "fwd")] = given.get((t, "fwd")) or registry.plan_forward(spec, t, options)
-        plans[(t, "bwd")] = given.get((t, "bwd")) or registry.plan_backward(spec, t, options)
+        if registry.has_backward(spec):  # fp8 specs: forward only
+            plans[(t, "bwd")] = given.get((t, "bwd")) or registry.plan_backward(spec, t, options)
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}
     for (t, unit), src in sources.items():
         _atomic_write(dest / _source_name(spec, t, unit), src)
@@ -258,7 +274,9 @@ def write_generated(
         for t, entry in old["targets"].items():
             if t in targets or t not in spec.targets or not isinstance(entry, dict):
                 continue
-            names = [entry.get("source"), (entry.get("backward") or {}).get("source")]
+            names = [entry.get("source")]
+            if "backward" in entry or registry.has_backward(spec):
+                names.append((entry.get("backward") or {}).get("source"))
             if all(isinstance(n, str) and (dest / n).is_file() for n in names):
                 doc["targets"][t] = entry
                 keep.update(names)

@@ -126,7 +126,12 @@ def cmd_build(args) -> int:
     from flashgen.build.generate import write_generated
     from flashgen.families.decode import unsupported_reason
     from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
-    from flashgen.families.registry import choose_tiles, persistent_scheduler, sparse_tiles
+    from flashgen.families.registry import (
+        choose_tiles,
+        has_backward,
+        persistent_scheduler,
+        sparse_tiles,
+    )
 
     out, err = _consoles()
     try:
@@ -157,7 +162,11 @@ def cmd_build(args) -> int:
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         units = ("fwd", "bwd", "bwd_atomic")  # every unit of registry.compile_units
-        futures = [pool.submit(_compile_one, s, t, u, options) for s, t in pairs for u in units]
+        futures = [
+            pool.submit(_compile_one, s, t, u, options)
+            for s, t in pairs
+            for u in (units if has_backward(s) else units[:1])  # fp8: forward only
+        ]
         futures += [  # the Hopper backward unit, where the spec takes it
             pool.submit(_compile_one, s, t, "bwd_wgmma", options)
             for s, t in pairs

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.codegen.abi import needs_block_table, target_for_capability
-from flashgen.codegen.dtypes import dtype
+from flashgen.codegen.dtypes import DTYPES, dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
 from flashgen.families.bwd_common import BackwardPlan
@@ -217,7 +217,9 @@ def plan_backward(
     tiles: BackwardTiles | None = None,
     side_terms=True,
 ) -> BackwardPlan:
-    """The FA2-class backward (:func:`flashgen.families.fa2_bwd.plan`)."""
+    """The FA2-class backward (:func:`flashgen.families.fa2_bwd.plan`).  Raises
+    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+    _require_backward(spec)
     if not options.side_terms:
         side_terms = False
     return fa2_bwd.plan(
@@ -227,11 +229,28 @@ def plan_backward(
 
 
 def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) -> BackwardPlan:
-    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`)."""
+    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`).  Raises
+    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+    _require_backward(spec)
     return hopper_bwd.plan(
         spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
         options_key=options.family_key("hopper_bwd"),
     )  # fmt: skip
+
+
+def has_backward(spec: Spec) -> bool:
+    """Whether ``spec`` has backward kernels: not for a dtype whose record is ``scaled``
+    (fp8_e4m3: FlashAttention-3's FP8 attention is a forward, and so is flashgen's)."""
+    rec = DTYPES.get(spec.dtype)
+    return rec is None or not rec.scaled
+
+
+def _require_backward(spec: Spec) -> None:
+    if not has_backward(spec):
+        raise ValueError(
+            f"spec {spec.name!r} has dtype {spec.dtype}, which has no backward kernels (the "
+            f"FP8 attention is forward only)"
+        )
 
 
 def plan_block_table(spec: Spec, target: str, tile_config: TileConfig) -> KernelPlan:
@@ -264,15 +283,13 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
     ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
     backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
-    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler)."""
+    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
+    without backward (:func:`has_backward`: fp8) has only the forward units."""
     fwd = plan_forward(spec, target, options)
-    if is_fp8(spec):
-        return {"fwd": fwd}
-    units = {
-        "fwd": fwd,
-        "bwd": plan_backward(spec, target, options).unit,
-        "bwd_atomic": plan_backward(spec, target, options, atomic_dq=True).unit,
-    }
+    units = {"fwd": fwd}
+    if has_backward(spec):
+        units["bwd"] = plan_backward(spec, target, options).unit
+        units["bwd_atomic"] = plan_backward(spec, target, options, atomic_dq=True).unit
     if hopper_bwd.eligible(spec, target, options.family):
         units["bwd_wgmma"] = plan_hopper_backward(spec, target, options).unit
     alt = sparse_tiles(spec, fwd.tiles, options)

@@ -183,10 +183,6 @@ class _Checker:
                 f"unknown dtype '{s.dtype}'{did_you_mean(s.dtype, ir.DTYPES)}; "
                 f"expected one of: {', '.join(ir.DTYPES)}",
             )
-        if s.dtype == "fp8_e4m3":
-            raise self.fail(
-                "dtype", "dtype fp8_e4m3 is not supported yet (planned); use fp16 or bf16"
-            )
         if not s.targets:
             raise self.fail(
                 "targets", "targets must name at least one of: " + ", ".join(ir.TARGETS)
@@ -200,6 +196,8 @@ class _Checker:
                 )
             if t in s.targets[:i]:
                 raise self.fail(f"targets.{i}", f"target '{t}' is listed twice")
+        if s.dtype in ir.FP8_DTYPES:
+            self.fp8()
         if s.softmax_scale is not None and not (
             math.isfinite(s.softmax_scale) and F32_MIN_NORMAL <= s.softmax_scale <= F32_MAX
         ):
@@ -232,6 +230,47 @@ class _Checker:
         seen: set[str] = set()
         for p in s.params:
             self.param(p, seen)
+
+    def fp8(self) -> None:
+        """An fp8 spec runs FlashAttention-3's FP8 forward (Shah et al. 2024, section 3.3),
+        the Hopper kernel: sm_90 only (Ampere has no FP8 tensor cores), its head dims with
+        head_dim == head_dim_v, padded inputs (no varlen form) and its own tiles."""
+        s = self.spec
+        allowed = ", ".join(ir.FP8_TARGETS)
+        for i, t in enumerate(s.targets):
+            if t not in ir.FP8_TARGETS:
+                raise self.fail(
+                    f"targets.{i}",
+                    f"target '{t}' cannot run dtype {s.dtype}: it has no FP8 tensor cores; "
+                    f"{s.dtype} specs target {allowed} only (leave targets out for the "
+                    f"default [{allowed}])",
+                )
+        dims = ", ".join(map(str, ir.FP8_HEAD_DIMS))
+        if s.head_dim not in ir.FP8_HEAD_DIMS:
+            raise self.fail(
+                "head_dim",
+                f"dtype {s.dtype} supports head_dim {dims} (the Hopper FP8 forward), "
+                f"got {s.head_dim}",
+            )
+        if s.head_dim_v != s.head_dim:
+            raise self.fail(
+                "head_dim_v",
+                f"dtype {s.dtype} needs head_dim_v == head_dim (the Hopper FP8 forward), got "
+                f"head_dim_v {s.head_dim_v} with head_dim {s.head_dim}",
+            )
+        if s.varlen:
+            raise self.fail(
+                "varlen",
+                f"dtype {s.dtype} has no varlen form yet: the FP8 kernel takes padded "
+                "[B, H, S, D] inputs",
+            )
+        for key in ("block_m", "block_n", "num_warps"):
+            if getattr(s.tiles, key) is not None:
+                raise self.fail(
+                    f"tiles.{key}",
+                    f"dtype {s.dtype} cannot pin tiles: pinned tiles select the FA2-class "
+                    "kernel, which has no FP8 form; leave tiles out",
+                )
 
     def tiles_fit(self) -> None:
         """Pinned ``tiles:`` must fit each target's shared memory: the FA2-class forward (the

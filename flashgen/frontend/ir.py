@@ -66,6 +66,13 @@ SHAPE_SYMBOLS = ("batch", "num_heads", "num_heads_kv", "seqlen_q", "seqlen_k")
 
 DTYPES = ("fp16", "bf16", "fp8_e4m3")
 TARGETS = ("sm_80", "sm_90")
+#: FP8 dtypes: FlashAttention-3's FP8 forward (Shah et al. 2024, section 3.3) runs on Hopper
+#: tensor cores only (Ampere has none for FP8), so their ``targets`` default to and must stay
+#: within :data:`FP8_TARGETS`; their one kernel is the Hopper forward, hence its head dims
+#: (head_dim == head_dim_v), no varlen form, no pinned ``tiles:`` and no backward.
+FP8_DTYPES = ("fp8_e4m3",)
+FP8_TARGETS = ("sm_90",)
+FP8_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 
 

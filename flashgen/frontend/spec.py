@@ -38,6 +38,7 @@ FIELDS = (
 REQUIRED = ("name", "head_dim", "dtype")
 PARAM_FIELDS = ("type", "default", "shape", "min", "max", "above", "below")
 TILE_FIELDS = ("block_m", "block_n", "num_warps")
+#: ``targets`` when the spec gives none (fp8 specs: :data:`flashgen.frontend.ir.FP8_TARGETS`).
 DEFAULT_TARGETS = ("sm_80", "sm_90")
 #: Largest spec accepted, in bytes (a spec is a dozen lines; this bounds reading, YAML
 #: parsing and every later pass).  Only regular files are read.
@@ -329,7 +330,7 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
         head_dim_v = ld.integer(get("head_dim_v"), "head_dim_v")
     dtype = ld.string(f["dtype"][1], "dtype")
 
-    targets: tuple[str, ...] = DEFAULT_TARGETS
+    targets: tuple[str, ...] = ir.FP8_TARGETS if dtype in ir.FP8_DTYPES else DEFAULT_TARGETS
     if get("targets") is not None:
         items = ld.sequence(get("targets"), "targets")
         for i, t in enumerate(items):

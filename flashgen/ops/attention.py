@@ -2,6 +2,7 @@
 registers it, once per process and spec name, as an operator with schema::
 
     <name>(Tensor q, Tensor k, Tensor v, float softmax_scale,
+           [Tensor q_descale, Tensor k_descale, Tensor v_descale: fp8_e4m3 specs only],
            <int|float scalar params, spec order>, <Tensor params, spec order>,
            *, bool deterministic=False) -> (Tensor, Tensor)
 
@@ -25,6 +26,8 @@ Op contract (README.md, section "Op contract"):
 
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
     on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
+    fp8_e4m3 specs: q_descale, k_descale, v_descale float32 [B, Hkv] on q's device,
+    finite and positive; the attention runs on x * x_descale[b, h // (H / Hkv)].
     o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous, or written into
     the caller's ``out=`` (any layout with stride(-1) == 1; mutating overload ``<name>.out``);
     lse [B, Hq, Sq] float32, natural log, contiguous.
@@ -63,9 +66,12 @@ from flashgen.ops.validation import (
     PARAM_DTYPE,
     Dims,
     _poison_enabled,
+    check_descales,
     check_softmax_scale,
     default_softmax_scale,
+    is_scaled,
     out_dtype,
+    resolve_descales,
     resolve_params,
     target_for_device,
     validate,
@@ -110,6 +116,8 @@ class AttentionOp:
         self._kernel_lock = threading.Lock()
         #: whether the mask reads tensor params (a block table); asked on every call
         self._block_table = needs_block_table(spec)
+        #: whether the op takes q_descale, k_descale, v_descale (fp8_e4m3 specs)
+        self._scaled = is_scaled(spec)
         #: (Dims, scalar values) whose tensor-param subscripts were bounded (indexbounds)
         self._bounds_seen: set = set()
         #: set when ``flashgen.load`` of the edited spec file replaced this op's registration
@@ -216,6 +224,9 @@ class AttentionOp:
         seqlen_q_global: int | None = None,
         seqlen_k_global: int | None = None,
         out=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
         **params,
     ):
         """Run the attention variant: returns ``(o, lse)``.
@@ -252,6 +263,17 @@ class AttentionOp:
         the mutating overload ``torch.ops.flashgen.<name>.out(..., o=out)`` (returns lse).
         lse is always allocated ``[B, Hq, Sq]``.
 
+        ``q_descale``, ``k_descale``, ``v_descale`` (fp8_e4m3 specs only; FlashAttention-3's
+        FP8 interface): q, k, v are ``torch.float8_e4m3fn`` and the attention runs on the
+        dequantized ``x[b, h] * x_descale[b, h // (H / Hkv)]`` (query head h takes the
+        descale of its kv head), so lse is the log-sum-exp of the dequantized, scaled logits.
+        Each is a float32 ``[B, Hkv]`` tensor on q's device, or a Python float / 0-d /
+        one-element float32 tensor (broadcast); None is 1.0.  Non-finite or non-positive
+        values raise (checked on the host for numbers and CPU tensors; for CUDA tensors only
+        with ``FLASHGEN_VARLEN_CHECK=1``, since reading them synchronizes the device).
+        :func:`flashgen.fp8.quantize` makes q, k, v and the descales from float tensors.
+        Giving a descale to an op of another dtype raises.  fp8 ops have no backward.
+
         ``q_offset``, ``kv_offset``, ``seqlen_q_global``, ``seqlen_k_global`` (ints): this
         call is a slice of a longer sequence -- q holds global rows ``q_offset ..
         q_offset + Sq - 1`` of ``seqlen_q_global``, k / v keys ``kv_offset .. kv_offset + Sk
@@ -280,12 +302,17 @@ class AttentionOp:
             if not self._offsets_form:
                 return self.offsets.attention(
                     q, k, v, softmax_scale=softmax_scale, deterministic=deterministic,
-                    block_mask=block_mask, out=out, **pos, **params,
+                    block_mask=block_mask, out=out, q_descale=q_descale, k_descale=k_descale,
+                    v_descale=v_descale, **pos, **params,
                 )  # fmt: skip
             params = {**params, **pos}
         scalars, tensors = resolve_params(self.spec, params)
         tensor_map = self._tensor_map(tensors)
         dims = validate(self.spec, q, k, v, tensor_map)
+        descales = None
+        if self._scaled or not (q_descale is None and k_descale is None and v_descale is None):
+            given = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+            descales = resolve_descales(self.spec, given, dims, q.device)
         if softmax_scale is None:
             softmax_scale = default_softmax_scale(self.spec)
         softmax_scale = check_softmax_scale(softmax_scale)
@@ -302,15 +329,15 @@ class AttentionOp:
                 q.requires_grad or k.requires_grad or v.requires_grad or param_grad
             ):
                 return self._forward(
-                    q, k, v, dims, softmax_scale, scalars, tensor_map, table, out=out
+                    q, k, v, dims, softmax_scale, scalars, tensor_map, table, descales, out=out
                 )
-            if not param_grad:
+            if not param_grad and descales is None:  # fp8 ops: the op path says no backward
                 return _EagerAttention.apply(
                     self, dims, softmax_scale, scalars, tensors, table, deterministic, (out,),
                     q, k, v,
                 )  # fmt: skip
         extra = [table] if self._block_table else []
-        args = (q, k, v, softmax_scale, *scalars, *tensors, *extra)
+        args = (q, k, v, softmax_scale, *(descales or ()), *scalars, *tensors, *extra)
         if out is None:
             return self.torch_op(*args, deterministic=deterministic)
         if torch.is_grad_enabled() and any(
@@ -509,6 +536,13 @@ class AttentionOp:
         m = n + len(self.spec.tensor_params)
         return list(rest[:n]), self._tensor_map(rest[n:m])
 
+    def _descales_split(self, rest) -> tuple:
+        """Schema arguments after softmax_scale -> (the three descales of an fp8 op, or
+        None; the arguments after them)."""
+        if not self._scaled:
+            return None, rest
+        return tuple(rest[:3]), rest[3:]
+
     def _table_arg(self, rest):
         """The ``block_mask`` schema argument (a uint8 table or None)."""
         m = len(self.spec.scalar_params) + len(self.spec.tensor_params)
@@ -527,8 +561,11 @@ class AttentionOp:
         return o, lse
 
     def _fake_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
+        descales, rest = self._descales_split(rest)
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        if descales is not None:
+            check_descales(self.spec, descales, dims, q.device, values=False)
         self._check_out_arg(out, q, k, v, dims, tensors)
         return self._empty_outputs(q, dims, out)
 
@@ -538,16 +575,25 @@ class AttentionOp:
             check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensors})
 
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
+        """The blocked CPU forward (:mod:`flashgen.ops.cpu_attention`), in float32; an fp8 op
+        first dequantizes q, k, v with their descales (:func:`flashgen.fp8.dequantize`)."""
         from flashgen.ops.cpu_attention import attention_blocked
 
+        descales, rest = self._descales_split(rest)
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        if descales is not None:
+            check_descales(self.spec, descales, dims, q.device)
         self._check_out_arg(out, q, k, v, dims, tensors)
         o, lse = self._empty_outputs(q, dims, out)
         if lse.numel() == 0:
             return o, lse
         if dims.seqlen_k == 0:
             return o.zero_(), lse.fill_(-math.inf)
+        if descales is not None:
+            from flashgen.fp8 import dequantize
+
+            q, k, v = (dequantize(t, d) for t, d in zip((q, k, v), descales, strict=True))
         params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
         ref_o, ref_lse = attention_blocked(
@@ -575,18 +621,25 @@ class AttentionOp:
             warnings.warn(line, IndexBoundsWarning, stacklevel=_caller_stacklevel())
 
     def _cuda_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
+        descales, rest = self._descales_split(rest)
         scalars, tensors = self._split(rest)
         dims = validate(self.spec, q, k, v, tensors, softmax_scale=softmax_scale, scalars=scalars)
+        if descales is not None:
+            check_descales(self.spec, descales, dims, q.device)
         self._check_out_arg(out, q, k, v, dims, tensors)
         return self._forward(
-            q, k, v, dims, softmax_scale, scalars, tensors, self._table_arg(rest), out=out
+            q, k, v, dims, softmax_scale, scalars, tensors, self._table_arg(rest), descales,
+            out=out,
         )
 
-    def _forward(self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table,
-                 out=None):  # fmt: skip
+    def _forward(
+        self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table, descales=None,
+        out=None,
+    ):
         """The CUDA forward of inputs :func:`validate` accepted (``dims`` its answer):
         ``(o, lse)``, launched on the current stream of q's device.  ``scalars`` in spec
-        order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None;
+        order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None,
+        ``descales``: an fp8 op's three float32 [B, Hkv] descales (checked), else None;
         ``out``: o's tensor (checked by :func:`~flashgen.ops.out_arg.check_out`) or None."""
         if self.spec.tensor_params:
             self._check_index_bounds(dims, scalars)
@@ -602,7 +655,7 @@ class AttentionOp:
         q, k, v = _kernel_aligned(q), _kernel_aligned(k), _kernel_aligned(v)
         values = kernel_values(
             self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale,
-            scalars, tensors,
+            scalars, tensors, descales,
         )  # fmt: skip
         plan = kern.plan
         if plan.context["block_table"]:

@@ -285,3 +285,30 @@ class Backward:
         torch.library.register_autograd(
             self.op.qualname, self.backward, setup_context=self.setup_context, lib=lib
         )
+
+
+class ForwardOnly:
+    """The autograd registration of an op without backward kernels (fp8_e4m3 specs: the FP8
+    attention of FlashAttention-3 is an inference forward, and so is flashgen's): the forward
+    runs on inputs that require grad, and ``backward`` raises ``NotImplementedError`` naming
+    the op.  No ``<name>__backward`` op is registered."""
+
+    def __init__(self, op):
+        self.op = op
+        self.spec = op.spec
+
+    def setup_context(self, ctx, inputs, output, keyword_only_inputs=None):
+        pass
+
+    def backward(self, ctx, grad_o, grad_lse):
+        raise NotImplementedError(
+            f"flashgen::{self.spec.name}: dtype {self.spec.dtype} ops have no backward (the "
+            f"FP8 kernel is forward only); run it under torch.no_grad() or on detached "
+            f"inputs, and train with a bf16 / fp16 spec"
+        )
+
+    def register(self, lib) -> None:
+        """Attach the raising autograd to the forward op on ``lib``."""
+        torch.library.register_autograd(
+            self.op.qualname, self.backward, setup_context=self.setup_context, lib=lib
+        )

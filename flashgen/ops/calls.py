@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flashgen.frontend import ir
-from flashgen.ops.validation import PARAM_DTYPE, Dims
+from flashgen.ops.validation import DESCALE_NAMES, PARAM_DTYPE, Dims
 
 
 @functools.cache
@@ -31,7 +31,8 @@ def _mask_reads(spec: ir.Spec, name: str) -> bool:
 
 
 def kernel_values(
-    spec: ir.Spec, tensors: dict, dims: Dims, softmax_scale: float, scalars, tensor_params: dict
+    spec: ir.Spec, tensors: dict, dims: Dims, softmax_scale: float, scalars, tensor_params: dict,
+    descales=None,
 ) -> dict:
     """Name -> value map for a launch under the kernel ABI (:mod:`flashgen.codegen.abi`).
 
@@ -40,7 +41,9 @@ def kernel_values(
     sizes from ``dims``, ``softmax_scale``, the scalar params (``p_<name>``, spec order)
     and the tensor params (``t_<name>``) converted to the kernel's element type and made
     contiguous; such a copy is freed after the call returns, and the caching allocator
-    reuses it only in stream order, after the kernel has read it.
+    reuses it only in stream order, after the kernel has read it.  ``descales`` (fp8 ops):
+    ``q_descale``, ``k_descale``, ``v_descale`` float32 [B, Hkv], passed contiguous (a
+    broadcast view becomes such a copy).
     """
     values = dict(
         tensors, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
@@ -56,6 +59,9 @@ def kernel_values(
         values[f"p_{p.name}"] = val
     for p in spec.tensor_params:
         values[f"t_{p.name}"] = tensor_params[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+    if descales is not None:
+        for name, t in zip(DESCALE_NAMES, descales, strict=True):
+            values[name] = t.to(torch.float32).contiguous()
     return values
 
 
@@ -81,17 +87,18 @@ def current_stream_ptr(device: torch.device) -> int:
 def _kernel_aligned(t):
     """``t`` itself when the kernel's 16-byte async copies can read it, else a contiguous copy.
 
-    The kernel moves rows in 16-byte chunks (8 fp16/bf16 elements), so it needs a 16-byte
-    aligned base and batch/head/seq strides that are multiples of 8 elements (strides of
-    size-1 dims never move the pointer).  Any other stride(-1) == 1 view is still accepted:
-    it costs one copy instead of an error or a misaligned-address fault.
+    The kernel moves rows in 16-byte chunks (8 fp16/bf16 elements, 16 fp8 ones), so it
+    needs a 16-byte aligned base and batch/head/seq strides that are multiples of 16 bytes
+    (strides of size-1 dims never move the pointer).  Any other stride(-1) == 1 view is still
+    accepted: it costs one copy instead of an error or a misaligned-address fault.
     """
     (sb, sh, ss, _), (b, h, s, _) = t.stride(), t.shape
+    n = 16 // t.element_size()
     ok = (
         t.data_ptr() % 16 == 0
-        and (sb % 8 == 0 or b <= 1)
-        and (sh % 8 == 0 or h <= 1)
-        and (ss % 8 == 0 or s <= 1)
+        and (sb % n == 0 or b <= 1)
+        and (sh % n == 0 or h <= 1)
+        and (ss % n == 0 or s <= 1)
     )
     return t if ok else t.clone(memory_format=torch.contiguous_format)
 

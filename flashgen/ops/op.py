@@ -27,6 +27,7 @@ from flashgen.ops.calls import (  # noqa: F401  (re-exported: flashgen.ops.op's 
 )
 from flashgen.ops.validation import (  # noqa: F401  (re-exported)
     _SCHEMA_TYPE,
+    DESCALE_NAMES,
     PARAM_DTYPE,
     TORCH_DTYPE,
     Dims,
@@ -39,6 +40,7 @@ from flashgen.ops.validation import (  # noqa: F401  (re-exported)
     check_scalar,
     check_softmax_scale,
     default_softmax_scale,
+    is_scaled,
     out_dtype,
     poison_outputs,
     resolve_params,
@@ -73,7 +75,8 @@ def _unregister(name: str, path: str) -> None:
 
 def schema(spec: ir.Spec) -> str:
     """The operator schema, e.g. ``alibi(Tensor q, Tensor k, Tensor v, float softmax_scale,
-    Tensor slopes, *, bool deterministic=False) -> (Tensor, Tensor)``.
+    Tensor slopes, *, bool deterministic=False) -> (Tensor, Tensor)``; an fp8 spec's has
+    ``Tensor q_descale, Tensor k_descale, Tensor v_descale`` after ``softmax_scale``.
 
     ``deterministic`` is keyword-only with a default, so positional calls written for the
     schema without it still work; the forward ignores it and autograd hands it to the
@@ -84,6 +87,8 @@ def schema(spec: ir.Spec) -> str:
 
         return varlen_schema(spec)
     args = ["Tensor q", "Tensor k", "Tensor v", "float softmax_scale"]
+    if is_scaled(spec):  # fp8: FlashAttention-3's descales, where the kernel ABI has them
+        args += [f"Tensor {name}" for name in DESCALE_NAMES]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
     if needs_block_table(spec):  # positional: register_autograd refuses kwarg-only tensors
@@ -158,12 +163,18 @@ def build_op(spec: ir.Spec, options: Options = DEFAULT, *, replace: bool = False
     Idempotent per process: building an equal spec again (file path and description
     aside) with equal ``options`` returns the op already registered; other options register
     another operator (its ``spec.name`` is the registered name; ``base_name`` the spec's).
-    Raises ``ValueError`` if a different spec with the same name is already registered in
-    this process, unless ``replace`` (``flashgen.load`` of an edited file): then the old
-    registrations of that spec name (under every options) are removed and the old op objects
-    raise ``RuntimeError`` when called.  Registration is all or nothing: if any step fails,
+    Raises ``ValueError`` for an fp8 spec under ``Options(family="fa2")`` and if a different
+    spec with the same name is already registered in this process, unless ``replace``
+    (``flashgen.load`` of an edited file): then the old registrations of that spec name
+    (under every options) are removed and the old op objects raise ``RuntimeError`` when
+    called.  Registration is all or nothing: if any step fails,
     nothing of it stays registered.
     """
+    if spec.dtype in ir.FP8_DTYPES and options.family == "fa2":
+        raise ValueError(
+            f"spec {spec.name!r} has dtype {spec.dtype}, which only the Hopper kernel runs; "
+            f"Options(family='fa2') picks the FA2-class kernels, which have no FP8 form"
+        )
     base = spec.name
     if options != DEFAULT:
         spec = dataclasses.replace(spec, name=registered_name(spec.name, options))
@@ -189,6 +200,10 @@ def _build_op(
         if spec.varlen:
             from flashgen.ops.varlen import VarlenBackward as backward_cls
             from flashgen.ops.varlen import VarlenOp as op_cls
+        elif is_scaled(spec):  # fp8: forward only
+            from flashgen.ops.backward import ForwardOnly as backward_cls
+
+            op_cls = AttentionOp
         else:
             from flashgen.ops.backward import Backward as backward_cls
 

@@ -246,6 +246,7 @@ def attention_reference(
     params: dict | None = None,
     compute_dtype=torch.float64,
     batch_offset: int = 0,
+    round_p=None,
 ):
     """Materialized attention with ``spec``'s mask and score_mod.
 
@@ -260,6 +261,11 @@ def attention_reference(
             math, which is float32 as in the kernels.
         batch_offset: value of the index variable ``b`` for the first batch entry (the
             varlen reference passes one sequence at a time).
+        round_p: None, or a function applied to the unnormalized probabilities
+            ``exp(s - rowmax)`` (in [0, 1]) before the P V product, the row sum staying
+            unrounded: o = round_p(P) V / rowsum(P).  :func:`flashgen.fp8.round_e4m3`
+            emulates the FP8 kernel, which rounds P to e4m3 for its FP8 P V GEMM
+            (FlashAttention-3, Shah et al. 2024, section 3.3).
 
     Returns:
         ``(o, lse)``: o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``; lse ``[B, Hq, Sq]``,
@@ -304,7 +310,10 @@ def attention_reference(
     row_max = s_safe.amax(dim=-1, keepdim=True).detach()
     e_s = torch.exp(s_safe - row_max)
     denom = e_s.sum(dim=-1, keepdim=True)
-    p = torch.where(row_has, e_s / denom, torch.zeros_like(s))
+    if round_p is None:
+        p = torch.where(row_has, e_s / denom, torch.zeros_like(s))
+    else:
+        p = torch.where(row_has, round_p(e_s) / denom, torch.zeros_like(s))
     lse_safe = row_max + torch.log(denom)
     lse = torch.where(row_has, lse_safe, torch.full_like(lse_safe, float("-inf"))).squeeze(-1)
     o = torch.matmul(p.to(compute_dtype), vc)

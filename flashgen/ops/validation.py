@@ -272,6 +272,127 @@ def check_softmax_scale(value) -> float:
     return f
 
 
+# ----------------------------------------------------------------------------- fp8 descales
+#: The descale arguments of an fp8 op, in kernel-ABI order (:mod:`flashgen.codegen.abi`).
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def is_scaled(spec: ir.Spec) -> bool:
+    """Whether ``spec``'s op takes ``q_descale``, ``k_descale``, ``v_descale`` (its dtype
+    record is ``scaled``: fp8_e4m3, FlashAttention-3's FP8 interface)."""
+    from flashgen.codegen.dtypes import DTYPES
+
+    rec = DTYPES.get(spec.dtype)
+    return rec is not None and rec.scaled
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)} on {value.device}"
+    return repr(value)
+
+
+def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | None:
+    """:meth:`~flashgen.ops.attention.AttentionOp.attention`'s ``q_descale``, ``k_descale``,
+    ``v_descale`` (``given``: name -> value or None) as the op's schema arguments.
+
+    For an fp8 spec (:func:`is_scaled`): three float32 ``[B, Hkv]`` tensors on ``device``
+    (q's), each from None (1.0), a Python float, a 0-d or one-element float32 tensor (all
+    broadcast: an expanded view, no copy) or a float32 ``[B, Hkv]`` tensor (as is, any
+    strides); query head ``h`` is dequantized with entry ``[b, h // (Hq / Hkv)]``.  For other
+    specs: None, and any descale given raises.  Raises :class:`OpInputError` naming the
+    argument, the expected and the received value for a wrong type, dtype, device or shape,
+    and for non-finite or non-positive values (:func:`check_descale_values`: Python numbers
+    and CPU tensors always, CUDA tensors when :func:`check_enabled`)."""
+    if not is_scaled(spec):
+        for name in DESCALE_NAMES:
+            if given.get(name) is not None:
+                raise OpInputError(
+                    f"{name}: op {spec.name!r} has dtype {spec.dtype}; descales are "
+                    f"arguments of fp8_e4m3 ops only (expected None), got "
+                    f"{_describe(given[name])}"
+                )
+        return None
+    shape = (dims.batch, dims.heads_kv)
+    out = []
+    for name in DESCALE_NAMES:
+        val = given.get(name)
+        if val is None:
+            out.append(torch.ones(shape, dtype=torch.float32, device=device))
+            continue
+        if isinstance(val, torch.Tensor):
+            check_descale_meta(name, val, dims, device, broadcast=True)
+            t = val if val.dim() == 2 and tuple(val.shape) == shape else val.reshape(1, 1)
+            check_descale_values(name, t)
+            out.append(t.expand(shape))
+            continue
+        if _symbolic(val) or torch.compiler.is_compiling():
+            out.append(torch.full(shape, val, dtype=torch.float32, device=device))
+            continue
+        if isinstance(val, bool) or not isinstance(val, numbers.Real):
+            raise OpInputError(
+                f"{name}: expected a float32 tensor [batch, heads_kv] = {list(shape)}, a 0-d or "
+                f"one-element one, or a Python float, got {_describe(val)}"
+            )
+        f = float(val)
+        if not (math.isfinite(f) and _F32_MIN_NORMAL <= f <= _F32_MAX):
+            raise OpInputError(
+                f"{name}: expected a finite positive float32 descale, got {val!r}"
+            )
+        out.append(torch.full(shape, f, dtype=torch.float32, device=device))
+    return tuple(out)
+
+
+def check_descale_meta(name: str, t, dims: Dims, device, *, broadcast: bool = False) -> None:
+    """``t`` is a float32 tensor on ``device`` of shape ``[B, Hkv]`` (``broadcast``: or 0-d,
+    or of one element); else :class:`OpInputError`.  Metadata only."""
+    shape = [dims.batch, dims.heads_kv]
+    forms = " (or 0-d / one element, broadcast)" if broadcast else ""
+    if not isinstance(t, torch.Tensor):
+        raise OpInputError(
+            f"{name}: expected a float32 tensor [batch, heads_kv] = {shape}{forms}, got "
+            f"{_describe(t)}"
+        )
+    if t.dtype != torch.float32:
+        raise OpInputError(f"{name}: expected dtype torch.float32, got {t.dtype}")
+    if t.device != device:
+        raise OpInputError(f"{name}: expected device {device} (q's device), got {t.device}")
+    one = broadcast and t.numel() == 1 and t.dim() <= 2
+    if not one and list(t.shape) != shape:
+        raise OpInputError(
+            f"{name}: expected shape [batch, heads_kv] = {shape} (k's){forms}, got "
+            f"{_shape(t)}"
+        )
+
+
+def check_descale_values(name: str, t) -> None:
+    """Every entry of descale ``t`` is finite and positive; else :class:`OpInputError` with
+    the first offending entry.  Reads the values of CPU tensors always and of CUDA tensors
+    only when :func:`check_enabled` (a device sync; the debugging switch the varlen and decode
+    value checks use); never while ``torch.compile`` traces (no values there)."""
+    if t.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if t.device.type != "cpu" and not check_enabled():
+        return
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        raise OpInputError(
+            f"{name}: expected finite positive descales, got {t[tuple(idx)].item()!r} at "
+            f"index {idx}"
+        )
+
+
+def check_descales(spec: ir.Spec, descales, dims: Dims, device, *, values: bool = True) -> None:
+    """The descale arguments of an fp8 op's schema (``[B, Hkv]`` float32 on q's device, finite
+    and positive: :func:`check_descale_meta`, :func:`check_descale_values` when
+    ``values``), as its CPU, CUDA and fake implementations receive them."""
+    for name, t in zip(DESCALE_NAMES, descales, strict=True):
+        check_descale_meta(name, t, dims, device)
+        if values:
+            check_descale_values(name, t)
+
+
 def check_scalar(p: ir.Param, val) -> int | float:
     """Check one scalar param value against its declaration; return it as int / float.
 
@@ -391,9 +512,15 @@ def target_for_device(spec: ir.Spec, device: torch.device) -> str:
 
     On 9.x the plan is built for ``sm_90`` even when the spec lists only ``sm_80``: the
     sm_80 template then compiles for sm_90a (faster there than the JIT of its PTX).
-    Raises ``RuntimeError`` below compute capability 8.0.
+    Raises ``RuntimeError`` below compute capability 8.0, and for an fp8 spec anywhere but
+    9.x.
     """
     major, minor = torch.cuda.get_device_capability(device)
+    if spec.dtype in ir.FP8_DTYPES and major != 9:
+        raise RuntimeError(
+            f"op {spec.name!r} has dtype {spec.dtype}: its kernel (the Hopper FP8 forward) "
+            f"needs a compute capability 9.x GPU; {device} is {major}.{minor}"
+        )
     try:
         return target_for_capability(major, minor)
     except ValueError as e:

@@ -79,10 +79,22 @@ def varlen_spec(spec: ir.Spec) -> ir.Spec:
 
     Raises :class:`~flashgen.frontend.errors.SpecError` at the param when a tensor param's shape
     uses ``seqlen_q`` or ``seqlen_k`` (each packed sequence has its own length), as the
-    spec checker does for a ``varlen: true`` spec.
+    spec checker does for a ``varlen: true`` spec, and at its ``dtype`` line for an fp8 spec
+    (no varlen form).
     """
     if spec.varlen:
         return spec
+    if spec.dtype in ir.FP8_DTYPES:
+        line = next(
+            (i for i, text in enumerate(spec.source.splitlines(), 1) if text.startswith("dtype")),
+            1,
+        )
+        raise SpecError.at(
+            ir.Span(spec.path, line, 1),
+            f"spec {spec.name!r} has no varlen form: dtype {spec.dtype} (the FP8 kernel takes "
+            f"padded [B, H, S, D] inputs)",
+            spec.source,
+        )
     for p in spec.tensor_params:
         for d in p.shape:
             if d in ("seqlen_q", "seqlen_k"):

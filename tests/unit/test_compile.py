@@ -142,7 +142,14 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
     assert SPECS, "no specs shipped"
     names = ("fwd", "bwd", "bwd_atomic")
     assert tuple(compile_units(load_spec(SPECS[0]), "sm_80")) == names
-    units = [(p, t, u) for p in SPECS for t in ("sm_80", "sm_90") for u in names]
+    # each spec on its targets (fp8 specs: sm_90 only, and forward only)
+    units = [
+        (p, t, u)
+        for p in SPECS
+        for t in load_spec(p).targets
+        for u in names
+        if u in compile_units(load_spec(p), t)
+    ]
     # the forward the op runs for calls whose mask keeps few keys per row (lower.sparse_tiles),
     # and the Hopper backward (wgmma: ptxas may serialize it too)
     units += [
@@ -169,6 +176,8 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
 def test_shared_memory_fits_the_smallest_target(path):
     """Dynamic + static shared memory of every kernel stays under sm_80's 163 KiB per CTA."""
     spec = load_spec(path)
+    if "sm_80" not in spec.targets:
+        pytest.skip(f"{spec.name} does not target sm_80 (fp8)")
     fwd = plan_forward(spec, "sm_80")
     bwd = plan_backward(spec, "sm_80")
     atomic = plan_backward(spec, "sm_80", atomic_dq=True)

@@ -161,6 +161,8 @@ def test_plan_shapes_fit_and_refusals():
 
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         spec = load_spec(path)
+        if spec.dtype == "fp8_e4m3":
+            continue  # decode of fp8 specs: the FP8 KV cache (issue 24), not this table
         if family.unsupported_reason(spec):
             assert spec.name == "document_mask"
             with pytest.raises(ValueError, match="reads tensor params"):

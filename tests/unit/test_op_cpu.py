@@ -15,12 +15,12 @@ import flashgen
 from flashgen import OpInputError
 from flashgen.bench.verify import random_tensor_params
 from flashgen.frontend.spec import load_spec
-from flashgen.ops.op import build_op, schema
+from flashgen.ops.op import build_op, out_dtype, schema
 from flashgen.ops.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = sorted((REPO / "specs").glob("*.yaml"))
-DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def inputs(spec, b=2, hq=4, hkv=2, sq=33, sk=47, seed=0):
@@ -43,12 +43,13 @@ def test_cpu_op_matches_reference(ops, path):
     op = ops[path.stem]
     spec = op.spec
     q, k, v, params = inputs(spec, hq=8, hkv=2, sq=40, sk=29)  # GQA 8/2, Sq > Sk
-    o, lse = op.attention(q, k, v, **params)
-    assert o.shape == (2, 8, 40, spec.head_dim_v) and o.dtype == q.dtype and o.is_contiguous()
+    o, lse = op.attention(q, k, v, **params)  # fp8: e4m3 inputs with descales 1
+    out = out_dtype(spec)  # the input dtype, bf16 for fp8
+    assert o.shape == (2, 8, 40, spec.head_dim_v) and o.dtype == out and o.is_contiguous()
     assert lse.shape == (2, 8, 40) and lse.dtype == torch.float32
     ref_o, ref_lse = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float32)
     # the blocked CPU path (cpu_attention) rounds differently from the materialized one
-    torch.testing.assert_close(o, ref_o.to(q.dtype))
+    torch.testing.assert_close(o, ref_o.to(out))
     torch.testing.assert_close(lse, ref_lse)
     ref64, _ = attention_reference(spec, q, k, v, params=params)
     assert (o.double() - ref64).abs().max() < 2e-2

@@ -62,7 +62,7 @@ def test_all_eleven_specs_ship():
 def test_shipped_spec_loads(path):
     s = load_spec(path)
     assert s.name == path.stem
-    assert s.targets == ("sm_80", "sm_90")
+    assert s.targets == (("sm_90",) if s.dtype == "fp8_e4m3" else ("sm_80", "sm_90"))
     assert s.description
     assert s.source == path.read_text()
     assert s.path == str(path)
@@ -177,10 +177,48 @@ def test_bad_dtype(tmp_path):
     assert "unknown dtype 'bf61'" in e.message and "did you mean 'bf16'" in e.message
 
 
-def test_fp8_not_supported_yet(tmp_path):
-    e = fails(tmp_path, BASE.replace("dtype: bf16", "dtype: fp8_e4m3"))
-    assert at(e) == (3, 8)
-    assert e.message == "dtype fp8_e4m3 is not supported yet (planned); use fp16 or bf16"
+FP8 = BASE.replace("dtype: bf16", "dtype: fp8_e4m3")
+
+
+def test_fp8_spec_defaults_to_sm_90(tmp_path):
+    spec = load_spec(write(tmp_path, FP8))
+    assert spec.dtype == "fp8_e4m3" and spec.targets == ("sm_90",)
+    assert load_spec(write(tmp_path, FP8 + "targets: [sm_90]\n")).targets == ("sm_90",)
+    assert load_spec(write(tmp_path, BASE)).targets == ("sm_80", "sm_90")
+
+
+@pytest.mark.parametrize(
+    "targets, pos",
+    [("targets: [sm_80, sm_90]\n", (5, 11)), ("targets: [sm_90, sm_80]\n", (5, 18)),
+     ("targets:\n  - sm_80\n", (6, 5))],
+)  # fmt: skip
+def test_fp8_on_sm_80_is_refused_at_the_target(tmp_path, targets, pos):
+    e = fails(tmp_path, FP8 + targets)
+    assert at(e) == pos
+    assert "target 'sm_80' cannot run dtype fp8_e4m3" in e.message
+    assert "no FP8 tensor cores" in e.message and "sm_90 only" in e.message
+
+
+@pytest.mark.parametrize(
+    "change, pos, fragment",
+    [
+        (("head_dim: 128", "head_dim: 96"), (2, 11), "supports head_dim 64, 128, 256"),
+        (("mask: causal", "mask: causal\nhead_dim_v: 64"), (5, 13), "head_dim_v == head_dim"),
+        (("mask: causal", "mask: causal\nvarlen: true"), (5, 9), "no varlen form"),
+        (("mask: causal", "mask: causal\ntiles: {block_m: 64}"), (5, 18), "cannot pin tiles"),
+    ],
+)
+def test_fp8_limits_of_the_hopper_kernel(tmp_path, change, pos, fragment):
+    e = fails(tmp_path, FP8.replace(*change))
+    assert at(e) == pos
+    assert fragment in e.message and "fp8_e4m3" in e.message
+
+
+def test_fp8_spec_accepts_every_hopper_head_dim_and_params(tmp_path):
+    for d in (64, 128, 256):
+        text = FP8.replace("head_dim: 128", f"head_dim: {d}")
+        text += "params:\n  window: {type: i32, default: 16}\n"
+        assert load_spec(write(tmp_path, text)).head_dim == d
 
 
 def test_unsupported_head_dim(tmp_path):
@@ -361,7 +399,7 @@ def test_bad_params(tmp_path, param, pos, fragment):
 
 def test_spec_error_pickles():
     with pytest.raises(SpecError) as info:
-        loads_spec(BASE.replace("dtype: bf16", "dtype: fp8_e4m3"), "x.yaml")
+        loads_spec(BASE.replace("dtype: bf16", "dtype: bf61"), "x.yaml")
     e = pickle.loads(pickle.dumps(info.value))
     assert (e.file, e.line, e.col, e.message) == ("x.yaml", 3, 8, info.value.message)
     assert str(e) == str(info.value)

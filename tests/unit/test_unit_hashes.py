@@ -137,7 +137,8 @@ def unit_sources() -> dict[str, str]:
                                 )
                         if fwd.context["block_table"]:
                             put(f"{pre}/blockmask", reg.plan_block_table(s, t, fwd.tiles))
-                for atomic in (False, True):
+                backward = reg.has_backward(s)  # fp8 specs: forward only
+                for atomic in (False, True) if backward else ():
                     kind = "bwd_atomic" if atomic else "bwd"
                     for i, bt in enumerate(tt.backward_tile_candidates(s, atomic_dq=atomic)):
                         put(
@@ -162,8 +163,9 @@ def unit_sources() -> dict[str, str]:
                         f"{pre}/fwd/persistent=dynamic",
                         reg.plan_forward(s, t, o, persistent="dynamic"),
                     )
-                    put(f"{pre}/bwd", reg.plan_backward(s, t, o))
-                    put(f"{pre}/bwd_atomic", reg.plan_backward(s, t, o, atomic_dq=True))
+                    if backward:
+                        put(f"{pre}/bwd", reg.plan_backward(s, t, o))
+                        put(f"{pre}/bwd_atomic", reg.plan_backward(s, t, o, atomic_dq=True))
                 for key, plan in reg.compile_units(s, t).items():
                     put(f"{base}compile_units/{key}", plan)
     return out

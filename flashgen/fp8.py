@@ -1,0 +1,178 @@
+"""FP8 (e4m3) inputs for ``dtype: fp8_e4m3`` specs: :func:`quantize` (per-``[B, Hkv]`` amax
+scaling, optionally after FlashAttention-3's incoherent processing), :func:`dequantize`
+(what the descales mean) and :func:`round_e4m3` (e4m3 rounding, for emulating the kernel in
+float32 / float64).
+
+An fp8 op takes q, k, v as ``torch.float8_e4m3fn`` and ``q_descale``, ``k_descale``,
+``v_descale`` float32 ``[B, Hkv]`` (FlashAttention-3's FP8 interface): the attention runs
+on the dequantized inputs ``x[b, h] * x_descale[b, h // (H / Hkv)]``, so query head ``h``
+uses the descale of its kv head ``h // (Hq / Hkv)``.
+
+Incoherent processing (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention
+with Asynchrony and Low-precision", section 3.3): q and k are multiplied by the same random
+orthogonal matrix ``M = diag(s) H / sqrt(D)`` (``s`` a random +-1 vector, ``H`` the D x D
+Sylvester-Hadamard matrix), so ``(q M)(k M)^T = q k^T`` while an outlier of one head_dim
+coordinate is spread over all of them, which shrinks the amax and with it the quantization
+error of every other entry.  FlashAttention-3's repository does not ship this step.
+
+Imports torch (not imported by ``import flashgen``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashgen.frontend.errors import OpInputError
+
+#: Largest finite ``torch.float8_e4m3fn`` value: amax scaling maps each ``[b, h_kv]`` slice's
+#: largest magnitude onto it.
+E4M3_MAX = 448.0
+#: torch's e4m3 dtype (FlashAttention-3's and Hopper's FP8 format: 4 exponent bits, 3
+#: mantissa bits, no infinities).
+E4M3 = torch.float8_e4m3fn
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest e4m3 value (round to nearest even, saturating at +-448),
+    returned in ``x``'s dtype (float32 or float64): an emulation of the kernel's conversions
+    to FP8 (of the inputs by :func:`quantize`, of P before the P V product)."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(x.dtype)
+
+
+def hadamard_matrix(n: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
+    """The normalized Sylvester-Hadamard matrix ``H_n / sqrt(n)`` ([n, n], orthogonal and
+    symmetric; ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``).  ``n`` must be a power
+    of two (else :class:`OpInputError`)."""
+    if n < 1 or n & (n - 1):
+        raise OpInputError(f"hadamard: expected a power-of-two size, got {n}")
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(dtype=dtype, device=device)
+
+
+def incoherence_matrix(head_dim: int, *, generator=None, device=None) -> torch.Tensor:
+    """FlashAttention-3's random orthogonal ``M = diag(s) H / sqrt(D)`` (section 3.3): ``s``
+    uniform random signs (from ``generator``, else torch's default generator), ``H`` the
+    Sylvester-Hadamard matrix of :func:`hadamard_matrix`.  float32 [D, D] on ``device``.
+    Raises :class:`OpInputError` unless ``head_dim`` is a power of two."""
+    h = hadamard_matrix(head_dim)
+    where = generator.device if generator is not None else "cpu"
+    bits = torch.randint(0, 2, (head_dim,), generator=generator, device=where)
+    signs = (bits.to("cpu", torch.float32) * 2 - 1).unsqueeze(1)
+    return (signs * h).to(device=device)
+
+
+def _check(q, k, v) -> tuple[int, int]:
+    """(heads_q, heads_kv) of 4-D floating q, k, v of consistent shapes on one device; else
+    :class:`OpInputError` naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise OpInputError(
+                f"{name}: expected a 4-D tensor [batch, heads, seqlen, head_dim], got shape "
+                f"{list(t.shape)}"
+            )
+        if not t.is_floating_point() or t.dtype in (E4M3, torch.float8_e5m2):
+            raise OpInputError(
+                f"{name}: expected a float32, float16 or bfloat16 tensor to quantize, got "
+                f"{t.dtype}"
+            )
+        if t.device != q.device:
+            raise OpInputError(f"{name}: expected device {q.device} (q's device), got {t.device}")
+    b, hq, _, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise OpInputError(
+            f"k: expected [batch, *, *, head_dim] = [{b}, *, *, {d}] (q's), got {list(k.shape)}"
+        )
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise OpInputError(
+            f"v: expected [batch, heads_kv, seqlen_k] = {list(k.shape[:3])} (k's), got "
+            f"{list(v.shape[:3])}"
+        )
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise OpInputError(
+            f"q: expected num_heads to be a multiple of k's num_heads_kv {hkv}, got {hq}"
+        )
+    return hq, hkv
+
+
+def _amax(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """float32 [B, Hkv]: max |x| over each kv head's group of heads, its rows and columns."""
+    b, h = x.shape[0], x.shape[1]
+    if x.numel() == 0:
+        return torch.zeros((b, hkv), dtype=torch.float32, device=x.device)
+    a = x.abs().amax(dim=(2, 3)).float()  # [B, H]
+    return a.view(b, hkv, h // hkv).amax(dim=2)
+
+
+def _scaled(name: str, x: torch.Tensor, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [B, H, S, D] contiguous, float32 descale [B, Hkv]) of float32 ``x``."""
+    amax = _amax(x, hkv)
+    if amax.device.type == "cpu" and not bool(torch.isfinite(amax).all()):
+        raise OpInputError(f"{name}: expected finite values to quantize, got inf or NaN")
+    ok = amax > 0
+    descale = torch.where(ok, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(ok, E4M3_MAX / torch.where(ok, amax, torch.ones_like(amax)), descale)
+    b, h = x.shape[0], x.shape[1]
+    per_head = scale.repeat_interleave(h // hkv, dim=1).view(b, h, 1, 1)
+    x8 = (x * per_head).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return x8.contiguous(), descale.contiguous()
+
+
+def quantize(q, k, v, *, hadamard: bool = False, generator=None):
+    """Quantize attention inputs to e4m3 with per-``[B, Hkv]`` amax scaling.
+
+    ``q`` [B, Hq, Sq, D], ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv]: float32, float16
+    or bfloat16 on one device, any strides, Hq % Hkv == 0.  Each ``[b, h_kv]`` slice of k
+    and v, and of q the ``Hq / Hkv`` query heads of kv head ``h_kv`` together, is scaled so
+    its largest magnitude becomes :data:`E4M3_MAX` (448), rounded to e4m3 (nearest even),
+    and its descale is ``amax / 448`` (1.0 for an all-zero slice):
+    ``x ~= dequantize(x8, x_descale)``.
+
+    ``hadamard=True``: first apply FlashAttention-3's incoherent processing (Shah et al.
+    2024, section 3.3): q and k both multiplied (in float32) by one random orthogonal
+    ``M = diag(s) H / sqrt(D)`` (:func:`incoherence_matrix`, signs drawn from ``generator``
+    or torch's default generator), so ``q k^T`` and hence the attention output are
+    unchanged up to float32 rounding, while outliers are spread over head_dim; ``v`` is not
+    transformed.  Needs a power-of-two head_dim.
+
+    Returns ``(q8, k8, v8, q_descale, k_descale, v_descale)``: ``torch.float8_e4m3fn``
+    tensors shaped like the inputs (contiguous) and float32 ``[B, Hkv]`` descales
+    (contiguous), all on the inputs' device: the arguments of an fp8 op,
+    ``op.attention(q8, k8, v8, q_descale=..., k_descale=..., v_descale=...)``.
+
+    Raises :class:`OpInputError` naming the argument for a non-tensor, a tensor that is not
+    4-D or not float32 / float16 / bfloat16, another device, inconsistent shapes, a head_dim
+    that is not a power of two with ``hadamard=True``, and (CPU tensors; on a GPU this would
+    cost a device sync, and the descales come out non-finite instead) inf or NaN entries.
+    """
+    _, hkv = _check(q, k, v)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if hadamard:
+        d = q.shape[3]
+        if d & (d - 1):
+            raise OpInputError(
+                f"q: hadamard=True needs a power-of-two head_dim (a Hadamard transform along "
+                f"it), got {d}"
+            )
+        m = incoherence_matrix(d, generator=generator, device=q.device)
+        qf, kf = torch.matmul(qf, m), torch.matmul(kf, m)
+    q8, qd = _scaled("q", qf, hkv)
+    k8, kd = _scaled("k", kf, hkv)
+    v8, vd = _scaled("v", vf, hkv)
+    return q8, k8, v8, qd, kd, vd
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``x8 * descale`` in ``dtype``: ``x8`` [B, H, S, D] (e4m3, or any float dtype),
+    ``descale`` [B, Hkv] with H % Hkv == 0 (head ``h`` takes ``descale[:, h // (H / Hkv)]``),
+    on ``x8``'s device.  What the fp8 ops compute on."""
+    b, h = x8.shape[0], x8.shape[1]
+    hkv = descale.shape[1]
+    per_head = descale.to(dtype).repeat_interleave(h // hkv, dim=1).view(b, h, 1, 1)
+    return x8.to(dtype) * per_head
