@@ -38,7 +38,9 @@ from flashgen.ops.op import poison_outputs  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
-SPECS = {p.stem: p for p in sorted((REPO / "specs").glob("*.yaml"))}
+SPECS = {  # fp8 specs have no persistent kernel
+    p.stem: p for p in sorted((REPO / "specs").glob("*.yaml")) if "fp8" not in p.stem
+}
 
 
 def _sm90() -> bool:

@@ -81,6 +81,17 @@ def unit_sources() -> dict[str, str]:
 
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         spec = load_spec(path)
+        if reg.is_fp8(spec):  # forward only, the Hopper kernel only, never persistent
+            for t in spec.targets:
+                for gpu in (None, GPU):
+                    pre = f"{spec.name}/{t}/{'gpu/' if gpu else ''}auto"
+                    for key, o in (("fwd", knobs("auto")), ("fwd/side_terms=0", None)):
+                        kw = {"side_terms": False} if o is None else {}
+                        put(f"{pre}/{key}", reg.plan_forward(spec, t, knobs("auto"), gpu=gpu, **kw))
+                    for knob in ("affine", "mask_tiles", "head_groups"):
+                        o = knobs("auto", **{knob: False})
+                        put(f"{pre}/fwd/{knob}=0", reg.plan_forward(spec, t, o, gpu=gpu))
+            continue
         forms = [("", spec)]
         try:
             forms.append(("varlen:", varlen_spec(spec)))
