@@ -45,7 +45,9 @@ class Route:
 def persistent_scheduler(spec: Spec, options: Options = DEFAULT) -> str | bool:
     """``options.persistent`` for ``spec``: False for ``off``, ``auto`` -> ``dynamic`` where the
     mask reads tensors (uneven block-table tiles: the dynamic scheduler balances them, which
-    paid there; docs/perf-notes.md), else off."""
+    paid there; docs/perf-notes.md), else off; always off for an fp8 spec."""
+    if is_fp8(spec):
+        return False  # the fp8 forward has no persistent form
     p = options.persistent
     if p == "auto":
         p = "dynamic" if needs_block_table(spec) else "off"
