@@ -519,20 +519,27 @@ constexpr int WARP_M = BLOCK_M / NUM_WARPS;
 constexpr int MT = WARP_M / 16;
 constexpr int NT = BLOCK_N / 8;
 constexpr int DT = HEAD_DIM_V / 8;
-constexpr int Q_ROW_BYTES = HEAD_DIM * 2;
-constexpr int V_ROW_BYTES = HEAD_DIM_V * 2;
-constexpr int SQ_BYTES = BLOCK_M * (HEAD_DIM > HEAD_DIM_V ? HEAD_DIM : HEAD_DIM_V) * 2;  // also stages O
-constexpr int SK_BYTES = BLOCK_N * HEAD_DIM * 2;
+using elem_t = __nv_bfloat16;
+using Mma = fg::MmaOp<elem_t>;
+// Byte sizes follow the element type (the plan's dtype record: elem_t and its elem_bytes, with which the
+// plan sized smem_bytes).  The mma.sync m16n8k16 / ldmatrix .b16 fragments take 16-bit elements: a 16-column
+// fragment is two 16-byte chunks and an 8-column tile one (the fragment indices below count so).
+constexpr int ELEM_BYTES = sizeof(elem_t);
+constexpr int CHUNK_ELEMS = 16 / ELEM_BYTES;  // elements per 16-byte chunk (cp.async, an ldmatrix row, fg::swz)
+static_assert(sizeof(elem_t) == sizeof(uint16_t), "mma.sync m16n8k16 and ldmatrix .b16: 16-bit elements");
+constexpr int Q_ROW_BYTES = HEAD_DIM * ELEM_BYTES;
+constexpr int V_ROW_BYTES = HEAD_DIM_V * ELEM_BYTES;
+constexpr int SQ_BYTES = BLOCK_M * (HEAD_DIM > HEAD_DIM_V ? HEAD_DIM : HEAD_DIM_V) * ELEM_BYTES;  // also stages O
+constexpr int SK_BYTES = BLOCK_N * HEAD_DIM * ELEM_BYTES;
+constexpr int SV_BYTES = BLOCK_N * HEAD_DIM_V * ELEM_BYTES;
 constexpr bool IS_CAUSAL = true;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
-using elem_t = __nv_bfloat16;
-using Mma = fg::MmaOp<elem_t>;
 constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
-static_assert(SQ_BYTES + SK_BYTES + BLOCK_N * HEAD_DIM_V * 2 + TAB_BYTES == 65536,
+static_assert(SQ_BYTES + SK_BYTES + SV_BYTES + TAB_BYTES == 65536,
               "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
-// Head dims are multiples of 32 (rows of a multiple of 64 bytes, which fg::swz keeps bank-conflict free).
-static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0,
+// Rows of a multiple of 64 bytes (head dims that are multiples of 32), which fg::swz keeps bank-conflict free.
+static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && Q_ROW_BYTES % 64 == 0 && V_ROW_BYTES % 64 == 0,
               "tile shape");
 
 // Copy `rows` x `cols` elements (row stride `stride`) into a swizzled tile; rows >= valid_rows read as 0.
@@ -541,17 +548,18 @@ static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 32 == 0 && HEA
 // (ROW_STEP % 8 == 0) shared addresses that differ by immediates.  Otherwise a strided generic loop.
 template <int ROWS, int COLS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64_t stride, int valid_rows) {
-    constexpr int CHUNKS_PER_ROW = COLS / 8;
+    constexpr int CHUNKS_PER_ROW = COLS / CHUNK_ELEMS;
     constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+    constexpr int ROW_BYTES = COLS * ELEM_BYTES;
     if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
         constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
         const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
-        const elem_t* g0 = src + row0 * stride + chunk * 8;
+        const elem_t* g0 = src + row0 * stride + chunk * CHUNK_ELEMS;
         #pragma unroll
         for (int it = 0; it < ROWS / ROW_STEP; ++it) {
             const int row = row0 + it * ROW_STEP;
             const bool valid = row < valid_rows;
-            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g0 + it * ROW_STEP * stride : src, valid);
+            fg::cp_async_16(dst + fg::swz(row, chunk, ROW_BYTES), valid ? g0 + it * ROW_STEP * stride : src, valid);
         }
         return;
     }
@@ -559,8 +567,8 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64
     for (int i = threadIdx.x; i < CHUNKS; i += THREADS) {
         const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
         const bool valid = row < valid_rows;
-        const elem_t* g = src + (valid ? row * stride + chunk * 8 : 0);
-        fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), g, valid);
+        const elem_t* g = src + (valid ? row * stride + chunk * CHUNK_ELEMS : 0);
+        fg::cp_async_16(dst + fg::swz(row, chunk, ROW_BYTES), g, valid);
     }
 }
 
@@ -816,14 +824,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_causal_d128_fw
             #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 const uint32_t packed = Mma::pack(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
-                const uint32_t addr = sQ + fg::swz(row, dt, V_ROW_BYTES) + (lane % 4) * 4;
+                const uint32_t addr = sQ + fg::swz(row, dt, V_ROW_BYTES) + (lane % 4) * 2 * ELEM_BYTES;
                 asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
             }
             if (lane % 4 == 0 && m0 + row < seqlen_q)
                 lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max[mt][r] + __log2f(sum)) * LN2;
         }
     __syncthreads();
-    constexpr int O_CHUNKS_PER_ROW = HEAD_DIM_V / 8;
+    constexpr int O_CHUNKS_PER_ROW = HEAD_DIM_V / CHUNK_ELEMS;
     elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;
     #pragma unroll
     for (int i = threadIdx.x; i < BLOCK_M * O_CHUNKS_PER_ROW; i += THREADS) {
@@ -833,7 +841,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_causal_d128_fw
             asm volatile("ld.shared.v4.b32 { %0,%1,%2,%3}, [%4];\n"
                          : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
                          : "r"(sQ + fg::swz(row, chunk, V_ROW_BYTES)));
-            *reinterpret_cast<uint4*>(o_blk + row * o_ss + chunk * 8) = val;
+            *reinterpret_cast<uint4*>(o_blk + row * o_ss + chunk * CHUNK_ELEMS) = val;
         }
     }
 }

@@ -386,14 +386,15 @@ struct VTranspose {
         for (int i = 0; i < 4; ++i) v[i] = v_offset(key(g, i), q);
         for (int j = 0; j < 4; ++j) vt[j] = vt_offset(4 * q + j, g);
     }
-    __host__ __device__ static void iter_terms(int w, uint32_t& xv, uint32_t& av, uint32_t& xvt, uint32_t& avt) {
-        const int a = w & 1, b = (w >> 1) & 1, rest = w >> 2;
-        const int ghi = rest % (NG / 16), qhi = rest / (NG / 16);
-        constexpr int QP = PANEL / 32;  // q values (of 4 bytes) per panel row, over 8
-        xv = (uint32_t)((16 * a + 32 * b) * PANEL + ((2 * (qhi % QP)) << 4));
-        av = (uint32_t)(ghi * 64 * PANEL + (qhi / QP) * BLOCK_N * PANEL);
-        xvt = (uint32_t)((a + 2 * b + 4 * ghi) << 4);
-        avt = (uint32_t)(qhi * 32 * BLOCK_N);
+    __host__ __device__ static void iter_terms(unsigned w, uint32_t& xv, uint32_t& av, uint32_t& xvt, uint32_t& avt) {
+        // powers of two throughout: shifts and masks, no divisions
+        constexpr unsigned GH = NG / 16, QP = PANEL / 32;  // ghi values; q values (of 4 bytes) per panel row, over 8
+        static_assert((GH & (GH - 1)) == 0 && (QP & (QP - 1)) == 0, "powers of two");
+        const unsigned ab = w & 3u, rest = w >> 2, ghi = rest & (GH - 1), qhi = rest / GH;
+        xv = ab * 16u * PANEL + ((2u * (qhi & (QP - 1))) << 4);
+        av = ghi * 64u * PANEL + (qhi / QP) * (BLOCK_N * PANEL);
+        xvt = (ab + 4u * ghi) << 4;
+        avt = qhi * (32u * BLOCK_N);
     }
 #ifdef __CUDA_ARCH__
     // Warp `warp` of `warps` transposing warps: sv (a staging stage) -> svt (a Vt stage); `v`,
@@ -401,7 +402,7 @@ struct VTranspose {
     __device__ static void run(uint32_t sv, uint32_t svt, int warp, int warps,
                                const uint32_t (&v)[4], const uint32_t (&vt)[4]) {
         #pragma unroll 2
-        for (int w = warp; w < ITERS; w += warps) {
+        for (unsigned w = warp; w < (unsigned)ITERS; w += warps) {
             uint32_t xv, av, xvt, avt;
             iter_terms(w, xv, av, xvt, avt);
             uint32_t x[4], y[4];

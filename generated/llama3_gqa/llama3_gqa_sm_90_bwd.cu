@@ -458,12 +458,18 @@ __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, in
 namespace {
 constexpr int HEAD_DIM = 128;
 constexpr int HEAD_DIM_V = 128;
-constexpr int QK_ROW_BYTES = HEAD_DIM * 2;
-constexpr int V_ROW_BYTES = HEAD_DIM_V * 2;
-constexpr bool IS_CAUSAL = true;
-constexpr float LOG2E = 1.4426950408889634f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
+// Byte sizes follow the element type (the plan's dtype record: elem_t and its elem_bytes, with which the
+// plan sized the kernels' shared memory).  The mma.sync m16n8k16 / ldmatrix .b16 fragments take 16-bit
+// elements: a 16-column fragment is two 16-byte chunks (the fragment indices below count so).
+constexpr int ELEM_BYTES = sizeof(elem_t);
+constexpr int CHUNK_ELEMS = 16 / ELEM_BYTES;  // elements per 16-byte chunk (cp.async, an ldmatrix row, fg::swz)
+static_assert(sizeof(elem_t) == sizeof(uint16_t), "mma.sync m16n8k16 and ldmatrix .b16: 16-bit elements");
+constexpr int QK_ROW_BYTES = HEAD_DIM * ELEM_BYTES;
+constexpr int V_ROW_BYTES = HEAD_DIM_V * ELEM_BYTES;
+constexpr bool IS_CAUSAL = true;
+constexpr float LOG2E = 1.4426950408889634f;
 
 constexpr int PRE_WARPS = 8;
 constexpr int KV_N = 64;
@@ -477,22 +483,23 @@ constexpr int DQ_N = 32;
 constexpr int DQ_WARPS = 4;
 static_assert(KV_N == 16 * KV_WARPS && DQ_M == 16 * DQ_WARPS, "one 16-row mma tile per warp");
 static_assert(KV_M % 16 == 0 && DQ_N % 16 == 0 && DK_COLS % 16 == 0 && DV_COLS % 16 == 0, "tiles");
-static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM_V % 32 == 0, "rows of a multiple of 64 bytes (fg::swz)");
+static_assert(QK_ROW_BYTES % 64 == 0 && V_ROW_BYTES % 64 == 0, "rows of a multiple of 64 bytes (fg::swz)");
 
 // ROWS x COLS elements (row stride `stride`) into a swizzled tile by THREADS threads; rows >= valid_rows read 0.
 // When THREADS covers whole rows: a compile-time trip count and one pointer per thread (see fwd.cu.j2).
 template <int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64_t stride, int valid_rows) {
-    constexpr int CHUNKS_PER_ROW = COLS / 8;
+    constexpr int CHUNKS_PER_ROW = COLS / CHUNK_ELEMS;
+    constexpr int ROW_BYTES = COLS * ELEM_BYTES;
     if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % (THREADS / CHUNKS_PER_ROW) == 0) {
         constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
         const int row0 = threadIdx.x / CHUNKS_PER_ROW, chunk = threadIdx.x % CHUNKS_PER_ROW;
-        const elem_t* g0 = src + row0 * stride + chunk * 8;
+        const elem_t* g0 = src + row0 * stride + chunk * CHUNK_ELEMS;
         #pragma unroll
         for (int it = 0; it < ROWS / ROW_STEP; ++it) {
             const int row = row0 + it * ROW_STEP;
             const bool valid = row < valid_rows;
-            fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), valid ? g0 + it * ROW_STEP * stride : src, valid);
+            fg::cp_async_16(dst + fg::swz(row, chunk, ROW_BYTES), valid ? g0 + it * ROW_STEP * stride : src, valid);
         }
         return;
     }
@@ -500,7 +507,7 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const elem_t* src, int64
     for (int i = threadIdx.x; i < ROWS * CHUNKS_PER_ROW; i += THREADS) {
         const int row = i / CHUNKS_PER_ROW, chunk = i % CHUNKS_PER_ROW;
         const bool valid = row < valid_rows;
-        fg::cp_async_16(dst + fg::swz(row, chunk, COLS * 2), src + (valid ? row * stride + chunk * 8 : 0), valid);
+        fg::cp_async_16(dst + fg::swz(row, chunk, ROW_BYTES), src + (valid ? row * stride + chunk * CHUNK_ELEMS : 0), valid);
     }
 }
 
@@ -792,8 +799,8 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_llama3_g
         }
 
         // dV += P^T dO and dK += dS^T Q (this CTA's column split).
-        gemm_pb<NT, DV_COLS / 8>(acc_dv, acc_s, sDO, split * (DV_COLS / 8), V_ROW_BYTES, lane);
-        gemm_pb<NT, DK_COLS / 8>(acc_dk, acc_dp, sQ, split * (DK_COLS / 8), QK_ROW_BYTES, lane);
+        gemm_pb<NT, DV_COLS / 8>(acc_dv, acc_s, sDO, split * (DV_COLS / CHUNK_ELEMS), V_ROW_BYTES, lane);
+        gemm_pb<NT, DK_COLS / 8>(acc_dk, acc_dp, sQ, split * (DK_COLS / CHUNK_ELEMS), QK_ROW_BYTES, lane);
         __syncthreads();  // this stage is refilled by the prefetch two live steps on
         hg = hg_next;
         mb = mb_next;
