@@ -372,10 +372,13 @@ def test_mistral_masked_tiles_test_a_column_range_and_the_switch(monkeypatch):
 def test_shipped_sources_without_a_bound_do_not_change(monkeypatch, persistent):
     """Every shipped spec but mistral_swa renders the same source with the switch on or off."""
     on = {}
-    for path in sorted((REPO / "specs").glob("*.yaml")):
+    # (an fp8 spec has no persistent kernel: its plan refuses one)
+    paths = [p for p in sorted((REPO / "specs").glob("*.yaml"))
+             if not (persistent and load_spec(p).dtype == "fp8_e4m3")]  # fmt: skip
+    for path in paths:
         spec = load_spec(path)
         on[spec.name] = render(plan_forward(spec, "sm_90", persistent=persistent))
-    for path in sorted((REPO / "specs").glob("*.yaml")):
+    for path in paths:
         spec = load_spec(path)
         off = render(plan_forward(spec, "sm_90", persistent=persistent, values=NO_BOUND))
         assert (off == on[spec.name]) == (spec.name != "mistral_swa"), spec.name

@@ -39,7 +39,7 @@ def forced(monkeypatch):
     """The fast path on, with the CPU reference as its forward; counts its calls."""
     calls = []
 
-    def forward(self, q, k, v, dims, scale, scalars, tensors, table, out=None):
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table, descales=None, out=None):
         calls.append(self.spec.name)
         ordered = [tensors[p.name] for p in self.spec.tensor_params]
         return self._cpu_impl(q, k, v, scale, *scalars, *ordered, out=out)
@@ -120,7 +120,7 @@ def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
     from flashgen.analysis.indexbounds import IndexBoundsWarning
     from flashgen.frontend.spec import loads_spec
 
-    def forward(self, q, k, v, dims, scale, scalars, tensors, table, out=None):
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table, descales=None, out=None):
         self._check_index_bounds(dims, scalars)  # what the CUDA _forward does first
         o, lse = self._empty_outputs(q, dims)
         return o.zero_(), lse.zero_()

@@ -37,6 +37,11 @@ def test_sm90_selects_the_hopper_kernel(path):
     assert plan.tiles == hopper_tiles(spec) and plan.threads == 384
     assert [a.name for a in plan.args[-3:]] == ["tma_q", "tma_k", "tma_v"]
     assert plan.smem_bytes <= 232448
+    if spec.dtype == "fp8_e4m3":  # the Hopper kernel or nothing
+        for target, family in (("sm_80", "auto"), ("sm_90", "fa2")):
+            with pytest.raises(ValueError, match="Hopper forward only"):
+                plan_forward(spec, target, family=family)
+        return
     assert plan_forward(spec, "sm_80").template == "sm_80/fwd.cu.j2"
     assert plan_forward(spec, "sm_90", family="fa2").template == "sm_80/fwd.cu.j2"
 
