@@ -10,6 +10,7 @@ import numbers
 from dataclasses import dataclass, replace
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from flashgen.families import decode as family
 from flashgen.frontend import ir
@@ -68,6 +69,15 @@ def _tensor(name: str, t, dims: int, what: str):
         raise OpInputError(f"{name}: expected a {dims}-D tensor {what}, got shape {list(t.shape)}")
 
 
+def _addresses_readable(t) -> bool:
+    """Whether :func:`validate_decode` reads ``t``'s address (the cache alignment check):
+    not while ``torch.compile`` traces the call (Dynamo cannot trace ``data_ptr()``; the
+    traced call runs the registered op, whose CUDA kernel validates the real tensors again
+    and so checks their addresses at run time), and not for a fake tensor (the registered
+    op's fake kernel: no storage, no address)."""
+    return not torch.compiler.is_compiling() and not is_fake(t)
+
+
 def _aligned_16(t) -> bool:
     """Whether the kernels' 16-byte copies can address every row of ``t`` directly (a
     16-byte aligned base and strides of whole 16-byte chunks: 8 elements of 2 bytes, 16 of
@@ -108,6 +118,9 @@ def validate_decode(
     """Check a with_kvcache call's tensors against ``spec`` and the op contract (module
     doc): metadata only, never tensor contents.  Returns :class:`DecodeDims`; raises
     :class:`OpInputError` naming the argument, the expected and the received value.
+    The CUDA caches' alignment (their addresses) is checked on real tensors only, not while
+    ``torch.compile`` traces nor on fake tensors (:func:`_addresses_readable`): the registered
+    op's CUDA kernel checks it when the compiled call runs.
 
     An e4m3 cache (float8_e4m3fn ``k_cache`` and ``v_cache`` for an fp16 / bf16 spec whose head
     dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
@@ -232,7 +245,7 @@ def validate_decode(
         raise OpInputError(f"q: expected stride(-1) == 1, got strides {list(q.stride())}")
     if q.is_cuda:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not _aligned_16(t):
+            if _addresses_readable(t) and not _aligned_16(t):
                 raise OpInputError(
                     f"{name}: expected a 16-byte aligned base and strides that are multiples "
                     f"of {16 // t.element_size()} elements (the kernels copy 16-byte chunks "

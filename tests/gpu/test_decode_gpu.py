@@ -647,16 +647,16 @@ def test_decode_kernels_are_sanitizer_clean(tool):
     """compute-sanitizer over the decode kernels (attention with the fused combine, append),
     padded and ragged, dense and paged, 1 and 3 splits, a bad page index, planned calls on
     the fast path: no error, no hazard (tools/sanitize.py's parsing and kernel filter)."""
-    import importlib.util
     import shutil
     import subprocess
+
+    from patched_kernels import load_tool  # tests/ is on sys.path (above)
 
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("no compute-sanitizer")
-    spec = importlib.util.spec_from_file_location("fg_sanitize", REPO / "tools" / "sanitize.py")
-    tools = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tools)
+    # registered in sys.modules before it runs: its dataclasses look their module up there
+    tools = load_tool("sanitize")
     filt = tools.kernel_filter_args(sanitizer) if tool != "initcheck" else []
     extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
     cmd = [sanitizer, "--tool", tool, *extra, *filt, "--print-limit", "20", sys.executable,

@@ -368,6 +368,57 @@ def test_torch_compile_fullgraph_padded_and_ragged():
         torch.compile(no_max, fullgraph=True, backend="aot_eager")(q, kc, vc, lens_t, cu)
 
 
+@pytest.mark.parametrize("form", ["padded", "ragged", "padded_append", "ragged_append",
+                                  "ragged_kv8"])  # fmt: skip
+def test_torch_compile_of_cuda_calls_reads_no_address(form):
+    """The H200 failure of tests/gpu/test_decode_gpu.py::test_ragged_torch_compile_fullgraph
+    ("Failed to trace builtin operator mod ... DataPtrVariable": the cache alignment check's
+    ``data_ptr() % 16`` under Dynamo) reproduced on CPU with fake CUDA tensors:
+    torch.compile(fullgraph=True) traces with_kvcache's CUDA path, padded and ragged, with
+    and without the append, and an e4m3 cache, reading no address (the registered op's CUDA
+    kernel checks alignment when the compiled call runs); the fake kernel (run on the fake
+    inputs) reads none either.  Backend eager: AOT's replay of the appends' cache mutation
+    on a fake CUDA tensor would need a CUDA build of torch."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashgen.ops.decode_inputs import _addresses_readable
+
+    op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
+        "llama3_gqa", (1, 4, 0), (3, 7, 2), hq=8, hkv=2, ps=4, dense=False, append=True
+    )
+    mode = FakeTensorMode()
+
+    def fake(t, dtype=None):
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cuda")
+
+    kv8 = form.endswith("kv8")
+    cdt = torch.float8_e4m3fn if kv8 else None
+    q, lens_t, table, cu = fake(q), fake(lens_t), fake(table), fake(cu)
+    kc, vc, kn, vn = fake(kc, cdt), fake(vc, cdt), fake(kn, cdt), fake(vn, cdt)
+    kw = {"block_table": table, "num_splits": 2}
+    if form.startswith("ragged"):
+        kw.update(cu_seqlens_q=cu, max_seqlen_q=4)
+    else:
+        q = fake(torch.empty(3, 8, 2, 128), q.dtype)
+        kn, vn = (fake(torch.empty(3, 2, 2, 128), t.dtype) for t in (kn, vn))
+    if kv8:
+        kw.update(k_descale=fake(torch.empty(3, 2)), v_descale=fake(torch.empty(1)))
+
+    def call(q, kc, vc, lens, kn, vn):
+        new = {"k_new": kn, "v_new": vn} if "append" in form else {}
+        return op.with_kvcache(q, kc, vc, lens, **kw, **new)
+
+    with warnings.catch_warnings():  # FakeTensor.data_ptr() warns (and returns 0)
+        warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
+        o, lse = torch.compile(call, fullgraph=True, backend="eager")(q, kc, vc, lens_t, kn, vn)
+    assert o.device.type == "cuda" and o.shape[:-1] == q.shape[:-1]
+    # eager calls (and the CUDA kernel of the compiled call) on real tensors keep the check
+    assert _addresses_readable(torch.empty(1)) and not _addresses_readable(kc)
+
+
 def _plan(op, *, total_q, batch=3, seqlen_q=4, append=True, splits=2, **kw):
     base = dict(batch=batch, num_heads=8, num_heads_kv=2, seqlen_q=seqlen_q,
                 cache_capacity=16, page_size=4, num_pages=14, append=append, device="cpu",
