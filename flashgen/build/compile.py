@@ -241,7 +241,7 @@ def find_nvcc() -> str:
         return found
     raise NvccNotFoundError(
         "nvcc (the CUDA compiler) was not found: `pip install flashgen[gpu]` (or "
-        "`pip install nvidia-cuda-nvcc`) installs it, or put it on PATH, or set "
+        "`pip install nvidia-cuda-nvcc nvidia-cuda-cccl`) installs it, or put it on PATH, or set "
         f"{_env.NVCC} or CUDA_HOME"
     )
 
