@@ -16,11 +16,12 @@ rounds, the ratio B / A, and whether the outputs are bitwise equal (else the lar
 difference per tensor: the backward's dQ adds with atomics in any order, so it may differ in its
 last bits).  ``--json`` writes the rows.
 
-Cases: ``fwd`` (``FLASHGEN_PERSISTENT=0``, ``FLASHGEN_SPARSE_PERSISTENT=0``), ``fwd_persistent``
-(both ``dynamic``), ``bwd`` (dQ, dK, dV of ``deterministic=False``, the Hopper backward where the
-spec takes it), bf16, inputs from a fixed seed, the spec's scalar params at their defaults and its
-tensor params from :func:`flashgen.bench.runner.spec_params`.  Needs an sm_90 GPU, torch,
-triton, CuPy, nvcc (and lark, as every flashgen run).
+Cases: ``fwd`` (the op loaded with ``Options(persistent="off", sparse_persistent="off")``),
+``fwd_persistent`` (both ``"dynamic"``), ``bwd`` (dQ, dK, dV of ``deterministic=False``, the Hopper
+backward where the spec takes it; no persistent forward), inputs in the spec's dtype from a fixed
+seed (an fp8 spec: e4m3 inputs, default descales, the ``fwd`` case only), the spec's scalar params
+at their defaults and its tensor params from :func:`flashgen.bench.runner.spec_params`.  Needs
+an sm_90 GPU, torch, triton, CuPy, nvcc (and lark, as every flashgen run).
 """
 
 from __future__ import annotations
@@ -42,25 +43,36 @@ sys.path.insert(0, tree)
 import torch
 import flashgen
 from flashgen.bench import runner as bench
+from flashgen.options import Options
 
 dev = torch.device("cuda")
 b, h, s = cfg["shape"]
 times = {}
+# fwd and bwd: no persistent scheduler; fwd_persistent: dynamic (both for the dense and the
+# sparse-call kernels).  Options, not the removed FLASHGEN_PERSISTENT switches.
+OPTIONS = {
+    "fwd": Options(persistent="off", sparse_persistent="off"),
+    "fwd_persistent": Options(persistent="dynamic", sparse_persistent="dynamic"),
+    "bwd": Options(persistent="off", sparse_persistent="off"),
+}
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 for name in cfg["specs"]:
-    op = flashgen.load(os.path.join(tree, "specs", name + ".yaml"))
-    spec = op.spec
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = lambda d: (b, h, s, d)
-    q = torch.randn(shape(spec.head_dim), device=dev, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(shape(spec.head_dim), device=dev, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(shape(spec.head_dim_v), device=dev, dtype=torch.bfloat16, generator=gen)
-    params = bench.spec_params(spec, h, b, s, s, dev)
-    for p in spec.scalar_params:
-        params.setdefault(p.name, p.default)
+    path = os.path.join(tree, "specs", name + ".yaml")
     for kind in cfg["kinds"]:
-        mode = "dynamic" if kind == "fwd_persistent" else "0"
-        os.environ["FLASHGEN_PERSISTENT"] = mode
-        os.environ["FLASHGEN_SPARSE_PERSISTENT"] = mode
+        op = flashgen.load(path, options=OPTIONS[kind])
+        spec = op.spec
+        fp8 = spec.dtype == "fp8_e4m3"
+        if fp8 and kind != "fwd":
+            continue  # fp8: forward only, never persistent
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        dt = DT[spec.dtype]
+        # e4m3 inputs from float32 randn (randn has no float8 kernel); descales default to 1
+        rnd = lambda d: torch.randn((b, h, s, d), device=dev, generator=gen,
+                                    dtype=torch.float32 if fp8 else dt).to(dt)
+        q, k, v = rnd(spec.head_dim), rnd(spec.head_dim), rnd(spec.head_dim_v)
+        params = bench.spec_params(spec, h, b, s, s, dev)
+        for p in spec.scalar_params:
+            params.setdefault(p.name, p.default)
         if kind == "bwd":
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
             o, lse = op.attention(qq, kk, vv, deterministic=False, **params)

@@ -248,7 +248,11 @@ def nvcc_argv(nvcc: str, target: str, src: Path, out: Path) -> list[str]:
     """flashgen's nvcc command (``flashgen.build.compile``'s flags) for ``target``."""
     from flashgen.build.compile import NVCC_FLAGS
 
-    return [nvcc, *NVCC_FLAGS[:3], GENCODE[target], *NVCC_FLAGS[3:], "-o", str(out), str(src)]
+    # NVCC_FLAGS no longer carries the output kind (flashgen picks -cubin or -fatbin per gencode):
+    # always -cubin here, the gencode before ``-Xptxas``, as the cached commands were built.
+    flags = [f for f in NVCC_FLAGS if f not in ("-cubin", "-fatbin")]
+    i = flags.index("-Xptxas") if "-Xptxas" in flags else len(flags)
+    return [nvcc, "-cubin", *flags[:i], GENCODE[target], *flags[i:], "-o", str(out), str(src)]
 
 
 def build(source: str, target: str, cache: Path, nvcc: str, cuobjdump: str) -> Built:

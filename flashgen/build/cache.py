@@ -49,9 +49,9 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from flashgen import env as _env
-from flashgen.version import __version__
 from flashgen.build import compile as _compile
 from flashgen.build.compile import CompileReport, compile_source, nvcc_version
+from flashgen.version import __version__
 
 CUBIN = "kernel.cubin"
 META = "meta.json"

@@ -27,11 +27,11 @@ import tempfile
 import unicodedata
 from pathlib import Path
 
-from flashgen.version import __version__
 from flashgen.build.render import render
 from flashgen.families import registry
 from flashgen.frontend import ir
 from flashgen.options import DEFAULT, Options
+from flashgen.version import __version__
 
 #: What a spec name must look like to become a directory and a module name.
 _SAFE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
