@@ -802,17 +802,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
             const fg::TableWalk table{tab_row};
             auto prev_live = [&](int j, int& c) { return table.prev_live(j, c, (int)threadIdx.x); };
             int cls = fg::iv::EMPTY;
-            int n_block = prev_live(n_kv_blocks - 1, cls);
+            const int walk_start = n_kv_blocks - 1;
+            int n_block = prev_live(walk_start, cls);
             if (n_block < 0) {  // nothing to load: the consumers write o = 0, lse = -inf
                 hand_over(-1, m0, b, h);
                 continue;
             }
-            // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.  The
-            // first block's K goes out before Q: its ring slot frees during the previous tile's main
-            // loop, sQ only after its last Q K^T.
-            for (bool first = true; n_block >= 0; first = false, ++it) {
-                const int n0 = n_block * BLOCK_N, n_cls = cls;
-                const int n_next = prev_live(n_block - 1, cls);
+            // Publish key block n_block (class c) in ring stage it % STAGES and load it (warp 0, lane 0
+            // issuing), STAGES ahead of the consumers; the walk first finds the next live block, returned
+            // (c becomes its class).  after_k() runs between the K and the V load (the persistent kernel
+            // hands a tile over there, after the tile's first K).
+            auto load_block = [&](int it, int n_block, int& c, auto&& after_k) {
+                const int n0 = n_block * BLOCK_N, n_cls = c;
+                const int n_next = prev_live(n_block - 1, c);
                 const int s = it % STAGES;
                 const uint32_t phase = (it / STAGES) & 1;
                 fg::mbar_wait(k_empty(s), phase ^ 1);
@@ -824,7 +826,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
                     for (int c = 0; c < DCB; ++c)
                         fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
                 }
-                if (first) hand_over(it, m0, b, h);
+                after_k();
                 fg::mbar_wait(v_empty(s), phase ^ 1);
                 if (threadIdx.x == 0) {
                     fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
@@ -832,8 +834,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
                     for (int c = 0; c < DCB; ++c)
                         fg::tma_load_4d(sV + s * SKV_BYTES + c * BLOCK_N * 128, &tma_v, c * 64, n0, h_kv, b, v_full(s));
                 }
-                n_block = n_next;
-            }
+                return n_next;
+            };
+            // Walk the KV blocks last to first (the causal diagonal block first), STAGES ahead.  The
+            // first block's K goes out before Q: its ring slot frees during the previous tile's main
+            // loop, sQ only after its last Q K^T.
+            for (bool first = true; n_block >= 0; first = false, ++it)
+                n_block = load_block(it, n_block, cls, [&] { if (first) hand_over(it, m0, b, h); });
         }
         // Every CTA draws until it gets a ticket past the last tile; the last CTA to get there
         // resets the counter for the next launch (no CTA of this one reads it again).

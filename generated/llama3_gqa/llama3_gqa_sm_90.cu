@@ -763,8 +763,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
 
     // Publish key block n_block (class c) in ring stage it % STAGES and load it (warp 0, lane 0
     // issuing), STAGES ahead of the consumers; the walk first finds the next live block, returned
-    // (c becomes its class).
-    auto load_block = [&](int it, int n_block, int& c) {
+    // (c becomes its class).  after_k() runs between the K and the V load (the persistent kernel
+    // hands a tile over there, after the tile's first K).
+    auto load_block = [&](int it, int n_block, int& c, auto&& after_k) {
         const int n0 = n_block * BLOCK_N, n_cls = c;
         const int n_next = prev_live(n_block - 1, c);
         const int s = it % STAGES;
@@ -778,6 +779,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
             for (int c = 0; c < DCB; ++c)
                 fg::tma_load_4d(sK + s * SKV_BYTES + c * BLOCK_N * 128, &tma_k, c * 64, n0, h_kv, b, k_full(s));
         }
+        after_k();
         fg::mbar_wait(v_empty(s), phase ^ 1);
         if (threadIdx.x == 0) {
             fg::mbar_arrive_expect_tx(v_full(s), SKV_BYTES);
@@ -822,7 +824,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_llama3_gqa_fwd
         // TMA loads and the arrivals.
         if (threadIdx.x < 32 && first_block >= 0) {
             // Walk the KV blocks last to first (the causal diagonal block first).
-            for (int it = 1, n_block = next_block; n_block >= 0; ++it) n_block = load_block(it, n_block, cls);
+            for (int it = 1, n_block = next_block; n_block >= 0; ++it) n_block = load_block(it, n_block, cls, [] {});
         }
         return;
     }
