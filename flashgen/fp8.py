@@ -29,6 +29,9 @@ from flashgen.frontend.errors import OpInputError
 #: Largest finite ``torch.float8_e4m3fn`` value: amax scaling maps each ``[b, h_kv]`` slice's
 #: largest magnitude onto it.
 E4M3_MAX = 448.0
+#: Smallest normal float32: descales are kept at or above it (a subnormal descale would be
+#: flushed to zero by the kernels' arithmetic, and ``448 / amax`` overflows below it).
+F32_MIN_NORMAL = 2.0**-126
 #: torch's e4m3 dtype (FlashAttention-3's and Hopper's FP8 format: 4 exponent bits, 3
 #: mantissa bits, no infinities).
 E4M3 = torch.float8_e4m3fn
@@ -44,7 +47,9 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 def hadamard_matrix(n: int, *, dtype=torch.float32, device=None) -> torch.Tensor:
     """The normalized Sylvester-Hadamard matrix ``H_n / sqrt(n)`` ([n, n], orthogonal and
     symmetric; ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``).  ``n`` must be a power
-    of two (else :class:`OpInputError`)."""
+    of two, a Python int (else :class:`OpInputError`)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise OpInputError(f"hadamard: expected a power-of-two int size, got {n!r}")
     if n < 1 or n & (n - 1):
         raise OpInputError(f"hadamard: expected a power-of-two size, got {n}")
     h = torch.ones((1, 1), dtype=torch.float64)
@@ -57,7 +62,13 @@ def incoherence_matrix(head_dim: int, *, generator=None, device=None) -> torch.T
     """FlashAttention-3's random orthogonal ``M = diag(s) H / sqrt(D)`` (section 3.3): ``s``
     uniform random signs (from ``generator``, else torch's default generator), ``H`` the
     Sylvester-Hadamard matrix of :func:`hadamard_matrix`.  float32 [D, D] on ``device``.
-    Raises :class:`OpInputError` unless ``head_dim`` is a power of two."""
+    Raises :class:`OpInputError` unless ``head_dim`` is a power of two and ``generator`` None
+    or a ``torch.Generator``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise OpInputError(
+            f"generator: expected None or a torch.Generator (e.g. "
+            f"torch.Generator().manual_seed(0)), got {type(generator).__name__}"
+        )
     h = hadamard_matrix(head_dim)
     where = generator.device if generator is not None else "cpu"
     bits = torch.randint(0, 2, (head_dim,), generator=generator, device=where)
@@ -116,8 +127,13 @@ def _scaled(name: str, x: torch.Tensor, hkv: int) -> tuple[torch.Tensor, torch.T
     if amax.device.type == "cpu" and not bool(torch.isfinite(amax).all()):
         raise OpInputError(f"{name}: expected finite values to quantize, got inf or NaN")
     ok = amax > 0
-    descale = torch.where(ok, amax / E4M3_MAX, torch.ones_like(amax))
-    scale = torch.where(ok, E4M3_MAX / torch.where(ok, amax, torch.ones_like(amax)), descale)
+    # descale >= the smallest normal float32: for a slice whose amax is below 448 times it
+    # (about 5.3e-36), amax / 448 would be subnormal and 448 / amax overflow to inf (inf * 0
+    # = NaN), so such a slice keeps the smallest normal descale and uses less of e4m3's range
+    tiny = ok & (amax / E4M3_MAX < F32_MIN_NORMAL)
+    one = torch.ones_like(amax)
+    descale = torch.where(ok, (amax / E4M3_MAX).clamp_min(F32_MIN_NORMAL), one)
+    scale = torch.where(ok & ~tiny, E4M3_MAX / torch.where(ok, amax, one), 1.0 / descale)
     b, h = x.shape[0], x.shape[1]
     per_head = scale.repeat_interleave(h // hkv, dim=1).view(b, h, 1, 1)
     x8 = (x * per_head).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
@@ -131,7 +147,8 @@ def quantize(q, k, v, *, hadamard: bool = False, generator=None):
     or bfloat16 on one device, any strides, Hq % Hkv == 0.  Each ``[b, h_kv]`` slice of k
     and v, and of q the ``Hq / Hkv`` query heads of kv head ``h_kv`` together, is scaled so
     its largest magnitude becomes :data:`E4M3_MAX` (448), rounded to e4m3 (nearest even),
-    and its descale is ``amax / 448`` (1.0 for an all-zero slice):
+    and its descale is ``amax / 448`` (1.0 for an all-zero slice; at least
+    :data:`F32_MIN_NORMAL`, so a slice of amax below about 5.3e-36 maps onto less than 448):
     ``x ~= dequantize(x8, x_descale)``.
 
     ``hadamard=True``: first apply FlashAttention-3's incoherent processing (Shah et al.
@@ -148,14 +165,15 @@ def quantize(q, k, v, *, hadamard: bool = False, generator=None):
 
     Raises :class:`OpInputError` naming the argument for a non-tensor, a tensor that is not
     4-D or not float32 / float16 / bfloat16, another device, inconsistent shapes, a head_dim
-    that is not a power of two with ``hadamard=True``, and (CPU tensors; on a GPU this would
+    that is not a power of two with ``hadamard=True``, a ``generator`` that is not a
+    ``torch.Generator``, and (CPU tensors; on a GPU this would
     cost a device sync, and the descales come out non-finite instead) inf or NaN entries.
     """
     _, hkv = _check(q, k, v)
     qf, kf, vf = q.float(), k.float(), v.float()
     if hadamard:
         d = q.shape[3]
-        if d & (d - 1):
+        if d < 1 or d & (d - 1):
             raise OpInputError(
                 f"q: hadamard=True needs a power-of-two head_dim (a Hadamard transform along "
                 f"it), got {d}"
@@ -171,8 +189,30 @@ def quantize(q, k, v, *, hadamard: bool = False, generator=None):
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """``x8 * descale`` in ``dtype``: ``x8`` [B, H, S, D] (e4m3, or any float dtype),
     ``descale`` [B, Hkv] with H % Hkv == 0 (head ``h`` takes ``descale[:, h // (H / Hkv)]``),
-    on ``x8``'s device.  What the fp8 ops compute on."""
+    on ``x8``'s device.  What the fp8 ops compute on.  Raises :class:`OpInputError` naming
+    the argument for a non-tensor, an ``x8`` that is not 4-D, a ``descale`` that is not a
+    ``[B, Hkv]`` floating tensor on ``x8``'s device with ``H % Hkv == 0``."""
+    if not isinstance(x8, torch.Tensor) or x8.dim() != 4:
+        raise OpInputError(
+            f"x8: expected a 4-D tensor [batch, heads, seqlen, head_dim], got "
+            f"{list(x8.shape) if isinstance(x8, torch.Tensor) else type(x8).__name__}"
+        )
     b, h = x8.shape[0], x8.shape[1]
-    hkv = descale.shape[1]
+    if not isinstance(descale, torch.Tensor):
+        raise OpInputError(
+            f"descale: expected a float32 tensor [batch, heads_kv] (batch {b}), got "
+            f"{type(descale).__name__}"
+        )
+    if not descale.is_floating_point() or descale.device != x8.device:
+        raise OpInputError(
+            f"descale: expected a float32 tensor on {x8.device} (x8's device), got "
+            f"{descale.dtype} on {descale.device}"
+        )
+    hkv = descale.shape[1] if descale.dim() == 2 else 0
+    if descale.dim() != 2 or descale.shape[0] != b or hkv == 0 or h % hkv:
+        raise OpInputError(
+            f"descale: expected shape [batch, heads_kv] = [{b}, a divisor of x8's {h} heads], "
+            f"got {list(descale.shape)}"
+        )
     per_head = descale.to(dtype).repeat_interleave(h // hkv, dim=1).view(b, h, 1, 1)
     return x8.to(dtype) * per_head

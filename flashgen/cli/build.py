@@ -144,6 +144,16 @@ def cmd_build(args) -> int:
     specs = _load_specs(args.specs, err, spec_errors)
     if specs is None:
         return _fail_json(args, "spec errors (see stderr)", spec_errors)
+    from flashgen.frontend.ir import FP8_DTYPES
+
+    fp8_fa2 = [s.name for s in specs if s.dtype in FP8_DTYPES and family == "fa2"]
+    if fp8_fa2:  # build_op refuses the same pair (flashgen.load)
+        msg = (
+            f"spec {', '.join(fp8_fa2)}: dtype fp8_e4m3 runs on the Hopper kernel only; "
+            f"--option family=fa2 picks the FA2-class kernels, which have no FP8 form"
+        )
+        err.print(f"error: {msg}", markup=False)
+        return _fail_json(args, msg)
     pairs = []
     for spec in specs:
         for t in dict.fromkeys(args.target or spec.targets):

@@ -14,6 +14,7 @@ from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
 from flashgen.families.bwd_common import BackwardPlan
 from flashgen.families.tiles import BackwardTiles
+from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
 from flashgen.options import DEFAULT, Options
 
@@ -149,6 +150,22 @@ class DeviceKernels:
         return f"{cc}: FA2-class kernels, sm_80 SASS ({fams})"
 
 
+def check_capability(capability) -> tuple[int, int]:
+    """``capability`` as ``(major, minor)``: a tuple or list of two non-negative ints (not
+    bools); else :class:`~flashgen.frontend.errors.OpInputError` (a ``ValueError``) naming it."""
+    ok = (
+        isinstance(capability, (tuple, list))
+        and len(capability) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability)
+    )
+    if not ok:
+        raise OpInputError(
+            f"device: expected a compute capability (major, minor) of two non-negative ints "
+            f"such as (9, 0), got {capability!r}"
+        )
+    return int(capability[0]), int(capability[1])
+
+
 def for_capability(
     spec: Spec, capability: tuple[int, int], options: Options = DEFAULT
 ) -> DeviceKernels:
@@ -158,8 +175,13 @@ def for_capability(
     and newer the FA2-class sm_80 units through their compute_80 PTX.  ``ValueError`` below
     8.0 (:func:`flashgen.codegen.abi.target_for_capability`).  An fp8 spec has the Hopper
     forward only (``backward`` ``"none"``); ``ValueError`` on any other GPU."""
-    major, minor = (int(c) for c in capability)
+    major, minor = check_capability(capability)
     target = target_for_capability(major, minor)
+    if is_fp8(spec) and major != 9:
+        raise ValueError(
+            f"compute capability {major}.{minor}: spec {spec.name!r} has dtype {spec.dtype}, "
+            f"whose only kernel is the Hopper FP8 forward (sm_90a SASS), which runs on 9.0 only"
+        )
     fwd = select(spec, target, "fwd", options).family
     if is_fp8(spec):
         return DeviceKernels((major, minor), target, "Hopper", fwd, "none", ptx_jit=False)

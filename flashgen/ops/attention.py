@@ -147,17 +147,36 @@ class AttentionOp:
         8.x: FA2-class (sm_80 SASS); 9.0: Hopper where the spec allows; 10.x and newer:
         FA2-class through the driver's JIT of the units' compute_80 PTX.  Raises
         ``RuntimeError`` below compute capability 8.0, ``ValueError`` for a non-CUDA device
-        (the CPU op runs :mod:`flashgen.ops.cpu_attention`)."""
-        if isinstance(device, tuple):
-            capability = device
-        else:
-            device = torch.device(device)
+        (the CPU op runs :mod:`flashgen.ops.cpu_attention`), a CUDA device where torch sees
+        no GPU, or anything else (a malformed capability: not two non-negative ints).
+        ``OpInputError`` is a ``ValueError``."""
+        if isinstance(device, (tuple, list)):
+            capability = registry.check_capability(device)
+        elif isinstance(device, (str, torch.device)):
+            try:
+                device = torch.device(device)
+            except RuntimeError:
+                raise OpInputError(
+                    f"device: expected a CUDA device ('cuda', 'cuda:1', a torch.device) or a "
+                    f"compute capability (major, minor) such as (9, 0), got {device!r}"
+                ) from None
             if device.type != "cuda":
-                raise ValueError(
+                raise OpInputError(
                     f"device: expected a CUDA device or a compute capability (major, minor), got "
                     f"{device} (on CPU the op runs flashgen/ops/cpu_attention.py)"
                 )
-            capability = torch.cuda.get_device_capability(device)
+            try:
+                capability = torch.cuda.get_device_capability(device)
+            except (AssertionError, RuntimeError) as e:  # torch without CUDA, no such GPU
+                raise OpInputError(
+                    f"device: {device} asked for, but torch sees no CUDA GPU here ({e}); pass "
+                    f"the compute capability instead, e.g. family_for((9, 0))"
+                ) from None
+        else:
+            raise OpInputError(
+                f"device: expected a CUDA device ('cuda', 'cuda:1', a torch.device) or a compute "
+                f"capability (major, minor) such as (9, 0), got {device!r}"
+            )
         try:
             return registry.for_capability(self.spec, capability, self.options)
         except ValueError as e:

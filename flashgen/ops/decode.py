@@ -405,8 +405,12 @@ class DecodeOp:
                 "max_seqlen_q: required with cu_seqlens_q under torch.compile (reading it from "
                 "cu_seqlens_q would break the graph); pass max_seqlen_q= or plan="
             )
-        cu = cu_seqlens_q.detach().to("cpu", torch.int64)
-        return max(int((cu[1:] - cu[:-1]).max()), 0) if cu.numel() > 1 else 0
+        cu = cu_seqlens_q.detach().to("cpu", torch.int64).reshape(-1)
+        longest = max(int((cu[1:] - cu[:-1]).max()), 0) if cu.numel() > 1 else 0
+        # at most q's rows: offsets that claim more are wrong, and the value checks name them
+        # (cu_seqlens_q's), not a max_seqlen_q the caller never passed
+        rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else longest
+        return min(longest, rows)
 
     def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                       cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, params,
@@ -439,6 +443,9 @@ class DecodeOp:
             dims = validate_decode(
                 self.spec, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new
             )
+        inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new,
+                  "v_new": v_new, "cache_seqlens": cache_seqlens, "block_table": block_table,
+                  "cu_seqlens_q": cu_seqlens_q, **tmap}  # fmt: skip
         q, scales = resolve_scales(self.spec, dims, q, *descales)
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
@@ -446,7 +453,7 @@ class DecodeOp:
             self._check_plan(plan, dims, q.device, splits)
         if out is not None:
             o_shape, lse_shape = dims.out_shapes()
-            check_out(self.spec, out, o_shape, q.device, lse_shape)
+            check_out(self.spec, out, o_shape, q.device, lse_shape, inputs)
         append = k_new is not None
         if q.is_cuda and _plain_eager(q, k_cache, v_cache):
             if check_enabled():
@@ -472,6 +479,8 @@ class DecodeOp:
             if ragged:
                 args.append(max_seqlen_q)
             if scales is not None:
+                if q.device.type == "cpu" and not torch.compiler.is_compiling():
+                    check_scale_values(scales)  # before the factors multiply in (names them)
                 args += list(scales.tensors(dims.batch, dims.heads_kv, q.device))
             args += [softmax_scale, splits, *scalars, *tensors]
             res = self.torch_op(append, ragged, scales is not None)(*args)

@@ -319,7 +319,9 @@ class _FastPath:
         dop._check_plan(plan, dims, q.device, 0)
         o_shape, lse_shape = dims.out_shapes()
         if out is not None:
-            check_out(spec, out, o_shape, q.device, lse_shape)
+            inputs = {"q": q, "k_cache": kc, "v_cache": vc, "k_new": k_new, "v_new": v_new,
+                      "cache_seqlens": lens, "block_table": table, "cu_seqlens_q": cu, **tmap}
+            check_out(spec, out, o_shape, q.device, lse_shape, inputs)
         aligned = _aligned_16 if cu is not None else (lambda t: _kernel_aligned(t) is t)
         if k_new is not None and not (_aligned_16(k_new) and _aligned_16(v_new)):
             return False

@@ -28,6 +28,15 @@ from flashgen.frontend.errors import OpInputError
 from flashgen.ops.decode_inputs import FP8_CACHE, DecodeDims
 from flashgen.ops.validation import TORCH_DTYPE
 
+#: The range of a descale (and of k's descale times q's): finite normal float32 values (a
+#: Python float outside it would overflow or be flushed to zero as the kernels' float32).
+_F32_MIN_NORMAL = 2.0**-126
+_F32_MAX = 3.4028234663852886e38
+
+
+def _in_range(v: float) -> bool:
+    return math.isfinite(v) and _F32_MIN_NORMAL <= v <= _F32_MAX
+
 
 @dataclass(frozen=True)
 class KvScales:
@@ -39,6 +48,8 @@ class KvScales:
     k_mul: float = 1.0
     v: torch.Tensor | None = None
     v_mul: float = 1.0
+    #: whether ``k`` / ``k_mul`` include an e4m3 q's ``q_descale`` (for error messages)
+    folded: bool = False
 
     def tensors(self, batch: int, heads_kv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_descale, v_descale)`` as float32 ``[B, Hkv]`` tensors (the registered torch
@@ -70,8 +81,11 @@ def _scale(name: str, x, batch: int, heads_kv: int, device) -> tuple[torch.Tenso
         return None, 1.0
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         v = float(x)
-        if not math.isfinite(v) or v <= 0:
-            raise OpInputError(f"{name}: expected a finite descale > 0, got {x!r}")
+        if not _in_range(v):
+            raise OpInputError(
+                f"{name}: expected a finite descale > 0, got {x!r} (a descale is a normal "
+                f"float32, in [{_F32_MIN_NORMAL:.7g}, {_F32_MAX:.7g}])"
+            )
         return None, v
     if not isinstance(x, torch.Tensor):
         raise OpInputError(
@@ -120,9 +134,16 @@ def resolve_scales(spec, dims: DecodeDims, q, k_descale, v_descale, q_descale):
     if fp8_q:
         qt, q_mul = _scale("q_descale", q_descale, batch, hkv, dev)
         q = q.to(TORCH_DTYPE[spec.dtype])  # exact: e4m3 values are fp16 / bf16 values
+        if not _in_range(k_mul * q_mul):
+            raise OpInputError(
+                f"q_descale, k_descale: their product (the folded descale of the logits) must "
+                f"be a finite normal float32 in [{_F32_MIN_NORMAL:.7g}, {_F32_MAX:.7g}], got "
+                f"{q_mul!r} * {k_mul!r} = {k_mul * q_mul!r}"
+            )
         k_mul *= q_mul
         if qt is not None:
             k = qt if k is None else qt * k
+        return q, KvScales(k, k_mul, v, v_mul, folded=True)
     return q, KvScales(k, k_mul, v, v_mul)
 
 
@@ -137,12 +158,15 @@ def check_scale_values(scales: KvScales | None) -> None:
         if t is None:
             continue
         h = t.detach().to("cpu", torch.float64) * mul
-        bad = ~(torch.isfinite(h) & (h > 0))
+        bad = ~(torch.isfinite(h) & (h >= _F32_MIN_NORMAL) & (h <= _F32_MAX))
         if bool(bad.any()):
             b, j = (int(i) for i in bad.nonzero()[0])
+            folded = name == "k_descale" and scales.folded
             raise OpInputError(
-                f"{name}: expected finite descales > 0, got {float(h[b, j])!r} at [{b}, {j}]"
-                + (" (times q_descale)" if name == "k_descale" and mul != 1.0 else "")
+                f"{'q_descale * ' if folded else ''}{name}: expected finite descales > 0, got "
+                f"{float(h[b, j])!r} at [{b}, {j}]"
+                + (" (k's descale times q's, as the kernel takes it)" if folded else "")
+                + f" (a normal float32, in [{_F32_MIN_NORMAL:.7g}, {_F32_MAX:.7g}])"
             )
 
 

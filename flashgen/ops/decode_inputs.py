@@ -342,16 +342,16 @@ def check_cu_seqlens_q(dims: DecodeDims, cu_seqlens_q):
             f"cu_seqlens_q: expected nondecreasing offsets, got cu_seqlens_q[{i - 1}] = "
             f"{int(cu[i - 1])} > cu_seqlens_q[{i}] = {int(cu[i])}"
         )
+    if int(cu[-1]) != dims.total_q:
+        raise OpInputError(
+            f"cu_seqlens_q: expected cu_seqlens_q[-1] == {dims.total_q} (q's rows), got "
+            f"{int(cu[-1])}"
+        )
     if n.numel() and int(n.max()) > dims.seqlen_q:
         b = int((n > dims.seqlen_q).nonzero()[0])
         raise OpInputError(
             f"max_seqlen_q: expected at least every request's Sq_b, but request {b} has "
             f"{int(n[b])} queries (> {dims.seqlen_q})"
-        )
-    if int(cu[-1]) != dims.total_q:
-        raise OpInputError(
-            f"cu_seqlens_q: expected cu_seqlens_q[-1] == {dims.total_q} (q's rows), got "
-            f"{int(cu[-1])}"
         )
     return n
 
@@ -423,12 +423,14 @@ def validate_decode_ragged(
     return replace(dims, seqlen_q=int(max_seqlen_q), total_q=total_q)
 
 
-def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None) -> None:
+def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None, inputs=None) -> None:
     """Check ``out = (o, lse)`` of a with_kvcache call: o of shape ``o_shape`` (``[B, Hq,
     Sq_new, Dv]``; ragged ``[total_q, Hq, Dv]``) in the spec's output dtype, lse of shape
     ``lse_shape`` (None: ``o_shape[:-1]``, the padded ``[B, Hq, Sq_new]``; ragged ``[Hq,
-    total_q]``) float32, both contiguous on ``device``.  :class:`OpInputError` naming the
-    tensor, the expected and the received value otherwise."""
+    total_q]``) float32, both contiguous on ``device``, not requiring grad, sharing no memory
+    with each other nor with any of ``inputs`` (name -> tensor or None: q, the caches, k_new,
+    ...; :func:`flashgen.ops.out_arg.overlaps`, metadata only; not while Dynamo traces).
+    :class:`OpInputError` naming the tensor, the expected and the received value otherwise."""
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise OpInputError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
     o_shape = tuple(o_shape)
@@ -446,6 +448,24 @@ def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None) -> None:
             raise OpInputError(f"{name}: expected device {device} (q's device), got {t.device}")
         if not t.is_contiguous():
             raise OpInputError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        if t.requires_grad:
+            raise OpInputError(
+                f"{name}: expected a tensor that does not require grad (the op overwrites it), "
+                f"got one with requires_grad=True"
+            )
+    if torch.compiler.is_compiling():
+        return
+    from flashgen.ops.out_arg import overlaps
+
+    if overlaps(out[0], out[1]):
+        raise OpInputError("out[1]: expected memory apart from out[0] (o), got one overlapping it")
+    for name, t in (inputs or {}).items():
+        for oname, o in (("out[0]", out[0]), ("out[1]", out[1])):
+            if isinstance(t, torch.Tensor) and overlaps(o, t):
+                raise OpInputError(
+                    f"{oname}: expected memory that no input shares, got a tensor overlapping "
+                    f"{name}"
+                )
 
 
 def check_num_splits(num_splits) -> int:

@@ -27,7 +27,8 @@ def check_out(spec, out, q, dims: Dims, inputs: dict) -> None:
     """Check ``out`` for a call with inputs like ``q`` and problem sizes ``dims``: a tensor
     of shape ``[B, Hq, Sq, Dv]``, o's dtype (:func:`expected_out_dtype`), on q's device, with
     ``stride(-1) == 1`` (unless empty), no two elements at one address (no stride 0 over a
-    dim of size > 1), sharing no memory with any of ``inputs`` (name -> tensor: q, k, v,
+    dim of size > 1, nor any other layout whose elements may share addresses), not a lazily
+    negated view, sharing no memory with any of ``inputs`` (name -> tensor: q, k, v,
     tensor params; not checked while Dynamo traces, where the op's own kernels check it), and
     not requiring grad (it is overwritten).
 
@@ -71,12 +72,41 @@ def check_out(spec, out, q, dims: Dims, inputs: dict) -> None:
         )
     if torch.compiler.is_compiling():
         return  # Dynamo traces no storage offsets: the op's kernels check again, on fakes
+    if out.is_neg() or out.is_conj():
+        raise OpInputError(
+            "out: expected a tensor whose memory holds its values, got a lazily negated or "
+            "conjugated view (writing it would need a copy; pass .resolve_neg() / "
+            ".resolve_conj() of it, or a fresh tensor)"
+        )
+    if _self_overlapping(out):
+        raise OpInputError(
+            f"out: expected every element at its own address (dims that, ordered by stride, "
+            f"each step past the span of the smaller ones), got shape {list(out.shape)} with "
+            f"strides {list(out.stride())}, whose elements share addresses"
+        )
     for name, t in inputs.items():
         if isinstance(t, torch.Tensor) and overlaps(out, t):
             raise OpInputError(
                 f"out: expected memory that no input shares, got a tensor overlapping {name} "
                 f"(out spans bytes {_span(out)} of its storage, {name} {_span(t)})"
             )
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether ``t``'s layout may put two elements at one address: its dims of size > 1,
+    ordered by stride, must each have a stride past the span ``sum((n - 1) * stride) + 1`` of
+    the smaller ones (every layout torch makes without ``as_strided`` does; a conservative
+    test, like :func:`overlaps`: interleavings that share no element are refused too).
+    Metadata only; False for symbolic sizes."""
+    if not all(type(x) is int for x in (*t.shape, *t.stride())):
+        return False  # symbolic sizes (tracing): checked on the real tensors
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    span = 0  # the largest offset the smaller dims reach
+    for st, n in dims:
+        if st <= span:
+            return True
+        span += (n - 1) * st
+    return False
 
 
 def _span(t: torch.Tensor) -> tuple[int, int] | None:

@@ -173,7 +173,12 @@ def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:
     :class:`OpInputError`."""
     want = TORCH_DTYPE[spec.dtype]
     ok = t.dtype == want or (t.dtype == torch.float32 and t.device.type == "cpu")
-    if not ok or t.dtype != q.dtype:
+    if ok and t.dtype != q.dtype:  # an accepted dtype, but not q's: name q's as expected
+        raise OpInputError(
+            f"{name}: expected dtype {q.dtype} (q's dtype: q, k and v share one dtype; spec "
+            f"{spec.name!r} has dtype {spec.dtype}, float32 also on CPU), got {t.dtype}"
+        )
+    if not ok:
         also = "; float32 also on CPU, the same for q, k and v"
         raise OpInputError(
             f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}{also}), "
@@ -366,20 +371,22 @@ def check_descale_meta(name: str, t, dims: Dims, device, *, broadcast: bool = Fa
 
 
 def check_descale_values(name: str, t) -> None:
-    """Every entry of descale ``t`` is finite and positive; else :class:`OpInputError` with
-    the first offending entry.  Reads the values of CPU tensors always and of CUDA tensors
-    only when :func:`check_enabled` (a device sync; the debugging switch the varlen and decode
-    value checks use); never while ``torch.compile`` traces (no values there)."""
+    """Every entry of descale ``t`` is finite and at least the smallest normal float32 (the
+    range a Python float descale must lie in: a subnormal one is flushed to zero by the
+    kernels' arithmetic); else :class:`OpInputError` with the first offending entry.  Reads
+    the values of CPU tensors always and of CUDA tensors only when :func:`check_enabled` (a
+    device sync; the debugging switch the varlen and decode value checks use); never while
+    ``torch.compile`` traces (no values there)."""
     if t.numel() == 0 or torch.compiler.is_compiling():
         return
     if t.device.type != "cpu" and not check_enabled():
         return
-    bad = ~(torch.isfinite(t) & (t > 0))
+    bad = ~(torch.isfinite(t) & (t >= _F32_MIN_NORMAL))
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]
         raise OpInputError(
-            f"{name}: expected finite positive descales, got {t[tuple(idx)].item()!r} at "
-            f"index {idx}"
+            f"{name}: expected finite positive descales, got {t[tuple(idx)].item()!r} at index "
+            f"{idx} (a descale is a normal float32, >= {_F32_MIN_NORMAL:.7g})"
         )
 
 
