@@ -195,6 +195,7 @@ _CHOICES = {
     "persistent": PERSISTENT_CHOICES,
     "sparse_persistent": PERSISTENT_CHOICES[1:],
     "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
+    "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
 }
 
 

@@ -45,6 +45,11 @@ HOPPER_REGS = (56, 224)
 #: anywhere (128 * (72 + 2 * 216) = 64K, what ``__launch_bounds__(384, 1)`` gives the CTA:
 #: the decrement must free what the increments take).
 HOPPER_PERSISTENT_REGS = (72, 216)
+#: Values of :attr:`Options.fp8_transpose`: the fp8 forward's V transposer
+#: (``templates/common/fp8.cuh``): ``lds32`` (``fg::fp8::VTranspose``: 4 LDS.32, 8 PRMT,
+#: 4 STS.32 per lane and 16 bytes) or ``ldsm`` (``fg::fp8::VTransposeLdsm``: one ldmatrix.x4,
+#: 4 PRMT, one stmatrix.x4.trans per lane and 16 bytes).  Both write the same sVt bytes.
+FP8_TRANSPOSES = ("lds32", "ldsm")
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,9 @@ class Options:
     diagonal.  ``warp_walk`` (was ``PERSISTENT_WARP_WALK``): the persistent producer walks
     warp-wide.  ``head_groups``: L2 head groups in the CTA order.  ``nonneg_div``:
     ``fg::Divisor::div_nn`` where operands are proven non-negative.  :func:`plan` says more
-    about each."""
+    about each.  ``fp8_transpose`` (fp8 specs only; one of :data:`FP8_TRANSPOSES`, default
+    ``"lds32"``): the V transposer of the fp8 forward.  Raises ``ValueError`` for another
+    value."""
 
     affine: bool = True
     causal_tiles: bool = True
@@ -69,6 +76,14 @@ class Options:
     warp_walk: bool = True
     head_groups: bool = True
     nonneg_div: bool = True
+    fp8_transpose: str = "lds32"
+
+    def __post_init__(self) -> None:
+        if self.fp8_transpose not in FP8_TRANSPOSES:
+            raise ValueError(
+                f"Options.hopper_fwd.fp8_transpose={self.fp8_transpose!r}: expected one of "
+                f"{FP8_TRANSPOSES}"
+            )
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,7 @@ class Context(ForwardContext):
     mma_t: str
     wgmma_ns: list
     fp8: bool
+    fp8_transpose: str
     elem_bytes: int
     mma_k: int
     row_bytes: int
@@ -341,6 +357,7 @@ def plan(
         mma_t=dt.mma_t,
         wgmma_ns=sorted({tiles.block_n, d}),
         fp8=fp8,
+        fp8_transpose=o.fp8_transpose,
         elem_bytes=elt,
         mma_k=32 // elt,
         row_bytes=row_bytes,

@@ -426,3 +426,17 @@ def test_variants_are_loaded_once_each_with_their_options(monkeypatch, tmp_path)
         True,
         False,
     )
+
+
+def test_ab_takes_the_fp8_transposer_option_on_an_fp8_spec():
+    """``flashgen ab llama3_fp8 --option hopper_fwd.fp8_transpose=lds32,ldsm``: the arguments
+    check (no GPU needed) gives one variant per transposer on the shipped fp8 spec."""
+    from flashgen.cli.commands import parser
+
+    a = parser().parse_args(["ab", "llama3_fp8", "--option", "hopper_fwd.fp8_transpose=lds32,ldsm"])
+    cls, values, variants, specs = ab.check_args(a)
+    assert cls is Options and [s[0] for s in specs] == ["llama3_fp8"]
+    assert [v["hopper_fwd.fp8_transpose"] for v in variants] == ["lds32", "ldsm"]
+    bad = parser().parse_args(["ab", "llama3_fp8", "--option", "hopper_fwd.fp8_transpose=x"])
+    with pytest.raises(options.OptionError, match="lds32, ldsm"):
+        ab.check_args(bad)
