@@ -39,6 +39,13 @@ DTYPES: dict[str, DType] = {
 CTYPE: dict[str, str] = {n: d.ctype for n, d in DTYPES.items()}
 
 
+def is_scaled(name: str) -> bool:
+    """Whether spec dtype ``name`` takes FlashAttention-3's descales (its record is ``scaled``:
+    fp8_e4m3); False for an unknown name."""
+    rec = DTYPES.get(name)
+    return rec is not None and rec.scaled
+
+
 def dtype(name: str) -> DType:
     """The record of spec dtype ``name``; ``ValueError`` naming the supported ones otherwise."""
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.codegen.abi import needs_block_table, target_for_capability
-from flashgen.codegen.dtypes import DTYPES, dtype
+from flashgen.codegen.dtypes import is_scaled
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd, tiles
 from flashgen.families.bwd_common import BackwardPlan
@@ -100,7 +100,7 @@ def select(
 
 def is_fp8(spec: Spec) -> bool:
     """Whether ``spec``'s inputs are fp8 (1-byte elements with descales)."""
-    return dtype(spec.dtype).scaled
+    return is_scaled(spec.dtype)
 
 
 def _select_fp8(spec: Spec, target: str, call: str, options: Options) -> Route:
@@ -265,8 +265,7 @@ def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) ->
 def has_backward(spec: Spec) -> bool:
     """Whether ``spec`` has backward kernels: not for a dtype whose record is ``scaled``
     (fp8_e4m3: FlashAttention-3's FP8 attention is a forward, and so is flashgen's)."""
-    rec = DTYPES.get(spec.dtype)
-    return rec is None or not rec.scaled
+    return not is_fp8(spec)
 
 
 def _require_backward(spec: Spec) -> None:

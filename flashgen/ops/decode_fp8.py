@@ -26,12 +26,11 @@ import torch
 
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.decode_inputs import FP8_CACHE, DecodeDims
-from flashgen.ops.validation import TORCH_DTYPE
+from flashgen.ops.validation import _F32_MAX, _F32_MIN_NORMAL, TORCH_DTYPE
 
-#: The range of a descale (and of k's descale times q's): finite normal float32 values (a
-#: Python float outside it would overflow or be flushed to zero as the kernels' float32).
-_F32_MIN_NORMAL = 2.0**-126
-_F32_MAX = 3.4028234663852886e38
+# The range of a descale (and of k's descale times q's) is the prefill op's: finite normal
+# float32 values (a Python float outside it would overflow or be flushed to zero as the
+# kernels' float32).
 
 
 def _in_range(v: float) -> bool:

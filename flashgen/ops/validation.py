@@ -285,10 +285,9 @@ DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 def is_scaled(spec: ir.Spec) -> bool:
     """Whether ``spec``'s op takes ``q_descale``, ``k_descale``, ``v_descale`` (its dtype
     record is ``scaled``: fp8_e4m3, FlashAttention-3's FP8 interface)."""
-    from flashgen.codegen.dtypes import DTYPES
+    from flashgen.codegen.dtypes import is_scaled as dtype_is_scaled
 
-    rec = DTYPES.get(spec.dtype)
-    return rec is not None and rec.scaled
+    return dtype_is_scaled(spec.dtype)
 
 
 def _describe(value) -> str:
