@@ -16,6 +16,7 @@ cache key.  Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -108,13 +109,7 @@ class Options:
     @classmethod
     def paths(cls) -> list[str]:
         """Every settable dotted name, e.g. ``["family", ..., "hopper_fwd.affine", ...]``."""
-        out = []
-        for f in dataclasses.fields(cls):
-            if f.name in FAMILY_OPTIONS:
-                out += [f"{f.name}.{g.name}" for g in dataclasses.fields(FAMILY_OPTIONS[f.name])]
-            else:
-                out.append(f.name)
-        return out
+        return list(_paths())
 
     @classmethod
     def describe(cls, path: str) -> str:
@@ -135,7 +130,7 @@ class Options:
     def get_path(self, path: str):
         """The value of dotted name ``path`` (``KeyError`` listing the names otherwise)."""
         head, _, rest = path.partition(".")
-        if path not in self.paths():
+        if path not in _paths():
             raise KeyError(f"unknown option {path!r}; known: {', '.join(self.paths())}")
         return getattr(getattr(self, head), rest) if rest else getattr(self, head)
 
@@ -164,13 +159,18 @@ class Options:
     def changed(self) -> dict[str, object]:
         """``{dotted name: value}`` of the fields that differ from the defaults."""
         default = Options()
-        values = {p: self.get_path(p) for p in self.paths()}
+        values = {p: self.get_path(p) for p in _paths()}
         return {p: v for p, v in values.items() if v != default.get_path(p)}
 
     def key(self) -> str:
         """A stable string of the non-default fields, ``"name=value;..."`` in field order
-        (``""`` for the defaults): part of kernel keys and of the kernel cache key."""
-        return ";".join(f"{p}={v!r}" for p, v in self.changed().items())
+        (``""`` for the defaults): part of kernel keys and of the kernel cache key.  Computed
+        once per instance (the options are frozen): an op's every call asks for it."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            key = ";".join(f"{p}={v!r}" for p, v in self.changed().items())
+            object.__setattr__(self, "_key", key)  # a cache beside the frozen fields
+        return key
 
     def family_key(self, name: str) -> str:
         """:meth:`key` restricted to family ``name``'s options and the routing fields that
@@ -197,6 +197,18 @@ _CHOICES = {
     "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
     "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
 }
+
+
+@functools.cache
+def _paths() -> tuple[str, ...]:
+    """:meth:`Options.paths`, computed once (the fields are fixed)."""
+    out: list[str] = []
+    for f in dataclasses.fields(Options):
+        if f.name in FAMILY_OPTIONS:
+            out += [f"{f.name}.{g.name}" for g in dataclasses.fields(FAMILY_OPTIONS[f.name])]
+        else:
+            out.append(f.name)
+    return tuple(out)
 
 
 def _field_type(cls, name: str):

@@ -79,3 +79,29 @@ def test_a_different_spec_under_a_registered_name_is_refused():
     other = replace(spec, head_dim=64, head_dim_v=64)
     with pytest.raises(ValueError, match="already registered"):
         build_op(other, FA2)
+
+
+def test_a_loaded_kernel_is_found_without_recomputing_the_options_key(monkeypatch):
+    """op.kernel runs on every call: once its kernel is loaded, the lookup must not walk the
+    options' fields again (``Options.key()`` did, ~1 ms per call on the H200, more than a
+    4k-token causal forward takes)."""
+    spec, default, fa2 = _pair()
+    for op in (default, fa2):
+        sentinel = object()
+        persistent = registry.persistent_scheduler(spec, op.options)
+        op._kernels[(0, op.options.key(), persistent)] = sentinel
+
+        def boom(self):
+            raise AssertionError("Options.changed ran on a kernel-cache hit")
+
+        with monkeypatch.context() as m:
+            m.setattr(Options, "changed", boom)
+            assert op.kernel(torch.device("cuda", 0)) is sentinel
+            assert op.kernel(torch.device("cuda", 0)) is sentinel
+
+
+def test_options_key_is_computed_once_and_not_part_of_equality():
+    a, b = Options(persistent="dynamic"), Options(persistent="dynamic")
+    assert a.key() == "persistent='dynamic'" and a == b and hash(a) == hash(b)
+    assert Options().key() == "" and b.key() == a.key()
+    assert Options.paths()[0] == "family" and "hopper_fwd.fp8_transpose" in Options.paths()
