@@ -158,19 +158,19 @@ class Options:
 
     def changed(self) -> dict[str, object]:
         """``{dotted name: value}`` of the fields that differ from the defaults."""
-        default = Options()
-        values = {p: self.get_path(p) for p in _paths()}
-        return {p: v for p, v in values.items() if v != default.get_path(p)}
+        items = self.__dict__.get("_changed")
+        if items is None:  # once per instance (the options are frozen; a cache beside them)
+            default = Options()
+            values = {p: self.get_path(p) for p in _paths()}
+            items = tuple((p, v) for p, v in values.items() if v != default.get_path(p))
+            object.__setattr__(self, "_changed", items)
+        return dict(items)
 
     def key(self) -> str:
         """A stable string of the non-default fields, ``"name=value;..."`` in field order
-        (``""`` for the defaults): part of kernel keys and of the kernel cache key.  Computed
-        once per instance (the options are frozen): an op's every call asks for it."""
-        key = self.__dict__.get("_key")
-        if key is None:
-            key = ";".join(f"{p}={v!r}" for p, v in self.changed().items())
-            object.__setattr__(self, "_key", key)  # a cache beside the frozen fields
-        return key
+        (``""`` for the defaults): part of kernel keys and of the kernel cache key (an op's
+        every call asks for it: :meth:`changed` is computed once per instance)."""
+        return ";".join(f"{p}={v!r}" for p, v in self.changed().items())
 
     def family_key(self, name: str) -> str:
         """:meth:`key` restricted to family ``name``'s options and the routing fields that
