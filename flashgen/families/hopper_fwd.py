@@ -64,7 +64,7 @@ class Options:
     warp-wide.  ``head_groups``: L2 head groups in the CTA order.  ``nonneg_div``:
     ``fg::Divisor::div_nn`` where operands are proven non-negative.  :func:`plan` says more
     about each.  ``fp8_transpose`` (fp8 specs only; one of :data:`FP8_TRANSPOSES`, default
-    ``"lds32"``): the V transposer of the fp8 forward.  Raises ``ValueError`` for another
+    ``"ldsm"``): the V transposer of the fp8 forward.  Raises ``ValueError`` for another
     value."""
 
     affine: bool = True
@@ -76,7 +76,7 @@ class Options:
     warp_walk: bool = True
     head_groups: bool = True
     nonneg_div: bool = True
-    fp8_transpose: str = "lds32"
+    fp8_transpose: str = "ldsm"
 
     def __post_init__(self) -> None:
         if self.fp8_transpose not in FP8_TRANSPOSES:

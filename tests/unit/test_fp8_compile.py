@@ -82,24 +82,25 @@ def test_fp8_has_no_backward_and_no_fa2_family():
 
 
 @pytest.mark.parametrize("name", ["causal_d128", "gpt2_d64", "bidir_d256"])
-def test_fp8_ldsm_transposer_compiles_without_spills(name, tmp_path, requires_nvcc):
-    """``hopper_fwd.fp8_transpose="ldsm"`` renders ``fg::fp8::VTransposeLdsm`` (ldmatrix.x4 /
-    stmatrix.x4.trans, common/fp8_ldsm.cuh) in place of VTranspose and compiles for sm_90a
-    with zero spills; the default renders neither the header nor the struct."""
+def test_fp8_lds32_transposer_compiles_without_spills(name, tmp_path, requires_nvcc):
+    """The default ``hopper_fwd.fp8_transpose="ldsm"`` renders ``fg::fp8::VTransposeLdsm``
+    (ldmatrix.x4 / stmatrix.x4.trans, common/fp8_ldsm.cuh; compiled for every shipped spec
+    above); ``"lds32"`` renders ``fg::fp8::VTranspose`` instead, without the header, and
+    compiles for sm_90a with zero spills."""
     spec = fp8(SPECS[0].with_name(f"{name}.yaml"))
     default = render(registry.plan_forward(spec, "sm_90"))
-    assert "VTransposeLdsm" not in default and "fg::fp8::VTranspose<" in default
-    opts = DEFAULT.replace_path("hopper_fwd.fp8_transpose", "ldsm")
+    assert "using VT = fg::fp8::VTransposeLdsm<" in default
+    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in default
+    opts = DEFAULT.replace_path("hopper_fwd.fp8_transpose", "lds32")
     plan = registry.plan_forward(spec, "sm_90", opts)
     src = render(plan)
-    assert "using VT = fg::fp8::VTransposeLdsm<" in src
-    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in src
+    assert "VTransposeLdsm" not in src and "fg::fp8::VTranspose<" in src
     report = compile_source(src, plan, tmp_path / "k.cubin")
     (k,) = report.kernels
     assert (k.spill_stores, k.spill_loads, k.wgmma_serialized) == (0, 0, ""), k
 
 
 def test_fp8_transpose_option_values():
-    assert DEFAULT.hopper_fwd.fp8_transpose == "lds32"
+    assert DEFAULT.hopper_fwd.fp8_transpose == "ldsm"
     with pytest.raises(ValueError, match="fp8_transpose='lds64'"):
         DEFAULT.replace_path("hopper_fwd.fp8_transpose", "lds64")
