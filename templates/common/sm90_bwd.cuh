@@ -1,6 +1,7 @@
 {#- Device helpers of the Hopper backward (templates/sm_90/bwd.cu.j2), included where they are used: async
-    copies and barriers with a bound, the vector reduction into dq_accum, and the wgmma forms with a transposed A.
-    Rendered by Jinja (tt_ns, split_d, dkv_n, mma_t). -#}
+    copies and barriers with a bound, the vector reduction into dq_accum, the wgmma forms with a transposed A,
+    and the stores of 16-bit A fragments to swizzled shared memory.  Rendered by Jinja (tt_ns, split_d, dkv_n,
+    mma_t). -#}
 namespace fg {
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
@@ -26,6 +27,40 @@ __device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t phase) 
 // p[0..3] += v in global memory, result unused (PTX ISA 8.1, sm_90; p 16-byte aligned).
 __device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
     asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4};\n" :: "l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+// dq_accum += a wgmma accumulator tile of dQ (J 8-column tiles, acc[4j + 2r + e]): lanes 2i and 2i + 1 swap
+// halves so each adds 4 consecutive columns of one row (the even lane row lane / 4, the odd one row lane / 4 + 8)
+// in one vector reduction.  dq_row: this lane's row of dq_accum at its first column; in_range: that row is
+// inside seqlen_q.
+template <int J, int N>
+__device__ __forceinline__ void red_add_dq(float* dq_row, const float (&acc)[N], int lane, bool in_range) {
+    static_assert(4 * J <= N, "J 8-column tiles of acc");
+    const bool odd = lane & 1;
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const float s0 = odd ? acc[4 * j + 0] : acc[4 * j + 2];
+        const float s1 = odd ? acc[4 * j + 1] : acc[4 * j + 3];
+        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        if (in_range) {
+            if (odd) red_add_f32x4(dq_row + 8 * j, r0, r1, acc[4 * j + 2], acc[4 * j + 3]);
+            else red_add_f32x4(dq_row + 8 * j, acc[4 * j + 0], acc[4 * j + 1], r0, r1);
+        }
+    }
+}
+// 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory with the 128-byte
+// swizzle: frag[kk][t] holds row `row` + 8 (t % 2) (row % 8 == lane / 4), the 16-byte chunk chunk0 + 2 kk + t / 2
+// of the row's 128 bytes, at byte (lane % 4) * 4 in it.
+template <int KK>
+__device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chunk0, const uint32_t (&frag)[KK][4], int lane) {
+    #pragma unroll
+    for (int kk = 0; kk < KK; ++kk)
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int chunk = chunk0 + 2 * kk + t / 2;
+            const uint32_t off = (row + 8 * (t % 2)) * 128 + ((chunk ^ (lane / 4)) << 4) + (lane % 4) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(base + off), "r"(frag[kk][t]) : "memory");
+        }
 }
 {% for n in tt_ns %}
 // d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory and both MN-major (transposed):
