@@ -22,6 +22,11 @@ argument so that it reaches the autograd ``setup_context`` the same way in eager
 under ``torch.compile(fullgraph=True)`` and in opcheck, and picks the backward kernels
 (see :mod:`flashgen.ops.backward`).
 
+This module holds the op, its entry point, its registered kernels and the forward launch;
+its block-mask methods are :mod:`flashgen.ops.attention_blockmask`'s and the choice and
+loading of its CUDA kernels :mod:`flashgen.ops.attention_kernels`' (mixins of
+:class:`AttentionOp`).
+
 Op contract (README.md, section "Op contract"):
 
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
@@ -51,6 +56,8 @@ from flashgen.families.tiles import hopper_tiles
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import is_offsets_spec
+from flashgen.ops.attention_blockmask import BlockMaskMethods
+from flashgen.ops.attention_kernels import KernelChoice
 from flashgen.ops.calls import (
     _caller_stacklevel,
     _kernel_aligned,
@@ -60,7 +67,6 @@ from flashgen.ops.calls import (
     current_stream_ptr,
     kernel_values,
 )
-from flashgen.ops.density import bucket
 from flashgen.ops.out_arg import check_out
 from flashgen.ops.validation import (
     PARAM_DTYPE,
@@ -73,19 +79,19 @@ from flashgen.ops.validation import (
     out_dtype,
     resolve_descales,
     resolve_params,
-    target_for_device,
     validate,
-    validate_tensor_params,
 )
 from flashgen.options import DEFAULT, Options
 
 
 # ----------------------------------------------------------------------------- the op
-class AttentionOp:
+class AttentionOp(BlockMaskMethods, KernelChoice):
     """The op generated for one spec; build it with :func:`build_op` or ``flashgen.load``.
 
     Attributes: ``spec`` (the checked :class:`~flashgen.frontend.ir.Spec`), ``name``, ``qualname``
     (``"flashgen::<name>"``).  Call :meth:`attention` (also ``op(q, k, v, ...)``).
+    :meth:`block_mask` comes from :class:`~flashgen.ops.attention_blockmask.BlockMaskMethods`,
+    :meth:`kernel` from :class:`~flashgen.ops.attention_kernels.KernelChoice`.
     """
 
     def __init__(self, spec: ir.Spec, options: Options = DEFAULT):
@@ -367,166 +373,6 @@ class AttentionOp:
         lse = getattr(torch.ops.flashgen, self.name).out(*args, o=out, deterministic=deterministic)
         return out, lse
 
-    def block_mask(
-        self,
-        seqlen_q: int,
-        seqlen_k: int,
-        *,
-        batch: int | None = None,
-        num_heads: int | None = None,
-        num_heads_kv: int | None = None,
-        device=None,
-        **params,
-    ):
-        """Build the block table of this op's tensor-reading mask for one problem size,
-        to reuse across :meth:`attention` calls (FlexAttention's ``create_block_mask``).
-
-        ``params``: the spec's params by name, as for :meth:`attention` (tensors required,
-        scalars default to their declared values).  ``batch`` / ``num_heads`` /
-        ``num_heads_kv`` default to what the tensor params' declared shapes imply, else 1
-        (they only matter where the mask reads ``b`` / ``h``).  ``device`` defaults to the
-        tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
-        table for the forward kernel's tiles; on CPU the brute-force reference builds it.
-
-        Returns a :class:`~flashgen.ops.blockmask.BlockMask`.  Raises :class:`OpInputError` if
-        the spec's mask reads no tensor param, or for bad sizes or params.
-        """
-        from flashgen.codegen.abi import block_table_dims
-        from flashgen.ops.blockmask import BlockMask, block_table_reference
-
-        if not needs_block_table(self.spec):
-            raise OpInputError(
-                f"block_mask: the mask of op {self.spec.name!r} reads no tensor param, so it "
-                f"needs no block table (its tiles are classified from indices)"
-            )
-        scalars, tensors = resolve_params(self.spec, params)
-        tmap = self._tensor_map(tensors)
-        given = {"batch": batch, "num_heads": num_heads, "num_heads_kv": num_heads_kv}
-        for p in self.spec.tensor_params:
-            t = tmap.get(p.name)
-            if isinstance(t, torch.Tensor) and t.dim() == len(p.shape):
-                for d, n in zip(p.shape, t.shape, strict=True):
-                    if d in given and given[d] is None:
-                        given[d] = int(n)
-        sizes = {k: 1 if val is None else val for k, val in given.items()}
-        if given["num_heads_kv"] is None:
-            sizes["num_heads_kv"] = sizes["num_heads"]
-        for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), *sizes.items()):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise OpInputError(f"{name}: expected a non-negative int, got {n!r}")
-        first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-        if device is None:
-            device = first.device if first is not None else torch.device("cpu")
-        device = torch.device(device)
-        dims = Dims(
-            sizes["batch"], sizes["num_heads"], sizes["num_heads_kv"], seqlen_q, seqlen_k, 0
-        )
-        validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device")
-        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
-        per_b, per_h = block_table_dims(self.spec)
-        if device.type == "cuda":
-            kern = self.kernel(device)
-            tiles = kern.plan.tiles
-            table = self._run_block_table(device, tiles, dims, scalars, tmap)
-        else:
-            tiles = registry.choose_tiles(self.spec, "sm_80", None, self.options)
-            table = block_table_reference(
-                self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
-                heads_kv=dims.heads_kv,
-            )  # fmt: skip
-        used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
-        return BlockMask(
-            spec_name=self.base_name,  # any op of this spec may take it: the tiles must fit
-            table=table,
-            block_m=tiles.block_m,
-            block_n=tiles.block_n,
-            batch=dims.batch if per_b else 1,
-            heads_q=dims.heads_q if per_h else 1,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            scalars={n: v for n, v in values.items() if n in used},
-            heads_kv=dims.heads_kv if _mask_reads(self.spec, "h_kv") else None,
-        )
-
-    def _block_mask_table(self, bm, q, dims: Dims, scalars):
-        """The table tensor of ``bm`` after checking it fits this call (metadata only)."""
-        from flashgen.ops.blockmask import BlockMask
-
-        if not needs_block_table(self.spec):
-            raise OpInputError(
-                f"block_mask: op {self.spec.name!r} takes none (its mask reads no tensor "
-                f"param), got {type(bm).__name__}"
-            )
-        if not isinstance(bm, BlockMask):
-            raise OpInputError(
-                f"block_mask: expected a BlockMask from op.block_mask(...), got {type(bm).__name__}"
-            )
-        if bm.spec_name != self.base_name:  # ops of one spec under other options: tiles
-            raise OpInputError(
-                f"block_mask: expected one built by an op of spec {self.base_name!r}, got one "
-                f"built by {bm.spec_name!r}"
-            )
-        want = (dims.seqlen_q, dims.seqlen_k)
-        if (bm.seqlen_q, bm.seqlen_k) != want:
-            raise OpInputError(
-                f"block_mask: expected (seqlen_q, seqlen_k) = {want} (q's and k's), got "
-                f"({bm.seqlen_q}, {bm.seqlen_k}); build one per problem size"
-            )
-        if bm.heads_kv is not None and bm.heads_kv != dims.heads_kv:
-            raise OpInputError(
-                f"block_mask: built for num_heads_kv={bm.heads_kv} (the mask reads h_kv), but "
-                f"k has {dims.heads_kv} heads; build one per head count"
-            )
-        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
-        for name, val in bm.scalars.items():
-            if values[name] != val:
-                raise OpInputError(
-                    f"block_mask: built with {name}={val!r}, but this call has "
-                    f"{name}={values[name]!r}; build it again with the new value"
-                )
-        if bm.table.device != q.device:
-            raise OpInputError(
-                f"block_mask: expected device {q.device} (q's device), got {bm.table.device}"
-            )
-        return bm.op_arg()  # carries its tiles: the CUDA impl checks them against its kernel's
-
-    def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
-        """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
-        returns the uint8 table (see :func:`flashgen.families.registry.plan_block_table`)."""
-        from flashgen.families.blocktable import block_table_shape
-
-        kern = self._block_table_kernel(device, tiles)
-        shape = block_table_shape(
-            self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
-        )
-        table = torch.empty(shape, dtype=torch.uint8, device=device)
-        if table.numel() == 0:
-            return table
-        values = kernel_values(self.spec, {"tab": table}, dims, 1.0, scalars, tensors)
-        values.update(tab_b=shape[0], tab_h=shape[1])
-        kern.launch((table.numel(), 1, 1), values, current_stream_ptr(device))
-        return table
-
-    def _block_table_kernel(self, device, tiles):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = ("blockmask", index, tiles)
-        kern = self._kernels.get(key)
-        if kern is None:
-            with self._kernel_lock:
-                kern = self._kernels.get(key)
-                if kern is None:
-                    from flashgen.build import cache
-                    from flashgen.build.render import render
-                    from flashgen.families.registry import plan_block_table
-                    from flashgen.runtime import launch as runtime
-
-                    plan = plan_block_table(self.spec, target_for_device(self.spec, device), tiles)
-                    cubin, _report = cache.get_or_build(render(plan), plan)
-                    kern = runtime.load(cubin, plan, index)
-                    self._kernels[key] = kern
-        return kern
-
     def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
         """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
         (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
@@ -692,119 +538,6 @@ class AttentionOp:
             )  # fmt: skip
         kern.launch(grid, values, stream)
         return o, lse
-
-    def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
-        """``blk_tab / blk_sb / blk_sh`` for the forward launch: the table of the
-        ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
-        :func:`flashgen.ops.blockmask.table_for_tiles`) or, when None, a fresh one from the
-        pre-pass for those tiles."""
-        from flashgen.families.blocktable import block_table_shape
-        from flashgen.ops.blockmask import table_for_tiles, table_strides
-
-        shape = block_table_shape(
-            self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
-        )
-        if arg is None:
-            table = self._run_block_table(device, plan.tiles, dims, scalars, tensors)
-        else:
-            table = table_for_tiles(arg, shape, plan.tiles)
-        sb, sh = table_strides(self.spec, table)
-        return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
-
-    def _sparse_call(self, dims: Dims, scalars) -> bool:
-        """Whether this call asks for the sparse-mask tiles
-        (:func:`flashgen.families.registry.sparse_tiles`; :meth:`kernel` runs them where the
-        kernel has them): the mask keeps fewer than
-        :data:`~flashgen.families.tiles.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
-        scalars (:func:`flashgen.ops.density.keys_per_row`; the answer cached per op per lengths
-        and per the lengths' :func:`~flashgen.ops.density.bucket`, keyed by the scalars the mask
-        reads only: a loop over growing lengths (decoding) costs a few microseconds per call,
-        a float param only the score_mod reads none).  Off with the op's
-        ``Options.sparse_tiles`` False."""
-        if not self._sparse_possible:
-            return False
-        read = tuple(scalars[i] for i in self._sparse_scalars) if self._sparse_scalars else ()
-        key = (dims.seqlen_q, dims.seqlen_k, *read)
-        few = self._sparse_calls.get(key)
-        if few is None:  # a new length: its bucket's answer, estimated once per bucket
-            few = self._sparse_bucketed(dims, scalars, read)
-            if len(self._sparse_calls) >= 4096:  # bounded: a loop over many lengths
-                self._sparse_calls.clear()
-            self._sparse_calls[key] = few
-        return few and self.options.sparse_tiles
-
-    def _sparse_bucketed(self, dims: Dims, scalars, read: tuple) -> bool:
-        key = (bucket(dims.seqlen_q), bucket(dims.seqlen_k), *read)
-        few = self._sparse_buckets.get(key)
-        if few is None:
-            from flashgen.families.tiles import SPARSE_KEYS_PER_ROW
-            from flashgen.ops.density import keys_per_row
-
-            if len(self._sparse_buckets) >= 4096:  # bounded: a loop over many scalar values
-                self._sparse_buckets.clear()
-            few = keys_per_row(self.spec, dims.seqlen_q, dims.seqlen_k, tuple(scalars))
-            few = self._sparse_buckets[key] = few < SPARSE_KEYS_PER_ROW
-        return few
-
-    def _sparse_key(self, base: tuple) -> tuple:
-        """The cache key of the sparse kernel: ``base`` and its persistent scheduler (the op's
-        ``Options.sparse_persistent``, where the op has a sparse kernel)."""
-        sp = self.options.sparse_persistent
-        sched = self._sparse_possible and (False if sp == "off" else sp)
-        return base + ("sparse", sched)
-
-    def kernel(self, device: torch.device, sparse: bool = False):
-        """The loaded kernel for CUDA ``device`` (built and cached on first use).
-
-        Renders the plan for :func:`target_for_device` (the family
-        :func:`flashgen.families.registry.select` picks under the op's options), compiles
-        through the on-disk cache, falling back to smaller tiles if the chosen ones spill
-        (:mod:`flashgen.families.build`), and loads it with :mod:`flashgen.runtime.launch`.
-        The op's :class:`~flashgen.options.Options` decide: ``family`` (``auto``, the
-        default: the Hopper TMA + wgmma kernel on sm_90 where the spec allows; ``fa2``: the
-        FA2-class kernel), ``persistent`` (the Hopper kernel's persistent tile scheduler,
-        :func:`flashgen.families.registry.persistent_scheduler`; ``auto``: ``dynamic`` for a
-        mask that reads tensors, else off) and ``side_terms``.  ``sparse``: the kernel with
-        the tiles for masks that keep few keys per row
-        (:func:`flashgen.families.registry.sparse_tiles`; the op's calls choose it per call,
-        :meth:`_sparse_call`; not when the dense kernel is persistent), persistent as
-        ``Options.sparse_persistent`` says, the same kernel as without where there are none
-        (the FA2-class kernel).  Where the op may pick either, the
-        first use builds and loads both, so a later call (a CUDA-graph capture at another
-        length) never loads a kernel.
-        Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails.
-        """
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        options = self.options
-        persistent = registry.persistent_scheduler(self.spec, options)
-        base = (index, options.key(), persistent)
-        sparse = sparse and not persistent
-        key = self._sparse_key(base) if sparse else base
-        kern = self._kernels.get(key)
-        if kern is not None:
-            return kern
-        with self._kernel_lock:
-            kern = self._kernels.get(key)
-            if kern is None:
-                from flashgen.families.build import build_forward
-                from flashgen.runtime import launch as runtime
-
-                target = target_for_device(self.spec, device)
-                gpu = torch.cuda.get_device_name(device)  # selects tuned tiles
-                # Both tile choices at once where the op picks per call: a call at a length
-                # that needs the other one (inside a CUDA-graph capture, say) loads nothing.
-                both = self._sparse_possible and not persistent
-                sparse_key = self._sparse_key(base)
-                for want in (sparse, not sparse) if both else (sparse,):
-                    k = sparse_key if want else base
-                    if k not in self._kernels:
-                        plan, cubin, _report = build_forward(
-                            self.spec, target, gpu=gpu, options=options, sparse=want,
-                            persistent=sparse_key[-1] if want else persistent,
-                        )  # fmt: skip
-                        self._kernels[k] = runtime.load(cubin, plan, index)
-                kern = self._kernels[key]
-        return kern
 
 
 _COUNTERS: dict[tuple[int, int], int] = {}  # (device, stream) -> address (runtime.device_zeros)

@@ -55,11 +55,16 @@ their ragged forms ``__with_kvcache_ragged`` and ``__with_kvcache_ragged_append`
 CPU, CUDA and fake kernels (and the ``_kv8`` forms of all four for an e4m3 cache, where the
 spec can read one); registered with the op (``flashgen.load``), so ``op.with_kvcache``
 traces under ``torch.compile(fullgraph=True)``.
+
+This module holds :class:`DecodeOp` (the user API, the registered ops' impls, the launch);
+planning a call is :mod:`flashgen.ops.decode_planning`'s, the planned call and its fast path
+:mod:`flashgen.ops.decode_fast`'s, the inputs' checks :mod:`flashgen.ops.decode_inputs`',
+the references :mod:`flashgen.ops.decode_reference`'s, an e4m3 cache's descales
+:mod:`flashgen.ops.decode_fp8`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
@@ -68,10 +73,9 @@ from typing import NamedTuple
 import torch
 
 from flashgen.families import decode as family
-from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.calls import _kernel_aligned, _plain_eager, _sm_count, current_stream_ptr
-from flashgen.ops.decode_fast import DecodeCallPlan, _FastPath, _workspace
+from flashgen.ops.calls import _kernel_aligned, _plain_eager, current_stream_ptr
+from flashgen.ops.decode_fast import DecodeCallPlan, _workspace
 from flashgen.ops.decode_fp8 import KvScales, check_scale_values, resolve_scales
 from flashgen.ops.decode_inputs import (
     FP8_CACHE,
@@ -85,6 +89,7 @@ from flashgen.ops.decode_inputs import (
     validate_decode,
     validate_decode_ragged,
 )
+from flashgen.ops.decode_planning import DecodePlanning
 from flashgen.ops.decode_reference import (
     append_reference,
     append_reference_ragged,
@@ -103,7 +108,6 @@ from flashgen.ops.validation import (
     default_softmax_scale,
     out_dtype,
     resolve_params,
-    target_for_device,
     validate_tensor_params,
 )
 
@@ -149,9 +153,11 @@ class _Args(NamedTuple):
     scales: KvScales | None  # the _kv8 ops: k_descale / v_descale
 
 
-class DecodeOp:
+class DecodeOp(DecodePlanning):
     """The serving entry points of one :class:`~flashgen.ops.op.AttentionOp` (``op.with_kvcache``,
-    ``op.plan_decode``); built with the op (:func:`decode_op`)."""
+    ``op.plan_decode``); built with the op (:func:`decode_op`).  Its planning
+    (:meth:`plan_decode`, :meth:`plan_for`, :meth:`kernels`) comes from
+    :class:`~flashgen.ops.decode_planning.DecodePlanning`."""
 
     def __init__(self, op):
         self.op = op
@@ -490,264 +496,7 @@ class DecodeOp:
         out[1].copy_(res[1])
         return out
 
-    def plan_decode(
-        self,
-        *,
-        batch: int,
-        num_heads: int,
-        num_heads_kv: int,
-        seqlen_q: int = 1,
-        cache_capacity: int,
-        page_size: int | None = None,
-        num_pages: int | None = None,
-        append: bool = False,
-        total_q: int | None = None,
-        num_splits: int | None = None,
-        device=None,
-        pack_gqa: bool = True,
-        options: family.Options | None = None,
-        cache_dtype=None,
-        **params,
-    ) -> DecodeCallPlan:
-        """Plan calls of one shape (FlashInfer's plan/run): ``batch`` requests, ``num_heads`` /
-        ``num_heads_kv`` heads, ``seqlen_q`` new queries, ``cache_capacity`` keys per request
-        (dense: S_cache; paged: max_pages * page_size, with ``page_size`` and ``num_pages``
-        the paged cache's), ``append``: calls pass k_new/v_new.
-        ``total_q``: a plan for ragged calls (``cu_seqlens_q=``): q ``[total_q, Hq, D]`` with
-        at most ``total_q`` rows (the split workspace's), ``seqlen_q`` their ``max_seqlen_q``
-        (the grid's; the calls' Sq_b and own ``max_seqlen_q`` at most that), ``batch`` the
-        requests (``cu_seqlens_q`` ``[batch + 1]``); None: padded calls, q ``[batch, Hq,
-        seqlen_q, D]``.
-        ``num_splits`` None: the heuristic for this capacity on ``device``'s SM count.
-        ``pack_gqa`` False: one query head per CTA (for measurements).  ``options``: the
-        unit's tiles and the split schedule (:class:`flashgen.families.decode.Options`;
-        default: the op's ``Options.decode``; ``flashgen.bench.decode --sweep`` times a grid
-        of them).  ``params``: values of the mask's scalar params the calls will pass (the
-        spec's defaults otherwise): a mask that bounds the live keys (a sliding window) sizes
-        the splits by its blocks, not the capacity's; calls may pass other values.
-        ``cache_dtype``: the calls' cache dtype, None (the spec's) or ``torch.float8_e4m3fn``
-        (an e4m3 cache: its own unit; the calls pass the descales).
-        Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
-        planned calls do no host planning and can be captured in a CUDA graph.  Raises
-        :class:`OpInputError` for bad sizes, options or params."""
-        self._refuse()
-        if options is not None and not isinstance(options, family.Options):
-            raise OpInputError(
-                f"options: expected flashgen.families.decode.Options, got {type(options).__name__}"
-            )
-        scalar = {p.name: p for p in self.spec.scalar_params}
-        for name, val in params.items():
-            if name not in scalar:
-                raise OpInputError(
-                    f"{name}: not a scalar param of spec {self.spec.name!r} (expected one of "
-                    f"{sorted(scalar)} or a plan_decode argument)"
-                )
-            check_scalar(scalar[name], val)
-        for name, v in (("batch", batch), ("num_heads", num_heads), ("num_heads_kv", num_heads_kv),
-                        ("seqlen_q", seqlen_q), ("cache_capacity", cache_capacity),
-                        ("total_q", 0 if total_q is None else total_q)):  # fmt: skip
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise OpInputError(f"{name}: expected a non-negative int, got {v!r}")
-        if total_q is not None and total_q > 0 and seqlen_q == 0:
-            raise OpInputError(
-                f"seqlen_q: expected >= 1 (the ragged calls' max_seqlen_q) for total_q {total_q}"
-            )
-        if num_heads_kv == 0 or num_heads % num_heads_kv:
-            raise OpInputError(
-                f"num_heads: expected a multiple of num_heads_kv {num_heads_kv}, got {num_heads}"
-            )
-        kv_dtype = None
-        if cache_dtype is not None and cache_dtype != TORCH_DTYPE[self.spec.dtype]:
-            if FP8_CACHE is None or cache_dtype != FP8_CACHE:
-                raise OpInputError(
-                    f"cache_dtype: expected None, {TORCH_DTYPE[self.spec.dtype]} or {FP8_CACHE}, "
-                    f"got {cache_dtype!r}"
-                )
-            why = family.cache_dtype_reason(self.spec, "fp8_e4m3")
-            if why is not None:
-                raise OpInputError(f"cache_dtype: {why}")
-            kv_dtype = "fp8_e4m3"
-        paged = page_size is not None
-        if paged:
-            if not isinstance(page_size, int) or page_size < 1 or not isinstance(num_pages, int):
-                raise OpInputError(
-                    f"page_size, num_pages: expected ints >= 1 for a paged cache, got "
-                    f"{page_size!r}, {num_pages!r}"
-                )
-            max_pages = -(-cache_capacity // page_size)
-            dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
-                              True, num_pages, page_size, max_pages, append,
-                              cache_dtype=kv_dtype)  # fmt: skip
-        else:
-            dims = DecodeDims(batch, num_heads, num_heads_kv, seqlen_q, self.spec.head_dim_v,
-                              False, batch, cache_capacity, 1, append,
-                              cache_dtype=kv_dtype)  # fmt: skip
-        if total_q is not None:
-            dims = dataclasses.replace(dims, total_q=total_q)
-        device = torch.device(device if device is not None else "cuda")
-        if device.type == "cuda" and device.index is None:  # the current device, by index
-            device = torch.device("cuda", torch.cuda.current_device())
-        splits = check_num_splits(num_splits)
-        return self.plan_for(dims, device, splits or None, pack_gqa=pack_gqa, own_workspace=True,
-                             options=options, params=params)  # fmt: skip
-
-    def _check_plan(self, plan, dims: DecodeDims, device, splits: int) -> None:
-        """Refuse ``plan`` for a call it was not made for (:meth:`plan_decode`): another form
-        (padded / ragged), batch, heads, Sq_new (ragged: a longer max_seqlen_q or more q rows
-        than planned), paged or dense, append or not, a larger cache or another page size,
-        device, cache dtype or num_splits.  :class:`OpInputError` naming what differs."""
-        if not isinstance(plan, DecodeCallPlan):
-            raise OpInputError(
-                f"plan: expected a plan from op.plan_decode, got {type(plan).__name__}"
-            )
-        p = plan.dims
-
-        def form(d):
-            return ("ragged calls (cu_seqlens_q, q [total_q, Hq, D]; plan_decode(total_q=...))"
-                    if d.ragged else "padded calls (q [B, Hq, Sq_new, D])")  # fmt: skip
-
-        if p.ragged != dims.ragged:
-            raise OpInputError(f"plan: planned for {form(p)}, this call is one of {form(dims)}")
-        pairs = [("batch", p.batch, dims.batch), ("num_heads", p.heads_q, dims.heads_q),
-                 ("num_heads_kv", p.heads_kv, dims.heads_kv), ("paged", p.paged, dims.paged),
-                 ("append", p.append, dims.append)]  # fmt: skip
-        if not dims.ragged:
-            pairs.insert(3, ("seqlen_q", p.seqlen_q, dims.seqlen_q))
-        diff = [f"{n} {a} (this call: {b})" for n, a, b in pairs if a != b]
-        if dims.ragged:  # the plan's grid and workspace bound the call's
-            if dims.seqlen_q > p.seqlen_q:
-                diff.append(f"max_seqlen_q at most {p.seqlen_q} (this call: {dims.seqlen_q})")
-            if dims.total_q > p.total_q:
-                diff.append(f"total_q at most {p.total_q} (this call's q rows: {dims.total_q})")
-        if diff:
-            raise OpInputError(f"plan: planned for {'; '.join(diff)}")
-        if dims.capacity > p.capacity or (dims.paged and dims.page_size != p.page_size):
-            raise OpInputError(
-                f"plan: planned for a cache of {p.capacity} keys per request (page_size "
-                f"{p.page_size}), this call has {dims.capacity} (page_size {dims.page_size})"
-            )
-        if plan.device != device:
-            raise OpInputError(f"plan: planned for device {plan.device}, q is on {device}")
-        if p.cache_dtype != dims.cache_dtype:
-            def kind(x):
-                return FP8_CACHE if x else TORCH_DTYPE[self.spec.dtype]
-
-            raise OpInputError(
-                f"plan: planned for a {kind(p.cache_dtype)} cache (plan_decode's cache_dtype), "
-                f"this call's cache is {kind(dims.cache_dtype)}"
-            )
-        if splits and splits != plan.num_splits:
-            raise OpInputError(
-                f"num_splits: the plan fixes {plan.num_splits}, this call asks for {splits}"
-            )
-
     # ------------------------------------------------------------------ CUDA
-    def kernels(self, device: torch.device, options: family.Options | None = None,
-                ragged: bool = False, cache_dtype: str | None = None) -> dict:  # fmt: skip
-        """The unit's loaded kernels on CUDA ``device`` (``attn``, ``append``) for the unit
-        knobs of ``options`` (default: the head dim's), built through the cache on first use;
-        ``ragged``: the ragged-Sq_new unit; ``cache_dtype``: the e4m3-cache unit for
-        ``"fp8_e4m3"``."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        options = options or self.op.options.decode
-        key = (index, options.unit_key()) + (("ragged",) if ragged else ())
-        if cache_dtype is not None:
-            key += (cache_dtype,)
-        hit = self._units.get(key)
-        if hit is not None:
-            return hit
-        with self._lock:
-            hit = self._units.get(key)
-            if hit is None:
-                from flashgen.build import cache
-                from flashgen.build.render import render
-                from flashgen.runtime import launch as runtime
-
-                target = target_for_device(self.spec, torch.device("cuda", index))
-                p = registry.plan_decode(
-                    self.spec, target, dataclasses.replace(self.op.options, decode=options),
-                    ragged=ragged, cache_dtype=cache_dtype,
-                )  # fmt: skip
-                cubin, report = cache.get_or_build(render(p), p)
-                hit = {r: runtime.load(cubin, p.kernel(r), index) for r in ("attn", "append")}
-                hit["report"] = report
-                self._units[key] = hit
-        return hit
-
-    def plan_for(
-        self, dims: DecodeDims, device, num_splits: int | None, *, pack_gqa: bool = True,
-        own_workspace: bool = False, options: family.Options | None = None,
-        params: dict | None = None,
-    ) -> DecodeCallPlan:  # fmt: skip
-        """A :class:`DecodeCallPlan` for ``dims`` on ``device`` (see :meth:`plan_decode`);
-        ``options`` None: the op's ``Options.decode``; ``params``: the mask's scalar params
-        the split count is sized for (the spec's defaults where missing)."""
-        options = options or self.op.options.decode
-        pack_gqa = pack_gqa and options.pack_gqa
-        if num_splits is None:
-            num_splits = options.num_splits
-        kern = (
-            self.kernels(device, options, dims.ragged, dims.cache_dtype)
-            if device.type == "cuda" else {}
-        )  # fmt: skip
-        unit = kern["attn"].plan if kern else registry.plan_decode(
-            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
-            cache_dtype=dims.cache_dtype,
-        )  # fmt: skip
-        heads = dims.heads_kv if pack_gqa else dims.heads_q
-        live_blocks = None
-        g0 = family.geometry(
-            unit, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
-            seqlen_q=dims.seqlen_q, num_splits=1, pack_gqa=pack_gqa,
-        )  # fmt: skip
-        if num_splits is None:
-            sms = _sm_count(device.index if device.index is not None else 0) if kern else 132
-            live_blocks = self._live_blocks(dims, unit.tiles.block_n, params)
-            num_splits = family.choose_num_splits(
-                unit, batch=dims.batch, heads_kv_ctas=heads, m_blocks=g0.m_blocks,
-                max_seqlen_k=dims.capacity, num_sms=sms, live_blocks=live_blocks,
-                split_waves=options.split_waves,
-            )  # fmt: skip
-        geo = family.geometry(
-            unit, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
-            seqlen_q=dims.seqlen_q, num_splits=num_splits, pack_gqa=pack_gqa,
-        )  # fmt: skip
-        rows = dims.heads_q * (dims.total_q if dims.ragged else dims.batch * dims.seqlen_q)
-        o_part = lse_part = counters = None
-        if own_workspace and num_splits > 1 and device.type == "cuda":
-            o_part, lse_part, counters = _workspace(dims, geo, num_splits, device)
-        fixed = {
-            "max_pages": dims.max_pages, "num_pages": dims.num_pages, "page_size": dims.page_size,
-            "batch": dims.batch, "heads_q": dims.heads_q, "heads_kv": dims.heads_kv,
-            "seqlen_q": dims.seqlen_q, "num_splits": num_splits,
-            "new_keys": dims.seqlen_q if dims.append else 0, "group": geo.group, "rows": rows,
-        }  # fmt: skip
-        if dims.ragged:  # new_keys: the append flag; each request appends its own Sq_b
-            fixed["max_seqlen_q"] = fixed.pop("seqlen_q")
-            fixed["new_keys"] = int(dims.append)
-        plan = DecodeCallPlan(
-            dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
-            options=options, live_blocks=live_blocks,
-        )  # fmt: skip
-        if own_workspace and kern and rows > 0:
-            plan.fast = _FastPath(self, plan)
-        return plan
-
-    def _live_blocks(self, dims: DecodeDims, block_n: int, params: dict | None) -> int | None:
-        """:func:`flashgen.families.decode.live_key_blocks`, memoized per op (an unplanned
-        call plans on every call)."""
-        key = (dims.capacity, dims.seqlen_q, block_n, tuple(sorted((params or {}).items())))
-        hit = self._live.get(key, False)
-        if hit is False:
-            hit = family.live_key_blocks(
-                self.spec, capacity=dims.capacity, seqlen_q=dims.seqlen_q, block_n=block_n,
-                params=params,
-            )  # fmt: skip
-            if len(self._live) > 1024:
-                self._live.clear()
-            self._live[key] = hit
-        return hit
-
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors, scales: KvScales | None = None) -> dict:  # fmt: skip
         """Every argument of the attention kernel (name -> tensor / address / number) for

@@ -200,7 +200,7 @@ def test_first_use_loads_both_kernels(monkeypatch):
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 
-    import flashgen.ops.attention as op_mod
+    import flashgen.ops.attention_kernels as kernels_mod
     import flashgen.runtime.launch as runtime
     from flashgen.families import build as family_build
     from flashgen.ops.op import build_op
@@ -213,7 +213,7 @@ def test_first_use_loads_both_kernels(monkeypatch):
 
     monkeypatch.setattr(family_build, "build_forward", fake_build)
     monkeypatch.setattr(runtime, "load", lambda cubin, plan, index: SimpleNamespace(plan=plan))
-    monkeypatch.setattr(op_mod, "target_for_device", lambda spec, device: "sm_90")
+    monkeypatch.setattr(kernels_mod, "target_for_device", lambda spec, device: "sm_90")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     op = build_op(dataclasses.replace(_spec("mistral_swa"), name="dens_op_twins"))
     dev = torch.device("cuda", 0)

@@ -1,0 +1,208 @@
+"""The block-mask methods of :class:`~flashgen.ops.attention.AttentionOp`, for specs whose
+mask reads tensor params (document masking and the like): building a reusable block table
+(``op.block_mask``, FlexAttention's ``create_block_mask``), checking a ``block_mask=``
+argument against a call, the CUDA block-table pre-pass and its kernel, and the forward
+launch's ``blk_tab / blk_sb / blk_sh`` values.  The table itself, its reference and its
+tile checks are :mod:`flashgen.ops.blockmask`'s.
+
+:class:`BlockMaskMethods` is a mixin of :class:`~flashgen.ops.attention.AttentionOp`: it
+reads the op's ``spec``, ``options``, ``base_name``, ``_kernels`` / ``_kernel_lock`` (the
+loaded kernels) and calls its ``kernel`` and ``_tensor_map``.  Imports no other op module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashgen.codegen.abi import needs_block_table
+from flashgen.families import registry
+from flashgen.frontend.errors import OpInputError
+from flashgen.ops.calls import _mask_reads, current_stream_ptr, kernel_values
+from flashgen.ops.validation import (
+    Dims,
+    resolve_params,
+    target_for_device,
+    validate_tensor_params,
+)
+
+
+class BlockMaskMethods:
+    """:class:`~flashgen.ops.attention.AttentionOp`'s block tables (module doc)."""
+
+    def block_mask(
+        self,
+        seqlen_q: int,
+        seqlen_k: int,
+        *,
+        batch: int | None = None,
+        num_heads: int | None = None,
+        num_heads_kv: int | None = None,
+        device=None,
+        **params,
+    ):
+        """Build the block table of this op's tensor-reading mask for one problem size,
+        to reuse across :meth:`attention` calls (FlexAttention's ``create_block_mask``).
+
+        ``params``: the spec's params by name, as for :meth:`attention` (tensors required,
+        scalars default to their declared values).  ``batch`` / ``num_heads`` /
+        ``num_heads_kv`` default to what the tensor params' declared shapes imply, else 1
+        (they only matter where the mask reads ``b`` / ``h``).  ``device`` defaults to the
+        tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
+        table for the forward kernel's tiles; on CPU the brute-force reference builds it.
+
+        Returns a :class:`~flashgen.ops.blockmask.BlockMask`.  Raises :class:`OpInputError` if
+        the spec's mask reads no tensor param, or for bad sizes or params.
+        """
+        from flashgen.codegen.abi import block_table_dims
+        from flashgen.ops.blockmask import BlockMask, block_table_reference
+
+        if not needs_block_table(self.spec):
+            raise OpInputError(
+                f"block_mask: the mask of op {self.spec.name!r} reads no tensor param, so it "
+                f"needs no block table (its tiles are classified from indices)"
+            )
+        scalars, tensors = resolve_params(self.spec, params)
+        tmap = self._tensor_map(tensors)
+        given = {"batch": batch, "num_heads": num_heads, "num_heads_kv": num_heads_kv}
+        for p in self.spec.tensor_params:
+            t = tmap.get(p.name)
+            if isinstance(t, torch.Tensor) and t.dim() == len(p.shape):
+                for d, n in zip(p.shape, t.shape, strict=True):
+                    if d in given and given[d] is None:
+                        given[d] = int(n)
+        sizes = {k: 1 if val is None else val for k, val in given.items()}
+        if given["num_heads_kv"] is None:
+            sizes["num_heads_kv"] = sizes["num_heads"]
+        for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), *sizes.items()):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise OpInputError(f"{name}: expected a non-negative int, got {n!r}")
+        first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if device is None:
+            device = first.device if first is not None else torch.device("cpu")
+        device = torch.device(device)
+        dims = Dims(
+            sizes["batch"], sizes["num_heads"], sizes["num_heads_kv"], seqlen_q, seqlen_k, 0
+        )
+        validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device")
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        per_b, per_h = block_table_dims(self.spec)
+        if device.type == "cuda":
+            kern = self.kernel(device)
+            tiles = kern.plan.tiles
+            table = self._run_block_table(device, tiles, dims, scalars, tmap)
+        else:
+            tiles = registry.choose_tiles(self.spec, "sm_80", None, self.options)
+            table = block_table_reference(
+                self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
+                heads_kv=dims.heads_kv,
+            )  # fmt: skip
+        used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
+        return BlockMask(
+            spec_name=self.base_name,  # any op of this spec may take it: the tiles must fit
+            table=table,
+            block_m=tiles.block_m,
+            block_n=tiles.block_n,
+            batch=dims.batch if per_b else 1,
+            heads_q=dims.heads_q if per_h else 1,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            scalars={n: v for n, v in values.items() if n in used},
+            heads_kv=dims.heads_kv if _mask_reads(self.spec, "h_kv") else None,
+        )
+
+    def _block_mask_table(self, bm, q, dims: Dims, scalars):
+        """The table tensor of ``bm`` after checking it fits this call (metadata only)."""
+        from flashgen.ops.blockmask import BlockMask
+
+        if not needs_block_table(self.spec):
+            raise OpInputError(
+                f"block_mask: op {self.spec.name!r} takes none (its mask reads no tensor "
+                f"param), got {type(bm).__name__}"
+            )
+        if not isinstance(bm, BlockMask):
+            raise OpInputError(
+                f"block_mask: expected a BlockMask from op.block_mask(...), got {type(bm).__name__}"
+            )
+        if bm.spec_name != self.base_name:  # ops of one spec under other options: tiles
+            raise OpInputError(
+                f"block_mask: expected one built by an op of spec {self.base_name!r}, got one "
+                f"built by {bm.spec_name!r}"
+            )
+        want = (dims.seqlen_q, dims.seqlen_k)
+        if (bm.seqlen_q, bm.seqlen_k) != want:
+            raise OpInputError(
+                f"block_mask: expected (seqlen_q, seqlen_k) = {want} (q's and k's), got "
+                f"({bm.seqlen_q}, {bm.seqlen_k}); build one per problem size"
+            )
+        if bm.heads_kv is not None and bm.heads_kv != dims.heads_kv:
+            raise OpInputError(
+                f"block_mask: built for num_heads_kv={bm.heads_kv} (the mask reads h_kv), but "
+                f"k has {dims.heads_kv} heads; build one per head count"
+            )
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        for name, val in bm.scalars.items():
+            if values[name] != val:
+                raise OpInputError(
+                    f"block_mask: built with {name}={val!r}, but this call has "
+                    f"{name}={values[name]!r}; build it again with the new value"
+                )
+        if bm.table.device != q.device:
+            raise OpInputError(
+                f"block_mask: expected device {q.device} (q's device), got {bm.table.device}"
+            )
+        return bm.op_arg()  # carries its tiles: the CUDA impl checks them against its kernel's
+
+    def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
+        """Launch the block-table pre-pass for ``tiles`` on ``device`` (current stream);
+        returns the uint8 table (see :func:`flashgen.families.registry.plan_block_table`)."""
+        from flashgen.families.blocktable import block_table_shape
+
+        kern = self._block_table_kernel(device, tiles)
+        shape = block_table_shape(
+            self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        table = torch.empty(shape, dtype=torch.uint8, device=device)
+        if table.numel() == 0:
+            return table
+        values = kernel_values(self.spec, {"tab": table}, dims, 1.0, scalars, tensors)
+        values.update(tab_b=shape[0], tab_h=shape[1])
+        kern.launch((table.numel(), 1, 1), values, current_stream_ptr(device))
+        return table
+
+    def _block_table_kernel(self, device, tiles):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("blockmask", index, tiles)
+        kern = self._kernels.get(key)
+        if kern is None:
+            with self._kernel_lock:
+                kern = self._kernels.get(key)
+                if kern is None:
+                    from flashgen.build import cache
+                    from flashgen.build.render import render
+                    from flashgen.families.registry import plan_block_table
+                    from flashgen.runtime import launch as runtime
+
+                    plan = plan_block_table(self.spec, target_for_device(self.spec, device), tiles)
+                    cubin, _report = cache.get_or_build(render(plan), plan)
+                    kern = runtime.load(cubin, plan, index)
+                    self._kernels[key] = kern
+        return kern
+
+    def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
+        """``blk_tab / blk_sb / blk_sh`` for the forward launch: the table of the
+        ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
+        :func:`flashgen.ops.blockmask.table_for_tiles`) or, when None, a fresh one from the
+        pre-pass for those tiles."""
+        from flashgen.families.blocktable import block_table_shape
+        from flashgen.ops.blockmask import table_for_tiles, table_strides
+
+        shape = block_table_shape(
+            self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        if arg is None:
+            table = self._run_block_table(device, plan.tiles, dims, scalars, tensors)
+        else:
+            table = table_for_tiles(arg, shape, plan.tiles)
+        sb, sh = table_strides(self.spec, table)
+        return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
