@@ -50,15 +50,15 @@ __device__ __forceinline__ void red_add_dq(float* dq_row, const float (&acc)[N],
 }
 // 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory with the 128-byte
 // swizzle: frag[kk][t] holds row `row` + 8 (t % 2) (row % 8 == lane / 4), the 16-byte chunk chunk0 + 2 kk + t / 2
-// of the row's 128 bytes, at byte (lane % 4) * 4 in it.
-template <int KK>
+// of the row's 128 bytes, at byte (lane % 4) * 2 * ELEM_BYTES in it (a 32-bit register holds an element pair).
+template <int ELEM_BYTES, int KK>
 __device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chunk0, const uint32_t (&frag)[KK][4], int lane) {
     #pragma unroll
     for (int kk = 0; kk < KK; ++kk)
         #pragma unroll
         for (int t = 0; t < 4; ++t) {
             const int chunk = chunk0 + 2 * kk + t / 2;
-            const uint32_t off = (row + 8 * (t % 2)) * 128 + ((chunk ^ (lane / 4)) << 4) + (lane % 4) * 4;
+            const uint32_t off = (row + 8 * (t % 2)) * 128 + ((chunk ^ (lane / 4)) << 4) + (lane % 4) * 2 * ELEM_BYTES;
             asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(base + off), "r"(frag[kk][t]) : "memory");
         }
 }
