@@ -237,4 +237,9 @@ def _parse(path: str, value, hint):
         if not v.isdigit():
             raise ValueError(f"option {path}={value!r}: expected an integer")
         return int(v)
+    if float in args:
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError(f"option {path}={value!r}: expected a number") from None
     return v

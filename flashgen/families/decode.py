@@ -43,6 +43,7 @@ absolute position is ``q_idx + seqlen_k - seqlen_q`` (bottom-right, as the prefi
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 from flashgen.analysis import masktiles
@@ -126,7 +127,11 @@ class Options:
             isinstance(self.ctas_per_sm, bool) or self.ctas_per_sm not in (1, 2, 3, 4)
         ):
             raise ValueError("ctas_per_sm must be None or 1..4")
-        if isinstance(self.split_waves, bool) or not 0.25 <= float(self.split_waves) <= 4:
+        if (
+            isinstance(self.split_waves, bool)
+            or not isinstance(self.split_waves, numbers.Real)
+            or not 0.25 <= self.split_waves <= 4
+        ):
             raise ValueError("split_waves must be a number in [0.25, 4]")
         if isinstance(self.min_split_blocks, bool) or self.min_split_blocks not in range(1, 17):
             raise ValueError("min_split_blocks must be an int in [1, 16]")
