@@ -166,6 +166,14 @@ class Options:
             object.__setattr__(self, "_changed", items)
         return dict(items)
 
+    def __getstate__(self) -> dict:
+        """The fields, without :meth:`changed`'s cache: a copy or an unpickled instance
+        computes its own (against the defaults where it is used), and a pickle's bytes do
+        not depend on whether :meth:`key` was asked."""
+        state = dict(self.__dict__)
+        state.pop("_changed", None)
+        return state
+
     def key(self) -> str:
         """A stable string of the non-default fields, ``"name=value;..."`` in field order
         (``""`` for the defaults): part of kernel keys and of the kernel cache key (an op's

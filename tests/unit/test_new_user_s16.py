@@ -4,9 +4,12 @@ each once silently wrong; now right or a clear error.  CPU only, no nvcc."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
-from flashgen.families import decode
+from flashgen.families import decode, hopper_fwd
 from flashgen.options import Options
 
 
@@ -30,3 +33,33 @@ def test_decode_options_refuse_a_split_waves_that_is_not_a_number(bad):
     the str."""
     with pytest.raises(ValueError, match="split_waves must be a number"):
         decode.Options(split_waves=bad)
+
+
+def test_copies_and_pickles_do_not_carry_the_options_key_cache():
+    """``changed()``'s cache (``_changed`` in the instance dict) went into pickles and copies:
+    a pickle's bytes depended on whether ``key()`` had been asked, and one unpickled where the
+    defaults differ (as ``hopper_fwd.fp8_transpose``'s did this session) kept the old
+    defaults' key."""
+    fresh = Options().with_values({"hopper_fwd.fp8_transpose": "lds32"})
+    asked = Options().with_values({"hopper_fwd.fp8_transpose": "lds32"})
+    assert asked.key() == "hopper_fwd.fp8_transpose='lds32'"
+    assert pickle.dumps(asked) == pickle.dumps(fresh)
+    for c in (copy.copy(asked), copy.deepcopy(asked), pickle.loads(pickle.dumps(asked))):
+        assert "_changed" not in vars(c)  # computed again where it is used
+        assert c == asked and hash(c) == hash(asked) and c.key() == asked.key()
+
+
+def test_an_unpickled_options_key_follows_the_defaults_where_it_is_loaded(monkeypatch):
+    """Pickled where lds32 was the default transposer (its key ``""``), loaded where ldsm is:
+    the key must name lds32, or the options key of plans and ``registered_name`` call it
+    the defaults."""
+    defaults = hopper_fwd.Options.__init__.__defaults__
+    names = [f for f in hopper_fwd.Options.__dataclass_fields__]
+    old = list(defaults)
+    old[names.index("fp8_transpose")] = "lds32"
+    with monkeypatch.context() as m:  # an earlier version's defaults
+        m.setattr(hopper_fwd.Options.__init__, "__defaults__", tuple(old))
+        o = Options(hopper_fwd=hopper_fwd.Options(fp8_transpose="lds32"))
+        assert o.key() == ""
+        blob = pickle.dumps(o)
+    assert pickle.loads(blob).key() == "hopper_fwd.fp8_transpose='lds32'"
