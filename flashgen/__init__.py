@@ -53,14 +53,15 @@ def load(path: str | Path, options: Options | None = None) -> AttentionOp:
     (:data:`flashgen.env.REMOVED`) is set, naming its option, :class:`SpecError` (with
     file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a spec
     with the same name from another file is already registered in this process,
+    ``TypeError`` if ``options`` is not an :class:`flashgen.Options`,
     ``ModuleNotFoundError`` saying so without torch.
     """
     from flashgen import env
     from flashgen.frontend.spec import loads_spec_bytes, read_spec_bytes
-    from flashgen.options import DEFAULT
+    from flashgen.options import DEFAULT, check_options
 
     env.check_removed()
-    options = DEFAULT if options is None else options
+    options = DEFAULT if options is None else check_options(options)
     p = Path(path).resolve()
     data = read_spec_bytes(p)
     key = (str(p), hashlib.sha256(data).hexdigest(), options)

@@ -197,6 +197,18 @@ class Options:
 
 
 DEFAULT = Options()
+
+
+def check_options(options) -> Options:
+    """``options`` if it is an :class:`Options`, else ``TypeError`` naming the argument, what
+    it takes and the type received (a ``{dotted name: value}`` dict goes through
+    :meth:`Options.with_values`)."""
+    if not isinstance(options, Options):
+        raise TypeError(
+            f"options: expected a flashgen.Options (Options().with_values({{name: value}}) "
+            f"for dotted names), got {type(options).__name__}"
+        )
+    return options
 #: The dotted names whose values are one of a few strings, with those strings.
 _CHOICES = {
     "family": FAMILIES,

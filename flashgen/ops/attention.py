@@ -192,7 +192,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         """The op of this spec bound to ``options`` (:class:`flashgen.options.Options`):
         :func:`build_op` of the spec under its own name, so its :meth:`attention`,
         :attr:`varlen` and ``torch.ops.flashgen.<its name>`` all run the kernels ``options``
-        pick.  Raises ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        pick.  Raises ``RuntimeError`` if a reload of the edited spec replaced this op,
+        ``TypeError`` if ``options`` is not an ``Options``."""
         self._check_live()
         if options == self.options:
             return self

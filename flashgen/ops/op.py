@@ -48,7 +48,7 @@ from flashgen.ops.validation import (  # noqa: F401  (re-exported)
     validate,
     validate_tensor_params,
 )
-from flashgen.options import DEFAULT, Options
+from flashgen.options import DEFAULT, Options, check_options
 
 #: One torch library fragment per registered spec name (its forward, backward and fake
 #: kernels), so a failed registration or a reload can be undone whole (``_destroy``).
@@ -168,8 +168,10 @@ def build_op(spec: ir.Spec, options: Options = DEFAULT, *, replace: bool = False
     (``flashgen.load`` of an edited file): then the old registrations of that spec name
     (under every options) are removed and the old op objects raise ``RuntimeError`` when
     called.  Registration is all or nothing: if any step fails,
-    nothing of it stays registered.
+    nothing of it stays registered.  ``TypeError`` if ``options`` is not an
+    :class:`~flashgen.options.Options`.
     """
+    check_options(options)
     if spec.dtype in ir.FP8_DTYPES and options.family == "fa2":
         raise ValueError(
             f"spec {spec.name!r} has dtype {spec.dtype}, which only the Hopper kernel runs; "

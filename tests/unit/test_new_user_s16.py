@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 
 from flashgen.families import decode, hopper_fwd
 from flashgen.options import Options
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- options
@@ -63,3 +66,18 @@ def test_an_unpickled_options_key_follows_the_defaults_where_it_is_loaded(monkey
         assert o.key() == ""
         blob = pickle.dumps(o)
     assert pickle.loads(blob).key() == "hopper_fwd.fp8_transpose='lds32'"
+
+
+# ----------------------------------------------------------------------------- load
+@pytest.mark.parametrize("bad", [{"family": "fa2"}, "fa2"])
+def test_load_and_with_options_name_a_bad_options_argument(bad):
+    """``flashgen.load(path, options={"family": "fa2"})`` raised "unhashable type: 'dict'"
+    from the load cache's key, and ``options="fa2"`` (or ``op.with_options("fa2")``) an
+    AttributeError about ``key`` from inside the registration."""
+    import flashgen
+
+    path = ROOT / "specs" / "causal_d128.yaml"
+    with pytest.raises(TypeError, match=r"options: expected a flashgen.Options.*got (dict|str)"):
+        flashgen.load(path, options=bad)
+    with pytest.raises(TypeError, match=r"options: expected a flashgen.Options.*got (dict|str)"):
+        flashgen.load(path).with_options(bad)
