@@ -209,6 +209,8 @@ def check_options(options) -> Options:
             f"for dotted names), got {type(options).__name__}"
         )
     return options
+
+
 #: The dotted names whose values are one of a few strings, with those strings.
 _CHOICES = {
     "family": FAMILIES,
