@@ -218,7 +218,11 @@ def cmd_build(args) -> int:
         try:
             plans = {(r.target, r.unit): r.plan for r in mine if r.plan is not None}
             generated.append(
-                str(write_generated(spec, args.out, reports, targets=targets, plans=plans))
+                str(
+                    write_generated(
+                        spec, args.out, reports, targets=targets, plans=plans, options=options
+                    )
+                )
             )
         except (ValueError, OSError) as e:
             err.print(f"error: writing {spec.name}: {terminal_safe(str(e))}", markup=False)

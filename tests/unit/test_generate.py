@@ -89,6 +89,28 @@ def test_generated_module_imports_and_runs_on_cpu(tmp_path):
     assert o.shape == (1, 2, 5, 128) and lse.shape == (1, 2, 5)
 
 
+def test_options_are_recorded_and_loaded_by_the_generated_module(tmp_path):
+    """``flashgen build --option ...`` writes the sources of those options: the manifest
+    records them and the module loads its op with them, so the sources beside it are what it
+    compiles; a later write under other options keeps no target of the earlier one."""
+    torch = pytest.importorskip("torch")
+    from flashgen.options import Options
+
+    spec = load_spec(REPO / "specs" / "causal_d128.yaml")
+    opts = Options(family="fa2").with_values({"fa2_fwd.affine": False})
+    out = write_generated(spec, tmp_path / "generated", options=opts)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["options"] == {"family": "fa2", "fa2_fwd.affine": False}
+    mod = import_generated(tmp_path / "generated", "fg_test_generated_opts", "causal_d128")
+    assert mod._op.options == opts and "Options: family='fa2'" in mod.__doc__
+    q = torch.randn(1, 2, 5, 128).bfloat16()
+    assert mod.attention(q, q, q)[0].shape == (1, 2, 5, 128)
+    write_generated(spec, tmp_path / "generated", targets=("sm_80",))  # default options
+    man = json.loads((out / "manifest.json").read_text())
+    assert "options" not in man and list(man["targets"]) == ["sm_80"]
+    assert "_Options" not in (out / "__init__.py").read_text()
+
+
 def test_a_varlen_specs_module_documents_the_packed_call():
     """``attention`` of a ``varlen: true`` spec is the packed-sequence op; its module's
     docstring showed the padded ``attention(q, k, v)`` with [B, Hq, Sq, D] shapes."""
