@@ -70,7 +70,8 @@ class DecodePlanning:
         (an e4m3 cache: its own unit; the calls pass the descales).
         Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
         planned calls do no host planning and can be captured in a CUDA graph.  Raises
-        :class:`OpInputError` for bad sizes, options or params."""
+        :class:`OpInputError` for bad sizes, options or params, and for a CUDA ``device``
+        (the default) where no CUDA device is available."""
         self._refuse()
         if options is not None and not isinstance(options, family.Options):
             raise OpInputError(
@@ -93,7 +94,9 @@ class DecodePlanning:
             raise OpInputError(
                 f"seqlen_q: expected >= 1 (the ragged calls' max_seqlen_q) for total_q {total_q}"
             )
-        if num_heads_kv == 0 or num_heads % num_heads_kv:
+        if num_heads_kv == 0:
+            raise OpInputError("num_heads_kv: expected >= 1, got 0")
+        if num_heads % num_heads_kv:
             raise OpInputError(
                 f"num_heads: expected a multiple of num_heads_kv {num_heads_kv}, got {num_heads}"
             )
@@ -126,6 +129,11 @@ class DecodePlanning:
         if total_q is not None:
             dims = dataclasses.replace(dims, total_q=total_q)
         device = torch.device(device if device is not None else "cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise OpInputError(
+                f"device: expected 'cpu' or a CUDA device, got {str(device)!r} and no CUDA "
+                "device is available"
+            )
         if device.type == "cuda" and device.index is None:  # the current device, by index
             device = torch.device("cuda", torch.cuda.current_device())
         splits = check_num_splits(num_splits)
