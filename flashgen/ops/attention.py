@@ -296,7 +296,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         Each is a float32 ``[B, Hkv]`` tensor on q's device, or a Python float / 0-d /
         one-element float32 tensor (broadcast); None is 1.0.  Non-finite or non-positive
         values raise (checked on the host for numbers and CPU tensors; for CUDA tensors only
-        with ``FLASHGEN_VARLEN_CHECK=1``, since reading them synchronizes the device).
+        when :func:`flashgen.ops.validation.check_enabled`, since reading them synchronizes
+        the device).
         :func:`flashgen.fp8.quantize` makes q, k, v and the descales from float tensors.
         Giving a descale to an op of another dtype raises.  fp8 ops have no backward.
 

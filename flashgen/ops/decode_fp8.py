@@ -18,7 +18,6 @@ normalization (:mod:`flashgen.families.decode`); the CPU path dequantizes the ga
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -26,15 +25,9 @@ import torch
 
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.decode_inputs import FP8_CACHE, DecodeDims
-from flashgen.ops.validation import _F32_MAX, _F32_MIN_NORMAL, TORCH_DTYPE
+from flashgen.ops.validation import _F32_MAX, _F32_MIN_NORMAL, TORCH_DTYPE, is_normal_f32
 
-# The range of a descale (and of k's descale times q's) is the prefill op's: finite normal
-# float32 values (a Python float outside it would overflow or be flushed to zero as the
-# kernels' float32).
-
-
-def _in_range(v: float) -> bool:
-    return math.isfinite(v) and _F32_MIN_NORMAL <= v <= _F32_MAX
+# The range of a descale (and of k's descale times q's) is the prefill op's: is_normal_f32.
 
 
 @dataclass(frozen=True)
@@ -80,7 +73,7 @@ def _scale(name: str, x, batch: int, heads_kv: int, device) -> tuple[torch.Tenso
         return None, 1.0
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         v = float(x)
-        if not _in_range(v):
+        if not is_normal_f32(v):
             raise OpInputError(
                 f"{name}: expected a finite descale > 0, got {x!r} (a descale is a normal "
                 f"float32, in [{_F32_MIN_NORMAL:.7g}, {_F32_MAX:.7g}])"
@@ -133,7 +126,7 @@ def resolve_scales(spec, dims: DecodeDims, q, k_descale, v_descale, q_descale):
     if fp8_q:
         qt, q_mul = _scale("q_descale", q_descale, batch, hkv, dev)
         q = q.to(TORCH_DTYPE[spec.dtype])  # exact: e4m3 values are fp16 / bf16 values
-        if not _in_range(k_mul * q_mul):
+        if not is_normal_f32(k_mul * q_mul):
             raise OpInputError(
                 f"q_descale, k_descale: their product (the folded descale of the logits) must "
                 f"be a finite normal float32 in [{_F32_MIN_NORMAL:.7g}, {_F32_MAX:.7g}], got "

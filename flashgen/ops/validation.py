@@ -255,6 +255,13 @@ _F32_MAX = 3.4028234663852886e38
 _F32_MIN_NORMAL = 1.1754943508222875e-38
 
 
+def is_normal_f32(v: float) -> bool:
+    """Whether Python float ``v`` is a positive normal float32 value (the range of a
+    softmax_scale and of a descale: a subnormal is flushed to zero by the kernels, a larger
+    value overflows to inf; NaN is not)."""
+    return _F32_MIN_NORMAL <= v <= _F32_MAX
+
+
 def _symbolic(x) -> bool:
     """Whether ``x`` is a traced symbolic number (``torch.compile`` with dynamic shapes)."""
     return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
@@ -270,7 +277,7 @@ def check_softmax_scale(value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OpInputError(f"softmax_scale: expected a float (finite, > 0), got {value!r}")
     f = float(value)
-    if not (math.isfinite(f) and _F32_MIN_NORMAL <= f <= _F32_MAX):
+    if not is_normal_f32(f):
         raise OpInputError(
             f"softmax_scale: expected a finite positive float32 value, got {value!r}"
         )
@@ -339,7 +346,7 @@ def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | 
                 f"one-element one, or a Python float, got {_describe(val)}"
             )
         f = float(val)
-        if not (math.isfinite(f) and _F32_MIN_NORMAL <= f <= _F32_MAX):
+        if not is_normal_f32(f):
             raise OpInputError(
                 f"{name}: expected a finite positive float32 descale, got {val!r}"
             )
