@@ -34,15 +34,21 @@ PROGRAM = r"""
 #include "fp8_ldsm.cuh"
 using namespace fg::fp8;
 
+// The V stage from fixed data, laid out as TMA writes it: V[key][d] = (key * 3 + d * 5 + 1) & 255.
 template <int BN, int D, int PANEL>
-void tile(const char* tag) {
-    using VT = VTranspose<BN, D, PANEL>;
-    // staging[] from stdin-free data: V[key][d] = (key * 3 + d * 5 + 1) & 255, laid out as TMA does
-    std::vector<unsigned char> st(BN * D), vt(BN * D, 0);
+std::vector<unsigned char> staged() {
+    std::vector<unsigned char> st(BN * D);
     for (int k = 0; k < BN; ++k)
         for (int d = 0; d < D; ++d)
             st[(d / PANEL) * BN * PANEL + swz<PANEL>(k, d % PANEL)] =
                 (unsigned char)((k * 3 + d * 5 + 1) & 255);
+    return st;
+}
+
+template <int BN, int D, int PANEL>
+void tile(const char* tag) {
+    using VT = VTranspose<BN, D, PANEL>;
+    std::vector<unsigned char> st = staged<BN, D, PANEL>(), vt(BN * D, 0);
     std::vector<int> writes(BN * D, 0);
     int fast_ok = 1;
     for (int w = 0; w < VT::ITERS; ++w) {
@@ -108,11 +114,7 @@ static void stmatrix_x4_trans(std::vector<unsigned char>& m, std::vector<int>& w
 template <int BN, int D, int PANEL>
 void tile_ldsm(const char* tag) {
     using VT = VTransposeLdsm<BN, D, PANEL>;
-    std::vector<unsigned char> st(BN * D), vt(BN * D, 0);
-    for (int k = 0; k < BN; ++k)
-        for (int d = 0; d < D; ++d)
-            st[(d / PANEL) * BN * PANEL + swz<PANEL>(k, d % PANEL)] =
-                (unsigned char)((k * 3 + d * 5 + 1) & 255);
+    std::vector<unsigned char> st = staged<BN, D, PANEL>(), vt(BN * D, 0);
     std::vector<int> writes(BN * D, 0);
     int fast_ok = 1, smem = 0, prmt = 0;
     for (int lane = 0; lane < 32; ++lane) {
