@@ -101,6 +101,11 @@ class Options:
                 f"Options.hopper_bwd.dq_a={self.hopper_bwd.dq_a!r}: expected one of "
                 f"{hopper_bwd.HOPPER_BWD_DQ_A}"
             )
+        if self.hopper_bwd.schedule not in hopper_bwd.HOPPER_BWD_SCHEDULES:
+            raise ValueError(
+                f"Options.hopper_bwd.schedule={self.hopper_bwd.schedule!r}: expected one of "
+                f"{hopper_bwd.HOPPER_BWD_SCHEDULES}"
+            )
         for name, cls in FAMILY_OPTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"Options.{name}: expected a {cls.__module__}.Options")
@@ -217,6 +222,7 @@ _CHOICES = {
     "persistent": PERSISTENT_CHOICES,
     "sparse_persistent": PERSISTENT_CHOICES[1:],
     "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
+    "hopper_bwd.schedule": hopper_bwd.HOPPER_BWD_SCHEDULES,
     "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
 }
 

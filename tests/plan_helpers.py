@@ -82,17 +82,15 @@ def plan_backward(spec, target, *, atomic_dq=False, tiles=None, options=None, si
     )
 
 
-def plan_hopper_backward(spec, target, *, dq_a=None):
+def plan_hopper_backward(spec, target, *, dq_a=None, schedule=None):
     """Keyword form of :func:`flashgen.families.registry.plan_hopper_backward`."""
     o = DEFAULT
-    if dq_a is not None:
-        from flashgen.families import hopper_bwd
-
-        if dq_a not in HOPPER_BWD_DQ_A:
-            raise ValueError(
-                f"dQ A operand {dq_a!r}: expected one of {', '.join(HOPPER_BWD_DQ_A)}"
-            )
-        o = replace(o, hopper_bwd=hopper_bwd.Options(dq_a=dq_a))
+    if dq_a is not None and dq_a not in HOPPER_BWD_DQ_A:
+        raise ValueError(f"dQ A operand {dq_a!r}: expected one of {', '.join(HOPPER_BWD_DQ_A)}")
+    fields = {"dq_a": dq_a, "schedule": schedule}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if fields:
+        o = replace(o, hopper_bwd=replace(o.hopper_bwd, **fields))
     return registry.plan_hopper_backward(spec, target, o)
 
 

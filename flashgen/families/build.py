@@ -125,8 +125,8 @@ def build_backward(
                 spec, target, replace(options, hopper_bwd=replace(options.hopper_bwd, dq_a=v))
             )
             for v in HOPPER_BWD_DQ_A
-            if v != options.hopper_bwd.dq_a
-        ]
+            if v != options.hopper_bwd.dq_a and options.hopper_bwd.schedule != "ws"
+        ]  # "ws" reads dS for dQ from shared memory only
         for plan in variants:
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward

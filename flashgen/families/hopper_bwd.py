@@ -28,15 +28,33 @@ TEMPLATE = HOPPER_BWD_TEMPLATE
 #: loads it into registers with ldmatrix.trans and runs the register-A form (as P in the
 #: forward's P V).  Default "smem" (:attr:`Options.dq_a`).
 HOPPER_BWD_DQ_A = ("smem", "ldmatrix")
+#: How the dK/dV kernel's warps share the work (:attr:`Options.schedule`): ``"inline"``, two
+#: warpgroups that all compute, thread 0 issuing the TMA loads between steps and every thread
+#: adding its dQ into ``dq_accum`` with vector reductions; ``"ws"``, warp-specialized as
+#: FlashAttention-3's backward: a producer warpgroup (its registers given to the consumers with
+#: ``setmaxnreg``) whose first warp loads Q, dO, lse and dsum into a :data:`WS_STAGES`-deep
+#: mbarrier pipeline and whose second warp adds each step's dQ tile, staged in shared memory by
+#: the consumers, into ``dq_accum`` with TMA reductions (``cp.reduce.async.bulk.tensor``;
+#: head dims 64 and 128: at 256 the staging tiles do not fit and the consumers add their dQ
+#: with vector reductions, as ``"inline"``).
+HOPPER_BWD_SCHEDULES = ("inline", "ws")
+#: Stages of the ``"ws"`` schedule's Q / dO / lse / dsum pipeline.
+WS_STAGES = 2
+#: Registers per thread of the ``"ws"`` schedule's producer and consumer warpgroups
+#: (``setmaxnreg``; 32 x 128 + 240 x 256 = 65536, what ``__launch_bounds__(384, 1)`` gives the CTA).
+WS_PRODUCER_REGS = 24
+WS_CONSUMER_REGS = 240
 
 
 @dataclass(frozen=True)
 class Options:
-    """Knobs of the Hopper backward: ``dq_a`` (:data:`HOPPER_BWD_DQ_A`) and ``head_groups``
-    (the CTAs take (batch, KV head) pairs in L2 head groups; False: in order)."""
+    """Knobs of the Hopper backward: ``dq_a`` (:data:`HOPPER_BWD_DQ_A`), ``head_groups``
+    (the CTAs take (batch, KV head) pairs in L2 head groups; False: in order) and
+    ``schedule`` (:data:`HOPPER_BWD_SCHEDULES`; ``"ws"`` takes ``dq_a="smem"`` only)."""
 
     dq_a: str = "smem"
     head_groups: bool = True
+    schedule: str = "inline"
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,25 @@ class Context(BackwardContext):
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
+    ws: bool
+    stages: int
+    producer_regs: int
+    consumer_regs: int
+
+
+def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool, ws: bool) -> int:
+    """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
+    1 KiB alignment slack, K and V, two stages of Q and dO, dS^T (two buffers under
+    ``ws`` outside ``split_d``; P^T beside it when ``split_d``), ``ws``'s dQ staging tiles
+    (two warpgroups x 64 rows x 64 fp32) outside ``split_d``, lse and dsum (two stages,
+    fp32), the mbarriers (K/V full; per stage full, and empty under ``ws``)."""
+    stages = WS_STAGES if ws else 2
+    smem = 1024 + 2 * block_n * d * elt + 2 * stages * block_m * d * elt
+    smem += (2 if split_d or ws else 1) * block_n * block_m * elt
+    if ws and not split_d:
+        smem += 2 * 64 * 64 * 4
+    smem += 2 * stages * block_m * 4 + 8 * (1 + stages * (2 if ws else 1))
+    return smem
 
 
 def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -103,6 +140,17 @@ def plan(
             f"dQ A operand {dq_a!r} (hopper_bwd.dq_a): expected one of "
             f"{', '.join(HOPPER_BWD_DQ_A)}"
         )
+    if options.schedule not in HOPPER_BWD_SCHEDULES:
+        raise ValueError(
+            f"schedule {options.schedule!r} (hopper_bwd.schedule): expected one of "
+            f"{', '.join(HOPPER_BWD_SCHEDULES)}"
+        )
+    ws = options.schedule == "ws"
+    if ws and dq_a != "smem":
+        raise ValueError(
+            f"hopper_bwd.schedule='ws' reads dS from shared memory for dQ: dq_a must be "
+            f"'smem', got {dq_a!r}"
+        )
     if not eligible(spec, target):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
@@ -115,15 +163,15 @@ def plan(
     split_d = d > 128  # see HOPPER_BWD_TILES_SPLIT_D
     t = HOPPER_BWD_TILES_SPLIT_D if split_d else HOPPER_BWD_TILES
     abi = backward_abi(spec, atomic_dq=True)
-    block_m, block_n, threads = t.dkdv_block_m, t.dkdv_block_n, 32 * t.dkdv_warps
+    block_m, block_n = t.dkdv_block_m, t.dkdv_block_n
+    warps = t.dkdv_warps + (4 if ws else 0)  # "ws": a producer warpgroup after the consumers
+    threads = 32 * warps
     tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
            TmaArg("tma_v", "v", block_n), TmaArg("tma_do", "dout", block_m))  # fmt: skip
+    if ws and not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 rows
+        tma += (TmaArg("tma_dq", "dq_accum", 64, box_cols=32, dtype="fp32"),)
     dkdv_args = abi["dkdv_args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    # 1 KiB alignment slack, K and V, two stages of Q and dO, dS^T (and P^T when split_d),
-    # lse/dsum (2 stages, fp32), mbarriers
-    smem = 1024 + 2 * block_n * d * elt + 4 * block_m * d * elt
-    smem += (2 if split_d else 1) * block_n * block_m * elt
-    smem += 4 * block_m * 4 + 3 * 8
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, ws)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma"
     ctx = base_fields(spec, causal_bits)
     ctx.update(
@@ -148,6 +196,10 @@ def plan(
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
+        ws=ws,
+        stages=WS_STAGES if ws else 2,
+        producer_regs=WS_PRODUCER_REGS,
+        consumer_regs=WS_CONSUMER_REGS,
     )
     context = Context(**ctx)
 
@@ -166,6 +218,6 @@ def plan(
         )
 
     pre = kp(context.kernel_pre, PRE_WARPS, 0, abi["pre_args"])
-    dkdv = kp(context.kernel_dkdv, t.dkdv_warps, smem, dkdv_args, tma)
+    dkdv = kp(context.kernel_dkdv, warps, smem, dkdv_args, tma)
     convert = kp(context.kernel_convert, CONVERT_THREADS // 32, 0, abi["convert_args"])
     return BackwardPlan(spec.name, target, t, pre, dkdv, None, convert, atomic_dq=True)

@@ -24,6 +24,30 @@ __device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t phase) 
         if (polls == (1u << 24)) __trap();
     }
 }
+// The mbarrier `bar` tracks this thread's earlier cp.async copies: its phase completes only once they have
+// landed (the pending count is raised now and lowered when they land, so `bar`'s expected count is unchanged).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], { %1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
+}
+// The box of the 4-D tensor map at (c0 innermost .. c3) += the shared-memory box at src, by TMA in this thread's
+// bulk async-group (PTX ISA 8.0, cp.reduce.async.bulk.tensor; the map's element type, here fp32; elements outside
+// the tensor are not written).
+__device__ __forceinline__ void tma_reduce_add_4d(const TmaDesc* map, uint32_t src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, { %2, %3, %4, %5}], [%1];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's bulk async-groups still read their shared-memory source.
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+// Wait until at most N of this thread's bulk async-groups are incomplete (their global writes done).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
 // p[0..3] += v in global memory, result unused (PTX ISA 8.1, sm_90; p 16-byte aligned).
 __device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
     asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4};\n" :: "l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");

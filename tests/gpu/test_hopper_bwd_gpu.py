@@ -8,7 +8,9 @@ dK, dV, dQ by head-dim columns, P^T and dS^T through shared memory).  Bound
 per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3.  Fresh random inputs per case;
 the caching allocator is poisoned with NaN before each backward, so an output element the
-kernels never write (dq, dk, dv, or a dq_accum row not zeroed) shows up as NaN.
+kernels never write (dq, dk, dv, or a dq_accum row not zeroed) shows up as NaN.  Every
+case runs under each schedule of :data:`~flashgen.families.hopper_bwd.HOPPER_BWD_SCHEDULES`
+(``hopper_bwd.schedule``: "inline", and "ws", the warp-specialized kernel).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import gpu_options  # noqa: E402
 from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
+from flashgen.families.hopper_bwd import HOPPER_BWD_SCHEDULES  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 pytestmark = [
@@ -46,6 +49,16 @@ SHAPES = [
     (1, 2, 2, 4097, 1000),
     (2, 8, 8, 257, 257),
 ]
+
+
+#: The schedule the running test's ops use (the autouse ``schedule`` fixture sets it).
+SCHEDULE = "inline"
+
+
+@pytest.fixture(params=HOPPER_BWD_SCHEDULES, autouse=True)
+def schedule(request, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "SCHEDULE", request.param)
+    return request.param
 
 
 def hb_spec(d: int, dtype: str, causal: bool, dq_a: str = "smem"):
@@ -74,7 +87,8 @@ def build_op(spec):
     """The op of ``spec`` with the dQ A-operand variant (``Options`` ``hopper_bwd.dq_a``) its
     name says: ``..._ldmatrix`` for "ldmatrix", else "smem" (each variant its own op)."""
     dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
-    return gpu_options.build(spec, gpu_options.options({"hopper_bwd.dq_a": dq_a}))
+    values = {"hopper_bwd.dq_a": dq_a, "hopper_bwd.schedule": SCHEDULE}
+    return gpu_options.build(spec, gpu_options.options(values))
 
 
 def poison_allocator(*shapes_dtypes) -> None:
@@ -109,6 +123,7 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, param
     ldmatrix = spec.name.endswith("_ldmatrix")
     assert hit[0].dkdv.context["dq_ldmatrix"] == ldmatrix, "not the dQ variant under test"
     assert hit[0].dkdv.context["split_d"] == (spec.head_dim > 128), "not the layout under test"
+    assert hit[0].dkdv.context["ws"] == (SCHEDULE == "ws"), "not the schedule under test"
     return q, k, v, do, dlse, params
 
 
@@ -172,13 +187,15 @@ def prebuilt():
     specs += [shipped(n) for n in SHIPPED] + [softcap_spec()]
     gpu = torch.cuda.get_device_name()
 
-    def bwd(spec):
+    def bwd(spec, schedule):
         dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
-        plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
+        if schedule == "ws" and dq_a != "smem":
+            return
+        plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a, schedule=schedule)
         cache.get_or_build(render(plan.unit), plan.unit)
 
     jobs = [lambda s=s: build_forward(s, "sm_90", gpu=gpu) for s in specs]
-    jobs += [lambda s=s: bwd(s) for s in specs]
+    jobs += [lambda s=s, w=w: bwd(s, w) for s in specs for w in HOPPER_BWD_SCHEDULES]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(lambda job: job(), jobs))
 
@@ -194,8 +211,11 @@ def test_lengths_gqa_dtypes(d, dtype, causal):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_dq_a_from_ldmatrix(d, causal):
-    """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma."""
+def test_dq_a_from_ldmatrix(d, causal, schedule):
+    """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma (the
+    "inline" schedule's; "ws" reads dS from shared memory and refuses it at plan time)."""
+    if schedule == "ws":
+        pytest.skip("hopper_bwd.schedule='ws' takes dq_a='smem' only")
     spec = hb_spec(d, "bf16", causal, "ldmatrix")
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)

@@ -199,6 +199,71 @@ def test_dq_a_option():
         DEFAULT.replace_path("hopper_bwd.dq_a", "tma")
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_ws_schedule_plan(d):
+    """``hopper_bwd.schedule="ws"``: a producer warpgroup after the two consumer warpgroups,
+    an fp32 tensor map of dq_accum for the dQ writer's TMA reductions (d64/d128: at 256 the
+    consumers reduce dQ themselves), the shared memory the template checks."""
+    spec = small(d, "bf16", True)
+    plan = plan_hopper_backward(spec, "sm_90", schedule="ws")
+    ctx = plan.dkdv.context
+    assert ctx["ws"] and plan.dkdv.threads == 384 and ctx["stages"] == 2
+    # __launch_bounds__(384, 1) gives the CTA 168 x 384 registers; setmaxnreg moves them
+    assert 128 * ctx["producer_regs"] + 256 * ctx["consumer_regs"] <= 168 * 384
+    maps = {m.name: m for m in plan.dkdv.tma}
+    if d == 256:
+        assert "tma_dq" not in maps
+    else:
+        dq = maps["tma_dq"]
+        assert (dq.tensor, dq.box_rows, dq.box_cols, dq.dtype) == ("dq_accum", 64, 32, "fp32")
+        assert plan.dkdv.args[-1].name == "tma_dq" and plan.dkdv.args[-1].ctype == "CUtensorMap"
+    split = d == 256
+    elt, bm, bn = 2, 64, 64 if split else 128
+    smem = 1024 + 2 * bn * d * elt + 4 * bm * d * elt + 2 * bn * bm * elt
+    smem += 0 if split else 2 * 64 * 64 * 4
+    smem += 4 * bm * 4 + 8 * (1 + 2 * 2)
+    assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
+    assert plan.grids(2, 8, 2, 1000, 4097) == plan_hopper_backward(spec, "sm_90").grids(
+        2, 8, 2, 1000, 4097
+    )
+
+
+def test_ws_schedule_takes_dq_a_smem_only():
+    spec = small(128, "bf16", True)
+    with pytest.raises(ValueError, match="dq_a must be 'smem'"):
+        plan_hopper_backward(spec, "sm_90", dq_a="ldmatrix", schedule="ws")
+    with pytest.raises(ValueError, match="hopper_bwd.schedule='async': expected one of"):
+        DEFAULT.replace_path("hopper_bwd.schedule", "async")
+
+
+def test_ws_dq_stores_land_in_tma_boxes_without_bank_conflicts():
+    """acc_dq to sDQ under "ws": acc_dq[4 j + 2 r + e] of (warp w, lane l) is dQ element (row
+    16 w + l / 4 + 8 r, column 8 j + 2 (l % 4) + e) of the warpgroup's 64 x 64 tile; the
+    kernel's address must be that element in box j / 4 (32 fp32 columns, 128-byte rows, TMA's
+    128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), every element once; each
+    half-warp's 8-byte stores (rows l / 4 of 4, two chunks each) meet at most 2 to a bank."""
+    box_bytes = 64 * 128
+    seen = set()
+    for w in range(4):
+        for j in range(8):
+            for r in range(2):
+                banks: dict[int, list] = {0: [], 1: []}
+                for lane in range(32):
+                    cb = 8 * (j % 4) + 2 * (lane % 4)
+                    base = (w * 16 + lane // 4) * 128
+                    addr = base + (j // 4) * box_bytes + 8 * r * 128
+                    addr += (((cb // 4) ^ (lane // 4)) << 4) + (cb % 4) * 4
+                    row, col = 16 * w + lane // 4 + 8 * r, 8 * j + 2 * (lane % 4)
+                    box, c = divmod(col, 32)
+                    want = box * box_bytes + row * 128 + (((c // 4) ^ (row % 8)) << 4) + (c % 4) * 4
+                    assert addr == want
+                    for e in range(2):
+                        seen.add(addr + 4 * e)
+                        banks[lane // 16].append(((addr + 4 * e) // 4) % 32)
+                assert all(max(b.count(x) for x in b) <= 2 for b in banks.values())
+    assert len(seen) == 64 * 64  # every fp32 element of the tile written once
+
+
 def _ptx(plan, tmp_path) -> str:
     src = tmp_path / "u.cu"
     src.write_text(render(plan.unit))
@@ -209,6 +274,24 @@ def _ptx(plan, tmp_path) -> str:
 
 
 D256 = ("alibi", "mistral_swa", "chunked_local", "prefix_lm")  # shipped masks and mods at d256
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "gpt2_d64", "bidir_d256", "prefix_lm"])
+def test_ws_compiles_without_spills(requires_nvcc, tmp_path, name):
+    """The warp-specialized schedule: no spills with the producer at 24 registers and the
+    consumers at 240 (setmaxnreg: ptxas allocates each role to its own count; a trap in the
+    consumers' region, or a value live across the role branch, makes it spill instead),
+    TMA reductions of dQ except at 256."""
+    plan = plan_hopper_backward(shipped(name), "sm_90", schedule="ws")
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0, report
+    ptx = _ptx(plan, tmp_path)
+    assert "setmaxnreg.dec.sync.aligned.u32 24" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
+    split = plan.dkdv.context["split_d"]
+    assert ("cp.reduce.async.bulk.tensor.4d" in ptx) != split
+    assert ("red.global.add.v4.f32" in ptx) == split
+    assert "trap;" not in ptx
 
 
 @pytest.mark.parametrize(
