@@ -1,7 +1,7 @@
 {#- Device helpers of the Hopper backward (templates/sm_90/bwd.cu.j2), included where they are used: async
-    copies and barriers with a bound, the vector reduction into dq_accum, the wgmma forms with a transposed A,
-    and the stores of 16-bit A fragments to swizzled shared memory.  Rendered by Jinja (tt_ns, split_d, dkv_n,
-    mma_t). -#}
+    copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
+    the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
+    Rendered by Jinja (tt_ns, split_d, dkv_n, mma_t). -#}
 namespace fg {
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
@@ -11,18 +11,6 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // 4-byte global->shared async copy; !valid reads nothing and writes 0.
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
-}
-// fg::mbar_wait with a bound: a TMA load that never lands (a bad tensor map) traps ("unspecified launch
-// failure") after 2^24 polls (each try_wait may suspend for a while) instead of hanging the GPU.
-__device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t phase) {
-    uint32_t done = 0;
-    for (uint32_t polls = 0; !done; ++polls) {
-        asm volatile("{ .reg .pred p;\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p; }\n"
-                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
-        if (polls == (1u << 24)) __trap();
-    }
 }
 // The mbarrier `bar` tracks this thread's earlier cp.async copies: its phase completes only once they have
 // landed (the pending count is raised now and lowered when they land, so `bar`'s expected count is unchanged).

@@ -8,9 +8,7 @@ dK, dV, dQ by head-dim columns, P^T and dS^T through shared memory).  Bound
 per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3.  Fresh random inputs per case;
 the caching allocator is poisoned with NaN before each backward, so an output element the
-kernels never write (dq, dk, dv, or a dq_accum row not zeroed) shows up as NaN.  Every
-case runs under each schedule of :data:`~flashgen.families.hopper_bwd.HOPPER_BWD_SCHEDULES`
-(``hopper_bwd.schedule``: "inline", and "ws", the warp-specialized kernel).
+kernels never write (dq, dk, dv, or a dq_accum row not zeroed) shows up as NaN.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import gpu_options  # noqa: E402
 from test_backward_kernels import REPO, ref_grads  # noqa: E402
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
-from flashgen.families.hopper_bwd import HOPPER_BWD_SCHEDULES  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
 pytestmark = [
@@ -51,18 +48,8 @@ SHAPES = [
 ]
 
 
-#: The schedule the running test's ops use (the autouse ``schedule`` fixture sets it).
-SCHEDULE = "inline"
-
-
-@pytest.fixture(params=HOPPER_BWD_SCHEDULES, autouse=True)
-def schedule(request, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "SCHEDULE", request.param)
-    return request.param
-
-
-def hb_spec(d: int, dtype: str, causal: bool, dq_a: str = "smem"):
-    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}_{dq_a}"
+def hb_spec(d: int, dtype: str, causal: bool):
+    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}"
     mask = "causal" if causal else "null"
     return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", f"<{name}>")
 
@@ -84,11 +71,8 @@ def shipped(name: str):
 
 
 def build_op(spec):
-    """The op of ``spec`` with the dQ A-operand variant (``Options`` ``hopper_bwd.dq_a``) its
-    name says: ``..._ldmatrix`` for "ldmatrix", else "smem" (each variant its own op)."""
-    dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
-    values = {"hopper_bwd.dq_a": dq_a, "hopper_bwd.schedule": SCHEDULE}
-    return gpu_options.build(spec, gpu_options.options(values))
+    """The op of ``spec`` under the default options."""
+    return gpu_options.build(spec, gpu_options.options())
 
 
 def poison_allocator(*shapes_dtypes) -> None:
@@ -120,10 +104,8 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, param
         o.backward(do)
     hit = op.backward._kernels.get((torch.cuda.current_device(), "hopper"))
     assert hit is not None, "not the Hopper path"
-    ldmatrix = spec.name.endswith("_ldmatrix")
-    assert hit[0].dkdv.context["dq_ldmatrix"] == ldmatrix, "not the dQ variant under test"
     assert hit[0].dkdv.context["split_d"] == (spec.head_dim > 128), "not the layout under test"
-    assert hit[0].dkdv.context["ws"] == (SCHEDULE == "ws"), "not the schedule under test"
+    assert hit[0].dkdv.threads == 384, "not the warp-specialized kernel"
     return q, k, v, do, dlse, params
 
 
@@ -171,7 +153,7 @@ def softcap_spec():
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt():
     """Compile every kernel this module runs up front, in parallel (one nvcc per core):
-    each spec's forward and its Hopper backward unit in the variant its test selects."""
+    each spec's forward and its Hopper backward unit."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -183,19 +165,15 @@ def prebuilt():
 
     dims = (64, 128, 256)
     specs = [hb_spec(d, t, c) for d in dims for t in ("bf16", "fp16") for c in (True, False)]
-    specs += [hb_spec(d, "bf16", c, "ldmatrix") for d in dims for c in (True, False)]
     specs += [shipped(n) for n in SHIPPED] + [softcap_spec()]
     gpu = torch.cuda.get_device_name()
 
-    def bwd(spec, schedule):
-        dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
-        if schedule == "ws" and dq_a != "smem":
-            return
-        plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a, schedule=schedule)
+    def bwd(spec):
+        plan = plan_hopper_backward(spec, "sm_90")
         cache.get_or_build(render(plan.unit), plan.unit)
 
     jobs = [lambda s=s: build_forward(s, "sm_90", gpu=gpu) for s in specs]
-    jobs += [lambda s=s, w=w: bwd(s, w) for s in specs for w in HOPPER_BWD_SCHEDULES]
+    jobs += [lambda s=s: bwd(s) for s in specs]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(lambda job: job(), jobs))
 
@@ -207,18 +185,6 @@ def test_lengths_gqa_dtypes(d, dtype, causal):
     spec = hb_spec(d, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=100 * d + i)
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_dq_a_from_ldmatrix(d, causal, schedule):
-    """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma (the
-    "inline" schedule's; "ws" reads dS from shared memory and refuses it at plan time)."""
-    if schedule == "ws":
-        pytest.skip("hopper_bwd.schedule='ws' takes dq_a='smem' only")
-    spec = hb_spec(d, "bf16", causal, "ldmatrix")
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
