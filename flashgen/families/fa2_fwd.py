@@ -11,6 +11,7 @@ from flashgen.codegen.cuda_expr import split_causal
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import tiles as tile_tables
 from flashgen.families.common import SMEM_LIMIT, ForwardContext, forward_context, mma16_dtype
+from flashgen.families.fields import check_fields
 from flashgen.frontend.ir import Spec
 
 #: The template this family renders.
@@ -82,6 +83,9 @@ class Options:
     fwd_row_chunks: bool | None = None
     head_groups: bool = True
     affine: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "Options.fa2_fwd")
 
     def switches(self) -> dict[str, bool]:
         """The template switches set explicitly (not None)."""
