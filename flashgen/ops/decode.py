@@ -235,7 +235,9 @@ class DecodeOp(DecodePlanning):
             self._registered = True
 
     def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
-        """The registered op (``torch.ops.flashgen.<op_name>.default``)."""
+        """The registered op (``torch.ops.flashgen.<op_name>.default``); ``RuntimeError`` if a
+        reload replaced :attr:`op` (that name is the new spec's op then)."""
+        self.op._check_live()
         self.register()
         return getattr(torch.ops.flashgen, self.op_name(append, ragged, kv8)).default
 
@@ -380,8 +382,11 @@ class DecodeOp(DecodePlanning):
         then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
         :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
-        bad inputs or a spec decode does not support."""
-        fast = getattr(plan, "fast", None)
+        bad inputs or a spec decode does not support, ``RuntimeError`` if a reload of the
+        edited spec replaced the op (its registered decode ops are the new spec's then)."""
+        self.op._check_live()
+        # a plan's fast path runs the kernels of the op that planned it: only this op's
+        fast = getattr(plan, "fast", None) if getattr(plan, "owner", None) is self else None
         if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                        softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,

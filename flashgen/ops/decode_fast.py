@@ -72,6 +72,9 @@ class DecodeCallPlan:
     #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
     #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
     live_blocks: int | None = None
+    #: the :class:`~flashgen.ops.decode.DecodeOp` that planned it: another op's calls refuse
+    #: the plan (its kernels, sizes and params are this op's)
+    owner: object = None
 
 
 def _workspace(dims: DecodeDims, geo, num_splits: int, device):
