@@ -266,31 +266,35 @@ def check_aliasing(k_cache, v_cache, k_new=None, v_new=None) -> None:
     and ``v_cache`` sharing memory (``k_cache is v_cache``, :func:`~flashgen.ops.out_arg.
     shares_memory`: two views of one combined KV buffer that interleave without sharing are
     fine), and ``k_new`` / ``v_new`` sharing memory with a cache.  Without an append nothing
-    is written and any of it is fine (``k_cache is v_cache`` reads one buffer twice).
+    is written and any of it is fine (``k_cache is v_cache`` reads one buffer twice); an
+    append of ``k_new`` alone (no ``v_new``: values that are a prefix of the keys' columns,
+    MLA) writes ``k_cache`` only, so ``v_cache`` may be a view of it.
     Not while ``torch.compile`` traces nor on fake tensors (:func:`_addresses_readable`).
     :class:`OpInputError` naming the tensor."""
     from flashgen.ops.out_arg import self_overlapping, shares_memory
 
+    given = [t for t in (k_cache, v_cache, k_new, v_new) if t is not None]
     if k_new is None or not all(
-        isinstance(t, torch.Tensor) and _addresses_readable(t)
-        for t in (k_cache, v_cache, k_new, v_new)
+        isinstance(t, torch.Tensor) and _addresses_readable(t) for t in given
     ):
         return
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    written = [("k_cache", k_cache)] + ([("v_cache", v_cache)] if v_new is not None else [])
+    for name, t in written:
         if t.numel() and self_overlapping(t):
             raise OpInputError(
                 f"{name}: expected a cache whose elements have their own memory (the append "
                 f"writes into it), got shape {list(t.shape)} with strides {list(t.stride())}, "
                 f"whose elements alias (an expanded or overlapping view); pass a real buffer"
             )
-    if shares_memory(k_cache, v_cache):
+    if v_new is not None and shares_memory(k_cache, v_cache):
         raise OpInputError(
             "v_cache: expected memory apart from k_cache (the append writes k_new into one and "
             "v_new into the other), got a tensor sharing memory with k_cache"
             + (" (k_cache is v_cache)" if k_cache is v_cache else "")
         )
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        for cname, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+    news = [("k_new", k_new)] + ([("v_new", v_new)] if v_new is not None else [])
+    for name, t in news:
+        for cname, c in written:
             if shares_memory(t, c):
                 raise OpInputError(
                     f"{name}: expected memory apart from {cname} (the append writes into "
