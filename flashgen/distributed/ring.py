@@ -95,11 +95,23 @@ def shard_sequence(x, rank: int, world_size: int, *, dim: int = 2, layout: str =
     """Rank ``rank``'s rows of a global tensor ``x`` along ``dim`` (q, k, v ``[B, H, S, D]``:
     dim 2; a ``[batch, seqlen]`` tensor param: dim 1) in ``layout`` (module docstring):
     a new contiguous tensor.  ``x.shape[dim]`` must be a multiple of ``world_size`` (zigzag:
-    ``2 * world_size``); else :class:`OpInputError` naming the multiple."""
-    n = x.shape[dim]
-    mult = world_size * (2 if layout == "zigzag" else 1)
+    ``2 * world_size``); else :class:`OpInputError` naming the multiple.  ``world_size`` an
+    int >= 1, ``rank`` an int in ``[0, world_size)``, ``dim`` one of x's dims, else
+    :class:`OpInputError` naming the argument."""
+    if not isinstance(x, torch.Tensor):
+        raise OpInputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise OpInputError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise OpInputError(
+            f"rank: expected an int in [0, {world_size}) (world_size {world_size}), got {rank!r}"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise OpInputError(f"dim: expected one of x's {x.dim()} dims, got {dim!r}")
     if layout not in LAYOUTS:
         raise OpInputError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    n = x.shape[dim]
+    mult = world_size * (2 if layout == "zigzag" else 1)
     if n % mult:
         raise OpInputError(
             f"x: expected a length along dim {dim} that is a multiple of {mult} "
@@ -402,7 +414,7 @@ def _forward_block(plan: _Plan, q, qseg, k, v, kseg, kv_tensors, o_acc, lse_acc)
         **plan.params(qseg, kseg, kv_tensors),
     )  # fmt: skip
     oa, la = o_acc.narrow(2, a, n), lse_acc.narrow(2, a, n)
-    mo, ml = merge_attention(oa, la, o, lse)
+    mo, ml = merge_attention(oa, la, o.float(), lse)  # o_acc is float32
     oa.copy_(mo)
     la.copy_(ml)
 

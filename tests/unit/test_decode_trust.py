@@ -235,3 +235,33 @@ def test_ragged_k_new_shape_errors_name_the_callers_shapes(tmp_path):
             op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu, **kw)
         assert str(e.value).startswith(f"{name}: expected shape [3, 2, 64]"), str(e.value)
         assert got in str(e.value) and ", 0, " not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- item 14
+def test_merge_attention_edges():
+    """A partial of weight 0 (lse -inf) with NaN in its o made the merge NaN; lse +inf gave
+    NaN silently; mismatched o dtypes were accepted though documented to raise; 0-d inputs
+    came back with shape [1]."""
+    from flashgen.ops.decode import merge_attention
+
+    o = torch.randn(3, 8)
+    lse = torch.tensor([0.5, -1.0, 2.0])
+    unset = torch.full((3, 8), float("nan"))
+    empty = torch.full((3,), float("-inf"))
+    mo, ml = merge_attention(o, lse, unset, empty)
+    assert torch.equal(mo, o) and torch.equal(ml, lse)
+    mo, ml = merge_attention(unset, empty, o, lse)
+    assert torch.equal(mo, o) and torch.equal(ml, lse)
+    inf = lse.clone()
+    inf[1] = float("inf")
+    with pytest.raises(OpInputError, match=r"lse_b: expected values < \+inf.*\[1\]"):
+        merge_attention(o, lse, o, inf)
+    with pytest.raises(OpInputError, match="o_b: expected dtype torch.float32"):
+        merge_attention(o, lse, o.bfloat16(), lse)
+    with pytest.raises(OpInputError, match="o_a: expected a tensor"):
+        merge_attention(torch.tensor(1.0), torch.tensor(0.0), torch.tensor(2.0),
+                        torch.tensor(0.0))  # fmt: skip
+    nan = lse.clone()
+    nan[0] = float("nan")  # a NaN lse still poisons its row (the combine kernel's rule)
+    mo, ml = merge_attention(o, nan, o, lse)
+    assert torch.isnan(mo[0]).all() and torch.isnan(ml[0]) and torch.isfinite(mo[1:]).all()

@@ -214,3 +214,22 @@ def _disagree_worker(rank, world, port):
 
 def test_ranks_that_disagree_or_raise_anything_raise_on_every_rank():
     mp.spawn(_disagree_worker, args=(2, _port()), nprocs=2)
+
+
+def test_shard_sequence_refuses_ranks_outside_the_world():
+    """Issue 38, item 13: ``rank=-1`` returned rank 1's rows (Python's negative index),
+    ``rank == world_size`` rows past the sequence in zigzag, ``world_size=0`` a
+    ZeroDivisionError."""
+    from flashgen.distributed import shard_sequence
+    from flashgen.frontend.errors import OpInputError
+
+    x = torch.arange(16).view(1, 1, 16, 1)
+    for rank, world, what in [(-1, 2, "rank"), (2, 2, "rank"), (0, 0, "world_size"),
+                              (0, -2, "world_size"), (True, 2, "rank"), (0, 2.0, "world_size"),
+                              (1.0, 2, "rank")]:  # fmt: skip
+        for layout in ("zigzag", "contiguous"):
+            with pytest.raises(OpInputError, match=f"^{what}: expected"):
+                shard_sequence(x, rank, world, layout=layout)
+    with pytest.raises(OpInputError, match="^dim: expected one of x's 4 dims"):
+        shard_sequence(x, 0, 2, dim=4)
+    assert shard_sequence(x, 1, 2).flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
