@@ -106,11 +106,6 @@ class Options:
             raise ValueError(
                 f"Options.persistent_ctas={self.persistent_ctas!r}: expected a positive int or None"
             )
-        if self.hopper_bwd.dq_a not in hopper_bwd.HOPPER_BWD_DQ_A:
-            raise ValueError(
-                f"Options.hopper_bwd.dq_a={self.hopper_bwd.dq_a!r}: expected one of "
-                f"{hopper_bwd.HOPPER_BWD_DQ_A}"
-            )
 
     # ------------------------------------------------------------------ dotted names
     @classmethod
@@ -228,7 +223,6 @@ _CHOICES = {
     "family": FAMILIES,
     "persistent": PERSISTENT_CHOICES,
     "sparse_persistent": PERSISTENT_CHOICES[1:],
-    "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
     "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
 }
 
