@@ -206,7 +206,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
     @property
     def torch_op(self):
-        """``torch.ops.flashgen.<name>.default``."""
+        """``torch.ops.flashgen.<name>.default``; ``RuntimeError`` if a reload of the edited
+        spec replaced this op (that name is the new spec's operator then)."""
+        self._check_live()
         return getattr(torch.ops.flashgen, self.name).default
 
     @property

@@ -129,6 +129,7 @@ def test_every_entry_point_of_a_replaced_op_raises(tmp_path):
         "offsets": lambda: old.offsets,
         "family_for": lambda: old.family_for((9, 0)),
         "with_options": lambda: old.with_options(opmod.Options(family="fa2")),
+        "torch_op": lambda: old.torch_op,
     }
     for what, call in calls.items():
         with pytest.raises(RuntimeError, match="reloaded the edited spec"):
