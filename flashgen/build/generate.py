@@ -104,14 +104,36 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _refuse_links(dest: Path) -> None:
+    """Raise ``ValueError`` if any component of ``dest`` as given (the output root, its
+    parents as written, and ``<root>/<name>``) is a symbolic link: a checkout that commits
+    ``generated`` as a link would otherwise have the build write through it."""
+    path = Path(dest.parts[0]) if dest.parts else dest
+    for part in (*dest.parts[1:], None):
+        if path.is_symlink():
+            raise ValueError(
+                f"{path} is a symbolic link (on the output path {dest}); refusing to write "
+                f"through it: make it a plain directory or pass another output directory"
+            )
+        if part is None:
+            break
+        path = path / part
+
+
 #: Largest manifest.json read back (bytes); a larger or odd one is ignored.
 _MAX_MANIFEST = 1 << 20
 
 
 def _previous_manifest(dest: Path) -> dict | None:
-    """The manifest.json already in ``dest`` (a regular file, not a link), or None."""
+    """The manifest.json already in ``dest`` (a regular file, not a link), or None.  The
+    file type is checked before opening (a FIFO would block the open) and again on the
+    descriptor, which is opened non-blocking (a file swapped for a FIFO in between)."""
+    path = dest / "manifest.json"
     try:
-        fd = os.open(dest / "manifest.json", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, flags)
     except OSError:
         return None
     try:
@@ -253,15 +275,15 @@ def write_generated(
     targets that an earlier write of this same spec (the manifest's ``spec_sha256`` and
     flashgen version) left: ``flashgen build --target sm_80`` keeps the committed sm_90
     sources and their manifest entries.  Raises ``ValueError`` if a target cannot be
-    lowered or ``<out_dir>/<name>`` is a link, ``OSError`` on write failures.
+    lowered or a component of ``<out_dir>/<name>`` (the output root included) is a link,
+    ``OSError`` on write failures.
     """
     targets = tuple(spec.targets if targets is None else targets)
     if not _SAFE_NAME.fullmatch(spec.name):  # check_spec enforces it; a hand-built Spec may not
         raise ValueError(f"spec name {spec.name!r} is not a plain identifier; refusing to write")
     root = Path(out_dir)
     dest = root / spec.name
-    if dest.is_symlink():
-        raise ValueError(f"{dest} is a symbolic link; refusing to write through it")
+    _refuse_links(dest)
     if dest.resolve().parent != root.resolve():
         raise ValueError(f"spec name {spec.name!r} would write outside {root}")
     dest.mkdir(parents=True, exist_ok=True)

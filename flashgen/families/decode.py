@@ -51,6 +51,7 @@ from flashgen.codegen.abi import KernelArg
 from flashgen.codegen.cuda_expr import Invariants, cuda_expr, split_causal
 from flashgen.codegen.dtypes import CTYPE, DType, dtype
 from flashgen.codegen.plan import KernelPlan, TemplateContext
+from flashgen.families.fields import check_fields
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Spec, Ty
 
@@ -115,26 +116,41 @@ class Options:
     min_split_blocks: int = MIN_SPLIT_BLOCKS
 
     def __post_init__(self) -> None:
+        check_fields(self, "Options.decode")
         if self.block_n is not None and (self.block_n <= 0 or self.block_n % (16 * NUM_WARPS)):
-            raise ValueError(f"block_n must be a positive multiple of {16 * NUM_WARPS}")
+            raise ValueError(
+                f"Options.decode.block_n={self.block_n!r}: block_n must be a positive multiple "
+                f"of {16 * NUM_WARPS}"
+            )
         if self.stages is not None and not 2 <= self.stages <= 4:
-            raise ValueError("stages must be 2, 3 or 4")
+            raise ValueError(f"Options.decode.stages={self.stages!r}: stages must be 2, 3 or 4")
         if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]")
+            raise ValueError(
+                f"Options.decode.num_splits={self.num_splits!r}: num_splits must be in "
+                f"[1, {MAX_SPLITS}]"
+            )
         if not isinstance(self.pack_gqa, bool):
             raise ValueError("pack_gqa must be a bool")
         if self.ctas_per_sm is not None and (
             isinstance(self.ctas_per_sm, bool) or self.ctas_per_sm not in (1, 2, 3, 4)
         ):
-            raise ValueError("ctas_per_sm must be None or 1..4")
+            raise ValueError(
+                f"Options.decode.ctas_per_sm={self.ctas_per_sm!r}: ctas_per_sm must be None or 1..4"
+            )
         if (
             isinstance(self.split_waves, bool)
             or not isinstance(self.split_waves, numbers.Real)
             or not 0.25 <= self.split_waves <= 4
         ):
-            raise ValueError("split_waves must be a number in [0.25, 4]")
+            raise ValueError(
+                f"Options.decode.split_waves={self.split_waves!r}: split_waves must be a number "
+                "in [0.25, 4]"
+            )
         if isinstance(self.min_split_blocks, bool) or self.min_split_blocks not in range(1, 17):
-            raise ValueError("min_split_blocks must be an int in [1, 16]")
+            raise ValueError(
+                f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
+                "must be an int in [1, 16]"
+            )
 
     def unit_key(self) -> tuple:
         """The fields that change the compiled unit (the rest are host schedule knobs)."""

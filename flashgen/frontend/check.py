@@ -63,6 +63,13 @@ OP_KEYWORDS = frozenset(
         "append",
         "pack_gqa",
         "device",
+        "cache_dtype",
+        "max_seqlen_q",
+        # ring_attention's arguments (flashgen.distributed: op, group, layout, mode)
+        "op",
+        "group",
+        "layout",
+        "mode",
     }
 )
 #: Spec names that would clash with the package, the op namespace or generated files.

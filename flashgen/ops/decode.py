@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from typing import NamedTuple
 
@@ -169,6 +170,7 @@ class DecodeOp(DecodePlanning):
         self.kv8 = family.cache_dtype_reason(op.spec, "fp8_e4m3") is None and FP8_CACHE is not None
         self._units: dict = {}
         self._live: dict = {}
+        self._bounds: dict = {}  # _index_violations' memo
         self._lock = threading.Lock()
         self._registered = False
         self.reason = family.unsupported_reason(self.spec)
@@ -235,7 +237,9 @@ class DecodeOp(DecodePlanning):
             self._registered = True
 
     def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
-        """The registered op (``torch.ops.flashgen.<op_name>.default``)."""
+        """The registered op (``torch.ops.flashgen.<op_name>.default``); ``RuntimeError`` if a
+        reload replaced :attr:`op` (that name is the new spec's op then)."""
+        self.op._check_live()
         self.register()
         return getattr(torch.ops.flashgen, self.op_name(append, ragged, kv8)).default
 
@@ -300,24 +304,40 @@ class DecodeOp(DecodePlanning):
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in a.tensors.items()})
         kd, vd = (None, None) if scales is None else scales.tensors(dims.batch, dims.heads_kv,
                                                                      a.q.device)  # fmt: skip
-        live = a.lens.to(torch.int64)
-        if ragged:  # each request appends (and attends) its own Sq_b rows
+        def write(kc, vc):
+            if ragged:
+                append_reference_ragged(kc, vc, a.lens, a.cu, a.k_new, a.v_new, a.table)
+            else:
+                append_reference(kc, vc, a.lens, a.k_new, a.v_new, a.table)
+
+        def run(kc, vc):
+            live = a.lens.to(torch.int64)
             if append:
-                append_reference_ragged(a.kc, a.vc, a.lens, a.cu, a.k_new, a.v_new, a.table)
-                cu = a.cu.to(torch.int64)
-                live = live + (cu[1:] - cu[:-1])
-            ro, rl = decode_reference_ragged(
-                self.spec, a.q, a.kc, a.vc, live, a.cu, a.table, softmax_scale=a.scale,
-                params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
-            )  # fmt: skip
+                write(kc, vc)
+                cu = a.cu.to(torch.int64) if ragged else None
+                live = live + (cu[1:] - cu[:-1] if ragged else dims.seqlen_q)
+            try:
+                if ragged:  # each request appends (and attends) its own Sq_b rows
+                    return decode_reference_ragged(
+                        self.spec, a.q, kc, vc, live, a.cu, a.table, softmax_scale=a.scale,
+                        params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
+                    )  # fmt: skip
+                return decode_reference(
+                    self.spec, a.q, kc, vc, live, a.table, softmax_scale=a.scale,
+                    params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
+                )  # fmt: skip
+            except IndexError as e:  # a tensor param indexed outside its shape (reference)
+                m = re.search(r"tensor param '(\w+)'", str(e))
+                raise OpInputError(f"{m.group(1) if m else 'params'}: {e}") from None
+
+        if append and self._index_violations(dims, a.scalars):
+            # a read may leave its tensor at these sizes, and only the reference can tell
+            # whether a kept pair does: run the call on copies of the caches first, so a
+            # refused call writes nothing (issue 38, item 5), then append for real
+            ro, rl = run(a.kc.clone(), a.vc.clone())
+            write(a.kc, a.vc)
         else:
-            if append:
-                append_reference(a.kc, a.vc, a.lens, a.k_new, a.v_new, a.table)
-                live = live + dims.seqlen_q
-            ro, rl = decode_reference(
-                self.spec, a.q, a.kc, a.vc, live, a.table, softmax_scale=a.scale, params=params,
-                compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
-            )  # fmt: skip
+            ro, rl = run(a.kc, a.vc)
         o, lse = self._outputs(a.q, dims)
         o.copy_(ro)
         lse.copy_(rl)
@@ -336,6 +356,27 @@ class DecodeOp(DecodePlanning):
         return self._launch(plan, a.q, a.kc, a.vc, a.lens, a.table, a.k_new, a.v_new, a.scale,
                             a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims,
                             scales=scales)  # fmt: skip
+
+    def _index_violations(self, dims: DecodeDims, scalars) -> list[str]:
+        """:func:`~flashgen.analysis.indexbounds.possible_violations` of the spec's
+        tensor-param reads at the call's sizes (Sq_new queries, at most the cache's capacity
+        of keys) and scalar values: the reads that may leave their tensor.  Memoized per
+        sizes and values; empty (and free) for a spec without tensor params."""
+        if not self.spec.tensor_params:
+            return []
+        values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in scalars)
+        key = (dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.capacity, values)
+        hit = self._bounds.get(key)
+        if hit is None:
+            from flashgen.analysis.indexbounds import possible_violations
+
+            sym = {**dims.symbols(), "seqlen_q": dims.seqlen_q, "seqlen_k": dims.capacity}
+            named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
+            hit = possible_violations(self.spec, sym, named)
+            if len(self._bounds) >= 1024:
+                self._bounds.clear()
+            self._bounds[key] = hit
+        return hit
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
         check_softmax_scale(scale)
@@ -379,9 +420,32 @@ class DecodeOp(DecodePlanning):
         serving loop that reuses them saves the two allocations per call.  Returns ``out``
         then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
-        :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
-        bad inputs or a spec decode does not support."""
-        fast = getattr(plan, "fast", None)
+        :mod:`flashgen.ops.decode_fp8`), padded or ragged.
+
+        Aliasing (issue 38): with ``k_new`` / ``v_new``, the caches must not share memory with
+        each other (``k_cache is v_cache``) nor with ``k_new`` / ``v_new``, and a cache's
+        elements must have their own memory (no expanded, stride-0 cache): refused from
+        metadata on every device.  The slot rule: the cache slots the call appends to
+        (request b's keys ``[cache_seqlens[b], cache_seqlens[b] + Sq_b)`` through its
+        ``block_table`` row) are pairwise distinct and hold no other key the call reads
+        (any request's ``[0, cache_seqlens[b'] + Sq_b')``); pages shared read-only (a common
+        prefix) are fine.  Checked from values with the other value checks (always on CPU;
+        on CUDA under :func:`~flashgen.ops.validation.check_enabled`); a planned call's fast
+        path (``plan=``, graph capturable) checks neither values nor, after the first call
+        of a layout, addresses: there both are the caller's contract.  Nothing is written
+        before every check of the call has passed (on CPU a tensor param indexed outside
+        its shape at a kept pair is an :class:`OpInputError` naming it, the cache as it was).
+
+        Raises :class:`OpInputError` for bad inputs, an argument that requires grad (no
+        backward: serving only) or a spec decode does not support, ``RuntimeError`` if a
+        reload of the edited spec replaced the op (its registered decode ops are the new
+        spec's then)."""
+        self.op._check_live()
+        if torch.is_grad_enabled():
+            _refuse_grad(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
+                         **params)  # fmt: skip
+        # a plan's fast path runs the kernels of the op that planned it: only this op's
+        fast = getattr(plan, "fast", None) if getattr(plan, "owner", None) is self else None
         if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                        softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,
@@ -580,6 +644,19 @@ class DecodeOp(DecodePlanning):
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def _refuse_grad(**tensors) -> None:
+    """:class:`OpInputError` naming the first argument that requires grad: ``with_kvcache``
+    has no backward (serving), and a result that looked differentiable would leave
+    ``q.grad`` None after ``backward()`` (issue 38, item 4)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise OpInputError(
+                f"{name}: expected a tensor that does not require grad (with_kvcache has no "
+                f"backward: it serves inference), got one with requires_grad=True; detach it "
+                f"or call under torch.no_grad() / torch.inference_mode()"
+            )
 
 
 def _aligned_any(t):
