@@ -250,26 +250,28 @@ class DecodePlan(KernelPlan):
 
 # ----------------------------------------------------------------------------- support
 def unsupported_reason(spec: Spec) -> str | None:
-    """Why ``spec`` has no decode kernels, or None: a mask that reads tensor params (its
-    tiles need a block table per padded problem), a tensor param shaped by ``seqlen_q`` /
-    ``seqlen_k`` (each request has its own length), a dtype other than fp16 / bf16, or a
-    varlen spec (decode takes the padded spec's op)."""
+    """Why ``spec`` has no decode kernels, or None: a dtype other than fp16 / bf16, or a
+    varlen spec (decode takes the padded spec's op).  A mask or score_mod may read tensor
+    params, shaped by :data:`TENSOR_EXTENTS`' symbols (in decode ``seqlen_q`` is the call's
+    Sq_new, ragged its ``max_seqlen_q``, and ``seqlen_k`` the cache's capacity)."""
     if spec.varlen:
         return f"spec {spec.name!r} is a varlen spec; call with_kvcache on the padded spec's op"
     if spec.dtype not in ("fp16", "bf16"):
         return f"decode supports fp16 and bf16, spec {spec.name!r} has dtype {spec.dtype}"
-    if spec.mask is not None and any(isinstance(n, ir.Index) for n in ir.walk(spec.mask)):
-        return (
-            f"spec {spec.name!r}: its mask reads tensor params, which decode does not support "
-            "(use the prefill op on the gathered cache)"
-        )
-    for p in spec.tensor_params:
-        if any(d in ("seqlen_q", "seqlen_k") for d in p.shape):
-            return (
-                f"spec {spec.name!r}: tensor param {p.name!r} is shaped by seqlen_q/seqlen_k, "
-                "but each decode request has its own length"
-            )
     return None
+
+
+#: What a tensor param's shape symbols mean in decode, as the kernels' names (padded /
+#: ragged unit): ``seqlen_q`` is the new-token count (Sq_new; a ragged call's
+#: ``max_seqlen_q``: request b's queries are rows ``q_idx < Sq_b`` of its slice), ``seqlen_k``
+#: the keys a request can hold (``capacity``: S_cache dense, ``max_pages * page_size``
+#: paged), so a per-request tensor ``[batch, seqlen_q, seqlen_q]`` or ``[batch, seqlen_k]``
+#: is indexed by ``b``, ``q_idx`` and ``kv_idx`` whatever the request's own lengths (each at
+#: most those extents).  The mask's own ``seqlen_q`` / ``seqlen_k`` stay the request's.
+TENSOR_EXTENTS = {
+    False: {"seqlen_q": "seqlen_q", "seqlen_k": "capacity"},
+    True: {"seqlen_q": "max_seqlen_q", "seqlen_k": "capacity"},
+}
 
 
 def cache_dtype_reason(spec: Spec, cache_dtype: str | None) -> str | None:
@@ -512,8 +514,11 @@ def plan(
         )
     causal, residual = split_causal(spec.mask)
     inv = Invariants(raw_score="score_raw")
-    mask_expr = cuda_expr(residual, spec, inv) if residual is not None else None
-    score_mod_expr = cuda_expr(spec.score_mod, spec, inv) if spec.score_mod is not None else None
+    ext = TENSOR_EXTENTS[ragged]
+    mask_expr = cuda_expr(residual, spec, inv, extents=ext) if residual is not None else None
+    score_mod_expr = (
+        cuda_expr(spec.score_mod, spec, inv, extents=ext) if spec.score_mod is not None else None
+    )
     reads_h = spec.mask is not None and any(
         isinstance(n, ir.Var) and n.name == "h" for n in ir.walk(spec.mask)
     )

@@ -49,7 +49,11 @@ class DecodeDims:
         return self.max_pages * self.page_size if self.paged else self.page_size
 
     def symbols(self) -> dict[str, int]:
-        return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv}
+        """A tensor param's shape symbols in decode (:data:`flashgen.families.decode.
+        TENSOR_EXTENTS`): ``seqlen_q`` is Sq_new (ragged: ``max_seqlen_q``), ``seqlen_k`` the
+        cache's :attr:`capacity`."""
+        return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv,
+                "seqlen_q": self.seqlen_q, "seqlen_k": self.capacity}  # fmt: skip
 
     def out_shapes(self) -> tuple[tuple, tuple]:
         """``(o shape, lse shape)`` of the call: padded ``[B, Hq, Sq_new, Dv]`` and ``[B, Hq,
