@@ -164,7 +164,9 @@ class DecodeContext(TemplateContext):
     invariants; ``tile_classifier``: the mask's interval classifier source.  ``ragged``:
     the ragged-Sq_new unit (q ``[total_q, Hq, D]`` with ``cu_seqlens_q``; False renders the
     padded unit unchanged).  ``kv_fp8``: the cache holds e4m3 (``kv_t`` its C type; False
-    renders the spec-dtype unit unchanged)."""
+    renders the spec-dtype unit unchanged).  ``v_from_k``: MLA's one latent cache (the
+    spec's ``v_from_k``): the ring holds K only, P V reads the first ``head_dim_v`` columns of
+    its rows, the append writes K rows only."""
 
     spec_name: str
     base_name: str
@@ -194,6 +196,7 @@ class DecodeContext(TemplateContext):
     ragged: bool = False
     kv_fp8: bool = False
     kv_t: str = ""
+    v_from_k: bool = False
 
 
 @dataclass(frozen=True)
@@ -331,12 +334,13 @@ def dv_split(spec: Spec) -> int:
 
 def smem_bytes(spec: Spec, block_n: int, stages: int, kv_bytes: int | None = None) -> int:
     """Dynamic shared memory of the attention kernel: the Q tile, ``stages`` K and V blocks
-    (``kv_bytes`` per element: the cache's; default the spec dtype's) and their per-row
-    validity bytes, and the warps' merge area (which reuses the ring)."""
+    (``kv_bytes`` per element: the cache's; default the spec dtype's; a ``v_from_k`` spec's
+    K blocks only) and their per-row validity bytes, and the warps' merge area (which
+    reuses the ring)."""
     d, dv = spec.head_dim, spec.head_dim_v
     elem = dtype(spec.dtype).elem_bytes
     q = BLOCK_M * d * elem
-    ring = stages * block_n * (d + dv) * (kv_bytes or elem)
+    ring = stages * block_n * (d + (0 if spec.v_from_k else dv)) * (kv_bytes or elem)
     merge = NUM_WARPS * BLOCK_M * dv * 4 + 2 * NUM_WARPS * BLOCK_M * 4
     return q + max(ring, merge) + stages * block_n
 
@@ -553,6 +557,7 @@ def plan(
         ragged=ragged,
         kv_fp8=kv8,
         kv_t=kv.ctype if kv8 else "",
+        v_from_k=spec.v_from_k,
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

@@ -167,6 +167,8 @@ class DecodeOp(DecodePlanning):
         self.ragged_name = f"{op.spec.name}__with_kvcache_ragged"
         self.ragged_append_name = f"{op.spec.name}__with_kvcache_ragged_append"
         self.kv8 = family.cache_dtype_reason(op.spec, "fp8_e4m3") is None and FP8_CACHE is not None
+        #: MLA's one latent cache (spec ``v_from_k``): its ops take no v_cache / v_new
+        self.v_from_k = op.spec.v_from_k
         self._units: dict = {}
         self._live: dict = {}
         self._lock = threading.Lock()
@@ -191,16 +193,20 @@ class DecodeOp(DecodePlanning):
         """The op's schema: ``append`` declares that it mutates ``k_cache`` / ``v_cache``
         (``Tensor(a!)``); ``ragged`` adds ``cu_seqlens_q`` after ``block_table`` and ``int
         max_seqlen_q`` before ``softmax_scale``; ``kv8`` (an e4m3 cache) adds ``k_descale``
-        and ``v_descale`` (float32 ``[B, Hkv]``) before ``softmax_scale``."""
+        and ``v_descale`` (float32 ``[B, Hkv]``) before ``softmax_scale``.  A ``v_from_k``
+        spec's ops have no ``v_cache`` nor ``v_new`` (the values are k_cache's first
+        head_dim_v columns; its ``v_descale`` is ``k_descale``)."""
         spec = self.spec
         kv = (
             "Tensor(a!) k_cache, Tensor(b!) v_cache" if append else "Tensor k_cache, Tensor v_cache"
         )
+        if self.v_from_k:
+            kv = "Tensor(a!) k_cache" if append else "Tensor k_cache"
         args = ["Tensor q", kv, "Tensor cache_seqlens", "Tensor? block_table"]
         if ragged:
             args.append("Tensor cu_seqlens_q")
         if append:
-            args += ["Tensor k_new", "Tensor v_new"]
+            args += ["Tensor k_new"] if self.v_from_k else ["Tensor k_new", "Tensor v_new"]
         if ragged:
             args.append("int max_seqlen_q")
         if kv8:
@@ -240,13 +246,19 @@ class DecodeOp(DecodePlanning):
         return getattr(torch.ops.flashgen, self.op_name(append, ragged, kv8)).default
 
     def _unpack(self, append: bool, ragged: bool, kv8: bool, args) -> _Args:
-        """Schema arguments (:meth:`schema`) -> :class:`_Args`."""
-        q, kc, vc, lens, table = args[:5]
-        rest = list(args[5:])
+        """Schema arguments (:meth:`schema`) -> :class:`_Args` (``v_from_k``: v_cache and
+        v_new as views of k_cache and k_new)."""
+        if self.v_from_k:
+            q, kc, lens, table = args[:4]
+            vc, rest = latent_values(self.spec, kc), list(args[4:])
+        else:
+            q, kc, vc, lens, table = args[:5]
+            rest = list(args[5:])
         cu = rest.pop(0) if ragged else None
         k_new = v_new = None
         if append:
-            k_new, v_new = rest.pop(0), rest.pop(0)
+            k_new = rest.pop(0)
+            v_new = latent_values(self.spec, k_new) if self.v_from_k else rest.pop(0)
         max_seqlen_q = rest.pop(0) if ragged else None
         scales = None
         if kv8:
@@ -380,7 +392,14 @@ class DecodeOp(DecodePlanning):
         then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
         :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
-        bad inputs or a spec decode does not support."""
+        bad inputs or a spec decode does not support.
+
+        A ``v_from_k`` spec (MLA, module doc): ``v_cache`` None, ``k_new`` alone appends
+        (``v_new`` None), ``v_descale`` None (k_descale scales the values too);
+        ``num_heads_kv`` 1."""
+        if self.v_from_k:
+            v_cache, v_new, v_descale = self._latent_args(k_cache, v_cache, k_new, v_new,
+                                                          v_descale, k_descale)  # fmt: skip
         fast = getattr(plan, "fast", None)
         if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
@@ -391,6 +410,21 @@ class DecodeOp(DecodePlanning):
         return self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                   cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
                                   params, out, (k_descale, v_descale, q_descale))  # fmt: skip
+
+    def _latent_args(self, k_cache, v_cache, k_new, v_new, v_descale, k_descale):
+        """A ``v_from_k`` call's ``(v_cache, v_new, v_descale)``: views of the first
+        head_dim_v columns of ``k_cache`` / ``k_new`` and ``k_descale``; the caller's must be
+        None (:class:`OpInputError` naming the argument otherwise)."""
+        dv = self.spec.head_dim_v
+        for name, x in (("v_cache", v_cache), ("v_new", v_new), ("v_descale", v_descale)):
+            if x is not None:
+                got = f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+                raise OpInputError(
+                    f"{name}: expected None (spec {self.spec.name!r} has v_from_k: true: the "
+                    f"values are the first {dv} columns of k_cache"
+                    f"{', scaled by k_descale' if name == 'v_descale' else ''}), got {got}"
+                )
+        return latent_values(self.spec, k_cache), latent_values(self.spec, k_new), k_descale
 
     def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int:
         """A ragged call's ``max_seqlen_q``: the caller's; else a ragged plan's, capped at q's
@@ -477,11 +511,13 @@ class DecodeOp(DecodePlanning):
         else:
             if plan is not None and not splits:
                 splits = plan.num_splits
-            args = [q, k_cache, v_cache, cache_seqlens, block_table]
+            args = [q, k_cache, cache_seqlens, block_table]
+            if not self.v_from_k:
+                args.insert(2, v_cache)
             if ragged:
                 args.append(cu_seqlens_q)
             if append:
-                args += [k_new, v_new]
+                args += [k_new] if self.v_from_k else [k_new, v_new]
             if ragged:
                 args.append(max_seqlen_q)
             if scales is not None:
@@ -580,6 +616,14 @@ class DecodeOp(DecodePlanning):
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def latent_values(spec, t):
+    """The values of a ``v_from_k`` spec: the first ``head_dim_v`` columns of a 4-D or 3-D
+    ``t`` (k_cache, k_new) as a view; ``t`` itself when it is not such a tensor (None, a
+    wrong rank or width: the validation names ``k_cache`` / ``k_new`` then)."""
+    ok = isinstance(t, torch.Tensor) and t.dim() in (3, 4) and t.shape[-1] >= spec.head_dim_v
+    return t[..., : spec.head_dim_v] if ok else t
 
 
 def _aligned_any(t):

@@ -206,6 +206,11 @@ def validate_decode(
                 f"got shape {list(k_cache.shape)}"
             )
         hkv, page_size, num_pages, max_pages = k_cache.shape[1], k_cache.shape[2], batch, 1
+    if spec.v_from_k and hkv != 1:
+        raise OpInputError(
+            f"k_cache: expected num_heads_kv 1 (spec {spec.name!r} has v_from_k: true: one "
+            f"latent cache for every query head; shape[{2 if paged else 1}]), got {hkv}"
+        )
     if hkv == 0 or hq % hkv:
         raise OpInputError(
             f"q: expected num_heads to be a multiple of the cache's num_heads_kv {hkv}, got {hq}"
