@@ -86,6 +86,15 @@ SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
 #: stay within :data:`SMEM_LIMIT`.
 SMEM_LIMIT_EXPLICIT = {"sm_80": 166912, "sm_90": 232448}
 TARGETS = ("sm_80", "sm_90")
+#: Key blocks of a split whose keys a mask that reads tensors votes on before loading them (a byte
+#: of shared memory each; blocks past them are read unvoted): 64k keys at 64 per block.
+VOTE_BLOCKS = 1024
+
+
+def tensor_mask(spec: Spec) -> bool:
+    """Whether ``spec``'s mask reads tensor params (its units vote on their blocks: the
+    template's ``s_keep``, :data:`VOTE_BLOCKS`)."""
+    return spec.mask is not None and any(isinstance(n, ir.Index) for n in ir.walk(spec.mask))
 
 
 @dataclass(frozen=True)
@@ -197,6 +206,8 @@ class DecodeContext(TemplateContext):
     kv_fp8: bool = False
     kv_t: str = ""
     v_from_k: bool = False
+    tensor_mask: bool = False
+    vote_blocks: int = VOTE_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -335,14 +346,14 @@ def dv_split(spec: Spec) -> int:
 def smem_bytes(spec: Spec, block_n: int, stages: int, kv_bytes: int | None = None) -> int:
     """Dynamic shared memory of the attention kernel: the Q tile, ``stages`` K and V blocks
     (``kv_bytes`` per element: the cache's; default the spec dtype's; a ``v_from_k`` spec's
-    K blocks only) and their per-row validity bytes, and the warps' merge area (which
-    reuses the ring)."""
+    K blocks only) and their per-row validity bytes, the warps' merge area (which reuses
+    the ring) and, for a mask that reads tensors, the vote bytes of its blocks."""
     d, dv = spec.head_dim, spec.head_dim_v
     elem = dtype(spec.dtype).elem_bytes
     q = BLOCK_M * d * elem
     ring = stages * block_n * (d + (0 if spec.v_from_k else dv)) * (kv_bytes or elem)
     merge = NUM_WARPS * BLOCK_M * dv * 4 + 2 * NUM_WARPS * BLOCK_M * 4
-    return q + max(ring, merge) + stages * block_n
+    return q + max(ring, merge) + stages * block_n + (VOTE_BLOCKS if tensor_mask(spec) else 0)
 
 
 # ----------------------------------------------------------------------------- heuristic
@@ -558,6 +569,7 @@ def plan(
         kv_fp8=kv8,
         kv_t=kv.ctype if kv8 else "",
         v_from_k=spec.v_from_k,
+        tensor_mask=tensor_mask(spec),
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

@@ -118,7 +118,7 @@ def tree_allowed(anc):
 
 
 def _close_o(got, want, atol=2e-2):
-    err = (got.double() - want).abs().max()
+    err = (got.double() - want).abs().amax(dim=None) if got.numel() else 0.0
     assert torch.allclose(got.double(), want, atol=atol, rtol=2e-2), err
 
 
@@ -368,3 +368,24 @@ def test_decode_units_index_tensors_by_capacity_and_the_new_token_extent(ragged)
     assert f"(int64_t)({ext})" in tree and "t_ancestors" in tree
     doc = render(family.plan(_op("document_mask").spec, "sm_90", ragged=ragged))
     assert "(int64_t)(capacity)" in doc and "(int64_t)(seqlen_k)" not in doc
+
+
+def test_tensor_mask_units_vote_on_their_blocks_before_loading():
+    """A unit whose mask reads tensors classifies and votes on its split's blocks before the
+    loads (``s_keep``: VOTE_BLOCKS bytes of shared memory more), and its loader and loop
+    step over the blocks voted out (``next_kept``); a unit whose mask reads none has no vote."""
+    for name in ("spec_tree", "document_mask"):
+        spec = _op(name).spec
+        assert family.tensor_mask(spec)
+        for kw in ({}, {"ragged": True}, {"cache_dtype": "fp8_e4m3"}):
+            p = family.plan(spec, "sm_90", **kw)
+            src = render(p)
+            assert "s_keep[i] = 3" in src and "ld_j = next_kept(ld_j + 1)" in src
+            assert "j = next_kept(j + 1);" in src and "fetch_pages(next_kept(j + 1))" in src
+            kv = 1 if kw.get("cache_dtype") else 2
+            assert p.smem_bytes == family.smem_bytes(spec, p.tiles.block_n, p.tiles.stages, kv)
+            assert f"VOTE_BLOCKS = {family.VOTE_BLOCKS};" in src
+    plain = _op("llama3_gqa").spec
+    assert not family.tensor_mask(plain) and not family.tensor_mask(_op("alibi").spec)
+    src = render(family.plan(plain, "sm_90"))
+    assert "s_keep" not in src and "next_kept" not in src and "load_block(ld_j++, st)" in src
