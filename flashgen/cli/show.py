@@ -123,7 +123,7 @@ def format_spec(spec: ir.Spec) -> str:
 
 def cmd_show(args) -> int:
     from flashgen.build.render import render
-    from flashgen.families.registry import plan_forward
+    from flashgen.families.registry import plan_decode, plan_forward
 
     _, err = _consoles()
     try:
@@ -139,7 +139,8 @@ def cmd_show(args) -> int:
     targets = args.target or list(spec.targets)
     for t in targets:
         try:
-            plan = plan_forward(spec, t, options)
+            plan_of = plan_decode if spec.v_from_k else plan_forward  # v_from_k: decode only
+            plan = plan_of(spec, t, options)
         except ValueError as e:
             err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
             return 1

@@ -453,7 +453,10 @@ def _tensor_read(e: Index, spec: Spec, render, extents: Mapping[str, str] | None
     for i, ix in enumerate(e.indices):
         dim = p.shape[i]
         code = render(ix)
-        inside = index_in_bounds(ix, dim, spec)
+        # an index variable is inside its own extent only where the kernel's bound of it is
+        # that extent (decode's kv_idx runs to the live keys, its seqlen_k extent is capacity)
+        own = not isinstance(dim, str) or _shape_extent(dim, extents) == _shape_extent(dim)
+        inside = own and index_in_bounds(ix, dim, spec)
         if not inside:
             code = f"fg::clamp_index({code}, {_shape_extent(dim, extents)})"
         codes.append(code)

@@ -284,8 +284,15 @@ def unsupported_reason(spec: Spec) -> str | None:
 #: most those extents).  The mask's own ``seqlen_q`` / ``seqlen_k`` stay the request's.
 TENSOR_EXTENTS = {
     False: {"seqlen_q": "seqlen_q", "seqlen_k": "capacity"},
-    True: {"seqlen_q": "max_seqlen_q", "seqlen_k": "capacity"},
+    True: {"seqlen_q": "params_seqlen_q", "seqlen_k": "capacity"},
 }
+
+
+def params_seqlen_q(spec: Spec) -> bool:
+    """Whether a tensor param of ``spec`` has a ``seqlen_q`` extent: its ragged unit then
+    takes ``params_seqlen_q``, the call's ``max_seqlen_q`` (a planned call's grid, and so the
+    kernel's ``max_seqlen_q``, may be the plan's larger one)."""
+    return any("seqlen_q" in p.shape for p in spec.tensor_params)
 
 
 def cache_dtype_reason(spec: Spec, cache_dtype: str | None) -> str | None:
@@ -464,6 +471,8 @@ def attn_args(spec: Spec, ragged: bool = False, cache_dtype: str | None = None) 
         a.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
         a.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    if ragged and params_seqlen_q(spec):
+        a.append(KernelArg("params_seqlen_q", "int"))
     if ragged:
         a.append(KernelArg("cu_seqlens_q", "const int*"))
     return tuple(a)

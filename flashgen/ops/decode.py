@@ -534,10 +534,13 @@ class DecodeOp(DecodePlanning):
 
     # ------------------------------------------------------------------ CUDA
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
-                      scalars, tensors, scales: KvScales | None = None) -> dict:  # fmt: skip
+                      scalars, tensors, scales: KvScales | None = None,
+                      call: DecodeDims | None = None) -> dict:  # fmt: skip
         """Every argument of the attention kernel (name -> tensor / address / number) for
         this call; ``q`` already 16-byte aligned (``_kernel_aligned``), the workspace from
-        the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0)."""
+        the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0);
+        ``call``: the call's validated sizes (None: the plan's), whose ``max_seqlen_q`` a
+        ragged unit's ``params_seqlen_q`` (the tensor params' extent) takes."""
         dims = plan.dims
         paged = table is not None
         if paged:
@@ -566,6 +569,8 @@ class DecodeOp(DecodePlanning):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
             values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        if dims.ragged and family.params_seqlen_q(self.spec):
+            values["params_seqlen_q"] = (call or dims).seqlen_q
         if plan.num_splits > 1:
             o_part, lse_part, counters = plan.o_part, plan.lse_part, plan.counters
             if o_part is None:
@@ -595,7 +600,8 @@ class DecodeOp(DecodePlanning):
         (``dims``: the call's sizes, None: the plan's; a ragged call's q may have fewer rows
         than its plan's ``total_q``; ``scales``: an e4m3 cache's descales); returns fresh
         ``(o, lse)``."""
-        o, lse = self._outputs(q, dims or plan.dims)
+        call = dims or plan.dims
+        o, lse = self._outputs(q, call)
         dims = plan.dims
         if _poison_enabled():
             o.fill_(math.nan)
@@ -606,7 +612,7 @@ class DecodeOp(DecodePlanning):
         stream = current_stream_ptr(q.device)
         q = _aligned_any(q)
         values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors,
-                                    scales)  # fmt: skip
+                                    scales, call)  # fmt: skip
         if cu_seqlens_q is not None:
             values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:

@@ -286,3 +286,20 @@ def test_the_decode_unit_holds_k_only_and_reads_v_from_it(cache_dtype):
     # an ordinary spec's unit is unchanged: it stages V
     other = render(family.plan(load_spec(ROOT / "specs" / "llama3_gqa.yaml"), "sm_80"))
     assert "dV + " in other and "vd[c] = vs[c]" in other
+
+
+def test_show_and_build_take_the_decode_unit(tmp_path, capsys, requires_nvcc):
+    """`flashgen show` prints a v_from_k spec's decode unit; `flashgen build` compiles its
+    decode units only and writes the padded one as its generated source (no backward)."""
+    from flashgen.cli.commands import main
+
+    assert main(["show", str(SPEC), "--target", "sm_80"]) == 0
+    assert "flashgen_mla_decode_decode_sm_80_attn" in capsys.readouterr().out
+    out = tmp_path / "gen"
+    assert main(["build", str(SPEC), "--no-verify", "--out", str(out), "--jobs", "2"]) == 0
+    names = sorted(p.name for p in (out / "mla_decode").iterdir())
+    assert names == ["__init__.py", "manifest.json", "mla_decode_sm_80.cu", "mla_decode_sm_90.cu",
+                     "spec.yaml"]  # fmt: skip
+    src = (out / "mla_decode" / "mla_decode_sm_80.cu").read_text()
+    assert src == render(family.plan(load_spec(SPEC), "sm_80"))
+    assert "op = _op" in (out / "mla_decode" / "__init__.py").read_text()

@@ -361,13 +361,54 @@ def test_every_shipped_spec_with_fp16_or_bf16_decodes():
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
 def test_decode_units_index_tensors_by_capacity_and_the_new_token_extent(ragged):
     """The rendered mask reads ancestors with the new-token extent (padded: seqlen_q, the
-    call's Sq_new; ragged: max_seqlen_q, not the request's Sq_b) and doc_kv with the cache's
-    capacity (not the request's live keys, the mask's seqlen_k)."""
-    tree = render(family.plan(_op("spec_tree").spec, "sm_80", ragged=ragged))
-    ext = "max_seqlen_q" if ragged else "seqlen_q"
-    assert f"(int64_t)({ext})" in tree and "t_ancestors" in tree
+    call's Sq_new; ragged: params_seqlen_q, the call's max_seqlen_q, not the request's Sq_b
+    nor the grid's max_seqlen_q) and doc_kv with the cache's capacity (not the request's live
+    keys, the mask's seqlen_k); an index whose kernel bound is not that extent is clamped
+    (kv_idx into capacity; ragged q_idx into params_seqlen_q), so a read never leaves the
+    tensor whatever the unchecked lengths."""
+    tree = family.plan(_op("spec_tree").spec, "sm_80", ragged=ragged)
+    src = render(tree)
+    ext = "params_seqlen_q" if ragged else "seqlen_q"
+    assert f"(int64_t)({ext})" in src and "t_ancestors" in src
+    assert ("fg::clamp_index(q_idx, params_seqlen_q)" in src) == ragged
+    names = [a.name for a in tree.args]
+    assert ("params_seqlen_q" in names) == ragged
+    if ragged:
+        assert names[-2:] == ["params_seqlen_q", "cu_seqlens_q"]
     doc = render(family.plan(_op("document_mask").spec, "sm_90", ragged=ragged))
     assert "(int64_t)(capacity)" in doc and "(int64_t)(seqlen_k)" not in doc
+    assert "fg::clamp_index(kv_idx, capacity)" in doc
+    alibi = family.plan(_op("alibi").spec, "sm_80", ragged=True)
+    assert "params_seqlen_q" not in [a.name for a in alibi.args]
+
+
+def test_a_planned_ragged_call_passes_its_own_max_seqlen_q_as_the_tensor_extent():
+    """plan_decode(seqlen_q=8, total_q=...) and a call of max_seqlen_q 3: the grid is the
+    plan's (max_seqlen_q 8), the ancestors extent the call's (params_seqlen_q 3)."""
+    from flashgen.ops.decode import decode_op, validate_decode_ragged
+
+    op = _op("spec_tree")
+    dop = decode_op(op)
+    kc, vc, table = make_cache([9, 9], cap=16, page_size=4, hkv=2, d=128)
+    q = torch.randn(4, 8, 128).to(torch.bfloat16)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+    lens = torch.tensor([9, 9], dtype=torch.int32)
+    p = op.plan_decode(batch=2, num_heads=8, num_heads_kv=2, seqlen_q=8, total_q=16,
+                       cache_capacity=16, page_size=4, num_pages=kc.shape[0], device="cpu")
+    dims = validate_decode_ragged(op.spec, q, kc, vc, lens, table, None, None, cu, 3)
+    anc = ancestors(2, 3)
+    o, lse = dop._outputs(q, dims)
+    values = dop.launch_values(p, q, kc, vc, lens, table, o, lse, 0.1, [], {"ancestors": anc},
+                               None, dims)  # fmt: skip
+    assert values["max_seqlen_q"] == 8 and values["params_seqlen_q"] == 3
+    unit = family.plan(op.spec, "sm_80", ragged=True)
+    assert {a.name for a in unit.args} - {"cu_seqlens_q"} <= set(values)
+    # the planned call itself (CPU) equals the unplanned one
+    want = op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu, max_seqlen_q=3,
+                           ancestors=anc, num_splits=p.num_splits)
+    got = op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu, max_seqlen_q=3,
+                          ancestors=anc, plan=p)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_tensor_mask_units_vote_on_their_blocks_before_loading():
