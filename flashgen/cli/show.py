@@ -115,6 +115,8 @@ def format_spec(spec: ir.Spec) -> str:
         )
     if spec.varlen:
         lines.append("  varlen         true (packed sequences: cu_seqlens_q/k, max_seqlen_q/k)")
+    if spec.v_from_k:
+        lines.append("  v_from_k       true (decode only: v is k_cache's first head_dim_v columns)")
     if spec.description:  # untrusted text: escaped, so it cannot drive the terminal
         lines.append(f"  description    {terminal_safe(spec.description)}")
     lines[0] = terminal_safe(lines[0])  # the path

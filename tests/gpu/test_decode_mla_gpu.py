@@ -8,7 +8,6 @@ compute-sanitizer memcheck.  The accuracy rule is tests/gpu/test_decode_gpu.py's
 
 from __future__ import annotations
 
-import math
 import shutil
 import subprocess
 import sys
@@ -186,10 +185,10 @@ def test_mla_decode_is_memcheck_clean():
     assert "ERROR SUMMARY: 0 errors" in log, log[-6000:]
 
 
-def test_mla_is_faster_than_eight_times_its_bytes_would_allow():
+def test_mla_b64_8k_with_128_heads_runs_in_under_50_ms():
     """A smoke check of the split across CTAs (not the issue's speed target): B 64, 8k cache,
     128 heads, one call under 50 ms (the latent cache is 604 MB of bf16 here, read by eight
-    CTAs of 16 heads each)."""
+    CTAs of 16 heads each: about 5 GB through L2 and 0.6 GB from memory)."""
     op = flashgen.load(SPEC)
     kc, table = latent_cache(64, 8192, ps=64, dense=False)
     q = torch.randn(64, 128, 1, D, device="cuda").bfloat16()
@@ -202,4 +201,3 @@ def test_mla_is_faster_than_eight_times_its_bytes_would_allow():
     end.record()
     torch.cuda.synchronize()
     assert start.elapsed_time(end) < 50.0
-    assert math.isfinite(start.elapsed_time(end))

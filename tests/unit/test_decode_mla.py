@@ -294,7 +294,8 @@ def test_show_and_build_take_the_decode_unit(tmp_path, capsys, requires_nvcc):
     from flashgen.cli.commands import main
 
     assert main(["show", str(SPEC), "--target", "sm_80"]) == 0
-    assert "flashgen_mla_decode_decode_sm_80_attn" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "flashgen_mla_decode_decode_sm_80_attn" in shown and "v_from_k       true" in shown
     out = tmp_path / "gen"
     assert main(["build", str(SPEC), "--no-verify", "--out", str(out), "--jobs", "2"]) == 0
     names = sorted(p.name for p in (out / "mla_decode").iterdir())
