@@ -197,7 +197,8 @@ def test_ragged_tree_mask_against_the_brute_force(ps):
     eo, el = brute(qs, kc, vc, table, live, tree_allowed(anc), 128**-0.5)
     for b in range(batch):
         q0, q1 = int(cu[b]), int(cu[b + 1])
-        check(o[q0:q1].transpose(0, 1), lse[:, q0:q1], eo[b], el[b], 2e-2)
+        if q1 > q0:
+            check(o[q0:q1].transpose(0, 1), lse[:, q0:q1], eo[b], el[b], 2e-2)
 
 
 @pytest.mark.skipif(E4M3 is None, reason="torch without float8_e4m3fn")
