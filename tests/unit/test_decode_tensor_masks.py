@@ -228,6 +228,31 @@ def test_ragged_tree_mask_reads_each_requests_corner_of_the_matrix(ps):
 
 
 @pytest.mark.skipif(E4M3 is None, reason="torch without float8_e4m3fn")
+def test_ragged_tree_mask_on_an_e4m3_cache_with_appends():
+    op = _op("spec_tree")
+    sqs, lens = [4, 1, 0], [17, 127, 3]
+    live = [n + s for n, s in zip(lens, sqs, strict=True)]
+    kc, vc, table = make_cache(lens, cap=140, page_size=16, hkv=1, d=128, dtype=E4M3, fill=0.0)
+    g = torch.Generator().manual_seed(11)
+    kd = torch.rand(3, 1, generator=g) * 0.05 + 0.01
+    vd = torch.rand(3, 1, generator=g) * 0.05 + 0.01
+    cu = torch.tensor([0, 4, 5, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, 128, generator=g).to(torch.bfloat16)
+    kn = (torch.randn(5, 1, 128, generator=g) * 40).to(E4M3)
+    vn = (torch.randn(5, 1, 128, generator=g) * 40).to(E4M3)
+    anc = ancestors(3, 4, seed=12)
+    o, lse = op.with_kvcache(q, kc, vc, torch.tensor(lens, dtype=torch.int32), block_table=table,
+                             k_new=kn, v_new=vn, cu_seqlens_q=cu, max_seqlen_q=4, k_descale=kd,
+                             v_descale=vd, ancestors=anc)  # fmt: skip
+    qs = [q[cu[b] : cu[b + 1]].transpose(0, 1) for b in range(3)]
+    eo, el = brute(qs, kc, vc, table, live, tree_allowed(anc), SCALE, kd, vd)
+    for b in range(3):
+        q0, q1 = int(cu[b]), int(cu[b + 1])
+        _close_o(o[q0:q1].transpose(0, 1), eo[b])
+        _close_lse(lse[:, q0:q1], el[b])
+
+
+@pytest.mark.skipif(E4M3 is None, reason="torch without float8_e4m3fn")
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "paged"])
 def test_tree_mask_on_an_e4m3_cache(dense):
     op = _op("spec_tree")
@@ -300,6 +325,12 @@ def test_tensor_params_take_the_decode_shapes():
         op.with_kvcache(q, kc, vc, lens, block_table=table, ancestors=ancestors(2, 3).float())
     with pytest.raises(OpInputError, match="ancestors: missing tensor param"):
         op.with_kvcache(q, kc, vc, lens, block_table=table)
+    kn = torch.randn(2, 2, 3, 128).to(torch.bfloat16)
+    before = (kc.clone(), vc.clone())
+    with pytest.raises(OpInputError, match=r"ancestors: expected shape \[2, 3, 3\]"):
+        op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn, v_new=kn,
+                        ancestors=ancestors(2, 2))  # fmt: skip
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])  # nothing appended
     cu = torch.tensor([0, 1, 3], dtype=torch.int32)
     with pytest.raises(OpInputError, match=r"ancestors: expected shape \[2, 2, 2\]"):
         op.with_kvcache(q[0].transpose(0, 1)[:3].contiguous(), kc, vc, lens, block_table=table,
