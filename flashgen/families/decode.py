@@ -11,6 +11,9 @@ One compile unit per (spec, target) holds two kernels (``templates/sm_80/decode.
   cp.async ring.  The key blocks a split reads are its share of the request's live blocks
   (:func:`split_range`, also ``fg::dec::split_range`` on the device); blocks the mask's
   interval classifier (:mod:`flashgen.analysis.masktiles`) proves EMPTY are skipped unread.
+  A mask that reads tensors (:func:`tensor_mask`) also votes, before the loads, on the
+  blocks the classifier leaves PARTIAL (a block no (query, key) pair keeps is never read),
+  and its splits take every ``eff_splits``-th block (:func:`strided_split`).
   A request uses :func:`effective_splits` of the ``num_splits`` (the other CTAs return at
   once).  With one split the kernel writes ``o`` / ``lse``, else fp32 partial ``o`` and
   ``lse`` to a workspace, and the last CTA of the splits of a (row block, kv head, request)
@@ -411,6 +414,15 @@ def fp8_k_order(p: int) -> int:
     permutation of k leaves Q K^T unchanged when Q and K share it."""
     t, r = divmod(p, 4)
     return 2 * t + r // 2 + 8 * (r % 2)
+
+
+def strided_split(n_lo: int, n_hi: int, num_splits: int, split: int) -> range:
+    """Key blocks of split ``split`` in a unit whose mask reads tensors (:func:`tensor_mask`):
+    every ``num_splits``-th block of ``[n_lo, n_hi)`` from ``n_lo + split`` (the template's
+    ``block_step``), so a run of blocks the mask's vote removes (another document's keys) is
+    shared out evenly between the splits instead of idling the splits it would cover.  The
+    splits partition the blocks; the merge takes their partials in split order, as ever."""
+    return range(n_lo + split, n_hi, num_splits)
 
 
 def split_range(n_lo: int, n_hi: int, num_splits: int, split: int) -> tuple[int, int]:

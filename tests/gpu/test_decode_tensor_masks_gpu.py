@@ -248,28 +248,32 @@ def test_document_mask_against_the_brute_force(ps):
         check(o[b], lse[b], eo[b], el[b], 2e-2)
 
 
-@pytest.mark.parametrize("ps,splits", [(0, 1), (16, 3), (1, None)])
-def test_blocks_the_tensor_mask_empties_are_never_read(ps, splits):
-    """document_mask, one new token of document 1 over a cache whose first 1024 keys (16
-    whole blocks of 64) are document 0 and hold NaN: the kernel's
-    vote skips those blocks unread (a block loaded and masked would give 0 * NaN = NaN in P V),
-    and the result is attention over the keys of document 1 alone."""
+@pytest.mark.parametrize("ps,splits,alternate", [(0, 1, False), (16, 3, False), (1, None, False),
+                                                (16, 7, True), (0, None, True)])  # fmt: skip
+def test_blocks_the_tensor_mask_empties_are_never_read(ps, splits, alternate):
+    """document_mask, one new token of document 1 over a cache whose document-0 keys hold
+    NaN: the first 1024 keys (16 whole blocks of 64), or (``alternate``) every other run of
+    1024 (two holes, spread over 7 splits or the heuristic's).  The kernel's vote skips those
+    blocks unread (a block loaded and masked would give 0 * NaN = NaN in P V), whichever split
+    they fall in, and the result is attention over document 1's keys alone."""
     op = op_of("document_mask")
-    lens, hq, hkv = [3000, 1500], 8, 2
-    kc, vc, table = make_cache(3008, 2, ps=ps or 1, hkv=hkv, d=128, dtype=torch.bfloat16,
+    # each query (the last live key) in document 1: keys 1024 .. 2047 and 3072 .. 4095 alternate
+    lens, hq, hkv = ([4000, 1500] if alternate else [3000, 1500]), 8, 2
+    kc, vc, table = make_cache(4100, 2, ps=ps or 1, hkv=hkv, d=128, dtype=torch.bfloat16,
                                dense=ps == 0)  # fmt: skip
-    cap = table.shape[1] * ps if ps else 3008
-    pos = torch.arange(1024, device="cuda")
+    cap = table.shape[1] * ps if ps else 4100
+    pos = torch.arange(cap, device="cuda")
+    doc = ((pos // 1024) % 2 if alternate else (pos >= 1024)).int()
+    other = pos[doc == 0]
     for b in range(2):
         if table is None:
-            kc[b, :, :1024] = float("nan")
-            vc[b, :, :1024] = float("nan")
+            kc[b, :, other] = float("nan")
+            vc[b, :, other] = float("nan")
         else:
-            pages = table[b].long()[pos // ps]
-            kc[pages, pos % ps] = float("nan")
-            vc[pages, pos % ps] = float("nan")
-    doc_kv = torch.ones(2, cap, dtype=torch.int32, device="cuda")
-    doc_kv[:, :1024] = 0
+            pages = table[b].long()[other // ps]
+            kc[pages, other % ps] = float("nan")
+            vc[pages, other % ps] = float("nan")
+    doc_kv = doc.view(1, -1).repeat(2, 1).contiguous()
     doc_q = torch.ones(2, 1, dtype=torch.int32, device="cuda")
     q = torch.randn(2, hq, 1, 128, device="cuda").bfloat16()
     with poison_outputs():
@@ -278,15 +282,14 @@ def test_blocks_the_tensor_mask_empties_are_never_read(ps, splits):
                                  doc_kv=doc_kv)  # fmt: skip
     torch.cuda.synchronize()
     assert not torch.isnan(o).any(), "a block the mask empties was read"
-
     for b in range(2):  # the brute force over document 1's keys alone (the NaN rows left out)
-        n = lens[b] - 1024
+        mine = pos[: lens[b]][doc[: lens[b]] == 1]
         if table is None:
-            kk, vv = kc[b, :, 1024 : lens[b]], vc[b, :, 1024 : lens[b]]
+            kk, vv = kc[b, :, mine], vc[b, :, mine]
         else:
-            p = torch.arange(1024, lens[b], device="cuda")
-            pages = table[b].long()[p // ps]
-            kk, vv = kc[pages, p % ps].transpose(0, 1), vc[pages, p % ps].transpose(0, 1)
+            pages = table[b].long()[mine // ps]
+            kk, vv = kc[pages, mine % ps].transpose(0, 1), vc[pages, mine % ps].transpose(0, 1)
+        n = mine.numel()
         eo, el = brute(q[b : b + 1], kk[None], vv[None], None, [n],
                        lambda *_, n=n: torch.ones(1, n, dtype=torch.bool), 128**-0.5)  # fmt: skip
         check(o[b], lse[b], eo[0], el[0], 2e-2)

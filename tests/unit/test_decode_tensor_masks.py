@@ -452,8 +452,10 @@ def test_tensor_mask_units_vote_on_their_blocks_before_loading():
         for kw in ({}, {"ragged": True}, {"cache_dtype": "fp8_e4m3"}):
             p = family.plan(spec, "sm_90", **kw)
             src = render(p)
-            assert "s_keep[i] = 3" in src and "ld_j = next_kept(ld_j + 1)" in src
-            assert "j = next_kept(j + 1);" in src and "fetch_pages(next_kept(j + 1))" in src
+            assert "s_keep[i] = 3" in src and "ld_j = next_kept(ld_j + block_step)" in src
+            assert "j = next_kept(j + block_step);" in src
+            assert "fetch_pages(next_kept(j + block_step))" in src
+            assert "const int block_step = eff_splits;" in src
             kv = 1 if kw.get("cache_dtype") else 2
             assert p.smem_bytes == family.smem_bytes(spec, p.tiles.block_n, p.tiles.stages, kv)
             assert f"VOTE_BLOCKS = {family.VOTE_BLOCKS};" in src
@@ -461,3 +463,16 @@ def test_tensor_mask_units_vote_on_their_blocks_before_loading():
     assert not family.tensor_mask(plain) and not family.tensor_mask(_op("alibi").spec)
     src = render(family.plan(plain, "sm_90"))
     assert "s_keep" not in src and "next_kept" not in src and "load_block(ld_j++, st)" in src
+    assert "block_step" not in src and "fg::dec::split_range(n_lo, n_hi, eff_splits, split)" in src
+
+
+@pytest.mark.parametrize("n_lo,n_hi", [(0, 1), (0, 17), (5, 1000), (3, 3)])
+@pytest.mark.parametrize("splits", [1, 2, 7, 128])
+def test_strided_splits_partition_the_blocks_and_share_out_a_removed_run(n_lo, n_hi, splits):
+    """A tensor mask's splits take every splits-th block: together each block once; a
+    contiguous run (the first half, another document's) lands on every split within one."""
+    parts = [list(family.strided_split(n_lo, n_hi, splits, s)) for s in range(splits)]
+    assert sorted(b for p in parts for b in p) == list(range(n_lo, n_hi))
+    half = set(range(n_lo, (n_lo + n_hi) // 2))
+    counts = [len(half & set(p)) for p in parts]
+    assert max(counts) - min(counts) <= 1
