@@ -63,12 +63,12 @@ def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool)
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
     (``split_d``: one, and P^T), the dQ staging tiles (two warpgroups x 64 rows x 64 fp32;
     none when ``split_d``), lse and dsum (fp32, per stage), the mbarriers (K/V full; per
-    stage full and empty)."""
+    stage full)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * block_n * block_m * elt
     if not split_d:
         smem += 2 * 64 * 64 * 4
-    smem += 2 * STAGES * block_m * 4 + 8 * (1 + 2 * STAGES)
+    smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
     return smem
 
 

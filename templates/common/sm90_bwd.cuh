@@ -12,10 +12,10 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
-// The mbarrier `bar` tracks this thread's earlier cp.async copies: its phase completes only once they have
-// landed (the pending count is raised now and lowered when they land, so `bar`'s expected count is unchanged).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+// One arrival on the mbarrier `bar` once this thread's earlier cp.async copies have landed (.noinc: `bar`'s expected
+// count includes this arrival).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], { %1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
