@@ -30,6 +30,16 @@ k_cache``); q in the spec's dtype, or e4m3 with ``q_descale``.  Its own units (t
 is part of the plan: ``plan_decode(..., cache_dtype=torch.float8_e4m3fn)``) and torch ops
 ``flashgen::<name>__with_kvcache[_ragged]_kv8[_append]``; padded and ragged alike.
 
+MLA's one latent cache (a ``v_from_k: true`` spec, e.g. specs/mla_decode.yaml: head_dim 576,
+head_dim_v 512): ``v_cache`` is None and the values are the first head_dim_v columns of
+``k_cache`` (num_heads_kv 1); ``k_new`` alone appends (``v_new`` None); an e4m3 cache's
+``k_descale`` scales keys and values (``v_descale`` None).  Its registered ops take no
+``v_cache`` / ``v_new``.
+
+Tensor params (a mask or score_mod that reads them, e.g. specs/spec_tree.yaml's ancestor
+matrix): their ``seqlen_q`` extent is Sq_new (ragged: the call's ``max_seqlen_q``), their
+``seqlen_k`` extent the cache's capacity (:meth:`DecodeDims.symbols`).
+
 Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
 ``cu_seqlens_q`` ``[B + 1]`` (contiguous, as the varlen op); request b's Sq_b =
 cu_seqlens_q[b + 1] - cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its
