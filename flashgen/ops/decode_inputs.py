@@ -128,7 +128,9 @@ def validate_decode(
 
     An e4m3 cache (float8_e4m3fn ``k_cache`` and ``v_cache`` for an fp16 / bf16 spec whose head
     dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
-    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`)."""
+    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`).
+    A ``v_from_k`` spec (MLA) takes ``v_cache`` / ``v_new`` as views of k_cache / k_new (the
+    op makes them) and a cache of num_heads_kv 1."""
     want = TORCH_DTYPE[spec.dtype]
     cache_dtype = cache_dtype_of(spec, k_cache)
     kv_want = FP8_CACHE if cache_dtype else want
