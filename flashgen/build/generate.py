@@ -53,7 +53,7 @@ from flashgen import load as _load
 {options_import}
 _op = _load(_Path(__file__).with_name("spec.yaml"){options_arg})
 attention = _op.attention
-spec = _op.spec
+{op_line}spec = _op.spec
 '''
 
 
@@ -86,6 +86,16 @@ Packed sequences: q [total_q, Hq, {head_dim}], k [total_k, Hkv, {head_dim}], v [
 {head_dim_v}] ({dtype}, stride(-1) == 1, Hq % Hkv == 0), cu_seqlens_q / cu_seqlens_k int32
 [batch + 1] offsets, max_seqlen_q / max_seqlen_k ints -> o [total_q, Hq, {head_dim_v}]
 ({out_dtype}), lse [Hq, total_q] float32 (natural log)."""
+
+#: A ``v_from_k: true`` spec's op is decode only (MLA's one latent cache).
+_LATENT_USAGE = """    from generated import {name}
+    o, lse = {name}.op.with_kvcache(q, k_cache, None, cache_seqlens,
+        block_table=table{param_example})
+
+Decode only (v_from_k): q [B, Hq, Sq_new, {head_dim}], k_cache [B, 1, S, {head_dim}] or paged
+[pages, page_size, 1, {head_dim}] ({dtype}, or torch.float8_e4m3fn with k_descale), the values
+its first {head_dim_v} columns -> o [B, Hq, Sq_new, {head_dim_v}] ({out_dtype}), lse [B, Hq,
+Sq_new] float32 (natural log).  The sources are its decode units; no prefill or backward."""
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -192,7 +202,8 @@ def module_source(spec: ir.Spec, options: Options = DEFAULT) -> str:
     example = "".join(f", {p.name}={p.name}" for p in spec.tensor_params)
     desc = spec.description.strip() or f"Attention variant {spec.name}."
     usage = (
-        _VARLEN_USAGE if spec.varlen else _FP8_USAGE if spec.dtype in ir.FP8_DTYPES else _USAGE
+        _LATENT_USAGE if spec.v_from_k else _VARLEN_USAGE if spec.varlen
+        else _FP8_USAGE if spec.dtype in ir.FP8_DTYPES else _USAGE
     ).format(
         name=spec.name,
         param_example=example,
@@ -211,6 +222,7 @@ def module_source(spec: ir.Spec, options: Options = DEFAULT) -> str:
         options_doc=f"  Options: {docstring_text(options.key())}." if changed else "",
         options_import="from flashgen import Options as _Options\n" if changed else "",
         options_arg=f", options=_Options().with_values({changed!r})" if changed else "",
+        op_line="op = _op  # decode only: with_kvcache, plan_decode\n" if spec.v_from_k else "",
     )
 
 
@@ -276,7 +288,8 @@ def write_generated(
     flashgen version) left: ``flashgen build --target sm_80`` keeps the committed sm_90
     sources and their manifest entries.  Raises ``ValueError`` if a target cannot be
     lowered or a component of ``<out_dir>/<name>`` (the output root included) is a link,
-    ``OSError`` on write failures.
+    ``OSError`` on write failures.  A ``v_from_k`` spec (decode only) writes its padded
+    decode unit in the forward's place.
     """
     targets = tuple(spec.targets if targets is None else targets)
     if not _SAFE_NAME.fullmatch(spec.name):  # check_spec enforces it; a hand-built Spec may not
@@ -293,7 +306,11 @@ def write_generated(
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
     given, plans = plans or {}, {}
     for t in targets:
-        plans[(t, "fwd")] = given.get((t, "fwd")) or registry.plan_forward(spec, t, options)
+        plans[(t, "fwd")] = given.get((t, "fwd")) or (
+            registry.plan_decode(spec, t, options)
+            if spec.v_from_k
+            else registry.plan_forward(spec, t, options)
+        )
         if registry.has_backward(spec):  # fp8 specs: forward only
             plans[(t, "bwd")] = given.get((t, "bwd")) or registry.plan_backward(spec, t, options)
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}

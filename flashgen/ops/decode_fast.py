@@ -334,7 +334,7 @@ class _FastPath:
         if not aligned(q):
             return False
         values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
-                                   scales)  # fmt: skip
+                                   scales, dims)  # fmt: skip
         if cu is not None:
             values["cu_seqlens_q"] = cu
         st.o_shape, st.lse_shape = o_shape, lse_shape

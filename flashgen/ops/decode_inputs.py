@@ -49,7 +49,11 @@ class DecodeDims:
         return self.max_pages * self.page_size if self.paged else self.page_size
 
     def symbols(self) -> dict[str, int]:
-        return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv}
+        """A tensor param's shape symbols in decode (:data:`flashgen.families.decode.
+        TENSOR_EXTENTS`): ``seqlen_q`` is Sq_new (ragged: ``max_seqlen_q``), ``seqlen_k`` the
+        cache's :attr:`capacity`."""
+        return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv,
+                "seqlen_q": self.seqlen_q, "seqlen_k": self.capacity}  # fmt: skip
 
     def out_shapes(self) -> tuple[tuple, tuple]:
         """``(o shape, lse shape)`` of the call: padded ``[B, Hq, Sq_new, Dv]`` and ``[B, Hq,
@@ -124,7 +128,9 @@ def validate_decode(
 
     An e4m3 cache (float8_e4m3fn ``k_cache`` and ``v_cache`` for an fp16 / bf16 spec whose head
     dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
-    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`)."""
+    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`).
+    A ``v_from_k`` spec (MLA) takes ``v_cache`` / ``v_new`` as views of k_cache / k_new (the
+    op makes them) and a cache of num_heads_kv 1."""
     want = TORCH_DTYPE[spec.dtype]
     cache_dtype = cache_dtype_of(spec, k_cache)
     kv_want = FP8_CACHE if cache_dtype else want
@@ -202,6 +208,11 @@ def validate_decode(
                 f"got shape {list(k_cache.shape)}"
             )
         hkv, page_size, num_pages, max_pages = k_cache.shape[1], k_cache.shape[2], batch, 1
+    if spec.v_from_k and hkv != 1:
+        raise OpInputError(
+            f"k_cache: expected num_heads_kv 1 (spec {spec.name!r} has v_from_k: true: one "
+            f"latent cache for every query head; shape[{2 if paged else 1}]), got {hkv}"
+        )
     if hkv == 0 or hq % hkv:
         raise OpInputError(
             f"q: expected num_heads to be a multiple of the cache's num_heads_kv {hkv}, got {hq}"
