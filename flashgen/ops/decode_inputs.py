@@ -270,6 +270,16 @@ def validate_decode(
     )  # fmt: skip
 
 
+def _column_prefix(v, k) -> bool:
+    """Whether ``v`` is a view of ``k``'s first columns (same start, strides and leading dims;
+    fewer columns): a ``v_from_k`` spec's values (:func:`flashgen.ops.decode.latent_values`)."""
+    return (
+        isinstance(v, torch.Tensor) and isinstance(k, torch.Tensor) and v.dim() == k.dim()
+        and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+        and v.shape[:-1] == k.shape[:-1] and v.shape[-1] < k.shape[-1]
+    )  # fmt: skip
+
+
 def check_aliasing(k_cache, v_cache, k_new=None, v_new=None) -> None:
     """Refuse, from metadata, memory that an append would write through twice or read while
     writing (issue 38): with ``k_new`` / ``v_new``, a cache whose elements share memory (an
@@ -289,6 +299,8 @@ def check_aliasing(k_cache, v_cache, k_new=None, v_new=None) -> None:
         isinstance(t, torch.Tensor) and _addresses_readable(t) for t in given
     ):
         return
+    if _column_prefix(v_cache, k_cache) and _column_prefix(v_new, k_new):
+        v_new = None  # a v_from_k call (MLA): the values are the keys' first columns
     written = [("k_cache", k_cache)] + ([("v_cache", v_cache)] if v_new is not None else [])
     for name, t in written:
         if t.numel() and self_overlapping(t):
