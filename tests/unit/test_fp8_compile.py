@@ -21,7 +21,7 @@ from flashgen.options import DEFAULT
 
 SPECS = sorted(
     p for p in (Path(__file__).resolve().parents[2] / "specs").glob("*.yaml")
-    if "fp8" not in p.stem
+    if "fp8" not in p.stem and not load_spec(p).v_from_k  # (MLA: decode only, no forward)
 )  # fmt: skip
 
 
