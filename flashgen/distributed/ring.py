@@ -38,6 +38,13 @@ rank's rows, in the layout's order: :func:`shard_sequence`); those with a ``seql
 dim sharded like k and v, and they travel around the ring with K and V; other tensor
 params are passed whole on every rank.  A tensor param with both dims is refused.
 
+Param gradients: an f32 param that requires grad (a whole tensor, a q-sharded one, or a
+0-d scalar tensor) gets its gradient: each block's backward returns its share
+(:mod:`flashgen.ops.backward`), a q-sharded param's lands in this rank's rows, and the
+shares of a whole param or a scalar are summed over the ranks (one all-reduce each).  A
+k/v-sharded param that requires grad is refused (its gradient would have to travel back
+around the ring).
+
 Before any work the ranks exchange their shapes and arguments (one small all-gather), so
 bad input -- ranks with different shapes, an odd ``S_local`` for zigzag, one rank
 refusing its arguments -- raises :class:`~flashgen.frontend.errors.OpInputError` on
@@ -56,7 +63,7 @@ from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import kv_sharded_params, q_sharded_params
-from flashgen.ops.backward import backward_name
+from flashgen.ops.backward import backward_name, check_param_grad
 from flashgen.ops.decode import merge_attention
 from flashgen.ops.validation import default_softmax_scale, resolve_params, validate
 
@@ -140,6 +147,13 @@ class _Plan:
     kv_tensors: dict  # tensor params sharded like k / v (travel with them)
     other_tensors: dict  # tensor params passed whole
     skip_ok: bool  # the host may skip pairs (mask reads neither b, h nor h_kv)
+    grad_params: dict  # name -> the tensor (a tensor param or a 0-d scalar) that requires grad
+
+    def param_grads(self) -> list[bool]:
+        """The backward op's ``param_grads`` flags (the offsets spec's params)."""
+        if not self.grad_params:
+            return []
+        return [p.name in self.grad_params for p in self.op.spec.params]
 
     @property
     def seqlen(self) -> int:
@@ -222,8 +236,19 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
         s_local = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
         pos = {"q_offset": 0, "kv_offset": 0, "seqlen_q_global": world * s_local,
                "seqlen_k_global": world * s_local}  # fmt: skip
-        scalars_l, tensors_l = resolve_params(spec, {**params, **pos})
+        scalar_grads: dict = {}
+        scalars_l, tensors_l = resolve_params(spec, {**params, **pos}, scalar_grads)
         tmap = off._tensor_map(tensors_l)
+        grad_params = dict(scalar_grads) if torch.is_grad_enabled() else {}
+        if torch.is_grad_enabled():
+            grad_params.update({n: t for n, t in tmap.items() if t.requires_grad})
+        for n in grad_params:
+            check_param_grad(spec, n)
+            if n in kv_sharded_params(spec):
+                raise OpInputError(
+                    f"{n}: requires_grad is set, but ring_attention does not differentiate a "
+                    "param sharded like k and v; pass it detached"
+                )
         dims = validate(spec, q, k, v, tmap)
         if dims.seqlen_k != dims.seqlen_q:
             raise OpInputError(
@@ -243,11 +268,12 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
             q_tensors={n: t for n, t in tmap.items() if n in qn},
             kv_tensors={n: t.contiguous() for n, t in tmap.items() if n in kn},
             other_tensors={n: t for n, t in tmap.items() if n not in qn | kn},
-            skip_ok=not _reads_batch_or_head(spec),
+            skip_ok=not _reads_batch_or_head(spec), grad_params=grad_params,
         )  # fmt: skip
     except OpInputError as e:
         error = e
-    header = _header(error is None, q, k, v, layout, mode, op, group, deterministic)
+    header = _header(error is None, q, k, v, layout, mode, op, group, deterministic,
+                     bool(plan and plan.grad_params))  # fmt: skip
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     local = torch.tensor(header, dtype=torch.int64, device=device)
     rows = [torch.empty_like(local) for _ in range(world)]
@@ -287,7 +313,8 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
 
 def _describe(field: str) -> str:
     return {"layout": "layout", "mode": "mode", "op": "op", "group": "group",
-            "deterministic": "deterministic", "requires_grad": "q/k/v requires_grad",
+            "deterministic": "deterministic",
+            "requires_grad": "q/k/v requires_grad (1) + a param requires_grad (2)",
             "dtype": "q.dtype"}.get(field, f"q/k/v shape ({field})")  # fmt: skip
 
 
@@ -303,12 +330,13 @@ def _show(field: str, value: int):
     return value
 
 
-def _header(ok, q, k, v, layout, mode, op, group, deterministic) -> list[int]:
+def _header(ok, q, k, v, layout, mode, op, group, deterministic, param_grad) -> list[int]:
     def dims(t, n):
         return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == n else [-1] * n
 
     qd, kd, vd = dims(q, 4), dims(k, 4), dims(v, 4)
     grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    grad = int(grad) + 2 * int(param_grad)  # a param's gradient is all-reduced: all or none
     return [
         int(ok), qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], vd[3],
         LAYOUTS.index(layout) if layout in LAYOUTS else -1,
@@ -356,21 +384,30 @@ def _forward_block(plan: _Plan, q, qseg, k, v, kseg, kv_tensors, o_acc, lse_acc)
 
 
 def _backward_block(plan: _Plan, dout, q, o, lse, dlse, qseg, k, v, kseg, kv_tensors,
-                    dq_acc, dk_acc, dv_acc) -> None:  # fmt: skip
-    """Add the block's share of dq, dk, dv: the op's backward with the merged o and lse."""
+                    dq_acc, dk_acc, dv_acc, dp_acc) -> None:  # fmt: skip
+    """Add the block's share of dq, dk, dv and of the param gradients (``dp_acc``, by
+    name): the op's backward with the merged o and lse."""
     spec = plan.op.spec
     a, n = qseg[0], qseg[1]
     scalars, tensors = resolve_params(spec, plan.params(qseg, kseg, kv_tensors))
     bwd = getattr(torch.ops.flashgen, backward_name(spec))
-    dq, dk, dv = bwd(
+    args = (
         dout.narrow(2, a, n), q.narrow(2, a, n), k.narrow(2, kseg[0], kseg[1]),
         v.narrow(2, kseg[0], kseg[1]), o.narrow(2, a, n), lse.narrow(2, a, n).contiguous(),
         None if dlse is None else dlse.narrow(2, a, n).contiguous(), plan.scale,
         plan.deterministic, *scalars, *tensors,
     )  # fmt: skip
+    flags = plan.param_grads()
+    dq, dk, dv, dps = bwd(*args, param_grads=flags) if flags else bwd(*args)
     dq_acc.narrow(2, a, n).add_(dq)
     dk_acc.narrow(2, kseg[0], kseg[1]).add_(dk)
     dv_acc.narrow(2, kseg[0], kseg[1]).add_(dv)
+    names = [p.name for p, f in zip(spec.params, flags, strict=False) if f]
+    for name, g in zip(names, dps, strict=True):
+        acc = dp_acc[name]
+        if name in plan.q_tensors:  # this block's rows of a q-sharded param
+            acc = acc.narrow(spec.param(name).shape.index("seqlen_q"), a, n)
+        acc.add_(g)
 
 
 def _pairs(plan: _Plan, j: int):
@@ -409,8 +446,26 @@ def _ring_forward(plan: _Plan, q, k, v):
     return o_acc, lse_acc
 
 
+def _param_accumulators(plan: _Plan, device) -> dict:
+    """float32 zeros shaped like each param that requires grad (0-d for a scalar)."""
+    return {
+        n: torch.zeros(tuple(t.shape), dtype=torch.float32, device=device)
+        for n, t in plan.grad_params.items()
+    }
+
+
+def _reduce_params(plan: _Plan, dp: dict) -> dict:
+    """Sum the ranks' shares of each whole or scalar param's gradient (q-sharded ones are
+    this rank's rows already)."""
+    for n, g in dp.items():
+        if n not in plan.q_tensors and plan.world > 1:
+            dist.all_reduce(g, group=plan.group)
+    return dp
+
+
 def _ring_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dp = _param_accumulators(plan, q.device)
     names = list(plan.kv_tensors)
     kv = [k.contiguous(), v.contiguous(), *plan.kv_tensors.values()]
     incoming, dkv_reqs = None, []
@@ -425,7 +480,7 @@ def _ring_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
         tensors = dict(zip(names, kv[2:], strict=True))
         for qs, ks in _pairs(plan, j):
             _backward_block(plan, dout, q, o, lse, dlse, qs, kv[0], kv[1], ks, tensors, dq, dk,
-                            dv)  # fmt: skip
+                            dv, dp)  # fmt: skip
         if incoming is not None:  # dk, dv of block j from the ranks before this one
             _wait(dkv_reqs)
             dk += incoming[0]
@@ -436,7 +491,7 @@ def _ring_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
         if nxt is not None:
             kv = nxt
     _wait(dkv_reqs)
-    return dq, incoming[0], incoming[1]
+    return dq, incoming[0], incoming[1], _reduce_params(plan, dp)
 
 
 def _gather_kv(plan: _Plan, t, dim: int):
@@ -478,12 +533,14 @@ def _allgather_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(fk.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(fv.shape, dtype=torch.float32, device=v.device)
+    dp = _param_accumulators(plan, q.device)
     for qs in plan.segs(plan.rank):
         k0, k1 = _span(plan, qs)
         if k1 > k0:
             _backward_block(plan, dout, q, o, lse, dlse, qs, fk, fv, (k0, k1 - k0, k0), full_t,
-                            dq, dk, dv)  # fmt: skip
-    return dq, _reduce_to_owner(plan, dk), _reduce_to_owner(plan, dv)
+                            dq, dk, dv, dp)  # fmt: skip
+    dk, dv = _reduce_to_owner(plan, dk), _reduce_to_owner(plan, dv)
+    return dq, dk, dv, _reduce_params(plan, dp)
 
 
 def _reduce_to_owner(plan: _Plan, full):
@@ -504,7 +561,8 @@ def _reduce_to_owner(plan: _Plan, full):
 # ----------------------------------------------------------------------------- autograd
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v):
+    def forward(ctx, plan: _Plan, q, k, v, *grad_params):
+        # grad_params: plan.grad_params' tensors, inputs here only for their gradients
         fwd = _ring_forward if plan.mode == "ring" else _allgather_forward
         o, lse = fwd(plan, q, k, v)
         o = o.to(q.dtype)
@@ -519,8 +577,9 @@ class _RingAttention(torch.autograd.Function):
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         bwd = _ring_backward if plan.mode == "ring" else _allgather_backward
-        dq, dk, dv = bwd(plan, grad_o.contiguous(), q, k, v, o, lse, grad_lse)
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq, dk, dv, dp = bwd(plan, grad_o.contiguous(), q, k, v, o, lse, grad_lse)
+        dparams = [dp[n].to(t.dtype) for n, t in plan.grad_params.items()]
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dparams
 
 
 def ring_attention(
@@ -538,7 +597,8 @@ def ring_attention(
     ``2 * world_size``).  ``mode``: ``"ring"`` or ``"allgather"``.  ``group``: the process
     group (default: the world).  ``softmax_scale``, ``deterministic`` and ``params`` (the
     spec's params; tensor params sharded as the module docstring says) are as for
-    :meth:`~flashgen.ops.op.AttentionOp.attention`.
+    :meth:`~flashgen.ops.op.AttentionOp.attention`; an f32 param that requires grad gets
+    its gradient (module docstring).
 
     Returns o ``[B, Hq, S_local, Dv]`` in q's dtype and lse float32 ``[B, Hq, S_local]``
     (natural log), this rank's rows in the same layout.  A collective: every rank of the
@@ -549,4 +609,4 @@ def ring_attention(
     k, v require grad); a process outside ``group`` gets it at once.
     """
     plan = _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params)
-    return _RingAttention.apply(plan, q, k, v)
+    return _RingAttention.apply(plan, q, k, v, *plan.grad_params.values())

@@ -69,13 +69,14 @@ from flashgen.ops.calls import (
 )
 from flashgen.ops.out_arg import check_out
 from flashgen.ops.validation import (
-    PARAM_DTYPE,
+    CPU_DTYPES,
     Dims,
     _poison_enabled,
     check_descales,
     check_softmax_scale,
     default_softmax_scale,
     is_scaled,
+    lse_dtype,
     out_dtype,
     resolve_descales,
     resolve_params,
@@ -310,6 +311,13 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``q_offset + Sq`` and ``kv_offset + Sk``.  Used by
         :func:`flashgen.distributed.ring_attention`.
 
+        Gradients: q, k, v, and each f32 param the score_mod reads, whether a tensor or a
+        0-d CPU scalar tensor (``requires_grad=True``): ``dparam[idx]`` is the sum over
+        (b, h, q_idx, kv_idx) of dS times the derivative of the score_mod with respect to
+        ``param[idx]`` (:mod:`flashgen.ops.backward`; CPU tensors, float64 included, so
+        ``torch.autograd.gradcheck`` runs on the op).  An i32 param or one only the mask
+        reads has no gradient: requiring one raises :class:`OpInputError` naming it.
+
         Raises :class:`OpInputError` for bad inputs (message names the argument, the
         expected and the received value).
 
@@ -333,7 +341,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
                     v_descale=v_descale, **pos, **params,
                 )  # fmt: skip
             params = {**params, **pos}
-        scalars, tensors = resolve_params(self.spec, params)
+        scalar_grads: dict = {}
+        scalars, tensors = resolve_params(self.spec, params, scalar_grads)
         tensor_map = self._tensor_map(tensors)
         dims = validate(self.spec, q, k, v, tensor_map)
         descales = None
@@ -350,8 +359,15 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             table = self._block_mask_table(block_mask, q, dims, scalars)
         if out is not None:
             check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensor_map})
+        if scalar_grads:  # a float in the schema: autograd of the op cannot see it
+            extra = [table] if self._block_table else []
+            o, lse = ScalarParamGrad.apply(
+                self, (q, k, v, softmax_scale, *scalars, *tensors, *extra), deterministic,
+                tuple(scalar_grads), q, k, v, *tensors, *scalar_grads.values(),
+            )  # fmt: skip
+            return (o, lse) if out is None else (out.copy_(o), lse)
         if _eager_cuda(q, k, v):
-            param_grad = any(t.requires_grad for t in tensors)  # refused by the op path
+            param_grad = any(t.requires_grad for t in tensors)  # the op path's autograd
             if not torch.is_grad_enabled() or not (
                 q.requires_grad or k.requires_grad or v.requires_grad or param_grad
             ):
@@ -419,11 +435,11 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         """``(o, lse)`` to fill: o is ``out`` when given (checked by the caller)."""
         o = out if out is not None else torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
-            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
+            dtype=q.dtype if q.dtype in CPU_DTYPES else out_dtype(self.spec),
             device=q.device,
         )  # fmt: skip
         lse = torch.empty(
-            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32, device=q.device
+            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=lse_dtype(q.dtype), device=q.device
         )
         return o, lse
 
@@ -444,7 +460,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
         """The blocked CPU forward (:mod:`flashgen.ops.cpu_attention`), in float32; an fp8 op
         first dequantizes q, k, v with their descales (:func:`flashgen.fp8.dequantize`)."""
-        from flashgen.ops.cpu_attention import attention_blocked
+        from flashgen.ops.cpu_attention import attention_blocked, cpu_params
 
         descales, rest = self._descales_split(rest)
         scalars, tensors = self._split(rest)
@@ -461,8 +477,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             from flashgen.fp8 import dequantize
 
             q, k, v = (dequantize(t, d) for t, d in zip((q, k, v), descales, strict=True))
-        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
-        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        params = cpu_params(self.spec, scalars, tensors, q.dtype)
         ref_o, ref_lse = attention_blocked(
             self.spec, q, k, v, softmax_scale=softmax_scale, params=params
         )
@@ -606,3 +621,38 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         dq, dk, dv = ctx.op.backward.backward(ctx, grad_o, grad_lse)[:3]
         return (None,) * 8 + (dq, dk, dv)
+
+
+class ScalarParamGrad(torch.autograd.Function):
+    """Autograd node of a call where a 0-d scalar param tensor requires grad (the schema
+    takes scalars as floats, so the op's own autograd cannot reach it): the forward calls
+    the operator with the scalars as numbers; the backward is one call of the backward op
+    with the flags of those scalars and of the tensor params that require grad."""
+
+    @staticmethod
+    def forward(ctx, op, inputs, deterministic, scalar_names, q, k, v, *tensors):
+        # inputs: the operator's positional arguments; tensors: its tensor params, then the
+        # 0-d tensors of ``scalar_names`` (tracked here only for their gradients)
+        o, lse = op.torch_op(*inputs, deterministic=deterministic)
+        op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
+        from flashgen.ops.backward import param_grad_flags
+
+        n_t = len(op.spec.tensor_params)
+        want = {p.name: True for p, t in zip(op.spec.tensor_params, tensors[:n_t], strict=True)
+                if t.requires_grad}  # fmt: skip
+        want.update(dict.fromkeys(scalar_names, True))
+        ctx.param_grads = param_grad_flags(op.spec, want, q.device)
+        ctx.op, ctx.scalar_names = op, scalar_names
+        ctx.scalar_dtypes = [t.dtype for t in tensors[n_t:]]
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        op = ctx.op
+        dq, dk, dv, dparams = op.backward.grads(ctx, grad_o, grad_lse)
+        tensor_grads = [dparams.get(p.name) for p in op.spec.tensor_params]
+        scalar_grads = [
+            None if dparams.get(n) is None else dparams[n].to(dt)
+            for n, dt in zip(ctx.scalar_names, ctx.scalar_dtypes, strict=True)
+        ]
+        return (None, None, None, None, dq, dk, dv, *tensor_grads, *scalar_grads)
