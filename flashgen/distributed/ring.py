@@ -42,8 +42,9 @@ Param gradients: an f32 param that requires grad (a whole tensor, a q-sharded on
 0-d scalar tensor) gets its gradient: each block's backward returns its share
 (:mod:`flashgen.ops.backward`), a q-sharded param's lands in this rank's rows, and the
 shares of a whole param or a scalar are summed over the ranks (one all-reduce each).  A
-k/v-sharded param that requires grad is refused (its gradient would have to travel back
-around the ring).
+k/v-sharded param that the score_mod reads and that requires grad is refused (its
+gradient would have to travel back around the ring).  A spec's sink joins the merged
+result once, at the end (:mod:`flashgen.ops.sink`).
 
 Before any work the ranks exchange their shapes and arguments (one small all-gather), so
 bad input -- ranks with different shapes, an odd ``S_local`` for zigzag, one rank
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashgen.analysis.derive import reads_param
 from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
@@ -244,7 +246,7 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
             grad_params.update({n: t for n, t in tmap.items() if t.requires_grad})
         for n in grad_params:
             check_param_grad(spec, n)
-            if n in kv_sharded_params(spec):
+            if n in kv_sharded_params(spec) and reads_param(spec.score_mod, n):
                 raise OpInputError(
                     f"{n}: requires_grad is set, but ring_attention does not differentiate a "
                     "param sharded like k and v; pass it detached"
@@ -268,7 +270,8 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
             q_tensors={n: t for n, t in tmap.items() if n in qn},
             kv_tensors={n: t.contiguous() for n, t in tmap.items() if n in kn},
             other_tensors={n: t for n, t in tmap.items() if n not in qn | kn},
-            skip_ok=not _reads_batch_or_head(spec), grad_params=grad_params,
+            skip_ok=not _reads_batch_or_head(spec),
+            grad_params={n: t for n, t in grad_params.items() if reads_param(spec.score_mod, n)},
         )  # fmt: skip
     except OpInputError as e:
         error = e
@@ -375,7 +378,7 @@ def _forward_block(plan: _Plan, q, qseg, k, v, kseg, kv_tensors, o_acc, lse_acc)
     vb = v.narrow(2, kseg[0], kseg[1])
     o, lse = plan.op.attention(
         q.narrow(2, a, n), kb, vb, softmax_scale=plan.scale, deterministic=plan.deterministic,
-        **plan.params(qseg, kseg, kv_tensors),
+        apply_sink=False, **plan.params(qseg, kseg, kv_tensors),
     )  # fmt: skip
     oa, la = o_acc.narrow(2, a, n), lse_acc.narrow(2, a, n)
     mo, ml = merge_attention(oa, la, o, lse)
@@ -609,4 +612,12 @@ def ring_attention(
     k, v require grad); a process outside ``group`` gets it at once.
     """
     plan = _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params)
-    return _RingAttention.apply(plan, q, k, v, *plan.grad_params.values())
+    o, lse = _RingAttention.apply(plan, q, k, v, *plan.grad_params.values())
+    spec = plan.op.spec
+    if spec.sink is None:
+        return o, lse
+    from flashgen.ops.sink import apply_sink, sink_logits
+
+    sink = sink_logits(spec, params, batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
+                       device=q.device, dtype=lse.dtype)  # fmt: skip
+    return apply_sink(o, lse, sink.unsqueeze(-1)), lse  # once, on the merged keys

@@ -237,25 +237,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.spec.params)
 
-    def attention(
-        self,
-        q,
-        k,
-        v,
-        *,
-        softmax_scale: float | None = None,
-        deterministic: bool = False,
-        block_mask=None,
-        q_offset: int | None = None,
-        kv_offset: int | None = None,
-        seqlen_q_global: int | None = None,
-        seqlen_k_global: int | None = None,
-        out=None,
-        q_descale=None,
-        k_descale=None,
-        v_descale=None,
-        **params,
-    ):
+    def attention(self, q, k, v, *, apply_sink: bool = True, out=None, **kwargs):
         """Run the attention variant: returns ``(o, lse)``.
 
         q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] in the spec's dtype on
@@ -318,6 +300,14 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``torch.autograd.gradcheck`` runs on the op).  An i32 param or one only the mask
         reads has no gradient: requiring one raises :class:`OpInputError` naming it.
 
+        A spec with a ``sink`` (:mod:`flashgen.ops.sink`): o has the sink joined to every
+        row's denominator and lse is the log-sum-exp of the keys alone.  ``apply_sink=False``
+        returns the attention over the keys alone (o normalized without the sink), for
+        partial results merged with :func:`flashgen.merge_attention`; apply the sink once
+        at the end with :func:`flashgen.ops.sink.apply_sink`.  (The operator
+        ``torch.ops.flashgen.<name>`` computes the keys alone; this method applies the
+        sink, differentiably, so the sink's params get their gradient too.)
+
         Raises :class:`OpInputError` for bad inputs (message names the argument, the
         expected and the received value).
 
@@ -326,6 +316,58 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         torch-function or dispatch mode, a functorch transform, with tensor subclasses or
         CPU tensors this calls ``torch.ops.flashgen.<name>``.
         """
+        return self._with_sink(self._attention, (q, k, v), q, k, None, apply_sink, out, kwargs)
+
+    def _with_sink(self, run, args, q, k, cu_seqlens_q, apply_sink, out, kwargs):
+        """``run(*args, out=out, **kwargs)`` (the attention over the keys alone), with the
+        spec's sink applied to o (module :mod:`flashgen.ops.sink`) unless ``apply_sink`` is
+        False.  ``cu_seqlens_q``: a varlen call's (the sink is per sequence)."""
+        if not isinstance(apply_sink, bool):
+            raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
+        if self.spec.sink is None or not apply_sink:
+            return run(*args, out=out, **kwargs)
+        from flashgen.ops.sink import apply_sink as join
+        from flashgen.ops.sink import sink_logits, varlen_rows
+
+        grad = torch.is_grad_enabled()
+        o, lse = run(*args, out=None if grad else out, **kwargs)
+        names = {p.name for p in self.spec.params}
+        params = {n: t for n, t in kwargs.items() if n in names}
+        heads_q, heads_kv = q.shape[1], k.shape[1]  # [B, H, S, D] and [total, H, D] alike
+        if cu_seqlens_q is None:
+            sink = sink_logits(self.spec, params, batch=q.shape[0], heads_q=heads_q,
+                               heads_kv=heads_kv, device=q.device, dtype=lse.dtype)  # fmt: skip
+            o_sunk = join(o, lse, sink.unsqueeze(-1))
+        else:
+            sink = sink_logits(self.spec, params, batch=cu_seqlens_q.numel() - 1,
+                               heads_q=heads_q, heads_kv=heads_kv, device=q.device,
+                               dtype=lse.dtype)  # fmt: skip
+            rows = varlen_rows(sink, cu_seqlens_q, lse.shape[1])
+            o_sunk = join(o.transpose(0, 1), lse, rows).transpose(0, 1)
+        if out is None:
+            return o_sunk, lse
+        return out.copy_(o_sunk), lse
+
+    def _attention(
+        self,
+        q,
+        k,
+        v,
+        *,
+        softmax_scale: float | None = None,
+        deterministic: bool = False,
+        block_mask=None,
+        q_offset: int | None = None,
+        kv_offset: int | None = None,
+        seqlen_q_global: int | None = None,
+        seqlen_k_global: int | None = None,
+        out=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        **params,
+    ):
+        """:meth:`attention` over the keys alone (no sink applied)."""
         self._check_live()
         if self._offsets_form or not (
             q_offset is None and kv_offset is None and seqlen_q_global is None
@@ -335,7 +377,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
             pos = offsets_values(q, k, q_offset, kv_offset, seqlen_q_global, seqlen_k_global)
             if not self._offsets_form:
-                return self.offsets.attention(
+                return self.offsets._attention(
                     q, k, v, softmax_scale=softmax_scale, deterministic=deterministic,
                     block_mask=block_mask, out=out, q_descale=q_descale, k_descale=k_descale,
                     v_descale=v_descale, **pos, **params,

@@ -61,7 +61,7 @@ import warnings
 
 import torch
 
-from flashgen.analysis.derive import grad_refusal
+from flashgen.analysis.derive import grad_refusal, reads_param
 from flashgen.codegen.abi import needs_block_table
 from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
@@ -158,18 +158,21 @@ def check_param_grad(spec: Spec, name: str) -> None:
 
 def param_grad_flags(spec: Spec, requires: dict, device) -> list[bool]:
     """The ``param_grads`` flags of a backward for the params named in ``requires`` (those
-    whose input requires grad), each checked (:func:`check_param_grad`).  On a CUDA
-    ``device`` a set flag raises ``NotImplementedError``: the backward kernels do not
-    accumulate param gradients yet."""
+    whose input requires grad), each checked (:func:`check_param_grad`): set for those the
+    score_mod reads (a param read only by the sink gets its gradient through
+    :func:`flashgen.ops.sink.apply_sink`'s autograd).  On a CUDA ``device`` a set flag
+    raises ``NotImplementedError``: the backward kernels do not accumulate param gradients
+    yet."""
     for n in requires:
         check_param_grad(spec, n)
-    if requires and torch.device(device).type == "cuda":
+    flagged = [n for n in requires if reads_param(spec.score_mod, n)]
+    if flagged and torch.device(device).type == "cuda":
         raise NotImplementedError(
             f"flashgen::{spec.name}: the CUDA backward kernels do not accumulate param "
-            f"gradients yet ({', '.join(requires)} requires grad); the CPU op computes them, "
+            f"gradients yet ({', '.join(flagged)} requires grad); the CPU op computes them, "
             f"or pass .detach() to train only q, k and v"
         )
-    return [p.name in requires for p in spec.params] if requires else []
+    return [p.name in flagged for p in spec.params] if flagged else []
 
 
 def tensor_param_grads(spec: Spec, tensors, device) -> list[bool]:

@@ -380,7 +380,31 @@ class DecodeOp(DecodePlanning):
         then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
         :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
-        bad inputs or a spec decode does not support."""
+        bad inputs or a spec decode does not support.  A spec's sink joins o's
+        denominator, applied once after the splits merge (lse: the keys alone)."""
+        res = self._keys_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                 cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
+                                 out, k_descale, v_descale, q_descale, params)  # fmt: skip
+        if self.spec.sink is None:
+            return res
+        from flashgen.ops.sink import apply_sink, sink_logits, varlen_rows
+
+        o, lse = res
+        batch = cache_seqlens.shape[0]
+        heads_kv = k_cache.shape[1 if block_table is None else 2]  # dense or paged cache
+        sink = sink_logits(self.spec, params, batch=batch, heads_q=o.shape[1], heads_kv=heads_kv,
+                           device=o.device, dtype=lse.dtype)  # fmt: skip
+        if cu_seqlens_q is None:
+            o.copy_(apply_sink(o, lse, sink.unsqueeze(-1)))
+        else:
+            rows = varlen_rows(sink, cu_seqlens_q, lse.shape[1])
+            o.copy_(apply_sink(o.transpose(0, 1), lse, rows).transpose(0, 1))
+        return o, lse
+
+    def _keys_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                      cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, out,
+                      k_descale, v_descale, q_descale, params):  # fmt: skip
+        """:meth:`with_kvcache` over the keys alone (no sink applied)."""
         fast = getattr(plan, "fast", None)
         if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,

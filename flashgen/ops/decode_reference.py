@@ -183,7 +183,9 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
     ``o_*`` ``[..., Dv]`` (float32, float16 or bfloat16), ``lse_*`` ``[...]`` float32 (natural
     log; -inf: no key, weight 0), one device.  Returns ``(o, lse)``: o in ``o_a``'s dtype
     (a caller that accumulates keeps float32), lse float32; both -inf gives o = 0, lse =
-    -inf.  Raises :class:`OpInputError` for mismatched shapes, dtypes or devices."""
+    -inf.  A spec with a sink: merge the results over the keys alone (``apply_sink=False``)
+    and join the sink once to the merged one (:func:`flashgen.apply_sink`).  Raises
+    :class:`OpInputError` for mismatched shapes, dtypes or devices."""
     for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

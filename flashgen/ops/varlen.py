@@ -360,25 +360,21 @@ class VarlenOp(AttentionOp):
     """The op of a ``varlen: true`` spec (module docstring); built by
     :func:`flashgen.ops.op.build_op`.  Call :meth:`attention`."""
 
-    def attention(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        *,
-        softmax_scale: float | None = None,
-        deterministic: bool = False,
-        **params,
-    ):
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                  apply_sink: bool = True, **kwargs):  # fmt: skip
         """Varlen attention: returns ``(o, lse)``, o [total_q, Hq, Dv], lse float32
         [Hq, total_q].  Arguments follow ``flash_attn_varlen_func`` (module docstring);
-        ``softmax_scale``, ``deterministic`` and ``params`` are as for the padded op.
-        Param gradients as for the padded op (tensor params and 0-d scalar tensors that
-        require grad).  Raises :class:`OpInputError` for bad inputs."""
+        ``softmax_scale``, ``deterministic``, ``apply_sink`` and ``params`` are as for the
+        padded op (a sink per sequence and head).  Param gradients as for the padded op
+        (tensor params and 0-d scalar tensors that require grad).  Raises
+        :class:`OpInputError` for bad inputs."""
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return self._with_sink(self._varlen, args, q, k, cu_seqlens_q, apply_sink, None, kwargs)
+
+    def _varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                softmax_scale: float | None = None, deterministic: bool = False, out=None,
+                **params):  # fmt: skip
+        """:meth:`attention` over the keys alone (no sink applied); ``out`` must be None."""
         self._check_live()
         scalar_grads: dict = {}
         scalars, tensors = resolve_params(self.spec, params, scalar_grads)
