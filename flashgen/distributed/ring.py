@@ -620,4 +620,22 @@ def ring_attention(
 
     sink = sink_logits(spec, params, batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
                        device=q.device, dtype=lse.dtype)  # fmt: skip
+    if sink.requires_grad and plan.world > 1:  # every rank's rows take the same sink
+        sink = _SumGradOverRanks.apply(sink, plan)
     return apply_sink(o, lse, sink.unsqueeze(-1)), lse  # once, on the merged keys
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity whose backward sums the gradient over the ranks (a value every rank uses
+    for its own rows, like a whole param: the sink logits)."""
+
+    @staticmethod
+    def forward(ctx, x, plan: _Plan):
+        ctx.plan = plan
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.plan.group)
+        return g, None

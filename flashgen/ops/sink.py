@@ -18,8 +18,11 @@ rowsum(dO * O)`` with ``p_sink = sigmoid(sink - lse)``, and the keys' backward s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from flashgen.analysis.derive import reads_param
 from flashgen.frontend import ir
 from flashgen.ops.reference import _as, _env, eval_expr
 
@@ -32,11 +35,12 @@ def sink_logits(spec: ir.Spec, params: dict, *, batch: int, heads_q: int, heads_
     ``ValueError`` for a spec without a sink."""
     if spec.sink is None:
         raise ValueError(f"spec {spec.name!r} has no sink")
+    read = replace(spec, params=tuple(p for p in spec.params if reads_param(spec.sink, p.name)))
     values = {}
-    for p in spec.params:
+    for p in read.params:
         v = params.get(p.name, p.default)
         values[p.name] = v.to(device) if isinstance(v, torch.Tensor) else v
-    env = _env(spec, batch, heads_q, 1, 1, values, device, dtype, batch_offset, Hkv=heads_kv)
+    env = _env(read, batch, heads_q, 1, 1, values, device, dtype, batch_offset, Hkv=heads_kv)
     s = _as(eval_expr(spec.sink, env), ir.Ty.F32, env)
     return s.reshape(s.shape[:2] if s.dim() == 4 else ()).expand(batch, heads_q)
 

@@ -53,6 +53,8 @@ def _case_params(name, s, h):
         return {"chunk": 40}, (), ()
     if name == "alibi":  # trainable slopes: their gradient is summed over the ranks
         return {"slopes": torch.linspace(0.05, 0.5, h).requires_grad_()}, (), ()
+    if name == "gpt_oss_sink":  # a trainable sink per head: joined once, after the merge
+        return {"sinks": torch.linspace(-1.0, 2.0, h).requires_grad_()}, (), ()
     if name == "gemma2_softcap":  # a trainable 0-d scalar
         return {"softcap": torch.tensor(7.0, requires_grad=True)}, (), ()
     if name == "document_mask":
@@ -115,6 +117,7 @@ CASES_2 = [
     ("alibi", "zigzag", "ring", 4),
     ("alibi", "contiguous", "allgather", 2),
     ("gemma2_softcap", "zigzag", "ring", 2),
+    ("gpt_oss_sink", "zigzag", "ring", 2),
     ("llama3_gqa", "zigzag", "ring", 2),
 ]
 CASES_4 = [
@@ -139,7 +142,7 @@ def test_ring_matches_single_process(world, cases):
     """o, lse, dq, dk, dv (lse's gradient included) equal the single-process CPU op on the
     gathered sequence: causal (both layouts, ring and allgather), sliding window, chunked,
     document mask with uneven documents, ALiBi, GQA; and the gradients of trainable ALiBi
-    slopes and a trainable softcap scalar."""
+    slopes, a trainable softcap scalar and trainable sinks."""
     mp.spawn(_worker, args=(world, _port(), cases), nprocs=world)
 
 
