@@ -96,7 +96,10 @@ def test_gradcheck_of_a_relative_table_at_odd_lengths_and_transposed_views(sq, s
     _gradcheck(op, *_qkv(spec, b=1, hq=2, hkv=1, sq=sq, sk=sk, transposed=True))
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5_bias", "gemma2_softcap"])
+SHIPPED = ["alibi", "alibi_learned", "gemma2_softcap", "gpt_oss_sink", "t5_bias"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_gradcheck_of_every_shipped_spec_with_an_f32_param(name):
     op = flashgen.load(REPO / "specs" / f"{name}.yaml")
     assert differentiable_params(op.spec)
@@ -108,7 +111,7 @@ def test_every_shipped_spec_with_an_f32_param_is_in_the_gradcheck():
         p.stem for p in (REPO / "specs").glob("*.yaml")
         if differentiable_params(load_spec(p))
     }  # fmt: skip
-    assert shipped == {"alibi", "t5_bias", "gemma2_softcap"}
+    assert shipped == set(SHIPPED)
 
 
 def test_param_gradients_match_the_float64_reference_at_real_sizes():
@@ -220,3 +223,49 @@ def test_without_requires_grad_no_param_gradient_is_computed(monkeypatch):
     op.attention(q, k, v, slopes=params["slopes"].detach())[0].sum().backward()
     op.attention(q, k, v, slopes=params["slopes"].requires_grad_())[0].sum().backward()
     assert seen == [None, [True]]
+
+
+class _SlopesAttention(torch.nn.Module):
+    """A small attention module with trainable per-head ALiBi slopes (an ``nn.Parameter``)
+    built on the op (``fn=None``) or on a float64 eager implementation of the same math."""
+
+    def __init__(self, op, dim=128, heads=2, fn=None):
+        super().__init__()
+        self.op, self.heads, self.fn = op, heads, fn
+        g = torch.Generator().manual_seed(0)
+        self.qkv = torch.nn.Parameter(torch.randn(dim, 3 * dim, generator=g, dtype=F64) / 8)
+        self.slopes = torch.nn.Parameter(torch.tensor([0.5, 0.125], dtype=F64))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (x @ self.qkv).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.fn is not None:
+            return self.fn(q, k, v, self.slopes)
+        return self.op.attention(q, k, v, slopes=self.slopes)[0]
+
+
+def _eager_alibi(q, k, v, slopes):
+    """The alibi_learned spec's math in float64 torch: score - slopes[h] * |q_idx - kv_idx|."""
+    i = torch.arange(q.shape[2]).view(-1, 1)
+    j = torch.arange(k.shape[2]).view(1, -1)
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = s - slopes.view(1, -1, 1, 1) * (i - j).abs()
+    return torch.softmax(s, -1) @ v
+
+
+def test_an_nn_parameter_slopes_module_trains_20_steps_like_float64_eager():
+    op = flashgen.load(REPO / "specs" / "alibi_learned.yaml")
+    mods = {"op": _SlopesAttention(op), "eager": _SlopesAttention(op, fn=_eager_alibi)}
+    opts = {n: torch.optim.SGD(m.parameters(), lr=0.5) for n, m in mods.items()}
+    g = torch.Generator().manual_seed(1)
+    start = mods["op"].slopes.detach().clone()
+    for _ in range(20):
+        x = torch.randn(2, 13, 128, generator=g, dtype=F64)
+        target = torch.randn(2, 2, 13, 64, generator=g, dtype=F64)
+        for n, m in mods.items():
+            opts[n].zero_grad()
+            ((m(x) - target) ** 2).mean().backward()
+            opts[n].step()
+    torch.testing.assert_close(mods["op"].slopes, mods["eager"].slopes, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(mods["op"].qkv, mods["eager"].qkv, rtol=1e-9, atol=1e-12)
+    assert (mods["op"].slopes.detach() - start).abs().max() > 1e-3  # the slopes did train
