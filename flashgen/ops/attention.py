@@ -683,7 +683,7 @@ class ScalarParamGrad(torch.autograd.Function):
         want = {p.name: True for p, t in zip(op.spec.tensor_params, tensors[:n_t], strict=True)
                 if t.requires_grad}  # fmt: skip
         want.update(dict.fromkeys(scalar_names, True))
-        ctx.param_grads = param_grad_flags(op.spec, want, q.device)
+        ctx.param_grads = param_grad_flags(op.spec, want)
         ctx.op, ctx.scalar_names = op, scalar_names
         ctx.scalar_dtypes = [t.dtype for t in tensors[n_t:]]
         return o, lse

@@ -50,8 +50,10 @@ shape, 0-d for a scalar).  Autograd sets a tensor param's flag when it requires 
 or read only by the mask: :func:`flashgen.analysis.derive.grad_refusal`) that requires grad
 is refused when the forward is called (:class:`~flashgen.frontend.errors.OpInputError`
 naming it), so no gradient is ever silently zero.  The CPU op computes them
-(:mod:`flashgen.ops.cpu_attention`); the CUDA kernels do not accumulate them yet, so a
-CUDA call that needs one raises ``NotImplementedError`` when the forward is called.
+(:mod:`flashgen.ops.cpu_attention`).  The CUDA backward kernels do not accumulate them yet:
+a CUDA backward that needs one runs that module's blocked backward on the GPU instead
+(:func:`cuda_param_backward`; correct, slower than the kernels, with a
+:class:`ParamGradFallbackWarning` once per op).
 """
 
 from __future__ import annotations
@@ -156,26 +158,43 @@ def check_param_grad(spec: Spec, name: str) -> None:
         )
 
 
-def param_grad_flags(spec: Spec, requires: dict, device) -> list[bool]:
+def param_grad_flags(spec: Spec, requires: dict) -> list[bool]:
     """The ``param_grads`` flags of a backward for the params named in ``requires`` (those
     whose input requires grad), each checked (:func:`check_param_grad`): set for those the
     score_mod reads (a param read only by the sink gets its gradient through
-    :func:`flashgen.ops.sink.apply_sink`'s autograd).  On a CUDA ``device`` a set flag
-    raises ``NotImplementedError``: the backward kernels do not accumulate param gradients
-    yet."""
+    :func:`flashgen.ops.sink.apply_sink`'s autograd)."""
     for n in requires:
         check_param_grad(spec, n)
     flagged = [n for n in requires if reads_param(spec.score_mod, n)]
-    if flagged and torch.device(device).type == "cuda":
-        raise NotImplementedError(
-            f"flashgen::{spec.name}: the CUDA backward kernels do not accumulate param "
-            f"gradients yet ({', '.join(flagged)} requires grad); the CPU op computes them, "
-            f"or pass .detach() to train only q, k and v"
-        )
     return [p.name in flagged for p in spec.params] if flagged else []
 
 
-def tensor_param_grads(spec: Spec, tensors, device) -> list[bool]:
+class ParamGradFallbackWarning(RuntimeWarning):
+    """A CUDA backward computed param gradients with the blocked torch backward
+    (:func:`cuda_param_backward`) because the kernels do not accumulate them yet."""
+
+
+_WARNED: set[str] = set()
+
+
+def cuda_param_backward(spec: Spec, run, names) -> tuple:
+    """``run()`` (the blocked backward of :mod:`flashgen.ops.cpu_attention` on CUDA tensors:
+    dq, dk, dv and ``{param: gradient}``) as the backward op's outputs, warning once per op
+    that the kernels were not used."""
+    if spec.name not in _WARNED:
+        _WARNED.add(spec.name)
+        warnings.warn(
+            f"flashgen op {spec.name!r}: the CUDA backward kernels do not accumulate param "
+            f"gradients yet ({', '.join(names)}); this backward runs the blocked torch "
+            f"backward (flashgen/ops/cpu_attention.py) on the GPU: correct, slower",
+            ParamGradFallbackWarning,
+            stacklevel=3,
+        )
+    dq, dk, dv, dparams = run()
+    return dq, dk, dv, [dparams[n] for n in names]
+
+
+def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
     """:func:`param_grad_flags` for the op's tensor-param inputs ``tensors``
     (``spec.tensor_params`` order) that require grad."""
     req = {
@@ -183,7 +202,7 @@ def tensor_param_grads(spec: Spec, tensors, device) -> list[bool]:
         for p, t in zip(spec.tensor_params, tensors, strict=True)
         if isinstance(t, torch.Tensor) and t.requires_grad
     }
-    return param_grad_flags(spec, req, device)
+    return param_grad_flags(spec, req)
 
 
 def param_grad_outputs(spec: Spec, flags, dparams, inputs: dict) -> dict:
@@ -254,7 +273,13 @@ class Backward:
         dims = validate(self.spec, q, k, v, tensors)
         names = wanted(self.spec, param_grads)
         if names:
-            param_grad_flags(self.spec, dict.fromkeys(names, True), q.device)  # raises
+            from flashgen.ops.cpu_attention import attention_blocked_backward, cpu_params
+
+            params = cpu_params(self.spec, scalars, tensors, q.dtype)
+            return cuda_param_backward(self.spec, lambda: attention_blocked_backward(
+                self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params,
+                o=o, lse=lse, param_grads=names,
+            ), names)  # fmt: skip
         if q.numel() == 0 or k.numel() == 0:
             return (*_grads_like(q, k, v, fill_zero=True), [])
         target = target_for_device(self.spec, q.device)
@@ -334,7 +359,7 @@ class Backward:
             rest = rest[:-1]
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
-        ctx.param_grads = tensor_param_grads(self.spec, tensors, q.device)
+        ctx.param_grads = tensor_param_grads(self.spec, tensors)
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
         ctx.softmax_scale = softmax_scale

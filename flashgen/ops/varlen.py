@@ -53,7 +53,7 @@ from flashgen.ops.backward import (
     BACKWARD_TAIL,
     Backward,
     backward_name,
-    param_grad_flags,
+    cuda_param_backward,
     param_grad_outputs,
     tensor_param_grads,
     uses_atomic_dq,
@@ -544,7 +544,13 @@ class VarlenBackward(Backward):
             check_cu_seqlens(cq, ck, dims)
         names = wanted(self.spec, param_grads)
         if names:
-            param_grad_flags(self.spec, dict.fromkeys(names, True), q.device)  # raises
+            from flashgen.ops.cpu_attention import varlen_blocked_backward
+
+            params = _reference_params(self.spec, scalars, tensors, q.dtype)
+            return cuda_param_backward(self.spec, lambda: varlen_blocked_backward(
+                self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale, params=params,
+                param_grads=names,
+            ), names)  # fmt: skip
         if q.numel() == 0 or k.numel() == 0 or dims.batch == 0:
             return (*_zero_grads(q, k, v), [])
         atomic = uses_atomic_dq(deterministic, self.op.options)
@@ -579,7 +585,7 @@ class VarlenBackward(Backward):
         q, k, v, cq, ck, mq, mk, softmax_scale, *rest = inputs
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
-        ctx.param_grads = tensor_param_grads(self.spec, tensors, q.device)
+        ctx.param_grads = tensor_param_grads(self.spec, tensors)
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cq, ck, *tensors)
         ctx.max_seqlen = (mq, mk)
