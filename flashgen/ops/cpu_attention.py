@@ -319,7 +319,9 @@ def _add_param_grads(env: dict, terms: dict, ds, score, dparams: dict) -> None:
             for i, n in zip(idx, g.shape, strict=True):
                 lin = lin * n + i.clamp(0, n - 1)
             lin = lin.reshape(shape).expand(part.shape)
-            flat.index_add_(0, lin.reshape(-1), part.reshape(-1))
+            # sorted accumulation (CUDA's index_put_ sorts the indices): the same sums in the
+            # same order on every run, unlike index_add_'s atomics
+            flat.index_put_((lin.reshape(-1),), part.reshape(-1), accumulate=True)
     env.pop("score")
 
 
