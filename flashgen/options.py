@@ -96,11 +96,6 @@ class Options:
             raise ValueError(
                 f"Options.persistent_ctas={self.persistent_ctas!r}: expected a positive int or None"
             )
-        if self.hopper_bwd.dq_a not in hopper_bwd.HOPPER_BWD_DQ_A:
-            raise ValueError(
-                f"Options.hopper_bwd.dq_a={self.hopper_bwd.dq_a!r}: expected one of "
-                f"{hopper_bwd.HOPPER_BWD_DQ_A}"
-            )
         for name, cls in FAMILY_OPTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"Options.{name}: expected a {cls.__module__}.Options")
@@ -216,7 +211,6 @@ _CHOICES = {
     "family": FAMILIES,
     "persistent": PERSISTENT_CHOICES,
     "sparse_persistent": PERSISTENT_CHOICES[1:],
-    "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
     "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
 }
 

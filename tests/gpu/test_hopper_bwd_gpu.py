@@ -48,8 +48,8 @@ SHAPES = [
 ]
 
 
-def hb_spec(d: int, dtype: str, causal: bool, dq_a: str = "smem"):
-    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}_{dq_a}"
+def hb_spec(d: int, dtype: str, causal: bool):
+    name = f"hopbwd_d{d}_{dtype}_{'causal' if causal else 'full'}"
     mask = "causal" if causal else "null"
     return loads_spec(f"name: {name}\nhead_dim: {d}\ndtype: {dtype}\nmask: {mask}\n", f"<{name}>")
 
@@ -71,10 +71,8 @@ def shipped(name: str):
 
 
 def build_op(spec):
-    """The op of ``spec`` with the dQ A-operand variant (``Options`` ``hopper_bwd.dq_a``) its
-    name says: ``..._ldmatrix`` for "ldmatrix", else "smem" (each variant its own op)."""
-    dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
-    return gpu_options.build(spec, gpu_options.options({"hopper_bwd.dq_a": dq_a}))
+    """The op of ``spec`` under the default options."""
+    return gpu_options.build(spec, gpu_options.options())
 
 
 def poison_allocator(*shapes_dtypes) -> None:
@@ -106,9 +104,8 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, param
         o.backward(do)
     hit = op.backward._kernels.get((torch.cuda.current_device(), "hopper"))
     assert hit is not None, "not the Hopper path"
-    ldmatrix = spec.name.endswith("_ldmatrix")
-    assert hit[0].dkdv.context["dq_ldmatrix"] == ldmatrix, "not the dQ variant under test"
     assert hit[0].dkdv.context["split_d"] == (spec.head_dim > 128), "not the layout under test"
+    assert hit[0].dkdv.threads == 384, "not the warp-specialized kernel"
     return q, k, v, do, dlse, params
 
 
@@ -156,7 +153,7 @@ def softcap_spec():
 @pytest.fixture(scope="module", autouse=True)
 def prebuilt():
     """Compile every kernel this module runs up front, in parallel (one nvcc per core):
-    each spec's forward and its Hopper backward unit in the variant its test selects."""
+    each spec's forward and its Hopper backward unit."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -168,13 +165,11 @@ def prebuilt():
 
     dims = (64, 128, 256)
     specs = [hb_spec(d, t, c) for d in dims for t in ("bf16", "fp16") for c in (True, False)]
-    specs += [hb_spec(d, "bf16", c, "ldmatrix") for d in dims for c in (True, False)]
     specs += [shipped(n) for n in SHIPPED] + [softcap_spec()]
     gpu = torch.cuda.get_device_name()
 
     def bwd(spec):
-        dq_a = "ldmatrix" if spec.name.endswith("_ldmatrix") else "smem"
-        plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
+        plan = plan_hopper_backward(spec, "sm_90")
         cache.get_or_build(render(plan.unit), plan.unit)
 
     jobs = [lambda s=s: build_forward(s, "sm_90", gpu=gpu) for s in specs]
@@ -190,15 +185,6 @@ def test_lengths_gqa_dtypes(d, dtype, causal):
     spec = hb_spec(d, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=100 * d + i)
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_dq_a_from_ldmatrix(d, causal):
-    """The other dQ variant: dS to registers with ldmatrix.trans, register-A wgmma."""
-    spec = hb_spec(d, "bf16", causal, "ldmatrix")
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=200 * d + i)
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -63,7 +63,6 @@ def unit_sources() -> dict[str, str]:
     from flashgen.families import registry as reg
     from flashgen.families import tiles as tt
     from flashgen.families.build import _forward_variant
-    from flashgen.families.hopper_bwd import HOPPER_BWD_DQ_A
     from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
     from flashgen.frontend.spec import load_spec
     from flashgen.ops.varlen import varlen_spec
@@ -163,9 +162,7 @@ def unit_sources() -> dict[str, str]:
                             ),
                         )
                 if hopper_bwd_eligible(s, t):
-                    for dq_a in HOPPER_BWD_DQ_A:
-                        o = DEFAULT.replace_path("hopper_bwd.dq_a", dq_a)
-                        put(f"{base}bwd_wgmma/dq_a={dq_a}", reg.plan_hopper_backward(s, t, o))
+                    put(f"{base}bwd_wgmma", reg.plan_hopper_backward(s, t, DEFAULT))
                 for name, (value, values) in SWITCHES.items():
                     pre = f"{base}env/{name.removeprefix('FLASHGEN_')}={value}"
                     o = DEFAULT.with_values(values)
