@@ -364,6 +364,7 @@ class DecodeOp(DecodePlanning):
         k_descale=None,
         v_descale=None,
         q_descale=None,
+        apply_sink: bool = True,
         **params,
     ):
         """Attention of ``q`` against a dense or paged KV cache (module doc); returns ``(o,
@@ -381,13 +382,18 @@ class DecodeOp(DecodePlanning):
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
         :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
         bad inputs or a spec decode does not support.  A spec's sink joins o's
-        denominator, applied once after the splits merge (lse: the keys alone)."""
+        denominator, applied once after the splits merge (lse: the keys alone;
+        ``apply_sink=False``: o over the keys alone too, as :meth:`AttentionOp.attention
+        <flashgen.ops.attention.AttentionOp.attention>`)."""
         res = self._keys_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                  cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
                                  out, k_descale, v_descale, q_descale, params)  # fmt: skip
-        if self.spec.sink is None:
+        if not isinstance(apply_sink, bool):
+            raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
+        if self.spec.sink is None or not apply_sink:
             return res
-        from flashgen.ops.sink import apply_sink, sink_logits, varlen_rows
+        from flashgen.ops.sink import apply_sink as join
+        from flashgen.ops.sink import sink_logits, varlen_rows
 
         o, lse = res
         batch = cache_seqlens.shape[0]
@@ -395,10 +401,10 @@ class DecodeOp(DecodePlanning):
         sink = sink_logits(self.spec, params, batch=batch, heads_q=o.shape[1], heads_kv=heads_kv,
                            device=o.device, dtype=lse.dtype)  # fmt: skip
         if cu_seqlens_q is None:
-            o.copy_(apply_sink(o, lse, sink.unsqueeze(-1)))
+            o.copy_(join(o, lse, sink.unsqueeze(-1)))
         else:
             rows = varlen_rows(sink, cu_seqlens_q, lse.shape[1])
-            o.copy_(apply_sink(o.transpose(0, 1), lse, rows).transpose(0, 1))
+            o.copy_(join(o.transpose(0, 1), lse, rows).transpose(0, 1))
         return o, lse
 
     def _keys_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
