@@ -290,3 +290,25 @@ def test_the_cuda_backward_computes_param_gradients_with_the_blocked_backward(mo
     for a, b in zip((*got[:3], *got[3]), (*want[:3], *want[3]), strict=True):
         torch.testing.assert_close(a, b)
     assert got[3][0].shape == (2, 257) and got[3][0].abs().max() > 0
+
+
+def test_opcheck_and_torch_compile_with_a_param_requiring_grad():
+    """The backward op's fake impl returns the requested gradients' shapes: opcheck (autograd
+    registration, AOT dispatch) and torch.compile(fullgraph) give the eager op's dslopes."""
+    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 128, generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    slopes = torch.rand(2, generator=g).requires_grad_()
+    torch.library.opcheck(op.torch_op, (q, k, v, 0.125, slopes))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k, v, s):
+        return op.torch_op(q, k, v, 0.125, s)[0].float().sum()
+
+    f(q, k, v, slopes).backward()
+    compiled = slopes.grad.clone()
+    slopes.grad = None
+    op.torch_op(q, k, v, 0.125, slopes)[0].float().sum().backward()
+    assert compiled.abs().max() > 0
+    torch.testing.assert_close(compiled, slopes.grad)

@@ -198,3 +198,21 @@ def test_apply_sink_must_be_a_bool():
     q, k, v = _qkv(b=1, hq=2, hkv=2, sq=2, sk=2, d=64, dtype=torch.float32)
     with pytest.raises(flashgen.OpInputError, match="apply_sink"):
         op.attention(q, k, v, apply_sink=1, sinks=torch.zeros(2))
+
+
+def test_sink_under_torch_compile_fullgraph_matches_eager():
+    op = flashgen.load(REPO / "specs" / "gpt_oss_sink.yaml")
+    q, k, v = (t.requires_grad_() for t in _qkv(b=1, hq=2, hkv=2, sq=5, sk=5, d=64,
+                                                dtype=torch.bfloat16))  # fmt: skip
+    sinks = torch.randn(2).requires_grad_()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k, v, s):
+        return op.attention(q, k, v, sinks=s)[0].float().sum()
+
+    f(q, k, v, sinks).backward()
+    compiled = sinks.grad.clone()
+    sinks.grad = None
+    op.attention(q, k, v, sinks=sinks)[0].float().sum().backward()
+    assert compiled.abs().max() > 0
+    torch.testing.assert_close(compiled, sinks.grad)
