@@ -331,6 +331,10 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
         grad = torch.is_grad_enabled()
         o, lse = run(*args, out=None if grad else out, **kwargs)
+        if grad and out is not None:  # checked as the operator's out is, then copied into
+            tmap = {p.name: kwargs.get(p.name) for p in self.spec.tensor_params}
+            self._check_out_arg(out, q, k, args[2], validate(self.spec, q, k, args[2], tmap),
+                                tmap)  # fmt: skip
         names = {p.name for p in self.spec.params}
         params = {n: t for n, t in kwargs.items() if n in names}
         heads_q, heads_kv = q.shape[1], k.shape[1]  # [B, H, S, D] and [total, H, D] alike

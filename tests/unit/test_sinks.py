@@ -216,3 +216,18 @@ def test_sink_under_torch_compile_fullgraph_matches_eager():
     op.attention(q, k, v, sinks=sinks)[0].float().sum().backward()
     assert compiled.abs().max() > 0
     torch.testing.assert_close(compiled, sinks.grad)
+
+
+def test_sink_with_out_checks_it_and_writes_the_sunk_o():
+    op = flashgen.load(REPO / "specs" / "gpt_oss_sink.yaml")
+    q, k, v = _qkv(b=1, hq=2, hkv=2, sq=3, sk=4, d=64, dtype=torch.float32)
+    sinks = torch.ones(2)
+    want, _ = op.attention(q, k, v, sinks=sinks)
+    for grad in (False, True):
+        qg = q.clone().requires_grad_(grad)
+        with pytest.raises(flashgen.OpInputError, match="out: expected shape"):
+            op.attention(qg, k, v, sinks=sinks, out=torch.empty(1, 2, 3, 32))
+        out = torch.empty(1, 3, 2, 64).transpose(1, 2)  # (B, S, H, D) storage
+        o, _ = op.attention(qg, k, v, sinks=sinks, out=out)
+        assert o is out
+        torch.testing.assert_close(out, want)
