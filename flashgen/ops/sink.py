@@ -35,6 +35,9 @@ def sink_logits(spec: ir.Spec, params: dict, *, batch: int, heads_q: int, heads_
     ``ValueError`` for a spec without a sink."""
     if spec.sink is None:
         raise ValueError(f"spec {spec.name!r} has no sink")
+    direct = _direct_read(spec.sink, params, heads_q, heads_kv, batch_offset)
+    if direct is not None:  # sinks[h], sinks[b, h], ...: the tensor itself, no evaluation
+        return direct.to(device, dtype).expand(batch, heads_q)
     read = replace(spec, params=tuple(p for p in spec.params if reads_param(spec.sink, p.name)))
     values = {}
     for p in read.params:
@@ -43,6 +46,24 @@ def sink_logits(spec: ir.Spec, params: dict, *, batch: int, heads_q: int, heads_
     env = _env(read, batch, heads_q, 1, 1, values, device, dtype, batch_offset, Hkv=heads_kv)
     s = _as(eval_expr(spec.sink, env), ir.Ty.F32, env)
     return s.reshape(s.shape[:2] if s.dim() == 4 else ()).expand(batch, heads_q)
+
+
+def _direct_read(e: ir.Expr, params: dict, heads_q: int, heads_kv: int, batch_offset: int):
+    """The sink ``e`` as a view of its tensor, broadcastable to ``[batch, heads_q]``, when
+    ``e`` is a tensor param read at ``[h]``, ``[h_kv]``, ``[b, h]`` or ``[b, h_kv]`` (the
+    common forms; the host time of a decode step counts), else None."""
+    if not (isinstance(e, ir.Index) and all(isinstance(i, ir.Var) for i in e.indices)):
+        return None
+    subs = tuple(i.name for i in e.indices)
+    t = params.get(e.name)
+    if not isinstance(t, torch.Tensor) or subs not in _DIRECT or ("b" in subs and batch_offset):
+        return None
+    if "h_kv" in subs:
+        t = t.repeat_interleave(heads_q // heads_kv, dim=-1)
+    return t if len(subs) == 2 else t.view(1, heads_q)
+
+
+_DIRECT = {("h",), ("h_kv",), ("b", "h"), ("b", "h_kv")}
 
 
 def apply_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

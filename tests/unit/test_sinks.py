@@ -231,3 +231,26 @@ def test_sink_with_out_checks_it_and_writes_the_sunk_o():
         o, _ = op.attention(qg, k, v, sinks=sinks, out=out)
         assert o is out
         torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize(
+    ("subs", "shape"), [("h", (4,)), ("h_kv", (2,)), ("b, h", (3, 4)), ("b, h_kv", (3, 2))]
+)
+def test_a_direct_sink_read_equals_the_evaluated_expression(subs, shape):
+    """sink_logits reads sinks[h] (and the other direct forms) as a view of the tensor; the
+    same values as the evaluator gives for sinks[...] * 1.0, gradients included."""
+    from flashgen.ops.sink import sink_logits
+
+    decl = {"h": "[num_heads]", "h_kv": "[num_heads_kv]", "b, h": "[batch, num_heads]",
+            "b, h_kv": "[batch, num_heads_kv]"}[subs]  # fmt: skip
+    params = f"  sinks: {{type: f32, shape: {decl}}}"
+    direct = _spec("sd", f"sinks[{subs}]", params)
+    evaluated = _spec("se", f"sinks[{subs}] * 1.0", params)
+    t = torch.randn(shape, dtype=F64).requires_grad_()
+    kw = dict(batch=3, heads_q=4, heads_kv=2, device="cpu", dtype=F64)
+    a = sink_logits(direct, {"sinks": t}, **kw)
+    b = sink_logits(evaluated, {"sinks": t}, **kw)
+    torch.testing.assert_close(a, b)
+    (ga,) = torch.autograd.grad(a.sum(), t)
+    (gb,) = torch.autograd.grad(b.sum(), t)
+    torch.testing.assert_close(ga, gb)
