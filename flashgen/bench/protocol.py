@@ -143,9 +143,12 @@ def spec_directions(spec: ir.Spec, directions) -> tuple[str, ...]:
 
 
 def shipped_spec_paths() -> list[Path]:
-    """The ``specs/*.yaml`` of the checkout (empty in an installed wheel)."""
+    """The ``specs/*.yaml`` of the checkout with a prefill op (empty in an installed wheel;
+    a ``v_from_k`` spec is decode only: ``flashgen.bench.decode`` times it)."""
+    from flashgen.frontend.spec import load_spec
+
     root = Path(__file__).resolve().parents[2] / "specs"
-    return sorted(root.glob("*.yaml"))
+    return [p for p in sorted(root.glob("*.yaml")) if not load_spec(p).v_from_k]
 
 
 def parse_spec_item(item: str) -> tuple[str, dict]:

@@ -19,6 +19,7 @@ from flashgen.families.bwd_common import (
     base_fields,
 )
 from flashgen.families.common import FAMILIES, MMA16_DTYPES, tile_group_expr
+from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend.ir import Spec
 
@@ -38,6 +39,9 @@ class Options:
     L2 head groups; False: in order)."""
 
     head_groups: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "Options.hopper_bwd")
 
 
 @dataclass(frozen=True)

@@ -73,12 +73,19 @@ def select(
     - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
       ``unsupported_reason`` says which specs have none).
 
-    An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent.
+    An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent; a
+    ``v_from_k`` spec (MLA's one latent cache) the decode only.
 
-    Raises ``ValueError`` for an unknown call, and for an fp8 spec's call that has no kernel:
-    a forward the Hopper kernel cannot take, a backward, a decode."""
+    Raises ``ValueError`` for an unknown call, for an fp8 spec's call that has no kernel:
+    a forward the Hopper kernel cannot take, a backward, a decode; and for a ``v_from_k``
+    spec's call other than decode."""
     if call not in CALLS:
         raise ValueError(f"unknown call {call!r}; known: {', '.join(CALLS)}")
+    if spec.v_from_k and call != "decode":
+        raise ValueError(
+            f"{spec.name}: v_from_k: true is decode only (op.with_kvcache); it has no "
+            f"{'backward' if call == 'bwd' else 'forward'} kernels"
+        )
     if is_fp8(spec) and call != "blocktable":
         return _select_fp8(spec, target, call, options)
     if call in ("blocktable", "decode"):
@@ -264,11 +271,14 @@ def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) ->
 
 def has_backward(spec: Spec) -> bool:
     """Whether ``spec`` has backward kernels: not for a dtype whose record is ``scaled``
-    (fp8_e4m3: FlashAttention-3's FP8 attention is a forward, and so is flashgen's)."""
-    return not is_fp8(spec)
+    (fp8_e4m3: FlashAttention-3's FP8 attention is a forward, and so is flashgen's), and not
+    for a ``v_from_k`` spec (decode only)."""
+    return not is_fp8(spec) and not spec.v_from_k
 
 
 def _require_backward(spec: Spec) -> None:
+    if spec.v_from_k:
+        raise ValueError(f"{spec.name}: v_from_k: true is decode only; it has no backward kernels")
     if not has_backward(spec):
         raise ValueError(
             f"spec {spec.name!r} has dtype {spec.dtype}, which has no backward kernels (the "
@@ -307,7 +317,10 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
     backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
     call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
-    without backward (:func:`has_backward`: fp8) has only the forward units."""
+    without backward (:func:`has_backward`: fp8) has only the forward units; a ``v_from_k``
+    spec none (its units are the decode family's)."""
+    if spec.v_from_k:
+        return {}
     fwd = plan_forward(spec, target, options)
     units = {"fwd": fwd}
     if has_backward(spec):

@@ -12,6 +12,9 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
+// The exponent of P = exp2(x - lse) capped at 0: a logit's exponent can exceed its row's lse by the rounding of
+// the lse (up to half a float spacing: 2^13 at logits near 1e11), which would make P inf instead of <= 1.
+__device__ __forceinline__ float p_arg(float d) { return d > 0.f ? 0.f : d; }
 // One arrival on the mbarrier `bar` once this thread's earlier cp.async copies have landed (.noinc: `bar`'s expected
 // count includes this arrival).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {

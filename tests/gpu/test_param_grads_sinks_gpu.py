@@ -148,9 +148,9 @@ def test_gpt_oss_training_step_on_cuda_matches_eager():
     transformers = pytest.importorskip("transformers")
     from flashgen.integrations import transformers as fg_hf
 
-    fg_hf.register("fg_sinks")  # a name without "flash" (gpt-oss redirects those)
+    fg_hf.register()
     losses, grads = {}, {}
-    for impl in ("eager", "fg_sinks"):
+    for impl in ("eager", "flashgen"):
         torch.manual_seed(3)
         cfg = transformers.GptOssConfig(
             vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
@@ -170,7 +170,7 @@ def test_gpt_oss_training_step_on_cuda_matches_eager():
         loss.backward()
         losses[impl] = loss.detach().float()
         grads[impl] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(losses["fg_sinks"], losses["eager"], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(losses["flashgen"], losses["eager"], rtol=2e-2, atol=2e-2)
     assert any(n.endswith("sinks") for n in grads["eager"])
     for n, g in grads["eager"].items():
-        _close(grads["fg_sinks"][n], g.double(), f"d{n}")
+        _close(grads["flashgen"][n], g.double(), f"d{n}")

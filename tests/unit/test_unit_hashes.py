@@ -80,6 +80,8 @@ def unit_sources() -> dict[str, str]:
 
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         spec = load_spec(path)
+        if spec.v_from_k:  # decode only (its units: tests/unit/test_decode_mla.py)
+            continue
         if reg.is_fp8(spec):  # forward only, the Hopper kernel only, never persistent
             for t in spec.targets:
                 for gpu in (None, GPU):
