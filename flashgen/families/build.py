@@ -102,11 +102,12 @@ def _forward_variant(
 
 def build_backward(
     spec, target: str, *, atomic_dq: bool = False, hopper: bool = False,
-    options: Options = DEFAULT,
+    ordered_dq: bool = False, options: Options = DEFAULT,
 ) -> tuple[BackwardPlan, object, object]:  # fmt: skip
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
     kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
-    :func:`~flashgen.families.hopper_bwd.plan`; when it spills (a score_mod or mask with more
+    :func:`~flashgen.families.hopper_bwd.plan` (``ordered_dq``: its deterministic form); when
+    it spills (a score_mod or mask with more
     math than the consumers' registers hold) or ptxas serialized its wgmma instructions
     (:attr:`flashgen.build.compile.CompileReport.wgmma_serialized`, which ``flashgen build``
     fails), the FA2-class unit ``atomic_dq`` selects (check
@@ -116,7 +117,7 @@ def build_backward(
     before the next tiles (``options.side_terms`` False: never).  Raises like
     :func:`build_forward`."""
     if hopper:
-        plan = registry.plan_hopper_backward(spec, target, options)
+        plan = registry.plan_hopper_backward(spec, target, options, ordered_dq=ordered_dq)
         cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
         if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
             return plan, cubin, report

@@ -21,7 +21,7 @@ from flashgen.families.bwd_common import (
 from flashgen.families.common import FAMILIES, MMA16_DTYPES, tile_group_expr
 from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
-from flashgen.frontend.ir import Spec
+from flashgen.frontend.ir import Causal, Spec
 
 #: The template this family renders.
 TEMPLATE = HOPPER_BWD_TEMPLATE
@@ -36,9 +36,13 @@ CONSUMER_REGS = 240
 @dataclass(frozen=True)
 class Options:
     """Knobs of the Hopper backward: ``head_groups`` (the CTAs take (batch, KV head) pairs in
-    L2 head groups; False: in order)."""
+    L2 head groups; False: in order); ``ordered_dq`` (a ``deterministic=True`` backward of a
+    spec :func:`ordered_eligible` accepts runs this kernel with dQ added in a fixed order,
+    :func:`plan`'s ``ordered_dq``, instead of the FA2-class deterministic kernels; not yet
+    the default: it has not run on a GPU)."""
 
     head_groups: bool = True
+    ordered_dq: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -57,6 +61,7 @@ class Context(BackwardContext):
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
+    ordered_dq: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -96,6 +101,18 @@ def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     )
 
 
+def ordered_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+    """Whether ``spec``'s backward on ``target`` can add dQ in a fixed order (``ordered_dq``):
+    :func:`eligible`, head_dim 64 or 128 (at 256 the consumers reduce dQ themselves), and no
+    mask or causal, so the key blocks that add into a query block are a prefix 0 .. n of
+    them (a residual mask's hull is not)."""
+    return (
+        eligible(spec, target, family)
+        and spec.head_dim <= 128
+        and (spec.mask is None or spec.mask == Causal())
+    )
+
+
 def plan(
     spec: Spec,
     target: str,
@@ -103,6 +120,7 @@ def plan(
     *,
     causal_bits: bool = False,
     options_key: str = "",
+    ordered_dq: bool = False,
 ) -> BackwardPlan:
     """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
     whose dK/dV kernel is FlashAttention-3's warp-specialized backward (Shah et al. 2024,
@@ -120,15 +138,24 @@ def plan(
     ``dq_accum``, built at launch from the named tensors.  head_dim 256 takes the split
     layout (:data:`~flashgen.families.tiles.HOPPER_BWD_TILES_SPLIT_D`, context ``split_d``):
     64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns, and whose consumers
-    add dQ with vector reductions (no room for the staging tiles).  ``causal_bits``: see
-    :func:`~flashgen.families.bwd_common.tile_classifier`.  Raises ``ValueError`` unless
-    :func:`eligible` (family "auto").
+    add dQ with vector reductions (no room for the staging tiles).  ``ordered_dq``: the
+    deterministic form (``Options.ordered_dq``): the dQ writer adds its tiles into a query
+    block only after the CTAs of every earlier key block have (a semaphore per (batch, query
+    head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
+    is bitwise reproducible; the kernels are named ``..._wgmma_ordered_*``.  ``causal_bits``:
+    see :func:`~flashgen.families.bwd_common.tile_classifier`.  Raises ``ValueError`` unless
+    :func:`eligible` (family "auto"), and for ``ordered_dq`` unless :func:`ordered_eligible`.
     """
     if not eligible(spec, target):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
             f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
             "tensor"
+        )
+    if ordered_dq and not ordered_eligible(spec, target):
+        raise ValueError(
+            f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 and "
+            "no mask or causal"
         )
     d = spec.head_dim
     rec = dtype(spec.dtype)
@@ -143,9 +170,10 @@ def plan(
            TmaArg("tma_v", "v", block_n), TmaArg("tma_do", "dout", block_m))  # fmt: skip
     if not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 rows
         tma += (TmaArg("tma_dq", "dq_accum", 64, box_cols=32, dtype="fp32"),)
-    dkdv_args = abi["dkdv_args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
+    dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
+    dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
-    base = f"flashgen_{spec.name}_bwd_{target}_wgmma"
+    base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits)
     ctx.update(
         atomic_dq=True,
@@ -168,6 +196,7 @@ def plan(
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
+        ordered_dq=ordered_dq,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

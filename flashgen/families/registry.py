@@ -35,12 +35,13 @@ CALLS = ("fwd", "sparse", "bwd", "blocktable", "decode")
 @dataclass(frozen=True)
 class Route:
     """What :func:`select` chose: the ``family`` name (a key of :data:`FAMILIES`), the Hopper
-    forward's ``persistent`` scheduler (False: none) and, for the FA2-class backward,
-    ``atomic_dq``."""
+    forward's ``persistent`` scheduler (False: none), for the FA2-class backward
+    ``atomic_dq``, for the Hopper backward ``ordered_dq`` (its deterministic form)."""
 
     family: str
     persistent: str | bool = False
     atomic_dq: bool = False
+    ordered_dq: bool = False
 
 
 def persistent_scheduler(spec: Spec, options: Options = DEFAULT) -> str | bool:
@@ -98,6 +99,12 @@ def select(
             sp = options.sparse_persistent
             persistent = False if sp == "off" else sp
         return Route("hopper_fwd", persistent=persistent)
+    if (
+        deterministic
+        and options.hopper_bwd.ordered_dq
+        and hopper_bwd.ordered_eligible(spec, target, options.family)
+    ):
+        return Route("hopper_bwd", atomic_dq=True, ordered_dq=True)
     if deterministic or options.atomic_dq is False:
         return Route("fa2_bwd")
     if hopper_bwd.eligible(spec, target, options.family):
@@ -259,13 +266,15 @@ def plan_backward(
     )  # fmt: skip
 
 
-def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) -> BackwardPlan:
-    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`).  Raises
-    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+def plan_hopper_backward(
+    spec: Spec, target: str, options: Options = DEFAULT, *, ordered_dq: bool = False
+) -> BackwardPlan:
+    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`; ``ordered_dq``: its
+    deterministic form).  Raises ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
     _require_backward(spec)
     return hopper_bwd.plan(
         spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
-        options_key=options.family_key("hopper_bwd"),
+        options_key=options.family_key("hopper_bwd"), ordered_dq=ordered_dq,
     )  # fmt: skip
 
 

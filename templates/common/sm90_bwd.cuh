@@ -30,6 +30,19 @@ __device__ __forceinline__ void tma_reduce_add_4d(const TmaDesc* map, uint32_t s
     asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, { %2, %3, %4, %5}], [%1];\n"
                  :: "l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// The ordered dQ's semaphores: an acquire load and a release store at GPU scope, and the fence between the
+// generic proxy (the semaphore) and the async proxy (the TMA reductions) on global memory.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Wait until at most N of this thread's bulk async-groups still read their shared-memory source.
 template <int N> __device__ __forceinline__ void bulk_wait_group_read() {

@@ -236,6 +236,52 @@ def test_dq_stores_land_in_tma_boxes():
     assert len(seen) == 64 * 64  # every fp32 element of the tile written once
 
 
+def test_ordered_dq_routes_deterministic_calls_under_its_option():
+    """``hopper_bwd.ordered_dq``: ``deterministic=True`` takes the Hopper kernel with dQ in a
+    fixed order (path "hopper_ordered") for head_dim 64/128 with no mask or causal; masks
+    with a hull, head_dim 256 and the option off keep the FA2-class deterministic kernels."""
+    on = DEFAULT.replace_path("hopper_bwd.ordered_dq", True)
+    assert backward_path(shipped("causal_d128"), "sm_90", True, on) == "hopper_ordered"
+    assert backward_path(shipped("gpt2_d64"), "sm_90", True, on) == "hopper_ordered"
+    assert backward_path(small(128, "fp16", False), "sm_90", True, on) == "hopper_ordered"
+    assert backward_path(shipped("causal_d128"), "sm_90", False, on) == "hopper"
+    assert backward_path(shipped("causal_d128"), "sm_90", True, DEFAULT) == "deterministic"
+    for name in ("mistral_swa", "bidir_d256"):
+        assert backward_path(shipped(name), "sm_90", True, on) == "deterministic"
+    assert backward_path(shipped("causal_d128"), "sm_80", True, on) == "deterministic"
+
+
+def test_ordered_dq_plan_and_render():
+    """The ordered form: its own kernel names, a ``dq_sem`` argument before the tensor maps,
+    the writer waiting on the semaphore with acquire and counting in with release after its
+    reductions completed; refused where the key blocks of a query block are no prefix."""
+    from flashgen.families import hopper_bwd
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped("causal_d128"), "sm_90", DEFAULT, ordered_dq=True)
+    assert plan.dkdv.kernel_name.endswith("_wgmma_ordered_dkdv")
+    names = [a.name for a in plan.dkdv.args]
+    assert names[names.index("dq_sem") + 1] == "tma_q"
+    src = render(plan.unit)
+    assert "fg::ld_acquire_gpu(sem) != n0 / BLOCK_N" in src
+    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
+    assert "fg::bulk_wait_group<0>();  // (head dim 64" in src
+    assert "dq_sem" not in render(plan_hopper_backward(shipped("causal_d128"), "sm_90").unit)
+    for spec in (shipped("mistral_swa"), shipped("bidir_d256")):
+        assert not hopper_bwd.ordered_eligible(spec, "sm_90")
+        with pytest.raises(ValueError, match="fixed order needs head_dim 64 or 128"):
+            reg_plan(spec, "sm_90", DEFAULT, ordered_dq=True)
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "gpt2_d64", "llama3_gqa", "alibi"])
+def test_ordered_dq_compiles_without_spills(requires_nvcc, name):
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped(name), "sm_90", DEFAULT, ordered_dq=True)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+
+
 def _ptx(plan, tmp_path) -> str:
     src = tmp_path / "u.cu"
     src.write_text(render(plan.unit))
