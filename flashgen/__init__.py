@@ -32,6 +32,7 @@ __all__ = [
     "AttentionOp",
     "Options",
     "merge_attention",
+    "apply_sink",
 ]
 
 _loaded: dict[tuple, AttentionOp] = {}
@@ -104,4 +105,8 @@ def __getattr__(name: str):
         from flashgen.ops.decode import merge_attention
 
         return merge_attention
+    if name == "apply_sink":
+        from flashgen.ops.sink import apply_sink
+
+        return apply_sink
     raise AttributeError(f"module 'flashgen' has no attribute {name!r}")

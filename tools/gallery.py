@@ -48,6 +48,8 @@ GALLERY = (
     "alibi",
     "gemma2_softcap",
     "mistral_swa",
+    "alibi_learned",
+    "gpt_oss_sink",
 )
 BASELINE = "causal_d128"
 #: Serving specs: listed after the measured ones with their spec text and what their decode

@@ -185,6 +185,8 @@ def flex_mods(
     value; tensor params (required) are float32/int64 tensors on the device of q.
     ``group``: query heads per KV head (``num_heads // num_heads_kv``; FlexAttention hands
     the mods the query head ``h``, and the DSL's ``h_kv`` is ``h // group``).
+    A spec's ``sink`` is no mod (FlexAttention's softmax has no extra logit): join it to
+    ``flex_attention(..., return_lse=True)``'s output with :func:`flashgen.apply_sink`.
     Raises ``ValueError`` for a missing tensor param or a ``group`` below 1.
     """
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:

@@ -96,6 +96,8 @@ def format_spec(spec: ir.Spec) -> str:
         "  softmax_scale  "
         + ("auto (1/sqrt(head_dim))" if spec.softmax_scale is None else repr(spec.softmax_scale)),
     ]
+    if spec.sink is not None:  # after score_mod: it joins each row's denominator
+        lines.insert(-1, f"  sink           {format_expr(spec.sink)}   : a logit per (b, h)")
     if spec.params:
         lines.append("  params")
         for p in spec.params:

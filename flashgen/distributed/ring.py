@@ -38,6 +38,14 @@ rank's rows, in the layout's order: :func:`shard_sequence`); those with a ``seql
 dim sharded like k and v, and they travel around the ring with K and V; other tensor
 params are passed whole on every rank.  A tensor param with both dims is refused.
 
+Param gradients: an f32 param that requires grad (a whole tensor, a q-sharded one, or a
+0-d scalar tensor) gets its gradient: each block's backward returns its share
+(:mod:`flashgen.ops.backward`), a q-sharded param's lands in this rank's rows, and the
+shares of a whole param or a scalar are summed over the ranks (one all-reduce each).  A
+k/v-sharded param that the score_mod reads and that requires grad is refused (its
+gradient would have to travel back around the ring).  A spec's sink joins the merged
+result once, at the end (:mod:`flashgen.ops.sink`).
+
 Before any work the ranks exchange their shapes and arguments (one small all-gather), so
 bad input -- ranks with different shapes, an odd ``S_local`` for zigzag, one rank
 refusing its arguments -- raises :class:`~flashgen.frontend.errors.OpInputError` on
@@ -53,11 +61,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashgen.analysis.derive import reads_param
 from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import kv_sharded_params, q_sharded_params
-from flashgen.ops.backward import backward_name
+from flashgen.ops.backward import backward_name, check_param_grad
 from flashgen.ops.decode import merge_attention
 from flashgen.ops.validation import (
     check_softmax_scale,
@@ -159,6 +168,13 @@ class _Plan:
     kv_tensors: dict  # tensor params sharded like k / v (travel with them)
     other_tensors: dict  # tensor params passed whole
     skip_ok: bool  # the host may skip pairs (mask reads neither b, h nor h_kv)
+    grad_params: dict  # name -> the tensor (a tensor param or a 0-d scalar) that requires grad
+
+    def param_grads(self) -> list[bool]:
+        """The backward op's ``param_grads`` flags (the offsets spec's params)."""
+        if not self.grad_params:
+            return []
+        return [p.name in self.grad_params for p in self.op.spec.params]
 
     @property
     def seqlen(self) -> int:
@@ -246,8 +262,19 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
         s_local = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
         pos = {"q_offset": 0, "kv_offset": 0, "seqlen_q_global": world * s_local,
                "seqlen_k_global": world * s_local}  # fmt: skip
-        scalars_l, tensors_l = resolve_params(spec, {**params, **pos})
+        scalar_grads: dict = {}
+        scalars_l, tensors_l = resolve_params(spec, {**params, **pos}, scalar_grads)
         tmap = off._tensor_map(tensors_l)
+        grad_params = dict(scalar_grads) if torch.is_grad_enabled() else {}
+        if torch.is_grad_enabled():
+            grad_params.update({n: t for n, t in tmap.items() if t.requires_grad})
+        for n in grad_params:
+            check_param_grad(spec, n)
+            if n in kv_sharded_params(spec) and reads_param(spec.score_mod, n):
+                raise OpInputError(
+                    f"{n}: requires_grad is set, but ring_attention does not differentiate a "
+                    "param sharded like k and v; pass it detached"
+                )
         dims = validate(spec, q, k, v, tmap)
         if dims.seqlen_k != dims.seqlen_q:
             raise OpInputError(
@@ -270,6 +297,7 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
             kv_tensors={n: t.contiguous() for n, t in tmap.items() if n in kn},
             other_tensors={n: t for n, t in tmap.items() if n not in qn | kn},
             skip_ok=not _reads_batch_or_head(spec),
+            grad_params={n: t for n, t in grad_params.items() if reads_param(spec.score_mod, n)},
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 -- raised after the exchange, on every rank
         error = e
@@ -318,7 +346,8 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
 
 def _describe(field: str) -> str:
     return {"layout": "layout", "mode": "mode", "op": "op", "group": "group",
-            "deterministic": "deterministic", "requires_grad": "q/k/v requires_grad",
+            "deterministic": "deterministic",
+            "requires_grad": "q/k/v requires_grad (1) + a param requires_grad (2)",
             "dtype": "q.dtype", "softmax_scale": "softmax_scale",
             "scalar params": "params (the spec's scalar params)",
             "tensor params": "params (the spec's tensor params passed whole, their shapes "
@@ -372,6 +401,8 @@ def _header(ok, q, k, v, layout, mode, op, group, deterministic, plan=None) -> l
 
     qd, kd, vd = dims(q, 4), dims(k, 4), dims(v, 4)
     grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    param_grad = plan is not None and bool(plan.grad_params)
+    grad = int(grad) + 2 * int(param_grad)  # a param's gradient is all-reduced: all or none
     return [
         int(ok), qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], vd[3],
         LAYOUTS.index(layout) if layout in LAYOUTS else -1,
@@ -411,7 +442,7 @@ def _forward_block(plan: _Plan, q, qseg, k, v, kseg, kv_tensors, o_acc, lse_acc)
     vb = v.narrow(2, kseg[0], kseg[1])
     o, lse = plan.op.attention(
         q.narrow(2, a, n), kb, vb, softmax_scale=plan.scale, deterministic=plan.deterministic,
-        **plan.params(qseg, kseg, kv_tensors),
+        apply_sink=False, **plan.params(qseg, kseg, kv_tensors),
     )  # fmt: skip
     oa, la = o_acc.narrow(2, a, n), lse_acc.narrow(2, a, n)
     mo, ml = merge_attention(oa, la, o.float(), lse)  # o_acc is float32
@@ -420,21 +451,30 @@ def _forward_block(plan: _Plan, q, qseg, k, v, kseg, kv_tensors, o_acc, lse_acc)
 
 
 def _backward_block(plan: _Plan, dout, q, o, lse, dlse, qseg, k, v, kseg, kv_tensors,
-                    dq_acc, dk_acc, dv_acc) -> None:  # fmt: skip
-    """Add the block's share of dq, dk, dv: the op's backward with the merged o and lse."""
+                    dq_acc, dk_acc, dv_acc, dp_acc) -> None:  # fmt: skip
+    """Add the block's share of dq, dk, dv and of the param gradients (``dp_acc``, by
+    name): the op's backward with the merged o and lse."""
     spec = plan.op.spec
     a, n = qseg[0], qseg[1]
     scalars, tensors = resolve_params(spec, plan.params(qseg, kseg, kv_tensors))
     bwd = getattr(torch.ops.flashgen, backward_name(spec))
-    dq, dk, dv = bwd(
+    args = (
         dout.narrow(2, a, n), q.narrow(2, a, n), k.narrow(2, kseg[0], kseg[1]),
         v.narrow(2, kseg[0], kseg[1]), o.narrow(2, a, n), lse.narrow(2, a, n).contiguous(),
         None if dlse is None else dlse.narrow(2, a, n).contiguous(), plan.scale,
         plan.deterministic, *scalars, *tensors,
     )  # fmt: skip
+    flags = plan.param_grads()
+    dq, dk, dv, dps = bwd(*args, param_grads=flags) if flags else bwd(*args)
     dq_acc.narrow(2, a, n).add_(dq)
     dk_acc.narrow(2, kseg[0], kseg[1]).add_(dk)
     dv_acc.narrow(2, kseg[0], kseg[1]).add_(dv)
+    names = [p.name for p, f in zip(spec.params, flags, strict=False) if f]
+    for name, g in zip(names, dps, strict=True):
+        acc = dp_acc[name]
+        if name in plan.q_tensors:  # this block's rows of a q-sharded param
+            acc = acc.narrow(spec.param(name).shape.index("seqlen_q"), a, n)
+        acc.add_(g)
 
 
 def _pairs(plan: _Plan, j: int):
@@ -473,8 +513,26 @@ def _ring_forward(plan: _Plan, q, k, v):
     return o_acc, lse_acc
 
 
+def _param_accumulators(plan: _Plan, device) -> dict:
+    """float32 zeros shaped like each param that requires grad (0-d for a scalar)."""
+    return {
+        n: torch.zeros(tuple(t.shape), dtype=torch.float32, device=device)
+        for n, t in plan.grad_params.items()
+    }
+
+
+def _reduce_params(plan: _Plan, dp: dict) -> dict:
+    """Sum the ranks' shares of each whole or scalar param's gradient (q-sharded ones are
+    this rank's rows already)."""
+    for n, g in dp.items():
+        if n not in plan.q_tensors and plan.world > 1:
+            dist.all_reduce(g, group=plan.group)
+    return dp
+
+
 def _ring_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dp = _param_accumulators(plan, q.device)
     names = list(plan.kv_tensors)
     kv = [k.contiguous(), v.contiguous(), *plan.kv_tensors.values()]
     incoming, dkv_reqs = None, []
@@ -489,7 +547,7 @@ def _ring_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
         tensors = dict(zip(names, kv[2:], strict=True))
         for qs, ks in _pairs(plan, j):
             _backward_block(plan, dout, q, o, lse, dlse, qs, kv[0], kv[1], ks, tensors, dq, dk,
-                            dv)  # fmt: skip
+                            dv, dp)  # fmt: skip
         if incoming is not None:  # dk, dv of block j from the ranks before this one
             _wait(dkv_reqs)
             dk += incoming[0]
@@ -500,7 +558,7 @@ def _ring_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
         if nxt is not None:
             kv = nxt
     _wait(dkv_reqs)
-    return dq, incoming[0], incoming[1]
+    return dq, incoming[0], incoming[1], _reduce_params(plan, dp)
 
 
 def _gather_kv(plan: _Plan, t, dim: int):
@@ -542,12 +600,14 @@ def _allgather_backward(plan: _Plan, dout, q, k, v, o, lse, dlse):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(fk.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(fv.shape, dtype=torch.float32, device=v.device)
+    dp = _param_accumulators(plan, q.device)
     for qs in plan.segs(plan.rank):
         k0, k1 = _span(plan, qs)
         if k1 > k0:
             _backward_block(plan, dout, q, o, lse, dlse, qs, fk, fv, (k0, k1 - k0, k0), full_t,
-                            dq, dk, dv)  # fmt: skip
-    return dq, _reduce_to_owner(plan, dk), _reduce_to_owner(plan, dv)
+                            dq, dk, dv, dp)  # fmt: skip
+    dk, dv = _reduce_to_owner(plan, dk), _reduce_to_owner(plan, dv)
+    return dq, dk, dv, _reduce_params(plan, dp)
 
 
 def _reduce_to_owner(plan: _Plan, full):
@@ -568,7 +628,8 @@ def _reduce_to_owner(plan: _Plan, full):
 # ----------------------------------------------------------------------------- autograd
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v):
+    def forward(ctx, plan: _Plan, q, k, v, *grad_params):
+        # grad_params: plan.grad_params' tensors, inputs here only for their gradients
         fwd = _ring_forward if plan.mode == "ring" else _allgather_forward
         o, lse = fwd(plan, q, k, v)
         o = o.to(q.dtype)
@@ -583,8 +644,9 @@ class _RingAttention(torch.autograd.Function):
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         bwd = _ring_backward if plan.mode == "ring" else _allgather_backward
-        dq, dk, dv = bwd(plan, grad_o.contiguous(), q, k, v, o, lse, grad_lse)
-        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq, dk, dv, dp = bwd(plan, grad_o.contiguous(), q, k, v, o, lse, grad_lse)
+        dparams = [dp[n].to(t.dtype) for n, t in plan.grad_params.items()]
+        return None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *dparams
 
 
 def ring_attention(
@@ -602,7 +664,8 @@ def ring_attention(
     ``2 * world_size``).  ``mode``: ``"ring"`` or ``"allgather"``.  ``group``: the process
     group (default: the world).  ``softmax_scale``, ``deterministic`` and ``params`` (the
     spec's params; tensor params sharded as the module docstring says) are as for
-    :meth:`~flashgen.ops.op.AttentionOp.attention`.
+    :meth:`~flashgen.ops.op.AttentionOp.attention`; an f32 param that requires grad gets
+    its gradient (module docstring).
 
     Returns o ``[B, Hq, S_local, Dv]`` in q's dtype and lse float32 ``[B, Hq, S_local]``
     (natural log), this rank's rows in the same layout.  A collective: every rank of the
@@ -617,4 +680,30 @@ def ring_attention(
     collective.
     """
     plan = _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params)
-    return _RingAttention.apply(plan, q, k, v)
+    o, lse = _RingAttention.apply(plan, q, k, v, *plan.grad_params.values())
+    spec = plan.op.spec
+    if spec.sink is None:
+        return o, lse
+    from flashgen.ops.sink import apply_sink, sink_logits
+
+    sink = sink_logits(spec, params, batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1],
+                       device=q.device, dtype=lse.dtype)  # fmt: skip
+    if sink.requires_grad and plan.world > 1:  # every rank's rows take the same sink
+        sink = _SumGradOverRanks.apply(sink, plan)
+    return apply_sink(o, lse, sink.unsqueeze(-1)), lse  # once, on the merged keys
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity whose backward sums the gradient over the ranks (a value every rank uses
+    for its own rows, like a whole param: the sink logits)."""
+
+    @staticmethod
+    def forward(ctx, x, plan: _Plan):
+        ctx.plan = plan
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.plan.group)
+        return g, None

@@ -50,6 +50,7 @@ OP_KEYWORDS = frozenset(
         "seqlen_k_global",
         "out",
         "deterministic",
+        "apply_sink",
         "softmax_scale",
         "block_mask",
         # with_kvcache's schema arguments and plan_decode's keywords (the decode ops are
@@ -478,6 +479,8 @@ class _Checker:
             raise self.fail(
                 start, f"score_mod must be a number (the new logit), got {typed.ty.value}"
             )
+        if field == "sink":
+            typed = self.sink(typed, start)
         if field == "mask" and _never_true(typed, self.spec):
             raise self.fail(
                 start,
@@ -485,6 +488,26 @@ class _Checker:
                 "and param value (every output row would be o = 0, lse = -inf)",
             )
         return typed
+
+    def sink(self, typed: Expr, start: ir.Span) -> Expr:
+        """A typed ``sink``: a number (read as f32) that reads no index variable but ``b``,
+        ``h``, ``h_kv`` (one logit per (batch, head) row group)."""
+        if typed.ty not in _NUMERIC:
+            raise self.fail(
+                start, f"sink must be a number (a logit per head, e.g. sinks[h]), got "
+                f"{typed.ty.value}"
+            )  # fmt: skip
+        for n in ir.walk(typed):
+            if isinstance(n, (Var, Causal)) and (
+                isinstance(n, Causal) or (n.name in ir.INDEX_VARS and n.name not in ir.SINK_VARS)
+            ):
+                what = "causal" if isinstance(n, Causal) else n.name
+                raise self.fail(
+                    n.span,
+                    f"sink may read only {', '.join(ir.SINK_VARS)} and params (one logit per "
+                    f"batch entry and head, e.g. sinks[h]), not '{what}'",
+                )
+        return typed  # an i32 sink is read as f32
 
     def names(self) -> list[str]:
         out = list(ir.INDEX_VARS) + [p.name for p in self.spec.params] + ["causal", "true", "false"]
@@ -729,7 +752,8 @@ def check_spec(spec: ir.Spec, *, locations: Mapping[str, ir.Span] | None = None)
     ck.fields()
     mask = ck.root(spec.mask, "mask")
     score_mod = ck.root(spec.score_mod, "score_mod")
-    checked = replace(spec, mask=mask, score_mod=score_mod)
+    sink = ck.root(spec.sink, "sink")
+    checked = replace(spec, mask=mask, score_mod=score_mod, sink=sink)
     for span, message in zero_divisors(checked):
         warnings.warn(SpecWarning(f"{span.file}:{span.line}:{span.col}: warning: {message}"),
                       stacklevel=2)  # fmt: skip

@@ -51,6 +51,8 @@ INDEX_VARS: dict[str, Ty] = {
 }
 #: Only visible inside ``score_mod``: the scaled logit ``softmax_scale * q.k``.
 SCORE_VAR = "score"
+#: The index variables a ``sink`` expression may read: one sink logit per (batch, head).
+SINK_VARS = ("b", "h", "h_kv")
 #: Functions of the DSL: name -> number of arguments.
 FUNCTIONS: dict[str, int] = {
     "abs": 1,
@@ -191,6 +193,10 @@ class Spec:
     ``source`` is the spec file's text, hashed into cache keys.
     ``varlen``: the op takes packed q/k/v ``[total, H, D]`` with ``cu_seqlens_q/k`` and
     ``max_seqlen_q/k`` (see :mod:`flashgen.ops.varlen`); index variables are per sequence.
+    ``sink``: an attention sink logit per (batch, head) (f32, e.g. ``sinks[h]``; ``None``
+    without one; gpt-oss): it joins every row's softmax denominator and nothing else,
+    ``o = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink))``, in the units of the scaled
+    logits; it reads only ``b``, ``h``, ``h_kv`` and params (:data:`SINK_VARS`).
     """
 
     name: str
@@ -208,6 +214,7 @@ class Spec:
     #: the values are the first head_dim_v columns of the keys (MLA's one latent cache):
     #: decode only (op.with_kvcache), no prefill, varlen or backward; num_heads_kv 1
     v_from_k: bool = False
+    sink: Expr | None = None  # a sink logit per (batch, head): joins each row's denominator
     path: str = "<string>"
     source: str = field(default="", compare=False)
 

@@ -54,7 +54,8 @@ class SpecKey:
     ``"top_left"`` (``torch.nn.functional.scaled_dot_product_attention``'s ``is_causal``).
     ``window_left`` / ``window_right``: a finite left / right window bound (the params
     ``window_left`` / ``window_right``, FlashAttention's ``window_size``).  ``softcap``: the
-    param ``softcap``; ``alibi``: the tensor param ``slopes [batch, num_heads]``."""
+    param ``softcap``; ``alibi``: the tensor param ``slopes [batch, num_heads]``; ``sink``:
+    ``sink: sinks[h]`` with the tensor param ``sinks [num_heads]`` (gpt-oss)."""
 
     head_dim: int
     head_dim_v: int
@@ -64,6 +65,7 @@ class SpecKey:
     window_right: bool = False
     softcap: bool = False
     alibi: bool = False
+    sink: bool = False
 
     @property
     def name(self) -> str:
@@ -71,7 +73,7 @@ class SpecKey:
         parts = [f"fgi_d{self.head_dim}{dv}", self.dtype, {"none": "full", "bottom_right": "causal",
                  "top_left": "causaltl"}[self.causal]]  # fmt: skip
         flags = (("wl", self.window_left), ("wr", self.window_right), ("softcap", self.softcap),
-                 ("alibi", self.alibi))  # fmt: skip
+                 ("alibi", self.alibi), ("sink", self.sink))  # fmt: skip
         parts += [n for n, on in flags if on]
         return "_".join(parts)
 
@@ -100,6 +102,8 @@ class SpecKey:
             params.append("  softcap: {type: f32, default: 1.0, above: 0}")
         if self.alibi:
             params.append("  slopes: {type: f32, shape: [batch, num_heads]}")
+        if self.sink:
+            params.append("  sinks: {type: f32, shape: [num_heads]}")
         lines = [
             f"name: {self.name}",
             "description: built by flashgen.integrations for a call of this shape",
@@ -110,6 +114,8 @@ class SpecKey:
         ]
         if score != "score":
             lines.append(f"score_mod: '{score}'")
+        if self.sink:
+            lines.append("sink: sinks[h]")
         if params:
             lines += ["params:", *params]
         return "\n".join(lines) + "\n"

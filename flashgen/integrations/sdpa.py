@@ -216,4 +216,4 @@ def sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, 
     impl = op.backward.cuda if q.is_cuda else op.backward.cpu
     deterministic = torch.are_deterministic_algorithms_enabled()
     with torch.no_grad():
-        return impl(dout, q, k, v, o, logsumexp, None, float(scale), deterministic)
+        return impl(dout, q, k, v, o, logsumexp, None, float(scale), deterministic)[:3]

@@ -15,11 +15,10 @@ cached per (head dims, dtype, causal, window, softcap); window sizes and the sof
 are op params): ``is_causal`` (bottom-right causal), ``sliding_window`` (a causal layer
 keeps the last ``sliding_window`` keys, FlashAttention's ``window_size=(w - 1, 0)``;
 non-causal ``(w - 1, w - 1)``, as transformers' FlashAttention path), ``softcap``
-(Gemma 2), ``scaling``; GQA k/v go in unexpanded.  Attention sinks (``s_aux``, gpt-oss)
-are not a spec construct (the DSL cannot add a logit column), but they are exact from the
-op's lse: with a sink logit ``s`` per head, ``o' = o * sigmoid(lse - s)`` (the sink takes
-``exp(s) / (exp(lse) + exp(s))`` of the mass and contributes no value), differentiable in
-q, k, v and ``s``.
+(Gemma 2), ``scaling``; GQA k/v go in unexpanded.  Attention sinks (``s_aux``, gpt-oss's
+per-head ``sinks``) are the spec's ``sink: sinks[h]`` (:mod:`flashgen.ops.sink`), in training
+(differentiable in q, k, v and the sinks) and in generation (gpt-oss keeps the name
+"flashgen": :func:`_keep_the_name`).
 
 Padding (a 2-D ``attention_mask``) and packed batches (``cu_seq_lens_q/k`` with
 ``max_length_q/k``, or ``position_ids`` that restart in a batch of one) run the varlen op
@@ -105,7 +104,7 @@ def _keep_the_name() -> None:
     fails offline, and another library's kernels in any case.  This wraps
     ``PreTrainedModel._check_and_adjust_attn_implementation`` (once) so that for a name
     :func:`register` registered the model's list is out of sight during the check: the
-    model keeps flashgen's implementation (sinks go through ``s_aux``, see the module doc).
+    model keeps flashgen's implementation (``s_aux`` is the spec's sink, see the module doc).
     Other names are checked as before."""
     from transformers.modeling_utils import PreTrainedModel
 
@@ -132,13 +131,14 @@ def _keep_the_name() -> None:
     PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
-def _spec_key(query, value, is_causal: bool, window: tuple, softcap: bool) -> SpecKey:
+def _spec_key(query, value, is_causal: bool, window: tuple, softcap: bool,
+              sink: bool = False) -> SpecKey:  # fmt: skip
     check_head_dims(query.shape[-1], value.shape[-1], "query")
     return SpecKey(
         head_dim=query.shape[-1], head_dim_v=value.shape[-1],
         dtype=spec_dtype(query.dtype, "query", query.device.type),
         causal="bottom_right" if is_causal else "none", window_left=window[0] is not None,
-        window_right=window[1] is not None, softcap=softcap,
+        window_right=window[1] is not None, softcap=softcap, sink=sink,
     )  # fmt: skip
 
 
@@ -207,7 +207,7 @@ def flashgen_attention_forward(
         w = int(sliding_window) - 1
         window = (w, None) if is_causal else (w, w)
     softcap = check_softcap(softcap)  # 0 = off, as flash_attn_func; NaN / inf / < 0 raise
-    key_ = _spec_key(query, value, is_causal, window, softcap is not None)
+    key_ = _spec_key(query, value, is_causal, window, softcap is not None, s_aux is not None)
     op = op_for(key_)
     params = {}
     if window[0] is not None:
@@ -216,6 +216,8 @@ def flashgen_attention_forward(
         params["window_right"] = window[1]
     if softcap is not None:
         params["softcap"] = float(softcap)
+    if s_aux is not None:
+        params["sinks"] = s_aux
     b, hq, sq, _ = query.shape
     sk = key.shape[2]
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -224,9 +226,7 @@ def flashgen_attention_forward(
         cu_q = cu_k = _packed_from_positions(kwargs.get("position_ids"), b * sq)
         max_q = max_k = None
     if attention_mask is None and cu_q is None:  # one sequence per batch entry
-        o, lse = op.attention(query, key, value, softmax_scale=scaling, **params)
-        if s_aux is not None:
-            o = o * torch.sigmoid(lse - s_aux.view(1, hq, 1).float()).unsqueeze(-1).to(o.dtype)
+        o, _ = op.attention(query, key, value, softmax_scale=scaling, **params)
         return o.transpose(1, 2), None
     qt, kt, vt = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D) views
     idx_q = None
@@ -246,9 +246,7 @@ def flashgen_attention_forward(
         cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
         max_q = int(cu_q.diff().max()) if max_q is None else int(max_q)
         max_k = int(cu_k.diff().max()) if max_k is None else int(max_k)
-    o, lse = op.varlen(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, **params)
-    if s_aux is not None:  # lse [Hq, total_q]
-        o = o * torch.sigmoid(lse - s_aux.view(hq, 1).float()).t().unsqueeze(-1).to(o.dtype)
+    o, _ = op.varlen(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, **params)
     if idx_q is not None:
         full = o.new_zeros((b * sq, hq, o.shape[-1]))
         o = full.index_copy(0, idx_q, o)

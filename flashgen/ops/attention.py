@@ -69,13 +69,14 @@ from flashgen.ops.calls import (
 )
 from flashgen.ops.out_arg import check_out
 from flashgen.ops.validation import (
-    PARAM_DTYPE,
+    CPU_DTYPES,
     Dims,
     _poison_enabled,
     check_descales,
     check_softmax_scale,
     default_softmax_scale,
     is_scaled,
+    lse_dtype,
     out_dtype,
     resolve_descales,
     resolve_params,
@@ -245,25 +246,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.spec.params)
 
-    def attention(
-        self,
-        q,
-        k,
-        v,
-        *,
-        softmax_scale: float | None = None,
-        deterministic: bool = False,
-        block_mask=None,
-        q_offset: int | None = None,
-        kv_offset: int | None = None,
-        seqlen_q_global: int | None = None,
-        seqlen_k_global: int | None = None,
-        out=None,
-        q_descale=None,
-        k_descale=None,
-        v_descale=None,
-        **params,
-    ):
+    def attention(self, q, k, v, *, apply_sink: bool = True, out=None, **kwargs):
         """Run the attention variant: returns ``(o, lse)``.
 
         q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] in the spec's dtype on
@@ -319,6 +302,21 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``q_offset + Sq`` and ``kv_offset + Sk``.  Used by
         :func:`flashgen.distributed.ring_attention`.
 
+        Gradients: q, k, v, and each f32 param the score_mod reads, whether a tensor or a
+        0-d CPU scalar tensor (``requires_grad=True``): ``dparam[idx]`` is the sum over
+        (b, h, q_idx, kv_idx) of dS times the derivative of the score_mod with respect to
+        ``param[idx]`` (:mod:`flashgen.ops.backward`; CPU tensors, float64 included, so
+        ``torch.autograd.gradcheck`` runs on the op).  An i32 param or one only the mask
+        reads has no gradient: requiring one raises :class:`OpInputError` naming it.
+
+        A spec with a ``sink`` (:mod:`flashgen.ops.sink`): o has the sink joined to every
+        row's denominator and lse is the log-sum-exp of the keys alone.  ``apply_sink=False``
+        returns the attention over the keys alone (o normalized without the sink), for
+        partial results merged with :func:`flashgen.merge_attention`; apply the sink once
+        at the end with :func:`flashgen.ops.sink.apply_sink`.  (The operator
+        ``torch.ops.flashgen.<name>`` computes the keys alone; this method applies the
+        sink, differentiably, so the sink's params get their gradient too.)
+
         Raises :class:`OpInputError` for bad inputs (message names the argument, the
         expected and the received value).
 
@@ -327,6 +325,62 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         torch-function or dispatch mode, a functorch transform, with tensor subclasses or
         CPU tensors this calls ``torch.ops.flashgen.<name>``.
         """
+        return self._with_sink(self._attention, (q, k, v), q, k, None, apply_sink, out, kwargs)
+
+    def _with_sink(self, run, args, q, k, cu_seqlens_q, apply_sink, out, kwargs):
+        """``run(*args, out=out, **kwargs)`` (the attention over the keys alone), with the
+        spec's sink applied to o (module :mod:`flashgen.ops.sink`) unless ``apply_sink`` is
+        False.  ``cu_seqlens_q``: a varlen call's (the sink is per sequence)."""
+        if not isinstance(apply_sink, bool):
+            raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
+        if self.spec.sink is None or not apply_sink:
+            return run(*args, out=out, **kwargs)
+        from flashgen.ops.sink import apply_sink as join
+        from flashgen.ops.sink import sink_logits, varlen_rows
+
+        grad = torch.is_grad_enabled()
+        o, lse = run(*args, out=None if grad else out, **kwargs)
+        if grad and out is not None:  # checked as the operator's out is, then copied into
+            tmap = {p.name: kwargs.get(p.name) for p in self.spec.tensor_params}
+            self._check_out_arg(out, q, k, args[2], validate(self.spec, q, k, args[2], tmap),
+                                tmap)  # fmt: skip
+        names = {p.name for p in self.spec.params}
+        params = {n: t for n, t in kwargs.items() if n in names}
+        heads_q, heads_kv = q.shape[1], k.shape[1]  # [B, H, S, D] and [total, H, D] alike
+        if cu_seqlens_q is None:
+            sink = sink_logits(self.spec, params, batch=q.shape[0], heads_q=heads_q,
+                               heads_kv=heads_kv, device=q.device, dtype=lse.dtype)  # fmt: skip
+            o_sunk = join(o, lse, sink.unsqueeze(-1))
+        else:
+            sink = sink_logits(self.spec, params, batch=cu_seqlens_q.numel() - 1,
+                               heads_q=heads_q, heads_kv=heads_kv, device=q.device,
+                               dtype=lse.dtype)  # fmt: skip
+            rows = varlen_rows(sink, cu_seqlens_q, lse.shape[1])
+            o_sunk = join(o.transpose(0, 1), lse, rows).transpose(0, 1)
+        if out is None:
+            return o_sunk, lse
+        return out.copy_(o_sunk), lse
+
+    def _attention(
+        self,
+        q,
+        k,
+        v,
+        *,
+        softmax_scale: float | None = None,
+        deterministic: bool = False,
+        block_mask=None,
+        q_offset: int | None = None,
+        kv_offset: int | None = None,
+        seqlen_q_global: int | None = None,
+        seqlen_k_global: int | None = None,
+        out=None,
+        q_descale=None,
+        k_descale=None,
+        v_descale=None,
+        **params,
+    ):
+        """:meth:`attention` over the keys alone (no sink applied)."""
         self._check_live()
         if self._offsets_form or not (
             q_offset is None and kv_offset is None and seqlen_q_global is None
@@ -336,13 +390,14 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
             pos = offsets_values(q, k, q_offset, kv_offset, seqlen_q_global, seqlen_k_global)
             if not self._offsets_form:
-                return self.offsets.attention(
+                return self.offsets._attention(
                     q, k, v, softmax_scale=softmax_scale, deterministic=deterministic,
                     block_mask=block_mask, out=out, q_descale=q_descale, k_descale=k_descale,
                     v_descale=v_descale, **pos, **params,
                 )  # fmt: skip
             params = {**params, **pos}
-        scalars, tensors = resolve_params(self.spec, params)
+        scalar_grads: dict = {}
+        scalars, tensors = resolve_params(self.spec, params, scalar_grads)
         tensor_map = self._tensor_map(tensors)
         dims = validate(self.spec, q, k, v, tensor_map)
         descales = None
@@ -359,8 +414,15 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             table = self._block_mask_table(block_mask, q, dims, scalars)
         if out is not None:
             check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensor_map})
+        if scalar_grads:  # a float in the schema: autograd of the op cannot see it
+            extra = [table] if self._block_table else []
+            o, lse = ScalarParamGrad.apply(
+                self, (q, k, v, softmax_scale, *scalars, *tensors, *extra), deterministic,
+                tuple(scalar_grads), q, k, v, *tensors, *scalar_grads.values(),
+            )  # fmt: skip
+            return (o, lse) if out is None else (out.copy_(o), lse)
         if _eager_cuda(q, k, v):
-            param_grad = any(t.requires_grad for t in tensors)  # refused by the op path
+            param_grad = any(t.requires_grad for t in tensors)  # the op path's autograd
             if not torch.is_grad_enabled() or not (
                 q.requires_grad or k.requires_grad or v.requires_grad or param_grad
             ):
@@ -432,11 +494,11 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         """``(o, lse)`` to fill: o is ``out`` when given (checked by the caller)."""
         o = out if out is not None else torch.empty(
             (dims.batch, dims.heads_q, dims.seqlen_q, dims.head_dim_v),
-            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
+            dtype=q.dtype if q.dtype in CPU_DTYPES else out_dtype(self.spec),
             device=q.device,
         )  # fmt: skip
         lse = torch.empty(
-            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32, device=q.device
+            (dims.batch, dims.heads_q, dims.seqlen_q), dtype=lse_dtype(q.dtype), device=q.device
         )
         return o, lse
 
@@ -457,7 +519,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
         """The blocked CPU forward (:mod:`flashgen.ops.cpu_attention`), in float32; an fp8 op
         first dequantizes q, k, v with their descales (:func:`flashgen.fp8.dequantize`)."""
-        from flashgen.ops.cpu_attention import attention_blocked
+        from flashgen.ops.cpu_attention import attention_blocked, cpu_params
 
         descales, rest = self._descales_split(rest)
         scalars, tensors = self._split(rest)
@@ -474,8 +536,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             from flashgen.fp8 import dequantize
 
             q, k, v = (dequantize(t, d) for t, d in zip((q, k, v), descales, strict=True))
-        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
-        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
+        params = cpu_params(self.spec, scalars, tensors, q.dtype)
         ref_o, ref_lse = attention_blocked(
             self.spec, q, k, v, softmax_scale=softmax_scale, params=params
         )
@@ -619,3 +680,38 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         dq, dk, dv = ctx.op.backward.backward(ctx, grad_o, grad_lse)[:3]
         return (None,) * 8 + (dq, dk, dv)
+
+
+class ScalarParamGrad(torch.autograd.Function):
+    """Autograd node of a call where a 0-d scalar param tensor requires grad (the schema
+    takes scalars as floats, so the op's own autograd cannot reach it): the forward calls
+    the operator with the scalars as numbers; the backward is one call of the backward op
+    with the flags of those scalars and of the tensor params that require grad."""
+
+    @staticmethod
+    def forward(ctx, op, inputs, deterministic, scalar_names, q, k, v, *tensors):
+        # inputs: the operator's positional arguments; tensors: its tensor params, then the
+        # 0-d tensors of ``scalar_names`` (tracked here only for their gradients)
+        o, lse = op.torch_op(*inputs, deterministic=deterministic)
+        op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
+        from flashgen.ops.backward import param_grad_flags
+
+        n_t = len(op.spec.tensor_params)
+        want = {p.name: True for p, t in zip(op.spec.tensor_params, tensors[:n_t], strict=True)
+                if t.requires_grad}  # fmt: skip
+        want.update(dict.fromkeys(scalar_names, True))
+        ctx.param_grads = param_grad_flags(op.spec, want)
+        ctx.op, ctx.scalar_names = op, scalar_names
+        ctx.scalar_dtypes = [t.dtype for t in tensors[n_t:]]
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        op = ctx.op
+        dq, dk, dv, dparams = op.backward.grads(ctx, grad_o, grad_lse)
+        tensor_grads = [dparams.get(p.name) for p in op.spec.tensor_params]
+        scalar_grads = [
+            None if dparams.get(n) is None else dparams[n].to(dt)
+            for n, dt in zip(ctx.scalar_names, ctx.scalar_dtypes, strict=True)
+        ]
+        return (None, None, None, None, dq, dk, dv, *tensor_grads, *scalar_grads)

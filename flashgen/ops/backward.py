@@ -38,9 +38,22 @@ schema argument works the same in eager mode, under ``torch.compile(fullgraph=Tr
 in ``torch.library.opcheck`` (a thread-local or context variable would not be traced).
 
 The forward op's ``register_autograd`` calls it.  A gradient of ``lse`` folds into the row
-term: dS = P * (dP - (dsum - dlse)).  Tensor params (ALiBi slopes, bias tables) get no
-gradient: if one requires grad the forward raises ``NotImplementedError`` naming it, so
-no gradient is ever silently zero.
+term: dS = P * (dP - (dsum - dlse)).
+
+Param gradients: the backward op's keyword-only ``bool[] param_grads`` (one flag per spec
+param, spec order; empty: none) asks for ``dparam[idx] = sum over (b, h, q_idx, kv_idx) of
+dS * d score_mod / d param[idx]`` (:func:`flashgen.analysis.derive.param_grad_terms`); the
+op returns them as its fourth output, a list with one tensor per flag set (the param's
+shape, 0-d for a scalar).  Autograd sets a tensor param's flag when it requires grad; a
+0-d scalar tensor that requires grad goes through :class:`ScalarParamGrad`
+(:meth:`~flashgen.ops.attention.AttentionOp.attention`).  A param with no gradient (i32,
+or read only by the mask: :func:`flashgen.analysis.derive.grad_refusal`) that requires grad
+is refused when the forward is called (:class:`~flashgen.frontend.errors.OpInputError`
+naming it), so no gradient is ever silently zero.  The CPU op computes them
+(:mod:`flashgen.ops.cpu_attention`).  The CUDA backward kernels do not accumulate them yet:
+a CUDA backward that needs one runs that module's blocked backward on the GPU instead
+(:func:`cuda_param_backward`; correct, slower than the kernels, with a
+:class:`ParamGradFallbackWarning` once per op).
 """
 
 from __future__ import annotations
@@ -50,11 +63,13 @@ import warnings
 
 import torch
 
+from flashgen.analysis.derive import grad_refusal, reads_param
 from flashgen.codegen.abi import needs_block_table
 from flashgen.families import registry
+from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
 from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
-from flashgen.ops.validation import _SCHEMA_TYPE, PARAM_DTYPE, target_for_device, validate
+from flashgen.ops.validation import _SCHEMA_TYPE, target_for_device, validate
 from flashgen.options import DEFAULT, Options
 
 
@@ -88,9 +103,15 @@ def backward_name(spec: Spec) -> str:
     return f"{spec.name}__backward"
 
 
+#: The backward ops' keyword-only tail and outputs: dq, dk, dv and the requested param
+#: gradients (module docstring).
+BACKWARD_TAIL = "*, bool[] param_grads=[]) -> (Tensor, Tensor, Tensor, Tensor[])"
+
+
 def backward_schema(spec: Spec) -> str:
     """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
-    softmax_scale, bool deterministic, Tensor slopes) -> (Tensor, Tensor, Tensor)``."""
+    softmax_scale, bool deterministic, Tensor slopes, *, bool[] param_grads=[]) -> (Tensor,
+    Tensor, Tensor, Tensor[])``."""
     args = [
         "Tensor dout",
         "Tensor q",
@@ -104,7 +125,7 @@ def backward_schema(spec: Spec) -> str:
     ]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
-    return f"{backward_name(spec)}({', '.join(args)}) -> (Tensor, Tensor, Tensor)"
+    return f"{backward_name(spec)}({', '.join(args)}, {BACKWARD_TAIL}"
 
 
 def _grads_like(q, k, v, fill_zero: bool):
@@ -112,18 +133,89 @@ def _grads_like(q, k, v, fill_zero: bool):
     return tuple(make(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-def refuse_tensor_param_grads(spec: Spec, tensors) -> None:
-    """Raise ``NotImplementedError`` (at autograd setup, before any backward runs) if a
-    tensor param of ``spec`` requires grad: its gradient is not computed, and a silent zero
-    would be wrong.  ``tensors``: the op's tensor-param inputs, in ``spec.tensor_params``
-    order."""
-    for p, t in zip(spec.tensor_params, tensors, strict=True):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise NotImplementedError(
-                f"flashgen::{spec.name}: gradients with respect to tensor param "
-                f"'{p.name}' are not supported yet; pass {p.name}.detach() to train "
-                f"only q, k and v"
-            )
+def wanted(spec: Spec, param_grads) -> tuple[str, ...]:
+    """The names whose flag is set in a backward op's ``param_grads`` (spec order; empty:
+    none); ``OpInputError`` for a list of the wrong length or a param without a gradient."""
+    if not param_grads:
+        return ()
+    if len(param_grads) != len(spec.params):
+        raise OpInputError(
+            f"param_grads: expected {len(spec.params)} flags (one per param of "
+            f"{spec.name!r}, spec order), got {len(param_grads)}"
+        )
+    names = tuple(p.name for p, f in zip(spec.params, param_grads, strict=True) if f)
+    for n in names:
+        check_param_grad(spec, n)
+    return names
+
+
+def check_param_grad(spec: Spec, name: str) -> None:
+    """:class:`OpInputError` naming param ``name`` when it has no gradient
+    (:func:`flashgen.analysis.derive.grad_refusal`)."""
+    why = grad_refusal(spec, name)
+    if why is not None:
+        raise OpInputError(
+            f"{name}: requires_grad is set, but in flashgen::{spec.name} {why}; pass "
+            f"{name}.detach()"
+        )
+
+
+def param_grad_flags(spec: Spec, requires: dict) -> list[bool]:
+    """The ``param_grads`` flags of a backward for the params named in ``requires`` (those
+    whose input requires grad), each checked (:func:`check_param_grad`): set for those the
+    score_mod reads (a param read only by the sink gets its gradient through
+    :func:`flashgen.ops.sink.apply_sink`'s autograd)."""
+    for n in requires:
+        check_param_grad(spec, n)
+    flagged = [n for n in requires if reads_param(spec.score_mod, n)]
+    return [p.name in flagged for p in spec.params] if flagged else []
+
+
+class ParamGradFallbackWarning(RuntimeWarning):
+    """A CUDA backward computed param gradients with the blocked torch backward
+    (:func:`cuda_param_backward`) because the kernels do not accumulate them yet."""
+
+
+_WARNED: set[str] = set()
+
+
+def cuda_param_backward(spec: Spec, run, names) -> tuple:
+    """``run()`` (the blocked backward of :mod:`flashgen.ops.cpu_attention` on CUDA tensors:
+    dq, dk, dv and ``{param: gradient}``) as the backward op's outputs, warning once per op
+    that the kernels were not used."""
+    if spec.name not in _WARNED:
+        _WARNED.add(spec.name)
+        warnings.warn(
+            f"flashgen op {spec.name!r}: the CUDA backward kernels do not accumulate param "
+            f"gradients yet ({', '.join(names)}); this backward runs the blocked torch "
+            f"backward (flashgen/ops/cpu_attention.py) on the GPU: correct, slower",
+            ParamGradFallbackWarning,
+            stacklevel=3,
+        )
+    dq, dk, dv, dparams = run()
+    return dq, dk, dv, [dparams[n] for n in names]
+
+
+def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
+    """:func:`param_grad_flags` for the op's tensor-param inputs ``tensors``
+    (``spec.tensor_params`` order) that require grad."""
+    req = {
+        p.name: True
+        for p, t in zip(spec.tensor_params, tensors, strict=True)
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    }
+    return param_grad_flags(spec, req)
+
+
+def param_grad_outputs(spec: Spec, flags, dparams, inputs: dict) -> dict:
+    """``{name: gradient}`` from a backward op's fourth output ``dparams`` (one tensor per
+    set flag), each cast to the dtype of its input in ``inputs`` (by name)."""
+    names = [p.name for p, f in zip(spec.params, flags, strict=False) if f]
+    out = {}
+    for n, g in zip(names, dparams, strict=True):
+        t = inputs.get(n)
+        out[n] = g.to(t.dtype) if isinstance(t, torch.Tensor) else g
+    return out
 
 
 class Backward:
@@ -136,27 +228,42 @@ class Backward:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ op impls
-    def fake(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
-        return _grads_like(q, k, v, fill_zero=False)
+    def fake(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
+             param_grads=()):  # fmt: skip
+        scalars, tensors = self.op._split(rest)
+        return (*_grads_like(q, k, v, fill_zero=False),
+                self._empty_param_grads(param_grads, tensors, q))  # fmt: skip
 
-    def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+    def _empty_param_grads(self, param_grads, tensors: dict, q) -> list:
+        """Uninitialized tensors shaped like the requested param gradients (fake impls)."""
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return [
+            torch.empty(tuple(tensors[n].shape) if n in tensors else (), dtype=dt,
+                        device=q.device)
+            for n in wanted(self.spec, param_grads)
+        ]  # fmt: skip
+
+    def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
+            param_grads=()):  # fmt: skip
         """The blocked CPU backward (:mod:`flashgen.ops.cpu_attention`: each query chunk's
-        float32 forward recomputed under autograd, P taken against the saved ``lse`` and the
-        row term from the saved ``o``, as the kernels do); dq, dk, dv in the input dtype
-        (the same for either ``deterministic``)."""
-        from flashgen.ops.cpu_attention import attention_blocked_backward
+        forward recomputed under autograd, P taken against the saved ``lse`` and the row
+        term from the saved ``o``, as the kernels do); dq, dk, dv in the input dtype (the
+        same for either ``deterministic``) and the requested param gradients (float32,
+        float64 for float64 inputs)."""
+        from flashgen.ops.cpu_attention import attention_blocked_backward, cpu_params
+
         scalars, tensors = self.op._split(rest)
         validate(self.spec, q, k, v, tensors)
-        if q.numel() == 0 or k.numel() == 0:
-            return _grads_like(q, k, v, fill_zero=True)
-        params = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
-        params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in tensors.items()})
-        return attention_blocked_backward(
+        names = wanted(self.spec, param_grads)
+        params = cpu_params(self.spec, scalars, tensors, q.dtype)
+        dq, dk, dv, dparams = attention_blocked_backward(
             self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params, o=o,
-            lse=lse,
-        )
+            lse=lse, param_grads=names,
+        )  # fmt: skip
+        return dq, dk, dv, [dparams[n] for n in names]
 
-    def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest):
+    def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
+             param_grads=()):  # fmt: skip
         """The backward kernels on the current stream of q's device: (pre, dkdv, dq), or
         (pre, dkdv with atomic dQ, convert) on the atomic and Hopper paths
         (:func:`backward_path`).
@@ -166,8 +273,17 @@ class Backward:
         fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
+        names = wanted(self.spec, param_grads)
+        if names:
+            from flashgen.ops.cpu_attention import attention_blocked_backward, cpu_params
+
+            params = cpu_params(self.spec, scalars, tensors, q.dtype)
+            return cuda_param_backward(self.spec, lambda: attention_blocked_backward(
+                self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params,
+                o=o, lse=lse, param_grads=names,
+            ), names)  # fmt: skip
         if q.numel() == 0 or k.numel() == 0:
-            return _grads_like(q, k, v, fill_zero=True)
+            return (*_grads_like(q, k, v, fill_zero=True), [])
         target = target_for_device(self.spec, q.device)
         path = backward_path(self.spec, target, deterministic, self.op.options)
         plan, pre, dkdv, last = self.kernels(q.device, path=path)
@@ -198,7 +314,7 @@ class Backward:
             dsum.sub_(dlse)
         dkdv.launch(grids["dkdv"], values, stream)
         last.launch(grids["convert" if atomic else "dq"], values, stream)
-        return dq, dk, dv
+        return dq, dk, dv, []
 
     def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None):
         """(BackwardPlan, pre, dkdv, dq) loaded on ``device`` -- (BackwardPlan, pre,
@@ -252,33 +368,34 @@ class Backward:
             rest = rest[:-1]
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
-        refuse_tensor_param_grads(self.spec, tensors)
+        ctx.param_grads = tensor_param_grads(self.spec, tensors)
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, *tensors)
         ctx.softmax_scale = softmax_scale
         ctx.scalars = list(rest[:n])
         ctx.deterministic = bool((keyword_only_inputs or {}).get("deterministic", False))
 
-    def backward(self, ctx, grad_o, grad_lse):
+    def grads(self, ctx, grad_o, grad_lse) -> tuple:
+        """dq, dk, dv and ``{param: gradient}`` (the flags in ``ctx.param_grads``) of the
+        saved forward: one call of the backward op."""
         q, k, v, o, lse, *tensors = ctx.saved_tensors
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
-        dq, dk, dv = bwd(
-            grad_o,
-            q,
-            k,
-            v,
-            o,
-            lse,
-            grad_lse,
-            ctx.softmax_scale,
-            ctx.deterministic,
-            *ctx.scalars,
-            *tensors,
-        )
-        extra = len(ctx.scalars) + len(tensors) + int(ctx.block_mask_input)
-        return (dq, dk, dv, None, *([None] * extra))
+        args = (grad_o, q, k, v, o, lse, grad_lse, ctx.softmax_scale, ctx.deterministic,
+                *ctx.scalars, *tensors)  # fmt: skip
+        if not ctx.param_grads:
+            dq, dk, dv, _ = bwd(*args)
+            return dq, dk, dv, {}
+        dq, dk, dv, dparams = bwd(*args, param_grads=ctx.param_grads)
+        named = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
+        return dq, dk, dv, param_grad_outputs(self.spec, ctx.param_grads, dparams, named)
+
+    def backward(self, ctx, grad_o, grad_lse):
+        dq, dk, dv, dparams = self.grads(ctx, grad_o, grad_lse)
+        tensor_grads = [dparams.get(p.name) for p in self.spec.tensor_params]
+        extra = [None] * int(ctx.block_mask_input)
+        return (dq, dk, dv, None, *([None] * len(ctx.scalars)), *tensor_grads, *extra)
 
     def schema(self) -> str:
         """The backward op's schema (:func:`backward_schema`; the varlen form has its own)."""

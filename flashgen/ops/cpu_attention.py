@@ -23,10 +23,17 @@ The backward recomputes each chunk's forward under autograd (FlashAttention's
 recomputation, chunk by chunk) and back-propagates ``dout`` (and ``dlse``) through it, so it
 is O(chunk) in memory too; dk and dv are accumulated over chunks.
 
-Inputs: float32, float16 or bfloat16 (computed in float32; outputs in the input dtype);
-``lse`` is float32.  A row with nothing to attend to gives o = 0, lse = -inf and zero
-gradients.  Tensor-param reads outside their shape at a kept pair raise ``IndexError``
-like the reference.
+Param gradients: for each f32 param that requires grad, the backward also returns
+``dparam[idx] = sum over (b, h, q_idx, kv_idx) of dS * d score_mod / d param[idx]``, with
+dS the gradient of each chunk's modified logits (taken under autograd) and the partial
+derivative from :func:`flashgen.analysis.derive.param_grad_terms` (the symbolic derivative
+the kernels use too), evaluated on the chunk and scattered to the indexed elements.
+
+Inputs: float32, float16 or bfloat16 (computed in float32; outputs in the input dtype), or
+float64 (computed in float64 throughout: ``torch.autograd.gradcheck`` runs on the op);
+``lse`` is float32 (float64 for float64 inputs).  A row with nothing to attend to gives
+o = 0, lse = -inf and zero gradients.  Tensor-param reads outside their shape at a kept
+pair raise ``IndexError`` like the reference.
 """
 
 from __future__ import annotations
@@ -35,22 +42,34 @@ import math
 
 import torch
 
+from flashgen.analysis.derive import param_grad_terms
 from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend import ir
-from flashgen.ops.reference import _check_bounds, _env, eval_expr
+from flashgen.ops.reference import _as, _check_bounds, _env, eval_expr
 
 #: elements of one chunk's logits (B * Hq * block_q * keys) the chunk size aims for
 _CHUNK_ELEMS = 1 << 21
 #: key-block width of the per-chunk interval analysis
 _KEY_BLOCK = 128
-_COMPUTE = torch.float32
+_PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
 
 
-def cpu_input_dtypes(spec_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """Input dtypes the CPU op accepts for a spec of ``spec_dtype``: the spec's own and
-    float32 (a spec's ``dtype`` names the GPU kernel's input type; on CPU float32 compute
-    is what callers expect)."""
-    return (spec_dtype, torch.float32)
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU op computes in for inputs of ``dtype``: float64 for float64, else
+    float32 (also the dtype of its lse)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cpu_params(spec: ir.Spec, scalars, tensors: dict, dtype: torch.dtype) -> dict:
+    """The ``params`` of :func:`attention_blocked` for inputs of ``dtype``: scalar values (in
+    spec order) by name, and tensor params (by name) as float32 / int32, f32 ones as float64
+    for float64 inputs."""
+    params = dict(zip((p.name for p in spec.scalar_params), scalars, strict=True))
+    for n, t in tensors.items():
+        ty = spec.param(n).ty
+        want = compute_dtype(dtype) if ty == ir.Ty.F32 else _PARAM_DTYPE[ty]
+        params[n] = t.to(want)
+    return params
 
 
 def query_block(batch: int, heads: int, keys: int) -> int:
@@ -104,12 +123,14 @@ def _key_ranges(spec: ir.Spec, sq: int, sk: int, block_q: int, scalars: dict, b_
 
 
 def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q, kv_base=0):
-    """o [B, Hq, C, Dv] (float32) and lse [B, Hq, C] of query rows [q0, q1) against keys
-    [k0, k1).  ``qs``: the chunk's queries as [B, Hkv, G * C, D] (G query heads per KV head
-    stacked on rows); ``k``/``v``: [B, Hkv, Sk, D] float32, whose key 0 is position
-    ``kv_base`` (the backward passes the live keys alone).  Differentiable when grad mode
-    is on; without it the softmax runs in place and o is normalized after the P V product
-    (fewer passes over the chunk's logits)."""
+    """o [B, Hq, C, Dv], lse [B, Hq, C] and the logits (the scaled ``score``, and the
+    score_mod's result before the mask: [B, Hq, C, K] each, both None without grad mode) of
+    query rows [q0, q1) against keys [k0, k1), in k's
+    dtype (float32 or float64).  ``qs``: the chunk's queries as [B, Hkv, G * C, D] (G query
+    heads per KV head stacked on rows); ``k``/``v``: [B, Hkv, Sk, D], whose key 0 is
+    position ``kv_base`` (the backward passes the live keys alone).  Differentiable when
+    grad mode is on; without it the softmax runs in place and o is normalized after the
+    P V product (fewer passes over the chunk's logits)."""
     b, hkv = k.shape[0], k.shape[1]
     c, n = q1 - q0, k1 - k0
     grad = torch.is_grad_enabled()
@@ -124,12 +145,14 @@ def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q, kv
         kv_base + k0, kv_base + k1, device=dev, dtype=torch.int64
     ).view(1, 1, 1, n)
     env["__oob__"] = []
+    raw = s.detach() if grad else None
     if spec.score_mod is not None:
         env["score"] = s
-        s = eval_expr(spec.score_mod, env).to(_COMPUTE).expand_as(s)
+        s = eval_expr(spec.score_mod, env).to(k.dtype).expand_as(s)
         env.pop("score")
         if not grad:
             s = s.contiguous()
+    modded = s if grad else None
     keep = None
     if spec.mask is not None and not full:
         keep = eval_expr(spec.mask, env)
@@ -148,19 +171,20 @@ def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q, kv
     o = torch.matmul(p.reshape(b, hkv, -1, n), vc).view(b, heads_q, c, v.shape[-1])
     if not grad:
         o.div_(den)
-    return o, lse
+    return o, lse, raw, modded
 
 
 def _stack_queries(q, q0, q1, hkv):
-    """q[:, :, q0:q1] as [B, Hkv, G * C, D] (float32): a group's query heads on rows."""
+    """q[:, :, q0:q1] as [B, Hkv, G * C, D] (compute dtype): a group's query heads on rows."""
     b, hq, _, d = q.shape
-    return q[:, :, q0:q1].to(_COMPUTE).reshape(b, hkv, (hq // hkv) * (q1 - q0), d)
+    return q[:, :, q0:q1].to(compute_dtype(q.dtype)).reshape(b, hkv, (hq // hkv) * (q1 - q0), d)
 
 
 def _setup(spec, q, k, params, batch_offset):
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    env = _env(spec, b, hq, sq, sk, dict(params or {}), q.device, _COMPUTE, batch_offset, Hkv=hkv)
+    env = _env(spec, b, hq, sq, sk, dict(params or {}), q.device, compute_dtype(q.dtype),
+               batch_offset, Hkv=hkv)  # fmt: skip
     scalars = {p.name: params.get(p.name, p.default) for p in spec.scalar_params}
     ranges = _key_ranges(spec, sq, sk, query_block(b, hq, sk), scalars, batch_offset)
     return env, ranges
@@ -175,25 +199,27 @@ def attention_blocked(
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides; Hq % Hkv == 0),
     float32 / float16 / bfloat16.  ``params``: scalar values and tensor params by name
     (scalars default to the spec's).  ``batch_offset``: the ``b`` of the first batch entry
-    (varlen).  Returns o [B, Hq, Sq, Dv] in q's dtype and lse float32 [B, Hq, Sq]
-    (natural log).  Not differentiable itself: the op's autograd uses
+    (varlen).  Returns o [B, Hq, Sq, Dv] in q's dtype and lse [B, Hq, Sq] (natural log) in
+    :func:`compute_dtype`.  Not differentiable itself: the op's autograd uses
     :func:`attention_blocked_backward`.  Raises ``IndexError`` as the reference does.
     """
     params = dict(params or {})
     b, hq, sq, _ = q.shape
     hkv = k.shape[1]
+    cdt = compute_dtype(q.dtype)
     o = torch.zeros((b, hq, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=cdt, device=q.device)
     if o.numel() == 0 or k.shape[2] == 0:
         return o, lse
     env, ranges = _setup(spec, q, k, params, batch_offset)
     with torch.no_grad():
-        kf, vf = k.to(_COMPUTE), v.to(_COMPUTE)
+        kf, vf = k.to(cdt), v.to(cdt)
         for q0, q1, k0, k1, full in ranges:
             if k1 <= k0:
                 continue
             qs = _stack_queries(q, q0, q1, hkv)
-            oc, lc = _chunk(spec, env, qs, kf, vf, q0, q1, k0, k1, full, softmax_scale, hq)
+            oc, lc, _, _ = _chunk(spec, env, qs, kf, vf, q0, q1, k0, k1, full, softmax_scale,
+                                  hq)  # fmt: skip
             o[:, :, q0:q1] = oc
             lse[:, :, q0:q1] = lc
     return o, lse
@@ -201,11 +227,16 @@ def attention_blocked(
 
 def attention_blocked_backward(
     spec: ir.Spec, dout, q, k, v, dlse=None, *, softmax_scale: float, params: dict | None = None,
-    batch_offset: int = 0, o=None, lse=None,
+    batch_offset: int = 0, o=None, lse=None, param_grads: tuple[str, ...] = (),
 ):  # fmt: skip
-    """dq, dk, dv (each in its input's dtype) of :func:`attention_blocked` for output
-    gradient ``dout`` [B, Hq, Sq, Dv] and optional ``dlse`` [B, Hq, Sq]: each query chunk's
-    forward is recomputed under autograd and back-propagated (module docstring).
+    """dq, dk, dv (each in its input's dtype) and ``{param: gradient}`` of
+    :func:`attention_blocked` for output gradient ``dout`` [B, Hq, Sq, Dv] and optional
+    ``dlse`` [B, Hq, Sq]: each query chunk's forward is recomputed under autograd and
+    back-propagated (module docstring).
+
+    ``param_grads``: names of params (f32, read by the score_mod:
+    :func:`flashgen.analysis.derive.differentiable_params`) whose gradient is wanted; each
+    comes back in :func:`compute_dtype`, shaped like the param (0-d for a scalar).
 
     ``o`` [B, Hq, Sq, Dv] and ``lse`` [B, Hq, Sq] (both or neither): the forward's outputs,
     used as the kernels use them (FA2's backward, Dao 2023, Algorithm 2): P = exp(S - lse)
@@ -217,12 +248,15 @@ def attention_blocked_backward(
     params = dict(params or {})
     b, hq, sq, _ = q.shape
     hkv = k.shape[1]
-    dq = torch.zeros(q.shape, dtype=_COMPUTE, device=q.device)
-    dk = torch.zeros(k.shape, dtype=_COMPUTE, device=q.device)
-    dv = torch.zeros(v.shape, dtype=_COMPUTE, device=q.device)
+    cdt = compute_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
+    dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+    dparams = {n: _zero_grad(spec, n, params, cdt, q.device) for n in param_grads}
+    terms = {n: param_grad_terms(spec.score_mod, n) for n in param_grads}
     if q.numel() and k.numel():
         env, ranges = _setup(spec, q, k, params, batch_offset)
-        kf, vf = k.detach().to(_COMPUTE), v.detach().to(_COMPUTE)
+        kf, vf = k.detach().to(cdt), v.detach().to(cdt)
         for q0, q1, k0, k1, full in ranges:
             if k1 <= k0:
                 continue
@@ -230,24 +264,65 @@ def attention_blocked_backward(
                 qs = _stack_queries(q.detach(), q0, q1, hkv).requires_grad_(True)
                 ks = kf[:, :, k0:k1].detach().requires_grad_(True)
                 vs = vf[:, :, k0:k1].detach().requires_grad_(True)
-                oc, lc = _chunk(spec, env, qs, ks, vs, q0, q1, 0, k1 - k0, full, softmax_scale,
-                                hq, kv_base=k0)  # fmt: skip
-                g = dout[:, :, q0:q1].to(_COMPUTE)
+                oc, lc, raw, modded = _chunk(spec, env, qs, ks, vs, q0, q1, 0, k1 - k0, full,
+                                             softmax_scale, hq, kv_base=k0)  # fmt: skip
+                g = dout[:, :, q0:q1].to(cdt)
                 if lse is None:
                     outs, seeds = [oc], [g]
                     if dlse is not None:
                         outs.append(lc)
-                        seeds.append(dlse[:, :, q0:q1].to(_COMPUTE))
+                        seeds.append(dlse[:, :, q0:q1].to(cdt))
                 else:
                     outs, seeds = [_saved_lse_loss(oc, lc, g, o, lse, dlse, q0, q1)], None
-                gq, gk, gv = torch.autograd.grad(outs, (qs, ks, vs), seeds, allow_unused=True)
+                inputs = (qs, ks, vs) + ((modded,) if param_grads else ())
+                got = torch.autograd.grad(outs, inputs, seeds, allow_unused=True)
+            gq, gk, gv = got[:3]
             if gq is not None:
                 dq[:, :, q0:q1] = gq.view(b, hq, q1 - q0, q.shape[-1])
             if gk is not None:
                 dk[:, :, k0:k1] += gk
             if gv is not None:
                 dv[:, :, k0:k1] += gv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            if param_grads and got[3] is not None:
+                _add_param_grads(env, terms, got[3], raw, dparams)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams
+
+
+def _zero_grad(spec: ir.Spec, name: str, params: dict, dtype, device):
+    """A zero gradient for param ``name``: its tensor's shape, or 0-d for a scalar."""
+    t = params.get(name)
+    shape = tuple(t.shape) if spec.param(name).kind == "tensor" else ()
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _add_param_grads(env: dict, terms: dict, ds, score, dparams: dict) -> None:
+    """Add one chunk's share of each param gradient: for each
+    :class:`~flashgen.analysis.derive.ParamGradTerm`, ``ds * partial`` (``ds``: the gradient
+    of the chunk's score_mod results, [B, Hq, C, K], zero at dropped pairs; the partial
+    evaluated at the chunk's scaled logits ``score``) summed
+    over the axes its subscripts do not vary along, then added to the subscripted elements
+    (clamped into range as the forward reads them)."""
+    env["score"] = score
+    for name, ts in terms.items():
+        g = dparams[name]
+        flat = g.view(-1)
+        for t in ts:
+            contrib = ds * _as(eval_expr(t.partial, env), ir.Ty.F32, env)
+            if not t.indices:
+                g += contrib.sum()
+                continue
+            idx = torch.broadcast_tensors(*(eval_expr(i, env).to(torch.int64) for i in t.indices))
+            shape = (1,) * (contrib.dim() - idx[0].dim()) + tuple(idx[0].shape)
+            axes = [a for a, n in enumerate(shape) if n == 1 and contrib.shape[a] != 1]
+            part = contrib.sum(dim=axes, keepdim=True) if axes else contrib
+            lin = torch.zeros((), dtype=torch.int64, device=ds.device)
+            for i, n in zip(idx, g.shape, strict=True):
+                lin = lin * n + i.clamp(0, n - 1)
+            lin = lin.reshape(shape).expand(part.shape)
+            # sorted accumulation (CUDA's index_put_ sorts the indices): the same sums in the
+            # same order on every run, unlike index_add_'s atomics
+            flat.index_put_((lin.reshape(-1),), part.reshape(-1), accumulate=True)
+    env.pop("score")
 
 
 def _saved_lse_loss(oc, lc, g, o, lse, dlse, q0, q1):
@@ -255,13 +330,13 @@ def _saved_lse_loss(oc, lc, g, o, lse, dlse, q0, q1):
     (:func:`attention_blocked_backward`): with w = exp(lc - lse) (the chunk's own softmax
     rescaled to the saved lse: ``oc * w = P V`` and ``w = rowsum(P)`` for P = exp(S - lse)),
     ``sum(g * oc * w) - sum(D * w)``, D = rowsum(g * o) - dlse held constant."""
-    ls = lse[:, :, q0:q1].to(_COMPUTE)
+    ls = lse[:, :, q0:q1].to(lc.dtype)
     ok = torch.isfinite(ls) & torch.isfinite(lc.detach())
     arg = torch.where(ok, lc - torch.where(ok, ls, torch.zeros_like(ls)), torch.zeros_like(ls))
     w = torch.where(ok, torch.exp(arg), torch.zeros_like(arg))
-    d = (g * o[:, :, q0:q1].to(_COMPUTE)).sum(-1)
+    d = (g * o[:, :, q0:q1].to(g.dtype)).sum(-1)
     if dlse is not None:
-        d = d - dlse[:, :, q0:q1].to(_COMPUTE)
+        d = d - dlse[:, :, q0:q1].to(g.dtype)
     return (g * oc * w.unsqueeze(-1)).sum() - (d * w).sum()
 
 
@@ -280,10 +355,11 @@ def varlen_blocked(spec: ir.Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softma
                    params: dict | None = None):  # fmt: skip
     """Varlen forward on CPU: :func:`attention_blocked` per sequence (``b`` = its index).
     q [total_q, Hq, D], k/v [total_k, Hkv, D/Dv]; cu_seqlens checked by the caller.
-    Returns o [total_q, Hq, Dv] in q's dtype (rows no sequence covers: 0) and lse float32
-    [Hq, total_q] (those rows: -inf)."""
+    Returns o [total_q, Hq, Dv] in q's dtype (rows no sequence covers: 0) and lse
+    [Hq, total_q] in :func:`compute_dtype` (those rows: -inf)."""
     o = torch.zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=compute_dtype(q.dtype),
+                     device=q.device)  # fmt: skip
     for i, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
@@ -297,19 +373,26 @@ def varlen_blocked(spec: ir.Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softma
 
 
 def varlen_blocked_backward(spec: ir.Spec, dout, q, k, v, dlse, cu_seqlens_q, cu_seqlens_k, *,
-                            softmax_scale: float, params: dict | None = None):  # fmt: skip
-    """dq, dk, dv (packed like q, k, v) of :func:`varlen_blocked`; ``dlse`` [Hq, total_q]
-    or None."""
+                            softmax_scale: float, params: dict | None = None,
+                            param_grads: tuple[str, ...] = ()):  # fmt: skip
+    """dq, dk, dv (packed like q, k, v) and ``{param: gradient}`` (as
+    :func:`attention_blocked_backward`'s, summed over the sequences) of
+    :func:`varlen_blocked`; ``dlse`` [Hq, total_q] or None."""
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    params = dict(params or {})
+    cdt = compute_dtype(q.dtype)
+    dparams = {n: _zero_grad(spec, n, params, cdt, q.device) for n in param_grads}
     for i, q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0 or k1 == k0:
             continue
         gl = None if dlse is None else dlse[:, q0:q1].unsqueeze(0)
-        gq, gk, gv = attention_blocked_backward(
+        gq, gk, gv, gp = attention_blocked_backward(
             spec, _seq4(dout, q0, q1), _seq4(q, q0, q1), _seq4(k, k0, k1), _seq4(v, k0, k1), gl,
-            softmax_scale=softmax_scale, params=params, batch_offset=i,
+            softmax_scale=softmax_scale, params=params, batch_offset=i, param_grads=param_grads,
         )  # fmt: skip
         dq[q0:q1] = gq[0].transpose(0, 1)
         dk[k0:k1] += gk[0].transpose(0, 1)
         dv[k0:k1] += gv[0].transpose(0, 1)
-    return dq, dk, dv
+        for n, g in gp.items():
+            dparams[n] += g
+    return dq, dk, dv, dparams

@@ -427,6 +427,7 @@ class DecodeOp(DecodePlanning):
         k_descale=None,
         v_descale=None,
         q_descale=None,
+        apply_sink: bool = True,
         **params,
     ):
         """Attention of ``q`` against a dense or paged KV cache (module doc); returns ``(o,
@@ -465,7 +466,37 @@ class DecodeOp(DecodePlanning):
 
         A ``v_from_k`` spec (MLA, module doc): ``v_cache`` None, ``k_new`` alone appends
         (``v_new`` None), ``v_descale`` None (k_descale scales the values too);
-        ``num_heads_kv`` 1."""
+        ``num_heads_kv`` 1.
+
+        A spec's sink joins o's denominator, applied once after the splits merge (lse: the
+        keys alone; ``apply_sink=False``: o over the keys alone too, as
+        :meth:`AttentionOp.attention <flashgen.ops.attention.AttentionOp.attention>`)."""
+        res = self._keys_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                 cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
+                                 out, k_descale, v_descale, q_descale, params)  # fmt: skip
+        if not isinstance(apply_sink, bool):
+            raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
+        if self.spec.sink is None or not apply_sink:
+            return res
+        from flashgen.ops.sink import apply_sink as join
+        from flashgen.ops.sink import sink_logits, varlen_rows
+
+        o, lse = res
+        batch = cache_seqlens.shape[0]
+        heads_kv = k_cache.shape[1 if block_table is None else 2]  # dense or paged cache
+        sink = sink_logits(self.spec, params, batch=batch, heads_q=o.shape[1], heads_kv=heads_kv,
+                           device=o.device, dtype=lse.dtype)  # fmt: skip
+        if cu_seqlens_q is None:
+            o.copy_(join(o, lse, sink.unsqueeze(-1)))
+        else:
+            rows = varlen_rows(sink, cu_seqlens_q, lse.shape[1])
+            o.copy_(join(o.transpose(0, 1), lse, rows).transpose(0, 1))
+        return o, lse
+
+    def _keys_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                      cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, out,
+                      k_descale, v_descale, q_descale, params):  # fmt: skip
+        """:meth:`with_kvcache` over the keys alone (no sink applied)."""
         self.op._check_live()
         if torch.is_grad_enabled():
             _refuse_grad(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,

@@ -187,7 +187,9 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
     a NaN lse gives NaN (the combine kernel's rule).  Raises :class:`OpInputError` for
     mismatched shapes, dtypes or devices, a 0-d o, and for an lse of +inf (no finite
     weights; read on CPU tensors, on CUDA under
-    :func:`~flashgen.ops.validation.check_enabled`: a host sync)."""
+    :func:`~flashgen.ops.validation.check_enabled`: a host sync).  A spec with a sink: merge
+    the results over the keys alone (``apply_sink=False``) and join the sink once to the
+    merged one (:func:`flashgen.apply_sink`)."""
     from flashgen.ops.validation import check_enabled
 
     for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):

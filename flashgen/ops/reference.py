@@ -11,6 +11,8 @@ the compute dtype, as in the kernels: a mask is a decision, and float64 decides
 ``q_idx * 0.1 == 0.3`` or ``kv_idx <= q_idx / 0.3`` differently from float32 (the
 score_mod, a continuous value, follows the compute dtype).
 Semantics follow FlexAttention: ``score_mod`` rewrites the scaled logit, ``mask`` drops pairs.
+A ``sink`` (gpt-oss) joins each row's softmax denominator: ``o = sum_j exp(s_j - m) v_j /
+(sum_j exp(s_j - m) + exp(sink - m))``; lse stays the log-sum-exp of the keys alone.
 """
 
 from __future__ import annotations
@@ -269,8 +271,9 @@ def attention_reference(
 
     Returns:
         ``(o, lse)``: o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``; lse ``[B, Hq, Sq]``,
-        natural log, float32 (float64 when ``compute_dtype`` is float64).  Rows with
-        nothing to attend to give o = 0 and lse = -inf, with zero (not NaN) gradients.
+        natural log, float32 (float64 when ``compute_dtype`` is float64), of the keys alone
+        (a ``sink`` joins o's normalizer only).  Rows with nothing to attend to give o = 0
+        and lse = -inf, with zero (not NaN) gradients.
 
     Raises:
         IndexError: a tensor param is indexed outside its shape at a pair the mask keeps
@@ -304,17 +307,22 @@ def attention_reference(
     # Softmax normalized as PyTorch's: exp(s - rowmax) divided by its row sum, so p sums to 1
     # even where exp(s - lse) would not (lse rounds to s's precision when many large logits
     # tie: bf16 q = k = 1e4 gave errors of 30 in o); NaN-free, in value and in gradient, on
-    # rows with nothing to attend to.
+    # rows with nothing to attend to.  A sink joins the row sum (and the max) only.
     row_has = torch.isfinite(s).any(dim=-1, keepdim=True)
     s_safe = torch.where(row_has, s, torch.zeros_like(s))
     row_max = s_safe.amax(dim=-1, keepdim=True).detach()
+    sink = None
+    if spec.sink is not None:
+        sink = _as(eval_expr(spec.sink, env), Ty.F32, env).expand(B, Hq, 1, 1)
+        row_max = torch.maximum(row_max, sink.detach())
     e_s = torch.exp(s_safe - row_max)
-    denom = e_s.sum(dim=-1, keepdim=True)
+    keys = e_s.sum(dim=-1, keepdim=True)
+    denom = keys if sink is None else keys + torch.exp(sink - row_max)
     if round_p is None:
         p = torch.where(row_has, e_s / denom, torch.zeros_like(s))
     else:
         p = torch.where(row_has, round_p(e_s) / denom, torch.zeros_like(s))
-    lse_safe = row_max + torch.log(denom)
+    lse_safe = row_max + torch.log(keys)
     lse = torch.where(row_has, lse_safe, torch.full_like(lse_safe, float("-inf"))).squeeze(-1)
     o = torch.matmul(p.to(compute_dtype), vc)
     return o, lse.to(fdt)  # float32, or float64 for a float64 reference

@@ -28,6 +28,15 @@ TORCH_DTYPE = {
 #: torch dtype of a tensor param's element type.
 PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
 _SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
+#: Input dtypes the CPU op takes besides the spec's own: float32 (what CPU callers expect)
+#: and float64 (computed in float64 throughout, so ``torch.autograd.gradcheck`` runs on
+#: the op itself).
+CPU_DTYPES = (torch.float32, torch.float64)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The op's lse dtype for inputs of ``dtype``: float32, float64 for float64 (CPU)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 _POISON = False
 
@@ -116,7 +125,7 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype):
         return None
-    if q.dtype != want and not (q.dtype == torch.float32 and q.device.type == "cpu"):
+    if q.dtype != want and not (q.dtype in CPU_DTYPES and q.device.type == "cpu"):
         return None
     batch, hq, sq, d = qs
     _, hkv, sk, _ = ks
@@ -175,18 +184,17 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
 
 
 def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:
-    """``t`` (the input called ``name``) has the spec's dtype, or float32 on CPU
-    (:func:`flashgen.ops.cpu_attention.cpu_input_dtypes`), and q's dtype; else
-    :class:`OpInputError`."""
+    """``t`` (the input called ``name``) has the spec's dtype, or float32 / float64 on CPU
+    (:data:`CPU_DTYPES`), and q's dtype; else :class:`OpInputError`."""
     want = TORCH_DTYPE[spec.dtype]
-    ok = t.dtype == want or (t.dtype == torch.float32 and t.device.type == "cpu")
+    ok = t.dtype == want or (t.dtype in CPU_DTYPES and t.device.type == "cpu")
     if ok and t.dtype != q.dtype:  # an accepted dtype, but not q's: name q's as expected
         raise OpInputError(
             f"{name}: expected dtype {q.dtype} (q's dtype: q, k and v share one dtype; spec "
-            f"{spec.name!r} has dtype {spec.dtype}, float32 also on CPU), got {t.dtype}"
+            f"{spec.name!r} has dtype {spec.dtype}, float32 / float64 also on CPU), got {t.dtype}"
         )
     if not ok:
-        also = "; float32 also on CPU, the same for q, k and v"
+        also = "; float32 / float64 also on CPU, the same for q, k and v"
         raise OpInputError(
             f"{name}: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}{also}), "
             f"got {t.dtype}" + ("" if t.dtype == q.dtype else f" (q has {q.dtype})")
@@ -457,15 +465,18 @@ def _describe_param(p: ir.Param) -> str:
     return f"({p.ty.value}, default {p.default!r})"
 
 
-def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
+def resolve_params(spec: ir.Spec, params: dict, grads: dict | None = None) -> tuple[list, list]:
     """Op keyword params -> (scalar values, tensor values), each in spec order.
 
     Missing scalars take their spec default; unknown names, a missing tensor param, and
     any value :func:`check_scalar` rejects (a non-integer for an ``i32`` param, a
     non-finite or non-number for an ``f32`` param, a value outside the declared
     ``min``/``max``) raise :class:`OpInputError`.  A scalar may also be a 0-d CPU
-    tensor; a CUDA tensor is refused (reading it would synchronize the device), one that
-    requires grad raises ``NotImplementedError`` (its gradient would be silently dropped).
+    tensor; a CUDA tensor is refused (reading it would synchronize the device).  One that
+    requires grad (while grad mode is on) is recorded in ``grads`` (name -> tensor) when
+    the caller differentiates it (``grads`` given: :meth:`AttentionOp.attention
+    <flashgen.ops.attention.AttentionOp.attention>`), else raises ``NotImplementedError``
+    (its gradient would be silently dropped).
     """
     valid = [p.name for p in spec.params]
     for name in params:
@@ -485,12 +496,14 @@ def resolve_params(spec: ir.Spec, params: dict) -> tuple[list, list]:
                     f"{p.name}: expected a Python number or a CPU scalar tensor, got a tensor "
                     f"on {val.device} (reading it would synchronize the device)"
                 )
-            if val.requires_grad:  # .item() would drop its gradient without a word
-                raise NotImplementedError(
-                    f"flashgen::{spec.name}: gradients with respect to scalar param "
-                    f"'{p.name}' are not supported; pass {p.name}.item() (a number) or "
-                    f"{p.name}.detach()"
-                )
+            if val.requires_grad and torch.is_grad_enabled():
+                if grads is None:  # .item() would drop its gradient without a word
+                    raise NotImplementedError(
+                        f"flashgen::{spec.name}: this call does not differentiate scalar "
+                        f"param '{p.name}' (op.attention does); pass {p.name}.item() (a "
+                        f"number) or {p.name}.detach()"
+                    )
+                grads[p.name] = val
             val = val.item()
         scalars.append(check_scalar(p, val))
     tensors = [params.get(p.name) for p in spec.tensor_params]

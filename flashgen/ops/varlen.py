@@ -49,11 +49,20 @@ from flashgen import env
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError, SpecError
 from flashgen.ops.attention import AttentionOp
-from flashgen.ops.backward import Backward, backward_name, refuse_tensor_param_grads, uses_atomic_dq
+from flashgen.ops.backward import (
+    BACKWARD_TAIL,
+    Backward,
+    backward_name,
+    cuda_param_backward,
+    param_grad_outputs,
+    tensor_param_grads,
+    uses_atomic_dq,
+    wanted,
+)
 from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
-    PARAM_DTYPE,
+    CPU_DTYPES,
     Dims,
     _poison_enabled,
     _symbolic,
@@ -63,6 +72,7 @@ from flashgen.ops.validation import (
     check_scalar,
     check_softmax_scale,
     default_softmax_scale,
+    lse_dtype,
     out_dtype,
     resolve_params,
     validate_tensor_params,
@@ -324,7 +334,7 @@ def backward_schema(spec: ir.Spec) -> str:
     ]
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
-    return f"{backward_name(spec)}({', '.join(args)}) -> (Tensor, Tensor, Tensor)"
+    return f"{backward_name(spec)}({', '.join(args)}, {BACKWARD_TAIL}"
 
 
 def _as4d(t):
@@ -351,36 +361,34 @@ def _packed_values(spec, tensors: dict, dims: VarlenDims, softmax_scale, scalars
     return values
 
 
-def _reference_params(spec: ir.Spec, scalars, tensors: dict) -> dict:
-    params = dict(zip((p.name for p in spec.scalar_params), scalars, strict=True))
-    params.update({n: t.to(PARAM_DTYPE[spec.param(n).ty]) for n, t in tensors.items()})
-    return params
+def _reference_params(spec: ir.Spec, scalars, tensors: dict, dtype) -> dict:
+    from flashgen.ops.cpu_attention import cpu_params
+
+    return cpu_params(spec, scalars, tensors, dtype)
 
 
 class VarlenOp(AttentionOp):
     """The op of a ``varlen: true`` spec (module docstring); built by
     :func:`flashgen.ops.op.build_op`.  Call :meth:`attention`."""
 
-    def attention(
-        self,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        *,
-        softmax_scale: float | None = None,
-        deterministic: bool = False,
-        **params,
-    ):
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                  apply_sink: bool = True, **kwargs):  # fmt: skip
         """Varlen attention: returns ``(o, lse)``, o [total_q, Hq, Dv], lse float32
         [Hq, total_q].  Arguments follow ``flash_attn_varlen_func`` (module docstring);
-        ``softmax_scale``, ``deterministic`` and ``params`` are as for the padded op.
-        Raises :class:`OpInputError` for bad inputs."""
+        ``softmax_scale``, ``deterministic``, ``apply_sink`` and ``params`` are as for the
+        padded op (a sink per sequence and head).  Param gradients as for the padded op
+        (tensor params and 0-d scalar tensors that require grad).  Raises
+        :class:`OpInputError` for bad inputs."""
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        return self._with_sink(self._varlen, args, q, k, cu_seqlens_q, apply_sink, None, kwargs)
+
+    def _varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                softmax_scale: float | None = None, deterministic: bool = False, out=None,
+                **params):  # fmt: skip
+        """:meth:`attention` over the keys alone (no sink applied); ``out`` must be None."""
         self._check_live()
-        scalars, tensors = resolve_params(self.spec, params)
+        scalar_grads: dict = {}
+        scalars, tensors = resolve_params(self.spec, params, scalar_grads)
         validate_varlen(
             self.spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             self._tensor_map(tensors),
@@ -390,10 +398,16 @@ class VarlenOp(AttentionOp):
         softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(deterministic, bool):
             raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
-        return self.torch_op(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-            softmax_scale, *scalars, *tensors, deterministic=deterministic,
-        )  # fmt: skip
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                softmax_scale, *scalars, *tensors)  # fmt: skip
+        if scalar_grads:
+            from flashgen.ops.attention import ScalarParamGrad
+
+            return ScalarParamGrad.apply(
+                self, args, deterministic, tuple(scalar_grads), q, k, v, *tensors,
+                *scalar_grads.values(),
+            )  # fmt: skip
+        return self.torch_op(*args, deterministic=deterministic)
 
     __call__ = attention
 
@@ -408,10 +422,10 @@ class VarlenOp(AttentionOp):
     def _packed_outputs(self, q, dims: VarlenDims):
         o = torch.empty(
             (dims.total_q, dims.heads_q, dims.head_dim_v),
-            dtype=torch.float32 if q.dtype == torch.float32 else out_dtype(self.spec),
+            dtype=q.dtype if q.dtype in CPU_DTYPES else out_dtype(self.spec),
             device=q.device,
         )  # fmt: skip
-        lse = torch.empty((dims.heads_q, dims.total_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty((dims.heads_q, dims.total_q), dtype=lse_dtype(q.dtype), device=q.device)
         return o, lse
 
     def _fake_impl(self, q, k, v, cq, ck, mq, mk, softmax_scale, *rest, deterministic=False):
@@ -428,7 +442,7 @@ class VarlenOp(AttentionOp):
             return o, lse
         ref_o, ref_lse = varlen_blocked(
             self.spec, q, k, v, cq, ck, softmax_scale=softmax_scale,
-            params=_reference_params(self.spec, scalars, tensors),
+            params=_reference_params(self.spec, scalars, tensors, q.dtype),
         )  # fmt: skip
         o.copy_(ref_o)
         lse.copy_(ref_lse)
@@ -510,31 +524,46 @@ def _zero_grads(q, k, v):
 class VarlenBackward(Backward):
     """Backward implementations and autograd of a :class:`VarlenOp` (module docstring)."""
 
-    def fake(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest):
-        return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    def fake(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest,
+             param_grads=()):  # fmt: skip
+        _, tensors = self.op._split(rest)
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        return (*grads, self._empty_param_grads(param_grads, tensors, q))
 
-    def cpu(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest):
-        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu_attention`)."""
+    def cpu(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest,
+            param_grads=()):  # fmt: skip
+        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu_attention`), with
+        the requested param gradients summed over the sequences."""
         from flashgen.ops.cpu_attention import varlen_blocked_backward
 
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
         check_cu_seqlens(cq, ck, dims)
-        if q.numel() == 0 or k.numel() == 0:
-            return _zero_grads(q, k, v)
-        return varlen_blocked_backward(
+        names = wanted(self.spec, param_grads)
+        dq, dk, dv, dparams = varlen_blocked_backward(
             self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale,
-            params=_reference_params(self.spec, scalars, tensors),
+            params=_reference_params(self.spec, scalars, tensors, q.dtype), param_grads=names,
         )  # fmt: skip
+        return dq, dk, dv, [dparams[n] for n in names]
 
-    def cuda(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest):
+    def cuda(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest,
+             param_grads=()):  # fmt: skip
         """The padded op's backward kernels in their varlen form: pre (over the packed rows
         as one batch), dkdv and dq (or dkdv_atomic and convert); see
         :meth:`flashgen.ops.backward.Backward.cuda`.  dq, dk, dv are contiguous and packed."""
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
         if check_enabled():
             check_cu_seqlens(cq, ck, dims)
+        names = wanted(self.spec, param_grads)
+        if names:
+            from flashgen.ops.cpu_attention import varlen_blocked_backward
+
+            params = _reference_params(self.spec, scalars, tensors, q.dtype)
+            return cuda_param_backward(self.spec, lambda: varlen_blocked_backward(
+                self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale, params=params,
+                param_grads=names,
+            ), names)  # fmt: skip
         if q.numel() == 0 or k.numel() == 0 or dims.batch == 0:
-            return _zero_grads(q, k, v)
+            return (*_zero_grads(q, k, v), [])
         atomic = uses_atomic_dq(deterministic, self.op.options)
         plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic)
         if dout.stride(-1) != 1:
@@ -560,14 +589,14 @@ class VarlenBackward(Backward):
             dsum.sub_(dlse)
         dkdv.launch(*launches["dkdv"], stream)
         last.launch(*launches["convert" if atomic else "dq"], stream)
-        return dq, dk, dv
+        return dq, dk, dv, []
 
     # ------------------------------------------------------------------ autograd
     def setup_context(self, ctx, inputs, output, keyword_only_inputs=None):
         q, k, v, cq, ck, mq, mk, softmax_scale, *rest = inputs
         n = len(self.spec.scalar_params)
         tensors = rest[n:]
-        refuse_tensor_param_grads(self.spec, tensors)
+        ctx.param_grads = tensor_param_grads(self.spec, tensors)
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cq, ck, *tensors)
         ctx.max_seqlen = (mq, mk)
@@ -575,17 +604,26 @@ class VarlenBackward(Backward):
         ctx.scalars = list(rest[:n])
         ctx.deterministic = bool((keyword_only_inputs or {}).get("deterministic", False))
 
-    def backward(self, ctx, grad_o, grad_lse):
+    def grads(self, ctx, grad_o, grad_lse) -> tuple:
+        """dq, dk, dv and ``{param: gradient}`` of the saved forward (as the padded op's)."""
         q, k, v, o, lse, cq, ck, *tensors = ctx.saved_tensors
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
-        dq, dk, dv = bwd(
-            grad_o, q, k, v, o, lse, grad_lse, cq, ck, *ctx.max_seqlen, ctx.softmax_scale,
-            ctx.deterministic, *ctx.scalars, *tensors,
-        )  # fmt: skip
-        n_rest = len(ctx.scalars) + len(tensors)
-        return (dq, dk, dv, None, None, None, None, None, *([None] * n_rest))
+        args = (grad_o, q, k, v, o, lse, grad_lse, cq, ck, *ctx.max_seqlen, ctx.softmax_scale,
+                ctx.deterministic, *ctx.scalars, *tensors)  # fmt: skip
+        if not ctx.param_grads:
+            dq, dk, dv, _ = bwd(*args)
+            return dq, dk, dv, {}
+        dq, dk, dv, dparams = bwd(*args, param_grads=ctx.param_grads)
+        named = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
+        return dq, dk, dv, param_grad_outputs(self.spec, ctx.param_grads, dparams, named)
+
+    def backward(self, ctx, grad_o, grad_lse):
+        dq, dk, dv, dparams = self.grads(ctx, grad_o, grad_lse)
+        tensor_grads = [dparams.get(p.name) for p in self.spec.tensor_params]
+        return (dq, dk, dv, None, None, None, None, None, *([None] * len(ctx.scalars)),
+                *tensor_grads)  # fmt: skip
 
     def schema(self) -> str:
         """The varlen backward op's schema (:func:`backward_schema` of this module)."""

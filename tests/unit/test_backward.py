@@ -162,15 +162,6 @@ def test_torch_compile_backward_and_checkpoint():
     torch.testing.assert_close(q.grad, g_compiled)
 
 
-def test_tensor_param_requiring_grad_is_a_clear_error():
-    spec = load_spec(REPO / "specs" / "alibi.yaml")
-    op = build_op(spec)
-    q, k, v, params = _inputs(spec, dtype=torch.bfloat16)
-    slopes = params["slopes"].float().requires_grad_()
-    with pytest.raises(NotImplementedError, match="tensor param 'slopes'"):
-        op.attention(q.requires_grad_(), k, v, slopes=slopes)
-
-
 def test_out_of_range_tensor_index_is_refused_only_where_kept():
     """A bias read outside its shape is clamped (as in the kernels) where the mask drops
     the pair, and refused with a clear error where the pair is kept."""

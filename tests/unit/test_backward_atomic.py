@@ -109,7 +109,7 @@ def _spy_backward(monkeypatch, spec) -> list:
 
 def test_schemas_carry_the_flag():
     spec = load_spec(REPO / "specs" / "alibi.yaml")
-    assert "float softmax_scale, bool deterministic, Tensor slopes)" in backward_schema(spec)
+    assert "float softmax_scale, bool deterministic, Tensor slopes, *" in backward_schema(spec)
     op = build_op(spec)
     fwd = op.torch_op._schema
     arg = [a for a in fwd.arguments if a.name == "deterministic"][0]

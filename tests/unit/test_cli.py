@@ -91,6 +91,14 @@ def test_show_prints_ir_and_source(capsys):
     assert "flashgen_alibi_fwd_sm_80" not in out
 
 
+def test_show_prints_the_sink(capsys):
+    assert main(["show", str(REPO / "specs" / "gpt_oss_sink.yaml"), "--target", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "sink           sinks[h]" in out
+    assert main(["show", ALIBI, "--target", "sm_80"]) == 0
+    assert "  sink " not in capsys.readouterr().out
+
+
 def test_list_shows_every_spec(capsys):
     assert main(["list", str(REPO / "specs")]) == 0
     out = capsys.readouterr().out

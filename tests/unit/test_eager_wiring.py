@@ -103,12 +103,16 @@ def test_without_grad_no_node(forced):
     assert forced and o.grad_fn is None
 
 
-def test_tensor_param_grad_refused_on_the_fast_path(forced):
+def test_tensor_param_grad_takes_the_op_path(forced):
+    """A param that requires grad skips the fast path's autograd node (whose backward has
+    no param gradients): the operator's autograd differentiates it."""
     op = build_op(load_spec(REPO / "specs" / "alibi.yaml"))
     q, k, v, tensors = random_inputs(op.spec, 1, 2, 2, 5, 5, "cpu")
     tensors["slopes"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="slopes"):
-        op.attention(q, k, v, **tensors)
+    o, _ = op.attention(q, k, v, **tensors)
+    assert not forced and "_EagerAttention" not in type(o.grad_fn).__name__
+    o.float().sum().backward()
+    assert tensors["slopes"].grad is not None and tensors["slopes"].grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("grad", [False, True])

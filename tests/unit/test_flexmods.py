@@ -90,7 +90,13 @@ def test_shipped_specs_match_reference_through_eager_flex(path):
     block_mask = flex.create_block_mask(mask_mod, B, H, Sq, Sk, device="cpu") if mask_mod else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        o = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+        o, lse = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                     return_lse=True)  # fmt: skip
+    if spec.sink is not None:  # no mod: joined to Flex's output (flex_mods' docstring)
+        from flashgen.ops.sink import apply_sink, sink_logits
+
+        sink = sink_logits(spec, params, batch=B, heads_q=H, heads_kv=H, device="cpu")
+        o = apply_sink(o, lse, sink.unsqueeze(-1))
     ref, _ = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float32)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
 

@@ -31,8 +31,9 @@ from flashgen.options import DEFAULT
 REPO = Path(__file__).resolve().parents[2]
 #: Shipped specs the Hopper backward takes: d64/d128/d256, masks that read no tensor, any
 #: score_mod.
-ELIGIBLE = ("alibi", "bidir_d256", "causal_d128", "chunked_local", "gemma2_softcap", "gpt2_d64",
-            "llama3_gqa", "mistral_swa", "prefix_lm", "t5_bias")  # fmt: skip
+ELIGIBLE = ("alibi", "alibi_learned", "bidir_d256", "causal_d128", "chunked_local",
+            "gemma2_softcap", "gpt2_d64", "gpt_oss_sink", "llama3_gqa", "mistral_swa", "prefix_lm",
+            "t5_bias")  # fmt: skip
 
 
 def shipped(name: str) -> ir.Spec:

@@ -96,6 +96,21 @@ def test_bf16_scale_gradients_and_qkvpacked():
     torch.testing.assert_close(flash_attn_qkvpacked_func(qkv, causal=True), ob)
 
 
+@pytest.mark.parametrize("shape", [(4,), (2, 4)], ids=["per_head", "per_batch_head"])
+def test_alibi_slopes_gradient_matches_the_float64_reference(shape):
+    """Trainable ``alibi_slopes`` (FlashAttention's (H,) and (B, H) forms), GQA, Sq != Sk."""
+    q, k, v = rnd(2, 7, 4, 32, seed=1), rnd(2, 19, 2, 32, seed=2), rnd(2, 19, 2, 32, seed=3)
+    slopes = rnd(*shape, seed=4).abs().requires_grad_(True)
+    o = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    g = rnd(*o.shape, seed=5)
+    o.backward(g)
+    sd = slopes.detach().double().requires_grad_(True)
+    ref = ref_fa(q.double(), k.double(), v.double(), True, slopes=sd)
+    ref.backward(g.double())
+    assert slopes.grad.shape == slopes.shape and slopes.grad.abs().max() > 0
+    torch.testing.assert_close(slopes.grad.double(), sd.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_varlen_with_empty_sequences_gqa_and_window():
     lens_q = [5, 0, 3, 8, 1]
     lens_k = [5, 4, 0, 11, 1]

@@ -137,3 +137,57 @@ def test_sinks_dropout_and_mask_errors():
         fg_hf.flashgen_attention_forward(mod, q, k, v, None, dropout=0.1)
     with pytest.raises(OpInputError, match="attention_mask: expected None or a 2-D"):
         fg_hf.flashgen_attention_forward(mod, q, k, v, torch.zeros(2, 1, 6, 6))
+
+
+GPT_OSS_NAME = "flashgen"  # kept for gpt-oss, which lists its own flash kernels
+
+
+def _gpt_oss(seed: int):
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # sinks that matter: some large, some negative
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.copy_(torch.randn(m.sinks.shape) * 2)
+    return model
+
+
+def test_gpt_oss_training_step_with_the_specs_sink_matches_eager():
+    """gpt-oss (sinks, a sliding-window and a full layer, GQA) from a config: one training
+    step's loss and every gradient, the sinks' included, equal eager's; the flashgen path's
+    attention is the spec's ``sink: sinks[h]``."""
+    from flashgen.integrations._specs import _OPS
+
+    losses, grads = {}, {}
+    for impl in ("eager", "flashgen"):
+        model = _gpt_oss(seed=3).train()
+        model.set_attn_implementation(GPT_OSS_NAME if impl == "flashgen" else impl)
+        ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(4))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[impl] = loss.detach()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any(k.sink for k in _OPS), "the flashgen path built no spec with a sink"
+    torch.testing.assert_close(losses["flashgen"], losses["eager"], rtol=1e-5, atol=1e-6)
+    sink_grads = [n for n in grads["eager"] if n.endswith("sinks")]
+    assert sink_grads and all(grads["eager"][n].abs().max() > 0 for n in sink_grads)
+    for n, g in grads["eager"].items():
+        torch.testing.assert_close(grads["flashgen"][n], g, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_gpt_oss_generation_with_the_specs_sink_gives_the_same_tokens():
+    model = _gpt_oss(seed=8).eval()
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(9))
+    outs = {}
+    for impl in ("eager", "flashgen"):
+        model.set_attn_implementation(GPT_OSS_NAME if impl == "flashgen" else impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(outs["eager"], outs["flashgen"])

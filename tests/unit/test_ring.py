@@ -51,8 +51,12 @@ def _case_params(name, s, h):
         return {"window": 37}, (), ()
     if name == "chunked_local":
         return {"chunk": 40}, (), ()
-    if name == "alibi":
-        return {"slopes": torch.linspace(0.05, 0.5, h)}, (), ()
+    if name == "alibi":  # trainable slopes: their gradient is summed over the ranks
+        return {"slopes": torch.linspace(0.05, 0.5, h).requires_grad_()}, (), ()
+    if name == "gpt_oss_sink":  # a trainable sink per head: joined once, after the merge
+        return {"sinks": torch.linspace(-1.0, 2.0, h).requires_grad_()}, (), ()
+    if name == "gemma2_softcap":  # a trainable 0-d scalar
+        return {"softcap": torch.tensor(7.0, requires_grad=True)}, (), ()
     if name == "document_mask":
         doc = _docs(s, 7)
         return {"doc_q": doc, "doc_kv": doc}, ("doc_q",), ("doc_kv",)
@@ -81,14 +85,24 @@ def _check_case(rank, world, name, layout, mode, hkv, s_local=48):
         return shard_sequence(t, rank, world, dim=dim, layout=layout)
 
     ql, kl, vl = (sh(t).requires_grad_(True) for t in (q, k, v))
-    local = {n: (sh(t, 1) if n in qn or n in kn else t) for n, t in params.items()}
+    def mine(n, t):  # this rank's param: sharded, or a fresh leaf of its own
+        if n in qn or n in kn:
+            return sh(t, 1)
+        return t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+
+    local = {n: mine(n, t) for n, t in params.items()}
     ol, ll = ring_attention(op, ql, kl, vl, layout=layout, mode=mode, **local)
     ((ol * sh(do)).sum() + (ll * sh(dlse)).sum()).backward()
     what = f"{name} {layout} {mode} world {world} rank {rank}"
-    for got, want, label in (
+    checks = [
         (ol, sh(o), "o"), (ll, sh(lse), "lse"), (ql.grad, sh(qf.grad), "dq"),
         (kl.grad, sh(kf.grad), "dk"), (vl.grad, sh(vf.grad), "dv"),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    checks += [
+        (local[n].grad, t.grad, f"d{n}") for n, t in params.items()
+        if torch.is_tensor(t) and t.requires_grad
+    ]  # fmt: skip
+    for got, want, label in checks:
         torch.testing.assert_close(got, want, **TOL, msg=lambda m, w=label: f"{what} {w}: {m}")
 
 
@@ -101,6 +115,9 @@ CASES_2 = [
     ("document_mask", "zigzag", "ring", 4),
     ("document_mask", "contiguous", "allgather", 4),
     ("alibi", "zigzag", "ring", 4),
+    ("alibi", "contiguous", "allgather", 2),
+    ("gemma2_softcap", "zigzag", "ring", 2),
+    ("gpt_oss_sink", "zigzag", "ring", 2),
     ("llama3_gqa", "zigzag", "ring", 2),
 ]
 CASES_4 = [
@@ -124,7 +141,8 @@ def _worker(rank, world, port, cases):
 def test_ring_matches_single_process(world, cases):
     """o, lse, dq, dk, dv (lse's gradient included) equal the single-process CPU op on the
     gathered sequence: causal (both layouts, ring and allgather), sliding window, chunked,
-    document mask with uneven documents, ALiBi, GQA."""
+    document mask with uneven documents, ALiBi, GQA; and the gradients of trainable ALiBi
+    slopes, a trainable softcap scalar and trainable sinks."""
     mp.spawn(_worker, args=(world, _port(), cases), nprocs=world)
 
 

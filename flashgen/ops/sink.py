@@ -1,0 +1,86 @@
+"""Attention sinks (gpt-oss; a spec's ``sink:``): one logit per (batch, head) that joins
+every row's softmax denominator and nothing else,
+
+    o = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)),
+
+in the units of the scaled logits (not multiplied by ``softmax_scale``, not seen by the
+score_mod or the mask).  The lse the ops return is the log-sum-exp of the keys alone, so
+partial results (split-KV, :func:`flashgen.merge_attention`, ring attention) merge without
+the sink, and the sink is applied once at the end: with ``o_keys`` the attention over the
+keys alone, ``o = o_keys * sigmoid(lse - sink)`` (:func:`apply_sink`), since
+``sum_j exp(s_j) / (sum_j exp(s_j) + exp(sink)) = sigmoid(lse - sink)``.  A row with nothing
+to attend to (lse = -inf) gives o = 0.
+
+Its gradient, by autograd through :func:`apply_sink`, is ``d sink = -sum over rows of p_sink *
+rowsum(dO * O)`` with ``p_sink = sigmoid(sink - lse)``, and the keys' backward sees
+``dO * (1 - p_sink)``: P rebuilt with the sink-inclusive normaliser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from flashgen.analysis.derive import reads_param
+from flashgen.frontend import ir
+from flashgen.ops.reference import _as, _env, eval_expr
+
+
+def sink_logits(spec: ir.Spec, params: dict, *, batch: int, heads_q: int, heads_kv: int,
+                device, dtype=torch.float32, batch_offset: int = 0) -> torch.Tensor:  # fmt: skip
+    """``spec.sink`` for every (b, h): ``[batch, heads_q]`` in ``dtype`` (float32 or float64),
+    differentiable in the params it reads (tensors, or 0-d scalar tensors, by name in
+    ``params``; missing scalars take their default).  ``b`` counts from ``batch_offset``.
+    ``ValueError`` for a spec without a sink."""
+    if spec.sink is None:
+        raise ValueError(f"spec {spec.name!r} has no sink")
+    direct = _direct_read(spec.sink, params, heads_q, heads_kv, batch_offset)
+    if direct is not None:  # sinks[h], sinks[b, h], ...: the tensor itself, no evaluation
+        return direct.to(device, dtype).expand(batch, heads_q)
+    read = replace(spec, params=tuple(p for p in spec.params if reads_param(spec.sink, p.name)))
+    values = {}
+    for p in read.params:
+        v = params.get(p.name, p.default)
+        values[p.name] = v.to(device) if isinstance(v, torch.Tensor) else v
+    env = _env(read, batch, heads_q, 1, 1, values, device, dtype, batch_offset, Hkv=heads_kv)
+    s = _as(eval_expr(spec.sink, env), ir.Ty.F32, env)
+    return s.reshape(s.shape[:2] if s.dim() == 4 else ()).expand(batch, heads_q)
+
+
+def _direct_read(e: ir.Expr, params: dict, heads_q: int, heads_kv: int, batch_offset: int):
+    """The sink ``e`` as a view of its tensor, broadcastable to ``[batch, heads_q]``, when
+    ``e`` is a tensor param read at ``[h]``, ``[h_kv]``, ``[b, h]`` or ``[b, h_kv]`` (the
+    common forms; the host time of a decode step counts), else None."""
+    if not (isinstance(e, ir.Index) and all(isinstance(i, ir.Var) for i in e.indices)):
+        return None
+    subs = tuple(i.name for i in e.indices)
+    t = params.get(e.name)
+    if not isinstance(t, torch.Tensor) or subs not in _DIRECT or ("b" in subs and batch_offset):
+        return None
+    if "h_kv" in subs:
+        t = t.repeat_interleave(heads_q // heads_kv, dim=-1)
+    return t if len(subs) == 2 else t.view(1, heads_q)
+
+
+_DIRECT = {("h",), ("h_kv",), ("b", "h"), ("b", "h_kv")}
+
+
+def apply_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """``o * sigmoid(lse - sink)``: the attention over the keys alone (``o``, ``lse``) with
+    the sink joined to its denominator, in o's dtype (computed in lse's float32 / float64).
+
+    ``o [..., S, Dv]`` with ``lse [..., S]`` and ``sink`` broadcastable to lse (``[B, H, 1]``
+    for the padded layout; per row for the varlen one).  Differentiable in all three."""
+    scale = torch.sigmoid(lse - sink.to(lse.dtype))
+    return (o.to(lse.dtype) * scale.unsqueeze(-1)).to(o.dtype)
+
+
+def varlen_rows(sink: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """A varlen op's per-sequence sink ``[num_seqs, H]`` as ``[H, total_q]`` (the layout of
+    its lse): row r takes its sequence's; rows past the last sequence take the last one's
+    (their o is 0).  No host sync."""
+    rows = torch.arange(total_q, device=cu_seqlens_q.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), rows, right=True)
+    seq = seq.clamp(max=max(sink.shape[0] - 1, 0)).to(sink.device)
+    return sink[seq].transpose(0, 1)

@@ -1,0 +1,159 @@
+"""Issue 37's targets, timed in one process: trainable params and attention sinks against the
+same calls without them.
+
+    python3 tools/bench_training.py --out benchmarks/results/<dir>   # on the GPU
+    python3 tools/bench_training.py --device cpu --seqlen 64 --batch 1 --heads 2 --rounds 1
+
+Rows (forward + backward unless named, bf16, (B, S, H, D) as flags say; medians of alternating
+rounds, :func:`flashgen.bench.timing.alternate`):
+
+- ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x);
+- ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x);
+- ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
+  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%).
+
+Writes ``results.json`` (rows, ratios, :func:`flashgen.bench.timing.environment`) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _timer(device: str, warmup_ms: int, rep_ms: int):
+    """``time(fn) -> ms``: :func:`flashgen.bench.timing.do_bench_ms` on CUDA, a wall-clock
+    median of 3 calls on CPU (a smoke run)."""
+    if device == "cuda":
+        from flashgen.bench.timing import do_bench_ms
+
+        return lambda fn: do_bench_ms(fn, warmup_ms, rep_ms)
+
+    def wall(fn):
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    return wall
+
+
+def _cases(args):
+    """``[(row, [(candidate, fn), ...])]``: each row's candidates, the first the baseline."""
+    import torch
+
+    import flashgen
+
+    dev, dt = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    b, h, s = args.batch, args.heads, args.seqlen
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def qkv(d):
+        return [torch.randn(b, h, s, d, device=dev, dtype=dt, generator=g).requires_grad_()
+                for _ in range(3)]  # fmt: skip
+
+    def train(op, q, k, v, **kw):
+        def step():
+            o, _ = op.attention(q, k, v, **kw)
+            o.backward(torch.ones_like(o))
+
+        return step
+
+    rows = []
+    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    q, k, v = qkv(128)
+    slopes = torch.linspace(0.01, 0.5, h, device=dev)
+    rows.append(("alibi fwd+bwd", [
+        ("slopes detached", train(op, q, k, v, slopes=slopes)),
+        ("slopes trained", train(op, q, k, v, slopes=slopes.clone().requires_grad_())),
+    ]))  # fmt: skip
+    op = flashgen.load(REPO / "specs" / "t5_bias.yaml")
+    q, k, v = qkv(64)
+    bias = torch.rand(h, 257, device=dev, generator=g)
+    rows.append(("t5_bias fwd+bwd", [
+        ("bias detached", train(op, q, k, v, bias=bias)),
+        ("bias trained", train(op, q, k, v, bias=bias.clone().requires_grad_())),
+    ]))  # fmt: skip
+    op = flashgen.load(REPO / "specs" / "gpt_oss_sink.yaml")
+    q, k, v = qkv(64)
+    sinks = torch.linspace(-1, 2, h, device=dev).requires_grad_()
+
+    def fwd(**kw):
+        def call():
+            with torch.no_grad():
+                op.attention(q, k, v, sinks=sinks, **kw)
+
+        return call
+
+    rows.append(("gpt_oss_sink fwd", [("no sink", fwd(apply_sink=False)), ("sink", fwd())]))
+    rows.append(("gpt_oss_sink fwd+bwd", [
+        ("no sink", train(op, q, k, v, sinks=sinks, apply_sink=False)),
+        ("sink", train(op, q, k, v, sinks=sinks)),
+    ]))  # fmt: skip
+    bf16 = torch.bfloat16  # decode takes the spec's dtype on CPU too
+    kc = torch.randn(b * 4, h // 2 or 1, s, 64, device=dev, generator=g).to(bf16)
+    vc = torch.randn_like(kc)
+    qd = torch.randn(b * 4, h, 1, 64, device=dev, generator=g).to(bf16)
+    lens = torch.full((b * 4,), s, dtype=torch.int32, device=dev)
+
+    def decode(**kw):
+        def call():
+            op.with_kvcache(qd, kc, vc, lens, sinks=sinks.detach(), **kw)
+
+        return call
+
+    rows.append(("gpt_oss_sink decode", [("no sink", decode(apply_sink=False)),
+                                         ("sink", decode())]))  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup-ms", type=int, default=100)
+    ap.add_argument("--rep-ms", type=int, default=500)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from flashgen.bench.timing import alternate, environment
+
+    time_ms = _timer(args.device, args.warmup_ms, args.rep_ms)
+    results = []
+    for row, cands in _cases(args):
+        samples, failed = alternate(lambda i, c=cands: time_ms(c[i][1]), len(cands), args.rounds)
+        meds = [statistics.median(x) if x else None for x in samples]
+        entry = {"row": row, "candidates": {}}
+        for i, ((name, _), med) in enumerate(zip(cands, meds, strict=True)):
+            error = repr(failed[i]) if i in failed else None
+            entry["candidates"][name] = {"ms": med, "error": error}
+        if len(cands) > 1 and meds[0] and meds[1]:
+            entry["ratio"] = meds[1] / meds[0]
+        results.append(entry)
+        shown = ", ".join(f"{n} {m:.3f} ms" if m else f"{n} failed" for (n, _), m in
+                          zip(cands, meds, strict=True))  # fmt: skip
+        ratio = f"  ratio {entry['ratio']:.3f}" if "ratio" in entry else ""
+        print(f"{row:24s} {shown}{ratio}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        env = environment() if args.device == "cuda" else {"device": "cpu"}
+        doc = {"args": {k: str(v) for k, v in vars(args).items()}, "env": env, "rows": results}
+        (args.out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
