@@ -143,9 +143,10 @@ def spec_directions(spec: ir.Spec, directions) -> tuple[str, ...]:
 
 
 def shipped_spec_paths() -> list[Path]:
-    """The ``specs/*.yaml`` of the checkout (empty in an installed wheel)."""
-    root = Path(__file__).resolve().parents[2] / "specs"
-    return sorted(root.glob("*.yaml"))
+    """The shipped specs (:func:`flashgen.frontend.shipped.shipped_spec_paths`)."""
+    from flashgen.frontend.shipped import shipped_spec_paths as paths
+
+    return paths()
 
 
 def parse_spec_item(item: str) -> tuple[str, dict]:

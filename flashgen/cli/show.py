@@ -14,6 +14,7 @@ from pathlib import Path
 from flashgen.cli.common import _consoles, _load_specs, _options
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, terminal_safe
+from flashgen.frontend.shipped import shipped_specs_dir
 
 # ----------------------------------------------------------------------------- IR printing
 _PREC = {
@@ -147,21 +148,6 @@ def cmd_show(args) -> int:
         print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")
         sys.stdout.write(render(plan))
     return 0
-
-
-def shipped_specs_dir() -> Path | None:
-    """The shipped specs: ``specs/`` of a source checkout, else the ``flashgen.specs``
-    package data a wheel installs; None if neither is there."""
-    here = Path(__file__).resolve().parents[2] / "specs"
-    if here.is_dir():
-        return here
-    try:
-        from importlib import resources
-
-        packaged = Path(str(resources.files("flashgen.specs")))
-    except (ImportError, TypeError):
-        return None
-    return packaged if packaged.is_dir() else None
 
 
 def cmd_list(args) -> int:
