@@ -68,10 +68,11 @@ class DecodePlanning:
         the splits by its blocks, not the capacity's; calls may pass other values.
         ``cache_dtype``: the calls' cache dtype, None (the spec's) or ``torch.float8_e4m3fn``
         (an e4m3 cache: its own unit; the calls pass the descales).
-        Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
-        planned calls do no host planning and can be captured in a CUDA graph.  Raises
-        :class:`OpInputError` for bad sizes, options or params, and for a CUDA ``device``
-        (the default) where no CUDA device is available."""
+        ``device``: where the calls run; None: the current CUDA device if there is one,
+        else the CPU.  On a CUDA device it builds and loads the kernels and allocates the
+        workspace, so planned calls do no host planning and can be captured in a CUDA graph.
+        Raises :class:`OpInputError` for bad sizes, options or params, and for a CUDA
+        ``device`` where no CUDA device is available."""
         self._refuse()
         if options is not None and not isinstance(options, family.Options):
             raise OpInputError(
@@ -128,7 +129,9 @@ class DecodePlanning:
                               cache_dtype=kv_dtype)  # fmt: skip
         if total_q is not None:
             dims = dataclasses.replace(dims, total_q=total_q)
-        device = torch.device(device if device is not None else "cuda")
+        if device is None:  # where the op runs: the current CUDA device if any, else the CPU
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise OpInputError(
                 f"device: expected 'cpu' or a CUDA device, got {str(device)!r} and no CUDA "
