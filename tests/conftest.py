@@ -44,9 +44,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory):
-    """Point the kernel cache at a fresh directory for the whole session."""
+    """Point the kernel cache at a fresh directory for the whole run: one directory all
+    pytest-xdist workers share (the cache locks each entry), so a unit that tests in two
+    workers build compiles once."""
     old = os.environ.get("FLASHGEN_CACHE_DIR")
-    os.environ["FLASHGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("flashgen-cache"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' common folder
+        base = base.parent
+    cache = base / "flashgen-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["FLASHGEN_CACHE_DIR"] = str(cache)
     yield
     if old is None:
         os.environ.pop("FLASHGEN_CACHE_DIR", None)

@@ -75,7 +75,7 @@ class SpecKey:
         if self.window_right:
             params.append("  window_right: {type: i32, default: 0, min: 0}")
         if self.softcap:
-            params.append("  softcap: {type: f32, default: 1.0}")
+            params.append("  softcap: {type: f32, default: 1.0, above: 0}")  # a divisor: not 0
         if self.alibi:
             params.append("  slopes: {type: f32, shape: [batch, num_heads]}")
         lines = [
