@@ -232,3 +232,13 @@ def test_build_json_lists_spec_errors_with_locations(tmp_path, capsys):
     assert (first["file"], first["line"], first["col"]) == (str(bad), 2, 11)
     assert "head_dim 80 is not supported" in first["message"]
     assert second["file"].endswith("missing.yaml") and "cannot read spec" in second["message"]
+
+
+# ---------------------------------------------------------------------- build: fp8 under family=fa2
+def test_cli_build_fp8_with_family_fa2_is_an_error(capsys):
+    """A ValueError traceback from the registry before."""
+    from flashgen.cli.commands import main
+
+    rc = main(["build", "--option", "family=fa2", "--json", "llama3_fp8"])
+    assert rc != 0
+    assert "no FP8 form" in capsys.readouterr().out
