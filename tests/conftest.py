@@ -31,6 +31,9 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is present)")
+    # the CLI's tables follow COLUMNS (pytest-xdist's workers get 80): tests that check the
+    # width set it themselves
+    os.environ.pop("COLUMNS", None)
 
 
 def pytest_collection_modifyitems(config, items):
