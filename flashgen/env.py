@@ -40,7 +40,7 @@ REMOVED: dict[str, str] = {
     "FLASHGEN_HEAD_GROUPS": "Options().replace_path('hopper_fwd.head_groups', False) "
     "(and fa2_fwd.head_groups, hopper_bwd.head_groups)",
     "FLASHGEN_NONNEG_DIV": "Options().replace_path('hopper_fwd.nonneg_div', False)",
-    "FLASHGEN_HOPPER_BWD_DQ_A": "Options().replace_path('hopper_bwd.dq_a', 'ldmatrix')",
+    "FLASHGEN_HOPPER_BWD_DQ_A": "nothing: the Hopper backward reads dS from shared memory",
     "FLASHGEN_NO_TMA_CACHE": "flashgen.runtime.tma.set_cache_enabled(False)",
 }
 

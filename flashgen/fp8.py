@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 
 #: Largest finite ``torch.float8_e4m3fn`` value: amax scaling maps each ``[b, h_kv]`` slice's
@@ -58,12 +59,28 @@ def hadamard_matrix(n: int, *, dtype=torch.float32, device=None) -> torch.Tensor
     return (h / math.sqrt(n)).to(dtype=dtype, device=device)
 
 
+#: Head dims ``quantize(hadamard=True)`` and :func:`incoherence_matrix` take: the kernels'
+#: head dims (:data:`flashgen.frontend.ir.SUPPORTED_HEAD_DIMS`) that are powers of two.
+HADAMARD_HEAD_DIMS = tuple(d for d in ir.SUPPORTED_HEAD_DIMS if d & (d - 1) == 0)
+
+
+def _check_hadamard_head_dim(name: str, d) -> None:
+    """Refuse a head dim outside :data:`HADAMARD_HEAD_DIMS` before anything is allocated
+    (a ``D x D`` matrix of D = 65536 took 4.7 GiB before the call failed elsewhere)."""
+    if isinstance(d, bool) or not isinstance(d, int) or d not in HADAMARD_HEAD_DIMS:
+        raise OpInputError(
+            f"{name}: hadamard=True needs a power-of-two head_dim the kernels take (one of "
+            f"{HADAMARD_HEAD_DIMS}; a Hadamard transform along it), got {d!r}"
+        )
+
+
 def incoherence_matrix(head_dim: int, *, generator=None, device=None) -> torch.Tensor:
     """FlashAttention-3's random orthogonal ``M = diag(s) H / sqrt(D)`` (section 3.3): ``s``
     uniform random signs (from ``generator``, else torch's default generator), ``H`` the
     Sylvester-Hadamard matrix of :func:`hadamard_matrix`.  float32 [D, D] on ``device``.
-    Raises :class:`OpInputError` unless ``head_dim`` is a power of two and ``generator`` None
-    or a ``torch.Generator``."""
+    Raises :class:`OpInputError` unless ``head_dim`` is one of :data:`HADAMARD_HEAD_DIMS`
+    and ``generator`` None or a ``torch.Generator``."""
+    _check_hadamard_head_dim("head_dim", head_dim)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise OpInputError(
             f"generator: expected None or a torch.Generator (e.g. "
@@ -156,7 +173,8 @@ def quantize(q, k, v, *, hadamard: bool = False, generator=None):
     ``M = diag(s) H / sqrt(D)`` (:func:`incoherence_matrix`, signs drawn from ``generator``
     or torch's default generator), so ``q k^T`` and hence the attention output are
     unchanged up to float32 rounding, while outliers are spread over head_dim; ``v`` is not
-    transformed.  Needs a power-of-two head_dim.
+    transformed.  Needs a power-of-two head_dim the kernels take
+    (:data:`HADAMARD_HEAD_DIMS`: 32, 64, 128, 256), checked before anything is allocated.
 
     Returns ``(q8, k8, v8, q_descale, k_descale, v_descale)``: ``torch.float8_e4m3fn``
     tensors shaped like the inputs (contiguous) and float32 ``[B, Hkv]`` descales
@@ -165,19 +183,16 @@ def quantize(q, k, v, *, hadamard: bool = False, generator=None):
 
     Raises :class:`OpInputError` naming the argument for a non-tensor, a tensor that is not
     4-D or not float32 / float16 / bfloat16, another device, inconsistent shapes, a head_dim
-    that is not a power of two with ``hadamard=True``, a ``generator`` that is not a
+    outside :data:`HADAMARD_HEAD_DIMS` with ``hadamard=True``, a ``generator`` that is not a
     ``torch.Generator``, and (CPU tensors; on a GPU this would
     cost a device sync, and the descales come out non-finite instead) inf or NaN entries.
     """
     _, hkv = _check(q, k, v)
+    if hadamard:  # before any allocation
+        _check_hadamard_head_dim("q", q.shape[3])
     qf, kf, vf = q.float(), k.float(), v.float()
     if hadamard:
         d = q.shape[3]
-        if d < 1 or d & (d - 1):
-            raise OpInputError(
-                f"q: hadamard=True needs a power-of-two head_dim (a Hadamard transform along "
-                f"it), got {d}"
-            )
         m = incoherence_matrix(d, generator=generator, device=q.device)
         qf, kf = torch.matmul(qf, m), torch.matmul(kf, m)
     q8, qd = _scaled("q", qf, hkv)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd
 from flashgen.families.common import FAMILIES, PERSISTENT_SCHEDULERS
+from flashgen.families.fields import check_fields
 
 #: Values of :attr:`Options.persistent` (``auto``: ``dynamic`` for a mask that reads tensors,
 #: else ``off``) and of :attr:`Options.sparse_persistent`.
@@ -61,7 +62,10 @@ class Options:
       each family's ``Options`` (see its module; ``decode``: the tiles and split count of
       ``op.with_kvcache``).
 
-    Raises ``ValueError`` naming the field for a value outside its choices.
+    Every field has its declared type (:func:`flashgen.families.fields.check_fields`: a
+    bool is ``True`` / ``False``, an int is no float and no bool); raises ``ValueError``
+    naming the dotted field (``Options.decode.stages``) for a value of another type or
+    outside its choices or range.
     """
 
     family: str = "auto"
@@ -79,6 +83,12 @@ class Options:
     decode: decode.Options = field(default_factory=decode.Options)
 
     def __post_init__(self) -> None:
+        for name, cls in FAMILY_OPTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"Options.{name}: expected a {cls.__module__}.Options")
+        check_fields(self, "Options")
+        for name in FAMILY_OPTIONS:  # the records check themselves; hopper_bwd's is checked here
+            check_fields(getattr(self, name), f"Options.{name}")
         if self.family not in FAMILIES:
             raise ValueError(f"Options.family={self.family!r}: expected one of {FAMILIES}")
         if self.persistent not in PERSISTENT_CHOICES:
@@ -96,14 +106,6 @@ class Options:
             raise ValueError(
                 f"Options.persistent_ctas={self.persistent_ctas!r}: expected a positive int or None"
             )
-        if self.hopper_bwd.dq_a not in hopper_bwd.HOPPER_BWD_DQ_A:
-            raise ValueError(
-                f"Options.hopper_bwd.dq_a={self.hopper_bwd.dq_a!r}: expected one of "
-                f"{hopper_bwd.HOPPER_BWD_DQ_A}"
-            )
-        for name, cls in FAMILY_OPTIONS.items():
-            if not isinstance(getattr(self, name), cls):
-                raise ValueError(f"Options.{name}: expected a {cls.__module__}.Options")
 
     # ------------------------------------------------------------------ dotted names
     @classmethod
@@ -141,13 +143,18 @@ class Options:
         for a value the field does not take."""
         self.get_path(path)  # validates the name
         head, _, rest = path.partition(".")
-        if rest:
-            sub = getattr(self, head)
-            hint = _field_type(type(sub), rest)
-            sub = dataclasses.replace(sub, **{rest: _parse(path, value, hint)})
-            return dataclasses.replace(self, **{head: sub})
-        hint = _field_type(Options, head)
-        return dataclasses.replace(self, **{head: _parse(path, value, hint)})
+        try:
+            if rest:
+                sub = getattr(self, head)
+                hint = _field_type(type(sub), rest)
+                sub = dataclasses.replace(sub, **{rest: _parse(path, value, hint)})
+                return dataclasses.replace(self, **{head: sub})
+            hint = _field_type(Options, head)
+            return dataclasses.replace(self, **{head: _parse(path, value, hint)})
+        except ValueError as e:  # the record's own check: say which dotted option it was
+            if f"option {path}=" in str(e) or f"Options.{path}=" in str(e):
+                raise
+            raise ValueError(f"option {path}={value!r}: {e}") from None
 
     def with_values(self, assignments: dict[str, object]) -> Options:
         """:meth:`replace_path` for each ``{dotted name: value}``, in order."""
@@ -216,7 +223,6 @@ _CHOICES = {
     "family": FAMILIES,
     "persistent": PERSISTENT_CHOICES,
     "sparse_persistent": PERSISTENT_CHOICES[1:],
-    "hopper_bwd.dq_a": hopper_bwd.HOPPER_BWD_DQ_A,
     "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
 }
 

@@ -14,7 +14,6 @@ from flashgen.families import registry
 from flashgen.families.build import _forward_variant
 from flashgen.families.fa2_bwd import BACKWARD_OPTIONS
 from flashgen.families.fa2_fwd import FORWARD_OPTIONS
-from flashgen.families.hopper_bwd import HOPPER_BWD_DQ_A
 from flashgen.options import DEFAULT, Options
 
 
@@ -82,18 +81,9 @@ def plan_backward(spec, target, *, atomic_dq=False, tiles=None, options=None, si
     )
 
 
-def plan_hopper_backward(spec, target, *, dq_a=None):
-    """Keyword form of :func:`flashgen.families.registry.plan_hopper_backward`."""
-    o = DEFAULT
-    if dq_a is not None:
-        from flashgen.families import hopper_bwd
-
-        if dq_a not in HOPPER_BWD_DQ_A:
-            raise ValueError(
-                f"dQ A operand {dq_a!r}: expected one of {', '.join(HOPPER_BWD_DQ_A)}"
-            )
-        o = replace(o, hopper_bwd=hopper_bwd.Options(dq_a=dq_a))
-    return registry.plan_hopper_backward(spec, target, o)
+def plan_hopper_backward(spec, target):
+    """:func:`flashgen.families.registry.plan_hopper_backward` with the default options."""
+    return registry.plan_hopper_backward(spec, target, DEFAULT)
 
 
 def choose_tiles(spec, target, gpu=None, family="auto") -> TileConfig:

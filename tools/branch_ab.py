@@ -130,7 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     a, b = args.a.resolve(), args.b.resolve()
-    specs = args.spec or sorted(p.stem for p in (a / "specs").glob("*.yaml"))
+    specs = args.spec or sorted(
+        p.stem for p in (a / "specs").glob("*.yaml") if "v_from_k: true" not in p.read_text()
+    )  # (a v_from_k spec is decode only: no forward or backward to compare)
     cfg = {
         "specs": specs,
         "kinds": args.kinds,

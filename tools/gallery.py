@@ -50,6 +50,34 @@ GALLERY = (
     "mistral_swa",
 )
 BASELINE = "causal_d128"
+#: Serving specs: listed after the measured ones with their spec text and what their decode
+#: does (docs/serving.md), untimed here (``python -m flashgen.bench.decode`` times decode).
+SERVING = {
+    "spec_tree": "speculative-decoding tree masks in `op.with_kvcache`: the new tokens of a "
+    "request see its cache and their ancestors in the draft tree (the ancestor matrix "
+    "`[B, Sq_new, Sq_new]` is a per-call tensor); also a prefill op",
+    "mla_decode": "DeepSeek MLA decode: one latent cache of 576 columns whose first 512 are "
+    "the values (`v_from_k: true`), `num_heads_kv` 1; decode only (no prefill, no backward)",
+}
+
+
+def serving_section(specs_dir: Path) -> list[str]:
+    """The page's closing section: each :data:`SERVING` spec found in ``specs_dir``, its text
+    and what it is for (no timing)."""
+    names = [n for n in SERVING if (specs_dir / f"{n}.yaml").is_file()]
+    if not names:
+        return []
+    lines = [
+        "## Serving specs (decode)",
+        "",
+        "Specs for `op.with_kvcache` (see `docs/serving.md`); not timed on this page "
+        "(`python -m flashgen.bench.decode` times decode).",
+        "",
+    ]
+    for n in names:
+        text = (specs_dir / f"{n}.yaml").read_text().rstrip()
+        lines += [f"### {n}", "", "```yaml", text, "```", "", SERVING[n] + ".", ""]
+    return lines
 
 
 def gallery_params(spec, batch: int, heads: int, seqlen: int, device, mean_len: int) -> dict:
@@ -201,6 +229,7 @@ def write_page(rows: list[dict], meta: dict, path: Path) -> None:
             if r.get(key):
                 facts.append(f"{key.replace('_', ' ')}: `{r[key]}`")
         lines += ["; ".join(facts) + ".", ""]
+    lines += serving_section(REPO / "specs")
     path.write_text("\n".join(lines))
 
 

@@ -143,10 +143,12 @@ def spec_directions(spec: ir.Spec, directions) -> tuple[str, ...]:
 
 
 def shipped_spec_paths() -> list[Path]:
-    """The shipped specs (:func:`flashgen.frontend.shipped.shipped_spec_paths`)."""
+    """The shipped specs with a prefill op (:func:`flashgen.frontend.shipped.shipped_spec_paths`;
+    a ``v_from_k`` spec is decode only: ``flashgen.bench.decode`` times it)."""
     from flashgen.frontend.shipped import shipped_spec_paths as paths
+    from flashgen.frontend.spec import load_spec
 
-    return paths()
+    return [p for p in paths() if not load_spec(p).v_from_k]
 
 
 def parse_spec_item(item: str) -> tuple[str, dict]:

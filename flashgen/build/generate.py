@@ -53,7 +53,7 @@ from flashgen import load as _load
 {options_import}
 _op = _load(_Path(__file__).with_name("spec.yaml"){options_arg})
 attention = _op.attention
-spec = _op.spec
+{op_line}spec = _op.spec
 '''
 
 
@@ -87,6 +87,16 @@ Packed sequences: q [total_q, Hq, {head_dim}], k [total_k, Hkv, {head_dim}], v [
 [batch + 1] offsets, max_seqlen_q / max_seqlen_k ints -> o [total_q, Hq, {head_dim_v}]
 ({out_dtype}), lse [Hq, total_q] float32 (natural log)."""
 
+#: A ``v_from_k: true`` spec's op is decode only (MLA's one latent cache).
+_LATENT_USAGE = """    from generated import {name}
+    o, lse = {name}.op.with_kvcache(q, k_cache, None, cache_seqlens,
+        block_table=table{param_example})
+
+Decode only (v_from_k): q [B, Hq, Sq_new, {head_dim}], k_cache [B, 1, S, {head_dim}] or paged
+[pages, page_size, 1, {head_dim}] ({dtype}, or torch.float8_e4m3fn with k_descale), the values
+its first {head_dim_v} columns -> o [B, Hq, Sq_new, {head_dim_v}] ({out_dtype}), lse [B, Hq,
+Sq_new] float32 (natural log).  The sources are its decode units; no prefill or backward."""
+
 
 def _atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a new temporary file in its directory (created
@@ -104,14 +114,36 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _refuse_links(dest: Path) -> None:
+    """Raise ``ValueError`` if any component of ``dest`` as given (the output root, its
+    parents as written, and ``<root>/<name>``) is a symbolic link: a checkout that commits
+    ``generated`` as a link would otherwise have the build write through it."""
+    path = Path(dest.parts[0]) if dest.parts else dest
+    for part in (*dest.parts[1:], None):
+        if path.is_symlink():
+            raise ValueError(
+                f"{path} is a symbolic link (on the output path {dest}); refusing to write "
+                f"through it: make it a plain directory or pass another output directory"
+            )
+        if part is None:
+            break
+        path = path / part
+
+
 #: Largest manifest.json read back (bytes); a larger or odd one is ignored.
 _MAX_MANIFEST = 1 << 20
 
 
 def _previous_manifest(dest: Path) -> dict | None:
-    """The manifest.json already in ``dest`` (a regular file, not a link), or None."""
+    """The manifest.json already in ``dest`` (a regular file, not a link), or None.  The
+    file type is checked before opening (a FIFO would block the open) and again on the
+    descriptor, which is opened non-blocking (a file swapped for a FIFO in between)."""
+    path = dest / "manifest.json"
     try:
-        fd = os.open(dest / "manifest.json", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, flags)
     except OSError:
         return None
     try:
@@ -170,7 +202,8 @@ def module_source(spec: ir.Spec, options: Options = DEFAULT) -> str:
     example = "".join(f", {p.name}={p.name}" for p in spec.tensor_params)
     desc = spec.description.strip() or f"Attention variant {spec.name}."
     usage = (
-        _VARLEN_USAGE if spec.varlen else _FP8_USAGE if spec.dtype in ir.FP8_DTYPES else _USAGE
+        _LATENT_USAGE if spec.v_from_k else _VARLEN_USAGE if spec.varlen
+        else _FP8_USAGE if spec.dtype in ir.FP8_DTYPES else _USAGE
     ).format(
         name=spec.name,
         param_example=example,
@@ -189,6 +222,7 @@ def module_source(spec: ir.Spec, options: Options = DEFAULT) -> str:
         options_doc=f"  Options: {docstring_text(options.key())}." if changed else "",
         options_import="from flashgen import Options as _Options\n" if changed else "",
         options_arg=f", options=_Options().with_values({changed!r})" if changed else "",
+        op_line="op = _op  # decode only: with_kvcache, plan_decode\n" if spec.v_from_k else "",
     )
 
 
@@ -253,15 +287,16 @@ def write_generated(
     targets that an earlier write of this same spec (the manifest's ``spec_sha256`` and
     flashgen version) left: ``flashgen build --target sm_80`` keeps the committed sm_90
     sources and their manifest entries.  Raises ``ValueError`` if a target cannot be
-    lowered or ``<out_dir>/<name>`` is a link, ``OSError`` on write failures.
+    lowered or a component of ``<out_dir>/<name>`` (the output root included) is a link,
+    ``OSError`` on write failures.  A ``v_from_k`` spec (decode only) writes its padded
+    decode unit in the forward's place.
     """
     targets = tuple(spec.targets if targets is None else targets)
     if not _SAFE_NAME.fullmatch(spec.name):  # check_spec enforces it; a hand-built Spec may not
         raise ValueError(f"spec name {spec.name!r} is not a plain identifier; refusing to write")
     root = Path(out_dir)
     dest = root / spec.name
-    if dest.is_symlink():
-        raise ValueError(f"{dest} is a symbolic link; refusing to write through it")
+    _refuse_links(dest)
     if dest.resolve().parent != root.resolve():
         raise ValueError(f"spec name {spec.name!r} would write outside {root}")
     dest.mkdir(parents=True, exist_ok=True)
@@ -271,7 +306,11 @@ def write_generated(
         _atomic_write(root / "__init__.py", _PACKAGE_DOC)
     given, plans = plans or {}, {}
     for t in targets:
-        plans[(t, "fwd")] = given.get((t, "fwd")) or registry.plan_forward(spec, t, options)
+        plans[(t, "fwd")] = given.get((t, "fwd")) or (
+            registry.plan_decode(spec, t, options)
+            if spec.v_from_k
+            else registry.plan_forward(spec, t, options)
+        )
         if registry.has_backward(spec):  # fp8 specs: forward only
             plans[(t, "bwd")] = given.get((t, "bwd")) or registry.plan_backward(spec, t, options)
     sources = {key: render(p.unit if key[1] == "bwd" else p) for key, p in plans.items()}

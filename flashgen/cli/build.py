@@ -175,7 +175,8 @@ def cmd_build(args) -> int:
         futures = [
             pool.submit(_compile_one, s, t, u, options)
             for s, t in pairs
-            for u in (units if has_backward(s) else units[:1])  # fp8: forward only
+            # fp8: forward only; v_from_k (MLA): decode only, no prefill units
+            for u in (units if has_backward(s) else () if s.v_from_k else units[:1])
         ]
         futures += [  # the Hopper backward unit, where the spec takes it
             pool.submit(_compile_one, s, t, "bwd_wgmma", options)
@@ -185,7 +186,8 @@ def cmd_build(args) -> int:
         futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
             pool.submit(_compile_one, s, t, "fwd_sparse", options)
             for s, t in pairs
-            if not persistent_scheduler(s, options)
+            if not s.v_from_k
+            and not persistent_scheduler(s, options)
             and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
         ]
         futures += [  # the decode (serving) units, padded and ragged Sq_new, where supported
@@ -211,12 +213,15 @@ def cmd_build(args) -> int:
         if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
             unwritten.append(spec.name)
             continue
-        # the decode units are compiled and reported, not written to generated/
-        mine = [r for r in mine if r.unit not in ("decode", "decode_ragged")]
-        reports = {(r.target, r.unit): r.report for r in mine if r.report is not None}
-        targets = tuple(dict.fromkeys(r.target for r in mine))
+        if spec.v_from_k:  # decode only: its padded decode unit is the generated source
+            keyed = {(r.target, "fwd"): r for r in mine if r.unit == "decode"}
+        else:  # the decode units are compiled and reported, not written to generated/
+            serving = ("decode", "decode_ragged")
+            keyed = {(r.target, r.unit): r for r in mine if r.unit not in serving}
+        reports = {k: r.report for k, r in keyed.items() if r.report is not None}
+        targets = tuple(dict.fromkeys(t for t, _ in keyed))
         try:
-            plans = {(r.target, r.unit): r.plan for r in mine if r.plan is not None}
+            plans = {k: r.plan for k, r in keyed.items() if r.plan is not None}
             generated.append(
                 str(
                     write_generated(
@@ -233,7 +238,7 @@ def cmd_build(args) -> int:
         verify = [
             _verify_safely(spec, options)
             for spec in specs
-            if all(r.ok for r in results if r.spec is spec)
+            if all(r.ok for r in results if r.spec is spec) and not spec.v_from_k
         ]
 
     ok = all(r.ok for r in results) and all(v["ok"] for v in verify)

@@ -116,6 +116,8 @@ def format_spec(spec: ir.Spec) -> str:
         )
     if spec.varlen:
         lines.append("  varlen         true (packed sequences: cu_seqlens_q/k, max_seqlen_q/k)")
+    if spec.v_from_k:
+        lines.append("  v_from_k       true (decode only: v is k_cache's first head_dim_v columns)")
     if spec.description:  # untrusted text: escaped, so it cannot drive the terminal
         lines.append(f"  description    {terminal_safe(spec.description)}")
     lines[0] = terminal_safe(lines[0])  # the path
@@ -124,7 +126,7 @@ def format_spec(spec: ir.Spec) -> str:
 
 def cmd_show(args) -> int:
     from flashgen.build.render import render
-    from flashgen.families.registry import plan_forward
+    from flashgen.families.registry import plan_decode, plan_forward
 
     _, err = _consoles()
     try:
@@ -140,7 +142,8 @@ def cmd_show(args) -> int:
     targets = args.target or list(spec.targets)
     for t in targets:
         try:
-            plan = plan_forward(spec, t, options)
+            plan_of = plan_decode if spec.v_from_k else plan_forward  # v_from_k: decode only
+            plan = plan_of(spec, t, options)
         except ValueError as e:
             err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
             return 1

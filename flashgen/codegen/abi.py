@@ -87,13 +87,15 @@ class KernelArg:
 class TmaArg:
     """A ``CUtensorMap`` kernel argument ``name`` mapping tensor argument ``tensor``
     (``[B, H, S, D]``) in boxes of ``box_cols`` columns x ``box_rows`` rows, with the
-    ``swizzle``-byte swizzle (128 or 64; see :mod:`flashgen.runtime.tma`)."""
+    ``swizzle``-byte swizzle (128 or 64; see :mod:`flashgen.runtime.tma`), of element type
+    ``dtype`` (a key of :data:`flashgen.runtime.tma.DATA_TYPE`; None: the spec's dtype)."""
 
     name: str
     tensor: str
     box_rows: int
     box_cols: int = 64
     swizzle: int = 128
+    dtype: str | None = None
 
 
 def dim_args(spec: Spec) -> list[KernelArg]:

@@ -5,6 +5,7 @@ planning shares (:func:`split_causal`, :func:`side_terms`).  Pure Python."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from flashgen.analysis import affine, rowcol
 from flashgen.analysis.maskinfo import Range, evaluate, static_env
@@ -147,7 +148,9 @@ def _kernel_invariant(e: Expr, spec: Spec) -> bool:
     return True
 
 
-def cuda_expr(e: Expr, spec: Spec, inv: Invariants | None = None) -> str:
+def cuda_expr(
+    e: Expr, spec: Spec, inv: Invariants | None = None, extents: Mapping[str, str] | None = None
+) -> str:
     """Render a typed DSL expression as a CUDA C++ expression.
 
     Names map to kernel locals: index variables keep their names, ``score`` is the
@@ -171,8 +174,12 @@ def cuda_expr(e: Expr, spec: Spec, inv: Invariants | None = None) -> str:
     ``([&]() { const auto fg_sub0 = ...; return ...; }())``, so the text stays linear in
     the number of distinct nodes.  A tree (every parsed spec expression) renders inline,
     as it always did.
+
+    ``extents``: the kernel's name of a tensor param's shape symbol where it is not the
+    symbol's own (:func:`_shape_extent`): the decode kernels' ``seqlen_k`` is the request's
+    live keys, a ``seqlen_k`` extent their cache's ``capacity``.
     """
-    return _Lowering(spec, inv, shared_nodes(e)).render(e)
+    return _Lowering(spec, inv, shared_nodes(e), extents).render(e)
 
 
 #: Largest ratio of an expression's tree size (shared sub-expressions counted at every use)
@@ -234,8 +241,15 @@ class _Lowering:
     and the nodes in ``shared`` (:func:`shared_nodes`) become temporaries (``temps``,
     in dependency order: a node's operands are rendered before it)."""
 
-    def __init__(self, spec: Spec, inv: Invariants | None, shared: frozenset[int]) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        inv: Invariants | None,
+        shared: frozenset[int],
+        extents: Mapping[str, str] | None = None,
+    ) -> None:
         self.spec = spec
+        self.extents = extents
         self.inv = inv
         self.shared = shared
         # (id(node), compared) -> (node, code); the node is kept so that its id stays its own
@@ -292,7 +306,7 @@ class _Lowering:
             p = spec.param(e.name)
             return f"p_{e.name}" if p is not None else e.name
         if isinstance(e, Index):
-            return _tensor_read(e, spec, lambda ix: cuda_expr(ix, spec))
+            return _tensor_read(e, spec, lambda ix: cuda_expr(ix, spec), self.extents)
         if isinstance(e, Unary):
             return f"({e.op}{cuda_expr(e.arg, spec)})"
         if isinstance(e, Binary):
@@ -410,7 +424,7 @@ def _peel_constant(ix: Expr, spec: Spec) -> tuple[Expr, int] | None:
     return None
 
 
-def _tensor_read(e: Index, spec: Spec, render) -> str:
+def _tensor_read(e: Index, spec: Spec, render, extents: Mapping[str, str] | None = None) -> str:
     """``t_<name>[offset]`` for the tensor read ``e`` (row-major, contiguous); ``render``
     gives a subscript's CUDA code.
 
@@ -425,7 +439,7 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
     copy NVVM cannot re-associate into each element's offset, see ``templates/common/
     mma_sm80.cuh``) instead of 64-bit arithmetic per element.  With a base, a literal added
     to a proven subscript (T5's ``min(max(kv_idx - q_idx, -128), 128) + 128``) moves into
-    the base too: one add less per element."""
+    the base too: one add less per element.  ``extents``: as :func:`cuda_expr`'s."""
     p = spec.param(e.name)
     assert p is not None and p.kind == "tensor"
     base: list[str] = []  # int64 terms
@@ -439,13 +453,16 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
     for i, ix in enumerate(e.indices):
         dim = p.shape[i]
         code = render(ix)
-        inside = index_in_bounds(ix, dim, spec)
+        # an index variable is inside its own extent only where the kernel's bound of it is
+        # that extent (decode's kv_idx runs to the live keys, its seqlen_k extent is capacity)
+        own = not isinstance(dim, str) or _shape_extent(dim, extents) == _shape_extent(dim)
+        inside = own and index_in_bounds(ix, dim, spec)
         if not inside:
-            code = f"fg::clamp_index({code}, {_shape_extent(dim)})"
+            code = f"fg::clamp_index({code}, {_shape_extent(dim, extents)})"
         codes.append(code)
         rest = p.shape[i + 1 :]
         if _tile_invariant(ix, spec):
-            stride = "".join(f" * (int64_t)({_shape_extent(d)})" for d in rest)
+            stride = "".join(f" * (int64_t)({_shape_extent(d, extents)})" for d in rest)
             base.append(f"(int64_t)({code}){stride}")
             continue
         if all(isinstance(d, int) for d in rest):
@@ -472,9 +489,8 @@ def _tensor_read(e: Index, spec: Spec, render) -> str:
         offset = ""
         for i, code in enumerate(codes):
             term = f"(int64_t)({code})"
-            offset = (
-                term if i == 0 else f"({offset}) * (int64_t)({_shape_extent(p.shape[i])}) + {term}"
-            )
+            ext = _shape_extent(p.shape[i], extents)
+            offset = term if i == 0 else f"({offset}) * (int64_t)({ext}) + {term}"
         return f"t_{e.name}[{offset or '0'}]"
     if not base:
         return f"t_{e.name}[{int32(whole)}]"
@@ -501,10 +517,13 @@ def _fold_scale(e: Binary, spec: Spec, inv: Invariants, as_float) -> str | None:
     return f"({inv.raw_score} * {inv.add('float', f'softmax_scale {op} {as_float(other)}')})"
 
 
-def _shape_extent(dim) -> str:
-    """CUDA expression for one declared tensor-param extent."""
+def _shape_extent(dim, extents: Mapping[str, str] | None = None) -> str:
+    """CUDA expression for one declared tensor-param extent (``extents``: a kernel's own
+    names for some shape symbols)."""
     if isinstance(dim, int):
         return str(dim)
+    if extents and dim in extents:
+        return extents[dim]
     return {
         "batch": "batch",
         "num_heads": "heads_q",

@@ -46,6 +46,7 @@ every rank instead of hanging in a later collective.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from dataclasses import dataclass
 
@@ -58,7 +59,12 @@ from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import kv_sharded_params, q_sharded_params
 from flashgen.ops.backward import backward_name
 from flashgen.ops.decode import merge_attention
-from flashgen.ops.validation import default_softmax_scale, resolve_params, validate
+from flashgen.ops.validation import (
+    check_softmax_scale,
+    default_softmax_scale,
+    resolve_params,
+    validate,
+)
 
 LAYOUTS = ("zigzag", "contiguous")
 MODES = ("ring", "allgather")
@@ -66,6 +72,7 @@ _DTYPE_CODE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _HEADER = (
     "ok", "batch", "heads_q", "S_local", "head_dim", "heads_kv", "k's S_local", "head_dim_v",
     "layout", "mode", "dtype", "op", "group", "requires_grad", "deterministic",
+    "softmax_scale", "scalar params", "tensor params",
 )  # fmt: skip
 
 
@@ -88,11 +95,23 @@ def shard_sequence(x, rank: int, world_size: int, *, dim: int = 2, layout: str =
     """Rank ``rank``'s rows of a global tensor ``x`` along ``dim`` (q, k, v ``[B, H, S, D]``:
     dim 2; a ``[batch, seqlen]`` tensor param: dim 1) in ``layout`` (module docstring):
     a new contiguous tensor.  ``x.shape[dim]`` must be a multiple of ``world_size`` (zigzag:
-    ``2 * world_size``); else :class:`OpInputError` naming the multiple."""
-    n = x.shape[dim]
-    mult = world_size * (2 if layout == "zigzag" else 1)
+    ``2 * world_size``); else :class:`OpInputError` naming the multiple.  ``world_size`` an
+    int >= 1, ``rank`` an int in ``[0, world_size)``, ``dim`` one of x's dims, else
+    :class:`OpInputError` naming the argument."""
+    if not isinstance(x, torch.Tensor):
+        raise OpInputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise OpInputError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise OpInputError(
+            f"rank: expected an int in [0, {world_size}) (world_size {world_size}), got {rank!r}"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise OpInputError(f"dim: expected one of x's {x.dim()} dims, got {dim!r}")
     if layout not in LAYOUTS:
         raise OpInputError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    n = x.shape[dim]
+    mult = world_size * (2 if layout == "zigzag" else 1)
     if n % mult:
         raise OpInputError(
             f"x: expected a length along dim {dim} that is a multiple of {mult} "
@@ -203,7 +222,12 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
     world = dist.get_world_size(group)
     error: Exception | None = None
     plan = None
-    try:
+    try:  # every local check in here: a rank that raises still joins the all-gather below
+        if not hasattr(op, "offsets") or not hasattr(op, "spec"):
+            raise OpInputError(
+                f"op: expected a flashgen op (flashgen.load's AttentionOp), got "
+                f"{type(op).__name__}"
+            )
         if layout not in LAYOUTS:
             raise OpInputError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if mode not in MODES:
@@ -232,7 +256,9 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
             )
         if not isinstance(deterministic, bool):
             raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
-        scale = default_softmax_scale(spec) if softmax_scale is None else softmax_scale
+        scale = check_softmax_scale(
+            default_softmax_scale(spec) if softmax_scale is None else softmax_scale
+        )
         own = {p.name for p in op.spec.scalar_params}
         names = [p.name for p in spec.scalar_params]
         qn, kn = set(q_sharded_params(spec)), set(kv_sharded_params(spec))
@@ -245,10 +271,15 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
             other_tensors={n: t for n, t in tmap.items() if n not in qn | kn},
             skip_ok=not _reads_batch_or_head(spec),
         )  # fmt: skip
-    except OpInputError as e:
+    except Exception as e:  # noqa: BLE001 -- raised after the exchange, on every rank
         error = e
-    header = _header(error is None, q, k, v, layout, mode, op, group, deterministic)
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    header = _header(error is None, q, k, v, layout, mode, op, group, deterministic, plan)
+    if dist.get_backend(group) != "nccl":
+        device = torch.device("cpu")
+    elif isinstance(q, torch.Tensor) and q.is_cuda:
+        device = q.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
     local = torch.tensor(header, dtype=torch.int64, device=device)
     rows = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(rows, local, group=group)
@@ -288,7 +319,11 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
 def _describe(field: str) -> str:
     return {"layout": "layout", "mode": "mode", "op": "op", "group": "group",
             "deterministic": "deterministic", "requires_grad": "q/k/v requires_grad",
-            "dtype": "q.dtype"}.get(field, f"q/k/v shape ({field})")  # fmt: skip
+            "dtype": "q.dtype", "softmax_scale": "softmax_scale",
+            "scalar params": "params (the spec's scalar params)",
+            "tensor params": "params (the spec's tensor params passed whole, their shapes "
+                             "and values; the sharded ones' shapes)"}.get(
+        field, f"q/k/v shape ({field})")  # fmt: skip
 
 
 def _show(field: str, value: int):
@@ -300,10 +335,38 @@ def _show(field: str, value: int):
         return next((str(d) for d, c in _DTYPE_CODE.items() if c == value), "another dtype")
     if field == "group":
         return f"a group with member hash {value}"
+    if field == "softmax_scale":
+        return struct.unpack("<d", struct.pack("<q", value))[0]
+    if field in ("scalar params", "tensor params"):
+        return f"values with hash {value:#x}"
     return value
 
 
-def _header(ok, q, k, v, layout, mode, op, group, deterministic) -> list[int]:
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _params_hashes(plan: _Plan | None) -> tuple[int, int]:
+    """crc32 of the scalar params' values and of the tensor params (the whole ones' shapes,
+    dtypes and bytes; the sharded ones' shapes and dtypes): what every rank must agree on."""
+    if plan is None:
+        return 0, 0
+    scalars = repr(sorted((n, float(v) if not isinstance(v, torch.Tensor) else float(v.item()))
+                          for n, v in plan.scalars.items()))  # fmt: skip
+    h = zlib.crc32(scalars.encode())
+    t = 0
+    for kind, tensors in (("q", plan.q_tensors), ("kv", plan.kv_tensors),
+                          ("whole", plan.other_tensors)):  # fmt: skip
+        for name in sorted(tensors):
+            x = tensors[name]
+            t = zlib.crc32(f"{kind} {name} {list(x.shape)} {x.dtype}".encode(), t)
+            if kind == "whole" and x.numel():  # one host read: the params every rank shares
+                raw = x.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+                t = zlib.crc32(raw.numpy(), t)
+    return h, t
+
+
+def _header(ok, q, k, v, layout, mode, op, group, deterministic, plan=None) -> list[int]:
     def dims(t, n):
         return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == n else [-1] * n
 
@@ -316,6 +379,7 @@ def _header(ok, q, k, v, layout, mode, op, group, deterministic) -> list[int]:
         _DTYPE_CODE.get(getattr(q, "dtype", None), 0),
         zlib.crc32(str(getattr(op, "name", "")).encode()),
         _group_id(group), int(grad), int(bool(deterministic)),
+        _float_bits(plan.scale) if plan is not None else 0, *_params_hashes(plan),
     ]  # fmt: skip
 
 
@@ -350,7 +414,7 @@ def _forward_block(plan: _Plan, q, qseg, k, v, kseg, kv_tensors, o_acc, lse_acc)
         **plan.params(qseg, kseg, kv_tensors),
     )  # fmt: skip
     oa, la = o_acc.narrow(2, a, n), lse_acc.narrow(2, a, n)
-    mo, ml = merge_attention(oa, la, o, lse)
+    mo, ml = merge_attention(oa, la, o.float(), lse)  # o_acc is float32
     oa.copy_(mo)
     la.copy_(ml)
 
@@ -546,7 +610,11 @@ def ring_attention(
 
     Raises :class:`OpInputError` on every rank of the group when any rank's input is bad
     or the ranks disagree (shapes, dtype, layout, mode, op, group membership, whether q,
-    k, v require grad); a process outside ``group`` gets it at once.
+    k, v require grad, ``softmax_scale``, the params' values); a process outside ``group``
+    gets it at once.  Every local check runs before the one exchange: a rank whose input
+    raises anything (``op=None``, a scale that is no number) raises it there, and the
+    others raise an :class:`OpInputError` saying that rank refused; none waits in a
+    collective.
     """
     plan = _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params)
     return _RingAttention.apply(plan, q, k, v)

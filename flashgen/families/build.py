@@ -21,7 +21,6 @@ from flashgen.codegen.plan import KernelPlan
 from flashgen.families import registry
 from flashgen.families.bwd_common import BackwardPlan
 from flashgen.families.fa2_bwd import BACKWARD_SIDE_TERM_KERNELS
-from flashgen.families.hopper_bwd import HOPPER_BWD_DQ_A
 from flashgen.families.tiles import backward_tile_candidates
 from flashgen.options import DEFAULT, Options
 
@@ -103,14 +102,13 @@ def _forward_variant(
 
 def build_backward(
     spec, target: str, *, atomic_dq: bool = False, hopper: bool = False,
-    options: Options = DEFAULT,
+    ordered_dq: bool = False, options: Options = DEFAULT,
 ) -> tuple[BackwardPlan, object, object]:  # fmt: skip
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
     kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
-    :func:`~flashgen.families.hopper_bwd.plan`, its dQ variant from
-    ``options.hopper_bwd.dq_a`` first, then the other one; when both spill (a score_mod or
-    mask with more math than
-    the kernel's registers hold) or ptxas serialized their wgmma instructions
+    :func:`~flashgen.families.hopper_bwd.plan` (``ordered_dq``: its deterministic form); when
+    it spills (a score_mod or mask with more
+    math than the consumers' registers hold) or ptxas serialized its wgmma instructions
     (:attr:`flashgen.build.compile.CompileReport.wgmma_serialized`, which ``flashgen build``
     fails), the FA2-class unit ``atomic_dq`` selects (check
     ``plan.atomic_dq`` and ``plan.dkdv.template``).  The FA2-class unit is tried at each
@@ -119,18 +117,10 @@ def build_backward(
     before the next tiles (``options.side_terms`` False: never).  Raises like
     :func:`build_forward`."""
     if hopper:
-        first = registry.plan_hopper_backward(spec, target, options)
-        variants = [first] + [
-            registry.plan_hopper_backward(
-                spec, target, replace(options, hopper_bwd=replace(options.hopper_bwd, dq_a=v))
-            )
-            for v in HOPPER_BWD_DQ_A
-            if v != options.hopper_bwd.dq_a
-        ]
-        for plan in variants:
-            cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
-            if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
-                return plan, cubin, report
+        plan = registry.plan_hopper_backward(spec, target, options, ordered_dq=ordered_dq)
+        cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
+        if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
+            return plan, cubin, report
     use_terms = options.side_terms
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
         kernels = set(BACKWARD_SIDE_TERM_KERNELS) if use_terms else set()

@@ -11,6 +11,9 @@ One compile unit per (spec, target) holds two kernels (``templates/sm_80/decode.
   cp.async ring.  The key blocks a split reads are its share of the request's live blocks
   (:func:`split_range`, also ``fg::dec::split_range`` on the device); blocks the mask's
   interval classifier (:mod:`flashgen.analysis.masktiles`) proves EMPTY are skipped unread.
+  A mask that reads tensors (:func:`tensor_mask`) also votes, before the loads, on the
+  blocks the classifier leaves PARTIAL (a block no (query, key) pair keeps is never read),
+  and its splits take every ``eff_splits``-th block (:func:`strided_split`).
   A request uses :func:`effective_splits` of the ``num_splits`` (the other CTAs return at
   once).  With one split the kernel writes ``o`` / ``lse``, else fp32 partial ``o`` and
   ``lse`` to a workspace, and the last CTA of the splits of a (row block, kv head, request)
@@ -51,6 +54,7 @@ from flashgen.codegen.abi import KernelArg
 from flashgen.codegen.cuda_expr import Invariants, cuda_expr, split_causal
 from flashgen.codegen.dtypes import CTYPE, DType, dtype
 from flashgen.codegen.plan import KernelPlan, TemplateContext
+from flashgen.families.fields import check_fields
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Spec, Ty
 
@@ -86,6 +90,15 @@ SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
 #: stay within :data:`SMEM_LIMIT`.
 SMEM_LIMIT_EXPLICIT = {"sm_80": 166912, "sm_90": 232448}
 TARGETS = ("sm_80", "sm_90")
+#: Key blocks of a split whose keys a mask that reads tensors votes on before loading them (a byte
+#: of shared memory each; blocks past them are read unvoted): 64k keys at 64 per block.
+VOTE_BLOCKS = 1024
+
+
+def tensor_mask(spec: Spec) -> bool:
+    """Whether ``spec``'s mask reads tensor params (its units vote on their blocks: the
+    template's ``s_keep``, :data:`VOTE_BLOCKS`)."""
+    return spec.mask is not None and any(isinstance(n, ir.Index) for n in ir.walk(spec.mask))
 
 
 @dataclass(frozen=True)
@@ -115,26 +128,41 @@ class Options:
     min_split_blocks: int = MIN_SPLIT_BLOCKS
 
     def __post_init__(self) -> None:
+        check_fields(self, "Options.decode")
         if self.block_n is not None and (self.block_n <= 0 or self.block_n % (16 * NUM_WARPS)):
-            raise ValueError(f"block_n must be a positive multiple of {16 * NUM_WARPS}")
+            raise ValueError(
+                f"Options.decode.block_n={self.block_n!r}: block_n must be a positive multiple "
+                f"of {16 * NUM_WARPS}"
+            )
         if self.stages is not None and not 2 <= self.stages <= 4:
-            raise ValueError("stages must be 2, 3 or 4")
+            raise ValueError(f"Options.decode.stages={self.stages!r}: stages must be 2, 3 or 4")
         if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]")
+            raise ValueError(
+                f"Options.decode.num_splits={self.num_splits!r}: num_splits must be in "
+                f"[1, {MAX_SPLITS}]"
+            )
         if not isinstance(self.pack_gqa, bool):
             raise ValueError("pack_gqa must be a bool")
         if self.ctas_per_sm is not None and (
             isinstance(self.ctas_per_sm, bool) or self.ctas_per_sm not in (1, 2, 3, 4)
         ):
-            raise ValueError("ctas_per_sm must be None or 1..4")
+            raise ValueError(
+                f"Options.decode.ctas_per_sm={self.ctas_per_sm!r}: ctas_per_sm must be None or 1..4"
+            )
         if (
             isinstance(self.split_waves, bool)
             or not isinstance(self.split_waves, numbers.Real)
             or not 0.25 <= self.split_waves <= 4
         ):
-            raise ValueError("split_waves must be a number in [0.25, 4]")
+            raise ValueError(
+                f"Options.decode.split_waves={self.split_waves!r}: split_waves must be a number "
+                "in [0.25, 4]"
+            )
         if isinstance(self.min_split_blocks, bool) or self.min_split_blocks not in range(1, 17):
-            raise ValueError("min_split_blocks must be an int in [1, 16]")
+            raise ValueError(
+                f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
+                "must be an int in [1, 16]"
+            )
 
     def unit_key(self) -> tuple:
         """The fields that change the compiled unit (the rest are host schedule knobs)."""
@@ -164,7 +192,9 @@ class DecodeContext(TemplateContext):
     invariants; ``tile_classifier``: the mask's interval classifier source.  ``ragged``:
     the ragged-Sq_new unit (q ``[total_q, Hq, D]`` with ``cu_seqlens_q``; False renders the
     padded unit unchanged).  ``kv_fp8``: the cache holds e4m3 (``kv_t`` its C type; False
-    renders the spec-dtype unit unchanged)."""
+    renders the spec-dtype unit unchanged).  ``v_from_k``: MLA's one latent cache (the
+    spec's ``v_from_k``): the ring holds K only, P V reads the first ``head_dim_v`` columns of
+    its rows, the append writes K rows only."""
 
     spec_name: str
     base_name: str
@@ -194,6 +224,9 @@ class DecodeContext(TemplateContext):
     ragged: bool = False
     kv_fp8: bool = False
     kv_t: str = ""
+    v_from_k: bool = False
+    tensor_mask: bool = False
+    vote_blocks: int = VOTE_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -250,26 +283,35 @@ class DecodePlan(KernelPlan):
 
 # ----------------------------------------------------------------------------- support
 def unsupported_reason(spec: Spec) -> str | None:
-    """Why ``spec`` has no decode kernels, or None: a mask that reads tensor params (its
-    tiles need a block table per padded problem), a tensor param shaped by ``seqlen_q`` /
-    ``seqlen_k`` (each request has its own length), a dtype other than fp16 / bf16, or a
-    varlen spec (decode takes the padded spec's op)."""
+    """Why ``spec`` has no decode kernels, or None: a dtype other than fp16 / bf16, or a
+    varlen spec (decode takes the padded spec's op).  A mask or score_mod may read tensor
+    params, shaped by :data:`TENSOR_EXTENTS`' symbols (in decode ``seqlen_q`` is the call's
+    Sq_new, ragged its ``max_seqlen_q``, and ``seqlen_k`` the cache's capacity)."""
     if spec.varlen:
         return f"spec {spec.name!r} is a varlen spec; call with_kvcache on the padded spec's op"
     if spec.dtype not in ("fp16", "bf16"):
         return f"decode supports fp16 and bf16, spec {spec.name!r} has dtype {spec.dtype}"
-    if spec.mask is not None and any(isinstance(n, ir.Index) for n in ir.walk(spec.mask)):
-        return (
-            f"spec {spec.name!r}: its mask reads tensor params, which decode does not support "
-            "(use the prefill op on the gathered cache)"
-        )
-    for p in spec.tensor_params:
-        if any(d in ("seqlen_q", "seqlen_k") for d in p.shape):
-            return (
-                f"spec {spec.name!r}: tensor param {p.name!r} is shaped by seqlen_q/seqlen_k, "
-                "but each decode request has its own length"
-            )
     return None
+
+
+#: What a tensor param's shape symbols mean in decode, as the kernels' names (padded /
+#: ragged unit): ``seqlen_q`` is the new-token count (Sq_new; a ragged call's
+#: ``max_seqlen_q``: request b's queries are rows ``q_idx < Sq_b`` of its slice), ``seqlen_k``
+#: the keys a request can hold (``capacity``: S_cache dense, ``max_pages * page_size``
+#: paged), so a per-request tensor ``[batch, seqlen_q, seqlen_q]`` or ``[batch, seqlen_k]``
+#: is indexed by ``b``, ``q_idx`` and ``kv_idx`` whatever the request's own lengths (each at
+#: most those extents).  The mask's own ``seqlen_q`` / ``seqlen_k`` stay the request's.
+TENSOR_EXTENTS = {
+    False: {"seqlen_q": "seqlen_q", "seqlen_k": "capacity"},
+    True: {"seqlen_q": "params_seqlen_q", "seqlen_k": "capacity"},
+}
+
+
+def params_seqlen_q(spec: Spec) -> bool:
+    """Whether a tensor param of ``spec`` has a ``seqlen_q`` extent: its ragged unit then
+    takes ``params_seqlen_q``, the call's ``max_seqlen_q`` (a planned call's grid, and so the
+    kernel's ``max_seqlen_q``, may be the plan's larger one)."""
+    return any("seqlen_q" in p.shape for p in spec.tensor_params)
 
 
 def cache_dtype_reason(spec: Spec, cache_dtype: str | None) -> str | None:
@@ -329,14 +371,15 @@ def dv_split(spec: Spec) -> int:
 
 def smem_bytes(spec: Spec, block_n: int, stages: int, kv_bytes: int | None = None) -> int:
     """Dynamic shared memory of the attention kernel: the Q tile, ``stages`` K and V blocks
-    (``kv_bytes`` per element: the cache's; default the spec dtype's) and their per-row
-    validity bytes, and the warps' merge area (which reuses the ring)."""
+    (``kv_bytes`` per element: the cache's; default the spec dtype's; a ``v_from_k`` spec's
+    K blocks only) and their per-row validity bytes, the warps' merge area (which reuses
+    the ring) and, for a mask that reads tensors, the vote bytes of its blocks."""
     d, dv = spec.head_dim, spec.head_dim_v
     elem = dtype(spec.dtype).elem_bytes
     q = BLOCK_M * d * elem
-    ring = stages * block_n * (d + dv) * (kv_bytes or elem)
+    ring = stages * block_n * (d + (0 if spec.v_from_k else dv)) * (kv_bytes or elem)
     merge = NUM_WARPS * BLOCK_M * dv * 4 + 2 * NUM_WARPS * BLOCK_M * 4
-    return q + max(ring, merge) + stages * block_n
+    return q + max(ring, merge) + stages * block_n + (VOTE_BLOCKS if tensor_mask(spec) else 0)
 
 
 # ----------------------------------------------------------------------------- heuristic
@@ -387,6 +430,15 @@ def fp8_k_order(p: int) -> int:
     permutation of k leaves Q K^T unchanged when Q and K share it."""
     t, r = divmod(p, 4)
     return 2 * t + r // 2 + 8 * (r % 2)
+
+
+def strided_split(n_lo: int, n_hi: int, num_splits: int, split: int) -> range:
+    """Key blocks of split ``split`` in a unit whose mask reads tensors (:func:`tensor_mask`):
+    every ``num_splits``-th block of ``[n_lo, n_hi)`` from ``n_lo + split`` (the template's
+    ``block_step``), so a run of blocks the mask's vote removes (another document's keys) is
+    shared out evenly between the splits instead of idling the splits it would cover.  The
+    splits partition the blocks; the merge takes their partials in split order, as ever."""
+    return range(n_lo + split, n_hi, num_splits)
 
 
 def split_range(n_lo: int, n_hi: int, num_splits: int, split: int) -> tuple[int, int]:
@@ -447,6 +499,8 @@ def attn_args(spec: Spec, ragged: bool = False, cache_dtype: str | None = None) 
         a.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
         a.append(KernelArg(f"t_{p.name}", "const int*" if p.ty == Ty.I32 else "const float*"))
+    if ragged and params_seqlen_q(spec):
+        a.append(KernelArg("params_seqlen_q", "int"))
     if ragged:
         a.append(KernelArg("cu_seqlens_q", "const int*"))
     return tuple(a)
@@ -512,8 +566,11 @@ def plan(
         )
     causal, residual = split_causal(spec.mask)
     inv = Invariants(raw_score="score_raw")
-    mask_expr = cuda_expr(residual, spec, inv) if residual is not None else None
-    score_mod_expr = cuda_expr(spec.score_mod, spec, inv) if spec.score_mod is not None else None
+    ext = TENSOR_EXTENTS[ragged]
+    mask_expr = cuda_expr(residual, spec, inv, extents=ext) if residual is not None else None
+    score_mod_expr = (
+        cuda_expr(spec.score_mod, spec, inv, extents=ext) if spec.score_mod is not None else None
+    )
     reads_h = spec.mask is not None and any(
         isinstance(n, ir.Var) and n.name == "h" for n in ir.walk(spec.mask)
     )
@@ -548,6 +605,8 @@ def plan(
         ragged=ragged,
         kv_fp8=kv8,
         kv_t=kv.ctype if kv8 else "",
+        v_from_k=spec.v_from_k,
+        tensor_mask=tensor_mask(spec),
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

@@ -21,6 +21,7 @@ from flashgen.families.bwd_common import (
     base_fields,
 )
 from flashgen.families.common import mma16_dtype
+from flashgen.families.fields import check_fields
 from flashgen.families.tiles import BackwardTiles, table_backward_tiles
 from flashgen.frontend.ir import Spec
 
@@ -79,6 +80,9 @@ class Options:
     bwd_unrolled_loads: bool | None = None
     bwd_async_stats: bool | None = None
     bwd_hoisted_swizzle: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, "Options.fa2_bwd")
 
     def switches(self) -> dict[str, bool]:
         """The template switches set explicitly (not None)."""

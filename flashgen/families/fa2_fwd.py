@@ -11,6 +11,7 @@ from flashgen.codegen.cuda_expr import split_causal
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import tiles as tile_tables
 from flashgen.families.common import SMEM_LIMIT, ForwardContext, forward_context, mma16_dtype
+from flashgen.families.fields import check_fields
 from flashgen.frontend.ir import Spec
 
 #: The template this family renders.
@@ -22,8 +23,9 @@ TEMPLATE = "sm_80/fwd.cu.j2"
 #: compile-time trip count and one pointer per thread (the generic loop compiled to a
 #: runtime loop with a remainder inside the main loop).  ``fwd_hoisted_swizzle``:
 #: ldmatrix addresses as a per-lane offset XORed with constants (as CuTe's swizzled
-#: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw and log2(e) *
-#: softmax_scale is folded into exp2's FFMA (FA2's ``scale_apply_exp2``).
+#: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw (its row max taken raw)
+#: and log2(e) * softmax_scale is applied in P's exponent, rounded as the max was (FA2's
+#: ``scale_apply_exp2`` FFMA overflowed P at logits near 1e11: issue 38).
 #: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
 #: around the multiplies; off until measured).  ``fwd_even_loads``: with unrolled loads, a
 #: tile wholly inside the sequence is loaded without per-row checks and selects (FA2's
@@ -82,6 +84,9 @@ class Options:
     fwd_row_chunks: bool | None = None
     head_groups: bool = True
     affine: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "Options.fa2_fwd")
 
     def switches(self) -> dict[str, bool]:
         """The template switches set explicitly (not None)."""

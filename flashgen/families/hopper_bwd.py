@@ -1,5 +1,6 @@
-"""The Hopper backward (``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a dK/dV
-kernel on wgmma and TMA.  :func:`plan` lowers a spec; :class:`Options` holds its knobs."""
+"""The Hopper backward (``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a
+warp-specialized dK/dV kernel on wgmma and TMA.  :func:`plan` lowers a spec; :class:`Options`
+holds its knobs."""
 
 from __future__ import annotations
 
@@ -18,25 +19,33 @@ from flashgen.families.bwd_common import (
     base_fields,
 )
 from flashgen.families.common import FAMILIES, MMA16_DTYPES, tile_group_expr
+from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
-from flashgen.frontend.ir import Spec
+from flashgen.frontend.ir import Causal, Spec
 
 #: The template this family renders.
 TEMPLATE = HOPPER_BWD_TEMPLATE
-#: How the dQ = dS K GEMM gets its A operand (dS, stored transposed in shared memory):
-#: ``"smem"`` reads it there through an M-major (transposed) wgmma descriptor; ``"ldmatrix"``
-#: loads it into registers with ldmatrix.trans and runs the register-A form (as P in the
-#: forward's P V).  Default "smem" (:attr:`Options.dq_a`).
-HOPPER_BWD_DQ_A = ("smem", "ldmatrix")
+#: Stages of the Q / dO / lse / dsum pipeline the producer warp fills.
+STAGES = 2
+#: Registers per thread of the producer and the two consumer warpgroups (``setmaxnreg``):
+#: 24 x 128 + 240 x 256 = 168 x 384, what ``__launch_bounds__(384, 1)`` gives the CTA.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
 
 
 @dataclass(frozen=True)
 class Options:
-    """Knobs of the Hopper backward: ``dq_a`` (:data:`HOPPER_BWD_DQ_A`) and ``head_groups``
-    (the CTAs take (batch, KV head) pairs in L2 head groups; False: in order)."""
+    """Knobs of the Hopper backward: ``head_groups`` (the CTAs take (batch, KV head) pairs in
+    L2 head groups; False: in order); ``ordered_dq`` (a ``deterministic=True`` backward of a
+    spec :func:`ordered_eligible` accepts runs this kernel with dQ added in a fixed order,
+    :func:`plan`'s ``ordered_dq``, instead of the FA2-class deterministic kernels; not yet
+    the default: it has not run on a GPU)."""
 
-    dq_a: str = "smem"
     head_groups: bool = True
+    ordered_dq: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, "Options.hopper_bwd")
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,28 @@ class Context(BackwardContext):
     threads: int
     mma_t: str
     wgmma_ns: list
-    dq_ldmatrix: bool
     split_d: bool
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
+    ordered_dq: bool
+    stages: int
+    producer_regs: int
+    consumer_regs: int
+
+
+def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool) -> int:
+    """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
+    1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
+    (``split_d``: one, and P^T), the dQ staging tiles (two warpgroups x 64 rows x 64 fp32;
+    none when ``split_d``), lse and dsum (fp32, per stage), the mbarriers (K/V full; per
+    stage full)."""
+    smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
+    smem += 2 * block_n * block_m * elt
+    if not split_d:
+        smem += 2 * 64 * 64 * 4
+    smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
+    return smem
 
 
 def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -75,6 +101,18 @@ def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
     )
 
 
+def ordered_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+    """Whether ``spec``'s backward on ``target`` can add dQ in a fixed order (``ordered_dq``):
+    :func:`eligible`, head_dim 64 or 128 (at 256 the consumers reduce dQ themselves), and no
+    mask or causal, so the key blocks that add into a query block are a prefix 0 .. n of
+    them (a residual mask's hull is not)."""
+    return (
+        eligible(spec, target, family)
+        and spec.head_dim <= 128
+        and (spec.mask is None or spec.mask == Causal())
+    )
+
+
 def plan(
     spec: Spec,
     target: str,
@@ -82,32 +120,42 @@ def plan(
     *,
     causal_bits: bool = False,
     options_key: str = "",
+    ordered_dq: bool = False,
 ) -> BackwardPlan:
     """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
-    whose dK/dV kernel runs its five GEMMs on wgmma (FlashAttention-3's backward, Shah et al.
-    2024, without warp specialization), Q/dO/K/V by TMA.  ``pre`` and ``convert`` are the
-    FA2-class path's (the same macros, templates/common/bwd_rowops.j2, and the same ABI,
+    whose dK/dV kernel is FlashAttention-3's warp-specialized backward (Shah et al. 2024,
+    section 3 and appendix B): two consumer warpgroups run the five GEMMs on wgmma with
+    dK and dV in registers, a producer warpgroup (its registers given to the consumers with
+    ``setmaxnreg``, :data:`PRODUCER_REGS` / :data:`CONSUMER_REGS`) loads Q, dO, lse and dsum
+    into a :data:`STAGES`-deep mbarrier pipeline, and its second warp adds each step's dQ
+    tile, staged in shared memory by the consumers, into ``dq_accum`` with TMA reductions
+    (``cp.reduce.async.bulk.tensor``).  ``pre`` and ``convert`` are the FA2-class path's (the
+    same macros, templates/common/bwd_rowops.j2, and the same ABI,
     :func:`~flashgen.families.bwd_common.backward_abi`), rendered in this unit.
 
-    The dkdv ABI is the atomic path's plus four ``CUtensorMap`` arguments (``tma_q``,
-    ``tma_k``, ``tma_v``, ``tma_do``, built at launch from the named tensors).  head_dim
-    256 takes the split layout (:data:`~flashgen.families.tiles.HOPPER_BWD_TILES_SPLIT_D`,
-    context ``split_d``): 64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns.
-    ``options.dq_a``: one of :data:`HOPPER_BWD_DQ_A`.  ``causal_bits``: see
-    :func:`~flashgen.families.bwd_common.tile_classifier`.  Raises ``ValueError`` unless
-    :func:`eligible` (family "auto"), or for an unknown ``dq_a``.
+    The dkdv ABI is the atomic path's plus the ``CUtensorMap`` arguments ``tma_q``,
+    ``tma_k``, ``tma_v``, ``tma_do`` and (head_dim 64, 128) ``tma_dq``, an fp32 map of
+    ``dq_accum``, built at launch from the named tensors.  head_dim 256 takes the split
+    layout (:data:`~flashgen.families.tiles.HOPPER_BWD_TILES_SPLIT_D`, context ``split_d``):
+    64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns, and whose consumers
+    add dQ with vector reductions (no room for the staging tiles).  ``ordered_dq``: the
+    deterministic form (``Options.ordered_dq``): the dQ writer adds its tiles into a query
+    block only after the CTAs of every earlier key block have (a semaphore per (batch, query
+    head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
+    is bitwise reproducible; the kernels are named ``..._wgmma_ordered_*``.  ``causal_bits``:
+    see :func:`~flashgen.families.bwd_common.tile_classifier`.  Raises ``ValueError`` unless
+    :func:`eligible` (family "auto"), and for ``ordered_dq`` unless :func:`ordered_eligible`.
     """
-    dq_a = options.dq_a
-    if dq_a not in HOPPER_BWD_DQ_A:
-        raise ValueError(
-            f"dQ A operand {dq_a!r} (hopper_bwd.dq_a): expected one of "
-            f"{', '.join(HOPPER_BWD_DQ_A)}"
-        )
     if not eligible(spec, target):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
             f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
             "tensor"
+        )
+    if ordered_dq and not ordered_eligible(spec, target):
+        raise ValueError(
+            f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 and "
+            "no mask or causal"
         )
     d = spec.head_dim
     rec = dtype(spec.dtype)
@@ -115,16 +163,17 @@ def plan(
     split_d = d > 128  # see HOPPER_BWD_TILES_SPLIT_D
     t = HOPPER_BWD_TILES_SPLIT_D if split_d else HOPPER_BWD_TILES
     abi = backward_abi(spec, atomic_dq=True)
-    block_m, block_n, threads = t.dkdv_block_m, t.dkdv_block_n, 32 * t.dkdv_warps
+    block_m, block_n = t.dkdv_block_m, t.dkdv_block_n
+    warps = t.dkdv_warps + 4  # the producer warpgroup after the consumers
+    threads = 32 * warps
     tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
            TmaArg("tma_v", "v", block_n), TmaArg("tma_do", "dout", block_m))  # fmt: skip
-    dkdv_args = abi["dkdv_args"] + tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    # 1 KiB alignment slack, K and V, two stages of Q and dO, dS^T (and P^T when split_d),
-    # lse/dsum (2 stages, fp32), mbarriers
-    smem = 1024 + 2 * block_n * d * elt + 4 * block_m * d * elt
-    smem += (2 if split_d else 1) * block_n * block_m * elt
-    smem += 4 * block_m * 4 + 3 * 8
-    base = f"flashgen_{spec.name}_bwd_{target}_wgmma"
+    if not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 rows
+        tma += (TmaArg("tma_dq", "dq_accum", 64, box_cols=32, dtype="fp32"),)
+    dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
+    dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
+    base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits)
     ctx.update(
         atomic_dq=True,
@@ -142,12 +191,15 @@ def plan(
         dkdv_smem_bytes=smem,
         mma_t=rec.mma_t,
         wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
-        dq_ldmatrix=dq_a == "ldmatrix",
         split_d=split_d,
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
+        ordered_dq=ordered_dq,
+        stages=STAGES,
+        producer_regs=PRODUCER_REGS,
+        consumer_regs=CONSUMER_REGS,
     )
     context = Context(**ctx)
 
@@ -166,6 +218,6 @@ def plan(
         )
 
     pre = kp(context.kernel_pre, PRE_WARPS, 0, abi["pre_args"])
-    dkdv = kp(context.kernel_dkdv, t.dkdv_warps, smem, dkdv_args, tma)
+    dkdv = kp(context.kernel_dkdv, warps, smem, dkdv_args, tma)
     convert = kp(context.kernel_convert, CONVERT_THREADS // 32, 0, abi["convert_args"])
     return BackwardPlan(spec.name, target, t, pre, dkdv, None, convert, atomic_dq=True)

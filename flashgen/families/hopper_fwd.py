@@ -26,6 +26,7 @@ from flashgen.families.common import (
     tile_coord,
     tile_group_expr,
 )
+from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_HEAD_DIMS
 from flashgen.frontend.ir import Spec
 
@@ -79,6 +80,7 @@ class Options:
     fp8_transpose: str = "ldsm"
 
     def __post_init__(self) -> None:
+        check_fields(self, "Options.hopper_fwd")
         if self.fp8_transpose not in FP8_TRANSPOSES:
             raise ValueError(
                 f"Options.hopper_fwd.fp8_transpose={self.fp8_transpose!r}: expected one of "

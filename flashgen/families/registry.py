@@ -35,12 +35,13 @@ CALLS = ("fwd", "sparse", "bwd", "blocktable", "decode")
 @dataclass(frozen=True)
 class Route:
     """What :func:`select` chose: the ``family`` name (a key of :data:`FAMILIES`), the Hopper
-    forward's ``persistent`` scheduler (False: none) and, for the FA2-class backward,
-    ``atomic_dq``."""
+    forward's ``persistent`` scheduler (False: none), for the FA2-class backward
+    ``atomic_dq``, for the Hopper backward ``ordered_dq`` (its deterministic form)."""
 
     family: str
     persistent: str | bool = False
     atomic_dq: bool = False
+    ordered_dq: bool = False
 
 
 def persistent_scheduler(spec: Spec, options: Options = DEFAULT) -> str | bool:
@@ -73,12 +74,19 @@ def select(
     - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
       ``unsupported_reason`` says which specs have none).
 
-    An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent.
+    An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent; a
+    ``v_from_k`` spec (MLA's one latent cache) the decode only.
 
-    Raises ``ValueError`` for an unknown call, and for an fp8 spec's call that has no kernel:
-    a forward the Hopper kernel cannot take, a backward, a decode."""
+    Raises ``ValueError`` for an unknown call, for an fp8 spec's call that has no kernel:
+    a forward the Hopper kernel cannot take, a backward, a decode; and for a ``v_from_k``
+    spec's call other than decode."""
     if call not in CALLS:
         raise ValueError(f"unknown call {call!r}; known: {', '.join(CALLS)}")
+    if spec.v_from_k and call != "decode":
+        raise ValueError(
+            f"{spec.name}: v_from_k: true is decode only (op.with_kvcache); it has no "
+            f"{'backward' if call == 'bwd' else 'forward'} kernels"
+        )
     if is_fp8(spec) and call != "blocktable":
         return _select_fp8(spec, target, call, options)
     if call in ("blocktable", "decode"):
@@ -91,6 +99,12 @@ def select(
             sp = options.sparse_persistent
             persistent = False if sp == "off" else sp
         return Route("hopper_fwd", persistent=persistent)
+    if (
+        deterministic
+        and options.hopper_bwd.ordered_dq
+        and hopper_bwd.ordered_eligible(spec, target, options.family)
+    ):
+        return Route("hopper_bwd", atomic_dq=True, ordered_dq=True)
     if deterministic or options.atomic_dq is False:
         return Route("fa2_bwd")
     if hopper_bwd.eligible(spec, target, options.family):
@@ -252,23 +266,28 @@ def plan_backward(
     )  # fmt: skip
 
 
-def plan_hopper_backward(spec: Spec, target: str, options: Options = DEFAULT) -> BackwardPlan:
-    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`).  Raises
-    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+def plan_hopper_backward(
+    spec: Spec, target: str, options: Options = DEFAULT, *, ordered_dq: bool = False
+) -> BackwardPlan:
+    """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`; ``ordered_dq``: its
+    deterministic form).  Raises ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
     _require_backward(spec)
     return hopper_bwd.plan(
         spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
-        options_key=options.family_key("hopper_bwd"),
+        options_key=options.family_key("hopper_bwd"), ordered_dq=ordered_dq,
     )  # fmt: skip
 
 
 def has_backward(spec: Spec) -> bool:
     """Whether ``spec`` has backward kernels: not for a dtype whose record is ``scaled``
-    (fp8_e4m3: FlashAttention-3's FP8 attention is a forward, and so is flashgen's)."""
-    return not is_fp8(spec)
+    (fp8_e4m3: FlashAttention-3's FP8 attention is a forward, and so is flashgen's), and not
+    for a ``v_from_k`` spec (decode only)."""
+    return not is_fp8(spec) and not spec.v_from_k
 
 
 def _require_backward(spec: Spec) -> None:
+    if spec.v_from_k:
+        raise ValueError(f"{spec.name}: v_from_k: true is decode only; it has no backward kernels")
     if not has_backward(spec):
         raise ValueError(
             f"spec {spec.name!r} has dtype {spec.dtype}, which has no backward kernels (the "
@@ -307,7 +326,10 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
     backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
     call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
-    without backward (:func:`has_backward`: fp8) has only the forward units."""
+    without backward (:func:`has_backward`: fp8) has only the forward units; a ``v_from_k``
+    spec none (its units are the decode family's)."""
+    if spec.v_from_k:
+        return {}
     fwd = plan_forward(spec, target, options)
     units = {"fwd": fwd}
     if has_backward(spec):

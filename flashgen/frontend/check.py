@@ -63,6 +63,13 @@ OP_KEYWORDS = frozenset(
         "append",
         "pack_gqa",
         "device",
+        "cache_dtype",
+        "max_seqlen_q",
+        # ring_attention's arguments (flashgen.distributed: op, group, layout, mode)
+        "op",
+        "group",
+        "layout",
+        "mode",
     }
 )
 #: Spec names that would clash with the package, the op namespace or generated files.
@@ -172,11 +179,17 @@ class _Checker:
     def fields(self) -> None:
         s = self.spec
         self.name(s.name)
-        for key in ("head_dim", "head_dim_v"):
+        if s.v_from_k:
+            self.v_from_k()
+        for key in ("head_dim", "head_dim_v") if not s.v_from_k else ():
             d = getattr(s, key)
             if d not in ir.SUPPORTED_HEAD_DIMS:
                 supported = ", ".join(map(str, ir.SUPPORTED_HEAD_DIMS))
-                raise self.fail(key, f"{key} {d} is not supported (supported: {supported})")
+                mla = ""
+                if any(d in pair for pair in ir.V_FROM_K_HEAD_DIMS):
+                    pairs = ", ".join(f"{a}/{b}" for a, b in ir.V_FROM_K_HEAD_DIMS)
+                    mla = f"; {pairs} is MLA's decode-only form, with v_from_k: true"
+                raise self.fail(key, f"{key} {d} is not supported (supported: {supported}){mla}")
         if s.dtype not in ir.DTYPES:
             raise self.fail(
                 "dtype",
@@ -270,6 +283,38 @@ class _Checker:
                     f"tiles.{key}",
                     f"dtype {s.dtype} cannot pin tiles: pinned tiles select the FA2-class "
                     "kernel, which has no FP8 form; leave tiles out",
+                )
+
+    def v_from_k(self) -> None:
+        """A ``v_from_k: true`` spec (MLA: the values are the first ``head_dim_v`` columns of
+        the keys, one latent cache) is decode only (``op.with_kvcache`` / ``op.plan_decode``,
+        ``num_heads_kv`` 1): head dims one of :data:`ir.V_FROM_K_HEAD_DIMS`, dtype fp16 or
+        bf16 (the cache may be e4m3), no ``varlen`` form and no pinned ``tiles`` (both are
+        prefill's)."""
+        s = self.spec
+        pairs = ", ".join(f"{a}/{b}" for a, b in ir.V_FROM_K_HEAD_DIMS)
+        if (s.head_dim, s.head_dim_v) not in ir.V_FROM_K_HEAD_DIMS:
+            key = "head_dim" if s.head_dim not in (a for a, _ in ir.V_FROM_K_HEAD_DIMS) else (
+                "head_dim_v")  # fmt: skip
+            raise self.fail(
+                key,
+                f"v_from_k: true supports head_dim/head_dim_v {pairs} (MLA: the values are the "
+                f"first head_dim_v columns of the keys), got {s.head_dim}/{s.head_dim_v}",
+            )
+        if s.dtype not in ("fp16", "bf16"):
+            raise self.fail(
+                "dtype",
+                f"v_from_k: true needs dtype fp16 or bf16 (an e4m3 cache is the decode op's "
+                f"k_cache dtype, not the spec's), got {s.dtype}",
+            )
+        if s.varlen:
+            raise self.fail("varlen", "v_from_k: true is decode only: it has no varlen form")
+        for key in ("block_m", "block_n", "num_warps"):
+            if getattr(s.tiles, key) is not None:
+                raise self.fail(
+                    f"tiles.{key}",
+                    "v_from_k: true is decode only: tiles pin the prefill kernel, which it "
+                    "does not have; leave tiles out",
                 )
 
     def tiles_fit(self) -> None:

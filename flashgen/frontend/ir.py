@@ -74,6 +74,9 @@ FP8_DTYPES = ("fp8_e4m3",)
 FP8_TARGETS = ("sm_90",)
 FP8_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
+#: (head_dim, head_dim_v) of a ``v_from_k`` spec (decode only, one latent cache whose first
+#: head_dim_v columns are the values): DeepSeek-V2/V3's MLA, 512 latent + 64 rope columns.
+V_FROM_K_HEAD_DIMS = ((576, 512),)
 
 
 # ----------------------------------------------------------------------------- expressions
@@ -202,6 +205,9 @@ class Spec:
     tiles: TileOverride = TileOverride()
     description: str = ""
     varlen: bool = False  # packed sequences with cu_seqlens (FlashAttention's varlen interface)
+    #: the values are the first head_dim_v columns of the keys (MLA's one latent cache):
+    #: decode only (op.with_kvcache), no prefill, varlen or backward; num_heads_kv 1
+    v_from_k: bool = False
     path: str = "<string>"
     source: str = field(default="", compare=False)
 

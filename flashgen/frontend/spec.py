@@ -34,6 +34,7 @@ FIELDS = (
     "softmax_scale",
     "tiles",
     "varlen",
+    "v_from_k",
 )
 REQUIRED = ("name", "head_dim", "dtype")
 PARAM_FIELDS = ("type", "default", "shape", "min", "max", "above", "below")
@@ -365,6 +366,10 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
     if get("varlen") is not None:
         varlen = ld.scalar(get("varlen"), "varlen", ("bool",), "true or false")
 
+    v_from_k = False
+    if get("v_from_k") is not None:
+        v_from_k = ld.scalar(get("v_from_k"), "v_from_k", ("bool",), "true or false")
+
     description = ""
     if get("description") is not None:
         description = ld.string(get("description"), "description")
@@ -388,6 +393,7 @@ def _build(ld: _Loader, root: yaml.Node) -> ir.Spec:
         tiles=tiles,
         description=description,
         varlen=varlen,
+        v_from_k=v_from_k,
         path=ld.path,
         source=ld.text,
     )

@@ -10,6 +10,8 @@ slopes are the op's params, so changing them compiles nothing new.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from dataclasses import dataclass
 
@@ -22,6 +24,26 @@ SPEC_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 #: relative position of key ``kv_idx`` to query ``q_idx``, bottom-right aligned
 #: (``>= 0``: the key is at or before the query's diagonal)
 _DIST = "q_idx + seqlen_k - seqlen_q - kv_idx"
+
+
+def check_softcap(softcap) -> float | None:
+    """The one softcap rule of every integration (issue 38, item 10): None or 0 means off
+    (FlashAttention's documented convention; returns None), a finite positive number is the
+    cap (returned as a float); NaN, +-inf, a negative value or a non-number raises
+    :class:`OpInputError` naming ``softcap`` (NaN used to pass as off, and transformers'
+    ``softcap=0.0`` capped every score at 0)."""
+    if softcap is None:
+        return None
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, numbers.Real)
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        raise OpInputError(
+            f"softcap: expected None or a finite number >= 0 (0 = off), got {softcap!r}"
+        )
+    return float(softcap) if softcap > 0 else None
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ class SpecKey:
         if self.window_right:
             params.append("  window_right: {type: i32, default: 0, min: 0}")
         if self.softcap:
-            params.append("  softcap: {type: f32, default: 1.0, above: 0}")  # a divisor: not 0
+            params.append("  softcap: {type: f32, default: 1.0, above: 0}")
         if self.alibi:
             params.append("  slopes: {type: f32, shape: [batch, num_heads]}")
         lines = [

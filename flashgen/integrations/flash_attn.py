@@ -38,7 +38,13 @@ import numbers
 import torch
 
 from flashgen.frontend.errors import OpInputError
-from flashgen.integrations._specs import SpecKey, check_head_dims, op_for, spec_dtype
+from flashgen.integrations._specs import (
+    SpecKey,
+    check_head_dims,
+    check_softcap,
+    op_for,
+    spec_dtype,
+)
 from flashgen.ops.out_arg import expected_out_dtype
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func"]
@@ -80,9 +86,10 @@ def _window(window_size, causal: bool) -> tuple[int | None, int | None]:
 
 
 def _softcap(softcap) -> float | None:
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or softcap < 0:
-        raise OpInputError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
-    return float(softcap) if softcap > 0 else None
+    """:func:`~flashgen.integrations._specs.check_softcap` (0 = off; NaN, inf, < 0 raise)."""
+    if softcap is None:  # FlashAttention's signature takes a float: None is no float
+        raise OpInputError("softcap: expected a finite number >= 0 (0 = off), got None")
+    return check_softcap(softcap)
 
 
 def _slopes(alibi_slopes, batch: int, heads: int, device):

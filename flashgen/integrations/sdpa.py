@@ -26,12 +26,15 @@ when ``torch.are_deterministic_algorithms_enabled()``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from flashgen.frontend import ir
+from flashgen.frontend.errors import OpInputError
 from flashgen.integrations._specs import SPEC_DTYPES, SpecKey, op_for
+from flashgen.ops.validation import is_normal_f32
 
 #: the name registered with torch.nn.attention
 NAME = "flashgen"
@@ -104,8 +107,17 @@ def activate() -> FlashgenHandle:
 
 
 def unsupported_reason(query, key, value, dropout_p=0.0, return_debug_mask=False,
-                       require_cuda: bool = True) -> str | None:  # fmt: skip
-    """Why flashgen cannot serve this SDPA flash call (then torch's kernel runs), or None."""
+                       require_cuda: bool = True, *, scale=None) -> str | None:  # fmt: skip
+    """Why flashgen cannot serve this SDPA flash call (then torch's kernel runs), or None:
+    dropout, the debug mask, shapes, dtypes or head dims the kernels lack, a ``scale``
+    outside the positive normal float32 range (torch takes 0 and negative scales; flashgen's
+    ops refuse them), a device below compute capability 8.0."""
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or not is_normal_f32(float(scale))
+    ):
+        return f"scale {scale!r} (flashgen: a positive, finite float32 scale)"
     if dropout_p != 0.0:
         return "dropout_p > 0 (flashgen has no dropout)"
     if return_debug_mask:
@@ -122,6 +134,10 @@ def unsupported_reason(query, key, value, dropout_p=0.0, return_debug_mask=False
     hq, hkv = query.shape[1], key.shape[1]
     if hkv == 0 or hq % hkv or value.shape[1] != hkv:
         return f"heads {hq} / {hkv}"
+    if key.shape[-1] != query.shape[-1] or len({t.shape[0] for t in ts}) != 1 or (
+        key.shape[2] != value.shape[2]
+    ):
+        return "shapes of query, key, value that do not fit together"
     if require_cuda:
         if not all(t.is_cuda for t in ts) or len({t.device for t in ts}) != 1:
             return "inputs are not on one CUDA device"
@@ -154,16 +170,21 @@ def sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
     Calls ``fallback`` with the same arguments where :func:`unsupported_reason` says so
     (``RuntimeError`` naming the reason without one).  ``require_cuda=False`` lets the CPU
     tests run it on CPU tensors."""
-    reason = unsupported_reason(query, key, value, dropout_p, return_debug_mask, require_cuda)
+    reason = unsupported_reason(query, key, value, dropout_p, return_debug_mask, require_cuda,
+                                scale=scale)  # fmt: skip
+    if reason is None:
+        sq, sk = query.shape[2], key.shape[2]
+        op = _op(query, value, is_causal, sq, sk)
+        q, k, v = (_last_contiguous(t) for t in (query, key, value))
+        try:  # anything else the op refuses (it validates before it launches): torch's kernel
+            with torch.no_grad():
+                out, lse = op.attention(q, k, v, softmax_scale=scale)
+        except OpInputError as e:
+            reason = str(e)
     if reason is not None:
         if fallback is None:
             raise RuntimeError(f"flashgen SDPA flash forward cannot serve this call: {reason}")
         return fallback(query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
-    sq, sk = query.shape[2], key.shape[2]
-    op = _op(query, value, is_causal, sq, sk)
-    q, k, v = (_last_contiguous(t) for t in (query, key, value))
-    with torch.no_grad():
-        out, lse = op.attention(q, k, v, softmax_scale=scale)
     rng_state = torch.zeros((2,), dtype=torch.uint64, device=query.device)
     unused = torch.zeros((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
@@ -177,7 +198,7 @@ def sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, 
     (dq, dk, dv) like query, key, value, from flashgen's backward kernels (FlashAttention-2's
     algorithm; lse is FlashAttention's, so a forward torch served is fine too).  Falls back
     as :func:`sdpa_flash_forward` does."""
-    reason = unsupported_reason(query, key, value, dropout_p, False, require_cuda)
+    reason = unsupported_reason(query, key, value, dropout_p, False, require_cuda, scale=scale)
     b, hq, sq = query.shape[0], query.shape[1], query.shape[2]
     if reason is None and (tuple(logsumexp.shape) != (b, hq, sq)
                            or logsumexp.dtype != torch.float32):  # fmt: skip

@@ -37,7 +37,13 @@ from __future__ import annotations
 import torch
 
 from flashgen.frontend.errors import OpInputError
-from flashgen.integrations._specs import SpecKey, check_head_dims, op_for, spec_dtype
+from flashgen.integrations._specs import (
+    SpecKey,
+    check_head_dims,
+    check_softcap,
+    op_for,
+    spec_dtype,
+)
 
 #: the name registered with transformers
 NAME = "flashgen"
@@ -58,6 +64,7 @@ def register(name: str = NAME) -> None:
     AttentionInterface.register(name, flashgen_attention_forward)
     AttentionMaskInterface.register(name, flash_attention_mask)
     _answer_flash_lookup(name)
+    _keep_the_name()
 
 
 _NAMES: set[str] = set()
@@ -88,6 +95,41 @@ def _answer_flash_lookup(name: str) -> None:
 
     _lazy_imports._flashgen = True
     mfau._lazy_imports = _lazy_imports
+
+
+def _keep_the_name() -> None:
+    """transformers (checked against 5.17) reroutes every implementation name containing
+    "flash" (``utils.generic.is_flash_attention_requested``) for a model that lists its
+    ``_compatible_flash_implementations`` (gpt-oss, whose sinks SDPA cannot express) to the
+    first of them, a hub kernel (``kernels-community/vllm-flash-attn3``): a download, which
+    fails offline, and another library's kernels in any case.  This wraps
+    ``PreTrainedModel._check_and_adjust_attn_implementation`` (once) so that for a name
+    :func:`register` registered the model's list is out of sight during the check: the
+    model keeps flashgen's implementation (sinks go through ``s_aux``, see the module doc).
+    Other names are checked as before."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    orig = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(orig, "_flashgen", False):
+        return
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        base = attn_implementation.split("|")[-1] if isinstance(attn_implementation, str) else None
+        if base not in _NAMES or not getattr(self, "_compatible_flash_implementations", None):
+            return orig(self, attn_implementation, *args, **kwargs)
+        key = "_compatible_flash_implementations"
+        had, own = key in self.__dict__, self.__dict__.get(key)
+        self.__dict__[key] = None  # the class's list, hidden for this check only
+        try:
+            return orig(self, attn_implementation, *args, **kwargs)
+        finally:
+            if had:
+                self.__dict__[key] = own
+            else:
+                del self.__dict__[key]
+
+    _check_and_adjust_attn_implementation._flashgen = True
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
 def _spec_key(query, value, is_causal: bool, window: tuple, softcap: bool) -> SpecKey:
@@ -140,8 +182,10 @@ def flashgen_attention_forward(
     query ``(B, Hq, Sq, D)``, key ``(B, Hkv, Sk, D)``, value ``(B, Hkv, Sk, Dv)`` (as the
     model's attention layer passes them); ``attention_mask``: None or a 2-D bool padding
     mask ``(B, Sk)`` (from the FlashAttention mask function :func:`register` installs).
+    ``softcap``: None or 0 is off (FlashAttention's rule, as ``flash_attn_func``).
     Returns ``(out, None)`` with out ``(B, Sq, Hq, Dv)``.  Raises
-    :class:`~flashgen.OpInputError` for dropout > 0, a 4-D mask (a custom mask this
+    :class:`~flashgen.OpInputError` for dropout > 0, a softcap that is NaN, infinite or
+    negative, a 4-D mask (a custom mask this
     backend cannot read), a head dim or dtype flashgen lacks.
     """
     if dropout:
@@ -162,6 +206,7 @@ def flashgen_attention_forward(
     if sliding_window is not None:
         w = int(sliding_window) - 1
         window = (w, None) if is_causal else (w, w)
+    softcap = check_softcap(softcap)  # 0 = off, as flash_attn_func; NaN / inf / < 0 raise
     key_ = _spec_key(query, value, is_causal, window, softcap is not None)
     op = op_for(key_)
     params = {}

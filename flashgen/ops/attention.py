@@ -135,7 +135,10 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         self._lib = None
 
     def _check_live(self) -> None:
-        """Raise ``RuntimeError`` if a reload of the edited spec replaced this op."""
+        """Raise ``RuntimeError`` if a reload of the edited spec replaced this op (every
+        entry point asks: :meth:`attention`, :meth:`with_kvcache`, :meth:`plan_decode`, a
+        plan's fast path, :attr:`varlen`, :attr:`offsets`, :meth:`block_mask`,
+        :meth:`kernel`, :meth:`family_for`, :meth:`with_options`)."""
         if self._replaced_by is not None:
             raise RuntimeError(
                 f"op {self.qualname} was replaced when flashgen.load reloaded the edited spec "
@@ -155,7 +158,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``RuntimeError`` below compute capability 8.0, ``ValueError`` for a non-CUDA device
         (the CPU op runs :mod:`flashgen.ops.cpu_attention`), a CUDA device where torch sees
         no GPU, or anything else (a malformed capability: not two non-negative ints).
-        ``OpInputError`` is a ``ValueError``."""
+        ``OpInputError`` is a ``ValueError``.  ``RuntimeError`` if a reload replaced the op."""
+        self._check_live()
         if isinstance(device, (tuple, list)):
             capability = registry.check_capability(device)
         elif isinstance(device, (str, torch.device)):
@@ -202,7 +206,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
     @property
     def torch_op(self):
-        """``torch.ops.flashgen.<name>.default``."""
+        """``torch.ops.flashgen.<name>.default``; ``RuntimeError`` if a reload of the edited
+        spec replaced this op (that name is the new spec's operator then)."""
+        self._check_live()
         return getattr(torch.ops.flashgen, self.name).default
 
     @property
@@ -211,7 +217,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         interface, see :mod:`flashgen.ops.varlen`): the op of the same spec with ``varlen:
         true``, registered as ``flashgen::<name>__varlen`` with this op.  Call it as
         ``op.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
-        A varlen spec's op is its own varlen form."""
+        A varlen spec's op is its own varlen form.  ``RuntimeError`` if a reload of the
+        edited spec replaced this op."""
+        self._check_live()
         if self.spec.varlen:
             return self
         if self._varlen_op is None:  # built once, outside any torch.compile trace after that
@@ -225,7 +233,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``kv_idx + kv_offset`` and the global lengths; built on first use (touch it once
         before ``torch.compile`` traces a call with offsets).  :meth:`attention` runs it when
         given ``q_offset``, ``kv_offset``, ``seqlen_q_global`` or ``seqlen_k_global``.  An
-        offsets op is its own offsets form."""
+        offsets op is its own offsets form.  ``RuntimeError`` if a reload replaced this op."""
+        self._check_live()
         if self._offsets_form:
             return self
         if self._offsets_op is None:
@@ -378,16 +387,20 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
         """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
         (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
-        :meth:`flashgen.ops.decode.DecodeOp.with_kvcache` for the arguments and contract."""
+        :meth:`flashgen.ops.decode.DecodeOp.with_kvcache` for the arguments and contract.
+        ``RuntimeError`` if a reload of the edited spec replaced this op."""
         from flashgen.ops.decode import decode_op
 
+        self._check_live()
         return decode_op(self).with_kvcache(q, k_cache, v_cache, cache_seqlens, **kwargs)
 
     def plan_decode(self, **kwargs):
         """A reusable schedule for :meth:`with_kvcache` calls of one shape; see
-        :meth:`flashgen.ops.decode.DecodeOp.plan_decode`."""
+        :meth:`flashgen.ops.decode.DecodeOp.plan_decode`.  ``RuntimeError`` if a reload of
+        the edited spec replaced this op."""
         from flashgen.ops.decode import decode_op
 
+        self._check_live()
         return decode_op(self).plan_decode(**kwargs)
 
     __call__ = attention

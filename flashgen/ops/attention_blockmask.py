@@ -56,6 +56,7 @@ class BlockMaskMethods:
         from flashgen.codegen.abi import block_table_dims
         from flashgen.ops.blockmask import BlockMask, block_table_reference
 
+        self._check_live()
         if not needs_block_table(self.spec):
             raise OpInputError(
                 f"block_mask: the mask of op {self.spec.name!r} reads no tensor param, so it "

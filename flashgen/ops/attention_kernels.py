@@ -82,8 +82,10 @@ class KernelChoice:
         (the FA2-class kernel).  Where the op may pick either, the
         first use builds and loads both, so a later call (a CUDA-graph capture at another
         length) never loads a kernel.
-        Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails.
+        Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails, ``RuntimeError``
+        if a reload of the edited spec replaced the op.
         """
+        self._check_live()
         index = device.index if device.index is not None else torch.cuda.current_device()
         options = self.options
         persistent = registry.persistent_scheduler(self.spec, options)

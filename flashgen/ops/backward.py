@@ -66,19 +66,21 @@ def uses_atomic_dq(deterministic: bool, options: Options = DEFAULT) -> bool:
 
 
 #: The backward kernel sets :func:`backward_path` chooses between.
-BACKWARD_PATHS = ("deterministic", "atomic", "hopper")
+BACKWARD_PATHS = ("deterministic", "atomic", "hopper", "hopper_ordered")
 
 
 def backward_path(
     spec: Spec, target: str, deterministic: bool, options: Options = DEFAULT
 ) -> str:
     """Which kernels a CUDA backward of ``spec`` on ``target`` runs: ``"deterministic"``
-    (pre, dkdv, dq), ``"atomic"`` (the FA2-class atomic-dQ kernels) or ``"hopper"`` (the
-    wgmma dK/dV kernel with atomic dQ): :func:`flashgen.families.registry.select` for the
-    ``"bwd"`` call with ``options`` (``options.atomic_dq``, ``options.family``)."""
+    (pre, dkdv, dq), ``"atomic"`` (the FA2-class atomic-dQ kernels), ``"hopper"`` (the
+    wgmma dK/dV kernel with atomic dQ) or ``"hopper_ordered"`` (the same with dQ added in a
+    fixed order, for ``deterministic=True`` under ``hopper_bwd.ordered_dq``):
+    :func:`flashgen.families.registry.select` for the ``"bwd"`` call with ``options``
+    (``options.atomic_dq``, ``options.family``, ``options.hopper_bwd``)."""
     route = registry.select(spec, target, "bwd", options, deterministic=deterministic)
     if route.family == "hopper_bwd":
-        return "hopper"
+        return "hopper_ordered" if route.ordered_dq else "hopper"
     return "atomic" if route.atomic_dq else "deterministic"
 
 
@@ -177,10 +179,16 @@ class Backward:
         dsum = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
         # fp32 dQ accumulator of the atomic path: contiguous [B, Hq, Sq, D], zeroed by `pre`
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None
+        # the ordered dQ's semaphores, one per (batch, query head, 64-row query block)
+        dq_sem = None
+        if plan.dkdv.context.get("ordered_dq"):
+            m_blocks = -(-dims.seqlen_q // plan.tiles.dkdv_block_m)
+            dq_sem = torch.zeros((dims.batch, dims.heads_q, m_blocks), dtype=torch.int32,
+                                 device=q.device)  # fmt: skip
         values = kernel_values(
             self.spec,
             {"q": q, "k": k, "v": v, "o": o, "dout": dout, "lse": lse, "dsum": dsum, "dq": dq,
-             "dk": dk, "dv": dv, "dq_accum": dq_accum},
+             "dk": dk, "dv": dv, "dq_accum": dq_accum, "dq_sem": dq_sem},
             dims, softmax_scale, scalars, tensors,
         )  # fmt: skip
         grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
@@ -216,15 +224,16 @@ class Backward:
                 # the atomic ones where Options.atomic_dq allows them, else deterministic
                 options = self.op.options
                 atomic = path == "atomic" or (path == "hopper" and options.atomic_dq is True)
+                hopper = path in ("hopper", "hopper_ordered")
                 plan, cubin, _ = build_backward(
-                    self.spec, target, atomic_dq=atomic, hopper=path == "hopper",
-                    options=options,
+                    self.spec, target, atomic_dq=atomic, hopper=hopper,
+                    ordered_dq=path == "hopper_ordered", options=options,
                 )  # fmt: skip
-                if path == "hopper" and not plan.wgmma:
+                if hopper and not plan.wgmma:
                     kind = "atomic-dQ" if plan.atomic_dq else "deterministic"
                     warnings.warn(
                         f"flashgen op {self.spec.name!r}: the Hopper (wgmma) backward spills "
-                        f"registers in every dQ variant on {target}; running the FA2-class "
+                        f"registers on {target}; running the FA2-class "
                         f"{kind} backward kernels instead (correct, slower)",
                         RuntimeWarning,
                         stacklevel=2,

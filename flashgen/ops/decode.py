@@ -30,6 +30,16 @@ k_cache``); q in the spec's dtype, or e4m3 with ``q_descale``.  Its own units (t
 is part of the plan: ``plan_decode(..., cache_dtype=torch.float8_e4m3fn)``) and torch ops
 ``flashgen::<name>__with_kvcache[_ragged]_kv8[_append]``; padded and ragged alike.
 
+MLA's one latent cache (a ``v_from_k: true`` spec, e.g. specs/mla_decode.yaml: head_dim 576,
+head_dim_v 512): ``v_cache`` is None and the values are the first head_dim_v columns of
+``k_cache`` (num_heads_kv 1); ``k_new`` alone appends (``v_new`` None); an e4m3 cache's
+``k_descale`` scales keys and values (``v_descale`` None).  Its registered ops take no
+``v_cache`` / ``v_new``.
+
+Tensor params (a mask or score_mod that reads them, e.g. specs/spec_tree.yaml's ancestor
+matrix): their ``seqlen_q`` extent is Sq_new (ragged: the call's ``max_seqlen_q``), their
+``seqlen_k`` extent the cache's capacity (:meth:`DecodeDims.symbols`).
+
 Ragged Sq_new (``cu_seqlens_q=``, ``max_seqlen_q=``): q ``[total_q, Hq, D]`` with int32
 ``cu_seqlens_q`` ``[B + 1]`` (contiguous, as the varlen op); request b's Sq_b =
 cu_seqlens_q[b + 1] - cu_seqlens_q[b] queries are its live keys' last (seqlen_q = Sq_b for its
@@ -67,6 +77,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from typing import NamedTuple
 
@@ -168,8 +179,11 @@ class DecodeOp(DecodePlanning):
         self.ragged_name = f"{op.spec.name}__with_kvcache_ragged"
         self.ragged_append_name = f"{op.spec.name}__with_kvcache_ragged_append"
         self.kv8 = family.cache_dtype_reason(op.spec, "fp8_e4m3") is None and FP8_CACHE is not None
+        #: MLA's one latent cache (spec ``v_from_k``): its ops take no v_cache / v_new
+        self.v_from_k = op.spec.v_from_k
         self._units: dict = {}
         self._live: dict = {}
+        self._bounds: dict = {}  # _index_violations' memo
         self._lock = threading.Lock()
         self._registered = False
         self.reason = family.unsupported_reason(self.spec)
@@ -192,16 +206,20 @@ class DecodeOp(DecodePlanning):
         """The op's schema: ``append`` declares that it mutates ``k_cache`` / ``v_cache``
         (``Tensor(a!)``); ``ragged`` adds ``cu_seqlens_q`` after ``block_table`` and ``int
         max_seqlen_q`` before ``softmax_scale``; ``kv8`` (an e4m3 cache) adds ``k_descale``
-        and ``v_descale`` (float32 ``[B, Hkv]``) before ``softmax_scale``."""
+        and ``v_descale`` (float32 ``[B, Hkv]``) before ``softmax_scale``.  A ``v_from_k``
+        spec's ops have no ``v_cache`` nor ``v_new`` (the values are k_cache's first
+        head_dim_v columns; its ``v_descale`` is ``k_descale``)."""
         spec = self.spec
         kv = (
             "Tensor(a!) k_cache, Tensor(b!) v_cache" if append else "Tensor k_cache, Tensor v_cache"
         )
+        if self.v_from_k:
+            kv = "Tensor(a!) k_cache" if append else "Tensor k_cache"
         args = ["Tensor q", kv, "Tensor cache_seqlens", "Tensor? block_table"]
         if ragged:
             args.append("Tensor cu_seqlens_q")
         if append:
-            args += ["Tensor k_new", "Tensor v_new"]
+            args += ["Tensor k_new"] if self.v_from_k else ["Tensor k_new", "Tensor v_new"]
         if ragged:
             args.append("int max_seqlen_q")
         if kv8:
@@ -236,18 +254,26 @@ class DecodeOp(DecodePlanning):
             self._registered = True
 
     def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
-        """The registered op (``torch.ops.flashgen.<op_name>.default``)."""
+        """The registered op (``torch.ops.flashgen.<op_name>.default``); ``RuntimeError`` if a
+        reload replaced :attr:`op` (that name is the new spec's op then)."""
+        self.op._check_live()
         self.register()
         return getattr(torch.ops.flashgen, self.op_name(append, ragged, kv8)).default
 
     def _unpack(self, append: bool, ragged: bool, kv8: bool, args) -> _Args:
-        """Schema arguments (:meth:`schema`) -> :class:`_Args`."""
-        q, kc, vc, lens, table = args[:5]
-        rest = list(args[5:])
+        """Schema arguments (:meth:`schema`) -> :class:`_Args` (``v_from_k``: v_cache and
+        v_new as views of k_cache and k_new)."""
+        if self.v_from_k:
+            q, kc, lens, table = args[:4]
+            vc, rest = latent_values(self.spec, kc), list(args[4:])
+        else:
+            q, kc, vc, lens, table = args[:5]
+            rest = list(args[5:])
         cu = rest.pop(0) if ragged else None
         k_new = v_new = None
         if append:
-            k_new, v_new = rest.pop(0), rest.pop(0)
+            k_new = rest.pop(0)
+            v_new = latent_values(self.spec, k_new) if self.v_from_k else rest.pop(0)
         max_seqlen_q = rest.pop(0) if ragged else None
         scales = None
         if kv8:
@@ -302,24 +328,40 @@ class DecodeOp(DecodePlanning):
         params.update({n: t.to(PARAM_DTYPE[self.spec.param(n).ty]) for n, t in a.tensors.items()})
         kd, vd = (None, None) if scales is None else scales.tensors(dims.batch, dims.heads_kv,
                                                                      a.q.device)  # fmt: skip
-        live = a.lens.to(torch.int64)
-        if ragged:  # each request appends (and attends) its own Sq_b rows
+        def write(kc, vc):
+            if ragged:
+                append_reference_ragged(kc, vc, a.lens, a.cu, a.k_new, a.v_new, a.table)
+            else:
+                append_reference(kc, vc, a.lens, a.k_new, a.v_new, a.table)
+
+        def run(kc, vc):
+            live = a.lens.to(torch.int64)
             if append:
-                append_reference_ragged(a.kc, a.vc, a.lens, a.cu, a.k_new, a.v_new, a.table)
-                cu = a.cu.to(torch.int64)
-                live = live + (cu[1:] - cu[:-1])
-            ro, rl = decode_reference_ragged(
-                self.spec, a.q, a.kc, a.vc, live, a.cu, a.table, softmax_scale=a.scale,
-                params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
-            )  # fmt: skip
+                write(kc, vc)
+                cu = a.cu.to(torch.int64) if ragged else None
+                live = live + (cu[1:] - cu[:-1] if ragged else dims.seqlen_q)
+            try:
+                if ragged:  # each request appends (and attends) its own Sq_b rows
+                    return decode_reference_ragged(
+                        self.spec, a.q, kc, vc, live, a.cu, a.table, softmax_scale=a.scale,
+                        params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
+                    )  # fmt: skip
+                return decode_reference(
+                    self.spec, a.q, kc, vc, live, a.table, softmax_scale=a.scale,
+                    params=params, compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
+                )  # fmt: skip
+            except IndexError as e:  # a tensor param indexed outside its shape (reference)
+                m = re.search(r"tensor param '(\w+)'", str(e))
+                raise OpInputError(f"{m.group(1) if m else 'params'}: {e}") from None
+
+        if append and self._index_violations(dims, a.scalars):
+            # a read may leave its tensor at these sizes, and only the reference can tell
+            # whether a kept pair does: run the call on copies of the caches first, so a
+            # refused call writes nothing (issue 38, item 5), then append for real
+            ro, rl = run(a.kc.clone(), a.vc.clone())
+            write(a.kc, a.vc)
         else:
-            if append:
-                append_reference(a.kc, a.vc, a.lens, a.k_new, a.v_new, a.table)
-                live = live + dims.seqlen_q
-            ro, rl = decode_reference(
-                self.spec, a.q, a.kc, a.vc, live, a.table, softmax_scale=a.scale, params=params,
-                compute_dtype=torch.float32, k_descale=kd, v_descale=vd,
-            )  # fmt: skip
+            ro, rl = run(a.kc, a.vc)
         o, lse = self._outputs(a.q, dims)
         o.copy_(ro)
         lse.copy_(rl)
@@ -338,6 +380,27 @@ class DecodeOp(DecodePlanning):
         return self._launch(plan, a.q, a.kc, a.vc, a.lens, a.table, a.k_new, a.v_new, a.scale,
                             a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims,
                             scales=scales)  # fmt: skip
+
+    def _index_violations(self, dims: DecodeDims, scalars) -> list[str]:
+        """:func:`~flashgen.analysis.indexbounds.possible_violations` of the spec's
+        tensor-param reads at the call's sizes (Sq_new queries, at most the cache's capacity
+        of keys) and scalar values: the reads that may leave their tensor.  Memoized per
+        sizes and values; empty (and free) for a spec without tensor params."""
+        if not self.spec.tensor_params:
+            return []
+        values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in scalars)
+        key = (dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.capacity, values)
+        hit = self._bounds.get(key)
+        if hit is None:
+            from flashgen.analysis.indexbounds import possible_violations
+
+            sym = {**dims.symbols(), "seqlen_q": dims.seqlen_q, "seqlen_k": dims.capacity}
+            named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
+            hit = possible_violations(self.spec, sym, named)
+            if len(self._bounds) >= 1024:
+                self._bounds.clear()
+            self._bounds[key] = hit
+        return hit
 
     def _check_params(self, scale, scalars, tensors, dims: DecodeDims, device) -> None:
         check_softmax_scale(scale)
@@ -381,9 +444,39 @@ class DecodeOp(DecodePlanning):
         serving loop that reuses them saves the two allocations per call.  Returns ``out``
         then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
-        :mod:`flashgen.ops.decode_fp8`), padded or ragged.  Raises :class:`OpInputError` for
-        bad inputs or a spec decode does not support."""
-        fast = getattr(plan, "fast", None)
+        :mod:`flashgen.ops.decode_fp8`), padded or ragged.
+
+        Aliasing (issue 38): with ``k_new`` / ``v_new``, the caches must not share memory with
+        each other (``k_cache is v_cache``) nor with ``k_new`` / ``v_new``, and a cache's
+        elements must have their own memory (no expanded, stride-0 cache): refused from
+        metadata on every device.  The slot rule: the cache slots the call appends to
+        (request b's keys ``[cache_seqlens[b], cache_seqlens[b] + Sq_b)`` through its
+        ``block_table`` row) are pairwise distinct and hold no other key the call reads
+        (any request's ``[0, cache_seqlens[b'] + Sq_b')``); pages shared read-only (a common
+        prefix) are fine.  Checked from values with the other value checks (always on CPU;
+        on CUDA under :func:`~flashgen.ops.validation.check_enabled`); a planned call's fast
+        path (``plan=``, graph capturable) checks neither values nor, after the first call
+        of a layout, addresses: there both are the caller's contract.  Nothing is written
+        before every check of the call has passed (on CPU a tensor param indexed outside
+        its shape at a kept pair is an :class:`OpInputError` naming it, the cache as it was).
+
+        Raises :class:`OpInputError` for bad inputs, an argument that requires grad (no
+        backward: serving only) or a spec decode does not support, ``RuntimeError`` if a
+        reload of the edited spec replaced the op (its registered decode ops are the new
+        spec's then).
+
+        A ``v_from_k`` spec (MLA, module doc): ``v_cache`` None, ``k_new`` alone appends
+        (``v_new`` None), ``v_descale`` None (k_descale scales the values too);
+        ``num_heads_kv`` 1."""
+        self.op._check_live()
+        if torch.is_grad_enabled():
+            _refuse_grad(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
+                         **params)  # fmt: skip
+        if self.v_from_k:
+            v_cache, v_new, v_descale = self._latent_args(k_cache, v_cache, k_new, v_new,
+                                                          v_descale, k_descale)  # fmt: skip
+        # a plan's fast path runs the kernels of the op that planned it: only this op's
+        fast = getattr(plan, "fast", None) if getattr(plan, "owner", None) is self else None
         if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                        softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,
@@ -393,6 +486,21 @@ class DecodeOp(DecodePlanning):
         return self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                   cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
                                   params, out, (k_descale, v_descale, q_descale))  # fmt: skip
+
+    def _latent_args(self, k_cache, v_cache, k_new, v_new, v_descale, k_descale):
+        """A ``v_from_k`` call's ``(v_cache, v_new, v_descale)``: views of the first
+        head_dim_v columns of ``k_cache`` / ``k_new`` and ``k_descale``; the caller's must be
+        None (:class:`OpInputError` naming the argument otherwise)."""
+        dv = self.spec.head_dim_v
+        for name, x in (("v_cache", v_cache), ("v_new", v_new), ("v_descale", v_descale)):
+            if x is not None:
+                got = f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+                raise OpInputError(
+                    f"{name}: expected None (spec {self.spec.name!r} has v_from_k: true: the "
+                    f"values are the first {dv} columns of k_cache"
+                    f"{', scaled by k_descale' if name == 'v_descale' else ''}), got {got}"
+                )
+        return latent_values(self.spec, k_cache), latent_values(self.spec, k_new), k_descale
 
     def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int:
         """A ragged call's ``max_seqlen_q``: the caller's; else a ragged plan's, capped at q's
@@ -479,11 +587,13 @@ class DecodeOp(DecodePlanning):
         else:
             if plan is not None and not splits:
                 splits = plan.num_splits
-            args = [q, k_cache, v_cache, cache_seqlens, block_table]
+            args = [q, k_cache, cache_seqlens, block_table]
+            if not self.v_from_k:
+                args.insert(2, v_cache)
             if ragged:
                 args.append(cu_seqlens_q)
             if append:
-                args += [k_new, v_new]
+                args += [k_new] if self.v_from_k else [k_new, v_new]
             if ragged:
                 args.append(max_seqlen_q)
             if scales is not None:
@@ -500,10 +610,13 @@ class DecodeOp(DecodePlanning):
 
     # ------------------------------------------------------------------ CUDA
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
-                      scalars, tensors, scales: KvScales | None = None) -> dict:  # fmt: skip
+                      scalars, tensors, scales: KvScales | None = None,
+                      call: DecodeDims | None = None) -> dict:  # fmt: skip
         """Every argument of the attention kernel (name -> tensor / address / number) for
         this call; ``q`` already 16-byte aligned (``_kernel_aligned``), the workspace from
-        the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0)."""
+        the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0);
+        ``call``: the call's validated sizes (None: the plan's), whose ``max_seqlen_q`` a
+        ragged unit's ``params_seqlen_q`` (the tensor params' extent) takes."""
         dims = plan.dims
         paged = table is not None
         if paged:
@@ -532,6 +645,8 @@ class DecodeOp(DecodePlanning):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
             values[f"t_{p.name}"] = tensors[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        if dims.ragged and family.params_seqlen_q(self.spec):
+            values["params_seqlen_q"] = (call or dims).seqlen_q
         if plan.num_splits > 1:
             o_part, lse_part, counters = plan.o_part, plan.lse_part, plan.counters
             if o_part is None:
@@ -561,7 +676,8 @@ class DecodeOp(DecodePlanning):
         (``dims``: the call's sizes, None: the plan's; a ragged call's q may have fewer rows
         than its plan's ``total_q``; ``scales``: an e4m3 cache's descales); returns fresh
         ``(o, lse)``."""
-        o, lse = self._outputs(q, dims or plan.dims)
+        call = dims or plan.dims
+        o, lse = self._outputs(q, call)
         dims = plan.dims
         if _poison_enabled():
             o.fill_(math.nan)
@@ -572,7 +688,7 @@ class DecodeOp(DecodePlanning):
         stream = current_stream_ptr(q.device)
         q = _aligned_any(q)
         values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors,
-                                    scales)  # fmt: skip
+                                    scales, call)  # fmt: skip
         if cu_seqlens_q is not None:
             values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:
@@ -582,6 +698,27 @@ class DecodeOp(DecodePlanning):
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def _refuse_grad(**tensors) -> None:
+    """:class:`OpInputError` naming the first argument that requires grad: ``with_kvcache``
+    has no backward (serving), and a result that looked differentiable would leave
+    ``q.grad`` None after ``backward()`` (issue 38, item 4)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise OpInputError(
+                f"{name}: expected a tensor that does not require grad (with_kvcache has no "
+                f"backward: it serves inference), got one with requires_grad=True; detach it "
+                f"or call under torch.no_grad() / torch.inference_mode()"
+            )
+
+
+def latent_values(spec, t):
+    """The values of a ``v_from_k`` spec: the first ``head_dim_v`` columns of a 4-D or 3-D
+    ``t`` (k_cache, k_new) as a view; ``t`` itself when it is not such a tensor (None, a
+    wrong rank or width: the validation names ``k_cache`` / ``k_new`` then)."""
+    ok = isinstance(t, torch.Tensor) and t.dim() in (3, 4) and t.shape[-1] >= spec.head_dim_v
+    return t[..., : spec.head_dim_v] if ok else t
 
 
 def _aligned_any(t):

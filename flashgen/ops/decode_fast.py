@@ -72,6 +72,9 @@ class DecodeCallPlan:
     #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
     #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
     live_blocks: int | None = None
+    #: the :class:`~flashgen.ops.decode.DecodeOp` that planned it: another op's calls refuse
+    #: the plan (its kernels, sizes and params are this op's)
+    owner: object = None
 
 
 def _workspace(dims: DecodeDims, geo, num_splits: int, device):
@@ -145,7 +148,10 @@ class _FastPath:
     (packed per call; q's rows, hence o's and lse's shapes, are part of the layout) and
     ``max_seqlen_q`` None (the plan's) or at most the plan's.  Per thread state:
     concurrent threads keep their own blocks.  Everything a call reads is bound once here
-    (no per-call module or attribute lookups beyond the tensors')."""
+    (no per-call module or attribute lookups beyond the tensors').  The caller's contract
+    (not checked per call, so that a call stays capturable and cheap): the slot rule of an
+    append and memory apart between the caches, k_new / v_new and ``out`` (checked from the
+    first call of a layout's addresses only; see ``DecodeOp.with_kvcache``)."""
 
     def __init__(self, dop: DecodeOp, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
@@ -328,7 +334,7 @@ class _FastPath:
         if not aligned(q):
             return False
         values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
-                                   scales)  # fmt: skip
+                                   scales, dims)  # fmt: skip
         if cu is not None:
             values["cu_seqlens_q"] = cu
         st.o_shape, st.lse_shape = o_shape, lse_shape

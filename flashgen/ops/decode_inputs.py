@@ -49,7 +49,11 @@ class DecodeDims:
         return self.max_pages * self.page_size if self.paged else self.page_size
 
     def symbols(self) -> dict[str, int]:
-        return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv}
+        """A tensor param's shape symbols in decode (:data:`flashgen.families.decode.
+        TENSOR_EXTENTS`): ``seqlen_q`` is Sq_new (ragged: ``max_seqlen_q``), ``seqlen_k`` the
+        cache's :attr:`capacity`."""
+        return {"batch": self.batch, "num_heads": self.heads_q, "num_heads_kv": self.heads_kv,
+                "seqlen_q": self.seqlen_q, "seqlen_k": self.capacity}  # fmt: skip
 
     def out_shapes(self) -> tuple[tuple, tuple]:
         """``(o shape, lse shape)`` of the call: padded ``[B, Hq, Sq_new, Dv]`` and ``[B, Hq,
@@ -133,7 +137,10 @@ def validate_decode(
 
     An e4m3 cache (float8_e4m3fn ``k_cache`` and ``v_cache`` for an fp16 / bf16 spec whose head
     dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
-    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`)."""
+    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`).
+    A ``v_from_k`` spec (MLA) takes ``v_cache`` / ``v_new`` as views of k_cache / k_new (the
+    op makes them) and a cache of num_heads_kv 1.  A float32 q on the CPU takes float32
+    caches and gives a float32 o, as ``op.attention`` does."""
     cache_dtype = cache_dtype_of(spec, k_cache)
     want = torch.float32 if cpu_float32(q, cache_dtype) else TORCH_DTYPE[spec.dtype]
     kv_want = FP8_CACHE if cache_dtype else want
@@ -215,6 +222,11 @@ def validate_decode(
                 f"got shape {list(k_cache.shape)}"
             )
         hkv, page_size, num_pages, max_pages = k_cache.shape[1], k_cache.shape[2], batch, 1
+    if spec.v_from_k and hkv != 1:
+        raise OpInputError(
+            f"k_cache: expected num_heads_kv 1 (spec {spec.name!r} has v_from_k: true: one "
+            f"latent cache for every query head; shape[{2 if paged else 1}]), got {hkv}"
+        )
     if hkv == 0 or hq % hkv:
         raise OpInputError(
             f"q: expected num_heads to be a multiple of the cache's num_heads_kv {hkv}, got {hq}"
@@ -256,6 +268,7 @@ def validate_decode(
                 raise OpInputError(f"{name}: expected stride(-1) == 1, got {list(t.stride())}")
     if q.numel() > 0 and q.stride(-1) != 1:
         raise OpInputError(f"q: expected stride(-1) == 1, got strides {list(q.stride())}")
+    check_aliasing(k_cache, v_cache, k_new, v_new)
     if q.is_cuda:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if _addresses_readable(t) and not _aligned_16(t):
@@ -269,6 +282,104 @@ def validate_decode(
         batch, hq, hkv, sq, spec.head_dim_v, paged, num_pages, page_size, max_pages,
         k_new is not None, cache_dtype=cache_dtype,
     )  # fmt: skip
+
+
+def _column_prefix(v, k) -> bool:
+    """Whether ``v`` is a view of ``k``'s first columns (same start, strides and leading dims;
+    fewer columns): a ``v_from_k`` spec's values (:func:`flashgen.ops.decode.latent_values`)."""
+    return (
+        isinstance(v, torch.Tensor) and isinstance(k, torch.Tensor) and v.dim() == k.dim()
+        and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
+        and v.shape[:-1] == k.shape[:-1] and v.shape[-1] < k.shape[-1]
+    )  # fmt: skip
+
+
+def check_aliasing(k_cache, v_cache, k_new=None, v_new=None) -> None:
+    """Refuse, from metadata, memory that an append would write through twice or read while
+    writing (issue 38): with ``k_new`` / ``v_new``, a cache whose elements share memory (an
+    expanded, stride-0 cache: :func:`~flashgen.ops.out_arg.self_overlapping`), ``k_cache``
+    and ``v_cache`` sharing memory (``k_cache is v_cache``, :func:`~flashgen.ops.out_arg.
+    shares_memory`: two views of one combined KV buffer that interleave without sharing are
+    fine), and ``k_new`` / ``v_new`` sharing memory with a cache.  Without an append nothing
+    is written and any of it is fine (``k_cache is v_cache`` reads one buffer twice); an
+    append of ``k_new`` alone (no ``v_new``: values that are a prefix of the keys' columns,
+    MLA) writes ``k_cache`` only, so ``v_cache`` may be a view of it.
+    Not while ``torch.compile`` traces nor on fake tensors (:func:`_addresses_readable`).
+    :class:`OpInputError` naming the tensor."""
+    from flashgen.ops.out_arg import self_overlapping, shares_memory
+
+    given = [t for t in (k_cache, v_cache, k_new, v_new) if t is not None]
+    if k_new is None or not all(
+        isinstance(t, torch.Tensor) and _addresses_readable(t) for t in given
+    ):
+        return
+    if _column_prefix(v_cache, k_cache) and _column_prefix(v_new, k_new):
+        v_new = None  # a v_from_k call (MLA): the values are the keys' first columns
+    written = [("k_cache", k_cache)] + ([("v_cache", v_cache)] if v_new is not None else [])
+    for name, t in written:
+        if t.numel() and self_overlapping(t):
+            raise OpInputError(
+                f"{name}: expected a cache whose elements have their own memory (the append "
+                f"writes into it), got shape {list(t.shape)} with strides {list(t.stride())}, "
+                f"whose elements alias (an expanded or overlapping view); pass a real buffer"
+            )
+    if v_new is not None and shares_memory(k_cache, v_cache):
+        raise OpInputError(
+            "v_cache: expected memory apart from k_cache (the append writes k_new into one and "
+            "v_new into the other), got a tensor sharing memory with k_cache"
+            + (" (k_cache is v_cache)" if k_cache is v_cache else "")
+        )
+    news = [("k_new", k_new)] + ([("v_new", v_new)] if v_new is not None else [])
+    for name, t in news:
+        for cname, c in written:
+            if shares_memory(t, c):
+                raise OpInputError(
+                    f"{name}: expected memory apart from {cname} (the append writes into "
+                    f"{cname} while reading {name}), got a tensor sharing memory with it"
+                )
+
+
+def check_slots(dims: DecodeDims, lens, new, block_table) -> None:
+    """The slot rule of an append through a block table (issue 38), from values: the cache
+    slots the call writes (request b's keys ``[lens[b], lens[b] + new[b])`` through its table
+    row) are pairwise distinct and no other key the call reads (any request's ``[0, lens[b']
+    + new[b'])``) lives in one of them.  Pages shared read-only (a common prefix) and requests
+    with nothing to append are fine.  ``lens``, ``new``: int64 ``[B]`` on the CPU, checked
+    (live keys within the table, page indices in range).  Reads ``block_table`` (a host sync
+    on CUDA).  :class:`OpInputError` naming the requests, the key and the page."""
+    if not (dims.append and dims.paged) or lens.numel() == 0 or int(new.max()) <= 0:
+        return
+    ps = dims.page_size
+    table = block_table.detach().to("cpu", torch.int64)
+    live = lens + new
+    cols = torch.arange(dims.max_pages).view(1, -1)
+    used = cols < ((live + ps - 1) // ps).view(-1, 1)
+    first, last = (lens // ps).view(-1, 1), ((live - 1) // ps).view(-1, 1)
+    writes_to = used & (cols >= first) & (cols <= last) & (new > 0).view(-1, 1)
+    pages = torch.unique(table[writes_to])  # sorted: the only pages a conflict can be in
+    # every key the call reads that lives in one of those pages: (request, column) entries
+    hit = used & torch.isin(table, pages)
+    b_idx, j_idx = hit.nonzero(as_tuple=True)
+    offs = torch.arange(ps).view(1, -1)
+    pos = j_idx.view(-1, 1) * ps + offs  # [E, ps] key positions
+    keep = pos < live[b_idx].view(-1, 1)
+    slot = torch.searchsorted(pages, table[b_idx, j_idx]).view(-1, 1) * ps + offs
+    counts = torch.bincount(slot[keep], minlength=pages.numel() * ps)
+    writing = keep & (pos >= lens[b_idx].view(-1, 1))
+    bad = writing & (counts[slot] > 1)
+    if not bool(bad.any()):
+        return
+    e, off = (int(x) for x in bad.nonzero()[0])
+    b, p, s = int(b_idx[e]), int(pos[e, off]), int(slot[e, off])
+    page = int(table[b, p // ps])
+    others = [(int(b_idx[i]), int(pos[i, o])) for i, o in (keep & (slot == s)).nonzero().tolist()]
+    b2, p2 = next(x for x in others if x != (b, p))
+    how = "appends" if p2 >= int(lens[b2]) else "reads"
+    raise OpInputError(
+        f"block_table: request {b} appends its key {p} to page {page} slot {p % ps}, where "
+        f"request {b2} {how} its key {p2}; the slots a call appends to must be used by no "
+        f"other key of the call (pages shared read-only, a common prefix, are fine)"
+    )
 
 
 def _fp8_note(spec: ir.Spec) -> str:
@@ -287,8 +398,9 @@ def check_values(dims: DecodeDims, cache_seqlens, block_table, cu_seqlens_q=None
     live pages in ``[0, num_pages)``; ragged (``cu_seqlens_q``), first the offsets
     (:func:`check_cu_seqlens_q`), each request appending its own Sq_b.  An append
     (``dims.append``) that would run past the request's pages (which the kernels drop) is
-    refused naming the request and its append.  Reads the tensors (a host sync on CUDA).
-    :class:`OpInputError` naming the first bad request."""
+    refused naming the request and its append, and so is an append through the table that
+    breaks the slot rule (:func:`check_slots`: two requests' keys in one slot).  Reads the
+    tensors (a host sync on CUDA).  :class:`OpInputError` naming the first bad request."""
     lens = cache_seqlens.detach().to("cpu", torch.int64)
     if lens.numel() and int(lens.min()) < 0:
         b = int((lens < 0).nonzero()[0])
@@ -337,6 +449,8 @@ def check_values(dims: DecodeDims, cache_seqlens, block_table, cu_seqlens_q=None
                 f"block_table: expected page indices in [0, {dims.num_pages}) (k_cache.shape[0]), "
                 f"got {int(table[b, j])} at [{b}, {j}]"
             )
+    if dims.append and dims.paged:
+        check_slots(dims, lens, new, block_table)
 
 
 def check_cu_seqlens_q(dims: DecodeDims, cu_seqlens_q):
@@ -416,26 +530,38 @@ def validate_decode_ragged(
             f"empty), got {max_seqlen_q}"
         )
     batch = cu_seqlens_q.shape[0] - 1
-    # The padded checks on row-free stand-ins of q / k_new / v_new (no allocation).
+    # The padded checks of q (on a row-free stand-in: no allocation), the cache, the lengths
+    # and the table; then k_new / v_new against the cache, named in their own ragged shapes.
     q4 = q.new_empty((batch, hq, 0, d))
-    kn = vn = None
     if (k_new is None) != (v_new is None):
         raise OpInputError("k_new, v_new: expected both or neither, got only one")
+    for name, t in (("k_new", k_new), ("v_new", v_new)) if k_new is not None else ():
+        _tensor(name, t, 3, "[total_q, heads_kv, head_dim] (ragged)")
+        if t.shape[0] != total_q:
+            raise OpInputError(
+                f"{name}: expected {total_q} rows (q's total_q), got shape {list(t.shape)}"
+            )
+    dims = validate_decode(spec, q4, k_cache, v_cache, cache_seqlens, block_table)
     if k_new is not None:
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
-            _tensor(name, t, 3, "[total_q, heads_kv, head_dim] (ragged)")
-            if t.shape[0] != total_q:
+        kv_want = FP8_CACHE if dims.cache_dtype else k_cache.dtype  # the spec's, or float32
+        for name, t, dd in (("k_new", k_new, spec.head_dim), ("v_new", v_new, spec.head_dim_v)):
+            want = [total_q, dims.heads_kv, dd]
+            if list(t.shape) != want:
                 raise OpInputError(
-                    f"{name}: expected {total_q} rows (q's total_q), got shape {list(t.shape)}"
+                    f"{name}: expected shape {want} ([total_q, heads_kv, head_dim]: q's rows, "
+                    f"the cache's heads), got {list(t.shape)}"
                 )
-        kn = k_new.new_empty((batch, k_new.shape[1], 0, k_new.shape[2]))
-        vn = v_new.new_empty((batch, v_new.shape[1], 0, v_new.shape[2]))
-    dims = validate_decode(spec, q4, k_cache, v_cache, cache_seqlens, block_table, kn, vn)
-    if k_new is not None:
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.dtype != kv_want:
+                what = " (the cache's: quantized with its descales)" if dims.cache_dtype else ""
+                raise OpInputError(f"{name}: expected dtype {kv_want}{what}, got {t.dtype}")
+            if t.device != q.device:
+                raise OpInputError(
+                    f"{name}: expected device {q.device} (q's device), got {t.device}"
+                )
             if t.numel() > 0 and t.stride(-1) != 1:
                 raise OpInputError(f"{name}: expected stride(-1) == 1, got {list(t.stride())}")
-    return replace(dims, seqlen_q=int(max_seqlen_q), total_q=total_q)
+        check_aliasing(k_cache, v_cache, k_new, v_new)
+    return replace(dims, seqlen_q=int(max_seqlen_q), total_q=total_q, append=k_new is not None)
 
 
 def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None, inputs=None) -> None:

@@ -71,8 +71,11 @@ class DecodePlanning:
         ``device``: where the calls run; None: the current CUDA device if there is one,
         else the CPU.  On a CUDA device it builds and loads the kernels and allocates the
         workspace, so planned calls do no host planning and can be captured in a CUDA graph.
-        Raises :class:`OpInputError` for bad sizes, options or params, and for a CUDA
-        ``device`` where no CUDA device is available."""
+        Raises :class:`OpInputError` for bad sizes, options or params, for a CUDA
+        ``device`` where no CUDA device is available and for another device type (the op
+        runs on CPU and CUDA); ``RuntimeError`` if a reload of the edited spec replaced the
+        op."""
+        self.op._check_live()
         self._refuse()
         if options is not None and not isinstance(options, family.Options):
             raise OpInputError(
@@ -114,7 +117,10 @@ class DecodePlanning:
             kv_dtype = "fp8_e4m3"
         paged = page_size is not None
         if paged:
-            if not isinstance(page_size, int) or page_size < 1 or not isinstance(num_pages, int):
+            if (
+                isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1
+                or isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1
+            ):  # fmt: skip
                 raise OpInputError(
                     f"page_size, num_pages: expected ints >= 1 for a paged cache, got "
                     f"{page_size!r}, {num_pages!r}"
@@ -131,7 +137,18 @@ class DecodePlanning:
             dims = dataclasses.replace(dims, total_q=total_q)
         if device is None:  # where the op runs: the current CUDA device if any, else the CPU
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise OpInputError(
+                f"device: expected 'cpu' or a CUDA device ('cuda', 'cuda:1', a torch.device), "
+                f"got {device!r}"
+            ) from None
+        if device.type not in ("cpu", "cuda"):  # the decode op runs on these only
+            raise OpInputError(
+                f"device: expected 'cpu' or a CUDA device (the decode op runs on these), got "
+                f"{str(device)!r}"
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise OpInputError(
                 f"device: expected 'cpu' or a CUDA device, got {str(device)!r} and no CUDA "
@@ -151,6 +168,12 @@ class DecodePlanning:
         if not isinstance(plan, DecodeCallPlan):
             raise OpInputError(
                 f"plan: expected a plan from op.plan_decode, got {type(plan).__name__}"
+            )
+        if plan.owner is not self:
+            made = getattr(getattr(plan.owner, "op", None), "qualname", "another op")
+            raise OpInputError(
+                f"plan: expected a plan from this op's plan_decode ({self.op.qualname}, "
+                f"head_dim {self.spec.head_dim}), got one made by {made}'s"
             )
         p = plan.dims
 
@@ -279,7 +302,7 @@ class DecodePlanning:
             fixed["new_keys"] = int(dims.append)
         plan = DecodeCallPlan(
             dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
-            options=options, live_blocks=live_blocks,
+            options=options, live_blocks=live_blocks, owner=self,
         )  # fmt: skip
         if own_workspace and kern and rows > 0:
             plan.fast = _FastPath(self, plan)

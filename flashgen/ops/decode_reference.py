@@ -180,15 +180,23 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
     ``merge_state``; the combine of split-KV): ``lse = log(exp(lse_a) + exp(lse_b))``,
     ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``, computed in float32.
 
-    ``o_*`` ``[..., Dv]`` (float32, float16 or bfloat16), ``lse_*`` ``[...]`` float32 (natural
-    log; -inf: no key, weight 0), one device.  Returns ``(o, lse)``: o in ``o_a``'s dtype
-    (a caller that accumulates keeps float32), lse float32; both -inf gives o = 0, lse =
-    -inf.  Raises :class:`OpInputError` for mismatched shapes, dtypes or devices."""
+    ``o_*`` ``[..., Dv]`` (at least 1-D; float32, float16 or bfloat16, both the same),
+    ``lse_*`` ``[...]`` float32 (natural log; -inf: no key, weight 0: that side's o is
+    ignored, NaN in it included), one device.  Returns ``(o, lse)``: o in ``o_a``'s dtype (a
+    caller that accumulates keeps float32), lse float32; both -inf gives o = 0, lse = -inf;
+    a NaN lse gives NaN (the combine kernel's rule).  Raises :class:`OpInputError` for
+    mismatched shapes, dtypes or devices, a 0-d o, and for an lse of +inf (no finite
+    weights; read on CPU tensors, on CUDA under
+    :func:`~flashgen.ops.validation.check_enabled`: a host sync)."""
+    from flashgen.ops.validation import check_enabled
+
     for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.device != o_a.device:
             raise OpInputError(f"{name}: expected device {o_a.device} (o_a's), got {t.device}")
+    if o_a.dim() == 0:
+        raise OpInputError("o_a: expected a tensor [..., Dv] (at least 1-D), got a 0-d tensor")
     if o_a.shape != o_b.shape:
         raise OpInputError(f"o_b: expected shape {list(o_a.shape)} (o_a's), got {list(o_b.shape)}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
@@ -204,6 +212,16 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
             raise OpInputError(
                 f"{name}: expected dtype float32, float16 or bfloat16, got {t.dtype}"
             )
+    if o_b.dtype != o_a.dtype:
+        raise OpInputError(f"o_b: expected dtype {o_a.dtype} (o_a's), got {o_b.dtype}")
+    if (o_a.device.type == "cpu" or check_enabled()) and not torch.compiler.is_compiling():
+        for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+            if bool(torch.isposinf(t).any()):
+                i = tuple(torch.isposinf(t).nonzero()[0].tolist())
+                raise OpInputError(
+                    f"{name}: expected values < +inf (a log-sum-exp: -inf for no key), got "
+                    f"+inf at {list(i)}"
+                )
     m = torch.maximum(lse_a, lse_b)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     wa = torch.exp(lse_a - m_safe)
@@ -212,5 +230,10 @@ def merge_attention(o_a, lse_a, o_b, lse_b):
     empty = total == 0
     lse = torch.where(empty, torch.full_like(m, -math.inf), m_safe + torch.log(total))
     inv = torch.where(empty, torch.zeros_like(total), 1.0 / torch.where(empty, 1.0, total))
-    o = (wa * inv).unsqueeze(-1) * o_a.float() + (wb * inv).unsqueeze(-1) * o_b.float()
+    zero = torch.zeros((), dtype=torch.float32, device=o_a.device)
+    # a side of weight 0 is ignored, not multiplied: 0 * NaN (its o unset) would be NaN
+    ta = torch.where((wa > 0).unsqueeze(-1), (wa * inv).unsqueeze(-1) * o_a.float(), zero)
+    tb = torch.where((wb > 0).unsqueeze(-1), (wb * inv).unsqueeze(-1) * o_b.float(), zero)
+    nan = torch.isnan(total).unsqueeze(-1)  # a NaN lse still poisons the merge
+    o = torch.where(nan, torch.full_like(ta, math.nan), ta + tb)
     return o.to(o_a.dtype), lse

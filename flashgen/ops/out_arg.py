@@ -139,3 +139,59 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass)
         return False
     return base_a + sa[0] < base_b + sb[1] and base_b + sb[0] < base_a + sa[1]
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded, stride-0 tensor; a
+    view whose strides interleave): True unless, with its dims of extent > 1 sorted by
+    stride, each stride exceeds the span of the smaller ones (then every element has its
+    own bytes).  Metadata only."""
+    size = t.element_size()
+    span = size  # bytes covered by one step of the dims below
+    for stride, n in sorted((int(s) * size, int(n)) for n, s in zip(t.shape, t.stride(),
+                                                                    strict=True) if n > 1):
+        if stride < span:
+            return True
+        span += (n - 1) * stride
+    return False
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have a byte in common: :func:`overlaps` of their hulls, then,
+    for two views of one buffer with the same dims and byte strides (a combined KV buffer's
+    ``kv[:, 0]`` and ``kv[:, 1]``, interleaved per page as FlashInfer lays it out), the exact
+    answer: some ``sum_k c_k * stride_k`` (``c_k`` a difference of indices within both
+    extents) equals the distance between their first bytes.  Conservative (True) for other
+    layouts whose hulls meet.  Metadata only (real tensors' addresses)."""
+    if not overlaps(a, b):
+        return False
+    ea, eb = a.element_size(), b.element_size()
+    if a.dim() != b.dim() or [s * ea for s in a.stride()] != [s * eb for s in b.stride()]:
+        return True
+    if is_fake(a) or is_fake(b) or a.is_meta or b.is_meta:
+        return True
+    dims = [(int(s) * ea, int(na) - 1, int(nb) - 1)
+            for s, na, nb in zip(a.stride(), a.shape, b.shape, strict=True)
+            if max(na, nb) > 1]  # fmt: skip
+    dims.append((1, ea - 1, eb - 1))  # the bytes of one element
+    dims.sort(reverse=True)
+    # below[k]: the most the dims after k add (positive: a's extents, negative: b's)
+    below = [(0, 0)] * (len(dims) + 1)
+    for k in range(len(dims) - 1, -1, -1):
+        s, ha, hb = dims[k]
+        below[k] = (below[k + 1][0] + ha * s, below[k + 1][1] + hb * s)
+    budget = [4096]
+
+    def reach(k: int, r: int) -> bool:
+        if k == len(dims):
+            return r == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True  # too many ways to look at: conservative
+        s, ha, hb = dims[k]
+        pos, neg = below[k + 1]
+        lo = max(-hb, -((pos - r) // s))  # r - c * s <= pos
+        hi = min(ha, (r + neg) // s)  # r - c * s >= -neg
+        return any(reach(k + 1, r - c * s) for c in range(lo, hi + 1))
+
+    return reach(0, b.data_ptr() - a.data_ptr())

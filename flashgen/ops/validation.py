@@ -81,8 +81,15 @@ def validate(
     ``scalars`` (scalar param values in spec order, see :func:`check_scalar`) are
     checked too.  Returns the problem :class:`Dims`.  Raises :class:`OpInputError`
     naming the offending argument with the expected and received value.  Reads only
-    shapes, strides, dtypes and devices: never tensor contents (no device sync).
+    shapes, strides, dtypes and devices: never tensor contents (no device sync).  A
+    ``v_from_k`` spec (decode only) raises here: its op has no prefill or backward.
     """
+    if spec.v_from_k:
+        raise OpInputError(
+            f"spec {spec.name!r} has v_from_k: true (MLA's one latent cache): it is decode only "
+            f"(op.with_kvcache, op.plan_decode); its attention, varlen and backward ops refuse "
+            f"every call"
+        )
     if softmax_scale is not None and not _symbolic(softmax_scale):
         check_softmax_scale(softmax_scale)
     if scalars is not None:

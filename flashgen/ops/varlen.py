@@ -84,6 +84,17 @@ def varlen_spec(spec: ir.Spec) -> ir.Spec:
     """
     if spec.varlen:
         return spec
+    if spec.v_from_k:
+        line = next(
+            (i for i, text in enumerate(spec.source.splitlines(), 1)
+             if text.startswith("v_from_k")),
+            1,
+        )  # fmt: skip
+        raise SpecError.at(
+            ir.Span(spec.path, line, 1),
+            f"spec {spec.name!r} has no varlen form: v_from_k: true is decode only",
+            spec.source,
+        )
     if spec.dtype in ir.FP8_DTYPES:
         line = next(
             (i for i, text in enumerate(spec.source.splitlines(), 1) if text.startswith("dtype")),

@@ -184,10 +184,11 @@ class _TmaLaunch:
         except KeyError:
             kernel_args(self.plan, values)  # raises the KeyError that names the argument
             raise
-        cache, dev, dtype = tma.descriptors, self.device_index, self.dtype
-        elem = tma.ELEM_BYTES[dtype]
+        cache, dev = tma.descriptors, self.device_index
         out, keep = [], []
         for m in self.maps:
+            dtype = m.dtype or self.dtype
+            elem = tma.ELEM_BYTES[dtype]
             t = values[m.tensor]
             swz = tma.SWIZZLE[m.swizzle]
             ptr, shape, strides = t.data_ptr(), t.shape, t.stride()

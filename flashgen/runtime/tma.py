@@ -27,10 +27,11 @@ import functools
 import threading
 from collections import OrderedDict
 
-#: CUtensorMapDataType for the kernels' element types (cuda.h; e4m3 maps as UINT8).
-DATA_TYPE = {"fp16": 6, "bf16": 9, "fp8_e4m3": 0}
+#: CUtensorMapDataType for the kernels' element types (cuda.h; e4m3 maps as UINT8; fp32 for
+#: the Hopper backward's dq_accum, which it reduces into).
+DATA_TYPE = {"fp16": 6, "bf16": 9, "fp8_e4m3": 0, "fp32": 7}
 #: Bytes per element of each.
-ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1}
+ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp32": 4}
 #: CUtensorMapSwizzle value of the kernels' 128-byte swizzle.
 SWIZZLE_128B = 3
 #: CUtensorMapSwizzle by swizzle span in bytes.

@@ -1,7 +1,7 @@
 {#- Device helpers of the Hopper backward (templates/sm_90/bwd.cu.j2), included where they are used: async
-    copies and barriers with a bound, the vector reduction into dq_accum, the wgmma forms with a transposed A,
-    and the stores of 16-bit A fragments to swizzled shared memory.  Rendered by Jinja (tt_ns, split_d, dkv_n,
-    mma_t). -#}
+    copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
+    the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
+    Rendered by Jinja (tt_ns, split_d, dkv_n, mma_t). -#}
 namespace fg {
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
@@ -12,17 +12,45 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const float* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
-// fg::mbar_wait with a bound: a TMA load that never lands (a bad tensor map) traps ("unspecified launch
-// failure") after 2^24 polls (each try_wait may suspend for a while) instead of hanging the GPU.
-__device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t phase) {
-    uint32_t done = 0;
-    for (uint32_t polls = 0; !done; ++polls) {
-        asm volatile("{ .reg .pred p;\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p; }\n"
-                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
-        if (polls == (1u << 24)) __trap();
-    }
+// The exponent of P = exp2(x - lse) capped at 0: a logit's exponent can exceed its row's lse by the rounding of
+// the lse (up to half a float spacing: 2^13 at logits near 1e11), which would make P inf instead of <= 1.
+__device__ __forceinline__ float p_arg(float d) { return d > 0.f ? 0.f : d; }
+// One arrival on the mbarrier `bar` once this thread's earlier cp.async copies have landed (.noinc: `bar`'s expected
+// count includes this arrival).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], { %1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
+}
+// The box of the 4-D tensor map at (c0 innermost .. c3) += the shared-memory box at src, by TMA in this thread's
+// bulk async-group (PTX ISA 8.0, cp.reduce.async.bulk.tensor; the map's element type, here fp32; elements outside
+// the tensor are not written).
+__device__ __forceinline__ void tma_reduce_add_4d(const TmaDesc* map, uint32_t src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, { %2, %3, %4, %5}], [%1];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// The ordered dQ's semaphores: an acquire load and a release store at GPU scope, and the fence between the
+// generic proxy (the semaphore) and the async proxy (the TMA reductions) on global memory.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's bulk async-groups still read their shared-memory source.
+template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+// Wait until at most N of this thread's bulk async-groups are incomplete (their global writes done).
+template <int N> __device__ __forceinline__ void bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
 // p[0..3] += v in global memory, result unused (PTX ISA 8.1, sm_90; p 16-byte aligned).
 __device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {

@@ -26,12 +26,13 @@ from flashgen.options import Options
 # ----------------------------------------------------------------------------- option arguments
 def test_with_options_sets_several_through_options_and_reports_its_checks():
     base = Options()
-    got = with_options(base, {"family": "fa2", "hopper_bwd.dq_a": "ldmatrix", "side_terms": False})
-    assert (got.family, got.hopper_bwd.dq_a, got.side_terms) == ("fa2", "ldmatrix", False)
+    values = {"family": "fa2", "hopper_fwd.fp8_transpose": "lds32", "side_terms": False}
+    got = with_options(base, values)
+    assert (got.family, got.hopper_fwd.fp8_transpose, got.side_terms) == ("fa2", "lds32", False)
     assert got == base.replace_path("family", "fa2").replace_path(
-        "hopper_bwd.dq_a", "ldmatrix"
+        "hopper_fwd.fp8_transpose", "lds32"
     ).replace_path("side_terms", False)
-    assert base == Options() and got.hopper_fwd is base.hopper_fwd  # frozen, groups shared
+    assert base == Options() and got.hopper_bwd is base.hopper_bwd  # frozen, groups shared
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.atomic_dq = True  # type: ignore[misc]
     with pytest.raises(OptionError, match="options persistent_ctas=0: Options.persistent_ctas"):
@@ -67,7 +68,7 @@ def test_values_parse_by_the_fields_type(name, text, want):
         ("family", "fa4", "option family: expected one of auto, fa3, fa2, got 'fa4'"),
         ("persistent", "on", "expected one of auto, off, static, m_major, dynamic, got 'on'"),
         ("persistent_ctas", "1e3", "expected int, or none, got '1e3'"),
-        ("hopper_bwd.dq_a", "tma", "expected one of smem, ldmatrix, got 'tma'"),
+        ("hopper_fwd.fp8_transpose", "tma", "expected one of lds32, ldsm, got 'tma'"),
     ],
 )  # fmt: skip
 def test_bad_values_name_the_option_the_form_and_the_text(name, text, message):
@@ -87,7 +88,7 @@ def test_option_arguments():
     assert "unknown option 'hoper_fwd.affine'; did you mean hopper_fwd.affine" in str(e.value)
     assert "--list-options" in str(e.value)
     with pytest.raises(OptionError, match="'hopper_bwd' is a group of options; set one of its "
-                       "fields: hopper_bwd.dq_a, hopper_bwd.head_groups"):  # fmt: skip
+                       "fields: hopper_bwd.head_groups"):  # fmt: skip
         parse_option_arg("hopper_bwd=1")
     with pytest.raises(OptionError, match="option atomic_dq lists the value 1 twice"):
         parse_option_arg("atomic_dq=1,true")
@@ -166,8 +167,8 @@ def test_without_a_gpu_it_exits_with_the_no_gpu_message(no_cuda, tmp_path, capsy
     [
         (["causal_d128", "--option", "side_terms=maybe"], "option side_terms: expected bool"),
         (["causal_d128", "--option", "famly=fa2"], "unknown option 'famly'; did you mean family"),
-        (["causal_d128", "--option", "hopper_bwd.dq_a=smem,tma"],
-         "option hopper_bwd.dq_a: expected one of smem, ldmatrix, got 'tma'"),
+        (["causal_d128", "--option", "hopper_fwd.fp8_transpose=ldsm,tma"],
+         "option hopper_fwd.fp8_transpose: expected one of lds32, ldsm, got 'tma'"),
         (["no_such_spec"], "spec 'no_such_spec': no such file, nor a shipped spec"),
         (["causal_d128:window=3"], "spec 'causal_d128:window=3': causal_d128 has no scalar "
          "param window (its scalar params: none)"),
@@ -188,7 +189,7 @@ def test_without_options_only_peers_run(no_cuda, capsys):
 
 def test_list_options_needs_no_gpu(no_cuda, capsys):
     assert main(["ab", "--list-options"]) == 0
-    assert "hopper_bwd.dq_a" in capsys.readouterr().out
+    assert "hopper_bwd.head_groups" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,42 @@ def test_generated_folder_that_is_a_link_is_refused(tmp_path):
     assert not list(elsewhere.iterdir())
 
 
+def test_output_root_that_is_a_link_is_refused(tmp_path):
+    """Issue 38, item 1: ``generated`` itself a link (a checkout that commits it so) was
+    written through (``<link target>/__init__.py`` and ``<link target>/<name>/``)."""
+    spec = load_spec(SPEC)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "generated").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="symbolic link"):
+        write_generated(spec, tmp_path / "generated", targets=("sm_80",))
+    assert not list(elsewhere.iterdir())
+    (tmp_path / "real").mkdir()  # a link further up the path as given is refused too
+    (tmp_path / "up").symlink_to(tmp_path / "real")
+    with pytest.raises(ValueError, match="symbolic link"):
+        write_generated(spec, tmp_path / "up" / "generated", targets=("sm_80",))
+    assert not list((tmp_path / "real").iterdir())
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_manifest_that_is_a_fifo_does_not_hang_the_build(tmp_path):
+    """Issue 38, item 7: a FIFO as ``manifest.json`` blocked the read of the previous
+    manifest (the open waits for a writer); it is now skipped by type and replaced."""
+    spec = load_spec(SPEC)
+    dest = tmp_path / "generated" / spec.name
+    dest.mkdir(parents=True)
+    os.mkfifo(dest / "manifest.json")
+    code = (
+        "import sys; from flashgen.build.generate import write_generated; "
+        "from flashgen.frontend.spec import load_spec; "
+        "write_generated(load_spec(sys.argv[1]), sys.argv[2], targets=('sm_80',))"
+    )
+    subprocess.run([sys.executable, "-c", code, str(SPEC), str(tmp_path / "generated")],
+                   check=True, timeout=30, cwd=REPO)  # fmt: skip
+    assert stat.S_ISREG((dest / "manifest.json").lstat().st_mode)
+    assert json.loads((dest / "manifest.json").read_text())["targets"]
+
+
 # ----------------------------------------------------------------------------- item 13
 def test_one_target_build_keeps_the_same_specs_other_targets(tmp_path):
     spec = load_spec(SPEC)

@@ -272,3 +272,15 @@ def test_a_divisor_built_from_literals_that_is_zero_is_an_error(field, expr, op)
     assert f"'{op}' by zero: the divisor is the constant 0" in e.message
     assert e.col == len(field) + len(': "') + expr.index(op) + 1
     typed("score / (3 - 2) + score % (1.0 - 0.5)")  # nonzero constants are fine
+
+
+@pytest.mark.parametrize(
+    "name", ["cache_dtype", "mode", "layout", "group", "op", "max_seqlen_q", "options", "plan"]
+)
+def test_params_named_like_a_keyword_of_plan_decode_or_ring_attention_are_reserved(name):
+    """Issue 38 (also): a param named ``cache_dtype`` (plan_decode), ``mode``, ``layout``,
+    ``group`` or ``op`` (ring_attention) was accepted but could never be passed (the call's
+    own keyword takes the value)."""
+    with pytest.raises(SpecError, match=rf"param name '{name}' is reserved \(an op keyword"):
+        loads_spec(f"name: t\nhead_dim: 64\ndtype: fp16\nscore_mod: score + {name}\n"
+                   f"params:\n  {name}: {{type: f32, default: 0.0}}\n")  # fmt: skip

@@ -429,7 +429,8 @@ def test_kv8_units_differ_only_when_asked():
         kv8 = family.plan(spec, "sm_80", cache_dtype="fp8_e4m3")
         src = render(kv8)
         assert "FG_DECODE_FP8_CUH" not in render(base) and "fg::kv8::E4m3" in src
-        assert kv8.kernel_name == base.kernel_name.replace("_decode_", "_decode_kv8_")
+        assert base.kernel_name == f"flashgen_{spec.name}_decode_sm_80_attn"
+        assert kv8.kernel_name == f"flashgen_{spec.name}_decode_kv8_sm_80_attn"
         assert kv8.kv8 and not base.kv8 and kv8.call_pointers == family.CALL_POINTERS_KV8
         names = [a.name for a in kv8.args]
         assert names[:9] == ["q", "k_cache", "v_cache", "o", "lse", "cache_seqlens",

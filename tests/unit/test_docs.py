@@ -46,12 +46,8 @@ def test_the_readme_stays_a_front_door():
         assert phrase not in text, phrase
 
 
-#: pages linked before they land (docs/reliability.md comes with the validation work)
-NOT_YET = {REPO / "docs" / "reliability.md"}
-
-
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_relative_links_point_at_files(page):
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
         path = (page.parent / target).resolve()
-        assert path.exists() or path in NOT_YET, f"{page.name} links to missing {target}"
+        assert path.exists(), f"{page.name} links to missing {target}"

@@ -562,3 +562,21 @@ def test_mixed_input_dtypes_name_qs_dtype():
     q8, k8, v8, *_ = quantize(*(torch.randn(1, 2, 4, 128) for _ in range(3)))
     with pytest.raises(OpInputError, match=r"^k: expected dtype torch.float32 \(q's dtype"):
         op.attention(q8.float(), k8, v8)
+
+
+def test_hadamard_head_dim_is_bounded_before_anything_is_allocated(monkeypatch):
+    """Issue 38 (also): ``quantize(hadamard=True)`` had no head_dim limit: D = 65536 built
+    a D x D matrix (4.7 GiB) before failing.  Head dims outside the kernels' powers of two
+    are refused first, naming q."""
+    assert fp8.HADAMARD_HEAD_DIMS == (32, 64, 128, 256)
+
+    def no_matrix(*args, **kwargs):
+        raise AssertionError("a Hadamard matrix was built")
+
+    monkeypatch.setattr(fp8, "hadamard_matrix", no_matrix)
+    for d in (65536, 512, 16):
+        x = torch.zeros(1, 1, 1, d)
+        with pytest.raises(OpInputError, match=rf"q: hadamard=True needs .* got {d}"):
+            fp8.quantize(x, x, x, hadamard=True)
+        with pytest.raises(OpInputError, match=rf"head_dim: .* got {d}"):
+            fp8.incoherence_matrix(d)

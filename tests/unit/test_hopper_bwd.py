@@ -113,14 +113,19 @@ def test_plan(d):
     assert [k.kernel_name for k in plan.kernels] == [
         f"flashgen_{spec.name}_bwd_sm_90_wgmma_{r}" for r in ("pre", "dkdv", "convert")
     ]
-    assert plan.dkdv.threads == 256 and plan.dkdv.gencode.endswith("sm_90a")
-    assert [(m.name, m.tensor, m.box_rows) for m in plan.dkdv.tma] == [
-        ("tma_q", "q", 64), ("tma_k", "k", 128), ("tma_v", "v", 128), ("tma_do", "dout", 64),
+    assert plan.dkdv.threads == 384 and plan.dkdv.gencode.endswith("sm_90a")
+    assert [(m.name, m.tensor, m.box_rows, m.dtype) for m in plan.dkdv.tma] == [
+        ("tma_q", "q", 64, None), ("tma_k", "k", 128, None), ("tma_v", "v", 128, None),
+        ("tma_do", "dout", 64, None), ("tma_dq", "dq_accum", 64, "fp32"),
     ]  # fmt: skip
-    assert [a.name for a in plan.dkdv.args[-4:]] == ["tma_q", "tma_k", "tma_v", "tma_do"]
+    assert plan.dkdv.tma[-1].box_cols == 32  # one 128-byte swizzle row of fp32
+    names = ["tma_q", "tma_k", "tma_v", "tma_do", "tma_dq"]
+    assert [a.name for a in plan.dkdv.args[-5:]] == names
     assert "dq_accum" in [a.name for a in plan.dkdv.args]
     assert plan.pre.tma == () and plan.convert.tma == ()
-    smem = 1024 + 2 * 128 * d * 2 + 4 * 64 * d * 2 + 128 * 64 * 2 + 4 * 64 * 4 + 24
+    # K, V; two stages of Q, dO; two dS^T buffers; the dQ staging tiles; lse, dsum; mbarriers
+    smem = 1024 + 2 * 128 * d * 2 + 4 * 64 * d * 2 + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4
+    smem += 4 * 64 * 4 + 24
     assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
     grids = plan.grids(2, 8, 2, 1000, 4097)
     assert grids["dkdv"] == (2 * 2 * 33, 1, 1) and "convert" in grids
@@ -129,15 +134,16 @@ def test_plan(d):
 
 def test_plan_d256_split_layout():
     """64 keys per CTA (TMA boxes of 64 rows for k and v), P^T and dS^T in shared memory
-    (two 64 x 64 tiles): 215064 bytes; the wgmma N extents of the split (32: S^T, dP^T;
-    128: dK, dV, dQ per warpgroup)."""
+    (two 64 x 64 tiles): 215064 bytes, no dQ staging tiles (the consumers reduce dQ
+    themselves); the wgmma N extents of the split (32: S^T, dP^T; 128: dK, dV, dQ per
+    warpgroup)."""
     spec = small(256, "bf16", True)
     plan = plan_hopper_backward(spec, "sm_90")
     assert plan.atomic_dq and plan.dq is None and plan.tiles == HOPPER_BWD_TILES_SPLIT_D
     ctx = plan.dkdv.context
     assert ctx["split_d"] and ctx["dkv_n"] == 128 and ctx["tt_ns"] == [128]
     assert ctx["wgmma_ns"] == [32, 128] and (ctx["block_n"], ctx["block_m"]) == (64, 64)
-    assert plan.dkdv.threads == 256 and plan.dkdv.gencode.endswith("sm_90a")
+    assert plan.dkdv.threads == 384 and plan.dkdv.gencode.endswith("sm_90a")
     assert [(m.name, m.tensor, m.box_rows) for m in plan.dkdv.tma] == [
         ("tma_q", "q", 64), ("tma_k", "k", 64), ("tma_v", "v", 64), ("tma_do", "dout", 64),
     ]  # fmt: skip
@@ -151,25 +157,27 @@ def test_plan_d256_split_layout():
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dq_a", ["smem", "ldmatrix"])
-def test_render(d, dtype, causal, dq_a):
+def test_render(d, dtype, causal):
     """StrictUndefined (render's environment) catches any name the template reads and the
-    plan lacks; the three kernels and the wgmma forms are there."""
-    plan = plan_hopper_backward(small(d, dtype, causal), "sm_90", dq_a=dq_a)
+    plan lacks; the three kernels, the wgmma forms and the roles are there."""
+    plan = plan_hopper_backward(small(d, dtype, causal), "sm_90")
     src = render(plan.unit)
     dq_n = 128 if d == 256 else 64  # N of a warpgroup's dQ wgmma
-    assert ("fg::ldmatrix_x4_trans(ds_a[kk]" in src) == (dq_a == "ldmatrix")
-    assert (f"fg::wgmma_tt_n{dq_n}(acc_dq" in src) == (dq_a == "smem")
+    assert f"fg::wgmma_tt_n{dq_n}(acc_dq" in src
     for k in plan.kernels:
         assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
     t = "bf16" if dtype == "bf16" else "f16"
     s_n, dkv_n = (32, 128) if d == 256 else (64, d)
     assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
-    assert "red.global.add.v4.f32" in src and "fence.proxy.async.shared::cta" in src
-    assert ("__syncthreads();  // both warpgroups' dS^T" in src) == (d == 128)
-    assert ("__syncthreads();  // both warpgroups' halves of P^T are in sP" in src) == (d == 256)
-    assert ("__syncthreads();  // both warpgroups' halves of dS^T are in sDS" in src) == (d == 256)
+    assert "fence.proxy.async.shared::cta" in src
+    assert ("fg::red_add_dq<" in src) == (d == 256)  # else the dQ writer's TMA reductions
+    assert ("fg::tma_reduce_add_4d(&tma_dq" in src) == (d != 256)
+    assert "fg::setmaxnreg_dec<24>();" in src and "fg::setmaxnreg_inc<240>();" in src
+    bar = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // both warpgroups'"
+    assert (f"{bar} dS^T rows" in src) == (d == 128)
+    assert (f"{bar} halves of P^T are in sP" in src) == (d == 256)
+    assert (f"{bar} halves of dS^T are in sDS" in src) == (d == 256)
     assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
     assert "fg_tile_class" not in src  # causal or none: the live range in closed form
 
@@ -188,15 +196,89 @@ def test_render_masks_and_score_mods(name, d256):
     assert "keep_bits |= (uint32_t)keep << i;" in src
 
 
-def test_dq_a_option():
-    spec = small(128, "bf16", True)
-    assert not plan_hopper_backward(spec, "sm_90").dkdv.context["dq_ldmatrix"]
-    assert plan_hopper_backward(spec, "sm_90", dq_a="ldmatrix").dkdv.context["dq_ldmatrix"]
-    assert not plan_hopper_backward(spec, "sm_90", dq_a="smem").dkdv.context["dq_ldmatrix"]
-    with pytest.raises(ValueError, match="expected one of smem, ldmatrix"):
-        plan_hopper_backward(spec, "sm_90", dq_a="tma")
-    with pytest.raises(ValueError, match="expected one of"):
-        DEFAULT.replace_path("hopper_bwd.dq_a", "tma")
+
+
+
+def test_register_budget_of_the_roles():
+    """setmaxnreg moves registers between the roles inside what ``__launch_bounds__(384, 1)``
+    gives the CTA (168 x 384): more and the consumers' increase never completes."""
+    ctx = plan_hopper_backward(small(128, "bf16", True), "sm_90").dkdv.context
+    assert 128 * ctx["producer_regs"] + 256 * ctx["consumer_regs"] <= 168 * 384
+    assert ctx["stages"] == 2
+
+
+def test_dq_stores_land_in_tma_boxes():
+    """acc_dq to sDQ: acc_dq[4 j + 2 r + e] of (warp w, lane l) is dQ element (row
+    16 w + l / 4 + 8 r, column 8 j + 2 (l % 4) + e) of the warpgroup's 64 x 64 tile; the
+    kernel's address must be that element in box j / 4 (32 fp32 columns, 128-byte rows, TMA's
+    128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), every element once; each
+    half-warp's 8-byte stores (rows l / 4 of 4, two chunks each) meet at most 2 to a bank."""
+    box_bytes = 64 * 128
+    seen = set()
+    for w in range(4):
+        for j in range(8):
+            for r in range(2):
+                banks: dict[int, list] = {0: [], 1: []}
+                for lane in range(32):
+                    cb = 8 * (j % 4) + 2 * (lane % 4)
+                    base = (w * 16 + lane // 4) * 128
+                    addr = base + (j // 4) * box_bytes + 8 * r * 128
+                    addr += (((cb // 4) ^ (lane // 4)) << 4) + (cb % 4) * 4
+                    row, col = 16 * w + lane // 4 + 8 * r, 8 * j + 2 * (lane % 4)
+                    box, c = divmod(col, 32)
+                    want = box * box_bytes + row * 128 + (((c // 4) ^ (row % 8)) << 4) + (c % 4) * 4
+                    assert addr == want
+                    for e in range(2):
+                        seen.add(addr + 4 * e)
+                        banks[lane // 16].append(((addr + 4 * e) // 4) % 32)
+                assert all(max(b.count(x) for x in b) <= 2 for b in banks.values())
+    assert len(seen) == 64 * 64  # every fp32 element of the tile written once
+
+
+def test_ordered_dq_routes_deterministic_calls_under_its_option():
+    """``hopper_bwd.ordered_dq``: ``deterministic=True`` takes the Hopper kernel with dQ in a
+    fixed order (path "hopper_ordered") for head_dim 64/128 with no mask or causal; masks
+    with a hull, head_dim 256 and the option off keep the FA2-class deterministic kernels."""
+    on = DEFAULT.replace_path("hopper_bwd.ordered_dq", True)
+    assert backward_path(shipped("causal_d128"), "sm_90", True, on) == "hopper_ordered"
+    assert backward_path(shipped("gpt2_d64"), "sm_90", True, on) == "hopper_ordered"
+    assert backward_path(small(128, "fp16", False), "sm_90", True, on) == "hopper_ordered"
+    assert backward_path(shipped("causal_d128"), "sm_90", False, on) == "hopper"
+    assert backward_path(shipped("causal_d128"), "sm_90", True, DEFAULT) == "deterministic"
+    for name in ("mistral_swa", "bidir_d256"):
+        assert backward_path(shipped(name), "sm_90", True, on) == "deterministic"
+    assert backward_path(shipped("causal_d128"), "sm_80", True, on) == "deterministic"
+
+
+def test_ordered_dq_plan_and_render():
+    """The ordered form: its own kernel names, a ``dq_sem`` argument before the tensor maps,
+    the writer waiting on the semaphore with acquire and counting in with release after its
+    reductions completed; refused where the key blocks of a query block are no prefix."""
+    from flashgen.families import hopper_bwd
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped("causal_d128"), "sm_90", DEFAULT, ordered_dq=True)
+    assert plan.dkdv.kernel_name.endswith("_wgmma_ordered_dkdv")
+    names = [a.name for a in plan.dkdv.args]
+    assert names[names.index("dq_sem") + 1] == "tma_q"
+    src = render(plan.unit)
+    assert "fg::ld_acquire_gpu(sem) != n0 / BLOCK_N" in src
+    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
+    assert "fg::bulk_wait_group<0>();  // (head dim 64" in src
+    assert "dq_sem" not in render(plan_hopper_backward(shipped("causal_d128"), "sm_90").unit)
+    for spec in (shipped("mistral_swa"), shipped("bidir_d256")):
+        assert not hopper_bwd.ordered_eligible(spec, "sm_90")
+        with pytest.raises(ValueError, match="fixed order needs head_dim 64 or 128"):
+            reg_plan(spec, "sm_90", DEFAULT, ordered_dq=True)
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "gpt2_d64", "llama3_gqa", "alibi"])
+def test_ordered_dq_compiles_without_spills(requires_nvcc, name):
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped(name), "sm_90", DEFAULT, ordered_dq=True)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
 
 
 def _ptx(plan, tmp_path) -> str:
@@ -211,30 +293,31 @@ def _ptx(plan, tmp_path) -> str:
 D256 = ("alibi", "mistral_swa", "chunked_local", "prefix_lm")  # shipped masks and mods at d256
 
 
-@pytest.mark.parametrize(
-    "name, dq_a",
-    [(n, "smem") for n in ELIGIBLE]
-    + [(n, "ldmatrix") for n in ("causal_d128", "gpt2_d64", "bidir_d256", "gemma2_softcap")]
-    + [(f"d256:{n}", a) for n in D256 for a in ("smem", "ldmatrix")],
-)
-def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name, dq_a):
-    """About 1-2 s per unit on 2 idle cores.  alibi, chunked_local and prefix_lm sit at
-    253-255 registers at d128: a template change that adds any may tip them into spills
-    (then family_build.build_backward falls back to the FA2-class kernels for them).  At d256
-    (the split layout) the units use 220-249 (chunked_local with ldmatrix the most)."""
+@pytest.mark.parametrize("name", list(ELIGIBLE) + [f"d256:{n}" for n in D256])
+def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name):
+    """About 1-2 s per unit on 2 idle cores.  The consumers run at 240 registers
+    (setmaxnreg): ptxas allocates each role to its own count only when no trap sits in the
+    consumers' region and little is live across the role branch (the template keeps both
+    so); a template change that adds registers to the loop may tip a masked or score_mod'ed
+    spec into spills (then family_build.build_backward falls back to the FA2-class kernels
+    for it)."""
     spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
-    plan = plan_hopper_backward(spec, "sm_90", dq_a=dq_a)
+    plan = plan_hopper_backward(spec, "sm_90")
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0, report
-    assert report.registers <= 255
+    assert not report.wgmma_serialized
     ptx = _ptx(plan, tmp_path)
     # S^T, dP^T: D/16 each; dV, dK: 4 each; dQ: 8 (d128), 4 (d64: its own 64 keys; d256: 64 keys)
     d = plan.dkdv.context["head_dim"]
     assert ptx.count("wgmma.mma_async") == 2 * (d // 16) + 8 + (8 if d == 128 else 4)
     if d == 256:
         assert "m64n32k16" in ptx and "m64n128k16" in ptx and "m64n256k16" not in ptx
-    assert "cp.async.bulk.tensor.4d" in ptx and "red.global.add.v4.f32" in ptx
-    assert ("ldmatrix.sync.aligned.m8n8.x4.trans" in ptx) == (dq_a == "ldmatrix")
+    assert "cp.async.bulk.tensor.4d" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 24" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
+    assert ("cp.reduce.async.bulk.tensor.4d" in ptx) == (d != 256)
+    assert ("red.global.add.v4.f32" in ptx) == (d == 256)
+    assert "trap;" not in ptx
 
 
 # ----------------------------------------------------------------------------- index math
@@ -297,21 +380,7 @@ def test_dq_reduction_lanes_add_every_element_once():
     assert added == {(r, c): 1 for r in range(16) for c in range(8)}
 
 
-def test_ldmatrix_rows_of_the_ds_fragments():
-    """dq_a "ldmatrix": lane l of warp w gives ldmatrix.x4.trans the row address of matrix
-    i = l / 8, row l % 8; matrix i must be keys 16 kk + 8 (i / 2) .. and queries
-    16 w + 8 (i % 2) .. of dS^T (a0..a3 of the m16k16 A fragment of dS, as sm_80's gemm_dq),
-    at its swizzled address."""
-    for w in range(4):
-        for kk in range(8):
-            for lane in range(32):
-                key = kk * 16 + (lane % 8) + (lane // 16) * 8
-                chunk = w * 2 + (lane // 8) % 2
-                i, j = lane // 8, lane % 8
-                assert key == kk * 16 + 8 * (i // 2) + j
-                assert chunk * 8 == 16 * w + 8 * (i % 2)
-                addr = key * 128 + ((chunk ^ (key % 8)) << 4)
-                assert addr == key * 128 + (((chunk * 8 // 8) ^ (key % 8)) << 4)
+
 
 
 def test_ds_stores_land_in_the_swizzled_layout():
@@ -435,24 +504,12 @@ def test_split_outputs_have_one_owner():
     assert dq == full and dkv == full
 
 
-def test_split_ldmatrix_rows_of_the_ds_fragments():
-    """dq_a "ldmatrix" at d256: the same x4.trans addressing over the 64 keys of sDS (4 k16
-    steps), every row of every matrix at its swizzled address inside the 64 x 64 tile."""
-    for w in range(4):
-        for kk in range(4):
-            for lane in range(32):
-                key = kk * 16 + (lane % 8) + (lane // 16) * 8
-                chunk = w * 2 + (lane // 8) % 2
-                i = lane // 8
-                assert key == kk * 16 + 8 * (i // 2) + lane % 8 < 64
-                assert key * 128 + ((chunk ^ (key % 8)) << 4) == _swizzled(
-                    key, 16 * w + 8 * (i % 2)
-                )
+
 
 
 def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
-    """family_build.build_backward(hopper=True): the environment's dQ variant, then the other,
-    then (both spilling) the FA2-class unit that ``atomic_dq`` selects."""
+    """family_build.build_backward(hopper=True): the Hopper unit, then (it spilling) the
+    FA2-class unit that ``atomic_dq`` selects."""
     import types
 
     from flashgen.families import build as family_build
@@ -460,28 +517,24 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
     tried = []
 
     def fake_build(src, plan):
-        tried.append((plan.template, plan.context.get("dq_ldmatrix")))
+        tried.append(plan.template)
         spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
         return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
-    ldm = DEFAULT.replace_path("hopper_bwd.dq_a", "ldmatrix")
-    plan, _, report = family_build.build_backward(
-        shipped("causal_d128"), "sm_90", hopper=True, options=ldm
-    )
-    assert tried[:2] == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
+    plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    assert tried[0] == "sm_90/bwd.cu.j2" and tried[1] == "sm_80/bwd.cu.j2"
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
     assert report.spill_bytes == 0
     plan, _, _ = family_build.build_backward(
-        shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True, options=ldm
+        shipped("causal_d128"), "sm_90", atomic_dq=True, hopper=True
     )
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and plan.atomic_dq
 
 
 def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
     """family_build.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
-    build_forward does; ``flashgen build`` fails such a unit): the other dQ variant, then
-    the FA2-class unit."""
+    build_forward does; ``flashgen build`` fails such a unit): the FA2-class unit runs."""
     import types
 
     from flashgen.families import build as family_build
@@ -489,18 +542,14 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
     tried = []
 
     def fake_build(src, plan):
-        tried.append((plan.template, plan.context.get("dq_ldmatrix")))
-        hopper_first = plan.template == "sm_90/bwd.cu.j2" and len(tried) == 1
-        serialized = (plan.kernel_name,) if hopper_first else ()
+        tried.append(plan.template)
+        serialized = (plan.kernel_name,) if plan.template == "sm_90/bwd.cu.j2" else ()
         return "x.cubin", types.SimpleNamespace(spill_bytes=0, wgmma_serialized=serialized)
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
-    ldm = DEFAULT.replace_path("hopper_bwd.dq_a", "ldmatrix")
-    plan, _, report = family_build.build_backward(
-        shipped("causal_d128"), "sm_90", hopper=True, options=ldm
-    )
-    assert tried == [("sm_90/bwd.cu.j2", True), ("sm_90/bwd.cu.j2", False)]
-    assert plan.dkdv.template == "sm_90/bwd.cu.j2" and not plan.dkdv.context["dq_ldmatrix"]
+    plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    assert tried[:2] == ["sm_90/bwd.cu.j2", "sm_80/bwd.cu.j2"]
+    assert plan.dkdv.template == "sm_80/bwd.cu.j2"
     assert not report.wgmma_serialized
 
 

@@ -128,7 +128,7 @@ def test_varlen_with_empty_sequences_gqa_and_window():
         (dict(return_attn_probs=True), r"return_attn_probs"),
         (dict(window_size=(1,)), r"window_size: expected a pair"),
         (dict(window_size=(-2, 0)), r"window_size: expected left"),
-        (dict(softcap=-1.0), r"softcap: expected a float >= 0"),
+        (dict(softcap=-1.0), r"softcap: expected None or a finite number >= 0"),
         (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes: expected shape \(4,\)"),
         (dict(causal=1), r"causal: expected a bool"),
     ],

@@ -98,3 +98,40 @@ def test_a_reload_replaces_the_ops_under_every_options(tmp_path):
     assert new.spec.mask == new_fa2.spec.mask and new.with_options(fa2) is new_fa2
     o, _ = new_fa2.attention(q, k, v)
     assert torch.equal(o, new.attention(q, k, v)[0])
+
+
+def test_every_entry_point_of_a_replaced_op_raises(tmp_path):
+    """Issue 38, item 2: after a reload of the edited spec, the old op's ``attention``
+    raised, but ``with_kvcache`` and ``plan_decode`` ran the new spec's registered decode
+    ops (a causal spec edited to ``mask: null``: the old op returned the new op's unmasked
+    result).  Every entry point now raises the same error."""
+    path = tmp_path / "reload_decode.yaml"
+    path.write_text(SPEC.format(name="reload_decode", mask="q_idx >= kv_idx"))
+    old = flashgen.load(path)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 4, 64, generator=g).to(torch.bfloat16)
+    kc, vc = (torch.randn(1, 2, 8, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([8], dtype=torch.int32)
+    plan = old.plan_decode(batch=1, num_heads=2, num_heads_kv=2, seqlen_q=4, cache_capacity=8,
+                           device="cpu")  # fmt: skip
+    o_old, _ = old.with_kvcache(q, kc, vc, lens)
+    path.write_text("name: reload_decode\nhead_dim: 64\ndtype: bf16\n")  # mask: null
+    new = flashgen.load(path)
+    o_new, _ = new.with_kvcache(q, kc, vc, lens)
+    assert (o_new.float() - o_old.float()).abs().max() > 0.01  # the edit changes the answer
+    calls = {
+        "with_kvcache": lambda: old.with_kvcache(q, kc, vc, lens),
+        "with_kvcache(plan=)": lambda: old.with_kvcache(q, kc, vc, lens, plan=plan),
+        "plan_decode": lambda: old.plan_decode(batch=1, num_heads=2, num_heads_kv=2,
+                                               cache_capacity=8, device="cpu"),
+        "attention": lambda: old.attention(q, kc, vc),
+        "varlen": lambda: old.varlen,
+        "offsets": lambda: old.offsets,
+        "family_for": lambda: old.family_for((9, 0)),
+        "with_options": lambda: old.with_options(opmod.Options(family="fa2")),
+        "torch_op": lambda: old.torch_op,
+    }
+    for what, call in calls.items():
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            call()
+            pytest.fail(f"{what} ran on a replaced op")

@@ -19,7 +19,8 @@ from flashgen.ops.op import build_op, out_dtype, schema
 from flashgen.ops.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[2]
-SPECS = sorted((REPO / "specs").glob("*.yaml"))
+#: the shipped specs with a prefill (v_from_k specs are decode only: tests/unit/test_decode_mla.py)
+SPECS = [p for p in sorted((REPO / "specs").glob("*.yaml")) if not load_spec(p).v_from_k]
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
 

@@ -168,3 +168,68 @@ def _bad_worker(rank, world, port):
 
 def test_bad_input_raises_on_every_rank():
     mp.spawn(_bad_worker, args=(2, _port()), nprocs=2)
+
+
+def _disagree_worker(rank, world, port):
+    """Issue 38, item 6: ranks that disagree on ``softmax_scale`` or a param's value each
+    returned an answer, and a rank raising anything but ``OpInputError`` before the
+    exchange (``op=None``, a scale that is no number) left the others in ``all_gather``.
+    The process group times out after 30 s, so a rank left waiting fails the test."""
+    import datetime
+
+    import flashgen
+    from flashgen.distributed import ring_attention
+    from flashgen.frontend.errors import OpInputError
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    swa = flashgen.load(SPECS / "mistral_swa.yaml")
+    alibi = flashgen.load(SPECS / "alibi.yaml")
+    try:
+        q = torch.randn(1, 2, 16, 128)
+
+        def expect(match, op=swa, **kw):
+            with pytest.raises(OpInputError, match=match):
+                ring_attention(op, q, q, q, **kw)
+
+        expect(r"softmax_scale: expected the same value on every rank.*rank 0 has 0.125 and "
+               r"rank 1 has 0.25", softmax_scale=0.125 * (1 + rank))  # fmt: skip
+        expect(r"params \(the spec's scalar params\): expected the same value on every rank",
+               window=7 + rank)  # fmt: skip
+        expect(r"params \(the spec's tensor params", op=alibi,
+               slopes=torch.tensor([0.5, 0.25 + rank]))  # fmt: skip
+        mine = "op: expected a flashgen op" if rank == 1 else r"rank\(s\) \[1\] of the group"
+        expect(mine, op=None if rank == 1 else swa)
+        mine = "softmax_scale" if rank == 0 else r"rank\(s\) \[0\] of the group refused"
+        expect(mine, softmax_scale="abc" if rank == 0 else None)
+        o, _ = ring_attention(swa, q, q, q, window=7, softmax_scale=0.2)  # agreement: runs
+        assert torch.isfinite(o).all()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_or_raise_anything_raise_on_every_rank():
+    mp.spawn(_disagree_worker, args=(2, _port()), nprocs=2)
+
+
+def test_shard_sequence_refuses_ranks_outside_the_world():
+    """Issue 38, item 13: ``rank=-1`` returned rank 1's rows (Python's negative index),
+    ``rank == world_size`` rows past the sequence in zigzag, ``world_size=0`` a
+    ZeroDivisionError."""
+    from flashgen.distributed import shard_sequence
+    from flashgen.frontend.errors import OpInputError
+
+    x = torch.arange(16).view(1, 1, 16, 1)
+    for rank, world, what in [(-1, 2, "rank"), (2, 2, "rank"), (0, 0, "world_size"),
+                              (0, -2, "world_size"), (True, 2, "rank"), (0, 2.0, "world_size"),
+                              (1.0, 2, "rank")]:  # fmt: skip
+        for layout in ("zigzag", "contiguous"):
+            with pytest.raises(OpInputError, match=f"^{what}: expected"):
+                shard_sequence(x, rank, world, layout=layout)
+    with pytest.raises(OpInputError, match="^dim: expected one of x's 4 dims"):
+        shard_sequence(x, 0, 2, dim=4)
+    assert shard_sequence(x, 1, 2).flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
