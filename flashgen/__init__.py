@@ -1,8 +1,8 @@
 """flashgen: compile short YAML attention specs into CUDA kernels and PyTorch ops.
 
     import flashgen
-    op = flashgen.load("specs/causal_d128.yaml")    # registers torch.ops.flashgen.causal_d128
-    o, lse = op.attention(q, k, v)                  # q [B, Hq, Sq, D] bf16 on a CUDA device
+    op = flashgen.load("causal_d128")    # a shipped spec's name, or a spec file's path
+    o, lse = op.attention(q, k, v)       # q [B, Hq, Sq, D]: bf16 on a CUDA device; also the CPU
 
 Importing this package needs neither torch nor cupy; :func:`load` imports torch.
 """
@@ -42,7 +42,8 @@ _lock = threading.Lock()
 
 
 def load(path: str | Path, options: Options | None = None) -> AttentionOp:
-    """Load, check and register the spec at ``path``; return its :class:`AttentionOp` bound
+    """Load, check and register the spec at ``path`` (a file, or a shipped spec's name such as
+    ``"gpt2_d64"``: a file that exists wins); return its :class:`AttentionOp` bound
     to ``options`` (:class:`flashgen.Options`, default ``Options()``: which kernels it runs).
 
     Cached by (resolved path, sha256 of the file's bytes, options): loading the same file with
@@ -58,12 +59,13 @@ def load(path: str | Path, options: Options | None = None) -> AttentionOp:
     ``ModuleNotFoundError`` saying so without torch.
     """
     from flashgen import env
+    from flashgen.frontend.shipped import resolve_spec_path
     from flashgen.frontend.spec import loads_spec_bytes, read_spec_bytes
     from flashgen.options import DEFAULT, check_options
 
     env.check_removed()
     options = DEFAULT if options is None else check_options(options)
-    p = Path(path).resolve()
+    p = resolve_spec_path(path).resolve()
     data = read_spec_bytes(p)
     key = (str(p), hashlib.sha256(data).hexdigest(), options)
     op = _loaded.get(key)

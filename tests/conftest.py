@@ -31,6 +31,9 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is present)")
+    # the CLI's tables follow COLUMNS (pytest-xdist's workers get 80): tests that check the
+    # width set it themselves
+    os.environ.pop("COLUMNS", None)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,9 +47,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory):
-    """Point the kernel cache at a fresh directory for the whole session."""
+    """Point the kernel cache at a fresh directory for the whole run: one directory all
+    pytest-xdist workers share (the cache locks each entry), so a unit that tests in two
+    workers build compiles once."""
     old = os.environ.get("FLASHGEN_CACHE_DIR")
-    os.environ["FLASHGEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("flashgen-cache"))
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' common folder
+        base = base.parent
+    cache = base / "flashgen-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["FLASHGEN_CACHE_DIR"] = str(cache)
     yield
     if old is None:
         os.environ.pop("FLASHGEN_CACHE_DIR", None)

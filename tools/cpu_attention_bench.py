@@ -1,9 +1,10 @@
 """Time the CPU op (blocked, flashgen/ops/cpu_attention.py) against torch SDPA on the CPU.
 
     python tools/cpu_attention_bench.py [--seqlen 4096] [--heads 8] [--head-dim 128] [--reps 3]
+                                        [--dtype float32 --dtype bfloat16]
 
-float32 inputs [1, H, S, D]; prints the median time of each and the ratio, for a spec
-without a mask and a causal one, and the peak extra memory the op's chunks use.
+Inputs [1, H, S, D] in each dtype (default float32); prints the median time of each and the
+ratio, for a spec without a mask and a causal one (the two timed in alternation).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ sys.path.insert(0, str(REPO))
 
 from flashgen.frontend.spec import loads_spec  # noqa: E402
 from flashgen.ops import cpu_attention  # noqa: E402
-from flashgen.ops.cpu_attention import query_block  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 
 SPEC = """
@@ -33,14 +33,17 @@ mask: {mask}
 """
 
 
-def _median(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def _alternating(fa, fb, reps: int) -> tuple[float, float]:
+    """Medians of ``reps`` timings of ``fa`` and ``fb``, run in alternation (a shared
+    machine's load hits both alike)."""
+    fa(), fb()  # warm-up
+    ta, tb = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def main() -> None:
@@ -50,28 +53,35 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-elems", type=int, default=None, help="logits per query chunk")
+    ap.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"])
     a = ap.parse_args()
     if a.chunk_elems:
         cpu_attention._CHUNK_ELEMS = a.chunk_elems
     g = torch.Generator().manual_seed(0)
     shape = (1, a.heads, a.seqlen, a.head_dim)
-    q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 {list(shape)}")
-    print(f"query chunk {query_block(1, a.heads, a.seqlen)} rows: chunk logits "
-          f"{a.heads * query_block(1, a.heads, a.seqlen) * a.seqlen * 4 / 2**20:.0f} MiB")
-    print("| mask | flashgen CPU (s) | SDPA CPU (s) | ratio |")
-    print("| --- | --- | --- | --- |")
-    for tag, mask, causal in (("none", "null", False), ("causal", "causal", True)):
-        op = build_op(loads_spec(SPEC.format(tag=tag, d=a.head_dim, mask=mask)))
-        with torch.no_grad():
-            o, _ = op.attention(q, k, v)
-            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            err = (o - ref).abs().max().item()
-            t_fg = _median(lambda op=op: op.attention(q, k, v), a.reps)
-            t_sd = _median(
-                lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c), a.reps
+    q32, k32, v32 = (torch.randn(shape, generator=g) for _ in range(3))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {list(shape)}")
+    print("| dtype | mask | flashgen CPU (s) | SDPA CPU (s) | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for dtype in a.dtype or ["float32"]:
+        q, k, v = (t.to(getattr(torch, dtype)) for t in (q32, k32, v32))
+        for tag, mask, causal in (("none", "null", False), ("causal", "causal", True)):
+            op = build_op(loads_spec(SPEC.format(tag=tag, d=a.head_dim, mask=mask)))
+            with torch.no_grad():
+                o, _ = op.attention(q, k, v)
+                ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                err = (o.float() - ref.float()).abs().max().item()
+                t_fg, t_sd = _alternating(
+                    lambda op=op, q=q, k=k, v=v: op.attention(q, k, v),
+                    lambda c=causal, q=q, k=k, v=v: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=c
+                    ),
+                    a.reps,
+                )
+            print(
+                f"| {dtype} | {tag} | {t_fg:.3f} | {t_sd:.3f} | {t_fg / t_sd:.2f} |  "
+                f"(max |diff| {err:.1e})"
             )
-        print(f"| {tag} | {t_fg:.3f} | {t_sd:.3f} | {t_fg / t_sd:.2f} |  (max |diff| {err:.1e})")
 
 
 if __name__ == "__main__":

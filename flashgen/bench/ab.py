@@ -251,21 +251,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def resolve_spec(item: str) -> tuple[Path, dict]:
     """``SPEC[:p=v,...]`` -> (spec file, scalar param overrides).  ``SPEC`` is a file or the
-    name of a shipped spec (``specs/<name>.yaml``).  Raises :class:`OptionError`."""
-    from flashgen.bench.protocol import shipped_spec_paths
+    name of a shipped spec (:func:`~flashgen.frontend.shipped.resolve_spec_path`).  Raises
+    :class:`OptionError`."""
+    from flashgen.frontend.shipped import resolve_spec_path
 
     if Path(item).is_file():
         return Path(item), {}
     name, over = _spec_item(item)
-    path = Path(name)
-    if path.is_file():
-        return path, over
-    shipped = {p.stem: p for p in shipped_spec_paths()}
-    if name in shipped:
-        return shipped[name], over
-    raise OptionError(
-        f"spec {name!r}: no such file, nor a shipped spec (shipped: {', '.join(shipped)})"
-    )
+    try:
+        return resolve_spec_path(name), over
+    except FileNotFoundError as e:
+        raise OptionError(f"spec {name!r}: {e.strerror}") from None
 
 
 def _spec_item(item: str) -> tuple[str, dict]:

@@ -143,12 +143,12 @@ def spec_directions(spec: ir.Spec, directions) -> tuple[str, ...]:
 
 
 def shipped_spec_paths() -> list[Path]:
-    """The ``specs/*.yaml`` of the checkout with a prefill op (empty in an installed wheel;
+    """The shipped specs with a prefill op (:func:`flashgen.frontend.shipped.shipped_spec_paths`;
     a ``v_from_k`` spec is decode only: ``flashgen.bench.decode`` times it)."""
+    from flashgen.frontend.shipped import shipped_spec_paths as paths
     from flashgen.frontend.spec import load_spec
 
-    root = Path(__file__).resolve().parents[2] / "specs"
-    return [p for p in sorted(root.glob("*.yaml")) if not load_spec(p).v_from_k]
+    return [p for p in paths() if not load_spec(p).v_from_k]
 
 
 def parse_spec_item(item: str) -> tuple[str, dict]:

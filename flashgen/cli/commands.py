@@ -180,8 +180,26 @@ def cmd_tune(args) -> int:
 
 
 # ----------------------------------------------------------------------------- main
+DESCRIPTION = """\
+Compile short YAML attention specs into CUDA kernels and PyTorch ops.
+
+A SPEC is a spec file or the name of a shipped spec (`flashgen list` prints them), e.g.
+`flashgen show gpt2_d64`; a file that exists wins.  build and show work without a GPU
+(build needs a CUDA compiler); bench, tune and ab need a CUDA GPU."""
+
+EPILOG = """\
+examples:
+  flashgen list                              the shipped specs
+  flashgen show mistral_swa                  checked expressions, kernel plan, CUDA source
+  flashgen build my_spec.yaml --target sm_80 compile, report registers and spills
+  flashgen COMMAND --help                    a command's options"""
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="flashgen", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="flashgen", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     ap.add_argument("--version", action="version", version=f"flashgen {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -190,7 +208,8 @@ def parser() -> argparse.ArgumentParser:
         "--option", action="append", metavar="NAME=VALUE",
         help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
     )  # fmt: skip
-    b.add_argument("specs", nargs="+", metavar="SPEC", help="spec YAML files")
+    b.add_argument("specs", nargs="+", metavar="SPEC",
+                   help="spec YAML files or shipped spec names")  # fmt: skip
     b.add_argument(
         "--target",
         action="append",
@@ -215,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
         "--option", action="append", metavar="NAME=VALUE",
         help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
     )  # fmt: skip
-    s.add_argument("spec", metavar="SPEC")
+    s.add_argument("spec", metavar="SPEC", help="a spec YAML file or a shipped spec's name")
     s.add_argument(
         "--target",
         action="append",

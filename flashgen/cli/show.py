@@ -14,6 +14,7 @@ from pathlib import Path
 from flashgen.cli.common import _consoles, _load_specs, _options
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, terminal_safe
+from flashgen.frontend.shipped import shipped_specs_dir
 
 # ----------------------------------------------------------------------------- IR printing
 _PREC = {
@@ -154,19 +155,23 @@ def cmd_show(args) -> int:
     return 0
 
 
-def shipped_specs_dir() -> Path | None:
-    """The shipped specs: ``specs/`` of a source checkout, else the ``flashgen.specs``
-    package data a wheel installs; None if neither is there."""
-    here = Path(__file__).resolve().parents[2] / "specs"
-    if here.is_dir():
-        return here
-    try:
-        from importlib import resources
+def _print_list(rows, width: int) -> None:
+    """One block per spec, every line at most ``width`` columns: name, dtype and head dims
+    on the first line, then the mask and score_mod, then the description (each wrapped)."""
+    import textwrap
 
-        packaged = Path(str(resources.files("flashgen.specs")))
-    except (ImportError, TypeError):
-        return None
-    return packaged if packaged.is_dir() else None
+    w0 = max([len(r[0]) for r in rows] + [4])
+    w1 = max([len(r[1]) for r in rows] + [5])
+    for name, dtype, hd, mask, mod, desc in rows:
+        print(f"{name:<{w0}}  {dtype:<{w1}}  head_dim {hd}"[:width].rstrip())
+        mask = "none (every pair kept)" if mask == "-" else mask
+        for label, text in (("mask", mask), ("score_mod", mod), ("", desc)):
+            if text in ("", "-"):
+                continue
+            lead = f"    {label}: " if label else "    "
+            print(textwrap.fill(text, width=max(width, 40), initial_indent=lead,
+                                subsequent_indent=" " * len(lead), break_on_hyphens=False))
+        print()
 
 
 def cmd_list(args) -> int:
@@ -201,7 +206,5 @@ def cmd_list(args) -> int:
         hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"
         desc = terminal_safe(s.description)  # untrusted text: escaped
         rows.append((s.name, s.dtype, hd, format_expr(s.mask), format_expr(s.score_mod), desc))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    _print_list(rows[1:], _consoles()[0].width)
     return 1 if bad else 0

@@ -500,12 +500,16 @@ def read_spec_bytes(path: str | os.PathLike) -> bytes:
 
 def load_spec(path: str | os.PathLike) -> ir.Spec:
     """Read the spec file at ``path`` (UTF-8) and return it checked, as :func:`loads_spec`.
+    ``path`` may also name a shipped spec (``"gpt2_d64"``; a file that exists wins:
+    :func:`~flashgen.frontend.shipped.resolve_spec_path`).
 
     Only a regular file of at most :data:`MAX_SPEC_BYTES` bytes is read
     (:func:`read_spec_bytes`).  Raises :class:`~flashgen.frontend.errors.SpecError` for any
     problem in the file and ``OSError`` when it cannot be read.
     """
-    p = os.fspath(path)
+    from flashgen.frontend.shipped import resolve_spec_path
+
+    p = os.fspath(resolve_spec_path(path))
     return loads_spec_bytes(read_spec_bytes(p), p)
 
 

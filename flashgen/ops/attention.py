@@ -6,10 +6,10 @@ registers it, once per process and spec name, as an operator with schema::
            <int|float scalar params, spec order>, <Tensor params, spec order>,
            *, bool deterministic=False) -> (Tensor, Tensor)
 
-with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the
-materialized float32 reference), a fake kernel (so ``torch.compile`` traces it) and an
-autograd registration whose backward is the op ``<name>__backward`` (see
-:mod:`flashgen.ops.backward`).
+with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the blocked
+float32 implementation of :mod:`flashgen.ops.cpu_attention`), a fake kernel (so
+``torch.compile`` traces it) and an autograd registration whose backward is the op
+``<name>__backward`` (see :mod:`flashgen.ops.backward`).
 
 The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
 front (:func:`validate`, also run by every kernel) and fills in defaults.  On plain CUDA

@@ -27,8 +27,8 @@ deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, w
   (unless the op's ``Options.atomic_dq`` is False or ``Options.family`` is ``fa2``), else the
   FA2-class atomic kernels when ``Options.atomic_dq`` is True, else the deterministic
   kernels;
-- a CPU implementation: autograd through the float32 reference of the same IR (the flag
-  changes nothing there);
+- a CPU implementation: the blocked float32 backward of :mod:`flashgen.ops.cpu_attention`
+  against the saved o and lse (the flag changes nothing there);
 - a fake implementation, so ``torch.compile`` traces the backward too.
 
 ``deterministic`` reaches the backward through the forward schema's keyword-only

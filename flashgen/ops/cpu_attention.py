@@ -16,6 +16,14 @@ attention computes about half the logits, a sliding window only its band), and w
 live block is FULL the mask is not evaluated.  Masks that read ``b``, ``h``, ``h_kv`` or
 tensors (their class depends on the batch entry or head) use all keys.
 
+A spec without a ``score_mod`` runs each chunk through torch's fused CPU attention kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``, the kernel behind SDPA on the CPU,
+which returns the lse too), with the chunk's evaluated mask as an additive ``-inf`` bias
+only when some live block is not FULL; its backward likewise runs the fused backward kernel
+per chunk against the saved ``o`` and ``lse``.  A ``score_mod`` (evaluated on the logits),
+``head_dim_v != head_dim``, a ``dlse`` or a backward without the saved outputs take the
+matmul path below.
+
 GQA is computed without expanding K and V: the ``Hq // Hkv`` query heads of a group are
 stacked along the row axis of one matmul against their shared KV head.
 
@@ -174,6 +182,85 @@ def _chunk(spec, env, qs, k, v, q0, q1, k0, k1, full, softmax_scale, heads_q, kv
     return o, lse, raw, modded
 
 
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fused(spec: ir.Spec) -> bool:
+    """Whether ``spec``'s chunks run through torch's fused CPU kernels (module docstring):
+    no ``score_mod`` and ``head_dim_v == head_dim`` (the kernels' one head size)."""
+    return _FUSED is not None and spec.score_mod is None and spec.head_dim == spec.head_dim_v
+
+
+def _chunk_bias(spec, env, b, hq, hkv, q0, q1, k0, k1, full):
+    """The additive mask of query rows [q0, q1) against keys [k0, k1), stacked like
+    :func:`_stack_queries` ([B or 1, Hkv or 1, G * C, N] float32: 0 kept, -inf dropped; the
+    kernel broadcasts it), and a [B or 1, Hq or 1, C] bool of the rows that keep no key;
+    (None, None) when ``full``.
+    Refuses a tensor-param read out of bounds at a kept pair as the reference does."""
+    if full:
+        return None, None
+    c, n = q1 - q0, k1 - k0
+    dev = env["q_idx"].device
+    env["q_idx"] = torch.arange(q0, q1, device=dev, dtype=torch.int64).view(1, 1, c, 1)
+    env["kv_idx"] = torch.arange(k0, k1, device=dev, dtype=torch.int64).view(1, 1, 1, n)
+    env["__oob__"] = []
+    keep = eval_expr(spec.mask, env)
+    keep = keep.expand(keep.shape[0], keep.shape[1], c, n)
+    if env["__oob__"]:
+        _check_bounds(env, keep.expand(b, hq, c, n))
+    dead = ~keep.any(dim=-1)
+    if keep.shape[1] == 1:  # every head alike: the group's stacked rows repeat it
+        keep = keep.repeat(1, 1, hq // hkv, 1) if hq != hkv else keep
+    else:
+        keep = keep.expand(keep.shape[0], hq, c, n).reshape(keep.shape[0], hkv, -1, n)
+    zero = torch.zeros((), dtype=_COMPUTE, device=dev)
+    return torch.where(keep, zero, torch.full((), -math.inf, dtype=_COMPUTE, device=dev)), dead
+
+
+def _fused_forward(spec, env, q, kf, vf, ranges, softmax_scale, o, lse):
+    """:func:`attention_blocked`'s chunks through the fused kernel, into ``o`` and ``lse``
+    (one call per chunk: splitting off its FULL keys and merging costs more on 2 cores)."""
+    b, hq, _, _ = q.shape
+    hkv, dv = kf.shape[1], vf.shape[-1]
+    for q0, q1, k0, k1, full in ranges:
+        if k1 <= k0:
+            continue
+        c = q1 - q0
+        bias, dead = _chunk_bias(spec, env, b, hq, hkv, q0, q1, k0, k1, full)
+        qs = _stack_queries(q, q0, q1, hkv)
+        oc, lc = _FUSED(qs, kf[:, :, k0:k1], vf[:, :, k0:k1], 0.0, False, attn_mask=bias,
+                        scale=softmax_scale)  # fmt: skip
+        lc = lc.reshape(b, hq, c)
+        if dead is not None and bool(dead.any()):  # the kernel gives lse 0 there
+            lc = lc.masked_fill(dead, -math.inf)
+        o[:, :, q0:q1] = oc.reshape(b, hq, c, dv)
+        lse[:, :, q0:q1] = lc
+
+
+def _fused_backward(spec, env, dout, q, kf, vf, ranges, softmax_scale, o, lse, dq, dk, dv):
+    """:func:`attention_blocked_backward`'s chunks through the fused backward kernel against
+    the saved ``o`` and ``lse`` (rows whose lse is -inf keep no key: zero gradients)."""
+    b, hq, _, d = q.shape
+    hkv = kf.shape[1]
+    for q0, q1, k0, k1, full in ranges:
+        if k1 <= k0:
+            continue
+        c = q1 - q0
+        bias, _ = _chunk_bias(spec, env, b, hq, hkv, q0, q1, k0, k1, full)
+        ls = lse[:, :, q0:q1].to(_COMPUTE)
+        ls = torch.where(torch.isfinite(ls), ls, torch.full_like(ls, math.inf))  # P = 0 there
+        qs = _stack_queries(q, q0, q1, hkv)
+        g = _stack_queries(dout, q0, q1, hkv)
+        os_ = _stack_queries(o, q0, q1, hkv)
+        gq, gk, gv = _FUSED_BWD(g, qs, kf[:, :, k0:k1], vf[:, :, k0:k1], os_,
+                                ls.reshape(b, hkv, -1), 0.0, False, attn_mask=bias,
+                                scale=softmax_scale)  # fmt: skip
+        dq[:, :, q0:q1] = gq.reshape(b, hq, c, d)
+        dk[:, :, k0:k1] += gk
+        dv[:, :, k0:k1] += gv
+
+
 def _stack_queries(q, q0, q1, hkv):
     """q[:, :, q0:q1] as [B, Hkv, G * C, D] (compute dtype): a group's query heads on rows."""
     b, hq, _, d = q.shape
@@ -186,7 +273,11 @@ def _setup(spec, q, k, params, batch_offset):
     env = _env(spec, b, hq, sq, sk, dict(params or {}), q.device, compute_dtype(q.dtype),
                batch_offset, Hkv=hkv)  # fmt: skip
     scalars = {p.name: params.get(p.name, p.default) for p in spec.scalar_params}
-    ranges = _key_ranges(spec, sq, sk, query_block(b, hq, sk), scalars, batch_offset)
+    rows = query_block(b, hq, sk)
+    per_head = {"b", "h", "h_kv"} | {p.name for p in spec.tensor_params}
+    if _fused(spec) and not _reads(spec) & per_head:  # the fused kernel's memory is O(its
+        rows = query_block(1, 1, sk)  # blocks): a chunk costs its [C, N] mask alone
+    ranges = _key_ranges(spec, sq, sk, rows, scalars, batch_offset)
     return env, ranges
 
 
@@ -214,6 +305,9 @@ def attention_blocked(
     env, ranges = _setup(spec, q, k, params, batch_offset)
     with torch.no_grad():
         kf, vf = k.to(cdt), v.to(cdt)
+        if _fused(spec) and cdt == _COMPUTE:
+            _fused_forward(spec, env, q, kf, vf, ranges, softmax_scale, o, lse)
+            return o, lse
         for q0, q1, k0, k1, full in ranges:
             if k1 <= k0:
                 continue
@@ -254,7 +348,14 @@ def attention_blocked_backward(
     dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
     dparams = {n: _zero_grad(spec, n, params, cdt, q.device) for n in param_grads}
     terms = {n: param_grad_terms(spec.score_mod, n) for n in param_grads}
-    if q.numel() and k.numel():
+    fused = _fused(spec) and cdt == _COMPUTE and not param_grads
+    if q.numel() and k.numel() and fused and dlse is None and lse is not None:
+        env, ranges = _setup(spec, q, k, params, batch_offset)
+        kf, vf = k.detach().to(cdt), v.detach().to(cdt)
+        with torch.no_grad():
+            _fused_backward(spec, env, dout, q.detach(), kf, vf, ranges, softmax_scale, o, lse,
+                            dq, dk, dv)  # fmt: skip
+    elif q.numel() and k.numel():
         env, ranges = _setup(spec, q, k, params, batch_offset)
         kf, vf = k.detach().to(cdt), v.detach().to(cdt)
         for q0, q1, k0, k1, full in ranges:

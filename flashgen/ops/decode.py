@@ -95,6 +95,7 @@ from flashgen.ops.decode_inputs import (
     check_num_splits,
     check_out,
     check_values,
+    cpu_float32,
     gather_cache,
     unchecked_key_mask,
     validate_decode,
@@ -293,7 +294,8 @@ class DecodeOp(DecodePlanning):
     def _outputs(self, q, dims: DecodeDims):
         """Fresh ``(o, lse)`` of the call (:meth:`DecodeDims.out_shapes`) on q's device."""
         o_shape, lse_shape = dims.out_shapes()
-        o = torch.empty(o_shape, dtype=out_dtype(self.spec), device=q.device)
+        dtype = torch.float32 if cpu_float32(q) else out_dtype(self.spec)
+        o = torch.empty(o_shape, dtype=dtype, device=q.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         return o, lse
 

@@ -109,6 +109,15 @@ def cache_dtype_of(spec: ir.Spec, k_cache) -> str | None:
     return None
 
 
+def cpu_float32(q, cache_dtype: str | None = None) -> bool:
+    """Whether a call runs in float32 on the CPU: a float32 ``q`` there (with float32 caches
+    and outputs), as ``op.attention`` takes it; not with an e4m3 cache."""
+    return (
+        isinstance(q, torch.Tensor) and q.dtype == torch.float32 and q.device.type == "cpu"
+        and cache_dtype is None
+    )  # fmt: skip
+
+
 def validate_decode(
     spec: ir.Spec,
     q,
@@ -130,9 +139,10 @@ def validate_decode(
     dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
     be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`).
     A ``v_from_k`` spec (MLA) takes ``v_cache`` / ``v_new`` as views of k_cache / k_new (the
-    op makes them) and a cache of num_heads_kv 1."""
-    want = TORCH_DTYPE[spec.dtype]
+    op makes them) and a cache of num_heads_kv 1.  A float32 q on the CPU takes float32
+    caches and gives a float32 o, as ``op.attention`` does."""
     cache_dtype = cache_dtype_of(spec, k_cache)
+    want = torch.float32 if cpu_float32(q, cache_dtype) else TORCH_DTYPE[spec.dtype]
     kv_want = FP8_CACHE if cache_dtype else want
     _tensor("q", q, 4, "[batch, heads, seqlen_q_new, head_dim]")
     paged = block_table is not None
@@ -145,10 +155,14 @@ def validate_decode(
     _tensor("v_cache", v_cache, 4, layout)
     if q.dtype != want and not (cache_dtype and q.dtype == FP8_CACHE):
         also = f" or {FP8_CACHE} with q_descale (the cache is e4m3)" if cache_dtype else ""
+        cpu = "; float32 also on the CPU" if q.device.type == "cpu" and not cache_dtype else ""
         raise OpInputError(
-            f"q: expected dtype {want}{also} (spec {spec.name!r} has dtype {spec.dtype}), "
+            f"q: expected dtype {want}{also} (spec {spec.name!r} has dtype {spec.dtype}{cpu}), "
             f"got {q.dtype}"
         )
+    if k_cache.dtype != kv_want and want == torch.float32:
+        raise OpInputError(f"k_cache: expected dtype {want} (q's: a float32 call on the CPU), "
+                           f"got {k_cache.dtype}")  # fmt: skip
     if k_cache.dtype != kv_want:
         raise OpInputError(f"k_cache: expected dtype {want} (spec {spec.name!r} has dtype "
                            f"{spec.dtype}){_fp8_note(spec)}, got {k_cache.dtype}")  # fmt: skip
@@ -480,6 +494,8 @@ def validate_decode_ragged(
     :func:`validate_decode`.  Never reads tensor contents.  Returns :class:`DecodeDims` with
     ``seqlen_q = max_seqlen_q`` and ``total_q``; raises :class:`OpInputError`."""
     want = TORCH_DTYPE[spec.dtype]
+    if cpu_float32(q, cache_dtype_of(spec, k_cache)):
+        want = torch.float32
     _tensor("q", q, 3, "[total_q, heads, head_dim] (ragged, with cu_seqlens_q)")
     if q.dtype != want and not (cache_dtype_of(spec, k_cache) and q.dtype == FP8_CACHE):
         raise OpInputError(
@@ -527,7 +543,7 @@ def validate_decode_ragged(
             )
     dims = validate_decode(spec, q4, k_cache, v_cache, cache_seqlens, block_table)
     if k_new is not None:
-        kv_want = FP8_CACHE if dims.cache_dtype else TORCH_DTYPE[spec.dtype]
+        kv_want = FP8_CACHE if dims.cache_dtype else k_cache.dtype  # the spec's, or float32
         for name, t, dd in (("k_new", k_new, spec.head_dim), ("v_new", v_new, spec.head_dim_v)):
             want = [total_q, dims.heads_kv, dd]
             if list(t.shape) != want:
@@ -560,7 +576,9 @@ def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None, inputs=None) 
         raise OpInputError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
     o_shape = tuple(o_shape)
     lse_shape = o_shape[:-1] if lse_shape is None else tuple(lse_shape)
-    for name, t, shape, dtype in (("out[0]", out[0], o_shape, out_dtype(spec)),
+    q = (inputs or {}).get("q")
+    o_dtype = torch.float32 if cpu_float32(q) and q.device == device else out_dtype(spec)
+    for name, t, shape, dtype in (("out[0]", out[0], o_shape, o_dtype),
                                   ("out[1]", out[1], lse_shape, torch.float32)):  # fmt: skip
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

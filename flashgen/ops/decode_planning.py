@@ -68,10 +68,11 @@ class DecodePlanning:
         the splits by its blocks, not the capacity's; calls may pass other values.
         ``cache_dtype``: the calls' cache dtype, None (the spec's) or ``torch.float8_e4m3fn``
         (an e4m3 cache: its own unit; the calls pass the descales).
-        Builds and loads the kernels and allocates the workspace on ``device`` (CUDA), so
-        planned calls do no host planning and can be captured in a CUDA graph.  Raises
-        :class:`OpInputError` for bad sizes, options or params, and for a CUDA ``device``
-        (the default) where no CUDA device is available or another device type (the op
+        ``device``: where the calls run; None: the current CUDA device if there is one,
+        else the CPU.  On a CUDA device it builds and loads the kernels and allocates the
+        workspace, so planned calls do no host planning and can be captured in a CUDA graph.
+        Raises :class:`OpInputError` for bad sizes, options or params, for a CUDA
+        ``device`` where no CUDA device is available and for another device type (the op
         runs on CPU and CUDA); ``RuntimeError`` if a reload of the edited spec replaced the
         op."""
         self.op._check_live()
@@ -134,8 +135,10 @@ class DecodePlanning:
                               cache_dtype=kv_dtype)  # fmt: skip
         if total_q is not None:
             dims = dataclasses.replace(dims, total_q=total_q)
+        if device is None:  # where the op runs: the current CUDA device if any, else the CPU
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
-            device = torch.device(device if device is not None else "cuda")
+            device = torch.device(device)
         except (RuntimeError, TypeError):
             raise OpInputError(
                 f"device: expected 'cpu' or a CUDA device ('cuda', 'cuda:1', a torch.device), "

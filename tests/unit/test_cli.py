@@ -107,6 +107,24 @@ def test_list_shows_every_spec(capsys):
     assert "softcap * tanh(score / softcap)" in out
 
 
+def test_list_fits_the_terminal_width(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["list", str(REPO / "specs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 60
+    assert any(line.startswith("gemma2_softcap ") for line in lines)
+
+
+def test_help_describes_specs_by_name_and_what_needs_a_gpu(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "the name of a shipped spec" in out and "need a CUDA GPU." in out
+    assert "flashgen COMMAND --help" in out
+
+
 def test_format_expr_round_trips():
     params = "params:\n  window: {type: i32, default: 3}\n  w: {type: f32, default: 1.0}\n"
     for field, text in (
@@ -240,3 +258,13 @@ def test_build_json_lists_spec_errors_with_locations(tmp_path, capsys):
     assert (first["file"], first["line"], first["col"]) == (str(bad), 2, 11)
     assert "head_dim 80 is not supported" in first["message"]
     assert second["file"].endswith("missing.yaml") and "cannot read spec" in second["message"]
+
+
+# ---------------------------------------------------------------------- build: fp8 under family=fa2
+def test_cli_build_fp8_with_family_fa2_is_an_error(capsys):
+    """A ValueError traceback from the registry before."""
+    from flashgen.cli.commands import main
+
+    rc = main(["build", "--option", "family=fa2", "--json", "llama3_fp8"])
+    assert rc != 0
+    assert "no FP8 form" in capsys.readouterr().out

@@ -372,6 +372,58 @@ def test_plan_decode_on_cpu_and_num_splits_are_accepted():
         op.with_kvcache(q[:1], kc, vc, lens_t[:1], block_table=table[:1], plan=p)
 
 
+def test_plan_decode_defaults_to_where_the_op_runs():
+    """No ``device``: the current CUDA device if there is one, else the CPU (a CPU user never
+    passes 'cuda' and must not be told about it)."""
+    op = _op("llama3_gqa")
+    sizes = dict(batch=2, num_heads=32, seqlen_q=1, cache_capacity=4096)
+    with pytest.raises(OpInputError, match=r"^num_heads_kv: expected >= 1, got 0$"):
+        op.plan_decode(num_heads_kv=0, **sizes)
+    p = op.plan_decode(num_heads_kv=8, **sizes)
+    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+        torch.device("cpu"))  # fmt: skip
+    assert p.device == want
+    if not torch.cuda.is_available():
+        with pytest.raises(OpInputError, match=r"device: expected 'cpu' or a CUDA device"):
+            op.plan_decode(num_heads_kv=8, device="cuda", **sizes)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_with_kvcache_takes_float32_on_the_cpu_like_attention(ragged):
+    """A float32 q, cache and k_new on the CPU run in float32 (as ``op.attention`` does) and
+    give what attention over the live keys gives; out= takes float32 buffers; a bf16 q with
+    float32 caches is refused, naming both dtypes."""
+    op = _op("mistral_swa")
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, cap = 2, 8, 2, 128, 40
+    kc, vc = torch.randn(b, hkv, cap, d, generator=g), torch.randn(b, hkv, cap, d, generator=g)
+    lens = torch.tensor([7, 33], dtype=torch.int32)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    kn, vn = torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g)
+    args = dict(k_new=kn, v_new=vn)
+    if ragged:
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+        qr = q[:, :, 0].contiguous()
+        args = dict(k_new=kn[:, :, 0].contiguous(), v_new=vn[:, :, 0].contiguous(),
+                    cu_seqlens_q=cu, max_seqlen_q=1)  # fmt: skip
+        o, lse = op.with_kvcache(qr, kc, vc, lens, **args)
+        o = o.unsqueeze(2)
+    else:
+        o, lse = op.with_kvcache(q, kc, vc, lens, **args)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32
+    for i, n in enumerate(lens.tolist()):
+        assert torch.equal(kc[i, :, n], kn[i, :, 0])  # appended in place
+        ref, _ = op.attention(q[i : i + 1], kc[i : i + 1, :, : n + 1], vc[i : i + 1, :, : n + 1])
+        torch.testing.assert_close(o[i : i + 1], ref, atol=1e-5, rtol=1e-5)
+    if not ragged:
+        out = (torch.empty(b, hq, 1, d), torch.empty(b, hq, 1))
+        op.with_kvcache(q, kc, vc, lens, out=out)
+        with pytest.raises(OpInputError, match=r"^q: expected .*; float32 also on the CPU"):
+            op.with_kvcache(q.half(), kc, vc, lens)
+        with pytest.raises(OpInputError, match=r"^k_cache: expected dtype torch.float32 \(q's"):
+            op.with_kvcache(q, kc.bfloat16(), vc.bfloat16(), lens)
+
+
 def test_opcheck_both_schemas():
     op = _op("mistral_swa")
     d = op.with_kvcache  # registers

@@ -782,3 +782,64 @@ def test_decode_bench_takes_fp8(capsys):
         pytest.skip("would run the benchmark")
     assert main(["--fp8", "--quick"]) == 1
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+# ------------------------------------------------- with_kvcache: fp8 descales, out=, ragged offsets
+def _kv8_call(b=2, hq=4, hkv=2, d=128, cap=32):
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, 1, d, dtype=torch.bfloat16)
+    kc = (torch.randn(b, hkv, cap, d) * 40).to(E4M3)
+    vc = (torch.randn(b, hkv, cap, d) * 40).to(E4M3)
+    lens = torch.tensor([10, 32], dtype=torch.int32)
+    return q, kc, vc, lens
+
+
+@pytest.mark.parametrize("kd", [1e39, 1e-50])
+def test_kvcache_float_descale_outside_float32(kd):
+    """1e39 crashed in torch.full (overflow); 1e-50 was reported as '0.0 at [0, 0]'."""
+    op = flashgen.load("causal_d128")
+    q, kc, vc, lens = _kv8_call()
+    with pytest.raises(OpInputError, match=r"k_descale: expected a finite descale > 0, got"):
+        op.with_kvcache(q, kc, vc, lens, k_descale=kd, v_descale=0.01)
+
+
+def test_kvcache_folded_q_k_descale_overflow():
+    """An e4m3 q's q_descale folds into k's: 1e20 * 1e20 overflowed float32 inside torch."""
+    op = flashgen.load("causal_d128")
+    q, kc, vc, lens = _kv8_call()
+    with pytest.raises(OpInputError, match=r"q_descale, k_descale: their product"):
+        op.with_kvcache(q.to(E4M3), kc, vc, lens, q_descale=1e20, k_descale=1e20)
+    with pytest.raises(OpInputError, match=r"q_descale \* k_descale: expected finite .* got inf"):
+        op.with_kvcache(q.to(E4M3), kc, vc, lens, q_descale=torch.tensor(1e30),
+                        k_descale=torch.tensor(1e30))  # fmt: skip
+
+
+def test_kvcache_out_overlapping_an_input_refused():
+    op = flashgen.load("causal_d128")
+    q, kc, vc, lens = _kv8_call()
+    lse = torch.empty(2, 4, 1)
+    with pytest.raises(OpInputError, match=r"out\[0\]: expected memory that no input shares, "
+                                           r"got a tensor overlapping q"):  # fmt: skip
+        op.with_kvcache(q, kc, vc, lens, k_descale=0.01, v_descale=0.01, out=(q, lse))
+    o = torch.empty(2, 4, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(OpInputError, match=r"out\[1\]: expected memory apart from out\[0\]"):
+        op.with_kvcache(q, kc, vc, lens, k_descale=0.01, v_descale=0.01,
+                        out=(o, o.view(-1).view(torch.float32)[:8].view(2, 4, 1)))  # fmt: skip
+    with pytest.raises(OpInputError, match=r"out\[0\]: expected a tensor that does not require"):
+        op.with_kvcache(q, kc, vc, lens, k_descale=0.01, v_descale=0.01,
+                        out=(torch.zeros_like(o).requires_grad_(), lse))  # fmt: skip
+    res = op.with_kvcache(q, kc, vc, lens, k_descale=0.01, v_descale=0.01, out=(o, lse))
+    assert res[0] is o
+
+
+def test_ragged_bad_last_offset_named_not_max_seqlen_q():
+    """cu_seqlens_q whose last offset runs past q's rows: the error blamed a max_seqlen_q the
+    caller never passed (derived from the bad offsets)."""
+    op = flashgen.load("llama3_gqa")
+    torch.manual_seed(0)
+    kc = torch.randn(3, 2, 48, 128, dtype=torch.bfloat16)
+    q = torch.randn(6, 4, 128, dtype=torch.bfloat16)
+    lens = torch.tensor([5, 20, 48], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 4, 2**31 - 1], dtype=torch.int32)
+    with pytest.raises(OpInputError, match=r"^cu_seqlens_q: expected cu_seqlens_q\[-1\] == 6"):
+        op.with_kvcache(q, kc, kc, lens, cu_seqlens_q=cu)

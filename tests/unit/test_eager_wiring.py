@@ -147,6 +147,7 @@ def test_index_bounds_warning_points_at_the_callers_line(monkeypatch, grad):
     assert w.filename == __file__, w.filename
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_plain_eager_conditions_on_the_cpu():
     """``_plain_eager`` (everything ``_eager_cuda`` asks but the device): plain tensors in
     eager mode yes; a ``torch.jit.trace`` (which must record ``flashgen::<name>``, not the
@@ -175,6 +176,8 @@ def test_plain_eager_conditions_on_the_cpu():
     assert seen == [False]
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated:DeprecationWarning")
 def test_jit_trace_records_the_op():
     """Under ``torch.jit.trace`` ``op.attention`` goes through ``torch.ops.flashgen``."""
     op = build_op(load_spec(REPO / "specs" / "causal_d128.yaml"))

@@ -14,6 +14,7 @@ import torch
 import flashgen
 from flashgen import OpInputError, SpecError, fp8
 from flashgen.bench.verify import fp8_error_bound, outlier_normal, rmse
+from flashgen.fp8 import dequantize, hadamard_matrix, quantize
 from flashgen.frontend.spec import loads_spec
 from flashgen.ops.op import build_op, schema
 from flashgen.ops.reference import attention_reference
@@ -264,10 +265,11 @@ def test_opcheck_and_torch_compile(op):
     def f(q, k, v, a, b, c):
         return op.attention(q, k, v, q_descale=a, k_descale=b, v_descale=c)
 
-    compiled = torch.compile(f, fullgraph=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")  # the op, not inductor
     for got, want in zip(compiled(q8, k8, v8, qd, kd, vd), f(q8, k8, v8, qd, kd, vd), strict=True):
         assert torch.equal(got, want)
-    g = torch.compile(lambda q, k, v, s: op.attention(q, k, v, v_descale=s)[0], fullgraph=True)
+    g = torch.compile(lambda q, k, v, s: op.attention(q, k, v, v_descale=s)[0], fullgraph=True,
+                      backend="aot_eager")  # fmt: skip
     for s in (0.5, 2.0, 3.0):  # a changing float becomes symbolic: the impl checks it
         assert torch.equal(g(q8, k8, v8, s), op.attention(q8, k8, v8, v_descale=s)[0])
     with pytest.raises(OpInputError, match="v_descale: expected finite positive"):
@@ -454,6 +456,112 @@ def test_fp8_specs_plan_forward_units_only(tmp_path):
     assert "q_descale=q_descale" in text and "torch.float8_e4m3fn" in text
     assert "Forward only." in text and "128] (bf16), lse" in text
     compile(text, "llama3_fp8/__init__.py", "exec")
+
+
+# -------------------------------------------------------------------- quantize: tiny and odd inputs
+
+F32_MIN_NORMAL = 2.0**-126
+
+
+def _ones(*shape):
+    return torch.ones(*shape)
+
+@pytest.mark.parametrize("amax", [1e-36, 1e-37, 1e-39])
+def test_quantize_tiny_values_stay_finite_and_exact_enough(amax):
+    """448 / amax overflowed to inf below amax ~5.3e-36: zeros became NaN (0 * inf) and every
+    non-zero entry 448."""
+    q = torch.zeros(1, 1, 1, 64)
+    q[0, 0, 0, :3] = torch.tensor([amax, amax / 2, -amax / 4])
+    q8, _, _, qd, _, _ = quantize(q, _ones(1, 1, 1, 64), _ones(1, 1, 1, 64))
+    assert not q8.float().isnan().any()
+    assert float(qd) >= F32_MIN_NORMAL
+    back = dequantize(q8, qd).double()
+    assert torch.allclose(back, q.double(), rtol=0.07, atol=0.0)
+    assert float(back[0, 0, 0, 3:].abs().max()) == 0.0
+
+
+def test_quantize_normal_values_unchanged():
+    """The clamp leaves ordinary slices as before: amax maps onto 448 exactly."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 8, 64), torch.randn(2, 2, 8, 64), torch.randn(2, 2, 8, 64)
+    q8, _, _, qd, _, _ = quantize(q, k, v)
+    assert float(q8.float().abs().amax()) == 448.0
+    assert torch.allclose(qd, q.abs().amax(dim=(2, 3)).view(2, 2, 2).amax(2) / 448)
+
+
+def test_quantize_generator_not_a_generator():
+    z, zk = torch.zeros(1, 2, 4, 64), torch.zeros(1, 1, 4, 64)
+    with pytest.raises(OpInputError, match=r"generator: expected None or a torch.Generator"):
+        quantize(z, zk, zk, hadamard=True, generator=0)
+
+
+def test_quantize_hadamard_zero_head_dim_names_q():
+    z = torch.zeros(1, 1, 4, 0)
+    with pytest.raises(OpInputError, match=r"^q: hadamard=True needs a power-of-two head_dim"):
+        quantize(z, z, z, hadamard=True)
+
+
+def test_hadamard_matrix_float_size():
+    with pytest.raises(OpInputError, match=r"hadamard: expected a power-of-two int size"):
+        hadamard_matrix(2.0)
+
+
+@pytest.mark.parametrize(
+    "descale, match",
+    [
+        (0.5, r"descale: expected a float32 tensor"),
+        (torch.ones(2), r"descale: expected shape \[batch, heads_kv\]"),
+        (torch.ones(2, 3), r"descale: expected shape \[batch, heads_kv\]"),
+        (torch.ones(3, 2), r"descale: expected shape \[batch, heads_kv\]"),
+        (torch.ones(2, 2, dtype=torch.int32), r"descale: expected a float32 tensor on cpu"),
+    ],
+)
+def test_dequantize_bad_descale(descale, match):
+    with pytest.raises(OpInputError, match=match):
+        dequantize(torch.zeros(2, 4, 8, 64), descale)
+
+
+# ------------------------------------------------------------ op.attention: fp8 descales and dtypes
+def test_fp8_attention_subnormal_descale_tensor_refused_like_a_float():
+    """A Python float descale below the smallest normal float32 was refused, the same value
+    in a tensor accepted (and flushed to zero by the GPU kernel's arithmetic)."""
+    op = flashgen.load("llama3_fp8")
+    q8, k8, v8, qd, kd, vd = quantize(*(torch.randn(1, 2, 4, 128) for _ in range(3)))
+    with pytest.raises(OpInputError, match=r"k_descale: expected finite positive descales"):
+        op.attention(q8, k8, v8, q_descale=qd, k_descale=torch.full((1, 2), 1e-40),
+                     v_descale=vd)  # fmt: skip
+
+
+def test_fp8_attention_matches_float64_on_dequantized_inputs():
+    """An independent float64 computation on inputs dequantized here (GQA, Sq != Sk, causal
+    bottom-right, arbitrary descales)."""
+    op = flashgen.load("llama3_fp8")
+    torch.manual_seed(3)
+    b, hq, hkv, sq, sk, d = 2, 6, 3, 5, 19, 128
+    q8, k8, v8, _, _, _ = quantize(torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d),
+                                   torch.randn(b, hkv, sk, d))  # fmt: skip
+    qd, kd, vd = (torch.rand(b, hkv) * 0.01 + 0.001 for _ in range(3))
+    o, lse = op.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    g = hq // hkv
+    qf = q8.double() * qd.double().repeat_interleave(g, 1)[:, :, None, None]
+    kf = (k8.double() * kd.double()[:, :, None, None]).repeat_interleave(g, 1)
+    vf = (v8.double() * vd.double()[:, :, None, None]).repeat_interleave(g, 1)
+    s = qf @ kf.transpose(-1, -2) / math.sqrt(d)
+    keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+    s = s.masked_fill(~keep, float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    ref = torch.softmax(s, -1) @ vf
+    assert o.dtype == torch.bfloat16
+    assert torch.allclose(o.double(), ref, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_mixed_input_dtypes_name_qs_dtype():
+    """q float32 (CPU), k e4m3: the error said 'expected float8_e4m3fn, got float8_e4m3fn'."""
+    op = flashgen.load("llama3_fp8")
+    q8, k8, v8, *_ = quantize(*(torch.randn(1, 2, 4, 128) for _ in range(3)))
+    with pytest.raises(OpInputError, match=r"^k: expected dtype torch.float32 \(q's dtype"):
+        op.attention(q8.float(), k8, v8)
 
 
 def test_hadamard_head_dim_is_bounded_before_anything_is_allocated(monkeypatch):

@@ -178,3 +178,23 @@ def test_flash_attn_on_cuda_matches_reference():
                      kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
                      None if "alibi_slopes" not in kw else slopes.cpu())  # fmt: skip
         assert (o.double().cpu() - ref).abs().max() < 2e-2
+
+
+def test_the_integrations_internal_specs_raise_no_spec_warning():
+    """The specs flashgen builds for a call (flashgen/integrations/_specs.py) declare the
+    bounds that silence their own warnings: a user never sees a SpecWarning about a spec
+    they did not write."""
+    import itertools
+    import warnings
+
+    from flashgen.frontend.errors import SpecWarning
+    from flashgen.frontend.spec import loads_spec
+    from flashgen.integrations._specs import SpecKey
+
+    for causal, wl, wr, cap, alibi in itertools.product(
+        ("none", "bottom_right", "top_left"), *[(False, True)] * 4
+    ):
+        key = SpecKey(64, 64, "bf16", causal, wl, wr, cap, alibi)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SpecWarning)
+            loads_spec(key.text(), f"{key.name}.yaml")

@@ -20,3 +20,18 @@ def test_load_without_torch_names_the_missing_package(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match="flashgen.load needs PyTorch") as info:
         flashgen.load(SPEC)
     assert info.value.name == "torch"
+
+
+# ----------------------------------------------------------------------- load: the options argument
+@pytest.mark.parametrize("bad", [{"family": "fa2"}, "fa2"])
+def test_load_and_with_options_name_a_bad_options_argument(bad):
+    """``flashgen.load(path, options={"family": "fa2"})`` raised "unhashable type: 'dict'"
+    from the load cache's key, and ``options="fa2"`` (or ``op.with_options("fa2")``) an
+    AttributeError about ``key`` from inside the registration."""
+    import flashgen
+
+    path = "causal_d128"
+    with pytest.raises(TypeError, match=r"options: expected a flashgen.Options.*got (dict|str)"):
+        flashgen.load(path, options=bad)
+    with pytest.raises(TypeError, match=r"options: expected a flashgen.Options.*got (dict|str)"):
+        flashgen.load(path).with_options(bad)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import flashgen
+
 torch = pytest.importorskip("torch")
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
@@ -215,3 +217,43 @@ def test_flash_attn_func_returns_the_tensor_it_allocated(monkeypatch, grad):
         assert q.grad is not None
     else:
         assert res is buf
+
+
+# ------------------------------------------------------------------------- out=: aliasing and views
+def _bf16_inputs(b=2, h=4, s=8, d=128):
+    torch.manual_seed(0)
+    return [torch.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3)]
+
+
+def test_out_with_overlapping_elements_refused():
+    """An as_strided out whose rows share addresses passed (stride 0 only was caught): the
+    kernels would race on the shared elements."""
+    op = flashgen.load("causal_d128")
+    q, k, v = _bf16_inputs()
+    buf = torch.empty(2 * 4 * 8 * 128, dtype=torch.bfloat16)
+    out = buf.as_strided((2, 4, 8, 128), (4 * 8 + 128, 8 + 128, 1, 1))
+    with pytest.raises(OpInputError, match=r"out: expected every element at its own address"):
+        op.attention(q, k, v, out=out)
+
+
+def test_out_ordinary_layouts_still_accepted():
+    op = flashgen.load("causal_d128")
+    q, k, v = _bf16_inputs()
+    ref, _ = op.attention(q, k, v)
+    for out in (torch.empty(2, 4, 8, 128, dtype=torch.bfloat16),
+                torch.empty(2, 8, 4, 128, dtype=torch.bfloat16).transpose(1, 2),
+                torch.empty(2, 4, 8, 256, dtype=torch.bfloat16)[..., 64:192],
+                torch.empty(1, 4, 8, 128, dtype=torch.bfloat16).expand(1, 4, 8, 128)):  # fmt: skip
+        qq, kk, vv = (t[: out.shape[0]] for t in (q, k, v))
+        o, _ = op.attention(qq, kk, vv, out=out)
+        assert o is out
+        assert torch.equal(out, ref[: out.shape[0]])
+
+
+def test_out_negated_view_refused():
+    """A lazily negated view crashed inside torch (INTERNAL ASSERT in MathBitsFallback)."""
+    op = flashgen.load("causal_d128")
+    q, k, v = _bf16_inputs()
+    out = torch.empty(2, 4, 8, 128, dtype=torch.bfloat16)._neg_view()
+    with pytest.raises(OpInputError, match=r"out: expected a tensor whose memory holds"):
+        op.attention(q, k, v, out=out)

@@ -457,3 +457,27 @@ def test_a_scalar_param_tensor_that_requires_grad_is_refused(ops):
     o, _ = op.attention(q, k, v, softcap=softcap.detach())
     o2, _ = op.attention(q, k, v, softcap=30.0)
     assert torch.equal(o, o2)
+
+
+# ----------------------------------------------------------------------------- family_for: devices
+@pytest.mark.parametrize("dev", [(9, "x"), ("9.0",), (90,), (None,), (9.0, 0), None, "sm_90", 90,
+                                 (True, 0)])  # fmt: skip
+def test_family_for_malformed_device(dev):
+    """TypeError / RuntimeError from int() or torch.device before."""
+    with pytest.raises(OpInputError, match=r"^device: expected"):
+        flashgen.load("causal_d128").family_for(dev)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_family_for_cuda_without_gpu():
+    """An AssertionError from torch ('Torch not compiled with CUDA enabled') before."""
+    with pytest.raises(OpInputError, match=r"torch sees no CUDA GPU here"):
+        flashgen.load("causal_d128").family_for("cuda")
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])
+def test_family_for_fp8_off_hopper_names_the_capability(cap):
+    """The message said 'got target sm_80' for a 10.0 / 12.0 GPU."""
+    with pytest.raises(RuntimeError, match=rf"compute capability {cap[0]}\.{cap[1]}: .* 9\.0"):
+        flashgen.load("llama3_fp8").family_for(cap)
+    assert flashgen.load("llama3_fp8").family_for([9, 0]).forward == "hopper_fwd"
