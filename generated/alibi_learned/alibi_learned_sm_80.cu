@@ -12,11 +12,7 @@
 //   acc_o     O = P V accumulator, fp32, rescaled lazily, divided by row_sum once at the end
 //   row_max   running max of the log2-domain scores; row_sum running sum of exp2(x - row_max)
 // Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).  Without a score_mod
-// (fold_scale) acc_s keeps the raw q.k (its row max is taken raw) and log2(e) * softmax_scale is applied
-// in P's exponent.  P = exp2(x - max) with x rounded exactly as the max was (so the max's P is 1), not
-// FA2's exp2(fma(s, scale, -max * scale)): that FFMA's single rounding left a residual of up to half an
-// ulp of the max, which at logits near 1e11 (an ulp of 2^14) overflowed P to inf (o NaN) or flushed the
-// max's P to 0 (issue 38); likewise the affine score_mod's x = acc_s + aff_d, not acc_s - (max - aff_d).
+// (fold_scale) acc_s keeps the raw q.k and log2(e) * softmax_scale is folded into exp2's FFMA (as FA2).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
 // Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
 // arithmetic over the mask; EMPTY key blocks are never loaded (fg::iv::prev_live finds the next live one,
@@ -86,6 +82,10 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
+// The exponent of a backward's P = exp2(x - lse): at most 0 (P <= 1), NaN kept.  x - lse <= 0 in exact
+// arithmetic, but at huge logits (1e11) lse's round trip through the natural log and a contracted FFMA leave a
+// residual of up to half an ulp of lse (+-2^13), whose exp2 overflowed P to inf (dS NaN).
+__device__ __forceinline__ float capped_exponent(float d) { return d > 0.f ? 0.f : d; }
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -85,6 +85,10 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
+// The exponent of a backward's P = exp2(x - lse): at most 0 (P <= 1), NaN kept.  x - lse <= 0 in exact
+// arithmetic, but at huge logits (1e11) lse's round trip through the natural log and a contracted FFMA leave a
+// residual of up to half an ulp of lse (+-2^13), whose exp2 overflowed P to inf (dS NaN).
+__device__ __forceinline__ float capped_exponent(float d) { return d > 0.f ? 0.f : d; }
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -651,11 +655,6 @@ constexpr uint32_t SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr bool IS_CAUSAL = false;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
-// |row max| (log2 units) from which P = exp2(x - max) is computed with the scaled score rounded
-// first (one more instruction per element): below it the folded FFMA's single rounding leaves a
-// residual of at most half an ulp of the max (1 at 2^24), above it that residual could reach
-// +-2^13 at logits near 1e11 and exp2 of it overflow to inf (o NaN) or flush the max to 0.
-constexpr float EXACT_SOFTMAX_BASE = 16777216.f;
 using elem_t = __nv_bfloat16;
 using Mma = fg::MmaOp<elem_t>;
 static_assert(BLOCK_M == 64 * NUM_CONSUMERS && BLOCK_N % 16 == 0 && HEAD_DIM % 64 == 0, "tile shape");
@@ -952,32 +951,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_learned_
             for (int j = 0; j < NS; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            // a fully masked row so far stays at 0; __fmul_rn: never contracted into a use of base
-            const float base = mx == -INFINITY ? 0.f : __fmul_rn(mx, LOG2E);
-            // __fmul_rn: the old max scaled as base was (a contracted FFMA's residual overflows exp2 at huge maxima)
-            alpha[r] = fg::exp2_approx(__fmul_rn(row_max[r], LOG2E) - base);
+            const float base = mx == -INFINITY ? 0.f : mx * LOG2E;  // a fully masked row so far stays at 0
+            alpha[r] = fg::exp2_approx(row_max[r] * LOG2E - base);
             row_max[r] = mx;
             float sum = 0.f;
-            if (fabsf(base) < EXACT_SOFTMAX_BASE) {
+            #pragma unroll
+            for (int j = 0; j < NS; ++j)
                 #pragma unroll
-                for (int j = 0; j < NS; ++j)
-                    #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = fg::exp2_approx(fmaf(acc_s[4 * j + 2 * r + e], LOG2E, -base));
-                        acc_s[4 * j + 2 * r + e] = p;
-                        sum += p;
-                    }
-            } else {  // a huge row max: x * LOG2E rounded as the max was (__fmul_rn: not contracted), so P <= 1
-                #pragma unroll
-                for (int j = 0; j < NS; ++j)
-                    #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = acc_s[4 * j + 2 * r + e];
-                        const float p = fg::exp2_approx(__fmul_rn(x, LOG2E) - base);
-                        acc_s[4 * j + 2 * r + e] = p;
-                        sum += p;
-                    }
-            }
+                for (int e = 0; e < 2; ++e) {
+                    const float p = fg::exp2_approx(fmaf(acc_s[4 * j + 2 * r + e], LOG2E, -base));
+                    acc_s[4 * j + 2 * r + e] = p;
+                    sum += p;
+                }
             row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
     };
