@@ -62,6 +62,11 @@ _KEY_BLOCK = 128
 _PARAM_DTYPE = {ir.Ty.F32: torch.float32, ir.Ty.I32: torch.int32}
 
 
+#: The dtype of torch's fused CPU kernels' chunks here: the float32 compute of inputs that are
+#: not float64 (float64 inputs, for gradcheck, take the blocked path).
+_FUSED_DTYPE = torch.float32
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the CPU op computes in for inputs of ``dtype``: float64 for float64, else
     float32 (also the dtype of its lse)."""
@@ -214,8 +219,8 @@ def _chunk_bias(spec, env, b, hq, hkv, q0, q1, k0, k1, full):
         keep = keep.repeat(1, 1, hq // hkv, 1) if hq != hkv else keep
     else:
         keep = keep.expand(keep.shape[0], hq, c, n).reshape(keep.shape[0], hkv, -1, n)
-    zero = torch.zeros((), dtype=_COMPUTE, device=dev)
-    return torch.where(keep, zero, torch.full((), -math.inf, dtype=_COMPUTE, device=dev)), dead
+    zero = torch.zeros((), dtype=_FUSED_DTYPE, device=dev)
+    return torch.where(keep, zero, torch.full((), -math.inf, dtype=_FUSED_DTYPE, device=dev)), dead
 
 
 def _fused_forward(spec, env, q, kf, vf, ranges, softmax_scale, o, lse):
@@ -248,7 +253,7 @@ def _fused_backward(spec, env, dout, q, kf, vf, ranges, softmax_scale, o, lse, d
             continue
         c = q1 - q0
         bias, _ = _chunk_bias(spec, env, b, hq, hkv, q0, q1, k0, k1, full)
-        ls = lse[:, :, q0:q1].to(_COMPUTE)
+        ls = lse[:, :, q0:q1].to(_FUSED_DTYPE)
         ls = torch.where(torch.isfinite(ls), ls, torch.full_like(ls, math.inf))  # P = 0 there
         qs = _stack_queries(q, q0, q1, hkv)
         g = _stack_queries(dout, q0, q1, hkv)
@@ -305,7 +310,7 @@ def attention_blocked(
     env, ranges = _setup(spec, q, k, params, batch_offset)
     with torch.no_grad():
         kf, vf = k.to(cdt), v.to(cdt)
-        if _fused(spec) and cdt == _COMPUTE:
+        if _fused(spec) and cdt == _FUSED_DTYPE:
             _fused_forward(spec, env, q, kf, vf, ranges, softmax_scale, o, lse)
             return o, lse
         for q0, q1, k0, k1, full in ranges:
@@ -348,7 +353,7 @@ def attention_blocked_backward(
     dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
     dparams = {n: _zero_grad(spec, n, params, cdt, q.device) for n in param_grads}
     terms = {n: param_grad_terms(spec.score_mod, n) for n in param_grads}
-    fused = _fused(spec) and cdt == _COMPUTE and not param_grads
+    fused = _fused(spec) and cdt == _FUSED_DTYPE and not param_grads
     if q.numel() and k.numel() and fused and dlse is None and lse is not None:
         env, ranges = _setup(spec, q, k, params, batch_offset)
         kf, vf = k.detach().to(cdt), v.detach().to(cdt)

@@ -446,14 +446,16 @@ def test_fast_check_never_accepts_what_the_full_check_refuses_property(ops):
     check()
 
 
-def test_a_scalar_param_tensor_that_requires_grad_is_refused(ops):
-    """A 0-d CPU tensor is read with .item(), which dropped its gradient silently (tensor
-    params raise for requires_grad; so do scalars now)."""
+def test_a_scalar_param_tensor_that_requires_grad_gets_its_gradient(ops):
+    """A 0-d tensor for a scalar param is read with .item() for the kernels; one that
+    requires grad gets its gradient (tests/unit/test_param_grads.py checks the values), and a
+    detached one computes what the plain float does."""
     op = ops["gemma2_softcap"]
     q, k, v, _ = make(op.spec)
     softcap = torch.tensor(30.0, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="scalar param 'softcap'.*softcap.detach"):
-        op.attention(q, k, v, softcap=softcap)
+    o, _ = op.attention(q, k, v, softcap=softcap)
+    o.float().sum().backward()
+    assert softcap.grad is not None and torch.isfinite(softcap.grad) and softcap.grad != 0
     o, _ = op.attention(q, k, v, softcap=softcap.detach())
     o2, _ = op.attention(q, k, v, softcap=30.0)
     assert torch.equal(o, o2)
