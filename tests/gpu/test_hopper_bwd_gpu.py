@@ -241,20 +241,27 @@ def test_empty_rows_give_zero_dq(d):
     assert not q.grad.isnan().any()
 
 
+def repeated_backward(op, spec, shape, deterministic, *, seed, runs=5):
+    """Five backwards of ``op`` on one random problem ``shape`` (B, Hq, Hkv, Sq, Sk): q, k, v,
+    dO and the list of (dq, dk, dv) of each run."""
+    b, hq, hkv, sq, sk = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, _ = random_inputs(spec, b, hq, hkv, sq, sk, torch.device("cuda"), gen)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    do = torch.randn(b, hq, sq, spec.head_dim_v, device="cuda", generator=gen).to(q.dtype)
+    grads = []
+    for _ in range(runs):
+        q.grad = k.grad = v.grad = None
+        op.attention(q, k, v, deterministic=deterministic)[0].backward(do)
+        grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    return q, k, v, do, grads
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_dk_dv_reproducible_dq_close(d):
     """dk, dv bitwise equal run to run (one owner per element); dq within fp32 reordering."""
     spec = hb_spec(d, "bf16", True)
-    op = build_op(spec)
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    q, k, v, _ = random_inputs(spec, 1, 8, 2, 1000, 1000, torch.device("cuda"), gen)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    do = torch.randn(1, 8, 1000, d, device="cuda", generator=gen).to(q.dtype)
-    grads = []
-    for _ in range(5):
-        q.grad = k.grad = v.grad = None
-        op.attention(q, k, v, deterministic=False)[0].backward(do)
-        grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    *_, grads = repeated_backward(build_op(spec), spec, (1, 8, 2, 1000, 1000), False, seed=11)
     for g in grads[1:]:
         assert torch.equal(g[1], grads[0][1]) and torch.equal(g[2], grads[0][2])
         scale = grads[0][0].float().abs().max().item()
@@ -269,15 +276,7 @@ def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, causal):
     than one wave of CTAs), each within the 2x rule of the float64 reference."""
     spec = hb_spec(d, "bf16", causal)
     op = gpu_options.build(spec, gpu_options.options({"hopper_bwd.ordered_dq": True}))
-    gen = torch.Generator(device="cuda").manual_seed(13)
-    q, k, v, _ = random_inputs(spec, 2, 8, 2, 1000, 4097, torch.device("cuda"), gen)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    do = torch.randn(2, 8, 1000, d, device="cuda", generator=gen).to(q.dtype)
-    grads = []
-    for _ in range(5):
-        q.grad = k.grad = v.grad = None
-        op.attention(q, k, v, deterministic=True)[0].backward(do)
-        grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=13)
     assert (torch.cuda.current_device(), "hopper_ordered") in op.backward._kernels
     for g in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
