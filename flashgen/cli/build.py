@@ -99,7 +99,8 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
             if unit == "bwd_wgmma" and not res.plan.wgmma:
                 res.note = (
-                    "the Hopper (wgmma) backward spills in every dQ variant; the op falls back "
+                    "the Hopper (wgmma) backward spills (its consumers have 240 registers); the "
+                    "op falls back "
                     f"to the FA2-class kernels ({res.plan.dkdv.template}), whose numbers this "
                     "row shows"
                 )

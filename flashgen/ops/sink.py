@@ -70,9 +70,24 @@ def apply_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.
     """``o * sigmoid(lse - sink)``: the attention over the keys alone (``o``, ``lse``) with
     the sink joined to its denominator, in o's dtype (computed in lse's float32 / float64).
 
-    ``o [..., S, Dv]`` with ``lse [..., S]`` and ``sink`` broadcastable to lse (``[B, H, 1]``
-    for the padded layout; per row for the varlen one).  Differentiable in all three."""
-    scale = torch.sigmoid(lse - sink.to(lse.dtype))
+    ``o [..., S, Dv]`` with ``lse [..., S]``; ``sink`` one logit per head or per (batch,
+    head), the spec param's own shape (``[H]``, ``[B, H]``; 0-d: one for all), applied to
+    every row; or lse's rank, broadcastable to it (``[B, H, 1]``; per row ``[H, total_q]``
+    for the varlen layout).  Differentiable in all three.  Raises :class:`OpInputError`
+    naming ``sink`` when its shape fits none of these."""
+    from flashgen.frontend.errors import OpInputError
+
+    s = sink if sink.dim() == lse.dim() else sink.reshape(*sink.shape, 1)
+    try:
+        ok = sink.dim() <= lse.dim() and torch.broadcast_shapes(s.shape, lse.shape) == lse.shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise OpInputError(
+            f"sink: expected one logit per head or (batch, head) ([H], [B, H]) or a shape "
+            f"broadcastable to lse {list(lse.shape)}, got {list(sink.shape)}"
+        )
+    scale = torch.sigmoid(lse - s.to(lse.dtype))
     return (o.to(lse.dtype) * scale.unsqueeze(-1)).to(o.dtype)
 
 

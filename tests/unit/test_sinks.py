@@ -254,3 +254,21 @@ def test_a_direct_sink_read_equals_the_evaluated_expression(subs, shape):
     (ga,) = torch.autograd.grad(a.sum(), t)
     (gb,) = torch.autograd.grad(b.sum(), t)
     torch.testing.assert_close(ga, gb)
+
+
+def test_apply_sink_takes_the_params_own_shape_whatever_the_row_count():
+    """``apply_sink(o, lse, sinks)`` with the sink param's ``[H]`` (or ``[B, H]``) is one
+    logit per head for every row, also when the row count equals H (it broadcast along the
+    rows there once); other shapes raise naming ``sink``."""
+    from flashgen.frontend.errors import OpInputError
+
+    gen = torch.Generator().manual_seed(3)
+    for sq in (4, 7):
+        o = torch.randn(2, 4, sq, 8, generator=gen)
+        lse = torch.randn(2, 4, sq, generator=gen)
+        sinks = torch.randn(4, generator=gen)
+        want = apply_sink(o, lse, sinks.view(1, 4, 1))
+        torch.testing.assert_close(apply_sink(o, lse, sinks), want)
+        torch.testing.assert_close(apply_sink(o, lse, sinks.expand(2, 4)), want)
+        with pytest.raises(OpInputError, match="sink: expected one logit per head"):
+            apply_sink(o, lse, torch.randn(3))
