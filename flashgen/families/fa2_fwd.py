@@ -24,8 +24,8 @@ TEMPLATE = "sm_80/fwd.cu.j2"
 #: runtime loop with a remainder inside the main loop).  ``fwd_hoisted_swizzle``:
 #: ldmatrix addresses as a per-lane offset XORed with constants (as CuTe's swizzled
 #: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw (its row max taken raw)
-#: and log2(e) * softmax_scale is applied in P's exponent, rounded as the max was (FA2's
-#: ``scale_apply_exp2`` FFMA overflowed P at logits near 1e11: issue 38).
+#: and log2(e) * softmax_scale is folded into P's exponent (FA2's ``scale_apply_exp2`` FFMA;
+#: at logits near 1e11 its residual overflows P: issue 38, pending).
 #: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
 #: around the multiplies; off until measured).  ``fwd_even_loads``: with unrolled loads, a
 #: tile wholly inside the sequence is loaded without per-row checks and selects (FA2's

@@ -82,10 +82,6 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
-// The exponent of a backward's P = exp2(x - lse): at most 0 (P <= 1), NaN kept.  x - lse <= 0 in exact
-// arithmetic, but at huge logits (1e11) lse's round trip through the natural log and a contracted FFMA leave a
-// residual of up to half an ulp of lse (+-2^13), whose exp2 overflowed P to inf (dS NaN).
-__device__ __forceinline__ float capped_exponent(float d) { return d > 0.f ? 0.f : d; }
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

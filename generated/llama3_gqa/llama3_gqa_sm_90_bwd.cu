@@ -84,10 +84,6 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
-// The exponent of a backward's P = exp2(x - lse): at most 0 (P <= 1), NaN kept.  x - lse <= 0 in exact
-// arithmetic, but at huge logits (1e11) lse's round trip through the natural log and a contracted FFMA leave a
-// residual of up to half an ulp of lse (+-2^13), whose exp2 overflowed P to inf (dS NaN).
-__device__ __forceinline__ float capped_exponent(float d) { return d > 0.f ? 0.f : d; }
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -776,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_llama3_g
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
                 // lse is -inf only on rows that attend to nothing, where keep is false everywhere.
-                const float p = keep ? fg::exp2_approx(fg::capped_exponent(x - lse_s[qi] * LOG2E)) : 0.f;
+                const float p = keep ? fg::exp2_approx(x - lse_s[qi] * LOG2E) : 0.f;
                 acc_s[nt][i] = p;
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - dsum_s[qi]) * g;
             }
@@ -796,7 +792,7 @@ extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, 1) flashgen_llama3_g
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
                 // lse is -inf only on rows that attend to nothing, where keep is false everywhere.
-                const float p = keep ? fg::exp2_approx(fg::capped_exponent(x - lse_s[qi] * LOG2E)) : 0.f;
+                const float p = keep ? fg::exp2_approx(x - lse_s[qi] * LOG2E) : 0.f;
                 acc_s[nt][i] = p;
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - dsum_s[qi]) * g;
             }
@@ -948,7 +944,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_llama3_g
                 const float g = keep ? 1.f : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
-                const float p = fg::exp2_approx(fg::capped_exponent(x - row_lse[i / 2]));
+                const float p = fg::exp2_approx(x - row_lse[i / 2]);
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
             }
         } else {
@@ -965,7 +961,7 @@ extern "C" __global__ void __launch_bounds__(DQ_WARPS * 32, 1) flashgen_llama3_g
                 const float g = keep ? 1.f : 0.f;
                 (void)q_idx; (void)kv_idx; (void)q_idx_f; (void)kv_idx_f; (void)g;
 
-                const float p = fg::exp2_approx(fg::capped_exponent(x - row_lse[i / 2]));
+                const float p = fg::exp2_approx(x - row_lse[i / 2]);
                 acc_dp[nt][i] = p * (acc_dp[nt][i] - row_dsum[i / 2]) * g;
             }
         }

@@ -83,10 +83,6 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
-// The exponent of a backward's P = exp2(x - lse): at most 0 (P <= 1), NaN kept.  x - lse <= 0 in exact
-// arithmetic, but at huge logits (1e11) lse's round trip through the natural log and a contracted FFMA leave a
-// residual of up to half an ulp of lse (+-2^13), whose exp2 overflowed P to inf (dS NaN).
-__device__ __forceinline__ float capped_exponent(float d) { return d > 0.f ? 0.f : d; }
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -481,15 +477,12 @@ __host__ __device__ __forceinline__ Range split_range(int n_lo, int n_hi, int nu
 }
 
 // Exact merge of n partial results by their log-sum-exps (natural log), FlashAttention's
-// flash_fwd_combine: m = max lse_i, s = sum exp(lse_i - m), lse = m + log(s); the weight of partial
-// i is exp(lse_i - m) / s.  Normalized by s itself, not as exp(lse_i - lse): at huge lse (logits
-// near 1e11, an ulp of 2^14) log(s) is lost in lse's rounding, and two equal splits then had weight
-// 1 each (o doubled).  All -inf (no key anywhere): lse = -inf, every weight 0.  A NaN partial (a NaN
+// flash_fwd_combine: m = max lse_i, lse = m + log(sum exp(lse_i - m)); the weight of partial i is
+// exp(lse_i - lse).  All -inf (no key anywhere): lse = -inf, every weight 0.  A NaN partial (a NaN
 // key or value in its live range) makes lse NaN and so every weight and o NaN, as one split would:
 // fmaxf alone drops NaN, which once turned a NaN split into an empty one (o = 0, lse = -inf) and
 // made the result depend on num_splits.  Fixed order.
-struct Merged { float m, sum, lse; };
-__host__ __device__ __forceinline__ Merged merge_stats(const float* lse, int n, long long stride) {
+__host__ __device__ __forceinline__ float merged_lse(const float* lse, int n, long long stride) {
     float m = -INFINITY;
     bool nan = false;
     for (int i = 0; i < n; ++i) {
@@ -497,17 +490,14 @@ __host__ __device__ __forceinline__ Merged merge_stats(const float* lse, int n, 
         nan = nan || x != x;
         m = fmaxf(m, x);
     }
-    if (nan) return {NAN, NAN, NAN};
-    if (m == -INFINITY) return {-INFINITY, 0.f, -INFINITY};
+    if (nan) return NAN;
+    if (m == -INFINITY) return -INFINITY;
     float sum = 0.f;
     for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);
-    return {m, sum, m + logf(sum)};
+    return m + logf(sum);
 }
-__host__ __device__ __forceinline__ float merged_lse(const float* lse, int n, long long stride) {
-    return merge_stats(lse, n, stride).lse;
-}
-__host__ __device__ __forceinline__ float merge_weight(float lse_i, const Merged& s) {
-    return s.lse == -INFINITY ? 0.f : expf(lse_i - s.m) / s.sum;
+__host__ __device__ __forceinline__ float merge_weight(float lse_i, float lse) {
+    return lse == -INFINITY ? 0.f : expf(lse_i - lse);
 }
 
 }  // namespace dec
@@ -946,10 +936,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) flashgen_
     }
     __syncthreads();
     if (threadIdx.x < BLOCK_M) {
-        const fg::dec::Merged l = fg::dec::merge_stats(s_w + threadIdx.x, eff_splits, BLOCK_M);
+        const float l = fg::dec::merged_lse(s_w + threadIdx.x, eff_splits, BLOCK_M);
         for (int sp = 0; sp < eff_splits; ++sp)
             s_w[sp * BLOCK_M + threadIdx.x] = fg::dec::merge_weight(s_w[sp * BLOCK_M + threadIdx.x], l);
-        s_lse[threadIdx.x] = l.lse;
+        s_lse[threadIdx.x] = l;
     }
     __syncthreads();
     // o = sum_sp w_sp o_sp, in split order; every (row, column group) of a thread loads in the same step,

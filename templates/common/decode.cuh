@@ -35,15 +35,12 @@ __host__ __device__ __forceinline__ Range split_range(int n_lo, int n_hi, int nu
 }
 
 // Exact merge of n partial results by their log-sum-exps (natural log), FlashAttention's
-// flash_fwd_combine: m = max lse_i, s = sum exp(lse_i - m), lse = m + log(s); the weight of partial
-// i is exp(lse_i - m) / s.  Normalized by s itself, not as exp(lse_i - lse): at huge lse (logits
-// near 1e11, an ulp of 2^14) log(s) is lost in lse's rounding, and two equal splits then had weight
-// 1 each (o doubled).  All -inf (no key anywhere): lse = -inf, every weight 0.  A NaN partial (a NaN
+// flash_fwd_combine: m = max lse_i, lse = m + log(sum exp(lse_i - m)); the weight of partial i is
+// exp(lse_i - lse).  All -inf (no key anywhere): lse = -inf, every weight 0.  A NaN partial (a NaN
 // key or value in its live range) makes lse NaN and so every weight and o NaN, as one split would:
 // fmaxf alone drops NaN, which once turned a NaN split into an empty one (o = 0, lse = -inf) and
 // made the result depend on num_splits.  Fixed order.
-struct Merged { float m, sum, lse; };
-__host__ __device__ __forceinline__ Merged merge_stats(const float* lse, int n, long long stride) {
+__host__ __device__ __forceinline__ float merged_lse(const float* lse, int n, long long stride) {
     float m = -INFINITY;
     bool nan = false;
     for (int i = 0; i < n; ++i) {
@@ -51,17 +48,14 @@ __host__ __device__ __forceinline__ Merged merge_stats(const float* lse, int n, 
         nan = nan || x != x;
         m = fmaxf(m, x);
     }
-    if (nan) return {NAN, NAN, NAN};
-    if (m == -INFINITY) return {-INFINITY, 0.f, -INFINITY};
+    if (nan) return NAN;
+    if (m == -INFINITY) return -INFINITY;
     float sum = 0.f;
     for (int i = 0; i < n; ++i) sum += expf(lse[i * stride] - m);
-    return {m, sum, m + logf(sum)};
+    return m + logf(sum);
 }
-__host__ __device__ __forceinline__ float merged_lse(const float* lse, int n, long long stride) {
-    return merge_stats(lse, n, stride).lse;
-}
-__host__ __device__ __forceinline__ float merge_weight(float lse_i, const Merged& s) {
-    return s.lse == -INFINITY ? 0.f : expf(lse_i - s.m) / s.sum;
+__host__ __device__ __forceinline__ float merge_weight(float lse_i, float lse) {
+    return lse == -INFINITY ? 0.f : expf(lse_i - lse);
 }
 
 }  // namespace dec
