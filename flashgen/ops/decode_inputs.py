@@ -268,7 +268,8 @@ def validate_decode(
                 raise OpInputError(f"{name}: expected stride(-1) == 1, got {list(t.stride())}")
     if q.numel() > 0 and q.stride(-1) != 1:
         raise OpInputError(f"q: expected stride(-1) == 1, got strides {list(q.stride())}")
-    check_aliasing(k_cache, v_cache, k_new, v_new)
+    # a v_from_k spec's v_cache / v_new are views of k_cache / k_new: its append writes K alone
+    check_aliasing(k_cache, v_cache, k_new, None if spec.v_from_k else v_new)
     if q.is_cuda:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if _addresses_readable(t) and not _aligned_16(t):
@@ -281,16 +282,6 @@ def validate_decode(
     return DecodeDims(
         batch, hq, hkv, sq, spec.head_dim_v, paged, num_pages, page_size, max_pages,
         k_new is not None, cache_dtype=cache_dtype,
-    )  # fmt: skip
-
-
-def _column_prefix(v, k) -> bool:
-    """Whether ``v`` is a view of ``k``'s first columns (same start, strides and leading dims;
-    fewer columns): a ``v_from_k`` spec's values (:func:`flashgen.ops.decode.latent_values`)."""
-    return (
-        isinstance(v, torch.Tensor) and isinstance(k, torch.Tensor) and v.dim() == k.dim()
-        and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()
-        and v.shape[:-1] == k.shape[:-1] and v.shape[-1] < k.shape[-1]
     )  # fmt: skip
 
 
@@ -313,8 +304,6 @@ def check_aliasing(k_cache, v_cache, k_new=None, v_new=None) -> None:
         isinstance(t, torch.Tensor) and _addresses_readable(t) for t in given
     ):
         return
-    if _column_prefix(v_cache, k_cache) and _column_prefix(v_new, k_new):
-        v_new = None  # a v_from_k call (MLA): the values are the keys' first columns
     written = [("k_cache", k_cache)] + ([("v_cache", v_cache)] if v_new is not None else [])
     for name, t in written:
         if t.numel() and self_overlapping(t):
@@ -560,7 +549,7 @@ def validate_decode_ragged(
                 )
             if t.numel() > 0 and t.stride(-1) != 1:
                 raise OpInputError(f"{name}: expected stride(-1) == 1, got {list(t.stride())}")
-        check_aliasing(k_cache, v_cache, k_new, v_new)
+        check_aliasing(k_cache, v_cache, k_new, None if spec.v_from_k else v_new)
     return replace(dims, seqlen_q=int(max_seqlen_q), total_q=total_q, append=k_new is not None)
 
 
