@@ -66,7 +66,7 @@ import torch
 from flashgen.analysis.derive import grad_refusal, reads_param
 from flashgen.codegen.abi import needs_block_table
 from flashgen.families import registry
-from flashgen.frontend.errors import OpInputError
+from flashgen.frontend.errors import OpInputError, ParamGradFallbackWarning
 from flashgen.frontend.ir import Spec
 from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
 from flashgen.ops.validation import _SCHEMA_TYPE, target_for_device, validate
@@ -169,11 +169,6 @@ def param_grad_flags(spec: Spec, requires: dict) -> list[bool]:
         check_param_grad(spec, n)
     flagged = [n for n in requires if reads_param(spec.score_mod, n)]
     return [p.name in flagged for p in spec.params] if flagged else []
-
-
-class ParamGradFallbackWarning(RuntimeWarning):
-    """A CUDA backward computed param gradients with the blocked torch backward
-    (:func:`cuda_param_backward`) because the kernels do not accumulate them yet."""
 
 
 _WARNED: set[str] = set()
