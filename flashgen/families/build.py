@@ -117,10 +117,11 @@ def build_backward(
     before the next tiles (``options.side_terms`` False: never).  Raises like
     :func:`build_forward`."""
     if hopper:
-        plan = registry.plan_hopper_backward(spec, target, options, ordered_dq=ordered_dq)
-        cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
-        if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
-            return plan, cubin, report
+        for o in _hopper_backward_candidates(spec, options):
+            plan = registry.plan_hopper_backward(spec, target, o, ordered_dq=ordered_dq)
+            cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
+            if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
+                return plan, cubin, report
     use_terms = options.side_terms
     for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
         kernels = set(BACKWARD_SIDE_TERM_KERNELS) if use_terms else set()
@@ -137,6 +138,16 @@ def build_backward(
                 break  # no kernel with terms spilled: the same kernels again
             kernels -= {role for role, _ in spilled}
     return plan, cubin, report
+
+
+def _hopper_backward_candidates(spec, options: Options) -> list[Options]:
+    """The Hopper backward's options to try in order: ``options``, then at head_dim 64 with
+    ``hopper_bwd.d64_block_m`` 64 (the 128-query steps hold S^T and dP^T of 128 queries in
+    registers, which a score_mod reading a table can push past the consumers' 240)."""
+    out = [options]
+    if spec.head_dim == 64 and options.hopper_bwd.d64_block_m != 64:
+        out.append(replace(options, hopper_bwd=replace(options.hopper_bwd, d64_block_m=64)))
+    return out
 
 
 def _term_kernels(plan: BackwardPlan) -> set[tuple[str, str]]:

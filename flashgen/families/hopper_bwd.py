@@ -4,7 +4,7 @@ holds its knobs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashgen.codegen.abi import KernelArg, TmaArg, needs_block_table
 from flashgen.codegen.dtypes import dtype
@@ -31,6 +31,8 @@ STAGES = 2
 #: 24 x 128 + 240 x 256 = 168 x 384, what ``__launch_bounds__(384, 1)`` gives the CTA.
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+#: Query rows per step the head-dim-64 layout takes (``Options.d64_block_m``).
+D64_BLOCK_MS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,22 @@ class Options:
     """Knobs of the Hopper backward: ``head_groups`` (the CTAs take (batch, KV head) pairs in
     L2 head groups; False: in order); ``ordered_dq`` (a ``deterministic=True`` backward of a
     spec :func:`ordered_eligible` accepts runs this kernel with dQ added in a fixed order,
-    :func:`plan`'s ``ordered_dq``, instead of the FA2-class deterministic kernels; not yet
-    the default: it has not run on a GPU)."""
+    :func:`plan`'s ``ordered_dq``, instead of the FA2-class deterministic kernels);
+    ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
+    gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows, FlashAttention-3's
+    128 x 128 tile for hdim 64)."""
 
     head_groups: bool = True
     ordered_dq: bool = False
+    d64_block_m: int = 64
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
+        if self.d64_block_m not in D64_BLOCK_MS:
+            raise ValueError(
+                f"Options.hopper_bwd.d64_block_m={self.d64_block_m!r}: expected one of "
+                f"{list(D64_BLOCK_MS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class Context(BackwardContext):
     tt_ns: list
     bwd_tile_group: str
     ordered_dq: bool
+    dq_rows_split: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -163,6 +174,8 @@ def plan(
     split_d = d > 128  # see HOPPER_BWD_TILES_SPLIT_D
     t = HOPPER_BWD_TILES_SPLIT_D if split_d else HOPPER_BWD_TILES
     abi = backward_abi(spec, atomic_dq=True)
+    if d == 64 and options.d64_block_m != t.dkdv_block_m:
+        t = replace(t, dkdv_block_m=options.d64_block_m)
     block_m, block_n = t.dkdv_block_m, t.dkdv_block_n
     warps = t.dkdv_warps + 4  # the producer warpgroup after the consumers
     threads = 32 * warps
@@ -197,6 +210,7 @@ def plan(
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
         ordered_dq=ordered_dq,
+        dq_rows_split=d == 64 and block_m == 128,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

@@ -1,7 +1,7 @@
 {#- Device helpers of the Hopper backward (templates/sm_90/bwd.cu.j2), included where they are used: async
     copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
     the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
-    Rendered by Jinja (tt_ns, split_d, dkv_n, mma_t). -#}
+    Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t). -#}
 namespace fg {
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
@@ -73,19 +73,26 @@ __device__ __forceinline__ void red_add_dq(float* dq_row, const float (&acc)[N],
         }
     }
 }
-// 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory with the 128-byte
-// swizzle: frag[kk][t] holds row `row` + 8 (t % 2) (row % 8 == lane / 4), the 16-byte chunk chunk0 + 2 kk + t / 2
-// of the row's 128 bytes, at byte (lane % 4) * 2 * ELEM_BYTES in it (a 32-bit register holds an element pair).
+// One 32-bit register of a 16-bit A fragment (an element pair) to shared memory with the 128-byte swizzle: in the
+// column box at base + box_offset, row `row` (row % 8 == lane / 4), the 16-byte chunk `chunk` (< 8) of the row, at
+// byte (lane % 4) * 2 * ELEM_BYTES in it.
+template <int ELEM_BYTES>
+__device__ __forceinline__ void st_pair_swizzled(uint32_t base, uint32_t box_offset, int row, int chunk, int lane, uint32_t pair) {
+    const uint32_t off = box_offset + row * 128 + ((chunk ^ (lane / 4)) << 4) + (lane % 4) * 2 * ELEM_BYTES;
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(base + off), "r"(pair) : "memory");
+}
+// 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory: frag[kk][t] holds row
+// `row` + 8 (t % 2) and the chunk chunk0 + 2 kk + t / 2 of the row's 128 bytes (st_pair_swizzled); rows wider than
+// 128 bytes (KK > 4, chunk0 = 0) continue in the next column box, box_bytes further.
 template <int ELEM_BYTES, int KK>
-__device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chunk0, const uint32_t (&frag)[KK][4], int lane) {
+__device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chunk0, const uint32_t (&frag)[KK][4], int lane,
+                                                 uint32_t box_bytes = 0) {
     #pragma unroll
     for (int kk = 0; kk < KK; ++kk)
         #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const int chunk = chunk0 + 2 * kk + t / 2;
-            const uint32_t off = (row + 8 * (t % 2)) * 128 + ((chunk ^ (lane / 4)) << 4) + (lane % 4) * 2 * ELEM_BYTES;
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(base + off), "r"(frag[kk][t]) : "memory");
-        }
+        for (int t = 0; t < 4; ++t)
+            st_pair_swizzled<ELEM_BYTES>(base, ((2 * kk + t / 2) / 8) * box_bytes, row + 8 * (t % 2),
+                                         chunk0 + (2 * kk + t / 2) % 8, lane, frag[kk][t]);
 }
 {% for n in tt_ns %}
 // d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory and both MN-major (transposed):
@@ -101,7 +108,7 @@ __device__ __forceinline__ void wgmma_tt_n{{ n }}(float (&d)[{{ n // 2 }}], uint
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 {% endfor %}
-{% if split_d %}
+{% if split_d or dq_rows_split %}
 // d[64 x {{ dkv_n }}] += A[64 x 16] * B[16 x {{ dkv_n }}], both from shared memory: A K-major (as wgmma_ss), B MN-major
 // (transposed: stored K x N, N contiguous, as wgmma_rs).
 __device__ __forceinline__ void wgmma_st_n{{ dkv_n }}(float (&d)[{{ dkv_n // 2 }}], uint64_t desc_a, uint64_t desc_b) {

@@ -105,6 +105,9 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, param
     hit = op.backward._kernels.get((torch.cuda.current_device(), "hopper"))
     assert hit is not None, "not the Hopper path"
     assert hit[0].dkdv.context["split_d"] == (spec.head_dim > 128), "not the layout under test"
+    if spec.head_dim == 64:
+        want = gpu_options.CURRENT.hopper_bwd.d64_block_m
+        assert hit[0].dkdv.context["block_m"] == want, "not the head-dim-64 steps under test"
     assert hit[0].dkdv.threads == 384, "not the warp-specialized kernel"
     return q, k, v, do, dlse, params
 
@@ -278,6 +281,88 @@ def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, causal):
     op = gpu_options.build(spec, gpu_options.options({"hopper_bwd.ordered_dq": True}))
     q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=13)
     assert (torch.cuda.current_device(), "hopper_ordered") in op.backward._kernels
+    for g in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
+    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
+    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
+    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
+        err = (ours.double() - r64).abs().max().item()
+        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
+
+
+#: Head-dim-64 forms of shipped specs (masks walked with the tile classifier, score_mods).
+D64_SHIPPED = ["gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa", "chunked_local",
+               "prefix_lm", "gemma2_softcap"]  # fmt: skip
+
+
+def d64(name: str):
+    """A shipped spec at head_dim 64 (named NAME_d64 unless it is one already)."""
+    text = (REPO / "specs" / f"{name}.yaml").read_text()
+    if "head_dim: 64" in text:
+        return load_spec(REPO / "specs" / f"{name}.yaml")
+    lines = [
+        "head_dim: 64" if ln.startswith("head_dim:") else f"name: {name}_d64"
+        if ln.startswith("name:") else ln
+        for ln in text.splitlines()
+    ]  # fmt: skip
+    return loads_spec("\n".join(lines) + "\n", f"<{name}_d64>")
+
+
+@pytest.fixture
+def block_m128(monkeypatch):
+    """``hopper_bwd.d64_block_m=128``: 128-query steps at head_dim 64 (P^T through sDS, dQ
+    split by rows between the warpgroups)."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d64_block_m": 128})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d64_block_m128_lengths_gqa_dtypes(block_m128, dtype, causal):
+    spec = hb_spec(64, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=900 + i)
+
+
+@pytest.mark.parametrize("name", D64_SHIPPED)
+def test_d64_block_m128_masks_and_score_mods(block_m128, name):
+    """The 64-bit keep bits of a 64-key x 128-query tile, the hull of 128-row query blocks,
+    score_mod derivatives and sinks at the 128-query steps."""
+    spec = d64(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=950 + i)
+
+
+@pytest.mark.parametrize(
+    "name, param, values",
+    [("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
+     ("prefix_lm", "prefix", [0, 1, 777])],
+)  # fmt: skip
+def test_d64_block_m128_mask_params(block_m128, name, param, values):
+    spec = d64(name)
+    for v in values:
+        for i, (b, hq, hkv, sq, sk) in enumerate([(1, 4, 2, 1000, 1000), (1, 2, 1, 127, 1000),
+                                                  (1, 2, 2, 1000, 127)]):  # fmt: skip
+            check(spec, b, hq, hkv, sq, sk, seed=970 + i, params={param: v})
+
+
+def test_d64_block_m128_views_lse_gradient_empty_rows(block_m128):
+    spec = hb_spec(64, "bf16", True)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, 64, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=17, qkv=views, with_dlse=True)
+    q, *_ = run_case(spec, 1, 2, 2, 300, 100, seed=19)
+    assert (q.grad[:, :, :200] == 0).all() and not q.grad.isnan().any()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_d64_block_m128_ordered_dq(causal):
+    spec = hb_spec(64, "bf16", causal)
+    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128})
+    op = gpu_options.build(spec, opts)
+    q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=23)
+    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    assert plan.dkdv.context["block_m"] == 128
     for g in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
     ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)

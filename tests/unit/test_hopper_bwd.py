@@ -586,3 +586,123 @@ def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
         assert "deterministic" in msgs[0]
     else:
         assert msgs == []
+
+
+# ------------------------------------------ head dim 64 with 128-query steps (d64_block_m)
+D64_128 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 128)
+
+
+def at_d64(name: str) -> ir.Spec:
+    """Shipped spec ``name`` at head_dim 64 (itself when it is one)."""
+    text = (REPO / "specs" / f"{name}.yaml").read_text()
+    if "head_dim: 64" in text:
+        return shipped(name)
+    lines = [
+        "head_dim: 64" if ln.startswith("head_dim:") else f"name: {name}_d64"
+        if ln.startswith("name:") else ln
+        for ln in text.splitlines()
+    ]  # fmt: skip
+    return loads_spec("\n".join(lines) + "\n", f"<{name}_d64>")
+
+
+@pytest.mark.parametrize("value", [32, 96, 256, 128.0, True, "128"])
+def test_d64_block_m_takes_64_or_128(value):
+    from flashgen.families.hopper_bwd import Options
+
+    with pytest.raises(ValueError, match=r"Options.hopper_bwd.d64_block_m="):
+        Options(d64_block_m=value)
+
+
+def test_d64_block_m128_plan():
+    """128-query steps at head_dim 64: the Q / dO boxes, the tiles the host sizes dq_sem with
+    and the shared memory follow; head_dim 128 and 256 ignore the option."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(small(64, "bf16", True), "sm_90", D64_128)
+    ctx = plan.dkdv.context
+    assert ctx["block_m"] == 128 and ctx["block_n"] == 128 and ctx["dq_rows_split"]
+    assert plan.tiles.dkdv_block_m == 128 and plan.tiles.dkdv_block_n == 128
+    assert [m.box_rows for m in plan.dkdv.tma] == [128, 128, 128, 128, 64]
+    smem = 1024 + 2 * 128 * 64 * 2 + 4 * 128 * 64 * 2 + 2 * 128 * 128 * 2 + 2 * 64 * 64 * 4
+    smem += 4 * 128 * 4 + 24
+    assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
+    assert "DQ_SPLIT_ROWS = true" in render(plan.unit)
+    for d in (128, 256):
+        other = reg_plan(small(d, "bf16", True), "sm_90", D64_128)
+        assert other.dkdv.context["block_m"] == 64 and not other.dkdv.context["dq_rows_split"]
+    assert reg_plan(small(64, "bf16", True), "sm_90", DEFAULT).dkdv.context["block_m"] == 64
+
+
+D64_SPECS = ("gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa", "chunked_local",
+             "prefix_lm", "gemma2_softcap")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", D64_SPECS)
+def test_d64_block_m128_compiles_without_spills(requires_nvcc, tmp_path, name):
+    """The consumers hold S^T and dP^T of 128 queries (64 + 64 fp32) beside dK, dV (32 + 32):
+    P^T goes to sDS as it is computed (no fragment array), so masks (64 keep bits) and
+    score_mods fit in 240 registers; five GEMMs of 8 k-steps each but S^T, dP^T (4)."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(at_d64(name), "sm_90", D64_128)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    ptx = _ptx(plan, tmp_path)
+    assert ptx.count("wgmma.mma_async") == 2 * 4 + 3 * 8
+    assert ptx.count("m64n128k16") == 8 and "trap;" not in ptx
+
+
+def test_d64_block_m128_that_spills_falls_back_to_64_query_steps(monkeypatch):
+    """family_build.build_backward(hopper=True) with d64_block_m=128: a spilling unit (t5_bias's
+    table read spills at 128) is rebuilt with 64-query steps before the FA2-class kernels."""
+    import types
+
+    from flashgen.families import build as family_build
+
+    tried = []
+
+    def fake_build(src, plan):
+        tried.append((plan.template, plan.context["block_m"]))
+        spill = 8 if plan.context["block_m"] == 128 else 0
+        return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
+
+    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    plan, _, _ = family_build.build_backward(
+        shipped("t5_bias"), "sm_90", hopper=True, options=D64_128
+    )
+    assert tried == [("sm_90/bwd.cu.j2", 128), ("sm_90/bwd.cu.j2", 64)]
+    assert plan.dkdv.template == "sm_90/bwd.cu.j2" and plan.dkdv.context["block_m"] == 64
+
+
+def test_d64_block_m128_p_and_ds_stores_land_in_two_query_boxes():
+    """P^T (p_tile: pair (j, r) of the 8-column tile j of acc_s) and dS^T (st_frag_swizzled:
+    ds_frag[kk][t]) of warpgroup cg, warp w, lane l into sDS of 128 key rows x 128 queries:
+    query column c lives in box c // 64 (SDS_BOX_BYTES = 128 rows x 128 bytes apart), row r
+    at 128 r, its 16-byte chunk swizzled (chunk ^ r % 8).  Both stores put every element at
+    that address, each bf16 pair once."""
+    box = 128 * 128
+
+    def want(r, c):
+        return (c // 64) * box + r * 128 + ((((c % 64) // 8) ^ (r % 8)) << 4) + (c % 8) * 2
+
+    def pair(box_off, row, chunk, lane):  # st_pair_swizzled
+        return box_off + row * 128 + ((chunk ^ (lane // 4)) << 4) + (lane % 4) * 4
+
+    p_seen, ds_seen = set(), set()
+    for cg in range(2):
+        for w in range(4):
+            for lane in range(32):
+                row0 = cg * 64 + w * 16 + lane // 4
+                for j in range(16):  # p_tile: acc_s columns 8 j + 2 (l % 4) + e, rows + 8 r
+                    for r in range(2):
+                        a = pair((j // 8) * box, row0 + 8 * r, j % 8, lane)
+                        assert a == want(row0 + 8 * r, 8 * j + 2 * (lane % 4))
+                        p_seen.add(a)
+                for kk in range(8):  # st_frag_swizzled(..., chunk0 = 0, box_bytes = box)
+                    for t in range(4):
+                        a = pair(((2 * kk + t // 2) // 8) * box, row0 + 8 * (t % 2),
+                                 (2 * kk + t // 2) % 8, lane)  # fmt: skip
+                        col = 16 * kk + 8 * (t // 2) + 2 * (lane % 4)
+                        assert a == want(row0 + 8 * (t % 2), col)
+                        ds_seen.add(a)
+    assert p_seen == ds_seen and len(p_seen) == 128 * 128 // 2
