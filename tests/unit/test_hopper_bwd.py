@@ -88,13 +88,13 @@ def test_ineligible_specs():
 
 def test_backward_path_selection():
     yes, no = shipped("causal_d128"), shipped("document_mask")
-    assert backward_path(yes, "sm_90", True) == "deterministic"
+    assert backward_path(yes, "sm_90", True) == "hopper_ordered"
     assert backward_path(yes, "sm_90", False) == "hopper"
     assert backward_path(yes, "sm_80", False) == "deterministic"
     assert backward_path(no, "sm_90", False) == "deterministic"
     atomic = DEFAULT.replace_path("atomic_dq", True)
     assert backward_path(yes, "sm_90", False, atomic) == "hopper"
-    assert backward_path(yes, "sm_90", True, atomic) == "deterministic"
+    assert backward_path(yes, "sm_90", True, atomic) == "hopper_ordered"
     assert backward_path(yes, "sm_80", False, atomic) == "atomic"
     assert backward_path(no, "sm_90", False, atomic) == "atomic"
     fa2 = atomic.replace_path("family", "fa2")  # the FA2-class atomic kernel on sm_90
@@ -107,7 +107,9 @@ def test_backward_path_selection():
 def test_plan(d):
     spec = small(d, "bf16", True)
     plan = plan_hopper_backward(spec, "sm_90")
-    assert plan.atomic_dq and plan.dq is None and plan.tiles == HOPPER_BWD_TILES
+    bm = 128 if d == 64 else 64  # hopper_bwd.d64_block_m
+    tiles = dataclasses.replace(HOPPER_BWD_TILES, dkdv_block_m=bm)
+    assert plan.atomic_dq and plan.dq is None and plan.tiles == tiles
     assert not plan.dkdv.context["split_d"]
     assert plan.unit is plan.dkdv
     assert {k.template for k in plan.kernels} == {"sm_90/bwd.cu.j2"}
@@ -116,8 +118,8 @@ def test_plan(d):
     ]
     assert plan.dkdv.threads == 384 and plan.dkdv.gencode.endswith("sm_90a")
     assert [(m.name, m.tensor, m.box_rows, m.dtype) for m in plan.dkdv.tma] == [
-        ("tma_q", "q", 64, None), ("tma_k", "k", 128, None), ("tma_v", "v", 128, None),
-        ("tma_do", "dout", 64, None), ("tma_dq", "dq_accum", 64, "fp32"),
+        ("tma_q", "q", bm, None), ("tma_k", "k", 128, None), ("tma_v", "v", 128, None),
+        ("tma_do", "dout", bm, None), ("tma_dq", "dq_accum", 64, "fp32"),
     ]  # fmt: skip
     assert plan.dkdv.tma[-1].box_cols == 32  # one 128-byte swizzle row of fp32
     names = ["tma_q", "tma_k", "tma_v", "tma_do", "tma_dq"]
@@ -125,8 +127,8 @@ def test_plan(d):
     assert "dq_accum" in [a.name for a in plan.dkdv.args]
     assert plan.pre.tma == () and plan.convert.tma == ()
     # K, V; two stages of Q, dO; two dS^T buffers; the dQ staging tiles; lse, dsum; mbarriers
-    smem = 1024 + 2 * 128 * d * 2 + 4 * 64 * d * 2 + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4
-    smem += 4 * 64 * 4 + 24
+    smem = 1024 + 2 * 128 * d * 2 + 4 * bm * d * 2 + 2 * 128 * bm * 2 + 2 * 64 * 64 * 4
+    smem += 4 * bm * 4 + 24
     assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
     grids = plan.grids(2, 8, 2, 1000, 4097)
     assert grids["dkdv"] == (2 * 2 * 33, 1, 1) and "convert" in grids
@@ -168,7 +170,7 @@ def test_render(d, dtype, causal):
     for k in plan.kernels:
         assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
     t = "bf16" if dtype == "bf16" else "f16"
-    s_n, dkv_n = (32, 128) if d == 256 else (64, d)
+    s_n, dkv_n = (32, 128) if d == 256 else (128 if d == 64 else 64, d)
     assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "fence.proxy.async.shared::cta" in src
@@ -176,11 +178,16 @@ def test_render(d, dtype, causal):
     assert ("fg::tma_reduce_add_4d(&tma_dq" in src) == (d != 256)
     assert "fg::setmaxnreg_dec<24>();" in src and "fg::setmaxnreg_inc<240>();" in src
     bar = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // both warpgroups'"
-    assert (f"{bar} dS^T rows" in src) == (d == 128)
+    assert (f"{bar} dS^T rows" in src) == (d <= 128)  # d64: 128-query steps, dQ split by rows
     assert (f"{bar} halves of P^T are in sP" in src) == (d == 256)
     assert (f"{bar} halves of dS^T are in sDS" in src) == (d == 256)
     assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
+    assert ("fg::wgmma_st_n64(acc_dv" in src) == (d == 64)  # P^T from sDS
     assert "fg_tile_class" not in src  # causal or none: the live range in closed form
+
+
+def plan_block_m(spec) -> int:
+    return plan_hopper_backward(spec, "sm_90").dkdv.context["block_m"]
 
 
 @pytest.mark.parametrize("d256", [False, True], ids=["shipped", "d256"])
@@ -194,7 +201,8 @@ def test_render_masks_and_score_mods(name, d256):
     assert ("fg::iv::next_live(0, m_blocks, c, full_hi, head_class)" in src) == masked
     assert ("!= fg::iv::FULL" in src) == masked
     assert ("acc_s[i] = pe[e] * (float)(" in src) == (spec.score_mod is not None)
-    assert "keep_bits |= (uint32_t)keep << i;" in src
+    keep_t = "uint64_t" if plan_block_m(spec) == 128 else "uint32_t"  # NQ * 4 keep bits
+    assert f"keep_bits |= ({keep_t})keep << i;" in src
 
 
 
@@ -237,15 +245,17 @@ def test_dq_stores_land_in_tma_boxes():
 
 
 def test_ordered_dq_routes_deterministic_calls_under_its_option():
-    """``hopper_bwd.ordered_dq``: ``deterministic=True`` takes the Hopper kernel with dQ in a
-    fixed order (path "hopper_ordered") for head_dim 64/128 with no mask or causal; masks
-    with a hull, head_dim 256 and the option off keep the FA2-class deterministic kernels."""
-    on = DEFAULT.replace_path("hopper_bwd.ordered_dq", True)
+    """``hopper_bwd.ordered_dq`` (the default): ``deterministic=True`` takes the Hopper kernel
+    with dQ in a fixed order (path "hopper_ordered") for head_dim 64/128 with no mask or
+    causal; masks with a hull, head_dim 256 and the option off keep the FA2-class
+    deterministic kernels."""
+    on = DEFAULT
+    off = DEFAULT.replace_path("hopper_bwd.ordered_dq", False)
     assert backward_path(shipped("causal_d128"), "sm_90", True, on) == "hopper_ordered"
     assert backward_path(shipped("gpt2_d64"), "sm_90", True, on) == "hopper_ordered"
     assert backward_path(small(128, "fp16", False), "sm_90", True, on) == "hopper_ordered"
     assert backward_path(shipped("causal_d128"), "sm_90", False, on) == "hopper"
-    assert backward_path(shipped("causal_d128"), "sm_90", True, DEFAULT) == "deterministic"
+    assert backward_path(shipped("causal_d128"), "sm_90", True, off) == "deterministic"
     for name in ("mistral_swa", "bidir_d256"):
         assert backward_path(shipped(name), "sm_90", True, on) == "deterministic"
     assert backward_path(shipped("causal_d128"), "sm_80", True, on) == "deterministic"
@@ -302,15 +312,19 @@ def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name):
     so); a template change that adds registers to the loop may tip a masked or score_mod'ed
     spec into spills (then family_build.build_backward falls back to the FA2-class kernels
     for it)."""
+    from flashgen.families import build as family_build
+
     spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
-    plan = plan_hopper_backward(spec, "sm_90")
-    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    plan, _, report = family_build.build_backward(spec, "sm_90", atomic_dq=True, hopper=True)
+    assert plan.dkdv.template == "sm_90/bwd.cu.j2", "fell back to the FA2-class kernels"
     assert report.spill_bytes == 0, report
     assert not report.wgmma_serialized
     ptx = _ptx(plan, tmp_path)
-    # S^T, dP^T: D/16 each; dV, dK: 4 each; dQ: 8 (d128), 4 (d64: its own 64 keys; d256: 64 keys)
-    d = plan.dkdv.context["head_dim"]
-    assert ptx.count("wgmma.mma_async") == 2 * (d // 16) + 8 + (8 if d == 128 else 4)
+    # S^T, dP^T: D/16 each; dV, dK: BLOCK_M/16 each; dQ: 8 (d128; d64 with 128-query steps),
+    # 4 (d64 with 64: its own 64 keys; d256: 64 keys)
+    d, bm = plan.dkdv.context["head_dim"], plan.dkdv.context["block_m"]
+    dq = 8 if d == 128 or bm == 128 else 4
+    assert ptx.count("wgmma.mma_async") == 2 * (d // 16) + 2 * (bm // 16) + dq
     if d == 256:
         assert "m64n32k16" in ptx and "m64n128k16" in ptx and "m64n256k16" not in ptx
     assert "cp.async.bulk.tensor.4d" in ptx
@@ -630,7 +644,9 @@ def test_d64_block_m128_plan():
     for d in (128, 256):
         other = reg_plan(small(d, "bf16", True), "sm_90", D64_128)
         assert other.dkdv.context["block_m"] == 64 and not other.dkdv.context["dq_rows_split"]
-    assert reg_plan(small(64, "bf16", True), "sm_90", DEFAULT).dkdv.context["block_m"] == 64
+    d64_64 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 64)
+    assert reg_plan(small(64, "bf16", True), "sm_90", d64_64).dkdv.context["block_m"] == 64
+    assert DEFAULT.hopper_bwd.d64_block_m == 128
 
 
 D64_SPECS = ("gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa", "chunked_local",
@@ -650,6 +666,16 @@ def test_d64_block_m128_compiles_without_spills(requires_nvcc, tmp_path, name):
     ptx = _ptx(plan, tmp_path)
     assert ptx.count("wgmma.mma_async") == 2 * 4 + 3 * 8
     assert ptx.count("m64n128k16") == 8 and "trap;" not in ptx
+
+
+def test_specs_that_spill_at_128_query_steps(requires_nvcc):
+    """The GPU tests' SPILL_AT_128 (tests/gpu/test_hopper_bwd_gpu.py): t5_bias's table read
+    spills with 128-query steps, so its op runs 64 (the next test)."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped("t5_bias"), "sm_90", D64_128)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes > 0
 
 
 def test_d64_block_m128_that_spills_falls_back_to_64_query_steps(monkeypatch):
