@@ -1,4 +1,4 @@
-"""Time the CPU op (blocked, flashgen/ops/cpu_attention.py) against torch SDPA on the CPU.
+"""Time the CPU op (blocked, flashgen/ops/cpu/attention.py) against torch SDPA on the CPU.
 
     python tools/cpu_attention_bench.py [--seqlen 4096] [--heads 8] [--head-dim 128] [--reps 3]
                                         [--dtype float32 --dtype bfloat16]
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops import cpu_attention  # noqa: E402
+from flashgen.ops.cpu import attention as cpu_attention  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 
 SPEC = """

@@ -194,7 +194,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
                     seqlen_k - seqlen_q + 1
                 )
             return lambda q, k, v: standard_attention(q, k, v, causal, scale, mask)
-        from flashgen.ops.reference import attention_reference
+        from flashgen.ops.cpu.reference import attention_reference
 
         def ref(q, k, v):
             return attention_reference(spec, q, k, v, params=params, compute_dtype=q.dtype)[0]

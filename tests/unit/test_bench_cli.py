@@ -247,7 +247,7 @@ def test_kept_pairs_counts_each_batch_row(mask, params):
     other pairs in each batch row: kept_pairs (one row at a time) equals the whole mask."""
     torch = pytest.importorskip("torch")
     from flashgen.frontend.spec import loads_spec
-    from flashgen.ops.reference import eval_mask
+    from flashgen.ops.cpu.reference import eval_mask
 
     spec = loads_spec(f"name: t\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n")
     gen = torch.Generator().manual_seed(0)

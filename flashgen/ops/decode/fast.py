@@ -1,8 +1,8 @@
-"""The planned decode call (:mod:`flashgen.ops.decode`): :class:`DecodeCallPlan`, its split
+"""The planned decode call (:mod:`flashgen.ops.decode.op`): :class:`DecodeCallPlan`, its split
 workspace and its fast host path (:class:`_FastPath`: argument blocks packed once per call
 layout, the eager and debug-switch checks, the direct ``cuLaunchKernel``).
 
-Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the public names."""
+Moved out of :mod:`flashgen.ops.decode.op` unchanged; that module re-exports the public names."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from flashgen.families import decode as family
 from flashgen.ops import calls as _calls
 from flashgen.ops import validation as _validation
 from flashgen.ops.calls import _kernel_aligned
-from flashgen.ops.decode_fp8 import resolve_scales
-from flashgen.ops.decode_inputs import (
+from flashgen.ops.decode.fp8 import resolve_scales
+from flashgen.ops.decode.inputs import (
     DecodeDims,
     _aligned_16,
     check_out,
@@ -39,7 +39,7 @@ from flashgen.ops.validation import (
 from flashgen.runtime import tma as _tma  # ctypes only, no CuPy
 
 if TYPE_CHECKING:
-    from flashgen.ops.decode import DecodeOp
+    from flashgen.ops.decode.op import DecodeOp
 
 
 # ----------------------------------------------------------------------------- plans
@@ -72,7 +72,7 @@ class DecodeCallPlan:
     #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
     #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
     live_blocks: int | None = None
-    #: the :class:`~flashgen.ops.decode.DecodeOp` that planned it: another op's calls refuse
+    #: the :class:`~flashgen.ops.decode.op.DecodeOp` that planned it: another op's calls refuse
     #: the plan (its kernels, sizes and params are this op's)
     owner: object = None
 
