@@ -10,8 +10,8 @@
                     against it, no torch implementation runs FP8 attention
 
 :func:`make_forward` builds one; an implementation that cannot express a spec raises
-:class:`Unsupported`.  Used by ``flashgen bench``, ``flashgen ab --peers`` and tools/gallery.py.
-torch is imported inside the functions.
+:class:`Unsupported`.  Used by ``flashgen bench`` (``--gallery`` too) and ``flashgen ab
+--peers``.  torch is imported inside the functions.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 flashgen``).
 
     flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
-                           [--no-verify] [--option NAME=VALUE]...
+                           [--no-verify] [--offsets] [--option NAME=VALUE]...
         check each spec, render and compile every (spec, target) with nvcc in parallel
         (through the kernel cache), print registers / spills / shared memory / compile
         time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
@@ -17,6 +17,9 @@ flashgen``).
     flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
         benchmark against PyTorch SDPA backends, FlexAttention and standard attention
         (flashgen/bench/runner.py); exit 2 without a CUDA GPU
+    flashgen bench --decode | --gallery | --training | --cpu | --ring | --timeline
+                   | --ablation [ARG...]
+        the other benchmarks (:data:`BENCH_MODES`), each with its own options after its flag
     flashgen tune [SPEC...] [--all-shipped] [--quick] [--out DIR] [--compile-only]
         time candidate tile configs, record winners in flashgen/tuning/table.json
         (flashgen/bench/autotune.py); exit 2 without a CUDA GPU
@@ -29,6 +32,7 @@ torch is imported only for verification on a GPU machine.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -75,12 +79,55 @@ def _csv(kind):
     return parse
 
 
-def cmd_bench(args) -> int:
-    if args.decode:  # the serving benchmark: flashgen.bench.decode
-        from flashgen.bench.decode import main as decode_main
+#: ``flashgen bench --MODE [ARG ...]``: the benchmarks beside the main one, flag -> (module of
+#: flashgen.bench with ``main(argv, prog)``, help); the rest of the line is the mode's own
+#: options (``flashgen bench --gallery --help``)
+BENCH_MODES = {
+    "decode": ("flashgen.bench.decode",
+               "serving: op.with_kvcache's KV-cache read rate against SDPA and FlexAttention "
+               "(dense and paged caches, GQA, splits; --sweep picks the decode defaults)"),
+    "gallery": ("flashgen.bench.gallery",
+                "the variant gallery: each shipped variant's forward next to FlexAttention's, "
+                "written to docs/gallery.md (--dry-run: densities only, no GPU)"),
+    "training": ("flashgen.bench.training",
+                 "trainable params (ALiBi slopes, a T5 bias) and attention sinks against the "
+                 "same calls without them (--device cpu runs anywhere)"),
+    "cpu": ("flashgen.bench.cpu", "the CPU op against torch SDPA on the CPU (no GPU)"),
+    "ring": ("flashgen.bench.ring",
+             "ring attention (flashgen.distributed) over the GPUs of one host against one GPU "
+             "doing the whole sequence"),
+    "timeline": ("flashgen.bench.timeline",
+                 "where a CTA of the Hopper forward spends its cycles (clock64 probe points; "
+                 "sm_90)"),
+    "ablation": ("flashgen.bench.ablation",
+                 "the Hopper forward with one part of its work patched out at a time, timed "
+                 "with its power and clock (sm_90)"),
+}  # fmt: skip
 
-        argv = ["--out", str(Path(args.out) / "decode.json")] + (["--quick"] if args.quick else [])
-        return decode_main(argv)
+
+def _bench_mode(args) -> int | None:
+    """Run the ``--MODE`` benchmark ``args`` names (its module's ``main``); None: none."""
+    mode = next((m for m in BENCH_MODES if getattr(args, m, None) is not None), None)
+    if mode is None:
+        return None
+    rest = list(getattr(args, mode))
+    if args.specs:
+        print(f"error: --{mode} takes its arguments after the flag (flashgen bench --{mode} "
+              f"--help): {' '.join(args.specs)}", file=sys.stderr)  # fmt: skip
+        return 2
+    if mode == "decode":  # as before: bench's --out DIR and --quick, given before --decode
+        if "--out" not in rest and "--plot" not in rest:
+            rest = ["--out", str(Path(args.out) / "decode.json"), *rest]
+        if args.quick and "--quick" not in rest:
+            rest.append("--quick")
+    module = importlib.import_module(BENCH_MODES[mode][0])
+    return module.main(rest, prog=f"flashgen bench --{mode}")
+
+
+def cmd_bench(args) -> int:
+    rc = _bench_mode(args)
+    if rc is not None:
+        return rc
     from flashgen.bench import report as benchreport
     from flashgen.bench.runner import BenchConfig, run_bench
 
@@ -227,6 +274,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--no-verify", action="store_true", help="skip the GPU correctness check and benchmark"
     )
+    b.add_argument(
+        "--offsets", action="store_true",
+        help="build each spec's offsets form instead (<name>__offsets: the op ring attention "
+        "and q_offset= / kv_offset= calls run), to check that it compiles spill-free; nothing "
+        "is written to --out or verified",
+    )  # fmt: skip
     b.set_defaults(func=cmd_build)
 
     s = sub.add_parser("show", help="print the checked IR, plan and CUDA source of a spec")
@@ -265,7 +318,10 @@ def parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark flashgen against SDPA backends, FlexAttention and standard attention",
         description="Benchmark in the FlashAttention papers' protocol and write results.json, "
-        "results.md and PNG plots into --out (needs a CUDA GPU; exit 2 without one).",
+        "results.md and PNG plots into --out (needs a CUDA GPU; exit 2 without one).  The "
+        "other benchmarks are flags (--decode, --gallery, --training, --cpu, --ring, "
+        "--timeline, --ablation) that take the rest of the line as their own options: "
+        "`flashgen bench --gallery --help` lists the gallery's.",
     )
     be.add_argument(
         "specs", nargs="*", metavar="SPEC", help="variant specs to compare (default: specs/)"
@@ -306,7 +362,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="RESULTS",
         help="no GPU: merge saved results.json files and rebuild the reports in --out",
     )
-    be.add_argument("--decode", action="store_true", help="the decode (KV cache) benchmark instead")
+    modes = be.add_argument_group(
+        "other benchmarks", "each flag takes the rest of the line as its own options "
+        "(`flashgen bench --MODE --help`)",
+    )  # fmt: skip
+    only_one = modes.add_mutually_exclusive_group()
+    for mode, (_, text) in BENCH_MODES.items():
+        only_one.add_argument(f"--{mode}", nargs=argparse.REMAINDER, metavar="ARG", help=text)
     be.set_defaults(func=cmd_bench)
 
     tu = sub.add_parser(
