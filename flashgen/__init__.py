@@ -104,7 +104,7 @@ def __getattr__(name: str):
 
         return AttentionOp
     if name == "merge_attention":
-        from flashgen.ops.decode import merge_attention
+        from flashgen.ops.decode.op import merge_attention
 
         return merge_attention
     if name == "apply_sink":

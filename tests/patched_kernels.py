@@ -1,6 +1,6 @@
-"""Shared by the tests of the tools that instrument rendered kernels (tools/cta_timeline.py,
-tools/energy_ablation.py: probe points) and of tools/sass_identity.py: load a tool module by
-path, and compile a probed source with the plan's own nvcc command."""
+"""Shared by the tests of what instruments rendered kernels (``flashgen bench --timeline`` and
+``--ablation``: probe points) and of tools/sass_identity.py: load a tool module by path, and
+compile a probed source with the plan's own nvcc command."""
 
 from __future__ import annotations
 

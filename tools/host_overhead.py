@@ -70,6 +70,17 @@ def _sleep_cycles(torch, ms: float) -> int:
     return int(n * ms / max(a.elapsed_time(b), 1e-3))
 
 
+def _ops_module(name: str, flat: str):
+    """``flashgen.ops.<name>``, or ``flashgen.ops.<flat>`` in a ``--baseline`` checkout from
+    before ``flashgen/ops/`` was split into subpackages."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"flashgen.ops.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"flashgen.ops.{flat}")
+
+
 def measure(root: Path, seqlens, n: int, reps: int) -> list[dict]:
     """Rows of this process's flashgen (imported from ``root``)."""
     flashgen = _import_flashgen(root)
@@ -342,7 +353,7 @@ def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) 
         torch.cuda.synchronize()
         rows.append(dict(case=f"part: {part}", batch=batch, host_us=statistics.median(ts),
                          host_only=True, num_splits=plan.num_splits))  # fmt: skip
-    from flashgen.ops import decode as dmod
+    dmod = _ops_module("decode.op", "decode")
 
     op = fast.dop.op
     prof = cProfile.Profile()
@@ -373,8 +384,8 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
 
     from flashgen.families import decode as family
     from flashgen.ops import calls as calls_mod
-    from flashgen.ops import decode as dmod
-    from flashgen.ops import decode_fast as dfast
+    dmod = _ops_module("decode.op", "decode")
+    dfast = _ops_module("decode.fast", "decode_fast")
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 

@@ -62,7 +62,7 @@ for b, hq, hkv, sq, sk in sizes:
         torch.cuda.synchronize()
         for t in (q, k, v):
             assert t.grad is not None and torch.isfinite(t.grad).all(), "bad gradient"
-if backward:  # which backward kernel set ran (flashgen.ops.backward.backward_path)
+if backward:  # which backward kernel set ran (flashgen.ops.prefill.backward.backward_path)
     print("FLASHGEN BACKWARD PATHS", sorted({p for (_, p) in op.backward._kernels}), flush=True)
 print("FLASHGEN DRIVER OK", flush=True)
 """

@@ -16,7 +16,7 @@ operations.  Sums and differences around ``kv_idx`` are decomposed (:func:`_line
 ``A - kv_idx < B`` becomes ``kv_idx >= A - B + 1``, ``kv_idx < A`` becomes ``kv_idx <= A - 1``.
 
 Integer semantics: the kernels evaluate the mask in C ``int`` and the reference
-(:mod:`flashgen.ops.reference`) wraps like int32, so the bound must keep exactly the pairs
+(:mod:`flashgen.ops.cpu.reference`) wraps like int32, so the bound must keep exactly the pairs
 the int32 comparison keeps.  Each row expression (a maximal ``kv_idx``-free sub-expression,
 a term of :class:`Linear`) is evaluated exactly as the kernel evaluates it in the mask
 (C ``int``, :func:`flashgen.codegen.cuda_expr.cuda_expr`), and only the linear combination around

@@ -231,7 +231,8 @@ def classifier_source(
     """
     sig = ", ".join(f"{t} {n}" for t, n in classifier_params(spec))
     head = [
-        f"// Tile class of spec {spec.name}'s mask (flashgen/masktiles.py; rules of maskinfo.py).",
+        f"// Tile class of spec {spec.name}'s mask (flashgen/analysis/masktiles.py; "
+        "rules of maskinfo.py).",
         f"__host__ __device__ __forceinline__ int {name}({sig}) {{",
     ]
     if spec.mask is None:

@@ -481,8 +481,11 @@ def write_plot(doc: dict, json_path: Path) -> Path | None:
     return png
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashgen.bench.decode", description=__doc__)
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog=prog or "python -m flashgen.bench.decode", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--cache", type=lambda s: [int(x) for x in s.split(",")],
                     default=[4096, 16384, 65536, 131072])  # fmt: skip

@@ -14,7 +14,7 @@ are baked in as Python numbers; tensor params are captured tensors indexed with 
 index arguments (FlexAttention supports captured buffers).  Constants stay Python
 scalars so the functions trace under ``torch.compile`` without creating tensors; the
 same functions also work on broadcasting index tensors (tests compare them with
-:mod:`flashgen.ops.reference`).
+:mod:`flashgen.ops.cpu.reference`).
 """
 
 from __future__ import annotations

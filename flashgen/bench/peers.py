@@ -10,8 +10,8 @@
                     against it, no torch implementation runs FP8 attention
 
 :func:`make_forward` builds one; an implementation that cannot express a spec raises
-:class:`Unsupported`.  Used by ``flashgen bench``, ``flashgen ab --peers`` and tools/gallery.py.
-torch is imported inside the functions.
+:class:`Unsupported`.  Used by ``flashgen bench`` (``--gallery`` too) and ``flashgen ab
+--peers``.  torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
                     seqlen_k - seqlen_q + 1
                 )
             return lambda q, k, v: standard_attention(q, k, v, causal, scale, mask)
-        from flashgen.ops.reference import attention_reference
+        from flashgen.ops.cpu.reference import attention_reference
 
         def ref(q, k, v):
             return attention_reference(spec, q, k, v, params=params, compute_dtype=q.dtype)[0]

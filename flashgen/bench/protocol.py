@@ -185,14 +185,14 @@ def kept_pairs(
     spec, batch: int, heads: int, seqlen: int, params: dict, device, heads_kv: int | None = None
 ) -> int:
     """Number of (b, h, q, kv) pairs ``spec``'s mask keeps at ``seqlen_q = seqlen_k =
-    seqlen`` with ``params``, evaluated from the mask IR (:func:`flashgen.ops.reference.eval_mask`)
-    over the batch rows / heads it reads, one batch row at a time (``seqlen^2`` bytes per head
-    of memory on ``device``; row ``b0`` sees ``b = b0`` and the whole params, so a mask that
-    reads ``b`` directly or through a param of any shape counts each row's own pairs).
-    ``batch * heads * seqlen^2`` without a mask.  ``heads_kv``: the KV heads a mask reading
-    ``h_kv`` sees (default ``heads``, no GQA)."""
+    seqlen`` with ``params``, evaluated from the mask IR
+    (:func:`flashgen.ops.cpu.reference.eval_mask`) over the batch rows / heads it reads, one batch
+    row at a time (``seqlen^2`` bytes per head of memory on ``device``; row ``b0`` sees ``b = b0``
+    and the whole params, so a mask that reads ``b`` directly or through a param of any shape counts
+    each row's own pairs). ``batch * heads * seqlen^2`` without a mask.  ``heads_kv``: the KV heads
+    a mask reading ``h_kv`` sees (default ``heads``, no GQA)."""
     from flashgen.codegen.abi import block_table_dims
-    from flashgen.ops.reference import eval_mask
+    from flashgen.ops.cpu.reference import eval_mask
 
     if spec.mask is None:
         return batch * heads * seqlen * seqlen

@@ -111,7 +111,7 @@ def error_bound(spec: ir.Spec, q, k, v, params: dict, descales=None) -> tuple:
     """
     import torch
 
-    from flashgen.ops.reference import attention_reference
+    from flashgen.ops.cpu.reference import attention_reference
 
     if spec.dtype in ir.FP8_DTYPES:
         return fp8_error_bound(spec, q, k, v, params, descales)
@@ -137,7 +137,7 @@ def fp8_error_bound(spec: ir.Spec, q8, k8, v8, params: dict, descales=None) -> t
     import torch
 
     from flashgen.fp8 import dequantize, round_e4m3
-    from flashgen.ops.reference import attention_reference
+    from flashgen.ops.cpu.reference import attention_reference
 
     if descales is None:
         ones = torch.ones((k8.shape[0], k8.shape[1]), dtype=torch.float32, device=k8.device)

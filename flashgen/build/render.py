@@ -39,13 +39,15 @@ def environment() -> jinja2.Environment:
     )
 
 
-#: Probe points of the templates: instrumentation for tools, each rendered only when
-#: :func:`render` is asked for it (``probes=``), else nothing (the source is byte-identical).
+#: Probe points of the templates: instrumentation (``flashgen bench --timeline`` and
+#: ``--ablation``), each rendered only when :func:`render` is asked for it (``probes=``), else
+#: nothing (the source is byte-identical).
 #: Name -> what it does; all are in ``templates/sm_90/fwd.cu.j2``.
 PROBES: dict[str, str] = {
     "timeline": "non-persistent Hopper forward: clock64 stamps, 32 int64 slots per CTA in the "
-    "__device__ array fg_prof[65536 * 32] (tools/cta_timeline.py)",
-    "no_softmax": "Hopper forward: the softmax returns at once, P is S (tools/energy_ablation.py)",
+    "__device__ array fg_prof[65536 * 32] (flashgen/bench/timeline.py)",
+    "no_softmax": "Hopper forward: the softmax returns at once, P is S "
+    "(flashgen/bench/ablation.py)",
     "no_s_gemm": "Hopper forward: the Q K^T wgmmas left out",
     "no_pv_gemm": "Hopper forward: the P V wgmmas left out",
     "no_o_rescale": "Hopper forward: O is not multiplied by alpha",

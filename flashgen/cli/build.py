@@ -145,6 +145,11 @@ def cmd_build(args) -> int:
     specs = _load_specs(args.specs, err, spec_errors)
     if specs is None:
         return _fail_json(args, "spec errors (see stderr)", spec_errors)
+    offsets = getattr(args, "offsets", False)
+    if offsets:  # ring attention's form of each spec: compiled and reported, not written
+        from flashgen.frontend.offsets import offsets_spec
+
+        specs = [offsets_spec(s) for s in specs]
     from flashgen.frontend.ir import FP8_DTYPES
 
     fp8_fa2 = [s.name for s in specs if s.dtype in FP8_DTYPES and family == "fa2"]
@@ -194,7 +199,7 @@ def cmd_build(args) -> int:
         futures += [  # the decode (serving) units, padded and ragged Sq_new, where supported
             pool.submit(_compile_one, s, t, unit, options)
             for s, t in pairs
-            if not unsupported_reason(s)
+            if not offsets and not unsupported_reason(s)
             for unit in ("decode", "decode_ragged")
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
@@ -209,7 +214,7 @@ def cmd_build(args) -> int:
     generated, unwritten = [], []
     for spec in specs:
         mine = [r for r in results if r.spec is spec]
-        if not mine:
+        if not mine or offsets:
             continue
         if not all(r.ok for r in mine):  # a failed build leaves generated/ as it was
             unwritten.append(spec.name)
@@ -235,7 +240,7 @@ def cmd_build(args) -> int:
             return _fail_json(args, f"writing {spec.name}: {e}")
 
     verify = []
-    if not args.no_verify and _cuda_available():
+    if not args.no_verify and not offsets and _cuda_available():
         verify = [
             _verify_safely(spec, options)
             for spec in specs
@@ -298,7 +303,7 @@ def cmd_build(args) -> int:
             if v.get("tflops") is not None:
                 vt.add_row(v["spec"], v["bench_case"], "", "", "", f"{v['tflops']:.1f}")
         out.print(vt)
-    elif not args.no_verify and not args.json:
+    elif not args.no_verify and not args.json and not offsets:
         built = sum(r.report is not None for r in results)
         if built == len(results):
             err.print("note: no CUDA GPU here: kernels compiled, not run or verified", markup=False)

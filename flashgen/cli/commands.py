@@ -2,7 +2,7 @@
 flashgen``).
 
     flashgen build SPEC... [--target sm_80|sm_90]... [--out generated] [--json] [--jobs N]
-                           [--no-verify] [--option NAME=VALUE]...
+                           [--no-verify] [--offsets] [--option NAME=VALUE]...
         check each spec, render and compile every (spec, target) with nvcc in parallel
         (through the kernel cache), print registers / spills / shared memory / compile
         time, write <out>/<name>/.  With a CUDA GPU (and without --no-verify) also check
@@ -17,6 +17,9 @@ flashgen``).
     flashgen bench [SPEC...] [--quick] [--out DIR] [--fwd-only] [--from-json RESULTS...]
         benchmark against PyTorch SDPA backends, FlexAttention and standard attention
         (flashgen/bench/runner.py); exit 2 without a CUDA GPU
+    flashgen bench --decode | --gallery | --training | --cpu | --ring | --timeline
+                   | --ablation [ARG...]
+        the other benchmarks (:data:`BENCH_MODES`), each with its own options after its flag
     flashgen tune [SPEC...] [--all-shipped] [--quick] [--out DIR] [--compile-only]
         time candidate tile configs, record winners in flashgen/tuning/table.json
         (flashgen/bench/autotune.py); exit 2 without a CUDA GPU
@@ -29,6 +32,7 @@ torch is imported only for verification on a GPU machine.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -44,7 +48,13 @@ from flashgen.cli.build import (  # noqa: F401  (re-exported: tests and tools im
     cmd_build,
 )
 from flashgen.cli.cache import cmd_cache
-from flashgen.cli.common import _consoles, _fail_json, _load_specs, plain_warnings  # noqa: F401
+from flashgen.cli.common import (  # noqa: F401
+    HelpFormatter,
+    _consoles,
+    _fail_json,
+    _load_specs,
+    plain_warnings,
+)
 from flashgen.cli.show import _prec, cmd_list, cmd_show, format_expr, format_spec  # noqa: F401
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
@@ -75,12 +85,55 @@ def _csv(kind):
     return parse
 
 
-def cmd_bench(args) -> int:
-    if args.decode:  # the serving benchmark: flashgen.bench.decode
-        from flashgen.bench.decode import main as decode_main
+#: ``flashgen bench --MODE [ARG ...]``: the benchmarks beside the main one, flag -> (module of
+#: flashgen.bench with ``main(argv, prog)``, help); the rest of the line is the mode's own
+#: options (``flashgen bench --gallery --help``)
+BENCH_MODES = {
+    "decode": ("flashgen.bench.decode",
+               "serving: op.with_kvcache's KV-cache read rate against SDPA and FlexAttention "
+               "(dense and paged caches, GQA, splits; --sweep picks the decode defaults)"),
+    "gallery": ("flashgen.bench.gallery",
+                "the variant gallery: each shipped variant's forward next to FlexAttention's, "
+                "written to docs/gallery.md (--dry-run: densities only, no GPU)"),
+    "training": ("flashgen.bench.training",
+                 "trainable params (ALiBi slopes, a T5 bias) and attention sinks against the "
+                 "same calls without them (--device cpu runs anywhere)"),
+    "cpu": ("flashgen.bench.cpu", "the CPU op against torch SDPA on the CPU (no GPU)"),
+    "ring": ("flashgen.bench.ring",
+             "ring attention (flashgen.distributed) over the GPUs of one host against one GPU "
+             "doing the whole sequence"),
+    "timeline": ("flashgen.bench.timeline",
+                 "where a CTA of the Hopper forward spends its cycles (clock64 probe points; "
+                 "sm_90)"),
+    "ablation": ("flashgen.bench.ablation",
+                 "the Hopper forward with one part of its work patched out at a time, timed "
+                 "with its power and clock (sm_90)"),
+}  # fmt: skip
 
-        argv = ["--out", str(Path(args.out) / "decode.json")] + (["--quick"] if args.quick else [])
-        return decode_main(argv)
+
+def _bench_mode(args) -> int | None:
+    """Run the ``--MODE`` benchmark ``args`` names (its module's ``main``); None: none."""
+    mode = next((m for m in BENCH_MODES if getattr(args, m, None) is not None), None)
+    if mode is None:
+        return None
+    rest = list(getattr(args, mode))
+    if args.specs:
+        print(f"error: --{mode} takes its arguments after the flag (flashgen bench --{mode} "
+              f"--help): {' '.join(args.specs)}", file=sys.stderr)  # fmt: skip
+        return 2
+    if mode == "decode":  # as before: bench's --out DIR and --quick, given before --decode
+        if "--out" not in rest and "--plot" not in rest:
+            rest = ["--out", str(Path(args.out) / "decode.json"), *rest]
+        if args.quick and "--quick" not in rest:
+            rest.append("--quick")
+    module = importlib.import_module(BENCH_MODES[mode][0])
+    return module.main(rest, prog=f"flashgen bench --{mode}")
+
+
+def cmd_bench(args) -> int:
+    rc = _bench_mode(args)
+    if rc is not None:
+        return rc
     from flashgen.bench import report as benchreport
     from flashgen.bench.runner import BenchConfig, run_bench
 
@@ -180,6 +233,43 @@ def cmd_tune(args) -> int:
 
 
 # ----------------------------------------------------------------------------- main
+#: each command's ``--help`` text, shown whole (:class:`HelpFormatter`: paragraphs filled
+#: to the terminal's width)
+DESCRIPTIONS = {
+    "build": """\
+Check each spec, render and compile every kernel of every (spec, target) with nvcc in
+parallel (through the on-disk kernel cache; NVRTC where there is no nvcc), print registers,
+spills, shared memory and compile time per kernel, and write <out>/<name>/ (the CUDA sources
+and a manifest).  A kernel that spills, or whose wgmma instructions ptxas serialized, fails
+the build and leaves <out>/<name>/ as it was.  With a CUDA GPU (and without --no-verify) it
+also checks each op against the float64 reference and times it.
+
+Exit 0 on success; 1 for a bad spec, a failed compile, a kernel that spills, a failed
+verification or no CUDA compiler.""",
+    "show": """\
+Print a spec as flashgen checked it (dtype, head dims, the mask and score_mod with their
+types, params and their bounds), then for each target the kernel plan (tiles, threads,
+shared memory, options) and the rendered CUDA source of its forward (the decode unit for a
+decode-only spec).  Needs no GPU and no CUDA compiler.""",
+    "list": """\
+List the specs in DIR, one block per spec: name, dtype and head dims, the mask, the
+score_mod and the description, wrapped to the terminal's width.  Without DIR: ./specs if
+there is one, else the specs shipped with flashgen.  A spec that does not check is listed
+with its error (exit 1).""",
+    "cache": """\
+Show where the kernel cache is ($FLASHGEN_CACHE_DIR, default ~/.cache/flashgen) and its
+size per flashgen version and GPU architecture.  --prune deletes other flashgen versions'
+kernels and broken entries, and with --older-than DAYS also kernels not used for that long.
+Deleting the directory is always safe: kernels are rebuilt on first use.""",
+    "tune": """\
+Time candidate tile configs (block sizes, warps) of each spec's forward on this GPU and
+record the fastest per (GPU, target, head_dim, dtype, causal, score_mod) in the tuning
+table (flashgen/tuning/table.json), which the op reads from then on.  Each key runs in its
+own child process, so a faulting candidate cannot poison the others.  --compile-only needs
+no GPU: it compiles the candidates and prints their registers and spills.  Needs a CUDA GPU
+otherwise (exit 2 without one).""",
+}
+
 DESCRIPTION = """\
 Compile short YAML attention specs into CUDA kernels and PyTorch ops.
 
@@ -189,21 +279,25 @@ A SPEC is a spec file or the name of a shipped spec (`flashgen list` prints them
 
 EPILOG = """\
 examples:
-  flashgen list                              the shipped specs
-  flashgen show mistral_swa                  checked expressions, kernel plan, CUDA source
-  flashgen build my_spec.yaml --target sm_80 compile, report registers and spills
-  flashgen COMMAND --help                    a command's options"""
+  flashgen list                  the shipped specs
+  flashgen show mistral_swa      checked expressions, kernel plan, CUDA source
+  flashgen build my_spec.yaml    compile (sm_80 and sm_90), report registers, spills
+  flashgen bench --cpu           the CPU op against SDPA on this machine
+  flashgen COMMAND --help        a command's options"""
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="flashgen", description=DESCRIPTION, epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="flashgen", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter,
     )  # fmt: skip
     ap.add_argument("--version", action="version", version=f"flashgen {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    raw = HelpFormatter
 
-    b = sub.add_parser("build", help="check, render and compile specs; write generated/")
+    b = sub.add_parser(
+        "build", help="check, render and compile specs; write generated/",
+        description=DESCRIPTIONS["build"], formatter_class=raw,
+    )  # fmt: skip
     b.add_argument(
         "--option", action="append", metavar="NAME=VALUE",
         help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
@@ -227,9 +321,18 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--no-verify", action="store_true", help="skip the GPU correctness check and benchmark"
     )
+    b.add_argument(
+        "--offsets", action="store_true",
+        help="build each spec's offsets form instead (<name>__offsets: the op ring attention "
+        "and q_offset= / kv_offset= calls run), to check that it compiles spill-free; nothing "
+        "is written to --out or verified",
+    )  # fmt: skip
     b.set_defaults(func=cmd_build)
 
-    s = sub.add_parser("show", help="print the checked IR, plan and CUDA source of a spec")
+    s = sub.add_parser(
+        "show", help="print the checked IR, plan and CUDA source of a spec",
+        description=DESCRIPTIONS["show"], formatter_class=raw,
+    )  # fmt: skip
     s.add_argument(
         "--option", action="append", metavar="NAME=VALUE",
         help="a kernel option by dotted name (flashgen.options.Options), e.g. family=fa2",
@@ -243,14 +346,20 @@ def parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=cmd_show)
 
-    ls = sub.add_parser("list", help="list the specs in a directory")
+    ls = sub.add_parser(
+        "list", help="list the specs in a directory (default: the shipped ones)",
+        description=DESCRIPTIONS["list"], formatter_class=raw,
+    )  # fmt: skip
     ls.add_argument(
         "dir", nargs="?", default=None, metavar="DIR",
         help="default: ./specs, else the specs shipped with flashgen",
     )  # fmt: skip
     ls.set_defaults(func=cmd_list)
 
-    ca = sub.add_parser("cache", help="show the kernel cache's size; --prune it")
+    ca = sub.add_parser(
+        "cache", help="show the kernel cache's size; --prune it",
+        description=DESCRIPTIONS["cache"], formatter_class=raw,
+    )  # fmt: skip
     ca.add_argument(
         "--prune", action="store_true",
         help="delete other flashgen versions' kernels and broken entries",
@@ -264,8 +373,17 @@ def parser() -> argparse.ArgumentParser:
     be = sub.add_parser(
         "bench",
         help="benchmark flashgen against SDPA backends, FlexAttention and standard attention",
-        description="Benchmark in the FlashAttention papers' protocol and write results.json, "
-        "results.md and PNG plots into --out (needs a CUDA GPU; exit 2 without one).",
+        description="""\
+Benchmark flashgen in the FlashAttention papers' protocol against PyTorch SDPA's flash and
+cuDNN backends, FlexAttention and standard attention: forward and forward + backward over
+head dims, sequence lengths and dtypes, the shipped variants and memory; write
+results.json, results.md and PNG plots into --out.  Needs a CUDA GPU (exit 2 without one);
+--from-json rebuilds the reports from saved results anywhere.
+
+The other benchmarks are flags (--decode, --gallery, --training, --cpu, --ring, --timeline,
+--ablation) that take the rest of the line as their own options: `flashgen bench --gallery
+--help` lists the gallery's.""",
+        formatter_class=raw,
     )
     be.add_argument(
         "specs", nargs="*", metavar="SPEC", help="variant specs to compare (default: specs/)"
@@ -306,13 +424,19 @@ def parser() -> argparse.ArgumentParser:
         metavar="RESULTS",
         help="no GPU: merge saved results.json files and rebuild the reports in --out",
     )
-    be.add_argument("--decode", action="store_true", help="the decode (KV cache) benchmark instead")
+    modes = be.add_argument_group(
+        "other benchmarks", "each flag takes the rest of the line as its own options "
+        "(`flashgen bench --MODE --help`)",
+    )  # fmt: skip
+    for mode, (_, text) in BENCH_MODES.items():  # one at most: the first takes what follows
+        modes.add_argument(f"--{mode}", nargs=argparse.REMAINDER, help=text)
     be.set_defaults(func=cmd_bench)
 
     tu = sub.add_parser(
         "tune",
         help="time candidate tile configs on this GPU and record the best in the tuning table",
-    )
+        description=DESCRIPTIONS["tune"], formatter_class=raw,
+    )  # fmt: skip
     tu.add_argument("specs", nargs="*", metavar="SPEC", help="spec YAML files")
     tu.add_argument(
         "--all-shipped",

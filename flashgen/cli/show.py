@@ -155,23 +155,38 @@ def cmd_show(args) -> int:
     return 0
 
 
-def _print_list(rows, width: int) -> None:
-    """One block per spec, every line at most ``width`` columns: name, dtype and head dims
-    on the first line, then the mask and score_mod, then the description (each wrapped)."""
-    import textwrap
-
+def _print_list(rows, console) -> None:
+    """One block per spec, wrapped by rich to ``console``'s width (the terminal's, or
+    ``COLUMNS``): name, dtype and head dims on the first line, then the mask and score_mod
+    under their labels, then the description, indented.  Text goes in as rich ``Text`` (no
+    markup: descriptions are the spec author's)."""
     w0 = max([len(r[0]) for r in rows] + [4])
     w1 = max([len(r[1]) for r in rows] + [5])
+    with console.capture() as captured:  # rich pads lines to the width: trailing spaces cut
+        _print_blocks(rows, console, w0, w1)
+    lines = captured.get().splitlines()
+    console.file.write("".join(line.rstrip() + "\n" for line in lines))
+
+
+def _print_blocks(rows, console, w0: int, w1: int) -> None:
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
     for name, dtype, hd, mask, mod, desc in rows:
-        print(f"{name:<{w0}}  {dtype:<{w1}}  head_dim {hd}"[:width].rstrip())
+        console.print(Text(f"{name:<{w0}}  {dtype:<{w1}}  head_dim {hd}"), overflow="fold")
         mask = "none (every pair kept)" if mask == "-" else mask
-        for label, text in (("mask", mask), ("score_mod", mod), ("", desc)):
-            if text in ("", "-"):
-                continue
-            lead = f"    {label}: " if label else "    "
-            print(textwrap.fill(text, width=max(width, 40), initial_indent=lead,
-                                subsequent_indent=" " * len(lead), break_on_hyphens=False))
-        print()
+        exprs = Table.grid(padding=(0, 1, 0, 0))
+        exprs.add_column(no_wrap=True)
+        exprs.add_column(overflow="fold")
+        for label, text in (("mask:", mask), ("score_mod:", mod)):
+            if text not in ("", "-"):
+                exprs.add_row(label, Text(text))
+        if exprs.row_count:
+            console.print(Padding(exprs, (0, 0, 0, 4)))
+        if desc not in ("", "-"):
+            console.print(Padding(Text(desc, overflow="fold"), (0, 0, 0, 4)))
+        console.print()
 
 
 def cmd_list(args) -> int:
@@ -206,5 +221,5 @@ def cmd_list(args) -> int:
         hd = str(s.head_dim) if s.head_dim == s.head_dim_v else f"{s.head_dim}/{s.head_dim_v}"
         desc = terminal_safe(s.description)  # untrusted text: escaped
         rows.append((s.name, s.dtype, hd, format_expr(s.mask), format_expr(s.score_mod), desc))
-    _print_list(rows[1:], _consoles()[0].width)
+    _print_list(rows[1:], _consoles()[0])
     return 1 if bad else 0

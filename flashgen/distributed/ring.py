@@ -40,7 +40,7 @@ params are passed whole on every rank.  A tensor param with both dims is refused
 
 Param gradients: an f32 param that requires grad (a whole tensor, a q-sharded one, or a
 0-d scalar tensor) gets its gradient: each block's backward returns its share
-(:mod:`flashgen.ops.backward`), a q-sharded param's lands in this rank's rows, and the
+(:mod:`flashgen.ops.prefill.backward`), a q-sharded param's lands in this rank's rows, and the
 shares of a whole param or a scalar are summed over the ranks (one all-reduce each).  A
 k/v-sharded param that the score_mod reads and that requires grad is refused (its
 gradient would have to travel back around the ring).  A spec's sink joins the merged
@@ -66,8 +66,8 @@ from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import kv_sharded_params, q_sharded_params
-from flashgen.ops.backward import backward_name, check_param_grad
-from flashgen.ops.decode import merge_attention
+from flashgen.ops.decode.op import merge_attention
+from flashgen.ops.prefill.backward import backward_name, check_param_grad
 from flashgen.ops.validation import (
     check_softmax_scale,
     default_softmax_scale,

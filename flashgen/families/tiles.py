@@ -175,7 +175,8 @@ HOPPER_TABLE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: lengths) 128 x 160 is, hence the per-call rule below (docs/perf-notes.md).
 HOPPER_SPARSE_TILES: dict[int, TileConfig] = {128: TileConfig(128, 128, 12)}
 #: A call whose mask keeps fewer keys per query row than this on average (16 key blocks of
-#: 160; :mod:`flashgen.ops.density`) runs :data:`HOPPER_SPARSE_TILES` (:func:`sparse_tiles`).
+#: 160; :mod:`flashgen.ops.prefill.density`) runs :data:`HOPPER_SPARSE_TILES`
+#: (:func:`sparse_tiles`).
 SPARSE_KEYS_PER_ROW = 2560
 
 

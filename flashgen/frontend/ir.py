@@ -3,7 +3,7 @@
 Everything here is plain frozen dataclasses: no torch, no cupy, no lark.  The
 front end (``flashgen.frontend.spec``) builds these from YAML + the DSL, the checker
 (``flashgen.frontend.check``) fills in expression types, and the lowering passes
-(``flashgen.codegen``, ``flashgen.ops.reference``) read them.
+(``flashgen.codegen``, ``flashgen.ops.cpu.reference``) read them.
 
 Expression nodes carry a :class:`Span` (file, 1-based line/column) so any later
 error can point at the source text.
@@ -192,7 +192,7 @@ class Spec:
     ``softmax_scale`` is ``None`` for ``auto`` (1/sqrt(head_dim)).
     ``source`` is the spec file's text, hashed into cache keys.
     ``varlen``: the op takes packed q/k/v ``[total, H, D]`` with ``cu_seqlens_q/k`` and
-    ``max_seqlen_q/k`` (see :mod:`flashgen.ops.varlen`); index variables are per sequence.
+    ``max_seqlen_q/k`` (see :mod:`flashgen.ops.prefill.varlen`); index variables are per sequence.
     ``sink``: an attention sink logit per (batch, head) (f32, e.g. ``sinks[h]``; ``None``
     without one; gpt-oss): it joins every row's softmax denominator and nothing else,
     ``o = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink))``, in the units of the scaled

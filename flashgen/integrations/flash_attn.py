@@ -28,7 +28,7 @@ GPU; the CPU op runs anywhere (float32 inputs too).  ``dropout_p > 0``,
 The output of :func:`flash_attn_func` is a contiguous ``(B, Sq, Hq, Dv)`` tensor, as
 FlashAttention's: it is allocated in that layout and passed to the op as ``out=`` (viewed
 ``[B, Hq, Sq, Dv]``), which the kernel writes through its strides (no copy; see
-:meth:`flashgen.ops.attention.AttentionOp.attention`).  lse stays ``[B, Hq, Sq]``.
+:meth:`flashgen.ops.prefill.attention.AttentionOp.attention`).  lse stays ``[B, Hq, Sq]``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What every kernel call of the attention ops needs besides validation: the kernel ABI's
 argument values (:func:`kernel_values`), the current CUDA stream, the SM count, alignment of
 the tensors a kernel reads, and whether a call is plain eager (:func:`_plain_eager`).  Shared
-by :mod:`flashgen.ops.attention`, :mod:`~flashgen.ops.backward`, :mod:`~flashgen.ops.varlen`
-and :mod:`~flashgen.ops.decode`; imports none of them."""
+by :mod:`flashgen.ops.prefill.attention`, :mod:`~flashgen.ops.prefill.backward`,
+:mod:`~flashgen.ops.prefill.varlen` and :mod:`~flashgen.ops.decode.op`; imports none of them."""
 
 from __future__ import annotations
 

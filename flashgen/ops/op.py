@@ -1,7 +1,7 @@
 """A checked spec -> a PyTorch operator ``torch.ops.flashgen.<name>``: the registration
 (:func:`build_op`, :func:`registered_name`, :func:`schema`; one torch library fragment per
 operator, all or nothing, replaced whole by a reload) and the public names of the op modules:
-:class:`~flashgen.ops.attention.AttentionOp` (its schema and the op contract are described
+:class:`~flashgen.ops.prefill.attention.AttentionOp` (its schema and the op contract are described
 there), the checks of :mod:`flashgen.ops.validation`, the call helpers of
 :mod:`flashgen.ops.calls`.
 """
@@ -17,7 +17,6 @@ import torch
 from flashgen.codegen.abi import needs_block_table
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
-from flashgen.ops.attention import AttentionOp
 from flashgen.ops.calls import (  # noqa: F401  (re-exported: flashgen.ops.op's public names)
     _kernel_aligned,
     _plain_eager,
@@ -25,6 +24,7 @@ from flashgen.ops.calls import (  # noqa: F401  (re-exported: flashgen.ops.op's 
     current_stream_ptr,
     kernel_values,
 )
+from flashgen.ops.prefill.attention import AttentionOp
 from flashgen.ops.validation import (  # noqa: F401  (re-exported)
     _SCHEMA_TYPE,
     DESCALE_NAMES,
@@ -80,10 +80,10 @@ def schema(spec: ir.Spec) -> str:
 
     ``deterministic`` is keyword-only with a default, so positional calls written for the
     schema without it still work; the forward ignores it and autograd hands it to the
-    backward op (see :mod:`flashgen.ops.backward`).  A varlen spec's schema is
-    :func:`flashgen.ops.varlen.schema`."""
+    backward op (see :mod:`flashgen.ops.prefill.backward`).  A varlen spec's schema is
+    :func:`flashgen.ops.prefill.varlen.schema`."""
     if spec.varlen:
-        from flashgen.ops.varlen import schema as varlen_schema
+        from flashgen.ops.prefill.varlen import schema as varlen_schema
 
         return varlen_schema(spec)
     args = ["Tensor q", "Tensor k", "Tensor v", "float softmax_scale"]
@@ -200,14 +200,14 @@ def _build_op(
             for other in [o for o in _REGISTRY.values() if o.base_name == base_name]:
                 _unregister(other.name, spec.path)
         if spec.varlen:
-            from flashgen.ops.varlen import VarlenBackward as backward_cls
-            from flashgen.ops.varlen import VarlenOp as op_cls
+            from flashgen.ops.prefill.varlen import VarlenBackward as backward_cls
+            from flashgen.ops.prefill.varlen import VarlenOp as op_cls
         elif is_scaled(spec):  # fp8: forward only
-            from flashgen.ops.backward import ForwardOnly as backward_cls
+            from flashgen.ops.prefill.backward import ForwardOnly as backward_cls
 
             op_cls = AttentionOp
         else:
-            from flashgen.ops.backward import Backward as backward_cls
+            from flashgen.ops.prefill.backward import Backward as backward_cls
 
             op_cls = AttentionOp
         op = op_cls(spec, options)
@@ -223,7 +223,7 @@ def _build_op(
             op.backward.register(lib)
             if not spec.varlen:  # with_kvcache's ops, now: they must exist under torch.compile
                 _register_out(op, lib)
-                from flashgen.ops.decode import decode_op
+                from flashgen.ops.decode.op import decode_op
 
                 decode_op(op)
         except BaseException:
@@ -232,7 +232,7 @@ def _build_op(
         _LIBS[spec.name] = lib
         _REGISTRY[spec.name] = op
         if not spec.varlen:  # registered now, so `op.varlen` also works inside torch.compile
-            from flashgen.ops.varlen import varlen_spec
+            from flashgen.ops.prefill.varlen import varlen_spec
 
             try:
                 op._varlen_op = _build_op(
@@ -248,7 +248,7 @@ def _build_op(
 
 
 class _Registration:
-    """What an :class:`~flashgen.ops.attention.AttentionOp` asks of the registration
+    """What an :class:`~flashgen.ops.prefill.attention.AttentionOp` asks of the registration
     (``op._registration``): the op of a spec under other options, and its varlen form."""
 
     @staticmethod
@@ -257,7 +257,7 @@ class _Registration:
 
     @staticmethod
     def varlen_of(op: AttentionOp) -> AttentionOp:
-        from flashgen.ops.varlen import varlen_spec
+        from flashgen.ops.prefill.varlen import varlen_spec
 
         return _build_op(varlen_spec(op.spec), op.options, op.base_name + "__varlen")
 

@@ -1,6 +1,6 @@
 """The ``out=`` argument of the attention op: a caller's tensor the forward writes o into.
 
-:meth:`flashgen.ops.attention.AttentionOp.attention` and the mutating overload
+:meth:`flashgen.ops.prefill.attention.AttentionOp.attention` and the mutating overload
 ``torch.ops.flashgen.<name>.out`` take ``out`` ``[B, Hq, Sq, Dv]`` of any layout whose last
 dim is contiguous (``stride(-1) == 1``): the kernels index o through its strides
 (``o_sb, o_sh, o_ss``, :mod:`flashgen.codegen.abi`), so ``(B, S, H, D)`` storage viewed with

@@ -24,7 +24,7 @@ import torch
 
 from flashgen.analysis.derive import reads_param
 from flashgen.frontend import ir
-from flashgen.ops.reference import _as, _env, eval_expr
+from flashgen.ops.cpu.reference import _as, _env, eval_expr
 
 
 def sink_logits(spec: ir.Spec, params: dict, *, batch: int, heads_q: int, heads_kv: int,

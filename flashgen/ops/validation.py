@@ -2,8 +2,8 @@
 :func:`validate` (q, k, v, tensor params, scalars, softmax_scale) and the
 :class:`~flashgen.frontend.errors.OpInputError` each check raises, the defaults the op fills
 in, the poisoned-output debugging hook and the kernel target of a device.  Shared by
-:mod:`flashgen.ops.attention`, :mod:`~flashgen.ops.backward`, :mod:`~flashgen.ops.varlen`
-and :mod:`~flashgen.ops.decode`; imports none of them."""
+:mod:`flashgen.ops.prefill.attention`, :mod:`~flashgen.ops.prefill.backward`,
+:mod:`~flashgen.ops.prefill.varlen` and :mod:`~flashgen.ops.decode.op`; imports none of them."""
 
 from __future__ import annotations
 
@@ -319,7 +319,7 @@ def _describe(value) -> str:
 
 
 def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | None:
-    """:meth:`~flashgen.ops.attention.AttentionOp.attention`'s ``q_descale``, ``k_descale``,
+    """:meth:`~flashgen.ops.prefill.attention.AttentionOp.attention`'s ``q_descale``, ``k_descale``,
     ``v_descale`` (``given``: name -> value or None) as the op's schema arguments.
 
     For an fp8 spec (:func:`is_scaled`): three float32 ``[B, Hkv]`` tensors on ``device``
@@ -475,7 +475,7 @@ def resolve_params(spec: ir.Spec, params: dict, grads: dict | None = None) -> tu
     tensor; a CUDA tensor is refused (reading it would synchronize the device).  One that
     requires grad (while grad mode is on) is recorded in ``grads`` (name -> tensor) when
     the caller differentiates it (``grads`` given: :meth:`AttentionOp.attention
-    <flashgen.ops.attention.AttentionOp.attention>`), else raises ``NotImplementedError``
+    <flashgen.ops.prefill.attention.AttentionOp.attention>`), else raises ``NotImplementedError``
     (its gradient would be silently dropped).
     """
     valid = [p.name for p in spec.params]

@@ -14,7 +14,7 @@
 // Softmax runs in the exp2 domain: x = log2(e) * score_mod(softmax_scale * q.k).  Without a score_mod
 // (fold_scale) acc_s keeps the raw q.k and log2(e) * softmax_scale is folded into exp2's FFMA (as FA2).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
-// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key blocks) by interval
+// Block sparsity: fg_tile_class (flashgen/analysis/masktiles.py) classifies (query block, key blocks) by interval
 // arithmetic over the mask; EMPTY key blocks are never loaded (fg::iv::prev_live finds the next live one,
 // crossing runs of empty blocks in O(log) range checks), FULL ones inside seqlen_k evaluate no mask.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
@@ -108,7 +108,7 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/codegen/cuda_expr.py
 // _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
 // address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
 // 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
@@ -153,7 +153,7 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
-    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/codegen/cuda_expr.py, hopper_fwd.nonneg_div):
     // the multiply-high and a shift, no sign or zero handling.
     __host__ __device__ __forceinline__ int div_nn(int x) const {
 #ifdef __CUDA_ARCH__
@@ -168,8 +168,8 @@ struct Divisor {
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
-// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
-// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Interval arithmetic for tile classification (flashgen/analysis/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/analysis/maskinfo.py (Cousot &
 // Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
 // Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
@@ -320,7 +320,7 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
-// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// Flags on a PARTIAL class (flashgen/analysis/masktiles.py, causal_bits; the Hopper forward): the mask is
 // exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
 // false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
 // neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
@@ -495,7 +495,7 @@ __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int 
 
 }  // namespace fg
 
-// Tile class of spec alibi_learned's mask (flashgen/masktiles.py; rules of maskinfo.py).
+// Tile class of spec alibi_learned's mask (flashgen/analysis/masktiles.py; rules of maskinfo.py).
 __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
     (void)q0; (void)q1; (void)k0; (void)k1; (void)b; (void)h;
     (void)seqlen_q; (void)seqlen_k;

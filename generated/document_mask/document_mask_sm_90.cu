@@ -116,7 +116,7 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/codegen/cuda_expr.py
 // _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
 // address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
 // 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
@@ -161,7 +161,7 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
-    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/codegen/cuda_expr.py, hopper_fwd.nonneg_div):
     // the multiply-high and a shift, no sign or zero handling.
     __host__ __device__ __forceinline__ int div_nn(int x) const {
 #ifdef __CUDA_ARCH__
@@ -285,8 +285,8 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a
 }
 
 }  // namespace fg
-// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
-// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Interval arithmetic for tile classification (flashgen/analysis/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/analysis/maskinfo.py (Cousot &
 // Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
 // Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
@@ -437,7 +437,7 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
-// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// Flags on a PARTIAL class (flashgen/analysis/masktiles.py, causal_bits; the Hopper forward): the mask is
 // exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
 // false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
 // neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
@@ -866,7 +866,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_document_mask_
     const int row_base = cg * 64 + warp * 16 + lane / 4;  // this thread's rows: row_base, row_base + 8
     const float scale_log2 = softmax_scale * LOG2E;
 
-    // Row terms (flashgen/rowcol.py): the mask's reads of this thread's two query rows, once per tile.
+    // Row terms (flashgen/analysis/rowcol.py): the mask's reads of this thread's two query rows, once per tile.
     // A live block means seqlen_k > 0, so every clamped read is in bounds.
     int fg_row0_r[2];
     constexpr int PP_BARRIER = 3;                   // named barriers 3 and 4: "consumer c may issue"

@@ -18,7 +18,7 @@
 // x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
 // Block sparsity: the producer walks the live key blocks of its query block, EMPTY ones are never
-// loaded, FULL ones inside seqlen_k evaluate no mask.  Classes come from fg_tile_class (flashgen/masktiles.py):
+// loaded, FULL ones inside seqlen_k evaluate no mask.  Classes come from fg_tile_class (flashgen/analysis/masktiles.py):
 // interval arithmetic over the mask (causal included), walked warp-wide with fg::iv::WarpWalk.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
@@ -111,7 +111,7 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/codegen/cuda_expr.py
 // _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
 // address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
 // 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
@@ -156,7 +156,7 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
-    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/codegen/cuda_expr.py, hopper_fwd.nonneg_div):
     // the multiply-high and a shift, no sign or zero handling.
     __host__ __device__ __forceinline__ int div_nn(int x) const {
 #ifdef __CUDA_ARCH__
@@ -301,8 +301,8 @@ __device__ __forceinline__ void wgmma_rs_n192(float (&d)[96], const uint32_t (&a
 }
 
 }  // namespace fg
-// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
-// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Interval arithmetic for tile classification (flashgen/analysis/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/analysis/maskinfo.py (Cousot &
 // Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
 // Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
@@ -453,7 +453,7 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
-// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// Flags on a PARTIAL class (flashgen/analysis/masktiles.py, causal_bits; the Hopper forward): the mask is
 // exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
 // false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
 // neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
@@ -628,7 +628,7 @@ __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int 
 
 }  // namespace fg
 
-// Tile class of spec gpt2_d64's mask (flashgen/masktiles.py; rules of maskinfo.py).
+// Tile class of spec gpt2_d64's mask (flashgen/analysis/masktiles.py; rules of maskinfo.py).
 __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
     (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
     const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);
@@ -746,12 +746,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt2_d64_fwd_s
         return fg_tile_class(m0, m_last, k0, k1, b, h, h_kv, seqlen_q, seqlen_k);
     };
     // Warp 0 finds the first block (one classifier call per lane for 32 blocks) and its walk goes
-    // on from there; the other warps read the block after the barrier (lower.py, single_walk:
+    // on from there; the other warps read the block after the barrier (flashgen/families/hopper_fwd.py, single_walk:
     // all twelve classifying at once shared the issue slots of warp 0's walk).
     fg::iv::WarpWalk walk;
     auto prev_live = [&](int j, int& c) { return walk.prev_live(j, c, kv_class); };
     int cls = fg::iv::EMPTY;
-    // causal: the key blocks past the one of the last row's diagonal are EMPTY (lower.py,
+    // causal: the key blocks past the one of the last row's diagonal are EMPTY (flashgen/families/hopper_fwd.py,
     // walk_from_diagonal): the walk starts there.
     const int diag_k = m_last + seqlen_k - seqlen_q;  // the last key the last row may keep
     const int walk_start = diag_k < 0 ? -1 : min(n_kv_blocks - 1, diag_k / BLOCK_N);

@@ -16,7 +16,7 @@
 //   acc_dp      dP (or dP^T), then dS
 //   sLse        dkdv: the step's lse (async_stats: natural log as stored, scaled by log2(e) where read;
 //               else lse * log2(e), +inf for rows with nothing to attend to)
-// Block sparsity: fg_tile_class (flashgen/masktiles.py) classifies (query block, key block) tiles by interval
+// Block sparsity: fg_tile_class (flashgen/analysis/masktiles.py) classifies (query block, key block) tiles by interval
 // arithmetic over the mask; both inner loops visit live (not EMPTY) blocks only, found with fg::iv::next_live
 // and prefetched as such, and FULL tiles inside seqlen_k evaluate no mask.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
@@ -110,7 +110,7 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/codegen/cuda_expr.py
 // _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
 // address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
 // 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
@@ -155,7 +155,7 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
-    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/codegen/cuda_expr.py, hopper_fwd.nonneg_div):
     // the multiply-high and a shift, no sign or zero handling.
     __host__ __device__ __forceinline__ int div_nn(int x) const {
 #ifdef __CUDA_ARCH__
@@ -170,8 +170,8 @@ struct Divisor {
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 }  // namespace fg
-// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
-// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Interval arithmetic for tile classification (flashgen/analysis/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/analysis/maskinfo.py (Cousot &
 // Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
 // Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
@@ -322,7 +322,7 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
-// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// Flags on a PARTIAL class (flashgen/analysis/masktiles.py, causal_bits; the Hopper forward): the mask is
 // exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
 // false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
 // neither EMPTY nor FULL, so the block searches treat it as PARTIAL.
@@ -442,7 +442,7 @@ struct WarpWalk {
 }  // namespace iv
 }  // namespace fg
 
-// Tile class of spec llama3_gqa's mask (flashgen/masktiles.py; rules of maskinfo.py).
+// Tile class of spec llama3_gqa's mask (flashgen/analysis/masktiles.py; rules of maskinfo.py).
 __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
     (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;
     const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);

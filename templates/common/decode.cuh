@@ -1,6 +1,6 @@
 // Shared pieces of the decode (split-KV) kernels: the split scheduler and the LSE merge
 // (flashgen/families/decode.py).  __host__ __device__ where the host tests run them
-// (tests/unit/test_decode_host.py builds this file with the host compiler).
+// (tests/unit/test_decode_compile.py builds this file with the host compiler).
 #ifndef FG_DECODE_CUH
 #define FG_DECODE_CUH
 #ifndef __CUDACC__

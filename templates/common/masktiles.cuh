@@ -1,5 +1,5 @@
-// Interval arithmetic for tile classification (flashgen/masktiles.py emits the classifier that
-// calls these).  Same rules, one for one, as the host analysis in flashgen/maskinfo.py (Cousot &
+// Interval arithmetic for tile classification (flashgen/analysis/masktiles.py emits the classifier that
+// calls these).  Same rules, one for one, as the host analysis in flashgen/analysis/maskinfo.py (Cousot &
 // Cousot's interval domain): a number is a range [lo, hi] (double, may be infinite), a boolean is
 // (can be true, can be false).  __host__ __device__ so the CPU tests can run the emitted classifier.
 // Also: searches for the next / previous non-empty block along one axis over aligned power-of-two block
@@ -150,7 +150,7 @@ FG_HD int opaque(int x) {
 
 FG_HD int tile_class(T keep) { return !keep.t ? EMPTY : (keep.f ? PARTIAL : FULL); }
 
-// Flags on a PARTIAL class (flashgen/masktiles.py, causal_bits; the Hopper forward): the mask is
+// Flags on a PARTIAL class (flashgen/analysis/masktiles.py, causal_bits; the Hopper forward): the mask is
 // exactly `causal` on the tile (CAUSAL_ONLY: with causal := true it is FULL there, with causal :=
 // false EMPTY), or `causal` holds on every pair of the tile (NO_CAUSAL).  A class with a flag is
 // neither EMPTY nor FULL, so the block searches treat it as PARTIAL.

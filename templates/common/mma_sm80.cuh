@@ -89,7 +89,7 @@ __host__ __device__ __forceinline__ uint32_t swz(int row, int chunk, int row_byt
 }  // namespace fg
 
 namespace fg {
-// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/lower.py
+// A tensor-param read's row base (t + the offset of its tile-invariant subscripts, flashgen/codegen/cuda_expr.py
 // _tensor_read) through a copy the compiler cannot see through: computed once per tile, and each element's
 // address one IMAD.WIDE of its 32-bit offset.  (Without it NVVM re-associates the base into every element's
 // 64-bit offset: a sign extension, an IMAD.WIDE and a LEA/LEA.HI.X pair per element.)  Not volatile: copies
@@ -134,7 +134,7 @@ struct Divisor {
     __host__ __device__ __forceinline__ int mod(int x) const {
         return ad == 0 ? 0 : (int)((uint32_t)x - (uint32_t)div(x) * (uint32_t)d);
     }
-    // x >= 0 and d >= 1, which the lowering proves (flashgen/lower.py, FLASHGEN_NONNEG_DIV):
+    // x >= 0 and d >= 1, which the lowering proves (flashgen/codegen/cuda_expr.py, hopper_fwd.nonneg_div):
     // the multiply-high and a shift, no sign or zero handling.
     __host__ __device__ __forceinline__ int div_nn(int x) const {
 #ifdef __CUDA_ARCH__

@@ -5,8 +5,8 @@ ref64| + 1e-3 (the FlashAttention test rule).  Fresh random inputs (and a random
 case.  Causal on and off run in the same test, so a backward that ignores the flag fails.
 
 Every accuracy test runs on both values of ``deterministic`` (the ``bwd_path`` fixture): True, the
-deterministic kernels; False, whatever :func:`flashgen.ops.backward.backward_path` picks -- on an
-sm_90 GPU the Hopper wgmma kernels for the specs they take (d64/d128, causal or no mask, no
+deterministic kernels; False, whatever :func:`flashgen.ops.prefill.backward.backward_path` picks --
+on an sm_90 GPU the Hopper wgmma kernels for the specs they take (d64/d128, causal or no mask, no
 score_mod), else the deterministic ones again (so the False case is skipped unless the GPU is an
 sm_90 one).  The FA2-class atomic-dQ kernels run for an op bound to
 ``Options(atomic_dq=True)`` (with ``family="fa2"`` on sm_90): ``test_fa2_atomic_dq``.  The other
@@ -37,9 +37,9 @@ from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.families.registry import has_backward  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops.backward import backward_path, uses_atomic_dq  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
 from flashgen.ops.op import target_for_device  # noqa: E402
-from flashgen.ops.reference import attention_reference  # noqa: E402
+from flashgen.ops.prefill.backward import backward_path, uses_atomic_dq  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ PATHS = [
 
 
 def expected_path(spec, deterministic: bool) -> str:
-    """The backward path (:data:`flashgen.ops.backward.BACKWARD_PATHS`) a call should take
+    """The backward path (:data:`flashgen.ops.prefill.backward.BACKWARD_PATHS`) a call should take
     (under the running test's options, :data:`gpu_options.CURRENT`)."""
     target = target_for_device(spec, torch.device("cuda"))
     return backward_path(spec, target, deterministic, gpu_options.CURRENT)

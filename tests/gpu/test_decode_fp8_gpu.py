@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.ops.decode import decode_op, decode_reference  # noqa: E402
+from flashgen.ops.decode.op import decode_op, decode_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -215,7 +215,7 @@ def test_append_in_place_and_e4m3_q():
     prm = params_of("alibi", 8, q8.device)
     o, lse = op.with_kvcache(q8, kc, vc, lens_t, block_table=table, k_new=kn, v_new=vn,
                              k_descale=kd, v_descale=vd, q_descale=qd, **prm)  # fmt: skip
-    from flashgen.ops.decode import append_reference
+    from flashgen.ops.decode.op import append_reference
 
     append_reference(kc0, vc0, lens_t.cpu(), kn, vn, table.cpu())
     u8 = torch.uint8

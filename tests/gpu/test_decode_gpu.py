@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen.families import decode as family  # noqa: E402
-from flashgen.ops.decode import decode_op, decode_reference  # noqa: E402
+from flashgen.ops.decode.op import decode_op, decode_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -247,7 +247,7 @@ def test_append_in_place_matches_the_reference_cache():
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     prm = params_of("alibi", 8, q.device)
     op.with_kvcache(q, kc, vc, lens_t, block_table=table, k_new=kn, v_new=vn, **prm)
-    from flashgen.ops.decode import append_reference
+    from flashgen.ops.decode.op import append_reference
 
     append_reference(kc0, vc0, lens_t.cpu(), kn, vn, table.cpu())
     assert torch.equal(kc.isnan(), kc0.isnan())
@@ -293,7 +293,7 @@ def test_bad_page_index_is_empty_not_a_crash(splits):
     request 1's length 10**6 is clamped to its 3 pages (48 keys), whose slots all hold keys
     (so the clamped tail is real data, not the NaN fill).  The rest is attended: o equals the
     masked float64 softmax over exactly unchecked_key_mask's keys, for every num_splits."""
-    from flashgen.ops.decode import unchecked_key_mask, validate_decode
+    from flashgen.ops.decode.op import unchecked_key_mask, validate_decode
 
     op = op_of("llama3_gqa")
     kc, vc, table = make_cache([40, 48], ps=16, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
@@ -438,7 +438,7 @@ def ragged_inputs(name, layout, ps, heads, lens, sqs, append, *, seed=0):
 def check_ragged(spec, q, kc, vc, table, cu, lens, sqs, append, params, o, lse, kw):
     """Each request's rows of o / lse against the float64 reference of that request alone
     (seqlen_q = Sq_b), its appended rows at cache_seqlens[b] .. (through the gather)."""
-    from flashgen.ops.decode import gather_cache
+    from flashgen.ops.decode.op import gather_cache
 
     total, hq = q.shape[0], q.shape[1]
     assert o.shape == (total, hq, spec.head_dim_v) and lse.shape == (hq, total)

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.ops.decode import decode_reference  # noqa: E402
+from flashgen.ops.decode.op import decode_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -31,8 +31,8 @@ import gpu_options  # noqa: E402
 
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
+from flashgen.ops.prefill.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

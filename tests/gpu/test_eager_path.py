@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops import attention as op_mod  # noqa: E402
 from flashgen.ops.op import build_op, default_softmax_scale, poison_outputs  # noqa: E402
+from flashgen.ops.prefill import attention as op_mod  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -25,8 +25,8 @@ from head_dim_cases import prebuild  # noqa: E402
 
 from flashgen.bench.verify import error_bound, random_inputs  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
-from flashgen.ops.reference import attention_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

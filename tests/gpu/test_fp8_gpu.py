@@ -35,9 +35,9 @@ from flashgen.bench.verify import (  # noqa: E402
 )
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops import attention as op_mod  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
 from flashgen.ops.op import build_op, default_softmax_scale, poison_outputs  # noqa: E402
-from flashgen.ops.reference import attention_reference  # noqa: E402
+from flashgen.ops.prefill import attention as op_mod  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 from flashgen.families.build import build_forward  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.ops.calls import current_stream_ptr, kernel_values  # noqa: E402
-from flashgen.ops.reference import attention_reference  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
 from flashgen.ops.validation import Dims  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -2,8 +2,8 @@
 reference's autograd (``pytest -m gpu``; skipped without an sm_90 GPU).
 
 ``deterministic=False`` on sm_90 takes this kernel for head_dim 64/128/256 and masks that
-read no tensor, with or without a score_mod (:func:`flashgen.ops.backward.backward_path`); every
-case asserts it ran (and, at 256, the split layout: 64-key CTAs whose two warpgroups split
+read no tensor, with or without a score_mod (:func:`flashgen.ops.prefill.backward.backward_path`);
+every case asserts it ran (and, at 256, the split layout: 64-key CTAs whose two warpgroups split
 dK, dV, dQ by head-dim columns, P^T and dS^T through shared memory).  Bound
 per gradient (the FlashAttention rule, as in test_backward_kernels.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3.  Fresh random inputs per case;
@@ -137,7 +137,7 @@ def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False, params
 
 
 def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
-    from flashgen.ops.reference import attention_reference
+    from flashgen.ops.cpu.reference import attention_reference
 
     qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     o, lse = attention_reference(spec, qr, kr, vr, compute_dtype=dtype)

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.ops.reference import attention_reference, attention_reference_varlen  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference, attention_reference_varlen  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]

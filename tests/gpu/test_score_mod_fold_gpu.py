@@ -88,7 +88,7 @@ def test_forward_matches_reference(key, d, family, error_bound):
 def check_scale(spec, b, hq, hkv, sq, sk, *, softmax_scale, seed):
     """The op with a user softmax_scale (the fold hoists softmax_scale / d from the
     kernel argument) against the reference at that scale."""
-    from flashgen.ops.reference import attention_reference
+    from flashgen.ops.cpu.reference import attention_reference
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)

@@ -1,7 +1,7 @@
 """The forward op's per-call choice of the Hopper tiles for sparse masks
 (``registry.sparse_tiles``: 128 x 128 in place of 128 x 160 at head_dim 128 when the mask keeps
-fewer than ``tiles.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.ops.density``) on an sm_90
-GPU: both kernels against the fp64 reference with the 2x rule (``test_forward.check``, outputs
+fewer than ``tiles.SPARSE_KEYS_PER_ROW`` keys per query row, ``flashgen.ops.prefill.density``) on an
+sm_90 GPU: both kernels against the fp64 reference with the 2x rule (``test_forward.check``, outputs
 poisoned), the sparse one where the mask keeps few keys per row, the dense one (an op bound to
 ``Options(sparse_tiles=False)``) at the same lengths and by itself where the mask keeps many.
 
@@ -25,7 +25,7 @@ from test_forward import check  # noqa: E402
 
 from flashgen.families.tiles import SPARSE_KEYS_PER_ROW  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops import density  # noqa: E402
+from flashgen.ops.prefill import density  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -145,7 +145,7 @@ def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
     Eight CTAs per launch (``Options.persistent_ctas``): the three kernels run side by side
     on the GPU for their whole length, so a shared counter would hand tiles of one launch to
     the CTAs of another (the session-12 per-stream counter failed here)."""
-    import flashgen.ops.attention as op_mod
+    import flashgen.ops.prefill.attention as op_mod
 
     op = load("mistral_swa", flashgen.Options(persistent_ctas=8))
     plans = []
@@ -212,7 +212,7 @@ def test_reduce_overhead_keeps_eager_tile_counters_out_of_graph_pools(monkeypatc
     to a checkpoint, hands its memory to graph tensors (as the trees clear cuBLAS's cached
     workspaces for).  Shapes alternate (warm-up, recording, replay of each, and a new
     recording after a replay); every compiled call equals the eager one."""
-    import flashgen.ops.attention as op_mod
+    import flashgen.ops.prefill.attention as op_mod
 
     monkeypatch.setattr(op_mod, "_COUNTERS", {})  # none made before: this test makes them
     op = load("mistral_swa")

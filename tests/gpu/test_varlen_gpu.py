@@ -1,7 +1,7 @@
 """Varlen kernels (packed sequences with cu_seqlens) against the per-sequence float64
 reference (``pytest -m gpu``; run alone: ``python3 -m pytest tests/gpu/test_varlen_gpu.py -q``).
 
-Reference: :func:`flashgen.ops.reference.attention_reference_varlen`, the padded reference
+Reference: :func:`flashgen.ops.cpu.reference.attention_reference_varlen`, the padded reference
 called on each sequence.  Bound (the rule of tests/gpu/test_forward.py): max|ours - ref64|
 <= 2 * max|reference in the input dtype - ref64| + 1e-3, for o and for each gradient; lse
 within 1e-2 relative where finite and exactly -inf (with o == 0) where the reference's is.
@@ -23,10 +23,10 @@ import gpu_options  # noqa: E402
 
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops.backward import uses_atomic_dq  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference_varlen  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
-from flashgen.ops.reference import attention_reference_varlen  # noqa: E402
-from flashgen.ops.varlen import CHECK_ENV  # noqa: E402
+from flashgen.ops.prefill.backward import uses_atomic_dq  # noqa: E402
+from flashgen.ops.prefill.varlen import CHECK_ENV  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

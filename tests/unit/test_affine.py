@@ -21,7 +21,7 @@ from flashgen.build.render import render  # noqa: E402
 from flashgen.codegen.cuda_expr import Invariants  # noqa: E402
 from flashgen.families.common import affine_context  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops.reference import _env, eval_expr  # noqa: E402
+from flashgen.ops.cpu.reference import _env, eval_expr  # noqa: E402
 from flashgen.options import Options  # noqa: E402
 
 PARAMS = (

@@ -15,8 +15,8 @@ from flashgen.analysis.derive import d_dscore  # noqa: E402
 from flashgen.bench.verify import random_tensor_params  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference, eval_expr  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
-from flashgen.ops.reference import attention_reference, eval_expr  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 #: the shipped specs with a prefill (v_from_k specs are decode only: tests/unit/test_decode_mla.py)

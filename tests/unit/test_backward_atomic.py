@@ -75,11 +75,11 @@ def test_atomic_grids():
 torch = pytest.importorskip("torch")
 
 from flashgen.frontend.errors import OpInputError  # noqa: E402
-from flashgen.ops.backward import (  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
+from flashgen.ops.prefill.backward import (  # noqa: E402
     backward_schema,
     uses_atomic_dq,
 )
-from flashgen.ops.op import build_op  # noqa: E402
 from flashgen.options import Options  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from flashgen.bench import autotune, peers, protocol
 from flashgen.bench import runner as bench
-from flashgen.cli.commands import main
+from flashgen.cli.commands import BENCH_MODES, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -247,7 +247,7 @@ def test_kept_pairs_counts_each_batch_row(mask, params):
     other pairs in each batch row: kept_pairs (one row at a time) equals the whole mask."""
     torch = pytest.importorskip("torch")
     from flashgen.frontend.spec import loads_spec
-    from flashgen.ops.reference import eval_mask
+    from flashgen.ops.cpu.reference import eval_mask
 
     spec = loads_spec(f"name: t\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n")
     gen = torch.Generator().manual_seed(0)
@@ -258,3 +258,26 @@ def test_kept_pairs_counts_each_batch_row(mask, params):
     values = {k: v.to(torch.int32) for k, v in values.items()}
     want = eval_mask(spec, batch=3, heads_q=2, seqlen_q=5, seqlen_k=5, params=values)
     assert protocol.kept_pairs(spec, 3, 2, 5, values, torch.device("cpu")) == int(want.sum())
+
+
+@pytest.mark.parametrize("mode", sorted(BENCH_MODES))
+def test_every_bench_mode_imports_and_prints_its_help(mode, capsys):
+    """``flashgen bench --MODE --help``: the mode's module imports without a GPU (torch and
+    CuPy only inside its functions) and its options are its own."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", f"--{mode}", "--help"])
+    assert e.value.code == 0
+    assert f"usage: flashgen bench --{mode}" in capsys.readouterr().out
+
+
+def test_a_bench_mode_takes_its_arguments_after_the_flag(capsys):
+    assert main(["bench", "causal_d128", "--gallery", "--dry-run"]) == 2
+    assert "--gallery takes its arguments after the flag" in capsys.readouterr().err
+
+
+def test_bench_cpu_times_the_cpu_op_against_sdpa(capsys):
+    pytest.importorskip("torch")
+    argv = ["bench", "--cpu", "--seqlen", "64", "--heads", "1", "--head-dim", "32", "--reps", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| float32 | none |" in out and "| float32 | causal |" in out

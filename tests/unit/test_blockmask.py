@@ -24,8 +24,8 @@ from flashgen.families.build import build_forward  # noqa: E402
 from flashgen.families.registry import plan_block_table  # noqa: E402
 from flashgen.frontend.errors import OpInputError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
-from flashgen.ops.reference import attention_reference, eval_mask  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference, eval_mask  # noqa: E402
+from flashgen.ops.prefill.blockmask import EMPTY, FULL, PARTIAL, block_table_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "specs" / "document_mask.yaml"
@@ -161,8 +161,8 @@ def test_a_table_is_used_only_with_the_tiles_it_was_built_for():
     view; the impl's check (the same _table_values the CUDA launch runs) accepts it for a
     kernel of those tiles and refuses it for another, even where the tile counts agree
     (here 1 x 1 tiles for both the FA2-class 128x32 and the Hopper 128x128 kernels)."""
-    from flashgen.ops.blockmask import table_for_tiles
     from flashgen.ops.op import validate
+    from flashgen.ops.prefill.blockmask import table_for_tiles
 
     op = flashgen.load(DOC)
     doc_q, doc_kv = docs(2, 100, 3), docs(2, 30, 3, seed=1)
@@ -265,8 +265,8 @@ def test_t5_bias_op_validates_the_table():
 
 def test_launch_values_pack_for_the_pre_pass_and_the_forward():
     """Every argument of both kernels' ABIs gets a value from the op's maps (numpy-only)."""
-    from flashgen.ops.blockmask import table_strides
     from flashgen.ops.op import kernel_values, validate
+    from flashgen.ops.prefill.blockmask import table_strides
     from flashgen.runtime.launch import kernel_args
 
     spec = load_spec(DOC)

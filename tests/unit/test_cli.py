@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flashgen.cli.commands import format_expr, main
 from flashgen.frontend.spec import load_spec, loads_spec
 
@@ -107,12 +109,35 @@ def test_list_shows_every_spec(capsys):
     assert "softcap * tanh(score / softcap)" in out
 
 
-def test_list_fits_the_terminal_width(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "60")
+@pytest.mark.parametrize("columns", [30, 60, 100])
+def test_list_fits_the_terminal_width(columns, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(columns))
     assert main(["list", str(REPO / "specs")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert max(len(line) for line in lines) <= 60
+    assert max(len(line) for line in lines) <= columns
+    assert not [line for line in lines if line != line.rstrip()]  # no padding to the width
     assert any(line.startswith("gemma2_softcap ") for line in lines)
+    if columns >= 60:  # every word of a description is there, wrapped
+        text = " ".join(" ".join(lines).split())
+        assert "ALiBi attention (BLOOM, MPT): causal, with a per-head linear" in text
+
+
+@pytest.mark.parametrize("command", ["build", "show", "list", "cache", "bench", "tune", "ab"])
+def test_each_command_help_shows_its_whole_description(command, monkeypatch, capsys):
+    """``flashgen COMMAND --help`` prints the command's description whole (every word, ending
+    with its last sentence), filled to the terminal's width."""
+    from flashgen.cli.commands import parser
+
+    monkeypatch.setenv("COLUMNS", "72")
+    sub = next(a for a in parser()._actions if a.dest == "command")
+    description = sub.choices[command].description
+    assert description and len(description.split()) >= 10
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert " ".join(description.split()) in " ".join(out.split())
+    assert max(len(line) for line in out.splitlines() if not line.startswith("usage")) <= 100
 
 
 def test_help_describes_specs_by_name_and_what_needs_a_gpu(capsys):
@@ -120,7 +145,7 @@ def test_help_describes_specs_by_name_and_what_needs_a_gpu(capsys):
 
     with pytest.raises(SystemExit):
         main(["--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # paragraphs filled to the terminal
     assert "the name of a shipped spec" in out and "need a CUDA GPU." in out
     assert "flashgen COMMAND --help" in out
 

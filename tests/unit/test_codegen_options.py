@@ -15,7 +15,7 @@ from flashgen.families.fa2_bwd import BACKWARD_OPTIONS
 from flashgen.families.fa2_fwd import FORWARD_OPTIONS, uses_load_chain
 from flashgen.families.tiles import DEFAULT_TILES, HOPPER_TILES, MASK_TILES, default_tiles
 from flashgen.frontend.spec import loads_spec
-from flashgen.ops.varlen import varlen_spec
+from flashgen.ops.prefill.varlen import varlen_spec
 
 
 def _spec(mask="causal", score_mod=None, d=128):

@@ -2,7 +2,7 @@
 
 Exhaustive CPU checks: for every shipped mask the bound applies to and random small user
 masks of the bound forms, the per-row range keeps exactly the pairs the expression keeps
-(brute force over small grids with the reference semantics, flashgen/ops/reference.py), and the
+(brute force over small grids with the reference semantics, flashgen/ops/cpu/reference.py), and the
 masked tile's arithmetic as the template writes it (the range's offsets clamped into
 ``[-1, BLOCK_N]``, 64-bit) keeps exactly those columns of every tile.
 """
@@ -22,7 +22,7 @@ from flashgen.codegen.cuda_expr import cuda_expr, split_causal
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.reference import eval_expr
+from flashgen.ops.cpu.reference import eval_expr
 
 #: Options without the column bound.
 NO_BOUND = {"hopper_fwd.col_bound": False}

@@ -1,4 +1,4 @@
-"""Serving (op.with_kvcache, flashgen.ops.decode) on CPU: the op gathers pages and runs the
+"""Serving (op.with_kvcache, flashgen.ops.decode.op) on CPU: the op gathers pages and runs the
 reference; it must equal the padded op on the gathered cache (float64 here), for page sizes
 1, 3, 16, 256, cache lengths 0, 1, page-1, page, page+1 (4097 once), Sq_new 1, 4, 64, GQA
 32/8 and 8/1, sliding-window / softcap / ALiBi specs; garbage in unused slots changes
@@ -16,13 +16,13 @@ import torch
 import flashgen
 from flashgen.families import decode as family
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode import (
+from flashgen.ops.cpu.reference import attention_reference
+from flashgen.ops.decode.op import (
     DecodeDims,
     decode_reference,
     merge_attention,
     unchecked_key_mask,
 )
-from flashgen.ops.reference import attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {
@@ -432,7 +432,7 @@ def test_opcheck_both_schemas():
     kc, vc, table = make_cache([8, 8], page_size=4, hkv=2, d=128, dv=128, dtype=torch.bfloat16)
     q = torch.randn(2, 4, 1, 128).to(torch.bfloat16)
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    from flashgen.ops.decode import decode_op
+    from flashgen.ops.decode.op import decode_op
 
     dop = decode_op(op)
     torch.library.opcheck(
@@ -560,8 +560,8 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     import types
 
     from flashgen.ops import calls as calls_mod
-    from flashgen.ops import decode as dmod
-    from flashgen.ops import decode_fast as dfast
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode import op as dmod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 
@@ -716,8 +716,8 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
     import types
 
     from flashgen.ops import calls as calls_mod
-    from flashgen.ops import decode as dmod
-    from flashgen.ops import decode_fast as dfast
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode import op as dmod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 

@@ -1,4 +1,4 @@
-"""The FP8 (e4m3) KV cache of op.with_kvcache on CPU (flashgen.ops.decode_fp8, the decode
+"""The FP8 (e4m3) KV cache of op.with_kvcache on CPU (flashgen.ops.decode.fp8, the decode
 family's kv8 units): the op against the float64 reference on the dequantized inputs (dense and
 paged caches, GQA, Sq_new 1 / 4, window / softcap / ALiBi specs, appends, an e4m3 q, ragged
 Sq_new), bad inputs (OpInputError naming the argument), the torch ops' schemas, the kv8 units'
@@ -26,7 +26,7 @@ from flashgen.build.render import render
 from flashgen.families import decode as family
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.spec import load_spec
-from flashgen.ops.decode import decode_op, decode_reference
+from flashgen.ops.decode.op import decode_op, decode_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "templates" / "common" / "decode_fp8.cuh"
@@ -457,8 +457,8 @@ def test_kv8_units_differ_only_when_asked():
 def test_launch_values_cover_the_kv8_kernels_arguments():
     op, q, kc, vc, table, lens, kd, vd = _base()
     dop = decode_op(op)
-    from flashgen.ops.decode import validate_decode
-    from flashgen.ops.decode_fp8 import resolve_scales
+    from flashgen.ops.decode.fp8 import resolve_scales
+    from flashgen.ops.decode.op import validate_decode
 
     dims = validate_decode(op.spec, q, kc, vc, lens, table)
     _, scales = resolve_scales(op.spec, dims, q, kd[:, :1].expand(2, 2), 0.5, None)
@@ -482,9 +482,9 @@ def test_planned_fast_path_packs_the_descales(monkeypatch):
     import types
 
     from flashgen.ops import calls as calls_mod
-    from flashgen.ops import decode_fast as dfast
-    from flashgen.ops.decode import DecodeDims
-    from flashgen.ops.decode_fp8 import KvScales
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode.fp8 import KvScales
+    from flashgen.ops.decode.op import DecodeDims
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 

@@ -20,7 +20,7 @@ from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
 from flashgen.build import cache  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
 from flashgen.families import decode as family  # noqa: E402
-from flashgen.ops.decode import decode_reference, decode_reference_ragged  # noqa: E402
+from flashgen.ops.decode.op import decode_reference, decode_reference_ragged  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 
 IDS = [dims_id(d, dv) for d, dv in NEW_HEAD_DIMS]

@@ -21,7 +21,7 @@ from flashgen.families import decode as family
 from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError, SpecError
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.decode import decode_op
+from flashgen.ops.decode.op import decode_op
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "specs" / "mla_decode.yaml"

@@ -14,7 +14,7 @@ import torch
 
 import flashgen
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode import decode_reference
+from flashgen.ops.decode.op import decode_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -230,7 +230,7 @@ def test_ragged_launch_values_cover_the_ragged_kernels_arguments(splits):
     ragged unit's attn and append kernels has a value, the workspace holds total_q x Hq rows,
     q / k_new pass their token stride as q_ss / kn_ss, new_keys is the append flag."""
     from flashgen.families import decode as family
-    from flashgen.ops.decode import decode_op, validate_decode_ragged
+    from flashgen.ops.decode.op import decode_op, validate_decode_ragged
 
     op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
         "alibi", (1, 0, 5), (3, 4, 0), hq=8, hkv=2, ps=4, dense=False, append=True
@@ -303,7 +303,7 @@ def test_opcheck_ragged_and_padded_schemas(append):
     """torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch with
     dynamic shapes) of the ragged op and the padded op, with and without the append (the
     appending ops declare that they mutate k_cache / v_cache)."""
-    from flashgen.ops.decode import decode_op
+    from flashgen.ops.decode.op import decode_op
 
     op = _op("mistral_swa")
     dop = decode_op(op)
@@ -383,7 +383,7 @@ def test_torch_compile_of_cuda_calls_reads_no_address(form):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flashgen.ops.decode_inputs import _addresses_readable
+    from flashgen.ops.decode.inputs import _addresses_readable
 
     op, q, kc, vc, lens_t, table, kn, vn, cu = _case(
         "llama3_gqa", (1, 4, 0), (3, 7, 2), hq=8, hkv=2, ps=4, dense=False, append=True
@@ -520,8 +520,8 @@ def test_ragged_planned_fast_path_packs_the_general_paths_arguments(monkeypatch)
 
     from flashgen.families import decode as family
     from flashgen.ops import calls as calls_mod
-    from flashgen.ops import decode as dmod
-    from flashgen.ops import decode_fast as dfast
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode import op as dmod
     from flashgen.runtime import launch as runtime
     from flashgen.runtime import tma
 

@@ -20,7 +20,7 @@ import flashgen
 from flashgen.build.render import render
 from flashgen.families import decode as family
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode import decode_reference, decode_reference_ragged
+from flashgen.ops.decode.op import decode_reference, decode_reference_ragged
 
 ROOT = Path(__file__).resolve().parents[2]
 E4M3 = getattr(torch, "float8_e4m3fn", None)
@@ -416,7 +416,7 @@ def test_decode_units_index_tensors_by_capacity_and_the_new_token_extent(ragged)
 def test_a_planned_ragged_call_passes_its_own_max_seqlen_q_as_the_tensor_extent():
     """plan_decode(seqlen_q=8, total_q=...) and a call of max_seqlen_q 3: the grid is the
     plan's (max_seqlen_q 8), the ancestors extent the call's (params_seqlen_q 3)."""
-    from flashgen.ops.decode import decode_op, validate_decode_ragged
+    from flashgen.ops.decode.op import decode_op, validate_decode_ragged
 
     op = _op("spec_tree")
     dop = decode_op(op)

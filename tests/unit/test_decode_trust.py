@@ -1,4 +1,4 @@
-"""Issue 38 (trust, round 3), the serving API on CPU (:mod:`flashgen.ops.decode`): plans
+"""Issue 38 (trust, round 3), the serving API on CPU (:mod:`flashgen.ops.decode.op`): plans
 carry their op's identity and their checks are tight (item 12), aliased caches and slot
 collisions are refused before anything is written (item 3), ``with_kvcache`` never looks
 differentiable (item 4), a failed call writes nothing (item 5), and ragged ``k_new`` shape
@@ -242,7 +242,7 @@ def test_merge_attention_edges():
     """A partial of weight 0 (lse -inf) with NaN in its o made the merge NaN; lse +inf gave
     NaN silently; mismatched o dtypes were accepted though documented to raise; 0-d inputs
     came back with shape [1]."""
-    from flashgen.ops.decode import merge_attention
+    from flashgen.ops.decode.op import merge_attention
 
     o = torch.randn(3, 8)
     lse = torch.tensor([0.5, -1.0, 2.0])

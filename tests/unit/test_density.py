@@ -1,5 +1,6 @@
-"""The host estimate of kept keys per query row (``flashgen.ops.density``) and the choice of the
-Hopper forward's sparse-mask tiles (``sparse_tiles``, ``family_build.build_forward(sparse=)``)."""
+"""The host estimate of kept keys per query row (``flashgen.ops.prefill.density``) and the choice of
+the Hopper forward's sparse-mask tiles (``sparse_tiles``,
+``family_build.build_forward(sparse=)``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from flashgen.families.registry import compile_units  # noqa: E402
 from flashgen.families.tiles import sparse_tiles  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops import density  # noqa: E402
+from flashgen.ops.prefill import density  # noqa: E402
 from flashgen.options import DEFAULT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,7 +201,7 @@ def test_first_use_loads_both_kernels(monkeypatch):
     queries are faked (no GPU)."""
     from types import SimpleNamespace
 
-    import flashgen.ops.attention_kernels as kernels_mod
+    import flashgen.ops.prefill.attention_kernels as kernels_mod
     import flashgen.runtime.launch as runtime
     from flashgen.families import build as family_build
     from flashgen.ops.op import build_op

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from flashgen.bench.verify import random_inputs  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops import attention as op_mod  # noqa: E402
 from flashgen.ops.op import AttentionOp, build_op  # noqa: E402
+from flashgen.ops.prefill import attention as op_mod  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

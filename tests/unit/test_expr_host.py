@@ -23,7 +23,7 @@ from host_cxx import preamble, scalar_params  # noqa: E402
 
 from flashgen.codegen.cuda_expr import Invariants, cuda_expr  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.reference import eval_mask  # noqa: E402
+from flashgen.ops.cpu.reference import eval_mask  # noqa: E402
 
 SQ, SK = 150, 200
 

@@ -123,7 +123,7 @@ def test_the_shared_derivative_matches_the_reference_on_the_host(cxx_exe):
     torch = pytest.importorskip("torch")
     from host_cxx import preamble
 
-    from flashgen.ops.reference import _env, eval_expr
+    from flashgen.ops.cpu.reference import _env, eval_expr
 
     spec = _spec(6, mask=False)
     d = d_dscore(spec.score_mod)

@@ -11,7 +11,7 @@ import torch
 from flashgen.bench.flexmods import flex_mods, mask_uses_batch_or_head
 from flashgen.bench.verify import random_tensor_params
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.reference import attention_reference, eval_expr
+from flashgen.ops.cpu.reference import attention_reference, eval_expr
 
 #: the shipped specs with a prefill (v_from_k specs are decode only: tests/unit/test_decode_mla.py)
 SPECS = [

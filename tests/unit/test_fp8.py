@@ -16,8 +16,8 @@ from flashgen import OpInputError, SpecError, fp8
 from flashgen.bench.verify import fp8_error_bound, outlier_normal, rmse
 from flashgen.fp8 import dequantize, hadamard_matrix, quantize
 from flashgen.frontend.spec import loads_spec
+from flashgen.ops.cpu.reference import attention_reference
 from flashgen.ops.op import build_op, schema
-from flashgen.ops.reference import attention_reference
 
 E4M3 = torch.float8_e4m3fn
 
@@ -161,7 +161,7 @@ def test_params_offsets_and_empty_problems():
 
 
 def test_cpu_op_is_exactly_the_blocked_path_on_dequantized_inputs(op):
-    from flashgen.ops.cpu_attention import attention_blocked
+    from flashgen.ops.cpu.attention import attention_blocked
 
     q8, k8, v8, qd, kd, vd = data(2, 8, 2, 65, 70, seed=3)
     o, lse = op.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)

@@ -226,7 +226,7 @@ def test_cpu_op_matches_reference_on_random_specs(text, seed):
 @given(score_mods(wild=False))
 def test_tame_score_mods_stay_finite(sm):
     """The GPU fuzz relies on this: tame score_mods of finite scores are finite."""
-    from flashgen.ops.reference import eval_expr
+    from flashgen.ops.cpu.reference import eval_expr
 
     spec = loads_spec(spec_text(None, sm))
     g = torch.Generator().manual_seed(0)

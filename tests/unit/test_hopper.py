@@ -21,7 +21,7 @@ from flashgen.families.hopper_fwd import eligible as hopper_eligible
 from flashgen.families.registry import plan_block_table
 from flashgen.families.tiles import HOPPER_TABLE_TILES, HOPPER_TILES, hopper_tiles
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.varlen import varlen_spec
+from flashgen.ops.prefill.varlen import varlen_spec
 from flashgen.runtime import tma
 from flashgen.runtime.launch import kernel_args
 

@@ -24,8 +24,8 @@ from flashgen.families.registry import compile_units
 from flashgen.families.tiles import HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend import ir
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.backward import backward_path
-from flashgen.ops.varlen import varlen_spec
+from flashgen.ops.prefill.backward import backward_path
+from flashgen.ops.prefill.varlen import varlen_spec
 from flashgen.options import DEFAULT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -579,8 +579,8 @@ def test_hopper_path_that_falls_back_warns(monkeypatch, spills):
     from plan_helpers import plan_backward
 
     from flashgen.families import build as family_build
-    from flashgen.ops import backward as op_mod
     from flashgen.ops.op import build_op
+    from flashgen.ops.prefill import backward as op_mod
     from flashgen.runtime import launch as runtime
 
     spec = dataclasses.replace(shipped("causal_d128"), name=f"hb_fallback_{spills}".lower())

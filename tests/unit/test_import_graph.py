@@ -1,7 +1,9 @@
 """The import graph of the ``flashgen`` package, read from the source (no module is
-imported): no cycles among flashgen modules, counting imports inside functions too (only
-``if TYPE_CHECKING:`` blocks, which never run, are left out), and the pipeline's planning
-stages (frontend, analysis, codegen, families, build) import neither torch nor CuPy.
+imported): no cycles among flashgen modules, counting imports inside functions and type-only
+imports (``if TYPE_CHECKING:`` blocks) too; the pipeline's planning stages (frontend,
+analysis, codegen, families, build) import neither torch nor CuPy (type-only imports, which
+never run, left out there); and ``flashgen/ops/``'s subpackages depend one way (op ->
+prefill -> decode -> the shared modules -> cpu).
 
 An edge goes from a module to each flashgen module an ``import`` names: ``from flashgen.x
 import y`` to ``flashgen.x.y`` where that is a module, else to ``flashgen.x``; ``import
@@ -41,12 +43,13 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST):
-    """Every Import / ImportFrom node, in functions too, not under ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_only: bool = False):
+    """Every Import / ImportFrom node, in functions too; under ``if TYPE_CHECKING:`` only
+    with ``type_only``."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             stack.extend(node.orelse)
             continue
         if isinstance(node, ast.Import | ast.ImportFrom):
@@ -78,19 +81,22 @@ def _resolve(module: str, node) -> tuple[set[str], set[str]]:
     return inside, outside
 
 
-def _graph():
+def _graph(type_only: bool = False):
     edges, third = {}, {}
     for mod, path in MODULES.items():
         tree = ast.parse(path.read_text(), str(path))
         edges[mod], third[mod] = set(), set()
-        for node in _imports(tree):
+        for node in _imports(tree, type_only):
             inside, outside = _resolve(mod, node)
             edges[mod] |= inside - {mod}
             third[mod] |= outside
     return edges, third
 
 
+#: the imports that run (what torch-freedom is about)
 EDGES, THIRD_PARTY = _graph()
+#: with the type-only ones: a cycle through a type annotation is a cycle of the design too
+ALL_EDGES, _ = _graph(type_only=True)
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -126,13 +132,14 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _path(a: str, b: str) -> list[str]:
+def _path(a: str, b: str, edges=None) -> list[str]:
     """A shortest import path from ``a`` to ``b`` (for the failure message)."""
+    edges = ALL_EDGES if edges is None else edges
     prev, todo = {a: None}, [a]
     while todo:
         nxt = []
         for v in todo:
-            for w in sorted(EDGES[v]):
+            for w in sorted(edges[v]):
                 if w not in prev:
                     prev[w] = v
                     nxt.append(w)
@@ -146,13 +153,62 @@ def _path(a: str, b: str) -> list[str]:
 
 def test_the_graph_sees_the_package():
     assert "flashgen.ops.op" in EDGES and "flashgen.families.registry" in EDGES
-    assert "flashgen.ops.attention" in EDGES["flashgen.ops.op"]
+    assert "flashgen.ops.prefill.attention" in EDGES["flashgen.ops.op"]
     # a function-level import counts (decode's CPU reference imports the blocked attention there)
-    assert "flashgen.ops.cpu_attention" in EDGES["flashgen.ops.decode_reference"]
+    assert "flashgen.ops.cpu.attention" in EDGES["flashgen.ops.decode.reference"]
+
+
+def test_a_type_only_import_makes_a_cycle():
+    """The cycle check sees a cycle that closes through ``if TYPE_CHECKING:`` (decode's fast
+    path once named ``DecodeOp`` that way while the op's module imported it)."""
+    src = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from flashgen.ops.decode.op import DecodeOp\n"
+    )
+    mod = "flashgen.ops.decode.fast"
+    extra = set()
+    for node in _imports(ast.parse(src), type_only=True):
+        extra |= _resolve(mod, node)[0]
+    assert len(list(_imports(ast.parse(src)))) == 1  # only the typing import runs
+    edges = {**ALL_EDGES, mod: ALL_EDGES[mod] | extra}
+    assert any(mod in c and "flashgen.ops.decode.op" in c for c in _cycles(edges))
+
+
+#: ``flashgen/ops/``'s layers, top first: a module may import its own layer's and the later
+#: layers' modules only (module or package prefixes; the shared modules sit in ops/ itself)
+OPS_LAYERS = (
+    ("flashgen.ops.op",),
+    ("flashgen.ops.prefill",),
+    ("flashgen.ops.decode",),
+    ("flashgen.ops.validation", "flashgen.ops.calls", "flashgen.ops.out_arg", "flashgen.ops.sink"),
+    ("flashgen.ops.cpu",),
+)
+
+
+def _layer(mod: str) -> int | None:
+    for i, names in enumerate(OPS_LAYERS):
+        if any(mod == n or mod.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def test_ops_subpackages_depend_one_way():
+    """op -> prefill -> decode -> shared (validation, calls, out_arg, sink) -> cpu: no
+    import (type-only ones included) goes up this list.  Every ops module has a layer."""
+    ops = [m for m in MODULES if m.startswith("flashgen.ops.") and MODULES[m].name != "__init__.py"]
+    assert not [m for m in ops if _layer(m) is None], "a flashgen.ops module outside OPS_LAYERS"
+    up = sorted(
+        f"{m} -> {w}"
+        for m in ops
+        for w in ALL_EDGES[m]
+        if _layer(w) is not None and _layer(w) < _layer(m)
+    )
+    assert not up, "imports against the ops layers:\n" + "\n".join(up)
 
 
 def test_no_import_cycles():
-    cycles = _cycles(EDGES)
+    cycles = _cycles(ALL_EDGES)
     msgs = [" -> ".join(_path(c[0], c[1]) + _path(c[1], c[0])[1:]) for c in cycles]
     assert not cycles, "import cycles:\n" + "\n".join(msgs)
 

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from flashgen.codegen.cuda_expr import cuda_expr  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.reference import attention_reference  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
 
 SPEC = """
 name: divs

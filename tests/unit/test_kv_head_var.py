@@ -32,8 +32,8 @@ from flashgen.families.registry import plan_block_table  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
+from flashgen.ops.cpu.reference import _env, attention_reference, eval_expr, eval_mask  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
-from flashgen.ops.reference import _env, attention_reference, eval_expr, eval_mask  # noqa: E402
 
 #: ALiBi with one slope per KV head (the query heads of a group share it).
 SCORE = """\

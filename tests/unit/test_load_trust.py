@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import flashgen  # noqa: E402
 from flashgen import loads_spec  # noqa: E402
 from flashgen.ops import op as opmod  # noqa: E402
-from flashgen.ops.reference import attention_reference  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
 
 SPEC = "name: {name}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\n"
 
@@ -45,7 +45,7 @@ def test_load_of_an_edited_spec_reloads_it(tmp_path):
 
 
 def test_failed_registration_leaves_nothing_behind(monkeypatch):
-    from flashgen.ops.backward import Backward
+    from flashgen.ops.prefill.backward import Backward
 
     spec = loads_spec(SPEC.format(name="partial_probe", mask="q_idx >= kv_idx"))
 

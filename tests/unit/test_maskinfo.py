@@ -25,7 +25,7 @@ from flashgen.analysis.maskinfo import TileClass, classify, density, tile_classe
 from flashgen.bench.verify import random_tensor_params  # noqa: E402
 from flashgen.codegen.abi import needs_block_table  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops.reference import eval_expr  # noqa: E402
+from flashgen.ops.cpu.reference import eval_expr  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,7 +199,7 @@ FLOAT_MASKS = [
 
 @pytest.mark.parametrize("mask", FLOAT_MASKS)
 def test_float_masks_are_classified_soundly_for_float32(mask):
-    from flashgen.ops.reference import eval_mask
+    from flashgen.ops.cpu.reference import eval_mask
 
     spec = loads_spec(f"name: fm\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\n", "fm.yaml")
     for sq, sk, bm, bn in [(999, 999, 16, 16), (1024, 1000, 128, 64), (513, 700, 64, 32)]:

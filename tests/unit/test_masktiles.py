@@ -387,7 +387,7 @@ def test_causal_bits_match_the_kernels_masked_loops_by_brute_force(host_exe):
     import torch
 
     from flashgen.codegen.cuda_expr import causal_as_true as _causal_as_true
-    from flashgen.ops.reference import eval_mask
+    from flashgen.ops.cpu.reference import eval_mask
 
     specs = []
     for i, (m, params) in enumerate(_EDGE_MASKS):

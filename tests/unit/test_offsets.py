@@ -15,7 +15,7 @@ from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import OFFSET_PARAMS, is_offsets_spec, offsets_spec
 from flashgen.frontend.spec import load_spec, loads_spec
-from flashgen.ops.reference import attention_reference
+from flashgen.ops.cpu.reference import attention_reference
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 S = 160

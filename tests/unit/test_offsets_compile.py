@@ -2,8 +2,9 @@
 spill-free for sm_80 and sm_90a: every unit of flashgen.families.registry.compile_units (forward,
 both backward units, and the sparse forward and Hopper backward where the spec has them).
 causal_d128 stands for the plain-causal specs (its causal becomes an explicit mask) and
-document_mask for the tensor-reading masks with a block table; ``tools/offsets_compile.py``
-compiles every shipped spec's offsets form (about 70 nvcc runs, too many for CI here)."""
+document_mask for the tensor-reading masks with a block table; ``flashgen build --offsets
+specs/*.yaml`` compiles every shipped spec's offsets form (about 70 nvcc runs, too many for CI
+here), the way the op builds it (smaller tiles where the first choice spills)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,24 @@ def test_offsets_units_compile_without_spills(name, requires_nvcc):
         if k.spill_bytes or k.wgmma_serialized
     ]
     assert not problems, "\n".join(problems)
+
+
+def test_build_offsets_compiles_the_offsets_form_and_writes_nothing(
+    tmp_path, capsys, requires_nvcc
+):
+    """``flashgen build --offsets``: the ``<name>__offsets`` units, reported (the units of the
+    test above, cached by then); no generated/ folder, no decode units, no verification."""
+    import json
+
+    from flashgen.cli.commands import main
+
+    out = tmp_path / "gen"
+    rc = main(["build", "--offsets", "causal_d128", "--target", "sm_80", "--json",
+               "--no-verify", "--out", str(out), "--jobs", "2"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"], doc
+    kernels = doc["kernels"]
+    assert {k["spec"] for k in kernels} == {"causal_d128__offsets"}
+    assert {k["unit"] for k in kernels} >= {"fwd", "bwd", "bwd_atomic"}
+    assert not any(k["unit"].startswith("decode") for k in kernels)
+    assert doc["generated"] == [] and not out.exists()

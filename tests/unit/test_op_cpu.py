@@ -15,8 +15,8 @@ import flashgen
 from flashgen import OpInputError
 from flashgen.bench.verify import random_tensor_params
 from flashgen.frontend.spec import load_spec
+from flashgen.ops.cpu.reference import attention_reference
 from flashgen.ops.op import build_op, out_dtype, schema
-from flashgen.ops.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[2]
 #: the shipped specs with a prefill (v_from_k specs are decode only: tests/unit/test_decode_mla.py)
@@ -251,7 +251,7 @@ FUSED_MASKS = {
 @pytest.mark.parametrize("mask", FUSED_MASKS, ids=str)
 def test_fused_cpu_path_forward_and_backward_match_float64(mask):
     """Specs without a score_mod run torch's fused CPU kernels per query chunk
-    (flashgen/ops/cpu_attention.py): several chunks, GQA 4/2, Sq > Sk (rows with no key),
+    (flashgen/ops/cpu/attention.py): several chunks, GQA 4/2, Sq > Sk (rows with no key),
     forward and backward against the float64 materialized reference."""
     spec = flashgen.loads_spec(
         f"name: fused_{mask}\nhead_dim: 64\ndtype: bf16\nmask: {FUSED_MASKS[mask]}\n"

@@ -192,7 +192,7 @@ def test_torch_compile_fullgraph_with_out(grad):
 @pytest.mark.parametrize("grad", [False, True])
 def test_flash_attn_func_returns_the_tensor_it_allocated(monkeypatch, grad):
     from flashgen.flash_attn import flash_attn_func
-    from flashgen.ops.attention import AttentionOp
+    from flashgen.ops.prefill.attention import AttentionOp
 
     seen = []
     real = AttentionOp.attention

@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashgen
 from flashgen import OpInputError
-from flashgen.ops import reference as reference_mod
-from flashgen.ops.reference import attention_reference
+from flashgen.ops.cpu import reference as reference_mod
+from flashgen.ops.cpu.reference import attention_reference
 
 REPO = Path(__file__).resolve().parents[2]
 

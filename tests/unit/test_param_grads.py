@@ -14,8 +14,8 @@ import flashgen
 from flashgen import OpInputError
 from flashgen.analysis.derive import differentiable_params, grad_refusal, param_grad_terms
 from flashgen.frontend.spec import load_spec, loads_spec
+from flashgen.ops.cpu.reference import attention_reference, attention_reference_varlen
 from flashgen.ops.op import build_op
-from flashgen.ops.reference import attention_reference, attention_reference_varlen
 
 REPO = Path(__file__).resolve().parents[2]
 F64 = torch.float64
@@ -275,7 +275,7 @@ def test_the_cuda_backward_computes_param_gradients_with_the_blocked_backward(mo
     """Until the kernels accumulate dparam, Backward.cuda runs the blocked torch backward
     (device-agnostic; called here on CPU tensors, the branch never reaches a kernel) and
     warns once per op."""
-    from flashgen.ops import backward as bwd_mod
+    from flashgen.ops.prefill import backward as bwd_mod
 
     op = flashgen.load(REPO / "specs" / "t5_bias.yaml")
     q, k, v, params = _qkv(op.spec, b=1, hq=2, hkv=1, sq=5, sk=9, grad=False)

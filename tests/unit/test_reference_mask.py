@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.reference import attention_reference, eval_mask  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference, eval_mask  # noqa: E402
 
 SPEC = """name: f32mask
 head_dim: 64

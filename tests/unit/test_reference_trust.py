@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flashgen import loads_spec  # noqa: E402
-from flashgen.ops.reference import (  # noqa: E402
+from flashgen.ops.cpu.reference import (  # noqa: E402
     attention_reference,
     attention_reference_varlen,
     eval_mask,

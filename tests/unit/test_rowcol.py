@@ -29,7 +29,7 @@ from flashgen.families.tiles import (  # noqa: E402
 )
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
-from flashgen.ops.reference import _env, eval_expr  # noqa: E402
+from flashgen.ops.cpu.reference import _env, eval_expr  # noqa: E402
 from flashgen.options import Options  # noqa: E402
 
 PARAMS = (

@@ -24,9 +24,9 @@ torch = pytest.importorskip("torch")
 from plan_helpers import plan_forward  # noqa: E402
 
 import flashgen  # noqa: E402
-from flashgen.ops import attention as op_mod  # noqa: E402
 from flashgen.ops import calls as calls_mod  # noqa: E402
 from flashgen.ops.op import kernel_values, validate  # noqa: E402
+from flashgen.ops.prefill import attention as op_mod  # noqa: E402
 from flashgen.runtime import launch as runtime  # noqa: E402
 from flashgen.runtime import tma  # noqa: E402
 from flashgen.runtime.launch import LoadedKernel, kernel_args  # noqa: E402

@@ -30,7 +30,7 @@ from host_cxx import preamble, scalar_params  # noqa: E402
 from flashgen.codegen.cuda_expr import Invariants, cuda_expr  # noqa: E402
 from flashgen.frontend import ir  # noqa: E402
 from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops.reference import _env, eval_expr  # noqa: E402
+from flashgen.ops.cpu.reference import _env, eval_expr  # noqa: E402
 
 SQ, SK = 97, 131
 N = 600  # (q_idx, kv_idx, raw score) triples per case and scale

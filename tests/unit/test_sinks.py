@@ -15,8 +15,8 @@ import torch
 import flashgen
 from flashgen.frontend.errors import SpecError
 from flashgen.frontend.spec import loads_spec
+from flashgen.ops.cpu.reference import attention_reference, attention_reference_varlen
 from flashgen.ops.op import build_op
-from flashgen.ops.reference import attention_reference, attention_reference_varlen
 from flashgen.ops.sink import apply_sink
 
 REPO = Path(__file__).resolve().parents[2]

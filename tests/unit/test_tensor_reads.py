@@ -132,7 +132,7 @@ def test_reference_keeps_its_bounds_check():
     """Dropping a kernel clamp changes nothing in the reference: it still refuses an index
     outside the tensor at a kept pair."""
     torch = pytest.importorskip("torch")
-    from flashgen.ops.reference import attention_reference
+    from flashgen.ops.cpu.reference import attention_reference
 
     spec = _spec("score + w[kv_idx - q_idx + 2]", "  w: {type: f32, shape: [4]}\n")
     q = torch.randn(1, 1, 4, 64)
@@ -225,7 +225,7 @@ def _host_program(cases) -> str:
 
 def test_lowered_reads_match_the_reference_on_the_host(cxx_exe):
     torch = pytest.importorskip("torch")
-    from flashgen.ops.reference import _env, eval_expr
+    from flashgen.ops.cpu.reference import _env, eval_expr
 
     cases = []
     for i, (mod, params) in enumerate(HOST_CASES):

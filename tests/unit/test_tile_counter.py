@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flashgen.ops import attention as op_mod  # noqa: E402
+from flashgen.ops.prefill import attention as op_mod  # noqa: E402
 from flashgen.runtime import launch as runtime  # noqa: E402
 
 

@@ -65,7 +65,7 @@ def unit_sources() -> dict[str, str]:
     from flashgen.families.build import _forward_variant
     from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
     from flashgen.frontend.spec import load_spec
-    from flashgen.ops.varlen import varlen_spec
+    from flashgen.ops.prefill.varlen import varlen_spec
     from flashgen.options import DEFAULT, Options
 
     def knobs(family: str, **off) -> Options:

@@ -20,9 +20,9 @@ from flashgen.build.render import render  # noqa: E402
 from flashgen.families.registry import compile_units  # noqa: E402
 from flashgen.frontend.errors import OpInputError, SpecError  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+from flashgen.ops.cpu.reference import attention_reference, attention_reference_varlen  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
-from flashgen.ops.reference import attention_reference, attention_reference_varlen  # noqa: E402
-from flashgen.ops.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
+from flashgen.ops.prefill.varlen import VarlenOp, check_cu_seqlens, varlen_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -227,7 +227,7 @@ def shipped_op_named(name):
 
 
 def test_check_cu_seqlens_accepts_good_offsets(vop):
-    from flashgen.ops.varlen import validate_varlen
+    from flashgen.ops.prefill.varlen import validate_varlen
 
     q, k, v, cq, ck = packed(vop.spec, LENS_Q, LENS_K)
     dims = validate_varlen(vop.spec, q, k, v, cq, ck, 17, 30)
@@ -410,7 +410,7 @@ def test_launch_values_cover_every_kernel_argument(name):
     """What the CUDA impls launch with, packed against each varlen kernel's ABI (numpy only):
     batch strides 0, the grid's max_seqlen clamped to the totals, pre/convert over the
     packed rows as one batch, grids sized from the clamped maxima."""
-    from flashgen.ops.varlen import backward_launches, forward_launch, validate_varlen
+    from flashgen.ops.prefill.varlen import backward_launches, forward_launch, validate_varlen
     from flashgen.runtime.launch import kernel_args
 
     spec = varlen_spec(shipped(name))
@@ -443,7 +443,7 @@ def test_launch_values_cover_every_kernel_argument(name):
 
 
 def test_a_grid_past_the_cuda_limit_is_refused():
-    from flashgen.ops.varlen import _check_grids
+    from flashgen.ops.prefill.varlen import _check_grids
 
     _check_grids((2**31 - 1, 1, 1))
     with pytest.raises(OpInputError, match="launch grid needs"):

@@ -34,7 +34,7 @@ too-small max_seqlen does not cover left unwritten (``torch.empty`` contents), r
 
 The backward (``<name>__backward``, same kernels as the padded op: the deterministic
 path, and the atomic-dQ path under ``Options(atomic_dq=True)``) returns dq, dk, dv packed like
-q, k, v; autograd is registered as for the padded op (see :mod:`flashgen.ops.backward`).
+q, k, v; autograd is registered as for the padded op (see :mod:`flashgen.ops.prefill.backward`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ import torch
 from flashgen import env
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError, SpecError
-from flashgen.ops.attention import AttentionOp
-from flashgen.ops.backward import (
+from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
+from flashgen.ops.prefill.attention import AttentionOp
+from flashgen.ops.prefill.backward import (
     BACKWARD_TAIL,
     Backward,
     backward_name,
@@ -59,7 +60,6 @@ from flashgen.ops.backward import (
     uses_atomic_dq,
     wanted,
 )
-from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     CPU_DTYPES,
@@ -362,7 +362,7 @@ def _packed_values(spec, tensors: dict, dims: VarlenDims, softmax_scale, scalars
 
 
 def _reference_params(spec: ir.Spec, scalars, tensors: dict, dtype) -> dict:
-    from flashgen.ops.cpu_attention import cpu_params
+    from flashgen.ops.cpu.attention import cpu_params
 
     return cpu_params(spec, scalars, tensors, dtype)
 
@@ -401,7 +401,7 @@ class VarlenOp(AttentionOp):
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                 softmax_scale, *scalars, *tensors)  # fmt: skip
         if scalar_grads:
-            from flashgen.ops.attention import ScalarParamGrad
+            from flashgen.ops.prefill.attention import ScalarParamGrad
 
             return ScalarParamGrad.apply(
                 self, args, deterministic, tuple(scalar_grads), q, k, v, *tensors,
@@ -433,7 +433,7 @@ class VarlenOp(AttentionOp):
         return self._packed_outputs(q, dims)
 
     def _cpu_impl(self, q, k, v, cq, ck, mq, mk, softmax_scale, *rest, deterministic=False):
-        from flashgen.ops.cpu_attention import varlen_blocked
+        from flashgen.ops.cpu.attention import varlen_blocked
 
         dims, scalars, tensors = self._validate(q, k, v, cq, ck, mq, mk, softmax_scale, rest)
         check_cu_seqlens(cq, ck, dims)
@@ -532,9 +532,9 @@ class VarlenBackward(Backward):
 
     def cpu(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest,
             param_grads=()):  # fmt: skip
-        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu_attention`), with
+        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu.attention`), with
         the requested param gradients summed over the sequences."""
-        from flashgen.ops.cpu_attention import varlen_blocked_backward
+        from flashgen.ops.cpu.attention import varlen_blocked_backward
 
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
         check_cu_seqlens(cq, ck, dims)
@@ -549,13 +549,14 @@ class VarlenBackward(Backward):
              param_grads=()):  # fmt: skip
         """The padded op's backward kernels in their varlen form: pre (over the packed rows
         as one batch), dkdv and dq (or dkdv_atomic and convert); see
-        :meth:`flashgen.ops.backward.Backward.cuda`.  dq, dk, dv are contiguous and packed."""
+        :meth:`flashgen.ops.prefill.backward.Backward.cuda`.  dq, dk, dv are contiguous and
+        packed."""
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
         if check_enabled():
             check_cu_seqlens(cq, ck, dims)
         names = wanted(self.spec, param_grads)
         if names:
-            from flashgen.ops.cpu_attention import varlen_blocked_backward
+            from flashgen.ops.cpu.attention import varlen_blocked_backward
 
             params = _reference_params(self.spec, scalars, tensors, q.dtype)
             return cuda_param_backward(self.spec, lambda: varlen_blocked_backward(

@@ -1,6 +1,6 @@
 """Blocked CPU attention: the CPU op's forward and backward at real sizes.
 
-The float64 materialized reference (:mod:`flashgen.ops.reference`) stays the test oracle;
+The float64 materialized reference (:mod:`flashgen.ops.cpu.reference`) stays the test oracle;
 this module is what the op runs on CPU tensors.  Query rows are independent, so the
 computation is query-chunked: for each chunk of ``block_q`` query rows it builds the
 ``[B, Hq, block_q, K]`` logits for the key range ``K`` the mask may keep, applies the
@@ -53,7 +53,7 @@ import torch
 from flashgen.analysis.derive import param_grad_terms
 from flashgen.analysis.maskinfo import TileClass, classify
 from flashgen.frontend import ir
-from flashgen.ops.reference import _as, _check_bounds, _env, eval_expr
+from flashgen.ops.cpu.reference import _as, _check_bounds, _env, eval_expr
 
 #: elements of one chunk's logits (B * Hq * block_q * keys) the chunk size aims for
 _CHUNK_ELEMS = 1 << 21

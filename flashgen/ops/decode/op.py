@@ -23,7 +23,7 @@ Op contract::
                  (in place) and attended: the live keys are cache_seqlens[b] + Sq_new
     o [B, Hq, Sq_new, Dv] (spec dtype), lse [B, Hq, Sq_new] float32 (natural log)
 
-FP8 cache (:mod:`flashgen.ops.decode_fp8`): k_cache / v_cache (and k_new / v_new) of dtype
+FP8 cache (:mod:`flashgen.ops.decode.fp8`): k_cache / v_cache (and k_new / v_new) of dtype
 ``torch.float8_e4m3fn`` for an fp16 / bf16 spec, with ``k_descale`` / ``v_descale`` (float32
 ``[B, Hkv]``, one element or a Python float; default 1.0; the true K is ``k_descale[b, h_kv] *
 k_cache``); q in the spec's dtype, or e4m3 with ``q_descale``.  Its own units (the cache dtype
@@ -67,10 +67,10 @@ spec can read one); registered with the op (``flashgen.load``), so ``op.with_kvc
 traces under ``torch.compile(fullgraph=True)``.
 
 This module holds :class:`DecodeOp` (the user API, the registered ops' impls, the launch);
-planning a call is :mod:`flashgen.ops.decode_planning`'s, the planned call and its fast path
-:mod:`flashgen.ops.decode_fast`'s, the inputs' checks :mod:`flashgen.ops.decode_inputs`',
-the references :mod:`flashgen.ops.decode_reference`'s, an e4m3 cache's descales
-:mod:`flashgen.ops.decode_fp8`'s.
+planning a call is :mod:`flashgen.ops.decode.planning`'s, the planned call and its fast path
+:mod:`flashgen.ops.decode.fast`'s, the inputs' checks :mod:`flashgen.ops.decode.inputs`',
+the references :mod:`flashgen.ops.decode.reference`'s, an e4m3 cache's descales
+:mod:`flashgen.ops.decode.fp8`'s.
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ import torch
 from flashgen.families import decode as family
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.calls import _kernel_aligned, _plain_eager, current_stream_ptr
-from flashgen.ops.decode_fast import DecodeCallPlan, _workspace
-from flashgen.ops.decode_fp8 import KvScales, check_scale_values, resolve_scales
-from flashgen.ops.decode_inputs import (
+from flashgen.ops.decode.fast import DecodeCallPlan, _workspace
+from flashgen.ops.decode.fp8 import KvScales, check_scale_values, resolve_scales
+from flashgen.ops.decode.inputs import (
     FP8_CACHE,
     DecodeDims,
     _aligned_16,
@@ -101,8 +101,8 @@ from flashgen.ops.decode_inputs import (
     validate_decode,
     validate_decode_ragged,
 )
-from flashgen.ops.decode_planning import DecodePlanning
-from flashgen.ops.decode_reference import (
+from flashgen.ops.decode.planning import DecodePlanning
+from flashgen.ops.decode.reference import (
     append_reference,
     append_reference_ragged,
     decode_reference,
@@ -169,7 +169,7 @@ class DecodeOp(DecodePlanning):
     """The serving entry points of one :class:`~flashgen.ops.op.AttentionOp` (``op.with_kvcache``,
     ``op.plan_decode``); built with the op (:func:`decode_op`).  Its planning
     (:meth:`plan_decode`, :meth:`plan_for`, :meth:`kernels`) comes from
-    :class:`~flashgen.ops.decode_planning.DecodePlanning`."""
+    :class:`~flashgen.ops.decode.planning.DecodePlanning`."""
 
     def __init__(self, op):
         self.op = op
@@ -445,7 +445,7 @@ class DecodeOp(DecodePlanning):
         serving loop that reuses them saves the two allocations per call.  Returns ``out``
         then.  ``k_descale`` / ``v_descale`` / ``q_descale``: an e4m3
         (``torch.float8_e4m3fn``) cache's and q's descales (module doc,
-        :mod:`flashgen.ops.decode_fp8`), padded or ragged.
+        :mod:`flashgen.ops.decode.fp8`), padded or ragged.
 
         Aliasing (issue 38): with ``k_new`` / ``v_new``, the caches must not share memory with
         each other (``k_cache is v_cache``) nor with ``k_new`` / ``v_new``, and a cache's
@@ -472,7 +472,7 @@ class DecodeOp(DecodePlanning):
 
         A spec's sink joins o's denominator, applied once after the splits merge (lse: the
         keys alone; ``apply_sink=False``: o over the keys alone too, as
-        :meth:`AttentionOp.attention <flashgen.ops.attention.AttentionOp.attention>`)."""
+        :meth:`AttentionOp.attention <flashgen.ops.prefill.attention.AttentionOp.attention>`)."""
         res = self._keys_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                  cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
                                  out, k_descale, v_descale, q_descale, params)  # fmt: skip

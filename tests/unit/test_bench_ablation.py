@@ -1,19 +1,21 @@
-"""``tools/energy_ablation.py`` leaves parts of the Hopper forward out through probe points of
-``templates/sm_90/fwd.cu.j2`` (``flashgen.build.render.PROBES``): each variant's points must
-exist (the source changes where expected), render nothing unless asked for, and compile."""
+"""``flashgen bench --ablation`` (:mod:`flashgen.bench.ablation`) leaves parts of the Hopper
+forward out through probe points of ``templates/sm_90/fwd.cu.j2``
+(``flashgen.build.render.PROBES``): each variant's points must exist (the source changes where
+expected), render nothing unless asked for, and compile."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from patched_kernels import REPO, compile_source, load_tool
+from patched_kernels import REPO, compile_source
 from plan_helpers import plan_forward
 
+from flashgen.bench import ablation
 from flashgen.build.render import PROBES, render
 from flashgen.frontend.spec import load_spec
 
-TOOL = load_tool("energy_ablation")
+TOOL = ablation
 
 #: variant -> (pattern of a probed line, how many the non-persistent kernel has)
 SITES = {

@@ -7,9 +7,9 @@ registers it, once per process and spec name, as an operator with schema::
            *, bool deterministic=False) -> (Tensor, Tensor)
 
 with a CUDA kernel (render -> nvcc -> cache -> CuPy launch), a CPU kernel (the blocked
-float32 implementation of :mod:`flashgen.ops.cpu_attention`), a fake kernel (so
+float32 implementation of :mod:`flashgen.ops.cpu.attention`), a fake kernel (so
 ``torch.compile`` traces it) and an autograd registration whose backward is the op
-``<name>__backward`` (see :mod:`flashgen.ops.backward`).
+``<name>__backward`` (see :mod:`flashgen.ops.prefill.backward`).
 
 The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
 front (:func:`validate`, also run by every kernel) and fills in defaults.  On plain CUDA
@@ -20,11 +20,11 @@ and the custom-op autograd wrapper's host time; everywhere else it calls the ope
 ``deterministic`` does not change the forward (its impls ignore it); it is a schema
 argument so that it reaches the autograd ``setup_context`` the same way in eager mode,
 under ``torch.compile(fullgraph=True)`` and in opcheck, and picks the backward kernels
-(see :mod:`flashgen.ops.backward`).
+(see :mod:`flashgen.ops.prefill.backward`).
 
 This module holds the op, its entry point, its registered kernels and the forward launch;
-its block-mask methods are :mod:`flashgen.ops.attention_blockmask`'s and the choice and
-loading of its CUDA kernels :mod:`flashgen.ops.attention_kernels`' (mixins of
+its block-mask methods are :mod:`flashgen.ops.prefill.attention_blockmask`'s and the choice and
+loading of its CUDA kernels :mod:`flashgen.ops.prefill.attention_kernels`' (mixins of
 :class:`AttentionOp`).
 
 Op contract (README.md, section "Op contract"):
@@ -56,8 +56,6 @@ from flashgen.families.tiles import hopper_tiles
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.offsets import is_offsets_spec
-from flashgen.ops.attention_blockmask import BlockMaskMethods
-from flashgen.ops.attention_kernels import KernelChoice
 from flashgen.ops.calls import (
     _caller_stacklevel,
     _kernel_aligned,
@@ -68,6 +66,8 @@ from flashgen.ops.calls import (
     kernel_values,
 )
 from flashgen.ops.out_arg import check_out
+from flashgen.ops.prefill.attention_blockmask import BlockMaskMethods
+from flashgen.ops.prefill.attention_kernels import KernelChoice
 from flashgen.ops.validation import (
     CPU_DTYPES,
     Dims,
@@ -91,8 +91,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
     Attributes: ``spec`` (the checked :class:`~flashgen.frontend.ir.Spec`), ``name``, ``qualname``
     (``"flashgen::<name>"``).  Call :meth:`attention` (also ``op(q, k, v, ...)``).
-    :meth:`block_mask` comes from :class:`~flashgen.ops.attention_blockmask.BlockMaskMethods`,
-    :meth:`kernel` from :class:`~flashgen.ops.attention_kernels.KernelChoice`.
+    :meth:`block_mask` comes from
+    :class:`~flashgen.ops.prefill.attention_blockmask.BlockMaskMethods`, :meth:`kernel` from
+    :class:`~flashgen.ops.prefill.attention_kernels.KernelChoice`.
     """
 
     def __init__(self, spec: ir.Spec, options: Options = DEFAULT):
@@ -157,7 +158,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         8.x: FA2-class (sm_80 SASS); 9.0: Hopper where the spec allows; 10.x and newer:
         FA2-class through the driver's JIT of the units' compute_80 PTX.  Raises
         ``RuntimeError`` below compute capability 8.0, ``ValueError`` for a non-CUDA device
-        (the CPU op runs :mod:`flashgen.ops.cpu_attention`), a CUDA device where torch sees
+        (the CPU op runs :mod:`flashgen.ops.cpu.attention`), a CUDA device where torch sees
         no GPU, or anything else (a malformed capability: not two non-negative ints).
         ``OpInputError`` is a ``ValueError``.  ``RuntimeError`` if a reload replaced the op."""
         self._check_live()
@@ -174,7 +175,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             if device.type != "cuda":
                 raise OpInputError(
                     f"device: expected a CUDA device or a compute capability (major, minor), got "
-                    f"{device} (on CPU the op runs flashgen/ops/cpu_attention.py)"
+                    f"{device} (on CPU the op runs flashgen/ops/cpu/attention.py)"
                 )
             try:
                 capability = torch.cuda.get_device_capability(device)
@@ -215,7 +216,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     @property
     def varlen(self) -> AttentionOp:
         """This variant over packed variable-length sequences (FlashAttention's varlen
-        interface, see :mod:`flashgen.ops.varlen`): the op of the same spec with ``varlen:
+        interface, see :mod:`flashgen.ops.prefill.varlen`): the op of the same spec with ``varlen:
         true``, registered as ``flashgen::<name>__varlen`` with this op.  Call it as
         ``op.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
         A varlen spec's op is its own varlen form.  ``RuntimeError`` if a reload of the
@@ -259,14 +260,14 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``deterministic`` only affects the backward: True always uses the no-atomics
         kernels (bitwise reproducible dq, dk, dv).  False allows the faster atomic-dQ
         kernels (dq not bitwise reproducible): on sm_90 the Hopper wgmma backward for the
-        specs it takes (:func:`flashgen.ops.backward.backward_path`), elsewhere the FA2-class
-        atomic kernels only for an op bound to ``Options(atomic_dq=True)`` (else the
+        specs it takes (:func:`flashgen.ops.prefill.backward.backward_path`), elsewhere the
+        FA2-class atomic kernels only for an op bound to ``Options(atomic_dq=True)`` (else the
         deterministic ones); ``Options(atomic_dq=False)`` keeps every atomic path off.
         Must be a bool (else :class:`OpInputError`).
 
         ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
-        masking): a :class:`~flashgen.ops.blockmask.BlockMask` from :meth:`block_mask` for these
-        sequence lengths and the same param values, reused across calls; without it the
+        masking): a :class:`~flashgen.ops.prefill.blockmask.BlockMask` from :meth:`block_mask`
+        for these sequence lengths and the same param values, reused across calls; without it the
         CUDA op runs the block-table pre-pass on every call.  The CPU op ignores it.
 
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
@@ -305,7 +306,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         Gradients: q, k, v, and each f32 param the score_mod reads, whether a tensor or a
         0-d CPU scalar tensor (``requires_grad=True``): ``dparam[idx]`` is the sum over
         (b, h, q_idx, kv_idx) of dS times the derivative of the score_mod with respect to
-        ``param[idx]`` (:mod:`flashgen.ops.backward`; CPU tensors, float64 included, so
+        ``param[idx]`` (:mod:`flashgen.ops.prefill.backward`; CPU tensors, float64 included, so
         ``torch.autograd.gradcheck`` runs on the op).  An i32 param or one only the mask
         reads has no gradient: requiring one raises :class:`OpInputError` naming it.
 
@@ -386,7 +387,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             q_offset is None and kv_offset is None and seqlen_q_global is None
             and seqlen_k_global is None
         ):  # fmt: skip
-            from flashgen.ops.offsets import offsets_values
+            from flashgen.ops.prefill.offsets import offsets_values
 
             pos = offsets_values(q, k, q_offset, kv_offset, seqlen_q_global, seqlen_k_global)
             if not self._offsets_form:
@@ -449,18 +450,18 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
     def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
         """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
         (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
-        :meth:`flashgen.ops.decode.DecodeOp.with_kvcache` for the arguments and contract.
+        :meth:`flashgen.ops.decode.op.DecodeOp.with_kvcache` for the arguments and contract.
         ``RuntimeError`` if a reload of the edited spec replaced this op."""
-        from flashgen.ops.decode import decode_op
+        from flashgen.ops.decode.op import decode_op
 
         self._check_live()
         return decode_op(self).with_kvcache(q, k_cache, v_cache, cache_seqlens, **kwargs)
 
     def plan_decode(self, **kwargs):
         """A reusable schedule for :meth:`with_kvcache` calls of one shape; see
-        :meth:`flashgen.ops.decode.DecodeOp.plan_decode`.  ``RuntimeError`` if a reload of
+        :meth:`flashgen.ops.decode.op.DecodeOp.plan_decode`.  ``RuntimeError`` if a reload of
         the edited spec replaced this op."""
-        from flashgen.ops.decode import decode_op
+        from flashgen.ops.decode.op import decode_op
 
         self._check_live()
         return decode_op(self).plan_decode(**kwargs)
@@ -517,9 +518,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensors})
 
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
-        """The blocked CPU forward (:mod:`flashgen.ops.cpu_attention`), in float32; an fp8 op
+        """The blocked CPU forward (:mod:`flashgen.ops.cpu.attention`), in float32; an fp8 op
         first dequantizes q, k, v with their descales (:func:`flashgen.fp8.dequantize`)."""
-        from flashgen.ops.cpu_attention import attention_blocked, cpu_params
+        from flashgen.ops.cpu.attention import attention_blocked, cpu_params
 
         descales, rest = self._descales_split(rest)
         scalars, tensors = self._split(rest)
@@ -660,8 +661,9 @@ def _eager_cuda(q, k, v) -> bool:
 
 class _EagerAttention(torch.autograd.Function):
     """Autograd node of the eager fast path: the forward launches :meth:`AttentionOp._forward`
-    directly, the backward is the op's registered one (:class:`flashgen.ops.backward.Backward`),
-    so gradients match the ``torch.ops.flashgen.<name>`` path exactly."""
+    directly, the backward is the op's registered one
+    (:class:`flashgen.ops.prefill.backward.Backward`), so gradients match the
+    ``torch.ops.flashgen.<name>`` path exactly."""
 
     @staticmethod
     def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, out, q, k,
@@ -694,7 +696,7 @@ class ScalarParamGrad(torch.autograd.Function):
         # 0-d tensors of ``scalar_names`` (tracked here only for their gradients)
         o, lse = op.torch_op(*inputs, deterministic=deterministic)
         op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
-        from flashgen.ops.backward import param_grad_flags
+        from flashgen.ops.prefill.backward import param_grad_flags
 
         n_t = len(op.spec.tensor_params)
         want = {p.name: True for p, t in zip(op.spec.tensor_params, tensors[:n_t], strict=True)

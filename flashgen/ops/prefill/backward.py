@@ -27,7 +27,7 @@ deterministic, *params) -> (dq, dk, dv)`` is registered beside the forward op, w
   (unless the op's ``Options.atomic_dq`` is False or ``Options.family`` is ``fa2``), else the
   FA2-class atomic kernels when ``Options.atomic_dq`` is True, else the deterministic
   kernels;
-- a CPU implementation: the blocked float32 backward of :mod:`flashgen.ops.cpu_attention`
+- a CPU implementation: the blocked float32 backward of :mod:`flashgen.ops.cpu.attention`
   against the saved o and lse (the flag changes nothing there);
 - a fake implementation, so ``torch.compile`` traces the backward too.
 
@@ -46,11 +46,11 @@ dS * d score_mod / d param[idx]`` (:func:`flashgen.analysis.derive.param_grad_te
 op returns them as its fourth output, a list with one tensor per flag set (the param's
 shape, 0-d for a scalar).  Autograd sets a tensor param's flag when it requires grad; a
 0-d scalar tensor that requires grad goes through :class:`ScalarParamGrad`
-(:meth:`~flashgen.ops.attention.AttentionOp.attention`).  A param with no gradient (i32,
+(:meth:`~flashgen.ops.prefill.attention.AttentionOp.attention`).  A param with no gradient (i32,
 or read only by the mask: :func:`flashgen.analysis.derive.grad_refusal`) that requires grad
 is refused when the forward is called (:class:`~flashgen.frontend.errors.OpInputError`
 naming it), so no gradient is ever silently zero.  The CPU op computes them
-(:mod:`flashgen.ops.cpu_attention`).  The CUDA backward kernels do not accumulate them yet:
+(:mod:`flashgen.ops.cpu.attention`).  The CUDA backward kernels do not accumulate them yet:
 a CUDA backward that needs one runs that module's blocked backward on the GPU instead
 (:func:`cuda_param_backward`; correct, slower than the kernels, with a
 :class:`ParamGradFallbackWarning` once per op).
@@ -175,7 +175,7 @@ _WARNED: set[str] = set()
 
 
 def cuda_param_backward(spec: Spec, run, names) -> tuple:
-    """``run()`` (the blocked backward of :mod:`flashgen.ops.cpu_attention` on CUDA tensors:
+    """``run()`` (the blocked backward of :mod:`flashgen.ops.cpu.attention` on CUDA tensors:
     dq, dk, dv and ``{param: gradient}``) as the backward op's outputs, warning once per op
     that the kernels were not used."""
     if spec.name not in _WARNED:
@@ -183,7 +183,7 @@ def cuda_param_backward(spec: Spec, run, names) -> tuple:
         warnings.warn(
             f"flashgen op {spec.name!r}: the CUDA backward kernels do not accumulate param "
             f"gradients yet ({', '.join(names)}); this backward runs the blocked torch "
-            f"backward (flashgen/ops/cpu_attention.py) on the GPU: correct, slower",
+            f"backward (flashgen/ops/cpu/attention.py) on the GPU: correct, slower",
             ParamGradFallbackWarning,
             stacklevel=3,
         )
@@ -240,12 +240,12 @@ class Backward:
 
     def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
             param_grads=()):  # fmt: skip
-        """The blocked CPU backward (:mod:`flashgen.ops.cpu_attention`: each query chunk's
+        """The blocked CPU backward (:mod:`flashgen.ops.cpu.attention`: each query chunk's
         forward recomputed under autograd, P taken against the saved ``lse`` and the row
         term from the saved ``o``, as the kernels do); dq, dk, dv in the input dtype (the
         same for either ``deterministic``) and the requested param gradients (float32,
         float64 for float64 inputs)."""
-        from flashgen.ops.cpu_attention import attention_blocked_backward, cpu_params
+        from flashgen.ops.cpu.attention import attention_blocked_backward, cpu_params
 
         scalars, tensors = self.op._split(rest)
         validate(self.spec, q, k, v, tensors)
@@ -270,7 +270,7 @@ class Backward:
         dims = validate(self.spec, q, k, v, tensors)
         names = wanted(self.spec, param_grads)
         if names:
-            from flashgen.ops.cpu_attention import attention_blocked_backward, cpu_params
+            from flashgen.ops.cpu.attention import attention_blocked_backward, cpu_params
 
             params = cpu_params(self.spec, scalars, tensors, q.dtype)
             return cuda_param_backward(self.spec, lambda: attention_blocked_backward(

@@ -1,11 +1,11 @@
-"""The block-mask methods of :class:`~flashgen.ops.attention.AttentionOp`, for specs whose
+"""The block-mask methods of :class:`~flashgen.ops.prefill.attention.AttentionOp`, for specs whose
 mask reads tensor params (document masking and the like): building a reusable block table
 (``op.block_mask``, FlexAttention's ``create_block_mask``), checking a ``block_mask=``
 argument against a call, the CUDA block-table pre-pass and its kernel, and the forward
 launch's ``blk_tab / blk_sb / blk_sh`` values.  The table itself, its reference and its
-tile checks are :mod:`flashgen.ops.blockmask`'s.
+tile checks are :mod:`flashgen.ops.prefill.blockmask`'s.
 
-:class:`BlockMaskMethods` is a mixin of :class:`~flashgen.ops.attention.AttentionOp`: it
+:class:`BlockMaskMethods` is a mixin of :class:`~flashgen.ops.prefill.attention.AttentionOp`: it
 reads the op's ``spec``, ``options``, ``base_name``, ``_kernels`` / ``_kernel_lock`` (the
 loaded kernels) and calls its ``kernel`` and ``_tensor_map``.  Imports no other op module.
 """
@@ -27,7 +27,7 @@ from flashgen.ops.validation import (
 
 
 class BlockMaskMethods:
-    """:class:`~flashgen.ops.attention.AttentionOp`'s block tables (module doc)."""
+    """:class:`~flashgen.ops.prefill.attention.AttentionOp`'s block tables (module doc)."""
 
     def block_mask(
         self,
@@ -50,11 +50,11 @@ class BlockMaskMethods:
         tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
         table for the forward kernel's tiles; on CPU the brute-force reference builds it.
 
-        Returns a :class:`~flashgen.ops.blockmask.BlockMask`.  Raises :class:`OpInputError` if
-        the spec's mask reads no tensor param, or for bad sizes or params.
+        Returns a :class:`~flashgen.ops.prefill.blockmask.BlockMask`.  Raises :class:`OpInputError`
+        if the spec's mask reads no tensor param, or for bad sizes or params.
         """
         from flashgen.codegen.abi import block_table_dims
-        from flashgen.ops.blockmask import BlockMask, block_table_reference
+        from flashgen.ops.prefill.blockmask import BlockMask, block_table_reference
 
         self._check_live()
         if not needs_block_table(self.spec):
@@ -114,7 +114,7 @@ class BlockMaskMethods:
 
     def _block_mask_table(self, bm, q, dims: Dims, scalars):
         """The table tensor of ``bm`` after checking it fits this call (metadata only)."""
-        from flashgen.ops.blockmask import BlockMask
+        from flashgen.ops.prefill.blockmask import BlockMask
 
         if not needs_block_table(self.spec):
             raise OpInputError(
@@ -193,10 +193,10 @@ class BlockMaskMethods:
     def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
         """``blk_tab / blk_sb / blk_sh`` for the forward launch: the table of the
         ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
-        :func:`flashgen.ops.blockmask.table_for_tiles`) or, when None, a fresh one from the
+        :func:`flashgen.ops.prefill.blockmask.table_for_tiles`) or, when None, a fresh one from the
         pre-pass for those tiles."""
         from flashgen.families.blocktable import block_table_shape
-        from flashgen.ops.blockmask import table_for_tiles, table_strides
+        from flashgen.ops.prefill.blockmask import table_for_tiles, table_strides
 
         shape = block_table_shape(
             self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k

@@ -1,19 +1,21 @@
-"""``tools/cta_timeline.py`` reads ``clock64`` stamps that the probe point ``timeline`` of
-``templates/sm_90/fwd.cu.j2`` renders: every slot the report reads must be stamped, nothing may
-be rendered without the probe, and the probed source must compile."""
+"""``flashgen bench --timeline`` (:mod:`flashgen.bench.timeline`) reads ``clock64`` stamps that
+the probe point ``timeline`` of ``templates/sm_90/fwd.cu.j2`` renders: every slot the report
+reads must be stamped, nothing may be rendered without the probe, and the probed source must
+compile."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from patched_kernels import REPO, compile_source, load_tool
+from patched_kernels import REPO, compile_source
 from plan_helpers import plan_forward
 
+from flashgen.bench import timeline
 from flashgen.build.render import render
 from flashgen.frontend.spec import load_spec
 
-TOOL = load_tool("cta_timeline")
+TOOL = timeline
 
 
 def _plan(name: str, **kw):

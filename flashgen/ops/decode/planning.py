@@ -1,16 +1,16 @@
-"""Planning of decode calls: the :class:`~flashgen.ops.decode.DecodeOp` methods that
-turn a call's sizes into a :class:`~flashgen.ops.decode_fast.DecodeCallPlan` --
+"""Planning of decode calls: the :class:`~flashgen.ops.decode.op.DecodeOp` methods that
+turn a call's sizes into a :class:`~flashgen.ops.decode.fast.DecodeCallPlan` --
 :meth:`DecodePlanning.plan_decode` (the user's plan for calls of one shape, FlashInfer's
 plan), :meth:`DecodePlanning.plan_for` (the plan of one call: the decode unit, the split
 count, the grids, the fixed launch values), the check of a given ``plan=`` against a call,
 and the decode units' kernels that a plan loads.  Launching a plan stays in
-:mod:`flashgen.ops.decode`.
+:mod:`flashgen.ops.decode.op`.
 
-:class:`DecodePlanning` is a mixin of :class:`~flashgen.ops.decode.DecodeOp`: it reads the
+:class:`DecodePlanning` is a mixin of :class:`~flashgen.ops.decode.op.DecodeOp`: it reads the
 op's ``spec``, ``op`` (the attention op: its options), ``_units`` / ``_lock`` (the loaded
 units), ``_live`` (the live-block memo) and calls its ``_refuse``.  It imports
-:mod:`~flashgen.ops.decode_fast`, :mod:`~flashgen.ops.decode_inputs`, ``calls`` and
-``validation``, never :mod:`flashgen.ops.decode`.
+:mod:`~flashgen.ops.decode.fast`, :mod:`~flashgen.ops.decode.inputs`, ``calls`` and
+``validation``, never :mod:`flashgen.ops.decode.op`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from flashgen.families import decode as family
 from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.calls import _sm_count
-from flashgen.ops.decode_fast import DecodeCallPlan, _FastPath, _workspace
-from flashgen.ops.decode_inputs import FP8_CACHE, DecodeDims, check_num_splits
+from flashgen.ops.decode.fast import DecodeCallPlan, _FastPath, _workspace
+from flashgen.ops.decode.inputs import FP8_CACHE, DecodeDims, check_num_splits
 from flashgen.ops.validation import TORCH_DTYPE, check_scalar, target_for_device
 
 
 class DecodePlanning:
-    """:class:`~flashgen.ops.decode.DecodeOp`'s planning (module doc)."""
+    """:class:`~flashgen.ops.decode.op.DecodeOp`'s planning (module doc)."""
 
     def plan_decode(
         self,

@@ -1,24 +1,25 @@
-"""The planned decode call (:mod:`flashgen.ops.decode`): :class:`DecodeCallPlan`, its split
+"""The planned decode call (:mod:`flashgen.ops.decode.op`): :class:`DecodeCallPlan`, its split
 workspace and its fast host path (:class:`_FastPath`: argument blocks packed once per call
 layout, the eager and debug-switch checks, the direct ``cuLaunchKernel``).
 
-Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the public names."""
+Moved out of :mod:`flashgen.ops.decode.op` unchanged; that module re-exports the public names."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from flashgen import env
 from flashgen.families import decode as family
+from flashgen.frontend import ir
 from flashgen.ops import calls as _calls
 from flashgen.ops import validation as _validation
 from flashgen.ops.calls import _kernel_aligned
-from flashgen.ops.decode_fp8 import resolve_scales
-from flashgen.ops.decode_inputs import (
+from flashgen.ops.decode.fp8 import resolve_scales
+from flashgen.ops.decode.inputs import (
     DecodeDims,
     _aligned_16,
     check_out,
@@ -38,8 +39,24 @@ from flashgen.ops.validation import (
 )
 from flashgen.runtime import tma as _tma  # ctypes only, no CuPy
 
-if TYPE_CHECKING:
-    from flashgen.ops.decode import DecodeOp
+
+class PlanOwner(Protocol):
+    """What a planned call uses of the op that planned it (a
+    :class:`~flashgen.ops.decode.op.DecodeOp`): its spec, the ragged ``max_seqlen_q`` rule, the
+    check of a plan against a call and the launch values.  A protocol, so that this module
+    names no module above it (:mod:`.op` imports :mod:`.planning`, which imports this one)."""
+
+    spec: ir.Spec
+
+    def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int: ...
+
+    def _check_plan(self, plan, dims: DecodeDims, device, splits: int) -> None: ...
+
+    def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
+                      scalars, tensors, scales=None, call: DecodeDims | None = None,
+                      ) -> dict: ...  # fmt: skip
+
+    def append_values(self, values: dict, k_new, v_new) -> dict: ...
 
 
 # ----------------------------------------------------------------------------- plans
@@ -72,7 +89,7 @@ class DecodeCallPlan:
     #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
     #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
     live_blocks: int | None = None
-    #: the :class:`~flashgen.ops.decode.DecodeOp` that planned it: another op's calls refuse
+    #: the :class:`~flashgen.ops.decode.op.DecodeOp` that planned it: another op's calls refuse
     #: the plan (its kernels, sizes and params are this op's)
     owner: object = None
 
@@ -153,7 +170,7 @@ class _FastPath:
     append and memory apart between the caches, k_new / v_new and ``out`` (checked from the
     first call of a layout's addresses only; see ``DecodeOp.with_kvcache``)."""
 
-    def __init__(self, dop: DecodeOp, plan: DecodeCallPlan):
+    def __init__(self, dop: PlanOwner, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
         from flashgen.runtime.packed import ArgLayout
 

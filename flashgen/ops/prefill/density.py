@@ -3,13 +3,14 @@ scalar params: what the forward op reads to pick its Hopper tiles (a mask that k
 key blocks per query block runs faster on narrower key blocks,
 :data:`flashgen.families.tiles.HOPPER_SPARSE_TILES`).
 
-The estimate evaluates the mask (the reference semantics, :func:`flashgen.ops.reference.eval_expr`)
-on CPU at a few evenly spaced query rows and key columns, batch 0 and head 0; it never affects
-a result, only which of two correct kernels runs.  Lengths are rounded to a quarter octave first
-(:func:`bucket`), so a loop over growing lengths (decoding) evaluates a few masks per doubling
-(the forward op caches each bucket's answer).  Imports torch (CPU only): every tensor here is made
-on the CPU with an explicit dtype, whatever ``torch.set_default_device`` / ``set_default_dtype``
-say (a CUDA default would sync the device at every new length and break a CUDA-graph capture).
+The estimate evaluates the mask (the reference semantics,
+:func:`flashgen.ops.cpu.reference.eval_expr`) on CPU at a few evenly spaced query rows and key
+columns, batch 0 and head 0; it never affects a result, only which of two correct kernels runs.
+Lengths are rounded to a quarter octave first (:func:`bucket`), so a loop over growing lengths
+(decoding) evaluates a few masks per doubling (the forward op caches each bucket's answer).
+Imports torch (CPU only): every tensor here is made on the CPU with an explicit dtype, whatever
+``torch.set_default_device`` / ``set_default_dtype`` say (a CUDA default would sync the device
+at every new length and break a CUDA-graph capture).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def mask_keep(spec: ir.Spec, rows, cols, seqlen_q: int, seqlen_k: int, scalars: 
     rows ``rows`` and key columns ``cols`` (int64 CPU tensors) of (b, h) = (0, 0)."""
     import torch
 
-    from flashgen.ops.reference import eval_expr
+    from flashgen.ops.cpu.reference import eval_expr
 
     cpu = torch.device("cpu")
     zero = torch.tensor(0, dtype=torch.int64, device=cpu)

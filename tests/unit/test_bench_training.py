@@ -1,23 +1,21 @@
-"""tools/bench_training.py (issue 37's targets) runs end to end on CPU and writes its rows."""
+"""``flashgen bench --training`` (:mod:`flashgen.bench.training`, issue 37's targets) runs
+end to end on CPU and writes its rows."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-import bench_training  # noqa: E402
+from flashgen.cli.commands import main  # noqa: E402
 
 
 def test_cpu_smoke_run_writes_every_row(tmp_path):
-    argv = ["--device", "cpu", "--seqlen", "16", "--batch", "1", "--heads", "2", "--rounds", "1",
-            "--out", str(tmp_path)]  # fmt: skip
-    assert bench_training.main(argv) == 0
+    argv = ["bench", "--training", "--device", "cpu", "--seqlen", "16", "--batch", "1",
+            "--heads", "2", "--rounds", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     rows = {r["row"]: r for r in doc["rows"]}
     assert set(rows) == {"alibi fwd+bwd", "t5_bias fwd+bwd", "gpt_oss_sink fwd",

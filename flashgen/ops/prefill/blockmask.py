@@ -35,7 +35,7 @@ from flashgen.codegen.plan import TileConfig
 from flashgen.families.blocktable import block_table_shape
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
-from flashgen.ops.reference import eval_mask
+from flashgen.ops.cpu.reference import eval_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -102,11 +102,11 @@ def block_table_reference(
     device=None,
     heads_kv: int | None = None,
 ) -> torch.Tensor:
-    """Brute-force block table: the mask materialized with :func:`flashgen.ops.reference.eval_mask`
-    over every in-range pair, reduced per tile.  uint8 ``[tab_b, tab_h, m_blocks, n_blocks]``
-    (:func:`flashgen.families.blocktable.block_table_shape`).  ``heads_kv``: the KV heads (``h_kv``;
-    default ``heads_q``).  Memory O(tab_b * tab_h * seqlen_q * seqlen_k): for tests and the
-    CPU op, not for long sequences.
+    """Brute-force block table: the mask materialized with
+    :func:`flashgen.ops.cpu.reference.eval_mask` over every in-range pair, reduced per tile.  uint8
+    ``[tab_b, tab_h, m_blocks, n_blocks]`` (:func:`flashgen.families.blocktable.block_table_shape`).
+     ``heads_kv``: the KV heads (``h_kv``; default ``heads_q``).  Memory O(tab_b * tab_h * seqlen_q
+    * seqlen_k): for tests and the CPU op, not for long sequences.
     """
     tb, th, mb, nb = block_table_shape(spec, tiles, batch, heads_q, seqlen_q, seqlen_k)
     hkv = th if th != heads_q or heads_kv is None else heads_kv  # th == 1: h, h_kv unread

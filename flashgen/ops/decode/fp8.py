@@ -1,4 +1,4 @@
-"""The FP8 (e4m3) KV cache of ``op.with_kvcache`` (:mod:`flashgen.ops.decode`): its descales.
+"""The FP8 (e4m3) KV cache of ``op.with_kvcache`` (:mod:`flashgen.ops.decode.op`): its descales.
 
 An e4m3 cache (``k_cache`` / ``v_cache`` of dtype ``torch.float8_e4m3fn``, dense or paged, for
 an fp16 / bf16 spec) holds ``K / k_descale`` and ``V / v_descale`` rounded to e4m3, with
@@ -13,7 +13,7 @@ they are.  o is in the spec's dtype and lse is that of the dequantized logits.
 
 The kernels fold ``k_descale`` into the softmax scale and ``v_descale`` into o's
 normalization (:mod:`flashgen.families.decode`); the CPU path dequantizes the gathered keys
-(:func:`flashgen.ops.decode_reference.decode_reference`).
+(:func:`flashgen.ops.decode.reference.decode_reference`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode_inputs import FP8_CACHE, DecodeDims
+from flashgen.ops.decode.inputs import FP8_CACHE, DecodeDims
 from flashgen.ops.validation import _F32_MAX, _F32_MIN_NORMAL, TORCH_DTYPE, is_normal_f32
 
 # The range of a descale (and of k's descale times q's) is the prefill op's: is_normal_f32.

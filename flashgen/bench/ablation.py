@@ -2,8 +2,8 @@
 """Where the Hopper forward's time goes when the card runs at its power limit: the kernel with
 one part of its work patched out at a time, timed next to the unpatched one.
 
-    python3 tools/energy_ablation.py causal_d128                 # gallery shape, B=2 H=16 S=8k
-    python3 tools/energy_ablation.py mistral_swa --shape 1 16 16384 --variants base no_kv_loads
+    flashgen bench --ablation causal_d128                 # gallery shape, B=2 H=16 S=8k
+    flashgen bench --ablation mistral_swa --shape 1 16 16384 --variants base no_kv_loads
 
 Variants (:data:`VARIANTS`): ``base``; ``no_softmax`` (the softmax lambda returns at once: P is
 S); ``no_pv_gemm`` / ``no_s_gemm`` (the P V / Q K^T wgmmas left out); ``no_o_rescale`` (O is
@@ -14,7 +14,7 @@ changed its max: a warp vote, the result exact); ``no_kv_loads`` (the producer a
 from L2, an upper bound for what sharing each K/V tile between two CTAs could save).
 The outputs are wrong by design (but ``vote_o_rescale``'s).  Each variant renders probe points
 of ``templates/sm_90/fwd.cu.j2`` (``flashgen.build.render.PROBES``: they render to nothing by
-default; ``tests/unit/test_energy_ablation.py`` checks every point and compiles every variant on
+default; ``tests/unit/test_bench_ablation.py`` checks every point and compiles every variant on
 CPU), built through ``flashgen.families.build`` under its own spec name.
 
 Printed per variant: the median ms of ``--rounds`` alternating rounds (``do_bench``, 250 ms
@@ -33,9 +33,6 @@ import functools
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 #: variant -> the probe points of ``templates/sm_90/fwd.cu.j2`` it renders
 #: (:data:`flashgen.build.render.PROBES`); ``base`` renders none.
@@ -82,9 +79,11 @@ def _dmon(fn, seconds: float) -> tuple[list[int], list[int]]:
     return [int(r[1]) for r in rows[1:]], [int(r[5]) for r in rows[1:]]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("specs", nargs="+", help="shipped spec names (no block table)")
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("specs", nargs="+", help="spec files or shipped spec names (no block table)")
     ap.add_argument("--shape", nargs=3, type=int, metavar=("B", "H", "S"), default=(2, 16, 8192))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("energy_ablation needs an sm_90 GPU", file=sys.stderr)
+        print("flashgen bench --ablation needs an sm_90 GPU", file=sys.stderr)
         return 2
     # the probes are of the non-persistent kernel: calls that keep few keys per row (short
     # lengths) run it too, not the persistent one they default to (Options.sparse_persistent)
@@ -116,11 +115,10 @@ def main(argv=None) -> int:
         return render(plan)
 
     family_build.render = probed
-    root = Path(__file__).resolve().parent.parent
     b, h, s = args.shape
     dev = torch.device("cuda")
     for name in args.specs:
-        spec = load_spec(root / "specs" / f"{name}.yaml")
+        spec = load_spec(name)
         params = bench.spec_params(spec, h, b, s, s, dev)
         for p in spec.scalar_params:
             params.setdefault(p.name, p.default)

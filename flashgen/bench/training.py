@@ -1,8 +1,8 @@
 """Issue 37's targets, timed in one process: trainable params and attention sinks against the
 same calls without them.
 
-    python3 tools/bench_training.py --out benchmarks/results/<dir>   # on the GPU
-    python3 tools/bench_training.py --device cpu --seqlen 64 --batch 1 --heads 2 --rounds 1
+    flashgen bench --training --out benchmarks/results/<dir>   # on the GPU
+    flashgen bench --training --device cpu --seqlen 64 --batch 1 --heads 2 --rounds 1
 
 Rows (forward + backward unless named, bf16, (B, S, H, D) as flags say; medians of alternating
 rounds, :func:`flashgen.bench.timing.alternate`):
@@ -20,12 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _timer(device: str, warmup_ms: int, rep_ms: int):
@@ -70,21 +66,21 @@ def _cases(args):
         return step
 
     rows = []
-    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    op = flashgen.load("alibi")
     q, k, v = qkv(128)
     slopes = torch.linspace(0.01, 0.5, h, device=dev)
     rows.append(("alibi fwd+bwd", [
         ("slopes detached", train(op, q, k, v, slopes=slopes)),
         ("slopes trained", train(op, q, k, v, slopes=slopes.clone().requires_grad_())),
     ]))  # fmt: skip
-    op = flashgen.load(REPO / "specs" / "t5_bias.yaml")
+    op = flashgen.load("t5_bias")
     q, k, v = qkv(64)
     bias = torch.rand(h, 257, device=dev, generator=g)
     rows.append(("t5_bias fwd+bwd", [
         ("bias detached", train(op, q, k, v, bias=bias)),
         ("bias trained", train(op, q, k, v, bias=bias.clone().requires_grad_())),
     ]))  # fmt: skip
-    op = flashgen.load(REPO / "specs" / "gpt_oss_sink.yaml")
+    op = flashgen.load("gpt_oss_sink")
     q, k, v = qkv(64)
     sinks = torch.linspace(-1, 2, h, device=dev).requires_grad_()
 
@@ -117,8 +113,10 @@ def _cases(args):
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)

@@ -1,10 +1,10 @@
-"""Which CUDA forward kernel an :class:`~flashgen.ops.attention.AttentionOp` runs, and
+"""Which CUDA forward kernel an :class:`~flashgen.ops.prefill.attention.AttentionOp` runs, and
 loading it: :meth:`KernelChoice.kernel` (built through the cache, loaded once per device and
 options, the dense and the sparse-mask tiles together where the op may pick either) and the
 per-call choice of the sparse-mask tiles (:meth:`KernelChoice._sparse_call`, from
-:func:`flashgen.ops.density.keys_per_row`, cached per lengths and per length bucket).
+:func:`flashgen.ops.prefill.density.keys_per_row`, cached per lengths and per length bucket).
 
-:class:`KernelChoice` is a mixin of :class:`~flashgen.ops.attention.AttentionOp`: it reads
+:class:`KernelChoice` is a mixin of :class:`~flashgen.ops.prefill.attention.AttentionOp`: it reads
 the op's ``spec``, ``options``, ``_kernels`` / ``_kernel_lock`` and the ``_sparse_*`` caches
 its ``__init__`` sets.  Imports no other op module.
 """
@@ -14,22 +14,22 @@ from __future__ import annotations
 import torch
 
 from flashgen.families import registry
-from flashgen.ops.density import bucket
+from flashgen.ops.prefill.density import bucket
 from flashgen.ops.validation import Dims, target_for_device
 
 
 class KernelChoice:
-    """:class:`~flashgen.ops.attention.AttentionOp`'s forward kernels (module doc)."""
+    """:class:`~flashgen.ops.prefill.attention.AttentionOp`'s forward kernels (module doc)."""
 
     def _sparse_call(self, dims: Dims, scalars) -> bool:
         """Whether this call asks for the sparse-mask tiles
         (:func:`flashgen.families.registry.sparse_tiles`; :meth:`kernel` runs them where the
         kernel has them): the mask keeps fewer than
         :data:`~flashgen.families.tiles.SPARSE_KEYS_PER_ROW` keys per query row at these lengths and
-        scalars (:func:`flashgen.ops.density.keys_per_row`; the answer cached per op per lengths
-        and per the lengths' :func:`~flashgen.ops.density.bucket`, keyed by the scalars the mask
-        reads only: a loop over growing lengths (decoding) costs a few microseconds per call,
-        a float param only the score_mod reads none).  Off with the op's
+        scalars (:func:`flashgen.ops.prefill.density.keys_per_row`; the answer cached per op per
+        lengths and per the lengths' :func:`~flashgen.ops.prefill.density.bucket`, keyed by the
+        scalars the mask reads only: a loop over growing lengths (decoding) costs a few microseconds
+        per call, a float param only the score_mod reads none).  Off with the op's
         ``Options.sparse_tiles`` False."""
         if not self._sparse_possible:
             return False
@@ -48,7 +48,7 @@ class KernelChoice:
         few = self._sparse_buckets.get(key)
         if few is None:
             from flashgen.families.tiles import SPARSE_KEYS_PER_ROW
-            from flashgen.ops.density import keys_per_row
+            from flashgen.ops.prefill.density import keys_per_row
 
             if len(self._sparse_buckets) >= 4096:  # bounded: a loop over many scalar values
                 self._sparse_buckets.clear()

@@ -1,7 +1,7 @@
-"""Time the CPU op (blocked, flashgen/ops/cpu_attention.py) against torch SDPA on the CPU.
+"""Time the CPU op (blocked, flashgen/ops/cpu/attention.py) against torch SDPA on the CPU.
 
-    python tools/cpu_attention_bench.py [--seqlen 4096] [--heads 8] [--head-dim 128] [--reps 3]
-                                        [--dtype float32 --dtype bfloat16]
+    flashgen bench --cpu [--seqlen 4096] [--heads 8] [--head-dim 128] [--reps 3]
+                         [--dtype float32 --dtype bfloat16]
 
 Inputs [1, H, S, D] in each dtype (default float32); prints the median time of each and the
 ratio, for a spec without a mask and a causal one (the two timed in alternation).
@@ -11,19 +11,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from flashgen.frontend.spec import loads_spec  # noqa: E402
-from flashgen.ops import cpu_attention  # noqa: E402
-from flashgen.ops.op import build_op  # noqa: E402
 
 SPEC = """
 name: cpu_bench_{tag}_d{d}
@@ -46,15 +34,24 @@ def _alternating(fa, fb, reps: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from flashgen.frontend.spec import loads_spec
+    from flashgen.ops.cpu import attention as cpu_attention
+    from flashgen.ops.op import build_op
+
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-elems", type=int, default=None, help="logits per query chunk")
     ap.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"])
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.chunk_elems:
         cpu_attention._CHUNK_ELEMS = a.chunk_elems
     g = torch.Generator().manual_seed(0)
@@ -82,7 +79,8 @@ def main() -> None:
                 f"| {dtype} | {tag} | {t_fg:.3f} | {t_sd:.3f} | {t_fg / t_sd:.2f} |  "
                 f"(max |diff| {err:.1e})"
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,8 +1,8 @@
-"""Inputs of the decode op (:mod:`flashgen.ops.decode`): the call's sizes
+"""Inputs of the decode op (:mod:`flashgen.ops.decode.op`): the call's sizes
 (:class:`DecodeDims`), the metadata validation, the value checks, the page gather and the
 host model of the keys the kernels attend for unchecked values (:func:`unchecked_key_mask`).
 
-Moved out of :mod:`flashgen.ops.decode` unchanged; that module re-exports the public names."""
+Moved out of :mod:`flashgen.ops.decode.op` unchanged; that module re-exports the public names."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def validate_decode(
 
     An e4m3 cache (float8_e4m3fn ``k_cache`` and ``v_cache`` for an fp16 / bf16 spec whose head
     dims are multiples of 64) gives ``dims.cache_dtype = "fp8_e4m3"``; k_new / v_new must then
-    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode_fp8`).
+    be e4m3 too and q may be (its descale is the caller's: :mod:`flashgen.ops.decode.fp8`).
     A ``v_from_k`` spec (MLA) takes ``v_cache`` / ``v_new`` as views of k_cache / k_new (the
     op makes them) and a cache of num_heads_kv 1.  A float32 q on the CPU takes float32
     caches and gives a float32 o, as ``op.attention`` does."""
@@ -444,7 +444,7 @@ def check_values(dims: DecodeDims, cache_seqlens, block_table, cu_seqlens_q=None
 
 def check_cu_seqlens_q(dims: DecodeDims, cu_seqlens_q):
     """Check a ragged call's ``cu_seqlens_q`` values (as the varlen op's
-    :func:`flashgen.ops.varlen.check_cu_seqlens`): start at 0, nondecreasing, end at
+    :func:`flashgen.ops.prefill.varlen.check_cu_seqlens`): start at 0, nondecreasing, end at
     ``total_q``, every Sq_b <= ``max_seqlen_q`` (``dims.seqlen_q``).  Returns Sq_b ``[B]``
     int64 (CPU).  Reads the tensor (a host sync on CUDA); :class:`OpInputError` naming the
     first offending entry."""
@@ -477,7 +477,7 @@ def validate_decode_ragged(
     cu_seqlens_q, max_seqlen_q,
 ) -> DecodeDims:  # fmt: skip
     """Metadata checks of a ragged with_kvcache call (module doc of
-    :mod:`flashgen.ops.decode`): q ``[total_q, Hq, D]``, ``cu_seqlens_q`` int32 ``[B + 1]``
+    :mod:`flashgen.ops.decode.op`): q ``[total_q, Hq, D]``, ``cu_seqlens_q`` int32 ``[B + 1]``
     on q's device, ``max_seqlen_q`` an int in ``[0, total_q]`` (>= 1 when total_q > 0),
     k_new / v_new ``[total_q, Hkv, D / Dv]``; the cache, lengths and table as
     :func:`validate_decode`.  Never reads tensor contents.  Returns :class:`DecodeDims` with

@@ -1,10 +1,10 @@
-"""The decode op's references (:mod:`flashgen.ops.decode`): the cache append
+"""The decode op's references (:mod:`flashgen.ops.decode.op`): the cache append
 (:func:`append_reference`), attention over the gathered cache (:func:`decode_reference`, the
 op's CPU path and the tests' oracle), their ragged-Sq_new forms
 (:func:`append_reference_ragged`, :func:`decode_reference_ragged`) and the exact merge of two
 attention results (:func:`merge_attention`, FlashInfer's ``merge_state``).
 
-:mod:`flashgen.ops.decode` re-exports the public names."""
+:mod:`flashgen.ops.decode.op` re-exports the public names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.decode_inputs import gather_cache
+from flashgen.ops.decode.inputs import gather_cache
 from flashgen.ops.validation import default_softmax_scale
 
 
@@ -63,17 +63,17 @@ def decode_reference(
     """Attention of each request's queries over its first ``live_lens[b]`` cached keys, on
     the gathered keys (one request at a time, ``b`` its batch index, the mask's ``b`` being
     ``batch_offset + b``): by
-    :func:`flashgen.ops.reference.attention_reference` for a float64 ``compute_dtype`` (the
+    :func:`flashgen.ops.cpu.reference.attention_reference` for a float64 ``compute_dtype`` (the
     test oracle) or a low-precision one (the error bound's torch math), for float32 by the
     padded op's CPU path
-    (:func:`flashgen.ops.cpu_attention.attention_blocked`, so the decode op on CPU equals the
+    (:func:`flashgen.ops.cpu.attention.attention_blocked`, so the decode op on CPU equals the
     padded op on the gathered cache bitwise).  o ``[B, Hq, Sq, Dv]`` in ``compute_dtype``, lse
     ``[B, Hq, Sq]`` (float32, float64 for a float64 reference); no live key: o = 0,
     lse = -inf.  ``k_descale`` / ``v_descale``: float32 ``[B, Hkv]`` (an e4m3 cache,
-    :mod:`flashgen.ops.decode_fp8`): request b's gathered keys and values are dequantized
+    :mod:`flashgen.ops.decode.fp8`): request b's gathered keys and values are dequantized
     (``k_descale[b, h] * k``, in float32, float64 for the oracle) before the attention."""
-    from flashgen.ops.cpu_attention import attention_blocked
-    from flashgen.ops.reference import attention_reference
+    from flashgen.ops.cpu.attention import attention_blocked
+    from flashgen.ops.cpu.reference import attention_reference
 
     batch, hq, sq, _ = q.shape
     dv = v_cache.shape[-1]

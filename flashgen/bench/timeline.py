@@ -3,9 +3,9 @@
 patched into the rendered source at fixed points, one row of 32 int64 per CTA in a
 ``__device__`` buffer, read back after one launch.
 
-    python3 tools/cta_timeline.py causal_d128 mistral_swa      # gallery shape, B=2 H=16 S=8k
-    python3 tools/cta_timeline.py causal_d128 --shape 1 16 16384
-    python3 tools/cta_timeline.py mistral_swa --shape 1 16 16384 --param window=256
+    flashgen bench --timeline causal_d128 mistral_swa      # gallery shape, B=2 H=16 S=8k
+    flashgen bench --timeline causal_d128 --shape 1 16 16384
+    flashgen bench --timeline mistral_swa --shape 1 16 16384 --param window=256
 
 Prints, per spec, the mean cycles of each phase of a CTA: entry to the tile decoded, Q
 issued, the first live key block found, its K and V issued, the barrier, ``setmaxnreg``
@@ -17,7 +17,7 @@ see docs/perf-notes.md, session 9).
 
 The stamps are the probe point ``timeline`` of ``templates/sm_90/fwd.cu.j2``
 (``flashgen.build.render.PROBES``; nothing is rendered without it), and
-``tests/unit/test_cta_timeline.py`` checks that every slot of :data:`STAMPS` is stamped and
+``tests/unit/test_bench_timeline.py`` checks that every slot of :data:`STAMPS` is stamped and
 compiles the probed source.  The kernel is built through ``flashgen.families.build`` with the probed
 renderer (its own cache entry: the source differs); the op runs as usual.  Needs a GPU (sm_90),
 torch and CuPy.
@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 #: int64 slots per CTA in ``fg_prof``
 SLOTS = 32
@@ -112,9 +109,11 @@ def summarize(P, name: str) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("specs", nargs="+", help="shipped spec names (no block table)")
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("specs", nargs="+", help="spec files or shipped spec names (no block table)")
     ap.add_argument("--shape", nargs=3, type=int, metavar=("B", "H", "S"), default=(2, 16, 8192))
     ap.add_argument(
         "--param",
@@ -140,7 +139,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("cta_timeline needs an sm_90 GPU", file=sys.stderr)
+        print("flashgen bench --timeline needs an sm_90 GPU", file=sys.stderr)
         return 2
 
     import cupy
@@ -155,9 +154,8 @@ def main(argv=None) -> int:
     from flashgen.runtime import launch as runtime
 
     family_build.render = timeline_source  # the probe renders nothing in the other kernels
-    root = Path(__file__).resolve().parent.parent
     off = Options(sparse_persistent="off")
-    specs = {n: flashgen.load(root / "specs" / f"{n}.yaml", options=off) for n in args.specs}
+    specs = {n: flashgen.load(n, options=off) for n in args.specs}
     unknown = [p for p in params if all(op.spec.param(p) is None for op in specs.values())]
     if unknown:
         ap.error(f"--param {', '.join(unknown)}: no such param in {', '.join(args.specs)}")

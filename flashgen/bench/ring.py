@@ -1,7 +1,7 @@
 """Scaling of flashgen.distributed.ring_attention over GPUs of one host (NCCL).
 
-    python tools/ring_bench.py --gpus 2 [--tokens 32768,65536,131072] [--spec causal_d128]
-                               [--layouts zigzag,contiguous] [--modes ring] [--json out.json]
+    flashgen bench --ring --gpus 2 [--tokens 32768,65536,131072] [--spec causal_d128]
+                          [--layouts zigzag,contiguous] [--modes ring] [--json out.json]
 
 For each tokens-per-GPU ``T`` (the local length S_local), layout and mode it measures, on
 ``--gpus`` GPUs, the time of one forward and one forward + backward step of ring_attention
@@ -27,9 +27,6 @@ import socket
 import statistics
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 NCCL_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -109,7 +106,7 @@ def _worker(rank, world, port, args, out_path):
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device(rank))
-    op = flashgen.load(ROOT / "specs" / f"{args.spec}.yaml")
+    op = flashgen.load(args.spec)
     rows = []
     for tokens in args.tokens:
         for layout in args.layouts:
@@ -132,7 +129,7 @@ def _single(args, tokens_global):
 
     import flashgen
 
-    op = flashgen.load(ROOT / "specs" / f"{args.spec}.yaml")
+    op = flashgen.load(args.spec)
     try:
         q, k, v = _inputs(op.spec, args.batch, args.heads, args.heads_kv, tokens_global,
                           "cuda:0", True)  # fmt: skip
@@ -153,11 +150,13 @@ def _single(args, tokens_global):
         torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--tokens", default="32768,65536,131072", help="tokens per GPU")
-    ap.add_argument("--spec", default="causal_d128")
+    ap.add_argument("--spec", default="causal_d128", help="a spec file or a shipped spec's name")
     ap.add_argument("--layouts", default="zigzag,contiguous")
     ap.add_argument("--modes", default="ring")
     ap.add_argument("--batch", type=int, default=1)
