@@ -3,7 +3,8 @@ environment switches of earlier versions (:data:`flashgen.env.REMOVED` maps each
 option; a removed switch that is still set raises).
 
 :class:`Options` bundles the routing choices (kernel family, atomic dQ, the persistent
-schedulers, sparse-call tiles, row / column terms, persistent CTAs) and one frozen options
+schedulers, sparse-call tiles, row / column terms, persistent CTAs), the exact softmax (a
+code-generation choice of every family but the block-table pre-pass) and one frozen options
 record per kernel family (``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``,
 ``blocktable``, ``decode``).  Every field has a dotted name (``"hopper_fwd.affine"``, ``"family"``):
 :meth:`Options.paths` lists them, :meth:`Options.get_path` reads one and
@@ -58,6 +59,11 @@ class Options:
     - ``side_terms``: kernels may read a mask's one-sided tensor reads once per row / column
       (False: per element).
     - ``persistent_ctas``: CTAs of a persistent launch (None: the SM count; a debugging knob).
+    - ``exact_softmax``: the softmax of the forward, backward and decode kernels stays finite
+      at huge finite logits (1e11: an ulp of the row max is 2^14 there): the forwards compute
+      P's exponent from scores rounded as the row max was (P <= 1, the max's P exactly 1),
+      the backwards cap P's exponent at 0, decode's split merge normalizes its weights by
+      their sum (docs/reliability.md).  Off by default.
     - ``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``, ``blocktable``, ``decode``:
       each family's ``Options`` (see its module; ``decode``: the tiles and split count of
       ``op.with_kvcache``).
@@ -75,6 +81,7 @@ class Options:
     sparse_tiles: bool = True
     side_terms: bool = True
     persistent_ctas: int | None = None
+    exact_softmax: bool = False
     fa2_fwd: fa2_fwd.Options = field(default_factory=fa2_fwd.Options)
     hopper_fwd: hopper_fwd.Options = field(default_factory=hopper_fwd.Options)
     fa2_bwd: fa2_bwd.Options = field(default_factory=fa2_bwd.Options)
@@ -191,12 +198,12 @@ class Options:
         """:meth:`key` restricted to family ``name``'s options and the routing fields that
         shape its kernels (what a plan of that family records as ``options_key``)."""
         keep = {
-            "fa2_fwd": ("fa2_fwd.", "side_terms"),
-            "hopper_fwd": ("hopper_fwd.", "side_terms"),
-            "fa2_bwd": ("fa2_bwd.", "side_terms"),
-            "hopper_bwd": ("hopper_bwd.",),
+            "fa2_fwd": ("fa2_fwd.", "side_terms", "exact_softmax"),
+            "hopper_fwd": ("hopper_fwd.", "side_terms", "exact_softmax"),
+            "fa2_bwd": ("fa2_bwd.", "side_terms", "exact_softmax"),
+            "hopper_bwd": ("hopper_bwd.", "exact_softmax"),
             "blocktable": ("blocktable.",),
-            "decode": ("decode.",),
+            "decode": ("decode.", "exact_softmax"),
         }[name]
         return ";".join(
             f"{p}={v!r}" for p, v in self.changed().items() if p.startswith(keep)

@@ -148,6 +148,7 @@ class BackwardContext(TemplateContext):
     score_grad_expr: str | None
     tile_classifier: str
     tile_class_args: str
+    exact_softmax: bool
 
 
 def tile_classifier(spec: Spec, causal_bits: bool) -> str:
@@ -168,11 +169,14 @@ def tile_classifier(spec: Spec, causal_bits: bool) -> str:
     return masktiles.classifier_source(spec, causal_bits=on)
 
 
-def base_fields(spec: Spec, causal_bits: bool) -> dict:
+def base_fields(spec: Spec, causal_bits: bool, exact_softmax: bool = False) -> dict:
     """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
     and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
     hoisted divisor would hold a register through the loop; they divide in place, no
-    :class:`~flashgen.codegen.cuda_expr.Invariants`)."""
+    :class:`~flashgen.codegen.cuda_expr.Invariants`).  ``exact_softmax``
+    (:attr:`flashgen.options.Options.exact_softmax`): P = exp2(x - lse) with the exponent
+    capped at 0 (``fg::capped_exponent``): lse's rounding can leave x above it, by 2^14 and
+    more at logits near 1e11, where exp2 overflowed."""
     causal, residual = split_causal(spec.mask)
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     return {
@@ -188,6 +192,7 @@ def base_fields(spec: Spec, causal_bits: bool) -> dict:
         "score_grad_expr": cuda_expr(score_grad, spec) if score_grad is not None else None,
         "tile_classifier": tile_classifier(spec, causal_bits),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
+        "exact_softmax": exact_softmax,
     }
 
 

@@ -93,6 +93,7 @@ class ForwardContext(TemplateContext):
     tile_class_args: str
     tile_group: str
     needs_bh: bool
+    exact_softmax: bool
 
 
 #: The K and V bytes a head group of the forward's CTA order keeps in L2 together (H100 / H200
@@ -242,6 +243,7 @@ def forward_context(
     nonneg_div: bool = False,
     head_groups: bool = True,
     col_bound: bool = False,
+    exact_softmax: bool = False,
 ) -> dict:
     """The fields of :class:`ForwardContext` as a dict (the family adds its own, then builds
     its ``Context``): sizes, tiles, the causal flag, the residual mask and score_mod as
@@ -254,7 +256,9 @@ def forward_context(
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
     (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
     ``nonneg_div``: see :class:`Invariants`.  ``head_groups``: the CTA order's
-    ``tile_group`` (:func:`tile_group_expr`; False: head-major).
+    ``tile_group`` (:func:`tile_group_expr`; False: head-major).  ``exact_softmax``
+    (:attr:`flashgen.options.Options.exact_softmax`): P's exponent from scores rounded as the
+    row max was, so no P exceeds 1 at huge logits.
 
     ``tile_mask_expr``: the expression a masked tile of each kind (``mask``, ``nc``, ``causal``:
     see :func:`causal_tiles_context`) evaluates per element, besides the bounds and causal
@@ -337,5 +341,6 @@ def forward_context(
         "needs_bh": _uses(residual, {"b", "h", "h_kv"})
         or _uses(score_mod, {"b", "h", "h_kv"})
         or bool(spec.tensor_params),
+        "exact_softmax": exact_softmax,
     }
 

@@ -194,7 +194,10 @@ class DecodeContext(TemplateContext):
     padded unit unchanged).  ``kv_fp8``: the cache holds e4m3 (``kv_t`` its C type; False
     renders the spec-dtype unit unchanged).  ``v_from_k``: MLA's one latent cache (the
     spec's ``v_from_k``): the ring holds K only, P V reads the first ``head_dim_v`` columns of
-    its rows, the append writes K rows only."""
+    its rows, the append writes K rows only.  ``exact_softmax``
+    (:attr:`flashgen.options.Options.exact_softmax`): the scaled scores rounded as written
+    (``__fmul_rn``: never contracted into P's exponent) and the split merge's weights
+    normalized by their sum (``fg::dec::merge_stats``, ``fg::dec::normalized_weight``)."""
 
     spec_name: str
     base_name: str
@@ -227,6 +230,7 @@ class DecodeContext(TemplateContext):
     v_from_k: bool = False
     tensor_mask: bool = False
     vote_blocks: int = VOTE_BLOCKS
+    exact_softmax: bool = False
 
 
 @dataclass(frozen=True)
@@ -534,7 +538,7 @@ def append_args(elem_t: str, ragged: bool = False) -> tuple:
 # ----------------------------------------------------------------------------- plan
 def plan(
     spec: Spec, target: str, options: Options | None = None, *, options_key: str = "",
-    ragged: bool = False, cache_dtype: str | None = None,
+    ragged: bool = False, cache_dtype: str | None = None, exact_softmax: bool = False,
 ) -> DecodePlan:
     """Lower ``spec`` to its decode unit for ``target`` (``sm_80``: mma.sync, also what
     ``sm_90`` compiles for sm_90a); ``options_key`` (the registry's
@@ -543,7 +547,10 @@ def plan(
     ``[total_q, Hq, D]`` with ``cu_seqlens_q``, rows of a request past its Sq_b exit).
     ``cache_dtype``: the cache's element type (a :mod:`flashgen.codegen.dtypes` name; None
     or the spec's dtype: the spec-dtype unit, unchanged; ``fp8_e4m3``: the e4m3-cache unit,
-    kernels ``flashgen_<spec>_decode_[ragged_]kv8_<target>_*``, see the module doc).  Raises
+    kernels ``flashgen_<spec>_decode_[ragged_]kv8_<target>_*``, see the module doc).
+    ``exact_softmax``: the split merge normalized by the sum of its weights, ``exp(lse_i -
+    m) / sum_j exp(lse_j - m)``, not ``exp(lse_i - lse)``: at huge logits (an ulp of lse
+    2^14) ``log(sum)`` is lost in lse's rounding and equal splits weighed 1 each.  Raises
     ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`,
     :func:`cache_dtype_reason`), an unknown target or tiles that do not fit."""
     if target not in TARGETS:
@@ -607,6 +614,7 @@ def plan(
         kv_t=kv.ctype if kv8 else "",
         v_from_k=spec.v_from_k,
         tensor_mask=tensor_mask(spec),
+        exact_softmax=exact_softmax,
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

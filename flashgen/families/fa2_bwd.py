@@ -125,6 +125,7 @@ def plan(
     tiles: BackwardTiles | None = None,
     side_terms: bool | Iterable[str] = True,
     causal_bits: bool = False,
+    exact_softmax: bool = False,
     options_key: str = "",
 ) -> BackwardPlan:
     """Lower ``spec`` to its FA2-class backward kernels for ``target`` (template
@@ -141,9 +142,10 @@ def plan(
     masked tile instead of per element (:mod:`flashgen.analysis.rowcol`): the side the
     kernel holds per CTA (dkdv: its keys, dq: its query rows) two values per thread and
     step, the side it steps over coalesced by lanes and shuffled to the elements.
-    ``causal_bits``: see :func:`~flashgen.families.bwd_common.tile_classifier`.  Raises
-    ``ValueError`` for a target or dtype this version cannot lower, or unknown kernels in
-    ``side_terms``.
+    ``causal_bits``: see :func:`~flashgen.families.bwd_common.tile_classifier`.
+    ``exact_softmax``: P's exponent capped at 0
+    (:func:`~flashgen.families.bwd_common.base_fields`).  Raises ``ValueError`` for a target
+    or dtype this version cannot lower, or unknown kernels in ``side_terms``.
     """
     check_target(target)
     elt = mma16_dtype(spec, "the FA2-class backward").elem_bytes
@@ -164,7 +166,7 @@ def plan(
     abi = backward_abi(spec, atomic_dq)
     grid = atomic_dq_warp_grid(t, d) if atomic_dq else (0, 0)  # unused by the deterministic unit
     base = f"flashgen_{spec.name}_bwd_{target}"
-    ctx = base_fields(spec, causal_bits)
+    ctx = base_fields(spec, causal_bits, exact_softmax)
     ctx.update(
         abi,
         **opts,

@@ -25,7 +25,8 @@ TEMPLATE = "sm_80/fwd.cu.j2"
 #: ldmatrix addresses as a per-lane offset XORed with constants (as CuTe's swizzled
 #: layouts do).  ``fwd_fold_scale``: without a score_mod, S stays raw (its row max taken raw)
 #: and log2(e) * softmax_scale is folded into P's exponent (FA2's ``scale_apply_exp2`` FFMA;
-#: at logits near 1e11 its residual overflows P: issue 38, pending).
+#: at logits near 1e11 its residual overflows P; ``Options.exact_softmax`` rounds the scaled
+#: score first instead).
 #: ``fwd_lazy_rescale``: O is rescaled only when a row max of the warp moved (a warp vote
 #: around the multiplies; off until measured).  ``fwd_even_loads``: with unrolled loads, a
 #: tile wholly inside the sequence is loaded without per-row checks and selects (FA2's
@@ -123,6 +124,7 @@ def plan(
     gpu: str | None = None,
     tiles: TileConfig | None = None,
     side_terms: bool = True,
+    exact_softmax: bool = False,
     options_key: str = "",
 ) -> KernelPlan:
     """Lower ``spec`` to the FA2-class forward for ``target`` (``sm_80``, or ``sm_90`` compiled
@@ -131,6 +133,9 @@ def plan(
     choice (the spill fallback passes its candidates).  ``side_terms``: the kernel reads the
     mask's one-sided tensor reads once per query row and once per key column of a masked
     tile (:mod:`flashgen.analysis.rowcol`; never for varlen); False keeps them per element.
+    ``exact_softmax`` (:attr:`flashgen.options.Options.exact_softmax`): P = exp2(x - max)
+    with x rounded exactly as the row max was (one FMUL per element more than FA2's FFMA
+    where the scale is folded), so the max's P is 1 and none exceeds 1 at huge logits.
     ``options_key``: recorded on the plan (the kernel cache key).
 
     Raises ``ValueError`` for a target or dtype this version cannot lower, tiles that are
@@ -177,6 +182,7 @@ def plan(
         side_terms=side_terms and not spec.varlen,
         affine=options.affine,
         head_groups=options.head_groups and max(d, dv) in HEAD_GROUP_FA2_HEAD_DIMS,
+        exact_softmax=exact_softmax,
     )
     ctx["smem_bytes"] = smem  # the template static_asserts its layout against this
     ctx["table_smem"] = table_smem

@@ -132,6 +132,7 @@ def plan(
     causal_bits: bool = False,
     options_key: str = "",
     ordered_dq: bool = False,
+    exact_softmax: bool = False,
 ) -> BackwardPlan:
     """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
     whose dK/dV kernel is FlashAttention-3's warp-specialized backward (Shah et al. 2024,
@@ -154,8 +155,10 @@ def plan(
     block only after the CTAs of every earlier key block have (a semaphore per (batch, query
     head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
     is bitwise reproducible; the kernels are named ``..._wgmma_ordered_*``.  ``causal_bits``:
-    see :func:`~flashgen.families.bwd_common.tile_classifier`.  Raises ``ValueError`` unless
-    :func:`eligible` (family "auto"), and for ``ordered_dq`` unless :func:`ordered_eligible`.
+    see :func:`~flashgen.families.bwd_common.tile_classifier`.  ``exact_softmax``: P's
+    exponent capped at 0 (:func:`~flashgen.families.bwd_common.base_fields`).  Raises
+    ``ValueError`` unless :func:`eligible` (family "auto"), and for ``ordered_dq`` unless
+    :func:`ordered_eligible`.
     """
     if not eligible(spec, target):
         raise ValueError(
@@ -187,7 +190,7 @@ def plan(
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
-    ctx = base_fields(spec, causal_bits)
+    ctx = base_fields(spec, causal_bits, exact_softmax)
     ctx.update(
         atomic_dq=True,
         pre_args=abi["pre_args"],

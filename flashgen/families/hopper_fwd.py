@@ -191,6 +191,7 @@ def plan(
     m_major: bool | None = None,
     persistent: bool | str = False,
     side_terms: bool = True,
+    exact_softmax: bool = False,
     options_key: str = "",
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
@@ -249,6 +250,12 @@ def plan(
     the 32 lanes computing the same).
     ``head_groups``: the CTAs take their tiles in L2 head groups
     (:func:`~flashgen.families.common.tile_group_expr`; False: head-major).
+    ``exact_softmax`` (:attr:`flashgen.options.Options.exact_softmax`, a plan argument like
+    ``side_terms``): a row whose scaled max reaches 2^24 in magnitude computes P = exp2(x -
+    max) with x rounded exactly as the max was (an FMUL and an FADD per element in place of
+    the FFMA, in a branch; smaller maxima keep the FFMA, whose residual is at most half an ulp
+    there), and the rescale factor of the running output from the old max rounded the same
+    way, so no P or factor exceeds 1 at huge logits.
     """
     o = options
     single_walk, warp_walk = o.single_walk, o.warp_walk
@@ -312,6 +319,7 @@ def plan(
         nonneg_div=o.nonneg_div,
         head_groups=o.head_groups,
         col_bound=bool(col_limit and o.col_bound),
+        exact_softmax=exact_softmax,
     )
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = o.nonneg_div

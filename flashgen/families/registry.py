@@ -223,8 +223,9 @@ def plan_forward(
     """The forward plan of the family :func:`select` picks, or, with ``tiles``, of the
     family those tiles are for (warp-specialized tiles: the Hopper kernel).  ``persistent``
     (None: the route's) applies to the Hopper kernel only.  ``side_terms`` (and
-    ``options.side_terms``): row / column terms.  Raises ``ValueError`` like the families'
-    ``plan``."""
+    ``options.side_terms``): row / column terms; ``options.exact_softmax`` goes to the
+    family's ``plan`` as it does in :func:`plan_backward`, :func:`plan_hopper_backward` and
+    :func:`plan_decode`.  Raises ``ValueError`` like the families' ``plan``."""
     route = select(spec, target, "fwd", options)
     name = route.family if tiles is None else (
         "hopper_fwd" if tiles.warp_specialized else "fa2_fwd"
@@ -235,10 +236,11 @@ def plan_forward(
         return hopper_fwd.plan(
             spec, target, options.hopper_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
             persistent=route.persistent if persistent is None else persistent, options_key=key,
+            exact_softmax=options.exact_softmax,
         )  # fmt: skip
     return fa2_fwd.plan(
         spec, target, options.fa2_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
-        options_key=key,
+        options_key=key, exact_softmax=options.exact_softmax,
     )  # fmt: skip
 
 
@@ -263,6 +265,7 @@ def plan_backward(
     return fa2_bwd.plan(
         spec, target, options.fa2_bwd, atomic_dq=atomic_dq, tiles=tiles, side_terms=side_terms,
         causal_bits=_causal_bits(spec, target, options), options_key=options.family_key("fa2_bwd"),
+        exact_softmax=options.exact_softmax,
     )  # fmt: skip
 
 
@@ -275,6 +278,7 @@ def plan_hopper_backward(
     return hopper_bwd.plan(
         spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
         options_key=options.family_key("hopper_bwd"), ordered_dq=ordered_dq,
+        exact_softmax=options.exact_softmax,
     )  # fmt: skip
 
 
@@ -305,13 +309,14 @@ def plan_decode(
     cache_dtype: str | None = None,
 ) -> decode.DecodePlan:
     """The decode unit (attention, combine, append kernels) of ``spec`` on ``target``
-    (:func:`flashgen.families.decode.plan` with ``options.decode``; ``ragged``: the
+    (:func:`flashgen.families.decode.plan` with ``options.decode`` and
+    ``options.exact_softmax``; ``ragged``: the
     ragged-Sq_new unit; ``cache_dtype``: the cache's dtype name, None for the spec's, e.g.
     ``fp8_e4m3``).  Raises ``ValueError`` for a spec decode does not support or tiles that
     do not fit."""
     return decode.plan(
         spec, target, options.decode, options_key=options.family_key("decode"), ragged=ragged,
-        cache_dtype=cache_dtype,
+        cache_dtype=cache_dtype, exact_softmax=options.exact_softmax,
     )  # fmt: skip
 
 

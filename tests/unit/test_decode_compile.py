@@ -1,7 +1,8 @@
 """The decode units (flashgen.families.decode): every shipped spec that supports decode
 compiles for sm_80 and sm_90a with its two kernels (attn with the fused combine, append)
 spill-free (two nvcc runs per spec and form, in parallel), and the split scheduler and LSE merge of
-templates/common/decode.cuh, run on the host, agree with the Python ones."""
+templates/common/decode.cuh (and the normalized merge of templates/common/exact_softmax.cuh,
+``Options.exact_softmax``), run on the host, agree with the Python ones."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from flashgen.frontend.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = ROOT / "templates" / "common" / "decode.cuh"
+EXACT_HEADER = ROOT / "templates" / "common" / "exact_softmax.cuh"
 
 
 def _specs():
@@ -74,6 +76,7 @@ def test_every_decode_unit_compiles_without_spills(ragged, requires_nvcc):
 
 PROGRAM = r"""
 #include "HEADER"
+#include "EXACT_HEADER"
 #include <cstdio>
 int main() {
     int lo, hi, n;
@@ -89,8 +92,11 @@ int main() {
         float lse[64];
         for (int i = 0; i < m; ++i) scanf("%f", &lse[i]);
         const float l = fg::dec::merged_lse(lse, m, 1);
+        const fg::dec::Merged s = fg::dec::merge_stats(lse, m, 1);
         printf("%.9g", l);
         for (int i = 0; i < m; ++i) printf(" %.9g", fg::dec::merge_weight(lse[i], l));
+        printf("\n%.9g", s.lse);
+        for (int i = 0; i < m; ++i) printf(" %.9g", fg::dec::normalized_weight(lse[i], s));
         printf("\n");
     }
     return 0;
@@ -98,13 +104,22 @@ int main() {
 """
 
 
+#: lse of splits at huge logits (1.4177e11: an ulp of 2^14), where log(sum) is lost in lse's
+#: rounding: the default merge weighs each of two equal splits exp(lse_i - lse) = 1, the
+#: normalized merge (Options.exact_softmax) 1/2.
+HUGE_LSES = [[1.4177e11, 1.4177e11], [1.4177e11, 1.4177e11, 1.4177e11 - 16384.0, -math.inf],
+             [-1.4177e11, -1.4177e11, -1.4177e11], [3.0e10, 3.0e10, 3.0e10, 3.0e10, 3.0e10]]
+
+
 def test_split_scheduler_and_merge_on_the_host(host_exe):
-    exe = host_exe(PROGRAM.replace("HEADER", str(HEADER)), "decode_host")
+    src = PROGRAM.replace("EXACT_HEADER", str(EXACT_HEADER)).replace("HEADER", str(HEADER))
+    exe = host_exe(src, "decode_host")
     rng = random.Random(0)
     ranges = [(0, 0, 1), (0, 1, 4), (3, 17, 5), (0, 1024, 128), (7, 8, 3)]
     ranges += [(a, a + rng.randrange(0, 300), rng.randrange(1, 129)) for a in range(20)]
     lses = [[0.0], [-math.inf, -math.inf], [1.0, -math.inf, 3.5], [80.0, 81.0, -20.0, 0.0],
             [math.nan, 2.0], [-math.inf, math.nan, -math.inf], [1.0, 2.0, math.nan]]
+    lses += HUGE_LSES
     text = "".join(f"{a} {b} {n}\n" for a, b, n in ranges) + "-1 -1 -1\n"
     text += "".join(f"{len(x)} " + " ".join("-inf" if v == -math.inf else repr(v) for v in x) + "\n"
                     for x in lses)  # fmt: skip
@@ -120,16 +135,27 @@ def test_split_scheduler_and_merge_on_the_host(host_exe):
             i += 1
     for x in lses:
         got = [float(v) for v in lines[i].split()]
-        i += 1
+        exact = [float(v) for v in lines[i + 1].split()]
+        i += 2
         if any(math.isnan(v) for v in x):  # a NaN split poisons the merge (as one split)
-            assert all(math.isnan(v) for v in got)
+            assert all(math.isnan(v) for v in got) and all(math.isnan(v) for v in exact)
             continue
         m = max(x)
         if m == -math.inf:
-            assert got[0] == -math.inf and all(w == 0 for w in got[1:])
+            for row in (got, exact):
+                assert row[0] == -math.inf and all(w == 0 for w in row[1:])
             continue
-        lse = m + math.log(sum(math.exp(v - m) for v in x))
-        assert got[0] == pytest.approx(lse, rel=1e-6, abs=1e-6)
+        total = sum(math.exp(v - m) for v in x)
+        lse = m + math.log(total)
+        for row in (got, exact):
+            assert row[0] == pytest.approx(lse, rel=1e-6, abs=1e-6)
+        # normalized by the sum: at lse 1.4e11 (an ulp of 2^14) log(sum) is lost in lse's
+        # rounding, and exp(v - lse) gave each of two equal splits 1
+        for v, w in zip(x, exact[1:], strict=True):
+            assert w == pytest.approx(math.exp(v - m) / total, rel=1e-5, abs=1e-7)
+        assert sum(exact[1:]) == pytest.approx(1.0, rel=1e-5)
+        if x in HUGE_LSES:  # the default merge's exp(v - lse) is exp(v - m) there, unnormalized
+            continue
         for v, w in zip(x, got[1:], strict=True):
             assert w == pytest.approx(math.exp(v - lse), rel=1e-5, abs=1e-7)
         assert sum(got[1:]) == pytest.approx(1.0, rel=1e-5)
