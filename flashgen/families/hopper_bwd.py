@@ -46,8 +46,8 @@ class Options:
     128 x 128 tile for hdim 64)."""
 
     head_groups: bool = True
-    ordered_dq: bool = True
-    d64_block_m: int = 128
+    ordered_dq: bool = False
+    d64_block_m: int = 64
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")

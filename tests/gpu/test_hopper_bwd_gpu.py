@@ -314,10 +314,25 @@ def d64(name: str):
     return loads_spec("\n".join(lines) + "\n", f"<{name}_d64>")
 
 
+@pytest.fixture
+def block_m128(monkeypatch):
+    """``hopper_bwd.d64_block_m=128``: head dim 64 with 128-query steps (P^T through sDS, dQ
+    split by rows between the warpgroups)."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d64_block_m": 128})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d64_block_m128_lengths_gqa_dtypes(block_m128, dtype, causal):
+    spec = hb_spec(64, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=900 + i)
+
+
 @pytest.mark.parametrize("name", D64_SHIPPED)
-def test_d64_masks_and_score_mods(name):
-    """Head dim 64's 128-query steps: the 64 keep bits of a 64-key x 128-query tile, the hull
-    of 128-row query blocks, score_mod derivatives and sinks."""
+def test_d64_block_m128_masks_and_score_mods(block_m128, name):
+    """128-query steps: the 64 keep bits of a 64-key x 128-query tile, the hull of 128-row
+    query blocks, score_mod derivatives and sinks (t5_bias, which spills with them, runs 64)."""
     spec = d64(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=950 + i)
@@ -328,7 +343,7 @@ def test_d64_masks_and_score_mods(name):
     [("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
      ("prefix_lm", "prefix", [0, 1, 777])],
 )  # fmt: skip
-def test_d64_mask_params(name, param, values):
+def test_d64_block_m128_mask_params(block_m128, name, param, values):
     spec = d64(name)
     for v in values:
         for i, (b, hq, hkv, sq, sk) in enumerate([(1, 4, 2, 1000, 1000), (1, 2, 1, 127, 1000),
@@ -336,35 +351,24 @@ def test_d64_mask_params(name, param, values):
             check(spec, b, hq, hkv, sq, sk, seed=970 + i, params={param: v})
 
 
-def test_d64_empty_rows_give_zero_dq():
+def test_d64_block_m128_views_lse_gradient_empty_rows(block_m128):
     spec = hb_spec(64, "bf16", True)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, 64, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=17, qkv=views, with_dlse=True)
     q, *_ = run_case(spec, 1, 2, 2, 300, 100, seed=19)
     assert (q.grad[:, :, :200] == 0).all() and not q.grad.isnan().any()
 
 
-@pytest.fixture
-def block_m64(monkeypatch):
-    """``hopper_bwd.d64_block_m=64``: head dim 64 with 64-query steps (P^T in registers, both
-    warpgroups adding into one dQ tile), the form a spec that spills at 128 runs."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d64_block_m": 64})
-
-
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d64_block_m64_lengths_gqa_dtypes(block_m64, dtype, causal):
-    spec = hb_spec(64, dtype, causal)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=900 + i)
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_d64_block_m64_ordered_dq(causal):
+def test_d64_block_m128_ordered_dq(causal):
     spec = hb_spec(64, "bf16", causal)
-    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 64})
+    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128})
     op = gpu_options.build(spec, opts)
     q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=23)
     plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
-    assert plan.dkdv.context["block_m"] == 64
+    assert plan.dkdv.context["block_m"] == 128
     for g in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
     ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)

@@ -88,13 +88,14 @@ def test_ineligible_specs():
 
 def test_backward_path_selection():
     yes, no = shipped("causal_d128"), shipped("document_mask")
-    assert backward_path(yes, "sm_90", True) == "hopper_ordered"
+    det = "hopper_ordered" if DEFAULT.hopper_bwd.ordered_dq else "deterministic"
+    assert backward_path(yes, "sm_90", True) == det
     assert backward_path(yes, "sm_90", False) == "hopper"
     assert backward_path(yes, "sm_80", False) == "deterministic"
     assert backward_path(no, "sm_90", False) == "deterministic"
     atomic = DEFAULT.replace_path("atomic_dq", True)
     assert backward_path(yes, "sm_90", False, atomic) == "hopper"
-    assert backward_path(yes, "sm_90", True, atomic) == "hopper_ordered"
+    assert backward_path(yes, "sm_90", True, atomic) == det
     assert backward_path(yes, "sm_80", False, atomic) == "atomic"
     assert backward_path(no, "sm_90", False, atomic) == "atomic"
     fa2 = atomic.replace_path("family", "fa2")  # the FA2-class atomic kernel on sm_90
@@ -107,7 +108,7 @@ def test_backward_path_selection():
 def test_plan(d):
     spec = small(d, "bf16", True)
     plan = plan_hopper_backward(spec, "sm_90")
-    bm = 128 if d == 64 else 64  # hopper_bwd.d64_block_m
+    bm = DEFAULT.hopper_bwd.d64_block_m if d == 64 else 64
     tiles = dataclasses.replace(HOPPER_BWD_TILES, dkdv_block_m=bm)
     assert plan.atomic_dq and plan.dq is None and plan.tiles == tiles
     assert not plan.dkdv.context["split_d"]
@@ -170,7 +171,8 @@ def test_render(d, dtype, causal):
     for k in plan.kernels:
         assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
     t = "bf16" if dtype == "bf16" else "f16"
-    s_n, dkv_n = (32, 128) if d == 256 else (128 if d == 64 else 64, d)
+    rows_split = d == 64 and DEFAULT.hopper_bwd.d64_block_m == 128  # 128-query steps
+    s_n, dkv_n = (32, 128) if d == 256 else (128 if rows_split else 64, d)
     assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "fence.proxy.async.shared::cta" in src
@@ -178,11 +180,11 @@ def test_render(d, dtype, causal):
     assert ("fg::tma_reduce_add_4d(&tma_dq" in src) == (d != 256)
     assert "fg::setmaxnreg_dec<24>();" in src and "fg::setmaxnreg_inc<240>();" in src
     bar = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // both warpgroups'"
-    assert (f"{bar} dS^T rows" in src) == (d <= 128)  # d64: 128-query steps, dQ split by rows
+    assert (f"{bar} dS^T rows" in src) == (d == 128 or rows_split)  # dQ over all 128 keys
     assert (f"{bar} halves of P^T are in sP" in src) == (d == 256)
     assert (f"{bar} halves of dS^T are in sDS" in src) == (d == 256)
     assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
-    assert ("fg::wgmma_st_n64(acc_dv" in src) == (d == 64)  # P^T from sDS
+    assert ("fg::wgmma_st_n64(acc_dv" in src) == rows_split  # P^T from sDS
     assert "fg_tile_class" not in src  # causal or none: the live range in closed form
 
 
@@ -245,11 +247,11 @@ def test_dq_stores_land_in_tma_boxes():
 
 
 def test_ordered_dq_routes_deterministic_calls_under_its_option():
-    """``hopper_bwd.ordered_dq`` (the default): ``deterministic=True`` takes the Hopper kernel
+    """``hopper_bwd.ordered_dq``: ``deterministic=True`` takes the Hopper kernel
     with dQ in a fixed order (path "hopper_ordered") for head_dim 64/128 with no mask or
     causal; masks with a hull, head_dim 256 and the option off keep the FA2-class
     deterministic kernels."""
-    on = DEFAULT
+    on = DEFAULT.replace_path("hopper_bwd.ordered_dq", True)
     off = DEFAULT.replace_path("hopper_bwd.ordered_dq", False)
     assert backward_path(shipped("causal_d128"), "sm_90", True, on) == "hopper_ordered"
     assert backward_path(shipped("gpt2_d64"), "sm_90", True, on) == "hopper_ordered"
@@ -646,7 +648,8 @@ def test_d64_block_m128_plan():
         assert other.dkdv.context["block_m"] == 64 and not other.dkdv.context["dq_rows_split"]
     d64_64 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 64)
     assert reg_plan(small(64, "bf16", True), "sm_90", d64_64).dkdv.context["block_m"] == 64
-    assert DEFAULT.hopper_bwd.d64_block_m == 128
+    d64_128 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 128)
+    assert reg_plan(small(64, "bf16", True), "sm_90", d64_128).dkdv.context["block_m"] == 128
 
 
 D64_SPECS = ("gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa", "chunked_local",
