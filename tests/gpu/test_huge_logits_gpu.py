@@ -59,9 +59,9 @@ from test_forward import check  # noqa: E402
 
 from flashgen.families import hopper_bwd  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
-from flashgen.ops.prefill.backward import backward_path  # noqa: E402
-from flashgen.ops.op import build_op, target_for_device  # noqa: E402
 from flashgen.ops.cpu.reference import attention_reference  # noqa: E402
+from flashgen.ops.op import build_op, target_for_device  # noqa: E402
+from flashgen.ops.prefill.backward import backward_path  # noqa: E402
 from flashgen.options import Options  # noqa: E402
 
 pytestmark = pytest.mark.gpu
