@@ -142,6 +142,6 @@ class SpecWarning(UserWarning):
 
 class ParamGradFallbackWarning(RuntimeWarning):
     """A CUDA backward computed param gradients with the blocked torch backward
-    (:func:`flashgen.ops.prefill.backward.cuda_param_backward`) because the kernels do not accumulate
-    them yet.  Defined here, in a module that imports no torch, so a process that only
-    unpickles the warning (a pytest-xdist controller) need not import the ops."""
+    (:func:`flashgen.ops.prefill.backward.cuda_param_backward`) because the kernels do not
+    accumulate them yet.  Defined here, in a module that imports no torch, so a process that
+    only unpickles the warning (a pytest-xdist controller) need not import the ops."""
