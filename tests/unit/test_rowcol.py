@@ -301,7 +301,8 @@ def test_fa2_backward_reads_no_tensor_per_element(atomic_dq):
         for k, (fixed, stepped) in zip(
             kernels, [("col0_k", "row0"), ("row0_r", "col0")], strict=False
         ):
-            masked = _between(k, "Row / column terms (flashgen/analysis/rowcol.py)", "acc_dp[nt][i] = p *")
+            head = "Row / column terms (flashgen/analysis/rowcol.py)"
+            masked = _between(k, head, "acc_dp[nt][i] = p *")
             vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
             assert f"fg_{fixed}[m][r] = (int)(__ldg(fg::base_ptr(t_doc_" in vec
             assert f"fg_{stepped}_v[c] = (int)(__ldg(fg::base_ptr(t_doc_" in vec
