@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from flashgen.analysis import masktiles, rowcol
 from flashgen.analysis.derive import d_dscore
+from flashgen.codegen import dparam
 from flashgen.codegen.abi import (
     KernelArg,
     dim_args,
@@ -148,6 +149,8 @@ class BackwardContext(TemplateContext):
     score_grad_expr: str | None
     tile_classifier: str
     tile_class_args: str
+    dparam: list
+    dparam_terms: list
 
 
 def tile_classifier(spec: Spec, causal_bits: bool) -> str:
@@ -168,11 +171,12 @@ def tile_classifier(spec: Spec, causal_bits: bool) -> str:
     return masktiles.classifier_source(spec, causal_bits=on)
 
 
-def base_fields(spec: Spec, causal_bits: bool) -> dict:
+def base_fields(spec: Spec, causal_bits: bool, param_grads=()) -> dict:
     """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
     and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
     hoisted divisor would hold a register through the loop; they divide in place, no
-    :class:`~flashgen.codegen.cuda_expr.Invariants`)."""
+    :class:`~flashgen.codegen.cuda_expr.Invariants`), and the dparam code of the params
+    ``param_grads`` (:func:`flashgen.codegen.dparam.fields`; none: not compiled in)."""
     causal, residual = split_causal(spec.mask)
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     return {
@@ -188,6 +192,7 @@ def base_fields(spec: Spec, causal_bits: bool) -> dict:
         "score_grad_expr": cuda_expr(score_grad, spec) if score_grad is not None else None,
         "tile_classifier": tile_classifier(spec, causal_bits),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
+        **dparam.fields(spec, param_grads),
     }
 
 
