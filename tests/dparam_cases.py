@@ -31,10 +31,12 @@ FORMS = {
 }  # fmt: skip
 
 
-def form_spec(form: str, head_dim: int = 128, mask: str = "causal"):
+def form_spec(form: str, head_dim: int = 128, mask: str = "causal", tag: str = ""):
+    """The test spec of index form ``form`` (``tag``: a suffix of its name, for a spec with
+    another mask)."""
     score_mod, params, _ = FORMS[form]
     return loads_spec(
-        f"name: dp_{form}_{head_dim}\nhead_dim: {head_dim}\ndtype: bf16\nmask: {mask}\n"
+        f"name: dp_{form}_{head_dim}{tag}\nhead_dim: {head_dim}\ndtype: bf16\nmask: {mask}\n"
         f'score_mod: "{score_mod}"\nparams:\n  {params}\n',
         f"<dp_{form}>",
     )

@@ -144,6 +144,12 @@ def build_backward(
             if not spilled:
                 break  # no kernel with terms spilled: the same kernels again
             kernels -= {role for role, _ in spilled}
+    if atomic_dq and param_grads:
+        # every atomic-dQ dparam unit spills: the deterministic kernels with the same dparam
+        # code (their atomic adds when the call is not deterministic) before a spilling unit
+        det = build_backward(spec, target, options=options, param_grads=param_grads)
+        if not det[2].spill_bytes:
+            return det
     return plan, cubin, report
 
 

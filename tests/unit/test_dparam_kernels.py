@@ -66,9 +66,14 @@ def test_routing_with_param_grads():
     ordered = Options().replace_path("hopper_bwd.ordered_dq", True)
     causal = load_spec(REPO / "specs" / "causal_d128.yaml")
     assert backward_path(causal, "sm_90", True, ordered) == "hopper_ordered"
-    key = form_spec("per_key")
+    key = form_spec("per_key", 64)
     assert backward_path(key, "sm_90", True, ordered, param_grads=("kb",)) == "deterministic"
     assert backward_path(key, "sm_90", False, param_grads=("kb",)) == "hopper"
+    # per key at head_dim 128: the Hopper consumers' registers do not hold it
+    key128 = form_spec("per_key")
+    assert backward_path(key128, "sm_90", False, param_grads=("kb",)) == "deterministic"
+    head = form_spec("per_batch_head")
+    assert backward_path(head, "sm_90", False, param_grads=("bb",)) == "hopper"
     with pytest.raises(ValueError, match="FA2-class"):
         registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",))
 
@@ -134,12 +139,16 @@ def test_shared_memory_of_the_dparam_tiles_is_bounded():
 
 # ----------------------------------------------------------------------------- nvcc
 def _case_specs():
-    cases = [(form_spec(f), f) for f in sorted(FORMS)]
-    cases += [(form_spec(f, 64), f) for f in ("per_head", "per_key_head", "relative_table")]
-    cases += [(form_spec(f, 256), f) for f in ("per_head", "per_key")]
-    cases.append((form_spec("per_head", mask="causal && q_idx - kv_idx < 256"), "per_head"))
+    """(spec, whether its Hopper dparam unit must compile as the Hopper kernel): every form
+    at head_dim 128, some at 64 and 256, a windowed mask (its Hopper unit may take the
+    FA2-class kernels, as a windowed softcap does without dparam), the shipped specs."""
+    cases = [(form_spec(f), True) for f in sorted(FORMS)]
+    cases += [(form_spec(f, 64), True) for f in ("per_head", "per_key_head", "relative_table")]
+    cases += [(form_spec(f, 256), True) for f in ("per_head", "per_key")]
+    window = "causal && q_idx + seqlen_k - seqlen_q - kv_idx < 256"
+    cases.append((form_spec("per_head", mask=window, tag="_swa"), False))
     for name in ("alibi", "alibi_learned", "t5_bias", "gemma2_softcap"):
-        cases.append((load_spec(REPO / "specs" / f"{name}.yaml"), name))
+        cases.append((load_spec(REPO / "specs" / f"{name}.yaml"), True))
     return cases
 
 
@@ -157,8 +166,9 @@ def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc
     where it takes the forms, each built as the op builds it (the spill fallback's tiles):
     0 spill bytes, no serialized wgmma, the dparam kernel present; the Hopper unit stays the
     Hopper kernel (no fallback to the FA2-class one) for every spec it takes."""
-    jobs = []
-    for spec, _ in _case_specs():
+    jobs, hold = [], {}
+    for spec, must_hold in _case_specs():
+        hold[spec.name] = must_hold
         for target in ("sm_80", "sm_90"):
             jobs += [(spec, target, "det"), (spec, target, "atomic")]
         if registry.hopper_bwd.eligible(spec, "sm_90") and dparam.hopper_forms_ok(
@@ -170,7 +180,7 @@ def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc
     problems = []
     for name, target, kind, plan, report in results:
         assert plan.dkdv.kernel_name.endswith("_dparam"), (name, kind)
-        if kind == "hopper" and not plan.wgmma:
+        if kind == "hopper" and not plan.wgmma and hold[name]:
             problems.append(f"{name}/{target}/{kind}: fell back to the FA2-class unit")
         for k in report.kernels:
             if k.spill_bytes or k.wgmma_serialized:
