@@ -162,6 +162,14 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
         for u in ("fwd_sparse", "bwd_wgmma")
         if u in compile_units(load_spec(p), "sm_90")
     ]
+    # the units of a backward that accumulates param gradients (templates/common/dparam.j2)
+    units += [
+        (p, t, u)
+        for p in SPECS
+        for t in load_spec(p).targets
+        for u in ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam")
+        if u in compile_units(load_spec(p), t)
+    ]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda ptu: _build(*ptu), units))
     problems = []
