@@ -186,3 +186,33 @@ def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc
             if k.spill_bytes or k.wgmma_serialized:
                 problems.append(f"{name}/{target}/{kind}: {k}")
     assert not problems, "\n".join(problems)
+
+
+def test_loaded_kernel_keys_keep_two_fields_without_param_grads(monkeypatch):
+    """Backward.kernels caches a unit without param gradients under (device, path), as the
+    GPU tests and tools/sanitize.py look it up, and a dparam unit under (device, path, names)
+    (build and load stubbed: no GPU)."""
+    import flashgen
+    import flashgen.families.build as fb
+    import flashgen.runtime.launch as rl
+    from flashgen.ops.prefill import backward as bwd_mod
+
+    class Plan:
+        wgmma = True
+        kernels = ()
+
+    built = []
+
+    def fake_build(spec, target, **kw):
+        built.append(kw["param_grads"])
+        return Plan(), "cubin", None
+
+    monkeypatch.setattr(fb, "build_backward", fake_build)
+    monkeypatch.setattr(rl, "load", lambda *a: None)
+    monkeypatch.setattr(bwd_mod, "target_for_device", lambda spec, device: "sm_90")
+    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    dev = torch.device("cuda", 0)
+    op.backward.kernels(dev, path="hopper")
+    op.backward.kernels(dev, path="hopper", param_grads=("slopes",))
+    assert set(op.backward._kernels) == {(0, "hopper"), (0, "hopper", ("slopes",))}
+    assert built == [(), ("slopes",)]

@@ -237,8 +237,9 @@ class Backward:
     def __init__(self, op):
         self.op = op
         self.spec = op.spec
-        # (device index, backward_path, param_grads)
-        self._kernels: dict[tuple[int, str, tuple], tuple] = {}
+        # (device index, backward_path), and the param names last for a unit that accumulates
+        # param gradients (kernels() keeps the two-field key of the units without them)
+        self._kernels: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ op impls
@@ -343,7 +344,7 @@ class Backward:
             raise ValueError(f"unknown backward path {path!r}; known: {', '.join(BACKWARD_PATHS)}")
         index = device.index if device.index is not None else torch.cuda.current_device()
         param_grads = tuple(param_grads)
-        key = (index, path, param_grads)
+        key = (index, path, param_grads) if param_grads else (index, path)
         hit = self._kernels.get(key)
         if hit is not None:
             return hit
