@@ -74,6 +74,14 @@ def test_routing_with_param_grads():
     assert backward_path(key128, "sm_90", False, param_grads=("kb",)) == "deterministic"
     head = form_spec("per_batch_head")
     assert backward_path(head, "sm_90", False, param_grads=("bb",)) == "hopper"
+    # a shipped spec the ordered Hopper form takes: never with param grads (either d64_block_m)
+    alibi_ordered = ordered.replace_path("hopper_bwd.d64_block_m", 128)
+    for o in (ordered, alibi_ordered):
+        assert backward_path(alibi, "sm_90", True, o) == "hopper_ordered"
+        assert backward_path(alibi, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
+        learned = load_spec(REPO / "specs" / "alibi_learned.yaml")  # head_dim 64, no mask
+        assert backward_path(learned, "sm_90", True, o) == "hopper_ordered"
+        assert backward_path(learned, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
     with pytest.raises(ValueError, match="FA2-class"):
         registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",))
 
@@ -89,6 +97,28 @@ def test_compile_units_add_the_dparam_units_of_trainable_specs():
     assert "bwd_dparam" in units and "bwd_wgmma_dparam" not in units
     assert not any("dparam" in u for u in registry.compile_units(sink, "sm_90"))
     assert not any("dparam" in u for u in registry.compile_units(causal, "sm_80"))
+
+
+def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
+    """Head dim 64: with 128-query steps (``hopper_bwd.d64_block_m``) S^T and dP^T hold 64
+    floats per thread and P^T goes to sDS in the P^T pass (``dq_rows_split``); the dparam code
+    rides in that pass at either step width, and its key slots are this warpgroup's keys."""
+    from flashgen.options import DEFAULT
+
+    for form in ("per_head", "per_key_head", "scalars"):
+        spec = form_spec(form, 64)
+        grads = _grads(spec)
+        for bm in (64, 128):
+            o = DEFAULT.replace_path("hopper_bwd.d64_block_m", bm)
+            plan = registry.plan_hopper_backward(spec, "sm_90", o, param_grads=grads)
+            ctx = plan.dkdv.context
+            assert ctx.block_m == bm and ctx.dq_rows_split == (bm == 128)
+            src = render(plan.unit)
+            assert plan.dkdv.kernel_name.endswith("_dparam") and "const float dsm = pe[e]" in src
+            assert ("st_pair_swizzled<ELEM_BYTES>(sDSi" in src) == (bm == 128)
+            assert "fg::wgmma_wait<0>();  // S^T and dP^T have landed" in src
+            if form != "scalars":
+                assert "cg * 64 + warp * 16 + lane / 4" in src  # the key slots / warp sums
 
 
 def test_element_offsets_clamp_where_the_read_clamps():
@@ -158,6 +188,36 @@ def _build(spec, target, kind):
         spec, target, atomic_dq=kind == "atomic", hopper=kind == "hopper", param_grads=grads
     )  # fmt: skip
     return spec.name, target, kind, plan, report
+
+
+def test_hopper_dparam_units_with_128_query_steps_stay_hopper_and_spill_free(requires_nvcc):
+    """``hopper_bwd.d64_block_m=128``: a head-dim-64 dparam unit that spills at 128-query steps
+    (S^T, dP^T and the sums live together through the P^T pass) is built at 64 by the build's
+    candidates (families/build.py), not as the FA2-class unit; every one built is spill-free."""
+    from flashgen.options import DEFAULT
+
+    o = DEFAULT.replace_path("hopper_bwd.d64_block_m", 128)
+    specs = [form_spec(f, 64) for f in ("per_head", "per_batch_head", "per_key", "per_key_head",
+                                        "scalars")]  # fmt: skip
+    specs.append(load_spec(REPO / "specs" / "alibi_learned.yaml"))
+
+    def one(spec):
+        return spec.name, build_backward(
+            spec, "sm_90", hopper=True, options=o, param_grads=_grads(spec)
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(one, specs))
+    problems = []
+    for name, (plan, _, report) in results:
+        assert plan.dkdv.kernel_name.endswith("_dparam"), name
+        if not plan.wgmma:
+            problems.append(f"{name}: fell back to the FA2-class unit")
+        assert plan.dkdv.context.block_m in (64, 128)
+        for k in report.kernels:
+            if k.spill_bytes or k.wgmma_serialized:
+                problems.append(f"{name}: {k}")
+    assert not problems, "\n".join(problems)
 
 
 def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):
