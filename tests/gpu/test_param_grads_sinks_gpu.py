@@ -10,9 +10,12 @@ trainable specs, on the Hopper backward (sm_90, deterministic=False, per-CTA and
 forms), the FA2-class deterministic kernels (deterministic=True; also deterministic=False with
 atomic adds where the Hopper kernel does not take the form) and the FA2-class atomic-dQ
 kernels (Options(family="fa2", atomic_dq=True)), against the float64 reference's autograd on
-fresh random inputs, with a gradient of lse too.  Tolerance: the fp32 accumulation over
-bf16 inputs, max |got - ref64| <= 2e-2 x the largest reference element.  Sinks run as the
-op's epilogue over the kernels' keys-only result (flashgen/ops/sink.py).
+fresh random inputs (dO bf16-representable, as the kernels receive it), with a gradient of lse
+too.  Tolerance: dq, dk, dv max |got - ref64| <= 2e-2 x the largest reference element; a
+dparam by the project's rule, at most 2x PyTorch's bf16 math on the same inputs + 1e-3 of
+the largest element, never tighter than 2e-2 of it (a dparam's terms can cancel by orders
+of magnitude: :func:`_close_dparam`).  Sinks run as the op's epilogue over the kernels'
+keys-only result (flashgen/ops/sink.py).
 
     python3 -m pytest tests/gpu/test_param_grads_sinks_gpu.py -q
 """
@@ -217,7 +220,11 @@ def _kernel_vs_reference(op, spec, b, hq, hkv, sq, sk, deterministic, seed=0):
     trainable = {n: t for n, t in params.items() if t.requires_grad}
     o, lse = op.attention(q, k, v, deterministic=deterministic, **params)
     g = torch.Generator(device="cuda").manual_seed(seed + 2)
-    do = torch.randn(o.shape, device="cuda", generator=g)
+    # dO bf16-representable: o is bf16, so the kernels receive its gradient rounded to bf16;
+    # a float64 reference fed the unrounded dO computes another quantity, which a cancelling
+    # dparam amplifies (dg of tanh(score / temp) at 1000 x 127: up to 9% in a CPU emulation
+    # of the kernels' fp32 math, 0.0001% with dO rounded as here)
+    do = torch.randn(o.shape, device="cuda", generator=g).to(BF16).float()
     dl = torch.randn(lse.shape, device="cuda", generator=g)
     live = torch.isfinite(lse)
     loss = (o.float() * do).sum() + torch.where(live, lse * dl, 0.0).sum()
@@ -237,12 +244,44 @@ def _kernel_vs_reference(op, spec, b, hq, hkv, sq, sk, deterministic, seed=0):
     _close(o, ro, "o")
     for n, t, r in (("q", q, q64), ("k", k, k64), ("v", v, v64)):
         _close(t.grad, r.grad, f"d{n}")
+    low = _low_precision_param_grads(spec, q, k, v, params, trainable, do, dl, live)
     for n, t in trainable.items():
         assert t.grad is not None, f"d{n}: no gradient"
         assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
         assert bool(torch.isfinite(t.grad).all()), f"d{n}: not finite"
-        _close(t.grad.to("cuda"), p64[n].grad, f"d{n} ({spec.name}, {sq}x{sk})")
+        _close_dparam(t.grad.to("cuda"), p64[n].grad, low[n], f"d{n} ({spec.name}, {sq}x{sk})")
     return {n: t.grad.clone() for n, t in trainable.items()}
+
+
+def _low_precision_param_grads(spec, q, k, v, params, trainable, do, dl, live):
+    """The params' gradients by PyTorch's own low-precision math on the same inputs and loss
+    (the reference in bf16, expression math in fp32, autograd): the project's yardstick."""
+    pl = {n: (t.detach().to("cuda").float().requires_grad_() if n in trainable else t)
+          for n, t in params.items()}  # fmt: skip
+    lo, ll = attention_reference(spec, q.detach(), k.detach(), v.detach(), params=pl,
+                                 compute_dtype=BF16)  # fmt: skip
+    loss = (lo.float() * do).sum() + torch.where(live, ll.float() * dl, 0.0).sum()
+    names = list(trainable)
+    grads = torch.autograd.grad(loss, [pl[n] for n in names])
+    return dict(zip(names, grads, strict=True))
+
+
+def _close_dparam(got, want, low, what):
+    """A param gradient against the float64 reference by the project's rule: max error at most
+    2x that of PyTorch's low-precision math on the same inputs (``low``) + 1e-3 of the largest
+    element, and never held tighter than 2e-2 of it (the fp32-accumulation tolerance: one
+    scalar's low-precision error can be near zero by chance).  A dparam is a sum over every
+    (b, h, q, k) pair whose terms can cancel (two-scalar spec, dg at 1000 x 127: 300-500x on
+    typical inputs, 4 orders of magnitude on some), so a bound relative to its own size
+    alone fails a correct kernel."""
+    scale = max(want.abs().max().item(), 1e-6)
+    err = (got.double() - want).abs().max().item()
+    err_low = (low.double() - want).abs().max().item()
+    bound = max(2 * err_low + 1e-3 * scale, 2e-2 * scale)
+    assert err <= bound, (
+        f"{what}: max error {err:.3g} (of the largest element {scale:.3g}), bound {bound:.3g}: "
+        f"PyTorch's bf16 math {err_low:.3g}"
+    )
 
 
 def _no_fallback_warning():
