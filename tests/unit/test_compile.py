@@ -145,7 +145,9 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
     three) is checked."""
     assert SPECS, "no specs shipped"
     names = ("fwd", "bwd", "bwd_atomic")
-    assert tuple(compile_units(load_spec(SPECS[0]), "sm_80")) == names
+    # (SPECS[0], alibi, has a trainable param: its dparam units follow, checked below)
+    first = tuple(compile_units(load_spec(SPECS[0]), "sm_80"))
+    assert first[:3] == names and all(u.endswith("_dparam") for u in first[3:])
     # each spec on its targets (fp8 specs: sm_90 only, and forward only)
     units = [
         (p, t, u)

@@ -220,6 +220,35 @@ def test_hopper_dparam_units_with_128_query_steps_stay_hopper_and_spill_free(req
     assert not problems, "\n".join(problems)
 
 
+def test_hopper_dparam_units_under_exact_softmax_stay_hopper_and_spill_free(requires_nvcc):
+    """``Options.exact_softmax`` caps P's exponent in the P^T pass the dparam code shares: every
+    Hopper grad unit of the index forms and shipped specs is still the Hopper kernel, 0 spills
+    (the register-tightest, per_head at head_dim 128, spilled 8 bytes before dS^T was packed
+    in that pass)."""
+    from flashgen.options import Options
+
+    o = Options(exact_softmax=True)
+    specs = [s for s, _ in _case_specs() if registry.hopper_bwd.eligible(s, "sm_90")
+             and dparam.hopper_forms_ok(s, _grads(s)) and "_swa" not in s.name]  # fmt: skip
+
+    def one(spec):
+        return spec.name, build_backward(
+            spec, "sm_90", hopper=True, options=o, param_grads=_grads(spec)
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(one, specs))
+    problems = []
+    for name, (plan, _, report) in results:
+        assert "capped_exponent" in render(plan.unit), name
+        if not plan.wgmma:
+            problems.append(f"{name}: fell back to the FA2-class unit")
+        for k in report.kernels:
+            if k.spill_bytes or k.wgmma_serialized:
+                problems.append(f"{name}: {k}")
+    assert not problems, "\n".join(problems)
+
+
 def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):
     """Every index form (and the shipped trainable specs) at head dims 64 / 128 / 256: the
     deterministic and atomic FA2-class dparam units on sm_80 and sm_90a, and the Hopper one
