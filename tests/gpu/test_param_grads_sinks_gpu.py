@@ -326,6 +326,26 @@ def test_kernel_dparam_at_head_dims_64_and_256(form, head_dim):
         _kernel_vs_reference(build_op(spec), spec, 1, 8, 1, 300, 777, deterministic)
 
 
+@pytest.mark.parametrize("form", ["scalars", "per_head", "per_key_head"])
+def test_kernel_dparam_with_128_query_steps_at_head_dim_64(form):
+    """``hopper_bwd.d64_block_m=128``: the two-scalar form's Hopper grad unit runs 128-query
+    steps (P^T through sDS in the P^T pass, dQ split by rows); the others spill there and are
+    built with 64-query steps (still the Hopper kernel).  GQA 8 / 2, odd lengths."""
+    spec = form_spec(form, 64)
+    op = build_op(spec, options=Options().replace_path("hopper_bwd.d64_block_m", 128))
+    for sq, sk in ((300, 777), (1000, 127)):
+        _kernel_vs_reference(op, spec, 2, 8, 2, sq, sk, False)
+    key = (torch.cuda.current_device(), "hopper", registry_grads(spec))
+    plan = op.backward._kernels[key][0]
+    assert plan.wgmma and plan.dkdv.context.block_m == (128 if form == "scalars" else 64)
+
+
+def registry_grads(spec):
+    from flashgen.families.registry import grad_params
+
+    return grad_params(spec)
+
+
 @pytest.mark.parametrize("name", ["alibi", "t5_bias"])
 def test_kernel_dparam_is_bitwise_reproducible_under_deterministic(name):
     """deterministic=True: dq, dk, dv and dparam bitwise equal over 5 backwards on fresh
