@@ -221,7 +221,7 @@ def test_fa2_forward_reads_no_tensor_per_element():
         assert plan.template == "sm_80/fwd.cu.j2"
         src = render(plan)
         # row terms once per CTA, before the key loop
-        pre = _between(src, "Row terms (flashgen/rowcol.py)", "while (n_block >= 0)")
+        pre = _between(src, "Row terms (flashgen/analysis/rowcol.py)", "while (n_block >= 0)")
         assert "fg_row0_r[m][r] = (int)(__ldg(fg::base_ptr(t_doc_q + " in pre
         masked = _between(src, "if (cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) {", "} else {")
         vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
@@ -301,7 +301,8 @@ def test_fa2_backward_reads_no_tensor_per_element(atomic_dq):
         for k, (fixed, stepped) in zip(
             kernels, [("col0_k", "row0"), ("row0_r", "col0")], strict=False
         ):
-            masked = _between(k, "Row / column terms (flashgen/rowcol.py)", "acc_dp[nt][i] = p *")
+            head = "Row / column terms (flashgen/analysis/rowcol.py)"
+            masked = _between(k, head, "acc_dp[nt][i] = p *")
             vec, elems = masked.split("for (int nt = 0; nt < NT; ++nt) {")
             assert f"fg_{fixed}[m][r] = (int)(__ldg(fg::base_ptr(t_doc_" in vec
             assert f"fg_{stepped}_v[c] = (int)(__ldg(fg::base_ptr(t_doc_" in vec
