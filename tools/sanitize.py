@@ -63,7 +63,7 @@ for b, hq, hkv, sq, sk in sizes:
         for t in (q, k, v):
             assert t.grad is not None and torch.isfinite(t.grad).all(), "bad gradient"
 if backward:  # which backward kernel set ran (flashgen.ops.prefill.backward.backward_path)
-    print("FLASHGEN BACKWARD PATHS", sorted({p for (_, p) in op.backward._kernels}), flush=True)
+    print("FLASHGEN BACKWARD PATHS", sorted({key[1] for key in op.backward._kernels}), flush=True)
 print("FLASHGEN DRIVER OK", flush=True)
 """
 

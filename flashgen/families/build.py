@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from flashgen.build import cache
 from flashgen.build.render import render
+from flashgen.codegen import dparam
 from flashgen.codegen.plan import KernelPlan
 from flashgen.families import registry
 from flashgen.families.bwd_common import BackwardPlan
@@ -102,7 +103,7 @@ def _forward_variant(
 
 def build_backward(
     spec, target: str, *, atomic_dq: bool = False, hopper: bool = False,
-    ordered_dq: bool = False, options: Options = DEFAULT,
+    ordered_dq: bool = False, options: Options = DEFAULT, param_grads: tuple[str, ...] = (),
 ) -> tuple[BackwardPlan, object, object]:  # fmt: skip
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
     kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
@@ -114,21 +115,28 @@ def build_backward(
     ``plan.atomic_dq`` and ``plan.dkdv.template``).  The FA2-class unit is tried at each
     candidate's tiles with row / column terms (:mod:`flashgen.analysis.rowcol`) in every kernel
     that can take them, then without them in the kernels that spilled, then in none,
-    before the next tiles (``options.side_terms`` False: never).  Raises like
-    :func:`build_forward`."""
+    before the next tiles (``options.side_terms`` False: never).  ``param_grads``: the
+    params whose gradients the unit accumulates (:func:`flashgen.codegen.dparam.fields`;
+    the Hopper unit only where :func:`flashgen.codegen.dparam.hopper_forms_ok`, else the
+    FA2-class one).  Raises like :func:`build_forward`."""
+    param_grads = tuple(param_grads)
+    if hopper and param_grads and not dparam.hopper_forms_ok(spec, param_grads):
+        hopper = False
     if hopper:
         for o in _hopper_backward_candidates(spec, options):
-            plan = registry.plan_hopper_backward(spec, target, o, ordered_dq=ordered_dq)
+            plan = registry.plan_hopper_backward(
+                spec, target, o, ordered_dq=ordered_dq, param_grads=param_grads
+            )
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
                 return plan, cubin, report
     use_terms = options.side_terms
-    for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq):
+    for tiles in backward_tile_candidates(spec, atomic_dq=atomic_dq, dparam=bool(param_grads)):
         kernels = set(BACKWARD_SIDE_TERM_KERNELS) if use_terms else set()
         while True:
             plan = registry.plan_backward(
                 spec, target, options, atomic_dq=atomic_dq, tiles=tiles,
-                side_terms=frozenset(kernels),
+                side_terms=frozenset(kernels), param_grads=param_grads,
             )  # fmt: skip
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes:
@@ -137,6 +145,12 @@ def build_backward(
             if not spilled:
                 break  # no kernel with terms spilled: the same kernels again
             kernels -= {role for role, _ in spilled}
+    if atomic_dq and param_grads:
+        # every atomic-dQ dparam unit spills: the deterministic kernels with the same dparam
+        # code (their atomic adds when the call is not deterministic) before a spilling unit
+        det = build_backward(spec, target, options=options, param_grads=param_grads)
+        if not det[2].spill_bytes:
+            return det
     return plan, cubin, report
 
 

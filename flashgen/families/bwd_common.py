@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from flashgen.analysis import masktiles, rowcol
 from flashgen.analysis.derive import d_dscore
+from flashgen.codegen import dparam
 from flashgen.codegen.abi import (
     KernelArg,
     dim_args,
@@ -149,6 +150,8 @@ class BackwardContext(TemplateContext):
     tile_classifier: str
     tile_class_args: str
     exact_softmax: bool
+    dparam: list
+    dparam_terms: list
 
 
 def tile_classifier(spec: Spec, causal_bits: bool) -> str:
@@ -169,14 +172,17 @@ def tile_classifier(spec: Spec, causal_bits: bool) -> str:
     return masktiles.classifier_source(spec, causal_bits=on)
 
 
-def base_fields(spec: Spec, causal_bits: bool, exact_softmax: bool = False) -> dict:
+def base_fields(
+    spec: Spec, causal_bits: bool, exact_softmax: bool = False, param_grads=()
+) -> dict:
     """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
     and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
     hoisted divisor would hold a register through the loop; they divide in place, no
     :class:`~flashgen.codegen.cuda_expr.Invariants`).  ``exact_softmax``
     (:attr:`flashgen.options.Options.exact_softmax`): P = exp2(x - lse) with the exponent
     capped at 0 (``fg::capped_exponent``): lse's rounding can leave x above it, by 2^14 and
-    more at logits near 1e11, where exp2 overflowed."""
+    more at logits near 1e11, where exp2 overflowed.  ``param_grads``: the dparam code of
+    these params (:func:`flashgen.codegen.dparam.fields`; none: not compiled in)."""
     causal, residual = split_causal(spec.mask)
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     return {
@@ -193,6 +199,7 @@ def base_fields(spec: Spec, causal_bits: bool, exact_softmax: bool = False) -> d
         "tile_classifier": tile_classifier(spec, causal_bits),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "exact_softmax": exact_softmax,
+        **dparam.fields(spec, param_grads),
     }
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flashgen.analysis import rowcol
+from flashgen.codegen import dparam
 from flashgen.codegen.abi import KernelArg, check_target
 from flashgen.codegen.cuda_expr import cuda_expr, split_causal
 from flashgen.codegen.cuda_expr import side_terms as side_term_entries
@@ -65,6 +66,10 @@ def atomic_dq_warp_grid(tiles: BackwardTiles, head_dim: int) -> tuple[int, int]:
     ]
     return max(grids, key=lambda g: (g[0] * g[1], g[1]))
 
+
+#: Static shared memory the dparam code of the dK/dV kernel may take (its tiles, slots and
+#: per-warp sums: templates/common/dparam.j2), under the 48 KiB of static shared memory.
+DPARAM_STATIC_SMEM = 40 * 1024
 
 #: The backward kernels that can take row / column terms (:func:`plan`'s ``side_terms``):
 #: the dK/dV kernel (deterministic or atomic) and the deterministic dQ kernel.
@@ -127,6 +132,7 @@ def plan(
     causal_bits: bool = False,
     exact_softmax: bool = False,
     options_key: str = "",
+    param_grads: tuple[str, ...] = (),
 ) -> BackwardPlan:
     """Lower ``spec`` to its FA2-class backward kernels for ``target`` (template
     ``sm_80/bwd.cu.j2``; FA2 backward, Dao 2023, Algorithm 2).
@@ -144,8 +150,12 @@ def plan(
     step, the side it steps over coalesced by lanes and shuffled to the elements.
     ``causal_bits``: see :func:`~flashgen.families.bwd_common.tile_classifier`.
     ``exact_softmax``: P's exponent capped at 0
-    (:func:`~flashgen.families.bwd_common.base_fields`).  Raises ``ValueError`` for a target
-    or dtype this version cannot lower, or unknown kernels in ``side_terms``.
+    (:func:`~flashgen.families.bwd_common.base_fields`).
+    ``param_grads``: names of params whose gradients the dK/dV kernel accumulates
+    (templates/common/dparam.j2; the kernel is named ``..._dkdv[_atomic]_dparam`` and takes
+    :func:`flashgen.codegen.dparam.kernel_args` last); empty: the unit without that code.
+    Raises ``ValueError`` for a target or dtype this version cannot lower, unknown kernels
+    in ``side_terms``, or dparam tiles that do not fit static shared memory.
     """
     check_target(target)
     elt = mma16_dtype(spec, "the FA2-class backward").elem_bytes
@@ -161,19 +171,29 @@ def plan(
                 f"side_terms names unknown kernels {unknown}; "
                 f"known: {', '.join(sorted(BACKWARD_SIDE_TERM_KERNELS))}"
             )
-    t = tiles or table_backward_tiles(spec, atomic_dq)
+    t = tiles or table_backward_tiles(spec, atomic_dq, dparam=bool(param_grads))
     d, dv = spec.head_dim, spec.head_dim_v
     abi = backward_abi(spec, atomic_dq)
     grid = atomic_dq_warp_grid(t, d) if atomic_dq else (0, 0)  # unused by the deterministic unit
     base = f"flashgen_{spec.name}_bwd_{target}"
-    ctx = base_fields(spec, causal_bits, exact_softmax)
+    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
+    if param_grads:
+        abi = dict(abi, dkdv_args=abi["dkdv_args"] + dparam.kernel_args(spec, param_grads))
+        tile = t.dkdv_block_n * (t.dkdv_block_m + 1) * 4
+        tiles_bytes = dparam.tile_terms(spec, param_grads) * tile
+        if tiles_bytes + 4 * (t.dkdv_block_m + t.dkdv_block_n + t.dkdv_warps) > DPARAM_STATIC_SMEM:
+            raise ValueError(
+                f"spec {spec.name!r}: the gradients of {', '.join(param_grads)} need {tiles_bytes} "
+                f"bytes of shared-memory tiles in the dK/dV kernel (at most {DPARAM_STATIC_SMEM})"
+            )
+    grad = "_dparam" if param_grads else ""
     ctx.update(
         abi,
         **opts,
         async_stats=opts["bwd_async_stats"] and spec.score_mod is None,
         atomic_dq=atomic_dq,
         kernel_pre=f"{base}_pre",
-        kernel_dkdv=f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv",
+        kernel_dkdv=(f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv") + grad,
         kernel_dq=f"{base}_dq",
         kernel_convert=f"{base}_convert",
         convert_threads=CONVERT_THREADS,

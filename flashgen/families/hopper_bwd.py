@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from flashgen.codegen import dparam
 from flashgen.codegen.abi import KernelArg, TmaArg, needs_block_table
 from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
@@ -133,6 +134,7 @@ def plan(
     options_key: str = "",
     ordered_dq: bool = False,
     exact_softmax: bool = False,
+    param_grads: tuple[str, ...] = (),
 ) -> BackwardPlan:
     """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
     whose dK/dV kernel is FlashAttention-3's warp-specialized backward (Shah et al. 2024,
@@ -156,9 +158,13 @@ def plan(
     head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
     is bitwise reproducible; the kernels are named ``..._wgmma_ordered_*``.  ``causal_bits``:
     see :func:`~flashgen.families.bwd_common.tile_classifier`.  ``exact_softmax``: P's
-    exponent capped at 0 (:func:`~flashgen.families.bwd_common.base_fields`).  Raises
-    ``ValueError`` unless :func:`eligible` (family "auto"), and for ``ordered_dq`` unless
-    :func:`ordered_eligible`.
+    exponent capped at 0 (:func:`~flashgen.families.bwd_common.base_fields`).
+    ``param_grads``: params whose gradients the dK/dV kernel (``..._dkdv_dparam``)
+    accumulates, every term a register form (:func:`flashgen.codegen.dparam.hopper_forms_ok`:
+    per CTA or per key; the consumers wait for dP^T before the P^T pass and compute dS^T
+    there, templates/common/dparam.j2); not with ``ordered_dq``.  Raises ``ValueError``
+    unless :func:`eligible` (family "auto"), for ``ordered_dq`` unless
+    :func:`ordered_eligible`, and for ``param_grads`` the kernel cannot accumulate.
     """
     if not eligible(spec, target):
         raise ValueError(
@@ -170,6 +176,12 @@ def plan(
         raise ValueError(
             f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 and "
             "no mask or causal"
+        )
+    if param_grads and (ordered_dq or not dparam.hopper_forms_ok(spec, param_grads)):
+        raise ValueError(
+            f"spec {spec.name!r}: the Hopper backward accumulates param gradients of the per-CTA "
+            f"and per-key forms only, without ordered_dq; {', '.join(param_grads)} need the "
+            "FA2-class backward"
         )
     d = spec.head_dim
     rec = dtype(spec.dtype)
@@ -187,10 +199,11 @@ def plan(
     if not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 rows
         tma += (TmaArg("tma_dq", "dq_accum", 64, box_cols=32, dtype="fp32"),)
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
+    dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
-    ctx = base_fields(spec, causal_bits, exact_softmax)
+    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     ctx.update(
         atomic_dq=True,
         pre_args=abi["pre_args"],
@@ -201,7 +214,7 @@ def plan(
         block_n=block_n,
         threads=threads,
         kernel_pre=f"{base}_pre",
-        kernel_dkdv=f"{base}_dkdv",
+        kernel_dkdv=f"{base}_dkdv{'_dparam' if param_grads else ''}",
         kernel_convert=f"{base}_convert",
         dkdv_args=dkdv_args,
         dkdv_smem_bytes=smem,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashgen.codegen import dparam
 from flashgen.codegen.abi import needs_block_table, target_for_capability
 from flashgen.codegen.dtypes import is_scaled
 from flashgen.codegen.plan import KernelPlan, TileConfig
@@ -58,7 +59,7 @@ def persistent_scheduler(spec: Spec, options: Options = DEFAULT) -> str | bool:
 
 def select(
     spec: Spec, target: str, call: str = "fwd", options: Options = DEFAULT, *,
-    deterministic: bool = True,
+    deterministic: bool = True, param_grads: tuple[str, ...] = (),
 ) -> Route:  # fmt: skip
     """The family that runs ``call`` (:data:`CALLS`) of ``spec`` on ``target``.
 
@@ -69,7 +70,10 @@ def select(
       else the FA2-class kernel.
     - backward: ``deterministic`` or ``options.atomic_dq is False``: the deterministic
       FA2-class kernels; else the Hopper backward where eligible; else the FA2-class
-      atomic-dQ kernels if ``options.atomic_dq``, else the deterministic ones.
+      atomic-dQ kernels if ``options.atomic_dq``, else the deterministic ones.  With
+      ``param_grads`` (params whose gradients the kernels accumulate): never the ordered
+      Hopper form, and the Hopper backward only where every term of theirs is a register
+      form (:func:`flashgen.codegen.dparam.hopper_forms_ok`).
     - blocktable: the pre-pass.
     - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
       ``unsupported_reason`` says which specs have none).
@@ -101,13 +105,16 @@ def select(
         return Route("hopper_fwd", persistent=persistent)
     if (
         deterministic
+        and not param_grads
         and options.hopper_bwd.ordered_dq
         and hopper_bwd.ordered_eligible(spec, target, options.family)
     ):
         return Route("hopper_bwd", atomic_dq=True, ordered_dq=True)
     if deterministic or options.atomic_dq is False:
         return Route("fa2_bwd")
-    if hopper_bwd.eligible(spec, target, options.family):
+    if hopper_bwd.eligible(spec, target, options.family) and (
+        not param_grads or dparam.hopper_forms_ok(spec, param_grads)
+    ):
         return Route("hopper_bwd", atomic_dq=True)
     return Route("fa2_bwd", atomic_dq=bool(options.atomic_dq))
 
@@ -256,29 +263,33 @@ def plan_backward(
     atomic_dq: bool = False,
     tiles: BackwardTiles | None = None,
     side_terms=True,
+    param_grads: tuple[str, ...] = (),
 ) -> BackwardPlan:
-    """The FA2-class backward (:func:`flashgen.families.fa2_bwd.plan`).  Raises
-    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+    """The FA2-class backward (:func:`flashgen.families.fa2_bwd.plan`; ``param_grads``: the
+    params whose gradients its dK/dV kernel accumulates).  Raises ``ValueError`` for an fp8
+    spec (:func:`has_backward`)."""
     _require_backward(spec)
     if not options.side_terms:
         side_terms = False
     return fa2_bwd.plan(
         spec, target, options.fa2_bwd, atomic_dq=atomic_dq, tiles=tiles, side_terms=side_terms,
         causal_bits=_causal_bits(spec, target, options), options_key=options.family_key("fa2_bwd"),
-        exact_softmax=options.exact_softmax,
+        exact_softmax=options.exact_softmax, param_grads=tuple(param_grads),
     )  # fmt: skip
 
 
 def plan_hopper_backward(
-    spec: Spec, target: str, options: Options = DEFAULT, *, ordered_dq: bool = False
-) -> BackwardPlan:
+    spec: Spec, target: str, options: Options = DEFAULT, *, ordered_dq: bool = False,
+    param_grads: tuple[str, ...] = (),
+) -> BackwardPlan:  # fmt: skip
     """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`; ``ordered_dq``: its
-    deterministic form).  Raises ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+    deterministic form; ``param_grads``: the params whose gradients it accumulates).  Raises
+    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
     _require_backward(spec)
     return hopper_bwd.plan(
         spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
         options_key=options.family_key("hopper_bwd"), ordered_dq=ordered_dq,
-        exact_softmax=options.exact_softmax,
+        exact_softmax=options.exact_softmax, param_grads=tuple(param_grads),
     )  # fmt: skip
 
 
@@ -329,7 +340,10 @@ def sparse_tiles(spec: Spec, dense: TileConfig, options: Options = DEFAULT) -> T
 def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[str, KernelPlan]:
     """The translation units ``flashgen build`` compiles for ``spec`` on ``target``:
     ``{"fwd": forward plan, "bwd": deterministic backward unit, "bwd_atomic": atomic-dQ
-    backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``, and where a sparse
+    backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``; for a spec with
+    trainable params (:func:`grad_params`) ``"bwd_dparam"``, ``"bwd_atomic_dparam"`` (and
+    ``"bwd_wgmma_dparam"`` where the Hopper backward takes their forms): the same units with
+    the gradients of all of them accumulated; and where a sparse
     call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
     without backward (:func:`has_backward`: fp8) has only the forward units; a ``v_from_k``
     spec none (its units are the decode family's)."""
@@ -342,6 +356,18 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
         units["bwd_atomic"] = plan_backward(spec, target, options, atomic_dq=True).unit
     if hopper_bwd.eligible(spec, target, options.family):
         units["bwd_wgmma"] = plan_hopper_backward(spec, target, options).unit
+    grads = grad_params(spec) if has_backward(spec) else ()
+    if grads:  # the units a backward that accumulates every trainable param's gradient runs
+        units["bwd_dparam"] = plan_backward(spec, target, options, param_grads=grads).unit
+        units["bwd_atomic_dparam"] = plan_backward(
+            spec, target, options, atomic_dq=True, param_grads=grads
+        ).unit
+        if hopper_bwd.eligible(spec, target, options.family) and dparam.hopper_forms_ok(
+            spec, grads
+        ):
+            units["bwd_wgmma_dparam"] = plan_hopper_backward(
+                spec, target, options, param_grads=grads
+            ).unit
     alt = sparse_tiles(spec, fwd.tiles, options)
     if alt is not None:
         sp = options.sparse_persistent
@@ -349,6 +375,15 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
             spec, target, options, tiles=alt, persistent=False if sp == "off" else sp
         )
     return units
+
+
+def grad_params(spec: Spec) -> tuple[str, ...]:
+    """The params whose gradients the backward kernels accumulate: the f32 params the
+    score_mod reads (:func:`flashgen.analysis.derive.differentiable_params`; a param read
+    only by the sink gets its gradient in the op's sink epilogue), spec order."""
+    from flashgen.analysis.derive import differentiable_params, reads_param
+
+    return tuple(n for n in differentiable_params(spec) if reads_param(spec.score_mod, n))
 
 
 def forward_tile_candidates(

@@ -313,15 +313,20 @@ def forward_tile_candidates(spec: Spec, first: TileConfig) -> list[TileConfig]:
     return [first, *(t for t in dict.fromkeys(rest) if t != first)]
 
 
-def table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
+def table_backward_tiles(spec: Spec, atomic_dq: bool, dparam: bool = False) -> BackwardTiles:
     """The tables' backward tiles for ``spec``.  On the atomic path, an elementwise mask
     beyond causal at head_dim 128 takes 16-row inner steps in dkdv (same key block, so the
     same number of atomics): its registers are gone at 32 rows (prefix_lm spills 76 bytes
     on sm_90a there); a mask that reads tensors (document masking) splits the dK/dV
-    columns over two CTAs instead (one CTA spills 8-40 bytes at any step width)."""
+    columns over two CTAs instead (one CTA spills 8-40 bytes at any step width).
+    ``dparam`` (the unit accumulates param gradients, templates/common/dparam.j2): the
+    atomic dK/dV kernel takes at most :data:`DPARAM_ATOMIC_BLOCK_M`-row steps (at 64 rows,
+    head_dim 64, alibi_learned and t5_bias spill 40-96 bytes)."""
     table = ATOMIC_BACKWARD_TILES if atomic_dq else BACKWARD_TILES
     dmax = max(spec.head_dim, spec.head_dim_v)
     t = table.get((dmax, spec.score_mod is not None)) or table[(dmax, False)]
+    if dparam and atomic_dq:
+        t = replace(t, dkdv_block_m=min(t.dkdv_block_m, DPARAM_ATOMIC_BLOCK_M))
     if atomic_dq and dmax == 128 and split_causal(spec.mask)[1] is not None:
         t = replace(t, dkdv_block_m=min(t.dkdv_block_m, 16))
         if needs_block_table(spec):  # tensor reads in the mask: dK/dV columns over 2 CTAs
@@ -329,13 +334,19 @@ def table_backward_tiles(spec: Spec, atomic_dq: bool) -> BackwardTiles:
     return t
 
 
-def backward_tile_candidates(spec: Spec, *, atomic_dq: bool = False) -> list[BackwardTiles]:
+#: Query rows per step of the atomic dK/dV kernel of a unit that accumulates param gradients.
+DPARAM_ATOMIC_BLOCK_M = 32
+
+
+def backward_tile_candidates(
+    spec: Spec, *, atomic_dq: bool = False, dparam: bool = False
+) -> list[BackwardTiles]:
     """Backward tiles to try: the table's, then the same with 16-row inner steps (the
     smallest score tiles), keeping the column split, then those narrow steps with the
     dK/dV columns split twice as many ways where the halves stay whole 16-column mma tiles
     (the dkdv kernel's accumulators halve: a head_dim 256 score_mod with a conditional mask
     spills 148 bytes in the atomic-dQ unit at dsplit 2, none at 4)."""
-    first = table_backward_tiles(spec, atomic_dq)
+    first = table_backward_tiles(spec, atomic_dq, dparam)
     out = [first, replace(first, dkdv_block_m=16, dq_block_n=16)]
     split = 2 * first.dkdv_dsplit
     if spec.head_dim % (16 * split) == 0 and spec.head_dim_v % (16 * split) == 0:

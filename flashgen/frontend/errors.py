@@ -138,10 +138,3 @@ class OpInputError(ValueError):
 class SpecWarning(UserWarning):
     """A spec that checks but is probably not what its author meant (e.g. a param that can
     be the zero divisor of a float expression); the message starts ``file:line:col:``."""
-
-
-class ParamGradFallbackWarning(RuntimeWarning):
-    """A CUDA backward computed param gradients with the blocked torch backward
-    (:func:`flashgen.ops.prefill.backward.cuda_param_backward`) because the kernels do not
-    accumulate them yet.  Defined here, in a module that imports no torch, so a process that only
-    unpickles the warning (a pytest-xdist controller) need not import the ops."""

@@ -3,9 +3,19 @@ float64 reference built from the same IR (CPU-side: tests/unit/test_param_grads.
 tests/unit/test_sinks.py).  Hq = 8 over Hkv = 2, lengths that are not tile multiples, Sq != Sk,
 (B, S, H, D) storage viewed as [B, H, S, D].
 
-dparam on CUDA runs the blocked torch backward on the GPU for now (ParamGradFallbackWarning,
-fp32 accumulation: atol 2e-2 relative to the largest gradient element); sinks run as the op's
-epilogue over the kernels' keys-only result (flashgen/ops/sink.py).
+dparam on CUDA is accumulated by the backward kernels (templates/common/dparam.j2: fp32,
+reduced across the CTA, one atomic add per element and CTA; under deterministic=True per-CTA
+rows summed in a fixed order): every index form (tests/dparam_cases.py) and the shipped
+trainable specs, on the Hopper backward (sm_90, deterministic=False, per-CTA and per-key
+forms), the FA2-class deterministic kernels (deterministic=True; also deterministic=False with
+atomic adds where the Hopper kernel does not take the form) and the FA2-class atomic-dQ
+kernels (Options(family="fa2", atomic_dq=True)), against the float64 reference's autograd on
+fresh random inputs (dO bf16-representable, as the kernels receive it), with a gradient of lse
+too.  Tolerance: dq, dk, dv max |got - ref64| <= 2e-2 x the largest reference element; a
+dparam by the project's rule, at most 2x PyTorch's bf16 math on the same inputs + 1e-3 of
+the largest element, never tighter than 2e-2 of it (a dparam's terms can cancel by orders
+of magnitude: :func:`_close_dparam`).  Sinks run as the op's epilogue over the kernels'
+keys-only result (flashgen/ops/sink.py).
 
     python3 -m pytest tests/gpu/test_param_grads_sinks_gpu.py -q
 """
@@ -19,8 +29,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dparam_cases import FORMS, form_spec  # noqa: E402
+
 import flashgen  # noqa: E402
 from flashgen.ops.cpu.reference import attention_reference, attention_reference_varlen  # noqa: E402
+from flashgen.ops.op import build_op  # noqa: E402
+from flashgen.options import Options  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -69,21 +83,6 @@ def test_param_gradient_on_cuda_matches_the_float64_reference(name, param, sq, s
     _close(o, ro, "o")
     for n, t in (("q", q), ("k", k), ("v", v), (param, p)):
         _close(t.grad, want[n], f"d{n}")
-
-
-def test_param_gradient_on_cuda_is_reproducible_under_deterministic():
-    op = flashgen.load(REPO / "specs" / "t5_bias.yaml")
-    grads = []
-    for _ in range(2):
-        q, k, v = _qkv(1, 8, 2, 300, 777, 64)
-        bias = torch.linspace(-1, 1, 8 * 257, device="cuda").view(8, 257).requires_grad_()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            o, _ = op.attention(q, k, v, bias=bias, deterministic=True)
-        o.float().sum().backward()
-        grads.append((q.grad, k.grad, v.grad, bias.grad))
-    for a, b in zip(*grads, strict=True):
-        assert torch.equal(a, b)
 
 
 def test_varlen_param_gradient_on_cuda():
@@ -174,3 +173,259 @@ def test_gpt_oss_training_step_on_cuda_matches_eager():
     assert any(n.endswith("sinks") for n in grads["eager"])
     for n, g in grads["eager"].items():
         _close(grads["flashgen"][n], g.double(), f"d{n}")
+
+
+# ----------------------------------------------------------------------------- kernel dparam
+#: Kernel sets a backward with param gradients runs: the op's default (sm_90: the Hopper
+#: backward for per-CTA / per-key forms, else the FA2-class kernels with atomic adds; sm_80:
+#: the FA2-class deterministic kernels with atomic adds), the FA2-class deterministic kernels
+#: with the ordered per-CTA rows (deterministic=True), the FA2-class atomic-dQ kernels.
+PATHS = {
+    "default": (Options(), False),
+    "deterministic": (Options(), True),
+    "fa2_atomic": (Options(family="fa2", atomic_dq=True), False),
+}
+#: (Sq, Sk): a single row, odd lengths, several key / query blocks either way, equal lengths
+LENGTHS = [(1, 17), (17, 1), (127, 1000), (1000, 127), (1000, 1000)]
+SHIPPED_GRADS = ["alibi", "alibi_learned", "t5_bias", "gemma2_softcap"]
+
+
+def _params(spec, b, hq, hkv, sq, sk, seed):
+    """Fresh random values for every param of ``spec`` (tensors on the GPU, f32 scalars as CPU
+    0-d tensors), those the backward differentiates requiring grad."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
+    out = {}
+    for p in spec.params:
+        if p.kind == "tensor":
+            shape = [d if isinstance(d, int) else sym[d] for d in p.shape]
+            if p.ty.value == "f32":
+                val = torch.rand(shape, device="cuda", generator=g) * 0.5 + 0.1
+                out[p.name] = val.requires_grad_()
+            else:
+                out[p.name] = torch.zeros(shape, dtype=torch.int32, device="cuda")
+        elif p.ty.value == "f32":
+            val = float(p.default if p.default is not None else 0.5) + 0.3
+            if p.name == "softcap":  # near the logits' size: at gemma2's 50 the gradient is
+                val = 2.5  # a cancellation that tanh.approx's 2^-11 error dominates (14%)
+            out[p.name] = torch.tensor(val).requires_grad_()
+    return out
+
+
+def _kernel_vs_reference(op, spec, b, hq, hkv, sq, sk, deterministic, seed=0):
+    """dq, dk, dv and every param's gradient of one CUDA backward (o and lse both carry a
+    gradient) against the float64 reference's autograd on the same bf16 inputs."""
+    q, k, v = _qkv(b, hq, hkv, sq, sk, spec.head_dim, seed=seed)
+    params = _params(spec, b, hq, hkv, sq, sk, seed + 1)
+    trainable = {n: t for n, t in params.items() if t.requires_grad}
+    o, lse = op.attention(q, k, v, deterministic=deterministic, **params)
+    g = torch.Generator(device="cuda").manual_seed(seed + 2)
+    # dO bf16-representable: o is bf16, so the kernels receive its gradient rounded to bf16;
+    # a float64 reference fed the unrounded dO computes another quantity, which a cancelling
+    # dparam amplifies (dg of tanh(score / temp) at 1000 x 127: up to 9% in a CPU emulation
+    # of the kernels' fp32 math, 0.0001% with dO rounded as here)
+    do = torch.randn(o.shape, device="cuda", generator=g).to(BF16).float()
+    dl = torch.randn(lse.shape, device="cuda", generator=g)
+    live = torch.isfinite(lse)
+    loss = (o.float() * do).sum() + torch.where(live, lse * dl, 0.0).sum()
+    loss.backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    p64 = {n: (t.detach().to("cuda").double().requires_grad_() if n in trainable else t)
+           for n, t in params.items()}  # fmt: skip
+    ro, rl = attention_reference(spec, q64, k64, v64, params=p64)
+    # The kernels' dsum is rowsum(dO * O) of the bf16 O they return (as FlashAttention's); the
+    # float64 O's differs by O's rounding, which a dparam whose terms nearly cancel amplifies
+    # (dg of tanh(score / temp): 13%).  dsum enters dS as P * (D_ref - D_kernel) per row, the
+    # gradient of lse times that difference: the reference loss takes it, so the comparison is
+    # of the same quantity, not of O's rounding.
+    d_fix = ((do.double() * ro).sum(-1) - (do.double() * o.detach().double()).sum(-1)).detach()
+    ref_loss = (ro * do.double()).sum() + torch.where(live, rl * (dl.double() + d_fix), 0.0).sum()
+    ref_loss.backward()
+    _close(o, ro, "o")
+    for n, t, r in (("q", q, q64), ("k", k, k64), ("v", v, v64)):
+        _close(t.grad, r.grad, f"d{n}")
+    low = _low_precision_param_grads(spec, q, k, v, params, trainable, do, dl, live)
+    for n, t in trainable.items():
+        assert t.grad is not None, f"d{n}: no gradient"
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+        assert bool(torch.isfinite(t.grad).all()), f"d{n}: not finite"
+        _close_dparam(t.grad.to("cuda"), p64[n].grad, low[n], f"d{n} ({spec.name}, {sq}x{sk})")
+    return {n: t.grad.clone() for n, t in trainable.items()}
+
+
+def _low_precision_param_grads(spec, q, k, v, params, trainable, do, dl, live):
+    """The params' gradients by PyTorch's own low-precision math on the same inputs and loss
+    (the reference in bf16, expression math in fp32, autograd): the project's yardstick."""
+    pl = {n: (t.detach().to("cuda").float().requires_grad_() if n in trainable else t)
+          for n, t in params.items()}  # fmt: skip
+    lo, ll = attention_reference(spec, q.detach(), k.detach(), v.detach(), params=pl,
+                                 compute_dtype=BF16)  # fmt: skip
+    loss = (lo.float() * do).sum() + torch.where(live, ll.float() * dl, 0.0).sum()
+    names = list(trainable)
+    grads = torch.autograd.grad(loss, [pl[n] for n in names])
+    return dict(zip(names, grads, strict=True))
+
+
+def _close_dparam(got, want, low, what):
+    """A param gradient against the float64 reference by the project's rule: max error at most
+    2x that of PyTorch's low-precision math on the same inputs (``low``) + 1e-3 of the largest
+    element, and never held tighter than 2e-2 of it (the fp32-accumulation tolerance: one
+    scalar's low-precision error can be near zero by chance).  A dparam is a sum over every
+    (b, h, q, k) pair whose terms can cancel (two-scalar spec, dg at 1000 x 127: 300-500x on
+    typical inputs, 4 orders of magnitude on some), so a bound relative to its own size
+    alone fails a correct kernel."""
+    scale = max(want.abs().max().item(), 1e-6)
+    err = (got.double() - want).abs().max().item()
+    err_low = (low.double() - want).abs().max().item()
+    bound = max(2 * err_low + 1e-3 * scale, 2e-2 * scale)
+    assert err <= bound, (
+        f"{what}: max error {err:.3g} (of the largest element {scale:.3g}), bound {bound:.3g}: "
+        f"PyTorch's bf16 math {err_low:.3g}"
+    )
+
+
+def _no_fallback_warning():
+    """The CUDA backward has no torch fallback for param gradients any more."""
+    from flashgen.ops.prefill import backward as bwd_mod
+
+    assert not hasattr(bwd_mod, "cuda_param_backward")
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("sq,sk", LENGTHS)
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_kernel_dparam_of_every_index_form(form, sq, sk, path):
+    """Every index form (per head, per (batch, head), per query, per key (by KV head and by
+    query head), a relative-position table, a full [Sq, Sk] bias, two reads of one tensor,
+    two scalars), causal, GQA 8 / 2, head_dim 128, on each kernel set."""
+    _no_fallback_warning()
+    options, deterministic = PATHS[path]
+    spec = form_spec(form)
+    if form == "full_bias" and sq * sk > 200_000 and path != "default":
+        pytest.skip("the full-bias form at 1000 x 1000: the default path covers it")
+    op = build_op(spec, options=options)
+    _kernel_vs_reference(op, spec, 2, 8, 2, sq, sk, deterministic)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("sq,sk", LENGTHS)
+@pytest.mark.parametrize("name", SHIPPED_GRADS)
+def test_kernel_dparam_of_the_shipped_trainable_specs(name, sq, sk, path):
+    options, deterministic = PATHS[path]
+    op = flashgen.load(REPO / "specs" / f"{name}.yaml", options=options)
+    _kernel_vs_reference(op, op.spec, 2, 8, 2, sq, sk, deterministic)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("form", ["per_head", "per_key_head", "relative_table"])
+def test_kernel_dparam_at_head_dims_64_and_256(form, head_dim):
+    """The Hopper backward's d64 layout and d256 split layout (per-CTA / per-key forms; the
+    relative table runs the FA2-class kernels), MQA (8 query heads on 1 KV head)."""
+    spec = form_spec(form, head_dim)
+    for deterministic in (False, True):
+        _kernel_vs_reference(build_op(spec), spec, 1, 8, 1, 300, 777, deterministic)
+
+
+@pytest.mark.parametrize("form", ["scalars", "per_head", "per_key_head"])
+def test_kernel_dparam_with_128_query_steps_at_head_dim_64(form):
+    """``hopper_bwd.d64_block_m=128``: the two-scalar form's Hopper grad unit runs 128-query
+    steps (P^T through sDS in the P^T pass, dQ split by rows); the others spill there and are
+    built with 64-query steps (still the Hopper kernel).  GQA 8 / 2, odd lengths."""
+    spec = form_spec(form, 64)
+    op = build_op(spec, options=Options().replace_path("hopper_bwd.d64_block_m", 128))
+    for sq, sk in ((300, 777), (1000, 127)):
+        _kernel_vs_reference(op, spec, 2, 8, 2, sq, sk, False)
+    key = (torch.cuda.current_device(), "hopper", registry_grads(spec))
+    plan = op.backward._kernels[key][0]
+    assert plan.wgmma and plan.dkdv.context.block_m == (128 if form == "scalars" else 64)
+
+
+def registry_grads(spec):
+    from flashgen.families.registry import grad_params
+
+    return grad_params(spec)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5_bias"])
+def test_kernel_dparam_is_bitwise_reproducible_under_deterministic(name):
+    """deterministic=True: dq, dk, dv and dparam bitwise equal over 5 backwards on fresh
+    buffers (the per-CTA rows are added by one thread in a fixed order and summed by
+    torch.sum)."""
+    op = flashgen.load(REPO / "specs" / f"{name}.yaml")
+    spec = op.spec
+    q, k, v = _qkv(2, 8, 2, 300, 777, spec.head_dim, seed=5)
+    params = _params(spec, 2, 8, 2, 300, 777, 6)
+    (pname, p), = ((n, t) for n, t in params.items() if t.requires_grad)
+    runs = []
+    for _ in range(5):
+        for t in (q, k, v, p):
+            t.grad = None
+        o, _ = op.attention(q, k, v, deterministic=True, **params)
+        o.float().sum().backward()
+        runs.append((q.grad.clone(), k.grad.clone(), v.grad.clone(), p.grad.clone()))
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run, strict=True):
+            assert torch.equal(a, b)
+    assert runs[0][3].abs().max() > 0
+
+
+def test_kernel_dparam_of_a_per_key_form_is_reproducible_under_deterministic():
+    spec = form_spec("per_key_head")
+    op = build_op(spec)
+    grads = [_kernel_vs_reference(op, spec, 2, 8, 2, 127, 1000, True, seed=7)["kb"]
+             for _ in range(3)]  # fmt: skip
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
+def test_kernel_dparam_through_the_backward_op_schema():
+    """torch.ops.flashgen.<name>__backward with param_grads on CUDA tensors returns the
+    gradient from the kernels (float32, the param's shape); an empty problem gives zeros."""
+    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    q, k, v = _qkv(1, 8, 2, 65, 130, 128)
+    slopes = torch.rand(8, device="cuda")
+    o, lse = op.torch_op(q.detach(), k.detach(), v.detach(), 0.125, slopes)
+    do = torch.randn_like(o)
+    bwd = torch.ops.flashgen.alibi__backward
+    *_, dps = bwd(do, q.detach(), k.detach(), v.detach(), o, lse, None, 0.125, False, slopes,
+                  param_grads=[True])  # fmt: skip
+    assert dps[0].shape == (8,) and dps[0].dtype == torch.float32 and dps[0].is_cuda
+    e = torch.empty(1, 8, 0, 128, device="cuda", dtype=BF16)
+    *_, dz = bwd(e, e, k.detach(), v.detach(), e, torch.empty(1, 8, 0, device="cuda"), None,
+                 0.125, False, slopes, param_grads=[True])  # fmt: skip
+    assert dz[0].shape == (8,) and not bool(dz[0].any())
+
+
+def test_varlen_kernel_dparam_per_key_and_deterministic():
+    """The varlen kernels accumulate dparam too (a per-(batch, head) bias read with kv_idx
+    arithmetic: sequences of 17, 1, 0 and 300 keys), deterministic=True bitwise reproducible."""
+    spec = loads_varlen_spec()
+    op = build_op(spec).varlen
+    cu = torch.tensor([0, 17, 18, 18, 318], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(318, 8, 64, device="cuda", generator=g).to(BF16).requires_grad_()
+    k = torch.randn(318, 2, 64, device="cuda", generator=g).to(BF16).requires_grad_()
+    v = torch.randn(318, 2, 64, device="cuda", generator=g).to(BF16).requires_grad_()
+    got = []
+    for deterministic in (False, True, True):
+        bb = torch.linspace(0.01, 0.5, 4 * 8, device="cuda").view(4, 8).requires_grad_()
+        o, _ = op(q, k, v, cu, cu, 300, 300, bb=bb, deterministic=deterministic)
+        o.float().sum().backward()
+        got.append(bb.grad.clone())
+    b64 = bb.detach().double().requires_grad_()
+    ro, _ = attention_reference_varlen(spec, q.detach(), k.detach(), v.detach(), cu, cu,
+                                       params={"bb": b64})  # fmt: skip
+    ro.sum().backward()
+    for gr in got:
+        _close(gr, b64.grad, "dbb")
+    assert torch.equal(got[1], got[2])
+
+
+def loads_varlen_spec():
+    from flashgen.frontend.spec import loads_spec
+
+    return loads_spec(
+        "name: dp_varlen\nhead_dim: 64\ndtype: bf16\nmask: causal\n"
+        'score_mod: "score + bb[b, h] * (q_idx - kv_idx)"\n'
+        "params:\n  bb: {type: f32, shape: [batch, num_heads]}\n",
+        "<dp_varlen>",
+    )

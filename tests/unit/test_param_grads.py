@@ -271,27 +271,6 @@ def test_an_nn_parameter_slopes_module_trains_20_steps_like_float64_eager():
     assert (mods["op"].slopes.detach() - start).abs().max() > 1e-3  # the slopes did train
 
 
-def test_the_cuda_backward_computes_param_gradients_with_the_blocked_backward(monkeypatch):
-    """Until the kernels accumulate dparam, Backward.cuda runs the blocked torch backward
-    (device-agnostic; called here on CPU tensors, the branch never reaches a kernel) and
-    warns once per op."""
-    from flashgen.ops.prefill import backward as bwd_mod
-
-    op = flashgen.load(REPO / "specs" / "t5_bias.yaml")
-    q, k, v, params = _qkv(op.spec, b=1, hq=2, hkv=1, sq=5, sk=9, grad=False)
-    o, lse = op.attention(q, k, v, **params)
-    do = torch.randn_like(o)
-    monkeypatch.setattr(bwd_mod, "_WARNED", set())
-    with pytest.warns(bwd_mod.ParamGradFallbackWarning, match="blocked torch backward"):
-        got = op.backward.cuda(do, q, k, v, o, lse, None, 0.125, False, params["bias"],
-                               param_grads=[True])  # fmt: skip
-    want = op.backward.cpu(do, q, k, v, o, lse, None, 0.125, False, params["bias"],
-                           param_grads=[True])  # fmt: skip
-    for a, b in zip((*got[:3], *got[3]), (*want[:3], *want[3]), strict=True):
-        torch.testing.assert_close(a, b)
-    assert got[3][0].shape == (2, 257) and got[3][0].abs().max() > 0
-
-
 def test_opcheck_and_torch_compile_with_a_param_requiring_grad():
     """The backward op's fake impl returns the requested gradients' shapes: opcheck (autograd
     registration, AOT dispatch) and torch.compile(fullgraph) give the eager op's dslopes."""

@@ -705,6 +705,7 @@ class ScalarParamGrad(torch.autograd.Function):
         ctx.param_grads = param_grad_flags(op.spec, want)
         ctx.op, ctx.scalar_names = op, scalar_names
         ctx.scalar_dtypes = [t.dtype for t in tensors[n_t:]]
+        ctx.scalar_devices = [t.device for t in tensors[n_t:]]  # CPU 0-d tensors, CUDA grads
         return o, lse
 
     @staticmethod
@@ -713,7 +714,8 @@ class ScalarParamGrad(torch.autograd.Function):
         dq, dk, dv, dparams = op.backward.grads(ctx, grad_o, grad_lse)
         tensor_grads = [dparams.get(p.name) for p in op.spec.tensor_params]
         scalar_grads = [
-            None if dparams.get(n) is None else dparams[n].to(dt)
-            for n, dt in zip(ctx.scalar_names, ctx.scalar_dtypes, strict=True)
+            None if dparams.get(n) is None else dparams[n].to(device=dev, dtype=dt)
+            for n, dt, dev in zip(ctx.scalar_names, ctx.scalar_dtypes, ctx.scalar_devices,
+                                  strict=True)  # fmt: skip
         ]
         return (None, None, None, None, dq, dk, dv, *tensor_grads, *scalar_grads)

@@ -50,14 +50,17 @@ shape, 0-d for a scalar).  Autograd sets a tensor param's flag when it requires 
 or read only by the mask: :func:`flashgen.analysis.derive.grad_refusal`) that requires grad
 is refused when the forward is called (:class:`~flashgen.frontend.errors.OpInputError`
 naming it), so no gradient is ever silently zero.  The CPU op computes them
-(:mod:`flashgen.ops.cpu.attention`).  The CUDA backward kernels do not accumulate them yet:
-a CUDA backward that needs one runs that module's blocked backward on the GPU instead
-(:func:`cuda_param_backward`; correct, slower than the kernels, with a
-:class:`ParamGradFallbackWarning` once per op).
+(:mod:`flashgen.ops.cpu.attention`); on CUDA the dK/dV kernel of the backward compiles in
+``dparam`` code (templates/common/dparam.j2, a unit of its own: the units of a backward that
+needs no param gradient are unchanged): fp32 sums reduced across the CTA, then one atomic
+add per element and CTA into a buffer the op zeroes (:func:`dparam_buffers`); under
+``deterministic=True`` each CTA adds into its own row of a ``[CTAs, numel]`` buffer, one
+thread in a fixed order, and the op sums the rows (``torch.sum``, a fixed order).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -66,7 +69,7 @@ import torch
 from flashgen.analysis.derive import grad_refusal, reads_param
 from flashgen.codegen.abi import needs_block_table
 from flashgen.families import registry
-from flashgen.frontend.errors import OpInputError, ParamGradFallbackWarning
+from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
 from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
 from flashgen.ops.validation import _SCHEMA_TYPE, target_for_device, validate
@@ -85,15 +88,19 @@ BACKWARD_PATHS = ("deterministic", "atomic", "hopper", "hopper_ordered")
 
 
 def backward_path(
-    spec: Spec, target: str, deterministic: bool, options: Options = DEFAULT
-) -> str:
+    spec: Spec, target: str, deterministic: bool, options: Options = DEFAULT,
+    param_grads: tuple[str, ...] = (),
+) -> str:  # fmt: skip
     """Which kernels a CUDA backward of ``spec`` on ``target`` runs: ``"deterministic"``
     (pre, dkdv, dq), ``"atomic"`` (the FA2-class atomic-dQ kernels), ``"hopper"`` (the
     wgmma dK/dV kernel with atomic dQ) or ``"hopper_ordered"`` (the same with dQ added in a
     fixed order, for ``deterministic=True`` under ``hopper_bwd.ordered_dq``):
     :func:`flashgen.families.registry.select` for the ``"bwd"`` call with ``options``
-    (``options.atomic_dq``, ``options.family``, ``options.hopper_bwd``)."""
-    route = registry.select(spec, target, "bwd", options, deterministic=deterministic)
+    (``options.atomic_dq``, ``options.family``, ``options.hopper_bwd``; ``param_grads``: the
+    params whose gradients the kernels accumulate)."""
+    route = registry.select(
+        spec, target, "bwd", options, deterministic=deterministic, param_grads=param_grads
+    )
     if route.family == "hopper_bwd":
         return "hopper_ordered" if route.ordered_dq else "hopper"
     return "atomic" if route.atomic_dq else "deterministic"
@@ -171,24 +178,35 @@ def param_grad_flags(spec: Spec, requires: dict) -> list[bool]:
     return [p.name in flagged for p in spec.params] if flagged else []
 
 
-_WARNED: set[str] = set()
+def dparam_buffers(names, shapes: dict, rows: int, deterministic: bool, device) -> tuple:
+    """``(values, finish)`` for the dparam code of a backward unit: ``values`` maps the
+    kernel arguments ``dp_<name>`` / ``dps_<name>`` of each param in ``names`` to a zeroed
+    fp32 buffer and its row stride, ``finish()`` returns the gradients shaped as ``shapes``
+    (float32).  ``deterministic=False``: one buffer of the param's ``numel`` elements that
+    every CTA adds into (atomics; row stride 0).  True: a ``[rows, numel]`` buffer, ``rows``
+    the dK/dV kernel's CTAs, each adding into its own row in a fixed order (row stride
+    ``numel``), summed over the rows by ``torch.sum`` (a fixed order): bitwise reproducible,
+    ``rows * numel * 4`` bytes."""
+    values, bufs = {}, []
+    for n in names:
+        shape = tuple(shapes[n])
+        numel = math.prod(shape)
+        size = (rows, numel) if deterministic else (numel,)
+        buf = torch.zeros(size, dtype=torch.float32, device=device)
+        values[f"dp_{n}"] = buf
+        values[f"dps_{n}"] = numel if deterministic else 0
+        bufs.append((buf, shape))
+
+    def finish() -> list:
+        return [(b.sum(0) if deterministic else b).view(shape) for b, shape in bufs]
+
+    return values, finish
 
 
-def cuda_param_backward(spec: Spec, run, names) -> tuple:
-    """``run()`` (the blocked backward of :mod:`flashgen.ops.cpu.attention` on CUDA tensors:
-    dq, dk, dv and ``{param: gradient}``) as the backward op's outputs, warning once per op
-    that the kernels were not used."""
-    if spec.name not in _WARNED:
-        _WARNED.add(spec.name)
-        warnings.warn(
-            f"flashgen op {spec.name!r}: the CUDA backward kernels do not accumulate param "
-            f"gradients yet ({', '.join(names)}); this backward runs the blocked torch "
-            f"backward (flashgen/ops/cpu/attention.py) on the GPU: correct, slower",
-            ParamGradFallbackWarning,
-            stacklevel=3,
-        )
-    dq, dk, dv, dparams = run()
-    return dq, dk, dv, [dparams[n] for n in names]
+def param_shapes(names, tensors: dict) -> dict:
+    """The gradient shape of each param in ``names``: its tensor's (``tensors`` by name), or
+    ``()`` for a scalar."""
+    return {n: tuple(tensors[n].shape) if n in tensors else () for n in names}
 
 
 def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
@@ -219,7 +237,9 @@ class Backward:
     def __init__(self, op):
         self.op = op
         self.spec = op.spec
-        self._kernels: dict[tuple[int, str], tuple] = {}  # (device index, backward_path)
+        # (device index, backward_path), and the param names last for a unit that accumulates
+        # param gradients (kernels() keeps the two-field key of the units without them)
+        self._kernels: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ op impls
@@ -269,19 +289,14 @@ class Backward:
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
         names = wanted(self.spec, param_grads)
-        if names:
-            from flashgen.ops.cpu.attention import attention_blocked_backward, cpu_params
-
-            params = cpu_params(self.spec, scalars, tensors, q.dtype)
-            return cuda_param_backward(self.spec, lambda: attention_blocked_backward(
-                self.spec, dout, q, k, v, dlse, softmax_scale=softmax_scale, params=params,
-                o=o, lse=lse, param_grads=names,
-            ), names)  # fmt: skip
+        shapes = param_shapes(names, tensors)
         if q.numel() == 0 or k.numel() == 0:
-            return (*_grads_like(q, k, v, fill_zero=True), [])
+            return (*_grads_like(q, k, v, fill_zero=True),
+                    [torch.zeros(shapes[n], dtype=torch.float32, device=q.device)
+                     for n in names])  # fmt: skip
         target = target_for_device(self.spec, q.device)
-        path = backward_path(self.spec, target, deterministic, self.op.options)
-        plan, pre, dkdv, last = self.kernels(q.device, path=path)
+        path = backward_path(self.spec, target, deterministic, self.op.options, names)
+        plan, pre, dkdv, last = self.kernels(q.device, path=path, param_grads=names)
         atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
@@ -303,24 +318,33 @@ class Backward:
             dims, softmax_scale, scalars, tensors,
         )  # fmt: skip
         grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
+        finish = None
+        if names:  # the dK/dV kernel's CTAs, one row each under deterministic=True
+            rows = grids["dkdv"][0] // plan.tiles.dkdv_dsplit
+            extra, finish = dparam_buffers(names, shapes, rows, deterministic, q.device)
+            values.update(extra)
         stream = current_stream_ptr(q.device)
         pre.launch(grids["pre"], values, stream)
         if dlse is not None:
             dsum.sub_(dlse)
         dkdv.launch(grids["dkdv"], values, stream)
         last.launch(grids["convert" if atomic else "dq"], values, stream)
-        return dq, dk, dv, []
+        return dq, dk, dv, finish() if finish is not None else []
 
-    def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None):
+    def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None,
+                param_grads: tuple[str, ...] = ()):  # fmt: skip
         """(BackwardPlan, pre, dkdv, dq) loaded on ``device`` -- (BackwardPlan, pre,
         dkdv_atomic, convert) for ``atomic_dq`` or a ``path`` (:data:`BACKWARD_PATHS`,
-        overrides ``atomic_dq``) other than "deterministic" -- built and cached on first use."""
+        overrides ``atomic_dq``) other than "deterministic" -- built and cached on first use.
+        ``param_grads``: the params whose gradients the dK/dV kernel accumulates (their own
+        unit)."""
         if path is None:
             path = "atomic" if atomic_dq else "deterministic"
         if path not in BACKWARD_PATHS:
             raise ValueError(f"unknown backward path {path!r}; known: {', '.join(BACKWARD_PATHS)}")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, path)
+        param_grads = tuple(param_grads)
+        key = (index, path, param_grads) if param_grads else (index, path)
         hit = self._kernels.get(key)
         if hit is not None:
             return hit
@@ -339,6 +363,7 @@ class Backward:
                 plan, cubin, _ = build_backward(
                     self.spec, target, atomic_dq=atomic, hopper=hopper,
                     ordered_dq=path == "hopper_ordered", options=options,
+                    param_grads=param_grads,
                 )  # fmt: skip
                 if hopper and not plan.wgmma:
                     kind = "atomic-dQ" if plan.atomic_dq else "deterministic"

@@ -54,8 +54,9 @@ from flashgen.ops.prefill.backward import (
     BACKWARD_TAIL,
     Backward,
     backward_name,
-    cuda_param_backward,
+    dparam_buffers,
     param_grad_outputs,
+    param_shapes,
     tensor_param_grads,
     uses_atomic_dq,
     wanted,
@@ -555,18 +556,13 @@ class VarlenBackward(Backward):
         if check_enabled():
             check_cu_seqlens(cq, ck, dims)
         names = wanted(self.spec, param_grads)
-        if names:
-            from flashgen.ops.cpu.attention import varlen_blocked_backward
-
-            params = _reference_params(self.spec, scalars, tensors, q.dtype)
-            return cuda_param_backward(self.spec, lambda: varlen_blocked_backward(
-                self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale, params=params,
-                param_grads=names,
-            ), names)  # fmt: skip
+        shapes = param_shapes(names, tensors)
         if q.numel() == 0 or k.numel() == 0 or dims.batch == 0:
-            return (*_zero_grads(q, k, v), [])
+            return (*_zero_grads(q, k, v),
+                    [torch.zeros(shapes[n], dtype=torch.float32, device=q.device)
+                     for n in names])  # fmt: skip
         atomic = uses_atomic_dq(deterministic, self.op.options)
-        plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic)
+        plan, pre, dkdv, last = self.kernels(q.device, atomic_dq=atomic, param_grads=names)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         q4, k4, v4, o4, dout4 = (_kernel_aligned(_as4d(t)) for t in (q, k, v, o, dout))
@@ -584,13 +580,19 @@ class VarlenBackward(Backward):
         launches = backward_launches(
             self.spec, plan, tensors_in, cq, ck, dims, scale, scalars, tensors
         )
+        finish = None
+        if names:  # the dK/dV kernel's CTAs, one row each under deterministic=True
+            grid, values = launches["dkdv"]
+            rows = grid[0] // plan.tiles.dkdv_dsplit
+            extra, finish = dparam_buffers(names, shapes, rows, deterministic, q.device)
+            launches["dkdv"] = (grid, {**values, **extra})
         stream = current_stream_ptr(q.device)
         pre.launch(*launches["pre"], stream)
         if dlse is not None:
             dsum.sub_(dlse)
         dkdv.launch(*launches["dkdv"], stream)
         last.launch(*launches["convert" if atomic else "dq"], stream)
-        return dq, dk, dv, []
+        return dq, dk, dv, finish() if finish is not None else []
 
     # ------------------------------------------------------------------ autograd
     def setup_context(self, ctx, inputs, output, keyword_only_inputs=None):

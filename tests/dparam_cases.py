@@ -1,0 +1,42 @@
+"""Test specs of every index form a param read can take (issue 37), shared by the CPU compile
+tests of the dparam units (tests/unit/test_dparam_kernels.py) and their GPU run
+(tests/gpu/test_param_grads_sinks_gpu.py)."""
+
+from __future__ import annotations
+
+from flashgen.frontend.spec import loads_spec
+
+#: One spec per index form of a param read (tests/unit/test_param_grads.py's INDEX_FORMS at
+#: kernel head dims), with the reduction forms of its terms.
+FORMS = {
+    "per_head": ("score - s[h] * abs(q_idx - kv_idx)", "s: {type: f32, shape: [num_heads]}",
+                 ("cta",)),
+    "per_batch_head": ("score + bb[b, h]", "bb: {type: f32, shape: [batch, num_heads]}",
+                       ("cta",)),
+    "per_query": ("score * qs[b, q_idx]", "qs: {type: f32, shape: [batch, seqlen_q]}",
+                  ("query",)),
+    "per_key": ("score + kb[h_kv, kv_idx]", "kb: {type: f32, shape: [num_heads_kv, seqlen_k]}",
+                ("key",)),
+    "per_key_head": ("score + kb[h, kv_idx]", "kb: {type: f32, shape: [num_heads, seqlen_k]}",
+                     ("key",)),
+    "relative_table": ("score + rel[h, min(max(q_idx - kv_idx, -4), 4) + 4]",
+                       "rel: {type: f32, shape: [num_heads, 9]}", ("diagonal",)),
+    "full_bias": ("score + fb[q_idx, kv_idx]", "fb: {type: f32, shape: [seqlen_q, seqlen_k]}",
+                  ("general",)),
+    "two_reads": ("score + t[q_idx % 3] - 2.0 * t[kv_idx % 3]", "t: {type: f32, shape: [3]}",
+                  ("query", "key")),
+    "scalars": ("temp * score + g * tanh(score / temp)",
+                "temp: {type: f32, default: 1.0, above: 0}\n  g: {type: f32, default: 0.5}",
+                ("cta", "cta")),
+}  # fmt: skip
+
+
+def form_spec(form: str, head_dim: int = 128, mask: str = "causal", tag: str = ""):
+    """The test spec of index form ``form`` (``tag``: a suffix of its name, for a spec with
+    another mask)."""
+    score_mod, params, _ = FORMS[form]
+    return loads_spec(
+        f"name: dp_{form}_{head_dim}{tag}\nhead_dim: {head_dim}\ndtype: bf16\nmask: {mask}\n"
+        f'score_mod: "{score_mod}"\nparams:\n  {params}\n',
+        f"<dp_{form}>",
+    )

@@ -1,0 +1,307 @@
+"""Param gradients accumulated by the backward kernels (issue 37, templates/common/dparam.j2):
+the units that compile the dparam code in, their routing and host buffers, and (with nvcc)
+every index form compiled spill-free for sm_80 and sm_90a, FA2-class and Hopper.  The
+numbers are checked on a GPU by tests/gpu/test_param_grads_sinks_gpu.py."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from dparam_cases import FORMS, form_spec
+
+from flashgen.build.render import render
+from flashgen.codegen import dparam
+from flashgen.families import registry
+from flashgen.families.build import build_backward
+from flashgen.frontend.spec import load_spec, loads_spec
+from flashgen.ops.prefill.backward import backward_path, dparam_buffers, param_shapes
+
+REPO = Path(__file__).resolve().parents[2]
+
+def _grads(spec) -> tuple[str, ...]:
+    return registry.grad_params(spec)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_index_form_has_its_reduction_form(form):
+    spec = form_spec(form)
+    got = tuple(t["form"] for t in dparam.fields(spec, _grads(spec))["dparam_terms"])
+    assert got == FORMS[form][2]
+
+
+def test_without_param_grads_the_units_render_as_before():
+    """The dparam code is a unit of its own: a plan without params renders no dparam text,
+    and one with them names its dK/dV kernel ..._dparam and takes dp_/dps_ arguments last."""
+    spec = load_spec(REPO / "specs" / "alibi.yaml")
+    for t in ("sm_80", "sm_90"):
+        for atomic in (False, True):
+            plain = render(registry.plan_backward(spec, t, atomic_dq=atomic).unit)
+            assert "dparam" not in plain and "dp_slopes" not in plain
+            grad = registry.plan_backward(spec, t, atomic_dq=atomic, param_grads=("slopes",))
+            src = render(grad.unit)
+            assert grad.dkdv.kernel_name.endswith("_dparam")
+            assert [a.name for a in grad.dkdv.args[-2:]] == ["dp_slopes", "dps_slopes"]
+            assert "atomicAdd(dp_slopes" in src
+    plain = render(registry.plan_hopper_backward(spec, "sm_90").unit)
+    assert "dparam" not in plain
+    grad = registry.plan_hopper_backward(spec, "sm_90", param_grads=("slopes",))
+    assert "dp_slopes" in render(grad.unit) and grad.dkdv.kernel_name.endswith("_dparam")
+    # the TMA descriptors stay the last arguments
+    assert grad.dkdv.args[-1].ctype == "CUtensorMap"
+
+
+def test_routing_with_param_grads():
+    """deterministic=True never takes the (ordered) Hopper kernel with param grads; the Hopper
+    backward takes per-CTA and per-key forms, the others run the FA2-class kernels."""
+    alibi = load_spec(REPO / "specs" / "alibi.yaml")
+    t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
+    assert backward_path(alibi, "sm_90", False, param_grads=("slopes",)) == "hopper"
+    assert backward_path(t5, "sm_90", False) == "hopper"
+    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "deterministic"
+    from flashgen.options import Options
+
+    ordered = Options().replace_path("hopper_bwd.ordered_dq", True)
+    causal = load_spec(REPO / "specs" / "causal_d128.yaml")
+    assert backward_path(causal, "sm_90", True, ordered) == "hopper_ordered"
+    key = form_spec("per_key", 64)
+    assert backward_path(key, "sm_90", True, ordered, param_grads=("kb",)) == "deterministic"
+    assert backward_path(key, "sm_90", False, param_grads=("kb",)) == "hopper"
+    # per key at head_dim 128: the Hopper consumers' registers do not hold it
+    key128 = form_spec("per_key")
+    assert backward_path(key128, "sm_90", False, param_grads=("kb",)) == "deterministic"
+    head = form_spec("per_batch_head")
+    assert backward_path(head, "sm_90", False, param_grads=("bb",)) == "hopper"
+    # a shipped spec the ordered Hopper form takes: never with param grads (either d64_block_m)
+    alibi_ordered = ordered.replace_path("hopper_bwd.d64_block_m", 128)
+    for o in (ordered, alibi_ordered):
+        assert backward_path(alibi, "sm_90", True, o) == "hopper_ordered"
+        assert backward_path(alibi, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
+        learned = load_spec(REPO / "specs" / "alibi_learned.yaml")  # head_dim 64, no mask
+        assert backward_path(learned, "sm_90", True, o) == "hopper_ordered"
+        assert backward_path(learned, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
+    with pytest.raises(ValueError, match="FA2-class"):
+        registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",))
+
+
+def test_compile_units_add_the_dparam_units_of_trainable_specs():
+    alibi = load_spec(REPO / "specs" / "alibi.yaml")
+    t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
+    sink = load_spec(REPO / "specs" / "gpt_oss_sink.yaml")  # the sink param: the op's epilogue
+    causal = load_spec(REPO / "specs" / "causal_d128.yaml")
+    assert {"bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"} <= set(
+        registry.compile_units(alibi, "sm_90"))  # fmt: skip
+    units = registry.compile_units(t5, "sm_90")
+    assert "bwd_dparam" in units and "bwd_wgmma_dparam" not in units
+    assert not any("dparam" in u for u in registry.compile_units(sink, "sm_90"))
+    assert not any("dparam" in u for u in registry.compile_units(causal, "sm_80"))
+
+
+def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
+    """Head dim 64: with 128-query steps (``hopper_bwd.d64_block_m``) S^T and dP^T hold 64
+    floats per thread and P^T goes to sDS in the P^T pass (``dq_rows_split``); the dparam code
+    rides in that pass at either step width, and its key slots are this warpgroup's keys."""
+    from flashgen.options import DEFAULT
+
+    for form in ("per_head", "per_key_head", "scalars"):
+        spec = form_spec(form, 64)
+        grads = _grads(spec)
+        for bm in (64, 128):
+            o = DEFAULT.replace_path("hopper_bwd.d64_block_m", bm)
+            plan = registry.plan_hopper_backward(spec, "sm_90", o, param_grads=grads)
+            ctx = plan.dkdv.context
+            assert ctx.block_m == bm and ctx.dq_rows_split == (bm == 128)
+            src = render(plan.unit)
+            assert plan.dkdv.kernel_name.endswith("_dparam") and "const float dsm = pe[e]" in src
+            assert ("st_pair_swizzled<ELEM_BYTES>(sDSi" in src) == (bm == 128)
+            assert "fg::wgmma_wait<0>();  // S^T and dP^T have landed" in src
+            if form != "scalars":
+                assert "cg * 64 + warp * 16 + lane / 4" in src  # the key slots / warp sums
+
+
+def test_element_offsets_clamp_where_the_read_clamps():
+    t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
+    (term,) = dparam.fields(t5, ("bias",))["dparam_terms"]
+    assert "clamp" not in term["offset"]  # proven inside [0, 257)
+    spec = form_spec("full_bias")
+    (term,) = dparam.fields(spec, ("fb",))["dparam_terms"]
+    assert term["offset"].count("fg::clamp_index") == 0  # q_idx, kv_idx into their own extents
+    spec = form_spec("two_reads")
+    offs = [t["offset"] for t in dparam.fields(spec, ("t",))["dparam_terms"]]
+    assert offs == ["(int64_t)(fg::clamp_index(fg::imod(q_idx, 3), 3))",
+                    "(int64_t)(fg::clamp_index(fg::imod(kv_idx, 3), 3))"] or all(
+        "3" in o for o in offs)  # fmt: skip
+    scal = form_spec("scalars")
+    assert [t["offset"] for t in dparam.fields(scal, ("temp", "g"))["dparam_terms"]] == ["0", "0"]
+
+
+def test_dparam_buffers_atomic_and_deterministic():
+    names = ("a", "s")
+    shapes = param_shapes(names, {"a": torch.zeros(3, 4)})
+    assert shapes == {"a": (3, 4), "s": ()}
+    values, finish = dparam_buffers(names, shapes, 5, False, "cpu")
+    assert values["dps_a"] == 0 and values["dp_a"].shape == (12,)
+    assert values["dps_s"] == 0 and values["dp_s"].shape == (1,)
+    values["dp_a"] += 1
+    got = finish()
+    assert got[0].shape == (3, 4) and got[1].shape == () and float(got[0].sum()) == 12
+    values, finish = dparam_buffers(names, shapes, 5, True, "cpu")
+    assert values["dps_a"] == 12 and values["dp_a"].shape == (5, 12)
+    assert values["dps_s"] == 1 and values["dp_s"].shape == (5, 1)
+    values["dp_a"][2, 7] = 2.0
+    values["dp_a"][4, 7] = 3.0
+    got = finish()
+    assert got[0].shape == (3, 4) and float(got[0][1, 3]) == 5.0
+
+
+def test_shared_memory_of_the_dparam_tiles_is_bounded():
+    """Query, relative-position and general forms stage a KV_N x (KV_M + 1) fp32 tile per term
+    in static shared memory; a spec with more than fits is refused by the plan."""
+    spec = loads_spec(
+        "name: many\nhead_dim: 64\ndtype: bf16\nscore_mod: \"score + t[q_idx] + t[q_idx + 1] + "
+        "t[q_idx + 2] + t[q_idx + 3]\"\nparams:\n  t: {type: f32, shape: [4096]}\n", "<many>"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="shared-memory tiles"):
+        registry.plan_backward(spec, "sm_80", param_grads=("t",))
+
+
+# ----------------------------------------------------------------------------- nvcc
+def _case_specs():
+    """(spec, whether its Hopper dparam unit must compile as the Hopper kernel): every form
+    at head_dim 128, some at 64 and 256, a windowed mask (its Hopper unit may take the
+    FA2-class kernels, as a windowed softcap does without dparam), the shipped specs."""
+    cases = [(form_spec(f), True) for f in sorted(FORMS)]
+    cases += [(form_spec(f, 64), True) for f in ("per_head", "per_key_head", "relative_table")]
+    cases += [(form_spec(f, 256), True) for f in ("per_head", "per_key")]
+    window = "causal && q_idx + seqlen_k - seqlen_q - kv_idx < 256"
+    cases.append((form_spec("per_head", mask=window, tag="_swa"), False))
+    for name in ("alibi", "alibi_learned", "t5_bias", "gemma2_softcap"):
+        cases.append((load_spec(REPO / "specs" / f"{name}.yaml"), True))
+    return cases
+
+
+def _build(spec, target, kind):
+    grads = _grads(spec)
+    plan, cubin, report = build_backward(
+        spec, target, atomic_dq=kind == "atomic", hopper=kind == "hopper", param_grads=grads
+    )  # fmt: skip
+    return spec.name, target, kind, plan, report
+
+
+def test_hopper_dparam_units_with_128_query_steps_stay_hopper_and_spill_free(requires_nvcc):
+    """``hopper_bwd.d64_block_m=128``: a head-dim-64 dparam unit that spills at 128-query steps
+    (S^T, dP^T and the sums live together through the P^T pass) is built at 64 by the build's
+    candidates (families/build.py), not as the FA2-class unit; every one built is spill-free."""
+    from flashgen.options import DEFAULT
+
+    o = DEFAULT.replace_path("hopper_bwd.d64_block_m", 128)
+    specs = [form_spec(f, 64) for f in ("per_head", "per_batch_head", "per_key", "per_key_head",
+                                        "scalars")]  # fmt: skip
+    specs.append(load_spec(REPO / "specs" / "alibi_learned.yaml"))
+
+    def one(spec):
+        return spec.name, build_backward(
+            spec, "sm_90", hopper=True, options=o, param_grads=_grads(spec)
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(one, specs))
+    problems = []
+    for name, (plan, _, report) in results:
+        assert plan.dkdv.kernel_name.endswith("_dparam"), name
+        if not plan.wgmma:
+            problems.append(f"{name}: fell back to the FA2-class unit")
+        assert plan.dkdv.context.block_m in (64, 128)
+        for k in report.kernels:
+            if k.spill_bytes or k.wgmma_serialized:
+                problems.append(f"{name}: {k}")
+    assert not problems, "\n".join(problems)
+
+
+def test_hopper_dparam_units_under_exact_softmax_stay_hopper_and_spill_free(requires_nvcc):
+    """``Options.exact_softmax`` caps P's exponent in the P^T pass the dparam code shares: every
+    Hopper grad unit of the index forms and shipped specs is still the Hopper kernel, 0 spills
+    (the register-tightest, per_head at head_dim 128, spilled 8 bytes before dS^T was packed
+    in that pass)."""
+    from flashgen.options import Options
+
+    o = Options(exact_softmax=True)
+    specs = [s for s, _ in _case_specs() if registry.hopper_bwd.eligible(s, "sm_90")
+             and dparam.hopper_forms_ok(s, _grads(s)) and "_swa" not in s.name]  # fmt: skip
+
+    def one(spec):
+        return spec.name, build_backward(
+            spec, "sm_90", hopper=True, options=o, param_grads=_grads(spec)
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(one, specs))
+    problems = []
+    for name, (plan, _, report) in results:
+        assert "capped_exponent" in render(plan.unit), name
+        if not plan.wgmma:
+            problems.append(f"{name}: fell back to the FA2-class unit")
+        for k in report.kernels:
+            if k.spill_bytes or k.wgmma_serialized:
+                problems.append(f"{name}: {k}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):
+    """Every index form (and the shipped trainable specs) at head dims 64 / 128 / 256: the
+    deterministic and atomic FA2-class dparam units on sm_80 and sm_90a, and the Hopper one
+    where it takes the forms, each built as the op builds it (the spill fallback's tiles):
+    0 spill bytes, no serialized wgmma, the dparam kernel present; the Hopper unit stays the
+    Hopper kernel (no fallback to the FA2-class one) for every spec it takes."""
+    jobs, hold = [], {}
+    for spec, must_hold in _case_specs():
+        hold[spec.name] = must_hold
+        for target in ("sm_80", "sm_90"):
+            jobs += [(spec, target, "det"), (spec, target, "atomic")]
+        if registry.hopper_bwd.eligible(spec, "sm_90") and dparam.hopper_forms_ok(
+            spec, _grads(spec)
+        ):
+            jobs.append((spec, "sm_90", "hopper"))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda j: _build(*j), jobs))
+    problems = []
+    for name, target, kind, plan, report in results:
+        assert plan.dkdv.kernel_name.endswith("_dparam"), (name, kind)
+        if kind == "hopper" and not plan.wgmma and hold[name]:
+            problems.append(f"{name}/{target}/{kind}: fell back to the FA2-class unit")
+        for k in report.kernels:
+            if k.spill_bytes or k.wgmma_serialized:
+                problems.append(f"{name}/{target}/{kind}: {k}")
+    assert not problems, "\n".join(problems)
+
+
+def test_loaded_kernel_keys_keep_two_fields_without_param_grads(monkeypatch):
+    """Backward.kernels caches a unit without param gradients under (device, path), as the
+    GPU tests and tools/sanitize.py look it up, and a dparam unit under (device, path, names)
+    (build and load stubbed: no GPU)."""
+    import flashgen
+    import flashgen.families.build as fb
+    import flashgen.runtime.launch as rl
+    from flashgen.ops.prefill import backward as bwd_mod
+
+    class Plan:
+        wgmma = True
+        kernels = ()
+
+    built = []
+
+    def fake_build(spec, target, **kw):
+        built.append(kw["param_grads"])
+        return Plan(), "cubin", None
+
+    monkeypatch.setattr(fb, "build_backward", fake_build)
+    monkeypatch.setattr(rl, "load", lambda *a: None)
+    monkeypatch.setattr(bwd_mod, "target_for_device", lambda spec, device: "sm_90")
+    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    dev = torch.device("cuda", 0)
+    op.backward.kernels(dev, path="hopper")
+    op.backward.kernels(dev, path="hopper", param_grads=("slopes",))
+    assert set(op.backward._kernels) == {(0, "hopper"), (0, "hopper", ("slopes",))}
+    assert built == [(), ("slopes",)]
