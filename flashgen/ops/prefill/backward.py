@@ -220,6 +220,18 @@ def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
     return param_grad_flags(spec, req)
 
 
+def run_backward_op(spec: Spec, bwd, args: tuple, param_grads, tensors) -> tuple:
+    """``(dq, dk, dv, {param: gradient})`` from one call of the backward op ``bwd`` on
+    ``args`` (``param_grads``: the flags of :func:`param_grad_flags`, empty: no dparam unit;
+    ``tensors``: the call's tensor params in spec order)."""
+    if not param_grads:
+        dq, dk, dv, _ = bwd(*args)
+        return dq, dk, dv, {}
+    dq, dk, dv, dparams = bwd(*args, param_grads=param_grads)
+    named = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
+    return dq, dk, dv, param_grad_outputs(spec, param_grads, dparams, named)
+
+
 def param_grad_outputs(spec: Spec, flags, dparams, inputs: dict) -> dict:
     """``{name: gradient}`` from a backward op's fourth output ``dparams`` (one tensor per
     set flag), each cast to the dtype of its input in ``inputs`` (by name)."""
@@ -404,12 +416,7 @@ class Backward:
         bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
         args = (grad_o, q, k, v, o, lse, grad_lse, ctx.softmax_scale, ctx.deterministic,
                 *ctx.scalars, *tensors)  # fmt: skip
-        if not ctx.param_grads:
-            dq, dk, dv, _ = bwd(*args)
-            return dq, dk, dv, {}
-        dq, dk, dv, dparams = bwd(*args, param_grads=ctx.param_grads)
-        named = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
-        return dq, dk, dv, param_grad_outputs(self.spec, ctx.param_grads, dparams, named)
+        return run_backward_op(self.spec, bwd, args, ctx.param_grads, tensors)
 
     def backward(self, ctx, grad_o, grad_lse):
         dq, dk, dv, dparams = self.grads(ctx, grad_o, grad_lse)

@@ -55,8 +55,8 @@ from flashgen.ops.prefill.backward import (
     Backward,
     backward_name,
     dparam_buffers,
-    param_grad_outputs,
     param_shapes,
+    run_backward_op,
     tensor_param_grads,
     uses_atomic_dq,
     wanted,
@@ -615,12 +615,7 @@ class VarlenBackward(Backward):
         bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
         args = (grad_o, q, k, v, o, lse, grad_lse, cq, ck, *ctx.max_seqlen, ctx.softmax_scale,
                 ctx.deterministic, *ctx.scalars, *tensors)  # fmt: skip
-        if not ctx.param_grads:
-            dq, dk, dv, _ = bwd(*args)
-            return dq, dk, dv, {}
-        dq, dk, dv, dparams = bwd(*args, param_grads=ctx.param_grads)
-        named = {p.name: t for p, t in zip(self.spec.tensor_params, tensors, strict=True)}
-        return dq, dk, dv, param_grad_outputs(self.spec, ctx.param_grads, dparams, named)
+        return run_backward_op(self.spec, bwd, args, ctx.param_grads, tensors)
 
     def backward(self, ctx, grad_o, grad_lse):
         dq, dk, dv, dparams = self.grads(ctx, grad_o, grad_lse)
