@@ -12,6 +12,7 @@ did not finish; 0 if every run is clean.
     python3 tools/sanitize.py                       # everything
     python3 tools/sanitize.py --specs causal_d128 --tools memcheck racecheck
     python3 tools/sanitize.py --json report.json    # also write the results
+    python3 tools/sanitize.py --option hopper_bwd.ordered_dq=1   # under a kernel option
 
 Kernels are compiled once beforehand (outside the sanitizer) into ``$FLASHGEN_CACHE_DIR``
 (a temporary directory unless set).  Needs a CUDA GPU, torch, CuPy, nvcc and
@@ -34,18 +35,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashgen.bench.options import OptionError, parse_options, with_options  # noqa: E402
+from flashgen.options import DEFAULT  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 #: (B, Hq, Hkv, Sq, Sk): odd lengths, GQA, both Sq > Sk and Sq < Sk, a length-1 case.
 SIZES = ((2, 4, 2, 37, 53), (1, 4, 1, 53, 37), (1, 2, 2, 1, 129), (1, 2, 1, 130, 1))
 
 DRIVER = r"""
-import sys, torch, flashgen
+import json, sys, torch, flashgen
 from flashgen.bench.verify import random_inputs
 from flashgen.families.registry import has_backward
-op = flashgen.load(sys.argv[1])
+from flashgen.options import DEFAULT
+op = flashgen.load(sys.argv[1], options=DEFAULT.with_values(json.loads(sys.argv[3])))
 backward = sys.argv[2] == "fwd+bwd" and has_backward(op.spec)  # fp8 specs: forward only
-sizes = [tuple(map(int, s.split(","))) for s in sys.argv[3:]]
+sizes = [tuple(map(int, s.split(","))) for s in sys.argv[4:]]
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
 for b, hq, hkv, sq, sk in sizes:
@@ -114,10 +120,17 @@ def kernel_filter_args(sanitizer: str) -> list[str]:
 
 
 def run_one(
-    spec: Path, tool: str, sanitizer: str, filt: list[str], timeout: int, backward: bool = True
+    spec: Path,
+    tool: str,
+    sanitizer: str,
+    filt: list[str],
+    timeout: int,
+    backward: bool = True,
+    options: dict | None = None,
 ) -> Result:
     """Run the driver for ``spec`` under ``tool`` (forward, and the backward unless
-    ``backward`` is false); never raises."""
+    ``backward`` is false) with the kernel ``options`` (dotted name -> value); never
+    raises."""
     # initcheck must watch every kernel: with a kernel filter, the writes of the
     # unfiltered kernels (torch.randn, .to()) go unrecorded and every read of our inputs is
     # reported as uninitialized (seen on the H200: 4576 false reports filtered, 0 unfiltered).
@@ -133,6 +146,7 @@ def run_one(
         DRIVER,
         str(spec),
         "fwd+bwd" if backward else "fwd",
+        json.dumps(options or {}),
         *(",".join(map(str, s)) for s in SIZES),
     ]
     if tool == "racecheck":
@@ -160,15 +174,17 @@ def run_one(
     )
 
 
-def prebuild(specs: list[Path]) -> None:
+def prebuild(specs: list[Path], options: dict | None = None) -> None:
     """Compile every spec's kernel once, outside the sanitizer (fills the cache)."""
     code = (  # a tiny forward + backward builds every kernel the driver launches
-        "import sys, torch, flashgen\n"
+        "import json, sys, torch, flashgen\n"
         "from flashgen.bench.verify import random_inputs\n"
         "from flashgen.families.registry import has_backward\n"
+        "from flashgen.options import DEFAULT\n"
+        "opts = DEFAULT.with_values(json.loads(sys.argv[1]))\n"
         "dev = torch.device('cuda', torch.cuda.current_device())\n"
-        "for p in sys.argv[1:]:\n"
-        "    op = flashgen.load(p)\n"
+        "for p in sys.argv[2:]:\n"
+        "    op = flashgen.load(p, options=opts)\n"
         "    q, k, v, params = random_inputs(op.spec, 1, 2, 1, 17, 17, dev, None)\n"
         "    if not has_backward(op.spec):  # fp8 specs: forward only\n"
         "        op.attention(q, k, v, **params)\n"
@@ -176,7 +192,11 @@ def prebuild(specs: list[Path]) -> None:
         "    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))\n"
         "    op.attention(q, k, v, **params)[0].sum().backward()\n"
     )
-    subprocess.run([sys.executable, "-c", code, *map(str, specs)], check=True, cwd=REPO)
+    subprocess.run(
+        [sys.executable, "-c", code, json.dumps(options or {}), *map(str, specs)],
+        check=True,
+        cwd=REPO,
+    )
 
 
 def table(results: list[Result], tools: list[str]) -> str:
@@ -210,7 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward kernels")
+    ap.add_argument(
+        "--option", action="append", default=[], metavar="NAME=VALUE",
+        help="a kernel option by dotted name (flashgen.options.Options), e.g. "
+        "hopper_bwd.ordered_dq=1; repeatable",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    try:
+        options = {n: vs[0] for n, vs in parse_options(args.option).items()}
+        with_options(DEFAULT, options)
+    except OptionError as e:
+        print(f"--option: {e}", file=sys.stderr)
+        return 2
 
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
@@ -224,15 +255,16 @@ def main(argv: list[str] | None = None) -> int:
         specs = sorted((REPO / "specs").glob("*.yaml"))
         specs = [p for p in specs if "v_from_k: true" not in p.read_text()]  # decode only
     os.environ.setdefault("FLASHGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flashgen-sanitize-"))
-    prebuild(specs)
+    prebuild(specs, options)
     filt = kernel_filter_args(sanitizer)
     jobs = [(s, t) for s in specs for t in args.tools]
     with cf.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(
             pool.map(
                 lambda st: run_one(
-                    st[0], st[1], sanitizer, filt, args.timeout, backward=not args.fwd_only
-                ),
+                    st[0], st[1], sanitizer, filt, args.timeout,
+                    backward=not args.fwd_only, options=options,
+                ),  # fmt: skip
                 jobs,
             )
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -45,4 +46,17 @@ def test_driver_runs_the_backward_unless_fwd_only(tmp_path):
         r = t.run_one(spec, "memcheck", str(fake), [], 30, backward=backward)
         args = (tmp_path / "fake-sanitizer.args").read_text().splitlines()
         assert args[args.index(str(spec)) + 1] == mode
+        assert args[args.index(str(spec)) + 2] == "{}"  # no options: the defaults
         assert r.errors == 0 and not r.driver_ok  # the stand-in never runs the driver
+    opts = {"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128}
+    t.run_one(spec, "memcheck", str(fake), [], 30, options=opts)
+    args = (tmp_path / "fake-sanitizer.args").read_text().splitlines()
+    assert json.loads(args[args.index(str(spec)) + 2]) == opts
+
+
+def test_bad_option_is_a_setup_error(capsys):
+    """``--option`` names a real option with a valid value, or the tool exits 2 naming it
+    before compiling anything."""
+    t = _tool()
+    assert t.main(["--option", "hopper_bwd.d64_block_m=96", "--specs", "causal_d128"]) == 2
+    assert "d64_block_m" in capsys.readouterr().err
