@@ -31,6 +31,11 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is present)")
+    config.addinivalue_line(
+        "markers",
+        "device_memory(gib): a GPU test that runs alone among the marked ones, once gib GiB "
+        "of device memory are free (tests/gpu/gpu_memory.py)",
+    )
     # the CLI's tables follow COLUMNS (pytest-xdist's workers get 80): tests that check the
     # width set it themselves
     os.environ.pop("COLUMNS", None)

@@ -142,6 +142,7 @@ def test_batch_times_heads_above_65535(b, hq, hkv, s):
         assert torch.equal(torch.isneginf(lse[sl]), torch.isneginf(ref_lse))
 
 
+@pytest.mark.device_memory(16)
 def test_q_and_o_with_more_than_2_31_elements():
     """q/o [1, 1, 2**24 + 300, 128]: rows past element 2**31 need 64-bit offsets."""
     spec = spec_of("causal_d128", False)
@@ -159,6 +160,7 @@ def test_q_and_o_with_more_than_2_31_elements():
     del q, o
 
 
+@pytest.mark.device_memory(16)
 def test_k_and_v_with_more_than_2_31_elements():
     """k/v [1, 1, 2**24 + 300, 128]: key rows past element 2**31 need 64-bit offsets."""
     spec = spec_of("causal_d128", True)
@@ -194,6 +196,7 @@ def _sdpa_grads(q, k, v, dout, dtype, causal):
     return q.grad, k.grad, v.grad
 
 
+@pytest.mark.device_memory(50)
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_backward_with_more_than_2_31_elements(deterministic):
     """Backward of q/k/v/o/dO [1, 65540, 256, 128] (> 2**31 elements each, B*H > 65535 too):

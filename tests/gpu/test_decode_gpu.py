@@ -642,6 +642,7 @@ print("FLASHGEN DRIVER OK", flush=True)
 """
 
 
+@pytest.mark.device_memory(8)
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
 def test_decode_kernels_are_sanitizer_clean(tool):
     """compute-sanitizer over the decode kernels (attention with the fused combine, append),

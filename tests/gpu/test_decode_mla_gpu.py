@@ -173,6 +173,7 @@ print("FLASHGEN DRIVER OK", flush=True)
 """
 
 
+@pytest.mark.device_memory(8)
 def test_mla_decode_is_memcheck_clean():
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:

@@ -121,12 +121,19 @@ def test_a_dispatch_mode_sees_the_op():
 
 
 @pytest.mark.parametrize("q_grad", [True, False])
-def test_tensor_param_requiring_grad_is_refused(q_grad):
+def test_tensor_param_requiring_grad_gets_its_gradient(q_grad):
+    """A tensor param that requires grad makes the output differentiable (alone or with q)
+    and the backward fills its gradient, finite and of its shape (values: the dparam tests
+    in test_param_grads_sinks_gpu.py)."""
     op, q, k, v, params = _problem("alibi", seed=6)
-    params["slopes"].requires_grad_()
+    slopes = params["slopes"].requires_grad_()
     q.requires_grad_(q_grad)
-    with pytest.raises(NotImplementedError, match="slopes"):
-        op.attention(q, k, v, **params)
+    o, _ = op.attention(q, k, v, **params)
+    assert o.requires_grad
+    o.float().square().sum().backward()
+    assert slopes.grad is not None and slopes.grad.shape == slopes.shape
+    assert bool(torch.isfinite(slopes.grad).all()) and bool(slopes.grad.abs().sum() > 0)
+    assert (q.grad is not None) == q_grad
 
 
 def test_jit_trace_records_the_op_on_cuda():

@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.device_memory(8)
 @pytest.mark.gpu
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
 def test_sanitizers_clean_on_one_spec(tmp_path):

@@ -67,6 +67,20 @@ def _ops(monkeypatch, mask, tag, budget, **fields):
     return spec, grouped, plain
 
 
+def _spills_with_groups(op, dev) -> bool:
+    """Whether ``op``'s forward kernel, rendered with its head groups (every other feature
+    as built), spills on ``dev``'s target."""
+    from flashgen.build import cache
+    from flashgen.build.render import render
+    from flashgen.families import registry
+
+    plan = op.kernel(dev).plan
+    with_groups = registry.plan_forward(op.spec, plan.target, op.options, tiles=plan.tiles)
+    assert with_groups.context["tile_group"].startswith("fg::head_group(")
+    _, report = cache.get_or_build(render(with_groups), with_groups)
+    return plan.context["tile_group"] == "1" and bool(report.spill_bytes)
+
+
 def _run(monkeypatch, op, groups: bool, fn):
     assert op.options.hopper_fwd.head_groups is groups
     return fn(op)
@@ -87,8 +101,9 @@ def test_forward_matches_head_major(monkeypatch, kernel, case):
     o1, lse1 = _run(monkeypatch, grouped, True, lambda op: op.attention(q, k, v, **params))
     o0, lse0 = _run(monkeypatch, plain, False, lambda op: op.attention(q, k, v, **params))
     group = grouped.kernel(dev).plan.context["tile_group"]
-    # (the FA2-class kernel of the windowed mask spills with the groups: select drops them)
-    assert group.startswith("fg::head_group(") != (kernel == "fa2" and mask != "causal"), group
+    # the build drops the groups only from a kernel that spills with them (the FA2-class
+    # forward on sm_90 can: ptxas's allocation, not the mask, decides which)
+    assert group.startswith("fg::head_group(") or _spills_with_groups(grouped, dev), group
     assert plain.kernel(dev).plan.context["tile_group"] == "1"
     assert not o1.isnan().any() and not lse1.isnan().any(), "a tile was never computed"
     assert torch.equal(o1, o0) and torch.equal(lse1, lse0)
