@@ -44,11 +44,12 @@ class Options:
     :func:`plan`'s ``ordered_dq``, instead of the FA2-class deterministic kernels);
     ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
     gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows, FlashAttention-3's
-    128 x 128 tile for hdim 64)."""
+    128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
+    :func:`flashgen.families.build.build_backward`)."""
 
     head_groups: bool = True
-    ordered_dq: bool = False
-    d64_block_m: int = 64
+    ordered_dq: bool = True
+    d64_block_m: int = 128
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
