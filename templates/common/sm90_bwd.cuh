@@ -49,29 +49,22 @@ template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
 template <int N> __device__ __forceinline__ void bulk_wait_group() {
     asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
-// p[0..3] += v in global memory, result unused (PTX ISA 8.1, sm_90; p 16-byte aligned).
-__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
-    asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4};\n" :: "l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+// p[0..1] += (x, y) in global memory, result unused (PTX ISA 8.1, sm_90; p 8-byte aligned).
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], { %1, %2};\n" :: "l"(p), "f"(x), "f"(y) : "memory");
 }
-// dq_accum += a wgmma accumulator tile of dQ (J 8-column tiles, acc[4j + 2r + e]): lanes 2i and 2i + 1 swap
-// halves so each adds 4 consecutive columns of one row (the even lane row lane / 4, the odd one row lane / 4 + 8)
-// in one vector reduction.  dq_row: this lane's row of dq_accum at its first column; in_range: that row is
-// inside seqlen_q.
+// dq_accum += a wgmma accumulator tile of dQ (J 8-column tiles, acc[4j + 2r + e]) as it lies in the registers:
+// one 2-column reduction per (j, r), no shuffles.  dq_row: this lane's row (lane / 4) of dq_accum at its first
+// column (2 (lane % 4)); row_stride: dq_accum's row pitch in floats; in_range[r]: row + 8 r is inside seqlen_q.
 template <int J, int N>
-__device__ __forceinline__ void red_add_dq(float* dq_row, const float (&acc)[N], int lane, bool in_range) {
+__device__ __forceinline__ void red_add_dq_pairs(float* dq_row, int64_t row_stride, const float (&acc)[N], const bool (&in_range)[2]) {
     static_assert(4 * J <= N, "J 8-column tiles of acc");
-    const bool odd = lane & 1;
     #pragma unroll
-    for (int j = 0; j < J; ++j) {
-        const float s0 = odd ? acc[4 * j + 0] : acc[4 * j + 2];
-        const float s1 = odd ? acc[4 * j + 1] : acc[4 * j + 3];
-        const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-        const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-        if (in_range) {
-            if (odd) red_add_f32x4(dq_row + 8 * j, r0, r1, acc[4 * j + 2], acc[4 * j + 3]);
-            else red_add_f32x4(dq_row + 8 * j, acc[4 * j + 0], acc[4 * j + 1], r0, r1);
+    for (int r = 0; r < 2; ++r)
+        if (in_range[r]) {
+            #pragma unroll
+            for (int j = 0; j < J; ++j) red_add_f32x2(dq_row + 8 * r * row_stride + 8 * j, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
         }
-    }
 }
 // One 32-bit register of a 16-bit A fragment (an element pair) to shared memory with the 128-byte swizzle: in the
 // column box at base + box_offset, row `row` (row % 8 == lane / 4), the 16-byte chunk `chunk` (< 8) of the row, at

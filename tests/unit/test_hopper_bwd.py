@@ -176,7 +176,7 @@ def test_render(d, dtype, causal):
     assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "fence.proxy.async.shared::cta" in src
-    assert ("fg::red_add_dq<" in src) == (d == 256)  # else the dQ writer's TMA reductions
+    assert ("fg::red_add_dq_pairs<" in src) == (d == 256)  # else the dQ writer's TMA reductions
     assert ("fg::tma_reduce_add_4d(&tma_dq" in src) == (d != 256)
     assert "fg::setmaxnreg_dec<24>();" in src and "fg::setmaxnreg_inc<240>();" in src
     bar = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // both warpgroups'"
@@ -333,7 +333,7 @@ def test_compiles_without_spills_with_wgmma(requires_nvcc, tmp_path, name):
     assert "setmaxnreg.dec.sync.aligned.u32 24" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 240" in ptx
     assert ("cp.reduce.async.bulk.tensor.4d" in ptx) == (d != 256)
-    assert ("red.global.add.v4.f32" in ptx) == (d == 256)
+    assert ("red.global.add.v2.f32" in ptx) == (d == 256)
     assert "trap;" not in ptx
 
 
@@ -373,31 +373,25 @@ def test_visited_steps_cover_every_kept_pair_and_skip_only_full_tiles(sq, sk, ca
     assert not (keep & ~covered).any()
 
 
-def test_dq_reduction_lanes_add_every_element_once():
-    """The lane-pair swap before red.global.add.v4.f32: replay the kernel's selects and
-    shuffles for one warp and one 8-column tile j; every (row, column) of the warp's 16 x 8
-    slice is added exactly once, at its own address, 16-byte aligned."""
+def test_dq_reduction_pairs_add_every_element_once():
+    """The d256 dQ reductions (``fg::red_add_dq_pairs``, red.global.add.v2.f32): lane l adds
+    acc[4j + 2r], acc[4j + 2r + 1] at row l / 4 + 8 r, columns 8 j + 2 (l % 4) + {0, 1} of the
+    warp's 16-row slice, which is where the m64nN accumulator layout holds them; every (row,
+    column) of J 8-column tiles is added exactly once, at an 8-byte aligned address."""
+    J, row_stride = 16, 256
     added = {}
-    acc = {lane: [("r", lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2) for i in range(4)]
-           for lane in range(32)}  # fmt: skip  # acc[4j + i] of tile j = 0, named by (row, col)
-    sent = {}
     for lane in range(32):
-        odd = lane & 1
-        sent[lane] = (acc[lane][0], acc[lane][1]) if odd else (acc[lane][2], acc[lane][3])
-    for lane in range(32):
-        odd = lane & 1
-        r0, r1 = sent[lane ^ 1]
-        vec = (r0, r1, acc[lane][2], acc[lane][3]) if odd else (acc[lane][0], acc[lane][1], r0, r1)
-        row = lane // 4 + odd * 8
-        col0 = (lane % 4 // 2) * 4
-        assert col0 % 4 == 0
-        for c, (_, er, ec) in enumerate(vec):
-            assert (er, ec) == (row, col0 + c), (lane, c)
-            added[(er, ec)] = added.get((er, ec), 0) + 1
-    assert added == {(r, c): 1 for r in range(16) for c in range(8)}
-
-
-
+        for j in range(J):
+            for r in range(2):
+                # the accumulator layout: acc[4j + 2r + e] at (lane/4 + 8r, 8j + 2(lane%4) + e)
+                want = [(lane // 4 + 8 * r, 8 * j + 2 * (lane % 4) + e) for e in range(2)]
+                # the kernel's address: dq_row (row lane / 4, column 2 (lane % 4)) + 8 r rows + 8 j
+                addr = (lane // 4 + 8 * r) * row_stride + 2 * (lane % 4) + 8 * j
+                assert addr % 2 == 0  # two floats: 8-byte aligned (row_stride, the base even)
+                for e, (er, ec) in enumerate(want):
+                    assert addr + e == er * row_stride + ec
+                    added[(er, ec)] = added.get((er, ec), 0) + 1
+    assert added == {(r, c): 1 for r in range(16) for c in range(8 * J)}
 
 
 def test_ds_stores_land_in_the_swizzled_layout():
