@@ -45,11 +45,15 @@ class Options:
     ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
     gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows, FlashAttention-3's
     128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
-    :func:`flashgen.families.build.build_backward`)."""
+    :func:`flashgen.families.build.build_backward`); ``d64_pt_other_buffer`` (with 128-query
+    steps: P^T goes to the other dS^T buffer, the one the previous step's dS^T used, so dS^T
+    may be computed while dV still runs; a named barrier between the warpgroups frees that
+    buffer once both have read it for dQ)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
+    d64_pt_other_buffer: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -75,6 +79,7 @@ class Context(BackwardContext):
     bwd_tile_group: str
     ordered_dq: bool
     dq_rows_split: bool
+    pt_other_buffer: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -228,6 +233,7 @@ def plan(
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
         ordered_dq=ordered_dq,
         dq_rows_split=d == 64 and block_m == 128,
+        pt_other_buffer=d == 64 and block_m == 128 and options.d64_pt_other_buffer,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

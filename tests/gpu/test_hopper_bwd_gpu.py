@@ -314,11 +314,13 @@ def d64(name: str):
     return loads_spec("\n".join(lines) + "\n", f"<{name}_d64>")
 
 
-@pytest.fixture
-def block_m128(monkeypatch):
+@pytest.fixture(params=[False, True], ids=["pt_in_ds", "pt_other_buffer"])
+def block_m128(monkeypatch, request):
     """``hopper_bwd.d64_block_m=128``: head dim 64 with 128-query steps (P^T through sDS, dQ
-    split by rows between the warpgroups)."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d64_block_m": 128})
+    split by rows between the warpgroups), P^T in the step's own dS^T buffer or in the other
+    one (``hopper_bwd.d64_pt_other_buffer``)."""
+    values = {"hopper_bwd.d64_block_m": 128, "hopper_bwd.d64_pt_other_buffer": request.param}
+    return gpu_options.use(monkeypatch, values)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -361,10 +363,12 @@ def test_d64_block_m128_views_lse_gradient_empty_rows(block_m128):
     assert (q.grad[:, :, :200] == 0).all() and not q.grad.isnan().any()
 
 
+@pytest.mark.parametrize("pt_other", [False, True], ids=["pt_in_ds", "pt_other_buffer"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_d64_block_m128_ordered_dq(causal):
+def test_d64_block_m128_ordered_dq(causal, pt_other):
     spec = hb_spec(64, "bf16", causal)
-    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128})
+    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128,
+                                "hopper_bwd.d64_pt_other_buffer": pt_other})  # fmt: skip
     op = gpu_options.build(spec, opts)
     q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=23)
     plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]

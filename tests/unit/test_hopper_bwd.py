@@ -665,6 +665,37 @@ def test_d64_block_m128_compiles_without_spills(requires_nvcc, tmp_path, name):
     assert ptx.count("m64n128k16") == 8 and "trap;" not in ptx
 
 
+PT_OTHER = D64_128.replace_path("hopper_bwd.d64_pt_other_buffer", True)
+
+
+def test_pt_other_buffer_renders_its_handshake_only_when_asked():
+    """``hopper_bwd.d64_pt_other_buffer``: with 128-query steps P^T goes to the other dS^T
+    buffer, dV no longer lands before dS^T (wait<1>), and the warpgroups hand that buffer to
+    each other by the BAR_PT_FREE pair (one arrive before the loop, one per step but the last,
+    one sync per step: the counts match); off, or at 64-query steps, none of it renders."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    src = render(reg_plan(small(64, "bf16", True), "sm_90", PT_OTHER).unit)
+    assert "sPTi = sDS + ((it + 1) % DS_BUFS) * SDS_BYTES" in src
+    assert "constexpr int BAR_PT_FREE = BAR_STAGE_EMPTY + STAGES;" in src
+    assert src.count("named_barrier_arrive(BAR_PT_FREE + 1 - cg, MMA_THREADS)") == 2
+    assert "if (it + 1 < steps()) fg::named_barrier_arrive(BAR_PT_FREE" in src
+    assert src.count("named_barrier_sync(BAR_PT_FREE + cg, MMA_THREADS)") == 1
+    assert "dV has read P^T from the rows dS^T overwrites" not in src
+    for opts in (D64_128, PT_OTHER.replace_path("hopper_bwd.d64_block_m", 64)):
+        other = render(reg_plan(small(64, "bf16", True), "sm_90", opts).unit)
+        assert "BAR_PT_FREE" not in other
+
+
+@pytest.mark.parametrize("name", ["gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa"])
+def test_pt_other_buffer_compiles_without_spills(requires_nvcc, name):
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(at_d64(name), "sm_90", PT_OTHER)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+
+
 def test_specs_that_spill_at_128_query_steps(requires_nvcc):
     """The GPU tests' SPILL_AT_128 (tests/gpu/test_hopper_bwd_gpu.py): t5_bias's table read
     spills with 128-query steps, so its op runs 64 (the next test)."""
