@@ -48,15 +48,23 @@ class Options:
     :func:`flashgen.families.build.build_backward`); ``d64_pt_other_buffer`` (with 128-query
     steps: P^T goes to the other dS^T buffer, the one the previous step's dS^T used, so dS^T
     may be computed while dV still runs; a named barrier between the warpgroups frees that
-    buffer once both have read it for dQ)."""
+    buffer once both have read it for dQ); ``d256_ps_buffers`` (head_dim 256: buffers of P^T
+    and of dS^T, 1 or 2; with 2 they alternate by step and the step's first barrier between
+    the warpgroups goes: a step's other two barriers show that both warpgroups finished the
+    step before, which read the buffer two steps back)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
     d64_pt_other_buffer: bool = False
+    d256_ps_buffers: int = 1
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
+        if self.d256_ps_buffers not in (1, 2):
+            raise ValueError(
+                f"Options.hopper_bwd.d256_ps_buffers={self.d256_ps_buffers!r}: expected 1 or 2"
+            )
         if self.d64_block_m not in D64_BLOCK_MS:
             raise ValueError(
                 f"Options.hopper_bwd.d64_block_m={self.d64_block_m!r}: expected one of "
@@ -74,6 +82,7 @@ class Context(BackwardContext):
     mma_t: str
     wgmma_ns: list
     split_d: bool
+    split_bufs: int
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
@@ -85,14 +94,16 @@ class Context(BackwardContext):
     consumer_regs: int
 
 
-def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool) -> int:
+def dkdv_smem_bytes(
+    d: int, elt: int, block_m: int, block_n: int, split_d: bool, split_bufs: int = 1
+) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
-    (``split_d``: one, and P^T), the dQ staging tiles (two warpgroups x 64 rows x 64 fp32;
-    none when ``split_d``), lse and dsum (fp32, per stage), the mbarriers (K/V full; per
-    stage full)."""
+    (``split_d``: ``split_bufs`` of dS^T and as many of P^T), the dQ staging tiles (two
+    warpgroups x 64 rows x 64 fp32; none when ``split_d``), lse and dsum (fp32, per stage),
+    the mbarriers (K/V full; per stage full)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
-    smem += 2 * block_n * block_m * elt
+    smem += 2 * (split_bufs if split_d else 1) * block_n * block_m * elt
     if not split_d:
         smem += 2 * 64 * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
@@ -207,7 +218,8 @@ def plan(
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
+    split_bufs = options.d256_ps_buffers if split_d else 1
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, split_bufs)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     ctx.update(
@@ -227,6 +239,7 @@ def plan(
         mma_t=rec.mma_t,
         wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
         split_d=split_d,
+        split_bufs=split_bufs,
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)

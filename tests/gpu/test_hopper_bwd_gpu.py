@@ -380,3 +380,40 @@ def test_d64_block_m128_ordered_dq(causal, pt_other):
     for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
         err = (ours.double() - r64).abs().max().item()
         assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
+
+
+# ------------------------------------------ head dim 256 with two P^T / dS^T buffers
+D256_SHIPPED = [n for n in SHIPPED
+                if n.startswith("d256:") or n in ("bidir_d256", "gemma2_softcap")]  # fmt: skip
+
+
+@pytest.fixture
+def ps_buffers2(monkeypatch):
+    """``hopper_bwd.d256_ps_buffers=2``: P^T and dS^T alternate between two buffers by step
+    and the step's first barrier between the warpgroups goes."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_ps_buffers": 2})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d256_two_buffers_lengths_gqa_dtypes(ps_buffers2, dtype, causal):
+    spec = hb_spec(256, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1200 + i)
+
+
+@pytest.mark.parametrize("name", D256_SHIPPED)
+def test_d256_two_buffers_masks_and_score_mods(ps_buffers2, name):
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1250 + i)
+
+
+def test_d256_two_buffers_views_lse_gradient_empty_rows(ps_buffers2):
+    spec = hb_spec(256, "bf16", True)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=27, qkv=views, with_dlse=True)
+    q, *_ = run_case(spec, 1, 2, 2, 300, 100, seed=29)
+    assert (q.grad[:, :, :200] == 0).all() and not q.grad.isnan().any()

@@ -696,6 +696,47 @@ def test_pt_other_buffer_compiles_without_spills(requires_nvcc, name):
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
 
 
+PS2 = DEFAULT.replace_path("hopper_bwd.d256_ps_buffers", 2)
+
+
+@pytest.mark.parametrize("value", [0, 3, 2.0, True, "2"])
+def test_d256_ps_buffers_takes_1_or_2(value):
+    from flashgen.families.hopper_bwd import Options
+
+    with pytest.raises(ValueError, match=r"Options.hopper_bwd.d256_ps_buffers="):
+        Options(d256_ps_buffers=value)
+
+
+def test_d256_two_buffers_plan_and_render():
+    """``hopper_bwd.d256_ps_buffers=2``: 16 KiB more shared memory (a second P^T and dS^T
+    buffer), within the 227 KiB a block may take; the step's first barrier goes and the
+    buffers alternate by step; head dims 64 and 128 ignore the option."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    one = reg_plan(small(256, "bf16", True), "sm_90", DEFAULT)
+    two = reg_plan(small(256, "bf16", True), "sm_90", PS2)
+    assert two.dkdv.smem_bytes == one.dkdv.smem_bytes + 2 * 64 * 64 * 2 <= HOPPER_SMEM_LIMIT
+    src1, src2 = render(one.unit), render(two.unit)
+    first = "done with step it - 1's sP and sDS"
+    assert first in src1 and first not in src2
+    assert "constexpr int DS_BUFS = 2;" in src2 and "constexpr int P_BUFS = 2;" in src2
+    assert "sPi = sP + (it % P_BUFS) * SDS_BYTES" in src2
+    for d in (64, 128):
+        assert render(reg_plan(small(d, "bf16", True), "sm_90", PS2).unit) == render(
+            reg_plan(small(d, "bf16", True), "sm_90", DEFAULT).unit
+        )
+
+
+@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa"])
+def test_d256_two_buffers_compile_without_spills(requires_nvcc, name):
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
+    plan = reg_plan(spec, "sm_90", PS2)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+
+
 def test_specs_that_spill_at_128_query_steps(requires_nvcc):
     """The GPU tests' SPILL_AT_128 (tests/gpu/test_hopper_bwd_gpu.py): t5_bias's table read
     spills with 128-query steps, so its op runs 64 (the next test)."""
