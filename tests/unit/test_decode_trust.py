@@ -216,6 +216,29 @@ def test_a_param_indexed_out_of_range_writes_nothing(tmp_path):
     assert torch.equal(kc[0, 3], kn[0, :, 0]) and torch.equal(vc[0, 3], vn[0, :, 0])
 
 
+def test_a_param_indexed_by_a_tensors_values_out_of_range_writes_nothing(tmp_path):
+    """``w[ids[b]]``: an index that reads a tensor cannot be bounded from the sizes, so the
+    CPU path appended first and the reference's refusal (``w[5]`` on a ``[2]`` param) came
+    after ``k_new`` / ``v_new`` were in the cache.  Now the call runs on copies first; an
+    in-range call appends as before."""
+    text = ("name: trust_param_gather\nhead_dim: 64\ndtype: bf16\nmask: causal\n"
+            "score_mod: score + w[ids[b]]\nparams:\n  w: {type: f32, shape: [2]}\n"
+            "  ids: {type: i32, shape: [batch]}\n")  # fmt: skip
+    op = _load(tmp_path, "trust_param_gather", text=text)
+    kc, vc = _paged()
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    before = (kc.clone(), vc.clone())
+    ids = torch.tensor([5], dtype=torch.int32)
+    call, _ = _append_call(op, kc, vc, table, [3], w=torch.zeros(2), ids=ids)
+    with pytest.raises(OpInputError, match=r"^w: .*indexed outside its shape"):
+        call()
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    ids = torch.tensor([1], dtype=torch.int32)
+    call, (q, kn, vn, lens) = _append_call(op, kc, vc, table, [3], w=torch.zeros(2), ids=ids)
+    call()
+    assert torch.equal(kc[0, 3], kn[0, :, 0]) and torch.equal(vc[0, 3], vn[0, :, 0])
+
+
 # ----------------------------------------------------------------------------- also: ragged
 def test_ragged_k_new_shape_errors_name_the_callers_shapes(tmp_path):
     """A ragged ``k_new`` with the wrong heads or head_dim was reported in the internal

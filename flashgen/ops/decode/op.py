@@ -183,7 +183,7 @@ class DecodeOp(DecodePlanning):
         self.v_from_k = op.spec.v_from_k
         self._units: dict = {}
         self._live: dict = {}
-        self._bounds: dict = {}  # _index_violations' memo
+        self._bounds: dict = {}  # _reads_inside's memo
         self._lock = threading.Lock()
         self._registered = False
         self.reason = family.unsupported_reason(self.spec)
@@ -354,10 +354,11 @@ class DecodeOp(DecodePlanning):
                 m = re.search(r"tensor param '(\w+)'", str(e))
                 raise OpInputError(f"{m.group(1) if m else 'params'}: {e}") from None
 
-        if append and self._index_violations(dims, a.scalars):
-            # a read may leave its tensor at these sizes, and only the reference can tell
-            # whether a kept pair does: run the call on copies of the caches first, so a
-            # refused call writes nothing (issue 38, item 5), then append for real
+        if append and not self._reads_inside(dims, a.scalars):
+            # a read may leave its tensor at these sizes (or its index reads a tensor), and
+            # only the reference can tell whether a kept pair does: run the call on copies of
+            # the caches first, so a refused call writes nothing (issue 38, item 5), then
+            # append for real
             ro, rl = run(a.kc.clone(), a.vc.clone())
             write(a.kc, a.vc)
         else:
@@ -381,22 +382,23 @@ class DecodeOp(DecodePlanning):
                             a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims,
                             scales=scales)  # fmt: skip
 
-    def _index_violations(self, dims: DecodeDims, scalars) -> list[str]:
-        """:func:`~flashgen.analysis.indexbounds.possible_violations` of the spec's
-        tensor-param reads at the call's sizes (Sq_new queries, at most the cache's capacity
-        of keys) and scalar values: the reads that may leave their tensor.  Memoized per
-        sizes and values; empty (and free) for a spec without tensor params."""
+    def _reads_inside(self, dims: DecodeDims, scalars) -> bool:
+        """Whether every tensor-param read of the spec is proven inside its tensor at the
+        call's sizes (Sq_new queries, at most the cache's capacity of keys) and scalar
+        values (:func:`~flashgen.analysis.indexbounds.all_reads_inside`: none may leave it,
+        none is indexed by a tensor's values).  Memoized per sizes and values; True (and
+        free) for a spec without tensor params."""
         if not self.spec.tensor_params:
-            return []
+            return True
         values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in scalars)
         key = (dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.capacity, values)
         hit = self._bounds.get(key)
         if hit is None:
-            from flashgen.analysis.indexbounds import possible_violations
+            from flashgen.analysis.indexbounds import all_reads_inside
 
             sym = {**dims.symbols(), "seqlen_q": dims.seqlen_q, "seqlen_k": dims.capacity}
             named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
-            hit = possible_violations(self.spec, sym, named)
+            hit = all_reads_inside(self.spec, sym, named)
             if len(self._bounds) >= 1024:
                 self._bounds.clear()
             self._bounds[key] = hit
