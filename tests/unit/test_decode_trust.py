@@ -120,6 +120,81 @@ def test_interleaved_views_of_one_kv_buffer_may_append(tmp_path):
     assert torch.equal(kv[:, 0], kc) and torch.equal(kv[:, 1], vc)
 
 
+def _faked_fast_plan(monkeypatch, op, dims):
+    """A plan whose fast path runs on CPU tensors standing in for CUDA ones, the driver
+    faked (as tests/unit/test_decode.py's fast-path tests do); the list of launches."""
+    import types
+
+    from flashgen.families import decode as family
+    from flashgen.ops import calls as calls_mod
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode import op as dmod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    launches = []
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(fn, *args):
+            launches.append(fn)
+            return 0
+
+    monkeypatch.setattr(tma, "driver", lambda: Driver)
+    monkeypatch.setattr(dfast, "_eager_cuda", dfast._plain_eager_fast)
+    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90")
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
+                                    function=types.SimpleNamespace(ptr=11 + i), device_index=0)
+            for i, r in enumerate(("attn", "append"))}  # fmt: skip
+    plan = dop.plan_for(dims, torch.device("cpu"), 1)
+    plan.kernels = kern
+    plan.fast = dfast._FastPath(dop, plan)
+    return plan, launches
+
+
+def test_a_planned_call_refuses_aliased_memory_on_every_call(tmp_path, monkeypatch):
+    """The planned fast path validated a call layout (shapes, strides, dtypes) once and
+    then only swapped addresses: a later call of the same layout with ``k_cache is
+    v_cache``, or an ``out`` that is a view of the cache, appended v_new over the keys or
+    wrote o into the cache.  Each call's addresses are checked now (the general path names
+    the overlap); the interleaved halves of one KV buffer stay on the fast path."""
+    from flashgen.ops.decode.inputs import DecodeDims
+
+    op = flashgen.load("llama3_gqa")
+    b, hq, hkv, ps, pages = 2, 8, 2, 16, 8
+    plan, launches = _faked_fast_plan(
+        monkeypatch, op, DecodeDims(b, hq, hkv, 1, 128, True, pages, ps, 4, True)
+    )
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, hq, 1, 128, generator=g).to(torch.bfloat16)
+    kv = torch.zeros(pages, 2, ps, hkv, 128, dtype=torch.bfloat16)  # FlashInfer's layout
+    kc, vc = kv[:, 0], kv[:, 1]
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    kn, vn = (torch.randn(b, hkv, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+
+    def call(k_cache, v_cache, **kw):
+        return op.with_kvcache(q, k_cache, v_cache, lens, block_table=table, k_new=kn,
+                               v_new=vn, plan=plan, **kw)  # fmt: skip
+
+    for _ in range(2):  # apart: the fast path launches the append and the attention
+        call(kc, vc)
+    assert len(launches) == 4
+    same = torch.zeros(pages, 2, ps, hkv, 128, dtype=torch.bfloat16)[:, 0]  # kc's layout
+    with pytest.raises(OpInputError, match=r"v_cache: expected memory apart from k_cache"):
+        call(same, same)
+    assert len(launches) == 4  # nothing was launched (the faked kernels write nothing)
+    out = (torch.empty(b, hq, 1, 128, dtype=torch.bfloat16), torch.empty(b, hq, 1))
+    call(kc, vc, out=out)
+    into = (kv.view(-1)[: out[0].numel()].view(out[0].shape), out[1])  # out's layout
+    with pytest.raises(OpInputError, match=r"out\[0\]: expected memory that no input shares"):
+        call(kc, vc, out=into)
+    assert len(launches) == 6
+
+
 @pytest.mark.parametrize(
     "lens, table, why",
     [

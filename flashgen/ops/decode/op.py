@@ -452,14 +452,15 @@ class DecodeOp(DecodePlanning):
         Aliasing (issue 38): with ``k_new`` / ``v_new``, the caches must not share memory with
         each other (``k_cache is v_cache``) nor with ``k_new`` / ``v_new``, and a cache's
         elements must have their own memory (no expanded, stride-0 cache): refused from
-        metadata on every device.  The slot rule: the cache slots the call appends to
+        metadata on every device, on every call (a planned call's fast path compares the
+        addresses).  The slot rule: the cache slots the call appends to
         (request b's keys ``[cache_seqlens[b], cache_seqlens[b] + Sq_b)`` through its
         ``block_table`` row) are pairwise distinct and hold no other key the call reads
         (any request's ``[0, cache_seqlens[b'] + Sq_b')``); pages shared read-only (a common
         prefix) are fine.  Checked from values with the other value checks (always on CPU;
         on CUDA under :func:`~flashgen.ops.validation.check_enabled`); a planned call's fast
-        path (``plan=``, graph capturable) checks neither values nor, after the first call
-        of a layout, addresses: there both are the caller's contract.  Nothing is written
+        path (``plan=``, graph capturable) reads no values: there the slot rule is the
+        caller's contract.  Nothing is written
         before every check of the call has passed (on CPU a tensor param indexed outside
         its shape at a kept pair is an :class:`OpInputError` naming it, the cache as it was).
 
