@@ -38,6 +38,9 @@ def test_plan_decode_refuses_bad_page_counts_and_unknown_devices(tmp_path):
     for num_pages in (0, -3, 2.0, True):
         with pytest.raises(OpInputError, match="num_pages"):
             op.plan_decode(**base, page_size=4, num_pages=num_pages)
+    for num_pages in (0, -3, 4):  # without page_size (a dense plan) it was dropped silently
+        with pytest.raises(OpInputError, match="^num_pages: expected None for a dense cache"):
+            op.plan_decode(**base, num_pages=num_pages)
     for device in ("xla", "mps", "meta"):
         with pytest.raises(OpInputError, match="device: expected 'cpu' or a CUDA device"):
             op.plan_decode(**{**base, "device": device})
