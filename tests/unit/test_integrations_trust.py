@@ -126,3 +126,26 @@ def test_sdpa_hook_falls_back_for_anything_the_op_refuses():
     assert got == "torch's kernel"
     out = fg_sdpa.sdpa_flash_forward(q, k, k, 0.0, False, False, scale=0.1, require_cuda=False)
     assert out[0].shape == (1, 2, 5, 64)
+
+
+def test_sdpa_backward_falls_back_for_anything_the_op_refuses(monkeypatch):
+    """The forward fell back to torch's kernel on any OpInputError of the op, the backward
+    did not: a refusal of flashgen's backward reached the caller's ``loss.backward()``.
+    Both directions now answer with torch's kernel (stood in by an op whose backward
+    refuses every call)."""
+    import types
+
+    def refuse(*args, **kwargs):
+        raise OpInputError("q: a refusal of the op's backward")
+
+    stub = types.SimpleNamespace(backward=types.SimpleNamespace(cpu=refuse, cuda=refuse))
+    monkeypatch.setattr(fg_sdpa, "_op", lambda *args: stub)
+    q, k, v = (_rnd(1, 2, 5, 64, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    o, lse = q.clone(), torch.zeros(1, 2, 5)
+    got = fg_sdpa.sdpa_flash_backward(q, q, k, v, o, lse, None, None, 5, 5, 0.0, False, None,
+                                      None, scale=0.1, fallback=lambda *a, **kw: "torch's",
+                                      require_cuda=False)  # fmt: skip
+    assert got == "torch's"
+    with pytest.raises(RuntimeError, match="cannot serve this call: q: a refusal"):
+        fg_sdpa.sdpa_flash_backward(q, q, k, v, o, lse, None, None, 5, 5, 0.0, False, None,
+                                    None, scale=0.1, require_cuda=False)  # fmt: skip
