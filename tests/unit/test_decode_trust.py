@@ -272,6 +272,34 @@ def test_with_kvcache_refuses_inputs_that_require_grad(tmp_path):
     assert not o.requires_grad
 
 
+def test_the_registered_decode_ops_refuse_inputs_that_require_grad(tmp_path):
+    """The torch ops under ``with_kvcache`` (``torch.ops.flashgen.<name>__with_kvcache*``,
+    named in docs/serving.md) had no autograd kernel: torch's fallback gave an ``o`` that
+    required grad and ``q.grad`` None after ``backward()`` (a deprecation warning only).
+    They refuse at the call now, naming the argument, before the append writes."""
+    from flashgen.ops.decode.op import decode_op
+
+    op = _load(tmp_path, "trust_grad_ops")
+    dop = decode_op(op)
+    kc, vc = _paged()
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16)
+    kn, vn = (torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    scale = 64**-0.5
+    with pytest.raises(OpInputError, match="^q: expected a tensor that does not require grad"):
+        dop.torch_op(False)(q.clone().requires_grad_(), kc, vc, lens, table, scale, 0)
+    before = (kc.clone(), vc.clone())
+    with pytest.raises(OpInputError, match="^v_new: expected a tensor that does not require"):
+        dop.torch_op(True)(q, kc, vc, lens, table, kn, vn.clone().requires_grad_(), scale, 0)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    with torch.no_grad():  # serving code: fine, and the same answer as with_kvcache
+        o, _ = dop.torch_op(False)(q.clone().requires_grad_(), kc, vc, lens, table, scale, 0)
+    assert not o.requires_grad
+    assert torch.equal(o, op.with_kvcache(q, kc, vc, lens, block_table=table)[0])
+
+
 # ----------------------------------------------------------------------------- item 5
 def test_a_param_indexed_out_of_range_writes_nothing(tmp_path):
     """``w[h]`` on a ``[2]`` param with 4 heads: the CPU path raised ``IndexError`` after

@@ -251,6 +251,10 @@ class DecodeOp(DecodePlanning):
                             f"flashgen::{name}", functools.partial(self._impl_fake, *form),
                             lib=lib,
                         )  # fmt: skip
+                        target = getattr(torch.ops.flashgen, name).default
+                        names = tuple(a.name for a in target._schema.arguments)
+                        lib.impl(name, functools.partial(_refuse_grad_autograd, target, names),
+                                 "Autograd", with_keyset=True)  # fmt: skip
             self._registered = True
 
     def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
@@ -745,6 +749,18 @@ def _refuse_grad(**tensors) -> None:
                 f"backward: it serves inference), got one with requires_grad=True; detach it "
                 f"or call under torch.no_grad() / torch.inference_mode()"
             )
+
+
+def _refuse_grad_autograd(op, names: tuple, keyset, *args):
+    """The Autograd kernel of the registered decode op ``op`` (no backward: serving; ``names``:
+    its schema's argument names): with grad enabled, an argument that requires grad is
+    refused at the call, naming it (:func:`_refuse_grad`), before anything runs or is
+    written; torch's fallback would give a result that looks differentiable and a
+    ``q.grad`` of None after ``backward()``.  Else the call goes on below autograd."""
+    if torch.is_grad_enabled():
+        _refuse_grad(**dict(zip(names, args, strict=False)))
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
 def latent_values(spec, t):
