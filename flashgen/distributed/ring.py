@@ -641,6 +641,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         q, k, v, o, lse = ctx.saved_tensors
         plan = ctx.plan
+        # before any collective: a reload of the edited spec replaced the op on every rank
+        # that loaded it alike (its backward operator is the new spec's)
+        plan.op._check_live()
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         bwd = _ring_backward if plan.mode == "ring" else _allgather_backward

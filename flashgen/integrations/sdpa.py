@@ -215,5 +215,12 @@ def sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, 
     q, k, v, o, dout = (_last_contiguous(t) for t in (query, key, value, out, grad_out))
     impl = op.backward.cuda if q.is_cuda else op.backward.cpu
     deterministic = torch.are_deterministic_algorithms_enabled()
-    with torch.no_grad():
-        return impl(dout, q, k, v, o, logsumexp, None, float(scale), deterministic)[:3]
+    try:  # anything else the op refuses (it validates before it launches): torch's kernel
+        with torch.no_grad():
+            return impl(dout, q, k, v, o, logsumexp, None, float(scale), deterministic)[:3]
+    except OpInputError as e:
+        if fallback is None:
+            raise RuntimeError(f"flashgen SDPA flash backward cannot serve this call: {e}") from e
+        return fallback(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                        max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset,
+                        scale=scale)  # fmt: skip

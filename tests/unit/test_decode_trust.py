@@ -38,6 +38,9 @@ def test_plan_decode_refuses_bad_page_counts_and_unknown_devices(tmp_path):
     for num_pages in (0, -3, 2.0, True):
         with pytest.raises(OpInputError, match="num_pages"):
             op.plan_decode(**base, page_size=4, num_pages=num_pages)
+    for num_pages in (0, -3, 4):  # without page_size (a dense plan) it was dropped silently
+        with pytest.raises(OpInputError, match="^num_pages: expected None for a dense cache"):
+            op.plan_decode(**base, num_pages=num_pages)
     for device in ("xla", "mps", "meta"):
         with pytest.raises(OpInputError, match="device: expected 'cpu' or a CUDA device"):
             op.plan_decode(**{**base, "device": device})
@@ -120,6 +123,81 @@ def test_interleaved_views_of_one_kv_buffer_may_append(tmp_path):
     assert torch.equal(kv[:, 0], kc) and torch.equal(kv[:, 1], vc)
 
 
+def _faked_fast_plan(monkeypatch, op, dims):
+    """A plan whose fast path runs on CPU tensors standing in for CUDA ones, the driver
+    faked (as tests/unit/test_decode.py's fast-path tests do); the list of launches."""
+    import types
+
+    from flashgen.families import decode as family
+    from flashgen.ops import calls as calls_mod
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode import op as dmod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    launches = []
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(fn, *args):
+            launches.append(fn)
+            return 0
+
+    monkeypatch.setattr(tma, "driver", lambda: Driver)
+    monkeypatch.setattr(dfast, "_eager_cuda", dfast._plain_eager_fast)
+    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90")
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
+                                    function=types.SimpleNamespace(ptr=11 + i), device_index=0)
+            for i, r in enumerate(("attn", "append"))}  # fmt: skip
+    plan = dop.plan_for(dims, torch.device("cpu"), 1)
+    plan.kernels = kern
+    plan.fast = dfast._FastPath(dop, plan)
+    return plan, launches
+
+
+def test_a_planned_call_refuses_aliased_memory_on_every_call(tmp_path, monkeypatch):
+    """The planned fast path validated a call layout (shapes, strides, dtypes) once and
+    then only swapped addresses: a later call of the same layout with ``k_cache is
+    v_cache``, or an ``out`` that is a view of the cache, appended v_new over the keys or
+    wrote o into the cache.  Each call's addresses are checked now (the general path names
+    the overlap); the interleaved halves of one KV buffer stay on the fast path."""
+    from flashgen.ops.decode.inputs import DecodeDims
+
+    op = flashgen.load("llama3_gqa")
+    b, hq, hkv, ps, pages = 2, 8, 2, 16, 8
+    plan, launches = _faked_fast_plan(
+        monkeypatch, op, DecodeDims(b, hq, hkv, 1, 128, True, pages, ps, 4, True)
+    )
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(b, hq, 1, 128, generator=g).to(torch.bfloat16)
+    kv = torch.zeros(pages, 2, ps, hkv, 128, dtype=torch.bfloat16)  # FlashInfer's layout
+    kc, vc = kv[:, 0], kv[:, 1]
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    kn, vn = (torch.randn(b, hkv, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+
+    def call(k_cache, v_cache, **kw):
+        return op.with_kvcache(q, k_cache, v_cache, lens, block_table=table, k_new=kn,
+                               v_new=vn, plan=plan, **kw)  # fmt: skip
+
+    for _ in range(2):  # apart: the fast path launches the append and the attention
+        call(kc, vc)
+    assert len(launches) == 4
+    same = torch.zeros(pages, 2, ps, hkv, 128, dtype=torch.bfloat16)[:, 0]  # kc's layout
+    with pytest.raises(OpInputError, match=r"v_cache: expected memory apart from k_cache"):
+        call(same, same)
+    assert len(launches) == 4  # nothing was launched (the faked kernels write nothing)
+    out = (torch.empty(b, hq, 1, 128, dtype=torch.bfloat16), torch.empty(b, hq, 1))
+    call(kc, vc, out=out)
+    into = (kv.view(-1)[: out[0].numel()].view(out[0].shape), out[1])  # out's layout
+    with pytest.raises(OpInputError, match=r"out\[0\]: expected memory that no input shares"):
+        call(kc, vc, out=into)
+    assert len(launches) == 6
+
+
 @pytest.mark.parametrize(
     "lens, table, why",
     [
@@ -194,6 +272,34 @@ def test_with_kvcache_refuses_inputs_that_require_grad(tmp_path):
     assert not o.requires_grad
 
 
+def test_the_registered_decode_ops_refuse_inputs_that_require_grad(tmp_path):
+    """The torch ops under ``with_kvcache`` (``torch.ops.flashgen.<name>__with_kvcache*``,
+    named in docs/serving.md) had no autograd kernel: torch's fallback gave an ``o`` that
+    required grad and ``q.grad`` None after ``backward()`` (a deprecation warning only).
+    They refuse at the call now, naming the argument, before the append writes."""
+    from flashgen.ops.decode.op import decode_op
+
+    op = _load(tmp_path, "trust_grad_ops")
+    dop = decode_op(op)
+    kc, vc = _paged()
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([3, 2], dtype=torch.int32)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16)
+    kn, vn = (torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    scale = 64**-0.5
+    with pytest.raises(OpInputError, match="^q: expected a tensor that does not require grad"):
+        dop.torch_op(False)(q.clone().requires_grad_(), kc, vc, lens, table, scale, 0)
+    before = (kc.clone(), vc.clone())
+    with pytest.raises(OpInputError, match="^v_new: expected a tensor that does not require"):
+        dop.torch_op(True)(q, kc, vc, lens, table, kn, vn.clone().requires_grad_(), scale, 0)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    with torch.no_grad():  # serving code: fine, and the same answer as with_kvcache
+        o, _ = dop.torch_op(False)(q.clone().requires_grad_(), kc, vc, lens, table, scale, 0)
+    assert not o.requires_grad
+    assert torch.equal(o, op.with_kvcache(q, kc, vc, lens, block_table=table)[0])
+
+
 # ----------------------------------------------------------------------------- item 5
 def test_a_param_indexed_out_of_range_writes_nothing(tmp_path):
     """``w[h]`` on a ``[2]`` param with 4 heads: the CPU path raised ``IndexError`` after
@@ -212,6 +318,29 @@ def test_a_param_indexed_out_of_range_writes_nothing(tmp_path):
     ok = _load(tmp_path, "trust_param_index_ok", text=text.replace(
         "trust_param_index", "trust_param_index_ok").replace("[2]", "[4]"))  # fmt: skip
     call, (q, kn, vn, lens) = _append_call(ok, kc, vc, table, [3], hq=4, hkv=4, w=torch.zeros(4))
+    call()
+    assert torch.equal(kc[0, 3], kn[0, :, 0]) and torch.equal(vc[0, 3], vn[0, :, 0])
+
+
+def test_a_param_indexed_by_a_tensors_values_out_of_range_writes_nothing(tmp_path):
+    """``w[ids[b]]``: an index that reads a tensor cannot be bounded from the sizes, so the
+    CPU path appended first and the reference's refusal (``w[5]`` on a ``[2]`` param) came
+    after ``k_new`` / ``v_new`` were in the cache.  Now the call runs on copies first; an
+    in-range call appends as before."""
+    text = ("name: trust_param_gather\nhead_dim: 64\ndtype: bf16\nmask: causal\n"
+            "score_mod: score + w[ids[b]]\nparams:\n  w: {type: f32, shape: [2]}\n"
+            "  ids: {type: i32, shape: [batch]}\n")  # fmt: skip
+    op = _load(tmp_path, "trust_param_gather", text=text)
+    kc, vc = _paged()
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    before = (kc.clone(), vc.clone())
+    ids = torch.tensor([5], dtype=torch.int32)
+    call, _ = _append_call(op, kc, vc, table, [3], w=torch.zeros(2), ids=ids)
+    with pytest.raises(OpInputError, match=r"^w: .*indexed outside its shape"):
+        call()
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    ids = torch.tensor([1], dtype=torch.int32)
+    call, (q, kn, vn, lens) = _append_call(op, kc, vc, table, [3], w=torch.zeros(2), ids=ids)
     call()
     assert torch.equal(kc[0, 3], kn[0, :, 0]) and torch.equal(vc[0, 3], vn[0, :, 0])
 

@@ -48,6 +48,9 @@ def test_gpt_oss_keeps_the_flashgen_implementation_offline(monkeypatch):
 
     monkeypatch.setattr(hub, "load_and_register_attn_kernel", no_network)
     fg_hf.register()
+    ran = []  # flashgen's attention function picks its op here: it ran, not another
+    monkeypatch.setattr(fg_hf, "op_for", lambda key, _op_for=fg_hf.op_for: ran.append(key)
+                        or _op_for(key))  # fmt: skip
     cfg, model = _gpt_oss()
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -56,13 +59,24 @@ def test_gpt_oss_keeps_the_flashgen_implementation_offline(monkeypatch):
         want = [model(input_ids=ids).logits, model(input_ids=ids, attention_mask=mask).logits]
     model.set_attn_implementation("flashgen")
     assert model.config._attn_implementation == "flashgen"
+    assert not ran
     with torch.no_grad():
         got = [model(input_ids=ids).logits, model(input_ids=ids, attention_mask=mask).logits]
+    assert len(ran) == 2 * 2 and all(key.sink for key in ran)  # 2 layers, 2 calls, sinks
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1][0], want[1][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1][1, 3:], want[1][1, 3:], rtol=1e-4, atol=1e-4)
     built = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flashgen")
     assert built.config._attn_implementation == "flashgen"
+    model.set_attn_implementation("eager")  # generation (a KV cache: Sq < Sk) matches too
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                              do_sample=False)  # fmt: skip
+        model.set_attn_implementation("flashgen")
+        ran.clear()
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                             do_sample=False)  # fmt: skip
+    assert torch.equal(got, want) and len(ran) == 2 * 4
     # other names keep transformers' own behaviour: the model's flash kernel list applies
     assert type(built)._compatible_flash_implementations[0].startswith("kernels-community/")
 
@@ -126,3 +140,26 @@ def test_sdpa_hook_falls_back_for_anything_the_op_refuses():
     assert got == "torch's kernel"
     out = fg_sdpa.sdpa_flash_forward(q, k, k, 0.0, False, False, scale=0.1, require_cuda=False)
     assert out[0].shape == (1, 2, 5, 64)
+
+
+def test_sdpa_backward_falls_back_for_anything_the_op_refuses(monkeypatch):
+    """The forward fell back to torch's kernel on any OpInputError of the op, the backward
+    did not: a refusal of flashgen's backward reached the caller's ``loss.backward()``.
+    Both directions now answer with torch's kernel (stood in by an op whose backward
+    refuses every call)."""
+    import types
+
+    def refuse(*args, **kwargs):
+        raise OpInputError("q: a refusal of the op's backward")
+
+    stub = types.SimpleNamespace(backward=types.SimpleNamespace(cpu=refuse, cuda=refuse))
+    monkeypatch.setattr(fg_sdpa, "_op", lambda *args: stub)
+    q, k, v = (_rnd(1, 2, 5, 64, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    o, lse = q.clone(), torch.zeros(1, 2, 5)
+    got = fg_sdpa.sdpa_flash_backward(q, q, k, v, o, lse, None, None, 5, 5, 0.0, False, None,
+                                      None, scale=0.1, fallback=lambda *a, **kw: "torch's",
+                                      require_cuda=False)  # fmt: skip
+    assert got == "torch's"
+    with pytest.raises(RuntimeError, match="cannot serve this call: q: a refusal"):
+        fg_sdpa.sdpa_flash_backward(q, q, k, v, o, lse, None, None, 5, 5, 0.0, False, None,
+                                    None, scale=0.1, require_cuda=False)  # fmt: skip

@@ -130,8 +130,31 @@ def test_every_entry_point_of_a_replaced_op_raises(tmp_path):
         "family_for": lambda: old.family_for((9, 0)),
         "with_options": lambda: old.with_options(opmod.Options(family="fa2")),
         "torch_op": lambda: old.torch_op,
+        "block_mask": lambda: old.block_mask(4, 8, device="cpu"),
+        "kernel": lambda: old.kernel(torch.device("cpu")),
     }
     for what, call in calls.items():
         with pytest.raises(RuntimeError, match="reloaded the edited spec"):
             call()
             pytest.fail(f"{what} ran on a replaced op")
+
+
+def test_the_backward_of_a_replaced_ops_result_raises(tmp_path):
+    """A result the old op computed before the reload still has its autograd node, whose
+    backward looked the backward operator up by name: the new spec's.  A causal forward
+    edited to ``mask: null`` got the unmasked spec's gradients (off by up to 65 here),
+    silently.  That backward now raises the replaced op's error, padded and varlen."""
+    path = tmp_path / "reload_grad.yaml"
+    path.write_text(SPEC.format(name="reload_grad", mask="q_idx >= kv_idx"))
+    old = flashgen.load(path)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    o, _ = old.attention(q, k, v)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    ov, _ = old.varlen.attention(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 16, 16)
+    path.write_text("name: reload_grad\nhead_dim: 64\ndtype: bf16\n")  # mask: null
+    flashgen.load(path)
+    for what, result in (("padded", o), ("varlen", ov)):
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            result.float().sum().backward()
+            pytest.fail(f"the {what} backward of a replaced op ran")
+    assert q.grad is None and k.grad is None

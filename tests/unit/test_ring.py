@@ -234,6 +234,41 @@ def test_ranks_that_disagree_or_raise_anything_raise_on_every_rank():
     mp.spawn(_disagree_worker, args=(2, _port()), nprocs=2)
 
 
+def _replaced_worker(rank, world, port, tmp):
+    """Issue 38, item 2, across ranks: a result ring_attention computed before every rank
+    reloaded the edited spec has a backward that would run the new spec's backward
+    operator; it raises the replaced op's error on every rank, before any collective."""
+    import datetime
+
+    import flashgen
+    from flashgen.distributed import ring_attention
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    path = Path(tmp) / f"ring_reload_{rank}.yaml"
+    path.write_text("name: ring_reload\nhead_dim: 64\ndtype: bf16\nmask: causal\n")
+    try:
+        op = flashgen.load(path)
+        q = torch.randn(1, 2, 8, 64, requires_grad=True)
+        o, _ = ring_attention(op, q, q, q)
+        path.write_text("name: ring_reload\nhead_dim: 64\ndtype: bf16\n")  # mask: null
+        assert flashgen.load(path).offsets is not None  # the new spec's operators registered
+        with pytest.raises(RuntimeError, match="reloaded the edited spec"):
+            o.sum().backward()
+            pytest.fail("the ring backward of a replaced op ran")
+        assert q.grad is None
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_backward_of_a_replaced_ops_ring_result_raises_on_every_rank(tmp_path):
+    mp.spawn(_replaced_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+
+
 def test_shard_sequence_refuses_ranks_outside_the_world():
     """Issue 38, item 13: ``rank=-1`` returned rank 1's rows (Python's negative index),
     ``rank == world_size`` rows past the sequence in zigzag, ``world_size=0`` a

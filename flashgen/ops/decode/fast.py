@@ -165,10 +165,11 @@ class _FastPath:
     (packed per call; q's rows, hence o's and lse's shapes, are part of the layout) and
     ``max_seqlen_q`` None (the plan's) or at most the plan's.  Per thread state:
     concurrent threads keep their own blocks.  Everything a call reads is bound once here
-    (no per-call module or attribute lookups beyond the tensors').  The caller's contract
-    (not checked per call, so that a call stays capturable and cheap): the slot rule of an
-    append and memory apart between the caches, k_new / v_new and ``out`` (checked from the
-    first call of a layout's addresses only; see ``DecodeOp.with_kvcache``)."""
+    (no per-call module or attribute lookups beyond the tensors').  Memory apart between
+    the caches, k_new / v_new and ``out`` is checked on every call from the addresses
+    (:meth:`_apart`: a few comparisons; the layout fixes the extents).  The caller's
+    contract (it would read values: not checked per call, so that a call stays capturable
+    and cheap): the slot rule of an append (see ``DecodeOp.with_kvcache``)."""
 
     def __init__(self, dop: PlanOwner, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
@@ -191,6 +192,7 @@ class _FastPath:
         self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
         d = plan.dims
         self.ragged = d.ragged
+        self.v_from_k = dop.spec.v_from_k
         # a padded plan's outputs (a ragged plan's follow q's rows: the layout's, in _prepare)
         self.o_shape = (d.batch, d.heads_q, d.seqlen_q, d.head_dim_v)
         self.lse_shape = (d.batch, d.heads_q, d.seqlen_q)
@@ -279,16 +281,31 @@ class _FastPath:
         q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
             return None  # an unaligned base: the general path copies q or refuses the cache
-        if out is None:
+        lens_ptr = lens.data_ptr()
+        table_ptr = 0 if table is None else table.data_ptr()
+        cu_ptr = 0 if cu is None else cu.data_ptr()
+        kn_ptr = vn_ptr = 0
+        if k_new is not None:
+            kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
+            if (kn_ptr | vn_ptr) & 15:
+                return None
+        if out is None:  # new buffers: apart from every input
             dev = q.device
             o = self._empty(st.o_shape, dtype=self.o_dtype, device=dev)
             lse = self._empty(st.lse_shape, dtype=self._f32, device=dev)
             out = (o, lse)
-        o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+            o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+        else:
+            o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
         if (o_ptr & 7) | (lse_ptr & 3):
             return None  # the kernel stores o 8 bytes at a time
-        lens_ptr = lens.data_ptr()
-        table_ptr = 0 if table is None else table.data_ptr()
+        if st.pairs:  # an append or out=: the addresses must keep the memory apart
+            ptrs = (q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, lens_ptr, table_ptr, cu_ptr, o_ptr,
+                    lse_ptr)  # fmt: skip
+            if tensors:
+                ptrs += tuple(t.data_ptr() for t in tensors)
+            if ptrs != st.apart and not self._apart(st, kc, vc, ptrs):
+                return None  # memory that may overlap: the general path names it (or runs it)
         buf = st.attn_buf
         if self.kv8:
             self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr,
@@ -298,14 +315,10 @@ class _FastPath:
         for name, t in zip(self.tensor_names, tensors, strict=False):
             self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
         if cu is not None:
-            cu_ptr = cu.data_ptr()
             self.attn_layout.field(buf, "cu_seqlens_q", cu_ptr)
         stream = self._raw_stream(self.index)
         launch = self._cu_launch
         if k_new is not None:
-            kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
-            if (kn_ptr | vn_ptr) & 15:
-                return None
             self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
             if cu is not None:
                 self.app_layout.field(st.app_buf, "cu_seqlens_q", cu_ptr)
@@ -316,6 +329,57 @@ class _FastPath:
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernel(decode attention) failed: CUresult {rc}")
         return out
+
+    def _apart(self, st, kc, vc, ptrs: tuple) -> bool:
+        """Whether this call's memory is apart as the general path requires (issue 38, item
+        3; :func:`~flashgen.ops.decode.inputs.check_aliasing` and ``check_out``), from the
+        addresses alone: the layout fixes every extent (``st.spans``, bytes from each
+        tensor's address), so the test is a few comparisons per call.  ``ptrs``: q, k_cache,
+        v_cache, k_new, v_new, cache_seqlens, block_table, cu_seqlens_q, o, lse, then the
+        tensor params (0 for an absent one).  An append's k_cache and v_cache are compared
+        exactly (:func:`~flashgen.ops.out_arg.shares_memory`: the interleaved halves of one
+        KV buffer are apart) once per pair of addresses; the other pairs
+        (``st.pairs``: k_new / v_new with the caches they are written into, ``out`` with
+        every input) by their hulls, as ``check_out``.  False: the general path checks the
+        call exactly and raises or runs it."""
+        if st.kv_exact and (ptrs[1], ptrs[2]) != st.kv_apart:
+            from flashgen.ops.out_arg import shares_memory
+
+            if shares_memory(kc, vc):
+                return False
+            st.kv_apart = (ptrs[1], ptrs[2])
+        spans = st.spans
+        for i, j in st.pairs:
+            a, b = ptrs[i], ptrs[j]
+            if a < b + spans[j] and b < a + spans[i]:
+                return False
+        st.apart = ptrs  # the next call with these addresses skips the comparisons
+        return True
+
+    def _guard(self, st, q, kc, vc, lens, table, k_new, v_new, out, cu, tensors) -> None:
+        """Set ``st``'s per-call memory check (:meth:`_apart`) for a layout just validated:
+        the byte extent of each tensor from its address and the pairs to compare (those of
+        non-empty tensors only); ``kv_apart``: the cache addresses the validation found
+        apart."""
+        from flashgen.ops.out_arg import _span
+
+        o, lse = (None, None) if out is None else out
+        ts = (q, kc, vc, k_new, v_new, lens, table, cu, o, lse, *tensors)
+        st.spans = tuple(
+            0 if t is None or _span(t) is None else _span(t)[1] - _span(t)[0] for t in ts
+        )
+        pairs = []
+        if k_new is not None:  # what the append writes, against what it reads from
+            written = (1,) if self.v_from_k else (1, 2)
+            news = (3,) if self.v_from_k else (3, 4)
+            pairs += [(n, c) for n in news for c in written]
+        if out is not None:  # o and lse, against each other and every input
+            ins = [0, 1, 2, 3, 4, 5, 6, 7, *range(10, len(ts))]
+            pairs += [(8, 9)] + [(x, i) for x in (8, 9) for i in ins]
+        st.pairs = tuple((i, j) for i, j in pairs if st.spans[i] and st.spans[j])
+        st.kv_exact = k_new is not None and not self.v_from_k
+        st.kv_apart = (kc.data_ptr(), vc.data_ptr())
+        st.apart = None
 
     def _prepare(self, st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
                  out=None, cu=None, max_seqlen_q=None, k_descale=None,
@@ -355,6 +419,7 @@ class _FastPath:
         if cu is not None:
             values["cu_seqlens_q"] = cu
         st.o_shape, st.lse_shape = o_shape, lse_shape
+        self._guard(st, q, kc, vc, lens, table, k_new, v_new, out, cu, list(tmap.values()))
         self.attn_layout.pack(st.attn_buf, values)
         if k_new is not None:
             self.app_layout.pack(st.app_buf, dop.append_values(values, k_new, v_new))
@@ -368,5 +433,8 @@ class _FastState:
     def __init__(self, attn_layout, app_layout):
         self.key = None
         self.o_shape = self.lse_shape = None  # the outputs of the layout in ``key``
+        # the per-call memory check of that layout (_FastPath._guard, _FastPath._apart)
+        self.spans, self.pairs, self.kv_exact, self.kv_apart = (), (), False, None
+        self.apart = None  # the last addresses _apart passed
         self.attn_buf, self.attn_params = attn_layout.new_block()
         self.app_buf, self.app_params = app_layout.new_block()

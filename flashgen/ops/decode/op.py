@@ -183,7 +183,7 @@ class DecodeOp(DecodePlanning):
         self.v_from_k = op.spec.v_from_k
         self._units: dict = {}
         self._live: dict = {}
-        self._bounds: dict = {}  # _index_violations' memo
+        self._bounds: dict = {}  # _reads_inside's memo
         self._lock = threading.Lock()
         self._registered = False
         self.reason = family.unsupported_reason(self.spec)
@@ -251,6 +251,10 @@ class DecodeOp(DecodePlanning):
                             f"flashgen::{name}", functools.partial(self._impl_fake, *form),
                             lib=lib,
                         )  # fmt: skip
+                        target = getattr(torch.ops.flashgen, name).default
+                        names = tuple(a.name for a in target._schema.arguments)
+                        lib.impl(name, functools.partial(_refuse_grad_autograd, target, names),
+                                 "Autograd", with_keyset=True)  # fmt: skip
             self._registered = True
 
     def torch_op(self, append: bool, ragged: bool = False, kv8: bool = False):
@@ -354,10 +358,11 @@ class DecodeOp(DecodePlanning):
                 m = re.search(r"tensor param '(\w+)'", str(e))
                 raise OpInputError(f"{m.group(1) if m else 'params'}: {e}") from None
 
-        if append and self._index_violations(dims, a.scalars):
-            # a read may leave its tensor at these sizes, and only the reference can tell
-            # whether a kept pair does: run the call on copies of the caches first, so a
-            # refused call writes nothing (issue 38, item 5), then append for real
+        if append and not self._reads_inside(dims, a.scalars):
+            # a read may leave its tensor at these sizes (or its index reads a tensor), and
+            # only the reference can tell whether a kept pair does: run the call on copies of
+            # the caches first, so a refused call writes nothing (issue 38, item 5), then
+            # append for real
             ro, rl = run(a.kc.clone(), a.vc.clone())
             write(a.kc, a.vc)
         else:
@@ -381,22 +386,23 @@ class DecodeOp(DecodePlanning):
                             a.scalars, a.tensors, cu_seqlens_q=a.cu, dims=dims,
                             scales=scales)  # fmt: skip
 
-    def _index_violations(self, dims: DecodeDims, scalars) -> list[str]:
-        """:func:`~flashgen.analysis.indexbounds.possible_violations` of the spec's
-        tensor-param reads at the call's sizes (Sq_new queries, at most the cache's capacity
-        of keys) and scalar values: the reads that may leave their tensor.  Memoized per
-        sizes and values; empty (and free) for a spec without tensor params."""
+    def _reads_inside(self, dims: DecodeDims, scalars) -> bool:
+        """Whether every tensor-param read of the spec is proven inside its tensor at the
+        call's sizes (Sq_new queries, at most the cache's capacity of keys) and scalar
+        values (:func:`~flashgen.analysis.indexbounds.all_reads_inside`: none may leave it,
+        none is indexed by a tensor's values).  Memoized per sizes and values; True (and
+        free) for a spec without tensor params."""
         if not self.spec.tensor_params:
-            return []
+            return True
         values = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in scalars)
         key = (dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.capacity, values)
         hit = self._bounds.get(key)
         if hit is None:
-            from flashgen.analysis.indexbounds import possible_violations
+            from flashgen.analysis.indexbounds import all_reads_inside
 
             sym = {**dims.symbols(), "seqlen_q": dims.seqlen_q, "seqlen_k": dims.capacity}
             named = {p.name: v for p, v in zip(self.spec.scalar_params, values, strict=True)}
-            hit = possible_violations(self.spec, sym, named)
+            hit = all_reads_inside(self.spec, sym, named)
             if len(self._bounds) >= 1024:
                 self._bounds.clear()
             self._bounds[key] = hit
@@ -450,14 +456,15 @@ class DecodeOp(DecodePlanning):
         Aliasing (issue 38): with ``k_new`` / ``v_new``, the caches must not share memory with
         each other (``k_cache is v_cache``) nor with ``k_new`` / ``v_new``, and a cache's
         elements must have their own memory (no expanded, stride-0 cache): refused from
-        metadata on every device.  The slot rule: the cache slots the call appends to
+        metadata on every device, on every call (a planned call's fast path compares the
+        addresses).  The slot rule: the cache slots the call appends to
         (request b's keys ``[cache_seqlens[b], cache_seqlens[b] + Sq_b)`` through its
         ``block_table`` row) are pairwise distinct and hold no other key the call reads
         (any request's ``[0, cache_seqlens[b'] + Sq_b')``); pages shared read-only (a common
         prefix) are fine.  Checked from values with the other value checks (always on CPU;
         on CUDA under :func:`~flashgen.ops.validation.check_enabled`); a planned call's fast
-        path (``plan=``, graph capturable) checks neither values nor, after the first call
-        of a layout, addresses: there both are the caller's contract.  Nothing is written
+        path (``plan=``, graph capturable) reads no values: there the slot rule is the
+        caller's contract.  Nothing is written
         before every check of the call has passed (on CPU a tensor param indexed outside
         its shape at a kept pair is an :class:`OpInputError` naming it, the cache as it was).
 
@@ -742,6 +749,18 @@ def _refuse_grad(**tensors) -> None:
                 f"backward: it serves inference), got one with requires_grad=True; detach it "
                 f"or call under torch.no_grad() / torch.inference_mode()"
             )
+
+
+def _refuse_grad_autograd(op, names: tuple, keyset, *args):
+    """The Autograd kernel of the registered decode op ``op`` (no backward: serving; ``names``:
+    its schema's argument names): with grad enabled, an argument that requires grad is
+    refused at the call, naming it (:func:`_refuse_grad`), before anything runs or is
+    written; torch's fallback would give a result that looks differentiable and a
+    ``q.grad`` of None after ``backward()``.  Else the call goes on below autograd."""
+    if torch.is_grad_enabled():
+        _refuse_grad(**dict(zip(names, args, strict=False)))
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
 def latent_values(spec, t):

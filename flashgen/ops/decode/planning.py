@@ -116,6 +116,11 @@ class DecodePlanning:
                 raise OpInputError(f"cache_dtype: {why}")
             kv_dtype = "fp8_e4m3"
         paged = page_size is not None
+        if not paged and num_pages is not None:  # a dense plan would drop it without a word
+            raise OpInputError(
+                f"num_pages: expected None for a dense cache (num_pages goes with page_size, a "
+                f"paged cache), got {num_pages!r} without page_size"
+            )
         if paged:
             if (
                 isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1

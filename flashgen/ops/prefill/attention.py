@@ -140,7 +140,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         """Raise ``RuntimeError`` if a reload of the edited spec replaced this op (every
         entry point asks: :meth:`attention`, :meth:`with_kvcache`, :meth:`plan_decode`, a
         plan's fast path, :attr:`varlen`, :attr:`offsets`, :meth:`block_mask`,
-        :meth:`kernel`, :meth:`family_for`, :meth:`with_options`)."""
+        :meth:`kernel`, :meth:`family_for`, :meth:`with_options`, and the backward of a result
+        it computed before the reload)."""
         if self._replaced_by is not None:
             raise RuntimeError(
                 f"op {self.qualname} was replaced when flashgen.load reloaded the edited spec "

@@ -409,7 +409,9 @@ class Backward:
 
     def grads(self, ctx, grad_o, grad_lse) -> tuple:
         """dq, dk, dv and ``{param: gradient}`` (the flags in ``ctx.param_grads``) of the
-        saved forward: one call of the backward op."""
+        saved forward: one call of the backward op.  ``RuntimeError`` if a reload of the
+        edited spec replaced the op since its forward (that operator is the new spec's)."""
+        self.op._check_live()
         q, k, v, o, lse, *tensors = ctx.saved_tensors
         if grad_o is None:
             grad_o = torch.zeros_like(o)

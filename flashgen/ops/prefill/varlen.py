@@ -608,7 +608,9 @@ class VarlenBackward(Backward):
         ctx.deterministic = bool((keyword_only_inputs or {}).get("deterministic", False))
 
     def grads(self, ctx, grad_o, grad_lse) -> tuple:
-        """dq, dk, dv and ``{param: gradient}`` of the saved forward (as the padded op's)."""
+        """dq, dk, dv and ``{param: gradient}`` of the saved forward (as the padded op's;
+        ``RuntimeError`` for a replaced op)."""
+        self.op._check_live()
         q, k, v, o, lse, cq, ck, *tensors = ctx.saved_tensors
         if grad_o is None:
             grad_o = torch.zeros_like(o)
