@@ -10,6 +10,8 @@ Kernel ABI (every forward kernel, every target), in this order:
     batch heads_q heads_kv seqlen_q seqlen_k                          int
     softmax_scale                                                     float
     q_descale k_descale v_descale   fp8 specs only: const float*, contiguous [batch, heads_kv]
+              (the per-block kernel, hopper_fwd.plan(block_descale=True): q's [batch, heads_q,
+              ceil(seqlen_q/128)], k's and v's [batch, heads_kv, ceil(seqlen_k/128)])
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
@@ -201,7 +203,9 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
 def descale_args() -> list[KernelArg]:
     """``q_descale, k_descale, v_descale`` (const float*, contiguous ``[batch, heads_kv]``):
     an fp8 spec's inputs are ``x_descale[b, h_kv] * x_fp8`` (FlashAttention-3's interface);
-    the kernels fold q's and k's into the softmax scale and v's into o."""
+    the kernels fold q's and k's into the softmax scale and v's into o.  The same arguments
+    carry per-block descales to the kernel planned with ``block_descale`` (contiguous ``[batch,
+    heads, ceil(seqlen / 128)]``, heads_q for q, heads_kv for k and v)."""
     return [KernelArg(f"{x}_descale", "const float*") for x in "qkv"]
 
 

@@ -33,13 +33,15 @@ def build_forward(
     options: Options = DEFAULT,
     persistent: bool | str = False,
     sparse: bool = False,
+    block_descale: bool = False,
 ) -> tuple[KernelPlan, object, object]:
     """``(plan, cubin path, CompileReport)`` of ``spec``'s forward kernel for ``target``
     (``options``: :class:`flashgen.options.Options`, the family among them; ``persistent``:
     False or the Hopper kernel's persistent scheduler, see
     :func:`flashgen.families.hopper_fwd.plan`; ``sparse``: the tiles
     :func:`flashgen.families.registry.sparse_tiles` gives for the chosen ones are tried
-    first, where it gives any).
+    first, where it gives any; ``block_descale``: an fp8 spec's kernel that reads per-block
+    descales, :func:`flashgen.families.hopper_fwd.plan`).
 
     At each candidate's tiles, a kernel that spills (or whose wgmma instructions ptxas
     serialized: :attr:`flashgen.build.compile.CompileReport.wgmma_serialized`) is retried with
@@ -70,7 +72,7 @@ def build_forward(
             opts = _forward_variant(options, affine, mask_tiles, head_groups, warp_walk)
             plan = registry.plan_forward(
                 spec, target, opts, gpu=gpu, tiles=tiles, persistent=persistent,
-                side_terms=side_terms,
+                side_terms=side_terms, block_descale=block_descale,
             )  # fmt: skip
             source = render(plan)
             if source in tried:

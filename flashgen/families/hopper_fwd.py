@@ -28,7 +28,7 @@ from flashgen.families.common import (
 )
 from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_HEAD_DIMS
-from flashgen.frontend.ir import Spec
+from flashgen.frontend.ir import FP8_DESCALE_BLOCK, Spec
 
 #: The template this family renders.
 TEMPLATE = "sm_90/fwd.cu.j2"
@@ -117,6 +117,7 @@ class Context(ForwardContext):
     wgmma_ns: list
     fp8: bool
     fp8_transpose: str
+    fp8_block_descale: int  # rows per descale of the per-block form, 0: [B, Hkv] descales
     elem_bytes: int
     mma_k: int
     row_bytes: int
@@ -193,6 +194,7 @@ def plan(
     side_terms: bool = True,
     exact_softmax: bool = False,
     options_key: str = "",
+    block_descale: bool = False,
 ) -> KernelPlan:
     """The FA3-class plan (``templates/sm_90/fwd.cu.j2``): TMA + wgmma + warp specialization.
 
@@ -256,6 +258,21 @@ def plan(
     the FFMA, in a branch; smaller maxima keep the FFMA, whose residual is at most half an ulp
     there), and the rescale factor of the running output from the old max rounded the same
     way, so no P or factor exceeds 1 at huge logits.
+
+    ``block_descale`` (fp8 specs, a plan argument: the op picks it per call from the
+    descales' shape): the kernel reads per-block descales (``flashgen.fp8.quantize(
+    block_rows=128)``; :data:`~flashgen.frontend.ir.FP8_DESCALE_BLOCK` rows each): float32
+    ``q_descale [B, Hq, ceil(Sq / 128)]`` (one per CTA: BLOCK_M is 128; folded into the
+    softmax scale), ``k_descale`` and ``v_descale [B, Hkv, ceil(Sk / 128)]``, read by the
+    consumers per key block (BLOCK_N divides 128).  k's scales S in the softmax: without a
+    score_mod it folds into the block's max (``max * k_descale``, exact: descales are
+    positive) and into the exp2's FFMA, no instruction per element; with a score_mod (or
+    ``exact_softmax``) S is multiplied by it first.  v's folds into the running output's
+    rescale: O is kept in units of the last added block's v descale, so a block's factor is
+    ``alpha * v_descale[previous block] / v_descale[this block]`` (one division per block;
+    P stays in [0, 1] for its e4m3 rounding, as in the ``[B, Hkv]`` kernel, and no second
+    accumulator is needed), and the epilogue multiplies by the last block's.  Its kernel is
+    ``flashgen_<spec>_fwd_sm_90_bd``.
     """
     o = options
     single_walk, warp_walk = o.single_walk, o.warp_walk
@@ -272,6 +289,8 @@ def plan(
     fp8 = dt.elem_bytes == 1
     if fp8 and persistent:
         raise ValueError(f"the fp8 Hopper forward has no persistent form (got {persistent!r})")
+    if block_descale and not fp8:
+        raise ValueError(f"per-block descales are an input of fp8 specs only, not {spec.dtype}")
     stages = stages or HOPPER_STAGES
     regs = HOPPER_PERSISTENT_REGS if persistent else HOPPER_REGS
     if target != "sm_90":
@@ -368,6 +387,7 @@ def plan(
         wgmma_ns=sorted({tiles.block_n, d}),
         fp8=fp8,
         fp8_transpose=o.fp8_transpose,
+        fp8_block_descale=FP8_DESCALE_BLOCK if block_descale else 0,
         elem_bytes=elt,
         mma_k=32 // elt,
         row_bytes=row_bytes,
@@ -377,6 +397,13 @@ def plan(
         pv_full="vt_full" if fp8 else "v_full",
         pv_empty="vt_empty" if fp8 else "v_empty",
     )
+    if block_descale:
+        if tiles.block_m != FP8_DESCALE_BLOCK or FP8_DESCALE_BLOCK % tiles.block_n:
+            raise ValueError(
+                f"per-block descales ({FP8_DESCALE_BLOCK} rows) need BLOCK_M "
+                f"{FP8_DESCALE_BLOCK} and a BLOCK_N dividing it; got {tiles}"
+            )
+        ctx["kernel_name"] = ctx["kernel_name"] + "_bd"
     context = Context(**ctx)
     return KernelPlan.of(spec.name, target, TEMPLATE, tiles, smem, context, options_key, tma=tma)
 

@@ -226,13 +226,16 @@ def plan_forward(
     tiles: TileConfig | None = None,
     persistent: str | bool | None = None,
     side_terms: bool = True,
+    block_descale: bool = False,
 ) -> KernelPlan:
     """The forward plan of the family :func:`select` picks, or, with ``tiles``, of the
     family those tiles are for (warp-specialized tiles: the Hopper kernel).  ``persistent``
     (None: the route's) applies to the Hopper kernel only.  ``side_terms`` (and
     ``options.side_terms``): row / column terms; ``options.exact_softmax`` goes to the
     family's ``plan`` as it does in :func:`plan_backward`, :func:`plan_hopper_backward` and
-    :func:`plan_decode`.  Raises ``ValueError`` like the families' ``plan``."""
+    :func:`plan_decode`.  ``block_descale``: the fp8 Hopper forward that reads per-block
+    descales (:func:`flashgen.families.hopper_fwd.plan`).  Raises ``ValueError`` like the
+    families' ``plan``."""
     route = select(spec, target, "fwd", options)
     name = route.family if tiles is None else (
         "hopper_fwd" if tiles.warp_specialized else "fa2_fwd"
@@ -243,8 +246,13 @@ def plan_forward(
         return hopper_fwd.plan(
             spec, target, options.hopper_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
             persistent=route.persistent if persistent is None else persistent, options_key=key,
-            exact_softmax=options.exact_softmax,
+            exact_softmax=options.exact_softmax, block_descale=block_descale,
         )  # fmt: skip
+    if block_descale:
+        raise ValueError(
+            f"{spec.name}: per-block descales are an input of the fp8 Hopper forward only "
+            f"(the {name} family was chosen)"
+        )
     return fa2_fwd.plan(
         spec, target, options.fa2_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
         options_key=key, exact_softmax=options.exact_softmax,

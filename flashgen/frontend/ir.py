@@ -75,6 +75,10 @@ TARGETS = ("sm_80", "sm_90")
 FP8_DTYPES = ("fp8_e4m3",)
 FP8_TARGETS = ("sm_90",)
 FP8_HEAD_DIMS = (64, 128, 256)
+#: Rows of q, k and v per descale in the per-block form of an fp8 op's descales
+#: (``flashgen.fp8.quantize(block_rows=128)``): the fp8 Hopper forward's query tile (BLOCK_M)
+#: and a multiple of its key tile (BLOCK_N 64 or 128), so a tile reads one descale of each.
+FP8_DESCALE_BLOCK = 128
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 #: (head_dim, head_dim_v) of a ``v_from_k`` spec (decode only, one latent cache whose first
 #: head_dim_v columns are the values): DeepSeek-V2/V3's MLA, 512 latent + 64 rope columns.

@@ -42,8 +42,8 @@ def kernel_values(
     and the tensor params (``t_<name>``) converted to the kernel's element type and made
     contiguous; such a copy is freed after the call returns, and the caching allocator
     reuses it only in stream order, after the kernel has read it.  ``descales`` (fp8 ops):
-    ``q_descale``, ``k_descale``, ``v_descale`` float32 [B, Hkv], passed contiguous (a
-    broadcast view becomes such a copy).
+    ``q_descale``, ``k_descale``, ``v_descale`` float32 [B, Hkv] (or per block, [B, H,
+    ceil(S / 128)]), passed contiguous (a broadcast view becomes such a copy).
     """
     values = dict(
         tensors, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,

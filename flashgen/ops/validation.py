@@ -318,6 +318,23 @@ def _describe(value) -> str:
     return repr(value)
 
 
+def block_descale_shape(name: str, dims: Dims) -> list[int]:
+    """The per-block shape of descale ``name`` (:data:`DESCALE_NAMES`): ``[batch, heads_q,
+    ceil(seqlen_q / 128)]`` for ``q_descale``, ``[batch, heads_kv, ceil(seqlen_k / 128)]``
+    for ``k_descale`` and ``v_descale`` (:data:`flashgen.frontend.ir.FP8_DESCALE_BLOCK`
+    rows per descale: ``flashgen.fp8.quantize(block_rows=128)``)."""
+    rows = ir.FP8_DESCALE_BLOCK
+    if name == "q_descale":
+        return [dims.batch, dims.heads_q, -(-dims.seqlen_q // rows)]
+    return [dims.batch, dims.heads_kv, -(-dims.seqlen_k // rows)]
+
+
+def is_block_form(descales) -> bool:
+    """Whether resolved / checked descales (:func:`resolve_descales`,
+    :func:`check_descales`) are the per-block form (3-D), not ``[B, Hkv]``."""
+    return descales is not None and descales[0].dim() == 3
+
+
 def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | None:
     """:meth:`~flashgen.ops.prefill.attention.AttentionOp.attention`'s ``q_descale``, ``k_descale``,
     ``v_descale`` (``given``: name -> value or None) as the op's schema arguments.
@@ -325,11 +342,16 @@ def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | 
     For an fp8 spec (:func:`is_scaled`): three float32 ``[B, Hkv]`` tensors on ``device``
     (q's), each from None (1.0), a Python float, a 0-d or one-element float32 tensor (all
     broadcast: an expanded view, no copy) or a float32 ``[B, Hkv]`` tensor (as is, any
-    strides); query head ``h`` is dequantized with entry ``[b, h // (Hq / Hkv)]``.  For other
-    specs: None, and any descale given raises.  Raises :class:`OpInputError` naming the
-    argument, the expected and the received value for a wrong type, dtype, device or shape,
-    and for non-finite or non-positive values (:func:`check_descale_values`: Python numbers
-    and CPU tensors always, CUDA tensors when :func:`check_enabled`)."""
+    strides); query head ``h`` is dequantized with entry ``[b, h // (Hq / Hkv)]``.  When
+    any of them is a 3-D tensor, all three take the per-block form
+    (:func:`block_descale_shape`: ``[B, Hq, ceil(Sq / 128)]`` for q, ``[B, Hkv, ceil(Sk /
+    128)]`` for k and v; row ``s`` of head ``h`` takes entry ``[b, h, s // 128]``): a 3-D
+    one as is, and the others broadcast into it (a ``[B, Hkv]`` q descale repeated over the
+    query heads of each kv head).  For other specs: None, and any descale given raises.
+    Raises :class:`OpInputError` naming the argument, the expected and the received value
+    for a wrong type, dtype, device or shape, and for non-finite or non-positive values
+    (:func:`check_descale_values`: Python numbers and CPU tensors always, CUDA tensors when
+    :func:`check_enabled`)."""
     if not is_scaled(spec):
         for name in DESCALE_NAMES:
             if given.get(name) is not None:
@@ -339,26 +361,34 @@ def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | 
                     f"{_describe(given[name])}"
                 )
         return None
-    shape = (dims.batch, dims.heads_kv)
+    block = any(
+        isinstance(given.get(n), torch.Tensor) and given[n].dim() == 3 for n in DESCALE_NAMES
+    )
+    kv_shape = (dims.batch, dims.heads_kv)
     out = []
     for name in DESCALE_NAMES:
+        shape = tuple(block_descale_shape(name, dims)) if block else kv_shape
         val = given.get(name)
         if val is None:
             out.append(torch.ones(shape, dtype=torch.float32, device=device))
             continue
         if isinstance(val, torch.Tensor):
-            check_descale_meta(name, val, dims, device, broadcast=True)
-            t = val if val.dim() == 2 and tuple(val.shape) == shape else val.reshape(1, 1)
+            check_descale_meta(name, val, dims, device, broadcast=True, block=None)
+            if val.dim() == 3 or (val.dim() == 2 and tuple(val.shape) == kv_shape):
+                t = val
+            else:
+                t = val.reshape(1, 1)
             check_descale_values(name, t)
-            out.append(t.expand(shape))
+            out.append(_in_form(name, t, dims, shape) if block else t.expand(shape))
             continue
         if _symbolic(val) or torch.compiler.is_compiling():
             out.append(torch.full(shape, val, dtype=torch.float32, device=device))
             continue
         if isinstance(val, bool) or not isinstance(val, numbers.Real):
             raise OpInputError(
-                f"{name}: expected a float32 tensor [batch, heads_kv] = {list(shape)}, a 0-d or "
-                f"one-element one, or a Python float, got {_describe(val)}"
+                f"{name}: expected a float32 tensor [batch, heads_kv] = {list(kv_shape)} or "
+                f"the per-block {block_descale_shape(name, dims)}, a 0-d or one-element one, "
+                f"or a Python float, got {_describe(val)}"
             )
         f = float(val)
         if not is_normal_f32(f):
@@ -369,26 +399,50 @@ def resolve_descales(spec: ir.Spec, given: dict, dims: Dims, device) -> tuple | 
     return tuple(out)
 
 
-def check_descale_meta(name: str, t, dims: Dims, device, *, broadcast: bool = False) -> None:
-    """``t`` is a float32 tensor on ``device`` of shape ``[B, Hkv]`` (``broadcast``: or 0-d,
-    or of one element); else :class:`OpInputError`.  Metadata only."""
+def _in_form(name: str, t, dims: Dims, shape: tuple):
+    """Descale ``t`` (3-D per block, ``[B, Hkv]`` or ``[1, 1]``, checked) as the per-block
+    ``shape`` of ``name``: a 3-D one as is, the others expanded (a ``[B, Hkv]`` q descale
+    first repeated over each kv head's query heads)."""
+    if t.dim() == 3:
+        return t
+    if t.shape[1] == 1:
+        return t.reshape(t.shape[0], 1, 1).expand(shape)
+    if name == "q_descale" and dims.heads_q != dims.heads_kv:
+        t = t.repeat_interleave(dims.heads_q // dims.heads_kv, dim=1)
+    return t.unsqueeze(2).expand(shape)
+
+
+def check_descale_meta(
+    name: str, t, dims: Dims, device, *, broadcast: bool = False, block: bool | None = False
+) -> None:
+    """``t`` is a float32 tensor on ``device`` of shape ``[B, Hkv]`` (``block`` False), of the
+    per-block shape :func:`block_descale_shape` (``block`` True), or of either (``block``
+    None); ``broadcast``: or 0-d, or of one element.  Else :class:`OpInputError`.  Metadata
+    only."""
     shape = [dims.batch, dims.heads_kv]
+    blocks = block_descale_shape(name, dims)
     forms = " (or 0-d / one element, broadcast)" if broadcast else ""
+    heads = "heads_q" if name == "q_descale" else "heads_kv"
+    seq = "seqlen_q" if name == "q_descale" else "seqlen_k"
+    per_block = f"[batch, {heads}, ceil({seq} / {ir.FP8_DESCALE_BLOCK})] = {blocks}"
+    if block is None:
+        wanted = f"[batch, heads_kv] = {shape} (k's) or the per-block {per_block}"
+    elif block:
+        wanted = f"the per-block {per_block}"
+    else:
+        wanted = f"[batch, heads_kv] = {shape} (k's)"
     if not isinstance(t, torch.Tensor):
-        raise OpInputError(
-            f"{name}: expected a float32 tensor [batch, heads_kv] = {shape}{forms}, got "
-            f"{_describe(t)}"
-        )
+        raise OpInputError(f"{name}: expected a float32 tensor {wanted}{forms}, got {_describe(t)}")
     if t.dtype != torch.float32:
         raise OpInputError(f"{name}: expected dtype torch.float32, got {t.dtype}")
     if t.device != device:
         raise OpInputError(f"{name}: expected device {device} (q's device), got {t.device}")
     one = broadcast and t.numel() == 1 and t.dim() <= 2
-    if not one and list(t.shape) != shape:
-        raise OpInputError(
-            f"{name}: expected shape [batch, heads_kv] = {shape} (k's){forms}, got "
-            f"{_shape(t)}"
-        )
+    fits = (block is not True and list(t.shape) == shape) or (
+        block is not False and list(t.shape) == blocks
+    )
+    if not one and not fits:
+        raise OpInputError(f"{name}: expected shape {wanted}{forms}, got {_shape(t)}")
 
 
 def check_descale_values(name: str, t) -> None:
@@ -412,11 +466,14 @@ def check_descale_values(name: str, t) -> None:
 
 
 def check_descales(spec: ir.Spec, descales, dims: Dims, device, *, values: bool = True) -> None:
-    """The descale arguments of an fp8 op's schema (``[B, Hkv]`` float32 on q's device, finite
-    and positive: :func:`check_descale_meta`, :func:`check_descale_values` when
-    ``values``), as its CPU, CUDA and fake implementations receive them."""
+    """The descale arguments of an fp8 op's schema (float32 on q's device, finite and
+    positive: :func:`check_descale_meta`, :func:`check_descale_values` when ``values``), as
+    its CPU, CUDA and fake implementations receive them: all three ``[B, Hkv]``, or all three
+    per block (:func:`block_descale_shape`) when ``q_descale`` is 3-D."""
+    q = descales[0]
+    block = isinstance(q, torch.Tensor) and q.dim() == 3
     for name, t in zip(DESCALE_NAMES, descales, strict=True):
-        check_descale_meta(name, t, dims, device)
+        check_descale_meta(name, t, dims, device, block=block)
         if values:
             check_descale_values(name, t)
 

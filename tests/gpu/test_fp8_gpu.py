@@ -67,25 +67,41 @@ def as_fp8(spec: ir.Spec, *, causal: bool | None = None) -> ir.Spec:
     return dataclasses.replace(spec, name=name, **changes)
 
 
-def quantized(spec, b, hq, hkv, sq, sk, seed, *, scales=(1.0, 1.0, 1.0)):
+def quantized(spec, b, hq, hkv, sq, sk, seed, *, scales=(1.0, 1.0, 1.0), block_rows=None,
+              spreads=(0.0, 0.0, 0.0)):
     """Random inputs quantized to e4m3: (q8, k8, v8, (q_descale, k_descale, v_descale),
-    tensor params).  ``scales`` multiply the float q, k, v first (so descales differ)."""
+    tensor params).  ``scales`` multiply the float q, k, v first (so descales differ).
+    ``block_rows=128``: per-block descales (issue 41); ``spreads``: each 128-row block of
+    q, k, v is multiplied by 10^U(-spread, spread) first, so per-block descales differ
+    within a head by orders of magnitude."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     d, dv = spec.head_dim, spec.head_dim_v
     q = torch.randn(b, hq, sq, d, device=dev, generator=g) * scales[0]
     k = torch.randn(b, hkv, sk, d, device=dev, generator=g) * scales[1]
     v = torch.randn(b, hkv, sk, dv, device=dev, generator=g) * scales[2]
-    q8, k8, v8, qd, kd, vd = fp8.quantize(q, k, v)
+    if any(spreads):
+        rows = fp8.BLOCK_ROWS
+
+        def spread(x, e):
+            n = fp8.block_count(x.shape[2])
+            f = 10.0 ** ((torch.rand(*x.shape[:2], n, device=dev, generator=g) * 2 - 1) * e)
+            return x * f.repeat_interleave(rows, dim=2)[:, :, : x.shape[2], None]
+
+        q, k, v = (spread(x, e) for x, e in zip((q, k, v), spreads, strict=True))
+    q8, k8, v8, qd, kd, vd = fp8.quantize(q, k, v, block_rows=block_rows)
     sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
     return q8, k8, v8, (qd, kd, vd), random_tensor_params(spec, sym, dev, g)
 
 
-def check(spec, b, hq, hkv, sq, sk, *, seed=0, bshd=False, scales=(1.0, 3.0, 0.5), **kw):
+def check(spec, b, hq, hkv, sq, sk, *, seed=0, bshd=False, scales=(1.0, 3.0, 0.5),
+          block_rows=None, spreads=(0.0, 0.0, 0.0), **kw):
     """Run the fp8 op of ``spec`` on quantized random inputs and hold it to issue 24's
-    rule against the float64 reference on the dequantized inputs."""
+    rule against the float64 reference on the dequantized inputs (``block_rows``,
+    ``spreads``: :func:`quantized`'s per-block descales)."""
     op = build_op(spec)
-    q8, k8, v8, ds, params = quantized(spec, b, hq, hkv, sq, sk, seed, scales=scales)
+    q8, k8, v8, ds, params = quantized(spec, b, hq, hkv, sq, sk, seed, scales=scales,
+                                       block_rows=block_rows, spreads=spreads)  # fmt: skip
     params.update(kw)
     if bshd:  # (B, S, H, D) storage viewed as (B, H, S, D)
         q8, k8, v8 = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q8, k8, v8))
@@ -322,3 +338,150 @@ def test_table3_rmse(d, s):
         got.append(rmse(o, ref))
     without, with_ = TABLE3_BOUNDS[d]
     assert got[0] <= without and got[1] <= with_, (d, s, got)
+
+
+# ----------------------------------------------------------------------------- per-block descales
+#: Issue 41: per-block descales (``fp8.quantize(block_rows=128)``), each 128-row block of q, k
+#: and v scaled by 10^U(-1.5, 1.5) first: descales 1000x apart within a head.
+BLOCKY = {"block_rows": 128, "spreads": (1.5, 1.5, 1.5)}
+
+
+@pytest.mark.parametrize("base", ["gpt2_d64", "causal_d128", "bidir_d256"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_descales_head_dims_and_causal(base, causal):
+    spec = as_fp8(shipped(base), causal=causal)
+    check(spec, 1, 4, 2, 257, 300, seed=spec.head_dim + 1, **BLOCKY)
+
+
+@pytest.mark.parametrize(
+    "sq, sk",
+    [(1, 1), (1, 4097), (17, 1000), (1000, 17), (127, 4097), (128, 129), (4097, 4097)],
+)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_block_descales_lengths(d, sq, sk, causal):
+    base = {64: "gpt2_d64", 128: "causal_d128", 256: "bidir_d256"}[d]
+    check(as_fp8(shipped(base), causal=causal), 1, 2, 1, sq, sk, seed=sq + sk + 1, **BLOCKY)
+
+
+@pytest.mark.parametrize("hq, hkv, sq, sk", [(32, 8, 1000, 1000), (8, 1, 127, 1000)])
+def test_block_descales_gqa(hq, hkv, sq, sk):
+    """q's descales are per query head: each of a kv head's query heads its own."""
+    check(shipped("llama3_fp8"), 1, hq, hkv, sq, sk, seed=hq + 1, **BLOCKY)
+
+
+@pytest.mark.parametrize("base", ["llama3_gqa", "gpt2_d64"])
+def test_block_descales_bshd_views(base):
+    check(as_fp8(shipped(base)), 2, 8, 2, 300, 257, bshd=True, seed=6, **BLOCKY)
+
+
+@pytest.mark.parametrize(
+    "base, params",
+    [("mistral_swa", {"window": 37}), ("alibi", {}), ("gemma2_softcap", {}),
+     ("prefix_lm", {"prefix": 100}), ("chunked_local", {"chunk": 64}), ("document_mask", {}),
+     ("t5_bias", {})],
+)  # fmt: skip
+def test_block_descales_masks_and_score_mods(base, params):
+    """The score_mod sees the dequantized, scaled logit: S is multiplied by the key block's
+    descale before it (gemma2_softcap: softmax_scale / cap is a hoisted invariant; alibi: the
+    affine split of FULL tiles)."""
+    spec = as_fp8(shipped(base))
+    if spec.head_dim not in ir.FP8_HEAD_DIMS:
+        pytest.skip(f"head_dim {spec.head_dim}")
+    check(spec, 2, 4, 2, 300, 517, seed=12, **BLOCKY, **params)
+
+
+def test_block_descales_extreme_v_ratios():
+    """v's descales 10^+-6 apart within a head (ratios up to 1e12 between blocks): the running
+    output carried from one block's v units to the next stays finite and accurate."""
+    for causal in (False, True):
+        spec = as_fp8(shipped("causal_d128"), causal=causal)
+        check(spec, 1, 2, 1, 300, 1500, seed=13, block_rows=128, spreads=(0.5, 0.5, 6.0))
+
+
+def test_block_descale_forms():
+    """A 3-D descale puts the call on the per-block kernel, the others broadcast into that form
+    (bitwise what the expanded 3-D tensors give); per-block descales repeating a [B, Hkv] one
+    agree with the [B, Hkv] kernel within the rule."""
+    spec = shipped("llama3_fp8")
+    op = build_op(spec)
+    q8, k8, v8, (qd, kd, vd), _ = quantized(spec, 2, 8, 2, 300, 517, seed=14, block_rows=128,
+                                            spreads=(1.0, 1.0, 1.0))  # fmt: skip
+    kv = torch.rand(2, 2, device="cuda") * 0.02 + 0.001
+    o, lse = op.attention(q8, k8, v8, q_descale=qd, k_descale=kv, v_descale=0.5)
+    half = torch.full((2, 2, 5), 0.5, device="cuda")
+    full = (qd, kv[..., None].expand(2, 2, 5).contiguous(), half)
+    o2, lse2 = op.attention(q8, k8, v8, q_descale=full[0], k_descale=full[1], v_descale=full[2])
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    ref_o, _, bound = fp8_error_bound(spec, q8, k8, v8, {}, full)
+    assert (o.double() - ref_o).abs().max().item() <= bound
+    # the [B, Hkv] form and its per-block repetition: two kernels, one attention
+    q8, k8, v8, (qd, kd, vd), _ = quantized(spec, 2, 8, 2, 300, 517, seed=15)
+    o_kv, lse_kv = op.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    blk = (qd.repeat_interleave(4, 1)[..., None].expand(2, 8, 3).contiguous(),
+           kd[..., None].expand(2, 2, 5).contiguous(), vd[..., None].expand(2, 2, 5).contiguous())
+    o_b, lse_b = op.attention(q8, k8, v8, q_descale=blk[0], k_descale=blk[1], v_descale=blk[2])
+    ref_o, ref_lse, bound = fp8_error_bound(spec, q8, k8, v8, {}, (qd, kd, vd))
+    for got in (o_kv, o_b):
+        assert (got.double() - ref_o).abs().max().item() <= bound
+    assert ((lse_b - lse_kv).abs() / (1 + lse_kv.abs())).max().item() <= 1e-5
+
+
+def test_block_descales_compile_graph_and_opcheck():
+    spec = shipped("llama3_fp8")
+    op = build_op(spec)
+    q8, k8, v8, ds, _ = quantized(spec, 2, 8, 2, 300, 517, seed=16, **BLOCKY)
+    kw = dict(zip(("q_descale", "k_descale", "v_descale"), ds, strict=True))
+    o, lse = op.attention(q8, k8, v8, **kw)  # also warms the per-block kernel up
+
+    def call(q, k, v, a, b, c):
+        return op.attention(q, k, v, q_descale=a, k_descale=b, v_descale=c)
+
+    o2, lse2 = torch.compile(call, fullgraph=True)(q8, k8, v8, *ds)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    torch.library.opcheck(
+        op.torch_op, (q8, k8, v8, 0.1, *ds),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )  # fmt: skip
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op.attention(q8, k8, v8, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, _ = op.attention(q8, k8, v8, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, o)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("s", [1024, 4096, 8192])
+def test_table3_rmse_block_descales(d, s):
+    """Issue 41: FlashAttention-3's Table 3 protocol with per-block descales
+    (``quantize(block_rows=128)``): <= 3e-2 without Hadamard at every head dim (head_dim 64
+    included: the [B, Hkv] form measured 3.0-3.3e-2 there at 4k-8k on an H100; the torch
+    emulation gives 2.4e-2 per block at 4k), and issue 24's bounds with it.  The [B, Hkv]
+    form's RMSE on the same inputs is in the message, for the record."""
+    spec = as_fp8(shipped({64: "gpt2_d64", 128: "causal_d128", 256: "bidir_d256"}[d]),
+                  causal=False)  # fmt: skip
+    op = build_op(spec)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(d + s)
+    b, h = 1, 4
+    q, k, v = (outlier_normal((b, h, s, d), dev, g) for _ in range(3))
+    ref, _ = attention_reference(spec, q.double(), k.double(), v.double())
+    got = {}
+    for hadamard in (False, True):
+        for rows in (128, None):
+            signs = torch.Generator(device=dev).manual_seed(s)
+            q8, k8, v8, qd, kd, vd = fp8.quantize(q, k, v, hadamard=hadamard, generator=signs,
+                                                  block_rows=rows)  # fmt: skip
+            with poison_outputs():
+                o, _ = op.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+            assert not o.isnan().any()
+            got[(hadamard, rows)] = rmse(o, ref)
+    with_ = TABLE3_BOUNDS[d][1]
+    assert got[(False, 128)] <= 3e-2 and got[(True, 128)] <= with_, (d, s, got)
+

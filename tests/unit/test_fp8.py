@@ -176,7 +176,12 @@ def _bad_cases():
     return [
         ({"q_descale": torch.ones(2, 3)}, r"q_descale: expected shape \[batch, heads_kv\] = \[2, 2\].*got \[2, 3\]"),  # noqa: E501
         ({"k_descale": torch.ones(4)}, r"k_descale: expected shape .*got \[4\]"),
-        ({"v_descale": torch.ones(2, 2, 1)}, r"v_descale: expected shape .*got \[2, 2, 1\]"),
+        ({"v_descale": torch.ones(2, 2, 2)}, r"v_descale: expected shape \[batch, heads_kv\] = \[2, 2\] \(k's\) or the per-block \[batch, heads_kv, ceil\(seqlen_k / 128\)\] = \[2, 2, 1\].*got \[2, 2, 2\]"),  # noqa: E501
+        ({"q_descale": torch.ones(2, 2, 1)}, r"q_descale: expected shape .* per-block \[batch, heads_q, ceil\(seqlen_q / 128\)\] = \[2, 4, 1\].*got \[2, 2, 1\]"),  # noqa: E501
+        ({"k_descale": torch.ones(2, 2, 1, 1)}, r"k_descale: expected shape .*got \[2, 2, 1, 1\]"),
+        ({"v_descale": torch.ones(2, 2, 1).double()}, r"v_descale: expected dtype torch.float32, got torch.float64"),  # noqa: E501
+        ({"k_descale": torch.tensor([[[1.0], [1.0]], [[1.0], [-1.0]]])}, r"k_descale: expected finite positive descales, got -1.0 at index \[1, 1, 0\]"),  # noqa: E501
+        ({"q_descale": torch.ones(2, 4, 1), "k_descale": torch.ones(2, 3)}, r"k_descale: expected shape .*got \[2, 3\]"),  # noqa: E501
         ({"q_descale": ok.double()}, r"q_descale: expected dtype torch.float32, got torch.float64"),
         ({"k_descale": ok.bfloat16()}, r"k_descale: expected dtype torch.float32, got torch.bfloat16"),  # noqa: E501
         ({"v_descale": ok.to("meta")}, r"v_descale: expected device cpu \(q's device\), got meta"),

@@ -104,3 +104,70 @@ def test_fp8_transpose_option_values():
     assert DEFAULT.hopper_fwd.fp8_transpose == "ldsm"
     with pytest.raises(ValueError, match="fp8_transpose='lds64'"):
         DEFAULT.replace_path("hopper_fwd.fp8_transpose", "lds64")
+
+
+# ----------------------------------------------------------------------------- per-block descales
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_every_shipped_spec_as_fp8_with_block_descales_compiles_without_spills(
+    path, tmp_path, requires_nvcc
+):
+    """Issue 41: the fp8 forward that reads per-block descales (``block_descale``, picked per
+    call by the op: ``flashgen.fp8.quantize(block_rows=128)``) compiles for sm_90a with zero
+    spills and no serialized wgmma for every shipped spec, masks and score_mods included."""
+    spec = fp8(path)
+    plan = registry.plan_forward(spec, "sm_90", block_descale=True)
+    assert plan.kernel_name.endswith("_fwd_sm_90_bd") and plan.context.fp8_block_descale == 128
+    src = render(plan)
+    assert "read_descales(info_n0);" in src and "vd_prev / sum" in src
+    report = compile_source(src, plan, tmp_path / "k.cubin")
+    (k,) = report.kernels
+    assert (k.spill_stores, k.spill_loads, k.wgmma_serialized) == (0, 0, ""), k
+
+
+@pytest.mark.parametrize("name", ["gpt2_d64", "llama3_fp8", "bidir_d256", "gemma2_softcap"])
+def test_block_descales_with_exact_softmax_compile_without_spills(name, tmp_path, requires_nvcc):
+    """With ``Options(exact_softmax=True)`` the per-block kernel multiplies S by k's descale
+    (the exact softmax's roundings assume one scale for the row) and stays spill-free."""
+    spec = fp8(SPECS[0].with_name(f"{name}.yaml"))
+    plan = registry.plan_forward(spec, "sm_90", replace(DEFAULT, exact_softmax=True),
+                                 block_descale=True)  # fmt: skip
+    src = render(plan)
+    assert "acc_s[i] *= blk_kd;" in src and "c_blk" not in src
+    report = compile_source(src, plan, tmp_path / "k.cubin")
+    (k,) = report.kernels
+    assert (k.spill_stores, k.spill_loads, k.wgmma_serialized) == (0, 0, ""), k
+
+
+@pytest.mark.parametrize("name", ["gpt2_d64", "causal_d128", "gemma2_softcap", "alibi"])
+def test_block_descales_render_apart_from_the_default(name):
+    """The [B, Hkv] kernel renders none of the per-block code (its source, and so its SASS,
+    is the one before issue 41: test_unit_hashes.py); the per-block one reads q's descale per
+    query block and k's, v's per key block.  Without a score_mod k's descale folds into the
+    block max and the exp2's FFMA (no instruction per element); with one S is scaled first."""
+    spec = fp8(SPECS[0].with_name(f"{name}.yaml"))
+    default = render(registry.plan_forward(spec, "sm_90"))
+    for piece in ("blk_kd", "vd_prev", "DESCALE_ROWS", "read_descales"):
+        assert piece not in default
+    assert "softmax_scale *= q_descale[b * heads_kv + h_kv] * k_descale[b * heads_kv + h_kv];" \
+        in default
+    src = render(registry.plan_forward(spec, "sm_90", block_descale=True))
+    assert "softmax_scale *= q_descale[(int64_t)bh * num_m_blocks + m_block];" in src
+    assert "constexpr int DESCALE_ROWS = 128;" in src
+    assert src.count("alpha[r] *= blk_vr;") == 1
+    if spec.score_mod is None:
+        assert "fmaf(acc_s[4 * j + 2 * r + e], c_blk, -base)" in src
+        assert "acc_s[i] *= blk_kd;" not in src
+    else:
+        assert "acc_s[i] *= blk_kd;" in src and "c_blk" not in src
+
+
+def test_block_descale_plans_need_fp8_and_its_tiles():
+    spec = replace(load_spec(SPECS[0].with_name("causal_d128.yaml")), dtype="bf16")
+    with pytest.raises(ValueError, match="per-block descales are an input of fp8 specs only"):
+        registry.plan_forward(spec, "sm_90", block_descale=True)
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.families import hopper_fwd
+
+    f8 = fp8(SPECS[0].with_name("causal_d128.yaml"))
+    with pytest.raises(ValueError, match="fp8 Hopper forward needs BLOCK_M 128"):
+        hopper_fwd.plan(f8, "sm_90", tiles=TileConfig(64, 128, 8), block_descale=True)

@@ -32,7 +32,9 @@ Op contract (README.md, section "Op contract"):
     q [B, Hq, Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv], all of the spec's dtype,
     on one device, any strides with stride(-1) == 1; Hq % Hkv == 0.
     fp8_e4m3 specs: q_descale, k_descale, v_descale float32 [B, Hkv] on q's device,
-    finite and positive; the attention runs on x * x_descale[b, h // (H / Hkv)].
+    finite and positive; the attention runs on x * x_descale[b, h // (H / Hkv)].  Or all
+    three per block: [B, Hq, ceil(Sq / 128)], [B, Hkv, ceil(Sk / 128)] twice, row s of head
+    h taking x_descale[b, h, s // 128] (q_descale 3-D decides the form).
     o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8 inputs), contiguous, or written into
     the caller's ``out=`` (any layout with stride(-1) == 1; mutating overload ``<name>.out``);
     lse [B, Hq, Sq] float32, natural log, contiguous.
@@ -75,6 +77,7 @@ from flashgen.ops.validation import (
     check_descales,
     check_softmax_scale,
     default_softmax_scale,
+    is_block_form,
     is_scaled,
     lse_dtype,
     out_dtype,
@@ -288,7 +291,12 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         dequantized ``x[b, h] * x_descale[b, h // (H / Hkv)]`` (query head h takes the
         descale of its kv head), so lse is the log-sum-exp of the dequantized, scaled logits.
         Each is a float32 ``[B, Hkv]`` tensor on q's device, or a Python float / 0-d /
-        one-element float32 tensor (broadcast); None is 1.0.  Non-finite or non-positive
+        one-element float32 tensor (broadcast); None is 1.0.  Per-block descales (a 3-D
+        tensor, :func:`flashgen.fp8.quantize` with ``block_rows=128``): ``q_descale [B, Hq,
+        ceil(Sq / 128)]``, ``k_descale`` and ``v_descale [B, Hkv, ceil(Sk / 128)]``, row ``s``
+        of head ``h`` dequantized with ``x_descale[b, h, s // 128]``; once one descale is
+        3-D the others broadcast into that form, and the CUDA op runs the kernel that reads
+        them (built on its first such call).  Non-finite or non-positive
         values raise (checked on the host for numbers and CPU tensors; for CUDA tensors only
         when :func:`flashgen.ops.validation.check_enabled`, since reading them synchronizes
         the device).
@@ -594,7 +602,10 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             return o, lse
         if dims.seqlen_k == 0:
             return o.zero_(), lse.fill_(-math.inf)
-        kern = self.kernel(q.device, sparse=self._sparse_call(dims, scalars))
+        kern = self.kernel(
+            q.device, sparse=self._sparse_call(dims, scalars),
+            block_descale=is_block_form(descales),
+        )  # fmt: skip
         q, k, v = _kernel_aligned(q), _kernel_aligned(k), _kernel_aligned(v)
         values = kernel_values(
             self.spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale,

@@ -63,7 +63,7 @@ class KernelChoice:
         sched = self._sparse_possible and (False if sp == "off" else sp)
         return base + ("sparse", sched)
 
-    def kernel(self, device: torch.device, sparse: bool = False):
+    def kernel(self, device: torch.device, sparse: bool = False, block_descale: bool = False):
         """The loaded kernel for CUDA ``device`` (built and cached on first use).
 
         Renders the plan for :func:`target_for_device` (the family
@@ -81,7 +81,9 @@ class KernelChoice:
         ``Options.sparse_persistent`` says, the same kernel as without where there are none
         (the FA2-class kernel).  Where the op may pick either, the
         first use builds and loads both, so a later call (a CUDA-graph capture at another
-        length) never loads a kernel.
+        length) never loads a kernel.  ``block_descale`` (fp8 ops): the kernel that reads
+        per-block descales (:func:`flashgen.fp8.quantize` with ``block_rows=128``), built and
+        loaded on the first call that passes them (warm it up before a CUDA-graph capture).
         Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails, ``RuntimeError``
         if a reload of the edited spec replaced the op.
         """
@@ -92,9 +94,13 @@ class KernelChoice:
         base = (index, options.key(), persistent)
         sparse = sparse and not persistent
         key = self._sparse_key(base) if sparse else base
+        if block_descale:
+            key = base + ("block_descale",)
         kern = self._kernels.get(key)
         if kern is not None:
             return kern
+        if block_descale:
+            return self._block_descale_kernel(device, index, key, persistent)
         with self._kernel_lock:
             kern = self._kernels.get(key)
             if kern is None:
@@ -116,4 +122,22 @@ class KernelChoice:
                         )  # fmt: skip
                         self._kernels[k] = runtime.load(cubin, plan, index)
                 kern = self._kernels[key]
+        return kern
+
+    def _block_descale_kernel(self, device: torch.device, index: int, key: tuple, persistent):
+        """:meth:`kernel` with ``block_descale``: build (through the cache) and load the fp8
+        forward that reads per-block descales, once per device and options."""
+        with self._kernel_lock:
+            kern = self._kernels.get(key)
+            if kern is None:
+                from flashgen.families.build import build_forward
+                from flashgen.runtime import launch as runtime
+
+                target = target_for_device(self.spec, device)
+                gpu = torch.cuda.get_device_name(device)
+                plan, cubin, _report = build_forward(
+                    self.spec, target, gpu=gpu, options=self.options, persistent=persistent,
+                    block_descale=True,
+                )  # fmt: skip
+                kern = self._kernels[key] = runtime.load(cubin, plan, index)
         return kern
