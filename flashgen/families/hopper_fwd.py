@@ -46,6 +46,9 @@ HOPPER_REGS = (56, 224)
 #: anywhere (128 * (72 + 2 * 216) = 64K, what ``__launch_bounds__(384, 1)`` gives the CTA:
 #: the decrement must free what the increments take).
 HOPPER_PERSISTENT_REGS = (72, 216)
+#: Values of :attr:`Options.exp2_fma_every`: 0 (every exp2 on the SFU), or every N-th tile of P
+#: on the FMA pipe
+EXP2_FMA_EVERY = (0, 2, 3, 4, 8)
 #: Values of :attr:`Options.fp8_transpose`: the fp8 forward's V transposer
 #: (``templates/common/fp8.cuh``): ``lds32`` (``fg::fp8::VTranspose``: 4 LDS.32, 8 PRMT,
 #: 4 STS.32 per lane and 16 bytes) or ``ldsm`` (``fg::fp8::VTransposeLdsm``: one ldmatrix.x4,
@@ -65,7 +68,10 @@ class Options:
     warp-wide.  ``head_groups``: L2 head groups in the CTA order.  ``nonneg_div``:
     ``fg::Divisor::div_nn`` where operands are proven non-negative.  :func:`plan` says more
     about each.  ``fp8_transpose`` (fp8 specs only; one of :data:`FP8_TRANSPOSES`, default
-    ``"ldsm"``): the V transposer of the fp8 forward.  Raises ``ValueError`` for another
+    ``"ldsm"``): the V transposer of the fp8 forward.  ``exp2_fma_every`` (one of
+    :data:`EXP2_FMA_EVERY`, default 0): every N-th 8-column tile of the softmax's P is
+    computed on the FMA pipe by a polynomial (FlashAttention-4's exp2 emulation) instead of
+    the SFU's ``ex2.approx``; not with ``exact_softmax``.  Raises ``ValueError`` for another
     value."""
 
     affine: bool = True
@@ -78,9 +84,15 @@ class Options:
     head_groups: bool = True
     nonneg_div: bool = True
     fp8_transpose: str = "ldsm"
+    exp2_fma_every: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_fwd")
+        if self.exp2_fma_every not in EXP2_FMA_EVERY:
+            raise ValueError(
+                f"Options.hopper_fwd.exp2_fma_every={self.exp2_fma_every!r}: expected one of "
+                f"{list(EXP2_FMA_EVERY)}"
+            )
         if self.fp8_transpose not in FP8_TRANSPOSES:
             raise ValueError(
                 f"Options.hopper_fwd.fp8_transpose={self.fp8_transpose!r}: expected one of "
@@ -117,6 +129,7 @@ class Context(ForwardContext):
     wgmma_ns: list
     fp8: bool
     fp8_transpose: str
+    exp2_fma_every: int
     fp8_block_descale: int  # rows per descale of the per-block form, 0: [B, Hkv] descales
     elem_bytes: int
     mma_k: int
@@ -387,6 +400,7 @@ def plan(
         wgmma_ns=sorted({tiles.block_n, d}),
         fp8=fp8,
         fp8_transpose=o.fp8_transpose,
+        exp2_fma_every=o.exp2_fma_every,
         fp8_block_descale=FP8_DESCALE_BLOCK if block_descale else 0,
         elem_bytes=elt,
         mma_k=32 // elt,
