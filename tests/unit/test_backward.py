@@ -178,3 +178,22 @@ def test_out_of_range_tensor_index_is_refused_only_where_kept():
     q2, k2, v2, _ = _inputs(spec, sq=9, sk=9)
     with pytest.raises(IndexError, match="tensor param 'tb' is indexed outside its shape"):
         attention_reference(spec, q2, k2, v2, params={"tb": tb})  # distance 8 is kept
+
+
+def test_double_backward_raises_instead_of_returning_zeros():
+    """create_graph=True gives the same first-order gradients, differentiable; a gradient of
+    them (a gradient penalty, a Hessian-vector product) has no kernels and raises
+    NotImplementedError naming the op (torch's fallback would return zeros silently)."""
+    import flashgen
+
+    op = flashgen.load("causal_d128")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 128, dtype=torch.float64, generator=g) for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    plain = torch.autograd.grad((op.attention(q, k, v)[0] ** 2).sum(), (q, k, v))
+    first = torch.autograd.grad((op.attention(q, k, v)[0] ** 2).sum(), (q, k, v),
+                                create_graph=True)  # fmt: skip
+    for a, b in zip(plain, first, strict=True):
+        assert torch.equal(a, b) and b.requires_grad
+    with pytest.raises(NotImplementedError, match="causal_d128: no double backward"):
+        torch.autograd.grad(first[0].sum(), q)

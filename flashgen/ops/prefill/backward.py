@@ -60,6 +60,7 @@ thread in a fixed order, and the op sums the rows (``torch.sum``, a fixed order)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -223,13 +224,49 @@ def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
 def run_backward_op(spec: Spec, bwd, args: tuple, param_grads, tensors) -> tuple:
     """``(dq, dk, dv, {param: gradient})`` from one call of the backward op ``bwd`` on
     ``args`` (``param_grads``: the flags of :func:`param_grad_flags`, empty: no dparam unit;
-    ``tensors``: the call's tensor params in spec order)."""
-    if not param_grads:
-        dq, dk, dv, _ = bwd(*args)
-        return dq, dk, dv, {}
-    dq, dk, dv, dparams = bwd(*args, param_grads=param_grads)
-    named = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
-    return dq, dk, dv, param_grad_outputs(spec, param_grads, dparams, named)
+    ``tensors``: the call's tensor params in spec order).  Under ``create_graph=True`` (grad
+    mode on in a backward) the gradients come out differentiable, and differentiating them
+    raises ``NotImplementedError`` (:class:`NoDoubleBackward`): there are no double-backward
+    kernels, and torch's fallback would return zeros silently."""
+    graph = torch.is_grad_enabled()
+    with torch.no_grad() if graph else contextlib.nullcontext():
+        if not param_grads:
+            dq, dk, dv, _ = bwd(*args)
+            dparams = {}
+        else:
+            dq, dk, dv, raw = bwd(*args, param_grads=param_grads)
+            named = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
+            dparams = param_grad_outputs(spec, param_grads, raw, named)
+    if not graph:
+        return dq, dk, dv, dparams
+    inputs = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs += [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not inputs:
+        return dq, dk, dv, dparams
+    names = list(dparams)
+    outs = NoDoubleBackward.apply(spec.name, len(inputs), *inputs, dq, dk, dv,
+                                  *(dparams[n] for n in names))  # fmt: skip
+    return outs[0], outs[1], outs[2], dict(zip(names, outs[3:], strict=True))
+
+
+class NoDoubleBackward(torch.autograd.Function):
+    """The gradients of a backward run with ``create_graph=True``, passed through unchanged
+    but tied to the forward's inputs, so that a gradient of them (a gradient penalty, a
+    Hessian-vector product) reaches :meth:`backward`, which raises ``NotImplementedError``
+    naming the op, instead of torch's silent zeros."""
+
+    @staticmethod
+    def forward(ctx, name, n_inputs, *tensors):
+        ctx.name = name
+        return tuple(t.clone() for t in tensors[n_inputs:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"flashgen::{ctx.name}: no double backward (a gradient of its gradients: gradient "
+            f"penalties, Hessian-vector products); differentiate a torch reference for those "
+            f"terms, or detach the gradients before they enter the loss"
+        )
 
 
 def param_grad_outputs(spec: Spec, flags, dparams, inputs: dict) -> dict:
