@@ -111,4 +111,8 @@ def __getattr__(name: str):
         from flashgen.ops.sink import apply_sink
 
         return apply_sink
+    if name == "fp8":  # flashgen.fp8.quantize after a bare `import flashgen`
+        import flashgen.fp8 as fp8
+
+        return fp8
     raise AttributeError(f"module 'flashgen' has no attribute {name!r}")

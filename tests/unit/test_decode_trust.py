@@ -394,3 +394,15 @@ def test_merge_attention_edges():
     nan[0] = float("nan")  # a NaN lse still poisons its row (the combine kernel's rule)
     mo, ml = merge_attention(o, nan, o, lse)
     assert torch.isnan(mo[0]).all() and torch.isnan(ml[0]) and torch.isfinite(mo[1:]).all()
+
+
+def test_plan_decode_refuses_flags_that_are_not_bools():
+    """``append="no"`` used to build a plan that every later call refused with a confusing
+    message; a flag is a bool or the call is refused naming it."""
+    import flashgen
+
+    op = flashgen.load("llama3_gqa")
+    for name, bad in (("append", "no"), ("append", 1), ("pack_gqa", "yes")):
+        with pytest.raises(OpInputError, match=f"{name}: expected a bool, got {bad!r}"):
+            op.plan_decode(batch=1, num_heads=32, num_heads_kv=8, seqlen_q=1,
+                           cache_capacity=64, device="cpu", **{name: bad})  # fmt: skip

@@ -81,6 +81,9 @@ class DecodePlanning:
             raise OpInputError(
                 f"options: expected flashgen.families.decode.Options, got {type(options).__name__}"
             )
+        for name, flag in (("append", append), ("pack_gqa", pack_gqa)):
+            if not isinstance(flag, bool):
+                raise OpInputError(f"{name}: expected a bool, got {flag!r}")
         scalar = {p.name: p for p in self.spec.scalar_params}
         for name, val in params.items():
             if name not in scalar:
