@@ -135,6 +135,12 @@ class OpInputError(ValueError):
     """
 
 
+class ParamIndexError(OpInputError, IndexError):
+    """A tensor param indexed outside its declared shape at a pair the mask keeps (the CPU
+    op and the float64 reference; the CUDA kernels clamp).  An :class:`OpInputError`, and
+    an ``IndexError`` for code that catches that."""
+
+
 class SpecWarning(UserWarning):
     """A spec that checks but is probably not what its author meant (e.g. a param that can
     be the zero divisor of a float expression); the message starts ``file:line:col:``."""

@@ -245,3 +245,21 @@ def test_lowered_reads_match_the_reference_on_the_host(cxx_exe):
             f"{mod}: {len(bad)} of {per} differ; first at flat index {int(bad[0])}: "
             f"kernel {float(got[bad[0]])!r}, reference {float(want[bad[0]])!r}"
         )
+
+
+def test_cpu_op_refuses_an_index_read_from_a_tensor_as_op_input_error():
+    """``w[ids[b]]`` with ``ids`` holding 4 for a ``[4]`` w: the CPU op raises an
+    :class:`OpInputError` (as docs/reliability.md says, and as ``with_kvcache`` does) naming
+    the param, still an ``IndexError`` for code that catches that."""
+    torch = pytest.importorskip("torch")
+    from flashgen.frontend.errors import OpInputError
+    from flashgen.ops.op import build_op
+
+    params = "  w: {type: f32, shape: [4]}\n  ids: {type: i32, shape: [batch]}\n"
+    spec = _spec("score + w[ids[b]]", params)
+    op = build_op(spec)
+    q = torch.randn(2, 2, 5, 64)
+    ids = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(OpInputError, match="tensor param 'w' is indexed outside") as info:
+        op.attention(q, q, q, ids=ids, w=torch.rand(4))
+    assert isinstance(info.value, IndexError)

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from flashgen.frontend.errors import ParamIndexError
 from flashgen.frontend.ir import (
     Binary,
     Call,
@@ -197,7 +198,7 @@ def _check_bounds(env: dict, keep) -> None:
                 vals = [int(env[k].reshape(-1)[where[i]]) for i, k in enumerate(names)]
                 at = " at " + ", ".join(f"{k}={v}" for k, v in zip(names, vals, strict=True))
             subs = ", ".join("." if d != dim else str(value) for d in range(rank))
-            raise IndexError(
+            raise ParamIndexError(
                 f"tensor param '{name}' is indexed outside its shape at a (q_idx, kv_idx) pair "
                 f"the mask keeps: {name}[{subs}]{at}, but dim {dim} has extent {n}; the CUDA "
                 f"kernels clamp such indices into range, so fix the expression or the "
