@@ -116,6 +116,23 @@ def _caller_stacklevel() -> int:
     return level
 
 
+def refuse_forward_ad(name: str, tensors) -> None:
+    """Raise ``NotImplementedError`` naming the op if any of ``tensors`` carries a
+    forward-mode tangent (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``
+    dual tensors): the ops have no forward-mode formula, and torch would give zero tangents
+    silently.  Costs one check of two flags when no forward-mode AD is active."""
+    import torch.autograd.forward_ad as fwad
+
+    if fwad._current_level < 0 and not torch._C._are_functorch_transforms_active():
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"flashgen::{name}: no forward-mode AD (torch.func.jvp, jacfwd, forward_ad dual "
+                f"tensors); use reverse mode (torch.autograd.grad, torch.func.jacrev)"
+            )
+
+
 def _plain_eager(q, k, v) -> bool:
     """Plain tensors (no subclass such as FakeTensor or DTensor) in eager mode: no
     ``torch.compile`` or ``torch.jit.trace`` recording, no torch-function / dispatch mode

@@ -197,3 +197,25 @@ def test_double_backward_raises_instead_of_returning_zeros():
         assert torch.equal(a, b) and b.requires_grad
     with pytest.raises(NotImplementedError, match="causal_d128: no double backward"):
         torch.autograd.grad(first[0].sum(), q)
+
+
+def test_forward_mode_ad_raises_instead_of_zero_tangents():
+    """torch.func.jvp / jacfwd and forward_ad dual tensors through an op raise
+    NotImplementedError naming it (no forward-mode formula; torch gave zero tangents
+    silently); reverse mode and plain calls inside a vmap are unaffected."""
+    import torch.autograd.forward_ad as fwad
+
+    import flashgen
+
+    op = flashgen.load("causal_d128")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 5, 128, dtype=torch.float64, generator=g) for _ in range(3))
+    match = "causal_d128: no forward-mode AD"
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.jvp(lambda x: op.attention(x, k, v)[0], (q,), (torch.randn_like(q),))
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.jacfwd(lambda x: op.attention(x, k, v)[0])(q)
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match=match):
+        op.attention(q, fwad.make_dual(k, torch.randn_like(k)), v)
+    with fwad.dual_level():  # a dual level with no dual input: an ordinary call
+        assert op.attention(q, k, v)[0].shape == (1, 1, 5, 128)

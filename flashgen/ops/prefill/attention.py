@@ -66,6 +66,7 @@ from flashgen.ops.calls import (
     _sm_count,
     current_stream_ptr,
     kernel_values,
+    refuse_forward_ad,
 )
 from flashgen.ops.out_arg import check_out
 from flashgen.ops.prefill.attention_blockmask import BlockMaskMethods
@@ -343,6 +344,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         False.  ``cu_seqlens_q``: a varlen call's (the sink is per sequence)."""
         if not isinstance(apply_sink, bool):
             raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
+        refuse_forward_ad(self.spec.name, (*args, *kwargs.values()))
         if self.spec.sink is None or not apply_sink:
             return run(*args, out=out, **kwargs)
         from flashgen.ops.sink import apply_sink as join
