@@ -7,10 +7,19 @@
 * ``host_exe`` fixture: a host program built with nvcc from the kernels' headers.
 * ``cxx_exe`` fixture: a host program built with the system C++ compiler (lowered
   expressions evaluated on the CPU).
+* GPU tests give their cached device memory back when they end, so the xdist workers sharing
+  the GPU leave room for the memory-hungry tests; ``@pytest.mark.device_memory(gib)``: the
+  test runs inside :func:`gpu_memory.exclusive` (``tests/gpu/gpu_memory.py``: alone among the
+  marked tests, once ``gib`` GiB are free).
+
+Test modules import helpers by module name (``plan_helpers``, ``gpu_memory``), never from
+``conftest``: which of the ``conftest`` modules that name finds depends on the order a worker
+collected them in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -48,6 +57,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _device_memory(request):
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    marker = request.node.get_closest_marker("device_memory")
+    if marker is None:
+        hold = contextlib.nullcontext()
+    else:
+        import gpu_memory  # tests/gpu, on sys.path once a test there is collected
+
+        hold = gpu_memory.exclusive(*marker.args)
+    with hold:
+        yield
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import random
 import subprocess
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import SPEC_DIR  # noqa: E402
 from host_cxx import preamble, scalar_params  # noqa: E402
 from plan_helpers import plan_forward  # noqa: E402
 
@@ -74,6 +74,9 @@ NOT_AFFINE = [
     "score + slopes[h] * slopes[h] * kv_idx + slopes[q_idx]",
 ]
 # fmt: on
+
+
+SPEC_DIR = Path(__file__).resolve().parents[2] / "specs"
 
 
 def spec_for(mod: str, name: str = "t"):

@@ -24,7 +24,8 @@ from flashgen.build.compile import (
     parse_ptxas,
 )
 from flashgen.build.render import render
-from flashgen.families.registry import compile_units
+from flashgen.families.build import build_backward
+from flashgen.families.registry import compile_units, grad_params
 from flashgen.frontend.spec import load_spec
 
 #: the shipped specs with a prefill (v_from_k specs are decode only: tests/unit/test_decode_mla.py)
@@ -131,7 +132,15 @@ def test_compile_error_carries_nvcc_output(requires_nvcc, tmp_path):
 
 
 def _build(path: Path, target: str, unit: str):
+    """Compile ``unit`` as the op runs it: the Hopper backward units through
+    :func:`build_backward`'s candidates (at head_dim 64 the 64-query steps where the 128-query
+    ones spill), which must still be the wgmma kernels."""
     spec = load_spec(path)
+    if unit.startswith("bwd_wgmma"):
+        grads = grad_params(spec) if unit.endswith("_dparam") else ()
+        plan, cubin, report = build_backward(spec, target, hopper=True, param_grads=grads)
+        assert plan.wgmma, f"{spec.name}/{target}/{unit}: every Hopper candidate spills"
+        return spec.name, target, unit, cubin, report
     plan = compile_units(spec, target)[unit]
     cubin, report = cache.get_or_build(render(plan), plan)
     return spec.name, target, unit, cubin, report

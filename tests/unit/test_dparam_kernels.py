@@ -115,7 +115,7 @@ def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
             assert ctx.block_m == bm and ctx.dq_rows_split == (bm == 128)
             src = render(plan.unit)
             assert plan.dkdv.kernel_name.endswith("_dparam") and "const float dsm = pe[e]" in src
-            assert ("st_pair_swizzled<ELEM_BYTES>(sDSi" in src) == (bm == 128)
+            assert ("st_pair_swizzled<ELEM_BYTES>(sPTi" in src) == (bm == 128)
             assert "fg::wgmma_wait<0>();  // S^T and dP^T have landed" in src
             if form != "scalars":
                 assert "cg * 64 + warp * 16 + lane / 4" in src  # the key slots / warp sums

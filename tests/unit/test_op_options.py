@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,6 @@ from flashgen.families import decode, hopper_fwd
 
 torch = pytest.importorskip("torch")
 
-from conftest import SPEC_DIR  # noqa: E402
 
 from flashgen.families import registry  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
@@ -23,6 +23,9 @@ from flashgen.ops.op import build_op, registered_name  # noqa: E402
 from flashgen.options import DEFAULT, Options  # noqa: E402
 
 FA2 = Options(family="fa2")
+
+
+SPEC_DIR = Path(__file__).resolve().parents[2] / "specs"
 
 
 def _pair():

@@ -272,7 +272,9 @@ def test_cuda_impl_launches_its_outputs_on_the_current_stream(fake_gpu, monkeypa
     op = load("mistral_swa")
     plan = plan_forward(op.spec, "sm_90")
     fake_gpu.driver.plan = plan
-    monkeypatch.setattr(op, "kernel", lambda device, sparse=False: kernel(plan))
+    monkeypatch.setattr(
+        op, "kernel", lambda device, sparse=False, block_descale=False: kernel(plan)
+    )
     monkeypatch.setattr(op_mod, "current_stream_ptr", lambda device: 4321)
     values = problem(op.spec)
     q, k, v = values["q"], values["k"], values["v"]
