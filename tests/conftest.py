@@ -121,21 +121,21 @@ def host_exe(tmp_path, requires_nvcc):
 
 @pytest.fixture(scope="session")
 def cxx_exe(tmp_path_factory):
-    """``build(source, name="prog")``: compile plain C++17 ``source`` with g++ (or c++) at
-    -O1 into a host executable and return its path; skips where there is no host C++
+    """``build(source, name="prog", opt="-O1")``: compile plain C++17 ``source`` with g++ (or
+    c++) into a host executable and return its path; skips where there is no host C++
     compiler, fails with the compiler's output if it does not build."""
     import shutil
     import subprocess
 
     cxx = shutil.which("g++") or shutil.which("c++")
 
-    def build(source: str, name: str = "prog") -> Path:
+    def build(source: str, name: str = "prog", opt: str = "-O1") -> Path:
         if cxx is None:
             pytest.skip("needs a host C++ compiler")
         where = tmp_path_factory.mktemp(name)
         src, exe = where / f"{name}.cpp", where / name
         src.write_text(source)
-        cmd = [cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)]
+        cmd = [cxx, "-std=c++17", opt, "-o", str(exe), str(src)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode:
             pytest.fail(f"{cxx} failed:\n{done.stdout}{done.stderr}\n{source}")

@@ -526,10 +526,12 @@ def test_bound_kernels_spill_no_more(key, persistent, requires_nvcc, monkeypatch
             values={"hopper_fwd.col_bound": on == "1"},
         )  # fmt: skip
         assert (plan.context["col_bound"] is not None) == (on == "1")
+        if on == "0" and spills["1"] == 0:
+            break  # 0 spills with the bound are no more than without it: no nvcc run for that
         _, report = cache.get_or_build(render(plan), plan)
         spills[on] = report.spill_bytes
         if on == "1":
             assert not report.wgmma_serialized, report.log
-    assert spills["1"] <= spills["0"]
+    assert spills["1"] <= spills.get("0", spills["1"])
     if key != "softcap":
         assert spills["1"] == 0

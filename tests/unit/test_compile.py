@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from plan_helpers import plan_backward, plan_forward
+from shipped_specs import distinct_code, twins
 
 from flashgen.build import cache
 from flashgen.build.compile import (
@@ -33,6 +34,8 @@ SPECS = [
     p for p in sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
     if not load_spec(p).v_from_k
 ]  # fmt: skip
+#: those the nvcc sweeps compile: one spec per kernel code (tests/shipped_specs.py)
+COMPILED = distinct_code(SPECS)
 
 PTXAS_LOG = """\
 ptxas info    : 0 bytes gmem
@@ -151,16 +154,17 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
     backward, atomic-dQ backward, and the sparse-mask forward and the Hopper backward where
     there are), compiled
     in parallel through the (session) cache; every kernel in them (each backward unit holds
-    three) is checked."""
+    three) is checked.  A spec whose kernels are an earlier one's but for their names
+    (llama3_gqa: causal_d128's) is not compiled twice (the next test)."""
     assert SPECS, "no specs shipped"
     names = ("fwd", "bwd", "bwd_atomic")
-    # (SPECS[0], alibi, has a trainable param: its dparam units follow, checked below)
-    first = tuple(compile_units(load_spec(SPECS[0]), "sm_80"))
+    # (COMPILED[0], alibi, has a trainable param: its dparam units follow, checked below)
+    first = tuple(compile_units(load_spec(COMPILED[0]), "sm_80"))
     assert first[:3] == names and all(u.endswith("_dparam") for u in first[3:])
     # each spec on its targets (fp8 specs: sm_90 only, and forward only)
     units = [
         (p, t, u)
-        for p in SPECS
+        for p in COMPILED
         for t in load_spec(p).targets
         for u in names
         if u in compile_units(load_spec(p), t)
@@ -169,14 +173,14 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
     # and the Hopper backward (wgmma: ptxas may serialize it too)
     units += [
         (p, "sm_90", u)
-        for p in SPECS
+        for p in COMPILED
         for u in ("fwd_sparse", "bwd_wgmma")
         if u in compile_units(load_spec(p), "sm_90")
     ]
     # the units of a backward that accumulates param gradients (templates/common/dparam.j2)
     units += [
         (p, t, u)
-        for p in SPECS
+        for p in COMPILED
         for t in load_spec(p).targets
         for u in ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam")
         if u in compile_units(load_spec(p), t)
@@ -193,6 +197,30 @@ def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
             if k.spill_bytes or k.wgmma_serialized:
                 problems.append(f"{name}/{target}/{unit}: {k}")
     assert not problems, "kernels spill or serialize their wgmmas:\n" + "\n".join(problems)
+
+
+def test_a_spec_left_out_of_the_sweeps_renders_its_twins_units():
+    """The shipped specs the nvcc sweeps leave out (tests/shipped_specs.py: llama3_gqa) render,
+    on every target, the same units as the spec of the same code they compile (the forward,
+    backward and decode units), but for the spec's name."""
+    from flashgen.families import decode
+
+    left_out = twins(sorted(SPECS[0].parent.glob("*.yaml")))
+    assert {p.stem for p in left_out} == {"llama3_gqa"}
+    for path, first in left_out.items():
+        spec, twin = load_spec(path), load_spec(first)
+
+        def units(s, target):
+            out = {u: render(plan) for u, plan in compile_units(s, target).items()}
+            for ragged in (False, True):
+                out[f"decode_{ragged}"] = render(decode.plan(s, target, ragged=ragged))
+            return {u: src.replace(s.name, "NAME") for u, src in out.items()}
+
+        for target in spec.targets:
+            mine, theirs = units(spec, target), units(twin, target)
+            assert mine.keys() == theirs.keys() and len(mine) >= 5
+            for u in mine:
+                assert mine[u] == theirs[u], (spec.name, twin.name, target, u)
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)

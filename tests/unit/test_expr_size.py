@@ -155,11 +155,15 @@ def test_the_shared_derivative_matches_the_reference_on_the_host(cxx_exe):
     assert len(bad) <= 2, bad[:4]
 
 
-def test_the_16_deep_unit_compiles_for_sm_80(requires_nvcc, tmp_path):
-    """One nvcc run: the deterministic backward (the score_mod, its derivative and the mask
-    at 16 levels) compiles, well inside the compile timeout."""
+def test_the_8_deep_unit_compiles_for_sm_80(requires_nvcc, tmp_path):
+    """One nvcc run: the deterministic backward (the score_mod, its derivative with its
+    shared temporaries and the nested clamped reads of the mask, at 8 levels) compiles, well
+    inside the compile timeout.  The 16-deep units (and a 24-deep derivative) are held to
+    linear size above, by rendering; nvcc's time grows about linearly with the depth (22, 39
+    and 61 CPU-seconds at 8, 12 and 16 levels, nvcc 13.0), so the 16-deep compile this test
+    ran (7% of the suite's nvcc time) showed no more than this one does."""
     from flashgen.build.compile import NVCC_TIMEOUT_S, compile_source
 
-    plan = compile_units(_spec(16), "sm_80")["bwd"]
+    plan = compile_units(_spec(8), "sm_80")["bwd"]
     report = compile_source(render(plan), plan, tmp_path / "k.cubin")
     assert report.kernels and report.seconds < NVCC_TIMEOUT_S / 2

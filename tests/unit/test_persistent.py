@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
-import subprocess
 from pathlib import Path
 
 import pytest
 from plan_helpers import plan_forward, plan_hopper_forward
+from sass_helpers import sass, wgmmas
+from shipped_specs import distinct_code
 
-from flashgen.build.compile import find_nvcc
 from flashgen.build.render import render
 from flashgen.families.common import (
     GRID_GROUPS_MAX,
@@ -37,6 +37,8 @@ SPECS = sorted(
     p for p in (REPO / "specs").glob("*.yaml")
     if "fp8" not in load_spec(p).dtype and not load_spec(p).v_from_k
 )  # fmt: skip
+#: those the nvcc tests compile: one spec per kernel code (tests/shipped_specs.py)
+COMPILED = distinct_code(SPECS)
 
 
 def _variant(name: str, head_dim: int):
@@ -53,7 +55,7 @@ VARIANTS = [("document_mask", 64), ("document_mask", 256), ("alibi", 64), ("caus
 
 
 def _all_specs():
-    return [load_spec(p) for p in SPECS] + [_variant(n, d) for n, d in VARIANTS]
+    return [load_spec(p) for p in COMPILED] + [_variant(n, d) for n, d in VARIANTS]
 
 
 # ----------------------------------------------------------------------------- plan, grid
@@ -389,7 +391,7 @@ def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
     the planned tiles, through select's fallback (row / column terms of a tensor-reading
     mask, flashgen/analysis/rowcol.py, are dropped where they spill: document_mask at d256)."""
     jobs = [(s, "static") for s in _all_specs()]
-    jobs += [(load_spec(p), "dynamic") for p in SPECS]
+    jobs += [(load_spec(p), "dynamic") for p in COMPILED]
     with cf.ThreadPoolExecutor(2) as ex:
         for name, d, scheduler, report in ex.map(_build, jobs):
             assert report.spill_bytes == 0, (name, d, scheduler, report)
@@ -412,8 +414,8 @@ def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
     from flashgen.families.tiles import sparse_tiles
 
     jobs = [(s, "static", None) for s in _all_specs()]
-    jobs += [(load_spec(p), "dynamic", None) for p in SPECS]
-    for p in SPECS:
+    jobs += [(load_spec(p), "dynamic", None) for p in COMPILED]
+    for p in COMPILED:
         spec = load_spec(p)
         alt = sparse_tiles(spec, plan_forward(spec, "sm_90").tiles)
         jobs += [(spec, "dynamic", alt)] if alt else []
@@ -425,24 +427,21 @@ def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
             assert not report.wgmma_serialized, (name, d, scheduler, plan.tiles, report)
 
 
-def _ptx(spec, tmp: Path) -> tuple[str, str]:
-    plan = plan_forward(spec, "sm_90", persistent=True)
-    src = tmp / f"{spec.name}.cu"
-    src.write_text(render(plan))
-    out = tmp / f"{spec.name}.ptx"
-    cmd = [find_nvcc(), "-ptx", "-std=c++17", "-O3", plan.gencode, "-o", str(out), str(src)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-    return spec.name, out.read_text()
+def _sass(spec) -> tuple[str, str]:
+    return spec.name, sass(plan_forward(spec, "sm_90", persistent=True))
 
 
-def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc, tmp_path):
-    specs = [load_spec(p) for p in SPECS]
+def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc):
+    """The SASS of each shipped spec's persistent forward (static scheduler at the planned
+    tiles: the unit the compile tests above build; one spec per kernel code) holds wgmma,
+    TMA loads, setmaxnreg and the mbarrier parity waits."""
+    specs = [load_spec(p) for p in COMPILED]
     with cf.ThreadPoolExecutor(2) as ex:
-        for name, ptx in ex.map(lambda s: _ptx(s, tmp_path), specs):
-            assert "wgmma.mma_async" in ptx, name
-            assert "cp.async.bulk.tensor" in ptx, name
-            assert "setmaxnreg" in ptx, name
-            assert "mbarrier.try_wait.parity" in ptx, name
+        for name, code in ex.map(_sass, specs):
+            assert wgmmas(code), name
+            assert "UTMALDG" in code, name
+            assert "USETMAXREG" in code, name
+            assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in code, name
 
 
 def test_persistent_ctas():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flashgen.build import compile as fcompile
-from flashgen.build.compile import compile_source, nvcc_command
+from flashgen.build.compile import nvcc_command
 from flashgen.build.render import render
 from flashgen.codegen.abi import GENCODE, target_for_capability
 from flashgen.families import registry
@@ -94,7 +94,7 @@ def test_sm_80_units_ask_for_ptx_and_a_fatbin():
     assert not fcompile.embeds_ptx(GENCODE["sm_90"])
 
 
-def test_a_compiled_sm_80_unit_holds_ptx(requires_nvcc, tmp_path):
+def test_a_compiled_sm_80_unit_holds_ptx(requires_nvcc):
     """cuobjdump (``pip install nvidia-cuda-cuobjdump``) lists the sm_80 SASS and the
     compute_80 PTX in the forward unit nvcc builds for sm_80."""
     import shutil
@@ -102,9 +102,10 @@ def test_a_compiled_sm_80_unit_holds_ptx(requires_nvcc, tmp_path):
     cuobjdump = fcompile.wheel_tool("cuobjdump") or shutil.which("cuobjdump")
     if cuobjdump is None:
         pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    from flashgen.build import cache
+
     plan = registry.compile_units(SPEC, "sm_80")["fwd"]
-    out = tmp_path / "fwd.bin"
-    report = compile_source(render(plan), plan, out)
+    out, report = cache.get_or_build(render(plan), plan)  # (test_compile.py builds it too)
     assert report.kernel(plan.kernel_name).spill_bytes == 0
     listing = subprocess.run([cuobjdump, "--list-elf", "--list-ptx", str(out)],
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
