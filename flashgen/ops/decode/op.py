@@ -604,7 +604,7 @@ class DecodeOp(DecodePlanning):
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
         if plan is not None:
-            self._check_plan(plan, dims, q.device, splits)
+            self._check_plan(plan, dims, q.device, splits, k_cache.dtype)
         if out is not None:
             o_shape, lse_shape = dims.out_shapes()
             check_out(self.spec, out, o_shape, q.device, lse_shape, inputs)
