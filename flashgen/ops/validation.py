@@ -34,6 +34,11 @@ _SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
 CPU_DTYPES = (torch.float32, torch.float64)
 
 
+#: Device types of the tensors the ops take: CPU and CUDA, and meta (the fake kernel: shapes
+#: only; :func:`check_input_device`).
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The op's lse dtype for inputs of ``dtype``: float32, float64 for float64 (CPU)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -145,7 +150,7 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
     ):
         return None
     dev = q.device
-    if k.device != dev or v.device != dev:
+    if k.device != dev or v.device != dev or dev.type not in _DEVICE_TYPES:
         return None
     return Dims(batch, hq, hkv, sq, sk, vs[3])
 
@@ -155,6 +160,7 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_input_device(spec, "q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise OpInputError(
@@ -181,6 +187,25 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
         )
     hq, hkv = check_heads_and_strides(q, k, v)
     return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+
+
+def check_input_device(spec: ir.Spec, name: str, t, cpu_dtypes=CPU_DTYPES) -> None:
+    """``t`` (the input called ``name``: q, whose device the other inputs must share) is on a
+    device the op runs on: CPU or CUDA.  A meta tensor is taken except in one of
+    ``cpu_dtypes`` (the dtypes the op takes on the CPU only: :data:`CPU_DTYPES`; decode's
+    float32): the fake kernel gives o and lse of the right shapes for the spec's dtype.
+    :class:`OpInputError` naming ``name`` and the device otherwise."""
+    kind = t.device.type
+    if kind in ("cpu", "cuda") or (kind == "meta" and t.dtype not in cpu_dtypes):
+        return
+    if kind == "meta":
+        raise OpInputError(
+            f"{name}: expected a CPU or CUDA tensor, got a {t.dtype} tensor on device 'meta' "
+            f"({t.dtype} runs on the CPU only; a meta tensor gives the output shapes only, in "
+            f"the spec's dtype {TORCH_DTYPE[spec.dtype]}: spec {spec.name!r} has dtype "
+            f"{spec.dtype})"
+        )
+    raise OpInputError(f"{name}: expected a CPU or CUDA tensor, got a tensor on device {kind!r}")
 
 
 def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:

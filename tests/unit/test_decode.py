@@ -522,6 +522,24 @@ def test_bad_inputs_raise_op_input_error():
         call(q, meta, meta, lens)
 
 
+def test_a_ragged_call_on_meta_tensors_needs_max_seqlen_q():
+    """Without max_seqlen_q a ragged call reads it from cu_seqlens_q's values, which a meta
+    tensor has none of: it raised torch's NotImplementedError ("Cannot copy out of meta
+    tensor"); now an OpInputError naming max_seqlen_q.  With it, the call gives meta o and lse
+    of the right shapes."""
+    op = _op("llama3_gqa")
+    d = op.spec.head_dim
+    q = torch.empty(3, 4, d, device="meta", dtype=torch.bfloat16)
+    kc = torch.empty(2, 2, 8, d, device="meta", dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32, device="meta")
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    with pytest.raises(OpInputError, match="^max_seqlen_q: required with a meta cu_seqlens_q"):
+        op.with_kvcache(q, kc, kc, lens, cu_seqlens_q=cu)
+    o, lse = op.with_kvcache(q, kc, kc, lens, cu_seqlens_q=cu, max_seqlen_q=2)
+    assert o.device.type == "meta" and o.shape == (3, 4, op.spec.head_dim_v)
+    assert lse.shape == (4, 3)
+
+
 def test_unchecked_values_clamp_and_empty_pages():
     """The kernels' semantics for values the debug check refuses (host mirror): the length is
     clamped to the request's pages, a page index outside [0, num_pages) is empty, the rest of

@@ -198,6 +198,49 @@ def test_bad_tensor_inputs_via_meta(ops, case):
         op.attention(q, k, v, **params)
 
 
+class _OnDevice(torch.Tensor):
+    """A tensor that claims another device (no backend needed): never dispatched."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"dispatched {func} before the device was checked")
+
+
+def test_tensors_on_a_device_the_op_does_not_run_on_are_refused_naming_it(ops, tripwire):
+    """``torch.empty(..., device="meta")`` (float32) was refused as a dtype problem ("float32 /
+    float64 also on CPU"): float32 and float64 run on the CPU only, so a meta tensor of those
+    is refused naming q and the device (a meta tensor of the spec's dtype still gives o and
+    lse shapes: the fake kernel); a device the op has no kernel for (xpu, mps) is refused
+    before dispatch.  op.attention, op.varlen and with_kvcache."""
+    op = ops["alibi"]
+    slopes = {"slopes": torch.rand(4, device="meta")}
+    for dtype in (torch.float32, torch.float64):
+        q = torch.empty(2, 4, 9, 128, device="meta", dtype=dtype)
+        k = torch.empty(2, 2, 11, 128, device="meta", dtype=dtype)
+        msg = (rf"^q: expected a CPU or CUDA tensor, got a {dtype} tensor on device 'meta' "
+               rf"\({dtype} runs on the CPU only")  # fmt: skip
+        with pytest.raises(OpInputError, match=msg):
+            op.attention(q, k, k, **slopes)
+        with pytest.raises(OpInputError, match=msg):
+            op.varlen(q[0, 0], k[0, :, 0], k[0, :, 0], torch.zeros(2, dtype=torch.int32,
+                      device="meta"), torch.zeros(2, dtype=torch.int32, device="meta"), 1, 1,
+                      **slopes)  # fmt: skip
+        lens = torch.zeros(2, dtype=torch.int32, device="meta")
+        if dtype == torch.float32:  # decode takes float32 on the CPU, float64 nowhere
+            with pytest.raises(OpInputError, match=msg):
+                op.with_kvcache(q[:, :, :1], k, k, lens, **slopes)
+    for device in ("xpu", "mps"):
+        q = _OnDevice((2, 4, 9, 128), torch.bfloat16, device)
+        k = _OnDevice((2, 2, 11, 128), torch.bfloat16, device)
+        msg = rf"^q: expected a CPU or CUDA tensor, got a tensor on device '{device}'"
+        with pytest.raises(OpInputError, match=msg):
+            op.attention(q, k, k, slopes=_OnDevice((4,), torch.float32, device))
+
+
 def test_meta_and_fake_tensor_shapes(ops):
     op = ops["alibi"]
     q, k, v, params = make(op.spec, hq=8, hkv=2, sq=7, sk=13, device="meta")

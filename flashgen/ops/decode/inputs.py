@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from flashgen.families import decode as family
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.validation import TORCH_DTYPE, out_dtype
+from flashgen.ops.validation import TORCH_DTYPE, check_input_device, out_dtype
 
 
 # ----------------------------------------------------------------------------- validation
@@ -145,6 +145,7 @@ def validate_decode(
     want = torch.float32 if cpu_float32(q, cache_dtype) else TORCH_DTYPE[spec.dtype]
     kv_want = FP8_CACHE if cache_dtype else want
     _tensor("q", q, 4, "[batch, heads, seqlen_q_new, head_dim]")
+    check_input_device(spec, "q", q, (torch.float32,))
     paged = block_table is not None
     layout = (
         "[num_pages, page_size, heads_kv, head_dim]"
@@ -486,6 +487,7 @@ def validate_decode_ragged(
     if cpu_float32(q, cache_dtype_of(spec, k_cache)):
         want = torch.float32
     _tensor("q", q, 3, "[total_q, heads, head_dim] (ragged, with cu_seqlens_q)")
+    check_input_device(spec, "q", q, (torch.float32,))
     if q.dtype != want and not (cache_dtype_of(spec, k_cache) and q.dtype == FP8_CACHE):
         raise OpInputError(
             f"q: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), got {q.dtype}"
