@@ -126,6 +126,9 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         return None
+    strided = torch.strided
+    if not (q.layout == strided and k.layout == strided and v.layout == strided):
+        return None
     want = TORCH_DTYPE[spec.dtype]
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype):
@@ -160,6 +163,8 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_layout(name, t)
     check_input_device(spec, "q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -187,6 +192,19 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
         )
     hq, hkv = check_heads_and_strides(q, k, v)
     return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+
+
+def check_layout(name: str, t) -> None:
+    """``t`` (the tensor argument called ``name``) is dense: layout ``torch.strided``, not
+    sparse (COO, CSR, ...), nested (jagged) or mkldnn, whose elements have no strides the
+    kernels can walk; else :class:`OpInputError` naming ``name`` and the layout."""
+    if t.layout != torch.strided:
+        nested = t.is_nested
+        hint = "pack the sequences for op.varlen" if nested else "call .to_dense() first"
+        raise OpInputError(
+            f"{name}: expected a dense tensor (layout torch.strided), got layout {t.layout}; "
+            f"{hint}"
+        )
 
 
 def check_input_device(spec: ir.Spec, name: str, t, cpu_dtypes=CPU_DTYPES) -> None:
@@ -264,6 +282,7 @@ def validate_tensor_params(
                     f"{p.name}: expected a torch.Tensor {_describe_param(p)}, "
                     f"got {type(t).__name__}"
                 )
+            check_layout(p.name, t)
             if t.device != device:
                 raise OpInputError(
                     f"{p.name}: expected device {device} ({device_of}), got {t.device}"

@@ -241,6 +241,56 @@ def test_tensors_on_a_device_the_op_does_not_run_on_are_refused_naming_it(ops, t
             op.attention(q, k, k, slopes=_OnDevice((4,), torch.float32, device))
 
 
+def _sparse_cases():
+    q = torch.randn(2, 4, 3, 128).bfloat16()
+    k = torch.randn(2, 2, 5, 128).bfloat16()
+    s = torch.rand(4)
+    kc = torch.randn(2, 2, 8, 128).bfloat16()
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    pq, pk = q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous()
+    cq, ck = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    nested = torch.nested.nested_tensor(
+        [torch.randn(4, 2, 128), torch.randn(4, 3, 128)], layout=torch.jagged
+    ).bfloat16()
+    return [  # (id, call, the argument named, its layout)
+        ("q_coo", lambda op: op.attention(q.to_sparse(), k, k, slopes=s), "q", "sparse_coo"),
+        ("q_coo_f32", lambda op: op.attention(q.float().to_sparse(), k.float(), k.float(),
+                                              slopes=s), "q", "sparse_coo"),
+        ("v_coo", lambda op: op.attention(q, k, k.to_sparse(), slopes=s), "v", "sparse_coo"),
+        ("q_csr", lambda op: op.attention(q.float()[0, 0].to_sparse_csr(), k, k, slopes=s),
+         "q", "sparse_csr"),
+        ("q_nested", lambda op: op.attention(nested, nested, nested, slopes=s), "q", "jagged"),
+        ("param_coo", lambda op: op.attention(q, k, k, slopes=s.to_sparse()),
+         "slopes", "sparse_coo"),
+        ("varlen_q_coo", lambda op: op.varlen(pq.to_sparse(), pk, pk, cq, ck, 3, 5, slopes=s),
+         "q", "sparse_coo"),
+        ("varlen_cu_coo", lambda op: op.varlen(pq, pk, pk, cq.to_sparse(), ck, 3, 5, slopes=s),
+         "cu_seqlens_q", "sparse_coo"),
+        ("decode_q_coo", lambda op: op.with_kvcache(q[:, :, :1].to_sparse(), kc, kc, lens,
+                                                    slopes=s), "q", "sparse_coo"),
+        ("decode_cache_coo", lambda op: op.with_kvcache(q[:, :, :1], kc, kc.to_sparse(), lens,
+                                                        slopes=s), "v_cache", "sparse_coo"),
+        ("decode_lens_coo", lambda op: op.with_kvcache(q[:, :, :1], kc, kc, lens.to_sparse(),
+                                                       slopes=s), "cache_seqlens", "sparse_coo"),
+        ("decode_param_coo", lambda op: op.with_kvcache(q[:, :, :1], kc, kc, lens,
+                                                        slopes=s.to_sparse()),
+         "slopes", "sparse_coo"),
+    ]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("case", _sparse_cases(), ids=lambda c: c[0])
+def test_tensors_that_are_not_dense_are_refused_naming_the_layout(ops, tripwire, case):
+    """A sparse q was refused as "expected stride(-1) == 1, got strides [0, 0, 0, 0]", a
+    sparse tensor param or cu_seqlens reached the dispatcher (NotImplementedError: no
+    'SparseCPU' kernel) and a nested (jagged) q passed the checks: every tensor argument must
+    be dense (layout torch.strided), refused naming it and its layout."""
+    _, call, name, layout = case
+    msg = rf"^{name}: expected a dense tensor \(layout torch.strided\), got layout torch.{layout}"
+    with pytest.raises(OpInputError, match=msg):
+        call(ops["alibi"])
+
+
 def test_meta_and_fake_tensor_shapes(ops):
     op = ops["alibi"]
     q, k, v, params = make(op.spec, hq=8, hkv=2, sq=7, sk=13, device="meta")

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from flashgen.families import decode as family
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.validation import TORCH_DTYPE, check_input_device, out_dtype
+from flashgen.ops.validation import TORCH_DTYPE, check_input_device, check_layout, out_dtype
 
 
 # ----------------------------------------------------------------------------- validation
@@ -69,6 +69,7 @@ class DecodeDims:
 def _tensor(name: str, t, dims: int, what: str):
     if not isinstance(t, torch.Tensor):
         raise OpInputError(f"{name}: expected a torch.Tensor {what}, got {type(t).__name__}")
+    check_layout(name, t)
     if t.dim() != dims:
         raise OpInputError(f"{name}: expected a {dims}-D tensor {what}, got shape {list(t.shape)}")
 
