@@ -217,6 +217,14 @@ def validate_decode(
         if page_size < 1:
             raise OpInputError(f"k_cache: expected page_size (shape[1]) >= 1, got {page_size}")
         max_pages = block_table.shape[1]
+        dense_hkv = k_cache.shape[1]
+        if (hkv == 0 or hq % hkv) and num_pages == batch and dense_hkv and hq % dense_hkv == 0:
+            raise OpInputError(  # a dense cache [B, Hkv, S_cache, D] with a block table
+                f"block_table: needs a paged cache, k_cache [num_pages, page_size, heads_kv, "
+                f"head_dim], got k_cache of shape {list(k_cache.shape)} (num_heads_kv {hkv} "
+                f"does not divide q's {hq} heads); it looks like a dense cache [batch, "
+                f"heads_kv, seqlen_cache, head_dim], which takes block_table=None"
+            )
     else:
         if k_cache.shape[0] != batch:
             raise OpInputError(
