@@ -213,6 +213,27 @@ def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
     assert "unknown option 'famly'" in capsys.readouterr().err
 
 
+def test_an_unknown_option_is_one_plain_line_naming_it_and_the_known_ones(tmp_path):
+    """``flashgen show SPEC --option nope=1`` printed ``error: "unknown option 'nope'; ..."``
+    (the repr of a KeyError, in quotes); so did ``build`` and its ``--json`` error.  Now one
+    line, no quotes, no traceback, exit 1, with a "did you mean" for a near miss."""
+    for argv in (["show", ALIBI, "--option", "nope=1"],
+                 ["build", ALIBI, "--out", str(tmp_path), "--option", "nope=1"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "flashgen", *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert lines[0].startswith("error: unknown option 'nope'; known: family, atomic_dq, ")
+        assert "decode.stages" in lines[0]
+    done = subprocess.run([sys.executable, "-m", "flashgen", "build", ALIBI, "--json", "--out",
+                           str(tmp_path), "--option", "famly=fa2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    doc = json.loads(done.stdout)
+    assert done.returncode == 1 and doc["ok"] is False
+    assert doc["error"].startswith("unknown option 'famly' (did you mean 'family'?); known: ")
+
+
 def test_a_removed_switch_is_an_error_naming_its_option(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
     rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
