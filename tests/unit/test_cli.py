@@ -278,6 +278,29 @@ def test_list_reports_an_unreadable_spec_instead_of_a_traceback(tmp_path, capsys
     assert "ok" in text and "causal" in text
 
 
+def test_list_shows_the_good_specs_and_each_bad_one_with_its_location_only(
+    tmp_path, capsys, monkeypatch
+):
+    """``flashgen list DIR`` with an unparsable spec lists the others and the bad one with its
+    error at file:line:col (exit 1); a spec that did not load has no mask to show (it was
+    listed with "mask: none (every pair kept)", the line of a spec that keeps every pair)."""
+    (tmp_path / "ok.yaml").write_text("name: ok\nhead_dim: 64\ndtype: fp16\nmask: causal\n")
+    (tmp_path / "all.yaml").write_text("name: all\nhead_dim: 64\ndtype: fp16\n")
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: broken\nhead_dim: 64\ndtype: bf16\nmask: q_idx >= kv_idx &&& 1\n")
+    (tmp_path / "unreadable.yaml").symlink_to(tmp_path / "nowhere")
+    monkeypatch.delenv("COLUMNS", raising=False)  # 160 columns: the error lines unwrapped
+    rc = main(["list", str(tmp_path)])
+    blocks = {b.split()[0]: b for b in capsys.readouterr().out.strip().split("\n\n")}
+    assert rc == 1 and sorted(blocks) == ["all", "broken", "ok", "unreadable"]
+    assert "causal" in blocks["ok"]
+    assert "mask: none (every pair kept)" in blocks["all"]
+    assert f"ERROR {bad}:4:25: unexpected character '&'" in blocks["broken"]
+    assert "ERROR cannot read spec" in blocks["unreadable"]
+    for name in ("broken", "unreadable"):
+        assert "mask" not in blocks[name], blocks[name]
+
+
 def test_two_specs_with_one_name_are_refused(tmp_path, capsys):
     """Both were built and written to the same generated/<name>/ ('wrote' twice, the
     second silently replacing the first); the same file named twice builds once."""
