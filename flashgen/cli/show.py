@@ -105,8 +105,7 @@ def format_spec(spec: ir.Spec) -> str:
             if p.kind == "tensor":
                 lines.append(f"    {p.name}: tensor [{', '.join(map(str, p.shape))}] {p.ty.value}")
             else:
-                pairs = (("min", p.minimum), ("max", p.maximum))
-                bounds = ", ".join(f"{w} {b!r}" for w, b in pairs if b is not None)
+                bounds = ", ".join(f"{w} {b!r}" for w, b in p.bounds())  # as declared
                 lines.append(
                     f"    {p.name}: {p.ty.value} = {p.default!r}"
                     + (f"   ({bounds})" if bounds else "")

@@ -526,7 +526,8 @@ def check_scalar(p: ir.Param, val) -> int | float:
     """Check one scalar param value against its declaration; return it as int / float.
 
     i32: an integer (not bool) in int32 range; f32: a real number, finite and within
-    float32 range.  Either must lie within the param's declared ``min``/``max``.
+    float32 range.  Either must lie within the param's declared ``min``/``max`` (or
+    ``above``/``below``, named so in the message).
     Raises :class:`OpInputError` naming the param, the expected and the received value.
     While ``torch.compile`` traces (a changed float becomes symbolic) the value is passed
     through: the op's CPU and CUDA implementations check it again on the real value.
@@ -549,10 +550,13 @@ def check_scalar(p: ir.Param, val) -> int | float:
             raise OpInputError(
                 f"{p.name}: expected a float32 value, got {val!r} (out of float32 range)"
             )
-    if p.minimum is not None and out < p.minimum:
-        raise OpInputError(f"{p.name}: expected a value >= {p.minimum} (declared min), got {val!r}")
-    if p.maximum is not None and out > p.maximum:
-        raise OpInputError(f"{p.name}: expected a value <= {p.maximum} (declared max), got {val!r}")
+    low, high = p.minimum is not None and out < p.minimum, p.maximum is not None and out > p.maximum
+    if low or high:  # the bound as declared: above: 0 is held as the least float32 above 0
+        word, bound = next((w, b) for w, b in p.bounds() if (w in ("min", "above")) == low)
+        cmp = {"min": ">=", "above": ">", "max": "<=", "below": "<"}[word]
+        raise OpInputError(
+            f"{p.name}: expected a value {cmp} {bound} (declared {word}), got {val!r}"
+        )
     return out
 
 

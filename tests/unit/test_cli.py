@@ -93,6 +93,30 @@ def test_show_prints_ir_and_source(capsys):
     assert "flashgen_alibi_fwd_sm_80" not in out
 
 
+def test_show_prints_exclusive_bounds_as_declared(tmp_path, capsys):
+    """``above: 0`` is held as the least float32 above 0 (the bound the op enforces), and
+    ``flashgen show`` printed that: ``(min 1.401298464324817e-45)``.  It prints the bound as
+    declared, for f32 and i32 params, ``above`` and ``below``; ``min`` / ``max`` as before."""
+    assert main(["show", str(REPO / "specs" / "gemma2_softcap.yaml"), "--target", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "    softcap: f32 = 50.0   (above 0.0)\n" in out and "e-45" not in out
+    spec = tmp_path / "bounds.yaml"
+    spec.write_text(
+        "name: bounds\nhead_dim: 64\ndtype: bf16\nmask: kv_idx < n && kv_idx >= m\n"
+        "score_mod: score * c + d\nparams:\n"
+        "  n: {type: i32, default: 4, above: 0, below: 100}\n"
+        "  m: {type: i32, default: 0, min: 0, max: 8}\n"
+        "  c: {type: f32, default: 1.0, above: -0.5, below: 2.5}\n"
+        "  d: {type: f32, default: 0.0, min: -1.0}\n"
+    )
+    assert main(["show", str(spec), "--target", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "    n: i32 = 4   (above 0, below 100)\n" in out
+    assert "    m: i32 = 0   (min 0, max 8)\n" in out
+    assert "    c: f32 = 1.0   (above -0.5, below 2.5)\n" in out
+    assert "    d: f32 = 0.0   (min -1.0)\n" in out
+
+
 def test_show_prints_the_sink(capsys):
     assert main(["show", str(REPO / "specs" / "gpt_oss_sink.yaml"), "--target", "sm_80"]) == 0
     out = capsys.readouterr().out

@@ -340,6 +340,32 @@ def test_bad_scalars(ops, tripwire, name, kwargs, match):
         op.attention(q, k, v, **params, **kwargs)
 
 
+def test_exclusive_bounds_are_named_as_declared(ops, tripwire, tmp_path):
+    """gemma2_softcap's ``above: 0`` is held as the least float32 above 0, and a softcap of 0
+    was refused as "expected a value >= 1.401298464324817e-45 (declared min)"; the message
+    names the bound as declared (i32 and f32, above and below; min / max as before)."""
+    q, k, v, _ = make(ops["gemma2_softcap"].spec)
+    with pytest.raises(OpInputError, match=r"^softcap: expected a value > 0.0 \(declared "
+                       r"above\), got 0.0$"):  # fmt: skip
+        ops["gemma2_softcap"].attention(q, k, v, softcap=0.0)
+    path = tmp_path / "bounded.yaml"
+    path.write_text(
+        "name: bounded_excl\nhead_dim: 64\ndtype: bf16\nmask: kv_idx < n\n"
+        "score_mod: score * c\nparams:\n  n: {type: i32, default: 4, above: 0, below: 100}\n"
+        "  c: {type: f32, default: 1.0, min: -2.0, below: 2.5}\n"
+    )
+    op = flashgen.load(path)
+    q, k, v = (torch.randn(1, 2, 3, 64).to(torch.bfloat16) for _ in range(3))
+    for kwargs, match in (
+        ({"n": 0}, r"^n: expected a value > 0 \(declared above\), got 0$"),
+        ({"n": 100}, r"^n: expected a value < 100 \(declared below\), got 100$"),
+        ({"c": 2.5}, r"^c: expected a value < 2.5 \(declared below\), got 2.5$"),
+        ({"c": -3.0}, r"^c: expected a value >= -2.0 \(declared min\), got -3.0$"),
+    ):
+        with pytest.raises(OpInputError, match=match):
+            op.attention(q, k, v, **kwargs)
+
+
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_bad_scalars_via_torch_op(ops, tripwire, device):
     """Direct calls bypass attention(): the impls still check scale and scalar params."""
