@@ -25,6 +25,17 @@ from dataclasses import dataclass, field
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd
 from flashgen.families.common import FAMILIES, PERSISTENT_SCHEDULERS
 from flashgen.families.fields import check_fields
+from flashgen.frontend.errors import did_you_mean
+
+
+class UnknownOptionError(KeyError):
+    """An option name :class:`Options` does not have (:meth:`Options.get_path`,
+    :meth:`Options.replace_path`, ``--option NAME=VALUE``).  A ``KeyError`` whose ``str`` is
+    its message: a plain KeyError's is the repr of its argument, quotes and all."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
 
 #: Values of :attr:`Options.persistent` (``auto``: ``dynamic`` for a mask that reads tensors,
 #: else ``off``) and of :attr:`Options.sparse_persistent`.
@@ -137,17 +148,21 @@ class Options:
         return text + (", or none" if type(None) in args else "")
 
     def get_path(self, path: str):
-        """The value of dotted name ``path`` (``KeyError`` listing the names otherwise)."""
+        """The value of dotted name ``path``; :class:`UnknownOptionError` (a ``KeyError``)
+        naming it, the closest name and every known one otherwise."""
         head, _, rest = path.partition(".")
         if path not in _paths():
-            raise KeyError(f"unknown option {path!r}; known: {', '.join(self.paths())}")
+            raise UnknownOptionError(
+                f"unknown option {path!r}{did_you_mean(path, _paths())}; known: "
+                f"{', '.join(self.paths())}"
+            )
         return getattr(getattr(self, head), rest) if rest else getattr(self, head)
 
     def replace_path(self, path: str, value) -> Options:
         """A copy with dotted name ``path`` set to ``value``; a ``str`` value is parsed for
         the field's type (``true/false/1/0/yes/no/on/off`` for bools, ``none`` for an
-        optional one, digits for ints).  ``KeyError`` for an unknown name, ``ValueError``
-        for a value the field does not take."""
+        optional one, digits for ints).  :class:`UnknownOptionError` (a ``KeyError``) for an
+        unknown name, ``ValueError`` for a value the field does not take."""
         self.get_path(path)  # validates the name
         head, _, rest = path.partition(".")
         try:

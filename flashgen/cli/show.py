@@ -105,8 +105,7 @@ def format_spec(spec: ir.Spec) -> str:
             if p.kind == "tensor":
                 lines.append(f"    {p.name}: tensor [{', '.join(map(str, p.shape))}] {p.ty.value}")
             else:
-                pairs = (("min", p.minimum), ("max", p.maximum))
-                bounds = ", ".join(f"{w} {b!r}" for w, b in pairs if b is not None)
+                bounds = ", ".join(f"{w} {b!r}" for w, b in p.bounds())  # as declared
                 lines.append(
                     f"    {p.name}: {p.ty.value} = {p.default!r}"
                     + (f"   ({bounds})" if bounds else "")
@@ -158,7 +157,8 @@ def cmd_show(args) -> int:
 def _print_list(rows, console) -> None:
     """One block per spec, wrapped by rich to ``console``'s width (the terminal's, or
     ``COLUMNS``): name, dtype and head dims on the first line, then the mask and score_mod
-    under their labels, then the description, indented.  Text goes in as rich ``Text`` (no
+    under their labels (a mask of ``"-"``, none, keeps every pair; ``""``: no line, a spec
+    that did not load), then the description, indented.  Text goes in as rich ``Text`` (no
     markup: descriptions are the spec author's)."""
     w0 = max([len(r[0]) for r in rows] + [4])
     w1 = max([len(r[1]) for r in rows] + [5])
@@ -208,13 +208,13 @@ def cmd_list(args) -> int:
         try:
             s = load_spec(f)
         except SpecError as e:
-            where = f"{e.file}:{e.line}:{e.col}"
-            rows.append((terminal_safe(f.stem), "-", "-", "-", "-",
+            where = f"{e.file}:{e.line}:{e.col}"  # no mask or score_mod lines ("")
+            rows.append((terminal_safe(f.stem), "-", "-", "", "",
                          terminal_safe(f"ERROR {where}: {e.message}")))  # fmt: skip
             bad = True
             continue
         except OSError as e:  # a directory named *.yaml, a dangling link, no permission
-            rows.append((terminal_safe(f.stem), "-", "-", "-", "-",
+            rows.append((terminal_safe(f.stem), "-", "-", "", "",
                          f"ERROR cannot read spec: {e.strerror or e}"))  # fmt: skip
             bad = True
             continue

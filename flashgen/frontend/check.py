@@ -438,20 +438,23 @@ class _Checker:
                 raise self.fail(
                     where, f"the {word} of param '{p.name}' must be a finite float32, got {b}"
                 )
+        # messages name the bounds as declared: above: 0 is held as the least float32 above 0
+        declared = dict(p.bounds())
         if p.minimum is not None and p.maximum is not None and p.minimum > p.maximum:
-            raise self.fail(
-                f"{key}.max", f"param '{p.name}' has min {p.minimum} greater than max {p.maximum}"
-            )
+            if p.above is None and p.below is None:
+                why = f"min {p.minimum} greater than max {p.maximum}"
+            else:
+                (lw, lb), (hw, hb) = p.bounds()
+                why = f"{lw} {lb} and {hw} {hb}: no {p.ty.value} value lies between them"
+            raise self.fail(f"{key}.max", f"param '{p.name}' has {why}")
         if p.minimum is not None and p.default < p.minimum:
-            raise self.fail(
-                f"{key}.default",
-                f"default {p.default} of param '{p.name}' is below its min {p.minimum}",
-            )
+            why = (f"is below its min {p.minimum}" if p.above is None
+                   else f"is not above {declared['above']} (declared above)")  # fmt: skip
+            raise self.fail(f"{key}.default", f"default {p.default} of param '{p.name}' {why}")
         if p.maximum is not None and p.default > p.maximum:
-            raise self.fail(
-                f"{key}.default",
-                f"default {p.default} of param '{p.name}' is above its max {p.maximum}",
-            )
+            why = (f"is above its max {p.maximum}" if p.below is None
+                   else f"is not below {declared['below']} (declared below)")  # fmt: skip
+            raise self.fail(f"{key}.default", f"default {p.default} of param '{p.name}' {why}")
 
     # ------------------------------------------------------------------ expressions
     def root(self, e: Expr | None, field: str) -> Expr | None:

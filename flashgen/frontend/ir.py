@@ -166,7 +166,10 @@ class Param:
     ``kind == "tensor"``: a runtime tensor argument of the op (f32 or i32 elements)
     whose shape is declared with integer literals and SHAPE_SYMBOLS.
     ``minimum`` / ``maximum``: optional inclusive bounds of a scalar's value (the op
-    rejects a value outside them); ``None`` means unbounded.
+    rejects a value outside them); ``None`` means unbounded.  ``above`` / ``below``: the
+    exclusive bound as declared (``above: 0``) when ``minimum`` / ``maximum`` holds it as the
+    next value of the type (the least float32 above 0); for messages and display only (no
+    part of equality: the bound is ``minimum`` / ``maximum``).
     """
 
     name: str
@@ -177,6 +180,21 @@ class Param:
     span: Span = field(default=NO_SPAN, compare=False)
     minimum: int | float | None = None  # scalars only, inclusive
     maximum: int | float | None = None  # scalars only, inclusive
+    above: int | float | None = field(default=None, compare=False, repr=False)
+    below: int | float | None = field(default=None, compare=False, repr=False)
+
+    def bounds(self) -> list[tuple[str, int | float]]:
+        """The declared bounds as ``(word, value)``, lower first: ``("min", 1)`` or
+        ``("above", 0.0)``, then ``("max", ...)`` or ``("below", ...)``; none for an
+        unbounded side."""
+        out: list[tuple[str, int | float]] = []
+        for word, excl, value in (("min", "above", self.minimum),
+                                  ("max", "below", self.maximum)):  # fmt: skip
+            if getattr(self, excl) is not None:
+                out.append((excl, getattr(self, excl)))
+            elif value is not None:
+                out.append((word, value))
+        return out
 
 
 @dataclass(frozen=True)

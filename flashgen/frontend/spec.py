@@ -303,6 +303,7 @@ def _param(ld: _Loader, key_node: yaml.Node, node: yaml.Node) -> ir.Param:
                     )
                 if key in ("above", "below"):
                     ld.record(f"{where}.{'min' if lower else 'max'}", bnode)
+                    bounds[key] = val  # as declared, for messages and display
                     val = _exclusive(ld, bnode, val, ty, lower, f"the {key} of param '{name}'")
                 bounds["minimum" if lower else "maximum"] = val
         return ir.Param(name, "scalar", ty, default, (), ld.span(key_node), **bounds)

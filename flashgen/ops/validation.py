@@ -34,6 +34,11 @@ _SCHEMA_TYPE = {ir.Ty.I32: "int", ir.Ty.F32: "float"}
 CPU_DTYPES = (torch.float32, torch.float64)
 
 
+#: Device types of the tensors the ops take: CPU and CUDA, and meta (the fake kernel: shapes
+#: only; :func:`check_input_device`).
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The op's lse dtype for inputs of ``dtype``: float32, float64 for float64 (CPU)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -121,6 +126,9 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
     tensor = torch.Tensor
     if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)):
         return None
+    strided = torch.strided
+    if not (q.layout == strided and k.layout == strided and v.layout == strided):
+        return None
     want = TORCH_DTYPE[spec.dtype]
     qs, ks, vs = q.shape, k.shape, v.shape
     if not (len(qs) == len(ks) == len(vs) == 4 and q.dtype == k.dtype == v.dtype):
@@ -145,7 +153,7 @@ def _dims_if_valid(spec: ir.Spec, q, k, v) -> Dims | None:
     ):
         return None
     dev = q.device
-    if k.device != dev or v.device != dev:
+    if k.device != dev or v.device != dev or dev.type not in _DEVICE_TYPES:
         return None
     return Dims(batch, hq, hkv, sq, sk, vs[3])
 
@@ -155,6 +163,9 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_layout(name, t)
+    check_input_device(spec, "q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise OpInputError(
@@ -181,6 +192,38 @@ def _check_qkv(spec: ir.Spec, q, k, v) -> Dims:
         )
     hq, hkv = check_heads_and_strides(q, k, v)
     return Dims(q.shape[0], hq, hkv, q.shape[2], k.shape[2], v.shape[3])
+
+
+def check_layout(name: str, t) -> None:
+    """``t`` (the tensor argument called ``name``) is dense: layout ``torch.strided``, not
+    sparse (COO, CSR, ...), nested (jagged) or mkldnn, whose elements have no strides the
+    kernels can walk; else :class:`OpInputError` naming ``name`` and the layout."""
+    if t.layout != torch.strided:
+        nested = t.is_nested
+        hint = "pack the sequences for op.varlen" if nested else "call .to_dense() first"
+        raise OpInputError(
+            f"{name}: expected a dense tensor (layout torch.strided), got layout {t.layout}; "
+            f"{hint}"
+        )
+
+
+def check_input_device(spec: ir.Spec, name: str, t, cpu_dtypes=CPU_DTYPES) -> None:
+    """``t`` (the input called ``name``: q, whose device the other inputs must share) is on a
+    device the op runs on: CPU or CUDA.  A meta tensor is taken except in one of
+    ``cpu_dtypes`` (the dtypes the op takes on the CPU only: :data:`CPU_DTYPES`; decode's
+    float32): the fake kernel gives o and lse of the right shapes for the spec's dtype.
+    :class:`OpInputError` naming ``name`` and the device otherwise."""
+    kind = t.device.type
+    if kind in ("cpu", "cuda") or (kind == "meta" and t.dtype not in cpu_dtypes):
+        return
+    if kind == "meta":
+        raise OpInputError(
+            f"{name}: expected a CPU or CUDA tensor, got a {t.dtype} tensor on device 'meta' "
+            f"({t.dtype} runs on the CPU only; a meta tensor gives the output shapes only, in "
+            f"the spec's dtype {TORCH_DTYPE[spec.dtype]}: spec {spec.name!r} has dtype "
+            f"{spec.dtype})"
+        )
+    raise OpInputError(f"{name}: expected a CPU or CUDA tensor, got a tensor on device {kind!r}")
 
 
 def check_input_dtype(spec: ir.Spec, name: str, t, q) -> None:
@@ -239,6 +282,7 @@ def validate_tensor_params(
                     f"{p.name}: expected a torch.Tensor {_describe_param(p)}, "
                     f"got {type(t).__name__}"
                 )
+            check_layout(p.name, t)
             if t.device != device:
                 raise OpInputError(
                     f"{p.name}: expected device {device} ({device_of}), got {t.device}"
@@ -482,7 +526,8 @@ def check_scalar(p: ir.Param, val) -> int | float:
     """Check one scalar param value against its declaration; return it as int / float.
 
     i32: an integer (not bool) in int32 range; f32: a real number, finite and within
-    float32 range.  Either must lie within the param's declared ``min``/``max``.
+    float32 range.  Either must lie within the param's declared ``min``/``max`` (or
+    ``above``/``below``, named so in the message).
     Raises :class:`OpInputError` naming the param, the expected and the received value.
     While ``torch.compile`` traces (a changed float becomes symbolic) the value is passed
     through: the op's CPU and CUDA implementations check it again on the real value.
@@ -505,10 +550,13 @@ def check_scalar(p: ir.Param, val) -> int | float:
             raise OpInputError(
                 f"{p.name}: expected a float32 value, got {val!r} (out of float32 range)"
             )
-    if p.minimum is not None and out < p.minimum:
-        raise OpInputError(f"{p.name}: expected a value >= {p.minimum} (declared min), got {val!r}")
-    if p.maximum is not None and out > p.maximum:
-        raise OpInputError(f"{p.name}: expected a value <= {p.maximum} (declared max), got {val!r}")
+    low, high = p.minimum is not None and out < p.minimum, p.maximum is not None and out > p.maximum
+    if low or high:  # the bound as declared: above: 0 is held as the least float32 above 0
+        word, bound = next((w, b) for w, b in p.bounds() if (w in ("min", "above")) == low)
+        cmp = {"min": ">=", "above": ">", "max": "<=", "below": "<"}[word]
+        raise OpInputError(
+            f"{p.name}: expected a value {cmp} {bound} (declared {word}), got {val!r}"
+        )
     return out
 
 

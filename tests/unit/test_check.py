@@ -171,6 +171,31 @@ def test_type_errors_point_at_the_right_place(expr, field, col, fragment):
     assert e.source_line.startswith(f'{field}: "{expr}"')
 
 
+@pytest.mark.parametrize(
+    "param, message",
+    [
+        ("{type: f32, default: 0.0, above: 0}",
+         "default 0.0 of param 'c' is not above 0.0 (declared above)"),
+        ("{type: f32, default: 7, below: 5}",
+         "default 7.0 of param 'c' is not below 5.0 (declared below)"),
+        ("{type: f32, default: 3, above: 5, below: 5}",
+         "param 'c' has above 5.0 and below 5.0: no f32 value lies between them"),
+        ("{type: i32, default: 0, above: 0}",
+         "default 0 of param 'c' is not above 0 (declared above)"),
+        ("{type: f32, default: 7, max: 5}", "default 7.0 of param 'c' is above its max 5.0"),
+        ("{type: f32, default: 3, min: 5, max: 4}",
+         "param 'c' has min 5.0 greater than max 4.0"),
+    ],
+)  # fmt: skip
+def test_bound_errors_name_exclusive_bounds_as_declared(param, message):
+    """``above: 0`` is held as the least float32 above 0: a default of 0 was refused as
+    "below its min 1.401298464324817e-45".  The errors name the bounds as declared."""
+    text = f"name: t\nhead_dim: 64\ndtype: bf16\nmask: c == c\nparams:\n  c: {param}\n"
+    with pytest.raises(SpecError) as e:
+        loads_spec(text, "t.yaml")
+    assert e.value.message == message
+
+
 def test_int32_max_literal_is_fine():
     assert typed("score + 2147483647").ty == Ty.F32
 

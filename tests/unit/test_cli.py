@@ -93,6 +93,30 @@ def test_show_prints_ir_and_source(capsys):
     assert "flashgen_alibi_fwd_sm_80" not in out
 
 
+def test_show_prints_exclusive_bounds_as_declared(tmp_path, capsys):
+    """``above: 0`` is held as the least float32 above 0 (the bound the op enforces), and
+    ``flashgen show`` printed that: ``(min 1.401298464324817e-45)``.  It prints the bound as
+    declared, for f32 and i32 params, ``above`` and ``below``; ``min`` / ``max`` as before."""
+    assert main(["show", str(REPO / "specs" / "gemma2_softcap.yaml"), "--target", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "    softcap: f32 = 50.0   (above 0.0)\n" in out and "e-45" not in out
+    spec = tmp_path / "bounds.yaml"
+    spec.write_text(
+        "name: bounds\nhead_dim: 64\ndtype: bf16\nmask: kv_idx < n && kv_idx >= m\n"
+        "score_mod: score * c + d\nparams:\n"
+        "  n: {type: i32, default: 4, above: 0, below: 100}\n"
+        "  m: {type: i32, default: 0, min: 0, max: 8}\n"
+        "  c: {type: f32, default: 1.0, above: -0.5, below: 2.5}\n"
+        "  d: {type: f32, default: 0.0, min: -1.0}\n"
+    )
+    assert main(["show", str(spec), "--target", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "    n: i32 = 4   (above 0, below 100)\n" in out
+    assert "    m: i32 = 0   (min 0, max 8)\n" in out
+    assert "    c: f32 = 1.0   (above -0.5, below 2.5)\n" in out
+    assert "    d: f32 = 0.0   (min -1.0)\n" in out
+
+
 def test_show_prints_the_sink(capsys):
     assert main(["show", str(REPO / "specs" / "gpt_oss_sink.yaml"), "--target", "sm_80"]) == 0
     out = capsys.readouterr().out
@@ -213,6 +237,27 @@ def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
     assert "unknown option 'famly'" in capsys.readouterr().err
 
 
+def test_an_unknown_option_is_one_plain_line_naming_it_and_the_known_ones(tmp_path):
+    """``flashgen show SPEC --option nope=1`` printed ``error: "unknown option 'nope'; ..."``
+    (the repr of a KeyError, in quotes); so did ``build`` and its ``--json`` error.  Now one
+    line, no quotes, no traceback, exit 1, with a "did you mean" for a near miss."""
+    for argv in (["show", ALIBI, "--option", "nope=1"],
+                 ["build", ALIBI, "--out", str(tmp_path), "--option", "nope=1"]):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "flashgen", *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        assert lines[0].startswith("error: unknown option 'nope'; known: family, atomic_dq, ")
+        assert "decode.stages" in lines[0]
+    done = subprocess.run([sys.executable, "-m", "flashgen", "build", ALIBI, "--json", "--out",
+                           str(tmp_path), "--option", "famly=fa2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    doc = json.loads(done.stdout)
+    assert done.returncode == 1 and doc["ok"] is False
+    assert doc["error"].startswith("unknown option 'famly' (did you mean 'family'?); known: ")
+
+
 def test_a_removed_switch_is_an_error_naming_its_option(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
     rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])
@@ -255,6 +300,29 @@ def test_list_reports_an_unreadable_spec_instead_of_a_traceback(tmp_path, capsys
     assert "adir" in text and "is a directory" in text
     assert "gone" in text and "ERROR cannot read spec: No such file or directory" in text
     assert "ok" in text and "causal" in text
+
+
+def test_list_shows_the_good_specs_and_each_bad_one_with_its_location_only(
+    tmp_path, capsys, monkeypatch
+):
+    """``flashgen list DIR`` with an unparsable spec lists the others and the bad one with its
+    error at file:line:col (exit 1); a spec that did not load has no mask to show (it was
+    listed with "mask: none (every pair kept)", the line of a spec that keeps every pair)."""
+    (tmp_path / "ok.yaml").write_text("name: ok\nhead_dim: 64\ndtype: fp16\nmask: causal\n")
+    (tmp_path / "all.yaml").write_text("name: all\nhead_dim: 64\ndtype: fp16\n")
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: broken\nhead_dim: 64\ndtype: bf16\nmask: q_idx >= kv_idx &&& 1\n")
+    (tmp_path / "unreadable.yaml").symlink_to(tmp_path / "nowhere")
+    monkeypatch.delenv("COLUMNS", raising=False)  # 160 columns: the error lines unwrapped
+    rc = main(["list", str(tmp_path)])
+    blocks = {b.split()[0]: b for b in capsys.readouterr().out.strip().split("\n\n")}
+    assert rc == 1 and sorted(blocks) == ["all", "broken", "ok", "unreadable"]
+    assert "causal" in blocks["ok"]
+    assert "mask: none (every pair kept)" in blocks["all"]
+    assert f"ERROR {bad}:4:25: unexpected character '&'" in blocks["broken"]
+    assert "ERROR cannot read spec" in blocks["unreadable"]
+    for name in ("broken", "unreadable"):
+        assert "mask" not in blocks[name], blocks[name]
 
 
 def test_two_specs_with_one_name_are_refused(tmp_path, capsys):

@@ -522,6 +522,49 @@ def test_bad_inputs_raise_op_input_error():
         call(q, meta, meta, lens)
 
 
+def test_block_table_with_a_dense_cache_names_the_paged_layout():
+    """A dense cache [B, Hkv, S_cache, D] passed with a block_table was read as a paged one
+    (heads_kv = S_cache) and refused as "q: expected num_heads to be a multiple of the cache's
+    num_heads_kv 8": the message names block_table, the paged layout it needs and the shape
+    it got, padded and ragged."""
+    op = _op("llama3_gqa")
+    d = op.spec.head_dim
+    q = torch.randn(2, 4, 1, d).to(torch.bfloat16)
+    kc = torch.randn(2, 2, 8, d).to(torch.bfloat16)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    msg = (rf"^block_table: needs a paged cache, k_cache \[num_pages, page_size, heads_kv, "
+           rf"head_dim\], got k_cache of shape \[2, 2, 8, {d}\] \(num_heads_kv 8 does not divide "
+           rf"q's 4 heads\); it looks like a dense cache \[batch, heads_kv, seqlen_cache, "
+           rf"head_dim\], which takes block_table=None")  # fmt: skip
+    with pytest.raises(OpInputError, match=msg):
+        op.with_kvcache(q, kc, kc.clone(), lens, block_table=table)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(OpInputError, match=msg):
+        op.with_kvcache(q[:, :, 0], kc, kc.clone(), lens, block_table=table, cu_seqlens_q=cu,
+                        max_seqlen_q=1)  # fmt: skip
+    o, _ = op.with_kvcache(q, kc, kc.clone(), lens)  # the same cache without the table
+    assert o.shape == (2, 4, 1, op.spec.head_dim_v)
+
+
+def test_a_ragged_call_on_meta_tensors_needs_max_seqlen_q():
+    """Without max_seqlen_q a ragged call reads it from cu_seqlens_q's values, which a meta
+    tensor has none of: it raised torch's NotImplementedError ("Cannot copy out of meta
+    tensor"); now an OpInputError naming max_seqlen_q.  With it, the call gives meta o and lse
+    of the right shapes."""
+    op = _op("llama3_gqa")
+    d = op.spec.head_dim
+    q = torch.empty(3, 4, d, device="meta", dtype=torch.bfloat16)
+    kc = torch.empty(2, 2, 8, d, device="meta", dtype=torch.bfloat16)
+    lens = torch.zeros(2, dtype=torch.int32, device="meta")
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    with pytest.raises(OpInputError, match="^max_seqlen_q: required with a meta cu_seqlens_q"):
+        op.with_kvcache(q, kc, kc, lens, cu_seqlens_q=cu)
+    o, lse = op.with_kvcache(q, kc, kc, lens, cu_seqlens_q=cu, max_seqlen_q=2)
+    assert o.device.type == "meta" and o.shape == (3, 4, op.spec.head_dim_v)
+    assert lse.shape == (4, 3)
+
+
 def test_unchecked_values_clamp_and_empty_pages():
     """The kernels' semantics for values the debug check refuses (host mirror): the length is
     clamped to the request's pages, a page index outside [0, num_pages) is empty, the rest of

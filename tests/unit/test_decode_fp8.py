@@ -408,6 +408,26 @@ def test_plan_decode_takes_the_cache_dtype():
     assert op.plan_decode(**kw, cache_dtype=torch.bfloat16).dims.cache_dtype is None
 
 
+def test_a_plan_for_another_cache_dtype_names_the_calls_k_cache_dtype():
+    """An e4m3 plan used by a float32 CPU call said "this call's cache is torch.bfloat16"
+    (the spec's dtype, not the call's): the message names the plan's cache dtype and the
+    dtype of the call's k_cache."""
+    op, q, kc, vc, table, lens, kd, vd = _base()
+    kw = dict(batch=2, num_heads=4, num_heads_kv=2, seqlen_q=1, cache_capacity=table.shape[1] * 4,
+              page_size=4, num_pages=kc.shape[0], device="cpu")  # fmt: skip
+    p8 = op.plan_decode(**kw, cache_dtype=E4M3)
+    kf, vf = kc.float(), vc.float()
+    msg = (r"^plan: planned for a torch.float8_e4m3fn cache \(plan_decode's cache_dtype\), "
+           r"this call's k_cache has dtype torch.float32")  # fmt: skip
+    with pytest.raises(OpInputError, match=msg):
+        op.with_kvcache(q.float(), kf, vf, lens, block_table=table, plan=p8)
+    p16 = op.plan_decode(**kw)
+    msg = (r"^plan: planned for a torch.bfloat16 cache \(plan_decode's cache_dtype\), this "
+           r"call's k_cache has dtype torch.float8_e4m3fn; .*cache_dtype=torch.float8_e4m3fn")
+    with pytest.raises(OpInputError, match=msg):
+        op.with_kvcache(q, kc, vc, lens, block_table=table, plan=p16, k_descale=kd, v_descale=vd)
+
+
 # ----------------------------------------------------------------------------- the units
 def _kv8_specs():
     out = []

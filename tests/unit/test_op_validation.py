@@ -198,6 +198,99 @@ def test_bad_tensor_inputs_via_meta(ops, case):
         op.attention(q, k, v, **params)
 
 
+class _OnDevice(torch.Tensor):
+    """A tensor that claims another device (no backend needed): never dispatched."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"dispatched {func} before the device was checked")
+
+
+def test_tensors_on_a_device_the_op_does_not_run_on_are_refused_naming_it(ops, tripwire):
+    """``torch.empty(..., device="meta")`` (float32) was refused as a dtype problem ("float32 /
+    float64 also on CPU"): float32 and float64 run on the CPU only, so a meta tensor of those
+    is refused naming q and the device (a meta tensor of the spec's dtype still gives o and
+    lse shapes: the fake kernel); a device the op has no kernel for (xpu, mps) is refused
+    before dispatch.  op.attention, op.varlen and with_kvcache."""
+    op = ops["alibi"]
+    slopes = {"slopes": torch.rand(4, device="meta")}
+    for dtype in (torch.float32, torch.float64):
+        q = torch.empty(2, 4, 9, 128, device="meta", dtype=dtype)
+        k = torch.empty(2, 2, 11, 128, device="meta", dtype=dtype)
+        msg = (rf"^q: expected a CPU or CUDA tensor, got a {dtype} tensor on device 'meta' "
+               rf"\({dtype} runs on the CPU only")  # fmt: skip
+        with pytest.raises(OpInputError, match=msg):
+            op.attention(q, k, k, **slopes)
+        with pytest.raises(OpInputError, match=msg):
+            op.varlen(q[0, 0], k[0, :, 0], k[0, :, 0], torch.zeros(2, dtype=torch.int32,
+                      device="meta"), torch.zeros(2, dtype=torch.int32, device="meta"), 1, 1,
+                      **slopes)  # fmt: skip
+        lens = torch.zeros(2, dtype=torch.int32, device="meta")
+        if dtype == torch.float32:  # decode takes float32 on the CPU, float64 nowhere
+            with pytest.raises(OpInputError, match=msg):
+                op.with_kvcache(q[:, :, :1], k, k, lens, **slopes)
+    for device in ("xpu", "mps"):
+        q = _OnDevice((2, 4, 9, 128), torch.bfloat16, device)
+        k = _OnDevice((2, 2, 11, 128), torch.bfloat16, device)
+        msg = rf"^q: expected a CPU or CUDA tensor, got a tensor on device '{device}'"
+        with pytest.raises(OpInputError, match=msg):
+            op.attention(q, k, k, slopes=_OnDevice((4,), torch.float32, device))
+
+
+def _sparse_cases():
+    q = torch.randn(2, 4, 3, 128).bfloat16()
+    k = torch.randn(2, 2, 5, 128).bfloat16()
+    s = torch.rand(4)
+    kc = torch.randn(2, 2, 8, 128).bfloat16()
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    pq, pk = q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous()
+    cq, ck = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    nested = torch.nested.nested_tensor(
+        [torch.randn(4, 2, 128), torch.randn(4, 3, 128)], layout=torch.jagged
+    ).bfloat16()
+    return [  # (id, call, the argument named, its layout)
+        ("q_coo", lambda op: op.attention(q.to_sparse(), k, k, slopes=s), "q", "sparse_coo"),
+        ("q_coo_f32", lambda op: op.attention(q.float().to_sparse(), k.float(), k.float(),
+                                              slopes=s), "q", "sparse_coo"),
+        ("v_coo", lambda op: op.attention(q, k, k.to_sparse(), slopes=s), "v", "sparse_coo"),
+        ("q_csr", lambda op: op.attention(q.float()[0, 0].to_sparse_csr(), k, k, slopes=s),
+         "q", "sparse_csr"),
+        ("q_nested", lambda op: op.attention(nested, nested, nested, slopes=s), "q", "jagged"),
+        ("param_coo", lambda op: op.attention(q, k, k, slopes=s.to_sparse()),
+         "slopes", "sparse_coo"),
+        ("varlen_q_coo", lambda op: op.varlen(pq.to_sparse(), pk, pk, cq, ck, 3, 5, slopes=s),
+         "q", "sparse_coo"),
+        ("varlen_cu_coo", lambda op: op.varlen(pq, pk, pk, cq.to_sparse(), ck, 3, 5, slopes=s),
+         "cu_seqlens_q", "sparse_coo"),
+        ("decode_q_coo", lambda op: op.with_kvcache(q[:, :, :1].to_sparse(), kc, kc, lens,
+                                                    slopes=s), "q", "sparse_coo"),
+        ("decode_cache_coo", lambda op: op.with_kvcache(q[:, :, :1], kc, kc.to_sparse(), lens,
+                                                        slopes=s), "v_cache", "sparse_coo"),
+        ("decode_lens_coo", lambda op: op.with_kvcache(q[:, :, :1], kc, kc, lens.to_sparse(),
+                                                       slopes=s), "cache_seqlens", "sparse_coo"),
+        ("decode_param_coo", lambda op: op.with_kvcache(q[:, :, :1], kc, kc, lens,
+                                                        slopes=s.to_sparse()),
+         "slopes", "sparse_coo"),
+    ]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("case", _sparse_cases(), ids=lambda c: c[0])
+def test_tensors_that_are_not_dense_are_refused_naming_the_layout(ops, tripwire, case):
+    """A sparse q was refused as "expected stride(-1) == 1, got strides [0, 0, 0, 0]", a
+    sparse tensor param or cu_seqlens reached the dispatcher (NotImplementedError: no
+    'SparseCPU' kernel) and a nested (jagged) q passed the checks: every tensor argument must
+    be dense (layout torch.strided), refused naming it and its layout."""
+    _, call, name, layout = case
+    msg = rf"^{name}: expected a dense tensor \(layout torch.strided\), got layout torch.{layout}"
+    with pytest.raises(OpInputError, match=msg):
+        call(ops["alibi"])
+
+
 def test_meta_and_fake_tensor_shapes(ops):
     op = ops["alibi"]
     q, k, v, params = make(op.spec, hq=8, hkv=2, sq=7, sk=13, device="meta")
@@ -245,6 +338,32 @@ def test_bad_scalars(ops, tripwire, name, kwargs, match):
     q, k, v, params = make(op.spec)
     with pytest.raises(OpInputError, match=match):
         op.attention(q, k, v, **params, **kwargs)
+
+
+def test_exclusive_bounds_are_named_as_declared(ops, tripwire, tmp_path):
+    """gemma2_softcap's ``above: 0`` is held as the least float32 above 0, and a softcap of 0
+    was refused as "expected a value >= 1.401298464324817e-45 (declared min)"; the message
+    names the bound as declared (i32 and f32, above and below; min / max as before)."""
+    q, k, v, _ = make(ops["gemma2_softcap"].spec)
+    with pytest.raises(OpInputError, match=r"^softcap: expected a value > 0.0 \(declared "
+                       r"above\), got 0.0$"):  # fmt: skip
+        ops["gemma2_softcap"].attention(q, k, v, softcap=0.0)
+    path = tmp_path / "bounded.yaml"
+    path.write_text(
+        "name: bounded_excl\nhead_dim: 64\ndtype: bf16\nmask: kv_idx < n\n"
+        "score_mod: score * c\nparams:\n  n: {type: i32, default: 4, above: 0, below: 100}\n"
+        "  c: {type: f32, default: 1.0, min: -2.0, below: 2.5}\n"
+    )
+    op = flashgen.load(path)
+    q, k, v = (torch.randn(1, 2, 3, 64).to(torch.bfloat16) for _ in range(3))
+    for kwargs, match in (
+        ({"n": 0}, r"^n: expected a value > 0 \(declared above\), got 0$"),
+        ({"n": 100}, r"^n: expected a value < 100 \(declared below\), got 100$"),
+        ({"c": 2.5}, r"^c: expected a value < 2.5 \(declared below\), got 2.5$"),
+        ({"c": -3.0}, r"^c: expected a value >= -2.0 \(declared min\), got -3.0$"),
+    ):
+        with pytest.raises(OpInputError, match=match):
+            op.attention(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

@@ -53,3 +53,17 @@ def test_option_errors_name_the_dotted_option():
     assert Options().replace_path("fa2_fwd.affine", "no").fa2_fwd.affine is False
     assert Options(persistent_ctas=132).persistent_ctas == 132
     assert decode.Options(split_waves=2).split_waves == 2  # an int is a number
+
+
+def test_an_unknown_option_is_a_key_error_whose_text_is_its_message():
+    """``str()`` of a plain KeyError is the repr of its argument, so ``flashgen show --option
+    nope=1`` printed the message in quotes; the error's text is the message itself, with a
+    "did you mean" for a near miss."""
+    with pytest.raises(KeyError) as e:
+        Options().replace_path("famly", "fa2")
+    text = str(e.value)
+    assert text.startswith("unknown option 'famly' (did you mean 'family'?); known: family, ")
+    assert "decode.stages" in text and "\n" not in text
+    with pytest.raises(KeyError) as e:
+        Options().get_path("nope")
+    assert str(e.value).startswith("unknown option 'nope'; known: family, ")

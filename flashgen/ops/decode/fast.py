@@ -50,7 +50,8 @@ class PlanOwner(Protocol):
 
     def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int: ...
 
-    def _check_plan(self, plan, dims: DecodeDims, device, splits: int) -> None: ...
+    def _check_plan(self, plan, dims: DecodeDims, device, splits: int,
+                    k_cache_dtype: torch.dtype | None = None) -> None: ...  # fmt: skip
 
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors, scales=None, call: DecodeDims | None = None,
@@ -403,7 +404,7 @@ class _FastPath:
         _, scales = resolve_scales(spec, dims, q, k_descale, v_descale, None)
         if spec.tensor_params:
             validate_tensor_params(spec, tmap, q.device, dims.symbols())
-        dop._check_plan(plan, dims, q.device, 0)
+        dop._check_plan(plan, dims, q.device, 0, kc.dtype)
         o_shape, lse_shape = dims.out_shapes()
         if out is not None:
             inputs = {"q": q, "k_cache": kc, "v_cache": vc, "k_new": k_new, "v_new": v_new,

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from flashgen.families import decode as family
 from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
-from flashgen.ops.validation import TORCH_DTYPE, out_dtype
+from flashgen.ops.validation import TORCH_DTYPE, check_input_device, check_layout, out_dtype
 
 
 # ----------------------------------------------------------------------------- validation
@@ -69,6 +69,7 @@ class DecodeDims:
 def _tensor(name: str, t, dims: int, what: str):
     if not isinstance(t, torch.Tensor):
         raise OpInputError(f"{name}: expected a torch.Tensor {what}, got {type(t).__name__}")
+    check_layout(name, t)
     if t.dim() != dims:
         raise OpInputError(f"{name}: expected a {dims}-D tensor {what}, got shape {list(t.shape)}")
 
@@ -145,6 +146,7 @@ def validate_decode(
     want = torch.float32 if cpu_float32(q, cache_dtype) else TORCH_DTYPE[spec.dtype]
     kv_want = FP8_CACHE if cache_dtype else want
     _tensor("q", q, 4, "[batch, heads, seqlen_q_new, head_dim]")
+    check_input_device(spec, "q", q, (torch.float32,))
     paged = block_table is not None
     layout = (
         "[num_pages, page_size, heads_kv, head_dim]"
@@ -215,6 +217,14 @@ def validate_decode(
         if page_size < 1:
             raise OpInputError(f"k_cache: expected page_size (shape[1]) >= 1, got {page_size}")
         max_pages = block_table.shape[1]
+        dense_hkv = k_cache.shape[1]
+        if (hkv == 0 or hq % hkv) and num_pages == batch and dense_hkv and hq % dense_hkv == 0:
+            raise OpInputError(  # a dense cache [B, Hkv, S_cache, D] with a block table
+                f"block_table: needs a paged cache, k_cache [num_pages, page_size, heads_kv, "
+                f"head_dim], got k_cache of shape {list(k_cache.shape)} (num_heads_kv {hkv} "
+                f"does not divide q's {hq} heads); it looks like a dense cache [batch, "
+                f"heads_kv, seqlen_cache, head_dim], which takes block_table=None"
+            )
     else:
         if k_cache.shape[0] != batch:
             raise OpInputError(
@@ -486,6 +496,7 @@ def validate_decode_ragged(
     if cpu_float32(q, cache_dtype_of(spec, k_cache)):
         want = torch.float32
     _tensor("q", q, 3, "[total_q, heads, head_dim] (ragged, with cu_seqlens_q)")
+    check_input_device(spec, "q", q, (torch.float32,))
     if q.dtype != want and not (cache_dtype_of(spec, k_cache) and q.dtype == FP8_CACHE):
         raise OpInputError(
             f"q: expected dtype {want} (spec {spec.name!r} has dtype {spec.dtype}), got {q.dtype}"

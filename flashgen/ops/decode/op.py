@@ -543,7 +543,8 @@ class DecodeOp(DecodePlanning):
     def max_seqlen_q_of(self, q, cu_seqlens_q, max_seqlen_q, plan) -> int:
         """A ragged call's ``max_seqlen_q``: the caller's; else a ragged plan's, capped at q's
         rows (no host read); else the longest Sq_b of ``cu_seqlens_q`` (a host read: a sync
-        on CUDA; refused under ``torch.compile``, where it would break the graph)."""
+        on CUDA; refused under ``torch.compile``, where it would break the graph, and for a
+        meta ``cu_seqlens_q``, which has no values: :class:`OpInputError`)."""
         if not isinstance(cu_seqlens_q, torch.Tensor):
             raise OpInputError(
                 f"cu_seqlens_q: expected a torch.Tensor [batch + 1] of int32, got "
@@ -558,6 +559,11 @@ class DecodeOp(DecodePlanning):
             raise OpInputError(
                 "max_seqlen_q: required with cu_seqlens_q under torch.compile (reading it from "
                 "cu_seqlens_q would break the graph); pass max_seqlen_q= or plan="
+            )
+        if cu_seqlens_q.device.type == "meta":
+            raise OpInputError(
+                "max_seqlen_q: required with a meta cu_seqlens_q (it has no values to read it "
+                "from); pass max_seqlen_q= or plan="
             )
         cu = cu_seqlens_q.detach().to("cpu", torch.int64).reshape(-1)
         longest = max(int((cu[1:] - cu[:-1]).max()), 0) if cu.numel() > 1 else 0
@@ -604,7 +610,7 @@ class DecodeOp(DecodePlanning):
         if self.spec.tensor_params:
             validate_tensor_params(self.spec, tmap, q.device, dims.symbols())
         if plan is not None:
-            self._check_plan(plan, dims, q.device, splits)
+            self._check_plan(plan, dims, q.device, splits, k_cache.dtype)
         if out is not None:
             o_shape, lse_shape = dims.out_shapes()
             check_out(self.spec, out, o_shape, q.device, lse_shape, inputs)

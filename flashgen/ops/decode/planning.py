@@ -168,11 +168,13 @@ class DecodePlanning:
         return self.plan_for(dims, device, splits or None, pack_gqa=pack_gqa, own_workspace=True,
                              options=options, params=params)  # fmt: skip
 
-    def _check_plan(self, plan, dims: DecodeDims, device, splits: int) -> None:
+    def _check_plan(self, plan, dims: DecodeDims, device, splits: int,
+                    k_cache_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         """Refuse ``plan`` for a call it was not made for (:meth:`plan_decode`): another form
         (padded / ragged), batch, heads, Sq_new (ragged: a longer max_seqlen_q or more q rows
         than planned), paged or dense, append or not, a larger cache or another page size,
-        device, cache dtype or num_splits.  :class:`OpInputError` naming what differs."""
+        device, cache dtype or num_splits.  :class:`OpInputError` naming what differs (for the
+        cache dtype: the plan's and ``k_cache_dtype``, the call's k_cache's)."""
         if not isinstance(plan, DecodeCallPlan):
             raise OpInputError(
                 f"plan: expected a plan from op.plan_decode, got {type(plan).__name__}"
@@ -212,12 +214,14 @@ class DecodePlanning:
         if plan.device != device:
             raise OpInputError(f"plan: planned for device {plan.device}, q is on {device}")
         if p.cache_dtype != dims.cache_dtype:
-            def kind(x):
-                return FP8_CACHE if x else TORCH_DTYPE[self.spec.dtype]
-
+            planned = FP8_CACHE if p.cache_dtype else TORCH_DTYPE[self.spec.dtype]
+            got = k_cache_dtype
+            if got is None:
+                got = FP8_CACHE if dims.cache_dtype else TORCH_DTYPE[self.spec.dtype]
             raise OpInputError(
-                f"plan: planned for a {kind(p.cache_dtype)} cache (plan_decode's cache_dtype), "
-                f"this call's cache is {kind(dims.cache_dtype)}"
+                f"plan: planned for a {planned} cache (plan_decode's cache_dtype), this call's "
+                f"k_cache has dtype {got}; plan_decode(..., cache_dtype="
+                f"{FP8_CACHE if dims.cache_dtype else None}) plans for it"
             )
         if splits and splits != plan.num_splits:
             raise OpInputError(

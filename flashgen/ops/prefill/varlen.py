@@ -69,7 +69,9 @@ from flashgen.ops.validation import (
     _symbolic,
     check_enabled,
     check_heads_and_strides,
+    check_input_device,
     check_input_dtype,
+    check_layout,
     check_scalar,
     check_softmax_scale,
     default_softmax_scale,
@@ -215,6 +217,8 @@ def validate_varlen(
     for name, t in (*named, ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_layout(name, t)
+    check_input_device(spec, "q", q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise OpInputError(
