@@ -1,6 +1,6 @@
 // The attention sink of the decode kernels (Options.decode.fused_sink; flashgen/ops/sink.py has the
 // math): one logit per (request, query head) joins the row's softmax denominator and nothing else.
-// __host__ __device__: the host tests run it (tests/unit/test_decode_compile.py).
+// __host__ __device__: the host tests run it (tests/unit/test_decode_sink.py).
 #ifndef FG_DECODE_SINK_CUH
 #define FG_DECODE_SINK_CUH
 #ifndef __CUDACC__
