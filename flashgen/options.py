@@ -77,7 +77,8 @@ class Options:
       their sum (docs/reliability.md).  Off by default.
     - ``fa2_fwd``, ``hopper_fwd``, ``fa2_bwd``, ``hopper_bwd``, ``blocktable``, ``decode``:
       each family's ``Options`` (see its module; ``decode``: the tiles and split count of
-      ``op.with_kvcache``).
+      ``op.with_kvcache``, and ``fused_sink``: a spec's attention sink joined inside its
+      kernels).
 
     Every field has its declared type (:func:`flashgen.families.fields.check_fields`: a
     bool is ``True`` / ``False``, an int is no float and no bool); raises ``ValueError``

@@ -38,6 +38,15 @@ even and odd output columns of one 16-column chunk, two MMAs.  Per (request, kv 
 descales (FlashAttention-3's ``[B, Hkv]``: true K = ``k_descale[b, h_kv] * K_fp8``) fold into
 the softmax scale (k) and the output normalization (v).
 
+Attention sink (``Options.fused_sink`` on a spec with ``sink:``; the math is
+:mod:`flashgen.ops.sink`'s, the device code ``templates/common/decode_sink.cuh``): the
+attention kernel takes a float32 logit per (request, query head), ``sink[b * sink_sb + h *
+sink_sh]`` (null: the keys alone), and scales each row's output by ``sigmoid(lse - sink)`` in
+fp32 where it is stored: the one split's epilogue, or the merge, each split's weight times
+that factor.  The partials and the lse stay the keys' alone, so the op's results merge as
+before (:func:`flashgen.merge_attention`, ring attention).  The unit keeps its kernel names;
+the option is in its cache key.
+
 Semantics (as the padded op on the gathered cache): request ``b`` has ``L = cache_seqlens[b]
 (+ Sq_new with k_new)`` live keys; the spec's mask and score_mod see ``q_idx`` in
 ``[0, Sq_new)``, ``kv_idx`` in ``[0, L)``, ``seqlen_q = Sq_new``, ``seqlen_k = L``, so a query's
@@ -117,7 +126,14 @@ class Options:
     leave room for them); ``split_waves``: the heuristic fills this many waves (0.25..4;
     1: one CTA per resident slot); ``min_split_blocks``: fewest key blocks per split (1..16,
     ``fg::dec::effective_splits``; fewer lets a short cache use more CTAs, more keeps the
-    merge's partials few).  The split combine is always fused (the last CTA merges)."""
+    merge's partials few).  The split combine is always fused (the last CTA merges).
+
+    ``fused_sink``: for a spec with a sink (``sink:``), the attention kernel joins it to each
+    row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)`` in fp32 (the one
+    split's store, or the merge's weights), from a float32 ``[B, Hq]`` it takes per call
+    (lse stays the keys' alone); off, ``op.with_kvcache`` applies the sink with torch ops
+    after the kernel (:func:`flashgen.ops.sink.apply_sink`).  No effect on a spec without a
+    sink (its unit renders unchanged)."""
 
     block_n: int | None = None
     stages: int | None = None
@@ -126,6 +142,7 @@ class Options:
     ctas_per_sm: int | None = None
     split_waves: float = 1.0
     min_split_blocks: int = MIN_SPLIT_BLOCKS
+    fused_sink: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.decode")
@@ -166,7 +183,7 @@ class Options:
 
     def unit_key(self) -> tuple:
         """The fields that change the compiled unit (the rest are host schedule knobs)."""
-        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks)
+        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks, self.fused_sink)
 
 
 @dataclass(frozen=True)
@@ -197,7 +214,10 @@ class DecodeContext(TemplateContext):
     its rows, the append writes K rows only.  ``exact_softmax``
     (:attr:`flashgen.options.Options.exact_softmax`): the scaled scores rounded as written
     (``__fmul_rn``: never contracted into P's exponent) and the split merge's weights
-    normalized by their sum (``fg::dec::merge_stats``, ``fg::dec::normalized_weight``)."""
+    normalized by their sum (``fg::dec::merge_stats``, ``fg::dec::normalized_weight``).
+    ``sink`` (:attr:`Options.fused_sink` on a spec with a sink): the attention kernel takes
+    ``sink`` / ``sink_sb`` / ``sink_sh`` (:func:`attn_args`) and scales each row's output by
+    ``sigmoid(lse - sink)`` (``fg::dec::sink_share``, templates/common/decode_sink.cuh)."""
 
     spec_name: str
     base_name: str
@@ -231,6 +251,7 @@ class DecodeContext(TemplateContext):
     tensor_mask: bool = False
     vote_blocks: int = VOTE_BLOCKS
     exact_softmax: bool = False
+    sink: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,6 +290,12 @@ class DecodePlan(KernelPlan):
         return bool(self.context.get("kv_fp8"))
 
     @property
+    def fused_sink(self) -> bool:
+        """Whether this unit's attention kernel joins the spec's sink (it takes the sink
+        logits: :func:`attn_args`' ``sink``)."""
+        return bool(self.context.get("sink"))
+
+    @property
     def call_pointers(self) -> int:
         """Leading pointer arguments of the attention kernel that change per call."""
         return CALL_POINTERS_KV8 if self.kv8 else CALL_POINTERS
@@ -282,6 +309,8 @@ class DecodePlan(KernelPlan):
         }
         if self.kv8:
             out["cache_dtype"] = "fp8_e4m3"
+        if self.fused_sink:
+            out["fused_sink"] = True
         return out
 
 
@@ -459,7 +488,9 @@ def _ctype(spec: Spec) -> str:
     return CTYPE[spec.dtype]
 
 
-def attn_args(spec: Spec, ragged: bool = False, cache_dtype: str | None = None) -> tuple:
+def attn_args(
+    spec: Spec, ragged: bool = False, cache_dtype: str | None = None, sink: bool = False
+) -> tuple:
     """The attention kernel's arguments (:class:`flashgen.codegen.abi.KernelArg`), in order:
     the pointers a call changes first (:data:`CALL_POINTERS` of them, packed per call by the
     planned fast path), then the plan's workspace, the layout and the params.  ``ragged``:
@@ -469,7 +500,9 @@ def attn_args(spec: Spec, ragged: bool = False, cache_dtype: str | None = None) 
     (``k_descale``, ``v_descale``: float32 read at ``b * x_sb + h_kv * x_sh``, or null for
     1), and after ``softmax_scale`` come ``k_descale_mul`` / ``v_descale_mul`` (factors of the
     descales: a Python float descale) and the descales' strides ``kds_sb kds_sh vds_sb
-    vds_sh``."""
+    vds_sh``.  ``sink`` (the fused sink, :attr:`Options.fused_sink`): then ``sink`` (float32
+    logit of row (b, h) at ``b * sink_sb + h * sink_sh``, or null for the keys alone) and its
+    strides."""
     t = _ctype(spec)
     kv = _kv(spec, cache_dtype)
     kt = kv.ctype
@@ -499,6 +532,9 @@ def attn_args(spec: Spec, ragged: bool = False, cache_dtype: str | None = None) 
     if kv.elem_bytes == 1:
         a += [KernelArg("k_descale_mul", "float"), KernelArg("v_descale_mul", "float")]
         a += [KernelArg(n, "int64_t") for n in ("kds_sb", "kds_sh", "vds_sb", "vds_sh")]
+    if sink:
+        a += [KernelArg("sink", "const float*")]
+        a += [KernelArg(n, "int64_t") for n in ("sink_sb", "sink_sh")]
     for p in spec.scalar_params:
         a.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
@@ -563,6 +599,7 @@ def plan(
     kv = _kv(spec, cache_dtype)
     kv8 = kv.elem_bytes == 1
     options = options or Options()
+    sink = options.fused_sink and spec.sink is not None
     tiles = default_tiles(spec, options, cache_dtype)
     smem = smem_bytes(spec, tiles.block_n, tiles.stages, kv.elem_bytes)
     if smem > SMEM_LIMIT_EXPLICIT[target]:
@@ -607,7 +644,7 @@ def plan(
         pack_gqa=options.pack_gqa,
         min_split_blocks=options.min_split_blocks,
         ctas_per_sm=options.ctas_per_sm or _smem_ctas(target, smem),
-        args=attn_args(spec, ragged, cache_dtype),
+        args=attn_args(spec, ragged, cache_dtype, sink),
         append_args=append_args(kv.ctype, ragged),
         ragged=ragged,
         kv_fp8=kv8,
@@ -615,6 +652,7 @@ def plan(
         v_from_k=spec.v_from_k,
         tensor_mask=tensor_mask(spec),
         exact_softmax=exact_softmax,
+        sink=sink,
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 

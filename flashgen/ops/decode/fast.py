@@ -26,6 +26,7 @@ from flashgen.ops.decode.inputs import (
     validate_decode,
     validate_decode_ragged,
 )
+from flashgen.ops.sink import sink_logits
 from flashgen.ops.validation import (
     PARAM_DTYPE,
     TORCH_DTYPE,
@@ -55,7 +56,7 @@ class PlanOwner(Protocol):
 
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors, scales=None, call: DecodeDims | None = None,
-                      ) -> dict: ...  # fmt: skip
+                      sink=None) -> dict: ...  # fmt: skip
 
     def append_values(self, values: dict, k_new, v_new) -> dict: ...
 
@@ -93,6 +94,14 @@ class DecodeCallPlan:
     #: the :class:`~flashgen.ops.decode.op.DecodeOp` that planned it: another op's calls refuse
     #: the plan (its kernels, sizes and params are this op's)
     owner: object = None
+
+    @property
+    def fused_sink(self) -> bool:
+        """Whether the plan's attention kernel joins the spec's sink (``Options.decode.
+        fused_sink`` on a spec with a sink): its calls pass the sink logits (or null for the
+        keys alone) instead of applying the sink after it."""
+        attn = self.kernels.get("attn")
+        return attn is not None and attn.plan.fused_sink
 
 
 def _workspace(dims: DecodeDims, geo, num_splits: int, device):
@@ -170,7 +179,13 @@ class _FastPath:
     the caches, k_new / v_new and ``out`` is checked on every call from the addresses
     (:meth:`_apart`: a few comparisons; the layout fixes the extents).  The caller's
     contract (it would read values: not checked per call, so that a call stays capturable
-    and cheap): the slot rule of an append (see ``DecodeOp.with_kvcache``)."""
+    and cheap): the slot rule of an append (see ``DecodeOp.with_kvcache``).
+
+    A fused-sink plan (:attr:`DecodeCallPlan.fused_sink`) with ``join_sink``: the kernel
+    joins the sink, whose logits' strides the layout fixes; their address per call is the
+    sink's tensor param's own when it is read as is (``sinks[h]`` of a float32 tensor on the
+    device: :func:`~flashgen.ops.sink.sink_logits` returns a view of it), else the logits
+    computed for the call.  Without ``join_sink``: null (the keys alone)."""
 
     def __init__(self, dop: PlanOwner, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
@@ -188,6 +203,8 @@ class _FastPath:
         self.app_head = self.app_layout.head(family.APPEND_CALL_POINTERS)
         self.attn_pack = self.attn_head.pack_into
         self.app_pack = self.app_head.pack_into
+        #: a fused-sink unit: the sink logits' address is a per-call argument too
+        self.sink = attn.plan.fused_sink
         self.attn_fn, self.app_fn = _function_ptr(attn.function), _function_ptr(app.function)
         self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
         self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
@@ -218,7 +235,8 @@ class _FastPath:
         return st
 
     def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None, cu=None,
-                 max_seqlen_q=None, k_descale=None, v_descale=None):  # fmt: skip
+                 max_seqlen_q=None, k_descale=None, v_descale=None,
+                 join_sink=False):  # fmt: skip
         if (cu is None) is self.ragged or not self._eager(q, kc, vc) or self._get_device is None:
             return None
         if self._get_device() != self.index or _debug_switches():
@@ -315,6 +333,16 @@ class _FastPath:
             self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
         for name, t in zip(self.tensor_names, tensors, strict=False):
             self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
+        if self.sink:
+            sink = None  # the call's logits, alive until the launch is enqueued
+            if not join_sink:
+                sink_ptr = 0
+            elif st.sink_param is not None:
+                sink_ptr = params[st.sink_param].data_ptr()
+            else:
+                sink = self._sink_logits(params, st.dims, q.device)
+                sink_ptr = sink.data_ptr()
+            self.attn_layout.field(buf, "sink", sink_ptr)
         if cu is not None:
             self.attn_layout.field(buf, "cu_seqlens_q", cu_ptr)
         stream = self._raw_stream(self.index)
@@ -330,6 +358,12 @@ class _FastPath:
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernel(decode attention) failed: CUresult {rc}")
         return out
+
+    def _sink_logits(self, params, dims: DecodeDims, device):
+        """The call's sink logits, float32 ``[B, Hq]`` (a view where the spec reads a tensor
+        param as is)."""
+        return sink_logits(self.dop.spec, params, batch=dims.batch, heads_q=dims.heads_q,
+                           heads_kv=dims.heads_kv, device=device)  # fmt: skip
 
     def _apart(self, st, kc, vc, ptrs: tuple) -> bool:
         """Whether this call's memory is apart as the general path requires (issue 38, item
@@ -415,8 +449,14 @@ class _FastPath:
             return False
         if not aligned(q):
             return False
+        sink = None
+        st.dims, st.sink_param = dims, None
+        if self.sink:  # the logits' strides are the layout's; is their address a param's?
+            sink = self._sink_logits(params, dims, q.device)
+            st.sink_param = next((n for n in self.tensor_names
+                                  if params[n].data_ptr() == sink.data_ptr()), None)  # fmt: skip
         values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
-                                   scales, dims)  # fmt: skip
+                                   scales, dims, sink)  # fmt: skip
         if cu is not None:
             values["cu_seqlens_q"] = cu
         st.o_shape, st.lse_shape = o_shape, lse_shape
@@ -434,6 +474,8 @@ class _FastState:
     def __init__(self, attn_layout, app_layout):
         self.key = None
         self.o_shape = self.lse_shape = None  # the outputs of the layout in ``key``
+        self.dims = None  # its validated sizes
+        self.sink_param = None  # a fused sink: the tensor param whose address is the logits
         # the per-call memory check of that layout (_FastPath._guard, _FastPath._apart)
         self.spans, self.pairs, self.kv_exact, self.kv_apart = (), (), False, None
         self.apart = None  # the last addresses _apart passed

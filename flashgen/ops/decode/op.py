@@ -109,6 +109,7 @@ from flashgen.ops.decode.reference import (
     decode_reference_ragged,
     merge_attention,
 )
+from flashgen.ops.sink import sink_logits
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
@@ -479,16 +480,22 @@ class DecodeOp(DecodePlanning):
 
         A spec's sink joins o's denominator, applied once after the splits merge (lse: the
         keys alone; ``apply_sink=False``: o over the keys alone too, as
-        :meth:`AttentionOp.attention <flashgen.ops.prefill.attention.AttentionOp.attention>`)."""
-        res = self._keys_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                                 cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
-                                 out, k_descale, v_descale, q_descale, params)  # fmt: skip
+        :meth:`AttentionOp.attention <flashgen.ops.prefill.attention.AttentionOp.attention>`):
+        by the attention kernel's epilogue where the unit has the fused sink
+        (``Options.decode.fused_sink``) and the call launches it directly (plain eager CUDA
+        tensors), else by torch ops after the kernels (:func:`flashgen.ops.sink.apply_sink`;
+        CPU, ``torch.compile``, modes)."""
         if not isinstance(apply_sink, bool):
             raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
-        if self.spec.sink is None or not apply_sink:
+        join_sink = apply_sink and self.spec.sink is not None
+        res, joined = self._kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                                    cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
+                                    out, k_descale, v_descale, q_descale, params,
+                                    join_sink)  # fmt: skip
+        if joined or not join_sink:
             return res
         from flashgen.ops.sink import apply_sink as join
-        from flashgen.ops.sink import sink_logits, varlen_rows
+        from flashgen.ops.sink import varlen_rows
 
         o, lse = res
         batch = cache_seqlens.shape[0]
@@ -502,10 +509,13 @@ class DecodeOp(DecodePlanning):
             o.copy_(join(o.transpose(0, 1), lse, rows).transpose(0, 1))
         return o, lse
 
-    def _keys_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                      cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, out,
-                      k_descale, v_descale, q_descale, params):  # fmt: skip
-        """:meth:`with_kvcache` over the keys alone (no sink applied)."""
+    def _kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                 cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, out, k_descale,
+                 v_descale, q_descale, params, join_sink=False):  # fmt: skip
+        """:meth:`with_kvcache` but for the sink's torch epilogue: ``((o, lse), joined)``,
+        ``joined`` whether the kernel joined the sink (``join_sink`` and a fused-sink unit
+        launched directly: the planned fast path or :meth:`_with_kvcache`'s eager CUDA
+        branch); else o is over the keys alone."""
         self.op._check_live()
         if torch.is_grad_enabled():
             _refuse_grad(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
@@ -518,12 +528,13 @@ class DecodeOp(DecodePlanning):
         if fast is not None and num_splits is None and q_descale is None:
             res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                        softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,
-                       v_descale)  # fmt: skip
+                       v_descale, join_sink)  # fmt: skip
             if res is not None:
-                return res
+                return res, join_sink and plan.fused_sink
         return self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                   cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
-                                  params, out, (k_descale, v_descale, q_descale))  # fmt: skip
+                                  params, out, (k_descale, v_descale, q_descale),
+                                  join_sink)  # fmt: skip
 
     def _latent_args(self, k_cache, v_cache, k_new, v_new, v_descale, k_descale):
         """A ``v_from_k`` call's ``(v_cache, v_new, v_descale)``: views of the first
@@ -574,14 +585,15 @@ class DecodeOp(DecodePlanning):
 
     def _with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                       cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, params,
-                      out=None, descales=(None, None, None)):  # fmt: skip
+                      out=None, descales=(None, None, None), join_sink=False):  # fmt: skip
         """The general path of :meth:`with_kvcache` (padded, or ragged with ``cu_seqlens_q``:
         request b's queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` of q
         ``[total_q, Hq, D]``, the last Sq_b of its live keys; k_new / v_new ``[total_q, Hkv,
         D]`` append each request's own Sq_b rows; ``descales``: ``(k_descale, v_descale,
         q_descale)`` of an e4m3 cache): full validation, then on plain eager CUDA tensors the
         kernels directly, else the registered op (CPU, torch.compile, modes; the ``_kv8`` ones
-        for an e4m3 cache)."""
+        for an e4m3 cache).  ``((o, lse), joined)``: ``joined`` when ``join_sink`` and the
+        kernels launched directly are a fused-sink unit's, which joined the sink."""
         self._refuse()
         ragged = cu_seqlens_q is not None
         if ragged:
@@ -615,6 +627,7 @@ class DecodeOp(DecodePlanning):
             o_shape, lse_shape = dims.out_shapes()
             check_out(self.spec, out, o_shape, q.device, lse_shape, inputs)
         append = k_new is not None
+        sink = None  # the logits a fused-sink unit joins
         if q.is_cuda and _plain_eager(q, k_cache, v_cache):
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
@@ -623,10 +636,13 @@ class DecodeOp(DecodePlanning):
                 names = [p.name for p in self.spec.scalar_params]
                 plan = self.plan_for(dims, q.device, splits or None,
                                      params=dict(zip(names, scalars, strict=True)))  # fmt: skip
+            if join_sink and plan.fused_sink:
+                sink = sink_logits(self.spec, params, batch=dims.batch, heads_q=dims.heads_q,
+                                   heads_kv=dims.heads_kv, device=q.device)  # fmt: skip
             res = self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                 softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q, dims=dims,
-                scales=scales,
+                scales=scales, sink=sink,
             )  # fmt: skip
         else:
             if plan is not None and not splits:
@@ -647,20 +663,22 @@ class DecodeOp(DecodePlanning):
             args += [softmax_scale, splits, *scalars, *tensors]
             res = self.torch_op(append, ragged, scales is not None)(*args)
         if out is None:
-            return res
+            return res, sink is not None
         out[0].copy_(res[0])
         out[1].copy_(res[1])
-        return out
+        return out, sink is not None
 
     # ------------------------------------------------------------------ CUDA
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors, scales: KvScales | None = None,
-                      call: DecodeDims | None = None) -> dict:  # fmt: skip
+                      call: DecodeDims | None = None, sink=None) -> dict:  # fmt: skip
         """Every argument of the attention kernel (name -> tensor / address / number) for
         this call; ``q`` already 16-byte aligned (``_kernel_aligned``), the workspace from
         the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0);
         ``call``: the call's validated sizes (None: the plan's), whose ``max_seqlen_q`` a
-        ragged unit's ``params_seqlen_q`` (the tensor params' extent) takes."""
+        ragged unit's ``params_seqlen_q`` (the tensor params' extent) takes; ``sink``: a
+        fused-sink unit's (:attr:`DecodeCallPlan.fused_sink`) float32 ``[B, Hq]`` logits
+        (None: null, the keys alone)."""
         dims = plan.dims
         paged = table is not None
         if paged:
@@ -685,6 +703,9 @@ class DecodeOp(DecodePlanning):
             values.update(q_sb=0, q_sh=q.stride(1), q_ss=q.stride(0))  # cu_seqlens_q[b]
         if dims.cache_dtype is not None:
             values.update((scales or KvScales()).launch_values())
+        if plan.fused_sink:
+            sb, sh = (0, 0) if sink is None else sink.stride()
+            values.update(sink=0 if sink is None else sink, sink_sb=sb, sink_sh=sh)
         for p, val in zip(self.spec.scalar_params, scalars, strict=True):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
@@ -715,11 +736,11 @@ class DecodeOp(DecodePlanning):
 
     def _launch(self, plan: DecodeCallPlan, q, kc, vc, lens, table, k_new, v_new, scale,
                 scalars, tensors, cu_seqlens_q=None, dims: DecodeDims | None = None,
-                scales: KvScales | None = None):  # fmt: skip
+                scales: KvScales | None = None, sink=None):  # fmt: skip
         """Enqueue the append (with k_new) and attention kernels of ``plan`` for this call
         (``dims``: the call's sizes, None: the plan's; a ragged call's q may have fewer rows
-        than its plan's ``total_q``; ``scales``: an e4m3 cache's descales); returns fresh
-        ``(o, lse)``."""
+        than its plan's ``total_q``; ``scales``: an e4m3 cache's descales; ``sink``: the
+        logits a fused-sink unit joins, None: the keys alone); returns fresh ``(o, lse)``."""
         call = dims or plan.dims
         o, lse = self._outputs(q, call)
         dims = plan.dims
@@ -732,7 +753,7 @@ class DecodeOp(DecodePlanning):
         stream = current_stream_ptr(q.device)
         q = _aligned_any(q)
         values = self.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, scalars, tensors,
-                                    scales, call)  # fmt: skip
+                                    scales, call, sink)  # fmt: skip
         if cu_seqlens_q is not None:
             values["cu_seqlens_q"] = cu_seqlens_q
         if dims.append and k_new.numel() > 0:
