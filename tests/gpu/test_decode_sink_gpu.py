@@ -19,8 +19,7 @@ block to 33 at d64's 128-key blocks: one split and the merge).  Per case:
 Also: the sink's other forms (``sinks[b, h]``: a batch stride; ``s0 + sinks[h_kv]``: logits
 computed per call; a strided view of a tensor), the planned fast path (bitwise the unplanned
 call; a new sink tensor honoured) and CUDA-graph replays reading a sink updated in place,
-``torch.compile``, and the time of the fused call within 5% of the same spec without a sink
-(the goal of issue 37; CUDA graphs, medians).
+and ``torch.compile``.  Speed is a benchmark (issue 37's 5% goal), not a test here.
 """
 
 from __future__ import annotations
@@ -273,64 +272,3 @@ def test_torch_compile_takes_the_registered_op_and_the_epilogue():
     torch.cuda.synchronize()
     assert torch.equal(got[1], want[1])
     _close_bf16(got[0], want[0])
-
-
-def _graph_ms(fn, calls=20, rounds=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(rounds):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / calls)
-    return sorted(times)[len(times) // 2]
-
-
-@pytest.mark.parametrize("batch,cache", [(1, 8192), (16, 4096), (64, 2048)])
-def test_fused_sink_within_5_percent_of_the_spec_without_a_sink(batch, cache, tmp_path):
-    """Issue 37's goal: the planned fused call (gpt-oss-120b's heads: 64 / 8, d64, paged 16,
-    Sq_new 1; CUDA graphs, medians of alternating rounds) within 5% of the same spec without
-    a sink; the unfused call (the torch epilogue's launches) is printed beside them."""
-    fused, plain = _ops()
-    path = tmp_path / "gpt_oss_nosink.yaml"
-    text = SINK_SPEC.read_text().replace("name: gpt_oss_sink", "name: gpt_oss_nosink")
-    path.write_text(text.replace("sink: sinks[h]\n", "").replace(
-        "params:\n  sinks: {type: f32, shape: [num_heads]}\n", ""))  # fmt: skip
-    nosink = flashgen.load(path)
-    assert nosink.spec.sink is None
-    hq, hkv, ps = 64, 8, 16
-    pages = batch * cache // ps
-    kc = torch.randn(pages, ps, hkv, 64, device="cuda").to(BF16)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(pages, device="cuda").int().view(batch, -1).contiguous()
-    q = torch.randn(batch, hq, 1, 64, device="cuda").to(BF16)
-    lens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
-    sinks = torch.randn(hq, device="cuda")
-    kw = dict(batch=batch, num_heads=hq, num_heads_kv=hkv, seqlen_q=1, cache_capacity=cache,
-              page_size=ps, num_pages=pages)  # fmt: skip
-    pf, pu, pn = fused.plan_decode(**kw), plain.plan_decode(**kw), nosink.plan_decode(**kw)
-    assert pf.num_splits == pn.num_splits
-    runs = {
-        "fused": lambda: fused.with_kvcache(q, kc, vc, lens, block_table=table, plan=pf,
-                                            sinks=sinks),
-        "nosink": lambda: nosink.with_kvcache(q, kc, vc, lens, block_table=table, plan=pn),
-        "unfused": lambda: plain.with_kvcache(q, kc, vc, lens, block_table=table, plan=pu,
-                                              sinks=sinks),
-    }  # fmt: skip
-    times = {n: [] for n in runs}
-    for _ in range(3):  # alternating rounds
-        for n, fn in runs.items():
-            times[n].append(_graph_ms(fn))
-    ms = {n: sorted(t)[1] for n, t in times.items()}
-    print(f"B{batch} cache {cache}: " + ", ".join(f"{n} {t * 1e3:.1f} us" for n, t in ms.items()))
-    assert ms["fused"] <= 1.05 * ms["nosink"], ms
