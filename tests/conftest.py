@@ -39,6 +39,7 @@ def _cuda_available() -> bool:
 
 
 def pytest_configure(config):
+    _share_cores_among_workers()
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is present)")
     config.addinivalue_line(
         "markers",
@@ -48,6 +49,23 @@ def pytest_configure(config):
     # the CLI's tables follow COLUMNS (pytest-xdist's workers get 80): tests that check the
     # width set it themselves
     os.environ.pop("COLUMNS", None)
+
+
+def _share_cores_among_workers() -> None:
+    """Each pytest-xdist worker takes its share of the cores for torch's intra-op threads
+    (and OMP_NUM_THREADS for the processes it spawns): with torch's default of one thread per
+    core in every worker, the workers' thread pools oversubscribe the cores, and on 2 cores the
+    many small CPU-op matmuls of the tests waited on each other for half the suite's CPU time."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not os.environ.get("PYTEST_XDIST_WORKER") or workers < 1:
+        return
+    share = max(1, (os.cpu_count() or 1) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config, items):
