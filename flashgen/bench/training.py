@@ -1,5 +1,5 @@
-"""Issue 37's targets, timed in one process: trainable params and attention sinks against the
-same calls without them.
+"""The cost of learned params and attention sinks, timed in one process against the same
+calls without them.
 
     flashgen bench --training --out benchmarks/results/<dir>   # on the GPU
     flashgen bench --training --device cpu --seqlen 64 --batch 1 --heads 2 --rounds 1
@@ -10,7 +10,8 @@ rounds, :func:`flashgen.bench.timing.alternate`):
 - ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x);
 - ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x);
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
-  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%).
+  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); decode
+  also with the sink joined in its kernel (``Options.decode.fused_sink``).
 
 Writes ``results.json`` (rows, ratios, :func:`flashgen.bench.timing.environment`) to ``--out``.
 """
@@ -49,6 +50,7 @@ def _cases(args):
     import torch
 
     import flashgen
+    from flashgen.options import Options
 
     dev, dt = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     b, h, s = args.batch, args.heads, args.seqlen
@@ -102,14 +104,18 @@ def _cases(args):
     qd = torch.randn(b * 4, h, 1, 64, device=dev, generator=g).to(bf16)
     lens = torch.full((b * 4,), s, dtype=torch.int32, device=dev)
 
-    def decode(**kw):
+    fused = flashgen.load("gpt_oss_sink",
+                          options=Options().replace_path("decode.fused_sink", True))
+
+    def decode(dop=op, **kw):
         def call():
-            op.with_kvcache(qd, kc, vc, lens, sinks=sinks.detach(), **kw)
+            dop.with_kvcache(qd, kc, vc, lens, sinks=sinks.detach(), **kw)
 
         return call
 
     rows.append(("gpt_oss_sink decode", [("no sink", decode(apply_sink=False)),
-                                         ("sink", decode())]))  # fmt: skip
+                                         ("sink", decode()),
+                                         ("sink fused", decode(fused))]))  # fmt: skip
     return rows
 
 
@@ -139,10 +145,14 @@ def main(argv=None, prog=None) -> int:
             entry["candidates"][name] = {"ms": med, "error": error}
         if len(cands) > 1 and meds[0] and meds[1]:
             entry["ratio"] = meds[1] / meds[0]
+        if len(cands) > 2 and meds[0]:  # every candidate against the first
+            entry["ratios"] = {n: m / meds[0] for (n, _), m in zip(cands, meds, strict=True) if m}
         results.append(entry)
         shown = ", ".join(f"{n} {m:.3f} ms" if m else f"{n} failed" for (n, _), m in
                           zip(cands, meds, strict=True))  # fmt: skip
         ratio = f"  ratio {entry['ratio']:.3f}" if "ratio" in entry else ""
+        if "ratios" in entry:
+            ratio = "  ratios " + ", ".join(f"{n} {r:.3f}" for n, r in entry["ratios"].items())
         print(f"{row:24s} {shown}{ratio}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
