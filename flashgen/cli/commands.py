@@ -259,7 +259,8 @@ with its error (exit 1).""",
     "cache": """\
 Show where the kernel cache is ($FLASHGEN_CACHE_DIR, default ~/.cache/flashgen) and its
 size per flashgen version and GPU architecture.  --prune deletes other flashgen versions'
-kernels and broken entries, and with --older-than DAYS also kernels not used for that long.
+kernels and broken entries, and with --older-than DAYS also kernels not used for that long
+(0: every kernel).
 Deleting the directory is always safe: kernels are rebuilt on first use.""",
     "tune": """\
 Time candidate tile configs (block sizes, warps) of each spec's forward on this GPU and
@@ -366,7 +367,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ca.add_argument(
         "--older-than", type=float, default=None, metavar="DAYS",
-        help="with --prune: also delete kernels not used for DAYS days",
+        help="with --prune: also delete kernels not used for DAYS days (a number >= 0; "
+        "0: every kernel)",
     )  # fmt: skip
     ca.set_defaults(func=cmd_cache)
 
