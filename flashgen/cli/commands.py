@@ -282,7 +282,7 @@ EPILOG = """\
 examples:
   flashgen list                  the shipped specs
   flashgen show mistral_swa      checked expressions, kernel plan, CUDA source
-  flashgen build my_spec.yaml    compile (sm_80 and sm_90), report registers, spills
+  flashgen build my_spec.yaml    compile for sm_80 and sm_90: registers, spills
   flashgen bench --cpu           the CPU op against SDPA on this machine
   flashgen COMMAND --help        a command's options"""
 

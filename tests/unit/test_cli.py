@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,39 @@ def test_each_command_help_shows_its_whole_description(command, monkeypatch, cap
     out = capsys.readouterr().out
     assert " ".join(description.split()) in " ".join(out.split())
     assert max(len(line) for line in out.splitlines() if not line.startswith("usage")) <= 100
+
+
+def _all_help_texts(monkeypatch, capsys, columns: int) -> dict[str, str]:
+    """``flashgen --help``, each command's and each ``flashgen bench --MODE --help`` at a
+    terminal ``columns`` wide, by the command line that printed it."""
+    from flashgen.cli.commands import BENCH_MODES, parser
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    sub = next(a for a in parser()._actions if a.dest == "command")
+    argvs = [[], *([c] for c in sub.choices), *(["bench", f"--{m}"] for m in BENCH_MODES)]
+    texts = {}
+    for argv in argvs:
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        assert e.value.code == 0, argv
+        texts[" ".join(["flashgen", *argv, "--help"])] = capsys.readouterr().out
+    return texts
+
+
+def test_help_texts_are_plain_text_about_the_command_and_fit_80_columns(monkeypatch, capsys):
+    """The help of every command and bench mode describes what it does: no development
+    history ("issue 28's table", "session 9"), no reST markup (``flashgen ab``'s opened with
+    double backticks, the bench modes printed their module docstrings), and at 80 columns no
+    line is wider (the main help's example line was 84, a bench mode's usage 237)."""
+    texts = _all_help_texts(monkeypatch, capsys, 80)
+    assert len(texts) == 1 + 7 + 7
+    history = re.compile(r"\bissue \d|\bsession\b", re.I)
+    rst = re.compile(r"``|:(?:func|data|mod|class|meth|attr):`")
+    bad = [f"{cmd}: {line!r}" for cmd, text in texts.items() for line in text.splitlines()
+           if history.search(line) or rst.search(line) or len(line) > 80]  # fmt: skip
+    assert not bad, "\n".join(bad)
+    ab = " ".join(texts["flashgen ab --help"].split())
+    assert ab.count("a spec's op under each combination") == 1
 
 
 def test_help_describes_specs_by_name_and_what_needs_a_gpu(capsys):
