@@ -249,7 +249,8 @@ verification or no CUDA compiler.""",
     "show": """\
 Print a spec as flashgen checked it (dtype, head dims, the mask and score_mod with their
 types, params and their bounds), then for each target the kernel plan (tiles, threads,
-shared memory, options) and the rendered CUDA source of its forward (the decode unit for a
+shared memory), the --option values in effect (each marked that shapes another unit than
+the one shown) and the rendered CUDA source of its forward (the decode unit for a
 decode-only spec).  Needs no GPU and no CUDA compiler.""",
     "list": """\
 List the specs in DIR, one block per spec: name, dtype and head dims, the mask, the

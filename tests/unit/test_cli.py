@@ -126,6 +126,40 @@ def test_show_prints_the_sink(capsys):
     assert "  sink " not in capsys.readouterr().out
 
 
+def test_show_lists_the_options_in_effect_and_which_the_shown_unit_does_not_use(capsys):
+    """``flashgen show SPEC --option X=Y`` printed the same plan line with or without the
+    option: the plan section lists the non-default options, and one that concerns a unit
+    show does not print (a decode option beside the forward) says so."""
+
+    def options_lines(*argv):
+        argv = argv if argv[0].endswith(".yaml") else (CAUSAL, *argv)
+        assert main(["show", *argv]) == 0
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("// ---- opt")]
+
+    assert options_lines("--target", "sm_80") == []
+    assert options_lines("--target", "sm_80", "--option", "fa2_fwd.affine=0") == [
+        "// ---- options [sm_80]: fa2_fwd.affine=False"
+    ]
+    (line,) = options_lines("--target", "sm_80", "--option", "decode.fused_sink=1",
+                            "--option", "fa2_fwd.fwd_even_loads=1")  # fmt: skip
+    assert line.startswith("// ---- options [sm_80]: fa2_fwd.fwd_even_loads=True; "
+                           "decode.fused_sink=True (not in the unit shown: ")  # fmt: skip
+    assert "decode" in line.split("not in the unit shown")[1]
+    (line,) = options_lines("--target", "sm_90", "--option", "fa2_fwd.affine=0")
+    assert "fa2_fwd.affine=False (not in the unit shown: " in line and "FA2-class" in line
+    (line,) = options_lines("--target", "sm_90", "--option", "family=fa2",
+                            "--option", "fa2_fwd.affine=0")  # fmt: skip
+    assert line == "// ---- options [sm_90]: family=fa2; fa2_fwd.affine=False"
+    mla = str(REPO / "specs" / "mla_decode.yaml")
+    assert options_lines(mla, "--target", "sm_90", "--option", "decode.num_splits=4") == [
+        "// ---- options [sm_90]: decode.num_splits=4"
+    ]
+    from flashgen.cli.show import _OPTION_UNITS
+    from flashgen.options import Options
+
+    assert {p.partition(".")[0] for p in Options.paths()} <= set(_OPTION_UNITS)
+
+
 def test_list_shows_every_spec(capsys):
     assert main(["list", str(REPO / "specs")]) == 0
     out = capsys.readouterr().out
