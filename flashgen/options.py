@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -123,7 +124,7 @@ class Options:
             not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1
         ):
             raise ValueError(
-                f"Options.persistent_ctas={self.persistent_ctas!r}: expected a positive int or None"
+                f"Options.persistent_ctas={self.persistent_ctas!r}: expected an int >= 1 or None"
             )
 
     # ------------------------------------------------------------------ dotted names
@@ -284,8 +285,8 @@ def _parse(path: str, value, hint):
         if v.lower() in _FALSE:
             return False
         raise ValueError(f"option {path}={value!r}: expected one of {', '.join(_TRUE + _FALSE)}")
-    if int in args:
-        if not v.isdigit():
+    if int in args:  # a sign too: the field's own check says its range (-3 is no typo)
+        if not re.fullmatch(r"[+-]?[0-9]+", v):
             raise ValueError(f"option {path}={value!r}: expected an integer")
         return int(v)
     if float in args:

@@ -50,6 +50,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from flashgen.bench import helptext
 from flashgen.bench.options import (
     OptionError,
     combinations,
@@ -154,12 +155,21 @@ def _int_at_least(low: int):
     return parse
 
 
+#: ``flashgen ab --help``'s description
+DESCRIPTION = """\
+Run a spec's op under each combination of option values (--option NAME=A,B: a dotted field
+of flashgen.Options and the values to try), compare every variant's outputs with the first
+one's and with the float64 reference, and time them side by side in alternating rounds.
+Needs a CUDA GPU (exit 2 without one)."""
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``flashgen ab`` on the ``argparse`` subparsers ``sub``."""
     ab = sub.add_parser(
         "ab",
         help="A/B: a spec's op under option values, timed in alternating rounds (GPU)",
-        description=__doc__.split("\n\n")[0] + " Needs a CUDA GPU (exit 2 without one).",
+        description=DESCRIPTION,
+        formatter_class=helptext.HelpFormatter,
     )
     ab.add_argument(
         "specs",

@@ -2,10 +2,11 @@
 """Where the Hopper forward's time goes when the card runs at its power limit: the kernel with
 one part of its work patched out at a time, timed next to the unpatched one.
 
-    flashgen bench --ablation causal_d128                 # gallery shape, B=2 H=16 S=8k
-    flashgen bench --ablation mistral_swa --shape 1 16 16384 --variants base no_kv_loads
+    flashgen bench --ablation causal_d128   # B=2 H=16 S=8k (gallery shape)
+    flashgen bench --ablation mistral_swa --shape 1 16 16384 \\
+        --variants base no_kv_loads
 
-Variants (:data:`VARIANTS`): ``base``; ``no_softmax`` (the softmax lambda returns at once: P is
+Variants: ``base``; ``no_softmax`` (the softmax lambda returns at once: P is
 S); ``no_pv_gemm`` / ``no_s_gemm`` (the P V / Q K^T wgmmas left out); ``no_o_rescale`` (O is
 not multiplied by alpha); ``vote_o_rescale`` (the multiplies skipped when no row of the warp
 changed its max: a warp vote, the result exact); ``no_kv_loads`` (the producer arrives on
@@ -20,7 +21,7 @@ CPU), built through ``flashgen.families.build`` under its own spec name.
 Printed per variant: the median ms of ``--rounds`` alternating rounds (``do_bench``, 250 ms
 warm-up so each variant reaches its steady clock), its ratio to ``base``, and the power and SM
 clock ``nvidia-smi dmon`` reads while it runs back to back.  On the H200 these kernels run at
-~690 W (docs/perf-notes.md, session 9): a variant that saves time at a higher clock saved
+~690 W (docs/perf-notes.md): a variant that saves time at a higher clock saved
 energy; one that saves time at the same clock saved cycles of waiting.  Needs an sm_90 GPU,
 torch, CuPy and nvidia-smi.
 """
@@ -33,6 +34,8 @@ import functools
 import subprocess
 import sys
 import time
+
+from flashgen.bench import helptext
 
 #: variant -> the probe points of ``templates/sm_90/fwd.cu.j2`` it renders
 #: (:data:`flashgen.build.render.PROBES`); ``base`` renders none.
@@ -81,11 +84,14 @@ def _dmon(fn, seconds: float) -> tuple[list[int], list[int]]:
 
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
     ap.add_argument("specs", nargs="+", help="spec files or shipped spec names (no block table)")
     ap.add_argument("--shape", nargs=3, type=int, metavar=("B", "H", "S"), default=(2, 16, 8192))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+        metavar="VARIANT", help=f"the variants to time (default: all): {', '.join(VARIANTS)}",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dmon-s", type=float, default=3.0, help="seconds of nvidia-smi per variant")
     args = ap.parse_args(argv)

@@ -13,6 +13,8 @@ import argparse
 import statistics
 import time
 
+from flashgen.bench import helptext
+
 SPEC = """
 name: cpu_bench_{tag}_d{d}
 head_dim: {d}
@@ -43,7 +45,7 @@ def main(argv=None, prog=None) -> int:
     from flashgen.ops.op import build_op
 
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=8)

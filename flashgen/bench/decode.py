@@ -6,8 +6,8 @@ cache, in one run (``python -m flashgen.bench.decode`` or ``flashgen bench --dec
 size`` (whatever a peer does with GQA).  Every call is timed inside a CUDA graph of
 back-to-back calls (``--calls`` at most, fewer for long calls so a replay takes about 2 ms:
 no launch gaps, no host time), each method once per round, rounds alternating between the
-methods; the figure is the median over rounds.  The default set is issue 28's table (B 1,
-16, 64; cache 4k, 16k, 64k, 128k; dense, paged 16 and paged 1; about 4 minutes on an H200);
+methods; the figure is the median over rounds.  The default set is B 1, 16 and 64 by cache
+4k, 16k, 64k and 128k, each dense, paged 16 and paged 1 (about 4 minutes on an H200);
 ``--quick`` is B1 and B16 at 64k with page 256 too.  FlexAttention (compiled per shape) runs
 at the ``--flex-cache`` lengths only.  Sq_new = 1,
 bf16, head_dim 128, Hq/Hkv 32/8 by default.  Extra rows: GQA packing off (B1/64k), sliding
@@ -38,6 +38,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from flashgen.bench import helptext
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -483,8 +485,8 @@ def write_plot(doc: dict, json_path: Path) -> Path | None:
 
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
-        prog=prog or "python -m flashgen.bench.decode", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog or "python -m flashgen.bench.decode", description=helptext.plain(__doc__),
+        formatter_class=helptext.HelpFormatter,
     )  # fmt: skip
     ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--cache", type=lambda s: [int(x) for x in s.split(",")],

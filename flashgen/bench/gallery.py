@@ -1,8 +1,8 @@
 """Write ``docs/gallery.md``: each variant spec next to its measured forward TFLOP/s and
-FlexAttention's, timed in the same run (issue 6's gallery).
+FlexAttention's, timed in the same run.
 
-    flashgen bench --gallery             # on a GPU, in the checkout: write docs/gallery.md
-    flashgen bench --gallery --dry-run   # anywhere: spec texts and densities only
+    flashgen bench --gallery             # on a GPU, in the checkout
+    flashgen bench --gallery --dry-run   # anywhere: specs and densities only
 
 For each gallery spec among the shipped specs (a missing one is listed as such): the spec
 text; the density (kept (q, kv) pairs / all pairs, from the mask IR on the same inputs);
@@ -16,13 +16,13 @@ save time in proportion to the FLOPs it skips).
 
 TFLOP/s count only kept pairs: ``2 * (D + Dv) * kept``.  Shape (the FlashAttention
 protocol): batch * seqlen = 16384 tokens, heads * head_dim = 2048, bf16, Sq = Sk =
-``--seqlen`` (default 8192).  Times are ``do_bench`` medians (:func:`flashgen.bench.timing.
-do_bench_ms`).  Document ids: each batch row is cut into documents of random lengths
-(mean ``--doc-len`` tokens).  Each spec's implementations are timed in ``--rounds``
-alternating rounds (flashgen, FlexAttention, flashgen, ...; default 3) and each reports
-its median, so drift of the GPU's clocks over the run reaches both alike.  Finishes in
-about 3-4 minutes on an H200, much of it torch.compile of FlexAttention; ``--budget`` (s)
-skips what is left after it.
+``--seqlen`` (default 8192).  Times are ``do_bench`` medians
+(:func:`flashgen.bench.timing.do_bench_ms`).  Document ids: each batch row is cut into
+documents of random lengths (mean ``--doc-len`` tokens).  Each spec's implementations are
+timed in ``--rounds`` alternating rounds (flashgen, FlexAttention, flashgen, ...; default 3)
+and each reports its median, so drift of the GPU's clocks over the run reaches both
+alike.  Finishes in about 3-4 minutes on an H200, much of it torch.compile of
+FlexAttention; ``--budget`` (s) skips what is left after it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from flashgen.bench import helptext
 from flashgen.frontend.shipped import shipped_specs_dir
 
 #: the page ``--out`` writes by default, relative to the current directory (the checkout's root)
@@ -239,7 +240,7 @@ def write_page(rows: list[dict], meta: dict, path: Path) -> None:
 
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--doc-len", type=int, default=1024, help="mean document length")

@@ -1,7 +1,8 @@
 """Scaling of flashgen.distributed.ring_attention over GPUs of one host (NCCL).
 
-    flashgen bench --ring --gpus 2 [--tokens 32768,65536,131072] [--spec causal_d128]
-                          [--layouts zigzag,contiguous] [--modes ring] [--json out.json]
+    flashgen bench --ring --gpus 2 [--tokens 32768,65536,131072]
+        [--spec causal_d128] [--layouts zigzag,contiguous] [--modes ring]
+        [--json out.json]
 
 For each tokens-per-GPU ``T`` (the local length S_local), layout and mode it measures, on
 ``--gpus`` GPUs, the time of one forward and one forward + backward step of ring_attention
@@ -27,6 +28,8 @@ import socket
 import statistics
 import sys
 from pathlib import Path
+
+from flashgen.bench import helptext
 
 NCCL_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -152,7 +155,7 @@ def _single(args, tokens_global):
 
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--tokens", default="32768,65536,131072", help="tokens per GPU")

@@ -3,7 +3,7 @@
 patched into the rendered source at fixed points, one row of 32 int64 per CTA in a
 ``__device__`` buffer, read back after one launch.
 
-    flashgen bench --timeline causal_d128 mistral_swa      # gallery shape, B=2 H=16 S=8k
+    flashgen bench --timeline causal_d128 mistral_swa   # B=2 H=16 S=8k
     flashgen bench --timeline causal_d128 --shape 1 16 16384
     flashgen bench --timeline mistral_swa --shape 1 16 16384 --param window=256
 
@@ -13,7 +13,7 @@ issued, the first live key block found, its K and V issued, the barrier, ``setma
 cycles per key block), the last P V, the epilogue (consumer warpgroup 0); the gap between a
 CTA's end and the next CTA's start on the same SM; and these by key blocks per CTA.  Cycles
 are one SM's ``clock64`` (the SM clock; under the card's power limit it runs at 1.4-1.7 GHz,
-see docs/perf-notes.md, session 9).
+see docs/perf-notes.md).
 
 The stamps are the probe point ``timeline`` of ``templates/sm_90/fwd.cu.j2``
 (``flashgen.build.render.PROBES``; nothing is rendered without it), and
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from flashgen.bench import helptext
 
 #: int64 slots per CTA in ``fg_prof``
 SLOTS = 32
@@ -111,7 +113,7 @@ def summarize(P, name: str) -> list[str]:
 
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
     ap.add_argument("specs", nargs="+", help="spec files or shipped spec names (no block table)")
     ap.add_argument("--shape", nargs=3, type=int, metavar=("B", "H", "S"), default=(2, 16, 8192))

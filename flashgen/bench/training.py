@@ -1,8 +1,9 @@
-"""The cost of learned params and attention sinks, timed in one process against the same
-calls without them.
+"""What trainable params and attention sinks cost, timed in one process: each call against
+the same call without them, next to the ratio it should stay within.
 
     flashgen bench --training --out benchmarks/results/<dir>   # on the GPU
-    flashgen bench --training --device cpu --seqlen 64 --batch 1 --heads 2 --rounds 1
+    flashgen bench --training --device cpu --seqlen 64 --batch 1 --heads 2 \\
+        --rounds 1
 
 Rows (forward + backward unless named, bf16, (B, S, H, D) as flags say; medians of alternating
 rounds, :func:`flashgen.bench.timing.alternate`):
@@ -23,6 +24,8 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+from flashgen.bench import helptext
 
 
 def _timer(device: str, warmup_ms: int, rep_ms: int):
@@ -121,7 +124,7 @@ def _cases(args):
 
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--batch", type=int, default=2)

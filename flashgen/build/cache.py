@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -377,7 +378,15 @@ def prune(root: Path | None = None, older_than_days: float | None = None) -> dic
     incomplete or unverifiable entries, and (with ``older_than_days``) entries not used for
     that long (a hit refreshes ``meta.json``'s mtime).  Returns ``{"entries", "bytes"}``
     removed.  Only the user's own, trusted cache is touched (:class:`UnsafeCacheError`
-    otherwise); removing an entry is always safe (it is rebuilt on demand)."""
+    otherwise); removing an entry is always safe (it is rebuilt on demand).  ``0`` days:
+    every entry; ``ValueError`` for a negative or non-finite number of days."""
+    if older_than_days is not None and not (
+        isinstance(older_than_days, (int, float)) and math.isfinite(older_than_days)
+        and older_than_days >= 0
+    ):  # a negative cutoff lies in the future: it would delete kernels used just now
+        raise ValueError(
+            f"older_than_days: expected a finite number >= 0 or None, got {older_than_days!r}"
+        )
     root = cache_root() if root is None else root
     removed = {"entries": 0, "bytes": 0}
     if not root.is_dir():

@@ -167,6 +167,16 @@ def cmd_build(args) -> int:
                 pairs.append((spec, t))
             else:
                 err.print(f"note: {spec.name} does not list target {t}; skipped", markup=False)
+    if offsets:  # a decode-only spec has no prefill units, so no offsets form
+        from flashgen.frontend.offsets import SUFFIX
+
+        for spec in specs:
+            if spec.v_from_k:
+                err.print(f"note: {spec.name.removesuffix(SUFFIX)}: nothing built: --offsets "
+                          "builds the prefill units that ring attention and q_offset= / "
+                          "kv_offset= calls run, and a decode-only spec (v_from_k) has none",
+                          markup=False)  # fmt: skip
+        pairs = [(s, t) for s, t in pairs if not s.v_from_k]
     try:
         toolkit = find_compiler().key  # nvcc's version, or NVRTC's key where there is no nvcc
     except CompileError as e:
@@ -278,7 +288,8 @@ def cmd_build(args) -> int:
             str(r.smem_dynamic + rep.smem),
             "cached" if rep.from_cache else f"{rep.seconds:.1f}",
         )
-    out.print(table)
+    if results:  # none: the notes above say why
+        out.print(table)
     for r in results:
         if r.note:
             err.print(f"note: {r.spec.name} [{r.target} {r.unit}]: {r.note}", markup=False)

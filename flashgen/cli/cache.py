@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 from flashgen.frontend.errors import terminal_safe
@@ -18,9 +19,19 @@ def _size(n: int) -> str:
 def cmd_cache(args) -> int:
     """Print the cache root and its size per flashgen version and arch; with ``--prune``,
     delete other versions' trees, broken entries and (``--older-than DAYS``) entries not
-    used for that long.  Exit 1 when the cache is not the user's own (nothing deleted)."""
+    used for that long (0: every kernel).  Exit 1 when the cache is not the user's own
+    (nothing deleted); 2 for ``--older-than`` without ``--prune`` or not a number >= 0."""
     from flashgen.build import cache
 
+    days = args.older_than
+    if days is not None and not args.prune:
+        print(f"error: --older-than needs --prune (flashgen cache --prune --older-than "
+              f"{days:g})", file=sys.stderr)  # fmt: skip
+        return 2
+    if days is not None and not (math.isfinite(days) and days >= 0):
+        print(f"error: --older-than: expected a finite number of days >= 0 (0: every kernel "
+              f"of this version), got {days:g}", file=sys.stderr)  # fmt: skip
+        return 2
     root = cache.cache_root()
     try:
         if args.prune:

@@ -249,7 +249,8 @@ verification or no CUDA compiler.""",
     "show": """\
 Print a spec as flashgen checked it (dtype, head dims, the mask and score_mod with their
 types, params and their bounds), then for each target the kernel plan (tiles, threads,
-shared memory, options) and the rendered CUDA source of its forward (the decode unit for a
+shared memory), the --option values in effect (each marked that shapes another unit than
+the one shown) and the rendered CUDA source of its forward (the decode unit for a
 decode-only spec).  Needs no GPU and no CUDA compiler.""",
     "list": """\
 List the specs in DIR, one block per spec: name, dtype and head dims, the mask, the
@@ -259,7 +260,8 @@ with its error (exit 1).""",
     "cache": """\
 Show where the kernel cache is ($FLASHGEN_CACHE_DIR, default ~/.cache/flashgen) and its
 size per flashgen version and GPU architecture.  --prune deletes other flashgen versions'
-kernels and broken entries, and with --older-than DAYS also kernels not used for that long.
+kernels and broken entries, and with --older-than DAYS also kernels not used for that long
+(0: every kernel).
 Deleting the directory is always safe: kernels are rebuilt on first use.""",
     "tune": """\
 Time candidate tile configs (block sizes, warps) of each spec's forward on this GPU and
@@ -281,7 +283,7 @@ EPILOG = """\
 examples:
   flashgen list                  the shipped specs
   flashgen show mistral_swa      checked expressions, kernel plan, CUDA source
-  flashgen build my_spec.yaml    compile (sm_80 and sm_90), report registers, spills
+  flashgen build my_spec.yaml    compile for sm_80 and sm_90: registers, spills
   flashgen bench --cpu           the CPU op against SDPA on this machine
   flashgen COMMAND --help        a command's options"""
 
@@ -366,7 +368,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ca.add_argument(
         "--older-than", type=float, default=None, metavar="DAYS",
-        help="with --prune: also delete kernels not used for DAYS days",
+        help="with --prune: also delete kernels not used for DAYS days (a number >= 0; "
+        "0: every kernel)",
     )  # fmt: skip
     ca.set_defaults(func=cmd_cache)
 

@@ -4,14 +4,13 @@ printing of warnings."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
-import textwrap
 import warnings
 
 from flashgen import env
+from flashgen.bench.helptext import HelpFormatter  # noqa: F401  (the commands' formatter)
 from flashgen.frontend import ir
 from flashgen.frontend.errors import SpecError, SpecWarning, terminal_safe
 from flashgen.version import __version__
@@ -53,39 +52,6 @@ def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Sp
             note(p, f"cannot read spec: {e.strerror or e}")
             bad = True
     return None if bad else specs
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """argparse's formatter for texts written as paragraphs: each run of unindented lines of a
-    description or epilog is filled to the terminal's width (argparse's, from ``COLUMNS``),
-    blank lines and indented lines (usage lines, examples) are kept as written.  The stock
-    formatter joins a whole description into one paragraph; ``RawDescriptionHelpFormatter``
-    keeps its lines but not the terminal's width."""
-
-    def _fill_text(self, text, width, indent):
-        out, run = [], []
-
-        def flush():
-            if run:
-                out.append(
-                    textwrap.fill(
-                        " ".join(run),
-                        width,
-                        initial_indent=indent,
-                        subsequent_indent=indent,
-                        break_on_hyphens=False,
-                    )
-                )
-                run.clear()
-
-        for line in text.strip("\n").splitlines():
-            if line.strip() and not line[0].isspace():
-                run.append(line.strip())
-                continue
-            flush()
-            out.append(indent + line if line.strip() else "")
-        flush()
-        return "\n".join(out)
 
 
 def _options(args):

@@ -125,9 +125,41 @@ def format_spec(spec: ir.Spec) -> str:
     return "\n".join(lines)
 
 
+#: which kernels an option shapes, by dotted name or its family prefix (None: every unit);
+#: ``fwd``: either forward family
+_OPTION_UNITS = {
+    "family": "fwd", "side_terms": "fwd", "exact_softmax": None, "atomic_dq": "bwd",
+    "persistent": "hopper_fwd", "persistent_ctas": "hopper_fwd",
+    "sparse_persistent": "fwd_sparse", "sparse_tiles": "fwd_sparse",
+    "fa2_fwd": "fa2_fwd", "hopper_fwd": "hopper_fwd", "fa2_bwd": "bwd", "hopper_bwd": "bwd",
+    "blocktable": "blocktable", "decode": "decode",
+}  # fmt: skip
+_UNIT_WORDS = {
+    "fwd": "the forward", "fa2_fwd": "the FA2-class forward", "hopper_fwd": "the Hopper forward",
+    "fwd_sparse": "the forward of calls that keep few keys per row",
+    "bwd": "the backward kernels", "blocktable": "the block-table pre-pass",
+    "decode": "the decode kernels (op.with_kvcache)",
+}  # fmt: skip
+
+
+def options_note(options, shown: str) -> str | None:
+    """The non-default options of ``options`` as ``show`` lists them under a plan
+    (``hopper_fwd.affine=False; decode.fused_sink=True (not in the unit shown: ...)``), each
+    that does not shape unit ``shown`` (a family name: ``fa2_fwd``, ``hopper_fwd``,
+    ``decode``) marked; None for the defaults."""
+    items = []
+    for path, value in options.changed().items():
+        unit = _OPTION_UNITS.get(path.partition(".")[0])
+        text = f"{path}={value}"
+        if unit is not None and unit != shown and not (unit == "fwd" and shown != "decode"):
+            text += f" (not in the unit shown: an option of {_UNIT_WORDS[unit]})"
+        items.append(text)
+    return "; ".join(items) or None
+
+
 def cmd_show(args) -> int:
     from flashgen.build.render import render
-    from flashgen.families.registry import plan_decode, plan_forward
+    from flashgen.families.registry import plan_decode, plan_forward, select
 
     _, err = _consoles()
     try:
@@ -149,6 +181,10 @@ def cmd_show(args) -> int:
             err.print(f"error: {spec.name} [{t}]: {e}", markup=False)
             return 1
         print(f"\n// ---- plan [{t}]: {json.dumps(plan.config())}")
+        shown = "decode" if spec.v_from_k else select(spec, t, "fwd", options).family
+        note = options_note(options, shown)
+        if note:
+            print(f"// ---- options [{t}]: {terminal_safe(note)}")
         print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")
         sys.stdout.write(render(plan))
     return 0

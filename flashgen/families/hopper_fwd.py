@@ -231,7 +231,7 @@ def plan(
     ``persistent`` may name the tile scheduler (:data:`PERSISTENT_SCHEDULERS`; True is
     ``static``): ``m_major`` sets ``m_major``; ``dynamic`` adds an ``int* tile_counter``
     argument (two zeroed ints, reset by the kernel's last CTA: one per stream for eager calls,
-    one per captured call, ``flashgen.ops.op._tile_counter``).
+    one per captured call, ``flashgen.ops.prefill.attention._tile_counter``).
     The knobs below are :class:`Options` fields except ``side_terms`` (a plan argument the
     spill fallback varies).  ``side_terms``: the mask's one-sided tensor reads are read once
     per query row and once per key column of a masked tile, not per element

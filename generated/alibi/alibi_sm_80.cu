@@ -560,7 +560,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr int TAB_BYTES = 0;  // block-table row staging (masks that read tensors)
 static_assert(SQ_BYTES + SK_BYTES + SV_BYTES + TAB_BYTES == 49152,
-              "dynamic shared memory: the plan's smem_bytes (flashgen.lower) must match sQ + sK + sV + table");
+              "dynamic shared memory: the plan's smem_bytes (flashgen.families.fa2_fwd.plan) must match sQ + sK + sV + table");
 // Rows of a multiple of 64 bytes (head dims that are multiples of 32), which fg::swz keeps bank-conflict free.
 static_assert(WARP_M % 16 == 0 && BLOCK_N % 16 == 0 && Q_ROW_BYTES % 64 == 0 && V_ROW_BYTES % 64 == 0,
               "tile shape");

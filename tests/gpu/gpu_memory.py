@@ -4,7 +4,8 @@ The workers share one GPU: a test that allocates tens of GiB, or runs a child pr
 compute-sanitizer (whose allocations carry the tool's shadow memory), takes
 :func:`exclusive` first.  It holds a lock file shared by every worker of the run (so two
 such tests never overlap) and waits until the device has the memory free: the other
-workers' caching allocators give theirs back after each test (``tests/gpu/conftest.py``).
+workers' caching allocators give theirs back after each test (the ``_device_memory``
+fixture of ``tests/conftest.py``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The eager fast path of ``op.attention`` against the dispatcher path (needs a GPU).
 
 ``AttentionOp.attention`` launches the CUDA forward itself for plain CUDA tensors in eager
-mode (``flashgen.ops.op._eager_cuda``), with its own autograd node (``_EagerAttention``), and
-goes through ``torch.ops.flashgen.<name>`` otherwise.  Both run the same kernels, so the
-outputs and the (deterministic) gradients must be bitwise equal; a dispatch mode must see
-the op; a tensor param that requires grad is still refused.
+mode (``flashgen.ops.prefill.attention._eager_cuda``), with its own autograd node
+(``_EagerAttention``), and goes through ``torch.ops.flashgen.<name>`` otherwise.  Both run
+the same kernels, so the outputs and the (deterministic) gradients must be bitwise equal; a
+dispatch mode must see the op; a tensor param that requires grad is still refused.
 """
 
 from __future__ import annotations

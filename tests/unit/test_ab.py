@@ -113,8 +113,7 @@ def test_variants_product_and_zip():
 
 
 def test_variants_one_option_at_a_time():
-    """``--combine each`` (what tools/mask_ab.py --each did with environment switches): the
-    baseline, then each option alone at its other values."""
+    """``--combine each``: the baseline, then each option alone at its other values."""
     values = parse_options(["hopper_fwd.col_bound=1,0", "side_terms=1,0", "family=auto,fa2,fa3"])
     got = combinations(values, "each")
     base = {"hopper_fwd.col_bound": True, "side_terms": True, "family": "auto"}

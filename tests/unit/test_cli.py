@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,40 @@ def test_show_prints_the_sink(capsys):
     assert "  sink " not in capsys.readouterr().out
 
 
+def test_show_lists_the_options_in_effect_and_which_the_shown_unit_does_not_use(capsys):
+    """``flashgen show SPEC --option X=Y`` printed the same plan line with or without the
+    option: the plan section lists the non-default options, and one that concerns a unit
+    show does not print (a decode option beside the forward) says so."""
+
+    def options_lines(*argv):
+        argv = argv if argv[0].endswith(".yaml") else (CAUSAL, *argv)
+        assert main(["show", *argv]) == 0
+        return [x for x in capsys.readouterr().out.splitlines() if x.startswith("// ---- opt")]
+
+    assert options_lines("--target", "sm_80") == []
+    assert options_lines("--target", "sm_80", "--option", "fa2_fwd.affine=0") == [
+        "// ---- options [sm_80]: fa2_fwd.affine=False"
+    ]
+    (line,) = options_lines("--target", "sm_80", "--option", "decode.fused_sink=1",
+                            "--option", "fa2_fwd.fwd_even_loads=1")  # fmt: skip
+    assert line.startswith("// ---- options [sm_80]: fa2_fwd.fwd_even_loads=True; "
+                           "decode.fused_sink=True (not in the unit shown: ")  # fmt: skip
+    assert "decode" in line.split("not in the unit shown")[1]
+    (line,) = options_lines("--target", "sm_90", "--option", "fa2_fwd.affine=0")
+    assert "fa2_fwd.affine=False (not in the unit shown: " in line and "FA2-class" in line
+    (line,) = options_lines("--target", "sm_90", "--option", "family=fa2",
+                            "--option", "fa2_fwd.affine=0")  # fmt: skip
+    assert line == "// ---- options [sm_90]: family=fa2; fa2_fwd.affine=False"
+    mla = str(REPO / "specs" / "mla_decode.yaml")
+    assert options_lines(mla, "--target", "sm_90", "--option", "decode.num_splits=4") == [
+        "// ---- options [sm_90]: decode.num_splits=4"
+    ]
+    from flashgen.cli.show import _OPTION_UNITS
+    from flashgen.options import Options
+
+    assert {p.partition(".")[0] for p in Options.paths()} <= set(_OPTION_UNITS)
+
+
 def test_list_shows_every_spec(capsys):
     assert main(["list", str(REPO / "specs")]) == 0
     out = capsys.readouterr().out
@@ -162,6 +197,39 @@ def test_each_command_help_shows_its_whole_description(command, monkeypatch, cap
     out = capsys.readouterr().out
     assert " ".join(description.split()) in " ".join(out.split())
     assert max(len(line) for line in out.splitlines() if not line.startswith("usage")) <= 100
+
+
+def _all_help_texts(monkeypatch, capsys, columns: int) -> dict[str, str]:
+    """``flashgen --help``, each command's and each ``flashgen bench --MODE --help`` at a
+    terminal ``columns`` wide, by the command line that printed it."""
+    from flashgen.cli.commands import BENCH_MODES, parser
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    sub = next(a for a in parser()._actions if a.dest == "command")
+    argvs = [[], *([c] for c in sub.choices), *(["bench", f"--{m}"] for m in BENCH_MODES)]
+    texts = {}
+    for argv in argvs:
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        assert e.value.code == 0, argv
+        texts[" ".join(["flashgen", *argv, "--help"])] = capsys.readouterr().out
+    return texts
+
+
+def test_help_texts_are_plain_text_about_the_command_and_fit_80_columns(monkeypatch, capsys):
+    """The help of every command and bench mode describes what it does: no development
+    history ("issue 28's table", "session 9"), no reST markup (``flashgen ab``'s opened with
+    double backticks, the bench modes printed their module docstrings), and at 80 columns no
+    line is wider (the main help's example line was 84, a bench mode's usage 237)."""
+    texts = _all_help_texts(monkeypatch, capsys, 80)
+    assert len(texts) == 1 + 7 + 7
+    history = re.compile(r"\bissue \d|\bsession\b", re.I)
+    rst = re.compile(r"``|:(?:func|data|mod|class|meth|attr):`")
+    bad = [f"{cmd}: {line!r}" for cmd, text in texts.items() for line in text.splitlines()
+           if history.search(line) or rst.search(line) or len(line) > 80]  # fmt: skip
+    assert not bad, "\n".join(bad)
+    ab = " ".join(texts["flashgen ab --help"].split())
+    assert ab.count("a spec's op under each combination") == 1
 
 
 def test_help_describes_specs_by_name_and_what_needs_a_gpu(capsys):

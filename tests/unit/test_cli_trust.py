@@ -128,6 +128,38 @@ def test_cache_command_shows_and_prunes(tmp_path, capsys, monkeypatch):
     assert "pruned 1 entries" in capsys.readouterr().out and not old.exists()
 
 
+@pytest.mark.parametrize("days", ["-1", "nan", "inf", "-inf"])
+def test_cache_older_than_must_be_a_finite_number_of_days_at_least_0(days, tmp_path, capsys,
+                                                                       monkeypatch):
+    """``--older-than -1`` set the cutoff a day in the future and deleted kernels used
+    seconds ago; nan and inf were taken too.  One line naming the flag, what it takes and the
+    value; nothing deleted."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(root))
+    entry = root / "0.0.1" / "sm_80" / ("a" * 64)
+    entry.mkdir(parents=True)
+    assert main(["cache", "--prune", f"--older-than={days}"]) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in cap.err and not cap.out, cap
+    assert lines[0].startswith("error: --older-than: expected a finite number of days >= 0")
+    assert lines[0].endswith(f"got {days}") and entry.exists()
+    from flashgen.build import cache
+
+    with pytest.raises(ValueError, match="older_than_days: expected a finite number >= 0"):
+        cache.prune(root, float(days))
+
+
+def test_cache_older_than_without_prune_is_an_error(tmp_path, capsys, monkeypatch):
+    """``flashgen cache --older-than 3`` without --prune deleted nothing and said nothing."""
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["cache", "--older-than", "3"]) == 2
+    cap = capsys.readouterr()
+    assert cap.err.strip() == "error: --older-than needs --prune (flashgen cache --prune " \
+        "--older-than 3)" and not cap.out
+    assert main(["cache", "--prune", "--older-than", "0"]) == 0  # 0: every kernel
+
+
 def test_list_outside_the_repository_shows_the_shipped_specs(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["list"]) == 0

@@ -1,4 +1,5 @@
-"""The eager fast path's wiring (``flashgen.ops.op._eager_cuda``, ``_EagerAttention``), on the CPU.
+"""The eager fast path's wiring (``flashgen.ops.prefill.attention._eager_cuda``,
+``_EagerAttention``), on the CPU.
 
 The fast path only runs for CUDA tensors; here it is forced on with the CPU reference in
 place of the CUDA forward, so its autograd node must give the same outputs and gradients

@@ -5,8 +5,8 @@ analysis, codegen, families, build) import neither torch nor CuPy (type-only imp
 never run, left out there); and ``flashgen/ops/``'s subpackages depend one way (op ->
 prefill -> decode -> the shared modules -> cpu).
 
-An edge goes from a module to each flashgen module an ``import`` names: ``from flashgen.x
-import y`` to ``flashgen.x.y`` where that is a module, else to ``flashgen.x``; ``import
+An edge goes from a module to each flashgen module an ``import`` names: ``from flashgen.<a>
+import <b>`` to ``flashgen.<a>.<b>`` where that is a module, else to ``flashgen.<a>``; ``import
 flashgen`` / ``from flashgen import __version__`` to the package's ``__init__``.  The
 packages a dotted name passes through are not edges (their ``__init__`` runs first, but
 what it imports lazily does not run then)."""

@@ -1,5 +1,5 @@
 """flashgen.flash_attn against FlashAttention's documented semantics, implemented here
-independently in float64 (after flash_attn's tests/test_flash_attn.py ``attention_ref``)."""
+independently in float64 (after ``attention_ref`` of flash-attention's test_flash_attn.py)."""
 
 from __future__ import annotations
 

@@ -61,3 +61,27 @@ def test_build_offsets_compiles_the_offsets_form_and_writes_nothing(
     assert {k["unit"] for k in kernels} >= {"fwd", "bwd", "bwd_atomic"}
     assert not any(k["unit"].startswith("decode") for k in kernels)
     assert doc["generated"] == [] and not out.exists()
+
+
+def test_build_offsets_of_a_decode_only_spec_says_why_nothing_was_built(
+    tmp_path, capsys, monkeypatch
+):
+    """``flashgen build mla_decode --offsets`` printed an empty table and exited 0 with no
+    word: a decode-only spec (v_from_k) has no offsets form.  A note says so, once per spec,
+    as a target a spec does not list is noted as skipped; no empty table."""
+    from flashgen.build import compile as fgcompile
+    from flashgen.cli.commands import main
+
+    class Toolkit:  # nothing is compiled: no nvcc needed
+        key = "nvcc test"
+
+    monkeypatch.setattr(fgcompile, "find_compiler", lambda: Toolkit())
+    rc = main(["build", "--offsets", "mla_decode", "--no-verify", "--out", str(tmp_path)])
+    cap = capsys.readouterr()
+    assert rc == 0 and "┃ spec" not in cap.out, cap.out
+    notes = [x for x in cap.err.splitlines() if x.startswith("note: ")]
+    assert notes == [
+        "note: mla_decode: nothing built: --offsets builds the prefill units that ring "
+        "attention and q_offset= / kv_offset= calls run, and a decode-only spec (v_from_k) "
+        "has none"
+    ], cap.err

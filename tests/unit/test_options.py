@@ -67,3 +67,23 @@ def test_an_unknown_option_is_a_key_error_whose_text_is_its_message():
     with pytest.raises(KeyError) as e:
         Options().get_path("nope")
     assert str(e.value).startswith("unknown option 'nope'; known: family, ")
+
+
+@pytest.mark.parametrize(
+    "path, value, expected",
+    [
+        ("persistent_ctas", "-3", "expected an int >= 1 or None"),
+        ("decode.num_splits", "-1", "in [1, 128]"),
+        ("decode.min_split_blocks", "-2", "in [1, 16]"),
+        ("hopper_fwd.exp2_fma_every", "-3", "expected one of [0, 2, 3, 4, 8]"),
+    ],
+)
+def test_a_negative_integer_option_is_refused_with_its_range(path, value, expected):
+    """``--option persistent_ctas=-3`` said "expected an integer" (the parser took digits
+    only): -3 is an integer; the refusal names the option, its range and the value."""
+    with pytest.raises(ValueError) as e:
+        Options().replace_path(path, value)
+    text = str(e.value)
+    assert f"Options.{path}={value}:" in text and expected in text, text
+    assert "expected an integer" not in text
+    assert Options().replace_path("persistent_ctas", "+8").persistent_ctas == 8
