@@ -222,8 +222,8 @@ def test_forward_kernels_compile_without_spills(text, target):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("i,text", enumerate([SCORE, MASK, TABLE_MASK]), ids=["score", "mask",
-                                                                             "table"])  # fmt: skip
+@pytest.mark.parametrize("i,text", [pytest.param(i, t, id=n) for i, (n, t) in enumerate(
+    [("score", SCORE), ("mask", MASK), ("table", TABLE_MASK)])])  # fmt: skip
 def test_backward_units_compile_without_spills(i, text):
     """The deterministic and atomic units, one target each (alternating by spec), and the
     Hopper one where the spec takes it."""
@@ -255,7 +255,8 @@ def test_env_needs_the_kv_heads():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("i,text", enumerate([SCORE, MASK]), ids=["score", "mask"])
+@pytest.mark.parametrize("i,text", [pytest.param(0, SCORE, id="score"),
+                                    pytest.param(1, MASK, id="mask")])  # fmt: skip
 def test_varlen_kernels_compile_without_spills(i, text):
     """Forward, deterministic and atomic varlen units (all FA2-class), one target each
     (spec i, unit j: target (i + j) % 2)."""
