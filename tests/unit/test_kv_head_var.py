@@ -203,7 +203,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 # sm_90, different code) builds for both; each spec's Hopper forward builds one persistent
 # scheduler besides its default (static and dynamic differ in two index expressions).
 TARGETS = ("sm_80", "sm_90")
-PERSISTENT = {"score": "static", "mask": "dynamic", "table": "static"}  # table: dynamic by default
+PERSISTENT = {"score": "static", "mask": "dynamic", "table": "static"}
 
 
 @needs_nvcc
