@@ -206,13 +206,20 @@ def _program(cases) -> str:
             for p in spec.tensor_params
         )
         calls.append(init)
+        # the samples as data (a call statement per sample made a main the host compiler
+        # took seconds over)
+        rows = []
         for q, kv, n0, raw, b, h in samples:
             lane4 = (kv - n0) % 8 // 2  # the lane % 4 holding column kv - n0
-            calls.append(
-                f"    c{i}::run({raw!r}f, 0.08838834764831845f, {q}, {kv}, {n0}, {lane4}, "
-                f"{b}, {h}, {h // 4}, 2, 8, 2, {SQ}, {SK}{args});\n"
-            )
-    return preamble() + "".join(funcs) + "int main() {\n" + "".join(calls) + "}\n"
+            rows.append(f"{{{raw!r}f, {q}, {kv}, {n0}, {lane4}, {b}, {h}}},")
+        funcs.append(f"static const Sample samples_{i}[] = {{\n" + "\n".join(rows) + "\n};\n")
+        calls.append(
+            f"    for (const Sample& x : samples_{i})\n"
+            f"        c{i}::run(x.raw, 0.08838834764831845f, x.q, x.kv, x.n0, x.lane4, x.b, "
+            f"x.h, x.h / 4, 2, 8, 2, {SQ}, {SK}{args});\n"
+        )
+    sample = "struct Sample { float raw; int q, kv, n0, lane4, b, h; };\n"
+    return preamble() + sample + "".join(funcs) + "int main() {\n" + "".join(calls) + "}\n"
 
 
 def _samples(seed: int):

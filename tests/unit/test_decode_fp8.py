@@ -593,10 +593,13 @@ def _compile(job):
 
 def test_kv8_units_compile_without_spills(requires_nvcc):
     """Both kernels of the kv8 units of a d128 bf16 (GQA), a d64 fp16, a d256 softcap, a
-    tensor-param (T5 bias) spec and a ragged sliding-window unit, sm_80 and sm_90a, and the
-    64-key block (two k steps per K ldmatrix) on sm_90a: 11 nvcc runs, in parallel,
-    spill-free."""
-    jobs = [(j, t) for j in JOBS for t in ("sm_80", "sm_90")]
+    tensor-param (T5 bias) spec and a ragged sliding-window unit, and the 64-key block (two k
+    steps per K ldmatrix) on sm_90a: 6 nvcc runs, in parallel, spill-free.  A kv8 unit
+    renders the same CUDA for sm_80 and sm_90a but for the kernels' names, so the specs take
+    the targets in turn (sm_80, sm_90a, ...): both targets build padded and 64-key units,
+    the ragged one builds for sm_80; ptxas allocates registers per arch, so a spec's other
+    target is covered by its neighbours, not proven for it."""
+    jobs = [(j, ("sm_80", "sm_90")[i % 2]) for i, j in enumerate(JOBS)]
     jobs.append((("llama3_gqa", False, family.Options(block_n=64, ctas_per_sm=3)), "sm_90"))
     workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -1,7 +1,8 @@
 """Decode for every head dim the prefill supports (issue 23): the head-dim matrix's new
 pairs (tests/head_dim_cases.py: 32, 96, 160, 192, (192, 128), (128, 256)) plan and compile
-spill-free for sm_80 and sm_90a, padded and ragged units (24 nvcc runs, in parallel), and the
-CPU op, padded and ragged with an append, equals the float64 reference at each of them."""
+spill-free for sm_80 and sm_90a, padded and ragged units (a covering: 12 nvcc runs, in
+parallel), and the CPU op, padded and ragged with an append, equals the float64 reference at
+each of them."""
 
 from __future__ import annotations
 
@@ -34,8 +35,15 @@ def _compile(job):
 
 
 def test_decode_units_of_every_head_dim_compile_without_spills(requires_nvcc):
-    jobs = [(d, dv, t, r) for d, dv in NEW_HEAD_DIMS for t in ("sm_80", "sm_90")
-            for r in (False, True)]  # fmt: skip
+    """Pair p's padded (r = 0) and ragged (r = 1) units, for target (p + r) % 2: every head-dim
+    pair builds for both targets and each unit form for both (a pairwise covering, 12 nvcc
+    runs, not 24).  A decode unit renders the same CUDA for sm_80 and sm_90 but for the
+    kernels' names; ptxas allocates registers per arch, so a pair's other target is covered
+    by its other unit, not proven for this one (the shipped specs build every decode unit
+    for both targets: tests/unit/test_decode_compile.py)."""
+    targets = ("sm_80", "sm_90")
+    jobs = [(d, dv, targets[(p + r) % 2], bool(r)) for p, (d, dv) in enumerate(NEW_HEAD_DIMS)
+            for r in (0, 1)]  # fmt: skip
     workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(_compile, jobs))

@@ -249,21 +249,55 @@ def test_hopper_dparam_units_under_exact_softmax_stay_hopper_and_spill_free(requ
     assert not problems, "\n".join(problems)
 
 
-def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):
-    """Every index form (and the shipped trainable specs) at head dims 64 / 128 / 256: the
-    deterministic and atomic FA2-class dparam units on sm_80 and sm_90a, and the Hopper one
-    where it takes the forms, each built as the op builds it (the spill fallback's tiles):
-    0 spill bytes, no serialized wgmma, the dparam kernel present; the Hopper unit stays the
-    Hopper kernel (no fallback to the FA2-class one) for every spec it takes."""
-    jobs, hold = [], {}
-    for spec, must_hold in _case_specs():
-        hold[spec.name] = must_hold
-        for target in ("sm_80", "sm_90"):
-            jobs += [(spec, target, "det"), (spec, target, "atomic")]
+def _jobs(cases) -> list:
+    """(spec, target, kind) of the sweep below.  The FA2-class dparam units (``det``,
+    ``atomic``) of the test specs cover spec x kind x target pairwise: spec i builds kind j
+    for target (i + j) % 2, so every form builds both kinds, one per target, and every
+    (kind, target) is built by half the forms at each head dim (the sm_80 and sm_90 units
+    render the same CUDA but for the kernels' names and the sm_90 vector reduction; ptxas
+    allocates registers per arch, so a form's other target is covered by the other forms,
+    not proven for it).  The shipped specs build all four (tests/unit/test_compile.py builds
+    the same units: cache hits in a full run); the Hopper unit is built for every spec it
+    takes (sm_90 only)."""
+    jobs = []
+    shipped = {p.stem for p in (REPO / "specs").glob("*.yaml")}
+    for i, spec in enumerate(s for s, _ in cases):
+        if spec.name in shipped:
+            jobs += [(spec, t, k) for t in ("sm_80", "sm_90") for k in ("det", "atomic")]
+        else:
+            jobs += [(spec, ("sm_80", "sm_90")[(i + j) % 2], k)
+                     for j, k in enumerate(("det", "atomic"))]  # fmt: skip
         if registry.hopper_bwd.eligible(spec, "sm_90") and dparam.hopper_forms_ok(
             spec, _grads(spec)
         ):
             jobs.append((spec, "sm_90", "hopper"))
+    return jobs
+
+
+def test_the_sweep_builds_every_form_and_kind_for_both_targets():
+    cases = _case_specs()
+    jobs = _jobs(cases)
+    fa2 = [(s.name, t, k) for s, t, k in jobs if k != "hopper"]
+    assert len(fa2) == len(set(fa2))
+    for spec, _ in cases:
+        mine = {(t, k) for n, t, k in fa2 if n == spec.name}
+        assert {k for _, k in mine} == {"det", "atomic"} and {t for t, _ in mine} == {
+            "sm_80", "sm_90"}  # fmt: skip
+    for d in (64, 128, 256):
+        at_d = {(t, k) for s, t, k in jobs if s.head_dim == d and k != "hopper"}
+        assert len(at_d) == 4, d  # both kinds for both targets at every head dim
+
+
+def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):
+    """Every index form (and the shipped trainable specs) at head dims 64 / 128 / 256: the
+    deterministic and atomic FA2-class dparam units on sm_80 and sm_90a (:func:`_jobs`: a
+    pairwise covering for the test specs), and the Hopper one where it takes the forms, each
+    built as the op builds it (the spill fallback's tiles): 0 spill bytes, no serialized
+    wgmma, the dparam kernel present; the Hopper unit stays the Hopper kernel (no fallback
+    to the FA2-class one) for every spec it takes."""
+    cases = _case_specs()
+    hold = {spec.name: must_hold for spec, must_hold in cases}
+    jobs = _jobs(cases)
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda j: _build(*j), jobs))
     problems = []

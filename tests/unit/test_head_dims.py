@@ -1,9 +1,10 @@
 """Head dims 32, 96, 160, 192 and head_dim_v != head_dim ((192, 128) as in MLA, (128, 256)).
 
 * every (head dims, dtype, score_mod yes/no) variant lowers for sm_80 and sm_90 and fits
-  sm_80's shared memory; every head-dim pair compiles with nvcc for both targets, forward,
-  deterministic backward and atomic-dQ backward, with zero register spills, as bf16 with a
-  softcap and as fp16 without a score_mod (compiled in parallel);
+  sm_80's shared memory; every head-dim pair compiles with nvcc, forward, deterministic
+  backward and atomic-dQ backward, with zero register spills, for both targets (one of them
+  as bf16 with a softcap, the other as fp16 without a score_mod: a covering of the product,
+  see the test; compiled in parallel);
 * the tile tables have an entry for every supported head dim and the atomic-dQ warp grid
   keeps every warp busy with the tables' tiles;
 * the CPU op (the float reference) and its autograd give o [.., Dv] and dv [.., Dv] and
@@ -129,15 +130,40 @@ def _compile(job):
     return job, report
 
 
+def _covering() -> list:
+    """(variant, target, unit) jobs covering COMPILED x {sm_80, sm_90} x {fwd, bwd, bwd_atomic}
+    pairwise, 36 nvcc runs instead of the product's 72: pair p's variant k (0: fp16 without a
+    score_mod, 1: bf16 softcap) builds unit u for target (k + u + p) % 2.  So every head-dim
+    pair builds every unit for both targets (one target per variant), every variant builds
+    every unit, and every (variant kind, unit, target) occurs (for alternate pairs).  The
+    sm_80 and sm_90 FA2-class units of a variant render the same CUDA but for the kernels'
+    names (ptxas allocates registers per arch, so the other arch is covered by the other
+    variant, not proven for this one); the shipped specs compile the full product
+    (tests/unit/test_compile.py)."""
+    targets, units = ("sm_80", "sm_90"), ("fwd", "bwd", "bwd_atomic")
+    jobs = []
+    for i, v in enumerate(COMPILED):
+        p, k = divmod(i, 2)
+        jobs += [(v, targets[(k + u + p) % 2], unit) for u, unit in enumerate(units)]
+    return jobs
+
+
+def test_the_covering_meets_every_pair_unit_and_target():
+    jobs = _covering()
+    assert len(jobs) == len(set(jobs)) == len(COMPILED) * 3
+    assert [v[:2] for v in COMPILED[::2]] == [v[:2] for v in COMPILED[1::2]]  # pairs adjacent
+    pairs = {(v[:2], t, u) for v, t, u in jobs}
+    assert len(pairs) == len(NEW_HEAD_DIMS) * 2 * 3  # every pair x target x unit
+    assert {(v, u) for v, _, u in jobs} == {(v, u) for v in COMPILED for u in ("fwd", "bwd",
+                                                                           "bwd_atomic")}
+    kinds = {(v[2:], t, u) for v, t, u in jobs}
+    assert len(kinds) == 2 * 2 * 3  # every (dtype, score_mod) x target x unit
+
+
 def test_every_head_dim_variant_compiles_without_spills(requires_nvcc):
-    """Each of COMPILED x {sm_80, sm_90} x {fwd, bwd, bwd_atomic}: 72 nvcc runs
-    (FLASHGEN_TEST_JOBS sets the parallelism, default the CPU count + 1)."""
-    jobs = [
-        (v, t, u)
-        for v in COMPILED
-        for t in ("sm_80", "sm_90")
-        for u in ("fwd", "bwd", "bwd_atomic")
-    ]
+    """The jobs of :func:`_covering` (FLASHGEN_TEST_JOBS sets the parallelism, default the
+    CPU count + 1)."""
+    jobs = _covering()
     workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(_compile, jobs))

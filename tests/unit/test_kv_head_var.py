@@ -195,6 +195,17 @@ def test_cpu_op_and_block_table_under_gqa():
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 
 
+# The nvcc tests below prove that h_kv renders and compiles in every kernel that renders DSL
+# expressions.  The FA2-class units render the same CUDA for sm_80 and sm_90 but for the
+# kernels' names (and the atomic unit's sm_90 vector reduction), so each spec builds each
+# FA2-class unit for one target, alternating (spec i, unit j: target (i + j) % 2): every
+# spec and every unit meets both targets.  The forward (FA2-class on sm_80, Hopper on
+# sm_90, different code) builds for both; each spec's Hopper forward builds one persistent
+# scheduler besides its default (static and dynamic differ in two index expressions).
+TARGETS = ("sm_80", "sm_90")
+PERSISTENT = {"score": "static", "mask": "dynamic", "table": "static"}
+
+
 @needs_nvcc
 @pytest.mark.parametrize("target", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("text", [SCORE, MASK, TABLE_MASK], ids=["score", "mask", "table"])
@@ -204,21 +215,24 @@ def test_forward_kernels_compile_without_spills(text, target):
     assert report.spill_bytes == 0, report
     assert "h_kv" in render(plan)
     if target == "sm_90" and plan.template == "sm_90/fwd.cu.j2":
-        for scheduler in ("static", "dynamic"):
-            plan, _, report = build_forward(spec, target, persistent=scheduler)
-            assert plan.context["persistent"] and report.spill_bytes == 0, (scheduler, report)
+        scheduler = PERSISTENT[{SCORE: "score", MASK: "mask", TABLE_MASK: "table"}[text]]
+        assert plan.context["persistent"] != scheduler
+        plan, _, report = build_forward(spec, target, persistent=scheduler)
+        assert plan.context["persistent"] and report.spill_bytes == 0, (scheduler, report)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("text", [SCORE, MASK, TABLE_MASK], ids=["score", "mask", "table"])
-def test_backward_units_compile_without_spills(text, target):
+@pytest.mark.parametrize("i,text", [pytest.param(i, t, id=n) for i, (n, t) in enumerate(
+    [("score", SCORE), ("mask", MASK), ("table", TABLE_MASK)])])  # fmt: skip
+def test_backward_units_compile_without_spills(i, text):
+    """The deterministic and atomic units, one target each (alternating by spec), and the
+    Hopper one where the spec takes it."""
     spec = _spec(text)
-    for atomic in (False, True):
-        _, _, report = build_backward(spec, target, atomic_dq=atomic)
+    for j, atomic in enumerate((False, True)):
+        _, _, report = build_backward(spec, TARGETS[(i + j) % 2], atomic_dq=atomic)
         assert report.spill_bytes == 0, (atomic, report)
-    if hopper_bwd_eligible(spec, target):  # not a tensor-reading mask
-        plan, _, report = build_backward(spec, target, hopper=True)
+    if hopper_bwd_eligible(spec, "sm_90"):  # not a tensor-reading mask
+        plan, _, report = build_backward(spec, "sm_90", hopper=True)
         assert plan.dkdv.template == "sm_90/bwd.cu.j2"
         assert report.spill_bytes == 0, report
 
@@ -241,12 +255,14 @@ def test_env_needs_the_kv_heads():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("text", [SCORE, MASK], ids=["score", "mask"])
-def test_varlen_kernels_compile_without_spills(text, target):
+@pytest.mark.parametrize("i,text", [pytest.param(0, SCORE, id="score"),
+                                    pytest.param(1, MASK, id="mask")])  # fmt: skip
+def test_varlen_kernels_compile_without_spills(i, text):
+    """Forward, deterministic and atomic varlen units (all FA2-class), one target each
+    (spec i, unit j: target (i + j) % 2)."""
     spec = _spec(text + "varlen: true\n")
-    _, _, report = build_forward(spec, target)
+    _, _, report = build_forward(spec, TARGETS[i % 2])
     assert report.spill_bytes == 0, report
-    for atomic in (False, True):
-        _, _, report = build_backward(spec, target, atomic_dq=atomic)
+    for j, atomic in enumerate((False, True), start=1):
+        _, _, report = build_backward(spec, TARGETS[(i + j) % 2], atomic_dq=atomic)
         assert report.spill_bytes == 0, (atomic, report)

@@ -385,13 +385,39 @@ def _build(job):
     return spec.name, spec.head_dim, scheduler, report
 
 
+def _scheduled() -> list:
+    """(spec, scheduler) the nvcc tests build: each shipped spec (one per kernel code), then
+    each head-dim variant, with one scheduler, static and dynamic alternating among the specs
+    of a head dim (the two differ in two index expressions, the tile counter's; m_major is
+    dynamic's), and both for a shipped spec whose op runs a persistent kernel by default
+    (document_mask, spec_tree: test_compile builds their dynamic one)."""
+    from flashgen.families.registry import persistent_scheduler
+
+    jobs, seen, shipped = [], {}, {load_spec(p).name: load_spec(p).head_dim for p in COMPILED}
+    for spec in _all_specs():
+        i = seen[spec.head_dim] = seen.get(spec.head_dim, -1) + 1
+        mine = {("static", "dynamic")[i % 2]}
+        if shipped.get(spec.name) == spec.head_dim:
+            mine.add(persistent_scheduler(spec))
+        jobs += [(spec, s) for s in ("static", "dynamic") if s in mine]
+    return jobs
+
+
+def test_the_nvcc_tests_build_both_schedulers_at_every_head_dim():
+    jobs = _scheduled()
+    assert {s for _, s in jobs} == {"static", "dynamic"}
+    assert {sp.name for sp, _ in jobs} == {sp.name for sp in _all_specs()}
+    for d in (64, 128, 256):
+        assert {s for sp, s in jobs if sp.head_dim == d} == {"static", "dynamic"}, d
+    assert ("document_mask", 128, "dynamic") in {(sp.name, sp.head_dim, s) for sp, s in jobs}
+
+
 def test_every_spec_compiles_persistent_without_spills(requires_nvcc):
-    """Every shipped spec and head-dim variant with the static scheduler; the shipped specs
-    with the dynamic one too (m_major differs from static in two index expressions).  At
-    the planned tiles, through select's fallback (row / column terms of a tensor-reading
-    mask, flashgen/analysis/rowcol.py, are dropped where they spill: document_mask at d256)."""
-    jobs = [(s, "static") for s in _all_specs()]
-    jobs += [(load_spec(p), "dynamic") for p in COMPILED]
+    """Every shipped spec and head-dim variant with a persistent scheduler (:func:`_scheduled`:
+    static or dynamic, both at every head dim).  At the planned tiles, through select's
+    fallback (row / column terms of a tensor-reading mask, flashgen/analysis/rowcol.py, are
+    dropped where they spill: document_mask at d256)."""
+    jobs = _scheduled()
     with cf.ThreadPoolExecutor(2) as ex:
         for name, d, scheduler, report in ex.map(_build, jobs):
             assert report.spill_bytes == 0, (name, d, scheduler, report)
@@ -409,12 +435,12 @@ def _build_first(job):
 def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
     """The persistent producer's warp-wide walk (``warp_walk``) at its planned tiles with
     every feature on (no fallback of family_build.build_forward): no spills, no serialized wgmma,
-    for every spec and head-dim variant (static), the shipped specs (dynamic) and the
-    sparse-call kernels (lower.sparse_tiles, dynamic; chunked_local's divides)."""
+    for every spec and head-dim variant with its scheduler (:func:`_scheduled`, the units of
+    the test above) and the sparse-call kernels (lower.sparse_tiles, dynamic; chunked_local's
+    divides)."""
     from flashgen.families.tiles import sparse_tiles
 
-    jobs = [(s, "static", None) for s in _all_specs()]
-    jobs += [(load_spec(p), "dynamic", None) for p in COMPILED]
+    jobs = [(s, scheduler, None) for s, scheduler in _scheduled()]
     for p in COMPILED:
         spec = load_spec(p)
         alt = sparse_tiles(spec, plan_forward(spec, "sm_90").tiles)
@@ -427,15 +453,17 @@ def test_the_warp_wide_walk_fits_the_producer(requires_nvcc):
             assert not report.wgmma_serialized, (name, d, scheduler, plan.tiles, report)
 
 
-def _sass(spec) -> tuple[str, str]:
-    return spec.name, sass(plan_forward(spec, "sm_90", persistent=True))
+def _sass(job) -> tuple[str, str]:
+    spec, scheduler = job
+    return spec.name, sass(plan_forward(spec, "sm_90", persistent=scheduler))
 
 
 def test_every_spec_emits_tma_and_wgmma_persistent(requires_nvcc):
-    """The SASS of each shipped spec's persistent forward (static scheduler at the planned
-    tiles: the unit the compile tests above build; one spec per kernel code) holds wgmma,
-    TMA loads, setmaxnreg and the mbarrier parity waits."""
-    specs = [load_spec(p) for p in COMPILED]
+    """The SASS of each shipped spec's persistent forward (its scheduler of :func:`_scheduled`
+    at the planned tiles: the unit the compile tests above build; one spec per kernel code)
+    holds wgmma, TMA loads, setmaxnreg and the mbarrier parity waits."""
+    specs = [(sp, s) for sp, s in _scheduled() if sp.head_dim == load_spec(
+        REPO / "specs" / f"{sp.name}.yaml").head_dim]  # the shipped specs' (not the variants)
     with cf.ThreadPoolExecutor(2) as ex:
         for name, code in ex.map(_sass, specs):
             assert wgmmas(code), name

@@ -2,7 +2,8 @@
 
 Each worker builds the same global q, k, v, shards them, runs ring_attention forward and
 backward, and compares o, lse, dq, dk, dv with its rows of the single-process CPU op on the
-whole sequence.  One spawn per world size runs every case (process start-up dominates)."""
+whole sequence.  One spawn per world size runs every case (process start-up dominates): the
+two-rank tests (the cases and the refusals) share one spawn, each its own process group."""
 
 from __future__ import annotations
 
@@ -137,13 +138,67 @@ def _worker(rank, world, port, cases):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["2ranks", "4ranks"])
-def test_ring_matches_single_process(world, cases):
+#: the two-rank parts, run one after another by one pair of processes (:func:`two_ranks`)
+TWO_RANK_PARTS = ("cases", "bad", "disagree", "replaced")
+
+
+def _two_rank_worker(rank, world, ports, out):
+    """Each part in turn, each with its own process group (on its own port): a spawn's
+    process start-up (torch's import) costs more than most parts, so the two-rank tests
+    share one.  A part writes ``out/<part>.<rank>``: ``ok``, or its traceback, and then the
+    process exits with the error (mp.spawn stops the other rank, as a test of its own
+    would; the later parts do not run)."""
+    import traceback
+
+    runs = {
+        "cases": lambda port: _worker(rank, world, port, CASES_2),
+        "bad": lambda port: _bad_worker(rank, world, port),
+        "disagree": lambda port: _disagree_worker(rank, world, port),
+        "replaced": lambda port: _replaced_worker(rank, world, port, out),
+    }
+    for part, port in zip(TWO_RANK_PARTS, ports, strict=True):
+        try:
+            runs[part](port)
+        except BaseException:
+            (Path(out) / f"{part}.{rank}").write_text(traceback.format_exc())
+            raise
+        (Path(out) / f"{part}.{rank}").write_text("ok")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One spawn of two processes for every two-rank test of this file: (out folder, the
+    spawn's error or None)."""
+    out = tmp_path_factory.mktemp("ring2")
+    ports = [_port() for _ in TWO_RANK_PARTS]
+    try:
+        mp.spawn(_two_rank_worker, args=(2, ports, str(out)), nprocs=2)
+    except Exception as e:  # noqa: BLE001 - each test reports its own part's outcome
+        return out, e
+    return out, None
+
+
+def _two_rank_part(two_ranks, part):
+    out, error = two_ranks
+    for rank in (0, 1):
+        got = out / f"{part}.{rank}"
+        if not got.exists():
+            pytest.fail(f"rank {rank} has no result for {part!r} (it failed on the other rank, "
+                        f"or an earlier part failed):\n{error}")  # fmt: skip
+        if got.read_text() != "ok":
+            pytest.fail(f"rank {rank}, {part}:\n{got.read_text()}")
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks"])
+def test_ring_matches_single_process(world, request):
     """o, lse, dq, dk, dv (lse's gradient included) equal the single-process CPU op on the
     gathered sequence: causal (both layouts, ring and allgather), sliding window, chunked,
     document mask with uneven documents, ALiBi, GQA; and the gradients of trainable ALiBi
     slopes, a trainable softcap scalar and trainable sinks."""
-    mp.spawn(_worker, args=(world, _port(), cases), nprocs=world)
+    if world == 2:
+        _two_rank_part(request.getfixturevalue("two_ranks"), "cases")
+    else:
+        mp.spawn(_worker, args=(world, _port(), CASES_4), nprocs=world)
 
 
 def _bad_worker(rank, world, port):
@@ -184,8 +239,8 @@ def _bad_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_bad_input_raises_on_every_rank():
-    mp.spawn(_bad_worker, args=(2, _port()), nprocs=2)
+def test_bad_input_raises_on_every_rank(two_ranks):
+    _two_rank_part(two_ranks, "bad")
 
 
 def _disagree_worker(rank, world, port):
@@ -230,8 +285,8 @@ def _disagree_worker(rank, world, port):
         dist.destroy_process_group()
 
 
-def test_ranks_that_disagree_or_raise_anything_raise_on_every_rank():
-    mp.spawn(_disagree_worker, args=(2, _port()), nprocs=2)
+def test_ranks_that_disagree_or_raise_anything_raise_on_every_rank(two_ranks):
+    _two_rank_part(two_ranks, "disagree")
 
 
 def _replaced_worker(rank, world, port, tmp):
@@ -265,8 +320,8 @@ def _replaced_worker(rank, world, port, tmp):
         dist.destroy_process_group()
 
 
-def test_the_backward_of_a_replaced_ops_ring_result_raises_on_every_rank(tmp_path):
-    mp.spawn(_replaced_worker, args=(2, _port(), str(tmp_path)), nprocs=2)
+def test_the_backward_of_a_replaced_ops_ring_result_raises_on_every_rank(two_ranks):
+    _two_rank_part(two_ranks, "replaced")
 
 
 def test_shard_sequence_refuses_ranks_outside_the_world():
