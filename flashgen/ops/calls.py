@@ -11,6 +11,7 @@ import os
 import sys
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flashgen.frontend import ir
@@ -116,17 +117,18 @@ def _caller_stacklevel() -> int:
     return level
 
 
+_FUNCTORCH_ACTIVE = torch._C._are_functorch_transforms_active
+
+
 def refuse_forward_ad(name: str, tensors) -> None:
     """Raise ``NotImplementedError`` naming the op if any of ``tensors`` carries a
     forward-mode tangent (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``
     dual tensors): the ops have no forward-mode formula, and torch would give zero tangents
     silently.  Costs one check of two flags when no forward-mode AD is active."""
-    import torch.autograd.forward_ad as fwad
-
-    if fwad._current_level < 0 and not torch._C._are_functorch_transforms_active():
+    if _fwad._current_level < 0 and not _FUNCTORCH_ACTIVE():
         return
     for t in tensors:
-        if isinstance(t, torch.Tensor) and fwad.unpack_dual(t).tangent is not None:
+        if isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(
                 f"flashgen::{name}: no forward-mode AD (torch.func.jvp, jacfwd, forward_ad dual "
                 f"tensors); use reverse mode (torch.autograd.grad, torch.func.jacrev)"
