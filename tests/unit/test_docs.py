@@ -85,7 +85,7 @@ def block_runs(tmp_path_factory):
         blocks, codes, jobs, strict=True)}  # fmt: skip
 
 
-@pytest.mark.parametrize("page, code", _blocks())
+@pytest.mark.parametrize("page, code", list(_blocks()))
 def test_a_runnable_block_runs_as_written(page, code, request, block_runs):
     rc, output = block_runs[request.node.callspec.id]
     assert rc == 0, f"{page.name}:\n{code}\n{output}"
