@@ -45,26 +45,20 @@ class Options:
     ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
     gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows, FlashAttention-3's
     128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
-    :func:`flashgen.families.build.build_backward`); ``d64_pt_other_buffer`` (with 128-query
-    steps: P^T goes to the other dS^T buffer, the one the previous step's dS^T used, so dS^T
-    may be computed while dV still runs; a named barrier between the warpgroups frees that
-    buffer once both have read it for dQ); ``d256_ps_buffers`` (head_dim 256: buffers of P^T
-    and of dS^T, 1 or 2; with 2 they alternate by step and the step's first barrier between
-    the warpgroups goes: a step's other two barriers show that both warpgroups finished the
-    step before, which read the buffer two steps back)."""
+    :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (the wgmma descriptors
+    of a step are one base descriptor plus each tile's offset, instead of each built from its
+    masked address: fewer integer instructions before each wgmma); ``lse_regs`` (head_dim 128
+    and 256: the step's lse values of a thread's query columns are read into registers while
+    S^T runs, not after it lands)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
-    d64_pt_other_buffer: bool = False
-    d256_ps_buffers: int = 1
+    desc_offsets: bool = False
+    lse_regs: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
-        if self.d256_ps_buffers not in (1, 2):
-            raise ValueError(
-                f"Options.hopper_bwd.d256_ps_buffers={self.d256_ps_buffers!r}: expected 1 or 2"
-            )
         if self.d64_block_m not in D64_BLOCK_MS:
             raise ValueError(
                 f"Options.hopper_bwd.d64_block_m={self.d64_block_m!r}: expected one of "
@@ -82,28 +76,28 @@ class Context(BackwardContext):
     mma_t: str
     wgmma_ns: list
     split_d: bool
-    split_bufs: int
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
     ordered_dq: bool
     dq_rows_split: bool
-    pt_other_buffer: bool
+    pg_frag: bool
+    gdesc: str
+    desc_offsets: bool
+    lse_regs: bool
     stages: int
     producer_regs: int
     consumer_regs: int
 
 
-def dkdv_smem_bytes(
-    d: int, elt: int, block_m: int, block_n: int, split_d: bool, split_bufs: int = 1
-) -> int:
+def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
-    (``split_d``: ``split_bufs`` of dS^T and as many of P^T), the dQ staging tiles (two
+    (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two
     warpgroups x 64 rows x 64 fp32; none when ``split_d``), lse and dsum (fp32, per stage),
     the mbarriers (K/V full; per stage full)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
-    smem += 2 * (split_bufs if split_d else 1) * block_n * block_m * elt
+    smem += 2 * block_n * block_m * elt
     if not split_d:
         smem += 2 * 64 * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
@@ -218,8 +212,7 @@ def plan(
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    split_bufs = options.d256_ps_buffers if split_d else 1
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, split_bufs)
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     ctx.update(
@@ -239,14 +232,21 @@ def plan(
         mma_t=rec.mma_t,
         wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
         split_d=split_d,
-        split_bufs=split_bufs,
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
         ordered_dq=ordered_dq,
         dq_rows_split=d == 64 and block_m == 128,
-        pt_other_buffer=d == 64 and block_m == 128 and options.d64_pt_other_buffer,
+        # 128-query steps: dS^T is computed from the packed P^T, and from a packed P^T * d score_mod
+        # / d score (frag_pg) where that derivative is not 1 (no dparam: it computes dS^T itself)
+        pg_frag=d == 64
+        and block_m == 128
+        and not param_grads
+        and ctx["score_grad_expr"] not in (None, "1.0f"),
+        desc_offsets=options.desc_offsets,
+        lse_regs=options.lse_regs and d != 64,  # d64's 128-query steps: 32 more registers spill
+        gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets in the template
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

@@ -101,7 +101,17 @@ __device__ __forceinline__ void wgmma_tt_n{{ n }}(float (&d)[{{ n // 2 }}], uint
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 {% endfor %}
-{% if split_d or dq_rows_split %}
+{% if dq_rows_split %}
+// Element e (0: lo, 1: hi) of an MmaOp<elem_t>::pack()ed pair, back to fp32.
+__device__ __forceinline__ float unpack16(uint32_t v, int e) {
+{% if mma_t == "bf16" %}
+    return __uint_as_float(e ? v & 0xffff0000u : v << 16);
+{% else %}
+    return __half2float(__ushort_as_half((unsigned short)(e ? v >> 16 : v & 0xffffu)));
+{% endif %}
+}
+{% endif %}
+{% if split_d %}
 // d[64 x {{ dkv_n }}] += A[64 x 16] * B[16 x {{ dkv_n }}], both from shared memory: A K-major (as wgmma_ss), B MN-major
 // (transposed: stored K x N, N contiguous, as wgmma_rs).
 __device__ __forceinline__ void wgmma_st_n{{ dkv_n }}(float (&d)[{{ dkv_n // 2 }}], uint64_t desc_a, uint64_t desc_b) {

@@ -314,13 +314,11 @@ def d64(name: str):
     return loads_spec("\n".join(lines) + "\n", f"<{name}_d64>")
 
 
-@pytest.fixture(params=[False, True], ids=["pt_in_ds", "pt_other_buffer"])
-def block_m128(monkeypatch, request):
-    """``hopper_bwd.d64_block_m=128``: head dim 64 with 128-query steps (P^T through sDS, dQ
-    split by rows between the warpgroups), P^T in the step's own dS^T buffer or in the other
-    one (``hopper_bwd.d64_pt_other_buffer``)."""
-    values = {"hopper_bwd.d64_block_m": 128, "hopper_bwd.d64_pt_other_buffer": request.param}
-    return gpu_options.use(monkeypatch, values)
+@pytest.fixture
+def block_m128(monkeypatch):
+    """``hopper_bwd.d64_block_m=128``: head dim 64 with 128-query steps (dQ split by rows
+    between the warpgroups; P^T in registers, dS^T computed from it as packed)."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d64_block_m": 128})
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -363,12 +361,10 @@ def test_d64_block_m128_views_lse_gradient_empty_rows(block_m128):
     assert (q.grad[:, :, :200] == 0).all() and not q.grad.isnan().any()
 
 
-@pytest.mark.parametrize("pt_other", [False, True], ids=["pt_in_ds", "pt_other_buffer"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_d64_block_m128_ordered_dq(causal, pt_other):
+def test_d64_block_m128_ordered_dq(causal):
     spec = hb_spec(64, "bf16", causal)
-    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128,
-                                "hopper_bwd.d64_pt_other_buffer": pt_other})  # fmt: skip
+    opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128})
     op = gpu_options.build(spec, opts)
     q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=23)
     plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
@@ -382,38 +378,3 @@ def test_d64_block_m128_ordered_dq(causal, pt_other):
         assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
-# ------------------------------------------ head dim 256 with two P^T / dS^T buffers
-D256_SHIPPED = [n for n in SHIPPED
-                if n.startswith("d256:") or n in ("bidir_d256", "gemma2_softcap")]  # fmt: skip
-
-
-@pytest.fixture
-def ps_buffers2(monkeypatch):
-    """``hopper_bwd.d256_ps_buffers=2``: P^T and dS^T alternate between two buffers by step
-    and the step's first barrier between the warpgroups goes."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_ps_buffers": 2})
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d256_two_buffers_lengths_gqa_dtypes(ps_buffers2, dtype, causal):
-    spec = hb_spec(256, dtype, causal)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=1200 + i)
-
-
-@pytest.mark.parametrize("name", D256_SHIPPED)
-def test_d256_two_buffers_masks_and_score_mods(ps_buffers2, name):
-    spec = shipped(name)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
-        check(spec, b, hq, hkv, sq, sk, seed=1250 + i)
-
-
-def test_d256_two_buffers_views_lse_gradient_empty_rows(ps_buffers2):
-    spec = hb_spec(256, "bf16", True)
-    b, s, h = 2, 333, 4
-    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
-    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
-    check(spec, b, h, h, s, s, seed=27, qkv=views, with_dlse=True)
-    q, *_ = run_case(spec, 1, 2, 2, 300, 100, seed=29)
-    assert (q.grad[:, :, :200] == 0).all() and not q.grad.isnan().any()

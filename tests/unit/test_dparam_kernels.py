@@ -101,8 +101,9 @@ def test_compile_units_add_the_dparam_units_of_trainable_specs():
 
 def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
     """Head dim 64: with 128-query steps (``hopper_bwd.d64_block_m``) S^T and dP^T hold 64
-    floats per thread and P^T goes to sDS in the P^T pass (``dq_rows_split``); the dparam code
-    rides in that pass at either step width, and its key slots are this warpgroup's keys."""
+    floats per thread and P^T is packed into frag_p in the P^T pass (``dq_rows_split``); the
+    dparam code rides in that pass at either step width, and its key slots are this
+    warpgroup's keys."""
     from flashgen.options import DEFAULT
 
     for form in ("per_head", "per_key_head", "scalars"):
@@ -115,7 +116,7 @@ def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
             assert ctx.block_m == bm and ctx.dq_rows_split == (bm == 128)
             src = render(plan.unit)
             assert plan.dkdv.kernel_name.endswith("_dparam") and "const float dsm = pe[e]" in src
-            assert ("st_pair_swizzled<ELEM_BYTES>(sPTi" in src) == (bm == 128)
+            assert "frag_p[j / 2][2 * (j % 2) + r] = Mma::pack(pe[0], pe[1]);" in src
             assert "fg::wgmma_wait<0>();  // S^T and dP^T have landed" in src
             if form != "scalars":
                 assert "cg * 64 + warp * 16 + lane / 4" in src  # the key slots / warp sums

@@ -184,7 +184,8 @@ def test_render(d, dtype, causal):
     assert (f"{bar} halves of P^T are in sP" in src) == (d == 256)
     assert (f"{bar} halves of dS^T are in sDS" in src) == (d == 256)
     assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
-    assert ("fg::wgmma_st_n64(acc_dv" in src) == rows_split  # P^T from sDS
+    assert "fg::wgmma_st_n64(acc_dv" not in src  # d64: P^T in registers at either block_m
+    assert ("fg::wgmma_rs_n64(acc_dv, frag_p[kk]" in src) == (d == 64)
     assert "fg_tile_class" not in src  # causal or none: the live range in closed form
 
 
@@ -648,8 +649,8 @@ D64_SPECS = ("gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa", "chunke
 @pytest.mark.parametrize("name", D64_SPECS)
 def test_d64_block_m128_compiles_without_spills(requires_nvcc, name):
     """The consumers hold S^T and dP^T of 128 queries (64 + 64 fp32) beside dK, dV (32 + 32):
-    P^T goes to sDS as it is computed (no fragment array), so masks (64 keep bits) and
-    score_mods fit in 240 registers; five GEMMs of 8 k-steps each but S^T, dP^T (4)."""
+    P^T is packed into frag_p (32) as acc_s dies, and dS^T reads it back, so masks (64 keep
+    bits) and score_mods fit in 240 registers; five GEMMs of 8 k-steps each but S^T, dP^T (4)."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
     plan = reg_plan(at_d64(name), "sm_90", D64_128)
@@ -660,76 +661,28 @@ def test_d64_block_m128_compiles_without_spills(requires_nvcc, name):
     assert wgmmas(code, "64x128x16") == 8 and "BPT.TRAP" not in code
 
 
-PT_OTHER = D64_128.replace_path("hopper_bwd.d64_pt_other_buffer", True)
-
-
-def test_pt_other_buffer_renders_its_handshake_only_when_asked():
-    """``hopper_bwd.d64_pt_other_buffer``: with 128-query steps P^T goes to the other dS^T
-    buffer, dV no longer lands before dS^T (wait<1>), and the warpgroups hand that buffer to
-    each other by the BAR_PT_FREE pair (one arrive before the loop, one per step but the last,
-    one sync per step: the counts match); off, or at 64-query steps, none of it renders."""
+def test_d64_block_m128_computes_ds_from_the_packed_p():
+    """128-query steps keep P^T in registers as dV's A operand (frag_p), and dS^T reads it back
+    from there: acc_s (64 fp32) dies in the P^T pass.  A score_mod whose derivative is not 1
+    packs P^T * d score_mod / d score too (frag_pg); one whose derivative is 1 does not; a
+    dparam unit computes dS^T in the P^T pass; 64-query steps and head_dim 128 keep acc_s."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    src = render(reg_plan(small(64, "bf16", True), "sm_90", PT_OTHER).unit)
-    assert "sPTi = sDS + ((it + 1) % DS_BUFS) * SDS_BYTES" in src
-    assert "constexpr int BAR_PT_FREE = BAR_STAGE_EMPTY + STAGES;" in src
-    assert src.count("named_barrier_arrive(BAR_PT_FREE + 1 - cg, MMA_THREADS)") == 2
-    assert "if (it + 1 < steps()) fg::named_barrier_arrive(BAR_PT_FREE" in src
-    assert src.count("named_barrier_sync(BAR_PT_FREE + cg, MMA_THREADS)") == 1
-    assert "dV has read P^T from the rows dS^T overwrites" not in src
-    for opts in (D64_128, PT_OTHER.replace_path("hopper_bwd.d64_block_m", 64)):
-        other = render(reg_plan(small(64, "bf16", True), "sm_90", opts).unit)
-        assert "BAR_PT_FREE" not in other
+    def src(spec, opts=D64_128, **kw):
+        return render(reg_plan(spec, "sm_90", opts, **kw).unit)
 
-
-@pytest.mark.parametrize("name", ["gpt2_d64", "alibi_learned", "gpt_oss_sink", "mistral_swa"])
-def test_pt_other_buffer_compiles_without_spills(requires_nvcc, name):
-    from flashgen.families.registry import plan_hopper_backward as reg_plan
-
-    plan = reg_plan(at_d64(name), "sm_90", PT_OTHER)
-    _, report = cache.get_or_build(render(plan.unit), plan.unit)
-    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
-
-
-PS2 = DEFAULT.replace_path("hopper_bwd.d256_ps_buffers", 2)
-
-
-@pytest.mark.parametrize("value", [0, 3, 2.0, True, "2"])
-def test_d256_ps_buffers_takes_1_or_2(value):
-    from flashgen.families.hopper_bwd import Options
-
-    with pytest.raises(ValueError, match=r"Options.hopper_bwd.d256_ps_buffers="):
-        Options(d256_ps_buffers=value)
-
-
-def test_d256_two_buffers_plan_and_render():
-    """``hopper_bwd.d256_ps_buffers=2``: 16 KiB more shared memory (a second P^T and dS^T
-    buffer), within the 227 KiB a block may take; the step's first barrier goes and the
-    buffers alternate by step; head dims 64 and 128 ignore the option."""
-    from flashgen.families.registry import plan_hopper_backward as reg_plan
-
-    one = reg_plan(small(256, "bf16", True), "sm_90", DEFAULT)
-    two = reg_plan(small(256, "bf16", True), "sm_90", PS2)
-    assert two.dkdv.smem_bytes == one.dkdv.smem_bytes + 2 * 64 * 64 * 2 <= HOPPER_SMEM_LIMIT
-    src1, src2 = render(one.unit), render(two.unit)
-    first = "done with step it - 1's sP and sDS"
-    assert first in src1 and first not in src2
-    assert "constexpr int DS_BUFS = 2;" in src2 and "constexpr int P_BUFS = 2;" in src2
-    assert "sPi = sP + (it % P_BUFS) * SDS_BYTES" in src2
-    for d in (64, 128):
-        assert render(reg_plan(small(d, "bf16", True), "sm_90", PS2).unit) == render(
-            reg_plan(small(d, "bf16", True), "sm_90", DEFAULT).unit
-        )
-
-
-@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa"])
-def test_d256_two_buffers_compile_without_spills(requires_nvcc, name):
-    from flashgen.families.registry import plan_hopper_backward as reg_plan
-
-    spec = at_d256(name.removeprefix("d256:")) if name.startswith("d256:") else shipped(name)
-    plan = reg_plan(spec, "sm_90", PS2)
-    _, report = cache.get_or_build(render(plan.unit), plan.unit)
-    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    plain = src(small(64, "bf16", True))
+    assert "fg::unpack16(frag_p[j / 2][2 * (j % 2) + r], e) * (acc_dp[i] - ds)" in plain
+    assert "frag_pg" not in plain and "sPTi" not in plain and "wgmma_st_n" not in plain
+    capped = src(at_d64("gemma2_softcap"))
+    assert "fg::unpack16(frag_pg[j / 2][2 * (j % 2) + r], e) * (acc_dp[i] - ds)" in capped
+    assert "frag_pg[j / 2][2 * (j % 2) + r] = Mma::pack(acc_s[4 * j + 2 * r]" in capped
+    assert "frag_pg" not in src(at_d64("alibi_learned"))
+    dparam = src(at_d64("alibi_learned"), param_grads=("slopes",))
+    assert "fg::unpack16(" not in dparam and "frag_pg" not in dparam
+    for other in (src(small(64, "bf16", True), DEFAULT.replace_path("hopper_bwd.d64_block_m", 64)),
+                  src(small(128, "bf16", True))):  # fmt: skip
+        assert "unpack16" not in other and "acc_dp[i] = acc_s[i] * (acc_dp[i] - ds);" in other
 
 
 def test_specs_that_spill_at_128_query_steps(requires_nvcc):
