@@ -99,9 +99,9 @@ def dkdv_smem_bytes(
 ) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
-    (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two
-    warpgroups x 64 rows x 64 fp32; none when ``split_d`` or ``dq_red``), lse and dsum (fp32, per stage),
-    the mbarriers (K/V full; per stage full)."""
+    (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two warpgroups x 64
+    rows x 64 fp32; none when ``split_d`` or ``dq_red``), lse and dsum (fp32, per stage), the
+    mbarriers (K/V full; per stage full)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * block_n * block_m * elt
     if not split_d and not dq_red:
@@ -254,7 +254,7 @@ def plan(
         desc_offsets=options.desc_offsets,
         dq_red=dq_red,
         lse_regs=options.lse_regs and d != 64,  # d64's 128-query steps: 32 more registers spill
-        gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets in the template
+        gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets there
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,
