@@ -47,18 +47,12 @@ class Options:
     128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
     :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (the wgmma descriptors
     of a step are one base descriptor plus each tile's offset, instead of each built from its
-    masked address: fewer integer instructions before each wgmma); ``lse_regs`` (head_dim 128
-    and 256: the step's lse values of a thread's query columns are read into registers while
-    S^T runs, not after it lands); ``dq_red`` (head_dim 64 and 128, without ordered_dq: the
-    consumers add dQ into dq_accum with red.global.add.v2.f32 from their registers, as at
-    head_dim 256, instead of staging it in sDQ for the writer warp's TMA reductions)."""
+    masked address: fewer integer instructions before each wgmma)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
     desc_offsets: bool = False
-    lse_regs: bool = False
-    dq_red: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -87,24 +81,20 @@ class Context(BackwardContext):
     pg_frag: bool
     gdesc: str
     desc_offsets: bool
-    lse_regs: bool
-    dq_red: bool
     stages: int
     producer_regs: int
     consumer_regs: int
 
 
-def dkdv_smem_bytes(
-    d: int, elt: int, block_m: int, block_n: int, split_d: bool, dq_red: bool = False
-) -> int:
+def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
     (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two warpgroups x 64
-    rows x 64 fp32; none when ``split_d`` or ``dq_red``), lse and dsum (fp32, per stage), the
+    rows x 64 fp32; none when ``split_d``), lse and dsum (fp32, per stage), the
     mbarriers (K/V full; per stage full)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * block_n * block_m * elt
-    if not split_d and not dq_red:
+    if not split_d:
         smem += 2 * 64 * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
     return smem
@@ -218,8 +208,7 @@ def plan(
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    dq_red = options.dq_red and not split_d and not ordered_dq
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_red)
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     ctx.update(
@@ -252,8 +241,6 @@ def plan(
         and not param_grads
         and ctx["score_grad_expr"] not in (None, "1.0f"),
         desc_offsets=options.desc_offsets,
-        dq_red=dq_red,
-        lse_regs=options.lse_regs and d != 64,  # d64's 128-query steps: 32 more registers spill
         gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets there
         stages=STAGES,
         producer_regs=PRODUCER_REGS,

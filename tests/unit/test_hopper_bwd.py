@@ -751,28 +751,15 @@ def test_d64_block_m128_p_and_ds_stores_land_in_two_query_boxes():
     assert p_seen == ds_seen and len(p_seen) == 128 * 128 // 2
 
 
-@pytest.mark.parametrize(
-    "option, marker",
-    [("desc_offsets", "auto gdesc = [desc_base, sK]"), ("lse_regs", "float lse_r[NQ * 2];"),
-     ("dq_red", "fg::red_add_dq_pairs<DQ_COLS / 8>(dq_row")],
-)  # fmt: skip
-def test_experiment_options_render_only_when_asked(option, marker):
-    """``hopper_bwd.desc_offsets``, ``lse_regs`` and ``dq_red`` render their code only when on
-    (the default units stay byte-identical: tests/fixtures/unit_hashes.json); lse_regs leaves
-    head_dim 64 alone and dq_red head_dim 256 and the ordered-dQ kernel."""
+def test_desc_offsets_renders_only_when_asked():
+    """``hopper_bwd.desc_offsets`` renders its descriptor builder and uses it for every wgmma
+    only when on (the default units stay byte-identical: tests/fixtures/unit_hashes.json)."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    on = DEFAULT.replace_path(f"hopper_bwd.{option}", True)
+    on = DEFAULT.replace_path("hopper_bwd.desc_offsets", True)
     for d in (64, 128, 256):
         spec = small(d, "bf16", True)
         src = render(reg_plan(spec, "sm_90", on).unit)
-        skipped = (option == "lse_regs" and d == 64) or (option == "dq_red" and d == 256)
-        assert (marker in src) == (not skipped), (option, d)
-        assert marker not in render(reg_plan(spec, "sm_90", DEFAULT).unit)
-    if option == "dq_red":
-        plan = reg_plan(small(128, "bf16", True), "sm_90", on)
-        assert "if (pw == 1)" not in render(plan.unit)
-        staged = reg_plan(small(128, "bf16", True), "sm_90").dkdv.smem_bytes
-        assert plan.dkdv.smem_bytes == staged - 2 * 64 * 64 * 4
-        ordered = reg_plan(small(128, "bf16", True), "sm_90", on, ordered_dq=True)
-        assert marker not in render(ordered.unit)
+        assert "auto gdesc = [desc_base, sK]" in src
+        assert "fg::gmma_desc(" not in src.split("auto gdesc = ")[1]
+        assert "gdesc" not in render(reg_plan(spec, "sm_90", DEFAULT).unit)
