@@ -131,9 +131,9 @@ class Options:
     ``fused_sink``: for a spec with a sink (``sink:``), the attention kernel joins it to each
     row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)`` in fp32 (the one
     split's store, or the merge's weights), from a float32 ``[B, Hq]`` it takes per call
-    (lse stays the keys' alone); off, ``op.with_kvcache`` applies the sink with torch ops
-    after the kernel (:func:`flashgen.ops.sink.apply_sink`).  No effect on a spec without a
-    sink (its unit renders unchanged)."""
+    (lse stays the keys' alone; on by default); off, ``op.with_kvcache`` applies the sink
+    with torch ops after the kernel (:func:`flashgen.ops.sink.apply_sink`).  No effect on a
+    spec without a sink (its unit renders unchanged)."""
 
     block_n: int | None = None
     stages: int | None = None
@@ -142,7 +142,7 @@ class Options:
     ctas_per_sm: int | None = None
     split_waves: float = 1.0
     min_split_blocks: int = MIN_SPLIT_BLOCKS
-    fused_sink: bool = False
+    fused_sink: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.decode")

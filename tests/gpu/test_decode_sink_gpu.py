@@ -40,7 +40,8 @@ pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
 SINK_SPEC = REPO / "specs" / "gpt_oss_sink.yaml"
-ON = Options().replace_path("decode.fused_sink", True)
+ON = Options().replace_path("decode.fused_sink", True)  # the default, named
+OFF = Options().replace_path("decode.fused_sink", False)
 BF16 = torch.bfloat16
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 LENS = [0, 1, 17, 1000, 4097]
@@ -49,7 +50,7 @@ SQ_B = [1, 1, 3, 2, 4]  # a ragged call's queries per request
 
 def _ops(path=SINK_SPEC):
     """(fused, unfused) ops of the spec at ``path``."""
-    return flashgen.load(path, options=ON), flashgen.load(path)
+    return flashgen.load(path, options=ON), flashgen.load(path, options=OFF)
 
 
 def _spec_text(name: str, sink: str, params: str) -> str:

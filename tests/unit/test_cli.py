@@ -140,10 +140,10 @@ def test_show_lists_the_options_in_effect_and_which_the_shown_unit_does_not_use(
     assert options_lines("--target", "sm_80", "--option", "fa2_fwd.affine=0") == [
         "// ---- options [sm_80]: fa2_fwd.affine=False"
     ]
-    (line,) = options_lines("--target", "sm_80", "--option", "decode.fused_sink=1",
+    (line,) = options_lines("--target", "sm_80", "--option", "decode.fused_sink=0",
                             "--option", "fa2_fwd.fwd_even_loads=1")  # fmt: skip
     assert line.startswith("// ---- options [sm_80]: fa2_fwd.fwd_even_loads=True; "
-                           "decode.fused_sink=True (not in the unit shown: ")  # fmt: skip
+                           "decode.fused_sink=False (not in the unit shown: ")  # fmt: skip
     assert "decode" in line.split("not in the unit shown")[1]
     (line,) = options_lines("--target", "sm_90", "--option", "fa2_fwd.affine=0")
     assert "fa2_fwd.affine=False (not in the unit shown: " in line and "FA2-class" in line
