@@ -19,7 +19,7 @@ from flashgen.families.bwd_common import (
     backward_abi,
     base_fields,
 )
-from flashgen.families.common import FAMILIES, MMA16_DTYPES, tile_group_expr
+from flashgen.families.common import FAMILIES, HOPPER_SMEM_LIMIT, MMA16_DTYPES, tile_group_expr
 from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend.ir import Causal, Spec
@@ -34,6 +34,8 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 #: Query rows per step the head-dim-64 layout takes (``Options.d64_block_m``).
 D64_BLOCK_MS = (64, 128)
+#: Query rows per step the head-dim-128 layout takes (``Options.d128_block_m``).
+D128_BLOCK_MS = (64, 80)
 
 
 @dataclass(frozen=True)
@@ -47,12 +49,17 @@ class Options:
     128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
     :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (the wgmma descriptors
     of a step are one base descriptor plus each tile's offset, instead of each built from its
-    masked address: fewer integer instructions before each wgmma)."""
+    masked address: fewer integer instructions before each wgmma); ``d128_block_m`` (query rows
+    per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 80, for a spec without a mask,
+    without param gradients and not ordered, is FlashAttention-3's non-causal hdim-128 tile:
+    S^T, dP^T m64n80, dQ^T = K^T dS^T (dS stored transposed by stmatrix) so that no wgmma
+    has M = 80; else 64)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
     desc_offsets: bool = False
+    d128_block_m: int = 64
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -60,6 +67,11 @@ class Options:
             raise ValueError(
                 f"Options.hopper_bwd.d64_block_m={self.d64_block_m!r}: expected one of "
                 f"{list(D64_BLOCK_MS)}"
+            )
+        if self.d128_block_m not in D128_BLOCK_MS:
+            raise ValueError(
+                f"Options.hopper_bwd.d128_block_m={self.d128_block_m!r}: expected one of "
+                f"{list(D128_BLOCK_MS)}"
             )
 
 
@@ -79,6 +91,9 @@ class Context(BackwardContext):
     ordered_dq: bool
     dq_rows_split: bool
     pg_frag: bool
+    dq_swap: bool
+    ts_ns: list
+    ds_from_frag: bool
     gdesc: str
     desc_offsets: bool
     stages: int
@@ -86,18 +101,22 @@ class Context(BackwardContext):
     consumer_regs: int
 
 
-def dkdv_smem_bytes(d: int, elt: int, block_m: int, block_n: int, split_d: bool) -> int:
+def dkdv_smem_bytes(
+    d: int, elt: int, block_m: int, block_n: int, split_d: bool, dq_swap: bool = False
+) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
     (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two warpgroups x 64
-    rows x 64 fp32; none when ``split_d``), lse and dsum (fp32, per stage), the
-    mbarriers (K/V full; per stage full)."""
+    rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse and dsum (fp32,
+    per stage), the mbarriers (K/V full; per stage full); ``dq_swap``: the CTA's coordinates
+    too (six ints), which the other layouts keep in a static array: ptxas counts a static
+    array as 1 KiB, and :data:`~flashgen.families.common.HOPPER_SMEM_LIMIT` holds both."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * block_n * block_m * elt
     if not split_d:
-        smem += 2 * 64 * 64 * 4
+        smem += 2 * (block_m if dq_swap else 64) * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
-    return smem
+    return smem + (6 * 4 if dq_swap else 0)  # dq_swap: the CTA's coordinates (else static)
 
 
 def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -198,17 +217,30 @@ def plan(
     abi = backward_abi(spec, atomic_dq=True)
     if d == 64 and options.d64_block_m != t.dkdv_block_m:
         t = replace(t, dkdv_block_m=options.d64_block_m)
+    dq_swap = (
+        d == 128 and options.d128_block_m == 80 and spec.mask is None and not param_grads
+        and not ordered_dq
+    )  # fmt: skip
+    if dq_swap:
+        t = replace(t, dkdv_block_m=80)
     block_m, block_n = t.dkdv_block_m, t.dkdv_block_n
     warps = t.dkdv_warps + 4  # the producer warpgroup after the consumers
     threads = 32 * warps
     tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
            TmaArg("tma_v", "v", block_n), TmaArg("tma_do", "dout", block_m))  # fmt: skip
-    if not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 rows
-        tma += (TmaArg("tma_dq", "dq_accum", 64, box_cols=32, dtype="fp32"),)
+    if not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 (dq_swap: 80) rows
+        dq_rows = block_m if dq_swap else 64
+        tma += (TmaArg("tma_dq", "dq_accum", dq_rows, box_cols=32, dtype="fp32"),)
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d)
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap)
+    static = 0 if dq_swap else 1024  # the static cta_info array, as ptxas counts it
+    if smem + static > HOPPER_SMEM_LIMIT:
+        raise ValueError(
+            f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "
+            f"bytes of shared memory (static included), over the {HOPPER_SMEM_LIMIT} a block takes"
+        )
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     ctx.update(
@@ -234,10 +266,12 @@ def plan(
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
         ordered_dq=ordered_dq,
         dq_rows_split=d == 64 and block_m == 128,
+        dq_swap=dq_swap,
+        ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)
+        ds_from_frag=(d == 64 and block_m == 128) or dq_swap,
         # 128-query steps: dS^T is computed from the packed P^T, and from a packed P^T * d score_mod
         # / d score (frag_pg) where that derivative is not 1 (no dparam: it computes dS^T itself)
-        pg_frag=d == 64
-        and block_m == 128
+        pg_frag=((d == 64 and block_m == 128) or dq_swap)
         and not param_grads
         and ctx["score_grad_expr"] not in (None, "1.0f"),
         desc_offsets=options.desc_offsets,

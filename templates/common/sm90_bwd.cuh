@@ -20,6 +20,18 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
     asm volatile("st.shared.v2.f32 [%0], { %1, %2};\n" :: "r"(addr), "f"(x), "f"(y) : "memory");
 }
+{% if dq_swap %}
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float x) {
+    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(addr), "f"(x) : "memory");
+}
+// Four 8x8 16-bit matrices, transposed, to shared memory (stmatrix .trans, sm_90): register i holds matrix i in the
+// mma fragment layout (lane l: row l / 4, columns 2 (l % 4) + {0, 1}); lane 8 i + k gives the address of row k of the
+// stored (transposed) matrix i, 16 bytes.
+__device__ __forceinline__ void stsm_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], { %1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+{% endif %}
 // The box of the 4-D tensor map at (c0 innermost .. c3) += the shared-memory box at src, by TMA in this thread's
 // bulk async-group (PTX ISA 8.0, cp.reduce.async.bulk.tensor; the map's element type, here fp32; elements outside
 // the tensor are not written).
@@ -87,6 +99,20 @@ __device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chu
             st_pair_swizzled<ELEM_BYTES>(base, ((2 * kk + t / 2) / 8) * box_bytes, row + 8 * (t % 2),
                                          chunk0 + (2 * kk + t / 2) % 8, lane, frag[kk][t]);
 }
+{% for n in ts_ns %}
+// d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory: A MN-major (stored K x M, M contiguous),
+// B K-major (as wgmma_ss).  scale_d = 0 overwrites d.
+__device__ __forceinline__ void wgmma_ts_n{{ n }}(float (&d)[{{ n // 2 }}], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile("{ .reg .pred p;\n"
+                 "setp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ mma_t }}.{{ mma_t }} "
+                 "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last else "" }}{% endfor %}}, "
+                 "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, 1, 0;\n}\n"
+                 : {% for i in range(n // 2) %}"+f"(d[{{ i }}]){{ ", " if not loop.last else "" }}{% endfor %}
+
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+{% endfor %}
 {% for n in tt_ns %}
 // d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory and both MN-major (transposed):
 // A stored K x M (M contiguous), B stored K x N (N contiguous).  scale_d = 0 overwrites d.
@@ -101,7 +127,7 @@ __device__ __forceinline__ void wgmma_tt_n{{ n }}(float (&d)[{{ n // 2 }}], uint
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 {% endfor %}
-{% if dq_rows_split %}
+{% if dq_rows_split or dq_swap %}
 // Element e (0: lo, 1: hi) of an MmaOp<elem_t>::pack()ed pair, back to fp32.
 __device__ __forceinline__ float unpack16(uint32_t v, int e) {
 {% if mma_t == "bf16" %}

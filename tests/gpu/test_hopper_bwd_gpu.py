@@ -378,3 +378,43 @@ def test_d64_block_m128_ordered_dq(causal):
         assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
+
+
+# ------------------------------------------ head dim 128 with 80-query steps
+@pytest.fixture
+def block_m80(monkeypatch):
+    """``hopper_bwd.d128_block_m=80``: head dim 128, no mask, 80-query steps (S^T, dP^T
+    m64n80; dS stored transposed by stmatrix; dQ^T = K^T dS^T into an 80-row sDQ)."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d128_block_m": 80})
+
+
+def _unmasked_d128(name: str):
+    """A shipped spec at head_dim 128 with its mask removed (softcap: score_mod with a
+    derivative that is not 1, alibi: one that is)."""
+    lines = [ln for ln in (REPO / "specs" / f"{name}.yaml").read_text().splitlines()
+             if not ln.startswith("mask:")]  # fmt: skip
+    lines = ["head_dim: 128" if ln.startswith("head_dim:") else f"name: {name}_d128_full"
+             if ln.startswith("name:") else ln for ln in lines]  # fmt: skip
+    return loads_spec("\n".join(lines) + "\n", f"<{name}_d128_full>")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d128_block_m80_lengths_gqa_dtypes(block_m80, dtype):
+    spec = hb_spec(128, dtype, False)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1200 + i)
+
+
+@pytest.mark.parametrize("name", ["gemma2_softcap", "alibi"])
+def test_d128_block_m80_score_mods(block_m80, name):
+    spec = _unmasked_d128(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1250 + i)
+
+
+def test_d128_block_m80_views_lse_gradient(block_m80):
+    spec = hb_spec(128, "bf16", False)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, 128, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=27, qkv=views, with_dlse=True)

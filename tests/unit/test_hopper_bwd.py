@@ -763,3 +763,37 @@ def test_desc_offsets_renders_only_when_asked():
         assert "auto gdesc = [desc_base, sK]" in src
         assert "fg::gmma_desc(" not in src.split("auto gdesc = ")[1]
         assert "gdesc" not in render(reg_plan(spec, "sm_90", DEFAULT).unit)
+
+
+def test_d128_block_m80_plans_only_for_unmasked_unordered_specs():
+    """``hopper_bwd.d128_block_m=80``: a spec without a mask at head_dim 128 gets 80-query
+    steps, an 80-row dQ box and its transposed-dS code within the 227 KiB a block may take;
+    a mask, param gradients, the ordered kernel or another head dim keep 64."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    m80 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 80)
+    plan = reg_plan(small(128, "bf16", False), "sm_90", m80)
+    ctx = plan.dkdv.context
+    assert (ctx.block_m, ctx.dq_swap, ctx.ds_from_frag) == (80, True, True)
+    assert plan.dkdv.smem_bytes <= HOPPER_SMEM_LIMIT
+    assert [m.box_rows for m in plan.dkdv.tma if m.name == "tma_dq"] == [80]
+    src = render(plan.unit)
+    assert src.count("fg::stsm_x4_trans(") == 1 and "fg::wgmma_ts_n80(acc_dq" in src
+    assert "static_assert(BLOCK_N == 128 && BLOCK_M == 80" in src
+    for spec, kw in ((small(128, "bf16", True), {}), (small(64, "bf16", False), {}),
+                     (small(128, "bf16", False), {"ordered_dq": True})):  # fmt: skip
+        assert not reg_plan(spec, "sm_90", m80, **kw).dkdv.context.dq_swap
+    assert "stsm_x4_trans" not in render(reg_plan(small(128, "bf16", False), "sm_90").unit)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d128_block_m80_compiles_without_spills(requires_nvcc, dtype):
+    """Five GEMMs: S^T, dP^T and dQ^T m64n80 (8 k-steps each), dV and dK m64n128 (5)."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    m80 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 80)
+    plan = reg_plan(small(128, dtype, False), "sm_90", m80)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    code = sass(plan.unit)
+    assert wgmmas(code, "64x80x16") == 24 and wgmmas(code, "64x128x16") == 10
