@@ -418,3 +418,27 @@ def test_d128_block_m80_views_lse_gradient(block_m80):
     qkv = torch.randn(b, s, 3, h, 128, device="cuda").to(torch.bfloat16)
     views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
     check(spec, b, h, h, s, s, seed=27, qkv=views, with_dlse=True)
+
+
+# ------------------------------------------ wgmma descriptors as base + offset
+@pytest.fixture(params=[64, 80], ids=["block_m64", "block_m80"])
+def desc_offsets(monkeypatch, request):
+    """``hopper_bwd.desc_offsets``: every wgmma descriptor of a step is one base plus the
+    tile's offset (with head_dim 128's 64- and 80-query steps)."""
+    values = {"hopper_bwd.desc_offsets": True, "hopper_bwd.d128_block_m": request.param}
+    return gpu_options.use(monkeypatch, values)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_desc_offsets_lengths_gqa(desc_offsets, d, causal):
+    spec = hb_spec(d, "bf16", causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1300 + i)
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "gemma2_softcap", "alibi_learned", "t5_bias"])
+def test_desc_offsets_masks_and_score_mods(desc_offsets, name):
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1350 + i)
