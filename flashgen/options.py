@@ -38,6 +38,22 @@ class UnknownOptionError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+#: Options that were deleted, by dotted name: why, in a few words.  Setting or reading one
+#: raises :class:`UnknownOptionError` saying so (a near miss would name an unrelated option).
+REMOVED_OPTIONS = {
+    "hopper_bwd.d64_pt_other_buffer": "head_dim 64 with 128-query steps keeps P^T in "
+    "registers now, not in a dS^T buffer",
+    "hopper_bwd.d256_ps_buffers": "head_dim 256 keeps one P^T and one dS^T buffer; the "
+    "experiment's 2 failed to launch",
+}
+
+
+def removed_option_message(path: str) -> str | None:
+    """The error text for a deleted option ``path`` (:data:`REMOVED_OPTIONS`), else None."""
+    why = REMOVED_OPTIONS.get(path)
+    return None if why is None else f"option {path!r} was removed ({why}): drop it"
+
+
 #: Values of :attr:`Options.persistent` (``auto``: ``dynamic`` for a mask that reads tensors,
 #: else ``off``) and of :attr:`Options.sparse_persistent`.
 PERSISTENT_CHOICES = ("auto", "off", *PERSISTENT_SCHEDULERS)
@@ -151,8 +167,11 @@ class Options:
 
     def get_path(self, path: str):
         """The value of dotted name ``path``; :class:`UnknownOptionError` (a ``KeyError``)
-        naming it, the closest name and every known one otherwise."""
+        naming it, the closest name and every known one otherwise (a deleted option,
+        :data:`REMOVED_OPTIONS`: that it was removed, and why)."""
         head, _, rest = path.partition(".")
+        if path in REMOVED_OPTIONS:
+            raise UnknownOptionError(removed_option_message(path))
         if path not in _paths():
             raise UnknownOptionError(
                 f"unknown option {path!r}{did_you_mean(path, _paths())}; known: "

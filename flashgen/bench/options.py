@@ -15,7 +15,7 @@ import difflib
 import itertools
 from collections.abc import Iterable, Mapping
 
-from flashgen.options import DEFAULT, FAMILY_OPTIONS, Options
+from flashgen.options import DEFAULT, FAMILY_OPTIONS, Options, removed_option_message
 
 
 class OptionError(ValueError):
@@ -45,6 +45,9 @@ def parse_value(name: str, text: str):
 def _check_name(name: str) -> None:
     if name in Options.paths():
         return
+    removed = removed_option_message(name)
+    if removed is not None:
+        raise OptionError(f"{removed} (`flashgen ab --list-options` lists the options)")
     if name in FAMILY_OPTIONS:
         inside = [n for n in Options.paths() if n.startswith(name + ".")]
         raise OptionError(

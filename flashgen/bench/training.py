@@ -119,7 +119,7 @@ def _cases(args):
 
     rows.append(("gpt_oss_sink decode", [("no sink", decode(apply_sink=False)),
                                          ("sink", decode()),
-                                         ("sink, torch epilogue", decode(unfused))]))  # fmt: skip
+                                         ("sink by torch ops", decode(unfused))]))  # fmt: skip
     return rows
 
 

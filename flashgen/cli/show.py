@@ -144,7 +144,7 @@ _UNIT_WORDS = {
 
 def options_note(options, shown: str) -> str | None:
     """The non-default options of ``options`` as ``show`` lists them under a plan
-    (``hopper_fwd.affine=False; decode.fused_sink=True (not in the unit shown: ...)``), each
+    (``hopper_fwd.affine=False; decode.fused_sink=False (not in the unit shown: ...)``), each
     that does not shape unit ``shown`` (a family name: ``fa2_fwd``, ``hopper_fwd``,
     ``decode``) marked; None for the defaults."""
     items = []

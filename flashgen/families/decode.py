@@ -128,12 +128,13 @@ class Options:
     ``fg::dec::effective_splits``; fewer lets a short cache use more CTAs, more keeps the
     merge's partials few).  The split combine is always fused (the last CTA merges).
 
-    ``fused_sink``: for a spec with a sink (``sink:``), the attention kernel joins it to each
-    row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)`` in fp32 (the one
-    split's store, or the merge's weights), from a float32 ``[B, Hq]`` it takes per call
-    (lse stays the keys' alone; on by default); off, ``op.with_kvcache`` applies the sink
-    with torch ops after the kernel (:func:`flashgen.ops.sink.apply_sink`).  No effect on a
-    spec without a sink (its unit renders unchanged)."""
+    ``fused_sink`` (on by default): for a spec with a sink (``sink:``), the attention kernel
+    joins it to each row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)``
+    in fp32 (the one split's store, or the merge's weights), from a float32 ``[B, Hq]`` it
+    takes per call (lse stays the keys' alone); off, ``op.with_kvcache`` applies the sink
+    with torch ops after the kernel (:func:`flashgen.ops.sink.apply_sink`), as it always does
+    for calls through the registered torch ops (CPU, ``torch.compile``).  No effect on a spec
+    without a sink (its unit renders unchanged)."""
 
     block_n: int | None = None
     stages: int | None = None

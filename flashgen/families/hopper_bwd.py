@@ -47,18 +47,23 @@ class Options:
     ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
     gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows, FlashAttention-3's
     128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
-    :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (the wgmma descriptors
-    of a step are one base descriptor plus each tile's offset, instead of each built from its
-    masked address: fewer integer instructions before each wgmma); ``d128_block_m`` (query rows
-    per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 80, for a spec without a mask,
-    without param gradients and not ordered, is FlashAttention-3's non-causal hdim-128 tile:
-    S^T, dP^T m64n80, dQ^T = K^T dS^T (dS stored transposed by stmatrix) so that no wgmma
-    has M = 80; else 64)."""
+    :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (off by default, an
+    experiment: the wgmma descriptors of a step are one base descriptor plus each tile's
+    offset, instead of each built from its masked address: fewer integer instructions before
+    each wgmma); ``d128_block_m`` (query rows per step at head_dim 128, one of
+    :data:`D128_BLOCK_MS`; 64 by default; 80, an experiment never run on a GPU, for a spec
+    without a mask, without param gradients and not ordered, is FlashAttention-3's non-causal
+    hdim-128 tile: S^T, dP^T m64n80, dQ^T = K^T dS^T (dS stored transposed by stmatrix) so
+    that no wgmma has M = 80; else 64); ``ds_waits_dv`` (where dS^T is computed from the
+    packed P^T, head_dim 64's 128-query and 128's 80-query steps: wait for dV, whose A operand
+    that fragment is, before reading it, the order the PTX ISA defines; off, dS^T is computed
+    while dV runs)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
     desc_offsets: bool = False
+    ds_waits_dv: bool = False
     d128_block_m: int = 64
 
     def __post_init__(self) -> None:
@@ -94,6 +99,7 @@ class Context(BackwardContext):
     dq_swap: bool
     ts_ns: list
     ds_from_frag: bool
+    ds_waits_dv: bool
     gdesc: str
     desc_offsets: bool
     stages: int
@@ -269,6 +275,7 @@ def plan(
         dq_swap=dq_swap,
         ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)
         ds_from_frag=(d == 64 and block_m == 128) or dq_swap,
+        ds_waits_dv=options.ds_waits_dv,
         # 128-query steps: dS^T is computed from the packed P^T, and from a packed P^T * d score_mod
         # / d score (frag_pg) where that derivative is not 1 (no dparam: it computes dS^T itself)
         pg_frag=((d == 64 and block_m == 128) or dq_swap)

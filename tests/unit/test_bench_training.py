@@ -23,3 +23,5 @@ def test_cpu_smoke_run_writes_every_row(tmp_path):
     for r in rows.values():
         assert all(c["error"] is None and c["ms"] > 0 for c in r["candidates"].values()), r
         assert r["ratio"] > 0
+    # the printed line joins the candidates with ", ": a name must not hold one
+    assert not [n for r in rows.values() for n in r["candidates"] if ", " in n]

@@ -326,6 +326,17 @@ def test_an_unknown_option_is_one_plain_line_naming_it_and_the_known_ones(tmp_pa
     assert doc["error"].startswith("unknown option 'famly' (did you mean 'family'?); known: ")
 
 
+def test_show_with_a_deleted_option_says_it_was_removed(capsys):
+    """``flashgen show SPEC --option hopper_bwd.d256_ps_buffers=2`` answered "did you mean
+    'hopper_bwd.desc_offsets'?" (another knob): one line saying the option was removed."""
+    assert main(["show", "gpt_oss_sink", "--option", "hopper_bwd.d256_ps_buffers=2"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: option 'hopper_bwd.d256_ps_buffers' was removed ("
+    ), lines
+    assert "did you mean" not in lines[0]
+
+
 def test_a_removed_switch_is_an_error_naming_its_option(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FLASHGEN_KERNEL_FAMILY", "fa2")
     rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"])

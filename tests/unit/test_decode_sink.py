@@ -1,5 +1,5 @@
 """The attention sink inside the decode kernels (``Options.decode.fused_sink``, issue 37), on
-the CPU: the option is typed, off by default and part of the kernel and cache keys; a unit
+the CPU: the option is typed, on by default and part of the kernel and cache keys; a unit
 takes the sink logits (``sink``, ``sink_sb``, ``sink_sh``) only with the option on and a spec
 with a sink, and scales both epilogues (the one split's store and the merge's weights) by
 ``fg::dec::sink_share``, which run on the host equals ``sigmoid(lse - sink)``; the planned fast
@@ -332,7 +332,7 @@ def test_the_general_launch_joins_the_sink_and_skips_the_epilogue(fake_driver, m
 
 def test_the_cpu_op_is_unchanged_and_a_sink_that_requires_grad_is_refused():
     """The option changes nothing on the CPU (the registered op's reference, then the torch
-    epilogue): padded, ragged, paged and split calls equal the default op's bitwise; a sink
+    epilogue): padded, ragged, paged and split calls equal the unfused op's bitwise; a sink
     that requires grad is refused with grad enabled, as without the option."""
     spec = load_spec(SINK_SPEC)
     off, on = build_op(spec, OFF), build_op(spec, ON)

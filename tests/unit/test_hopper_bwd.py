@@ -717,12 +717,11 @@ def test_d64_block_m128_that_spills_falls_back_to_64_query_steps(monkeypatch):
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and plan.dkdv.context["block_m"] == 64
 
 
-def test_d64_block_m128_p_and_ds_stores_land_in_two_query_boxes():
-    """P^T (p_tile: pair (j, r) of the 8-column tile j of acc_s) and dS^T (st_frag_swizzled:
-    ds_frag[kk][t]) of warpgroup cg, warp w, lane l into sDS of 128 key rows x 128 queries:
-    query column c lives in box c // 64 (SDS_BOX_BYTES = 128 rows x 128 bytes apart), row r
-    at 128 r, its 16-byte chunk swizzled (chunk ^ r % 8).  Both stores put every element at
-    that address, each bf16 pair once."""
+def test_d64_block_m128_ds_stores_land_in_two_query_boxes():
+    """dS^T (st_frag_swizzled: ds_frag[kk][t]) of warpgroup cg, warp w, lane l into sDS of 128
+    key rows x 128 queries: query column c lives in box c // 64 (SDS_BOX_BYTES = 128 rows x
+    128 bytes apart), row r at 128 r, its 16-byte chunk swizzled (chunk ^ r % 8).  The store
+    puts every element at that address, each bf16 pair once.  (P^T stays in registers.)"""
     box = 128 * 128
 
     def want(r, c):
@@ -731,16 +730,11 @@ def test_d64_block_m128_p_and_ds_stores_land_in_two_query_boxes():
     def pair(box_off, row, chunk, lane):  # st_pair_swizzled
         return box_off + row * 128 + ((chunk ^ (lane // 4)) << 4) + (lane % 4) * 4
 
-    p_seen, ds_seen = set(), set()
+    ds_seen = set()
     for cg in range(2):
         for w in range(4):
             for lane in range(32):
                 row0 = cg * 64 + w * 16 + lane // 4
-                for j in range(16):  # p_tile: acc_s columns 8 j + 2 (l % 4) + e, rows + 8 r
-                    for r in range(2):
-                        a = pair((j // 8) * box, row0 + 8 * r, j % 8, lane)
-                        assert a == want(row0 + 8 * r, 8 * j + 2 * (lane % 4))
-                        p_seen.add(a)
                 for kk in range(8):  # st_frag_swizzled(..., chunk0 = 0, box_bytes = box)
                     for t in range(4):
                         a = pair(((2 * kk + t // 2) // 8) * box, row0 + 8 * (t % 2),
@@ -748,7 +742,23 @@ def test_d64_block_m128_p_and_ds_stores_land_in_two_query_boxes():
                         col = 16 * kk + 8 * (t // 2) + 2 * (lane % 4)
                         assert a == want(row0 + 8 * (t % 2), col)
                         ds_seen.add(a)
-    assert p_seen == ds_seen and len(p_seen) == 128 * 128 // 2
+    assert len(ds_seen) == 128 * 128 // 2
+
+
+def test_kernels_doc_says_d64_128_query_steps_keep_p_in_registers():
+    """docs/kernels.md's bullet on head_dim 64 with 128-query steps said P^T goes to sDS
+    (``fg::st_pair_swizzled`` from p_tile) and dS^T overwrites it once dV has landed, the
+    layout before P^T stayed in frag_p; the render has no P^T store and no such wait."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    src = render(reg_plan(small(64, "bf16", True), "sm_90", D64_128).unit)
+    assert "st_pair_swizzled<ELEM_BYTES>(sPTi" not in src and "wgmma_st_n64(acc_dv" not in src
+    doc = (REPO / "docs" / "kernels.md").read_text()
+    start = doc.index("- d64 with 128-query steps (`dq_rows_split`)")
+    bullet = doc[start : doc.index("\n- ", start + 1)]
+    assert "frag_p" in bullet, bullet
+    for stale in ("st_pair_swizzled", "overwrites the same rows", "reads it as a K-major A"):
+        assert stale not in bullet, stale
 
 
 def test_desc_offsets_renders_only_when_asked():
@@ -797,3 +807,20 @@ def test_d128_block_m80_compiles_without_spills(requires_nvcc, dtype):
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
     code = sass(plan.unit)
     assert wgmmas(code, "64x80x16") == 24 and wgmmas(code, "64x128x16") == 10
+
+
+def test_ds_waits_dv_waits_for_dv_before_reading_its_a_operand():
+    """``hopper_bwd.ds_waits_dv``: where dS^T reads the packed P^T (dV's A operand), the step
+    waits for every wgmma first; off, it waits for dP^T only and says why; units that keep
+    acc_s are the same either way."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    on = DEFAULT.replace_path("hopper_bwd.ds_waits_dv", True)
+    wait0 = "fg::wgmma_wait<0>();  // dP^T and dV have landed: dS^T reads dV's A registers"
+    wait1 = "fg::wgmma_wait<1>();  // dP^T has landed; dV may still run"
+    d64 = small(64, "bf16", True)
+    assert wait0 in render(reg_plan(d64, "sm_90", on).unit)
+    default = render(reg_plan(d64, "sm_90").unit)
+    assert wait1 in default and wait0 not in default and "in-flight wgmma's A registers" in default
+    d128 = small(128, "bf16", True)
+    assert render(reg_plan(d128, "sm_90", on).unit) == render(reg_plan(d128, "sm_90").unit)

@@ -69,6 +69,25 @@ def test_an_unknown_option_is_a_key_error_whose_text_is_its_message():
     assert str(e.value).startswith("unknown option 'nope'; known: family, ")
 
 
+DELETED = ["hopper_bwd.d64_pt_other_buffer", "hopper_bwd.d256_ps_buffers"]
+
+
+@pytest.mark.parametrize("path", DELETED)
+def test_a_deleted_option_says_it_was_removed_and_suggests_no_other(path):
+    """A deleted experiment was an "unknown option" whose near miss was an unrelated option
+    (``hopper_bwd.d256_ps_buffers=2``: "did you mean 'hopper_bwd.desc_offsets'?", a knob
+    that does something else): it says it was removed, why, and to drop it; still a KeyError
+    (:class:`UnknownOptionError`), one line."""
+    from flashgen.options import UnknownOptionError
+
+    for call in (lambda: Options().replace_path(path, "1"), lambda: Options().get_path(path)):
+        with pytest.raises(UnknownOptionError) as e:
+            call()
+        text = str(e.value)
+        assert text.startswith(f"option {path!r} was removed (") and "drop it" in text, text
+        assert "did you mean" not in text and "\n" not in text
+
+
 @pytest.mark.parametrize(
     "path, value, expected",
     [
