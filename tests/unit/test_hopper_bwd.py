@@ -821,6 +821,6 @@ def test_ds_waits_dv_waits_for_dv_before_reading_its_a_operand():
     d64 = small(64, "bf16", True)
     assert wait0 in render(reg_plan(d64, "sm_90", on).unit)
     default = render(reg_plan(d64, "sm_90").unit)
-    assert wait1 in default and wait0 not in default and "in-flight wgmma's A registers" in default
+    assert wait1 in default and wait0 not in default and "ds_waits_dv waits for dV first" in default
     d128 = small(128, "bf16", True)
     assert render(reg_plan(d128, "sm_90", on).unit) == render(reg_plan(d128, "sm_90").unit)
