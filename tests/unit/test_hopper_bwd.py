@@ -824,3 +824,58 @@ def test_ds_waits_dv_waits_for_dv_before_reading_its_a_operand():
     assert wait1 in default and wait0 not in default and "ds_waits_dv waits for dV first" in default
     d128 = small(128, "bf16", True)
     assert render(reg_plan(d128, "sm_90", on).unit) == render(reg_plan(d128, "sm_90").unit)
+
+
+def test_d128_block_m80_ds_and_dq_stores_land_where_the_wgmmas_read():
+    """Host emulation of the 80-query layout's two stores (templates/sm_90/bwd.cu.j2, DQ_SWAP),
+    against the 128-byte swizzle's logical positions:
+    - ``fg::stsm_x4_trans`` of ds_frag: register t of lane l holds dS^T at key
+      64 cg + 16 w + l / 4 + 8 (t % 2), queries 8 (2 kk + t / 2) + 2 (l % 4) + {0, 1}; the
+      transposed 8x8 matrix t stores source column c at the row lane 8 t + c addresses, source
+      row l / 4 at byte 2 (l / 4) of it.  Every element of sDS (2 key boxes x 80 query rows x
+      64 keys) is written once, at (box cg, row q, column key % 64): where dQ^T's K-major B
+      and nothing else reads it.
+    - dQ^T's fragment (head-dim row warp * 16 + l / 4 + 8 r, query column 8 j + 2 (l % 4) + e)
+      to sDQ: once each, at (box d / 32, row q, column d % 32) of the warpgroup's two 80-row
+      boxes, the tma_dq box the writer reduces."""
+    rows, sds_box, sdq_box = 80, 80 * 128, 80 * 128
+
+    def swz(box, row, col_bytes):  # the 128-byte swizzle: 16-byte chunk ^ (row % 8)
+        return box + row * 128 + ((((col_bytes // 16) ^ (row % 8)) & 7) << 4) + col_bytes % 16
+
+    ds_seen = {}
+    for cg in range(2):
+        for w in range(4):
+            addr = {}
+            for lane in range(32):  # the template's address expression, per lane
+                t, q = lane // 8, None
+                for kk in range(rows // 16):
+                    q = 16 * kk + 8 * (t // 2) + lane % 8
+                    addr[(kk, lane)] = cg * sds_box + q * 128 + (((2 * w + t % 2) ^ (q % 8)) << 4)
+            for kk in range(rows // 16):
+                for t in range(4):
+                    for lane in range(32):
+                        for e in range(2):
+                            key = 64 * cg + 16 * w + lane // 4 + 8 * (t % 2)
+                            q = 8 * (2 * kk + t // 2) + 2 * (lane % 4) + e
+                            src_row, src_col = lane // 4, 2 * (lane % 4) + e
+                            a = addr[(kk, 8 * t + src_col)] + 2 * src_row
+                            assert a == swz(cg * sds_box, q, 2 * (key % 64)), (cg, w, kk, t)
+                            assert a not in ds_seen
+                            ds_seen[a] = (key, q)
+    assert len(ds_seen) == 2 * rows * 64
+
+    dq_seen = set()
+    for w in range(4):
+        for lane in range(32):
+            for r in range(2):
+                dl = w * 16 + lane // 4 + 8 * r
+                col = (dl // 32) * sdq_box + (dl % 4) * 4
+                for j in range(rows // 8):
+                    for e in range(2):
+                        q = 8 * j + 2 * (lane % 4) + e
+                        a = col + q * 128 + ((((dl % 32) // 4) ^ (q % 8)) << 4)
+                        assert a == swz((dl // 32) * sdq_box, q, 4 * (dl % 32))
+                        assert a not in dq_seen
+                        dq_seen.add(a)
+    assert len(dq_seen) == 2 * rows * 32
