@@ -141,6 +141,7 @@ def test_planned_shared_memory_follows_elem_bytes(monkeypatch):
 
     spec = load_spec(ROOT / "specs" / "causal_d128.yaml")
     rec = dtypes.DTYPES[spec.dtype]
+    monkeypatch.setattr(hopper_bwd, "HOPPER_SMEM_LIMIT", 1 << 30)  # 3-byte elements do not fit
 
     def smem(elem_bytes: int) -> tuple[int, ...]:
         monkeypatch.setitem(dtypes.DTYPES, spec.dtype, replace(rec, elem_bytes=elem_bytes))
