@@ -879,3 +879,20 @@ def test_d128_block_m80_ds_and_dq_stores_land_where_the_wgmmas_read():
                         assert a not in dq_seen
                         dq_seen.add(a)
     assert len(dq_seen) == 2 * rows * 32
+
+
+def test_shared_memory_over_the_limit_is_refused_at_plan_time(monkeypatch):
+    """The plan counts the static cta_info array as ptxas does (1 KiB) beside the dynamic
+    layout: the deleted d256_ps_buffers=2 was 24 bytes over 227 KiB that way and failed to
+    launch with CUDA_ERROR_INVALID_VALUE.  The 80-query layout keeps the coordinates in the
+    dynamic memory, so it counts none."""
+    from flashgen.families import hopper_bwd
+
+    spec, m80 = small(128, "bf16", False), hopper_bwd.Options(d128_block_m=80)
+    dyn = hopper_bwd.plan(spec, "sm_90").dkdv.smem_bytes
+    dyn80 = hopper_bwd.plan(spec, "sm_90", m80).dkdv.smem_bytes
+    monkeypatch.setattr(hopper_bwd, "HOPPER_SMEM_LIMIT", dyn + 1023)
+    with pytest.raises(ValueError, match=r"bytes of shared memory \(static included\)"):
+        hopper_bwd.plan(spec, "sm_90")
+    monkeypatch.setattr(hopper_bwd, "HOPPER_SMEM_LIMIT", dyn80)
+    assert hopper_bwd.plan(spec, "sm_90", m80).dkdv.context.dq_swap
