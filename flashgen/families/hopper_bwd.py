@@ -52,12 +52,12 @@ class Options:
     offset, instead of each built from its masked address: fewer integer instructions before
     each wgmma); ``d128_block_m`` (query rows per step at head_dim 128, one of
     :data:`D128_BLOCK_MS`; 64 by default; 80, an experiment never run on a GPU, for a spec
-    without a mask, without param gradients and not ordered, is FlashAttention-3's non-causal
-    hdim-128 tile: S^T, dP^T m64n80, dQ^T = K^T dS^T (dS stored transposed by stmatrix) so
-    that no wgmma has M = 80; else 64); ``ds_waits_dv`` (where dS^T is computed from the
-    packed P^T, head_dim 64's 128-query and 128's 80-query steps: wait for dV, whose A operand
-    that fragment is, before reading it, the order the PTX ISA defines; off, dS^T is computed
-    while dV runs)."""
+    with no mask or a causal one, without param gradients and not ordered, is
+    FlashAttention-3's non-causal hdim-128 tile (causal too, to measure): S^T, dP^T m64n80,
+    dQ^T = K^T dS^T (dS stored transposed by stmatrix) so that no wgmma has M = 80);
+    ``ds_waits_dv`` (where dS^T is computed from the packed P^T, head_dim 64's 128-query and
+    128's 80-query steps: wait for dV, whose A operand that fragment is, before reading it,
+    the order the PTX ISA defines; off, dS^T is computed while dV runs)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
@@ -224,7 +224,8 @@ def plan(
     if d == 64 and options.d64_block_m != t.dkdv_block_m:
         t = replace(t, dkdv_block_m=options.d64_block_m)
     dq_swap = (
-        d == 128 and options.d128_block_m == 80 and spec.mask is None and not param_grads
+        d == 128 and options.d128_block_m == 80
+        and (spec.mask is None or isinstance(spec.mask, Causal)) and not param_grads
         and not ordered_dq
     )  # fmt: skip
     if dq_swap:

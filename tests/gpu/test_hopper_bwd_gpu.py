@@ -383,8 +383,8 @@ def test_d64_block_m128_ordered_dq(causal):
 # ------------------------------------------ head dim 128 with 80-query steps
 @pytest.fixture
 def block_m80(monkeypatch):
-    """``hopper_bwd.d128_block_m=80``: head dim 128, no mask, 80-query steps (S^T, dP^T
-    m64n80; dS stored transposed by stmatrix; dQ^T = K^T dS^T into an 80-row sDQ)."""
+    """``hopper_bwd.d128_block_m=80``: head dim 128, no mask or causal, 80-query steps (S^T,
+    dP^T m64n80; dS stored transposed by stmatrix; dQ^T = K^T dS^T into an 80-row sDQ)."""
     return gpu_options.use(monkeypatch, {"hopper_bwd.d128_block_m": 80})
 
 
@@ -398,9 +398,10 @@ def _unmasked_d128(name: str):
     return loads_spec("\n".join(lines) + "\n", f"<{name}_d128_full>")
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d128_block_m80_lengths_gqa_dtypes(block_m80, dtype):
-    spec = hb_spec(128, dtype, False)
+def test_d128_block_m80_lengths_gqa_dtypes(block_m80, dtype, causal):
+    spec = hb_spec(128, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=1200 + i)
 

@@ -775,10 +775,10 @@ def test_desc_offsets_renders_only_when_asked():
         assert "gdesc" not in render(reg_plan(spec, "sm_90", DEFAULT).unit)
 
 
-def test_d128_block_m80_plans_only_for_unmasked_unordered_specs():
-    """``hopper_bwd.d128_block_m=80``: a spec without a mask at head_dim 128 gets 80-query
-    steps, an 80-row dQ box and its transposed-dS code within the 227 KiB a block may take;
-    a mask, param gradients, the ordered kernel or another head dim keep 64."""
+def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
+    """``hopper_bwd.d128_block_m=80``: a spec with no mask or a causal one at head_dim 128 gets
+    80-query steps, an 80-row dQ box and its transposed-dS code within the 227 KiB a block may
+    take; another mask, param gradients, the ordered kernel or another head dim keep 64."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
     m80 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 80)
@@ -790,7 +790,8 @@ def test_d128_block_m80_plans_only_for_unmasked_unordered_specs():
     src = render(plan.unit)
     assert src.count("fg::stsm_x4_trans(") == 1 and "fg::wgmma_ts_n80(acc_dq" in src
     assert "static_assert(BLOCK_N == 128 && BLOCK_M == 80" in src
-    for spec, kw in ((small(128, "bf16", True), {}), (small(64, "bf16", False), {}),
+    assert reg_plan(small(128, "bf16", True), "sm_90", m80).dkdv.context.dq_swap  # causal
+    for spec, kw in ((shipped("mistral_swa"), {}), (small(64, "bf16", False), {}),
                      (small(128, "bf16", False), {"ordered_dq": True})):  # fmt: skip
         assert not reg_plan(spec, "sm_90", m80, **kw).dkdv.context.dq_swap
     assert "stsm_x4_trans" not in render(reg_plan(small(128, "bf16", False), "sm_90").unit)
