@@ -99,33 +99,29 @@ __device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chu
             st_pair_swizzled<ELEM_BYTES>(base, ((2 * kk + t / 2) / 8) * box_bytes, row + 8 * (t % 2),
                                          chunk0 + (2 * kk + t / 2) % 8, lane, frag[kk][t]);
 }
-{% for n in ts_ns %}
-// d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory: A MN-major (stored K x M, M contiguous),
-// B K-major (as wgmma_ss).  scale_d = 0 overwrites d.
-__device__ __forceinline__ void wgmma_ts_n{{ n }}(float (&d)[{{ n // 2 }}], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+{# wgmma_mn_a(name, n, trans_b): d[64 x n] (+)= A * B, both from shared memory, A MN-major (trans-a 1), B as trans_b
+    says (0 K-major, 1 MN-major); scale_d = 0 overwrites d. #}
+{% macro wgmma_mn_a(name, n, trans_b) -%}
+__device__ __forceinline__ void {{ name }}_n{{ n }}(float (&d)[{{ n // 2 }}], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile("{ .reg .pred p;\n"
                  "setp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ mma_t }}.{{ mma_t }} "
                  "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last else "" }}{% endfor %}}, "
-                 "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, 1, 0;\n}\n"
+                 "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, 1, {{ trans_b }};\n}\n"
                  : {% for i in range(n // 2) %}"+f"(d[{{ i }}]){{ ", " if not loop.last else "" }}{% endfor %}
 
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
+{%- endmacro %}
+{% for n in ts_ns %}
+// d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory: A MN-major (stored K x M, M contiguous),
+// B K-major (as wgmma_ss).  scale_d = 0 overwrites d.
+{{ wgmma_mn_a("wgmma_ts", n, 0) }}
 {% endfor %}
 {% for n in tt_ns %}
 // d[64 x {{ n }}] (+)= A[64 x 16] * B[16 x {{ n }}], both from shared memory and both MN-major (transposed):
 // A stored K x M (M contiguous), B stored K x N (N contiguous).  scale_d = 0 overwrites d.
-__device__ __forceinline__ void wgmma_tt_n{{ n }}(float (&d)[{{ n // 2 }}], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile("{ .reg .pred p;\n"
-                 "setp.ne.b32 p, %{{ n // 2 + 2 }}, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n{{ n }}k16.f32.{{ mma_t }}.{{ mma_t }} "
-                 "{ {% for i in range(n // 2) %}%{{ i }}{{ ", " if not loop.last else "" }}{% endfor %}}, "
-                 "%{{ n // 2 }}, %{{ n // 2 + 1 }}, p, 1, 1, 1, 1;\n}\n"
-                 : {% for i in range(n // 2) %}"+f"(d[{{ i }}]){{ ", " if not loop.last else "" }}{% endfor %}
-
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
+{{ wgmma_mn_a("wgmma_tt", n, 1) }}
 {% endfor %}
 {% if dq_rows_split or dq_swap %}
 // Element e (0: lo, 1: hi) of an MmaOp<elem_t>::pack()ed pair, back to fp32.
