@@ -231,6 +231,8 @@ def plan(
     if dq_swap:
         t = replace(t, dkdv_block_m=80)
     block_m, block_n = t.dkdv_block_m, t.dkdv_block_n
+    # S^T, dP^T too wide to keep acc_s for dS^T: it reads the packed P^T back (see p_tile)
+    ds_from_frag = (d == 64 and block_m == 128) or dq_swap
     warps = t.dkdv_warps + 4  # the producer warpgroup after the consumers
     threads = 32 * warps
     tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
@@ -275,13 +277,11 @@ def plan(
         dq_rows_split=d == 64 and block_m == 128,
         dq_swap=dq_swap,
         ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)
-        ds_from_frag=(d == 64 and block_m == 128) or dq_swap,
+        ds_from_frag=ds_from_frag,
         ds_waits_dv=options.ds_waits_dv,
-        # 128-query steps: dS^T is computed from the packed P^T, and from a packed P^T * d score_mod
-        # / d score (frag_pg) where that derivative is not 1 (no dparam: it computes dS^T itself)
-        pg_frag=((d == 64 and block_m == 128) or dq_swap)
-        and not param_grads
-        and ctx["score_grad_expr"] not in (None, "1.0f"),
+        # and from a packed P^T * d score_mod / d score (frag_pg) where that derivative is not 1
+        # (no dparam: it computes dS^T itself)
+        pg_frag=ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"),
         desc_offsets=options.desc_offsets,
         gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets there
         stages=STAGES,
