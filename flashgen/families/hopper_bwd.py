@@ -114,15 +114,14 @@ def dkdv_smem_bytes(
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
     (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two warpgroups x 64
     rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse and dsum (fp32,
-    per stage), the mbarriers (K/V full; per stage full); ``dq_swap``: the CTA's coordinates
-    too (six ints), which the other layouts keep in a static array: ptxas counts a static
-    array as 1 KiB, and :data:`~flashgen.families.common.HOPPER_SMEM_LIMIT` holds both."""
+    per stage), the mbarriers (K/V full; per stage full) and the CTA's coordinates (six ints:
+    a static ``__shared__`` array would cost 1 KiB as ptxas counts it)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * block_n * block_m * elt
     if not split_d:
         smem += 2 * (block_m if dq_swap else 64) * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
-    return smem + (6 * 4 if dq_swap else 0)  # dq_swap: the CTA's coordinates (else static)
+    return smem + 6 * 4
 
 
 def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -244,11 +243,10 @@ def plan(
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap)
-    static = 0 if dq_swap else 1024  # the static cta_info array, as ptxas counts it
-    if smem + static > HOPPER_SMEM_LIMIT:
+    if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(
-            f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "
-            f"bytes of shared memory (static included), over the {HOPPER_SMEM_LIMIT} a block takes"
+            f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem} bytes of "
+            f"shared memory, over the {HOPPER_SMEM_LIMIT} a block takes"
         )
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
