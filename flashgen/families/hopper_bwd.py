@@ -57,7 +57,11 @@ class Options:
     dQ^T = K^T dS^T (dS stored transposed by stmatrix) so that no wgmma has M = 80);
     ``ds_waits_dv`` (where dS^T is computed from the packed P^T, head_dim 64's 128-query and
     128's 80-query steps: wait for dV, whose A operand that fragment is, before reading it,
-    the order the PTX ISA defines; off, dS^T is computed while dV runs)."""
+    the order the PTX ISA defines; off, dS^T is computed while dV runs); ``d256_ps_double``
+    (off by default, an experiment: at head_dim 256 P^T and dS^T alternate between two
+    buffers by step, 16 KiB more shared memory, and the step's first barrier between the
+    warpgroups goes: a step's other two barriers show that both warpgroups finished the step
+    before, whose wgmmas read the buffers two steps back)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
@@ -65,6 +69,7 @@ class Options:
     desc_offsets: bool = False
     ds_waits_dv: bool = False
     d128_block_m: int = 64
+    d256_ps_double: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -90,6 +95,7 @@ class Context(BackwardContext):
     mma_t: str
     wgmma_ns: list
     split_d: bool
+    split_bufs: int
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
@@ -108,16 +114,23 @@ class Context(BackwardContext):
 
 
 def dkdv_smem_bytes(
-    d: int, elt: int, block_m: int, block_n: int, split_d: bool, dq_swap: bool = False
+    d: int,
+    elt: int,
+    block_m: int,
+    block_n: int,
+    split_d: bool,
+    dq_swap: bool = False,
+    split_bufs: int = 1,
 ) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
-    (``split_d``: one of dS^T and one of P^T), the dQ staging tiles (two warpgroups x 64
-    rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse and dsum (fp32,
+    (``split_d``: ``split_bufs`` of dS^T and as many of P^T), the dQ staging tiles (two
+    warpgroups x 64 rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse
+    and dsum (fp32,
     per stage), the mbarriers (K/V full; per stage full) and the CTA's coordinates (six ints:
     a static ``__shared__`` array would cost 1 KiB as ptxas counts it)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
-    smem += 2 * block_n * block_m * elt
+    smem += 2 * (split_bufs if split_d else 1) * block_n * block_m * elt
     if not split_d:
         smem += 2 * (block_m if dq_swap else 64) * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
@@ -242,7 +255,8 @@ def plan(
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap)
+    split_bufs = 2 if split_d and options.d256_ps_double else 1
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, split_bufs)
     if smem > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem} bytes of "
@@ -267,6 +281,7 @@ def plan(
         mma_t=rec.mma_t,
         wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
         split_d=split_d,
+        split_bufs=split_bufs,
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)

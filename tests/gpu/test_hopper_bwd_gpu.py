@@ -443,3 +443,34 @@ def test_desc_offsets_masks_and_score_mods(desc_offsets, name):
     spec = shipped(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=1350 + i)
+
+
+# ------------------------------------------ head dim 256 with two P^T / dS^T buffers
+@pytest.fixture
+def ps_double(monkeypatch):
+    """``hopper_bwd.d256_ps_double``: head dim 256's P^T and dS^T alternate between two
+    buffers by step, without the step's first barrier between the warpgroups."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_ps_double": True})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d256_ps_double_lengths_gqa_dtypes(ps_double, dtype, causal):
+    spec = hb_spec(256, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1400 + i)
+
+
+@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa", "d256:alibi"])
+def test_d256_ps_double_masks_and_score_mods(ps_double, name):
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1450 + i)
+
+
+def test_d256_ps_double_views_lse_gradient(ps_double):
+    spec = hb_spec(256, "bf16", True)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=28, qkv=views, with_dlse=True)

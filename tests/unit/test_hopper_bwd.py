@@ -159,6 +159,30 @@ def test_plan_d256_split_layout():
     assert grids["convert"] == (-(-(2 * 8 * 1000 * 64) // 256), 1, 1)
 
 
+def test_d256_ps_double_takes_two_buffers_and_drops_the_first_barrier():
+    """``d256_ps_double``: P^T and dS^T alternate between two buffers (16 KiB more shared
+    memory, still under the 227 KiB a block may use), and the step loop's barrier before
+    S^T goes while the P^T and dS^T barriers stay; head dims 64 and 128 are unchanged."""
+    from flashgen.families import hopper_bwd
+
+    two = hopper_bwd.Options(d256_ps_double=True)
+    spec = small(256, "bf16", True)
+    one_plan, two_plan = hopper_bwd.plan(spec, "sm_90"), hopper_bwd.plan(spec, "sm_90", two)
+    assert two_plan.dkdv.smem_bytes == one_plan.dkdv.smem_bytes + 2 * 64 * 64 * 2
+    assert two_plan.dkdv.smem_bytes <= HOPPER_SMEM_LIMIT
+    one, dbl = render(one_plan.dkdv), render(two_plan.dkdv)
+    assert "constexpr int DS_BUFS = 2;" in dbl and "constexpr int P_BUFS = 2;" in dbl
+    assert "constexpr int DS_BUFS = 1;" in one and "constexpr int P_BUFS = 1;" in one
+    first = "done with step it - 1's sP and sDS"
+    assert first in one and first not in dbl
+    sync = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS)"
+    assert one.count(sync) == dbl.count(sync) + 1
+    for d in (64, 128):
+        s = small(d, "bf16", True)
+        same = render(hopper_bwd.plan(s, "sm_90").dkdv)
+        assert render(hopper_bwd.plan(s, "sm_90", two).dkdv) == same
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False])
