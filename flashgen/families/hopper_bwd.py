@@ -49,10 +49,11 @@ class Options:
     128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
     :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (off by default, an
     experiment: the wgmma descriptors of a step are one base descriptor plus each tile's
-    offset, instead of each built from its masked address: fewer integer instructions before
-    each wgmma); ``d128_block_m`` (query rows per step at head_dim 128, one of
-    :data:`D128_BLOCK_MS`; 64 by default; 80, an experiment never run on a GPU, for a spec
-    with no mask or a causal one, without param gradients and not ordered, is
+    offset, instead of each built from its masked address, and the warpgroup index comes from
+    a shuffle, which the compiler knows is warp-uniform: fewer integer instructions and no
+    register-to-uniform moves before each wgmma); ``d128_block_m`` (query rows per step at
+    head_dim 128, one of :data:`D128_BLOCK_MS`; 64 by default; 80, an experiment never run on
+    a GPU, for a spec with no mask or a causal one, without param gradients and not ordered, is
     FlashAttention-3's non-causal hdim-128 tile (causal too, to measure): S^T, dP^T m64n80,
     dQ^T = K^T dS^T (dS stored transposed by stmatrix) so that no wgmma has M = 80);
     ``ds_waits_dv`` (where dS^T is computed from the packed P^T, head_dim 64's 128-query and
