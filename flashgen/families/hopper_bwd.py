@@ -45,24 +45,25 @@ class Options:
     spec :func:`ordered_eligible` accepts runs this kernel with dQ added in a fixed order,
     :func:`plan`'s ``ordered_dq``, instead of the FA2-class deterministic kernels);
     ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
-    gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows, FlashAttention-3's
-    128 x 128 tile for hdim 64; a spec that spills with it is built with 64,
-    :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (off by default, an
-    experiment: the wgmma descriptors of a step are one base descriptor plus each tile's
-    offset, instead of each built from its masked address, and the warpgroup index comes from
-    a shuffle, which the compiler knows is warp-uniform: fewer integer instructions and no
-    register-to-uniform moves before each wgmma); ``d128_block_m`` (query rows per step at
-    head_dim 128, one of :data:`D128_BLOCK_MS`; 64 by default; 80, an experiment never run on
-    a GPU, for a spec with no mask or a causal one, without param gradients and not ordered, is
-    FlashAttention-3's non-causal hdim-128 tile (causal too, to measure): S^T, dP^T m64n80,
-    dQ^T = K^T dS^T (dS stored transposed by stmatrix) so that no wgmma has M = 80);
-    ``ds_waits_dv`` (where dS^T is computed from the packed P^T, head_dim 64's 128-query and
-    128's 80-query steps: wait for dV, whose A operand that fragment is, before reading it,
-    the order the PTX ISA defines; off, dS^T is computed while dV runs); ``d256_ps_double``
-    (off by default, an experiment: at head_dim 256 P^T and dS^T alternate between two
-    buffers by step, 16 KiB more shared memory, and the step's first barrier between the
-    warpgroups goes: a step's other two barriers show that both warpgroups finished the step
-    before, whose wgmmas read the buffers two steps back)."""
+    gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows,
+    FlashAttention-3's 128 x 128 tile for hdim 64; a spec that spills with it is built with
+    64, :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (off by default,
+    an experiment: the wgmma descriptors of a step are one base descriptor plus each tile's
+    offset, instead of each built from its masked address, and the warpgroup index comes
+    from a shuffle, which the compiler knows is warp-uniform: fewer integer instructions and
+    no register-to-uniform moves before each wgmma; lse and dsum are read as column pairs);
+    ``d128_block_m`` (query rows per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 64
+    by default; 80, an experiment never run on a GPU, for a spec with no mask or a causal
+    one, without param gradients and not ordered, is FlashAttention-3's non-causal hdim-128
+    tile (causal too, to measure): S^T, dP^T m64n80, dQ^T = K^T dS^T (dS stored transposed
+    by stmatrix) so that no wgmma has M = 80); ``ds_waits_dv`` (where dS^T is computed from
+    the packed P^T, head_dim 64's 128-query and 128's 80-query steps: wait for dV, whose A
+    operand that fragment is, before reading it, the order the PTX ISA defines; off, dS^T is
+    computed while dV runs); ``d256_ps_double`` (off by default, an experiment: at head_dim
+    256 P^T and dS^T alternate between two buffers by step, 16 KiB more shared memory, and
+    the step's first barrier between the warpgroups goes: a step's other two barriers show
+    that both warpgroups finished the step before, whose wgmmas read the buffers two steps
+    back)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
