@@ -158,10 +158,18 @@ def softcap_spec():
     return loads_spec(text, "<hopbwd_softcap>")
 
 
+#: Fixtures that build their tests' kernels with other options than the defaults.
+OPTION_FIXTURES = {"block_m128", "block_m80", "desc_offsets", "ps_double"}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def prebuilt():
-    """Compile every kernel this module runs up front, in parallel (one nvcc per core):
-    each spec's forward and its Hopper backward unit."""
+def prebuilt(request):
+    """Compile every kernel this module runs with the default options up front, in parallel
+    (one nvcc per core): each spec's forward and its Hopper backward unit.  Skipped when
+    every selected test of the module takes an option fixture (their kernels differ)."""
+    mine = [it for it in request.session.items if it.module is request.module]
+    if all(OPTION_FIXTURES & set(it.fixturenames) for it in mine):
+        return
     import os
     from concurrent.futures import ThreadPoolExecutor
 
