@@ -129,8 +129,9 @@ def dkdv_smem_bytes(
     (``split_d``: ``split_bufs`` of dS^T and as many of P^T), the dQ staging tiles (two
     warpgroups x 64 rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse
     and dsum (fp32,
-    per stage), the mbarriers (K/V full; per stage full) and the CTA's coordinates (six ints:
-    a static ``__shared__`` array would cost 1 KiB as ptxas counts it)."""
+    per stage), the mbarriers (K/V full; per stage full) and the CTA's coordinates (six ints
+    in the last 24 bytes, a constant offset from the dynamic memory's start: a static
+    ``__shared__`` array would cost 1 KiB as ptxas counts it)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * (split_bufs if split_d else 1) * block_n * block_m * elt
     if not split_d:
