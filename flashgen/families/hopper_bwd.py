@@ -98,6 +98,7 @@ class Context(BackwardContext):
     wgmma_ns: list
     split_d: bool
     split_bufs: int
+    coords_dynamic: bool
     dkv_n: int
     tt_ns: list
     bwd_tile_group: str
@@ -128,16 +129,24 @@ def dkdv_smem_bytes(
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
     (``split_d``: ``split_bufs`` of dS^T and as many of P^T), the dQ staging tiles (two
     warpgroups x 64 rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse
-    and dsum (fp32,
-    per stage), the mbarriers (K/V full; per stage full) and the CTA's coordinates (six ints
-    in the last 24 bytes, a constant offset from the dynamic memory's start: a static
-    ``__shared__`` array would cost 1 KiB as ptxas counts it)."""
+    and dsum (fp32, per stage), the mbarriers (K/V full; per stage full) and, in the layouts
+    that need all 227 KiB (``dq_swap``, ``split_bufs`` 2: :func:`coords_dynamic`), the CTA's
+    coordinates (six ints in the last 24 bytes; the others keep them in a static array, which
+    ptxas counts as 1 KiB but whose address takes no register)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += 2 * (split_bufs if split_d else 1) * block_n * block_m * elt
     if not split_d:
         smem += 2 * (block_m if dq_swap else 64) * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
-    return smem + 6 * 4
+    return smem + (6 * 4 if coords_dynamic(dq_swap, split_bufs) else 0)
+
+
+def coords_dynamic(dq_swap: bool, split_bufs: int) -> bool:
+    """Whether the dK/dV kernel keeps the CTA's coordinates in its dynamic shared memory: in
+    the layouts a static array's 1 KiB would push over the limit (80-query steps, head_dim
+    256 with two P^T / dS^T buffers); elsewhere in a static array (its address is a
+    constant: in dynamic memory the register-tightest dparam units spill)."""
+    return dq_swap or split_bufs == 2
 
 
 def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -262,11 +271,13 @@ def plan(
     # beside the dynamic memory, which two buffers would fill to 48 bytes over the limit)
     split_bufs = 2 if split_d and options.d256_ps_double and not param_grads else 1
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, split_bufs)
-    static = 1024 if param_grads else 0  # dparam's static arrays, as ptxas counts them
+    # static arrays, 1 KiB as ptxas counts them: the coordinates' (:func:`coords_dynamic`), dparam's
+    static = 0 if coords_dynamic(dq_swap, split_bufs) and not param_grads else 1024
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "
-            f"bytes of shared memory, over the {HOPPER_SMEM_LIMIT} a block takes"
+            f"bytes of shared memory (static included), over the {HOPPER_SMEM_LIMIT} a block "
+            "takes"
         )
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
@@ -288,6 +299,7 @@ def plan(
         wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
         split_d=split_d,
         split_bufs=split_bufs,
+        coords_dynamic=coords_dynamic(dq_swap, split_bufs),
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
