@@ -104,6 +104,24 @@ __device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chu
             st_pair_swizzled<ELEM_BYTES>(base, ((2 * kk + t / 2) / 8) * box_bytes, row + 8 * (t % 2),
                                          chunk0 + (2 * kk + t / 2) % 8, lane, frag[kk][t]);
 }
+{% if desc_offsets %}
+// The same stores as st_frag_swizzled, four registers (8x8 matrices) per stmatrix (sm_90) instead of one per st.shared:
+// row0 is the warp's first row (a multiple of 8); lane 8 t + r addresses row row0 + 8 (t % 2) + r of matrix t, the
+// 16-byte chunk chunk0 + 2 kk + t / 2 (swizzled with r), as register t of frag[kk] holds it.
+template <int KK>
+__device__ __forceinline__ void stsm_frag_swizzled(uint32_t base, int row0, int chunk0, const uint32_t (&frag)[KK][4], int lane,
+                                                   uint32_t box_bytes = 0) {
+    const int t = lane / 8, r = lane % 8;
+    const uint32_t row_addr = base + (row0 + 8 * (t % 2) + r) * 128;
+    #pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        const int chunk = chunk0 + 2 * kk + t / 2;
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4};\n"
+                     :: "r"(row_addr + (chunk / 8) * box_bytes + (((chunk % 8) ^ r) << 4)),
+                        "r"(frag[kk][0]), "r"(frag[kk][1]), "r"(frag[kk][2]), "r"(frag[kk][3]) : "memory");
+    }
+}
+{% endif %}
 {# wgmma_mn_a(name, n, trans_b): d[64 x n] (+)= A * B, both from shared memory, A MN-major (trans-a 1), B as trans_b
     says (0 K-major, 1 MN-major); scale_d = 0 overwrites d. #}
 {% macro wgmma_mn_a(name, n, trans_b) -%}

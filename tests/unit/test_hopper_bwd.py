@@ -915,6 +915,45 @@ def test_d128_block_m80_ds_and_dq_stores_land_where_the_wgmmas_read():
     assert len(dq_seen) == 2 * rows * 32
 
 
+@pytest.mark.parametrize(
+    ("kk_n", "chunk0", "box_bytes"),
+    [(4, 0, 0), (8, 0, 128 * 128), (2, 0, 0), (2, 4, 0)],
+    ids=["d128", "d64_128_queries", "d256_cg0", "d256_cg1"],
+)
+def test_stmatrix_fragment_stores_match_the_per_register_stores(kk_n, chunk0, box_bytes):
+    """Host emulation of templates/common/sm90_bwd.cuh: ``stsm_frag_swizzled`` (desc_offsets:
+    one stmatrix .x4 per k step; lane 8 t + r gives row r of matrix t, and register t of lane
+    l holds that matrix's row l / 4, bytes 4 (l % 4) + {0..3}) puts every element of a warp's
+    P^T / dS^T fragment where ``st_frag_swizzled`` (one st.shared.b32 per register) puts it,
+    for each layout's k steps, chunk offset (the d256 split: 4 per warpgroup) and box
+    continuation (64 key rows x 128 queries at head_dim 64)."""
+    row0 = 16 * 3  # warp 3's first row (a multiple of 8)
+
+    def per_register(kk, t, lane):
+        c = 2 * kk + t // 2
+        row = row0 + lane // 4 + 8 * (t % 2)
+        box, chunk = (c // 8) * box_bytes, chunk0 + c % 8
+        return box + row * 128 + ((chunk ^ (lane // 4)) << 4) + (lane % 4) * 4
+
+    def stmatrix(kk, t, lane):
+        def row_addr(ln):  # the address lane ln hands stmatrix
+            tt, r = ln // 8, ln % 8
+            chunk = chunk0 + 2 * kk + tt // 2
+            row = row0 + 8 * (tt % 2) + r
+            return row * 128 + (chunk // 8) * box_bytes + (((chunk % 8) ^ r) << 4)
+
+        return row_addr(8 * t + lane // 4) + 4 * (lane % 4)
+
+    seen = set()
+    for kk in range(kk_n):
+        for t in range(4):
+            for lane in range(32):
+                a = stmatrix(kk, t, lane)
+                assert a == per_register(kk, t, lane), (kk, t, lane)
+                seen.add(a)
+    assert len(seen) == kk_n * 4 * 32
+
+
 def test_shared_memory_over_the_limit_is_refused_at_plan_time(monkeypatch):
     """The plan counts the static cta_info array as ptxas does (1 KiB) beside the dynamic
     layout: the deleted d256_ps_buffers=2 was 24 bytes over 227 KiB that way and failed to
