@@ -51,8 +51,8 @@ class Options:
     an experiment: the wgmma descriptors of a step are one base descriptor plus each tile's
     offset, instead of each built from its masked address, and the warpgroup index comes
     from a shuffle, which the compiler knows is warp-uniform: fewer integer instructions and
-    no register-to-uniform moves before each wgmma; lse and dsum are read as column pairs,
-    P^T and dS^T stored by stmatrix);
+    no register-to-uniform moves before each wgmma; dsum is read as column pairs, P^T and
+    dS^T stored by stmatrix);
     ``d128_block_m`` (query rows per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 64
     by default; 80, an experiment never run on a GPU, for a spec with no mask or a causal
     one, without param gradients and not ordered, is FlashAttention-3's non-causal hdim-128
