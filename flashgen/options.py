@@ -43,8 +43,8 @@ class UnknownOptionError(KeyError):
 REMOVED_OPTIONS = {
     "hopper_bwd.d64_pt_other_buffer": "head_dim 64 with 128-query steps keeps P^T in "
     "registers now, not in a dS^T buffer",
-    "hopper_bwd.d256_ps_buffers": "head_dim 256 keeps one P^T and one dS^T buffer; the "
-    "experiment's 2 failed to launch",
+    "hopper_bwd.d256_ps_buffers": "its value 2 failed to launch (shared memory over the "
+    "limit); hopper_bwd.d256_ps_double is that experiment now",
 }
 
 

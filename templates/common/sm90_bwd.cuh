@@ -61,11 +61,13 @@ template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
 template <int N> __device__ __forceinline__ void bulk_wait_group() {
     asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
+{% if desc_offsets %}
 // Element e of the float pair at p (shared memory, 8-byte aligned): both elements come from one 8-byte load.
 __device__ __forceinline__ float ld_shared_pair(const float* p, int e) {
     const float2 v = *reinterpret_cast<const float2*>(p);
     return e ? v.y : v.x;
 }
+{% endif %}
 // p[0..1] += (x, y) in global memory, result unused (PTX ISA 8.1, sm_90; p 8-byte aligned).
 __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], { %1, %2};\n" :: "l"(p), "f"(x), "f"(y) : "memory");
