@@ -64,7 +64,14 @@ class Options:
     256 P^T and dS^T alternate between two buffers by step, 16 KiB more shared memory, and
     the step's first barrier between the warpgroups goes: a step's other two barriers show
     that both warpgroups finished the step before, whose wgmmas read the buffers two steps
-    back; not in a unit with param gradients, whose static arrays leave no room)."""
+    back; not in a unit with param gradients, whose static arrays leave no room);
+    ``d256_sdp_warpgroups`` (off by default, an experiment: at head_dim 256 warpgroup 0
+    computes the step's whole S^T = K Q^T and warpgroup 1 its whole dP^T = V dO^T, m64n64
+    each, instead of each computing both on half the queries: every element of K, V, Q and
+    dO is read by one wgmma per step, 64 KiB less shared-memory traffic; warpgroup 0 stores
+    P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score in 8
+    KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; with ``desc_offsets`` only,
+    and not in a unit with param gradients)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
@@ -73,6 +80,7 @@ class Options:
     ds_waits_dv: bool = False
     d128_block_m: int = 64
     d256_ps_double: bool = False
+    d256_sdp_warpgroups: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -99,6 +107,7 @@ class Context(BackwardContext):
     wgmma_ns: list
     split_d: bool
     split_bufs: int
+    sdp_wg: bool
     coords_dynamic: bool
     dkv_n: int
     tt_ns: list
@@ -125,17 +134,19 @@ def dkdv_smem_bytes(
     split_d: bool,
     dq_swap: bool = False,
     split_bufs: int = 1,
+    pg_bufs: int = 0,
 ) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
-    (``split_d``: ``split_bufs`` of dS^T and as many of P^T), the dQ staging tiles (two
+    (``split_d``: ``split_bufs`` of dS^T and as many of P^T, then ``pg_bufs`` of P^T * d
+    score_mod / d score for ``d256_sdp_warpgroups``), the dQ staging tiles (two
     warpgroups x 64 rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse
     and dsum (fp32, per stage), the mbarriers (K/V full; per stage full) and, in the layouts
     that need all 227 KiB (``dq_swap``, ``split_bufs`` 2: :func:`coords_dynamic`), the CTA's
     coordinates (six ints in the last 24 bytes; the others keep them in a static array, which
     ptxas counts as 1 KiB but whose address takes no register)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
-    smem += 2 * (split_bufs if split_d else 1) * block_n * block_m * elt
+    smem += (2 * (split_bufs if split_d else 1) + pg_bufs) * block_n * block_m * elt
     if not split_d:
         smem += 2 * (block_m if dq_swap else 64) * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
@@ -270,8 +281,16 @@ def plan(
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     # (not with param gradients: dparam's static arrays, templates/common/dparam.j2, take 1 KiB
     # beside the dynamic memory, which two buffers would fill to 48 bytes over the limit)
-    split_bufs = 2 if split_d and options.d256_ps_double and not param_grads else 1
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, split_bufs)
+    base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
+    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
+    # d256_sdp_warpgroups: S^T on warpgroup 0, dP^T on 1; dS^T reads P^T (* d score_mod /
+    # d score, in its own buffers where that is not 1) back from shared memory
+    sdp_wg = split_d and options.d256_sdp_warpgroups and options.desc_offsets and not param_grads
+    pg_wg = sdp_wg and ctx["score_grad_expr"] not in (None, "1.0f")
+    # two buffers: not beside pg_wg's (over the limit) nor with param gradients
+    split_bufs = 2 if split_d and options.d256_ps_double and not param_grads and not pg_wg else 1
+    pg_bufs = split_bufs if pg_wg else 0
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, split_bufs, pg_bufs)
     # static arrays, 1 KiB as ptxas counts them: the coordinates' (:func:`coords_dynamic`), dparam's
     static = 0 if coords_dynamic(dq_swap, split_bufs) and not param_grads else 1024
     if smem + static > HOPPER_SMEM_LIMIT:
@@ -280,8 +299,6 @@ def plan(
             f"bytes of shared memory (static included), over the {HOPPER_SMEM_LIMIT} a block "
             "takes"
         )
-    base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
-    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     ctx.update(
         atomic_dq=True,
         pre_args=abi["pre_args"],
@@ -297,9 +314,11 @@ def plan(
         dkdv_args=dkdv_args,
         dkdv_smem_bytes=smem,
         mma_t=rec.mma_t,
-        wgmma_ns=sorted({block_m // 2, d // 2}) if split_d else sorted({block_m, d}),
+        wgmma_ns=sorted({block_m if sdp_wg else block_m // 2, d // 2}) if split_d
+        else sorted({block_m, d}),
         split_d=split_d,
         split_bufs=split_bufs,
+        sdp_wg=sdp_wg,
         coords_dynamic=coords_dynamic(dq_swap, split_bufs),
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
@@ -309,11 +328,12 @@ def plan(
         dq_rows_split=d == 64 and block_m == 128,
         dq_swap=dq_swap,
         ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)
-        ds_from_frag=ds_from_frag,
+        ds_from_frag=ds_from_frag or sdp_wg,
         ds_waits_dv=options.ds_waits_dv,
         # and from a packed P^T * d score_mod / d score (frag_pg) where that derivative is not 1
         # (no dparam: it computes dS^T itself)
-        pg_frag=ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"),
+        pg_frag=(ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"))
+        or pg_wg,
         desc_offsets=options.desc_offsets,
         gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets there
         stages=STAGES,

@@ -124,6 +124,21 @@ __device__ __forceinline__ void stsm_frag_swizzled(uint32_t base, int row0, int 
     }
 }
 {% endif %}
+{% if sdp_wg %}
+// The inverse of stsm_frag_swizzled (ldmatrix, sm_75+): frag[kk][t] gets back what register t of frag[kk] stored.
+template <int KK>
+__device__ __forceinline__ void ldsm_frag_swizzled(uint32_t base, int row0, int chunk0, uint32_t (&frag)[KK][4], int lane) {
+    const int t = lane / 8, r = lane % 8;
+    const uint32_t row_addr = base + (row0 + 8 * (t % 2) + r) * 128;
+    #pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        const int chunk = chunk0 + 2 * kk + t / 2;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
+                     : "=r"(frag[kk][0]), "=r"(frag[kk][1]), "=r"(frag[kk][2]), "=r"(frag[kk][3])
+                     : "r"(row_addr + (((chunk % 8) ^ r) << 4)) : "memory");
+    }
+}
+{% endif %}
 {# wgmma_mn_a(name, n, trans_b): d[64 x n] (+)= A * B, both from shared memory, A MN-major (trans-a 1), B as trans_b
     says (0 K-major, 1 MN-major); scale_d = 0 overwrites d. #}
 {% macro wgmma_mn_a(name, n, trans_b) -%}
@@ -148,7 +163,7 @@ __device__ __forceinline__ void {{ name }}_n{{ n }}(float (&d)[{{ n // 2 }}], ui
 // A stored K x M (M contiguous), B stored K x N (N contiguous).  scale_d = 0 overwrites d.
 {{ wgmma_mn_a("wgmma_tt", n, 1) }}
 {% endfor %}
-{% if dq_rows_split or dq_swap %}
+{% if dq_rows_split or dq_swap or sdp_wg %}
 // Element e (0: lo, 1: hi) of an MmaOp<elem_t>::pack()ed pair, back to fp32.
 __device__ __forceinline__ float unpack16(uint32_t v, int e) {
 {% if mma_t == "bf16" %}

@@ -159,7 +159,9 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {"block_m128", "block_m80", "desc_offsets", "ps_double"}
+OPTION_FIXTURES = {
+    "block_m128", "block_m80", "desc_offsets", "ps_double", "sdp_wg", "sdp_wg_double"
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -482,3 +484,56 @@ def test_d256_ps_double_views_lse_gradient(ps_double):
     qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
     views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
     check(spec, b, h, h, s, s, seed=28, qkv=views, with_dlse=True)
+
+
+# ------------------------------------- head dim 256 with S^T and dP^T on separate warpgroups
+@pytest.fixture
+def sdp_wg(monkeypatch):
+    """``hopper_bwd.d256_sdp_warpgroups``: warpgroup 0 computes S^T, warpgroup 1 dP^T, and
+    warpgroup 1 computes dS^T from P^T read back from shared memory."""
+    return gpu_options.use(
+        monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": True, "hopper_bwd.desc_offsets": True}
+    )
+
+
+@pytest.fixture
+def sdp_wg_double(monkeypatch):
+    """``d256_sdp_warpgroups`` with ``d256_ps_double`` (softcap: one buffer each)."""
+    return gpu_options.use(
+        monkeypatch,
+        {
+            "hopper_bwd.d256_sdp_warpgroups": True,
+            "hopper_bwd.d256_ps_double": True,
+            "hopper_bwd.desc_offsets": True,
+        },
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_d256_sdp_warpgroups_lengths_gqa_dtypes(sdp_wg, dtype, causal):
+    spec = hb_spec(256, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1500 + i)
+
+
+@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa", "d256:alibi"])
+def test_d256_sdp_warpgroups_masks_and_score_mods(sdp_wg, name):
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1550 + i)
+
+
+def test_d256_sdp_warpgroups_views_lse_gradient(sdp_wg):
+    spec = hb_spec(256, "bf16", True)
+    b, s, h = 2, 333, 4
+    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
+    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+    check(spec, b, h, h, s, s, seed=29, qkv=views, with_dlse=True)
+
+
+@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap"])
+def test_d256_sdp_warpgroups_with_two_buffers(sdp_wg_double, name):
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1600 + i)

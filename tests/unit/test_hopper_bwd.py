@@ -191,6 +191,60 @@ def test_d256_ps_double_takes_two_buffers_and_drops_the_first_barrier():
         assert render(hopper_bwd.plan(s, "sm_90", two).dkdv) == same
 
 
+
+def test_d256_sdp_warpgroups_splits_s_and_dp_between_the_warpgroups():
+    """``d256_sdp_warpgroups``: warpgroup 0 computes the whole S^T, warpgroup 1 the whole
+    dP^T (one m64n64 loop whose operands are K, Q or V, dO by warpgroup), warpgroup 1 issues
+    after warpgroup 0 (BAR_SDP) and reads P^T back by ldmatrix for dS^T.  A score_mod whose
+    derivative is not 1 (softcap) takes an 8 KiB sPG for P^T * d score_mod / d score, and
+    then one P^T / dS^T buffer even with ``d256_ps_double``; units with param gradients and
+    head dims 64 and 128 are unchanged."""
+    from flashgen.families import hopper_bwd
+
+    on = hopper_bwd.Options(desc_offsets=True, d256_sdp_warpgroups=True)
+    spec = small(256, "bf16", True)
+    default, wg = hopper_bwd.plan(spec, "sm_90").dkdv, hopper_bwd.plan(spec, "sm_90", on).dkdv
+    assert wg.context.sdp_wg and not default.context.sdp_wg
+    assert wg.smem_bytes == default.smem_bytes and not wg.context.pg_frag
+    src = render(wg)
+    assert "constexpr int QW = BLOCK_M;" in src and "constexpr int BAR_SDP = 1;" in src
+    assert "gdesc(sK + cg * (sV - sK) + col * BLOCK_N + sub, 16, 1024)" in src
+    assert "gdesc(sQ + cg * (sDO - sQ) + col * BLOCK_M + sub, 16, 1024)" in src
+    assert "fg::ldsm_frag_swizzled(sPi, warp * 16, 0, frag_p, lane);" in src
+    assert "ldsm_frag_swizzled" not in render(default) and "int BAR_SDP" not in render(default)
+    soft = hopper_bwd.plan(shipped("gemma2_softcap"), "sm_90", on).dkdv
+    assert soft.context.pg_frag and soft.smem_bytes == default.smem_bytes + 64 * 64 * 2
+    assert soft.smem_bytes + 1024 <= HOPPER_SMEM_LIMIT
+    assert "fg::ldsm_frag_swizzled(sPGi, warp * 16, 0, frag_pg, lane);" in render(soft)
+    both = hopper_bwd.Options(desc_offsets=True, d256_sdp_warpgroups=True, d256_ps_double=True)
+    assert hopper_bwd.plan(shipped("gemma2_softcap"), "sm_90", both).dkdv.context.split_bufs == 1
+    assert hopper_bwd.plan(spec, "sm_90", both).dkdv.context.split_bufs == 2
+    learned = at_d256("alibi_learned")
+    dp = hopper_bwd.plan(learned, "sm_90", on, param_grads=("slopes",)).dkdv
+    assert not dp.context.sdp_wg
+    for d in (64, 128):
+        s = small(d, "bf16", True)
+        same = render(hopper_bwd.plan(s, "sm_90", hopper_bwd.Options(desc_offsets=True)).dkdv)
+        assert render(hopper_bwd.plan(s, "sm_90", on).dkdv) == same
+
+
+@pytest.mark.parametrize("name", ["hb_causal", "bidir_d256", "gemma2_softcap", "d256:mistral_swa"])
+def test_d256_sdp_warpgroups_compiles_without_spills(requires_nvcc, name):
+    """One m64n64 loop of 16 k-steps serves S^T and dP^T; dV, dK, dQ: 4 m64n128 each."""
+    from flashgen.families import hopper_bwd
+
+    if name == "hb_causal":
+        spec = small(256, "bf16", True)
+    else:
+        spec = at_d256(name[5:]) if name.startswith("d256:") else shipped(name)
+    on = hopper_bwd.Options(desc_offsets=True, d256_sdp_warpgroups=True)
+    plan = hopper_bwd.plan(spec, "sm_90", on)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    code = sass(plan.unit)
+    assert wgmmas(code, "64x64x16") == 16 and wgmmas(code, "64x128x16") == 12
+    assert not wgmmas(code, "64x32x16")
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False])
@@ -953,6 +1007,38 @@ def test_stmatrix_fragment_stores_match_the_per_register_stores(kk_n, chunk0, bo
                 seen.add(a)
     assert len(seen) == kk_n * 4 * 32
 
+
+
+def test_ldmatrix_reads_back_what_stmatrix_stored():
+    """Host emulation of ``fg::ldsm_frag_swizzled`` (templates/common/sm90_bwd.cuh; ldmatrix
+    .x4: lane 8 t + r gives row r of matrix t, and register t of lane l gets that matrix's row
+    l / 4, bytes 4 (l % 4) + {0..3}): register t of frag[kk] of lane l comes from where
+    ``stsm_frag_swizzled`` put that register (the fragment layout's row 16 w + l / 4 + 8 (t %
+    2), swizzled chunk 2 kk + t / 2), so warpgroup 1's thread gets the P^T element its dP^T
+    accumulator holds (d256_sdp_warpgroups: both warpgroups' m64n64 tiles have one layout)."""
+    row0 = 16 * 2
+
+    def fragment(kk, t, lane):
+        row = row0 + lane // 4 + 8 * (t % 2)
+        return row * 128 + (((2 * kk + t // 2) ^ (lane // 4)) << 4) + (lane % 4) * 4
+
+    def ldmatrix(kk, t, lane):
+        def row_addr(ln):  # the address lane ln hands ldmatrix (as ldsm_frag_swizzled computes it)
+            tt, r = ln // 8, ln % 8
+            chunk = 2 * kk + tt // 2
+            return (row0 + 8 * (tt % 2) + r) * 128 + (((chunk % 8) ^ r) << 4)
+
+        return row_addr(8 * t + lane // 4) + 4 * (lane % 4)
+
+    for kk in range(4):  # 64 query columns: four k16 steps
+        for t in range(4):
+            for lane in range(32):
+                assert ldmatrix(kk, t, lane) == fragment(kk, t, lane), (kk, t, lane)
+    src = (REPO / "templates" / "common" / "sm90_bwd.cuh").read_text()
+    ld = src.split("void ldsm_frag_swizzled(")[1].split("\n}\n")[0]
+    assert "const uint32_t row_addr = base + (row0 + 8 * (t % 2) + r) * 128;" in ld
+    assert "const int chunk = chunk0 + 2 * kk + t / 2;" in ld
+    assert '"r"(row_addr + (((chunk % 8) ^ r) << 4))' in ld
 
 def test_shared_memory_over_the_limit_is_refused_at_plan_time(monkeypatch):
     """The plan counts the static cta_info array as ptxas does (1 KiB) beside the dynamic
