@@ -45,6 +45,9 @@ REMOVED_OPTIONS = {
     "registers now, not in a dS^T buffer",
     "hopper_bwd.d256_ps_buffers": "its value 2 failed to launch (shared memory over the "
     "limit); hopper_bwd.d256_ps_double is that experiment now",
+    "hopper_bwd.desc_offsets": "the Hopper backward always builds its wgmma descriptors as "
+    "base + offset, takes a warp-uniform warpgroup index, loads dsum in pairs and "
+    "stores P^T and dS^T by stmatrix",
 }
 
 

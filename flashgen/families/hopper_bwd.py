@@ -1,6 +1,11 @@
 """The Hopper backward (``templates/sm_90/bwd.cu.j2``): the atomic-dQ scheme with a
 warp-specialized dK/dV kernel on wgmma and TMA.  :func:`plan` lowers a spec; :class:`Options`
-holds its knobs."""
+holds its knobs.
+
+The consumers build a step's wgmma descriptors as one base descriptor plus each tile's offset
+and take the warpgroup index from a shuffle, which the compiler knows is warp-uniform (the
+descriptor arithmetic runs on the uniform datapath, with no register-to-uniform moves before
+each wgmma); they read dsum as column pairs and store P^T and dS^T by stmatrix."""
 
 from __future__ import annotations
 
@@ -47,12 +52,7 @@ class Options:
     ``d64_block_m`` (query rows per step at head_dim 64, one of :data:`D64_BLOCK_MS`: 128
     gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows,
     FlashAttention-3's 128 x 128 tile for hdim 64; a spec that spills with it is built with
-    64, :func:`flashgen.families.build.build_backward`); ``desc_offsets`` (off by default,
-    an experiment: the wgmma descriptors of a step are one base descriptor plus each tile's
-    offset, instead of each built from its masked address, and the warpgroup index comes
-    from a shuffle, which the compiler knows is warp-uniform: fewer integer instructions and
-    no register-to-uniform moves before each wgmma; dsum is read as column pairs, P^T and
-    dS^T stored by stmatrix);
+    64, :func:`flashgen.families.build.build_backward`);
     ``d128_block_m`` (query rows per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 64
     by default; 80, an experiment never run on a GPU, for a spec with no mask or a causal
     one, without param gradients and not ordered, is FlashAttention-3's non-causal hdim-128
@@ -70,13 +70,12 @@ class Options:
     each, instead of each computing both on half the queries: every element of K, V, Q and
     dO is read by one wgmma per step, 64 KiB less shared-memory traffic; warpgroup 0 stores
     P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score in 8
-    KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; with ``desc_offsets`` only,
-    and not in a unit with param gradients)."""
+    KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; not in a unit with param
+    gradients)."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
-    desc_offsets: bool = False
     ds_waits_dv: bool = False
     d128_block_m: int = 64
     d256_ps_double: bool = False
@@ -119,8 +118,6 @@ class Context(BackwardContext):
     ts_ns: list
     ds_from_frag: bool
     ds_waits_dv: bool
-    gdesc: str
-    desc_offsets: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -285,7 +282,7 @@ def plan(
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     # d256_sdp_warpgroups: S^T on warpgroup 0, dP^T on 1; dS^T reads P^T (* d score_mod /
     # d score, in its own buffers where that is not 1) back from shared memory
-    sdp_wg = split_d and options.d256_sdp_warpgroups and options.desc_offsets and not param_grads
+    sdp_wg = split_d and options.d256_sdp_warpgroups and not param_grads
     pg_wg = sdp_wg and ctx["score_grad_expr"] not in (None, "1.0f")
     # two buffers: not beside pg_wg's (over the limit) nor with param gradients
     split_bufs = 2 if split_d and options.d256_ps_double and not param_grads and not pg_wg else 1
@@ -334,8 +331,6 @@ def plan(
         # (no dparam: it computes dS^T itself)
         pg_frag=(ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"))
         or pg_wg,
-        desc_offsets=options.desc_offsets,
-        gdesc="gdesc" if options.desc_offsets else "fg::gmma_desc",  # see desc_offsets there
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

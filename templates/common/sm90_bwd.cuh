@@ -61,13 +61,11 @@ template <int N> __device__ __forceinline__ void bulk_wait_group_read() {
 template <int N> __device__ __forceinline__ void bulk_wait_group() {
     asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
-{% if desc_offsets %}
 // Element e of the float pair at p (shared memory, 8-byte aligned): both elements come from one 8-byte load.
 __device__ __forceinline__ float ld_shared_pair(const float* p, int e) {
     const float2 v = *reinterpret_cast<const float2*>(p);
     return e ? v.y : v.x;
 }
-{% endif %}
 // p[0..1] += (x, y) in global memory, result unused (PTX ISA 8.1, sm_90; p 8-byte aligned).
 __device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], { %1, %2};\n" :: "l"(p), "f"(x), "f"(y) : "memory");
@@ -85,31 +83,11 @@ __device__ __forceinline__ void red_add_dq_pairs(float* dq_row, int64_t row_stri
             for (int j = 0; j < J; ++j) red_add_f32x2(dq_row + 8 * r * row_stride + 8 * j, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
         }
 }
-// One 32-bit register of a 16-bit A fragment (an element pair) to shared memory with the 128-byte swizzle: in the
-// column box at base + box_offset, row `row` (row % 8 == lane / 4), the 16-byte chunk `chunk` (< 8) of the row, at
-// byte (lane % 4) * 2 * ELEM_BYTES in it.
-template <int ELEM_BYTES>
-__device__ __forceinline__ void st_pair_swizzled(uint32_t base, uint32_t box_offset, int row, int chunk, int lane, uint32_t pair) {
-    const uint32_t off = box_offset + row * 128 + ((chunk ^ (lane / 4)) << 4) + (lane % 4) * 2 * ELEM_BYTES;
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(base + off), "r"(pair) : "memory");
-}
-// 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory: frag[kk][t] holds row
-// `row` + 8 (t % 2) and the chunk chunk0 + 2 kk + t / 2 of the row's 128 bytes (st_pair_swizzled); rows wider than
-// 128 bytes (KK > 4, chunk0 = 0) continue in the next column box, box_bytes further.
-template <int ELEM_BYTES, int KK>
-__device__ __forceinline__ void st_frag_swizzled(uint32_t base, int row, int chunk0, const uint32_t (&frag)[KK][4], int lane,
-                                                 uint32_t box_bytes = 0) {
-    #pragma unroll
-    for (int kk = 0; kk < KK; ++kk)
-        #pragma unroll
-        for (int t = 0; t < 4; ++t)
-            st_pair_swizzled<ELEM_BYTES>(base, ((2 * kk + t / 2) / 8) * box_bytes, row + 8 * (t % 2),
-                                         chunk0 + (2 * kk + t / 2) % 8, lane, frag[kk][t]);
-}
-{% if desc_offsets %}
-// The same stores as st_frag_swizzled, four registers (8x8 matrices) per stmatrix (sm_90) instead of one per st.shared:
-// row0 is the warp's first row (a multiple of 8); lane 8 t + r addresses row row0 + 8 (t % 2) + r of matrix t, the
-// 16-byte chunk chunk0 + 2 kk + t / 2 (swizzled with r), as register t of frag[kk] holds it.
+// 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory with the 128-byte swizzle,
+// four registers (8x8 matrices) per stmatrix (sm_90): frag[kk][t] holds row row0 + 8 (t % 2) + lane / 4 and the
+// 16-byte chunk chunk0 + 2 kk + t / 2 of the row's 128 bytes; row0 is the warp's first row (a multiple of 8), and lane
+// 8 t + r addresses row row0 + 8 (t % 2) + r of matrix t (its chunk swizzled with r).  Rows wider than 128 bytes
+// (KK > 4, chunk0 = 0) continue in the next column box, box_bytes further.
 template <int KK>
 __device__ __forceinline__ void stsm_frag_swizzled(uint32_t base, int row0, int chunk0, const uint32_t (&frag)[KK][4], int lane,
                                                    uint32_t box_bytes = 0) {
@@ -123,7 +101,6 @@ __device__ __forceinline__ void stsm_frag_swizzled(uint32_t base, int row0, int 
                         "r"(frag[kk][0]), "r"(frag[kk][1]), "r"(frag[kk][2]), "r"(frag[kk][3]) : "memory");
     }
 }
-{% endif %}
 {% if sdp_wg %}
 // The inverse of stsm_frag_swizzled (ldmatrix, sm_75+): frag[kk][t] gets back what register t of frag[kk] stored.
 template <int KK>

@@ -159,9 +159,7 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {
-    "block_m128", "block_m80", "desc_offsets", "ps_double", "sdp_wg", "sdp_wg_double"
-}
+OPTION_FIXTURES = {"block_m128", "block_m80", "ps_double", "sdp_wg", "sdp_wg_double"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -431,30 +429,6 @@ def test_d128_block_m80_views_lse_gradient(block_m80):
     check(spec, b, h, h, s, s, seed=27, qkv=views, with_dlse=True)
 
 
-# ------------------------------------------ wgmma descriptors as base + offset
-@pytest.fixture(params=[64, 80], ids=["block_m64", "block_m80"])
-def desc_offsets(monkeypatch, request):
-    """``hopper_bwd.desc_offsets``: every wgmma descriptor of a step is one base plus the
-    tile's offset (with head_dim 128's 64- and 80-query steps)."""
-    values = {"hopper_bwd.desc_offsets": True, "hopper_bwd.d128_block_m": request.param}
-    return gpu_options.use(monkeypatch, values)
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_desc_offsets_lengths_gqa(desc_offsets, d, causal):
-    spec = hb_spec(d, "bf16", causal)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=1300 + i)
-
-
-@pytest.mark.parametrize("name", ["mistral_swa", "gemma2_softcap", "alibi_learned", "t5_bias"])
-def test_desc_offsets_masks_and_score_mods(desc_offsets, name):
-    spec = shipped(name)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
-        check(spec, b, hq, hkv, sq, sk, seed=1350 + i)
-
-
 # ------------------------------------------ head dim 256 with two P^T / dS^T buffers
 @pytest.fixture
 def ps_double(monkeypatch):
@@ -491,21 +465,14 @@ def test_d256_ps_double_views_lse_gradient(ps_double):
 def sdp_wg(monkeypatch):
     """``hopper_bwd.d256_sdp_warpgroups``: warpgroup 0 computes S^T, warpgroup 1 dP^T, and
     warpgroup 1 computes dS^T from P^T read back from shared memory."""
-    return gpu_options.use(
-        monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": True, "hopper_bwd.desc_offsets": True}
-    )
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": True})
 
 
 @pytest.fixture
 def sdp_wg_double(monkeypatch):
     """``d256_sdp_warpgroups`` with ``d256_ps_double`` (softcap: one buffer each)."""
     return gpu_options.use(
-        monkeypatch,
-        {
-            "hopper_bwd.d256_sdp_warpgroups": True,
-            "hopper_bwd.d256_ps_double": True,
-            "hopper_bwd.desc_offsets": True,
-        },
+        monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": True, "hopper_bwd.d256_ps_double": True}
     )
 
 

@@ -201,7 +201,7 @@ def test_d256_sdp_warpgroups_splits_s_and_dp_between_the_warpgroups():
     head dims 64 and 128 are unchanged."""
     from flashgen.families import hopper_bwd
 
-    on = hopper_bwd.Options(desc_offsets=True, d256_sdp_warpgroups=True)
+    on = hopper_bwd.Options(d256_sdp_warpgroups=True)
     spec = small(256, "bf16", True)
     default, wg = hopper_bwd.plan(spec, "sm_90").dkdv, hopper_bwd.plan(spec, "sm_90", on).dkdv
     assert wg.context.sdp_wg and not default.context.sdp_wg
@@ -216,7 +216,7 @@ def test_d256_sdp_warpgroups_splits_s_and_dp_between_the_warpgroups():
     assert soft.context.pg_frag and soft.smem_bytes == default.smem_bytes + 64 * 64 * 2
     assert soft.smem_bytes + 1024 <= HOPPER_SMEM_LIMIT
     assert "fg::ldsm_frag_swizzled(sPGi, warp * 16, 0, frag_pg, lane);" in render(soft)
-    both = hopper_bwd.Options(desc_offsets=True, d256_sdp_warpgroups=True, d256_ps_double=True)
+    both = hopper_bwd.Options(d256_sdp_warpgroups=True, d256_ps_double=True)
     assert hopper_bwd.plan(shipped("gemma2_softcap"), "sm_90", both).dkdv.context.split_bufs == 1
     assert hopper_bwd.plan(spec, "sm_90", both).dkdv.context.split_bufs == 2
     learned = at_d256("alibi_learned")
@@ -224,7 +224,7 @@ def test_d256_sdp_warpgroups_splits_s_and_dp_between_the_warpgroups():
     assert not dp.context.sdp_wg
     for d in (64, 128):
         s = small(d, "bf16", True)
-        same = render(hopper_bwd.plan(s, "sm_90", hopper_bwd.Options(desc_offsets=True)).dkdv)
+        same = render(hopper_bwd.plan(s, "sm_90").dkdv)
         assert render(hopper_bwd.plan(s, "sm_90", on).dkdv) == same
 
 
@@ -237,8 +237,7 @@ def test_d256_sdp_warpgroups_compiles_without_spills(requires_nvcc, name):
         spec = small(256, "bf16", True)
     else:
         spec = at_d256(name[5:]) if name.startswith("d256:") else shipped(name)
-    on = hopper_bwd.Options(desc_offsets=True, d256_sdp_warpgroups=True)
-    plan = hopper_bwd.plan(spec, "sm_90", on)
+    plan = hopper_bwd.plan(spec, "sm_90", hopper_bwd.Options(d256_sdp_warpgroups=True))
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
     code = sass(plan.unit)
@@ -805,29 +804,34 @@ def test_d64_block_m128_that_spills_falls_back_to_64_query_steps(monkeypatch):
 
 
 def test_d64_block_m128_ds_stores_land_in_two_query_boxes():
-    """dS^T (st_frag_swizzled: ds_frag[kk][t]) of warpgroup cg, warp w, lane l into sDS of 128
-    key rows x 128 queries: query column c lives in box c // 64 (SDS_BOX_BYTES = 128 rows x
-    128 bytes apart), row r at 128 r, its 16-byte chunk swizzled (chunk ^ r % 8).  The store
-    puts every element at that address, each bf16 pair once.  (P^T stays in registers.)"""
+    """dS^T (stsm_frag_swizzled: ds_frag[kk][t]) of warpgroup cg, warp w, lane l into sDS of
+    128 key rows x 128 queries: query column c lives in box c // 64 (SDS_BOX_BYTES = 128 rows
+    x 128 bytes apart), row r at 128 r, its 16-byte chunk swizzled (chunk ^ r % 8).  The
+    stmatrix stores put every element at that address, each bf16 pair once.  (P^T stays in
+    registers.)"""
     box = 128 * 128
 
     def want(r, c):
         return (c // 64) * box + r * 128 + ((((c % 64) // 8) ^ (r % 8)) << 4) + (c % 8) * 2
 
-    def pair(box_off, row, chunk, lane):  # st_pair_swizzled
-        return box_off + row * 128 + ((chunk ^ (lane // 4)) << 4) + (lane % 4) * 4
+    def stmatrix(row0, kk, t, lane):  # stsm_frag_swizzled(..., chunk0 = 0, box_bytes = box)
+        def row_addr(ln):  # the address lane ln hands stmatrix
+            tt, r = ln // 8, ln % 8
+            chunk = 2 * kk + tt // 2
+            return (row0 + 8 * (tt % 2) + r) * 128 + (chunk // 8) * box + (((chunk % 8) ^ r) << 4)
+
+        return row_addr(8 * t + lane // 4) + 4 * (lane % 4)
 
     ds_seen = set()
     for cg in range(2):
         for w in range(4):
             for lane in range(32):
-                row0 = cg * 64 + w * 16 + lane // 4
-                for kk in range(8):  # st_frag_swizzled(..., chunk0 = 0, box_bytes = box)
+                row0 = cg * 64 + w * 16
+                for kk in range(8):
                     for t in range(4):
-                        a = pair(((2 * kk + t // 2) // 8) * box, row0 + 8 * (t % 2),
-                                 (2 * kk + t // 2) % 8, lane)  # fmt: skip
+                        a = stmatrix(row0, kk, t, lane)
                         col = 16 * kk + 8 * (t // 2) + 2 * (lane % 4)
-                        assert a == want(row0 + 8 * (t % 2), col)
+                        assert a == want(row0 + lane // 4 + 8 * (t % 2), col)
                         ds_seen.add(a)
     assert len(ds_seen) == 128 * 128 // 2
 
@@ -848,18 +852,23 @@ def test_kernels_doc_says_d64_128_query_steps_keep_p_in_registers():
         assert stale not in bullet, stale
 
 
-def test_desc_offsets_renders_only_when_asked():
-    """``hopper_bwd.desc_offsets`` renders its descriptor builder and uses it for every wgmma
-    only when on (the default units stay byte-identical: tests/fixtures/unit_hashes.json)."""
+def test_wgmma_descriptors_are_base_plus_offset():
+    """The consumers build every wgmma descriptor with gdesc (sK's masked start-address field
+    plus the tile's offset), take the warpgroup index from a shuffle, read dsum as column
+    pairs (lse by element) and store P^T / dS^T by stmatrix, at every head dim (128: 80-query
+    steps too, whose dS goes out transposed by stsm_x4_trans)."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    on = DEFAULT.replace_path("hopper_bwd.desc_offsets", True)
-    for d in (64, 128, 256):
-        spec = small(d, "bf16", True)
-        src = render(reg_plan(spec, "sm_90", on).unit)
-        assert "auto gdesc = [desc_base, sK]" in src
-        assert "fg::gmma_desc(" not in src.split("auto gdesc = ")[1]
-        assert "gdesc" not in render(reg_plan(spec, "sm_90", DEFAULT).unit)
+    m80 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 80)
+    for d, opts in ((64, DEFAULT), (128, DEFAULT), (128, m80), (256, DEFAULT)):
+        src = render(reg_plan(small(d, "bf16", True), "sm_90", opts).unit)
+        loop = src.split("auto gdesc = [desc_base, sK]")[1]
+        assert "fg::gmma_desc(" not in loop and "gdesc(" in loop
+        assert "const int cg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0);" in loop
+        assert "lse_s[qc] * LOG2E" in loop and "fg::ld_shared_pair(dsum_s + " in loop
+        assert "st_frag_swizzled" not in src and "st_pair_swizzled" not in src
+        if opts is not m80:
+            assert "fg::stsm_frag_swizzled(sDSi" in loop
 
 
 def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
@@ -975,12 +984,13 @@ def test_d128_block_m80_ds_and_dq_stores_land_where_the_wgmmas_read():
     ids=["d128", "d64_128_queries", "d256_cg0", "d256_cg1"],
 )
 def test_stmatrix_fragment_stores_match_the_per_register_stores(kk_n, chunk0, box_bytes):
-    """Host emulation of templates/common/sm90_bwd.cuh: ``stsm_frag_swizzled`` (desc_offsets:
-    one stmatrix .x4 per k step; lane 8 t + r gives row r of matrix t, and register t of lane
-    l holds that matrix's row l / 4, bytes 4 (l % 4) + {0..3}) puts every element of a warp's
-    P^T / dS^T fragment where ``st_frag_swizzled`` (one st.shared.b32 per register) puts it,
-    for each layout's k steps, chunk offset (the d256 split: 4 per warpgroup) and box
-    continuation (64 key rows x 128 queries at head_dim 64)."""
+    """Host emulation of templates/common/sm90_bwd.cuh: ``stsm_frag_swizzled`` (one stmatrix
+    .x4 per k step; lane 8 t + r gives row r of matrix t, and register t of lane l holds that
+    matrix's row l / 4, bytes 4 (l % 4) + {0..3}) puts every element of a warp's P^T / dS^T
+    fragment where the fragment layout says (register t of lane l: row row0 + l / 4 + 8 (t %
+    2), the swizzled chunk chunk0 + 2 kk + t / 2, bytes 4 (l % 4) in it), for each layout's k
+    steps, chunk offset (the d256 split: 4 per warpgroup) and box continuation (64 key rows x
+    128 queries at head_dim 64)."""
     row0 = 16 * 3  # warp 3's first row (a multiple of 8)
 
     def per_register(kk, t, lane):
