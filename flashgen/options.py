@@ -44,7 +44,11 @@ REMOVED_OPTIONS = {
     "hopper_bwd.d64_pt_other_buffer": "head_dim 64 with 128-query steps keeps P^T in "
     "registers now, not in a dS^T buffer",
     "hopper_bwd.d256_ps_buffers": "its value 2 failed to launch (shared memory over the "
-    "limit); hopper_bwd.d256_ps_double is that experiment now",
+    "limit); two P^T / dS^T buffers with room (d256_ps_double) lost to d256_sdp_warpgroups",
+    "hopper_bwd.d256_ps_double": "two P^T / dS^T buffers at head_dim 256 gained under 1% "
+    "beside d256_sdp_warpgroups (on by default), for 16 KiB of shared memory",
+    "hopper_bwd.ds_waits_dv": "dS^T reads the packed P^T while dV runs; waiting for dV "
+    "first was slower",
     "hopper_bwd.desc_offsets": "the Hopper backward always builds its wgmma descriptors as "
     "base + offset, takes a warp-uniform warpgroup index, loads dsum in pairs and "
     "stores P^T and dS^T by stmatrix",

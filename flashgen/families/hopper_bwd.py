@@ -53,33 +53,25 @@ class Options:
     gives S^T and dP^T m64n128 wgmmas and each warpgroup its own 64 dQ rows,
     FlashAttention-3's 128 x 128 tile for hdim 64; a spec that spills with it is built with
     64, :func:`flashgen.families.build.build_backward`);
-    ``d128_block_m`` (query rows per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 64
-    by default; 80, an experiment never run on a GPU, for a spec with no mask or a causal
-    one, without param gradients and not ordered, is FlashAttention-3's non-causal hdim-128
-    tile (causal too, to measure): S^T, dP^T m64n80, dQ^T = K^T dS^T (dS stored transposed
-    by stmatrix) so that no wgmma has M = 80); ``ds_waits_dv`` (where dS^T is computed from
-    the packed P^T, head_dim 64's 128-query and 128's 80-query steps: wait for dV, whose A
-    operand that fragment is, before reading it, the order the PTX ISA defines; off, dS^T is
-    computed while dV runs); ``d256_ps_double`` (off by default, an experiment: at head_dim
-    256 P^T and dS^T alternate between two buffers by step, 16 KiB more shared memory, and
-    the step's first barrier between the warpgroups goes: a step's other two barriers show
-    that both warpgroups finished the step before, whose wgmmas read the buffers two steps
-    back; not in a unit with param gradients, whose static arrays leave no room);
-    ``d256_sdp_warpgroups`` (off by default, an experiment: at head_dim 256 warpgroup 0
-    computes the step's whole S^T = K Q^T and warpgroup 1 its whole dP^T = V dO^T, m64n64
-    each, instead of each computing both on half the queries: every element of K, V, Q and
-    dO is read by one wgmma per step, 64 KiB less shared-memory traffic; warpgroup 0 stores
-    P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score in 8
-    KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; not in a unit with param
-    gradients)."""
+    ``d128_block_m`` (query rows per step at head_dim 128, one of :data:`D128_BLOCK_MS`; 80
+    by default, FlashAttention-3's non-causal hdim-128 tile, for a spec with no mask or a
+    causal one, without param gradients and not ordered: S^T, dP^T m64n80, dQ^T = K^T dS^T
+    (dS stored transposed by stmatrix) so that no wgmma has M = 80; the other specs and 64
+    take 64-query steps); ``d256_sdp_warpgroups`` (on by default: at head_dim 256 warpgroup
+    0 computes the step's whole S^T = K Q^T and warpgroup 1 its whole dP^T = V dO^T, m64n64
+    each, so every element of K, V, Q and dO is read by one wgmma per step; warpgroup 0
+    stores P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score
+    in 8 KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; off, and in a unit with
+    param gradients, each warpgroup computes both GEMMs on half the step's queries).
+
+    Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
+    steps) it reads that fragment while dV, whose A operand it is, may still run."""
 
     head_groups: bool = True
     ordered_dq: bool = True
     d64_block_m: int = 128
-    ds_waits_dv: bool = False
-    d128_block_m: int = 64
-    d256_ps_double: bool = False
-    d256_sdp_warpgroups: bool = False
+    d128_block_m: int = 80
+    d256_sdp_warpgroups: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -105,7 +97,6 @@ class Context(BackwardContext):
     mma_t: str
     wgmma_ns: list
     split_d: bool
-    split_bufs: int
     sdp_wg: bool
     coords_dynamic: bool
     dkv_n: int
@@ -117,7 +108,6 @@ class Context(BackwardContext):
     dq_swap: bool
     ts_ns: list
     ds_from_frag: bool
-    ds_waits_dv: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -130,32 +120,31 @@ def dkdv_smem_bytes(
     block_n: int,
     split_d: bool,
     dq_swap: bool = False,
-    split_bufs: int = 1,
     pg_bufs: int = 0,
 ) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
-    (``split_d``: ``split_bufs`` of dS^T and as many of P^T, then ``pg_bufs`` of P^T * d
-    score_mod / d score for ``d256_sdp_warpgroups``), the dQ staging tiles (two
+    (``split_d``: one of dS^T and one of P^T, then ``pg_bufs`` of P^T * d score_mod / d
+    score for ``d256_sdp_warpgroups``), the dQ staging tiles (two
     warpgroups x 64 rows, ``dq_swap``: block_m rows, x 64 fp32; none when ``split_d``), lse
     and dsum (fp32, per stage), the mbarriers (K/V full; per stage full) and, in the layouts
-    that need all 227 KiB (``dq_swap``, ``split_bufs`` 2: :func:`coords_dynamic`), the CTA's
+    that need all 227 KiB (``dq_swap``: :func:`coords_dynamic`), the CTA's
     coordinates (six ints in the last 24 bytes; the others keep them in a static array, which
     ptxas counts as 1 KiB but whose address takes no register)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
-    smem += (2 * (split_bufs if split_d else 1) + pg_bufs) * block_n * block_m * elt
+    smem += (2 + pg_bufs) * block_n * block_m * elt
     if not split_d:
         smem += 2 * (block_m if dq_swap else 64) * 64 * 4
     smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
-    return smem + (6 * 4 if coords_dynamic(dq_swap, split_bufs) else 0)
+    return smem + (6 * 4 if coords_dynamic(dq_swap) else 0)
 
 
-def coords_dynamic(dq_swap: bool, split_bufs: int) -> bool:
+def coords_dynamic(dq_swap: bool) -> bool:
     """Whether the dK/dV kernel keeps the CTA's coordinates in its dynamic shared memory: in
-    the layouts a static array's 1 KiB would push over the limit (80-query steps, head_dim
-    256 with two P^T / dS^T buffers); elsewhere in a static array (its address is a
-    constant: in dynamic memory the register-tightest dparam units spill)."""
-    return dq_swap or split_bufs == 2
+    the layout a static array's 1 KiB would push over the limit (80-query steps); elsewhere
+    in a static array (its address is a constant: in dynamic memory the register-tightest
+    dparam units spill)."""
+    return dq_swap
 
 
 def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -284,12 +273,9 @@ def plan(
     # d score, in its own buffers where that is not 1) back from shared memory
     sdp_wg = split_d and options.d256_sdp_warpgroups and not param_grads
     pg_wg = sdp_wg and ctx["score_grad_expr"] not in (None, "1.0f")
-    # two buffers: not beside pg_wg's (over the limit) nor with param gradients
-    split_bufs = 2 if split_d and options.d256_ps_double and not param_grads and not pg_wg else 1
-    pg_bufs = split_bufs if pg_wg else 0
-    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, split_bufs, pg_bufs)
+    smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, int(pg_wg))
     # static arrays, 1 KiB as ptxas counts them: the coordinates' (:func:`coords_dynamic`), dparam's
-    static = 0 if coords_dynamic(dq_swap, split_bufs) and not param_grads else 1024
+    static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "
@@ -314,9 +300,8 @@ def plan(
         wgmma_ns=sorted({block_m if sdp_wg else block_m // 2, d // 2}) if split_d
         else sorted({block_m, d}),
         split_d=split_d,
-        split_bufs=split_bufs,
         sdp_wg=sdp_wg,
-        coords_dynamic=coords_dynamic(dq_swap, split_bufs),
+        coords_dynamic=coords_dynamic(dq_swap),
         dkv_n=d // 2 if split_d else d,  # N of the dV, dK (and dQ) wgmmas of one warpgroup
         tt_ns=[d // 2] if split_d else [64],  # N of the transposed-A dQ wgmma
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
@@ -326,7 +311,6 @@ def plan(
         dq_swap=dq_swap,
         ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)
         ds_from_frag=ds_from_frag or sdp_wg,
-        ds_waits_dv=options.ds_waits_dv,
         # and from a packed P^T * d score_mod / d score (frag_pg) where that derivative is not 1
         # (no dparam: it computes dS^T itself)
         pg_frag=(ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"))

@@ -159,7 +159,7 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {"block_m128", "block_m80", "ps_double", "sdp_wg", "sdp_wg_double"}
+OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -386,14 +386,12 @@ def test_d64_block_m128_ordered_dq(causal):
         assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
-
-
-# ------------------------------------------ head dim 128 with 80-query steps
+# ------------------------------- head dim 128 with 64-query steps on unmasked and causal specs
 @pytest.fixture
-def block_m80(monkeypatch):
-    """``hopper_bwd.d128_block_m=80``: head dim 128, no mask or causal, 80-query steps (S^T,
-    dP^T m64n80; dS stored transposed by stmatrix; dQ^T = K^T dS^T into an 80-row sDQ)."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d128_block_m": 80})
+def block_m64(monkeypatch):
+    """``hopper_bwd.d128_block_m=64``: head dim 128's 64-query layout (the one masked specs
+    take) on the specs that default to 80-query steps."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d128_block_m": 64})
 
 
 def _unmasked_d128(name: str):
@@ -406,101 +404,47 @@ def _unmasked_d128(name: str):
     return loads_spec("\n".join(lines) + "\n", f"<{name}_d128_full>")
 
 
+@pytest.mark.parametrize("name", ["gemma2_softcap", "alibi"])
+def test_d128_unmasked_score_mods(name):
+    """The default 80-query layout on score_mods with and without a derivative of 1."""
+    spec = _unmasked_d128(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1250 + i)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d128_block_m80_lengths_gqa_dtypes(block_m80, dtype, causal):
+def test_d128_block_m64_lengths_gqa_dtypes(block_m64, dtype, causal):
     spec = hb_spec(128, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=1200 + i)
 
 
 @pytest.mark.parametrize("name", ["gemma2_softcap", "alibi"])
-def test_d128_block_m80_score_mods(block_m80, name):
+def test_d128_block_m64_score_mods(block_m64, name):
     spec = _unmasked_d128(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
-        check(spec, b, hq, hkv, sq, sk, seed=1250 + i)
+        check(spec, b, hq, hkv, sq, sk, seed=1260 + i)
 
 
-def test_d128_block_m80_views_lse_gradient(block_m80):
-    spec = hb_spec(128, "bf16", False)
-    b, s, h = 2, 333, 4
-    qkv = torch.randn(b, s, 3, h, 128, device="cuda").to(torch.bfloat16)
-    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
-    check(spec, b, h, h, s, s, seed=27, qkv=views, with_dlse=True)
-
-
-# ------------------------------------------ head dim 256 with two P^T / dS^T buffers
+# ------------------------- head dim 256 with S^T and dP^T split by queries (param-gradient layout)
 @pytest.fixture
-def ps_double(monkeypatch):
-    """``hopper_bwd.d256_ps_double``: head dim 256's P^T and dS^T alternate between two
-    buffers by step, without the step's first barrier between the warpgroups."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_ps_double": True})
+def queries_split(monkeypatch):
+    """``hopper_bwd.d256_sdp_warpgroups=False``: each warpgroup computes S^T and dP^T on half
+    the step's queries (the layout units with param gradients take)."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": False})
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d256_ps_double_lengths_gqa_dtypes(ps_double, dtype, causal):
-    spec = hb_spec(256, dtype, causal)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=1400 + i)
-
-
-@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa", "d256:alibi"])
-def test_d256_ps_double_masks_and_score_mods(ps_double, name):
-    spec = shipped(name)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
-        check(spec, b, hq, hkv, sq, sk, seed=1450 + i)
-
-
-def test_d256_ps_double_views_lse_gradient(ps_double):
-    spec = hb_spec(256, "bf16", True)
-    b, s, h = 2, 333, 4
-    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
-    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
-    check(spec, b, h, h, s, s, seed=28, qkv=views, with_dlse=True)
-
-
-# ------------------------------------- head dim 256 with S^T and dP^T on separate warpgroups
-@pytest.fixture
-def sdp_wg(monkeypatch):
-    """``hopper_bwd.d256_sdp_warpgroups``: warpgroup 0 computes S^T, warpgroup 1 dP^T, and
-    warpgroup 1 computes dS^T from P^T read back from shared memory."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": True})
-
-
-@pytest.fixture
-def sdp_wg_double(monkeypatch):
-    """``d256_sdp_warpgroups`` with ``d256_ps_double`` (softcap: one buffer each)."""
-    return gpu_options.use(
-        monkeypatch, {"hopper_bwd.d256_sdp_warpgroups": True, "hopper_bwd.d256_ps_double": True}
-    )
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d256_sdp_warpgroups_lengths_gqa_dtypes(sdp_wg, dtype, causal):
+def test_d256_queries_split_lengths_gqa_dtypes(queries_split, dtype, causal):
     spec = hb_spec(256, dtype, causal)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=1500 + i)
 
 
 @pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa", "d256:alibi"])
-def test_d256_sdp_warpgroups_masks_and_score_mods(sdp_wg, name):
+def test_d256_queries_split_masks_and_score_mods(queries_split, name):
     spec = shipped(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=1550 + i)
-
-
-def test_d256_sdp_warpgroups_views_lse_gradient(sdp_wg):
-    spec = hb_spec(256, "bf16", True)
-    b, s, h = 2, 333, 4
-    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
-    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
-    check(spec, b, h, h, s, s, seed=29, qkv=views, with_dlse=True)
-
-
-@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap"])
-def test_d256_sdp_warpgroups_with_two_buffers(sdp_wg_double, name):
-    spec = shipped(name)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
-        check(spec, b, hq, hkv, sq, sk, seed=1600 + i)

@@ -108,7 +108,8 @@ def test_backward_path_selection():
 def test_plan(d):
     spec = small(d, "bf16", True)
     plan = plan_hopper_backward(spec, "sm_90")
-    bm = DEFAULT.hopper_bwd.d64_block_m if d == 64 else 64
+    bm = DEFAULT.hopper_bwd.d64_block_m if d == 64 else DEFAULT.hopper_bwd.d128_block_m
+    m80 = d == 128 and bm == 80  # dQ^T into an 80-row sDQ, the coordinates in dynamic memory
     tiles = dataclasses.replace(HOPPER_BWD_TILES, dkdv_block_m=bm)
     assert plan.atomic_dq and plan.dq is None and plan.tiles == tiles
     assert not plan.dkdv.context["split_d"]
@@ -120,7 +121,7 @@ def test_plan(d):
     assert plan.dkdv.threads == 384 and plan.dkdv.gencode.endswith("sm_90a")
     assert [(m.name, m.tensor, m.box_rows, m.dtype) for m in plan.dkdv.tma] == [
         ("tma_q", "q", bm, None), ("tma_k", "k", 128, None), ("tma_v", "v", 128, None),
-        ("tma_do", "dout", bm, None), ("tma_dq", "dq_accum", 64, "fp32"),
+        ("tma_do", "dout", bm, None), ("tma_dq", "dq_accum", 80 if m80 else 64, "fp32"),
     ]  # fmt: skip
     assert plan.dkdv.tma[-1].box_cols == 32  # one 128-byte swizzle row of fp32
     names = ["tma_q", "tma_k", "tma_v", "tma_do", "tma_dq"]
@@ -128,8 +129,8 @@ def test_plan(d):
     assert "dq_accum" in [a.name for a in plan.dkdv.args]
     assert plan.pre.tma == () and plan.convert.tma == ()
     # K, V; two stages of Q, dO; two dS^T buffers; the dQ staging tiles; lse, dsum; mbarriers
-    smem = 1024 + 2 * 128 * d * 2 + 4 * bm * d * 2 + 2 * 128 * bm * 2 + 2 * 64 * 64 * 4
-    smem += 4 * bm * 4 + 24
+    smem = 1024 + 2 * 128 * d * 2 + 4 * bm * d * 2 + 2 * 128 * bm * 2
+    smem += 2 * (80 if m80 else 64) * 64 * 4 + 4 * bm * 4 + 24 + (24 if m80 else 0)
     assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
     grids = plan.grids(2, 8, 2, 1000, 4097)
     assert grids["dkdv"] == (2 * 2 * 33, 1, 1) and "convert" in grids
@@ -139,14 +140,14 @@ def test_plan(d):
 def test_plan_d256_split_layout():
     """64 keys per CTA (TMA boxes of 64 rows for k and v), P^T and dS^T in shared memory
     (two 64 x 64 tiles): 215064 bytes, no dQ staging tiles (the consumers reduce dQ
-    themselves); the wgmma N extents of the split (32: S^T, dP^T; 128: dK, dV, dQ per
-    warpgroup)."""
+    themselves); the wgmma N extents of the split (64: S^T on warpgroup 0, dP^T on 1; 128:
+    dK, dV, dQ per warpgroup)."""
     spec = small(256, "bf16", True)
     plan = plan_hopper_backward(spec, "sm_90")
     assert plan.atomic_dq and plan.dq is None and plan.tiles == HOPPER_BWD_TILES_SPLIT_D
     ctx = plan.dkdv.context
     assert ctx["split_d"] and ctx["dkv_n"] == 128 and ctx["tt_ns"] == [128]
-    assert ctx["wgmma_ns"] == [32, 128] and (ctx["block_n"], ctx["block_m"]) == (64, 64)
+    assert ctx["wgmma_ns"] == [64, 128] and (ctx["block_n"], ctx["block_m"]) == (64, 64)
     assert plan.dkdv.threads == 384 and plan.dkdv.gencode.endswith("sm_90a")
     assert [(m.name, m.tensor, m.box_rows) for m in plan.dkdv.tma] == [
         ("tma_q", "q", 64), ("tma_k", "k", 64), ("tma_v", "v", 64), ("tma_do", "dout", 64),
@@ -158,74 +159,38 @@ def test_plan_d256_split_layout():
     assert grids["convert"] == (-(-(2 * 8 * 1000 * 64) // 256), 1, 1)
 
 
-def test_d256_ps_double_takes_two_buffers_and_drops_the_first_barrier():
-    """``d256_ps_double``: P^T and dS^T alternate between two buffers (16 KiB more shared
-    memory, still under the 227 KiB a block may use), and the step loop's barrier before
-    S^T goes while the P^T and dS^T barriers stay; head dims 64 and 128 are unchanged."""
-    from flashgen.families import hopper_bwd
-
-    two = hopper_bwd.Options(d256_ps_double=True)
-    spec = small(256, "bf16", True)
-    one_plan, two_plan = hopper_bwd.plan(spec, "sm_90"), hopper_bwd.plan(spec, "sm_90", two)
-    # 16 KiB more, and the coordinates move from a static array (1 KiB as ptxas counts it) into
-    # the dynamic memory's last 24 bytes
-    assert two_plan.dkdv.smem_bytes == one_plan.dkdv.smem_bytes + 2 * 64 * 64 * 2 + 24
-    assert two_plan.dkdv.smem_bytes <= HOPPER_SMEM_LIMIT
-    assert two_plan.dkdv.context.coords_dynamic and not one_plan.dkdv.context.coords_dynamic
-    one, dbl = render(one_plan.dkdv), render(two_plan.dkdv)
-    assert "constexpr int DS_BUFS = 2;" in dbl and "constexpr int P_BUFS = 2;" in dbl
-    assert "constexpr int DS_BUFS = 1;" in one and "constexpr int P_BUFS = 1;" in one
-    first = "done with step it - 1's sP and sDS"
-    assert first in one and first not in dbl
-    sync = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS)"
-    assert one.count(sync) == dbl.count(sync) + 1
-    # param gradients: dparam's static arrays (1 KiB as ptxas counts them) leave no room for the
-    # second buffers (48 bytes over the limit), so that unit keeps one of each
-    learned = at_d256("alibi_learned")
-    dp = hopper_bwd.plan(learned, "sm_90", two, param_grads=("slopes",)).dkdv
-    assert dp.context.split_bufs == 1 and dp.smem_bytes + 1024 <= HOPPER_SMEM_LIMIT
-    assert hopper_bwd.plan(learned, "sm_90", two).dkdv.context.split_bufs == 2
-    for d in (64, 128):
-        s = small(d, "bf16", True)
-        same = render(hopper_bwd.plan(s, "sm_90").dkdv)
-        assert render(hopper_bwd.plan(s, "sm_90", two).dkdv) == same
-
-
 
 def test_d256_sdp_warpgroups_splits_s_and_dp_between_the_warpgroups():
-    """``d256_sdp_warpgroups``: warpgroup 0 computes the whole S^T, warpgroup 1 the whole
-    dP^T (one m64n64 loop whose operands are K, Q or V, dO by warpgroup), warpgroup 1 issues
-    after warpgroup 0 (BAR_SDP) and reads P^T back by ldmatrix for dS^T.  A score_mod whose
-    derivative is not 1 (softcap) takes an 8 KiB sPG for P^T * d score_mod / d score, and
-    then one P^T / dS^T buffer even with ``d256_ps_double``; units with param gradients and
-    head dims 64 and 128 are unchanged."""
+    """``d256_sdp_warpgroups`` (on by default): warpgroup 0 computes the whole S^T, warpgroup
+    1 the whole dP^T (one m64n64 loop whose operands are K, Q or V, dO by warpgroup),
+    warpgroup 1 issues after warpgroup 0 (BAR_SDP) and reads P^T back by ldmatrix for dS^T.
+    A score_mod whose derivative is not 1 (softcap) takes an 8 KiB sPG for P^T * d score_mod
+    / d score; units with param gradients, the option off, and head dims 64 and 128 keep
+    their layouts."""
     from flashgen.families import hopper_bwd
 
-    on = hopper_bwd.Options(d256_sdp_warpgroups=True)
+    off = hopper_bwd.Options(d256_sdp_warpgroups=False)
     spec = small(256, "bf16", True)
-    default, wg = hopper_bwd.plan(spec, "sm_90").dkdv, hopper_bwd.plan(spec, "sm_90", on).dkdv
-    assert wg.context.sdp_wg and not default.context.sdp_wg
-    assert wg.smem_bytes == default.smem_bytes and not wg.context.pg_frag
+    wg, split = hopper_bwd.plan(spec, "sm_90").dkdv, hopper_bwd.plan(spec, "sm_90", off).dkdv
+    assert wg.context.sdp_wg and not split.context.sdp_wg
+    assert wg.smem_bytes == split.smem_bytes and not wg.context.pg_frag
     src = render(wg)
     assert "constexpr int QW = BLOCK_M;" in src and "constexpr int BAR_SDP = 1;" in src
     assert "gdesc(sK + cg * (sV - sK) + col * BLOCK_N + sub, 16, 1024)" in src
     assert "gdesc(sQ + cg * (sDO - sQ) + col * BLOCK_M + sub, 16, 1024)" in src
     assert "fg::ldsm_frag_swizzled(sPi, warp * 16, 0, frag_p, lane);" in src
-    assert "ldsm_frag_swizzled" not in render(default) and "int BAR_SDP" not in render(default)
-    soft = hopper_bwd.plan(shipped("gemma2_softcap"), "sm_90", on).dkdv
-    assert soft.context.pg_frag and soft.smem_bytes == default.smem_bytes + 64 * 64 * 2
+    assert "ldsm_frag_swizzled" not in render(split) and "int BAR_SDP" not in render(split)
+    soft = hopper_bwd.plan(shipped("gemma2_softcap"), "sm_90").dkdv
+    assert soft.context.pg_frag and soft.smem_bytes == split.smem_bytes + 64 * 64 * 2
     assert soft.smem_bytes + 1024 <= HOPPER_SMEM_LIMIT
     assert "fg::ldsm_frag_swizzled(sPGi, warp * 16, 0, frag_pg, lane);" in render(soft)
-    both = hopper_bwd.Options(d256_sdp_warpgroups=True, d256_ps_double=True)
-    assert hopper_bwd.plan(shipped("gemma2_softcap"), "sm_90", both).dkdv.context.split_bufs == 1
-    assert hopper_bwd.plan(spec, "sm_90", both).dkdv.context.split_bufs == 2
     learned = at_d256("alibi_learned")
-    dp = hopper_bwd.plan(learned, "sm_90", on, param_grads=("slopes",)).dkdv
+    dp = hopper_bwd.plan(learned, "sm_90", param_grads=("slopes",)).dkdv
     assert not dp.context.sdp_wg
     for d in (64, 128):
         s = small(d, "bf16", True)
         same = render(hopper_bwd.plan(s, "sm_90").dkdv)
-        assert render(hopper_bwd.plan(s, "sm_90", on).dkdv) == same
+        assert render(hopper_bwd.plan(s, "sm_90", off).dkdv) == same
 
 
 @pytest.mark.parametrize("name", ["hb_causal", "bidir_d256", "gemma2_softcap", "d256:mistral_swa"])
@@ -237,7 +202,7 @@ def test_d256_sdp_warpgroups_compiles_without_spills(requires_nvcc, name):
         spec = small(256, "bf16", True)
     else:
         spec = at_d256(name[5:]) if name.startswith("d256:") else shipped(name)
-    plan = hopper_bwd.plan(spec, "sm_90", hopper_bwd.Options(d256_sdp_warpgroups=True))
+    plan = hopper_bwd.plan(spec, "sm_90")
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
     code = sass(plan.unit)
@@ -252,13 +217,14 @@ def test_render(d, dtype, causal):
     plan lacks; the three kernels, the wgmma forms and the roles are there."""
     plan = plan_hopper_backward(small(d, dtype, causal), "sm_90")
     src = render(plan.unit)
-    dq_n = 128 if d == 256 else 64  # N of a warpgroup's dQ wgmma
-    assert f"fg::wgmma_tt_n{dq_n}(acc_dq" in src
+    m80 = d == 128  # d128_block_m's default 80-query steps (no mask or causal)
+    dq_n = 128 if d == 256 else 64  # N of a warpgroup's dQ wgmma (80-query steps: dQ^T's)
+    assert ("fg::wgmma_ts_n80(acc_dq" if m80 else f"fg::wgmma_tt_n{dq_n}(acc_dq") in src
     for k in plan.kernels:
         assert 'extern "C" __global__ void __launch_bounds__' in src and k.kernel_name in src
     t = "bf16" if dtype == "bf16" else "f16"
     rows_split = d == 64 and DEFAULT.hopper_bwd.d64_block_m == 128  # 128-query steps
-    s_n, dkv_n = (32, 128) if d == 256 else (128 if rows_split else 64, d)
+    s_n, dkv_n = (64, 128) if d == 256 else (128 if rows_split else 80 if m80 else 64, d)
     assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "fence.proxy.async.shared::cta" in src
@@ -267,8 +233,9 @@ def test_render(d, dtype, causal):
     assert "fg::setmaxnreg_dec<24>();" in src and "fg::setmaxnreg_inc<240>();" in src
     bar = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // both warpgroups'"
     assert (f"{bar} dS^T rows" in src) == (d == 128 or rows_split)  # dQ over all 128 keys
-    assert (f"{bar} halves of P^T are in sP" in src) == (d == 256)
-    assert (f"{bar} halves of dS^T are in sDS" in src) == (d == 256)
+    sync = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // "
+    assert (f"{sync}P^T is in sPi" in src) == (d == 256)  # S^T and dP^T by warpgroup
+    assert (f"{sync}dS^T is in sDSi" in src) == (d == 256)
     assert ("fg::wgmma_st_n128(acc_dv" in src) == (d == 256)
     assert "fg::wgmma_st_n64(acc_dv" not in src  # d64: P^T in registers at either block_m
     assert ("fg::wgmma_rs_n64(acc_dv, frag_p[kk]" in src) == (d == 64)
@@ -290,11 +257,10 @@ def test_render_masks_and_score_mods(name, d256):
     assert ("fg::iv::next_live(0, m_blocks, c, full_hi, head_class)" in src) == masked
     assert ("!= fg::iv::FULL" in src) == masked
     assert ("acc_s[i] = pe[e] * (float)(" in src) == (spec.score_mod is not None)
-    keep_t = "uint64_t" if plan_block_m(spec) == 128 else "uint32_t"  # NQ * 4 keep bits
+    bm = plan_block_m(spec)
+    # NQ * 4 keep bits, NQ = query rows / 8 (d256: warpgroup 0's whole 64-query step)
+    keep_t = "uint64_t" if bm > 64 else "uint32_t"
     assert f"keep_bits |= ({keep_t})keep << i;" in src
-
-
-
 
 
 def test_register_budget_of_the_roles():
@@ -404,14 +370,17 @@ def test_compiles_without_spills_with_wgmma(requires_nvcc, name):
     assert report.spill_bytes == 0, report
     assert not report.wgmma_serialized
     code = sass(plan.unit)  # the cubin just built (tests/sass_helpers.py: PTX -> SASS names)
-    # S^T, dP^T: D/16 each; dV, dK: BLOCK_M/16 each; dQ: 8 (d128; d64 with 128-query steps),
-    # 4 (d64 with 64: its own 64 keys; d256: 64 keys)
-    d, bm = plan.dkdv.context["head_dim"], plan.dkdv.context["block_m"]
+    # S^T, dP^T: D/16 each (d256 with S^T and dP^T by warpgroup: one loop for both); dV, dK:
+    # BLOCK_M/16 each; dQ: 8 (d128; d64 with 128-query steps), 4 (d64 with 64: its own 64
+    # keys; d256: 64 keys)
+    ctx = plan.dkdv.context
+    d, bm = ctx["head_dim"], ctx["block_m"]
     dq = 8 if d == 128 or bm == 128 else 4
-    assert wgmmas(code) == 2 * (d // 16) + 2 * (bm // 16) + dq
+    sdp = (1 if ctx["sdp_wg"] else 2) * (d // 16)
+    assert wgmmas(code) == sdp + 2 * (bm // 16) + dq
     if d == 256:
-        assert wgmmas(code, "64x32x16") and wgmmas(code, "64x128x16")
-        assert not wgmmas(code, "64x256x16")
+        assert wgmmas(code, "64x64x16" if ctx["sdp_wg"] else "64x32x16")
+        assert wgmmas(code, "64x128x16") and not wgmmas(code, "64x256x16")
     assert "UTMALDG.4D" in code
     assert setmaxnreg(code, "dec", 24) and setmaxnreg(code, "inc", 240)
     assert ("UTMAREDG.4D" in code) == (d != 256)  # cp.reduce.async.bulk.tensor.4d
@@ -719,9 +688,9 @@ def test_d64_block_m128_plan():
     smem += 4 * 128 * 4 + 24
     assert plan.dkdv.smem_bytes == smem <= HOPPER_SMEM_LIMIT
     assert "DQ_SPLIT_ROWS = true" in render(plan.unit)
-    for d in (128, 256):
+    for d, bm in ((128, DEFAULT.hopper_bwd.d128_block_m), (256, 64)):
         other = reg_plan(small(d, "bf16", True), "sm_90", D64_128)
-        assert other.dkdv.context["block_m"] == 64 and not other.dkdv.context["dq_rows_split"]
+        assert other.dkdv.context["block_m"] == bm and not other.dkdv.context["dq_rows_split"]
     d64_64 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 64)
     assert reg_plan(small(64, "bf16", True), "sm_90", d64_64).dkdv.context["block_m"] == 64
     d64_128 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 128)
@@ -766,8 +735,9 @@ def test_d64_block_m128_computes_ds_from_the_packed_p():
     assert "frag_pg" not in src(at_d64("alibi_learned"))
     dparam = src(at_d64("alibi_learned"), param_grads=("slopes",))
     assert "fg::unpack16(" not in dparam and "frag_pg" not in dparam
-    for other in (src(small(64, "bf16", True), DEFAULT.replace_path("hopper_bwd.d64_block_m", 64)),
-                  src(small(128, "bf16", True))):  # fmt: skip
+    d64_64 = DEFAULT.replace_path("hopper_bwd.d64_block_m", 64)
+    d128_64 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 64)
+    for other in (src(small(64, "bf16", True), d64_64), src(small(128, "bf16", True), d128_64)):
         assert "unpack16" not in other and "acc_dp[i] = acc_s[i] * (acc_dp[i] - ds);" in other
 
 
@@ -859,8 +829,9 @@ def test_wgmma_descriptors_are_base_plus_offset():
     steps too, whose dS goes out transposed by stsm_x4_trans)."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
+    m64 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 64)
     m80 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 80)
-    for d, opts in ((64, DEFAULT), (128, DEFAULT), (128, m80), (256, DEFAULT)):
+    for d, opts in ((64, DEFAULT), (128, m64), (128, m80), (256, DEFAULT)):
         src = render(reg_plan(small(d, "bf16", True), "sm_90", opts).unit)
         loop = src.split("auto gdesc = [desc_base, sK]")[1]
         assert "fg::gmma_desc(" not in loop and "gdesc(" in loop
@@ -890,7 +861,8 @@ def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
     for spec, kw in ((shipped("mistral_swa"), {}), (small(64, "bf16", False), {}),
                      (small(128, "bf16", False), {"ordered_dq": True})):  # fmt: skip
         assert not reg_plan(spec, "sm_90", m80, **kw).dkdv.context.dq_swap
-    assert "stsm_x4_trans" not in render(reg_plan(small(128, "bf16", False), "sm_90").unit)
+    m64 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 64)
+    assert "stsm_x4_trans" not in render(reg_plan(small(128, "bf16", False), "sm_90", m64).unit)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -905,22 +877,6 @@ def test_d128_block_m80_compiles_without_spills(requires_nvcc, dtype):
     code = sass(plan.unit)
     assert wgmmas(code, "64x80x16") == 24 and wgmmas(code, "64x128x16") == 10
 
-
-def test_ds_waits_dv_waits_for_dv_before_reading_its_a_operand():
-    """``hopper_bwd.ds_waits_dv``: where dS^T reads the packed P^T (dV's A operand), the step
-    waits for every wgmma first; off, it waits for dP^T only and says why; units that keep
-    acc_s are the same either way."""
-    from flashgen.families.registry import plan_hopper_backward as reg_plan
-
-    on = DEFAULT.replace_path("hopper_bwd.ds_waits_dv", True)
-    wait0 = "fg::wgmma_wait<0>();  // dP^T and dV have landed: dS^T reads dV's A registers"
-    wait1 = "fg::wgmma_wait<1>();  // dP^T has landed; dV may still run"
-    d64 = small(64, "bf16", True)
-    assert wait0 in render(reg_plan(d64, "sm_90", on).unit)
-    default = render(reg_plan(d64, "sm_90").unit)
-    assert wait1 in default and wait0 not in default and "ds_waits_dv waits for dV first" in default
-    d128 = small(128, "bf16", True)
-    assert render(reg_plan(d128, "sm_90", on).unit) == render(reg_plan(d128, "sm_90").unit)
 
 
 def test_d128_block_m80_ds_and_dq_stores_land_where_the_wgmmas_read():
@@ -1050,6 +1006,7 @@ def test_ldmatrix_reads_back_what_stmatrix_stored():
     assert "const int chunk = chunk0 + 2 * kk + t / 2;" in ld
     assert '"r"(row_addr + (((chunk % 8) ^ r) << 4))' in ld
 
+
 def test_shared_memory_over_the_limit_is_refused_at_plan_time(monkeypatch):
     """The plan counts the static cta_info array as ptxas does (1 KiB) beside the dynamic
     layout: the deleted d256_ps_buffers=2 was 24 bytes over 227 KiB that way and failed to
@@ -1058,10 +1015,11 @@ def test_shared_memory_over_the_limit_is_refused_at_plan_time(monkeypatch):
     from flashgen.families import hopper_bwd
 
     spec, m80 = small(128, "bf16", False), hopper_bwd.Options(d128_block_m=80)
-    dyn = hopper_bwd.plan(spec, "sm_90").dkdv.smem_bytes
+    m64 = hopper_bwd.Options(d128_block_m=64)
+    dyn = hopper_bwd.plan(spec, "sm_90", m64).dkdv.smem_bytes
     dyn80 = hopper_bwd.plan(spec, "sm_90", m80).dkdv.smem_bytes
     monkeypatch.setattr(hopper_bwd, "HOPPER_SMEM_LIMIT", dyn + 1023)
     with pytest.raises(ValueError, match=r"bytes of shared memory \(static included\)"):
-        hopper_bwd.plan(spec, "sm_90")
+        hopper_bwd.plan(spec, "sm_90", m64)
     monkeypatch.setattr(hopper_bwd, "HOPPER_SMEM_LIMIT", dyn80)
     assert hopper_bwd.plan(spec, "sm_90", m80).dkdv.context.dq_swap

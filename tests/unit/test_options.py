@@ -73,6 +73,8 @@ DELETED = [
     "hopper_bwd.d64_pt_other_buffer",
     "hopper_bwd.d256_ps_buffers",
     "hopper_bwd.desc_offsets",
+    "hopper_bwd.d256_ps_double",
+    "hopper_bwd.ds_waits_dv",
 ]
 
 
