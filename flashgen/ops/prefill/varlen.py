@@ -537,8 +537,9 @@ class VarlenBackward(Backward):
 
     def cpu(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest,
             param_grads=()):  # fmt: skip
-        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu.attention`), with
-        the requested param gradients summed over the sequences."""
+        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu.attention`) against
+        the saved ``o`` and ``lse`` (P and the row term from them, as the kernels take them),
+        with the requested param gradients summed over the sequences."""
         from flashgen.ops.cpu.attention import varlen_blocked_backward
 
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
@@ -547,6 +548,7 @@ class VarlenBackward(Backward):
         dq, dk, dv, dparams = varlen_blocked_backward(
             self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale,
             params=_reference_params(self.spec, scalars, tensors, q.dtype), param_grads=names,
+            o=o, lse=lse,
         )  # fmt: skip
         return dq, dk, dv, [dparams[n] for n in names]
 
