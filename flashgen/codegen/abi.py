@@ -12,6 +12,9 @@ Kernel ABI (every forward kernel, every target), in this order:
     q_descale k_descale v_descale   fp8 specs only: const float*, contiguous [batch, heads_kv]
               (the per-block kernel, hopper_fwd.plan(block_descale=True): q's [batch, heads_q,
               ceil(seqlen_q/128)], k's and v's [batch, heads_kv, ceil(seqlen_k/128)])
+    sink sink_sb sink_sh   the fused sink only (Options.fa2_fwd / hopper_fwd.fused_sink on a spec
+              with a sink): const float*, int64_t, int64_t: the logit of (b, h) at
+              b * sink_sb + h * sink_sh (b the sequence for varlen), or null for the keys alone
     p_<name>  for each scalar param, in spec order                    int | float
     t_<name>  for each tensor param, in spec order                    const int* | const float*
               (contiguous, shape as declared)
@@ -164,8 +167,9 @@ def _uses_index_var(e: Expr | None, name: str) -> bool:
     )
 
 
-def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
-    """The forward ABI of the module docstring, for ``spec``."""
+def kernel_args(spec: Spec, sink: bool = False) -> tuple[KernelArg, ...]:
+    """The forward ABI of the module docstring, for ``spec``; ``sink``: with the fused sink's
+    arguments (:func:`sink_args`) after ``softmax_scale`` and the descales."""
     dt = dtype(spec.dtype)
     t = dt.ctype
     args = [
@@ -186,6 +190,8 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
     args.append(KernelArg("softmax_scale", "float"))
     if dt.scaled:
         args += descale_args()
+    if sink:
+        args += sink_args()
     for p in spec.scalar_params:
         args.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:
@@ -198,6 +204,16 @@ def kernel_args(spec: Spec) -> tuple[KernelArg, ...]:
         ]
     return tuple(args)
 
+
+
+def sink_args() -> list[KernelArg]:
+    """``sink, sink_sb, sink_sh``: the fused sink's float32 logit of row (b, h) at ``b *
+    sink_sb + h * sink_sh`` (``b`` the request for decode, the sequence for varlen), or null
+    for the keys alone (:mod:`flashgen.ops.sink` has the math).  The decode attention kernel and
+    the forward kernels with the fused sink take them."""
+    return [KernelArg("sink", "const float*")] + [
+        KernelArg(n, "int64_t") for n in ("sink_sb", "sink_sh")
+    ]
 
 
 def descale_args() -> list[KernelArg]:

@@ -63,7 +63,8 @@ class ForwardContext(TemplateContext):
     it): names, sizes and tiles, the causal flag, the residual mask and score_mod as CUDA
     expressions (per masked tile kind: ``tile_mask_expr``), their row / column terms, the
     affine score_mod split, the prologue of hoisted invariants, the ABI and the tile
-    classifier.  Each family's ``Context`` adds its own fields."""
+    classifier; ``sink``: the epilogue joins the spec's sink (the fused sink).  Each family's
+    ``Context`` adds its own fields."""
 
     spec_name: str
     kernel_name: str
@@ -94,6 +95,7 @@ class ForwardContext(TemplateContext):
     tile_group: str
     needs_bh: bool
     exact_softmax: bool
+    sink: bool
 
 
 #: The K and V bytes a head group of the forward's CTA order keeps in L2 together (H100 / H200
@@ -244,6 +246,7 @@ def forward_context(
     head_groups: bool = True,
     col_bound: bool = False,
     exact_softmax: bool = False,
+    sink: bool = False,
 ) -> dict:
     """The fields of :class:`ForwardContext` as a dict (the family adds its own, then builds
     its ``Context``): sizes, tiles, the causal flag, the residual mask and score_mod as
@@ -268,8 +271,12 @@ def forward_context(
     that side) that the masked tiles of kinds ``mask`` and ``nc`` fold into their per-row
     column range; otherwise ``col_bound`` is None.  With a score_mod only a residual that is
     all bounds qualifies (the score_mod loop tests a rest per element, the column range after
-    the loop)."""
+    the loop).  ``sink`` (a family's ``fused_sink`` option): for a spec with a sink, the
+    kernel takes the sink logits (:func:`flashgen.codegen.abi.sink_args`) and its epilogue
+    scales each row's output by ``sigmoid(lse - sink)`` (the context's ``sink``: False for a
+    spec without one, whose unit renders unchanged)."""
     d, dv = spec.head_dim, spec.head_dim_v
+    sink = sink and spec.sink is not None
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
     # both forward templates define score_raw = q.k
@@ -331,7 +338,7 @@ def forward_context(
         and any(isinstance(n, Index) for n in ir.walk(residual)),
         "prologue": inv.prologue,
         "varlen": spec.varlen,
-        "args": kernel_args(spec),
+        "args": kernel_args(spec, sink),
         "block_table": needs_block_table(spec),
         # block sparsity: the mask's tile classifier and its arguments after the tile bounds
         "tile_classifier": masktiles.classifier_source(spec),
@@ -342,5 +349,7 @@ def forward_context(
         or _uses(score_mod, {"b", "h", "h_kv"})
         or bool(spec.tensor_params),
         "exact_softmax": exact_softmax,
+        # the fused sink: o scaled by sigmoid(lse - sink) in the epilogue
+        "sink": sink,
     }
 

@@ -59,7 +59,7 @@ import numbers
 from dataclasses import dataclass, replace
 
 from flashgen.analysis import masktiles
-from flashgen.codegen.abi import KernelArg
+from flashgen.codegen.abi import KernelArg, sink_args
 from flashgen.codegen.cuda_expr import Invariants, cuda_expr, split_causal
 from flashgen.codegen.dtypes import CTYPE, DType, dtype
 from flashgen.codegen.plan import KernelPlan, TemplateContext
@@ -534,8 +534,7 @@ def attn_args(
         a += [KernelArg("k_descale_mul", "float"), KernelArg("v_descale_mul", "float")]
         a += [KernelArg(n, "int64_t") for n in ("kds_sb", "kds_sh", "vds_sb", "vds_sh")]
     if sink:
-        a += [KernelArg("sink", "const float*")]
-        a += [KernelArg(n, "int64_t") for n in ("sink_sb", "sink_sh")]
+        a += sink_args()
     for p in spec.scalar_params:
         a.append(KernelArg(f"p_{p.name}", "int" if p.ty == Ty.I32 else "float"))
     for p in spec.tensor_params:

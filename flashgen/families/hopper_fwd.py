@@ -72,7 +72,11 @@ class Options:
     :data:`EXP2_FMA_EVERY`, default 0): every N-th 8-column tile of the softmax's P is
     computed on the FMA pipe by a polynomial (FlashAttention-4's exp2 emulation) instead of
     the SFU's ``ex2.approx``; not with ``exact_softmax``.  Raises ``ValueError`` for another
-    value."""
+    value.  ``fused_sink`` (off by default, until measured on the GPU): for a spec with a sink,
+    the epilogue joins it to each row's denominator, ``o = o_keys * sigmoid(lse - sink)`` in
+    fp32 before the store (every form: persistent, sparse tiles, fp8), from a float32 logit
+    per (batch, query head) taken per call; lse stays the keys' alone (as
+    :class:`flashgen.families.fa2_fwd.Options`' ``fused_sink``, which says more)."""
 
     affine: bool = True
     causal_tiles: bool = True
@@ -85,6 +89,7 @@ class Options:
     nonneg_div: bool = True
     fp8_transpose: str = "ldsm"
     exp2_fma_every: int = 0
+    fused_sink: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_fwd")
@@ -352,6 +357,7 @@ def plan(
         head_groups=o.head_groups,
         col_bound=bool(col_limit and o.col_bound),
         exact_softmax=exact_softmax,
+        sink=o.fused_sink,
     )
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = o.nonneg_div

@@ -6,7 +6,7 @@ compiles.  Options come in as :class:`flashgen.options.Options`.  Pure Python.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flashgen.codegen import dparam
 from flashgen.codegen.abi import needs_block_table, target_for_capability
@@ -234,17 +234,21 @@ def plan_forward(
     ``options.side_terms``): row / column terms; ``options.exact_softmax`` goes to the
     family's ``plan`` as it does in :func:`plan_backward`, :func:`plan_hopper_backward` and
     :func:`plan_decode`.  ``block_descale``: the fp8 Hopper forward that reads per-block
-    descales (:func:`flashgen.families.hopper_fwd.plan`).  Raises ``ValueError`` like the
-    families' ``plan``."""
+    descales (:func:`flashgen.families.hopper_fwd.plan`).  The fused sink (``fused_sink``) is
+    the routed family's option even where ``tiles`` are another family's (the spill
+    fallback's FA2-class tiles for a Hopper route), so every forward unit of an op agrees
+    with :func:`joins_sink`.  Raises ``ValueError`` like the families' ``plan``."""
     route = select(spec, target, "fwd", options)
     name = route.family if tiles is None else (
         "hopper_fwd" if tiles.warp_specialized else "fa2_fwd"
     )
     side_terms = side_terms and options.side_terms
     key = options.family_key(name)
+    fused = getattr(options, route.family).fused_sink
     if name == "hopper_fwd":
         return hopper_fwd.plan(
-            spec, target, options.hopper_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
+            spec, target, replace(options.hopper_fwd, fused_sink=fused), gpu=gpu, tiles=tiles,
+            side_terms=side_terms,
             persistent=route.persistent if persistent is None else persistent, options_key=key,
             exact_softmax=options.exact_softmax, block_descale=block_descale,
         )  # fmt: skip
@@ -254,9 +258,19 @@ def plan_forward(
             f"(the {name} family was chosen)"
         )
     return fa2_fwd.plan(
-        spec, target, options.fa2_fwd, gpu=gpu, tiles=tiles, side_terms=side_terms,
-        options_key=key, exact_softmax=options.exact_softmax,
+        spec, target, replace(options.fa2_fwd, fused_sink=fused), gpu=gpu, tiles=tiles,
+        side_terms=side_terms, options_key=key, exact_softmax=options.exact_softmax,
     )  # fmt: skip
+
+
+def joins_sink(spec: Spec, target: str, options: Options = DEFAULT) -> bool:
+    """Whether the forward kernels of ``spec`` on ``target`` join its sink (a spec with a
+    ``sink:`` and the ``fused_sink`` option of the family :func:`select` picks for the
+    forward, which :func:`plan_forward` gives every forward unit of the op).  False for a
+    spec without a sink.  Raises ``ValueError`` like :func:`select`."""
+    if spec.sink is None:
+        return False
+    return getattr(options, select(spec, target, "fwd", options).family).fused_sink
 
 
 def _causal_bits(spec: Spec, target: str, options: Options) -> bool:

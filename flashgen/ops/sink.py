@@ -18,6 +18,7 @@ rowsum(dO * O)`` with ``p_sink = sigmoid(sink - lse)``, and the keys' backward s
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -99,3 +100,49 @@ def varlen_rows(sink: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int) ->
     seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int64), rows, right=True)
     seq = seq.clamp(max=max(sink.shape[0] - 1, 0)).to(sink.device)
     return sink[seq].transpose(0, 1)
+
+
+def sink_arg_values(sink: torch.Tensor | None) -> dict:
+    """The fused-sink kernel arguments (:func:`flashgen.codegen.abi.sink_args`) for the logits
+    ``sink``: a float32 ``[B, Hq]`` tensor on the kernel's device (per sequence for varlen;
+    any strides, a stride-0 broadcast included), read at ``b * sink_sb + h * sink_sh``; None:
+    a null pointer (the keys alone).  Raises :class:`OpInputError` naming ``sink`` for another
+    dtype or rank."""
+    if sink is None:
+        return {"sink": 0, "sink_sb": 0, "sink_sh": 0}
+    if sink.dtype != torch.float32 or sink.dim() != 2:
+        from flashgen.frontend.errors import OpInputError
+
+        raise OpInputError(
+            f"sink: expected float32 logits [batch, heads_q] for the kernel, got {sink.dtype} "
+            f"{list(sink.shape)}"
+        )
+    sb, sh = sink.stride()
+    return {"sink": sink, "sink_sb": sb, "sink_sh": sh}
+
+
+def keys_backward_inputs(o, lse, rows, grad_o, grad_lse) -> tuple:
+    """What the keys' backward kernels take for an output ``o`` with the sink joined (the fused
+    forward's), and the sink's gradient: ``(dout, lse_arg, dlse, d_rows)``.
+
+    ``o [..., S, Dv]`` (o's rows in lse's layout), ``lse [..., S]`` float32 (the keys' alone),
+    ``rows`` the float32 sink logits broadcastable to lse (``[B, H, 1]``; varlen ``[H,
+    total_q]``), ``grad_o`` like o or None (zero), ``grad_lse`` like lse or None.  With
+    ``D = rowsum(dO * O)``: ``d_rows = -sum of sigmoid(sink - lse) * D`` summed to rows' shape
+    (0 for a row with no key).  The keys' backward is the standard one with ``dsum = D``: for
+    ``grad_lse`` None, P rebuilt against the sink-inclusive normaliser ``lse_arg =
+    logaddexp(lse, sink)`` and ``dout = grad_o``; else (exact whatever the share) ``dout =
+    grad_o * sigmoid(lse - sink)`` against the keys' ``lse_arg = lse`` with ``dlse =
+    grad_lse``, whose row term ``sigmoid(lse - sink) * D - grad_lse`` is the same."""
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    empty = lse == -math.inf  # no key: o = 0, and no share of the sink to differentiate
+    zero = lse.new_zeros(())
+    d = (grad_o.to(lse.dtype) * o.to(lse.dtype)).sum(-1)
+    p_sink = torch.where(empty, zero, torch.sigmoid(rows - lse))
+    d_rows = (-(p_sink * d)).sum_to_size(rows.shape)
+    if grad_lse is None:
+        return grad_o, torch.logaddexp(lse, rows), None, d_rows
+    share = torch.where(empty, zero, torch.sigmoid(lse - rows))
+    dout = (grad_o.to(lse.dtype) * share.unsqueeze(-1)).to(grad_o.dtype)
+    return dout, lse, grad_lse, d_rows

@@ -480,10 +480,12 @@ def varlen_blocked(spec: ir.Spec, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softma
 
 def varlen_blocked_backward(spec: ir.Spec, dout, q, k, v, dlse, cu_seqlens_q, cu_seqlens_k, *,
                             softmax_scale: float, params: dict | None = None,
-                            param_grads: tuple[str, ...] = ()):  # fmt: skip
+                            param_grads: tuple[str, ...] = (), o=None, lse=None):  # fmt: skip
     """dq, dk, dv (packed like q, k, v) and ``{param: gradient}`` (as
     :func:`attention_blocked_backward`'s, summed over the sequences) of
-    :func:`varlen_blocked`; ``dlse`` [Hq, total_q] or None."""
+    :func:`varlen_blocked`; ``dlse`` [Hq, total_q] or None.  ``o`` [total_q, Hq, Dv] and
+    ``lse`` [Hq, total_q] (both or neither): the forward's outputs, used per sequence as the
+    kernels use them (:func:`attention_blocked_backward`'s ``o`` / ``lse``)."""
     dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     params = dict(params or {})
     cdt = compute_dtype(q.dtype)
@@ -492,9 +494,13 @@ def varlen_blocked_backward(spec: ir.Spec, dout, q, k, v, dlse, cu_seqlens_q, cu
         if q1 == q0 or k1 == k0:
             continue
         gl = None if dlse is None else dlse[:, q0:q1].unsqueeze(0)
+        saved = {}
+        if o is not None:
+            saved = {"o": _seq4(o, q0, q1), "lse": lse[:, q0:q1].unsqueeze(0)}
         gq, gk, gv, gp = attention_blocked_backward(
             spec, _seq4(dout, q0, q1), _seq4(q, q0, q1), _seq4(k, k0, k1), _seq4(v, k0, k1), gl,
             softmax_scale=softmax_scale, params=params, batch_offset=i, param_grads=param_grads,
+            **saved,
         )  # fmt: skip
         dq[q0:q1] = gq[0].transpose(0, 1)
         dk[k0:k1] += gk[0].transpose(0, 1)

@@ -71,6 +71,8 @@ from flashgen.ops.calls import (
 from flashgen.ops.out_arg import check_out
 from flashgen.ops.prefill.attention_blockmask import BlockMaskMethods
 from flashgen.ops.prefill.attention_kernels import KernelChoice
+from flashgen.ops.prefill.fused_sink import FusedSinkAttention
+from flashgen.ops.sink import sink_arg_values
 from flashgen.ops.validation import (
     CPU_DTYPES,
     Dims,
@@ -84,6 +86,7 @@ from flashgen.ops.validation import (
     out_dtype,
     resolve_descales,
     resolve_params,
+    target_for_device,
     validate,
 )
 from flashgen.options import DEFAULT, Options
@@ -130,6 +133,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         self._block_table = needs_block_table(spec)
         #: whether the op takes q_descale, k_descale, v_descale (fp8_e4m3 specs)
         self._scaled = is_scaled(spec)
+        #: per device index, whether its forward kernels join the spec's sink (the fused sink)
+        self._sink_joins: dict[int, bool] = {}
         #: (Dims, scalar values) whose tensor-param subscripts were bounded (indexbounds)
         self._bounds_seen: set = set()
         #: set when ``flashgen.load`` of the edited spec file replaced this op's registration
@@ -326,7 +331,16 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         partial results merged with :func:`flashgen.merge_attention`; apply the sink once
         at the end with :func:`flashgen.ops.sink.apply_sink`.  (The operator
         ``torch.ops.flashgen.<name>`` computes the keys alone; this method applies the
-        sink, differentiably, so the sink's params get their gradient too.)
+        sink, differentiably, so the sink's params get their gradient too.)  With the
+        ``fused_sink`` option of the forward family that runs (``Options.fa2_fwd`` /
+        ``Options.hopper_fwd``; off by default), a call on plain eager CUDA tensors has the
+        forward kernel join the sink instead, from the float32 logits per (batch, query head)
+        (:meth:`_fuses_sink`): the same results and gradients (q, k, v, the sink's params; the
+        backward kernels take P against ``logaddexp(lse, sink)``,
+        :mod:`flashgen.ops.prefill.fused_sink`); ``apply_sink=False`` gives the kernel a null
+        sink.  An fp8 op's forward joins it too, in calls without gradients (it has no
+        backward); with them, and for a 0-d scalar param that requires grad, the torch
+        epilogue runs.
 
         Raises :class:`OpInputError` for bad inputs (message names the argument, the
         expected and the received value).
@@ -347,6 +361,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         refuse_forward_ad(self.spec.name, (*args, *kwargs.values()))
         if self.spec.sink is None or not apply_sink:
             return run(*args, out=out, **kwargs)
+        if self._fuses_sink(*args[:3], kwargs):  # the forward kernel joins the sink
+            return run(*args, out=out, join_sink=True, **kwargs)
         from flashgen.ops.sink import apply_sink as join
         from flashgen.ops.sink import sink_logits, varlen_rows
 
@@ -373,6 +389,46 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             return o_sunk, lse
         return out.copy_(o_sunk), lse
 
+    def _fuses_sink(self, q, k, v, kwargs: dict) -> bool:
+        """Whether a call that joins the spec's sink (``kwargs``: its keyword arguments) has
+        the forward kernel join it (:meth:`_joins_sink`): plain eager CUDA tensors
+        (:func:`_eager_cuda`), no 0-d scalar param that requires grad (those take
+        :class:`ScalarParamGrad` and the torch epilogue), and an fp8 op only without
+        gradients (it has no backward).  Anything else (CPU, ``torch.compile``, modes) applies
+        the sink after the kernel (:func:`flashgen.ops.sink.apply_sink`)."""
+        tensor = torch.Tensor
+        if not all(isinstance(t, tensor) for t in (q, k, v)) or not _eager_cuda(q, k, v):
+            return False
+        if torch.is_grad_enabled():
+            values = (q, k, v, *kwargs.values())
+            if any(isinstance(t, tensor) and t.requires_grad for t in values) and (
+                self._scaled
+                or any(isinstance(kwargs.get(p.name), tensor) and kwargs[p.name].requires_grad
+                       for p in self.spec.scalar_params)  # fmt: skip
+            ):
+                return False
+        return self._joins_sink(q.device)
+
+    def _joins_sink(self, device) -> bool:
+        """Whether this op's forward kernels on CUDA ``device`` join its sink
+        (:func:`flashgen.families.registry.joins_sink` under its options: the routed forward
+        family's ``fused_sink``), remembered per device."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        hit = self._sink_joins.get(index)
+        if hit is None:
+            target = target_for_device(self.spec, device)
+            hit = self._sink_joins[index] = registry.joins_sink(self.spec, target, self.options)
+        return hit
+
+    def _sink_logits(self, params: dict, batch: int, heads_q: int, heads_kv: int, device):
+        """The sink logits a fused-sink kernel reads: float32 ``[batch, heads_q]`` on ``device``
+        (:func:`flashgen.ops.sink.sink_logits` of the call's ``params``; a view of the param
+        for ``sinks[h]``-like forms), differentiable in the params."""
+        from flashgen.ops.sink import sink_logits
+
+        return sink_logits(self.spec, params, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                           device=device, dtype=torch.float32)  # fmt: skip
+
     def _attention(
         self,
         q,
@@ -390,9 +446,11 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         q_descale=None,
         k_descale=None,
         v_descale=None,
+        join_sink: bool = False,
         **params,
     ):
-        """:meth:`attention` over the keys alone (no sink applied)."""
+        """:meth:`attention` over the keys alone (no sink applied); ``join_sink`` (a call
+        :meth:`_fuses_sink` accepted): with the sink, joined by the forward kernel."""
         self._check_live()
         if self._offsets_form or not (
             q_offset is None and kv_offset is None and seqlen_q_global is None
@@ -405,7 +463,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
                 return self.offsets._attention(
                     q, k, v, softmax_scale=softmax_scale, deterministic=deterministic,
                     block_mask=block_mask, out=out, q_descale=q_descale, k_descale=k_descale,
-                    v_descale=v_descale, **pos, **params,
+                    v_descale=v_descale, join_sink=join_sink, **pos, **params,
                 )  # fmt: skip
             params = {**params, **pos}
         scalar_grads: dict = {}
@@ -433,6 +491,17 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
                 tuple(scalar_grads), q, k, v, *tensors, *scalar_grads.values(),
             )  # fmt: skip
             return (o, lse) if out is None else (out.copy_(o), lse)
+        if join_sink:  # plain eager CUDA (_fuses_sink): the kernel joins the sink
+            sink = self._sink_logits(params, dims.batch, dims.heads_q, dims.heads_kv, q.device)
+            if not torch.is_grad_enabled() or not any(
+                t.requires_grad for t in (q, k, v, sink, *tensors)
+            ):
+                return self._forward(q, k, v, dims, softmax_scale, scalars, tensor_map, table,
+                                     descales, out=out, sink=sink)  # fmt: skip
+            return FusedSinkAttention.apply(
+                self, dims, softmax_scale, scalars, table, deterministic, (out,), q, k, v, sink,
+                *tensors,
+            )  # fmt: skip
         if _eager_cuda(q, k, v):
             param_grad = any(t.requires_grad for t in tensors)  # the op path's autograd
             if not torch.is_grad_enabled() or not (
@@ -587,13 +656,16 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
     def _forward(
         self, q, k, v, dims: Dims, softmax_scale, scalars, tensors: dict, table, descales=None,
-        out=None,
+        out=None, sink=None,
     ):
         """The CUDA forward of inputs :func:`validate` accepted (``dims`` its answer):
         ``(o, lse)``, launched on the current stream of q's device.  ``scalars`` in spec
         order, ``tensors`` by param name, ``table``: the ``block_mask`` argument or None,
         ``descales``: an fp8 op's three float32 [B, Hkv] descales (checked), else None;
-        ``out``: o's tensor (checked by :func:`~flashgen.ops.out_arg.check_out`) or None."""
+        ``out``: o's tensor (checked by :func:`~flashgen.ops.out_arg.check_out`) or None;
+        ``sink``: float32 ``[B, Hq]`` logits the kernel joins to o (:meth:`_joins_sink` must
+        hold), None: o over the keys alone (a fused-sink kernel gets a null sink).  Raises
+        ``RuntimeError`` for logits given to a kernel without the fused sink."""
         if self.spec.tensor_params:
             self._check_index_bounds(dims, scalars)
         o, lse = self._empty_outputs(q, dims, out)
@@ -616,6 +688,10 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         plan = kern.plan
         if plan.context["block_table"]:
             values.update(self._table_values(table, plan, dims, scalars, tensors, q.device))
+        if plan.context["sink"]:
+            values.update(sink_arg_values(sink))
+        elif sink is not None:
+            raise RuntimeError(f"{plan.kernel_name} has no fused sink to take the sink logits")
         stream = current_stream_ptr(q.device)
         if plan.context.get("persistent"):
             ctas = self.options.persistent_ctas or _sm_count(kern.device_index)

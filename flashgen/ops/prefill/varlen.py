@@ -61,6 +61,8 @@ from flashgen.ops.prefill.backward import (
     uses_atomic_dq,
     wanted,
 )
+from flashgen.ops.prefill.fused_sink import FusedSinkVarlen
+from flashgen.ops.sink import sink_arg_values, varlen_rows
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     CPU_DTYPES,
@@ -389,12 +391,15 @@ class VarlenOp(AttentionOp):
 
     def _varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 softmax_scale: float | None = None, deterministic: bool = False, out=None,
-                **params):  # fmt: skip
-        """:meth:`attention` over the keys alone (no sink applied); ``out`` must be None."""
+                join_sink: bool = False, **params):  # fmt: skip
+        """:meth:`attention` over the keys alone (no sink applied); ``out`` must be None.
+        ``join_sink`` (a call :meth:`_fuses_sink` accepted): with the sink, joined by the
+        forward kernel (launched here, :class:`~flashgen.ops.prefill.fused_sink.FusedSinkVarlen`
+        where gradients are wanted)."""
         self._check_live()
         scalar_grads: dict = {}
         scalars, tensors = resolve_params(self.spec, params, scalar_grads)
-        validate_varlen(
+        dims = validate_varlen(
             self.spec, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             self._tensor_map(tensors),
         )  # fmt: skip
@@ -403,6 +408,19 @@ class VarlenOp(AttentionOp):
         softmax_scale = check_softmax_scale(softmax_scale)
         if not isinstance(deterministic, bool):
             raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
+        if join_sink:  # plain eager CUDA (_fuses_sink): the kernel joins each sequence's sink
+            sink = self._sink_logits(params, dims.batch, dims.heads_q, dims.heads_kv, q.device)
+            if not torch.is_grad_enabled() or not any(
+                t.requires_grad for t in (q, k, v, sink, *tensors)
+            ):
+                return self._launch_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, dims,
+                                            softmax_scale, scalars, self._tensor_map(tensors),
+                                            sink=sink)  # fmt: skip
+            rows = varlen_rows(sink, cu_seqlens_q, dims.total_q)
+            return FusedSinkVarlen.apply(
+                self, dims, softmax_scale, scalars, deterministic, q, k, v, cu_seqlens_q,
+                cu_seqlens_k, sink.detach(), rows, *tensors,
+            )  # fmt: skip
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                 softmax_scale, *scalars, *tensors)  # fmt: skip
         if scalar_grads:
@@ -455,6 +473,15 @@ class VarlenOp(AttentionOp):
 
     def _cuda_impl(self, q, k, v, cq, ck, mq, mk, softmax_scale, *rest, deterministic=False):
         dims, scalars, tensors = self._validate(q, k, v, cq, ck, mq, mk, softmax_scale, rest)
+        return self._launch_forward(q, k, v, cq, ck, dims, softmax_scale, scalars, tensors)
+
+    def _launch_forward(self, q, k, v, cq, ck, dims: VarlenDims, softmax_scale, scalars,
+                        tensors: dict, sink=None):  # fmt: skip
+        """The CUDA forward of validated varlen inputs (``dims``: :func:`validate_varlen`'s
+        answer; ``scalars`` in spec order, ``tensors`` by name), launched on the current
+        stream of q's device: fresh ``(o, lse)``.  ``sink``: float32 ``[num_seqs, Hq]`` logits
+        the kernel joins to o (a fused-sink op, :meth:`_joins_sink`), None: the keys alone.
+        cu_seqlens' values are checked first under :func:`check_enabled` (a host sync)."""
         if check_enabled():
             check_cu_seqlens(cq, ck, dims)
         o, lse = self._packed_outputs(q, dims)
@@ -467,22 +494,29 @@ class VarlenOp(AttentionOp):
             return o.zero_(), lse.fill_(-math.inf)
         kern = self.kernel(q.device)
         grid, values = forward_launch(
-            self.spec, kern.plan, q, k, v, o, lse, cq, ck, dims, softmax_scale, scalars, tensors
+            self.spec, kern.plan, q, k, v, o, lse, cq, ck, dims, softmax_scale, scalars, tensors,
+            sink=sink,
         )
         kern.launch(grid, values, current_stream_ptr(q.device))
         return o, lse
 
 
 def forward_launch(spec, plan, q, k, v, o, lse, cq, ck, dims: VarlenDims, softmax_scale,
-                   scalars, tensors) -> tuple:  # fmt: skip
+                   scalars, tensors, sink=None) -> tuple:  # fmt: skip
     """``(grid, values)`` of the varlen forward kernel ``plan`` on packed q, k, v (3-D),
-    outputs o [total_q, Hq, Dv] and lse [Hq, total_q].  Pure (no launch): the CPU tests
-    pack it against the kernel ABI.  Raises :class:`OpInputError` for a grid too large."""
+    outputs o [total_q, Hq, Dv] and lse [Hq, total_q]; a fused-sink kernel takes ``sink``
+    (float32 ``[num_seqs, Hq]`` logits, or None: null, the keys alone).  Pure (no launch):
+    the CPU tests pack it against the kernel ABI.  Raises :class:`OpInputError` for a grid
+    too large, ``RuntimeError`` for logits given to a kernel without the fused sink."""
     q, k, v = (_kernel_aligned(_as4d(t)) for t in (q, k, v))
     values = _packed_values(
         spec, {"q": q, "k": k, "v": v, "o": o, "lse": lse}, dims, softmax_scale, scalars,
         tensors, cq, ck,
     )  # fmt: skip
+    if plan.context["sink"]:
+        values.update(sink_arg_values(sink))
+    elif sink is not None:
+        raise RuntimeError(f"{plan.kernel_name} has no fused sink to take the sink logits")
     grid = plan.grid(dims.batch, dims.heads_q, dims.grid_seqlen_q)
     _check_grids(grid)
     return grid, values
@@ -537,8 +571,9 @@ class VarlenBackward(Backward):
 
     def cpu(self, dout, q, k, v, o, lse, dlse, cq, ck, mq, mk, scale, deterministic, *rest,
             param_grads=()):  # fmt: skip
-        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu.attention`), with
-        the requested param gradients summed over the sequences."""
+        """The blocked CPU backward per sequence (:mod:`flashgen.ops.cpu.attention`) against
+        the saved ``o`` and ``lse`` (P and the row term from them, as the kernels take them),
+        with the requested param gradients summed over the sequences."""
         from flashgen.ops.cpu.attention import varlen_blocked_backward
 
         dims, scalars, tensors = self.op._validate(q, k, v, cq, ck, mq, mk, scale, rest)
@@ -547,6 +582,7 @@ class VarlenBackward(Backward):
         dq, dk, dv, dparams = varlen_blocked_backward(
             self.spec, dout, q, k, v, dlse, cq, ck, softmax_scale=scale,
             params=_reference_params(self.spec, scalars, tensors, q.dtype), param_grads=names,
+            o=o, lse=lse,
         )  # fmt: skip
         return dq, dk, dv, [dparams[n] for n in names]
 
