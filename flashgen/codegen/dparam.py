@@ -27,10 +27,13 @@ from flashgen.frontend.ir import Expr, Spec, Var
 
 #: The reduction forms whose per-step contributions go through a shared-memory tile
 #: (``KV_N x KV_M`` floats per term) in the FA2-class dK/dV kernel; ``cta`` and ``key`` are
-#: reduced in registers.  The Hopper backward takes only the register forms
+#: reduced in registers.  The Hopper backward takes the register forms and ``diagonal``
 #: (:func:`hopper_forms_ok`).
 TILE_FORMS = ("query", "diagonal", "general")
 REGISTER_FORMS = ("cta", "key")
+#: The forms the Hopper backward accumulates at head_dim 64 and 256: the register forms and
+#: ``diagonal`` (a step's sums per diagonal of each warpgroup's tile, templates/common/dparam.j2).
+HOPPER_FORMS = (*REGISTER_FORMS, "diagonal")
 
 
 def _reads(e: Expr, name: str) -> bool:
@@ -110,14 +113,15 @@ def forms(spec: Spec, names) -> set[str]:
 
 def hopper_forms_ok(spec: Spec, names) -> bool:
     """Whether the Hopper backward can accumulate these params' gradients: every term per
-    CTA (``cta``), or at head_dim 64 / 256 per CTA or per key (``key``: at head_dim 128 the
-    consumers' 240 registers do not hold its two sums, 68-76 spilled bytes on nvcc 13.0);
-    the others (a query / relative-position / general table) take the FA2-class backward
-    with the accumulation."""
+    CTA (``cta``), or at head_dim 64 / 256 per CTA, per key (``key``) or per relative
+    position (``diagonal``: a table indexed through q_idx - kv_idx, such as T5's bias); at
+    head_dim 128 the consumers' 240 registers do not hold a key term's two sums (68-76
+    spilled bytes on nvcc 13.0), so only ``cta``.  The others (a query / general table)
+    take the FA2-class backward with the accumulation."""
     got = forms(spec, names)
     if spec.head_dim == 128:
         return got <= {"cta"}
-    return got <= set(REGISTER_FORMS)
+    return got <= set(HOPPER_FORMS)
 
 
 def tile_terms(spec: Spec, names) -> int:

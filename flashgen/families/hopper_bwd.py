@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from flashgen.analysis.paramgrad import grad_plan
 from flashgen.codegen import dparam
 from flashgen.codegen.abi import KernelArg, TmaArg, needs_block_table
 from flashgen.codegen.dtypes import dtype
@@ -275,7 +276,9 @@ def plan(
     pg_wg = sdp_wg and ctx["score_grad_expr"] not in (None, "1.0f")
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, int(pg_wg))
     # static arrays, 1 KiB as ptxas counts them: the coordinates' (:func:`coords_dynamic`), dparam's
+    # (a diagonal term's two warpgroups' slots, templates/common/dparam.j2: up to 1 KiB more each)
     static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
+    static += 1024 * sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "

@@ -55,12 +55,17 @@ def test_without_param_grads_the_units_render_as_before():
 
 def test_routing_with_param_grads():
     """deterministic=True never takes the (ordered) Hopper kernel with param grads; the Hopper
-    backward takes per-CTA and per-key forms, the others run the FA2-class kernels."""
+    backward takes per-CTA, per-key and (head_dim 64 / 256) relative-position forms, the
+    others run the FA2-class kernels."""
     alibi = load_spec(REPO / "specs" / "alibi.yaml")
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     assert backward_path(alibi, "sm_90", False, param_grads=("slopes",)) == "hopper"
     assert backward_path(t5, "sm_90", False) == "hopper"
-    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "deterministic"
+    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "hopper"  # diagonal
+    full = form_spec("full_bias", 64)
+    assert backward_path(full, "sm_90", False, param_grads=("fb",)) == "deterministic"
+    rel128 = form_spec("relative_table")  # head_dim 128: cta terms only
+    assert backward_path(rel128, "sm_90", False, param_grads=("rel",)) == "deterministic"
     from flashgen.options import Options
 
     ordered = Options().replace_path("hopper_bwd.ordered_dq", True)
@@ -83,7 +88,7 @@ def test_routing_with_param_grads():
         assert backward_path(learned, "sm_90", True, o) == "hopper_ordered"
         assert backward_path(learned, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
     with pytest.raises(ValueError, match="FA2-class"):
-        registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",))
+        registry.plan_hopper_backward(full, "sm_90", param_grads=("fb",))
 
 
 def test_compile_units_add_the_dparam_units_of_trainable_specs():
@@ -94,7 +99,7 @@ def test_compile_units_add_the_dparam_units_of_trainable_specs():
     assert {"bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"} <= set(
         registry.compile_units(alibi, "sm_90"))  # fmt: skip
     units = registry.compile_units(t5, "sm_90")
-    assert "bwd_dparam" in units and "bwd_wgmma_dparam" not in units
+    assert "bwd_dparam" in units and "bwd_wgmma_dparam" in units
     assert not any("dparam" in u for u in registry.compile_units(sink, "sm_90"))
     assert not any("dparam" in u for u in registry.compile_units(causal, "sm_80"))
 
@@ -120,6 +125,39 @@ def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
             assert "fg::wgmma_wait<0>();  // S^T and dP^T have landed" in src
             if form != "scalars":
                 assert "cg * 64 + warp * 16 + lane / 4" in src  # the key slots / warp sums
+
+
+def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
+    """Host emulation of the diagonal form in the Hopper kernel (templates/common/dparam.j2,
+    sm_90/bwd.cu.j2): pair (j, r, e) of lane l in warp w is query qw0 + 8 j + 2 (l % 4) + e,
+    key kw0 + 16 w + l / 4 + 8 r; it goes to register (j - r + 1) * 2 + e, and register d to
+    slot 8 (d / 2 - 1) + d % 2 + 2 (l % 4) - 16 w - l / 4 + 63 of its warpgroup.  Every pair
+    of a slot has q - kv = slot - 63 + qw0 - kw0, the flush's representative pair (kv_l =
+    max(0, -dl), q_l = kv_l + dl) lies in the 64 x QN tile on that diagonal, and every slot
+    index is inside [0, QN + 63)."""
+    for qn in (32, 64, 128):  # d256's query split, 64-query steps, d64's 128-query steps
+        nq = qn // 8
+        for w in range(4):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for j in range(nq):
+                    for r in range(2):
+                        for e in range(2):
+                            dq, dk = 8 * j + 2 * t + e, 16 * w + g + 8 * r
+                            d = (j - r + 1) * 2 + e
+                            assert 0 <= d < 2 * (nq + 1)
+                            slot = 8 * (d // 2 - 1) + d % 2 + 2 * t - 16 * w - g + 63
+                            assert 0 <= slot < qn + 63 and slot - 63 == dq - dk
+        for slot in range(qn + 63):
+            dl = slot - 63
+            kv_l = max(0, -dl)
+            assert 0 <= kv_l < 64 and 0 <= kv_l + dl < qn
+    t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
+    src = render(registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",)).unit)
+    assert "__shared__ float dp_diag0[2 * (QN + 63)];" in src
+    assert "dpd0[(j - r + 1) * 2 + e] += " in src
+    assert "atomicAdd(&dp_diag0[cg * (QN + 63) + 8 * (d / 2 - 1) + d % 2 + 2 * (lane % 4)" in src
+    assert "const int wg = j / (QN + 63), dl = j % (QN + 63) - 63, kv_l = max(0, -dl);" in src
 
 
 def test_element_offsets_clamp_where_the_read_clamps():
@@ -175,7 +213,7 @@ def _case_specs():
     FA2-class kernels, as a windowed softcap does without dparam), the shipped specs."""
     cases = [(form_spec(f), True) for f in sorted(FORMS)]
     cases += [(form_spec(f, 64), True) for f in ("per_head", "per_key_head", "relative_table")]
-    cases += [(form_spec(f, 256), True) for f in ("per_head", "per_key")]
+    cases += [(form_spec(f, 256), True) for f in ("per_head", "per_key", "relative_table")]
     window = "causal && q_idx + seqlen_k - seqlen_q - kv_idx < 256"
     cases.append((form_spec("per_head", mask=window, tag="_swa"), False))
     for name in ("alibi", "alibi_learned", "t5_bias", "gemma2_softcap"):
