@@ -114,7 +114,9 @@ def forms(spec: Spec, names) -> set[str]:
 def hopper_forms_ok(spec: Spec, names) -> bool:
     """Whether the Hopper backward can accumulate these params' gradients: every term per
     CTA (``cta``), or at head_dim 64 / 256 per CTA, per key (``key``) or per relative
-    position (``diagonal``: a table indexed through q_idx - kv_idx, such as T5's bias); at
+    position (``diagonal``: a table indexed through q_idx - kv_idx, such as T5's bias; its
+    shared per-diagonal sums have no fixed order, so atomic mode only: deterministic=True
+    never takes the Hopper kernel with param gradients); at
     head_dim 128 the consumers' 240 registers do not hold a key term's two sums (68-76
     spilled bytes on nvcc 13.0), so only ``cta``.  The others (a query / general table)
     take the FA2-class backward with the accumulation."""

@@ -157,12 +157,16 @@ def build_backward(
 
 
 def _hopper_backward_candidates(spec, options: Options) -> list[Options]:
-    """The Hopper backward's options to try in order: ``options``, then at head_dim 64 with
-    ``hopper_bwd.d64_block_m`` 64 (the 128-query steps hold S^T and dP^T of 128 queries in
-    registers, which a score_mod reading a table can push past the consumers' 240)."""
+    """The Hopper backward's options to try in order: ``options``, then with 64-query steps
+    at head_dim 64 (``hopper_bwd.d64_block_m``: the 128-query steps hold S^T and dP^T of 128
+    queries in registers, which a score_mod reading a table can push past the consumers'
+    240) and at head_dim 128 (``hopper_bwd.d128_block_m``: likewise the 80-query steps)."""
     out = [options]
-    if spec.head_dim == 64 and options.hopper_bwd.d64_block_m != 64:
-        out.append(replace(options, hopper_bwd=replace(options.hopper_bwd, d64_block_m=64)))
+    hb = options.hopper_bwd
+    if spec.head_dim == 64 and hb.d64_block_m != 64:
+        out.append(replace(options, hopper_bwd=replace(hb, d64_block_m=64)))
+    if spec.head_dim == 128 and hb.d128_block_m != 64:
+        out.append(replace(options, hopper_bwd=replace(hb, d128_block_m=64)))
     return out
 
 

@@ -215,10 +215,10 @@ def plan(
     see :func:`~flashgen.families.bwd_common.tile_classifier`.  ``exact_softmax``: P's
     exponent capped at 0 (:func:`~flashgen.families.bwd_common.base_fields`).
     ``param_grads``: params whose gradients the dK/dV kernel (``..._dkdv_dparam``)
-    accumulates, every term a register form (:func:`flashgen.codegen.dparam.hopper_forms_ok`:
-    per CTA or per key; the consumers wait for dP^T before the P^T pass and compute dS^T
-    there, templates/common/dparam.j2); not with ``ordered_dq``.  Raises ``ValueError``
-    unless :func:`eligible` (family "auto"), for ``ordered_dq`` unless
+    accumulates, every term a form :func:`flashgen.codegen.dparam.hopper_forms_ok` accepts
+    (per CTA, per key, per relative position; the consumers wait for dP^T before the P^T
+    pass and compute dS^T there, templates/common/dparam.j2); not with ``ordered_dq``.
+    Raises ``ValueError`` unless :func:`eligible` (family "auto"), for ``ordered_dq`` unless
     :func:`ordered_eligible`, and for ``param_grads`` the kernel cannot accumulate.
     """
     if not eligible(spec, target):
@@ -234,9 +234,9 @@ def plan(
         )
     if param_grads and (ordered_dq or not dparam.hopper_forms_ok(spec, param_grads)):
         raise ValueError(
-            f"spec {spec.name!r}: the Hopper backward accumulates param gradients of the per-CTA "
-            f"and per-key forms only, without ordered_dq; {', '.join(param_grads)} need the "
-            "FA2-class backward"
+            f"spec {spec.name!r}: the Hopper backward accumulates param gradients of the per-CTA, "
+            f"per-key and (head_dim 64, 256) relative-position forms only, without ordered_dq; "
+            f"{', '.join(param_grads)} need the FA2-class backward"
         )
     d = spec.head_dim
     rec = dtype(spec.dtype)
@@ -266,8 +266,6 @@ def plan(
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
-    # (not with param gradients: dparam's static arrays, templates/common/dparam.j2, take 1 KiB
-    # beside the dynamic memory, which two buffers would fill to 48 bytes over the limit)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
     # d256_sdp_warpgroups: S^T on warpgroup 0, dP^T on 1; dS^T reads P^T (* d score_mod /
@@ -275,10 +273,13 @@ def plan(
     sdp_wg = split_d and options.d256_sdp_warpgroups and not param_grads
     pg_wg = sdp_wg and ctx["score_grad_expr"] not in (None, "1.0f")
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, int(pg_wg))
-    # static arrays, 1 KiB as ptxas counts them: the coordinates' (:func:`coords_dynamic`), dparam's
-    # (a diagonal term's two warpgroups' slots, templates/common/dparam.j2: up to 1 KiB more each)
+    # static arrays, in whole KiB as ptxas counts them: the coordinates (:func:`coords_dynamic`)
+    # and dparam's sums, with a diagonal term's slots (two warpgroups x (query columns + 63)
+    # floats each, templates/common/dparam.j2)
+    qn = block_m if not split_d or sdp_wg else block_m // 2
+    diag = sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
     static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
-    static += 1024 * sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
+    static += -(-diag * 2 * (qn + 63) * 4 // 1024) * 1024
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "

@@ -105,6 +105,7 @@ __device__ __forceinline__ void stsm_frag_swizzled(uint32_t base, int row0, int 
 // The inverse of stsm_frag_swizzled (ldmatrix, sm_75+): frag[kk][t] gets back what register t of frag[kk] stored.
 template <int KK>
 __device__ __forceinline__ void ldsm_frag_swizzled(uint32_t base, int row0, int chunk0, uint32_t (&frag)[KK][4], int lane) {
+    static_assert(KK <= 4, "one 128-byte swizzle box (no box_bytes, unlike stsm_frag_swizzled)");
     const int t = lane / 8, r = lane % 8;
     const uint32_t row_addr = base + (row0 + 8 * (t % 2) + r) * 128;
     #pragma unroll

@@ -158,6 +158,28 @@ def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
     assert "dpd0[(j - r + 1) * 2 + e] += " in src
     assert "atomicAdd(&dp_diag0[cg * (QN + 63) + 8 * (d / 2 - 1) + d % 2 + 2 * (lane % 4)" in src
     assert "const int wg = j / (QN + 63), dl = j % (QN + 63) - 63, kv_l = max(0, -dl);" in src
+    # the flush's pair of slot j against the kernel's tiles: warpgroup wg's keys start at
+    # kw0 = n0 + 64 wg and its queries at qw0 = m0 (64-query steps), or kw0 = n0 and qw0 = m0 +
+    # QW wg (head_dim 256's query split); the pair's q - kv is the slot's diagonal
+    t5_256 = loads_spec(
+        (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 256")
+        .replace("name: t5_bias", "name: t5_bias_d256"), "<t5_bias_d256>",
+    )  # fmt: skip
+    for spec, qn, split in ((t5, 64, False), (t5_256, 32, True)):
+        unit = registry.plan_hopper_backward(spec, "sm_90", param_grads=("bias",)).unit
+        code = render(unit)
+        line = next(x for x in code.splitlines() if "const int q_idx = m0" in x and "kv_l" in x)
+        q_expr, kv_expr = line.strip()[len("const int q_idx = "):-1].split(", kv_idx = ")
+        m0, n0 = 640, 1280
+        for j in range(2 * (qn + 63)):
+            env = {"j": j, "QN": qn, "QW": qn, "m0": m0, "n0": n0}
+            env["wg"], env["dl"] = j // (qn + 63), j % (qn + 63) - 63
+            env["kv_l"] = max(0, -env["dl"])
+            q, kv = (eval(x, {"max": max}, env) for x in (q_expr, kv_expr))  # noqa: S307
+            kw0 = n0 if split else n0 + 64 * env["wg"]
+            qw0 = m0 + qn * env["wg"] if split else m0
+            assert q - kv == env["dl"] + qw0 - kw0, (spec.name, j)
+            assert kw0 <= kv < kw0 + 64 and qw0 <= q < qw0 + qn
 
 
 def test_element_offsets_clamp_where_the_read_clamps():

@@ -585,7 +585,8 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
     plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
-    assert tried[0] == "sm_90/bwd.cu.j2" and tried[1] == "sm_80/bwd.cu.j2"
+    # the 80-query unit, then the 64-query one (families/build.py's candidates), then FA2-class
+    assert tried[:3] == ["sm_90/bwd.cu.j2", "sm_90/bwd.cu.j2", "sm_80/bwd.cu.j2"]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
     assert report.spill_bytes == 0
     plan, _, _ = family_build.build_backward(
@@ -610,7 +611,7 @@ def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
     plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
-    assert tried[:2] == ["sm_90/bwd.cu.j2", "sm_80/bwd.cu.j2"]
+    assert tried[:3] == ["sm_90/bwd.cu.j2", "sm_90/bwd.cu.j2", "sm_80/bwd.cu.j2"]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2"
     assert not report.wgmma_serialized
 
@@ -770,6 +771,31 @@ def test_d64_block_m128_that_spills_falls_back_to_64_query_steps(monkeypatch):
         shipped("t5_bias"), "sm_90", hopper=True, options=D64_128
     )
     assert tried == [("sm_90/bwd.cu.j2", 128), ("sm_90/bwd.cu.j2", 64)]
+    assert plan.dkdv.template == "sm_90/bwd.cu.j2" and plan.dkdv.context["block_m"] == 64
+
+
+def test_d128_80_query_unit_that_spills_falls_back_to_64_query_steps(monkeypatch):
+    """family_build.build_backward(hopper=True) at head_dim 128: a unit that spills with the
+    default 80-query steps (a table-reading score_mod with no mask, such as t5_bias at 128) is
+    rebuilt with 64-query steps before the FA2-class kernels."""
+    import types
+
+    from flashgen.families import build as family_build
+
+    tried = []
+
+    def fake_build(src, plan):
+        tried.append((plan.template, plan.context["block_m"]))
+        spill = 36 if plan.context["block_m"] == 80 else 0
+        return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
+
+    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    t5_128 = loads_spec(
+        (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 128")
+        .replace("name: t5_bias", "name: t5_bias_d128"), "<t5_bias_d128>",
+    )  # fmt: skip
+    plan, _, _ = family_build.build_backward(t5_128, "sm_90", hopper=True)
+    assert tried == [("sm_90/bwd.cu.j2", 80), ("sm_90/bwd.cu.j2", 64)]
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and plan.dkdv.context["block_m"] == 64
 
 
