@@ -27,12 +27,13 @@ from flashgen.frontend.ir import Expr, Spec, Var
 
 #: The reduction forms whose per-step contributions go through a shared-memory tile
 #: (``KV_N x KV_M`` floats per term) in the FA2-class dK/dV kernel; ``cta`` and ``key`` are
-#: reduced in registers.  The Hopper backward takes the register forms and ``diagonal``
-#: (:func:`hopper_forms_ok`).
+#: reduced in registers.  The Hopper backward takes the register forms (and ``diagonal``
+#: with ``hopper_bwd.dparam_diagonal``: :func:`hopper_forms_ok`).
 TILE_FORMS = ("query", "diagonal", "general")
 REGISTER_FORMS = ("cta", "key")
-#: The forms the Hopper backward accumulates at head_dim 64 and 256: the register forms and
-#: ``diagonal`` (a step's sums per diagonal of each warpgroup's tile, templates/common/dparam.j2).
+#: The forms the Hopper backward accumulates at head_dim 64 and 256: the register forms and,
+#: with ``hopper_bwd.dparam_diagonal``, ``diagonal`` (a step's sums per diagonal of each
+#: warpgroup's tile, templates/common/dparam.j2).
 HOPPER_FORMS = (*REGISTER_FORMS, "diagonal")
 
 
@@ -111,10 +112,11 @@ def forms(spec: Spec, names) -> set[str]:
     return {t["form"] for t in fields(spec, names)["dparam_terms"]}
 
 
-def hopper_forms_ok(spec: Spec, names) -> bool:
+def hopper_forms_ok(spec: Spec, names, diagonal: bool = False) -> bool:
     """Whether the Hopper backward can accumulate these params' gradients: every term per
-    CTA (``cta``), or at head_dim 64 / 256 per CTA, per key (``key``) or per relative
-    position (``diagonal``: a table indexed through q_idx - kv_idx, such as T5's bias; its
+    CTA (``cta``), or at head_dim 64 / 256 per CTA, per key (``key``) or, with ``diagonal``
+    (``Options.hopper_bwd.dparam_diagonal``), per relative position (a table indexed through
+    q_idx - kv_idx, such as T5's bias; its
     shared per-diagonal sums have no fixed order, so atomic mode only: deterministic=True
     never takes the Hopper kernel with param gradients); at
     head_dim 128 the consumers' 240 registers do not hold a key term's two sums (68-76
@@ -123,7 +125,7 @@ def hopper_forms_ok(spec: Spec, names) -> bool:
     got = forms(spec, names)
     if spec.head_dim == 128:
         return got <= {"cta"}
-    return got <= set(HOPPER_FORMS)
+    return got <= (set(HOPPER_FORMS) if diagonal else set(REGISTER_FORMS))
 
 
 def tile_terms(spec: Spec, names) -> int:

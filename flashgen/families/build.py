@@ -122,7 +122,8 @@ def build_backward(
     the Hopper unit only where :func:`flashgen.codegen.dparam.hopper_forms_ok`, else the
     FA2-class one).  Raises like :func:`build_forward`."""
     param_grads = tuple(param_grads)
-    if hopper and param_grads and not dparam.hopper_forms_ok(spec, param_grads):
+    diagonal = options.hopper_bwd.dparam_diagonal
+    if hopper and param_grads and not dparam.hopper_forms_ok(spec, param_grads, diagonal):
         hopper = False
     if hopper:
         for o in _hopper_backward_candidates(spec, options):

@@ -63,7 +63,11 @@ class Options:
     each, so every element of K, V, Q and dO is read by one wgmma per step; warpgroup 0
     stores P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score
     in 8 KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; off, and in a unit with
-    param gradients, each warpgroup computes both GEMMs on half the step's queries).
+    param gradients, each warpgroup computes both GEMMs on half the step's queries);
+    ``dparam_diagonal`` (off by default, an experiment not yet run on a GPU: param gradients
+    of a relative-position table, such as T5's bias, accumulated in this kernel at head_dim
+    64 and 256 by a shared slot per diagonal of each warpgroup's tile; off, such a backward
+    runs the FA2-class kernels).
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
@@ -73,6 +77,7 @@ class Options:
     d64_block_m: int = 128
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
+    dparam_diagonal: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -232,10 +237,13 @@ def plan(
             f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 and "
             "no mask or causal"
         )
-    if param_grads and (ordered_dq or not dparam.hopper_forms_ok(spec, param_grads)):
+    if param_grads and (
+        ordered_dq or not dparam.hopper_forms_ok(spec, param_grads, options.dparam_diagonal)
+    ):
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward accumulates param gradients of the per-CTA, "
-            f"per-key and (head_dim 64, 256) relative-position forms only, without ordered_dq; "
+            f"per-key and (head_dim 64, 256, hopper_bwd.dparam_diagonal) relative-position forms "
+            "only, without ordered_dq; "
             f"{', '.join(param_grads)} need the FA2-class backward"
         )
     d = spec.head_dim

@@ -113,7 +113,8 @@ def select(
     if deterministic or options.atomic_dq is False:
         return Route("fa2_bwd")
     if hopper_bwd.eligible(spec, target, options.family) and (
-        not param_grads or dparam.hopper_forms_ok(spec, param_grads)
+        not param_grads
+        or dparam.hopper_forms_ok(spec, param_grads, options.hopper_bwd.dparam_diagonal)
     ):
         return Route("hopper_bwd", atomic_dq=True)
     return Route("fa2_bwd", atomic_dq=bool(options.atomic_dq))
@@ -385,7 +386,7 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
             spec, target, options, atomic_dq=True, param_grads=grads
         ).unit
         if hopper_bwd.eligible(spec, target, options.family) and dparam.hopper_forms_ok(
-            spec, grads
+            spec, grads, options.hopper_bwd.dparam_diagonal
         ):
             units["bwd_wgmma_dparam"] = plan_hopper_backward(
                 spec, target, options, param_grads=grads

@@ -7,10 +7,10 @@ dparam on CUDA is accumulated by the backward kernels (templates/common/dparam.j
 reduced across the CTA, one atomic add per element and CTA; under deterministic=True per-CTA
 rows summed in a fixed order): every index form (tests/dparam_cases.py) and the shipped
 trainable specs, on the Hopper backward (sm_90, deterministic=False, per-CTA and per-key
-forms, and relative-position tables at head_dim 64 and 256), the FA2-class deterministic
-kernels (deterministic=True; also deterministic=False with atomic adds where the Hopper kernel
-does not take the form) and the FA2-class atomic-dQ
-kernels (Options(family="fa2", atomic_dq=True)), against the float64 reference's autograd on
+forms; relative-position tables at head_dim 64 and 256 with hopper_bwd.dparam_diagonal), the
+FA2-class deterministic kernels (deterministic=True; also deterministic=False with atomic adds
+where the Hopper kernel does not take the form) and the FA2-class atomic-dQ kernels
+(Options(family="fa2", atomic_dq=True)), against the float64 reference's autograd on
 fresh random inputs (dO bf16-representable, as the kernels receive it), with a gradient of lse
 too.  Tolerance: dq, dk, dv max |got - ref64| <= 2e-2 x the largest reference element; a
 dparam by the project's rule, at most 2x PyTorch's bf16 math on the same inputs + 1e-3 of
@@ -168,8 +168,7 @@ def test_gpt_oss_training_step_on_cuda_matches_float64():
 
 # ----------------------------------------------------------------------------- kernel dparam
 #: Kernel sets a backward with param gradients runs: the op's default (sm_90: the Hopper
-#: backward for per-CTA / per-key / (head_dim 64, 256) relative-position forms, else the
-#: FA2-class kernels with atomic adds; sm_80:
+#: backward for per-CTA / per-key forms, else the FA2-class kernels with atomic adds; sm_80:
 #: the FA2-class deterministic kernels with atomic adds), the FA2-class deterministic kernels
 #: with the ordered per-CTA rows (deterministic=True), the FA2-class atomic-dQ kernels.
 PATHS = {
@@ -312,9 +311,10 @@ def test_kernel_dparam_of_the_shipped_trainable_specs(name, sq, sk, path):
 @pytest.mark.parametrize("form", ["per_head", "per_key_head", "relative_table"])
 def test_kernel_dparam_at_head_dims_64_and_256(form, head_dim):
     """The Hopper backward's d64 layout and d256 query-split layout take every one of these
-    forms (the relative table by its diagonal slots), MQA (8 query heads on 1 KV head)."""
+    forms (the relative table by its diagonal slots, ``hopper_bwd.dparam_diagonal``), MQA (8
+    query heads on 1 KV head)."""
     spec = form_spec(form, head_dim)
-    op = build_op(spec)
+    op = build_op(spec, options=Options().replace_path("hopper_bwd.dparam_diagonal", True))
     for deterministic in (False, True):
         _kernel_vs_reference(op, spec, 1, 8, 1, 300, 777, deterministic)
     key = (torch.cuda.current_device(), "hopper", registry_grads(spec))

@@ -55,19 +55,21 @@ def test_without_param_grads_the_units_render_as_before():
 
 def test_routing_with_param_grads():
     """deterministic=True never takes the (ordered) Hopper kernel with param grads; the Hopper
-    backward takes per-CTA, per-key and (head_dim 64 / 256) relative-position forms, the
-    others run the FA2-class kernels."""
+    backward takes per-CTA, per-key and, with ``hopper_bwd.dparam_diagonal`` at head_dim 64 /
+    256, relative-position forms; the others run the FA2-class kernels."""
     alibi = load_spec(REPO / "specs" / "alibi.yaml")
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     assert backward_path(alibi, "sm_90", False, param_grads=("slopes",)) == "hopper"
     assert backward_path(t5, "sm_90", False) == "hopper"
-    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "hopper"  # diagonal
-    full = form_spec("full_bias", 64)
-    assert backward_path(full, "sm_90", False, param_grads=("fb",)) == "deterministic"
-    rel128 = form_spec("relative_table")  # head_dim 128: cta terms only
-    assert backward_path(rel128, "sm_90", False, param_grads=("rel",)) == "deterministic"
+    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "deterministic"
     from flashgen.options import Options
 
+    diag = Options().replace_path("hopper_bwd.dparam_diagonal", True)
+    assert backward_path(t5, "sm_90", False, diag, param_grads=("bias",)) == "hopper"
+    full = form_spec("full_bias", 64)
+    assert backward_path(full, "sm_90", False, diag, param_grads=("fb",)) == "deterministic"
+    rel128 = form_spec("relative_table")  # head_dim 128: cta terms only
+    assert backward_path(rel128, "sm_90", False, diag, param_grads=("rel",)) == "deterministic"
     ordered = Options().replace_path("hopper_bwd.ordered_dq", True)
     causal = load_spec(REPO / "specs" / "causal_d128.yaml")
     assert backward_path(causal, "sm_90", True, ordered) == "hopper_ordered"
@@ -88,7 +90,9 @@ def test_routing_with_param_grads():
         assert backward_path(learned, "sm_90", True, o) == "hopper_ordered"
         assert backward_path(learned, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
     with pytest.raises(ValueError, match="FA2-class"):
-        registry.plan_hopper_backward(full, "sm_90", param_grads=("fb",))
+        registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",))
+    with pytest.raises(ValueError, match="FA2-class"):
+        registry.plan_hopper_backward(full, "sm_90", diag, param_grads=("fb",))
 
 
 def test_compile_units_add_the_dparam_units_of_trainable_specs():
@@ -99,7 +103,11 @@ def test_compile_units_add_the_dparam_units_of_trainable_specs():
     assert {"bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"} <= set(
         registry.compile_units(alibi, "sm_90"))  # fmt: skip
     units = registry.compile_units(t5, "sm_90")
-    assert "bwd_dparam" in units and "bwd_wgmma_dparam" in units
+    assert "bwd_dparam" in units and "bwd_wgmma_dparam" not in units
+    from flashgen.options import DEFAULT
+
+    diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
+    assert "bwd_wgmma_dparam" in registry.compile_units(t5, "sm_90", diag)
     assert not any("dparam" in u for u in registry.compile_units(sink, "sm_90"))
     assert not any("dparam" in u for u in registry.compile_units(causal, "sm_80"))
 
@@ -134,7 +142,7 @@ def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
     slot 8 (d / 2 - 1) + d % 2 + 2 (l % 4) - 16 w - l / 4 + 63 of its warpgroup.  Every pair
     of a slot has q - kv = slot - 63 + qw0 - kw0, the flush's representative pair (kv_l =
     max(0, -dl), q_l = kv_l + dl) lies in the 64 x QN tile on that diagonal, and every slot
-    index is inside [0, QN + 63)."""
+    index is inside [0, QN + 63).  (``hopper_bwd.dparam_diagonal``.)"""
     for qn in (32, 64, 128):  # d256's query split, 64-query steps, d64's 128-query steps
         nq = qn // 8
         for w in range(4):
@@ -152,8 +160,11 @@ def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
             dl = slot - 63
             kv_l = max(0, -dl)
             assert 0 <= kv_l < 64 and 0 <= kv_l + dl < qn
+    from flashgen.options import DEFAULT
+
+    diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
-    src = render(registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",)).unit)
+    src = render(registry.plan_hopper_backward(t5, "sm_90", diag, param_grads=("bias",)).unit)
     assert "__shared__ float dp_diag0[2 * (QN + 63)];" in src
     assert "dpd0[(j - r + 1) * 2 + e] += " in src
     assert "atomicAdd(&dp_diag0[cg * (QN + 63) + 8 * (d / 2 - 1) + d % 2 + 2 * (lane % 4)" in src
@@ -166,7 +177,7 @@ def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
         .replace("name: t5_bias", "name: t5_bias_d256"), "<t5_bias_d256>",
     )  # fmt: skip
     for spec, qn, split in ((t5, 64, False), (t5_256, 32, True)):
-        unit = registry.plan_hopper_backward(spec, "sm_90", param_grads=("bias",)).unit
+        unit = registry.plan_hopper_backward(spec, "sm_90", diag, param_grads=("bias",)).unit
         code = render(unit)
         line = next(x for x in code.splitlines() if "const int q_idx = m0" in x and "kv_l" in x)
         q_expr, kv_expr = line.strip()[len("const int q_idx = "):-1].split(", kv_idx = ")
@@ -180,6 +191,27 @@ def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
             qw0 = m0 + qn * env["wg"] if split else m0
             assert q - kv == env["dl"] + qw0 - kw0, (spec.name, j)
             assert kw0 <= kv < kw0 + 64 and qw0 <= q < qw0 + qn
+
+
+def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
+    """``hopper_bwd.dparam_diagonal``: t5_bias's trainable table at head_dim 64 (built at
+    64-query steps: 128 spills, the build's candidates) and 256, and the relative-table form
+    at 256, are Hopper units with 0 spills and no serialized wgmma."""
+    from flashgen.options import DEFAULT
+
+    diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
+    t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
+    t5_256 = loads_spec(
+        (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 256")
+        .replace("name: t5_bias", "name: t5_bias_d256"), "<t5_bias_d256>",
+    )  # fmt: skip
+    for spec in (t5, t5_256, form_spec("relative_table", 256)):
+        plan, _, report = build_backward(
+            spec, "sm_90", hopper=True, options=diag, param_grads=_grads(spec)
+        )  # fmt: skip
+        assert plan.dkdv.template == "sm_90/bwd.cu.j2", spec.name
+        assert report.spill_bytes == 0 and not report.wgmma_serialized, (spec.name, report)
+        assert "dp_diag0" in render(plan.unit)
 
 
 def test_element_offsets_clamp_where_the_read_clamps():
