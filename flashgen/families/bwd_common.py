@@ -64,6 +64,12 @@ class BackwardPlan:
         atomic path."""
         return self.dkdv if self.atomic_dq else self.dq
 
+    def dq_accum_seqlen(self, seqlen_q: int) -> int:
+        """Rows per (batch, query head) of the fp32 ``dq_accum`` of the atomic path: ``seqlen_q``,
+        or, where the dK/dV kernel adds dQ in fragment order (context ``dq_frag``, Hopper head
+        dim 256), ``seqlen_q`` rounded up to the 64-row tiles that order stores."""
+        return -(-seqlen_q // 64) * 64 if self.dkdv.context.get("dq_frag") else seqlen_q
+
     @property
     def wgmma(self) -> bool:
         """Whether this is the Hopper unit (:func:`plan_hopper_backward`): a caller that
@@ -114,7 +120,8 @@ class BackwardPlan:
         n_blocks = -(-seqlen_k // t.dkdv_block_n)
         out["dkdv"] = (n_blocks * batch * heads_kv * t.dkdv_dsplit, 1, 1)
         if self.atomic_dq:
-            chunks = rows * (self.dkdv.context["head_dim"] // 4)
+            padded = batch * heads_q * self.dq_accum_seqlen(seqlen_q)
+            chunks = padded * (self.dkdv.context["head_dim"] // 4)
             out["convert"] = (-(-chunks // CONVERT_THREADS), 1, 1)
         else:
             m_blocks = -(-seqlen_q // t.dq_block_m)

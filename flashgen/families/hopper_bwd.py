@@ -67,7 +67,12 @@ class Options:
     ``dparam_diagonal`` (off by default, an experiment not yet run on a GPU: param gradients
     of a relative-position table, such as T5's bias, accumulated in this kernel at head_dim
     64 and 256 by a shared slot per diagonal of each warpgroup's tile; off, such a backward
-    runs the FA2-class kernels).
+    runs the FA2-class kernels); ``d256_dq_frag`` (off by default, an experiment: at head_dim
+    256 the consumers add dQ into ``dq_accum`` in their accumulator's fragment order, one
+    16-byte reduction per four values and each warp's reductions 512 contiguous bytes, as
+    FlashAttention-3's head-dim-256 backward does, instead of 8-byte reductions along the
+    rows; ``dq_accum`` is then stored in 64-row tiles, rows rounded up, and the convert kernel
+    reads that order).
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
@@ -78,6 +83,7 @@ class Options:
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
     dparam_diagonal: bool = False
+    d256_dq_frag: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -114,6 +120,7 @@ class Context(BackwardContext):
     dq_swap: bool
     ts_ns: list
     ds_from_frag: bool
+    dq_frag: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -327,6 +334,7 @@ def plan(
         # (no dparam: it computes dS^T itself)
         pg_frag=(ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"))
         or pg_wg,
+        dq_frag=split_d and options.d256_dq_frag,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

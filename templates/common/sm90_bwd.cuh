@@ -83,6 +83,29 @@ __device__ __forceinline__ void red_add_dq_pairs(float* dq_row, int64_t row_stri
             for (int j = 0; j < J; ++j) red_add_f32x2(dq_row + 8 * r * row_stride + 8 * j, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
         }
 }
+// p[0..3] += (x, y, z, w) in global memory, result unused (PTX ISA 8.1, sm_90; p 16-byte aligned).
+__device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
+    asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4};\n" :: "l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+// dq_accum in fragment order (hopper_bwd.d256_dq_frag): a 64-row tile of dQ, 64 x D fp32, holds warpgroup c's m64n(D/2)
+// accumulator (columns [c D/2, (c + 1) D/2)) in its floats [c 32 D, (c + 1) 32 D), thread t's acc[4j .. 4j + 3] (J = D / 16
+// 8-column tiles j) as its float4 number j * 128 + t: each reduction 16 bytes, each warp's 512 contiguous bytes.
+// Float4 f of a tile holds dQ(row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1), DqFragCoords of f.
+struct DqFragCoords { int row, col; };
+template <int D>
+__device__ __forceinline__ DqFragCoords dq_frag_coords(int f) {
+    const int c = f / (8 * D), j = (f / 128) % (D / 16), t = f % 128;
+    return {(t / 32) * 16 + (t % 32) / 4, c * (D / 2) + 8 * j + 2 * (t % 4)};
+}
+// dq_accum's tile (this warpgroup's half at dq_half) += a wgmma accumulator of dQ (J 8-column tiles) in fragment order:
+// J 4-column reductions per thread, no predicates (the tile's rows past seqlen_q are padding the convert kernel skips).
+template <int J, int N>
+__device__ __forceinline__ void red_add_dq_frag(float* dq_half, int t, const float (&acc)[N]) {
+    static_assert(4 * J <= N, "J 8-column tiles of acc");
+    #pragma unroll
+    for (int j = 0; j < J; ++j)
+        red_add_f32x4(dq_half + 4 * (j * 128 + t), acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+}
 // 16-bit A fragments (frag[kk][t], as packed from a wgmma accumulator) to shared memory with the 128-byte swizzle,
 // four registers (8x8 matrices) per stmatrix (sm_90): frag[kk][t] holds row row0 + 8 (t % 2) + lane / 4 and the
 // 16-byte chunk chunk0 + 2 kk + t / 2 of the row's 128 bytes; row0 is the warp's first row (a multiple of 8), and lane

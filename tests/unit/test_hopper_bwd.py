@@ -445,6 +445,78 @@ def test_dq_reduction_pairs_add_every_element_once():
     assert added == {(r, c): 1 for r in range(16) for c in range(8 * J)}
 
 
+def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
+    """``hopper_bwd.d256_dq_frag``: thread t of warpgroup c adds acc[4j .. 4j + 3] as float4
+    c * 2048 + j * 128 + t of the 64-row tile (``fg::red_add_dq_frag``); the convert kernel
+    reads float4 f back at ``fg::dq_frag_coords<256>(f)`` (compiled from the kernels' header
+    for the host).  Those coordinates are where the m64n128 accumulator layout holds the four
+    values, and the tile's 64 x 256 elements are each held once."""
+    header = (REPO / "templates" / "common" / "sm90_bwd.cuh").read_text()
+    start = header.index("struct DqFragCoords")
+    end = header.index("\n}", header.index("dq_frag_coords(int f)")) + 2
+    program = (
+        "#include <cstdio>\n#define __device__\n#define __forceinline__ inline\n"
+        f"namespace fg {{\n{header[start:end]}\n}}\n"
+        "int main() {\n    for (int f = 0; f < 4096; ++f) {\n"
+        "        const fg::DqFragCoords rc = fg::dq_frag_coords<256>(f);\n"
+        '        printf("%d %d\\n", rc.row, rc.col);\n    }\n}\n'
+    )
+    import subprocess
+
+    out = subprocess.run([str(cxx_exe(program, "dq_frag"))], capture_output=True, text=True,
+                         timeout=60).stdout.split()  # fmt: skip
+    coords = [(int(out[2 * f]), int(out[2 * f + 1])) for f in range(4096)]
+    held = {}
+    for c in range(2):
+        for t in range(128):
+            warp, lane = t // 32, t % 32
+            for j in range(16):
+                # m64n128 accumulator: acc[4j + 2r + e] at
+                # (16 warp + lane/4 + 8r, 8j + 2(lane%4) + e)
+                row, col = 16 * warp + lane // 4, 128 * c + 8 * j + 2 * (lane % 4)
+                assert coords[c * 2048 + j * 128 + t] == (row, col)
+                for r in range(2):
+                    for e in range(2):
+                        held[(row + 8 * r, col + e)] = held.get((row + 8 * r, col + e), 0) + 1
+    assert held == {(r, c): 1 for r in range(64) for c in range(256)}
+
+
+def test_d256_dq_frag_plan_pads_dq_accum_to_tiles():
+    """Off by default; on, only head_dim 256 changes: dq_accum's rows per (batch, query head)
+    round up to 64 and the convert kernel's grid covers the padded tiles."""
+    from flashgen.families import hopper_bwd
+
+    on = hopper_bwd.Options(d256_dq_frag=True)
+    assert not hopper_bwd.Options().d256_dq_frag
+    with pytest.raises(ValueError, match="d256_dq_frag"):
+        hopper_bwd.Options(d256_dq_frag=1)
+    plan = hopper_bwd.plan(small(256, "bf16", True), "sm_90", on)
+    assert plan.dkdv.context["dq_frag"]
+    assert [plan.dq_accum_seqlen(n) for n in (1, 64, 65, 1000)] == [64, 64, 128, 1024]
+    assert plan.grids(2, 3, 1, 65, 100)["convert"][0] * 256 >= 2 * 3 * 128 * 256 // 4
+    off = hopper_bwd.plan(small(256, "bf16", True), "sm_90")
+    assert off.dq_accum_seqlen(65) == 65 and not off.dkdv.context["dq_frag"]
+    for d in (64, 128):
+        s = small(d, "bf16", True)
+        same = render(hopper_bwd.plan(s, "sm_90").unit)
+        assert render(hopper_bwd.plan(s, "sm_90", on).unit) == same
+    src = render(plan.unit)
+    assert "fg::red_add_dq_frag<" in src and "fg::red_add_dq_pairs<" not in src
+
+
+@pytest.mark.parametrize("name", ["hb_causal", "gemma2_softcap"])
+def test_d256_dq_frag_compiles_without_spills(requires_nvcc, name):
+    """16 16-byte reductions per thread and step (REDG ... F32x4), none of 8 bytes."""
+    from flashgen.families import hopper_bwd
+
+    spec = small(256, "bf16", True) if name == "hb_causal" else shipped(name)
+    plan = hopper_bwd.plan(spec, "sm_90", hopper_bwd.Options(d256_dq_frag=True))
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    code = sass(plan.unit)
+    assert code.count("REDG.E.ADD.F32x4") == 16 and "F32x2" not in code
+
+
 def test_ds_stores_land_in_the_swizzled_layout():
     """dS^T to sDS: ds_frag[kk][t] of (warpgroup cg, warp w, lane l) holds elements (key row,
     query columns 16 kk + 8 (t / 2) + 2 (l % 4) + {0, 1}) of row 64 cg + 16 w + l / 4 + 8 (t % 2);

@@ -352,8 +352,12 @@ class Backward:
         q, k, v, o, dout = (_kernel_aligned(t) for t in (q, k, v, o, dout))
         dq, dk, dv = _grads_like(q, k, v, fill_zero=False)
         dsum = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-        # fp32 dQ accumulator of the atomic path: contiguous [B, Hq, Sq, D], zeroed by `pre`
-        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if atomic else None
+        # fp32 dQ accumulator of the atomic path: contiguous [B, Hq, Sq (rounded up to the
+        # plan's tiles in fragment order), D], zeroed by `pre`
+        dq_accum = None
+        if atomic:
+            acc_shape = (*q.shape[:2], plan.dq_accum_seqlen(dims.seqlen_q), q.shape[3])
+            dq_accum = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
         # the ordered dQ's semaphores, one per (batch, query head, 64-row query block)
         dq_sem = None
         if plan.dkdv.context.get("ordered_dq"):
