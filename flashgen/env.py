@@ -103,12 +103,14 @@ def flag(name: str, default: bool | None = False) -> bool | None:
 _RAW = getattr(os.environ, "_data", None)
 
 
-def any_set(*names: str) -> bool:
-    """Whether any of ``names`` is set (to anything), by one lookup of each raw key where the
-    platform's ``os.environ`` allows it (it encodes the key on every access otherwise): for
-    per-call checks on hot paths (the planned decode call), which then read the value with
-    :func:`flag`."""
+def any_set_test(*names: str):
+    """``test()``: whether any of ``names`` is set (to anything), for per-call checks on hot
+    paths (the planned decode call), which then read the value with :func:`flag`.  Where the
+    platform's ``os.environ`` allows it, the raw keys are encoded once (``os.environ``
+    encodes the key on every access) and ``test`` is one set test against the live keys of
+    its storage."""
     if _RAW is None:
-        return any(n in os.environ for n in names)
-    return any(os.environ.encodekey(n) in _RAW for n in names)
-
+        return lambda: any(n in os.environ for n in names)
+    keys = frozenset(os.environ.encodekey(n) for n in names)
+    live = _RAW.keys()
+    return lambda: not live.isdisjoint(keys)

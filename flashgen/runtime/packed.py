@@ -11,6 +11,7 @@ thread-safe: each thread keeps its own (:meth:`ArgLayout.new_block`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 
 #: struct format code and size of each argument C type (pointers as uint64).
@@ -90,3 +91,11 @@ class ArgLayout:
         """Write argument ``name`` alone."""
         i = self.index[name]
         self._fields[i].pack_into(buf, self.offsets[i], value)
+
+    def setter(self, buf, name: str):
+        """``set(value)``: writes argument ``name`` of ``buf`` alone (:meth:`field` with the
+        lookups done once); None when the kernel has no argument ``name``."""
+        i = self.index.get(name)
+        if i is None:
+            return None
+        return functools.partial(self._fields[i].pack_into, buf, self.offsets[i])

@@ -681,6 +681,13 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     with pytest.raises(OpInputError, match="q: expected dtype"):
         op.with_kvcache(q.half(), kc, vc, lens, block_table=table, k_new=kn, v_new=vn,
                         plan=plan, window=9)  # fmt: skip
+    # the layout holds cache_seqlens' strides; a missing v_new is the general path's to name
+    strided = torch.tensor([5, 0, 100, 0], dtype=torch.int32)[::2]
+    with pytest.raises(OpInputError, match="cache_seqlens: expected a contiguous tensor"):
+        op.with_kvcache(q, kc, vc, strided, block_table=table, k_new=kn, v_new=vn, plan=plan,
+                        window=9)  # fmt: skip
+    with pytest.raises(OpInputError, match="v_new"):
+        op.with_kvcache(q, kc, vc, lens, block_table=table, k_new=kn, plan=plan, window=9)
 
 
 def test_options_schedule_knobs():
@@ -800,6 +807,10 @@ def test_planned_fast_path_writes_out_buffers(monkeypatch):
     with pytest.raises(OpInputError, match=r"out\[1\]: expected shape"):
         op.with_kvcache(q, kc, kc, lens, block_table=table, plan=plan,
                         out=(out[0], torch.empty(1, 8)))  # fmt: skip
+    out[1].requires_grad_()  # the layout of a call that passed: refused all the same
+    with pytest.raises(OpInputError, match=r"out\[1\]: expected a tensor that does not require"):
+        op.with_kvcache(q, kc, kc, lens, block_table=table, plan=plan, out=out)
+    assert len(launches) == 1
 
 
 def test_plot_styles_are_stable_per_method():

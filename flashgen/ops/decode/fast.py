@@ -117,17 +117,43 @@ def _workspace(dims: DecodeDims, geo, num_splits: int, device):
 
 
 _TENSOR = torch.Tensor
+_F32 = torch.float32
 _GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+_GRAD_ENABLED = torch.is_grad_enabled
+
+
+_DEBUG_SET = env.any_set_test(env.POISON_OUTPUTS, env.VARLEN_CHECK)
 
 
 def _debug_switches() -> bool:
     """Whether the poison or the value-check switch is on (those calls take the general
-    path); the environment is read on every call, cheaply (:func:`flashgen.env.any_set`)."""
+    path); the environment is read on every call, cheaply (:func:`flashgen.env.any_set_test`:
+    whether either variable is set, then its value)."""
     if _validation._POISON:
         return True
-    if env.any_set(env.POISON_OUTPUTS, env.VARLEN_CHECK):
+    if _DEBUG_SET():
         return _poison_enabled() or check_enabled()
     return False
+
+
+def _strided_allocator(device: torch.device):
+    """``alloc(size, stride, dtype)``: an uninitialized tensor on ``device`` (CUDA: the
+    current device, which the fast path checked is the plan's).  Inductor's
+    ``_empty_strided_cuda`` / ``_empty_strided_cpu`` (``torch._C._dynamo.guards``, what its
+    generated code allocates buffers with: the device's allocator, without the dispatcher
+    and the argument parsing of ``torch.empty``) where this torch build has it, else
+    ``torch.empty_strided``."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    alloc = getattr(guards, f"_empty_strided_{device.type}", None)
+    if alloc is not None:
+        return alloc
+    return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype,
+                                                           device=device)  # fmt: skip
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """The strides ``torch.empty(shape)`` gives (a meta tensor's: no memory)."""
+    return torch.empty(shape, device="meta").stride()
 
 
 _IS_COMPILING = torch.compiler.is_compiling
@@ -170,16 +196,24 @@ class _FastPath:
     layout; nothing loops over the batch.  Returns None (the caller takes the general
     path) for anything but plain eager CUDA tensors on the plan's device (torch.compile,
     tracing, modes, subclasses go through the registered op), the debug / poison switches,
-    0-d tensor scalars, tensor params that would need a conversion, or a call of the other
-    form (padded / ragged) than the plan's.  A ragged plan's calls pass ``cu_seqlens_q``
-    (packed per call; q's rows, hence o's and lse's shapes, are part of the layout) and
-    ``max_seqlen_q`` None (the plan's) or at most the plan's.  Per thread state:
-    concurrent threads keep their own blocks.  Everything a call reads is bound once here
-    (no per-call module or attribute lookups beyond the tensors').  Memory apart between
-    the caches, k_new / v_new and ``out`` is checked on every call from the addresses
-    (:meth:`_apart`: a few comparisons; the layout fixes the extents).  The caller's
-    contract (it would read values: not checked per call, so that a call stays capturable
-    and cheap): the slot rule of an append (see ``DecodeOp.with_kvcache``).
+    an argument that is not a tensor where one is expected, a tensor that requires grad
+    (q, the caches, k_new, v_new, tensor params while grad mode is on; ``out`` always: the
+    general path refuses each), 0-d tensor scalars, tensor params that would need a
+    conversion, or a call of the other form (padded / ragged) than the plan's.  A ragged
+    plan's calls pass ``cu_seqlens_q`` (packed per call; q's rows, hence o's and lse's
+    shapes, are part of the layout) and ``max_seqlen_q`` None (the plan's) or at most the
+    plan's.  Per thread state: concurrent threads keep their own blocks.
+
+    Checked on every call: the conditions above, the layout (one tuple compared with the
+    validated one), the addresses' alignment, and memory apart between the caches, k_new /
+    v_new and ``out`` from the addresses (:meth:`_apart`: a few comparisons; the layout
+    fixes the extents).  Cached per layout (:class:`_FastState`): the validated sizes,
+    the packed scalars and strides, o's and lse's shapes and strides, the extents and pairs
+    of the memory check.  Bound once here: everything a call reads besides the tensors
+    (the driver's entry point, the raw-stream and current-device queries, the field
+    writers, the allocator: :func:`_strided_allocator`).  The caller's contract (it would
+    read values: not checked per call, so that a call stays capturable and cheap): the
+    slot rule of an append (see ``DecodeOp.with_kvcache``).
 
     A fused-sink plan (:attr:`DecodeCallPlan.fused_sink`) with ``join_sink``: the kernel
     joins the sink, whose logits' strides the layout fixes; their address per call is the
@@ -215,12 +249,11 @@ class _FastPath:
         self.o_shape = (d.batch, d.heads_q, d.seqlen_q, d.head_dim_v)
         self.lse_shape = (d.batch, d.heads_q, d.seqlen_q)
         self.o_dtype = out_dtype(dop.spec)
-        self.tensor_names = [p.name for p in dop.spec.tensor_params]
-        self.tensor_dtypes = [PARAM_DTYPE[p.ty] for p in dop.spec.tensor_params]
+        self.device = plan.device  # a matching layout's (_prepare checked q's against it)
+        self.tensor_names = tuple(p.name for p in dop.spec.tensor_params)
         self._tls = threading.local()
         self._tls_dict = self._tls.__dict__
-        self._empty = torch.empty
-        self._f32 = torch.float32
+        self._alloc = _strided_allocator(plan.device)
         # resolved once: the driver's entry point and the raw-stream query (module globals
         # that tools/host_overhead.py --cpu replaces before planning)
         self._cu_launch = _tma.driver().cuLaunchKernel
@@ -231,7 +264,7 @@ class _FastPath:
     def _state(self):
         st = self._tls_dict.get("st")
         if st is None:
-            st = self._tls.st = _FastState(self.attn_layout, self.app_layout)
+            st = self._tls.st = _FastState(self.attn_layout, self.app_layout, self.tensor_names)
         return st
 
     def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None, cu=None,
@@ -241,35 +274,38 @@ class _FastPath:
             return None
         if self._get_device() != self.index or _debug_switches():
             return None
-        # the call's layout: everything validation and the packed scalars depend on
-        key = (
-            q.shape, q.stride(), q.dtype, q.get_device(), kc.shape, kc.stride(), kc.dtype,
-            kc.get_device(), vc.shape, vc.stride(), vc.dtype, vc.get_device(), lens.shape,
-            lens.dtype, lens.get_device(), scale,
-        )  # fmt: skip
-        if table is not None:
-            key += (table.shape, table.stride(), table.dtype, table.get_device())
-        if cu is not None:
-            if type(cu) is not _TENSOR:
+        # the call's layout: every tensor's shape, strides, dtype and device, and the scale,
+        # max_seqlen_q, the descales' and the params' values (all that validation and the
+        # packed scalars depend on); a tensor that requires grad is the general path's to
+        # refuse (q, the caches, k_new, v_new, tensor params: in grad mode; out: always)
+        grad = _GRAD_ENABLED()
+        try:
+            if grad and (q.requires_grad or kc.requires_grad or vc.requires_grad):
                 return None
-            key += (cu.shape, cu.stride(), cu.dtype, cu.get_device(), max_seqlen_q)
-        if k_new is not None:
-            key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
-                    v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
-        kd_ptr = vd_ptr = 0
+            key = (
+                q.shape, q.stride(), q.dtype, q.get_device(), kc.shape, kc.stride(), kc.dtype,
+                kc.get_device(), vc.shape, vc.stride(), vc.dtype, vc.get_device(), lens.shape,
+                lens.stride(), lens.dtype, lens.get_device(), scale,
+            )  # fmt: skip
+            if table is not None:
+                key += (table.shape, table.stride(), table.dtype, table.get_device())
+            if cu is not None:
+                if type(cu) is not _TENSOR:
+                    return None
+                key += (cu.shape, cu.stride(), cu.dtype, cu.get_device(), max_seqlen_q)
+            if k_new is not None:
+                if grad and (k_new.requires_grad or v_new.requires_grad):
+                    return None
+                key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
+                        v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        except AttributeError:
+            return None  # an argument that is not a tensor: the general path names it
         if self.kv8:  # the descales: a tensor's layout (its address per call) or a number
-            if type(k_descale) is _TENSOR:
-                key += (k_descale.shape, k_descale.stride(), k_descale.dtype,
-                        k_descale.get_device())  # fmt: skip
-                kd_ptr = k_descale.data_ptr()
-            else:
-                key += (k_descale,)
-            if type(v_descale) is _TENSOR:
-                key += (v_descale.shape, v_descale.stride(), v_descale.dtype,
-                        v_descale.get_device())  # fmt: skip
-                vd_ptr = v_descale.data_ptr()
-            else:
-                key += (v_descale,)
+            for x in (k_descale, v_descale):
+                if type(x) is _TENSOR:
+                    key += (x.shape, x.stride(), x.dtype, x.get_device())
+                else:
+                    key += (x,)
         elif k_descale is not None or v_descale is not None:
             return None  # the general path names the argument
         if out is not None:
@@ -278,20 +314,20 @@ class _FastPath:
             o, lse = out
             if type(o) is not _TENSOR or type(lse) is not _TENSOR:
                 return None
+            if o.requires_grad or lse.requires_grad:
+                return None
             key += (o.shape, o.stride(), o.dtype, o.get_device(),
                     lse.shape, lse.stride(), lse.dtype, lse.get_device())  # fmt: skip
-        tensors = ()
         if params:
             pk = []
             for n, v in params.items():
                 if type(v) is _TENSOR:
-                    if v.dim() == 0:
+                    if v.dim() == 0 or (grad and v.requires_grad):
                         return None  # a 0-d scalar: resolve_params reads it each call
                     pk.append((n, v.shape, v.stride(), v.dtype, v.get_device()))
                 else:
                     pk.append((n, v))
             key += (tuple(pk),)
-            tensors = [params.get(n) for n in self.tensor_names]
         st = self._tls_dict.get("st") or self._state()
         if key != st.key:
             if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
@@ -302,37 +338,43 @@ class _FastPath:
             return None  # an unaligned base: the general path copies q or refuses the cache
         lens_ptr = lens.data_ptr()
         table_ptr = 0 if table is None else table.data_ptr()
-        cu_ptr = 0 if cu is None else cu.data_ptr()
         kn_ptr = vn_ptr = 0
         if k_new is not None:
             kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
             if (kn_ptr | vn_ptr) & 15:
                 return None
-        if out is None:  # new buffers: apart from every input
-            dev = q.device
-            o = self._empty(st.o_shape, dtype=self.o_dtype, device=dev)
-            lse = self._empty(st.lse_shape, dtype=self._f32, device=dev)
+        if out is None:  # fresh buffers: aligned, apart from every input
+            o = self._alloc(st.o_shape, st.o_stride, self.o_dtype)
+            lse = self._alloc(st.lse_shape, st.lse_stride, _F32)
+            o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
             out = (o, lse)
-            o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+            out_o = out_lse = 0  # the caller's out (_apart): none
         else:
-            o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
-        if (o_ptr & 7) | (lse_ptr & 3):
-            return None  # the kernel stores o 8 bytes at a time
+            o, lse = out
+            o_ptr, lse_ptr = out_o, out_lse = o.data_ptr(), lse.data_ptr()
+            if (o_ptr & 7) | (lse_ptr & 3):
+                return None  # the kernel stores o 8 bytes at a time
+        cu_ptr = 0 if cu is None else cu.data_ptr()
+        # the tensor params' addresses (the layout fixed their names, dtypes and strides)
+        t_ptrs = [params[n].data_ptr() for n in self.tensor_names] if self.tensor_names else ()
         if st.pairs:  # an append or out=: the addresses must keep the memory apart
-            ptrs = (q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, lens_ptr, table_ptr, cu_ptr, o_ptr,
-                    lse_ptr)  # fmt: skip
-            if tensors:
-                ptrs += tuple(t.data_ptr() for t in tensors)
+            ptrs = (q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, lens_ptr, table_ptr, cu_ptr, out_o,
+                    out_lse)  # fmt: skip
+            if t_ptrs:
+                ptrs += tuple(t_ptrs)
             if ptrs != st.apart and not self._apart(st, kc, vc, ptrs):
                 return None  # memory that may overlap: the general path names it (or runs it)
         buf = st.attn_buf
         if self.kv8:
+            kd_ptr = k_descale.data_ptr() if type(k_descale) is _TENSOR else 0
+            vd_ptr = v_descale.data_ptr() if type(v_descale) is _TENSOR else 0
             self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr,
                            kd_ptr, vd_ptr)  # fmt: skip
         else:
             self.attn_pack(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lens_ptr, table_ptr)
-        for name, t in zip(self.tensor_names, tensors, strict=False):
-            self.attn_layout.field(buf, f"t_{name}", t.data_ptr())
+        if t_ptrs:
+            for set_field, ptr in zip(st.set_tensors, t_ptrs, strict=True):
+                set_field(ptr)
         if self.sink:
             sink = None  # the call's logits, alive until the launch is enqueued
             if not join_sink:
@@ -340,17 +382,17 @@ class _FastPath:
             elif st.sink_param is not None:
                 sink_ptr = params[st.sink_param].data_ptr()
             else:
-                sink = self._sink_logits(params, st.dims, q.device)
+                sink = self._sink_logits(params, st.dims, self.device)
                 sink_ptr = sink.data_ptr()
-            self.attn_layout.field(buf, "sink", sink_ptr)
+            st.set_sink(sink_ptr)
         if cu is not None:
-            self.attn_layout.field(buf, "cu_seqlens_q", cu_ptr)
+            st.set_cu(cu_ptr)
         stream = self._raw_stream(self.index)
         launch = self._cu_launch
         if k_new is not None:
             self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
             if cu is not None:
-                self.app_layout.field(st.app_buf, "cu_seqlens_q", cu_ptr)
+                st.set_app_cu(cu_ptr)
             rc = launch(self.app_fn, *self.app_launch, stream, st.app_params, None)
             if rc != 0:
                 raise RuntimeError(f"cuLaunchKernel(decode append) failed: CUresult {rc}")
@@ -460,6 +502,7 @@ class _FastPath:
         if cu is not None:
             values["cu_seqlens_q"] = cu
         st.o_shape, st.lse_shape = o_shape, lse_shape
+        st.o_stride, st.lse_stride = _contiguous_strides(o_shape), _contiguous_strides(lse_shape)
         self._guard(st, q, kc, vc, lens, table, k_new, v_new, out, cu, list(tmap.values()))
         self.attn_layout.pack(st.attn_buf, values)
         if k_new is not None:
@@ -469,11 +512,15 @@ class _FastPath:
 
 
 class _FastState:
-    """One thread's argument blocks of a :class:`_FastPath` and the layout they hold."""
+    """One thread's argument blocks of a :class:`_FastPath` and the layout they hold; the
+    writers of the per-call fields after the leading pointers (``cu_seqlens_q``, ``sink``,
+    the tensor params' ``t_<name>``), bound to the blocks (None where the kernel has no such
+    argument)."""
 
-    def __init__(self, attn_layout, app_layout):
+    def __init__(self, attn_layout, app_layout, tensor_names=()):
         self.key = None
-        self.o_shape = self.lse_shape = None  # the outputs of the layout in ``key``
+        # the outputs of the layout in ``key`` (contiguous)
+        self.o_shape = self.lse_shape = self.o_stride = self.lse_stride = None
         self.dims = None  # its validated sizes
         self.sink_param = None  # a fused sink: the tensor param whose address is the logits
         # the per-call memory check of that layout (_FastPath._guard, _FastPath._apart)
@@ -481,3 +528,7 @@ class _FastState:
         self.apart = None  # the last addresses _apart passed
         self.attn_buf, self.attn_params = attn_layout.new_block()
         self.app_buf, self.app_params = app_layout.new_block()
+        self.set_cu = attn_layout.setter(self.attn_buf, "cu_seqlens_q")
+        self.set_app_cu = app_layout.setter(self.app_buf, "cu_seqlens_q")
+        self.set_sink = attn_layout.setter(self.attn_buf, "sink")
+        self.set_tensors = tuple(attn_layout.setter(self.attn_buf, f"t_{n}") for n in tensor_names)

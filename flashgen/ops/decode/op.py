@@ -488,10 +488,29 @@ class DecodeOp(DecodePlanning):
         if not isinstance(apply_sink, bool):
             raise OpInputError(f"apply_sink: expected a bool, got {apply_sink!r}")
         join_sink = apply_sink and self.spec.sink is not None
-        res, joined = self._kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                                    cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
-                                    out, k_descale, v_descale, q_descale, params,
-                                    join_sink)  # fmt: skip
+        self.op._check_live()
+        res = None
+        # a plan's fast path runs the kernels of the op that planned it: only this op's; it
+        # takes no call that _kvcache refuses (a tensor that requires grad, an MLA call's
+        # v_cache / v_new / v_descale) and returns None for any call it does not take
+        fast = getattr(plan, "fast", None) if getattr(plan, "owner", None) is self else None
+        if fast is not None and num_splits is None and q_descale is None:
+            vc, vn, vd = v_cache, v_new, v_descale
+            if self.v_from_k:  # the values: k_cache's / k_new's first columns
+                given = vc is not None or vn is not None or vd is not None
+                vc = None if given else latent_values(self.spec, k_cache)
+                vn, vd = latent_values(self.spec, k_new), k_descale
+            if vc is not None:
+                res = fast(q, k_cache, vc, cache_seqlens, block_table, k_new, vn, softmax_scale,
+                           params, out, cu_seqlens_q, max_seqlen_q, k_descale, vd,
+                           join_sink)  # fmt: skip
+        if res is not None:
+            joined = join_sink and plan.fused_sink
+        else:
+            res, joined = self._kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new,
+                                        v_new, cu_seqlens_q, max_seqlen_q, num_splits, plan,
+                                        softmax_scale, out, k_descale, v_descale, q_descale,
+                                        params, join_sink)  # fmt: skip
         if joined or not join_sink:
             return res
         from flashgen.ops.sink import apply_sink as join
@@ -512,25 +531,17 @@ class DecodeOp(DecodePlanning):
     def _kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                  cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale, out, k_descale,
                  v_descale, q_descale, params, join_sink=False):  # fmt: skip
-        """:meth:`with_kvcache` but for the sink's torch epilogue: ``((o, lse), joined)``,
-        ``joined`` whether the kernel joined the sink (``join_sink`` and a fused-sink unit
-        launched directly: the planned fast path or :meth:`_with_kvcache`'s eager CUDA
-        branch); else o is over the keys alone."""
-        self.op._check_live()
+        """:meth:`with_kvcache` but for the planned fast path and the sink's torch epilogue:
+        the refusal of inputs that require grad, an MLA call's latent values, then
+        :meth:`_with_kvcache`.  ``((o, lse), joined)``, ``joined`` whether the kernel joined
+        the sink (``join_sink`` and a fused-sink unit launched directly by
+        :meth:`_with_kvcache`'s eager CUDA branch); else o is over the keys alone."""
         if torch.is_grad_enabled():
             _refuse_grad(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
                          **params)  # fmt: skip
         if self.v_from_k:
             v_cache, v_new, v_descale = self._latent_args(k_cache, v_cache, k_new, v_new,
                                                           v_descale, k_descale)  # fmt: skip
-        # a plan's fast path runs the kernels of the op that planned it: only this op's
-        fast = getattr(plan, "fast", None) if getattr(plan, "owner", None) is self else None
-        if fast is not None and num_splits is None and q_descale is None:
-            res = fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-                       softmax_scale, params, out, cu_seqlens_q, max_seqlen_q, k_descale,
-                       v_descale, join_sink)  # fmt: skip
-            if res is not None:
-                return res, join_sink and plan.fused_sink
         return self._with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                                   cu_seqlens_q, max_seqlen_q, num_splits, plan, softmax_scale,
                                   params, out, (k_descale, v_descale, q_descale),
