@@ -68,6 +68,7 @@ from flashgen.ops.calls import (
     kernel_values,
     refuse_forward_ad,
 )
+from flashgen.ops.decode.op import decode_op
 from flashgen.ops.out_arg import check_out
 from flashgen.ops.prefill.attention_blockmask import BlockMaskMethods
 from flashgen.ops.prefill.attention_kernels import KernelChoice
@@ -527,22 +528,21 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         lse = getattr(torch.ops.flashgen, self.name).out(*args, o=out, deterministic=deterministic)
         return out, lse
 
-    def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, **kwargs):
+    @property
+    def with_kvcache(self):
         """Attention against a dense or paged KV cache, appending ``k_new``/``v_new`` first
-        (FlashAttention's ``flash_attn_with_kvcache``): ``(o, lse)``.  See
-        :meth:`flashgen.ops.decode.op.DecodeOp.with_kvcache` for the arguments and contract.
-        ``RuntimeError`` if a reload of the edited spec replaced this op."""
-        from flashgen.ops.decode.op import decode_op
-
+        (FlashAttention's ``flash_attn_with_kvcache``): ``op.with_kvcache(q, k_cache,
+        v_cache, cache_seqlens, **kwargs)`` -> ``(o, lse)``.  The op's
+        :meth:`flashgen.ops.decode.op.DecodeOp.with_kvcache` itself (its arguments and
+        contract; no forwarding frame on the planned call's host path).  ``RuntimeError``
+        if a reload of the edited spec replaced this op (here, and at each call)."""
         self._check_live()
-        return decode_op(self).with_kvcache(q, k_cache, v_cache, cache_seqlens, **kwargs)
+        return decode_op(self).with_kvcache
 
     def plan_decode(self, **kwargs):
         """A reusable schedule for :meth:`with_kvcache` calls of one shape; see
         :meth:`flashgen.ops.decode.op.DecodeOp.plan_decode`.  ``RuntimeError`` if a reload of
         the edited spec replaced this op."""
-        from flashgen.ops.decode.op import decode_op
-
         self._check_live()
         return decode_op(self).plan_decode(**kwargs)
 
