@@ -318,8 +318,9 @@ def measure_decode(root: Path, batches, n: int, reps: int) -> list[dict]:
 
 def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) -> None:
     """Where a planned call's host time goes on this machine (stream held busy): the two
-    output allocations alone, the attention kernel's bare ``cuLaunchKernel`` with the
-    plan's packed block, and a cProfile of the planned calls (top entries, printed)."""
+    output allocations alone (as the fast path allocates them), the attention kernel's bare
+    ``cuLaunchKernel`` with the plan's packed block, and a cProfile of the planned calls
+    (top entries, printed)."""
     import cProfile
     import io
     import pstats
@@ -333,15 +334,15 @@ def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) 
     fast.dop.op.with_kvcache(plan=plan, out=keep, **kw)
 
     def empties():
-        torch.empty(fast.o_shape, dtype=fast.o_dtype, device=q.device)
-        torch.empty(fast.lse_shape, dtype=torch.float32, device=q.device)
+        fast._alloc(st.o_shape, st.o_stride, fast.o_dtype)
+        fast._alloc(st.lse_shape, st.lse_stride, torch.float32)
 
     stream = torch.cuda.current_stream().cuda_stream
 
     def launch():
         fast._cu_launch(fast.attn_fn, *fast.attn_launch, stream, st.attn_params, None)
 
-    for part, fn in (("2x torch.empty (o, lse)", empties), ("bare cuLaunchKernel", launch)):
+    for part, fn in (("2x alloc (o, lse)", empties), ("bare cuLaunchKernel", launch)):
         ts = []
         for _ in range(3):
             torch.cuda.synchronize()
