@@ -31,7 +31,7 @@ class ArgLayout:
     """The layout of a kernel's arguments (``args``: :class:`flashgen.codegen.abi.KernelArg` in ABI
     order) in one byte block, each at its C alignment: ``offsets[i]``; ``struct`` packs every
     argument; :meth:`head` packs the first ``n`` (the fields a call changes, when the ABI
-    puts them first); :meth:`field` packs one."""
+    puts them first); :meth:`setter` writes one."""
 
     def __init__(self, args):
         self.names = [a.name for a in args]
@@ -87,14 +87,9 @@ class ArgLayout:
             vals.append(v)
         self.struct.pack_into(buf, 0, *vals)
 
-    def field(self, buf, name: str, value) -> None:
-        """Write argument ``name`` alone."""
-        i = self.index[name]
-        self._fields[i].pack_into(buf, self.offsets[i], value)
-
     def setter(self, buf, name: str):
-        """``set(value)``: writes argument ``name`` of ``buf`` alone (:meth:`field` with the
-        lookups done once); None when the kernel has no argument ``name``."""
+        """``set(value)``: writes argument ``name`` of ``buf`` alone (its offset and format
+        looked up once); None when the kernel has no argument ``name``."""
         i = self.index.get(name)
         if i is None:
             return None
