@@ -49,6 +49,8 @@ REMOVED_OPTIONS = {
     "beside d256_sdp_warpgroups (on by default), for 16 KiB of shared memory",
     "hopper_bwd.ds_waits_dv": "dS^T reads the packed P^T while dV runs; waiting for dV "
     "first was slower",
+    "hopper_bwd.d256_dq_frag": "head_dim 256 always adds dQ in the accumulator's fragment "
+    "order (16-byte reductions into 64-row tiles of dq_accum)",
     "hopper_bwd.desc_offsets": "the Hopper backward always builds its wgmma descriptors as "
     "base + offset, takes a warp-uniform warpgroup index, loads dsum in pairs and "
     "stores P^T and dS^T by stmatrix",

@@ -66,8 +66,9 @@ class BackwardPlan:
 
     def dq_accum_seqlen(self, seqlen_q: int) -> int:
         """Rows per (batch, query head) of the fp32 ``dq_accum`` of the atomic path: ``seqlen_q``,
-        or, where the dK/dV kernel adds dQ in fragment order (context ``dq_frag``, Hopper head
-        dim 256), ``seqlen_q`` rounded up to the 64-row tiles that order stores."""
+        or, where the dK/dV kernel adds dQ in fragment order (context ``dq_frag``: the Hopper
+        backward at head_dim 256), ``seqlen_q`` rounded up to the 64-row tiles that order
+        stores."""
         return -(-seqlen_q // 64) * 64 if self.dkdv.context.get("dq_frag") else seqlen_q
 
     @property

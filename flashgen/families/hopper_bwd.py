@@ -67,12 +67,7 @@ class Options:
     ``dparam_diagonal`` (off by default, an experiment not yet run on a GPU: param gradients
     of a relative-position table, such as T5's bias, accumulated in this kernel at head_dim
     64 and 256 by a shared slot per diagonal of each warpgroup's tile; off, such a backward
-    runs the FA2-class kernels); ``d256_dq_frag`` (off by default, an experiment: at head_dim
-    256 the consumers add dQ into ``dq_accum`` in their accumulator's fragment order, one
-    16-byte reduction per four values and each warp's reductions 512 contiguous bytes, as
-    FlashAttention-3's head-dim-256 backward does, instead of 8-byte reductions along the
-    rows; ``dq_accum`` is then stored in 64-row tiles, rows rounded up, and the convert kernel
-    reads that order).
+    runs the FA2-class kernels).
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
@@ -83,7 +78,6 @@ class Options:
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
     dparam_diagonal: bool = False
-    d256_dq_frag: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -219,7 +213,8 @@ def plan(
     ``dq_accum``, built at launch from the named tensors.  head_dim 256 takes the split
     layout (:data:`~flashgen.families.tiles.HOPPER_BWD_TILES_SPLIT_D`, context ``split_d``):
     64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns, and whose consumers
-    add dQ with vector reductions (no room for the staging tiles).  ``ordered_dq``: the
+    add dQ with 16-byte reductions into ``dq_accum`` in 64-row tiles in their
+    accumulator's fragment order (no room for the staging tiles; ``dq_frag``).  ``ordered_dq``: the
     deterministic form (``Options.ordered_dq``): the dQ writer adds its tiles into a query
     block only after the CTAs of every earlier key block have (a semaphore per (batch, query
     head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
@@ -334,7 +329,9 @@ def plan(
         # (no dparam: it computes dS^T itself)
         pg_frag=(ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"))
         or pg_wg,
-        dq_frag=split_d and options.d256_dq_frag,
+        # head_dim 256: dQ added in the accumulator's fragment order (16-byte reductions,
+        # dq_accum in 64-row tiles, fg::dq_frag_coords), as FlashAttention-3's hdim-256 does
+        dq_frag=split_d,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

@@ -159,7 +159,7 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "dq_frag"}
+OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -449,35 +449,3 @@ def test_d256_queries_split_masks_and_score_mods(queries_split, name):
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=1550 + i)
 
-
-# ------------------------- head dim 256 with dQ added in fragment order (hopper_bwd.d256_dq_frag)
-@pytest.fixture
-def dq_frag(monkeypatch):
-    """``hopper_bwd.d256_dq_frag=True``: dq_accum in 64-row tiles in the accumulator's fragment
-    order, 16-byte reductions, read back by its own convert kernel."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.d256_dq_frag": True})
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_d256_dq_frag_lengths_gqa_dtypes(dq_frag, dtype, causal):
-    spec = hb_spec(256, dtype, causal)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
-        check(spec, b, hq, hkv, sq, sk, seed=1600 + i)
-
-
-@pytest.mark.parametrize("name", ["bidir_d256", "gemma2_softcap", "d256:mistral_swa"])
-def test_d256_dq_frag_masks_score_mods_views_and_empty_rows(dq_frag, name):
-    """Shipped masks and score_mods, (B, S, H, D) views with an lse gradient, and causal rows
-    that attend to nothing (their dq exactly 0, the padding rows of the last tile unread)."""
-    spec = shipped(name)
-    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
-        check(spec, b, hq, hkv, sq, sk, seed=1650 + i)
-    causal = hb_spec(256, "bf16", True)
-    b, s, h = 2, 333, 4
-    qkv = torch.randn(b, s, 3, h, 256, device="cuda").to(torch.bfloat16)
-    views = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
-    check(causal, b, h, h, s, s, seed=1670, qkv=views, with_dlse=True)
-    q, *_ = run_case(causal, 1, 2, 2, 300, 100, seed=1671)
-    assert (q.grad[:, :, :200] == 0).all()
-    assert not q.grad.isnan().any()

@@ -156,7 +156,8 @@ def test_plan_d256_split_layout():
     assert plan.dkdv.smem_bytes == smem == 215064 <= HOPPER_SMEM_LIMIT
     grids = plan.grids(2, 8, 2, 1000, 4097)
     assert grids["dkdv"] == (2 * 2 * 65, 1, 1)
-    assert grids["convert"] == (-(-(2 * 8 * 1000 * 64) // 256), 1, 1)
+    # dq_accum in 64-row tiles (fragment order): 1000 query rows padded to 1024
+    assert grids["convert"] == (-(-(2 * 8 * 1024 * 64) // 256), 1, 1)
 
 
 
@@ -228,7 +229,7 @@ def test_render(d, dtype, causal):
     assert f"m64n{s_n}k16.f32.{t}.{t}" in src and f"m64n{dkv_n}k16.f32.{t}.{t}" in src
     assert f"constexpr bool IS_CAUSAL = {'true' if causal else 'false'};" in src
     assert "fence.proxy.async.shared::cta" in src
-    assert ("fg::red_add_dq_pairs<" in src) == (d == 256)  # else the dQ writer's TMA reductions
+    assert ("fg::red_add_dq_frag<" in src) == (d == 256)  # else the dQ writer's TMA reductions
     assert ("fg::tma_reduce_add_4d(&tma_dq" in src) == (d != 256)
     assert "fg::setmaxnreg_dec<24>();" in src and "fg::setmaxnreg_inc<240>();" in src
     bar = "fg::named_barrier_sync(BAR_MMA, MMA_THREADS);  // both warpgroups'"
@@ -384,7 +385,7 @@ def test_compiles_without_spills_with_wgmma(requires_nvcc, name):
     assert "UTMALDG.4D" in code
     assert setmaxnreg(code, "dec", 24) and setmaxnreg(code, "inc", 240)
     assert ("UTMAREDG.4D" in code) == (d != 256)  # cp.reduce.async.bulk.tensor.4d
-    assert ("REDG.E.ADD.F32x2" in code) == (d == 256)  # red.global.add.v2.f32
+    assert ("REDG.E.ADD.F32x4" in code) == (d == 256)  # red.global.add.v4.f32
     assert "BPT.TRAP" not in code
 
 
@@ -424,31 +425,10 @@ def test_visited_steps_cover_every_kept_pair_and_skip_only_full_tiles(sq, sk, ca
     assert not (keep & ~covered).any()
 
 
-def test_dq_reduction_pairs_add_every_element_once():
-    """The d256 dQ reductions (``fg::red_add_dq_pairs``, red.global.add.v2.f32): lane l adds
-    acc[4j + 2r], acc[4j + 2r + 1] at row l / 4 + 8 r, columns 8 j + 2 (l % 4) + {0, 1} of the
-    warp's 16-row slice, which is where the m64nN accumulator layout holds them; every (row,
-    column) of J 8-column tiles is added exactly once, at an 8-byte aligned address."""
-    J, row_stride = 16, 256
-    added = {}
-    for lane in range(32):
-        for j in range(J):
-            for r in range(2):
-                # the accumulator layout: acc[4j + 2r + e] at (lane/4 + 8r, 8j + 2(lane%4) + e)
-                want = [(lane // 4 + 8 * r, 8 * j + 2 * (lane % 4) + e) for e in range(2)]
-                # the kernel's address: dq_row (row lane / 4, column 2 (lane % 4)) + 8 r rows + 8 j
-                addr = (lane // 4 + 8 * r) * row_stride + 2 * (lane % 4) + 8 * j
-                assert addr % 2 == 0  # two floats: 8-byte aligned (row_stride, the base even)
-                for e, (er, ec) in enumerate(want):
-                    assert addr + e == er * row_stride + ec
-                    added[(er, ec)] = added.get((er, ec), 0) + 1
-    assert added == {(r, c): 1 for r in range(16) for c in range(8 * J)}
-
-
 def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
-    """``hopper_bwd.d256_dq_frag``: thread t of warpgroup c adds acc[4j .. 4j + 3] as float4
-    c * 2048 + j * 128 + t of the 64-row tile (``fg::red_add_dq_frag``); the convert kernel
-    reads float4 f back at ``fg::dq_frag_coords<256>(f)`` (compiled from the kernels' header
+    """The d256 dQ reductions in fragment order: thread t of warpgroup c adds acc[4j .. 4j + 3]
+    as float4 c * 2048 + j * 128 + t of the 64-row tile (``fg::red_add_dq_frag``); the convert
+    kernel reads float4 f back at ``fg::dq_frag_coords<256>(f)`` (compiled from the kernels' header
     for the host).  Those coordinates are where the m64n128 accumulator layout holds the four
     values, and the tile's 64 x 256 elements are each held once."""
     header = (REPO / "templates" / "common" / "sm90_bwd.cuh").read_text()
@@ -481,36 +461,32 @@ def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
     assert held == {(r, c): 1 for r in range(64) for c in range(256)}
 
 
-def test_d256_dq_frag_plan_pads_dq_accum_to_tiles():
-    """Off by default; on, only head_dim 256 changes: dq_accum's rows per (batch, query head)
-    round up to 64 and the convert kernel's grid covers the padded tiles."""
+def test_d256_plan_pads_dq_accum_to_tiles():
+    """Only head_dim 256 adds dQ in fragment order: dq_accum's rows per (batch, query head)
+    round up to 64 and the convert kernel's grid covers the padded tiles; the removed option
+    says so."""
     from flashgen.families import hopper_bwd
+    from flashgen.options import UnknownOptionError
 
-    on = hopper_bwd.Options(d256_dq_frag=True)
-    assert not hopper_bwd.Options().d256_dq_frag
-    with pytest.raises(ValueError, match="d256_dq_frag"):
-        hopper_bwd.Options(d256_dq_frag=1)
-    plan = hopper_bwd.plan(small(256, "bf16", True), "sm_90", on)
+    plan = hopper_bwd.plan(small(256, "bf16", True), "sm_90")
     assert plan.dkdv.context["dq_frag"]
     assert [plan.dq_accum_seqlen(n) for n in (1, 64, 65, 1000)] == [64, 64, 128, 1024]
     assert plan.grids(2, 3, 1, 65, 100)["convert"][0] * 256 >= 2 * 3 * 128 * 256 // 4
-    off = hopper_bwd.plan(small(256, "bf16", True), "sm_90")
-    assert off.dq_accum_seqlen(65) == 65 and not off.dkdv.context["dq_frag"]
     for d in (64, 128):
-        s = small(d, "bf16", True)
-        same = render(hopper_bwd.plan(s, "sm_90").unit)
-        assert render(hopper_bwd.plan(s, "sm_90", on).unit) == same
-    src = render(plan.unit)
-    assert "fg::red_add_dq_frag<" in src and "fg::red_add_dq_pairs<" not in src
+        other = hopper_bwd.plan(small(d, "bf16", True), "sm_90")
+        assert other.dq_accum_seqlen(65) == 65 and not other.dkdv.context["dq_frag"]
+    assert "fg::red_add_dq_frag<" in render(plan.unit)
+    with pytest.raises(UnknownOptionError, match="fragment"):
+        DEFAULT.with_values({"hopper_bwd.d256_dq_frag": True})
 
 
 @pytest.mark.parametrize("name", ["hb_causal", "gemma2_softcap"])
-def test_d256_dq_frag_compiles_without_spills(requires_nvcc, name):
+def test_d256_dq_reductions_are_16_bytes_without_spills(requires_nvcc, name):
     """16 16-byte reductions per thread and step (REDG ... F32x4), none of 8 bytes."""
     from flashgen.families import hopper_bwd
 
     spec = small(256, "bf16", True) if name == "hb_causal" else shipped(name)
-    plan = hopper_bwd.plan(spec, "sm_90", hopper_bwd.Options(d256_dq_frag=True))
+    plan = hopper_bwd.plan(spec, "sm_90")
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
     code = sass(plan.unit)
