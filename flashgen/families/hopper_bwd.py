@@ -64,7 +64,7 @@ class Options:
     stores P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score
     in 8 KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; off, and in a unit with
     param gradients, each warpgroup computes both GEMMs on half the step's queries);
-    ``dparam_diagonal`` (off by default, an experiment not yet run on a GPU: param gradients
+    ``dparam_diagonal`` (off by default: correct on a GPU but hardly faster: param gradients
     of a relative-position table, such as T5's bias, accumulated in this kernel at head_dim
     64 and 256 by a shared slot per diagonal of each warpgroup's tile; off, such a backward
     runs the FA2-class kernels).
