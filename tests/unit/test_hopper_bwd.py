@@ -425,6 +425,28 @@ def test_visited_steps_cover_every_kept_pair_and_skip_only_full_tiles(sq, sk, ca
     assert not (keep & ~covered).any()
 
 
+def test_dq_reduction_pairs_add_every_element_once():
+    """The d256 dQ reductions of units with param gradients (``fg::red_add_dq_pairs``,
+    red.global.add.v2.f32): lane l adds
+    acc[4j + 2r], acc[4j + 2r + 1] at row l / 4 + 8 r, columns 8 j + 2 (l % 4) + {0, 1} of the
+    warp's 16-row slice, which is where the m64nN accumulator layout holds them; every (row,
+    column) of J 8-column tiles is added exactly once, at an 8-byte aligned address."""
+    J, row_stride = 16, 256
+    added = {}
+    for lane in range(32):
+        for j in range(J):
+            for r in range(2):
+                # the accumulator layout: acc[4j + 2r + e] at (lane/4 + 8r, 8j + 2(lane%4) + e)
+                want = [(lane // 4 + 8 * r, 8 * j + 2 * (lane % 4) + e) for e in range(2)]
+                # the kernel's address: dq_row (row lane / 4, column 2 (lane % 4)) + 8 r rows + 8 j
+                addr = (lane // 4 + 8 * r) * row_stride + 2 * (lane % 4) + 8 * j
+                assert addr % 2 == 0  # two floats: 8-byte aligned (row_stride, the base even)
+                for e, (er, ec) in enumerate(want):
+                    assert addr + e == er * row_stride + ec
+                    added[(er, ec)] = added.get((er, ec), 0) + 1
+    assert added == {(r, c): 1 for r in range(16) for c in range(8 * J)}
+
+
 def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
     """The d256 dQ reductions in fragment order: thread t of warpgroup c adds acc[4j .. 4j + 3]
     as float4 c * 2048 + j * 128 + t of the 64-row tile (``fg::red_add_dq_frag``); the convert
@@ -462,9 +484,9 @@ def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
 
 
 def test_d256_plan_pads_dq_accum_to_tiles():
-    """Only head_dim 256 adds dQ in fragment order: dq_accum's rows per (batch, query head)
-    round up to 64 and the convert kernel's grid covers the padded tiles; the removed option
-    says so."""
+    """Only head_dim 256 without param gradients adds dQ in fragment order: dq_accum's rows
+    per (batch, query head) round up to 64 and the convert kernel's grid covers the padded
+    tiles; the removed option says so."""
     from flashgen.families import hopper_bwd
     from flashgen.options import UnknownOptionError
 
@@ -476,6 +498,11 @@ def test_d256_plan_pads_dq_accum_to_tiles():
         other = hopper_bwd.plan(small(d, "bf16", True), "sm_90")
         assert other.dq_accum_seqlen(65) == 65 and not other.dkdv.context["dq_frag"]
     assert "fg::red_add_dq_frag<" in render(plan.unit)
+    # units with param gradients keep row order (not yet run on a GPU in fragment order)
+    dp = hopper_bwd.plan(at_d256("alibi_learned"), "sm_90", param_grads=("slopes",))
+    assert not dp.dkdv.context["dq_frag"] and dp.dq_accum_seqlen(65) == 65
+    dp_src = render(dp.unit)
+    assert "fg::red_add_dq_pairs<" in dp_src and "fg::red_add_dq_frag<" not in dp_src
     with pytest.raises(UnknownOptionError, match="fragment"):
         DEFAULT.with_values({"hopper_bwd.d256_dq_frag": True})
 
@@ -614,12 +641,10 @@ def test_split_outputs_have_one_owner():
     assert dq == full and dkv == full
 
 
-
-
-
-def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
-    """family_build.build_backward(hopper=True): the Hopper unit, then (it spilling) the
-    FA2-class unit that ``atomic_dq`` selects."""
+def fake_builds(monkeypatch, spill_bytes, serialized=lambda plan: ()):
+    """Replace the compiler under families/build.py: each unit \"compiles\" to a report of
+    ``spill_bytes(plan)`` spilled bytes and ``serialized(plan)`` serialized kernels; returns
+    the list of the plans tried, in order."""
     import types
 
     from flashgen.families import build as family_build
@@ -627,12 +652,23 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
     tried = []
 
     def fake_build(src, plan):
-        tried.append(plan.template)
-        spill = 8 if plan.template == "sm_90/bwd.cu.j2" else 0
-        return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
+        tried.append(plan)
+        report = types.SimpleNamespace(spill_bytes=spill_bytes(plan),
+                                       wgmma_serialized=serialized(plan))  # fmt: skip
+        return "x.cubin", report
 
     monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    return tried
+
+
+def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
+    """family_build.build_backward(hopper=True): the Hopper unit, then (it spilling) the
+    FA2-class unit that ``atomic_dq`` selects."""
+    from flashgen.families import build as family_build
+
+    plans = fake_builds(monkeypatch, lambda p: 8 if p.template == "sm_90/bwd.cu.j2" else 0)
     plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    tried = [p.template for p in plans]
     # the 80-query unit, then the 64-query one (families/build.py's candidates), then FA2-class
     assert tried[:3] == ["sm_90/bwd.cu.j2", "sm_90/bwd.cu.j2", "sm_80/bwd.cu.j2"]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2" and not plan.atomic_dq
@@ -646,19 +682,14 @@ def test_spilling_hopper_units_fall_back_to_the_fa2_kernels(monkeypatch):
 def test_serialized_hopper_units_fall_back_like_spilling_ones(monkeypatch):
     """family_build.build_backward(hopper=True) treats ptxas' wgmma serialization like a spill (as
     build_forward does; ``flashgen build`` fails such a unit): the FA2-class unit runs."""
-    import types
-
     from flashgen.families import build as family_build
 
-    tried = []
-
-    def fake_build(src, plan):
-        tried.append(plan.template)
-        serialized = (plan.kernel_name,) if plan.template == "sm_90/bwd.cu.j2" else ()
-        return "x.cubin", types.SimpleNamespace(spill_bytes=0, wgmma_serialized=serialized)
-
-    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    plans = fake_builds(
+        monkeypatch, lambda p: 0,
+        lambda p: (p.kernel_name,) if p.template == "sm_90/bwd.cu.j2" else (),
+    )  # fmt: skip
     plan, _, report = family_build.build_backward(shipped("causal_d128"), "sm_90", hopper=True)
+    tried = [p.template for p in plans]
     assert tried[:3] == ["sm_90/bwd.cu.j2", "sm_90/bwd.cu.j2", "sm_80/bwd.cu.j2"]
     assert plan.dkdv.template == "sm_80/bwd.cu.j2"
     assert not report.wgmma_serialized
@@ -803,21 +834,13 @@ def test_specs_that_spill_at_128_query_steps(requires_nvcc):
 def test_d64_block_m128_that_spills_falls_back_to_64_query_steps(monkeypatch):
     """family_build.build_backward(hopper=True) with d64_block_m=128: a spilling unit (t5_bias's
     table read spills at 128) is rebuilt with 64-query steps before the FA2-class kernels."""
-    import types
-
     from flashgen.families import build as family_build
 
-    tried = []
-
-    def fake_build(src, plan):
-        tried.append((plan.template, plan.context["block_m"]))
-        spill = 8 if plan.context["block_m"] == 128 else 0
-        return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
-
-    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    plans = fake_builds(monkeypatch, lambda p: 8 if p.context["block_m"] == 128 else 0)
     plan, _, _ = family_build.build_backward(
         shipped("t5_bias"), "sm_90", hopper=True, options=D64_128
     )
+    tried = [(p.template, p.context["block_m"]) for p in plans]
     assert tried == [("sm_90/bwd.cu.j2", 128), ("sm_90/bwd.cu.j2", 64)]
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and plan.dkdv.context["block_m"] == 64
 
@@ -826,23 +849,15 @@ def test_d128_80_query_unit_that_spills_falls_back_to_64_query_steps(monkeypatch
     """family_build.build_backward(hopper=True) at head_dim 128: a unit that spills with the
     default 80-query steps (a table-reading score_mod with no mask, such as t5_bias at 128) is
     rebuilt with 64-query steps before the FA2-class kernels."""
-    import types
-
     from flashgen.families import build as family_build
 
-    tried = []
-
-    def fake_build(src, plan):
-        tried.append((plan.template, plan.context["block_m"]))
-        spill = 36 if plan.context["block_m"] == 80 else 0
-        return "x.cubin", types.SimpleNamespace(spill_bytes=spill, wgmma_serialized=())
-
-    monkeypatch.setattr(family_build.cache, "get_or_build", fake_build)
+    plans = fake_builds(monkeypatch, lambda p: 36 if p.context["block_m"] == 80 else 0)
     t5_128 = loads_spec(
         (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 128")
         .replace("name: t5_bias", "name: t5_bias_d128"), "<t5_bias_d128>",
     )  # fmt: skip
     plan, _, _ = family_build.build_backward(t5_128, "sm_90", hopper=True)
+    tried = [(p.template, p.context["block_m"]) for p in plans]
     assert tried == [("sm_90/bwd.cu.j2", 80), ("sm_90/bwd.cu.j2", 64)]
     assert plan.dkdv.template == "sm_90/bwd.cu.j2" and plan.dkdv.context["block_m"] == 64
 
