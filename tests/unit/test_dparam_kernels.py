@@ -193,6 +193,154 @@ def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
             assert kw0 <= kv < kw0 + 64 and qw0 <= q < qw0 + qn
 
 
+#: The host side of templates/common/dparam_diag.cuh: the CUDA qualifiers defined away, a warp
+#: of 32 threads whose shuffles meet at a barrier, and as the value type the list of elements a
+#: sum holds (a slot counts its stores).
+_WARP_HOST = r"""
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __host__
+#define __device__
+#define __forceinline__ inline
+struct Elems {
+    std::vector<int> ids;
+    int stores = -1;  // a slot: the stores it took (-1: not a slot)
+    Elems() = default;
+    Elems(const Elems& o) : ids(o.ids) {}
+    Elems& operator=(const Elems& o);
+};
+Elems operator+(const Elems& x, const Elems& y) {
+    Elems r(x);
+    r.ids.insert(r.ids.end(), y.ids.begin(), y.ids.end());
+    return r;
+}
+std::mutex mu;
+std::condition_variable cv;
+int arrived = 0, generation = 0;
+Elems& Elems::operator=(const Elems& o) {
+    if (stores < 0) {
+        ids = o.ids;
+        return *this;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    ids = o.ids;
+    ++stores;
+    return *this;
+}
+void warp_barrier() {
+    std::unique_lock<std::mutex> lock(mu);
+    const int g = generation;
+    if (++arrived == 32) {
+        arrived = 0;
+        ++generation;
+        cv.notify_all();
+    } else {
+        cv.wait(lock, [g] { return generation != g; });
+    }
+}
+thread_local int this_lane;
+Elems box[32];
+Elems __shfl_sync(unsigned, const Elems& v, int src) {
+    if (src < 0 || src >= 32) std::abort();
+    box[this_lane] = v;
+    warp_barrier();
+    Elems got = box[src];
+    warp_barrier();
+    return got;
+}
+Elems __shfl_xor_sync(unsigned mask, const Elems& v, int x) {
+    return __shfl_sync(mask, v, this_lane ^ x);
+}
+"""
+
+
+def test_warp_diagonal_sums_hold_each_element_once_on_its_diagonal(cxx_exe):
+    """``fg::warp_diag_sums`` and ``fg::diag_tile_sum`` (templates/common/dparam_diag.cuh), run
+    on the host by 32 threads a warp: each lane's registers hold its elements of the m64nN
+    accumulator layout by diagonal (element (j, r, e) of lane l: row l / 4 + 8 r, column 8 j +
+    2 (l % 4) + e of the warp's slice, register 2 (j - r + 1) + e), as the kernel's P^T pass
+    sums them.  Every slot of a warp is stored exactly once, the slots together hold every
+    element exactly once, each in slot col - row + 16; and the CTA's per-diagonal sums over the
+    8 warps' slots (warp w's slice at key 16 (w % 4) + KW (w / 4), query QW (w / 4) of the
+    tile) hold every element of the tile once, on its diagonal q - k: 64-query steps (KW 64),
+    128-query steps, head_dim 256's query split (QW 32)."""
+    import subprocess
+
+    header = (REPO / "templates" / "common" / "dparam_diag.cuh").read_text()
+    body = header[header.index("namespace fg {"):]
+    cases = ((8, 64, 0), (16, 64, 0), (4, 0, 32))  # NQ, KW, QW
+    main = ["int main() {"]
+    for nq, kw, qw in cases:
+        keys, queries = 64 + kw, 8 * nq + qw
+        main.append(f"""    {{
+        constexpr int NQ = {nq}, SLOTS = fg::warp_diag_slots<NQ>();
+        std::vector<Elems> slots(8 * SLOTS);
+        for (Elems& e : slots) e.stores = 0;
+        for (int w = 0; w < 8; ++w) {{
+            std::vector<std::thread> lanes;
+            for (int l = 0; l < 32; ++l)
+                lanes.emplace_back([&slots, w, l] {{
+                    this_lane = l;
+                    Elems s[2 * (NQ + 1)];
+                    for (int j = 0; j < NQ; ++j)
+                        for (int r = 0; r < 2; ++r)
+                            for (int e = 0; e < 2; ++e) {{
+                                const int k = 16 * (w % 4) + {kw} * (w / 4) + l / 4 + 8 * r;
+                                const int q = {qw} * (w / 4) + 8 * j + 2 * (l % 4) + e;
+                                s[2 * (j - r + 1) + e].ids.push_back(k * {queries} + q);
+                            }}
+                    fg::warp_diag_sums<NQ>(s, slots.data() + w * SLOTS, l);
+                }});
+            for (std::thread& t : lanes) t.join();
+        }}
+        for (int i = 0; i < 8 * SLOTS; ++i) {{
+            printf("slot {nq} %d %d", i, slots[i].stores);
+            for (int id : slots[i].ids) printf(" %d", id);
+            printf("\\n");
+        }}
+        for (int c = -({keys} - 1); c < {queries}; ++c) {{
+            const Elems sum = fg::diag_tile_sum<SLOTS, {kw}, {qw}>(slots.data(), c);
+            printf("tile {nq} %d 1", c);
+            for (int id : sum.ids) printf(" %d", id);
+            printf("\\n");
+        }}
+    }}""")
+    main.append("}\n")
+    program = _WARP_HOST + body + "\n".join(main)
+    exe = cxx_exe(program, "warp_diag")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    rows: dict = {}
+    for line in out.stdout.splitlines():
+        kind, nq, i, stores, *ids = (int(x) if k else x for k, x in enumerate(line.split()))
+        rows.setdefault((kind, nq), []).append((i, stores, ids))
+    for nq, kw, qw in cases:
+        keys, queries = 64 + kw, 8 * nq + qw
+        slots = 32 * ((nq + 5) // 4)
+        assert slots >= 8 * nq + 16  # every diagonal u in [-15, 8 NQ) has its slot u + 16
+        seen: dict = {}
+        for i, stores, ids in rows[("slot", nq)]:
+            assert stores == 1, (nq, i)
+            w = i // slots
+            for x in ids:
+                k, q = divmod(x, queries)
+                kl, ql = k - 16 * (w % 4) - kw * (w // 4), q - qw * (w // 4)
+                assert 0 <= kl < 16 and 0 <= ql < 8 * nq and ql - kl + 16 == i % slots
+                seen[x] = seen.get(x, 0) + 1
+        every = {k * queries + q: 1 for k in range(keys) for q in range(queries)}
+        assert seen == every, nq
+        seen = {}
+        for c, _, ids in rows[("tile", nq)]:
+            for x in ids:
+                k, q = divmod(x, queries)
+                assert q - k == c, (nq, c, k, q)
+                seen[x] = seen.get(x, 0) + 1
+        assert seen == every, nq
+
+
 def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
     """``hopper_bwd.dparam_diagonal``: t5_bias's trainable table at head_dim 64 (built at
     64-query steps: 128 spills, the build's candidates) and 256, and the relative-table form
