@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dparam_cases import FORMS, form_spec
+from sass_helpers import sass
 
 from flashgen.build.render import render
 from flashgen.codegen import dparam
@@ -136,61 +137,61 @@ def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
 
 
 def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
-    """Host emulation of the diagonal form in the Hopper kernel (templates/common/dparam.j2,
-    sm_90/bwd.cu.j2): pair (j, r, e) of lane l in warp w is query qw0 + 8 j + 2 (l % 4) + e,
-    key kw0 + 16 w + l / 4 + 8 r; it goes to register (j - r + 1) * 2 + e, and register d to
-    slot 8 (d / 2 - 1) + d % 2 + 2 (l % 4) - 16 w - l / 4 + 63 of its warpgroup.  Every pair
-    of a slot has q - kv = slot - 63 + qw0 - kw0, the flush's representative pair (kv_l =
-    max(0, -dl), q_l = kv_l + dl) lies in the 64 x QN tile on that diagonal, and every slot
-    index is inside [0, QN + 63).  (``hopper_bwd.dparam_diagonal``.)"""
+    """The diagonal form in the Hopper kernel (templates/common/dparam.j2, sm_90/bwd.cu.j2): pair
+    (j, r, e) of lane l in warp w is query 8 j + 2 (l % 4) + e, key 16 w + l / 4 + 8 r of its
+    warp's slice and goes to register (j - r + 1) * 2 + e, whose pairs share the diagonal
+    8 (j - r) + 2 (l % 4) + e - l / 4 (the warp's shuffles and slots: the host test below).
+    The flush's diagonal j of the CTA's tile (keys n0 + 64 wg .., queries m0 .. at 64-query
+    steps; keys n0 .., queries m0 + QW wg .. in head_dim 256's query split) names a pair of
+    the tile on it, its q - kv = j - (keys - 1) + m0 - n0; every pair of the tile has its j.
+    (``hopper_bwd.dparam_diagonal``.)"""
     for qn in (32, 64, 128):  # d256's query split, 64-query steps, d64's 128-query steps
         nq = qn // 8
-        for w in range(4):
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                for j in range(nq):
-                    for r in range(2):
-                        for e in range(2):
-                            dq, dk = 8 * j + 2 * t + e, 16 * w + g + 8 * r
-                            d = (j - r + 1) * 2 + e
-                            assert 0 <= d < 2 * (nq + 1)
-                            slot = 8 * (d // 2 - 1) + d % 2 + 2 * t - 16 * w - g + 63
-                            assert 0 <= slot < qn + 63 and slot - 63 == dq - dk
-        for slot in range(qn + 63):
-            dl = slot - 63
-            kv_l = max(0, -dl)
-            assert 0 <= kv_l < 64 and 0 <= kv_l + dl < qn
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j in range(nq):
+                for r in range(2):
+                    for e in range(2):
+                        d = (j - r + 1) * 2 + e
+                        assert 0 <= d < 2 * (nq + 1)
+                        assert 8 * (j - r) + 2 * t + e - g == (8 * j + 2 * t + e) - (g + 8 * r)
+                        assert 8 * (d // 2 - 1) + 2 * t + d % 2 - g == 8 * (j - r) + 2 * t + e - g
     from flashgen.options import DEFAULT
 
     diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     src = render(registry.plan_hopper_backward(t5, "sm_90", diag, param_grads=("bias",)).unit)
-    assert "__shared__ float dp_diag0[2 * (QN + 63)];" in src
+    assert "__shared__ float dp_diag0[MMA_THREADS / 32 * fg::warp_diag_slots<NQ>()];" in src
     assert "dpd0[(j - r + 1) * 2 + e] += " in src
-    assert "atomicAdd(&dp_diag0[cg * (QN + 63) + 8 * (d / 2 - 1) + d % 2 + 2 * (lane % 4)" in src
-    assert "const int wg = j / (QN + 63), dl = j % (QN + 63) - 63, kv_l = max(0, -dl);" in src
-    # the flush's pair of slot j against the kernel's tiles: warpgroup wg's keys start at
-    # kw0 = n0 + 64 wg and its queries at qw0 = m0 (64-query steps), or kw0 = n0 and qw0 = m0 +
-    # QW wg (head_dim 256's query split); the pair's q - kv is the slot's diagonal
+    assert ("fg::warp_diag_sums<NQ>(dpd0, dp_diag0 + threadIdx.x / 32 * fg::warp_diag_slots<NQ>(),"
+            " lane);") in src  # fmt: skip
+    assert "atomicAdd(&dp_diag" not in src
     t5_256 = loads_spec(
         (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 256")
         .replace("name: t5_bias", "name: t5_bias_d256"), "<t5_bias_d256>",
     )  # fmt: skip
-    for spec, qn, split in ((t5, 64, False), (t5_256, 32, True)):
+    for spec, keys, queries, tile_sum in ((t5, 128, 64, "64, 0>(dp_diag0, j - (BLOCK_N - 1))"),
+                                          (t5_256, 64, 64, "0, QW>(dp_diag0, j - (64 - 1))")):
         unit = registry.plan_hopper_backward(spec, "sm_90", diag, param_grads=("bias",)).unit
         code = render(unit)
-        line = next(x for x in code.splitlines() if "const int q_idx = m0" in x and "kv_l" in x)
-        q_expr, kv_expr = line.strip()[len("const int q_idx = "):-1].split(", kv_idx = ")
+        assert f"fg::diag_tile_sum<fg::warp_diag_slots<NQ>(), {tile_sum}" in code, spec.name
+        n = "BLOCK_M + " + ("BLOCK_N" if keys == 128 else "64") + " - 1"
+        assert f": ({n});" in code, spec.name  # the flush's diagonals
+        lines = code.splitlines()
+        i = next(k for k, x in enumerate(lines) if "kv_l = max(0, -dl);" in x)
+        dl_expr = lines[i].strip()[len("const int dl = "):].split(", kv_l")[0]
+        q_expr, kv_expr = lines[i + 1].strip()[len("const int q_idx = "):-1].split(", kv_idx = ")
         m0, n0 = 640, 1280
-        for j in range(2 * (qn + 63)):
-            env = {"j": j, "QN": qn, "QW": qn, "m0": m0, "n0": n0}
-            env["wg"], env["dl"] = j // (qn + 63), j % (qn + 63) - 63
+        on = {}
+        for j in range(queries + keys - 1):
+            env = {"j": j, "BLOCK_N": 128, "m0": m0, "n0": n0}
+            env["dl"] = eval(dl_expr, {}, env)  # noqa: S307
             env["kv_l"] = max(0, -env["dl"])
             q, kv = (eval(x, {"max": max}, env) for x in (q_expr, kv_expr))  # noqa: S307
-            kw0 = n0 if split else n0 + 64 * env["wg"]
-            qw0 = m0 + qn * env["wg"] if split else m0
-            assert q - kv == env["dl"] + qw0 - kw0, (spec.name, j)
-            assert kw0 <= kv < kw0 + 64 and qw0 <= q < qw0 + qn
+            assert q - kv == j - (keys - 1) + m0 - n0, (spec.name, j)
+            assert n0 <= kv < n0 + keys and m0 <= q < m0 + queries
+            on[q - kv] = j
+        assert len(on) == queries + keys - 1  # one j per diagonal of the tile
 
 
 #: The host side of templates/common/dparam_diag.cuh: the CUDA qualifiers defined away, a warp
@@ -319,7 +320,7 @@ def test_warp_diagonal_sums_hold_each_element_once_on_its_diagonal(cxx_exe):
         rows.setdefault((kind, nq), []).append((i, stores, ids))
     for nq, kw, qw in cases:
         keys, queries = 64 + kw, 8 * nq + qw
-        slots = 32 * ((nq + 5) // 4)
+        slots = dparam.warp_diag_slots(nq)  # as the header's
         assert slots >= 8 * nq + 16  # every diagonal u in [-15, 8 NQ) has its slot u + 16
         seen: dict = {}
         for i, stores, ids in rows[("slot", nq)]:
@@ -344,7 +345,10 @@ def test_warp_diagonal_sums_hold_each_element_once_on_its_diagonal(cxx_exe):
 def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
     """``hopper_bwd.dparam_diagonal``: t5_bias's trainable table at head_dim 64 (built at
     64-query steps: 128 spills, the build's candidates) and 256, and the relative-table form
-    at 256, are Hopper units with 0 spills and no serialized wgmma."""
+    at 256, are Hopper units with 0 spills and no serialized wgmma; their per-diagonal sums
+    take no shared-memory atomics (ATOMS: the CAS loops of an fp32 atomicAdd to shared
+    memory) but a warp's shuffles: NQ + 2, (NQ + 2) / 2 by index and (NQ + 5) / 4 by xor (the
+    dK/dV kernel's only other shuffle: one SHFL.IDX, the warpgroup index)."""
     from flashgen.options import DEFAULT
 
     diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
@@ -360,6 +364,13 @@ def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
         assert plan.dkdv.template == "sm_90/bwd.cu.j2", spec.name
         assert report.spill_bytes == 0 and not report.wgmma_serialized, (spec.name, report)
         assert "dp_diag0" in render(plan.unit)
+        code = sass(plan.unit)
+        dkdv = code[code.index(plan.dkdv.kernel_name):]
+        dkdv = dkdv[: dkdv.find("Function :") if "Function :" in dkdv else None]
+        nq = plan.dkdv.context["block_m"] // (16 if spec.head_dim == 256 else 8)
+        assert "ATOMS" not in dkdv, spec.name
+        assert dkdv.count("SHFL.IDX") == 1 + nq + 2 + (nq + 2) // 2, spec.name
+        assert dkdv.count("SHFL.BFLY") == (nq + 5) // 4, spec.name
 
 
 def test_element_offsets_clamp_where_the_read_clamps():
