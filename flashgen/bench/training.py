@@ -9,7 +9,8 @@ Rows (forward + backward unless named, bf16, (B, S, H, D) as flags say; medians 
 rounds, :func:`flashgen.bench.timing.alternate`):
 
 - ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x);
-- ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x);
+- ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
+  grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward);
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
   request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); decode
   also with the sink applied by torch ops after the kernel (``decode.fused_sink=False``; the
@@ -82,9 +83,13 @@ def _cases(args):
     op = flashgen.load("t5_bias")
     q, k, v = qkv(64)
     bias = torch.rand(h, 257, device=dev, generator=g)
+    diag = flashgen.load(
+        "t5_bias", options=Options().replace_path("hopper_bwd.dparam_diagonal", True)
+    )
     rows.append(("t5_bias fwd+bwd", [
         ("bias detached", train(op, q, k, v, bias=bias)),
         ("bias trained", train(op, q, k, v, bias=bias.clone().requires_grad_())),
+        ("bias trained dparam_diagonal", train(diag, q, k, v, bias=bias.clone().requires_grad_())),
     ]))  # fmt: skip
     op = flashgen.load("gpt_oss_sink")
     q, k, v = qkv(64)

@@ -33,7 +33,7 @@ TILE_FORMS = ("query", "diagonal", "general")
 REGISTER_FORMS = ("cta", "key")
 #: The forms the Hopper backward accumulates at head_dim 64 and 256: the register forms and,
 #: with ``hopper_bwd.dparam_diagonal``, ``diagonal`` (a step's sums per diagonal of each
-#: warpgroup's tile, templates/common/dparam.j2).
+#: warp's slice by shuffles, then of the CTA's tile, templates/common/dparam_diag.cuh).
 HOPPER_FORMS = (*REGISTER_FORMS, "diagonal")
 
 
@@ -116,9 +116,9 @@ def hopper_forms_ok(spec: Spec, names, diagonal: bool = False) -> bool:
     """Whether the Hopper backward can accumulate these params' gradients: every term per
     CTA (``cta``), or at head_dim 64 / 256 per CTA, per key (``key``) or, with ``diagonal``
     (``Options.hopper_bwd.dparam_diagonal``), per relative position (a table indexed through
-    q_idx - kv_idx, such as T5's bias; its
-    shared per-diagonal sums have no fixed order, so atomic mode only: deterministic=True
-    never takes the Hopper kernel with param gradients); at
+    q_idx - kv_idx, such as T5's bias: each warp's sums per diagonal by shuffles, the CTA's
+    from the warps' in a fixed order; deterministic=True never takes the Hopper kernel with
+    param gradients); at
     head_dim 128 the consumers' 240 registers do not hold a key term's two sums (68-76
     spilled bytes on nvcc 13.0), so only ``cta``.  The others (a query / general table)
     take the FA2-class backward with the accumulation."""
@@ -126,6 +126,14 @@ def hopper_forms_ok(spec: Spec, names, diagonal: bool = False) -> bool:
     if spec.head_dim == 128:
         return got <= {"cta"}
     return got <= (set(HOPPER_FORMS) if diagonal else set(REGISTER_FORMS))
+
+
+def warp_diag_slots(nq: int) -> int:
+    """Shared floats per warp of a diagonal term in the Hopper kernel (``fg::warp_diag_slots``,
+    templates/common/dparam_diag.cuh) for a warp slice of ``nq`` 8-column tiles: its
+    diagonals u in [-15, 8 nq) at u + 16, rounded up to whole 32-float rows of the lanes'
+    stores."""
+    return 32 * ((nq + 5) // 4)
 
 
 def tile_terms(spec: Spec, names) -> int:

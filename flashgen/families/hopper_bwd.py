@@ -64,10 +64,11 @@ class Options:
     stores P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score
     in 8 KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; off, and in a unit with
     param gradients, each warpgroup computes both GEMMs on half the step's queries);
-    ``dparam_diagonal`` (off by default: correct on a GPU but hardly faster: param gradients
-    of a relative-position table, such as T5's bias, accumulated in this kernel at head_dim
-    64 and 256 by a shared slot per diagonal of each warpgroup's tile; off, such a backward
-    runs the FA2-class kernels).
+    ``dparam_diagonal`` (off by default: param gradients of a relative-position table, such
+    as T5's bias, accumulated in this kernel at head_dim 64 and 256: each warp sums its slice
+    per diagonal by shuffles into its own shared slots, the CTA's tile is summed per diagonal
+    from them; the shared-atomic sums it replaced were correct on a GPU but hardly faster,
+    this form has not run on one yet; off, such a backward runs the FA2-class kernels).
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
@@ -284,12 +285,12 @@ def plan(
     pg_wg = sdp_wg and ctx["score_grad_expr"] not in (None, "1.0f")
     smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, int(pg_wg))
     # static arrays, in whole KiB as ptxas counts them: the coordinates (:func:`coords_dynamic`)
-    # and dparam's sums, with a diagonal term's slots (two warpgroups x (query columns + 63)
-    # floats each, templates/common/dparam.j2)
+    # and dparam's sums, with a diagonal term's slots (8 consumer warps x
+    # dparam.warp_diag_slots(query columns / 8) floats each, templates/common/dparam_diag.cuh)
     qn = block_m if not split_d or sdp_wg else block_m // 2
     diag = sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
     static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
-    static += -(-diag * 2 * (qn + 63) * 4 // 1024) * 1024
+    static += -(-diag * 8 * dparam.warp_diag_slots(qn // 8) * 4 // 1024) * 1024
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "

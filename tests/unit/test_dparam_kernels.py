@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dparam_cases import FORMS, form_spec
+from sass_helpers import sass
 
 from flashgen.build.render import render
 from flashgen.codegen import dparam
@@ -136,67 +137,218 @@ def test_the_hopper_dparam_code_renders_at_both_d64_block_m():
 
 
 def test_the_hopper_diagonal_form_sums_each_diagonal_into_its_slot():
-    """Host emulation of the diagonal form in the Hopper kernel (templates/common/dparam.j2,
-    sm_90/bwd.cu.j2): pair (j, r, e) of lane l in warp w is query qw0 + 8 j + 2 (l % 4) + e,
-    key kw0 + 16 w + l / 4 + 8 r; it goes to register (j - r + 1) * 2 + e, and register d to
-    slot 8 (d / 2 - 1) + d % 2 + 2 (l % 4) - 16 w - l / 4 + 63 of its warpgroup.  Every pair
-    of a slot has q - kv = slot - 63 + qw0 - kw0, the flush's representative pair (kv_l =
-    max(0, -dl), q_l = kv_l + dl) lies in the 64 x QN tile on that diagonal, and every slot
-    index is inside [0, QN + 63).  (``hopper_bwd.dparam_diagonal``.)"""
+    """The diagonal form in the Hopper kernel (templates/common/dparam.j2, sm_90/bwd.cu.j2): pair
+    (j, r, e) of lane l in warp w is query 8 j + 2 (l % 4) + e, key 16 w + l / 4 + 8 r of its
+    warp's slice and goes to register (j - r + 1) * 2 + e, whose pairs share the diagonal
+    8 (j - r) + 2 (l % 4) + e - l / 4 (the warp's shuffles and slots: the host test below).
+    The flush's diagonal j of the CTA's tile (keys n0 + 64 wg .., queries m0 .. at 64-query
+    steps; keys n0 .., queries m0 + QW wg .. in head_dim 256's query split) names a pair of
+    the tile on it, its q - kv = j - (keys - 1) + m0 - n0; every pair of the tile has its j.
+    (``hopper_bwd.dparam_diagonal``.)"""
     for qn in (32, 64, 128):  # d256's query split, 64-query steps, d64's 128-query steps
         nq = qn // 8
-        for w in range(4):
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                for j in range(nq):
-                    for r in range(2):
-                        for e in range(2):
-                            dq, dk = 8 * j + 2 * t + e, 16 * w + g + 8 * r
-                            d = (j - r + 1) * 2 + e
-                            assert 0 <= d < 2 * (nq + 1)
-                            slot = 8 * (d // 2 - 1) + d % 2 + 2 * t - 16 * w - g + 63
-                            assert 0 <= slot < qn + 63 and slot - 63 == dq - dk
-        for slot in range(qn + 63):
-            dl = slot - 63
-            kv_l = max(0, -dl)
-            assert 0 <= kv_l < 64 and 0 <= kv_l + dl < qn
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j in range(nq):
+                for r in range(2):
+                    for e in range(2):
+                        d = (j - r + 1) * 2 + e
+                        assert 0 <= d < 2 * (nq + 1)
+                        assert 8 * (j - r) + 2 * t + e - g == (8 * j + 2 * t + e) - (g + 8 * r)
+                        assert 8 * (d // 2 - 1) + 2 * t + d % 2 - g == 8 * (j - r) + 2 * t + e - g
     from flashgen.options import DEFAULT
 
     diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     src = render(registry.plan_hopper_backward(t5, "sm_90", diag, param_grads=("bias",)).unit)
-    assert "__shared__ float dp_diag0[2 * (QN + 63)];" in src
+    assert "__shared__ float dp_diag0[MMA_THREADS / 32 * fg::warp_diag_slots<NQ>()];" in src
     assert "dpd0[(j - r + 1) * 2 + e] += " in src
-    assert "atomicAdd(&dp_diag0[cg * (QN + 63) + 8 * (d / 2 - 1) + d % 2 + 2 * (lane % 4)" in src
-    assert "const int wg = j / (QN + 63), dl = j % (QN + 63) - 63, kv_l = max(0, -dl);" in src
-    # the flush's pair of slot j against the kernel's tiles: warpgroup wg's keys start at
-    # kw0 = n0 + 64 wg and its queries at qw0 = m0 (64-query steps), or kw0 = n0 and qw0 = m0 +
-    # QW wg (head_dim 256's query split); the pair's q - kv is the slot's diagonal
+    assert ("fg::warp_diag_sums<NQ>(dpd0, dp_diag0 + threadIdx.x / 32 * fg::warp_diag_slots<NQ>(),"
+            " lane);") in src  # fmt: skip
+    assert "atomicAdd(&dp_diag" not in src
     t5_256 = loads_spec(
         (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 256")
         .replace("name: t5_bias", "name: t5_bias_d256"), "<t5_bias_d256>",
     )  # fmt: skip
-    for spec, qn, split in ((t5, 64, False), (t5_256, 32, True)):
+    for spec, keys, queries, tile_sum in ((t5, 128, 64, "64, 0>(dp_diag0, j - (BLOCK_N - 1))"),
+                                          (t5_256, 64, 64, "0, QW>(dp_diag0, j - (64 - 1))")):
         unit = registry.plan_hopper_backward(spec, "sm_90", diag, param_grads=("bias",)).unit
         code = render(unit)
-        line = next(x for x in code.splitlines() if "const int q_idx = m0" in x and "kv_l" in x)
-        q_expr, kv_expr = line.strip()[len("const int q_idx = "):-1].split(", kv_idx = ")
+        assert f"fg::diag_tile_sum<fg::warp_diag_slots<NQ>(), {tile_sum}" in code, spec.name
+        n = "BLOCK_M + " + ("BLOCK_N" if keys == 128 else "64") + " - 1"
+        assert f": ({n});" in code, spec.name  # the flush's diagonals
+        lines = code.splitlines()
+        i = next(k for k, x in enumerate(lines) if "kv_l = max(0, -dl);" in x)
+        dl_expr = lines[i].strip()[len("const int dl = "):].split(", kv_l")[0]
+        q_expr, kv_expr = lines[i + 1].strip()[len("const int q_idx = "):-1].split(", kv_idx = ")
         m0, n0 = 640, 1280
-        for j in range(2 * (qn + 63)):
-            env = {"j": j, "QN": qn, "QW": qn, "m0": m0, "n0": n0}
-            env["wg"], env["dl"] = j // (qn + 63), j % (qn + 63) - 63
+        on = {}
+        for j in range(queries + keys - 1):
+            env = {"j": j, "BLOCK_N": 128, "m0": m0, "n0": n0}
+            env["dl"] = eval(dl_expr, {}, env)  # noqa: S307
             env["kv_l"] = max(0, -env["dl"])
             q, kv = (eval(x, {"max": max}, env) for x in (q_expr, kv_expr))  # noqa: S307
-            kw0 = n0 if split else n0 + 64 * env["wg"]
-            qw0 = m0 + qn * env["wg"] if split else m0
-            assert q - kv == env["dl"] + qw0 - kw0, (spec.name, j)
-            assert kw0 <= kv < kw0 + 64 and qw0 <= q < qw0 + qn
+            assert q - kv == j - (keys - 1) + m0 - n0, (spec.name, j)
+            assert n0 <= kv < n0 + keys and m0 <= q < m0 + queries
+            on[q - kv] = j
+        assert len(on) == queries + keys - 1  # one j per diagonal of the tile
+
+
+#: The host side of templates/common/dparam_diag.cuh: the CUDA qualifiers defined away, a warp
+#: of 32 threads whose shuffles meet at a barrier, and as the value type the list of elements a
+#: sum holds (a slot counts its stores).
+_WARP_HOST = r"""
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+#define __host__
+#define __device__
+#define __forceinline__ inline
+struct Elems {
+    std::vector<int> ids;
+    int stores = -1;  // a slot: the stores it took (-1: not a slot)
+    Elems() = default;
+    Elems(const Elems& o) : ids(o.ids) {}
+    Elems& operator=(const Elems& o);
+};
+Elems operator+(const Elems& x, const Elems& y) {
+    Elems r(x);
+    r.ids.insert(r.ids.end(), y.ids.begin(), y.ids.end());
+    return r;
+}
+std::mutex mu;
+std::condition_variable cv;
+int arrived = 0, generation = 0;
+Elems& Elems::operator=(const Elems& o) {
+    if (stores < 0) {
+        ids = o.ids;
+        return *this;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    ids = o.ids;
+    ++stores;
+    return *this;
+}
+void warp_barrier() {
+    std::unique_lock<std::mutex> lock(mu);
+    const int g = generation;
+    if (++arrived == 32) {
+        arrived = 0;
+        ++generation;
+        cv.notify_all();
+    } else {
+        cv.wait(lock, [g] { return generation != g; });
+    }
+}
+thread_local int this_lane;
+Elems box[32];
+Elems __shfl_sync(unsigned, const Elems& v, int src) {
+    if (src < 0 || src >= 32) std::abort();
+    box[this_lane] = v;
+    warp_barrier();
+    Elems got = box[src];
+    warp_barrier();
+    return got;
+}
+Elems __shfl_xor_sync(unsigned mask, const Elems& v, int x) {
+    return __shfl_sync(mask, v, this_lane ^ x);
+}
+"""
+
+
+def test_warp_diagonal_sums_hold_each_element_once_on_its_diagonal(cxx_exe):
+    """``fg::warp_diag_sums`` and ``fg::diag_tile_sum`` (templates/common/dparam_diag.cuh), run
+    on the host by 32 threads a warp: each lane's registers hold its elements of the m64nN
+    accumulator layout by diagonal (element (j, r, e) of lane l: row l / 4 + 8 r, column 8 j +
+    2 (l % 4) + e of the warp's slice, register 2 (j - r + 1) + e), as the kernel's P^T pass
+    sums them.  Every slot of a warp is stored exactly once, the slots together hold every
+    element exactly once, each in slot col - row + 16; and the CTA's per-diagonal sums over the
+    8 warps' slots (warp w's slice at key 16 (w % 4) + KW (w / 4), query QW (w / 4) of the
+    tile) hold every element of the tile once, on its diagonal q - k: 64-query steps (KW 64),
+    128-query steps, head_dim 256's query split (QW 32)."""
+    import subprocess
+
+    header = (REPO / "templates" / "common" / "dparam_diag.cuh").read_text()
+    body = header[header.index("namespace fg {"):]
+    cases = ((8, 64, 0), (16, 64, 0), (4, 0, 32))  # NQ, KW, QW
+    main = ["int main() {"]
+    for nq, kw, qw in cases:
+        keys, queries = 64 + kw, 8 * nq + qw
+        main.append(f"""    {{
+        constexpr int NQ = {nq}, SLOTS = fg::warp_diag_slots<NQ>();
+        std::vector<Elems> slots(8 * SLOTS);
+        for (Elems& e : slots) e.stores = 0;
+        for (int w = 0; w < 8; ++w) {{
+            std::vector<std::thread> lanes;
+            for (int l = 0; l < 32; ++l)
+                lanes.emplace_back([&slots, w, l] {{
+                    this_lane = l;
+                    Elems s[2 * (NQ + 1)];
+                    for (int j = 0; j < NQ; ++j)
+                        for (int r = 0; r < 2; ++r)
+                            for (int e = 0; e < 2; ++e) {{
+                                const int k = 16 * (w % 4) + {kw} * (w / 4) + l / 4 + 8 * r;
+                                const int q = {qw} * (w / 4) + 8 * j + 2 * (l % 4) + e;
+                                s[2 * (j - r + 1) + e].ids.push_back(k * {queries} + q);
+                            }}
+                    fg::warp_diag_sums<NQ>(s, slots.data() + w * SLOTS, l);
+                }});
+            for (std::thread& t : lanes) t.join();
+        }}
+        for (int i = 0; i < 8 * SLOTS; ++i) {{
+            printf("slot {nq} %d %d", i, slots[i].stores);
+            for (int id : slots[i].ids) printf(" %d", id);
+            printf("\\n");
+        }}
+        for (int c = -({keys} - 1); c < {queries}; ++c) {{
+            const Elems sum = fg::diag_tile_sum<SLOTS, {kw}, {qw}>(slots.data(), c);
+            printf("tile {nq} %d 1", c);
+            for (int id : sum.ids) printf(" %d", id);
+            printf("\\n");
+        }}
+    }}""")
+    main.append("}\n")
+    program = _WARP_HOST + body + "\n".join(main)
+    exe = cxx_exe(program, "warp_diag")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    rows: dict = {}
+    for line in out.stdout.splitlines():
+        kind, nq, i, stores, *ids = (int(x) if k else x for k, x in enumerate(line.split()))
+        rows.setdefault((kind, nq), []).append((i, stores, ids))
+    for nq, kw, qw in cases:
+        keys, queries = 64 + kw, 8 * nq + qw
+        slots = dparam.warp_diag_slots(nq)  # as the header's
+        assert slots >= 8 * nq + 16  # every diagonal u in [-15, 8 NQ) has its slot u + 16
+        seen: dict = {}
+        for i, stores, ids in rows[("slot", nq)]:
+            assert stores == 1, (nq, i)
+            w = i // slots
+            for x in ids:
+                k, q = divmod(x, queries)
+                kl, ql = k - 16 * (w % 4) - kw * (w // 4), q - qw * (w // 4)
+                assert 0 <= kl < 16 and 0 <= ql < 8 * nq and ql - kl + 16 == i % slots
+                seen[x] = seen.get(x, 0) + 1
+        every = {k * queries + q: 1 for k in range(keys) for q in range(queries)}
+        assert seen == every, nq
+        seen = {}
+        for c, _, ids in rows[("tile", nq)]:
+            for x in ids:
+                k, q = divmod(x, queries)
+                assert q - k == c, (nq, c, k, q)
+                seen[x] = seen.get(x, 0) + 1
+        assert seen == every, nq
 
 
 def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
     """``hopper_bwd.dparam_diagonal``: t5_bias's trainable table at head_dim 64 (built at
     64-query steps: 128 spills, the build's candidates) and 256, and the relative-table form
-    at 256, are Hopper units with 0 spills and no serialized wgmma."""
+    at 256, are Hopper units with 0 spills and no serialized wgmma; their per-diagonal sums
+    take no shared-memory atomics (ATOMS: the CAS loops of an fp32 atomicAdd to shared
+    memory) but a warp's shuffles: NQ + 2, (NQ + 2) / 2 by index and (NQ + 5) / 4 by xor (the
+    dK/dV kernel's only other shuffle: one SHFL.IDX, the warpgroup index)."""
     from flashgen.options import DEFAULT
 
     diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
@@ -212,6 +364,13 @@ def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
         assert plan.dkdv.template == "sm_90/bwd.cu.j2", spec.name
         assert report.spill_bytes == 0 and not report.wgmma_serialized, (spec.name, report)
         assert "dp_diag0" in render(plan.unit)
+        code = sass(plan.unit)
+        dkdv = code[code.index(plan.dkdv.kernel_name):]
+        dkdv = dkdv[: dkdv.find("Function :") if "Function :" in dkdv else None]
+        nq = plan.dkdv.context["block_m"] // (16 if spec.head_dim == 256 else 8)
+        assert "ATOMS" not in dkdv, spec.name
+        assert dkdv.count("SHFL.IDX") == 1 + nq + 2 + (nq + 2) // 2, spec.name
+        assert dkdv.count("SHFL.BFLY") == (nq + 5) // 4, spec.name
 
 
 def test_element_offsets_clamp_where_the_read_clamps():
