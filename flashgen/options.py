@@ -51,6 +51,8 @@ REMOVED_OPTIONS = {
     "first was slower",
     "hopper_bwd.d256_dq_frag": "head_dim 256 always adds dQ in the accumulator's fragment "
     "order (16-byte reductions into 64-row tiles of dq_accum)",
+    "hopper_fwd.exp2_fma_every": "hopper_fwd.exp2_poly sets the share of P on the FMA pipe, "
+    "in sixteenths of each row's tiles (every N-th tile put 1/N at best)",
     "hopper_bwd.desc_offsets": "the Hopper backward always builds its wgmma descriptors as "
     "base + offset, takes a warp-uniform warpgroup index, loads dsum in pairs and "
     "stores P^T and dS^T by stmatrix",

@@ -46,9 +46,11 @@ HOPPER_REGS = (56, 224)
 #: anywhere (128 * (72 + 2 * 216) = 64K, what ``__launch_bounds__(384, 1)`` gives the CTA:
 #: the decrement must free what the increments take).
 HOPPER_PERSISTENT_REGS = (72, 216)
-#: Values of :attr:`Options.exp2_fma_every`: 0 (every exp2 on the SFU), or every N-th tile of P
-#: on the FMA pipe
-EXP2_FMA_EVERY = (0, 2, 3, 4, 8)
+#: :attr:`Options.exp2_poly` is in sixteenths: of a thread's ``NS = BLOCK_N // 8`` 8-column tiles
+#: of P per row, ``NS * exp2_poly // 16`` (spread evenly) take the polynomial.  On Hopper (no
+#: packed FFMA2, as Blackwell has) ``fg::exp2_poly`` costs 8 issue slots per element against the
+#: SFU's 8 clocks per warp-wide ex2, so about 3/16 balances the two pipes.
+EXP2_POLY_SIXTEENTHS = 16
 #: Values of :attr:`Options.fp8_transpose`: the fp8 forward's V transposer
 #: (``templates/common/fp8.cuh``): ``lds32`` (``fg::fp8::VTranspose``: 4 LDS.32, 8 PRMT,
 #: 4 STS.32 per lane and 16 bytes) or ``ldsm`` (``fg::fp8::VTransposeLdsm``: one ldmatrix.x4,
@@ -68,10 +70,14 @@ class Options:
     warp-wide.  ``head_groups``: L2 head groups in the CTA order.  ``nonneg_div``:
     ``fg::Divisor::div_nn`` where operands are proven non-negative.  :func:`plan` says more
     about each.  ``fp8_transpose`` (fp8 specs only; one of :data:`FP8_TRANSPOSES`, default
-    ``"ldsm"``): the V transposer of the fp8 forward.  ``exp2_fma_every`` (one of
-    :data:`EXP2_FMA_EVERY`, default 0): every N-th 8-column tile of the softmax's P is
-    computed on the FMA pipe by a polynomial (FlashAttention-4's exp2 emulation) instead of
-    the SFU's ``ex2.approx``; not with ``exact_softmax``.  Raises ``ValueError`` for another
+    ``"ldsm"``): the V transposer of the fp8 forward.  ``exp2_poly`` (an int in [0, 16], default 0:
+    every exp2 on the SFU): that many sixteenths of the 8-column tiles of the softmax's P
+    (:data:`EXP2_POLY_SIXTEENTHS`; ``BLOCK_N // 8 * exp2_poly // 16`` tiles per row, four
+    exponentials of a thread each, spread evenly) are computed on the FMA pipe by a degree-3
+    polynomial (FlashAttention-4's exp2 emulation, ``fg::exp2_poly`` in
+    ``templates/common/exp2_poly.cuh``, relative error below 8.8e-5, exactly 0 at -inf)
+    instead of the SFU's ``ex2.approx``; not with ``exact_softmax`` (its exp2s stay on the
+    SFU).  Raises ``ValueError`` for another
     value.  ``fused_sink`` (off by default, until measured on the GPU): for a spec with a sink,
     the epilogue joins it to each row's denominator, ``o = o_keys * sigmoid(lse - sink)`` in
     fp32 before the store (every form: persistent, sparse tiles, fp8), from a float32 logit
@@ -88,15 +94,15 @@ class Options:
     head_groups: bool = True
     nonneg_div: bool = True
     fp8_transpose: str = "ldsm"
-    exp2_fma_every: int = 0
+    exp2_poly: int = 0
     fused_sink: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_fwd")
-        if self.exp2_fma_every not in EXP2_FMA_EVERY:
+        if not 0 <= self.exp2_poly <= EXP2_POLY_SIXTEENTHS:
             raise ValueError(
-                f"Options.hopper_fwd.exp2_fma_every={self.exp2_fma_every!r}: expected one of "
-                f"{list(EXP2_FMA_EVERY)}"
+                f"Options.hopper_fwd.exp2_poly={self.exp2_poly!r}: exp2_poly (sixteenths of "
+                f"P on the FMA pipe) must be an int in [0, {EXP2_POLY_SIXTEENTHS}]"
             )
         if self.fp8_transpose not in FP8_TRANSPOSES:
             raise ValueError(
@@ -134,7 +140,7 @@ class Context(ForwardContext):
     wgmma_ns: list
     fp8: bool
     fp8_transpose: str
-    exp2_fma_every: int
+    exp2_poly: int  # sixteenths of P's tiles by fg::exp2_poly (0: none)
     fp8_block_descale: int  # rows per descale of the per-block form, 0: [B, Hkv] descales
     elem_bytes: int
     mma_k: int
@@ -406,7 +412,7 @@ def plan(
         wgmma_ns=sorted({tiles.block_n, d}),
         fp8=fp8,
         fp8_transpose=o.fp8_transpose,
-        exp2_fma_every=o.exp2_fma_every,
+        exp2_poly=0 if exact_softmax else o.exp2_poly,
         fp8_block_descale=FP8_DESCALE_BLOCK if block_descale else 0,
         elem_bytes=elt,
         mma_k=32 // elt,

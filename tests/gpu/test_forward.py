@@ -112,22 +112,6 @@ def test_shipped_spec(name, sq, sk, error_bound):
 
 
 # ----------------------------------------------------------------------------- dtype x causal
-@pytest.mark.parametrize("every", [2, 4])
-@pytest.mark.parametrize("name", ["gpt2_d64", "causal_d128", "bidir_d256", "gemma2_softcap",
-                                  "mistral_swa", "alibi"])  # fmt: skip
-def test_exp2_on_the_fma_pipe(name, every, family, monkeypatch, error_bound):
-    """``hopper_fwd.exp2_fma_every``: every 2nd / 4th 8-column tile of P by the FMA-pipe
-    polynomial (fg::exp2_fma, relative error 8.8e-5), masked pairs and empty rows still
-    exactly 0, within the same bound."""
-    if family == "fa2":
-        pytest.skip("hopper_fwd.exp2_fma_every is the Hopper forward's option")
-    gpu_options.update(monkeypatch, {"hopper_fwd.exp2_fma_every": every})
-    spec = shipped(name)
-    extra = {"window": 37} if spec.param("window") is not None else {}
-    for i, (sq, sk) in enumerate([(127, 127), (17, 1000), (1000, 17), (1, 1)]):
-        check(spec, 2, 4, 2, sq, sk, error_bound, seed=50 + i, **extra)
-
-
 @pytest.mark.parametrize("base", ["gpt2_d64", "causal_d128", "gemma2_softcap"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [True, False])

@@ -136,17 +136,6 @@ def test_shipped_llama3_fp8(sq, sk):
     check(shipped("llama3_fp8"), 2, 8, 2, sq, sk, seed=sq * 7 + sk)
 
 
-@pytest.mark.parametrize("every", [2, 4])
-@pytest.mark.parametrize("sq, sk", [(127, 127), (17, 1000), (1000, 17), (1, 1)])
-def test_exp2_on_the_fma_pipe(sq, sk, every):
-    """``hopper_fwd.exp2_fma_every``: every 2nd / 4th tile of P by the FMA-pipe polynomial
-    (fg::exp2_fma) holds the same bound (its 8.8e-5 relative error is far below e4m3's)."""
-    from flashgen.options import Options
-
-    opts = Options().replace_path("hopper_fwd.exp2_fma_every", every)
-    check(shipped("llama3_fp8"), 2, 8, 2, sq, sk, seed=sq * 11 + sk, options=opts)
-
-
 # ----------------------------------------------------------------------------- head dim x causal
 @pytest.mark.parametrize("base", ["gpt2_d64", "causal_d128", "bidir_d256"])
 @pytest.mark.parametrize("causal", [True, False])

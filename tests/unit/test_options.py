@@ -100,7 +100,7 @@ def test_a_deleted_option_says_it_was_removed_and_suggests_no_other(path):
         ("persistent_ctas", "-3", "expected an int >= 1 or None"),
         ("decode.num_splits", "-1", "in [1, 128]"),
         ("decode.min_split_blocks", "-2", "in [1, 16]"),
-        ("hopper_fwd.exp2_fma_every", "-3", "expected one of [0, 2, 3, 4, 8]"),
+        ("hopper_fwd.exp2_poly", "-3", "in [0, 16]"),
     ],
 )
 def test_a_negative_integer_option_is_refused_with_its_range(path, value, expected):
