@@ -44,7 +44,7 @@ __device__ __forceinline__ float exp2_poly(float x) {
 // NS * SIXTEENTHS / 16 (rounded down) put 4 exponentials each on the FMA pipe.
 template <int SIXTEENTHS>
 __device__ __forceinline__ float softmax_exp2_split(float x, int j) {
-    static_assert(SIXTEENTHS >= 1 && SIXTEENTHS <= 16, "0 sixteenths is fg::softmax_exp2<0>: all on the SFU");
+    static_assert(SIXTEENTHS >= 1 && SIXTEENTHS <= 16, "0 sixteenths: fg::exp2_approx alone, all on the SFU");
     if ((j + 1) * SIXTEENTHS / 16 != j * SIXTEENTHS / 16) return exp2_poly(x);
     return exp2_approx(x);
 }

@@ -172,21 +172,20 @@ def _spec(name: str, dtype: str | None = None):
 
 
 def test_off_renders_the_default_source_and_on_includes_the_polynomial():
-    """0 (the default) renders what it did before the option (no exp2_poly.cuh, P by
-    ``fg::softmax_exp2<EXP2_FMA_EVERY>`` with EXP2_FMA_EVERY = 0, the unit hashes'
-    source); on, the header and the split; with exact_softmax the option is dropped (its
+    """0 (the default) takes every P by ``fg::exp2_approx`` (no exp2_poly.cuh); on, the
+    header and the split at the same sites; with exact_softmax the option is dropped (its
     exp2s stay on the SFU) and the unit is the exact_softmax one."""
     spec = _spec("causal_d128")
     default = render(registry.plan_forward(spec, "sm_90", DEFAULT))
-    assert "constexpr int EXP2_FMA_EVERY = 0;" in default
-    sites = default.count("fg::softmax_exp2<EXP2_FMA_EVERY>(")
+    sites = default.count("const float p = fg::exp2_approx(fmaf(acc_s[")
     assert sites >= 1
     assert "exp2_poly" not in default and "softmax_exp2_split" not in default
     on = render(
         registry.plan_forward(spec, "sm_90", DEFAULT.replace_path("hopper_fwd.exp2_poly", 5))
     )
     assert "constexpr int EXP2_POLY = 5;" in on and "float exp2_poly(float x)" in on
-    assert on.count("fg::softmax_exp2_split<EXP2_POLY>(") == sites and "EXP2_FMA_EVERY" not in on
+    assert on.count("fg::softmax_exp2_split<EXP2_POLY>(") == sites
+    assert on.count("const float p = fg::exp2_approx(fmaf(acc_s[") == 0
     exact = DEFAULT.with_values({"exact_softmax": True})
     exact_on = exact.with_values({"hopper_fwd.exp2_poly": 5})
     assert render(registry.plan_forward(spec, "sm_90", exact_on)) == render(
