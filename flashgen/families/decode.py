@@ -92,6 +92,13 @@ CALL_POINTERS_KV8 = 9
 CACHE_DTYPES = {"fp8_e4m3": ("fp16", "bf16")}
 #: Fewest key blocks per split (``fg::dec::MIN_SPLIT_BLOCKS``): see :func:`effective_splits`.
 MIN_SPLIT_BLOCKS = 2
+#: Deepest cp.async ring ``Options.stages`` may ask for (a single-request call streams a short
+#: cache fastest with many blocks in flight per CTA: 7 key blocks of 64 bf16 d128 rows are
+#: 224 KiB of K and V ahead, one CTA per H100 / H200 SM; what fits is checked at plan time).
+MAX_STAGES = 8
+#: Split partials a merge thread loads per step (``Options.merge_unroll``, the unroll of the
+#: fused combine's split loop): 4 as before, or more L2 loads in flight per thread.
+MERGE_UNROLLS = (4, 8, 16)
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
 #: planned against it on both targets, so one plan fits both).
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
@@ -115,7 +122,9 @@ class Options:
     """Typed knobs of the decode family (all optional; defaults by head dim).
 
     ``block_n``: keys per pipeline stage (a multiple of ``16 * NUM_WARPS``); ``stages``:
-    depth of the cp.async ring (2..4); ``num_splits``: a fixed split count (1..128), or
+    depth of the cp.async ring (2..:data:`MAX_STAGES`: ``stages - 1`` blocks in flight per
+    CTA; beyond 4 only where the ring fits the target's shared memory, e.g. block_n 64 at
+    d128 on sm_90 up to 6 stages); ``num_splits``: a fixed split count (1..128), or
     None for :func:`num_splits_heuristic` per call; ``pack_gqa``: pack the query heads of a
     kv head into one CTA's rows (False: one query head per CTA, each K/V block read once per
     query head; kept to measure what packing buys).
@@ -126,7 +135,11 @@ class Options:
     leave room for them); ``split_waves``: the heuristic fills this many waves (0.25..4;
     1: one CTA per resident slot); ``min_split_blocks``: fewest key blocks per split (1..16,
     ``fg::dec::effective_splits``; fewer lets a short cache use more CTAs, more keeps the
-    merge's partials few).  The split combine is always fused (the last CTA merges).
+    merge's partials few).  The split combine is always fused (the last CTA merges);
+    ``merge_unroll`` (4, 8 or 16, :data:`MERGE_UNROLLS`) is the unroll of its loop over the
+    splits' fp32 partials, i.e. the L2 loads each merge thread has in flight (the sum's order,
+    hence the result, is the same for every value; the last CTA's merge is the tail of every
+    split call, its loads one L2 round trip per step).
 
     ``fused_sink`` (on by default): for a spec with a sink (``sink:``), the attention kernel
     joins it to each row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)``
@@ -144,6 +157,7 @@ class Options:
     split_waves: float = 1.0
     min_split_blocks: int = MIN_SPLIT_BLOCKS
     fused_sink: bool = True
+    merge_unroll: int = 4
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.decode")
@@ -152,8 +166,10 @@ class Options:
                 f"Options.decode.block_n={self.block_n!r}: block_n must be a positive multiple "
                 f"of {16 * NUM_WARPS}"
             )
-        if self.stages is not None and not 2 <= self.stages <= 4:
-            raise ValueError(f"Options.decode.stages={self.stages!r}: stages must be 2, 3 or 4")
+        if self.stages is not None and not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(
+                f"Options.decode.stages={self.stages!r}: stages must be an int in [2, {MAX_STAGES}]"
+            )
         if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(
                 f"Options.decode.num_splits={self.num_splits!r}: num_splits must be in "
@@ -181,10 +197,16 @@ class Options:
                 f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
                 "must be an int in [1, 16]"
             )
+        if self.merge_unroll not in MERGE_UNROLLS:
+            raise ValueError(
+                f"Options.decode.merge_unroll={self.merge_unroll!r}: merge_unroll must be one of "
+                f"{', '.join(map(str, MERGE_UNROLLS))}"
+            )
 
     def unit_key(self) -> tuple:
         """The fields that change the compiled unit (the rest are host schedule knobs)."""
-        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks, self.fused_sink)
+        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks,
+                self.fused_sink, self.merge_unroll)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,7 +240,9 @@ class DecodeContext(TemplateContext):
     normalized by their sum (``fg::dec::merge_stats``, ``fg::dec::normalized_weight``).
     ``sink`` (:attr:`Options.fused_sink` on a spec with a sink): the attention kernel takes
     ``sink`` / ``sink_sb`` / ``sink_sh`` (:func:`attn_args`) and scales each row's output by
-    ``sigmoid(lse - sink)`` (``fg::dec::sink_share``, templates/common/decode_sink.cuh)."""
+    ``sigmoid(lse - sink)`` (``fg::dec::sink_share``, templates/common/decode_sink.cuh).
+    ``merge_unroll`` (:attr:`Options.merge_unroll`): the unroll of the fused combine's loop
+    over the splits."""
 
     spec_name: str
     base_name: str
@@ -253,6 +277,7 @@ class DecodeContext(TemplateContext):
     vote_blocks: int = VOTE_BLOCKS
     exact_softmax: bool = False
     sink: bool = False
+    merge_unroll: int = 4
 
 
 @dataclass(frozen=True)
@@ -653,6 +678,7 @@ def plan(
         tensor_mask=tensor_mask(spec),
         exact_softmax=exact_softmax,
         sink=sink,
+        merge_unroll=options.merge_unroll,
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 
