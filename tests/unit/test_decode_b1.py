@@ -2,7 +2,7 @@
 (``Options.decode.stages`` up to :data:`~flashgen.families.decode.MAX_STAGES`) and the fused
 combine's loads in flight (``Options.decode.merge_unroll``): their checks, plans, split
 counts, rendered units and cache keys, the ring's wait counts emulated on the host, the
-launch trace of ``tools/decode_trace.py``.  CPU only
+launch trace of ``tools/decode_trace.py`` and ``flashgen bench --decode --option``.  CPU only
 (the nvcc test skips without nvcc); the GPU checks against float64 are
 tests/gpu/test_decode_gpu.py's ``test_sweep_options_are_correct``."""
 
@@ -154,6 +154,20 @@ def test_trace_tool_reports_the_planned_launch():
         16, 128, 8, 160)  # fmt: skip
     t = tool.trace(spec, family.Options(), cache=2048, **kw)
     assert (t["num_splits"], t["eff_splits"], t["blocks_per_cta"]) == (16, 16, 2)
+
+
+def test_decode_bench_option_variants():
+    from flashgen.bench.decode import option_variants
+
+    assert option_variants([]) == [("", None)]
+    v = option_variants(["decode.stages=2,6", "decode.merge_unroll=4,16"], "zip")
+    assert [label for label, _ in v] == ["decode.stages=2,decode.merge_unroll=4",
+                                         "decode.stages=6,decode.merge_unroll=16"]  # fmt: skip
+    assert v[1][1] == family.Options(stages=6, merge_unroll=16)
+    assert len(option_variants(["decode.stages=2,6", "decode.merge_unroll=4,16"])) == 4
+    for bad in (["hopper_fwd.affine=0,1"], ["decode.stages=9"], ["decode.merge_unroll=3"]):
+        with pytest.raises(ValueError):
+            option_variants(bad)
 
 
 def test_deep_ring_and_wide_merge_compile_spill_free(requires_nvcc):
