@@ -40,7 +40,7 @@ def trace(spec, options: family.Options, *, batch: int, cache: int, page_size: i
                            num_splits=1)  # fmt: skip
     splits = options.num_splits or family.choose_num_splits(
         unit, batch=batch, heads_kv_ctas=heads_kv, m_blocks=geo1.m_blocks, max_seqlen_k=cache,
-        num_sms=num_sms, split_waves=options.split_waves,
+        num_sms=num_sms, split_waves=options.split_waves, balance_waves=options.balance_waves,
     )  # fmt: skip
     geo = family.geometry(unit, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=1,
                           num_splits=splits)  # fmt: skip

@@ -99,6 +99,10 @@ MAX_STAGES = 8
 #: Split partials a merge thread loads per step (``Options.merge_unroll``, the unroll of the
 #: fused combine's split loop): 4 as before, or more L2 loads in flight per thread.
 MERGE_UNROLLS = (4, 8, 16)
+#: ``Options.balance_waves``: the fill of the last wave it aims for, and the most splits it
+#: tries (each split adds one fp32 partial per row to the merge).
+BALANCE_FILL = 0.9
+BALANCE_MAX_SPLITS = 4
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
 #: planned against it on both targets, so one plan fits both).
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
@@ -141,6 +145,12 @@ class Options:
     hence the result, is the same for every value; the last CTA's merge is the tail of every
     split call, its loads one L2 round trip per step).
 
+    ``balance_waves`` (off by default; a host schedule knob): where the CTAs without splitting
+    already fill 80% of a wave (no split otherwise), split each request in the fewest parts
+    (up to :data:`BALANCE_MAX_SPLITS`) whose CTAs fill their last wave to at least
+    :data:`BALANCE_FILL` (:func:`balanced_splits`): B64 8k at 3 CTAs per SM is 512 CTAs on
+    396 slots, a second wave 29% full, and 3 splits make it 1536 CTAs, 97% of 4 waves.
+
     ``fused_sink`` (on by default): for a spec with a sink (``sink:``), the attention kernel
     joins it to each row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)``
     in fp32 (the one split's store, or the merge's weights), from a float32 ``[B, Hq]`` it
@@ -158,6 +168,7 @@ class Options:
     min_split_blocks: int = MIN_SPLIT_BLOCKS
     fused_sink: bool = True
     merge_unroll: int = 4
+    balance_waves: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.decode")
@@ -197,6 +208,8 @@ class Options:
                 f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
                 "must be an int in [1, 16]"
             )
+        if not isinstance(self.balance_waves, bool):
+            raise ValueError("Options.decode.balance_waves must be a bool")
         if self.merge_unroll not in MERGE_UNROLLS:
             raise ValueError(
                 f"Options.decode.merge_unroll={self.merge_unroll!r}: merge_unroll must be one of "
@@ -734,18 +747,44 @@ def choose_num_splits(
     num_sms: int,
     live_blocks: int | None = None,
     split_waves: float = 1.0,
+    balance_waves: bool = False,
 ) -> int:
     """:func:`num_splits_heuristic` for a call: ``batch * heads_kv_ctas * m_blocks`` CTAs
     without splitting, the key blocks of ``max_seqlen_k`` keys (the cache's capacity: the
     host never reads the lengths) or ``live_blocks`` when the mask bounds them
     (:func:`live_key_blocks`: a sliding window), a wave of ``split_waves * num_sms *``
-    :func:`ctas_per_sm` CTAs, splits of at least the unit's ``min_split_blocks`` blocks."""
+    :func:`ctas_per_sm` CTAs, splits of at least the unit's ``min_split_blocks`` blocks;
+    ``balance_waves``: :func:`balanced_splits` where the heuristic does not split."""
     n_blocks = (max_seqlen_k + p.tiles.block_n - 1) // p.tiles.block_n
     if live_blocks is not None:
         n_blocks = max(1, min(n_blocks, live_blocks))
     wave = max(1, int(num_sms * ctas_per_sm(p) * split_waves))
     msb = p.context.get("min_split_blocks", MIN_SPLIT_BLOCKS)
-    return num_splits_heuristic(batch * heads_kv_ctas * m_blocks, wave, n_blocks, MAX_SPLITS, msb)
+    total = batch * heads_kv_ctas * m_blocks
+    splits = num_splits_heuristic(total, wave, n_blocks, MAX_SPLITS, msb)
+    if balance_waves and splits == 1:
+        splits = balanced_splits(total, wave, n_blocks // msb)
+    return splits
+
+
+def balanced_splits(total_ctas: int, wave: int, most: int) -> int:
+    """The fewest splits ``s`` in ``[1, min(most, BALANCE_MAX_SPLITS)]`` whose ``total_ctas *
+    s`` CTAs fill their last wave of ``wave`` CTAs to :data:`BALANCE_FILL` or more (CTAs
+    over whole waves: ``n / (ceil(n / wave) * wave)``), else the best filled of them (the
+    fewest on a tie); 1 for an empty call.  Pure host arithmetic (``Options.balance_waves``):
+    equal requests' CTAs take equal time, so a last wave a third full costs nearly a whole
+    wave at a third of the bandwidth."""
+    if total_ctas <= 0 or wave <= 0:
+        return 1
+    best, best_fill = 1, 0.0
+    for s in range(1, max(1, min(most, BALANCE_MAX_SPLITS)) + 1):
+        n = total_ctas * s
+        fill = n / (-(-n // wave) * wave)
+        if fill >= BALANCE_FILL:
+            return s
+        if fill > best_fill:
+            best, best_fill = s, fill
+    return best
 
 
 #: Shared memory per SM (bytes a CTA may take, summed): A100 164 KiB, H100/H200 228 KiB.

@@ -141,6 +141,35 @@ def test_b1_split_choice_of_the_deep_ring():
     assert family.choose_num_splits(d, max_seqlen_k=8192, split_waves=0.34, **kw) == 16
 
 
+def test_balance_waves_fills_the_last_wave():
+    """Options.decode.balance_waves (host schedule only: not a unit knob): B64 at 8k is 512
+    CTAs unsplit on 396 slots (a last wave 29% full); 3 splits fill 97% of 4 waves.  Calls
+    the heuristic already splits, or that fill their waves, keep their count."""
+    assert family.Options(balance_waves=True).unit_key() == family.Options().unit_key()
+    for bad in (1, "1", None):
+        with pytest.raises(ValueError, match="balance_waves"):
+            family.Options(balance_waves=bad)
+    assert family.balanced_splits(512, 396, 64) == 3
+    assert family.balanced_splits(396, 396, 64) == 1  # exactly one wave
+    assert family.balanced_splits(792, 396, 64) == 1  # two
+    assert family.balanced_splits(512, 396, 1) == 1  # too few blocks to split
+    assert family.balanced_splits(0, 396, 64) == 1
+    # none of 1..BALANCE_MAX_SPLITS reaches the fill: the best, the fewest on a tie
+    assert family.balanced_splits(401, 400, 64) == 4  # 1604 / 2000 beats 401 / 800
+    spec = _spec()
+    d = family.plan(spec, "sm_90")
+    kw = dict(heads_kv_ctas=8, m_blocks=1, num_sms=132)
+    assert family.choose_num_splits(d, batch=64, max_seqlen_k=8192, **kw) == 1
+    assert family.choose_num_splits(d, batch=64, max_seqlen_k=8192, balance_waves=True,
+                                    **kw) == 3  # fmt: skip
+    assert family.choose_num_splits(d, batch=1, max_seqlen_k=8192, balance_waves=True,
+                                    **kw) == 49  # B1: the heuristic's own split  # fmt: skip
+    tool = _trace_tool()
+    t = tool.trace(spec, family.Options(balance_waves=True), batch=64, cache=8192,
+                   page_size=16, heads_q=32, heads_kv=8, num_sms=132)  # fmt: skip
+    assert (t["num_splits"], t["ctas"]) == (3, 1536) and abs(t["waves"] - 1536 / 396) < 1e-9
+
+
 def test_trace_tool_reports_the_planned_launch():
     tool = _trace_tool()
     spec = _spec()
