@@ -208,8 +208,6 @@ class Options:
                 f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
                 "must be an int in [1, 16]"
             )
-        if not isinstance(self.balance_waves, bool):
-            raise ValueError("Options.decode.balance_waves must be a bool")
         if self.merge_unroll not in MERGE_UNROLLS:
             raise ValueError(
                 f"Options.decode.merge_unroll={self.merge_unroll!r}: merge_unroll must be one of "
