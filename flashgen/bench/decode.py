@@ -22,6 +22,13 @@ plot (TB/s against cache length, one panel per batch) next to the JSON;
 ``--plot JSON`` redraws the plot of an earlier run (each method keeps one color and marker
 across panels: :data:`STYLES`).
 
+``--option decode.NAME=A,B`` (repeatable; :class:`flashgen.families.decode.Options` fields,
+the dotted names of ``flashgen ab --list-options``) times every flashgen layout once per
+variant (``--combine``: product, zip or each, as ``flashgen ab``), in the same alternating
+rounds as the peers: rows ``flashgen_<layout>@<name=value,...>`` (the first variant, the
+baseline, too), each with its ``num_splits`` and ``options``.  E.g. ``--option
+decode.stages=2,6 --option decode.merge_unroll=4,16 --combine zip``.
+
 ``--sweep`` picks the decode defaults in one GPU call: it times the grid of
 :class:`flashgen.families.decode.Options` in :data:`SWEEP_UNITS` (block_n, stages,
 min_split_blocks; variants that spill or do not fit are skipped) times :data:`SWEEP_WAVES`
@@ -100,6 +107,28 @@ def _peers(q, k, v, flex: bool = True):
     return out
 
 
+def option_variants(texts, combine: str = "product") -> list[tuple[str, object]]:
+    """``--option decode.NAME=A,B`` texts -> ``[(label, decode Options or None)]``, the
+    baseline first (:func:`flashgen.bench.options.combinations`); the label joins the
+    varying ``name=value`` pairs with commas (empty with no ``--option``: the op's own
+    options, ``None``).  Raises :class:`flashgen.bench.options.OptionError` (a
+    ``ValueError``) for a bad name or value, or a field outside ``decode.``."""
+    from flashgen.bench import options as opt
+    from flashgen.options import DEFAULT
+
+    values = opt.parse_options(texts)
+    other = [n for n in values if not n.startswith("decode.")]
+    if other:
+        raise opt.OptionError(
+            f"--option {', '.join(other)}: the decode bench takes decode.* options only"
+        )
+    if not values:
+        return [("", None)]
+    return [(opt.variant_label(a, values).replace(" ", ","),
+             opt.with_options(DEFAULT, a).decode)
+            for a in opt.combinations(values, combine)]  # fmt: skip
+
+
 def run(args) -> list[dict]:
     import torch
 
@@ -156,21 +185,18 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
                     perm = torch.randperm(npages, device=dev).int()
                     table = perm.view(batch, pages).contiguous()
                 tensors.append((kc, vc, table))
-                plan = op.plan_decode(
-                    batch=batch,
-                    num_heads=hq,
-                    num_heads_kv=hkv,
-                    seqlen_q=1,
-                    cache_capacity=live,
-                    page_size=ps,
-                    num_pages=npages,
-                )
+                for label, opts in args.variants:
+                    plan = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=hkv,
+                                          seqlen_q=1, cache_capacity=live, page_size=ps,
+                                          num_pages=npages, options=opts)  # fmt: skip
 
-                def ours(kc=kc, vc=vc, table=table, plan=plan):
-                    return op.with_kvcache(q, kc, vc, lens, block_table=table, plan=plan)
+                    def ours(kc=kc, vc=vc, table=table, plan=plan):
+                        return op.with_kvcache(q, kc, vc, lens, block_table=table, plan=plan)
 
-                methods[f"flashgen_{lay}"] = ours
-                methods[f"flashgen_{lay}"].splits = plan.num_splits
+                    name = f"flashgen_{lay}" + (f"@{label}" if label else "")
+                    methods[name] = ours
+                    methods[name].splits = plan.num_splits
+                    methods[name].options = label
                 if args.fp8:  # the same shape on an e4m3 cache (half the bytes)
                     f8 = torch.float8_e4m3fn
                     k8, v8 = kc.to(f8), vc.to(f8)
@@ -230,16 +256,19 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
                        "tb_per_s": nbytes / (ms * 1e-3) / 1e12}  # fmt: skip
                 if hasattr(methods[name], "splits"):
                     row["num_splits"] = methods[name].splits
+                if getattr(methods[name], "options", None):
+                    row["options"] = methods[name].options
                 extra = ""
                 bf16 = medians.get(name.removesuffix("_fp8")) if fp8 else None
                 if bf16 is not None:
                     row["speedup_vs_bf16"] = bf16 / ms
                     extra = f"  {bf16 / ms:5.2f}x the bf16 cache's speed"
                 rows.append(row)
-                print(f"B{batch:<3} {cache:>7} {name:<26} {ms * 1e3:9.1f} us "
+                print(f"B{batch:<3} {cache:>7} {name:<40} {ms * 1e3:9.1f} us "
                       f"{row['tb_per_s']:6.2f} TB/s{extra}", flush=True)  # fmt: skip
             # host time of a planned call, the stream kept busy by the queued kernels
-            fn = methods.get(f"flashgen_{layouts[-1]}")
+            base = args.variants[0][0]
+            fn = methods.get(f"flashgen_{layouts[-1]}" + (f"@{base}" if base else ""))
             if (
                 fn is not None
                 and batch == args.batch[0]
@@ -271,12 +300,16 @@ SWEEP_UNITS = (
     dict(block_n=128, stages=3),
     dict(min_split_blocks=2),
     dict(block_n=64, stages=2, min_split_blocks=2),
+    dict(merge_unroll=16),
+    dict(block_n=64, stages=6),
+    dict(block_n=64, stages=6, merge_unroll=16),
 )
 SWEEP_WAVES = (0.5, 1.0, 2.0)
 #: The --sweep shapes: (label, spec, cache length, window or None); B1, Hq/Hkv 32/8, paged 16.
 SWEEP_SHAPES = (
     ("B1 64k paged16", "llama3_gqa", 65536, None),
     ("B1 16k paged16", "llama3_gqa", 16384, None),
+    ("B1 8k paged16", "llama3_gqa", 8192, None),
     ("B1 4k paged16", "llama3_gqa", 4096, None),
     ("B1 64k paged16 swa4096", "mistral_swa", 65536, 4096),
 )
@@ -363,7 +396,8 @@ def sweep(args) -> list[dict]:
                     return op.with_kvcache(q, kc, vc, lens, block_table=table, plan=plan,
                                            **params)  # fmt: skip
 
-                key = (label, opts.block_n, opts.stages, opts.min_split_blocks, w)
+                key = (label, opts.block_n, opts.stages, opts.min_split_blocks,
+                       opts.merge_unroll, w)  # fmt: skip
                 try:
                     timers[key] = _graph_time(fn, calls)
                 except Exception as e:  # noqa: BLE001
@@ -372,7 +406,8 @@ def sweep(args) -> list[dict]:
                 unit = plan.kernels["attn"].plan
                 meta[key] = dict(shape=label, spec=name, cache=cache, window=window,
                                  block_n=unit.tiles.block_n, stages=unit.tiles.stages,
-                                 min_split_blocks=opts.min_split_blocks, split_waves=w,
+                                 min_split_blocks=opts.min_split_blocks,
+                                 merge_unroll=opts.merge_unroll, split_waves=w,
                                  num_splits=plan.num_splits, grid=list(plan.geometry.grid),
                                  ctas_per_sm=family.ctas_per_sm(unit), kv_bytes=kv_bytes,
                                  default=opts == family.Options() and w == 1.0)  # fmt: skip
@@ -386,11 +421,12 @@ def sweep(args) -> list[dict]:
         m = meta[k]
         rows.append({**m, "method": "sweep", "us": ms * 1e3,
                      "tb_per_s": m["kv_bytes"] / (ms * 1e-3) / 1e12})  # fmt: skip
-    print(f"{'shape':<24} {'block_n':>7} {'stages':>6} {'msb':>3} {'waves':>5} {'splits':>6} "
-          f"{'grid':>14} {'us':>8} {'TB/s':>6}")  # fmt: skip
+    print(f"{'shape':<24} {'block_n':>7} {'stages':>6} {'msb':>3} {'merge':>5} {'waves':>5} "
+          f"{'splits':>6} {'grid':>14} {'us':>8} {'TB/s':>6}")  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["shape"], r["us"])):
         print(f"{r['shape']:<24} {r['block_n']:>7} {r['stages']:>6} {r['min_split_blocks']:>3} "
-              f"{r['split_waves']:>5} {r['num_splits']:>6} {str(tuple(r['grid'])):>14} "
+              f"{r['merge_unroll']:>5} {r['split_waves']:>5} {r['num_splits']:>6} "
+              f"{str(tuple(r['grid'])):>14} "
               f"{r['us']:8.1f} {r['tb_per_s']:6.2f}"
               f"{'  (default)' if r['default'] else ''}")  # fmt: skip
     print("best per shape:")
@@ -402,7 +438,8 @@ def sweep(args) -> list[dict]:
         dflt = next((r for r in mine if r["default"]), None)
         gain = f", {dflt['us'] / best['us']:.2f}x the default's {dflt['us']:.1f} us" if dflt else ""
         print(f"  {label}: block_n {best['block_n']} stages {best['stages']} min_split_blocks "
-              f"{best['min_split_blocks']} split_waves {best['split_waves']} (splits "
+              f"{best['min_split_blocks']} merge_unroll {best['merge_unroll']} split_waves "
+              f"{best['split_waves']} (splits "
               f"{best['num_splits']}): {best['us']:.1f} us, {best['tb_per_s']:.2f} TB/s"
               f"{gain}")  # fmt: skip
     win = [r for r in rows if r["window"]]
@@ -504,6 +541,11 @@ def main(argv=None, prog=None) -> int:
                     "(half the bytes; rows flashgen_<layout>_fp8, speedup_vs_bf16)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier run")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=A,B",
+                    help="a decode.* field of flashgen.Options and the values to time "
+                    "(repeatable; rows flashgen_<layout>@<variant>)")  # fmt: skip
+    ap.add_argument("--combine", default="product", choices=("product", "zip", "each"),
+                    help="how --option values combine into variants (as flashgen ab)")  # fmt: skip
     ap.add_argument("--sweep", action="store_true",
                     help="time the decode options grid (SWEEP_UNITS x SWEEP_WAVES) at B1 "
                     "64k/16k/4k paged16 and the window case; best per shape")  # fmt: skip
@@ -515,6 +557,10 @@ def main(argv=None, prog=None) -> int:
     if args.quick:
         args.batch, args.cache = [1, 16], [65536]
         args.layouts = "dense,paged16,paged1,paged256"
+    try:
+        args.variants = option_variants(args.option, args.combine)
+    except ValueError as e:
+        ap.error(str(e))
     import torch
 
     if not torch.cuda.is_available():

@@ -92,6 +92,17 @@ CALL_POINTERS_KV8 = 9
 CACHE_DTYPES = {"fp8_e4m3": ("fp16", "bf16")}
 #: Fewest key blocks per split (``fg::dec::MIN_SPLIT_BLOCKS``): see :func:`effective_splits`.
 MIN_SPLIT_BLOCKS = 2
+#: Deepest cp.async ring ``Options.stages`` may ask for (a single-request call streams a short
+#: cache fastest with many blocks in flight per CTA: 7 key blocks of 64 bf16 d128 rows are
+#: 224 KiB of K and V ahead, one CTA per H100 / H200 SM; what fits is checked at plan time).
+MAX_STAGES = 8
+#: Split partials a merge thread loads per step (``Options.merge_unroll``, the unroll of the
+#: fused combine's split loop): 4 as before, or more L2 loads in flight per thread.
+MERGE_UNROLLS = (4, 8, 16)
+#: ``Options.balance_waves``: the fill of the last wave it aims for, and the most splits it
+#: tries (each split adds one fp32 partial per row to the merge).
+BALANCE_FILL = 0.9
+BALANCE_MAX_SPLITS = 4
 #: Shared memory a CTA may use on each target (sm_80: A100's 163 KiB; the kernel is
 #: planned against it on both targets, so one plan fits both).
 SMEM_LIMIT = {"sm_80": 166912, "sm_90": 166912}
@@ -115,7 +126,9 @@ class Options:
     """Typed knobs of the decode family (all optional; defaults by head dim).
 
     ``block_n``: keys per pipeline stage (a multiple of ``16 * NUM_WARPS``); ``stages``:
-    depth of the cp.async ring (2..4); ``num_splits``: a fixed split count (1..128), or
+    depth of the cp.async ring (2..:data:`MAX_STAGES`: ``stages - 1`` blocks in flight per
+    CTA; beyond 4 only where the ring fits the target's shared memory, e.g. block_n 64 at
+    d128 on sm_90 up to 6 stages); ``num_splits``: a fixed split count (1..128), or
     None for :func:`num_splits_heuristic` per call; ``pack_gqa``: pack the query heads of a
     kv head into one CTA's rows (False: one query head per CTA, each K/V block read once per
     query head; kept to measure what packing buys).
@@ -126,7 +139,17 @@ class Options:
     leave room for them); ``split_waves``: the heuristic fills this many waves (0.25..4;
     1: one CTA per resident slot); ``min_split_blocks``: fewest key blocks per split (1..16,
     ``fg::dec::effective_splits``; fewer lets a short cache use more CTAs, more keeps the
-    merge's partials few).  The split combine is always fused (the last CTA merges).
+    merge's partials few).  The split combine is always fused (the last CTA merges);
+    ``merge_unroll`` (4, 8 or 16, :data:`MERGE_UNROLLS`) is the unroll of its loop over the
+    splits' fp32 partials, i.e. the L2 loads each merge thread has in flight (the sum's order,
+    hence the result, is the same for every value; the last CTA's merge is the tail of every
+    split call, its loads one L2 round trip per step).
+
+    ``balance_waves`` (off by default; a host schedule knob): where the CTAs without splitting
+    already fill 80% of a wave (no split otherwise), split each request in the fewest parts
+    (up to :data:`BALANCE_MAX_SPLITS`) whose CTAs fill their last wave to at least
+    :data:`BALANCE_FILL` (:func:`balanced_splits`): B64 8k at 3 CTAs per SM is 512 CTAs on
+    396 slots, a second wave 29% full, and 3 splits make it 1536 CTAs, 97% of 4 waves.
 
     ``fused_sink`` (on by default): for a spec with a sink (``sink:``), the attention kernel
     joins it to each row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)``
@@ -144,6 +167,8 @@ class Options:
     split_waves: float = 1.0
     min_split_blocks: int = MIN_SPLIT_BLOCKS
     fused_sink: bool = True
+    merge_unroll: int = 4
+    balance_waves: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.decode")
@@ -152,8 +177,10 @@ class Options:
                 f"Options.decode.block_n={self.block_n!r}: block_n must be a positive multiple "
                 f"of {16 * NUM_WARPS}"
             )
-        if self.stages is not None and not 2 <= self.stages <= 4:
-            raise ValueError(f"Options.decode.stages={self.stages!r}: stages must be 2, 3 or 4")
+        if self.stages is not None and not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(
+                f"Options.decode.stages={self.stages!r}: stages must be an int in [2, {MAX_STAGES}]"
+            )
         if self.num_splits is not None and not 1 <= self.num_splits <= MAX_SPLITS:
             raise ValueError(
                 f"Options.decode.num_splits={self.num_splits!r}: num_splits must be in "
@@ -181,10 +208,16 @@ class Options:
                 f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
                 "must be an int in [1, 16]"
             )
+        if self.merge_unroll not in MERGE_UNROLLS:
+            raise ValueError(
+                f"Options.decode.merge_unroll={self.merge_unroll!r}: merge_unroll must be one of "
+                f"{', '.join(map(str, MERGE_UNROLLS))}"
+            )
 
     def unit_key(self) -> tuple:
         """The fields that change the compiled unit (the rest are host schedule knobs)."""
-        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks, self.fused_sink)
+        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks,
+                self.fused_sink, self.merge_unroll)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -218,7 +251,9 @@ class DecodeContext(TemplateContext):
     normalized by their sum (``fg::dec::merge_stats``, ``fg::dec::normalized_weight``).
     ``sink`` (:attr:`Options.fused_sink` on a spec with a sink): the attention kernel takes
     ``sink`` / ``sink_sb`` / ``sink_sh`` (:func:`attn_args`) and scales each row's output by
-    ``sigmoid(lse - sink)`` (``fg::dec::sink_share``, templates/common/decode_sink.cuh)."""
+    ``sigmoid(lse - sink)`` (``fg::dec::sink_share``, templates/common/decode_sink.cuh).
+    ``merge_unroll`` (:attr:`Options.merge_unroll`): the unroll of the fused combine's loop
+    over the splits."""
 
     spec_name: str
     base_name: str
@@ -253,6 +288,7 @@ class DecodeContext(TemplateContext):
     vote_blocks: int = VOTE_BLOCKS
     exact_softmax: bool = False
     sink: bool = False
+    merge_unroll: int = 4
 
 
 @dataclass(frozen=True)
@@ -653,6 +689,7 @@ def plan(
         tensor_mask=tensor_mask(spec),
         exact_softmax=exact_softmax,
         sink=sink,
+        merge_unroll=options.merge_unroll,
     )
     return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
 
@@ -708,18 +745,44 @@ def choose_num_splits(
     num_sms: int,
     live_blocks: int | None = None,
     split_waves: float = 1.0,
+    balance_waves: bool = False,
 ) -> int:
     """:func:`num_splits_heuristic` for a call: ``batch * heads_kv_ctas * m_blocks`` CTAs
     without splitting, the key blocks of ``max_seqlen_k`` keys (the cache's capacity: the
     host never reads the lengths) or ``live_blocks`` when the mask bounds them
     (:func:`live_key_blocks`: a sliding window), a wave of ``split_waves * num_sms *``
-    :func:`ctas_per_sm` CTAs, splits of at least the unit's ``min_split_blocks`` blocks."""
+    :func:`ctas_per_sm` CTAs, splits of at least the unit's ``min_split_blocks`` blocks;
+    ``balance_waves``: :func:`balanced_splits` where the heuristic does not split."""
     n_blocks = (max_seqlen_k + p.tiles.block_n - 1) // p.tiles.block_n
     if live_blocks is not None:
         n_blocks = max(1, min(n_blocks, live_blocks))
     wave = max(1, int(num_sms * ctas_per_sm(p) * split_waves))
     msb = p.context.get("min_split_blocks", MIN_SPLIT_BLOCKS)
-    return num_splits_heuristic(batch * heads_kv_ctas * m_blocks, wave, n_blocks, MAX_SPLITS, msb)
+    total = batch * heads_kv_ctas * m_blocks
+    splits = num_splits_heuristic(total, wave, n_blocks, MAX_SPLITS, msb)
+    if balance_waves and splits == 1:
+        splits = balanced_splits(total, wave, n_blocks // msb)
+    return splits
+
+
+def balanced_splits(total_ctas: int, wave: int, most: int) -> int:
+    """The fewest splits ``s`` in ``[1, min(most, BALANCE_MAX_SPLITS)]`` whose ``total_ctas *
+    s`` CTAs fill their last wave of ``wave`` CTAs to :data:`BALANCE_FILL` or more (CTAs
+    over whole waves: ``n / (ceil(n / wave) * wave)``), else the best filled of them (the
+    fewest on a tie); 1 for an empty call.  Pure host arithmetic (``Options.balance_waves``):
+    equal requests' CTAs take equal time, so a last wave a third full costs nearly a whole
+    wave at a third of the bandwidth."""
+    if total_ctas <= 0 or wave <= 0:
+        return 1
+    best, best_fill = 1, 0.0
+    for s in range(1, max(1, min(most, BALANCE_MAX_SPLITS)) + 1):
+        n = total_ctas * s
+        fill = n / (-(-n // wave) * wave)
+        if fill >= BALANCE_FILL:
+            return s
+        if fill > best_fill:
+            best, best_fill = s, fill
+    return best
 
 
 #: Shared memory per SM (bytes a CTA may take, summed): A100 164 KiB, H100/H200 228 KiB.

@@ -406,6 +406,39 @@ def test_sweep_options_are_correct(knobs):
             assert torch.equal(o2, out[0]) and torch.equal(l2, out[1])
 
 
+@pytest.mark.parametrize("layout,ps", [("dense", 0), ("paged", 16)])
+def test_b1_deep_ring_and_wide_merge(layout, ps):
+    """One request, 8191 keys (issue 40's B1 shape, a partial last block): the 6-stage ring
+    (Options.decode.stages, 16 splits of 8 blocks) and the fused combine's wider unroll
+    (merge_unroll 8 / 16) against the float64 reference, planned calls; at a fixed split
+    count every merge_unroll gives the same bits (the merge's order does not change)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    op = op_of("llama3_gqa")
+    lens = [8191]
+    kc, vc, table = make_cache(lens, ps=max(ps, 1), hkv=8, d=128, dv=128,
+                               dtype=torch.bfloat16, layout=layout)  # fmt: skip
+    q = torch.randn(1, 32, 1, 128, device="cuda").to(torch.bfloat16)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if table is None:
+        shape = dict(cache_capacity=kc.shape[2])
+    else:
+        shape = dict(cache_capacity=table.shape[1] * ps, page_size=ps, num_pages=kc.shape[0])
+    by_splits = {}
+    for knobs in (dict(), dict(merge_unroll=16), dict(block_n=64, stages=6),
+                  dict(block_n=64, stages=6, merge_unroll=16), dict(num_splits=49, merge_unroll=8),
+                  dict(num_splits=49, merge_unroll=16)):  # fmt: skip
+        p = op.plan_decode(batch=1, num_heads=32, num_heads_kv=8, seqlen_q=1, device=dev,
+                           options=family.Options(**knobs), **shape)  # fmt: skip
+        assert p.fast is not None and not p.kernels["report"].kernels[0].spill_bytes
+        if knobs.get("stages") == 6:
+            assert p.num_splits == 16 and p.geometry.grid == (16, 8, 1)
+        o, lse = op.with_kvcache(q, kc, vc, lens_t, block_table=table, plan=p)
+        check(op.spec, q, kc, vc, table, lens, {}, o, lse)
+        unit = (knobs.get("block_n"), knobs.get("stages"))
+        seen = by_splits.setdefault((unit, p.num_splits), (o, lse))
+        assert torch.equal(seen[0], o) and torch.equal(seen[1], lse), knobs
+
+
 RAGGED = [("llama3_gqa", "paged", 16, (32, 8)), ("mistral_swa", "paged", 1, (8, 1)),
           ("alibi", "dense", 0, (32, 8)), ("gemma2_softcap", "paged", 3, (8, 1))]  # fmt: skip
 

@@ -692,7 +692,7 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
 
 def test_options_schedule_knobs():
     o = family.Options(ctas_per_sm=3, split_waves=0.5, min_split_blocks=2)
-    assert o.unit_key() == (None, None, 3, 2, True)
+    assert o.unit_key() == (None, None, 3, 2, True, 4)
     for bad in (dict(ctas_per_sm=5), dict(ctas_per_sm=True), dict(split_waves=8),
                 dict(min_split_blocks=0), dict(min_split_blocks=17)):  # fmt: skip
         with pytest.raises(ValueError):

@@ -44,7 +44,7 @@ def test_option_values_have_their_declared_type(make, dotted):
 def test_option_errors_name_the_dotted_option():
     """``--option`` values go through :meth:`Options.replace_path`: every refusal names the
     dotted option, including those of a family record's own range checks."""
-    for path, value in [("decode.stages", "5"), ("decode.stages", 5), ("decode.block_n", "48"),
+    for path, value in [("decode.stages", "9"), ("decode.stages", 9), ("decode.block_n", "48"),
                         ("persistent_ctas", "0"), ("hopper_bwd.head_groups", 3),
                         ("fa2_fwd.affine", "maybe"), ("decode.split_waves", "nan")]:  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(path) + "="):

@@ -293,7 +293,7 @@ class DecodePlanning:
             num_splits = family.choose_num_splits(
                 unit, batch=dims.batch, heads_kv_ctas=heads, m_blocks=g0.m_blocks,
                 max_seqlen_k=dims.capacity, num_sms=sms, live_blocks=live_blocks,
-                split_waves=options.split_waves,
+                split_waves=options.split_waves, balance_waves=options.balance_waves,
             )  # fmt: skip
         geo = family.geometry(
             unit, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
