@@ -90,29 +90,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// 2^x on the FMA pipe instead of the SFU (FlashAttention-4's exp2 emulation): x = n + f with n = floor(x) (an add
-// of 1.5 * 2^23 rounded down leaves n in the low mantissa bits), 2^f by a degree-3 minimax polynomial on [0, 1)
-// (relative error below 8.8e-5, under a bf16 ulp), 2^n added to its exponent bits.  For the softmax's x <= 0:
-// x < -126 (a masked score's -inf included) gives 0; no overflow handling above x = 127.
-__device__ __forceinline__ float exp2_fma(float x) {
-    const float xc = fmaxf(x, -127.f);
-    const float r = __fadd_rd(xc, 12582912.f);  // 1.5 * 2^23 + floor(xc)
-    const float f = xc - (r - 12582912.f);
-    float p = fmaf(f, 0.077119089663028717041015625f, 0.227564394474029541015625f);
-    p = fmaf(p, f, 0.695146143436431884765625f);
-    p = fmaf(p, f, 1.f);
-    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(r) << 23));
-    return x < -126.f ? 0.f : y;
-}
-
-// The softmax's P = 2^x for 8-column tile j of a row: every EVERY-th tile on the FMA pipe (exp2_fma), the others
-// on the SFU (EVERY 0: all on the SFU).  j is an unrolled loop's index, so the choice folds at compile time.
-template <int EVERY>
-__device__ __forceinline__ float softmax_exp2(float x, int j) {
-    if (EVERY > 0 && j % (EVERY > 0 ? EVERY : 1) == EVERY - 1) return exp2_fma(x);
-    return exp2_approx(x);
-}
-
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile whose rows are `row_bytes` wide
 // (a multiple of 64: head dims 32, 64, 96, ...).  The 8 rows an ldmatrix phase (or a warp's
 // fragment store) touches at one column, rows 8i..8i+7, must land in 8 different 16-byte bank
