@@ -394,34 +394,29 @@ def test_the_varlen_op_joins_each_sequences_sink_and_its_gradients_match(fake_cu
         _close(a, b, name)
 
 
-@pytest.fixture
-def backward_calls(monkeypatch):
-    """Spy on every registered op ``torch.ops.flashgen.<name>__backward[_sink]`` (as the nodes
-    look them up at call time): ``{"plain": [...], "sink": [...]}`` of the calls' op names."""
+def _spy_backward_ops(monkeypatch, ops) -> dict:
+    """Wrap ``torch.ops.flashgen.<name>__backward`` and ``<name>__backward_sink`` of each op in
+    ``ops`` (the nodes look them up at call time): ``{"plain": [...], "sink": [...]}`` of the
+    op names called."""
     calls: dict = {"plain": [], "sink": []}
-    real_getattr = type(torch.ops.flashgen).__getattr__
 
-    def spy(self, name):
-        fn = real_getattr(self, name)
-        kind = "sink" if name.endswith("__backward_sink") else (
-            "plain" if name.endswith("__backward") else None)  # fmt: skip
-        if kind is None:
-            return fn
-
+    def wrap(kind, name, fn):
         def call(*args, **kwargs):
             calls[kind].append(name)
             return fn(*args, **kwargs)
 
         return call
 
-    monkeypatch.setattr(type(torch.ops.flashgen), "__getattr__", spy)
+    for op in ops:
+        for kind, suffix in (("plain", "__backward"), ("sink", "__backward_sink")):
+            name = op.name + suffix
+            real = getattr(torch.ops.flashgen, name)
+            monkeypatch.setattr(torch.ops.flashgen, name, wrap(kind, name, real))
     return calls
 
 
 @pytest.mark.parametrize("case", ["do", "do_dlse", "sinks_only", "with_slopes"])
-def test_the_fused_node_takes_the_sink_form_of_the_backward_op_without_dlse(fake_cuda,
-                                                                            backward_calls,
-                                                                            case):  # fmt: skip
+def test_the_fused_node_takes_the_sink_form_without_dlse(fake_cuda, monkeypatch, case):
     """Without a gradient of lse the fused node makes one call of ``<name>__backward_sink``
     (also with a score_mod param's gradient, ``param_grads``), none of ``<name>__backward``;
     with one it keeps the torch inputs and the plain op; with only the sink's param requiring
@@ -431,6 +426,7 @@ def test_the_fused_node_takes_the_sink_form_of_the_backward_op_without_dlse(fake
         score_mod = "score - slopes[h] * abs(q_idx - kv_idx)"
         extra = "\n  slopes: {type: f32, shape: [num_heads]}"
     fused, plain, make = _ops("per_head", score_mod=score_mod, extra=extra)
+    backward_calls = _spy_backward_ops(monkeypatch, (fused, plain))
     g = torch.Generator().manual_seed(9)
     inputs = [torch.randn(1, h, s, 32, generator=g, dtype=F64)
               for h, s in ((4, 7), (2, 11), (2, 11))]  # fmt: skip
@@ -443,10 +439,10 @@ def test_the_fused_node_takes_the_sink_form_of_the_backward_op_without_dlse(fake
         sinks = params["sinks"].clone().requires_grad_()
         o, _ = fused.attention(*inputs, sinks=sinks)
         o.backward(grads[0])
+        assert backward_calls == {"plain": [], "sink": []}
         ref = params["sinks"].clone().requires_grad_()
         plain.attention(*inputs, sinks=ref)[0].backward(grads[0])
         _close(sinks.grad, ref.grad, "dsinks")
-        assert backward_calls == {"plain": [], "sink": []}
         return
     got, o = _run(fused, inputs, params, grads)
     assert type(o.grad_fn).__name__ == "FusedSinkAttentionBackward"
