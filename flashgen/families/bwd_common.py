@@ -204,10 +204,12 @@ def base_fields(
     capped at 0 (``fg::capped_exponent``): lse's rounding can leave x above it, by 2^14 and
     more at logits near 1e11, where exp2 overflowed.  ``param_grads``: the dparam code of
     these params (:func:`flashgen.codegen.dparam.fields`; none: not compiled in).  ``sink``:
-    the sink form's pre kernel (:func:`backward_abi`), for a spec with a sink only
-    (``ValueError`` for one without)."""
-    if sink and spec.sink is None:
-        raise ValueError(f"spec {spec.name!r} has no sink: its backward has no sink form")
+    the sink form's pre kernel (:func:`backward_abi`), for a padded spec with a sink only
+    (``ValueError`` for one without, or a varlen spec: its pre kernel sees the packed rows as
+    one batch, not the sequences the sink is per)."""
+    if sink and (spec.sink is None or spec.varlen):
+        why = "is varlen" if spec.sink is not None else "has no sink"
+        raise ValueError(f"spec {spec.name!r} {why}: its backward has no sink form")
     causal, residual = split_causal(spec.mask)
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     return {

@@ -139,6 +139,8 @@ def test_the_sink_form_needs_a_sink_and_stays_out_of_the_default_units():
 
     varlen = registry.compile_units(varlen_spec(packed), "sm_80", ON)
     assert not any(k.endswith("_sink") for k in varlen)  # the varlen op keeps the torch path
+    with pytest.raises(ValueError, match="is varlen"):
+        registry.plan_backward(varlen_spec(packed), "sm_80", ON, sink=True)
 
 
 def test_backward_abi_puts_the_sink_arguments_after_the_pre_kernels_sizes():
