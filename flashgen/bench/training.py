@@ -12,9 +12,11 @@ rounds, :func:`flashgen.bench.timing.alternate`):
 - ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
   grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward);
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
-  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); decode
-  also with the sink applied by torch ops after the kernel (``decode.fused_sink=False``; the
-  default joins it inside the kernel).
+  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); forward
+  and forward + backward also with the prefill kernels joining the sink (``sink fused_sink``:
+  ``fa2_fwd.fused_sink`` and ``hopper_fwd.fused_sink`` on, whose backward takes the sink in its
+  pre kernel); decode also with the sink applied by torch ops after the kernel
+  (``decode.fused_sink=False``; the default joins it inside the kernel).
 
 Writes ``results.json`` (rows, ratios, :func:`flashgen.bench.timing.environment`) to ``--out``.
 """
@@ -94,18 +96,22 @@ def _cases(args):
     op = flashgen.load("gpt_oss_sink")
     q, k, v = qkv(64)
     sinks = torch.linspace(-1, 2, h, device=dev).requires_grad_()
+    fused = flashgen.load("gpt_oss_sink", options=Options().with_values(
+        {"fa2_fwd.fused_sink": True, "hopper_fwd.fused_sink": True}))  # fmt: skip
 
-    def fwd(**kw):
+    def fwd(fop=op, **kw):
         def call():
             with torch.no_grad():
-                op.attention(q, k, v, sinks=sinks, **kw)
+                fop.attention(q, k, v, sinks=sinks, **kw)
 
         return call
 
-    rows.append(("gpt_oss_sink fwd", [("no sink", fwd(apply_sink=False)), ("sink", fwd())]))
+    rows.append(("gpt_oss_sink fwd", [("no sink", fwd(apply_sink=False)), ("sink", fwd()),
+                                      ("sink fused_sink", fwd(fused))]))  # fmt: skip
     rows.append(("gpt_oss_sink fwd+bwd", [
         ("no sink", train(op, q, k, v, sinks=sinks, apply_sink=False)),
         ("sink", train(op, q, k, v, sinks=sinks)),
+        ("sink fused_sink", train(fused, q, k, v, sinks=sinks)),
     ]))  # fmt: skip
     bf16 = torch.bfloat16  # decode takes the spec's dtype on CPU too
     kc = torch.randn(b * 4, h // 2 or 1, s, 64, device=dev, generator=g).to(bf16)

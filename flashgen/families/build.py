@@ -106,6 +106,7 @@ def _forward_variant(
 def build_backward(
     spec, target: str, *, atomic_dq: bool = False, hopper: bool = False,
     ordered_dq: bool = False, options: Options = DEFAULT, param_grads: tuple[str, ...] = (),
+    sink: bool = False,
 ) -> tuple[BackwardPlan, object, object]:  # fmt: skip
     """``(BackwardPlan, cubin path, CompileReport)`` of ``spec``'s backward unit (every
     kernel of it spill-free if any candidate is).  ``hopper``: the wgmma unit of
@@ -120,7 +121,9 @@ def build_backward(
     before the next tiles (``options.side_terms`` False: never).  ``param_grads``: the
     params whose gradients the unit accumulates (:func:`flashgen.codegen.dparam.fields`;
     the Hopper unit only where :func:`flashgen.codegen.dparam.hopper_forms_ok`, else the
-    FA2-class one).  Raises like :func:`build_forward`."""
+    FA2-class one).  ``sink``: the sink form of every unit tried (its pre kernel joins the
+    sink: :func:`flashgen.families.bwd_common.backward_abi`).  Raises like
+    :func:`build_forward`."""
     param_grads = tuple(param_grads)
     diagonal = options.hopper_bwd.dparam_diagonal
     if hopper and param_grads and not dparam.hopper_forms_ok(spec, param_grads, diagonal):
@@ -128,7 +131,7 @@ def build_backward(
     if hopper:
         for o in _hopper_backward_candidates(spec, options):
             plan = registry.plan_hopper_backward(
-                spec, target, o, ordered_dq=ordered_dq, param_grads=param_grads
+                spec, target, o, ordered_dq=ordered_dq, param_grads=param_grads, sink=sink
             )
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes and not report.wgmma_serialized:  # as build_forward
@@ -139,7 +142,7 @@ def build_backward(
         while True:
             plan = registry.plan_backward(
                 spec, target, options, atomic_dq=atomic_dq, tiles=tiles,
-                side_terms=frozenset(kernels), param_grads=param_grads,
+                side_terms=frozenset(kernels), param_grads=param_grads, sink=sink,
             )  # fmt: skip
             cubin, report = cache.get_or_build(render(plan.unit), plan.unit)
             if not report.spill_bytes:
@@ -151,7 +154,7 @@ def build_backward(
     if atomic_dq and param_grads:
         # every atomic-dQ dparam unit spills: the deterministic kernels with the same dparam
         # code (their atomic adds when the call is not deterministic) before a spilling unit
-        det = build_backward(spec, target, options=options, param_grads=param_grads)
+        det = build_backward(spec, target, options=options, param_grads=param_grads, sink=sink)
         if not det[2].spill_bytes:
             return det
     return plan, cubin, report

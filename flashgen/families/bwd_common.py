@@ -14,6 +14,7 @@ from flashgen.codegen.abi import (
     dim_args,
     needs_block_table,
     param_args,
+    sink_args,
     strides,
     varlen_args,
 )
@@ -46,6 +47,10 @@ class BackwardPlan:
     it with float atomics; ``convert`` writes dq = softmax_scale * dq_accum in the input
     dtype.  5 matmuls per (query block, key block) instead of 7; dQ is not bitwise
     reproducible (the order of the atomic adds varies).
+
+    Sink form (:attr:`sink`, either path): the backward of a fused-sink forward; ``pre``
+    also writes the sink-inclusive ``lse`` the other kernels read and the rows' terms of
+    d sink (:func:`backward_abi`'s ``sink``).
     """
 
     spec_name: str
@@ -70,6 +75,12 @@ class BackwardPlan:
         backward at head_dim 256), ``seqlen_q`` rounded up to the 64-row tiles that order
         stores."""
         return -(-seqlen_q // 64) * 64 if self.dkdv.context.get("dq_frag") else seqlen_q
+
+    @property
+    def sink(self) -> bool:
+        """Whether this is the sink form of the unit (its pre kernel takes the sink logits and
+        writes ``lse`` and ``dsink``: :func:`backward_abi` with ``sink``)."""
+        return bool(self.pre.context.get("sink"))
 
     @property
     def wgmma(self) -> bool:
@@ -133,7 +144,8 @@ class BackwardPlan:
 @dataclass(frozen=True)
 class BackwardContext(TemplateContext):
     """The fields both backward templates read: names, sizes, the ABI of the pre and convert
-    kernels, the mask, score_mod and d score_mod / d score as CUDA, and the tile classifier."""
+    kernels, the mask, score_mod and d score_mod / d score as CUDA, and the tile classifier;
+    ``sink``: the pre kernel of the sink form (:func:`backward_abi`)."""
 
     spec_name: str
     dtype: str
@@ -160,6 +172,7 @@ class BackwardContext(TemplateContext):
     exact_softmax: bool
     dparam: list
     dparam_terms: list
+    sink: bool
 
 
 def tile_classifier(spec: Spec, causal_bits: bool) -> str:
@@ -181,7 +194,7 @@ def tile_classifier(spec: Spec, causal_bits: bool) -> str:
 
 
 def base_fields(
-    spec: Spec, causal_bits: bool, exact_softmax: bool = False, param_grads=()
+    spec: Spec, causal_bits: bool, exact_softmax: bool = False, param_grads=(), sink: bool = False
 ) -> dict:
     """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
     and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
@@ -190,7 +203,13 @@ def base_fields(
     (:attr:`flashgen.options.Options.exact_softmax`): P = exp2(x - lse) with the exponent
     capped at 0 (``fg::capped_exponent``): lse's rounding can leave x above it, by 2^14 and
     more at logits near 1e11, where exp2 overflowed.  ``param_grads``: the dparam code of
-    these params (:func:`flashgen.codegen.dparam.fields`; none: not compiled in)."""
+    these params (:func:`flashgen.codegen.dparam.fields`; none: not compiled in).  ``sink``:
+    the sink form's pre kernel (:func:`backward_abi`), for a padded spec with a sink only
+    (``ValueError`` for one without, or a varlen spec: its pre kernel sees the packed rows as
+    one batch, not the sequences the sink is per)."""
+    if sink and (spec.sink is None or spec.varlen):
+        why = "is varlen" if spec.sink is not None else "has no sink"
+        raise ValueError(f"spec {spec.name!r} {why}: its backward has no sink form")
     causal, residual = split_causal(spec.mask)
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
     return {
@@ -208,12 +227,26 @@ def base_fields(
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "exact_softmax": exact_softmax,
         **dparam.fields(spec, param_grads),
+        "sink": sink,
     }
 
 
-def backward_abi(spec: Spec, atomic_dq: bool) -> dict[str, tuple[KernelArg, ...]]:
+def backward_abi(
+    spec: Spec, atomic_dq: bool, sink: bool = False
+) -> dict[str, tuple[KernelArg, ...]]:
     """``{"pre_args", "dkdv_args", "dq_args", "convert_args"}``: the argument lists of the
-    backward kernels (the dK/dV kernel of the atomic path also takes ``dq_accum``)."""
+    backward kernels (the dK/dV kernel of the atomic path also takes ``dq_accum``).
+
+    ``sink`` (the backward of a fused-sink forward): the pre kernel also takes, after its
+    sizes, ``lse_keys`` (const float*, the forward's lse of the keys alone, contiguous [B, Hq,
+    Sq]), ``lse`` (float*, written: ``logaddexp(lse_keys, sink)`` per row, the buffer the
+    dK/dV and dQ kernels then read as ``lse``; never the forward's), ``sink sink_sb sink_sh``
+    (:func:`flashgen.codegen.abi.sink_args`: the float32 logit of (b, h) at ``b * sink_sb +
+    h * sink_sh``, not null), ``dsink`` (float*) and ``dsink_rows`` (int): nonzero, ``dsink``
+    is float32 [B, Hq, Sq] and each row stores its term ``-sigmoid(sink - lse_keys) *
+    dsum`` (0 for a row with no key) there, for the caller to sum in a fixed order; 0,
+    ``dsink`` is a zeroed float32 [B, Hq] and each row adds its term into its (b, h) with
+    one atomic add."""
     et = dtype(spec.dtype).ctype
     dims = dim_args(spec)
     ins = [KernelArg(n, f"const {et}*") for n in ("q", "k", "v", "dout")]
@@ -231,6 +264,14 @@ def backward_abi(spec: Spec, atomic_dq: bool) -> dict[str, tuple[KernelArg, ...]
         KernelArg("heads_q", "int"),
         KernelArg("seqlen_q", "int"),
     )
+    if sink:
+        pre_args += (
+            KernelArg("lse_keys", "const float*"),
+            KernelArg("lse", "float*"),
+            *sink_args(),
+            KernelArg("dsink", "float*"),
+            KernelArg("dsink_rows", "int"),
+        )
     dkdv_args = (
         *ins,
         *stats,

@@ -133,6 +133,7 @@ def plan(
     exact_softmax: bool = False,
     options_key: str = "",
     param_grads: tuple[str, ...] = (),
+    sink: bool = False,
 ) -> BackwardPlan:
     """Lower ``spec`` to its FA2-class backward kernels for ``target`` (template
     ``sm_80/bwd.cu.j2``; FA2 backward, Dao 2023, Algorithm 2).
@@ -154,8 +155,12 @@ def plan(
     ``param_grads``: names of params whose gradients the dK/dV kernel accumulates
     (templates/common/dparam.j2; the kernel is named ``..._dkdv[_atomic]_dparam`` and takes
     :func:`flashgen.codegen.dparam.kernel_args` last); empty: the unit without that code.
+    ``sink``: the sink form, the backward of a fused-sink forward (the pre kernel, named
+    ``..._pre_sink``, takes the sink and writes ``lse`` and ``dsink``:
+    :func:`~flashgen.families.bwd_common.backward_abi`); a spec with a sink only.
     Raises ``ValueError`` for a target or dtype this version cannot lower, unknown kernels
-    in ``side_terms``, or dparam tiles that do not fit static shared memory.
+    in ``side_terms``, dparam tiles that do not fit static shared memory, or ``sink`` for a
+    spec without one.
     """
     check_target(target)
     elt = mma16_dtype(spec, "the FA2-class backward").elem_bytes
@@ -173,10 +178,10 @@ def plan(
             )
     t = tiles or table_backward_tiles(spec, atomic_dq, dparam=bool(param_grads))
     d, dv = spec.head_dim, spec.head_dim_v
-    abi = backward_abi(spec, atomic_dq)
+    abi = backward_abi(spec, atomic_dq, sink)
     grid = atomic_dq_warp_grid(t, d) if atomic_dq else (0, 0)  # unused by the deterministic unit
     base = f"flashgen_{spec.name}_bwd_{target}"
-    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
+    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads, sink)
     if param_grads:
         abi = dict(abi, dkdv_args=abi["dkdv_args"] + dparam.kernel_args(spec, param_grads))
         tile = t.dkdv_block_n * (t.dkdv_block_m + 1) * 4
@@ -192,7 +197,7 @@ def plan(
         **opts,
         async_stats=opts["bwd_async_stats"] and spec.score_mod is None,
         atomic_dq=atomic_dq,
-        kernel_pre=f"{base}_pre",
+        kernel_pre=f"{base}_pre{'_sink' if sink else ''}",
         kernel_dkdv=(f"{base}_dkdv_atomic" if atomic_dq else f"{base}_dkdv") + grad,
         kernel_dq=f"{base}_dq",
         kernel_convert=f"{base}_convert",

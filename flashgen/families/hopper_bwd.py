@@ -197,6 +197,7 @@ def plan(
     ordered_dq: bool = False,
     exact_softmax: bool = False,
     param_grads: tuple[str, ...] = (),
+    sink: bool = False,
 ) -> BackwardPlan:
     """The Hopper backward (``templates/sm_90/bwd.cu.j2``): an atomic-dQ :class:`BackwardPlan`
     whose dK/dV kernel is FlashAttention-3's warp-specialized backward (Shah et al. 2024,
@@ -227,6 +228,9 @@ def plan(
     accumulates, every term a form :func:`flashgen.codegen.dparam.hopper_forms_ok` accepts
     (per CTA, per key, per relative position; the consumers wait for dP^T before the P^T
     pass and compute dS^T there, templates/common/dparam.j2); not with ``ordered_dq``.
+    ``sink``: the sink form, the backward of a fused-sink forward (the pre kernel, named
+    ``..._pre_sink``, takes the sink and writes ``lse`` and ``dsink``:
+    :func:`~flashgen.families.bwd_common.backward_abi`; a spec with a sink only).
     Raises ``ValueError`` unless :func:`eligible` (family "auto"), for ``ordered_dq`` unless
     :func:`ordered_eligible`, and for ``param_grads`` the kernel cannot accumulate.
     """
@@ -255,7 +259,7 @@ def plan(
     elt = rec.elem_bytes
     split_d = d > 128  # see HOPPER_BWD_TILES_SPLIT_D
     t = HOPPER_BWD_TILES_SPLIT_D if split_d else HOPPER_BWD_TILES
-    abi = backward_abi(spec, atomic_dq=True)
+    abi = backward_abi(spec, atomic_dq=True, sink=sink)
     if d == 64 and options.d64_block_m != t.dkdv_block_m:
         t = replace(t, dkdv_block_m=options.d64_block_m)
     dq_swap = (
@@ -279,7 +283,7 @@ def plan(
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
-    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads)
+    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads, sink)
     # d256_sdp_warpgroups: S^T on warpgroup 0, dP^T on 1; dS^T reads P^T (* d score_mod /
     # d score, in its own buffers where that is not 1) back from shared memory
     sdp_wg = split_d and options.d256_sdp_warpgroups and not param_grads
@@ -307,7 +311,7 @@ def plan(
         block_m=block_m,
         block_n=block_n,
         threads=threads,
-        kernel_pre=f"{base}_pre",
+        kernel_pre=f"{base}_pre{'_sink' if sink else ''}",
         kernel_dkdv=f"{base}_dkdv{'_dparam' if param_grads else ''}",
         kernel_convert=f"{base}_convert",
         dkdv_args=dkdv_args,

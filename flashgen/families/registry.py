@@ -287,32 +287,35 @@ def plan_backward(
     tiles: BackwardTiles | None = None,
     side_terms=True,
     param_grads: tuple[str, ...] = (),
+    sink: bool = False,
 ) -> BackwardPlan:
     """The FA2-class backward (:func:`flashgen.families.fa2_bwd.plan`; ``param_grads``: the
-    params whose gradients its dK/dV kernel accumulates).  Raises ``ValueError`` for an fp8
-    spec (:func:`has_backward`)."""
+    params whose gradients its dK/dV kernel accumulates; ``sink``: the sink form, the
+    backward of a fused-sink forward).  Raises ``ValueError`` for an fp8 spec
+    (:func:`has_backward`) and for ``sink`` on a spec without one."""
     _require_backward(spec)
     if not options.side_terms:
         side_terms = False
     return fa2_bwd.plan(
         spec, target, options.fa2_bwd, atomic_dq=atomic_dq, tiles=tiles, side_terms=side_terms,
         causal_bits=_causal_bits(spec, target, options), options_key=options.family_key("fa2_bwd"),
-        exact_softmax=options.exact_softmax, param_grads=tuple(param_grads),
+        exact_softmax=options.exact_softmax, param_grads=tuple(param_grads), sink=sink,
     )  # fmt: skip
 
 
 def plan_hopper_backward(
     spec: Spec, target: str, options: Options = DEFAULT, *, ordered_dq: bool = False,
-    param_grads: tuple[str, ...] = (),
+    param_grads: tuple[str, ...] = (), sink: bool = False,
 ) -> BackwardPlan:  # fmt: skip
     """The Hopper backward (:func:`flashgen.families.hopper_bwd.plan`; ``ordered_dq``: its
-    deterministic form; ``param_grads``: the params whose gradients it accumulates).  Raises
-    ``ValueError`` for an fp8 spec (:func:`has_backward`)."""
+    deterministic form; ``param_grads``: the params whose gradients it accumulates;
+    ``sink``: the sink form).  Raises ``ValueError`` for an fp8 spec (:func:`has_backward`)
+    and for ``sink`` on a spec without one."""
     _require_backward(spec)
     return hopper_bwd.plan(
         spec, target, options.hopper_bwd, causal_bits=_causal_bits(spec, target, options),
         options_key=options.family_key("hopper_bwd"), ordered_dq=ordered_dq,
-        exact_softmax=options.exact_softmax, param_grads=tuple(param_grads),
+        exact_softmax=options.exact_softmax, param_grads=tuple(param_grads), sink=sink,
     )  # fmt: skip
 
 
@@ -366,7 +369,10 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     backward unit}``, and where the Hopper backward applies ``"bwd_wgmma"``; for a spec with
     trainable params (:func:`grad_params`) ``"bwd_dparam"``, ``"bwd_atomic_dparam"`` (and
     ``"bwd_wgmma_dparam"`` where the Hopper backward takes their forms): the same units with
-    the gradients of all of them accumulated; and where a sparse
+    the gradients of all of them accumulated; for a padded spec whose forward joins its sink
+    (:func:`joins_sink`: the ``fused_sink`` option on) ``"bwd_sink"``, ``"bwd_atomic_sink"``
+    (and ``"bwd_wgmma_sink"``): the sink form of the backward units (the default options
+    leave it off, so their units are the same as ever); and where a sparse
     call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
     without backward (:func:`has_backward`: fp8) has only the forward units; a ``v_from_k``
     spec none (its units are the decode family's)."""
@@ -391,6 +397,13 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
             units["bwd_wgmma_dparam"] = plan_hopper_backward(
                 spec, target, options, param_grads=grads
             ).unit
+    if has_backward(spec) and not spec.varlen and joins_sink(spec, target, options):
+        units["bwd_sink"] = plan_backward(spec, target, options, sink=True).unit
+        units["bwd_atomic_sink"] = plan_backward(
+            spec, target, options, atomic_dq=True, sink=True
+        ).unit
+        if hopper_bwd.eligible(spec, target, options.family):
+            units["bwd_wgmma_sink"] = plan_hopper_backward(spec, target, options, sink=True).unit
     alt = sparse_tiles(spec, fwd.tiles, options)
     if alt is not None:
         sp = options.sparse_persistent

@@ -27,7 +27,14 @@ the sink included) with a random dO:
   o == 0 exactly on rows with no key (Sq > Sk under the bottom-right causal mask);
 - ``apply_sink=False`` (a null sink pointer): o bitwise the unfused op's keys-only o.
 
-Matrix: lengths 1, 17, 127, 1000 with Sq != Sk both ways, per-head (``sinks[h]``, a strided
+The backward without a gradient of lse runs the backward op's sink form
+(``<name>__backward_sink``: the pre kernel joins the sink, :mod:`flashgen.ops.prefill.backward`;
+spied on, one call per backward), with a gradient of lse the torch inputs and the plain op; the
+gradients also match the unfused op's (each within its bound of the float64 reference, so within
+twice it of each other), and under ``deterministic=True`` a second run is bitwise the first (d
+sinks summed in a fixed order).
+
+Matrix: lengths 1, 17, 127, 1000, 4097 with Sq != Sk both ways, per-head (``sinks[h]``, a strided
 view of a tensor too) and per-(batch, head) (``sinks[b, h]``) sinks, a sliding window at d128,
 ``deterministic`` True and False, a gradient of lse too; varlen (an empty sequence, lengths
 1 to 1000, per-sequence sinks); fp8 (sm_90, forward only).  Speed is a benchmark, not a test.
@@ -165,15 +172,41 @@ def _reference(spec, q, k, v, sinks, do, dl, dtype, varlen=None):
     return o.detach(), lse.detach(), [t.grad for t in leaves] + [s.grad]
 
 
-LENGTHS = [(1, 17), (17, 1), (127, 1000), (1000, 127), (1000, 1000)]
+LENGTHS = [(1, 17), (17, 1), (127, 1000), (1000, 127), (1000, 1000), (4097, 1000), (1, 4097)]
+
+
+def _spy_sink_form(monkeypatch, op) -> list:
+    """Count the calls of ``torch.ops.flashgen.<op>__backward_sink`` (the fused node looks it
+    up at call time)."""
+    calls: list = []
+    name = f"{op.name}__backward_sink"
+    real = getattr(torch.ops.flashgen, name)
+
+    def call(*args, **kwargs):
+        calls.append(args[8])  # deterministic
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.flashgen, name, call)
+    return calls
+
+
+def _grads(op, q, k, v, sinks, do, dl, deterministic):
+    """dq, dk, dv, d sinks of one call of ``op`` with output gradients ``do`` (and ``dl``)."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    o, lse = op.attention(*leaves[:3], sinks=leaves[3], deterministic=deterministic)
+    outs = [(o, do)] + ([(lse, dl)] if dl is not None else [])
+    torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+    return [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
 @pytest.mark.parametrize("sq,sk", LENGTHS, ids=[f"{a}x{b}" for a, b in LENGTHS])
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_fused_forward_and_backward_match_the_float64_reference(name, sq, sk, deterministic):
+def test_fused_forward_and_backward_match_the_float64_reference(name, sq, sk, deterministic,
+                                                                monkeypatch):  # fmt: skip
     spec = SPECS[name]()
     op, plain = gpu_options.build(spec), gpu_options.build(spec, _unfused())
+    sink_form = _spy_sink_form(monkeypatch, op)
     gen = torch.Generator(device=DEV).manual_seed(sq * 7 + sk)
     b, hq, hkv, d = 2, 8, 2, spec.head_dim
     q, k, v = (_bshd(b, h, s, d, gen=gen) for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
@@ -186,6 +219,7 @@ def test_fused_forward_and_backward_match_the_float64_reference(name, sq, sk, de
     dl = torch.randn(lse.shape, device=DEV, generator=gen) if sq == 127 else None
     outs = [(o, do)] + ([(lse, dl)] if dl is not None else [])
     torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+    assert sink_form == ([] if dl is not None else [deterministic]), sink_form
     r64 = _reference(spec, q, k, v, sinks, do, dl, torch.float64)
     rlo = _reference(spec, q, k, v, sinks, do, dl, BF16)
     assert not o.isnan().any(), "NaN in o (a row left unwritten?)"
@@ -194,6 +228,22 @@ def test_fused_forward_and_backward_match_the_float64_reference(name, sq, sk, de
         assert not ours.isnan().any(), f"d{what} has NaN"
         _bound_grad(ours, want, low, f"d{what}")
     _bound_param(leaves[3].grad, r64[2][3], rlo[2][3], "dsinks")
+    # against the unfused op (the keys' kernels, then the torch epilogue): each within its bound
+    # of the float64 reference, so within twice that bound of each other
+    theirs = _grads(plain, q, k, v, sinks, do, dl, deterministic)
+    for what, ours, other, want, low in zip(("dq", "dk", "dv", "dsinks"),
+                                            (t.grad for t in leaves), theirs, r64[2], rlo[2],
+                                            strict=True):  # fmt: skip
+        scale = max(want.abs().max().item(), 1e-6)
+        eps = 1e-3 * scale if what == "dsinks" else 1e-3
+        bound = 2 * max(2 * (low.double() - want).abs().max().item() + eps, 2e-2 * scale)
+        err = (ours.double() - other.double()).abs().max().item()
+        assert err <= bound, f"{what} fused vs unfused: {err:.3e} > {bound:.3e}"
+    if deterministic:  # bitwise run to run, d sinks included
+        again = _grads(op, q, k, v, sinks, do, dl, deterministic)
+        for what, a, b in zip(("dq", "dk", "dv", "dsinks"), again, (t.grad for t in leaves),
+                              strict=True):  # fmt: skip
+            assert torch.equal(a, b), f"{what}: deterministic=True differs run to run"
     # lse: the keys' alone, the unfused kernel's; rows with no key: o = 0, lse = -inf
     with torch.no_grad():
         po, pl = plain.attention(q, k, v, sinks=sinks)

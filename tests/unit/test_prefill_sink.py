@@ -147,7 +147,8 @@ def test_a_fused_unit_takes_the_sink_and_scales_o_in_its_epilogue(name):
 def test_specs_without_a_sink_render_the_same_units_with_the_option():
     """Every shipped spec's units (``flashgen build``'s, the forward's other forms too): a spec
     without a sink renders byte-identical sources and the same arguments with the option on;
-    a sink spec's backward units are unchanged either way."""
+    a sink spec's backward units are unchanged either way, and the option adds their sink form
+    (``bwd_sink``, ``bwd_atomic_sink``, ``bwd_wgmma_sink`` where the Hopper backward applies)."""
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         spec = load_spec(path)
         if spec.v_from_k:
@@ -156,7 +157,15 @@ def test_specs_without_a_sink_render_the_same_units_with_the_option():
             if spec.dtype == "fp8_e4m3" and target == "sm_80":
                 continue
             off, on = (registry.compile_units(spec, target, o) for o in (DEFAULT, ON))
-            assert off.keys() == on.keys()
+            added = {k for k in on if k.endswith("_sink")}
+            assert set(off) == set(on) - added
+            if spec.sink is not None and spec.dtype != "fp8_e4m3":
+                want = {"bwd_sink", "bwd_atomic_sink"}
+                want |= {"bwd_wgmma_sink"} if "bwd_wgmma" in off else set()
+                assert added == want, (spec.name, target, added)
+                assert all(on[k].context["sink"] for k in added)
+            else:
+                assert not added, (spec.name, target, added)
             for key in off:
                 fwd = key.startswith("fwd") and spec.sink is not None
                 assert (render(off[key]) == render(on[key])) != fwd, (spec.name, target, key)
@@ -383,6 +392,72 @@ def test_the_varlen_op_joins_each_sequences_sink_and_its_gradients_match(fake_cu
     want, _ = _run(plain, inputs, params, grads, varlen=layout)
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), got, want, strict=False):
         _close(a, b, name)
+
+
+def _spy_backward_ops(monkeypatch, ops) -> dict:
+    """Wrap ``torch.ops.flashgen.<name>__backward`` and ``<name>__backward_sink`` of each op in
+    ``ops`` (the nodes look them up at call time): ``{"plain": [...], "sink": [...]}`` of the
+    op names called."""
+    calls: dict = {"plain": [], "sink": []}
+
+    def wrap(kind, name, fn):
+        def call(*args, **kwargs):
+            calls[kind].append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for op in ops:
+        for kind, suffix in (("plain", "__backward"), ("sink", "__backward_sink")):
+            name = op.name + suffix
+            real = getattr(torch.ops.flashgen, name)
+            monkeypatch.setattr(torch.ops.flashgen, name, wrap(kind, name, real))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["do", "do_dlse", "sinks_only", "with_slopes"])
+def test_the_fused_node_takes_the_sink_form_without_dlse(fake_cuda, monkeypatch, case):
+    """Without a gradient of lse the fused node makes one call of ``<name>__backward_sink``
+    (also with a score_mod param's gradient, ``param_grads``), none of ``<name>__backward``;
+    with one it keeps the torch inputs and the plain op; with only the sink's param requiring
+    grad neither runs (d sink in torch).  The gradients equal the unfused op's."""
+    score_mod, extra = "null", ""
+    if case == "with_slopes":
+        score_mod = "score - slopes[h] * abs(q_idx - kv_idx)"
+        extra = "\n  slopes: {type: f32, shape: [num_heads]}"
+    fused, plain, make = _ops("per_head", score_mod=score_mod, extra=extra)
+    backward_calls = _spy_backward_ops(monkeypatch, (fused, plain))
+    g = torch.Generator().manual_seed(9)
+    inputs = [torch.randn(1, h, s, 32, generator=g, dtype=F64)
+              for h, s in ((4, 7), (2, 11), (2, 11))]  # fmt: skip
+    params = make(g, 1, 4, 2)
+    if case == "with_slopes":
+        params["slopes"] = torch.rand(4, generator=g)
+    dl = torch.randn(1, 4, 7, generator=g, dtype=F64) if case == "do_dlse" else None
+    grads = (torch.randn(1, 4, 7, 32, generator=g, dtype=F64), dl)
+    if case == "sinks_only":
+        sinks = params["sinks"].clone().requires_grad_()
+        o, _ = fused.attention(*inputs, sinks=sinks)
+        o.backward(grads[0])
+        assert backward_calls == {"plain": [], "sink": []}
+        ref = params["sinks"].clone().requires_grad_()
+        plain.attention(*inputs, sinks=ref)[0].backward(grads[0])
+        _close(sinks.grad, ref.grad, "dsinks")
+        return
+    got, o = _run(fused, inputs, params, grads)
+    assert type(o.grad_fn).__name__ == "FusedSinkAttentionBackward"
+    name = fused.name
+    if case == "do_dlse":
+        assert backward_calls == {"plain": [f"{name}__backward"], "sink": []}
+    else:
+        assert backward_calls == {"plain": [], "sink": [f"{name}__backward_sink"]}
+    backward_calls["plain"].clear()
+    want, _ = _run(plain, inputs, params, grads)
+    assert backward_calls["sink"] == [f"{name}__backward_sink"] * (case != "do_dlse")
+    assert len(got) == len(want) == 6 + (case == "with_slopes")
+    for what, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks", "dslopes"), got, want,
+                          strict=False):  # fmt: skip
+        _close(a, b, what)
 
 
 def test_a_score_mod_param_and_the_sink_get_their_gradients_together(fake_cuda):

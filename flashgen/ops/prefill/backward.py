@@ -56,6 +56,20 @@ needs no param gradient are unchanged): fp32 sums reduced across the CTA, then o
 add per element and CTA into a buffer the op zeroes (:func:`dparam_buffers`); under
 ``deterministic=True`` each CTA adds into its own row of a ``[CTAs, numel]`` buffer, one
 thread in a fixed order, and the op sums the rows (``torch.sum``, a fixed order).
+
+Sink form: for a padded spec with a ``sink:``, ``flashgen::<name>__backward_sink(dout, q, k,
+v, o, lse, sink, softmax_scale, deterministic, *params, *, bool[] param_grads=[]) -> (dq, dk,
+dv, dparams, dsink)`` is registered too (:func:`backward_sink_schema`): the backward of a
+forward whose kernel joined the sink (``o = o_keys * sigmoid(lse - sink)``, ``lse`` the keys'
+alone, ``sink`` the float32 ``[B, Hq]`` logits it read; the autograd node
+:class:`~flashgen.ops.prefill.fused_sink.FusedSinkAttention`), with no gradient of lse.  On
+CUDA the pre kernel of the units' sink form (:func:`flashgen.families.bwd_common.backward_abi`)
+writes ``logaddexp(lse, sink)`` into a workspace the dK/dV and dQ kernels read as their lse
+(the saved lse is not touched), keeps ``dsum = rowsum(dO * O)`` as the row term and gives
+``dsink[b, h] = -sum over rows of sigmoid(sink - lse) * dsum``: one atomic add per row into a
+zeroed float32 [B, Hq] under ``deterministic=False``, else a float32 [B, Hq, Sq] of the
+rows' terms summed by ``torch.sum`` (a fixed order).  The CPU implementation does the same
+math in torch (:func:`flashgen.ops.sink.keys_backward_inputs`) around the CPU backward.
 """
 
 from __future__ import annotations
@@ -73,6 +87,7 @@ from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
 from flashgen.ops.calls import _kernel_aligned, current_stream_ptr, kernel_values
+from flashgen.ops.sink import keys_backward_inputs, sink_arg_values
 from flashgen.ops.validation import _SCHEMA_TYPE, target_for_device, validate
 from flashgen.options import DEFAULT, Options
 
@@ -120,20 +135,35 @@ def backward_schema(spec: Spec) -> str:
     """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
     softmax_scale, bool deterministic, Tensor slopes, *, bool[] param_grads=[]) -> (Tensor,
     Tensor, Tensor, Tensor[])``."""
-    args = [
-        "Tensor dout",
-        "Tensor q",
-        "Tensor k",
-        "Tensor v",
-        "Tensor o",
-        "Tensor lse",
-        "Tensor? dlse",
-        "float softmax_scale",
-        "bool deterministic",
-    ]
+    return f"{backward_name(spec)}({', '.join(_schema_args(spec, 'Tensor? dlse'))}, {BACKWARD_TAIL}"
+
+
+def _schema_args(spec: Spec, row_grad: str) -> list[str]:
+    """The positional arguments of the padded backward ops, ``row_grad`` after ``lse``."""
+    args = ["Tensor dout", "Tensor q", "Tensor k", "Tensor v", "Tensor o", "Tensor lse", row_grad,
+            "float softmax_scale", "bool deterministic"]  # fmt: skip
     args += [f"{_SCHEMA_TYPE[p.ty]} {p.name}" for p in spec.scalar_params]
     args += [f"Tensor {p.name}" for p in spec.tensor_params]
-    return f"{backward_name(spec)}({', '.join(args)}, {BACKWARD_TAIL}"
+    return args
+
+
+def backward_sink_name(spec: Spec) -> str:
+    return f"{spec.name}__backward_sink"
+
+
+#: The sink form's keyword-only tail and outputs: those of :data:`BACKWARD_TAIL` and d sink.
+BACKWARD_SINK_TAIL = "*, bool[] param_grads=[]) -> (Tensor, Tensor, Tensor, Tensor[], Tensor)"
+
+
+def backward_sink_schema(spec: Spec) -> str:
+    """Schema of the sink form of the backward op (module docstring), e.g.
+    ``gpt_oss_sink__backward_sink(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor
+    lse, Tensor sink, float softmax_scale, bool deterministic, Tensor sinks, *, bool[]
+    param_grads=[]) -> (Tensor, Tensor, Tensor, Tensor[], Tensor)``: the backward op's
+    arguments with ``Tensor sink`` (float32 [B, Hq] logits) in place of ``dlse``, and d sink
+    (float32 [B, Hq]; float64 from the CPU op's float64 inputs) last."""
+    args = ", ".join(_schema_args(spec, "Tensor sink"))
+    return f"{backward_sink_name(spec)}({args}, {BACKWARD_SINK_TAIL}"
 
 
 def _grads_like(q, k, v, fill_zero: bool):
@@ -222,31 +252,35 @@ def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
 
 
 def run_backward_op(spec: Spec, bwd, args: tuple, param_grads, tensors) -> tuple:
-    """``(dq, dk, dv, {param: gradient})`` from one call of the backward op ``bwd`` on
+    """``(dq, dk, dv, {param: gradient}, *rest)`` from one call of the backward op ``bwd`` on
     ``args`` (``param_grads``: the flags of :func:`param_grad_flags`, empty: no dparam unit;
-    ``tensors``: the call's tensor params in spec order).  Under ``create_graph=True`` (grad
-    mode on in a backward) the gradients come out differentiable, and differentiating them
+    ``tensors``: the call's tensor params in spec order; ``rest``: the op's outputs after
+    the param gradients, none for the backward op, d sink for its sink form).  Under
+    ``create_graph=True`` (grad mode on in a backward) the gradients come out
+    differentiable, and differentiating them
     raises ``NotImplementedError`` (:class:`NoDoubleBackward`): there are no double-backward
     kernels, and torch's fallback would return zeros silently."""
     graph = torch.is_grad_enabled()
     with torch.no_grad() if graph else contextlib.nullcontext():
         if not param_grads:
-            dq, dk, dv, _ = bwd(*args)
+            dq, dk, dv, _, *rest = bwd(*args)
             dparams = {}
         else:
-            dq, dk, dv, raw = bwd(*args, param_grads=param_grads)
+            dq, dk, dv, raw, *rest = bwd(*args, param_grads=param_grads)
             named = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
             dparams = param_grad_outputs(spec, param_grads, raw, named)
     if not graph:
-        return dq, dk, dv, dparams
+        return dq, dk, dv, dparams, *rest
     inputs = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad]
     inputs += [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
     if not inputs:
-        return dq, dk, dv, dparams
+        return dq, dk, dv, dparams, *rest
     names = list(dparams)
     outs = NoDoubleBackward.apply(spec.name, len(inputs), *inputs, dq, dk, dv,
-                                  *(dparams[n] for n in names))  # fmt: skip
-    return outs[0], outs[1], outs[2], dict(zip(names, outs[3:], strict=True))
+                                  *(dparams[n] for n in names), *rest)  # fmt: skip
+    n = 3 + len(names)
+    return (outs[0], outs[1], outs[2], dict(zip(names, outs[3:n], strict=True)),
+            *outs[n:])  # fmt: skip
 
 
 class NoDoubleBackward(torch.autograd.Function):
@@ -307,6 +341,30 @@ class Backward:
             for n in wanted(self.spec, param_grads)
         ]  # fmt: skip
 
+    def fake_sink(self, dout, q, k, v, o, lse, sink, softmax_scale, deterministic, *rest,
+                  param_grads=()):  # fmt: skip
+        dq, dk, dv, dparams = self.fake(dout, q, k, v, o, lse, None, softmax_scale,
+                                        deterministic, *rest, param_grads=param_grads)  # fmt: skip
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return dq, dk, dv, dparams, torch.empty(tuple(lse.shape[:2]), dtype=dt, device=q.device)
+
+    def cpu_sink(self, dout, q, k, v, o, lse, sink, softmax_scale, deterministic, *rest,
+                 param_grads=()):  # fmt: skip
+        """The sink form on the CPU (module docstring): the sink's math in torch
+        (:func:`flashgen.ops.sink.keys_backward_inputs`: P against ``logaddexp(lse, sink)``,
+        d sink from ``rowsum(dO * O)``) around :meth:`cpu`; d sink ``[B, Hq]`` in lse's dtype
+        (float64 for float64 inputs).  ``OpInputError`` naming ``sink`` for a shape that is
+        not lse's ``[B, Hq]``."""
+        if tuple(sink.shape) != tuple(lse.shape[:2]):
+            raise OpInputError(
+                f"sink: expected logits [batch, heads_q] = {list(lse.shape[:2])}, got "
+                f"{list(sink.shape)}"
+            )
+        dout, lse_arg, _, d_rows = keys_backward_inputs(o, lse, sink.unsqueeze(-1), dout, None)
+        dq, dk, dv, dparams = self.cpu(dout, q, k, v, o, lse_arg, None, softmax_scale,
+                                       deterministic, *rest, param_grads=param_grads)  # fmt: skip
+        return dq, dk, dv, dparams, d_rows.squeeze(-1).to(lse.dtype)
+
     def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
             param_grads=()):  # fmt: skip
         """The blocked CPU backward (:mod:`flashgen.ops.cpu.attention`: each query chunk's
@@ -335,17 +393,46 @@ class Backward:
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
         fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
+        return self._launch(dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, rest,
+                            param_grads)[:4]  # fmt: skip
+
+    def cuda_sink(self, dout, q, k, v, o, lse, sink, softmax_scale, deterministic, *rest,
+                  param_grads=()):  # fmt: skip
+        """The sink form (module docstring) on the current stream of q's device: the units'
+        sink form (:func:`flashgen.families.bwd_common.backward_abi`), launched as
+        :meth:`cuda`'s.  ``o`` the fused forward's (the sink joined), ``lse`` its keys' alone
+        (float32 [B, Hq, Sq], read only), ``sink`` float32 [B, Hq] logits (any strides);
+        returns dq, dk, dv, the param gradients and d sink, float32 [B, Hq].  Allocates a
+        float32 [B, Hq, Sq] lse workspace, and d sink's buffer: [B, Hq] zeroed
+        (``deterministic=False``: atomic adds) or [B, Hq, Sq] (summed by ``torch.sum``).
+        ``OpInputError`` naming ``sink`` for another dtype or shape."""
+        return self._launch(dout, q, k, v, o, lse, None, softmax_scale, deterministic, rest,
+                            param_grads, sink=sink)  # fmt: skip
+
+    def _launch(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, rest,
+                param_grads, sink=None) -> tuple:  # fmt: skip
+        """:meth:`cuda` (``sink`` None) or :meth:`cuda_sink`: ``(dq, dk, dv, dparams,
+        dsink)``, dsink None without ``sink``."""
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
         names = wanted(self.spec, param_grads)
         shapes = param_shapes(names, tensors)
-        if q.numel() == 0 or k.numel() == 0:
+        if sink is not None and tuple(sink.shape) != (dims.batch, dims.heads_q):
+            raise OpInputError(
+                f"sink: expected float32 logits [batch, heads_q] = "
+                f"{[dims.batch, dims.heads_q]}, got {list(sink.shape)}"
+            )
+        sink_values = sink_arg_values(sink) if sink is not None else {}
+        if q.numel() == 0 or k.numel() == 0:  # no key: every row's term of d sink is 0
+            dsink = None if sink is None else lse.new_zeros(dims.batch, dims.heads_q)
             return (*_grads_like(q, k, v, fill_zero=True),
                     [torch.zeros(shapes[n], dtype=torch.float32, device=q.device)
-                     for n in names])  # fmt: skip
+                     for n in names], dsink)  # fmt: skip
         target = target_for_device(self.spec, q.device)
         path = backward_path(self.spec, target, deterministic, self.op.options, names)
-        plan, pre, dkdv, last = self.kernels(q.device, path=path, param_grads=names)
+        plan, pre, dkdv, last = self.kernels(
+            q.device, path=path, param_grads=names, sink=sink is not None
+        )
         atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
@@ -376,21 +463,31 @@ class Backward:
             rows = grids["dkdv"][0] // plan.tiles.dkdv_dsplit
             extra, finish = dparam_buffers(names, shapes, rows, deterministic, q.device)
             values.update(extra)
+        dsink = None
+        if sink is not None:  # pre writes lse (sink joined) from lse_keys, and d sink's terms
+            make = torch.empty if deterministic else torch.zeros
+            dsink = make(lse.shape if deterministic else lse.shape[:2], dtype=torch.float32,
+                         device=q.device)  # fmt: skip
+            lse_arg = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+            values.update(sink_values, lse_keys=lse.contiguous(), lse=lse_arg, dsink=dsink,
+                          dsink_rows=int(deterministic))  # fmt: skip
         stream = current_stream_ptr(q.device)
         pre.launch(grids["pre"], values, stream)
         if dlse is not None:
             dsum.sub_(dlse)
         dkdv.launch(grids["dkdv"], values, stream)
         last.launch(grids["convert" if atomic else "dq"], values, stream)
-        return dq, dk, dv, finish() if finish is not None else []
+        if dsink is not None and deterministic:
+            dsink = dsink.sum(-1)  # the rows' terms in a fixed order
+        return dq, dk, dv, finish() if finish is not None else [], dsink
 
     def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None,
-                param_grads: tuple[str, ...] = ()):  # fmt: skip
+                param_grads: tuple[str, ...] = (), sink: bool = False):  # fmt: skip
         """(BackwardPlan, pre, dkdv, dq) loaded on ``device`` -- (BackwardPlan, pre,
         dkdv_atomic, convert) for ``atomic_dq`` or a ``path`` (:data:`BACKWARD_PATHS`,
         overrides ``atomic_dq``) other than "deterministic" -- built and cached on first use.
         ``param_grads``: the params whose gradients the dK/dV kernel accumulates (their own
-        unit)."""
+        unit); ``sink``: the units' sink form (their own units, ``"sink"`` last in the key)."""
         if path is None:
             path = "atomic" if atomic_dq else "deterministic"
         if path not in BACKWARD_PATHS:
@@ -398,6 +495,8 @@ class Backward:
         index = device.index if device.index is not None else torch.cuda.current_device()
         param_grads = tuple(param_grads)
         key = (index, path, param_grads) if param_grads else (index, path)
+        if sink:
+            key += ("sink",)
         hit = self._kernels.get(key)
         if hit is not None:
             return hit
@@ -416,7 +515,7 @@ class Backward:
                 plan, cubin, _ = build_backward(
                     self.spec, target, atomic_dq=atomic, hopper=hopper,
                     ordered_dq=path == "hopper_ordered", options=options,
-                    param_grads=param_grads,
+                    param_grads=param_grads, sink=sink,
                 )  # fmt: skip
                 if hopper and not plan.wgmma:
                     kind = "atomic-dQ" if plan.atomic_dq else "deterministic"
@@ -471,13 +570,25 @@ class Backward:
         """The backward op's schema (:func:`backward_schema`; the varlen form has its own)."""
         return backward_schema(self.spec)
 
+    def has_sink_form(self) -> bool:
+        """Whether :meth:`register` defines the sink form (module docstring): a padded spec
+        with a sink (the varlen op keeps its torch path)."""
+        return self.spec.sink is not None and not self.spec.varlen
+
     def register(self, lib) -> None:
-        """Define the backward op on ``lib`` and attach autograd to the forward op."""
+        """Define the backward op (and, :meth:`has_sink_form`, its sink form) on ``lib`` and
+        attach autograd to the forward op."""
         name = backward_name(self.spec)
         lib.define(self.schema())
         lib.impl(name, self.cuda, "CUDA")
         lib.impl(name, self.cpu, "CPU")
         torch.library.register_fake(f"flashgen::{name}", self.fake, lib=lib)
+        if self.has_sink_form():
+            name = backward_sink_name(self.spec)
+            lib.define(backward_sink_schema(self.spec))
+            lib.impl(name, self.cuda_sink, "CUDA")
+            lib.impl(name, self.cpu_sink, "CPU")
+            torch.library.register_fake(f"flashgen::{name}", self.fake_sink, lib=lib)
         torch.library.register_autograd(
             self.op.qualname, self.backward, setup_context=self.setup_context, lib=lib
         )

@@ -1,14 +1,22 @@
 """Autograd of the calls whose forward kernel joins the spec's sink (the fused sink:
 ``Options.fa2_fwd.fused_sink`` / ``hopper_fwd.fused_sink``; math in :mod:`flashgen.ops.sink`).
 
-The kernel returns ``O = o_keys * sigmoid(lse - sink)`` and the keys' lse.  The backward needs
-no kernel of its own: :func:`flashgen.ops.sink.keys_backward_inputs` turns ``(O, lse, sink,
-dO, dlse)`` into the inputs of the op's registered backward op (P rebuilt against the
-sink-inclusive normaliser ``logaddexp(lse, sink)``, the row term ``rowsum(dO * O)``), and
-gives ``d sink = -sum over rows of sigmoid(sink - lse) * rowsum(dO * O)`` in torch; autograd
-carries it from the logits to the params the spec's ``sink:`` reads.  The gradients of q, k,
-v and of the params are those of the unfused path (the keys' kernels, then
-:func:`~flashgen.ops.sink.apply_sink`).
+The kernel returns ``O = o_keys * sigmoid(lse - sink)`` and the keys' lse.  The backward is
+the keys' backward with P rebuilt against the sink-inclusive normaliser ``logaddexp(lse,
+sink)`` and the row term ``rowsum(dO * O)``, plus ``d sink = -sum over rows of sigmoid(sink -
+lse) * rowsum(dO * O)`` (:mod:`flashgen.ops.sink`); autograd carries d sink from the logits to
+the params the spec's ``sink:`` reads.  The gradients of q, k, v and of the params are those
+of the unfused path (the keys' kernels, then :func:`~flashgen.ops.sink.apply_sink`).
+
+- :class:`FusedSinkAttention` without a gradient of lse (the usual training step): one call
+  of the backward op's sink form (``<name>__backward_sink``,
+  :mod:`flashgen.ops.prefill.backward`), whose pre kernel computes the sink-inclusive lse and
+  d sink beside ``rowsum(dO * O)``: no torch op over ``[B, H, S, D]``.
+- with a gradient of lse, or when only the sink needs a gradient, and :class:`FusedSinkVarlen`
+  always: :func:`flashgen.ops.sink.keys_backward_inputs` in torch turns ``(O, lse, sink, dO,
+  dlse)`` into the inputs of the registered backward op (with dlse: ``dO * sigmoid(lse -
+  sink)`` against the keys' lse, exact whatever the keys' share, which the kernels' one
+  normaliser could not give without dividing by that share) and gives d sink.
 
 :class:`FusedSinkAttention` is the padded op's node (:meth:`AttentionOp._forward
 <flashgen.ops.prefill.attention.AttentionOp._forward>` with the logits), :class:`FusedSinkVarlen`
@@ -21,7 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from flashgen.ops.prefill.backward import backward_name, run_backward_op, tensor_param_grads
+from flashgen.ops.prefill.backward import (
+    backward_name,
+    backward_sink_name,
+    run_backward_op,
+    tensor_param_grads,
+)
 from flashgen.ops.sink import keys_backward_inputs
 
 
@@ -32,13 +45,19 @@ def _keys_grads(ctx, n_inputs: int, dout, q, k, v, o, lse, dlse, tensors, layout
     (the varlen op's offsets and lengths; none for the padded op)."""
     op = ctx.op
     tensor_params = op.spec.tensor_params
-    if not (any(ctx.needs_input_grad[n_inputs : n_inputs + 3]) or ctx.param_grads):
+    if not _wants_keys_grads(ctx, n_inputs):
         return None, None, None, [None] * len(tensor_params)
     bwd = getattr(torch.ops.flashgen, backward_name(op.spec))
     args = (dout, q, k, v, o, lse, dlse, *layout, ctx.softmax_scale, ctx.deterministic,
             *ctx.scalars, *tensors)  # fmt: skip
     dq, dk, dv, dparams = run_backward_op(op.spec, bwd, args, ctx.param_grads, tensors)
     return dq, dk, dv, [dparams.get(p.name) for p in tensor_params]
+
+
+def _wants_keys_grads(ctx, n_inputs: int) -> bool:
+    """Whether q, k, v (inputs ``n_inputs`` .. + 3 of the node) or a tensor param the
+    score_mod reads need a gradient: the keys' backward runs."""
+    return any(ctx.needs_input_grad[n_inputs : n_inputs + 3]) or bool(ctx.param_grads)
 
 
 def _save(ctx, op, softmax_scale, scalars, deterministic, tensors) -> None:
@@ -68,6 +87,16 @@ class FusedSinkAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         ctx.op._check_live()
         q, k, v, o, lse, sink, *tensors = ctx.saved_tensors
+        if grad_lse is None and _wants_keys_grads(ctx, 7):  # the backward op's sink form
+            op = ctx.op
+            bwd = getattr(torch.ops.flashgen, backward_sink_name(op.spec))
+            dout = torch.zeros_like(o) if grad_o is None else grad_o
+            args = (dout, q, k, v, o, lse, sink, ctx.softmax_scale, ctx.deterministic,
+                    *ctx.scalars, *tensors)  # fmt: skip
+            dq, dk, dv, dparams, d_sink = run_backward_op(op.spec, bwd, args, ctx.param_grads,
+                                                          tensors)  # fmt: skip
+            tensor_grads = [dparams.get(p.name) for p in op.spec.tensor_params]
+            return (None,) * 7 + (dq, dk, dv, d_sink, *tensor_grads)
         dout, lse_arg, dlse, d_rows = keys_backward_inputs(o, lse, sink.unsqueeze(-1), grad_o,
                                                            grad_lse)  # fmt: skip
         dq, dk, dv, tensor_grads = _keys_grads(ctx, 7, dout, q, k, v, o, lse_arg, dlse, tensors,
