@@ -367,7 +367,8 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     trainable params (:func:`grad_params`) ``"bwd_dparam"``, ``"bwd_atomic_dparam"`` (and
     ``"bwd_wgmma_dparam"`` where the Hopper backward takes their forms): the same units with
     the gradients of all of them accumulated; and where a sparse
-    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
+    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler; not where the
+    dense forward is persistent: the op's sparse calls run the dense kernel there).  A spec
     without backward (:func:`has_backward`: fp8) has only the forward units; a ``v_from_k``
     spec none (its units are the decode family's)."""
     if spec.v_from_k:
@@ -391,7 +392,7 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
             units["bwd_wgmma_dparam"] = plan_hopper_backward(
                 spec, target, options, param_grads=grads
             ).unit
-    alt = sparse_tiles(spec, fwd.tiles, options)
+    alt = None if persistent_scheduler(spec, options) else sparse_tiles(spec, fwd.tiles, options)
     if alt is not None:
         sp = options.sparse_persistent
         units["fwd_sparse"] = plan_forward(

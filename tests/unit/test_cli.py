@@ -281,7 +281,7 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     fallback = plan_backward(spec, "sm_90")
     report = CompileReport("sm_90", "sm_90a", (KernelResources("k", registers=239),), 0.0, "13.0")
 
-    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None):
+    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None, param_grads=()):
         return fallback, Path("unit.cubin"), report
 
     monkeypatch.setattr(family_build, "build_backward", fake)
@@ -293,6 +293,75 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     hopper = plan_hopper_backward(spec, "sm_90")
     monkeypatch.setattr(family_build, "build_backward", lambda *a, **k: (hopper, Path("u"), report))
     assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
+
+
+def test_build_compiles_every_unit_of_compile_units_the_param_gradient_ones_too(
+    monkeypatch, tmp_path, capsys
+):
+    """``flashgen build specs/t5_bias.yaml --option hopper_bwd.dparam_diagonal=true`` compiled
+    fwd, bwd, bwd_atomic, bwd_wgmma and never the units that accumulate the param's gradient
+    (``bwd_dparam``, ``bwd_atomic_dparam``, ``bwd_wgmma_dparam``): the option was a silent
+    no-op.  Every unit :func:`registry.compile_units` lists is compiled now; a spec without
+    trainable params (the README's causal_d128) builds the same units as before."""
+    import flashgen.build.compile as compile_mod
+    import flashgen.cli.build as clibuild
+    from flashgen.build.compile import CompileReport
+    from flashgen.families.registry import compile_units
+    from flashgen.options import DEFAULT
+
+    seen = []
+
+    def one(spec, target, unit, options=None):
+        seen.append((spec.name, target, unit))
+        res = clibuild.BuildResult(spec, target, unit)
+        res.report = CompileReport(target, target, (), 0.0, "13.0")
+        return res
+
+    monkeypatch.setattr(clibuild, "_compile_one", one)
+    monkeypatch.setattr(compile_mod, "find_compiler", lambda: type("C", (), {"key": "13.0"})())
+    t5 = str(REPO / "specs" / "t5_bias.yaml")
+    diag = ["--option", "hopper_bwd.dparam_diagonal=true"]
+    argv = ["build", t5, "--target", "sm_90", *diag, "--out", str(tmp_path), "--no-verify"]
+    assert main(argv) == 0
+    options = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
+    want = list(compile_units(load_spec(t5), "sm_90", options))
+    assert {"bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"} <= set(want)
+    assert [u for _, _, u in seen] == [
+        "fwd", "bwd", "bwd_atomic", "bwd_wgmma", "bwd_dparam", "bwd_atomic_dparam",
+        "bwd_wgmma_dparam", "decode", "decode_ragged",
+    ]  # fmt: skip
+    assert "bwd_wgmma_dparam" in capsys.readouterr().out
+    seen.clear()
+    assert main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"]) == 0
+    assert seen == [
+        ("causal_d128", "sm_80", "fwd"), ("causal_d128", "sm_80", "bwd"),
+        ("causal_d128", "sm_80", "bwd_atomic"), ("causal_d128", "sm_90", "fwd"),
+        ("causal_d128", "sm_90", "bwd"), ("causal_d128", "sm_90", "bwd_atomic"),
+        ("causal_d128", "sm_90", "bwd_wgmma"), ("causal_d128", "sm_90", "fwd_sparse"),
+        ("causal_d128", "sm_80", "decode"), ("causal_d128", "sm_80", "decode_ragged"),
+        ("causal_d128", "sm_90", "decode"), ("causal_d128", "sm_90", "decode_ragged"),
+    ]  # fmt: skip
+
+
+def test_build_reports_the_param_gradient_units_and_what_the_op_falls_back_to(
+    tmp_path, requires_nvcc
+):
+    """The Hopper dparam unit of t5_bias with 128-query steps spills (320 B on nvcc 13.0);
+    the op falls back to ``hopper_bwd.d64_block_m=64``.  Build compiles it as the op does
+    (no failure) and its row's note names the spill and the fallback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flashgen", "build", "t5_bias", "--target", "sm_90", "--option",
+         "hopper_bwd.dparam_diagonal=true", "--no-verify", "--json", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    doc = json.loads(done.stdout)
+    rows = {k["unit"]: k for k in doc["kernels"]}
+    assert done.returncode == 0 and doc["ok"], done.stderr
+    for unit in ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"):
+        assert rows[unit]["ok"] and rows[unit]["spill_stores"] == 0, rows[unit]
+    note = rows["bwd_wgmma_dparam"]["note"]
+    assert re.search(r"wgmma_dkdv_dparam spills \d+ B", note), note
+    assert "falls back to hopper_bwd.d64_block_m=64" in note, note
 
 
 def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
