@@ -111,7 +111,8 @@ class Options:
     Every field has its declared type (:func:`flashgen.families.fields.check_fields`: a
     bool is ``True`` / ``False``, an int is no float and no bool); raises ``ValueError``
     naming the dotted field (``Options.decode.stages``) for a value of another type or
-    outside its choices or range.
+    outside its choices or range, and for fields that exclude each other
+    (``hopper_fwd.exp2_poly`` above 0 with ``exact_softmax``, whose exp2s stay on the SFU).
     """
 
     family: str = "auto"
@@ -146,6 +147,12 @@ class Options:
             raise ValueError(
                 f"Options.sparse_persistent={self.sparse_persistent!r}: expected one of "
                 f"{PERSISTENT_CHOICES[1:]}"
+            )
+        if self.exact_softmax and self.hopper_fwd.exp2_poly:  # fields that exclude each other
+            raise ValueError(
+                f"Options.hopper_fwd.exp2_poly={self.hopper_fwd.exp2_poly!r} with "
+                "Options.exact_softmax=True: expected exp2_poly 0 with the exact softmax (its "
+                "exp2s stay on the SFU; the polynomial would be dropped): set one of them"
             )
         if self.persistent_ctas is not None and (
             not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1

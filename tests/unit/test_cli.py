@@ -160,6 +160,31 @@ def test_show_lists_the_options_in_effect_and_which_the_shown_unit_does_not_use(
     assert {p.partition(".")[0] for p in Options.paths()} <= set(_OPTION_UNITS)
 
 
+def test_show_says_the_effective_exp2_poly_share_and_refuses_it_with_exact_softmax(capsys):
+    """``--option hopper_fwd.exp2_poly=1`` at BLOCK_N 80 (bidir_d256) put no tile on the FMA
+    pipe while show listed it as in effect, and with ``exact_softmax`` it was dropped in
+    silence: show now says the tiles per row it moves (the source the default one where that
+    is 0) and refuses the pair (exit 1, one line)."""
+
+    def show(*argv):
+        rc = main(["show", "bidir_d256", "--target", "sm_90", *argv])
+        return rc, capsys.readouterr()
+
+    _, default = show()
+    rc, one = show("--option", "hopper_fwd.exp2_poly=1")
+    assert rc == 0
+    assert "// ---- options [sm_90]: hopper_fwd.exp2_poly=1: 0 of 10 tiles per row on the " \
+           "FMA pipe" in one.out.splitlines()  # fmt: skip
+    src = [x for x in one.out.splitlines() if not x.startswith("// ---- options")]
+    assert src == default.out.splitlines()
+    rc, three = show("--option", "hopper_fwd.exp2_poly=3")
+    assert rc == 0 and "hopper_fwd.exp2_poly=3: 1 of 10 tiles per row on the FMA pipe" in three.out
+    rc, both = show("--option", "exact_softmax=true", "--option", "hopper_fwd.exp2_poly=3")
+    lines = both.err.strip().splitlines()
+    assert rc == 1 and both.out == "" and len(lines) == 1, both
+    assert lines[0].startswith("error: Options.hopper_fwd.exp2_poly=3 with Options.exact_softmax")
+
+
 def test_list_shows_every_spec(capsys):
     assert main(["list", str(REPO / "specs")]) == 0
     out = capsys.readouterr().out
