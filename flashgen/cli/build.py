@@ -70,6 +70,7 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
     from flashgen.build.compile import CompileError
     from flashgen.families import registry
     from flashgen.families.build import build_forward
+    from flashgen.families.decode import DecodeTilesError
     from flashgen.options import DEFAULT
 
     options = options or DEFAULT
@@ -106,6 +107,9 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
             res.error = f"ptxas serialized the wgmma instructions of {k.name}: {k.wgmma_serialized}"
     except (CompileError, UnsafeCacheError, CacheLockTimeout) as e:
         res.error = str(e)
+    except DecodeTilesError as e:  # the decode options fit another target: say how to build it
+        fits = " or ".join(f"--target {t}" for t in e.fits)
+        res.error = str(e) + (f" (build for it alone: {fits})" if fits else "")
     except (ValueError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res

@@ -434,6 +434,43 @@ def default_tiles(
     return DecodeTiles(BLOCK_M, block_n, NUM_WARPS * dv_split(spec), stages)
 
 
+def max_stages(spec: Spec, target: str, block_n: int, kv_bytes: int | None = None) -> int:
+    """The deepest ring (at most :data:`MAX_STAGES`) of ``block_n``-key blocks whose attention
+    kernel fits ``target``'s shared memory (:data:`SMEM_LIMIT_EXPLICIT`), 0 where not even the
+    fewest stages (2) do."""
+    fits = [s for s in range(2, MAX_STAGES + 1)
+            if smem_bytes(spec, block_n, s, kv_bytes) <= SMEM_LIMIT_EXPLICIT[target]]  # fmt: skip
+    return max(fits, default=0)
+
+
+class DecodeTilesError(ValueError):
+    """Decode tiles whose ring does not fit the target's shared memory (:func:`plan`).  The
+    message names the target, the bytes and the limit, the deepest ``decode.stages`` that fits
+    at this ``block_n`` (or the ``block_n`` values that fit, with their deepest rings) and the
+    targets that take these tiles (``fits``)."""
+
+    def __init__(self, spec: Spec, target: str, tiles: DecodeTiles, smem: int, kv_bytes: int):
+        self.target = target
+        self.fits = tuple(t for t in TARGETS if t != target and smem <= SMEM_LIMIT_EXPLICIT[t])
+        bn, stages = tiles.block_n, tiles.stages
+        deepest = max_stages(spec, target, bn, kv_bytes)
+        if deepest:
+            advice = f"at block_n {bn}, {target} fits decode.stages up to {deepest}"
+        else:
+            pairs = [(b, max_stages(spec, target, b, kv_bytes)) for b in range(bn, 0, -64)]
+            pairs = [f"block_n {b} (stages up to {d})" for b, d in pairs if d]
+            advice = (
+                f"at block_n {bn} not even 2 stages (the fewest) fit {target}; "
+                + (f"what fits: {', '.join(pairs)}" if pairs else "no decode tiles fit")
+            )
+        other = f"; {' and '.join(self.fits)} takes these tiles" if self.fits else ""
+        super().__init__(
+            f"decode tiles block_n={bn} x {stages} stages need {smem} B of shared memory on "
+            f"{target} at head_dim {spec.head_dim}/{spec.head_dim_v} (limit "
+            f"{SMEM_LIMIT_EXPLICIT[target]} B): {advice}{other}"
+        )
+
+
 def dv_split(spec: Spec) -> int:
     """Warps along the output's columns: 2 for Dv >= :data:`DV_SPLIT_FROM`, else 1."""
     return 2 if spec.head_dim_v >= DV_SPLIT_FROM else 1
@@ -639,11 +676,7 @@ def plan(
     tiles = default_tiles(spec, options, cache_dtype)
     smem = smem_bytes(spec, tiles.block_n, tiles.stages, kv.elem_bytes)
     if smem > SMEM_LIMIT_EXPLICIT[target]:
-        raise ValueError(
-            f"decode tiles block_n={tiles.block_n} x {tiles.stages} stages need {smem} B of "
-            f"shared memory at head_dim {spec.head_dim}/{spec.head_dim_v} (limit "
-            f"{SMEM_LIMIT_EXPLICIT[target]}): pick a smaller block_n or fewer stages"
-        )
+        raise DecodeTilesError(spec, target, tiles, smem, kv.elem_bytes)
     causal, residual = split_causal(spec.mask)
     inv = Invariants(raw_score="score_raw")
     ext = TENSOR_EXTENTS[ragged]

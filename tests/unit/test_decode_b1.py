@@ -9,6 +9,7 @@ tests/gpu/test_decode_gpu.py's ``test_sweep_options_are_correct``."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,66 @@ def test_deep_ring_plans_where_it_fits():
     # a d64 spec's rows are half as wide: the deepest ring, 8 stages of 64 keys, fits sm_80
     d64 = family.plan(_spec("gpt2_d64"), "sm_80", family.Options(block_n=64, stages=8))
     assert d64.smem_bytes == 16 * 64 * 2 + 8 * 64 * 128 * 2 + 8 * 64 == 133632
+
+
+def test_a_ring_that_does_not_fit_names_the_target_and_what_fits():
+    """``decode.stages=6`` on sm_80 said "need 201088 B ... (limit 166912): pick a smaller
+    block_n or fewer stages" with no target named and no number to pick.  The error names the
+    target, the deepest stages that fit at this block_n (or, where not even 2 do, the block_n
+    / stages pairs that fit) and the targets that take the tiles; each suggestion plans."""
+    spec = _spec()
+    for stages in (5, 6):
+        with pytest.raises(family.DecodeTilesError) as e:
+            family.plan(spec, "sm_80", family.Options(block_n=64, stages=stages))
+        msg = str(e.value)
+        assert " on sm_80 " in msg and "(limit 166912 B)" in msg, msg
+        assert "at block_n 64, sm_80 fits decode.stages up to 4" in msg, msg
+        assert msg.endswith("; sm_90 takes these tiles") and e.value.fits == ("sm_90",), msg
+    family.plan(spec, "sm_80", family.Options(block_n=64, stages=4))  # the advice holds
+    with pytest.raises(family.DecodeTilesError) as e:
+        family.plan(spec, "sm_90", family.Options(block_n=64, stages=7))
+    assert "at block_n 64, sm_90 fits decode.stages up to 6" in str(e.value)
+    assert e.value.fits == () and "takes these tiles" not in str(e.value)
+    for target in ("sm_80", "sm_90"):
+        with pytest.raises(family.DecodeTilesError) as e:
+            family.plan(spec, target, family.Options(block_n=256))
+        msg = str(e.value)
+        assert f"not even 2 stages (the fewest) fit {target}; what fits: block_n " in msg, msg
+        pairs = [tuple(map(int, m)) for m in
+                 re.findall(r"block_n (\d+) \(stages up to (\d+)\)", msg)]
+        assert pairs and all(bn >= 64 and st >= 2 for bn, st in pairs), msg
+        for bn, st in pairs:  # every pair named plans, and one stage more does not
+            family.plan(spec, target, family.Options(block_n=bn, stages=st))
+            if st < family.MAX_STAGES:
+                with pytest.raises(family.DecodeTilesError):
+                    family.plan(spec, target, family.Options(block_n=bn, stages=st + 1))
+
+
+def test_a_cpu_plan_that_does_not_fit_says_it_plans_for_sm_80():
+    """``op.plan_decode`` on the CPU plans the sm_80 unit: its refusal of stages 5 / 6 now
+    says so (an OpInputError naming ``options``)."""
+    import flashgen
+    from flashgen.frontend.errors import OpInputError
+
+    op = flashgen.load("llama3_gqa")
+    with pytest.raises(OpInputError) as e:
+        op.plan_decode(batch=1, num_heads=32, num_heads_kv=8, cache_capacity=4096,
+                       device="cpu", options=family.Options(stages=6))  # fmt: skip
+    msg = str(e.value)
+    assert msg.startswith("options: decode tiles block_n=64 x 6 stages need 201088 B"), msg
+    assert "on sm_80" in msg and "fits decode.stages up to 4" in msg and "on the CPU" in msg
+
+
+def test_build_says_which_target_takes_a_deep_ring():
+    """``flashgen build llama3_gqa --option decode.stages=6`` failed the sm_80 decode units
+    with the plan's bare text: they now say to build for sm_90 alone."""
+    import flashgen.cli.build as cli
+
+    options = Options().replace_path("decode.stages", 6)
+    for unit in ("decode", "decode_ragged"):
+        res = cli._compile_one(_spec(), "sm_80", unit, options)
+        assert not res.ok and "on sm_80" in res.error, res.error
+        assert res.error.endswith("sm_90 takes these tiles (build for it alone: --target sm_90)")
 
 
 @pytest.mark.parametrize("stages", range(2, family.MAX_STAGES + 1))

@@ -277,10 +277,16 @@ class DecodePlanning:
             self.kernels(device, options, dims.ragged, dims.cache_dtype)
             if device.type == "cuda" else {}
         )  # fmt: skip
-        unit = kern["attn"].plan if kern else registry.plan_decode(
-            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
-            cache_dtype=dims.cache_dtype,
-        )  # fmt: skip
+        try:
+            unit = kern["attn"].plan if kern else registry.plan_decode(
+                self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
+                cache_dtype=dims.cache_dtype,
+            )  # fmt: skip
+        except family.DecodeTilesError as e:  # the CPU plans as the smallest target
+            raise OpInputError(
+                f"options: {e} (a plan on the CPU is made for sm_80, the target whose limits "
+                "every decode unit must meet to run there)"
+            ) from None
         heads = dims.heads_kv if pack_gqa else dims.heads_q
         live_blocks = None
         g0 = family.geometry(
