@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -49,6 +50,65 @@ from pathlib import Path
 from flashgen.bench import helptext
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- arguments
+def positive_ints(name: str):
+    """An argparse ``type`` for ``--NAME A,B,...``: a list of ints >= 1, else an error
+    ``NAME: expected comma-separated positive ints, got 'TEXT'``."""
+
+    def parse(text: str) -> list[int]:
+        parts = [p.strip() for p in text.split(",")]
+        if not all(re.fullmatch(r"\+?[0-9]+", p) and int(p) >= 1 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"{name}: expected comma-separated positive ints, got {text!r}"
+            )
+        return [int(p) for p in parts]
+
+    parse.__name__ = name  # argparse names a failed type by it
+    return parse
+
+
+def positive_int(name: str):
+    """An argparse ``type``: one int >= 1, else ``NAME: expected an int >= 1, got 'TEXT'``."""
+
+    def parse(text: str) -> int:
+        t = text.strip()
+        if not re.fullmatch(r"\+?[0-9]+", t) or int(t) < 1:
+            raise argparse.ArgumentTypeError(f"{name}: expected an int >= 1, got {text!r}")
+        return int(t)
+
+    parse.__name__ = name
+    return parse
+
+
+def layouts(text: str) -> list[str]:
+    """An argparse ``type`` for ``--layouts``: comma-separated ``dense`` or ``pagedN`` (a
+    paged cache of N-key pages, N >= 1), each once."""
+    parts = [p.strip() for p in text.split(",")]
+    ok = all(p == "dense" or (re.fullmatch(r"paged[0-9]+", p) and int(p[5:]) >= 1)
+             for p in parts)  # fmt: skip
+    if not ok or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(
+            f"layouts: expected comma-separated dense or pagedN (N >= 1: keys per page), each "
+            f"once, got {text!r}"
+        )
+    return parts
+
+
+def page_size(layout: str) -> int | None:
+    """The page size of a :func:`layouts` entry (None: dense)."""
+    return None if layout == "dense" else int(layout.removeprefix("paged"))
+
+
+def check_heads(heads_q: int, heads_kv: int) -> str | None:
+    """Why ``heads_q`` query heads cannot share ``heads_kv`` kv heads (GQA), or None."""
+    if heads_q % heads_kv:
+        return (
+            f"heads: expected heads_q a multiple of heads_kv (GQA groups), got {heads_q} / "
+            f"{heads_kv}"
+        )
+    return None
 
 
 def _graph_time(fn, calls: int):
@@ -120,7 +180,7 @@ def option_variants(texts, combine: str = "product") -> list[tuple[str, object]]
     other = [n for n in values if not n.startswith("decode.")]
     if other:
         raise opt.OptionError(
-            f"--option {', '.join(other)}: the decode bench takes decode.* options only"
+            f"--option {', '.join(other)}: only decode.* options shape decode calls"
         )
     if not values:
         return [("", None)]

@@ -246,6 +246,77 @@ def test_trace_tool_reports_the_planned_launch():
     assert (t["num_splits"], t["eff_splits"], t["blocks_per_cta"]) == (16, 16, 2)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "x"], "argument --batch: batch: expected an int >= 1, got 'x'"),
+    (["--batch", "0"], "batch: expected an int >= 1, got '0'"),
+    (["--cache", "4096,0"], "cache: expected comma-separated positive ints, got '4096,0'"),
+    (["--heads", "32/5"], "heads: expected heads_q a multiple of heads_kv (GQA groups), got 32 "
+                          "/ 5"),
+    (["--heads", "32"], "heads: expected HQ/HKV, two ints >= 1"),
+    (["--sms", "0"], "sms: expected an int >= 1, got '0'"),
+    (["--layouts", "paged0"], "layouts: expected comma-separated dense or pagedN (N >= 1"),
+    (["--layouts", "dense,pagd16"], "got 'dense,pagd16'"),
+    (["--spec", "llama3_fp8"], "--spec 'llama3_fp8': no decode kernels: decode supports fp16 "
+                               "and bf16"),
+    (["--spec", "no_such_spec"], "--spec 'no_such_spec': no such file, nor a shipped spec"),
+    (["--option", "stages=6"], "unknown option 'stages'; did you mean decode.stages?"),
+    (["--option", "hopper_fwd.affine=0"], "only decode.* options shape decode calls"),
+    (["--option", "decode.stages=7"], "decode.stages=7: decode tiles block_n=64 x 7 stages "
+                                      "need 233920 B of shared memory on sm_90"),
+])  # fmt: skip
+def test_decode_trace_refuses_bad_arguments_with_a_message_and_exit_2(capsys, argv, message):
+    """tools/decode_trace.py took ``--batch 0``, ``--heads 32/5`` and ``--layouts paged0``
+    (a ZeroDivisionError or a trace of nothing), read ``--option stages=6`` with its own
+    parser, and answered an fp8 spec or a misspelt name with a traceback: each is an argparse
+    error now (exit 2, one line naming the argument), before anything is printed."""
+    with pytest.raises(SystemExit) as e:
+        _trace_tool().main(argv)
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and cap.out == "", cap
+    assert message in cap.err and "Traceback" not in cap.err, cap.err
+
+
+def test_decode_trace_takes_spec_files_shipped_names_and_option_lists(capsys, tmp_path):
+    """``--spec`` is a file or a shipped spec's name (it was a name joined to specs/), and
+    ``--option`` the ``NAME=A,B`` of ``flashgen ab`` / ``bench --decode``: a table per
+    variant."""
+    tool = _trace_tool()
+    copy = tmp_path / "mine.yaml"
+    copy.write_text((ROOT / "specs" / "gpt2_d64.yaml").read_text())
+    assert tool.main(["--spec", str(copy), "--cache", "4096", "--layouts", "dense"]) == 0
+    assert capsys.readouterr().out.startswith("gpt2_d64 ")
+    assert tool.main(["--option", "decode.stages=2,6", "--cache", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "B1 decode.stages=2\n" in out and "B1 decode.stages=6\n" in out
+
+
+def test_decode_trace_page_size_shapes_the_trace():
+    """The page size was only the row's label: a paged plan sizes its splits for whole pages
+    (``plan_decode``'s capacity) and a key block reads one block-table entry per page it
+    spans."""
+    tool = _trace_tool()
+    kw = dict(batch=16, heads_q=32, heads_kv=8, num_sms=132, cache=1000)
+    dense = tool.trace(_spec(), family.Options(), page_size=None, **kw)
+    p256 = tool.trace(_spec(), family.Options(), page_size=256, **kw)
+    p1 = tool.trace(_spec(), family.Options(), page_size=1, **kw)
+    p40 = tool.trace(_spec(), family.Options(), page_size=40, **kw)
+    assert (dense["capacity"], p256["capacity"], p1["capacity"]) == (1000, 1024, 1000)
+    pages = (dense["pages_per_block"], p256["pages_per_block"], p1["pages_per_block"])
+    assert pages == (0, 1, 64)
+    assert p40["pages_per_block"] == 3  # a 64-key block starting 32 keys into a page of 40
+    assert max(len({(k0 + r) // 40 for r in range(64)}) for k0 in range(0, 64 * 40, 64)) == 3
+
+
+def test_decode_trace_counts_an_mla_cache_row_once():
+    """mla_decode (``v_from_k``: V is the first head_dim_v columns of K's rows) read K's row
+    bytes once, not K's and V's."""
+    tool = _trace_tool()
+    spec = _spec("mla_decode")
+    t = tool.trace(spec, family.Options(), batch=1, cache=4096, page_size=64, heads_q=128,
+                   heads_kv=1, num_sms=132)  # fmt: skip
+    assert t["kib_per_cta"] == t["blocks_per_cta"] * t["block_n"] * spec.head_dim * 2 / 1024
+
+
 def test_decode_bench_option_variants():
     from flashgen.bench.decode import option_variants
 
