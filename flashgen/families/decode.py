@@ -145,7 +145,8 @@ class Options:
     hence the result, is the same for every value; the last CTA's merge is the tail of every
     split call, its loads one L2 round trip per step).
 
-    ``balance_waves`` (off by default; a host schedule knob): where the CTAs without splitting
+    ``balance_waves`` (off by default; a host schedule knob; not with a fixed ``num_splits``,
+    which it would not change: ``ValueError``): where the CTAs without splitting
     already fill 80% of a wave (no split otherwise), split each request in the fewest parts
     (up to :data:`BALANCE_MAX_SPLITS`) whose CTAs fill their last wave to at least
     :data:`BALANCE_FILL` (:func:`balanced_splits`): B64 8k at 3 CTAs per SM is 512 CTAs on
@@ -207,6 +208,12 @@ class Options:
             raise ValueError(
                 f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
                 "must be an int in [1, 16]"
+            )
+        if self.balance_waves is True and self.num_splits is not None:
+            raise ValueError(
+                f"Options.decode.balance_waves=True with Options.decode.num_splits="
+                f"{self.num_splits!r}: expected num_splits None with balance_waves (it picks "
+                "the split count; a fixed one leaves it nothing to do): set one of them"
             )
         if self.merge_unroll not in MERGE_UNROLLS:
             raise ValueError(
