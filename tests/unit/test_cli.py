@@ -420,6 +420,20 @@ def test_an_unknown_option_is_one_plain_line_naming_it_and_the_known_ones(tmp_pa
     assert doc["error"].startswith("unknown option 'famly' (did you mean 'family'?); known: ")
 
 
+def test_an_option_given_twice_is_an_error_in_show_and_build(tmp_path, capsys):
+    """``flashgen show SPEC --option decode.stages=3 --option decode.stages=4`` kept the last
+    in silence: one line naming the option and both values, exit 1, nothing built."""
+    twice = ["--option", "decode.stages=3", "--option", "decode.stages=4"]
+    for argv in (["show", CAUSAL, *twice],
+                 ["build", CAUSAL, "--out", str(tmp_path), "--no-verify", *twice]):  # fmt: skip
+        assert main(argv) == 1
+        cap = capsys.readouterr()
+        lines = cap.err.strip().splitlines()
+        assert lines == ["error: --option decode.stages is given twice (decode.stages=3, "
+                         "decode.stages=4): expected it once"], cap.err  # fmt: skip
+    assert not (tmp_path / "causal_d128").exists()
+
+
 @pytest.mark.parametrize("path", ["hopper_bwd.d256_ps_buffers", "hopper_bwd.desc_offsets"])
 def test_show_with_a_deleted_option_says_it_was_removed(capsys, path):
     """``flashgen show SPEC --option hopper_bwd.d256_ps_buffers=2`` answered "did you mean

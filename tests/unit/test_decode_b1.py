@@ -137,6 +137,28 @@ def test_a_cpu_plan_that_does_not_fit_says_it_plans_for_sm_80():
     assert "on sm_80" in msg and "fits decode.stages up to 4" in msg and "on the CPU" in msg
 
 
+def test_plan_decode_takes_a_full_options_by_its_decode_part():
+    """``op.plan_decode(..., options=flashgen.Options(...))`` said "expected
+    flashgen.families.decode.Options, got Options": a full Options is taken by its
+    ``.decode``; one whose exact_softmax differs from the op's (its kernels) is refused,
+    saying to pass ``options.decode``; anything else names both forms."""
+    import flashgen
+    from flashgen.frontend.errors import OpInputError
+
+    op = flashgen.load("llama3_gqa")
+    kw = dict(batch=1, num_heads=32, num_heads_kv=8, cache_capacity=8192, device="cpu")
+    full = Options().with_values({"decode.num_splits": 5, "decode.merge_unroll": 16})
+    plan = op.plan_decode(options=full, **kw)
+    assert plan.num_splits == 5 and plan.options == full.decode
+    assert op.plan_decode(options=full.decode, **kw).num_splits == 5
+    with pytest.raises(OpInputError, match=r"^options: exact_softmax=True differs from the "
+                       r"op's \(False\).*pass options.decode$"):  # fmt: skip
+        op.plan_decode(options=Options(exact_softmax=True), **kw)
+    with pytest.raises(OpInputError, match=r"^options: expected flashgen.families.decode.Options "
+                       r"\(or a flashgen.Options, whose .decode is used\), got dict$"):  # fmt: skip
+        op.plan_decode(options={"decode.stages": 4}, **kw)
+
+
 def test_build_says_which_target_takes_a_deep_ring():
     """``flashgen build llama3_gqa --option decode.stages=6`` failed the sm_80 decode units
     with the plan's bare text: they now say to build for sm_90 alone."""
