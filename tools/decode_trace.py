@@ -111,15 +111,6 @@ def compile_report(spec, options: family.Options) -> str:
                      for k in report.kernels) + f"; {p.smem_bytes} B dynamic smem"  # fmt: skip
 
 
-def _describe(options: family.Options) -> str:
-    """``decode.stages=6 decode.merge_unroll=16``: the fields of ``options`` that are not the
-    defaults (``default options`` for none)."""
-    from flashgen.options import Options
-
-    changed = Options(decode=options).changed()
-    return " ".join(f"{k}={v}" for k, v in changed.items()) or "default options"
-
-
 def _heads(text: str) -> tuple[int, int]:
     """``--heads HQ/HKV``: two ints >= 1, HQ a multiple of HKV."""
     hq, sep, hkv = text.partition("/")
@@ -185,7 +176,7 @@ def main(argv=None) -> int:
     runs = []
     for _, options in variants:  # every variant planned before anything is printed
         options = options or family.Options()
-        label = _describe(options)
+        label = bench_decode.describe_options(options)
         try:
             family.plan(spec, TARGET, options)
         except ValueError as e:

@@ -353,6 +353,59 @@ def test_decode_bench_option_variants():
             option_variants(bad)
 
 
+@pytest.fixture
+def no_cuda(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "x"], "argument --batch: batch: expected comma-separated positive ints, got 'x'"),
+    (["--cache", "4096,-1"], "cache: expected comma-separated positive ints, got '4096,-1'"),
+    (["--layouts", "dense,paged0"], "layouts: expected comma-separated dense or pagedN (N >= 1"),
+    (["--layouts", "dense,pagd16"], "layouts: expected comma-separated dense or pagedN"),
+    (["--heads-q", "32", "--heads-kv", "5"], "heads: expected heads_q a multiple of heads_kv"),
+    (["--rounds", "0"], "rounds: expected an int >= 1, got '0'"),
+    (["--option", "decode.stages=9"], "error: decode.stages: expected an int in 2..8, got 9"),
+    (["--option", "decode.stages=2,7"], "error: decode.stages=7: decode tiles block_n=64 x 7 "
+                                        "stages need 233920 B of shared memory on sm_90"),
+    (["--option", "decode.balance_waves=1", "--option", "decode.num_splits=4"],
+     "balance_waves=True with Options.decode.num_splits=4"),
+    (["--sweep", "--option", "decode.stages=4"], "--sweep times its own grid and shapes; it "
+                                                 "takes no --option"),
+    (["--sweep", "--batch", "1", "--cache", "4096"], "it takes no --batch, --cache"),
+    (["--sweep", "--layouts", "dense"], "it takes no --layouts"),
+    (["--sweep", "--fp8"], "it takes no --fp8"),
+    (["--quick", "--batch", "1"], "--quick sets the batch sizes, cache lengths and layouts; drop "
+                                  "--batch"),
+    (["--quick", "--cache", "4096", "--layouts", "dense"], "drop --cache, --layouts"),
+])  # fmt: skip
+def test_bench_decode_refuses_bad_arguments_before_the_cuda_check(no_cuda, capsys, argv, message):
+    """``flashgen bench --decode`` said "needs a CUDA device" (or ran) for ``--layouts
+    paged0``, ``--heads-kv 5``, ``--option decode.stages=7``; ``--sweep`` and ``--quick``
+    dropped the flags they do not read in silence; ``--batch x`` named ``<lambda>``.  Each is
+    an argparse error (exit 2) now, from the planner alone, before any CUDA check."""
+    from flashgen.bench.decode import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv, prog="flashgen bench --decode")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert "<lambda>" not in err and "needs a CUDA device" not in err
+
+
+def test_bench_decode_quick_through_flashgen_bench_refuses_a_cache(no_cuda, capsys):
+    """``flashgen bench --quick --decode --cache 4096`` (bench's --quick passed on) timed the
+    quick set, not 4096."""
+    from flashgen.cli.commands import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--quick", "--decode", "--cache", "4096"])
+    assert e.value.code == 2 and "drop --cache" in capsys.readouterr().err
+    assert main(["bench", "--decode", "--quick", "--option", "decode.stages=2,6"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err  # valid: on to the CUDA check
+
+
 def test_deep_ring_and_wide_merge_compile_spill_free(requires_nvcc):
     """The new knobs' units for sm_90a (and the merge's for sm_80) build without spills."""
     from concurrent.futures import ThreadPoolExecutor
