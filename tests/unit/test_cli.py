@@ -393,7 +393,7 @@ def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
     rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify", "--option", "family=fa4"])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "error: Options.family='fa4': expected one of" in err
+    assert "error: family: expected one of auto, fa3, fa2, got 'fa4'" in err
     assert not (tmp_path / "causal_d128").exists()
     assert main(["show", CAUSAL, "--option", "famly=fa2"]) == 1
     assert "unknown option 'famly'" in capsys.readouterr().err
