@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from flashgen.families import blocktable, decode, fa2_bwd, fa2_fwd, hopper_bwd, hopper_fwd
@@ -111,7 +113,8 @@ class Options:
     Every field has its declared type (:func:`flashgen.families.fields.check_fields`: a
     bool is ``True`` / ``False``, an int is no float and no bool); raises ``ValueError``
     naming the dotted field (``Options.decode.stages``) for a value of another type or
-    outside its choices or range.
+    outside its choices or range, and for fields that exclude each other
+    (``hopper_fwd.exp2_poly`` above 0 with ``exact_softmax``, whose exp2s stay on the SFU).
     """
 
     family: str = "auto"
@@ -147,6 +150,12 @@ class Options:
                 f"Options.sparse_persistent={self.sparse_persistent!r}: expected one of "
                 f"{PERSISTENT_CHOICES[1:]}"
             )
+        if self.exact_softmax and self.hopper_fwd.exp2_poly:  # fields that exclude each other
+            raise ValueError(
+                f"Options.hopper_fwd.exp2_poly={self.hopper_fwd.exp2_poly!r} with "
+                "Options.exact_softmax=True: expected exp2_poly 0 with the exact softmax (its "
+                "exp2s stay on the SFU; the polynomial would be dropped): set one of them"
+            )
         if self.persistent_ctas is not None and (
             not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1
         ):
@@ -163,55 +172,67 @@ class Options:
     @classmethod
     def describe(cls, path: str) -> str:
         """How the values of dotted name ``path`` are written (for ``--option`` help and
-        ``flashgen ab --list-options``), e.g. ``"one of auto, fa3, fa2"``, ``"bool"``,
-        ``"int, or none"``.  ``KeyError`` for an unknown name."""
-        if path not in cls.paths():
-            raise KeyError(f"unknown option {path!r}; known: {', '.join(cls.paths())}")
+        ``flashgen ab --list-options``), e.g. ``"one of auto, fa3, fa2"``, ``"bool (true,
+        false, 1, 0)"``, ``"int in 2..8, or none"`` (an int's range or values:
+        :data:`VALUE_RANGES`).  :class:`UnknownOptionError` (a ``KeyError``) for an unknown
+        name (a deleted one: that it was removed, and why)."""
+        _check_path(path)
         if path in _CHOICES:
             return "one of " + ", ".join(_CHOICES[path])
-        head, _, rest = path.partition(".")
-        hint = _field_type(FAMILY_OPTIONS[head], rest) if rest else _field_type(cls, head)
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        names = [a.__name__ for a in args if a is not type(None)]
-        text = " or ".join("bool (true, false, 1, 0)" if n == "bool" else n for n in names)
-        return text + (", or none" if type(None) in args else "")
+        args = _hint_args(path)
+        rng = VALUE_RANGES.get(path)
+        names = []
+        for a in args:
+            if a is bool:
+                names.append("bool (true, false, 1, 0)")
+            elif a in (int, float) and rng is not None:
+                names.append(_range_text(a, rng))
+            elif a is float:
+                names.append("number")
+            elif a is not type(None):
+                names.append(a.__name__)
+        return " or ".join(names) + (", or none" if type(None) in args else "")
 
     def get_path(self, path: str):
         """The value of dotted name ``path``; :class:`UnknownOptionError` (a ``KeyError``)
         naming it, the closest name and every known one otherwise (a deleted option,
         :data:`REMOVED_OPTIONS`: that it was removed, and why)."""
+        _check_path(path)
         head, _, rest = path.partition(".")
-        if path in REMOVED_OPTIONS:
-            raise UnknownOptionError(removed_option_message(path))
-        if path not in _paths():
-            raise UnknownOptionError(
-                f"unknown option {path!r}{did_you_mean(path, _paths())}; known: "
-                f"{', '.join(self.paths())}"
-            )
         return getattr(getattr(self, head), rest) if rest else getattr(self, head)
 
     def replace_path(self, path: str, value) -> Options:
-        """A copy with dotted name ``path`` set to ``value``; a ``str`` value is parsed for
-        the field's type (``true/false/1/0/yes/no/on/off`` for bools, ``none`` for an
-        optional one, digits for ints).  :class:`UnknownOptionError` (a ``KeyError``) for an
-        unknown name, ``ValueError`` for a value the field does not take."""
+        """A copy with dotted name ``path`` set to ``value``: a value of the field's type (a
+        bool is ``True`` / ``False``), or its string form as ``--option`` passes it (bools
+        ``true`` / ``false`` / ``1`` / ``0``, any case; ``none`` for an optional field; ints
+        as digits with an optional sign; what :meth:`describe` says).
+        :class:`UnknownOptionError` (a ``KeyError``) for an unknown name; ``ValueError`` for
+        a value the field does not take, led by the option and what it takes
+        (``decode.stages: expected an int in 2..8, got 9``)."""
         self.get_path(path)  # validates the name
         head, _, rest = path.partition(".")
+        parsed = _parse(path, value)
+        why = _out_of_range(path, parsed)
+        if why is not None:
+            raise ValueError(why)
         try:
             if rest:
-                sub = getattr(self, head)
-                hint = _field_type(type(sub), rest)
-                sub = dataclasses.replace(sub, **{rest: _parse(path, value, hint)})
+                sub = dataclasses.replace(getattr(self, head), **{rest: parsed})
                 return dataclasses.replace(self, **{head: sub})
-            hint = _field_type(Options, head)
-            return dataclasses.replace(self, **{head: _parse(path, value, hint)})
+            return dataclasses.replace(self, **{head: parsed})
         except ValueError as e:  # the record's own check: say which dotted option it was
             if f"option {path}=" in str(e) or f"Options.{path}=" in str(e):
                 raise
             raise ValueError(f"option {path}={value!r}: {e}") from None
 
-    def with_values(self, assignments: dict[str, object]) -> Options:
-        """:meth:`replace_path` for each ``{dotted name: value}``, in order."""
+    def with_values(self, assignments: Mapping[str, object]) -> Options:
+        """:meth:`replace_path` for each ``{dotted name: value}`` of the mapping
+        ``assignments``, in order; ``TypeError`` for anything but a mapping."""
+        if not isinstance(assignments, Mapping):
+            raise TypeError(
+                f"assignments: expected a mapping {{dotted name: value}}, e.g. "
+                f"{{'decode.stages': 4}}, got {type(assignments).__name__}"
+            )
         out = self
         for path, value in assignments.items():
             out = out.replace_path(path, value)
@@ -272,6 +293,24 @@ def check_options(options) -> Options:
     return options
 
 
+#: The int and float fields' values, by dotted name: ``("range", low, high)`` (high None: no
+#: bound), ``("choices", values)`` or ``("multiple", m)`` (positive multiples of m).
+#: :meth:`Options.describe` shows them, :meth:`Options.replace_path` refuses a value outside
+#: them by them; the records' own checks (the Python API's) agree (tests/unit/test_options.py).
+VALUE_RANGES = {
+    "persistent_ctas": ("range", 1, None),
+    "hopper_fwd.exp2_poly": ("range", 0, hopper_fwd.EXP2_POLY_SIXTEENTHS),
+    "hopper_bwd.d64_block_m": ("choices", hopper_bwd.D64_BLOCK_MS),
+    "hopper_bwd.d128_block_m": ("choices", hopper_bwd.D128_BLOCK_MS),
+    "decode.block_n": ("multiple", 16 * decode.NUM_WARPS),
+    "decode.stages": ("range", 2, decode.MAX_STAGES),
+    "decode.num_splits": ("range", 1, decode.MAX_SPLITS),
+    "decode.ctas_per_sm": ("range", 1, 4),
+    "decode.split_waves": ("range", 0.25, 4),
+    "decode.min_split_blocks": ("range", 1, 16),
+    "decode.merge_unroll": ("choices", decode.MERGE_UNROLLS),
+}
+
 #: The dotted names whose values are one of a few strings, with those strings.
 _CHOICES = {
     "family": FAMILIES,
@@ -297,31 +336,101 @@ def _field_type(cls, name: str):
     return typing.get_type_hints(cls, vars(__import__(cls.__module__, fromlist=["_"])))[name]
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+#: The string forms of a bool option (any case): ``--option``'s, and what
+#: :meth:`Options.describe` lists.  The Python API takes ``True`` / ``False`` only.
+_TRUE = ("true", "1")
+_FALSE = ("false", "0")
 
 
-def _parse(path: str, value, hint):
-    """``value`` for a field of type ``hint`` (``value`` as is unless a ``str``)."""
+def _check_path(path: str) -> None:
+    """:class:`UnknownOptionError` for a dotted name :class:`Options` does not have (a
+    deleted one: that it was removed, and why; else the closest name and every known one)."""
+    if path in REMOVED_OPTIONS:
+        raise UnknownOptionError(removed_option_message(path))
+    if path not in _paths():
+        raise UnknownOptionError(
+            f"unknown option {path!r}{did_you_mean(path, _paths())}; known: "
+            f"{', '.join(_paths())}"
+        )
+
+
+def _hint_args(path: str) -> tuple:
+    """The types a dotted field takes (``(int, NoneType)`` for ``int | None``)."""
+    head, _, rest = path.partition(".")
+    hint = _field_type(FAMILY_OPTIONS[head], rest) if rest else _field_type(Options, head)
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _range_text(kind, rng) -> str:
+    """``int in 2..8``, ``int >= 1``, ``one of 4, 8, 16``, ``int, a positive multiple of
+    64``."""
+    word = "int" if kind is int else "number"
+    if rng[0] == "range":
+        lo, hi = rng[1], rng[2]
+        return f"{word} >= {lo}" if hi is None else f"{word} in {lo}..{hi}"
+    if rng[0] == "choices":
+        return "one of " + ", ".join(map(str, rng[1]))
+    return f"{word}, a positive multiple of {rng[1]}"
+
+
+def _article(text: str) -> str:
+    if text.startswith("one of"):
+        return text
+    return ("an " if text[0] in "aeiou" else "a ") + text
+
+
+def _out_of_range(path: str, value) -> str | None:
+    """Why an int or float ``value`` (of the field's type) is outside dotted field ``path``'s
+    :data:`VALUE_RANGES`, e.g. ``decode.stages: expected an int in 2..8, got 9``; None if it
+    is inside, has no range or is not a number."""
+    rng = VALUE_RANGES.get(path)
+    if rng is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    kind = int if int in _hint_args(path) else float
+    if kind is int and not isinstance(value, int):
+        return None  # the type check names it
+    if rng[0] == "range":
+        ok = value >= rng[1] and (rng[2] is None or value <= rng[2])
+    elif rng[0] == "choices":
+        ok = value in rng[1]
+    else:
+        ok = value >= rng[1] and value % rng[1] == 0
+    return None if ok else f"{path}: expected {_article(_range_text(kind, rng))}, got {value}"
+
+
+def _parse(path: str, value):
+    """``value`` for dotted field ``path`` (``value`` as is unless a ``str``); ``ValueError``
+    ``"PATH: expected WHAT, got 'TEXT'"`` for a string the field's type does not read."""
     if not isinstance(value, str):
         return value
     v = value.strip()
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if type(None) in args and v.lower() in ("none", ""):
+    args = _hint_args(path)
+
+    def bad():
+        return ValueError(f"{path}: expected {_article(Options.describe(path))}, got {value!r}")
+
+    if type(None) in args and v.lower() == "none":
         return None
+    if path in _CHOICES:
+        if v not in _CHOICES[path]:
+            raise bad()
+        return v
     if bool in args:
         if v.lower() in _TRUE:
             return True
         if v.lower() in _FALSE:
             return False
-        raise ValueError(f"option {path}={value!r}: expected one of {', '.join(_TRUE + _FALSE)}")
-    if int in args:  # a sign too: the field's own check says its range (-3 is no typo)
+        raise bad()
+    if int in args:  # a sign too: the range check says why -3 is refused (it is no typo)
         if not re.fullmatch(r"[+-]?[0-9]+", v):
-            raise ValueError(f"option {path}={value!r}: expected an integer")
+            raise bad()
         return int(v)
     if float in args:
         try:
-            return float(v)
+            number = float(v)
         except ValueError:
-            raise ValueError(f"option {path}={value!r}: expected a number") from None
+            raise bad() from None
+        if not math.isfinite(number):
+            raise bad()
+        return number
     return v

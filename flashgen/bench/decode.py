@@ -41,14 +41,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from flashgen.bench import helptext
+from flashgen.bench.argtypes import positive_int, positive_ints
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- arguments
+def layouts(text: str) -> list[str]:
+    """An argparse ``type`` for ``--layouts``: comma-separated ``dense`` or ``pagedN`` (a
+    paged cache of N-key pages, N >= 1), each once."""
+    parts = [p.strip() for p in text.split(",")]
+    ok = all(p == "dense" or (re.fullmatch(r"paged[0-9]+", p) and int(p[5:]) >= 1)
+             for p in parts)  # fmt: skip
+    if not ok or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(
+            f"layouts: expected comma-separated dense or pagedN (N >= 1: keys per page), each "
+            f"once, got {text!r}"
+        )
+    return parts
+
+
+def page_size(layout: str) -> int | None:
+    """The page size of a :func:`layouts` entry (None: dense)."""
+    return None if layout == "dense" else int(layout.removeprefix("paged"))
+
+
+def check_heads(heads_q: int, heads_kv: int) -> str | None:
+    """Why ``heads_q`` query heads cannot share ``heads_kv`` kv heads (GQA), or None."""
+    if heads_q % heads_kv:
+        return (
+            f"heads: expected heads_q a multiple of heads_kv (GQA groups), got {heads_q} / "
+            f"{heads_kv}"
+        )
+    return None
 
 
 def _graph_time(fn, calls: int):
@@ -120,7 +152,7 @@ def option_variants(texts, combine: str = "product") -> list[tuple[str, object]]
     other = [n for n in values if not n.startswith("decode.")]
     if other:
         raise opt.OptionError(
-            f"--option {', '.join(other)}: the decode bench takes decode.* options only"
+            f"--option {', '.join(other)}: only decode.* options shape decode calls"
         )
     if not values:
         return [("", None)]
@@ -139,7 +171,7 @@ def run(args) -> list[dict]:
     swa = flashgen.load(REPO / "specs" / "mistral_swa.yaml")
     hq, hkv, d = args.heads_q, args.heads_kv, 128
     rows: list[dict] = []
-    layouts = [x for x in args.layouts.split(",") if x]
+    layouts = list(args.layouts)
     for batch in args.batch:
         for cache in args.cache:
             live = cache
@@ -273,7 +305,7 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
                 fn is not None
                 and batch == args.batch[0]
                 and cache == args.cache[0]
-                and (layouts[-1] == args.layouts.split(",")[-1])
+                and layouts[-1] == args.layouts[-1]
             ):
                 for _ in range(20):
                     fn()
@@ -520,52 +552,122 @@ def write_plot(doc: dict, json_path: Path) -> Path | None:
     return png
 
 
+#: Flags ``--sweep`` does not read (its grid and shapes are :data:`SWEEP_UNITS`,
+#: :data:`SWEEP_WAVES` and :data:`SWEEP_SHAPES`), and those ``--quick`` sets itself.
+SWEEP_IGNORES = ("option", "combine", "batch", "cache", "layouts", "fp8", "flex_cache", "quick")
+QUICK_SETS = ("batch", "cache", "layouts")
+#: What the default run and ``--quick`` time.
+DEFAULTS = {"batch": [1, 16, 64], "cache": [4096, 16384, 65536, 131072],
+            "layouts": ["dense", "paged16", "paged1"]}  # fmt: skip
+QUICK = {"batch": [1, 16], "cache": [65536], "layouts": ["dense", "paged16", "paged1", "paged256"]}
+
+
+def _flex_cache(text: str) -> list[int]:
+    """``--flex-cache``: comma-separated positive ints, or empty (no FlexAttention row)."""
+    return positive_ints("flex-cache")(text) if text.strip() else []
+
+
+def describe_options(opts) -> str:
+    """``decode.stages=6 decode.merge_unroll=16``: the fields of decode options ``opts`` that
+    are not the defaults (``default options`` for none or None)."""
+    from flashgen.families import decode as family
+    from flashgen.options import Options
+
+    changed = Options(decode=opts or family.Options()).changed()
+    return " ".join(f"{k}={v}" for k, v in changed.items()) or "default options"
+
+
+def check_variants(variants, target: str = "sm_90") -> str | None:
+    """Why a ``--option`` variant's decode unit (llama3_gqa's, the one they are timed on)
+    cannot be planned for ``target`` (the pure-Python planner, no GPU), or None."""
+    from flashgen.families import decode as family
+    from flashgen.frontend.spec import load_spec
+
+    spec = load_spec(REPO / "specs" / "llama3_gqa.yaml")
+    for _, opts in variants:
+        try:
+            family.plan(spec, target, opts)
+        except ValueError as e:
+            return f"{describe_options(opts)}: {e}"
+    return None
+
+
 def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog or "python -m flashgen.bench.decode", description=helptext.plain(__doc__),
         formatter_class=helptext.HelpFormatter,
     )  # fmt: skip
-    ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    ap.add_argument("--cache", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[4096, 16384, 65536, 131072])  # fmt: skip
-    ap.add_argument("--layouts", default="dense,paged16,paged1")
-    ap.add_argument("--heads-q", type=int, default=32)
-    ap.add_argument("--heads-kv", type=int, default=8)
-    ap.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (median)")
-    ap.add_argument("--flex-cache", type=lambda s: [int(x) for x in s.split(",") if x],
-                    default=[65536], help="cache lengths with a FlexAttention row")  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help="B1 and B16 at 64k only")
+    ap.add_argument("--batch", type=positive_ints("batch"),
+                    help="batch sizes (default 1,16,64)")  # fmt: skip
+    ap.add_argument("--cache", type=positive_ints("cache"),
+                    help="cache lengths in keys (default 4096,16384,65536,131072)")
+    ap.add_argument("--layouts", type=layouts,
+                    help="dense and/or pagedN, N keys per page (default dense,paged16,paged1)")
+    ap.add_argument("--heads-q", type=positive_int("heads-q"), default=32)
+    ap.add_argument("--heads-kv", type=positive_int("heads-kv"), default=8)
+    ap.add_argument("--calls", type=positive_int("calls"), default=20,
+                    help="calls per CUDA graph")  # fmt: skip
+    ap.add_argument("--rounds", type=positive_int("rounds"), default=5,
+                    help="alternating rounds (median)")  # fmt: skip
+    ap.add_argument("--flex-cache", type=_flex_cache,
+                    help="cache lengths with a FlexAttention row (default 65536; empty: none)")
+    ap.add_argument("--quick", action="store_true",
+                    help="B1 and B16 at 64k, dense and paged 16, 1 and 256 (no --batch, "
+                    "--cache or --layouts with it)")  # fmt: skip
     ap.add_argument("--fp8", action="store_true",
                     help="also time each flashgen layout on an e4m3 cache of the same shape "
                     "(half the bytes; rows flashgen_<layout>_fp8, speedup_vs_bf16)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/decode.json")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier run")
-    ap.add_argument("--option", action="append", default=[], metavar="NAME=A,B",
+    ap.add_argument("--option", action="append", metavar="NAME=A,B",
                     help="a decode.* field of flashgen.Options and the values to time "
                     "(repeatable; rows flashgen_<layout>@<variant>)")  # fmt: skip
-    ap.add_argument("--combine", default="product", choices=("product", "zip", "each"),
-                    help="how --option values combine into variants (as flashgen ab)")  # fmt: skip
+    ap.add_argument("--combine", choices=("product", "zip", "each"),
+                    help="how --option values combine into variants (as flashgen ab; default "
+                    "product)")  # fmt: skip
     ap.add_argument("--sweep", action="store_true",
                     help="time the decode options grid (SWEEP_UNITS x SWEEP_WAVES) at B1 "
-                    "64k/16k/4k paged16 and the window case; best per shape")  # fmt: skip
+                    "64k/16k/4k paged16 and the window case; best per shape (none of "
+                    "--option, --batch, --cache, --layouts, --fp8, --flex-cache, --quick)")
     args = ap.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v not in (None, False)}
+    if args.sweep and given & set(SWEEP_IGNORES):
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in SWEEP_IGNORES if k in given)
+        ap.error(f"--sweep times its own grid and shapes; it takes no {flags}")
+    if args.quick and given & set(QUICK_SETS):
+        flags = ", ".join(f"--{k}" for k in QUICK_SETS if k in given)
+        ap.error(f"--quick sets the batch sizes, cache lengths and layouts; drop {flags} (or "
+                 "--quick)")  # fmt: skip
+    for k, v in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.flex_cache is None:
+        args.flex_cache = [65536]
+    why = check_heads(args.heads_q, args.heads_kv)
+    if why:
+        ap.error(why)
     if args.plot:
         path = write_plot(json.loads(Path(args.plot).read_text()), Path(args.plot))
         print(f"wrote {path}" if path else "no plot: matplotlib is not importable")
         return 0 if path else 1
-    if args.quick:
-        args.batch, args.cache = [1, 16], [65536]
-        args.layouts = "dense,paged16,paged1,paged256"
     try:
-        args.variants = option_variants(args.option, args.combine)
+        args.variants = option_variants(args.option or [], args.combine or "product")
     except ValueError as e:
         ap.error(str(e))
+    why = check_variants(args.variants)  # the planner alone: before any CUDA check
+    if why:
+        ap.error(why)
     import torch
 
     if not torch.cuda.is_available():
         print("flashgen bench --decode needs a CUDA device", file=sys.stderr)
         return 1
+    from flashgen.codegen.abi import target_for_capability
+
+    target = target_for_capability(*torch.cuda.get_device_capability())
+    why = check_variants(args.variants, target)
+    if why:
+        ap.error(why)
     if args.sweep:
         rows = sweep(args)
         doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}

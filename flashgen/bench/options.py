@@ -33,13 +33,12 @@ def format_value(value) -> str:
 
 def parse_value(name: str, text: str):
     """``text`` as a value of option ``name`` (:meth:`Options.replace_path` parses and checks
-    it).  Raises :class:`OptionError` naming the option, the expected form and ``text``."""
+    it).  Raises :class:`OptionError` with its message, which leads with the option, what it
+    takes and what it got (``decode.stages: expected an int in 2..8, got 9``)."""
     try:
         return DEFAULT.replace_path(name, text).get_path(name)
     except (ValueError, TypeError) as e:
-        raise OptionError(
-            f"option {name}: expected {Options.describe(name)}, got {text!r} ({e})"
-        ) from None
+        raise OptionError(str(e)) from None
 
 
 def _check_name(name: str) -> None:
@@ -94,10 +93,12 @@ def parse_options(texts: Iterable[str]) -> dict[str, list]:
 def with_options(base: Options, assignments: Mapping[str, object]) -> Options:
     """``base`` with every ``dotted name -> value`` of ``assignments`` set
     (:meth:`Options.with_values`); a ``ValueError`` from the options' own checks becomes an
-    :class:`OptionError` naming the assignments."""
+    :class:`OptionError` naming the assignments (as it is where it leads with the option)."""
     try:
         return base.with_values(dict(assignments))
     except (ValueError, KeyError) as e:
+        if any(str(e).startswith(f"{n}: ") for n in assignments):  # it names the option
+            raise OptionError(str(e)) from e
         what = " ".join(f"{n}={format_value(v)}" for n, v in assignments.items())
         raise OptionError(f"options {what}: {e}") from e
 
@@ -140,8 +141,14 @@ def variant_label(assign: Mapping[str, object], values: Mapping[str, list]) -> s
 
 def list_options() -> str:
     """One line per option of :class:`flashgen.Options`: dotted name, how its values are
-    written (:meth:`Options.describe`), its default."""
-    rows = [(n, Options.describe(n), format_value(DEFAULT.get_path(n))) for n in Options.paths()]
+    written (:meth:`Options.describe`: an int's range or values too), its default (a bool's
+    as ``true`` / ``false``)."""
+
+    def default(name: str) -> str:
+        value = DEFAULT.get_path(name)
+        return ("true" if value else "false") if isinstance(value, bool) else format_value(value)
+
+    rows = [(n, Options.describe(n), default(n)) for n in Options.paths()]
     w0 = max([len(r[0]) for r in rows] + [6])
     w1 = max([len(r[1]) for r in rows] + [6])
     lines = [f"{'option':{w0}}  {'values':{w1}}  default"]

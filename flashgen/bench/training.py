@@ -18,7 +18,13 @@ rounds, :func:`flashgen.bench.timing.alternate`):
   pre kernel); decode also with the sink applied by torch ops after the kernel
   (``decode.fused_sink=False``; the default joins it inside the kernel).
 
-Writes ``results.json`` (rows, ratios, :func:`flashgen.bench.timing.environment`) to ``--out``.
+With ``--device cpu`` (a smoke run of the same calls) the candidates of options that shape GPU
+kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, ``decode.fused_sink``) are left
+out, and said so, rather than timed as copies of their row's other calls.  ``--device cuda``
+(the default) needs a CUDA GPU (exit 2 without one).
+
+Prints one line per row; with ``--out DIR`` also writes ``DIR/results.json`` (rows, ratios,
+:func:`flashgen.bench.timing.environment`), without it nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ import time
 from pathlib import Path
 
 from flashgen.bench import helptext
+from flashgen.bench.argtypes import positive_int
+
+#: Candidates whose option shapes GPU kernels only, by name: why a CPU run leaves them out.
+GPU_ONLY = {
+    "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
+    "sink by torch ops": "decode.fused_sink shapes the decode kernels only (the CPU op always "
+    "applies the sink by torch ops)",
+}
 
 
 def _timer(device: str, warmup_ms: int, rep_ms: int):
@@ -138,20 +152,36 @@ def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--warmup-ms", type=int, default=100)
-    ap.add_argument("--rep-ms", type=int, default=500)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cuda (default; needs a GPU) or cpu (a smoke run)")  # fmt: skip
+    ap.add_argument("--batch", type=positive_int("batch"), default=2)
+    ap.add_argument("--heads", type=positive_int("heads"), default=16)
+    ap.add_argument("--seqlen", type=positive_int("seqlen"), default=4096)
+    ap.add_argument("--rounds", type=positive_int("rounds"), default=5)
+    ap.add_argument("--warmup-ms", type=positive_int("warmup-ms"), default=100)
+    ap.add_argument("--rep-ms", type=positive_int("rep-ms"), default=500)
+    ap.add_argument("--out", type=Path, default=None, metavar="DIR",
+                    help="write DIR/results.json (default: none; the rows are printed)")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import sys
+
+        from flashgen.bench.verify import NO_GPU_EXIT, require_cuda
+
+        problem = require_cuda("bench --training")
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return NO_GPU_EXIT
     from flashgen.bench.timing import alternate, environment
 
     time_ms = _timer(args.device, args.warmup_ms, args.rep_ms)
     results = []
     for row, cands in _cases(args):
+        if args.device == "cpu":
+            omitted = {n: f"n/a on cpu: {GPU_ONLY[n]}" for n, _ in cands if n in GPU_ONLY}
+            cands = [c for c in cands if c[0] not in GPU_ONLY]
+        else:
+            omitted = {}
         samples, failed = alternate(lambda i, c=cands: time_ms(c[i][1]), len(cands), args.rounds)
         meds = [statistics.median(x) if x else None for x in samples]
         entry = {"row": row, "candidates": {}}
@@ -162,13 +192,16 @@ def main(argv=None, prog=None) -> int:
             entry["ratio"] = meds[1] / meds[0]
         if len(cands) > 2 and meds[0]:  # every candidate against the first
             entry["ratios"] = {n: m / meds[0] for (n, _), m in zip(cands, meds, strict=True) if m}
+        if omitted:
+            entry["omitted"] = omitted
         results.append(entry)
         shown = ", ".join(f"{n} {m:.3f} ms" if m else f"{n} failed" for (n, _), m in
                           zip(cands, meds, strict=True))  # fmt: skip
         ratio = f"  ratio {entry['ratio']:.3f}" if "ratio" in entry else ""
         if "ratios" in entry:
             ratio = "  ratios " + ", ".join(f"{n} {r:.3f}" for n, r in entry["ratios"].items())
-        print(f"{row:24s} {shown}{ratio}")
+        left = f"  ({', '.join(omitted)}: n/a on cpu)" if omitted else ""
+        print(f"{row:24s} {shown}{ratio}{left}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         env = environment() if args.device == "cuda" else {"device": "cpu"}

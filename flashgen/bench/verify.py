@@ -25,6 +25,7 @@ NO_GPU_EXIT = 2
 NO_GPU_HINTS = {
     "bench": "`flashgen bench --from-json` rebuilds reports from saved results without one",
     "tune": "`flashgen tune --compile-only` checks the candidates without one",
+    "bench --training": "`--device cpu` runs the same calls on the CPU (a smoke run)",
 }
 
 

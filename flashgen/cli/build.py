@@ -26,8 +26,8 @@ class BuildResult:
 
     spec: ir.Spec
     target: str
-    # "fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma" (registry.compile_units), "decode",
-    # "decode_ragged"
+    # a unit of registry.compile_units ("fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma",
+    # "bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"), "decode" or "decode_ragged"
     unit: str = "fwd"
     plan: object | None = None  # the KernelPlan / BackwardPlan compiled (families.build)
     report: object | None = None  # CompileReport
@@ -69,7 +69,8 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
     from flashgen.build.cache import CacheLockTimeout, UnsafeCacheError
     from flashgen.build.compile import CompileError
     from flashgen.families import registry
-    from flashgen.families.build import build_backward, build_forward
+    from flashgen.families.build import build_forward
+    from flashgen.families.decode import DecodeTilesError
     from flashgen.options import DEFAULT
 
     options = options or DEFAULT
@@ -92,18 +93,9 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
             )  # fmt: skip
             res.smem_dynamic = res.plan.smem_bytes
         else:
-            res.plan, path, res.report = build_backward(
-                spec, target, atomic_dq=unit == "bwd_atomic", hopper=unit == "bwd_wgmma",
-                options=options,
-            )  # fmt: skip
+            res.plan, path, res.report = _build_backward_unit(spec, target, unit, options)
             res.smem_dynamic = max(k.smem_bytes for k in res.plan.kernels)
-            if unit == "bwd_wgmma" and not res.plan.wgmma:
-                res.note = (
-                    "the Hopper (wgmma) backward spills (its consumers have 240 registers); the "
-                    "op falls back "
-                    f"to the FA2-class kernels ({res.plan.dkdv.template}), whose numbers this "
-                    "row shows"
-                )
+            res.note = _backward_note(spec, target, unit, options, res.plan)
         res.cubin = str(path)
         if res.report.spill_bytes:
             res.error = (
@@ -115,9 +107,99 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
             res.error = f"ptxas serialized the wgmma instructions of {k.name}: {k.wgmma_serialized}"
     except (CompileError, UnsafeCacheError, CacheLockTimeout) as e:
         res.error = str(e)
+    except DecodeTilesError as e:  # the decode options fit another target: say how to build it
+        fits = " or ".join(f"--target {t}" for t in e.fits)
+        res.error = str(e) + (f" (build for it alone: {fits})" if fits else "")
     except (ValueError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+#: The backward units of :func:`flashgen.families.registry.compile_units`: unit -> (the
+#: atomic-dQ path, the Hopper (wgmma) kernel, every trainable param's gradient accumulated).
+#: ``None``: the atomic path as the op takes it for that unit (its Hopper path falls back to
+#: the atomic FA2-class kernels only where ``Options.atomic_dq`` is True).
+BACKWARD_UNITS = {
+    "bwd": (False, False, False),
+    "bwd_atomic": (True, False, False),
+    "bwd_wgmma": (None, True, False),
+    "bwd_dparam": (False, False, True),
+    "bwd_atomic_dparam": (True, False, True),
+    "bwd_wgmma_dparam": (None, True, True),
+}
+
+
+def _build_backward_unit(spec: ir.Spec, target: str, unit: str, options):
+    """``(plan, cubin path, report)`` of backward ``unit`` as the op builds it
+    (:func:`flashgen.families.build.build_backward`, its fallbacks included)."""
+    from flashgen.families.build import build_backward
+    from flashgen.families.registry import grad_params
+
+    atomic, hopper, dparam = BACKWARD_UNITS[unit]
+    return build_backward(
+        spec, target, atomic_dq=options.atomic_dq is True if atomic is None else atomic,
+        hopper=hopper, options=options, param_grads=grad_params(spec) if dparam else (),
+    )  # fmt: skip
+
+
+def _backward_note(spec: ir.Spec, target: str, unit: str, options, plan) -> str | None:
+    """What the op runs in place of backward ``unit``'s first choice, where
+    :func:`_build_backward_unit` fell back (its row shows what the op runs), else None."""
+    from flashgen.build import cache
+    from flashgen.build.render import render
+    from flashgen.families import registry
+
+    atomic, hopper, dparam = BACKWARD_UNITS[unit]
+    grads = registry.grad_params(spec) if dparam else ()
+    if hopper and not plan.wgmma:
+        return (
+            "the Hopper (wgmma) backward spills (its consumers have 240 registers); the op "
+            f"falls back to the FA2-class kernels ({plan.dkdv.template}), whose numbers this "
+            "row shows"
+        )
+    if hopper and plan.dkdv.options_key != options.family_key("hopper_bwd"):
+        first = registry.plan_hopper_backward(spec, target, options, param_grads=grads)
+        _, report = cache.get_or_build(render(first.unit), first.unit)
+        spilled = [k for k in report.kernels if k.spill_bytes or k.wgmma_serialized]
+        what = ", ".join(
+            f"{k.name} spills {k.spill_bytes} B"
+            if k.spill_bytes
+            else f"ptxas serialized the wgmma instructions of {k.name}"
+            for k in spilled
+        ) or "it spills"
+        given = set(options.family_key("hopper_bwd").split(";"))
+        now = "; ".join(x for x in plan.dkdv.options_key.split(";") if x and x not in given)
+        return (
+            f"the Hopper backward under the options given does not build cleanly ({what}); the "
+            f"op falls back to {now}, whose numbers this row shows"
+        )
+    if atomic and dparam and not plan.atomic_dq:  # build_backward's last resort
+        return (
+            "every atomic-dQ form of this unit spills; the op runs the deterministic kernels "
+            "(with the same parameter-gradient code) in its place, whose numbers this row shows"
+        )
+    return None
+
+
+#: The table's order of the prefill units: by group, each group over the (spec, target) pairs.
+_UNIT_GROUPS = (
+    ("fwd", "bwd", "bwd_atomic"),
+    ("bwd_wgmma",),
+    ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"),
+    ("fwd_sparse",),
+)
+
+
+def _prefill_units(spec: ir.Spec, target: str, options) -> list[str]:
+    """The names of :func:`flashgen.families.registry.compile_units` for ``spec`` on
+    ``target`` (the forward alone where it cannot plan them: :func:`_compile_one` reports
+    why)."""
+    from flashgen.families.registry import compile_units
+
+    try:
+        return list(compile_units(spec, target, options))
+    except ValueError:
+        return [] if spec.v_from_k else ["fwd"]
 
 
 def cmd_build(args) -> int:
@@ -126,13 +208,6 @@ def cmd_build(args) -> int:
     from flashgen.build.compile import CompileError, find_compiler
     from flashgen.build.generate import write_generated
     from flashgen.families.decode import unsupported_reason
-    from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
-    from flashgen.families.registry import (
-        choose_tiles,
-        has_backward,
-        persistent_scheduler,
-        sparse_tiles,
-    )
 
     out, err = _consoles()
     try:
@@ -187,24 +262,14 @@ def cmd_build(args) -> int:
     results: list[BuildResult] = []
     jobs = max(1, args.jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        units = ("fwd", "bwd", "bwd_atomic")  # every unit of registry.compile_units
+        # every unit of registry.compile_units, grouped as the table lists them
+        units = [(s, t, _prefill_units(s, t, options)) for s, t in pairs]
         futures = [
             pool.submit(_compile_one, s, t, u, options)
-            for s, t in pairs
-            # fp8: forward only; v_from_k (MLA): decode only, no prefill units
-            for u in (units if has_backward(s) else () if s.v_from_k else units[:1])
-        ]
-        futures += [  # the Hopper backward unit, where the spec takes it
-            pool.submit(_compile_one, s, t, "bwd_wgmma", options)
-            for s, t in pairs
-            if hopper_bwd_eligible(s, t, family)
-        ]
-        futures += [  # the forward for calls whose mask keeps few keys per row, where it differs
-            pool.submit(_compile_one, s, t, "fwd_sparse", options)
-            for s, t in pairs
-            if not s.v_from_k
-            and not persistent_scheduler(s, options)
-            and sparse_tiles(s, choose_tiles(s, t, None, options), options) is not None
+            for group in _UNIT_GROUPS
+            for s, t, names in units
+            for u in names
+            if u in group
         ]
         futures += [  # the decode (serving) units, padded and ragged Sq_new, where supported
             pool.submit(_compile_one, s, t, unit, options)

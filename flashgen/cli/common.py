@@ -57,15 +57,24 @@ def _load_specs(paths: list[str], err, errors: list | None = None) -> list[ir.Sp
 def _options(args):
     """The :class:`flashgen.options.Options` of ``--option NAME=VALUE`` flags (dotted names,
     :meth:`~flashgen.options.Options.replace_path`).  ``ValueError`` for a flag without
-    ``=`` or a value the option does not take, ``KeyError`` for an unknown name."""
+    ``=``, a value the option does not take or an option given twice, ``KeyError`` for an
+    unknown name."""
     from flashgen.options import DEFAULT
 
     out = DEFAULT
+    given: dict[str, str] = {}
     for item in getattr(args, "option", None) or []:
         name, sep, value = item.partition("=")
+        name = name.strip()
         if not sep:
             raise ValueError(f"--option {item!r}: expected NAME=VALUE")
-        out = out.replace_path(name.strip(), value)
+        if name in given:  # the last one would win without a word
+            raise ValueError(
+                f"--option {name} is given twice ({name}={given[name]}, {name}={value}): "
+                "expected it once"
+            )
+        given[name] = value
+        out = out.replace_path(name, value)
     return out
 
 

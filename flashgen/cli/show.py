@@ -142,17 +142,22 @@ _UNIT_WORDS = {
 }  # fmt: skip
 
 
-def options_note(options, shown: str) -> str | None:
+def options_note(options, shown: str, plan=None) -> str | None:
     """The non-default options of ``options`` as ``show`` lists them under a plan
     (``hopper_fwd.affine=False; decode.fused_sink=False (not in the unit shown: ...)``), each
     that does not shape unit ``shown`` (a family name: ``fa2_fwd``, ``hopper_fwd``,
-    ``decode``) marked; None for the defaults."""
+    ``decode``) marked; None for the defaults.  ``hopper_fwd.exp2_poly`` in the Hopper forward
+    ``plan`` shown says its effective share (``hopper_fwd.exp2_poly=1: 0 of 10 tiles per row on
+    the FMA pipe``)."""
     items = []
     for path, value in options.changed().items():
         unit = _OPTION_UNITS.get(path.partition(".")[0])
         text = f"{path}={value}"
         if unit is not None and unit != shown and not (unit == "fwd" and shown != "decode"):
             text += f" (not in the unit shown: an option of {_UNIT_WORDS[unit]})"
+        elif path == "hopper_fwd.exp2_poly" and plan is not None:
+            count, ns = plan.context.exp2_poly_tiles, plan.tiles.block_n // 8
+            text += f": {count} of {ns} tiles per row on the FMA pipe"
         items.append(text)
     return "; ".join(items) or None
 
@@ -182,7 +187,7 @@ def cmd_show(args) -> int:
             return 1
         print(f"\n// ---- plan [{t}]: {json.dumps(plan.config())}")
         shown = "decode" if spec.v_from_k else select(spec, t, "fwd", options).family
-        note = options_note(options, shown)
+        note = options_note(options, shown, plan if shown == "hopper_fwd" else None)
         if note:
             print(f"// ---- options [{t}]: {terminal_safe(note)}")
         print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")

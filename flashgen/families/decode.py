@@ -145,7 +145,8 @@ class Options:
     hence the result, is the same for every value; the last CTA's merge is the tail of every
     split call, its loads one L2 round trip per step).
 
-    ``balance_waves`` (off by default; a host schedule knob): where the CTAs without splitting
+    ``balance_waves`` (off by default; a host schedule knob; not with a fixed ``num_splits``,
+    which it would not change: ``ValueError``): where the CTAs without splitting
     already fill 80% of a wave (no split otherwise), split each request in the fewest parts
     (up to :data:`BALANCE_MAX_SPLITS`) whose CTAs fill their last wave to at least
     :data:`BALANCE_FILL` (:func:`balanced_splits`): B64 8k at 3 CTAs per SM is 512 CTAs on
@@ -207,6 +208,12 @@ class Options:
             raise ValueError(
                 f"Options.decode.min_split_blocks={self.min_split_blocks!r}: min_split_blocks "
                 "must be an int in [1, 16]"
+            )
+        if self.balance_waves is True and self.num_splits is not None:
+            raise ValueError(
+                f"Options.decode.balance_waves=True with Options.decode.num_splits="
+                f"{self.num_splits!r}: expected num_splits None with balance_waves (it picks "
+                "the split count; a fixed one leaves it nothing to do): set one of them"
             )
         if self.merge_unroll not in MERGE_UNROLLS:
             raise ValueError(
@@ -434,6 +441,43 @@ def default_tiles(
     return DecodeTiles(BLOCK_M, block_n, NUM_WARPS * dv_split(spec), stages)
 
 
+def max_stages(spec: Spec, target: str, block_n: int, kv_bytes: int | None = None) -> int:
+    """The deepest ring (at most :data:`MAX_STAGES`) of ``block_n``-key blocks whose attention
+    kernel fits ``target``'s shared memory (:data:`SMEM_LIMIT_EXPLICIT`), 0 where not even the
+    fewest stages (2) do."""
+    fits = [s for s in range(2, MAX_STAGES + 1)
+            if smem_bytes(spec, block_n, s, kv_bytes) <= SMEM_LIMIT_EXPLICIT[target]]  # fmt: skip
+    return max(fits, default=0)
+
+
+class DecodeTilesError(ValueError):
+    """Decode tiles whose ring does not fit the target's shared memory (:func:`plan`).  The
+    message names the target, the bytes and the limit, the deepest ``decode.stages`` that fits
+    at this ``block_n`` (or the ``block_n`` values that fit, with their deepest rings) and the
+    targets that take these tiles (``fits``)."""
+
+    def __init__(self, spec: Spec, target: str, tiles: DecodeTiles, smem: int, kv_bytes: int):
+        self.target = target
+        self.fits = tuple(t for t in TARGETS if t != target and smem <= SMEM_LIMIT_EXPLICIT[t])
+        bn, stages = tiles.block_n, tiles.stages
+        deepest = max_stages(spec, target, bn, kv_bytes)
+        if deepest:
+            advice = f"at block_n {bn}, {target} fits decode.stages up to {deepest}"
+        else:
+            pairs = [(b, max_stages(spec, target, b, kv_bytes)) for b in range(bn, 0, -64)]
+            pairs = [f"block_n {b} (stages up to {d})" for b, d in pairs if d]
+            advice = (
+                f"at block_n {bn} not even 2 stages (the fewest) fit {target}; "
+                + (f"what fits: {', '.join(pairs)}" if pairs else "no decode tiles fit")
+            )
+        other = f"; {' and '.join(self.fits)} takes these tiles" if self.fits else ""
+        super().__init__(
+            f"decode tiles block_n={bn} x {stages} stages need {smem} B of shared memory on "
+            f"{target} at head_dim {spec.head_dim}/{spec.head_dim_v} (limit "
+            f"{SMEM_LIMIT_EXPLICIT[target]} B): {advice}{other}"
+        )
+
+
 def dv_split(spec: Spec) -> int:
     """Warps along the output's columns: 2 for Dv >= :data:`DV_SPLIT_FROM`, else 1."""
     return 2 if spec.head_dim_v >= DV_SPLIT_FROM else 1
@@ -639,11 +683,7 @@ def plan(
     tiles = default_tiles(spec, options, cache_dtype)
     smem = smem_bytes(spec, tiles.block_n, tiles.stages, kv.elem_bytes)
     if smem > SMEM_LIMIT_EXPLICIT[target]:
-        raise ValueError(
-            f"decode tiles block_n={tiles.block_n} x {tiles.stages} stages need {smem} B of "
-            f"shared memory at head_dim {spec.head_dim}/{spec.head_dim_v} (limit "
-            f"{SMEM_LIMIT_EXPLICIT[target]}): pick a smaller block_n or fewer stages"
-        )
+        raise DecodeTilesError(spec, target, tiles, smem, kv.elem_bytes)
     causal, residual = split_causal(spec.mask)
     inv = Invariants(raw_score="score_raw")
     ext = TENSOR_EXTENTS[ragged]

@@ -47,7 +47,9 @@ HOPPER_REGS = (56, 224)
 #: the decrement must free what the increments take).
 HOPPER_PERSISTENT_REGS = (72, 216)
 #: :attr:`Options.exp2_poly` is in sixteenths: of a thread's ``NS = BLOCK_N // 8`` 8-column tiles
-#: of P per row, ``NS * exp2_poly // 16`` (spread evenly) take the polynomial.  On Hopper (no
+#: of P per row, ``NS * exp2_poly // 16`` (spread evenly) take the polynomial
+#: (:func:`exp2_poly_tiles`; the plan renders the fewest sixteenths that give as many, so values
+#: that give the same count render one source, and a count of 0 the default one).  On Hopper (no
 #: packed FFMA2, as Blackwell has) ``fg::exp2_poly`` costs 8 issue slots per element against the
 #: SFU's 8 clocks per warp-wide ex2, so about 3/16 balances the two pipes.
 EXP2_POLY_SIXTEENTHS = 16
@@ -72,13 +74,15 @@ class Options:
     about each.  ``fp8_transpose`` (fp8 specs only; one of :data:`FP8_TRANSPOSES`, default
     ``"ldsm"``): the V transposer of the fp8 forward.  ``exp2_poly`` (an int in [0, 16], default 0:
     every exp2 on the SFU): that many sixteenths of the 8-column tiles of the softmax's P
-    (:data:`EXP2_POLY_SIXTEENTHS`; ``BLOCK_N // 8 * exp2_poly // 16`` tiles per row, four
+    (:data:`EXP2_POLY_SIXTEENTHS`; ``BLOCK_N // 8 * exp2_poly // 16`` tiles per row
+    (:func:`exp2_poly_tiles`: at BLOCK_N 80, 1 is none and 2 and 3 one tile), four
     exponentials of a thread each, spread evenly) are computed on the FMA pipe by a degree-3
     polynomial (FlashAttention-4's exp2 emulation, ``fg::exp2_poly`` in
     ``templates/common/exp2_poly.cuh``, relative error below 8.8e-5, exactly 0 at -inf)
     instead of the SFU's ``ex2.approx``; not with ``exact_softmax`` (its exp2s stay on the
-    SFU).  Raises ``ValueError`` for another
-    value.  ``fused_sink`` (off by default, until measured on the GPU): for a spec with a sink,
+    SFU: :class:`flashgen.options.Options` refuses the pair, and so does :func:`plan`).
+    Raises ``ValueError`` for another value.  ``fused_sink`` (off by default, until measured on
+    the GPU): for a spec with a sink,
     the epilogue joins it to each row's denominator, ``o = o_keys * sigmoid(lse - sink)`` in
     fp32 before the store (every form: persistent, sparse tiles, fp8), from a float32 logit
     per (batch, query head) taken per call; lse stays the keys' alone (as
@@ -140,7 +144,8 @@ class Context(ForwardContext):
     wgmma_ns: list
     fp8: bool
     fp8_transpose: str
-    exp2_poly: int  # sixteenths of P's tiles by fg::exp2_poly (0: none)
+    exp2_poly: int  # sixteenths of P's tiles by fg::exp2_poly (0: none), the fewest that give
+    exp2_poly_tiles: int  # this many of a row's BLOCK_N / 8 tiles (exp2_poly_tiles())
     fp8_block_descale: int  # rows per descale of the per-block form, 0: [B, Hkv] descales
     elem_bytes: int
     mma_k: int
@@ -180,6 +185,19 @@ class Context(ForwardContext):
                 seqlen_k, kv_row_bytes, heads_q // heads_kv, num_bh, l2_bytes=self.grid_l2_bytes
             )
         return grouped_grid(plan.num_m_blocks(seqlen_q), num_bh, group)
+
+
+def exp2_poly_tiles(block_n: int, sixteenths: int) -> tuple[int, int]:
+    """``(tiles, canonical)``: how many of a row's ``NS = block_n // 8`` 8-column tiles of P
+    ``sixteenths`` (:attr:`Options.exp2_poly`) puts on the FMA pipe, ``NS * sixteenths // 16``,
+    and the fewest sixteenths that put as many there (what :func:`plan` renders:
+    ``fg::softmax_exp2_split`` spreads any value's tiles over the row, so values of one count
+    build the same kernel; 0 for none, the default source)."""
+    ns = block_n // 8
+    count = ns * sixteenths // EXP2_POLY_SIXTEENTHS
+    canonical = min(k for k in range(EXP2_POLY_SIXTEENTHS + 1)
+                    if ns * k // EXP2_POLY_SIXTEENTHS == count)  # fmt: skip
+    return count, canonical
 
 
 def tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:
@@ -315,6 +333,11 @@ def plan(
         raise ValueError(f"the fp8 Hopper forward has no persistent form (got {persistent!r})")
     if block_descale and not fp8:
         raise ValueError(f"per-block descales are an input of fp8 specs only, not {spec.dtype}")
+    if exact_softmax and o.exp2_poly:
+        raise ValueError(
+            f"hopper_fwd.exp2_poly={o.exp2_poly}: expected 0 with exact_softmax (the exact "
+            "softmax keeps its exp2s on the SFU)"
+        )
     stages = stages or HOPPER_STAGES
     regs = HOPPER_PERSISTENT_REGS if persistent else HOPPER_REGS
     if target != "sm_90":
@@ -412,7 +435,8 @@ def plan(
         wgmma_ns=sorted({tiles.block_n, d}),
         fp8=fp8,
         fp8_transpose=o.fp8_transpose,
-        exp2_poly=0 if exact_softmax else o.exp2_poly,
+        exp2_poly=exp2_poly_tiles(tiles.block_n, o.exp2_poly)[1],
+        exp2_poly_tiles=exp2_poly_tiles(tiles.block_n, o.exp2_poly)[0],
         fp8_block_descale=FP8_DESCALE_BLOCK if block_descale else 0,
         elem_bytes=elt,
         mma_k=32 // elt,

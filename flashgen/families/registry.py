@@ -373,7 +373,8 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     (:func:`joins_sink`: the ``fused_sink`` option on) ``"bwd_sink"``, ``"bwd_atomic_sink"``
     (and ``"bwd_wgmma_sink"``): the sink form of the backward units (the default options
     leave it off, so their units are the same as ever); and where a sparse
-    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler).  A spec
+    call has its own tiles ``"fwd_sparse"`` (with the sparse call's scheduler; not where the
+    dense forward is persistent: the op's sparse calls run the dense kernel there).  A spec
     without backward (:func:`has_backward`: fp8) has only the forward units; a ``v_from_k``
     spec none (its units are the decode family's)."""
     if spec.v_from_k:
@@ -404,7 +405,7 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
         ).unit
         if hopper_bwd.eligible(spec, target, options.family):
             units["bwd_wgmma_sink"] = plan_hopper_backward(spec, target, options, sink=True).unit
-    alt = sparse_tiles(spec, fwd.tiles, options)
+    alt = None if persistent_scheduler(spec, options) else sparse_tiles(spec, fwd.tiles, options)
     if alt is not None:
         sp = options.sparse_persistent
         units["fwd_sparse"] = plan_forward(

@@ -35,7 +35,7 @@ def test_with_options_sets_several_through_options_and_reports_its_checks():
     assert base == Options() and got.hopper_bwd is base.hopper_bwd  # frozen, groups shared
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.atomic_dq = True  # type: ignore[misc]
-    with pytest.raises(OptionError, match="options persistent_ctas=0: Options.persistent_ctas"):
+    with pytest.raises(OptionError, match="^persistent_ctas: expected an int >= 1, got 0$"):
         with_options(Options(), {"persistent_ctas": 0})
 
 
@@ -63,11 +63,10 @@ def test_values_parse_by_the_fields_type(name, text, want):
 @pytest.mark.parametrize(
     "name, text, message",
     [
-        ("side_terms", "maybe", "option side_terms: expected bool (true, false, 1, 0), got "
-         "'maybe'"),
-        ("family", "fa4", "option family: expected one of auto, fa3, fa2, got 'fa4'"),
+        ("side_terms", "maybe", "side_terms: expected a bool (true, false, 1, 0), got 'maybe'"),
+        ("family", "fa4", "family: expected one of auto, fa3, fa2, got 'fa4'"),
         ("persistent", "on", "expected one of auto, off, static, m_major, dynamic, got 'on'"),
-        ("persistent_ctas", "1e3", "expected int, or none, got '1e3'"),
+        ("persistent_ctas", "1e3", "expected an int >= 1, or none, got '1e3'"),
         ("hopper_fwd.fp8_transpose", "tma", "expected one of lds32, ldsm, got 'tma'"),
     ],
 )  # fmt: skip
@@ -146,8 +145,20 @@ def test_list_options_shows_names_values_and_defaults():
     assert [line.split()[0] for line in lines[1:]] == Options.paths()
     row = next(line for line in lines if line.startswith("persistent "))
     assert "one of auto, off, static, m_major, dynamic" in row and row.endswith("auto")
-    assert next(line for line in lines if line.startswith("hopper_fwd.affine")).endswith(" 1")
+    assert next(line for line in lines if line.startswith("hopper_fwd.affine")).endswith(" true")
     assert next(line for line in lines if line.startswith("atomic_dq")).endswith(" none")
+
+
+def test_list_options_shows_int_ranges_and_bool_defaults_as_true_false():
+    """``--list-options`` said ``int`` for ``decode.stages`` (2..8) and showed a bool's
+    default as 1 / 0 beside values written true / false."""
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in
+            options.list_options().splitlines()[1:]}  # fmt: skip
+    assert rows["decode.stages"].split() == ["int", "in", "2..8,", "or", "none", "none"]
+    assert rows["hopper_bwd.d64_block_m"].split() == ["one", "of", "64,", "128", "128"]
+    assert rows["decode.merge_unroll"].split()[-1] == "4" and "one of 4, 8, 16" in rows[
+        "decode.merge_unroll"]  # fmt: skip
+    assert rows["exact_softmax"].endswith(" false") and rows["side_terms"].endswith(" true")
 
 
 # ----------------------------------------------------------------------------- the command
@@ -175,10 +186,12 @@ def test_without_a_gpu_it_exits_with_the_no_gpu_message(no_cuda, tmp_path, capsy
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["causal_d128", "--option", "side_terms=maybe"], "option side_terms: expected bool"),
+        (["causal_d128", "--option", "side_terms=maybe"], "side_terms: expected a bool"),
+        (["causal_d128", "--option", "decode.stages=9"],
+         "decode.stages: expected an int in 2..8, got 9"),
         (["causal_d128", "--option", "famly=fa2"], "unknown option 'famly'; did you mean family"),
         (["causal_d128", "--option", "hopper_fwd.fp8_transpose=ldsm,tma"],
-         "option hopper_fwd.fp8_transpose: expected one of lds32, ldsm, got 'tma'"),
+         "hopper_fwd.fp8_transpose: expected one of lds32, ldsm, got 'tma'"),
         (["no_such_spec"], "spec 'no_such_spec': no such file, nor a shipped spec"),
         (["causal_d128:window=3"], "spec 'causal_d128:window=3': causal_d128 has no scalar "
          "param window (its scalar params: none)"),

@@ -25,3 +25,54 @@ def test_cpu_smoke_run_writes_every_row(tmp_path):
         assert r["ratio"] > 0
     # the printed line joins the candidates with ", ": a name must not hold one
     assert not [n for r in rows.values() for n in r["candidates"] if ", " in n]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_cuda_without_a_gpu_is_one_clean_error(no_cuda, capsys):
+    """``flashgen bench --training`` (``--device cuda``, the default) without a GPU failed
+    inside torch with a traceback: one line saying so and what runs instead, exit 2."""
+    assert main(["bench", "--training"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: flashgen bench --training needs a CUDA GPU")
+    assert "--device cpu" in err[0]
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--heads", "--seqlen", "--rounds"])
+def test_sizes_and_rounds_below_one_are_argument_errors(flag, capsys):
+    """``--batch 0`` (or ``--heads 0``, ``--seqlen 0``, ``--rounds 0``) failed deep inside the
+    calls or timed nothing: an argparse error naming the flag (exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--training", "--device", "cpu", flag, "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"argument {flag}: {flag[2:]}: expected an int >= 1, got '0'" in err, err
+
+
+def test_a_cpu_run_marks_the_gpu_only_candidates_and_writes_nothing_without_out(
+    tmp_path, monkeypatch, capsys
+):
+    """On the CPU ``bias trained dparam_diagonal`` and ``sink by torch ops`` timed calls their
+    option does not change there (noise as ratios): they are left out and marked "n/a on
+    cpu".  Without ``--out`` nothing is written, as the help says."""
+    from flashgen.bench.training import GPU_ONLY
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--training", "--device", "cpu", "--seqlen", "16", "--batch", "1",
+            "--heads", "2", "--rounds", "1"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    assert "(bias trained dparam_diagonal: n/a on cpu)" in lines["t5_bias fwd+bwd"]
+    assert "(sink by torch ops: n/a on cpu)" in lines["gpt_oss_sink decode"]
+    assert "ratios" not in out and "wrote" not in out
+    assert not any(f"{name} " in line.split("(")[0] for name in GPU_ONLY for line in lines.values())
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit):
+        main(["bench", "--training", "--help"])
+    assert "write DIR/results.json (default: none" in " ".join(capsys.readouterr().out.split())

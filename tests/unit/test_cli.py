@@ -160,6 +160,31 @@ def test_show_lists_the_options_in_effect_and_which_the_shown_unit_does_not_use(
     assert {p.partition(".")[0] for p in Options.paths()} <= set(_OPTION_UNITS)
 
 
+def test_show_says_the_effective_exp2_poly_share_and_refuses_it_with_exact_softmax(capsys):
+    """``--option hopper_fwd.exp2_poly=1`` at BLOCK_N 80 (bidir_d256) put no tile on the FMA
+    pipe while show listed it as in effect, and with ``exact_softmax`` it was dropped in
+    silence: show now says the tiles per row it moves (the source the default one where that
+    is 0) and refuses the pair (exit 1, one line)."""
+
+    def show(*argv):
+        rc = main(["show", "bidir_d256", "--target", "sm_90", *argv])
+        return rc, capsys.readouterr()
+
+    _, default = show()
+    rc, one = show("--option", "hopper_fwd.exp2_poly=1")
+    assert rc == 0
+    assert "// ---- options [sm_90]: hopper_fwd.exp2_poly=1: 0 of 10 tiles per row on the " \
+           "FMA pipe" in one.out.splitlines()  # fmt: skip
+    src = [x for x in one.out.splitlines() if not x.startswith("// ---- options")]
+    assert src == default.out.splitlines()
+    rc, three = show("--option", "hopper_fwd.exp2_poly=3")
+    assert rc == 0 and "hopper_fwd.exp2_poly=3: 1 of 10 tiles per row on the FMA pipe" in three.out
+    rc, both = show("--option", "exact_softmax=true", "--option", "hopper_fwd.exp2_poly=3")
+    lines = both.err.strip().splitlines()
+    assert rc == 1 and both.out == "" and len(lines) == 1, both
+    assert lines[0].startswith("error: Options.hopper_fwd.exp2_poly=3 with Options.exact_softmax")
+
+
 def test_list_shows_every_spec(capsys):
     assert main(["list", str(REPO / "specs")]) == 0
     out = capsys.readouterr().out
@@ -281,7 +306,7 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     fallback = plan_backward(spec, "sm_90")
     report = CompileReport("sm_90", "sm_90a", (KernelResources("k", registers=239),), 0.0, "13.0")
 
-    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None):
+    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None, param_grads=()):
         return fallback, Path("unit.cubin"), report
 
     monkeypatch.setattr(family_build, "build_backward", fake)
@@ -295,11 +320,80 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     assert cli._compile_one(spec, "sm_90", "bwd_wgmma").note is None
 
 
+def test_build_compiles_every_unit_of_compile_units_the_param_gradient_ones_too(
+    monkeypatch, tmp_path, capsys
+):
+    """``flashgen build specs/t5_bias.yaml --option hopper_bwd.dparam_diagonal=true`` compiled
+    fwd, bwd, bwd_atomic, bwd_wgmma and never the units that accumulate the param's gradient
+    (``bwd_dparam``, ``bwd_atomic_dparam``, ``bwd_wgmma_dparam``): the option was a silent
+    no-op.  Every unit :func:`registry.compile_units` lists is compiled now; a spec without
+    trainable params (the README's causal_d128) builds the same units as before."""
+    import flashgen.build.compile as compile_mod
+    import flashgen.cli.build as clibuild
+    from flashgen.build.compile import CompileReport
+    from flashgen.families.registry import compile_units
+    from flashgen.options import DEFAULT
+
+    seen = []
+
+    def one(spec, target, unit, options=None):
+        seen.append((spec.name, target, unit))
+        res = clibuild.BuildResult(spec, target, unit)
+        res.report = CompileReport(target, target, (), 0.0, "13.0")
+        return res
+
+    monkeypatch.setattr(clibuild, "_compile_one", one)
+    monkeypatch.setattr(compile_mod, "find_compiler", lambda: type("C", (), {"key": "13.0"})())
+    t5 = str(REPO / "specs" / "t5_bias.yaml")
+    diag = ["--option", "hopper_bwd.dparam_diagonal=true"]
+    argv = ["build", t5, "--target", "sm_90", *diag, "--out", str(tmp_path), "--no-verify"]
+    assert main(argv) == 0
+    options = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
+    want = list(compile_units(load_spec(t5), "sm_90", options))
+    assert {"bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"} <= set(want)
+    assert [u for _, _, u in seen] == [
+        "fwd", "bwd", "bwd_atomic", "bwd_wgmma", "bwd_dparam", "bwd_atomic_dparam",
+        "bwd_wgmma_dparam", "decode", "decode_ragged",
+    ]  # fmt: skip
+    assert "bwd_wgmma_dparam" in capsys.readouterr().out
+    seen.clear()
+    assert main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify"]) == 0
+    assert seen == [
+        ("causal_d128", "sm_80", "fwd"), ("causal_d128", "sm_80", "bwd"),
+        ("causal_d128", "sm_80", "bwd_atomic"), ("causal_d128", "sm_90", "fwd"),
+        ("causal_d128", "sm_90", "bwd"), ("causal_d128", "sm_90", "bwd_atomic"),
+        ("causal_d128", "sm_90", "bwd_wgmma"), ("causal_d128", "sm_90", "fwd_sparse"),
+        ("causal_d128", "sm_80", "decode"), ("causal_d128", "sm_80", "decode_ragged"),
+        ("causal_d128", "sm_90", "decode"), ("causal_d128", "sm_90", "decode_ragged"),
+    ]  # fmt: skip
+
+
+def test_build_reports_the_param_gradient_units_and_what_the_op_falls_back_to(
+    tmp_path, requires_nvcc
+):
+    """The Hopper dparam unit of t5_bias with 128-query steps spills (320 B on nvcc 13.0);
+    the op falls back to ``hopper_bwd.d64_block_m=64``.  Build compiles it as the op does
+    (no failure) and its row's note names the spill and the fallback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flashgen", "build", "t5_bias", "--target", "sm_90", "--option",
+         "hopper_bwd.dparam_diagonal=true", "--no-verify", "--json", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    doc = json.loads(done.stdout)
+    rows = {k["unit"]: k for k in doc["kernels"]}
+    assert done.returncode == 0 and doc["ok"], done.stderr
+    for unit in ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"):
+        assert rows[unit]["ok"] and rows[unit]["spill_stores"] == 0, rows[unit]
+    note = rows["bwd_wgmma_dparam"]["note"]
+    assert re.search(r"wgmma_dkdv_dparam spills \d+ B", note), note
+    assert "falls back to hopper_bwd.d64_block_m=64" in note, note
+
+
 def test_bad_kernel_family_is_an_error_not_a_traceback(tmp_path, capsys):
     rc = main(["build", CAUSAL, "--out", str(tmp_path), "--no-verify", "--option", "family=fa4"])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "error: Options.family='fa4': expected one of" in err
+    assert "error: family: expected one of auto, fa3, fa2, got 'fa4'" in err
     assert not (tmp_path / "causal_d128").exists()
     assert main(["show", CAUSAL, "--option", "famly=fa2"]) == 1
     assert "unknown option 'famly'" in capsys.readouterr().err
@@ -324,6 +418,20 @@ def test_an_unknown_option_is_one_plain_line_naming_it_and_the_known_ones(tmp_pa
     doc = json.loads(done.stdout)
     assert done.returncode == 1 and doc["ok"] is False
     assert doc["error"].startswith("unknown option 'famly' (did you mean 'family'?); known: ")
+
+
+def test_an_option_given_twice_is_an_error_in_show_and_build(tmp_path, capsys):
+    """``flashgen show SPEC --option decode.stages=3 --option decode.stages=4`` kept the last
+    in silence: one line naming the option and both values, exit 1, nothing built."""
+    twice = ["--option", "decode.stages=3", "--option", "decode.stages=4"]
+    for argv in (["show", CAUSAL, *twice],
+                 ["build", CAUSAL, "--out", str(tmp_path), "--no-verify", *twice]):  # fmt: skip
+        assert main(argv) == 1
+        cap = capsys.readouterr()
+        lines = cap.err.strip().splitlines()
+        assert lines == ["error: --option decode.stages is given twice (decode.stages=3, "
+                         "decode.stages=4): expected it once"], cap.err  # fmt: skip
+    assert not (tmp_path / "causal_d128").exists()
 
 
 @pytest.mark.parametrize("path", ["hopper_bwd.d256_ps_buffers", "hopper_bwd.desc_offsets"])

@@ -9,6 +9,7 @@ tests/gpu/test_decode_gpu.py's ``test_sweep_options_are_correct``."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,88 @@ def test_deep_ring_plans_where_it_fits():
     # a d64 spec's rows are half as wide: the deepest ring, 8 stages of 64 keys, fits sm_80
     d64 = family.plan(_spec("gpt2_d64"), "sm_80", family.Options(block_n=64, stages=8))
     assert d64.smem_bytes == 16 * 64 * 2 + 8 * 64 * 128 * 2 + 8 * 64 == 133632
+
+
+def test_a_ring_that_does_not_fit_names_the_target_and_what_fits():
+    """``decode.stages=6`` on sm_80 said "need 201088 B ... (limit 166912): pick a smaller
+    block_n or fewer stages" with no target named and no number to pick.  The error names the
+    target, the deepest stages that fit at this block_n (or, where not even 2 do, the block_n
+    / stages pairs that fit) and the targets that take the tiles; each suggestion plans."""
+    spec = _spec()
+    for stages in (5, 6):
+        with pytest.raises(family.DecodeTilesError) as e:
+            family.plan(spec, "sm_80", family.Options(block_n=64, stages=stages))
+        msg = str(e.value)
+        assert " on sm_80 " in msg and "(limit 166912 B)" in msg, msg
+        assert "at block_n 64, sm_80 fits decode.stages up to 4" in msg, msg
+        assert msg.endswith("; sm_90 takes these tiles") and e.value.fits == ("sm_90",), msg
+    family.plan(spec, "sm_80", family.Options(block_n=64, stages=4))  # the advice holds
+    with pytest.raises(family.DecodeTilesError) as e:
+        family.plan(spec, "sm_90", family.Options(block_n=64, stages=7))
+    assert "at block_n 64, sm_90 fits decode.stages up to 6" in str(e.value)
+    assert e.value.fits == () and "takes these tiles" not in str(e.value)
+    for target in ("sm_80", "sm_90"):
+        with pytest.raises(family.DecodeTilesError) as e:
+            family.plan(spec, target, family.Options(block_n=256))
+        msg = str(e.value)
+        assert f"not even 2 stages (the fewest) fit {target}; what fits: block_n " in msg, msg
+        pairs = [tuple(map(int, m)) for m in
+                 re.findall(r"block_n (\d+) \(stages up to (\d+)\)", msg)]
+        assert pairs and all(bn >= 64 and st >= 2 for bn, st in pairs), msg
+        for bn, st in pairs:  # every pair named plans, and one stage more does not
+            family.plan(spec, target, family.Options(block_n=bn, stages=st))
+            if st < family.MAX_STAGES:
+                with pytest.raises(family.DecodeTilesError):
+                    family.plan(spec, target, family.Options(block_n=bn, stages=st + 1))
+
+
+def test_a_cpu_plan_that_does_not_fit_says_it_plans_for_sm_80():
+    """``op.plan_decode`` on the CPU plans the sm_80 unit: its refusal of stages 5 / 6 now
+    says so (an OpInputError naming ``options``)."""
+    import flashgen
+    from flashgen.frontend.errors import OpInputError
+
+    op = flashgen.load("llama3_gqa")
+    with pytest.raises(OpInputError) as e:
+        op.plan_decode(batch=1, num_heads=32, num_heads_kv=8, cache_capacity=4096,
+                       device="cpu", options=family.Options(stages=6))  # fmt: skip
+    msg = str(e.value)
+    assert msg.startswith("options: decode tiles block_n=64 x 6 stages need 201088 B"), msg
+    assert "on sm_80" in msg and "fits decode.stages up to 4" in msg and "on the CPU" in msg
+
+
+def test_plan_decode_takes_a_full_options_by_its_decode_part():
+    """``op.plan_decode(..., options=flashgen.Options(...))`` said "expected
+    flashgen.families.decode.Options, got Options": a full Options is taken by its
+    ``.decode``; one whose exact_softmax differs from the op's (its kernels) is refused,
+    saying to pass ``options.decode``; anything else names both forms."""
+    import flashgen
+    from flashgen.frontend.errors import OpInputError
+
+    op = flashgen.load("llama3_gqa")
+    kw = dict(batch=1, num_heads=32, num_heads_kv=8, cache_capacity=8192, device="cpu")
+    full = Options().with_values({"decode.num_splits": 5, "decode.merge_unroll": 16})
+    plan = op.plan_decode(options=full, **kw)
+    assert plan.num_splits == 5 and plan.options == full.decode
+    assert op.plan_decode(options=full.decode, **kw).num_splits == 5
+    with pytest.raises(OpInputError, match=r"^options: exact_softmax=True differs from the "
+                       r"op's \(False\).*pass options.decode$"):  # fmt: skip
+        op.plan_decode(options=Options(exact_softmax=True), **kw)
+    with pytest.raises(OpInputError, match=r"^options: expected flashgen.families.decode.Options "
+                       r"\(or a flashgen.Options, whose .decode is used\), got dict$"):  # fmt: skip
+        op.plan_decode(options={"decode.stages": 4}, **kw)
+
+
+def test_build_says_which_target_takes_a_deep_ring():
+    """``flashgen build llama3_gqa --option decode.stages=6`` failed the sm_80 decode units
+    with the plan's bare text: they now say to build for sm_90 alone."""
+    import flashgen.cli.build as cli
+
+    options = Options().replace_path("decode.stages", 6)
+    for unit in ("decode", "decode_ragged"):
+        res = cli._compile_one(_spec(), "sm_80", unit, options)
+        assert not res.ok and "on sm_80" in res.error, res.error
+        assert res.error.endswith("sm_90 takes these tiles (build for it alone: --target sm_90)")
 
 
 @pytest.mark.parametrize("stages", range(2, family.MAX_STAGES + 1))
@@ -185,6 +268,77 @@ def test_trace_tool_reports_the_planned_launch():
     assert (t["num_splits"], t["eff_splits"], t["blocks_per_cta"]) == (16, 16, 2)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "x"], "argument --batch: batch: expected an int >= 1, got 'x'"),
+    (["--batch", "0"], "batch: expected an int >= 1, got '0'"),
+    (["--cache", "4096,0"], "cache: expected comma-separated positive ints, got '4096,0'"),
+    (["--heads", "32/5"], "heads: expected heads_q a multiple of heads_kv (GQA groups), got 32 "
+                          "/ 5"),
+    (["--heads", "32"], "heads: expected HQ/HKV, two ints >= 1"),
+    (["--sms", "0"], "sms: expected an int >= 1, got '0'"),
+    (["--layouts", "paged0"], "layouts: expected comma-separated dense or pagedN (N >= 1"),
+    (["--layouts", "dense,pagd16"], "got 'dense,pagd16'"),
+    (["--spec", "llama3_fp8"], "--spec 'llama3_fp8': no decode kernels: decode supports fp16 "
+                               "and bf16"),
+    (["--spec", "no_such_spec"], "--spec 'no_such_spec': no such file, nor a shipped spec"),
+    (["--option", "stages=6"], "unknown option 'stages'; did you mean decode.stages?"),
+    (["--option", "hopper_fwd.affine=0"], "only decode.* options shape decode calls"),
+    (["--option", "decode.stages=7"], "decode.stages=7: decode tiles block_n=64 x 7 stages "
+                                      "need 233920 B of shared memory on sm_90"),
+])  # fmt: skip
+def test_decode_trace_refuses_bad_arguments_with_a_message_and_exit_2(capsys, argv, message):
+    """tools/decode_trace.py took ``--batch 0``, ``--heads 32/5`` and ``--layouts paged0``
+    (a ZeroDivisionError or a trace of nothing), read ``--option stages=6`` with its own
+    parser, and answered an fp8 spec or a misspelt name with a traceback: each is an argparse
+    error now (exit 2, one line naming the argument), before anything is printed."""
+    with pytest.raises(SystemExit) as e:
+        _trace_tool().main(argv)
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and cap.out == "", cap
+    assert message in cap.err and "Traceback" not in cap.err, cap.err
+
+
+def test_decode_trace_takes_spec_files_shipped_names_and_option_lists(capsys, tmp_path):
+    """``--spec`` is a file or a shipped spec's name (it was a name joined to specs/), and
+    ``--option`` the ``NAME=A,B`` of ``flashgen ab`` / ``bench --decode``: a table per
+    variant."""
+    tool = _trace_tool()
+    copy = tmp_path / "mine.yaml"
+    copy.write_text((ROOT / "specs" / "gpt2_d64.yaml").read_text())
+    assert tool.main(["--spec", str(copy), "--cache", "4096", "--layouts", "dense"]) == 0
+    assert capsys.readouterr().out.startswith("gpt2_d64 ")
+    assert tool.main(["--option", "decode.stages=2,6", "--cache", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "B1 decode.stages=2\n" in out and "B1 decode.stages=6\n" in out
+
+
+def test_decode_trace_page_size_shapes_the_trace():
+    """The page size was only the row's label: a paged plan sizes its splits for whole pages
+    (``plan_decode``'s capacity) and a key block reads one block-table entry per page it
+    spans."""
+    tool = _trace_tool()
+    kw = dict(batch=16, heads_q=32, heads_kv=8, num_sms=132, cache=1000)
+    dense = tool.trace(_spec(), family.Options(), page_size=None, **kw)
+    p256 = tool.trace(_spec(), family.Options(), page_size=256, **kw)
+    p1 = tool.trace(_spec(), family.Options(), page_size=1, **kw)
+    p40 = tool.trace(_spec(), family.Options(), page_size=40, **kw)
+    assert (dense["capacity"], p256["capacity"], p1["capacity"]) == (1000, 1024, 1000)
+    pages = (dense["pages_per_block"], p256["pages_per_block"], p1["pages_per_block"])
+    assert pages == (0, 1, 64)
+    assert p40["pages_per_block"] == 3  # a 64-key block starting 32 keys into a page of 40
+    assert max(len({(k0 + r) // 40 for r in range(64)}) for k0 in range(0, 64 * 40, 64)) == 3
+
+
+def test_decode_trace_counts_an_mla_cache_row_once():
+    """mla_decode (``v_from_k``: V is the first head_dim_v columns of K's rows) read K's row
+    bytes once, not K's and V's."""
+    tool = _trace_tool()
+    spec = _spec("mla_decode")
+    t = tool.trace(spec, family.Options(), batch=1, cache=4096, page_size=64, heads_q=128,
+                   heads_kv=1, num_sms=132)  # fmt: skip
+    assert t["kib_per_cta"] == t["blocks_per_cta"] * t["block_n"] * spec.head_dim * 2 / 1024
+
+
 def test_decode_bench_option_variants():
     from flashgen.bench.decode import option_variants
 
@@ -197,6 +351,59 @@ def test_decode_bench_option_variants():
     for bad in (["hopper_fwd.affine=0,1"], ["decode.stages=9"], ["decode.merge_unroll=3"]):
         with pytest.raises(ValueError):
             option_variants(bad)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "x"], "argument --batch: batch: expected comma-separated positive ints, got 'x'"),
+    (["--cache", "4096,-1"], "cache: expected comma-separated positive ints, got '4096,-1'"),
+    (["--layouts", "dense,paged0"], "layouts: expected comma-separated dense or pagedN (N >= 1"),
+    (["--layouts", "dense,pagd16"], "layouts: expected comma-separated dense or pagedN"),
+    (["--heads-q", "32", "--heads-kv", "5"], "heads: expected heads_q a multiple of heads_kv"),
+    (["--rounds", "0"], "rounds: expected an int >= 1, got '0'"),
+    (["--option", "decode.stages=9"], "error: decode.stages: expected an int in 2..8, got 9"),
+    (["--option", "decode.stages=2,7"], "error: decode.stages=7: decode tiles block_n=64 x 7 "
+                                        "stages need 233920 B of shared memory on sm_90"),
+    (["--option", "decode.balance_waves=1", "--option", "decode.num_splits=4"],
+     "balance_waves=True with Options.decode.num_splits=4"),
+    (["--sweep", "--option", "decode.stages=4"], "--sweep times its own grid and shapes; it "
+                                                 "takes no --option"),
+    (["--sweep", "--batch", "1", "--cache", "4096"], "it takes no --batch, --cache"),
+    (["--sweep", "--layouts", "dense"], "it takes no --layouts"),
+    (["--sweep", "--fp8"], "it takes no --fp8"),
+    (["--quick", "--batch", "1"], "--quick sets the batch sizes, cache lengths and layouts; drop "
+                                  "--batch"),
+    (["--quick", "--cache", "4096", "--layouts", "dense"], "drop --cache, --layouts"),
+])  # fmt: skip
+def test_bench_decode_refuses_bad_arguments_before_the_cuda_check(no_cuda, capsys, argv, message):
+    """``flashgen bench --decode`` said "needs a CUDA device" (or ran) for ``--layouts
+    paged0``, ``--heads-kv 5``, ``--option decode.stages=7``; ``--sweep`` and ``--quick``
+    dropped the flags they do not read in silence; ``--batch x`` named ``<lambda>``.  Each is
+    an argparse error (exit 2) now, from the planner alone, before any CUDA check."""
+    from flashgen.bench.decode import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv, prog="flashgen bench --decode")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert "<lambda>" not in err and "needs a CUDA device" not in err
+
+
+def test_bench_decode_quick_through_flashgen_bench_refuses_a_cache(no_cuda, capsys):
+    """``flashgen bench --quick --decode --cache 4096`` (bench's --quick passed on) timed the
+    quick set, not 4096."""
+    from flashgen.cli.commands import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--quick", "--decode", "--cache", "4096"])
+    assert e.value.code == 2 and "drop --cache" in capsys.readouterr().err
+    assert main(["bench", "--decode", "--quick", "--option", "decode.stages=2,6"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err  # valid: on to the CUDA check
 
 
 def test_deep_ring_and_wide_merge_compile_spill_free(requires_nvcc):

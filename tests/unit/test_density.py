@@ -246,5 +246,5 @@ def test_sparse_persistent_option():
             unit = compile_units(_spec(name), "sm_90", options)["fwd_sparse"]
             assert unit.context["scheduler"] == value and unit.tiles.block_n == 128, name
             assert unit.context["warp_walk"], name
-    with pytest.raises(ValueError, match="Options.sparse_persistent='sometimes'"):
+    with pytest.raises(ValueError, match="sparse_persistent: expected one of .*, got 'sometimes'"):
         DEFAULT.replace_path("sparse_persistent", "sometimes")

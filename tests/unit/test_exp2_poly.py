@@ -16,10 +16,11 @@ import pytest
 
 from flashgen.build import cache
 from flashgen.build.render import render
-from flashgen.families import registry
+from flashgen.families import hopper_fwd, registry
 from flashgen.families.hopper_fwd import EXP2_POLY_SIXTEENTHS, Options
 from flashgen.frontend.spec import load_spec
 from flashgen.options import DEFAULT, UnknownOptionError
+from flashgen.options import Options as FullOptions
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER = REPO / "templates" / "common" / "exp2_poly.cuh"
@@ -148,7 +149,8 @@ def test_exp2_poly_takes_sixteenths_only():
         with pytest.raises(ValueError, match="exp2_poly"):
             Options(exp2_poly=bad)
     assert DEFAULT.replace_path("hopper_fwd.exp2_poly", "3").hopper_fwd.exp2_poly == 3
-    with pytest.raises(ValueError, match=r"in \[0, 16\]"):
+    with pytest.raises(ValueError, match=r"^hopper_fwd.exp2_poly: expected an int in 0..16, "
+                       r"got -3$"):  # fmt: skip
         DEFAULT.replace_path("hopper_fwd.exp2_poly", "-3")
 
 
@@ -173,8 +175,7 @@ def _spec(name: str, dtype: str | None = None):
 
 def test_off_renders_the_default_source_and_on_includes_the_polynomial():
     """0 (the default) takes every P by ``fg::exp2_approx`` (no exp2_poly.cuh); on, the
-    header and the split at the same sites; with exact_softmax the option is dropped (its
-    exp2s stay on the SFU) and the unit is the exact_softmax one."""
+    header and the split at the same sites."""
     spec = _spec("causal_d128")
     default = render(registry.plan_forward(spec, "sm_90", DEFAULT))
     sites = default.count("const float p = fg::exp2_approx(fmaf(acc_s[")
@@ -186,11 +187,52 @@ def test_off_renders_the_default_source_and_on_includes_the_polynomial():
     assert "constexpr int EXP2_POLY = 5;" in on and "float exp2_poly(float x)" in on
     assert on.count("fg::softmax_exp2_split<EXP2_POLY>(") == sites
     assert on.count("const float p = fg::exp2_approx(fmaf(acc_s[") == 0
-    exact = DEFAULT.with_values({"exact_softmax": True})
-    exact_on = exact.with_values({"hopper_fwd.exp2_poly": 5})
-    assert render(registry.plan_forward(spec, "sm_90", exact_on)) == render(
-        registry.plan_forward(spec, "sm_90", exact)
-    )
+
+
+def test_exp2_poly_with_exact_softmax_is_refused_not_dropped():
+    """With ``exact_softmax`` the option was silently dropped (its exp2s stay on the SFU) while
+    ``flashgen show`` listed it as in effect: Options refuses the pair, either way round, and
+    so does the family's plan given both."""
+    for first, second in (("exact_softmax", "hopper_fwd.exp2_poly"),
+                          ("hopper_fwd.exp2_poly", "exact_softmax")):  # fmt: skip
+        values = {"exact_softmax": "true", "hopper_fwd.exp2_poly": "5"}
+        with pytest.raises(ValueError) as e:
+            DEFAULT.replace_path(first, values[first]).replace_path(second, values[second])
+        msg = str(e.value)
+        assert msg.startswith("Options.hopper_fwd.exp2_poly=5 with Options.exact_softmax=True: "
+                              "expected exp2_poly 0 with the exact softmax"), msg  # fmt: skip
+    with pytest.raises(ValueError, match="exact_softmax"):
+        FullOptions(exact_softmax=True, hopper_fwd=Options(exp2_poly=5))
+    assert FullOptions(exact_softmax=True, hopper_fwd=Options(exp2_poly=0)).exact_softmax
+    spec = _spec("causal_d128")
+    with pytest.raises(ValueError, match=r"hopper_fwd.exp2_poly=5: expected 0 with exact_softmax"):
+        hopper_fwd.plan(spec, "sm_90", Options(exp2_poly=5), exact_softmax=True)
+
+
+@pytest.mark.parametrize("name", ["bidir_d256", "causal_d128", "gpt2_d64"])
+def test_values_that_give_one_tile_count_render_one_source(name):
+    """At BLOCK_N 80 (bidir_d256: NS = 10 tiles per row) 1 put no tile on the FMA pipe (the
+    default SASS from another source) and 2 / 3, 5 / 6 built the same kernel from different
+    sources.  The plan renders from the effective count ``NS * k // 16``: one source per count,
+    the default one for 0, and that many tiles of the polynomial."""
+    spec = _spec(name)
+    default = render(registry.plan_forward(spec, "sm_90", DEFAULT))
+    by_count: dict[int, str] = {}
+    for k in range(17):
+        plan = registry.plan_forward(spec, "sm_90", DEFAULT.replace_path("hopper_fwd.exp2_poly", k))
+        ns = plan.tiles.block_n // 8
+        count = ns * k // 16
+        assert plan.context.exp2_poly_tiles == count
+        src = render(plan)
+        assert by_count.setdefault(count, src) == src, (k, count)
+        if count == 0:
+            assert src == default, k
+        else:  # the rendered sixteenths put exactly `count` of the row's tiles on the FMA pipe
+            s16 = plan.context.exp2_poly
+            assert f"constexpr int EXP2_POLY = {s16};" in src and s16 <= k
+            assert sum((j + 1) * s16 // 16 != j * s16 // 16 for j in range(ns)) == count
+    if name == "bidir_d256":
+        assert sorted(by_count) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 # ----------------------------------------------------------------------------- builds and SASS

@@ -103,7 +103,7 @@ def test_fp8_lds32_transposer_compiles_without_spills(name, tmp_path, requires_n
 
 def test_fp8_transpose_option_values():
     assert DEFAULT.hopper_fwd.fp8_transpose == "ldsm"
-    with pytest.raises(ValueError, match="fp8_transpose='lds64'"):
+    with pytest.raises(ValueError, match="fp8_transpose: expected one of lds32, ldsm, got 'lds64'"):
         DEFAULT.replace_path("hopper_fwd.fp8_transpose", "lds64")
 
 

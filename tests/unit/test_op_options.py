@@ -124,7 +124,8 @@ def test_a_float_option_from_its_string_form_is_a_float():
     assert o == Options().replace_path("decode.split_waves", 2.0)
     assert o.key() == Options().replace_path("decode.split_waves", 2.0).key()
     assert Options().replace_path("decode.split_waves", " 0.5 ").decode.split_waves == 0.5
-    with pytest.raises(ValueError, match=r"decode.split_waves='abc': expected a number"):
+    with pytest.raises(ValueError,
+                       match=r"decode.split_waves: expected a number in 0.25..4, got 'abc'"):
         Options().replace_path("decode.split_waves", "abc")
 
 

@@ -43,14 +43,17 @@ def test_option_values_have_their_declared_type(make, dotted):
 
 def test_option_errors_name_the_dotted_option():
     """``--option`` values go through :meth:`Options.replace_path`: every refusal names the
-    dotted option, including those of a family record's own range checks."""
+    dotted option, what it takes and what it got (a range leads: ``decode.stages: expected an
+    int in 2..8, got 9``), including those of a family record's own checks."""
     for path, value in [("decode.stages", "9"), ("decode.stages", 9), ("decode.block_n", "48"),
                         ("persistent_ctas", "0"), ("hopper_bwd.head_groups", 3),
                         ("fa2_fwd.affine", "maybe"), ("decode.split_waves", "nan")]:  # fmt: skip
-        with pytest.raises(ValueError, match=re.escape(path) + "="):
+        with pytest.raises(ValueError, match=re.escape(path) + "[=:]"):
             Options().replace_path(path, value)
+    with pytest.raises(ValueError, match=r"^decode\.stages: expected an int in 2\.\.8, got 9$"):
+        Options().replace_path("decode.stages", "9")
     assert Options().replace_path("decode.stages", "3").decode.stages == 3
-    assert Options().replace_path("fa2_fwd.affine", "no").fa2_fwd.affine is False
+    assert Options().replace_path("fa2_fwd.affine", "0").fa2_fwd.affine is False
     assert Options(persistent_ctas=132).persistent_ctas == 132
     assert decode.Options(split_waves=2).split_waves == 2  # an int is a number
 
@@ -97,10 +100,10 @@ def test_a_deleted_option_says_it_was_removed_and_suggests_no_other(path):
 @pytest.mark.parametrize(
     "path, value, expected",
     [
-        ("persistent_ctas", "-3", "expected an int >= 1 or None"),
-        ("decode.num_splits", "-1", "in [1, 128]"),
-        ("decode.min_split_blocks", "-2", "in [1, 16]"),
-        ("hopper_fwd.exp2_poly", "-3", "in [0, 16]"),
+        ("persistent_ctas", "-3", "an int >= 1"),
+        ("decode.num_splits", "-1", "an int in 1..128"),
+        ("decode.min_split_blocks", "-2", "an int in 1..16"),
+        ("hopper_fwd.exp2_poly", "-3", "an int in 0..16"),
     ],
 )
 def test_a_negative_integer_option_is_refused_with_its_range(path, value, expected):
@@ -109,6 +112,119 @@ def test_a_negative_integer_option_is_refused_with_its_range(path, value, expect
     with pytest.raises(ValueError) as e:
         Options().replace_path(path, value)
     text = str(e.value)
-    assert f"Options.{path}={value}:" in text and expected in text, text
+    assert text == f"{path}: expected {expected}, got {value}", text
     assert "expected an integer" not in text
     assert Options().replace_path("persistent_ctas", "+8").persistent_ctas == 8
+
+
+def test_describe_of_a_removed_option_says_why_as_replace_path_does():
+    """``Options.describe("hopper_fwd.exp2_fma_every")`` said "unknown option" with every
+    name; it gives the removal reason, as ``replace_path`` does."""
+    from flashgen.options import UnknownOptionError
+
+    path = "hopper_fwd.exp2_fma_every"
+    with pytest.raises(UnknownOptionError) as described:
+        Options.describe(path)
+    with pytest.raises(UnknownOptionError) as replaced:
+        Options().replace_path(path, "4")
+    assert str(described.value) == str(replaced.value)
+    assert str(described.value).startswith(f"option {path!r} was removed (hopper_fwd.exp2_poly")
+    with pytest.raises(UnknownOptionError, match=r"did you mean 'decode.stages'"):
+        Options.describe("decode.stage")
+
+
+def test_describe_shows_int_ranges_and_values():
+    """``describe`` (and ``flashgen ab --list-options``) said ``int`` for ``decode.stages``
+    and ``hopper_bwd.d64_block_m``: their ranges and values are shown."""
+    assert Options.describe("decode.stages") == "int in 2..8, or none"
+    assert Options.describe("hopper_bwd.d64_block_m") == "one of 64, 128"
+    assert Options.describe("decode.merge_unroll") == "one of 4, 8, 16"
+    assert Options.describe("decode.block_n") == "int, a positive multiple of 64, or none"
+    assert Options.describe("decode.split_waves") == "number in 0.25..4"
+    assert Options.describe("persistent_ctas") == "int >= 1, or none"
+    assert Options.describe("hopper_fwd.exp2_poly") == "int in 0..16"
+
+
+def _field(path, value):
+    """The record of dotted ``path`` built with ``value`` (the Python API's own check)."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return Options(**{head: value})
+    from flashgen.options import FAMILY_OPTIONS
+
+    return FAMILY_OPTIONS[head](**{rest: value})
+
+
+def test_the_value_ranges_agree_with_the_records_checks():
+    """:data:`VALUE_RANGES` (what describe shows and replace_path refuses by) and each record's
+    own ``__post_init__`` accept and refuse the same values at the edges; every int / float
+    field has a range."""
+    from flashgen.options import VALUE_RANGES, _hint_args
+
+    numeric = [p for p in Options.paths() if {int, float} & set(_hint_args(p))]
+    assert sorted(numeric) == sorted(VALUE_RANGES)
+    for path, rng in VALUE_RANGES.items():
+        kind = int if int in _hint_args(path) else float
+        if rng[0] == "range":
+            step = 1 if kind is int else 0.01
+            good = [rng[1]] + ([rng[2]] if rng[2] is not None else [rng[1] + 1000])
+            bad = [rng[1] - step] + ([rng[2] + step] if rng[2] is not None else [])
+        elif rng[0] == "choices":
+            good, bad = list(rng[1]), [min(rng[1]) - 1, max(rng[1]) + 1]
+        else:
+            good, bad = [rng[1], 3 * rng[1]], [0, rng[1] // 2, rng[1] + 1]
+        for v in good:
+            _field(path, v)
+            assert Options().replace_path(path, v).get_path(path) == v
+        for v in bad:
+            with pytest.raises(ValueError):
+                _field(path, v)
+            with pytest.raises(ValueError, match=rf"^{re.escape(path)}: expected .*, got {v}$"):
+                Options().replace_path(path, v)
+
+
+def test_bool_options_take_true_false_1_0_as_strings_and_bools_from_python():
+    """One rule, which ``describe`` states: the string forms (``--option``) are true / false /
+    1 / 0 in any case ("yes" / "on" were taken too, unlisted); from Python a bool."""
+    path = "fa2_fwd.affine"
+    assert Options.describe(path) == "bool (true, false, 1, 0)"
+    for text, want in (("true", True), ("FALSE", False), ("1", True), (" 0 ", False)):
+        assert Options().replace_path(path, text).get_path(path) is want
+    for text in ("yes", "no", "on", "off", ""):
+        with pytest.raises(ValueError, match=rf"^{path}: expected a bool \(true, false, 1, 0\)"):
+            Options().replace_path(path, text)
+    assert Options().replace_path(path, False).get_path(path) is False
+    for value in (1, 0, "maybe"):
+        with pytest.raises(ValueError):
+            Options().replace_path(path, value)
+
+
+def test_an_empty_value_is_not_none():
+    """``replace_path("decode.stages", "")`` set None (the default) in silence: only
+    ``none`` means None."""
+    with pytest.raises(ValueError, match=r"^decode.stages: expected an int in 2..8, or none, "
+                       r"got ''$"):  # fmt: skip
+        Options().replace_path("decode.stages", "")
+    assert Options().replace_path("decode.stages", "None").decode.stages is None
+
+
+def test_with_values_takes_a_mapping():
+    """``Options().with_values([("decode.stages", 4)])`` failed inside on ``.items()``: a
+    TypeError naming the argument and the mapping it takes."""
+    for bad in ([("decode.stages", 4)], "decode.stages=4", None):
+        with pytest.raises(TypeError, match=r"^assignments: expected a mapping \{dotted name: "
+                           rf"value\}}.*, got {type(bad).__name__}$"):  # fmt: skip
+            Options().with_values(bad)
+    assert Options().with_values({"decode.stages": 4}).decode.stages == 4
+
+
+def test_balance_waves_with_a_fixed_split_count_is_refused():
+    """``decode.balance_waves`` picks the split count: with a fixed ``decode.num_splits`` it
+    did nothing, in silence."""
+    with pytest.raises(ValueError, match=r"^Options.decode.balance_waves=True with Options.decode."
+                       r"num_splits=4: expected num_splits None"):  # fmt: skip
+        decode.Options(balance_waves=True, num_splits=4)
+    with pytest.raises(ValueError, match="balance_waves"):
+        Options().with_values({"decode.num_splits": 4, "decode.balance_waves": "1"})
+    assert decode.Options(balance_waves=True).num_splits is None
+    assert decode.Options(num_splits=4).balance_waves is False

@@ -108,7 +108,7 @@ def test_persistent_option():
     assert persistent_scheduler(spec, DEFAULT.replace_path("persistent", "off")) is False
     for name in PERSISTENT_SCHEDULERS:
         assert persistent_scheduler(spec, DEFAULT.replace_path("persistent", name)) == name
-    with pytest.raises(ValueError, match="Options.persistent='yes'"):
+    with pytest.raises(ValueError, match="^persistent: expected one of .*, got 'yes'$"):
         DEFAULT.replace_path("persistent", "yes")
 
 
@@ -481,3 +481,17 @@ def test_persistent_ctas():
     for bad in ("0", "-1", "x"):
         with pytest.raises(ValueError, match="persistent_ctas"):
             DEFAULT.replace_path("persistent_ctas", bad)
+
+
+def test_a_persistent_forward_has_no_sparse_compile_unit():
+    """The op's sparse calls run the dense kernel where it is persistent
+    (``attention_kernels.kernel``), and ``flashgen build`` compiled no ``fwd_sparse`` there;
+    :func:`registry.compile_units` (the units build compiles) listed one anyway."""
+    from flashgen.families.registry import compile_units
+    from flashgen.options import DEFAULT
+
+    causal = load_spec(REPO / "specs" / "causal_d128.yaml")
+    assert "fwd_sparse" in compile_units(causal, "sm_90")
+    for name in ("static", "m_major", "dynamic"):
+        units = compile_units(causal, "sm_90", DEFAULT.replace_path("persistent", name))
+        assert "fwd_sparse" not in units and units["fwd"].context["persistent"], name

@@ -46,7 +46,7 @@ class DecodePlanning:
         num_splits: int | None = None,
         device=None,
         pack_gqa: bool = True,
-        options: family.Options | None = None,
+        options=None,
         cache_dtype=None,
         **params,
     ) -> DecodeCallPlan:
@@ -61,7 +61,8 @@ class DecodePlanning:
         seqlen_q, D]``.
         ``num_splits`` None: the heuristic for this capacity on ``device``'s SM count.
         ``pack_gqa`` False: one query head per CTA (for measurements).  ``options``: the
-        unit's tiles and the split schedule (:class:`flashgen.families.decode.Options`;
+        unit's tiles and the split schedule (:class:`flashgen.families.decode.Options`, or a
+        :class:`flashgen.Options` whose ``decode`` is taken, its ``exact_softmax`` the op's;
         default: the op's ``Options.decode``; ``flashgen.bench.decode --sweep`` times a grid
         of them).  ``params``: values of the mask's scalar params the calls will pass (the
         spec's defaults otherwise): a mask that bounds the live keys (a sliding window) sizes
@@ -77,10 +78,7 @@ class DecodePlanning:
         op."""
         self.op._check_live()
         self._refuse()
-        if options is not None and not isinstance(options, family.Options):
-            raise OpInputError(
-                f"options: expected flashgen.families.decode.Options, got {type(options).__name__}"
-            )
+        options = self._decode_options(options)
         for name, flag in (("append", append), ("pack_gqa", pack_gqa)):
             if not isinstance(flag, bool):
                 raise OpInputError(f"{name}: expected a bool, got {flag!r}")
@@ -167,6 +165,28 @@ class DecodePlanning:
         splits = check_num_splits(num_splits)
         return self.plan_for(dims, device, splits or None, pack_gqa=pack_gqa, own_workspace=True,
                              options=options, params=params)  # fmt: skip
+
+    def _decode_options(self, options) -> family.Options | None:
+        """``plan_decode``'s ``options``: a :class:`flashgen.families.decode.Options`, None, or
+        a full :class:`flashgen.Options` (its ``decode``; the rest of it that shapes decode
+        units, ``exact_softmax``, must be the op's, whose kernels a plan runs).
+        :class:`OpInputError` otherwise."""
+        from flashgen.options import Options
+
+        if isinstance(options, Options):
+            if options.exact_softmax != self.op.options.exact_softmax:
+                raise OpInputError(
+                    f"options: exact_softmax={options.exact_softmax} differs from the op's "
+                    f"({self.op.options.exact_softmax}); a plan runs the op's kernels: load the "
+                    "op with it (flashgen.load(spec, options=...)) or pass options.decode"
+                )
+            return options.decode
+        if options is not None and not isinstance(options, family.Options):
+            raise OpInputError(
+                f"options: expected flashgen.families.decode.Options (or a flashgen.Options, "
+                f"whose .decode is used), got {type(options).__name__}"
+            )
+        return options
 
     def _check_plan(self, plan, dims: DecodeDims, device, splits: int,
                     k_cache_dtype: torch.dtype | None = None) -> None:  # fmt: skip
@@ -277,10 +297,16 @@ class DecodePlanning:
             self.kernels(device, options, dims.ragged, dims.cache_dtype)
             if device.type == "cuda" else {}
         )  # fmt: skip
-        unit = kern["attn"].plan if kern else registry.plan_decode(
-            self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
-            cache_dtype=dims.cache_dtype,
-        )  # fmt: skip
+        try:
+            unit = kern["attn"].plan if kern else registry.plan_decode(
+                self.spec, "sm_80", dataclasses.replace(self.op.options, decode=options),
+                cache_dtype=dims.cache_dtype,
+            )  # fmt: skip
+        except family.DecodeTilesError as e:  # the CPU plans as the smallest target
+            raise OpInputError(
+                f"options: {e} (a plan on the CPU is made for sm_80, the target whose limits "
+                "every decode unit must meet to run there)"
+            ) from None
         heads = dims.heads_kv if pack_gqa else dims.heads_q
         live_blocks = None
         g0 = family.geometry(
