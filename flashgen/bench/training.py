@@ -19,8 +19,9 @@ rounds, :func:`flashgen.bench.timing.alternate`):
   (``decode.fused_sink=False``; the default joins it inside the kernel).
 
 With ``--device cpu`` (a smoke run of the same calls) the candidates of options that shape GPU
-kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, ``decode.fused_sink``) are left
-out, and said so, rather than timed as copies of their row's other calls.  ``--device cuda``
+kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, ``decode.fused_sink``, the
+prefill ``fused_sink``) are left out, and said so, rather than timed as copies of their row's
+other calls.  ``--device cuda``
 (the default) needs a CUDA GPU (exit 2 without one).
 
 Prints one line per row; with ``--out DIR`` also writes ``DIR/results.json`` (rows, ratios,
@@ -43,6 +44,8 @@ GPU_ONLY = {
     "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
     "sink by torch ops": "decode.fused_sink shapes the decode kernels only (the CPU op always "
     "applies the sink by torch ops)",
+    "sink fused_sink": "fa2_fwd.fused_sink and hopper_fwd.fused_sink shape the prefill kernels "
+    "only (the CPU op computes the same sums either way)",
 }
 
 
