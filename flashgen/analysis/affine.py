@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.frontend.ir import Binary, Causal, Const, Expr, Spec, Ty, Unary, Var, walk
+from flashgen.frontend.ir import Binary, Causal, Const, Expr, Spec, Ty, Unary, Var, children, walk
 
 #: Index variables that are constant over one CTA (one batch, head and query block).
 CTA_VARS = frozenset({"b", "h", "h_kv", "seqlen_q", "seqlen_k"})
@@ -173,6 +173,26 @@ def linear(e: Expr, spec: Spec) -> Linear | None:
         lin = linear(e.lhs, spec)
         return None if lin is None else {k: _mul(e.rhs, v, "/") for k, v in lin.items()}
     return None
+
+
+def through_difference(e: Expr, spec: Spec) -> bool:
+    """Whether ``e`` reads ``q_idx`` and ``kv_idx`` only inside subtrees equal to
+    ``c * (q_idx - kv_idx) + (CTA-invariant)`` for a nonzero constant ``c``: then, for one
+    batch and head, ``e`` is a function of the diagonal ``kv_idx - q_idx`` alone (T5's
+    relative table ``bias[h, min(max(kv_idx - q_idx, -128), 128) + 128]``).  A ``causal``
+    node reads both positions outside any difference."""
+    if any(isinstance(n, Causal) for n in walk(e)):
+        return False
+    if not ({n.name for n in walk(e) if isinstance(n, Var)} & set(LINEAR_VARS)):
+        return True
+    lin = linear(e, spec)
+    if lin is not None:
+        a, b = lin["q_idx"], lin["kv_idx"]
+        return (isinstance(a, Const) and isinstance(b, Const) and a.value != 0
+                and a.value == -b.value)  # fmt: skip
+    if isinstance(e, Var):  # q_idx or kv_idx alone
+        return False
+    return all(through_difference(c, spec) for c in children(e))
 
 
 def _additive_terms(e: Expr, spec: Spec, sign: int = 1) -> list[tuple[int, Expr]] | None:

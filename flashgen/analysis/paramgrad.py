@@ -21,31 +21,15 @@ one global atomic per element per CTA:
 
 from __future__ import annotations
 
-from flashgen.analysis.affine import linear
+from flashgen.analysis.affine import through_difference
 from flashgen.analysis.derive import ParamGradTerm, param_grad_terms
-from flashgen.frontend.ir import Const, Expr, Spec, Var, children, walk
+from flashgen.frontend.ir import Expr, Spec, Var, walk
 
 FORMS = ("cta", "key", "query", "diagonal", "general")
-_POS = ("q_idx", "kv_idx")
 
 
 def _reads(e: Expr) -> set[str]:
     return {n.name for n in walk(e) if isinstance(n, Var)}
-
-
-def _through_difference(e: Expr, spec: Spec) -> bool:
-    """Whether ``e`` reads ``q_idx`` and ``kv_idx`` only inside subtrees equal to
-    ``c * (q_idx - kv_idx) + (CTA-invariant)`` for a nonzero constant ``c``."""
-    if not (_reads(e) & set(_POS)):
-        return True
-    lin = linear(e, spec)
-    if lin is not None:
-        a, b = lin["q_idx"], lin["kv_idx"]
-        return (isinstance(a, Const) and isinstance(b, Const) and a.value != 0
-                and a.value == -b.value)  # fmt: skip
-    if isinstance(e, Var):  # q_idx or kv_idx alone
-        return False
-    return all(_through_difference(c, spec) for c in children(e))
 
 
 def reduction_form(term: ParamGradTerm, spec: Spec) -> str:
@@ -59,7 +43,7 @@ def reduction_form(term: ParamGradTerm, spec: Spec) -> str:
         return "key"
     if q and not kv:
         return "query"
-    if all(_through_difference(i, spec) for i in term.indices):
+    if all(through_difference(i, spec) for i in term.indices):
         return "diagonal"
     return "general"
 

@@ -16,7 +16,15 @@ kernel local:
   columns' values with warp shuffles.
 
 The residual expression compares registers.  Terms that read both ``q_idx`` and
-``kv_idx`` (a bias table indexed by ``q_idx - kv_idx``), or ``score``, stay per element.
+``kv_idx``, or ``score``, stay per element there.
+
+:func:`split_diagonal` does the same for a score_mod's **diagonal terms**: the maximal
+sub-expressions that read ``q_idx`` and ``kv_idx`` only through their difference
+(:func:`flashgen.analysis.affine.through_difference`) and are not affine in them (T5's
+relative table ``bias[h, min(max(kv_idx - q_idx, -128), 128) + 128]``, a log-bucketed
+distance).  A warp's 16 query rows and BLOCK_N keys span BLOCK_N + 15 diagonals, so the
+kernel (``hopper_fwd.diag_terms``) evaluates each once per tile into shared memory, where
+the elements read it at an offset known at compile time, instead of once per element.
 Evaluating a term where the element loop would not (the ``&&`` short-circuit skipped it)
 is safe: every tensor index is clamped into its declared shape (:func:`flashgen.codegen.
 cuda_expr.cuda_expr`), and every DSL expression is defined everywhere.
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from flashgen.analysis.affine import linear, through_difference
 from flashgen.frontend import ir
 from flashgen.frontend.ir import Binary, Call, Causal, Cond, Expr, Index, Spec, Ty, Unary, Var
 
@@ -110,3 +119,46 @@ def split(e: Expr, spec: Spec, prefix: str = "fg_") -> Split:
 
     out = visit(e)
     return Split(out, tuple(rows.values()), tuple(cols.values()))
+
+
+#: Types a diagonal term may have (it is staged as one 32-bit word per diagonal).
+DIAG_TYPES = frozenset({Ty.F32, Ty.I32})
+
+
+@dataclass(frozen=True)
+class DiagSplit:
+    """``expr`` with its diagonal terms replaced by the locals of ``terms``."""
+
+    expr: Expr
+    terms: tuple[Term, ...]
+
+
+def split_diagonal(e: Expr, spec: Spec, prefix: str = "fg_") -> DiagSplit:
+    """Replace the maximal diagonal sub-expressions of ``e`` (a typed score_mod of ``spec``;
+    module docstring) by locals ``{prefix}diag{i}``; equal sub-expressions share one local.
+    A diagonal term reads both ``q_idx`` and ``kv_idx``, only through ``c * (q_idx -
+    kv_idx)``, neither ``score`` nor ``causal``, is not affine in them (the affine form,
+    :mod:`flashgen.analysis.affine`, is cheaper still) and has a type of
+    :data:`DIAG_TYPES`.  ``e`` comes back unchanged, with no terms, when it has none."""
+    terms: dict[Expr, Term] = {}
+
+    def diagonal(x: Expr) -> bool:
+        free = _free_vars(x, spec)
+        return (
+            free is not None
+            and {"q_idx", "kv_idx"} <= free
+            and free <= ROW_VARS | COL_VARS
+            and x.ty in DIAG_TYPES
+            and linear(x, spec) is None
+            and through_difference(x, spec)
+        )
+
+    def visit(x: Expr) -> Expr:
+        if diagonal(x):
+            if x not in terms:
+                terms[x] = Term(f"{prefix}diag{len(terms)}", x, x.ty)
+            return Var(terms[x].name, span=x.span, ty=x.ty)
+        return _with_children(x, tuple(visit(c) for c in ir.children(x)))
+
+    out = visit(e)
+    return DiagSplit(out, tuple(terms.values()))

@@ -82,6 +82,8 @@ class ForwardContext(TemplateContext):
     tile_mask_expr: dict
     col_bound: dict | None
     score_mod_expr: str | None
+    diag_terms: list
+    score_mod_expr_diag: str | None
     affine: dict | None
     row_terms: list
     col_terms: list
@@ -247,6 +249,7 @@ def forward_context(
     col_bound: bool = False,
     exact_softmax: bool = False,
     sink: bool = False,
+    diag_terms: bool = False,
 ) -> dict:
     """The fields of :class:`ForwardContext` as a dict (the family adds its own, then builds
     its ``Context``): sizes, tiles, the causal flag, the residual mask and score_mod as
@@ -274,7 +277,10 @@ def forward_context(
     the loop).  ``sink`` (a family's ``fused_sink`` option): for a spec with a sink, the
     kernel takes the sink logits (:func:`flashgen.codegen.abi.sink_args`) and its epilogue
     scales each row's output by ``sigmoid(lse - sink)`` (the context's ``sink``: False for a
-    spec without one, whose unit renders unchanged)."""
+    spec without one, whose unit renders unchanged).  ``diag_terms`` (the Hopper forward's
+    option): the score_mod's diagonal terms (:func:`flashgen.analysis.rowcol.split_diagonal`)
+    as ``diag_terms`` entries and ``score_mod_expr_diag``, the score_mod reading them as locals,
+    which FULL tiles evaluate per element; otherwise ``[]`` and None."""
     d, dv = spec.head_dim, spec.head_dim_v
     sink = sink and spec.sink is not None
     causal, residual = split_causal(spec.mask)
@@ -310,6 +316,9 @@ def forward_context(
             "hi": colbound.bound_code(bound.hi, row_code, "min"),
         }
     score_mod_expr = cuda_expr(score_mod, spec, inv) if score_mod is not None else None
+    diag = rowcol.split_diagonal(score_mod, spec) if diag_terms and score_mod is not None else None
+    if diag is not None and not diag.terms:
+        diag = None
     affine_ctx = affine_context(spec, inv) if affine and score_mod is not None else None
     return {
         "spec_name": spec.name,
@@ -330,6 +339,9 @@ def forward_context(
         "tile_mask_expr": tile_mask_expr,
         "col_bound": col_bound_ctx,
         "score_mod_expr": score_mod_expr,
+        # score_mod's diagonal terms (functions of kv_idx - q_idx), staged per FULL tile
+        "diag_terms": side_terms_entries(diag.terms, spec, inv) if diag else [],
+        "score_mod_expr_diag": cuda_expr(diag.expr, spec, inv) if diag else None,
         # score_mod = score + L, L affine in q_idx, kv_idx (FULL tiles: one FFMA per element)
         "affine": affine_ctx,
         "row_terms": side_terms_entries(parts.rows, spec, inv),

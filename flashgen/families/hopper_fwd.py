@@ -86,7 +86,14 @@ class Options:
     the epilogue joins it to each row's denominator, ``o = o_keys * sigmoid(lse - sink)`` in
     fp32 before the store (every form: persistent, sparse tiles, fp8), from a float32 logit
     per (batch, query head) taken per call; lse stays the keys' alone (as
-    :class:`flashgen.families.fa2_fwd.Options`' ``fused_sink``, which says more)."""
+    :class:`flashgen.families.fa2_fwd.Options`' ``fused_sink``, which says more).
+    ``diag_terms`` (off by default, until measured on the GPU): the score_mod's terms that are
+    functions of ``kv_idx - q_idx`` (T5's relative table; :func:`flashgen.analysis.rowcol.
+    split_diagonal`) are evaluated once per diagonal of each consumer warp's part of a FULL
+    tile, into shared memory (``sDiag``: BLOCK_N + 16 words per warp and term), while the tile's
+    GEMMs run; its elements read them at compile-time offsets instead of evaluating them (a
+    tensor read each) per element.  Masked tiles keep the per-element form; the outputs are
+    bitwise those of the option off.  A spec without such terms renders unchanged."""
 
     affine: bool = True
     causal_tiles: bool = True
@@ -100,6 +107,7 @@ class Options:
     fp8_transpose: str = "ldsm"
     exp2_poly: int = 0
     fused_sink: bool = False
+    diag_terms: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_fwd")
@@ -387,7 +395,14 @@ def plan(
         col_bound=bool(col_limit and o.col_bound),
         exact_softmax=exact_softmax,
         sink=o.fused_sink,
+        diag_terms=o.diag_terms,
     )
+    # sDiag: per consumer warp BLOCK_N + 16 words per diagonal term
+    smem += 16 * consumers * len(ctx["diag_terms"]) * (tiles.block_n + 16)
+    if smem > HOPPER_SMEM_LIMIT:
+        raise ValueError(
+            f"{tiles} with {stages} stages and diagonal terms needs {smem} B of shared memory"
+        )
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = o.nonneg_div
     ctx["single_walk"] = bool(single_walk and not persistent and not ctx["block_table"])

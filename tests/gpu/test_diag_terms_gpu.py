@@ -1,0 +1,60 @@
+"""``hopper_fwd.diag_terms`` on the GPU (needs a compute capability 9.x GPU: ``pytest -m gpu
+tests/gpu/test_diag_terms_gpu.py``): the Hopper forward with the score_mod's diagonal terms
+staged per warp and FULL tile (``flashgen.analysis.rowcol.split_diagonal``) for t5_bias (a
+relative table) and alibi_learned (``slopes[h] * abs(q_idx - kv_idx)``): against the float64
+reference under tests/gpu/test_forward.py's bound (lengths 1, 17, 127, 1000, 4097, Sq != Sk,
+GQA, a (B, S, H, D) view), and bit for bit equal to the same call with the option off (o and
+lse: each element's logit is the same float either way)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gpu_options  # noqa: E402
+from test_forward import check, shipped  # noqa: E402
+
+from flashgen.bench.verify import random_inputs  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17),
+           (127, 4097)]  # fmt: skip
+ON = {"hopper_fwd.diag_terms": True}
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("hopper_fwd.diag_terms is the Hopper (sm_90) forward's option")
+
+
+@pytest.mark.parametrize("sq, sk", LENGTHS)
+@pytest.mark.parametrize("name", ["t5_bias", "alibi_learned"])
+def test_against_the_float64_reference(name, sq, sk, monkeypatch, error_bound):
+    gpu_options.use(monkeypatch, ON)
+    check(shipped(name), 2, 4, 2, sq, sk, error_bound, seed=sq + 7 * sk)
+
+
+@pytest.mark.parametrize("name", ["t5_bias", "alibi_learned"])
+def test_a_bshd_view(name, monkeypatch, error_bound):
+    gpu_options.use(monkeypatch, ON)
+    check(shipped(name), 1, 4, 4, 1000, 1301, error_bound, bshd=True, seed=3)
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (4097, 4097), (127, 4097), (4097, 17)])
+@pytest.mark.parametrize("name", ["t5_bias", "alibi_learned"])
+def test_bitwise_equal_to_the_option_off(name, sq, sk):
+    spec = shipped(name)
+    on = gpu_options.build(spec, gpu_options.options(ON))
+    off = gpu_options.build(spec, gpu_options.options())
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(sq * 3 + sk)
+    q, k, v, params = random_inputs(spec, 2, 8, 2, sq, sk, dev, gen)
+    o1, lse1 = on.attention(q, k, v, **params)
+    o0, lse0 = off.attention(q, k, v, **params)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o0) and torch.equal(lse1, lse0)

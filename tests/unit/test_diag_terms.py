@@ -1,0 +1,261 @@
+"""Diagonal terms of a score_mod (``flashgen.analysis.rowcol.split_diagonal``, the Hopper
+forward's ``hopper_fwd.diag_terms``): which sub-expressions are functions of ``kv_idx - q_idx``
+alone, the staging of each warp's diagonals and the elements' reads of them run on the host
+with the index formulas taken from the rendered kernel (every element of every warp of FULL
+tiles equals the per-element score_mod code bit for bit), the rendering and an nvcc build."""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+
+import pytest
+from host_cxx import preamble, scalar_params  # noqa: E402
+from shipped_specs import SPEC_DIR  # noqa: E402
+
+from flashgen.analysis import rowcol  # noqa: E402
+from flashgen.build.render import render  # noqa: E402
+from flashgen.families import hopper_fwd  # noqa: E402
+from flashgen.frontend.ir import Ty, Var  # noqa: E402
+from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
+
+PARAMS = (
+    "params:\n"
+    "  slopes: {type: f32, shape: [num_heads]}\n"
+    "  bias: {type: f32, shape: [num_heads, 257]}\n"
+    "  buckets: {type: i32, shape: [512]}\n"
+    "  tab: {type: f32, shape: [batch, num_heads]}\n"
+    "  p: {type: f32, default: 0.25}\n"
+)
+
+# score_mods with diagonal terms: (score_mod, the diagonal sub-expressions' count)
+# fmt: off
+DIAGONAL = [
+    ("score + bias[h, min(max(kv_idx - q_idx, -128), 128) + 128]", 1),          # T5, clamped
+    ("score - slopes[h] * abs(q_idx - kv_idx)", 1),                             # ALiBi, both sides
+    ("score + bias[h, buckets[min(max(q_idx - kv_idx + 255, 0), 511)]]", 1),    # a bucket table
+    ("score + p * log(1.0 + abs(kv_idx - q_idx))", 1),                          # computed buckets
+    ("score * (1.0 + bias[h, abs(2 * kv_idx - 2 * q_idx) % 257]) + tab[b, h]", 1),
+    ("score + bias[h, abs(kv_idx - q_idx) % 257] - bias[0, abs(q_idx - kv_idx) % 257]", 2),
+    ("score + buckets[abs(q_idx + seqlen_k - seqlen_q - kv_idx) % 512]", 1),    # an i32 term
+]
+# score_mods without: no position, one position, affine, not through the difference
+NOT_DIAGONAL = [
+    "score",
+    "score + tab[b, h]",
+    "score + bias[h, q_idx % 257]",
+    "score + bias[h, kv_idx % 257] * bias[h, q_idx % 257]",
+    "score - slopes[h] * (q_idx - kv_idx)",
+    "score + bias[h, (q_idx + kv_idx) % 257]",
+    "score + bias[h, (q_idx - 2 * kv_idx) % 257]",
+    "score + (q_idx * kv_idx) % 7",
+]
+# fmt: on
+
+
+def shipped(name: str):
+    return load_spec(SPEC_DIR / f"{name}.yaml")
+
+
+def spec_for(mod: str, name: str = "t"):
+    return loads_spec(
+        f"name: {name}\nhead_dim: 64\ndtype: bf16\nscore_mod: '{mod}'\n{PARAMS}", f"{name}.yaml"
+    )
+
+
+@pytest.mark.parametrize("mod, count", DIAGONAL)
+def test_diagonal_terms_are_found(mod, count):
+    spec = spec_for(mod)
+    split = rowcol.split_diagonal(spec.score_mod, spec)
+    assert len(split.terms) == count
+    for t in split.terms:
+        assert t.ty in (Ty.F32, Ty.I32) and t.name.startswith("fg_diag")
+    names = {n.name for n in _walk(split.expr) if isinstance(n, Var)}
+    assert "q_idx" not in names and "kv_idx" not in names, "the residual reads no position"
+
+
+@pytest.mark.parametrize("mod", NOT_DIAGONAL)
+def test_other_score_mods_have_none(mod):
+    spec = spec_for(mod)
+    split = rowcol.split_diagonal(spec.score_mod, spec)
+    assert split.terms == () and split.expr == spec.score_mod
+
+
+def test_the_shipped_specs_with_diagonal_terms():
+    found = {}
+    for name in ("t5_bias", "alibi_learned", "alibi", "gemma2_softcap", "chunked_local"):
+        spec = shipped(name)
+        if spec.score_mod is not None:
+            found[name] = len(rowcol.split_diagonal(spec.score_mod, spec).terms)
+    assert found == {"t5_bias": 1, "alibi_learned": 1, "alibi": 0, "gemma2_softcap": 0}
+
+
+def _walk(e):
+    from flashgen.frontend.ir import walk
+
+    return walk(e)
+
+
+# ----------------------------------------------------------------------------- host emulation
+SQ, SK = 1000, 1301
+
+
+def _formulas(src: str) -> dict:
+    """The index formulas of the rendered kernel: the thread's slot base, the staged pair
+    (q_idx, kv_idx) of slot t, the slot count, and an element's slot."""
+    base = re.search(r"const int diag_base = (.+?);", src).group(1)
+    stage = re.search(r"const int q_idx = (.+?), kv_idx = (n0 \+ t);", src)
+    bound = re.search(r"if \(t >= (.+?)\) break;", src).group(1)
+    slot = re.search(r"diag_w\[0 \* DIAG_LEN \+ (diag_base [^\]]+)\]", src).group(1)
+    return {"base": base, "q": stage.group(1), "kv": stage.group(2), "bound": bound,
+            "slot": slot}  # fmt: skip
+
+
+def _program(spec, ctx, f: dict, tiles, values) -> str:
+    """A host program: for each FULL tile (m0, n0) every warp stages its diagonals as
+    stage_diag does, then every element of every lane computes x both ways; prints the
+    number of elements (rows inside seqlen_q) and of those whose bits differ."""
+    terms = ctx["diag_terms"]
+    nt = len(terms)
+    decl, args = scalar_params(spec, values)
+    stores = "".join(
+        f"                sdiag[w][{i} * DIAG_LEN + t] = "
+        f"{'i2f' if t['ctype'] == 'int' else ''}(({t['ctype']})({t['code']}));\n"
+        for i, t in enumerate(terms)
+    )
+    reads = "".join(
+        f"                    const {t['ctype']} {t['name']} = "
+        f"{'f2i' if t['ctype'] == 'int' else ''}(sdiag[w][{i} * DIAG_LEN + {f['slot']}]);\n"
+        for i, t in enumerate(terms)
+    )
+    tensors = "".join(f"static float t_{p.name}[8192];\n" if p.ty == Ty.F32 else
+                      f"static int t_{p.name}[8192];\n" for p in spec.tensor_params)  # fmt: skip
+    init = "".join(
+        f"    for (int i = 0; i < 8192; ++i) t_{p.name}[i] = "
+        + ("(float)((i * 37) % 23 - 11) * 0.173f;\n" if p.ty == Ty.F32 else "(i * 7) % 257;\n")
+        for p in spec.tensor_params
+    )
+    rows = "".join(f"    {{{m0}, {n0}, {b}, {h}}},\n" for m0, n0, b, h in tiles)
+    return preamble() + f"""
+#include <cstring>
+static float i2f(int v) {{ float f; std::memcpy(&f, &v, 4); return f; }}
+static int f2i(float v) {{ int i; std::memcpy(&i, &v, 4); return i; }}
+{tensors}
+constexpr int BLOCK_N = {ctx['block_n']}, NS = BLOCK_N / 8, DIAG_LEN = BLOCK_N + 16;
+static float sdiag[8][{max(nt, 1)} * DIAG_LEN];
+struct Tile {{ int m0, n0, b, h; }};
+static const Tile tiles[] = {{
+{rows}}};
+static void run(const Tile& tl, long& n, long& bad{decl}) {{
+    const int m0 = tl.m0, b = tl.b, h = tl.h, h_kv = h / 4, batch = 2, heads_q = 8, heads_kv = 2;
+    const int seqlen_q = {SQ}, seqlen_k = {SK};
+    const float softmax_scale = 0.125f;
+    (void)b; (void)h; (void)h_kv; (void)batch; (void)heads_q; (void)heads_kv;
+    {ctx['prologue']}
+    const int n0 = tl.n0;
+    for (int w = 0; w < 8; ++w) {{
+        const int cg = w / 4, warp = w % 4;
+        for (int lane = 0; lane < 32; ++lane) {{
+            const int row_base = cg * 64 + warp * 16 + lane / 4;
+            for (int c = 0; c < (BLOCK_N + 15 + 31) / 32; ++c) {{
+                const int t = 32 * c + lane;
+                if (t >= {f['bound']}) break;
+                const int q_idx = {f['q']}, kv_idx = {f['kv']};
+                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
+                (void)q_idx_f; (void)kv_idx_f;
+{stores}            }}
+        }}
+    }}
+    for (int w = 0; w < 8; ++w) {{
+        const int cg = w / 4, warp = w % 4;
+        for (int lane = 0; lane < 32; ++lane) {{
+            const int row_base = cg * 64 + warp * 16 + lane / 4;
+            const int diag_base = {f['base']};
+            for (int j = 0; j < NS; ++j)
+                for (int i = 0; i < 4; ++i) {{
+                    const int q_raw = m0 + row_base + (i / 2) * 8;
+                    const int kv_raw = n0 + j * 8 + (lane % 4) * 2 + (i % 2);
+                    if (q_raw >= seqlen_q) continue;
+                    const int q_idx = min(q_raw, seqlen_q - 1), kv_idx = kv_raw;
+                    const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
+                    (void)q_idx_f; (void)kv_idx_f;
+                    const float score_raw = (float)((q_raw * 131 + kv_raw * 71) % 97 - 48) * 0.37f;
+                    const float score = score_raw * softmax_scale;
+                    const float direct = (float)({ctx['score_mod_expr']});
+{reads}                    const float staged = (float)({ctx['score_mod_expr_diag']});
+                    ++n;
+                    if (f2i(direct) != f2i(staged)) {{
+                        if (bad < 5) printf("m0 %d n0 %d w %d lane %d j %d i %d: %.9g vs %.9g\\n",
+                                            m0, n0, w, lane, j, i, direct, staged);
+                        ++bad;
+                    }}
+                }}
+        }}
+    }}
+}}
+int main() {{
+{init}    long n = 0, bad = 0;
+    for (const Tile& tl : tiles) run(tl, n, bad{args});
+    printf("%ld %ld\\n", n, bad);
+}}
+"""
+
+
+@pytest.mark.parametrize("mod, count", DIAGONAL)
+def test_staged_diagonals_equal_the_per_element_code_on_the_host(mod, count, cxx_exe):
+    """Every element of every warp's part of FULL tiles (rows inside seqlen_q, the last
+    query block included) reads, at the rendered kernel's slot, the value its per-element
+    score_mod code computes: the same bits."""
+    spec = spec_for(mod)
+    plan = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
+    ctx = plan.context
+    assert len(ctx["diag_terms"]) == count
+    f = _formulas(render(plan))
+    rng = random.Random(count * 7 + len(mod))
+    bn = ctx["block_n"]
+    tiles = [(0, 0, 0, 0), (896, SK - bn, 1, 7), (128, 384, 1, 3)]
+    tiles += [(rng.randrange(0, SQ, 128), rng.randrange(0, SK - bn + 1), rng.randrange(2),
+               rng.randrange(8)) for _ in range(5)]  # fmt: skip
+    exe = cxx_exe(_program(spec, ctx, f, tiles, {"p": 0.25}), f"diag{count}_{abs(hash(mod))}")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    n, bad = (int(v) for v in out.stdout.split()[-2:])
+    assert n > 8 * 32 * 4 and bad == 0, out.stdout
+
+
+def test_a_slot_outside_the_warps_diagonals_is_caught(cxx_exe):
+    """The host check fails on a wrong element slot (one row off)."""
+    spec = spec_for(DIAGONAL[0][0])
+    plan = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
+    f = _formulas(render(plan))
+    f["slot"] = f["slot"].replace("(i / 2) * 8", "(i / 2) * 7")
+    exe = cxx_exe(_program(spec, plan.context, f, [(0, 0, 0, 0)], {"p": 0.25}), "diag_mut")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) > 0
+
+
+# ----------------------------------------------------------------------------- rendering
+def test_t5_renders_staged_diagonals_and_more_shared_memory():
+    spec = shipped("t5_bias")
+    on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
+    off = hopper_fwd.plan(spec, "sm_90")
+    src = render(on)
+    assert "stage_diag(info_n0, info_cls & 0xff);" in src and "fg_diag0" in src
+    assert src.count("__ldg(fg::base_ptr(t_bias") == 2, "staging and the masked tiles' loop"
+    assert on.smem_bytes == off.smem_bytes + 16 * 2 * (on.context["block_n"] + 16)
+    assert "stage_diag" not in render(off) and off.context["diag_terms"] == []
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "alibi", "gemma2_softcap", "document_mask"])
+def test_specs_without_diagonal_terms_render_unchanged(name):
+    spec = shipped(name)
+    on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
+    assert render(on) == render(hopper_fwd.plan(spec, "sm_90"))
+
+
+def test_t5_with_diagonal_terms_builds_without_spills(requires_nvcc):
+    from flashgen.build import cache
+
+    plan = hopper_fwd.plan(shipped("t5_bias"), "sm_90", hopper_fwd.Options(diag_terms=True))
+    _, report = cache.get_or_build(render(plan), plan)
+    assert report.spill_bytes == 0
