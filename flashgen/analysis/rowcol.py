@@ -133,14 +133,19 @@ class DiagSplit:
     terms: tuple[Term, ...]
 
 
-def split_diagonal(e: Expr, spec: Spec, prefix: str = "fg_") -> DiagSplit:
-    """Replace the maximal diagonal sub-expressions of ``e`` (a typed score_mod of ``spec``;
-    module docstring) by locals ``{prefix}diag{i}``; equal sub-expressions share one local.
+def split_diagonal(
+    e: Expr, spec: Spec, prefix: str = "fg_", *, terms: dict[Expr, Term] | None = None
+) -> DiagSplit:
+    """Replace the maximal diagonal sub-expressions of ``e`` (a typed score_mod of ``spec``, or
+    its derivative; module docstring) by locals ``{prefix}diag{i}``; equal sub-expressions
+    share one local, across calls that pass the same ``terms`` (the backward splits the
+    score_mod and d score_mod / d score into one set of locals; ``DiagSplit.terms`` is then
+    all of them so far).
     A diagonal term reads both ``q_idx`` and ``kv_idx``, only through ``c * (q_idx -
     kv_idx)``, neither ``score`` nor ``causal``, is not affine in them (the affine form,
     :mod:`flashgen.analysis.affine`, is cheaper still) and has a type of
     :data:`DIAG_TYPES`.  ``e`` comes back unchanged, with no terms, when it has none."""
-    terms: dict[Expr, Term] = {}
+    terms = {} if terms is None else terms
 
     def diagonal(x: Expr) -> bool:
         free = _free_vars(x, spec)

@@ -18,7 +18,7 @@ from flashgen.codegen.abi import (
     strides,
     varlen_args,
 )
-from flashgen.codegen.cuda_expr import cuda_expr, split_causal
+from flashgen.codegen.cuda_expr import cuda_expr, side_terms, split_causal
 from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TemplateContext
 from flashgen.families.tiles import BackwardTiles
@@ -167,6 +167,9 @@ class BackwardContext(TemplateContext):
     mask_expr: str | None
     score_mod_expr: str | None
     score_grad_expr: str | None
+    diag_terms: list
+    score_mod_expr_diag: str | None
+    score_grad_expr_diag: str | None
     tile_classifier: str
     tile_class_args: str
     exact_softmax: bool
@@ -194,7 +197,12 @@ def tile_classifier(spec: Spec, causal_bits: bool) -> str:
 
 
 def base_fields(
-    spec: Spec, causal_bits: bool, exact_softmax: bool = False, param_grads=(), sink: bool = False
+    spec: Spec,
+    causal_bits: bool,
+    exact_softmax: bool = False,
+    param_grads=(),
+    sink: bool = False,
+    diag_terms: bool = False,
 ) -> dict:
     """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
     and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
@@ -206,12 +214,20 @@ def base_fields(
     these params (:func:`flashgen.codegen.dparam.fields`; none: not compiled in).  ``sink``:
     the sink form's pre kernel (:func:`backward_abi`), for a padded spec with a sink only
     (``ValueError`` for one without, or a varlen spec: its pre kernel sees the packed rows as
-    one batch, not the sequences the sink is per)."""
+    one batch, not the sequences the sink is per).  ``diag_terms`` (the Hopper backward's
+    option): the score_mod's diagonal terms (:func:`flashgen.analysis.rowcol.split_diagonal`,
+    one set of locals for the score_mod and its derivative) as ``diag_terms`` entries, with
+    ``score_mod_expr_diag`` / ``score_grad_expr_diag`` reading them; otherwise ``[]``, None."""
     if sink and (spec.sink is None or spec.varlen):
         why = "is varlen" if spec.sink is not None else "has no sink"
         raise ValueError(f"spec {spec.name!r} {why}: its backward has no sink form")
     causal, residual = split_causal(spec.mask)
     score_grad = d_dscore(spec.score_mod) if spec.score_mod is not None else None
+    terms: dict = {}
+    diag = diag_grad = None
+    if diag_terms and spec.score_mod is not None:
+        diag = rowcol.split_diagonal(spec.score_mod, spec, terms=terms).expr
+        diag_grad = rowcol.split_diagonal(score_grad, spec, terms=terms).expr
     return {
         "spec_name": spec.name,
         "dtype": spec.dtype,
@@ -223,6 +239,10 @@ def base_fields(
         "mask_expr": cuda_expr(residual, spec) if residual is not None else None,
         "score_mod_expr": cuda_expr(spec.score_mod, spec) if spec.score_mod is not None else None,
         "score_grad_expr": cuda_expr(score_grad, spec) if score_grad is not None else None,
+        # the score_mod's diagonal terms (functions of kv_idx - q_idx), staged per FULL tile
+        "diag_terms": side_terms(tuple(terms.values()), spec, None),
+        "score_mod_expr_diag": cuda_expr(diag, spec) if terms else None,
+        "score_grad_expr_diag": cuda_expr(diag_grad, spec) if terms else None,
         "tile_classifier": tile_classifier(spec, causal_bits),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "exact_softmax": exact_softmax,

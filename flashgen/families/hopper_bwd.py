@@ -68,7 +68,12 @@ class Options:
     as T5's bias, accumulated in this kernel at head_dim 64 and 256: each warp sums its slice
     per diagonal by shuffles into its own shared slots, the CTA's tile is summed per diagonal
     from them; the shared-atomic sums it replaced were correct on a GPU but hardly faster,
-    this form has not run on one yet; off, such a backward runs the FA2-class kernels).
+    this form has not run on one yet; off, such a backward runs the FA2-class kernels);
+    ``diag_terms`` (off by default, until measured on the GPU; head dims 64 and 128): as
+    :class:`flashgen.families.hopper_fwd.Options`' ``diag_terms``, the score_mod's functions of
+    ``kv_idx - q_idx`` are evaluated once per diagonal of each consumer warp's 16 keys x
+    BLOCK_M queries of a step that is not an edge, into a static shared array (``sDiag``), while
+    S^T and dP^T run; P^T (and d score_mod / d score) read them at compile-time offsets.
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
@@ -79,6 +84,7 @@ class Options:
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
     dparam_diagonal: bool = False
+    diag_terms: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -283,7 +289,9 @@ def plan(
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
-    ctx = base_fields(spec, causal_bits, exact_softmax, param_grads, sink)
+    ctx = base_fields(
+        spec, causal_bits, exact_softmax, param_grads, sink, options.diag_terms and not split_d
+    )
     # d256_sdp_warpgroups: S^T on warpgroup 0, dP^T on 1; dS^T reads P^T (* d score_mod /
     # d score, in its own buffers where that is not 1) back from shared memory
     sdp_wg = split_d and options.d256_sdp_warpgroups and not param_grads
@@ -296,6 +304,8 @@ def plan(
     diag = sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
     static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
     static += -(-diag * 8 * dparam.warp_diag_slots(qn // 8) * 4 // 1024) * 1024
+    # diag_terms: per consumer warp and diagonal term QN + 16 words (sDiag)
+    static += -(-len(ctx["diag_terms"]) * 8 * (qn + 16) * 4 // 1024) * 1024
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "

@@ -84,7 +84,8 @@ def poison_allocator(*shapes_dtypes) -> None:
 
 
 #: Specs whose Hopper backward spills with 128-query steps at head_dim 64 and is built with 64
-#: (tests/unit/test_hopper_bwd.py checks the list).
+#: (tests/unit/test_hopper_bwd.py checks the list), unless ``hopper_bwd.diag_terms`` stages
+#: their table (tests/unit/test_diag_terms.py).
 SPILL_AT_128 = ("t5_bias",)
 
 
@@ -111,7 +112,9 @@ def run_case(spec, b, hq, hkv, sq, sk, *, seed, qkv=None, with_dlse=False, param
     assert hit is not None, "not the Hopper path"
     assert hit[0].dkdv.context["split_d"] == (spec.head_dim > 128), "not the layout under test"
     if spec.head_dim == 64:
-        want = 64 if spec.name in SPILL_AT_128 else gpu_options.CURRENT.hopper_bwd.d64_block_m
+        opts = gpu_options.CURRENT.hopper_bwd
+        spills = spec.name in SPILL_AT_128 and not opts.diag_terms
+        want = 64 if spills else opts.d64_block_m
         assert hit[0].dkdv.context["block_m"] == want, "not the head-dim-64 steps under test"
     assert hit[0].dkdv.threads == 384, "not the warp-specialized kernel"
     return q, k, v, do, dlse, params

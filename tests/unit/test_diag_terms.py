@@ -16,7 +16,7 @@ from shipped_specs import SPEC_DIR  # noqa: E402
 
 from flashgen.analysis import rowcol  # noqa: E402
 from flashgen.build.render import render  # noqa: E402
-from flashgen.families import hopper_fwd  # noqa: E402
+from flashgen.families import hopper_bwd, hopper_fwd  # noqa: E402
 from flashgen.frontend.ir import Ty, Var  # noqa: E402
 from flashgen.frontend.spec import load_spec, loads_spec  # noqa: E402
 
@@ -259,3 +259,149 @@ def test_t5_with_diagonal_terms_builds_without_spills(requires_nvcc):
     plan = hopper_fwd.plan(shipped("t5_bias"), "sm_90", hopper_fwd.Options(diag_terms=True))
     _, report = cache.get_or_build(render(plan), plan)
     assert report.spill_bytes == 0
+
+
+# ----------------------------------------------------------------------------- the backward
+def _bwd_formulas(src: str) -> dict:
+    """The Hopper backward's: the staged pair of slot t, the slot count, the thread's slot
+    base and a pair's offset from it."""
+    stage = re.search(r"const int q_idx = (qw0 .+?), kv_idx = (kw0 .+?);", src)
+    bound = re.search(r"if \(t >= (.+?)\) break;", src).group(1)
+    base = re.search(r"const float\* diag_t = sDiag \+ .+? \* DIAG_LEN \+ (.+?);", src).group(1)
+    slot = re.search(r"diag_t\[0 \* DIAG_LEN \+ (.+?)\]\)", src).group(1)
+    return {"q": stage.group(1), "kv": stage.group(2), "bound": bound, "base": base,
+            "slot": slot}  # fmt: skip
+
+
+def _bwd_program(spec, ctx, f: dict, steps, values) -> str:
+    """As :func:`_program` for the backward's steps (kw0, qw0): each of a warpgroup's four
+    warps stages its 16 keys' diagonals, then every pair compares the score_mod and its
+    derivative computed per element with the staged form."""
+    terms = ctx["diag_terms"]
+    decl, args = scalar_params(spec, values)
+    stores = "".join(
+        f"                sdiag[warp][{i} * DIAG_LEN + t] = "
+        f"{'i2f' if t['ctype'] == 'int' else ''}(({t['ctype']})({t['code']}));\n"
+        for i, t in enumerate(terms)
+    )
+    reads = "".join(
+        f"                    const {t['ctype']} {t['name']} = "
+        f"{'f2i' if t['ctype'] == 'int' else ''}"
+        f"(sdiag[warp][{i} * DIAG_LEN + base + {f['slot']}]);\n"
+        for i, t in enumerate(terms)
+    )
+    tensors = "".join(f"static float t_{p.name}[8192];\n" if p.ty == Ty.F32 else
+                      f"static int t_{p.name}[8192];\n" for p in spec.tensor_params)  # fmt: skip
+    init = "".join(
+        f"    for (int i = 0; i < 8192; ++i) t_{p.name}[i] = "
+        + ("(float)((i * 37) % 23 - 11) * 0.173f;\n" if p.ty == Ty.F32 else "(i * 7) % 257;\n")
+        for p in spec.tensor_params
+    )
+    rows = "".join(f"    {{{kw0}, {qw0}, {b}, {h}}},\n" for kw0, qw0, b, h in steps)
+    return preamble() + f"""
+#include <cstring>
+static float i2f(int v) {{ float f; std::memcpy(&f, &v, 4); return f; }}
+static int f2i(float v) {{ int i; std::memcpy(&i, &v, 4); return i; }}
+{tensors}
+constexpr int QN = {ctx['block_m']}, NQ = QN / 8, DIAG_LEN = QN + 16;
+static float sdiag[4][{max(len(terms), 1)} * DIAG_LEN];
+struct Step {{ int kw0, qw0, b, h; }};
+static const Step steps[] = {{
+{rows}}};
+static void run(const Step& st, long& n, long& bad{decl}) {{
+    const int kw0 = st.kw0, qw0 = st.qw0, b = st.b, h = st.h, h_kv = h / 4;
+    const int batch = 2, heads_q = 8, heads_kv = 2, seqlen_q = {SQ}, seqlen_k = {SK};
+    const float softmax_scale = 0.125f;
+    (void)b; (void)h; (void)h_kv; (void)batch; (void)heads_q; (void)heads_kv;
+    for (int warp = 0; warp < 4; ++warp)
+        for (int lane = 0; lane < 32; ++lane)
+            for (int c = 0; c < (QN + 15 + 31) / 32; ++c) {{
+                const int t = 32 * c + lane;
+                if (t >= {f['bound']}) break;
+                const int q_idx = {f['q']}, kv_idx = {f['kv']};
+                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
+                (void)q_idx_f; (void)kv_idx_f;
+{stores}            }}
+    for (int warp = 0; warp < 4; ++warp)
+        for (int lane = 0; lane < 32; ++lane) {{
+            const int base = {f['base']};
+            const int key_raw = kw0 + warp * 16 + lane / 4;
+            for (int j = 0; j < NQ; ++j)
+                for (int r = 0; r < 2; ++r)
+                    for (int e = 0; e < 2; ++e) {{
+                    const int q_idx = qw0 + j * 8 + (lane % 4) * 2 + e, kv_idx = key_raw + 8 * r;
+                    const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
+                    (void)q_idx_f; (void)kv_idx_f;
+                    const float score = (float)((q_idx * 131 + kv_idx * 71) % 97 - 48) * 0.37f;
+                    const float direct = (float)({ctx['score_mod_expr']});
+                    const float gdirect = (float)({ctx['score_grad_expr']});
+{reads}                    const float staged = (float)({ctx['score_mod_expr_diag']});
+                    const float gstaged = (float)({ctx['score_grad_expr_diag']});
+                    ++n;
+                    if (f2i(direct) != f2i(staged) || f2i(gdirect) != f2i(gstaged)) {{
+                        if (bad < 5) printf("kw0 %d qw0 %d warp %d lane %d j %d r %d e %d\\n",
+                                            kw0, qw0, warp, lane, j, r, e);
+                        ++bad;
+                    }}
+                }}
+        }}
+}}
+int main() {{
+{init}    long n = 0, bad = 0;
+    for (const Step& st : steps) run(st, n, bad{args});
+    printf("%ld %ld\\n", n, bad);
+}}
+"""
+
+
+def _bwd_plan(spec, **kw):
+    return hopper_bwd.plan(spec, "sm_90", hopper_bwd.Options(diag_terms=True, **kw)).unit
+
+
+@pytest.mark.parametrize("mod, count", DIAGONAL)
+def test_backward_staged_diagonals_equal_the_per_element_code_on_the_host(mod, count, cxx_exe):
+    """The Hopper backward's steps that are not edges: each pair's score_mod and d score_mod /
+    d score from the staged slots equal the per-element code's bits (64- and 128-query
+    steps at head_dim 64)."""
+    spec = spec_for(mod)
+    for block_m in (64, 128):
+        unit = _bwd_plan(spec, d64_block_m=block_m)
+        ctx = unit.context
+        assert len(ctx["diag_terms"]) == count
+        f = _bwd_formulas(render(unit))
+        rng = random.Random(block_m + count)
+        steps = [(0, 0, 0, 0), (SK - 64, SQ - block_m, 1, 7)]
+        steps += [(rng.randrange(0, SK - 63), rng.randrange(0, SQ - block_m + 1), rng.randrange(2),
+                   rng.randrange(8)) for _ in range(4)]  # fmt: skip
+        src = _bwd_program(spec, ctx, f, steps, {"p": 0.25})
+        exe = cxx_exe(src, f"bdiag{block_m}_{count}_{abs(hash(mod))}")
+        out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+        n, bad = (int(v) for v in out.stdout.split()[-2:])
+        assert n == len(steps) * 64 * block_m and bad == 0, out.stdout
+
+
+def test_a_backward_slot_one_query_off_is_caught(cxx_exe):
+    spec = spec_for(DIAGONAL[0][0])
+    unit = _bwd_plan(spec, d64_block_m=128)
+    f = _bwd_formulas(render(unit))
+    f["slot"] = f["slot"].replace("- e", "+ e")
+    exe = cxx_exe(_bwd_program(spec, unit.context, f, [(0, 0, 0, 0)], {"p": 0.25}), "bdiag_mut")
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) > 0
+
+
+def test_t5_backward_with_diagonal_terms_builds_128_query_steps_without_spills(requires_nvcc):
+    """The default t5_bias unit spills 56 bytes at 128-query steps (and falls back to 64);
+    with its table staged per diagonal it does not."""
+    from flashgen.build import cache
+
+    unit = _bwd_plan(shipped("t5_bias"), d64_block_m=128)
+    assert "__shared__ float sDiag[8 * 1 * DIAG_LEN]" in render(unit)
+    _, report = cache.get_or_build(render(unit), unit)
+    assert report.spill_bytes == 0
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "alibi", "gemma2_softcap", "bidir_d256"])
+def test_backward_specs_without_diagonal_terms_render_unchanged(name):
+    spec = shipped(name)
+    assert render(_bwd_plan(spec)) == render(hopper_bwd.plan(spec, "sm_90").unit)
