@@ -1,9 +1,9 @@
 """Write ``docs/gallery.md``: each variant spec next to its measured TFLOP/s and
 FlexAttention's, forward and forward+backward, timed in the same run.
 
-    flashgen bench --gallery                   # on a GPU, in the checkout
-    flashgen bench --gallery --direction fwd   # the forward alone
-    flashgen bench --gallery --dry-run         # anywhere: specs and densities only
+    flashgen bench --gallery                  # on a GPU, in the checkout
+    flashgen bench --gallery --direction fwd  # the forward alone
+    flashgen bench --gallery --dry-run        # anywhere: specs, densities
 
 For each gallery spec among the shipped specs (a missing one is listed as such): the spec
 text; the density (kept (q, kv) pairs / all pairs, from the mask IR on the same inputs);
