@@ -35,3 +35,20 @@ def positive_int(name: str):
 
     parse.__name__ = name
     return parse
+
+
+def choices(name: str, allowed: tuple[str, ...]):
+    """An argparse ``type`` for ``--NAME A,B,...``: a tuple of values from ``allowed``, each
+    once, in the order given; else an error ``NAME: expected comma-separated values from
+    a, b, got 'TEXT'``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = [p.strip() for p in text.split(",")]
+        if not all(items) or any(p not in allowed for p in items):
+            raise argparse.ArgumentTypeError(
+                f"{name}: expected comma-separated values from {', '.join(allowed)}, got {text!r}"
+            )
+        return tuple(dict.fromkeys(items))
+
+    parse.__name__ = name
+    return parse

@@ -4,7 +4,8 @@
     sdpa_flash      torch SDPA, SDPBackend.FLASH_ATTENTION forced (FlashAttention-2)
     sdpa_cudnn      torch SDPA, SDPBackend.CUDNN_ATTENTION forced
     sdpa_efficient  torch SDPA, SDPBackend.EFFICIENT_ATTENTION forced
-    flex            FlexAttention under torch.compile (mask/score_mod from flashgen.bench.flexmods)
+    flex            FlexAttention under torch.compile (mask/score_mod from flashgen.bench.flexmods;
+                    a spec's sink joined to o from Flex's lse with flashgen.ops.sink.apply_sink)
     standard        eager matmul -> softmax -> matmul (materializes the seqlen^2 scores)
     flashgen_bf16   an fp8 spec's bf16 build (protocol.bf16_twin): fp8 specs are timed only
                     against it, no torch implementation runs FP8 attention
@@ -88,6 +89,17 @@ def flex_compiled():
     return _FLEX
 
 
+def flex_lse_kwargs() -> dict:
+    """The keyword that has ``flex_attention`` return the log-sum-exp (natural log, ``[B, Hq,
+    Sq]`` float32) with o: ``return_aux=AuxRequest(lse=True)`` where this torch has it (o and
+    an ``AuxOutput``), else ``return_lse=True`` (o and the lse)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
 SDPA_BACKENDS = {
     "sdpa_flash": "FLASH_ATTENTION",
     "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -157,6 +169,8 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
         flex = flex_retrying_smaller_blocks(flex_compiled())
         block_masks: dict = {}
         mods: dict = {}  # group (num_heads // num_heads_kv: the DSL's h_kv) -> the mods
+        sinks: dict = {}  # (B, Hq, Hkv) -> the sink logits [B, Hq] (a spec with a sink)
+        lse_kw = flex_lse_kwargs() if spec.sink is not None else {}
 
         def run_flex(q, k, v):
             group = q.shape[1] // k.shape[1]
@@ -174,7 +188,7 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
                     seqlen_k,
                     device=q.device,
                 )
-            return flex(
+            out = flex(
                 q,
                 k,
                 v,
@@ -182,7 +196,23 @@ def make_forward(impl: str, spec: ir.Spec, seqlen_q: int, seqlen_k: int, params:
                 block_mask=block_masks.get(key),
                 scale=scale,
                 enable_gqa=k.shape[1] != q.shape[1],
+                **lse_kw,
             )
+            if spec.sink is None:
+                return out
+            # FlexAttention's softmax has no sink logit: join it to o from the lse of the
+            # keys, as flashgen's op does (flashgen.ops.sink.apply_sink, differentiable)
+            from flashgen.ops.sink import apply_sink, sink_logits
+
+            o, aux = out
+            lse = getattr(aux, "lse", aux)  # AuxOutput (return_aux) or the lse (return_lse)
+            skey = (q.shape[0], q.shape[1], k.shape[1])
+            if skey not in sinks:
+                sinks[skey] = sink_logits(
+                    spec, params, batch=skey[0], heads_q=skey[1], heads_kv=skey[2],
+                    device=q.device,
+                )  # fmt: skip
+            return apply_sink(o, lse, sinks[skey])
 
         run_flex.kernel_options = flex.kernel_options  # non-empty once the retry happened
         return run_flex

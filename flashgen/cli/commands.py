@@ -93,8 +93,9 @@ BENCH_MODES = {
                "serving: op.with_kvcache's KV-cache read rate against SDPA and FlexAttention "
                "(dense and paged caches, GQA, splits; --sweep picks the decode defaults)"),
     "gallery": ("flashgen.bench.gallery",
-                "the variant gallery: each shipped variant's forward next to FlexAttention's, "
-                "written to docs/gallery.md (--dry-run: densities only, no GPU)"),
+                "the variant gallery: each shipped variant's forward and forward+backward "
+                "next to FlexAttention's (--direction), written to docs/gallery.md "
+                "(--dry-run: densities only, no GPU)"),
     "training": ("flashgen.bench.training",
                  "trainable params (ALiBi slopes, a T5 bias) and attention sinks against the "
                  "same calls without them (--device cpu runs anywhere)"),

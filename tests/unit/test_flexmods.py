@@ -104,3 +104,23 @@ def test_shipped_specs_match_reference_through_eager_flex(path):
 def test_missing_tensor_param_is_an_error():
     with pytest.raises(ValueError, match="slopes"):
         flex_mods(loads_spec(TRICKY), 4, 4, {})
+
+
+def test_flex_peer_joins_the_sink(monkeypatch):
+    """``flashgen bench``'s FlexAttention peer (:func:`flashgen.bench.peers.make_forward`)
+    computes what flashgen's op does for a spec with a sink: the sink joined to o from Flex's
+    lse (eager flex_attention here; on CPU it has no backward)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from flashgen.bench import peers, protocol
+
+    monkeypatch.setattr(peers, "_FLEX", flex.flex_attention)  # no torch.compile on CPU
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "gpt_oss_sink.yaml")
+    B, H, S, D = 1, 2, 40, spec.head_dim
+    params = protocol.spec_params(spec, H, B, S, S, "cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = peers.make_forward("flex", spec, S, S, params, "cpu")(q, k, v)
+    ref, _ = attention_reference(spec, q, k, v, params=params, compute_dtype=torch.float32)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
