@@ -39,6 +39,15 @@ def test_against_the_float64_reference(name, sq, sk, monkeypatch, error_bound):
     check(shipped(name), 2, 4, 2, sq, sk, error_bound, seed=sq + 7 * sk)
 
 
+@pytest.mark.parametrize("persistent", ["static", "dynamic"])
+@pytest.mark.parametrize("name", ["t5_bias", "alibi_learned"])
+def test_the_persistent_forward(name, persistent, monkeypatch, error_bound):
+    """stage_diag reads the tile's m0, b, h from tile_info there."""
+    gpu_options.use(monkeypatch, ON, persistent=persistent)
+    for i, (sq, sk) in enumerate([(1000, 1000), (4097, 127), (127, 4097)]):
+        check(shipped(name), 2, 4, 2, sq, sk, error_bound, seed=70 + i)
+
+
 @pytest.mark.parametrize("name", ["t5_bias", "alibi_learned"])
 def test_a_bshd_view(name, monkeypatch, error_bound):
     gpu_options.use(monkeypatch, ON)
