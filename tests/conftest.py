@@ -140,8 +140,9 @@ def host_exe(tmp_path, requires_nvcc):
 @pytest.fixture(scope="session")
 def cxx_exe(tmp_path_factory):
     """``build(source, name="prog", opt="-O1")``: compile plain C++17 ``source`` with g++ (or
-    c++) into a host executable and return its path; skips where there is no host C++
-    compiler, fails with the compiler's output if it does not build."""
+    c++) into a host executable and return its path (``opt``: flags, space-separated, e.g.
+    ``"-O2 -mfma -ffp-contract=fast"``); skips where there is no host C++ compiler, fails with
+    the compiler's output if it does not build."""
     import shutil
     import subprocess
 
@@ -153,7 +154,7 @@ def cxx_exe(tmp_path_factory):
         where = tmp_path_factory.mktemp(name)
         src, exe = where / f"{name}.cpp", where / name
         src.write_text(source)
-        cmd = [cxx, "-std=c++17", opt, "-o", str(exe), str(src)]
+        cmd = [cxx, "-std=c++17", *opt.split(), "-o", str(exe), str(src)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode:
             pytest.fail(f"{cxx} failed:\n{done.stdout}{done.stderr}\n{source}")

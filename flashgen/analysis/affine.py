@@ -180,12 +180,19 @@ def through_difference(e: Expr, spec: Spec) -> bool:
     ``c * (q_idx - kv_idx) + (CTA-invariant)`` for a nonzero constant ``c``: then, for one
     batch and head, ``e`` is a function of the diagonal ``kv_idx - q_idx`` alone (T5's
     relative table ``bias[h, min(max(kv_idx - q_idx, -128), 128) + 128]``).  A ``causal``
-    node reads both positions outside any difference."""
+    node reads both positions outside any difference.
+
+    Only an **integer** such subtree counts (int arithmetic wraps, a ring: ``3 * q_idx - 3 *
+    kv_idx`` is ``3 * (q_idx - kv_idx)`` bit for bit).  A float one is not evaluated as a
+    function of the difference: ``q_idx * 0.1 - kv_idx * 0.1`` rounds each product apart, and
+    ``(q_idx + 0.1) - (kv_idx + 0.1)`` each sum, so two pairs on one diagonal differ in the
+    last bits; it is looked into instead (``(q_idx - kv_idx) * 0.1`` holds: the int difference
+    first, exact as a float below 2^24)."""
     if any(isinstance(n, Causal) for n in walk(e)):
         return False
     if not ({n.name for n in walk(e) if isinstance(n, Var)} & set(LINEAR_VARS)):
         return True
-    lin = linear(e, spec)
+    lin = linear(e, spec) if e.ty == Ty.I32 else None
     if lin is not None:
         a, b = lin["q_idx"], lin["kv_idx"]
         return (isinstance(a, Const) and isinstance(b, Const) and a.value != 0

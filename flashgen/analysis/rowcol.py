@@ -133,6 +133,21 @@ class DiagSplit:
     terms: tuple[Term, ...]
 
 
+def _contractible(x: Expr) -> bool:
+    """Whether float ``x``'s value is a product (``*``, or a ``/`` the lowering may turn into
+    a multiply by a hoisted reciprocal), possibly under unary minus or a conditional's
+    branches: the element code may fuse it into its consumer's add (FFMA)."""
+    if x.ty != Ty.F32:
+        return False
+    if isinstance(x, Unary) and x.op == "-":
+        return _contractible(x.arg)
+    if isinstance(x, Binary):
+        return x.op in ("*", "/")
+    if isinstance(x, Cond):
+        return _contractible(x.then) or _contractible(x.other)
+    return False
+
+
 def split_diagonal(
     e: Expr, spec: Spec, prefix: str = "fg_", *, terms: dict[Expr, Term] | None = None
 ) -> DiagSplit:
@@ -144,7 +159,14 @@ def split_diagonal(
     A diagonal term reads both ``q_idx`` and ``kv_idx``, only through ``c * (q_idx -
     kv_idx)``, neither ``score`` nor ``causal``, is not affine in them (the affine form,
     :mod:`flashgen.analysis.affine`, is cheaper still) and has a type of
-    :data:`DIAG_TYPES`.  ``e`` comes back unchanged, with no terms, when it has none."""
+    :data:`DIAG_TYPES`.  ``e`` comes back unchanged, with no terms, when it has none.
+
+    A float product is never a term (:func:`_contractible`): its operands are looked into
+    instead (``slopes[h] * abs(q_idx - kv_idx)`` stages ``abs(q_idx - kv_idx)``).  Per element,
+    nvcc may fuse the product into the add or subtract that takes it (one FFMA, one rounding:
+    ``max(score, c) - slopes[h] * d`` is ``fma(-slopes[h], d, max(score, c))``), which a staged,
+    rounded product cannot reproduce; with its operands staged the element code keeps the
+    same product, and the same fusion."""
     terms = {} if terms is None else terms
 
     def diagonal(x: Expr) -> bool:
@@ -154,6 +176,7 @@ def split_diagonal(
             and {"q_idx", "kv_idx"} <= free
             and free <= ROW_VARS | COL_VARS
             and x.ty in DIAG_TYPES
+            and not _contractible(x)
             and linear(x, spec) is None
             and through_difference(x, spec)
         )

@@ -74,6 +74,8 @@ class Options:
     ``kv_idx - q_idx`` are evaluated once per diagonal of each consumer warp's 16 keys x
     BLOCK_M queries of a step that is not an edge, into a static shared array (``sDiag``), while
     S^T and dP^T run; P^T (and d score_mod / d score) read them at compile-time offsets.
+    Where the slots do not fit (head_dim 128's 80-query steps: 3 KiB against 720 bytes left),
+    the unit renders as with the option off (``d128_block_m=64`` takes them).
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
@@ -304,8 +306,13 @@ def plan(
     diag = sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
     static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
     static += -(-diag * 8 * dparam.warp_diag_slots(qn // 8) * 4 // 1024) * 1024
-    # diag_terms: per consumer warp and diagonal term QN + 16 words (sDiag)
-    static += -(-len(ctx["diag_terms"]) * 8 * (qn + 16) * 4 // 1024) * 1024
+    # diag_terms: per consumer warp and diagonal term QN + 16 words (sDiag); where they do not
+    # fit (head_dim 128's 80-query steps), the per-element form
+    diag_static = -(-len(ctx["diag_terms"]) * 8 * (qn + 16) * 4 // 1024) * 1024
+    if diag_static and smem + static + diag_static > HOPPER_SMEM_LIMIT:
+        ctx = base_fields(spec, causal_bits, exact_softmax, param_grads, sink, False)
+        diag_static = 0
+    static += diag_static
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "

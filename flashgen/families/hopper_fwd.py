@@ -93,7 +93,9 @@ class Options:
     tile, into shared memory (``sDiag``: BLOCK_N + 16 words per warp and term), while the tile's
     GEMMs run; its elements read them at compile-time offsets instead of evaluating them (a
     tensor read each) per element.  Masked tiles keep the per-element form; the outputs are
-    bitwise those of the option off.  A spec without such terms renders unchanged."""
+    bitwise those of the option off.  A spec without such terms renders unchanged, and so does
+    one whose tiles leave no room for the slots (head_dim 256; the persistent head_dim 128,
+    whose own O staging buffer takes that room)."""
 
     affine: bool = True
     causal_tiles: bool = True
@@ -384,25 +386,30 @@ def plan(
         raise ValueError(f"{tiles} with {stages} stages needs {smem} B of shared memory")
     # (not at head_dim 256 with a score_mod: gemma2_softcap spilled 4 bytes there)
     col_limit = bool(o.col_limit and not (spec.score_mod is not None and d >= 256))
-    ctx = forward_context(
-        spec,
-        target,
-        tiles,
-        side_terms=side_terms,
-        affine=o.affine,
-        nonneg_div=o.nonneg_div,
-        head_groups=o.head_groups,
-        col_bound=bool(col_limit and o.col_bound),
-        exact_softmax=exact_softmax,
-        sink=o.fused_sink,
-        diag_terms=o.diag_terms,
-    )
-    # sDiag: per consumer warp BLOCK_N + 16 words per diagonal term
-    smem += 16 * consumers * len(ctx["diag_terms"]) * (tiles.block_n + 16)
-    if smem > HOPPER_SMEM_LIMIT:
-        raise ValueError(
-            f"{tiles} with {stages} stages and diagonal terms needs {smem} B of shared memory"
+
+    def context(diag_terms: bool) -> dict:
+        return forward_context(
+            spec,
+            target,
+            tiles,
+            side_terms=side_terms,
+            affine=o.affine,
+            nonneg_div=o.nonneg_div,
+            head_groups=o.head_groups,
+            col_bound=bool(col_limit and o.col_bound),
+            exact_softmax=exact_softmax,
+            sink=o.fused_sink,
+            diag_terms=diag_terms,
         )
+
+    ctx = context(o.diag_terms)
+    # sDiag: per consumer warp BLOCK_N + 16 words per diagonal term; where they do not fit
+    # (head_dim 256, the persistent head_dim 128 with its own O staging), the per-element form
+    diag_bytes = 16 * consumers * len(ctx["diag_terms"]) * (tiles.block_n + 16)
+    if diag_bytes and smem + diag_bytes > HOPPER_SMEM_LIMIT:
+        ctx = context(False)
+        diag_bytes = 0
+    smem += diag_bytes
     ctx["smem_bytes"] = smem
     ctx["nonneg_div"] = o.nonneg_div
     ctx["single_walk"] = bool(single_walk and not persistent and not ctx["block_table"])

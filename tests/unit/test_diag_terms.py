@@ -50,6 +50,18 @@ NOT_DIAGONAL = [
     "score + bias[h, (q_idx + kv_idx) % 257]",
     "score + bias[h, (q_idx - 2 * kv_idx) % 257]",
     "score + (q_idx * kv_idx) % 7",
+    # float differences: each product (sum) rounds apart, not a function of kv_idx - q_idx
+    "score + log(1.0 + abs(q_idx * 0.1 - kv_idx * 0.1))",
+    "score + exp(-abs((q_idx + 0.1) - (kv_idx + 0.1)))",
+]
+# score_mods whose diagonal float product the element code fuses into an add (nvcc's FFMA,
+# sm_90 SASS of the option off: fma(-slopes[h], |d|, x)): the product's operands are staged
+CONTRACTED = [
+    ("max(score, -10.0) - slopes[h] * abs(q_idx - kv_idx)", 1),
+    ("score + bias[h, min(max(kv_idx - q_idx, -128), 128) + 128] - slopes[h] * abs(q_idx - kv_idx)",
+     2),
+    ("score - p * log(1.0 + abs(kv_idx - q_idx)) * 1.5", 1),
+    ("score + (q_idx > kv_idx ? -1.0 : 1.0) * 0.0", 0),
 ]
 # fmt: on
 
@@ -80,6 +92,36 @@ def test_other_score_mods_have_none(mod):
     spec = spec_for(mod)
     split = rowcol.split_diagonal(spec.score_mod, spec)
     assert split.terms == () and split.expr == spec.score_mod
+
+
+def test_a_float_difference_is_not_a_function_of_the_diagonal():
+    """(1, 0), (1001, 1000) and (8, 7) lie on one diagonal, yet in float32 q * 0.1 - kv * 0.1
+    differs at the first two (0.1 against 0.099998474), (q + 0.1) - (kv + 0.1) at the first and
+    the last (1 against 1.0000005): a staged value, evaluated at another
+    pair of the diagonal, would not be the element's (the host emulation counted 14152 of
+    22968 elements off by an ulp or more for the first score_mod of NOT_DIAGONAL's tail)."""
+    np = pytest.importorskip("numpy")
+    f, c = np.float32, np.float32(0.1)
+    assert f(1) * c - f(0) * c != f(1001) * c - f(1000) * c
+    assert (f(1) + c) - (f(0) + c) != (f(8) + c) - (f(7) + c)
+    for mod in NOT_DIAGONAL[-2:]:
+        spec = spec_for(mod)
+        assert rowcol.split_diagonal(spec.score_mod, spec).terms == ()
+
+
+@pytest.mark.parametrize("mod, count", CONTRACTED)
+def test_a_float_product_is_not_a_term(mod, count):
+    """Its operands are: the element code keeps the product (and nvcc's fusion of it)."""
+    from flashgen.frontend.ir import Binary, Unary
+
+    spec = spec_for(mod)
+    split = rowcol.split_diagonal(spec.score_mod, spec)
+    assert len(split.terms) == count
+    for t in split.terms:
+        x = t.expr
+        while isinstance(x, Unary):
+            x = x.arg
+        assert not (t.ty == Ty.F32 and isinstance(x, Binary) and x.op in ("*", "/")), t
 
 
 def test_the_shipped_specs_with_diagonal_terms():
@@ -221,6 +263,51 @@ def test_staged_diagonals_equal_the_per_element_code_on_the_host(mod, count, cxx
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
     n, bad = (int(v) for v in out.stdout.split()[-2:])
     assert n > 8 * 32 * 4 and bad == 0, out.stdout
+
+
+def _fma_flags() -> str:
+    """g++ flags that contract ``a * b + c`` into an FMA as nvcc does by default (``-fmad``);
+    skips where the host has no FMA."""
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                has = " fma " in f.read()
+        except OSError:
+            has = False
+        if not has:
+            pytest.skip("needs a host CPU with FMA")
+        return "-O2 -mfma -ffp-contract=fast"
+    return "-O2 -ffp-contract=fast"
+
+
+@pytest.mark.parametrize("mod, count", DIAGONAL + [m for m in CONTRACTED if m[1]])
+def test_staged_diagonals_equal_the_per_element_code_under_fma_contraction(mod, count, cxx_exe):
+    """As above, with the host compiler fusing products into adds as nvcc does: a staged
+    float product (``slopes[h] * abs(q_idx - kv_idx)``, rounded) against the element code's
+    ``fma(-slopes[h], |d|, x)`` differed in 8690 of 22968 elements for ``max(score, -10.0) -
+    slopes[h] * abs(q_idx - kv_idx)``; with the product's operands staged, none differ.  The
+    backward's pairs (128-query steps) likewise."""
+    flags = _fma_flags()
+    spec = spec_for(mod)
+    plan = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
+    ctx = plan.context
+    assert len(ctx["diag_terms"]) == count
+    bn = ctx["block_n"]
+    tiles = [(0, 0, 0, 0), (896, SK - bn, 1, 7), (128, 384, 1, 3), (512, 640, 0, 5)]
+    src = _program(spec, ctx, _formulas(render(plan)), tiles, {"p": 0.25})
+    exe = cxx_exe(src, f"diagfma_{abs(hash(mod))}", opt=flags)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    n, bad = (int(v) for v in out.stdout.split()[-2:])
+    assert n > 8 * 32 * 4 and bad == 0, out.stdout
+    unit = _bwd_plan(spec, d64_block_m=128)
+    steps = [(0, 0, 0, 0), (SK - 64, SQ - 128, 1, 7), (640, 384, 1, 3)]
+    src = _bwd_program(spec, unit.context, _bwd_formulas(render(unit)), steps, {"p": 0.25})
+    exe = cxx_exe(src, f"bdiagfma_{abs(hash(mod))}", opt=flags)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True)
+    n, bad = (int(v) for v in out.stdout.split()[-2:])
+    assert n == len(steps) * 64 * 128 and bad == 0, out.stdout
 
 
 def test_a_slot_outside_the_warps_diagonals_is_caught(cxx_exe):
@@ -405,3 +492,49 @@ def test_t5_backward_with_diagonal_terms_builds_128_query_steps_without_spills(r
 def test_backward_specs_without_diagonal_terms_render_unchanged(name):
     spec = shipped(name)
     assert render(_bwd_plan(spec)) == render(hopper_bwd.plan(spec, "sm_90").unit)
+
+
+# ----------------------------------------------------------------------------- no room
+def _t5(head_dim: int):
+    return loads_spec(
+        f"name: t5_d{head_dim}\nhead_dim: {head_dim}\ndtype: bf16\nscore_mod: "
+        f"'score + bias[h, min(max(kv_idx - q_idx, -128), 128) + 128]'\n{PARAMS}",
+        f"t5_d{head_dim}.yaml",
+    )
+
+
+@pytest.mark.parametrize(
+    "head_dim, kw",
+    [(256, {}), (256, {"persistent": "static"}), (128, {"persistent": "static"}),
+     (128, {"persistent": "dynamic"}), (128, {"persistent": "m_major"})],
+)  # fmt: skip
+def test_forward_without_room_for_the_slots_renders_as_the_option_off(head_dim, kw):
+    """The slots (BLOCK_N + 16 words per consumer warp and term) do not fit next to head_dim
+    256's tiles, nor the persistent head_dim 128's with its own O staging: the kernel keeps
+    the per-element form (this raised ValueError, so that an op or ``flashgen build`` of such
+    a spec failed with the option on; a mask that reads tensors routes head_dim 128 to the
+    persistent kernel by default)."""
+    spec = _t5(head_dim)
+    on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True), **kw)
+    off = hopper_fwd.plan(spec, "sm_90", **kw)
+    assert on.context["diag_terms"] == [] and on.smem_bytes == off.smem_bytes
+    assert render(on) == render(off)
+
+
+def test_forward_head_dim_128_keeps_the_slots_where_they_fit():
+    spec = _t5(128)
+    on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
+    assert len(on.context["diag_terms"]) == 1
+    assert on.smem_bytes == hopper_fwd.plan(spec, "sm_90").smem_bytes + 16 * 2 * (
+        on.context["block_n"] + 16
+    )
+
+
+def test_backward_80_query_steps_without_room_render_as_the_option_off():
+    """head_dim 128's 80-query steps leave 720 bytes for 3 KiB of slots: the per-element form
+    (this raised ValueError before the 64-query candidate was tried); 64-query steps stage."""
+    spec = _t5(128)
+    on = _bwd_plan(spec)
+    assert on.context["diag_terms"] == [] and on.context["block_m"] == 80
+    assert render(on) == render(hopper_bwd.plan(spec, "sm_90").unit)
+    assert len(_bwd_plan(spec, d128_block_m=64).context["diag_terms"]) == 1
