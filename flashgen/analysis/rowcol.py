@@ -148,6 +148,19 @@ def _contractible(x: Expr) -> bool:
     return False
 
 
+#: Calls that make a diagonal term worth its slot even without a tensor read.
+COSTLY_CALLS = frozenset({"exp", "log", "tanh", "sqrt"})
+
+
+def _costly(x: Expr) -> bool:
+    """Whether ``x`` reads a tensor or calls one of :data:`COSTLY_CALLS`: a term the element
+    code would spend a load or an SFU op on.  An integer distance such as ``abs(q_idx -
+    kv_idx)`` costs the element a few ALU ops, no more than reading its slot."""
+    return any(
+        isinstance(n, Index) or (isinstance(n, Call) and n.fn in COSTLY_CALLS) for n in ir.walk(x)
+    )
+
+
 def split_diagonal(
     e: Expr, spec: Spec, prefix: str = "fg_", *, terms: dict[Expr, Term] | None = None
 ) -> DiagSplit:
@@ -161,7 +174,8 @@ def split_diagonal(
     :mod:`flashgen.analysis.affine`, is cheaper still) and has a type of
     :data:`DIAG_TYPES`.  ``e`` comes back unchanged, with no terms, when it has none.
 
-    A float product is never a term (:func:`_contractible`): its operands are looked into
+    A term reads a tensor or calls exp, log, tanh or sqrt (:func:`_costly`).  A float
+    product is never a term (:func:`_contractible`): its operands are looked into
     instead (``slopes[h] * abs(q_idx - kv_idx)`` stages ``abs(q_idx - kv_idx)``).  Per element,
     nvcc may fuse the product into the add or subtract that takes it (one FFMA, one rounding:
     ``max(score, c) - slopes[h] * d`` is ``fma(-slopes[h], d, max(score, c))``), which a staged,
@@ -177,6 +191,7 @@ def split_diagonal(
             and free <= ROW_VARS | COL_VARS
             and x.ty in DIAG_TYPES
             and not _contractible(x)
+            and _costly(x)
             and linear(x, spec) is None
             and through_difference(x, spec)
         )
