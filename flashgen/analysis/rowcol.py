@@ -176,7 +176,7 @@ def split_diagonal(
 
     A term reads a tensor or calls exp, log, tanh or sqrt (:func:`_costly`).  A float
     product is never a term (:func:`_contractible`): its operands are looked into
-    instead (``slopes[h] * abs(q_idx - kv_idx)`` stages ``abs(q_idx - kv_idx)``).  Per element,
+    instead (``slopes[h] * log(1.0 + abs(q_idx - kv_idx))`` stages the log).  Per element,
     nvcc may fuse the product into the add or subtract that takes it (one FFMA, one rounding:
     ``max(score, c) - slopes[h] * d`` is ``fma(-slopes[h], d, max(score, c))``), which a staged,
     rounded product cannot reproduce; with its operands staged the element code keeps the
