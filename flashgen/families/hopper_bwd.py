@@ -224,8 +224,7 @@ def plan(
     layout (:data:`~flashgen.families.tiles.HOPPER_BWD_TILES_SPLIT_D`, context ``split_d``):
     64-key CTAs whose warpgroups split dK, dV, dQ by head-dim columns, and whose consumers
     add dQ with 16-byte reductions into ``dq_accum`` in 64-row tiles in their
-    accumulator's fragment order (no room for the staging tiles; ``dq_frag``; units with
-    param gradients: 8-byte reductions along dq_accum's rows).  ``ordered_dq``: the
+    accumulator's fragment order (no room for the staging tiles; ``dq_frag``).  ``ordered_dq``: the
     deterministic form (``Options.ordered_dq``): the dQ writer adds its tiles into a query
     block only after the CTAs of every earlier key block have (a semaphore per (batch, query
     head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
@@ -353,9 +352,8 @@ def plan(
         pg_frag=(ds_from_frag and not param_grads and ctx["score_grad_expr"] not in (None, "1.0f"))
         or pg_wg,
         # head_dim 256: dQ added in the accumulator's fragment order (16-byte reductions,
-        # dq_accum in 64-row tiles, fg::dq_frag_coords), as FlashAttention-3's hdim-256 does;
-        # units with param gradients keep row order until that order has run on a GPU with them
-        dq_frag=split_d and not param_grads,
+        # dq_accum in 64-row tiles, fg::dq_frag_coords), as FlashAttention-3's hdim-256 does
+        dq_frag=split_d,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

@@ -66,28 +66,11 @@ __device__ __forceinline__ float ld_shared_pair(const float* p, int e) {
     const float2 v = *reinterpret_cast<const float2*>(p);
     return e ? v.y : v.x;
 }
-// p[0..1] += (x, y) in global memory, result unused (PTX ISA 8.1, sm_90; p 8-byte aligned).
-__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], { %1, %2};\n" :: "l"(p), "f"(x), "f"(y) : "memory");
-}
-// dq_accum += a wgmma accumulator tile of dQ (J 8-column tiles, acc[4j + 2r + e]) as it lies in the registers:
-// one 2-column reduction per (j, r), no shuffles.  dq_row: this lane's row (lane / 4) of dq_accum at its first
-// column (2 (lane % 4)); row_stride: dq_accum's row pitch in floats; in_range[r]: row + 8 r is inside seqlen_q.
-template <int J, int N>
-__device__ __forceinline__ void red_add_dq_pairs(float* dq_row, int64_t row_stride, const float (&acc)[N], const bool (&in_range)[2]) {
-    static_assert(4 * J <= N, "J 8-column tiles of acc");
-    #pragma unroll
-    for (int r = 0; r < 2; ++r)
-        if (in_range[r]) {
-            #pragma unroll
-            for (int j = 0; j < J; ++j) red_add_f32x2(dq_row + 8 * r * row_stride + 8 * j, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-        }
-}
 // p[0..3] += (x, y, z, w) in global memory, result unused (PTX ISA 8.1, sm_90; p 16-byte aligned).
 __device__ __forceinline__ void red_add_f32x4(float* p, float x, float y, float z, float w) {
     asm volatile("red.global.add.v4.f32 [%0], { %1, %2, %3, %4};\n" :: "l"(p), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
 }
-// dq_accum in fragment order (the Hopper backward at head_dim 256, units without param gradients): a 64-row tile of dQ, 64 x D fp32, holds warpgroup c's m64n(D/2)
+// dq_accum in fragment order (the Hopper backward at head_dim 256): a 64-row tile of dQ, 64 x D fp32, holds warpgroup c's m64n(D/2)
 // accumulator (columns [c D/2, (c + 1) D/2)) in its floats [c 32 D, (c + 1) 32 D), thread t's acc[4j .. 4j + 3] (J = D / 16
 // 8-column tiles j) as its float4 number j * 128 + t: each reduction 16 bytes, each warp's 512 contiguous bytes.
 // Float4 f of a tile holds dQ(row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1), DqFragCoords of f.

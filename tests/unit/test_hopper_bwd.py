@@ -425,28 +425,6 @@ def test_visited_steps_cover_every_kept_pair_and_skip_only_full_tiles(sq, sk, ca
     assert not (keep & ~covered).any()
 
 
-def test_dq_reduction_pairs_add_every_element_once():
-    """The d256 dQ reductions of units with param gradients (``fg::red_add_dq_pairs``,
-    red.global.add.v2.f32): lane l adds
-    acc[4j + 2r], acc[4j + 2r + 1] at row l / 4 + 8 r, columns 8 j + 2 (l % 4) + {0, 1} of the
-    warp's 16-row slice, which is where the m64nN accumulator layout holds them; every (row,
-    column) of J 8-column tiles is added exactly once, at an 8-byte aligned address."""
-    J, row_stride = 16, 256
-    added = {}
-    for lane in range(32):
-        for j in range(J):
-            for r in range(2):
-                # the accumulator layout: acc[4j + 2r + e] at (lane/4 + 8r, 8j + 2(lane%4) + e)
-                want = [(lane // 4 + 8 * r, 8 * j + 2 * (lane % 4) + e) for e in range(2)]
-                # the kernel's address: dq_row (row lane / 4, column 2 (lane % 4)) + 8 r rows + 8 j
-                addr = (lane // 4 + 8 * r) * row_stride + 2 * (lane % 4) + 8 * j
-                assert addr % 2 == 0  # two floats: 8-byte aligned (row_stride, the base even)
-                for e, (er, ec) in enumerate(want):
-                    assert addr + e == er * row_stride + ec
-                    added[(er, ec)] = added.get((er, ec), 0) + 1
-    assert added == {(r, c): 1 for r in range(16) for c in range(8 * J)}
-
-
 def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
     """The d256 dQ reductions in fragment order: thread t of warpgroup c adds acc[4j .. 4j + 3]
     as float4 c * 2048 + j * 128 + t of the 64-row tile (``fg::red_add_dq_frag``); the convert
@@ -484,7 +462,7 @@ def test_dq_frag_order_holds_each_accumulator_element_once(cxx_exe):
 
 
 def test_d256_plan_pads_dq_accum_to_tiles():
-    """Only head_dim 256 without param gradients adds dQ in fragment order: dq_accum's rows
+    """Only head_dim 256 (param gradients or not) adds dQ in fragment order: dq_accum's rows
     per (batch, query head) round up to 64 and the convert kernel's grid covers the padded
     tiles; the removed option says so."""
     from flashgen.families import hopper_bwd
@@ -498,11 +476,9 @@ def test_d256_plan_pads_dq_accum_to_tiles():
         other = hopper_bwd.plan(small(d, "bf16", True), "sm_90")
         assert other.dq_accum_seqlen(65) == 65 and not other.dkdv.context["dq_frag"]
     assert "fg::red_add_dq_frag<" in render(plan.unit)
-    # units with param gradients keep row order (not yet run on a GPU in fragment order)
     dp = hopper_bwd.plan(at_d256("alibi_learned"), "sm_90", param_grads=("slopes",))
-    assert not dp.dkdv.context["dq_frag"] and dp.dq_accum_seqlen(65) == 65
-    dp_src = render(dp.unit)
-    assert "fg::red_add_dq_pairs<" in dp_src and "fg::red_add_dq_frag<" not in dp_src
+    assert dp.dkdv.context["dq_frag"] and dp.dq_accum_seqlen(65) == 128
+    assert "fg::red_add_dq_frag<" in render(dp.unit)
     with pytest.raises(UnknownOptionError, match="fragment"):
         DEFAULT.with_values({"hopper_bwd.d256_dq_frag": True})
 
