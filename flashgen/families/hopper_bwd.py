@@ -69,7 +69,7 @@ class Options:
     per diagonal by shuffles into its own shared slots, the CTA's tile is summed per diagonal
     from them; the shared-atomic sums it replaced were correct on a GPU but hardly faster,
     this form has not run on one yet; off, such a backward runs the FA2-class kernels);
-    ``diag_terms`` (off by default, until measured on the GPU; head dims 64 and 128): as
+    ``diag_terms`` (on by default; head dims 64 and 128): as
     :class:`flashgen.families.hopper_fwd.Options`' ``diag_terms``, the score_mod's functions of
     ``kv_idx - q_idx`` are evaluated once per diagonal of each consumer warp's 16 keys x
     BLOCK_M queries of a step that is not an edge, into a static shared array (``sDiag``), while
@@ -86,7 +86,7 @@ class Options:
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
     dparam_diagonal: bool = False
-    diag_terms: bool = False
+    diag_terms: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")

@@ -87,7 +87,7 @@ class Options:
     fp32 before the store (every form: persistent, sparse tiles, fp8), from a float32 logit
     per (batch, query head) taken per call; lse stays the keys' alone (as
     :class:`flashgen.families.fa2_fwd.Options`' ``fused_sink``, which says more).
-    ``diag_terms`` (off by default, until measured on the GPU): the score_mod's terms that are
+    ``diag_terms`` (on by default; False: per element): the score_mod's terms that are
     functions of ``kv_idx - q_idx`` (T5's relative table; :func:`flashgen.analysis.rowcol.
     split_diagonal`) are evaluated once per diagonal of each consumer warp's part of a FULL
     tile, into shared memory (``sDiag``: BLOCK_N + 16 words per warp and term), while the tile's
@@ -109,7 +109,7 @@ class Options:
     fp8_transpose: str = "ldsm"
     exp2_poly: int = 0
     fused_sink: bool = False
-    diag_terms: bool = False
+    diag_terms: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_fwd")

@@ -14,6 +14,10 @@
 //   acc_o     O = P V, 64 x HEAD_DIM, rescaled lazily, divided by row_sum at the end
 //   fragment  thread (warp w, lane l) holds rows 16w + l/4 (+8) and, per 8-column tile j,
 //             columns 8j + 2(l%4) + {0,1}: acc[4j + 2r + e]
+//   sDiag     (Options.hopper_fwd.diag_terms) per consumer warp, DIAG_LEN 32-bit slots per diagonal term of the score_mod
+//             (flashgen/analysis/rowcol.py, split_diagonal): on a FULL tile the warp's 16 rows and BLOCK_N keys span
+//             BLOCK_N + 15 diagonals kv_idx - q_idx, each term is evaluated once per diagonal (stage_diag) and read by
+//             the elements at a per-thread base plus a compile-time offset
 // Softmax runs in the exp2 domain, one FFMA before each exp2: P = exp2(c * x - c * row max), with
 // x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
@@ -649,6 +653,8 @@ constexpr int NO = HEAD_DIM / 8;     // 8-column tiles of O
 constexpr uint32_t SQ_BYTES = BLOCK_M * HEAD_DIM * 2;
 constexpr uint32_t SKV_BYTES = BLOCK_N * HEAD_DIM * 2;
 constexpr bool IS_CAUSAL = false;
+constexpr int DIAG_LEN = BLOCK_N + 16;  // slots per warp and diagonal term: diagonals t = 0 .. BLOCK_N + 14 (sDiag)
+constexpr uint32_t DIAG_BYTES = NUM_CONSUMERS * 4 * 1 * DIAG_LEN * 4;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 using elem_t = __nv_bfloat16;
@@ -688,7 +694,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
     const uint32_t sQ = (fg::smem_u32(smem_raw) + 1023u) & ~1023u;  // 128-byte swizzle wants 1 KiB alignment
     const uint32_t sK = sQ + SQ_BYTES;
     const uint32_t sV = sK + STAGES * SKV_BYTES;
-    const uint32_t bars = sV + STAGES * SKV_BYTES;
+    const uint32_t bars = sV + STAGES * SKV_BYTES + DIAG_BYTES;
+    float* const sDiag = reinterpret_cast<float*>(smem_raw + (bars - DIAG_BYTES - fg::smem_u32(smem_raw)));  // before the barriers
     const uint32_t q_full = bars;
     auto k_full = [&](int s) { return bars + 8u * (1 + s); };
     auto v_full = [&](int s) { return bars + 8u * (1 + STAGES + s); };
@@ -842,6 +849,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
     #pragma unroll
     for (int i = 0; i < NO * 4; ++i) acc_o[i] = 0.f;
+    // Diagonal terms (sDiag): on a FULL tile at key n0, warp w's rows q_w .. q_w + 15 (q_w = m0 + 16 (4 cg + w)) and
+    // keys n0 .. n0 + BLOCK_N - 1 meet on the diagonals kv_idx - q_idx = n0 - q_w - 15 + t, t in [0, BLOCK_N + 15).
+    // Lane l evaluates slots t = l, l + 32, .. at (q_w + 15, n0 + t) (a term reads the two only through their
+    // difference); the element (row q_w + l / 4 + 8 r, key n0 + 8 j + 2 (l % 4) + e) reads slot
+    // diag_base + 8 j + e - 8 r.  Masked tiles evaluate the terms per element.
+    float* const diag_w = sDiag + (cg * 4 + warp) * 1 * DIAG_LEN;
+    const int diag_base = (lane % 4) * 2 - lane / 4 + 15;
+    auto stage_diag = [&](int n0, int tile_cls) {
+        if (tile_cls != fg::iv::FULL || n0 + BLOCK_N > seqlen_k) return;
+        __syncwarp();  // every lane has read the last tile's slots
+        #pragma unroll
+        for (int c = 0; c < (BLOCK_N + 15 + 31) / 32; ++c) {
+            const int t = 32 * c + lane;
+            if (t >= BLOCK_N + 15) break;
+            const int q_idx = m0 + row_base - lane / 4 + 15, kv_idx = n0 + t;
+            const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
+            (void)q_idx_f; (void)kv_idx_f;
+            diag_w[0 * DIAG_LEN + t] = ((float)(__ldg(fg::base_ptr(t_bias + ((int64_t)(h) * (int64_t)(257) + 128)) + (min(max((kv_idx - q_idx), (-128)), 128)))));
+        }
+        __syncwarp();
+    };
 
     // S = Q K^T for ring stage s: HEAD_DIM / 16 wgmmas, operands straight from the swizzled tiles.
     auto issue_s = [&](int s) {
@@ -933,7 +961,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
                     const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
                     const float score = score_raw * softmax_scale;
                     (void)score_raw; (void)score;
-                    float x = (float)((score + __ldg(fg::base_ptr(t_bias + ((int64_t)(h) * (int64_t)(257) + 128)) + (min(max((kv_idx - q_idx), (-128)), 128)))));
+                    const float fg_diag0 = (diag_w[0 * DIAG_LEN + diag_base + j * 8 + i % 2 - (i / 2) * 8]);
+                    float x = (float)((score + fg_diag0));
                     (void)q_raw; (void)kv_raw;
                     acc_s[4 * j + i] = x;
                 }
@@ -983,6 +1012,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
         pp_wait();
         issue_s(0);
         pp_pass();
+        stage_diag(info_n0, info_cls & 0xff);
         fg::wgmma_wait<0>();
         fg::fence_regs(acc_s);
         if (lane == 0) fg::mbar_arrive(k_empty(0));
@@ -1000,6 +1030,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_t5_bias_fwd_sm
             fg::mbar_wait(v_full(s_prev), ((it - 1) / STAGES) & 1);
             issue_pv(s_prev);
             pp_pass();
+            stage_diag(info_n0, info_cls & 0xff);  // while the GEMMs run
             fg::wgmma_wait<1>();       // S_it has landed; P_{it-1} V_{it-1} may still run
             fg::fence_regs(acc_s);
             if (lane == 0) fg::mbar_arrive(k_empty(s));

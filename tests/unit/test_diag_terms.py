@@ -68,6 +68,11 @@ CONTRACTED = [
 # fmt: on
 
 
+#: The per-element form (the options off), the reference of the rendering tests.
+FWD_OFF = hopper_fwd.Options(diag_terms=False)
+BWD_OFF = hopper_bwd.Options(diag_terms=False)
+
+
 def shipped(name: str):
     return load_spec(SPEC_DIR / f"{name}.yaml")
 
@@ -327,7 +332,7 @@ def test_a_slot_outside_the_warps_diagonals_is_caught(cxx_exe):
 def test_t5_renders_staged_diagonals_and_more_shared_memory():
     spec = shipped("t5_bias")
     on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
-    off = hopper_fwd.plan(spec, "sm_90")
+    off = hopper_fwd.plan(spec, "sm_90", FWD_OFF)
     src = render(on)
     assert "stage_diag(info_n0, info_cls & 0xff);" in src and "fg_diag0" in src
     assert src.count("__ldg(fg::base_ptr(t_bias") == 2, "staging and the masked tiles' loop"
@@ -339,7 +344,7 @@ def test_t5_renders_staged_diagonals_and_more_shared_memory():
 def test_specs_without_diagonal_terms_render_unchanged(name):
     spec = shipped(name)
     on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
-    assert render(on) == render(hopper_fwd.plan(spec, "sm_90"))
+    assert render(on) == render(hopper_fwd.plan(spec, "sm_90", FWD_OFF))
 
 
 def test_t5_with_diagonal_terms_builds_without_spills(requires_nvcc):
@@ -493,7 +498,7 @@ def test_t5_backward_with_diagonal_terms_builds_128_query_steps_without_spills(r
 @pytest.mark.parametrize("name", ["causal_d128", "alibi", "gemma2_softcap", "bidir_d256"])
 def test_backward_specs_without_diagonal_terms_render_unchanged(name):
     spec = shipped(name)
-    assert render(_bwd_plan(spec)) == render(hopper_bwd.plan(spec, "sm_90").unit)
+    assert render(_bwd_plan(spec)) == render(hopper_bwd.plan(spec, "sm_90", BWD_OFF).unit)
 
 
 # ----------------------------------------------------------------------------- no room
@@ -518,7 +523,7 @@ def test_forward_without_room_for_the_slots_renders_as_the_option_off(head_dim, 
     persistent kernel by default)."""
     spec = _t5(head_dim)
     on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True), **kw)
-    off = hopper_fwd.plan(spec, "sm_90", **kw)
+    off = hopper_fwd.plan(spec, "sm_90", FWD_OFF, **kw)
     assert on.context["diag_terms"] == [] and on.smem_bytes == off.smem_bytes
     assert render(on) == render(off)
 
@@ -527,7 +532,7 @@ def test_forward_head_dim_128_keeps_the_slots_where_they_fit():
     spec = _t5(128)
     on = hopper_fwd.plan(spec, "sm_90", hopper_fwd.Options(diag_terms=True))
     assert len(on.context["diag_terms"]) == 1
-    assert on.smem_bytes == hopper_fwd.plan(spec, "sm_90").smem_bytes + 16 * 2 * (
+    assert on.smem_bytes == hopper_fwd.plan(spec, "sm_90", FWD_OFF).smem_bytes + 16 * 2 * (
         on.context["block_n"] + 16
     )
 
@@ -538,5 +543,5 @@ def test_backward_80_query_steps_without_room_render_as_the_option_off():
     spec = _t5(128)
     on = _bwd_plan(spec)
     assert on.context["diag_terms"] == [] and on.context["block_m"] == 80
-    assert render(on) == render(hopper_bwd.plan(spec, "sm_90").unit)
+    assert render(on) == render(hopper_bwd.plan(spec, "sm_90", BWD_OFF).unit)
     assert len(_bwd_plan(spec, d128_block_m=64).context["diag_terms"]) == 1

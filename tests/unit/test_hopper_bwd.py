@@ -798,11 +798,14 @@ def test_d64_block_m128_computes_ds_from_the_packed_p():
 
 
 def test_specs_that_spill_at_128_query_steps(requires_nvcc):
-    """The GPU tests' SPILL_AT_128 (tests/gpu/test_hopper_bwd_gpu.py): t5_bias's table read
-    spills with 128-query steps, so its op runs 64 (the next test)."""
+    """The GPU tests' SPILL_AT_128 (tests/gpu/test_hopper_bwd_gpu.py): t5_bias's table read per
+    element (``hopper_bwd.diag_terms=False``) spills with 128-query steps, so such an op runs 64
+    (the next test); staged per diagonal (the default) it does not
+    (tests/unit/test_diag_terms.py)."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    plan = reg_plan(shipped("t5_bias"), "sm_90", D64_128)
+    per_element = D64_128.replace_path("hopper_bwd.diag_terms", False)
+    plan = reg_plan(shipped("t5_bias"), "sm_90", per_element)
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes > 0
 
