@@ -161,6 +161,49 @@ def _formulas(src: str) -> dict:
             "slot": slot}  # fmt: skip
 
 
+def _host_pieces(spec, terms, warp: str, slot: str) -> tuple[str, str, str, str]:
+    """The pieces both host programs share: the staging stores and the element reads of
+    ``terms`` (warp index ``warp``, a pair's slot ``slot``), the tensor params as host arrays
+    with the bit-cast helpers, and their initialisation."""
+    stores = "".join(
+        f"                sdiag[{warp}][{i} * DIAG_LEN + t] = "
+        f"{'i2f' if t['ctype'] == 'int' else ''}(({t['ctype']})({t['code']}));\n"
+        for i, t in enumerate(terms)
+    )
+    reads = "".join(
+        f"                    const {t['ctype']} {t['name']} = "
+        f"{'f2i' if t['ctype'] == 'int' else ''}(sdiag[{warp}][{i} * DIAG_LEN + {slot}]);\n"
+        for i, t in enumerate(terms)
+    )
+    tensors = "".join(f"static float t_{p.name}[8192];\n" if p.ty == Ty.F32 else
+                      f"static int t_{p.name}[8192];\n" for p in spec.tensor_params)  # fmt: skip
+    header = (
+        "#include <cstring>\n"
+        "static float i2f(int v) { float f; std::memcpy(&f, &v, 4); return f; }\n"
+        "static int f2i(float v) { int i; std::memcpy(&i, &v, 4); return i; }\n" + tensors
+    )
+    init = "".join(
+        f"    for (int i = 0; i < 8192; ++i) t_{p.name}[i] = "
+        + ("(float)((i * 37) % 23 - 11) * 0.173f;\n" if p.ty == Ty.F32 else "(i * 7) % 257;\n")
+        for p in spec.tensor_params
+    )
+    return stores, reads, header, init
+
+
+def _stage_loop(cols: str, f: dict, stores: str) -> str:
+    """A lane's staging loop over its warp's ``cols + 15`` diagonals, with the kernel's slot
+    bound and staged pair (``f``)."""
+    return (
+        f"            for (int c = 0; c < ({cols} + 15 + 31) / 32; ++c) {{\n"
+        "                const int t = 32 * c + lane;\n"
+        f"                if (t >= {f['bound']}) break;\n"
+        f"                const int q_idx = {f['q']}, kv_idx = {f['kv']};\n"
+        "                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;\n"
+        "                (void)q_idx_f; (void)kv_idx_f;\n"
+        f"{stores}            }}\n"
+    )
+
+
 def _program(spec, ctx, f: dict, tiles, values) -> str:
     """A host program: for each FULL tile (m0, n0) every warp stages its diagonals as
     stage_diag does, then every element of every lane computes x both ways; prints the
@@ -168,29 +211,10 @@ def _program(spec, ctx, f: dict, tiles, values) -> str:
     terms = ctx["diag_terms"]
     nt = len(terms)
     decl, args = scalar_params(spec, values)
-    stores = "".join(
-        f"                sdiag[w][{i} * DIAG_LEN + t] = "
-        f"{'i2f' if t['ctype'] == 'int' else ''}(({t['ctype']})({t['code']}));\n"
-        for i, t in enumerate(terms)
-    )
-    reads = "".join(
-        f"                    const {t['ctype']} {t['name']} = "
-        f"{'f2i' if t['ctype'] == 'int' else ''}(sdiag[w][{i} * DIAG_LEN + {f['slot']}]);\n"
-        for i, t in enumerate(terms)
-    )
-    tensors = "".join(f"static float t_{p.name}[8192];\n" if p.ty == Ty.F32 else
-                      f"static int t_{p.name}[8192];\n" for p in spec.tensor_params)  # fmt: skip
-    init = "".join(
-        f"    for (int i = 0; i < 8192; ++i) t_{p.name}[i] = "
-        + ("(float)((i * 37) % 23 - 11) * 0.173f;\n" if p.ty == Ty.F32 else "(i * 7) % 257;\n")
-        for p in spec.tensor_params
-    )
+    stores, reads, header, init = _host_pieces(spec, terms, "w", f["slot"])
     rows = "".join(f"    {{{m0}, {n0}, {b}, {h}}},\n" for m0, n0, b, h in tiles)
     return preamble() + f"""
-#include <cstring>
-static float i2f(int v) {{ float f; std::memcpy(&f, &v, 4); return f; }}
-static int f2i(float v) {{ int i; std::memcpy(&i, &v, 4); return i; }}
-{tensors}
+{header}
 constexpr int BLOCK_N = {ctx['block_n']}, NS = BLOCK_N / 8, DIAG_LEN = BLOCK_N + 16;
 static float sdiag[8][{max(nt, 1)} * DIAG_LEN];
 struct Tile {{ int m0, n0, b, h; }};
@@ -207,14 +231,7 @@ static void run(const Tile& tl, long& n, long& bad{decl}) {{
         const int cg = w / 4, warp = w % 4;
         for (int lane = 0; lane < 32; ++lane) {{
             const int row_base = cg * 64 + warp * 16 + lane / 4;
-            for (int c = 0; c < (BLOCK_N + 15 + 31) / 32; ++c) {{
-                const int t = 32 * c + lane;
-                if (t >= {f['bound']}) break;
-                const int q_idx = {f['q']}, kv_idx = {f['kv']};
-                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
-                (void)q_idx_f; (void)kv_idx_f;
-{stores}            }}
-        }}
+{_stage_loop("BLOCK_N", f, stores)}        }}
     }}
     for (int w = 0; w < 8; ++w) {{
         const int cg = w / 4, warp = w % 4;
@@ -373,30 +390,10 @@ def _bwd_program(spec, ctx, f: dict, steps, values) -> str:
     derivative computed per element with the staged form."""
     terms = ctx["diag_terms"]
     decl, args = scalar_params(spec, values)
-    stores = "".join(
-        f"                sdiag[warp][{i} * DIAG_LEN + t] = "
-        f"{'i2f' if t['ctype'] == 'int' else ''}(({t['ctype']})({t['code']}));\n"
-        for i, t in enumerate(terms)
-    )
-    reads = "".join(
-        f"                    const {t['ctype']} {t['name']} = "
-        f"{'f2i' if t['ctype'] == 'int' else ''}"
-        f"(sdiag[warp][{i} * DIAG_LEN + base + {f['slot']}]);\n"
-        for i, t in enumerate(terms)
-    )
-    tensors = "".join(f"static float t_{p.name}[8192];\n" if p.ty == Ty.F32 else
-                      f"static int t_{p.name}[8192];\n" for p in spec.tensor_params)  # fmt: skip
-    init = "".join(
-        f"    for (int i = 0; i < 8192; ++i) t_{p.name}[i] = "
-        + ("(float)((i * 37) % 23 - 11) * 0.173f;\n" if p.ty == Ty.F32 else "(i * 7) % 257;\n")
-        for p in spec.tensor_params
-    )
+    stores, reads, header, init = _host_pieces(spec, terms, "warp", "base + " + f["slot"])
     rows = "".join(f"    {{{kw0}, {qw0}, {b}, {h}}},\n" for kw0, qw0, b, h in steps)
     return preamble() + f"""
-#include <cstring>
-static float i2f(int v) {{ float f; std::memcpy(&f, &v, 4); return f; }}
-static int f2i(float v) {{ int i; std::memcpy(&i, &v, 4); return i; }}
-{tensors}
+{header}
 constexpr int QN = {ctx['block_m']}, NQ = QN / 8, DIAG_LEN = QN + 16;
 static float sdiag[4][{max(len(terms), 1)} * DIAG_LEN];
 struct Step {{ int kw0, qw0, b, h; }};
@@ -409,14 +406,7 @@ static void run(const Step& st, long& n, long& bad{decl}) {{
     (void)b; (void)h; (void)h_kv; (void)batch; (void)heads_q; (void)heads_kv;
     for (int warp = 0; warp < 4; ++warp)
         for (int lane = 0; lane < 32; ++lane)
-            for (int c = 0; c < (QN + 15 + 31) / 32; ++c) {{
-                const int t = 32 * c + lane;
-                if (t >= {f['bound']}) break;
-                const int q_idx = {f['q']}, kv_idx = {f['kv']};
-                const float q_idx_f = (float)q_idx, kv_idx_f = (float)kv_idx;
-                (void)q_idx_f; (void)kv_idx_f;
-{stores}            }}
-    for (int warp = 0; warp < 4; ++warp)
+{_stage_loop("QN", f, stores)}    for (int warp = 0; warp < 4; ++warp)
         for (int lane = 0; lane < 32; ++lane) {{
             const int base = {f['base']};
             const int key_raw = kw0 + warp * 16 + lane / 4;
