@@ -31,6 +31,10 @@ from pathlib import Path
 import pytest
 
 _GMMA = re.compile(r"\b[A-Z]GMMA\.(\d+x\d+x\d+)")
+#: ``cuobjdump -sass`` listings by cubin path (a cache entry's path names its content): the
+#: tests that read one unit's SASS more than once in a process disassemble it once (about a
+#: CPU-second each).
+_LISTINGS: dict[str, str] = {}
 
 
 def cuobjdump() -> str | None:
@@ -59,9 +63,12 @@ def sass(plan) -> str:
     if tool is None:
         pytest.skip("no cuobjdump (pip install nvidia-cuda-cuobjdump)")
     cubin, _ = cache.get_or_build(render(plan), plan)
-    done = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    if str(cubin) not in _LISTINGS:
+        done = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        _LISTINGS[str(cubin)] = done.stdout
+    return _LISTINGS[str(cubin)]
 
 
 def wgmmas(text: str, shape: str | None = None) -> int:
