@@ -4,7 +4,8 @@
   is false (``python -m pytest -m gpu`` selects only them).
 * Every test session compiles into its own temporary ``FLASHGEN_CACHE_DIR``.
 * ``error_bound`` fixture: the accuracy bound used against the float64 reference.
-* ``host_exe`` fixture: a host program built with nvcc from the kernels' headers.
+* ``host_exe`` fixture: a host program built with nvcc from the kernels' headers (once per
+  source and process).
 * ``cxx_exe`` fixture: a host program built with the system C++ compiler (lowered
   expressions evaluated on the CPU).
 * GPU tests give their cached device memory back when they end, so the xdist workers sharing
@@ -116,22 +117,32 @@ def _session_cache_dir(tmp_path_factory):
         os.environ["FLASHGEN_CACHE_DIR"] = old
 
 
+#: host programs built by :func:`host_exe` in this process, by (source, optimization flag)
+_HOST_EXES: dict[tuple[str, str], Path] = {}
+
+
 @pytest.fixture
 def host_exe(tmp_path, requires_nvcc):
     """``build(source, name="prog", opt="-O1")``: compile CUDA C++ ``source`` into a host
     executable with nvcc (the kernels' headers, ``__host__ __device__`` code run on the CPU)
-    and return its path; the test fails with nvcc's output if it does not build."""
+    and return its path; the test fails with nvcc's output if it does not build.  A source
+    built before in this process (with the same ``opt``) returns that build's executable (an
+    nvcc host build takes 2 to 4 CPU-seconds)."""
     import subprocess
 
     from flashgen.build.compile import find_nvcc
 
     def build(source: str, name: str = "prog", opt: str = "-O1") -> Path:
+        done_before = _HOST_EXES.get((source, opt))
+        if done_before is not None and done_before.is_file():
+            return done_before
         src, exe = tmp_path / f"{name}.cu", tmp_path / name
         src.write_text(source)
         cmd = [find_nvcc(), "-std=c++17", opt, "-x", "cu", str(src), "-o", str(exe)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode:
             pytest.fail(f"nvcc failed:\n{done.stdout}{done.stderr}")
+        _HOST_EXES[(source, opt)] = exe
         return exe
 
     return build
