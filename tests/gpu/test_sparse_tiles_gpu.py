@@ -78,8 +78,8 @@ def _record_tiles(op, monkeypatch) -> list:
     loads both kernels on first use, so which ones are loaded says nothing)."""
     ran, kernel = [], op.kernel
 
-    def spy(device, sparse=False):
-        kern = kernel(device, sparse=sparse)
+    def spy(device, **kw):
+        kern = kernel(device, **kw)
         ran.append(kern.plan)
         return kern
 

@@ -151,8 +151,8 @@ def test_graphs_replayed_on_two_streams_at_once(monkeypatch):
     plans = []
     kernel = op.kernel
 
-    def spy(device, sparse=False):
-        kern = kernel(device, sparse)
+    def spy(device, **kw):
+        kern = kernel(device, **kw)
         plans.append(kern.plan)
         return kern
 
