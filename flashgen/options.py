@@ -114,7 +114,8 @@ class Options:
     bool is ``True`` / ``False``, an int is no float and no bool); raises ``ValueError``
     naming the dotted field (``Options.decode.stages``) for a value of another type or
     outside its choices or range, and for fields that exclude each other
-    (``hopper_fwd.exp2_poly`` above 0 with ``exact_softmax``, whose exp2s stay on the SFU).
+    (``hopper_fwd.exp2_poly`` or ``hopper_bwd.exp2_poly`` above 0 with ``exact_softmax``, whose
+    exp2s stay on the SFU).
     """
 
     family: str = "auto"
@@ -150,12 +151,14 @@ class Options:
                 f"Options.sparse_persistent={self.sparse_persistent!r}: expected one of "
                 f"{PERSISTENT_CHOICES[1:]}"
             )
-        if self.exact_softmax and self.hopper_fwd.exp2_poly:  # fields that exclude each other
-            raise ValueError(
-                f"Options.hopper_fwd.exp2_poly={self.hopper_fwd.exp2_poly!r} with "
-                "Options.exact_softmax=True: expected exp2_poly 0 with the exact softmax (its "
-                "exp2s stay on the SFU; the polynomial would be dropped): set one of them"
-            )
+        for fam in ("hopper_fwd", "hopper_bwd"):  # fields that exclude each other
+            poly = getattr(self, fam).exp2_poly
+            if self.exact_softmax and poly:
+                raise ValueError(
+                    f"Options.{fam}.exp2_poly={poly!r} with Options.exact_softmax=True: expected "
+                    "exp2_poly 0 with the exact softmax (its exp2s stay on the SFU; the "
+                    "polynomial would be dropped): set one of them"
+                )
         if self.persistent_ctas is not None and (
             not isinstance(self.persistent_ctas, int) or self.persistent_ctas < 1
         ):
@@ -302,6 +305,7 @@ VALUE_RANGES = {
     "hopper_fwd.exp2_poly": ("range", 0, hopper_fwd.EXP2_POLY_SIXTEENTHS),
     "hopper_bwd.d64_block_m": ("choices", hopper_bwd.D64_BLOCK_MS),
     "hopper_bwd.d128_block_m": ("choices", hopper_bwd.D128_BLOCK_MS),
+    "hopper_bwd.exp2_poly": ("range", 0, hopper_bwd.EXP2_POLY_SIXTEENTHS),
     "decode.block_n": ("multiple", 16 * decode.NUM_WARPS),
     "decode.stages": ("range", 2, decode.MAX_STAGES),
     "decode.num_splits": ("range", 1, decode.MAX_SPLITS),

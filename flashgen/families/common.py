@@ -365,3 +365,25 @@ def forward_context(
         "sink": sink,
     }
 
+
+#: ``exp2_poly`` (:class:`flashgen.families.hopper_fwd.Options`, ``hopper_bwd.Options``) is in
+#: sixteenths: of a thread's ``NS = BLOCK_N // 8`` 8-column tiles of P per row, ``NS * exp2_poly //
+#: 16`` (spread evenly) take the polynomial (:func:`exp2_poly_tiles`; the plan renders the fewest
+#: sixteenths that give as many, so values that give the same count render one source, and a count
+#: of 0 the default one).  On Hopper (no packed FFMA2, as Blackwell has) ``fg::exp2_poly`` costs 8
+#: issue slots per element against the SFU's 8 clocks per warp-wide ex2, so about 3/16 balances the
+#: two pipes.
+EXP2_POLY_SIXTEENTHS = 16
+
+
+def exp2_poly_tiles(block_n: int, sixteenths: int) -> tuple[int, int]:
+    """``(tiles, canonical)``: how many of a row's ``NS = block_n // 8`` 8-column tiles of P
+    ``sixteenths`` (the families' ``exp2_poly`` option) puts on the FMA pipe, ``NS * sixteenths //
+    16``, and the fewest sixteenths that put as many there (what the plans render:
+    ``fg::softmax_exp2_split`` spreads any value's tiles over the row, so values of one count build
+    the same kernel; 0 for none, the default source)."""
+    ns = block_n // 8
+    count = ns * sixteenths // EXP2_POLY_SIXTEENTHS
+    canonical = min(k for k in range(EXP2_POLY_SIXTEENTHS + 1)
+                    if ns * k // EXP2_POLY_SIXTEENTHS == count)  # fmt: skip
+    return count, canonical

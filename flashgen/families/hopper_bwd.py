@@ -25,7 +25,14 @@ from flashgen.families.bwd_common import (
     backward_abi,
     base_fields,
 )
-from flashgen.families.common import FAMILIES, HOPPER_SMEM_LIMIT, MMA16_DTYPES, tile_group_expr
+from flashgen.families.common import (
+    EXP2_POLY_SIXTEENTHS,
+    FAMILIES,
+    HOPPER_SMEM_LIMIT,
+    MMA16_DTYPES,
+    exp2_poly_tiles,
+    tile_group_expr,
+)
 from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
 from flashgen.frontend.ir import Causal, Spec
@@ -77,6 +84,14 @@ class Options:
     Where the slots do not fit (head_dim 128's 80-query steps: 3 KiB against 720 bytes left),
     the unit renders as with the option off (``d128_block_m=64`` takes them).
 
+    ``exp2_poly`` (an int in [0, 16], default 0: every exponential on the SFU): as
+    :class:`flashgen.families.hopper_fwd.Options`' ``exp2_poly``, that many sixteenths of each
+    thread's ``QN / 8`` 8-column tiles of P^T (query columns) in the steps that are not edges
+    take ``fg::exp2_poly``, FlashAttention-4's exp2 emulation on the FMA pipe
+    (``templates/common/exp2_poly.cuh``), the others ``ex2.approx``; edge steps keep the SFU for
+    every element (their masked pairs' exponents may be inf or NaN before the selection).  Not
+    with ``exact_softmax`` (:class:`flashgen.options.Options` refuses the pair).
+
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
 
@@ -87,9 +102,15 @@ class Options:
     d256_sdp_warpgroups: bool = True
     dparam_diagonal: bool = False
     diag_terms: bool = True
+    exp2_poly: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
+        if not 0 <= self.exp2_poly <= EXP2_POLY_SIXTEENTHS:
+            raise ValueError(
+                f"Options.hopper_bwd.exp2_poly={self.exp2_poly!r}: expected an int in "
+                f"[0, {EXP2_POLY_SIXTEENTHS}] (sixteenths of P^T's tiles on the FMA pipe)"
+            )
         if self.d64_block_m not in D64_BLOCK_MS:
             raise ValueError(
                 f"Options.hopper_bwd.d64_block_m={self.d64_block_m!r}: expected one of "
@@ -118,6 +139,7 @@ class Context(BackwardContext):
     tt_ns: list
     bwd_tile_group: str
     ordered_dq: bool
+    exp2_poly: int  # sixteenths of P^T's query tiles by fg::exp2_poly (0: none), the fewest
     dq_rows_split: bool
     pg_frag: bool
     dq_swap: bool
@@ -357,6 +379,8 @@ def plan(
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,
+        # that give as many (exp2_poly_tiles over QN query columns)
+        exp2_poly=exp2_poly_tiles(qn, options.exp2_poly)[1],
     )
     context = Context(**ctx)
 

@@ -14,12 +14,14 @@ from flashgen.codegen.dtypes import DTYPES, dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families import tiles as tile_tables
 from flashgen.families.common import (
+    EXP2_POLY_SIXTEENTHS,
     FAMILIES,
     HEAD_GROUP_L2_BYTES,
     HOPPER_SMEM_LIMIT,
     PERSISTENT_SCHEDULERS,
     ForwardContext,
     causal_tiles_context,
+    exp2_poly_tiles,
     forward_context,
     grouped_grid,
     head_group,
@@ -46,13 +48,6 @@ HOPPER_REGS = (56, 224)
 #: anywhere (128 * (72 + 2 * 216) = 64K, what ``__launch_bounds__(384, 1)`` gives the CTA:
 #: the decrement must free what the increments take).
 HOPPER_PERSISTENT_REGS = (72, 216)
-#: :attr:`Options.exp2_poly` is in sixteenths: of a thread's ``NS = BLOCK_N // 8`` 8-column tiles
-#: of P per row, ``NS * exp2_poly // 16`` (spread evenly) take the polynomial
-#: (:func:`exp2_poly_tiles`; the plan renders the fewest sixteenths that give as many, so values
-#: that give the same count render one source, and a count of 0 the default one).  On Hopper (no
-#: packed FFMA2, as Blackwell has) ``fg::exp2_poly`` costs 8 issue slots per element against the
-#: SFU's 8 clocks per warp-wide ex2, so about 3/16 balances the two pipes.
-EXP2_POLY_SIXTEENTHS = 16
 #: Values of :attr:`Options.fp8_transpose`: the fp8 forward's V transposer
 #: (``templates/common/fp8.cuh``): ``lds32`` (``fg::fp8::VTranspose``: 4 LDS.32, 8 PRMT,
 #: 4 STS.32 per lane and 16 bytes) or ``ldsm`` (``fg::fp8::VTransposeLdsm``: one ldmatrix.x4,
@@ -195,19 +190,6 @@ class Context(ForwardContext):
                 seqlen_k, kv_row_bytes, heads_q // heads_kv, num_bh, l2_bytes=self.grid_l2_bytes
             )
         return grouped_grid(plan.num_m_blocks(seqlen_q), num_bh, group)
-
-
-def exp2_poly_tiles(block_n: int, sixteenths: int) -> tuple[int, int]:
-    """``(tiles, canonical)``: how many of a row's ``NS = block_n // 8`` 8-column tiles of P
-    ``sixteenths`` (:attr:`Options.exp2_poly`) puts on the FMA pipe, ``NS * sixteenths // 16``,
-    and the fewest sixteenths that put as many there (what :func:`plan` renders:
-    ``fg::softmax_exp2_split`` spreads any value's tiles over the row, so values of one count
-    build the same kernel; 0 for none, the default source)."""
-    ns = block_n // 8
-    count = ns * sixteenths // EXP2_POLY_SIXTEENTHS
-    canonical = min(k for k in range(EXP2_POLY_SIXTEENTHS + 1)
-                    if ns * k // EXP2_POLY_SIXTEENTHS == count)  # fmt: skip
-    return count, canonical
 
 
 def tiles(spec: Spec, target: str, gpu: str | None = None) -> TileConfig:

@@ -162,7 +162,7 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split"}
+OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -451,4 +451,32 @@ def test_d256_queries_split_masks_and_score_mods(queries_split, name):
     spec = shipped(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=1550 + i)
+
+
+# ------------------------- part of P^T's exponentials on the FMA pipe (hopper_bwd.exp2_poly)
+@pytest.fixture(params=[4, 16], ids=["poly4", "poly16"])
+def bwd_exp2_poly(request, monkeypatch):
+    """``hopper_bwd.exp2_poly``: 4 sixteenths of P^T's query tiles (the share the option is
+    meant for) and all of them (every exponential of a step that is not an edge) by
+    ``fg::exp2_poly``."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.exp2_poly": request.param})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_exp2_poly_lengths_gqa(bwd_exp2_poly, d, causal):
+    """Each head dim's layout (64: 128-query steps; 128: 80; 256: the warpgroup split) with
+    the polynomial, bf16 and every SHAPES length (edges keep the SFU, FULL steps take it)."""
+    spec = hb_spec(d, "bf16", causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1700 + i)
+
+
+@pytest.mark.parametrize("name", ["alibi", "gemma2_softcap", "t5_bias", "mistral_swa"])
+def test_exp2_poly_masks_and_score_mods(bwd_exp2_poly, name):
+    """A score_mod with a derivative of 1 (alibi) and one without (softcap), a staged diagonal
+    term (t5_bias at head_dim 64) and a window mask, with the polynomial."""
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        check(spec, b, hq, hkv, sq, sk, seed=1750 + i)
 

@@ -1091,3 +1091,57 @@ def test_shared_memory_over_the_limit_is_refused_at_plan_time(monkeypatch):
         hopper_bwd.plan(spec, "sm_90", m64)
     monkeypatch.setattr(hopper_bwd, "HOPPER_SMEM_LIMIT", dyn80)
     assert hopper_bwd.plan(spec, "sm_90", m80).dkdv.context.dq_swap
+
+
+# ---------------------------------------- part of P^T's exponentials on the FMA pipe (exp2_poly)
+@pytest.mark.parametrize("value", [-1, 17, 4.0, True, "4"])
+def test_exp2_poly_takes_sixteenths_only(value):
+    from flashgen.families.hopper_bwd import Options
+
+    assert Options().exp2_poly == 0 and Options(exp2_poly=16).exp2_poly == 16
+    with pytest.raises(ValueError, match=r"Options.hopper_bwd.exp2_poly="):
+        Options(exp2_poly=value)
+    with pytest.raises(ValueError, match=r"hopper_bwd.exp2_poly=4 with Options.exact_softmax"):
+        DEFAULT.with_values({"hopper_bwd.exp2_poly": 4, "exact_softmax": True})
+
+
+def test_exp2_poly_puts_its_share_of_full_steps_on_the_fma_pipe():
+    """Sixteenths of each thread's QN / 8 query tiles, canonicalised as the forward's (values
+    of one count render one source, a count of 0 the default one); the split exponential
+    appears in the P^T pass of the steps that are not edges only (an edge's masked pairs may
+    reach the exponential as inf or NaN before their selection)."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    default = render(reg_plan(small(64, "bf16", True), "sm_90", DEFAULT).unit)
+    assert "exp2_poly" not in default and "EXP2_POLY" not in default
+    for d, qn, value, canonical in ((64, 128, 4, 4), (64, 128, 5, 5), (128, 80, 4, 4),
+                                    (128, 80, 1, 0), (256, 64, 3, 2)):  # fmt: skip
+        opts = DEFAULT.replace_path("hopper_bwd.exp2_poly", value)
+        plan = reg_plan(small(d, "bf16", True), "sm_90", opts)
+        ctx = plan.dkdv.context
+        assert (ctx["exp2_poly"], qn // 8 * value // 16) == (canonical, qn // 8 * canonical // 16)
+        code = render(plan.unit)
+        if not canonical:
+            assert code == render(reg_plan(small(d, "bf16", True), "sm_90", DEFAULT).unit)
+            continue
+        assert f"constexpr int EXP2_POLY = {canonical};" in code
+        split = code.count("fg::softmax_exp2_split<EXP2_POLY>(")
+        approx = code.count("fg::exp2_approx(fmaf(acc_s[i], scale_log2, -lse_l2))")
+        assert split == 1 and approx == 1, (split, approx)  # FULL steps' pass, edges' pass
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_exp2_poly_compiles_without_spills(requires_nvcc, d):
+    """A quarter of P^T's tiles by the polynomial (eight FMA-pipe instructions each) fit the
+    consumers' 240 registers at head_dim 64 (128-query steps) and 128 (80-query steps), and
+    take that share off the SFU."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    opts = DEFAULT.replace_path("hopper_bwd.exp2_poly", 4)
+    plan = reg_plan(small(d, "bf16", False), "sm_90", opts)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    base = reg_plan(small(d, "bf16", False), "sm_90", DEFAULT)
+    ex2 = [sass(p.unit).count("MUFU.EX2") for p in (base, plan)]
+    qn = plan.dkdv.context["block_m"]
+    assert ex2[0] - ex2[1] == qn // 8 * 4 // 16 * 4, ex2  # per thread: 4 exponentials a tile
