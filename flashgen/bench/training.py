@@ -12,16 +12,15 @@ rounds, :func:`flashgen.bench.timing.alternate`):
 - ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
   grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward);
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
-  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); forward
-  and forward + backward also with the prefill kernels joining the sink (``sink fused_sink``:
-  ``fa2_fwd.fused_sink`` and ``hopper_fwd.fused_sink`` on, whose backward takes the sink in its
-  pre kernel); decode also with the sink applied by torch ops after the kernel
-  (``decode.fused_sink=False``; the default joins it inside the kernel).
+  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); by
+  default the kernels join the sink (the prefill forward in its epilogue, whose backward takes
+  the sink in its pre kernel; decode inside its attention kernel); each row also with the sink
+  applied by torch ops after the kernels (``sink by torch ops``: ``fa2_fwd.fused_sink``,
+  ``hopper_fwd.fused_sink`` and ``decode.fused_sink`` False).
 
 With ``--device cpu`` (a smoke run of the same calls) the candidates of options that shape GPU
-kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, ``decode.fused_sink``, the
-prefill ``fused_sink``) are left out, and said so, rather than timed as copies of their row's
-other calls.  ``--device cuda``
+kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, the ``fused_sink`` options) are
+left out, and said so, rather than timed as copies of their row's other calls.  ``--device cuda``
 (the default) needs a CUDA GPU (exit 2 without one).
 
 Prints one line per row; with ``--out DIR`` also writes ``DIR/results.json`` (rows, ratios,
@@ -42,10 +41,8 @@ from flashgen.bench.argtypes import positive_int
 #: Candidates whose option shapes GPU kernels only, by name: why a CPU run leaves them out.
 GPU_ONLY = {
     "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
-    "sink by torch ops": "decode.fused_sink shapes the decode kernels only (the CPU op always "
-    "applies the sink by torch ops)",
-    "sink fused_sink": "fa2_fwd.fused_sink and hopper_fwd.fused_sink shape the prefill kernels "
-    "only (the CPU op computes the same sums either way)",
+    "sink by torch ops": "fa2_fwd.fused_sink, hopper_fwd.fused_sink and decode.fused_sink shape "
+    "the GPU kernels only (the CPU op always applies the sink by torch ops)",
 }
 
 
@@ -113,8 +110,9 @@ def _cases(args):
     op = flashgen.load("gpt_oss_sink")
     q, k, v = qkv(64)
     sinks = torch.linspace(-1, 2, h, device=dev).requires_grad_()
-    fused = flashgen.load("gpt_oss_sink", options=Options().with_values(
-        {"fa2_fwd.fused_sink": True, "hopper_fwd.fused_sink": True}))  # fmt: skip
+    by_torch = flashgen.load("gpt_oss_sink", options=Options().with_values(
+        {"fa2_fwd.fused_sink": False, "hopper_fwd.fused_sink": False,
+         "decode.fused_sink": False}))  # fmt: skip
 
     def fwd(fop=op, **kw):
         def call():
@@ -124,20 +122,17 @@ def _cases(args):
         return call
 
     rows.append(("gpt_oss_sink fwd", [("no sink", fwd(apply_sink=False)), ("sink", fwd()),
-                                      ("sink fused_sink", fwd(fused))]))  # fmt: skip
+                                      ("sink by torch ops", fwd(by_torch))]))  # fmt: skip
     rows.append(("gpt_oss_sink fwd+bwd", [
         ("no sink", train(op, q, k, v, sinks=sinks, apply_sink=False)),
         ("sink", train(op, q, k, v, sinks=sinks)),
-        ("sink fused_sink", train(fused, q, k, v, sinks=sinks)),
+        ("sink by torch ops", train(by_torch, q, k, v, sinks=sinks)),
     ]))  # fmt: skip
     bf16 = torch.bfloat16  # decode takes the spec's dtype on CPU too
     kc = torch.randn(b * 4, h // 2 or 1, s, 64, device=dev, generator=g).to(bf16)
     vc = torch.randn_like(kc)
     qd = torch.randn(b * 4, h, 1, 64, device=dev, generator=g).to(bf16)
     lens = torch.full((b * 4,), s, dtype=torch.int32, device=dev)
-
-    unfused = flashgen.load("gpt_oss_sink",
-                            options=Options().replace_path("decode.fused_sink", False))
 
     def decode(dop=op, **kw):
         def call():
@@ -147,7 +142,7 @@ def _cases(args):
 
     rows.append(("gpt_oss_sink decode", [("no sink", decode(apply_sink=False)),
                                          ("sink", decode()),
-                                         ("sink by torch ops", decode(unfused))]))  # fmt: skip
+                                         ("sink by torch ops", decode(by_torch))]))  # fmt: skip
     return rows
 
 

@@ -75,14 +75,14 @@ class Options:
     with its tiles), or a bool that wins over those.  ``head_groups``: the CTAs take their
     tiles in L2 head groups (at :data:`HEAD_GROUP_FA2_HEAD_DIMS`; False: head-major).
     ``affine``: FULL tiles split an affine score_mod
-    (:func:`flashgen.families.common.affine_context`).  ``fused_sink`` (off by default, until
-    measured on the GPU): for a spec with a sink (``sink:``), the kernel joins it to each
-    row's denominator in its epilogue, ``o = o_keys * sigmoid(lse - sink)`` in fp32 before the
-    store, from a float32 logit per (batch, query head) it takes per call (``sink``,
-    ``sink_sb``, ``sink_sh``: :func:`flashgen.codegen.abi.sink_args`; per sequence for varlen;
-    null: the keys alone); lse stays the keys' alone.  Off, the op applies the sink after the
-    kernel with torch ops (:func:`flashgen.ops.sink.apply_sink`).  No effect on a spec without
-    a sink (its unit renders unchanged)."""
+    (:func:`flashgen.families.common.affine_context`).  ``fused_sink`` (on by default): for
+    a spec with a sink (``sink:``), the kernel joins it to each row's denominator in its
+    epilogue, ``o = o_keys * sigmoid(lse - sink)`` in fp32 before the store, from a float32
+    logit per (batch, query head) it takes per call (``sink``, ``sink_sb``, ``sink_sh``:
+    :func:`flashgen.codegen.abi.sink_args`; per sequence for varlen; null: the keys alone);
+    lse stays the keys' alone.  False: the kernel takes no sink and the op applies it after
+    the kernel with torch ops (:func:`flashgen.ops.sink.apply_sink`).  No effect on a spec
+    without a sink (its unit renders unchanged)."""
 
     fwd_unrolled_loads: bool | None = None
     fwd_hoisted_swizzle: bool | None = None
@@ -92,7 +92,7 @@ class Options:
     fwd_row_chunks: bool | None = None
     head_groups: bool = True
     affine: bool = True
-    fused_sink: bool = False
+    fused_sink: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.fa2_fwd")

@@ -76,12 +76,13 @@ class Options:
     ``templates/common/exp2_poly.cuh``, relative error below 8.8e-5, exactly 0 at -inf)
     instead of the SFU's ``ex2.approx``; not with ``exact_softmax`` (its exp2s stay on the
     SFU: :class:`flashgen.options.Options` refuses the pair, and so does :func:`plan`).
-    Raises ``ValueError`` for another value.  ``fused_sink`` (off by default, until measured on
-    the GPU): for a spec with a sink,
-    the epilogue joins it to each row's denominator, ``o = o_keys * sigmoid(lse - sink)`` in
-    fp32 before the store (every form: persistent, sparse tiles, fp8), from a float32 logit
-    per (batch, query head) taken per call; lse stays the keys' alone (as
-    :class:`flashgen.families.fa2_fwd.Options`' ``fused_sink``, which says more).
+    Raises ``ValueError`` for another value.  ``fused_sink`` (on by default): for a spec
+    with a sink, the epilogue joins it to each row's denominator, ``o = o_keys *
+    sigmoid(lse - sink)`` in fp32 before the store (every form: persistent, sparse tiles,
+    fp8), from a float32 logit per (batch, query head) taken per call; lse stays the keys'
+    alone (as :class:`flashgen.families.fa2_fwd.Options`' ``fused_sink``, which says more).
+    False: the kernel takes no sink and the op applies it after the kernel with torch ops
+    (:func:`flashgen.ops.sink.apply_sink`).
     ``diag_terms`` (on by default; False: per element): the score_mod's terms that are
     functions of ``kv_idx - q_idx`` (T5's relative table; :func:`flashgen.analysis.rowcol.
     split_diagonal`) are evaluated once per diagonal of each consumer warp's part of a FULL
@@ -103,7 +104,7 @@ class Options:
     nonneg_div: bool = True
     fp8_transpose: str = "ldsm"
     exp2_poly: int = 0
-    fused_sink: bool = False
+    fused_sink: bool = True
     diag_terms: bool = True
 
     def __post_init__(self) -> None:

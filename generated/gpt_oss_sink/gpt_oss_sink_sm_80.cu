@@ -17,6 +17,9 @@
 // Block sparsity: fg_tile_class (flashgen/analysis/masktiles.py) classifies (query block, key blocks) by interval
 // arithmetic over the mask; EMPTY key blocks are never loaded (fg::iv::prev_live finds the next live one,
 // crossing runs of empty blocks in O(log) range checks), FULL ones inside seqlen_k evaluate no mask.
+// Sink (Options.fa2_fwd.fused_sink): the logit sink[b * sink_sb + h * sink_sh] of this CTA's (batch, head) joins
+// each row's softmax denominator in the epilogue, o = o_keys * sigmoid(lse - sink) in fp32 before the cast; lse stays
+// the keys' alone.  sink == nullptr: the keys alone.
 // Warp-level tensor-core and async-copy primitives for sm_80+ (mma.sync, ldmatrix, cp.async).
 // Fragment layouts follow the PTX ISA, "Matrix Fragments for mma.m16n8k16".
 #include <cuda_fp16.h>
@@ -494,6 +497,28 @@ __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int 
 }
 
 }  // namespace fg
+// The attention sink of the decode kernels (Options.decode.fused_sink; flashgen/ops/sink.py has the
+// math): one logit per (request, query head) joins the row's softmax denominator and nothing else.
+// __host__ __device__: the host tests run it (tests/unit/test_decode_sink.py).
+#ifndef FG_DECODE_SINK_CUH
+#define FG_DECODE_SINK_CUH
+#ifndef __CUDACC__
+#include <math.h>
+#endif
+
+namespace fg {
+namespace dec {
+
+// The keys' share of a row's mass with the sink in its denominator, exp(lse) / (exp(lse) + exp(sink)) =
+// sigmoid(lse - sink), so o = o_keys * share (lse: the keys' alone, natural log).  A row with no key (lse =
+// -inf) has share 0 whatever the sink (o = 0, not 0 x NaN at sink = -inf); a NaN lse or sink gives NaN.
+__host__ __device__ __forceinline__ float sink_share(float lse, float sink) {
+    return lse == -INFINITY ? 0.f : 1.f / (1.f + expf(sink - lse));
+}
+
+}  // namespace dec
+}  // namespace fg
+#endif
 
 // Tile class of spec gpt_oss_sink's mask (flashgen/analysis/masktiles.py; rules of maskinfo.py).
 __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
@@ -611,6 +636,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
     int seqlen_q,
     int seqlen_k,
     float softmax_scale,
+    const float* __restrict__ sink,
+    int64_t sink_sb,
+    int64_t sink_sh,
     const float* __restrict__ t_sinks
 ) {
     extern __shared__ __align__(128) unsigned char smem[];
@@ -814,6 +842,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
     fg::cp_async_wait_all();
     __syncthreads();
     const int64_t lse_row0 = (int64_t)bh * seqlen_q;
+    // The sink's logit, -inf without one (a share of exactly 1).
+    const float sink_logit = sink != nullptr ? __ldg(sink + b * sink_sb + h * sink_sh) : -INFINITY;
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
@@ -822,7 +852,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
             sum += __shfl_xor_sync(0xffffffff, sum, 1);
             sum += __shfl_xor_sync(0xffffffff, sum, 2);
             const bool empty = sum == 0.f || row_max[mt][r] == -INFINITY;
-            const float inv = empty ? 0.f : 1.f / sum;
+            // The sink joins the denominator: the keys' share sigmoid(lse - sink) of the row's mass (fg::dec::sink_share,
+            // the decode kernels' too; 0 for a row with no key).
+            const float row_lse = empty ? -INFINITY : (row_max[mt][r] + __log2f(sum)) * LN2;
+            const float inv = empty ? 0.f : fg::dec::sink_share(row_lse, sink_logit) / sum;
             const int row = warp * WARP_M + mt * 16 + lane / 4 + r * 8;
             #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
@@ -831,7 +864,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
                 asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
             }
             if (lane % 4 == 0 && m0 + row < seqlen_q)
-                lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max[mt][r] + __log2f(sum)) * LN2;
+                lse[lse_row0 + m0 + row] = row_lse;
         }
     __syncthreads();
     constexpr int O_CHUNKS_PER_ROW = HEAD_DIM_V / CHUNK_ELEMS;

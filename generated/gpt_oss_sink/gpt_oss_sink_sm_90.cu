@@ -14,6 +14,9 @@
 //   acc_o     O = P V, 64 x HEAD_DIM, rescaled lazily, divided by row_sum at the end
 //   fragment  thread (warp w, lane l) holds rows 16w + l/4 (+8) and, per 8-column tile j,
 //             columns 8j + 2(l%4) + {0,1}: acc[4j + 2r + e]
+//   sink      (Options.hopper_fwd.fused_sink) the logit sink[b * sink_sb + h * sink_sh] of the tile's (batch, head) joins
+//             each row's softmax denominator in the epilogue, o = o_keys * sigmoid(lse - sink) in fp32 before the cast;
+//             lse stays the keys' alone.  sink == nullptr: the keys alone.
 // Softmax runs in the exp2 domain, one FFMA before each exp2: P = exp2(c * x - c * row max), with
 // x = score_mod(softmax_scale * q.k) and c = log2(e), or (no score_mod) x = q.k and c = softmax_scale * log2(e).
 // causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q.
@@ -627,6 +630,28 @@ __device__ __forceinline__ int head_group(long long l2_bytes, int seqlen_k, int 
 }
 
 }  // namespace fg
+// The attention sink of the decode kernels (Options.decode.fused_sink; flashgen/ops/sink.py has the
+// math): one logit per (request, query head) joins the row's softmax denominator and nothing else.
+// __host__ __device__: the host tests run it (tests/unit/test_decode_sink.py).
+#ifndef FG_DECODE_SINK_CUH
+#define FG_DECODE_SINK_CUH
+#ifndef __CUDACC__
+#include <math.h>
+#endif
+
+namespace fg {
+namespace dec {
+
+// The keys' share of a row's mass with the sink in its denominator, exp(lse) / (exp(lse) + exp(sink)) =
+// sigmoid(lse - sink), so o = o_keys * share (lse: the keys' alone, natural log).  A row with no key (lse =
+// -inf) has share 0 whatever the sink (o = 0, not 0 x NaN at sink = -inf); a NaN lse or sink gives NaN.
+__host__ __device__ __forceinline__ float sink_share(float lse, float sink) {
+    return lse == -INFINITY ? 0.f : 1.f / (1.f + expf(sink - lse));
+}
+
+}  // namespace dec
+}  // namespace fg
+#endif
 
 // Tile class of spec gpt_oss_sink's mask (flashgen/analysis/masktiles.py; rules of maskinfo.py).
 __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, int b, int h, int h_kv, int seqlen_q, int seqlen_k) {
@@ -684,6 +709,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
     int seqlen_q,
     int seqlen_k,
     float softmax_scale,
+    const float* __restrict__ sink,
+    int64_t sink_sb,
+    int64_t sink_sh,
     const float* __restrict__ t_sinks,
     const __grid_constant__ fg::TmaDesc tma_q,
     const __grid_constant__ fg::TmaDesc tma_k,
@@ -989,13 +1017,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
 
     // Epilogue: O / row_sum into this warpgroup's rows of sQ (same swizzle), then 16-byte stores.
     const int64_t lse_row0 = (int64_t)bh * seqlen_q;
+    // The sink's logit, -inf without one (a share of exactly 1).
+    const float sink_logit = sink != nullptr ? __ldg(sink + b * sink_sb + h * sink_sh) : -INFINITY;
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
         const bool empty = sum == 0.f || row_max[r] == -INFINITY;
-        const float inv = empty ? 0.f : 1.f / sum;
+        // The sink joins the denominator: the keys' share sigmoid(lse - sink) of the row's mass (fg::dec::sink_share,
+        // the decode kernels' too; 0 for a row with no key).
+        const float row_lse = empty ? -INFINITY : (row_max_log2(r) + __log2f(sum)) * LN2;
+        const float inv = empty ? 0.f : fg::dec::sink_share(row_lse, sink_logit) / sum;
         const int row = row_base + r * 8;
         #pragma unroll
         for (int j = 0; j < NO; ++j) {
@@ -1004,7 +1037,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_gpt_oss_sink_f
             asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(packed));
         }
         if (lane % 4 == 0 && m0 + row < seqlen_q)
-            lse[lse_row0 + m0 + row] = empty ? -INFINITY : (row_max_log2(r) + __log2f(sum)) * LN2;
+            lse[lse_row0 + m0 + row] = row_lse;
     }
     fg::named_barrier_sync(1 + cg, 128);
     elem_t* o_blk = o + b * o_sb + h * o_sh + (int64_t)m0 * o_ss;

@@ -15,8 +15,10 @@ fresh random inputs (dO bf16-representable, as the kernels receive it), with a g
 too.  Tolerance: dq, dk, dv max |got - ref64| <= 2e-2 x the largest reference element; a
 dparam by the project's rule, at most 2x PyTorch's bf16 math on the same inputs + 1e-3 of
 the largest element, never tighter than 2e-2 of it (a dparam's terms can cancel by orders
-of magnitude: :func:`_close_dparam`).  Sinks run as the op's epilogue over the kernels'
-keys-only result (flashgen/ops/sink.py).
+of magnitude: :func:`_close_dparam`).  Sinks are joined in the forward kernel's epilogue by
+default (``fa2_fwd.fused_sink`` / ``hopper_fwd.fused_sink``; tests/gpu/test_prefill_sink_gpu.py
+says more); the sink test runs that path and, with both options False, the op's epilogue over
+the kernels' keys-only result (flashgen/ops/sink.py).
 
     python3 -m pytest tests/gpu/test_param_grads_sinks_gpu.py -q
 """
@@ -86,9 +88,19 @@ def test_varlen_param_gradient_on_cuda():
     _close(slopes.grad, s64.grad, "dslopes")
 
 
+#: The prefill sink paths: joined in the forward kernel (the default), by torch ops after it.
+SINK_PATHS = {
+    "fused": Options(),
+    "torch_ops": Options().with_values(
+        {"fa2_fwd.fused_sink": False, "hopper_fwd.fused_sink": False}
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(SINK_PATHS))
 @pytest.mark.parametrize("sq,sk", [(1, 17), (127, 1000), (1000, 127)])
-def test_sink_forward_and_backward_on_cuda_match_the_float64_reference(sq, sk):
-    op = flashgen.load(REPO / "specs" / "gpt_oss_sink.yaml")
+def test_sink_forward_and_backward_on_cuda_match_the_float64_reference(sq, sk, path):
+    op = flashgen.load(REPO / "specs" / "gpt_oss_sink.yaml", options=SINK_PATHS[path])
     q, k, v = _qkv(2, 8, 2, sq, sk, 64)
     sinks = torch.linspace(-2, 3, 8, device="cuda").requires_grad_()
     o, lse = op.attention(q, k, v, sinks=sinks)

@@ -3,14 +3,14 @@
 
     python -m pytest -q tests/gpu/test_prefill_sink_gpu.py
 
-Every op here is bound to both options on (:mod:`gpu_options`), with the default kernel family
-(on an H100 / H200 the Hopper kernel) and with ``family="fa2"`` (the FA2-class kernel; on an
-sm_80 GPU both are the FA2-class one).  Each case checks that the fused path ran (the op joins
-the sink on this device, the loaded forward unit takes the logits, the gradients come from
-:mod:`flashgen.ops.prefill.fused_sink`'s nodes), then, on fresh random inputs (bf16, GQA 8 / 2,
-(B, S, H, D) storage viewed as [B, H, S, D]: non-contiguous q, k, v), against the float64
-reference built from the same IR (:func:`~flashgen.ops.cpu.reference.attention_reference`,
-the sink included) with a random dO:
+Every op here is bound to both options on (their default, named: :mod:`gpu_options`), with the
+default kernel family (on an H100 / H200 the Hopper kernel) and with ``family="fa2"`` (the
+FA2-class kernel; on an sm_80 GPU both are the FA2-class one).  Each case checks that the fused
+path ran (the op joins the sink on this device, the loaded forward unit takes the logits, the
+gradients come from :mod:`flashgen.ops.prefill.fused_sink`'s nodes), then, on fresh random
+inputs (bf16, GQA 8 / 2, (B, S, H, D) storage viewed as [B, H, S, D]: non-contiguous q, k, v),
+against the float64 reference built from the same IR
+(:func:`~flashgen.ops.cpu.reference.attention_reference`, the sink included) with a random dO:
 
 - o: max|ours - ref64| <= 2 * max|reference in bf16 - ref64| + 1e-3 (the rule of
   tests/gpu/test_forward.py);
@@ -66,7 +66,7 @@ pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
-FUSED = {"fa2_fwd.fused_sink": True, "hopper_fwd.fused_sink": True}
+FUSED = {"fa2_fwd.fused_sink": True, "hopper_fwd.fused_sink": True}  # the default, named
 DEV = torch.device("cuda")
 
 
@@ -84,7 +84,8 @@ def family(request, monkeypatch):
 
 
 def _unfused():
-    """The running test's options with the sink back on the torch epilogue (same family)."""
+    """The running test's options with ``fused_sink=False``: the sink on the torch epilogue
+    (same family)."""
     return gpu_options.CURRENT.with_values(dict.fromkeys(FUSED, False))
 
 

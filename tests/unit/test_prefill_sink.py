@@ -1,13 +1,14 @@
 """The attention sink inside the prefill forward kernels (``Options.fa2_fwd.fused_sink`` /
 ``Options.hopper_fwd.fused_sink``, issue 37's "prefill fused sink"), on the CPU: the options
-are typed, off by default and part of the kernel and cache keys; a sink spec's forward units
+are typed, on by default and part of the kernel and cache keys; a sink spec's forward units
 take the sink logits (``sink``, ``sink_sb``, ``sink_sh``) and scale o by
-``fg::dec::sink_share`` in the epilogue only with the option on, in every form the templates
-render (FA2-class padded and varlen, Hopper, persistent, sparse tiles, fp8), and a spec
-without a sink renders byte-identical units; the op passes the logits to the kernel (a fake
-one that does what the unit does from its arguments) instead of the torch epilogue, and its
-outputs and gradients (q, k, v, the sink's params, a gradient of lse too) equal the unfused
-op's; the fused units compile for sm_80 and sm_90a without spills.  On the GPU:
+``fg::dec::sink_share`` in the epilogue only with the option on (``fused_sink=False``:
+neither), in every form the templates render (FA2-class padded and varlen, Hopper,
+persistent, sparse tiles, fp8), and a spec without a sink renders byte-identical units; the op
+passes the logits to the kernel (a fake one that does what the unit does from its arguments)
+instead of the torch epilogue, and its outputs and gradients (q, k, v, the sink's params, a
+gradient of lse too) equal those of the op with ``fused_sink=False`` (the torch epilogue); the
+fused units compile for sm_80 and sm_90a without spills.  On the GPU:
 tests/gpu/test_prefill_sink_gpu.py."""
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from flashgen.options import DEFAULT, Options
 ROOT = Path(__file__).resolve().parents[2]
 SINK_SPEC = ROOT / "specs" / "gpt_oss_sink.yaml"
 FAMILIES = ("fa2_fwd", "hopper_fwd")
-ON = Options().with_values({f"{f}.fused_sink": True for f in FAMILIES})
+ON = Options()  # the default: both forward families join the sink
+OFF = Options().with_values({f"{f}.fused_sink": False for f in FAMILIES})
 SINK_ARGS = [("sink", "const float*"), ("sink_sb", "int64_t"), ("sink_sh", "int64_t")]
 F64 = torch.float64
 
@@ -59,10 +61,11 @@ SWA_D128 = ("psink_swa_d128", "sinks[h]",
 
 # ----------------------------------------------------------------------------- the option
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_sink_is_a_typed_forward_option_off_by_default(family):
+def test_fused_sink_is_a_typed_forward_option_on_by_default(family):
     path = f"{family}.fused_sink"
     record = {"fa2_fwd": fa2_fwd.Options, "hopper_fwd": hopper_fwd.Options}[family]
-    assert path in Options.paths() and DEFAULT.get_path(path) is False
+    assert path in Options.paths() and DEFAULT.get_path(path) is True
+    assert record().fused_sink is True
     assert Options.describe(path) == "bool (true, false, 1, 0)"
     for text, want in (("true", True), ("TRUE", True), ("1", True), ("false", False)):
         assert Options().replace_path(path, text).get_path(path) is want
@@ -76,19 +79,20 @@ def test_fused_sink_is_a_typed_forward_option_off_by_default(family):
 
 
 def test_the_option_is_part_of_the_kernel_and_cache_keys():
-    fa2 = Options().replace_path("fa2_fwd.fused_sink", True)
-    assert fa2.key() == "fa2_fwd.fused_sink=True" and DEFAULT.key() == ""
-    assert fa2.family_key("fa2_fwd") == "fa2_fwd.fused_sink=True"
+    fa2 = Options().replace_path("fa2_fwd.fused_sink", False)
+    assert fa2.key() == "fa2_fwd.fused_sink=False" and DEFAULT.key() == ON.key() == ""
+    assert fa2.family_key("fa2_fwd") == "fa2_fwd.fused_sink=False"
     assert all(fa2.family_key(f) == "" for f in ("hopper_fwd", "fa2_bwd", "hopper_bwd", "decode"))
-    assert ON.family_key("hopper_fwd") == "hopper_fwd.fused_sink=True"
+    assert OFF.family_key("hopper_fwd") == "hopper_fwd.fused_sink=False"
+    assert Options().replace_path("fa2_fwd.fused_sink", True).key() == ""  # the default, named
     spec = load_spec(SINK_SPEC)
     for target, family in (("sm_80", "fa2_fwd"), ("sm_90", "hopper_fwd")):
-        off, on = (registry.plan_forward(spec, target, o) for o in (DEFAULT, ON))
-        assert (off.options_key, on.options_key) == ("", f"{family}.fused_sink=True")
+        off, on = (registry.plan_forward(spec, target, o) for o in (OFF, ON))
+        assert (off.options_key, on.options_key) == (f"{family}.fused_sink=False", "")
         assert cache.cache_key(render(on), on) != cache.cache_key(render(off), off)
     # a spec without a sink: the same source and arguments, another cache entry
     llama = load_spec(ROOT / "specs" / "llama3_gqa.yaml")
-    a, b = registry.plan_forward(llama, "sm_90"), registry.plan_forward(llama, "sm_90", ON)
+    a, b = registry.plan_forward(llama, "sm_90", OFF), registry.plan_forward(llama, "sm_90")
     assert render(a) == render(b) and a.args == b.args and not b.context["sink"]
     assert cache.cache_key(render(a), a) != cache.cache_key(render(b), b)
 
@@ -125,7 +129,7 @@ SINK_SPECS = {
 @pytest.mark.parametrize("name", sorted(SINK_SPECS))
 def test_a_fused_unit_takes_the_sink_and_scales_o_in_its_epilogue(name):
     spec = SINK_SPECS[name]()
-    on, off = _units(spec, ON), _units(spec, DEFAULT)
+    on, off = _units(spec, ON), _units(spec, OFF)
     if name == "swa_d128":
         assert "sm_90_sparse" in on  # the sparse-tile unit is among the forms
     for form, plan in on.items():
@@ -148,9 +152,10 @@ def test_a_fused_unit_takes_the_sink_and_scales_o_in_its_epilogue(name):
 
 def test_specs_without_a_sink_render_the_same_units_with_the_option():
     """Every shipped spec's units (``flashgen build``'s, the forward's other forms too): a spec
-    without a sink renders byte-identical sources and the same arguments with the option on;
-    a sink spec's backward units are unchanged either way, and the option adds their sink form
-    (``bwd_sink``, ``bwd_atomic_sink``, ``bwd_wgmma_sink`` where the Hopper backward applies)."""
+    without a sink renders byte-identical sources and the same arguments with the option on
+    and off; a sink spec's backward units are unchanged either way, and the option adds their
+    sink form (``bwd_sink``, ``bwd_atomic_sink``, ``bwd_wgmma_sink`` where the Hopper backward
+    applies)."""
     for path in sorted((ROOT / "specs").glob("*.yaml")):
         spec = load_spec(path)
         if spec.v_from_k:
@@ -158,7 +163,7 @@ def test_specs_without_a_sink_render_the_same_units_with_the_option():
         for target in ("sm_80", "sm_90"):
             if spec.dtype == "fp8_e4m3" and target == "sm_80":
                 continue
-            off, on = (registry.compile_units(spec, target, o) for o in (DEFAULT, ON))
+            off, on = (registry.compile_units(spec, target, o) for o in (OFF, ON))
             added = {k for k in on if k.endswith("_sink")}
             assert set(off) == set(on) - added
             if spec.sink is not None and spec.dtype != "fp8_e4m3":
@@ -175,15 +180,16 @@ def test_specs_without_a_sink_render_the_same_units_with_the_option():
             packed = varlen_spec(spec)
         except SpecError:  # fp8, tensor params of seqlen_q / seqlen_k
             continue
-        a, b = (render(registry.plan_forward(packed, "sm_80", o)) for o in (DEFAULT, ON))
+        a, b = (render(registry.plan_forward(packed, "sm_80", o)) for o in (OFF, ON))
         assert (a == b) == (spec.sink is None), spec.name
 
 
 def test_joins_sink_follows_the_routed_forward_family():
     spec, llama = load_spec(SINK_SPEC), load_spec(ROOT / "specs" / "llama3_gqa.yaml")
-    fa2 = Options().replace_path("fa2_fwd.fused_sink", True)
-    hop = Options().replace_path("hopper_fwd.fused_sink", True)
-    assert not registry.joins_sink(spec, "sm_80") and not registry.joins_sink(spec, "sm_90")
+    fa2 = Options().replace_path("hopper_fwd.fused_sink", False)  # only fa2_fwd's on
+    hop = Options().replace_path("fa2_fwd.fused_sink", False)  # only hopper_fwd's on
+    assert registry.joins_sink(spec, "sm_80") and registry.joins_sink(spec, "sm_90")
+    assert not any(registry.joins_sink(spec, t, OFF) for t in ("sm_80", "sm_90"))
     assert registry.joins_sink(spec, "sm_80", fa2) and not registry.joins_sink(spec, "sm_90", fa2)
     assert registry.joins_sink(spec, "sm_90", hop) and not registry.joins_sink(spec, "sm_80", hop)
     assert registry.joins_sink(spec, "sm_90", fa2.replace_path("family", "fa2"))
@@ -218,7 +224,7 @@ def test_the_varlen_launch_passes_the_sink_only_to_a_fused_unit():
     dims = VarlenDims(2, 4, 2, 10, 12, 7, 7, 64)
     logits = torch.randn(4).expand(2, 4)
     tensors = {"sinks": torch.randn(4)}
-    for options in (ON, DEFAULT):
+    for options in (ON, OFF):
         plan = registry.plan_forward(spec, "sm_80", options)
         args = (spec, plan, q, k, v, o, lse, cq, ck, dims, 0.125, [], tensors)
         _, keys = forward_launch(*args)
@@ -324,7 +330,7 @@ def _ops(form: str, varlen: bool = False, score_mod: str = "null", extra: str = 
     sink, params, make = SINK_FORMS[form]
     spec = _spec(f"psink_op_{form}{'_sm' if extra else ''}", sink, params + extra,
                  head_dim=32, score_mod=score_mod)  # fmt: skip
-    ops = build_op(spec, ON), build_op(spec)
+    ops = build_op(spec), build_op(spec, OFF)
     return (*(o.varlen for o in ops), make) if varlen else (*ops, make)
 
 
@@ -515,7 +521,7 @@ def test_calls_without_gradients_apply_sink_false_and_out(fake_cuda):
 
 def test_calls_the_kernel_cannot_fuse_keep_the_torch_epilogue(fake_cuda, monkeypatch):
     """A 0-d scalar param that requires grad (:class:`ScalarParamGrad`), CPU tensors (no eager
-    CUDA) and an op without the option: the unfused path, the same results."""
+    CUDA) and an op with ``fused_sink=False``: the unfused path, the same results."""
     fused, plain, make = _ops("computed")
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, h, s, 32, generator=g, dtype=F64)

@@ -2,16 +2,16 @@
 ``hopper_fwd.fused_sink``, issue 37) in the backward's pre kernel, on the CPU: the sink form of
 every backward unit (FA2-class deterministic and atomic, Hopper, Hopper ordered) differs from
 the default unit in its pre kernel alone (named ``..._pre_sink``, the extra arguments of
-:func:`flashgen.families.bwd_common.backward_abi` last, ``fg::sink_lse`` /
-``fg::sink_row_grad`` of templates/common/sink_bwd.cuh), and nothing renders it without the
-option (the default units stay byte-identical: tests/unit/test_unit_hashes.py); those helpers,
-run on the host, equal float64 torch; the op registers ``<name>__backward_sink`` for a padded
-sink spec only, whose CPU implementation gives the float64 reference's gradients and whose CUDA
-implementation (its kernels faked from their arguments) launches the sink form with the
-sink-inclusive lse in a workspace, the saved lse untouched, and d sink from atomics or per-row
-terms summed in a fixed order; the sink units compile for sm_80 and sm_90a without spills.  The
-autograd node's choice of op: tests/unit/test_prefill_sink.py.  On the GPU:
-tests/gpu/test_prefill_sink_gpu.py."""
+:func:`flashgen.families.bwd_common.backward_abi` last, ``fg::sink_lse`` / ``fg::sink_row_grad``
+of templates/common/sink_bwd.cuh), and nothing renders it with the option off
+(``fused_sink=False``; the plain units stay byte-identical either way:
+tests/unit/test_unit_hashes.py); those helpers, run on the host, equal float64 torch; the op
+registers ``<name>__backward_sink`` for a padded sink spec only, whose CPU implementation gives
+the float64 reference's gradients and whose CUDA implementation (its kernels faked from their
+arguments) launches the sink form with the sink-inclusive lse in a workspace, the saved lse
+untouched, and d sink from atomics or per-row terms summed in a fixed order; the sink units
+compile for sm_80 and sm_90a without spills.  The autograd node's choice of op:
+tests/unit/test_prefill_sink.py.  On the GPU: tests/gpu/test_prefill_sink_gpu.py."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ from flashgen.options import DEFAULT, Options
 ROOT = Path(__file__).resolve().parents[2]
 SINK_SPEC = ROOT / "specs" / "gpt_oss_sink.yaml"
 HEADER = ROOT / "templates" / "common" / "sink_bwd.cuh"
-ON = Options().with_values({"fa2_fwd.fused_sink": True, "hopper_fwd.fused_sink": True})
+ON = Options()  # the default: both forward families join the sink
+OFF = Options().with_values({"fa2_fwd.fused_sink": False, "hopper_fwd.fused_sink": False})
 F64 = torch.float64
 #: The pre kernel's arguments of the sink form, after the default ones (backward_abi).
 SINK_PRE_ARGS = [("lse_keys", "const float*"), ("lse", "float*"), ("sink", "const float*"),
@@ -121,7 +122,7 @@ def test_the_sink_form_differs_in_its_pre_kernel_alone(name):
         ), form
 
 
-def test_the_sink_form_needs_a_sink_and_stays_out_of_the_default_units():
+def test_the_sink_form_needs_a_sink_and_stays_out_of_the_unfused_units():
     llama = load_spec(ROOT / "specs" / "llama3_gqa.yaml")
     with pytest.raises(ValueError, match="has no sink"):
         registry.plan_backward(llama, "sm_80", ON, sink=True)
@@ -129,10 +130,11 @@ def test_the_sink_form_needs_a_sink_and_stays_out_of_the_default_units():
         registry.plan_hopper_backward(llama, "sm_90", ON, sink=True)
     spec = load_spec(SINK_SPEC)
     for target in ("sm_80", "sm_90"):
-        units = registry.compile_units(spec, target, DEFAULT)
+        units = registry.compile_units(spec, target, OFF)
         assert not any(k.endswith("_sink") or u.context.get("sink") for k, u in units.items())
         on = registry.compile_units(spec, target, ON)
         assert on["bwd_sink"].context["sink"] and not on["bwd"].context["sink"]
+        assert set(registry.compile_units(spec, target, DEFAULT)) == set(on)  # on by default
         assert render(on["bwd"]) == render(units["bwd"])
     packed = load_spec(SINK_SPEC)
     from flashgen.ops.prefill.varlen import varlen_spec

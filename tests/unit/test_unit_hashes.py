@@ -5,8 +5,11 @@ The fixture ``tests/fixtures/unit_hashes.json`` was recorded at 3257e40, before 
 kernel-families redesign.  Each key names one unit and the knobs it was planned with; the
 enumeration below builds the same unit through today's API
 (:mod:`flashgen.families.registry` and :class:`flashgen.options.Options`; the old
-environment switches as the options that replace them).  Regenerate only on purpose
-(a template change whose SASS was checked): ``python tests/unit/test_unit_hashes.py --write``.
+environment switches as the options that replace them).  The sink spec's forward units are
+the fused-sink ones (``fa2_fwd.fused_sink`` / ``hopper_fwd.fused_sink``, on by default);
+``tests/fixtures/unit_hashes_unfused_sink.json`` keeps the hashes of those units with both
+options off (:func:`unfused_sink_options`).  Regenerate only on purpose (a template change
+whose SASS was checked): ``python tests/unit/test_unit_hashes.py --write``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "unit_hashes.json"
+FIXTURE_UNFUSED_SINK = ROOT / "tests" / "fixtures" / "unit_hashes_unfused_sink.json"
 GPU = "NVIDIA H200"
 
 #: Plan-time switches of 3257e40, the value that flipped each one from its default, and the
@@ -47,16 +51,19 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def units() -> dict[str, str]:
-    """``{key: sha256 of the rendered CUDA}`` for every unit of every shipped spec."""
+def units(options=None) -> dict[str, str]:
+    """``{key: sha256 of the rendered CUDA}`` for every unit of every shipped spec, planned
+    from ``options`` (default: the defaults)."""
     return {
-        key: src if src.startswith("error: ") else _sha(src) for key, src in unit_sources().items()
+        key: src if src.startswith("error: ") else _sha(src)
+        for key, src in unit_sources(options).items()
     }
 
 
-def unit_sources() -> dict[str, str]:
-    """``{key: rendered CUDA}`` for every unit of every shipped spec (``tools/sass_identity.py``
-    compiles them: the key names the target as its second ``/`` field)."""
+def unit_sources(options=None) -> dict[str, str]:
+    """``{key: rendered CUDA}`` for every unit of every shipped spec, planned from ``options``
+    (default: the defaults; ``tools/sass_identity.py`` compiles them: the key names the target
+    as its second ``/`` field)."""
     from dataclasses import replace
 
     from flashgen.build.render import render
@@ -68,10 +75,12 @@ def unit_sources() -> dict[str, str]:
     from flashgen.ops.prefill.varlen import varlen_spec
     from flashgen.options import DEFAULT, Options
 
+    base_options = options or DEFAULT
+
     def knobs(family: str, **off) -> Options:
         """Options of ``family`` with the spill fallback's knobs off where named."""
         flags = {k: off.get(k, True) for k in ("affine", "mask_tiles", "head_groups", "warp_walk")}
-        return _forward_variant(replace(DEFAULT, family=family), **flags)
+        return _forward_variant(replace(base_options, family=family), **flags)
 
     out: dict[str, str] = {}
 
@@ -164,10 +173,10 @@ def unit_sources() -> dict[str, str]:
                             ),
                         )
                 if hopper_bwd_eligible(s, t):
-                    put(f"{base}bwd_wgmma", reg.plan_hopper_backward(s, t, DEFAULT))
+                    put(f"{base}bwd_wgmma", reg.plan_hopper_backward(s, t, base_options))
                 for name, (value, values) in SWITCHES.items():
                     pre = f"{base}env/{name.removeprefix('FLASHGEN_')}={value}"
-                    o = DEFAULT.with_values(values)
+                    o = base_options.with_values(values)
                     put(f"{pre}/fwd", reg.plan_forward(s, t, o, persistent=False))
                     put(
                         f"{pre}/fwd/persistent=dynamic",
@@ -176,7 +185,7 @@ def unit_sources() -> dict[str, str]:
                     if backward:
                         put(f"{pre}/bwd", reg.plan_backward(s, t, o))
                         put(f"{pre}/bwd_atomic", reg.plan_backward(s, t, o, atomic_dq=True))
-                for key, plan in reg.compile_units(s, t).items():
+                for key, plan in reg.compile_units(s, t, base_options).items():
                     put(f"{base}compile_units/{key}", plan)
     return out
 
@@ -193,10 +202,33 @@ def test_every_rendered_unit_matches_the_fixture():
     )
 
 
+def unfused_sink_options():
+    """The default options with the prefill forward families' fused sink off
+    (``fa2_fwd.fused_sink`` and ``hopper_fwd.fused_sink`` False)."""
+    from flashgen.options import Options
+
+    return Options().with_values({"fa2_fwd.fused_sink": False, "hopper_fwd.fused_sink": False})
+
+
+def test_unfused_sink_units_render_as_recorded():
+    """With ``fa2_fwd.fused_sink`` and ``hopper_fwd.fused_sink`` off, the sink spec's units
+    whose fused form is the default render as recorded in ``FIXTURE_UNFUSED_SINK``."""
+    want = json.loads(FIXTURE_UNFUSED_SINK.read_text())
+    got = units(unfused_sink_options())
+    assert want and set(want) <= set(got), "the set of unfused sink units changed"
+    changed = sorted(k for k in want if got[k] != want[k])
+    assert not changed, f"{len(changed)} unfused sink units render differently: {changed[:8]}"
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))  # this checkout's flashgen, not an installed one
     if "--write" not in sys.argv:
         pytest.main([__file__, "-q"])
     else:
         FIXTURE.write_text(json.dumps(units(), indent=1, sort_keys=True) + "\n")
-        print(f"wrote {FIXTURE}")
+        sink_keys = json.loads(FIXTURE_UNFUSED_SINK.read_text())
+        unfused = units(unfused_sink_options())
+        FIXTURE_UNFUSED_SINK.write_text(
+            json.dumps({k: unfused[k] for k in sink_keys}, indent=1, sort_keys=True) + "\n"
+        )
+        print(f"wrote {FIXTURE} and {FIXTURE_UNFUSED_SINK}")

@@ -334,7 +334,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``torch.ops.flashgen.<name>`` computes the keys alone; this method applies the
         sink, differentiably, so the sink's params get their gradient too.)  With the
         ``fused_sink`` option of the forward family that runs (``Options.fa2_fwd`` /
-        ``Options.hopper_fwd``; off by default), a call on plain eager CUDA tensors has the
+        ``Options.hopper_fwd``; on by default), a call on plain eager CUDA tensors has the
         forward kernel join the sink instead, from the float32 logits per (batch, query head)
         (:meth:`_fuses_sink`): the same results and gradients (q, k, v, the sink's params; the
         backward kernels take P against ``logaddexp(lse, sink)``,
