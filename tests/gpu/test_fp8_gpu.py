@@ -26,11 +26,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from fp8_inputs import BLOCKY, quantized  # noqa: E402  (tests/fp8_inputs.py)
+
 from flashgen import fp8  # noqa: E402
 from flashgen.bench.verify import (  # noqa: E402
     fp8_error_bound,
     outlier_normal,
-    random_tensor_params,
     rmse,
 )
 from flashgen.frontend import ir  # noqa: E402
@@ -65,33 +66,6 @@ def as_fp8(spec: ir.Spec, *, causal: bool | None = None) -> ir.Spec:
         changes["mask"] = ir.Causal() if causal else None
         name += "_causal" if causal else "_nomask"
     return dataclasses.replace(spec, name=name, **changes)
-
-
-def quantized(spec, b, hq, hkv, sq, sk, seed, *, scales=(1.0, 1.0, 1.0), block_rows=None,
-              spreads=(0.0, 0.0, 0.0)):
-    """Random inputs quantized to e4m3: (q8, k8, v8, (q_descale, k_descale, v_descale),
-    tensor params).  ``scales`` multiply the float q, k, v first (so descales differ).
-    ``block_rows=128``: per-block descales (issue 41); ``spreads``: each 128-row block of
-    q, k, v is multiplied by 10^U(-spread, spread) first, so per-block descales differ
-    within a head by orders of magnitude."""
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(seed)
-    d, dv = spec.head_dim, spec.head_dim_v
-    q = torch.randn(b, hq, sq, d, device=dev, generator=g) * scales[0]
-    k = torch.randn(b, hkv, sk, d, device=dev, generator=g) * scales[1]
-    v = torch.randn(b, hkv, sk, dv, device=dev, generator=g) * scales[2]
-    if any(spreads):
-        rows = fp8.BLOCK_ROWS
-
-        def spread(x, e):
-            n = fp8.block_count(x.shape[2])
-            f = 10.0 ** ((torch.rand(*x.shape[:2], n, device=dev, generator=g) * 2 - 1) * e)
-            return x * f.repeat_interleave(rows, dim=2)[:, :, : x.shape[2], None]
-
-        q, k, v = (spread(x, e) for x, e in zip((q, k, v), spreads, strict=True))
-    q8, k8, v8, qd, kd, vd = fp8.quantize(q, k, v, block_rows=block_rows)
-    sym = {"batch": b, "num_heads": hq, "num_heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk}
-    return q8, k8, v8, (qd, kd, vd), random_tensor_params(spec, sym, dev, g)
 
 
 def check(spec, b, hq, hkv, sq, sk, *, seed=0, bshd=False, scales=(1.0, 3.0, 0.5),
@@ -342,9 +316,7 @@ def test_table3_rmse(d, s):
 
 
 # ----------------------------------------------------------------------------- per-block descales
-#: Issue 41: per-block descales (``fp8.quantize(block_rows=128)``), each 128-row block of q, k
-#: and v scaled by 10^U(-1.5, 1.5) first: descales 1000x apart within a head.
-BLOCKY = {"block_rows": 128, "spreads": (1.5, 1.5, 1.5)}
+#: BLOCKY (tests/fp8_inputs.py): per-block descales 1000x apart within a head, logits O(10).
 
 
 @pytest.mark.parametrize("base", ["gpt2_d64", "causal_d128", "bidir_d256"])
