@@ -55,7 +55,8 @@ def load(path: str | Path, options: Options | None = None) -> AttentionOp:
     (:data:`flashgen.env.REMOVED`) is set, naming its option, :class:`SpecError` (with
     file:line:col) for a bad spec, ``OSError`` for an unreadable file, ``ValueError`` if a spec
     with the same name from another file is already registered in this process,
-    ``TypeError`` if ``options`` is not an :class:`flashgen.Options`,
+    ``TypeError`` if ``options`` is not an :class:`flashgen.Options` or ``path`` not a ``str``
+    or ``os.PathLike``,
     ``ModuleNotFoundError`` saying so without torch.
     """
     from flashgen import env

@@ -14,6 +14,8 @@ import statistics
 import time
 
 from flashgen.bench import helptext
+from flashgen.bench.argtypes import positive_int
+from flashgen.frontend import ir
 
 SPEC = """
 name: cpu_bench_{tag}_d{d}
@@ -47,11 +49,12 @@ def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--chunk-elems", type=int, default=None, help="logits per query chunk")
+    ap.add_argument("--seqlen", type=positive_int("seqlen"), default=4096)
+    ap.add_argument("--heads", type=positive_int("heads"), default=8)
+    ap.add_argument("--head-dim", type=int, default=128, choices=ir.SUPPORTED_HEAD_DIMS)
+    ap.add_argument("--reps", type=positive_int("reps"), default=3)
+    ap.add_argument("--chunk-elems", type=positive_int("chunk-elems"), default=None,
+                    help="logits per query chunk")  # fmt: skip
     ap.add_argument("--dtype", action="append", choices=["float32", "bfloat16", "float16"])
     a = ap.parse_args(argv)
     if a.chunk_elems:

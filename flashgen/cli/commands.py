@@ -278,7 +278,8 @@ Compile short YAML attention specs into CUDA kernels and PyTorch ops.
 
 A SPEC is a spec file or the name of a shipped spec (`flashgen list` prints them), e.g.
 `flashgen show gpt2_d64`; a file that exists wins.  build and show work without a GPU
-(build needs a CUDA compiler); bench, tune and ab need a CUDA GPU."""
+(build needs a CUDA compiler); bench, tune and ab need a CUDA GPU, except bench --cpu,
+tune --compile-only and ab --list-options."""
 
 EPILOG = """\
 examples:

@@ -36,7 +36,18 @@ def shipped_spec_paths() -> list[Path]:
 def resolve_spec_path(spec: str | os.PathLike) -> Path:
     """The file ``spec`` names: ``spec`` itself when it exists, else the shipped spec of that
     name (``gpt2_d64`` or ``gpt2_d64.yaml``).  Raises ``FileNotFoundError`` listing the
-    shipped specs, with a "did you mean" for a near miss, when it is neither."""
+    shipped specs, with a "did you mean" for a near miss, when it is neither (or empty: ``""``
+    is no spec, not the working directory); ``TypeError`` naming ``spec`` for anything but a
+    ``str`` or ``os.PathLike``."""
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(
+            f"spec: expected a spec file path or a shipped spec's name (str or os.PathLike), "
+            f"got {type(spec).__name__}"
+        )
+    if os.fspath(spec) == "":
+        raise FileNotFoundError(
+            errno.ENOENT, "expected a spec file or a shipped spec's name, got an empty string", ""
+        )
     p = Path(spec)
     if p.exists() or p.is_symlink():
         return p

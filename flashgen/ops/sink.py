@@ -74,10 +74,21 @@ def apply_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.
     ``o [..., S, Dv]`` with ``lse [..., S]``; ``sink`` one logit per head or per (batch,
     head), the spec param's own shape (``[H]``, ``[B, H]``; 0-d: one for all), applied to
     every row; or lse's rank, broadcastable to it (``[B, H, 1]``; per row ``[H, total_q]``
-    for the varlen layout).  Differentiable in all three.  Raises :class:`OpInputError`
-    naming ``sink`` when its shape fits none of these."""
+    for the varlen layout, whose o ``[total_q, H, Dv]`` goes in as ``o.transpose(0, 1)``).
+    Differentiable in all three.  Raises :class:`OpInputError` naming the argument for one
+    that is not a tensor, an lse whose shape is not o's without its last dim, and a sink
+    whose shape fits none of these."""
     from flashgen.frontend.errors import OpInputError
 
+    for name, t in (("o", o), ("lse", lse), ("sink", sink)):
+        if not isinstance(t, torch.Tensor):
+            raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if o.dim() < 1 or lse.shape != o.shape[:-1]:
+        raise OpInputError(
+            f"lse: expected shape {list(o.shape[:-1])} (o's without its last dim), got "
+            f"{list(lse.shape)} (a varlen result, o [total_q, H, Dv] with lse [H, total_q]: "
+            f"pass o.transpose(0, 1))"
+        )
     s = sink if sink.dim() == lse.dim() else sink.reshape(*sink.shape, 1)
     try:
         ok = sink.dim() <= lse.dim() and torch.broadcast_shapes(s.shape, lse.shape) == lse.shape

@@ -281,3 +281,26 @@ def test_bench_cpu_times_the_cpu_op_against_sdpa(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| float32 | none |" in out and "| float32 | causal |" in out
+
+
+@pytest.mark.parametrize(
+    "flag, value, want",
+    [
+        ("--seqlen", "0", "seqlen: expected an int >= 1, got '0'"),
+        ("--heads", "-2", "heads: expected an int >= 1, got '-2'"),
+        ("--reps", "0", "reps: expected an int >= 1, got '0'"),
+        ("--chunk-elems", "0", "chunk-elems: expected an int >= 1, got '0'"),
+        ("--head-dim", "65", "invalid choice: 65 (choose from 32, 64, 96, 128, 160, 192, 256)"),
+    ],
+)
+def test_bench_cpu_refuses_a_bad_size_naming_the_flag(flag, value, want, capsys):
+    """``flashgen bench --cpu --seqlen 0`` died in ``.max()`` of an empty tensor, ``--reps 0``
+    in statistics.median, ``--head-dim 65`` with a SpecError traceback from the benchmark's
+    own spec (and ``--chunk-elems 0`` was taken as no value): tracebacks for a typo."""
+    pytest.importorskip("torch")
+    argv = ["bench", "--cpu", "--seqlen", "64", "--heads", "1", "--head-dim", "32", "--reps", "1"]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and want in err and "Traceback" not in err

@@ -263,8 +263,23 @@ def test_help_describes_specs_by_name_and_what_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # paragraphs filled to the terminal
-    assert "the name of a shipped spec" in out and "need a CUDA GPU." in out
+    assert "the name of a shipped spec" in out and "need a CUDA GPU" in out
     assert "flashgen COMMAND --help" in out
+
+
+def test_help_and_readme_name_what_of_bench_tune_and_ab_runs_without_a_gpu(capsys):
+    """``flashgen --help`` and the README said "bench, tune and ab need a (CUDA) GPU" while
+    ``bench --cpu``, ``tune --compile-only`` and ``ab --list-options`` run on a CPU machine
+    (the help's own examples list ``flashgen bench --cpu``)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    readme = " ".join((REPO / "README.md").read_text().split())
+    for text in (help_text, readme):
+        for exception in ("bench --cpu", "tune --compile-only", "ab --list-options"):
+            assert exception in text.split("need a")[-1], exception
+    assert main(["ab", "--list-options"]) == 0  # no GPU asked
+    assert "hopper_bwd.exp2_poly" in capsys.readouterr().out
 
 
 def test_format_expr_round_trips():

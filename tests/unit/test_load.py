@@ -35,3 +35,21 @@ def test_load_and_with_options_name_a_bad_options_argument(bad):
         flashgen.load(path, options=bad)
     with pytest.raises(TypeError, match=r"options: expected a flashgen.Options.*got (dict|str)"):
         flashgen.load(path).with_options(bad)
+
+
+# ----------------------------------------------------------------------- load: the path argument
+@pytest.mark.parametrize("bad", [None, 3, b"gpt2_d64"])
+def test_load_names_a_path_argument_that_is_not_a_path(bad):
+    """``flashgen.load(None)`` raised pathlib's "expected str, bytes or os.PathLike object,
+    not NoneType" from inside ``Path()``, naming no argument."""
+    with pytest.raises(TypeError, match=r"spec: expected a spec file path or a shipped spec's "
+                       r"name \(str or os.PathLike\), got (NoneType|int|bytes)"):
+        flashgen.load(bad)
+
+
+def test_load_of_an_empty_name_says_no_spec_not_that_the_cwd_is_a_directory():
+    """``flashgen.load("")`` read ``Path("")``, the working directory, and raised "a spec must
+    be a regular file; . is a directory"."""
+    want = r"expected a spec file or a shipped spec.s name, got an empty string"
+    with pytest.raises(FileNotFoundError, match=want):
+        flashgen.load("")

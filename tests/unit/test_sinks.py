@@ -272,3 +272,32 @@ def test_apply_sink_takes_the_params_own_shape_whatever_the_row_count():
         torch.testing.assert_close(apply_sink(o, lse, sinks.expand(2, 4)), want)
         with pytest.raises(OpInputError, match="sink: expected one logit per head"):
             apply_sink(o, lse, torch.randn(3))
+
+
+def test_apply_sink_refuses_an_o_and_lse_that_do_not_pair_naming_them():
+    """``apply_sink`` checked only the sink's shape: a varlen result as the op returns it (o
+    ``[total_q, H, Dv]``, lse ``[H, total_q]``) died in torch's broadcast ("The size of tensor
+    a (4) must match ..."), an o of another rank broadcast silently into a bigger result, and
+    a list or None for o or sink raised AttributeError from inside."""
+    from flashgen.frontend.errors import OpInputError
+
+    gen = torch.Generator().manual_seed(4)
+    o = torch.randn(10, 4, 8, generator=gen)  # varlen: [total_q, H, Dv]
+    lse = torch.randn(4, 10, generator=gen)  # [H, total_q]
+    sinks = torch.randn(4, 1, generator=gen)
+    with pytest.raises(OpInputError, match=r"lse: expected shape \[10, 4\] \(o's without its "
+                       r"last dim\), got \[4, 10\].*o\.transpose\(0, 1\)"):  # fmt: skip
+        apply_sink(o, lse, sinks)
+    torch.testing.assert_close(  # the varlen layout, transposed as the docstring says
+        apply_sink(o.transpose(0, 1), lse, sinks).transpose(0, 1),
+        o * torch.sigmoid(lse - sinks).transpose(0, 1).unsqueeze(-1),
+    )
+    with pytest.raises(OpInputError, match=r"lse: expected shape \[2, 4, 5\]"):
+        apply_sink(torch.randn(2, 4, 5, 8), torch.randn(1, 4, 5), torch.randn(4))
+    for args, name, got in (
+        (([0.0], lse, sinks), "o", "list"),
+        ((o.transpose(0, 1), None, sinks), "lse", "NoneType"),
+        ((o.transpose(0, 1), lse, [0.0] * 4), "sink", "list"),
+    ):
+        with pytest.raises(OpInputError, match=rf"{name}: expected a torch.Tensor.*got {got}"):
+            apply_sink(*args)
