@@ -119,7 +119,11 @@ def test_every_shipped_spec_as_fp8_with_block_descales_compiles_without_spills(
     plan = registry.plan_forward(spec, "sm_90", block_descale=True)
     assert plan.kernel_name.endswith("_fwd_sm_90_bd") and plan.context.fp8_block_descale == 128
     src = render(plan)
-    assert "read_descales(info_n0);" in src and "vd_prev / sum" in src
+    # o in the last block's v units, rescaled by vd_prev in the epilogue (with the fused sink,
+    # the default for a sink spec, times the sink's share)
+    share = "vd_prev * fg::dec::sink_share(row_lse, sink_logit) / sum"
+    epilogue = share if spec.sink else "vd_prev / sum"
+    assert "read_descales(info_n0);" in src and epilogue in src
     report = compile_source(src, plan, tmp_path / "k.cubin")
     (k,) = report.kernels
     assert (k.spill_stores, k.spill_loads, k.wgmma_serialized) == (0, 0, ""), k
