@@ -116,16 +116,21 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
 
 
 #: The backward units of :func:`flashgen.families.registry.compile_units`: unit -> (the
-#: atomic-dQ path, the Hopper (wgmma) kernel, every trainable param's gradient accumulated).
+#: atomic-dQ path, the Hopper (wgmma) kernel, every trainable param's gradient accumulated,
+#: the sink form: the backward of a forward that joined the spec's sink, which a sink spec's
+#: training runs by default, ``Options.fa2_fwd`` / ``hopper_fwd.fused_sink``).
 #: ``None``: the atomic path as the op takes it for that unit (its Hopper path falls back to
 #: the atomic FA2-class kernels only where ``Options.atomic_dq`` is True).
 BACKWARD_UNITS = {
-    "bwd": (False, False, False),
-    "bwd_atomic": (True, False, False),
-    "bwd_wgmma": (None, True, False),
-    "bwd_dparam": (False, False, True),
-    "bwd_atomic_dparam": (True, False, True),
-    "bwd_wgmma_dparam": (None, True, True),
+    "bwd": (False, False, False, False),
+    "bwd_atomic": (True, False, False, False),
+    "bwd_wgmma": (None, True, False, False),
+    "bwd_dparam": (False, False, True, False),
+    "bwd_atomic_dparam": (True, False, True, False),
+    "bwd_wgmma_dparam": (None, True, True, False),
+    "bwd_sink": (False, False, False, True),
+    "bwd_atomic_sink": (True, False, False, True),
+    "bwd_wgmma_sink": (None, True, False, True),
 }
 
 
@@ -135,10 +140,11 @@ def _build_backward_unit(spec: ir.Spec, target: str, unit: str, options):
     from flashgen.families.build import build_backward
     from flashgen.families.registry import grad_params
 
-    atomic, hopper, dparam = BACKWARD_UNITS[unit]
+    atomic, hopper, dparam, sink = BACKWARD_UNITS[unit]
     return build_backward(
         spec, target, atomic_dq=options.atomic_dq is True if atomic is None else atomic,
         hopper=hopper, options=options, param_grads=grad_params(spec) if dparam else (),
+        sink=sink,
     )  # fmt: skip
 
 
@@ -149,7 +155,7 @@ def _backward_note(spec: ir.Spec, target: str, unit: str, options, plan) -> str 
     from flashgen.build.render import render
     from flashgen.families import registry
 
-    atomic, hopper, dparam = BACKWARD_UNITS[unit]
+    atomic, hopper, dparam, sink = BACKWARD_UNITS[unit]
     grads = registry.grad_params(spec) if dparam else ()
     if hopper and not plan.wgmma:
         return (
@@ -158,7 +164,9 @@ def _backward_note(spec: ir.Spec, target: str, unit: str, options, plan) -> str 
             "row shows"
         )
     if hopper and plan.dkdv.options_key != options.family_key("hopper_bwd"):
-        first = registry.plan_hopper_backward(spec, target, options, param_grads=grads)
+        first = registry.plan_hopper_backward(
+            spec, target, options, param_grads=grads, sink=sink
+        )
         _, report = cache.get_or_build(render(first.unit), first.unit)
         spilled = [k for k in report.kernels if k.spill_bytes or k.wgmma_serialized]
         what = ", ".join(
@@ -186,6 +194,7 @@ _UNIT_GROUPS = (
     ("fwd", "bwd", "bwd_atomic"),
     ("bwd_wgmma",),
     ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"),
+    ("bwd_sink", "bwd_atomic_sink", "bwd_wgmma_sink"),
     ("fwd_sparse",),
 )
 

@@ -321,7 +321,8 @@ def test_build_says_when_the_hopper_backward_falls_back(monkeypatch):
     fallback = plan_backward(spec, "sm_90")
     report = CompileReport("sm_90", "sm_90a", (KernelResources("k", registers=239),), 0.0, "13.0")
 
-    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None, param_grads=()):
+    def fake(spec, target, *, atomic_dq=False, hopper=False, options=None, param_grads=(),
+             sink=False):
         return fallback, Path("unit.cubin"), report
 
     monkeypatch.setattr(family_build, "build_backward", fake)
@@ -562,3 +563,31 @@ def test_cli_build_fp8_with_family_fa2_is_an_error(capsys):
     rc = main(["build", "--option", "family=fa2", "--json", "llama3_fp8"])
     assert rc != 0
     assert "no FP8 form" in capsys.readouterr().out
+
+
+def test_build_compiles_the_sink_backward_units_a_sink_spec_trains_with(tmp_path, requires_nvcc):
+    """With the fused sink (the default), a sink spec's training runs the backward's sink form
+    (its pre kernel joins the sink): build compiles and reports those units too, spill-free,
+    as the op builds them; with ``fused_sink`` off it has none."""
+    def build(*opts):
+        done = subprocess.run(
+            [sys.executable, "-m", "flashgen", "build", "gpt_oss_sink", "--target", "sm_90",
+             *opts, "--no-verify", "--json", "--out", str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        doc = json.loads(done.stdout)
+        assert done.returncode == 0 and doc["ok"], done.stderr
+        return {k["unit"]: k for k in doc["kernels"]}
+
+    rows = build()
+    for unit in ("bwd_sink", "bwd_atomic_sink", "bwd_wgmma_sink"):
+        assert rows[unit]["ok"] and rows[unit]["spill_stores"] == 0, rows[unit]
+        assert rows[unit]["note"] is None, rows[unit]
+    from flashgen.cli.build import _build_backward_unit
+    from flashgen.options import DEFAULT
+
+    spec = load_spec(REPO / "specs" / "gpt_oss_sink.yaml")
+    plan, _, _ = _build_backward_unit(spec, "sm_90", "bwd_wgmma_sink", DEFAULT)
+    assert plan.wgmma and plan.pre.kernel_name.endswith("_pre_sink")
+    off = ("--option", "fa2_fwd.fused_sink=0", "--option", "hopper_fwd.fused_sink=0")
+    assert not {u for u in build(*off) if u.endswith("_sink")}
