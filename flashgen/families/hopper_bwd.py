@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from flashgen.analysis import rowcol
 from flashgen.analysis.paramgrad import grad_plan
 from flashgen.codegen import dparam
 from flashgen.codegen.abi import KernelArg, TmaArg, needs_block_table
+from flashgen.codegen.cuda_expr import cuda_expr, side_terms, split_causal
 from flashgen.codegen.dtypes import dtype
 from flashgen.codegen.plan import KernelPlan, TileConfig
 from flashgen.families.bwd_common import (
@@ -92,6 +94,14 @@ class Options:
     every element (their masked pairs' exponents may be inf or NaN before the selection).  Not
     with ``exact_softmax`` (:class:`flashgen.options.Options` refuses the pair).
 
+    ``tensor_masks`` (off by default, until run on a GPU): a mask that reads tensor params
+    (``document_mask``) takes this backward too, its tiles classified by a block table the
+    op builds for the backward's BLOCK_M x BLOCK_N tiles with the forward's pre-pass
+    (``templates/sm_80/blockmask.cu.j2``): exact hulls of live query blocks per key block
+    and FULL steps without the mask; an edge step's keep bits read the mask's one-sided
+    tensor reads once per key row and query column (:func:`keep_terms`).  Off, such a
+    spec's backward runs the FA2-class kernels.
+
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
 
@@ -103,6 +113,7 @@ class Options:
     dparam_diagonal: bool = False
     diag_terms: bool = True
     exp2_poly: int = 0
+    tensor_masks: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -149,6 +160,55 @@ class Context(BackwardContext):
     stages: int
     producer_regs: int
     consumer_regs: int
+    # a mask's one-sided tensor reads (flashgen/analysis/rowcol.py, split): the keep bits of
+    # an edge step read each of the thread's key rows' and query columns' terms once
+    keep_expr: str | None
+    keep_rows: list
+    keep_cols: list
+    block_table: bool  # tile classes from a block table for these tiles (tensor_masks)
+
+
+#: The block table's kernel arguments (:func:`flashgen.codegen.abi.kernel_args`' names).
+BLOCK_TABLE_ARGS = (
+    ("blk_tab", "const unsigned char*"),
+    ("blk_sb", "int64_t"),
+    ("blk_sh", "int64_t"),
+)
+
+
+def table_classifier(spec: Spec, block_m: int, block_n: int) -> dict:
+    """``tile_classifier`` / ``tile_class_args`` of a unit whose tile classes come from a
+    block table built for its ``block_m`` x ``block_n`` tiles (``tensor_masks``): the class of
+    a range of whole tiles (the hull search asks for runs of query blocks, a step for one
+    tile or a warpgroup's part of one) combines its tiles' exact classes
+    (``fg::table_class``, templates/common/table_class.cuh)."""
+    src = (
+        f"// Tile class of spec {spec.name}'s mask: its block table, built for the "
+        f"{block_m} x {block_n} tiles (common/table_class.cuh).\n"
+        "__host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, int k1, "
+        "const unsigned char* tab, int64_t sb, int64_t sh, int b, int h, int seqlen_k) {\n"
+        f"    return fg::table_class(tab + b * sb + h * sh, (seqlen_k + {block_n - 1}) / "
+        f"{block_n}, q0 / {block_m}, q1 / {block_m}, k0 / {block_n}, k1 / {block_n});\n"
+        "}\n"
+    )
+    return {"tile_classifier": src, "tile_class_args": "blk_tab, blk_sb, blk_sh, b, h, seqlen_k"}
+
+
+def keep_terms(spec: Spec) -> dict:
+    """The keep bits' form for a mask that reads tensors: ``keep_expr`` (the residual mask
+    with its one-sided tensor reads as locals, :func:`flashgen.analysis.rowcol.split`) and
+    the ``keep_rows`` / ``keep_cols`` entries (:func:`flashgen.codegen.cuda_expr.side_terms`)
+    that load them, each once per query column / key row of the thread; ``None`` and none
+    for a mask without such reads (the keep bits evaluate the mask per pair)."""
+    residual = split_causal(spec.mask)[1]
+    parts = rowcol.split(residual, spec) if residual is not None else None
+    if parts is None or not (parts.rows or parts.cols):
+        return {"keep_expr": None, "keep_rows": [], "keep_cols": []}
+    return {
+        "keep_expr": cuda_expr(parts.expr, spec),
+        "keep_rows": side_terms(parts.rows, spec, None),
+        "keep_cols": side_terms(parts.cols, spec, None),
+    }
 
 
 def dkdv_smem_bytes(
@@ -185,13 +245,16 @@ def coords_dynamic(dq_swap: bool) -> bool:
     return dq_swap
 
 
-def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+def eligible(
+    spec: Spec, target: str, family: str = "auto", tensor_masks: bool = False
+) -> bool:
     """Whether ``spec``'s non-deterministic backward on ``target`` runs the wgmma dK/dV
     kernel (:func:`plan`): sm_90, ``family`` not ``"fa2"``, head_dim ==
     head_dim_v in :data:`HOPPER_BWD_HEAD_DIMS`, fp16/bf16, no varlen, and a mask that reads
     no tensor (no block table; causal, none, or an index-only mask walked with the tile
-    classifier).  A score_mod is fine (its derivative comes from :mod:`flashgen.analysis.derive`).
-    Everything else keeps the FA2-class kernels."""
+    classifier) unless ``tensor_masks`` (:attr:`Options.tensor_masks`: a block table built
+    for the backward's tiles).  A score_mod is fine (its derivative comes from
+    :mod:`flashgen.analysis.derive`).  Everything else keeps the FA2-class kernels."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
     return (
@@ -201,7 +264,7 @@ def eligible(spec: Spec, target: str, family: str = "auto") -> bool:
         and not spec.varlen
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_BWD_HEAD_DIMS
-        and not needs_block_table(spec)
+        and (tensor_masks or not needs_block_table(spec))
     )
 
 
@@ -263,11 +326,11 @@ def plan(
     Raises ``ValueError`` unless :func:`eligible` (family "auto"), for ``ordered_dq`` unless
     :func:`ordered_eligible`, and for ``param_grads`` the kernel cannot accumulate.
     """
-    if not eligible(spec, target):
+    if not eligible(spec, target, tensor_masks=options.tensor_masks):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
             f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
-            "tensor"
+            "tensor (or hopper_bwd.tensor_masks)"
         )
     if ordered_dq and not ordered_eligible(spec, target):
         raise ValueError(
@@ -309,6 +372,9 @@ def plan(
         dq_rows = block_m if dq_swap else 64
         tma += (TmaArg("tma_dq", "dq_accum", dq_rows, box_cols=32, dtype="fp32"),)
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
+    block_table = needs_block_table(spec)  # (tensor_masks) classes from a table for its tiles
+    if block_table:
+        dkdv_args += tuple(KernelArg(n, t) for n, t in BLOCK_TABLE_ARGS)
     dkdv_args += dparam.kernel_args(spec, param_grads)
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
@@ -381,6 +447,9 @@ def plan(
         consumer_regs=CONSUMER_REGS,
         # that give as many (exp2_poly_tiles over QN query columns)
         exp2_poly=exp2_poly_tiles(qn, options.exp2_poly)[1],
+        **keep_terms(spec),
+        block_table=block_table,
+        **(table_classifier(spec, block_m, block_n) if block_table else {}),
     )
     context = Context(**ctx)
 

@@ -112,7 +112,8 @@ def select(
         return Route("hopper_bwd", atomic_dq=True, ordered_dq=True)
     if deterministic or options.atomic_dq is False:
         return Route("fa2_bwd")
-    if hopper_bwd.eligible(spec, target, options.family) and (
+    hopper = hopper_bwd.eligible(spec, target, options.family, options.hopper_bwd.tensor_masks)
+    if hopper and (
         not param_grads
         or dparam.hopper_forms_ok(spec, param_grads, options.hopper_bwd.dparam_diagonal)
     ):
@@ -384,7 +385,8 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     if has_backward(spec):
         units["bwd"] = plan_backward(spec, target, options).unit
         units["bwd_atomic"] = plan_backward(spec, target, options, atomic_dq=True).unit
-    if hopper_bwd.eligible(spec, target, options.family):
+    hopper = hopper_bwd.eligible(spec, target, options.family, options.hopper_bwd.tensor_masks)
+    if hopper:
         units["bwd_wgmma"] = plan_hopper_backward(spec, target, options).unit
     grads = grad_params(spec) if has_backward(spec) else ()
     if grads:  # the units a backward that accumulates every trainable param's gradient runs
@@ -392,9 +394,7 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
         units["bwd_atomic_dparam"] = plan_backward(
             spec, target, options, atomic_dq=True, param_grads=grads
         ).unit
-        if hopper_bwd.eligible(spec, target, options.family) and dparam.hopper_forms_ok(
-            spec, grads, options.hopper_bwd.dparam_diagonal
-        ):
+        if hopper and dparam.hopper_forms_ok(spec, grads, options.hopper_bwd.dparam_diagonal):
             units["bwd_wgmma_dparam"] = plan_hopper_backward(
                 spec, target, options, param_grads=grads
             ).unit
@@ -403,7 +403,7 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
         units["bwd_atomic_sink"] = plan_backward(
             spec, target, options, atomic_dq=True, sink=True
         ).unit
-        if hopper_bwd.eligible(spec, target, options.family):
+        if hopper:
             units["bwd_wgmma_sink"] = plan_hopper_backward(spec, target, options, sink=True).unit
     alt = None if persistent_scheduler(spec, options) else sparse_tiles(spec, fwd.tiles, options)
     if alt is not None:

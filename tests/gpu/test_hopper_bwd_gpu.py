@@ -164,7 +164,7 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly"}
+OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly", "tensor_masks"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -483,4 +483,33 @@ def test_exp2_poly_masks_and_score_mods(monkeypatch, name):
     spec = shipped(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
         check(spec, b, hq, hkv, sq, sk, seed=1750 + i)
+
+
+# ------------------------- masks that read tensors (hopper_bwd.tensor_masks: a block table)
+@pytest.fixture
+def tensor_masks(monkeypatch):
+    """``hopper_bwd.tensor_masks``: document_mask's backward on the Hopper kernel, its tile
+    classes from a block table built for the backward's tiles."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.tensor_masks": True})
+
+
+def _doc_mask(d: int):
+    text = (REPO / "specs" / "document_mask.yaml").read_text()
+    text = text.replace("head_dim: 128", f"head_dim: {d}")
+    text = text.replace("name: document_mask", f"name: document_mask_d{d}")
+    return loads_spec(text, f"<document_mask_d{d}>")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_tensor_masks_document_mask_lengths_gqa(tensor_masks, d):
+    """Packed documents (sorted ids in [0, 4): EMPTY, FULL and PARTIAL tiles) at every
+    SHAPES length, with GQA and Sq != Sk: dQ, dK, dV against the float64 reference."""
+    spec = _doc_mask(d)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1800 + i)
+
+
+def test_tensor_masks_lse_gradient(tensor_masks):
+    spec = _doc_mask(128)
+    check(spec, 2, 4, 2, 1000, 1000, seed=1850, with_dlse=True)
 

@@ -9,6 +9,7 @@ in tests/gpu/test_hopper_bwd_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -1145,3 +1146,146 @@ def test_exp2_poly_compiles_without_spills(requires_nvcc, d):
     ex2 = [sass(p.unit).count("MUFU.EX2") for p in (base, plan)]
     qn = plan.dkdv.context["block_m"]
     assert ex2[0] - ex2[1] == qn // 8 * 4 // 16 * 4, ex2  # per thread: 4 exponentials a tile
+
+
+# ------------------------------------------- masks that read tensors (hopper_bwd.tensor_masks)
+TENSOR_MASKS = DEFAULT.replace_path("hopper_bwd.tensor_masks", True)
+
+
+def doc_mask(d: int) -> ir.Spec:
+    """document_mask at head_dim ``d``."""
+    text = (REPO / "specs" / "document_mask.yaml").read_text()
+    text = text.replace("head_dim: 128", f"head_dim: {d}").replace(
+        "name: document_mask", f"name: document_mask_d{d}"
+    )
+    return loads_spec(text, f"<document_mask_d{d}>")
+
+
+def test_tensor_masks_is_an_option_off_by_default():
+    """Off, a mask that reads tensors keeps the FA2-class backward; on, it takes the Hopper
+    backward with the block-table arguments, and the plain specs' units do not change."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    spec = shipped("document_mask")
+    assert not DEFAULT.hopper_bwd.tensor_masks
+    assert backward_path(spec, "sm_90", False) == "deterministic"
+    assert backward_path(spec, "sm_90", False, TENSOR_MASKS) == "hopper"
+    with pytest.raises(ValueError, match="hopper_bwd.tensor_masks"):
+        reg_plan(spec, "sm_90")
+    plan = reg_plan(spec, "sm_90", TENSOR_MASKS)
+    ctx = plan.dkdv.context
+    assert ctx["block_table"] and ctx["keep_expr"] == "(fg_row0 == fg_col0)"
+    assert [a.name for a in plan.dkdv.args if a.name.startswith("blk_")] == [
+        "blk_tab", "blk_sb", "blk_sh"
+    ]  # fmt: skip
+    assert "blk_tab, blk_sb, blk_sh, b, h, seqlen_k" in render(plan.unit)
+    plain = shipped("causal_d128")
+    assert render(reg_plan(plain, "sm_90", TENSOR_MASKS).unit) == render(
+        reg_plan(plain, "sm_90").unit
+    )
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_tensor_mask_units_compile_without_spills(requires_nvcc, d):
+    """The keep bits read doc_q / doc_kv once per query column and key row (reading them per
+    pair, the 64-query head-dim-128 unit spilled 64 B; a loop not unrolled serialized its
+    wgmmas)."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(doc_mask(d), "sm_90", TENSOR_MASKS)
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+
+
+TABLE_HULL_MAIN = r"""
+#include <cstdio>
+#include <vector>
+int main() {
+    int sq, sk;
+    while (scanf("%d %d", &sq, &sk) == 2) {
+        const int m_blocks = (sq + BM - 1) / BM, n_blocks = (sk + BN - 1) / BN;
+        std::vector<unsigned char> tab(m_blocks * n_blocks);
+        for (auto& c : tab) { int v; scanf("%d", &v); c = (unsigned char)v; }
+        const unsigned char* blk_tab = tab.data();
+        const long long blk_sb = 0, blk_sh = 0;
+        const int b = 0, h = 0, seqlen_q = sq, seqlen_k = sk;
+        for (int n_block = 0; n_block < n_blocks; ++n_block) {  // the kernel's hull search
+            const int n0 = n_block * BN, n_last_row = (n0 + BN < seqlen_k ? n0 + BN : seqlen_k) - 1;
+            auto head_class = [&](int i0, int i1) {
+                const int q1 = ((i1 + 1) * BM < seqlen_q ? (i1 + 1) * BM : seqlen_q) - 1;
+                const int q0 = i0 * BM;
+                return fg_tile_class(q0, q1, n0, n_last_row, TILE_CLASS_ARGS);
+            };
+            int c, full_hi = -1, full_lo = 0x7fffffff, m_first = m_blocks, m_end = 0;
+            const int f = fg::iv::next_live(0, m_blocks, c, full_hi, head_class);
+            if (f < m_blocks) {
+                m_first = f;
+                m_end = fg::iv::prev_live(m_blocks - 1, c, full_lo, head_class) + 1;
+            }
+            printf("%d %d", m_first, m_end);
+            for (int m = m_first; m < m_end; ++m)  // each warpgroup's step tile (KW keys)
+                for (int k0 = n0; k0 < n0 + BN; k0 += KW)
+                    printf(" %d", fg_tile_class(m * BM, m * BM + BM - 1, k0, k0 + KW - 1,
+                                                TILE_CLASS_ARGS));
+            printf("\n");
+        }
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d):
+    """The unit's fg_tile_class over a block table built for its tiles (the brute-force table
+    of the CPU path, as the pre-pass builds it on the GPU), on random documents: the hull
+    search finds exactly the first and last query block with a kept pair per key block, and
+    a step tile it calls FULL keeps every pair, EMPTY none."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+    from flashgen.ops.prefill.blockmask import block_table_reference
+
+    spec = doc_mask(d)
+    ctx = reg_plan(spec, "sm_90", TENSOR_MASKS).dkdv.context
+    bm, bn = ctx["block_m"], ctx["block_n"]
+    kw = 64  # a warpgroup's keys (head_dim 256: all of the CTA's 64)
+    src = (REPO / "templates" / "common" / "masktiles.cuh").read_text()
+    src += (REPO / "templates" / "common" / "table_class.cuh").read_text()
+    src += ctx["tile_classifier"].replace("int64_t sb, int64_t sh", "long long sb, long long sh")
+    src += f"#define BM {bm}\n#define BN {bn}\n#define KW {kw}\n"
+    src += f"#define TILE_CLASS_ARGS {ctx['tile_class_args']}\n" + TABLE_HULL_MAIN
+    exe = host_exe(src, f"table_hull_{d}")
+    rng = random.Random(d)
+    cases, lines = [], []
+    for sq, sk in ((1, 1), (17, 300), (300, 17), (1000, 1000), (777, 1290), (4097, 1000)):
+        doc_q = sorted(rng.randrange(6) for _ in range(sq))
+        doc_kv = sorted(rng.randrange(6) for _ in range(sk))
+        params = {"doc_q": torch.tensor([doc_q], dtype=torch.int32),
+                  "doc_kv": torch.tensor([doc_kv], dtype=torch.int32)}  # fmt: skip
+        tab = block_table_reference(spec, TileConfig(bm, bn, 4), batch=1, heads_q=1,
+                                    seqlen_q=sq, seqlen_k=sk, params=params)  # fmt: skip
+        qi, ki = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        keep = (ki <= qi + sk - sq) & (np.array(doc_q)[:, None] == np.array(doc_kv)[None, :])
+        cases.append((sq, sk, keep))
+        lines.append(f"{sq} {sk} " + " ".join(str(int(c)) for c in tab[0, 0].flatten()))
+    out = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True,
+                         text=True, check=True).stdout.splitlines()  # fmt: skip
+    rows = iter(out)
+    for sq, sk, keep in cases:
+        for n0 in range(0, sk, bn):
+            m_first, m_end, *classes = map(int, next(rows).split())
+            blocks = range(-(-sq // bm))
+            live = [m for m in blocks if keep[m * bm : m * bm + bm, n0 : n0 + bn].any()]
+            assert (m_first, m_end) == ((live[0], live[-1] + 1) if live else (-(-sq // bm), 0))
+            tiles = [(m, k0) for m in range(m_first, m_end) for k0 in range(n0, n0 + bn, kw)]
+            for (m, k0), c in zip(tiles, classes, strict=True):
+                pairs = keep[m * bm : m * bm + bm, k0 : k0 + kw]  # (the in-range pairs)
+                if c == 2:  # FULL: every pair kept (the kernel's edge test adds the bounds)
+                    assert pairs.all(), (sq, sk, m, k0)
+                if c == 0:
+                    assert not pairs.any(), (sq, sk, m, k0)
