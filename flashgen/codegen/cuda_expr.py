@@ -102,6 +102,34 @@ def _float_affine(e: Expr, spec: Spec) -> str | None:
     return out
 
 
+#: Integer calls :func:`_float_int_call` computes on float twins, and their float forms.
+_FLOAT_INT_CALLS = {"abs": "fabsf", "min": "fminf", "max": "fmaxf"}
+
+
+def _float_int_call(e: Expr, spec: Spec) -> str | None:
+    """``(float)(e)`` for an integer ``abs`` / ``min`` / ``max`` (``e``) of :func:`_affine_int`
+    arguments, at least one reading ``q_idx`` or ``kv_idx``: the float call of the arguments'
+    float forms (:func:`_float_affine`; an argument without an index variable is cast, a
+    kernel- or row-invariant the compiler hoists).  ALiBi's ``abs(q_idx - kv_idx)`` becomes
+    ``fabsf(q_idx_f - kv_idx_f)``: one FADD, the absolute value an operand modifier of the
+    FFMA that uses it, instead of an IABS and an int-to-float conversion per element.
+    Exact under the same bound as :func:`_float_affine` (every value under 2^24 in
+    magnitude: the twins, their sums and the call's result are then integers a float holds
+    exactly, and abs / min / max of exact values are exact).  ``None`` for anything else."""
+    if not (isinstance(e, Call) and e.ty == Ty.I32 and e.fn in _FLOAT_INT_CALLS):
+        return None
+    if not all(_affine_int(a) for a in e.args):
+        return None
+    forms = [_float_affine(a, spec) for a in e.args]
+    if all(f is None for f in forms):
+        return None
+    args = [
+        f if f is not None else _cast(_cuda_expr(a, spec, None, False), Ty.I32, Ty.F32)
+        for a, f in zip(e.args, forms, strict=True)
+    ]
+    return f"{_FLOAT_INT_CALLS[e.fn]}({', '.join(args)})"
+
+
 class Invariants:
     """Kernel-invariant values that :func:`cuda_expr` hoists out of the per-element code: a
     divisor built only from constants and scalar params is computed once in the kernel's
@@ -115,15 +143,20 @@ class Invariants:
     into the invariant; within an ulp of the two roundings, and never where the value
     reaches a comparison, a float ``%`` or a ``trunc``).  ``nonneg_div``: an integer
     division whose operands are proven ``x >= 0``, ``d >= 1`` uses ``fg::Divisor::div_nn``
-    (:func:`_nonneg_by_positive`)."""
+    (:func:`_nonneg_by_positive`).  ``float_calls``: an integer ``abs`` / ``min`` / ``max`` of
+    affine index expressions in a float context is computed on the index variables' float
+    twins (:func:`_float_int_call`) instead of converted per element."""
 
-    def __init__(self, raw_score: str | None = None, nonneg_div: bool = False) -> None:
+    def __init__(
+        self, raw_score: str | None = None, nonneg_div: bool = False, float_calls: bool = False
+    ) -> None:
         self.decls: list[str] = []
         self._names: dict[tuple[str, str], str] = {}
         self.raw_score = raw_score
         # an int x / d with x >= 0, d >= 1 proven lowers to fg::Divisor::div_nn
         # (_nonneg_by_positive; the Hopper forward only: the FA2-class one spilled with it)
         self.nonneg_div = nonneg_div
+        self.float_calls = float_calls
 
     def add(self, ctype: str, init: str) -> str:
         """The name of a ``const ctype name(init);`` prologue value, declared once."""
@@ -289,6 +322,8 @@ class _Lowering:
 
         def as_float(x: Expr, code: str) -> str:
             twins = _float_affine(x, spec) if x.ty == Ty.I32 and _affine_int(x) else None
+            if twins is None and inv is not None and inv.float_calls:
+                twins = _float_int_call(x, spec)
             return twins if twins is not None else _cast(code, x.ty, Ty.F32)
 
         if isinstance(e, Const):

@@ -250,6 +250,7 @@ def forward_context(
     exact_softmax: bool = False,
     sink: bool = False,
     diag_terms: bool = False,
+    float_calls: bool = False,
 ) -> dict:
     """The fields of :class:`ForwardContext` as a dict (the family adds its own, then builds
     its ``Context``): sizes, tiles, the causal flag, the residual mask and score_mod as
@@ -261,7 +262,7 @@ def forward_context(
     the rendered ``mask_expr`` still reads a tensor (the template then short-circuits it
     behind the cheap bounds and causal tests).  ``affine``: an affine score_mod's split
     (``affine``, :func:`affine_context`) for the FULL tiles; otherwise ``affine`` is None.
-    ``nonneg_div``: see :class:`Invariants`.  ``head_groups``: the CTA order's
+    ``nonneg_div``, ``float_calls``: see :class:`Invariants`.  ``head_groups``: the CTA order's
     ``tile_group`` (:func:`tile_group_expr`; False: head-major).  ``exact_softmax``
     (:attr:`flashgen.options.Options.exact_softmax`): P's exponent from scores rounded as the
     row max was, so no P exceeds 1 at huge logits.
@@ -286,7 +287,7 @@ def forward_context(
     causal, residual = split_causal(spec.mask)
     score_mod = spec.score_mod
     # both forward templates define score_raw = q.k
-    inv = Invariants(raw_score="score_raw", nonneg_div=nonneg_div)
+    inv = Invariants(raw_score="score_raw", nonneg_div=nonneg_div, float_calls=float_calls)
     parts = rowcol.Split(residual, (), ())
     if side_terms and residual is not None:
         parts = rowcol.split(residual, spec)

@@ -87,10 +87,10 @@ CASES = [
 ]
 
 
-def _program(cases) -> str:
+def _program(cases, float_calls: bool = False) -> str:
     funcs = []
     for i, (spec, values) in enumerate(cases):
-        inv = Invariants()
+        inv = Invariants(float_calls=float_calls)
         code = cuda_expr(spec.mask, spec, inv)
         decl, args = scalar_params(spec, values)
         funcs.append(
@@ -127,3 +127,41 @@ def test_lowered_masks_match_the_reference(cxx_exe):
             f"mask {spec.source.splitlines()[3]} {values}: {len(bad)} pairs differ, first "
             f"(q_idx, kv_idx) = {tuple(bad[0].tolist())}, kernel {bool(got[tuple(bad[0])])}"
         )
+
+
+#: Integer abs / min / max of index expressions in float contexts (Invariants' float_calls:
+#: computed on the float twins), at values where a rounding would flip the comparison.
+FLOAT_CALL_CASES = [
+    ("abs(q_idx - kv_idx) * 0.5 < w", "{w: {type: f32, default: 1.0}}", {"w": 20.0}),
+    ("abs(q_idx + seqlen_k - seqlen_q - kv_idx) * f <= 40.0", "{f: {type: f32, default: 1.0}}",
+     {"f": 0.5}),
+    ("min(q_idx, kv_idx + p) * 1.5 >= max(kv_idx, 3) * 0.75", "{p: {type: i32, default: 1}}",
+     {"p": 7}),
+    ("abs(q_idx - kv_idx + p - p) * 0.25 == 10.0", "{p: {type: i32, default: 1}}",
+     {"p": 2**26 + 1}),
+    ("max(q_idx - 100, kv_idx - 150) * 1.0 > min(q_idx, 40) * 2.0", "{}", {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("float_calls", [False, True], ids=["converted", "twins"])
+def test_int_calls_on_float_twins_match_the_reference(cxx_exe, float_calls):
+    """``Invariants(float_calls=True)`` lowers ``abs(q_idx - kv_idx)`` in a float context as
+    ``fabsf(q_idx_f - kv_idx_f)`` (and min / max alike): exact, so every pair decides as the
+    reference does, as the per-element conversion does."""
+    cases = []
+    for i, (mask, params, values) in enumerate(FLOAT_CALL_CASES):
+        spec = loads_spec(
+            f"name: fc{i}\nhead_dim: 64\ndtype: bf16\nmask: '{mask}'\nparams: {params}\n"
+        )
+        code = cuda_expr(spec.mask, spec, Invariants(float_calls=float_calls))
+        assert ("fabsf(" in code or "fminf(" in code or "fmaxf(" in code) == float_calls, code
+        cases.append((spec, values))
+    exe = cxx_exe(_program(cases, float_calls), f"float_calls_{int(float_calls)}")
+    rows = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.split()
+    assert len(rows) == len(cases)
+    for (spec, values), row in zip(cases, rows, strict=True):
+        want = eval_mask(spec, batch=1, heads_q=1, seqlen_q=SQ, seqlen_k=SK, params=values)
+        got = torch.tensor([c == "1" for c in row]).view(SQ, SK)
+        assert torch.equal(got, want[0, 0]), spec.source.splitlines()[3]
+        assert got.any() and not got.all(), spec.source.splitlines()[3]  # the cases decide
+
