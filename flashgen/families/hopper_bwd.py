@@ -94,7 +94,12 @@ class Options:
     every element (their masked pairs' exponents may be inf or NaN before the selection).  Not
     with ``exact_softmax`` (:class:`flashgen.options.Options` refuses the pair).
 
-    ``tensor_masks`` (off by default, until run on a GPU): a mask that reads tensor params
+    ``masked_80`` (off by default, until run on a GPU): ``d128_block_m=80`` takes a spec with
+    a residual mask too (index-only, or with ``tensor_masks`` one that reads tensors): 80-query
+    steps whose 40 keep bits per thread and hull search use the same classifier; a unit that
+    spills with them (chunked_local, mistral_swa: 32 B) is built with 64
+    (:func:`flashgen.families.build.build_backward`).  ``tensor_masks`` (off by default, until
+    run on a GPU): a mask that reads tensor params
     (``document_mask``) takes this backward too, its tiles classified by a block table the
     op builds for the backward's BLOCK_M x BLOCK_N tiles with the forward's pre-pass
     (``templates/sm_80/blockmask.cu.j2``): exact hulls of live query blocks per key block
@@ -114,6 +119,7 @@ class Options:
     diag_terms: bool = True
     exp2_poly: int = 0
     tensor_masks: bool = False
+    masked_80: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -356,7 +362,8 @@ def plan(
         t = replace(t, dkdv_block_m=options.d64_block_m)
     dq_swap = (
         d == 128 and options.d128_block_m == 80
-        and (spec.mask is None or isinstance(spec.mask, Causal)) and not param_grads
+        and (spec.mask is None or isinstance(spec.mask, Causal) or options.masked_80)
+        and not param_grads
         and not ordered_dq
     )  # fmt: skip
     if dq_swap:

@@ -164,7 +164,8 @@ def softcap_spec():
 
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
-OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly", "tensor_masks"}
+OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly", "tensor_masks",
+                   "masked_80"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -512,4 +513,21 @@ def test_tensor_masks_document_mask_lengths_gqa(tensor_masks, d):
 def test_tensor_masks_lse_gradient(tensor_masks):
     spec = _doc_mask(128)
     check(spec, 2, 4, 2, 1000, 1000, seed=1850, with_dlse=True)
+
+
+# ------------------------- 80-query steps for masked specs at head_dim 128 (masked_80)
+@pytest.fixture
+def masked_80(monkeypatch):
+    """``hopper_bwd.masked_80`` (with ``tensor_masks``): prefix_lm and document_mask take
+    80-query steps; chunked_local and mistral_swa spill with them and take 64."""
+    return gpu_options.use(
+        monkeypatch, {"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True}
+    )
+
+
+@pytest.mark.parametrize("name", ["prefix_lm", "document_mask", "chunked_local"])
+def test_masked_80_masks(masked_80, name):
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1900 + i)
 

@@ -1235,8 +1235,8 @@ int main() {
 """
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d):
+@pytest.mark.parametrize("d, m80", [(64, False), (128, False), (128, True), (256, False)])
+def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d, m80):
     """The unit's fg_tile_class over a block table built for its tiles (the brute-force table
     of the CPU path, as the pre-pass builds it on the GPU), on random documents: the hull
     search finds exactly the first and last query block with a kept pair per key block, and
@@ -1251,15 +1251,17 @@ def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d):
     from flashgen.ops.prefill.blockmask import block_table_reference
 
     spec = doc_mask(d)
-    ctx = reg_plan(spec, "sm_90", TENSOR_MASKS).dkdv.context
+    options = TENSOR_MASKS.replace_path("hopper_bwd.masked_80", m80)
+    ctx = reg_plan(spec, "sm_90", options).dkdv.context
     bm, bn = ctx["block_m"], ctx["block_n"]
+    assert bm == (80 if m80 else {64: 128, 128: 64, 256: 64}[d])
     kw = 64  # a warpgroup's keys (head_dim 256: all of the CTA's 64)
     src = (REPO / "templates" / "common" / "masktiles.cuh").read_text()
     src += (REPO / "templates" / "common" / "table_class.cuh").read_text()
     src += ctx["tile_classifier"].replace("int64_t sb, int64_t sh", "long long sb, long long sh")
     src += f"#define BM {bm}\n#define BN {bn}\n#define KW {kw}\n"
     src += f"#define TILE_CLASS_ARGS {ctx['tile_class_args']}\n" + TABLE_HULL_MAIN
-    exe = host_exe(src, f"table_hull_{d}")
+    exe = host_exe(src, f"table_hull_{d}_{bm}")
     rng = random.Random(d)
     cases, lines = [], []
     for sq, sk in ((1, 1), (17, 300), (300, 17), (1000, 1000), (777, 1290), (4097, 1000)):
@@ -1289,3 +1291,27 @@ def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d):
                     assert pairs.all(), (sq, sk, m, k0)
                 if c == 0:
                     assert not pairs.any(), (sq, sk, m, k0)
+
+
+# ---------------------------------------- 80-query steps for masked specs (masked_80)
+MASKED_80 = DEFAULT.with_values({"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True})
+
+
+def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(requires_nvcc):
+    """``hopper_bwd.masked_80``: prefix_lm and (with tensor_masks) document_mask build their
+    head-dim-128 backward with 80-query steps spill-free (40 keep bits a thread, uint64);
+    chunked_local and mistral_swa spill 32 B with them and are built with 64, as the op does
+    (build_backward's fallback); off, every masked spec takes 64."""
+    from flashgen.families.build import build_backward
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    assert not DEFAULT.hopper_bwd.masked_80
+    for name, want in (("prefix_lm", 80), ("document_mask", 80), ("chunked_local", 64),
+                       ("mistral_swa", 64)):  # fmt: skip
+        spec = shipped(name)
+        assert reg_plan(spec, "sm_90", TENSOR_MASKS).dkdv.context["block_m"] == 64
+        plan, _, report = build_backward(spec, "sm_90", hopper=True, options=MASKED_80)
+        assert plan.wgmma and plan.dkdv.context["block_m"] == want, name
+        assert report.spill_bytes == 0 and not report.wgmma_serialized, (name, report)
+        if want == 80:
+            assert "uint64_t keep_bits" in render(plan.unit)
