@@ -1319,7 +1319,8 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
 
 # ------------------------- the edge keep bits of a tensor mask, on the host (tensor_masks)
 #: Masks that read tensors (name, mask, params, GQA group): one-sided reads by b, by h (a
-#: column term and a row term), by h_kv, and with a residual that reads both indices.
+#: column term and a row term), by h_kv, and with a residual that reads both indices (an
+#: index difference, or a causal that is not split off).
 KEEP_MASKS = [
     ("kb_doc", "causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]",
      "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}",
@@ -1338,6 +1339,9 @@ KEEP_MASKS = [
     ("kb_win_f", "causal && doc_q[b, q_idx] == doc_kv[b, kv_idx] && (q_idx - kv_idx) * 0.5 < f",
      "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}, "
      "f: {type: f32, default: 9.5}", 1),
+    ("kb_or", "kv_idx < sink[h] || causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]",
+     "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}, "
+     "sink: {type: i32, shape: [num_heads]}", 1),
 ]  # fmt: skip
 
 
