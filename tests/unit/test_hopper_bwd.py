@@ -1315,3 +1315,138 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
         assert report.spill_bytes == 0 and not report.wgmma_serialized, (name, report)
         if want == 80:
             assert "uint64_t keep_bits" in render(plan.unit)
+
+
+# ------------------------- the edge keep bits of a tensor mask, on the host (tensor_masks)
+#: Masks that read tensors (name, mask, params, GQA group): one-sided reads by b, by h (a
+#: column term and a row term), by h_kv, and with a residual that reads both indices (an
+#: index difference, or a causal that is not split off).
+KEEP_MASKS = [
+    ("kb_doc", "causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]",
+     "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}",
+     1),
+    ("kb_sink", "doc_q[b, q_idx] == doc_kv[b, kv_idx] && kv_idx >= sink[h]",
+     "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}, "
+     "sink: {type: i32, shape: [num_heads]}", 1),
+    ("kb_head", "causal && colm[h, kv_idx] > 0 && rowm[h, q_idx] > 0",
+     "colm: {type: i32, shape: [num_heads, seqlen_k]}, "
+     "rowm: {type: i32, shape: [num_heads, seqlen_q]}", 1),
+    ("kb_kvhead", "causal && keep[h_kv, kv_idx] > 0",
+     "keep: {type: i32, shape: [num_heads_kv, seqlen_k]}", 2),
+    ("kb_win", "doc_q[b, q_idx] == doc_kv[b, kv_idx] && q_idx - kv_idx < w",
+     "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}, "
+     "w: {type: i32, default: 40}", 1),
+    ("kb_win_f", "causal && doc_q[b, q_idx] == doc_kv[b, kv_idx] && (q_idx - kv_idx) * 0.5 < f",
+     "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}, "
+     "f: {type: f32, default: 9.5}", 1),
+    ("kb_or", "kv_idx < sink[h] || causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]",
+     "doc_q: {type: i32, shape: [batch, seqlen_q]}, doc_kv: {type: i32, shape: [batch, seqlen_k]}, "
+     "sink: {type: i32, shape: [num_heads]}", 1),
+]  # fmt: skip
+
+
+def _keep_bits_block(src: str) -> str:
+    """The edge step's keep-bits code of a rendered Hopper backward unit (``keep_bits = 0u;``
+    through its pair loop)."""
+    start = src.index("            keep_bits = 0u;\n")
+    end = src.index("            }\n", src.index("keep_bits |=", start)) + len("            }\n")
+    return src[start:end]
+
+
+@pytest.mark.parametrize("d, m80", [(64, False), (128, False), (128, True), (256, False)])
+def test_tensor_mask_keep_bits_match_the_mask_pair_by_pair(cxx_exe, d, m80):
+    """The edge steps' keep bits of a mask that reads tensors (its one-sided reads loaded once
+    per key row and query column, the residual per pair; ``keep_terms``), run on the host
+    verbatim from the rendered unit for every warpgroup step tile, warp and lane of random
+    problems (sequence ends inside tiles, GQA), against the reference mask: bit i is set
+    exactly where acc_s[i]'s (query, key) pair is in range and kept.  A residual that reads
+    ``q_idx`` and ``kv_idx`` themselves (``q_idx - kv_idx < w``) needs them in scope there."""
+    import random
+
+    import torch
+    from host_cxx import preamble
+
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+    from flashgen.ops.cpu.reference import eval_mask
+
+    options = TENSOR_MASKS.replace_path("hopper_bwd.masked_80", m80)
+    rng = random.Random(d * 2 + m80)
+    gen = torch.Generator().manual_seed(d * 2 + m80)
+    batch, heads_q, sq, sk = 2, 4, 150, 203
+    funcs, calls, cases = [], [], []
+    for name, mask, params, group in KEEP_MASKS:
+        spec = loads_spec(
+            f"name: {name}_{d}\nhead_dim: {d}\ndtype: bf16\nmask: '{mask}'\nparams: {{{params}}}\n"
+        )
+        plan = reg_plan(spec, "sm_90", options)
+        ctx = plan.dkdv.context
+        assert ctx["block_table"] and ctx["keep_expr"] is not None, name
+        block = _keep_bits_block(render(plan.unit))
+        q_half = ctx["split_d"] and not ctx["sdp_wg"]
+        qn = ctx["block_m"] // 2 if q_half else ctx["block_m"]
+        assert qn == (80 if m80 else {64: 128, 128: 64, 256: 64}[d])
+        keep_t = "uint64_t" if qn // 2 > 32 else "uint32_t"
+        heads_kv = heads_q // group
+        sizes = {"batch": batch, "num_heads": heads_q, "num_heads_kv": heads_kv,
+                 "seqlen_q": sq, "seqlen_k": sk}  # fmt: skip
+        values, decl, args, arrays = {}, "", "", ""
+        for p in spec.params:
+            if p.shape:
+                shape = [sizes[s] if isinstance(s, str) else s for s in p.shape]
+                if p.name.startswith("doc"):  # nondecreasing document ids
+                    t = torch.randint(0, 5, shape, generator=gen).sort(-1).values
+                elif p.name == "sink":
+                    t = torch.tensor([rng.randrange(-5, sk + 5) for _ in range(shape[0])])
+                else:
+                    t = (torch.rand(shape, generator=gen) < 0.7).int()
+                values[p.name] = t.to(torch.int32)
+                flat = ", ".join(str(int(x)) for x in t.flatten().tolist())
+                arrays += f"static const int a_{name}_{p.name}[] = {{{flat}}};\n"
+                decl += f", const int* t_{p.name}"
+                args += f", a_{name}_{p.name}"
+            else:
+                values[p.name] = p.default
+                is_int = p.ty == ir.Ty.I32
+                decl += f", {'int' if is_int else 'float'} p_{p.name}"
+                args += f", {int(p.default) if is_int else repr(float(p.default)) + 'f'}"
+        funcs.append(
+            arrays
+            + f"static {keep_t} keep_{name}(int b, int h, int h_kv, int qw0, int key_raw, "
+            f"int lane, int seqlen_q, int seqlen_k{decl}) {{\n"
+            f"    constexpr int NQ = {qn // 8};\n"
+            f"    constexpr bool IS_CAUSAL = {'true' if ctx['causal'] else 'false'};\n"
+            f"    {keep_t} keep_bits;\n{block}    return keep_bits;\n}}\n"
+            f"static void run_{name}() {{\n"
+            f"    for (int b = 0; b < {batch}; ++b)\n"
+            f"    for (int h = 0; h < {heads_q}; ++h)\n"
+            f"    for (int qw0 = 0; qw0 < {sq}; qw0 += {qn})\n"
+            f"    for (int kw0 = 0; kw0 < {sk}; kw0 += 64)\n"
+            "    for (int t = 0; t < 128; ++t) {\n"
+            "        const int lane = t % 32, key_raw = kw0 + t / 32 * 16 + lane / 4;\n"
+            f"        printf(\"%llx\\n\", (unsigned long long)keep_{name}(b, h, h / {group}, "
+            f"qw0, key_raw, lane, {sq}, {sk}{args}));\n"
+            "    }\n}\n"
+        )
+        calls.append(f"    run_{name}();\n")
+        want = eval_mask(spec, batch=batch, heads_q=heads_q, seqlen_q=sq, seqlen_k=sk,
+                         params=values, heads_kv=heads_kv)  # fmt: skip
+        cases.append((name, qn, want))
+    src = preamble() + "".join(funcs) + "int main() {\n" + "".join(calls) + "}\n"
+    exe = cxx_exe(src, f"keep_bits_{d}_{int(m80)}")
+    out = iter(subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
+                              check=True).stdout.split())  # fmt: skip
+    for name, qn, want in cases:
+        for b in range(batch):
+            for h in range(heads_q):
+                for qw0 in range(0, sq, qn):
+                    for kw0 in range(0, sk, 64):
+                        for t in range(128):
+                            lane, got = t % 32, int(next(out), 16)
+                            key_raw = kw0 + t // 32 * 16 + lane // 4
+                            bits = 0
+                            for i in range(qn // 8 * 4):
+                                q = qw0 + (i // 4) * 8 + (lane % 4) * 2 + i % 2
+                                kv = key_raw + 8 * ((i // 2) % 2)
+                                if q < sq and kv < sk and want[b, h, q, kv]:
+                                    bits |= 1 << i
+                            assert got == bits, (name, b, h, qw0, key_raw, lane, hex(got ^ bits))
