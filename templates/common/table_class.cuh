@@ -18,4 +18,20 @@ FG_HD int table_class(const unsigned char* slice, int n_blocks, int m0, int m1, 
     return cls < 0 ? fg::iv::EMPTY : cls;
 }
 
+// Lane `lane`'s part of the hull [first, end) of the live query blocks of key block n_block for the heads h0 .. h0 +
+// heads - 1: query blocks lane, lane + 32, ...; the kernel reduces it over warp 0 (min of first, max of end).
+FG_HD int2 table_hull_lane(const unsigned char* tab, int64_t sb, int64_t sh, int b, int h0, int heads, int n_block,
+                           int n_blocks, int m_blocks, int lane) {
+    int first = m_blocks, end = 0;
+    for (int hg = 0; hg < heads; ++hg) {
+        const unsigned char* col = tab + b * sb + (h0 + hg) * sh + n_block;
+        for (int m = lane; m < m_blocks; m += 32)
+            if (col[(int64_t)m * n_blocks] != fg::iv::EMPTY) {
+                first = first < m ? first : m;
+                end = end > m + 1 ? end : m + 1;
+            }
+    }
+    return make_int2(first, end);
+}
+
 }  // namespace fg

@@ -518,8 +518,8 @@ def test_tensor_masks_lse_gradient(tensor_masks):
 # ------------------------- 80-query steps for masked specs at head_dim 128 (masked_80)
 @pytest.fixture
 def masked_80(monkeypatch):
-    """``hopper_bwd.masked_80`` (with ``tensor_masks``): prefix_lm and document_mask take
-    80-query steps; chunked_local and mistral_swa spill with them and take 64."""
+    """``hopper_bwd.masked_80`` (with ``tensor_masks``): prefix_lm takes 80-query steps;
+    chunked_local and document_mask spill with them and take 64 (the fallback runs)."""
     return gpu_options.use(
         monkeypatch, {"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True}
     )

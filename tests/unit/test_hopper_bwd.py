@@ -1178,7 +1178,11 @@ def test_tensor_masks_is_an_option_off_by_default():
     assert [a.name for a in plan.dkdv.args if a.name.startswith("blk_")] == [
         "blk_tab", "blk_sb", "blk_sh"
     ]  # fmt: skip
-    assert "blk_tab, blk_sb, blk_sh, b, h, seqlen_k" in render(plan.unit)
+    src = render(plan.unit)
+    assert "blk_tab, blk_sb, blk_sh, b, h, seqlen_k" in src
+    # the hull: warp 0 scans the key block's table column (test_table_tile_classes_... below)
+    assert "fg::table_hull_lane(blk_tab, blk_sb, blk_sh, b, h_kv * group, group, n_block" in src
+    assert "m_first = __reduce_min_sync(0xffffffffu, hull.x)" in src
     plain = shipped("causal_d128")
     assert render(reg_plan(plain, "sm_90", TENSOR_MASKS).unit) == render(
         reg_plan(plain, "sm_90").unit
@@ -1208,19 +1212,17 @@ int main() {
         for (auto& c : tab) { int v; scanf("%d", &v); c = (unsigned char)v; }
         const unsigned char* blk_tab = tab.data();
         const long long blk_sb = 0, blk_sh = 0;
-        const int b = 0, h = 0, seqlen_q = sq, seqlen_k = sk;
-        for (int n_block = 0; n_block < n_blocks; ++n_block) {  // the kernel's hull search
-            const int n0 = n_block * BN, n_last_row = (n0 + BN < seqlen_k ? n0 + BN : seqlen_k) - 1;
-            auto head_class = [&](int i0, int i1) {
-                const int q1 = ((i1 + 1) * BM < seqlen_q ? (i1 + 1) * BM : seqlen_q) - 1;
-                const int q0 = i0 * BM;
-                return fg_tile_class(q0, q1, n0, n_last_row, TILE_CLASS_ARGS);
-            };
-            int c, full_hi = -1, full_lo = 0x7fffffff, m_first = m_blocks, m_end = 0;
-            const int f = fg::iv::next_live(0, m_blocks, c, full_hi, head_class);
-            if (f < m_blocks) {
-                m_first = f;
-                m_end = fg::iv::prev_live(m_blocks - 1, c, full_lo, head_class) + 1;
+        const int b = 0, h = 0, seqlen_k = sk;
+        for (int n_block = 0; n_block < n_blocks; ++n_block) {
+            const int n0 = n_block * BN;
+            // the kernel's hull: warp 0's lanes read the key block's table column, 32 query
+            // blocks a step, then the warp's min / max (lanes run one after the other here)
+            int m_first = m_blocks, m_end = 0;
+            for (int lane = 0; lane < 32; ++lane) {
+                const int2 part = fg::table_hull_lane(blk_tab, blk_sb, blk_sh, b, h, 1, n_block,
+                                                      n_blocks, m_blocks, lane);
+                m_first = part.x < m_first ? part.x : m_first;
+                m_end = part.y > m_end ? part.y : m_end;
             }
             printf("%d %d", m_first, m_end);
             for (int m = m_first; m < m_end; ++m)  // each warpgroup's step tile (KW keys)
@@ -1237,10 +1239,11 @@ int main() {
 
 @pytest.mark.parametrize("d, m80", [(64, False), (128, False), (128, True), (256, False)])
 def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d, m80):
-    """The unit's fg_tile_class over a block table built for its tiles (the brute-force table
-    of the CPU path, as the pre-pass builds it on the GPU), on random documents: the hull
-    search finds exactly the first and last query block with a kept pair per key block, and
-    a step tile it calls FULL keeps every pair, EMPTY none."""
+    """The unit's tile classes over a block table built for its tiles (the brute-force table
+    of the CPU path, as the pre-pass builds it on the GPU), on random documents: the hull (the
+    kernel's warp scan of the key block's table column) is exactly the first and last query
+    block with a kept pair per key block, and a step tile fg_tile_class calls FULL keeps every
+    pair, EMPTY none."""
     import random
 
     import numpy as np
@@ -1298,15 +1301,15 @@ MASKED_80 = DEFAULT.with_values({"hopper_bwd.masked_80": True, "hopper_bwd.tenso
 
 
 def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(requires_nvcc):
-    """``hopper_bwd.masked_80``: prefix_lm and (with tensor_masks) document_mask build their
-    head-dim-128 backward with 80-query steps spill-free (40 keep bits a thread, uint64);
-    chunked_local and mistral_swa spill 32 B with them and are built with 64, as the op does
-    (build_backward's fallback); off, every masked spec takes 64."""
+    """``hopper_bwd.masked_80``: prefix_lm builds its head-dim-128 backward with 80-query steps
+    spill-free (40 keep bits a thread, uint64); chunked_local and mistral_swa (32 B) and
+    document_mask with tensor_masks (8 B) spill with them and are built with 64, as the op
+    does (build_backward's fallback); off, every masked spec takes 64."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
     assert not DEFAULT.hopper_bwd.masked_80
-    for name, want in (("prefix_lm", 80), ("document_mask", 80), ("chunked_local", 64),
+    for name, want in (("prefix_lm", 80), ("document_mask", 64), ("chunked_local", 64),
                        ("mistral_swa", 64)):  # fmt: skip
         spec = shipped(name)
         assert reg_plan(spec, "sm_90", TENSOR_MASKS).dkdv.context["block_m"] == 64
