@@ -97,7 +97,9 @@ class Options:
     variables' float twins, ``fabsf(q_idx_f - kv_idx_f)``, exact for indices under 2^24
     (:class:`flashgen.codegen.cuda_expr.Invariants`' ``float_calls``), instead of an int abs
     and an int-to-float conversion per element; a spec without such a call renders
-    unchanged."""
+    unchanged.  Register allocation moves with it: alibi_learned stays spill-free, score_mods
+    with several such calls at head_dim 128 / 256 can spill (64-180 B in an adversarial
+    review's compiles)."""
 
     affine: bool = True
     causal_tiles: bool = True
