@@ -176,15 +176,15 @@ def test_a_table_is_used_only_with_the_tiles_it_was_built_for():
     dims = validate(op.spec, q, k, k, tensors)
     fa2 = plan_forward(op.spec, "sm_90", family="fa2")
     assert (fa2.tiles.block_m, fa2.tiles.block_n) == (bm.block_m, bm.block_n)
-    vals = op._table_values(arg, fa2, dims, [], tensors, q.device)
+    vals = op._table_values(arg, fa2.tiles, dims, [], tensors, q.device)
     assert vals["blk_tab"].data_ptr() == bm.table.data_ptr() and vals["blk_sb"] == 1
     hopper = plan_forward(op.spec, "sm_90")
     assert block_table_shape(op.spec, hopper.tiles, 2, 4, 100, 30) == bm.shape
     with pytest.raises(OpInputError, match=r"built for 128x32 tiles, but this call runs a "
                        r"kernel with 128x128 tiles"):  # fmt: skip
-        op._table_values(arg, hopper, dims, [], tensors, q.device)
+        op._table_values(arg, hopper.tiles, dims, [], tensors, q.device)
     with pytest.raises(OpInputError, match=r"expected the uint8 table view .* \[2, 1, 1, 1, "):
-        op._table_values(bm.table, fa2, dims, [], tensors, q.device)  # a bare table
+        op._table_values(bm.table, fa2.tiles, dims, [], tensors, q.device)  # a bare table
     with pytest.raises(OpInputError, match="expected the uint8 table view"):
         table_for_tiles(arg.contiguous(), bm.shape, fa2.tiles)  # not a broadcast view
     with pytest.raises(OpInputError, match="expected the uint8 table view"):

@@ -687,7 +687,7 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         )  # fmt: skip
         plan = kern.plan
         if plan.context["block_table"]:
-            values.update(self._table_values(table, plan, dims, scalars, tensors, q.device))
+            values.update(self._table_values(table, plan.tiles, dims, scalars, tensors, q.device))
         if plan.context["sink"]:
             values.update(sink_arg_values(sink))
         elif sink is not None:

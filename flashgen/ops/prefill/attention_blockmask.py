@@ -190,20 +190,21 @@ class BlockMaskMethods:
                     self._kernels[key] = kern
         return kern
 
-    def _table_values(self, arg, plan, dims: Dims, scalars, tensors: dict, device) -> dict:
-        """``blk_tab / blk_sb / blk_sh`` for the forward launch: the table of the
-        ``block_mask`` argument ``arg`` (refused unless built for the plan's tiles, see
+    def _table_values(self, arg, tiles, dims: Dims, scalars, tensors: dict, device) -> dict:
+        """``blk_tab / blk_sb / blk_sh`` for a launch whose kernel runs ``tiles`` (the forward's,
+        or the Hopper backward's under ``hopper_bwd.tensor_masks``): the table of the
+        ``block_mask`` argument ``arg`` (refused unless built for those tiles, see
         :func:`flashgen.ops.prefill.blockmask.table_for_tiles`) or, when None, a fresh one from the
         pre-pass for those tiles."""
         from flashgen.families.blocktable import block_table_shape
         from flashgen.ops.prefill.blockmask import table_for_tiles, table_strides
 
         shape = block_table_shape(
-            self.spec, plan.tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+            self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
         )
         if arg is None:
-            table = self._run_block_table(device, plan.tiles, dims, scalars, tensors)
+            table = self._run_block_table(device, tiles, dims, scalars, tensors)
         else:
-            table = table_for_tiles(arg, shape, plan.tiles)
+            table = table_for_tiles(arg, shape, tiles)
         sb, sh = table_strides(self.spec, table)
         return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}

@@ -83,6 +83,7 @@ import torch
 
 from flashgen.analysis.derive import grad_refusal, reads_param
 from flashgen.codegen.abi import needs_block_table
+from flashgen.codegen.plan import TileConfig
 from flashgen.families import registry
 from flashgen.frontend.errors import OpInputError
 from flashgen.frontend.ir import Spec
@@ -457,8 +458,11 @@ class Backward:
              "dk": dk, "dv": dv, "dq_accum": dq_accum, "dq_sem": dq_sem},
             dims, softmax_scale, scalars, tensors,
         )  # fmt: skip
-        if plan.dkdv.context.get("block_table"):  # hopper_bwd.tensor_masks: the tile classes
-            values.update(self._table_values(plan, dims, scalars, tensors, q.device))
+        if plan.dkdv.context.get("block_table"):  # hopper_bwd.tensor_masks: the tile classes,
+            # from the pre-pass run for the dK/dV kernel's tiles (not the forward's)
+            ctx = plan.dkdv.context
+            tiles = TileConfig(ctx["block_m"], ctx["block_n"], plan.dkdv.tiles.num_warps)
+            values.update(self.op._table_values(None, tiles, dims, scalars, tensors, q.device))
         grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
         finish = None
         if names:  # the dK/dV kernel's CTAs, one row each under deterministic=True
@@ -482,20 +486,6 @@ class Backward:
         if dsink is not None and deterministic:
             dsink = dsink.sum(-1)  # the rows' terms in a fixed order
         return dq, dk, dv, finish() if finish is not None else [], dsink
-
-    def _table_values(self, plan, dims, scalars, tensors: dict, device) -> dict:
-        """``blk_tab / blk_sb / blk_sh`` of a Hopper backward whose tile classes come from a
-        block table (``hopper_bwd.tensor_masks``): the forward's pre-pass run for the dK/dV
-        kernel's BLOCK_M x BLOCK_N tiles (a forward's own table, or a ``block_mask``
-        argument, is for the forward's tiles)."""
-        from flashgen.codegen.plan import TileConfig
-        from flashgen.ops.prefill.blockmask import table_strides
-
-        ctx = plan.dkdv.context
-        tiles = TileConfig(ctx["block_m"], ctx["block_n"], plan.dkdv.tiles.num_warps)
-        table = self.op._run_block_table(device, tiles, dims, scalars, tensors)
-        sb, sh = table_strides(self.spec, table)
-        return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
 
     def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None,
                 param_grads: tuple[str, ...] = (), sink: bool = False):  # fmt: skip
