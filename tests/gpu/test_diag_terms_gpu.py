@@ -66,18 +66,23 @@ def test_a_bshd_view(name, monkeypatch, error_bound):
     check(spec_of(name), 1, 4, 4, 1000, 1301, error_bound, bshd=True, seed=3)
 
 
-@pytest.mark.parametrize("sq, sk", [(1000, 1000), (4097, 4097), (127, 4097), (4097, 17)])
-@pytest.mark.parametrize("name", NAMES)
-def test_bitwise_equal_to_the_option_off(name, sq, sk):
-    spec = spec_of(name)
-    on = gpu_options.build(spec, gpu_options.options(ON))
+def forward_outputs_with_and_without(spec, values: dict, sq: int, sk: int) -> tuple:
+    """``((o, lse) with the options ``values``, (o, lse) with the defaults)`` of one forward
+    on the same random inputs (B=2, 8 query heads over 2 KV heads)."""
+    on = gpu_options.build(spec, gpu_options.options(values))
     off = gpu_options.build(spec, gpu_options.options())
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(sq * 3 + sk)
     q, k, v, params = random_inputs(spec, 2, 8, 2, sq, sk, dev, gen)
-    o1, lse1 = on.attention(q, k, v, **params)
-    o0, lse0 = off.attention(q, k, v, **params)
+    outs = on.attention(q, k, v, **params), off.attention(q, k, v, **params)
     torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (4097, 4097), (127, 4097), (4097, 17)])
+@pytest.mark.parametrize("name", NAMES)
+def test_bitwise_equal_to_the_option_off(name, sq, sk):
+    (o1, lse1), (o0, lse0) = forward_outputs_with_and_without(spec_of(name), ON, sq, sk)
     assert torch.equal(o1, o0) and torch.equal(lse1, lse0)
 
 

@@ -12,9 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gpu_options  # noqa: E402
+from test_diag_terms_gpu import forward_outputs_with_and_without  # noqa: E402
 from test_forward import check, shipped  # noqa: E402
-
-from flashgen.bench.verify import random_inputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -39,12 +38,5 @@ def test_against_the_float64_reference(sq, sk, monkeypatch, error_bound):
 @pytest.mark.parametrize("sq, sk", [(1000, 1000), (4097, 4097), (127, 4097), (4097, 17)])
 def test_bitwise_equal_to_the_option_off(sq, sk):
     spec = shipped("alibi_learned")
-    on = gpu_options.build(spec, gpu_options.options(ON))
-    off = gpu_options.build(spec, gpu_options.options())
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(sq * 3 + sk)
-    q, k, v, params = random_inputs(spec, 2, 8, 2, sq, sk, dev, gen)
-    o1, lse1 = on.attention(q, k, v, **params)
-    o0, lse0 = off.attention(q, k, v, **params)
-    torch.cuda.synchronize()
+    (o1, lse1), (o0, lse0) = forward_outputs_with_and_without(spec, ON, sq, sk)
     assert torch.equal(o1, o0) and torch.equal(lse1, lse0)
