@@ -127,7 +127,9 @@ def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False, params
         spec, b, hq, hkv, sq, sk, seed=seed, qkv=qkv, with_dlse=with_dlse, params=params
     )
     if with_dlse:
-        ref64, low = (_ref_with_lse(spec, q, k, v, do, dlse, dt) for dt in (torch.float64, q.dtype))
+        ref64, low = (
+            _ref_with_lse(spec, q, k, v, do, dlse, params, dt) for dt in (torch.float64, q.dtype)
+        )
     else:
         ref64 = ref_grads(spec, q, k, v, do, params, torch.float64)
         low = ref_grads(spec, q, k, v, do, params, q.dtype)
@@ -141,11 +143,11 @@ def check(spec, b, hq, hkv, sq, sk, *, seed=0, qkv=None, with_dlse=False, params
         )
 
 
-def _ref_with_lse(spec, q, k, v, do, dlse, dtype):
+def _ref_with_lse(spec, q, k, v, do, dlse, params, dtype):
     from flashgen.ops.cpu.reference import attention_reference
 
     qr, kr, vr = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    o, lse = attention_reference(spec, qr, kr, vr, compute_dtype=dtype)
+    o, lse = attention_reference(spec, qr, kr, vr, params=params, compute_dtype=dtype)
     lse = lse.masked_fill(torch.isneginf(lse), 0)
     torch.autograd.backward([o, lse], [do.to(dtype), dlse.to(dtype)])
     return qr.grad, kr.grad, vr.grad
@@ -513,6 +515,30 @@ def test_tensor_masks_document_mask_lengths_gqa(tensor_masks, d):
 def test_tensor_masks_lse_gradient(tensor_masks):
     spec = _doc_mask(128)
     check(spec, 2, 4, 2, 1000, 1000, seed=1850, with_dlse=True)
+
+
+def _draft_tree(b: int, sq: int, seed: int):
+    """``ancestors`` of ``b`` random draft trees of ``sq`` tokens (token i's parent is a
+    random earlier token): [b, sq, sq] int32, 1 where j is i or one of its ancestors."""
+    gen = torch.Generator().manual_seed(seed)
+    anc = torch.zeros(b, sq, sq, dtype=torch.int32)
+    for r in range(b):
+        for i in range(sq):
+            anc[r, i, i] = 1
+            if i:
+                parent = int(torch.randint(0, i, (1,), generator=gen))
+                anc[r, i] |= anc[r, parent]
+    return anc.cuda()
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 2, 17, 1000), (1, 2, 1, 127, 4097),
+                                            (1, 4, 4, 200, 200), (1, 2, 2, 1, 1)])  # fmt: skip
+def test_tensor_masks_spec_tree(tensor_masks, b, hq, hkv, sq, sk):
+    """spec_tree (a two-sided tensor read, ``ancestors[b, q_idx, f(kv_idx)]``) on the
+    Hopper backward: its draft tree's edge steps read the table per element."""
+    spec = shipped("spec_tree")
+    anc = _draft_tree(b, sq, seed=sq)
+    check(spec, b, hq, hkv, sq, sk, seed=1870 + sq, params={"ancestors": anc})
 
 
 # ------------------------- 80-query steps for masked specs at head_dim 128 (masked_80)
