@@ -53,8 +53,9 @@ def build_forward(
     (``head_groups``), the persistent producer's warp-wide walk (``warp_walk``: tried off
     right after each variant that spills, the producer's own registers, which the others
     barely touch; a mask whose classifier divides twice spills the producer with it at 128 x
-    128).  A variant that renders the same source as one tried (the feature does not apply
-    to this spec, e.g. ``warp_walk`` to a non-persistent kernel) is skipped.
+    128), the float twins of integer index calls (``float_index_calls``: tried off right after
+    each variant that spills).  A variant that renders the same source as one tried (the feature
+    does not apply to this spec, e.g. ``warp_walk`` to a non-persistent kernel) is skipped.
 
     Raises :class:`~flashgen.build.compile.CompileError` if nvcc fails, ``ValueError`` if the
     spec cannot be lowered for ``target``.
@@ -66,10 +67,10 @@ def build_forward(
         candidates = [alt, *(t for t in candidates if t != alt)]
     for tiles in candidates:
         tried = set()
-        for side_terms, affine, mask_tiles, head_groups, warp_walk in itertools.product(
-            ways, (True, False), (True, False), (True, False), (True, False)
+        for side_terms, affine, mask_tiles, head_groups, warp_walk, floats in itertools.product(
+            ways, *[(True, False)] * 5
         ):
-            opts = _forward_variant(options, affine, mask_tiles, head_groups, warp_walk)
+            opts = _forward_variant(options, affine, mask_tiles, head_groups, warp_walk, floats)
             plan = registry.plan_forward(
                 spec, target, opts, gpu=gpu, tiles=tiles, persistent=persistent,
                 side_terms=side_terms, block_descale=block_descale,
@@ -85,7 +86,12 @@ def build_forward(
 
 
 def _forward_variant(
-    options: Options, affine: bool, mask_tiles: bool, head_groups: bool, warp_walk: bool
+    options: Options,
+    affine: bool,
+    mask_tiles: bool,
+    head_groups: bool,
+    warp_walk: bool,
+    float_calls: bool = True,
 ) -> Options:
     """``options`` with the spill fallback's features turned off where False (never on)."""
     h, f = options.hopper_fwd, options.fa2_fwd
@@ -98,6 +104,7 @@ def _forward_variant(
         nonneg_div=h.nonneg_div and mask_tiles,
         head_groups=h.head_groups and head_groups,
         warp_walk=h.warp_walk and warp_walk,
+        float_index_calls=h.float_index_calls and float_calls,
     )
     f = replace(f, affine=f.affine and affine, head_groups=f.head_groups and head_groups)
     return replace(options, hopper_fwd=h, fa2_fwd=f)

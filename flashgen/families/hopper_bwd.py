@@ -94,13 +94,13 @@ class Options:
     every element (their masked pairs' exponents may be inf or NaN before the selection).  Not
     with ``exact_softmax`` (:class:`flashgen.options.Options` refuses the pair).
 
-    ``masked_80`` (off by default, until run on a GPU): ``d128_block_m=80`` takes a spec with
-    a residual mask too (index-only, or with ``tensor_masks`` one that reads tensors): 80-query
-    steps whose 40 keep bits per thread and hull search use the same classifier; a unit that
-    spills with them (chunked_local, mistral_swa: 32 B) is built with 64
-    (:func:`flashgen.families.build.build_backward`).  ``tensor_masks`` (off by default, until
-    run on a GPU): a mask that reads tensor params
-    (``document_mask``) takes this backward too, its tiles classified by a block table the
+    ``masked_80`` (on by default; False: such specs take 64): ``d128_block_m=80`` takes a spec
+    with a residual mask too (index-only, or with ``tensor_masks`` one that reads tensors):
+    80-query steps whose 40 keep bits per thread and hull search use the same classifier; a unit
+    that spills with them (chunked_local, mistral_swa: 32 B) is built with 64
+    (:func:`flashgen.families.build.build_backward`).  ``tensor_masks`` (on by default): a mask
+    that reads tensor params (``document_mask``) takes this backward too, its tiles classified by
+    a block table the
     op builds for the backward's BLOCK_M x BLOCK_N tiles with the forward's pre-pass
     (``templates/sm_80/blockmask.cu.j2``): exact hulls of live query blocks per key block
     and FULL steps without the mask; an edge step's keep bits read the mask's one-sided
@@ -118,8 +118,8 @@ class Options:
     dparam_diagonal: bool = False
     diag_terms: bool = True
     exp2_poly: int = 0
-    tensor_masks: bool = False
-    masked_80: bool = False
+    tensor_masks: bool = True
+    masked_80: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -252,7 +252,7 @@ def coords_dynamic(dq_swap: bool) -> bool:
 
 
 def eligible(
-    spec: Spec, target: str, family: str = "auto", tensor_masks: bool = False
+    spec: Spec, target: str, family: str = "auto", tensor_masks: bool = True
 ) -> bool:
     """Whether ``spec``'s non-deterministic backward on ``target`` runs the wgmma dK/dV
     kernel (:func:`plan`): sm_90, ``family`` not ``"fa2"``, head_dim ==

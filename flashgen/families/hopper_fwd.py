@@ -91,15 +91,15 @@ class Options:
     tensor read each) per element.  Masked tiles keep the per-element form; the outputs are
     bitwise those of the option off.  A spec without such terms renders unchanged, and so does
     one whose tiles leave no room for the slots (head_dim 256; the persistent head_dim 128,
-    whose own O staging buffer takes that room).  ``float_index_calls`` (off until run on a
-    GPU): an integer ``abs`` / ``min`` / ``max`` of affine index expressions in a float
-    context (alibi_learned's ``slopes[h] * abs(q_idx - kv_idx)``) is computed on the index
-    variables' float twins, ``fabsf(q_idx_f - kv_idx_f)``, exact for indices under 2^24
-    (:class:`flashgen.codegen.cuda_expr.Invariants`' ``float_calls``), instead of an int abs
-    and an int-to-float conversion per element; a spec without such a call renders
-    unchanged.  Register allocation moves with it: alibi_learned stays spill-free, score_mods
-    with several such calls at head_dim 128 / 256 can spill (64-180 B in an adversarial
-    review's compiles)."""
+    whose own O staging buffer takes that room).  ``float_index_calls`` (on by default;
+    False: the int forms): an integer ``abs`` / ``min`` / ``max`` of affine index expressions in
+    a float context (alibi_learned's ``slopes[h] * abs(q_idx - kv_idx)``) is computed on the
+    index variables' float twins, ``fabsf(q_idx_f - kv_idx_f)``, exact for indices under 2^24
+    (:class:`flashgen.codegen.cuda_expr.Invariants`' ``float_calls``), instead of an int abs and
+    an int-to-float conversion per element; a spec without such a call renders
+    unchanged.  Register allocation moves with it: alibi_learned stays spill-free; a score_mod
+    with several such calls at head_dim 128 / 256 can spill, and its unit is then built with the
+    int forms (:func:`flashgen.families.build.build_forward`)."""
 
     affine: bool = True
     causal_tiles: bool = True
@@ -114,7 +114,7 @@ class Options:
     exp2_poly: int = 0
     fused_sink: bool = True
     diag_terms: bool = True
-    float_index_calls: bool = False
+    float_index_calls: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_fwd")

@@ -890,7 +890,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_learned_
                     const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
                     const float score = score_raw * softmax_scale;
                     (void)score_raw; (void)score;
-                    float x = (float)((score - (t_slopes[(int64_t)(h)] * ((float)(abs((q_idx - kv_idx)))))));
+                    float x = (float)((score - (t_slopes[(int64_t)(h)] * fabsf((q_idx_f - kv_idx_f)))));
                     (void)q_raw; (void)kv_raw;  // masked after the loop (col_lim)
                     acc_s[4 * j + i] = x;
                 }
@@ -933,7 +933,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) flashgen_alibi_learned_
                     const float score_raw = acc_s[4 * j + i];  // q.k (lowering may fold the scale into a constant)
                     const float score = score_raw * softmax_scale;
                     (void)score_raw; (void)score;
-                    float x = (float)((score - (t_slopes[(int64_t)(h)] * ((float)(abs((q_idx - kv_idx)))))));
+                    float x = (float)((score - (t_slopes[(int64_t)(h)] * fabsf((q_idx_f - kv_idx_f)))));
                     (void)q_raw; (void)kv_raw;
                     acc_s[4 * j + i] = x;
                 }

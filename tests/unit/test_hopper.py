@@ -184,18 +184,18 @@ def test_float_index_calls_take_alibi_learneds_distance_off_the_integer_pipe(req
     """``hopper_fwd.float_index_calls``: alibi_learned's ``slopes[h] * abs(q_idx - kv_idx)``
     lowers to ``fabsf(q_idx_f - kv_idx_f)``, spill-free, without the per-element IABS and
     int-to-float conversion (the unit with the option off has about one of each per score);
-    a spec without such a call renders the same source."""
-    on = {"hopper_fwd.float_index_calls": True}
+    a spec without such a call renders the same source.  On by default."""
+    off = {"hopper_fwd.float_index_calls": False}
     spec = load_spec(REPO / "specs" / "alibi_learned.yaml")
     codes = []
-    for values in (None, on):
+    for values in (off, None):
         plan = plan_forward(spec, "sm_90", values=values)
         src = render(plan)
-        assert ("fabsf((q_idx_f - kv_idx_f))" in src) == (values is on)
+        assert ("fabsf((q_idx_f - kv_idx_f))" in src) == (values is None)
         _, report = cache.get_or_build(src, plan)
         assert report.spill_bytes == 0 and not report.wgmma_serialized, report
         codes.append(sass(plan))
     (iabs0, i2f0), (iabs1, i2f1) = ((c.count("IABS"), c.count("I2FP")) for c in codes)
     assert iabs1 < iabs0 // 10 and i2f1 < i2f0 // 2, (iabs0, i2f0, iabs1, i2f1)
     plain = load_spec(REPO / "specs" / "alibi.yaml")
-    assert render(plan_forward(plain, "sm_90", values=on)) == render(plan_forward(plain, "sm_90"))
+    assert render(plan_forward(plain, "sm_90", values=off)) == render(plan_forward(plain, "sm_90"))

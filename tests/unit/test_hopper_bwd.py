@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: Shipped specs the Hopper backward takes: d64/d128/d256, masks that read no tensor, any
 #: score_mod.
 ELIGIBLE = ("alibi", "alibi_learned", "bidir_d256", "causal_d128", "chunked_local",
-            "gemma2_softcap", "gpt2_d64", "gpt_oss_sink", "llama3_gqa", "mistral_swa", "prefix_lm",
-            "t5_bias")  # fmt: skip
+            "document_mask", "gemma2_softcap", "gpt2_d64", "gpt_oss_sink", "llama3_gqa",
+            "mistral_swa", "prefix_lm", "spec_tree", "t5_bias")  # fmt: skip
 
 
 def shipped(name: str) -> ir.Spec:
@@ -80,7 +80,8 @@ def test_ineligible_specs():
     assert not hopper_bwd_eligible(
         dataclasses.replace(small(256, "bf16", True), head_dim_v=128), "sm_90"
     )
-    assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # the mask reads tensors
+    assert hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # a block table at its tiles
+    assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90", tensor_masks=False)
     with pytest.raises(ValueError, match="the Hopper backward needs"):
         plan_hopper_backward(small(192, "bf16", False), "sm_90")
     with pytest.raises(ValueError, match="unknown kernel family"):
@@ -93,12 +94,16 @@ def test_backward_path_selection():
     assert backward_path(yes, "sm_90", True) == det
     assert backward_path(yes, "sm_90", False) == "hopper"
     assert backward_path(yes, "sm_80", False) == "deterministic"
-    assert backward_path(no, "sm_90", False) == "deterministic"
+    assert backward_path(no, "sm_90", True) == "deterministic"  # a mask's hull: no fixed order
+    no_tables = DEFAULT.replace_path("hopper_bwd.tensor_masks", False)
+    assert backward_path(no, "sm_90", False, no_tables) == "deterministic"
     atomic = DEFAULT.replace_path("atomic_dq", True)
     assert backward_path(yes, "sm_90", False, atomic) == "hopper"
     assert backward_path(yes, "sm_90", True, atomic) == det
     assert backward_path(yes, "sm_80", False, atomic) == "atomic"
-    assert backward_path(no, "sm_90", False, atomic) == "atomic"
+    assert backward_path(no, "sm_90", False, atomic) == "hopper"
+    atomic_no_tables = atomic.replace_path("hopper_bwd.tensor_masks", False)
+    assert backward_path(no, "sm_90", False, atomic_no_tables) == "atomic"
     fa2 = atomic.replace_path("family", "fa2")  # the FA2-class atomic kernel on sm_90
     assert backward_path(yes, "sm_90", False, fa2) == "atomic"
     never = DEFAULT.replace_path("atomic_dq", False)  # opt out of every atomic path
@@ -914,10 +919,11 @@ def test_wgmma_descriptors_are_base_plus_offset():
 def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
     """``hopper_bwd.d128_block_m=80``: a spec with no mask or a causal one at head_dim 128 gets
     80-query steps, an 80-row dQ box and its transposed-dS code within the 227 KiB a block may
-    take; another mask, param gradients, the ordered kernel or another head dim keep 64."""
+    take; without ``masked_80``, another mask, param gradients, the ordered kernel or another
+    head dim keep 64."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    m80 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 80)
+    m80 = DEFAULT.with_values({"hopper_bwd.d128_block_m": 80, "hopper_bwd.masked_80": False})
     plan = reg_plan(small(128, "bf16", False), "sm_90", m80)
     ctx = plan.dkdv.context
     assert (ctx.block_m, ctx.dq_swap, ctx.ds_from_frag) == (80, True, True)
@@ -1149,7 +1155,9 @@ def test_exp2_poly_compiles_without_spills(requires_nvcc, d):
 
 
 # ------------------------------------------- masks that read tensors (hopper_bwd.tensor_masks)
-TENSOR_MASKS = DEFAULT.replace_path("hopper_bwd.tensor_masks", True)
+TENSOR_MASKS = DEFAULT.with_values(
+    {"hopper_bwd.tensor_masks": True, "hopper_bwd.masked_80": False}
+)  # 64-query steps at head_dim 128 (masked_80: test_masked_80_...)
 
 
 def doc_mask(d: int) -> ir.Spec:
@@ -1161,17 +1169,19 @@ def doc_mask(d: int) -> ir.Spec:
     return loads_spec(text, f"<document_mask_d{d}>")
 
 
-def test_tensor_masks_is_an_option_off_by_default():
-    """Off, a mask that reads tensors keeps the FA2-class backward; on, it takes the Hopper
-    backward with the block-table arguments, and the plain specs' units do not change."""
+def test_tensor_masks_is_an_option_on_by_default():
+    """On (the default), a mask that reads tensors takes the Hopper backward with the
+    block-table arguments; off, it keeps the FA2-class backward, and the plain specs' units
+    do not change."""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
     spec = shipped("document_mask")
-    assert not DEFAULT.hopper_bwd.tensor_masks
-    assert backward_path(spec, "sm_90", False) == "deterministic"
-    assert backward_path(spec, "sm_90", False, TENSOR_MASKS) == "hopper"
+    off = DEFAULT.replace_path("hopper_bwd.tensor_masks", False)
+    assert DEFAULT.hopper_bwd.tensor_masks
+    assert backward_path(spec, "sm_90", False) == "hopper"
+    assert backward_path(spec, "sm_90", False, off) == "deterministic"
     with pytest.raises(ValueError, match="hopper_bwd.tensor_masks"):
-        reg_plan(spec, "sm_90")
+        reg_plan(spec, "sm_90", off)
     plan = reg_plan(spec, "sm_90", TENSOR_MASKS)
     ctx = plan.dkdv.context
     assert ctx["block_table"] and ctx["keep_expr"] == "(fg_row0 == fg_col0)"
@@ -1304,15 +1314,16 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
     """``hopper_bwd.masked_80``: prefix_lm builds its head-dim-128 backward with 80-query steps
     spill-free (40 keep bits a thread, uint64); chunked_local and mistral_swa (32 B) and
     document_mask with tensor_masks (8 B) spill with them and are built with 64, as the op
-    does (build_backward's fallback); off, every masked spec takes 64."""
+    does (build_backward's fallback); off, every masked spec takes 64.  On by default."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    assert not DEFAULT.hopper_bwd.masked_80
+    assert DEFAULT.hopper_bwd.masked_80
+    off = DEFAULT.replace_path("hopper_bwd.masked_80", False)
     for name, want in (("prefix_lm", 80), ("document_mask", 64), ("chunked_local", 64),
-                       ("mistral_swa", 64)):  # fmt: skip
+                       ("mistral_swa", 64), ("spec_tree", 80)):  # fmt: skip
         spec = shipped(name)
-        assert reg_plan(spec, "sm_90", TENSOR_MASKS).dkdv.context["block_m"] == 64
+        assert reg_plan(spec, "sm_90", off).dkdv.context["block_m"] == 64
         plan, _, report = build_backward(spec, "sm_90", hopper=True, options=MASKED_80)
         assert plan.wgmma and plan.dkdv.context["block_m"] == want, name
         assert report.spill_bytes == 0 and not report.wgmma_serialized, (name, report)

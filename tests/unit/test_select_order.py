@@ -1,13 +1,13 @@
-"""The order in which :func:`flashgen.families.build.build_forward` tries a tile candidate's feature
-variants (row / column terms, affine split, Hopper masked-tile reductions, head groups, the
-persistent producer's warp-wide walk), with
-nvcc replaced by a recorder whose every kernel spills (so every variant is tried): the distinct
-kernel sources it builds, in order, are those of the nested loops with ``break`` it replaced
-(session 8; here with head groups and, inside them, the persistent producer's warp-wide walk
-as their innermost loops), so for any spill outcome both
-return the same plan; the source-level dedupe builds no source twice and skips none; and
-when every variant spills, the plan returned is the one whose kernel was built last (its
-cubin and report belong to it).  No nvcc: tests/unit/test_select.py has the real spills."""
+"""The order in which :func:`flashgen.families.build.build_forward` tries a tile candidate's
+feature variants (row / column terms, affine split, Hopper masked-tile reductions, head groups,
+the persistent producer's warp-wide walk), with nvcc replaced by a recorder whose every kernel
+spills (so every variant is tried): the distinct kernel sources it builds, in order, are those of
+the nested loops with ``break`` it replaced (session 8; here with head groups, inside them the
+persistent producer's warp-wide walk and inside that the float twins of integer index calls as
+their innermost loops), so for any spill outcome both return the same plan; the source-level
+dedupe builds no source twice and skips none; and when every variant spills, the plan returned is
+the one whose kernel was built last (its cubin and report belong to it).  No nvcc:
+tests/unit/test_select.py has the real spills."""
 
 from __future__ import annotations
 
@@ -68,13 +68,19 @@ def _old_loops(spec, target, family, persistent, build, values):
                 for mask_tiles in (True, False):
                     for head_groups in (True, False):
                         for warp_walk in (True, False):
-                            plan = plan_forward(
-                                spec, target, None, tiles=tiles, persistent=persistent,
-                                side_terms=side_terms, affine=affine, mask_tiles=mask_tiles,
-                                head_groups=head_groups, warp_walk=warp_walk, family=family,
-                                values=values,
-                            )  # fmt: skip
-                            build(render(plan), plan)
+                            sources = []
+                            for floats in (True, False):  # float_index_calls, innermost
+                                vals = {**values, "hopper_fwd.float_index_calls": floats}
+                                plan = plan_forward(
+                                    spec, target, None, tiles=tiles, persistent=persistent,
+                                    side_terms=side_terms, affine=affine, mask_tiles=mask_tiles,
+                                    head_groups=head_groups, warp_walk=warp_walk, family=family,
+                                    values=vals,
+                                )  # fmt: skip
+                                if render(plan) in sources:  # no such call: no trace
+                                    break
+                                sources.append(render(plan))
+                                build(render(plan), plan)
                             if not plan.context.get("warp_walk"):
                                 break
                         if plan.context["tile_group"] == "1":
