@@ -199,3 +199,22 @@ def test_float_index_calls_take_alibi_learneds_distance_off_the_integer_pipe(req
     assert iabs1 < iabs0 // 10 and i2f1 < i2f0 // 2, (iabs0, i2f0, iabs1, i2f1)
     plain = load_spec(REPO / "specs" / "alibi.yaml")
     assert render(plan_forward(plain, "sm_90", values=off)) == render(plan_forward(plain, "sm_90"))
+
+
+def test_a_unit_that_spills_with_float_index_calls_is_built_with_the_int_forms(requires_nvcc):
+    """Three integer index calls in a head-dim-128 score_mod spill 120 B on the float twins:
+    ``build_forward`` builds the int forms (spill-free), its first fallback."""
+    from flashgen.families.build import build_forward
+
+    text = "name: three_calls\nhead_dim: 128\ndtype: bf16\nmask: causal\n"
+    text += "score_mod: score - s[h] * abs(q_idx - kv_idx) - t[h] * min(q_idx, kv_idx)"
+    text += " + u[h] * max(q_idx - 7, kv_idx)\nparams:\n"
+    text += "".join(f"  {p}: {{type: f32, shape: [num_heads]}}\n" for p in "stu")
+    spec = loads_spec(text, "<three_calls>")
+    first = plan_forward(spec, "sm_90")
+    assert "fabsf((q_idx_f - kv_idx_f))" in render(first)
+    assert cache.get_or_build(render(first), first)[1].spill_bytes > 0
+    plan, _, report = build_forward(spec, "sm_90")
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    assert "fabsf((q_idx_f" not in render(plan)
+    assert plan.tiles == first.tiles
