@@ -103,9 +103,13 @@ def _double(v) -> str:
 
 
 class _Emitter:
-    def __init__(self, spec: Spec, index_range: Callable[[Index], str] | None):
+    def __init__(
+        self, spec: Spec, index_range: Callable[[Index], str] | None, integer: bool = False
+    ):
         self.spec = spec
         self.index_range = index_range
+        #: the namespace of ranges (R) and their rules, and the cast of an int into one
+        self.ns, self.cast = ("fg::ivi", "(long long)") if integer else ("fg::iv", "(double)")
         self.lines: list[str] = []
         self.n = 0
         # the truth a ``causal`` node takes (None: its interval test); subexpressions without
@@ -116,7 +120,7 @@ class _Emitter:
     def let(self, ty: str, code: str) -> str:
         name = f"e{self.n}"
         self.n += 1
-        self.lines.append(f"    const fg::iv::{ty} {name} = {code};")
+        self.lines.append(f"    const {self.ns if ty == 'R' else 'fg::iv'}::{ty} {name} = {code};")
         return name
 
     def emit(self, e: Expr) -> str:
@@ -134,24 +138,27 @@ class _Emitter:
                 return self.let("T", f"fg::iv::truth({'true' if e.value else 'false'})")
             if e.ty == Ty.F32 and not f32_exact(float(e.value)):  # 0.1 is 0.1f in the kernels
                 return self.let("R", f"fg::iv::fl(fg::iv::exact({_double(e.value)}), {_REL})")
+            if self.ns == "fg::ivi":
+                return self.let("R", f"fg::ivi::exact({int(e.value)}ll)")
             return self.let("R", f"fg::iv::exact({_double(e.value)})")
+        ns, cast = self.ns, self.cast
         if isinstance(e, Causal):
             if self.causal_as is not None:
                 return self.causal_as
-            lhs = self.let("R", "fg::iv::exact((double)seqlen_k - (double)seqlen_q)")
-            lhs = self.let("R", f"fg::iv::add(q_r, {lhs})")
-            return self.let("T", f"fg::iv::ge({lhs}, kv_r)")
+            lhs = self.let("R", f"{ns}::exact({cast}seqlen_k - {cast}seqlen_q)")
+            lhs = self.let("R", f"{ns}::add(q_r, {lhs})")
+            return self.let("T", f"{ns}::ge({lhs}, kv_r)")
         if isinstance(e, Var):
             if e.name == "q_idx":
                 return "q_r"
             if e.name == "kv_idx":
                 return "kv_r"
             if e.name in _IDX_VARS:
-                return self.let("R", f"fg::iv::exact((double){e.name})")
+                return self.let("R", f"{ns}::exact({cast}{e.name})")
             p = self.spec.param(e.name)
             if p is None or p.kind != "scalar":
                 raise TypeError(f"cannot classify a mask reading {e.name!r}")
-            return self.let("R", f"fg::iv::exact((double)p_{e.name})")
+            return self.let("R", f"{ns}::exact({cast}p_{e.name})")
         if isinstance(e, Index):
             ty = "T" if e.ty == Ty.BOOL else "R"
             if self.index_range is not None:
@@ -161,8 +168,8 @@ class _Emitter:
             a = self.emit(e.arg)
             if e.op == "!":
                 return self.let("T", f"fg::iv::lnot({a})")
-            neg = f"fg::iv::neg({a})"
-            return self.let("R", f"fg::iv::i32({neg})" if e.ty == Ty.I32 else neg)
+            neg = f"{ns}::neg({a})"
+            return self.let("R", f"{ns}::i32({neg})" if e.ty == Ty.I32 else neg)
         if isinstance(e, Binary):
             a, b = self.emit(e.lhs), self.emit(e.rhs)
             if e.op == "&&":
@@ -173,25 +180,28 @@ class _Emitter:
                 a = self.let("R", f"fg::iv::fl_int({a})") if e.lhs.ty == Ty.I32 else a
                 b = self.let("R", f"fg::iv::fl_int({b})") if e.rhs.ty == Ty.I32 else b
             if e.op in _CMP:
-                return self.let("T", f"fg::iv::{_CMP[e.op]}({a}, {b})")
+                rule = "fg::iv" if e.lhs.ty == Ty.BOOL else ns  # bool == bool: truths
+                return self.let("T", f"{rule}::{_CMP[e.op]}({a}, {b})")
             is_int = "true" if (e.lhs.ty == Ty.I32 and e.rhs.ty == Ty.I32) else "false"
             if e.op in ("+", "-", "*"):
                 fn = {"+": "add", "-": "sub", "*": "mul"}[e.op]
-                code = f"fg::iv::{fn}({a}, {b})"
+                code = f"{ns}::{fn}({a}, {b})"
                 if is_int == "true":
-                    return self.let("R", f"fg::iv::i32({code})")
+                    return self.let("R", f"{ns}::i32({code})")
                 return self.let("R", f"fg::iv::fl({code}, {_REL})")  # a float op rounds
             if e.op == "/":
-                code = f"fg::iv::div({a}, {b}, {is_int})"
+                code = f"{ns}::div({a}, {b}, {is_int})"
                 return self.let("R", code if is_int == "true" else f"fg::iv::fl({code}, {_REL})")
             if e.op == "%":
-                return self.let("R", f"fg::iv::mod({a}, {b}, {is_int})")
+                return self.let("R", f"{ns}::mod({a}, {b}, {is_int})")
         if isinstance(e, Cond):
             c, t, o = self.emit(e.cond), self.emit(e.then), self.emit(e.other)
             if e.ty == Ty.F32:  # an int branch is converted to float
                 t = self.let("R", f"fg::iv::fl_int({t})") if e.then.ty == Ty.I32 else t
                 o = self.let("R", f"fg::iv::fl_int({o})") if e.other.ty == Ty.I32 else o
-            return self.let("T" if e.ty == Ty.BOOL else "R", f"fg::iv::cond({c}, {t}, {o})")
+            if e.ty == Ty.BOOL:
+                return self.let("T", f"fg::iv::cond({c}, {t}, {o})")
+            return self.let("R", f"{ns}::cond({c}, {t}, {o})")
         if isinstance(e, Call) and e.fn in _CALL:
             names = [self.emit(a) for a in e.args]
             if e.ty == Ty.F32:  # int arguments are converted to float
@@ -199,7 +209,7 @@ class _Emitter:
                     self.let("R", f"fg::iv::fl_int({n})") if a.ty == Ty.I32 else n
                     for n, a in zip(names, e.args, strict=True)
                 ]
-            code = f"fg::iv::{_CALL[e.fn]}({', '.join(names)})"
+            code = f"{ns}::{_CALL[e.fn]}({', '.join(names)})"
             rel = _CALL_REL.get(e.fn) if e.ty == Ty.F32 else None
             return self.let("R", code if rel is None else f"fg::iv::fl({code}, {rel})")
         raise TypeError(f"cannot classify {e!r}")
@@ -215,19 +225,35 @@ def has_causal_bits(spec: Spec) -> bool:
     return spec.mask is not None and _has_causal(spec.mask) and not isinstance(spec.mask, Causal)
 
 
+def integer_only(spec: Spec) -> bool:
+    """Whether every number ``spec``'s mask computes is an int32: no float, no tensor read,
+    no call but ``abs`` / ``min`` / ``max`` (the classifier can then bound it on 64-bit
+    integer ranges, :func:`classifier_source`'s ``integer``)."""
+    return spec.mask is not None and all(
+        n.ty != Ty.F32
+        and not isinstance(n, Index)
+        and (not isinstance(n, Call) or n.fn in ("abs", "min", "max"))
+        for n in walk(spec.mask)
+    )
+
+
 def classifier_source(
     spec: Spec,
     *,
     index_range: Callable[[Index], str] | None = None,
     name: str = FUNCTION,
     causal_bits: bool = False,
+    integer: bool = False,
 ) -> str:
     """C++ source of ``spec``'s tile classifier (needs ``masktiles.cuh`` before it).
 
     ``index_range``: see the module docstring (the pre-pass hook).  ``name``: the
     function's name (tests put several in one file).  ``causal_bits``: PARTIAL may carry
     ``CAUSAL_ONLY`` / ``NO_CAUSAL`` (module docstring; only where :func:`has_causal_bits`).
-    Raises ``TypeError`` for an expression node the analysis does not know.
+    ``integer``: where :func:`integer_only`, the ranges are 64-bit integers (``fg::ivi``:
+    the same rules and classes, half the registers of the double ones); elsewhere it
+    changes nothing.  Raises ``TypeError`` for an expression node the analysis does not
+    know.
     """
     sig = ", ".join(f"{t} {n}" for t, n in classifier_params(spec))
     head = [
@@ -242,12 +268,13 @@ def classifier_source(
         ]
         body += [f"    (void)p_{p.name};" for p in spec.scalar_params]
         return "\n".join([*head, *body, "    return fg::iv::FULL;", "}", ""])
-    em = _Emitter(spec, index_range)
+    em = _Emitter(spec, index_range, integer and integer_only(spec))
+    ns, cast = em.ns, em.cast
     em.lines += [
         "    (void)b; (void)h; (void)seqlen_q; (void)seqlen_k;",
         *(f"    (void)p_{p.name};" for p in spec.scalar_params),
-        "    const fg::iv::R q_r = fg::iv::range((double)q0, (double)q1);",
-        "    const fg::iv::R kv_r = fg::iv::range((double)k0, (double)k1);",
+        f"    const {ns}::R q_r = {ns}::range({cast}q0, {cast}q1);",
+        f"    const {ns}::R kv_r = {ns}::range({cast}k0, {cast}k1);",
         "    (void)q_r; (void)kv_r;",
     ]
     keep = em.emit(spec.mask)

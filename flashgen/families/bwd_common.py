@@ -171,6 +171,7 @@ class BackwardContext(TemplateContext):
     score_mod_expr_diag: str | None
     score_grad_expr_diag: str | None
     tile_classifier: str
+    int_classifier: bool
     tile_class_args: str
     exact_softmax: bool
     dparam: list
@@ -178,13 +179,14 @@ class BackwardContext(TemplateContext):
     sink: bool
 
 
-def tile_classifier(spec: Spec, causal_bits: bool) -> str:
+def tile_classifier(spec: Spec, causal_bits: bool, integer: bool = False) -> str:
     """The tile classifier the backward units render: with the CAUSAL_ONLY / NO_CAUSAL bits
     (:func:`flashgen.analysis.masktiles.classifier_source`, ``causal_bits``) where
     ``causal_bits`` and the Hopper forward's classifier has them for this spec (a mask with
     ``causal`` and more that the kernel classifies); the backward kernels read only the
     class.  The registry passes ``causal_bits`` (the units stay those of the forward they
-    were first planned beside)."""
+    were first planned beside).  ``integer``: on 64-bit integer ranges where the mask
+    computes only int32 numbers (``classifier_source``'s ``integer``)."""
     residual = split_causal(spec.mask)[1]
     on = (
         causal_bits
@@ -193,7 +195,7 @@ def tile_classifier(spec: Spec, causal_bits: bool) -> str:
         and rowcol.split(residual, spec).expr is not None
         and masktiles.has_causal_bits(spec)
     )
-    return masktiles.classifier_source(spec, causal_bits=on)
+    return masktiles.classifier_source(spec, causal_bits=on, integer=integer)
 
 
 def base_fields(
@@ -203,6 +205,7 @@ def base_fields(
     param_grads=(),
     sink: bool = False,
     diag_terms: bool = False,
+    int_classifier: bool = False,
 ) -> dict:
     """The spec-level fields of :class:`BackwardContext` (names, sizes, the mask, score_mod
     and its derivative as CUDA: the backward kernels run at the 255-register ceiling, so a
@@ -217,7 +220,10 @@ def base_fields(
     one batch, not the sequences the sink is per).  ``diag_terms`` (the Hopper backward's
     option): the score_mod's diagonal terms (:func:`flashgen.analysis.rowcol.split_diagonal`,
     one set of locals for the score_mod and its derivative) as ``diag_terms`` entries, with
-    ``score_mod_expr_diag`` / ``score_grad_expr_diag`` reading them; otherwise ``[]``, None."""
+    ``score_mod_expr_diag`` / ``score_grad_expr_diag`` reading them; otherwise ``[]``, None.
+    ``int_classifier`` (the Hopper backward's option): the tile classifier on 64-bit integer
+    ranges where the mask computes only int32 numbers (:func:`tile_classifier`); the field
+    ``int_classifier`` says whether it is."""
     if sink and (spec.sink is None or spec.varlen):
         why = "is varlen" if spec.sink is not None else "has no sink"
         raise ValueError(f"spec {spec.name!r} {why}: its backward has no sink form")
@@ -243,7 +249,8 @@ def base_fields(
         "diag_terms": side_terms(tuple(terms.values()), spec, None),
         "score_mod_expr_diag": cuda_expr(diag, spec) if terms else None,
         "score_grad_expr_diag": cuda_expr(diag_grad, spec) if terms else None,
-        "tile_classifier": tile_classifier(spec, causal_bits),
+        "tile_classifier": tile_classifier(spec, causal_bits, int_classifier),
+        "int_classifier": int_classifier and masktiles.integer_only(spec),
         "tile_class_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
         "exact_softmax": exact_softmax,
         **dparam.fields(spec, param_grads),

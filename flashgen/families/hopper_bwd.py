@@ -107,6 +107,13 @@ class Options:
     tensor reads once per key row and query column (:func:`keep_terms`).  Off, such a
     spec's backward runs the FA2-class kernels.
 
+    ``int_classifier`` (off by default, until run on a GPU): the tile classifier of a mask
+    that computes only int32 numbers (:func:`flashgen.analysis.masktiles.integer_only`:
+    mistral_swa, chunked_local, prefix_lm; not one that reads tensors) bounds it on 64-bit
+    integer ranges (``templates/common/masktiles_int.cuh``) instead of double ones: the same
+    classes, half the registers, so each step's class costs the consumers less; chunked_local
+    and mistral_swa then build their 80-query steps spill-free (``masked_80``).
+
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
 
@@ -120,6 +127,7 @@ class Options:
     exp2_poly: int = 0
     tensor_masks: bool = True
     masked_80: bool = True
+    int_classifier: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -386,8 +394,9 @@ def plan(
     dkdv_args += tuple(KernelArg(m.name, "CUtensorMap") for m in tma)
     base = f"flashgen_{spec.name}_bwd_{target}_wgmma{'_ordered' if ordered_dq else ''}"
     ctx = base_fields(
-        spec, causal_bits, exact_softmax, param_grads, sink, options.diag_terms and not split_d
-    )
+        spec, causal_bits, exact_softmax, param_grads, sink, options.diag_terms and not split_d,
+        options.int_classifier,
+    )  # fmt: skip
     # d256_sdp_warpgroups: S^T on warpgroup 0, dP^T on 1; dS^T reads P^T (* d score_mod /
     # d score, in its own buffers where that is not 1) back from shared memory
     sdp_wg = split_d and options.d256_sdp_warpgroups and not param_grads
@@ -404,7 +413,9 @@ def plan(
     # fit (head_dim 128's 80-query steps), the per-element form
     diag_static = -(-len(ctx["diag_terms"]) * 8 * (qn + 16) * 4 // 1024) * 1024
     if diag_static and smem + static + diag_static > HOPPER_SMEM_LIMIT:
-        ctx = base_fields(spec, causal_bits, exact_softmax, param_grads, sink, False)
+        ctx = base_fields(
+            spec, causal_bits, exact_softmax, param_grads, sink, False, options.int_classifier
+        )
         diag_static = 0
     static += diag_static
     if smem + static > HOPPER_SMEM_LIMIT:

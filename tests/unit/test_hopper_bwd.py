@@ -1331,6 +1331,28 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
             assert "uint64_t keep_bits" in render(plan.unit)
 
 
+# ------------------------- the tile classifier on 64-bit integer ranges (int_classifier)
+def test_int_classifier_gives_the_window_masks_spill_free_80_query_steps(requires_nvcc):
+    """``hopper_bwd.int_classifier`` (off by default): chunked_local and mistral_swa, whose
+    double-range step classifier spilled 32 B at 80-query steps, build them spill-free; a
+    mask that reads tensors (document_mask) keeps the double ranges, and the option off
+    renders the same units as before (no ``masktiles_int.cuh``)."""
+    from flashgen.families.build import build_backward
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    assert not DEFAULT.hopper_bwd.int_classifier
+    on = DEFAULT.replace_path("hopper_bwd.int_classifier", True)
+    for name in ("chunked_local", "mistral_swa"):
+        spec = shipped(name)
+        assert "fg::ivi" not in render(reg_plan(spec, "sm_90").unit)
+        plan, _, report = build_backward(spec, "sm_90", hopper=True, options=on)
+        assert plan.dkdv.context["int_classifier"] and "fg::ivi::range(" in render(plan.unit)
+        assert plan.dkdv.context["block_m"] == 80, name
+        assert report.spill_bytes == 0 and not report.wgmma_serialized, (name, report)
+    doc = reg_plan(shipped("document_mask"), "sm_90", on)
+    assert not doc.dkdv.context["int_classifier"] and "fg::ivi" not in render(doc.unit)
+
+
 # ------------------------- the edge keep bits of a tensor mask, on the host (tensor_masks)
 #: Masks that read tensors (name, mask, params, GQA group): one-sided reads by b, by h (a
 #: column term and a row term), by h_kv, and with a residual that reads both indices (an

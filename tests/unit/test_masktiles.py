@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pytest  # noqa: E402
 from dsl_strategies import expr, may_be_true, spec_text  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
@@ -67,12 +68,17 @@ def _random_specs(n: int, wild: bool) -> list:
     return [loads_spec(spec_text(m, None), f"fuzz{i}.yaml") for i, m in enumerate(masks)]
 
 
-def _program(specs, cases, causal_bits: bool = False) -> str:
+def _program(specs, cases, causal_bits: bool = False, integer: bool = False) -> str:
     """A host program: one classifier per spec, then the cases (one line each) classified."""
     root = template_root()
-    parts = [(root / "common" / "masktiles.cuh").read_text(), "#include <cstdio>"]
+    parts = [(root / "common" / f).read_text() for f in ("masktiles.cuh", "masktiles_int.cuh")]
+    parts.append("#include <cstdio>")
     for i, spec in enumerate(specs):
-        parts.append(masktiles.classifier_source(spec, name=f"cls{i}", causal_bits=causal_bits))
+        parts.append(
+            masktiles.classifier_source(
+                spec, name=f"cls{i}", causal_bits=causal_bits, integer=integer
+            )
+        )
     parts.append("int main() {\n    int i, q0, q1, k0, k1, b, h, hkv, sq, sk; double p[4];")
     parts.append(
         '    while (scanf("%d %d %d %d %d %d %d %d %d %d %lf %lf %lf %lf", &i, &q0, &q1, &k0, &k1,'
@@ -87,8 +93,8 @@ def _program(specs, cases, causal_bits: bool = False) -> str:
     return "\n".join(parts)
 
 
-def _run_host(host_exe, specs, cases, causal_bits: bool = False) -> list[int]:
-    exe = host_exe(_program(specs, cases, causal_bits), "cls")
+def _run_host(host_exe, specs, cases, causal_bits: bool = False, integer=False) -> list[int]:
+    exe = host_exe(_program(specs, cases, causal_bits, integer), f"cls{int(integer)}")
     stdin = "".join(" ".join(str(x) for x in c) + "\n" for c in cases)
     out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True)
     return [int(x) for x in out.stdout.split()]
@@ -118,12 +124,19 @@ def _cases(i, spec, rng, n=150):
     return out
 
 
-def test_classifier_matches_maskinfo_on_host(host_exe):
+@pytest.mark.parametrize("integer", [False, True], ids=["double", "integer"])
+def test_classifier_matches_maskinfo_on_host(host_exe, integer):
+    """Also on 64-bit integer ranges (``integer``: fg::ivi, masktiles_int.cuh) for the masks
+    that compute only int32 numbers (integer_only; the others keep the double ones)."""
     specs = [load_spec(p) for p in SHIPPED] + [_gallery(n) for n in sorted(GALLERY)]
     specs += _random_specs(60, wild=False) + _random_specs(40, wild=True)
+    if integer:
+        assert sum(map(masktiles.integer_only, specs)) >= 60  # most of them: the test bites
+        src = masktiles.classifier_source(_gallery("window"), integer=True)
+        assert "fg::ivi::range((long long)q0" in src and "fg::iv::R" not in src
     rng = random.Random(0)
     cases = [c for i, s in enumerate(specs) for c in _cases(i, s, rng)]
-    got = _run_host(host_exe, specs, [c for c, _ in cases])
+    got = _run_host(host_exe, specs, [c for c, _ in cases], integer=integer)
     assert len(got) == len(cases)
     bad = [(specs[c[0]].mask, c, w, g) for (c, w), g in zip(cases, got, strict=True) if w != g]
     assert not bad, f"{len(bad)} disagreements, first: {bad[:3]}"
