@@ -67,10 +67,11 @@ def test_a_bshd_view(name, monkeypatch, error_bound):
 
 
 def forward_outputs_with_and_without(spec, values: dict, sq: int, sk: int) -> tuple:
-    """``((o, lse) with the options ``values``, (o, lse) with the defaults)`` of one forward
-    on the same random inputs (B=2, 8 query heads over 2 KV heads)."""
+    """``((o, lse) with the options ``values``, (o, lse) with each of them negated)`` of one
+    forward on the same random inputs (B=2, 8 query heads over 2 KV heads); ``values`` are
+    booleans."""
     on = gpu_options.build(spec, gpu_options.options(values))
-    off = gpu_options.build(spec, gpu_options.options())
+    off = gpu_options.build(spec, gpu_options.options({k: not v for k, v in values.items()}))
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(sq * 3 + sk)
     q, k, v, params = random_inputs(spec, 2, 8, 2, sq, sk, dev, gen)

@@ -220,12 +220,14 @@ def test_shipped_masks_and_score_mods(name):
         check(spec, b, hq, hkv, sq, sk, seed=300 + i)
 
 
-@pytest.mark.parametrize(
-    "name, param, values",
-    [("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
-     ("prefix_lm", "prefix", [0, 1, 777]), ("d256:mistral_swa", "window", [1, 40, 1000]),
-     ("d256:chunked_local", "chunk", [1, 32, 100]), ("d256:prefix_lm", "prefix", [0, 1, 777])],
-)  # fmt: skip
+MASK_PARAMS = [
+    ("mistral_swa", "window", [1, 40, 1000]), ("chunked_local", "chunk", [1, 64, 100]),
+    ("prefix_lm", "prefix", [0, 1, 777]), ("d256:mistral_swa", "window", [1, 40, 1000]),
+    ("d256:chunked_local", "chunk", [1, 32, 100]), ("d256:prefix_lm", "prefix", [0, 1, 777]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, param, values", MASK_PARAMS)
 def test_mask_params_sparse_and_dense(name, param, values):
     """Params that make the hull, the EMPTY blocks inside it and the FULL/PARTIAL tile
     classes differ (a window of 1 keeps one key per row; a chunk of 32 is one warpgroup's
@@ -492,8 +494,11 @@ def test_exp2_poly_masks_and_score_mods(monkeypatch, name):
 @pytest.fixture
 def tensor_masks(monkeypatch):
     """``hopper_bwd.tensor_masks``: document_mask's backward on the Hopper kernel, its tile
-    classes from a block table built for the backward's tiles."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.tensor_masks": True})
+    classes from a block table built for the backward's tiles; 64-query steps at head_dim 128
+    (80: the ``masked_80`` tests)."""
+    return gpu_options.use(
+        monkeypatch, {"hopper_bwd.tensor_masks": True, "hopper_bwd.masked_80": False}
+    )
 
 
 def _doc_mask(d: int):
@@ -556,4 +561,35 @@ def test_masked_80_masks(masked_80, name):
     spec = shipped(name)
     for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
         check(spec, b, hq, hkv, sq, sk, seed=1900 + i)
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 2, 17, 1000), (1, 2, 1, 127, 4097),
+                                            (1, 4, 4, 200, 200)])  # fmt: skip
+def test_masked_80_spec_tree(masked_80, b, hq, hkv, sq, sk):
+    """spec_tree's 80-query steps (its block table at 80 x 128 tiles)."""
+    check(shipped("spec_tree"), b, hq, hkv, sq, sk, seed=1950 + sq,
+          params={"ancestors": _draft_tree(b, sq, seed=sq + 1)})  # fmt: skip
+
+
+# ------------------------- the tile classifier on integer ranges (int_classifier)
+@pytest.fixture
+def int_classifier(monkeypatch):
+    """``hopper_bwd.int_classifier``: the masks that compute only int32 numbers classify
+    their steps on 64-bit integer ranges; chunked_local and mistral_swa then take 80-query
+    steps at head_dim 128 (spill-free)."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.int_classifier": True})
+
+
+@pytest.mark.parametrize("name", ["chunked_local", "mistral_swa", "prefix_lm", "d256:chunked_local",
+                                  "d256:mistral_swa", "d256:prefix_lm", "alibi"])  # fmt: skip
+def test_int_classifier_masks(int_classifier, name):
+    spec = shipped(name)
+    params = {"window": 300} if "mistral_swa" in name else None
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=1980 + i, params=params)
+
+
+@pytest.mark.parametrize("name, param, values", MASK_PARAMS)
+def test_int_classifier_mask_params(int_classifier, name, param, values):
+    test_mask_params_sparse_and_dense(name, param, values)
 
