@@ -37,7 +37,7 @@ from flashgen.families.common import (
 )
 from flashgen.families.fields import check_fields
 from flashgen.families.tiles import HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
-from flashgen.frontend.ir import Causal, Spec
+from flashgen.frontend.ir import Causal, Index, Spec, walk
 
 #: The template this family renders.
 TEMPLATE = HOPPER_BWD_TEMPLATE
@@ -94,18 +94,21 @@ class Options:
     every element (their masked pairs' exponents may be inf or NaN before the selection).  Not
     with ``exact_softmax`` (:class:`flashgen.options.Options` refuses the pair).
 
-    ``masked_80`` (on by default; False: such specs take 64): ``d128_block_m=80`` takes a spec
+    ``masked_80`` (off by default: its GPU tests have run on prefix_lm, not yet on a causal
+    mask with a residual; False: such specs take 64): ``d128_block_m=80`` takes a spec
     with a residual mask too (index-only, or with ``tensor_masks`` one that reads tensors):
-    80-query steps whose 40 keep bits per thread and hull search use the same classifier; a unit
-    that spills with them (chunked_local, mistral_swa: 32 B) is built with 64
-    (:func:`flashgen.families.build.build_backward`).  ``tensor_masks`` (on by default): a mask
-    that reads tensor params (``document_mask``) takes this backward too, its tiles classified by
-    a block table the
-    op builds for the backward's BLOCK_M x BLOCK_N tiles with the forward's pre-pass
+    80-query steps whose 40 keep bits per thread and hull search use the same classifier; a
+    unit that spills with them (chunked_local, mistral_swa: 32 B) is built with 64
+    (:func:`flashgen.families.build.build_backward`).  ``tensor_masks`` (on by default): a
+    mask that reads tensor params one-sidedly (``document_mask``: :func:`one_sided_reads`)
+    takes this backward too, its tiles classified by a block table the op builds for the
+    backward's BLOCK_M x BLOCK_N tiles with the forward's pre-pass
     (``templates/sm_80/blockmask.cu.j2``): exact hulls of live query blocks per key block
     and FULL steps without the mask; an edge step's keep bits read the mask's one-sided
     tensor reads once per key row and query column (:func:`keep_terms`).  Off, such a
-    spec's backward runs the FA2-class kernels.
+    spec's backward runs the FA2-class kernels.  ``two_sided_masks`` (off by default: not
+    yet run on a GPU): with ``tensor_masks``, a mask with a two-sided read (spec_tree's
+    ``ancestors[b, q_idx, kv_idx - ...]``) too, its edge pairs reading the tensor each.
 
     ``int_classifier`` (off by default, until run on a GPU): the tile classifier of a mask
     that computes only int32 numbers (:func:`flashgen.analysis.masktiles.integer_only`:
@@ -126,7 +129,8 @@ class Options:
     diag_terms: bool = True
     exp2_poly: int = 0
     tensor_masks: bool = True
-    masked_80: bool = True
+    two_sided_masks: bool = False
+    masked_80: bool = False
     int_classifier: bool = False
 
     def __post_init__(self) -> None:
@@ -259,18 +263,19 @@ def coords_dynamic(dq_swap: bool) -> bool:
     return dq_swap
 
 
-def eligible(
-    spec: Spec, target: str, family: str = "auto", tensor_masks: bool = True
-) -> bool:
+def eligible(spec: Spec, target: str, family: str = "auto", options: Options | None = None) -> bool:
     """Whether ``spec``'s non-deterministic backward on ``target`` runs the wgmma dK/dV
     kernel (:func:`plan`): sm_90, ``family`` not ``"fa2"``, head_dim ==
     head_dim_v in :data:`HOPPER_BWD_HEAD_DIMS`, fp16/bf16, no varlen, and a mask that reads
     no tensor (no block table; causal, none, or an index-only mask walked with the tile
-    classifier) unless ``tensor_masks`` (:attr:`Options.tensor_masks`: a block table built
-    for the backward's tiles).  A score_mod is fine (its derivative comes from
-    :mod:`flashgen.analysis.derive`).  Everything else keeps the FA2-class kernels."""
+    classifier) unless ``options`` (default: the defaults) has ``tensor_masks`` (a block
+    table built for the backward's tiles) and the mask's tensor reads are one-sided
+    (:func:`one_sided_reads`) or ``two_sided_masks``.  A score_mod is fine (its derivative
+    comes from :mod:`flashgen.analysis.derive`).  Everything else keeps the FA2-class
+    kernels."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    o = options or Options()
     return (
         family != "fa2"
         and target == "sm_90"
@@ -278,8 +283,23 @@ def eligible(
         and not spec.varlen
         and spec.head_dim == spec.head_dim_v
         and spec.head_dim in HOPPER_BWD_HEAD_DIMS
-        and (tensor_masks or not needs_block_table(spec))
+        and (
+            not needs_block_table(spec)
+            or (o.tensor_masks and (o.two_sided_masks or one_sided_reads(spec)))
+        )
     )
+
+
+def one_sided_reads(spec: Spec) -> bool:
+    """Whether every tensor read of ``spec``'s mask is one-sided (indexed by the query or
+    by the key side alone: ``doc_q[b, q_idx] == doc_kv[b, kv_idx]``), so the Hopper
+    backward's keep bits load each once per query column and key row (:func:`keep_terms`);
+    spec_tree's ``ancestors[b, q_idx, kv_idx - ...]`` is two-sided."""
+    residual = split_causal(spec.mask)[1]
+    if residual is None:
+        return True
+    parts = rowcol.split(residual, spec)
+    return parts is not None and not any(isinstance(n, Index) for n in walk(parts.expr))
 
 
 def ordered_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
@@ -340,7 +360,7 @@ def plan(
     Raises ``ValueError`` unless :func:`eligible` (family "auto"), for ``ordered_dq`` unless
     :func:`ordered_eligible`, and for ``param_grads`` the kernel cannot accumulate.
     """
-    if not eligible(spec, target, tensor_masks=options.tensor_masks):
+    if not eligible(spec, target, options=options):
         raise ValueError(
             f"spec {spec.name!r} on {target}: the Hopper backward needs sm_90, head_dim == "
             f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "

@@ -112,7 +112,7 @@ def select(
         return Route("hopper_bwd", atomic_dq=True, ordered_dq=True)
     if deterministic or options.atomic_dq is False:
         return Route("fa2_bwd")
-    hopper = hopper_bwd.eligible(spec, target, options.family, options.hopper_bwd.tensor_masks)
+    hopper = hopper_bwd.eligible(spec, target, options.family, options.hopper_bwd)
     if hopper and (
         not param_grads
         or dparam.hopper_forms_ok(spec, param_grads, options.hopper_bwd.dparam_diagonal)
@@ -385,7 +385,7 @@ def compile_units(spec: Spec, target: str, options: Options = DEFAULT) -> dict[s
     if has_backward(spec):
         units["bwd"] = plan_backward(spec, target, options).unit
         units["bwd_atomic"] = plan_backward(spec, target, options, atomic_dq=True).unit
-    hopper = hopper_bwd.eligible(spec, target, options.family, options.hopper_bwd.tensor_masks)
+    hopper = hopper_bwd.eligible(spec, target, options.family, options.hopper_bwd)
     if hopper:
         units["bwd_wgmma"] = plan_hopper_backward(spec, target, options).unit
     grads = grad_params(spec) if has_backward(spec) else ()

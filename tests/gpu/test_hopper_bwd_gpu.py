@@ -538,9 +538,12 @@ def _draft_tree(b: int, sq: int, seed: int):
 
 @pytest.mark.parametrize("b,hq,hkv,sq,sk", [(2, 4, 2, 17, 1000), (1, 2, 1, 127, 4097),
                                             (1, 4, 4, 200, 200), (1, 2, 2, 1, 1)])  # fmt: skip
-def test_tensor_masks_spec_tree(tensor_masks, b, hq, hkv, sq, sk):
+def test_two_sided_masks_spec_tree(tensor_masks, monkeypatch, b, hq, hkv, sq, sk):
     """spec_tree (a two-sided tensor read, ``ancestors[b, q_idx, f(kv_idx)]``) on the
-    Hopper backward: its draft tree's edge steps read the table per element."""
+    Hopper backward (``two_sided_masks``): its draft tree's edge steps read the table per
+    element."""
+    gpu_options.use(monkeypatch, {"hopper_bwd.tensor_masks": True, "hopper_bwd.masked_80": False,
+                                  "hopper_bwd.two_sided_masks": True})  # fmt: skip
     spec = shipped("spec_tree")
     anc = _draft_tree(b, sq, seed=sq)
     check(spec, b, hq, hkv, sq, sk, seed=1870 + sq, params={"ancestors": anc})
@@ -552,8 +555,9 @@ def masked_80(monkeypatch):
     """``hopper_bwd.masked_80`` (with ``tensor_masks``): prefix_lm takes 80-query steps;
     chunked_local and document_mask spill with them and take 64 (the fallback runs)."""
     return gpu_options.use(
-        monkeypatch, {"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True}
-    )
+        monkeypatch, {"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True,
+                      "hopper_bwd.two_sided_masks": True}
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["prefix_lm", "document_mask", "chunked_local"])
@@ -574,10 +578,12 @@ def test_masked_80_spec_tree(masked_80, b, hq, hkv, sq, sk):
 # ------------------------- the tile classifier on integer ranges (int_classifier)
 @pytest.fixture
 def int_classifier(monkeypatch):
-    """``hopper_bwd.int_classifier``: the masks that compute only int32 numbers classify
-    their steps on 64-bit integer ranges; chunked_local and mistral_swa then take 80-query
-    steps at head_dim 128 (spill-free)."""
-    return gpu_options.use(monkeypatch, {"hopper_bwd.int_classifier": True})
+    """``hopper_bwd.int_classifier`` with ``masked_80``: the masks that compute only int32
+    numbers classify their steps on 64-bit integer ranges; chunked_local and mistral_swa then
+    take 80-query steps at head_dim 128 (spill-free)."""
+    return gpu_options.use(
+        monkeypatch, {"hopper_bwd.int_classifier": True, "hopper_bwd.masked_80": True}
+    )
 
 
 @pytest.mark.parametrize("name", ["chunked_local", "mistral_swa", "prefix_lm", "d256:chunked_local",

@@ -20,6 +20,7 @@ from shipped_specs import DISTINCT
 from flashgen.build import cache
 from flashgen.build.render import render
 from flashgen.families.common import HOPPER_SMEM_LIMIT
+from flashgen.families.hopper_bwd import Options as HopperBwdOptions
 from flashgen.families.hopper_bwd import eligible as hopper_bwd_eligible
 from flashgen.families.registry import compile_units
 from flashgen.families.tiles import HOPPER_BWD_TILES, HOPPER_BWD_TILES_SPLIT_D
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: score_mod.
 ELIGIBLE = ("alibi", "alibi_learned", "bidir_d256", "causal_d128", "chunked_local",
             "document_mask", "gemma2_softcap", "gpt2_d64", "gpt_oss_sink", "llama3_gqa",
-            "mistral_swa", "prefix_lm", "spec_tree", "t5_bias")  # fmt: skip
+            "mistral_swa", "prefix_lm", "t5_bias")  # fmt: skip
 
 
 def shipped(name: str) -> ir.Spec:
@@ -81,7 +82,12 @@ def test_ineligible_specs():
         dataclasses.replace(small(256, "bf16", True), head_dim_v=128), "sm_90"
     )
     assert hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # a block table at its tiles
-    assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90", tensor_masks=False)
+    no_tables = HopperBwdOptions(tensor_masks=False)
+    assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90", options=no_tables)
+    # a two-sided tensor read: only with two_sided_masks
+    assert not hopper_bwd_eligible(shipped("spec_tree"), "sm_90")
+    assert hopper_bwd_eligible(shipped("spec_tree"), "sm_90", options=HopperBwdOptions(
+        two_sided_masks=True))
     with pytest.raises(ValueError, match="the Hopper backward needs"):
         plan_hopper_backward(small(192, "bf16", False), "sm_90")
     with pytest.raises(ValueError, match="unknown kernel family"):
@@ -1307,19 +1313,22 @@ def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d, m80):
 
 
 # ---------------------------------------- 80-query steps for masked specs (masked_80)
-MASKED_80 = DEFAULT.with_values({"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True})
+MASKED_80 = DEFAULT.with_values(
+    {"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True,
+     "hopper_bwd.two_sided_masks": True}
+)  # fmt: skip
 
 
 def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(requires_nvcc):
     """``hopper_bwd.masked_80``: prefix_lm builds its head-dim-128 backward with 80-query steps
     spill-free (40 keep bits a thread, uint64); chunked_local and mistral_swa (32 B) and
     document_mask with tensor_masks (8 B) spill with them and are built with 64, as the op
-    does (build_backward's fallback); off, every masked spec takes 64.  On by default."""
+    does (build_backward's fallback); off (the default), every masked spec takes 64."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    assert DEFAULT.hopper_bwd.masked_80
-    off = DEFAULT.replace_path("hopper_bwd.masked_80", False)
+    assert not DEFAULT.hopper_bwd.masked_80
+    off = MASKED_80.replace_path("hopper_bwd.masked_80", False)
     for name, want in (("prefix_lm", 80), ("document_mask", 64), ("chunked_local", 64),
                        ("mistral_swa", 64), ("spec_tree", 80)):  # fmt: skip
         spec = shipped(name)
@@ -1333,15 +1342,16 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
 
 # ------------------------- the tile classifier on 64-bit integer ranges (int_classifier)
 def test_int_classifier_gives_the_window_masks_spill_free_80_query_steps(requires_nvcc):
-    """``hopper_bwd.int_classifier`` (off by default): chunked_local and mistral_swa, whose
-    double-range step classifier spilled 32 B at 80-query steps, build them spill-free; a
+    """``hopper_bwd.int_classifier`` (off by default) with ``masked_80``: chunked_local and
+    mistral_swa, whose double-range step classifier spilled 32 B at 80-query steps, build
+    them spill-free; a
     mask that reads tensors (document_mask) keeps the double ranges, and the option off
     renders the same units as before (no ``masktiles_int.cuh``)."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
     assert not DEFAULT.hopper_bwd.int_classifier
-    on = DEFAULT.replace_path("hopper_bwd.int_classifier", True)
+    on = DEFAULT.with_values({"hopper_bwd.int_classifier": True, "hopper_bwd.masked_80": True})
     for name in ("chunked_local", "mistral_swa"):
         spec = shipped(name)
         assert "fg::ivi" not in render(reg_plan(spec, "sm_90").unit)
