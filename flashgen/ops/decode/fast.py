@@ -229,7 +229,7 @@ def _metadata_guard(tensors: tuple):
 class _FastPath:
     """The planned call's host path (issue 23: ``with_kvcache(..., plan=p)`` does no host
     planning): the kernels' argument blocks are packed once per call *layout* (shapes,
-    strides, dtypes, devices, scale, params, ``out``'s layout: the key below) after the
+    strides, dtypes, devices, scale, params, ``out``'s layout: :meth:`_layout_key`) after the
     full validation, and a call whose layout matches the last one's rewrites only the
     leading pointers (q, caches, outputs, lengths, table: one ``struct.pack_into``),
     allocates o and lse (unless the caller passes ``out``) and enqueues the kernel with
@@ -245,14 +245,20 @@ class _FastPath:
     shapes, are part of the layout) and ``max_seqlen_q`` None (the plan's) or at most the
     plan's.  Per thread state: concurrent threads keep their own blocks.
 
-    Checked on every call: the conditions above, the layout (one tuple compared with the
-    validated one), the addresses' alignment, and memory apart between the caches, k_new /
-    v_new and ``out`` from the addresses (:meth:`_apart`: a few comparisons; the layout
-    fixes the extents).  Cached per layout (:class:`_FastState`): the validated sizes,
-    the packed scalars and strides, o's and lse's shapes and strides, the extents and pairs
-    of the memory check.  Bound once here: everything a call reads besides the tensors
-    (the driver's entry point, the raw-stream and current-device queries, the field
-    writers, the allocator: :func:`_strided_allocator`).  The caller's contract (it would
+    Checked on every call: the conditions above, the layout, the addresses' alignment, and
+    memory apart between the caches, k_new / v_new and ``out`` from the addresses
+    (:meth:`_apart`: a few comparisons; the layout fixes the extents).  The layout check is
+    one tuple of the call's scalars and form (which arguments are given, ``k_cache is
+    v_cache``, the params' names and values) compared with the last layout's, and that
+    layout's guard of the tensors' metadata (:func:`_metadata_guard`: one C call); a call
+    either does not pass takes the long way (:meth:`_revalidate`: the layout key, then, for
+    a new layout, the full validation).  Cached per layout (:class:`_FastState`): the
+    validated sizes, the packed scalars and strides, o's and lse's shapes and strides, the
+    extents and pairs of the memory check, the guard.  Bound once here: everything a call
+    reads besides the tensors (the driver's entry point without argument conversion:
+    :func:`~flashgen.runtime.packed.raw_launcher`, the kernels' handles, the raw-stream and
+    current-device queries, the field writers, the allocator: :func:`_strided_allocator`);
+    per thread, the last stream's handle.  The caller's contract (it would
     read values: not checked per call, so that a call stays capturable and cheap): the
     slot rule of an append (see ``DecodeOp.with_kvcache``).
 
@@ -264,7 +270,7 @@ class _FastPath:
 
     def __init__(self, dop: PlanOwner, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
-        from flashgen.runtime.packed import ArgLayout
+        from flashgen.runtime.packed import ArgLayout, raw_launcher
 
         self.dop, self.plan = dop, plan
         self.index = plan.device.index
@@ -280,7 +286,11 @@ class _FastPath:
         self.app_pack = self.app_head.pack_into
         #: a fused-sink unit: the sink logits' address is a per-call argument too
         self.sink = attn.plan.fused_sink
-        self.attn_fn, self.app_fn = _function_ptr(attn.function), _function_ptr(app.function)
+        # the driver's entry point without per-argument conversion (raw_launcher), resolved
+        # once (a module global that tools/host_overhead.py --cpu replaces before planning)
+        self._cu_launch, self._handle = raw_launcher(_tma.driver().cuLaunchKernel)
+        self.attn_fn = self._handle(_function_ptr(attn.function))
+        self.app_fn = self._handle(_function_ptr(app.function))
         self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
         self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
         d = plan.dims
@@ -295,9 +305,7 @@ class _FastPath:
         self._tls = threading.local()
         self._tls_dict = self._tls.__dict__
         self._alloc = _strided_allocator(plan.device)
-        # resolved once: the driver's entry point and the raw-stream query (module globals
-        # that tools/host_overhead.py --cpu replaces before planning)
-        self._cu_launch = _tma.driver().cuLaunchKernel
+        # resolved once: the raw-stream query (as the driver above)
         self._raw_stream = _calls._RAW_STREAM
         self._get_device = _GET_DEVICE
         self._eager = _eager_cuda
@@ -399,6 +407,9 @@ class _FastPath:
         if cu is not None:
             st.set_cu(cu_ptr)
         stream = self._raw_stream(self.index)
+        if stream != st.stream:  # its handle as the launcher takes it, made once per stream
+            st.stream, st.stream_arg = stream, self._handle(stream)
+        stream = st.stream_arg
         launch = self._cu_launch
         if k_new is not None:
             self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
@@ -644,6 +655,7 @@ class _FastState:
         # the guard of that layout (_FastPath._revalidate): the call's form and its tensors'
         # metadata check (_metadata_guard)
         self.form, self.guard = None, _never
+        self.stream = self.stream_arg = None  # the last raw stream and its launcher handle
         self.attn_buf, self.attn_params = attn_layout.new_block()
         self.app_buf, self.app_params = app_layout.new_block()
         self.set_cu = attn_layout.setter(self.attn_buf, "cu_seqlens_q")
