@@ -173,16 +173,8 @@ def _plain_eager_fast(q, kc, vc) -> bool:
     """The checks of :func:`flashgen.ops.op._plain_eager` (plain tensors; no compile, trace,
     torch-function / dispatch mode or functorch transform) with the torch queries bound
     once (a dispatch mode is on exactly when the dispatch stack is not empty)."""
-    return (
-        type(q) is _TENSOR
-        and type(kc) is _TENSOR
-        and type(vc) is _TENSOR
-        and not _IS_COMPILING()
-        and _TRACING_STATE() is None
-        and not _TF_MODE()
-        and _DISPATCH_DEPTH() == 0
-        and not _FUNCTORCH()
-    )
+    return (type(q) is _TENSOR and type(kc) is _TENSOR and type(vc) is _TENSOR
+            and _plain_eager_state())  # fmt: skip
 
 
 def _plain_eager_state() -> bool:
