@@ -28,7 +28,9 @@ host-path work), so the before/after includes everything, not only the cache.
 32/8, d128, Sq_new 1, B in --batch, a 64k paged-16 cache and a dense one; with k_new
 appended too), measured as above with the stream held busy (GPU), or on CPU with the
 driver, the device and the current stream faked (the planned fast path of
-flashgen.ops.decode runs whole; its cuLaunchKernel returns 0).  Issue 23's target is 20 us
+flashgen.ops.decode runs whole; its cuLaunchKernel is a C stub that returns 0, called
+through ctypes with the driver's prototypes where there is a C compiler; ``--py-driver``: a
+Python function, which leaves out ctypes' conversions).  Issue 23's target is 20 us
 per call on the H200 machine's CPU.
 """
 
@@ -339,6 +341,8 @@ def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) 
 
     stream = torch.cuda.current_stream().cuda_stream
 
+    stream = getattr(fast, "_handle", int)(stream)  # as the fast path passes it
+
     def launch():
         fast._cu_launch(fast.attn_fn, *fast.attn_launch, stream, st.attn_params, None)
 
@@ -372,11 +376,51 @@ def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) 
     print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-2500:])
 
 
-def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
+_STUB_SOURCE = """
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned smem, void *stream, void **params, void **extra) {
+  return 0;
+}
+int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *addr, void *dims,
+                           void *strides, void *box, void *elem, int a, int b, int c, int d) {
+  return 0;
+}
+"""
+
+
+def _stub_driver(tma):
+    """A C library standing in for the driver (its entry points return 0), with the
+    prototypes ``tma.driver`` sets on the real one (that function run against the stub), so
+    that a call pays ctypes' conversions as on the GPU machine; None (the Python stand-in
+    then) without a C compiler."""
+    import ctypes
+    import shutil
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        print("no C compiler: cuLaunchKernel is a Python function", file=sys.stderr)
+        return None
+    where = Path(tempfile.mkdtemp(prefix="fg-stub-driver-"))
+    (where / "stub.c").write_text(_STUB_SOURCE)
+    lib = where / "libstub.so"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib), str(where / "stub.c")],
+                   check=True)  # fmt: skip
+    real, ctypes.CDLL = ctypes.CDLL, lambda name, *a, **k: real(str(lib), *a, **k)
+    try:
+        return tma.driver.__wrapped__()  # the prototypes it sets, on the stub
+    finally:
+        ctypes.CDLL = real
+
+
+def measure_decode_cpu(root: Path, batches, n: int, reps: int,
+                       py_driver: bool = False) -> list[dict]:  # fmt: skip
     """Host us per planned ``with_kvcache`` call on CPU: CPU tensors, the plan's kernels
-    faked (a CUfunction handle of 1), ``cuLaunchKernel`` returning 0, the CUDA checks
-    (device, current stream) answered as for device 0.  Everything else of the planned
-    fast path runs: the layout key, the pointer packing, the output allocations."""
+    faked (a CUfunction handle of 1), ``cuLaunchKernel`` a C function of a stub library
+    that returns 0 (:func:`_stub_driver`; ``py_driver``: a Python function), the CUDA
+    checks (device, current stream) answered as for device 0.  Everything else of the
+    planned fast path runs: the layout check, the pointer packing, the output allocations,
+    the ctypes call."""
     import timeit
     import types
 
@@ -395,7 +439,8 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int) -> list[dict]:
         def cuLaunchKernel(*args):
             return 0
 
-    tma.driver = lambda: Driver
+    stub = None if py_driver else _stub_driver(tma)
+    tma.driver = (lambda: stub) if stub is not None else (lambda: Driver)
     dfast._eager_cuda = dfast._plain_eager_fast  # CPU tensors stand in (no is_cuda)
     dfast._GET_DEVICE = lambda: None
     calls_mod._RAW_STREAM = lambda index: 0
@@ -486,6 +531,8 @@ def main() -> int:
                     help="planned op.with_kvcache calls instead of op.attention")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64],
                     help="--decode batch sizes")  # fmt: skip
+    ap.add_argument("--py-driver", action="store_true",
+                    help="--decode --cpu: a Python cuLaunchKernel (no C stub)")  # fmt: skip
     args = ap.parse_args()
     import torch
 
@@ -493,9 +540,14 @@ def main() -> int:
         if not args.cpu and not torch.cuda.is_available():
             print("host_overhead.py --decode needs a CUDA GPU (or --cpu)", file=sys.stderr)
             return 2
-        fn = measure_decode_cpu if args.cpu else measure_decode
-        rows = fn(args.flashgen, args.batch, args.n, args.reps)
-        print_decode_rows(rows, "CPU, driver faked" if args.cpu else torch.cuda.get_device_name())
+        if args.cpu:
+            rows = measure_decode_cpu(args.flashgen, args.batch, args.n, args.reps,
+                                      args.py_driver)  # fmt: skip
+            where = "CPU, driver faked" + (" (Python)" if args.py_driver else "")
+        else:
+            rows = measure_decode(args.flashgen, args.batch, args.n, args.reps)
+            where = torch.cuda.get_device_name()
+        print_decode_rows(rows, where)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0

@@ -94,3 +94,18 @@ class ArgLayout:
         if i is None:
             return None
         return functools.partial(self._fields[i].pack_into, buf, self.offsets[i])
+
+
+def raw_launcher(launch):
+    """``(call, handle)`` for a ``cuLaunchKernel`` entry point with :func:`flashgen.runtime.
+    tma.driver`'s prototype: ``call``, the same C function with no argument types (ctypes
+    then converts nothing per call but what it is passed: the prototype's conversion of the
+    eleven arguments costs more than the rest of the call to ctypes), to be passed the
+    function and stream handles as ``handle(int)`` (a ``c_void_p``), the grid, block and
+    shared-memory sizes as ints below 2**32 (C ints, read as the unsigned they are), the
+    argument block's address array (:meth:`ArgLayout.new_block`) and None.  A Python stand-in
+    for the driver (tests) is returned as is, with ``int`` for ``handle``."""
+    if not isinstance(launch, ctypes._CFuncPtr):
+        return launch, int
+    address = ctypes.cast(launch, ctypes.c_void_p).value
+    return ctypes.CFUNCTYPE(ctypes.c_int)(address), ctypes.c_void_p

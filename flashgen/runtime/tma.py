@@ -55,6 +55,13 @@ def driver():
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:  # pragma: no cover - depends on the machine
         raise TmaError("the Hopper kernels need the CUDA driver (libcuda.so.1)") from e
+    return set_prototypes(lib)
+
+
+def set_prototypes(lib):
+    """Set the prototypes of :func:`driver` on ``lib`` (the driver, or a library standing in
+    for it with the same entry points: tests, ``tools/host_overhead.py --cpu``); returns
+    ``lib``."""
     lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
     lib.cuTensorMapEncodeTiled.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,

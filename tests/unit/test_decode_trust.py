@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fast_plan import faked_fast_plan
 
 import flashgen
 from flashgen.frontend.errors import OpInputError
@@ -123,41 +124,6 @@ def test_interleaved_views_of_one_kv_buffer_may_append(tmp_path):
     assert torch.equal(kv[:, 0], kc) and torch.equal(kv[:, 1], vc)
 
 
-def _faked_fast_plan(monkeypatch, op, dims):
-    """A plan whose fast path runs on CPU tensors standing in for CUDA ones, the driver
-    faked (as tests/unit/test_decode.py's fast-path tests do); the list of launches."""
-    import types
-
-    from flashgen.families import decode as family
-    from flashgen.ops import calls as calls_mod
-    from flashgen.ops.decode import fast as dfast
-    from flashgen.ops.decode import op as dmod
-    from flashgen.runtime import launch as runtime
-    from flashgen.runtime import tma
-
-    launches = []
-
-    class Driver:
-        @staticmethod
-        def cuLaunchKernel(fn, *args):
-            launches.append(fn)
-            return 0
-
-    monkeypatch.setattr(tma, "driver", lambda: Driver)
-    monkeypatch.setattr(dfast, "_eager_cuda", dfast._plain_eager_fast)
-    monkeypatch.setattr(dfast, "_GET_DEVICE", lambda: None)
-    monkeypatch.setattr(calls_mod, "_RAW_STREAM", lambda index: 7)
-    dop = dmod.decode_op(op)
-    unit = family.plan(op.spec, "sm_90")
-    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None,
-                                    function=types.SimpleNamespace(ptr=11 + i), device_index=0)
-            for i, r in enumerate(("attn", "append"))}  # fmt: skip
-    plan = dop.plan_for(dims, torch.device("cpu"), 1)
-    plan.kernels = kern
-    plan.fast = dfast._FastPath(dop, plan)
-    return plan, launches
-
-
 def test_a_planned_call_refuses_aliased_memory_on_every_call(tmp_path, monkeypatch):
     """The planned fast path validated a call layout (shapes, strides, dtypes) once and
     then only swapped addresses: a later call of the same layout with ``k_cache is
@@ -168,7 +134,7 @@ def test_a_planned_call_refuses_aliased_memory_on_every_call(tmp_path, monkeypat
 
     op = flashgen.load("llama3_gqa")
     b, hq, hkv, ps, pages = 2, 8, 2, 16, 8
-    plan, launches = _faked_fast_plan(
+    plan, launches = faked_fast_plan(
         monkeypatch, op, DecodeDims(b, hq, hkv, 1, 128, True, pages, ps, 4, True)
     )
     g = torch.Generator().manual_seed(5)

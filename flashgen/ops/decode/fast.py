@@ -173,11 +173,16 @@ def _plain_eager_fast(q, kc, vc) -> bool:
     """The checks of :func:`flashgen.ops.op._plain_eager` (plain tensors; no compile, trace,
     torch-function / dispatch mode or functorch transform) with the torch queries bound
     once (a dispatch mode is on exactly when the dispatch stack is not empty)."""
+    return (type(q) is _TENSOR and type(kc) is _TENSOR and type(vc) is _TENSOR
+            and _plain_eager_state())  # fmt: skip
+
+
+def _plain_eager_state() -> bool:
+    """The global part of :func:`_plain_eager_fast` (no compile, trace, torch-function /
+    dispatch mode or functorch transform): what a call whose tensors pass the layout's
+    guard (their exact types included) still asks."""
     return (
-        type(q) is _TENSOR
-        and type(kc) is _TENSOR
-        and type(vc) is _TENSOR
-        and not _IS_COMPILING()
+        not _IS_COMPILING()
         and _TRACING_STATE() is None
         and not _TF_MODE()
         and _DISPATCH_DEPTH() == 0
@@ -185,10 +190,38 @@ def _plain_eager_fast(q, kc, vc) -> bool:
     )
 
 
+#: the form's mark of an argument passed as a tensor (its metadata: the guard's)
+_A_TENSOR = object()
+_TENSOR_GUARDS = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
+                         "TensorGuards", None)  # fmt: skip
+
+
+def _never(*tensors) -> bool:
+    return False
+
+
+def _metadata_guard(tensors: tuple):
+    """``check(*tensors)``: whether tensors in the same positions have the Python type,
+    dispatch keys (device type, negative / conjugate views, the thread's dispatch state),
+    dtype, device index, requires_grad, shape and strides of ``tensors`` (Dynamo's
+    ``TensorGuards``, one C call; it fails a tensor passed twice).  :func:`_never` where
+    this torch build has no ``TensorGuards``, ``tensors`` repeats one or holds a tensor that
+    requires grad (the guard then passes none that does) or one that is not a tensor."""
+    if _TENSOR_GUARDS is None or len({id(t) for t in tensors}) != len(tensors):
+        return _never
+    try:
+        if any(t.requires_grad for t in tensors):
+            return _never
+        guard = _TENSOR_GUARDS(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (AttributeError, TypeError):
+        return _never
+    return guard.check
+
+
 class _FastPath:
     """The planned call's host path (issue 23: ``with_kvcache(..., plan=p)`` does no host
     planning): the kernels' argument blocks are packed once per call *layout* (shapes,
-    strides, dtypes, devices, scale, params, ``out``'s layout: the key below) after the
+    strides, dtypes, devices, scale, params, ``out``'s layout: :meth:`_layout_key`) after the
     full validation, and a call whose layout matches the last one's rewrites only the
     leading pointers (q, caches, outputs, lengths, table: one ``struct.pack_into``),
     allocates o and lse (unless the caller passes ``out``) and enqueues the kernel with
@@ -204,14 +237,20 @@ class _FastPath:
     shapes, are part of the layout) and ``max_seqlen_q`` None (the plan's) or at most the
     plan's.  Per thread state: concurrent threads keep their own blocks.
 
-    Checked on every call: the conditions above, the layout (one tuple compared with the
-    validated one), the addresses' alignment, and memory apart between the caches, k_new /
-    v_new and ``out`` from the addresses (:meth:`_apart`: a few comparisons; the layout
-    fixes the extents).  Cached per layout (:class:`_FastState`): the validated sizes,
-    the packed scalars and strides, o's and lse's shapes and strides, the extents and pairs
-    of the memory check.  Bound once here: everything a call reads besides the tensors
-    (the driver's entry point, the raw-stream and current-device queries, the field
-    writers, the allocator: :func:`_strided_allocator`).  The caller's contract (it would
+    Checked on every call: the conditions above, the layout, the addresses' alignment, and
+    memory apart between the caches, k_new / v_new and ``out`` from the addresses
+    (:meth:`_apart`: a few comparisons; the layout fixes the extents).  The layout check is
+    one tuple of the call's scalars and form (which arguments are given, ``k_cache is
+    v_cache``, the params' names and values) compared with the last layout's, and that
+    layout's guard of the tensors' metadata (:func:`_metadata_guard`: one C call); a call
+    either does not pass takes the long way (:meth:`_revalidate`: the layout key, then, for
+    a new layout, the full validation).  Cached per layout (:class:`_FastState`): the
+    validated sizes, the packed scalars and strides, o's and lse's shapes and strides, the
+    extents and pairs of the memory check, the guard.  Bound once here: everything a call
+    reads besides the tensors (the driver's entry point without argument conversion:
+    :func:`~flashgen.runtime.packed.raw_launcher`, the kernels' handles, the raw-stream and
+    current-device queries, the field writers, the allocator: :func:`_strided_allocator`);
+    per thread, the last stream's handle.  The caller's contract (it would
     read values: not checked per call, so that a call stays capturable and cheap): the
     slot rule of an append (see ``DecodeOp.with_kvcache``).
 
@@ -223,7 +262,7 @@ class _FastPath:
 
     def __init__(self, dop: PlanOwner, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
-        from flashgen.runtime.packed import ArgLayout
+        from flashgen.runtime.packed import ArgLayout, raw_launcher
 
         self.dop, self.plan = dop, plan
         self.index = plan.device.index
@@ -239,7 +278,11 @@ class _FastPath:
         self.app_pack = self.app_head.pack_into
         #: a fused-sink unit: the sink logits' address is a per-call argument too
         self.sink = attn.plan.fused_sink
-        self.attn_fn, self.app_fn = _function_ptr(attn.function), _function_ptr(app.function)
+        # the driver's entry point without per-argument conversion (raw_launcher), resolved
+        # once (a module global that tools/host_overhead.py --cpu replaces before planning)
+        self._cu_launch, self._handle = raw_launcher(_tma.driver().cuLaunchKernel)
+        self.attn_fn = self._handle(_function_ptr(attn.function))
+        self.app_fn = self._handle(_function_ptr(app.function))
         self.attn_launch = (*plan.geometry.grid, attn.plan.threads, 1, 1, attn.plan.smem_bytes)
         self.app_launch = (*plan.geometry.append_grid, app.plan.threads, 1, 1, 0)
         d = plan.dims
@@ -254,9 +297,7 @@ class _FastPath:
         self._tls = threading.local()
         self._tls_dict = self._tls.__dict__
         self._alloc = _strided_allocator(plan.device)
-        # resolved once: the driver's entry point and the raw-stream query (module globals
-        # that tools/host_overhead.py --cpu replaces before planning)
-        self._cu_launch = _tma.driver().cuLaunchKernel
+        # resolved once: the raw-stream query (as the driver above)
         self._raw_stream = _calls._RAW_STREAM
         self._get_device = _GET_DEVICE
         self._eager = _eager_cuda
@@ -270,68 +311,39 @@ class _FastPath:
     def __call__(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out=None, cu=None,
                  max_seqlen_q=None, k_descale=None, v_descale=None,
                  join_sink=False):  # fmt: skip
-        if (cu is None) is self.ragged or not self._eager(q, kc, vc) or self._get_device is None:
+        if (cu is None) is self.ragged or self._get_device is None or not _plain_eager_state():
             return None
         if self._get_device() != self.index or _debug_switches():
             return None
-        # the call's layout: every tensor's shape, strides, dtype and device, and the scale,
-        # max_seqlen_q, the descales' and the params' values (all that validation and the
-        # packed scalars depend on); a tensor that requires grad is the general path's to
-        # refuse (q, the caches, k_new, v_new, tensor params: in grad mode; out: always)
-        grad = _GRAD_ENABLED()
-        try:
-            if grad and (q.requires_grad or kc.requires_grad or vc.requires_grad):
-                return None
-            key = (
-                q.shape, q.stride(), q.dtype, q.get_device(), kc.shape, kc.stride(), kc.dtype,
-                kc.get_device(), vc.shape, vc.stride(), vc.dtype, vc.get_device(), lens.shape,
-                lens.stride(), lens.dtype, lens.get_device(), scale,
-            )  # fmt: skip
-            if table is not None:
-                key += (table.shape, table.stride(), table.dtype, table.get_device())
-            if cu is not None:
-                if type(cu) is not _TENSOR:
-                    return None
-                key += (cu.shape, cu.stride(), cu.dtype, cu.get_device(), max_seqlen_q)
-            if k_new is not None:
-                if grad and (k_new.requires_grad or v_new.requires_grad):
-                    return None
-                key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
-                        v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
-        except AttributeError:
-            return None  # an argument that is not a tensor: the general path names it
-        if self.kv8:  # the descales: a tensor's layout (its address per call) or a number
-            for x in (k_descale, v_descale):
-                if type(x) is _TENSOR:
-                    key += (x.shape, x.stride(), x.dtype, x.get_device())
-                else:
-                    key += (x,)
-        elif k_descale is not None or v_descale is not None:
-            return None  # the general path names the argument
-        if out is not None:
-            if type(out) is not tuple or len(out) != 2:
-                return None
+        # the layout check (class doc): the call's scalars and form, compared as one tuple,
+        # and every tensor's metadata, checked by the last layout's guard in one C call
+        if out is None:
+            o = lse = None
+        elif type(out) is tuple and len(out) == 2:
             o, lse = out
-            if type(o) is not _TENSOR or type(lse) is not _TENSOR:
+        else:
+            return None  # the general path names the argument
+        form = (scale, max_seqlen_q, table is None, k_new is None, o is None, vc is kc)
+        ts = (q, kc, lens) if vc is kc else (q, kc, vc, lens)  # a guard takes no repeats
+        if table is not None:
+            ts += (table,)
+        if k_new is not None:
+            ts += (k_new, v_new)
+        if cu is not None:
+            ts += (cu,)
+        if o is not None:
+            ts += out
+        if params or self.kv8 or k_descale is not None or v_descale is not None:
+            more = self._call_extras(params, k_descale, v_descale)
+            if more is None:
                 return None
-            if o.requires_grad or lse.requires_grad:
-                return None
-            key += (o.shape, o.stride(), o.dtype, o.get_device(),
-                    lse.shape, lse.stride(), lse.dtype, lse.get_device())  # fmt: skip
-        if params:
-            pk = []
-            for n, v in params.items():
-                if type(v) is _TENSOR:
-                    if v.dim() == 0 or (grad and v.requires_grad):
-                        return None  # a 0-d scalar: resolve_params reads it each call
-                    pk.append((n, v.shape, v.stride(), v.dtype, v.get_device()))
-                else:
-                    pk.append((n, v))
-            key += (tuple(pk),)
+            ts += more[0]
+            form += more[1]
         st = self._tls_dict.get("st") or self._state()
-        if key != st.key:
-            if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
-                                 out, cu, max_seqlen_q, k_descale, v_descale):  # fmt: skip
+        if form != st.form or not st.guard(*ts):
+            if not self._revalidate(st, form, ts, q, kc, vc, lens, table, k_new, v_new, scale,
+                                    params, out, cu, max_seqlen_q, k_descale,
+                                    v_descale):  # fmt: skip
                 return None
         q_ptr, k_ptr, v_ptr = q.data_ptr(), kc.data_ptr(), vc.data_ptr()
         if (q_ptr | k_ptr | v_ptr) & 15:
@@ -343,14 +355,13 @@ class _FastPath:
             kn_ptr, vn_ptr = k_new.data_ptr(), v_new.data_ptr()
             if (kn_ptr | vn_ptr) & 15:
                 return None
-        if out is None:  # fresh buffers: aligned, apart from every input
+        if o is None:  # fresh buffers: aligned, apart from every input
             o = self._alloc(st.o_shape, st.o_stride, self.o_dtype)
             lse = self._alloc(st.lse_shape, st.lse_stride, _F32)
             o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
             out = (o, lse)
             out_o = out_lse = 0  # the caller's out (_apart): none
         else:
-            o, lse = out
             o_ptr, lse_ptr = out_o, out_lse = o.data_ptr(), lse.data_ptr()
             if (o_ptr & 7) | (lse_ptr & 3):
                 return None  # the kernel stores o 8 bytes at a time
@@ -388,6 +399,9 @@ class _FastPath:
         if cu is not None:
             st.set_cu(cu_ptr)
         stream = self._raw_stream(self.index)
+        if stream != st.stream:  # its handle as the launcher takes it, made once per stream
+            st.stream, st.stream_arg = stream, self._handle(stream)
+        stream = st.stream_arg
         launch = self._cu_launch
         if k_new is not None:
             self.app_pack(st.app_buf, 0, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, table_ptr)
@@ -400,6 +414,109 @@ class _FastPath:
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernel(decode attention) failed: CUresult {rc}")
         return out
+
+    def _call_extras(self, params, k_descale, v_descale):
+        """``(tensors, form)`` a call adds to the layout check for its descales (an e4m3
+        plan's: a tensor's metadata or a number) and its params (a tensor's name and metadata,
+        or the name and value), in the call's order; None when the fast path does not take
+        the call (descales for a plan without them: the general path names the argument)."""
+        ts, form = [], []
+        if self.kv8:
+            for x in (k_descale, v_descale):
+                if type(x) is _TENSOR:
+                    ts.append(x)
+                    form.append(_A_TENSOR)
+                else:
+                    form.append(x)
+        elif k_descale is not None or v_descale is not None:
+            return None
+        for n, v in params.items():
+            if type(v) is _TENSOR:
+                ts.append(v)
+                form.append((n, _A_TENSOR))
+            else:
+                form.append((n, v))
+        return tuple(ts), tuple(form)
+
+    def _revalidate(self, st, form, ts, q, kc, vc, lens, table, k_new, v_new, scale, params,
+                    out, cu, max_seqlen_q, k_descale, v_descale) -> bool:  # fmt: skip
+        """The layout check the long way, for a call the last layout's guard did not pass (a
+        new layout, or one the guard cannot hold): the layout key (:meth:`_layout_key`),
+        compared with the validated one; a new layout is validated and packed
+        (:meth:`_prepare`).  Then the guard of this call's tensors (:func:`_metadata_guard`)
+        and its ``form`` stand for the layout.  False: the fast path does not take the
+        call."""
+        if not self._eager(q, kc, vc):
+            return False
+        key = self._layout_key(q, kc, vc, lens, table, k_new, v_new, scale, params, out, cu,
+                               max_seqlen_q, k_descale, v_descale)  # fmt: skip
+        if key is None:
+            return False
+        if key != st.key:
+            if not self._prepare(st, key, q, kc, vc, lens, table, k_new, v_new, scale, params,
+                                 out, cu, max_seqlen_q, k_descale, v_descale):  # fmt: skip
+                return False
+        st.form, st.guard = form, _metadata_guard(ts)
+        return True
+
+    def _layout_key(self, q, kc, vc, lens, table, k_new, v_new, scale, params, out, cu,
+                    max_seqlen_q, k_descale, v_descale):  # fmt: skip
+        """The call's layout: every tensor's shape, strides, dtype and device (and ``out``'s
+        negative bit: refused), and the scale, max_seqlen_q, the descales' and the params'
+        values (all that validation and the packed scalars depend on); None for a call the
+        fast path does not take: a tensor that requires grad is the general path's to refuse
+        (q, the caches, k_new, v_new, tensor params: in grad mode; out: always), as is an
+        argument that is not a tensor, a 0-d tensor param (resolve_params reads it each
+        call) and descales for a plan without them."""
+        grad = _GRAD_ENABLED()
+        try:
+            if grad and (q.requires_grad or kc.requires_grad or vc.requires_grad):
+                return None
+            key = (
+                q.shape, q.stride(), q.dtype, q.get_device(), kc.shape, kc.stride(), kc.dtype,
+                kc.get_device(), vc.shape, vc.stride(), vc.dtype, vc.get_device(), lens.shape,
+                lens.stride(), lens.dtype, lens.get_device(), scale,
+            )  # fmt: skip
+            if table is not None:
+                key += (table.shape, table.stride(), table.dtype, table.get_device())
+            if cu is not None:
+                if type(cu) is not _TENSOR:
+                    return None
+                key += (cu.shape, cu.stride(), cu.dtype, cu.get_device(), max_seqlen_q)
+            if k_new is not None:
+                if grad and (k_new.requires_grad or v_new.requires_grad):
+                    return None
+                key += (k_new.shape, k_new.stride(), k_new.dtype, k_new.get_device(),
+                        v_new.shape, v_new.stride(), v_new.dtype, v_new.get_device())  # fmt: skip
+        except AttributeError:
+            return None  # an argument that is not a tensor: the general path names it
+        if self.kv8:  # the descales: a tensor's layout (its address per call) or a number
+            for x in (k_descale, v_descale):
+                if type(x) is _TENSOR:
+                    key += (x.shape, x.stride(), x.dtype, x.get_device())
+                else:
+                    key += (x,)
+        elif k_descale is not None or v_descale is not None:
+            return None  # the general path names the argument
+        if out is not None:
+            o, lse = out
+            if type(o) is not _TENSOR or type(lse) is not _TENSOR:
+                return None
+            if o.requires_grad or lse.requires_grad:
+                return None
+            key += (o.shape, o.stride(), o.dtype, o.get_device(), o.is_neg(),
+                    lse.shape, lse.stride(), lse.dtype, lse.get_device(), lse.is_neg())  # fmt: skip
+        if params:
+            pk = []
+            for n, v in params.items():
+                if type(v) is _TENSOR:
+                    if v.dim() == 0 or (grad and v.requires_grad):
+                        return None
+                    pk.append((n, v.shape, v.stride(), v.dtype, v.get_device()))
+                else:
+                    pk.append((n, v))
+            key += (tuple(pk),)
+        return key
 
     def _sink_logits(self, params, dims: DecodeDims, device):
         """The call's sink logits, float32 ``[B, Hq]`` (a view where the spec reads a tensor
@@ -464,6 +581,7 @@ class _FastPath:
         """Full validation of a new layout (raises what the general path raises) and the
         packing of its argument blocks; False when the fast path does not apply."""
         dop, spec, plan = self.dop, self.dop.spec, self.plan
+        st.key = st.form = None  # what follows changes the state: no layout until it passes
         scalars, tensors = resolve_params(spec, params)
         tmap = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
         for p, t in tmap.items():
@@ -526,6 +644,10 @@ class _FastState:
         # the per-call memory check of that layout (_FastPath._guard, _FastPath._apart)
         self.spans, self.pairs, self.kv_exact, self.kv_apart = (), (), False, None
         self.apart = None  # the last addresses _apart passed
+        # the guard of that layout (_FastPath._revalidate): the call's form and its tensors'
+        # metadata check (_metadata_guard)
+        self.form, self.guard = None, _never
+        self.stream = self.stream_arg = None  # the last raw stream and its launcher handle
         self.attn_buf, self.attn_params = attn_layout.new_block()
         self.app_buf, self.app_params = app_layout.new_block()
         self.set_cu = attn_layout.setter(self.attn_buf, "cu_seqlens_q")

@@ -568,9 +568,10 @@ def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None, inputs=None) 
     """Check ``out = (o, lse)`` of a with_kvcache call: o of shape ``o_shape`` (``[B, Hq,
     Sq_new, Dv]``; ragged ``[total_q, Hq, Dv]``) in the spec's output dtype, lse of shape
     ``lse_shape`` (None: ``o_shape[:-1]``, the padded ``[B, Hq, Sq_new]``; ragged ``[Hq,
-    total_q]``) float32, both contiguous on ``device``, not requiring grad, sharing no memory
-    with each other nor with any of ``inputs`` (name -> tensor or None: q, the caches, k_new,
-    ...; :func:`flashgen.ops.out_arg.overlaps`, metadata only; not while Dynamo traces).
+    total_q]``) float32, both contiguous on ``device``, not requiring grad nor lazily negated
+    (``torch._neg_view``), sharing no memory with each other nor with any of ``inputs`` (name
+    -> tensor or None: q, the caches, k_new, ...; :func:`flashgen.ops.out_arg.overlaps`,
+    metadata only; not while Dynamo traces).
     :class:`OpInputError` naming the tensor, the expected and the received value otherwise."""
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise OpInputError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
@@ -595,6 +596,11 @@ def check_out(spec: ir.Spec, out, o_shape, device, lse_shape=None, inputs=None) 
             raise OpInputError(
                 f"{name}: expected a tensor that does not require grad (the op overwrites it), "
                 f"got one with requires_grad=True"
+            )
+        if t.is_neg():  # the kernels write its memory: the values read back would be negated
+            raise OpInputError(
+                f"{name}: expected a tensor whose memory holds its values, got a lazily "
+                f"negated view (pass .resolve_neg() of it, or a fresh tensor)"
             )
     if torch.compiler.is_compiling():
         return
