@@ -226,7 +226,8 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
         if e.op == "/":
             if b.lo <= 0 <= b.hi:
                 return ANY
-            return rnd(_corners(_trunc_div if is_int else (lambda x, y: x / y), a, b))
+            # INT_MIN / -1 wraps (to INT_MIN in the kernels and the reference)
+            return _i32(rnd(_corners(_trunc_div if is_int else (lambda x, y: x / y), a, b)), is_int)
         if e.op == "%":
             return _mod(a, b, is_int)  # fmodf is exact
     if isinstance(e, Cond):
@@ -248,12 +249,12 @@ def evaluate(e: Expr, env: dict) -> Range | Truth:
         if e.ty == Ty.F32:  # int arguments are converted to float
             args = [_fl_int(r) if x.ty == Ty.I32 else r for r, x in zip(args, e.args, strict=True)]
         a = args[0]
-        if e.fn == "abs":
+        if e.fn == "abs":  # abs(INT_MIN) wraps to INT_MIN
             if a.lo >= 0:
                 return a
             if a.hi <= 0:
-                return Range(-a.hi, -a.lo)
-            return Range(0, max(-a.lo, a.hi))
+                return _i32(Range(-a.hi, -a.lo), e.ty == Ty.I32)
+            return _i32(Range(0, max(-a.lo, a.hi)), e.ty == Ty.I32)
         if e.fn == "min":
             return Range(min(a.lo, args[1].lo), min(a.hi, args[1].hi))
         if e.fn == "max":

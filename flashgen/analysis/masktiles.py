@@ -189,9 +189,11 @@ class _Emitter:
                 if is_int == "true":
                     return self.let("R", f"{ns}::i32({code})")
                 return self.let("R", f"fg::iv::fl({code}, {_REL})")  # a float op rounds
-            if e.op == "/":
+            if e.op == "/":  # INT_MIN / -1 wraps (to INT_MIN in the kernels and the reference)
                 code = f"{ns}::div({a}, {b}, {is_int})"
-                return self.let("R", code if is_int == "true" else f"fg::iv::fl({code}, {_REL})")
+                return self.let(
+                    "R", f"{ns}::i32({code})" if is_int == "true" else f"fg::iv::fl({code}, {_REL})"
+                )
             if e.op == "%":
                 return self.let("R", f"{ns}::mod({a}, {b}, {is_int})")
         if isinstance(e, Cond):
@@ -210,6 +212,8 @@ class _Emitter:
                     for n, a in zip(names, e.args, strict=True)
                 ]
             code = f"{ns}::{_CALL[e.fn]}({', '.join(names)})"
+            if e.ty == Ty.I32 and e.fn == "abs":  # abs(INT_MIN) wraps to INT_MIN
+                code = f"{ns}::i32({code})"
             rel = _CALL_REL.get(e.fn) if e.ty == Ty.F32 else None
             return self.let("R", code if rel is None else f"fg::iv::fl({code}, {rel})")
         raise TypeError(f"cannot classify {e!r}")

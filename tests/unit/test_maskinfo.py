@@ -182,6 +182,26 @@ def test_integer_overflow_makes_the_tile_unknown():
     assert classify(spec, (30, 31), (0, 1), **kw) == TileClass.PARTIAL  # 3e9 > int32
 
 
+#: int32 wrap-around of abs and / (as of + - * and unary -): abs(INT_MIN) and INT_MIN / -1
+#: are INT_MIN in the kernels and the reference, where the rules had 2^31 (FULL, EMPTY).
+#: (mask, params, whether the brute-force class at q 0..1, kv 0..1 is the analysis's)
+WRAP_MASKS = [
+    ("abs(p) >= 0", {"p": -(2**31)}, False),  # was FULL, keeps nothing
+    ("abs(q_idx + p) > 0", {"p": -(2**31)}, False),  # was FULL, drops q 0
+    ("p / r < 0", {"p": -(2**31), "r": -1}, False),  # was EMPTY, keeps all
+    ("(kv_idx + p) / -1 < 0", {"p": -(2**31)}, False),  # was EMPTY, keeps kv 0
+    ("abs(q_idx - kv_idx) < 2 + p", {"p": 0}, True),  # no wrap: still exact
+    ("(q_idx - p) / r >= kv_idx", {"p": 1, "r": -1}, True),
+]
+
+
+@pytest.mark.parametrize("mask, params, exact", WRAP_MASKS, ids=[m for m, _, _ in WRAP_MASKS])
+def test_abs_and_division_wrap_like_the_kernels(mask, params, exact):
+    spec = _spec(mask, "  p: {type: i32, default: 0}\n  r: {type: i32, default: 1}\n")
+    check_grid(spec, 2, 2, 2, 2, exact=exact, params=params)
+    check_grid(spec, 9, 7, 3, 2, exact=False, params=params)
+
+
 #: Masks whose float math the kernels round to float32 while the analysis bounds it in
 #: double: at (q 335, kv 304) kv_idx * 1.1 + 0.6 <= q_idx is false in double and true in
 #: float32, and the tile around it was called EMPTY (never loaded) at 16 x 16 tiles.

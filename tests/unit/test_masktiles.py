@@ -142,6 +142,30 @@ def test_classifier_matches_maskinfo_on_host(host_exe, integer):
     assert not bad, f"{len(bad)} disagreements, first: {bad[:3]}"
 
 
+#: int32 wrap-around of abs and / (tests/unit/test_maskinfo.py, WRAP_MASKS): abs(INT_MIN) and
+#: INT_MIN / -1 are INT_MIN in the kernels, where both classifiers had 2^31.  (mask, p, r,
+#: brute-force class of q 0..1 x kv 0..1; the class each classifier gave)
+_WRAPS = [
+    ("abs(p) >= 0", -(2**31), 1, 0, 2),
+    ("abs(q_idx + p) > 0", -(2**31), 1, 1, 2),
+    ("p / r < 0", -(2**31), -1, 2, 0),
+    ("(kv_idx + p) / -1 < 0", -(2**31), 1, 1, 0),
+]
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["double", "integer"])
+def test_classifier_wraps_abs_and_division(host_exe, integer):
+    head = "name: w\nhead_dim: 64\ndtype: bf16\nmask: '{}'\nparams:\n"
+    head += "  p: {{type: i32, default: 0}}\n  r: {{type: i32, default: 1}}\n"
+    specs = [loads_spec(head.format(m), "w.yaml") for m, *_ in _WRAPS]
+    cases = [(i, 0, 1, 0, 1, 0, 0, 0, 8, 8, p, r, 0, 0) for i, (_, p, r, *_) in enumerate(_WRAPS)]
+    got = _run_host(host_exe, specs, cases, integer=integer)
+    for (mask, p, r, truth, before), g, spec in zip(_WRAPS, got, specs, strict=True):
+        kw = {"b": 0, "h": 0, "seqlen_q": 8, "seqlen_k": 8, "params": {"p": p, "r": r}}
+        want = classify(spec, (0, 1), (0, 1), **kw)
+        assert g == int(want) == 1 != before and truth != before, mask
+
+
 def test_no_mask_is_full_and_ignores_its_arguments():
     spec = load_spec(REPO / "specs" / "bidir_d256.yaml")
     src = masktiles.classifier_source(spec)
