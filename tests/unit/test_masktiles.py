@@ -166,6 +166,58 @@ def test_classifier_wraps_abs_and_division(host_exe, integer):
         assert g == int(want) == 1 != before and truth != before, mask
 
 
+#: Int masks at the edges of int32 (params INT_MIN .. INT_MAX, tiles at 0 and near 2^31 - 1):
+#: products, quotients and remainders that overflow or divide by negative params, abs / min /
+#: max / unary - of large values, causal at lengths near 2^31.
+_INT32_MASKS = [
+    "q_idx * p >= kv_idx * p",
+    "(q_idx + p) / r <= kv_idx / r",
+    "(kv_idx - p) % r < q_idx % r + 1",
+    "abs(q_idx - p) < abs(kv_idx + r)",
+    "min(q_idx * r, p) <= max(-kv_idx, p - r)",
+    "-(q_idx + p) > kv_idx - r || causal",
+    "(q_idx < p ? q_idx * 2 : kv_idx + r) > p / 2 == (kv_idx >= r)",
+    "causal && q_idx + seqlen_k - seqlen_q - kv_idx < p",
+]
+_INT32_VALUES = [-(2**31), -(2**30), -1, 0, 1, 46341, 2**31 - 1]
+
+
+def test_integer_and_double_classifiers_agree_soundly_at_int32_edges(host_exe):
+    """integer=True (fg::ivi) gives the double rules' class on every tile, and both are sound
+    against brute force with the kernels' int32 wrap-around (the reference evaluator)."""
+    torch = pytest.importorskip("torch")
+    from flashgen.ops.cpu.reference import eval_expr
+
+    head = "name: e\nhead_dim: 64\ndtype: bf16\nmask: '{}'\nparams:\n"
+    head += "  p: {{type: i32, default: 0}}\n  r: {{type: i32, default: 1}}\n"
+    specs = [loads_spec(head.format(m), "e.yaml") for m in _INT32_MASKS]
+    assert all(map(masktiles.integer_only, specs))
+    big = 2**31 - 1
+    tiles = [(0, 3, 0, 2, 9, 7), (5, 5, 0, 6, 9, 7), (big - 4, big - 1, big - 3, big - 1, big, big)]
+    tiles += [(big - 3, big - 1, 2, 5, big, 6), (0, 2, big - 5, big - 2, 3, big - 1)]
+    cases = [
+        (i, q0, q1, k0, k1, 1, 2, 1, sq, sk, p, r, 0, 0)
+        for i in range(len(specs))
+        for q0, q1, k0, k1, sq, sk in tiles
+        for p in _INT32_VALUES
+        for r in _INT32_VALUES
+    ]
+    dbl = _run_host(host_exe, specs, cases)
+    assert _run_host(host_exe, specs, cases, integer=True) == dbl
+    i64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    bad = []
+    for c, got in zip(cases, dbl, strict=True):
+        i, q0, q1, k0, k1, b, h, h_kv, sq, sk, p, r = c[:12]
+        env = {"b": i64(b), "h": i64(h), "h_kv": i64(h_kv), "seqlen_q": i64(sq)}
+        env |= {"seqlen_k": i64(sk), "p": i64(p), "r": i64(r), "__float__": torch.float64}
+        env |= {"q_idx": torch.arange(q0, q1 + 1).view(-1, 1), "kv_idx": torch.arange(k0, k1 + 1)}
+        keep = eval_expr(specs[i].mask, env | {"__device__": torch.device("cpu")})
+        if (got == 0 and keep.any()) or (got == 2 and not keep.all()):
+            bad.append((_INT32_MASKS[i], c[1:12], got))
+    assert not bad, f"{len(bad)} unsound classes, first: {bad[:3]}"
+    assert {0, 1, 2} <= set(dbl)  # the test bites: every class occurs
+
+
 def test_no_mask_is_full_and_ignores_its_arguments():
     spec = load_spec(REPO / "specs" / "bidir_d256.yaml")
     src = masktiles.classifier_source(spec)
