@@ -152,6 +152,10 @@ class Options:
             )
 
 
+#: The defaults, for :func:`eligible` called without options.
+_DEFAULT_OPTIONS = Options()
+
+
 @dataclass(frozen=True)
 class Context(BackwardContext):
     """The template context of the Hopper backward unit."""
@@ -218,8 +222,7 @@ def keep_terms(spec: Spec) -> dict:
     the ``keep_rows`` / ``keep_cols`` entries (:func:`flashgen.codegen.cuda_expr.side_terms`)
     that load them, each once per query column / key row of the thread; ``None`` and none
     for a mask without such reads (the keep bits evaluate the mask per pair)."""
-    residual = split_causal(spec.mask)[1]
-    parts = rowcol.split(residual, spec) if residual is not None else None
+    parts = _residual_split(spec)
     if parts is None or not (parts.rows or parts.cols):
         return {"keep_expr": None, "keep_rows": [], "keep_cols": []}
     return {
@@ -275,7 +278,7 @@ def eligible(spec: Spec, target: str, family: str = "auto", options: Options | N
     kernels."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
-    o = options or Options()
+    o = options or _DEFAULT_OPTIONS
     return (
         family != "fa2"
         and target == "sm_90"
@@ -295,11 +298,17 @@ def one_sided_reads(spec: Spec) -> bool:
     by the key side alone: ``doc_q[b, q_idx] == doc_kv[b, kv_idx]``), so the Hopper
     backward's keep bits load each once per query column and key row (:func:`keep_terms`);
     spec_tree's ``ancestors[b, q_idx, kv_idx - ...]`` is two-sided."""
-    residual = split_causal(spec.mask)[1]
-    if residual is None:
+    if split_causal(spec.mask)[1] is None:
         return True
-    parts = rowcol.split(residual, spec)
+    parts = _residual_split(spec)
     return parts is not None and not any(isinstance(n, Index) for n in walk(parts.expr))
+
+
+def _residual_split(spec: Spec):
+    """:func:`flashgen.analysis.rowcol.split` of the mask's residual (its part besides
+    ``causal``), or None where there is none."""
+    residual = split_causal(spec.mask)[1]
+    return rowcol.split(residual, spec) if residual is not None else None
 
 
 def ordered_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
