@@ -40,7 +40,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from flashgen.analysis.maskinfo import F32_REL, F32_REL_EXPLOG, F32_REL_TANH, f32_exact
+from flashgen.analysis.maskinfo import (
+    F32_REL,
+    F32_REL_EXPLOG,
+    F32_REL_TANH,
+    I32_MAX,
+    Range,
+    evaluate,
+    f32_exact,
+    static_env,
+)
 from flashgen.frontend.ir import (
     Binary,
     Call,
@@ -116,6 +125,16 @@ class _Emitter:
         # ``causal`` are memoized (by node identity) and shared across substitutions
         self.causal_as: str | None = None
         self.memo: dict[int, str] = {}
+        self.static = static_env(spec)
+
+    def may_be(self, e: Expr, value: int) -> bool:
+        """Whether int ``e`` may take ``value`` at some call (its range over every call,
+        :func:`flashgen.analysis.maskinfo.static_env`; True where that is unknown)."""
+        try:
+            r = evaluate(e, self.static)
+        except (TypeError, KeyError, ValueError):
+            return True
+        return not isinstance(r, Range) or r.lo <= value <= r.hi
 
     def let(self, ty: str, code: str) -> str:
         name = f"e{self.n}"
@@ -189,11 +208,13 @@ class _Emitter:
                 if is_int == "true":
                     return self.let("R", f"{ns}::i32({code})")
                 return self.let("R", f"fg::iv::fl({code}, {_REL})")  # a float op rounds
-            if e.op == "/":  # INT_MIN / -1 wraps (to INT_MIN in the kernels and the reference)
+            if e.op == "/":
                 code = f"{ns}::div({a}, {b}, {is_int})"
-                return self.let(
-                    "R", f"{ns}::i32({code})" if is_int == "true" else f"fg::iv::fl({code}, {_REL})"
-                )
+                if is_int == "false":
+                    return self.let("R", f"fg::iv::fl({code}, {_REL})")
+                # INT_MIN / -1 wraps (to INT_MIN in the kernels and the reference)
+                wraps = self.may_be(e.lhs, -I32_MAX - 1) and self.may_be(e.rhs, -1)
+                return self.let("R", f"{ns}::i32({code})" if wraps else code)
             if e.op == "%":
                 return self.let("R", f"{ns}::mod({a}, {b}, {is_int})")
         if isinstance(e, Cond):
@@ -212,7 +233,8 @@ class _Emitter:
                     for n, a in zip(names, e.args, strict=True)
                 ]
             code = f"{ns}::{_CALL[e.fn]}({', '.join(names)})"
-            if e.ty == Ty.I32 and e.fn == "abs":  # abs(INT_MIN) wraps to INT_MIN
+            if e.ty == Ty.I32 and e.fn == "abs" and self.may_be(e.args[0], -I32_MAX - 1):
+                # abs(INT_MIN) wraps to INT_MIN
                 code = f"{ns}::i32({code})"
             rel = _CALL_REL.get(e.fn) if e.ty == Ty.F32 else None
             return self.let("R", code if rel is None else f"fg::iv::fl({code}, {rel})")

@@ -643,9 +643,9 @@ __host__ __device__ __forceinline__ int fg_tile_class(int q0, int q1, int k0, in
     const fg::iv::R e5 = fg::iv::exact((double)seqlen_q);
     const fg::iv::R e6 = fg::iv::i32(fg::iv::sub(e4, e5));
     const fg::iv::R e7 = fg::iv::exact((double)p_chunk);
-    const fg::iv::R e8 = fg::iv::i32(fg::iv::div(e6, e7, true));
+    const fg::iv::R e8 = fg::iv::div(e6, e7, true);
     const fg::iv::R e9 = fg::iv::exact((double)p_chunk);
-    const fg::iv::R e10 = fg::iv::i32(fg::iv::div(kv_r, e9, true));
+    const fg::iv::R e10 = fg::iv::div(kv_r, e9, true);
     const fg::iv::T e11 = fg::iv::eq(e8, e10);
     const fg::iv::T e12 = fg::iv::land(e2, e11);
     const fg::iv::R e13 = fg::iv::exact((double)seqlen_k - (double)seqlen_q);
