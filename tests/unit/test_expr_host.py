@@ -79,6 +79,12 @@ CASES = [
     # int32 arithmetic wraps in the kernels' int and the reference alike (issue 22 item 9)
     ("q_idx * 100000000 >= kv_idx", "{}", {}),
     ("q_idx * p + p >= kv_idx - p", "{p: {type: i32, default: 1}}", {"p": 2**30 + 7}),
+    # INT_MIN / -1 by a run-time divisor (fg::idiv, fg::imod): INT_MIN, remainder 0
+    (
+        "(q_idx + p) / (d - kv_idx) < 0 || (q_idx + p) % (d - kv_idx) != 0",
+        "{p: {type: i32, default: 1}, d: {type: i32, default: 1}}",
+        {"p": -(2**31), "d": 0},
+    ),
     (
         "q_idx - kv_idx + seqlen_k - seqlen_q < 0.5 * f && kv_idx > q_idx / 9",
         "{f: {type: f32, default: 1.0}}",
