@@ -94,11 +94,11 @@ class Options:
     every element (their masked pairs' exponents may be inf or NaN before the selection).  Not
     with ``exact_softmax`` (:class:`flashgen.options.Options` refuses the pair).
 
-    ``masked_80`` (off by default: its GPU tests have run on prefix_lm, not yet on a causal
-    mask with a residual; False: such specs take 64): ``d128_block_m=80`` takes a spec
+    ``masked_80`` (on by default; False: such specs take 64): ``d128_block_m=80`` takes a spec
     with a residual mask too (index-only, or with ``tensor_masks`` one that reads tensors):
     80-query steps whose 40 keep bits per thread and hull search use the same classifier; a
-    unit that spills with them (chunked_local, mistral_swa: 32 B) is built with 64
+    unit that spills with them (document_mask: 8 B; chunked_local and mistral_swa without
+    ``int_classifier``: 32 B) is built with 64
     (:func:`flashgen.families.build.build_backward`).  ``tensor_masks`` (on by default): a
     mask that reads tensor params one-sidedly (``document_mask``: :func:`one_sided_reads`)
     takes this backward too, its tiles classified by a block table the op builds for the
@@ -106,11 +106,11 @@ class Options:
     (``templates/sm_80/blockmask.cu.j2``): exact hulls of live query blocks per key block
     and FULL steps without the mask; an edge step's keep bits read the mask's one-sided
     tensor reads once per key row and query column (:func:`keep_terms`).  Off, such a
-    spec's backward runs the FA2-class kernels.  ``two_sided_masks`` (off by default: not
-    yet run on a GPU): with ``tensor_masks``, a mask with a two-sided read (spec_tree's
+    spec's backward runs the FA2-class kernels.  ``two_sided_masks`` (on by default):
+    with ``tensor_masks``, a mask with a two-sided read (spec_tree's
     ``ancestors[b, q_idx, kv_idx - ...]``) too, its edge pairs reading the tensor each.
 
-    ``int_classifier`` (off by default, until run on a GPU): the tile classifier of a mask
+    ``int_classifier`` (on by default): the tile classifier of a mask
     that computes only int32 numbers (:func:`flashgen.analysis.masktiles.integer_only`:
     mistral_swa, chunked_local, prefix_lm; not one that reads tensors) bounds it on 64-bit
     integer ranges (``templates/common/masktiles_int.cuh``) instead of double ones: the same
@@ -129,9 +129,9 @@ class Options:
     diag_terms: bool = True
     exp2_poly: int = 0
     tensor_masks: bool = True
-    two_sided_masks: bool = False
-    masked_80: bool = False
-    int_classifier: bool = False
+    two_sided_masks: bool = True
+    masked_80: bool = True
+    int_classifier: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")

@@ -167,7 +167,7 @@ def softcap_spec():
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
 OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly", "tensor_masks",
-                   "masked_80"}
+                   "masked_80", "int_classifier"}
 
 
 @pytest.fixture(scope="module", autouse=True)

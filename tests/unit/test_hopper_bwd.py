@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: score_mod.
 ELIGIBLE = ("alibi", "alibi_learned", "bidir_d256", "causal_d128", "chunked_local",
             "document_mask", "gemma2_softcap", "gpt2_d64", "gpt_oss_sink", "llama3_gqa",
-            "mistral_swa", "prefix_lm", "t5_bias")  # fmt: skip
+            "mistral_swa", "prefix_lm", "spec_tree", "t5_bias")  # fmt: skip
 
 
 def shipped(name: str) -> ir.Spec:
@@ -84,10 +84,10 @@ def test_ineligible_specs():
     assert hopper_bwd_eligible(shipped("document_mask"), "sm_90")  # a block table at its tiles
     no_tables = HopperBwdOptions(tensor_masks=False)
     assert not hopper_bwd_eligible(shipped("document_mask"), "sm_90", options=no_tables)
-    # a two-sided tensor read: only with two_sided_masks
-    assert not hopper_bwd_eligible(shipped("spec_tree"), "sm_90")
-    assert hopper_bwd_eligible(shipped("spec_tree"), "sm_90", options=HopperBwdOptions(
-        two_sided_masks=True))
+    # a two-sided tensor read: only with two_sided_masks (on by default)
+    assert hopper_bwd_eligible(shipped("spec_tree"), "sm_90")
+    assert not hopper_bwd_eligible(shipped("spec_tree"), "sm_90", options=HopperBwdOptions(
+        two_sided_masks=False))
     with pytest.raises(ValueError, match="the Hopper backward needs"):
         plan_hopper_backward(small(192, "bf16", False), "sm_90")
     with pytest.raises(ValueError, match="unknown kernel family"):
@@ -1313,21 +1313,23 @@ def test_table_tile_classes_give_exact_hulls_and_full_steps(host_exe, d, m80):
 
 
 # ---------------------------------------- 80-query steps for masked specs (masked_80)
+#: (the window masks' step classifier on double ranges here: int_classifier's tests below)
 MASKED_80 = DEFAULT.with_values(
     {"hopper_bwd.masked_80": True, "hopper_bwd.tensor_masks": True,
-     "hopper_bwd.two_sided_masks": True}
+     "hopper_bwd.two_sided_masks": True, "hopper_bwd.int_classifier": False}
 )  # fmt: skip
 
 
 def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(requires_nvcc):
     """``hopper_bwd.masked_80``: prefix_lm builds its head-dim-128 backward with 80-query steps
-    spill-free (40 keep bits a thread, uint64); chunked_local and mistral_swa (32 B) and
-    document_mask with tensor_masks (8 B) spill with them and are built with 64, as the op
-    does (build_backward's fallback); off (the default), every masked spec takes 64."""
+    spill-free (40 keep bits a thread, uint64); with the step classifier on double ranges
+    chunked_local and mistral_swa (32 B), and document_mask with tensor_masks (8 B), spill
+    with them and are built with 64, as the op does (build_backward's fallback); off, every
+    masked spec takes 64."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    assert not DEFAULT.hopper_bwd.masked_80
+    assert DEFAULT.hopper_bwd.masked_80
     off = MASKED_80.replace_path("hopper_bwd.masked_80", False)
     for name, want in (("prefix_lm", 80), ("document_mask", 64), ("chunked_local", 64),
                        ("mistral_swa", 64), ("spec_tree", 80)):  # fmt: skip
@@ -1342,19 +1344,19 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
 
 # ------------------------- the tile classifier on 64-bit integer ranges (int_classifier)
 def test_int_classifier_gives_the_window_masks_spill_free_80_query_steps(requires_nvcc):
-    """``hopper_bwd.int_classifier`` (off by default) with ``masked_80``: chunked_local and
+    """``hopper_bwd.int_classifier`` (on by default) with ``masked_80``: chunked_local and
     mistral_swa, whose double-range step classifier spilled 32 B at 80-query steps, build
-    them spill-free; a
-    mask that reads tensors (document_mask) keeps the double ranges, and the option off
-    renders the same units as before (no ``masktiles_int.cuh``)."""
+    them spill-free; a mask that reads tensors (document_mask) keeps the double ranges, and
+    the option off renders units without ``masktiles_int.cuh``."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    assert not DEFAULT.hopper_bwd.int_classifier
-    on = DEFAULT.with_values({"hopper_bwd.int_classifier": True, "hopper_bwd.masked_80": True})
+    assert DEFAULT.hopper_bwd.int_classifier and DEFAULT.hopper_bwd.masked_80
+    on = DEFAULT
+    off = DEFAULT.replace_path("hopper_bwd.int_classifier", False)
     for name in ("chunked_local", "mistral_swa"):
         spec = shipped(name)
-        assert "fg::ivi" not in render(reg_plan(spec, "sm_90").unit)
+        assert "fg::ivi" not in render(reg_plan(spec, "sm_90", off).unit)
         plan, _, report = build_backward(spec, "sm_90", hopper=True, options=on)
         assert plan.dkdv.context["int_classifier"] and "fg::ivi::range(" in render(plan.unit)
         assert plan.dkdv.context["block_m"] == 80, name
