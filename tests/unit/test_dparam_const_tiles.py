@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dparam_cases import form_spec
+from dparam_cases import DIAGONAL_FORMS, diagonal_spec, form_spec
 from host_cxx import preamble, scalar_params
 from sass_helpers import cuobjdump, sass
 
@@ -36,30 +36,20 @@ REPO = Path(__file__).resolve().parents[2]
 DIAG = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
 CONST = DIAG.replace_path("hopper_bwd.dparam_const_tiles", True)
 
-#: Diagonal-form reads (score_mod, params, scalar values, ranges, exact): ``exact`` where the
-#: interval rules decide every tile (the test holds exactly where brute force finds one
-#: element), else sound only (a float comparison's rounding slack at its boundary).
+#: The ranges each relative-position read's test takes, and whether the interval rules decide
+#: every tile (the test holds exactly where brute force finds one element) or are sound only
+#: (a float comparison's rounding slack at its boundary).
 CASES = {
-    "t5": ("score + bias[h, min(max(kv_idx - q_idx, -128), 128) + 128]",
-           "bias: {type: f32, shape: [num_heads, 257]}", {}, "int32", True),
-    "rel4": ("score + rel[h, min(max(q_idx - kv_idx, -4), 4) + 4]",
-             "rel: {type: f32, shape: [num_heads, 9]}", {}, "int32", True),
-    "param_clamp": ("score + bias[h, min(max(kv_idx - q_idx, -w), w) + w]",
-                    "bias: {type: f32, shape: [num_heads, 129]}\n"
-                    "  w: {type: i32, default: 16, min: 1, max: 64}", {"w": 40}, "int32", True),
-    "buckets": ("score + bb[b, h, min(abs(kv_idx - q_idx) / 16, 7)]",
-                "bb: {type: f32, shape: [batch, num_heads, 8]}", {}, "int32", True),
-    "two_sided": ("score + tb[h, kv_idx - q_idx > 0 ? 8 + min((kv_idx - q_idx) / 8, 7)"
-                  " : min((q_idx - kv_idx) / 8, 7)]",
-                  "tb: {type: f32, shape: [num_heads, 16]}", {}, "int32", True),
-    "wide": ("score + t3[min(max((kv_idx - q_idx) * 3, -6), 6) + 6]",
-             "t3: {type: f32, shape: [13]}", {}, "int64", True),
-    "float_cmp": ("score + tf[h, (kv_idx - q_idx) * 0.5 > 3.0 ? 1 : 0]",
-                  "tf: {type: f32, shape: [num_heads, 2]}", {}, "double", False),
-    "two_terms": ("score + bias[h, min(max(kv_idx - q_idx, -8), 8) + 8] * 0.5"
-                  " + bias[h, min(max(q_idx - kv_idx, -2), 2) + 2]",
-                  "bias: {type: f32, shape: [num_heads, 17]}", {}, "int32", True),
-}  # fmt: skip
+    "t5": ("int32", True),
+    "rel4": ("int32", True),
+    "param_clamp": ("int32", True),
+    "buckets": ("int32", True),
+    "two_sided": ("int32", True),
+    "wide": ("int64", True),
+    "float_cmp": ("double", False),
+    "two_terms": ("int32", True),
+}
+assert set(CASES) == set(DIAGONAL_FORMS)
 LENGTHS = (1, 17, 127, 1000, 4097)
 #: (BLOCK_M, BLOCK_N) of the Hopper backward's steps: head_dim 64 at 64 and 128 queries, 256
 TILES = ((64, 128), (128, 128), (64, 64))
@@ -69,12 +59,7 @@ BATCH, HEADS, HEADS_KV, B, H = 2, 8, 2, 1, 5
 
 
 def _spec(name: str, head_dim: int = 64):
-    score_mod, params, _, _, _ = CASES[name]
-    return loads_spec(
-        f"name: cst_{name}_{head_dim}\nhead_dim: {head_dim}\ndtype: bf16\nmask: null\n"
-        f'score_mod: "{score_mod}"\nparams:\n  {params}\n',
-        f"<cst_{name}>",
-    )
+    return diagonal_spec(name, head_dim)
 
 
 def _grads(spec) -> tuple[str, ...]:
@@ -168,7 +153,7 @@ def test_constant_tile_tests_agree_with_brute_force_on_the_host(cxx_exe):
     decide (clamps, buckets by division, a two-sided bucket table, a product past int32's
     static bounds) exactly there; at the mirrored shapes tile by tile as the Python mirror
     says.  The long shapes have constant tiles, the short ones none."""
-    cases = [(n, _spec(n), CASES[n][2]) for n in CASES]
+    cases = [(n, _spec(n), DIAGONAL_FORMS[n][2]) for n in CASES]
     exe = cxx_exe(_host_program(cases), "const_tiles", "-O2")
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600, check=True)
     lines = [x.split() for x in out.stdout.splitlines()]
@@ -180,11 +165,11 @@ def test_constant_tile_tests_agree_with_brute_force_on_the_host(cxx_exe):
         where = (name, k, sq, sk, bm, bn)
         assert tiles == -(-sq // bm) * -(-sk // bn), where
         assert unsound == 0, where
-        if CASES[name][4]:
+        if CASES[name][1]:
             assert claimed == constant, where
         by_case[name] = by_case.get(name, 0) + claimed
         if bits != "-":
-            spec, values = _spec(name), CASES[name][2]
+            spec, values = _spec(name), DIAGONAL_FORMS[name][2]
             (indices,) = [ix for kk, ix, _ in _diagonal_terms(spec) if str(kk) == k]
             want = "".join(
                 "1" if constant_over(
@@ -201,7 +186,7 @@ def test_constant_tests_pick_their_ranges():
     """int32 ranges (plain int arithmetic) where every int node's bounds over every call lie in
     int32 (T5's clamp, a param's clamp, buckets, the two-sided buckets), int64 where one may
     leave it (``(kv_idx - q_idx) * 3``), double where the subscript computes a float."""
-    for name, (_, _, _, ranges, _) in CASES.items():
+    for name, (ranges, _) in CASES.items():
         spec = _spec(name)
         got = {masktiles.constant_ranges(spec, ix) for _, ix, _ in _diagonal_terms(spec)}
         assert got == {ranges}, name
