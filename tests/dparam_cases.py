@@ -77,3 +77,12 @@ def diagonal_spec(form: str, head_dim: int = 64, mask: str = "null"):
         f'score_mod: "{score_mod}"\nparams:\n  {params}\n',
         f"<cst_{form}>",
     )
+
+
+#: (form, head_dim, mask) of :data:`DIAGONAL_FORMS` the GPU test runs with the constant tiles
+#: (each a Hopper unit, compiled spill-free by tests/unit/test_dparam_const_tiles.py).
+CONST_TILE_CASES = [
+    ("t5", 64, "null"), ("t5", 256, "null"), ("rel4", 64, "causal"), ("rel4", 256, "causal"),
+    ("param_clamp", 64, "null"), ("buckets", 64, "null"), ("two_sided", 64, "null"),
+    ("wide", 64, "null"), ("float_cmp", 256, "null"), ("two_terms", 64, "null"),
+]  # fmt: skip

@@ -33,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dparam_cases import FORMS, diagonal_spec, form_spec  # noqa: E402
+from dparam_cases import CONST_TILE_CASES, FORMS, diagonal_spec, form_spec  # noqa: E402
 
 import flashgen  # noqa: E402
 from flashgen.frontend.spec import load_spec  # noqa: E402
@@ -358,11 +358,7 @@ CONST_TILES = Options().with_values(
 
 @pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (127, 1000), (1000, 127), (1000, 1000),
                                    (300, 777)])  # fmt: skip
-@pytest.mark.parametrize("form,head_dim,mask", [
-    ("t5", 64, "null"), ("t5", 256, "null"), ("rel4", 64, "causal"), ("rel4", 256, "causal"),
-    ("param_clamp", 64, "null"), ("buckets", 64, "null"), ("two_sided", 64, "null"),
-    ("wide", 64, "null"), ("float_cmp", 256, "null"), ("two_terms", 64, "null"),
-])  # fmt: skip
+@pytest.mark.parametrize("form,head_dim,mask", CONST_TILE_CASES)
 def test_kernel_dparam_with_constant_tiles(form, head_dim, mask, sq, sk):
     """``hopper_bwd.dparam_const_tiles``: the tables' gradients (T5's clamp at 128 and at 4,
     a scalar param's clamp, buckets by (batch, head), two-sided buckets, a read whose test takes

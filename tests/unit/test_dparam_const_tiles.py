@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dparam_cases import DIAGONAL_FORMS, diagonal_spec, form_spec
+from dparam_cases import CONST_TILE_CASES, DIAGONAL_FORMS, diagonal_spec, form_spec
 from host_cxx import preamble, scalar_params
 from sass_helpers import cuobjdump, sass
 
@@ -286,6 +286,25 @@ def _lines(src: str, first: str, last: str | None = None) -> range:
     a = next(i for i, x in enumerate(rows) if first in x)
     b = a if last is None else next(i for i in range(a, len(rows)) if last in rows[i])
     return range(a + 1, b + 2)
+
+
+def test_the_gpu_tests_units_compile_spill_free_on_the_hopper_kernel(requires_nvcc):
+    """Every (form, head dim, mask) the GPU test runs with ``dparam_const_tiles`` builds its
+    Hopper grad unit (64-query steps at head_dim 64, as without the option) with 0 spills and
+    no serialized wgmma, so the GPU test runs the constant tiles."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(case):
+        spec = diagonal_spec(*case)
+        plan, _, report = build_backward(spec, "sm_90", hopper=True, options=CONST,
+                                         param_grads=_grads(spec))  # fmt: skip
+        return case, plan, report
+
+    with ThreadPoolExecutor(2) as ex:
+        for case, plan, report in ex.map(build, CONST_TILE_CASES):
+            assert plan.dkdv.template == "sm_90/bwd.cu.j2", case
+            assert report.spill_bytes == 0 and not report.wgmma_serialized, (case, report)
+            assert plan.dkdv.context.dparam_const_source, case
 
 
 def test_constant_tile_units_compile_spill_free(requires_nvcc):
