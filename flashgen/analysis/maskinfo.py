@@ -383,6 +383,15 @@ def classify(spec: Spec, q_range, kv_range, **kw) -> TileClass:
     return TileClass.PARTIAL if t.can_false else TileClass.FULL
 
 
+def constant_over(spec: Spec, exprs, q_range, kv_range, **kw) -> bool:
+    """Whether each int expression of ``exprs`` (a param read's subscripts) takes one value
+    over the tile ``q_idx in q_range``, ``kv_idx in kv_range`` (inclusive bounds): its range is
+    a single point.  ``kw`` as :func:`classify`'s.  Sound (true only where it holds on every
+    pair); the host form of :func:`flashgen.analysis.masktiles.constant_source`."""
+    env = tile_env(spec, q_range, kv_range, **kw)
+    return all(evaluate(e, env).is_exact for e in exprs)
+
+
 def tile_classes(
     spec: Spec,
     seqlen_q: int,

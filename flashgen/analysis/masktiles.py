@@ -113,12 +113,18 @@ def _double(v) -> str:
 
 class _Emitter:
     def __init__(
-        self, spec: Spec, index_range: Callable[[Index], str] | None, integer: bool = False
+        self,
+        spec: Spec,
+        index_range: Callable[[Index], str] | None,
+        integer: bool = False,
+        int32: bool = False,
     ):
         self.spec = spec
         self.index_range = index_range
         #: the namespace of ranges (R) and their rules, and the cast of an int into one
         self.ns, self.cast = ("fg::ivi", "(long long)") if integer else ("fg::iv", "(double)")
+        if int32:
+            self.ns, self.cast = "fg::iv32", "(int)"
         self.lines: list[str] = []
         self.n = 0
         # the truth a ``causal`` node takes (None: its interval test); subexpressions without
@@ -159,6 +165,8 @@ class _Emitter:
                 return self.let("R", f"fg::iv::fl(fg::iv::exact({_double(e.value)}), {_REL})")
             if self.ns == "fg::ivi":
                 return self.let("R", f"fg::ivi::exact({int(e.value)}ll)")
+            if self.ns == "fg::iv32":
+                return self.let("R", f"fg::iv32::exact({int(e.value)})")
             return self.let("R", f"fg::iv::exact({_double(e.value)})")
         ns, cast = self.ns, self.cast
         if isinstance(e, Causal):
@@ -255,11 +263,16 @@ def integer_only(spec: Spec) -> bool:
     """Whether every number ``spec``'s mask computes is an int32: no float, no tensor read,
     no call but ``abs`` / ``min`` / ``max`` (the classifier can then bound it on 64-bit
     integer ranges, :func:`classifier_source`'s ``integer``)."""
-    return spec.mask is not None and all(
+    return spec.mask is not None and _integer_expr(spec.mask)
+
+
+def _integer_expr(e: Expr) -> bool:
+    """Whether every number ``e`` computes is an int32 (:func:`integer_only`'s test)."""
+    return all(
         n.ty != Ty.F32
         and not isinstance(n, Index)
         and (not isinstance(n, Call) or n.fn in ("abs", "min", "max"))
-        for n in walk(spec.mask)
+        for n in walk(e)
     )
 
 
@@ -314,3 +327,79 @@ def classifier_source(
     cls = f"fg::iv::tile_class({keep})"
     tail = [f"    return fg::iv::causal_bits({cls}, {causal}, {keep_t}, {keep_f});", "}", ""]
     return "\n".join([*head, *em.lines, *tail])
+
+
+#: The ranges :func:`constant_source` computes on, by :func:`constant_ranges`, and the header
+#: (under ``templates/common/``) that holds their rules besides ``masktiles.cuh``.
+RANGE_HEADERS = {"int32": "masktiles_i32.cuh", "int64": "masktiles_int.cuh", "double": None}
+#: The bound of an ``int32`` range: the int32 values whose negation is one too.
+_I32_BOUND = 2**31 - 1
+
+
+def constant_ranges(spec: Spec, exprs) -> str:
+    """The ranges :func:`constant_source` bounds ``exprs`` on: ``"int32"`` (``fg::iv32``,
+    ``masktiles_i32.cuh``: plain int arithmetic) where every number they compute is an int32
+    (:func:`integer_only`'s test), no ``causal`` is among them and every int node's range over
+    every call (:func:`flashgen.analysis.maskinfo.static_env`) lies in [-(2^31 - 1), 2^31 - 1]
+    (the rules are inclusion-monotone: what they compute on a tile lies inside); else
+    ``"int64"`` (``fg::ivi``) where every number is an int32; else ``"double"``."""
+    if not all(_integer_expr(e) for e in exprs):
+        return "double"
+    env = static_env(spec)
+    for e in exprs:
+        for n in walk(e):
+            if isinstance(n, Causal):
+                return "int64"
+            if n.ty != Ty.I32:
+                continue
+            try:
+                r = evaluate(n, env)
+            except (TypeError, KeyError, ValueError):
+                return "int64"
+            if not (isinstance(r, Range) and -_I32_BOUND <= r.lo and r.hi <= _I32_BOUND):
+                return "int64"
+    return "int32"
+
+
+def constant_source(spec: Spec, exprs, name: str) -> str:
+    """C++ source of a tile test by the classifier's interval rules (needs ``masktiles.cuh``
+    before it, and the header of :func:`constant_ranges`' ranges, :data:`RANGE_HEADERS`)::
+
+        bool name(int q0, int q1, int k0, int k1, int b, int h, int h_kv,
+                  int seqlen_q, int seqlen_k, <p_x for each scalar param>)
+
+    true when each int expression of ``exprs`` (a param read's subscripts) takes a single
+    value for every ``q_idx`` in ``[q0, q1]`` and ``kv_idx`` in ``[k0, k1]`` (its range is one
+    point; the other names exact, as :func:`classifier_source` takes them).  Sound, as the
+    classes are: true only where every pair of the tile reads one element; imprecision (a
+    tensor read, a rule that widens) only ever gives false.  On the ranges of
+    :func:`constant_ranges`.  Expressions the rules do not know (a call
+    the classifier has no rule for): false on every tile.  The host mirror is
+    :func:`flashgen.analysis.maskinfo.constant_over`."""
+    sig = ", ".join(f"{t} {n}" for t, n in classifier_params(spec))
+    head = [
+        f"// Whether every subscript of a param read of spec {spec.name} is one value over the "
+        "tile (flashgen/analysis/masktiles.py, constant_source).",
+        f"__host__ __device__ __forceinline__ bool {name}({sig}) {{",
+    ]
+    unused = [
+        "    (void)b; (void)h; (void)h_kv; (void)seqlen_q; (void)seqlen_k;",
+        *(f"    (void)p_{p.name};" for p in spec.scalar_params),
+    ]
+    ranges = constant_ranges(spec, exprs)
+    em = _Emitter(spec, None, ranges == "int64", ranges == "int32")
+    ns, cast = em.ns, em.cast
+    em.lines += [
+        *unused,
+        f"    const {ns}::R q_r = {ns}::range({cast}q0, {cast}q1);",
+        f"    const {ns}::R kv_r = {ns}::range({cast}k0, {cast}k1);",
+        "    (void)q_r; (void)kv_r;",
+    ]
+    try:
+        names = [em.emit(e) for e in exprs]
+    except TypeError:
+        body = [*unused, "    (void)q0; (void)q1; (void)k0; (void)k1;", "    return false;"]
+    else:
+        test = " && ".join(f"{n}.lo == {n}.hi" for n in names) or "true"
+        body = [*em.lines, f"    return {test};"]
+    return "\n".join([*head, *body, "}", ""])

@@ -42,6 +42,13 @@ Write the SPECs before ``--peers`` (whose list is optional).  For example:
         --option sparse_persistent=none,dynamic --timer graph --rounds 7
     flashgen ab causal_d128 --option atomic_dq=0,1 --direction bwd,fwd_bwd --peers
     flashgen ab prefix_lm --option hopper_fwd.col_bound=1,0 --option side_terms=1,0 --combine zip
+    flashgen ab t5_bias --param-grads --direction fwd_bwd --option hopper_bwd.dparam_diagonal=1 \
+        --option hopper_bwd.dparam_const_tiles=0,1
+
+``--param-grads`` trains the spec's f32 tensor params
+(:func:`flashgen.bench.protocol.trained_params`): each variant's
+backward computes their gradients too (``d<name>``, compared with the baseline's like dq, dk,
+dv, and timed with them); without it the params are constants and a backward computes none.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from flashgen.bench.options import (
     parse_options,
     with_options,
 )
-from flashgen.bench.protocol import IMPLS, parse_spec_item
+from flashgen.bench.protocol import IMPLS, parse_spec_item, trained_params
 
 #: Peers ``--peers`` takes without a list.
 DEFAULT_PEERS = ("sdpa_flash", "sdpa_cudnn", "flex")
@@ -247,6 +254,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     ab.add_argument("--no-check", action="store_true", help="skip the reference check")
     ab.add_argument(
+        "--param-grads",
+        action="store_true",
+        help="the backward also computes the gradients of the spec's trainable tensor params "
+        "(f32 tensors the score_mod reads: t5_bias's table), compared and timed with dq, dk, "
+        "dv (a backward direction; no --peers)",
+    )
+    ab.add_argument(
         "--require-bitwise",
         action="store_true",
         help="exit 1 when a variant's outputs are not bitwise the baseline's",
@@ -301,12 +315,20 @@ def check_args(args) -> tuple[type | None, dict[str, list], list[dict], list[tup
             raise OptionError("give at least one SPEC")
         specs = [(item, *resolve_spec(item)) for item in args.specs]
         for item, path, over in specs:
-            _check_params(item, path, over)
+            _check_params(item, path, over, getattr(args, "param_grads", False))
+        if getattr(args, "param_grads", False):
+            if args.peers:
+                raise OptionError("--param-grads: the peers compute no param gradients; drop "
+                                  "--peers")  # fmt: skip
+            if set(args.direction) == {"fwd"}:
+                raise OptionError("--param-grads needs a backward: --direction bwd or fwd_bwd")
     return cls, values, variants, specs
 
 
-def _check_params(item: str, path: Path, over: dict) -> None:
-    """The spec at ``path`` parses and has every scalar param ``over`` sets."""
+
+def _check_params(item: str, path: Path, over: dict, param_grads: bool = False) -> None:
+    """The spec at ``path`` parses and has every scalar param ``over`` sets (and, with
+    ``param_grads``, a tensor param to train: :func:`trained_params`)."""
     from flashgen.frontend.errors import SpecError
     from flashgen.frontend.spec import load_spec
 
@@ -320,6 +342,11 @@ def _check_params(item: str, path: Path, over: dict) -> None:
         raise OptionError(
             f"spec {item!r}: {spec.name} has no scalar param {', '.join(unknown)} "
             f"(its scalar params: {', '.join(known) or 'none'})"
+        )
+    if param_grads and not trained_params(spec):
+        raise OptionError(
+            f"spec {item!r}: --param-grads: {spec.name} has no f32 tensor param the score_mod "
+            "differentiates"
         )
 
 

@@ -227,6 +227,7 @@ class Problem:
     v: object
     do: object = None
     flops: float | None = None
+    trained: tuple = ()  # the params whose gradients a backward computes (--param-grads)
 
     def describe(self) -> dict:
         return {
@@ -239,18 +240,26 @@ class Problem:
             "direction": self.direction,
             "scalar_params": {k: v for k, v in self.params.items() if not hasattr(v, "shape")},
             "flops": self.flops,
+            "param_grads": list(self.trained),
         }
 
 
-def _calls(pb: Problem, forward: Callable) -> tuple[Callable[[], dict], Callable[[], object]]:
+def _calls(
+    pb: Problem, forward: Callable, leaves: dict | None = None
+) -> tuple[Callable[[], dict], Callable[[], object]]:
     """(the checked call returning its outputs by name, the call to time) of ``forward``
-    (``f(q, k, v) -> o`` or ``(o, lse)``) in ``pb.direction``."""
+    (``f(q, k, v) -> o`` or ``(o, lse)``) in ``pb.direction``.  ``leaves``: more tensors the
+    backward differentiates (``--param-grads``: the trained params, by name, which ``forward``
+    reads), their gradients ``d<name>`` after dq, dk, dv."""
     import torch
+
+    leaves = leaves or {}
+    grad_outs = GRAD_OUTS + tuple(f"d{n}" for n in leaves)
 
     def named(res, grads=()):  # a peer returns o alone, flashgen (o, lse)
         res = res if isinstance(res, tuple) else (res,)
         out = dict(zip(FWD_OUTS[: len(res)], res, strict=True))
-        out.update(zip(GRAD_OUTS[: len(grads)], grads, strict=True))
+        out.update(zip(grad_outs[: len(grads)], grads, strict=True))
         return out
 
     if pb.direction == "fwd":
@@ -261,19 +270,20 @@ def _calls(pb: Problem, forward: Callable) -> tuple[Callable[[], dict], Callable
 
         return (lambda: named(run())), run
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (pb.q, pb.k, pb.v))
+    wrt = (qg, kg, vg, *leaves.values())
 
     def first(res):
         return res[0] if isinstance(res, tuple) else res
 
     def checked():
         res = forward(qg, kg, vg)
-        grads = torch.autograd.grad(first(res), (qg, kg, vg), pb.do)
+        grads = torch.autograd.grad(first(res), wrt, pb.do)
         return named(tuple(t.detach() for t in (res if isinstance(res, tuple) else (res,))), grads)
 
     if pb.direction == "fwd_bwd":
 
         def step():
-            return torch.autograd.grad(first(forward(qg, kg, vg)), (qg, kg, vg), pb.do)
+            return torch.autograd.grad(first(forward(qg, kg, vg)), wrt, pb.do)
 
         return checked, step
     kept: list = []
@@ -281,7 +291,7 @@ def _calls(pb: Problem, forward: Callable) -> tuple[Callable[[], dict], Callable
     def bwd():  # the backward alone, of a forward run once (its graph kept)
         if not kept:
             kept.append(first(forward(qg, kg, vg)))
-        return torch.autograd.grad(kept[0], (qg, kg, vg), pb.do, retain_graph=True)
+        return torch.autograd.grad(kept[0], wrt, pb.do, retain_graph=True)
 
     return checked, bwd
 
@@ -302,7 +312,11 @@ def prepare_variant(c: Candidate, op, pb: Problem, deterministic: bool | None) -
                 pb.seqlen_q, pb.seqlen_k, batch=pb.batch, num_heads=pb.heads,
                 num_heads_kv=pb.heads_kv, **pb.params,
             )  # fmt: skip
-        checked, call = _calls(pb, lambda q, k, v: call_padded(op, q, k, v, kw))
+        leaves = {}
+        if pb.direction != "fwd":  # --param-grads: this variant's own leaves of the params
+            leaves = {n: pb.params[n].detach().clone().requires_grad_() for n in pb.trained}
+            kw.update(leaves)
+        checked, call = _calls(pb, lambda q, k, v: call_padded(op, q, k, v, kw), leaves)
         with launched_kernels() as seen, _poisoned():
             c.outputs = checked()
         torch.cuda.synchronize()
@@ -416,8 +430,10 @@ def md_table(head: list[str], rows: list[list[str]]) -> str:
 def _title(pb: Problem, item: str) -> str:
     gqa = f"/{pb.heads_kv}" if pb.heads_kv != pb.heads else ""
     sk = f" Sk={pb.seqlen_k}" if pb.seqlen_k != pb.seqlen_q else ""
+    grads = "".join(f" +d{n}" for n in pb.trained) if pb.direction != "fwd" else ""
     return (
-        f"{item} B={pb.batch} H={pb.heads}{gqa} S={pb.seqlen_q}{sk} {pb.spec.dtype} {pb.direction}"
+        f"{item} B={pb.batch} H={pb.heads}{gqa} S={pb.seqlen_q}{sk} {pb.spec.dtype} "
+        f"{pb.direction}{grads}"
     )
 
 
@@ -484,7 +500,7 @@ def run(args, cls, values: dict, variants: list[dict], specs: list[tuple]) -> in
     and peers, print a table each, save ``ab.json`` / ``ab.md``.  Returns the exit status."""
     import torch
 
-    from flashgen.bench.protocol import kept_pairs, spec_params
+    from flashgen.bench.protocol import kept_pairs, spec_params, trained_params
     from flashgen.frontend.spec import load_spec
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -518,6 +534,8 @@ def run(args, cls, values: dict, variants: list[dict], specs: list[tuple]) -> in
             for direction in args.direction:
                 q, k, v, do = _inputs(spec, b, h, hkv, sq, sk, device, direction)
                 pb = Problem(spec, b, h, hkv, sq, sk, direction, params, q, k, v, do)
+                if getattr(args, "param_grads", False):
+                    pb.trained = trained_params(spec)
                 if kept is not None:
                     d = spec.head_dim + spec.head_dim_v
                     pb.flops = 2.0 * d * kept * FLOP_FACTOR[direction]

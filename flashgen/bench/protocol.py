@@ -230,6 +230,15 @@ def doc_ids(batch: int, seqlen: int, mean_len: int, gen):
     return torch.stack(rows)
 
 
+def trained_params(spec: ir.Spec) -> tuple[str, ...]:
+    """The params ``flashgen ab --param-grads`` trains: the tensor params among those whose
+    gradients the backward kernels accumulate (:func:`flashgen.families.registry.grad_params`:
+    f32 params the score_mod reads), spec order."""
+    from flashgen.families.registry import grad_params
+
+    return tuple(n for n in grad_params(spec) if spec.param(n).kind == "tensor")
+
+
 def spec_params(
     spec: ir.Spec,
     heads: int,

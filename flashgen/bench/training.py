@@ -10,7 +10,9 @@ rounds, :func:`flashgen.bench.timing.alternate`):
 
 - ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x);
 - ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
-  grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward);
+  grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward), then
+  with ``hopper_bwd.dparam_const_tiles`` too (its steps away from the diagonal read one
+  element of the table: one running sum instead of per-diagonal sums);
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
   request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); by
   default the kernels join the sink (the prefill forward in its epilogue, whose backward takes
@@ -19,7 +21,8 @@ rounds, :func:`flashgen.bench.timing.alternate`):
   ``hopper_fwd.fused_sink`` and ``decode.fused_sink`` False).
 
 With ``--device cpu`` (a smoke run of the same calls) the candidates of options that shape GPU
-kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, the ``fused_sink`` options) are
+kernels only (:data:`GPU_ONLY`: ``hopper_bwd.dparam_diagonal``, ``dparam_const_tiles``, the
+``fused_sink`` options) are
 left out, and said so, rather than timed as copies of their row's other calls.  ``--device cuda``
 (the default) needs a CUDA GPU (exit 2 without one).
 
@@ -41,6 +44,8 @@ from flashgen.bench.argtypes import positive_int
 #: Candidates whose option shapes GPU kernels only, by name: why a CPU run leaves them out.
 GPU_ONLY = {
     "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
+    "bias trained dparam_const_tiles": "hopper_bwd.dparam_const_tiles shapes the Hopper backward "
+    "only",
     "sink by torch ops": "fa2_fwd.fused_sink, hopper_fwd.fused_sink and decode.fused_sink shape "
     "the GPU kernels only (the CPU op always applies the sink by torch ops)",
 }
@@ -99,13 +104,17 @@ def _cases(args):
     op = flashgen.load("t5_bias")
     q, k, v = qkv(64)
     bias = torch.rand(h, 257, device=dev, generator=g)
-    diag = flashgen.load(
-        "t5_bias", options=Options().replace_path("hopper_bwd.dparam_diagonal", True)
+    diag_options = Options().replace_path("hopper_bwd.dparam_diagonal", True)
+    diag = flashgen.load("t5_bias", options=diag_options)
+    const = flashgen.load(
+        "t5_bias", options=diag_options.replace_path("hopper_bwd.dparam_const_tiles", True)
     )
     rows.append(("t5_bias fwd+bwd", [
         ("bias detached", train(op, q, k, v, bias=bias)),
         ("bias trained", train(op, q, k, v, bias=bias.clone().requires_grad_())),
         ("bias trained dparam_diagonal", train(diag, q, k, v, bias=bias.clone().requires_grad_())),
+        ("bias trained dparam_const_tiles",
+         train(const, q, k, v, bias=bias.clone().requires_grad_())),
     ]))  # fmt: skip
     op = flashgen.load("gpt_oss_sink")
     q, k, v = qkv(64)

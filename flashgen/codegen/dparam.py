@@ -18,6 +18,7 @@ to the element the kernel read).
 
 from __future__ import annotations
 
+from flashgen.analysis import masktiles
 from flashgen.analysis.derive import param_grad_terms
 from flashgen.analysis.paramgrad import reduction_form
 from flashgen.codegen.abi import KernelArg
@@ -95,6 +96,42 @@ def fields(spec: Spec, names) -> dict:
                 }
             )
     return {"dparam": params, "dparam_terms": terms}
+
+
+#: The name of the Hopper kernel's constant-tile test of diagonal term ``k``
+#: (:func:`const_tile_fields`), ``CONST_TEST + str(k)``.
+CONST_TEST = "fg_dparam_const"
+
+
+def const_tile_fields(spec: Spec, names) -> dict:
+    """Template fields of the Hopper backward's constant tiles (``hopper_bwd.dparam_const_tiles``)
+    for the params ``names``: ``dparam_const_source``, per diagonal term ``k`` (numbered as
+    :func:`fields` numbers them) the C++ test ``fg_dparam_const<k>(q0, q1, k0, k1, <the
+    classifier's other arguments>)``, true when every subscript of the term's read is one value
+    over the tile (:func:`flashgen.analysis.masktiles.constant_source`: the tile classifier's
+    interval rules); ``dparam_const_headers``, the headers of their ranges
+    (:data:`flashgen.analysis.masktiles.RANGE_HEADERS`: ``masktiles_i32.cuh`` for T5's
+    subscripts); ``dparam_const_args``, the arguments after the tile's bounds.  None, [] and
+    "" without a diagonal term: the unit renders as without the option."""
+    wanted = set(names)
+    funcs, headers, k = [], [], 0
+    for p in spec.params:
+        if p.name not in wanted:
+            continue
+        for t in param_grad_terms(spec.score_mod, p.name):
+            if reduction_form(t, spec) == "diagonal":
+                funcs.append(masktiles.constant_source(spec, t.indices, f"{CONST_TEST}{k}"))
+                header = masktiles.RANGE_HEADERS[masktiles.constant_ranges(spec, t.indices)]
+                if header is not None and header not in headers:
+                    headers.append(header)
+            k += 1
+    if not funcs:
+        return {"dparam_const_source": None, "dparam_const_headers": [], "dparam_const_args": ""}
+    return {
+        "dparam_const_source": "\n".join(funcs),
+        "dparam_const_headers": sorted(headers),
+        "dparam_const_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
+    }
 
 
 def kernel_args(spec: Spec, names) -> tuple[KernelArg, ...]:

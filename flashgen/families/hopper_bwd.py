@@ -78,6 +78,16 @@ class Options:
     per diagonal by shuffles into its own shared slots, the CTA's tile is summed per diagonal
     from them; the shared-atomic sums it replaced were correct on a GPU but hardly faster,
     this form has not run on one yet; off, such a backward runs the FA2-class kernels);
+    ``dparam_const_tiles`` (off by default, until run on a GPU; with ``dparam_diagonal``): a
+    step whose whole tile (BLOCK_N keys x BLOCK_M queries, within the sequences) reads one
+    element of a diagonal term's table, every subscript one value over it (tested each step
+    by the tile classifier's interval rules, :func:`flashgen.codegen.dparam.const_tile_fields`:
+    T5's clamp away from the diagonal), skips the per-diagonal sums: each thread adds its
+    step's diagonal registers into one running sum of that element, which each warp adds into
+    ``dp_<name>`` (shuffles, one atomic) only when the element changes and at the CTA's last
+    step; the other steps keep the per-diagonal sums.  Atomic mode only: with a row stride
+    (``deterministic=True``'s ordered per-CTA rows, which never take this kernel with param
+    gradients) every step takes the per-diagonal sums;
     ``diag_terms`` (on by default; head dims 64 and 128): as
     :class:`flashgen.families.hopper_fwd.Options`' ``diag_terms``, the score_mod's functions of
     ``kv_idx - q_idx`` are evaluated once per diagonal of each consumer warp's 16 keys x
@@ -126,6 +136,7 @@ class Options:
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
     dparam_diagonal: bool = False
+    dparam_const_tiles: bool = False
     diag_terms: bool = True
     exp2_poly: int = 0
     tensor_masks: bool = True
@@ -188,6 +199,10 @@ class Context(BackwardContext):
     keep_rows: list
     keep_cols: list
     block_table: bool  # tile classes from a block table for these tiles (tensor_masks)
+    # dparam_const_tiles: the diagonal terms' constant-tile tests (dparam.const_tile_fields)
+    dparam_const_source: str | None
+    dparam_const_headers: list
+    dparam_const_args: str
 
 
 #: The block table's kernel arguments (:func:`flashgen.codegen.abi.kernel_args`' names).
@@ -497,6 +512,7 @@ def plan(
         **keep_terms(spec),
         block_table=block_table,
         **(table_classifier(spec, block_m, block_n) if block_table else {}),
+        **dparam.const_tile_fields(spec, param_grads if options.dparam_const_tiles else ()),
     )
     context = Context(**ctx)
 

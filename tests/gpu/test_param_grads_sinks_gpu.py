@@ -7,7 +7,8 @@ dparam on CUDA is accumulated by the backward kernels (templates/common/dparam.j
 reduced across the CTA, one atomic add per element and CTA; under deterministic=True per-CTA
 rows summed in a fixed order): every index form (tests/dparam_cases.py) and the shipped
 trainable specs, on the Hopper backward (sm_90, deterministic=False, per-CTA and per-key
-forms; relative-position tables at head_dim 64 and 256 with hopper_bwd.dparam_diagonal), the
+forms; relative-position tables at head_dim 64 and 256 with hopper_bwd.dparam_diagonal, and with
+hopper_bwd.dparam_const_tiles their constant tiles), the
 FA2-class deterministic kernels (deterministic=True; also deterministic=False with atomic adds
 where the Hopper kernel does not take the form) and the FA2-class atomic-dQ kernels
 (Options(family="fa2", atomic_dq=True)), against the float64 reference's autograd on
@@ -32,9 +33,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dparam_cases import FORMS, form_spec  # noqa: E402
+from dparam_cases import CONST_TILE_CASES, FORMS, diagonal_spec, form_spec  # noqa: E402
 
 import flashgen  # noqa: E402
+from flashgen.frontend.spec import load_spec  # noqa: E402
 from flashgen.ops.cpu.reference import attention_reference, attention_reference_varlen  # noqa: E402
 from flashgen.ops.op import build_op  # noqa: E402
 from flashgen.options import Options  # noqa: E402
@@ -345,6 +347,46 @@ def test_kernel_dparam_with_128_query_steps_at_head_dim_64(form):
     key = (torch.cuda.current_device(), "hopper", registry_grads(spec))
     plan = op.backward._kernels[key][0]
     assert plan.wgmma and plan.dkdv.context.block_m == (128 if form == "scalars" else 64)
+
+
+#: ``hopper_bwd.dparam_const_tiles`` (with ``dparam_diagonal``): the Hopper backward's steps whose
+#: tile reads one element of a relative-position table add their dS into a running register
+CONST_TILES = Options().with_values(
+    {"hopper_bwd.dparam_diagonal": True, "hopper_bwd.dparam_const_tiles": True}
+)
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1), (127, 1000), (1000, 127), (1000, 1000),
+                                   (300, 777)])  # fmt: skip
+@pytest.mark.parametrize("form,head_dim,mask", CONST_TILE_CASES)
+def test_kernel_dparam_with_constant_tiles(form, head_dim, mask, sq, sk):
+    """``hopper_bwd.dparam_const_tiles``: the tables' gradients (T5's clamp at 128 and at 4,
+    a scalar param's clamp, buckets by (batch, head), two-sided buckets, a read whose test takes
+    int64 and one that takes double ranges, two reads of one table) on the Hopper kernel at
+    head_dim 64 and 256, GQA 8 / 2, no mask and causal, lengths 1 to 1000 either way (at 1000
+    most steps' tiles read one element; at 1 and 17 none): dbias against the float64 reference,
+    as dq, dk, dv."""
+    spec = diagonal_spec(form, head_dim, mask)
+    op = build_op(spec, options=CONST_TILES)
+    _kernel_vs_reference(op, spec, 2, 8, 2, sq, sk, False)
+    key = (torch.cuda.current_device(), "hopper", registry_grads(spec))
+    plan = op.backward._kernels[key][0]
+    assert plan.wgmma and plan.dkdv.context.dparam_const_source
+
+
+def test_kernel_dparam_with_constant_tiles_over_long_rows():
+    """t5_bias at 2049 x 3000 queries x keys (MQA 4 / 1, one batch): each CTA walks its four
+    heads' query blocks through constant tiles on both sides of the diagonal band, its element
+    changing with the side and the head; the same gradient as without the option, each within
+    the float64 reference's bound."""
+    spec = load_spec(REPO / "specs" / "t5_bias.yaml")
+    got = {}
+    for name, options in (("const", CONST_TILES), ("diag", Options().replace_path(
+            "hopper_bwd.dparam_diagonal", True))):  # fmt: skip
+        op = build_op(spec, options=options)
+        got[name] = _kernel_vs_reference(op, spec, 1, 4, 1, 2049, 3000, False, seed=3)["bias"]
+    scale = got["diag"].abs().max().item()
+    assert (got["const"] - got["diag"]).abs().max().item() <= 1e-3 * scale
 
 
 def registry_grads(spec):

@@ -5,6 +5,7 @@ output comparison and the report."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -387,6 +388,59 @@ def test_calls_return_the_outputs_and_the_backward_runs(direction):
         assert torch.equal(first[0], outs["dq"]) and torch.equal(second[2], outs["dv"])
         # the backward alone re-runs no forward after the first call
         assert len(forwards) == n + (1 if direction == "bwd" else 2)
+
+
+@pytest.mark.parametrize("direction", ["fwd_bwd", "bwd"])
+def test_param_grads_are_outputs_of_the_backward(direction):
+    """``--param-grads``: the trained params' leaves are differentiated with q, k, v; their
+    gradients are outputs ``d<name>`` after dq, dk, dv, and the timed call computes them."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(4))
+    bias = torch.randn(3, 3, generator=g).requires_grad_()
+
+    def forward(q, k, v):
+        o = ((q @ k.transpose(-1, -2)) + bias).softmax(-1) @ v
+        return o, o.sum(-1)
+
+    spec = SimpleNamespace(name="toy", dtype="fp32")
+    pb = abrun.Problem(spec, 1, 2, 2, 3, 3, direction, {"bias": bias}, q, k, v, do,
+                       trained=("bias",))  # fmt: skip
+    checked, call = abrun._calls(pb, forward, {"bias": bias})
+    outs = checked()
+    assert set(outs) == {"o", "lse", "dq", "dk", "dv", "dbias"}
+    want = torch.autograd.grad((forward(q, k, v)[0] * do).sum(), bias)[0]
+    torch.testing.assert_close(outs["dbias"], want)
+    assert torch.equal(call()[3], outs["dbias"]) and len(call()) == 4
+    assert "+dbias" in abrun._title(pb, "x")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["causal_d128", "--param-grads", "--direction", "bwd"],
+         "spec 'causal_d128': --param-grads: causal_d128 has no f32 tensor param the score_mod "
+         "differentiates"),
+        (["t5_bias", "--param-grads"], "--param-grads needs a backward: --direction bwd or "
+         "fwd_bwd"),
+        (["t5_bias", "--param-grads", "--direction", "bwd", "--peers"],
+         "--param-grads: the peers compute no param gradients"),
+    ],
+)  # fmt: skip
+def test_param_grads_argument_errors(argv, message, no_cuda, capsys):
+    assert main(["ab", *argv]) == 2
+    assert f"error: {message}" in _err(capsys)
+
+
+def test_param_grads_train_the_tensor_params():
+    from flashgen.frontend.spec import load_spec
+
+    specs = Path(__file__).resolve().parents[2] / "specs"
+    from flashgen.bench.protocol import trained_params
+
+    assert trained_params(load_spec(specs / "t5_bias.yaml")) == ("bias",)
+    assert trained_params(load_spec(specs / "alibi_learned.yaml")) == ("slopes",)
+    assert trained_params(load_spec(specs / "causal_d128.yaml")) == ()
 
 
 def test_table_marks_the_baseline_equal_outputs_and_same_kernels():
