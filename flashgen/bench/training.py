@@ -8,7 +8,9 @@ the same call without them, next to the ratio it should stay within.
 Rows (forward + backward unless named, bf16, (B, S, H, D) as flags say; medians of alternating
 rounds, :func:`flashgen.bench.timing.alternate`):
 
-- ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x);
+- ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x), and requiring
+  grad with ``hopper_bwd.dparam_affine`` (the slopes' sums in the dS^T pass, the detached
+  unit's steps);
 - ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
   grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward);
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
@@ -40,6 +42,7 @@ from flashgen.bench.argtypes import positive_int
 
 #: Candidates whose option shapes GPU kernels only, by name: why a CPU run leaves them out.
 GPU_ONLY = {
+    "slopes trained dparam_affine": "hopper_bwd.dparam_affine shapes the Hopper backward only",
     "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
     "sink by torch ops": "fa2_fwd.fused_sink, hopper_fwd.fused_sink and decode.fused_sink shape "
     "the GPU kernels only (the CPU op always applies the sink by torch ops)",
@@ -92,9 +95,14 @@ def _cases(args):
     op = flashgen.load("alibi")
     q, k, v = qkv(128)
     slopes = torch.linspace(0.01, 0.5, h, device=dev)
+    affine = flashgen.load(
+        "alibi", options=Options().replace_path("hopper_bwd.dparam_affine", True)
+    )
     rows.append(("alibi fwd+bwd", [
         ("slopes detached", train(op, q, k, v, slopes=slopes)),
         ("slopes trained", train(op, q, k, v, slopes=slopes.clone().requires_grad_())),
+        ("slopes trained dparam_affine",
+         train(affine, q, k, v, slopes=slopes.clone().requires_grad_())),
     ]))  # fmt: skip
     op = flashgen.load("t5_bias")
     q, k, v = qkv(64)
