@@ -71,9 +71,10 @@ def test_affine_test_specs_match_the_float64_reference(form, head_dim, sq, sk):
 
 
 def test_affine_gradients_agree_with_the_per_pair_form():
-    """The same call with the option on and off: dslopes within 2e-3 of the largest element
-    (the affine form sums the dS^T of the 80-query steps, from P^T as packed for dV; the
-    per-pair form fp32 P at 64-query steps), dq, dk, dv within bf16 rounding."""
+    """The same call with the option on and off: dslopes within 1e-2 of the largest element
+    (the affine form sums the dS^T of the 80-query steps, from P^T as packed for dV, rounded
+    to bf16: about 1e-3 apart on random inputs; the per-pair form fp32 P at 64-query steps),
+    dq, dk, dv within 2e-2 (bf16 outputs of two accumulation orders)."""
     spec = flashgen.load(REPO / "specs" / "alibi.yaml").spec
     q, k, v = _qkv(2, 8, 2, 1000, 1000, 128, seed=11)
     params = _params(spec, 2, 8, 2, 1000, 1000, 12)
@@ -89,7 +90,7 @@ def test_affine_gradients_agree_with_the_per_pair_form():
         scale = a.abs().max().item()
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * scale
     ds_off, ds_on = got[0][3], got[1][3]
-    assert (ds_off - ds_on).abs().max().item() <= 2e-3 * ds_off.abs().max().item()
+    assert (ds_off - ds_on).abs().max().item() <= 1e-2 * ds_off.abs().max().item()
 
 
 def test_deterministic_calls_with_the_option_stay_bitwise_reproducible():
