@@ -124,11 +124,14 @@ class Options:
     d score_mod / d score 1 (:func:`flashgen.codegen.dparam.affine_fields`: ALiBi's
     ``slopes[h]``, ``bias[b, h]``) keeps the steps of the unit without them (head_dim 128's
     80-query steps with ``d128_block_m=80``; the P^T pass overlapping dP^T) and takes its
-    gradient in the dS^T pass: per thread and step the sums of dS, of dS times the query's and
-    of dS times the key's offset from the thread's first pair (three FP32 adds a pair of
-    elements, no index arithmetic), combined with the partial at that pair once per step
-    (templates/common/dparam_affine.j2); the CTA's sum is added as the per-CTA form's is.
-    Other terms, and the option off, keep the per-pair form in the P^T pass.
+    gradient in the dS^T pass, from the dS^T the kernel computes for dK and dQ: per thread and
+    step the fp32 sums of dS, of dS times the query's offset and of dS on the second key from
+    the thread's first pair (four FP instructions per query column's two keys, no index
+    arithmetic), combined with the partial at that pair once per step, then into per-warp
+    slots in dynamic shared memory (:func:`affine_slots`), flushed as the per-CTA form's sums
+    (templates/common/dparam_affine.j2).  Other terms, and the option off, keep the per-pair
+    form in the P^T pass; a unit that spills with it is built without it
+    (:func:`flashgen.families.build.build_backward`).
 
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
