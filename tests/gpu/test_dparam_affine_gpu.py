@@ -63,7 +63,7 @@ def test_affine_test_specs_match_the_float64_reference(form, head_dim, sq, sk):
     """The test specs of tests/unit/test_dparam_affine.py: a per-head slope at head_dim 64
     (128-query steps) and 256 (the query-split layout), a (batch, head) slope with a float
     coefficient and no mask, a slope times a trainable scalar plus a (batch, head) bias (three
-    terms, one flushed at the CTA's end), a slope under a sliding window (64-query steps)."""
+    terms, one flushed at the CTA's end), a slope under a sliding window."""
     spec = affine_spec(form, head_dim)
     op = build_op(spec, options=AFFINE)
     _kernel_vs_reference(op, spec, 2, 8, 2, sq, sk, False)

@@ -272,8 +272,9 @@ def _build(spec, options):
 def test_affine_units_compile_spill_free_on_the_hopper_kernel(requires_nvcc):
     """With the option on, alibi and the test specs at head_dims 64 / 128 / 256 build the
     Hopper unit with the affine form and 0 spills: alibi, and the causal / unmasked specs at
-    head_dim 128, at the detached unit's 80-query steps; the windowed spec and the three-term
-    one at the 64 their detached units take (``d128_block_m``'s fallback)."""
+    head_dim 128, at the detached unit's 80-query steps; the three-term one at the 64 its
+    detached unit takes (``d128_block_m``'s fallback), the windowed one at 64 (or 80 with
+    ``masked_80`` where its unit fits)."""
     specs = [load_spec(REPO / "specs" / "alibi.yaml")]
     specs += [affine_spec(f, d) for f in ("slope_head", "slope_batch_head") for d in (64, 128, 256)]
     specs += [affine_spec("slope_scaled_bias"), affine_spec("slope_window")]
@@ -288,7 +289,9 @@ def test_affine_units_compile_spill_free_on_the_hopper_kernel(requires_nvcc):
               for name, (plan, _, _) in results}  # fmt: skip
     assert all(affine.values()), affine
     steps = {name: plan.dkdv.context.block_m for name, (plan, _, _) in results if name in want_m}
-    assert steps == want_m
+    # the windowed spec takes 80 where masked_80 and its classifier fit the registers
+    assert steps.pop("aff_slope_window_128") in (64, 80)
+    assert steps == {n: m for n, m in want_m.items() if n != "aff_slope_window_128"}
 
 
 def _dkdv_sass(plan) -> str:
