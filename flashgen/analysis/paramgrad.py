@@ -17,11 +17,16 @@ one global atomic per element per CTA:
 - ``diagonal``: ``q_idx`` and ``kv_idx`` only through ``c * (q_idx - kv_idx)`` (T5's
   relative table, clamped or not): at most ``BLOCK_M + BLOCK_N - 1`` elements per step;
 - ``general``: anything else: an atomic per (element, pair).
+
+A ``cta`` term whose d score_mod / d param is affine in ``q_idx`` and ``kv_idx``
+(:func:`affine_partial`: ALiBi's ``-(q_idx + seqlen_k - seqlen_q - kv_idx)``) can be summed
+from three sums of dS per thread and step instead of the partial at every pair
+(``hopper_bwd.dparam_affine``).
 """
 
 from __future__ import annotations
 
-from flashgen.analysis.affine import through_difference
+from flashgen.analysis.affine import Linear, linear, through_difference
 from flashgen.analysis.derive import ParamGradTerm, param_grad_terms
 from flashgen.frontend.ir import Expr, Spec, Var, walk
 
@@ -58,3 +63,16 @@ def grad_plan(spec: Spec, names) -> tuple[tuple[str, tuple[str, ...]], ...]:
         for p in spec.params
         if p.name in wanted
     )
+
+
+def affine_partial(term: ParamGradTerm, spec: Spec) -> Linear | None:
+    """``{"q_idx": alpha, "kv_idx": beta, "1": gamma}`` (typed coefficients, None for 0) where
+    ``term`` is a ``cta`` term whose partial is ``alpha * q_idx + beta * kv_idx + gamma`` with
+    coefficients that read no pair index (:func:`flashgen.analysis.affine.linear`: constants,
+    params, ``b``, ``h``, ``h_kv``, the lengths): constant over one (batch, query head) step
+    of a dK/dV CTA, so the sum of ``dS * partial`` over a step's pairs is ``alpha * sum(dS *
+    q_idx) + beta * sum(dS * kv_idx) + gamma * sum(dS)``; None for any other term (``abs``,
+    ``min``, a comparison, ``score``, a read indexed by a position)."""
+    if reduction_form(term, spec) != "cta":
+        return None
+    return linear(term.partial, spec)

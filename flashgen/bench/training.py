@@ -8,7 +8,9 @@ the same call without them, next to the ratio it should stay within.
 Rows (forward + backward unless named, bf16, (B, S, H, D) as flags say; medians of alternating
 rounds, :func:`flashgen.bench.timing.alternate`):
 
-- ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x);
+- ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x), and requiring
+  grad with ``hopper_bwd.dparam_affine`` (the slopes' sums in the dS^T pass, the detached
+  unit's steps);
 - ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
   grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward), then
   with ``hopper_bwd.dparam_const_tiles`` too (its steps away from the diagonal read one
@@ -43,6 +45,7 @@ from flashgen.bench.argtypes import positive_int
 
 #: Candidates whose option shapes GPU kernels only, by name: why a CPU run leaves them out.
 GPU_ONLY = {
+    "slopes trained dparam_affine": "hopper_bwd.dparam_affine shapes the Hopper backward only",
     "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
     "bias trained dparam_const_tiles": "hopper_bwd.dparam_const_tiles shapes the Hopper backward "
     "only",
@@ -97,9 +100,14 @@ def _cases(args):
     op = flashgen.load("alibi")
     q, k, v = qkv(128)
     slopes = torch.linspace(0.01, 0.5, h, device=dev)
+    affine = flashgen.load(
+        "alibi", options=Options().replace_path("hopper_bwd.dparam_affine", True)
+    )
     rows.append(("alibi fwd+bwd", [
         ("slopes detached", train(op, q, k, v, slopes=slopes)),
         ("slopes trained", train(op, q, k, v, slopes=slopes.clone().requires_grad_())),
+        ("slopes trained dparam_affine",
+         train(affine, q, k, v, slopes=slopes.clone().requires_grad_())),
     ]))  # fmt: skip
     op = flashgen.load("t5_bias")
     q, k, v = qkv(64)

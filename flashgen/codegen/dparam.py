@@ -19,8 +19,8 @@ to the element the kernel read).
 from __future__ import annotations
 
 from flashgen.analysis import masktiles
-from flashgen.analysis.derive import param_grad_terms
-from flashgen.analysis.paramgrad import reduction_form
+from flashgen.analysis.derive import d_dscore, param_grad_terms
+from flashgen.analysis.paramgrad import affine_partial, reduction_form
 from flashgen.codegen.abi import KernelArg
 from flashgen.codegen.cuda_expr import _shape_extent, cuda_expr, float_expr, index_in_bounds
 from flashgen.frontend import ir
@@ -132,6 +132,32 @@ def const_tile_fields(spec: Spec, names) -> dict:
         "dparam_const_headers": sorted(headers),
         "dparam_const_args": ", ".join(n for _, n in masktiles.classifier_params(spec)[4:]),
     }
+
+
+def affine_fields(spec: Spec, names) -> list | None:
+    """The template entries of the Hopper backward's ``dparam_affine`` form
+    (``hopper_bwd.dparam_affine``, templates/common/dparam_affine.j2) for the params
+    ``names``: :func:`fields`' ``dparam_terms`` entries with ``q_coef`` / ``kv_coef`` (the
+    partial's coefficients of ``q_idx`` / ``kv_idx`` as CUDA floats, None for 0), where every
+    term is :func:`~flashgen.analysis.paramgrad.affine_partial` and d score_mod / d score is
+    1 (the dS^T the kernel computes for dK and dQ is then dS w.r.t. the score_mod's result);
+    None otherwise (the per-pair form)."""
+    g = d_dscore(spec.score_mod) if spec.score_mod is not None else None
+    if not (isinstance(g, ir.Const) and g.value == 1.0):
+        return None
+    wanted = set(names)
+    terms = [t for p in spec.params if p.name in wanted
+             for t in param_grad_terms(spec.score_mod, p.name)]  # fmt: skip
+    entries = fields(spec, names)["dparam_terms"]
+    out = []
+    for entry, t in zip(entries, terms, strict=True):
+        lin = affine_partial(t, spec)
+        if lin is None:
+            return None
+        coef = {k: None if lin[k] is None else float_expr(lin[k], spec, None)
+                for k in ("q_idx", "kv_idx")}  # fmt: skip
+        out.append({**entry, "q_coef": coef["q_idx"], "kv_coef": coef["kv_idx"]})
+    return out or None
 
 
 def kernel_args(spec: Spec, names) -> tuple[KernelArg, ...]:

@@ -51,6 +51,8 @@ CONSUMER_REGS = 240
 D64_BLOCK_MS = (64, 128)
 #: Query rows per step the head-dim-128 layout takes (``Options.d128_block_m``).
 D128_BLOCK_MS = (64, 80)
+#: Consumer warps of the dK/dV kernel (two warpgroups).
+MMA_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,20 @@ class Options:
     classes, half the registers, so each step's class costs the consumers less; chunked_local
     and mistral_swa then build their 80-query steps spill-free (``masked_80``).
 
+    ``dparam_affine`` (off by default, until run on a GPU): a unit with param gradients whose
+    every term is per CTA with d score_mod / d param affine in ``q_idx`` and ``kv_idx`` and
+    d score_mod / d score 1 (:func:`flashgen.codegen.dparam.affine_fields`: ALiBi's
+    ``slopes[h]``, ``bias[b, h]``) keeps the steps of the unit without them (head_dim 128's
+    80-query steps with ``d128_block_m=80``; the P^T pass overlapping dP^T) and takes its
+    gradient in the dS^T pass, from the dS^T the kernel computes for dK and dQ: per thread and
+    step the fp32 sums of dS, of dS times the query's offset and of dS on the second key from
+    the thread's first pair (four FP instructions per query column's two keys, no index
+    arithmetic), combined with the partial at that pair once per step, then into per-warp
+    slots in dynamic shared memory (:func:`affine_slots`), flushed as the per-CTA form's sums
+    (templates/common/dparam_affine.j2).  Other terms, and the option off, keep the per-pair
+    form in the P^T pass; a unit that spills with it is built without it
+    (:func:`flashgen.families.build.build_backward`).
+
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
 
@@ -143,6 +159,7 @@ class Options:
     two_sided_masks: bool = True
     masked_80: bool = True
     int_classifier: bool = True
+    dparam_affine: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -190,6 +207,10 @@ class Context(BackwardContext):
     ts_ns: list
     ds_from_frag: bool
     dq_frag: bool
+    # dparam_affine: the affine per-CTA terms summed in the dS^T pass (dparam.affine_fields),
+    # each with its warps' slots in dynamic shared memory (byte offset "slots", "shift":
+    # affine_slots); [] otherwise
+    dparam_affine: list
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -255,6 +276,7 @@ def dkdv_smem_bytes(
     split_d: bool,
     dq_swap: bool = False,
     pg_bufs: int = 0,
+    sum_slots: int = 0,
 ) -> int:
     """Dynamic shared memory of the dK/dV kernel (the template's layout, which checks it):
     1 KiB alignment slack, K and V, :data:`STAGES` stages of Q and dO, two dS^T buffers
@@ -264,13 +286,23 @@ def dkdv_smem_bytes(
     and dsum (fp32, per stage), the mbarriers (K/V full; per stage full) and, in the layouts
     that need all 227 KiB (``dq_swap``: :func:`coords_dynamic`), the CTA's
     coordinates (six ints in the last 24 bytes; the others keep them in a static array, which
-    ptxas counts as 1 KiB but whose address takes no register)."""
+    ptxas counts as 1 KiB but whose address takes no register); ``sum_slots`` floats before
+    them (``dparam_affine``: the warps' sums of each term at a flush)."""
     smem = 1024 + 2 * block_n * d * elt + 2 * STAGES * block_m * d * elt
     smem += (2 + pg_bufs) * block_n * block_m * elt
     if not split_d:
         smem += 2 * (block_m if dq_swap else 64) * 64 * 4
-    smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES)
+    smem += 2 * STAGES * block_m * 4 + 8 * (1 + STAGES) + 4 * sum_slots
     return smem + (6 * 4 if coords_dynamic(dq_swap) else 0)
+
+
+def affine_slots(terms: int, free_bytes: int) -> int:
+    """``dparam_affine``'s shuffles per step, ``shift``: each consumer warp keeps ``32 >> shift``
+    fp32 slots per term in dynamic shared memory, lane ``l`` (``l % 2^shift == 0``) adding the
+    step sum of lanes ``l .. l + 2^shift - 1`` (``shift`` butterfly shuffles) to slot ``l >>
+    shift``: the fewest shuffles whose slots fit ``free_bytes`` (0 at 64-query steps, 1 in
+    head_dim 128's 80-query layout with one term; 5 where nothing smaller fits)."""
+    return next((k for k in range(6) if terms * MMA_WARPS * 4 * (32 >> k) <= free_bytes), 5)
 
 
 def coords_dynamic(dq_swap: bool) -> bool:
@@ -412,17 +444,20 @@ def plan(
     abi = backward_abi(spec, atomic_dq=True, sink=sink)
     if d == 64 and options.d64_block_m != t.dkdv_block_m:
         t = replace(t, dkdv_block_m=options.d64_block_m)
+    # dparam_affine: the terms summed in the dS^T pass, the steps of a unit without them
+    affine = (dparam.affine_fields(spec, param_grads) or []) if options.dparam_affine else []
     dq_swap = (
         d == 128 and options.d128_block_m == 80
         and (spec.mask is None or isinstance(spec.mask, Causal) or options.masked_80)
-        and not param_grads
+        and (not param_grads or affine)
         and not ordered_dq
     )  # fmt: skip
     if dq_swap:
         t = replace(t, dkdv_block_m=80)
     block_m, block_n = t.dkdv_block_m, t.dkdv_block_n
-    # S^T, dP^T too wide to keep acc_s for dS^T: it reads the packed P^T back (see p_tile)
-    ds_from_frag = (d == 64 and block_m == 128) or dq_swap
+    # S^T, dP^T too wide to keep acc_s for dS^T: it reads the packed P^T back (see p_tile); so
+    # does dparam_affine's dS^T pass (its sums take the registers acc_s held)
+    ds_from_frag = (d == 64 and block_m == 128) or dq_swap or bool(affine and not split_d)
     warps = t.dkdv_warps + 4  # the producer warpgroup after the consumers
     threads = 32 * warps
     tma = (TmaArg("tma_q", "q", block_m), TmaArg("tma_k", "k", block_n),
@@ -451,7 +486,7 @@ def plan(
     # dparam.warp_diag_slots(query columns / 8) floats each, templates/common/dparam_diag.cuh)
     qn = block_m if not split_d or sdp_wg else block_m // 2
     diag = sum(f == "diagonal" for _, fs in grad_plan(spec, param_grads) for f in fs)
-    static = 0 if coords_dynamic(dq_swap) and not param_grads else 1024
+    static = 0 if coords_dynamic(dq_swap) and (not param_grads or affine) else 1024
     static += -(-diag * 8 * dparam.warp_diag_slots(qn // 8) * 4 // 1024) * 1024
     # diag_terms: per consumer warp and diagonal term QN + 16 words (sDiag); where they do not
     # fit (head_dim 128's 80-query steps), the per-element form
@@ -462,6 +497,13 @@ def plan(
         )
         diag_static = 0
     static += diag_static
+    if affine:  # each term's slots per consumer warp (:func:`affine_slots`)
+        shift = affine_slots(len(affine), HOPPER_SMEM_LIMIT - smem - static)
+        slots = len(affine) * MMA_WARPS * (32 >> shift)
+        smem = dkdv_smem_bytes(d, elt, block_m, block_n, split_d, dq_swap, int(pg_wg), slots)
+        tail = smem - (6 * 4 if coords_dynamic(dq_swap) else 0) - 4 * slots
+        affine = [{**t, "slots": tail + 4 * i * slots // len(affine), "shift": shift}
+                  for i, t in enumerate(affine)]  # fmt: skip
     if smem + static > HOPPER_SMEM_LIMIT:
         raise ValueError(
             f"spec {spec.name!r}: the Hopper backward's dK/dV kernel would take {smem + static} "
@@ -504,6 +546,7 @@ def plan(
         # head_dim 256: dQ added in the accumulator's fragment order (16-byte reductions,
         # dq_accum in 64-row tiles, fg::dq_frag_coords), as FlashAttention-3's hdim-256 does
         dq_frag=split_d,
+        dparam_affine=affine,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,
@@ -514,6 +557,8 @@ def plan(
         **(table_classifier(spec, block_m, block_n) if block_table else {}),
         **dparam.const_tile_fields(spec, param_grads if options.dparam_const_tiles else ()),
     )
+    if affine:  # the per-pair code of the P^T pass is not rendered
+        ctx["dparam_terms"] = []
     context = Context(**ctx)
 
     def kp(name: str, warps: int, smem_bytes: int, args, tma_args=()) -> KernelPlan:

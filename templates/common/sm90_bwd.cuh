@@ -147,7 +147,7 @@ __device__ __forceinline__ void {{ name }}_n{{ n }}(float (&d)[{{ n // 2 }}], ui
 // A stored K x M (M contiguous), B stored K x N (N contiguous).  scale_d = 0 overwrites d.
 {{ wgmma_mn_a("wgmma_tt", n, 1) }}
 {% endfor %}
-{% if dq_rows_split or dq_swap or sdp_wg %}
+{% if ds_from_frag %}
 // Element e (0: lo, 1: hi) of an MmaOp<elem_t>::pack()ed pair, back to fp32.
 __device__ __forceinline__ float unpack16(uint32_t v, int e) {
 {% if mma_t == "bf16" %}

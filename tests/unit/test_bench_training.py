@@ -79,3 +79,20 @@ def test_a_cpu_run_marks_the_gpu_only_candidates_and_writes_nothing_without_out(
     with pytest.raises(SystemExit):
         main(["bench", "--training", "--help"])
     assert "write DIR/results.json (default: none" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_alibi_row_times_the_affine_slopes_on_the_gpu_only(tmp_path, capsys):
+    """The alibi row's third call, trained slopes with ``hopper_bwd.dparam_affine``, shapes the
+    Hopper backward only: a CPU run leaves it out and says so (results.json: ``omitted``), its
+    two other calls timed as before."""
+    from flashgen.bench.training import GPU_ONLY
+
+    assert "hopper_bwd.dparam_affine" in GPU_ONLY["slopes trained dparam_affine"]
+    argv = ["bench", "--training", "--device", "cpu", "--seqlen", "16", "--batch", "1",
+            "--heads", "2", "--rounds", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "(slopes trained dparam_affine: n/a on cpu)" in capsys.readouterr().out
+    rows = {r["row"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    alibi = rows["alibi fwd+bwd"]
+    assert list(alibi["candidates"]) == ["slopes detached", "slopes trained"]
+    assert list(alibi["omitted"]) == ["slopes trained dparam_affine"]
