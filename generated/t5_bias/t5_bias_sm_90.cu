@@ -128,9 +128,13 @@ template <class T> __device__ __forceinline__ const T* base_ptr(const T* p) {
 // the param's declared shape.  In 32 bits (DSL indices and extents are int): two IMNMX; the offset that
 // multiplies it out is 64-bit.
 __device__ __forceinline__ int clamp_index(int i, int n) { return i < 0 ? 0 : (i >= n ? n - 1 : i); }
-// The DSL's integer / and % by a run-time divisor: C's truncation, and 0 for a zero divisor.
-__device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
-__device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
+// The DSL's integer / and % by a run-time divisor: C's truncation, 0 for a zero divisor, and INT_MIN / -1
+// wrapping to INT_MIN (remainder 0) as the reference and the mask analysis define it, never C's undefined
+// behaviour (a divisor of -1 negates in unsigned arithmetic).
+__device__ __forceinline__ int idiv(int a, int b) {
+    return b == 0 ? 0 : (b == -1 ? (int)(0u - (uint32_t)a) : a / b);
+}
+__device__ __forceinline__ int imod(int a, int b) { return (b == 0 || b == -1) ? 0 : a % b; }
 // The same / and % by a divisor fixed for the whole kernel (a scalar param): built once in the kernel's
 // prologue, then a multiply-high, an add and a shift per division instead of the ~20-instruction run-time
 // division (Granlund & Montgomery 1994, "Division by invariant integers using multiplication", sec. 4:
