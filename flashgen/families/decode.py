@@ -113,6 +113,16 @@ TARGETS = ("sm_80", "sm_90")
 #: Key blocks of a split whose keys a mask that reads tensors votes on before loading them (a byte
 #: of shared memory each; blocks past them are read unvoted): 64k keys at 64 per block.
 VOTE_BLOCKS = 1024
+#: The Hopper MLA unit (:attr:`Options.mla_wgmma`, ``templates/sm_90/decode_mla.cu.j2``): 64 packed
+#: query rows per CTA (query heads x new tokens: the M of a wgmma), 64-key blocks in a ring of two
+#: stages (each a block's 576-column rows, read once for K and V), three warpgroups (the scores and
+#: softmax; output columns 0..255; 256..511), one CTA per SM.
+MLA_BLOCK_M = 64
+MLA_BLOCK_N = 64
+MLA_STAGES = 2
+MLA_WARPS = 12
+#: The head dims the Hopper MLA unit is written for (its panels and warpgroup split).
+MLA_HEAD_DIMS = (576, 512)
 
 
 def tensor_mask(spec: Spec) -> bool:
@@ -158,7 +168,15 @@ class Options:
     takes per call (lse stays the keys' alone); off, ``op.with_kvcache`` applies the sink
     with torch ops after the kernel (:func:`flashgen.ops.sink.apply_sink`), as it always does
     for calls through the registered torch ops (CPU, ``torch.compile``).  No effect on a spec
-    without a sink (its unit renders unchanged)."""
+    without a sink (its unit renders unchanged).
+
+    ``mla_wgmma`` (off by default): a ``v_from_k`` spec (MLA's one latent cache) on ``sm_90``
+    runs the Hopper unit ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan_mla`): 64 packed
+    query rows per CTA, wgmma for Q K^T and P V, each 64-key block of the latent cache read
+    once per CTA for both K and V (see :data:`MLA_BLOCK_M`).  Where it does not apply
+    (:func:`mla_wgmma_reason`: another target, a spec without ``v_from_k``, an e4m3 cache,
+    ``pack_gqa`` off) the family plans today's mma.sync unit; ``block_n``, ``stages`` and
+    ``ctas_per_sm`` do not shape the Hopper unit."""
 
     block_n: int | None = None
     stages: int | None = None
@@ -170,6 +188,7 @@ class Options:
     fused_sink: bool = True
     merge_unroll: int = 4
     balance_waves: bool = False
+    mla_wgmma: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.decode")
@@ -222,9 +241,11 @@ class Options:
             )
 
     def unit_key(self) -> tuple:
-        """The fields that change the compiled unit (the rest are host schedule knobs)."""
-        return (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks,
-                self.fused_sink, self.merge_unroll)  # fmt: skip
+        """The fields that change the compiled unit (the rest are host schedule knobs);
+        ``mla_wgmma`` only when on (the key of the default options is as before it)."""
+        key = (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks,
+               self.fused_sink, self.merge_unroll)  # fmt: skip
+        return key + (("mla_wgmma",) if self.mla_wgmma else ())
 
 
 @dataclass(frozen=True)
@@ -296,6 +317,8 @@ class DecodeContext(TemplateContext):
     exact_softmax: bool = False
     sink: bool = False
     merge_unroll: int = 4
+    mma_t: str = ""
+    mla_wgmma: bool = False
 
 
 @dataclass(frozen=True)
@@ -411,6 +434,48 @@ def cache_dtype_reason(spec: Spec, cache_dtype: str | None) -> str | None:
             f"{spec.name!r} has {spec.head_dim}/{spec.head_dim_v}"
         )
     return None
+
+
+def mla_wgmma_reason(
+    spec: Spec, target: str, options: Options | None = None, cache_dtype: str | None = None
+) -> str | None:
+    """Why :func:`plan` gives ``spec`` on ``target`` today's mma.sync unit rather than the Hopper
+    MLA unit (:func:`plan_mla`'s, ``templates/sm_90/decode_mla.cu.j2``), or None when it plans
+    the Hopper unit: :attr:`Options.mla_wgmma` on, target ``sm_90``, a ``v_from_k`` spec of
+    head dims 576/512 and a cache of the spec's dtype.  An e4m3 cache is refused here (its
+    wgmma operands would need a dequantizing pass through shared memory, which the two-stage
+    ring has no room for) and falls back to the mma.sync unit's ``kv8`` form."""
+    options = options or Options()
+    if not options.mla_wgmma:
+        return "Options.decode.mla_wgmma is off"
+    if target != "sm_90":
+        return f"the Hopper MLA unit is sm_90 (wgmma), the target is {target}"
+    if not spec.v_from_k:
+        return f"the Hopper MLA unit reads one latent cache; spec {spec.name!r} has no v_from_k"
+    if (spec.head_dim, spec.head_dim_v) != MLA_HEAD_DIMS:
+        return (
+            f"the Hopper MLA unit is written for head dims {MLA_HEAD_DIMS[0]}/{MLA_HEAD_DIMS[1]}, "
+            f"spec {spec.name!r} has {spec.head_dim}/{spec.head_dim_v}"
+        )
+    if cache_dtype is not None and cache_dtype != spec.dtype:
+        return (
+            f"the Hopper MLA unit reads a {spec.dtype} cache, not {cache_dtype} (the mma.sync "
+            "unit's kv8 form reads e4m3)"
+        )
+    return None
+
+
+def mla_smem_bytes() -> int:
+    """Dynamic shared memory of the Hopper MLA unit: 1 KiB of alignment slack (128-byte swizzle
+    wants 1 KiB-aligned panels), the Q tile (64 rows x 576), two key-block stages (64 x 576 each),
+    P (64 x 64), the rows' rescale factors, maxima and denominators, the combine's flag and the
+    mbarriers (a full barrier per stage and warpgroup, P's full and empty)."""
+    d = MLA_HEAD_DIMS[0]
+    q = MLA_BLOCK_M * d * 2
+    ring = MLA_STAGES * MLA_BLOCK_N * d * 2
+    p = MLA_BLOCK_M * MLA_BLOCK_N * 2
+    small = 3 * MLA_BLOCK_M * 4 + 16 + 8 * (3 * MLA_STAGES + 2)
+    return 1024 + q + ring + p + small
 
 
 def _kv(spec: Spec, cache_dtype: str | None) -> DType:
@@ -680,10 +745,15 @@ def plan(
     kv8 = kv.elem_bytes == 1
     options = options or Options()
     sink = options.fused_sink and spec.sink is not None
-    tiles = default_tiles(spec, options, cache_dtype)
-    smem = smem_bytes(spec, tiles.block_n, tiles.stages, kv.elem_bytes)
-    if smem > SMEM_LIMIT_EXPLICIT[target]:
-        raise DecodeTilesError(spec, target, tiles, smem, kv.elem_bytes)
+    wgmma = mla_wgmma_reason(spec, target, options, cache_dtype) is None
+    if wgmma:
+        tiles = DecodeTiles(MLA_BLOCK_M, MLA_BLOCK_N, MLA_WARPS, MLA_STAGES)
+        smem = mla_smem_bytes()
+    else:
+        tiles = default_tiles(spec, options, cache_dtype)
+        smem = smem_bytes(spec, tiles.block_n, tiles.stages, kv.elem_bytes)
+        if smem > SMEM_LIMIT_EXPLICIT[target]:
+            raise DecodeTilesError(spec, target, tiles, smem, kv.elem_bytes)
     causal, residual = split_causal(spec.mask)
     inv = Invariants(raw_score="score_raw")
     ext = TENSOR_EXTENTS[ragged]
@@ -694,7 +764,7 @@ def plan(
     reads_h = spec.mask is not None and any(
         isinstance(n, ir.Var) and n.name == "h" for n in ir.walk(spec.mask)
     )
-    kind = ("ragged_" if ragged else "") + ("kv8_" if kv8 else "")
+    kind = ("ragged_" if ragged else "") + ("kv8_" if kv8 else "") + ("wgmma_" if wgmma else "")
     base = f"flashgen_{spec.name}_decode_{kind}{target}"
     ctx = DecodeContext(
         spec_name=spec.name,
@@ -719,7 +789,7 @@ def plan(
         mask_reads_h=reads_h,
         pack_gqa=options.pack_gqa,
         min_split_blocks=options.min_split_blocks,
-        ctas_per_sm=options.ctas_per_sm or _smem_ctas(target, smem),
+        ctas_per_sm=1 if wgmma else options.ctas_per_sm or _smem_ctas(target, smem),
         args=attn_args(spec, ragged, cache_dtype, sink),
         append_args=append_args(kv.ctype, ragged),
         ragged=ragged,
@@ -730,8 +800,11 @@ def plan(
         exact_softmax=exact_softmax,
         sink=sink,
         merge_unroll=options.merge_unroll,
+        mma_t=dtype(spec.dtype).mma_t,
+        mla_wgmma=wgmma,
     )
-    return DecodePlan.of(spec.name, target, "sm_80/decode.cu.j2", tiles, smem, ctx, options_key)
+    template = "sm_90/decode_mla.cu.j2" if wgmma else "sm_80/decode.cu.j2"
+    return DecodePlan.of(spec.name, target, template, tiles, smem, ctx, options_key)
 
 
 @dataclass(frozen=True)
@@ -764,7 +837,7 @@ def geometry(
     else:
         group, heads = 1, heads_q
     rows = group * seqlen_q
-    m_blocks = (rows + BLOCK_M - 1) // BLOCK_M
+    m_blocks = (rows + p.tiles.block_m - 1) // p.tiles.block_m
     return Geometry(
         group=group,
         rows=rows,
