@@ -64,7 +64,8 @@ def test_with_the_option_on_sm_90_plans_the_hopper_unit():
         # the attention kernel takes the mma.sync unit's arguments (the op launches it unchanged)
         assert p.args == _plan(options=DEFAULT, ragged=ragged).args
         assert p.kernel("append").kernel_name == p.kernel_name.replace("_attn", "_append")
-        assert p.kernel("append").args == _plan(options=DEFAULT, ragged=ragged).kernel("append").args
+        old = _plan(options=DEFAULT, ragged=ragged)
+        assert p.kernel("append").args == old.kernel("append").args
 
 
 @pytest.mark.parametrize(
@@ -125,8 +126,9 @@ def test_split_count_sizes_a_wave_of_one_cta_per_sm():
 SPECS = {
     "shipped": SPEC,
     "fp16": loads_spec(BASE + "dtype: fp16\nmask: causal\n", "m.yaml"),
-    "score_mod": loads_spec(BASE + "dtype: bf16\nmask: causal\nscore_mod: 30.0 * tanh(score / 30.0)\n",
-                            "m.yaml"),  # fmt: skip
+    "score_mod": loads_spec(
+        BASE + "dtype: bf16\nmask: causal\nscore_mod: 30.0 * tanh(score / 30.0)\n", "m.yaml"
+    ),
     "window": loads_spec(
         BASE + "dtype: bf16\nmask: causal && q_idx + seqlen_k - seqlen_q - kv_idx < w\n"
         "params:\n  w: {type: i32, default: 128, min: 1}\n", "m.yaml"),  # fmt: skip
@@ -173,26 +175,30 @@ int main() {
                                fg::mla::page_lane_row(w, r - 16 * w));
                     }
                 }
-        } else if (!strcmp(what, "keys")) {  // paged b page_size live num_pages k_sp k_ss cap n_entries entries...
+        } else if (!strcmp(what, "keys")) {
+            // paged b page_size live num_pages k_sp k_ss cap n_entries, then the entries
             int paged, b, ps, live, num_pages, cap, n;
             long long k_sp, k_ss;
-            scanf("%d %d %d %d %d %lld %lld %d %d", &paged, &b, &ps, &live, &num_pages, &k_sp, &k_ss, &cap, &n);
+            scanf("%d %d %d %d %d %lld %lld %d %d", &paged, &b, &ps, &live, &num_pages, &k_sp,
+                  &k_ss, &cap, &n);
             int table[4096];
             for (int e = 0; e < n; ++e) scanf("%d", &table[e]);
             const fg::Divisor pdiv(ps);
             for (int kv = 0; kv < cap; ++kv) {  // the kernel's page_of, then key_row
                 const int pg = paged ? (kv < live ? table[fg::mla::page_entry(kv, pdiv)] : -1) : b;
-                const fg::mla::KeyRow k = fg::mla::key_row(kv, live, pg, paged, pdiv, ps, num_pages, k_sp, k_ss);
+                const fg::mla::KeyRow k =
+                    fg::mla::key_row(kv, live, pg, paged, pdiv, ps, num_pages, k_sp, k_ss);
                 printf("%d %lld\n", (int)k.ok, k.off);
             }
         } else if (!strcmp(what, "heads")) {  // ragged group h0 rows b q_start Hq Sq q_sb q_sh q_ss
             int ragged, group, h0, rows, b, q_start, hq, sq;
             long long q_sb, q_sh, q_ss;
-            scanf("%d %d %d %d %d %d %d %d %lld %lld %lld", &ragged, &group, &h0, &rows, &b, &q_start, &hq, &sq,
-                  &q_sb, &q_sh, &q_ss);
+            scanf("%d %d %d %d %d %d %d %d %lld %lld %lld", &ragged, &group, &h0, &rows, &b,
+                  &q_start, &hq, &sq, &q_sb, &q_sh, &q_ss);
             for (int prow = 0; prow < rows; ++prow) {
                 const fg::mla::PackedRow r = fg::mla::packed_row(prow, group, h0);
-                printf("%d %d %lld %lld\n", r.s, r.h, fg::mla::q_offset(r, ragged, b, q_start, q_sb, q_sh, q_ss),
+                printf("%d %d %lld %lld\n", r.s, r.h,
+                       fg::mla::q_offset(r, ragged, b, q_start, q_sb, q_sh, q_ss),
                        fg::mla::o_row(r, ragged, b, q_start, hq, sq));
             }
         } else if (!strcmp(what, "acc")) {  // w l j r e row col, m64n256
@@ -201,8 +207,8 @@ int main() {
                     for (int j = 0; j < 32; ++j)
                         for (int r = 0; r < 2; ++r)
                             for (int e = 0; e < 2; ++e)
-                                printf("%d %d %d %d %d %d %d\n", w, l, j, r, e, fg::mla::acc_row(w, l, r),
-                                       fg::mla::acc_col(l, j, e));
+                                printf("%d %d %d %d %d %d %d\n", w, l, j, r, e,
+                                       fg::mla::acc_row(w, l, r), fg::mla::acc_col(l, j, e));
         }
     }
     return 0;
