@@ -29,6 +29,16 @@ rounds as the peers: rows ``flashgen_<layout>@<name=value,...>`` (the first vari
 baseline, too), each with its ``num_splits`` and ``options``.  E.g. ``--option
 decode.stages=2,6 --option decode.merge_unroll=4,16 --combine zip``.
 
+``--mla`` times MLA decode (specs/mla_decode.yaml: one latent cache of 576-column rows, the
+values its first 512 columns) with ``decode.mla_wgmma`` off (the mma.sync unit, 16 query heads
+per CTA) and on (the Hopper unit, 64 per CTA), in alternating rounds in CUDA graphs, at the
+``--mla-heads`` query heads and ``--mla-sq`` new tokens (defaults :data:`MLA_DEFAULTS`), next
+to the device-copy and bf16-matmul ceilings measured in the same run: each row has the latent
+cache's bytes read per second (:func:`mla_bytes`, and its share of the copy ceiling) and the
+matmul rate (:func:`mla_flops`, and its share of the matmul ceiling), the figures of issue 40's
+targets (85% of the copy ceiling at 16 heads, 65% of the matmul ceiling at 128); ``<out
+stem>_mla.json``.
+
 ``--sweep`` picks the decode defaults in one GPU call: it times the grid of
 :class:`flashgen.families.decode.Options` in :data:`SWEEP_UNITS` (block_n, stages,
 min_split_blocks; variants that spill or do not fit are skipped) times :data:`SWEEP_WAVES`
@@ -482,6 +492,129 @@ def sweep(args) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- --mla
+#: What ``--mla`` times where ``--batch``, ``--cache``, ``--layouts``, ``--mla-heads`` and
+#: ``--mla-sq`` are not given.
+MLA_DEFAULTS = {"batch": [1, 64], "cache": [4096, 32768], "layouts": ["paged64"],
+                "mla_heads": [16, 64, 128], "mla_sq": [1]}  # fmt: skip
+#: The ``--mla`` variants: ``decode.mla_wgmma`` off (the mma.sync unit) and on (the Hopper unit).
+MLA_VARIANTS = (("mma_sync", False), ("wgmma", True))
+#: Flags ``--mla`` does not read.
+MLA_IGNORES = ("option", "combine", "fp8", "flex_cache", "quick", "sweep")
+MLA_HEAD_DIMS = (576, 512)
+
+
+def mla_bytes(batch: int, cache: int) -> int:
+    """The latent-cache bytes an MLA call reads at least (each row once, for K and V):
+    ``batch x cache x 576 x 2`` (bf16)."""
+    return batch * cache * MLA_HEAD_DIMS[0] * 2
+
+
+def mla_flops(batch: int, heads: int, sq: int, cache: int) -> int:
+    """The matmul FLOPs of an MLA call: ``2 x batch x heads x sq x cache x (576 + 512)`` (Q K^T
+    and P V; the keys the causal mask drops among the new tokens, fewer than ``sq`` per row,
+    counted too)."""
+    return 2 * batch * heads * sq * cache * sum(MLA_HEAD_DIMS)
+
+
+def run_mla(args) -> tuple[list[dict], dict]:
+    """Time the :data:`MLA_VARIANTS` at every (batch, cache, layout, heads, sq) point; the
+    rows and the ceilings (:func:`flashgen.bench.timing.measure_ceilings`)."""
+    import torch
+
+    import flashgen
+    from flashgen.bench.timing import measure_ceilings
+    from flashgen.families import decode as family
+
+    dev = torch.device("cuda")
+    spec = REPO / "specs" / "mla_decode.yaml"
+    ops = {name: flashgen.load(spec, options=flashgen.Options(decode=family.Options(mla_wgmma=on)))
+           for name, on in MLA_VARIANTS}  # fmt: skip
+    ceil = measure_ceilings(dev)
+    copy_tbs, matmul = ceil["copy_gbps"] / 1e3, ceil["matmul_bf16_tflops"]
+    print(f"ceilings: device copy {copy_tbs:.2f} TB/s (read + write), bf16 matmul "
+          f"{matmul:.0f} TFLOP/s", flush=True)  # fmt: skip
+    rows: list[dict] = []
+    d = MLA_HEAD_DIMS[0]
+    for batch in args.batch:
+        for cache in args.cache:
+            for lay in args.layouts:
+                ps = page_size(lay)
+                lens = torch.full((batch,), cache, dtype=torch.int32, device=dev)
+                if ps is None:
+                    kc = torch.randn(batch, 1, cache, d, device=dev, dtype=torch.bfloat16)
+                    table, npages = None, None
+                else:
+                    pages = -(-cache // ps)
+                    npages = batch * pages
+                    kc = torch.randn(npages, ps, 1, d, device=dev, dtype=torch.bfloat16)
+                    table = torch.randperm(npages, device=dev).int().view(batch, pages)
+                    table = table.contiguous()
+                for hq in args.mla_heads:
+                    for sq in args.mla_sq:
+                        rows += _time_mla(args, ops, kc, table, lens, lay, ps, npages, hq, sq,
+                                          copy_tbs, matmul)  # fmt: skip
+                del kc, table
+                torch.cuda.empty_cache()
+    return rows, ceil
+
+
+def _time_mla(args, ops, kc, table, lens, lay, ps, npages, hq, sq, copy_tbs, matmul):
+    import torch
+
+    batch, cache = lens.shape[0], int(lens[0])
+    q = torch.randn(batch, hq, sq, MLA_HEAD_DIMS[0], device=kc.device, dtype=torch.bfloat16)
+    methods = {}
+    for name, op in ops.items():
+        plan = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=1, seqlen_q=sq,
+                              cache_capacity=cache, page_size=ps, num_pages=npages)  # fmt: skip
+        methods[name] = (lambda op=op, plan=plan: op.with_kvcache(q, kc, None, lens,
+                                                                  block_table=table, plan=plan),
+                         plan)  # fmt: skip
+    nbytes, flops = mla_bytes(batch, cache), mla_flops(batch, hq, sq, cache)
+    calls = max(3, min(args.calls, int(2e-3 * 3e12 / max(nbytes, 1))))
+    timers = {name: _graph_time(fn, calls) for name, (fn, _) in methods.items()}
+    times: dict = {name: [] for name in timers}
+    for _ in range(args.rounds):
+        for name, t in timers.items():
+            times[name].append(t())
+    out = []
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        plan = methods[name][1]
+        tbs, tflops = nbytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12
+        row = {"method": f"mla_{lay}_{name}", "unit": plan.kernels["attn"].plan.template,
+               "batch": batch, "cache": cache, "heads_q": hq, "seqlen_q": sq, "ms": ms,
+               "kv_bytes": nbytes, "tb_per_s": tbs, "copy_fraction": tbs / copy_tbs,
+               "tflops": tflops, "matmul_fraction": tflops / matmul,
+               "num_splits": plan.num_splits}  # fmt: skip
+        out.append(row)
+        print(f"B{batch:<3} {cache:>6} {lay:<8} h{hq:<3} sq{sq} {name:<8} {ms * 1e3:9.1f} us "
+              f"{tbs:5.2f} TB/s ({tbs / copy_tbs:4.0%} of copy) {tflops:6.1f} TFLOP/s "
+              f"({tflops / matmul:4.0%} of matmul) splits {plan.num_splits}",
+              flush=True)  # fmt: skip
+    return out
+
+
+def mla_summary(rows: list[dict]) -> list[str]:
+    """Issue 40's two figures from ``--mla`` rows, per variant: the best share of the copy
+    ceiling at 16 query heads (target 85%) and of the matmul ceiling at 128 (target 65%)."""
+    lines = []
+    for name, _ in MLA_VARIANTS:
+        mine = [r for r in rows if r["method"].endswith(f"_{name}")]
+        h16 = [r["copy_fraction"] for r in mine if r["heads_q"] == 16]
+        h128 = [r["matmul_fraction"] for r in mine if r["heads_q"] == 128]
+        lines.append(
+            f"{name}: 16 heads {max(h16):.0%} of the copy ceiling (target 85%)"
+            if h16 else f"{name}: no 16-head row"
+        )
+        lines.append(
+            f"{name}: 128 heads {max(h128):.0%} of the matmul ceiling (target 65%)"
+            if h128 else f"{name}: no 128-head row"
+        )
+    return lines
+
+
 #: Fixed plot styles of the known implementations (color, marker, line style), so a method
 #: keeps its look in every panel and every run; others take the remaining colors in order.
 STYLES = {
@@ -629,8 +762,25 @@ def main(argv=None, prog=None) -> int:
                     help="time the decode options grid (SWEEP_UNITS x SWEEP_WAVES) at B1 "
                     "64k/16k/4k paged16 and the window case; best per shape (none of "
                     "--option, --batch, --cache, --layouts, --fp8, --flex-cache, --quick)")
+    ap.add_argument("--mla", action="store_true",
+                    help="time MLA decode (specs/mla_decode.yaml) with decode.mla_wgmma off and "
+                    "on against the copy and matmul ceilings (defaults: MLA_DEFAULTS; none of "
+                    "--option, --fp8, --flex-cache, --quick, --sweep)")  # fmt: skip
+    ap.add_argument("--mla-heads", type=positive_ints("mla-heads"),
+                    help="--mla: query heads (default 16,64,128; one latent head)")
+    ap.add_argument("--mla-sq", type=positive_ints("mla-sq"),
+                    help="--mla: new tokens per request, Sq_new (default 1)")
     args = ap.parse_args(argv)
     given = {k for k, v in vars(args).items() if v not in (None, False)}
+    if args.mla and given & set(MLA_IGNORES):
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in MLA_IGNORES if k in given)
+        ap.error(f"--mla times its own two variants; it takes no {flags}")
+    if not args.mla and given & {"mla_heads", "mla_sq"}:
+        ap.error("--mla-heads and --mla-sq go with --mla")
+    if args.mla:
+        for k, v in MLA_DEFAULTS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
     if args.sweep and given & set(SWEEP_IGNORES):
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in SWEEP_IGNORES if k in given)
         ap.error(f"--sweep times its own grid and shapes; it takes no {flags}")
@@ -668,6 +818,17 @@ def main(argv=None, prog=None) -> int:
     why = check_variants(args.variants, target)
     if why:
         ap.error(why)
+    if args.mla:
+        rows, ceil = run_mla(args)
+        doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "ceilings": ceil, "rows": rows}  # fmt: skip
+        out = Path(args.out).with_name(Path(args.out).stem + "_mla.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        for line in mla_summary(rows):
+            print(line)
+        print(f"wrote {out}")
+        return 0
     if args.sweep:
         rows = sweep(args)
         doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": rows}

@@ -73,7 +73,7 @@ from flashgen.bench.protocol import (
     spec_params,
     template_spec,
 )
-from flashgen.bench.timing import alternate, do_bench_ms, environment
+from flashgen.bench.timing import alternate, do_bench_ms, environment, measure_ceilings
 from flashgen.frontend import ir
 
 
@@ -281,23 +281,9 @@ class Bench:
 
     # ----------------------------------------------------------------- ceilings
     def measure_ceilings(self) -> dict:
-        """bf16 8192^3 matmul TFLOP/s and device-copy GB/s (read + write bytes)."""
-        import torch
-
-        n = 8192
-        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
-        ms = do_bench_ms(lambda: torch.matmul(a, b), 25, 200)
-        self.ceilings["matmul_bf16_tflops"] = 2 * n**3 / (ms * 1e-3) / 1e12
-        self.ceilings["matmul_ms"] = ms
-        a = b = None
-        nbytes = 2 * 2**30
-        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).fill_(1)
-        dst = torch.empty_like(src)
-        ms = do_bench_ms(lambda: dst.copy_(src), 25, 200)
-        self.ceilings["copy_gbps"] = 2 * nbytes / (ms * 1e-3) / 1e9
-        self.ceilings["copy_bytes"] = nbytes
-        src = dst = None
+        """bf16 8192^3 matmul TFLOP/s and device-copy GB/s (read + write bytes):
+        :func:`flashgen.bench.timing.measure_ceilings`."""
+        self.ceilings.update(measure_ceilings(self.device))
         _free()
         return self.ceilings
 

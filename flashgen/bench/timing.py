@@ -194,3 +194,26 @@ def median_or_none(xs: Sequence[float]) -> float | None:
     """The median of ``xs`` without its NaNs, or None when nothing is left."""
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else None
+
+
+def measure_ceilings(device) -> dict:
+    """The two ceilings a run is read against, on ``device``: ``matmul_bf16_tflops`` (a bf16
+    8192^3 matmul, ``matmul_ms`` its time) and ``copy_gbps`` (a device-to-device copy of
+    ``copy_bytes`` = 2 GiB, read + written bytes per second)."""
+    import torch
+
+    out = {}
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = do_bench_ms(lambda: torch.matmul(a, b), 25, 200)
+    out["matmul_bf16_tflops"] = 2 * n**3 / (ms * 1e-3) / 1e12
+    out["matmul_ms"] = ms
+    a = b = None
+    nbytes = 2 * 2**30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = do_bench_ms(lambda: dst.copy_(src), 25, 200)
+    out["copy_gbps"] = 2 * nbytes / (ms * 1e-3) / 1e9
+    out["copy_bytes"] = nbytes
+    return out

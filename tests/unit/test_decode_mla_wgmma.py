@@ -356,3 +356,44 @@ def test_the_unit_compiles_for_sm_90a_without_spills_or_serialized_wgmma(require
             if k.spill_bytes or k.wgmma_serialized:
                 problems.append(f"{name} ragged={ragged}: {k}")
     assert not problems, "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+@pytest.fixture
+def no_cuda(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mla", "--fp8"], "--mla times its own two variants; it takes no --fp8"),
+    (["--mla", "--option", "decode.stages=4"], "it takes no --option"),
+    (["--mla", "--sweep"], "it takes no --sweep"),
+    (["--mla-heads", "16"], "--mla-heads and --mla-sq go with --mla"),
+    (["--mla", "--mla-heads", "0"], "mla-heads: expected comma-separated positive ints"),
+])  # fmt: skip
+def test_bench_mla_refuses_bad_arguments_before_the_cuda_check(no_cuda, capsys, argv, message):
+    from flashgen.bench.decode import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv, prog="flashgen bench --decode")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+
+
+def test_bench_mla_parses_and_counts_bytes_and_flops(no_cuda, capsys):
+    from flashgen.bench import decode as bench
+    from flashgen.cli.commands import main
+
+    argv = ["bench", "--decode", "--mla", "--mla-heads", "16,128", "--mla-sq", "1,2",
+            "--layouts", "paged1,paged64", "--batch", "2", "--cache", "1000"]  # fmt: skip
+    assert main(argv) == 1 and "needs a CUDA device" in capsys.readouterr().err
+    assert bench.mla_bytes(2, 1000) == 2 * 1000 * 576 * 2
+    assert bench.mla_flops(2, 128, 2, 1000) == 2 * 2 * 128 * 2 * 1000 * (576 + 512)
+    rows = [{"method": f"mla_paged64_{v}", "heads_q": h, "copy_fraction": c, "matmul_fraction": m}
+            for v, h, c, m in (("wgmma", 16, 0.9, 0.1), ("wgmma", 128, 0.5, 0.7),
+                               ("mma_sync", 16, 0.4, 0.05))]  # fmt: skip
+    text = "\n".join(bench.mla_summary(rows))
+    assert "wgmma: 16 heads 90% of the copy ceiling (target 85%)" in text
+    assert "wgmma: 128 heads 70% of the matmul ceiling (target 65%)" in text
+    assert "mma_sync: no 128-head row" in text
