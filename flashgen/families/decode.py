@@ -47,6 +47,19 @@ that factor.  The partials and the lse stay the keys' alone, so the op's results
 before (:func:`flashgen.merge_attention`, ring attention).  The unit keeps its kernel names;
 the option is in its cache key.
 
+Hopper MLA unit (:attr:`Options.mla_wgmma` on, target ``sm_90``, a ``v_from_k`` spec:
+``templates/sm_90/decode_mla.cu.j2``, units ``flashgen_<spec>_decode_[ragged_]wgmma_sm_90_*``):
+the same two kernels and arguments, for MLA's one latent cache.  A CTA's rows are
+:data:`MLA_BLOCK_M` packed query rows (the M of a wgmma; the grid is :func:`geometry`'s with
+that block), each :data:`MLA_BLOCK_N`-key block of 576-column rows is read once per CTA, by
+cp.async through the block table, into a two-stage ring, and three warpgroups share it: the
+first computes S = Q K^T (wgmma from shared memory), the mask and the online softmax and hands
+P and the rows' rescale factors to the two others through shared memory (mbarriers), which own
+256 output columns each (O = alpha O + P V, wgmma, V the rows' first 512 columns).  Splits,
+the fused combine (the same template code), masks, score_mods and sinks are as above; a mask
+that reads tensors is evaluated per element, without the vote.  :func:`mla_wgmma_reason` says
+where it does not apply (an e4m3 cache among them), and the mma.sync unit is planned there.
+
 Semantics (as the padded op on the gathered cache): request ``b`` has ``L = cache_seqlens[b]
 (+ Sq_new with k_new)`` live keys; the spec's mask and score_mod see ``q_idx`` in
 ``[0, Sq_new)``, ``kv_idx`` in ``[0, L)``, ``seqlen_q = Sq_new``, ``seqlen_k = L``, so a query's
@@ -171,7 +184,7 @@ class Options:
     without a sink (its unit renders unchanged).
 
     ``mla_wgmma`` (off by default): a ``v_from_k`` spec (MLA's one latent cache) on ``sm_90``
-    runs the Hopper unit ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan_mla`): 64 packed
+    runs the Hopper unit ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan`): 64 packed
     query rows per CTA, wgmma for Q K^T and P V, each 64-key block of the latent cache read
     once per CTA for both K and V (see :data:`MLA_BLOCK_M`).  Where it does not apply
     (:func:`mla_wgmma_reason`: another target, a spec without ``v_from_k``, an e4m3 cache,
@@ -281,7 +294,9 @@ class DecodeContext(TemplateContext):
     ``sink`` / ``sink_sb`` / ``sink_sh`` (:func:`attn_args`) and scales each row's output by
     ``sigmoid(lse - sink)`` (``fg::dec::sink_share``, templates/common/decode_sink.cuh).
     ``merge_unroll`` (:attr:`Options.merge_unroll`): the unroll of the fused combine's loop
-    over the splits."""
+    over the splits.  ``mla_wgmma``: the context of the Hopper MLA unit
+    (``templates/sm_90/decode_mla.cu.j2``, which also reads ``mma_t``, the wgmma operand type;
+    False renders today's units unchanged)."""
 
     spec_name: str
     base_name: str
@@ -440,7 +455,7 @@ def mla_wgmma_reason(
     spec: Spec, target: str, options: Options | None = None, cache_dtype: str | None = None
 ) -> str | None:
     """Why :func:`plan` gives ``spec`` on ``target`` today's mma.sync unit rather than the Hopper
-    MLA unit (:func:`plan_mla`'s, ``templates/sm_90/decode_mla.cu.j2``), or None when it plans
+    MLA unit (``templates/sm_90/decode_mla.cu.j2``), or None when it plans
     the Hopper unit: :attr:`Options.mla_wgmma` on, target ``sm_90``, a ``v_from_k`` spec of
     head dims 576/512 and a cache of the spec's dtype.  An e4m3 cache is refused here (its
     wgmma operands would need a dequantizing pass through shared memory, which the two-stage
@@ -731,7 +746,10 @@ def plan(
     kernels ``flashgen_<spec>_decode_[ragged_]kv8_<target>_*``, see the module doc).
     ``exact_softmax``: the split merge normalized by the sum of its weights, ``exp(lse_i -
     m) / sum_j exp(lse_j - m)``, not ``exp(lse_i - lse)``: at huge logits (an ulp of lse
-    2^14) ``log(sum)`` is lost in lse's rounding and equal splits weighed 1 each.  Raises
+    2^14) ``log(sum)`` is lost in lse's rounding and equal splits weighed 1 each.  With
+    ``options.mla_wgmma`` where :func:`mla_wgmma_reason` is None, the Hopper MLA unit
+    (``templates/sm_90/decode_mla.cu.j2``, its tiles :data:`MLA_BLOCK_M` x
+    :data:`MLA_BLOCK_N` x :data:`MLA_STAGES`, :func:`mla_smem_bytes`).  Raises
     ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`,
     :func:`cache_dtype_reason`), an unknown target or tiles that do not fit."""
     if target not in TARGETS:

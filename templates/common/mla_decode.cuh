@@ -1,8 +1,9 @@
-// Index maps of the Hopper MLA decode unit (templates/sm_90/decode_mla.cu.j2, flashgen/families/decode.py plan_mla):
-// where a 16-byte chunk of a row lands in the 128-byte-swizzled panels that wgmma reads, which rows and chunks of a
-// 64-key block each loading thread copies, where key kv of a request lives in a dense or paged latent cache, and which
-// (new token, query head) a packed row is.  __host__ __device__: tests/unit/test_decode_mla_wgmma.py compiles the
-// maps with the host compiler and checks them against brute force.  Needs fg::Divisor (common/mma_sm80.cuh).
+// Index maps of the Hopper MLA decode unit (templates/sm_90/decode_mla.cu.j2, flashgen/families/decode.py): where a
+// 16-byte chunk of a row lands in the 128-byte-swizzled panels that wgmma reads, which rows and chunks of a 64-key
+// block each loading thread copies, where key kv of a request lives in a dense or paged latent cache, which (new
+// token, query head) a packed row is, and the wgmma accumulator fragment.  __host__ __device__:
+// tests/unit/test_decode_mla_wgmma.py compiles the maps with the host compiler and checks them against brute force.
+// Needs fg::Divisor (common/mma_sm80.cuh).
 #ifndef FG_MLA_DECODE_CUH
 #define FG_MLA_DECODE_CUH
 
@@ -81,8 +82,8 @@ namespace mla {
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
-// Block until the phase with parity `phase` of mbarrier `bar` has completed: the spin loop inside one asm statement, so
-// the compiler sees no loop between the wgmmas that follow one another around it (ptxas would fence their accumulators).
+// Block until the phase with parity `phase` of mbarrier `bar` has completed: the spin loop inside one asm statement
+// (no loop in the C++ between the wgmmas around a wait).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
     asm volatile("{\n.reg .pred p;\n"
                  "WAIT:\n"

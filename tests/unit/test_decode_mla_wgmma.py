@@ -1,5 +1,5 @@
 """The Hopper MLA decode unit (issue 40 part 3; ``Options.decode.mla_wgmma``,
-templates/sm_90/decode_mla.cu.j2, flashgen.families.decode.plan_mla): the typed option, which
+templates/sm_90/decode_mla.cu.j2, flashgen.families.decode.plan): the typed option, which
 plan the registry gives with it on and off (sm_90 only, v_from_k only, 16-bit caches only:
 an e4m3 cache falls back to the mma.sync unit's kv8 form), the launch geometry of 64 packed
 rows per CTA, the shared memory of the unit, the index maps of templates/common/mla_decode.cuh
