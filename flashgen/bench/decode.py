@@ -121,6 +121,16 @@ def _graph_time(fn, calls: int):
     return run
 
 
+def alternating_medians(timers: dict, rounds: int) -> dict:
+    """``{name: median ms}`` of ``rounds`` rounds, each timing every ``timers[name]()`` (a
+    replay timer of :func:`_graph_time`) once, in order: alternating rounds."""
+    times: dict = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, t in timers.items():
+            times[name].append(t())
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def _peers(q, k, v, flex: bool = True):
     """name -> zero-arg callable on the dense cache k, v ``[B, Hkv, L, D]`` (FlexAttention
     when ``flex``)."""
@@ -282,11 +292,7 @@ def _time_group(args, op, swa, q, lens, batch, cache, hq, hkv, d, layouts, kv_by
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run here
                     print(f"  {name} B{batch} {cache}: skipped ({type(e).__name__}: {e})"[:200],
                           file=sys.stderr)  # fmt: skip
-            times: dict = {n: [] for n in timers}
-            for _ in range(args.rounds):
-                for name, t in timers.items():
-                    times[name].append(t())
-            medians = {name: statistics.median(ts) for name, ts in times.items()}
+            medians = alternating_medians(timers, args.rounds)
             for name, ms in medians.items():
                 fp8 = name.endswith("_fp8")
                 nbytes = kv_bytes // 2 if fp8 else kv_bytes  # 1-byte elements
@@ -453,13 +459,8 @@ def sweep(args) -> list[dict]:
                                  num_splits=plan.num_splits, grid=list(plan.geometry.grid),
                                  ctas_per_sm=family.ctas_per_sm(unit), kv_bytes=kv_bytes,
                                  default=opts == family.Options() and w == 1.0)  # fmt: skip
-    times: dict = {k: [] for k in timers}
-    for _ in range(args.rounds):
-        for k, t in timers.items():
-            times[k].append(t())
     rows = []
-    for k, ts in times.items():
-        ms = statistics.median(ts)
+    for k, ms in alternating_medians(timers, args.rounds).items():
         m = meta[k]
         rows.append({**m, "method": "sweep", "us": ms * 1e3,
                      "tb_per_s": m["kv_bytes"] / (ms * 1e-3) / 1e12})  # fmt: skip
@@ -574,13 +575,8 @@ def _time_mla(args, ops, kc, table, lens, lay, ps, npages, hq, sq, copy_tbs, mat
     nbytes, flops = mla_bytes(batch, cache), mla_flops(batch, hq, sq, cache)
     calls = max(3, min(args.calls, int(2e-3 * 3e12 / max(nbytes, 1))))
     timers = {name: _graph_time(fn, calls) for name, (fn, _) in methods.items()}
-    times: dict = {name: [] for name in timers}
-    for _ in range(args.rounds):
-        for name, t in timers.items():
-            times[name].append(t())
     out = []
-    for name, ts in times.items():
-        ms = statistics.median(ts)
+    for name, ms in alternating_medians(timers, args.rounds).items():
         plan = methods[name][1]
         tbs, tflops = nbytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12
         row = {"method": f"mla_{lay}_{name}", "unit": plan.kernels["attn"].plan.template,

@@ -4,7 +4,9 @@ columns of the one latent cache, num_heads_kv 1) against a float64 reference wit
 from K: dense and paged (page sizes 1, 16, 64) bf16 and e4m3 caches, 16 and 128 query heads
 (128: eight CTAs of 16 heads per request), lengths 1, 17, 127, 1000, 4097, Sq_new 1 and 2
 appended (MTP), ragged Sq_new, num_splits 1 / 3 / heuristic; a planned call in a CUDA graph;
-compute-sanitizer memcheck.  The accuracy rule is tests/gpu/test_decode_gpu.py's."""
+compute-sanitizer memcheck.  Ragged Sq_new, the graph and memcheck also with
+``decode.mla_wgmma`` on an sm_90 GPU (the Hopper unit; its own tests:
+tests/gpu/test_decode_mla_wgmma_gpu.py).  The accuracy rule is tests/gpu/test_decode_gpu.py's."""
 
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ D, DV = 576, 512
 def _cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+
+
+def _op(wgmma: bool = False):
+    """The MLA op, with ``decode.mla_wgmma`` (the Hopper unit: sm_90 only, else a skip)."""
+    if wgmma and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper MLA unit runs on sm_90")
+    from flashgen.families import decode as family
+
+    return flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_wgmma=wgmma)))
 
 
 def latent_cache(batch, cap, *, ps, dense, dtype=torch.bfloat16, seed=0):
@@ -106,8 +117,11 @@ def test_mla_against_float64(hq, sq, ps, splits, fp8):
     check(op, q, kc, table, live, o, lse, kd)
 
 
-def test_ragged_mla_against_float64():
-    op = flashgen.load(SPEC)
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
+def test_ragged_mla_against_float64(wgmma):
+    """Ragged Sq_new (0 to 3 new tokens per request, appended), 128 heads; ``wgmma``: the Hopper
+    unit (``decode.mla_wgmma``, sm_90 only)."""
+    op = _op(wgmma)
     sqs, lens = [2, 0, 1, 3], [17, 4, 1000, 127]
     live = [n + s for n, s in zip(lens, sqs, strict=True)]
     kc, table = latent_cache(4, max(live) + 1, ps=16, dense=False)
@@ -128,14 +142,18 @@ def test_ragged_mla_against_float64():
         check(op, one, kc, tb, [live[b]], o[q0:q1].transpose(0, 1)[None], lse[:, q0:q1][None])
 
 
-def test_mla_plan_in_a_cuda_graph():
-    op = flashgen.load(SPEC)
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
+def test_mla_plan_in_a_cuda_graph(wgmma):
+    """A planned call captured and replayed; ``wgmma``: the Hopper unit (``decode.mla_wgmma``,
+    sm_90 only), whose 64-row CTAs take 128 heads in two."""
+    op = _op(wgmma)
     lens = [17, 4000]
     kc, table = latent_cache(2, 4096, ps=64, dense=False)
     q = torch.randn(2, 128, 1, D, device="cuda").bfloat16()
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     p = op.plan_decode(batch=2, num_heads=128, num_heads_kv=1, seqlen_q=1, cache_capacity=4096,
                        page_size=64, num_pages=kc.shape[0])  # fmt: skip
+    assert p.geometry.m_blocks == (2 if wgmma else 8)
     op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -154,9 +172,14 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 import flashgen
 from pathlib import Path
-op = flashgen.load(Path(sys.argv[1]) / "specs" / "mla_decode.yaml")
+from flashgen.families import decode as family
+spec = Path(sys.argv[1]) / "specs" / "mla_decode.yaml"
+runs = [(flashgen.load(spec), (torch.bfloat16, torch.float8_e4m3fn))]
+if torch.cuda.get_device_capability()[0] == 9:  # the Hopper unit (decode.mla_wgmma): 16-bit caches
+    wg = flashgen.Options(decode=family.Options(mla_wgmma=True))
+    runs.append((flashgen.load(spec, options=wg), (torch.bfloat16,)))
 forms = ((1, 1, torch.bfloat16), (64, 3, torch.bfloat16), (16, 2, torch.float8_e4m3fn))
-for ps, splits, dt in forms:
+for op, ps, splits, dt in [(op, *f) for op, dts in runs for f in forms if f[2] in dts]:
     pp = -(-300 // ps)
     kc = torch.randn(2 * pp + 2, ps, 1, 576, device="cuda").to(dt)
     table = torch.randperm(2 * pp + 2, device="cuda")[: 2 * pp].view(2, pp).int().contiguous()

@@ -3,10 +3,12 @@ templates/sm_90/decode_mla.cu.j2; ``python -m pytest -q tests/gpu/test_decode_ml
 an sm_90 GPU): specs/mla_decode.yaml with the option on against the float64 reference with V
 sliced from K, at cache lengths 1, 17, 127, 1000 and 4097 in one batch, dense and paged (page
 sizes 1, 16, 64), 16, 64 and 128 query heads, Sq_new 1 and 2 (appended), num_splits 1, 3 and
-the heuristic's; ragged Sq_new; a planned call in a CUDA graph; the mma.sync unit (option off)
-within the same bound.  Outputs are poisoned (NaN) before launch, and every cache slot a
+the heuristic's; the mma.sync unit (option off) within the same bound; empty requests and bad
+pages (ragged Sq_new and a planned call in a CUDA graph: test_decode_mla_gpu.py's tests, with
+the option).  Outputs are poisoned (NaN) before launch, and every cache slot a
 request does not own holds NaN, so a read past the live keys or through a wrong page shows
-in o.  The accuracy rule is tests/gpu/test_decode_gpu.py's (test_decode_mla_gpu.check)."""
+in o.  The accuracy rule is tests/gpu/test_decode_gpu.py's (test_decode_mla_gpu.check: V is the
+first 512 columns of the cache, whose NaN slots past the live keys the reference never reads)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from test_decode_mla_gpu import check  # noqa: E402  (the MLA accuracy rule)
 
 import flashgen  # noqa: E402
 from flashgen.families import decode as family  # noqa: E402
@@ -66,25 +70,6 @@ def latent_cache(lens, cap, *, ps, dense, seed=0):
     return kc, table
 
 
-def check(op, q, kc, table, live, o, lse):
-    """o and lse against the float64 reference on the cache with V its first 512 columns (the
-    rule of test_decode_mla_gpu.check; NaN slots past live are never part of the reference)."""
-    from flashgen.ops.decode.op import decode_reference
-
-    vc = kc[..., :DV]
-    lens = torch.as_tensor(live)
-    r64o, r64l = decode_reference(op.spec, q, kc, vc, lens, table)
-    rlo, _ = decode_reference(op.spec, q, kc, vc, lens, table, compute_dtype=q.dtype)
-    assert not torch.isnan(o).any(), "NaN in o: a read past the live keys or an unwritten row"
-    bound = 2 * (rlo.double() - r64o).abs().max().item() + 1e-3
-    err = (o.double() - r64o).abs().max().item()
-    assert err <= bound, f"o error {err:.3g} > bound {bound:.3g}"
-    fin = torch.isfinite(r64l)
-    assert torch.equal(torch.isfinite(lse), fin)
-    rel = ((lse.double() - r64l).abs() / r64l.abs().clamp_min(1.0))[fin].max().item()
-    assert rel <= 1e-2, f"lse relative error {rel:.3g}"
-
-
 def _runs_the_hopper_unit(op):
     dev = torch.device("cuda", torch.cuda.current_device())
     unit = decode_op(op).kernels(dev, op.options.decode)["attn"].plan
@@ -124,49 +109,6 @@ def test_mla_wgmma_agrees_with_the_mma_sync_unit():
     check(on, q, kc, table, LENS, o1, l1)
     assert (o1.float() - o0.float()).abs().max().item() < 3e-2
     assert torch.allclose(l1, l0, rtol=1e-4, atol=1e-3)
-
-
-def test_ragged_mla_wgmma_against_float64():
-    op, _ = _ops()
-    sqs, lens = [2, 0, 1, 2, 1], [17, 4, 1000, 127, 4097]
-    live = [n + s for n, s in zip(lens, sqs, strict=True)]
-    kc, table = latent_cache(lens, max(live) + 1, ps=64, dense=False, seed=2)
-    cu = torch.tensor([0, *torch.tensor(sqs).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), 128, D, device="cuda").bfloat16()
-    kn = torch.randn(int(cu[-1]), 1, D, device="cuda").bfloat16()
-    with poison_outputs():
-        o, lse = op.with_kvcache(q, kc, None, torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                 block_table=table, k_new=kn, cu_seqlens_q=cu.cuda())  # fmt: skip
-    torch.cuda.synchronize()
-    for b in range(len(lens)):
-        q0, q1 = int(cu[b]), int(cu[b + 1])
-        if q1 == q0:
-            continue
-        one = q[q0:q1].transpose(0, 1)[None]
-        check(op, one, kc, table[b : b + 1], [live[b]], o[q0:q1].transpose(0, 1)[None],
-              lse[:, q0:q1][None])  # fmt: skip
-
-
-def test_mla_wgmma_plan_in_a_cuda_graph():
-    op, _ = _ops()
-    lens = [17, 4000]
-    kc, table = latent_cache(lens, 4096, ps=64, dense=False, seed=3)
-    q = torch.randn(2, 128, 1, D, device="cuda").bfloat16()
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    p = op.plan_decode(batch=2, num_heads=128, num_heads_kv=1, seqlen_q=1, cache_capacity=4096,
-                       page_size=64, num_pages=kc.shape[0])  # fmt: skip
-    assert p.geometry.m_blocks == 2  # 128 heads: two CTAs of 64 rows per request and split
-    op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, lse = op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p)
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    torch.cuda.synchronize()
-    want = op.with_kvcache(q, kc, None, lens_t, block_table=table, num_splits=p.num_splits)
-    assert torch.equal(o, want[0]) and torch.equal(lse, want[1])
-    check(op, q, kc, table, lens, o, lse)
 
 
 def test_mla_wgmma_empty_and_bad_pages():
