@@ -63,10 +63,9 @@ def latent_cache(lens, cap, *, ps, dense, seed=0):
     kc = torch.full((num_pages, ps, 1, D), math.nan, device="cuda").bfloat16()
     table = torch.randperm(num_pages, generator=g, device="cuda")[: batch * max_pages]
     table = table.view(batch, max_pages).int().contiguous()
-    for b, n in enumerate(lens):
-        for p in range(-(-n // ps)):
-            rows = min(ps, n - p * ps)
-            kc[int(table[b, p]), :rows] = torch.randn(rows, 1, D, generator=g, device="cuda")
+    pages = torch.cat([table[b, torch.arange(n, device="cuda") // ps] for b, n in enumerate(lens)])
+    slots = torch.cat([torch.arange(n, device="cuda") % ps for n in lens])
+    kc[pages.long(), slots] = torch.randn(len(slots), 1, D, generator=g, device="cuda").bfloat16()
     return kc, table
 
 
