@@ -35,7 +35,7 @@ per CTA) and on (the Hopper unit, 64 per CTA), in alternating rounds in CUDA gra
 ``--mla-heads`` query heads and ``--mla-sq`` new tokens (defaults :data:`MLA_DEFAULTS`), next
 to the device-copy and bf16-matmul ceilings measured in the same run: each row has the latent
 cache's bytes read per second (:func:`mla_bytes`, and its share of the copy ceiling) and the
-matmul rate (:func:`mla_flops`, and its share of the matmul ceiling), the figures of issue 40's
+matmul rate (:func:`mla_flops`, and its share of the matmul ceiling), the figures of the MLA
 targets (85% of the copy ceiling at 16 heads, 65% of the matmul ceiling at 128); ``<out
 stem>_mla.json``.
 
@@ -593,7 +593,7 @@ def _time_mla(args, ops, kc, table, lens, lay, ps, npages, hq, sq, copy_tbs, mat
 
 
 def mla_summary(rows: list[dict]) -> list[str]:
-    """Issue 40's two figures from ``--mla`` rows, per variant: the best share of the copy
+    """The MLA targets' two figures from ``--mla`` rows, per variant: the best share of the copy
     ceiling at 16 query heads (target 85%) and of the matmul ceiling at 128 (target 65%)."""
     lines = []
     for name, _ in MLA_VARIANTS:

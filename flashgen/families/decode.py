@@ -187,9 +187,10 @@ class Options:
     runs the Hopper unit ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan`): 64 packed
     query rows per CTA, wgmma for Q K^T and P V, each 64-key block of the latent cache read
     once per CTA for both K and V (see :data:`MLA_BLOCK_M`).  Where it does not apply
-    (:func:`mla_wgmma_reason`: another target, a spec without ``v_from_k``, an e4m3 cache,
-    ``pack_gqa`` off) the family plans today's mma.sync unit; ``block_n``, ``stages`` and
-    ``ctas_per_sm`` do not shape the Hopper unit."""
+    (:func:`mla_wgmma_reason`: another target, a spec without ``v_from_k``, an e4m3 cache)
+    the family plans today's mma.sync unit, and the op warns for a ``v_from_k`` spec
+    (:func:`mla_wgmma_fallback`); ``block_n``, ``stages`` and ``ctas_per_sm`` do not shape the
+    Hopper unit."""
 
     block_n: int | None = None
     stages: int | None = None
@@ -393,6 +394,8 @@ class DecodePlan(KernelPlan):
             out["cache_dtype"] = "fp8_e4m3"
         if self.fused_sink:
             out["fused_sink"] = True
+        if self.context.get("mla_wgmma"):
+            out["mla_wgmma"] = True
         return out
 
 
@@ -478,6 +481,22 @@ def mla_wgmma_reason(
             "unit's kv8 form reads e4m3)"
         )
     return None
+
+
+def mla_wgmma_fallback(
+    spec: Spec, target: str, options: Options | None = None, cache_dtype: str | None = None
+) -> str | None:
+    """The warning for a call that asked for the Hopper MLA unit and gets the mma.sync one:
+    :attr:`Options.mla_wgmma` on, a ``v_from_k`` spec, and :func:`mla_wgmma_reason` not None
+    (an e4m3 cache, a target other than ``sm_90``); None otherwise (the option off, or a spec
+    without ``v_from_k``, for which the option means nothing)."""
+    options = options or Options()
+    if not options.mla_wgmma or not spec.v_from_k:
+        return None
+    why = mla_wgmma_reason(spec, target, options, cache_dtype)
+    if why is None:
+        return None
+    return f"Options.decode.mla_wgmma: {why}; these calls run the mma.sync decode unit"
 
 
 def mla_smem_bytes() -> int:

@@ -397,3 +397,20 @@ def test_bench_mla_parses_and_counts_bytes_and_flops(no_cuda, capsys):
     assert "wgmma: 16 heads 90% of the copy ceiling (target 85%)" in text
     assert "wgmma: 128 heads 70% of the matmul ceiling (target 65%)" in text
     assert "mma_sync: no 128-head row" in text
+
+
+def test_a_call_the_hopper_unit_cannot_serve_is_told_so():
+    """With the option on, an e4m3 cache (or another target) runs the mma.sync unit, and the
+    op warns once per unit it loads (``DecodeOp.kernels``) with this message; a spec without
+    ``v_from_k`` or the option off says nothing."""
+    why = family.mla_wgmma_fallback(SPEC, "sm_90", ON.decode, "fp8_e4m3")
+    assert why.startswith("Options.decode.mla_wgmma: the Hopper MLA unit reads a bf16 cache")
+    assert why.endswith("these calls run the mma.sync decode unit")
+    on_sm80 = family.mla_wgmma_fallback(SPEC, "sm_80", ON.decode)
+    assert "is sm_90 (wgmma), the target is sm_80" in on_sm80
+    assert family.mla_wgmma_fallback(SPEC, "sm_90", ON.decode) is None
+    assert family.mla_wgmma_fallback(SPEC, "sm_90", DEFAULT.decode, "fp8_e4m3") is None
+    llama = load_spec(ROOT / "specs" / "llama3_gqa.yaml")
+    assert family.mla_wgmma_fallback(llama, "sm_90", ON.decode) is None
+    assert _plan().config()["mla_wgmma"] is True
+    assert "mla_wgmma" not in _plan(options=DEFAULT).config()

@@ -16,6 +16,7 @@ units), ``_live`` (the live-block memo) and calls its ``_refuse``.  It imports
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -271,6 +272,9 @@ class DecodePlanning:
                 from flashgen.runtime import launch as runtime
 
                 target = target_for_device(self.spec, torch.device("cuda", index))
+                why = family.mla_wgmma_fallback(self.spec, target, options, cache_dtype)
+                if why is not None:  # asked for the Hopper MLA unit, which does not serve this
+                    warnings.warn(why, stacklevel=3)
                 p = registry.plan_decode(
                     self.spec, target, dataclasses.replace(self.op.options, decode=options),
                     ragged=ragged, cache_dtype=cache_dtype,
