@@ -122,12 +122,13 @@ class Options:
     with ``tensor_masks``, a mask with a two-sided read (spec_tree's
     ``ancestors[b, q_idx, kv_idx - ...]``) too, its edge pairs reading the tensor each.
 
-    ``int_classifier`` (on by default): the tile classifier of a mask
-    that computes only int32 numbers (:func:`flashgen.analysis.masktiles.integer_only`:
-    mistral_swa, chunked_local, prefix_lm; not one that reads tensors) bounds it on 64-bit
-    integer ranges (``templates/common/masktiles_int.cuh``) instead of double ones: the same
-    classes, half the registers, so each step's class costs the consumers less; chunked_local
-    and mistral_swa then build their 80-query steps spill-free (``masked_80``).
+    ``int_classifier`` (off by default: slower on mistral_swa and prefix_lm, docs/perf-notes.md):
+    the tile classifier of a mask that computes only int32 numbers
+    (:func:`flashgen.analysis.masktiles.integer_only`: mistral_swa, chunked_local, prefix_lm;
+    not one that reads tensors) bounds it on 64-bit integer ranges
+    (``templates/common/masktiles_int.cuh``) instead of double ones: the same classes, half the
+    registers; chunked_local and mistral_swa then build their 80-query steps spill-free
+    (``masked_80``).
 
     ``dparam_affine`` (off by default, until run on a GPU): a unit with param gradients whose
     every term is per CTA with d score_mod / d param affine in ``q_idx`` and ``kv_idx`` and
@@ -158,7 +159,7 @@ class Options:
     tensor_masks: bool = True
     two_sided_masks: bool = True
     masked_80: bool = True
-    int_classifier: bool = True
+    int_classifier: bool = False
     dparam_affine: bool = False
 
     def __post_init__(self) -> None:

@@ -1344,16 +1344,16 @@ def test_masked_80_gives_masked_specs_80_query_steps_where_they_compile_clean(re
 
 # ------------------------- the tile classifier on 64-bit integer ranges (int_classifier)
 def test_int_classifier_gives_the_window_masks_spill_free_80_query_steps(requires_nvcc):
-    """``hopper_bwd.int_classifier`` (on by default) with ``masked_80``: chunked_local and
+    """``hopper_bwd.int_classifier`` (off by default) with ``masked_80``: chunked_local and
     mistral_swa, whose double-range step classifier spilled 32 B at 80-query steps, build
     them spill-free; a mask that reads tensors (document_mask) keeps the double ranges, and
     the option off renders units without ``masktiles_int.cuh``."""
     from flashgen.families.build import build_backward
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    assert DEFAULT.hopper_bwd.int_classifier and DEFAULT.hopper_bwd.masked_80
-    on = DEFAULT
-    off = DEFAULT.replace_path("hopper_bwd.int_classifier", False)
+    assert not DEFAULT.hopper_bwd.int_classifier and DEFAULT.hopper_bwd.masked_80
+    on = DEFAULT.replace_path("hopper_bwd.int_classifier", True)
+    off = DEFAULT
     for name in ("chunked_local", "mistral_swa"):
         spec = shipped(name)
         assert "fg::ivi" not in render(reg_plan(spec, "sm_90", off).unit)
