@@ -64,28 +64,7 @@ FG_HD R mod(R a, R b, bool) {
     return {a.lo >= 0 ? 0 : -(c - 1), a.hi <= 0 ? 0 : c - 1};
 }
 
-FG_HD T lt(R a, R b) { return {a.lo < b.hi, a.hi >= b.lo}; }
-FG_HD T le(R a, R b) { return {a.lo <= b.hi, a.hi > b.lo}; }
-FG_HD T gt(R a, R b) { return {a.hi > b.lo, a.lo <= b.hi}; }
-FG_HD T ge(R a, R b) { return {a.hi >= b.lo, a.lo < b.hi}; }
-FG_HD T eq(R a, R b) {
-    const bool overlap = a.lo <= b.hi && b.lo <= a.hi;
-    const bool same = a.lo == a.hi && b.lo == b.hi && a.lo == b.lo;
-    return {overlap, !same};
-}
-FG_HD T ne(R a, R b) { return iv::lnot(eq(a, b)); }
-
-FG_HD R cond(T c, R x, R y) {
-    if (!c.t) return y;
-    if (!c.f) return x;
-    return {lmin(x.lo, y.lo), lmax(x.hi, y.hi)};
-}
-FG_HD R fabs_(R a) {
-    if (a.lo >= 0) return a;
-    if (a.hi <= 0) return {-a.hi, -a.lo};
-    return {0, lmax(-a.lo, a.hi)};
-}
-FG_HD R min_(R a, R b) { return {lmin(a.lo, b.lo), lmin(a.hi, b.hi)}; }
-FG_HD R max_(R a, R b) { return {lmax(a.lo, b.lo), lmax(a.hi, b.hi)}; }
+using ivr::lt; using ivr::le; using ivr::gt; using ivr::ge; using ivr::eq; using ivr::ne;
+using ivr::cond; using ivr::fabs_; using ivr::min_; using ivr::max_;  // common/masktiles_intrules.cuh
 }  // namespace ivi
 }  // namespace fg

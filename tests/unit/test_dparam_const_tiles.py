@@ -87,8 +87,8 @@ def _host_program(cases) -> str:
     :data:`MIRRORED` shapes at 64 x 128) the test's bit per tile."""
     root = template_root() / "common"
     parts = [preamble()]
-    parts += [(root / f).read_text() for f in ("masktiles.cuh", "masktiles_int.cuh",
-                                                "masktiles_i32.cuh")]  # fmt: skip
+    headers = ("masktiles.cuh", "masktiles_intrules.cuh", "masktiles_int.cuh", "masktiles_i32.cuh")
+    parts += [(root / f).read_text() for f in headers]
     runs = []
     for ci, (name, spec, values) in enumerate(cases):
         decl, args = scalar_params(spec, values)

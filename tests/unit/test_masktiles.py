@@ -71,7 +71,8 @@ def _random_specs(n: int, wild: bool) -> list:
 def _program(specs, cases, causal_bits: bool = False, integer: bool = False) -> str:
     """A host program: one classifier per spec, then the cases (one line each) classified."""
     root = template_root()
-    parts = [(root / "common" / f).read_text() for f in ("masktiles.cuh", "masktiles_int.cuh")]
+    parts = [(root / "common" / f).read_text()
+             for f in ("masktiles.cuh", "masktiles_intrules.cuh", "masktiles_int.cuh")]
     parts.append("#include <cstdio>")
     for i, spec in enumerate(specs):
         parts.append(
