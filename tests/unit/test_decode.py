@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fast_plan import launched_args
 
 import flashgen
 from flashgen.families import decode as family
@@ -599,7 +600,6 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     argument, by name), it enqueues the append then the attention kernel with the plan's
     grids, a second call with the same layout skips validation, and a new layout
     re-validates (a bad one raises OpInputError)."""
-    import ctypes
     import types
 
     from flashgen.ops import calls as calls_mod
@@ -649,11 +649,6 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
     scale = 1 / math.sqrt(128)
     values = dop.launch_values(plan, q, kc, vc, lens, table, o, lse, scale, [9], {})
 
-    def unpack(layout, params):
-        base = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0]
-        raw = ctypes.string_at(base, layout.size)
-        return dict(zip(layout.names, layout.struct.unpack_from(raw, 0), strict=True))
-
     def as_c(layout, name, v):
         code = layout.codes[layout.index[name]]
         if code == "Q":
@@ -661,10 +656,10 @@ def test_planned_fast_path_packs_the_general_paths_arguments(monkeypatch):
         return float(torch.tensor(v, dtype=torch.float32)) if code == "f" else int(v)
 
     fast = plan.fast
-    got = unpack(fast.attn_layout, launches[1][4])
+    got = launched_args(fast.attn_layout, launches[1][4])
     want = {n: as_c(fast.attn_layout, n, values[n]) for n in fast.attn_layout.names}
     assert got == want
-    got = unpack(fast.app_layout, launches[0][4])
+    got = launched_args(fast.app_layout, launches[0][4])
     av = dop.append_values(values, kn, vn)
     assert got == {n: as_c(fast.app_layout, n, av[n]) for n in fast.app_layout.names}
     # same layout: no validation (a wrong-device plan check would raise if it ran)
