@@ -21,7 +21,7 @@ then ``o.backward(dO)``, one random dO per row for every candidate):
   trained flex``, :class:`FlexPeer`): ``torch.compile(flex_attention)`` with the spec's
   score_mod capturing the slopes / table (built as ``bench --gallery`` builds Flex,
   :func:`flashgen.bench.peers.make_forward`), forward + backward on the same q, k, v and dO.
-  Issue 37's target: flashgen's trained call at least 2x as fast (:data:`FLEX_TARGET`); the
+  The target: flashgen's trained call at least 2x as fast (:data:`FLEX_TARGET`); the
   line's ``flashgen/Flex speed (target >= 2x)`` and results.json's ``vs_flex`` give Flex's ms
   over each flashgen trained call's (``speed_flashgen_over_flex``).  Before timing, once, as
   ``flashgen ab`` compares variants, Flex's gradients (the captured tensor's, dq, dk, dv)
