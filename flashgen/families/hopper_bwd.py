@@ -144,6 +144,12 @@ class Options:
     form in the P^T pass; a unit that spills with it is built without it
     (:func:`flashgen.families.build.build_backward`).
 
+    ``ordered_d256`` (off by default, until run on a GPU): ``ordered_dq`` at head_dim 256 too,
+    so ``deterministic=True`` there takes this kernel instead of the FA2-class deterministic
+    ones: each consumer warpgroup waits on the query block's semaphore for both warpgroups of
+    every earlier key block's CTA, adds its 128 dQ columns, and counts itself in with a
+    release add after a fence.
+
     Where dS^T is computed from the packed P^T (head_dim 64's 128-query and 128's 80-query
     steps) it reads that fragment while dV, whose A operand it is, may still run."""
 
@@ -161,6 +167,7 @@ class Options:
     masked_80: bool = True
     int_classifier: bool = False
     dparam_affine: bool = False
+    ordered_d256: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -359,14 +366,17 @@ def _residual_split(spec: Spec):
     return rowcol.split(residual, spec) if residual is not None else None
 
 
-def ordered_eligible(spec: Spec, target: str, family: str = "auto") -> bool:
+def ordered_eligible(
+    spec: Spec, target: str, family: str = "auto", options: Options = _DEFAULT_OPTIONS
+) -> bool:
     """Whether ``spec``'s backward on ``target`` can add dQ in a fixed order (``ordered_dq``):
-    :func:`eligible`, head_dim 64 or 128 (at 256 the consumers reduce dQ themselves), and no
-    mask or causal, so the key blocks that add into a query block are a prefix 0 .. n of
-    them (a residual mask's hull is not)."""
+    :func:`eligible`, head_dim 64 or 128 (the dQ writer waits its turn) or 256 with
+    ``options.ordered_d256`` (the consumer warpgroups wait for theirs before their reductions),
+    and no mask or causal, so the key blocks that add into a query block are a prefix 0 .. n
+    of them (a residual mask's hull is not)."""
     return (
         eligible(spec, target, family)
-        and spec.head_dim <= 128
+        and (spec.head_dim <= 128 or options.ordered_d256)
         and (spec.mask is None or spec.mask == Causal())
     )
 
@@ -423,10 +433,10 @@ def plan(
             f"head_dim_v in {list(HOPPER_BWD_HEAD_DIMS)}, no varlen, and a mask that reads no "
             "tensor (or hopper_bwd.tensor_masks)"
         )
-    if ordered_dq and not ordered_eligible(spec, target):
+    if ordered_dq and not ordered_eligible(spec, target, options=options):
         raise ValueError(
-            f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 and "
-            "no mask or causal"
+            f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 (256 "
+            "with hopper_bwd.ordered_d256) and no mask or causal"
         )
     if param_grads and (
         ordered_dq or not dparam.hopper_forms_ok(spec, param_grads, options.dparam_diagonal)

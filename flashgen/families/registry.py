@@ -109,7 +109,7 @@ def select(
         deterministic
         and not param_grads
         and options.hopper_bwd.ordered_dq
-        and hopper_bwd.ordered_eligible(spec, target, options.family)
+        and hopper_bwd.ordered_eligible(spec, target, options.family, options.hopper_bwd)
     ):
         return Route("hopper_bwd", atomic_dq=True, ordered_dq=True)
     if deterministic or options.atomic_dq is False:

@@ -1,7 +1,7 @@
 {#- Device helpers of the Hopper backward (templates/sm_90/bwd.cu.j2), included where they are used: async
     copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
     the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
-    Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t). -#}
+    Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t, ordered_dq). -#}
 namespace fg {
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
@@ -49,6 +49,15 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 __device__ __forceinline__ void st_release_gpu(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
 }
+{% if split_d and ordered_dq %}
+// fence.acq_rel at GPU scope: this thread's earlier global writes and reductions are performed before its later
+// ones (and, through a barrier, before another thread's release).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+// *p += v at GPU scope with release semantics (the split head-dim layout's ordered dQ counts its warpgroups in).
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+{% endif %}
 __device__ __forceinline__ void fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }

@@ -351,11 +351,47 @@ def test_ordered_dq_plan_and_render():
             reg_plan(spec, "sm_90", DEFAULT, ordered_dq=True)
 
 
-@pytest.mark.parametrize("name", ["causal_d128", "gpt2_d64", "alibi"])  # (llama3_gqa: causal's)
-def test_ordered_dq_compiles_without_spills(requires_nvcc, name):
+#: ``hopper_bwd.ordered_d256``: head_dim 256's ordered form (off by default)
+ORDERED_D256 = DEFAULT.replace_path("hopper_bwd.ordered_d256", True)
+
+
+def test_ordered_d256_routes_and_renders_the_consumers_turn():
+    """With ``ordered_d256``, ``deterministic=True`` at head_dim 256 (no mask, causal, a
+    score_mod) takes the Hopper kernel's ordered form; each consumer warpgroup waits for two
+    counts per earlier key block, adds its dQ columns, fences, meets its warpgroup and counts
+    itself in with a release add.  A residual mask stays on the FA2-class kernels."""
+    from flashgen.families import hopper_bwd
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    plan = reg_plan(shipped(name), "sm_90", DEFAULT, ordered_dq=True)
+    for name in ("bidir_d256", "gemma2_softcap"):
+        assert backward_path(shipped(name), "sm_90", True) == "deterministic"
+        assert backward_path(shipped(name), "sm_90", True, ORDERED_D256) == "hopper_ordered"
+        assert backward_path(shipped(name), "sm_90", False, ORDERED_D256) == "hopper"
+    assert backward_path(small(256, "fp16", True), "sm_90", True, ORDERED_D256) == "hopper_ordered"
+    mistral = at_d256("mistral_swa")
+    assert not hopper_bwd.ordered_eligible(mistral, "sm_90", options=ORDERED_D256.hopper_bwd)
+    assert backward_path(mistral, "sm_90", True, ORDERED_D256) == "deterministic"
+    plan = reg_plan(shipped("bidir_d256"), "sm_90", ORDERED_D256, ordered_dq=True)
+    assert plan.dkdv.context["split_d"] and plan.dkdv.kernel_name.endswith("_wgmma_ordered_dkdv")
+    assert "dq_sem" in [a.name for a in plan.dkdv.args]
+    src = render(plan.unit)
+    wait = src.index("while (fg::ld_acquire_gpu(sem) < 2 * (n0 / BLOCK_N)) {}")
+    red = src.index("fg::red_add_dq_frag<DW / 8>", wait)
+    fence = src.index("fg::fence_acq_rel_gpu();", red)
+    meet = src.index("fg::named_barrier_sync(BAR_DQ_ORDER + cg, 128);", fence)
+    assert src.index("fg::red_release_gpu_add(sem, 1);", meet) > meet
+    unordered = render(reg_plan(shipped("bidir_d256"), "sm_90", ORDERED_D256).unit)
+    assert "dq_sem" not in unordered and "red_release_gpu_add" not in unordered
+
+
+@pytest.mark.parametrize(
+    "name", ["causal_d128", "gpt2_d64", "alibi", "bidir_d256", "gemma2_softcap"]
+)
+def test_ordered_dq_compiles_without_spills(requires_nvcc, name):
+    """(llama3_gqa: causal_d128's code; head_dim 256 under ``ordered_d256``.)"""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped(name), "sm_90", ORDERED_D256, ordered_dq=True)
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
 
