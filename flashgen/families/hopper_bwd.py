@@ -144,6 +144,9 @@ class Options:
     form in the P^T pass; a unit that spills with it is built without it
     (:func:`flashgen.families.build.build_backward`).
 
+    ``ordered_80`` (off by default, until run on a GPU): the ordered form at head_dim 128
+    takes ``d128_block_m``'s 80-query steps too (its dQ writer waits its turn per 80-row
+    query block; the semaphores count 80-row blocks), instead of 64-query ones.
     ``ordered_d256`` (off by default, until run on a GPU): ``ordered_dq`` at head_dim 256 too,
     so ``deterministic=True`` there takes this kernel instead of the FA2-class deterministic
     ones: each consumer warpgroup waits on the query block's semaphore for both warpgroups of
@@ -168,6 +171,7 @@ class Options:
     int_classifier: bool = False
     dparam_affine: bool = False
     ordered_d256: bool = False
+    ordered_80: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -461,7 +465,7 @@ def plan(
         d == 128 and options.d128_block_m == 80
         and (spec.mask is None or isinstance(spec.mask, Causal) or options.masked_80)
         and (not param_grads or affine)
-        and not ordered_dq
+        and (not ordered_dq or options.ordered_80)
     )  # fmt: skip
     if dq_swap:
         t = replace(t, dkdv_block_m=80)

@@ -295,15 +295,19 @@ def test_dk_dv_reproducible_dq_close(d):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, causal):
+@pytest.mark.parametrize("d, block_m", [(64, 64), (128, 64), (128, 80)])
+def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, block_m, causal):
     """``hopper_bwd.ordered_dq``: ``deterministic=True`` runs the Hopper kernel with dQ added in
     key-block order: dq, dk, dv bitwise equal over five runs (GQA, Sq != Sk, more key blocks
-    than one wave of CTAs), each within the 2x rule of the float64 reference."""
+    than one wave of CTAs), each within the 2x rule of the float64 reference; head_dim 128
+    with 64-query steps and, under ``hopper_bwd.ordered_80``, 80-query ones."""
     spec = hb_spec(d, "bf16", causal)
-    op = gpu_options.build(spec, gpu_options.options({"hopper_bwd.ordered_dq": True}))
+    opts = {"hopper_bwd.ordered_dq": True, "hopper_bwd.ordered_80": block_m == 80}
+    op = gpu_options.build(spec, gpu_options.options(opts))
     q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=13)
-    assert (torch.cuda.current_device(), "hopper_ordered") in op.backward._kernels
+    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    if d == 128:
+        assert plan.dkdv.context["block_m"] == block_m
     for g in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
     ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)

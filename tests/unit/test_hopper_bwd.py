@@ -385,13 +385,18 @@ def test_ordered_d256_routes_and_renders_the_consumers_turn():
 
 
 @pytest.mark.parametrize(
-    "name", ["causal_d128", "gpt2_d64", "alibi", "bidir_d256", "gemma2_softcap"]
-)
-def test_ordered_dq_compiles_without_spills(requires_nvcc, name):
-    """(llama3_gqa: causal_d128's code; head_dim 256 under ``ordered_d256``.)"""
+    "name, options",
+    [("causal_d128", DEFAULT), ("gpt2_d64", DEFAULT), ("alibi", DEFAULT),
+     ("bidir_d256", ORDERED_D256), ("gemma2_softcap", ORDERED_D256),
+     ("causal_d128", DEFAULT.replace_path("hopper_bwd.ordered_80", True)),
+     ("alibi", DEFAULT.replace_path("hopper_bwd.ordered_80", True))],
+)  # fmt: skip
+def test_ordered_dq_compiles_without_spills(requires_nvcc, name, options):
+    """(llama3_gqa: causal_d128's code; head_dim 256 under ``ordered_d256``; head_dim 128's
+    80-query steps under ``ordered_80``.)"""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
-    plan = reg_plan(shipped(name), "sm_90", ORDERED_D256, ordered_dq=True)
+    plan = reg_plan(shipped(name), "sm_90", options, ordered_dq=True)
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
 
@@ -980,6 +985,13 @@ def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
         assert not reg_plan(spec, "sm_90", m80, **kw).dkdv.context.dq_swap
     m64 = DEFAULT.replace_path("hopper_bwd.d128_block_m", 64)
     assert "stsm_x4_trans" not in render(reg_plan(small(128, "bf16", False), "sm_90", m64).unit)
+    # hopper_bwd.ordered_80: the ordered kernel with 80-query steps, its semaphores per 80 rows
+    o80 = m80.replace_path("hopper_bwd.ordered_80", True)
+    ordered = reg_plan(small(128, "bf16", True), "sm_90", o80, ordered_dq=True)
+    assert (ordered.dkdv.context.block_m, ordered.dkdv.context.dq_swap) == (80, True)
+    src = render(ordered.unit)
+    assert "((seqlen_q + BLOCK_M - 1) / BLOCK_M) + m0 / BLOCK_M" in src
+    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
