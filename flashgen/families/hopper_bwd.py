@@ -147,6 +147,12 @@ class Options:
     ``ordered_80`` (off by default, until run on a GPU): the ordered form at head_dim 128
     takes ``d128_block_m``'s 80-query steps too (its dQ writer waits its turn per 80-row
     query block; the semaphores count 80-row blocks), instead of 64-query ones.
+    ``ordered_masks`` (off by default, until run on a GPU): the ordered form for a residual
+    mask (head_dim 64, 128), whose key blocks adding into a query block are no prefix: each
+    CTA's dQ writer publishes its hull of query blocks (``dq_hull`` uint64 [B, Hkv,
+    ceil(Sk / BLOCK_N)], all ones until published, its first block in the high word, its end
+    in the low one) and, per step, waits for the count of earlier key blocks whose hull holds
+    the step's query block.
     ``ordered_d256`` (off by default, until run on a GPU): ``ordered_dq`` at head_dim 256 too,
     so ``deterministic=True`` there takes this kernel instead of the FA2-class deterministic
     ones: each consumer warpgroup waits on the query block's semaphore for both warpgroups of
@@ -172,6 +178,7 @@ class Options:
     dparam_affine: bool = False
     ordered_d256: bool = False
     ordered_80: bool = False
+    ordered_masks: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -212,6 +219,8 @@ class Context(BackwardContext):
     tt_ns: list
     bwd_tile_group: str
     ordered_dq: bool
+    # ordered_dq under a residual mask (ordered_masks): turns counted over published hulls
+    ordered_hull: bool
     exp2_poly: int  # sixteenths of P^T's query tiles by fg::exp2_poly (0: none), the fewest
     dq_rows_split: bool
     pg_frag: bool
@@ -377,11 +386,13 @@ def ordered_eligible(
     :func:`eligible`, head_dim 64 or 128 (the dQ writer waits its turn) or 256 with
     ``options.ordered_d256`` (the consumer warpgroups wait for theirs before their reductions),
     and no mask or causal, so the key blocks that add into a query block are a prefix 0 .. n
-    of them (a residual mask's hull is not)."""
+    of them; or, with ``options.ordered_masks`` at head_dim 64 or 128, any mask the kernel
+    takes: the writer counts the earlier key blocks whose published hull holds the block."""
+    prefix = spec.mask is None or spec.mask == Causal()
     return (
-        eligible(spec, target, family)
-        and (spec.head_dim <= 128 or options.ordered_d256)
-        and (spec.mask is None or spec.mask == Causal())
+        eligible(spec, target, family, options)
+        and (spec.head_dim <= 128 or (options.ordered_d256 and prefix))
+        and (prefix or options.ordered_masks)
     )
 
 
@@ -440,7 +451,8 @@ def plan(
     if ordered_dq and not ordered_eligible(spec, target, options=options):
         raise ValueError(
             f"spec {spec.name!r} on {target}: dQ in a fixed order needs head_dim 64 or 128 (256 "
-            "with hopper_bwd.ordered_d256) and no mask or causal"
+            "with hopper_bwd.ordered_d256) and no mask or causal (another mask: "
+            "hopper_bwd.ordered_masks, head_dim 64 or 128)"
         )
     if param_grads and (
         ordered_dq or not dparam.hopper_forms_ok(spec, param_grads, options.dparam_diagonal)
@@ -480,7 +492,11 @@ def plan(
     if not split_d:  # the dQ writer's reductions: fp32 boxes of 32 columns x 64 (dq_swap: 80) rows
         dq_rows = block_m if dq_swap else 64
         tma += (TmaArg("tma_dq", "dq_accum", dq_rows, box_cols=32, dtype="fp32"),)
+    # a residual mask's ordered dQ: the key blocks' hulls, published by their CTAs (ordered_masks)
+    ordered_hull = ordered_dq and not (spec.mask is None or spec.mask == Causal())
     dkdv_args = abi["dkdv_args"] + ((KernelArg("dq_sem", "int*"),) if ordered_dq else ())
+    if ordered_hull:
+        dkdv_args += (KernelArg("dq_hull", "uint64_t*"),)
     block_table = needs_block_table(spec)  # (tensor_masks) classes from a table for its tiles
     if block_table:
         dkdv_args += tuple(KernelArg(n, t) for n, t in BLOCK_TABLE_ARGS)
@@ -550,6 +566,7 @@ def plan(
         # CTA order: (batch, KV head) pairs in L2-sized groups (common/tile_order.cuh)
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
         ordered_dq=ordered_dq,
+        ordered_hull=ordered_hull,
         dq_rows_split=d == 64 and block_m == 128,
         dq_swap=dq_swap,
         ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)

@@ -1,7 +1,8 @@
 {#- Device helpers of the Hopper backward (templates/sm_90/bwd.cu.j2), included where they are used: async
     copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
     the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
-    Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t, ordered_dq). -#}
+    Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t, ordered_dq,
+    ordered_hull). -#}
 namespace fg {
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
@@ -56,6 +57,17 @@ __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_re
 // *p += v at GPU scope with release semantics (the split head-dim layout's ordered dQ counts its warpgroups in).
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+{% endif %}
+{% if ordered_hull %}
+// The ordered dQ's published hulls (64-bit words, ~0 until published).
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.global.b64 [%0], %1;\n" :: "l"(p), "l"(v) : "memory");
 }
 {% endif %}
 __device__ __forceinline__ void fence_proxy_async_global() {

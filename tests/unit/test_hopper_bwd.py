@@ -341,8 +341,9 @@ def test_ordered_dq_plan_and_render():
     names = [a.name for a in plan.dkdv.args]
     assert names[names.index("dq_sem") + 1] == "tma_q"
     src = render(plan.unit)
-    assert "fg::ld_acquire_gpu(sem) != n0 / BLOCK_N" in src
-    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
+    assert "const int turn = n0 / BLOCK_N;" in src
+    assert "fg::ld_acquire_gpu(sem) != turn" in src
+    assert "fg::st_release_gpu(sem, turn + 1);" in src
     assert "fg::bulk_wait_group<0>();  // (head dim 64" in src
     assert "dq_sem" not in render(plan_hopper_backward(shipped("causal_d128"), "sm_90").unit)
     for spec in (shipped("mistral_swa"), shipped("bidir_d256")):
@@ -384,16 +385,105 @@ def test_ordered_d256_routes_and_renders_the_consumers_turn():
     assert "dq_sem" not in unordered and "red_release_gpu_add" not in unordered
 
 
+#: ``hopper_bwd.ordered_masks``: the ordered form under a residual mask (off by default)
+ORDERED_MASKS = DEFAULT.replace_path("hopper_bwd.ordered_masks", True)
+
+
+def test_ordered_masks_route_and_render_turns_over_published_hulls():
+    """With ``ordered_masks``, ``deterministic=True`` under a residual mask (windows, prefix,
+    a tensor-reading mask's block table) takes the ordered Hopper form at head_dim 64 / 128:
+    the writer publishes its CTA's hull with a release store before its steps and counts, per
+    step, the earlier key blocks whose hull holds the step's query block; the prefix form
+    (no mask, causal) keeps its closed-form turn and no hull argument."""
+    from flashgen.families import hopper_bwd
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    for name in ("mistral_swa", "prefix_lm", "document_mask", "spec_tree", "alibi_learned"):
+        spec = shipped(name)
+        assert backward_path(spec, "sm_90", True, ORDERED_MASKS) == "hopper_ordered", name
+        assert backward_path(spec, "sm_90", False, ORDERED_MASKS) == "hopper", name
+    assert backward_path(shipped("mistral_swa"), "sm_90", True) == "deterministic"
+    d256 = at_d256("mistral_swa")
+    assert not hopper_bwd.ordered_eligible(d256, "sm_90", options=ORDERED_MASKS.hopper_bwd)
+    plan = reg_plan(shipped("mistral_swa"), "sm_90", ORDERED_MASKS, ordered_dq=True)
+    assert plan.dkdv.context.ordered_hull
+    args = [(a.name, a.ctype) for a in plan.dkdv.args]
+    assert ("dq_hull", "uint64_t*") in args and ("dq_sem", "int*") in args
+    src = render(plan.unit)
+    publish = src.index("fg::st_release_gpu_u64(dq_hull + hull_row + cta_vinfo[2] / BLOCK_N,")
+    loop = src.index("for (int i = 0; i < steps; ++i) {", publish)
+    holds = src.index(
+        "holds = (int)(hull >> 32) <= m0 / BLOCK_M && m0 / BLOCK_M < (int)(uint32_t)hull;", loop
+    )
+    wait = src.index("while (fg::ld_acquire_gpu(sem) != turn) {}", holds)
+    assert src.index("fg::st_release_gpu(sem, turn + 1);", wait) > wait
+    prefix = render(reg_plan(shipped("causal_d128"), "sm_90", ORDERED_MASKS, ordered_dq=True).unit)
+    assert "const int turn = n0 / BLOCK_N;" in prefix and "dq_hull" not in prefix
+
+
+def _simulate_turns(hulls: list[tuple[int, int]], heads: int, seed: int) -> dict:
+    """The ordered dQ's protocol as the writers run it: key block n's CTA walks (head, query
+    block m) for m in its hull [lo, hi), waiting until the (head, m) semaphore equals its turn,
+    the count of earlier key blocks whose hull holds m (the template's formula), then adds and
+    stores turn + 1.  CTAs advance in a random interleaving; returns each (head, m)'s adders
+    in order, or raises on a deadlock."""
+    import random
+
+    rng = random.Random(seed)
+    steps = [[(h, m) for h in range(heads) for m in range(lo, hi)] for lo, hi in hulls]
+    pos = [0] * len(hulls)
+    sem: dict = {}
+    adds: dict = {}
+    while any(p < len(st) for p, st in zip(pos, steps, strict=True)):
+        ready = []
+        for n, st in enumerate(steps):
+            if pos[n] < len(st):
+                h, m = st[pos[n]]
+                turn = sum(lo <= m < hi for lo, hi in hulls[:n])
+                if sem.get((h, m), 0) == turn:
+                    ready.append((n, h, m, turn))
+        assert ready, "deadlock"
+        n, h, m, turn = rng.choice(ready)
+        adds.setdefault((h, m), []).append(n)
+        sem[(h, m)] = turn + 1
+        pos[n] += 1
+    return adds
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ordered_turns_over_hulls_add_in_key_block_order(seed):
+    """Whatever the hulls (windows, a prefix seen by every block, empty hulls, hulls that
+    shrink and grow again), every key block whose hull holds a query block adds into it once,
+    the adds in key-block order, under any interleaving of the CTAs, without a deadlock."""
+    import random
+
+    rng = random.Random(100 + seed)
+    m_blocks = 12
+    hulls = []
+    for _ in range(10):
+        lo = rng.randrange(m_blocks + 1)
+        hulls.append((lo, lo if rng.random() < 0.15 else rng.randrange(lo, m_blocks + 1)))
+    hulls[0] = (0, m_blocks)  # a global prefix block (prefix_lm's keys below the prefix)
+    adds = _simulate_turns(hulls, heads=2, seed=seed)
+    for h in range(2):
+        for m in range(m_blocks):
+            want = [n for n, (lo, hi) in enumerate(hulls) if lo <= m < hi]
+            assert adds.get((h, m), []) == want
+
+
 @pytest.mark.parametrize(
     "name, options",
     [("causal_d128", DEFAULT), ("gpt2_d64", DEFAULT), ("alibi", DEFAULT),
      ("bidir_d256", ORDERED_D256), ("gemma2_softcap", ORDERED_D256),
      ("causal_d128", DEFAULT.replace_path("hopper_bwd.ordered_80", True)),
-     ("alibi", DEFAULT.replace_path("hopper_bwd.ordered_80", True))],
+     ("alibi", DEFAULT.replace_path("hopper_bwd.ordered_80", True)),
+     ("mistral_swa", ORDERED_MASKS), ("document_mask", ORDERED_MASKS),
+     ("prefix_lm", ORDERED_MASKS.replace_path("hopper_bwd.ordered_80", True)),
+     ("spec_tree", ORDERED_MASKS.replace_path("hopper_bwd.ordered_80", True))],
 )  # fmt: skip
 def test_ordered_dq_compiles_without_spills(requires_nvcc, name, options):
     """(llama3_gqa: causal_d128's code; head_dim 256 under ``ordered_d256``; head_dim 128's
-    80-query steps under ``ordered_80``.)"""
+    80-query steps under ``ordered_80``; residual masks under ``ordered_masks``.)"""
     from flashgen.families.registry import plan_hopper_backward as reg_plan
 
     plan = reg_plan(shipped(name), "sm_90", options, ordered_dq=True)
@@ -991,7 +1081,7 @@ def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
     assert (ordered.dkdv.context.block_m, ordered.dkdv.context.dq_swap) == (80, True)
     src = render(ordered.unit)
     assert "((seqlen_q + BLOCK_M - 1) / BLOCK_M) + m0 / BLOCK_M" in src
-    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
+    assert "fg::st_release_gpu(sem, turn + 1);" in src
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -446,16 +446,21 @@ class Backward:
         if atomic:
             acc_shape = (*q.shape[:2], plan.dq_accum_seqlen(dims.seqlen_q), q.shape[3])
             dq_accum = torch.empty(acc_shape, dtype=torch.float32, device=q.device)
-        # the ordered dQ's semaphores, one per (batch, query head, 64-row query block)
-        dq_sem = None
+        # the ordered dQ's semaphores, one per (batch, query head, query block of the plan's
+        # steps); under a residual mask also the key blocks' hulls, all ones until published
+        dq_sem = dq_hull = None
         if plan.dkdv.context.get("ordered_dq"):
             m_blocks = -(-dims.seqlen_q // plan.tiles.dkdv_block_m)
             dq_sem = torch.zeros((dims.batch, dims.heads_q, m_blocks), dtype=torch.int32,
                                  device=q.device)  # fmt: skip
+        if plan.dkdv.context.get("ordered_hull"):
+            n_blocks = -(-dims.seqlen_k // plan.tiles.dkdv_block_n)
+            dq_hull = torch.full((dims.batch, dims.heads_kv, n_blocks), -1, dtype=torch.int64,
+                                 device=q.device)  # fmt: skip
         values = kernel_values(
             self.spec,
             {"q": q, "k": k, "v": v, "o": o, "dout": dout, "lse": lse, "dsum": dsum, "dq": dq,
-             "dk": dk, "dv": dv, "dq_accum": dq_accum, "dq_sem": dq_sem},
+             "dk": dk, "dv": dv, "dq_accum": dq_accum, "dq_sem": dq_sem, "dq_hull": dq_hull},
             dims, softmax_scale, scalars, tensors,
         )  # fmt: skip
         if plan.dkdv.context.get("block_table"):  # hopper_bwd.tensor_masks: the tile classes,
