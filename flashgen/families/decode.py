@@ -222,6 +222,11 @@ class Options:
     mla_unit: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mla_unit, str) or self.mla_unit not in MLA_UNITS:  # its values
+            raise ValueError(
+                f"Options.decode.mla_unit={self.mla_unit!r}: expected one of "
+                f"{', '.join(map(repr, MLA_UNITS))}, got {self.mla_unit!r}"
+            )
         check_fields(self, "Options.decode")
         if self.block_n is not None and (self.block_n <= 0 or self.block_n % (16 * NUM_WARPS)):
             raise ValueError(
@@ -269,11 +274,6 @@ class Options:
             raise ValueError(
                 f"Options.decode.merge_unroll={self.merge_unroll!r}: merge_unroll must be one of "
                 f"{', '.join(map(str, MERGE_UNROLLS))}"
-            )
-        if self.mla_unit not in MLA_UNITS:
-            raise ValueError(
-                f"Options.decode.mla_unit: expected one of {', '.join(map(repr, MLA_UNITS))}, "
-                f"got {self.mla_unit!r}"
             )
 
     def unit_key(self) -> tuple:
