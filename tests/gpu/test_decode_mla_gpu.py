@@ -6,7 +6,9 @@ from K: dense and paged (page sizes 1, 16, 64) bf16 and e4m3 caches, 16 and 128 
 appended (MTP), ragged Sq_new, num_splits 1 / 3 / heuristic; a planned call in a CUDA graph;
 compute-sanitizer memcheck: the mma.sync unit, forced (``decode.mla_unit="mma_sync"``).  Ragged
 Sq_new, the graph and memcheck also with ``decode.mla_unit="wgmma"`` on an sm_90 GPU (the
-Hopper unit; its own tests: tests/gpu/test_decode_mla_wgmma_gpu.py).  The accuracy rule is
+Hopper unit; its own tests: tests/gpu/test_decode_mla_wgmma_gpu.py).  The default,
+``decode.mla_unit="auto"``: the unit it picks at a B1 and a B64 shape (planned, unplanned,
+torch.compile, ``out=``) against the same reference.  The accuracy rule is
 tests/gpu/test_decode_gpu.py's."""
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
 from flashgen.families import decode as family  # noqa: E402
-from flashgen.ops.decode.op import decode_reference  # noqa: E402
+from flashgen.ops.calls import _sm_count  # noqa: E402
+from flashgen.ops.decode.op import decode_op, decode_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -230,3 +233,54 @@ def test_mla_b64_8k_with_128_heads_runs_in_under_50_ms():
     torch.cuda.synchronize()
     assert start.elapsed_time(end) < 50.0
 
+
+AUTO_SHAPES = [  # (batch, heads, cache): two shapes of the H100 table mla_auto_unit comes from
+    (1, 16, 4096),  # sm_90: the mma.sync unit (31.5 us against 44.6)
+    (64, 128, 4096),  # sm_90: the Hopper unit (198.8 us against 1120.4)
+]
+
+
+@pytest.mark.device_memory(8)
+@pytest.mark.parametrize("batch,hq,cache", AUTO_SHAPES, ids=lambda v: str(v))
+def test_auto_picks_per_shape_and_matches_the_reference(batch, hq, cache):
+    """``decode.mla_unit="auto"`` (the default): the plan runs the unit
+    :func:`flashgen.families.decode.mla_unit_for_call` gives on this device (sm_90 with 132
+    SMs: the table's faster unit; sm_80 or another SM count: what the rule says), a planned
+    call, an unplanned one (picked at call time), one under ``torch.compile`` and one with
+    ``out=`` agree bitwise at the plan's split count, and match the float64 reference."""
+    op = _op("auto")
+    assert op.options.decode.mla_unit == "auto" and flashgen.load(SPEC).options == op.options
+    kc, table = latent_cache(batch, cache, ps=64, dense=False, seed=5)
+    q = torch.randn(batch, hq, 1, D, device="cuda").bfloat16()
+    lens_t = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+    dop = decode_op(op)
+    before = set(dop._units)  # (the default op may be shared with earlier tests)
+    p = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=1, seqlen_q=1, cache_capacity=cache,
+                       page_size=64, num_pages=kc.shape[0])  # fmt: skip
+    index = torch.cuda.current_device()
+    target = "sm_90" if torch.cuda.get_device_capability()[0] == 9 else "sm_80"
+    want = family.mla_unit_for_call(
+        op.spec, target, op.options.decode, batch=batch, heads_q=hq, heads_kv=1, seqlen_q=1,
+        capacity=cache, num_sms=_sm_count(index),
+    )  # fmt: skip
+    assert p.mla_unit == want and p.options.mla_unit == want
+    template = "sm_90/decode_mla.cu.j2" if want == "wgmma" else "sm_80/decode.cu.j2"
+    assert p.kernels["attn"].plan.template == template
+    if target == "sm_90" and _sm_count(index) == 132:  # the table's device
+        assert want == ("mma_sync" if batch == 1 else "wgmma")
+    o, lse = op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p)
+    unplanned = op.with_kvcache(q, kc, None, lens_t, block_table=table)  # picks at call time
+
+    def call(q, kc, lens):
+        return op.with_kvcache(q, kc, None, lens, block_table=table, num_splits=p.num_splits)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, kc, lens_t)
+    out = (torch.empty_like(o), torch.empty_like(lse))
+    got = op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p, out=out)
+    torch.cuda.synchronize()
+    assert got is out
+    # the plan, the unplanned and the compiled calls loaded no other unit than the plan's
+    assert {dop._units[k]["attn"].plan.template for k in set(dop._units) - before} <= {template}
+    for r in (unplanned, compiled, out):
+        assert torch.equal(r[0], o) and torch.equal(r[1], lse)
+    check(op, q, kc, table, [cache] * batch, o, lse)
