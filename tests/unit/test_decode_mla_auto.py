@@ -291,3 +291,30 @@ def test_show_says_how_the_unit_is_picked(capsys):
     assert main(["show", mla, "--option", "decode.mla_unit=fast"]) == 1
     err = capsys.readouterr().err
     assert "decode.mla_unit: expected one of auto, mma_sync, wgmma, got 'fast'" in err
+
+
+def test_build_compiles_the_units_auto_may_pick():
+    """``flashgen build`` compiles a ``v_from_k`` spec's Hopper units too where ``auto`` may pick
+    them (sm_90), so a prebuilt cache serves both; a forced unit or sm_80 builds one."""
+    from flashgen.cli.build import serving_units
+
+    both = ("decode", "decode_ragged", "decode_wgmma", "decode_ragged_wgmma")
+    assert serving_units(SPEC, "sm_90", DEFAULT) == both
+    assert serving_units(SPEC, "sm_80", DEFAULT) == both[:2]
+    for forced in ("mma_sync", "wgmma"):
+        opts = Options().replace_path("decode.mla_unit", forced)
+        assert serving_units(SPEC, "sm_90", opts) == both[:2]
+    assert serving_units(load_spec(ROOT / "specs" / "llama3_gqa.yaml"), "sm_90", DEFAULT) == (
+        both[:2]
+    )
+
+
+def test_build_plans_the_hopper_unit_for_its_unit_names(requires_nvcc):
+    from flashgen.cli.build import _compile_one
+
+    for name, ragged in (("decode_wgmma", False), ("decode_ragged_wgmma", True)):
+        res = _compile_one(SPEC, "sm_90", name, DEFAULT)
+        assert res.ok, res.error
+        assert res.plan.template == "sm_90/decode_mla.cu.j2"
+        assert res.plan.context["ragged"] == ragged
+        assert res.plan.options_key == "decode.mla_unit='wgmma'"
