@@ -58,6 +58,8 @@ REMOVED_OPTIONS = {
     "hopper_bwd.desc_offsets": "the Hopper backward always builds its wgmma descriptors as "
     "base + offset, takes a warp-uniform warpgroup index, loads dsum in pairs and "
     "stores P^T and dS^T by stmatrix",
+    "decode.mla_wgmma": "replaced by decode.mla_unit: auto, the default, picks MLA's unit per "
+    "call shape; mma_sync is what false was, wgmma what true was",
 }
 
 
@@ -267,7 +269,11 @@ class Options:
 
     def family_key(self, name: str) -> str:
         """:meth:`key` restricted to family ``name``'s options and the routing fields that
-        shape its kernels (what a plan of that family records as ``options_key``)."""
+        shape its kernels (what a plan of that family records as ``options_key``).
+        ``decode.mla_unit`` is in it only as ``'wgmma'``: ``auto`` (without a call's shape)
+        and ``mma_sync`` plan the default options' mma.sync unit, whose cached kernels they
+        share (a call's ``auto`` is resolved to the unit it runs before its unit is planned:
+        :func:`flashgen.families.decode.mla_unit_for_call`)."""
         keep = {
             "fa2_fwd": ("fa2_fwd.", "side_terms", "exact_softmax"),
             "hopper_fwd": ("hopper_fwd.", "side_terms", "exact_softmax"),
@@ -277,8 +283,9 @@ class Options:
             "decode": ("decode.", "exact_softmax"),
         }[name]
         return ";".join(
-            f"{p}={v!r}" for p, v in self.changed().items() if p.startswith(keep)
-        )
+            f"{p}={v!r}" for p, v in self.changed().items()
+            if p.startswith(keep) and (p != "decode.mla_unit" or v == "wgmma")
+        )  # fmt: skip
 
 
 DEFAULT = Options()
@@ -321,6 +328,7 @@ _CHOICES = {
     "persistent": PERSISTENT_CHOICES,
     "sparse_persistent": PERSISTENT_CHOICES[1:],
     "hopper_fwd.fp8_transpose": hopper_fwd.FP8_TRANSPOSES,
+    "decode.mla_unit": decode.MLA_UNITS,
 }
 
 

@@ -30,14 +30,16 @@ baseline, too), each with its ``num_splits`` and ``options``.  E.g. ``--option
 decode.stages=2,6 --option decode.merge_unroll=4,16 --combine zip``.
 
 ``--mla`` times MLA decode (specs/mla_decode.yaml: one latent cache of 576-column rows, the
-values its first 512 columns) with ``decode.mla_wgmma`` off (the mma.sync unit, 16 query heads
-per CTA) and on (the Hopper unit, 64 per CTA), in alternating rounds in CUDA graphs, at the
-``--mla-heads`` query heads and ``--mla-sq`` new tokens (defaults :data:`MLA_DEFAULTS`), next
-to the device-copy and bf16-matmul ceilings measured in the same run: each row has the latent
-cache's bytes read per second (:func:`mla_bytes`, and its share of the copy ceiling) and the
-matmul rate (:func:`mla_flops`, and its share of the matmul ceiling), the figures of the MLA
-targets (85% of the copy ceiling at 16 heads, 65% of the matmul ceiling at 128); ``<out
-stem>_mla.json``.
+values its first 512 columns) with ``decode.mla_unit`` ``mma_sync`` (16 query heads per CTA),
+``wgmma`` (the Hopper unit, 64 per CTA) and ``auto`` (the default: the unit
+:func:`flashgen.families.decode.mla_auto_unit` picks for the shape, whose row says which and
+the rule's work), in alternating rounds in CUDA graphs, at the ``--mla-heads`` query heads
+and ``--mla-sq`` new tokens (defaults :data:`MLA_DEFAULTS`), next to the device-copy and
+bf16-matmul ceilings measured in the same run: each row has the latent cache's bytes read
+per second (:func:`mla_bytes`, and its share of the copy ceiling) and the matmul rate
+(:func:`mla_flops`, and its share of the matmul ceiling), the figures of the MLA targets (85%
+of the copy ceiling at 16 heads, 65% of the matmul ceiling at 128), and whether ``auto``
+picked the faster unit at each point (:func:`mla_auto_check`); ``<out stem>_mla.json``.
 
 ``--sweep`` picks the decode defaults in one GPU call: it times the grid of
 :class:`flashgen.families.decode.Options` in :data:`SWEEP_UNITS` (block_n, stages,
@@ -498,8 +500,9 @@ def sweep(args) -> list[dict]:
 #: ``--mla-sq`` are not given.
 MLA_DEFAULTS = {"batch": [1, 64], "cache": [4096, 32768], "layouts": ["paged64"],
                 "mla_heads": [16, 64, 128], "mla_sq": [1]}  # fmt: skip
-#: The ``--mla`` variants: ``decode.mla_wgmma`` off (the mma.sync unit) and on (the Hopper unit).
-MLA_VARIANTS = (("mma_sync", False), ("wgmma", True))
+#: The ``--mla`` variants, by ``decode.mla_unit``: the mma.sync unit, the Hopper unit, and the
+#: default's per-shape choice between them.
+MLA_VARIANTS = ("mma_sync", "wgmma", "auto")
 #: Flags ``--mla`` does not read.
 MLA_IGNORES = ("option", "combine", "fp8", "flex_cache", "quick", "sweep")
 MLA_HEAD_DIMS = (576, 512)
@@ -529,8 +532,8 @@ def run_mla(args) -> tuple[list[dict], dict]:
 
     dev = torch.device("cuda")
     spec = REPO / "specs" / "mla_decode.yaml"
-    ops = {name: flashgen.load(spec, options=flashgen.Options(decode=family.Options(mla_wgmma=on)))
-           for name, on in MLA_VARIANTS}  # fmt: skip
+    ops = {name: flashgen.load(spec, options=flashgen.Options(decode=family.Options(mla_unit=name)))
+           for name in MLA_VARIANTS}  # fmt: skip
     ceil = measure_ceilings(dev)
     copy_tbs, matmul = ceil["copy_gbps"] / 1e3, ceil["matmul_bf16_tflops"]
     print(f"ceilings: device copy {copy_tbs:.2f} TB/s (read + write), bf16 matmul "
@@ -580,23 +583,41 @@ def _time_mla(args, ops, kc, table, lens, lay, ps, npages, hq, sq, copy_tbs, mat
         plan = methods[name][1]
         tbs, tflops = nbytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12
         row = {"method": f"mla_{lay}_{name}", "unit": plan.kernels["attn"].plan.template,
-               "batch": batch, "cache": cache, "heads_q": hq, "seqlen_q": sq, "ms": ms,
-               "kv_bytes": nbytes, "tb_per_s": tbs, "copy_fraction": tbs / copy_tbs,
-               "tflops": tflops, "matmul_fraction": tflops / matmul,
-               "num_splits": plan.num_splits}  # fmt: skip
+               "mla_unit": plan.mla_unit, "batch": batch, "cache": cache, "heads_q": hq,
+               "seqlen_q": sq, "ms": ms, "kv_bytes": nbytes, "tb_per_s": tbs,
+               "copy_fraction": tbs / copy_tbs, "tflops": tflops,
+               "matmul_fraction": tflops / matmul, "num_splits": plan.num_splits}  # fmt: skip
+        picked = ""
+        if name == "auto":
+            row["auto_work"] = _auto_work(ops[name], plan, batch, hq, sq, cache)
+            picked = f" -> {plan.mla_unit} (work {row['auto_work']:.1f})"
         out.append(row)
         print(f"B{batch:<3} {cache:>6} {lay:<8} h{hq:<3} sq{sq} {name:<8} {ms * 1e3:9.1f} us "
               f"{tbs:5.2f} TB/s ({tbs / copy_tbs:4.0%} of copy) {tflops:6.1f} TFLOP/s "
-              f"({tflops / matmul:4.0%} of matmul) splits {plan.num_splits}",
+              f"({tflops / matmul:4.0%} of matmul) splits {plan.num_splits}{picked}",
               flush=True)  # fmt: skip
     return out
+
+
+def _auto_work(op, plan, batch: int, hq: int, sq: int, cache: int) -> float:
+    """The ``auto`` rule's work at this point (:attr:`flashgen.families.decode.MlaWork.work`)
+    on the plan's device."""
+    import dataclasses
+
+    from flashgen.families import decode as family
+    from flashgen.ops.calls import _sm_count
+
+    spec = op.spec
+    wg = family.plan(spec, "sm_90", dataclasses.replace(op.options.decode, mla_unit="wgmma"))
+    return family.mla_auto_work(wg, batch=batch, heads_q=hq, heads_kv=1, seqlen_q=sq,
+                                capacity=cache, num_sms=_sm_count(plan.device.index or 0)).work
 
 
 def mla_summary(rows: list[dict]) -> list[str]:
     """The MLA targets' two figures from ``--mla`` rows, per variant: the best share of the copy
     ceiling at 16 query heads (target 85%) and of the matmul ceiling at 128 (target 65%)."""
     lines = []
-    for name, _ in MLA_VARIANTS:
+    for name in MLA_VARIANTS:
         mine = [r for r in rows if r["method"].endswith(f"_{name}")]
         h16 = [r["copy_fraction"] for r in mine if r["heads_q"] == 16]
         h128 = [r["matmul_fraction"] for r in mine if r["heads_q"] == 128]
@@ -608,7 +629,37 @@ def mla_summary(rows: list[dict]) -> list[str]:
             f"{name}: 128 heads {max(h128):.0%} of the matmul ceiling (target 65%)"
             if h128 else f"{name}: no 128-head row"
         )
-    return lines
+    return lines + mla_auto_check(rows)
+
+
+def mla_auto_check(rows: list[dict]) -> list[str]:
+    """Whether ``auto`` picked the faster of ``mma_sync`` and ``wgmma`` at each point of the
+    ``--mla`` rows (same layout, batch, cache, heads, Sq_new): one line with the count, and
+    one per point where the unit it picked was more than 5% slower than the other (the
+    ratio of the times of the two units, from their own rows)."""
+    units: dict = {}
+    for r in rows:
+        name = next((n for n in MLA_VARIANTS if r["method"].endswith(f"_{n}")), None)
+        if name is None:
+            continue
+        lay = r["method"].removesuffix(f"_{name}")
+        key = (lay, *(r.get(k) for k in ("batch", "cache", "heads_q", "seqlen_q")))
+        units.setdefault(key, {})[name] = r
+    good, bad = 0, []
+    for (lay, b, c, h, sq), by in units.items():
+        if not {"mma_sync", "wgmma", "auto"} <= set(by) or by["auto"].get("mla_unit") is None:
+            continue
+        picked = by["auto"]["mla_unit"]
+        other = "wgmma" if picked == "mma_sync" else "mma_sync"
+        ratio = by[picked]["ms"] / by[other]["ms"]
+        if ratio <= 1.05:
+            good += 1
+        else:
+            bad.append(f"auto: {lay.removeprefix('mla_')} B{b} {c} h{h} sq{sq} picked {picked}, "
+                       f"{ratio:.2f}x the {other} unit's time")  # fmt: skip
+    if not good and not bad:
+        return []
+    return [f"auto: the faster unit (within 5%) at {good} of {good + len(bad)} points", *bad]
 
 
 #: Fixed plot styles of the known implementations (color, marker, line style), so a method
@@ -759,8 +810,9 @@ def main(argv=None, prog=None) -> int:
                     "64k/16k/4k paged16 and the window case; best per shape (none of "
                     "--option, --batch, --cache, --layouts, --fp8, --flex-cache, --quick)")
     ap.add_argument("--mla", action="store_true",
-                    help="time MLA decode (specs/mla_decode.yaml) with decode.mla_wgmma off and "
-                    "on against the copy and matmul ceilings (defaults: MLA_DEFAULTS; none of "
+                    help="time MLA decode (specs/mla_decode.yaml) with decode.mla_unit "
+                    "mma_sync, wgmma and auto against the copy and matmul ceilings (defaults: "
+                    "MLA_DEFAULTS; none of "
                     "--option, --fp8, --flex-cache, --quick, --sweep)")  # fmt: skip
     ap.add_argument("--mla-heads", type=positive_ints("mla-heads"),
                     help="--mla: query heads (default 16,64,128; one latent head)")
@@ -770,7 +822,7 @@ def main(argv=None, prog=None) -> int:
     given = {k for k, v in vars(args).items() if v not in (None, False)}
     if args.mla and given & set(MLA_IGNORES):
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in MLA_IGNORES if k in given)
-        ap.error(f"--mla times its own two variants; it takes no {flags}")
+        ap.error(f"--mla times its own three variants; it takes no {flags}")
     if not args.mla and given & {"mla_heads", "mla_sq"}:
         ap.error("--mla-heads and --mla-sq go with --mla")
     if args.mla:

@@ -27,7 +27,8 @@ class BuildResult:
     spec: ir.Spec
     target: str
     # a unit of registry.compile_units ("fwd", "fwd_sparse", "bwd", "bwd_atomic", "bwd_wgmma",
-    # "bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"), "decode" or "decode_ragged"
+    # "bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"), or of serving_units ("decode",
+    # "decode_ragged", and MLA's Hopper units "decode_wgmma", "decode_ragged_wgmma")
     unit: str = "fwd"
     plan: object | None = None  # the KernelPlan / BackwardPlan compiled (families.build)
     report: object | None = None  # CompileReport
@@ -76,11 +77,18 @@ def _compile_one(spec: ir.Spec, target: str, unit: str, options=None) -> BuildRe
     options = options or DEFAULT
     res = BuildResult(spec, target, unit)
     try:
-        if unit in ("decode", "decode_ragged"):  # serving units (families.decode): attn, append
+        if unit.startswith("decode"):  # serving units (families.decode): attn, append
+            import dataclasses
+
             from flashgen.build import cache
             from flashgen.build.render import render
 
-            res.plan = registry.plan_decode(spec, target, options, ragged=unit == "decode_ragged")
+            if unit.endswith("_wgmma"):  # MLA's Hopper unit, which auto picks per call shape
+                options = dataclasses.replace(
+                    options, decode=dataclasses.replace(options.decode, mla_unit="wgmma")
+                )
+            ragged = unit.startswith("decode_ragged")
+            res.plan = registry.plan_decode(spec, target, options, ragged=ragged)
             path, res.report = cache.get_or_build(render(res.plan), res.plan)
             res.smem_dynamic = res.plan.smem_bytes
         elif unit in ("fwd", "fwd_sparse"):
@@ -199,6 +207,23 @@ _UNIT_GROUPS = (
 )
 
 
+def serving_units(spec: ir.Spec, target: str, options) -> tuple[str, ...]:
+    """The decode units ``flashgen build`` compiles for ``spec`` on ``target``: ``decode`` and
+    ``decode_ragged`` (the units a registry plan without a call shape gives), and for a
+    ``v_from_k`` spec whose ``decode.mla_unit`` is ``auto`` on a target the Hopper MLA unit
+    serves, that unit's too (``decode_wgmma``, ``decode_ragged_wgmma``), which ``auto`` runs
+    at the shapes that fill it; none for a spec decode does not support."""
+    from flashgen.families import decode as family
+
+    if family.unsupported_reason(spec):
+        return ()
+    units = ("decode", "decode_ragged")
+    if (spec.v_from_k and options.decode.mla_unit == "auto"
+            and family.mla_wgmma_support(spec, target) is None):  # fmt: skip
+        units += ("decode_wgmma", "decode_ragged_wgmma")
+    return units
+
+
 def _prefill_units(spec: ir.Spec, target: str, options) -> list[str]:
     """The names of :func:`flashgen.families.registry.compile_units` for ``spec`` on
     ``target`` (the forward alone where it cannot plan them: :func:`_compile_one` reports
@@ -216,7 +241,6 @@ def cmd_build(args) -> int:
 
     from flashgen.build.compile import CompileError, find_compiler
     from flashgen.build.generate import write_generated
-    from flashgen.families.decode import unsupported_reason
 
     out, err = _consoles()
     try:
@@ -283,8 +307,8 @@ def cmd_build(args) -> int:
         futures += [  # the decode (serving) units, padded and ragged Sq_new, where supported
             pool.submit(_compile_one, s, t, unit, options)
             for s, t in pairs
-            if not offsets and not unsupported_reason(s)
-            for unit in ("decode", "decode_ragged")
+            if not offsets
+            for unit in serving_units(s, t, options)
         ]
         if len(futures) > 1 and not args.json and err.is_terminal:
             from rich.progress import Progress

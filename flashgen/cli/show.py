@@ -164,6 +164,7 @@ def options_note(options, shown: str, plan=None) -> str | None:
 
 def cmd_show(args) -> int:
     from flashgen.build.render import render
+    from flashgen.families.decode import mla_unit_note
     from flashgen.families.registry import plan_decode, plan_forward, select
 
     _, err = _consoles()
@@ -190,6 +191,9 @@ def cmd_show(args) -> int:
         note = options_note(options, shown, plan if shown == "hopper_fwd" else None)
         if note:
             print(f"// ---- options [{t}]: {terminal_safe(note)}")
+        mla = mla_unit_note(spec, t, options.decode)
+        if mla:  # a v_from_k spec: which MLA unit is shown, and how calls pick theirs
+            print(f"// ---- mla unit [{t}]: {terminal_safe(mla)}")
         print(f"// ---- source [{t}]: kernel {plan.kernel_name}, {plan.gencode}")
         sys.stdout.write(render(plan))
     return 0

@@ -47,9 +47,10 @@ that factor.  The partials and the lse stay the keys' alone, so the op's results
 before (:func:`flashgen.merge_attention`, ring attention).  The unit keeps its kernel names;
 the option is in its cache key.
 
-Hopper MLA unit (:attr:`Options.mla_wgmma` on, target ``sm_90``, a ``v_from_k`` spec:
-``templates/sm_90/decode_mla.cu.j2``, units ``flashgen_<spec>_decode_[ragged_]wgmma_sm_90_*``):
-the same two kernels and arguments, for MLA's one latent cache.  A CTA's rows are
+Hopper MLA unit (:attr:`Options.mla_unit` ``"wgmma"``, or ``"auto"`` where a call's shape
+fills it, target ``sm_90``, a ``v_from_k`` spec: ``templates/sm_90/decode_mla.cu.j2``, units
+``flashgen_<spec>_decode_[ragged_]wgmma_sm_90_*``): the same two kernels and arguments, for
+MLA's one latent cache.  A CTA's rows are
 :data:`MLA_BLOCK_M` packed query rows (the M of a wgmma; the grid is :func:`geometry`'s with
 that block), each :data:`MLA_BLOCK_N`-key block of 576-column rows is read once per CTA, by
 cp.async through the block table, into a two-stage ring, and three warpgroups share it: the
@@ -57,8 +58,11 @@ first computes S = Q K^T (wgmma from shared memory), the mask and the online sof
 P and the rows' rescale factors to the two others through shared memory (mbarriers), which own
 256 output columns each (O = alpha O + P V, wgmma, V the rows' first 512 columns).  Splits,
 the fused combine (the same template code), masks, score_mods and sinks are as above; a mask
-that reads tensors is evaluated per element, without the vote.  :func:`mla_wgmma_reason` says
+that reads tensors is evaluated per element, without the vote.  :func:`mla_wgmma_support` says
 where it does not apply (an e4m3 cache among them), and the mma.sync unit is planned there.
+Which of the two MLA units a call runs is a per-shape choice (:func:`mla_unit_for_call`, the
+rule :func:`mla_auto_unit`): :func:`plan` itself takes the unit its options name, ``"auto"``
+without a call's shape giving the mma.sync unit (``flashgen show`` / ``build`` / ``generate``).
 
 Semantics (as the padded op on the gathered cache): request ``b`` has ``L = cache_seqlens[b]
 (+ Sq_new with k_new)`` live keys; the spec's mask and score_mod see ``q_idx`` in
@@ -126,7 +130,7 @@ TARGETS = ("sm_80", "sm_90")
 #: Key blocks of a split whose keys a mask that reads tensors votes on before loading them (a byte
 #: of shared memory each; blocks past them are read unvoted): 64k keys at 64 per block.
 VOTE_BLOCKS = 1024
-#: The Hopper MLA unit (:attr:`Options.mla_wgmma`, ``templates/sm_90/decode_mla.cu.j2``): 64 packed
+#: The Hopper MLA unit (:attr:`Options.mla_unit`, ``templates/sm_90/decode_mla.cu.j2``): 64 packed
 #: query rows per CTA (query heads x new tokens: the M of a wgmma), 64-key blocks in a ring of two
 #: stages (each a block's 576-column rows, read once for K and V), three warpgroups (the scores and
 #: softmax; output columns 0..255; 256..511), one CTA per SM.
@@ -136,6 +140,14 @@ MLA_STAGES = 2
 MLA_WARPS = 12
 #: The head dims the Hopper MLA unit is written for (its panels and warpgroup split).
 MLA_HEAD_DIMS = (576, 512)
+#: Values of :attr:`Options.mla_unit`: ``auto`` (per call shape, :func:`mla_auto_unit`), the
+#: mma.sync unit (``templates/sm_80/decode.cu.j2``) or the Hopper wgmma unit.
+MLA_UNITS = ("auto", "mma_sync", "wgmma")
+#: ``mla_unit="auto"`` runs the wgmma unit where one of its CTAs replaces at least this many
+#: key-block loads of the mma.sync unit (:attr:`MlaWork.work`: the blocks it streams under the
+#: split heuristic times the 16-row mma.sync CTAs its 64 rows take; :func:`mla_auto_unit` has
+#: the H100 table it comes from).
+MLA_AUTO_MIN_WORK = 24
 
 
 def tensor_mask(spec: Spec) -> bool:
@@ -183,14 +195,19 @@ class Options:
     for calls through the registered torch ops (CPU, ``torch.compile``).  No effect on a spec
     without a sink (its unit renders unchanged).
 
-    ``mla_wgmma`` (off by default): a ``v_from_k`` spec (MLA's one latent cache) on ``sm_90``
-    runs the Hopper unit ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan`): 64 packed
-    query rows per CTA, wgmma for Q K^T and P V, each 64-key block of the latent cache read
-    once per CTA for both K and V (see :data:`MLA_BLOCK_M`).  Where it does not apply
-    (:func:`mla_wgmma_reason`: another target, a spec without ``v_from_k``, an e4m3 cache)
-    the family plans today's mma.sync unit, and the op warns for a ``v_from_k`` spec
-    (:func:`mla_wgmma_fallback`); ``block_n``, ``stages`` and ``ctas_per_sm`` do not shape the
-    Hopper unit."""
+    ``mla_unit`` (one of :data:`MLA_UNITS`; ``"auto"`` by default): which unit a ``v_from_k``
+    spec (MLA's one latent cache) runs.  ``"wgmma"``: on ``sm_90`` the Hopper unit
+    ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan`): 64 packed query rows per CTA, wgmma
+    for Q K^T and P V, each 64-key block of the latent cache read once per CTA for both K and
+    V (see :data:`MLA_BLOCK_M`); where it does not apply (:func:`mla_wgmma_support`: another
+    target, an e4m3 cache) the family plans the mma.sync unit and the op warns
+    (:func:`mla_wgmma_fallback`).  ``"mma_sync"``: always the mma.sync unit (16 rows per CTA).
+    ``"auto"``: per call shape, where the shape is known (``op.plan_decode`` for its plan, else
+    each call: :func:`mla_unit_for_call`): on ``sm_90`` the wgmma unit where the call's rows
+    fill enough work per CTA (:func:`mla_auto_unit`), else, and always on ``sm_80`` or with an
+    e4m3 cache, the mma.sync unit; :func:`plan` without a call's shape takes the mma.sync unit.
+    No effect on a spec without ``v_from_k``.  ``block_n``, ``stages`` and ``ctas_per_sm`` do
+    not shape the Hopper unit."""
 
     block_n: int | None = None
     stages: int | None = None
@@ -202,9 +219,14 @@ class Options:
     fused_sink: bool = True
     merge_unroll: int = 4
     balance_waves: bool = False
-    mla_wgmma: bool = False
+    mla_unit: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mla_unit, str) or self.mla_unit not in MLA_UNITS:  # its values
+            raise ValueError(
+                f"Options.decode.mla_unit={self.mla_unit!r}: expected one of "
+                f"{', '.join(map(repr, MLA_UNITS))}, got {self.mla_unit!r}"
+            )
         check_fields(self, "Options.decode")
         if self.block_n is not None and (self.block_n <= 0 or self.block_n % (16 * NUM_WARPS)):
             raise ValueError(
@@ -256,10 +278,12 @@ class Options:
 
     def unit_key(self) -> tuple:
         """The fields that change the compiled unit (the rest are host schedule knobs);
-        ``mla_wgmma`` only when on (the key of the default options is as before it)."""
+        ``mla_unit`` only as ``"wgmma"``, the one value whose unit differs (``"auto"`` is
+        resolved per call before units are loaded, :func:`mla_unit_for_call`; the key of the
+        default options is as before the option)."""
         key = (self.block_n, self.stages, self.ctas_per_sm, self.min_split_blocks,
                self.fused_sink, self.merge_unroll)  # fmt: skip
-        return key + (("mla_wgmma",) if self.mla_wgmma else ())
+        return key + (("mla_wgmma",) if self.mla_unit == "wgmma" else ())
 
 
 @dataclass(frozen=True)
@@ -395,7 +419,7 @@ class DecodePlan(KernelPlan):
         if self.fused_sink:
             out["fused_sink"] = True
         if self.context.get("mla_wgmma"):
-            out["mla_wgmma"] = True
+            out["mla_unit"] = "wgmma"
         return out
 
 
@@ -454,18 +478,13 @@ def cache_dtype_reason(spec: Spec, cache_dtype: str | None) -> str | None:
     return None
 
 
-def mla_wgmma_reason(
-    spec: Spec, target: str, options: Options | None = None, cache_dtype: str | None = None
-) -> str | None:
-    """Why :func:`plan` gives ``spec`` on ``target`` today's mma.sync unit rather than the Hopper
-    MLA unit (``templates/sm_90/decode_mla.cu.j2``), or None when it plans
-    the Hopper unit: :attr:`Options.mla_wgmma` on, target ``sm_90``, a ``v_from_k`` spec of
-    head dims 576/512 and a cache of the spec's dtype.  An e4m3 cache is refused here (its
-    wgmma operands would need a dequantizing pass through shared memory, which the two-stage
-    ring has no room for) and falls back to the mma.sync unit's ``kv8`` form."""
-    options = options or Options()
-    if not options.mla_wgmma:
-        return "Options.decode.mla_wgmma is off"
+def mla_wgmma_support(spec: Spec, target: str, cache_dtype: str | None = None) -> str | None:
+    """Why the Hopper MLA unit (``templates/sm_90/decode_mla.cu.j2``) cannot serve ``spec``'s
+    calls on ``target`` with a cache of ``cache_dtype`` (None: the spec's), or None where it
+    can: target ``sm_90``, a ``v_from_k`` spec of head dims 576/512 and a cache of the spec's
+    dtype.  An e4m3 cache is refused here (its wgmma operands would need a dequantizing pass
+    through shared memory, which the two-stage ring has no room for) and is served by the
+    mma.sync unit's ``kv8`` form."""
     if target != "sm_90":
         return f"the Hopper MLA unit is sm_90 (wgmma), the target is {target}"
     if not spec.v_from_k:
@@ -483,20 +502,203 @@ def mla_wgmma_reason(
     return None
 
 
+def mla_wgmma_reason(
+    spec: Spec, target: str, options: Options | None = None, cache_dtype: str | None = None
+) -> str | None:
+    """Why :func:`plan` gives ``spec`` on ``target`` the mma.sync unit rather than the Hopper
+    MLA unit, or None when it plans the Hopper unit: :attr:`Options.mla_unit` ``"wgmma"`` and
+    :func:`mla_wgmma_support` None.  :func:`plan` has no call shape: ``"auto"`` is resolved
+    before it by :func:`mla_unit_for_call` (a plan of ``"auto"`` itself is the mma.sync
+    unit's)."""
+    options = options or Options()
+    if options.mla_unit == "mma_sync":
+        return "Options.decode.mla_unit is 'mma_sync'"
+    if options.mla_unit == "auto":
+        return (
+            "Options.decode.mla_unit is 'auto' and no call shape is given (calls and "
+            "op.plan_decode pick per shape: flashgen.families.decode.mla_unit_for_call)"
+        )
+    return mla_wgmma_support(spec, target, cache_dtype)
+
+
 def mla_wgmma_fallback(
     spec: Spec, target: str, options: Options | None = None, cache_dtype: str | None = None
 ) -> str | None:
     """The warning for a call that asked for the Hopper MLA unit and gets the mma.sync one:
-    :attr:`Options.mla_wgmma` on, a ``v_from_k`` spec, and :func:`mla_wgmma_reason` not None
-    (an e4m3 cache, a target other than ``sm_90``); None otherwise (the option off, or a spec
-    without ``v_from_k``, for which the option means nothing)."""
+    :attr:`Options.mla_unit` ``"wgmma"``, a ``v_from_k`` spec, and :func:`mla_wgmma_support`
+    not None (an e4m3 cache, a target other than ``sm_90``); None otherwise (``"auto"``, which
+    picks the mma.sync unit there in silence, ``"mma_sync"``, or a spec without ``v_from_k``,
+    for which the option means nothing)."""
     options = options or Options()
-    if not options.mla_wgmma or not spec.v_from_k:
+    if options.mla_unit != "wgmma" or not spec.v_from_k:
         return None
-    why = mla_wgmma_reason(spec, target, options, cache_dtype)
+    why = mla_wgmma_support(spec, target, cache_dtype)
     if why is None:
         return None
-    return f"Options.decode.mla_wgmma: {why}; these calls run the mma.sync decode unit"
+    return f"Options.decode.mla_unit='wgmma': {why}; these calls run the mma.sync decode unit"
+
+
+@dataclass(frozen=True)
+class MlaWork:
+    """The work of one Hopper MLA CTA in a call (:func:`mla_auto_work`): ``blocks`` key blocks
+    of a request (its capacity's, or the mask's live ones) in ``splits`` splits (the wgmma
+    unit's split heuristic), and the CTAs each unit needs along a kv head's packed query rows:
+    ``wgmma_row_blocks`` of :data:`MLA_BLOCK_M` rows, ``mma_row_blocks`` of :data:`BLOCK_M`
+    (the mma.sync unit streams every key block once per such CTA)."""
+
+    blocks: int
+    splits: int
+    wgmma_row_blocks: int
+    mma_row_blocks: int
+
+    @property
+    def work(self) -> float:
+        """The mma.sync unit's key-block loads that one wgmma CTA replaces: its share of the
+        blocks, ``blocks / splits``, times the mma.sync CTAs its rows take, ``mma_row_blocks /
+        wgmma_row_blocks``."""
+        if self.splits <= 0 or self.wgmma_row_blocks <= 0:
+            return 0.0
+        return self.blocks * self.mma_row_blocks / (self.splits * self.wgmma_row_blocks)
+
+    @property
+    def picks_wgmma(self) -> bool:
+        """``work >= MLA_AUTO_MIN_WORK``, in integers."""
+        return self.wgmma_row_blocks > 0 and self.blocks * self.mma_row_blocks >= (
+            MLA_AUTO_MIN_WORK * self.splits * self.wgmma_row_blocks
+        )
+
+
+def mla_auto_work(
+    wgmma: DecodePlan,
+    *,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    seqlen_q: int,
+    capacity: int,
+    num_sms: int,
+    pack_gqa: bool = True,
+    live_blocks: int | None = None,
+    split_waves: float = 1.0,
+    balance_waves: bool = False,
+) -> MlaWork:
+    """:class:`MlaWork` of a call of these sizes (``seqlen_q``: Sq_new, a ragged call's
+    ``max_seqlen_q``; ``capacity``: the keys a request can hold; ``live_blocks``:
+    :func:`live_key_blocks` where a mask bounds them) on a device of ``num_sms`` SMs, given
+    ``wgmma``, the Hopper unit's plan: its CTAs are :func:`geometry`'s and its splits
+    :func:`choose_num_splits`' (``split_waves`` / ``balance_waves``: the options'), as for a
+    call without a fixed ``num_splits``.  All zero for an empty call."""
+    geo = geometry(wgmma, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                   num_splits=1, pack_gqa=pack_gqa)  # fmt: skip
+    if batch <= 0 or geo.rows <= 0 or capacity <= 0:
+        return MlaWork(0, 0, 0, 0)
+    splits = choose_num_splits(
+        wgmma, batch=batch, heads_kv_ctas=geo.grid[1], m_blocks=geo.m_blocks,
+        max_seqlen_k=capacity, num_sms=num_sms, live_blocks=live_blocks,
+        split_waves=split_waves, balance_waves=balance_waves,
+    )  # fmt: skip
+    blocks = key_blocks(wgmma, capacity, live_blocks)
+    return MlaWork(blocks, splits, geo.m_blocks, -(-geo.rows // BLOCK_M))
+
+
+def mla_auto_unit(wgmma: DecodePlan, **sizes) -> str:
+    """``"wgmma"`` or ``"mma_sync"``: the unit ``mla_unit="auto"`` runs on ``sm_90`` for a
+    call of ``sizes`` (:func:`mla_auto_work`'s keywords; ``wgmma``: the Hopper unit's plan).
+    The rule is the work of one wgmma CTA (:attr:`MlaWork.work`): the key blocks it streams
+    (its request's blocks over the wgmma unit's heuristic split count) times the mma.sync
+    CTAs its 64 rows would take (16 rows each, each streaming the same blocks): the wgmma
+    unit where that is at least :data:`MLA_AUTO_MIN_WORK` (24), else the mma.sync unit.  A
+    fixed ``num_splits`` (of the call, a plan or the options) does not enter: a call's unit
+    depends on its shape only, so a plan and the calls of its shape under ``torch.compile``
+    (which plan again, with the plan's split count) pick the same unit.
+
+    Where it comes from (H100, benchmarks/results/h100-2026-12-07-s29/bench_decode_mla.log:
+    paged 64, Sq_new 1, one latent head, 132 SMs, CUDA-graph medians; us, mma_sync vs wgmma;
+    in brackets the work, key blocks per wgmma CTA x mma.sync CTAs per wgmma CTA):
+
+    - B1 4k: h16 31.5 vs 44.6 [2 x 1]; h64 32.4 vs 62.0 [2 x 4]; h128 34.7 vs 65.0 [2 x 4]
+    - B1 32k: h16 75.9 vs 127.5 [4 x 1]; h64 91.7 vs 182.4 [4 x 4]; h128 151.4 vs 124.1
+      [7.8 x 4 = 31]
+    - B64 4k: h16 151.5 vs 122.9 [32 x 1]; h64 561.8 vs 136.4 [32 x 4]; h128 1120.4 vs
+      198.8 [64 x 4]
+    - B64 32k: h16 1055.3 vs 840.5 [256 x 1]; h64 4357.1 vs 857.3 [256 x 4]; h128 8317.6
+      vs 1428.3 [512 x 4]
+
+    The wgmma unit loses at a work of 16 or less (a single request split 32 to 128 ways:
+    the fixed cost of a 64-row CTA and of its many splits' merge is not paid back by a few
+    key blocks) and wins from 31 (B1 32k at 128 heads, 1.22x) up (5.8x at 2048); 24 lies
+    between the two, and every shape of the table picks its faster unit.  Counting the
+    mma.sync unit's re-reads makes 16 heads (one mma.sync CTA per wgmma CTA: nothing to
+    save but the wgmma unit's faster stream, 1.23x at B64) need four times the key blocks
+    per CTA that 64 or 128 heads need: a single request at 16 heads stays on the mma.sync
+    unit up to 192k keys (128 splits).  Shapes outside the table (other cache lengths and
+    batches, Sq_new > 1, another SM count) follow the rule untested; ``flashgen bench
+    --decode --mla`` times ``auto`` beside both units."""
+    return "wgmma" if mla_auto_work(wgmma, **sizes).picks_wgmma else "mma_sync"
+
+
+def mla_unit_for_call(
+    spec: Spec,
+    target: str,
+    options: Options | None = None,
+    cache_dtype: str | None = None,
+    *,
+    batch: int,
+    heads_q: int,
+    heads_kv: int,
+    seqlen_q: int,
+    capacity: int,
+    num_sms: int,
+    pack_gqa: bool = True,
+    live_blocks: int | None = None,
+    wgmma: DecodePlan | None = None,
+) -> str:
+    """The MLA unit (``"wgmma"`` / ``"mma_sync"``) a call of these sizes on ``target`` runs
+    under ``options`` (a :class:`Options`): ``"mma_sync"`` for a spec without ``v_from_k``
+    (its one unit); :attr:`Options.mla_unit` ``"mma_sync"``; ``"wgmma"`` where
+    :func:`mla_wgmma_support` allows it, else ``"mma_sync"`` (:func:`mla_wgmma_fallback`
+    warns); ``"auto"``: ``"mma_sync"`` where the Hopper unit cannot serve (``sm_80``, an
+    e4m3 cache), else :func:`mla_auto_unit`.  ``wgmma``: the Hopper unit's plan if the caller
+    has it (planned here otherwise; :class:`~flashgen.ops.decode.planning.DecodePlanning`
+    keeps one per op)."""
+    options = options or Options()
+    if not spec.v_from_k or options.mla_unit == "mma_sync":
+        return "mma_sync"
+    if mla_wgmma_support(spec, target, cache_dtype) is not None:
+        return "mma_sync"
+    if options.mla_unit == "wgmma":
+        return "wgmma"
+    if wgmma is None:
+        wgmma = plan(spec, target, replace(options, mla_unit="wgmma"))
+    return mla_auto_unit(
+        wgmma, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+        capacity=capacity, num_sms=num_sms, pack_gqa=pack_gqa, live_blocks=live_blocks,
+        split_waves=options.split_waves, balance_waves=options.balance_waves,
+    )  # fmt: skip
+
+
+def mla_unit_note(spec: Spec, target: str, options: Options | None = None) -> str | None:
+    """What ``flashgen show`` says under a ``v_from_k`` spec's plan about the MLA unit of
+    ``target`` (None for another spec): which unit the shown plan is and, for ``"auto"``, how
+    calls pick theirs."""
+    if not spec.v_from_k:
+        return None
+    options = options or Options()
+    why = mla_wgmma_support(spec, target)
+    if options.mla_unit == "auto" and why is None:
+        return (
+            "decode.mla_unit=auto: calls and op.plan_decode pick per shape: the wgmma unit "
+            "(templates/sm_90/decode_mla.cu.j2) where one of its CTAs replaces at least "
+            f"{MLA_AUTO_MIN_WORK} key-block loads of the mma_sync unit (its blocks under the "
+            "split heuristic x the 16-row CTAs its 64 rows take: many requests, heads and new "
+            "tokens), else the mma_sync unit shown; --option decode.mla_unit=wgmma shows the "
+            "other"
+        )
+    if options.mla_unit == "auto":
+        return f"decode.mla_unit=auto: the mma_sync unit shown ({why})"
+    if options.mla_unit == "wgmma" and why is not None:
+        return f"decode.mla_unit=wgmma: the mma_sync unit shown ({why})"
+    return f"decode.mla_unit={options.mla_unit}: the {options.mla_unit} unit shown"
 
 
 def mla_smem_bytes() -> int:
@@ -766,9 +968,11 @@ def plan(
     ``exact_softmax``: the split merge normalized by the sum of its weights, ``exp(lse_i -
     m) / sum_j exp(lse_j - m)``, not ``exp(lse_i - lse)``: at huge logits (an ulp of lse
     2^14) ``log(sum)`` is lost in lse's rounding and equal splits weighed 1 each.  With
-    ``options.mla_wgmma`` where :func:`mla_wgmma_reason` is None, the Hopper MLA unit
+    ``options.mla_unit`` ``"wgmma"`` where :func:`mla_wgmma_reason` is None, the Hopper MLA unit
     (``templates/sm_90/decode_mla.cu.j2``, its tiles :data:`MLA_BLOCK_M` x
-    :data:`MLA_BLOCK_N` x :data:`MLA_STAGES`, :func:`mla_smem_bytes`).  Raises
+    :data:`MLA_BLOCK_N` x :data:`MLA_STAGES`, :func:`mla_smem_bytes`); ``"auto"`` (no call
+    shape here: :func:`mla_unit_for_call` resolves it first) and ``"mma_sync"`` plan the
+    mma.sync unit.  Raises
     ``ValueError`` for a spec decode does not support (:func:`unsupported_reason`,
     :func:`cache_dtype_reason`), an unknown target or tiles that do not fit."""
     if target not in TARGETS:
@@ -903,9 +1107,7 @@ def choose_num_splits(
     (:func:`live_key_blocks`: a sliding window), a wave of ``split_waves * num_sms *``
     :func:`ctas_per_sm` CTAs, splits of at least the unit's ``min_split_blocks`` blocks;
     ``balance_waves``: :func:`balanced_splits` where the heuristic does not split."""
-    n_blocks = (max_seqlen_k + p.tiles.block_n - 1) // p.tiles.block_n
-    if live_blocks is not None:
-        n_blocks = max(1, min(n_blocks, live_blocks))
+    n_blocks = key_blocks(p, max_seqlen_k, live_blocks)
     wave = max(1, int(num_sms * ctas_per_sm(p) * split_waves))
     msb = p.context.get("min_split_blocks", MIN_SPLIT_BLOCKS)
     total = batch * heads_kv_ctas * m_blocks
@@ -913,6 +1115,15 @@ def choose_num_splits(
     if balance_waves and splits == 1:
         splits = balanced_splits(total, wave, n_blocks // msb)
     return splits
+
+
+def key_blocks(p: DecodePlan, max_seqlen_k: int, live_blocks: int | None = None) -> int:
+    """Key blocks of unit ``p`` in ``max_seqlen_k`` keys, at most ``live_blocks`` (at least 1)
+    where the mask bounds them (:func:`choose_num_splits`' count)."""
+    n_blocks = (max_seqlen_k + p.tiles.block_n - 1) // p.tiles.block_n
+    if live_blocks is not None:
+        n_blocks = max(1, min(n_blocks, live_blocks))
+    return n_blocks
 
 
 def balanced_splits(total_ctas: int, wave: int, most: int) -> int:

@@ -76,9 +76,10 @@ def select(
       form (:func:`flashgen.codegen.dparam.hopper_forms_ok`).
     - blocktable: the pre-pass.
     - decode: the split-KV decode kernels (:mod:`flashgen.families.decode`; its
-      ``unsupported_reason`` says which specs have none); with ``options.decode.mla_wgmma`` on
-      target ``sm_90``, a ``v_from_k`` spec's unit is the Hopper MLA one
-      (:func:`flashgen.families.decode.mla_wgmma_reason`: where it is not).
+      ``unsupported_reason`` says which specs have none); a ``v_from_k`` spec's unit on
+      ``sm_90`` is the Hopper MLA one with ``options.decode.mla_unit`` ``"wgmma"``, or
+      ``"auto"`` where a call's shape fills it
+      (:func:`flashgen.families.decode.mla_unit_for_call`).
 
     An fp8 spec (``dtype: fp8_e4m3``) has the Hopper forward only, never persistent; a
     ``v_from_k`` spec (MLA's one latent cache) the decode only.

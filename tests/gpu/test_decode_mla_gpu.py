@@ -4,9 +4,12 @@ columns of the one latent cache, num_heads_kv 1) against a float64 reference wit
 from K: dense and paged (page sizes 1, 16, 64) bf16 and e4m3 caches, 16 and 128 query heads
 (128: eight CTAs of 16 heads per request), lengths 1, 17, 127, 1000, 4097, Sq_new 1 and 2
 appended (MTP), ragged Sq_new, num_splits 1 / 3 / heuristic; a planned call in a CUDA graph;
-compute-sanitizer memcheck.  Ragged Sq_new, the graph and memcheck also with
-``decode.mla_wgmma`` on an sm_90 GPU (the Hopper unit; its own tests:
-tests/gpu/test_decode_mla_wgmma_gpu.py).  The accuracy rule is tests/gpu/test_decode_gpu.py's."""
+compute-sanitizer memcheck: the mma.sync unit, forced (``decode.mla_unit="mma_sync"``).  Ragged
+Sq_new, the graph and memcheck also with ``decode.mla_unit="wgmma"`` on an sm_90 GPU (the
+Hopper unit; its own tests: tests/gpu/test_decode_mla_wgmma_gpu.py).  The default,
+``decode.mla_unit="auto"``: the unit it picks at a B1 and a B64 shape (planned, unplanned,
+torch.compile, ``out=``) against the same reference.  The accuracy rule is
+tests/gpu/test_decode_gpu.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flashgen  # noqa: E402
-from flashgen.ops.decode.op import decode_reference  # noqa: E402
+from flashgen.families import decode as family  # noqa: E402
+from flashgen.ops.calls import _sm_count  # noqa: E402
+from flashgen.ops.decode.op import decode_op, decode_reference  # noqa: E402
 from flashgen.ops.op import poison_outputs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -37,13 +42,12 @@ def _cuda():
         pytest.skip("needs CUDA")
 
 
-def _op(wgmma: bool = False):
-    """The MLA op, with ``decode.mla_wgmma`` (the Hopper unit: sm_90 only, else a skip)."""
-    if wgmma and torch.cuda.get_device_capability()[0] != 9:
+def _op(unit: str = "mma_sync"):
+    """The MLA op with ``decode.mla_unit=unit``: ``mma_sync`` / ``wgmma`` force that unit (the
+    Hopper unit: sm_90 only, else a skip), ``auto`` picks per shape."""
+    if unit == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper MLA unit runs on sm_90")
-    from flashgen.families import decode as family
-
-    return flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_wgmma=wgmma)))
+    return flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_unit=unit)))
 
 
 def latent_cache(batch, cap, *, ps, dense, dtype=torch.bfloat16, seed=0):
@@ -95,7 +99,7 @@ CASES = [  # (Hq, Sq_new (appended when > 1), page size (0: dense), num_splits, 
 def test_mla_against_float64(hq, sq, ps, splits, fp8):
     if fp8 and E4M3 is None:
         pytest.skip("torch without float8_e4m3fn")
-    op = flashgen.load(SPEC)
+    op = _op("mma_sync")
     lens = [1, 17, 127, 1000, 4097]
     append = sq > 1
     live = [n + (sq if append else 0) for n in lens]
@@ -117,11 +121,11 @@ def test_mla_against_float64(hq, sq, ps, splits, fp8):
     check(op, q, kc, table, live, o, lse, kd)
 
 
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
-def test_ragged_mla_against_float64(wgmma):
-    """Ragged Sq_new (0 to 3 new tokens per request, appended), 128 heads; ``wgmma``: the Hopper
-    unit (``decode.mla_wgmma``, sm_90 only)."""
-    op = _op(wgmma)
+@pytest.mark.parametrize("unit", ["mma_sync", "wgmma"])
+def test_ragged_mla_against_float64(unit):
+    """Ragged Sq_new (0 to 3 new tokens per request, appended), 128 heads; each unit forced
+    (``decode.mla_unit``; the Hopper unit sm_90 only)."""
+    op = _op(unit)
     sqs, lens = [2, 0, 1, 3], [17, 4, 1000, 127]
     live = [n + s for n, s in zip(lens, sqs, strict=True)]
     kc, table = latent_cache(4, max(live) + 1, ps=16, dense=False)
@@ -142,18 +146,19 @@ def test_ragged_mla_against_float64(wgmma):
         check(op, one, kc, tb, [live[b]], o[q0:q1].transpose(0, 1)[None], lse[:, q0:q1][None])
 
 
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma_sync", "wgmma"])
-def test_mla_plan_in_a_cuda_graph(wgmma):
-    """A planned call captured and replayed; ``wgmma``: the Hopper unit (``decode.mla_wgmma``,
-    sm_90 only), whose 64-row CTAs take 128 heads in two."""
-    op = _op(wgmma)
+@pytest.mark.parametrize("unit", ["mma_sync", "wgmma"])
+def test_mla_plan_in_a_cuda_graph(unit):
+    """A planned call captured and replayed, each unit forced (``decode.mla_unit``; the Hopper
+    unit, sm_90 only, takes 128 heads in two 64-row CTAs)."""
+    op = _op(unit)
+    wgmma = unit == "wgmma"
     lens = [17, 4000]
     kc, table = latent_cache(2, 4096, ps=64, dense=False)
     q = torch.randn(2, 128, 1, D, device="cuda").bfloat16()
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     p = op.plan_decode(batch=2, num_heads=128, num_heads_kv=1, seqlen_q=1, cache_capacity=4096,
                        page_size=64, num_pages=kc.shape[0])  # fmt: skip
-    assert p.geometry.m_blocks == (2 if wgmma else 8)
+    assert p.geometry.m_blocks == (2 if wgmma else 8) and p.mla_unit == unit
     op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -174,10 +179,11 @@ import flashgen
 from pathlib import Path
 from flashgen.families import decode as family
 spec = Path(sys.argv[1]) / "specs" / "mla_decode.yaml"
-runs = [(flashgen.load(spec), (torch.bfloat16, torch.float8_e4m3fn))]
-if torch.cuda.get_device_capability()[0] == 9:  # the Hopper unit (decode.mla_wgmma): 16-bit caches
-    wg = flashgen.Options(decode=family.Options(mla_wgmma=True))
-    runs.append((flashgen.load(spec, options=wg), (torch.bfloat16,)))
+def unit(name):
+    return flashgen.load(spec, options=flashgen.Options(decode=family.Options(mla_unit=name)))
+runs = [(unit("mma_sync"), (torch.bfloat16, torch.float8_e4m3fn))]
+if torch.cuda.get_device_capability()[0] == 9:  # the Hopper unit: 16-bit caches
+    runs.append((unit("wgmma"), (torch.bfloat16,)))
 forms = ((1, 1, torch.bfloat16), (64, 3, torch.bfloat16), (16, 2, torch.float8_e4m3fn))
 for op, ps, splits, dt in [(op, *f) for op, dts in runs for f in forms if f[2] in dts]:
     pp = -(-300 // ps)
@@ -212,8 +218,9 @@ def test_mla_decode_is_memcheck_clean():
 def test_mla_b64_8k_with_128_heads_runs_in_under_50_ms():
     """A smoke check of the split across CTAs (not the issue's speed target): B 64, 8k cache,
     128 heads, one call under 50 ms (the latent cache is 604 MB of bf16 here, read by eight
-    CTAs of 16 heads each: about 5 GB through L2 and 0.6 GB from memory)."""
-    op = flashgen.load(SPEC)
+    CTAs of 16 heads each: about 5 GB through L2 and 0.6 GB from memory; the mma.sync unit,
+    forced: ``auto`` picks the Hopper unit here on sm_90)."""
+    op = _op("mma_sync")
     kc, table = latent_cache(64, 8192, ps=64, dense=False)
     q = torch.randn(64, 128, 1, D, device="cuda").bfloat16()
     lens = torch.full((64,), 8192, dtype=torch.int32, device="cuda")
@@ -225,3 +232,55 @@ def test_mla_b64_8k_with_128_heads_runs_in_under_50_ms():
     end.record()
     torch.cuda.synchronize()
     assert start.elapsed_time(end) < 50.0
+
+
+AUTO_SHAPES = [  # (batch, heads, cache): two shapes of the H100 table mla_auto_unit comes from
+    (1, 16, 4096),  # sm_90: the mma.sync unit (31.5 us against 44.6)
+    (64, 128, 4096),  # sm_90: the Hopper unit (198.8 us against 1120.4)
+]
+
+
+@pytest.mark.device_memory(8)
+@pytest.mark.parametrize("batch,hq,cache", AUTO_SHAPES, ids=lambda v: str(v))
+def test_auto_picks_per_shape_and_matches_the_reference(batch, hq, cache):
+    """``decode.mla_unit="auto"`` (the default): the plan runs the unit
+    :func:`flashgen.families.decode.mla_unit_for_call` gives on this device (sm_90 with 132
+    SMs: the table's faster unit; sm_80 or another SM count: what the rule says), a planned
+    call, an unplanned one (picked at call time), one under ``torch.compile`` and one with
+    ``out=`` agree bitwise at the plan's split count, and match the float64 reference."""
+    op = _op("auto")
+    assert op.options.decode.mla_unit == "auto" and flashgen.load(SPEC).options == op.options
+    kc, table = latent_cache(batch, cache, ps=64, dense=False, seed=5)
+    q = torch.randn(batch, hq, 1, D, device="cuda").bfloat16()
+    lens_t = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+    dop = decode_op(op)
+    before = set(dop._units)  # (the default op may be shared with earlier tests)
+    p = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=1, seqlen_q=1, cache_capacity=cache,
+                       page_size=64, num_pages=kc.shape[0])  # fmt: skip
+    index = torch.cuda.current_device()
+    target = "sm_90" if torch.cuda.get_device_capability()[0] == 9 else "sm_80"
+    want = family.mla_unit_for_call(
+        op.spec, target, op.options.decode, batch=batch, heads_q=hq, heads_kv=1, seqlen_q=1,
+        capacity=cache, num_sms=_sm_count(index),
+    )  # fmt: skip
+    assert p.mla_unit == want and p.options.mla_unit == want
+    template = "sm_90/decode_mla.cu.j2" if want == "wgmma" else "sm_80/decode.cu.j2"
+    assert p.kernels["attn"].plan.template == template
+    if target == "sm_90" and _sm_count(index) == 132:  # the table's device
+        assert want == ("mma_sync" if batch == 1 else "wgmma")
+    o, lse = op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p)
+    unplanned = op.with_kvcache(q, kc, None, lens_t, block_table=table)  # picks at call time
+
+    def call(q, kc, lens):
+        return op.with_kvcache(q, kc, None, lens, block_table=table, num_splits=p.num_splits)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, kc, lens_t)
+    out = (torch.empty_like(o), torch.empty_like(lse))
+    got = op.with_kvcache(q, kc, None, lens_t, block_table=table, plan=p, out=out)
+    torch.cuda.synchronize()
+    assert got is out
+    # the plan, the unplanned and the compiled calls loaded no other unit than the plan's
+    assert {dop._units[k]["attn"].plan.template for k in set(dop._units) - before} <= {template}
+    for r in (unplanned, compiled, out):
+        assert torch.equal(r[0], o) and torch.equal(r[1], lse)
+    check(op, q, kc, table, [cache] * batch, o, lse)

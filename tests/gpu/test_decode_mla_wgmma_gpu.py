@@ -1,14 +1,15 @@
-"""The Hopper MLA decode unit on the device (issue 40 part 3; ``Options.decode.mla_wgmma``,
-templates/sm_90/decode_mla.cu.j2; ``python -m pytest -q tests/gpu/test_decode_mla_wgmma_gpu.py``,
-an sm_90 GPU): specs/mla_decode.yaml with the option on against the float64 reference with V
-sliced from K, at cache lengths 1, 17, 127, 1000 and 4097 in one batch, dense and paged (page
-sizes 1, 16, 64), 16, 64 and 128 query heads, Sq_new 1 and 2 (appended), num_splits 1, 3 and
-the heuristic's; the mma.sync unit (option off) within the same bound; empty requests and bad
-pages (ragged Sq_new and a planned call in a CUDA graph: test_decode_mla_gpu.py's tests, with
-the option).  Outputs are poisoned (NaN) before launch, and every cache slot a
-request does not own holds NaN, so a read past the live keys or through a wrong page shows
-in o.  The accuracy rule is tests/gpu/test_decode_gpu.py's (test_decode_mla_gpu.check: V is the
-first 512 columns of the cache, whose NaN slots past the live keys the reference never reads)."""
+"""The Hopper MLA decode unit on the device (issue 40 part 3; ``Options.decode.mla_unit=
+"wgmma"``, templates/sm_90/decode_mla.cu.j2; ``python -m pytest -q
+tests/gpu/test_decode_mla_wgmma_gpu.py``, an sm_90 GPU): specs/mla_decode.yaml with the unit
+forced against the float64 reference with V sliced from K, at cache lengths 1, 17, 127, 1000
+and 4097 in one batch, dense and paged (page sizes 1, 16, 64), 16, 64 and 128 query heads,
+Sq_new 1 and 2 (appended), num_splits 1, 3 and the heuristic's; the mma.sync unit
+(``mla_unit="mma_sync"``, forced) within the same bound; empty requests and bad pages (ragged
+Sq_new, a planned call in a CUDA graph and ``auto``'s choice: test_decode_mla_gpu.py's tests).
+Outputs are poisoned (NaN) before launch, and every cache slot a request does not own holds
+NaN, so a read past the live keys or through a wrong page shows in o.  The accuracy rule is
+tests/gpu/test_decode_gpu.py's (test_decode_mla_gpu.check: V is the first 512 columns of the
+cache, whose NaN slots past the live keys the reference never reads)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def _sm90():
 
 
 def _ops():
-    on = flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_wgmma=True)))
-    return on, flashgen.load(SPEC)
+    """The op with the Hopper unit and the op with the mma.sync unit, each forced (the
+    default, ``auto``, picks per shape)."""
+    return tuple(flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_unit=u)))
+                 for u in ("wgmma", "mma_sync"))  # fmt: skip
 
 
 def latent_cache(lens, cap, *, ps, dense, seed=0):

@@ -1,12 +1,14 @@
-"""The Hopper MLA decode unit (issue 40 part 3; ``Options.decode.mla_wgmma``,
-templates/sm_90/decode_mla.cu.j2, flashgen.families.decode.plan): the typed option, which
-plan the registry gives with it on and off (sm_90 only, v_from_k only, 16-bit caches only:
-an e4m3 cache falls back to the mma.sync unit's kv8 form), the launch geometry of 64 packed
-rows per CTA, the shared memory of the unit, the index maps of templates/common/mla_decode.cuh
-run on the host against brute force (the 128-byte swizzle of the panels, which rows and
-chunks each loading thread copies, where a key lives in a dense or paged cache of any page
-size, the GQA head packing, the wgmma accumulator fragment), the rendered unit, and (with
-nvcc) its kernels compiled for sm_90a: no spills, no serialized wgmma."""
+"""The Hopper MLA decode unit (issue 40 part 3; ``Options.decode.mla_unit="wgmma"``,
+templates/sm_90/decode_mla.cu.j2, flashgen.families.decode.plan): which plan the registry
+gives with ``wgmma``, ``mma_sync`` and ``auto`` without a call shape (sm_90 only, v_from_k
+only, 16-bit caches only: an e4m3 cache falls back to the mma.sync unit's kv8 form; the
+option itself and ``auto``'s per-shape rule: test_decode_mla_auto.py), the launch geometry
+of 64 packed rows per CTA, the shared memory of the unit, the index maps of
+templates/common/mla_decode.cuh run on the host against brute force (the 128-byte swizzle of
+the panels, which rows and chunks each loading thread copies, where a key lives in a dense or
+paged cache of any page size, the GQA head packing, the wgmma accumulator fragment), the
+rendered unit, and (with nvcc) its kernels compiled for sm_90a: no spills, no serialized
+wgmma."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from flashgen.options import DEFAULT, Options
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = load_spec(ROOT / "specs" / "mla_decode.yaml")
 HEADER = ROOT / "templates" / "common" / "mla_decode.cuh"
-ON = Options().replace_path("decode.mla_wgmma", True)
+ON = Options().replace_path("decode.mla_unit", "wgmma")
 BASE = "name: m\nhead_dim: 576\nhead_dim_v: 512\nv_from_k: true\n"
 
 
@@ -36,16 +38,10 @@ def _plan(spec=SPEC, target="sm_90", options=ON, **kw):
 
 
 # ----------------------------------------------------------------------------- the option
-def test_the_option_is_a_typed_bool_off_by_default_and_a_unit_knob():
-    assert family.Options().mla_wgmma is False
-    for bad in (1, "true", None):
-        with pytest.raises(ValueError, match="Options.decode.mla_wgmma"):
-            family.Options(mla_wgmma=bad)
-    assert ON.decode.mla_wgmma is True
-    assert Options().replace_path("decode.mla_wgmma", "false").decode.mla_wgmma is False
-    # a unit knob: the op's loaded kernels and the kernel cache key tell the two apart, and the
+def test_wgmma_is_a_unit_knob():
+    # the op's loaded kernels and the kernel cache key tell the two units apart, and the
     # default options' key is what it was before the option
-    assert family.Options(mla_wgmma=True).unit_key() != family.Options().unit_key()
+    assert family.Options(mla_unit="wgmma").unit_key() != family.Options().unit_key()
     assert family.Options().unit_key() == (None, None, None, family.MIN_SPLIT_BLOCKS, True, 4)
     assert ON.family_key("decode") != DEFAULT.family_key("decode")
     assert _plan().options_key != _plan(options=DEFAULT).options_key
@@ -83,18 +79,28 @@ def test_where_it_does_not_apply_the_mma_sync_unit_is_planned(spec, target, cach
     off = _plan(spec, target, DEFAULT, cache_dtype=cache)
     assert on.template == off.template == "sm_80/decode.cu.j2"
     assert render(on) == render(off)  # the unit itself is today's, byte for byte
-    assert family.mla_wgmma_reason(SPEC, "sm_90", DEFAULT.decode) == (
-        "Options.decode.mla_wgmma is off"
+    assert why in family.mla_wgmma_support(spec, target, cache)
+    assert family.mla_wgmma_reason(SPEC, "sm_90", family.Options(mla_unit="mma_sync")) == (
+        "Options.decode.mla_unit is 'mma_sync'"
+    )
+    assert family.mla_wgmma_reason(SPEC, "sm_90", DEFAULT.decode).startswith(
+        "Options.decode.mla_unit is 'auto' and no call shape is given"
     )
     assert family.mla_wgmma_reason(SPEC, "sm_90", ON.decode) is None
 
 
-def test_with_the_option_off_the_mla_unit_is_unchanged():
+def test_mma_sync_and_auto_without_a_call_shape_plan_the_mma_sync_unit_unchanged():
+    """``auto`` (the default) has no call shape in a plan of the registry (``flashgen show``,
+    ``build``, ``generate``): the mma.sync unit, as the default was before the option, and
+    ``mma_sync`` the same unit under the same cache key (``options_key``)."""
+    forced = Options().replace_path("decode.mla_unit", "mma_sync")
     for target in family.TARGETS:
         for ragged in (False, True):
             off = _plan(target=target, options=DEFAULT, ragged=ragged)
             assert off.template == "sm_80/decode.cu.j2" and off.tiles.block_m == family.BLOCK_M
             assert not off.context["mla_wgmma"]
+            mma = _plan(target=target, options=forced, ragged=ragged)
+            assert render(mma) == render(off) and mma.options_key == off.options_key == ""
 
 
 @pytest.mark.parametrize(
@@ -366,7 +372,7 @@ def no_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--mla", "--fp8"], "--mla times its own two variants; it takes no --fp8"),
+    (["--mla", "--fp8"], "--mla times its own three variants; it takes no --fp8"),
     (["--mla", "--option", "decode.stages=4"], "it takes no --option"),
     (["--mla", "--sweep"], "it takes no --sweep"),
     (["--mla-heads", "16"], "--mla-heads and --mla-sq go with --mla"),
@@ -400,17 +406,20 @@ def test_bench_mla_parses_and_counts_bytes_and_flops(no_cuda, capsys):
 
 
 def test_a_call_the_hopper_unit_cannot_serve_is_told_so():
-    """With the option on, an e4m3 cache (or another target) runs the mma.sync unit, and the
-    op warns once per unit it loads (``DecodeOp.kernels``) with this message; a spec without
-    ``v_from_k`` or the option off says nothing."""
+    """With ``wgmma`` asked for, an e4m3 cache (or another target) runs the mma.sync unit, and
+    the op warns once per unit it loads (``DecodeOp.kernels``) with this message; a spec
+    without ``v_from_k``, ``auto`` (which picks the mma.sync unit there) or ``mma_sync`` says
+    nothing."""
     why = family.mla_wgmma_fallback(SPEC, "sm_90", ON.decode, "fp8_e4m3")
-    assert why.startswith("Options.decode.mla_wgmma: the Hopper MLA unit reads a bf16 cache")
+    assert why.startswith("Options.decode.mla_unit='wgmma': the Hopper MLA unit reads a bf16 "
+                          "cache")  # fmt: skip
     assert why.endswith("these calls run the mma.sync decode unit")
     on_sm80 = family.mla_wgmma_fallback(SPEC, "sm_80", ON.decode)
     assert "is sm_90 (wgmma), the target is sm_80" in on_sm80
     assert family.mla_wgmma_fallback(SPEC, "sm_90", ON.decode) is None
     assert family.mla_wgmma_fallback(SPEC, "sm_90", DEFAULT.decode, "fp8_e4m3") is None
+    assert family.mla_wgmma_fallback(SPEC, "sm_80", DEFAULT.decode) is None  # auto: no warning
     llama = load_spec(ROOT / "specs" / "llama3_gqa.yaml")
     assert family.mla_wgmma_fallback(llama, "sm_90", ON.decode) is None
-    assert _plan().config()["mla_wgmma"] is True
-    assert "mla_wgmma" not in _plan(options=DEFAULT).config()
+    assert _plan().config()["mla_unit"] == "wgmma"
+    assert "mla_unit" not in _plan(options=DEFAULT).config()

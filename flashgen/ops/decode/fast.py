@@ -86,7 +86,8 @@ class DecodeCallPlan:
     counters: torch.Tensor | None = None
     #: the planned fast path (:class:`_FastPath`), CUDA plans from plan_decode only
     fast: object = None
-    #: the unit's and the schedule's knobs (:class:`flashgen.families.decode.Options`)
+    #: the unit's and the schedule's knobs (:class:`flashgen.families.decode.Options`; a
+    #: ``v_from_k`` spec's ``mla_unit`` the unit this plan runs, ``"auto"`` resolved)
     options: family.Options = family.Options()
     #: key blocks the mask keeps at the planned capacity (:func:`~flashgen.families.decode.
     #: live_key_blocks`; a sliding window's), None: the capacity's; sized the splits
@@ -94,6 +95,10 @@ class DecodeCallPlan:
     #: the :class:`~flashgen.ops.decode.op.DecodeOp` that planned it: another op's calls refuse
     #: the plan (its kernels, sizes and params are this op's)
     owner: object = None
+    #: a ``v_from_k`` spec's decode unit for this shape, ``"wgmma"`` (the Hopper unit) or
+    #: ``"mma_sync"`` (:func:`flashgen.families.decode.mla_unit_for_call`: ``Options.decode.
+    #: mla_unit``'s ``"auto"`` picks it at plan time); None for any other spec
+    mla_unit: str | None = None
 
     @property
     def fused_sink(self) -> bool:

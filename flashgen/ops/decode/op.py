@@ -184,6 +184,7 @@ class DecodeOp(DecodePlanning):
         self.v_from_k = op.spec.v_from_k
         self._units: dict = {}
         self._live: dict = {}
+        self._mla: dict = {}  # planning's MLA unit choice: device targets, the Hopper unit's plan
         self._bounds: dict = {}  # _reads_inside's memo
         self._lock = threading.Lock()
         self._registered = False

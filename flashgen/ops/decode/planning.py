@@ -8,7 +8,8 @@ and the decode units' kernels that a plan loads.  Launching a plan stays in
 
 :class:`DecodePlanning` is a mixin of :class:`~flashgen.ops.decode.op.DecodeOp`: it reads the
 op's ``spec``, ``op`` (the attention op: its options), ``_units`` / ``_lock`` (the loaded
-units), ``_live`` (the live-block memo) and calls its ``_refuse``.  It imports
+units), ``_live`` (the live-block memo), ``_mla`` (the MLA unit choice's memo) and calls its
+``_refuse``.  It imports
 :mod:`~flashgen.ops.decode.fast`, :mod:`~flashgen.ops.decode.inputs`, ``calls`` and
 ``validation``, never :mod:`flashgen.ops.decode.op`.
 """
@@ -70,6 +71,10 @@ class DecodePlanning:
         the splits by its blocks, not the capacity's; calls may pass other values.
         ``cache_dtype``: the calls' cache dtype, None (the spec's) or ``torch.float8_e4m3fn``
         (an e4m3 cache: its own unit; the calls pass the descales).
+        A ``v_from_k`` spec (MLA) under ``Options.decode.mla_unit="auto"`` gets its unit for
+        this shape here (:func:`flashgen.families.decode.mla_unit_for_call`; the plan's
+        :attr:`~flashgen.ops.decode.fast.DecodeCallPlan.mla_unit`), and the planned calls run
+        it; an unplanned call picks its own at call time.
         ``device``: where the calls run; None: the current CUDA device if there is one,
         else the CPU.  On a CUDA device it builds and loads the kernels and allocates the
         workspace, so planned calls do no host planning and can be captured in a CUDA graph.
@@ -297,6 +302,11 @@ class DecodePlanning:
         pack_gqa = pack_gqa and options.pack_gqa
         if num_splits is None:
             num_splits = options.num_splits
+        mla_unit = None
+        if self.spec.v_from_k:  # MLA: the unit of this shape (options' "auto" resolved here)
+            mla_unit = self._mla_unit(dims, device, options, pack_gqa, params)
+            if options.mla_unit == "auto":
+                options = dataclasses.replace(options, mla_unit=mla_unit)
         kern = (
             self.kernels(device, options, dims.ragged, dims.cache_dtype)
             if device.type == "cuda" else {}
@@ -344,11 +354,46 @@ class DecodePlanning:
             fixed["new_keys"] = int(dims.append)
         plan = DecodeCallPlan(
             dims, num_splits, geo, device, kern, fixed, o_part, lse_part, pack_gqa, counters,
-            options=options, live_blocks=live_blocks, owner=self,
+            options=options, live_blocks=live_blocks, owner=self, mla_unit=mla_unit,
         )  # fmt: skip
         if own_workspace and kern and rows > 0:
             plan.fast = _FastPath(self, plan)
         return plan
+
+    def _mla_unit(self, dims: DecodeDims, device, options: family.Options, pack_gqa: bool,
+                  params: dict | None) -> str:  # fmt: skip
+        """The MLA unit (``"wgmma"`` / ``"mma_sync"``) of a ``v_from_k`` spec's call of
+        ``dims`` on ``device`` under ``options``
+        (:func:`flashgen.families.decode.mla_unit_for_call` for the CUDA device's target and
+        SM count; the CPU plans for sm_80: the mma.sync unit).  Memoized per op in ``_mla``:
+        each device's target and SM count, and the Hopper unit's plan that the ``"auto"``
+        rule reads (pure Python, nothing compiled)."""
+        if device.type != "cuda":
+            return "mma_sync"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        where = self._mla.get(index)
+        if where is None:
+            target = target_for_device(self.spec, torch.device("cuda", index))
+            where = self._mla[index] = (target, _sm_count(index))
+        target, sms = where
+        wgmma = live_blocks = None
+        if options.mla_unit == "auto" and (
+            family.mla_wgmma_support(self.spec, target, dims.cache_dtype) is None
+        ):
+            key = (target, options.min_split_blocks, dims.ragged)
+            wgmma = self._mla.get(key)
+            if wgmma is None:
+                wgmma = self._mla[key] = family.plan(
+                    self.spec, target, dataclasses.replace(options, mla_unit="wgmma"),
+                    ragged=dims.ragged,
+                )  # fmt: skip
+            live_blocks = self._live_blocks(dims, wgmma.tiles.block_n, params)
+        return family.mla_unit_for_call(
+            self.spec, target, options, dims.cache_dtype, batch=dims.batch,
+            heads_q=dims.heads_q, heads_kv=dims.heads_kv, seqlen_q=dims.seqlen_q,
+            capacity=dims.capacity, num_sms=sms, pack_gqa=pack_gqa, live_blocks=live_blocks,
+            wgmma=wgmma,
+        )  # fmt: skip
 
     def _live_blocks(self, dims: DecodeDims, block_n: int, params: dict | None) -> int | None:
         """:func:`flashgen.families.decode.live_key_blocks`, memoized per op (an unplanned
