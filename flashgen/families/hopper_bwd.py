@@ -428,7 +428,7 @@ def plan(
     accumulator's fragment order (no room for the staging tiles; ``dq_frag``).  ``ordered_dq``: the
     deterministic form (``Options.ordered_dq``): the dQ writer adds its tiles into a query
     block only after the CTAs of every earlier key block have (a semaphore per (batch, query
-    head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / 64)], zeroed by the caller), so dQ
+    head, query block), ``dq_sem`` int32 [B, Hq, ceil(Sq / BLOCK_M)], zeroed by the caller), so dQ
     is bitwise reproducible; the kernels are named ``..._wgmma_ordered_*``.  ``causal_bits``:
     see :func:`~flashgen.families.bwd_common.tile_classifier`.  ``exact_softmax``: P's
     exponent capped at 0 (:func:`~flashgen.families.bwd_common.base_fields`).

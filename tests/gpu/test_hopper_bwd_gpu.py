@@ -294,6 +294,18 @@ def test_dk_dv_reproducible_dq_close(d):
         torch.testing.assert_close(g[0].float(), grads[0][0].float(), atol=1e-2 * scale, rtol=0)
 
 
+#: B, Hq, Hkv, Sq, Sk of the ordered tests: 2 x 2 x 65 key-block CTAs, more than one wave, so
+#: CTAs wait on key blocks that are not resident yet
+ORDERED_SHAPE = (2, 8, 2, 1000, 8193)
+
+
+def more_ctas_than_sms(plan, shape) -> bool:
+    b, _, hkv, _, sk = shape
+    ctas = b * hkv * -(-sk // plan.dkdv.context["block_n"])
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return ctas > props.multi_processor_count
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("d, block_m", [(64, 64), (128, 64), (128, 80)])
 def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, block_m, causal):
@@ -304,8 +316,9 @@ def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, block_m, causal):
     spec = hb_spec(d, "bf16", causal)
     opts = {"hopper_bwd.ordered_dq": True, "hopper_bwd.ordered_80": block_m == 80}
     op = gpu_options.build(spec, gpu_options.options(opts))
-    q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=13)
+    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=13)
     plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    assert more_ctas_than_sms(plan, ORDERED_SHAPE)
     if d == 128:
         assert plan.dkdv.context["block_m"] == block_m
     for g in grads[1:]:
@@ -360,13 +373,13 @@ def test_ordered_masks_are_bitwise_reproducible_and_accurate(name, params, opts)
     """``hopper_bwd.ordered_masks``: ``deterministic=True`` under a residual mask runs the
     ordered Hopper form, each CTA's writer adding after the earlier key blocks whose published
     hull holds the query block: dq, dk, dv bitwise equal over five runs, within the 2x rule of
-    the float64 reference (GQA, Sq != Sk, more key blocks than a wave of CTAs)."""
+    the float64 reference (GQA, Sq != Sk, more CTAs than one wave)."""
     spec = d64(name.removeprefix("d64:")) if name.startswith("d64:") else shipped(name)
     op = gpu_options.build(
         spec, gpu_options.options({"hopper_bwd.ordered_masks": True, **opts})
     )
     gen = torch.Generator(device="cuda").manual_seed(31)
-    b, hq, hkv, sq, sk = 2, 8, 2, 1000, 4097
+    b, hq, hkv, sq, sk = ORDERED_SHAPE
     q, k, v, inputs = random_inputs(spec, b, hq, hkv, sq, sk, torch.device("cuda"), gen)
     inputs.update(params)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -378,6 +391,7 @@ def test_ordered_masks_are_bitwise_reproducible_and_accurate(name, params, opts)
         grads.append((q.grad.clone(), k.grad.clone(), v.grad.clone()))
     plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
     assert plan.wgmma and plan.dkdv.context["ordered_hull"]
+    assert more_ctas_than_sms(plan, ORDERED_SHAPE)
     for g in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
     ref64 = ref_grads(spec, q, k, v, do, inputs, torch.float64)
@@ -458,7 +472,7 @@ def test_d64_block_m128_ordered_dq(causal):
     spec = hb_spec(64, "bf16", causal)
     opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128})
     op = gpu_options.build(spec, opts)
-    q, k, v, do, grads = repeated_backward(op, spec, (2, 8, 2, 1000, 4097), True, seed=23)
+    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=23)
     plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
     assert plan.dkdv.context["block_m"] == 128
     for g in grads[1:]:

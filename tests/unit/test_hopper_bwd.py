@@ -341,9 +341,8 @@ def test_ordered_dq_plan_and_render():
     names = [a.name for a in plan.dkdv.args]
     assert names[names.index("dq_sem") + 1] == "tma_q"
     src = render(plan.unit)
-    assert "const int turn = n0 / BLOCK_N;" in src
-    assert "fg::ld_acquire_gpu(sem) != turn" in src
-    assert "fg::st_release_gpu(sem, turn + 1);" in src
+    assert "fg::ld_acquire_gpu(sem) != n0 / BLOCK_N" in src
+    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
     assert "fg::bulk_wait_group<0>();  // (head dim 64" in src
     assert "dq_sem" not in render(plan_hopper_backward(shipped("causal_d128"), "sm_90").unit)
     for spec in (shipped("mistral_swa"), shipped("bidir_d256")):
@@ -418,7 +417,7 @@ def test_ordered_masks_route_and_render_turns_over_published_hulls():
     wait = src.index("while (fg::ld_acquire_gpu(sem) != turn) {}", holds)
     assert src.index("fg::st_release_gpu(sem, turn + 1);", wait) > wait
     prefix = render(reg_plan(shipped("causal_d128"), "sm_90", ORDERED_MASKS, ordered_dq=True).unit)
-    assert "const int turn = n0 / BLOCK_N;" in prefix and "dq_hull" not in prefix
+    assert "fg::ld_acquire_gpu(sem) != n0 / BLOCK_N" in prefix and "dq_hull" not in prefix
 
 
 def _simulate_turns(hulls: list[tuple[int, int]], heads: int, seed: int) -> dict:
@@ -1081,7 +1080,7 @@ def test_d128_block_m80_plans_only_for_unmasked_or_causal_unordered_specs():
     assert (ordered.dkdv.context.block_m, ordered.dkdv.context.dq_swap) == (80, True)
     src = render(ordered.unit)
     assert "((seqlen_q + BLOCK_M - 1) / BLOCK_M) + m0 / BLOCK_M" in src
-    assert "fg::st_release_gpu(sem, turn + 1);" in src
+    assert "fg::st_release_gpu(sem, n0 / BLOCK_N + 1);" in src
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
