@@ -58,8 +58,8 @@ REMOVED_OPTIONS = {
     "hopper_bwd.desc_offsets": "the Hopper backward always builds its wgmma descriptors as "
     "base + offset, takes a warp-uniform warpgroup index, loads dsum in pairs and "
     "stores P^T and dS^T by stmatrix",
-    "decode.mla_wgmma": "replaced by decode.mla_unit: auto, the default, picks MLA's unit per "
-    "call shape; mma_sync is what false was, wgmma what true was",
+    "decode.mla_wgmma": "replaced by decode.mla_unit: mma_sync is what false was, wgmma what "
+    "true was; mma_sync is the default, auto (opt-in) picks MLA's unit per call shape",
 }
 
 

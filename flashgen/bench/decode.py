@@ -31,7 +31,7 @@ decode.stages=2,6 --option decode.merge_unroll=4,16 --combine zip``.
 
 ``--mla`` times MLA decode (specs/mla_decode.yaml: one latent cache of 576-column rows, the
 values its first 512 columns) with ``decode.mla_unit`` ``mma_sync`` (16 query heads per CTA),
-``wgmma`` (the Hopper unit, 64 per CTA) and ``auto`` (the default: the unit
+``wgmma`` (the Hopper unit, 64 per CTA) and ``auto`` (opt-in, not the default yet: the unit
 :func:`flashgen.families.decode.mla_auto_unit` picks for the shape, whose row says which and
 the rule's work), in alternating rounds in CUDA graphs, at the ``--mla-heads`` query heads
 and ``--mla-sq`` new tokens (defaults :data:`MLA_DEFAULTS`), next to the device-copy and
@@ -500,8 +500,8 @@ def sweep(args) -> list[dict]:
 #: ``--mla-sq`` are not given.
 MLA_DEFAULTS = {"batch": [1, 64], "cache": [4096, 32768], "layouts": ["paged64"],
                 "mla_heads": [16, 64, 128], "mla_sq": [1]}  # fmt: skip
-#: The ``--mla`` variants, by ``decode.mla_unit``: the mma.sync unit, the Hopper unit, and the
-#: default's per-shape choice between them.
+#: The ``--mla`` variants, by ``decode.mla_unit``: the mma.sync unit (the default), the Hopper
+#: unit, and ``auto``'s per-shape choice between them (opt-in).
 MLA_VARIANTS = ("mma_sync", "wgmma", "auto")
 #: Flags ``--mla`` does not read.
 MLA_IGNORES = ("option", "combine", "fp8", "flex_cache", "quick", "sweep")

@@ -210,9 +210,10 @@ _UNIT_GROUPS = (
 def serving_units(spec: ir.Spec, target: str, options) -> tuple[str, ...]:
     """The decode units ``flashgen build`` compiles for ``spec`` on ``target``: ``decode`` and
     ``decode_ragged`` (the units a registry plan without a call shape gives), and for a
-    ``v_from_k`` spec whose ``decode.mla_unit`` is ``auto`` on a target the Hopper MLA unit
-    serves, that unit's too (``decode_wgmma``, ``decode_ragged_wgmma``), which ``auto`` runs
-    at the shapes that fill it; none for a spec decode does not support."""
+    ``v_from_k`` spec whose ``decode.mla_unit`` is ``auto`` (opt-in; the default
+    ``mma_sync`` builds the two alone) on a target the Hopper MLA unit serves, that unit's too
+    (``decode_wgmma``, ``decode_ragged_wgmma``), which ``auto`` runs at the shapes that fill
+    it; none for a spec decode does not support."""
     from flashgen.families import decode as family
 
     if family.unsupported_reason(spec):

@@ -140,8 +140,8 @@ MLA_STAGES = 2
 MLA_WARPS = 12
 #: The head dims the Hopper MLA unit is written for (its panels and warpgroup split).
 MLA_HEAD_DIMS = (576, 512)
-#: Values of :attr:`Options.mla_unit`: ``auto`` (per call shape, :func:`mla_auto_unit`), the
-#: mma.sync unit (``templates/sm_80/decode.cu.j2``) or the Hopper wgmma unit.
+#: Values of :attr:`Options.mla_unit`: ``auto`` (opt-in: per call shape, :func:`mla_auto_unit`),
+#: the mma.sync unit (``templates/sm_80/decode.cu.j2``, the default) or the Hopper wgmma unit.
 MLA_UNITS = ("auto", "mma_sync", "wgmma")
 #: ``mla_unit="auto"`` runs the wgmma unit where one of its CTAs replaces at least this many
 #: key-block loads of the mma.sync unit (:attr:`MlaWork.work`: the blocks it streams under the
@@ -195,17 +195,19 @@ class Options:
     for calls through the registered torch ops (CPU, ``torch.compile``).  No effect on a spec
     without a sink (its unit renders unchanged).
 
-    ``mla_unit`` (one of :data:`MLA_UNITS`; ``"auto"`` by default): which unit a ``v_from_k``
-    spec (MLA's one latent cache) runs.  ``"wgmma"``: on ``sm_90`` the Hopper unit
+    ``mla_unit`` (one of :data:`MLA_UNITS`; ``"mma_sync"`` by default until ``"auto"`` has run
+    on a GPU, with compute-sanitizer over the wgmma unit it switches to): which unit a
+    ``v_from_k`` spec (MLA's one latent cache) runs.  ``"wgmma"``: on ``sm_90`` the Hopper unit
     ``templates/sm_90/decode_mla.cu.j2`` (:func:`plan`): 64 packed query rows per CTA, wgmma
     for Q K^T and P V, each 64-key block of the latent cache read once per CTA for both K and
     V (see :data:`MLA_BLOCK_M`); where it does not apply (:func:`mla_wgmma_support`: another
     target, an e4m3 cache) the family plans the mma.sync unit and the op warns
     (:func:`mla_wgmma_fallback`).  ``"mma_sync"``: always the mma.sync unit (16 rows per CTA).
-    ``"auto"``: per call shape, where the shape is known (``op.plan_decode`` for its plan, else
-    each call: :func:`mla_unit_for_call`): on ``sm_90`` the wgmma unit where the call's rows
-    fill enough work per CTA (:func:`mla_auto_unit`), else, and always on ``sm_80`` or with an
-    e4m3 cache, the mma.sync unit; :func:`plan` without a call's shape takes the mma.sync unit.
+    ``"auto"`` (opt-in): per call shape, where the shape is known (``op.plan_decode`` for its
+    plan, else each call: :func:`mla_unit_for_call`): on ``sm_90`` the wgmma unit where the
+    call's rows fill enough work per CTA (:func:`mla_auto_unit`), else, and always on
+    ``sm_80`` or with an e4m3 cache, the mma.sync unit; :func:`plan` without a call's shape
+    takes the mma.sync unit.
     No effect on a spec without ``v_from_k``.  ``block_n``, ``stages`` and ``ctas_per_sm`` do
     not shape the Hopper unit."""
 
@@ -219,7 +221,7 @@ class Options:
     fused_sink: bool = True
     merge_unroll: int = 4
     balance_waves: bool = False
-    mla_unit: str = "auto"
+    mla_unit: str = "mma_sync"
 
     def __post_init__(self) -> None:
         if not isinstance(self.mla_unit, str) or self.mla_unit not in MLA_UNITS:  # its values

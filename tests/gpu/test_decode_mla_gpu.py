@@ -4,11 +4,12 @@ columns of the one latent cache, num_heads_kv 1) against a float64 reference wit
 from K: dense and paged (page sizes 1, 16, 64) bf16 and e4m3 caches, 16 and 128 query heads
 (128: eight CTAs of 16 heads per request), lengths 1, 17, 127, 1000, 4097, Sq_new 1 and 2
 appended (MTP), ragged Sq_new, num_splits 1 / 3 / heuristic; a planned call in a CUDA graph;
-compute-sanitizer memcheck: the mma.sync unit, forced (``decode.mla_unit="mma_sync"``).  Ragged
-Sq_new, the graph and memcheck also with ``decode.mla_unit="wgmma"`` on an sm_90 GPU (the
-Hopper unit; its own tests: tests/gpu/test_decode_mla_wgmma_gpu.py).  The default,
-``decode.mla_unit="auto"``: the unit it picks at a B1 and a B64 shape (planned, unplanned,
-torch.compile, ``out=``) against the same reference.  The accuracy rule is
+compute-sanitizer memcheck: the mma.sync unit, forced (``decode.mla_unit="mma_sync"``, the
+default).  Ragged Sq_new, the graph and memcheck also with ``decode.mla_unit="wgmma"`` on an
+sm_90 GPU (the Hopper unit; its own tests: tests/gpu/test_decode_mla_wgmma_gpu.py).
+``decode.mla_unit="auto"`` (opt-in until it has run on a GPU with compute-sanitizer over the
+wgmma unit), asked for explicitly: the unit it picks at a B1 and a B64 shape (planned,
+unplanned, torch.compile, ``out=``) against the same reference.  The accuracy rule is
 tests/gpu/test_decode_gpu.py's."""
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _cuda():
 
 def _op(unit: str = "mma_sync"):
     """The MLA op with ``decode.mla_unit=unit``: ``mma_sync`` / ``wgmma`` force that unit (the
-    Hopper unit: sm_90 only, else a skip), ``auto`` picks per shape."""
+    Hopper unit: sm_90 only, else a skip; ``mma_sync`` is the default), ``auto`` (opt-in)
+    picks per shape."""
     if unit == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper MLA unit runs on sm_90")
     return flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_unit=unit)))
@@ -243,18 +245,20 @@ AUTO_SHAPES = [  # (batch, heads, cache): two shapes of the H100 table mla_auto_
 @pytest.mark.device_memory(8)
 @pytest.mark.parametrize("batch,hq,cache", AUTO_SHAPES, ids=lambda v: str(v))
 def test_auto_picks_per_shape_and_matches_the_reference(batch, hq, cache):
-    """``decode.mla_unit="auto"`` (the default): the plan runs the unit
-    :func:`flashgen.families.decode.mla_unit_for_call` gives on this device (sm_90 with 132
-    SMs: the table's faster unit; sm_80 or another SM count: what the rule says), a planned
-    call, an unplanned one (picked at call time), one under ``torch.compile`` and one with
-    ``out=`` agree bitwise at the plan's split count, and match the float64 reference."""
+    """``decode.mla_unit="auto"`` (opt-in, asked for here; the default is ``mma_sync``): the
+    plan runs the unit :func:`flashgen.families.decode.mla_unit_for_call` gives on this device
+    (sm_90 with 132 SMs: the table's faster unit; sm_80 or another SM count: what the rule
+    says), a planned call, an unplanned one (picked at call time), one under ``torch.compile``
+    and one with ``out=`` agree bitwise at the plan's split count, and match the float64
+    reference."""
     op = _op("auto")
-    assert op.options.decode.mla_unit == "auto" and flashgen.load(SPEC).options == op.options
+    assert op.options.decode.mla_unit == "auto"
+    assert flashgen.load(SPEC).options.decode.mla_unit == "mma_sync"  # auto is not the default
     kc, table = latent_cache(batch, cache, ps=64, dense=False, seed=5)
     q = torch.randn(batch, hq, 1, D, device="cuda").bfloat16()
     lens_t = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
     dop = decode_op(op)
-    before = set(dop._units)  # (the default op may be shared with earlier tests)
+    before = set(dop._units)  # (the auto op may be shared with earlier tests)
     p = op.plan_decode(batch=batch, num_heads=hq, num_heads_kv=1, seqlen_q=1, cache_capacity=cache,
                        page_size=64, num_pages=kc.shape[0])  # fmt: skip
     index = torch.cuda.current_device()

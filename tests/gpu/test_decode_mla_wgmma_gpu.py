@@ -44,8 +44,8 @@ def _sm90():
 
 
 def _ops():
-    """The op with the Hopper unit and the op with the mma.sync unit, each forced (the
-    default, ``auto``, picks per shape)."""
+    """The op with the Hopper unit and the op with the mma.sync unit (the default), each
+    forced (``auto``, opt-in, picks per shape)."""
     return tuple(flashgen.load(SPEC, options=flashgen.Options(decode=family.Options(mla_unit=u)))
                  for u in ("wgmma", "mma_sync"))  # fmt: skip
 

@@ -7,7 +7,9 @@ benchmark log itself, whose wgmma split counts the planner reproduces), the rule
 calls), what ``auto`` gives where the Hopper unit cannot run (sm_80, an e4m3 cache, a spec
 without ``v_from_k``) and what the forced values give, the option's validation (the error
 names the option, what it takes and what it got; the removed ``decode.mla_wgmma`` says what
-replaced it), the keys a choice is part of, the CPU's plans, and ``flashgen show``."""
+replaced it), the keys a choice is part of, the CPU's plans, and ``flashgen show``.  The
+default is ``mma_sync`` until ``auto`` has run on a GPU with compute-sanitizer over the wgmma
+unit, so these tests ask for ``auto`` explicitly (:data:`AUTO`, :data:`AUTO_OPTIONS`)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ SPEC = load_spec(ROOT / "specs" / "mla_decode.yaml")
 LOG = ROOT / "benchmarks" / "results" / "h100-2026-12-07-s29" / "bench_decode_mla.log"
 H100_SMS = 132
 WGMMA = family.plan(SPEC, "sm_90", family.Options(mla_unit="wgmma"))
-AUTO = family.Options()
+#: ``auto`` is opt-in (the default is ``mma_sync``): the family's options and the full options
+#: that ask for it.
+AUTO = family.Options(mla_unit="auto")
+AUTO_OPTIONS = Options().replace_path("decode.mla_unit", "auto")
 
 
 def unit(batch, heads, cache, *, sq=1, target="sm_90", options=AUTO, cache_dtype=None,
@@ -188,9 +193,12 @@ def test_the_rule_takes_the_plan_given_or_plans_the_hopper_unit_itself():
 
 
 # ----------------------------------------------------------------------------- the option
-def test_the_option_is_a_typed_choice_auto_by_default():
+def test_the_option_is_a_typed_choice_mma_sync_by_default():
+    """``mma_sync`` (the unit before the option) stays the default until ``auto`` has run on a
+    GPU with compute-sanitizer over the wgmma unit; ``auto`` is opt-in."""
     assert family.MLA_UNITS == ("auto", "mma_sync", "wgmma")
-    assert family.Options().mla_unit == "auto" and DEFAULT.decode.mla_unit == "auto"
+    assert family.Options().mla_unit == "mma_sync" and DEFAULT.decode.mla_unit == "mma_sync"
+    assert AUTO.mla_unit == "auto" and AUTO_OPTIONS.decode.mla_unit == "auto"
     assert "decode.mla_unit" in Options.paths() and "decode.mla_wgmma" not in Options.paths()
     assert Options.describe("decode.mla_unit") == "one of auto, mma_sync, wgmma"
     for value in family.MLA_UNITS:
@@ -228,6 +236,7 @@ def test_the_removed_boolean_says_what_replaced_it():
         assert text.startswith("option 'decode.mla_wgmma' was removed (replaced by "
                                "decode.mla_unit: ")  # fmt: skip
         assert "mma_sync is what false was, wgmma what true was" in text
+        assert "mma_sync is the default, auto (opt-in) picks MLA's unit per call shape" in text
     with pytest.raises(TypeError, match="mla_wgmma"):
         family.Options(mla_wgmma=True)
 
@@ -235,15 +244,16 @@ def test_the_removed_boolean_says_what_replaced_it():
 # ----------------------------------------------------------------------------- keys
 def test_the_unit_a_call_runs_is_in_its_keys():
     """The op's loaded units (``unit_key``) and the cubin (``options_key``, source and kernel
-    name) tell the Hopper unit apart; ``auto`` (shape-less) and ``mma_sync`` are the default's
-    unit and key (one cached cubin); the op's own key (its registered ops' names) keeps every
-    non-default value."""
+    name) tell the Hopper unit apart; ``auto`` (shape-less) and ``mma_sync`` (the default) are
+    one unit and key (one cached cubin); the op's own key (its registered ops' names) keeps
+    every non-default value (``auto``'s)."""
     auto, mma, wg = (family.Options(mla_unit=u) for u in family.MLA_UNITS)
     assert auto.unit_key() == mma.unit_key() != wg.unit_key()
     full = {u: Options().replace_path("decode.mla_unit", u) for u in family.MLA_UNITS}
     assert full["auto"].family_key("decode") == full["mma_sync"].family_key("decode") == ""
     assert full["wgmma"].family_key("decode") == "decode.mla_unit='wgmma'"
-    assert full["auto"].key() == "" and full["mma_sync"].key() == "decode.mla_unit='mma_sync'"
+    assert full["mma_sync"].key() == DEFAULT.key() == ""
+    assert full["auto"].key() == AUTO_OPTIONS.key() == "decode.mla_unit='auto'"
     plans = {u: registry.plan_decode(SPEC, "sm_90", o) for u, o in full.items()}
     assert plans["auto"].options_key == plans["mma_sync"].options_key == ""
     assert render(plans["auto"]) == render(plans["mma_sync"])
@@ -256,16 +266,21 @@ def test_the_unit_a_call_runs_is_in_its_keys():
 # ----------------------------------------------------------------------------- the op
 def test_a_plan_on_the_cpu_records_its_unit():
     """The CPU runs the reference and plans for sm_80: ``auto`` resolves to the mma.sync unit
-    there (``plan.mla_unit``, the plan's options); a spec without ``v_from_k`` has none."""
+    there (``plan.mla_unit``, the plan's options), as the default ``mma_sync`` is; a spec
+    without ``v_from_k`` has none."""
     import flashgen
     from flashgen.ops.decode.op import decode_op
 
-    op = flashgen.load(ROOT / "specs" / "mla_decode.yaml")
-    p = op.plan_decode(batch=64, num_heads=128, num_heads_kv=1, seqlen_q=1, cache_capacity=32768,
-                       page_size=64, num_pages=64 * 512, device="cpu")  # fmt: skip
+    sizes = dict(batch=64, num_heads=128, num_heads_kv=1, seqlen_q=1, cache_capacity=32768,
+                 page_size=64, num_pages=64 * 512, device="cpu")  # fmt: skip
+    op = flashgen.load(ROOT / "specs" / "mla_decode.yaml", options=AUTO_OPTIONS)
+    assert op.options.decode.mla_unit == "auto"
+    p = op.plan_decode(**sizes)
     assert p.mla_unit == "mma_sync" and p.options.mla_unit == "mma_sync"
     assert decode_op(op)._mla == {}  # no device: nothing to memoize
-    llama = flashgen.load(ROOT / "specs" / "llama3_gqa.yaml")
+    default = flashgen.load(ROOT / "specs" / "mla_decode.yaml").plan_decode(**sizes)
+    assert default.mla_unit == "mma_sync" and default.options.mla_unit == "mma_sync"
+    llama = flashgen.load(ROOT / "specs" / "llama3_gqa.yaml", options=AUTO_OPTIONS)
     q = llama.plan_decode(batch=2, num_heads=32, num_heads_kv=8, seqlen_q=1, cache_capacity=256,
                           device="cpu")  # fmt: skip
     assert q.mla_unit is None and q.options.mla_unit == "auto"
@@ -279,12 +294,15 @@ def test_show_says_how_the_unit_is_picked(capsys):
         return [x for x in capsys.readouterr().out.splitlines() if x.startswith("// ---- mla")]
 
     mla = str(ROOT / "specs" / "mla_decode.yaml")
-    (line,) = lines(mla, "--target", "sm_90")
+    auto = ("--option", "decode.mla_unit=auto")
+    (line,) = lines(mla, "--target", "sm_90", *auto)
     assert line.startswith("// ---- mla unit [sm_90]: decode.mla_unit=auto: calls and "
                            "op.plan_decode pick per shape: the wgmma unit")  # fmt: skip
     assert "at least 24 key-block loads" in line
-    (line,) = lines(mla, "--target", "sm_80")
+    (line,) = lines(mla, "--target", "sm_80", *auto)
     assert line.startswith("// ---- mla unit [sm_80]: decode.mla_unit=auto: the mma_sync unit")
+    (line,) = lines(mla, "--target", "sm_90")  # the default
+    assert line == "// ---- mla unit [sm_90]: decode.mla_unit=mma_sync: the mma_sync unit shown"
     (line,) = lines(mla, "--target", "sm_90", "--option", "decode.mla_unit=wgmma")
     assert line == "// ---- mla unit [sm_90]: decode.mla_unit=wgmma: the wgmma unit shown"
     assert lines(str(ROOT / "specs" / "llama3_gqa.yaml"), "--target", "sm_90") == []
@@ -295,25 +313,27 @@ def test_show_says_how_the_unit_is_picked(capsys):
 
 def test_build_compiles_the_units_auto_may_pick():
     """``flashgen build`` compiles a ``v_from_k`` spec's Hopper units too where ``auto`` may pick
-    them (sm_90), so a prebuilt cache serves both; a forced unit or sm_80 builds one."""
+    them (sm_90), so a prebuilt cache serves both; a forced unit (the default ``mma_sync``
+    among them) or sm_80 builds one."""
     from flashgen.cli.build import serving_units
 
     both = ("decode", "decode_ragged", "decode_wgmma", "decode_ragged_wgmma")
-    assert serving_units(SPEC, "sm_90", DEFAULT) == both
-    assert serving_units(SPEC, "sm_80", DEFAULT) == both[:2]
+    assert serving_units(SPEC, "sm_90", AUTO_OPTIONS) == both
+    assert serving_units(SPEC, "sm_80", AUTO_OPTIONS) == both[:2]
     for forced in ("mma_sync", "wgmma"):
         opts = Options().replace_path("decode.mla_unit", forced)
         assert serving_units(SPEC, "sm_90", opts) == both[:2]
-    assert serving_units(load_spec(ROOT / "specs" / "llama3_gqa.yaml"), "sm_90", DEFAULT) == (
-        both[:2]
-    )
+    assert serving_units(SPEC, "sm_90", DEFAULT) == both[:2]
+    llama = load_spec(ROOT / "specs" / "llama3_gqa.yaml")
+    for opts in (AUTO_OPTIONS, DEFAULT):
+        assert serving_units(llama, "sm_90", opts) == both[:2]
 
 
 def test_build_plans_the_hopper_unit_for_its_unit_names(requires_nvcc):
     from flashgen.cli.build import _compile_one
 
     for name, ragged in (("decode_wgmma", False), ("decode_ragged_wgmma", True)):
-        res = _compile_one(SPEC, "sm_90", name, DEFAULT)
+        res = _compile_one(SPEC, "sm_90", name, AUTO_OPTIONS)
         assert res.ok, res.error
         assert res.plan.template == "sm_90/decode_mla.cu.j2"
         assert res.plan.context["ragged"] == ragged

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC = load_spec(ROOT / "specs" / "mla_decode.yaml")
 HEADER = ROOT / "templates" / "common" / "mla_decode.cuh"
 ON = Options().replace_path("decode.mla_unit", "wgmma")
+#: ``auto`` is opt-in (the default, :data:`DEFAULT`, is ``mma_sync``).
+AUTO = Options().replace_path("decode.mla_unit", "auto")
 BASE = "name: m\nhead_dim: 576\nhead_dim_v: 512\nv_from_k: true\n"
 
 
@@ -83,24 +85,30 @@ def test_where_it_does_not_apply_the_mma_sync_unit_is_planned(spec, target, cach
     assert family.mla_wgmma_reason(SPEC, "sm_90", family.Options(mla_unit="mma_sync")) == (
         "Options.decode.mla_unit is 'mma_sync'"
     )
-    assert family.mla_wgmma_reason(SPEC, "sm_90", DEFAULT.decode).startswith(
+    assert family.mla_wgmma_reason(SPEC, "sm_90", DEFAULT.decode) == (
+        "Options.decode.mla_unit is 'mma_sync'"
+    )
+    assert family.mla_wgmma_reason(SPEC, "sm_90", AUTO.decode).startswith(
         "Options.decode.mla_unit is 'auto' and no call shape is given"
     )
     assert family.mla_wgmma_reason(SPEC, "sm_90", ON.decode) is None
 
 
 def test_mma_sync_and_auto_without_a_call_shape_plan_the_mma_sync_unit_unchanged():
-    """``auto`` (the default) has no call shape in a plan of the registry (``flashgen show``,
+    """``auto`` (opt-in) has no call shape in a plan of the registry (``flashgen show``,
     ``build``, ``generate``): the mma.sync unit, as the default was before the option, and
-    ``mma_sync`` the same unit under the same cache key (``options_key``)."""
+    ``mma_sync`` (forced, or the default) the same unit under the same cache key
+    (``options_key``)."""
     forced = Options().replace_path("decode.mla_unit", "mma_sync")
     for target in family.TARGETS:
         for ragged in (False, True):
-            off = _plan(target=target, options=DEFAULT, ragged=ragged)
+            off = _plan(target=target, options=AUTO, ragged=ragged)
             assert off.template == "sm_80/decode.cu.j2" and off.tiles.block_m == family.BLOCK_M
             assert not off.context["mla_wgmma"]
             mma = _plan(target=target, options=forced, ragged=ragged)
             assert render(mma) == render(off) and mma.options_key == off.options_key == ""
+            default = _plan(target=target, options=DEFAULT, ragged=ragged)
+            assert render(default) == render(off) and default.options_key == ""
 
 
 @pytest.mark.parametrize(
@@ -417,9 +425,12 @@ def test_a_call_the_hopper_unit_cannot_serve_is_told_so():
     on_sm80 = family.mla_wgmma_fallback(SPEC, "sm_80", ON.decode)
     assert "is sm_90 (wgmma), the target is sm_80" in on_sm80
     assert family.mla_wgmma_fallback(SPEC, "sm_90", ON.decode) is None
+    assert family.mla_wgmma_fallback(SPEC, "sm_90", AUTO.decode, "fp8_e4m3") is None
+    assert family.mla_wgmma_fallback(SPEC, "sm_80", AUTO.decode) is None  # auto: no warning
     assert family.mla_wgmma_fallback(SPEC, "sm_90", DEFAULT.decode, "fp8_e4m3") is None
-    assert family.mla_wgmma_fallback(SPEC, "sm_80", DEFAULT.decode) is None  # auto: no warning
+    assert family.mla_wgmma_fallback(SPEC, "sm_80", DEFAULT.decode) is None  # the default
     llama = load_spec(ROOT / "specs" / "llama3_gqa.yaml")
     assert family.mla_wgmma_fallback(llama, "sm_90", ON.decode) is None
     assert _plan().config()["mla_unit"] == "wgmma"
     assert "mla_unit" not in _plan(options=DEFAULT).config()
+    assert "mla_unit" not in _plan(options=AUTO).config()
