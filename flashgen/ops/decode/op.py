@@ -640,7 +640,7 @@ class DecodeOp(DecodePlanning):
             check_out(self.spec, out, o_shape, q.device, lse_shape, inputs)
         append = k_new is not None
         sink = None  # the logits a fused-sink unit joins
-        if q.is_cuda and _plain_eager(q, k_cache, v_cache):
+        if _direct_cuda(q, k_cache, v_cache):
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
                 check_scale_values(scales)
@@ -775,6 +775,14 @@ class DecodeOp(DecodePlanning):
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def _direct_cuda(q, k_cache, v_cache) -> bool:
+    """Plain eager CUDA inputs (:func:`~flashgen.ops.calls._plain_eager`): an unplanned call
+    launches the kernels directly, else it runs the registered op.  Looked up per call (a
+    module global that ``tools/host_overhead.py --decode --cpu`` replaces to time that
+    branch on CPU tensors)."""
+    return q.is_cuda and _plain_eager(q, k_cache, v_cache)
 
 
 def _refuse_grad(**tensors) -> None:
