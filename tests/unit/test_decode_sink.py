@@ -480,6 +480,25 @@ def test_fused_sink_values_pass_a_float32_param_itself_with_its_strides():
         sink_mod.SinkRead(loads_spec("name: plain\nhead_dim: 64\ndtype: bf16\n", "p.yaml"))
 
 
+def test_a_bad_sink_param_is_named_on_the_direct_paths(fake_driver, monkeypatch):
+    """The checks before the sink's arguments still name ``sinks`` (the direct launch of an
+    unplanned call, the planned fast path's validation of a new layout)."""
+    op = build_op(load_spec(SINK_SPEC), ON)
+    q, kc, vc, lens, params = _problem(op.spec)
+    dims = DecodeDims(2, 8, 2, 1, 64, False, 2, 64, 1, False)
+    _, plan = _planned(op, ON, dims, 1)
+    bad = [(torch.randn(4), r"sinks: expected shape \[8\]"), ([0.0] * 8, "sinks: expected a torch"),
+           (torch.zeros(8, dtype=torch.int32), "sinks: expected a floating-point")]  # fmt: skip
+    for kw in ({"plan": plan}, {}):
+        if not kw:
+            _unplanned(op, monkeypatch)
+        for sinks, msg in bad:
+            with pytest.raises(OpInputError, match=msg):
+                op.with_kvcache(q, kc, vc, lens, sinks=sinks, **kw)
+        with pytest.raises(OpInputError, match="sinks: missing tensor param"):
+            op.with_kvcache(q, kc, vc, lens, **kw)
+
+
 def test_the_cpu_op_is_unchanged_and_a_sink_that_requires_grad_is_refused():
     """The option changes nothing on the CPU (the registered op's reference, then the torch
     epilogue): padded, ragged, paged and split calls equal the unfused op's bitwise; a sink

@@ -584,7 +584,9 @@ class _FastPath:
         st.key = st.form = None  # what follows changes the state: no layout until it passes
         scalars, tensors = resolve_params(spec, params)
         tmap = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
-        for p, t in tmap.items():
+        for p, t in tmap.items():  # another form (a list, None ...): the general path names it
+            if not isinstance(t, torch.Tensor):
+                return False
             if t.dtype != PARAM_DTYPE[spec.param(p).ty] or not t.is_contiguous():
                 return False
         scale = check_softmax_scale(default_softmax_scale(spec) if scale is None else scale)
