@@ -32,6 +32,14 @@ flashgen.ops.decode runs whole; its cuLaunchKernel is a C stub that returns 0, c
 through ctypes with the driver's prototypes where there is a C compiler; ``--py-driver``: a
 Python function, which leaves out ctypes' conversions).  Issue 23's target is 20 us
 per call on the H200 machine's CPU.
+
+``--decode --sink``: gpt_oss_sink's decode as ``flashgen bench --training`` times it (its
+"gpt_oss_sink decode" row: B=8, Hq/Hkv 16/8, a dense 4096-key cache, d64, one query), with
+the sink and with ``apply_sink=False``, planned (``plan=``) and unplanned; per call the host
+us and the launches: the driver's (on CPU the faked one's count; on the GPU the profiler's
+kernels) and the torch ops that would launch one.
+
+    python3 tools/host_overhead.py --decode --sink --cpu   # no GPU
 """
 
 from __future__ import annotations
@@ -377,8 +385,11 @@ def _decode_parts(torch, plan, kw, cycles: int, n: int, rows: list, batch: int) 
 
 
 _STUB_SOURCE = """
+static long launches;
+long fg_stub_launches(void) { return launches; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                    unsigned bz, unsigned smem, void *stream, void **params, void **extra) {
+  launches++;
   return 0;
 }
 int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *addr, void *dims,
@@ -389,10 +400,11 @@ int cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *addr, void
 
 
 def _stub_driver(tma):
-    """A C library standing in for the driver (its entry points return 0), with the
-    prototypes ``tma.driver`` sets on the real one (that function run against the stub), so
-    that a call pays ctypes' conversions as on the GPU machine; None (the Python stand-in
-    then) without a C compiler."""
+    """A C library standing in for the driver (its entry points return 0; ``cuLaunchKernel``
+    counts its calls, read by ``fg_stub_launches()``), with the prototypes ``tma.driver``
+    sets on the real one (that function run against the stub), so that a call pays ctypes'
+    conversions as on the GPU machine; None (the Python stand-in then) without a C
+    compiler."""
     import ctypes
     import shutil
     import tempfile
@@ -479,6 +491,225 @@ def measure_decode_cpu(root: Path, batches, n: int, reps: int,
     return rows
 
 
+# ----------------------------------------------------------------------------- --sink
+#: gpt_oss_sink's decode as ``flashgen bench --training`` times it ("gpt_oss_sink decode":
+#: B=8 requests, Hq/Hkv 16/8, a dense cache of 4096 keys, d64, bf16, one query each)
+SINK_SHAPE = dict(batch=8, heads_q=16, heads_kv=8, capacity=4096, head_dim=64)
+
+#: aten ops that launch no kernel on a GPU (metadata, allocation; ``to`` / ``contiguous``
+#: without a copy have no ``copy_`` below them): every other leaf op of a call would
+_NO_KERNEL = frozenset(f"aten::{n}" for n in (
+    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "reshape", "_reshape_alias",
+    "expand", "as_strided", "detach", "alias", "lift_fresh", "unsqueeze", "squeeze", "t",
+    "transpose", "permute", "slice", "select", "to", "contiguous", "resolve_conj",
+    "resolve_neg", "set_", "resize_", "split", "chunk", "unbind", "narrow", "size", "stride",
+))  # fmt: skip
+
+
+def _torch_launches(torch, call) -> list[str]:
+    """The torch ops of one ``call()`` (run under the profiler, CPU activity) that would launch
+    a kernel on a GPU: the leaf aten ops outside :data:`_NO_KERNEL` (on CPU tensors, so
+    ``copy_`` / ``fill_`` / arithmetic stand for their CUDA kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return [e.name for e in prof.events()
+            if e.name.startswith("aten::") and not any(c.name.startswith("aten::")
+                                                       for c in e.cpu_children)
+            and e.name not in _NO_KERNEL]  # fmt: skip
+
+
+def _sink_tensors(torch, dev):
+    """q, k_cache, v_cache, cache_seqlens and the float32 ``sinks [Hq]`` of :data:`SINK_SHAPE`
+    on ``dev`` (the cache as the bench's: full)."""
+    b, hq, hkv, cap, d = (SINK_SHAPE[k] for k in ("batch", "heads_q", "heads_kv", "capacity",
+                                                   "head_dim"))  # fmt: skip
+    q = torch.randn(b, hq, 1, d, device=dev).to(torch.bfloat16)
+    kc = torch.zeros(b, hkv, cap, d, device=dev, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    lens = torch.full((b,), cap, dtype=torch.int32, device=dev)
+    sinks = torch.linspace(-1, 2, hq, device=dev)
+    return q, kc, vc, lens, sinks
+
+
+def _sink_calls(op, plan, q, kc, vc, lens, sinks):
+    """``(case, call)``: planned and unplanned ``with_kvcache``, with the sink and without
+    (``apply_sink=False``; the sinks passed either way, as the bench's rows)."""
+    calls = []
+    for planned in (True, False):
+        for sink in (False, True):
+            kw = dict(sinks=sinks, apply_sink=sink, plan=plan if planned else None)
+            name = f"{'planned' if planned else 'unplanned'} {'sink' if sink else 'no sink'}"
+            calls.append((name, functools.partial(op.with_kvcache, q, kc, vc, lens, **kw)))
+    return calls
+
+
+def measure_sink_cpu(root: Path, n: int, reps: int, py_driver: bool = False,
+                     clock=time.thread_time) -> list[dict]:  # fmt: skip
+    """gpt_oss_sink's decode (:data:`SINK_SHAPE`) on CPU, the driver faked as in
+    :func:`measure_decode_cpu`: host us per ``with_kvcache`` call with and without the sink,
+    planned (the fast path) and unplanned (the general path's direct launch: its eager-CUDA
+    test, ``flashgen.ops.decode.op._direct_cuda``, passed for CPU tensors; the unit's kernels
+    faked in the op's unit cache for device 0, found by ``plan_for`` given ``cuda:0``; CuPy's
+    launch a Python function; 132 SMs as an H100's), and the launches per call: the faked
+    driver's and CuPy's (``launches``) and the torch ops that would launch a kernel on a GPU
+    (``torch_ops``, :func:`_torch_launches`).  Interleaved rounds, the best of ``reps``, on
+    ``clock``: by default the calling thread's CPU time (``time.thread_time``), which the
+    other work of a loaded machine does not inflate (``time.perf_counter``: the wall time)."""
+    import contextlib
+    import timeit
+    import types
+
+    flashgen = _import_flashgen(root)
+    import torch
+
+    from flashgen.families import decode as family
+    from flashgen.ops import calls as calls_mod
+    from flashgen.ops.decode import fast as dfast
+    from flashgen.ops.decode import op as dmod
+    from flashgen.ops.decode import planning as dplan
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    count = [0]
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(*args):
+            count[0] += 1
+            return 0
+
+    stub = None if py_driver else _stub_driver(tma)
+    tma.driver = (lambda: stub) if stub is not None else (lambda: Driver)
+    if stub is not None:
+        import ctypes
+
+        stub.fg_stub_launches.restype = ctypes.c_long
+
+    def driver_launches() -> int:
+        return count[0] + (stub.fg_stub_launches() if stub is not None else 0)
+
+    def cupy_launch(*args, **kwargs):  # LoadedKernel.launch's CuPy call (kernels without TMA)
+        count[0] += 1
+
+    cupy_launch.ptr = 1
+    cuda = types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext(),
+        ExternalStream=lambda ptr, index: contextlib.nullcontext(),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    )  # fmt: skip
+    sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)
+    dfast._eager_cuda = dfast._plain_eager_fast  # CPU tensors stand in (no is_cuda)
+    dfast._GET_DEVICE = lambda: None
+    calls_mod._RAW_STREAM = lambda index: 0
+    dmod._direct_cuda = lambda q, kc, vc: calls_mod._plain_eager(q, kc, vc)
+    dmod.current_stream_ptr = lambda device: 0
+    dplan._sm_count = lambda index: 132
+    op = flashgen.load(root / "specs" / "gpt_oss_sink.yaml")
+    dop = dmod.decode_op(op)
+    unit = family.plan(op.spec, "sm_90")
+    kern = {r: runtime.LoadedKernel(plan=unit.kernel(r), module=None, function=cupy_launch,
+                                    device_index=0)
+            for r in ("attn", "append")}  # fmt: skip
+    dop._units[(0, op.options.decode.unit_key())] = kern  # plan_for's lookup for cuda:0
+    plan_for, gpu = dop.plan_for, torch.device("cuda", 0)
+    dop.plan_for = lambda dims, device, *a, **k: plan_for(dims, gpu, *a, **k)
+    cpu = torch.device("cpu")
+    sh = SINK_SHAPE
+    dims = dmod.DecodeDims(sh["batch"], sh["heads_q"], sh["heads_kv"], 1, sh["head_dim"], False,
+                           sh["batch"], sh["capacity"], 1, False)  # fmt: skip
+    plan = plan_for(dims, cpu, None)
+    plan.kernels = kern
+    if plan.num_splits > 1:
+        plan.o_part, plan.lse_part, plan.counters = dfast._workspace(
+            dims, plan.geometry, plan.num_splits, cpu
+        )
+    plan.fast = dfast._FastPath(dop, plan)
+    q, kc, vc, lens, sinks = _sink_tensors(torch, cpu)
+    calls = _sink_calls(op, plan, q, kc, vc, lens, sinks)
+    rows = {}
+    for name, call in calls:
+        call()
+        before = driver_launches()
+        call()
+        rows[name] = dict(case=name, launches=driver_launches() - before,
+                          torch_ops=_torch_launches(torch, call), times=[])  # fmt: skip
+        # the planned calls must take the fast path: the general one would refuse nothing
+        # here but time something else
+        if name.startswith("planned"):
+            took = plan.fast(q, kc, vc, lens, None, None, None, None, {"sinks": sinks},
+                             join_sink=name.endswith(" sink"))  # fmt: skip
+            assert took is not None, f"{name}: the fast path did not take the call"
+    for _ in range(reps):  # interleaved: a noisy machine slows every case alike
+        for name, call in calls:
+            rows[name]["times"].append(timeit.timeit(call, timer=clock, number=n) / n * 1e6)
+    out = []
+    for r in rows.values():
+        times = r.pop("times")
+        out.append(dict(r, host_us=min(times), median_us=statistics.median(times),
+                        num_splits=plan.num_splits))  # fmt: skip
+    return out
+
+
+def measure_sink(root: Path, n: int, reps: int) -> list[dict]:
+    """:func:`measure_sink_cpu`'s calls on the GPU: host us per call with the stream held
+    busy (as :func:`measure_decode`), and the kernels per call as the profiler's CUDA
+    activity sees them (``launches``; ``torch_ops`` as on CPU)."""
+    flashgen = _import_flashgen(root)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    op = flashgen.load(root / "specs" / "gpt_oss_sink.yaml")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sh = SINK_SHAPE
+    plan = op.plan_decode(batch=sh["batch"], num_heads=sh["heads_q"],
+                          num_heads_kv=sh["heads_kv"], cache_capacity=sh["capacity"],
+                          device=dev)  # fmt: skip
+    q, kc, vc, lens, sinks = _sink_tensors(torch, dev)
+    cycles = _sleep_cycles(torch, 40.0)
+    rows = []
+    for name, call in _sink_calls(op, plan, q, kc, vc, lens, sinks):
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        times, busy = [], True
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            t1 = time.perf_counter()
+            ev = torch.cuda.Event()
+            ev.record()
+            busy &= not ev.query()
+            times.append((t1 - t0) / n * 1e6)
+        torch.cuda.synchronize()
+        rows.append(dict(case=name, launches=kernels, torch_ops=_torch_launches(torch, call),
+                         host_us=min(times), median_us=statistics.median(times),
+                         host_only=busy, num_splits=plan.num_splits))  # fmt: skip
+    return rows
+
+
+def print_sink_rows(rows: list[dict], where: str) -> None:
+    sh = SINK_SHAPE
+    print(f"gpt_oss_sink op.with_kvcache host time ({where}): B={sh['batch']} Hq/Hkv "
+          f"{sh['heads_q']}/{sh['heads_kv']} cache {sh['capacity']} d{sh['head_dim']} bf16, "
+          f"one query; splits {rows[0]['num_splits']}")  # fmt: skip
+    print(f"{'case':>17} | {'host us/call':>12} {'median':>7} | {'launches':>8} | torch ops "
+          "that launch")  # fmt: skip
+    for r in rows:
+        warn = "" if r.get("host_only", True) else "  (queue drained: includes waits)"
+        ops = ", ".join(r["torch_ops"]) or "-"
+        print(f"{r['case']:>17} | {r['host_us']:12.1f} {r['median_us']:7.1f} | "
+              f"{r['launches']:8d} | {ops}{warn}")  # fmt: skip
+
+
 def print_decode_rows(rows: list[dict], where: str) -> None:
     print(f"planned op.with_kvcache host time ({where}), llama3_gqa bf16 Hq/Hkv 32/8 d128")
     print(f"{'case':>15} {'B':>4} {'splits':>6} | {'host us/call':>12}")
@@ -533,9 +764,26 @@ def main() -> int:
                     help="--decode batch sizes")  # fmt: skip
     ap.add_argument("--py-driver", action="store_true",
                     help="--decode --cpu: a Python cuLaunchKernel (no C stub)")  # fmt: skip
+    ap.add_argument("--sink", action="store_true",
+                    help="--decode: gpt_oss_sink's decode (the bench's row) with and without "
+                    "the sink, planned and unplanned, and launches per call")  # fmt: skip
     args = ap.parse_args()
     import torch
 
+    if args.decode and args.sink:
+        if not args.cpu and not torch.cuda.is_available():
+            print("host_overhead.py --decode --sink needs a CUDA GPU (or --cpu)", file=sys.stderr)
+            return 2
+        if args.cpu:
+            rows = measure_sink_cpu(args.flashgen, args.n, args.reps, args.py_driver)
+            where = "CPU, driver faked" + (" (Python)" if args.py_driver else "")
+        else:
+            rows = measure_sink(args.flashgen, args.n, args.reps)
+            where = torch.cuda.get_device_name()
+        print_sink_rows(rows, where)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.decode:
         if not args.cpu and not torch.cuda.is_available():
             print("host_overhead.py --decode needs a CUDA GPU (or --cpu)", file=sys.stderr)

@@ -27,44 +27,101 @@ from flashgen.analysis.derive import reads_param
 from flashgen.frontend import ir
 from flashgen.ops.cpu.reference import _as, _env, eval_expr
 
+#: the indices of a sink that reads a tensor param as is (:attr:`SinkRead.subs`)
+_DIRECT = {("h",), ("h_kv",), ("b", "h"), ("b", "h_kv")}
+
+
+class SinkRead:
+    """What :func:`sink_logits` and :func:`fused_sink_values` need of a spec's sink, worked
+    out once (an op keeps one, so that a call walks no IR): the tensor param and indices of
+    a direct read (``name``, ``subs``: ``sinks[h]``, ``sinks[h_kv]``, ``sinks[b, h]`` or
+    ``sinks[b, h_kv]``; else None, None) and, on first use, the spec reduced to the params
+    the sink reads (:attr:`read_spec`, for evaluating it).  ``ValueError`` for a spec
+    without a sink."""
+
+    __slots__ = ("spec", "name", "subs", "_read_spec")
+
+    def __init__(self, spec: ir.Spec):
+        if spec.sink is None:
+            raise ValueError(f"spec {spec.name!r} has no sink")
+        self.spec = spec
+        self.name = self.subs = None
+        e = spec.sink
+        if isinstance(e, ir.Index) and all(isinstance(i, ir.Var) for i in e.indices):
+            subs = tuple(i.name for i in e.indices)
+            if subs in _DIRECT:
+                self.name, self.subs = e.name, subs
+        self._read_spec = None
+
+    @property
+    def read_spec(self) -> ir.Spec:
+        """The spec with only the params its sink reads (:func:`reads_param`)."""
+        if self._read_spec is None:
+            spec = self.spec
+            self._read_spec = replace(
+                spec, params=tuple(p for p in spec.params if reads_param(spec.sink, p.name))
+            )
+        return self._read_spec
+
+    def view(self, params: dict, heads_q: int, heads_kv: int, batch_offset: int = 0):
+        """The sink as a view of its tensor, broadcastable to ``[batch, heads_q]``, when it is
+        a direct read of a tensor in ``params`` (the common forms; the host time of a decode
+        step counts), else None."""
+        subs = self.subs
+        if subs is None or ("b" in subs and batch_offset):
+            return None
+        t = params.get(self.name)
+        if not isinstance(t, torch.Tensor):
+            return None
+        if "h_kv" in subs:
+            t = t.repeat_interleave(heads_q // heads_kv, dim=-1)
+        return t if len(subs) == 2 else t.view(1, heads_q)
+
 
 def sink_logits(spec: ir.Spec, params: dict, *, batch: int, heads_q: int, heads_kv: int,
-                device, dtype=torch.float32, batch_offset: int = 0) -> torch.Tensor:  # fmt: skip
+                device, dtype=torch.float32, batch_offset: int = 0,
+                read: SinkRead | None = None) -> torch.Tensor:  # fmt: skip
     """``spec.sink`` for every (b, h): ``[batch, heads_q]`` in ``dtype`` (float32 or float64),
     differentiable in the params it reads (tensors, or 0-d scalar tensors, by name in
     ``params``; missing scalars take their default).  ``b`` counts from ``batch_offset``.
+    ``read``: ``spec``'s :class:`SinkRead` where the caller keeps one (else made here).
     ``ValueError`` for a spec without a sink."""
-    if spec.sink is None:
-        raise ValueError(f"spec {spec.name!r} has no sink")
-    direct = _direct_read(spec.sink, params, heads_q, heads_kv, batch_offset)
+    if read is None:
+        read = SinkRead(spec)
+    direct = read.view(params, heads_q, heads_kv, batch_offset)
     if direct is not None:  # sinks[h], sinks[b, h], ...: the tensor itself, no evaluation
         return direct.to(device, dtype).expand(batch, heads_q)
-    read = replace(spec, params=tuple(p for p in spec.params if reads_param(spec.sink, p.name)))
+    spec = read.read_spec
     values = {}
-    for p in read.params:
+    for p in spec.params:
         v = params.get(p.name, p.default)
         values[p.name] = v.to(device) if isinstance(v, torch.Tensor) else v
-    env = _env(read, batch, heads_q, 1, 1, values, device, dtype, batch_offset, Hkv=heads_kv)
+    env = _env(spec, batch, heads_q, 1, 1, values, device, dtype, batch_offset, Hkv=heads_kv)
     s = _as(eval_expr(spec.sink, env), ir.Ty.F32, env)
     return s.reshape(s.shape[:2] if s.dim() == 4 else ()).expand(batch, heads_q)
 
 
-def _direct_read(e: ir.Expr, params: dict, heads_q: int, heads_kv: int, batch_offset: int):
-    """The sink ``e`` as a view of its tensor, broadcastable to ``[batch, heads_q]``, when
-    ``e`` is a tensor param read at ``[h]``, ``[h_kv]``, ``[b, h]`` or ``[b, h_kv]`` (the
-    common forms; the host time of a decode step counts), else None."""
-    if not (isinstance(e, ir.Index) and all(isinstance(i, ir.Var) for i in e.indices)):
-        return None
-    subs = tuple(i.name for i in e.indices)
-    t = params.get(e.name)
-    if not isinstance(t, torch.Tensor) or subs not in _DIRECT or ("b" in subs and batch_offset):
-        return None
-    if "h_kv" in subs:
-        t = t.repeat_interleave(heads_q // heads_kv, dim=-1)
-    return t if len(subs) == 2 else t.view(1, heads_q)
-
-
-_DIRECT = {("h",), ("h_kv",), ("b", "h"), ("b", "h_kv")}
+def fused_sink_values(read: SinkRead, params: dict, *, batch: int, heads_q: int,
+                      heads_kv: int, device: torch.device) -> dict:  # fmt: skip
+    """The fused-sink kernel arguments (``sink``, ``sink_sb``, ``sink_sh``: the kernel reads
+    ``sink[b * sink_sb + h * sink_sh]``) for the spec of ``read`` and a call's ``params``.
+    A float32 tensor on ``device`` that the sink reads as is (``sinks[h]`` of shape
+    ``[heads_q]``, ``sinks[b, h]`` of ``[batch, heads_q]``) is passed itself with its own
+    strides (a stride-0 batch for ``[h]``): no view, no copy, no IR walk; anything else
+    goes through :func:`sink_logits` (float32 ``[batch, heads_q]`` on ``device``:
+    :func:`sink_arg_values`), which raises what it raises for bad params."""
+    subs = read.subs
+    if subs == ("h",) or subs == ("b", "h"):
+        t = params.get(read.name)
+        if isinstance(t, torch.Tensor) and t.dtype is torch.float32 and t.device == device:
+            if len(subs) == 1:
+                if t.dim() == 1 and t.shape[0] == heads_q:
+                    return {"sink": t, "sink_sb": 0, "sink_sh": t.stride(0)}
+            elif t.dim() == 2 and t.shape[0] == batch and t.shape[1] == heads_q:
+                sb, sh = t.stride()
+                return {"sink": t, "sink_sb": sb, "sink_sh": sh}
+    return sink_arg_values(sink_logits(read.spec, params, batch=batch, heads_q=heads_q,
+                                       heads_kv=heads_kv, device=device, read=read))  # fmt: skip
 
 
 def apply_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ sm_80 and sm_90a without spills.  On the GPU: tests/gpu/test_decode_sink_gpu.py.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import subprocess
@@ -254,23 +255,27 @@ def test_the_planned_fast_path_passes_the_sink_params_own_address(fake_driver, s
 def test_the_fast_path_computes_a_sink_that_is_no_view_of_a_param(fake_driver, monkeypatch):
     """``s0 + sinks[h_kv]``: the call's logits (float32 [B, Hq], as
     :func:`~flashgen.ops.sink.sink_logits` computes them), their address and strides."""
-    from flashgen.ops.decode import fast as dfast
-
     op = build_op(_kv_sink_spec(), ON)
     q, kc, vc, lens, params = _problem(op.spec)
     dims = DecodeDims(2, 8, 2, 1, 64, False, 2, 64, 1, False)
-    _, plan = _planned(op, ON, dims, 1)
+    dop, plan = _planned(op, ON, dims, 1)
     made = []
-    real = dfast._FastPath._sink_logits
-    monkeypatch.setattr(dfast._FastPath, "_sink_logits",
-                        lambda self, *a: made.append(real(self, *a)) or made[-1])  # fmt: skip
+    real = dop.sink_values
+
+    def record(*args):
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(dop, "sink_values", record)
     op.with_kvcache(q, kc, vc, lens, plan=plan, s0=1.5, **params)
     got = _unpack(plan.fast.attn_layout, fake_driver.launches[-1][4])
     want = sink_logits(op.spec, {"s0": 1.5, **params}, batch=2, heads_q=8, heads_kv=2,
                        device="cpu")  # fmt: skip
-    assert got["sink"] == made[-1].data_ptr() != params["sinks"].data_ptr()
-    assert (got["sink_sb"], got["sink_sh"]) == made[-1].stride()
-    assert made[-1].dtype == torch.float32 and torch.equal(made[-1], want)
+    sink = made[-1]["sink"]  # the call's (the layout's were packed from the first)
+    assert got["sink"] == sink.data_ptr() != params["sinks"].data_ptr()
+    assert (got["sink_sb"], got["sink_sh"]) == (made[-1]["sink_sb"], made[-1]["sink_sh"])
+    assert (made[-1]["sink_sb"], made[-1]["sink_sh"]) == sink.stride()
+    assert sink.dtype == torch.float32 and torch.equal(sink, want)
     assert fake_driver.epilogues == []
 
 
@@ -329,6 +334,169 @@ def test_the_general_launch_joins_the_sink_and_skips_the_epilogue(fake_driver, m
     assert isinstance(sink, torch.Tensor) and sink.data_ptr() == params["sinks"].data_ptr()
     assert (launched[0]["sink_sb"], launched[0]["sink_sh"]) == (0, 1)
     assert launched[1]["sink"] == 0 and fake_driver.epilogues == []
+
+
+# ----------------------------------------------------------------------------- host cost
+def _aten_ops(call) -> list[str]:
+    """The aten ops one ``call()`` runs, in order (the profiler's CPU events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return [e.name for e in prof.events() if e.name.startswith("aten::")]
+
+
+def _unplanned(op, monkeypatch, splits=2):
+    """An unplanned ``with_kvcache`` on CPU tensors through the general path's direct launch
+    (``_direct_cuda`` passed; ``plan_for`` answers a fused-sink plan whose kernels record
+    their values): returns the list the launches' values go to."""
+    from flashgen.ops.decode import op as dmod
+
+    dims = DecodeDims(2, 8, 2, 1, 64, False, 2, 64, 1, False)
+    dop, plan = _planned(op, ON, dims, splits)
+    launched = []
+    for role in ("attn", "append"):
+        k = plan.kernels[role]
+        plan.kernels[role] = types.SimpleNamespace(
+            plan=k.plan, launch=lambda grid, values, stream: launched.append(values)
+        )
+    monkeypatch.setattr(dmod, "_direct_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(dmod, "current_stream_ptr", lambda device: 0)
+    monkeypatch.setattr(dop, "plan_for", lambda *a, **k: plan)
+    return launched
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_sink_call_launches_and_runs_the_torch_ops_of_one_without(fake_driver, monkeypatch,
+                                                                     splits):  # fmt: skip
+    """The host cost of the fused sink (``flashgen bench --training``'s "gpt_oss_sink decode"
+    row): a call that joins a float32 ``sinks[h]`` launches what ``apply_sink=False`` does
+    (one kernel) and runs the same torch ops (no view, expand, copy or epilogue: the kernel
+    reads the param itself, ``sink_sb`` 0), planned (the fast path) and unplanned (the
+    general path's direct launch)."""
+    op = build_op(load_spec(SINK_SPEC), ON)
+    q, kc, vc, lens, params = _problem(op.spec)
+    dims = DecodeDims(2, 8, 2, 1, 64, False, 2, 64, 1, False)
+    _, plan = _planned(op, ON, dims, splits)
+    layout = plan.fast.attn_layout
+    runs = {}
+    for sink in (False, True):
+        call = functools.partial(op.with_kvcache, q, kc, vc, lens, plan=plan, apply_sink=sink,
+                                 **params)  # fmt: skip
+        call()  # the layout validated and packed
+        before = len(fake_driver.launches)
+        runs[sink] = _aten_ops(call)
+        assert len(fake_driver.launches) == before + 1
+        got = _unpack(layout, fake_driver.launches[-1][4])
+        assert got["sink"] == (params["sinks"].data_ptr() if sink else 0)
+    assert runs[True] == runs[False]
+    launched = _unplanned(op, monkeypatch, splits)
+    runs = {}
+    for sink in (False, True):
+        call = functools.partial(op.with_kvcache, q, kc, vc, lens, apply_sink=sink, **params)
+        call()
+        before = len(launched)
+        runs[sink] = _aten_ops(call)
+        assert len(launched) == before + 1
+        if sink:
+            assert launched[-1]["sink"] is params["sinks"]
+            assert (launched[-1]["sink_sb"], launched[-1]["sink_sh"]) == (0, 1)
+        else:
+            assert launched[-1]["sink"] == 0
+    assert runs[True] == runs[False]
+    assert fake_driver.epilogues == []
+
+
+def test_a_decode_call_walks_no_ir_for_its_sink(fake_driver, monkeypatch):
+    """The sink's IR is analysed once per op (:class:`~flashgen.ops.sink.SinkRead`, made with
+    the decode op): no call builds one or walks the sink (``reads_param``), planned or not;
+    a computed sink (``s0 + sinks[h_kv]``) walks it on its op's first evaluation at most."""
+    walks, reads = [], []
+    real_walk, real_init = sink_mod.reads_param, sink_mod.SinkRead.__init__
+    monkeypatch.setattr(sink_mod, "reads_param", lambda *a: walks.append(a) or real_walk(*a))
+    monkeypatch.setattr(sink_mod.SinkRead, "__init__",
+                        lambda self, spec: reads.append(spec) or real_init(self, spec))  # fmt: skip
+    op = build_op(load_spec(SINK_SPEC), ON)
+    q, kc, vc, lens, params = _problem(op.spec)
+    dims = DecodeDims(2, 8, 2, 1, 64, False, 2, 64, 1, False)
+    dop, plan = _planned(op, ON, dims, 1)
+    assert dop.sink_read.subs == ("h",)
+    made = len(reads)  # the decode op's, unless an earlier test built it (ops are cached)
+    for _ in range(3):
+        op.with_kvcache(q, kc, vc, lens, plan=plan, **params)
+    launched = _unplanned(op, monkeypatch)
+    for _ in range(3):
+        op.with_kvcache(q, kc, vc, lens, **params)
+    assert len(launched) == 3 and launched[-1]["sink"] is params["sinks"]
+    assert len(fake_driver.launches) == 3 and (walks, len(reads)) == ([], made)
+    op = build_op(_kv_sink_spec(), ON)
+    q, kc, vc, lens, params = _problem(op.spec)
+    _, plan = _planned(op, ON, dims, 1)
+    made = len(reads)
+    op.with_kvcache(q, kc, vc, lens, plan=plan, s0=1.5, **params)
+    first = len(walks)
+    assert first <= len(op.spec.params) and len(reads) == made
+    for _ in range(3):
+        op.with_kvcache(q, kc, vc, lens, plan=plan, s0=1.5, **params)
+    assert (len(walks), len(reads)) == (first, made) and len(fake_driver.launches) == 7
+
+
+def test_fused_sink_values_pass_a_float32_param_itself_with_its_strides():
+    """:func:`~flashgen.ops.sink.fused_sink_values`: ``sinks[h]`` / ``sinks[b, h]`` of a float32
+    tensor on the device: the tensor itself and its strides (a strided or stride-0 one
+    too); another dtype, a per-kv-head or computed sink: the logits of
+    :func:`~flashgen.ops.sink.sink_logits` (float32 ``[B, Hq]``), equal to the param's."""
+    cpu = torch.device("cpu")
+    read = sink_mod.SinkRead(load_spec(SINK_SPEC))
+    assert (read.name, read.subs) == ("sinks", ("h",))
+    kw = dict(batch=3, heads_q=8, heads_kv=2, device=cpu)
+    per_head = torch.randn(8)
+    got = sink_mod.fused_sink_values(read, {"sinks": per_head}, **kw)
+    assert got["sink"] is per_head and (got["sink_sb"], got["sink_sh"]) == (0, 1)
+    strided = torch.randn(16)[::2]
+    got = sink_mod.fused_sink_values(read, {"sinks": strided}, **kw)
+    assert got["sink"] is strided and (got["sink_sb"], got["sink_sh"]) == (0, 2)
+    half = per_head.to(torch.bfloat16)
+    got = sink_mod.fused_sink_values(read, {"sinks": half}, **kw)
+    assert got["sink"].dtype == torch.float32 and list(got["sink"].shape) == [3, 8]
+    assert torch.equal(got["sink"], half.float().expand(3, 8))
+    assert (got["sink_sb"], got["sink_sh"]) == got["sink"].stride()
+    per_bh = loads_spec(
+        "name: sink_bh\nhead_dim: 64\ndtype: bf16\nmask: causal\nsink: sinks[b, h]\n"
+        "params:\n  sinks: {type: f32, shape: [batch, num_heads]}\n",
+        "sink_bh.yaml",
+    )
+    read = sink_mod.SinkRead(per_bh)
+    for t in (torch.randn(3, 8), torch.randn(8, 3).t(), torch.randn(8).expand(3, 8)):
+        got = sink_mod.fused_sink_values(read, {"sinks": t}, **kw)
+        assert got["sink"] is t and (got["sink_sb"], got["sink_sh"]) == t.stride()
+    read = sink_mod.SinkRead(_kv_sink_spec())
+    assert read.subs is None
+    sinks = torch.randn(2)
+    got = sink_mod.fused_sink_values(read, {"sinks": sinks, "s0": 1.5}, **kw)
+    want = (1.5 + sinks).repeat_interleave(4).expand(3, 8)
+    assert torch.allclose(got["sink"], want) and got["sink"].dtype == torch.float32
+    with pytest.raises(ValueError, match="has no sink"):
+        sink_mod.SinkRead(loads_spec("name: plain\nhead_dim: 64\ndtype: bf16\n", "p.yaml"))
+
+
+def test_a_bad_sink_param_is_named_on_the_direct_paths(fake_driver, monkeypatch):
+    """The checks before the sink's arguments still name ``sinks`` (the direct launch of an
+    unplanned call, the planned fast path's validation of a new layout)."""
+    op = build_op(load_spec(SINK_SPEC), ON)
+    q, kc, vc, lens, params = _problem(op.spec)
+    dims = DecodeDims(2, 8, 2, 1, 64, False, 2, 64, 1, False)
+    _, plan = _planned(op, ON, dims, 1)
+    bad = [(torch.randn(4), r"sinks: expected shape \[8\]"), ([0.0] * 8, "sinks: expected a torch"),
+           (torch.zeros(8, dtype=torch.int32), "sinks: expected a floating-point")]  # fmt: skip
+    for kw in ({"plan": plan}, {}):
+        if not kw:
+            _unplanned(op, monkeypatch)
+        for sinks, msg in bad:
+            with pytest.raises(OpInputError, match=msg):
+                op.with_kvcache(q, kc, vc, lens, sinks=sinks, **kw)
+        with pytest.raises(OpInputError, match="sinks: missing tensor param"):
+            op.with_kvcache(q, kc, vc, lens, **kw)
 
 
 def test_the_cpu_op_is_unchanged_and_a_sink_that_requires_grad_is_refused():

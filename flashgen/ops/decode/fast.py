@@ -26,7 +26,6 @@ from flashgen.ops.decode.inputs import (
     validate_decode,
     validate_decode_ragged,
 )
-from flashgen.ops.sink import sink_logits
 from flashgen.ops.validation import (
     PARAM_DTYPE,
     TORCH_DTYPE,
@@ -57,6 +56,8 @@ class PlanOwner(Protocol):
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors, scales=None, call: DecodeDims | None = None,
                       sink=None) -> dict: ...  # fmt: skip
+
+    def sink_values(self, params: dict, dims: DecodeDims, device) -> dict: ...
 
     def append_values(self, values: dict, k_new, v_new) -> dict: ...
 
@@ -260,10 +261,10 @@ class _FastPath:
     slot rule of an append (see ``DecodeOp.with_kvcache``).
 
     A fused-sink plan (:attr:`DecodeCallPlan.fused_sink`) with ``join_sink``: the kernel
-    joins the sink, whose logits' strides the layout fixes; their address per call is the
-    sink's tensor param's own when it is read as is (``sinks[h]`` of a float32 tensor on the
-    device: :func:`~flashgen.ops.sink.sink_logits` returns a view of it), else the logits
-    computed for the call.  Without ``join_sink``: null (the keys alone)."""
+    joins the sink, whose strides the layout fixes; its address per call is the sink's
+    tensor param's own when it is read as is (``sinks[h]`` of a float32 tensor on the
+    device: :func:`~flashgen.ops.sink.fused_sink_values` passes the param itself), else the
+    logits computed for the call.  Without ``join_sink``: null (the keys alone)."""
 
     def __init__(self, dop: PlanOwner, plan: DecodeCallPlan):
         from flashgen.runtime.launch import _function_ptr
@@ -398,7 +399,7 @@ class _FastPath:
             elif st.sink_param is not None:
                 sink_ptr = params[st.sink_param].data_ptr()
             else:
-                sink = self._sink_logits(params, st.dims, self.device)
+                sink = self.dop.sink_values(params, st.dims, self.device)["sink"]
                 sink_ptr = sink.data_ptr()
             st.set_sink(sink_ptr)
         if cu is not None:
@@ -523,12 +524,6 @@ class _FastPath:
             key += (tuple(pk),)
         return key
 
-    def _sink_logits(self, params, dims: DecodeDims, device):
-        """The call's sink logits, float32 ``[B, Hq]`` (a view where the spec reads a tensor
-        param as is)."""
-        return sink_logits(self.dop.spec, params, batch=dims.batch, heads_q=dims.heads_q,
-                           heads_kv=dims.heads_kv, device=device)  # fmt: skip
-
     def _apart(self, st, kc, vc, ptrs: tuple) -> bool:
         """Whether this call's memory is apart as the general path requires (issue 38, item
         3; :func:`~flashgen.ops.decode.inputs.check_aliasing` and ``check_out``), from the
@@ -589,7 +584,9 @@ class _FastPath:
         st.key = st.form = None  # what follows changes the state: no layout until it passes
         scalars, tensors = resolve_params(spec, params)
         tmap = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
-        for p, t in tmap.items():
+        for p, t in tmap.items():  # another form (a list, None ...): the general path names it
+            if not isinstance(t, torch.Tensor):
+                return False
             if t.dtype != PARAM_DTYPE[spec.param(p).ty] or not t.is_contiguous():
                 return False
         scale = check_softmax_scale(default_softmax_scale(spec) if scale is None else scale)
@@ -616,10 +613,10 @@ class _FastPath:
             return False
         sink = None
         st.dims, st.sink_param = dims, None
-        if self.sink:  # the logits' strides are the layout's; is their address a param's?
-            sink = self._sink_logits(params, dims, q.device)
-            st.sink_param = next((n for n in self.tensor_names
-                                  if params[n].data_ptr() == sink.data_ptr()), None)  # fmt: skip
+        if self.sink:  # the sink's strides are the layout's; is it a param itself?
+            sink = dop.sink_values(params, dims, q.device)
+            st.sink_param = next((n for n in self.tensor_names if params[n] is sink["sink"]),
+                                 None)  # fmt: skip
         values = dop.launch_values(plan, q, kc, vc, lens, table, q, q, scale, scalars, tmap,
                                    scales, dims, sink)  # fmt: skip
         if cu is not None:

@@ -109,7 +109,7 @@ from flashgen.ops.decode.reference import (
     decode_reference_ragged,
     merge_attention,
 )
-from flashgen.ops.sink import sink_logits
+from flashgen.ops.sink import SinkRead, fused_sink_values, sink_arg_values, sink_logits
 from flashgen.ops.validation import (
     _SCHEMA_TYPE,
     PARAM_DTYPE,
@@ -189,6 +189,9 @@ class DecodeOp(DecodePlanning):
         self._lock = threading.Lock()
         self._registered = False
         self.reason = family.unsupported_reason(self.spec)
+        #: the spec's sink as the calls read it (:class:`~flashgen.ops.sink.SinkRead`: its IR
+        #: walked once here, not per call); None without a sink
+        self.sink_read = SinkRead(self.spec) if self.spec.sink is not None else None
 
     def _refuse(self) -> None:
         if self.reason is not None:
@@ -506,7 +509,7 @@ class DecodeOp(DecodePlanning):
                            params, out, cu_seqlens_q, max_seqlen_q, k_descale, vd,
                            join_sink)  # fmt: skip
         if res is not None:
-            joined = join_sink and plan.fused_sink
+            joined = join_sink and fast.sink
         else:
             res, joined = self._kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new,
                                         v_new, cu_seqlens_q, max_seqlen_q, num_splits, plan,
@@ -521,7 +524,7 @@ class DecodeOp(DecodePlanning):
         batch = cache_seqlens.shape[0]
         heads_kv = k_cache.shape[1 if block_table is None else 2]  # dense or paged cache
         sink = sink_logits(self.spec, params, batch=batch, heads_q=o.shape[1], heads_kv=heads_kv,
-                           device=o.device, dtype=lse.dtype)  # fmt: skip
+                           device=o.device, dtype=lse.dtype, read=self.sink_read)  # fmt: skip
         if cu_seqlens_q is None:
             o.copy_(join(o, lse, sink.unsqueeze(-1)))
         else:
@@ -639,8 +642,8 @@ class DecodeOp(DecodePlanning):
             o_shape, lse_shape = dims.out_shapes()
             check_out(self.spec, out, o_shape, q.device, lse_shape, inputs)
         append = k_new is not None
-        sink = None  # the logits a fused-sink unit joins
-        if q.is_cuda and _plain_eager(q, k_cache, v_cache):
+        sink = None  # the sink arguments of a fused-sink unit that joins it
+        if _direct_cuda(q, k_cache, v_cache):
             if check_enabled():
                 check_values(dims, cache_seqlens, block_table, cu_seqlens_q)
                 check_scale_values(scales)
@@ -649,8 +652,7 @@ class DecodeOp(DecodePlanning):
                 plan = self.plan_for(dims, q.device, splits or None,
                                      params=dict(zip(names, scalars, strict=True)))  # fmt: skip
             if join_sink and plan.fused_sink:
-                sink = sink_logits(self.spec, params, batch=dims.batch, heads_q=dims.heads_q,
-                                   heads_kv=dims.heads_kv, device=q.device)  # fmt: skip
+                sink = self.sink_values(params, dims, q.device)
             res = self._launch(
                 plan, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                 softmax_scale, scalars, tmap, cu_seqlens_q=cu_seqlens_q, dims=dims,
@@ -681,6 +683,13 @@ class DecodeOp(DecodePlanning):
         return out, sink is not None
 
     # ------------------------------------------------------------------ CUDA
+    def sink_values(self, params: dict, dims: DecodeDims, device) -> dict:
+        """A fused-sink unit's sink arguments for a call's ``params``
+        (:func:`~flashgen.ops.sink.fused_sink_values`: a float32 ``sinks[h]`` param itself,
+        with its strides; else the logits computed for the call)."""
+        return fused_sink_values(self.sink_read, params, batch=dims.batch, heads_q=dims.heads_q,
+                                 heads_kv=dims.heads_kv, device=device)  # fmt: skip
+
     def launch_values(self, plan: DecodeCallPlan, q, kc, vc, lens, table, o, lse, scale,
                       scalars, tensors, scales: KvScales | None = None,
                       call: DecodeDims | None = None, sink=None) -> dict:  # fmt: skip
@@ -689,8 +698,9 @@ class DecodeOp(DecodePlanning):
         the plan or allocated here; ``scales``: an e4m3 cache's descales (None: 1.0);
         ``call``: the call's validated sizes (None: the plan's), whose ``max_seqlen_q`` a
         ragged unit's ``params_seqlen_q`` (the tensor params' extent) takes; ``sink``: a
-        fused-sink unit's (:attr:`DecodeCallPlan.fused_sink`) float32 ``[B, Hq]`` logits
-        (None: null, the keys alone)."""
+        fused-sink unit's (:attr:`DecodeCallPlan.fused_sink`) sink arguments
+        (:meth:`sink_values`), or float32 ``[B, Hq]`` logits (None: null, the keys
+        alone)."""
         dims = plan.dims
         paged = table is not None
         if paged:
@@ -716,8 +726,7 @@ class DecodeOp(DecodePlanning):
         if dims.cache_dtype is not None:
             values.update((scales or KvScales()).launch_values())
         if plan.fused_sink:
-            sb, sh = (0, 0) if sink is None else sink.stride()
-            values.update(sink=0 if sink is None else sink, sink_sb=sb, sink_sh=sh)
+            values.update(sink if type(sink) is dict else sink_arg_values(sink))
         for p, val in zip(self.spec.scalar_params, scalars, strict=True):
             values[f"p_{p.name}"] = val
         for p in self.spec.tensor_params:
@@ -752,7 +761,8 @@ class DecodeOp(DecodePlanning):
         """Enqueue the append (with k_new) and attention kernels of ``plan`` for this call
         (``dims``: the call's sizes, None: the plan's; a ragged call's q may have fewer rows
         than its plan's ``total_q``; ``scales``: an e4m3 cache's descales; ``sink``: the
-        logits a fused-sink unit joins, None: the keys alone); returns fresh ``(o, lse)``."""
+        sink arguments of a fused-sink unit that joins it (:meth:`launch_values`), None: the
+        keys alone); returns fresh ``(o, lse)``."""
         call = dims or plan.dims
         o, lse = self._outputs(q, call)
         dims = plan.dims
@@ -775,6 +785,14 @@ class DecodeOp(DecodePlanning):
             return o, lse
         kern["attn"].launch(plan.geometry.grid, values, stream)
         return o, lse
+
+
+def _direct_cuda(q, k_cache, v_cache) -> bool:
+    """Plain eager CUDA inputs (:func:`~flashgen.ops.calls._plain_eager`): an unplanned call
+    launches the kernels directly, else it runs the registered op.  Looked up per call (a
+    module global that ``tools/host_overhead.py --decode --cpu`` replaces to time that
+    branch on CPU tensors)."""
+    return q.is_cuda and _plain_eager(q, k_cache, v_cache)
 
 
 def _refuse_grad(**tensors) -> None:
