@@ -105,17 +105,23 @@ def _host_program(cases) -> str:
                 "    (void)q_idx_f; (void)kv_idx_f;\n"
                 f"    return {offset};\n}}\n"
             )
+            # one pair of lambdas per term, so run() is instantiated once per term (g++ took 14
+            # CPU-seconds on an instantiation per run)
+            runs.append(
+                "    {\n"
+                f"    auto test = [](int q0, int q1, int k0, int k1, int sq, int sk) {{ return "
+                f"test_{tag}(q0, q1, k0, k1, {B}, {H}, {H // 4}, sq, sk{args}); }};\n"
+                f"    auto off = [](int q, int kv, int sq, int sk) {{ return off_{tag}(q, kv, {B}, "
+                f"{H}, {H // 4}, sq, sk{args}); }};"
+            )
             for sq in LENGTHS:
                 for sk in LENGTHS:
                     for bm, bn in TILES:
                         bits = int((sq, sk) in MIRRORED and (bm, bn) == (64, 128))
                         runs.append(
-                            f'    run("{name}", {k}, {sq}, {sk}, {bm}, {bn}, {bits}, '
-                            f"[](int q0, int q1, int k0, int k1, int sq, int sk) {{ return "
-                            f"test_{tag}(q0, q1, k0, k1, {B}, {H}, {H // 4}, sq, sk{args}); }}, "
-                            f"[](int q, int kv, int sq, int sk) {{ return off_{tag}(q, kv, {B}, "
-                            f"{H}, {H // 4}, sq, sk{args}); }});"
+                            f'    run("{name}", {k}, {sq}, {sk}, {bm}, {bn}, {bits}, test, off);'
                         )
+            runs.append("    }")
     main = r"""
 #include <string>
 template <class Test, class Off>

@@ -1615,7 +1615,7 @@ def test_tensor_mask_keep_bits_match_the_mask_pair_by_pair(cxx_exe, d, m80):
         calls.append(f"    run_{name}();\n")
         want = eval_mask(spec, batch=batch, heads_q=heads_q, seqlen_q=sq, seqlen_k=sk,
                          params=values, heads_kv=heads_kv)  # fmt: skip
-        cases.append((name, qn, want))
+        cases.append((name, qn, want.tolist()))  # nested lists: indexed per pair below
     src = preamble() + "".join(funcs) + "int main() {\n" + "".join(calls) + "}\n"
     exe = cxx_exe(src, f"keep_bits_{d}_{int(m80)}")
     out = iter(subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
@@ -1632,6 +1632,6 @@ def test_tensor_mask_keep_bits_match_the_mask_pair_by_pair(cxx_exe, d, m80):
                             for i in range(qn // 8 * 4):
                                 q = qw0 + (i // 4) * 8 + (lane % 4) * 2 + i % 2
                                 kv = key_raw + 8 * ((i // 2) % 2)
-                                if q < sq and kv < sk and want[b, h, q, kv]:
+                                if q < sq and kv < sk and want[b][h][q][kv]:
                                     bits |= 1 << i
                             assert got == bits, (name, b, h, qw0, key_raw, lane, hex(got ^ bits))

@@ -7,10 +7,13 @@ persistent producer's warp-wide walk and inside that the float twins of integer 
 their innermost loops), so for any spill outcome both return the same plan; the source-level
 dedupe builds no source twice and skips none; and when every variant spills, the plan returned is
 the one whose kernel was built last (its cubin and report belong to it).  No nvcc:
-tests/unit/test_select.py has the real spills."""
+tests/unit/test_select.py has the real spills.  Both sides render through :func:`_render`, which
+renders each distinct (template, context) once: build_forward plans 32 or 64 variants per tile
+candidate, most of them rendering a source already tried."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,6 +60,18 @@ def _specs():
     return out
 
 
+#: the sources :func:`_render` made in the running test (cleared by each)
+_SOURCES: dict = {}
+
+
+def _render(plan) -> str:
+    """``render(plan)``, once per distinct template and context (render reads nothing else)."""
+    key = (plan.template, pickle.dumps(plan.context.fields()))
+    if key not in _SOURCES:
+        _SOURCES[key] = render(plan)
+    return _SOURCES[key]
+
+
 def _old_loops(spec, target, family, persistent, build, values):
     """build_forward's loops before session 8 (f2ba365), head groups added innermost the
     same way: a feature that leaves no trace in the plan is not retried without.  ``values``:
@@ -77,10 +92,11 @@ def _old_loops(spec, target, family, persistent, build, values):
                                     head_groups=head_groups, warp_walk=warp_walk, family=family,
                                     values=vals,
                                 )  # fmt: skip
-                                if render(plan) in sources:  # no such call: no trace
+                                source = _render(plan)
+                                if source in sources:  # no such call: no trace
                                     break
-                                sources.append(render(plan))
-                                build(render(plan), plan)
+                                sources.append(source)
+                                build(source, plan)
                             if not plan.context.get("warp_walk"):
                                 break
                         if plan.context["tile_group"] == "1":
@@ -114,6 +130,8 @@ def test_build_order_is_the_old_loops(spec, head_groups, monkeypatch):
             continue
         new: list = []
         monkeypatch.setattr(cache, "get_or_build", _recorder(new))
+        monkeypatch.setattr(family_build, "render", _render)
+        _SOURCES.clear()
         try:
             plan, cubin, report = family_build.build_forward(
                 spec, target, options=options, persistent=persistent
