@@ -81,10 +81,13 @@ def _resolve(module: str, node) -> tuple[set[str], set[str]]:
     return inside, outside
 
 
+#: every module's syntax tree, parsed once for both graphs
+TREES = {mod: ast.parse(path.read_text(), str(path)) for mod, path in MODULES.items()}
+
+
 def _graph(type_only: bool = False):
     edges, third = {}, {}
-    for mod, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
+    for mod, tree in TREES.items():
         edges[mod], third[mod] = set(), set()
         for node in _imports(tree, type_only):
             inside, outside = _resolve(mod, node)

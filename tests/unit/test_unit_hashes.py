@@ -51,19 +51,21 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def units(options=None) -> dict[str, str]:
-    """``{key: sha256 of the rendered CUDA}`` for every unit of every shipped spec, planned
-    from ``options`` (default: the defaults)."""
+def units(options=None, specs=None) -> dict[str, str]:
+    """``{key: sha256 of the rendered CUDA}`` for every unit of every shipped spec (of those
+    named in ``specs``, file stems, if given), planned from ``options`` (default: the
+    defaults)."""
     return {
         key: src if src.startswith("error: ") else _sha(src)
-        for key, src in unit_sources(options).items()
+        for key, src in unit_sources(options, specs).items()
     }
 
 
-def unit_sources(options=None) -> dict[str, str]:
-    """``{key: rendered CUDA}`` for every unit of every shipped spec, planned from ``options``
-    (default: the defaults; ``tools/sass_identity.py`` compiles them: the key names the target
-    as its second ``/`` field)."""
+def unit_sources(options=None, specs=None) -> dict[str, str]:
+    """``{key: rendered CUDA}`` for every unit of every shipped spec (of those named in
+    ``specs``, file stems, if given), planned from ``options`` (default: the defaults;
+    ``tools/sass_identity.py`` compiles them: the key names the target as its second ``/``
+    field)."""
     from dataclasses import replace
 
     from flashgen.build.render import render
@@ -88,6 +90,8 @@ def unit_sources(options=None) -> dict[str, str]:
         out[key] = render(getattr(plan, "unit", plan))
 
     for path in sorted((ROOT / "specs").glob("*.yaml")):
+        if specs is not None and path.stem not in specs:
+            continue
         spec = load_spec(path)
         if spec.v_from_k:  # decode only (its units: tests/unit/test_decode_mla.py)
             continue
@@ -212,9 +216,11 @@ def unfused_sink_options():
 
 def test_unfused_sink_units_render_as_recorded():
     """With ``fa2_fwd.fused_sink`` and ``hopper_fwd.fused_sink`` off, the sink spec's units
-    whose fused form is the default render as recorded in ``FIXTURE_UNFUSED_SINK``."""
+    whose fused form is the default render as recorded in ``FIXTURE_UNFUSED_SINK`` (the
+    units of gpt_oss_sink and its varlen form: only that spec's are planned)."""
     want = json.loads(FIXTURE_UNFUSED_SINK.read_text())
-    got = units(unfused_sink_options())
+    assert {k.split("/")[0] for k in want} == {"gpt_oss_sink", "gpt_oss_sink__varlen"}
+    got = units(unfused_sink_options(), specs={"gpt_oss_sink"})
     assert want and set(want) <= set(got), "the set of unfused sink units changed"
     changed = sorted(k for k in want if got[k] != want[k])
     assert not changed, f"{len(changed)} unfused sink units render differently: {changed[:8]}"
@@ -227,7 +233,7 @@ if __name__ == "__main__":
     else:
         FIXTURE.write_text(json.dumps(units(), indent=1, sort_keys=True) + "\n")
         sink_keys = json.loads(FIXTURE_UNFUSED_SINK.read_text())
-        unfused = units(unfused_sink_options())
+        unfused = units(unfused_sink_options(), specs={"gpt_oss_sink"})
         FIXTURE_UNFUSED_SINK.write_text(
             json.dumps({k: unfused[k] for k in sink_keys}, indent=1, sort_keys=True) + "\n"
         )
