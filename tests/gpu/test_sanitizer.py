@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from patched_kernels import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,13 +27,8 @@ def test_sanitizers_clean_on_one_spec(tmp_path):
 
 
 def _tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fg_sanitize", REPO / "tools" / "sanitize.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    """tools/sanitize.py as a module."""
+    return load_tool("sanitize")
 
 
 #: (spec, options, deterministic, param_grads): the paths the flags select

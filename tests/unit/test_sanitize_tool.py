@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
+
+from patched_kernels import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("fg_sanitize", REPO / "tools" / "sanitize.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    """tools/sanitize.py as a module."""
+    return load_tool("sanitize")
 
 
 def test_summary_parsing():
