@@ -80,6 +80,25 @@ def _sleep_cycles(torch, ms: float) -> int:
     return int(n * ms / max(a.elapsed_time(b), 1e-3))
 
 
+def _queued_us(torch, fn, cycles: int, n: int, reps: int) -> tuple[list[float], bool]:
+    """Wall us per call of ``n`` calls of ``fn`` queued behind a ``cycles`` sleep, one value
+    per rep, and whether the sleep outlasted every loop (nothing waited on the device)."""
+    out, busy = [], True
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        ev = torch.cuda.Event()
+        ev.record()
+        busy &= not ev.query()  # the sleep outlasted the loop: nothing waited
+        out.append((t1 - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return out, busy
+
+
 def _ops_module(name: str, flat: str):
     """``flashgen.ops.<name>``, or ``flashgen.ops.<flat>`` in a ``--baseline`` checkout from
     before ``flashgen/ops/`` was split into subpackages."""
@@ -127,19 +146,7 @@ def measure(root: Path, seqlens, n: int, reps: int) -> list[dict]:
 
             def queued_us(fn):
                 """Median over reps of the wall time per call of n calls behind a sleep."""
-                out, busy = [], True
-                for _ in range(reps):
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(cycles)
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        fn()
-                    t1 = time.perf_counter()
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    busy &= not ev.query()  # the sleep outlasted the loop: nothing waited
-                    out.append((t1 - t0) / n * 1e6)
-                torch.cuda.synchronize()
+                out, busy = _queued_us(torch, fn, cycles, n, reps)
                 return statistics.median(out), busy
 
             call = functools.partial(op.attention, q, k, v)
@@ -306,19 +313,7 @@ def measure_decode(root: Path, batches, n: int, reps: int) -> list[dict]:
             call = functools.partial(op.with_kvcache, plan=plan, **kw)
             for _ in range(20):
                 call()
-            out, busy = [], True
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(cycles)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    call()
-                t1 = time.perf_counter()
-                ev = torch.cuda.Event()
-                ev.record()
-                busy &= not ev.query()
-                out.append((t1 - t0) / n * 1e6)
-            torch.cuda.synchronize()
+            out, busy = _queued_us(torch, call, cycles, n, reps)
             rows.append(dict(case=name, batch=batch, host_us=statistics.median(out),
                              host_only=busy, num_splits=plan.num_splits))  # fmt: skip
             if name == "paged16" and batch == batches[0]:
@@ -677,19 +672,7 @@ def measure_sink(root: Path, n: int, reps: int) -> list[dict]:
             call()
             torch.cuda.synchronize()
         kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-        times, busy = [], True
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(cycles)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                call()
-            t1 = time.perf_counter()
-            ev = torch.cuda.Event()
-            ev.record()
-            busy &= not ev.query()
-            times.append((t1 - t0) / n * 1e6)
-        torch.cuda.synchronize()
+        times, busy = _queued_us(torch, call, cycles, n, reps)
         rows.append(dict(case=name, launches=kernels, torch_ops=_torch_launches(torch, call),
                          host_us=min(times), median_us=statistics.median(times),
                          host_only=busy, num_splits=plan.num_splits))  # fmt: skip
