@@ -591,3 +591,50 @@ def test_loaded_kernel_keys_keep_two_fields_without_param_grads(monkeypatch):
     op.backward.kernels(dev, path="hopper", param_grads=("slopes",))
     assert set(op.backward._kernels) == {(0, "hopper"), (0, "hopper", ("slopes",))}
     assert built == [(), ("slopes",)]
+
+
+def test_a_trained_backward_routes_once_per_op(monkeypatch):
+    """A backward call with param gradients routes (backward_path: the params' kernel forms
+    derived from the spec, tens of microseconds of host time) once per op, target,
+    deterministic flag and param names, not on every call; each key gets backward_path's
+    answer (kernels stubbed: CPU tensors, no GPU)."""
+    import flashgen
+    from flashgen.ops.prefill import backward as bwd_mod
+    from flashgen.options import DEFAULT
+
+    routed, paths, launched = [], [], []
+
+    def counting(spec, target, deterministic, options=DEFAULT, param_grads=()):
+        routed.append((target, deterministic, tuple(param_grads)))
+        return backward_path(spec, target, deterministic, options, param_grads)
+
+    class Kernel:
+        def launch(self, grid, values, stream):
+            launched.append(grid)
+
+    def kernels(self, device, atomic_dq=False, path=None, param_grads=(), sink=False):
+        paths.append((path, tuple(param_grads)))
+        plan = registry.plan_hopper_backward(self.spec, "sm_90", self.op.options,
+                                             param_grads=param_grads)  # fmt: skip
+        return plan, Kernel(), Kernel(), Kernel()
+
+    monkeypatch.setattr(bwd_mod, "backward_path", counting)
+    monkeypatch.setattr(bwd_mod.Backward, "kernels", kernels)
+    monkeypatch.setattr(bwd_mod, "target_for_device", lambda spec, device: "sm_90")
+    monkeypatch.setattr(bwd_mod, "current_stream_ptr", lambda device: 0)
+    op = flashgen.load(REPO / "specs" / "alibi.yaml")
+    q, k, v, o, do = (torch.randn(1, 2, 16, 128, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(1, 2, 16)
+    slopes = torch.tensor([0.25, 0.5])
+    for _ in range(3):
+        op.backward.cuda(do, q, k, v, o, lse, None, 0.1, False, slopes, param_grads=[True])
+    assert routed == [("sm_90", False, ("slopes",))]
+    assert paths == [("hopper", ("slopes",))] * 3 and len(launched) == 9
+    op.backward.cuda(do, q, k, v, o, lse, None, 0.1, False, slopes)
+    op.backward.cuda(do, q, k, v, o, lse, None, 0.1, False, slopes)
+    assert routed[1:] == [("sm_90", False, ())] and paths[3:] == [("hopper", ())] * 2
+    assert op.backward.path("sm_90", True, ("slopes",)) == "deterministic"
+    assert op.backward.path("sm_80", False, ("slopes",)) == backward_path(
+        op.spec, "sm_80", False, op.options, ("slopes",)
+    )
+    assert len(routed) == 4

@@ -324,6 +324,8 @@ class Backward:
         # (device index, backward_path), and the param names last for a unit that accumulates
         # param gradients (kernels() keeps the two-field key of the units without them)
         self._kernels: dict[tuple, tuple] = {}
+        # (target, deterministic, param names) -> backward_path (:meth:`path`)
+        self._paths: dict[tuple, str] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ op impls
@@ -430,7 +432,7 @@ class Backward:
                     [torch.zeros(shapes[n], dtype=torch.float32, device=q.device)
                      for n in names], dsink)  # fmt: skip
         target = target_for_device(self.spec, q.device)
-        path = backward_path(self.spec, target, deterministic, self.op.options, names)
+        path = self.path(target, deterministic, names)
         plan, pre, dkdv, last = self.kernels(
             q.device, path=path, param_grads=names, sink=sink is not None
         )
@@ -491,6 +493,20 @@ class Backward:
         if dsink is not None and deterministic:
             dsink = dsink.sum(-1)  # the rows' terms in a fixed order
         return dq, dk, dv, finish() if finish is not None else [], dsink
+
+    def path(self, target: str, deterministic: bool, names: tuple[str, ...] = ()) -> str:
+        """:func:`backward_path` of this op's spec and options for a call on ``target``
+        (``names``: the params whose gradients it accumulates), worked out once per
+        (target, deterministic, names): with param gradients the route derives their kernel
+        forms (:func:`flashgen.codegen.dparam.hopper_forms_ok`), about 50 us of host time,
+        which every trained call paid before its launches."""
+        key = (target, bool(deterministic), tuple(names))
+        hit = self._paths.get(key)
+        if hit is None:
+            hit = self._paths[key] = backward_path(
+                self.spec, target, deterministic, self.op.options, key[2]
+            )
+        return hit
 
     def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None,
                 param_grads: tuple[str, ...] = (), sink: bool = False):  # fmt: skip
