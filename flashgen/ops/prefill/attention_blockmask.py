@@ -134,17 +134,24 @@ class BlockMaskMethods:
         """The ``block_mask`` argument (:func:`~flashgen.ops.prefill.blockmask.table_arg`) of a
         kernel of ``tiles`` from the tables ``bm`` holds: the one for those tiles, built on
         first use by :meth:`_pre_pass` from the params ``bm`` was built with and held from
-        then on (:meth:`BlockMask.held <flashgen.ops.prefill.blockmask.BlockMask.held>`); None
-        where ``bm`` cannot hold one (built without its inputs, or this call is being
-        captured into a CUDA graph, whose tables exist only in its replays): the launch
-        then runs the pre-pass itself, as without ``block_mask``.  A table built on one
-        stream is waited for by a call on another (the fence of its build)."""
-        from flashgen.ops.prefill.blockmask import table_arg
+        then on (:meth:`BlockMask.held <flashgen.ops.prefill.blockmask.BlockMask.held>`).  A
+        table built on one stream is waited for by a call on another (the fence of its
+        build).  None where ``bm`` cannot give one: built without its inputs, or, while this
+        call is captured into a CUDA graph, a table not yet held (a build in the capture
+        would exist only in the graph's replays) or one built on another stream (no wait on
+        it can be captured); the launch then runs the pre-pass itself, as without
+        ``block_mask``."""
+        from flashgen.ops.prefill.blockmask import table_arg, table_key
 
         device = bm.table.device
         cuda = device.type == "cuda"
-        if bm.inputs is None or (cuda and torch.cuda.is_current_stream_capturing()):
+        if bm.inputs is None:
             return None
+        if cuda and torch.cuda.is_current_stream_capturing():
+            table, fence = bm.tables.get(table_key(tiles.block_m, tiles.block_n), (None, None))
+            if table is None or (fence is not None and fence[0] != current_stream_ptr(device)):
+                return None
+            return table_arg(table, tiles.block_m, tiles.block_n)
 
         def build():
             src = bm.inputs

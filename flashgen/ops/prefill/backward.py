@@ -40,6 +40,16 @@ in ``torch.library.opcheck`` (a thread-local or context variable would not be tr
 The forward op's ``register_autograd`` calls it.  A gradient of ``lse`` folds into the row
 term: dS = P * (dP - (dsum - dlse)).
 
+Block tables: a spec whose mask reads tensors has a keyword-only ``Tensor? block_mask=None``
+in both backward schemas (:data:`BLOCK_MASK_ARG`), the block table for the dK/dV kernel's
+own tiles (the Hopper backward under ``hopper_bwd.tensor_masks``; the FA2-class kernels read
+none and ignore it) as the tile-carrying view the forward takes, checked the same way
+(:func:`flashgen.ops.prefill.blockmask.table_for_tiles`) before anything is allocated or
+launched.  When the forward got ``block_mask=bm``, its autograd node keeps ``bm``
+(``ctx.block_mask``) and :meth:`Backward.held_table` passes the table ``bm`` holds for those
+tiles, built by the pre-pass on the first backward and held from then on; without one, the
+CUDA backward runs the pre-pass for its tiles in every call.
+
 Param gradients: the backward op's keyword-only ``bool[] param_grads`` (one flag per spec
 param, spec order; empty: none) asks for ``dparam[idx] = sum over (b, h, q_idx, kv_idx) of
 dS * d score_mod / d param[idx]`` (:func:`flashgen.analysis.derive.param_grad_terms`); the
@@ -546,7 +556,10 @@ class Backward:
         (the call runs the pre-pass itself, if its kernel reads a table) without
         ``block_mask``, for a kernel that reads no table, off CUDA (:func:`_cuda_call`: the CPU
         backward reads none) and under ``torch.compile`` tracing."""
-        if block_mask is None or not _cuda_call(q) or torch.compiler.is_compiling():
+        if (
+            block_mask is None or not _cuda_call(q) or q.numel() == 0
+            or torch.compiler.is_compiling()
+        ):  # fmt: skip
             return None
         names = wanted(self.spec, param_grads)
         tiles = table_tiles(self._kernels_for(q.device, deterministic, names, sink)[0])
