@@ -107,8 +107,10 @@ class BlockMask:
     scalars: dict = field(default_factory=dict)
     heads_kv: int | None = None
     inputs: TableInputs | None = field(default=None, repr=False, compare=False)
-    tables: dict = field(default_factory=dict, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.tables.setdefault(table_key(self.block_m, self.block_n), (self.table, None))
