@@ -610,6 +610,74 @@ def test_tensor_masks_lse_gradient(tensor_masks):
     check(spec, 2, 4, 2, 1000, 1000, seed=1850, with_dlse=True)
 
 
+@pytest.mark.parametrize(
+    "deterministic, opts", [(False, {}), (True, {"hopper_bwd.ordered_masks": True})],
+    ids=["atomic_dq", "ordered_dq"],
+)  # fmt: skip
+@pytest.mark.parametrize("b, hq, hkv, sq, sk", [(2, 8, 2, 1000, 1000), (1, 4, 1, 4097, 4097),
+                                                (1, 6, 2, 1000, 4097)])  # fmt: skip
+def test_held_backward_table_gives_the_per_call_gradients(tensor_masks, monkeypatch,
+                                                          deterministic, opts, b, hq, hkv, sq,
+                                                          sk):  # fmt: skip
+    """document_mask, GQA, lengths no tile divides: a BlockMask holds the table of the
+    backward's own tiles, built by the pre-pass on the first backward given it and never
+    again (three calls), equal to the reference's for those tiles; dK, dV are bitwise those
+    of calls that run the pre-pass in every backward, and so is dQ where it is added in a
+    fixed order (``hopper_bwd.ordered_masks`` with ``deterministic=True``); the atomic dQ's
+    sums change order run to run, so there it is held to that run-to-run spread."""
+    from flashgen.ops.prefill.attention import AttentionOp
+    from flashgen.ops.prefill.backward import table_tiles
+    from flashgen.ops.prefill.blockmask import block_table_reference, table_key
+
+    spec = shipped("document_mask")
+    op = gpu_options.build(spec, gpu_options.update(monkeypatch, opts))
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(2000 + sq + sk)
+    q, k, v, params = random_inputs(spec, b, hq, hkv, sq, sk, dev, gen)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn(b, hq, sq, spec.head_dim_v, device=dev, generator=gen).to(q.dtype)
+    built = []
+    real = AttentionOp._run_block_table
+
+    def counted(self, device, tiles, dims, scalars, tensors):
+        built.append((tiles.block_m, tiles.block_n))
+        return real(self, device, tiles, dims, scalars, tensors)
+
+    monkeypatch.setattr(AttentionOp, "_run_block_table", counted)
+
+    def grads(**kw):
+        q.grad = k.grad = v.grad = None
+        op.attention(q, k, v, deterministic=deterministic, **params, **kw)[0].backward(do)
+        return q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+    per_call = [grads(), grads()]
+    path = "hopper_ordered" if deterministic else "hopper"
+    plan = op.backward._kernels[(torch.cuda.current_device(), path)][0]
+    tiles = table_tiles(plan)
+    assert plan.wgmma and tiles is not None, "not the Hopper backward with a block table"
+    bwd = (tiles.block_m, tiles.block_n)
+    bm = op.block_mask(sq, sk, **params)
+    built.clear()
+    held = [grads(block_mask=bm) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert built == ([] if bwd == (bm.block_m, bm.block_n) else [bwd]), built
+    table = bm.tables[table_key(*bwd)][0]
+    ref = block_table_reference(spec, tiles, batch=b, heads_q=hq, seqlen_q=sq, seqlen_k=sk,
+                                params=params, device=dev)  # fmt: skip
+    assert torch.equal(table, ref)
+    base = per_call[0]
+    for i, (dq, dk, dv) in enumerate(held):
+        assert not any(t.isnan().any() for t in (dq, dk, dv)), i
+        assert torch.equal(dk, base[1]) and torch.equal(dv, base[2]), f"call {i}: dk, dv"
+        if deterministic:
+            assert torch.equal(dq, base[0]), f"call {i}: dq"
+        else:
+            spread = (per_call[1][0].float() - base[0].float()).abs().max().item()
+            err = (dq.float() - base[0].float()).abs().max().item()
+            slack = 2**-7 * base[0].float().abs().max().item()
+            assert err <= 2 * spread + slack, f"call {i}: dq {err:.3e} (spread {spread:.3e})"
+
+
 def _draft_tree(b: int, sq: int, seed: int):
     """``ancestors`` of ``b`` random draft trees of ``sq`` tokens (token i's parent is a
     random earlier token): [b, sq, sq] int32, 1 where j is i or one of its ancestors."""

@@ -311,3 +311,231 @@ def test_block_mask_of_one_spec_serves_its_ops_under_other_options():
 
     with pytest.raises(OpInputError, match="expected one built by an op of spec 'docm2'"):
         build_op(renamed).attention(q, k, v, doc_q=doc, doc_kv=doc, block_mask=bm)
+
+
+# ------------------------------------------------------ the backward's tables a BlockMask holds
+class _Kernel:
+    """A loaded kernel's stand-in: records each launch's name and argument values."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def launch(self, grid, values, stream):
+        self.log.append((self.name, dict(values)))
+
+
+@pytest.fixture
+def fake_cuda_backward(monkeypatch):
+    """The CUDA backward of document_mask on CPU tensors, no GPU: ops built under it (fresh
+    names) run their backward op's CUDA path (:meth:`Backward.cuda`, the sm_90 kernels'
+    plans) with kernels that record their launches; the eager forward is the CPU one
+    (tests/unit/test_eager_wiring.py's ``forced``); every table build (the pre-pass,
+    :meth:`_pre_pass`) is recorded by its tiles and computed by the reference.  Yields
+    ``make(options=None) -> op``, with ``make.launches`` and ``make.pre_passes``."""
+    from flashgen.families import registry
+    from flashgen.ops.prefill import attention as op_mod
+    from flashgen.ops.prefill import backward as bwd_mod
+    from flashgen.ops.prefill.attention import AttentionOp
+    from flashgen.ops.prefill.backward import Backward
+
+    launches, pre_passes = [], []
+
+    def kernels(self, device, atomic_dq=False, path=None, param_grads=(), sink=False):
+        key = (path, tuple(param_grads), sink)
+        if key not in self._kernels:
+            opts, names = self.op.options, tuple(param_grads)
+            if path in ("hopper", "hopper_ordered"):
+                plan = registry.plan_hopper_backward(
+                    self.spec, "sm_90", opts, ordered_dq=path == "hopper_ordered",
+                    param_grads=names, sink=sink,
+                )  # fmt: skip
+            else:
+                plan = registry.plan_backward(self.spec, "sm_90", opts, atomic_dq=path == "atomic",
+                                              param_grads=names, sink=sink)  # fmt: skip
+            self._kernels[key] = (plan, *(_Kernel(n, launches) for n in ("pre", "dkdv", "last")))
+        return self._kernels[key]
+
+    real_pre_pass = AttentionOp._pre_pass
+
+    def pre_pass(self, device, tiles, dims, scalars, tensors):
+        pre_passes.append((tiles.block_m, tiles.block_n))
+        return real_pre_pass(self, device, tiles, dims, scalars, tensors)
+
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table, descales=None, out=None):
+        ordered = [tensors[p.name] for p in self.spec.tensor_params]
+        return self._cpu_impl(q, k, v, scale, *scalars, *ordered, out=out)
+
+    monkeypatch.setattr(Backward, "cpu", Backward.cuda)  # registered by the ops built below
+    monkeypatch.setattr(Backward, "kernels", kernels)
+    monkeypatch.setattr(bwd_mod, "_cuda_call", lambda q: True)
+    monkeypatch.setattr(bwd_mod, "target_for_device", lambda spec, device: "sm_90")
+    monkeypatch.setattr(bwd_mod, "current_stream_ptr", lambda device: 0)
+    monkeypatch.setattr(AttentionOp, "_pre_pass", pre_pass)
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(AttentionOp, "_forward", forward)
+
+    def make(options=None):
+        from flashgen.ops.op import build_op
+
+        make.count += 1
+        name = f"docmask_held_{make.count}_{id(launches):x}"
+        spec = loads_spec(DOC.read_text().replace("name: document_mask", f"name: {name}"), "d")
+        return build_op(spec, options) if options is not None else build_op(spec)
+
+    make.count, make.launches, make.pre_passes = 0, launches, pre_passes
+    return make
+
+
+def _doc_case(b=2, hq=4, hkv=2, s=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, s, 128, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(b, hkv, s, 128, generator=g).bfloat16().requires_grad_() for _ in "kv")
+    doc = docs(b, s, 5, seed=seed)
+    return q, k, v, {"doc_q": doc, "doc_kv": doc}
+
+
+def _fwd_bwd(op, q, k, v, params, **kw):
+    o, lse = op.attention(q, k, v, **params, **kw)
+    o.float().square().sum().backward()
+
+
+def _dkdv_tables(launches):
+    return [vals["blk_tab"] for name, vals in launches if name == "dkdv"]
+
+
+def test_backward_with_a_block_mask_builds_its_table_once(fake_cuda_backward):
+    """GQA at a length no tile divides: three forward+backward calls given one BlockMask run
+    the pre-pass for the backward's tiles once (the first backward), every dK/dV launch reads
+    that same held table (the reference's classes for those tiles); without the BlockMask
+    each backward runs it again, as before."""
+    from flashgen.ops.prefill.backward import table_tiles
+    from flashgen.ops.prefill.blockmask import table_key
+
+    op = fake_cuda_backward()
+    q, k, v, params = _doc_case()
+    bm = op.block_mask(1000, 1000, **params)
+    fwd = (bm.block_m, bm.block_n)
+    for _ in range(3):
+        _fwd_bwd(op, q, k, v, params, block_mask=bm)
+    plan = op.backward._kernels[("hopper", (), False)][0]
+    tiles = table_tiles(plan)
+    bwd = (tiles.block_m, tiles.block_n)
+    assert bwd != fwd
+    assert fake_cuda_backward.pre_passes == [fwd, bwd]
+    held = bm.tables[table_key(*bwd)][0]
+    tabs = _dkdv_tables(fake_cuda_backward.launches)
+    assert len(tabs) == 3 and all(t.data_ptr() == held.data_ptr() for t in tabs)
+    ref = block_table_reference(op.spec, tiles, batch=2, heads_q=4, seqlen_q=1000,
+                                seqlen_k=1000, params=params)  # fmt: skip
+    assert held.shape == (2, 1, 13, 8) and torch.equal(held, ref)
+    assert set(bm.tables) == {table_key(*fwd), table_key(*bwd)}
+    fake_cuda_backward.pre_passes.clear()
+    fake_cuda_backward.launches.clear()
+    for _ in range(2):
+        _fwd_bwd(op, q, k, v, params)
+    assert fake_cuda_backward.pre_passes == [bwd, bwd]
+    tabs = _dkdv_tables(fake_cuda_backward.launches)
+    assert len(tabs) == 2 and all(torch.equal(t, ref) for t in tabs)
+    assert all(t.data_ptr() != held.data_ptr() for t in tabs)
+
+
+def test_backward_tables_are_held_per_tile_geometry(fake_cuda_backward):
+    """One BlockMask serves ops of its spec whose backward kernels classify other tiles (an op
+    under other options: 64 x 128 instead of 80 x 128): a table per tile geometry, each built
+    once and each launch given its own kernel's; a backward whose kernels read no table
+    (``deterministic=True``: the FA2-class ones) builds none."""
+    from flashgen.ops.prefill.blockmask import table_key
+
+    op = fake_cuda_backward()
+    other = op.with_options(op.options.with_values({"hopper_bwd.masked_80": False}))
+    q, k, v, params = _doc_case(s=333)
+    bm = op.block_mask(333, 333, **params)
+    fake_cuda_backward.pre_passes.clear()
+    for o in (op, other, op, other):
+        _fwd_bwd(o, q, k, v, params, block_mask=bm)
+    assert fake_cuda_backward.pre_passes == [(80, 128), (64, 128)]
+    assert set(bm.tables) == {table_key(bm.block_m, bm.block_n), table_key(80, 128),
+                              table_key(64, 128)}  # fmt: skip
+    shapes = [tuple(t.shape) for t in _dkdv_tables(fake_cuda_backward.launches)]
+    assert shapes == [(2, 1, 5, 3), (2, 1, 6, 3)] * 2
+    fake_cuda_backward.launches.clear()
+    _fwd_bwd(op, q, k, v, params, block_mask=bm, deterministic=True)
+    assert fake_cuda_backward.pre_passes == [(80, 128), (64, 128)]
+    dkdv = [vals for name, vals in fake_cuda_backward.launches if name == "dkdv"]
+    assert len(dkdv) == 1 and "blk_tab" not in dkdv[0]
+
+
+def test_backward_of_the_forward_tiles_takes_the_forward_table():
+    """A backward kernel of the forward's tiles builds nothing: the forward's table is held
+    under the same key (tiles and layout)."""
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.ops.prefill.blockmask import TABLE_LAYOUT, table_key
+
+    op = flashgen.load(DOC)
+    doc = docs(2, 100, 3)
+    bm = op.block_mask(100, 100, doc_q=doc, doc_kv=doc)
+    assert table_key(bm.block_m, bm.block_n) == (bm.block_m, bm.block_n, TABLE_LAYOUT)
+    assert bm.held(bm.block_m, bm.block_n, lambda: 1 / 0) == (bm.table, None)
+    arg = op._held_table_arg(bm, TileConfig(bm.block_m, bm.block_n, 4))
+    assert arg.data_ptr() == bm.table.data_ptr() and arg.shape[4:] == (bm.block_m, bm.block_n)
+    assert list(bm.tables) == [table_key(bm.block_m, bm.block_n)]
+
+
+def test_a_mismatched_block_mask_is_refused_before_anything_runs(fake_cuda_backward):
+    """A BlockMask built for other lengths, another batch or other doc-id tensors is refused
+    by the call that gets it, naming the argument with the expected and received values,
+    before the forward runs, any kernel or pre-pass launches, or the mask holds a new table;
+    the backward op refuses a table for other tiles or sizes before its first launch."""
+    from flashgen.ops.prefill.backward import backward_name, table_tiles
+
+    op = fake_cuda_backward()
+    q, k, v, params = _doc_case(s=200)
+    bm = op.block_mask(200, 200, **params)
+    keys = set(bm.tables)
+    fake_cuda_backward.pre_passes.clear()
+    doc = params["doc_q"]
+    cases = [
+        ((q[:, :, :199], k[:, :, :199], v[:, :, :199]),
+         {"doc_q": doc[:, :199], "doc_kv": doc[:, :199]},
+         r"block_mask: expected \(seqlen_q, seqlen_k\) = \(199, 199\) \(q's and k's\), got "
+         r"\(200, 200\)"),
+        ((q[:1], k[:1], v[:1]), {"doc_q": doc[:1], "doc_kv": doc[:1]},
+         r"block_mask: built for batch=2 \(the mask reads b\), but q has batch 1"),
+        ((q, k, v), {"doc_q": doc.clone(), "doc_kv": doc},
+         r"block_mask: built with doc_q = int32 \[2, 200\] at 0x[0-9a-f]+ on cpu, but this "
+         r"call has doc_q = int32 \[2, 200\] at 0x[0-9a-f]+ on cpu"),
+    ]  # fmt: skip
+    for (qq, kk, vv), call_params, msg in cases:
+        with pytest.raises(OpInputError, match=msg):
+            _fwd_bwd(op, qq, kk, vv, call_params, block_mask=bm)
+    assert fake_cuda_backward.pre_passes == [] and fake_cuda_backward.launches == []
+    assert set(bm.tables) == keys and q.grad is None
+    # the backward op itself: a table for the forward's tiles, or for other sizes
+    bwd = getattr(torch.ops.flashgen, backward_name(op.spec))
+    o, lse = op.attention(q.detach(), k.detach(), v.detach(), **params)
+    args = (o, q.detach(), k.detach(), v.detach(), o, lse, None, 0.088, False, doc, doc)
+    tiles = table_tiles(op.backward.kernels(q.device, path="hopper")[0])
+    with pytest.raises(OpInputError, match=rf"block_mask: built for {bm.block_m}x{bm.block_n} "
+                       rf"tiles, but this call runs a kernel with 80x128 tiles"):  # fmt: skip
+        bwd(*args, block_mask=bm.op_arg())
+    small = op.block_mask(100, 200, doc_q=doc[:, :100], doc_kv=doc)
+    with pytest.raises(OpInputError, match=r"block_mask: expected the uint8 table view .* of "
+                       r"shape \[2, 1, 3, 2, 80, 128\] .* got torch.uint8 \[2, 1, 2, 2, 80, "
+                       r"128\]"):  # fmt: skip
+        bwd(*args, block_mask=op._held_table_arg(small, tiles))
+    assert fake_cuda_backward.launches == []
+    assert fake_cuda_backward.pre_passes == [(bm.block_m, bm.block_n), (80, 128)]  # small's
+
+
+def test_backward_schema_takes_a_block_mask_only_for_tensor_masks():
+    from flashgen.ops.prefill.backward import backward_schema, backward_sink_schema
+
+    doc = load_spec(DOC)
+    assert backward_schema(doc).endswith(
+        "*, bool[] param_grads=[], Tensor? block_mask=None) -> (Tensor, Tensor, Tensor, Tensor[])"
+    )
+    text = DOC.read_text().replace("name: document_mask", "name: doc_sink")
+    sinky = loads_spec(text + "sink: 0.0\n", "s.yaml")
+    assert "param_grads=[], Tensor? block_mask=None) -> (" in backward_sink_schema(sinky)
+    alibi = load_spec(REPO / "specs" / "alibi.yaml")
+    assert "block_mask" not in backward_schema(alibi)

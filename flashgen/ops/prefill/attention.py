@@ -278,8 +278,11 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
         ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
         masking): a :class:`~flashgen.ops.prefill.blockmask.BlockMask` from :meth:`block_mask`
-        for these sequence lengths and the same param values, reused across calls; without it the
-        CUDA op runs the block-table pre-pass on every call.  The CPU op ignores it.
+        for these sequence lengths and the same param values (the same tensors for the
+        tensor params its mask reads), reused across calls; without it the CUDA op runs the
+        block-table pre-pass on every call.  The backward of such a call takes the table the
+        BlockMask holds for the backward kernel's tiles, built on its first backward
+        (:meth:`_held_table_arg`).  The CPU op ignores it.
 
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
         [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).
@@ -482,14 +485,14 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             raise OpInputError(f"deterministic: expected a bool, got {deterministic!r}")
         table = None
         if block_mask is not None:
-            table = self._block_mask_table(block_mask, q, dims, scalars)
+            table = self._block_mask_table(block_mask, q, dims, scalars, tensor_map)
         if out is not None:
             check_out(self.spec, out, q, dims, {"q": q, "k": k, "v": v, **tensor_map})
         if scalar_grads:  # a float in the schema: autograd of the op cannot see it
             extra = [table] if self._block_table else []
             o, lse = ScalarParamGrad.apply(
                 self, (q, k, v, softmax_scale, *scalars, *tensors, *extra), deterministic,
-                tuple(scalar_grads), q, k, v, *tensors, *scalar_grads.values(),
+                tuple(scalar_grads), block_mask, q, k, v, *tensors, *scalar_grads.values(),
             )  # fmt: skip
             return (o, lse) if out is None else (out.copy_(o), lse)
         if join_sink:  # plain eager CUDA (_fuses_sink): the kernel joins the sink
@@ -500,8 +503,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
                 return self._forward(q, k, v, dims, softmax_scale, scalars, tensor_map, table,
                                      descales, out=out, sink=sink)  # fmt: skip
             return FusedSinkAttention.apply(
-                self, dims, softmax_scale, scalars, table, deterministic, (out,), q, k, v, sink,
-                *tensors,
+                self, dims, softmax_scale, scalars, block_mask, deterministic, (out,), q, k, v,
+                sink, *tensors,
             )  # fmt: skip
         if _eager_cuda(q, k, v):
             param_grad = any(t.requires_grad for t in tensors)  # the op path's autograd
@@ -513,8 +516,8 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
                 )
             if not param_grad and descales is None:  # fp8 ops: the op path says no backward
                 return _EagerAttention.apply(
-                    self, dims, softmax_scale, scalars, tensors, table, deterministic, (out,),
-                    q, k, v,
+                    self, dims, softmax_scale, scalars, tensors, block_mask, deterministic,
+                    (out,), q, k, v,
                 )  # fmt: skip
         extra = [table] if self._block_table else []
         args = (q, k, v, softmax_scale, *(descales or ()), *scalars, *tensors, *extra)
@@ -753,12 +756,15 @@ class _EagerAttention(torch.autograd.Function):
     """Autograd node of the eager fast path: the forward launches :meth:`AttentionOp._forward`
     directly, the backward is the op's registered one
     (:class:`flashgen.ops.prefill.backward.Backward`), so gradients match the
-    ``torch.ops.flashgen.<name>`` path exactly."""
+    ``torch.ops.flashgen.<name>`` path exactly.  ``block_mask``: the call's checked
+    :class:`~flashgen.ops.prefill.blockmask.BlockMask` or None; the backward takes the table
+    it holds for the backward's tiles (``ctx.block_mask``)."""
 
     @staticmethod
-    def forward(ctx, op, dims, softmax_scale, scalars, tensors, table, deterministic, out, q, k,
-                v):  # fmt: skip
+    def forward(ctx, op, dims, softmax_scale, scalars, tensors, block_mask, deterministic, out,
+                q, k, v):  # fmt: skip
         # out: (o's tensor or None,), out of autograd's sight: o is that tensor, not an alias
+        table = None if block_mask is None else block_mask.op_arg()
         o, lse = op._forward(
             q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors), table, out=out[0]
         )
@@ -766,6 +772,7 @@ class _EagerAttention(torch.autograd.Function):
         # what the op path's autograd saves, from the same function and the schema's inputs
         inputs = (q, k, v, softmax_scale, *scalars, *tensors, *([table] if op._block_table else []))
         op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
+        ctx.block_mask = block_mask
         return o, lse
 
     @staticmethod
@@ -781,11 +788,13 @@ class ScalarParamGrad(torch.autograd.Function):
     with the flags of those scalars and of the tensor params that require grad."""
 
     @staticmethod
-    def forward(ctx, op, inputs, deterministic, scalar_names, q, k, v, *tensors):
+    def forward(ctx, op, inputs, deterministic, scalar_names, block_mask, q, k, v, *tensors):
         # inputs: the operator's positional arguments; tensors: its tensor params, then the
-        # 0-d tensors of ``scalar_names`` (tracked here only for their gradients)
+        # 0-d tensors of ``scalar_names`` (tracked here only for their gradients); block_mask:
+        # the call's checked BlockMask or None (its table for the backward's tiles)
         o, lse = op.torch_op(*inputs, deterministic=deterministic)
         op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
+        ctx.block_mask = block_mask
         from flashgen.ops.prefill.backward import param_grad_flags
 
         n_t = len(op.spec.tensor_params)
@@ -808,4 +817,4 @@ class ScalarParamGrad(torch.autograd.Function):
             for n, dt, dev in zip(ctx.scalar_names, ctx.scalar_dtypes, ctx.scalar_devices,
                                   strict=True)  # fmt: skip
         ]
-        return (None, None, None, None, dq, dk, dv, *tensor_grads, *scalar_grads)
+        return (None, None, None, None, None, dq, dk, dv, *tensor_grads, *scalar_grads)

@@ -1,9 +1,10 @@
 """The block-mask methods of :class:`~flashgen.ops.prefill.attention.AttentionOp`, for specs whose
 mask reads tensor params (document masking and the like): building a reusable block table
 (``op.block_mask``, FlexAttention's ``create_block_mask``), checking a ``block_mask=``
-argument against a call, the CUDA block-table pre-pass and its kernel, and the forward
-launch's ``blk_tab / blk_sb / blk_sh`` values.  The table itself, its reference and its
-tile checks are :mod:`flashgen.ops.prefill.blockmask`'s.
+argument against a call, the CUDA block-table pre-pass and its kernel, the tables a
+``BlockMask`` holds for the backward's tiles, and the launches' ``blk_tab / blk_sb /
+blk_sh`` values.  The table itself, its reference and its tile checks are
+:mod:`flashgen.ops.prefill.blockmask`'s.
 
 :class:`BlockMaskMethods` is a mixin of :class:`~flashgen.ops.prefill.attention.AttentionOp`: it
 reads the op's ``spec``, ``options``, ``base_name``, ``_kernels`` / ``_kernel_lock`` (the
@@ -16,6 +17,7 @@ import torch
 
 from flashgen.codegen.abi import needs_block_table
 from flashgen.families import registry
+from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.calls import _mask_reads, current_stream_ptr, kernel_values
 from flashgen.ops.validation import (
@@ -49,12 +51,15 @@ class BlockMaskMethods:
         (they only matter where the mask reads ``b`` / ``h``).  ``device`` defaults to the
         tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
         table for the forward kernel's tiles; on CPU the brute-force reference builds it.
+        The mask holds the params it was built from (the tensors themselves, not copies): a
+        call must pass the same tensors, and a backward whose kernel classifies other tiles
+        builds its table from them once and keeps it in the mask (:meth:`_held_table_arg`).
 
         Returns a :class:`~flashgen.ops.prefill.blockmask.BlockMask`.  Raises :class:`OpInputError`
         if the spec's mask reads no tensor param, or for bad sizes or params.
         """
         from flashgen.codegen.abi import block_table_dims
-        from flashgen.ops.prefill.blockmask import BlockMask, block_table_reference
+        from flashgen.ops.prefill.blockmask import BlockMask, TableInputs
 
         self._check_live()
         if not needs_block_table(self.spec):
@@ -88,16 +93,10 @@ class BlockMaskMethods:
         values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         per_b, per_h = block_table_dims(self.spec)
         if device.type == "cuda":
-            kern = self.kernel(device)
-            tiles = kern.plan.tiles
-            table = self._run_block_table(device, tiles, dims, scalars, tmap)
+            tiles = self.kernel(device).plan.tiles
         else:
             tiles = registry.choose_tiles(self.spec, "sm_80", None, self.options)
-            table = block_table_reference(
-                self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k, params={**values, **tmap}, device=device,
-                heads_kv=dims.heads_kv,
-            )  # fmt: skip
+        table = self._pre_pass(device, tiles, dims, scalars, tmap)
         used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
         return BlockMask(
             spec_name=self.base_name,  # any op of this spec may take it: the tiles must fit
@@ -110,10 +109,71 @@ class BlockMaskMethods:
             seqlen_k=seqlen_k,
             scalars={n: v for n, v in values.items() if n in used},
             heads_kv=dims.heads_kv if _mask_reads(self.spec, "h_kv") else None,
+            inputs=TableInputs(dims, tuple(scalars), dict(tmap)),
         )
 
-    def _block_mask_table(self, bm, q, dims: Dims, scalars):
-        """The table tensor of ``bm`` after checking it fits this call (metadata only)."""
+    def _pre_pass(self, device, tiles, dims: Dims, scalars, tensors: dict):
+        """The uint8 block table for ``tiles``
+        (:func:`~flashgen.families.blocktable.block_table_shape`): on a CUDA device the
+        generated pre-pass (:meth:`_run_block_table`, current stream), elsewhere the
+        brute-force reference (:func:`~flashgen.ops.prefill.blockmask.block_table_reference`).
+        The one place a table is built: ``op.block_mask``'s, a call's without ``block_mask``
+        and the tables a :class:`~flashgen.ops.prefill.blockmask.BlockMask` holds."""
+        if device.type == "cuda":
+            return self._run_block_table(device, tiles, dims, scalars, tensors)
+        from flashgen.ops.prefill.blockmask import block_table_reference
+
+        values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
+        return block_table_reference(
+            self.spec, tiles, batch=dims.batch, heads_q=dims.heads_q, seqlen_q=dims.seqlen_q,
+            seqlen_k=dims.seqlen_k, params={**values, **tensors}, device=device,
+            heads_kv=dims.heads_kv,
+        )  # fmt: skip
+
+    def _held_table_arg(self, bm, tiles):
+        """The ``block_mask`` argument (:func:`~flashgen.ops.prefill.blockmask.table_arg`) of a
+        kernel of ``tiles`` from the tables ``bm`` holds: the one for those tiles, built on
+        first use by :meth:`_pre_pass` from the params ``bm`` was built with and held from
+        then on (:meth:`BlockMask.held <flashgen.ops.prefill.blockmask.BlockMask.held>`).  A
+        table built on one stream is waited for by a call on another (the fence of its
+        build).  None where ``bm`` cannot give one: built without its inputs, or, while this
+        call is captured into a CUDA graph, a table not yet held (a build in the capture
+        would exist only in the graph's replays) or one built on another stream (no wait on
+        it can be captured); the launch then runs the pre-pass itself, as without
+        ``block_mask``."""
+        from flashgen.ops.prefill.blockmask import table_arg, table_key
+
+        device = bm.table.device
+        cuda = device.type == "cuda"
+        if bm.inputs is None:
+            return None
+        if cuda and torch.cuda.is_current_stream_capturing():
+            table, fence = bm.tables.get(table_key(tiles.block_m, tiles.block_n), (None, None))
+            if table is None or (fence is not None and fence[0] != current_stream_ptr(device)):
+                return None
+            return table_arg(table, tiles.block_m, tiles.block_n)
+
+        def build():
+            src = bm.inputs
+            table = self._pre_pass(device, tiles, src.dims, list(src.scalars), src.tensors)
+            if not cuda:
+                return table, None
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            return table, (current_stream_ptr(device), event)
+
+        table, fence = bm.held(tiles.block_m, tiles.block_n, build)
+        if fence is not None and fence[0] != current_stream_ptr(device):
+            torch.cuda.current_stream(device).wait_event(fence[1])
+        return table_arg(table, tiles.block_m, tiles.block_n)
+
+    def _block_mask_table(self, bm, q, dims: Dims, scalars, tensors: dict | None = None):
+        """The table tensor of ``bm`` after checking it fits this call (metadata only): the
+        spec, the sizes its table's axes depend on, the scalar params its mask reads, the
+        device and, for a mask built with its inputs, the tensor params its mask reads
+        (``tensors`` by name: the same tensors, by storage, shape and strides; contents are
+        never read)."""
+        from flashgen.codegen.abi import block_table_dims
         from flashgen.ops.prefill.blockmask import BlockMask
 
         if not needs_block_table(self.spec):
@@ -136,6 +196,17 @@ class BlockMaskMethods:
                 f"block_mask: expected (seqlen_q, seqlen_k) = {want} (q's and k's), got "
                 f"({bm.seqlen_q}, {bm.seqlen_k}); build one per problem size"
             )
+        per_b, per_h = block_table_dims(self.spec)
+        if per_b and bm.batch != dims.batch:
+            raise OpInputError(
+                f"block_mask: built for batch={bm.batch} (the mask reads b), but q has batch "
+                f"{dims.batch}; build one per batch size"
+            )
+        if per_h and bm.heads_q != dims.heads_q:
+            raise OpInputError(
+                f"block_mask: built for num_heads={bm.heads_q} (the mask reads h), but q has "
+                f"{dims.heads_q} heads; build one per head count"
+            )
         if bm.heads_kv is not None and bm.heads_kv != dims.heads_kv:
             raise OpInputError(
                 f"block_mask: built for num_heads_kv={bm.heads_kv} (the mask reads h_kv), but "
@@ -152,6 +223,16 @@ class BlockMaskMethods:
             raise OpInputError(
                 f"block_mask: expected device {q.device} (q's device), got {bm.table.device}"
             )
+        if bm.inputs is not None and tensors is not None and not torch.compiler.is_compiling():
+            for name in _mask_tensor_params(self.spec):
+                built, got = bm.inputs.tensors.get(name), tensors.get(name)
+                if not _same_tensor(built, got):
+                    raise OpInputError(
+                        f"block_mask: built with {name} = {_describe(built)}, but this call has "
+                        f"{name} = {_describe(got)}; its tables hold only for the tensors it "
+                        f"was built with (their contents are not compared: that needs a device "
+                        f"sync), so pass those or build it again with op.block_mask(...)"
+                    )
         return bm.op_arg()  # carries its tiles: the CUDA impl checks them against its kernel's
 
     def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
@@ -193,9 +274,10 @@ class BlockMaskMethods:
     def _table_values(self, arg, tiles, dims: Dims, scalars, tensors: dict, device) -> dict:
         """``blk_tab / blk_sb / blk_sh`` for a launch whose kernel runs ``tiles`` (the forward's,
         or the Hopper backward's under ``hopper_bwd.tensor_masks``): the table of the
-        ``block_mask`` argument ``arg`` (refused unless built for those tiles, see
-        :func:`flashgen.ops.prefill.blockmask.table_for_tiles`) or, when None, a fresh one from the
-        pre-pass for those tiles."""
+        ``block_mask`` argument ``arg`` (a ``BlockMask``'s forward table or one it holds for
+        the backward's tiles; refused unless built for those tiles and this call's sizes, see
+        :func:`flashgen.ops.prefill.blockmask.table_for_tiles`) or, when None, a fresh one from
+        the pre-pass for those tiles (:meth:`_pre_pass`)."""
         from flashgen.families.blocktable import block_table_shape
         from flashgen.ops.prefill.blockmask import table_for_tiles, table_strides
 
@@ -203,8 +285,37 @@ class BlockMaskMethods:
             self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
         )
         if arg is None:
-            table = self._run_block_table(device, tiles, dims, scalars, tensors)
+            table = self._pre_pass(device, tiles, dims, scalars, tensors)
         else:
             table = table_for_tiles(arg, shape, tiles)
         sb, sh = table_strides(self.spec, table)
         return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
+
+
+def _mask_tensor_params(spec) -> list[str]:
+    """The tensor params ``spec``'s mask reads (spec order): what its block table depends on."""
+    read = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Index)} if spec.mask else set()
+    return [p.name for p in spec.tensor_params if p.name in read]
+
+
+def _same_tensor(a, b) -> bool:
+    """Whether ``a`` and ``b`` are the same tensor's elements: one object, or views of one
+    storage at the same address with the same shape, strides, dtype and device (no sync)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"{dtype} {list(t.shape)} at {t.data_ptr():#x} on {t.device}"

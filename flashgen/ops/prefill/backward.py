@@ -40,6 +40,16 @@ in ``torch.library.opcheck`` (a thread-local or context variable would not be tr
 The forward op's ``register_autograd`` calls it.  A gradient of ``lse`` folds into the row
 term: dS = P * (dP - (dsum - dlse)).
 
+Block tables: a spec whose mask reads tensors has a keyword-only ``Tensor? block_mask=None``
+in both backward schemas (:data:`BLOCK_MASK_ARG`), the block table for the dK/dV kernel's
+own tiles (the Hopper backward under ``hopper_bwd.tensor_masks``; the FA2-class kernels read
+none and ignore it) as the tile-carrying view the forward takes, checked the same way
+(:func:`flashgen.ops.prefill.blockmask.table_for_tiles`) before anything is allocated or
+launched.  When the forward got ``block_mask=bm``, its autograd node keeps ``bm``
+(``ctx.block_mask``) and :meth:`Backward.held_table` passes the table ``bm`` holds for those
+tiles, built by the pre-pass on the first backward and held from then on; without one, the
+CUDA backward runs the pre-pass for its tiles in every call.
+
 Param gradients: the backward op's keyword-only ``bool[] param_grads`` (one flag per spec
 param, spec order; empty: none) asks for ``dparam[idx] = sum over (b, h, q_idx, kv_idx) of
 dS * d score_mod / d param[idx]`` (:func:`flashgen.analysis.derive.param_grad_terms`); the
@@ -131,12 +141,27 @@ def backward_name(spec: Spec) -> str:
 #: gradients (module docstring).
 BACKWARD_TAIL = "*, bool[] param_grads=[]) -> (Tensor, Tensor, Tensor, Tensor[])"
 
+#: The keyword-only argument of the backward ops of a spec whose mask reads tensors: the
+#: table a ``BlockMask`` holds for the dK/dV kernel's tiles, as the tile-carrying view of
+#: :func:`flashgen.ops.prefill.blockmask.table_arg` (None: the pre-pass runs in the call).
+BLOCK_MASK_ARG = "Tensor? block_mask=None"
+
+
+def _tail(spec: Spec, tail: str) -> str:
+    """``tail`` (:data:`BACKWARD_TAIL`, :data:`BACKWARD_SINK_TAIL`) with :data:`BLOCK_MASK_ARG`
+    where ``spec``'s mask reads tensors."""
+    if not needs_block_table(spec):
+        return tail
+    return tail.replace("param_grads=[])", f"param_grads=[], {BLOCK_MASK_ARG})", 1)
+
 
 def backward_schema(spec: Spec) -> str:
     """Schema of the backward op, e.g. ``alibi__backward(Tensor dout, ..., float
     softmax_scale, bool deterministic, Tensor slopes, *, bool[] param_grads=[]) -> (Tensor,
-    Tensor, Tensor, Tensor[])``."""
-    return f"{backward_name(spec)}({', '.join(_schema_args(spec, 'Tensor? dlse'))}, {BACKWARD_TAIL}"
+    Tensor, Tensor, Tensor[])``; a spec whose mask reads tensors has ``Tensor? block_mask=None``
+    after ``param_grads`` (:data:`BLOCK_MASK_ARG`)."""
+    args = ", ".join(_schema_args(spec, "Tensor? dlse"))
+    return f"{backward_name(spec)}({args}, {_tail(spec, BACKWARD_TAIL)}"
 
 
 def _schema_args(spec: Spec, row_grad: str) -> list[str]:
@@ -164,7 +189,7 @@ def backward_sink_schema(spec: Spec) -> str:
     arguments with ``Tensor sink`` (float32 [B, Hq] logits) in place of ``dlse``, and d sink
     (float32 [B, Hq]; float64 from the CPU op's float64 inputs) last."""
     args = ", ".join(_schema_args(spec, "Tensor sink"))
-    return f"{backward_sink_name(spec)}({args}, {BACKWARD_SINK_TAIL}"
+    return f"{backward_sink_name(spec)}({args}, {_tail(spec, BACKWARD_SINK_TAIL)}"
 
 
 def _grads_like(q, k, v, fill_zero: bool):
@@ -252,22 +277,24 @@ def tensor_param_grads(spec: Spec, tensors) -> list[bool]:
     return param_grad_flags(spec, req)
 
 
-def run_backward_op(spec: Spec, bwd, args: tuple, param_grads, tensors) -> tuple:
+def run_backward_op(spec: Spec, bwd, args: tuple, param_grads, tensors, table=None) -> tuple:
     """``(dq, dk, dv, {param: gradient}, *rest)`` from one call of the backward op ``bwd`` on
     ``args`` (``param_grads``: the flags of :func:`param_grad_flags`, empty: no dparam unit;
     ``tensors``: the call's tensor params in spec order; ``rest``: the op's outputs after
-    the param gradients, none for the backward op, d sink for its sink form).  Under
+    the param gradients, none for the backward op, d sink for its sink form; ``table``: its
+    ``block_mask`` argument, :meth:`Backward.held_table`, or None).  Under
     ``create_graph=True`` (grad mode on in a backward) the gradients come out
     differentiable, and differentiating them
     raises ``NotImplementedError`` (:class:`NoDoubleBackward`): there are no double-backward
     kernels, and torch's fallback would return zeros silently."""
     graph = torch.is_grad_enabled()
+    kw = {} if table is None else {"block_mask": table}
     with torch.no_grad() if graph else contextlib.nullcontext():
         if not param_grads:
-            dq, dk, dv, _, *rest = bwd(*args)
+            dq, dk, dv, _, *rest = bwd(*args, **kw)
             dparams = {}
         else:
-            dq, dk, dv, raw, *rest = bwd(*args, param_grads=param_grads)
+            dq, dk, dv, raw, *rest = bwd(*args, param_grads=param_grads, **kw)
             named = {p.name: t for p, t in zip(spec.tensor_params, tensors, strict=True)}
             dparams = param_grad_outputs(spec, param_grads, raw, named)
     if not graph:
@@ -282,6 +309,20 @@ def run_backward_op(spec: Spec, bwd, args: tuple, param_grads, tensors) -> tuple
     n = 3 + len(names)
     return (outs[0], outs[1], outs[2], dict(zip(names, outs[3:n], strict=True)),
             *outs[n:])  # fmt: skip
+
+
+def table_tiles(plan) -> TileConfig | None:
+    """The tiles a backward ``plan``'s dK/dV kernel reads a block table for (its BLOCK_M x
+    BLOCK_N: ``hopper_bwd.tensor_masks``), or None where it reads none."""
+    ctx = plan.dkdv.context
+    if not ctx.get("block_table"):
+        return None
+    return TileConfig(ctx["block_m"], ctx["block_n"], plan.dkdv.tiles.num_warps)
+
+
+def _cuda_call(q) -> bool:
+    """Whether a backward of ``q`` runs the CUDA kernels (the only ones that read a table)."""
+    return q.is_cuda
 
 
 class NoDoubleBackward(torch.autograd.Function):
@@ -330,7 +371,7 @@ class Backward:
 
     # ------------------------------------------------------------------ op impls
     def fake(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
-             param_grads=()):  # fmt: skip
+             param_grads=(), block_mask=None):  # fmt: skip
         scalars, tensors = self.op._split(rest)
         return (*_grads_like(q, k, v, fill_zero=False),
                 self._empty_param_grads(param_grads, tensors, q))  # fmt: skip
@@ -345,14 +386,14 @@ class Backward:
         ]  # fmt: skip
 
     def fake_sink(self, dout, q, k, v, o, lse, sink, softmax_scale, deterministic, *rest,
-                  param_grads=()):  # fmt: skip
+                  param_grads=(), block_mask=None):  # fmt: skip
         dq, dk, dv, dparams = self.fake(dout, q, k, v, o, lse, None, softmax_scale,
                                         deterministic, *rest, param_grads=param_grads)  # fmt: skip
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         return dq, dk, dv, dparams, torch.empty(tuple(lse.shape[:2]), dtype=dt, device=q.device)
 
     def cpu_sink(self, dout, q, k, v, o, lse, sink, softmax_scale, deterministic, *rest,
-                 param_grads=()):  # fmt: skip
+                 param_grads=(), block_mask=None):  # fmt: skip
         """The sink form on the CPU (module docstring): the sink's math in torch
         (:func:`flashgen.ops.sink.keys_backward_inputs`: P against ``logaddexp(lse, sink)``,
         d sink from ``rowsum(dO * O)``) around :meth:`cpu`; d sink ``[B, Hq]`` in lse's dtype
@@ -369,12 +410,13 @@ class Backward:
         return dq, dk, dv, dparams, d_rows.squeeze(-1).to(lse.dtype)
 
     def cpu(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
-            param_grads=()):  # fmt: skip
+            param_grads=(), block_mask=None):  # fmt: skip
         """The blocked CPU backward (:mod:`flashgen.ops.cpu.attention`: each query chunk's
         forward recomputed under autograd, P taken against the saved ``lse`` and the row
         term from the saved ``o``, as the kernels do); dq, dk, dv in the input dtype (the
         same for either ``deterministic``) and the requested param gradients (float32,
-        float64 for float64 inputs)."""
+        float64 for float64 inputs).  ``block_mask`` is ignored (the mask is evaluated per
+        pair), as by the CPU forward."""
         from flashgen.ops.cpu.attention import attention_blocked_backward, cpu_params
 
         scalars, tensors = self.op._split(rest)
@@ -388,19 +430,24 @@ class Backward:
         return dq, dk, dv, [dparams[n] for n in names]
 
     def cuda(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, *rest,
-             param_grads=()):  # fmt: skip
+             param_grads=(), block_mask=None):  # fmt: skip
         """The backward kernels on the current stream of q's device: (pre, dkdv, dq), or
         (pre, dkdv with atomic dQ, convert) on the atomic and Hopper paths
         (:func:`backward_path`).
 
         dout [B, Hq, Sq, Dv], o like dout, lse / dlse float32 [B, Hq, Sq]; returns dq, dk,
         dv shaped and typed like q, k, v (contiguous).  The atomic path also allocates an
-        fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset)."""
+        fp32 [B, Hq, Sq, D] buffer (zeroed by the pre kernel, not by a memset).
+        ``block_mask`` (a spec whose mask reads tensors): the block table for the dK/dV
+        kernel's tiles (:meth:`held_table`), refused (:class:`OpInputError` naming it) before
+        anything is allocated or launched unless built for those tiles and this call's sizes;
+        None: a dK/dV kernel that reads a table gets one from the pre-pass, run in this call;
+        a kernel that reads none ignores it."""
         return self._launch(dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, rest,
-                            param_grads)[:4]  # fmt: skip
+                            param_grads, table=block_mask)[:4]  # fmt: skip
 
     def cuda_sink(self, dout, q, k, v, o, lse, sink, softmax_scale, deterministic, *rest,
-                  param_grads=()):  # fmt: skip
+                  param_grads=(), block_mask=None):  # fmt: skip
         """The sink form (module docstring) on the current stream of q's device: the units'
         sink form (:func:`flashgen.families.bwd_common.backward_abi`), launched as
         :meth:`cuda`'s.  ``o`` the fused forward's (the sink joined), ``lse`` its keys' alone
@@ -410,12 +457,12 @@ class Backward:
         (``deterministic=False``: atomic adds) or [B, Hq, Sq] (summed by ``torch.sum``).
         ``OpInputError`` naming ``sink`` for another dtype or shape."""
         return self._launch(dout, q, k, v, o, lse, None, softmax_scale, deterministic, rest,
-                            param_grads, sink=sink)  # fmt: skip
+                            param_grads, sink=sink, table=block_mask)  # fmt: skip
 
     def _launch(self, dout, q, k, v, o, lse, dlse, softmax_scale, deterministic, rest,
-                param_grads, sink=None) -> tuple:  # fmt: skip
+                param_grads, sink=None, table=None) -> tuple:  # fmt: skip
         """:meth:`cuda` (``sink`` None) or :meth:`cuda_sink`: ``(dq, dk, dv, dparams,
-        dsink)``, dsink None without ``sink``."""
+        dsink)``, dsink None without ``sink``; ``table``: their ``block_mask`` argument."""
         scalars, tensors = self.op._split(rest)
         dims = validate(self.spec, q, k, v, tensors)
         names = wanted(self.spec, param_grads)
@@ -431,11 +478,12 @@ class Backward:
             return (*_grads_like(q, k, v, fill_zero=True),
                     [torch.zeros(shapes[n], dtype=torch.float32, device=q.device)
                      for n in names], dsink)  # fmt: skip
-        target = target_for_device(self.spec, q.device)
-        path = self.path(target, deterministic, names)
-        plan, pre, dkdv, last = self.kernels(
-            q.device, path=path, param_grads=names, sink=sink is not None
-        )
+        plan, pre, dkdv, last = self._kernels_for(q.device, deterministic, names, sink is not None)
+        tiles = table_tiles(plan)
+        table_values = {}
+        if tiles is not None:  # hopper_bwd.tensor_masks: the tile classes of the dK/dV kernel's
+            # tiles (not the forward's): the held table, checked first, or the pre-pass's
+            table_values = self.op._table_values(table, tiles, dims, scalars, tensors, q.device)
         atomic = plan.atomic_dq  # a "hopper" path whose kernels spill built the FA2-class ones
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
@@ -465,11 +513,7 @@ class Backward:
              "dk": dk, "dv": dv, "dq_accum": dq_accum, "dq_sem": dq_sem, "dq_hull": dq_hull},
             dims, softmax_scale, scalars, tensors,
         )  # fmt: skip
-        if plan.dkdv.context.get("block_table"):  # hopper_bwd.tensor_masks: the tile classes,
-            # from the pre-pass run for the dK/dV kernel's tiles (not the forward's)
-            ctx = plan.dkdv.context
-            tiles = TileConfig(ctx["block_m"], ctx["block_n"], plan.dkdv.tiles.num_warps)
-            values.update(self.op._table_values(None, tiles, dims, scalars, tensors, q.device))
+        values.update(table_values)
         grids = plan.grids(dims.batch, dims.heads_q, dims.heads_kv, dims.seqlen_q, dims.seqlen_k)
         finish = None
         if names:  # the dK/dV kernel's CTAs, one row each under deterministic=True
@@ -507,6 +551,35 @@ class Backward:
                 self.spec, target, deterministic, self.op.options, key[2]
             )
         return hit
+
+    def _kernels_for(
+        self, device: torch.device, deterministic: bool, names: tuple, sink: bool
+    ) -> tuple:
+        """:meth:`kernels` of a call on ``device`` (:func:`backward_path` of its
+        ``deterministic`` and param gradients ``names``; ``sink``: the sink form): what
+        :meth:`_launch` runs and :meth:`held_table` builds a table for."""
+        target = target_for_device(self.spec, device)
+        path = self.path(target, deterministic, names)
+        return self.kernels(device, path=path, param_grads=names, sink=sink)
+
+    def held_table(self, block_mask, q, deterministic: bool, param_grads=(), sink: bool = False):
+        """The ``block_mask`` argument of a backward op call on ``q``'s device whose forward
+        was given ``block_mask`` (a checked :class:`~flashgen.ops.prefill.blockmask.BlockMask`,
+        or None): the table it holds for the tiles of the dK/dV kernel that call runs
+        (``deterministic``, ``param_grads``: the op's flags, ``sink``: its sink form), built by
+        the pre-pass on the first such call (:meth:`AttentionOp._held_table_arg
+        <flashgen.ops.prefill.attention_blockmask.BlockMaskMethods._held_table_arg>`).  None
+        (the call runs the pre-pass itself, if its kernel reads a table) without
+        ``block_mask``, for a kernel that reads no table, off CUDA (:func:`_cuda_call`: the CPU
+        backward reads none) and under ``torch.compile`` tracing."""
+        if (
+            block_mask is None or not _cuda_call(q) or q.numel() == 0
+            or torch.compiler.is_compiling()
+        ):  # fmt: skip
+            return None
+        names = wanted(self.spec, param_grads)
+        tiles = table_tiles(self._kernels_for(q.device, deterministic, names, sink)[0])
+        return None if tiles is None else self.op._held_table_arg(block_mask, tiles)
 
     def kernels(self, device: torch.device, atomic_dq: bool = False, path: str | None = None,
                 param_grads: tuple[str, ...] = (), sink: bool = False):  # fmt: skip
@@ -585,7 +658,9 @@ class Backward:
         bwd = getattr(torch.ops.flashgen, backward_name(self.spec))
         args = (grad_o, q, k, v, o, lse, grad_lse, ctx.softmax_scale, ctx.deterministic,
                 *ctx.scalars, *tensors)  # fmt: skip
-        return run_backward_op(self.spec, bwd, args, ctx.param_grads, tensors)
+        table = self.held_table(getattr(ctx, "block_mask", None), q, ctx.deterministic,
+                                ctx.param_grads)  # fmt: skip
+        return run_backward_op(self.spec, bwd, args, ctx.param_grads, tensors, table)
 
     def backward(self, ctx, grad_o, grad_lse):
         dq, dk, dv, dparams = self.grads(ctx, grad_o, grad_lse)

@@ -22,10 +22,20 @@ contents do not change (the op cannot check contents without a device sync); wit
 tiles it was built for (the kernel that ``op.block_mask`` found: the Hopper kernel's
 on sm_90, the FA2-class kernel's for an op bound to ``Options(family="fa2")``); an op refuses
 it with a kernel of other tiles (:func:`table_for_tiles`).
+
+A :class:`BlockMask` also holds the tables of other tiles that a call needs, FlexAttention's
+BlockMask holding both the forward's and the backward's: the Hopper backward classifies its
+own BLOCK_M x BLOCK_N tiles (not the forward's), so the first backward of a call given
+``block_mask=bm`` builds that table once, from the tensor and scalar params ``bm`` was built
+with (:class:`TableInputs`), and ``bm`` keeps it under :func:`table_key` (the tiles and the
+table's layout) for every later backward of any op of the spec whose backward runs those
+tiles (:meth:`BlockMask.held`).  The forward's table is held under its own key, so a
+backward of the forward's tiles builds nothing.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +49,37 @@ from flashgen.ops.cpu.reference import eval_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
+#: The layout of every block table the kernels read: uint8 ``[tab_b, tab_h, m_blocks,
+#: n_blocks]``, contiguous, a row per query block (the forward's walk and the Hopper
+#: backward's ``fg::table_class`` / ``fg::table_hull_lane`` index it so).  Part of
+#: :func:`table_key`, so a table of another layout would never be taken for one of this.
+TABLE_LAYOUT = "b,h,m,n"
+
+
+def table_key(block_m: int, block_n: int) -> tuple[int, int, str]:
+    """The key a :class:`BlockMask` holds a table under: the ``block_m`` x ``block_n`` tiles
+    it classifies and :data:`TABLE_LAYOUT`."""
+    return (block_m, block_n, TABLE_LAYOUT)
+
+
+def table_arg(table: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """``table`` as an op's ``block_mask`` argument: a broadcast view (no copy) ``[tab_b, tab_h,
+    m_blocks, n_blocks, block_m, block_n]`` with zero strides on the last two axes, so the
+    tiles it classifies travel with it into the CUDA impl, which refuses a table built for
+    other tiles than its kernel's (see :func:`table_for_tiles`)."""
+    return table[..., None, None].expand(*table.shape, block_m, block_n)
+
+
+@dataclass(frozen=True)
+class TableInputs:
+    """What a :class:`BlockMask`'s tables are built from: the problem sizes (a
+    :class:`~flashgen.ops.validation.Dims`), the scalar params' values in spec order and the
+    tensor params by name, as ``op.block_mask`` got them (the tensors are held, not copied)."""
+
+    dims: object
+    scalars: tuple
+    tensors: dict
+
 
 @dataclass(frozen=True)
 class BlockMask:
@@ -49,6 +90,10 @@ class BlockMask:
     ``scalars``: the values of the scalar params the mask was evaluated with (the op
     refuses a call with different ones); ``heads_kv``: the KV heads it was built for when
     the mask reads ``h_kv`` (the op refuses a call with another count), else None.
+    ``inputs``: what its tables are built from (:class:`TableInputs`; None: it holds the
+    forward's table only and a backward builds its own per call); ``tables``: the tables
+    it holds by :func:`table_key`, the forward's first, each with the fence of its build or
+    None (:meth:`held`).
     """
 
     spec_name: str
@@ -61,17 +106,37 @@ class BlockMask:
     seqlen_k: int
     scalars: dict = field(default_factory=dict)
     heads_kv: int | None = None
+    inputs: TableInputs | None = field(default=None, repr=False, compare=False)
+    tables: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        self.tables.setdefault(table_key(self.block_m, self.block_n), (self.table, None))
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.table.shape)
 
     def op_arg(self) -> torch.Tensor:
-        """The table as the op's ``block_mask`` argument: a broadcast view (no copy)
-        ``[tab_b, tab_h, m_blocks, n_blocks, block_m, block_n]`` with zero strides on the
-        last two axes, so the tiles it classifies travel with it into the CUDA impl, which
-        refuses a table built for other tiles than its kernel's (see :func:`table_for_tiles`)."""
-        return self.table[..., None, None].expand(*self.table.shape, self.block_m, self.block_n)
+        """The forward's table as the op's ``block_mask`` argument (:func:`table_arg`)."""
+        return table_arg(self.table, self.block_m, self.block_n)
+
+    def held(self, block_m: int, block_n: int, build) -> tuple:
+        """``(table, fence)`` for ``block_m`` x ``block_n`` tiles: the pair held under
+        :func:`table_key`, else ``build()``'s (a uint8 table for those tiles built from
+        :attr:`inputs`, and what a later user on another stream must wait for, or None),
+        held from then on.  Built once even when threads ask at the same time."""
+        key = table_key(block_m, block_n)
+        hit = self.tables.get(key)
+        if hit is None:
+            with self._lock:
+                hit = self.tables.get(key)
+                if hit is None:
+                    hit = build()
+                    self.tables[key] = hit
+        return hit
 
     def counts(self) -> dict[str, int]:
         """Number of EMPTY / PARTIAL / FULL tiles (reads the table: syncs its device)."""

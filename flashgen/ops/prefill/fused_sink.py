@@ -50,7 +50,9 @@ def _keys_grads(ctx, n_inputs: int, dout, q, k, v, o, lse, dlse, tensors, layout
     bwd = getattr(torch.ops.flashgen, backward_name(op.spec))
     args = (dout, q, k, v, o, lse, dlse, *layout, ctx.softmax_scale, ctx.deterministic,
             *ctx.scalars, *tensors)  # fmt: skip
-    dq, dk, dv, dparams = run_backward_op(op.spec, bwd, args, ctx.param_grads, tensors)
+    table = op.backward.held_table(getattr(ctx, "block_mask", None), q, ctx.deterministic,
+                                   ctx.param_grads)  # fmt: skip
+    dq, dk, dv, dparams = run_backward_op(op.spec, bwd, args, ctx.param_grads, tensors, table)
     return dq, dk, dv, [dparams.get(p.name) for p in tensor_params]
 
 
@@ -68,18 +70,22 @@ def _save(ctx, op, softmax_scale, scalars, deterministic, tensors) -> None:
 
 
 class FusedSinkAttention(torch.autograd.Function):
-    """A padded call's node: ``apply(op, dims, softmax_scale, scalars, table, deterministic,
-    (out,), q, k, v, sink, *tensors) -> (o, lse)``, ``sink`` float32 ``[B, Hq]`` logits (a
-    view of the param or computed from the params: its gradient flows back through them),
-    ``tensors`` the tensor params in spec order, ``out`` o's tensor or None (out of
-    autograd's sight, as in ``_EagerAttention``).  o has the sink joined, lse is the keys'."""
+    """A padded call's node: ``apply(op, dims, softmax_scale, scalars, block_mask,
+    deterministic, (out,), q, k, v, sink, *tensors) -> (o, lse)``, ``sink`` float32 ``[B, Hq]``
+    logits (a view of the param or computed from the params: its gradient flows back through
+    them), ``tensors`` the tensor params in spec order, ``out`` o's tensor or None (out of
+    autograd's sight, as in ``_EagerAttention``), ``block_mask`` the call's checked
+    ``BlockMask`` or None (the backward takes the table it holds for its tiles).  o has the
+    sink joined, lse is the keys'."""
 
     @staticmethod
-    def forward(ctx, op, dims, softmax_scale, scalars, table, deterministic, out, q, k, v, sink,
-                *tensors):  # fmt: skip
+    def forward(ctx, op, dims, softmax_scale, scalars, block_mask, deterministic, out, q, k, v,
+                sink, *tensors):  # fmt: skip
+        table = None if block_mask is None else block_mask.op_arg()
         o, lse = op._forward(q, k, v, dims, softmax_scale, scalars, op._tensor_map(tensors),
                              table, out=out[0], sink=sink.detach())  # fmt: skip
         _save(ctx, op, softmax_scale, scalars, deterministic, tensors)
+        ctx.block_mask = block_mask
         ctx.save_for_backward(q, k, v, o, lse, sink, *tensors)
         return o, lse
 
@@ -93,8 +99,10 @@ class FusedSinkAttention(torch.autograd.Function):
             dout = torch.zeros_like(o) if grad_o is None else grad_o
             args = (dout, q, k, v, o, lse, sink, ctx.softmax_scale, ctx.deterministic,
                     *ctx.scalars, *tensors)  # fmt: skip
+            table = op.backward.held_table(ctx.block_mask, q, ctx.deterministic,
+                                           ctx.param_grads, sink=True)  # fmt: skip
             dq, dk, dv, dparams, d_sink = run_backward_op(op.spec, bwd, args, ctx.param_grads,
-                                                          tensors)  # fmt: skip
+                                                          tensors, table)  # fmt: skip
             tensor_grads = [dparams.get(p.name) for p in op.spec.tensor_params]
             return (None,) * 7 + (dq, dk, dv, d_sink, *tensor_grads)
         dout, lse_arg, dlse, d_rows = keys_backward_inputs(o, lse, sink.unsqueeze(-1), grad_o,

@@ -427,7 +427,7 @@ class VarlenOp(AttentionOp):
             from flashgen.ops.prefill.attention import ScalarParamGrad
 
             return ScalarParamGrad.apply(
-                self, args, deterministic, tuple(scalar_grads), q, k, v, *tensors,
+                self, args, deterministic, tuple(scalar_grads), None, q, k, v, *tensors,
                 *scalar_grads.values(),
             )  # fmt: skip
         return self.torch_op(*args, deterministic=deterministic)
