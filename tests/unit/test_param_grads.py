@@ -195,6 +195,42 @@ def test_a_tensor_param_read_only_by_the_mask_refuses_requires_grad():
         op.attention(q, k, v, lim=params["lim"].requires_grad_())
 
 
+def test_param_grad_checks_run_once_per_spec_and_names(monkeypatch):
+    """``param_grad_flags`` and ``wanted`` (asked by every trained call, in its forward and
+    its backward) check the params against the spec once per spec object and arguments; a
+    refusal raises on every call, and a new spec object (a reload, ``dataclasses.replace``)
+    is checked anew.  The kept answers change neither equality nor hashing of the spec."""
+    import dataclasses
+
+    from flashgen.ops.prefill import backward as bwd_mod
+
+    checked = []
+    check = bwd_mod.check_param_grad
+
+    def counting(spec, name):
+        checked.append(name)
+        check(spec, name)
+
+    monkeypatch.setattr(bwd_mod, "check_param_grad", counting)
+    spec = _spec("pg_memo", "score + s[h]",
+                 "  s: {type: f32, shape: [num_heads]}\n  lim: {type: f32, shape: [num_heads]}",
+                 mask="kv_idx <= q_idx * lim[h]")  # fmt: skip
+    twin = dataclasses.replace(spec)
+    for _ in range(3):
+        assert bwd_mod.param_grad_flags(spec, {"s": True}) == [True, False]
+        assert bwd_mod.wanted(spec, [True, False]) == ("s",)
+    assert checked == ["s", "s"]
+    for _ in range(2):
+        with pytest.raises(OpInputError, match="lim: requires_grad"):
+            bwd_mod.param_grad_flags(spec, {"lim": True})
+        with pytest.raises(OpInputError, match="lim: requires_grad"):
+            bwd_mod.wanted(spec, [False, True])
+    assert checked == ["s", "s", *["lim"] * 4]
+    assert bwd_mod.param_grad_flags(twin, {"s": True}) == [True, False]
+    assert checked[-1] == "s" and len(checked) == 7
+    assert twin == spec and hash(twin) == hash(spec)
+
+
 def test_an_i32_param_has_no_gradient():
     spec = load_spec(REPO / "specs" / "document_mask.yaml")
     assert "i32" in grad_refusal(spec, "doc_q")

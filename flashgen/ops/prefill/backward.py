@@ -197,11 +197,31 @@ def _grads_like(q, k, v, fill_zero: bool):
     return tuple(make(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
+def _memo(spec: Spec) -> dict:
+    """The answers of :func:`wanted` and :func:`param_grad_flags` for ``spec``, by their
+    arguments: both walk the spec's expressions (:func:`check_param_grad`,
+    :func:`~flashgen.analysis.derive.reads_param`), 10 to 30 us of host time that every
+    trained call paid in its forward and again in its backward.  Kept in the spec's instance
+    ``__dict__``, as ``functools.cached_property`` keeps its values (a frozen dataclass; no
+    field, so equality, hashing and ``dataclasses.replace`` ignore it); only answers, never
+    a refusal, are kept."""
+    memo = spec.__dict__.get("_param_grad_memo")
+    if memo is None:
+        memo = spec.__dict__["_param_grad_memo"] = {}
+    return memo
+
+
 def wanted(spec: Spec, param_grads) -> tuple[str, ...]:
     """The names whose flag is set in a backward op's ``param_grads`` (spec order; empty:
-    none); ``OpInputError`` for a list of the wrong length or a param without a gradient."""
+    none); ``OpInputError`` for a list of the wrong length or a param without a gradient.
+    Worked out once per spec and flags (:func:`_memo`)."""
     if not param_grads:
         return ()
+    key = ("wanted", *param_grads)
+    memo = _memo(spec)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
     if len(param_grads) != len(spec.params):
         raise OpInputError(
             f"param_grads: expected {len(spec.params)} flags (one per param of "
@@ -210,6 +230,7 @@ def wanted(spec: Spec, param_grads) -> tuple[str, ...]:
     names = tuple(p.name for p, f in zip(spec.params, param_grads, strict=True) if f)
     for n in names:
         check_param_grad(spec, n)
+    memo[key] = names
     return names
 
 
@@ -228,11 +249,17 @@ def param_grad_flags(spec: Spec, requires: dict) -> list[bool]:
     """The ``param_grads`` flags of a backward for the params named in ``requires`` (those
     whose input requires grad), each checked (:func:`check_param_grad`): set for those the
     score_mod reads (a param read only by the sink gets its gradient through
-    :func:`flashgen.ops.sink.apply_sink`'s autograd)."""
-    for n in requires:
-        check_param_grad(spec, n)
-    flagged = [n for n in requires if reads_param(spec.score_mod, n)]
-    return [p.name in flagged for p in spec.params] if flagged else []
+    :func:`flashgen.ops.sink.apply_sink`'s autograd).  Worked out once per spec and names
+    (:func:`_memo`); a new list each call."""
+    key = ("flags", *requires)
+    memo = _memo(spec)
+    hit = memo.get(key)
+    if hit is None:
+        for n in requires:
+            check_param_grad(spec, n)
+        flagged = [n for n in requires if reads_param(spec.score_mod, n)]
+        hit = memo[key] = tuple(p.name in flagged for p in spec.params) if flagged else ()
+    return list(hit)
 
 
 def dparam_buffers(names, shapes: dict, rows: int, deterministic: bool, device) -> tuple:
