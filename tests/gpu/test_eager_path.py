@@ -3,8 +3,9 @@
 ``AttentionOp.attention`` launches the CUDA forward itself for plain CUDA tensors in eager
 mode (``flashgen.ops.prefill.attention._eager_cuda``), with its own autograd node
 (``_EagerAttention``), and goes through ``torch.ops.flashgen.<name>`` otherwise.  Both run
-the same kernels, so the outputs and the (deterministic) gradients must be bitwise equal; a
-dispatch mode must see the op; a tensor param that requires grad is still refused.
+the same kernels, so the outputs and the (deterministic) gradients must be bitwise equal, a
+tensor param's that requires grad too (it takes the fast path as well); a dispatch mode must
+see the op.
 """
 
 from __future__ import annotations
@@ -85,6 +86,34 @@ def test_gradients_match_the_op_path(name):
         torch.autograd.backward((o, lse), (do, dl))
         grads.append([t.grad for t in leaves] + [o.detach(), lse.detach()])
     for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5_bias"])
+def test_trained_param_gradients_match_the_op_path(name, monkeypatch):
+    """A tensor param that requires grad (trainable slopes, a bias table) takes the fast
+    path's node and validates once; under ``deterministic=True`` o, lse and the gradients of
+    q, k, v and the param equal the operator path's bitwise."""
+    op, q, k, v, params = _problem(name, seed=7)
+    (pname,) = params
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    do = torch.randn(q.shape[:3] + (op.spec.head_dim_v,), device="cuda", generator=gen).to(q.dtype)
+    calls = []
+    real = op_mod.validate
+    monkeypatch.setattr(op_mod, "validate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    runs = []
+    for fast in (True, False):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, params[pname])]
+        kw = {pname: leaves[3]}
+        if fast:
+            o, lse = op.attention(*leaves[:3], deterministic=True, **kw)
+            assert type(o.grad_fn).__name__.startswith("_EagerAttention") and len(calls) == 1
+        else:
+            o, lse = _via_op(op, *leaves[:3], kw, deterministic=True)
+        o.backward(do)
+        runs.append([o.detach(), lse.detach(), *(t.grad for t in leaves)])
+    assert bool(runs[0][-1].abs().sum() > 0)
+    for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
 
 

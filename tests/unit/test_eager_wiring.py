@@ -104,16 +104,101 @@ def test_without_grad_no_node(forced):
     assert forced and o.grad_fn is None
 
 
-def test_tensor_param_grad_takes_the_op_path(forced):
-    """A param that requires grad skips the fast path's autograd node (whose backward has
-    no param gradients): the operator's autograd differentiates it."""
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("name", ["alibi", "t5_bias"])
+def test_a_tensor_param_that_requires_grad_takes_the_fast_path(name, deterministic, forced):
+    """A tensor param that requires grad (trainable ALiBi slopes, a T5 bias table) takes the
+    fast path's autograd node, whose backward gives its gradient too: o, lse and the
+    gradients of q, k, v and the param equal the operator path's, bitwise."""
+    op = build_op(load_spec(REPO / "specs" / f"{name}.yaml"))
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, tensors = random_inputs(op.spec, 1, 2, 1, 9, 13, "cpu", gen)
+    (pname,) = tensors
+    do = torch.randn(1, 2, 9, op.spec.head_dim_v, generator=gen).to(q.dtype)
+    scale = op_mod.default_softmax_scale(op.spec)
+    runs = []
+    for fast in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, tensors[pname])]
+        if fast:
+            o, lse = op.attention(*leaves[:3], deterministic=deterministic,
+                                  **{pname: leaves[3]})  # fmt: skip
+            assert forced == [name]
+            assert type(o.grad_fn).__name__.startswith("_EagerAttention")
+        else:
+            o, lse = op.torch_op(*leaves[:3], scale, leaves[3], deterministic=deterministic)
+        torch.autograd.backward(o, do)
+        runs.append([o.detach(), lse.detach(), *(t.grad for t in leaves)])
+    assert runs[0][-1].abs().max() > 0
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_nn_parameter_takes_the_fast_path_and_a_subclass_the_op_path(forced):
+    """``nn.Parameter`` slopes (how a model holds them) take the fast path; a param of
+    another tensor subclass that requires grad goes to the operator, whose dispatch sees it;
+    both get the gradient."""
+
+    class Sub(torch.Tensor):
+        pass
+
     op = build_op(load_spec(REPO / "specs" / "alibi.yaml"))
     q, k, v, tensors = random_inputs(op.spec, 1, 2, 2, 5, 5, "cpu")
-    tensors["slopes"].requires_grad_()
-    o, _ = op.attention(q, k, v, **tensors)
-    assert not forced and "_EagerAttention" not in type(o.grad_fn).__name__
+    slopes = torch.nn.Parameter(tensors["slopes"].clone())
+    o, _ = op.attention(q, k, v, slopes=slopes)
+    assert forced == ["alibi"] and type(o.grad_fn).__name__.startswith("_EagerAttention")
     o.float().sum().backward()
-    assert tensors["slopes"].grad is not None and tensors["slopes"].grad.abs().max() > 0
+    assert slopes.grad is not None and slopes.grad.abs().max() > 0
+    sub = tensors["slopes"].clone().as_subclass(Sub).requires_grad_()
+    o, _ = op.attention(q, k, v, slopes=sub)
+    assert forced == ["alibi"] and "_EagerAttention" not in type(o.grad_fn).__name__
+    o.float().sum().backward()
+    assert sub.grad is not None and sub.grad.abs().max() > 0
+
+
+def test_a_trained_call_validates_its_inputs_once(monkeypatch):
+    """On the fast path a call whose params require grad validates once (the operator's
+    kernel validated a second time); the backward op validates its own inputs."""
+    calls = []
+    validate = op_mod.validate
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].name)
+        return validate(*args, **kwargs)
+
+    def forward(self, q, k, v, dims, scale, scalars, tensors, table, descales=None, out=None):
+        o, lse = self._empty_outputs(q, dims)
+        return o.zero_(), lse.zero_()
+
+    monkeypatch.setattr(op_mod, "validate", counting)
+    monkeypatch.setattr(op_mod, "_eager_cuda", lambda q, k, v: True)
+    monkeypatch.setattr(AttentionOp, "_forward", forward)
+    op = build_op(load_spec(REPO / "specs" / "alibi.yaml"))
+    q, k, v, tensors = random_inputs(op.spec, 1, 2, 2, 5, 5, "cpu")
+    o, _ = op.attention(q.requires_grad_(), k, v, slopes=tensors["slopes"].requires_grad_())
+    assert calls == ["alibi"] and type(o.grad_fn).__name__.startswith("_EagerAttention")
+
+
+def test_a_mask_only_param_that_requires_grad_is_refused_on_the_fast_path(forced):
+    """The fast path refuses a param without a gradient that requires grad with the
+    operator path's error, naming it, on every call (the check's answers are kept, its
+    refusals are not)."""
+    from flashgen.frontend.errors import OpInputError
+    from flashgen.frontend.spec import loads_spec
+
+    spec = loads_spec(
+        "name: fast_mask_only\nhead_dim: 64\ndtype: bf16\nscore_mod: score\n"
+        "mask: kv_idx <= q_idx * lim[h]\nparams:\n  lim: {type: f32, shape: [num_heads]}\n",
+        "fast_mask_only.yaml",
+    )
+    op = build_op(spec)
+    q = torch.randn(1, 2, 3, 64).to(torch.bfloat16)
+    lim = torch.ones(2, requires_grad=True)
+    for _ in range(2):
+        with pytest.raises(OpInputError, match="lim: requires_grad .* read only by the mask"):
+            op.attention(q, q, q, lim=lim)
+    assert forced == ["fast_mask_only"] * 2
+    o, _ = op.attention(q.clone().requires_grad_(), q, q, lim=lim.detach())
+    assert type(o.grad_fn).__name__.startswith("_EagerAttention")
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -14,8 +14,9 @@ float32 implementation of :mod:`flashgen.ops.cpu.attention`), a fake kernel (so
 The user entry point is :meth:`AttentionOp.attention`, which validates its inputs up
 front (:func:`validate`, also run by every kernel) and fills in defaults.  On plain CUDA
 tensors in eager mode it launches the forward itself (:func:`_eager_cuda`; training through
-``_EagerAttention``, whose backward is the registered one), which saves the dispatcher's
-and the custom-op autograd wrapper's host time; everywhere else it calls the operator.
+``_EagerAttention``, whose backward is the registered one, tensor params that require grad
+included), which saves the dispatcher's and the custom-op autograd wrapper's host time and
+the kernel's second validation; everywhere else it calls the operator.
 
 ``deterministic`` does not change the forward (its impls ignore it); it is a schema
 argument so that it reaches the autograd ``setup_context`` the same way in eager mode,
@@ -350,9 +351,11 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         expected and the received value).
 
         Plain CUDA tensors in eager mode skip the dispatcher (the same kernels and results,
-        less host time per call); under ``torch.compile`` or ``torch.jit.trace``, a
-        torch-function or dispatch mode, a functorch transform, with tensor subclasses or
-        CPU tensors this calls ``torch.ops.flashgen.<name>``.
+        less host time per call), tensor params that require grad included (plain tensors
+        or ``nn.Parameter``); under ``torch.compile`` or ``torch.jit.trace``, a
+        torch-function or dispatch mode, a functorch transform, with tensor subclasses (a
+        tensor param's among them when it requires grad) or CPU tensors this calls
+        ``torch.ops.flashgen.<name>``.
         """
         return self._with_sink(self._attention, (q, k, v), q, k, None, apply_sink, out, kwargs)
 
@@ -507,17 +510,19 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
                 sink, *tensors,
             )  # fmt: skip
         if _eager_cuda(q, k, v):
-            param_grad = any(t.requires_grad for t in tensors)  # the op path's autograd
+            param_grad = any(t.requires_grad for t in tensors)
             if not torch.is_grad_enabled() or not (
                 q.requires_grad or k.requires_grad or v.requires_grad or param_grad
             ):
                 return self._forward(
                     q, k, v, dims, softmax_scale, scalars, tensor_map, table, descales, out=out
                 )
-            if not param_grad and descales is None:  # fp8 ops: the op path says no backward
+            # fp8 ops: the op path says no backward; a param of a tensor subclass that
+            # requires grad: the op path's autograd, which its dispatch sees
+            if descales is None and (not param_grad or _plain_params(tensors)):
                 return _EagerAttention.apply(
-                    self, dims, softmax_scale, scalars, tensors, block_mask, deterministic,
-                    (out,), q, k, v,
+                    self, dims, softmax_scale, scalars, block_mask, deterministic, (out,),
+                    q, k, v, *tensors,
                 )  # fmt: skip
         extra = [table] if self._block_table else []
         args = (q, k, v, softmax_scale, *(descales or ()), *scalars, *tensors, *extra)
@@ -752,17 +757,31 @@ def _eager_cuda(q, k, v) -> bool:
     are the same."""
     return q.is_cuda and _plain_eager(q, k, v)
 
+
+_PARAMETER = torch.nn.Parameter
+
+
+def _plain_params(tensors) -> bool:
+    """Whether the tensor params are plain tensors (``nn.Parameter`` too, which disables
+    ``__torch_function__``): a call whose params require grad takes the eager fast path's
+    autograd node only then; a subclass (DTensor, a fake tensor) goes to the operator."""
+    return all(type(t) is torch.Tensor or type(t) is _PARAMETER for t in tensors)
+
+
 class _EagerAttention(torch.autograd.Function):
     """Autograd node of the eager fast path: the forward launches :meth:`AttentionOp._forward`
     directly, the backward is the op's registered one
-    (:class:`flashgen.ops.prefill.backward.Backward`), so gradients match the
-    ``torch.ops.flashgen.<name>`` path exactly.  ``block_mask``: the call's checked
-    :class:`~flashgen.ops.prefill.blockmask.BlockMask` or None; the backward takes the table
-    it holds for the backward's tiles (``ctx.block_mask``)."""
+    (:class:`flashgen.ops.prefill.backward.Backward`: one call of the backward op, with the
+    gradients of the tensor params that require grad), so gradients match the
+    ``torch.ops.flashgen.<name>`` path exactly.  ``apply(op, dims, softmax_scale, scalars,
+    block_mask, deterministic, (out,), q, k, v, *tensors)``: ``tensors`` the tensor params in
+    spec order (inputs of the node: their gradients flow back through it), ``block_mask`` the
+    call's checked :class:`~flashgen.ops.prefill.blockmask.BlockMask` or None (the backward
+    takes the table it holds for the backward's tiles, ``ctx.block_mask``)."""
 
     @staticmethod
-    def forward(ctx, op, dims, softmax_scale, scalars, tensors, block_mask, deterministic, out,
-                q, k, v):  # fmt: skip
+    def forward(ctx, op, dims, softmax_scale, scalars, block_mask, deterministic, out, q, k, v,
+                *tensors):  # fmt: skip
         # out: (o's tensor or None,), out of autograd's sight: o is that tensor, not an alias
         table = None if block_mask is None else block_mask.op_arg()
         o, lse = op._forward(
@@ -770,6 +789,7 @@ class _EagerAttention(torch.autograd.Function):
         )
         ctx.op = op
         # what the op path's autograd saves, from the same function and the schema's inputs
+        # (its param_grads flags from the params that require grad, each checked there)
         inputs = (q, k, v, softmax_scale, *scalars, *tensors, *([table] if op._block_table else []))
         op.backward.setup_context(ctx, inputs, (o, lse), {"deterministic": deterministic})
         ctx.block_mask = block_mask
@@ -777,8 +797,11 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        dq, dk, dv = ctx.op.backward.backward(ctx, grad_o, grad_lse)[:3]
-        return (None,) * 8 + (dq, dk, dv)
+        op = ctx.op
+        dq, dk, dv, dparams = op.backward.grads(ctx, grad_o, grad_lse)
+        if not dparams:
+            return (None,) * 7 + (dq, dk, dv) + (None,) * len(op.spec.tensor_params)
+        return (None,) * 7 + (dq, dk, dv, *(dparams.get(p.name) for p in op.spec.tensor_params))
 
 
 class ScalarParamGrad(torch.autograd.Function):
