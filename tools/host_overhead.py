@@ -40,6 +40,20 @@ us and the launches: the driver's (on CPU the faked one's count; on the GPU the 
 kernels) and the torch ops that would launch one.
 
     python3 tools/host_overhead.py --decode --sink --cpu   # no GPU
+
+``--training``: the host time of one training step (``op.attention`` on bf16 q, k, v that
+require grad, then ``torch.autograd.grad`` of o for them) with the spec's param detached and
+requiring grad: alibi's slopes, t5_bias's bias table, gpt_oss_sink's sinks (``--specs``), at
+``flashgen bench --training``'s B=2, H=16, S=4096 on the GPU (steps queued behind a sleep,
+as above, and ``eager us``: a step's wall time back to back), or on CPU with the GPU faked
+(``--cpu``: the driver, CuPy, device 0 as sm_90 and its stream; the operators' CPU kernels
+are their CUDA ones, so a call that goes through the dispatcher launches as on the GPU; the
+kernels planned, not compiled; S=128).  Per step also the launches and the autograd node of o
+(the path the call took); ``--baseline DIR`` runs the same steps with another checkout.  On a
+GPU whose kernel cache is empty the first step of each spec and case builds its kernels.
+
+    python3 tools/host_overhead.py --training                        # GPU
+    python3 tools/host_overhead.py --training --cpu --baseline /path/to/old/checkout
 """
 
 from __future__ import annotations
@@ -679,6 +693,247 @@ def measure_sink(root: Path, n: int, reps: int) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- --training
+#: The trained-param rows of ``flashgen bench --training`` (its shape on the GPU: B=2, H=16,
+#: S=4096): spec, the param that is detached in one case and requires grad in the other, and
+#: how its value is made from the heads.
+TRAIN_SPECS = {
+    "alibi": ("slopes", lambda torch, h, dev: torch.linspace(0.01, 0.5, h, device=dev)),
+    "t5_bias": ("bias", lambda torch, h, dev: torch.linspace(-1, 1, h * 257, device=dev)
+                .view(h, 257)),
+    "gpt_oss_sink": ("sinks", lambda torch, h, dev: torch.linspace(-1, 2, h, device=dev)),
+}  # fmt: skip
+TRAIN_SHAPE = dict(batch=2, heads=16, seqlen=4096)
+#: The sequence length of a CPU run: the host path does not depend on it, but the torch ops
+#: of a step (the backward's zeroed buffers, autograd's zero gradient of lse) compute on CPU.
+TRAIN_CPU_SEQLEN = 128
+
+
+def _training_steps(torch, flashgen, root: Path, dev, seqlen: int, specs) -> list:
+    """``(spec, case, step)`` per spec of ``specs`` (keys of :data:`TRAIN_SPECS`) and case
+    (``detached``: the param without grad; ``trained``: a copy that requires grad): one
+    training step of ``op.attention`` on bf16 q, k, v that require grad, ``step()`` ->
+    ``(o, gradients)``: the forward, then ``torch.autograd.grad`` of o (upstream dO) for q,
+    k, v and, trained, the param (leaves' ``.grad`` untouched: no accumulation between
+    steps)."""
+    b, h = TRAIN_SHAPE["batch"], TRAIN_SHAPE["heads"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for name in specs:
+        pname, make = TRAIN_SPECS[name]
+        op = flashgen.load(root / "specs" / f"{name}.yaml")
+        d, dv = op.spec.head_dim, op.spec.head_dim_v
+        q, k, v = (torch.randn(b, h, seqlen, x, device=dev, generator=g).to(torch.bfloat16)
+                   .requires_grad_() for x in (d, d, dv))  # fmt: skip
+        do = torch.randn(b, h, seqlen, dv, device=dev, generator=g).to(torch.bfloat16)
+        value = make(torch, h, dev)
+        for case, param in (("detached", value), ("trained", value.clone().requires_grad_())):
+            leaves = (q, k, v, param) if param.requires_grad else (q, k, v)
+            step = functools.partial(_train_step, torch, op, do, {pname: param}, leaves)
+            out.append((name, case, step))
+    return out
+
+
+def _train_step(torch, op, do, kw: dict, leaves: tuple):
+    """One step of :func:`_training_steps`: ``(o, gradients of leaves)``."""
+    o = op.attention(*leaves[:3], **kw)[0]
+    return o, torch.autograd.grad(o, leaves, do)
+
+
+def _node(o) -> str:
+    """The autograd node a step's o hangs from: which path the call took
+    (``_EagerAttentionBackward``, ``FusedSinkAttentionBackward``: the eager fast path's;
+    the operator's autograd otherwise)."""
+    return type(o.grad_fn).__name__
+
+
+def _fake_cuda_training(torch, count: list, py_driver: bool) -> None:
+    """Fake the GPU for :func:`measure_training_cpu`, process-wide, before any op is loaded:
+    the driver (:func:`_stub_driver`, or a Python ``cuLaunchKernel`` that counts into
+    ``count``), CuPy, device 0 of compute capability 9.0 and its current stream; the
+    operators' CPU kernels are their CUDA ones (so the dispatcher path launches as on a GPU),
+    the eager fast path's device test passes CPU tensors, and the kernels are planned but not
+    compiled (``build_forward`` / ``build_backward`` give the plan; ``runtime.load`` a kernel
+    whose CuPy launch counts into ``count``); a persistent forward sees 132 SMs and gets its
+    tile counter from a fake ``device_zeros``."""
+    import types
+
+    from flashgen.families import build as fbuild
+    from flashgen.families import registry
+    from flashgen.ops import calls as calls_mod
+    from flashgen.ops.prefill import attention as amod
+    from flashgen.ops.prefill import backward as bmod
+    from flashgen.runtime import launch as runtime
+    from flashgen.runtime import tma
+
+    class Driver:
+        @staticmethod
+        def cuLaunchKernel(*args):
+            count[0] += 1
+            return 0
+
+        @staticmethod
+        def cuTensorMapEncodeTiled(*args):
+            return 0
+
+    stub = None if py_driver else _stub_driver(tma)
+    if stub is not None:
+        import ctypes
+
+        stub.fg_stub_launches.restype = ctypes.c_long
+        count.append(stub.fg_stub_launches)
+    tma.driver = (lambda: stub) if stub is not None else (lambda: Driver)
+
+    def cupy_launch(*args, **kwargs):  # LoadedKernel.launch's CuPy call (kernels without TMA)
+        count[0] += 1
+
+    cupy_launch.ptr = 1
+    cuda = types.SimpleNamespace(
+        Device=lambda i: contextlib.nullcontext(),
+        ExternalStream=lambda ptr, index: contextlib.nullcontext(),
+        runtime=types.SimpleNamespace(getDevice=lambda: 0),
+    )  # fmt: skip
+    sys.modules["cupy"] = types.SimpleNamespace(cuda=cuda)
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
+    torch.cuda.device = lambda index: contextlib.nullcontext()  # the tile counter's
+    torch.cuda.is_current_stream_capturing = lambda: False
+    calls_mod._RAW_STREAM = lambda index: 0
+    amod._sm_count = lambda index: 132  # an H100's SMs: a persistent kernel's grid
+    runtime.device_zeros = lambda nbytes, index, stream: 256  # its tile counter
+    amod._eager_cuda = lambda q, k, v: calls_mod._plain_eager(q, k, v)
+    amod.AttentionOp._cpu_impl = amod.AttentionOp._cuda_impl
+    bmod.Backward.cpu = bmod.Backward.cuda
+    bmod.Backward.cpu_sink = bmod.Backward.cuda_sink
+
+    def build_forward(spec, target, gpu=None, options=None, persistent=False, sparse=False,
+                      block_descale=False):  # fmt: skip
+        return registry.plan_forward(spec, target, options, gpu=gpu, persistent=persistent,
+                                     block_descale=block_descale), None, None  # fmt: skip
+
+    def build_backward(spec, target, *, atomic_dq=False, hopper=False, ordered_dq=False,
+                       options=None, param_grads=(), sink=False):  # fmt: skip
+        if hopper:
+            plan = registry.plan_hopper_backward(spec, target, options, ordered_dq=ordered_dq,
+                                                 param_grads=param_grads, sink=sink)  # fmt: skip
+        else:
+            plan = registry.plan_backward(spec, target, options, atomic_dq=atomic_dq,
+                                          param_grads=param_grads, sink=sink)  # fmt: skip
+        return plan, None, None
+
+    fbuild.build_forward, fbuild.build_backward = build_forward, build_backward
+    runtime.load = lambda cubin, plan, index: runtime.LoadedKernel(
+        plan=plan, module=None, function=cupy_launch, device_index=index
+    )
+
+
+def _launches(count: list) -> int:
+    """Launches so far: the Python ones and the C stub's."""
+    return count[0] + sum(f() for f in count[1:])
+
+
+def measure_training_cpu(
+    root: Path, n: int, reps: int, specs=tuple(TRAIN_SPECS), py_driver: bool = False,
+    clock=time.thread_time,
+) -> list[dict]:  # fmt: skip
+    """Host us per training step (:func:`_training_steps`, S = :data:`TRAIN_CPU_SEQLEN`) on
+    CPU with the GPU faked (:func:`_fake_cuda_training`): every Python step of the forward,
+    the autograd node and the backward runs (the eager fast path where the call takes it,
+    else the dispatcher and the custom op's autograd), the kernels' launches are stubs.
+    Per case the best of ``reps`` interleaved rounds of ``n`` steps on ``clock`` (the calling
+    thread's CPU time by default; the CPU autograd engine runs the backward on it), the
+    launches per step and the autograd node of o (:func:`_node`)."""
+    import timeit
+
+    flashgen = _import_flashgen(root)
+    import torch
+
+    count = [0]
+    _fake_cuda_training(torch, count, py_driver)
+    steps = _training_steps(torch, flashgen, root, torch.device("cpu"), TRAIN_CPU_SEQLEN, specs)
+    rows = {}
+    for name, case, step in steps:
+        step()
+        before = _launches(count)
+        o, _ = step()
+        rows[(name, case)] = dict(spec=name, case=case, launches=_launches(count) - before,
+                                  node=_node(o), seqlen=TRAIN_CPU_SEQLEN, times=[])  # fmt: skip
+    for _ in range(reps):  # interleaved: a noisy machine slows every case alike
+        for name, case, step in steps:
+            rows[(name, case)]["times"].append(timeit.timeit(step, timer=clock, number=n) / n
+                                               * 1e6)  # fmt: skip
+    out = []
+    for r in rows.values():
+        times = r.pop("times")
+        out.append(dict(r, host_us=min(times), median_us=statistics.median(times),
+                        host_only=True, flashgen=str(root)))  # fmt: skip
+    return out
+
+
+def measure_training(root: Path, n: int, reps: int, specs=tuple(TRAIN_SPECS)) -> list[dict]:
+    """:func:`measure_training_cpu`'s steps on the GPU at :data:`TRAIN_SHAPE`: host us per step
+    with the stream held busy (:func:`_queued_us`, a sleep of at least 5 ms per step; the
+    CUDA autograd engine runs the backward on its device thread, whose time counts as the
+    wait for it does), the kernels per step (the profiler's CUDA activity), the autograd node
+    of o, and ``eager_us``: a step's wall time in ``n`` steps back to back then one sync (what
+    ``flashgen bench --training`` sees, about max(host, device))."""
+    flashgen = _import_flashgen(root)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    steps = _training_steps(torch, flashgen, root, dev, TRAIN_SHAPE["seqlen"], specs)
+    cycles = _sleep_cycles(torch, max(40.0, 5.0 * n))
+    rows = []
+    for name, case, step in steps:
+        for _ in range(3):  # build, load, warm
+            o, _ = step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        times, busy = _queued_us(torch, step, cycles, n, reps)
+        eager = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+            eager.append((time.perf_counter() - t0) / n * 1e6)
+        rows.append(dict(spec=name, case=case, launches=kernels, node=_node(o),
+                         seqlen=TRAIN_SHAPE["seqlen"], host_us=min(times),
+                         median_us=statistics.median(times), host_only=busy,
+                         eager_us=statistics.median(eager), flashgen=str(root)))  # fmt: skip
+    return rows
+
+
+def print_training_rows(rows: list[dict], where: str) -> None:
+    """One line per (checkout, spec, case), then each checkout's trained/detached ratios."""
+    sh = TRAIN_SHAPE
+    s = rows[0]["seqlen"] if rows else sh["seqlen"]
+    print(f"training step host time ({where}): op.attention + torch.autograd.grad, bf16 "
+          f"B={sh['batch']} H={sh['heads']} S={s}")  # fmt: skip
+    eager = any("eager_us" in r for r in rows)
+    print(f"{'checkout':>9} {'spec':>13} {'case':>9} | {'host us/step':>12} {'median':>7} | "
+          f"{'launches':>8}{' | eager us' if eager else ''} | node")  # fmt: skip
+    ratios = {}
+    for r in rows:
+        tag = "baseline" if r.get("baseline") else "this"
+        warn = "" if r.get("host_only", True) else "  (queue drained: includes waits)"
+        wall = f" | {r['eager_us']:8.1f}" if eager else ""
+        print(f"{tag:>9} {r['spec']:>13} {r['case']:>9} | {r['host_us']:12.1f} "
+              f"{r['median_us']:7.1f} | {r['launches']:8d}{wall} | {r['node']}{warn}")  # fmt: skip
+        ratios.setdefault((tag, r["spec"]), {})[r["case"]] = r["host_us"]
+    for (tag, spec), by in ratios.items():
+        if "detached" in by and "trained" in by:
+            print(f"{tag:>9} {spec:>13} trained / detached host time: "
+                  f"{by['trained'] / by['detached']:.2f}x")  # fmt: skip
+
+
 def print_sink_rows(rows: list[dict], where: str) -> None:
     sh = SINK_SHAPE
     print(f"gpt_oss_sink op.with_kvcache host time ({where}): B={sh['batch']} Hq/Hkv "
@@ -727,10 +982,52 @@ def print_rows(rows: list[dict]) -> None:
         )
 
 
+def _main_training(args, torch) -> int:
+    """``--training`` (``--baseline`` too: the same steps with another checkout's flashgen,
+    in a child process)."""
+    if not args.cpu and not torch.cuda.is_available():
+        print("host_overhead.py --training needs a CUDA GPU (or --cpu)", file=sys.stderr)
+        return 2
+    rows = []
+    if args.baseline is not None:
+        cmd = [sys.executable, __file__, "--training", "--flashgen", str(args.baseline.resolve()),
+               "--rows-only", "-n", str(args.n), "--reps", str(args.reps), "--specs",
+               *args.specs, *(["--cpu"] if args.cpu else []),
+               *(["--py-driver"] if args.py_driver else [])]  # fmt: skip
+        rows += [{**r, "baseline": True} for r in _child_rows(cmd)]
+    if args.cpu:
+        rows += measure_training_cpu(args.flashgen, args.n, args.reps, args.specs,
+                                     args.py_driver)  # fmt: skip
+        where = "CPU, driver faked" + (" (Python)" if args.py_driver else "")
+    else:
+        rows += measure_training(args.flashgen, args.n, args.reps, args.specs)
+        where = torch.cuda.get_device_name()
+    if args.rows_only:
+        print(json.dumps(rows))
+        return 0
+    print_training_rows(rows, where)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _child_rows(cmd: list[str]) -> list[dict]:
+    """The rows a ``--rows-only`` child prints last (``--baseline``), or none (and its error
+    printed) if it failed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if res.returncode != 0:
+        print(f"baseline run failed:\n{res.stderr[-3000:]}", file=sys.stderr)
+        return []
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("-n", type=int, default=200, help="calls per timed loop (default 200)")
+    ap.add_argument("-n", type=int, default=None,
+                    help="calls per timed loop (default 200; --training: 20 steps on the GPU, "
+                    "50 with --cpu)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--baseline", type=Path, help="another checkout to measure the same way")
     ap.add_argument("--json", help="write the rows here")
@@ -746,12 +1043,22 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64],
                     help="--decode batch sizes")  # fmt: skip
     ap.add_argument("--py-driver", action="store_true",
-                    help="--decode --cpu: a Python cuLaunchKernel (no C stub)")  # fmt: skip
+                    help="--decode / --training --cpu: a Python cuLaunchKernel (no C stub)")  # fmt: skip
     ap.add_argument("--sink", action="store_true",
                     help="--decode: gpt_oss_sink's decode (the bench's row) with and without "
                     "the sink, planned and unplanned, and launches per call")  # fmt: skip
+    ap.add_argument("--training", action="store_true",
+                    help="one forward + backward step, the param detached vs requiring grad "
+                    "(alibi, t5_bias, gpt_oss_sink)")  # fmt: skip
+    ap.add_argument("--specs", nargs="+", choices=list(TRAIN_SPECS), default=list(TRAIN_SPECS),
+                    help="--training: the specs to measure")  # fmt: skip
     args = ap.parse_args()
+    if args.n is None:
+        args.n = (50 if args.cpu else 20) if args.training else 200
     import torch
+
+    if args.training:
+        return _main_training(args, torch)
 
     if args.decode and args.sink:
         if not args.cpu and not torch.cuda.is_available():
@@ -791,13 +1098,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--flashgen", str(args.baseline.resolve()),
                "--rows-only", "-n", str(args.n), "--reps", str(args.reps),
                "--seqlens", *map(str, args.seqlens), *(["--cpu"] if args.cpu else [])]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        if res.returncode != 0:
-            print(f"baseline run failed:\n{res.stderr[-3000:]}", file=sys.stderr)
-        else:
-            base = json.loads(res.stdout.strip().splitlines()[-1])
-            rows += [{**r, "baseline": True} for r in base]
+        rows += [{**r, "baseline": True} for r in _child_rows(cmd)]
     rows += (measure_cpu if args.cpu else measure)(args.flashgen, args.seqlens, args.n, args.reps)
     if args.rows_only:
         print(json.dumps(rows))
