@@ -1043,7 +1043,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64],
                     help="--decode batch sizes")  # fmt: skip
     ap.add_argument("--py-driver", action="store_true",
-                    help="--decode / --training --cpu: a Python cuLaunchKernel (no C stub)")  # fmt: skip
+                    help="--decode / --training with --cpu: a Python cuLaunchKernel (no C "
+                    "stub)")  # fmt: skip
     ap.add_argument("--sink", action="store_true",
                     help="--decode: gpt_oss_sink's decode (the bench's row) with and without "
                     "the sink, planned and unplanned, and launches per call")  # fmt: skip
