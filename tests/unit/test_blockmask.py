@@ -502,8 +502,9 @@ def test_a_mismatched_block_mask_is_refused_before_anything_runs(fake_cuda_backw
         ((q[:1], k[:1], v[:1]), {"doc_q": doc[:1], "doc_kv": doc[:1]},
          r"block_mask: built for batch=2 \(the mask reads b\), but q has batch 1"),
         ((q, k, v), {"doc_q": doc.clone(), "doc_kv": doc},
-         r"block_mask: built with doc_q = int32 \[2, 200\] at 0x[0-9a-f]+ on cpu, but this "
-         r"call has doc_q = int32 \[2, 200\] at 0x[0-9a-f]+ on cpu"),
+         r"block_mask: built with doc_q = int32 \[2, 200\] strides \[200, 1\] storage offset 0 "
+         r"at 0x[0-9a-f]+ on cpu, but this call has doc_q = int32 \[2, 200\] strides \[200, 1\] "
+         r"storage offset 0 at 0x[0-9a-f]+ on cpu"),
     ]  # fmt: skip
     for (qq, kk, vv), call_params, msg in cases:
         with pytest.raises(OpInputError, match=msg):
@@ -539,3 +540,19 @@ def test_backward_schema_takes_a_block_mask_only_for_tensor_masks():
     assert "param_grads=[], Tensor? block_mask=None) -> (" in backward_sink_schema(sinky)
     alibi = load_spec(REPO / "specs" / "alibi.yaml")
     assert "block_mask" not in backward_schema(alibi)
+
+
+# ------------------------------------------------------------------ copies, staleness, messages
+def test_the_other_tensors_refusal_shows_strides_and_storage_offset():
+    """Tensors at one address with one shape but other strides are told apart in the
+    message (the expected and the received description differ)."""
+    op = flashgen.load(DOC)
+    doc = docs(1, 64, 2)
+    bm = op.block_mask(64, 64, doc_q=doc, doc_kv=doc)
+    other = doc.as_strided((1, 64), (70, 1))  # same elements, another batch stride
+    q = torch.randn(1, 2, 64, 128).bfloat16()
+    with pytest.raises(OpInputError) as e:
+        op.attention(q, q, q, doc_q=other, doc_kv=doc, block_mask=bm)
+    assert ("built with doc_q = int32 [1, 64] strides [64, 1] storage offset 0 at" in str(e.value)
+            and "this call has doc_q = int32 [1, 64] strides [70, 1] storage offset 0 at"
+            in str(e.value))  # fmt: skip

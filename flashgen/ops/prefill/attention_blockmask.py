@@ -315,7 +315,12 @@ def _same_tensor(a, b) -> bool:
 
 
 def _describe(t) -> str:
+    """``t``'s dtype, shape, strides, storage offset, address and device (what
+    :func:`_same_tensor` compares), or its repr."""
     if not isinstance(t, torch.Tensor):
         return repr(t)
     dtype = str(t.dtype).removeprefix("torch.")
-    return f"{dtype} {list(t.shape)} at {t.data_ptr():#x} on {t.device}"
+    return (
+        f"{dtype} {list(t.shape)} strides {list(t.stride())} storage offset "
+        f"{t.storage_offset()} at {t.data_ptr():#x} on {t.device}"
+    )
