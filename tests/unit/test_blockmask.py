@@ -556,3 +556,27 @@ def test_the_other_tensors_refusal_shows_strides_and_storage_offset():
     assert ("built with doc_q = int32 [1, 64] strides [64, 1] storage offset 0 at" in str(e.value)
             and "this call has doc_q = int32 [1, 64] strides [70, 1] storage offset 0 at"
             in str(e.value))  # fmt: skip
+
+
+HEADKV = (
+    "name: headkv_bm\nhead_dim: 64\ndtype: bf16\nmask: causal && keep[h_kv, kv_idx / 32] != 0\n"
+    "params:\n  keep: {type: i32, shape: [num_heads_kv, 16]}\n"
+)
+
+
+def test_block_mask_refuses_query_heads_not_a_multiple_of_the_kv_heads():
+    """num_heads inferred or given must be a multiple of num_heads_kv (inferred here from
+    the param's shape): an OpInputError naming the argument, the expected and the received
+    value and where each came from, not the reference's ValueError."""
+    op = flashgen.load(_write(HEADKV))
+    keep = torch.ones(2, 16, dtype=torch.int32)
+    with pytest.raises(OpInputError, match=r"num_heads: expected a multiple of num_heads_kv = 2 "
+                       r"\(from keep's shape\), got 1 \(the default\)"):  # fmt: skip
+        op.block_mask(256, 256, keep=keep)
+    with pytest.raises(OpInputError, match=r"num_heads: expected a multiple of num_heads_kv = 2 "
+                       r"\(from keep's shape\), got 3 \(given\)"):  # fmt: skip
+        op.block_mask(256, 256, keep=keep, num_heads=3)
+    with pytest.raises(OpInputError, match=r"num_heads_kv: expected at least one kv head"):
+        op.block_mask(256, 256, keep=keep[:0], num_heads=2)
+    bm = op.block_mask(256, 256, keep=keep, num_heads=4)
+    assert bm.heads_q == 4 and bm.heads_kv == 2

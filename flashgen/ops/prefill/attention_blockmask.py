@@ -56,7 +56,8 @@ class BlockMaskMethods:
         builds its table from them once and keeps it in the mask (:meth:`_held_table_arg`).
 
         Returns a :class:`~flashgen.ops.prefill.blockmask.BlockMask`.  Raises :class:`OpInputError`
-        if the spec's mask reads no tensor param, or for bad sizes or params.
+        if the spec's mask reads no tensor param, or for bad sizes or params (naming the
+        argument, the expected and the received value).
         """
         from flashgen.codegen.abi import block_table_dims
         from flashgen.ops.prefill.blockmask import BlockMask, TableInputs
@@ -70,18 +71,31 @@ class BlockMaskMethods:
         scalars, tensors = resolve_params(self.spec, params)
         tmap = self._tensor_map(tensors)
         given = {"batch": batch, "num_heads": num_heads, "num_heads_kv": num_heads_kv}
+        how = {d: "given" if n is not None else "the default" for d, n in given.items()}
         for p in self.spec.tensor_params:
             t = tmap.get(p.name)
             if isinstance(t, torch.Tensor) and t.dim() == len(p.shape):
                 for d, n in zip(p.shape, t.shape, strict=True):
                     if d in given and given[d] is None:
-                        given[d] = int(n)
+                        given[d], how[d] = int(n), f"from {p.name}'s shape"
         sizes = {k: 1 if val is None else val for k, val in given.items()}
         if given["num_heads_kv"] is None:
-            sizes["num_heads_kv"] = sizes["num_heads"]
+            sizes["num_heads_kv"], how["num_heads_kv"] = sizes["num_heads"], "num_heads"
         for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), *sizes.items()):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise OpInputError(f"{name}: expected a non-negative int, got {n!r}")
+        hq, hkv = sizes["num_heads"], sizes["num_heads_kv"]
+        if hkv == 0 and hq != 0:
+            raise OpInputError(
+                f"num_heads_kv: expected at least one kv head for num_heads = {hq} "
+                f"({how['num_heads']}), got 0 ({how['num_heads_kv']})"
+            )
+        if hkv != 0 and hq % hkv != 0:
+            raise OpInputError(
+                f"num_heads: expected a multiple of num_heads_kv = {hkv} "
+                f"({how['num_heads_kv']}), got {hq} ({how['num_heads']}); pass num_heads= "
+                f"(the query heads of the calls it is for)"
+            )
         first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
         if device is None:
             device = first.device if first is not None else torch.device("cpu")
