@@ -152,7 +152,7 @@ def test_cpu_block_mask_api_and_reuse():
     ref, _ = attention_reference(op.spec, q, k, v, params={"doc_q": doc, "doc_kv": doc})
     assert (o1.double() - ref).abs().max() < 2e-2
     # positional schema call: block_mask is the last positional argument
-    o3, _ = op.torch_op(q, k, v, 0.0884, doc, doc, bm.table)
+    o3, _ = op.torch_op(q, k, v, 0.0884, doc, doc, bm.op_arg())
     assert o3.shape == o1.shape
 
 
@@ -580,3 +580,26 @@ def test_block_mask_refuses_query_heads_not_a_multiple_of_the_kv_heads():
         op.block_mask(256, 256, keep=keep[:0], num_heads=2)
     bm = op.block_mask(256, 256, keep=keep, num_heads=4)
     assert bm.heads_q == 4 and bm.heads_kv == 2
+
+
+def test_the_cpu_operator_checks_its_block_mask_table_as_cuda_does():
+    """The CPU operator refuses a block_mask argument the CUDA one would (wrong dtype,
+    shape, a bare table, one for other tiles), against the tiles op.block_mask builds CPU
+    tables for, and takes bm.op_arg()."""
+    from flashgen.ops.prefill.blockmask import table_arg
+
+    op = flashgen.load(DOC)
+    doc = docs(1, 256, 3)
+    bm = op.block_mask(256, 256, doc_q=doc, doc_kv=doc)
+    q = torch.randn(1, 2, 256, 128).bfloat16()
+    run = lambda t: op.torch_op(q, q, q, 0.1, doc, doc, t)  # noqa: E731
+    o, _ = run(bm.op_arg())
+    assert torch.equal(o, op.torch_op(q, q, q, 0.1, doc, doc)[0])
+    view = r"block_mask: expected the uint8 table view of op.block_mask\(\.\.\.\).op_arg\(\)"
+    for bad in (torch.zeros(3), torch.zeros(*bm.shape, bm.block_m, bm.block_n), bm.table,
+                table_arg(bm.table[:, :, :1], bm.block_m, bm.block_n)):  # fmt: skip
+        with pytest.raises(OpInputError, match=view):
+            run(bad)
+    with pytest.raises(OpInputError, match=rf"block_mask: built for 64x64 tiles, but this call "
+                       rf"runs a kernel with {bm.block_m}x{bm.block_n} tiles"):  # fmt: skip
+        run(table_arg(bm.table, 64, 64))

@@ -607,7 +607,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
 
     def _cpu_impl(self, q, k, v, softmax_scale, *rest, deterministic=False, out=None):
         """The blocked CPU forward (:mod:`flashgen.ops.cpu.attention`), in float32; an fp8 op
-        first dequantizes q, k, v with their descales (:func:`flashgen.fp8.dequantize`)."""
+        first dequantizes q, k, v with their descales (:func:`flashgen.fp8.dequantize`).  A
+        ``block_mask`` table is checked where the CUDA op checks it, as the CUDA op does
+        (:meth:`_check_cpu_table`), and not read."""
         from flashgen.ops.cpu.attention import attention_blocked, cpu_params
 
         descales, rest = self._descales_split(rest)
@@ -621,6 +623,9 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
             return o, lse
         if dims.seqlen_k == 0:
             return o.zero_(), lse.fill_(-math.inf)
+        table = self._table_arg(rest)
+        if table is not None:
+            self._check_cpu_table(table, dims)
         if descales is not None:
             from flashgen.fp8 import dequantize
 

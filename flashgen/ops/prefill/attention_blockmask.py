@@ -106,10 +106,7 @@ class BlockMaskMethods:
         validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device")
         values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         per_b, per_h = block_table_dims(self.spec)
-        if device.type == "cuda":
-            tiles = self.kernel(device).plan.tiles
-        else:
-            tiles = registry.choose_tiles(self.spec, "sm_80", None, self.options)
+        tiles = self.kernel(device).plan.tiles if device.type == "cuda" else self._cpu_tiles()
         table = self._pre_pass(device, tiles, dims, scalars, tmap)
         used = {p.name for p in self.spec.scalar_params if _mask_reads(self.spec, p.name)}
         return BlockMask(
@@ -125,6 +122,25 @@ class BlockMaskMethods:
             heads_kv=dims.heads_kv if _mask_reads(self.spec, "h_kv") else None,
             inputs=TableInputs(dims, tuple(scalars), dict(tmap)),
         )
+
+    def _cpu_tiles(self):
+        """The tiles of a CPU table (``op.block_mask`` on CPU, and what the CPU op checks a
+        ``block_mask`` argument against): the forward's on sm_80 under this op's options."""
+        return registry.choose_tiles(self.spec, "sm_80", None, self.options)
+
+    def _check_cpu_table(self, arg, dims: Dims) -> None:
+        """Refuse a ``block_mask`` argument of the CPU op as the CUDA op refuses one for its
+        kernel (:func:`~flashgen.ops.prefill.blockmask.table_for_tiles`), against
+        :meth:`_cpu_tiles`: the CPU op evaluates the mask per pair and never reads the table,
+        but takes the arguments the CUDA op takes."""
+        from flashgen.families.blocktable import block_table_shape
+        from flashgen.ops.prefill.blockmask import table_for_tiles
+
+        tiles = self._cpu_tiles()
+        shape = block_table_shape(
+            self.spec, tiles, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k
+        )
+        table_for_tiles(arg, shape, tiles)
 
     def _pre_pass(self, device, tiles, dims: Dims, scalars, tensors: dict):
         """The uint8 block table for ``tiles``
