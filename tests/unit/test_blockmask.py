@@ -582,6 +582,29 @@ def test_block_mask_refuses_query_heads_not_a_multiple_of_the_kv_heads():
     assert bm.heads_q == 4 and bm.heads_kv == 2
 
 
+LENS = (
+    "name: lens_bm\nhead_dim: 64\ndtype: bf16\nmask: kv_idx < lens[b] || kv_idx < prefix\n"
+    "params:\n  lens: {type: i32, shape: [batch]}\n  prefix: {type: i32, default: 0, min: 0}\n"
+)
+
+
+def test_varlen_ops_take_no_block_mask():
+    """A varlen op neither builds a block mask nor takes one (its kernels read no table):
+    both say so, naming block_mask; block_mask=None is the plain call."""
+    op = flashgen.load(_write(LENS))
+    lens = torch.tensor([30, 100], dtype=torch.int32)
+    bm = op.block_mask(128, 128, lens=lens)
+    cu = torch.tensor([0, 100, 228], dtype=torch.int32)
+    q = torch.randn(228, 2, 64).bfloat16()
+    msg = r"block_mask: op 'lens_bm__varlen' is a varlen op, which takes no block mask"
+    with pytest.raises(OpInputError, match=msg):
+        op.varlen.block_mask(128, 128, lens=lens)
+    with pytest.raises(OpInputError, match=msg):
+        op.varlen(q, q, q, cu, cu, 128, 128, lens=lens, block_mask=bm)
+    o, _ = op.varlen(q, q, q, cu, cu, 128, 128, lens=lens, block_mask=None)
+    assert o.shape == q.shape
+
+
 def test_the_cpu_operator_checks_its_block_mask_table_as_cuda_does():
     """The CPU operator refuses a block_mask argument the CUDA one would (wrong dtype,
     shape, a bare table, one for other tiles), against the tiles op.block_mask builds CPU

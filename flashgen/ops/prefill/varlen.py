@@ -397,6 +397,8 @@ class VarlenOp(AttentionOp):
         forward kernel (launched here, :class:`~flashgen.ops.prefill.fused_sink.FusedSinkVarlen`
         where gradients are wanted)."""
         self._check_live()
+        if params.pop("block_mask", None) is not None:
+            raise OpInputError(_no_block_mask(self))
         scalar_grads: dict = {}
         scalars, tensors = resolve_params(self.spec, params, scalar_grads)
         dims = validate_varlen(
@@ -433,6 +435,11 @@ class VarlenOp(AttentionOp):
         return self.torch_op(*args, deterministic=deterministic)
 
     __call__ = attention
+
+    def block_mask(self, *args, **kwargs):
+        """A varlen op has no block mask: :class:`OpInputError` (:func:`_no_block_mask`)."""
+        self._check_live()
+        raise OpInputError(_no_block_mask(self))
 
     def _validate(self, q, k, v, cq, ck, mq, mk, softmax_scale, rest):
         scalars, tensors = self._split(rest)
@@ -499,6 +506,17 @@ class VarlenOp(AttentionOp):
         )
         kern.launch(grid, values, current_stream_ptr(q.device))
         return o, lse
+
+
+def _no_block_mask(op) -> str:
+    """Why varlen op ``op`` takes no ``block_mask`` and builds none (its ``block_mask``
+    method and a call given one raise it)."""
+    return (
+        f"block_mask: op {op.spec.name!r} is a varlen op, which takes no block mask (a block "
+        f"table is per padded batch and sequence length; its kernels read none, and a varlen "
+        f"mask reading tensor params runs on CPU only, evaluated per pair); call it without "
+        f"block_mask, or use op.block_mask(...) with the padded op.attention"
+    )
 
 
 def forward_launch(spec, plan, q, k, v, o, lse, cq, ck, dims: VarlenDims, softmax_scale,
