@@ -605,6 +605,29 @@ def test_varlen_ops_take_no_block_mask():
     assert o.shape == q.shape
 
 
+def test_a_block_mask_of_the_other_positions_form_names_the_method_to_call():
+    """A BlockMask of op.block_mask given to a call with q_offset (which runs op.offsets)
+    says to build it with op.offsets.block_mask, and one of op.offsets.block_mask given to
+    a call without offsets says to pass them or use op.block_mask, not the internal op's
+    name."""
+    op = flashgen.load(DOC)
+    doc = docs(1, 256, 3)
+    q = torch.randn(1, 2, 256, 128).bfloat16()
+    qs, dq = q[:, :, 128:], doc[:, 128:]
+    bm = op.block_mask(256, 256, doc_q=doc, doc_kv=doc)
+    with pytest.raises(OpInputError, match=r"block_mask: built by op.block_mask\(\.\.\.\) for "
+                       r"calls without offsets, .* op.offsets.block_mask\(seqlen_q, seqlen_k, "
+                       r"\.\.\., q_offset=\.\.\."):  # fmt: skip
+        op.attention(qs, q, q, doc_q=dq, doc_kv=doc, q_offset=128, block_mask=bm)
+    bmo = op.offsets.block_mask(128, 256, doc_q=dq, doc_kv=doc, q_offset=128, kv_offset=0,
+                                seqlen_q_global=256, seqlen_k_global=256)  # fmt: skip
+    op.attention(qs, q, q, doc_q=dq, doc_kv=doc, q_offset=128, block_mask=bmo)
+    with pytest.raises(OpInputError, match=r"block_mask: built by op.offsets.block_mask\(\.\.\.\) "
+                       r"\(q_offset=128, kv_offset=0, .*\), but this call has none of q_offset"
+                       r".* or build one with op.block_mask\(\.\.\.\)"):  # fmt: skip
+        op.attention(qs, q, q, doc_q=dq, doc_kv=doc, block_mask=bmo)
+
+
 def test_the_cpu_operator_checks_its_block_mask_table_as_cuda_does():
     """The CPU operator refuses a block_mask argument the CUDA one would (wrong dtype,
     shape, a bare table, one for other tiles), against the tiles op.block_mask builds CPU

@@ -216,10 +216,7 @@ class BlockMaskMethods:
                 f"block_mask: expected a BlockMask from op.block_mask(...), got {type(bm).__name__}"
             )
         if bm.spec_name != self.base_name:  # ops of one spec under other options: tiles
-            raise OpInputError(
-                f"block_mask: expected one built by an op of spec {self.base_name!r}, got one "
-                f"built by {bm.spec_name!r}"
-            )
+            raise OpInputError(_other_spec(self, bm))
         want = (dims.seqlen_q, dims.seqlen_k)
         if (bm.seqlen_q, bm.seqlen_k) != want:
             raise OpInputError(
@@ -326,6 +323,32 @@ def _mask_tensor_params(spec) -> list[str]:
     """The tensor params ``spec``'s mask reads (spec order): what its block table depends on."""
     read = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Index)} if spec.mask else set()
     return [p.name for p in spec.tensor_params if p.name in read]
+
+
+def _other_spec(op, bm) -> str:
+    """The message refusing ``bm`` (built by an op of spec ``bm.spec_name``) for ``op``: which
+    method builds one for this call where an ``op.offsets`` form is involved."""
+    from flashgen.frontend.offsets import OFFSET_PARAMS, SUFFIX
+
+    given = ", ".join(OFFSET_PARAMS)
+    if op._offsets_form and bm.spec_name + SUFFIX == op.base_name:
+        return (
+            f"block_mask: built by op.block_mask(...) for calls without offsets, but this call "
+            f"has global positions ({given}: it runs op.offsets); build one for it with "
+            f"op.offsets.block_mask(seqlen_q, seqlen_k, ..., q_offset=..., kv_offset=..., "
+            f"seqlen_q_global=..., seqlen_k_global=...) and this call's values"
+        )
+    if not op._offsets_form and bm.spec_name == op.base_name + SUFFIX:
+        built = ", ".join(f"{n}={bm.scalars[n]}" for n in OFFSET_PARAMS if n in bm.scalars)
+        return (
+            f"block_mask: built by op.offsets.block_mask(...) ({built or 'with offsets'}), but "
+            f"this call has none of {given}; pass the values it was built with, or build one "
+            f"with op.block_mask(...) for calls without offsets"
+        )
+    return (
+        f"block_mask: expected one built by an op of spec {op.base_name!r}, got one built by "
+        f"{bm.spec_name!r}"
+    )
 
 
 def _same_tensor(a, b) -> bool:
