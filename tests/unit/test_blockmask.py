@@ -649,3 +649,42 @@ def test_the_cpu_operator_checks_its_block_mask_table_as_cuda_does():
     with pytest.raises(OpInputError, match=rf"block_mask: built for 64x64 tiles, but this call "
                        rf"runs a kernel with {bm.block_m}x{bm.block_n} tiles"):  # fmt: skip
         run(table_arg(bm.table, 64, 64))
+
+
+def test_a_held_table_used_on_another_stream_is_recorded_there(monkeypatch):
+    """A table the BlockMask holds, built on one stream (its fence) and taken by a backward on
+    another, is waited for there and record_stream-ed there (the caching allocator must not
+    reuse its memory before that stream is done with it once the mask drops it); on its own
+    stream neither."""
+    from types import SimpleNamespace
+
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.ops.prefill import attention_blockmask as abm
+    from flashgen.ops.prefill.blockmask import TableInputs
+
+    op = flashgen.load(DOC)
+    table = torch.zeros(1, 1, 2, 2, dtype=torch.uint8)
+    calls = []
+
+    class Stream:
+        def wait_event(self, event):
+            calls.append(("wait", event))
+
+    stream = Stream()
+    bm = SimpleNamespace(
+        table=SimpleNamespace(device=torch.device("cuda", 0)),
+        inputs=TableInputs(None, (), {}),
+        held=lambda m, n, build: (table, (111, "build-event")),
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: calls.append(("record", self.data_ptr(), s)))  # fmt: skip
+    monkeypatch.setattr(abm, "current_stream_ptr", lambda device: 222)
+    arg = op._held_table_arg(bm, TileConfig(64, 64, 4))
+    assert arg.data_ptr() == table.data_ptr()
+    assert calls == [("wait", "build-event"), ("record", table.data_ptr(), stream)]
+    calls.clear()
+    monkeypatch.setattr(abm, "current_stream_ptr", lambda device: 111)
+    op._held_table_arg(bm, TileConfig(64, 64, 4))
+    assert calls == []

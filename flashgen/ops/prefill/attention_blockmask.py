@@ -170,7 +170,10 @@ class BlockMaskMethods:
         call is captured into a CUDA graph, a table not yet held (a build in the capture
         would exist only in the graph's replays) or one built on another stream (no wait on
         it can be captured); the launch then runs the pre-pass itself, as without
-        ``block_mask``."""
+        ``block_mask``.  A table used on another stream than its build's is also
+        ``record_stream``-ed there, so the caching allocator does not hand its memory out
+        again, once ``bm`` and its tables are dropped, before that stream's kernels are done
+        with it."""
         from flashgen.ops.prefill.blockmask import table_arg, table_key
 
         device = bm.table.device
@@ -194,7 +197,9 @@ class BlockMaskMethods:
 
         table, fence = bm.held(tiles.block_m, tiles.block_n, build)
         if fence is not None and fence[0] != current_stream_ptr(device):
-            torch.cuda.current_stream(device).wait_event(fence[1])
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(fence[1])  # the build's kernel is done before this stream's
+            table.record_stream(stream)  # ... and the memory outlives this stream's use
         return table_arg(table, tiles.block_m, tiles.block_n)
 
     def _block_mask_table(self, bm, q, dims: Dims, scalars, tensors: dict | None = None):
