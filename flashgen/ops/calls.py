@@ -42,9 +42,12 @@ def kernel_values(
     sizes from ``dims``, ``softmax_scale``, the scalar params (``p_<name>``, spec order)
     and the tensor params (``t_<name>``) converted to the kernel's element type and made
     contiguous; such a copy is freed after the call returns, and the caching allocator
-    reuses it only in stream order, after the kernel has read it.  ``descales`` (fp8 ops):
-    ``q_descale``, ``k_descale``, ``v_descale`` float32 [B, Hkv] (or per block, [B, H,
-    ceil(S / 128)]), passed contiguous (a broadcast view becomes such a copy).
+    reuses it only in stream order, after the kernel has read it.  A tensor param missing
+    from ``tensor_params`` (one the kernel never reads: the block-table pre-pass of a
+    ``BlockMask`` holds only those its mask reads) goes in as a null pointer.
+    ``descales`` (fp8 ops): ``q_descale``, ``k_descale``, ``v_descale`` float32 [B, Hkv]
+    (or per block, [B, H, ceil(S / 128)]), passed contiguous (a broadcast view becomes
+    such a copy).
     """
     values = dict(
         tensors, batch=dims.batch, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
@@ -59,7 +62,8 @@ def kernel_values(
     for p, val in zip(spec.scalar_params, scalars, strict=True):
         values[f"p_{p.name}"] = val
     for p in spec.tensor_params:
-        values[f"t_{p.name}"] = tensor_params[p.name].to(PARAM_DTYPE[p.ty]).contiguous()
+        t = tensor_params.get(p.name)
+        values[f"t_{p.name}"] = 0 if t is None else t.to(PARAM_DTYPE[p.ty]).contiguous()
     if descales is not None:
         for name, t in zip(DESCALE_NAMES, descales, strict=True):
             values[name] = t.to(torch.float32).contiguous()

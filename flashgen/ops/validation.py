@@ -265,15 +265,19 @@ def check_heads_and_strides(q, k, v) -> tuple[int, int]:
 
 
 def validate_tensor_params(
-    spec: ir.Spec, tensor_params: dict | None, device, sym: dict, device_of: str = "q's device"
+    spec: ir.Spec, tensor_params: dict | None, device, sym: dict, device_of: str = "q's device",
+    names=None,
 ) -> None:
     """Check each tensor param (present, a tensor on ``device``, the declared shape with the
     shape symbols valued by ``sym`` (see :meth:`Dims.symbols`), the declared element kind);
     :class:`OpInputError` otherwise.  Metadata only.  ``device_of`` names where ``device``
-    comes from in the error message."""
+    comes from in the error message; ``names``: check only the params of these names (None:
+    all)."""
     if spec.tensor_params:
         tensor_params = tensor_params or {}
         for p in spec.tensor_params:
+            if names is not None and p.name not in names:
+                continue
             t = tensor_params.get(p.name)
             if t is None:
                 raise OpInputError(f"{p.name}: missing tensor param {_describe_param(p)}")

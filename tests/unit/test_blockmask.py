@@ -582,6 +582,48 @@ def test_block_mask_refuses_query_heads_not_a_multiple_of_the_kv_heads():
     assert bm.heads_q == 4 and bm.heads_kv == 2
 
 
+DOC_ALIBI = (
+    "name: doc_alibi_bm\nhead_dim: 64\ndtype: bf16\n"
+    "mask: causal && doc_q[b, q_idx] == doc_kv[b, kv_idx]\n"
+    "score_mod: score - slopes[h] * (q_idx - kv_idx)\n"
+    "params:\n  doc_q: {type: i32, shape: [batch, seqlen_q]}\n"
+    "  doc_kv: {type: i32, shape: [batch, seqlen_k]}\n  slopes: {type: f32, shape: [num_heads]}\n"
+)
+
+
+def test_block_mask_needs_and_holds_only_the_params_its_mask_reads():
+    """A score_mod's tensor param (trained slopes) is optional for op.block_mask (checked if
+    given) and never held, with its autograd graph; the tables the mask builds later (the
+    backward's) come from the params it holds, and the CUDA pre-pass passes an unread
+    param as a null pointer."""
+    from flashgen.codegen.plan import TileConfig
+    from flashgen.ops.calls import kernel_values
+    from flashgen.ops.prefill.blockmask import table_key
+    from flashgen.ops.validation import Dims
+
+    op = flashgen.load(_write(DOC_ALIBI))
+    doc = docs(1, 64, 2)
+    bm = op.block_mask(64, 64, doc_q=doc, doc_kv=doc)
+    slopes = torch.nn.functional.softplus(torch.zeros(2, requires_grad=True))
+    bm2 = op.block_mask(64, 64, doc_q=doc, doc_kv=doc, slopes=slopes)
+    for m in (bm, bm2):
+        assert set(m.inputs.tensors) == {"doc_q", "doc_kv"}
+        assert torch.equal(m.table, bm.table)
+    with pytest.raises(OpInputError, match=r"slopes: expected shape \[2\]"):
+        op.block_mask(64, 64, doc_q=doc, doc_kv=doc, slopes=torch.ones(3), num_heads=2)
+    q = torch.randn(1, 2, 64, 64).bfloat16()
+    o, _ = op.attention(q, q, q, doc_q=doc, doc_kv=doc, slopes=torch.ones(2), block_mask=bm)
+    want, _ = op.attention(q, q, q, doc_q=doc, doc_kv=doc, slopes=torch.ones(2))
+    assert torch.equal(o, want)
+    op._held_table_arg(bm, TileConfig(32, 32, 4))  # built from the held params alone
+    ref = block_table_reference(op.spec, TileConfig(32, 32, 4), batch=1, heads_q=1, seqlen_q=64,
+                                seqlen_k=64, params={"doc_q": doc, "doc_kv": doc})  # fmt: skip
+    assert torch.equal(bm.tables[table_key(32, 32)][0], ref)
+    vals = kernel_values(op.spec, {"tab": bm.table}, Dims(1, 1, 1, 64, 64, 0), 1.0, [],
+                         bm.inputs.tensors)  # fmt: skip
+    assert vals["t_slopes"] == 0 and vals["t_doc_q"].data_ptr() == doc.data_ptr()
+
+
 LENS = (
     "name: lens_bm\nhead_dim: 64\ndtype: bf16\nmask: kv_idx < lens[b] || kv_idx < prefix\n"
     "params:\n  lens: {type: i32, shape: [batch]}\n  prefix: {type: i32, default: 0, min: 0}\n"

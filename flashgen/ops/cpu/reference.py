@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from flashgen.analysis.derive import reads_param
 from flashgen.frontend.errors import ParamIndexError
 from flashgen.frontend.ir import (
     Binary,
@@ -154,11 +155,13 @@ def _env(
     batch_offset: int = 0,
     *,
     Hkv: int,
+    optional=(),
 ) -> dict:
     """Evaluation environment: broadcasting index tensors, sizes and param values (``b``
     counts from ``batch_offset``: the sequence index in varlen; ``h_kv`` is the KV head
-    query head ``h`` reads, ``h // (Hq // Hkv)``).  Raises ``ValueError`` unless ``Hkv``
-    divides ``Hq``."""
+    query head ``h`` reads, ``h // (Hq // Hkv)``; ``optional``: tensor params that may be
+    missing from ``params``, left out).  Raises ``ValueError`` unless ``Hkv`` divides
+    ``Hq``."""
     if Hkv <= 0 or Hq % Hkv:
         raise ValueError(f"num_heads {Hq} is not a multiple of num_heads_kv {Hkv}")
     ar = lambda n: torch.arange(n, device=dev, dtype=torch.int64)  # noqa: E731
@@ -176,6 +179,8 @@ def _env(
     for p in spec.params:
         val = params.get(p.name, p.default)
         if p.kind == "tensor":
+            if val is None and p.name in optional:
+                continue
             if val is None:
                 raise ValueError(f"tensor param '{p.name}' is required")
             env[p.name] = val.to(dev, fdt if p.ty == Ty.F32 else torch.int64)
@@ -223,13 +228,15 @@ def eval_mask(
     in ``range(heads_q)`` (pass 1 for an axis the mask does not read, to broadcast over it).
     ``heads_kv``: the KV heads (``h_kv = h // (heads_q // heads_kv)``); default
     ``heads_q`` (no GQA).  ``params`` as in :func:`attention_reference` (whole: ``b``
-    indexes them).  Raises ``IndexError`` like it for an out-of-range tensor-param index at
-    a kept pair, ``ValueError`` unless ``heads_kv`` divides ``heads_q``.
+    indexes them), the tensor params the mask does not read optional.  Raises
+    ``IndexError`` like it for an out-of-range tensor-param index at a kept pair,
+    ``ValueError`` unless ``heads_kv`` divides ``heads_q``.
     """
     dev = torch.device("cpu") if device is None else torch.device(device)
+    unread = tuple(p.name for p in spec.tensor_params if not reads_param(spec.mask, p.name))
     env = _env(
         spec, batch, heads_q, seqlen_q, seqlen_k, dict(params or {}), dev, torch.float32,
-        batch_offset, Hkv=heads_q if heads_kv is None else heads_kv,
+        batch_offset, Hkv=heads_q if heads_kv is None else heads_kv, optional=unread,
     )  # fmt: skip
     shape = (batch, heads_q, seqlen_q, seqlen_k)
     if spec.mask is None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from flashgen.codegen.abi import needs_block_table
+from flashgen.analysis.derive import reads_param
+from flashgen.codegen.abi import _per_spec, needs_block_table
 from flashgen.families import registry
-from flashgen.frontend import ir
 from flashgen.frontend.errors import OpInputError
 from flashgen.ops.calls import _mask_reads, current_stream_ptr, kernel_values
 from flashgen.ops.validation import (
@@ -70,6 +70,7 @@ class BlockMaskMethods:
             )
         scalars, tensors = resolve_params(self.spec, params)
         tmap = self._tensor_map(tensors)
+        read = _mask_tensor_params(self.spec)
         given = {"batch": batch, "num_heads": num_heads, "num_heads_kv": num_heads_kv}
         how = {d: "given" if n is not None else "the default" for d, n in given.items()}
         for p in self.spec.tensor_params:
@@ -96,14 +97,18 @@ class BlockMaskMethods:
                 f"({how['num_heads_kv']}), got {hq} ({how['num_heads']}); pass num_heads= "
                 f"(the query heads of the calls it is for)"
             )
-        first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        # the tensor params the mask reads are required and held; the others, checked if given
+        names = {n for n in tmap if n in read or tmap[n] is not None}
+        first = next((tmap[n] for n in names if isinstance(tmap[n], torch.Tensor)), None)
         if device is None:
             device = first.device if first is not None else torch.device("cpu")
         device = torch.device(device)
         dims = Dims(
             sizes["batch"], sizes["num_heads"], sizes["num_heads_kv"], seqlen_q, seqlen_k, 0
         )
-        validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device")
+        validate_tensor_params(self.spec, tmap, device, dims.symbols(), "the block mask's device",
+                               names=names)  # fmt: skip
+        tmap = {n: tmap[n] for n in read}
         values = dict(zip((p.name for p in self.spec.scalar_params), scalars, strict=True))
         per_b, per_h = block_table_dims(self.spec)
         tiles = self.kernel(device).plan.tiles if device.type == "cuda" else self._cpu_tiles()
@@ -324,10 +329,13 @@ class BlockMaskMethods:
         return {"blk_tab": table, "blk_sb": sb, "blk_sh": sh}
 
 
-def _mask_tensor_params(spec) -> list[str]:
-    """The tensor params ``spec``'s mask reads (spec order): what its block table depends on."""
-    read = {n.name for n in ir.walk(spec.mask) if isinstance(n, ir.Index)} if spec.mask else set()
-    return [p.name for p in spec.tensor_params if p.name in read]
+def _mask_tensor_params(spec) -> tuple[str, ...]:
+    """The tensor params ``spec``'s mask reads (spec order): what its block table depends on
+    (:func:`flashgen.analysis.derive.reads_param` of the mask), remembered on the spec."""
+    return _per_spec(
+        spec, "mask_tensor_params",
+        lambda: tuple(p.name for p in spec.tensor_params if reads_param(spec.mask, p.name)),
+    )  # fmt: skip
 
 
 def _other_spec(op, bm) -> str:
