@@ -543,6 +543,47 @@ def test_backward_schema_takes_a_block_mask_only_for_tensor_masks():
 
 
 # ------------------------------------------------------------------ copies, staleness, messages
+def test_a_block_mask_pickles_and_copies_without_its_held_tables():
+    """copy.copy, copy.deepcopy, pickle, torch.save and a DataLoader worker's pickler
+    (shared-memory tensors) give a BlockMask with a fresh lock, holding the forward's table
+    only (the held tables are a cache, as after dataclasses.replace); the tensors pickled
+    along with it serve it on the other side."""
+    import copy
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (its tensor reductions for ForkingPickler)
+
+    from flashgen.ops.prefill.blockmask import table_key
+
+    op = flashgen.load(DOC)
+    doc = docs(1, 256, 3)
+    bm = op.block_mask(256, 256, doc_q=doc, doc_kv=doc)
+    fwd = table_key(bm.block_m, bm.block_n)
+    bm.held(64, 64, lambda: (torch.zeros(1, 1, 4, 4, dtype=torch.uint8), None))
+    assert set(bm.tables) == {fwd, table_key(64, 64)}
+
+    def torch_roundtrip(x):
+        buf = io.BytesIO()
+        torch.save(x, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    q = torch.randn(1, 2, 256, 128).bfloat16()
+    shallow = lambda x: (x[0], copy.copy(x[1]))  # noqa: E731
+    for how in (shallow, copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x)),
+                torch_roundtrip, lambda x: pickle.loads(ForkingPickler.dumps(x))):  # fmt: skip
+        d2, bm2 = how((doc, bm))
+        assert type(bm2) is type(bm) and repr(bm2) == repr(bm) and bm2.scalars == bm.scalars
+        assert torch.equal(bm2.table, bm.table) and bm2.inputs.dims == bm.inputs.dims
+        assert list(bm2.tables) == [fwd] and bm2.tables[fwd][0] is bm2.table
+        assert bm2._lock is not bm._lock
+        assert bm2.inputs.tensors["doc_q"] is d2
+        op.attention(q, q, q, doc_q=d2, doc_kv=d2, block_mask=bm2)
+    assert set(bm.tables) == {fwd, table_key(64, 64)}  # the original keeps its own
+
+
 def test_the_other_tensors_refusal_shows_strides_and_storage_offset():
     """Tensors at one address with one shape but other strides are told apart in the
     message (the expected and the received description differ)."""

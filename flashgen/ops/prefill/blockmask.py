@@ -30,13 +30,14 @@ own BLOCK_M x BLOCK_N tiles (not the forward's), so the first backward of a call
 with (:class:`TableInputs`), and ``bm`` keeps it under :func:`table_key` (the tiles and the
 table's layout) for every later backward of any op of the spec whose backward runs those
 tiles (:meth:`BlockMask.held`).  The forward's table is held under its own key, so a
-backward of the forward's tiles builds nothing.
+backward of the forward's tiles builds nothing.  The held tables are a cache: a pickled or
+copied ``bm`` holds the forward's table only.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -114,6 +115,19 @@ class BlockMask:
 
     def __post_init__(self) -> None:
         self.tables.setdefault(table_key(self.block_m, self.block_n), (self.table, None))
+
+    # The held tables and the lock are a cache: a pickled or copied BlockMask (copy.copy,
+    # copy.deepcopy, torch.save, a DataLoader worker's result) gets a fresh lock and holds
+    # the forward's table only, as one from dataclasses.replace does.
+    def __getstate__(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "tables", {})
+        object.__setattr__(self, "_lock", threading.Lock())
+        self.__post_init__()
 
     @property
     def shape(self) -> tuple[int, ...]:
