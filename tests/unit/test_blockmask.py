@@ -547,7 +547,8 @@ def test_a_block_mask_pickles_and_copies_without_its_held_tables():
     """copy.copy, copy.deepcopy, pickle, torch.save and a DataLoader worker's pickler
     (shared-memory tensors) give a BlockMask with a fresh lock, holding the forward's table
     only (the held tables are a cache, as after dataclasses.replace); the tensors pickled
-    along with it serve it on the other side."""
+    along with it serve it on the other side, and one written in place before pickling is
+    still refused after."""
     import copy
     import io
     import pickle
@@ -582,6 +583,43 @@ def test_a_block_mask_pickles_and_copies_without_its_held_tables():
         assert bm2.inputs.tensors["doc_q"] is d2
         op.attention(q, q, q, doc_q=d2, doc_kv=d2, block_mask=bm2)
     assert set(bm.tables) == {fwd, table_key(64, 64)}  # the original keeps its own
+    doc.add_(0)  # written in place: stale, and so are its copies
+    for how in (shallow, copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        d2, bm2 = how((doc, bm))
+        with pytest.raises(OpInputError, match="block_mask: built when doc_q was at version"):
+            op.attention(q, q, q, doc_q=d2, doc_kv=d2, block_mask=bm2)
+
+
+def test_a_block_mask_refuses_tensors_written_in_place_since_it_was_built(fake_cuda_backward):
+    """A doc-ids buffer refilled in place (same storage, shape and strides) is refused with
+    the BlockMask built before, by its _version (no device sync), naming block_mask, the
+    param and both versions; forward + backward steps that write nothing pass (autograd's
+    saving included), as do tensors that track no version (inference tensors).  The
+    backward's held-table path checks the same before building or taking a table."""
+    from flashgen.ops.prefill.backward import table_tiles
+
+    op = fake_cuda_backward()
+    q, k, v, params = _doc_case(s=200)
+    buf = params["doc_q"].clone()
+    bm = op.block_mask(200, 200, doc_q=buf, doc_kv=buf)
+    for _ in range(3):  # legitimate steps: forward and backward, nothing written
+        _fwd_bwd(op, q, k, v, {"doc_q": buf, "doc_kv": buf}, block_mask=bm)
+    built = buf._version
+    buf.copy_(docs(2, 200, 7, seed=3))
+    msg = (rf"block_mask: built when doc_q was at version {built} \(its _version\), but doc_q "
+           rf"is now at version {built + 1}: .* rebuild with op.block_mask\(\.\.\.\)")  # fmt: skip
+    with torch.no_grad():
+        with pytest.raises(OpInputError, match=msg):
+            op.attention(q, k, v, doc_q=buf, doc_kv=buf, block_mask=bm)
+    tiles = table_tiles(op.backward.kernels(q.device, path="hopper")[0])
+    with pytest.raises(OpInputError, match=msg):  # the backward's held tables: same check
+        op._held_table_arg(bm, tiles)
+    fresh = op.block_mask(200, 200, doc_q=buf, doc_kv=buf)
+    _fwd_bwd(op, q, k, v, {"doc_q": buf, "doc_kv": buf}, block_mask=fresh)
+    with torch.inference_mode():
+        inf = docs(2, 200, 3)
+        bmi = op.block_mask(200, 200, doc_q=inf, doc_kv=inf)
+        op.attention(q, k, v, doc_q=inf, doc_kv=inf, block_mask=bmi)
 
 
 def test_the_other_tensors_refusal_shows_strides_and_storage_offset():

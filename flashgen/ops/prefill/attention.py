@@ -280,10 +280,13 @@ class AttentionOp(BlockMaskMethods, KernelChoice):
         ``block_mask`` (only for specs whose mask reads tensor params, e.g. document
         masking): a :class:`~flashgen.ops.prefill.blockmask.BlockMask` from :meth:`block_mask`
         for these sequence lengths and the same param values (the same tensors for the
-        tensor params its mask reads), reused across calls; without it the CUDA op runs the
-        block-table pre-pass on every call.  The backward of such a call takes the table the
-        BlockMask holds for the backward kernel's tiles, built on its first backward
-        (:meth:`_held_table_arg`).  The CPU op ignores it.
+        tensor params its mask reads, not written in place since it was built: checked by
+        their ``_version``, not under ``torch.compile``), reused across calls; with
+        ``q_offset`` and the like, one from ``op.offsets.block_mask``.  Without it the CUDA
+        op runs the block-table pre-pass on every call.  The backward of such a call takes
+        the table the BlockMask holds for the backward kernel's tiles, built on its first
+        backward (:meth:`_held_table_arg`).  The CPU op checks it as the CUDA op does but
+        does not read it.
 
         Returns o [B, Hq, Sq, Dv] in the input dtype (bf16 for fp8) and lse float32
         [B, Hq, Sq] (natural log; -inf with o = 0 for rows that attend to nothing).

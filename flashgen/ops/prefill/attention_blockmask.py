@@ -45,15 +45,21 @@ class BlockMaskMethods:
         """Build the block table of this op's tensor-reading mask for one problem size,
         to reuse across :meth:`attention` calls (FlexAttention's ``create_block_mask``).
 
-        ``params``: the spec's params by name, as for :meth:`attention` (tensors required,
-        scalars default to their declared values).  ``batch`` / ``num_heads`` /
-        ``num_heads_kv`` default to what the tensor params' declared shapes imply, else 1
-        (they only matter where the mask reads ``b`` / ``h``).  ``device`` defaults to the
-        tensor params' device.  On a CUDA device the generated pre-pass kernel builds the
-        table for the forward kernel's tiles; on CPU the brute-force reference builds it.
-        The mask holds the params it was built from (the tensors themselves, not copies): a
-        call must pass the same tensors, and a backward whose kernel classifies other tiles
-        builds its table from them once and keeps it in the mask (:meth:`_held_table_arg`).
+        ``params``: the spec's params by name, as for :meth:`attention`: the tensor params
+        the mask reads are required, the others optional (checked if given, never kept: a
+        score_mod's trained slopes need not be passed); scalars default to their declared
+        values.  ``batch`` / ``num_heads`` / ``num_heads_kv`` default to what the given
+        tensor params' declared shapes imply, else 1 (``num_heads_kv``: ``num_heads``); they
+        only matter where the mask reads ``b`` / ``h`` / ``h_kv``, and ``num_heads`` must be
+        a multiple of ``num_heads_kv``.  ``device`` defaults to the tensor params' device.
+        On a CUDA device the generated pre-pass kernel builds the table for the forward
+        kernel's tiles; on CPU the brute-force reference builds it.  The mask holds the
+        tensor params its mask reads (the tensors themselves, not copies, with their
+        ``_version``): a call must pass the same tensors, not written in place since, and a
+        backward whose kernel classifies other tiles builds its table from them once and
+        keeps it in the mask (:meth:`_held_table_arg`).  For calls with ``q_offset`` /
+        ``kv_offset`` / ``seqlen_q_global`` / ``seqlen_k_global``, build it with
+        ``op.offsets.block_mask(..., q_offset=..., ...)``.  A varlen op has none.
 
         Returns a :class:`~flashgen.ops.prefill.blockmask.BlockMask`.  Raises :class:`OpInputError`
         if the spec's mask reads no tensor param, or for bad sizes or params (naming the
@@ -178,13 +184,15 @@ class BlockMaskMethods:
         ``block_mask``.  A table used on another stream than its build's is also
         ``record_stream``-ed there, so the caching allocator does not hand its memory out
         again, once ``bm`` and its tables are dropped, before that stream's kernels are done
-        with it."""
+        with it.  Raises :class:`OpInputError` if a tensor ``bm`` holds was written in place
+        since it was built (:func:`_check_unchanged`)."""
         from flashgen.ops.prefill.blockmask import table_arg, table_key
 
         device = bm.table.device
         cuda = device.type == "cuda"
         if bm.inputs is None:
             return None
+        _check_unchanged(bm)
         if cuda and torch.cuda.is_current_stream_capturing():
             table, fence = bm.tables.get(table_key(tiles.block_m, tiles.block_n), (None, None))
             if table is None or (fence is not None and fence[0] != current_stream_ptr(device)):
@@ -211,8 +219,10 @@ class BlockMaskMethods:
         """The table tensor of ``bm`` after checking it fits this call (metadata only): the
         spec, the sizes its table's axes depend on, the scalar params its mask reads, the
         device and, for a mask built with its inputs, the tensor params its mask reads
-        (``tensors`` by name: the same tensors, by storage, shape and strides; contents are
-        never read)."""
+        (``tensors`` by name: the same tensors, by storage, storage offset, shape and
+        strides, and none written in place since ``bm`` was built, by their ``_version``;
+        contents are never read).  Under ``torch.compile`` tracing the tensor checks are
+        skipped (a traced tensor has no storage or version to compare)."""
         from flashgen.codegen.abi import block_table_dims
         from flashgen.ops.prefill.blockmask import BlockMask
 
@@ -270,6 +280,7 @@ class BlockMaskMethods:
                         f"was built with (their contents are not compared: that needs a device "
                         f"sync), so pass those or build it again with op.block_mask(...)"
                     )
+            _check_unchanged(bm)
         return bm.op_arg()  # carries its tiles: the CUDA impl checks them against its kernel's
 
     def _run_block_table(self, device, tiles, dims: Dims, scalars, tensors: dict):
@@ -336,6 +347,20 @@ def _mask_tensor_params(spec) -> tuple[str, ...]:
         spec, "mask_tensor_params",
         lambda: tuple(p.name for p in spec.tensor_params if reads_param(spec.mask, p.name)),
     )  # fmt: skip
+
+
+def _check_unchanged(bm) -> None:
+    """Raise :class:`OpInputError` if a tensor param ``bm`` holds was written in place since
+    ``bm`` was built (its ``_version`` moved: ``copy_``, an indexed assignment, an in-place
+    op on it or on a view sharing its version counter): its tables classify the old
+    contents.  Host metadata only, no device sync; inference tensors track no version and
+    are not checked."""
+    for name, built, now in bm.inputs.changed():
+        raise OpInputError(
+            f"block_mask: built when {name} was at version {built} (its _version), but {name} "
+            f"is now at version {now}: written in place since, so the block tables may not "
+            f"match its contents; rebuild with op.block_mask(...) after changing it"
+        )
 
 
 def _other_spec(op, bm) -> str:

@@ -17,11 +17,13 @@ brute-force torch version (CPU ``op.block_mask`` and the tests).
 
 Users build one with ``bm = op.block_mask(seqlen_q, seqlen_k, doc_q=..., doc_kv=...)``
 and pass it to ``op.attention(..., block_mask=bm)`` for as long as the tensor params'
-contents do not change (the op cannot check contents without a device sync); without
-``block_mask`` the op builds a fresh table on every call.  A table holds only for the
-tiles it was built for (the kernel that ``op.block_mask`` found: the Hopper kernel's
-on sm_90, the FA2-class kernel's for an op bound to ``Options(family="fa2")``); an op refuses
-it with a kernel of other tiles (:func:`table_for_tiles`).
+contents do not change: the op refuses other tensors and tensors written in place since
+(their ``_version``, :meth:`TableInputs.changed`), but cannot compare contents without a
+device sync; without ``block_mask`` the op builds a fresh table on every call.  A table
+holds only for the tiles it was built for (the kernel that ``op.block_mask`` found: the
+Hopper kernel's on sm_90, the FA2-class kernel's for an op bound to
+``Options(family="fa2")``); an op refuses it with a kernel of other tiles
+(:func:`table_for_tiles`).
 
 A :class:`BlockMask` also holds the tables of other tiles that a call needs, FlexAttention's
 BlockMask holding both the forward's and the backward's: the Hopper backward classifies its
@@ -71,15 +73,70 @@ def table_arg(table: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
     return table[..., None, None].expand(*table.shape, block_m, block_n)
 
 
+def tensor_version(t) -> int | None:
+    """``t._version`` (torch's count of in-place writes to ``t`` and the views sharing its
+    version counter: host metadata, no device sync), or None where there is none (not a
+    tensor, an inference tensor: those track no version)."""
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return None
+    try:
+        return t._version
+    except RuntimeError:  # a tensor subclass without a version counter
+        return None
+
+
 @dataclass(frozen=True)
 class TableInputs:
     """What a :class:`BlockMask`'s tables are built from: the problem sizes (a
     :class:`~flashgen.ops.validation.Dims`), the scalar params' values in spec order and the
-    tensor params by name, as ``op.block_mask`` got them (the tensors are held, not copied)."""
+    tensor params the mask reads by name, as ``op.block_mask`` got them (the tensors are
+    held, not copied).  ``versions``: each tensor's :func:`tensor_version` when the table
+    was built (filled in at construction), so a tensor written in place since is told by
+    :meth:`changed` (its contents may no longer match the tables).
+
+    Pickled or copied, the tensors come back with new version counters: the count of
+    writes since the build goes along instead, so the copy's :meth:`changed` says what the
+    original's said."""
 
     dims: object
     scalars: tuple
     tensors: dict
+    versions: dict | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.versions is None:
+            versions = {n: tensor_version(t) for n, t in self.tensors.items()}
+            object.__setattr__(self, "versions", versions)
+
+    def changed(self) -> list[tuple[str, int, int]]:
+        """``(name, version at the build, version now)`` of each held tensor written in
+        place since the build (host metadata only)."""
+        out = []
+        for name, built in self.versions.items():
+            if built is not None:
+                now = tensor_version(self.tensors[name])
+                if now is not None and now != built:
+                    out.append((name, built, now))
+        return out
+
+    def __getstate__(self) -> dict:
+        written = {
+            n: None if v is None or tensor_version(self.tensors[n]) is None
+            else tensor_version(self.tensors[n]) - v
+            for n, v in self.versions.items()
+        }  # fmt: skip
+        return {"dims": self.dims, "scalars": self.scalars, "tensors": self.tensors,
+                "written": written}  # fmt: skip
+
+    def __setstate__(self, state: dict) -> None:
+        tensors = state["tensors"]
+        versions = {}
+        for n, w in state["written"].items():
+            now = tensor_version(tensors[n])
+            versions[n] = None if w is None or now is None else now - w
+        for name in ("dims", "scalars", "tensors"):
+            object.__setattr__(self, name, state[name])
+        object.__setattr__(self, "versions", versions)
 
 
 @dataclass(frozen=True)
@@ -95,6 +152,11 @@ class BlockMask:
     forward's table only and a backward builds its own per call); ``tables``: the tables
     it holds by :func:`table_key`, the forward's first, each with the fence of its build or
     None (:meth:`held`).
+
+    Picklable and copyable (``copy``, ``torch.save``, a DataLoader worker's result): the
+    copy has a fresh lock and holds the forward's table only (the others are built again
+    on first use), as one from ``dataclasses.replace``; its :attr:`inputs` keep the count
+    of in-place writes since the build.
     """
 
     spec_name: str
