@@ -138,8 +138,8 @@ def _covering() -> list:
     every unit, and every (variant kind, unit, target) occurs (for alternate pairs).  The
     sm_80 and sm_90 FA2-class units of a variant render the same CUDA but for the kernels'
     names (ptxas allocates registers per arch, so the other arch is covered by the other
-    variant, not proven for this one); the shipped specs compile the full product
-    (tests/unit/test_compile.py)."""
+    variant, not proven for this one); the shipped specs compile every forward and a
+    pairwise covering of their FA2-class backward units (tests/unit/test_compile.py)."""
     targets, units = ("sm_80", "sm_90"), ("fwd", "bwd", "bwd_atomic")
     jobs = []
     for i, v in enumerate(COMPILED):
