@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from covering import pairwise
+
 from flashgen.frontend.spec import load_spec
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
@@ -63,6 +65,4 @@ def fa2_backward_covering(names, units) -> list[tuple[str, str, str]]:
     ptxas allocates registers per arch, so a spec's other target is covered by the other
     specs, not proven for it.  tests/unit/test_compile.py and test_dparam_kernels.py ask for
     the same coverings (the same units: cache hits in a full run)."""
-    from covering import pairwise
-
     return pairwise(sorted(names), FA2_TARGETS, tuple(units))
