@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from covering import pairwise
+
 from flashgen.frontend.spec import load_spec
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "specs"
@@ -45,3 +47,22 @@ def distinct_code(paths) -> list[Path]:
 #: every shipped spec file, and those of distinct kernel code
 ALL = sorted(SPEC_DIR.glob("*.yaml"))
 DISTINCT = distinct_code(ALL)
+
+
+#: the targets of the FA2-class kernels
+FA2_TARGETS = ("sm_80", "sm_90")
+
+
+def fa2_backward_covering(names, units) -> list[tuple[str, str, str]]:
+    """(spec name, target, unit) rows covering ``names`` (in sorted order) x
+    :data:`FA2_TARGETS` x ``units`` pairwise (tests/covering.py): the FA2-class backward units
+    (``bwd`` and ``bwd_atomic``, or their ``_dparam`` forms) of the shipped specs that the
+    nvcc sweeps build.  A spec's sm_80 and sm_90 FA2-class backward units render the same
+    CUDA but for the kernels' names and, for the window masks, the sm_90 causal-bits tile
+    classifier (tests/unit/test_compile.py checks that; the atomic unit's vector reduction is
+    an ``#if __CUDA_ARCH__ >= 900`` in both), so each spec builds each unit for one target
+    and both targets across its units, and every (target, unit) is built by some specs:
+    ptxas allocates registers per arch, so a spec's other target is covered by the other
+    specs, not proven for it.  tests/unit/test_compile.py and test_dparam_kernels.py ask for
+    the same coverings (the same units: cache hits in a full run)."""
+    return pairwise(sorted(names), FA2_TARGETS, tuple(units))

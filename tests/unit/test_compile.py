@@ -1,16 +1,20 @@
 """nvcc compilation: every shipped spec compiles for sm_80 and sm_90 without spills and
-without ptxas serializing its wgmma instructions (forward, deterministic backward,
-atomic-dQ backward, sparse-mask forward and Hopper backward units)."""
+without ptxas serializing its wgmma instructions (forward, sparse-mask forward and Hopper
+backward units for every spec and target; deterministic and atomic-dQ FA2-class backward
+units as a pairwise covering of spec x target x unit)."""
 
 from __future__ import annotations
 
+import difflib
+import functools
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from plan_helpers import plan_backward, plan_forward
-from shipped_specs import distinct_code, twins
+from shipped_specs import FA2_TARGETS, distinct_code, fa2_backward_covering, twins
 
 from flashgen.build import cache
 from flashgen.build.compile import (
@@ -149,42 +153,94 @@ def _build(path: Path, target: str, unit: str):
     return spec.name, target, unit, cubin, report
 
 
+FA2_BWD = ("bwd", "bwd_atomic")
+FA2_BWD_DPARAM = ("bwd_dparam", "bwd_atomic_dparam")
+
+
+@functools.cache
+def _units_of(path: Path, target: str) -> dict:
+    """``compile_units`` of the spec at ``path`` for ``target`` (none for a target it lacks)."""
+    spec = load_spec(path)
+    return compile_units(spec, target) if target in spec.targets else {}
+
+
+def _sweep() -> list[tuple[Path, str, str]]:
+    """(spec path, target, unit) of the sweep below: every spec's forward on each of its
+    targets (FA2-class on sm_80, Hopper on sm_90: different kernels), the sparse-mask forward,
+    the Hopper backward and the Hopper dparam unit wherever there are, and the FA2-class
+    backward units (deterministic and atomic-dQ, with and without param gradients) as the
+    pairwise coverings of tests/shipped_specs.py's :func:`fa2_backward_covering`."""
+    units = {(p, t): _units_of(p, t) for p in COMPILED for t in FA2_TARGETS}
+    jobs = [(p, t, "fwd") for (p, t), us in units.items() if "fwd" in us]
+    jobs += [
+        (p, "sm_90", u)
+        for p in COMPILED
+        for u in ("fwd_sparse", "bwd_wgmma", "bwd_wgmma_dparam")
+        if u in units[p, "sm_90"]
+    ]
+    by_name = {load_spec(p).name: p for p in COMPILED}
+    for kinds in (FA2_BWD, FA2_BWD_DPARAM):
+        names = [
+            n for n, p in by_name.items() if all(kinds[0] in units[p, t] for t in FA2_TARGETS)
+        ]
+        jobs += [(by_name[n], t, u) for n, t, u in fa2_backward_covering(names, kinds)]
+    return jobs
+
+
+def test_the_sweep_covers_every_unit_kind_and_target_pairwise():
+    """Every spec's forward on every target and every sm_90-only unit; every FA2-class backward
+    unit kind of every spec, both targets for every spec, every (target, unit kind); the
+    dparam forms for every trainable spec alike."""
+    jobs = _sweep()
+    assert len(jobs) == len(set(jobs))
+    full = {(p, t, u) for p in COMPILED for t in FA2_TARGETS for u in _units_of(p, t)}
+    fa2 = set(FA2_BWD + FA2_BWD_DPARAM)
+    assert {j for j in full if j[2] not in fa2 and not j[2].endswith("_sink")} <= set(jobs)
+    for kinds in (FA2_BWD, FA2_BWD_DPARAM):
+        have = [j for j in full if j[2] in kinds]
+        mine = [j for j in jobs if j[2] in kinds]
+        assert {p for p, _, _ in have} == {p for p, _, _ in mine}
+        assert {(p, u) for p, _, u in have} == {(p, u) for p, _, u in mine}
+        assert {(p, t) for p, t, _ in have} == {(p, t) for p, t, _ in mine}
+        assert {(t, u) for _, t, u in mine} == {(t, u) for t in FA2_TARGETS for u in kinds}
+
+
+def test_the_fa2_backward_units_render_alike_for_both_targets():
+    """What lets the sweep build a spec's FA2-class backward unit for one target: the sm_80
+    and sm_90 units render the same CUDA but for the kernels' names and, for a window mask,
+    the sm_90 tile classifier's causal bits (the atomic unit's vector reduction is an
+    ``#if __CUDA_ARCH__ >= 900`` in both)."""
+
+    def code(plan):
+        src = render(plan)
+        for name in sorted(set(re.findall(r"\bflashgen_\w+", src)), key=len, reverse=True):
+            src = src.replace(name, "K")
+        return src.splitlines()
+
+    for p in COMPILED:
+        a, b = (_units_of(p, t) for t in FA2_TARGETS)
+        for u in set(a) & set(b) & set(FA2_BWD + FA2_BWD_DPARAM):
+            diff = difflib.unified_diff(code(a[u]), code(b[u]), lineterm="", n=0)
+            changed = [x[1:].strip() for x in diff if x[:1] in "+-" and x[:3] not in ("+++", "---")]
+            assert all(
+                x.startswith("const fg::iv::") or x.startswith("return fg::iv::")
+                and "tile_class(" in x for x in changed
+            ), (p.stem, u, changed)  # fmt: skip
+
+
 def test_every_shipped_spec_compiles_without_spills(requires_nvcc):
-    """All (spec, target, unit) units of :func:`compile_units` (forward, deterministic
-    backward, atomic-dQ backward, and the sparse-mask forward and the Hopper backward where
-    there are), compiled
-    in parallel through the (session) cache; every kernel in them (each backward unit holds
-    three) is checked.  A spec whose kernels are an earlier one's but for their names
-    (llama3_gqa: causal_d128's) is not compiled twice (the next test)."""
+    """The units of :func:`_sweep`, compiled in parallel through the (session) cache (forward,
+    sparse-mask forward and Hopper backward units of every spec, the FA2-class deterministic
+    and atomic-dQ backward units as a pairwise covering of spec x target x unit, with and
+    without param gradients); every kernel in them (each backward unit holds three) is
+    checked.  A spec whose kernels are an earlier one's but for their names (llama3_gqa:
+    causal_d128's) is not compiled twice (the next test)."""
     assert SPECS, "no specs shipped"
     names = ("fwd", "bwd", "bwd_atomic")
     # (COMPILED[0], alibi, has a trainable param: its dparam units follow, checked below)
     first = tuple(compile_units(load_spec(COMPILED[0]), "sm_80"))
     assert first[:3] == names and all(u.endswith("_dparam") for u in first[3:])
-    # each spec on its targets (fp8 specs: sm_90 only, and forward only)
-    units = [
-        (p, t, u)
-        for p in COMPILED
-        for t in load_spec(p).targets
-        for u in names
-        if u in compile_units(load_spec(p), t)
-    ]
-    # the forward the op runs for calls whose mask keeps few keys per row (lower.sparse_tiles),
-    # and the Hopper backward (wgmma: ptxas may serialize it too)
-    units += [
-        (p, "sm_90", u)
-        for p in COMPILED
-        for u in ("fwd_sparse", "bwd_wgmma")
-        if u in compile_units(load_spec(p), "sm_90")
-    ]
-    # the units of a backward that accumulates param gradients (templates/common/dparam.j2)
-    units += [
-        (p, t, u)
-        for p in COMPILED
-        for t in load_spec(p).targets
-        for u in ("bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam")
-        if u in compile_units(load_spec(p), t)
-    ]
+    units = _sweep()
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda ptu: _build(*ptu), units))
     problems = []

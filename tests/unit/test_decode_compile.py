@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from covering import pairwise, uncovered_pairs
 from shipped_specs import DISTINCT
 
 from flashgen.build import cache
@@ -54,14 +55,36 @@ def test_ragged_and_padded_units_differ_only_when_asked():
         assert [a.name for a in ragged.kernel("append").args][-1] == "cu_seqlens_q"
 
 
+def _covering() -> list:
+    """(spec, target, ragged) of the nvcc test below: a pairwise covering (tests/covering.py)
+    of the supporting shipped specs (one per kernel code) x {sm_80, sm_90} x {padded, ragged}:
+    every spec builds both targets and both units, every (target, unit) is built by half
+    the specs.  A decode unit renders the same CUDA for both targets but for the
+    kernels' names and the launch bounds' CTAs per SM (more on sm_90: a tighter register
+    cap); ptxas allocates per arch, so a spec's other (target, unit) pair is covered by the
+    other specs, not proven for it (``FLASHGEN_TEST_FULL_PRODUCT=1`` builds them all)."""
+    specs = {s.name: s for s in _specs(DISTINCT)}
+    rows = pairwise(sorted(specs), ("sm_80", "sm_90"), (False, True))
+    return [(specs[n], t, r) for n, t, r in rows]
+
+
+def test_the_covering_builds_every_spec_target_and_unit():
+    jobs = [(s.name, t, r) for s, t, r in _covering()]
+    specs = sorted({s.name for s in _specs(DISTINCT)})
+    assert not uncovered_pairs(jobs, specs, ("sm_80", "sm_90"), (False, True))
+    assert {"document_mask", "spec_tree"} <= set(specs)
+    if len(jobs) < 4 * len(specs):  # (not under FLASHGEN_TEST_FULL_PRODUCT=1)
+        assert len(jobs) == 2 * len(specs)
+
+
 @pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
 def test_every_decode_unit_compiles_without_spills(ragged, requires_nvcc):
-    """Both kernels (attn, append) of every supporting shipped spec's padded and ragged-Sq_new
-    units, sm_80 and sm_90a, spill-free (two nvcc runs per spec, in parallel), the masks
-    that read tensors (document_mask, spec_tree) among them; one spec per kernel code
-    (tests/shipped_specs.py: llama3_gqa's units are causal_d128's)."""
-    jobs = [(s, t, ragged) for s in _specs(DISTINCT) for t in ("sm_80", "sm_90")]
-    assert {"document_mask", "spec_tree"} <= {s.name for s in _specs()}
+    """Both kernels (attn, append) of the padded or ragged-Sq_new units of :func:`_covering`
+    (every supporting shipped spec, one per kernel code, for sm_80 or sm_90a; the other
+    target in the other test), spill-free, in parallel; the masks that read tensors
+    (document_mask, spec_tree) among them (tests/shipped_specs.py: llama3_gqa's units are
+    causal_d128's)."""
+    jobs = [job for job in _covering() if job[2] == ragged]
     workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(_compile, jobs))

@@ -13,11 +13,13 @@ wgmma."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import subprocess
 from pathlib import Path
 
 import pytest
+from covering import pairwise, uncovered_pairs
 from host_cxx import preamble
 
 from flashgen.build.render import render
@@ -343,32 +345,65 @@ def test_the_accumulator_fragment_covers_the_tile_once(maps):
 
 
 # ----------------------------------------------------------------------------- compiled
+SOFTCAP = "30.0 * tanh(score / 30.0)"
+WINDOW = "causal && q_idx + seqlen_k - seqlen_q - kv_idx < w"
+#: what the nvcc test varies: dtype, score_mod, mask, ragged Sq_new
+FACTORS = (("bf16", "fp16"), (None, SOFTCAP), ("causal", WINDOW), (False, True))
+
+
+def _variant(dtype, score_mod, mask):
+    """The shipped spec (bf16, causal, no score_mod) or one like it with ``dtype``,
+    ``score_mod`` and ``mask`` (the window's width a param)."""
+    if (dtype, score_mod, mask) == ("bf16", None, "causal"):
+        return SPEC
+    text = BASE + f"dtype: {dtype}\nmask: {mask}\n"
+    if score_mod is not None:
+        text += f"score_mod: {score_mod}\n"
+    if mask == WINDOW:
+        text += "params:\n  w: {type: i32, default: 128, min: 1}\n"
+    return loads_spec(text, "m.yaml")
+
+
 def _compile(job):
     from flashgen.build import cache
 
-    name, ragged = job
-    p = registry.plan_decode(SPECS[name], "sm_90", ON, ragged=ragged)
+    *variant, ragged = job
+    p = registry.plan_decode(_variant(*variant), "sm_90", ON, ragged=ragged)
     _, report = cache.get_or_build(render(p), p)
     return job, p, report
 
 
+def test_the_nvcc_jobs_cover_every_pair_of_factor_values():
+    jobs = pairwise(*FACTORS)
+    assert not uncovered_pairs(jobs, *FACTORS)
+    assert ("bf16", None, "causal", False) in jobs  # the shipped spec
+    assert len(jobs) < 2 ** len(FACTORS) or os.environ.get("FLASHGEN_TEST_FULL_PRODUCT") == "1"
+    for dtype, score_mod, mask, _ in jobs:
+        spec = _variant(dtype, score_mod, mask)
+        assert (spec.dtype, spec.score_mod is not None) == (dtype, score_mod is not None)
+        assert ([q.name for q in spec.params] == ["w"]) == (mask == WINDOW)
+
+
 def test_the_unit_compiles_for_sm_90a_without_spills_or_serialized_wgmma(requires_nvcc):
-    """Both kernels of the padded and ragged units of the shipped spec and of an fp16 one with
-    a score_mod and a window mask (query heads and Sq_new are launch values: one cubin serves
-    16, 64 and 128 heads, Sq_new 1 and 2): no spill, and ptxas kept the wgmmas asynchronous."""
+    """Both kernels of the units of a pairwise covering (tests/covering.py) of dtype (bf16,
+    fp16) x score_mod (none, softcap) x mask (causal, a window) x Sq_new (padded, ragged):
+    6 units, not the 16 of the product (nor the 8 of the shipped spec and one variant per
+    feature, each padded and ragged, before): every value of each and every pair of values
+    of two (the shipped spec's padded unit among them; query heads and Sq_new are launch
+    values: one cubin serves 16, 64 and 128 heads, Sq_new 1 and 2): no spill, and ptxas kept
+    the wgmmas asynchronous."""
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = [(n, r) for n in ("shipped", "score_mod", "window", "fp16") for r in (False, True)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(_compile, jobs))
+        results = list(pool.map(_compile, pairwise(*FACTORS)))
     problems = []
-    for (name, ragged), p, report in results:
+    for job, p, report in results:
         assert {k.name for k in report.kernels} == {p.kernel_name, p.kernel("append").kernel_name}
         attn = report.kernel(p.kernel_name)
         assert 0 < attn.registers <= 168  # 384 threads, one CTA per SM
         for k in report.kernels:
             if k.spill_bytes or k.wgmma_serialized:
-                problems.append(f"{name} ragged={ragged}: {k}")
+                problems.append(f"{job}: {k}")
     assert not problems, "\n".join(problems)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from dparam_cases import FORMS, form_spec
 from sass_helpers import sass
+from shipped_specs import fa2_backward_covering
 
 from flashgen.build.render import render
 from flashgen.codegen import dparam
@@ -508,14 +509,18 @@ def _jobs(cases) -> list:
     (kind, target) is built by half the forms at each head dim (the sm_80 and sm_90 units
     render the same CUDA but for the kernels' names and the sm_90 vector reduction; ptxas
     allocates registers per arch, so a form's other target is covered by the other forms,
-    not proven for it).  The shipped specs build all four (tests/unit/test_compile.py builds
-    the same units: cache hits in a full run); the Hopper unit is built for every spec it
-    takes (sm_90 only)."""
+    not proven for it).  The shipped specs' FA2-class dparam units are the pairwise covering
+    tests/unit/test_compile.py builds (tests/shipped_specs.py's ``fa2_backward_covering``:
+    each spec both kinds and both targets, every (kind, target); the same units, cache hits
+    in a full run); the Hopper unit is built for every spec it takes (sm_90 only)."""
     jobs = []
     shipped = {p.stem for p in (REPO / "specs").glob("*.yaml")}
+    kind_of = {"bwd_dparam": "det", "bwd_atomic_dparam": "atomic"}
+    names = [s.name for s, _ in cases if s.name in shipped]
+    covering = {(n, t, kind_of[u]) for n, t, u in fa2_backward_covering(names, kind_of)}
     for i, spec in enumerate(s for s, _ in cases):
         if spec.name in shipped:
-            jobs += [(spec, t, k) for t in ("sm_80", "sm_90") for k in ("det", "atomic")]
+            jobs += [(spec, t, k) for n, t, k in sorted(covering) if n == spec.name]
         else:
             jobs += [(spec, ("sm_80", "sm_90")[(i + j) % 2], k)
                      for j, k in enumerate(("det", "atomic"))]  # fmt: skip
@@ -538,6 +543,10 @@ def test_the_sweep_builds_every_form_and_kind_for_both_targets():
     for d in (64, 128, 256):
         at_d = {(t, k) for s, t, k in jobs if s.head_dim == d and k != "hopper"}
         assert len(at_d) == 4, d  # both kinds for both targets at every head dim
+    # the shipped specs: two units each, every (kind, target) among them
+    shipped = [(n, t, k) for n, t, k in fa2 if not n.startswith("dp_")]
+    assert len(shipped) == 2 * len({n for n, _, _ in shipped}) == 8
+    assert len({(t, k) for _, t, k in shipped}) == 4
 
 
 def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):
