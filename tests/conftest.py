@@ -39,8 +39,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full-product", action="store_true",
+        help="nvcc sweeps build their parameters' full product, not a pairwise covering "
+        "(tests/covering.py)",
+    )  # fmt: skip
+
+
 def pytest_configure(config):
     _share_cores_among_workers()
+    import covering
+
+    covering.FULL_PRODUCT = config.getoption("--full-product")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped where none is present)")
     config.addinivalue_line(
         "markers",

@@ -10,15 +10,18 @@ the session's kernel cache.  allpairspy's generator was the first choice; its co
 as small but lopsided (of 13 specs x 2 targets x 2 units, 12 build the deterministic unit for
 sm_90 and 1 for sm_80), so this greedy one breaks ties towards the pairs used least.
 
-``FLASHGEN_TEST_FULL_PRODUCT=1`` makes every covering the full product (all the units, as
-before a change that moves registers is measured: docs/kernels.md)."""
+``pytest --full-product`` makes every covering the full product (all the units, as before a
+change that moves registers is measured: docs/kernels.md; tests/conftest.py sets
+:data:`FULL_PRODUCT`)."""
 
 from __future__ import annotations
 
 import itertools
-import os
 from collections import Counter
 from collections.abc import Sequence
+
+#: Every covering is its factors' full product (``pytest --full-product``).
+FULL_PRODUCT = False
 
 
 def _pairs(row) -> set:
@@ -29,10 +32,10 @@ def pairwise(*factors: Sequence) -> list[tuple]:
     """Rows over ``factors`` (each a sequence of distinct hashable values) covering every pair
     of values of any two factors: greedily the row of the product that covers the most pairs
     not yet covered, of those the one whose pairs earlier rows hold least, then the first in
-    product order.  With fewer than three factors, or with ``FLASHGEN_TEST_FULL_PRODUCT=1``,
+    product order.  With fewer than three factors, or with ``pytest --full-product``,
     their product."""
     product = list(itertools.product(*factors))
-    if len(factors) < 3 or os.environ.get("FLASHGEN_TEST_FULL_PRODUCT") == "1":
+    if len(factors) < 3 or FULL_PRODUCT:
         return product
     todo = set().union(*map(_pairs, product))
     used: Counter = Counter()  # rows holding each pair so far

@@ -62,7 +62,7 @@ def _covering() -> list:
     the specs.  A decode unit renders the same CUDA for both targets but for the
     kernels' names and the launch bounds' CTAs per SM (more on sm_90: a tighter register
     cap); ptxas allocates per arch, so a spec's other (target, unit) pair is covered by the
-    other specs, not proven for it (``FLASHGEN_TEST_FULL_PRODUCT=1`` builds them all)."""
+    other specs, not proven for it (``pytest --full-product`` builds them all)."""
     specs = {s.name: s for s in _specs(DISTINCT)}
     rows = pairwise(sorted(specs), ("sm_80", "sm_90"), (False, True))
     return [(specs[n], t, r) for n, t, r in rows]
@@ -73,7 +73,7 @@ def test_the_covering_builds_every_spec_target_and_unit():
     specs = sorted({s.name for s in _specs(DISTINCT)})
     assert not uncovered_pairs(jobs, specs, ("sm_80", "sm_90"), (False, True))
     assert {"document_mask", "spec_tree"} <= set(specs)
-    if len(jobs) < 4 * len(specs):  # (not under FLASHGEN_TEST_FULL_PRODUCT=1)
+    if len(jobs) < 4 * len(specs):  # (not under pytest --full-product)
         assert len(jobs) == 2 * len(specs)
 
 

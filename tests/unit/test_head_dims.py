@@ -143,7 +143,7 @@ def _covering() -> list:
     runs, not the product's 72 (nor 36, every pair's every unit for both targets, before).
     The sm_80 and sm_90 FA2-class backward units of a variant render the same CUDA but for
     the kernels' names (ptxas allocates registers per arch, so the other target of a pair's
-    unit is covered by the other pairs, not proven for it; ``FLASHGEN_TEST_FULL_PRODUCT=1``
+    unit is covered by the other pairs, not proven for it; ``pytest --full-product``
     builds the product); the shipped specs compile every forward and a pairwise covering of
     their FA2-class backward units (tests/unit/test_compile.py)."""
     pairs = [v[:2] for v in COMPILED[::2]]

@@ -140,7 +140,7 @@ def test_build_order_is_the_old_loops(spec, head_groups, monkeypatch):
     ``fa2_fwd.head_groups``, what ``FLASHGEN_HEAD_GROUPS=0`` was).  The builds of
     :data:`COVERING` for ``spec`` and ``head_groups``: every (spec, build) with the head groups
     on or off, both for every spec and for every build, each with half the specs (about three
-    of the six builds a test; ``FLASHGEN_TEST_FULL_PRODUCT=1``: all six)."""
+    of the six builds a test; ``pytest --full-product``: all six)."""
     values = {"hopper_fwd.head_groups": head_groups, "fa2_fwd.head_groups": head_groups}
     mine = [BUILDS[b] for n, on, b in COVERING if n == spec.name and on == head_groups]
     for target, family, persistent in mine:
