@@ -1022,8 +1022,33 @@ def _child_rows(cmd: list[str]) -> list[dict]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, by ``ap.error`` (exit 2, before torch is imported or anything is measured),
+    arguments the run would not honour: an ``-n`` / ``--reps`` below 1 (a division by zero,
+    ``min()`` of no times, negative times), a ``--seqlens`` / ``--batch`` value below 1,
+    ``--specs`` without ``--training``, ``--sink`` without ``--decode``, ``--training`` with
+    ``--decode``, and a ``--baseline`` that is no flashgen checkout (its child run failed and
+    the table came without it).  Each message names the argument and the value received."""
+    for name, value in (("-n", args.n), ("--reps", args.reps)):
+        if value is not None and value < 1:
+            ap.error(f"{name}: expected a positive int, got {value}")
+    for name, values in (("--seqlens", args.seqlens), ("--batch", args.batch)):
+        if any(x < 1 for x in values):
+            ap.error(f"{name}: expected positive ints, got {values}")
+    if args.training and args.decode:
+        ap.error("--training and --decode: expected one of them, got both")
+    if args.specs is not None and not args.training:
+        ap.error(f"--specs: only with --training (the specs it times), got --specs "
+                 f"{' '.join(args.specs)} without it")  # fmt: skip
+    if args.sink and not args.decode:
+        ap.error("--sink: only with --decode (gpt_oss_sink's decode), got --sink without it")
+    if args.baseline is not None and not (args.baseline / "flashgen" / "__init__.py").is_file():
+        ap.error(f"--baseline: expected a flashgen checkout (a directory holding "
+                 f"flashgen/__init__.py), got {args.baseline}")  # fmt: skip
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("-n", type=int, default=None,
                     help="calls per timed loop (default 200; --training: 20 steps on the GPU, "
@@ -1051,9 +1076,12 @@ def main() -> int:
     ap.add_argument("--training", action="store_true",
                     help="one forward + backward step, the param detached vs requiring grad "
                     "(alibi, t5_bias, gpt_oss_sink)")  # fmt: skip
-    ap.add_argument("--specs", nargs="+", choices=list(TRAIN_SPECS), default=list(TRAIN_SPECS),
-                    help="--training: the specs to measure")  # fmt: skip
+    ap.add_argument("--specs", nargs="+", choices=list(TRAIN_SPECS), default=None,
+                    help="--training: the specs to measure (default: all)")  # fmt: skip
     args = ap.parse_args()
+    _check_args(ap, args)
+    if args.specs is None:
+        args.specs = list(TRAIN_SPECS)
     if args.n is None:
         args.n = (50 if args.cpu else 20) if args.training else 200
     import torch

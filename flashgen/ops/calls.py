@@ -122,20 +122,35 @@ def _caller_stacklevel() -> int:
 
 
 _FUNCTORCH_ACTIVE = torch._C._are_functorch_transforms_active
+_IS_GRAD_TRACKING = torch._C._functorch.is_gradtrackingtensor
 
 
 def refuse_forward_ad(name: str, tensors) -> None:
-    """Raise ``NotImplementedError`` naming the op if any of ``tensors`` carries a
-    forward-mode tangent (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``
-    dual tensors): the ops have no forward-mode formula, and torch would give zero tangents
-    silently.  Costs one check of two flags when no forward-mode AD is active."""
+    """Raise ``NotImplementedError`` naming the op if any of ``tensors`` (q, k, v, the params)
+    carries a forward-mode tangent (``torch.func.jvp`` / ``jacfwd``,
+    ``torch.autograd.forward_ad`` dual tensors): the ops have no forward-mode formula, and
+    torch would give zero tangents silently; or is tracked by a ``torch.func`` reverse-mode
+    transform (``grad``, ``vjp``, ``jacrev``, a GradTrackingTensor): the ops' autograd is
+    torch.library's, whose generated ``autograd.Function`` has no ``setup_context``, so torch
+    would raise an error that names neither the op nor what works (pytorch/pytorch#168393).
+    Both messages point to ``torch.autograd.grad`` / ``.backward()``, which work.  Costs one
+    check of two flags when no forward-mode AD or functorch transform is active."""
     if _fwad._current_level < 0 and not _FUNCTORCH_ACTIVE():
         return
     for t in tensors:
-        if isinstance(t, torch.Tensor) and _fwad.unpack_dual(t).tangent is not None:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if _fwad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(
                 f"flashgen::{name}: no forward-mode AD (torch.func.jvp, jacfwd, forward_ad dual "
-                f"tensors); use reverse mode (torch.autograd.grad, torch.func.jacrev)"
+                f"tensors); use reverse mode through torch.autograd (torch.autograd.grad, "
+                f".backward())"
+            )
+        if _IS_GRAD_TRACKING(t):
+            raise NotImplementedError(
+                f"flashgen::{name}: no torch.func reverse mode (grad, vjp, jacrev): "
+                f"torch.library ops' autograd does not run under functorch transforms "
+                f"(pytorch/pytorch#168393); use torch.autograd.grad or .backward()"
             )
 
 

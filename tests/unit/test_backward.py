@@ -199,6 +199,43 @@ def test_double_backward_raises_instead_of_returning_zeros():
         torch.autograd.grad(first[0].sum(), q)
 
 
+def test_functorch_reverse_mode_raises_naming_the_op_and_what_works():
+    """torch.func.grad / vjp / jacrev through op.attention or op.varlen (q, k, v or a trained
+    tensor param such as alibi_learned's slopes) raise NotImplementedError naming the op and
+    torch.autograd.grad: torch.library's generated autograd.Function has no setup_context,
+    so torch raised 'must override the setup_context staticmethod' (pytorch/pytorch#168393),
+    and the forward-mode refusal recommended torch.func.jacrev, which failed the same way.
+    vmap without a gradient transform still runs."""
+    import flashgen
+
+    op = flashgen.load("alibi_learned")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 5, 64, dtype=torch.float64, generator=g) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    match = r"alibi_learned(__varlen)?: no torch\.func reverse mode .*torch\.autograd\.grad"
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.grad(lambda x: op.attention(x, k, v, slopes=slopes)[0].sum())(q)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.grad(lambda s: op.attention(q, k, v, slopes=s)[0].sum())(slopes)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.jacrev(lambda s: op.attention(q, k, v, slopes=s)[0].sum())(slopes)
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.vjp(lambda x: op.attention(x, k, v, slopes=slopes)[0], q)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    qv, kv, vv = (t[0].transpose(0, 1) for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match=match):
+        torch.func.grad(
+            lambda x: op.varlen(x, kv, vv, cu, cu, 3, 3, slopes=slopes)[0].sum())(qv)  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"forward-mode AD.*torch\.autograd\.grad"):
+        torch.func.jacfwd(lambda s: op.attention(q, k, v, slopes=s)[0].sum())(slopes)
+    batched = torch.func.vmap(lambda s: op.attention(q, k, v, slopes=s)[0].sum())(
+        torch.stack([slopes, 2 * slopes]))  # fmt: skip
+    assert batched[0] == op.attention(q, k, v, slopes=slopes)[0].sum()
+    s = slopes.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(op.attention(q, k, v, slopes=s)[0].sum(), s)
+    assert grad.shape == (2,)
+
+
 def test_forward_mode_ad_raises_instead_of_zero_tangents():
     """torch.func.jvp / jacfwd and forward_ad dual tensors through an op raise
     NotImplementedError naming it (no forward-mode formula; torch gave zero tangents

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import covering  # noqa: E402
 from head_dim_cases import NEW_HEAD_DIMS, dims_id, hdim_spec  # noqa: E402
 
 from flashgen.build import cache  # noqa: E402
@@ -34,16 +35,37 @@ def _compile(job):
     return job, report
 
 
-def test_decode_units_of_every_head_dim_compile_without_spills(requires_nvcc):
-    """Pair p's padded (r = 0) and ragged (r = 1) units, for target (p + r) % 2: every head-dim
-    pair builds for both targets and each unit form for both (a pairwise covering, 12 nvcc
-    runs, not 24).  A decode unit renders the same CUDA for sm_80 and sm_90 but for the
-    kernels' names; ptxas allocates registers per arch, so a pair's other target is covered
-    by its other unit, not proven for this one (the shipped specs build every decode unit
-    for both targets: tests/unit/test_decode_compile.py)."""
-    targets = ("sm_80", "sm_90")
-    jobs = [(d, dv, targets[(p + r) % 2], bool(r)) for p, (d, dv) in enumerate(NEW_HEAD_DIMS)
+TARGETS = ("sm_80", "sm_90")
+
+
+def _jobs() -> list[tuple[int, int, str, bool]]:
+    """(d, dv, target, ragged) of the nvcc sweep below: pair p's padded (r = 0) and ragged
+    (r = 1) units, for target (p + r) % 2, so every head-dim pair builds for both targets and
+    each unit form for both (a pairwise covering, 12 nvcc runs, not 24); under ``pytest
+    --full-product`` (tests/covering.py) every pair's both units for both targets."""
+    if covering.FULL_PRODUCT:
+        return [(d, dv, t, r) for d, dv in NEW_HEAD_DIMS for t in TARGETS for r in (False, True)]
+    return [(d, dv, TARGETS[(p + r) % 2], bool(r)) for p, (d, dv) in enumerate(NEW_HEAD_DIMS)
             for r in (0, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["covering", "full_product"])
+def test_the_sweep_takes_every_pair_target_and_unit_or_the_full_product(monkeypatch, full):
+    monkeypatch.setattr(covering, "FULL_PRODUCT", full)
+    jobs = _jobs()
+    assert len(jobs) == len(set(jobs)) == len(NEW_HEAD_DIMS) * (4 if full else 2)
+    for d, dv in NEW_HEAD_DIMS:
+        mine = [(t, r) for jd, jdv, t, r in jobs if (jd, jdv) == (d, dv)]
+        assert {t for t, _ in mine} == set(TARGETS) and {r for _, r in mine} == {False, True}
+    assert {(t, r) for *_, t, r in jobs} == {(t, r) for t in TARGETS for r in (False, True)}
+
+
+def test_decode_units_of_every_head_dim_compile_without_spills(requires_nvcc):
+    """The units of :func:`_jobs`.  A decode unit renders the same CUDA for sm_80 and sm_90
+    but for the kernels' names; ptxas allocates registers per arch, so in the covering a
+    pair's other target is covered by its other unit, not proven for this one (the shipped
+    specs build every decode unit for both targets: tests/unit/test_decode_compile.py)."""
+    jobs = _jobs()
     workers = int(os.environ.get("FLASHGEN_TEST_JOBS", (os.cpu_count() or 1) + 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(_compile, jobs))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import covering as sweeps
 import pytest
 import torch
 from dparam_cases import FORMS, form_spec
@@ -512,7 +513,8 @@ def _jobs(cases) -> list:
     not proven for it).  The shipped specs' FA2-class dparam units are the pairwise covering
     tests/unit/test_compile.py builds (tests/shipped_specs.py's ``fa2_backward_covering``:
     each spec both kinds and both targets, every (kind, target); the same units, cache hits
-    in a full run); the Hopper unit is built for every spec it takes (sm_90 only)."""
+    in a full run); the Hopper unit is built for every spec it takes (sm_90 only).  Under
+    ``pytest --full-product`` every spec builds both kinds for both targets."""
     jobs = []
     shipped = {p.stem for p in (REPO / "specs").glob("*.yaml")}
     kind_of = {"bwd_dparam": "det", "bwd_atomic_dparam": "atomic"}
@@ -521,6 +523,8 @@ def _jobs(cases) -> list:
     for i, spec in enumerate(s for s, _ in cases):
         if spec.name in shipped:
             jobs += [(spec, t, k) for n, t, k in sorted(covering) if n == spec.name]
+        elif sweeps.FULL_PRODUCT:
+            jobs += [(spec, t, k) for t in ("sm_80", "sm_90") for k in ("det", "atomic")]
         else:
             jobs += [(spec, ("sm_80", "sm_90")[(i + j) % 2], k)
                      for j, k in enumerate(("det", "atomic"))]  # fmt: skip
@@ -543,10 +547,16 @@ def test_the_sweep_builds_every_form_and_kind_for_both_targets():
     for d in (64, 128, 256):
         at_d = {(t, k) for s, t, k in jobs if s.head_dim == d and k != "hopper"}
         assert len(at_d) == 4, d  # both kinds for both targets at every head dim
-    # the shipped specs: two units each, every (kind, target) among them
+    # the shipped specs: two units each (all four under --full-product), every (kind, target)
+    # among them
     shipped = [(n, t, k) for n, t, k in fa2 if not n.startswith("dp_")]
-    assert len(shipped) == 2 * len({n for n, _, _ in shipped}) == 8
+    per_spec = 4 if sweeps.FULL_PRODUCT else 2
+    assert len(shipped) == per_spec * len({n for n, _, _ in shipped}) == 4 * per_spec
     assert len({(t, k) for _, t, k in shipped}) == 4
+    if sweeps.FULL_PRODUCT:  # the test specs too: every (target, kind)
+        for spec, _ in cases:
+            assert {(t, k) for n, t, k in fa2 if n == spec.name} == {
+                (t, k) for t in ("sm_80", "sm_90") for k in ("det", "atomic")}  # fmt: skip
 
 
 def test_every_index_form_compiles_its_dparam_units_without_spills(requires_nvcc):

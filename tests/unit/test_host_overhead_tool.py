@@ -99,3 +99,38 @@ def test_training_rows_print_the_ratio_per_checkout(capsys):
     out = capsys.readouterr().out
     assert "alibi trained / detached host time: 1.10x" in out
     assert "eager us" in out and "(queue drained: includes waits)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--training", "--cpu", "-n", "0"), "-n: expected a positive int, got 0"),
+        (("--cpu", "-n", "-3"), "-n: expected a positive int, got -3"),
+        (("--training", "--cpu", "--reps", "0"), "--reps: expected a positive int, got 0"),
+        (("--cpu", "--seqlens", "0"), "--seqlens: expected positive ints, got [0]"),
+        (("--decode", "--cpu", "--batch", "4", "0"), "--batch: expected positive ints, got [4, 0]"),
+        (("--cpu", "--specs", "alibi"), "--specs: only with --training"),
+        (("--cpu", "--sink"), "--sink: only with --decode"),
+        (("--training", "--decode", "--cpu"), "--training and --decode: expected one of them"),
+        (("--training", "--cpu", "--baseline", "/nonexistent/checkout"),
+         "--baseline: expected a flashgen checkout (a directory holding flashgen/__init__.py), "
+         "got /nonexistent/checkout"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_naming_them_before_measuring(args, message):
+    """A usage error (exit 2) naming the argument and the received value: -n 0 divided by
+    zero, --reps 0 took min() of nothing, -n -3 printed negative times, and --specs /
+    --sink without the mode they belong to, or a --baseline that is no checkout, were
+    ignored (a run of something else, rc 0)."""
+    res = _run(*args, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
+    assert message in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_help_describes_the_tool_in_a_whole_sentence():
+    """--help's description is the docstring's first paragraph, not its first line cut at
+    'with and without the'."""
+    res = _run("--help", timeout=120)
+    assert res.returncode == 0
+    assert "with and without the CUtensorMap descriptor cache" in " ".join(res.stdout.split())
