@@ -91,6 +91,15 @@ def test_a_runnable_block_runs_as_written(page, code, request, block_runs):
     assert rc == 0, f"{page.name}:\n{code}\n{output}"
 
 
+def test_gpu_blocks_parse_and_the_gpu_suite_runs_them():
+    """```python gpu blocks (tests/gpu/test_docs_gpu.py runs them on a device) are Python."""
+    gpu = re.compile(r"^```python gpu\n(.*?)^```", re.S | re.M)
+    blocks = [(p.name, m.group(1)) for p in PAGES for m in gpu.finditer(p.read_text())]
+    assert blocks, "docs/serving.md's CUDA-graph decode step is a ```python gpu block"
+    for name, code in blocks:
+        compile(code, name, "exec")
+
+
 def test_the_readme_stays_a_front_door():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 220
