@@ -13,10 +13,12 @@ then ``o.backward(dO)``, one random dO per row for every candidate):
 - ``alibi``: slopes detached vs slopes requiring grad (target: at most 1.1x), and requiring
   grad with ``hopper_bwd.dparam_affine`` (the slopes' sums in the dS^T pass, the detached
   unit's steps);
-- ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x), and requiring
-  grad with ``hopper_bwd.dparam_diagonal`` (the table's gradient in the Hopper backward), then
-  with ``hopper_bwd.dparam_const_tiles`` too (its steps away from the diagonal read one
-  element of the table: one running sum instead of per-diagonal sums);
+- ``t5_bias``: the bias table detached vs requiring grad (target: at most 1.3x; by default
+  the table's gradient in the Hopper backward, ``hopper_bwd.dparam_diagonal``, with
+  ``hopper_bwd.dparam_const_tiles``: its steps away from the diagonal read one element of the
+  table, one running sum instead of per-diagonal sums), and requiring grad with
+  ``dparam_const_tiles`` off (the per-diagonal sums on every step), then with
+  ``dparam_diagonal`` off too (the FA2-class kernels, the default before s31);
 - in both, FlexAttention with the same tensor requiring grad (``slopes trained flex``, ``bias
   trained flex``, :class:`FlexPeer`): ``torch.compile(flex_attention)`` with the spec's
   score_mod capturing the slopes / table (built as ``bench --gallery`` builds Flex,
@@ -65,9 +67,9 @@ from flashgen.bench.argtypes import positive_int
 #: Candidates whose option shapes GPU kernels only, by name: why a CPU run leaves them out.
 GPU_ONLY = {
     "slopes trained dparam_affine": "hopper_bwd.dparam_affine shapes the Hopper backward only",
-    "bias trained dparam_diagonal": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
-    "bias trained dparam_const_tiles": "hopper_bwd.dparam_const_tiles shapes the Hopper backward "
-    "only",
+    "bias trained dparam_const_tiles=0": "hopper_bwd.dparam_const_tiles shapes the Hopper "
+    "backward only",
+    "bias trained dparam_diagonal=0": "hopper_bwd.dparam_diagonal shapes the Hopper backward only",
     "sink by torch ops": "fa2_fwd.fused_sink, hopper_fwd.fused_sink and decode.fused_sink shape "
     "the GPU kernels only (the CPU op always applies the sink by torch ops)",
 }
@@ -306,18 +308,18 @@ def _cases(args) -> list[Row]:
     q, k, v = qkv(64)
     do = grad_out(64)
     bias = torch.rand(h, 257, device=dev, generator=g)
-    diag_options = Options().replace_path("hopper_bwd.dparam_diagonal", True)
+    diag_options = Options().replace_path("hopper_bwd.dparam_const_tiles", False)
     diag = flashgen.load("t5_bias", options=diag_options)
-    const = flashgen.load(
-        "t5_bias", options=diag_options.replace_path("hopper_bwd.dparam_const_tiles", True)
+    fa2 = flashgen.load(
+        "t5_bias", options=diag_options.replace_path("hopper_bwd.dparam_diagonal", False)
     )
     with_flex("t5_bias fwd+bwd", [
         ("bias detached", train(op, q, k, v, do, bias=bias)),
         ("bias trained", train(op, q, k, v, do, bias=bias.clone().requires_grad_())),
-        ("bias trained dparam_diagonal",
+        ("bias trained dparam_const_tiles=0",
          train(diag, q, k, v, do, bias=bias.clone().requires_grad_())),
-        ("bias trained dparam_const_tiles",
-         train(const, q, k, v, do, bias=bias.clone().requires_grad_())),
+        ("bias trained dparam_diagonal=0",
+         train(fa2, q, k, v, do, bias=bias.clone().requires_grad_())),
     ], op, "bias", bias, q, k, v, do)  # fmt: skip
     op = flashgen.load("gpt_oss_sink")
     q, k, v = qkv(64)

@@ -75,12 +75,12 @@ class Options:
     stores P^T (and, with a score_mod whose derivative is not 1, P^T * d score_mod / d score
     in 8 KiB more), warpgroup 1 reads it back by ldmatrix for dS^T; off, and in a unit with
     param gradients, each warpgroup computes both GEMMs on half the step's queries);
-    ``dparam_diagonal`` (off by default: param gradients of a relative-position table, such
+    ``dparam_diagonal`` (on by default: param gradients of a relative-position table, such
     as T5's bias, accumulated in this kernel at head_dim 64 and 256: each warp sums its slice
     per diagonal by shuffles into its own shared slots, the CTA's tile is summed per diagonal
-    from them; the shared-atomic sums it replaced were correct on a GPU but hardly faster,
-    this form has not run on one yet; off, such a backward runs the FA2-class kernels);
-    ``dparam_const_tiles`` (off by default, until run on a GPU; with ``dparam_diagonal``): a
+    from them; the shared-atomic sums it replaced were correct on a GPU but hardly faster;
+    off, such a backward runs the FA2-class kernels);
+    ``dparam_const_tiles`` (on by default; with ``dparam_diagonal``, which it needs): a
     step whose whole tile (BLOCK_N keys x BLOCK_M queries, within the sequences) reads one
     element of a diagonal term's table, every subscript one value over it (tested each step
     by the tile classifier's interval rules, :func:`flashgen.codegen.dparam.const_tile_fields`:
@@ -167,8 +167,8 @@ class Options:
     d64_block_m: int = 128
     d128_block_m: int = 80
     d256_sdp_warpgroups: bool = True
-    dparam_diagonal: bool = False
-    dparam_const_tiles: bool = False
+    dparam_diagonal: bool = True
+    dparam_const_tiles: bool = True
     diag_terms: bool = True
     exp2_poly: int = 0
     tensor_masks: bool = True

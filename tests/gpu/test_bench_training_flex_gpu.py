@@ -26,8 +26,8 @@ FLEX_ROWS = {
     "alibi fwd+bwd": ("slopes trained flex", "slopes",
                       ["slopes trained", "slopes trained dparam_affine"]),
     "t5_bias fwd+bwd": ("bias trained flex", "bias",
-                        ["bias trained", "bias trained dparam_diagonal",
-                         "bias trained dparam_const_tiles"]),
+                        ["bias trained", "bias trained dparam_const_tiles=0",
+                         "bias trained dparam_diagonal=0"]),
 }  # fmt: skip
 
 

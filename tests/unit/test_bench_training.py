@@ -57,7 +57,7 @@ def test_sizes_and_rounds_below_one_are_argument_errors(flag, capsys):
 def test_a_cpu_run_marks_the_gpu_only_candidates_and_writes_nothing_without_out(
     tmp_path, monkeypatch, capsys
 ):
-    """On the CPU ``bias trained dparam_diagonal``, ``bias trained dparam_const_tiles`` and
+    """On the CPU ``bias trained dparam_const_tiles=0``, ``bias trained dparam_diagonal=0`` and
     ``sink by torch ops`` timed calls their option does not change there (noise as ratios):
     they are left out and marked "n/a on cpu", as is FlexAttention's trained call (no CPU
     backward).  Without ``--out`` nothing is written, as the help says."""
@@ -69,8 +69,8 @@ def test_a_cpu_run_marks_the_gpu_only_candidates_and_writes_nothing_without_out(
     assert main(argv) == 0
     out = capsys.readouterr().out
     lines = {line.split("  ")[0].strip(): line for line in out.splitlines()}
-    assert ("(bias trained dparam_diagonal, bias trained dparam_const_tiles, bias trained flex: "
-            "n/a on cpu)" in lines["t5_bias fwd+bwd"])  # fmt: skip
+    assert ("(bias trained dparam_const_tiles=0, bias trained dparam_diagonal=0, bias trained "
+            "flex: n/a on cpu)" in lines["t5_bias fwd+bwd"])  # fmt: skip
     for row in ("gpt_oss_sink fwd", "gpt_oss_sink fwd+bwd", "gpt_oss_sink decode"):
         assert "(sink by torch ops: n/a on cpu)" in lines[row]
     assert "ratios" not in out and "wrote" not in out

@@ -33,7 +33,11 @@ from flashgen.frontend.spec import load_spec, loads_spec
 from flashgen.options import DEFAULT, Options
 
 REPO = Path(__file__).resolve().parents[2]
-DIAG = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
+#: the diagonal form alone (``dparam_const_tiles`` off) and with the constant tiles (both on
+#: by default since s31)
+DIAG = DEFAULT.with_values(
+    {"hopper_bwd.dparam_diagonal": True, "hopper_bwd.dparam_const_tiles": False}
+)
 CONST = DIAG.replace_path("hopper_bwd.dparam_const_tiles", True)
 
 #: The ranges each relative-position read's test takes, and whether the interval rules decide
@@ -215,10 +219,11 @@ def test_constant_tests_pick_their_ranges():
 
 
 def test_the_option_renders_only_units_with_a_diagonal_term():
-    """Off (the default) every unit renders as before; on, only a Hopper dparam unit with a
-    relative-position term changes (a per-CTA or per-key form renders the same), and the
-    option keys the op and the unit's plan."""
-    assert Options().hopper_bwd.dparam_const_tiles is False
+    """Off every unit renders as before; on (the default since s31), only a Hopper dparam
+    unit with a relative-position term changes (a per-CTA or per-key form renders the same),
+    and the option keys the op and the unit's plan."""
+    assert Options().hopper_bwd.dparam_const_tiles is True
+    assert CONST.key() == DEFAULT.key()
     assert CONST.key() != DIAG.key()
     assert CONST.family_key("hopper_bwd") != DIAG.family_key("hopper_bwd")
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")

@@ -58,17 +58,21 @@ def test_without_param_grads_the_units_render_as_before():
 
 def test_routing_with_param_grads():
     """deterministic=True never takes the (ordered) Hopper kernel with param grads; the Hopper
-    backward takes per-CTA, per-key and, with ``hopper_bwd.dparam_diagonal`` at head_dim 64 /
-    256, relative-position forms; the others run the FA2-class kernels."""
+    backward takes per-CTA, per-key and, with ``hopper_bwd.dparam_diagonal`` (on by default
+    since s31) at head_dim 64 / 256, relative-position forms; the others run the FA2-class
+    kernels."""
     alibi = load_spec(REPO / "specs" / "alibi.yaml")
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     assert backward_path(alibi, "sm_90", False, param_grads=("slopes",)) == "hopper"
     assert backward_path(t5, "sm_90", False) == "hopper"
-    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "deterministic"
+    assert backward_path(t5, "sm_90", False, param_grads=("bias",)) == "hopper"
+    assert backward_path(t5, "sm_90", True, param_grads=("bias",)) == "deterministic"
     from flashgen.options import Options
 
     diag = Options().replace_path("hopper_bwd.dparam_diagonal", True)
+    no_diag = Options().replace_path("hopper_bwd.dparam_diagonal", False)
     assert backward_path(t5, "sm_90", False, diag, param_grads=("bias",)) == "hopper"
+    assert backward_path(t5, "sm_90", False, no_diag, param_grads=("bias",)) == "deterministic"
     full = form_spec("full_bias", 64)
     assert backward_path(full, "sm_90", False, diag, param_grads=("fb",)) == "deterministic"
     rel128 = form_spec("relative_table")  # head_dim 128: cta terms only
@@ -93,7 +97,7 @@ def test_routing_with_param_grads():
         assert backward_path(learned, "sm_90", True, o) == "hopper_ordered"
         assert backward_path(learned, "sm_90", True, o, param_grads=("slopes",)) == "deterministic"
     with pytest.raises(ValueError, match="FA2-class"):
-        registry.plan_hopper_backward(t5, "sm_90", param_grads=("bias",))
+        registry.plan_hopper_backward(t5, "sm_90", no_diag, param_grads=("bias",))
     with pytest.raises(ValueError, match="FA2-class"):
         registry.plan_hopper_backward(full, "sm_90", diag, param_grads=("fb",))
 
@@ -105,12 +109,12 @@ def test_compile_units_add_the_dparam_units_of_trainable_specs():
     causal = load_spec(REPO / "specs" / "causal_d128.yaml")
     assert {"bwd_dparam", "bwd_atomic_dparam", "bwd_wgmma_dparam"} <= set(
         registry.compile_units(alibi, "sm_90"))  # fmt: skip
-    units = registry.compile_units(t5, "sm_90")
-    assert "bwd_dparam" in units and "bwd_wgmma_dparam" not in units
     from flashgen.options import DEFAULT
 
-    diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
-    assert "bwd_wgmma_dparam" in registry.compile_units(t5, "sm_90", diag)
+    no_diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", False)
+    units = registry.compile_units(t5, "sm_90", no_diag)
+    assert "bwd_dparam" in units and "bwd_wgmma_dparam" not in units
+    assert "bwd_wgmma_dparam" in registry.compile_units(t5, "sm_90")  # dparam_diagonal: default
     assert not any("dparam" in u for u in registry.compile_units(sink, "sm_90"))
     assert not any("dparam" in u for u in registry.compile_units(causal, "sm_80"))
 
@@ -350,10 +354,14 @@ def test_hopper_diagonal_units_compile_spill_free(requires_nvcc):
     at 256, are Hopper units with 0 spills and no serialized wgmma; their per-diagonal sums
     take no shared-memory atomics (ATOMS: the CAS loops of an fp32 atomicAdd to shared
     memory) but a warp's shuffles: NQ + 2, (NQ + 2) / 2 by index and (NQ + 5) / 4 by xor (the
-    dK/dV kernel's only other shuffle: one SHFL.IDX, the warpgroup index)."""
+    dK/dV kernel's only other shuffle: one SHFL.IDX, the warpgroup index).  (The diagonal form
+    alone: ``dparam_const_tiles``, on by default, adds its own shuffles,
+    tests/unit/test_dparam_const_tiles.py.)"""
     from flashgen.options import DEFAULT
 
-    diag = DEFAULT.replace_path("hopper_bwd.dparam_diagonal", True)
+    diag = DEFAULT.with_values(
+        {"hopper_bwd.dparam_diagonal": True, "hopper_bwd.dparam_const_tiles": False}
+    )
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
     t5_256 = loads_spec(
         (REPO / "specs" / "t5_bias.yaml").read_text().replace("head_dim: 64", "head_dim: 256")
