@@ -33,7 +33,8 @@ then ``o.backward(dO)``, one random dO per row for every candidate):
   timed and the row says why (``n/a``); the ``ratios`` stay flashgen's candidates against the
   detached call;
 - ``gpt_oss_sink``: forward, forward + backward and decode (``with_kvcache``, one query per
-  request) with the sink vs the same op with ``apply_sink=False`` (target: within 5%); by
+  request; unplanned, and planned as a serving loop calls it: ``gpt_oss_sink decode planned``)
+  with the sink vs the same op with ``apply_sink=False`` (target: within 5%); by
   default the kernels join the sink (the prefill forward in its epilogue, whose backward takes
   the sink in its pre kernel; decode inside its attention kernel); each row also with the sink
   applied by torch ops after the kernels (``sink by torch ops``: ``fa2_fwd.fused_sink``,
@@ -358,6 +359,12 @@ def _cases(args) -> list[Row]:
     rows.append(Row("gpt_oss_sink decode", [("no sink", decode(apply_sink=False)),
                                             ("sink", decode()),
                                             ("sink by torch ops", decode(by_torch))]))  # fmt: skip
+    # a serving loop's call: planned once (no host planning, no workspace allocation), so the
+    # row compares the kernels and the fast path, not the general path's host time
+    plan = op.plan_decode(batch=b * 4, num_heads=h, num_heads_kv=h // 2 or 1, seqlen_q=1,
+                          cache_capacity=s, device=torch.device(dev))  # fmt: skip
+    rows.append(Row("gpt_oss_sink decode planned", [
+        ("no sink", decode(apply_sink=False, plan=plan)), ("sink", decode(plan=plan))]))
     return rows
 
 

@@ -19,7 +19,8 @@ def test_cpu_smoke_run_writes_every_row(tmp_path):
     doc = json.loads((tmp_path / "results.json").read_text())
     rows = {r["row"]: r for r in doc["rows"]}
     assert set(rows) == {"alibi fwd+bwd", "t5_bias fwd+bwd", "gpt_oss_sink fwd",
-                         "gpt_oss_sink fwd+bwd", "gpt_oss_sink decode"}  # fmt: skip
+                         "gpt_oss_sink fwd+bwd", "gpt_oss_sink decode",
+                         "gpt_oss_sink decode planned"}  # fmt: skip
     for r in rows.values():
         assert all(c["error"] is None and c["ms"] > 0 for c in r["candidates"].values()), r
         assert r["ratio"] > 0
