@@ -183,7 +183,7 @@ def test_gpt_oss_training_step_on_cuda_matches_float64():
 # ----------------------------------------------------------------------------- kernel dparam
 #: Kernel sets a backward with param gradients runs: the op's default (sm_90: the Hopper
 #: backward for per-CTA / per-key forms and, at head_dim 64 / 256, relative-position tables
-#: (``hopper_bwd.dparam_diagonal``, default since s31), else the FA2-class kernels with
+#: (``hopper_bwd.dparam_diagonal``, on by default), else the FA2-class kernels with
 #: atomic adds; sm_80:
 #: the FA2-class deterministic kernels with atomic adds), the FA2-class deterministic kernels
 #: with the ordered per-CTA rows (deterministic=True), the FA2-class atomic-dQ kernels.

@@ -34,7 +34,7 @@ from flashgen.options import DEFAULT, Options
 
 REPO = Path(__file__).resolve().parents[2]
 #: the diagonal form alone (``dparam_const_tiles`` off) and with the constant tiles (both on
-#: by default since s31)
+#: by default)
 DIAG = DEFAULT.with_values(
     {"hopper_bwd.dparam_diagonal": True, "hopper_bwd.dparam_const_tiles": False}
 )
@@ -219,7 +219,7 @@ def test_constant_tests_pick_their_ranges():
 
 
 def test_the_option_renders_only_units_with_a_diagonal_term():
-    """Off every unit renders as before; on (the default since s31), only a Hopper dparam
+    """Off every unit renders as before; on (the default), only a Hopper dparam
     unit with a relative-position term changes (a per-CTA or per-key form renders the same),
     and the option keys the op and the unit's plan."""
     assert Options().hopper_bwd.dparam_const_tiles is True

@@ -58,8 +58,8 @@ def test_without_param_grads_the_units_render_as_before():
 
 def test_routing_with_param_grads():
     """deterministic=True never takes the (ordered) Hopper kernel with param grads; the Hopper
-    backward takes per-CTA, per-key and, with ``hopper_bwd.dparam_diagonal`` (on by default
-    since s31) at head_dim 64 / 256, relative-position forms; the others run the FA2-class
+    backward takes per-CTA, per-key and, with ``hopper_bwd.dparam_diagonal`` (on by default)
+    at head_dim 64 / 256, relative-position forms; the others run the FA2-class
     kernels."""
     alibi = load_spec(REPO / "specs" / "alibi.yaml")
     t5 = load_spec(REPO / "specs" / "t5_bias.yaml")
