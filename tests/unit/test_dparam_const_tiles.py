@@ -362,9 +362,15 @@ def test_a_constant_step_costs_a_few_instructions(requires_nvcc, head_dim):
     the thread's 2 (NQ + 1) diagonal registers 2 (NQ + 1) - 1 FADD (NQ: the warpgroup's
     8-query column tiles)."""
     spec = load_spec(REPO / "specs" / "t5_bias.yaml") if head_dim == 64 else _t5_256()
-    plan = registry.plan_hopper_backward(spec, "sm_90", CONST.replace_path(
-        "hopper_bwd.d64_block_m", 64), param_grads=("bias",))  # fmt: skip
+    # d64_block_m only sets head_dim 64's steps: at 256 the plan is CONST's, the unit
+    # test_constant_tile_units_compile_spill_free builds (one cache entry, one nvcc run)
+    opts = CONST.replace_path("hopper_bwd.d64_block_m", 64) if head_dim == 64 else CONST
+    plan = registry.plan_hopper_backward(spec, "sm_90", opts, param_grads=("bias",))
     src = render(plan.unit)
+    if head_dim == 256:  # the unit a 64-query d64_block_m would give: the same source
+        at64 = CONST.replace_path("hopper_bwd.d64_block_m", 64)
+        assert src == render(
+            registry.plan_hopper_backward(spec, "sm_90", at64, param_grads=("bias",)).unit)
     rows = _sass_by_line(plan)
     test_lines = {*_lines(src, "bool fg_dparam_const0(", "return e0.lo == e0.hi"),
                   *_lines(src, "namespace iv32 {", "}  // namespace iv32"),
