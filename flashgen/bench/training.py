@@ -18,7 +18,7 @@ then ``o.backward(dO)``, one random dO per row for every candidate):
   ``hopper_bwd.dparam_const_tiles``: its steps away from the diagonal read one element of the
   table, one running sum instead of per-diagonal sums), and requiring grad with
   ``dparam_const_tiles`` off (the per-diagonal sums on every step), then with
-  ``dparam_diagonal`` off too (the FA2-class kernels, the default before s31);
+  ``dparam_diagonal`` off too (the FA2-class kernels);
 - in both, FlexAttention with the same tensor requiring grad (``slopes trained flex``, ``bias
   trained flex``, :class:`FlexPeer`): ``torch.compile(flex_attention)`` with the spec's
   score_mod capturing the slopes / table (built as ``bench --gallery`` builds Flex,

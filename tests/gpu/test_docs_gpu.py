@@ -6,29 +6,16 @@ step's replay time in docs/serving.md)."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-GPU_BLOCK = re.compile(r"^```python gpu\n(.*?)^```", re.S | re.M)
-
-
-def gpu_blocks():
-    """(page, line, code) of every ```python gpu block."""
-    for page in PAGES:
-        text = page.read_text()
-        for m in GPU_BLOCK.finditer(text):
-            yield page, text[: m.start()].count("\n") + 1, m.group(1)
+from doc_blocks import REPO, blocks
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page, line, code", [pytest.param(*b, id=f"{b[0].name}:{b[1]}")
-                                              for b in gpu_blocks()])  # fmt: skip
+                                              for b in blocks("gpu")])  # fmt: skip
 def test_a_gpu_block_runs_as_written(page, line, code, tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

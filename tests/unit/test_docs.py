@@ -13,18 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-RUNNABLE = re.compile(r"^```python cpu\n(.*?)^```", re.S | re.M)
+from doc_blocks import PAGES, REPO, blocks
 
 
 def _blocks():
-    for page in PAGES:
-        text = page.read_text()
-        for m in RUNNABLE.finditer(text):
-            line = text[: m.start()].count("\n") + 1
-            yield pytest.param(page, m.group(1), id=f"{page.relative_to(REPO)}:{line}")
+    for page, line, code in blocks("cpu"):
+        yield pytest.param(page, code, id=f"{page.relative_to(REPO)}:{line}")
 
 
 def test_the_readme_and_docs_mark_runnable_blocks():
@@ -93,11 +87,10 @@ def test_a_runnable_block_runs_as_written(page, code, request, block_runs):
 
 def test_gpu_blocks_parse_and_the_gpu_suite_runs_them():
     """```python gpu blocks (tests/gpu/test_docs_gpu.py runs them on a device) are Python."""
-    gpu = re.compile(r"^```python gpu\n(.*?)^```", re.S | re.M)
-    blocks = [(p.name, m.group(1)) for p in PAGES for m in gpu.finditer(p.read_text())]
-    assert blocks, "docs/serving.md's CUDA-graph decode step is a ```python gpu block"
-    for name, code in blocks:
-        compile(code, name, "exec")
+    gpu = blocks("gpu")
+    assert gpu, "docs/serving.md's CUDA-graph decode step is a ```python gpu block"
+    for page, line, code in gpu:
+        compile(code, f"{page.name}:{line}", "exec")
 
 
 def test_the_readme_stays_a_front_door():
