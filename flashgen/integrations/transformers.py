@@ -200,6 +200,18 @@ def flashgen_attention_forward(
             f"{list(attention_mask.shape)}; register() installs the mask function that makes "
             "one (a custom 4-D mask needs the eager or sdpa implementation)"
         )
+    if attention_mask is not None:
+        b, sq, sk = query.shape[0], query.shape[2], key.shape[2]
+        if attention_mask.shape[0] != b or not sq <= attention_mask.shape[1]:
+            raise OpInputError(
+                f"attention_mask: expected shape (batch {b}, seqlen_k) with seqlen_k >= the "
+                f"queries' {sq}, got {list(attention_mask.shape)}"
+            )
+        if attention_mask.shape[1] < sk:
+            # a static cache: k / v hold max_cache_len slots, the mask the tokens seen so
+            # far, the first of those slots (transformers' FlashAttention path slices so too)
+            n = attention_mask.shape[1]
+            key, value = key[:, :, :n], value[:, :, :n]
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
     window = (None, None)

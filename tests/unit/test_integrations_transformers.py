@@ -3,6 +3,8 @@ from configs, no downloads): logits, generation and gradients against "eager".""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -98,6 +100,39 @@ def test_generate_gives_the_same_tokens():
             pad_token_id=0,
         )  # fmt: skip
     assert torch.equal(outs["eager"], outs["flashgen"])
+
+
+def test_generate_with_a_static_cache_gives_the_same_tokens():
+    """A static cache hands the layer k / v of max_cache_len slots and a 2-D mask of the
+    tokens seen so far (shorter): the keys are the mask's first slots.  Unpadding k / v with
+    the shorter mask's indices attended to the wrong keys (other tokens, empty slots)."""
+    model = _model("llama", seed=3)
+    ids = torch.randint(0, 96, (3, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    for m in (torch.ones_like(ids), mask):
+        outs = {}
+        for impl in ("eager", "flashgen"):
+            model.set_attn_implementation(impl)
+            outs[impl] = model.generate(
+                input_ids=ids, attention_mask=m, max_new_tokens=4, do_sample=False,
+                pad_token_id=0, cache_implementation="static",
+            )  # fmt: skip
+        assert torch.equal(outs["eager"], outs["flashgen"])
+
+
+def test_a_padding_mask_of_the_wrong_batch_or_too_short_is_refused():
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(2, 4, 6, 32, generator=g), torch.randn(2, 2, 6, 32, generator=g)
+    mod = torch.nn.Module()
+    mod.is_causal = True
+    for bad in (torch.ones(3, 6, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool)):
+        msg = (
+            f"attention_mask: expected shape (batch 2, seqlen_k) with seqlen_k >= the "
+            f"queries' 6, got {list(bad.shape)}"
+        )
+        with pytest.raises(OpInputError, match=re.escape(msg)):
+            fg_hf.flashgen_attention_forward(mod, q, k, k, bad)
 
 
 def test_training_step_gradients_match():
