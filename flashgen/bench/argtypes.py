@@ -37,6 +37,19 @@ def positive_int(name: str):
     return parse
 
 
+def nonnegative_int(name: str):
+    """An argparse ``type``: one int >= 0, else ``NAME: expected an int >= 0, got 'TEXT'``."""
+
+    def parse(text: str) -> int:
+        t = text.strip()
+        if not re.fullmatch(r"\+?[0-9]+", t):
+            raise argparse.ArgumentTypeError(f"{name}: expected an int >= 0, got {text!r}")
+        return int(t)
+
+    parse.__name__ = name
+    return parse
+
+
 def choices(name: str, allowed: tuple[str, ...]):
     """An argparse ``type`` for ``--NAME A,B,...``: a tuple of values from ``allowed``, each
     once, in the order given; else an error ``NAME: expected comma-separated values from

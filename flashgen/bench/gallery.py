@@ -488,8 +488,9 @@ def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
-    ap.add_argument("--seqlen", type=int, default=8192)
-    ap.add_argument("--doc-len", type=int, default=1024, help="mean document length")
+    ap.add_argument("--seqlen", type=argtypes.positive_int("seqlen"), default=8192)
+    ap.add_argument("--doc-len", type=argtypes.positive_int("doc-len"), default=1024,
+                    help="mean document length")  # fmt: skip
     ap.add_argument("--specs", nargs="*", default=list(GALLERY))
     ap.add_argument(
         "--direction",
@@ -507,11 +508,13 @@ def main(argv=None, prog=None) -> int:
         "measured page with dashes)",
     )
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench window, ms")
+    ap.add_argument("--warmup", type=argtypes.nonnegative_int("warmup"), default=25,
+                    help="do_bench warm-up, ms")  # fmt: skip
+    ap.add_argument("--rep", type=argtypes.positive_int("rep"), default=100,
+                    help="do_bench window, ms")  # fmt: skip
     ap.add_argument(
         "--rounds",
-        type=int,
+        type=argtypes.positive_int("rounds"),
         default=3,
         help="timing rounds, the implementations and directions alternating (median reported)",
     )

@@ -29,7 +29,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from flashgen.bench import helptext
+from flashgen.bench import argtypes, helptext
+
+LAYOUTS = ("zigzag", "contiguous")  # flashgen.distributed.ring's, without importing torch
+MODES = ("ring", "allgather")
 
 NCCL_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -157,22 +160,27 @@ def main(argv=None, prog=None) -> int:
     ap = argparse.ArgumentParser(
         prog=prog, description=helptext.plain(__doc__), formatter_class=helptext.HelpFormatter
     )
-    ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--tokens", default="32768,65536,131072", help="tokens per GPU")
+    ap.add_argument("--gpus", type=argtypes.positive_int("gpus"), default=2)
+    ap.add_argument("--tokens", type=argtypes.positive_ints("tokens"),
+                    default=[32768, 65536, 131072], help="tokens per GPU")  # fmt: skip
     ap.add_argument("--spec", default="causal_d128", help="a spec file or a shipped spec's name")
-    ap.add_argument("--layouts", default="zigzag,contiguous")
-    ap.add_argument("--modes", default="ring")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--heads-kv", type=int, default=None, help="default: --heads (no GQA)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--layouts", type=argtypes.choices("layouts", LAYOUTS), default=LAYOUTS)
+    ap.add_argument("--modes", type=argtypes.choices("modes", MODES), default=("ring",))
+    ap.add_argument("--batch", type=argtypes.positive_int("batch"), default=1)
+    ap.add_argument("--heads", type=argtypes.positive_int("heads"), default=32)
+    ap.add_argument("--heads-kv", type=argtypes.positive_int("heads-kv"), default=None,
+                    help="default: --heads (no GQA)")  # fmt: skip
+    ap.add_argument("--warmup", type=argtypes.nonnegative_int("warmup"), default=2)
+    ap.add_argument("--iters", type=argtypes.positive_int("iters"), default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.tokens = [int(x) for x in args.tokens.split(",")]
-    args.layouts = args.layouts.split(",")
-    args.modes = args.modes.split(",")
     args.heads_kv = args.heads_kv or args.heads
+    if args.heads % args.heads_kv:
+        ap.error(f"--heads-kv: expected a divisor of --heads {args.heads}, got {args.heads_kv}")
+    odd = [t for t in args.tokens if t % 2]
+    if "zigzag" in args.layouts and odd:
+        ap.error(f"--tokens: layout zigzag splits each rank's tokens in two halves; expected "
+                 f"even counts, got {odd[0]}")  # fmt: skip
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)  # spawned children inherit it too
 

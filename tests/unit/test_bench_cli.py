@@ -304,3 +304,39 @@ def test_bench_cpu_refuses_a_bad_size_naming_the_flag(flag, value, want, capsys)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}:" in err and want in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "mode, flag, value, want",
+    [
+        ("ring", "--gpus", "0", "argument --gpus: gpus: expected an int >= 1, got '0'"),
+        ("ring", "--tokens", "abc", "tokens: expected comma-separated positive ints, got 'abc'"),
+        ("ring", "--layouts", "diag", "layouts: expected comma-separated values from zigzag"),
+        ("ring", "--modes", "x", "modes: expected comma-separated values from ring, allgather"),
+        ("ring", "--heads-kv", "5", "--heads-kv: expected a divisor of --heads 32, got 5"),
+        ("ring", "--tokens", "33", "--tokens: layout zigzag splits each rank's tokens in two"),
+        ("ring", "--warmup", "-1", "warmup: expected an int >= 0, got '-1'"),
+        ("gallery", "--seqlen", "0", "argument --seqlen: seqlen: expected an int >= 1, got '0'"),
+        ("gallery", "--doc-len", "0", "doc-len: expected an int >= 1, got '0'"),
+        ("gallery", "--rounds", "0", "rounds: expected an int >= 1, got '0'"),
+    ],
+)
+def test_bench_ring_and_gallery_refuse_bad_arguments_naming_the_flag(mode, flag, value, want,
+                                                                     capsys):  # fmt: skip
+    """``bench --ring --gpus 0`` spawned no worker and died reading its missing JSON
+    (FileNotFoundError), ``--tokens abc`` in int(); bad layouts, modes or head counts
+    reached the spawned workers; ``bench --gallery --dry-run --seqlen 0`` raised
+    ZeroDivisionError.  Each is an argparse error naming the flag, before any GPU check."""
+    extra = ["--dry-run"] if mode == "gallery" else []
+    with pytest.raises(SystemExit) as e:
+        main(["bench", f"--{mode}", *extra, flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err
+
+
+def test_bench_ring_names_the_distributed_layouts_and_modes():
+    from flashgen.bench import ring as bench_ring
+    from flashgen.distributed import ring
+
+    assert (bench_ring.LAYOUTS, bench_ring.MODES) == (ring.LAYOUTS, ring.MODES)
