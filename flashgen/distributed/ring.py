@@ -81,8 +81,9 @@ _DTYPE_CODE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 _HEADER = (
     "ok", "batch", "heads_q", "S_local", "head_dim", "heads_kv", "k's S_local", "head_dim_v",
     "layout", "mode", "dtype", "op", "group", "requires_grad", "deterministic",
-    "softmax_scale", "scalar params", "tensor params",
+    "softmax_scale", "scalar params", "tensor params", "device",
 )  # fmt: skip
+_DEVICE_CODE = {"cpu": 1, "cuda": 2}
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -275,6 +276,12 @@ def _plan(op, q, k, v, group, layout, mode, softmax_scale, deterministic, params
                     f"{n}: requires_grad is set, but ring_attention does not differentiate a "
                     "param sharded like k and v; pass it detached"
                 )
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if isinstance(t, torch.Tensor) and t.device.type not in _DEVICE_CODE:
+                raise OpInputError(
+                    f"{name}: expected a tensor on cpu or cuda (ring_attention sends it to the "
+                    f"other ranks), got device {t.device}"
+                )
         dims = validate(spec, q, k, v, tmap)
         if dims.seqlen_k != dims.seqlen_q:
             raise OpInputError(
@@ -348,7 +355,7 @@ def _describe(field: str) -> str:
     return {"layout": "layout", "mode": "mode", "op": "op", "group": "group",
             "deterministic": "deterministic",
             "requires_grad": "q/k/v requires_grad (1) + a param requires_grad (2)",
-            "dtype": "q.dtype", "softmax_scale": "softmax_scale",
+            "dtype": "q.dtype", "softmax_scale": "softmax_scale", "device": "q.device's type",
             "scalar params": "params (the spec's scalar params)",
             "tensor params": "params (the spec's tensor params passed whole, their shapes "
                              "and values; the sharded ones' shapes)"}.get(
@@ -364,6 +371,8 @@ def _show(field: str, value: int):
         return next((str(d) for d, c in _DTYPE_CODE.items() if c == value), "another dtype")
     if field == "group":
         return f"a group with member hash {value}"
+    if field == "device":
+        return next((repr(d) for d, c in _DEVICE_CODE.items() if c == value), "another device")
     if field == "softmax_scale":
         return struct.unpack("<d", struct.pack("<q", value))[0]
     if field in ("scalar params", "tensor params"):
@@ -411,6 +420,7 @@ def _header(ok, q, k, v, layout, mode, op, group, deterministic, plan=None) -> l
         zlib.crc32(str(getattr(op, "name", "")).encode()),
         _group_id(group), int(grad), int(bool(deterministic)),
         _float_bits(plan.scale) if plan is not None else 0, *_params_hashes(plan),
+        _DEVICE_CODE.get(getattr(getattr(q, "device", None), "type", None), 0),
     ]  # fmt: skip
 
 

@@ -225,6 +225,13 @@ def _bad_worker(rank, world, port):
         expect(r"window|rank\(s\) \[1\] of the group refused",
                window=4096 if rank == 0 else 0)  # fmt: skip
         expect("layout: expected one of", layout="diagonal")
+        # a meta q on one rank (the fake kernel would take it): refused before the ring, not
+        # left to fail inside it while the other rank waits for its blocks
+        q = torch.randn(1, 2, 16, 128, dtype=torch.bfloat16, device="meta" if rank else "cpu")
+        mine = r"q: expected a tensor on cpu or cuda.*got device meta" if rank else \
+            r"rank\(s\) \[1\] of the group refused"  # fmt: skip
+        with pytest.raises(OpInputError, match=mine):
+            ring_attention(op, q, q, q, window=7)
         # a group this rank is not in: raised at once; rank 0 alone is a ring of one
         solo = dist.new_group([0])
         q = torch.randn(1, 2, 16, 128)
