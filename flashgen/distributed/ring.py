@@ -409,7 +409,9 @@ def _header(ok, q, k, v, layout, mode, op, group, deterministic, plan=None) -> l
         return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == n else [-1] * n
 
     qd, kd, vd = dims(q, 4), dims(k, 4), dims(v, 4)
-    grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+    )  # under no_grad no backward follows: ranks must agree on that too
     param_grad = plan is not None and bool(plan.grad_params)
     grad = int(grad) + 2 * int(param_grad)  # a param's gradient is all-reduced: all or none
     return [

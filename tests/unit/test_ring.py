@@ -271,9 +271,9 @@ def _disagree_worker(rank, world, port):
     try:
         q = torch.randn(1, 2, 16, 128)
 
-        def expect(match, op=swa, **kw):
+        def expect(match, op=swa, q_=q, **kw):
             with pytest.raises(OpInputError, match=match):
-                ring_attention(op, q, q, q, **kw)
+                ring_attention(op, q_, q_, q_, **kw)
 
         expect(r"softmax_scale: expected the same value on every rank.*rank 0 has 0.125 and "
                r"rank 1 has 0.25", softmax_scale=0.125 * (1 + rank))  # fmt: skip
@@ -285,6 +285,10 @@ def _disagree_worker(rank, world, port):
         expect(mine, op=None if rank == 1 else swa)
         mine = "softmax_scale" if rank == 0 else r"rank\(s\) \[0\] of the group refused"
         expect(mine, softmax_scale="abc" if rank == 0 else None)
+        # rank 0 under no_grad would skip the backward rank 1's ring waits in
+        qg = q.clone().requires_grad_()
+        with torch.set_grad_enabled(rank == 1):
+            expect(r"q/k/v requires_grad.*rank 0 has 0 and rank 1 has 1", q_=qg, window=7)
         o, _ = ring_attention(swa, q, q, q, window=7, softmax_scale=0.2)  # agreement: runs
         assert torch.isfinite(o).all()
         dist.barrier()
