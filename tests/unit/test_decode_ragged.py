@@ -178,7 +178,7 @@ def test_ragged_bad_inputs():
         ({"cu_seqlens_q": torch.tensor([1, 1, 4], dtype=torch.int32)}, "cu_seqlens_q[0] == 0"),
         ({"cu_seqlens_q": torch.tensor([0, 3, 2], dtype=torch.int32)}, "nondecreasing"),
         ({"cu_seqlens_q": torch.tensor([0, 1, 3], dtype=torch.int32)}, "cu_seqlens_q[-1] == 4"),
-        ({"cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int32)}, "block_table: expected 1"),
+        ({"cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int32)}, "expected shape [3] (batch"),
         ({"max_seqlen_q": 2}, "max_seqlen_q: expected at least every request's Sq_b"),
         ({"max_seqlen_q": 9}, "max_seqlen_q: expected an int in [1, 4]"),
         ({"max_seqlen_q": 2.0}, "max_seqlen_q: expected a Python int"),

@@ -6,6 +6,7 @@ errors name the caller's shapes (the "Also:" list)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -330,6 +331,21 @@ def test_ragged_k_new_shape_errors_name_the_callers_shapes(tmp_path):
             op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu, **kw)
         assert str(e.value).startswith(f"{name}: expected shape [3, 2, 64]"), str(e.value)
         assert got in str(e.value) and ", 0, " not in str(e.value)
+
+
+def test_ragged_batch_mismatch_names_cu_seqlens_q(tmp_path):
+    """A ragged call whose cu_seqlens_q holds one request fewer than cache_seqlens was
+    refused as ``k_cache: expected batch 2 (q's batch ...)``: a ragged q has no batch, the
+    batch is cu_seqlens_q's length - 1."""
+    op = _load(tmp_path, "trust_ragged_batch")
+    kc, vc = _paged()
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    q = torch.randn(3, 2, 64).to(torch.bfloat16)
+    lens = torch.tensor([2, 2], dtype=torch.int32)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    msg = "cu_seqlens_q: expected shape [3] (batch + 1: cache_seqlens has 2 requests), got [2]"
+    with pytest.raises(OpInputError, match=re.escape(msg)):
+        op.with_kvcache(q, kc, vc, lens, block_table=table, cu_seqlens_q=cu)
 
 
 # ----------------------------------------------------------------------------- item 14

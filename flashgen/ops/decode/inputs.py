@@ -541,6 +541,15 @@ def validate_decode_ragged(
             raise OpInputError(
                 f"{name}: expected {total_q} rows (q's total_q), got shape {list(t.shape)}"
             )
+    if (
+        isinstance(cache_seqlens, torch.Tensor)
+        and cache_seqlens.dim() == 1
+        and cache_seqlens.shape[0] != batch
+    ):  # the batch is cu_seqlens_q's: name it, not q (validate_decode's "q's batch")
+        raise OpInputError(
+            f"cu_seqlens_q: expected shape [{cache_seqlens.shape[0] + 1}] (batch + 1: "
+            f"cache_seqlens has {cache_seqlens.shape[0]} requests), got {list(cu_seqlens_q.shape)}"
+        )
     dims = validate_decode(spec, q4, k_cache, v_cache, cache_seqlens, block_table)
     if k_new is not None:
         kv_want = FP8_CACHE if dims.cache_dtype else k_cache.dtype  # the spec's, or float32
