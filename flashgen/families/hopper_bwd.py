@@ -144,6 +144,15 @@ class Options:
     form in the P^T pass; a unit that spills with it is built without it
     (:func:`flashgen.families.build.build_backward`).
 
+    ``ds_split_barrier`` (off by default, until run on a GPU): where both consumer warpgroups
+    read each other's dS^T rows for dQ (head_dim 128, and 64 with 128-query steps), each
+    warpgroup signals its rows with ``bar.arrive`` on a barrier of its own (alternating with
+    the step's parity), issues dK += dS^T Q from its own dS^T registers, and only then waits
+    for the other warpgroup's rows and issues dQ, waiting for both before dQ goes to sDQ;
+    off, both warpgroups meet on one barrier after storing dS^T, dQ is issued before dK and
+    acc_dq goes to sDQ while dK runs.  No effect on head_dim 256 (its warpgroups split the
+    head dim) or on head_dim 64's 64-query steps (each warpgroup reads only its own rows).
+
     ``ordered_80`` (off by default, until run on a GPU): the ordered form at head_dim 128
     takes ``d128_block_m``'s 80-query steps too (its dQ writer waits its turn per 80-row
     query block; the semaphores count 80-row blocks), instead of 64-query ones.
@@ -179,6 +188,7 @@ class Options:
     ordered_d256: bool = False
     ordered_80: bool = False
     ordered_masks: bool = False
+    ds_split_barrier: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -232,6 +242,8 @@ class Context(BackwardContext):
     # each with its warps' slots in dynamic shared memory (byte offset "slots", "shift":
     # affine_slots); [] otherwise
     dparam_affine: list
+    # ds_split_barrier: the dS^T hand-off by arrive / wait per warpgroup, dK issued before dQ
+    ds_split_barrier: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -579,6 +591,9 @@ def plan(
         # dq_accum in 64-row tiles, fg::dq_frag_coords), as FlashAttention-3's hdim-256 does
         dq_frag=split_d,
         dparam_affine=affine,
+        # both warpgroups read each other's dS^T rows for dQ at head_dim 128 and at 64's 128-query
+        # steps (DQ_ALL_KEYS / DQ_SPLIT_ROWS)
+        ds_split_barrier=options.ds_split_barrier and not split_d and (d == 128 or block_m == 128),
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

@@ -167,7 +167,7 @@ def softcap_spec():
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
 OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly", "tensor_masks",
-                   "masked_80", "int_classifier"}
+                   "masked_80", "int_classifier", "ds_split_barrier"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -755,3 +755,55 @@ def test_int_classifier_masks(int_classifier, name):
 def test_int_classifier_mask_params(int_classifier, name, param, values):
     test_mask_params_sparse_and_dense(name, param, values)
 
+
+
+# ------------------------- the dS^T hand-off by arrive / wait (ds_split_barrier)
+@pytest.fixture
+def ds_split_barrier(monkeypatch):
+    """``hopper_bwd.ds_split_barrier``: each consumer warpgroup signals its dS^T rows on its own
+    barrier (by the step's parity), issues dK, then waits for the other's rows before dQ."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.ds_split_barrier": True})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ds_split_barrier_lengths_gqa_dtypes(ds_split_barrier, d, dtype, causal):
+    """head_dim 128 (80-query steps, dQ^T by stmatrix) and 64 (128-query steps, dQ rows split
+    between the warpgroups), every SHAPES length."""
+    spec = hb_spec(d, dtype, causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=2100 + i)
+
+
+@pytest.mark.parametrize("name", ["alibi", "mistral_swa", "prefix_lm", "document_mask",
+                                  "gpt_oss_sink", "alibi_learned", "spec_tree"])  # fmt: skip
+def test_ds_split_barrier_masks_and_score_mods(ds_split_barrier, name):
+    """64-query steps under a window mask (mistral_swa), 80 under a residual mask (prefix_lm,
+    document_mask's block table, spec_tree's two-sided read), a score_mod, a sink, head_dim 64."""
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        params = None
+        if name == "spec_tree":
+            params = {"ancestors": _draft_tree(b, sq, seed=sq + 3)}
+        elif name == "mistral_swa":
+            params = {"window": 300}
+        check(spec, b, hq, hkv, sq, sk, seed=2150 + i, params=params)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ds_split_barrier_ordered_dq_is_bitwise_reproducible(d):
+    """``deterministic=True`` (the ordered form) with the hand-off: dq, dk, dv bitwise equal over
+    five runs with more key blocks than one wave of CTAs."""
+    spec = hb_spec(d, "bf16", True)
+    op = gpu_options.build(spec, gpu_options.options({"hopper_bwd.ds_split_barrier": True}))
+    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=2190)
+    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    assert plan.dkdv.context["ds_split_barrier"]
+    for g in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
+    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
+    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
+    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
+        err = (ours.double() - r64).abs().max().item()
+        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)

@@ -1635,3 +1635,151 @@ def test_tensor_mask_keep_bits_match_the_mask_pair_by_pair(cxx_exe, d, m80):
                                 if q < sq and kv < sk and want[b][h][q][kv]:
                                     bits |= 1 << i
                             assert got == bits, (name, b, h, qw0, key_raw, lane, hex(got ^ bits))
+
+
+# ------------------------- the dS^T hand-off by arrive / wait (hopper_bwd.ds_split_barrier)
+DS_SPLIT = DEFAULT.replace_path("hopper_bwd.ds_split_barrier", True)
+
+
+def test_ds_split_barrier_is_off_by_default_and_applies_where_dq_reads_both_warpgroups():
+    """On where dQ reads both warpgroups' dS^T rows: head_dim 128 (64- and 80-query steps) and
+    64 with 128-query steps; not head_dim 64's 64-query steps nor the split layout at 256."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    assert HopperBwdOptions().ds_split_barrier is False
+    with pytest.raises(ValueError, match=r"ds_split_barrier=1: expected a bool"):
+        DEFAULT.replace_path("hopper_bwd.ds_split_barrier", 1)
+    d64_64 = DS_SPLIT.replace_path("hopper_bwd.d64_block_m", 64)
+    d128_64 = DS_SPLIT.replace_path("hopper_bwd.d128_block_m", 64)
+    for spec, options, want in [
+        (small(128, "bf16", True), DS_SPLIT, True), (small(128, "fp16", False), d128_64, True),
+        (small(64, "bf16", False), DS_SPLIT, True), (small(64, "bf16", True), d64_64, False),
+        (small(256, "bf16", True), DS_SPLIT, False), (small(128, "bf16", True), DEFAULT, False),
+    ]:  # fmt: skip
+        ctx = reg_plan(spec, "sm_90", options).dkdv.context
+        assert ctx.ds_split_barrier is want, (spec.name, ctx.block_m)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ds_split_barrier_signals_issues_dk_then_waits_for_the_other_rows_before_dq(d):
+    """The step's order with the option: dS^T stored, fenced, this warpgroup's barrier arrived
+    on; dK's wgmmas issued; the other warpgroup's barrier waited on; dQ issued; both waited
+    for before dQ goes to sDQ.  Without it: one barrier of both warpgroups, dQ before dK."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    spec = small(d, "bf16", True)
+    src = render(reg_plan(spec, "sm_90", DS_SPLIT).unit)
+    loop = src[src.index("for (int it = 0; it < steps(); ++it)"):]
+    order = ["fg::fence_proxy_async_smem();",
+             "fg::named_barrier_arrive(BAR_DS + 2 * (it % 2) + cg, MMA_THREADS);",
+             f"fg::wgmma_rs_n{d}(acc_dk, ds_frag[kk]",
+             "fg::named_barrier_sync(BAR_DS + 2 * (it % 2) + 1 - cg, MMA_THREADS);",
+             "(acc_dq, gdesc(", "fg::wgmma_wait<0>();  // dV, dK and dQ have landed",
+             "fg::named_barrier_sync(BAR_DQ_EMPTY + cg, DQ_BAR_THREADS);"]  # fmt: skip
+    at = [loop.index(s) for s in order]
+    assert at == sorted(at), list(zip(order, at, strict=True))
+    assert "both warpgroups' dS^T rows are in sDSi" not in loop
+    assert "constexpr int BAR_DS = BAR_STAGE_EMPTY + STAGES;" in src
+    off = render(reg_plan(spec, "sm_90").unit)
+    assert "BAR_DS" not in off and "both warpgroups' dS^T rows are in sDSi" in off
+    off_loop = off[off.index("for (int it = 0; it < steps(); ++it)"):]
+    assert off_loop.index("(acc_dq, gdesc(") < off_loop.index(f"wgmma_rs_n{d}(acc_dk")
+
+
+def _simulate_handoff(steps: int, parity: bool, seed: int) -> None:
+    """Two consumer warpgroups running the option's hand-off under a random interleaving, on a
+    model of named barriers as the hardware counts them (``bar.arrive`` adds 128 arrivals;
+    ``bar.sync`` adds 128 and blocks until the barrier's 256 have come, which completes the
+    phase and resets it).  Per step a warpgroup writes its half of sDS[it % 2], arrives on its
+    barrier, waits on the other's, reads both halves (dQ) and is done with them at the step's
+    end.  Raises AssertionError on a read of a half the other has not written this step, a
+    write into a half the other still reads, or a deadlock."""
+    import random
+
+    rng = random.Random(seed)
+    count: dict = {}  # barrier id -> arrivals in its current phase
+    phase: dict = {}  # barrier id -> completed phases
+    half = {}  # (buffer, warpgroup) -> the step whose dS^T rows it holds
+    reading = {0: None, 1: None}  # warpgroup -> the buffer its dQ reads (until its step ends)
+    state = [[0, 0, None] for _ in range(2)]  # per warpgroup: step, position, awaited phase
+
+    def bar(it: int, c: int) -> int:
+        return (2 * (it % 2) if parity else 0) + c
+
+    def arrive(b: int) -> int:
+        count[b] = count.get(b, 0) + 128
+        if count[b] == 256:
+            count[b] = 0
+            phase[b] = phase.get(b, 0) + 1
+            return phase[b]
+        return phase.get(b, 0) + 1  # the phase this arrival belongs to
+
+    while any(st[0] < steps for st in state):
+        live = [c for c in (0, 1) if state[c][0] < steps]
+        runnable = [c for c in live if state[c][1] != 3
+                    or phase.get(bar(state[c][0], 1 - c), 0) >= state[c][2]]  # fmt: skip
+        assert runnable, "deadlock"
+        c = rng.choice(runnable)
+        it, pos, _ = state[c]
+        buf = it % 2
+        if pos == 0:  # store this warpgroup's dS^T rows
+            assert reading[1 - c] != buf, "a write into the half the other warpgroup reads"
+            half[(buf, c)] = it
+            state[c][1] = 1
+        elif pos == 1:  # bar.arrive on its own barrier
+            arrive(bar(it, c))
+            state[c][1] = 2
+        elif pos == 2:  # (dK issued) bar.sync on the other's: counts in, then blocks
+            state[c][2] = arrive(bar(it, 1 - c))
+            state[c][1] = 3
+        elif pos == 3:  # the wait is over: dQ reads both halves
+            assert half.get((buf, 1 - c)) == it, "dQ read the other warpgroup's stale rows"
+            reading[c] = buf
+            state[c][1] = 4
+        else:  # wgmma_wait<0>: done with the buffer; next step
+            reading[c] = None
+            state[c] = [it + 1, 0, None]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ds_handoff_by_parity_barriers_orders_every_interleaving(seed):
+    """The option's protocol (a barrier per warpgroup and step parity, two sDS buffers) under
+    random interleavings: each dQ reads the other warpgroup's rows of its own step, no half is
+    overwritten while read, no deadlock.  With one barrier per warpgroup instead of two, a
+    warpgroup a step ahead arrives into a phase the other has not waited on, which the model
+    catches for some interleaving."""
+    _simulate_handoff(40, parity=True, seed=seed)
+    broken = 0
+    for s in range(200):
+        try:
+            _simulate_handoff(40, parity=False, seed=1000 * seed + s)
+        except AssertionError:
+            broken += 1
+    assert broken > 0
+
+
+@pytest.mark.parametrize("name, options", [
+    ("causal_d128", DS_SPLIT), ("gpt2_d64", DS_SPLIT),
+    ("document_mask", DS_SPLIT.replace_path("hopper_bwd.masked_80", False)),
+])  # fmt: skip
+def test_ds_split_barrier_compiles_without_spills(requires_nvcc, name, options):
+    """80-query steps (causal_d128), 128-query steps at head_dim 64, 64-query steps under a
+    block table: spill-free, one ``BAR.ARV`` more than the unit without the option."""
+    import re
+
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped(name), "sm_90", options)
+    assert plan.dkdv.context.ds_split_barrier
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+    base = reg_plan(shipped(name), "sm_90", options.replace_path("hopper_bwd.ds_split_barrier",
+                                                                 False))  # fmt: skip
+    cache.get_or_build(render(base.unit), base.unit)
+
+    def arrivals(p) -> int:
+        code = sass(p.unit)
+        code = code[code.index(f"Function : {p.dkdv.kernel_name}"):]
+        return len(re.findall(r"\bBAR\.ARV\b", code.split("Function :")[1]))
+
+    assert arrivals(plan) == arrivals(base) + 1
