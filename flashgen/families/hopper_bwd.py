@@ -153,6 +153,15 @@ class Options:
     acc_dq goes to sDQ while dK runs.  No effect on head_dim 256 (its warpgroups split the
     head dim) or on head_dim 64's 64-query steps (each warpgroup reads only its own rows).
 
+    ``stagger_steps`` (off by default, until run on a GPU): each CTA walks its hull of query
+    blocks (per query head of its group) starting at position ``n_block % per_head`` and
+    wrapping around (``fg::staggered``, templates/common/sm90_bwd.cuh), instead of from the
+    hull's first block: with no mask every key block's CTA of a head otherwise loads the same
+    Q / dO tile and reduces into the same dq_accum tile at the same time (a causal mask
+    staggers them by its diagonal already).  Not with ``ordered_dq`` (its writers take their
+    turns in key-block order per query block) nor with param gradients (their flushes follow
+    the step order).
+
     ``ordered_80`` (off by default, until run on a GPU): the ordered form at head_dim 128
     takes ``d128_block_m``'s 80-query steps too (its dQ writer waits its turn per 80-row
     query block; the semaphores count 80-row blocks), instead of 64-query ones.
@@ -189,6 +198,7 @@ class Options:
     ordered_80: bool = False
     ordered_masks: bool = False
     ds_split_barrier: bool = False
+    stagger_steps: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -244,6 +254,8 @@ class Context(BackwardContext):
     dparam_affine: list
     # ds_split_barrier: the dS^T hand-off by arrive / wait per warpgroup, dK issued before dQ
     ds_split_barrier: bool
+    # stagger_steps: each CTA's walk over its hull starts at a position set by its key block
+    stagger_steps: bool
     stages: int
     producer_regs: int
     consumer_regs: int
@@ -594,6 +606,7 @@ def plan(
         # both warpgroups read each other's dS^T rows for dQ at head_dim 128 and at 64's 128-query
         # steps (DQ_ALL_KEYS / DQ_SPLIT_ROWS)
         ds_split_barrier=options.ds_split_barrier and not split_d and (d == 128 or block_m == 128),
+        stagger_steps=options.stagger_steps and not ordered_dq and not param_grads,
         stages=STAGES,
         producer_regs=PRODUCER_REGS,
         consumer_regs=CONSUMER_REGS,

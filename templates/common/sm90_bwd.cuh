@@ -2,8 +2,17 @@
     copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
     the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
     Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t, ordered_dq,
-    ordered_hull). -#}
+    ordered_hull, stagger_steps). -#}
 namespace fg {
+{% if stagger_steps %}
+// Options.hopper_bwd.stagger_steps: the hull position a CTA's j-th step of a head visits, j rotated by its key block,
+// so the key blocks of one head load and reduce into different query blocks at a time (under no mask they would all
+// walk the hull from its first block together).
+__device__ __forceinline__ int staggered(int j, int n_block, int per_head) {
+    const int r = j + n_block % per_head;
+    return r >= per_head ? r - per_head : r;
+}
+{% endif %}
 // fence.proxy.async: this thread's generic-proxy shared-memory writes become visible to the async proxy
 // (wgmma operand reads) after the next barrier.
 __device__ __forceinline__ void fence_proxy_async_smem() {

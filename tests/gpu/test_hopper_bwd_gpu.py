@@ -167,7 +167,8 @@ def softcap_spec():
 
 #: Fixtures that build their tests' kernels with other options than the defaults.
 OPTION_FIXTURES = {"block_m128", "block_m64", "queries_split", "bwd_exp2_poly", "tensor_masks",
-                   "masked_80", "int_classifier", "ds_split_barrier"}
+                   "masked_80", "int_classifier", "ds_split_barrier",
+                   "stagger_steps"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -807,3 +808,36 @@ def test_ds_split_barrier_ordered_dq_is_bitwise_reproducible(d):
     for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
         err = (ours.double() - r64).abs().max().item()
         assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
+
+
+# ------------------------- steps staggered by key block (stagger_steps)
+@pytest.fixture
+def stagger_steps(monkeypatch):
+    """``hopper_bwd.stagger_steps``: each CTA walks its hull of query blocks from a position set
+    by its key block, wrapping around."""
+    return gpu_options.use(monkeypatch, {"hopper_bwd.stagger_steps": True})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_stagger_steps_lengths_gqa(stagger_steps, d, causal):
+    """Every head dim's layout, every SHAPES length (GQA groups walk one rotated hull per query
+    head; Sq != Sk either way)."""
+    spec = hb_spec(d, "bf16", causal)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        check(spec, b, hq, hkv, sq, sk, seed=2200 + i)
+
+
+@pytest.mark.parametrize("name", ["mistral_swa", "prefix_lm", "document_mask", "alibi",
+                                  "gpt_oss_sink", "spec_tree"])  # fmt: skip
+def test_stagger_steps_masks_and_score_mods(stagger_steps, name):
+    """Hulls from the tile classifier (mistral_swa, prefix_lm) and from a block table
+    (document_mask, spec_tree), a score_mod, a sink."""
+    spec = shipped(name)
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES[1:6]):
+        params = None
+        if name == "spec_tree":
+            params = {"ancestors": _draft_tree(b, sq, seed=sq + 5)}
+        elif name == "mistral_swa":
+            params = {"window": 300}
+        check(spec, b, hq, hkv, sq, sk, seed=2250 + i, params=params)

@@ -1783,3 +1783,88 @@ def test_ds_split_barrier_compiles_without_spills(requires_nvcc, name, options):
         return len(re.findall(r"\bBAR\.ARV\b", code.split("Function :")[1]))
 
     assert arrivals(plan) == arrivals(base) + 1
+
+
+# ------------------------- steps staggered by key block (hopper_bwd.stagger_steps)
+STAGGER = DEFAULT.replace_path("hopper_bwd.stagger_steps", True)
+
+
+def test_stagger_steps_is_off_by_default_and_not_taken_by_ordered_or_param_grad_units():
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    assert HopperBwdOptions().stagger_steps is False
+    with pytest.raises(ValueError, match=r"stagger_steps=1: expected a bool"):
+        DEFAULT.replace_path("hopper_bwd.stagger_steps", 1)
+    for d in (64, 128, 256):
+        assert reg_plan(small(d, "bf16", False), "sm_90", STAGGER).dkdv.context.stagger_steps
+        assert not reg_plan(small(d, "bf16", False), "sm_90").dkdv.context.stagger_steps
+    ordered = reg_plan(small(128, "bf16", True), "sm_90", STAGGER, ordered_dq=True)
+    trained = reg_plan(shipped("alibi"), "sm_90", STAGGER, param_grads=("slopes",))
+    assert not ordered.dkdv.context.stagger_steps and not trained.dkdv.context.stagger_steps
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_stagger_steps_rotates_the_producer_writer_and_consumer_blocks_alike(d):
+    """Every role computes step i's query block with the same rotated formula (the producer's
+    loads, the dQ writer's reductions and the consumers' tiles must agree)."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    src = render(reg_plan(small(d, "bf16", False), "sm_90", STAGGER).unit)
+    want = "(m_first + fg::staggered({} % per_head, n0 / BLOCK_N, per_head)) * BLOCK_M"
+    assert src.count(want.format("i")) == (1 if d == 256 else 2)  # producer (+ the dQ writer)
+    assert src.count(want.format("it")) == 1  # the consumers
+    assert "% per_head) * BLOCK_M" not in src.replace(want.format("i"), "").replace(
+        want.format("it"), "")
+    assert "__device__ __forceinline__ int staggered(" in src
+    assert "staggered" not in render(reg_plan(small(d, "bf16", False), "sm_90").unit)
+
+
+def test_staggered_steps_visit_each_block_of_the_hull_once_per_head(cxx_exe):
+    """``fg::staggered`` as rendered, run on the host over hulls of 1 to 300 blocks and key
+    blocks 0 to 600: each CTA's steps visit every block of its hull once per query head, and
+    at any step the CTAs of consecutive key blocks are at different blocks."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    src = render(reg_plan(small(128, "bf16", False), "sm_90", STAGGER).unit)
+    start = src.index("__device__ __forceinline__ int staggered(")
+    helper = src[start:src.index("\n}\n", start) + 3]
+    program = (
+        "#include <cstdio>\n#include <vector>\n#define __device__\n#define __forceinline__ inline\n"
+        f"namespace fg {{\n{helper}}}\n"
+        """int main() {
+    long checked = 0;
+    for (int per_head = 1; per_head <= 300; per_head += (per_head < 40 ? 1 : 37))
+        for (int n = 0; n <= 600; ++n) {
+            std::vector<int> seen(per_head, 0);
+            for (int j = 0; j < per_head; ++j) {
+                const int r = fg::staggered(j, n, per_head);
+                if (r < 0 || r >= per_head || seen[r]++) {
+                    std::printf("bad %d %d %d\\n", per_head, n, j);
+                    return 1;
+                }
+                // at step j, the CTAs of key blocks n and n + 1 are at different blocks
+                if (per_head > 1 && fg::staggered(j, n + 1, per_head) == r) {
+                    std::printf("same %d %d %d\\n", per_head, n, j);
+                    return 1;
+                }
+                ++checked;
+            }
+        }
+    std::printf("checked %ld\\n", checked);
+    return 0;
+}
+"""
+    )
+    out = subprocess.run([str(cxx_exe(program, "staggered"))], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+    assert int(out.stdout.split()[1]) > 10_000
+
+
+@pytest.mark.parametrize("name", ["causal_d128", "gpt2_d64", "bidir_d256", "prefix_lm"])
+def test_stagger_steps_compiles_without_spills(requires_nvcc, name):
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(shipped(name), "sm_90", STAGGER)
+    assert plan.dkdv.context.stagger_steps
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
