@@ -133,13 +133,18 @@ def apply_sink(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.
     every row; or lse's rank, broadcastable to it (``[B, H, 1]``; per row ``[H, total_q]``
     for the varlen layout, whose o ``[total_q, H, Dv]`` goes in as ``o.transpose(0, 1)``).
     Differentiable in all three.  Raises :class:`OpInputError` naming the argument for one
-    that is not a tensor, an lse whose shape is not o's without its last dim, and a sink
-    whose shape fits none of these."""
+    that is not a tensor or not floating-point, an lse whose shape is not o's without its
+    last dim, and a sink whose shape fits none of these."""
     from flashgen.frontend.errors import OpInputError
 
     for name, t in (("o", o), ("lse", lse), ("sink", sink)):
         if not isinstance(t, torch.Tensor):
             raise OpInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise OpInputError(
+                f"{name}: expected a floating-point tensor (the sink is a logit, in the units "
+                f"of the scaled scores), got dtype {t.dtype}"
+            )
     if o.dim() < 1 or lse.shape != o.shape[:-1]:
         raise OpInputError(
             f"lse: expected shape {list(o.shape[:-1])} (o's without its last dim), got "

@@ -274,6 +274,19 @@ def test_apply_sink_takes_the_params_own_shape_whatever_the_row_count():
             apply_sink(o, lse, torch.randn(3))
 
 
+def test_apply_sink_refuses_an_integer_tensor_naming_it():
+    """An int32 sink (a logit rounded by mistake, or an index tensor passed in its place) was
+    taken and cast: it must be a float like the scores it joins."""
+    from flashgen.frontend.errors import OpInputError
+
+    o, lse = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5)
+    with pytest.raises(OpInputError, match=r"sink: expected a floating-point tensor .* got "
+                       r"dtype torch\.int32"):  # fmt: skip
+        apply_sink(o, lse, torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(OpInputError, match=r"lse: expected a floating-point tensor"):
+        apply_sink(o, lse.to(torch.int64), torch.zeros(4))
+
+
 def test_apply_sink_refuses_an_o_and_lse_that_do_not_pair_naming_them():
     """``apply_sink`` checked only the sink's shape: a varlen result as the op returns it (o
     ``[total_q, H, Dv]``, lse ``[H, total_q]``) died in torch's broadcast ("The size of tensor
