@@ -136,7 +136,7 @@ def build_backward(
     if hopper and param_grads and not dparam.hopper_forms_ok(spec, param_grads, diagonal):
         hopper = False
     if hopper:
-        for o in _hopper_backward_candidates(spec, options):
+        for o in _hopper_backward_candidates(spec, options, param_grads):
             plan = registry.plan_hopper_backward(
                 spec, target, o, ordered_dq=ordered_dq, param_grads=param_grads, sink=sink
             )
@@ -167,19 +167,24 @@ def build_backward(
     return plan, cubin, report
 
 
-def _hopper_backward_candidates(spec, options: Options) -> list[Options]:
+def _hopper_backward_candidates(
+    spec, options: Options, param_grads: tuple[str, ...] = ()
+) -> list[Options]:
     """The Hopper backward's options to try in order: ``options``, then with 64-query steps
     at head_dim 64 (``hopper_bwd.d64_block_m``: the 128-query steps hold S^T and dP^T of 128
     queries in registers, which a score_mod reading a table can push past the consumers'
     240) and at head_dim 128 (``hopper_bwd.d128_block_m``: likewise the 80-query steps);
-    with ``hopper_bwd.dparam_affine``, then each of those without it."""
+    with ``hopper_bwd.dparam_affine`` and ``param_grads`` it takes
+    (:func:`flashgen.codegen.dparam.affine_fields`), then each of those without it (a unit
+    the option does not shape is not tried twice)."""
     out = [options]
     hb = options.hopper_bwd
     if spec.head_dim == 64 and hb.d64_block_m != 64:
         out.append(replace(options, hopper_bwd=replace(hb, d64_block_m=64)))
     if spec.head_dim == 128 and hb.d128_block_m != 64:
         out.append(replace(options, hopper_bwd=replace(hb, d128_block_m=64)))
-    if hb.dparam_affine:  # then each without it (the per-pair form in the P^T pass)
+    if hb.dparam_affine and param_grads and dparam.affine_fields(spec, param_grads):
+        # then each without it (the per-pair form in the P^T pass)
         out += [replace(o, hopper_bwd=replace(o.hopper_bwd, dparam_affine=False)) for o in out]
     return out
 

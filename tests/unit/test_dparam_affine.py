@@ -147,8 +147,13 @@ def test_the_option_keeps_the_other_forms_and_deterministic_calls_as_they_were()
 def test_the_build_tries_the_affine_steps_then_the_per_pair_form():
     alibi = load_spec(REPO / "specs" / "alibi.yaml")
     got = [(o.hopper_bwd.d128_block_m, o.hopper_bwd.dparam_affine)
-           for o in _hopper_backward_candidates(alibi, AFFINE)]  # fmt: skip
+           for o in _hopper_backward_candidates(alibi, AFFINE, ("slopes",))]  # fmt: skip
     assert got == [(80, True), (64, True), (80, False), (64, False)]
+    # a unit the option does not shape (no param gradients, or a term it does not take) is
+    # not tried twice
+    assert len(_hopper_backward_candidates(alibi, AFFINE)) == 2
+    learned = load_spec(REPO / "specs" / "alibi_learned.yaml")
+    assert len(_hopper_backward_candidates(learned, AFFINE, ("slopes",))) == 2
     assert [o.hopper_bwd.dparam_affine for o in _hopper_backward_candidates(alibi, DEFAULT)] == [
         False, False]  # fmt: skip
 
