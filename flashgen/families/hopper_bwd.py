@@ -500,7 +500,7 @@ def plan(
     dq_swap = (
         d == 128 and options.d128_block_m == 80
         and (spec.mask is None or isinstance(spec.mask, Causal) or options.masked_80)
-        and (not param_grads or affine)
+        and (not param_grads or bool(affine))
         and (not ordered_dq or options.ordered_80)
     )  # fmt: skip
     if dq_swap:

@@ -1803,6 +1803,19 @@ def test_stagger_steps_is_off_by_default_and_not_taken_by_ordered_or_param_grad_
     assert not ordered.dkdv.context.stagger_steps and not trained.dkdv.context.stagger_steps
 
 
+def test_a_staggered_ordered_unit_does_not_compile():
+    """The template's own guard behind the plan's exclusion: a context with stagger_steps and
+    the ordered form (or param gradients, whose flushes follow the hull's order) renders an
+    ``#error``."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    plan = reg_plan(small(128, "bf16", True), "sm_90", ordered_dq=True)
+    unit = plan.unit
+    bad = dataclasses.replace(unit, context=dataclasses.replace(unit.context, stagger_steps=True))
+    assert '#error "stagger_steps with param-gradient or ordered steps' in render(bad)
+    assert "#error" not in render(unit)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_stagger_steps_rotates_the_producer_writer_and_consumer_blocks_alike(d):
     """Every role computes step i's query block with the same rotated formula (the producer's
