@@ -162,6 +162,18 @@ class Options:
     turns in key-block order per query block) nor with param gradients (their flushes follow
     the step order).
 
+    ``ordered_descending`` (off by default, until run on a GPU): the ordered form adds into
+    each query block from the last key block that sees it down to the first (FlashAttention-3's
+    shortest-processing-time order for its deterministic backward), and the CTAs launch in
+    descending key-block order so that no CTA waits for one launched after it.  A CTA walks its
+    query blocks upwards from its first; under causal (or a band mask) the later key blocks
+    reach a query block earlier in their own walks, so a turn is usually ready when asked for,
+    where in ascending order key block n waits about n steps for key block 0 to get there
+    (perf-notes row 125: a host model of the turns).  Every form of the ordered dQ: the prefix
+    form's turn is ``fg::last_key_block(m0) - n_block`` (templates/common/sm90_bwd.cuh), the
+    hull form counts the later key blocks whose published hull holds the block, head_dim 256's
+    consumers wait for two counts per later key block.
+
     ``ordered_80`` (off by default, until run on a GPU): the ordered form at head_dim 128
     takes ``d128_block_m``'s 80-query steps too (its dQ writer waits its turn per 80-row
     query block; the semaphores count 80-row blocks), instead of 64-query ones.
@@ -199,6 +211,7 @@ class Options:
     ordered_masks: bool = False
     ds_split_barrier: bool = False
     stagger_steps: bool = False
+    ordered_descending: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "Options.hopper_bwd")
@@ -241,6 +254,9 @@ class Context(BackwardContext):
     ordered_dq: bool
     # ordered_dq under a residual mask (ordered_masks): turns counted over published hulls
     ordered_hull: bool
+    # ordered_dq from the last key block down, the last key block's CTA launched first
+    # (ordered_descending)
+    ordered_desc: bool
     exp2_poly: int  # sixteenths of P^T's query tiles by fg::exp2_poly (0: none), the fewest
     dq_rows_split: bool
     pg_frag: bool
@@ -591,6 +607,7 @@ def plan(
         bwd_tile_group=tile_group_expr(spec, backward=True) if options.head_groups else "1",
         ordered_dq=ordered_dq,
         ordered_hull=ordered_hull,
+        ordered_desc=ordered_dq and options.ordered_descending,
         dq_rows_split=d == 64 and block_m == 128,
         dq_swap=dq_swap,
         ts_ns=[block_m] if dq_swap else [],  # N of dQ^T's wgmma (A transposed, B not)

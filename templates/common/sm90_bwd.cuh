@@ -2,8 +2,19 @@
     copies that an mbarrier tracks, TMA reductions and bulk async-groups, the vector reduction into dq_accum,
     the wgmma forms with a transposed A, and the stores of 16-bit A fragments to swizzled shared memory.
     Rendered by Jinja (tt_ns, split_d, dq_rows_split, dkv_n, mma_t, ordered_dq,
-    ordered_hull, stagger_steps). -#}
+    ordered_hull, ordered_desc, stagger_steps). -#}
 namespace fg {
+{% if ordered_desc and not ordered_hull %}
+// Options.hopper_bwd.ordered_descending, no mask or causal: the last key block that sees query block [m0, m0 + BLOCK_M)
+// (causal is bottom-right aligned: kv_idx <= q_idx + seqlen_k - seqlen_q), whose CTA adds into it first.  Called only
+// for a block some key block sees, so the causal bound is not negative.
+template <int BLOCK_M, int BLOCK_N, bool CAUSAL>
+__device__ __forceinline__ int last_key_block(int m0, int seqlen_q, int seqlen_k) {
+    const int n_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    if (!CAUSAL) return n_blocks - 1;
+    return min(n_blocks - 1, (min(m0 + BLOCK_M, seqlen_q) - 1 + seqlen_k - seqlen_q) / BLOCK_N);
+}
+{% endif %}
 {% if stagger_steps %}
 // Options.hopper_bwd.stagger_steps: the hull position a CTA's j-th step of a head visits, j rotated by its key block,
 // so the key blocks of one head load and reduce into different query blocks at a time (under no mask they would all

@@ -1881,3 +1881,115 @@ def test_stagger_steps_compiles_without_spills(requires_nvcc, name):
     assert plan.dkdv.context.stagger_steps
     _, report = cache.get_or_build(render(plan.unit), plan.unit)
     assert report.spill_bytes == 0 and not report.wgmma_serialized, report
+
+
+# ------------------------- ordered dQ from the last key block down (hopper_bwd.ordered_descending)
+def _simulate_descending(hulls, heads: int, slots: int, seed: int, turns_descending: bool = True):
+    """The ordered dQ's writers with at most ``slots`` CTAs resident, launched in the order the
+    kernel's coordinates give them (ordered_descending: the last key block first): key block n
+    walks (head, query block m) for m in its hull, waiting until the (head, m) semaphore equals
+    its turn (the count of later key blocks whose hull holds m, or with ``turns_descending``
+    False the earlier ones'), then adds; a CTA leaves its slot after its last add.  Returns
+    each (head, m)'s adders in order; raises AssertionError on a deadlock."""
+    import random
+
+    rng = random.Random(seed)
+    n_blocks = len(hulls)
+    order = list(range(n_blocks - 1, -1, -1))
+    steps = {n: [(h, m) for h in range(heads) for m in range(*hulls[n])] for n in range(n_blocks)}
+    pos = dict.fromkeys(range(n_blocks), 0)
+    resident, launched = [], 0
+    sem: dict = {}
+    adds: dict = {}
+
+    def turn(n, m):
+        others = range(n + 1, n_blocks) if turns_descending else range(n)
+        return sum(hulls[j][0] <= m < hulls[j][1] for j in others)
+
+    while launched < n_blocks or resident:
+        while len(resident) < slots and launched < n_blocks:
+            resident.append(order[launched])
+            launched += 1
+        done = [n for n in resident if pos[n] == len(steps[n])]
+        for n in done:
+            resident.remove(n)
+        if done:
+            continue
+        ready = [n for n in resident
+                 if sem.get(steps[n][pos[n]], 0) == turn(n, steps[n][pos[n]][1])]  # fmt: skip
+        assert ready, "deadlock"
+        n = rng.choice(ready)
+        key = steps[n][pos[n]]
+        adds.setdefault(key, []).append(n)
+        sem[key] = sem.get(key, 0) + 1
+        pos[n] += 1
+    return adds
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_descending_turns_add_from_the_last_key_block_without_deadlock(seed):
+    """Causal hulls (key block n sees query blocks n ..), band hulls (a window) and random ones,
+    with fewer resident CTAs than key blocks: each query block's adders come in descending
+    key-block order, each once, and no interleaving deadlocks, because a CTA waits only for
+    key blocks launched before it.  Ascending turns under the descending launch deadlock once
+    the key blocks outnumber the slots (the launch order is part of the protocol)."""
+    import random
+
+    rng = random.Random(200 + seed)
+    nb = 24
+    causal = [(n, nb) for n in range(nb)]
+    band = [(n, min(nb, n + 5)) for n in range(nb)]
+    rand = []
+    for _ in range(nb):
+        lo = rng.randrange(nb + 1)
+        rand.append((lo, lo if rng.random() < 0.15 else rng.randrange(lo, nb + 1)))
+    for hulls in (causal, band, rand):
+        adds = _simulate_descending(hulls, heads=2, slots=7, seed=seed)
+        for h in range(2):
+            for m in range(nb):
+                want = [n for n in range(nb - 1, -1, -1) if hulls[n][0] <= m < hulls[n][1]]
+                assert adds.get((h, m), []) == want
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate_descending(causal, heads=1, slots=7, seed=seed, turns_descending=False)
+
+
+def test_ordered_descending_renders_the_reversed_launch_and_turns():
+    """The prefix form's writer waits for ``last_key_block(m0) - n_block``, the CTAs take key
+    block ``n_blocks - 1 - n_rank``, head_dim 256's consumers wait for two counts per later key
+    block, and the hull form counts the later key blocks' hulls; off, the units are unchanged."""
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    desc = DEFAULT.replace_path("hopper_bwd.ordered_descending", True)
+    turn = ("(fg::last_key_block<BLOCK_M, BLOCK_N, IS_CAUSAL>(m0, seqlen_q, seqlen_k)"
+            " - n0 / BLOCK_N)")
+    src = render(reg_plan(small(128, "bf16", True), "sm_90", desc, ordered_dq=True).unit)
+    assert "const int n_block = n_blocks - 1 - n_rank;" in src
+    assert f"while (fg::ld_acquire_gpu(sem) != {turn}) {{}}" in src
+    assert f"fg::st_release_gpu(sem, {turn} + 1);" in src
+    d256 = desc.replace_path("hopper_bwd.ordered_d256", True)
+    src = render(reg_plan(small(256, "bf16", True), "sm_90", d256, ordered_dq=True).unit)
+    assert f"while (fg::ld_acquire_gpu(sem) < 2 * {turn}) {{}}" in src
+    masks = desc.replace_path("hopper_bwd.ordered_masks", True)
+    src = render(reg_plan(shipped("mistral_swa"), "sm_90", masks, ordered_dq=True).unit)
+    assert "for (int j0 = n0 / BLOCK_N + 1; j0 < j_end; j0 += 32) {" in src
+    assert "last_key_block" not in src
+    plain = reg_plan(small(128, "bf16", True), "sm_90", ordered_dq=True)
+    assert not plain.dkdv.context.ordered_desc and "n_rank" not in render(plain.unit)
+    assert not reg_plan(small(128, "bf16", True), "sm_90", desc).dkdv.context.ordered_desc
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("causal_d128", {"hopper_bwd.ordered_80": True}), ("gpt2_d64", {}),
+    ("bidir_d256", {"hopper_bwd.ordered_d256": True}),
+    ("mistral_swa", {"hopper_bwd.ordered_masks": True}),
+])  # fmt: skip
+def test_ordered_descending_compiles_without_spills(requires_nvcc, name, extra):
+    from flashgen.families.registry import plan_hopper_backward as reg_plan
+
+    options = DEFAULT.replace_path("hopper_bwd.ordered_descending", True)
+    for path, value in extra.items():
+        options = options.replace_path(path, value)
+    plan = reg_plan(shipped(name), "sm_90", options, ordered_dq=True)
+    assert plan.dkdv.context.ordered_desc
+    _, report = cache.get_or_build(render(plan.unit), plan.unit)
+    assert report.spill_bytes == 0 and not report.wgmma_serialized, report
