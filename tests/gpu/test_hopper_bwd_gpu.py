@@ -284,6 +284,22 @@ def repeated_backward(op, spec, shape, deterministic, *, seed, runs=5):
     return q, k, v, do, grads
 
 
+def ordered_backward(op, spec, shape, *, seed):
+    """:func:`repeated_backward` with ``deterministic=True``, checked: dq, dk, dv bitwise equal
+    over the runs, none NaN, each within the 2x rule of the float64 reference.  Returns the
+    ordered unit's plan."""
+    q, k, v, do, grads = repeated_backward(op, spec, shape, True, seed=seed)
+    for g in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
+    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
+    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
+    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
+        assert not ours.isnan().any(), name
+        err = (ours.double() - r64).abs().max().item()
+        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
+    return op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_dk_dv_reproducible_dq_close(d):
     """dk, dv bitwise equal run to run (one owner per element); dq within fp32 reordering."""
@@ -317,18 +333,10 @@ def test_ordered_dq_is_bitwise_reproducible_and_accurate(d, block_m, causal):
     spec = hb_spec(d, "bf16", causal)
     opts = {"hopper_bwd.ordered_dq": True, "hopper_bwd.ordered_80": block_m == 80}
     op = gpu_options.build(spec, gpu_options.options(opts))
-    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=13)
-    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    plan = ordered_backward(op, spec, ORDERED_SHAPE, seed=13)
     assert more_ctas_than_sms(plan, ORDERED_SHAPE)
     if d == 128:
         assert plan.dkdv.context["block_m"] == block_m
-    for g in grads[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
-    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
-    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
-    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
-        err = (ours.double() - r64).abs().max().item()
-        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
 
@@ -349,17 +357,8 @@ def test_ordered_d256_is_bitwise_reproducible_and_accurate(name, shape):
         spec = hb_spec(256, dtype, mask == "causal")
     assert spec.head_dim == 256
     op = gpu_options.build(spec, gpu_options.options({"hopper_bwd.ordered_d256": True}))
-    q, k, v, do, grads = repeated_backward(op, spec, shape, True, seed=29)
-    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    plan = ordered_backward(op, spec, shape, seed=29)
     assert plan.dkdv.context["split_d"]
-    for g in grads[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
-    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
-    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
-    for gname, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
-        assert not ours.isnan().any(), gname
-        err = (ours.double() - r64).abs().max().item()
-        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (gname, err)
 
 
 @pytest.mark.parametrize(
@@ -473,16 +472,8 @@ def test_d64_block_m128_ordered_dq(causal):
     spec = hb_spec(64, "bf16", causal)
     opts = gpu_options.options({"hopper_bwd.ordered_dq": True, "hopper_bwd.d64_block_m": 128})
     op = gpu_options.build(spec, opts)
-    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=23)
-    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    plan = ordered_backward(op, spec, ORDERED_SHAPE, seed=23)
     assert plan.dkdv.context["block_m"] == 128
-    for g in grads[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
-    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
-    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
-    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
-        err = (ours.double() - r64).abs().max().item()
-        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
 # ------------------------------- head dim 128 with 64-query steps on unmasked and causal specs
@@ -798,16 +789,8 @@ def test_ds_split_barrier_ordered_dq_is_bitwise_reproducible(d):
     five runs with more key blocks than one wave of CTAs."""
     spec = hb_spec(d, "bf16", True)
     op = gpu_options.build(spec, gpu_options.options({"hopper_bwd.ds_split_barrier": True}))
-    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=2190)
-    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    plan = ordered_backward(op, spec, ORDERED_SHAPE, seed=2190)
     assert plan.dkdv.context["ds_split_barrier"]
-    for g in grads[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
-    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
-    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
-    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
-        err = (ours.double() - r64).abs().max().item()
-        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
 # ------------------------- steps staggered by key block (stagger_steps)
@@ -857,17 +840,8 @@ def test_ordered_descending_is_bitwise_reproducible_and_accurate(d, opts, causal
     runs with more key blocks than one wave of CTAs (GQA, Sq != Sk), within the 2x rule."""
     spec = hb_spec(d, "bf16", causal)
     op = gpu_options.build(spec, gpu_options.options({**DESC, **opts}))
-    q, k, v, do, grads = repeated_backward(op, spec, ORDERED_SHAPE, True, seed=2300 + d)
-    plan = op.backward._kernels[(torch.cuda.current_device(), "hopper_ordered")][0]
+    plan = ordered_backward(op, spec, ORDERED_SHAPE, seed=2300 + d)
     assert plan.dkdv.context["ordered_desc"] and more_ctas_than_sms(plan, ORDERED_SHAPE)
-    for g in grads[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(g, grads[0], strict=True))
-    ref64 = ref_grads(spec, q, k, v, do, {}, torch.float64)
-    low = ref_grads(spec, q, k, v, do, {}, q.dtype)
-    for name, ours, r64, rlow in zip("qkv", grads[0], ref64, low, strict=True):
-        assert not ours.isnan().any(), name
-        err = (ours.double() - r64).abs().max().item()
-        assert err <= 2 * (rlow.double() - r64).abs().max().item() + 1e-3, (name, err)
 
 
 @pytest.mark.parametrize(
